@@ -1,0 +1,179 @@
+# kvcc top-level Makefile.
+#   make              build everything into build/ (kvcc, libkvrt.{a,so}, libkvpol.{a,so})
+#   make test         install missing Debian packages, build, run the whole suite (CI runs this)
+#   make test SAN=1   the same suite under ASan + UBSan (build tree build/san/)
+#   make demo         the main job on the embedded default model
+#   make fuzz         build the libFuzzer target (clang) and run it for FUZZ_SECONDS
+#   make bench        benchmarks (not tests)
+# Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
+
+CC       ?= cc
+NVCC     ?= nvcc
+CLANG    ?= clang
+OPT      ?= -O2
+SAN      ?= 0
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(shell command -v $(NVCC) 2>/dev/null))
+
+ifeq ($(SAN),1)
+  BUILD := build/san
+  SANFLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+  # CUDA's runtime and ASan's shadow memory do not mix; the sanitizer build is CPU-only.
+  USE_CUDA := 0
+else ifeq ($(SAN),0)
+  BUILD := build
+  SANFLAGS :=
+else
+  $(error SAN must be 0 or 1, got '$(SAN)')
+endif
+
+ifeq ($(origin USE_CUDA),undefined)
+  ifneq ($(shell command -v $(NVCC) 2>/dev/null),)
+    USE_CUDA := 1
+  else
+    USE_CUDA := 0
+  endif
+endif
+ifneq ($(filter-out 0 1,$(USE_CUDA)),)
+  $(error USE_CUDA must be 0 or 1, got '$(USE_CUDA)')
+endif
+
+ifeq ($(USE_CUDA),1)
+  $(info kvcc: CUDA backend ON ($(NVCC) from $(CUDA_HOME)); USE_CUDA=0 to disable)
+else
+  $(info kvcc: CUDA backend OFF (nvcc not found, USE_CUDA=0 or SAN=1); CPU backend only)
+endif
+
+WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wno-unused-parameter
+CPPFLAGS += -Iformats -Iruntime/include -Itests/golden -Iruntime -Icalib -Icompiler -I/usr/include/hdf5/serial -D_GNU_SOURCE
+CFLAGS   += -std=c11 $(OPT) -g $(WARN) -fPIC -fopenmp $(SANFLAGS)
+LDFLAGS  += -fopenmp $(SANFLAGS)
+HDF5_LIBS := -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5
+LIBS_FORMATS := -lzstd -lxxhash
+LIBS_BLAS    := -lopenblas -llapacke
+LIBS_JSON    := -lcjson
+NVCCFLAGS ?= -O2 -std=c++17 -Xcompiler -fPIC -Xcompiler -Wall \
+             -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
+             -gencode arch=compute_90,code=compute_90
+ifeq ($(USE_CUDA),1)
+  CPPFLAGS += -DKVRT_WITH_CUDA=1
+  LIBS_CUDA := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+else
+  LIBS_CUDA :=
+endif
+
+# ---------------------------------------------------------------- sources
+FORMATS_SRC  := $(wildcard formats/*.c)
+RUNTIME_SRC  := $(wildcard runtime/core/*.c runtime/cpu/*.c)
+CUDA_SRC     := $(if $(filter 1,$(USE_CUDA)),$(wildcard runtime/cuda/*.cu))
+CALIB_SRC    := $(wildcard calib/*.c)
+COMPILER_SRC := $(wildcard compiler/*.c compiler/passes/*.c)
+TEST_SRC     := $(wildcard tests/unit/*.c) tests/golden/cases.c
+BENCH_SRC    := $(wildcard bench/*.c)
+
+obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
+FORMATS_OBJ  := $(call obj,$(FORMATS_SRC))
+RUNTIME_OBJ  := $(call obj,$(RUNTIME_SRC)) $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CUDA_SRC))
+CALIB_OBJ    := $(call obj,$(CALIB_SRC))
+COMPILER_OBJ := $(call obj,$(COMPILER_SRC))
+TEST_OBJ     := $(call obj,$(TEST_SRC))
+
+LIBKVPOL_A := $(BUILD)/libkvpol.a
+LIBKVPOL_SO:= $(BUILD)/libkvpol.so
+LIBKVRT_A  := $(BUILD)/libkvrt.a
+LIBKVRT_SO := $(BUILD)/libkvrt.so
+LIBCALIB_A := $(BUILD)/libkvcalib.a
+KVCC       := $(BUILD)/kvcc
+TESTS      := $(BUILD)/tests/kvcc_tests
+FUZZ_REPLAY:= $(BUILD)/tests/fuzz_replay
+BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
+
+ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
+            $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
+
+.PHONY: all deps test check demo fuzz bench golden clean
+all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
+
+deps:
+	@bash scripts/install-deps.sh
+
+# ---------------------------------------------------------------- rules
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/obj/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+
+$(LIBKVPOL_A): $(FORMATS_OBJ)
+	@mkdir -p $(dir $@)
+	$(AR) rcs $@ $^
+$(LIBKVPOL_SO): $(FORMATS_OBJ)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_FORMATS)
+$(LIBKVRT_A): $(RUNTIME_OBJ)
+	@mkdir -p $(dir $@)
+	$(AR) rcs $@ $^
+$(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ)
+	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm
+$(LIBCALIB_A): $(CALIB_OBJ)
+	@mkdir -p $(dir $@)
+	$(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
+
+$(KVCC): $(COMPILER_OBJ) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+	$(CC) $(LDFLAGS) -o $@ $(COMPILER_OBJ) $(ALL_LIBS)
+
+$(TESTS): $(TEST_OBJ) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $(TEST_OBJ) $(ALL_LIBS) -lcriterion
+
+# The fuzz target's own source doubles as the replay driver's body.
+$(FUZZ_REPLAY): tests/fuzz/fuzz_kvpol.c tests/fuzz/replay.c $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ tests/fuzz/replay.c tests/fuzz/fuzz_kvpol.c $(LIBKVPOL_A) $(LIBS_FORMATS) $(LDFLAGS)
+
+$(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_LIBS) $(LDFLAGS)
+
+# ---------------------------------------------------------------- suites
+test: deps
+	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY)
+	@echo "== unit, golden and equivalence tests (Criterion)"
+	@KVCC_BUILD=$(BUILD) $(TESTS) --jobs 2
+	@echo "== fuzz corpus replay"
+	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
+	@echo "== CLI checks"
+	@KVCC=$(KVCC) bash tests/cli/run.sh
+	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
+
+check: all $(TESTS)
+	@KVCC_BUILD=$(BUILD) $(TESTS) --jobs 2
+
+demo: deps
+	@$(MAKE) --no-print-directory all
+	@KVCC=$(KVCC) bash scripts/demo.sh
+
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	@mkdir -p build/fuzz
+	$(CLANG) $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined \
+	  -o build/fuzz/fuzz_kvpol tests/fuzz/fuzz_kvpol.c $(FORMATS_SRC) $(LIBS_FORMATS)
+	@mkdir -p build/fuzz/corpus
+	build/fuzz/fuzz_kvpol -max_total_time=$(FUZZ_SECONDS) -max_len=65536 \
+	  build/fuzz/corpus tests/fuzz/corpus tests/golden/valid tests/golden/invalid
+
+bench: deps
+	@$(MAKE) --no-print-directory all $(BENCHES)
+	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
+
+# Regenerate the committed golden files (tests check that they still match the cases).
+golden: $(BUILD)/tests/gen_golden
+	$(BUILD)/tests/gen_golden tests/golden
+$(BUILD)/tests/gen_golden: tests/golden/gen.c tests/golden/cases.c $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -Itests/golden -o $@ tests/golden/gen.c tests/golden/cases.c $(LIBKVPOL_A) $(LIBS_FORMATS) $(LDFLAGS)
+
+clean:
+	rm -rf build
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
