@@ -270,6 +270,27 @@ static int parse_table(kvpol_file *f, const kvpol_open_opts *o, kvpol_error *err
 // section payloads: decode, checksum, item directory
 
 static int nonfinite_index(const uint8_t *d, int dtype, uint64_t count, uint64_t *where) {
+    if (dtype == KVPOL_DTYPE_F32) {
+        /* Fast scan (exponent all ones = NaN or Inf) in blocks; locate the element on a hit. */
+        const uint64_t B = 4096;
+        for (uint64_t b0 = 0; b0 < count; b0 += B) {
+            uint64_t n = count - b0 < B ? count - b0 : B;
+            uint32_t hit = 0;
+            for (uint64_t i = 0; i < n; i++) {
+                uint32_t u;
+                memcpy(&u, d + 4 * (b0 + i), 4);
+                hit |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
+            }
+            if (!hit) continue;
+            for (uint64_t i = 0; i < n; i++) {
+                if (!isfinite(kvpol_rdf32(d + 4 * (b0 + i)))) {
+                    *where = b0 + i;
+                    return 1;
+                }
+            }
+        }
+        return 0;
+    }
     for (uint64_t i = 0; i < count; i++) {
         double v;
         switch (dtype) {
