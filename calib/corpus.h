@@ -1,0 +1,98 @@
+/*
+ * corpus.h: calibration corpora, HDF5 schema v1 (docs/corpus-format.md). A writer used by
+ * `kvcc capture` and `kvcc synth`, and a streaming reader used by `kvcc compile` and `kvcc eval`
+ * that holds one (prompt, layer) at a time, validates shapes, dtypes, offsets and values, and
+ * refuses corpora that do not match the model asked for.
+ *
+ * defines: kvcc_corpus_create, kvcc_corpus_write_prompt, kvcc_corpus_write_layer,
+ *          kvcc_corpus_close_writer, kvcc_corpus_open, kvcc_corpus_prompt, kvcc_corpus_read_layer,
+ *          kvcc_corpus_close, kvcc_f32_to_f16
+ */
+#ifndef KVCC_CORPUS_H
+#define KVCC_CORPUS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVCC_CORPUS_SCHEMA 1
+#define KVCC_CORPUS_MAX_TOKENS (1u << 20)  /* per prompt: a hard cap before any allocation */
+#define KVCC_CORPUS_MAX_PROMPTS 1000000u
+
+typedef enum {
+    KVCC_CORPUS_OK = 0,
+    KVCC_CORPUS_ERR_ARG = -1,
+    KVCC_CORPUS_ERR_NOMEM = -2,
+    KVCC_CORPUS_ERR_IO = -3,        /* cannot open / not HDF5 / HDF5 call failed */
+    KVCC_CORPUS_ERR_SCHEMA = -4,    /* missing or wrong schema version / root attribute */
+    KVCC_CORPUS_ERR_MISSING = -5,   /* a dataset or group the schema requires is absent */
+    KVCC_CORPUS_ERR_SHAPE = -6,     /* a dataset's rank or dims differ from the expected */
+    KVCC_CORPUS_ERR_DTYPE = -7,     /* a dataset's type is not the one the schema allows */
+    KVCC_CORPUS_ERR_NONFINITE = -8, /* NaN or Inf in activations or log-probabilities */
+    KVCC_CORPUS_ERR_MODEL = -9,     /* the corpus was captured for another model */
+    KVCC_CORPUS_ERR_LINK = -10,     /* an external or soft link (refused) */
+    KVCC_CORPUS_ERR_RANGE = -11,    /* a count or offset outside its valid range */
+} kvcc_corpus_status;
+
+const char *kvcc_corpus_status_name(int status);
+
+/* The model a corpus was captured from (root attributes). */
+typedef struct {
+    char name[64];
+    uint32_t n_layers, n_heads, n_kv_heads, head_dim, vocab_size;
+    double rope_theta;
+    char rope_scaling[16];   /* "none", "linear", "llama3", "yarn" */
+    float rope_scaling_factor;
+} kvcc_corpus_model;
+
+typedef struct {
+    uint32_t n_prompts;
+    int dtype_f16;           /* 1: activations stored as f16; 0: f32 */
+    char tool[64];           /* "kvcc capture 0.1.0", "kvcc synth 0.1.0", "capture_hf.py" */
+    char options[512];
+} kvcc_corpus_info;
+
+/* One prompt: T = context_len + continuation_len tokens. */
+typedef struct {
+    uint32_t n_tokens;          /* T */
+    uint32_t context_len;
+    uint32_t continuation_len;
+    char source[128];           /* where the text came from, e.g. "moby-dick.txt@123456" */
+} kvcc_corpus_prompt_info;
+
+typedef struct kvcc_corpus kvcc_corpus;
+
+// ---------------------------------------------------------------- writer
+/* Create (truncate) path; written to a temp file beside it and renamed at close. */
+int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_model *m, int dtype_f16,
+                       const char *tool, const char *options, char *err, size_t errlen);
+/* Start prompt `index` (0, 1, 2, ... in order): tokens [T], next_logprob [T-1] with
+ * next_logprob[t] = log p(tokens[t+1] | tokens[0..t]). */
+int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p, const int32_t *tokens,
+                             const float *next_logprob);
+/* Layer l of the current prompt: q [T, H, d], k [T, Hkv, d], v [T, Hkv, d], post-RoPE, f32. */
+int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, const float *k, const float *v);
+/* Finish: root attribute n_prompts, close, rename into place. */
+int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen);
+
+// ---------------------------------------------------------------- reader
+/* Open read-only and validate the root. expect (optional): refuse a corpus of another model
+ * (every non-zero field of expect must match; name compared when non-empty). */
+int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect, char *err, size_t errlen);
+const kvcc_corpus_model *kvcc_corpus_get_model(const kvcc_corpus *c);
+const kvcc_corpus_info *kvcc_corpus_get_info(const kvcc_corpus *c);
+/* Prompt metadata; tokens [T] and next_logprob [T-1] are copied when the pointers are not NULL
+ * (caller-sized: T known from a first call with NULL buffers). */
+int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info, int32_t *tokens,
+                       float *next_logprob);
+/* One (prompt, layer), converted to f32 into caller buffers of T*H*d / T*Hkv*d floats
+ * (any pointer may be NULL to skip that tensor). Values are checked finite. */
+int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, float *q, float *k, float *v);
+/* The last error message of a reader or writer. */
+const char *kvcc_corpus_error(const kvcc_corpus *c);
+/* Close a reader, or abandon a writer (its temp file is removed). Accepts NULL. */
+void kvcc_corpus_close(kvcc_corpus *c);
+
+// ---------------------------------------------------------------- helpers
+uint16_t kvcc_f32_to_f16(float f);  /* round to nearest even; overflow to Inf */
+float kvcc_f16_to_f32(uint16_t h);
+#endif
