@@ -495,7 +495,7 @@ int kvpol_writer_to_memory(kvpol_writer *w, void **buf, size_t *len, kvpol_error
     if (!w || !buf || !len) return kvpol_fail(err, KVPOL_ERR_ARG, "kvpol writer: NULL argument");
     if (w->stream || w->in_section || w->failed)
         return kvpol_fail(err, KVPOL_ERR_STATE, "kvpol writer: to_memory needs a finished in-memory writer");
-    qsort(w->secs, w->n_secs, sizeof *w->secs, cmp_section_id);
+    if (w->n_secs > 1) qsort(w->secs, w->n_secs, sizeof *w->secs, cmp_section_id);
     uint8_t *head;
     size_t head_len;
     uint64_t file_size;

@@ -1,0 +1,289 @@
+/*
+ * ctx.c: backend contexts. Validates arguments once, then dispatches through a backend function
+ * table (core/backend.h): the CPU backend (defined here, ops in runtime/cpu/) always, the CUDA
+ * backend (runtime/cuda/cuda_backend.cu) when built with KVRT_WITH_CUDA.
+ * Callers: serving stacks, tests, the compiler's rollouts (CPU).
+ *
+ * defines: kvrt_has_cuda, kvrt_cuda_device_count, kvrt_ctx_create, kvrt_ctx_free, kvrt_ctx_info,
+ *          kvrt_ctx_last_error, kvrt_ctx_alloc, kvrt_ctx_dealloc, kvrt_ctx_upload,
+ *          kvrt_ctx_download, kvrt_ctx_sync, kvrt_softmax_rows
+ *
+ * A context is not thread-safe: one thread at a time (its last_err is shared state).
+ * This file never includes CUDA headers; the CUDA backend is reached through C entry points.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kvrt.h"
+#include "core/backend.h"
+
+// ----------------------------------------------------------------------------
+// CPU backend
+
+static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err) {
+    int n = opts->n_threads;
+    if (n == 0) {
+#ifdef _OPENMP
+        n = omp_get_max_threads();
+#else
+        n = 1;
+#endif
+    }
+    if (n < 1) n = 1;
+    ctx->n_threads = n;
+    ctx->device = KVRT_DEVICE_HOST;
+    ctx->device_id = 0;
+    memset(&ctx->info, 0, sizeof ctx->info);
+    ctx->info.backend = KVRT_BACKEND_CPU;
+    snprintf(ctx->info.name, sizeof ctx->info.name, "CPU (%d thread%s)", n, n == 1 ? "" : "s");
+    ctx->info.device_id = 0;
+    ctx->info.n_threads = n;
+    (void)err;
+    return KVRT_OK;
+}
+
+static void cpu_free(kvrt_ctx *ctx) { (void)ctx; }
+
+static int cpu_info(const kvrt_ctx *ctx, kvrt_device_info *out) {
+    *out = ctx->info;
+    return KVRT_OK;
+}
+
+static int cpu_alloc(kvrt_ctx *ctx, size_t bytes, void **out) {
+    void *p = NULL;
+    /* 64-byte alignment: a cache line, and what .kvpol tensors are aligned to. */
+    size_t rounded = (bytes + 63u) & ~(size_t)63u;
+    if (rounded < bytes || posix_memalign(&p, 64, rounded) != 0)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0,
+                            "kvrt_ctx_alloc: cannot allocate %zu bytes on the host", bytes);
+    *out = p;
+    return KVRT_OK;
+}
+
+static void cpu_dealloc(kvrt_ctx *ctx, void *p) {
+    (void)ctx;
+    free(p);
+}
+
+static int cpu_copy(kvrt_ctx *ctx, void *dst, const void *src, size_t bytes) {
+    (void)ctx;
+    memmove(dst, src, bytes);
+    return KVRT_OK;
+}
+
+static int cpu_sync(kvrt_ctx *ctx) {
+    (void)ctx;
+    return KVRT_OK;
+}
+
+static int cpu_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {
+    return kvrt_cpu_softmax_rows(x, y, scale, ctx->n_threads);
+}
+
+static const kvrt_backend_ops cpu_ops = {
+    .name = "cpu",
+    .init = cpu_init,
+    .free = cpu_free,
+    .info = cpu_info,
+    .alloc = cpu_alloc,
+    .dealloc = cpu_dealloc,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .sync = cpu_sync,
+    .softmax_rows = cpu_softmax_rows,
+};
+
+// ----------------------------------------------------------------------------
+// CUDA backend table (entry points live in runtime/cuda/cuda_backend.cu)
+
+#if defined(KVRT_WITH_CUDA)
+static const kvrt_backend_ops cuda_ops = {
+    .name = "cuda",
+    .init = kvrt_cuda_init,
+    .free = kvrt_cuda_free,
+    .info = kvrt_cuda_info,
+    .alloc = kvrt_cuda_alloc,
+    .dealloc = kvrt_cuda_dealloc,
+    .upload = kvrt_cuda_upload,
+    .download = kvrt_cuda_download,
+    .sync = kvrt_cuda_sync,
+    .softmax_rows = kvrt_cuda_softmax_rows,
+};
+#endif
+
+int kvrt_has_cuda(void) {
+#if defined(KVRT_WITH_CUDA)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int kvrt_cuda_device_count(void) {
+#if defined(KVRT_WITH_CUDA)
+    return kvrt_cuda_device_count_impl();
+#else
+    return 0;
+#endif
+}
+
+// ----------------------------------------------------------------------------
+// context lifetime
+
+int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, kvrt_error *err) {
+    kvrt_err_set(err, KVRT_OK, 0, NULL);
+    if (out == NULL) return kvrt_err_set(err, KVRT_ERR_ARG, 0, "kvrt_ctx_create: out is NULL");
+    *out = NULL;
+
+    kvrt_ctx_options o = {0, 0};
+    if (opts) o = *opts;
+    if (o.n_threads < 0)
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0,
+                            "kvrt_ctx_create: option 'n_threads': got %d, expected >= 0 "
+                            "(0 = OpenMP default)", o.n_threads);
+
+    const kvrt_backend_ops *ops = NULL;
+    switch (backend) {
+    case KVRT_BACKEND_CPU: ops = &cpu_ops; break;
+    case KVRT_BACKEND_CUDA:
+#if defined(KVRT_WITH_CUDA)
+        ops = &cuda_ops;
+        break;
+#else
+        return kvrt_err_set(err, KVRT_ERR_NO_CUDA, 0,
+                            "libkvrt was built without CUDA (rebuild with USE_CUDA=1 on a "
+                            "machine with nvcc)");
+#endif
+    default:
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0,
+                            "kvrt_ctx_create: backend: got %d, expected KVRT_BACKEND_CPU (%d) or "
+                            "KVRT_BACKEND_CUDA (%d)", backend, KVRT_BACKEND_CPU, KVRT_BACKEND_CUDA);
+    }
+
+    kvrt_ctx *ctx = calloc(1, sizeof *ctx);
+    if (ctx == NULL)
+        return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "kvrt_ctx_create: out of memory");
+    ctx->backend = backend;
+    ctx->ops = ops;
+    int rc = ops->init(ctx, &o, err);
+    if (rc != KVRT_OK) {
+        free(ctx); /* init cleans up after itself on failure */
+        return rc;
+    }
+    *out = ctx;
+    return KVRT_OK;
+}
+
+void kvrt_ctx_free(kvrt_ctx *ctx) {
+    if (ctx == NULL) return;
+    ctx->ops->free(ctx);
+    free(ctx);
+}
+
+int kvrt_ctx_info(const kvrt_ctx *ctx, kvrt_device_info *out) {
+    if (ctx == NULL || out == NULL) return KVRT_ERR_ARG;
+    return ctx->ops->info(ctx, out);
+}
+
+const kvrt_error *kvrt_ctx_last_error(const kvrt_ctx *ctx) {
+    return ctx ? &ctx->last_err : NULL;
+}
+
+// ----------------------------------------------------------------------------
+// memory
+
+int kvrt_ctx_alloc(kvrt_ctx *ctx, size_t bytes, void **out) {
+    if (out) *out = NULL;
+    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (out == NULL || bytes == 0)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0,
+                            "kvrt_ctx_alloc: %s", out == NULL ? "out is NULL" : "bytes is 0");
+    return ctx->ops->alloc(ctx, bytes, out);
+}
+
+void kvrt_ctx_dealloc(kvrt_ctx *ctx, void *p) {
+    if (ctx == NULL || p == NULL) return;
+    ctx->ops->dealloc(ctx, p);
+}
+
+int kvrt_ctx_upload(kvrt_ctx *ctx, void *dst_dev, const void *src_host, size_t bytes) {
+    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (bytes == 0) return KVRT_OK;
+    if (dst_dev == NULL || src_host == NULL)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0, "kvrt_ctx_upload: NULL %s",
+                            dst_dev == NULL ? "dst_dev" : "src_host");
+    return ctx->ops->upload(ctx, dst_dev, src_host, bytes);
+}
+
+int kvrt_ctx_download(kvrt_ctx *ctx, void *dst_host, const void *src_dev, size_t bytes) {
+    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (bytes == 0) return KVRT_OK;
+    if (dst_host == NULL || src_dev == NULL)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0, "kvrt_ctx_download: NULL %s",
+                            dst_host == NULL ? "dst_host" : "src_dev");
+    return ctx->ops->download(ctx, dst_host, src_dev, bytes);
+}
+
+int kvrt_ctx_sync(kvrt_ctx *ctx) {
+    if (ctx == NULL) return KVRT_ERR_ARG;
+    return ctx->ops->sync(ctx);
+}
+
+// ----------------------------------------------------------------------------
+// ops: backend-independent checks, then dispatch
+
+static const char *device_name(int device) {
+    return device == KVRT_DEVICE_CUDA ? "CUDA" : device == KVRT_DEVICE_HOST ? "host" : "?";
+}
+
+/* The checks every backend relies on (see backend.h). `what` names the argument. */
+static int check_softmax_arg(kvrt_ctx *ctx, const kvrt_tensor *t, const char *what) {
+    kvrt_error *e = &ctx->last_err;
+    int rc = kvrt_tensor_check(t);
+    if (rc != KVRT_OK)
+        return kvrt_err_set(e, rc, 0, "kvrt_softmax_rows: tensor '%s' is not a valid view (%s)",
+                            what, kvrt_status_str(rc));
+    if (t->dtype != KVRT_DTYPE_F32)
+        return kvrt_err_set(e, KVRT_ERR_DTYPE, 0,
+                            "kvrt_softmax_rows: tensor '%s': dtype %d, expected f32 (%d)", what,
+                            t->dtype, KVRT_DTYPE_F32);
+    if (t->ndim != 2)
+        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
+                            "kvrt_softmax_rows: tensor '%s': ndim %d, expected 2 [rows, cols]",
+                            what, t->ndim);
+    if (t->shape[1] > 1 && t->strides[1] != 1)
+        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
+                            "kvrt_softmax_rows: tensor '%s': column stride %lld, expected 1",
+                            what, (long long)t->strides[1]);
+    if (t->shape[0] > 1 && t->strides[0] < t->shape[1])
+        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
+                            "kvrt_softmax_rows: tensor '%s': row stride %lld < cols %lld "
+                            "(rows would overlap)", what, (long long)t->strides[0],
+                            (long long)t->shape[1]);
+    if (t->device != ctx->device ||
+        (t->device == KVRT_DEVICE_CUDA && t->device_id != ctx->device_id))
+        return kvrt_err_set(e, KVRT_ERR_DEVICE, 0,
+                            "kvrt_softmax_rows: tensor '%s' lives on %s:%d, the context on %s:%d",
+                            what, device_name(t->device), t->device_id, device_name(ctx->device),
+                            ctx->device_id);
+    return KVRT_OK;
+}
+
+int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {
+    if (ctx == NULL) return KVRT_ERR_ARG;
+    int rc = check_softmax_arg(ctx, x, "x");
+    if (rc != KVRT_OK) return rc;
+    rc = check_softmax_arg(ctx, y, "y");
+    if (rc != KVRT_OK) return rc;
+    if (x->shape[0] != y->shape[0] || x->shape[1] != y->shape[1])
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_SHAPE, 0,
+                            "kvrt_softmax_rows: y is [%lld, %lld], expected x's shape [%lld, %lld]",
+                            (long long)y->shape[0], (long long)y->shape[1],
+                            (long long)x->shape[0], (long long)x->shape[1]);
+    return ctx->ops->softmax_rows(ctx, x, y, scale);
+}

@@ -1,0 +1,67 @@
+/*
+ * status.c: libkvrt status strings, version, and the internal error helper.
+ * Callers: every kvrt_* function that reports an error; serving stacks print kvrt_status_str.
+ *
+ * defines: kvrt_status_str, kvrt_status_name, kvrt_version, kvrt_err_set (internal, backend.h)
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kvrt.h"
+#include "core/backend.h"
+
+// ----------------------------------------------------------------------------
+// status table: index = -status. Values are pinned in kvrt.h; keep both columns in order.
+
+static const struct {
+    const char *name;
+    const char *str;
+} status_table[] = {
+    /*   0 */ {"KVRT_OK", "ok"},
+    /*  -1 */ {"KVRT_ERR_ARG", "invalid argument"},
+    /*  -2 */ {"KVRT_ERR_NOMEM", "out of memory"},
+    /*  -3 */ {"KVRT_ERR_IO", "artifact could not be read"},
+    /*  -4 */ {"KVRT_ERR_FORMAT", "artifact is invalid"},
+    /*  -5 */ {"KVRT_ERR_MODEL_MISMATCH", "model mismatch"},
+    /*  -6 */ {"KVRT_ERR_NO_CUDA", "libkvrt was built without CUDA"},
+    /*  -7 */ {"KVRT_ERR_NO_DEVICE", "no usable CUDA device"},
+    /*  -8 */ {"KVRT_ERR_CUDA", "CUDA or cuBLAS call failed"},
+    /*  -9 */ {"KVRT_ERR_DTYPE", "dtype not supported by this op"},
+    /* -10 */ {"KVRT_ERR_SHAPE", "shapes or strides do not fit the op"},
+    /* -11 */ {"KVRT_ERR_DEVICE", "tensor on the wrong device for this context"},
+    /* -12 */ {"KVRT_ERR_UNSUPPORTED", "not supported by this build or backend"},
+};
+
+_Static_assert(sizeof(status_table) / sizeof(status_table[0]) == (size_t)(1 - KVRT_STATUS_MIN),
+               "status_table must have one row per kvrt_status");
+
+const char *kvrt_status_str(int status) {
+    if (status > 0 || status < KVRT_STATUS_MIN) return "unknown status";
+    return status_table[-status].str;
+}
+
+const char *kvrt_status_name(int status) {
+    if (status > 0 || status < KVRT_STATUS_MIN) return "KVRT_ERR_UNKNOWN";
+    return status_table[-status].name;
+}
+
+const char *kvrt_version(void) { return KVRT_VERSION_STRING; }
+
+// ----------------------------------------------------------------------------
+// internal error helper
+
+int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
+    if (err) {
+        err->code = code;
+        err->detail = detail;
+        err->msg[0] = '\0';
+        if (fmt) {
+            va_list ap;
+            va_start(ap, fmt);
+            vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+            va_end(ap);
+        }
+    }
+    return code;
+}

@@ -1,0 +1,96 @@
+/*
+ * tensor.c: helpers for kvrt_tensor, the non-owning strided view every libkvrt op takes.
+ * Callers: serving stacks (building views of their buffers), ctx.c (argument checks), tests.
+ *
+ * defines: kvrt_tensor_view, kvrt_tensor_numel, kvrt_tensor_is_contiguous, kvrt_dtype_size,
+ *          kvrt_tensor_check
+ *
+ * Strides are in elements, shape[0] is outermost. A view is "sane" (kvrt_tensor_check) when
+ * 1 <= ndim <= 4, every dim > 0, every stride >= 0, the dtype is known, the device is host or
+ * CUDA, data is not NULL, and both the element count and the largest element offset fit in
+ * int64 once multiplied by the element size (so byte offsets can be computed without overflow).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "kvrt.h"
+
+size_t kvrt_dtype_size(int dtype) {
+    switch (dtype) {
+    case KVRT_DTYPE_F32: return 4;
+    case KVRT_DTYPE_F16: return 2;
+    case KVRT_DTYPE_BF16: return 2;
+    default: return 0;
+    }
+}
+
+kvrt_tensor kvrt_tensor_view(void *data, int dtype, int ndim, const int64_t *shape, int device) {
+    kvrt_tensor t;
+    memset(&t, 0, sizeof t);
+    t.data = data;
+    t.dtype = dtype;
+    t.device = device;
+    t.device_id = 0;
+    if (ndim < 1 || ndim > KVRT_MAX_DIMS || shape == NULL) {
+        t.ndim = 0; /* rejected by kvrt_tensor_check */
+        return t;
+    }
+    t.ndim = ndim;
+    for (int i = 0; i < ndim; i++) t.shape[i] = shape[i];
+    /* Row-major strides. Saturate instead of overflowing; kvrt_tensor_check then refuses it. */
+    int64_t stride = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        t.strides[i] = stride;
+        int64_t d = shape[i] > 0 ? shape[i] : 1;
+        stride = (stride > INT64_MAX / d) ? INT64_MAX : stride * d;
+    }
+    return t;
+}
+
+/* Element count; 0 when t is NULL or its ndim/shape is invalid, -1 when it overflows int64. */
+int64_t kvrt_tensor_numel(const kvrt_tensor *t) {
+    if (t == NULL || t->ndim < 1 || t->ndim > KVRT_MAX_DIMS) return 0;
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->shape[i] <= 0) return 0;
+        if (n > INT64_MAX / t->shape[i]) return -1;
+        n *= t->shape[i];
+    }
+    return n;
+}
+
+/* Dense row-major: the last stride is 1 and each stride is the product of the dims inside it.
+ * Dims of size 1 may carry any stride (they are never stepped over). */
+int kvrt_tensor_is_contiguous(const kvrt_tensor *t) {
+    if (kvrt_tensor_numel(t) <= 0) return 0;
+    int64_t expect = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] != 1 && t->strides[i] != expect) return 0;
+        expect *= t->shape[i]; /* cannot overflow: numel fits */
+    }
+    return 1;
+}
+
+int kvrt_tensor_check(const kvrt_tensor *t) {
+    if (t == NULL || t->data == NULL) return KVRT_ERR_ARG;
+    if (t->device != KVRT_DEVICE_HOST && t->device != KVRT_DEVICE_CUDA) return KVRT_ERR_ARG;
+    if (t->device_id < 0) return KVRT_ERR_ARG;
+    size_t es = kvrt_dtype_size(t->dtype);
+    if (es == 0) return KVRT_ERR_DTYPE;
+    if (t->ndim < 1 || t->ndim > KVRT_MAX_DIMS) return KVRT_ERR_SHAPE;
+    int64_t numel = kvrt_tensor_numel(t);
+    if (numel <= 0) return KVRT_ERR_SHAPE;
+    if (numel > INT64_MAX / (int64_t)es) return KVRT_ERR_SHAPE;
+    /* Largest element offset: sum (shape[i]-1) * strides[i], checked. */
+    int64_t maxoff = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        if (t->strides[i] < 0) return KVRT_ERR_SHAPE;
+        int64_t steps = t->shape[i] - 1;
+        if (steps > 0 && t->strides[i] > INT64_MAX / steps) return KVRT_ERR_SHAPE;
+        int64_t span = steps * t->strides[i];
+        if (maxoff > INT64_MAX - span) return KVRT_ERR_SHAPE;
+        maxoff += span;
+    }
+    if (maxoff > INT64_MAX / (int64_t)es - 1) return KVRT_ERR_SHAPE;
+    return KVRT_OK;
+}

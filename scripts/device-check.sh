@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# device-check.sh: the one command to run on a machine with an NVIDIA GPU.
+#   - lists the GPUs (nvidia-smi -L) and the toolkit (nvcc --version)
+#   - builds with USE_CUDA=1: the test binary and every benchmark
+#   - runs build/tests/kvcc_tests (includes the CUDA-vs-CPU-reference equivalence tests; on this
+#     machine they must run, so a "skipped: no GPU" line is a failure here)
+#   - runs every build/bench/* whose source takes a --cuda flag, with --cuda
+# Log: ${OUT:-build}/device-check.log. Exit status: 0 only when every step passed.
+# Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
+set -u -o pipefail
+
+cd "$(dirname "$0")/.." || exit 1
+OUTDIR="${OUT:-build}"
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/device-check.log"
+: > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
+
+JOBS="${JOBS:-$(nproc 2>/dev/null || echo 4)}"
+FAILED=()
+step() { echo; echo "== $*"; }
+fail() { echo "FAILED: $*"; FAILED+=("$*"); }
+
+step "machine"
+date -u
+uname -a
+if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L || fail "nvidia-smi -L"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv || true
+else
+    fail "nvidia-smi not found: no NVIDIA driver on this machine"
+fi
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+    command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
+    nvcc --version | tail -n 2
+else
+    fail "nvcc not found (install the CUDA toolkit or put it on PATH)"
+fi
+
+step "build (USE_CUDA=1)"
+BENCH_BINS=()
+for src in bench/*.c; do
+    [ -e "$src" ] || continue
+    BENCH_BINS+=("build/bench/$(basename "$src" .c)")
+done
+if make -j"$JOBS" USE_CUDA=1 build/tests/kvcc_tests "${BENCH_BINS[@]}"; then
+    echo "build ok"
+else
+    fail "make USE_CUDA=1 build/tests/kvcc_tests ${BENCH_BINS[*]}"
+fi
+
+step "tests: build/tests/kvcc_tests"
+if [ -x build/tests/kvcc_tests ]; then
+    TLOG="$OUTDIR/device-check.tests.log"
+    KVCC_BUILD=build timeout 900 build/tests/kvcc_tests --jobs 2 2>&1 | tee "$TLOG"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || fail "kvcc_tests exited with $rc"
+    if grep -q "skipped: no GPU" "$TLOG"; then
+        fail "CUDA tests were skipped on a machine that should have a GPU (driver? CUDA_VISIBLE_DEVICES?)"
+    fi
+    if grep -q "built without CUDA" "$TLOG"; then
+        fail "the test binary was built without CUDA"
+    fi
+else
+    fail "build/tests/kvcc_tests missing"
+fi
+
+step "benchmarks with --cuda"
+n_bench=0
+for b in build/bench/*; do
+    if [ ! -f "$b" ] || [ ! -x "$b" ]; then continue; fi
+    src="bench/$(basename "$b").c"
+    # A bench takes --cuda when its source names the flag; others are CPU-only and skipped here.
+    if [ -f "$src" ] && grep -q -- '--cuda\|"cuda"' "$src"; then
+        n_bench=$((n_bench + 1))
+        echo "-- $b --cuda"
+        timeout 600 "$b" --cuda || fail "$b --cuda exited with $?"
+    fi
+done
+echo "$n_bench benchmark(s) with --cuda run"
+
+step "summary"
+if [ "${#FAILED[@]}" -eq 0 ]; then
+    echo "device-check: all steps passed (log: $LOG)"
+    exit 0
+fi
+echo "device-check: ${#FAILED[@]} step(s) failed (log: $LOG):"
+for f in "${FAILED[@]}"; do echo "  - $f"; done
+exit 1
