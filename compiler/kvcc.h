@@ -1,0 +1,46 @@
+/*
+ * kvcc.h: internals shared by the kvcc command-line tool's subcommands (compiler/).
+ * Each `kvcc NAME` is one `int kvcc_cmd_NAME(int argc, char **argv)` returning the process
+ * exit status; errors go to stderr naming the file, the field and the expected value.
+ */
+#ifndef KVCC_H
+#define KVCC_H
+
+#include <stdio.h>
+
+#include "kvpol.h"
+
+#define KVCC_VERSION "0.1.0"
+
+/* Exit statuses (documented in `kvcc --help` and docs/cli.md). */
+enum {
+    KVCC_EXIT_OK = 0,
+    KVCC_EXIT_DIFFER = 1,         /* kvcc diff: the artifacts differ */
+    KVCC_EXIT_USAGE = 2,          /* bad command line */
+    KVCC_EXIT_MISMATCH = 4,       /* artifact compiled for another model (verify --model) */
+    KVCC_EXIT_FAILED = 5,         /* the command could not do its job (see message) */
+    KVCC_EXIT_ARTIFACT_BASE = 10, /* 10 + |kvpol status|: the artifact is unreadable/invalid */
+};
+static inline int kvcc_exit_for_kvpol(int status) { return status == 0 ? 0 : KVCC_EXIT_ARTIFACT_BASE - status; }
+
+int kvcc_cmd_models(int argc, char **argv);
+int kvcc_cmd_inspect(int argc, char **argv);
+int kvcc_cmd_verify(int argc, char **argv);
+int kvcc_cmd_diff(int argc, char **argv);
+int kvcc_cmd_compile(int argc, char **argv);
+int kvcc_cmd_synth(int argc, char **argv);
+
+/* Shared helpers (compiler/util.c). */
+const char *kvcc_group_name(uint32_t group);
+const char *kvcc_rope_name(uint32_t type);
+/* Print s (n bytes) with non-printable bytes escaped, cut at max bytes with "...". */
+void kvcc_print_escaped(FILE *out, const char *s, size_t n, size_t max);
+/* Open an artifact with full validation; prints the error on failure. */
+int kvcc_open_artifact(const char *path, kvpol_file **out);
+/* Progress on stderr when it is a terminal (compiler/progress.c). */
+void kvcc_progress_begin(const char *label);
+void kvcc_progress(unsigned done, unsigned total);
+double kvcc_progress_elapsed(void);
+/* Parse an unsigned integer option in [lo, hi]; prints "kvcc CMD: --NAME: ..." and returns -1 on error. */
+int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out);
+#endif

@@ -1,0 +1,67 @@
+/*
+ * main.c: the kvcc command-line tool: dispatch to subcommands, --help, --version.
+ * Each subcommand lives in compiler/cmd_*.c and parses its own options with getopt_long.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "kvcc.h"
+#include "kvrt.h"
+
+static void usage(FILE *out) {
+    fprintf(out,
+            "kvcc %s: KV-cache compression compiler\n"
+            "\n"
+            "usage: kvcc COMMAND [OPTIONS]\n"
+            "\n"
+            "commands:\n"
+            "  models                      list the model presets and their dimensions\n"
+            "  compile --model NAME -o F   compile a .kvpol artifact for a model (see kvcc compile --help)\n"
+            "  synth --model NAME -o F.h5  write a synthetic corpus (planted structure) for any preset\n"
+            "  inspect FILE [--json]       show an artifact: header, fingerprint, sections, items\n"
+            "  verify FILE [--model NAME]  fully validate an artifact (and its model fingerprint)\n"
+            "  diff A B [--json]           which header fields, sections and items differ\n"
+            "\n"
+            "options:\n"
+            "  -h, --help                  this help (COMMAND --help for a command's own)\n"
+            "  -V, --version               kvcc, .kvpol format and libkvrt versions\n"
+            "\n"
+            "exit status:\n"
+            "   0  success\n"
+            "   1  kvcc diff: the artifacts differ\n"
+            "   2  usage error\n"
+            "   4  the artifact was compiled for another model (verify --model)\n"
+            "   5  the command failed (I/O, out of memory, ...; see the message)\n"
+            "  10+N  the artifact is invalid or unreadable: N = -(kvpol status), e.g. 15 = bad magic;\n"
+            "        the status name is printed with the message (docs/kvpol-format.md lists them)\n",
+            KVCC_VERSION);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return KVCC_EXIT_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
+        usage(stdout);
+        return KVCC_EXIT_OK;
+    }
+    if (!strcmp(cmd, "-V") || !strcmp(cmd, "--version")) {
+        printf("kvcc %s (.kvpol format %d.%d, libkvrt %s, CUDA backend %s)\n", KVCC_VERSION, KVPOL_VERSION_MAJOR,
+               KVPOL_VERSION_MINOR, kvrt_version(), kvrt_has_cuda() ? "built" : "not built");
+        return KVCC_EXIT_OK;
+    }
+    static const struct {
+        const char *name;
+        int (*fn)(int, char **);
+    } cmds[] = {
+        {"models", kvcc_cmd_models}, {"compile", kvcc_cmd_compile}, {"inspect", kvcc_cmd_inspect},
+        {"verify", kvcc_cmd_verify}, {"diff", kvcc_cmd_diff}, {"synth", kvcc_cmd_synth},
+    };
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
+        if (!strcmp(cmd, cmds[i].name)) return cmds[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, synth, inspect, verify, diff; see kvcc --help)\n",
+            cmd);
+    return KVCC_EXIT_USAGE;
+}

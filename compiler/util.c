@@ -1,0 +1,64 @@
+/*
+ * util.c: helpers shared by kvcc's subcommands: names of policy groups and RoPE modes,
+ * escaped printing of strings read from artifacts, and opening an artifact with a message.
+ */
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kvcc.h"
+
+const char *kvcc_group_name(uint32_t group) {
+    switch (group) {
+    case KVPOL_GROUP_CORE: return "core";
+    case KVPOL_GROUP_COMPILERKV: return "compilerkv";
+    case KVPOL_GROUP_AM: return "am";
+    case KVPOL_GROUP_COMPKV: return "compkv";
+    case KVPOL_GROUP_KV2: return "kv2";
+    case KVPOL_GROUP_RISK: return "risk";
+    default: return "unknown";
+    }
+}
+
+const char *kvcc_rope_name(uint32_t type) {
+    switch (type) {
+    case KVPOL_ROPE_NONE: return "none";
+    case KVPOL_ROPE_LINEAR: return "linear";
+    case KVPOL_ROPE_LLAMA3: return "llama3";
+    case KVPOL_ROPE_YARN: return "yarn";
+    default: return "unknown";
+    }
+}
+
+void kvcc_print_escaped(FILE *out, const char *s, size_t n, size_t max) {
+    size_t m = n < max ? n : max;
+    for (size_t i = 0; i < m; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"' || c == '\\') fprintf(out, "\\%c", c);
+        else if (c == '\n') fputs("\\n", out);
+        else if (isprint(c)) fputc(c, out);
+        else fprintf(out, "\\x%02x", c);
+    }
+    if (m < n) fputs("...", out);
+}
+
+int kvcc_open_artifact(const char *path, kvpol_file **out) {
+    kvpol_error err = {0};
+    kvpol_open_opts o = {.flags = KVPOL_OPEN_VERIFY_ALL};
+    int rc = kvpol_open_path(out, path, &o, &err);
+    if (rc != KVPOL_OK) fprintf(stderr, "kvcc: %s [%s]\n", err.msg, kvpol_status_name(rc));
+    return rc;
+}
+
+int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end || s[0] == '-' || v < lo || v > hi) {
+        fprintf(stderr, "kvcc %s: --%s: got '%s', expected an integer in %u..%u\n", cmd, opt, s, lo, hi);
+        return -1;
+    }
+    *out = (unsigned)v;
+    return 0;
+}

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# tests/cli/run.sh: the kvcc command line as a user runs it: every golden file through
+# `kvcc verify` (exact status name and exit code), compile determinism, model mismatch,
+# usage errors, inspect --json. Run by `make test` with KVCC=path/to/kvcc.
+set -u
+KVCC=${KVCC:-build/kvcc}
+pass=0; fail=0
+ok()  { pass=$((pass+1)); }
+bad() { fail=$((fail+1)); echo "FAIL: $*" >&2; }
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+
+# 1. invalid golden files: each fails with its own status and exit 10 + |status|
+while read -r file status; do
+  case "$file" in ''|'#'*) continue;; esac
+  out=$("$KVCC" verify "tests/golden/invalid/$file"); ex=$?
+  num=$(sed -n 's/.*(status \(-[0-9]*\), exit.*/\1/p' <<<"$out")
+  if [[ "$out" == *"INVALID $status "* && -n "$num" && $ex -eq $((10 - num)) ]]; then ok
+  else bad "verify $file: expected $status, got exit $ex: $out"; fi
+done < tests/golden/invalid/EXPECTED
+
+# 2. valid golden files pass
+for f in tests/golden/valid/*.kvpol; do
+  if "$KVCC" verify --quiet "$f"; then ok; else bad "verify $f should pass"; fi
+done
+
+# 3. compile is byte-reproducible; SOURCE_DATE_EPOCH changes only 'created'
+"$KVCC" compile --model smollm2-135m -o "$tmp/a.kvpol" 2>/dev/null && \
+"$KVCC" compile --model smollm2-135m -o "$tmp/b.kvpol" 2>/dev/null && cmp -s "$tmp/a.kvpol" "$tmp/b.kvpol" && ok || bad "two compiles differ"
+[ "$(ls "$tmp")" = "$(printf 'a.kvpol\nb.kvpol')" ] && ok || bad "compile left temporary files: $(ls "$tmp")"
+SOURCE_DATE_EPOCH=1700000000 "$KVCC" compile --model smollm2-135m -o "$tmp/c.kvpol" 2>/dev/null
+out=$("$KVCC" diff "$tmp/a.kvpol" "$tmp/c.kvpol"); ex=$?
+[[ $ex -eq 1 && "$out" == *"header.created"*"0 vs 1700000000"* && "$out" == *"1 difference"* ]] && ok || bad "diff on SOURCE_DATE_EPOCH: exit $ex: $out"
+"$KVCC" diff "$tmp/a.kvpol" "$tmp/b.kvpol" >/dev/null && ok || bad "diff of identical artifacts should exit 0"
+
+# 4. fingerprint check through the runtime
+"$KVCC" verify --quiet --model smollm2-135m "$tmp/a.kvpol" && ok || bad "verify --model smollm2-135m"
+out=$("$KVCC" verify --model llama3 "$tmp/a.kvpol"); ex=$?
+[[ $ex -eq 4 && "$out" == *"n_layers"* ]] && ok || bad "verify --model llama3: exit $ex: $out"
+
+# 5. usage errors exit 2 and say what was expected
+for args in "" "frobnicate" "verify" "inspect" "diff one" "compile -o x.kvpol" "compile --model nope -o x" \
+            "compile --model llama3 --policies compilerkv -o $tmp/x.kvpol" "verify --model nope $tmp/a.kvpol" "inspect --items -3 $tmp/a.kvpol"; do
+  # shellcheck disable=SC2086
+  err=$("$KVCC" $args 2>&1 >/dev/null); ex=$?
+  [[ $ex -eq 2 && -n "$err" ]] && ok || bad "'kvcc $args': expected exit 2 with a message, got $ex"
+done
+[ ! -e "$tmp/x.kvpol" ] && ok || bad "a refused compile wrote its output"
+
+# 6. an I/O error names the file
+out=$("$KVCC" verify "$tmp/missing.kvpol"); ex=$?
+[[ $ex -eq 13 && "$out" == *"$tmp/missing.kvpol"* ]] && ok || bad "missing file: exit $ex: $out"
+
+# 7. inspect, JSON output parses
+"$KVCC" inspect "$tmp/a.kvpol" >/dev/null && ok || bad "inspect"
+if command -v python3 >/dev/null; then
+  "$KVCC" inspect --json tests/golden/valid/base.kvpol | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["model"]["n_kv_heads"]==3 and len(d["sections"])==2' && ok || bad "inspect --json"
+  "$KVCC" models --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert any(m["name"]=="llama3-8b" and m["n_kv_heads"]==8 for m in d)' && ok || bad "models --json"
+fi
+"$KVCC" --help | grep -q "exit status" && ok || bad "--help"
+"$KVCC" --version | grep -q "kvcc " && ok || bad "--version"
+
+echo "cli: $pass passed, $fail failed"
+[ "$fail" -eq 0 ]
