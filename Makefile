@@ -37,10 +37,14 @@ ifneq ($(filter-out 0 1,$(USE_CUDA)),)
   $(error USE_CUDA must be 0 or 1, got '$(USE_CUDA)')
 endif
 
-ifeq ($(USE_CUDA),1)
-  $(info kvcc: CUDA backend ON ($(NVCC) from $(CUDA_HOME)); USE_CUDA=0 to disable)
-else
-  $(info kvcc: CUDA backend OFF (nvcc not found, USE_CUDA=0 or SAN=1); CPU backend only)
+ifeq ($(MAKELEVEL),0)
+  ifeq ($(USE_CUDA),1)
+    $(info kvcc: CUDA backend ON ($(NVCC) from $(CUDA_HOME)); USE_CUDA=0 to disable)
+  else ifeq ($(SAN),1)
+    $(info kvcc: CUDA backend OFF (SAN=1 builds are CPU-only); CPU backend only)
+  else
+    $(info kvcc: CUDA backend OFF ($(if $(shell command -v $(NVCC) 2>/dev/null),USE_CUDA=0,nvcc not found)); CPU backend only)
+  endif
 endif
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wno-unused-parameter
