@@ -94,7 +94,7 @@ BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps test check demo fuzz bench golden clean
+.PHONY: all deps model test check demo fuzz bench golden clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
@@ -140,7 +140,11 @@ $(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_LIBS) $(LDFLAGS)
 
 # ---------------------------------------------------------------- suites
-test: deps
+# The real-model tests need the default model; without network they skip visibly.
+model:
+	@bash scripts/fetch-model.sh || echo "kvcc: WARNING: model not fetched; the tests that need it will say 'skipped'"
+
+test: deps model
 	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY)
 	@echo "== unit, golden and equivalence tests (Criterion)"
 	@KVCC_BUILD=$(BUILD) $(TESTS) --jobs 2
@@ -154,6 +158,7 @@ check: all $(TESTS)
 	@KVCC_BUILD=$(BUILD) $(TESTS) --jobs 2
 
 demo: deps
+	@bash scripts/fetch-model.sh
 	@$(MAKE) --no-print-directory all
 	@KVCC=$(KVCC) bash scripts/demo.sh
 

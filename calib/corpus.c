@@ -6,6 +6,7 @@
  * prompts. Files are written reproducibly (no object timestamps) to a temp file and renamed.
  */
 #include "corpus.h"
+#include "kvpol.h" /* kvpol_f16_to_f32 */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -82,22 +83,6 @@ uint16_t kvcc_f32_to_f16(float f) {
     uint32_t rem = man & 0x1fffu;
     if (rem > 0x1000u || (rem == 0x1000u && (half & 1))) half++; /* may carry into exp: correct */
     return (uint16_t)half;
-}
-
-float kvcc_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) bits = sign;
-        else {
-            int e = -1;
-            do { e++; man <<= 1; } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
-    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
 }
 
 /* IEEE binary16 as an HDF5 type (HDF5 1.10 has no predefined one); h5py reads it as float16. */
@@ -662,7 +647,7 @@ int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, floa
             uint16_t *h = (uint16_t *)dst[i];
             if (H5Dread(ds, ht, H5S_ALL, H5S_ALL, H5P_DEFAULT, h) < 0)
                 rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot read %s", c->path, full);
-            for (size_t j = n; !rc && j-- > 0;) dst[i][j] = kvcc_f16_to_f32(h[j]);
+            for (size_t j = n; !rc && j-- > 0;) dst[i][j] = kvpol_f16_to_f32(h[j]);
         } else if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, dst[i]) < 0) {
             rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot read %s", c->path, full);
         }

@@ -93,6 +93,5 @@ const char *kvcc_corpus_error(const kvcc_corpus *c);
 void kvcc_corpus_close(kvcc_corpus *c);
 
 // ---------------------------------------------------------------- helpers
-uint16_t kvcc_f32_to_f16(float f);  /* round to nearest even; overflow to Inf */
-float kvcc_f16_to_f32(uint16_t h);
+uint16_t kvcc_f32_to_f16(float f);  /* round to nearest even; overflow to Inf (inverse: kvpol_f16_to_f32) */
 #endif

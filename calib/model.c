@@ -1,0 +1,618 @@
+/*
+ * model.c - llama-family forward pass (RMSNorm, RoPE, grouped-query attention, SwiGLU) over
+ * f32 weights dequantized from GGUF.
+ *
+ * Called through model.h by capture, eval, the CLI and tests. OpenBLAS is used only here
+ * (cblas_sgemm for every matrix product); attention is plain C with OpenMP over (token, head).
+ * defines: kvcc_model_load, kvcc_model_free, kvcc_state_*, kvcc_model_prefill,
+ *          kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax
+ */
+#include "model.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void set_msg(char *dst, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_msg(char *dst, size_t cap, const char *fmt, ...) {
+    if (!dst || cap == 0) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(dst, cap, fmt, ap);
+    va_end(ap);
+}
+
+// ---------------------------------------------------------------- load
+
+void kvcc_model_free(kvcc_model *m) {
+    if (!m) return;
+    if (m->layers) {
+        for (int l = 0; l < m->hp.n_layer; l++) {
+            kvcc_layer_weights *w = &m->layers[l];
+            free(w->attn_norm); free(w->wq); free(w->wk); free(w->wv); free(w->wo);
+            free(w->ffn_norm); free(w->w_gate); free(w->w_up); free(w->w_down);
+        }
+        free(m->layers);
+    }
+    if (!m->tied) free(m->output);
+    free(m->tok_embd);
+    free(m->output_norm);
+    free(m->rope_inv_freq);
+    free(m);
+}
+
+/* Dequantize tensor `name` of shape (rows, cols) (ne = {cols, rows}; rows 0 for a vector). */
+static int load_tensor(kvcc_gguf *g, const char *name, int64_t cols, int64_t rows, float **out,
+                       char *msg, size_t cap) {
+    const kvcc_gguf_tensor *t = kvcc_gguf_find_tensor(g, name);
+    *out = NULL;
+    if (!t) {
+        set_msg(msg, cap, "%s: missing tensor '%s'", kvcc_gguf_name(g), name);
+        return KVCC_GGUF_ERR_MISSING;
+    }
+    int ok = rows == 0 ? (t->n_dims == 1 && t->ne[0] == (uint64_t)cols)
+                       : (t->n_dims == 2 && t->ne[0] == (uint64_t)cols && t->ne[1] == (uint64_t)rows);
+    if (!ok) {
+        set_msg(msg, cap, "%s: tensor '%s' has shape [%llu, %llu] (n_dims %u) (expected [%lld, %lld])",
+                kvcc_gguf_name(g), name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+                t->n_dims, (long long)cols, (long long)(rows ? rows : 1));
+        return KVCC_GGUF_ERR_SHAPE;
+    }
+    float *p = malloc(t->n_elements * sizeof *p);
+    if (!p) {
+        set_msg(msg, cap, "%s: tensor '%s': out of memory", kvcc_gguf_name(g), name);
+        return KVCC_GGUF_ERR_NOMEM;
+    }
+    int st = kvcc_gguf_dequantize(t, p, t->n_elements);
+    if (st) {
+        set_msg(msg, cap, "%s: tensor '%s' has type %s (expected one of F32, F16, BF16, Q4_0, "
+                "Q4_1, Q8_0, Q4_K, Q6_K)", kvcc_gguf_name(g), name, kvcc_gguf_type_name(t->type));
+        free(p);
+        return st;
+    }
+    *out = p;
+    return 0;
+}
+
+/* Undo llama.cpp's Q/K row permutation: GGUF row 2i+a of a head is HF row a*d/2 + i. */
+static int unpermute_rows(float *w, int n_heads, int d, int cols) {
+    float *tmp = malloc((size_t)d * cols * sizeof *tmp);
+    if (!tmp) return KVCC_GGUF_ERR_NOMEM;
+    for (int h = 0; h < n_heads; h++) {
+        float *head = w + (size_t)h * d * cols;
+        for (int i = 0; i < d / 2; i++)
+            for (int a = 0; a < 2; a++)
+                memcpy(tmp + (size_t)(a * (d / 2) + i) * cols, head + (size_t)(2 * i + a) * cols,
+                       (size_t)cols * sizeof *tmp);
+        memcpy(head, tmp, (size_t)d * cols * sizeof *tmp);
+    }
+    free(tmp);
+    return 0;
+}
+
+static int get_dim(kvcc_gguf *g, const char *key, int lo, int hi, int *out, char *msg, size_t cap) {
+    uint32_t v;
+    int st = kvcc_gguf_get_u32(g, key, &v);
+    if (st) {
+        set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
+        return st;
+    }
+    if (v < (uint32_t)lo || v > (uint32_t)hi) {
+        set_msg(msg, cap, "%s: %s = %u (expected %d..%d)", kvcc_gguf_name(g), key, v, lo, hi);
+        return KVCC_GGUF_ERR_SHAPE;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) {
+    if (!g || !out) {
+        set_msg(msg, cap, "kvcc_model_load_gguf: NULL argument");
+        return KVCC_GGUF_ERR_ARG;
+    }
+    *out = NULL;
+    int st = kvcc_gguf_require_arch(g, "llama");
+    if (st) {
+        set_msg(msg, cap, "%s (only the llama architecture is supported)", kvcc_gguf_errmsg(g));
+        return st;
+    }
+    const char *fn = kvcc_gguf_name(g);
+    kvcc_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        set_msg(msg, cap, "%s: out of memory", fn);
+        return KVCC_GGUF_ERR_NOMEM;
+    }
+    kvcc_model_hparams *hp = &m->hp;
+#define TRY(expr) do { if ((st = (expr)) != 0) goto fail; } while (0)
+    TRY(get_dim(g, "llama.block_count", 1, 1024, &hp->n_layer, msg, cap));
+    TRY(get_dim(g, "llama.embedding_length", 1, 1 << 16, &hp->n_embd, msg, cap));
+    TRY(get_dim(g, "llama.feed_forward_length", 1, 1 << 18, &hp->n_ff, msg, cap));
+    TRY(get_dim(g, "llama.attention.head_count", 1, 1024, &hp->n_head, msg, cap));
+    hp->n_head_kv = hp->n_head;
+    if (kvcc_gguf_has_key(g, "llama.attention.head_count_kv"))
+        TRY(get_dim(g, "llama.attention.head_count_kv", 1, 1024, &hp->n_head_kv, msg, cap));
+    hp->n_ctx_train = 2048;
+    if (kvcc_gguf_has_key(g, "llama.context_length"))
+        TRY(get_dim(g, "llama.context_length", 1, 1 << 24, &hp->n_ctx_train, msg, cap));
+    if (hp->n_embd % hp->n_head != 0 || hp->n_head % hp->n_head_kv != 0 ||
+        (hp->n_embd / hp->n_head) % 2 != 0) {
+        set_msg(msg, cap, "%s: embedding_length %d, head_count %d, head_count_kv %d (expected "
+                "head_count | embedding_length, head_count_kv | head_count, even head dim)", fn,
+                hp->n_embd, hp->n_head, hp->n_head_kv);
+        st = KVCC_GGUF_ERR_SHAPE;
+        goto fail;
+    }
+    hp->head_dim = hp->n_embd / hp->n_head;
+    if (kvcc_gguf_has_key(g, "llama.rope.dimension_count")) {
+        int rd;
+        TRY(get_dim(g, "llama.rope.dimension_count", 1, 1 << 16, &rd, msg, cap));
+        if (rd != hp->head_dim) {
+            set_msg(msg, cap, "%s: llama.rope.dimension_count = %d (expected the head dim %d; "
+                    "partial rotary is not supported)", fn, rd, hp->head_dim);
+            st = KVCC_GGUF_ERR_SHAPE;
+            goto fail;
+        }
+    }
+    hp->rope_base = 10000.0f;
+    if (kvcc_gguf_has_key(g, "llama.rope.freq_base")) {
+        if ((st = kvcc_gguf_get_f32(g, "llama.rope.freq_base", &hp->rope_base))) {
+            set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
+            goto fail;
+        }
+    }
+    hp->rms_eps = 1e-5f;
+    if (kvcc_gguf_has_key(g, "llama.attention.layer_norm_rms_epsilon") &&
+        (st = kvcc_gguf_get_f32(g, "llama.attention.layer_norm_rms_epsilon", &hp->rms_eps))) {
+        set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
+        goto fail;
+    }
+    if (!(hp->rope_base > 1.0f && hp->rope_base < 1e12f) || !(hp->rms_eps > 0 && hp->rms_eps < 1)) {
+        set_msg(msg, cap, "%s: rope.freq_base = %g, layer_norm_rms_epsilon = %g (expected > 1 and "
+                "in (0, 1))", fn, hp->rope_base, hp->rms_eps);
+        st = KVCC_GGUF_ERR_SHAPE;
+        goto fail;
+    }
+    if (kvcc_gguf_has_key(g, "llama.rope.scaling.type")) {
+        kvcc_gguf_str s;
+        if (kvcc_gguf_get_str(g, "llama.rope.scaling.type", &s) != 0 ||
+            !(s.n == 4 && memcmp(s.p, "none", 4) == 0)) {
+            set_msg(msg, cap, "%s: llama.rope.scaling.type is set (expected absent or 'none'; "
+                    "RoPE scaling is not supported)", fn);
+            st = KVCC_GGUF_ERR_TYPE;
+            goto fail;
+        }
+    }
+    {
+        kvcc_gguf_str s;
+        if (kvcc_gguf_get_str(g, "general.name", &s) == 0)
+            snprintf(m->name, sizeof m->name, "%.*s", (int)(s.n > 127 ? 127 : s.n), s.p);
+    }
+    const kvcc_gguf_tensor *te = kvcc_gguf_find_tensor(g, "token_embd.weight");
+    if (!te || te->n_dims != 2 || te->ne[1] > (1u << 24)) {
+        set_msg(msg, cap, "%s: tensor 'token_embd.weight' %s (expected [embedding_length, vocab])",
+                fn, te ? "has a bad shape" : "is missing");
+        st = te ? KVCC_GGUF_ERR_SHAPE : KVCC_GGUF_ERR_MISSING;
+        goto fail;
+    }
+    hp->n_vocab = (int)te->ne[1];
+    if (kvcc_gguf_has_key(g, "llama.vocab_size")) {
+        uint32_t vs;
+        if (kvcc_gguf_get_u32(g, "llama.vocab_size", &vs) == 0 && vs != (uint32_t)hp->n_vocab) {
+            set_msg(msg, cap, "%s: llama.vocab_size = %u (expected %d, the rows of token_embd)", fn,
+                    vs, hp->n_vocab);
+            st = KVCC_GGUF_ERR_SHAPE;
+            goto fail;
+        }
+    }
+
+    const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim;
+    const int Hd = hp->n_head * d, Kd = hp->n_head_kv * d;
+    TRY(load_tensor(g, "token_embd.weight", E, hp->n_vocab, &m->tok_embd, msg, cap));
+    TRY(load_tensor(g, "output_norm.weight", E, 0, &m->output_norm, msg, cap));
+    if (kvcc_gguf_find_tensor(g, "output.weight")) {
+        TRY(load_tensor(g, "output.weight", E, hp->n_vocab, &m->output, msg, cap));
+    } else {
+        m->output = m->tok_embd;
+        m->tied = 1;
+    }
+    m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
+    if (!m->layers) {
+        st = KVCC_GGUF_ERR_NOMEM;
+        set_msg(msg, cap, "%s: out of memory", fn);
+        goto fail;
+    }
+    for (int l = 0; l < hp->n_layer; l++) {
+        kvcc_layer_weights *w = &m->layers[l];
+        char nm[96];
+#define LOADW(field, suffix, cols, rows) \
+        snprintf(nm, sizeof nm, "blk.%d." suffix, l); \
+        TRY(load_tensor(g, nm, cols, rows, &w->field, msg, cap))
+        LOADW(attn_norm, "attn_norm.weight", E, 0);
+        LOADW(wq, "attn_q.weight", E, Hd);
+        LOADW(wk, "attn_k.weight", E, Kd);
+        LOADW(wv, "attn_v.weight", E, Kd);
+        LOADW(wo, "attn_output.weight", Hd, E);
+        LOADW(ffn_norm, "ffn_norm.weight", E, 0);
+        LOADW(w_gate, "ffn_gate.weight", E, F);
+        LOADW(w_up, "ffn_up.weight", E, F);
+        LOADW(w_down, "ffn_down.weight", F, E);
+#undef LOADW
+        if ((st = unpermute_rows(w->wq, hp->n_head, d, E)) ||
+            (st = unpermute_rows(w->wk, hp->n_head_kv, d, E))) {
+            set_msg(msg, cap, "%s: out of memory", fn);
+            goto fail;
+        }
+    }
+    m->rope_inv_freq = malloc((size_t)(d / 2) * sizeof *m->rope_inv_freq);
+    if (!m->rope_inv_freq) {
+        st = KVCC_GGUF_ERR_NOMEM;
+        set_msg(msg, cap, "%s: out of memory", fn);
+        goto fail;
+    }
+    for (int i = 0; i < d / 2; i++)
+        m->rope_inv_freq[i] = (float)(1.0 / pow((double)hp->rope_base, (2.0 * i) / d));
+#undef TRY
+    *out = m;
+    return 0;
+fail:
+    kvcc_model_free(m);
+    return st;
+}
+
+int kvcc_model_load(const char *path, kvcc_model **out, char *msg, size_t cap) {
+    kvcc_gguf *g = NULL;
+    if (out) *out = NULL;
+    int st = kvcc_gguf_open(path, &g, msg, cap);
+    if (st) return st;
+    st = kvcc_model_load_gguf(g, out, msg, cap);
+    kvcc_gguf_close(g); /* weights are copies: the mapping can go */
+    return st;
+}
+
+// ---------------------------------------------------------------- state
+
+void kvcc_state_free(kvcc_state *s) {
+    if (!s) return;
+    free(s->k_cache); free(s->v_cache);
+    free(s->x); free(s->xb); free(s->q); free(s->att); free(s->hb); free(s->hb2);
+    free(s->rope_cos); free(s->rope_sin); free(s->scores);
+    free(s);
+}
+
+int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
+    if (!m || !out || n_ctx < 1) return KVCC_GGUF_ERR_ARG;
+    *out = NULL;
+    const kvcc_model_hparams *hp = &m->hp;
+    const size_t C = KVCC_MODEL_CHUNK, E = (size_t)hp->n_embd, F = (size_t)hp->n_ff;
+    const size_t d = (size_t)hp->head_dim, Hd = (size_t)hp->n_head * d;
+    const size_t kv = (size_t)hp->n_layer * (size_t)n_ctx * (size_t)hp->n_head_kv * d;
+    kvcc_state *s = calloc(1, sizeof *s);
+    if (!s) return KVCC_GGUF_ERR_NOMEM;
+    s->n_ctx = n_ctx;
+    s->n_threads = omp_get_max_threads();
+    s->k_cache = malloc(kv * sizeof(float));
+    s->v_cache = malloc(kv * sizeof(float));
+    s->x = malloc(C * E * sizeof(float));
+    s->xb = malloc(C * E * sizeof(float));
+    s->q = malloc(C * Hd * sizeof(float));
+    s->att = malloc(C * Hd * sizeof(float));
+    s->hb = malloc(C * F * sizeof(float));
+    s->hb2 = malloc(C * F * sizeof(float));
+    s->rope_cos = malloc(C * (d / 2) * sizeof(float));
+    s->rope_sin = malloc(C * (d / 2) * sizeof(float));
+    /* attend_ref needs one row per thread, attend_blas one row per token of a chunk */
+    size_t score_rows = (size_t)s->n_threads > C ? (size_t)s->n_threads : C;
+    s->scores = malloc(score_rows * (size_t)n_ctx * sizeof(float));
+    if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->att || !s->hb || !s->hb2 ||
+        !s->rope_cos || !s->rope_sin || !s->scores) {
+        kvcc_state_free(s);
+        return KVCC_GGUF_ERR_NOMEM;
+    }
+    *out = s;
+    return 0;
+}
+
+void kvcc_state_reset(kvcc_state *s) {
+    if (s) s->n_past = 0;
+}
+
+void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
+    if (!s) return;
+    s->capture = fn;
+    s->capture_user = user;
+}
+
+// ---------------------------------------------------------------- kernels
+
+/* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. */
+static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
+                     float *y, int ldy) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, cols, 1.0f, x, cols, W, cols,
+                beta, y, ldy);
+}
+
+/* out[t] = x[t] / rms(x[t]) * w for n rows of E. */
+static void rmsnorm(float *out, const float *x, const float *w, int n, int E, float eps) {
+    for (int t = 0; t < n; t++) {
+        const float *xr = x + (size_t)t * E;
+        float *o = out + (size_t)t * E;
+        double ss = 0;
+        #pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < E; i++) ss += (double)xr[i] * xr[i];
+        float r = 1.0f / sqrtf((float)(ss / E) + eps);
+        for (int i = 0; i < E; i++) o[i] = xr[i] * r * w[i];
+    }
+}
+
+/* Rotate n rows of n_heads heads of d dims (HF layout: pairs (i, i + d/2)), row stride ld. */
+static void rope(float *x, int n, int n_heads, int d, int ld, const float *cos_t,
+                 const float *sin_t) {
+    const int h2 = d / 2;
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < n_heads; h++) {
+            float *v = x + (size_t)t * ld + (size_t)h * d;
+            const float *c = cos_t + (size_t)t * h2, *s = sin_t + (size_t)t * h2;
+            for (int i = 0; i < h2; i++) {
+                float a = v[i], b = v[i + h2];
+                v[i] = a * c[i] - b * s[i];
+                v[i + h2] = a * s[i] + b * c[i];
+            }
+        }
+}
+
+// ---------------------------------------------------------------- attention (the cache seam)
+
+/*
+ * THE SEAM. attend() (with its two implementations attend_ref and attend_blas) is the only code
+ * that reads cached keys/values. It sees the cache through kv_view: per KV head, a list of n
+ * entries, each with a key (d floats), a value (d floats), an optional additive logit bias and an
+ * optional position. The full f32 cache is one such view
+ * (entry j = token j, bias 0, position j). A compressed cache from libkvrt (ragged per KV head:
+ * token subsets with bias 0, merged AM / merge-reduce entries with bias beta or log w, CSR
+ * offsets) maps onto the same struct with one kv_head_view per KV head pointing into its CSR
+ * arrays; nothing else in the forward pass changes. Causality: a query at position p only sees
+ * entries whose position is <= p; with pos == NULL the entries are the tokens 0..n-1 in order,
+ * with pos != NULL the mask is applied per entry (no ordering assumed).
+ */
+typedef struct {
+    int64_t n;          /* entries visible to this KV head */
+    const float *k;     /* entry j's key at k + j * stride (d floats) */
+    const float *v;     /* entry j's value at v + j * stride */
+    int64_t stride;     /* floats between consecutive entries */
+    const float *bias;  /* [n] additive logit bias, or NULL for 0 */
+    const int32_t *pos; /* [n] entry positions, or NULL for pos = j */
+} kv_head_view;
+
+typedef struct {
+    int n_kv_heads;
+    const kv_head_view *heads; /* [n_kv_heads] */
+} kv_view;
+
+/* out (n, H, d) = softmax(q k^T / sqrt(d) + bias, causal) v for queries q (n, H, d) at positions
+ * pos0 .. pos0 + n - 1; query head h reads KV head h / (H / Hkv).
+ * attend_ref: plain loops, OpenMP over (token, head); scores holds one row of scores_ld floats
+ * per thread. Used for decode (n == 1), where it is as fast as anything else. */
+static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, int pos0,
+                       const kv_view *view, float *out, float *scores, int64_t scores_ld) {
+    (void)layer;
+    const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    #pragma omp parallel for schedule(dynamic, 4) collapse(2) if (n > 1)
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++) {
+            const kv_head_view *kh = &view->heads[h / group];
+            const float *qv = q + ((size_t)t * H + h) * d;
+            float *o = out + ((size_t)t * H + h) * d;
+            float *sc = scores + (size_t)omp_get_thread_num() * scores_ld;
+            const int64_t p = pos0 + t;
+            int64_t ne = kh->n;
+            if (!kh->pos && ne > p + 1) ne = p + 1; /* full cache: entries after p are future */
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < ne; j++) {
+                if (kh->pos && kh->pos[j] > p) { sc[j] = -INFINITY; continue; }
+                const float *kj = kh->k + j * kh->stride;
+                float dot = 0.0f;
+                #pragma omp simd reduction(+ : dot)
+                for (int i = 0; i < d; i++) dot += qv[i] * kj[i];
+                dot = dot * scale + (kh->bias ? kh->bias[j] : 0.0f);
+                sc[j] = dot;
+                if (dot > mx) mx = dot;
+            }
+            for (int i = 0; i < d; i++) o[i] = 0.0f;
+            if (mx == -INFINITY) continue; /* nothing visible */
+            float sum = 0.0f;
+            for (int64_t j = 0; j < ne; j++) {
+                float e = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx);
+                sc[j] = e;
+                sum += e;
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t j = 0; j < ne; j++) {
+                const float w = sc[j] * inv;
+                if (w == 0.0f) continue;
+                const float *vj = kh->v + j * kh->stride;
+                for (int i = 0; i < d; i++) o[i] += w * vj[i];
+            }
+        }
+}
+
+/* attend_blas: same result through two sgemm per query head, S = Q_h K_g^T (n, ne) then
+ * O_h = P V_g, with the mask, bias and softmax applied to S in between (serially: no OpenMP
+ * team competes with OpenBLAS' threads). scores: at least n * max entries floats. */
+static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, int pos0,
+                        const kv_view *view, float *out, float *scores) {
+    (void)layer;
+    const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    for (int h = 0; h < H; h++) {
+        const kv_head_view *kh = &view->heads[h / group];
+        int64_t ne = kh->n;
+        if (!kh->pos && ne > pos0 + n) ne = pos0 + n;
+        if (ne == 0) {
+            for (int t = 0; t < n; t++) memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
+            continue;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale, q + (size_t)h * d,
+                    H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
+        for (int t = 0; t < n; t++) {
+            float *sc = scores + (size_t)t * ne;
+            const int64_t p = pos0 + t;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < ne; j++) {
+                float v = sc[j];
+                if (kh->pos ? kh->pos[j] > p : j > p) v = -INFINITY;
+                else if (kh->bias) v += kh->bias[j];
+                sc[j] = v;
+                if (v > mx) mx = v;
+            }
+            float sum = 0.0f;
+            if (mx != -INFINITY)
+                for (int64_t j = 0; j < ne; j++) {
+                    float e = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx);
+                    sc[j] = e;
+                    sum += e;
+                }
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f; /* no visible entry: output 0 */
+            for (int64_t j = 0; j < ne; j++) sc[j] *= inv;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, (int)ne, 1.0f, scores, (int)ne,
+                    kh->v, (int)kh->stride, 0.0f, out + (size_t)h * d, H * d);
+    }
+}
+
+/* attend: the one entry point of the seam; picks the implementation by query count. */
+static void attend(const kvcc_model *m, int layer, const float *q, int n, int pos0,
+                   const kv_view *view, float *out, kvcc_state *s) {
+    if (n == 1) attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx);
+    else attend_blas(m, layer, q, n, pos0, view, out, s->scores);
+}
+
+// ---------------------------------------------------------------- forward
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* Run n <= KVCC_MODEL_CHUNK tokens at position s->n_past; logits rows as requested. */
+static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                         float *logits, int all_logits, int want_logits) {
+    const kvcc_model_hparams *hp = &m->hp;
+    const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim, H = hp->n_head, Hkv = hp->n_head_kv;
+    const int Hd = H * d, Kd = Hkv * d, pos0 = s->n_past, h2 = d / 2;
+    const size_t T = (size_t)s->n_ctx;
+
+    for (int t = 0; t < n; t++)
+        memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E, (size_t)E * sizeof(float));
+    for (int t = 0; t < n; t++)
+        for (int i = 0; i < h2; i++) {
+            /* as transformers: angle = float(pos) * inv_freq in f32 */
+            float ang = (float)(pos0 + t) * m->rope_inv_freq[i];
+            s->rope_cos[(size_t)t * h2 + i] = (float)cos((double)ang);
+            s->rope_sin[(size_t)t * h2 + i] = (float)sin((double)ang);
+        }
+
+    kv_head_view heads[64];
+    kv_head_view *hv = Hkv <= 64 ? heads : malloc((size_t)Hkv * sizeof *hv);
+    if (!hv) return KVCC_GGUF_ERR_NOMEM;
+    int st = 0;
+    for (int l = 0; l < hp->n_layer && !st; l++) {
+        const kvcc_layer_weights *w = &m->layers[l];
+        float *kc = s->k_cache + (size_t)l * T * Kd, *vc = s->v_cache + (size_t)l * T * Kd;
+        float *kn = kc + (size_t)pos0 * Kd, *vn = vc + (size_t)pos0 * Kd;
+
+        rmsnorm(s->xb, s->x, w->attn_norm, n, E, hp->rms_eps);
+        matmul_t(s->xb, n, E, w->wq, Hd, 0.0f, s->q, Hd);
+        matmul_t(s->xb, n, E, w->wk, Kd, 0.0f, kn, Kd);
+        matmul_t(s->xb, n, E, w->wv, Kd, 0.0f, vn, Kd);
+        rope(s->q, n, H, d, Hd, s->rope_cos, s->rope_sin);
+        rope(kn, n, Hkv, d, Kd, s->rope_cos, s->rope_sin);
+        if (s->capture && (st = s->capture(s->capture_user, l, pos0, n, s->q, kn, vn)) != 0) break;
+
+        for (int h = 0; h < Hkv; h++)
+            hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL, NULL};
+        kv_view view = {Hkv, hv};
+        attend(m, l, s->q, n, pos0, &view, s->att, s);
+        matmul_t(s->att, n, Hd, w->wo, E, 1.0f, s->x, E); /* x += att Wo^T */
+
+        rmsnorm(s->xb, s->x, w->ffn_norm, n, E, hp->rms_eps);
+        matmul_t(s->xb, n, E, w->w_gate, F, 0.0f, s->hb, F);
+        matmul_t(s->xb, n, E, w->w_up, F, 0.0f, s->hb2, F);
+        for (size_t i = 0; i < (size_t)n * F; i++) s->hb[i] = silu(s->hb[i]) * s->hb2[i];
+        matmul_t(s->hb, n, F, w->w_down, E, 1.0f, s->x, E); /* x += ffn */
+    }
+    if (hv != heads) free(hv);
+    if (st) return st;
+    s->n_past = pos0 + n;
+    if (!want_logits) return 0;
+    int r0 = all_logits ? 0 : n - 1, nr = all_logits ? n : 1;
+    rmsnorm(s->xb, s->x + (size_t)r0 * E, m->output_norm, nr, E, hp->rms_eps);
+    matmul_t(s->xb, nr, E, m->output, hp->n_vocab, 0.0f, logits, hp->n_vocab);
+    return 0;
+}
+
+int kvcc_model_prefill(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                       float *logits, unsigned flags) {
+    if (!m || !s || !tokens || n <= 0 || flags > KVCC_LOGITS_NONE) return KVCC_GGUF_ERR_ARG;
+    if (flags != KVCC_LOGITS_NONE && !logits) return KVCC_GGUF_ERR_ARG;
+    if (n > s->n_ctx - s->n_past) return KVCC_GGUF_ERR_LIMIT;
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->hp.n_vocab) return KVCC_GGUF_ERR_ARG;
+    const size_t V = (size_t)m->hp.n_vocab;
+    for (int c0 = 0; c0 < n; c0 += KVCC_MODEL_CHUNK) {
+        int c = n - c0 < KVCC_MODEL_CHUNK ? n - c0 : KVCC_MODEL_CHUNK;
+        int last_chunk = c0 + c == n;
+        int want = flags == KVCC_LOGITS_ALL || (flags == KVCC_LOGITS_LAST && last_chunk);
+        float *lg = flags == KVCC_LOGITS_ALL ? logits + (size_t)c0 * V : logits;
+        int st = forward_chunk(m, s, tokens + c0, c, lg, flags == KVCC_LOGITS_ALL, want);
+        if (st) return st;
+    }
+    return 0;
+}
+
+int kvcc_model_decode(const kvcc_model *m, kvcc_state *s, int32_t token, float *logits) {
+    return kvcc_model_prefill(m, s, &token, 1, logits, KVCC_LOGITS_LAST);
+}
+
+// ---------------------------------------------------------------- log-probabilities
+
+static float log_softmax_at(const float *x, int n, int idx) {
+    float mx = x[0];
+    for (int i = 1; i < n; i++) if (x[i] > mx) mx = x[i];
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += exp((double)(x[i] - mx));
+    return (float)((double)(x[idx] - mx) - log(sum));
+}
+
+int kvcc_model_logprobs(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                        float *logprobs) {
+    if (!m || !s || !tokens || n <= 0 || (n > 1 && !logprobs)) return KVCC_GGUF_ERR_ARG;
+    const int V = m->hp.n_vocab;
+    float *lg = malloc((size_t)KVCC_MODEL_CHUNK * V * sizeof *lg);
+    if (!lg) return KVCC_GGUF_ERR_NOMEM;
+    int st = 0;
+    for (int c0 = 0; c0 < n && !st; c0 += KVCC_MODEL_CHUNK) {
+        int c = n - c0 < KVCC_MODEL_CHUNK ? n - c0 : KVCC_MODEL_CHUNK;
+        if ((st = kvcc_model_prefill(m, s, tokens + c0, c, lg, KVCC_LOGITS_ALL))) break;
+        #pragma omp parallel for schedule(static)
+        for (int t = 0; t < c; t++)
+            if (c0 + t + 1 < n)
+                logprobs[c0 + t] = log_softmax_at(lg + (size_t)t * V, V, tokens[c0 + t + 1]);
+    }
+    free(lg);
+    return st;
+}
+
+double kvcc_perplexity(const float *logprobs, int n) {
+    if (!logprobs || n <= 0) return NAN;
+    double s = 0;
+    for (int i = 0; i < n; i++) s += logprobs[i];
+    return exp(-s / n);
+}
+
+int kvcc_argmax(const float *x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++) if (x[i] > x[best]) best = i;
+    return best;
+}

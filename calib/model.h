@@ -1,0 +1,133 @@
+/*
+ * model.h - built-in llama-family decoder (SmolLM2-135M by default) loaded from GGUF.
+ *
+ * Called by capture (writes post-RoPE q/k/v into the HDF5 corpus), eval (continuation NLL with
+ * compressed caches), the kvcc CLI and tests. Weights are dequantized to f32 at load; matrix
+ * products go through cblas_sgemm (OpenBLAS), attention is plain C with OpenMP over heads.
+ *
+ * Layout of q/k (read this before comparing with other tools): llama.cpp's converter permutes
+ * the rows of attn_q / attn_k inside each head so that GGUF llama uses "normal" RoPE on adjacent
+ * pairs (2i, 2i+1). kvcc_model_load undoes that permutation at load, so every q/k this module
+ * exposes is in the Hugging Face layout: dimension i and i + d/2 form a rotation pair with angle
+ * pos * rope_base^(-2i/d) (rotate_half, "NEOX" style). Post-RoPE keys are directly comparable
+ * with transformers' LlamaAttention key_states; attention scores are identical either way.
+ *
+ * Thread safety: a loaded model is read-only and may be shared; a state belongs to one caller.
+ */
+#ifndef KVCC_MODEL_H
+#define KVCC_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gguf.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int n_layer;     /* llama.block_count */
+    int n_head;      /* llama.attention.head_count (H) */
+    int n_head_kv;   /* llama.attention.head_count_kv (Hkv) */
+    int head_dim;    /* d = n_embd / n_head (or llama.rope.dimension_count when equal) */
+    int n_embd;      /* llama.embedding_length (E) */
+    int n_ff;        /* llama.feed_forward_length (F) */
+    int n_vocab;     /* rows of token_embd (V) */
+    int n_ctx_train; /* llama.context_length */
+    float rope_base; /* llama.rope.freq_base (default 10000) */
+    float rms_eps;   /* llama.attention.layer_norm_rms_epsilon */
+} kvcc_model_hparams;
+
+typedef struct {
+    float *attn_norm; /* (E) */
+    float *wq;        /* (H*d, E)   rows in HF layout (see top of file) */
+    float *wk;        /* (Hkv*d, E) rows in HF layout */
+    float *wv;        /* (Hkv*d, E) */
+    float *wo;        /* (E, H*d) */
+    float *ffn_norm;  /* (E) */
+    float *w_gate;    /* (F, E) */
+    float *w_up;      /* (F, E) */
+    float *w_down;    /* (E, F) */
+} kvcc_layer_weights;
+
+typedef struct kvcc_model {
+    kvcc_model_hparams hp;
+    char name[128];              /* general.name */
+    float *tok_embd;             /* (V, E) */
+    float *output_norm;          /* (E) */
+    float *output;               /* (V, E); == tok_embd when tied (no output.weight) */
+    int tied;                    /* 1 when output aliases tok_embd */
+    kvcc_layer_weights *layers;  /* [n_layer] */
+    float *rope_inv_freq;        /* (d/2) rope_base^(-2i/d), in double then rounded */
+} kvcc_model;
+
+/* Load a llama-family GGUF. Other architectures: KVCC_GGUF_ERR_ARCH naming general.architecture.
+ * msg (optional) receives the file, the field and the expected value on failure. */
+int kvcc_model_load(const char *path, kvcc_model **out, char *msg, size_t msg_cap);
+int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t msg_cap);
+void kvcc_model_free(kvcc_model *m); /* accepts NULL */
+
+/* Per-layer capture of the processed tokens, called after RoPE, in layer order, once per layer
+ * per internal chunk (prefill splits long inputs into chunks of at most KVCC_MODEL_CHUNK tokens).
+ *   q: [n, H, d] post-RoPE queries   k: [n, Hkv, d] post-RoPE keys   v: [n, Hkv, d] values
+ * pos0 is the absolute position of the first of the n tokens. Buffers are only valid during the
+ * call. Return 0 to continue; a nonzero return aborts the prefill with that value. */
+typedef int (*kvcc_capture_fn)(void *user, int layer, int pos0, int n, const float *q,
+                               const float *k, const float *v);
+
+#define KVCC_MODEL_CHUNK 256
+
+typedef struct kvcc_state {
+    int n_ctx;          /* capacity T (tokens) */
+    int n_past;         /* tokens already in the cache */
+    float *k_cache;     /* (n_layer, T, Hkv, d) post-RoPE keys */
+    float *v_cache;     /* (n_layer, T, Hkv, d) values */
+    kvcc_capture_fn capture;
+    void *capture_user;
+    /* scratch for one chunk of up to KVCC_MODEL_CHUNK tokens */
+    float *x;           /* (chunk, E) residual stream */
+    float *xb;          /* (chunk, E) normed input */
+    float *q;           /* (chunk, H*d) */
+    float *att;         /* (chunk, H*d) attention output */
+    float *hb;          /* (chunk, F) gate */
+    float *hb2;         /* (chunk, F) up */
+    float *rope_cos;    /* (chunk, d/2) */
+    float *rope_sin;    /* (chunk, d/2) */
+    float *scores;      /* (max(threads, KVCC_MODEL_CHUNK), T) attention scores / weights */
+    int n_threads;
+} kvcc_state;
+
+/* A state holding up to n_ctx tokens (1 <= n_ctx; it may exceed the training context). */
+int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out);
+void kvcc_state_free(kvcc_state *s); /* accepts NULL */
+void kvcc_state_reset(kvcc_state *s); /* n_past = 0 */
+void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user);
+
+/* flags for prefill */
+#define KVCC_LOGITS_LAST 0u  /* logits (V) of the last token only */
+#define KVCC_LOGITS_ALL 1u   /* logits (n, V) of every token */
+#define KVCC_LOGITS_NONE 2u  /* no logits (logits may be NULL) */
+
+/* Append n tokens to the state's cache and run them through the model. logits: caller buffer of
+ * V floats (LAST) or n*V floats (ALL). Errors: KVCC_GGUF_ERR_ARG (bad token id, n <= 0),
+ * KVCC_GGUF_ERR_LIMIT (n_past + n > n_ctx), or the capture callback's nonzero return. */
+int kvcc_model_prefill(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                       float *logits, unsigned flags);
+/* Prefill of one token; logits: V floats. */
+int kvcc_model_decode(const kvcc_model *m, kvcc_state *s, int32_t token, float *logits);
+
+/* Log-probabilities of the actual next tokens: runs tokens[0..n) from the state's current
+ * position and writes logprobs[i] = log p(tokens[i+1] | ..., tokens[i]) for i in [0, n-1). */
+int kvcc_model_logprobs(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                        float *logprobs);
+/* exp(-mean(logprobs[0..n))); NAN when n <= 0. */
+double kvcc_perplexity(const float *logprobs, int n);
+
+/* Index of the largest of n values (first on ties). */
+int kvcc_argmax(const float *x, int n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVCC_MODEL_H */

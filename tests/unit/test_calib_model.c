@@ -1,0 +1,530 @@
+/*
+ * test_calib_model.c - Criterion tests of calib/model.c.
+ * Without a model file: a tiny llama GGUF (F32 weights) is built in memory and the forward pass
+ * is checked against a naive reference written here from the llama definition, on the GGUF
+ * weight layout with adjacent-pair RoPE (so the load-time Q/K un-permutation is checked too);
+ * prefill vs decode, capture, causality, log-probabilities and load errors.
+ * With models/SmolLM2-135M-Instruct.Q4_1.gguf (or $KVCC_MODEL): prefill vs decode logits, a
+ * greedy answer and held-out perplexity. Run by `make test`.
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gguf.h"
+#include "model.h"
+#include "tokenizer.h"
+
+// ---------------------------------------------------------------- tiny GGUF writer
+
+typedef struct {
+    uint8_t *p;
+    size_t n, cap;
+} gbuf;
+
+static void gb_put(gbuf *b, const void *src, size_t n) {
+    if (b->n + n > b->cap) {
+        b->cap = (b->n + n) * 2 + 64;
+        b->p = realloc(b->p, b->cap);
+        cr_assert_not_null(b->p);
+    }
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+}
+static void gb_u32(gbuf *b, uint32_t v) { gb_put(b, &v, 4); } /* tests run on little-endian */
+static void gb_u64(gbuf *b, uint64_t v) { gb_put(b, &v, 8); }
+static void gb_str(gbuf *b, const char *s) {
+    gb_u64(b, strlen(s));
+    gb_put(b, s, strlen(s));
+}
+static void gb_kv_u32(gbuf *b, const char *k, uint32_t v) {
+    gb_str(b, k);
+    gb_u32(b, KVCC_GGUF_VT_U32);
+    gb_u32(b, v);
+}
+static void gb_kv_f32(gbuf *b, const char *k, float v) {
+    gb_str(b, k);
+    gb_u32(b, KVCC_GGUF_VT_F32);
+    gb_put(b, &v, 4);
+}
+
+enum { L = 2, E = 16, H = 4, HKV = 2, D = 4, F = 24, V = 40 };
+#define ROPE_BASE 10000.0f
+#define EPS 1e-5f
+
+/* Reference weights in GGUF layout (row-major [rows][cols]). */
+typedef struct {
+    float embd[V * E], out_norm[E];
+    float attn_norm[L][E], wq[L][H * D * E], wk[L][HKV * D * E], wv[L][HKV * D * E];
+    float wo[L][E * H * D], ffn_norm[L][E], gate[L][F * E], up[L][F * E], down[L][E * F];
+} tiny_w;
+
+static uint32_t g_rng;
+static float rnd(void) {
+    g_rng = g_rng * 1664525u + 1013904223u;
+    return ((float)(g_rng >> 8) / 16777216.0f - 0.5f);
+}
+static void fill(float *p, int n, float scale, float offset) {
+    for (int i = 0; i < n; i++) p[i] = offset + scale * rnd();
+}
+
+static void make_weights(tiny_w *w) {
+    g_rng = 7;
+    fill(w->embd, V * E, 2.0f, 0);
+    fill(w->out_norm, E, 0.2f, 1.0f);
+    for (int l = 0; l < L; l++) {
+        fill(w->attn_norm[l], E, 0.2f, 1.0f);
+        fill(w->wq[l], H * D * E, 1.0f, 0);
+        fill(w->wk[l], HKV * D * E, 1.0f, 0);
+        fill(w->wv[l], HKV * D * E, 1.0f, 0);
+        fill(w->wo[l], E * H * D, 0.5f, 0);
+        fill(w->ffn_norm[l], E, 0.2f, 1.0f);
+        fill(w->gate[l], F * E, 1.0f, 0);
+        fill(w->up[l], F * E, 1.0f, 0);
+        fill(w->down[l], E * F, 0.5f, 0);
+    }
+}
+
+typedef struct {
+    const char *name;
+    int cols, rows; /* rows 0: vector */
+    const float *data;
+} tdesc;
+
+/* Build the GGUF; skip_tensor / bad_shape_tensor name one tensor to break (or NULL). */
+static gbuf build_tiny(const tiny_w *w, const char *arch, const char *skip_tensor,
+                       const char *bad_shape_tensor) {
+    tdesc t[3 + 9 * L];
+    int nt = 0;
+    t[nt++] = (tdesc){"token_embd.weight", E, V, w->embd};
+    t[nt++] = (tdesc){"output_norm.weight", E, 0, w->out_norm};
+    static char names[9 * L][64];
+    for (int l = 0; l < L; l++) {
+        const char *suf[9] = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                              "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"};
+        const float *ptr[9] = {w->attn_norm[l], w->wq[l], w->wk[l], w->wv[l], w->wo[l],
+                               w->ffn_norm[l], w->gate[l], w->up[l], w->down[l]};
+        int cols[9] = {E, E, E, E, H * D, E, E, E, F};
+        int rows[9] = {0, H * D, HKV * D, HKV * D, E, 0, F, F, E};
+        for (int k = 0; k < 9; k++) {
+            char *nm = names[l * 9 + k];
+            snprintf(nm, 64, "blk.%d.%s.weight", l, suf[k]);
+            t[nt++] = (tdesc){nm, cols[k], rows[k], ptr[k]};
+        }
+    }
+    int n_keep = 0;
+    for (int i = 0; i < nt; i++) n_keep += !(skip_tensor && strcmp(t[i].name, skip_tensor) == 0);
+
+    gbuf b = {0};
+    gb_u32(&b, 0x46554747u);
+    gb_u32(&b, 3);
+    gb_u64(&b, (uint64_t)n_keep);
+    gb_u64(&b, 9);
+    gb_str(&b, "general.architecture");
+    gb_u32(&b, KVCC_GGUF_VT_STRING);
+    gb_str(&b, arch);
+    gb_kv_u32(&b, "llama.block_count", L);
+    gb_kv_u32(&b, "llama.embedding_length", E);
+    gb_kv_u32(&b, "llama.feed_forward_length", F);
+    gb_kv_u32(&b, "llama.attention.head_count", H);
+    gb_kv_u32(&b, "llama.attention.head_count_kv", HKV);
+    gb_kv_u32(&b, "llama.context_length", 64);
+    gb_kv_f32(&b, "llama.rope.freq_base", ROPE_BASE);
+    gb_kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", EPS);
+    uint64_t off = 0;
+    for (int i = 0; i < nt; i++) {
+        if (skip_tensor && strcmp(t[i].name, skip_tensor) == 0) continue;
+        int bad = bad_shape_tensor && strcmp(t[i].name, bad_shape_tensor) == 0;
+        gb_str(&b, t[i].name);
+        gb_u32(&b, t[i].rows ? 2 : 1);
+        gb_u64(&b, (uint64_t)t[i].cols);
+        if (t[i].rows) gb_u64(&b, (uint64_t)(bad ? t[i].rows / 2 : t[i].rows));
+        gb_u32(&b, KVCC_GGUF_T_F32);
+        gb_u64(&b, off);
+        uint64_t bytes = (uint64_t)t[i].cols * (t[i].rows ? (uint64_t)t[i].rows : 1) * 4;
+        off += (bytes + 31) / 32 * 32;
+    }
+    static const uint8_t z[32] = {0};
+    while (b.n % 32) gb_put(&b, z, 1);
+    for (int i = 0; i < nt; i++) {
+        if (skip_tensor && strcmp(t[i].name, skip_tensor) == 0) continue;
+        size_t bytes = (size_t)t[i].cols * (t[i].rows ? (size_t)t[i].rows : 1) * 4;
+        gb_put(&b, t[i].data, bytes);
+        while (b.n % 32) gb_put(&b, z, 1);
+    }
+    return b;
+}
+
+// ---------------------------------------------------------------- naive reference forward
+
+static void ref_rmsnorm(float *o, const float *x, const float *w) {
+    double ss = 0;
+    for (int i = 0; i < E; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / E) + EPS);
+    for (int i = 0; i < E; i++) o[i] = x[i] * r * w[i];
+}
+static void ref_matvec(float *y, const float *W, const float *x, int rows, int cols) {
+    for (int r = 0; r < rows; r++) {
+        double s = 0;
+        for (int c = 0; c < cols; c++) s += (double)W[r * cols + c] * x[c];
+        y[r] = (float)s;
+    }
+}
+/* GGUF llama: adjacent pairs (2i, 2i+1) rotated by pos * base^(-2i/d) */
+static void ref_rope_norm(float *v, int pos) {
+    for (int i = 0; i < D / 2; i++) {
+        double th = pos * pow(ROPE_BASE, -2.0 * i / D);
+        double a = v[2 * i], b = v[2 * i + 1];
+        v[2 * i] = (float)(a * cos(th) - b * sin(th));
+        v[2 * i + 1] = (float)(a * sin(th) + b * cos(th));
+    }
+}
+
+/* logits (n, V) for tokens, from scratch */
+static void ref_forward(const tiny_w *w, const int32_t *tok, int n, float *logits) {
+    static float x[64][E], k[L][64][HKV * D], v[L][64][HKV * D];
+    float xb[E], q[H * D], att[H * D], tmp[E], g[F], u[F];
+    for (int t = 0; t < n; t++) memcpy(x[t], w->embd + tok[t] * E, sizeof x[t]);
+    for (int l = 0; l < L; l++) {
+        for (int t = 0; t < n; t++) {
+            ref_rmsnorm(xb, x[t], w->attn_norm[l]);
+            ref_matvec(k[l][t], w->wk[l], xb, HKV * D, E);
+            ref_matvec(v[l][t], w->wv[l], xb, HKV * D, E);
+            for (int h = 0; h < HKV; h++) ref_rope_norm(k[l][t] + h * D, t);
+        }
+        for (int t = 0; t < n; t++) {
+            ref_rmsnorm(xb, x[t], w->attn_norm[l]);
+            ref_matvec(q, w->wq[l], xb, H * D, E);
+            for (int h = 0; h < H; h++) {
+                ref_rope_norm(q + h * D, t);
+                int g_kv = h / (H / HKV);
+                double sc[64], mx = -1e30, sum = 0;
+                for (int j = 0; j <= t; j++) {
+                    double s = 0;
+                    for (int i = 0; i < D; i++) s += (double)q[h * D + i] * k[l][j][g_kv * D + i];
+                    sc[j] = s / sqrt((double)D);
+                    if (sc[j] > mx) mx = sc[j];
+                }
+                for (int j = 0; j <= t; j++) sum += (sc[j] = exp(sc[j] - mx));
+                for (int i = 0; i < D; i++) {
+                    double o = 0;
+                    for (int j = 0; j <= t; j++) o += sc[j] / sum * v[l][j][g_kv * D + i];
+                    att[h * D + i] = (float)o;
+                }
+            }
+            ref_matvec(tmp, w->wo[l], att, E, H * D);
+            for (int i = 0; i < E; i++) x[t][i] += tmp[i];
+        }
+        for (int t = 0; t < n; t++) {
+            ref_rmsnorm(xb, x[t], w->ffn_norm[l]);
+            ref_matvec(g, w->gate[l], xb, F, E);
+            ref_matvec(u, w->up[l], xb, F, E);
+            for (int i = 0; i < F; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            ref_matvec(tmp, w->down[l], g, E, F);
+            for (int i = 0; i < E; i++) x[t][i] += tmp[i];
+        }
+    }
+    for (int t = 0; t < n; t++) {
+        ref_rmsnorm(xb, x[t], w->out_norm);
+        ref_matvec(logits + t * V, w->embd, xb, V, E); /* tied head */
+    }
+}
+
+// ---------------------------------------------------------------- tiny model tests
+
+static tiny_w g_w;
+
+static kvcc_model *tiny_model(gbuf *keep) {
+    make_weights(&g_w);
+    *keep = build_tiny(&g_w, "llama", NULL, NULL);
+    kvcc_gguf *g;
+    kvcc_model *m;
+    char msg[512];
+    cr_assert_eq(kvcc_gguf_open_memory(keep->p, keep->n, "tiny.gguf", &g, msg, sizeof msg), 0, "%s", msg);
+    cr_assert_eq(kvcc_model_load_gguf(g, &m, msg, sizeof msg), 0, "%s", msg);
+    kvcc_gguf_close(g);
+    return m;
+}
+
+static float max_abs_diff(const float *a, const float *b, size_t n) {
+    float m = 0;
+    for (size_t i = 0; i < n; i++) {
+        float d = fabsf(a[i] - b[i]);
+        if (!(d <= m)) m = d; /* NaN propagates */
+    }
+    return m;
+}
+
+static const int32_t k_toks[] = {3, 17, 5, 39, 0, 22, 22, 8, 31, 12, 1, 30, 7, 19, 25, 2, 33, 9, 14, 6};
+#define NTOK ((int)(sizeof k_toks / sizeof k_toks[0]))
+
+Test(calib_model, tiny_matches_naive_reference) {
+    gbuf b;
+    kvcc_model *m = tiny_model(&b);
+    cr_assert(m->tied && m->hp.n_vocab == V && m->hp.head_dim == D && m->hp.n_head_kv == HKV);
+    kvcc_state *s;
+    cr_assert_eq(kvcc_state_create(m, 32, &s), 0);
+    static float got[NTOK * V], want[NTOK * V];
+    cr_assert_eq(kvcc_model_prefill(m, s, k_toks, NTOK, got, KVCC_LOGITS_ALL), 0);
+    ref_forward(&g_w, k_toks, NTOK, want);
+    float d = max_abs_diff(got, want, (size_t)NTOK * V);
+    cr_assert(d < 1e-4f, "max abs diff vs naive reference %g", d);
+    cr_assert_eq(s->n_past, NTOK);
+    kvcc_state_free(s);
+    kvcc_model_free(m);
+    free(b.p);
+}
+
+Test(calib_model, tiny_prefill_equals_decode) {
+    gbuf b;
+    kvcc_model *m = tiny_model(&b);
+    kvcc_state *s1, *s2;
+    cr_assert_eq(kvcc_state_create(m, NTOK, &s1), 0);
+    cr_assert_eq(kvcc_state_create(m, NTOK, &s2), 0);
+    static float all[NTOK * V], one[V], last[V];
+    cr_assert_eq(kvcc_model_prefill(m, s1, k_toks, NTOK, all, KVCC_LOGITS_ALL), 0);
+    for (int t = 0; t < NTOK; t++) {
+        cr_assert_eq(kvcc_model_decode(m, s2, k_toks[t], one), 0);
+        float d = max_abs_diff(one, all + t * V, V);
+        cr_assert(d < 1e-4f, "position %d: prefill vs decode diff %g", t, d);
+    }
+    /* full: one more token is refused */
+    cr_assert_eq(kvcc_model_decode(m, s2, 0, one), KVCC_GGUF_ERR_LIMIT);
+    /* LAST flag = last row of ALL; split prefill = one prefill */
+    kvcc_state_reset(s1);
+    cr_assert_eq(kvcc_model_prefill(m, s1, k_toks, 7, NULL, KVCC_LOGITS_NONE), 0);
+    cr_assert_eq(kvcc_model_prefill(m, s1, k_toks + 7, NTOK - 7, last, KVCC_LOGITS_LAST), 0);
+    cr_assert(max_abs_diff(last, all + (NTOK - 1) * V, V) < 1e-4f);
+    /* bad input */
+    int32_t bad = V;
+    kvcc_state_reset(s1);
+    cr_assert_eq(kvcc_model_prefill(m, s1, &bad, 1, last, KVCC_LOGITS_LAST), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_model_prefill(m, s1, k_toks, 0, last, KVCC_LOGITS_LAST), KVCC_GGUF_ERR_ARG);
+    kvcc_state_free(s1);
+    kvcc_state_free(s2);
+    kvcc_state_free(NULL);
+    kvcc_model_free(m);
+    kvcc_model_free(NULL);
+    free(b.p);
+}
+
+typedef struct {
+    int calls, layers_seen[L], next_pos[L];
+    const kvcc_state *s;
+    int ok;
+} cap_ctx;
+
+static int capture_cb(void *user, int layer, int pos0, int n, const float *q, const float *k,
+                      const float *v) {
+    cap_ctx *c = user;
+    c->calls++;
+    c->layers_seen[layer]++;
+    if (pos0 != c->next_pos[layer]) c->ok = 0;
+    c->next_pos[layer] = pos0 + n;
+    /* k and v are the rows just written to the cache */
+    const size_t Kd = HKV * D, T = (size_t)c->s->n_ctx;
+    const float *kc = c->s->k_cache + (size_t)layer * T * Kd + (size_t)pos0 * Kd;
+    const float *vc = c->s->v_cache + (size_t)layer * T * Kd + (size_t)pos0 * Kd;
+    if (memcmp(k, kc, (size_t)n * Kd * 4) || memcmp(v, vc, (size_t)n * Kd * 4)) c->ok = 0;
+    for (int i = 0; i < n * H * D; i++)
+        if (!isfinite(q[i])) c->ok = 0;
+    return layer == 1 && pos0 >= 100 ? 42 : 0; /* abort path */
+}
+
+Test(calib_model, tiny_capture_and_logprobs) {
+    gbuf b;
+    kvcc_model *m = tiny_model(&b);
+    kvcc_state *s;
+    cr_assert_eq(kvcc_state_create(m, 400, &s), 0);
+    cap_ctx c = {0};
+    c.s = s;
+    c.ok = 1;
+    kvcc_state_set_capture(s, capture_cb, &c);
+    float lp[NTOK - 1];
+    cr_assert_eq(kvcc_model_logprobs(m, s, k_toks, NTOK, lp), 0);
+    cr_assert(c.ok);
+    cr_assert_eq(c.layers_seen[0], 1);
+    cr_assert_eq(c.layers_seen[1], 1);
+    cr_assert_eq(c.next_pos[1], NTOK);
+    /* check the log-probabilities against the logits */
+    static float all[NTOK * V];
+    ref_forward(&g_w, k_toks, NTOK, all);
+    for (int t = 0; t + 1 < NTOK; t++) {
+        double mx = -1e30, sum = 0;
+        for (int i = 0; i < V; i++) mx = fmax(mx, all[t * V + i]);
+        for (int i = 0; i < V; i++) sum += exp(all[t * V + i] - mx);
+        double want = all[t * V + k_toks[t + 1]] - mx - log(sum);
+        cr_assert(fabs(lp[t] - want) < 1e-4, "t %d: %g vs %g", t, lp[t], want);
+        cr_assert(lp[t] <= 0.0f);
+    }
+    double ppl = kvcc_perplexity(lp, NTOK - 1);
+    cr_assert(isfinite(ppl) && ppl >= 1.0);
+    cr_assert(isnan(kvcc_perplexity(lp, 0)));
+    /* a long prefill spans chunks; the callback's nonzero return aborts it */
+    int32_t many[300];
+    for (int i = 0; i < 300; i++) many[i] = k_toks[i % NTOK];
+    kvcc_state_reset(s);
+    memset(&c, 0, sizeof c);
+    c.s = s;
+    c.ok = 1;
+    cr_assert_eq(kvcc_model_prefill(m, s, many, 300, NULL, KVCC_LOGITS_NONE), 42);
+    cr_assert(c.ok);
+    kvcc_state_free(s);
+    kvcc_model_free(m);
+    free(b.p);
+}
+
+Test(calib_model, load_errors) {
+    make_weights(&g_w);
+    struct { const char *arch, *skip, *bad; int want; const char *in_msg; } cases[] = {
+        {"gpt2", NULL, NULL, KVCC_GGUF_ERR_ARCH, "general.architecture"},
+        {"llama", "blk.1.ffn_up.weight", NULL, KVCC_GGUF_ERR_MISSING, "blk.1.ffn_up.weight"},
+        {"llama", NULL, "blk.0.attn_k.weight", KVCC_GGUF_ERR_SHAPE, "blk.0.attn_k.weight"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        gbuf b = build_tiny(&g_w, cases[i].arch, cases[i].skip, cases[i].bad);
+        kvcc_gguf *g;
+        kvcc_model *m = (kvcc_model *)1;
+        char msg[512];
+        cr_assert_eq(kvcc_gguf_open_memory(b.p, b.n, "tiny.gguf", &g, msg, sizeof msg), 0, "%s", msg);
+        cr_assert_eq(kvcc_model_load_gguf(g, &m, msg, sizeof msg), cases[i].want, "case %zu: %s", i, msg);
+        cr_assert_null(m);
+        cr_assert(strstr(msg, cases[i].in_msg) && strstr(msg, "tiny.gguf"), "case %zu: %s", i, msg);
+        kvcc_gguf_close(g);
+        free(b.p);
+    }
+    char msg[256];
+    kvcc_model *m;
+    cr_assert_eq(kvcc_model_load("/nonexistent/model.gguf", &m, msg, sizeof msg), KVCC_GGUF_ERR_IO);
+}
+
+// ---------------------------------------------------------------- real model (optional)
+
+static const char *model_path(void) {
+    const char *p = getenv("KVCC_MODEL");
+    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+typedef struct {
+    kvcc_model *m;
+    kvcc_tok *t;
+} real_model;
+
+static real_model load_real(void) {
+    real_model r = {0};
+    FILE *f = fopen(model_path(), "rb");
+    if (!f) return r;
+    fclose(f);
+    kvcc_gguf *g;
+    char msg[512];
+    cr_assert_eq(kvcc_gguf_open(model_path(), &g, msg, sizeof msg), 0, "%s", msg);
+    cr_assert_eq(kvcc_tok_from_gguf(g, &r.t, msg, sizeof msg), 0, "%s", msg);
+    cr_assert_eq(kvcc_model_load_gguf(g, &r.m, msg, sizeof msg), 0, "%s", msg);
+    kvcc_gguf_close(g);
+    return r;
+}
+
+static int32_t *encode(kvcc_tok *t, const char *s, size_t len, int *n) {
+    int32_t *ids;
+    size_t ni;
+    cr_assert_eq(kvcc_tok_encode(t, s, len, KVCC_TOK_PARSE_SPECIAL, &ids, &ni), 0);
+    *n = (int)ni;
+    return ids;
+}
+
+Test(calib_model, real_prefill_equals_decode, .timeout = 600) {
+    real_model r = load_real();
+    if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    const kvcc_model_hparams *hp = &r.m->hp;
+    cr_assert(hp->n_layer == 30 && hp->n_head == 9 && hp->n_head_kv == 3 && hp->head_dim == 64 &&
+              hp->n_embd == 576 && hp->n_ff == 1536 && hp->n_vocab == 49152 && r.m->tied);
+    const char *text = "Call me Ishmael. Some years ago, never mind how long precisely, having "
+                       "little or no money in my purse";
+    int n;
+    int32_t *ids = encode(r.t, text, strlen(text), &n);
+    cr_assert(n > 16 && n < 40);
+    kvcc_state *s1, *s2;
+    cr_assert_eq(kvcc_state_create(r.m, 64, &s1), 0);
+    cr_assert_eq(kvcc_state_create(r.m, 64, &s2), 0);
+    float *all = malloc((size_t)n * hp->n_vocab * sizeof *all), *one = malloc(hp->n_vocab * sizeof *one);
+    cr_assert_eq(kvcc_model_prefill(r.m, s1, ids, n, all, KVCC_LOGITS_ALL), 0);
+    float worst = 0;
+    for (int t = 0; t < n; t++) {
+        cr_assert_eq(kvcc_model_decode(r.m, s2, ids[t], one), 0);
+        float d = max_abs_diff(one, all + (size_t)t * hp->n_vocab, (size_t)hp->n_vocab);
+        if (!(d <= worst)) worst = d;
+    }
+    cr_assert(worst < 1e-3f, "prefill vs decode: max abs logit diff %g", worst);
+    free(all);
+    free(one);
+    free(ids);
+    kvcc_state_free(s1);
+    kvcc_state_free(s2);
+    kvcc_tok_free(r.t);
+    kvcc_model_free(r.m);
+}
+
+Test(calib_model, real_greedy_answer, .timeout = 600) {
+    real_model r = load_real();
+    if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    const char *prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                         "<|im_start|>assistant\n";
+    int n;
+    int32_t *ids = encode(r.t, prompt, strlen(prompt), &n);
+    kvcc_state *s;
+    cr_assert_eq(kvcc_state_create(r.m, 128, &s), 0);
+    float *lg = malloc(r.m->hp.n_vocab * sizeof *lg);
+    cr_assert_eq(kvcc_model_prefill(r.m, s, ids, n, lg, KVCC_LOGITS_LAST), 0);
+    int32_t out[12];
+    for (int i = 0; i < 12; i++) {
+        out[i] = kvcc_argmax(lg, r.m->hp.n_vocab);
+        cr_assert_eq(kvcc_model_decode(r.m, s, out[i], lg), 0);
+    }
+    char *txt;
+    size_t tl;
+    cr_assert_eq(kvcc_tok_decode(r.t, out, 12, &txt, &tl), 0);
+    cr_assert(strstr(txt, "Paris") != NULL, "greedy answer: '%s'", txt);
+    /* plain continuation too */
+    const char *p2 = "The capital of France is";
+    free(ids);
+    ids = encode(r.t, p2, strlen(p2), &n);
+    kvcc_state_reset(s);
+    cr_assert_eq(kvcc_model_prefill(r.m, s, ids, n, lg, KVCC_LOGITS_LAST), 0);
+    int32_t nx = kvcc_argmax(lg, r.m->hp.n_vocab);
+    size_t nl;
+    const char *nt = kvcc_tok_text(r.t, nx, &nl);
+    cr_assert(nl == 7 && memcmp(nt, "\xC4\xA0Paris", 7) == 0, "next token '%.*s'", (int)nl, nt);
+    free(txt);
+    free(lg);
+    free(ids);
+    kvcc_state_free(s);
+    kvcc_tok_free(r.t);
+    kvcc_model_free(r.m);
+}
+
+Test(calib_model, real_heldout_perplexity, .timeout = 900) {
+    real_model r = load_real();
+    if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FILE *f = fopen("examples/data/heldout/1985_ronald_reagan_r.txt", "rb");
+    if (!f) cr_skip_test("examples/data not found (run the tests from the repository root)");
+    static char buf[4096];
+    size_t len = fread(buf, 1, 2600, f); /* ~500 tokens */
+    fclose(f);
+    int n;
+    int32_t *ids = encode(r.t, buf, len, &n);
+    cr_assert(n >= 450 && n <= 700, "%d tokens", n);
+    kvcc_state *s;
+    cr_assert_eq(kvcc_state_create(r.m, n, &s), 0);
+    float *lp = malloc((size_t)n * sizeof *lp);
+    cr_assert_eq(kvcc_model_logprobs(r.m, s, ids, n, lp), 0);
+    double ppl = kvcc_perplexity(lp, n - 1);
+    cr_log_info("held-out perplexity (1985 address, %d tokens): %.3f", n, ppl);
+    cr_assert(isfinite(ppl) && ppl > 1.0 && ppl < 100.0, "perplexity %g", ppl);
+    free(lp);
+    free(ids);
+    kvcc_state_free(s);
+    kvcc_tok_free(r.t);
+    kvcc_model_free(r.m);
+}
