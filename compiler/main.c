@@ -17,6 +17,7 @@ static void usage(FILE *out) {
             "commands:\n"
             "  models                      list the model presets and their dimensions\n"
             "  compile --model NAME -o F   compile a .kvpol artifact for a model (see kvcc compile --help)\n"
+            "  capture -o F.h5             run the built-in model on text, write a calibration corpus\n"
             "  synth --model NAME -o F.h5  write a synthetic corpus (planted structure) for any preset\n"
             "  inspect FILE [--json]       show an artifact: header, fingerprint, sections, items\n"
             "  verify FILE [--model NAME]  fully validate an artifact (and its model fingerprint)\n"
@@ -57,11 +58,11 @@ int main(int argc, char **argv) {
         int (*fn)(int, char **);
     } cmds[] = {
         {"models", kvcc_cmd_models}, {"compile", kvcc_cmd_compile}, {"inspect", kvcc_cmd_inspect},
-        {"verify", kvcc_cmd_verify}, {"diff", kvcc_cmd_diff}, {"synth", kvcc_cmd_synth},
+        {"verify", kvcc_cmd_verify}, {"diff", kvcc_cmd_diff}, {"synth", kvcc_cmd_synth}, {"capture", kvcc_cmd_capture},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (!strcmp(cmd, cmds[i].name)) return cmds[i].fn(argc - 1, argv + 1);
-    fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, synth, inspect, verify, diff; see kvcc --help)\n",
+    fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, capture, synth, inspect, verify, diff; see kvcc --help)\n",
             cmd);
     return KVCC_EXIT_USAGE;
 }

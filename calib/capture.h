@@ -1,0 +1,38 @@
+/*
+ * capture.h: `kvcc capture`: run the built-in model on windows of real text and write the
+ * post-RoPE queries, keys and values of every layer, the tokens and the next-token
+ * log-probabilities into a schema-v1 corpus (docs/corpus-format.md).
+ */
+#ifndef KVCC_CAPTURE_H
+#define KVCC_CAPTURE_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "model.h"
+#include "tokenizer.h"
+
+typedef struct {
+    const char *const *texts;  /* text files to draw windows from */
+    int n_texts;
+    uint32_t n_prompts;
+    uint32_t context_len;
+    uint32_t continuation_len;
+    uint64_t seed;
+    int dtype_f16;
+    const char *model_name;    /* recorded in the corpus (a preset name when the model is one) */
+    const char *options;       /* canonical option string recorded in the corpus */
+} kvcc_capture_opts;
+
+typedef struct {
+    uint32_t prompts, tokens_per_prompt, layers;
+    uint64_t windows_available;
+    double mean_nll;           /* over all next-token predictions of all prompts */
+    double seconds;
+} kvcc_capture_stats;
+
+/* Tokenize the texts, choose n_prompts non-overlapping windows of context+continuation tokens
+ * (seeded), run the model over each and write the corpus to out_path (temp file + rename). */
+int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_capture_opts *o, const char *out_path,
+                     void (*progress)(unsigned done, unsigned total), kvcc_capture_stats *stats, char *err,
+                     size_t errlen);
+#endif
