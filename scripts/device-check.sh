@@ -4,6 +4,7 @@
 #   - builds with USE_CUDA=1: the test binary and every benchmark
 #   - runs build/tests/kvcc_tests (includes the CUDA-vs-CPU-reference equivalence tests; on this
 #     machine they must run, so a "skipped: no GPU" line is a failure here)
+#   - runs the CUDA attend tests once more under compute-sanitizer memcheck (when installed)
 #   - runs every build/bench/* whose source takes a --cuda flag, with --cuda
 # Log: ${OUT:-build}/device-check.log. Exit status: 0 only when every step passed.
 # Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
@@ -63,6 +64,22 @@ if [ -x build/tests/kvcc_tests ]; then
     fi
 else
     fail "build/tests/kvcc_tests missing"
+fi
+
+step "CUDA attend kernels under compute-sanitizer (memcheck), when the toolkit has it"
+# The attend kernels (runtime/cuda/attend.cu) were written on a machine without a GPU: check
+# their memory accesses once here. Criterion forks a process per test, hence --target-processes.
+CSAN="$(command -v compute-sanitizer 2>/dev/null || true)"
+[ -n "$CSAN" ] || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && CSAN=/usr/local/cuda/bin/compute-sanitizer; }
+if [ -n "$CSAN" ] && [ -x build/tests/kvcc_tests ]; then
+    if timeout 600 "$CSAN" --tool memcheck --target-processes all --error-exitcode 99 \
+        build/tests/kvcc_tests --jobs 1 --filter 'cuda/attend*'; then
+        echo "compute-sanitizer: clean"
+    else
+        fail "compute-sanitizer memcheck on the CUDA attend tests"
+    fi
+else
+    echo "compute-sanitizer not found: step skipped"
 fi
 
 step "benchmarks with --cuda"

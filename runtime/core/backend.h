@@ -4,6 +4,8 @@
  *
  * defines: struct kvrt_ctx, kvrt_backend_ops (the backend function table), kvrt_err_set,
  *          kvrt_cpu_softmax_rows (CPU fast path, runtime/cpu/softmax.c),
+ *          kvrt_tls_err, kvrt_f32_to_f16_row, kvrt_f16_to_f32_row (core/cache.c),
+ *          kvrt_attend_check (core/attend.c), kvrt_cpu_attend (runtime/cpu/attend.c),
  *          kvrt_cuda_* (CUDA backend entry points, runtime/cuda/cuda_backend.cu; only declared
  *          when built with KVRT_WITH_CUDA)
  *
@@ -87,6 +89,46 @@ KVRT_INTERNAL int kvrt_cuda_download(kvrt_ctx *ctx, void *dst_host, const void *
 KVRT_INTERNAL int kvrt_cuda_sync(kvrt_ctx *ctx);
 KVRT_INTERNAL int kvrt_cuda_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y,
                                          float scale);
+#endif
+
+
+/* ------------------------------------------------------------------ added with the cache, attend,
+ * selection and baseline ops (runtime/core/cache.c, core/attend.c, cpu/attend.c, cpu/select.c,
+ * cpu/baselines.c, cuda/attend.cu) */
+
+/* The thread-local kvrt_error behind kvrt_last_error() (core/cache.c), for calls that take no
+ * context and no kvrt_error*. */
+KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
+
+/* Row conversions (core/cache.c), written to vectorize: dst[i] = f16(src[i]) (RNE) and back. */
+KVRT_INTERNAL void kvrt_f32_to_f16_row(const float *src, uint16_t *dst, int64_t n);
+KVRT_INTERNAL void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n);
+
+/* The backend-independent argument checks of kvrt_attend and kvrt_attend_ref (core/attend.c):
+ * fn names the caller in the message written to *e. Does not look at q's values. */
+KVRT_INTERNAL int kvrt_attend_check(kvrt_error *e, const char *fn, const float *q, int64_t n,
+                                    uint32_t n_heads, const kvrt_cache *c, const float *k_recent,
+                                    const float *v_recent, int64_t n_recent, float scale,
+                                    const float *out);
+
+/* CPU fast attention (cpu/attend.c). Arguments were checked by kvrt_attend (core/attend.c):
+ * host cache of dtype f32/f16, n >= 1, n_heads % c->n_kv_heads == 0, pointers non-NULL as
+ * required. Checks q for NaN itself; messages in ctx->last_err. */
+KVRT_INTERNAL int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
+                                  const kvrt_cache *c, const float *k_recent,
+                                  const float *v_recent, int64_t n_recent, float scale,
+                                  float *out, float *lse_out);
+
+#if defined(KVRT_WITH_CUDA)
+/* The context's cudaStream_t, as void * so that this header stays free of CUDA types
+ * (cuda/cuda_backend.cu); for the other .cu files of the backend. */
+KVRT_INTERNAL void *kvrt_cuda_stream_of(const kvrt_ctx *ctx);
+/* CUDA attention (cuda/attend.cu): same checks done; c is a device cache owned by ctx, every
+ * pointer is device memory. Asynchronous on the context's stream. */
+KVRT_INTERNAL int kvrt_cuda_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
+                                   const kvrt_cache *c, const float *k_recent,
+                                   const float *v_recent, int64_t n_recent, float scale,
+                                   float *out, float *lse_out);
 #endif
 
 #ifdef __cplusplus

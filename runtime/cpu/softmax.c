@@ -84,40 +84,7 @@ void kvrt_softmax_rows_ref(const float *x, float *y, int64_t rows, int64_t cols,
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-/* exp(x) for x <= 0 (or NaN), written so that GCC/Clang vectorize the loops that call it (libm's
- * expf is an opaque call that blocks vectorization without -ffast-math). Cody-Waite range
- * reduction x = n ln2 + r, |r| <= ln2/2, Cephes' degree-7 polynomial for e^r, then 2^n from the
- * exponent bits. Checked exhaustively against exp() in double over every float in
- * [ln(FLT_MIN), 0]: max relative error 8.3e-8 (1.4 ulp). Below ln(FLT_MIN) ~ -87.34 (results
- * that would be subnormal, < 1.2e-38) and at -INFINITY it returns exactly 0; NaN gives NaN;
- * x > 0 is outside the contract (clamped to 0, returns 1) and never happens here: z - max <= 0.
- * The rounding trick (v + 1.5 * 2^23) - 1.5 * 2^23 needs IEEE evaluation (no -ffast-math). */
-static inline float exp_nonpos_f32(float x) {
-    const float lo = -87.33654475f; /* ln(FLT_MIN) */
-    float xc = x > 0.0f ? 0.0f : x;
-    xc = xc < lo ? lo : xc;
-    xc = (x != x) ? 0.0f : xc; /* keep NaN away from the float -> int conversion */
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float n = (xc * 1.44269504088896341f + shifter) - shifter; /* round(x / ln2) */
-    float r = xc - n * 0.693359375f;  /* ln2 high part: exact product for |n| <= 127 */
-    r = r - n * -2.12194440e-4f;      /* ln2 low part */
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* n in [-126, 0]: a normal power of two */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    /* Final fix-ups as arithmetic on selected constants, not as selects of y: a select of y lets
-     * GCC sink the polynomial into a branch, which -ftrapping-math then refuses to if-convert,
-     * and the loop stays scalar. */
-    const float keep = x < lo ? 0.0f : 1.0f;     /* 0 below ln(FLT_MIN) and at -INFINITY */
-    const float nan_part = (x != x) ? x : 0.0f;  /* NaN in, NaN out */
-    return y * two_n * keep + nan_part;
-}
+#include "cpu/vexp.h" /* exp_nonpos_f32 */
 
 /* One row. xr and yr may be the same pointer (each index is read before it is written and the
  * passes have no loop-carried dependency), so neither is restrict.

@@ -4,7 +4,7 @@
  *
  * defines: kvrt_cuda_device_count_impl, kvrt_cuda_init, kvrt_cuda_free, kvrt_cuda_info,
  *          kvrt_cuda_alloc, kvrt_cuda_dealloc, kvrt_cuda_upload, kvrt_cuda_download,
- *          kvrt_cuda_sync, kvrt_cuda_softmax_rows
+ *          kvrt_cuda_sync, kvrt_cuda_softmax_rows, kvrt_cuda_stream_of (for the other .cu files)
  *
  * Per context: one device (cudaSetDevice on every entry: the calling thread may have another
  * current device), one non-blocking stream that every op and copy goes through, and one cuBLAS
@@ -304,6 +304,11 @@ int kvrt_cuda_sync(kvrt_ctx *ctx) {
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
     CUDA_CHECK(err, cudaStreamSynchronize(state_of(ctx)->stream));
     return KVRT_OK;
+}
+
+void *kvrt_cuda_stream_of(const kvrt_ctx *ctx) {
+    kvrt_cuda_state *st = state_of(ctx);
+    return st ? (void *)st->stream : NULL;
 }
 
 int kvrt_cuda_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {

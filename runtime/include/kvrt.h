@@ -166,6 +166,193 @@ int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float
 /* The plain CPU reference of the same op, contiguous f32 [rows, cols]. */
 void kvrt_softmax_rows_ref(const float *x, float *y, int64_t rows, int64_t cols, float scale);
 
+
+/* ------------------------------------------------------------------ thread-local last error */
+/* Calls that take neither a context nor a kvrt_error* (kvrt_cache_*, kvrt_selection_*,
+ * kvrt_attend_ref, kvrt_topk*, kvrt_budget_resolve, kvrt_select_pinned, kvrt_method_*,
+ * kvrt_quest_*) record the message of their last failure in a thread-local kvrt_error, readable
+ * here until the next failing call of that kind on the same thread. Never NULL. */
+const kvrt_error *kvrt_last_error(void);
+
+/* ------------------------------------------------------------------ compressed cache */
+/* One layer's compressed KV cache: per KV head a ragged list of entries (CSR, FlashInfer-style,
+ * so kernels read it directly). Created by kvrt_cache_create / kvrt_cache_gather (host) or
+ * kvrt_cache_to_device (CUDA); freed by kvrt_cache_free. Arrays of a head with 0 entries are
+ * simply empty; arrays of a cache with n_entries == 0 are NULL. */
+typedef struct {
+    int dtype;            /* KVRT_DTYPE_F32 or KVRT_DTYPE_F16 storage of keys and values */
+    int device;           /* KVRT_DEVICE_HOST (CUDA copies: kvrt_cache_to_device) */
+    uint32_t n_kv_heads, head_dim;
+    int64_t n_entries;
+    int64_t *offsets;     /* [n_kv_heads + 1]: head j owns entries offsets[j] .. offsets[j+1]-1 */
+    void *keys;           /* [n_entries, head_dim] */
+    void *values;         /* [n_entries, head_dim] */
+    float *bias;          /* [n_entries]: additive logit bias (0 for plain tokens; AM beta; log weight) */
+    int32_t *positions;   /* [n_entries]: original token position, -1 for synthetic entries */
+    /* (fields added after the first version) */
+    kvrt_ctx *owner;      /* device caches: the context whose memory holds every array above
+                           * (offsets included); NULL for host caches */
+    int64_t *host_offsets;/* device caches: host copy of offsets [n_kv_heads + 1]; host caches:
+                           * equal to offsets */
+} kvrt_cache;
+/* A token selection per KV head (positions ascending within a head). */
+typedef struct {
+    uint32_t n_kv_heads;
+    int64_t *offsets;     /* [n_kv_heads + 1] */
+    int32_t *positions;   /* [offsets[n_kv_heads]] */
+} kvrt_selection;
+
+/* A host cache with counts[j] entries for head j (keys/values zeroed, bias 0, positions -1).
+ * n_kv_heads >= 1, head_dim >= 1, counts >= 0, dtype f32 or f16. */
+int kvrt_cache_create(uint32_t n_kv_heads, uint32_t head_dim, int dtype,
+                      const int64_t *counts /*[n_kv_heads]*/, kvrt_cache **out);
+/* Frees host caches, and device caches through their owner context (which must still be
+ * alive). Accepts NULL. */
+void kvrt_cache_free(kvrt_cache *c);
+/* Everything the cache allocated for its arrays (on its device): keys and values
+ * (2 * n_entries * head_dim * dtype size) + bias (4 * n_entries) + positions (4 * n_entries) +
+ * offsets (8 * (n_kv_heads + 1)). Not counted: the kvrt_cache struct itself and, for device
+ * caches, the host copy of offsets. 0 for NULL. */
+size_t kvrt_cache_bytes(const kvrt_cache *c);
+/* Gather the selected tokens of a full cache k,v [T, n_kv_heads, d] (f32) into a new cache that
+ * allocates only what is kept; bias 0, positions = the selected positions. Positions must lie
+ * in [0, T) (KVRT_ERR_ARG otherwise). */
+int kvrt_cache_gather(const float *k, const float *v, int64_t T, uint32_t n_kv_heads,
+                      uint32_t head_dim, const kvrt_selection *sel, int dtype, kvrt_cache **out);
+/* A copy of a host cache in the memory of ctx (CUDA contexts: device memory; CPU contexts: a
+ * host copy). Free it with kvrt_cache_free before freeing ctx. Message in ctx's last error. */
+int kvrt_cache_to_device(kvrt_ctx *ctx, const kvrt_cache *host, kvrt_cache **out);
+
+/* A selection with counts[j] positions for head j (zeroed). */
+int kvrt_selection_create(uint32_t n_kv_heads, const int64_t *counts, kvrt_selection **out);
+void kvrt_selection_free(kvrt_selection *s);
+
+/* f32 -> f16 with round-to-nearest-even (overflow -> +-inf, NaN stays NaN, subnormals kept),
+ * and the exact inverse. Used for f16 cache storage. */
+uint16_t kvrt_f32_to_f16(float f);
+float kvrt_f16_to_f32(uint16_t h);
+
+/* ------------------------------------------------------------------ attention over a cache */
+/* out[i,h,:] = softmax over { cache entries of kv head h/G: q.k*scale + bias } U { recent tokens j
+ * visible to query i: q.k_recent[j]*scale } of the values. q [n, H, d], k_recent/v_recent
+ * [n_recent, Hkv, d] or NULL (then n_recent must be 0); query i sees recent tokens
+ * j < n_recent - n + i + 1 (causal, the last query sees all). Running max, never overflows.
+ * Optional lse_out [n, H] (natural log-sum-exp of the scaled, biased logits), or NULL.
+ * out [n, H, d] (f32). G = H / Hkv query heads share kv head h / G.
+ * Empty rows (the head has 0 entries and query i sees no recent token): out row = 0 and
+ * lse = -INFINITY. A -INFINITY bias drops its entry.
+ * Statuses: KVRT_ERR_ARG (NULL pointers, n < 1, n_recent < 0, recent pointers NULL with
+ * n_recent > 0, scale not finite, NaN in q: host paths only; on CUDA, where checking would
+ * force a synchronizing read-back, NaN in q gives NaN rows instead), KVRT_ERR_SHAPE (n_heads
+ * not a multiple of c->n_kv_heads), KVRT_ERR_DTYPE (cache dtype), KVRT_ERR_DEVICE (cache on
+ * another device or owned by another context).
+ * _ref: plain loops, double accumulation, host cache only. */
+int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cache *c,
+                    const float *k_recent, const float *v_recent, int64_t n_recent, float scale,
+                    float *out, float *lse_out);
+/* On a CPU context: host pointers, sgemm over blocks of entries, OpenMP over (kv head, query
+ * block, entry split) tiles; the output does not depend on the thread count. On a CUDA
+ * context: q, k_recent, v_recent, out, lse_out are device pointers and c a device cache
+ * (kvrt_cache_to_device on the same context); asynchronous until kvrt_ctx_sync / a download. */
+int kvrt_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads, const kvrt_cache *c,
+                const float *k_recent, const float *v_recent, int64_t n_recent, float scale,
+                float *out, float *lse_out);
+
+/* ------------------------------------------------------------------ selection primitives */
+/* The k largest scores[0..n) (n <= INT32_MAX, 0 <= k <= n): ties broken by lower index, NaN
+ * ranks lowest (below -INFINITY; NaNs among themselves by index), -0.0 == +0.0. idx [k] is
+ * written sorted ascending by index. _ref: a full sort; kvrt_topk: quickselect, O(n) expected,
+ * identical output. */
+int kvrt_topk_ref(const float *scores, int64_t n, int64_t k, int32_t *idx);
+int kvrt_topk(const float *scores, int64_t n, int64_t k, int32_t *idx);
+/* budget >= 1: a token count (rounded to nearest); 0 < budget < 1: a ratio of T (round to
+ * nearest, at least 1). budget <= 0, NaN, inf, T < 1, or a count > T: KVRT_ERR_ARG with a
+ * message in kvrt_last_error() (callers that want a clamp do it before calling). */
+int kvrt_budget_resolve(double budget, int64_t T, int64_t *tokens);
+/* Select `budget` positions of [0, T) into idx [budget] (ascending): the first n_sink and last
+ * n_recent positions are pinned (they count inside the budget; overlapping pins count once),
+ * the rest of the budget goes to the highest scores [T] among the unpinned positions (topk
+ * rules). KVRT_ERR_ARG when budget > T or budget < the number of pinned positions. scores may
+ * be NULL when the pins fill the budget. */
+int kvrt_select_pinned(const float *scores, int64_t T, int64_t budget, int64_t n_sink,
+                       int64_t n_recent, int32_t *idx);
+
+/* ------------------------------------------------------------------ baseline methods */
+typedef enum { KVRT_METHOD_FULL = 0, KVRT_METHOD_STREAMING = 1, KVRT_METHOD_RANDOM = 2,
+               KVRT_METHOD_SNAPKV = 3, KVRT_METHOD_H2O = 4, KVRT_METHOD_KNORM = 5,
+               KVRT_METHOD_KEYDIFF = 6 } kvrt_method;
+#define KVRT_METHOD_COUNT 7
+typedef struct {
+    int method;
+    int64_t budget;        /* tokens kept per KV head (already resolved; 1..T; ignored by full) */
+    uint32_t n_sink;       /* default 4: pinned by streaming, random, knorm, keydiff */
+    uint32_t window;       /* SnapKV observation window (default 32); StreamingLLM recent = budget - n_sink */
+    uint32_t pool_kernel;  /* SnapKV pooling kernel (default 7): average pooling, zero padding
+                            * kernel/2 each side, divided by the kernel (SnapKV's default
+                            * 'avgpool' = F.avg_pool1d, count_include_pad); odd, >= 1 */
+    uint64_t seed;         /* random */
+} kvrt_method_opts;
+/* The defaults above for a method and a budget. */
+void kvrt_method_opts_init(kvrt_method_opts *o, int method, int64_t budget);
+/* q [T, H, d] (the context's own post-RoPE queries; needed by SnapKV and H2O, may be NULL for
+ * the others), k, v [T, Hkv, d] (v is unused by every method here and may be NULL).
+ * *out: a new selection with exactly budget positions per KV head (full: T), ascending, unique.
+ * Semantics per KV head (scores of the G query heads of a KV head are averaged):
+ *  full       all T positions.
+ *  streaming  first n_sink + last budget - n_sink (budget >= n_sink).
+ *  random     first n_sink + a uniform sample of budget - n_sink of the rest, from seed and the
+ *             KV head index (the caller mixes the layer into the seed).
+ *  snapkv     scores = sum over the last `window` queries of their causal softmax rows (scale
+ *             1/sqrt(d)), average-pooled along positions; keep the window itself plus the top
+ *             budget - window positions before it (budget >= window; T <= window: all).
+ *  h2o        scores = sum over all T queries of their causal softmax rows (accumulated
+ *             attention; computed in query blocks, never a T x T matrix); keep the recent
+ *             window of budget / 2 (rounded down) last positions plus the budget - budget / 2
+ *             heavy hitters (top scores) before it (H2O's equal heavy/recent split).
+ *  knorm      keep the budget keys of lowest L2 norm, first n_sink pinned.
+ *  keydiff    score = -cos(k_t, mean of the L2-normalized keys of the head), keep the highest,
+ *             first n_sink pinned.
+ * All deterministic (same inputs, same output, whatever the thread count). */
+int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k, const float *v,
+                       int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                       kvrt_selection **out);
+const char *kvrt_method_name(int method);   /* "full", ..., "keydiff"; "unknown" otherwise */
+int kvrt_method_from_name(const char *name); /* -1 when unknown */
+/* Score vectors behind snapkv and h2o, per KV head (G-averaged, before pooling):
+ * scores [Hkv, T]. snapkv: window mass (positions of the window included, 0 where no window
+ * query sees them); h2o: accumulated attention. _ref: plain loops in double; the fast paths
+ * (sgemm, f32) match them within |a-b| <= 1e-5 + 1e-4*|ref|. */
+int kvrt_snapkv_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                           uint32_t n_kv_heads, uint32_t head_dim, uint32_t window, float *scores);
+int kvrt_snapkv_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                       uint32_t n_kv_heads, uint32_t head_dim, uint32_t window, float *scores);
+int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                        uint32_t n_kv_heads, uint32_t head_dim, float *scores);
+int kvrt_h2o_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                    uint32_t n_kv_heads, uint32_t head_dim, float *scores);
+
+/* ------------------------------------------------------------------ Quest (decode-time pages) */
+/* Per page of `page` tokens (the last page may be shorter) and KV head: elementwise min and max
+ * of the keys. */
+typedef struct {
+    uint32_t n_kv_heads, head_dim, page;
+    int64_t T, n_pages;   /* n_pages = ceil(T / page) */
+    float *kmin;          /* [n_kv_heads, n_pages, head_dim] */
+    float *kmax;          /* [n_kv_heads, n_pages, head_dim] */
+} kvrt_quest;
+/* k [T, Hkv, d] (f32). */
+int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
+                         uint32_t page, kvrt_quest **out);
+void kvrt_quest_free(kvrt_quest *qs);
+/* Upper-bound scores [Hkv, n_pages]: sum over the G query heads of the KV head of
+ * sum_i max(q_i * min_i, q_i * max_i) (>= q.k for every key of the page). q [H, d], one step. */
+int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores);
+/* pages_out [Hkv, budget_pages], ascending per head: the first and last page always, the rest by
+ * top score (ties: lower page). 1 <= budget_pages <= n_pages, and budget_pages >= 2 when
+ * n_pages >= 2. */
+int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, uint32_t n_heads,
+                      int64_t budget_pages, int32_t *pages_out /*[Hkv, budget_pages]*/);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,587 @@
+/*
+ * baselines.c: the baseline KV-cache compression methods behind one API (full, StreamingLLM,
+ * random, SnapKV, H2O, Knorm, KeyDiff) and Quest's decode-time page selection. Every comparison
+ * table runs them on the same inputs and budgets as the five policies.
+ * Callers: kvcc eval and the compiler's baselines, serving stacks, tests.
+ *
+ * defines: kvrt_method_name, kvrt_method_from_name, kvrt_method_opts_init, kvrt_method_select,
+ *          kvrt_snapkv_scores_ref, kvrt_snapkv_scores, kvrt_h2o_scores_ref, kvrt_h2o_scores,
+ *          kvrt_quest_summarize, kvrt_quest_free, kvrt_quest_scores, kvrt_quest_select
+ *
+ * Semantics are documented at kvrt_method_select in kvrt.h. Choices made here (kvcc):
+ *  - attention scores use the softmax scale 1/sqrt(d), causal rows (query t sees 0..t);
+ *  - GQA: the G query heads' score vectors of a KV head are averaged;
+ *  - SnapKV pools with SnapKV's default 'avgpool' (F.avg_pool1d, padding kernel/2, zeros
+ *    outside, divide by the kernel) over the positions before the window only;
+ *  - H2O keeps budget/2 recent positions and budget - budget/2 heavy hitters (H2O's 50/50 split);
+ *  - random draws, per KV head j, from splitmix64 seeded with seed ^ (j + 1) * 0x9E3779B97F4A7C15
+ *    (partial Fisher-Yates over the non-sink positions, unbiased bounded draws).
+ * Fast score paths: query heads in parallel (OpenMP), blocks of 16 queries, logits by
+ * single-threaded sgemm in column chunks, vectorized softmax, f32 column sums per block
+ * accumulated in double in block order (the result does not depend on the thread count); the
+ * _ref functions are plain double loops. Errors: KVRT_ERR_ARG / KVRT_ERR_SHAPE with the message in kvrt_last_error().
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kvrt.h"
+#include "core/backend.h"
+
+// ----------------------------------------------------------------------------
+// names and options
+
+static const char *const method_names[KVRT_METHOD_COUNT] = {
+    "full", "streaming", "random", "snapkv", "h2o", "knorm", "keydiff",
+};
+
+const char *kvrt_method_name(int method) {
+    if (method < 0 || method >= KVRT_METHOD_COUNT) return "unknown";
+    return method_names[method];
+}
+
+int kvrt_method_from_name(const char *name) {
+    if (name == NULL) return -1;
+    for (int i = 0; i < KVRT_METHOD_COUNT; i++)
+        if (strcmp(name, method_names[i]) == 0) return i;
+    return -1;
+}
+
+void kvrt_method_opts_init(kvrt_method_opts *o, int method, int64_t budget) {
+    if (o == NULL) return;
+    memset(o, 0, sizeof *o);
+    o->method = method;
+    o->budget = budget;
+    o->n_sink = 4;
+    o->window = 32;
+    o->pool_kernel = 7;
+    o->seed = 0;
+}
+
+// ----------------------------------------------------------------------------
+// shared checks
+
+static int dims_check(const char *fn, const float *q, int need_q, const float *k, int64_t T,
+                      uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim) {
+    kvrt_error *e = kvrt_tls_err();
+    if (k == NULL || (need_q && q == NULL))
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: NULL %s", fn, k == NULL ? "k" : "q");
+    if (T < 1 || T > INT32_MAX)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: T = %lld, expected 1..%d", fn, (long long)T,
+                            INT32_MAX);
+    if (n_kv_heads == 0 || head_dim == 0)
+        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: n_kv_heads %u, head_dim %u, expected >= 1",
+                            fn, n_kv_heads, head_dim);
+    if (need_q && (n_heads == 0 || n_heads % n_kv_heads != 0))
+        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
+                            "%s: n_heads %u is not a positive multiple of n_kv_heads %u", fn,
+                            n_heads, n_kv_heads);
+    return KVRT_OK;
+}
+
+// ----------------------------------------------------------------------------
+// attention scores: references (double loops)
+
+/* Causal softmax row of query t of head h over keys 0..t, added (times w) to acc[0..t]. */
+static void ref_row_add(const float *q, const float *k, uint32_t H, uint32_t Hkv, uint32_t d,
+                        uint32_t h, int64_t t, double w, double *acc, double *z) {
+    const uint32_t hk = h / (H / Hkv);
+    const double sc = 1.0 / sqrt((double)d);
+    const float *qr = q + ((size_t)t * H + h) * d;
+    double m = -INFINITY;
+    for (int64_t j = 0; j <= t; j++) {
+        const float *kr = k + ((size_t)j * Hkv + hk) * d;
+        double dot = 0.0;
+        for (uint32_t x = 0; x < d; x++) dot += (double)qr[x] * (double)kr[x];
+        z[j] = dot * sc;
+        if (z[j] > m) m = z[j];
+    }
+    double s = 0.0;
+    for (int64_t j = 0; j <= t; j++) s += exp(z[j] - m);
+    for (int64_t j = 0; j <= t; j++) acc[j] += w * exp(z[j] - m) / s;
+}
+
+static int scores_ref(const char *fn, const float *q, const float *k, int64_t T, uint32_t H,
+                      uint32_t Hkv, uint32_t d, int64_t first_query, float *scores) {
+    double *acc = malloc(sizeof(double) * (size_t)T * 2);
+    if (acc == NULL)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    double *z = acc + T;
+    const uint32_t G = H / Hkv;
+    for (uint32_t hk = 0; hk < Hkv; hk++) {
+        for (int64_t j = 0; j < T; j++) acc[j] = 0.0;
+        for (uint32_t g = 0; g < G; g++)
+            for (int64_t t = first_query; t < T; t++)
+                ref_row_add(q, k, H, Hkv, d, hk * G + g, t, 1.0 / G, acc, z);
+        for (int64_t j = 0; j < T; j++) scores[(size_t)hk * T + j] = (float)acc[j];
+    }
+    free(acc);
+    return KVRT_OK;
+}
+
+int kvrt_snapkv_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                           uint32_t n_kv_heads, uint32_t head_dim, uint32_t window,
+                           float *scores) {
+    int rc = dims_check("kvrt_snapkv_scores_ref", q, 1, k, T, n_heads, n_kv_heads, head_dim);
+    if (rc != KVRT_OK) return rc;
+    if (scores == NULL || window == 0)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "kvrt_snapkv_scores_ref: %s",
+                            scores == NULL ? "scores is NULL" : "window is 0");
+    const int64_t w = (int64_t)window < T ? (int64_t)window : T;
+    return scores_ref("kvrt_snapkv_scores_ref", q, k, T, n_heads, n_kv_heads, head_dim, T - w,
+                      scores);
+}
+
+int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                        uint32_t n_kv_heads, uint32_t head_dim, float *scores) {
+    int rc = dims_check("kvrt_h2o_scores_ref", q, 1, k, T, n_heads, n_kv_heads, head_dim);
+    if (rc != KVRT_OK) return rc;
+    if (scores == NULL)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "kvrt_h2o_scores_ref: scores is NULL");
+    return scores_ref("kvrt_h2o_scores_ref", q, k, T, n_heads, n_kv_heads, head_dim, 0, scores);
+}
+
+// ----------------------------------------------------------------------------
+// attention scores: fast (sgemm over query blocks, vectorized exp, double column sums)
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+#include "cpu/vexp.h" /* exp_nonpos_f32 */
+
+#define SC_ROWS 16            /* query rows per block */
+#define SC_MNK (1 << 18)      /* each sgemm stays single-threaded in OpenBLAS (see attend.c) */
+
+/* Rows t0 .. t0 + nq - 1 of head h: logits against keys 0..t0+nq-1 in column chunks (sgemm),
+ * causal softmax per row scaled by w, then the block's column sums in row order into
+ * col[0 .. t0 + nq). s: [SC_ROWS, T] scratch. */
+static void score_block(const float *q, const float *k, uint32_t H, uint32_t Hkv, uint32_t d,
+                        uint32_t h, int64_t T, int64_t t0, int64_t nq, float w, float *s,
+                        float *col) {
+    const uint32_t hk = h / (H / Hkv);
+    const int64_t ncol = t0 + nq;
+    const float sc = (float)(1.0 / sqrt((double)d));
+    int64_t cb = SC_MNK / (SC_ROWS * (int64_t)d);
+    cb = cb < 16 ? 16 : cb;
+    for (int64_t c0 = 0; c0 < ncol; c0 += cb) {
+        const int64_t nc = ncol - c0 < cb ? ncol - c0 : cb;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nc, (int)d, sc,
+                    q + ((size_t)t0 * H + h) * d, (int)((size_t)H * d),
+                    k + ((size_t)c0 * Hkv + hk) * d, (int)((size_t)Hkv * d), 0.0f, s + c0,
+                    (int)ncol);
+    }
+    for (int64_t j = 0; j < ncol; j++) col[j] = 0.0f;
+    for (int64_t r = 0; r < nq; r++) {
+        float *row = s + r * ncol;
+        const int64_t len = t0 + r + 1; /* causal: keys 0..t0+r */
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < len; j++) m = row[j] > m ? row[j] : m;
+        const float shift = m == -INFINITY ? 0.0f : m;
+        float sum = 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) row[j] = exp_nonpos_f32(row[j] - shift);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; j++) sum += row[j];
+        const float f = sum > 0.0f ? w / sum : 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < len; j++) col[j] += row[j] * f;
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+/* Queries first_query .. T-1 of every query head. One parallel region, OpenMP over query heads
+ * (single-threaded sgemms inside); each head's column sums are accumulated in double by one
+ * thread in block order, then averaged over the G heads of a KV head in head order, so the
+ * result does not depend on the thread count. (An earlier version forked a parallel region per
+ * group of row blocks: on a 2-vCPU VM with the default OMP_WAIT_POLICY it ran 6x slower.) */
+static int scores_fast(const char *fn, const float *q, const float *k, int64_t T, uint32_t H,
+                       uint32_t Hkv, uint32_t d, int64_t first_query, float *scores) {
+    int nt = 1;
+#ifdef _OPENMP
+    nt = omp_get_max_threads();
+#endif
+    if (nt > (int)H) nt = (int)H;
+    double *acc = malloc(sizeof(double) * (size_t)T * H);
+    float *s = malloc(sizeof(float) * (size_t)SC_ROWS * (size_t)T * (size_t)nt);
+    float *col = malloc(sizeof(float) * (size_t)T * (size_t)nt);
+    if (acc == NULL || s == NULL || col == NULL) {
+        free(acc);
+        free(s);
+        free(col);
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    }
+    const uint32_t G = H / Hkv;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+    for (uint32_t h = 0; h < H; h++) {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        double *ah = acc + (size_t)h * T;
+        float *st = s + (size_t)tid * SC_ROWS * (size_t)T, *ct = col + (size_t)tid * T;
+        memset(ah, 0, sizeof(double) * (size_t)T);
+        for (int64_t t0 = first_query; t0 < T; t0 += SC_ROWS) {
+            const int64_t nq = T - t0 < SC_ROWS ? T - t0 : SC_ROWS;
+            score_block(q, k, H, Hkv, d, h, T, t0, nq, 1.0f, st, ct);
+            for (int64_t j = 0; j < t0 + nq; j++) ah[j] += (double)ct[j];
+        }
+    }
+    for (uint32_t hk = 0; hk < Hkv; hk++)
+        for (int64_t j = 0; j < T; j++) {
+            double m = 0.0;
+            for (uint32_t g = 0; g < G; g++) m += acc[(size_t)(hk * G + g) * T + j];
+            scores[(size_t)hk * T + j] = (float)(m / G);
+        }
+    free(acc);
+    free(s);
+    free(col);
+    return KVRT_OK;
+}
+
+int kvrt_snapkv_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                       uint32_t n_kv_heads, uint32_t head_dim, uint32_t window, float *scores) {
+    int rc = dims_check("kvrt_snapkv_scores", q, 1, k, T, n_heads, n_kv_heads, head_dim);
+    if (rc != KVRT_OK) return rc;
+    if (scores == NULL || window == 0)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "kvrt_snapkv_scores: %s",
+                            scores == NULL ? "scores is NULL" : "window is 0");
+    const int64_t w = (int64_t)window < T ? (int64_t)window : T;
+    return scores_fast("kvrt_snapkv_scores", q, k, T, n_heads, n_kv_heads, head_dim, T - w,
+                       scores);
+}
+
+int kvrt_h2o_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                    uint32_t n_kv_heads, uint32_t head_dim, float *scores) {
+    int rc = dims_check("kvrt_h2o_scores", q, 1, k, T, n_heads, n_kv_heads, head_dim);
+    if (rc != KVRT_OK) return rc;
+    if (scores == NULL)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "kvrt_h2o_scores: scores is NULL");
+    return scores_fast("kvrt_h2o_scores", q, k, T, n_heads, n_kv_heads, head_dim, 0, scores);
+}
+
+// ----------------------------------------------------------------------------
+// per-method token scores (higher = keep)
+
+static uint64_t splitmix64(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [0, range), range >= 1, unbiased (Lemire's multiply-and-reject). */
+static uint64_t bounded(uint64_t *s, uint64_t range) {
+    __extension__ typedef unsigned __int128 u128;
+    uint64_t x = splitmix64(s);
+    u128 m = (u128)x * range;
+    uint64_t l = (uint64_t)m;
+    if (l < range) {
+        const uint64_t t = (0 - range) % range;
+        while (l < t) {
+            x = splitmix64(s);
+            m = (u128)x * range;
+            l = (uint64_t)m;
+        }
+    }
+    return (uint64_t)(m >> 64);
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* knorm: -||k_t||; keydiff: -cos(k_t, mean of normalized keys). score [T] for kv head hk. */
+static void key_scores(int method, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
+                       uint32_t hk, float *score, double *anchor) {
+    if (method == KVRT_METHOD_KNORM) {
+        for (int64_t t = 0; t < T; t++) {
+            const float *kr = k + ((size_t)t * Hkv + hk) * d;
+            double s = 0.0;
+            for (uint32_t x = 0; x < d; x++) s += (double)kr[x] * kr[x];
+            score[t] = (float)-sqrt(s);
+        }
+        return;
+    }
+    /* keydiff: zero keys normalize to zero (cosine 0) */
+    for (uint32_t x = 0; x < d; x++) anchor[x] = 0.0;
+    for (int64_t t = 0; t < T; t++) {
+        const float *kr = k + ((size_t)t * Hkv + hk) * d;
+        double s = 0.0;
+        for (uint32_t x = 0; x < d; x++) s += (double)kr[x] * kr[x];
+        const double inv = s > 0.0 ? 1.0 / sqrt(s) : 0.0;
+        for (uint32_t x = 0; x < d; x++) anchor[x] += kr[x] * inv;
+    }
+    double an = 0.0;
+    for (uint32_t x = 0; x < d; x++) {
+        anchor[x] /= (double)T;
+        an += anchor[x] * anchor[x];
+    }
+    an = sqrt(an);
+    for (int64_t t = 0; t < T; t++) {
+        const float *kr = k + ((size_t)t * Hkv + hk) * d;
+        double s = 0.0, dot = 0.0;
+        for (uint32_t x = 0; x < d; x++) {
+            s += (double)kr[x] * kr[x];
+            dot += (double)kr[x] * anchor[x];
+        }
+        const double den = sqrt(s) * an;
+        score[t] = den > 0.0 ? (float)(-dot / den) : 0.0f;
+    }
+}
+
+/* SnapKV's avg_pool1d over the first P positions: zero padding, divide by the kernel. */
+static void avg_pool(const float *in, int64_t P, uint32_t kernel, float *out) {
+    const int64_t half = kernel / 2;
+    for (int64_t t = 0; t < P; t++) {
+        double s = 0.0;
+        const int64_t a = t - half < 0 ? 0 : t - half, b = t + half >= P ? P - 1 : t + half;
+        for (int64_t j = a; j <= b; j++) s += in[j];
+        out[t] = (float)(s / kernel);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// kvrt_method_select
+
+int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k, const float *v,
+                       int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                       kvrt_selection **out) {
+    kvrt_error *e = kvrt_tls_err();
+    (void)v;
+    if (out == NULL || o == NULL)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_method_select: NULL %s",
+                            out == NULL ? "out" : "options");
+    *out = NULL;
+    const int m = o->method;
+    if (m < 0 || m >= KVRT_METHOD_COUNT)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_method_select: method %d, expected 0..%d",
+                            m, KVRT_METHOD_COUNT - 1);
+    const char *name = method_names[m];
+    const int need_q = m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O;
+    int rc = dims_check("kvrt_method_select", q, need_q, k, T, n_heads, n_kv_heads, head_dim);
+    if (rc != KVRT_OK) return rc;
+    const int64_t B = m == KVRT_METHOD_FULL ? T : o->budget;
+    if (B < 1 || B > T)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "kvrt_method_select (%s): budget %lld, expected 1..T = %lld (resolve "
+                            "ratios with kvrt_budget_resolve)", name, (long long)B, (long long)T);
+    const int64_t sink = (int64_t)o->n_sink < T ? (int64_t)o->n_sink : T;
+    const int uses_sink = m == KVRT_METHOD_STREAMING || m == KVRT_METHOD_RANDOM ||
+                          m == KVRT_METHOD_KNORM || m == KVRT_METHOD_KEYDIFF;
+    if (uses_sink && B < sink)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "kvrt_method_select (%s): budget %lld is smaller than n_sink %u", name,
+                            (long long)B, o->n_sink);
+    const int64_t w = (int64_t)o->window < T ? (int64_t)o->window : T;
+    if (m == KVRT_METHOD_SNAPKV) {
+        if (o->window == 0 || o->pool_kernel == 0 || o->pool_kernel % 2 == 0)
+            return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                                "kvrt_method_select (snapkv): window %u, pool_kernel %u; expected "
+                                "window >= 1 and an odd kernel >= 1", o->window, o->pool_kernel);
+        if (B < w)
+            return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                                "kvrt_method_select (snapkv): budget %lld is smaller than the "
+                                "observation window %lld (it is always kept)", (long long)B,
+                                (long long)w);
+    }
+
+    int64_t *counts = malloc(sizeof(int64_t) * n_kv_heads);
+    if (counts == NULL)
+        return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_method_select: out of memory");
+    for (uint32_t j = 0; j < n_kv_heads; j++) counts[j] = B;
+    kvrt_selection *sel = NULL;
+    rc = kvrt_selection_create(n_kv_heads, counts, &sel);
+    free(counts);
+    if (rc != KVRT_OK) return rc;
+
+    /* scratch: one score row per KV head for the attention methods, [T] otherwise */
+    float *sc = NULL, *tmp = NULL;
+    double *anchor = NULL;
+    int32_t *perm = NULL;
+    if (m != KVRT_METHOD_FULL && m != KVRT_METHOD_STREAMING) {
+        sc = malloc(sizeof(float) * (size_t)T * (need_q ? n_kv_heads : 1));
+        tmp = malloc(sizeof(float) * (size_t)T);
+        anchor = malloc(sizeof(double) * head_dim);
+        perm = malloc(sizeof(int32_t) * (size_t)T);
+        if (!sc || !tmp || !anchor || !perm) {
+            rc = kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_method_select (%s): out of memory", name);
+            goto done;
+        }
+    }
+    if (m == KVRT_METHOD_SNAPKV)
+        rc = kvrt_snapkv_scores(q, k, T, n_heads, n_kv_heads, head_dim, o->window, sc);
+    else if (m == KVRT_METHOD_H2O)
+        rc = kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, sc);
+    if (rc != KVRT_OK) goto done;
+
+    for (uint32_t hk = 0; hk < n_kv_heads && rc == KVRT_OK; hk++) {
+        int32_t *idx = sel->positions + sel->offsets[hk];
+        switch (m) {
+        case KVRT_METHOD_FULL:
+            for (int64_t t = 0; t < T; t++) idx[t] = (int32_t)t;
+            break;
+        case KVRT_METHOD_STREAMING:
+            rc = kvrt_select_pinned(NULL, T, B, sink, B - sink, idx);
+            break;
+        case KVRT_METHOD_RANDOM: {
+            uint64_t st = o->seed ^ ((uint64_t)hk + 1) * 0x9E3779B97F4A7C15ull;
+            const int64_t M = T - sink, want = B - sink;
+            for (int64_t i = 0; i < M; i++) perm[i] = (int32_t)(sink + i);
+            for (int64_t i = 0; i < want; i++) { /* partial Fisher-Yates */
+                const int64_t j = i + (int64_t)bounded(&st, (uint64_t)(M - i));
+                const int32_t t = perm[i];
+                perm[i] = perm[j];
+                perm[j] = t;
+            }
+            for (int64_t i = 0; i < sink; i++) idx[i] = (int32_t)i;
+            memcpy(idx + sink, perm, sizeof(int32_t) * (size_t)want);
+            qsort(idx + sink, (size_t)want, sizeof(int32_t), cmp_i32);
+            break;
+        }
+        case KVRT_METHOD_SNAPKV:
+            avg_pool(sc + (size_t)hk * T, T - w, o->pool_kernel, tmp);
+            rc = kvrt_select_pinned(tmp, T, B, 0, w, idx);
+            break;
+        case KVRT_METHOD_H2O:
+            rc = kvrt_select_pinned(sc + (size_t)hk * T, T, B, 0, B / 2, idx);
+            break;
+        case KVRT_METHOD_KNORM:
+        case KVRT_METHOD_KEYDIFF:
+            key_scores(m, k, T, n_kv_heads, head_dim, hk, sc, anchor);
+            rc = kvrt_select_pinned(sc, T, B, sink, 0, idx);
+            break;
+        default: break;
+        }
+    }
+done:
+    free(sc);
+    free(tmp);
+    free(anchor);
+    free(perm);
+    if (rc != KVRT_OK) {
+        kvrt_selection_free(sel);
+        return rc;
+    }
+    *out = sel;
+    return KVRT_OK;
+}
+
+// ----------------------------------------------------------------------------
+// Quest
+
+void kvrt_quest_free(kvrt_quest *qs) {
+    if (qs == NULL) return;
+    free(qs->kmin);
+    free(qs->kmax);
+    free(qs);
+}
+
+int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
+                         uint32_t page, kvrt_quest **out) {
+    kvrt_error *e = kvrt_tls_err();
+    if (out == NULL) return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_summarize: out is NULL");
+    *out = NULL;
+    int rc = dims_check("kvrt_quest_summarize", NULL, 0, k, T, 0, n_kv_heads, head_dim);
+    if (rc != KVRT_OK) return rc;
+    if (page == 0) return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_summarize: page is 0");
+    kvrt_quest *qs = calloc(1, sizeof *qs);
+    if (qs == NULL)
+        return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_summarize: out of memory");
+    qs->n_kv_heads = n_kv_heads;
+    qs->head_dim = head_dim;
+    qs->page = page;
+    qs->T = T;
+    qs->n_pages = (T + page - 1) / page;
+    const size_t cnt = (size_t)n_kv_heads * (size_t)qs->n_pages * head_dim;
+    qs->kmin = malloc(cnt * sizeof(float));
+    qs->kmax = malloc(cnt * sizeof(float));
+    if (qs->kmin == NULL || qs->kmax == NULL) {
+        kvrt_quest_free(qs);
+        return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_summarize: out of memory");
+    }
+    const size_t d = head_dim;
+    for (uint32_t hk = 0; hk < n_kv_heads; hk++)
+        for (int64_t p = 0; p < qs->n_pages; p++) {
+            float *mn = qs->kmin + ((size_t)hk * qs->n_pages + p) * d;
+            float *mx = qs->kmax + ((size_t)hk * qs->n_pages + p) * d;
+            for (size_t x = 0; x < d; x++) {
+                mn[x] = INFINITY;
+                mx[x] = -INFINITY;
+            }
+            const int64_t t1 = (p + 1) * page < T ? (p + 1) * page : T;
+            for (int64_t t = p * page; t < t1; t++) {
+                const float *kr = k + ((size_t)t * n_kv_heads + hk) * d;
+                for (size_t x = 0; x < d; x++) {
+                    mn[x] = kr[x] < mn[x] ? kr[x] : mn[x];
+                    mx[x] = kr[x] > mx[x] ? kr[x] : mx[x];
+                }
+            }
+        }
+    *out = qs;
+    return KVRT_OK;
+}
+
+int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores) {
+    kvrt_error *e = kvrt_tls_err();
+    if (qs == NULL || q == NULL || scores == NULL)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_scores: NULL %s",
+                            qs == NULL ? "summary" : q == NULL ? "q" : "scores");
+    if (n_heads == 0 || n_heads % qs->n_kv_heads != 0)
+        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
+                            "kvrt_quest_scores: n_heads %u is not a positive multiple of "
+                            "n_kv_heads %u", n_heads, qs->n_kv_heads);
+    const uint32_t G = n_heads / qs->n_kv_heads;
+    const size_t d = qs->head_dim;
+    for (uint32_t hk = 0; hk < qs->n_kv_heads; hk++)
+        for (int64_t p = 0; p < qs->n_pages; p++) {
+            const float *mn = qs->kmin + ((size_t)hk * qs->n_pages + p) * d;
+            const float *mx = qs->kmax + ((size_t)hk * qs->n_pages + p) * d;
+            double s = 0.0;
+            for (uint32_t g = 0; g < G; g++) {
+                const float *qr = q + ((size_t)hk * G + g) * d;
+                for (size_t x = 0; x < d; x++) {
+                    const double a = (double)qr[x] * mn[x], b = (double)qr[x] * mx[x];
+                    s += a > b ? a : b;
+                }
+            }
+            scores[(size_t)hk * qs->n_pages + p] = (float)s;
+        }
+    return KVRT_OK;
+}
+
+int kvrt_quest_select(const kvrt_quest *qs, const float *q, uint32_t n_heads,
+                      int64_t budget_pages, int32_t *pages_out) {
+    kvrt_error *e = kvrt_tls_err();
+    if (qs == NULL || pages_out == NULL)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_select: NULL %s",
+                            qs == NULL ? "summary" : "pages_out");
+    const int64_t P = qs->n_pages;
+    const int64_t pins = P >= 2 ? 2 : 1;
+    if (budget_pages < pins || budget_pages > P)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "kvrt_quest_select: budget_pages %lld, expected %lld..n_pages = %lld "
+                            "(the first and last pages are always selected)",
+                            (long long)budget_pages, (long long)pins, (long long)P);
+    float *sc = malloc(sizeof(float) * (size_t)P * qs->n_kv_heads);
+    if (sc == NULL) return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_select: out of memory");
+    int rc = kvrt_quest_scores(qs, q, n_heads, sc);
+    for (uint32_t hk = 0; hk < qs->n_kv_heads && rc == KVRT_OK; hk++)
+        rc = kvrt_select_pinned(sc + (size_t)hk * P, P, budget_pages, 1, 1,
+                                pages_out + (size_t)hk * budget_pages);
+    free(sc);
+    return rc;
+}
