@@ -123,12 +123,18 @@ $(LIBCALIB_A): $(CALIB_OBJ)
 	@mkdir -p $(dir $@)
 	$(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
 
-$(KVCC): $(COMPILER_OBJ) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
-	$(CC) $(LDFLAGS) -o $@ $(COMPILER_OBJ) $(ALL_LIBS)
-
-$(TESTS): $(TEST_OBJ) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+# The compiler's commands and passes (everything but main.c) also link into the tests.
+LIBCLI_A := $(BUILD)/libkvcccli.a
+$(LIBCLI_A): $(filter-out $(BUILD)/obj/compiler/main.o,$(COMPILER_OBJ))
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $(TEST_OBJ) $(ALL_LIBS) -lcriterion
+	$(AR) rcs $@ $^
+
+$(KVCC): $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+	$(CC) $(LDFLAGS) -o $@ $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(ALL_LIBS)
+
+$(TESTS): $(TEST_OBJ) $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $(TEST_OBJ) $(LIBCLI_A) $(ALL_LIBS) -lcriterion
 
 # The fuzz target's own source doubles as the replay driver's body.
 $(FUZZ_REPLAY): tests/fuzz/fuzz_kvpol.c tests/fuzz/replay.c $(LIBKVPOL_A)
@@ -147,7 +153,7 @@ model:
 test: deps model
 	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY)
 	@echo "== unit, golden and equivalence tests (Criterion)"
-	@KVCC_BUILD=$(BUILD) $(TESTS) --jobs 2
+	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(TESTS) --jobs 2
 	@echo "== fuzz corpus replay"
 	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
 	@echo "== CLI checks"
@@ -155,7 +161,7 @@ test: deps model
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
 
 check: all $(TESTS)
-	@KVCC_BUILD=$(BUILD) $(TESTS) --jobs 2
+	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(TESTS) --jobs 2
 
 demo: deps
 	@bash scripts/fetch-model.sh

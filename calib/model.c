@@ -320,6 +320,21 @@ void kvcc_state_reset(kvcc_state *s) {
     if (s) s->n_past = 0;
 }
 
+int kvcc_state_truncate(kvcc_state *s, int n_past) {
+    if (!s || n_past < 0 || n_past > s->n_past) return KVCC_GGUF_ERR_ARG;
+    s->n_past = n_past;
+    return 0;
+}
+
+int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len, kvrt_ctx *rt) {
+    if (!s) return KVCC_GGUF_ERR_ARG;
+    if (caches && (ctx_len < 0 || ctx_len > s->n_ctx || !rt)) return KVCC_GGUF_ERR_ARG;
+    s->compressed = caches;
+    s->compressed_ctx = caches ? ctx_len : 0;
+    s->rt = caches ? rt : NULL;
+    return 0;
+}
+
 void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
     if (!s) return;
     s->capture = fn;
@@ -377,6 +392,9 @@ static void rope(float *x, int n, int n_heads, int d, int ld, const float *cos_t
  * arrays; nothing else in the forward pass changes. Causality: a query at position p only sees
  * entries whose position is <= p; with pos == NULL the entries are the tokens 0..n-1 in order,
  * with pos != NULL the mask is applied per entry (no ordering assumed).
+ * kvcc_state_set_compressed() takes the other road for positions past the compressed context:
+ * forward_chunk hands the layer's libkvrt cache and the exact recent rows to kvrt_attend, the
+ * very function a serving stack calls, so evaluation measures what the runtime executes.
  */
 typedef struct {
     int64_t n;          /* entries visible to this KV head */
@@ -502,6 +520,8 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
     const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim, H = hp->n_head, Hkv = hp->n_head_kv;
     const int Hd = H * d, Kd = Hkv * d, pos0 = s->n_past, h2 = d / 2;
     const size_t T = (size_t)s->n_ctx;
+    if (s->compressed && pos0 < s->compressed_ctx && pos0 + n > s->compressed_ctx)
+        return KVCC_GGUF_ERR_ARG; /* a chunk may not straddle the compressed-context boundary */
 
     for (int t = 0; t < n; t++)
         memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E, (size_t)E * sizeof(float));
@@ -530,10 +550,21 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
         rope(kn, n, Hkv, d, Kd, s->rope_cos, s->rope_sin);
         if (s->capture && (st = s->capture(s->capture_user, l, pos0, n, s->q, kn, vn)) != 0) break;
 
-        for (int h = 0; h < Hkv; h++)
-            hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL, NULL};
-        kv_view view = {Hkv, hv};
-        attend(m, l, s->q, n, pos0, &view, s->att, s);
+        if (s->compressed && pos0 >= s->compressed_ctx) {
+            /* The compressed context plus the exact tokens after it, through libkvrt (causal:
+             * query t sees recent rows up to its own position). */
+            const kvrt_cache *cc = s->compressed[l];
+            if (!cc || (int)cc->n_kv_heads != Hkv || (int)cc->head_dim != d) { st = KVCC_GGUF_ERR_ARG; break; }
+            const int64_t nr = pos0 + n - s->compressed_ctx;
+            const size_t r0 = (size_t)s->compressed_ctx * Kd;
+            if (kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr, 1.0f / sqrtf((float)d), s->att,
+                            NULL) != KVRT_OK) { st = KVCC_GGUF_ERR_ARG; break; }
+        } else {
+            for (int h = 0; h < Hkv; h++)
+                hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL, NULL};
+            kv_view view = {Hkv, hv};
+            attend(m, l, s->q, n, pos0, &view, s->att, s);
+        }
         matmul_t(s->att, n, Hd, w->wo, E, 1.0f, s->x, E); /* x += att Wo^T */
 
         rmsnorm(s->xb, s->x, w->ffn_norm, n, E, hp->rms_eps);

@@ -21,6 +21,7 @@
 #include <stdint.h>
 
 #include "gguf.h"
+#include "kvrt.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -96,6 +97,10 @@ typedef struct kvcc_state {
     float *rope_sin;    /* (chunk, d/2) */
     float *scores;      /* (max(threads, KVCC_MODEL_CHUNK), T) attention scores / weights */
     int n_threads;
+    /* compressed-context mode (kvcc_state_set_compressed) */
+    const kvrt_cache *const *compressed; /* [n_layer] or NULL */
+    int compressed_ctx;  /* tokens 0..compressed_ctx-1 are served by the compressed caches */
+    kvrt_ctx *rt;        /* libkvrt context that runs kvrt_attend */
 } kvcc_state;
 
 /* A state holding up to n_ctx tokens (1 <= n_ctx; it may exceed the training context). */
@@ -103,6 +108,15 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out);
 void kvcc_state_free(kvcc_state *s); /* accepts NULL */
 void kvcc_state_reset(kvcc_state *s); /* n_past = 0 */
 void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user);
+/* Rewind to n_past tokens (0 <= n_past <= s->n_past): later tokens are forgotten. */
+int kvcc_state_truncate(kvcc_state *s, int n_past);
+/* Compressed-context mode, the way a serving stack runs a libkvrt cache: for every token at a
+ * position >= ctx_len, layer l attends to caches[l] (the compressed context: ragged per KV
+ * head, with per-entry bias) plus the exact tokens ctx_len .. its own position (the state's own
+ * cache rows), through kvrt_attend on rt. Tokens before ctx_len must already be in the state
+ * (their rows are not read while the mode is on). caches == NULL turns the mode off.
+ * caches[l] must have the model's n_kv_heads and head_dim. */
+int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len, kvrt_ctx *rt);
 
 /* flags for prefill */
 #define KVCC_LOGITS_LAST 0u  /* logits (V) of the last token only */

@@ -3,7 +3,9 @@
  * Each subcommand lives in compiler/cmd_*.c and parses its own options with getopt_long.
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kvcc.h"
 #include "kvrt.h"
@@ -19,6 +21,8 @@ static void usage(FILE *out) {
             "  compile --model NAME -o F   compile a .kvpol artifact for a model (see kvcc compile --help)\n"
             "  capture -o F.h5             run the built-in model on text, write a calibration corpus\n"
             "  synth --model NAME -o F.h5  write a synthetic corpus (planted structure) for any preset\n"
+            "  eval --corpus F --methods L --budgets B [--gguf M]\n"
+            "                              score compression methods: layer-local and end to end\n"
             "  inspect FILE [--json]       show an artifact: header, fingerprint, sections, items\n"
             "  verify FILE [--model NAME]  fully validate an artifact (and its model fingerprint)\n"
             "  diff A B [--json]           which header fields, sections and items differ\n"
@@ -39,6 +43,12 @@ static void usage(FILE *out) {
 }
 
 int main(int argc, char **argv) {
+    /* libgomp's default (active) waiting keeps idle OpenMP workers spinning between parallel
+     * regions; on a small machine they take the cores that OpenBLAS and the next region need
+     * (measured on 2 cores: method selection 5-70x slower). The policy is read when libgomp
+     * loads, so kvcc re-executes itself once with OMP_WAIT_POLICY=PASSIVE unless the user chose
+     * a policy. If the re-exec fails, kvcc simply carries on. */
+    if (!getenv("OMP_WAIT_POLICY") && setenv("OMP_WAIT_POLICY", "PASSIVE", 1) == 0) execv("/proc/self/exe", argv);
     if (argc < 2) {
         usage(stderr);
         return KVCC_EXIT_USAGE;
@@ -58,11 +68,11 @@ int main(int argc, char **argv) {
         int (*fn)(int, char **);
     } cmds[] = {
         {"models", kvcc_cmd_models}, {"compile", kvcc_cmd_compile}, {"inspect", kvcc_cmd_inspect},
-        {"verify", kvcc_cmd_verify}, {"diff", kvcc_cmd_diff}, {"synth", kvcc_cmd_synth}, {"capture", kvcc_cmd_capture},
+        {"verify", kvcc_cmd_verify}, {"diff", kvcc_cmd_diff}, {"synth", kvcc_cmd_synth}, {"capture", kvcc_cmd_capture}, {"eval", kvcc_cmd_eval},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (!strcmp(cmd, cmds[i].name)) return cmds[i].fn(argc - 1, argv + 1);
-    fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, capture, synth, inspect, verify, diff; see kvcc --help)\n",
+    fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, capture, synth, eval, inspect, verify, diff; see kvcc --help)\n",
             cmd);
     return KVCC_EXIT_USAGE;
 }

@@ -1,0 +1,250 @@
+/*
+ * cmd_eval.c: `kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [--gguf M]
+ * [--policy X.kvpol] [--prompts N] [--cache-dtype f32|f16] [--seed S] [--json | --csv]`:
+ * one table, a row per (method, budget); the measures are described in compiler/eval.c.
+ */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "eval.h"
+#include "kvcc.h"
+#include "kvrt.h"
+
+static const char *PLANNED[] = {"compilerkv", "am", "am-omp", "am-uniform", "compkv", "kv2", "merge-reduce", "quest"};
+
+static void usage(FILE *out) {
+    fprintf(out,
+            "usage: kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [options]\n"
+            "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
+            "  --methods LIST      comma-separated: full, streaming, random, snapkv, h2o, knorm, keydiff, or all\n"
+            "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context ratios (< 1)\n"
+            "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
+            "  --policy X.kvpol    an artifact; checked against the corpus's model (its policies join the\n"
+            "                      table as they are built)\n"
+            "  --prompts N         use the first N prompts (default: all)\n"
+            "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
+            "  --seed S            seed of the random method (default 1)\n"
+            "  --json | --csv      machine-readable output (default: a table)\n");
+}
+
+static int parse_methods(const char *list, int *out, int *n) {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", list);
+    *n = 0;
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        if (!strcmp(tok, "all")) {
+            for (int m = 0; m < KVRT_METHOD_COUNT; m++) out[(*n)++] = m;
+            continue;
+        }
+        int m = kvrt_method_from_name(tok);
+        if (m < 0) {
+            for (size_t i = 0; i < sizeof PLANNED / sizeof PLANNED[0]; i++)
+                if (!strcmp(tok, PLANNED[i])) {
+                    fprintf(stderr, "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: full, "
+                                    "streaming, random, snapkv, h2o, knorm, keydiff, all)\n", tok);
+                    return -1;
+                }
+            fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: full, streaming, random, snapkv, "
+                            "h2o, knorm, keydiff, all)\n", tok);
+            return -1;
+        }
+        if (*n == 64) return -1;
+        int dup = 0;
+        for (int i = 0; i < *n; i++) dup |= out[i] == m;
+        if (!dup) out[(*n)++] = m;
+    }
+    if (*n == 0) { fprintf(stderr, "kvcc eval: --methods: empty list\n"); return -1; }
+    return 0;
+}
+
+static int parse_budgets(const char *list, double *out, int *n) {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", list);
+    *n = 0;
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        char *end;
+        double v = strtod(tok, &end);
+        if (*end || !(v > 0) || !isfinite(v) || (v >= 1 && v != floor(v)) || *n == 64) {
+            fprintf(stderr, "kvcc eval: --budgets: got '%s', expected a token count (integer >= 1) or a ratio in (0, 1)\n", tok);
+            return -1;
+        }
+        out[(*n)++] = v;
+    }
+    if (*n == 0) { fprintf(stderr, "kvcc eval: --budgets: empty list\n"); return -1; }
+    return 0;
+}
+
+static void budget_str(const kvcc_eval_row *row, char *b, size_t n) {
+    if (row->method == KVRT_METHOD_FULL) snprintf(b, n, "-");
+    else if (row->budget < 1) snprintf(b, n, "%.3g", row->budget);
+    else snprintf(b, n, "%.0f", row->budget);
+}
+
+static void print_table(const kvcc_eval_result *r, const char *corpus, const char *gguf) {
+    printf("kvcc eval: %s (%s), %u prompts x %u context + %u continuation tokens, %u layers, %u KV heads x d %u\n",
+           corpus, r->model_name, r->prompts, r->context_len, r->continuation_len, r->layers, r->n_kv_heads, r->head_dim);
+    printf("layer-local: continuation queries vs the full context; relerr per (prompt, layer, head); "
+           "full cache %.1f MB/prompt (f32)\n", r->full_bytes_mean / 1e6);
+    if (gguf) printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
+                     "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
+                     KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
+    printf("\n%-10s %7s %7s %9s %9s %8s %7s %9s %8s", "method", "budget", "kept", "relerr", "relerr95", "KL", "mass",
+           "MB", "sel_ms");
+    if (gguf) printf(" %7s %8s %7s %7s", "NLL", "dNLL", "exact", "tokacc");
+    printf("\n");
+    for (int i = 0; i < r->n_rows; i++) {
+        const kvcc_eval_row *row = &r->rows[i];
+        char b[32];
+        budget_str(row, b, sizeof b);
+        printf("%-10s %7s ", kvrt_method_name(row->method), b);
+        if (row->status) {
+            printf("error: %s\n", row->msg);
+            continue;
+        }
+        printf("%7.0f %9.4f %9.4f %8.4f %7.4f %9.2f %8.1f", row->kept_mean, row->relerr_mean, row->relerr_p95,
+               row->kl_mean, row->mass_mean, row->bytes_mean / 1e6, row->select_ms);
+        if (gguf && row->have_e2e)
+            printf(" %7.4f %+8.4f %3u/%-3u %7.3f", row->nll, row->nll - row->nll_full, row->probes_exact, row->probes,
+                   row->probe_tokens ? (double)row->probe_tokens_ok / row->probe_tokens : 0.0);
+        printf("\n");
+    }
+    printf("\ntime: layer-local %.1f s", r->seconds_local);
+    if (gguf) printf(", end to end %.1f s", r->seconds_e2e);
+    printf("\n");
+}
+
+static void print_csv(const kvcc_eval_result *r) {
+    printf("method,budget,kept,relerr_mean,relerr_p95,kl,mass,bytes,select_ms,nll,nll_full,dnll,probes,exact,token_acc,status\n");
+    for (int i = 0; i < r->n_rows; i++) {
+        const kvcc_eval_row *w = &r->rows[i];
+        char b[32];
+        budget_str(w, b, sizeof b);
+        printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", kvrt_method_name(w->method), b, w->kept_mean, w->relerr_mean,
+               w->relerr_p95, w->kl_mean, w->mass_mean, w->bytes_mean, w->select_ms);
+        if (w->have_e2e)
+            printf("%.6f,%.6f,%.6f,%u,%u,%.4f,", w->nll, w->nll_full, w->nll - w->nll_full, w->probes, w->probes_exact,
+                   w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0.0);
+        else printf(",,,,,,");
+        printf("%s\n", w->status ? "error" : "ok");
+    }
+}
+
+static void print_json(const kvcc_eval_result *r, const char *corpus, const char *gguf) {
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "corpus", corpus);
+    if (gguf) cJSON_AddStringToObject(root, "gguf", gguf);
+    cJSON_AddStringToObject(root, "model", r->model_name);
+    cJSON_AddNumberToObject(root, "prompts", r->prompts);
+    cJSON_AddNumberToObject(root, "context_len", r->context_len);
+    cJSON_AddNumberToObject(root, "continuation_len", r->continuation_len);
+    cJSON_AddNumberToObject(root, "full_cache_bytes", r->full_bytes_mean);
+    cJSON *rows = cJSON_AddArrayToObject(root, "rows");
+    for (int i = 0; i < r->n_rows; i++) {
+        const kvcc_eval_row *w = &r->rows[i];
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "method", kvrt_method_name(w->method));
+        if (w->method != KVRT_METHOD_FULL) cJSON_AddNumberToObject(o, "budget", w->budget);
+        if (w->status) {
+            cJSON_AddStringToObject(o, "error", w->msg);
+        } else {
+            cJSON_AddNumberToObject(o, "kept_per_head", w->kept_mean);
+            cJSON_AddNumberToObject(o, "relerr_mean", w->relerr_mean);
+            cJSON_AddNumberToObject(o, "relerr_p95", w->relerr_p95);
+            cJSON_AddNumberToObject(o, "kl", w->kl_mean);
+            cJSON_AddNumberToObject(o, "mass", w->mass_mean);
+            cJSON_AddNumberToObject(o, "bytes", w->bytes_mean);
+            cJSON_AddNumberToObject(o, "select_ms", w->select_ms);
+            if (w->have_e2e) {
+                cJSON_AddNumberToObject(o, "nll", w->nll);
+                cJSON_AddNumberToObject(o, "nll_full", w->nll_full);
+                cJSON_AddNumberToObject(o, "dnll", w->nll - w->nll_full);
+                cJSON_AddNumberToObject(o, "probes", w->probes);
+                cJSON_AddNumberToObject(o, "probes_exact", w->probes_exact);
+                cJSON_AddNumberToObject(o, "token_acc", w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0);
+            }
+        }
+        cJSON_AddItemToArray(rows, o);
+    }
+    char *t = cJSON_Print(root);
+    printf("%s\n", t);
+    free(t);
+    cJSON_Delete(root);
+}
+
+int kvcc_cmd_eval(int argc, char **argv) {
+    const char *corpus = NULL, *methods = NULL, *budgets = NULL, *gguf = NULL, *policy = NULL, *cdt = "f32";
+    int json = 0, csv = 0;
+    unsigned prompts = 0, seed = 1;
+    static const struct option opts[] = {
+        {"corpus", required_argument, 0, 'c'}, {"methods", required_argument, 0, 'm'},
+        {"budgets", required_argument, 0, 'b'}, {"gguf", required_argument, 0, 'g'},
+        {"policy", required_argument, 0, 'p'}, {"prompts", required_argument, 0, 'n'},
+        {"cache-dtype", required_argument, 0, 'd'}, {"seed", required_argument, 0, 's'},
+        {"json", no_argument, 0, 'j'}, {"csv", no_argument, 0, 'v'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+    int ch;
+    optind = 1;
+    while ((ch = getopt_long(argc, argv, "c:m:b:g:p:n:d:s:jvh", opts, NULL)) != -1) {
+        switch (ch) {
+        case 'c': corpus = optarg; break;
+        case 'm': methods = optarg; break;
+        case 'b': budgets = optarg; break;
+        case 'g': gguf = optarg; break;
+        case 'p': policy = optarg; break;
+        case 'n': if (kvcc_parse_u32("eval", "prompts", optarg, 1, 1000000, &prompts)) return KVCC_EXIT_USAGE; break;
+        case 's': if (kvcc_parse_u32("eval", "seed", optarg, 0, 0xffffffffu, &seed)) return KVCC_EXIT_USAGE; break;
+        case 'd': cdt = optarg; break;
+        case 'j': json = 1; break;
+        case 'v': csv = 1; break;
+        case 'h': usage(stdout); return KVCC_EXIT_OK;
+        default: usage(stderr); return KVCC_EXIT_USAGE;
+        }
+    }
+    if (optind < argc) { fprintf(stderr, "kvcc eval: unexpected argument '%s'\n", argv[optind]); return KVCC_EXIT_USAGE; }
+    if (!corpus || !methods || !budgets) {
+        fprintf(stderr, "kvcc eval: --corpus, --methods and --budgets are required (see kvcc eval --help)\n");
+        return KVCC_EXIT_USAGE;
+    }
+    if (json && csv) { fprintf(stderr, "kvcc eval: --json and --csv exclude each other\n"); return KVCC_EXIT_USAGE; }
+    if (strcmp(cdt, "f32") && strcmp(cdt, "f16")) {
+        fprintf(stderr, "kvcc eval: --cache-dtype: got '%s', expected f32 or f16\n", cdt);
+        return KVCC_EXIT_USAGE;
+    }
+    int ms[64], nm;
+    double bs[64];
+    int nb;
+    if (parse_methods(methods, ms, &nm) || parse_budgets(budgets, bs, &nb)) return KVCC_EXIT_USAGE;
+    if (policy) {
+        kvrt_policy *pol = NULL;
+        kvrt_error e = {0};
+        int rc = kvrt_policy_open(policy, NULL, &pol, &e);
+        kvrt_policy_free(pol);
+        if (rc) {
+            fprintf(stderr, "kvcc eval: --policy: %s [%s]\n", e.msg, kvrt_status_name(rc));
+            return rc == KVRT_ERR_FORMAT || rc == KVRT_ERR_IO ? kvcc_exit_for_kvpol(e.detail) : KVCC_EXIT_FAILED;
+        }
+    }
+    kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
+                        .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
+                        .verbose = isatty(STDERR_FILENO)};
+    kvcc_eval_result *r = malloc(sizeof *r);
+    if (!r) return KVCC_EXIT_FAILED;
+    char err[768];
+    int rc = kvcc_eval_run(&o, r, err, sizeof err);
+    if (rc) {
+        fprintf(stderr, "kvcc eval: %s\n", err);
+        free(r);
+        return rc == KVCC_EXIT_USAGE ? KVCC_EXIT_USAGE : KVCC_EXIT_FAILED;
+    }
+    if (json) print_json(r, corpus, gguf);
+    else if (csv) print_csv(r);
+    else print_table(r, corpus, gguf);
+    int any_err = 0;
+    for (int i = 0; i < r->n_rows; i++) any_err |= r->rows[i].status != 0;
+    free(r);
+    return any_err ? KVCC_EXIT_FAILED : KVCC_EXIT_OK;
+}

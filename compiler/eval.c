@@ -1,0 +1,488 @@
+/*
+ * eval.c: the fidelity table of `kvcc eval` (see eval.h). Every method is run through the
+ * runtime's own functions (kvrt_method_select, kvrt_cache_gather, kvrt_attend), so the numbers
+ * describe what a serving stack would execute.
+ *
+ * Layer-local (corpus only): per prompt and layer, the context [0, C) is compressed by the
+ * method; the continuation queries [C, T) attend to the compressed context plus the exact
+ * continuation keys (causal), and are compared with the same queries over the full context:
+ * relative output error per (prompt, layer, query head) (mean over queries), KL(p_comp || p_full)
+ * from the two log-sum-exps (= -log retained mass for token subsets), retained mass.
+ *
+ * End to end (with the model the corpus came from): per prompt the model prefills the context
+ * once (capturing every layer's queries for the methods that need them); then per row every
+ * layer's context cache is compressed from the model's own keys and the continuation is scored
+ * by the model attending through kvrt_attend (kvcc_state_set_compressed): mean NLL of the
+ * continuation tokens C+1 .. T-1 (token C is predicted from the context alone, which is never
+ * compressed, so it is left out). Retrieval: KVCC_EVAL_PROBES passages of the context (at depths
+ * 10%, 50%, 90%) are asked to be repeated: after the context comes the passage's first
+ * KVCC_EVAL_PROBE_PREFIX tokens, and the model must continue with the next
+ * KVCC_EVAL_PROBE_ANSWER. Scored teacher-forced in one pass: greedy decoding reproduces the
+ * answer exactly iff every argmax along the true answer is right, so "exact" is exactly the
+ * greedy exact-match rate; token accuracy is reported alongside.
+ */
+#include "eval.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "corpus.h"
+#include "kvcc.h"
+#include "kvrt.h"
+#include "loader.h"
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+typedef struct {
+    double *v;
+    size_t n, cap;
+} dvec;
+static int dvec_push(dvec *d, double x) {
+    if (d->n == d->cap) {
+        size_t cap = d->cap ? 2 * d->cap : 1024;
+        double *p = realloc(d->v, cap * sizeof *p);
+        if (!p) return -1;
+        d->v = p;
+        d->cap = cap;
+    }
+    d->v[d->n++] = x;
+    return 0;
+}
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+typedef struct {
+    dvec relerr;
+    double kl_sum, mass_sum, kept_sum, bytes_sum, sel_s;
+    uint64_t kl_n, kept_n;
+    double nll_sum, nll_full_sum;
+    uint64_t nll_n;
+} row_acc;
+
+/* Compress one layer's context with a row's method: selection + gather. */
+static int compress_layer(const kvcc_eval_row *row, int64_t B, uint64_t seed, uint32_t layer, const float *q,
+                          const float *k, const float *v, int64_t C, uint32_t H, uint32_t Hkv, uint32_t d, int dtype,
+                          kvrt_cache **out) {
+    kvrt_method_opts mo;
+    kvrt_method_opts_init(&mo, row->method, B);
+    mo.seed = seed ^ (0x9e3779b97f4a7c15ull * (layer + 1));
+    kvrt_selection *sel = NULL;
+    int rc = kvrt_method_select(&mo, q, k, v, C, H, Hkv, d, &sel);
+    if (rc == KVRT_OK) rc = kvrt_cache_gather(k, v, C, Hkv, d, sel, dtype, out);
+    kvrt_selection_free(sel);
+    return rc;
+}
+
+/* Tokens kept per KV head for a row on a context of C tokens (full: all). */
+static int row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B) {
+    if (row->method == KVRT_METHOD_FULL) {
+        *B = C;
+        return KVRT_OK;
+    }
+    return kvrt_budget_resolve(row->budget, C, B);
+}
+
+static void row_fail(kvcc_eval_row *row, int rc, const char *what) {
+    if (row->status) return;
+    row->status = rc;
+    snprintf(row->msg, sizeof row->msg, "%s: %s (%.180s)", what, kvrt_status_str(rc), kvrt_last_error()->msg);
+}
+
+// ----------------------------------------------------------------------------
+// layer-local
+
+static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompts, kvcc_eval_result *r,
+                      row_acc *acc, kvrt_ctx *rt, char *err, size_t errlen) {
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
+    const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+    const float scale = 1.0f / sqrtf((float)d);
+    const int dtype = o->cache_f16 ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32;
+    float *q = NULL, *k = NULL, *v = NULL, *o_full = NULL, *o_c = NULL, *lse_full = NULL, *lse_c = NULL;
+    int rc = 0;
+    size_t cap_T = 0;
+    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+        kvcc_corpus_prompt_info info;
+        if ((rc = kvcc_corpus_prompt(c, p, &info, NULL, NULL)) != 0) {
+            snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+            break;
+        }
+        const int64_t T = info.n_tokens, C = info.context_len, N = info.continuation_len;
+        if (N < 1) {
+            snprintf(err, errlen, "%s: prompt %u has no continuation tokens; eval needs continuation queries", o->corpus, p);
+            rc = KVCC_EXIT_USAGE;
+            break;
+        }
+        if ((size_t)T > cap_T) {
+            free(q); free(k); free(v); free(o_full); free(o_c); free(lse_full); free(lse_c);
+            cap_T = (size_t)T;
+            q = malloc(cap_T * H * d * sizeof *q);
+            k = malloc(cap_T * Hkv * d * sizeof *k);
+            v = malloc(cap_T * Hkv * d * sizeof *v);
+            o_full = malloc(cap_T * H * d * sizeof *o_full);
+            o_c = malloc(cap_T * H * d * sizeof *o_c);
+            lse_full = malloc(cap_T * H * sizeof *lse_full);
+            lse_c = malloc(cap_T * H * sizeof *lse_c);
+            if (!q || !k || !v || !o_full || !o_c || !lse_full || !lse_c) {
+                snprintf(err, errlen, "eval: out of memory for %lld tokens", (long long)T);
+                rc = -1;
+                break;
+            }
+        }
+        double bytes_prompt[KVCC_EVAL_MAX_ROWS] = {0};
+        for (uint32_t l = 0; l < L && !rc; l++) {
+            if ((rc = kvcc_corpus_read_layer(c, p, l, q, k, v)) != 0) {
+                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+                break;
+            }
+            const float *qc = q + (size_t)C * H * d, *kr = k + (size_t)C * Hkv * d, *vr = v + (size_t)C * Hkv * d;
+            /* the reference: every context token */
+            kvrt_selection *all = NULL;
+            kvrt_cache *full = NULL;
+            int64_t *cnt = malloc(Hkv * sizeof *cnt);
+            for (uint32_t j = 0; j < Hkv; j++) cnt[j] = C;
+            rc = kvrt_selection_create(Hkv, cnt, &all);
+            free(cnt);
+            if (!rc) {
+                for (uint32_t j = 0; j < Hkv; j++)
+                    for (int64_t t = 0; t < C; t++) all->positions[all->offsets[j] + t] = (int32_t)t;
+                rc = kvrt_cache_gather(k, v, C, Hkv, d, all, KVRT_DTYPE_F32, &full);
+            }
+            if (!rc) rc = kvrt_attend(rt, qc, N, H, full, kr, vr, N, scale, o_full, lse_full);
+            kvrt_selection_free(all);
+            kvrt_cache_free(full);
+            if (rc) {
+                snprintf(err, errlen, "eval: full-cache attention failed: %s", kvrt_last_error()->msg);
+                break;
+            }
+            for (int ri = 0; ri < r->n_rows; ri++) {
+                kvcc_eval_row *row = &r->rows[ri];
+                if (row->status) continue;
+                int64_t B;
+                int s = row_budget(row, C, &B);
+                if (s) { row_fail(row, s, "budget"); continue; }
+                double t0 = now_s();
+                kvrt_cache *cc = NULL;
+                s = compress_layer(row, B, o->seed, l, q, k, v, C, H, Hkv, d, dtype, &cc);
+                acc[ri].sel_s += now_s() - t0;
+                if (s) { row_fail(row, s, "select"); kvrt_cache_free(cc); continue; }
+                s = kvrt_attend(rt, qc, N, H, cc, kr, vr, N, scale, o_c, lse_c);
+                if (s) { row_fail(row, s, "attend"); kvrt_cache_free(cc); continue; }
+                bytes_prompt[ri] += (double)kvrt_cache_bytes(cc);
+                acc[ri].kept_sum += (double)cc->n_entries / Hkv;
+                acc[ri].kept_n++;
+                kvrt_cache_free(cc);
+                for (uint32_t h = 0; h < H; h++) {
+                    double e_sum = 0;
+                    for (int64_t i = 0; i < N; i++) {
+                        const float *a = o_c + ((size_t)i * H + h) * d, *b = o_full + ((size_t)i * H + h) * d;
+                        double num = 0, den = 0;
+                        for (uint32_t x = 0; x < d; x++) {
+                            num += ((double)a[x] - b[x]) * ((double)a[x] - b[x]);
+                            den += (double)b[x] * b[x];
+                        }
+                        e_sum += sqrt(num) / (sqrt(den) + 1e-30);
+                        double dl = (double)lse_full[i * H + h] - lse_c[i * H + h];
+                        acc[ri].kl_sum += dl;
+                        acc[ri].mass_sum += exp(-dl);
+                        acc[ri].kl_n++;
+                    }
+                    if (dvec_push(&acc[ri].relerr, e_sum / (double)N)) { rc = -1; break; }
+                }
+            }
+        }
+        for (int ri = 0; ri < r->n_rows; ri++) acc[ri].bytes_sum += bytes_prompt[ri];
+        r->full_bytes_mean += (double)C * Hkv * d * 2 * sizeof(float) * L / n_prompts;
+        if (o->verbose) kvcc_progress(p + 1, n_prompts);
+    }
+    free(q); free(k); free(v); free(o_full); free(o_c); free(lse_full); free(lse_c);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// end to end
+
+typedef struct {
+    float **q;    /* [L] -> [C, H, d] */
+    int64_t C;
+    uint32_t H, d;
+} qgrab;
+
+static int grab_q(void *user, int layer, int pos0, int n, const float *q, const float *k, const float *v) {
+    qgrab *g = user;
+    (void)k; (void)v;
+    for (int t = 0; t < n; t++)
+        if (pos0 + t < g->C)
+            memcpy(g->q[layer] + (size_t)(pos0 + t) * g->H * g->d, q + (size_t)t * g->H * g->d, sizeof(float) * g->H * g->d);
+    return 0;
+}
+
+/* Mean NLL of tokens[from+1 .. to) from logits rows (row i predicts token base+i+1). */
+static double nll_of(const float *logits, int V, const int32_t *tokens, int base, int n_rows, uint64_t *count) {
+    double s = 0;
+    for (int i = 0; i + 1 < n_rows; i++) {
+        const float *row = logits + (size_t)i * V;
+        float mx = row[0];
+        for (int j = 1; j < V; j++) mx = row[j] > mx ? row[j] : mx;
+        double z = 0;
+        for (int j = 0; j < V; j++) z += exp((double)row[j] - mx);
+        s += log(z) + mx - row[tokens[base + i + 1]];
+        (*count)++;
+    }
+    return s;
+}
+
+static int argmax_row(const float *row, int V) {
+    int b = 0;
+    for (int j = 1; j < V; j++) if (row[j] > row[b]) b = j;
+    return b;
+}
+
+/* Run the continuation (and the probes) from state position C; with caches == NULL the plain
+ * full-cache path. Accumulates into row/acc. */
+static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, kvrt_cache **caches, int C, int T,
+                              const int32_t *tok, float *logits, double *nll_sum, uint64_t *nll_n, uint32_t *probes,
+                              uint32_t *exact, uint64_t *ptok, uint64_t *ptok_ok) {
+    const int V = m->hp.n_vocab, P = KVCC_EVAL_PROBE_PREFIX, A = KVCC_EVAL_PROBE_ANSWER;
+    int rc = kvcc_state_truncate(s, C);
+    if (!rc) rc = kvcc_state_set_compressed(s, (const kvrt_cache *const *)caches, C, rt);
+    for (int pos = C; !rc && pos < T; pos += KVCC_MODEL_CHUNK) {
+        int n = T - pos < KVCC_MODEL_CHUNK ? T - pos : KVCC_MODEL_CHUNK;
+        rc = kvcc_model_prefill(m, s, tok + pos, n, logits, KVCC_LOGITS_ALL);
+        if (!rc) *nll_sum += nll_of(logits, V, tok, pos, n, nll_n);
+        if (!rc && pos + n < T) { /* the boundary prediction: row n-1 predicts tok[pos+n] */
+            const float *row = logits + (size_t)(n - 1) * V;
+            float mx = row[0];
+            for (int j = 1; j < V; j++) mx = row[j] > mx ? row[j] : mx;
+            double z = 0;
+            for (int j = 0; j < V; j++) z += exp((double)row[j] - mx);
+            *nll_sum += log(z) + mx - row[tok[pos + n]];
+            (*nll_n)++;
+        }
+    }
+    for (int pr = 0; !rc && pr < KVCC_EVAL_PROBES; pr++) {
+        static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
+        int start = (int)(depth[pr] * C);
+        if (start + P + A > C) start = C - P - A;
+        if (start < 0) break; /* context too short for probes */
+        rc = kvcc_state_truncate(s, C);
+        if (!rc) rc = kvcc_model_prefill(m, s, tok + start, P + A, logits, KVCC_LOGITS_ALL);
+        if (rc) break;
+        int ok_all = 1;
+        for (int i = 0; i < A; i++) {
+            int want = tok[start + P + i];
+            int ok = argmax_row(logits + (size_t)(P - 1 + i) * V, V) == want;
+            ok_all &= ok;
+            *ptok_ok += (uint64_t)ok;
+            (*ptok)++;
+        }
+        (*probes)++;
+        *exact += (uint32_t)ok_all;
+    }
+    kvcc_state_set_compressed(s, NULL, 0, NULL);
+    return rc;
+}
+
+static int eval_e2e(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompts, kvcc_eval_result *r, row_acc *acc,
+                    kvrt_ctx *rt, char *err, size_t errlen) {
+    kvcc_loaded_model lm;
+    char msg[512];
+    if (kvcc_load_model(o->gguf, 0, &lm, msg, sizeof msg) != 0) {
+        snprintf(err, errlen, "--gguf: %s", msg);
+        return KVCC_EXIT_FAILED;
+    }
+    const kvcc_model *m = lm.model;
+    const kvcc_corpus_model *cm = kvcc_corpus_get_model(c);
+    const int L = m->hp.n_layer, H = m->hp.n_head, Hkv = m->hp.n_head_kv, d = m->hp.head_dim, V = m->hp.n_vocab;
+    if ((uint32_t)L != cm->n_layers || (uint32_t)H != cm->n_heads || (uint32_t)Hkv != cm->n_kv_heads ||
+        (uint32_t)d != cm->head_dim || (uint32_t)V != cm->vocab_size) {
+        snprintf(err, errlen, "%s: the corpus was captured from a model with %u layers, %u heads, %u KV heads, head dim %u, "
+                 "vocab %u; --gguf %s has %d, %d, %d, %d, %d", o->corpus, cm->n_layers, cm->n_heads, cm->n_kv_heads,
+                 cm->head_dim, cm->vocab_size, o->gguf, L, H, Hkv, d, V);
+        kvcc_loaded_model_free(&lm);
+        return KVCC_EXIT_USAGE;
+    }
+    const int dtype = o->cache_f16 ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32;
+    int rc = 0;
+    kvcc_state *s = NULL;
+    int32_t *tok = NULL;
+    float *logits = malloc((size_t)KVCC_MODEL_CHUNK * V * sizeof *logits);
+    float *kbuf = NULL, *vbuf = NULL;
+    qgrab g = {.q = calloc((size_t)L, sizeof(float *)), .H = (uint32_t)H, .d = (uint32_t)d};
+    kvrt_cache **caches = calloc((size_t)L, sizeof *caches);
+    int cap_T = 0;
+    if (!logits || !g.q || !caches) rc = -1;
+    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+        kvcc_corpus_prompt_info info;
+        if ((rc = kvcc_corpus_prompt(c, p, &info, NULL, NULL)) != 0) break;
+        const int T = (int)info.n_tokens, C = (int)info.context_len;
+        const int need = T > C + KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER ? T : C + KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER;
+        if (need > cap_T) {
+            kvcc_state_free(s);
+            s = NULL;
+            free(tok); free(kbuf); free(vbuf);
+            for (int l = 0; l < L; l++) free(g.q[l]);
+            cap_T = need;
+            tok = malloc((size_t)cap_T * sizeof *tok);
+            kbuf = malloc((size_t)cap_T * Hkv * d * sizeof *kbuf);
+            vbuf = malloc((size_t)cap_T * Hkv * d * sizeof *vbuf);
+            for (int l = 0; l < L; l++) g.q[l] = malloc((size_t)cap_T * H * d * sizeof(float));
+            if (!tok || !kbuf || !vbuf || kvcc_state_create(m, cap_T, &s) != 0) { rc = -1; break; }
+            for (int l = 0; l < L; l++) if (!g.q[l]) rc = -1;
+            if (rc) break;
+        }
+        if ((rc = kvcc_corpus_prompt(c, p, &info, tok, NULL)) != 0) break;
+        /* the context, once, full, capturing queries */
+        g.C = C;
+        kvcc_state_reset(s);
+        kvcc_state_set_capture(s, grab_q, &g);
+        for (int pos = 0; !rc && pos < C; pos += KVCC_MODEL_CHUNK) {
+            int n = C - pos < KVCC_MODEL_CHUNK ? C - pos : KVCC_MODEL_CHUNK;
+            rc = kvcc_model_prefill(m, s, tok + pos, n, NULL, KVCC_LOGITS_NONE);
+        }
+        kvcc_state_set_capture(s, NULL, NULL);
+        if (rc) { snprintf(err, errlen, "eval: the model failed on the context of prompt %u", p); break; }
+        /* the full-cache reference (the model's own attention) */
+        double nll_full = 0;
+        uint64_t n_full = 0;
+        uint32_t fp = 0, fe = 0;
+        uint64_t ft = 0, fto = 0;
+        rc = score_continuation(s, m, rt, NULL, C, T, tok, logits, &nll_full, &n_full, &fp, &fe, &ft, &fto);
+        if (rc) { snprintf(err, errlen, "eval: the model failed on the continuation of prompt %u", p); break; }
+        for (int ri = 0; ri < r->n_rows; ri++) {
+            kvcc_eval_row *row = &r->rows[ri];
+            if (row->status) continue;
+            int64_t B;
+            int st = row_budget(row, C, &B);
+            if (st) { row_fail(row, st, "budget"); continue; }
+            for (int l = 0; l < L && !st; l++) {
+                const size_t T_ = (size_t)s->n_ctx, Kd = (size_t)Hkv * d;
+                /* the model's own context keys/values of layer l: rows [0, C) of its cache */
+                const float *kc = s->k_cache + (size_t)l * T_ * Kd, *vc = s->v_cache + (size_t)l * T_ * Kd;
+                memcpy(kbuf, kc, (size_t)C * Kd * sizeof(float));
+                memcpy(vbuf, vc, (size_t)C * Kd * sizeof(float));
+                st = compress_layer(row, B, o->seed, (uint32_t)l, g.q[l], kbuf, vbuf, C, (uint32_t)H, (uint32_t)Hkv,
+                                    (uint32_t)d, dtype, &caches[l]);
+            }
+            if (st) row_fail(row, st, "select");
+            else {
+                double nll = 0;
+                uint64_t nn = 0;
+                st = score_continuation(s, m, rt, caches, C, T, tok, logits, &nll, &nn, &row->probes, &row->probes_exact,
+                                        &row->probe_tokens, &row->probe_tokens_ok);
+                if (st) row_fail(row, KVRT_ERR_ARG, "model");
+                acc[ri].nll_sum += nll;
+                acc[ri].nll_full_sum += nll_full;
+                acc[ri].nll_n += nn;
+            }
+            for (int l = 0; l < L; l++) { kvrt_cache_free(caches[l]); caches[l] = NULL; }
+        }
+        if (o->verbose) kvcc_progress(p + 1, n_prompts);
+    }
+    if (rc && !err[0]) snprintf(err, errlen, "eval: end-to-end scoring failed (out of memory or model error)");
+    kvcc_state_free(s);
+    free(tok); free(kbuf); free(vbuf); free(logits); free(caches);
+    if (g.q) for (int l = 0; l < L; l++) free(g.q[l]);
+    free(g.q);
+    kvcc_loaded_model_free(&lm);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+
+int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_t errlen) {
+    memset(r, 0, sizeof *r);
+    if (errlen) err[0] = 0;
+    if (o->n_methods * o->n_budgets > KVCC_EVAL_MAX_ROWS || o->n_methods < 1 || o->n_budgets < 1) {
+        snprintf(err, errlen, "eval: need 1..%d (method, budget) rows", KVCC_EVAL_MAX_ROWS);
+        return KVCC_EXIT_USAGE;
+    }
+    for (int i = 0; i < o->n_methods; i++)
+        for (int j = 0; j < o->n_budgets; j++) {
+            if (o->methods[i] == KVRT_METHOD_FULL && j > 0) break; /* one full row whatever the budgets */
+            kvcc_eval_row *row = &r->rows[r->n_rows++];
+            row->method = o->methods[i];
+            row->budget = o->methods[i] == KVRT_METHOD_FULL ? 0 : o->budgets[j];
+        }
+    kvcc_corpus *c = NULL;
+    int rc = kvcc_corpus_open(&c, o->corpus, NULL, err, errlen);
+    if (rc) return KVCC_EXIT_FAILED;
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
+    uint32_t n_prompts = kvcc_corpus_get_info(c)->n_prompts;
+    if (o->max_prompts && o->max_prompts < n_prompts) n_prompts = o->max_prompts;
+    if (n_prompts == 0) {
+        snprintf(err, errlen, "%s: the corpus holds no prompts", o->corpus);
+        kvcc_corpus_close(c);
+        return KVCC_EXIT_USAGE;
+    }
+    kvcc_corpus_prompt_info info;
+    kvcc_corpus_prompt(c, 0, &info, NULL, NULL);
+    r->prompts = n_prompts;
+    r->layers = m->n_layers;
+    r->context_len = info.context_len;
+    r->continuation_len = info.continuation_len;
+    r->n_kv_heads = m->n_kv_heads;
+    r->head_dim = m->head_dim;
+    snprintf(r->model_name, sizeof r->model_name, "%s", m->name);
+    kvrt_ctx *rt = NULL;
+    kvrt_error kerr;
+    if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &kerr) != KVRT_OK) {
+        snprintf(err, errlen, "eval: %s", kerr.msg);
+        kvcc_corpus_close(c);
+        return KVCC_EXIT_FAILED;
+    }
+    row_acc *acc = calloc((size_t)r->n_rows, sizeof *acc);
+    if (!acc) rc = -1;
+    double t0 = now_s();
+    if (!rc) {
+        if (o->verbose) kvcc_progress_begin("eval (layer-local)");
+        rc = eval_local(o, c, n_prompts, r, acc, rt, err, errlen);
+    }
+    r->seconds_local = now_s() - t0;
+    if (!rc && o->gguf) {
+        t0 = now_s();
+        if (o->verbose) kvcc_progress_begin("eval (end to end)");
+        rc = eval_e2e(o, c, n_prompts, r, acc, rt, err, errlen);
+        r->seconds_e2e = now_s() - t0;
+    }
+    for (int ri = 0; !rc && ri < r->n_rows; ri++) {
+        kvcc_eval_row *row = &r->rows[ri];
+        row_acc *a = &acc[ri];
+        if (a->relerr.n) {
+            qsort(a->relerr.v, a->relerr.n, sizeof(double), cmp_d);
+            double s = 0;
+            for (size_t i = 0; i < a->relerr.n; i++) s += a->relerr.v[i];
+            row->relerr_mean = s / (double)a->relerr.n;
+            size_t i95 = (size_t)ceil(0.95 * (double)a->relerr.n);
+            row->relerr_p95 = a->relerr.v[i95 ? i95 - 1 : 0];
+        }
+        if (a->kl_n) {
+            row->kl_mean = a->kl_sum / (double)a->kl_n;
+            row->mass_mean = a->mass_sum / (double)a->kl_n;
+        }
+        if (a->kept_n) row->kept_mean = a->kept_sum / (double)a->kept_n;
+        row->bytes_mean = a->bytes_sum / n_prompts;
+        row->select_ms = 1e3 * a->sel_s / n_prompts;
+        if (a->nll_n) {
+            row->have_e2e = 1;
+            row->nll = a->nll_sum / (double)a->nll_n;
+            row->nll_full = a->nll_full_sum / (double)a->nll_n;
+        }
+    }
+    if (acc)
+        for (int ri = 0; ri < r->n_rows; ri++) free(acc[ri].relerr.v);
+    free(acc);
+    kvrt_ctx_free(rt);
+    kvcc_corpus_close(c);
+    if (rc && !err[0]) snprintf(err, errlen, "eval: out of memory");
+    return rc ? (rc > 0 ? rc : KVCC_EXIT_FAILED) : 0;
+}

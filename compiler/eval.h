@@ -1,0 +1,60 @@
+/*
+ * eval.h: `kvcc eval`: score compression methods on a held-out corpus, layer-locally from the
+ * corpus alone and end to end through the built-in model. Used by compiler/cmd_eval.c and the
+ * tests (tests/unit/test_eval.c).
+ */
+#ifndef KVCC_EVAL_H
+#define KVCC_EVAL_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVCC_EVAL_MAX_ROWS 256
+#define KVCC_EVAL_PROBES 3        /* retrieval probes per prompt: depths 10%, 50%, 90% */
+#define KVCC_EVAL_PROBE_PREFIX 16 /* tokens of the passage given */
+#define KVCC_EVAL_PROBE_ANSWER 8  /* tokens of the passage to reproduce */
+
+typedef struct {
+    int method;            /* kvrt_method */
+    double budget;         /* as asked: a count (>= 1) or a ratio of the context (< 1) */
+    /* layer-local */
+    double relerr_mean, relerr_p95; /* over (prompt, layer, query head) units */
+    double kl_mean;        /* mean over (prompt, layer, continuation query, head) of KL(p_comp || p_full) */
+    double mass_mean;      /* retained attention mass, same averaging */
+    double kept_mean;      /* entries kept per KV head per layer (mean) */
+    double bytes_mean;     /* compressed-cache bytes per prompt, all layers */
+    double select_ms;      /* selection + gather time per prompt, all layers */
+    /* end to end (with a model) */
+    int have_e2e;
+    double nll, nll_full;  /* mean continuation NLL per token: compressed / full cache */
+    uint32_t probes, probes_exact;
+    uint64_t probe_tokens, probe_tokens_ok;
+    int status;            /* 0, or the kvrt status that made the row fail */
+    char msg[256];
+} kvcc_eval_row;
+
+typedef struct {
+    const char *corpus;
+    const char *gguf;        /* NULL: layer-local only */
+    const int *methods;      /* kvrt_method values */
+    int n_methods;
+    const double *budgets;
+    int n_budgets;
+    uint32_t max_prompts;    /* 0: all */
+    int cache_f16;           /* store compressed caches in f16 */
+    uint64_t seed;           /* random method */
+    int verbose;             /* progress on stderr when a terminal */
+} kvcc_eval_opts;
+
+typedef struct {
+    kvcc_eval_row rows[KVCC_EVAL_MAX_ROWS];
+    int n_rows;
+    uint32_t prompts, layers, context_len, continuation_len, n_kv_heads, head_dim;
+    double full_bytes_mean;  /* the uncompressed context cache (f32), per prompt */
+    char model_name[64];
+    double seconds_local, seconds_e2e;
+} kvcc_eval_result;
+
+/* Runs everything; returns 0, or a nonzero status with a message naming the file and field.
+ * Per-row failures (e.g. a budget larger than the context) are reported in the row. */
+int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_t errlen);
+#endif

@@ -1,0 +1,87 @@
+/*
+ * test_eval.c: kvcc eval's measures. On a synthetic corpus: the full row is exact (relative
+ * error 0, retained mass 1, KL 0), every method keeps exactly its budget, a budget larger than
+ * the context fails that row with a clear message, and more budget never loses mass for
+ * streaming. On the real model (skipped when it is not fetched): the full-cache row, which runs
+ * the model's attention through kvrt_attend over a compressed cache that keeps everything,
+ * reproduces the uncompressed model's continuation NLL (delta 0 up to float noise).
+ */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "capture.h"
+#include "corpus.h"
+#include "eval.h"
+#include "kvrt.h"
+#include "loader.h"
+#include "synth.h"
+
+static kvcc_eval_result R; /* large: keep off the stack */
+
+Test(eval, synthetic_layer_local) {
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/kvcc_eval_synth_%d.h5", (int)getpid());
+    kvcc_corpus_model m = {.name = "tiny", .n_layers = 2, .n_heads = 8, .n_kv_heads = 2, .head_dim = 16,
+                           .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling = "none", .rope_scaling_factor = 1};
+    kvcc_synth_opts so = {.n_prompts = 2, .context_len = 96, .continuation_len = 16, .seed = 9, .retrieval_heads = 1};
+    char err[512];
+    cr_assert_eq(kvcc_synth_write(path, &m, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    int methods[] = {KVRT_METHOD_FULL, KVRT_METHOD_STREAMING, KVRT_METHOD_H2O, KVRT_METHOD_SNAPKV, KVRT_METHOD_KEYDIFF};
+    double budgets[] = {40, 64, 0.5, 500};
+    kvcc_eval_opts o = {.corpus = path, .methods = methods, .n_methods = 5, .budgets = budgets, .n_budgets = 4, .seed = 1};
+    cr_assert_eq(kvcc_eval_run(&o, &R, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(R.n_rows, 1 + 4 * 4);
+    const kvcc_eval_row *full = &R.rows[0];
+    cr_expect_eq(full->status, 0);
+    cr_expect_leq(full->relerr_p95, 1e-6);
+    cr_expect_leq(fabs(full->mass_mean - 1.0), 1e-6);
+    cr_expect_leq(fabs(full->kl_mean), 1e-6);
+    cr_expect_float_eq(full->kept_mean, 96.0, 1e-9);
+    for (int i = 1; i < R.n_rows; i++) {
+        const kvcc_eval_row *w = &R.rows[i];
+        if (w->budget == 500) {
+            cr_expect_neq(w->status, 0, "budget 500 > context 96 must fail its row");
+            cr_expect(strstr(w->msg, "budget") != NULL, "%s", w->msg);
+            continue;
+        }
+        cr_expect_eq(w->status, 0, "%s", w->msg);
+        double want = w->budget < 1 ? round(w->budget * 96) : w->budget;
+        cr_expect_float_eq(w->kept_mean, want, 1e-9, "%s budget %g kept %g", kvrt_method_name(w->method), w->budget, w->kept_mean);
+        cr_expect(w->mass_mean > 0 && w->mass_mean <= 1 + 1e-6);
+        cr_expect(w->kl_mean >= -1e-6);
+        cr_expect(w->relerr_mean > 0 && w->relerr_p95 >= w->relerr_mean * 0.5);
+        cr_expect(w->bytes_mean < full->bytes_mean);
+    }
+    /* streaming: 64 tokens retain at least the mass of 40 (a superset per head) */
+    cr_expect_geq(R.rows[2].mass_mean, R.rows[1].mass_mean - 1e-9);
+    unlink(path);
+}
+
+Test(eval, real_model_full_row_is_exact, .timeout = 1200) {
+    const char *gguf = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    if (access(gguf, R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_eval_real_%d.h5", (int)getpid());
+    kvcc_loaded_model lm;
+    cr_assert_eq(kvcc_load_model(gguf, 0, &lm, err, sizeof err), 0, "%s", err);
+    const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
+    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 96, .continuation_len = 24,
+                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
+    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
+    kvcc_loaded_model_free(&lm);
+    int methods[] = {KVRT_METHOD_FULL, KVRT_METHOD_STREAMING};
+    double budgets[] = {24};
+    kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 2, .budgets = budgets,
+                        .n_budgets = 1, .seed = 1};
+    cr_assert_eq(kvcc_eval_run(&o, &R, err, sizeof err), 0, "%s", err);
+    const kvcc_eval_row *full = &R.rows[0], *st = &R.rows[1];
+    cr_assert(full->have_e2e && st->have_e2e);
+    cr_expect_leq(fabs(full->nll - full->nll_full), 1e-4, "full row NLL %.7f vs model %.7f", full->nll, full->nll_full);
+    cr_expect(isfinite(full->nll) && full->nll > 0.5 && full->nll < 8, "NLL %g", full->nll);
+    cr_expect_eq(full->probes, 3);
+    cr_expect_gt(fabs(st->nll - st->nll_full), 1e-4, "a 24-of-96 streaming cache should change the NLL");
+    unlink(path);
+}
