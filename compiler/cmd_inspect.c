@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "kvcc.h"
+#include "passes/passes.h"
 
 static void shape_str(const kvpol_item *it, char *buf, size_t n) {
     if (it->kind == KVPOL_ITEM_SCALAR) { snprintf(buf, n, "scalar"); return; }
@@ -184,6 +185,8 @@ static int inspect_text(const char *path, kvpol_file *f, int max_items) {
         if (!groups_secs[g]) continue;
         any = 1;
         printf("  %-10s %u sections, %" PRIu64 " bytes stored\n", kvcc_group_name(g), groups_secs[g], groups_bytes[g]);
+        const kvcc_pass *ps = kvcc_pass_for_group(g);
+        if (ps && ps->inspect) ps->inspect(f, stdout);
     }
     if (!any) printf("  none: this artifact carries the fingerprint and provenance only\n");
     return KVCC_EXIT_OK;

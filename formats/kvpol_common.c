@@ -179,6 +179,9 @@ float kvpol_bf16_to_f32(uint16_t h) {
 static const kvpol_known_section KNOWN[] = {
     {KVPOL_SEC_PROVENANCE, 1, "kvcc.provenance"},
     {KVPOL_SEC_SELFTEST, 1, "kvcc.selftest"},
+    /* group 1: CompilerKV */
+    /* group 2: Attention Matching */
+    /* group 3: CompKV */
 };
 
 const kvpol_known_section *kvpol_known_sections(size_t *count) {
