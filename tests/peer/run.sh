@@ -5,11 +5,14 @@
 # runs tests/peer/check_transformers.py, which compares token ids, logits and post-RoPE keys on a
 # few prompts. Runs only when python3 can import torch, transformers and gguf (plus accelerate,
 # which transformers needs to load a GGUF) AND the model file exists; otherwise prints a visible
-# "skipped" line and exits 0.
+# "skipped" line and exits 0. Then, when h5py is importable too, tests/peer/capture_hf_check.py
+# checks examples/capture_hf.py: a tiny random Llama's corpus read back by our C reader
+# (tests/peer/read_corpus.c), the real model's keys against dump_model, and capture_hf.py --text
+# against `kvcc capture` on the same texts.
 #
 # Usage: tests/peer/run.sh [--install]
 #   --install   pip-install torch (CPU wheel when the PyTorch index is reachable), transformers,
-#               gguf and accelerate first.
+#               gguf, accelerate, h5py and numpy first.
 # Env: KVCC_MODEL (model path, default models/SmolLM2-135M-Instruct.Q4_1.gguf),
 #      KVCC_BUILD (build dir for the helper binary, default build), CC (default cc).
 set -euo pipefail
@@ -23,7 +26,7 @@ if [ "${1:-}" = "--install" ]; then
     echo "peer check: installing torch (CPU), transformers, gguf, accelerate with pip" >&2
     python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch ||
         python3 -m pip install torch
-    python3 -m pip install transformers gguf accelerate
+    python3 -m pip install transformers gguf accelerate h5py numpy
 fi
 
 if ! python3 -c 'import torch, transformers, gguf, accelerate' >/dev/null 2>&1 || [ ! -f "$model" ]; then
@@ -33,7 +36,31 @@ fi
 
 mkdir -p "$build/peer"
 dump="$build/peer/dump_model"
-${CC:-cc} -std=c11 -O2 -fopenmp -D_GNU_SOURCE -Icalib -o "$dump" tests/peer/dump_model.c \
-    calib/gguf.c calib/tokenizer.c calib/model.c -lopenblas -lm
+# calib/model.c runs compressed caches through libkvrt (kvrt_attend): link the built runtime, and
+# CUDA's libraries when that runtime was built with the CUDA backend.
+cuda_libs=""
+san=""
+case "$build" in */san|san) san="-fsanitize=address,undefined" ;; esac  # SAN=1 libraries
+if nm "$build/libkvrt.a" 2>/dev/null | grep " U cuda" >/dev/null; then  # no -q: pipefail + SIGPIPE
+    c="${CUDA_HOME:-/usr/local/cuda}"
+    cuda_libs="-L$c/lib64 -Wl,-rpath,$c/lib64 -lcublas -lcudart -lstdc++"
+fi
+${CC:-cc} -std=c11 -O2 -fopenmp $san -D_GNU_SOURCE -Icalib -Iruntime/include -Iformats -o "$dump" \
+    tests/peer/dump_model.c calib/gguf.c calib/tokenizer.c calib/model.c "$build/libkvrt.a" \
+    "$build/libkvpol.a" -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
 echo "== peer check against transformers ($model)"
 python3 tests/peer/check_transformers.py "$dump" "$model"
+
+# ---- examples/capture_hf.py: HF capture -> our corpus reader round trip (tiny random Llama), and
+# its keys/queries/log-probabilities against the built-in model above. Needs h5py on top.
+if ! python3 -c 'import h5py, numpy' >/dev/null 2>&1; then
+    echo "capture_hf check: skipped (h5py/numpy not installed: pip install h5py numpy)"
+    exit 0
+fi
+reader="$build/peer/read_corpus"
+${CC:-cc} -std=c11 -O2 $san -D_GNU_SOURCE -Icalib -Iformats -I/usr/include/hdf5/serial -o "$reader" \
+    tests/peer/read_corpus.c "$build/libkvcalib.a" "$build/libkvpol.a" \
+    -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5 -lzstd -lxxhash -lm
+echo "== capture_hf.py round trip through our corpus reader"
+python3 tests/peer/capture_hf_check.py examples/capture_hf.py "$reader" --real "$model" --dump "$dump" \
+    --kvcc "$build/kvcc"

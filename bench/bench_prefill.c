@@ -1,0 +1,250 @@
+/*
+ * bench_prefill.c: prefill throughput (tokens/s) of the built-in model (calib/model.h) on real
+ * held-out text, against the machine's own OpenBLAS sgemm rate measured in the same run
+ * (`make bench`; bench/prefill_vs_torch.sh puts it side by side with transformers on torch CPU).
+ *
+ * Prompts: the first --tokens tokens (no BOS) of each of the first --prompts files of
+ * examples/data/heldout/ (sorted by name) that hold that many, tokenized with calib/tokenizer.h.
+ * One run = kvcc_state_reset + kvcc_model_prefill(KVCC_LOGITS_LAST) of every prompt; after a
+ * warm-up prefill of the first prompt, --reps runs (default 3) are timed; tokens/s is T over the
+ * median time of one prompt's prefill (reps x prompts samples; the best is printed too, since a
+ * shared machine's load only ever slows a run down). sgemm is measured before and after. Defaults take about 70 s on 2 cores with OpenBLAS's generic kernels.
+ * FLOPs per prompt of T tokens (what "fraction of sgemm" divides): 2 x (linear-layer weights per
+ * layer: wq, wk, wv, wo, gate, up, down) x layers x T, plus attention 2 x 2 x H x d x T(T+1)/2 per
+ * layer (QK^T and AV, causal), plus the LM head once (2 x V x E, last token only).
+ *
+ * usage: bench_prefill [--model F] [--prompts N] [--tokens T] [--reps R] [--ids-out FILE]
+ *   --ids-out FILE  write the prompts' token ids (int32, N x T, little-endian) for a peer run
+ * Env: KVCC_MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf). Skips (exit 0, one line)
+ * when the model file is missing. Prints a machine-readable "RESULT ..." line last.
+ */
+#include <cblas.h>
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gguf.h"
+#include "model.h"
+#include "tokenizer.h"
+
+#define HELDOUT_DIR "examples/data/heldout"
+#define MAX_FILES 64
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static char *read_file(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
+        free(b);
+        b = NULL;
+    }
+    fclose(f);
+    if (b) {
+        b[n] = 0;
+        *len = (size_t)n;
+    }
+    return b;
+}
+
+// ---------------------------------------------------------------- sgemm rate
+/* Median GFLOP/s of C[m,n] = A[m,k] . B[n,k]^T (the model's NoTrans/Trans call) over `runs`. */
+static double sgemm_rate(int m, int n, int k, int runs) {
+    float *A = malloc((size_t)m * k * sizeof *A), *B = malloc((size_t)n * k * sizeof *B);
+    float *C = malloc((size_t)m * n * sizeof *C);
+    if (!A || !B || !C) {
+        fprintf(stderr, "bench_prefill: out of memory\n");
+        exit(1);
+    }
+    for (size_t i = 0; i < (size_t)m * k; i++) A[i] = (float)((i * 7919u) % 1000) * 1e-3f - 0.5f;
+    for (size_t i = 0; i < (size_t)n * k; i++) B[i] = (float)((i * 104729u) % 1000) * 1e-3f - 0.5f;
+    double r[64];
+    if (runs > 64) runs = 64;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, A, k, B, k, 0.0f, C, n); /* warm */
+    for (int i = 0; i < runs; i++) {
+        int inner = 0;
+        double t0 = now(), t;
+        do { /* at least 50 ms per sample */
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, A, k, B, k, 0.0f, C, n);
+            inner++;
+        } while ((t = now() - t0) < 0.05);
+        r[i] = 2.0 * m * n * k * inner / t * 1e-9;
+    }
+    free(A);
+    free(B);
+    free(C);
+    return median(r, runs);
+}
+
+int main(int argc, char **argv) {
+    const char *model_path = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    const char *ids_out = NULL;
+    int n_prompts = 4, T = 512, reps = 3;
+    for (int i = 1; i < argc; i++) {
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(argv[i], "--model") && v) model_path = argv[++i];
+        else if (!strcmp(argv[i], "--prompts") && v) n_prompts = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--tokens") && v) T = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--ids-out") && v) ids_out = argv[++i];
+        else {
+            fprintf(stderr, "usage: %s [--model F] [--prompts N] [--tokens T] [--reps R] [--ids-out FILE]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (n_prompts < 1 || n_prompts > MAX_FILES || T < 2 || T > 8192 || reps < 1 || reps > 99) {
+        fprintf(stderr, "bench_prefill: need 1 <= prompts <= %d, 2 <= tokens <= 8192, 1 <= reps <= 99\n", MAX_FILES);
+        return 2;
+    }
+    if (access(model_path, R_OK) != 0) {
+        printf("bench_prefill: skipped (model %s not found; scripts/fetch-model.sh fetches it)\n", model_path);
+        return 0;
+    }
+    const char *ct = getenv("OPENBLAS_CORETYPE");
+    printf("bench_prefill: OpenBLAS %s, core %s, %d threads; OPENBLAS_CORETYPE=%s\n", openblas_get_config(),
+           openblas_get_corename(), openblas_get_num_threads(), ct ? ct : "(unset)");
+
+    // ------------------------------------------------------------ model and prompts
+    char msg[1024];
+    kvcc_gguf *g;
+    kvcc_tok *tok;
+    kvcc_model *m;
+    int st;
+    double t0 = now();
+    if ((st = kvcc_gguf_open(model_path, &g, msg, sizeof msg)) || (st = kvcc_tok_from_gguf(g, &tok, msg, sizeof msg)) ||
+        (st = kvcc_model_load_gguf(g, &m, msg, sizeof msg))) {
+        fprintf(stderr, "bench_prefill: %s (%s)\n", msg, kvcc_gguf_status_str(st));
+        return 1;
+    }
+    kvcc_gguf_close(g);
+    double t_load = now() - t0;
+    DIR *dir = opendir(HELDOUT_DIR);
+    if (!dir) {
+        fprintf(stderr, "bench_prefill: cannot open %s (run from the repository root)\n", HELDOUT_DIR);
+        return 1;
+    }
+    char *names[MAX_FILES];
+    int nf = 0;
+    for (struct dirent *e; (e = readdir(dir)) && nf < MAX_FILES;)
+        if (strstr(e->d_name, ".txt")) names[nf++] = strdup(e->d_name);
+    closedir(dir);
+    qsort(names, (size_t)nf, sizeof *names, cmp_str);
+    int32_t *ids = malloc((size_t)n_prompts * T * sizeof *ids);
+    int np = 0;
+    for (int i = 0; i < nf && np < n_prompts; i++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s", HELDOUT_DIR, names[i]);
+        size_t len;
+        char *text = read_file(path, &len);
+        int32_t *t = NULL;
+        size_t n = 0;
+        if (text && kvcc_tok_encode(tok, text, len, 0, &t, &n) == 0 && n >= (size_t)T)
+            memcpy(ids + (size_t)np++ * T, t, (size_t)T * sizeof *ids);
+        free(t);
+        free(text);
+    }
+    for (int i = 0; i < nf; i++) free(names[i]);
+    if (np < n_prompts) {
+        fprintf(stderr, "bench_prefill: only %d files of %s hold %d tokens (asked %d prompts)\n", np, HELDOUT_DIR, T,
+                n_prompts);
+        return 1;
+    }
+    if (ids_out) {
+        FILE *f = fopen(ids_out, "wb");
+        if (!f || fwrite(ids, sizeof *ids, (size_t)np * T, f) != (size_t)np * T || fclose(f)) {
+            fprintf(stderr, "bench_prefill: cannot write %s\n", ids_out);
+            return 1;
+        }
+    }
+
+    // ------------------------------------------------------------ FLOPs
+    const kvcc_model_hparams *hp = &m->hp;
+    double E = hp->n_embd, F = hp->n_ff, H = hp->n_head, Hkv = hp->n_head_kv, d = hp->head_dim, V = hp->n_vocab;
+    double lin = E * (H * d) * 2 + E * (Hkv * d) * 2 + 3 * E * F; /* wq, wo, wk, wv, gate, up, down */
+    double flops_prompt = hp->n_layer * (2 * lin * T + 4 * H * d * (double)T * (T + 1) / 2) + 2 * V * E;
+    printf("bench_prefill: %s: %d layers, E %d, F %d, H %d, Hkv %d, d %d, V %d (loaded in %.2fs); %d prompts x %d "
+           "tokens; %.1f MFLOP/token (linear %.1f, attention %.1f, head %.2f)\n",
+           m->name, hp->n_layer, hp->n_embd, hp->n_ff, hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_vocab, t_load,
+           np, T, flops_prompt / T * 1e-6, 2 * lin * hp->n_layer * 1e-6,
+           hp->n_layer * 4 * H * d * (T + 1) / 2.0 * 1e-6, 2 * V * E / T * 1e-6);
+
+    // ------------------------------------------------------------ sgemm rate
+    struct { int m, n, k; const char *what; } shapes[] = {
+        {512, 1536, 576, "[512 x 576] x [576 x 1536] (gate/up)"},
+        {512, 576, 1536, "[512 x 1536] x [1536 x 576] (down)"},
+        {256, 1536, 576, "[256 x 576] x [576 x 1536] (one prefill chunk)"},
+    };
+    double rates[3];
+    for (int i = 0; i < 3; i++) {
+        rates[i] = sgemm_rate(shapes[i].m, shapes[i].n, shapes[i].k, 7);
+        printf("sgemm %-46s %7.1f GFLOP/s (median of 7)\n", shapes[i].what, rates[i]);
+    }
+
+    // ------------------------------------------------------------ prefill
+    kvcc_state *s;
+    if (kvcc_state_create(m, T, &s)) {
+        fprintf(stderr, "bench_prefill: out of memory\n");
+        return 1;
+    }
+    float *logits = malloc((size_t)hp->n_vocab * sizeof *logits);
+    double *sec = malloc((size_t)reps * np * sizeof *sec), *runs = malloc((size_t)reps * sizeof *runs);
+    kvcc_state_reset(s); /* warm-up: one prompt (page faults, OpenBLAS buffers, OpenMP pool) */
+    if (!sec || !runs || (st = kvcc_model_prefill(m, s, ids, T, logits, KVCC_LOGITS_LAST))) {
+        fprintf(stderr, "bench_prefill: prefill failed (%d)\n", st);
+        return 1;
+    }
+    for (int r = 0; r < reps; r++) {
+        runs[r] = 0;
+        for (int p = 0; p < np; p++) {
+            kvcc_state_reset(s);
+            double a = now();
+            if ((st = kvcc_model_prefill(m, s, ids + (size_t)p * T, T, logits, KVCC_LOGITS_LAST))) {
+                fprintf(stderr, "bench_prefill: prefill failed (%d)\n", st);
+                return 1;
+            }
+            sec[r * np + p] = now() - a;
+            runs[r] += sec[r * np + p];
+        }
+    }
+    /* the machine's limit again after the prefill runs: the higher of the two medians counts */
+    double rate_after = sgemm_rate(shapes[0].m, shapes[0].n, shapes[0].k, 7);
+    printf("sgemm %-46s %7.1f GFLOP/s (again, after the prefill runs)\n", shapes[0].what, rate_after);
+    double rate = rate_after > rates[0] ? rate_after : rates[0];
+    int ns = reps * np;
+    double med = T / median(sec, ns), best = T / sec[0], worst = T / sec[ns - 1]; /* sorted by median() */
+    double gflops = med / T * flops_prompt * 1e-9;
+    printf("prefill (ours): %.1f tokens/s median of %d prefills (%d runs x %d prompts; best %.1f, worst %.1f), "
+           "%.3f s per %d-token prompt; %.1f GFLOP/s = %.0f%% of the [512 x 576] x [576 x 1536] sgemm rate "
+           "(%.1f GFLOP/s)\n",
+           med, ns, reps, np, best, worst, T / med, T, gflops, 100 * gflops / rate, rate);
+    printf("RESULT tokens_per_s=%.2f best_tokens_per_s=%.2f gflops=%.2f sgemm_gflops=%.2f fraction=%.3f prompts=%d "
+           "tokens=%d reps=%d\n", med, best, gflops, rate, gflops / rate, np, T, reps);
+    free(sec);
+    free(runs);
+    free(logits);
+    free(ids);
+    kvcc_state_free(s);
+    kvcc_tok_free(tok);
+    kvcc_model_free(m);
+    return 0;
+}

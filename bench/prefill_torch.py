@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""prefill_torch.py: the peer side of bench/prefill_vs_torch.sh: prefill throughput (tokens/s) of
+the same GGUF loaded through transformers (dequantized to float32) on torch CPU, on the very
+token ids bench_prefill wrote (--ids-out: int32, N x T).
+
+One forward per prompt (batch 1, no cache carried over, logits of the last position only:
+logits_to_keep=1, the equivalent of our KVCC_LOGITS_LAST), under torch.inference_mode(), with
+torch.set_num_threads(THREADS) (default 2). One warm-up forward of the first prompt, then --reps
+timed runs over all prompts; tokens/s is T over the median time of one prompt (best also printed), and a last machine-readable
+line "RESULT tokens_per_s=...".
+
+Usage: prefill_torch.py MODEL.gguf IDS.bin --tokens T [--reps R] [--threads N]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("ids")
+    ap.add_argument("--tokens", type=int, required=True)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(a.threads)
+    ids = np.fromfile(a.ids, dtype="<i4").reshape(-1, a.tokens)
+    d, fn = os.path.split(os.path.abspath(a.model))
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=torch.float32).eval()
+    t_load = time.perf_counter() - t0
+    x = [torch.tensor(row[None, :].astype(np.int64)) for row in ids]
+    with torch.inference_mode():
+        model(input_ids=x[0], use_cache=False, logits_to_keep=1)  # warm-up
+        sec = []
+        for _ in range(a.reps):
+            for xi in x:
+                s = time.perf_counter()
+                model(input_ids=xi, use_cache=False, logits_to_keep=1)
+                sec.append(time.perf_counter() - s)
+    med = a.tokens / statistics.median(sec)
+    best, worst = a.tokens / min(sec), a.tokens / max(sec)
+    print(f"prefill (torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
+          f"{torch.get_num_threads()} threads, attn {model.config._attn_implementation}, float32; loaded in "
+          f"{t_load:.1f}s): {med:.1f} tokens/s median of {len(sec)} prefills ({a.reps} runs x {len(x)} prompts; "
+          f"best {best:.1f}, worst {worst:.1f}), {a.tokens / med:.3f} s per {a.tokens}-token prompt")
+    print(f"RESULT tokens_per_s={med:.2f} best_tokens_per_s={best:.2f} prompts={len(x)} tokens={a.tokens} "
+          f"reps={a.reps}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
