@@ -153,7 +153,8 @@ model:
 test: deps model
 	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY)
 	@echo "== unit, golden and equivalence tests (Criterion)"
-	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(TESTS) --jobs 2
+	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
+	  $(TESTS) --jobs 2
 	@echo "== fuzz corpus replay"
 	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
 	@echo "== CLI checks"
