@@ -15,17 +15,19 @@
 #include "kvcc.h"
 #include "kvrt.h"
 
-static const char *PLANNED[] = {"compilerkv", "am", "am-omp", "am-uniform", "compkv", "kv2", "merge-reduce", "quest"};
+static const char *PLANNED[] = {"compilerkv", "compkv", "kv2", "merge-reduce", "quest"};
 
 static void usage(FILE *out) {
     fprintf(out,
             "usage: kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [options]\n"
             "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
-            "  --methods LIST      comma-separated: full, streaming, random, snapkv, h2o, knorm, keydiff, or all\n"
+            "  --methods LIST      comma-separated: full, streaming, random, snapkv, h2o, knorm, keydiff, or all;\n"
+            "                      am (schedule from --policy), am-uniform, am-omp (Attention Matching: budgets are\n"
+            "                      target mean ratios < 1)\n"
             "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context ratios (< 1)\n"
             "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
-            "  --policy X.kvpol    an artifact; checked against the corpus's model (its policies join the\n"
-            "                      table as they are built)\n"
+            "  --policy X.kvpol    an artifact; checked against the corpus's model (method am reads its\n"
+            "                      Attention Matching schedule)\n"
             "  --prompts N         use the first N prompts (default: all)\n"
             "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
             "  --seed S            seed of the random method (default 1)\n"
@@ -42,15 +44,18 @@ static int parse_methods(const char *list, int *out, int *n) {
             continue;
         }
         int m = kvrt_method_from_name(tok);
+        if (!strcmp(tok, "am")) m = KVCC_EVAL_AM;
+        if (!strcmp(tok, "am-uniform")) m = KVCC_EVAL_AM_UNIFORM;
+        if (!strcmp(tok, "am-omp")) m = KVCC_EVAL_AM_OMP;
         if (m < 0) {
             for (size_t i = 0; i < sizeof PLANNED / sizeof PLANNED[0]; i++)
                 if (!strcmp(tok, PLANNED[i])) {
                     fprintf(stderr, "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: full, "
-                                    "streaming, random, snapkv, h2o, knorm, keydiff, all)\n", tok);
+                                    "streaming, random, snapkv, h2o, knorm, keydiff, all, am, am-uniform, am-omp)\n", tok);
                     return -1;
                 }
             fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: full, streaming, random, snapkv, "
-                            "h2o, knorm, keydiff, all)\n", tok);
+                            "h2o, knorm, keydiff, all, am, am-uniform, am-omp)\n", tok);
             return -1;
         }
         if (*n == 64) return -1;
@@ -101,7 +106,7 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         const kvcc_eval_row *row = &r->rows[i];
         char b[32];
         budget_str(row, b, sizeof b);
-        printf("%-10s %7s ", kvrt_method_name(row->method), b);
+        printf("%-10s %7s ", kvcc_eval_method_name(row->method), b);
         if (row->status) {
             printf("error: %s\n", row->msg);
             continue;
@@ -124,7 +129,7 @@ static void print_csv(const kvcc_eval_result *r) {
         const kvcc_eval_row *w = &r->rows[i];
         char b[32];
         budget_str(w, b, sizeof b);
-        printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", kvrt_method_name(w->method), b, w->kept_mean, w->relerr_mean,
+        printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", kvcc_eval_method_name(w->method), b, w->kept_mean, w->relerr_mean,
                w->relerr_p95, w->kl_mean, w->mass_mean, w->bytes_mean, w->select_ms);
         if (w->have_e2e)
             printf("%.6f,%.6f,%.6f,%u,%u,%.4f,", w->nll, w->nll_full, w->nll - w->nll_full, w->probes, w->probes_exact,
@@ -147,7 +152,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *w = &r->rows[i];
         cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "method", kvrt_method_name(w->method));
+        cJSON_AddStringToObject(o, "method", kvcc_eval_method_name(w->method));
         if (w->method != KVRT_METHOD_FULL) cJSON_AddNumberToObject(o, "budget", w->budget);
         if (w->status) {
             cJSON_AddStringToObject(o, "error", w->msg);
@@ -228,7 +233,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
             return rc == KVRT_ERR_FORMAT || rc == KVRT_ERR_IO ? kvcc_exit_for_kvpol(e.detail) : KVCC_EXIT_FAILED;
         }
     }
-    kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
+    kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
                         .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
                         .verbose = isatty(STDERR_FILENO)};
     kvcc_eval_result *r = malloc(sizeof *r);

@@ -1,7 +1,9 @@
 /*
  * eval.c: the fidelity table of `kvcc eval` (see eval.h). Every method is run through the
- * runtime's own functions (kvrt_method_select, kvrt_cache_gather, kvrt_attend), so the numbers
- * describe what a serving stack would execute.
+ * runtime's own functions (kvrt_method_select, kvrt_cache_gather, kvrt_attend; Attention Matching
+ * rows am / am-uniform / am-omp: kvrt_am_compact_layer with the context's own queries, budgets =
+ * target mean ratios, am's per-head ratios from --policy), so the numbers describe what a serving
+ * stack would execute.
  *
  * Layer-local (corpus only): per prompt and layer, the context [0, C) is compressed by the
  * method; the continuation queries [C, T) attend to the compressed context plus the exact
@@ -62,6 +64,7 @@ static int cmp_d(const void *a, const void *b) {
 }
 
 typedef struct {
+    float *am_sched;       /* method am: per-head ratios [L, Hkv] of the row's target */
     dvec relerr;
     double kl_sum, mass_sum, kept_sum, bytes_sum, sel_s;
     uint64_t kl_n, kept_n;
@@ -69,10 +72,28 @@ typedef struct {
     uint64_t nll_n;
 } row_acc;
 
-/* Compress one layer's context with a row's method: selection + gather. */
+const char *kvcc_eval_method_name(int method) {
+    switch (method) {
+    case KVCC_EVAL_AM: return "am";
+    case KVCC_EVAL_AM_UNIFORM: return "am-uniform";
+    case KVCC_EVAL_AM_OMP: return "am-omp";
+    default: return kvrt_method_name(method);
+    }
+}
+
+/* Compress one layer's context with a row's method: selection + gather; Attention Matching
+ * rows compact with the context's own queries (kvrt_am_compact_layer; am_sched: the layer's
+ * per-head ratios [Hkv] for method am). */
 static int compress_layer(const kvcc_eval_row *row, int64_t B, uint64_t seed, uint32_t layer, const float *q,
                           const float *k, const float *v, int64_t C, uint32_t H, uint32_t Hkv, uint32_t d, int dtype,
-                          kvrt_cache **out) {
+                          const float *am_sched, kvrt_cache **out) {
+    if (row->method >= KVCC_EVAL_AM) {
+        kvrt_am_opts ao;
+        kvrt_am_opts_init(&ao);
+        if (row->method == KVCC_EVAL_AM_OMP) ao.key_select = KVRT_AM_SELECT_OMP;
+        return kvrt_am_compact_layer(&ao, q, k, v, C, H, Hkv, d, row->method == KVCC_EVAL_AM ? am_sched : NULL,
+                                     row->budget, dtype, out, NULL);
+    }
     kvrt_method_opts mo;
     kvrt_method_opts_init(&mo, row->method, B);
     mo.seed = seed ^ (0x9e3779b97f4a7c15ull * (layer + 1));
@@ -87,6 +108,10 @@ static int compress_layer(const kvcc_eval_row *row, int64_t B, uint64_t seed, ui
 static int row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B) {
     if (row->method == KVRT_METHOD_FULL) {
         *B = C;
+        return KVRT_OK;
+    }
+    if (row->method >= KVCC_EVAL_AM) { /* a target ratio (checked in kvcc_eval_run) */
+        *B = 0;
         return KVRT_OK;
     }
     return kvrt_budget_resolve(row->budget, C, B);
@@ -172,7 +197,8 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
                 if (s) { row_fail(row, s, "budget"); continue; }
                 double t0 = now_s();
                 kvrt_cache *cc = NULL;
-                s = compress_layer(row, B, o->seed, l, q, k, v, C, H, Hkv, d, dtype, &cc);
+                s = compress_layer(row, B, o->seed, l, q, k, v, C, H, Hkv, d, dtype,
+                                   acc[ri].am_sched ? acc[ri].am_sched + (size_t)l * Hkv : NULL, &cc);
                 acc[ri].sel_s += now_s() - t0;
                 if (s) { row_fail(row, s, "select"); kvrt_cache_free(cc); continue; }
                 s = kvrt_attend(rt, qc, N, H, cc, kr, vr, N, scale, o_c, lse_c);
@@ -371,7 +397,8 @@ static int eval_e2e(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompts,
                 memcpy(kbuf, kc, (size_t)C * Kd * sizeof(float));
                 memcpy(vbuf, vc, (size_t)C * Kd * sizeof(float));
                 st = compress_layer(row, B, o->seed, (uint32_t)l, g.q[l], kbuf, vbuf, C, (uint32_t)H, (uint32_t)Hkv,
-                                    (uint32_t)d, dtype, &caches[l]);
+                                    (uint32_t)d, dtype, acc[ri].am_sched ? acc[ri].am_sched + (size_t)l * Hkv : NULL,
+                                    &caches[l]);
             }
             if (st) row_fail(row, st, "select");
             else {
@@ -412,6 +439,11 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
             kvcc_eval_row *row = &r->rows[r->n_rows++];
             row->method = o->methods[i];
             row->budget = o->methods[i] == KVRT_METHOD_FULL ? 0 : o->budgets[j];
+            if (row->method >= KVCC_EVAL_AM && !(row->budget < 1)) {
+                row->status = KVRT_ERR_ARG;
+                snprintf(row->msg, sizeof row->msg, "Attention Matching budgets are target mean ratios in (0, 1), "
+                         "got %g", row->budget);
+            }
         }
     kvcc_corpus *c = NULL;
     int rc = kvcc_corpus_open(&c, o->corpus, NULL, err, errlen);
@@ -442,6 +474,23 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
     }
     row_acc *acc = calloc((size_t)r->n_rows, sizeof *acc);
     if (!acc) rc = -1;
+    /* method am: the compiled schedule of each row's target ratio */
+    for (int ri = 0; !rc && ri < r->n_rows; ri++) {
+        if (r->rows[ri].method != KVCC_EVAL_AM || !(r->rows[ri].budget < 1)) continue;
+        if (!o->policy) {
+            snprintf(err, errlen, "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
+                     "(or use am-uniform / am-omp)");
+            rc = KVCC_EXIT_USAGE;
+            break;
+        }
+        acc[ri].am_sched = malloc((size_t)m->n_layers * m->n_kv_heads * sizeof(float));
+        if (!acc[ri].am_sched) { rc = -1; break; }
+        int s = kvrt_am_schedule_load(o->policy, r->rows[ri].budget, m->n_layers, m->n_kv_heads, acc[ri].am_sched);
+        if (s) {
+            snprintf(err, errlen, "--policy: %s [%s]", kvrt_last_error()->msg, kvrt_status_name(s));
+            rc = KVCC_EXIT_USAGE;
+        }
+    }
     double t0 = now_s();
     if (!rc) {
         if (o->verbose) kvcc_progress_begin("eval (layer-local)");
@@ -479,7 +528,10 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
         }
     }
     if (acc)
-        for (int ri = 0; ri < r->n_rows; ri++) free(acc[ri].relerr.v);
+        for (int ri = 0; ri < r->n_rows; ri++) {
+            free(acc[ri].relerr.v);
+            free(acc[ri].am_sched);
+        }
     free(acc);
     kvrt_ctx_free(rt);
     kvcc_corpus_close(c);

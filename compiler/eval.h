@@ -13,8 +13,16 @@
 #define KVCC_EVAL_PROBE_PREFIX 16 /* tokens of the passage given */
 #define KVCC_EVAL_PROBE_ANSWER 8  /* tokens of the passage to reproduce */
 
+/* Attention Matching rows (methods beyond kvrt_method; their budgets are target mean ratios of
+ * the context kept per KV head). */
+#define KVCC_EVAL_AM 100          /* am: the compiled per-head schedule (--policy), HighestAttnKeys */
+#define KVCC_EVAL_AM_UNIFORM 101  /* am-uniform: every head at the ratio, HighestAttnKeys */
+#define KVCC_EVAL_AM_OMP 102      /* am-omp: every head at the ratio, OMP key selection */
+/* kvrt_method_name, plus "am", "am-uniform", "am-omp". */
+const char *kvcc_eval_method_name(int method);
+
 typedef struct {
-    int method;            /* kvrt_method */
+    int method;            /* kvrt_method or KVCC_EVAL_AM* */
     double budget;         /* as asked: a count (>= 1) or a ratio of the context (< 1) */
     /* layer-local */
     double relerr_mean, relerr_p95; /* over (prompt, layer, query head) units */
@@ -35,6 +43,7 @@ typedef struct {
 typedef struct {
     const char *corpus;
     const char *gguf;        /* NULL: layer-local only */
+    const char *policy;      /* --policy artifact: the AM schedule of method am (else NULL) */
     const int *methods;      /* kvrt_method values */
     int n_methods;
     const double *budgets;

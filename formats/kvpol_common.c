@@ -180,7 +180,10 @@ static const kvpol_known_section KNOWN[] = {
     {KVPOL_SEC_PROVENANCE, 1, "kvcc.provenance"},
     {KVPOL_SEC_SELFTEST, 1, "kvcc.selftest"},
     /* group 1: CompilerKV */
+    {KVPOL_SECTION_ID(KVPOL_GROUP_COMPILERKV, 1), 1, "compilerkv.tables"},
     /* group 2: Attention Matching */
+    {KVPOL_SECTION_ID(KVPOL_GROUP_AM, 1), 1, "am.schedule"}, /* = KVRT_AM_SEC_SCHEDULE */
+    {KVPOL_SECTION_ID(KVPOL_GROUP_AM, 2), 1, "am.curves"},   /* = KVRT_AM_SEC_CURVES */
     /* group 3: CompKV */
 };
 

@@ -6,8 +6,12 @@
 #include "passes.h"
 
 /* (declare each pass here and list it below) */
+extern const kvcc_pass kvcc_pass_compilerkv;
+extern const kvcc_pass kvcc_pass_am;
 
 const kvcc_pass *const kvcc_passes[] = {
+    &kvcc_pass_compilerkv,
+    &kvcc_pass_am,
     NULL,
 };
 

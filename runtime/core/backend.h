@@ -131,6 +131,12 @@ KVRT_INTERNAL int kvrt_cuda_attend(kvrt_ctx *ctx, const float *q, int64_t n, uin
                                    float *out, float *lse_out);
 #endif
 
+/* ------------------------------------------------------------------ added with CompilerKV */
+/* The validated kvpol file behind a policy handle (core/policy.c), for the policies' table
+ * loaders (cpu/compilerkv.c). Valid until kvrt_policy_free; NULL for NULL. */
+struct kvpol_file;
+KVRT_INTERNAL const struct kvpol_file *kvrt_policy_file(const kvrt_policy *p);
+
 #ifdef __cplusplus
 }
 #endif

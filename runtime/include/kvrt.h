@@ -353,6 +353,218 @@ int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, fl
 int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, uint32_t n_heads,
                       int64_t budget_pages, int32_t *pages_out /*[Hkv, budget_pages]*/);
 
+// --- Attention Matching (runtime/cpu/am.c) ----------------------------------------------------
+/* Replace a KV head's T keys/values by t << T synthetic entries (C_k, beta, C_v) that reproduce,
+ * for reference queries Q_ref, the attention output and the attention mass (softmax
+ * denominator) of the original block, so the compacted block still mixes correctly with the
+ * tokens that come after it (kvrt_attend adds beta to the logits of cache entries).
+ * Per chunk of the context (default 4096 keys; each chunk gets its proportional share of t):
+ *  1. logits z = Q_ref K^T / sqrt(d) over the chunk (causal when query positions are given: a
+ *     query sees the keys at or before its position); P = exp(z - rowmax), m_i = sum_j P_ij;
+ *  2. key selection: HIGHEST = top-t of the RMS over queries of softmax(z) columns; OMP = greedy
+ *     on the relative mass residual r_i = 1 - (P_S w)_i / m_i (pick the key whose column P_j / m
+ *     best correlates with r, NNLS refit after each pick, stop early when none reduces it);
+ *  3. beta = log w, w = argmin_{w >= 0} sum_i ((P_S w)_i / m_i - 1)^2 (NNLS on the mass matrix
+ *     with rows divided by the mass, i.e. relative mass error, columns scaled to unit norm);
+ *     w = 0 drops the key (the head then holds fewer than t entries);
+ *  4. C_v = argmin |X C_v - Y|^2 + lambda |C_v|^2, X = softmax(z_S + beta), Y = softmax(z) V,
+ *     lambda = ridge * trace(X^T X) / t (Cholesky, LAPACKE_dposv, in double).
+ * C_k are the selected original keys; positions are their original positions. Deterministic:
+ * OpenBLAS threads the products, everything else runs in one thread in a fixed order, so the
+ * output does not depend on the OpenMP thread count. Messages in kvrt_last_error(). */
+typedef enum { KVRT_AM_SELECT_HIGHEST = 0, KVRT_AM_SELECT_OMP = 1 } kvrt_am_select;
+
+typedef struct {
+    int key_select;        /* kvrt_am_select (default HIGHEST) */
+    int64_t chunk;         /* keys per chunk (default 4096); <= 0: the whole context at once */
+    double ridge;          /* relative ridge of the values' least squares (default 1e-6), >= 0 */
+    int nnls_max_iter;     /* cap on NNLS iterations (default 0: 3 * t + 30) */
+    int64_t max_queries;   /* kvrt_am_compact_layer: reference queries per KV head, evenly
+                            * strided over the T * G context queries (default 4096; 0: all) */
+} kvrt_am_opts;
+void kvrt_am_opts_init(kvrt_am_opts *o);
+
+/* NNLS outcome (not an error: x is always feasible, x >= 0). */
+typedef enum {
+    KVRT_NNLS_CONVERGED = 0,   /* KKT conditions hold within tolerance */
+    KVRT_NNLS_MAX_ITER = 1,    /* iteration cap reached: x is the last feasible iterate */
+    KVRT_NNLS_DEGENERATE = 2,  /* converged after excluding numerically dependent columns */
+} kvrt_nnls_status;
+typedef struct {
+    int status;            /* kvrt_nnls_status */
+    int iterations;        /* outer (column additions) + inner (step-backs) */
+    double residual;       /* |A x - b| */
+} kvrt_nnls_info;
+/* min |A x - b| s.t. x >= 0 (Lawson-Hanson active set). A [m, n] row-major, b [m], x [n] (out).
+ * max_iter <= 0: 3 n + 30. _ref: textbook, subproblems by modified Gram-Schmidt QR on A's
+ * passive columns, double. kvrt_nnls: columns scaled to unit norm, normal equations (Gram
+ * A^T A by dgemm) and Cholesky on the passive set; same solution within 1e-9 relative on
+ * well-conditioned problems. info may be NULL. KVRT_ERR_ARG on NULL / sizes < 1 / non-finite. */
+int kvrt_nnls_ref(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,
+                  kvrt_nnls_info *info);
+int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,
+              kvrt_nnls_info *info);
+/* Ridge least squares C = argmin |X C - Y|^2 + lambda |C|^2 with lambda = ridge * trace(X^T X)
+ * / t (ridge >= 0; 0 = plain normal equations, which must then be positive definite).
+ * X [n, t], Y [n, d], C [t, d], double, row-major. KVRT_ERR_ARG when the system is singular. */
+int kvrt_ridge_lstsq(const double *X, const double *Y, int64_t n, int64_t t, int64_t d,
+                     double ridge, double *C);
+
+/* Quality of one compaction on its reference queries (chunk-local, averaged over chunks). */
+typedef struct {
+    int64_t asked;         /* t: entries asked */
+    int64_t kept;          /* entries written (t minus keys whose NNLS weight is 0) */
+    int64_t n_queries;     /* reference queries used */
+    double mass_relerr;    /* mean over queries of |sum exp(z_c + beta) - sum exp(z)| / sum exp(z) */
+    double out_relerr;     /* mean over queries of |o_c - o| / |o| */
+    int nnls_status;       /* worst kvrt_nnls_status over the chunks */
+    int nnls_iterations;   /* summed over the chunks */
+} kvrt_am_stats;
+
+/* One (layer, KV head): k, v [T, d] (key j at position j), q_ref [n, d] (any queries the serving
+ * stack chooses), q_pos [n] the position of each reference query (it sees keys j <= q_pos[i],
+ * as in the model's causal prefill; RoPE'd queries attending to keys ahead of them are out of
+ * distribution) or NULL (every query sees every key), 1 <= t <= T. *out: a new host cache with
+ * one KV head of at most t entries, dtype f32 or f16. stats may be NULL. KVRT_ERR_ARG also when
+ * no reference query sees some chunk. */
+int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
+                    uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
+                    int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats);
+/* A whole layer: q [T, H, d] (the context's own queries: reference queries of KV head h are those
+ * of its G = H / Hkv query heads, causal, evenly strided down to max_queries), k, v [T, Hkv, d].
+ * Budget of head h: t_h = round(ratios[h] * T) clamped to 1..T, ratios [Hkv] in (0, 1] (NULL:
+ * ratio for every head). *out: one cache of n_kv_heads heads. stats [Hkv] or NULL. */
+int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k, const float *v,
+                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                          const float *ratios, double ratio, int dtype, kvrt_cache **out,
+                          kvrt_am_stats *stats);
+
+/* The compiled schedule (kvcc compile --policies am): section ids of kvpol group 2. */
+#define KVRT_AM_SEC_SCHEDULE 0x00020001u /* critical: targets f64 [n_t], schedule f32 [n_t, L, Hkv],
+                                          * key_select string, chunk i64 */
+#define KVRT_AM_SEC_CURVES 0x00020002u   /* optional: ratios f64 [n_r], loss f32 [L, Hkv, n_r],
+                                          * mass_err f32 [L, Hkv, n_r], prompts i64 */
+/* Per-head ratios [L, Hkv] of the artifact at `path` for the target mean ratio `target`
+ * (matched within 1e-6 relative). KVRT_ERR_IO / KVRT_ERR_FORMAT (artifact unreadable),
+ * KVRT_ERR_MODEL_MISMATCH (L or Hkv differ), KVRT_ERR_UNSUPPORTED (no Attention Matching
+ * group), KVRT_ERR_ARG (target not compiled: the message lists the compiled ones). */
+int kvrt_am_schedule_load(const char *path, double target, uint32_t n_layers,
+                          uint32_t n_kv_heads, float *ratios);
+
+
+// --- CompilerKV (runtime/cpu/compilerkv.c; ALGORITHMS.md section 1): prefill-only retention
+// from a compiled head-reliability table W_head and a risk threshold LUT T_gate.
+/* Usage per prompt of T context tokens (a caller streaming one layer at a time):
+ *   kvrt_compilerkv_prompt_create(T, tb->window, &pr);
+ *   for each layer: kvrt_compilerkv_prompt_add_layer(pr, q_l, k_l, H, Hkv, d);   (step 1)
+ *   kvrt_compilerkv_prompt_finish(pr, next_logprob);                          (alpha, step 5)
+ *   for each layer: kvrt_compilerkv_select(tb, pr, l, v_l, Hkv, d, B, flags, &sel, &st);
+ *                   kvrt_cache_gather(k_l, v_l, T, Hkv, d, sel, dtype, &cache);
+ * The kept set is shared by all KV heads of the layer; its size may be < B (elastic). */
+#define KVRT_COMPILERKV_ENT_BINS 20
+#define KVRT_COMPILERKV_PPL_BINS 4
+#define KVRT_COMPILERKV_SECTION_ID 0x00010001u /* kvpol group 1, "compilerkv.tables" */
+#define KVRT_COMPILERKV_NEAREST_BUDGET 0x1u    /* flag: an uncompiled budget uses the nearest */
+/* The compiled tables. Owned arrays; create/free. Callers may overwrite w_head / t_gate values
+ * in place (the compiler does between rounds). */
+typedef struct {
+    uint32_t n_budgets, n_layers, n_heads;
+    uint32_t window;       /* observation window w the tables were compiled with */
+    int64_t *budgets;      /* [n_budgets] token counts, ascending */
+    float *w_head;         /* [n_budgets, n_layers, n_heads] head-reliability weights (>= 0) */
+    float *t_gate;         /* [n_budgets, n_layers, ENT_BINS, PPL_BINS] thresholds tau */
+    float ent_edges[KVRT_COMPILERKV_ENT_BINS - 1]; /* ascending interior edges (entropy / log T) */
+    float ppl_edges[KVRT_COMPILERKV_PPL_BINS - 1]; /* ascending interior edges (window ppl) */
+} kvrt_compilerkv_tables;
+/* Copies every array (shapes as in the struct). KVRT_ERR_ARG on NULL, non-finite values,
+ * negative weights, budgets not ascending or < 1, edges not ascending; KVRT_ERR_SHAPE on 0 dims. */
+int kvrt_compilerkv_tables_create(uint32_t n_budgets, uint32_t n_layers, uint32_t n_heads,
+                                  uint32_t window, const int64_t *budgets, const float *w_head,
+                                  const float *t_gate, const float *ent_edges,
+                                  const float *ppl_edges, kvrt_compilerkv_tables **out);
+/* From an open policy's CompilerKV section (items budgets i64 [nB], w_head f32 [nB, L, H],
+ * t_gate f32 [nB, L, 20, 4], ent_edges f32 [19], ppl_edges f32 [3], scalars n_budgets, window).
+ * KVRT_ERR_UNSUPPORTED when the artifact has no CompilerKV section, KVRT_ERR_FORMAT when an
+ * item is missing or mis-shaped. */
+int kvrt_compilerkv_tables_from_policy(const kvrt_policy *p, kvrt_compilerkv_tables **out);
+void kvrt_compilerkv_tables_free(kvrt_compilerkv_tables *tb);
+
+/* Per-prompt state: the window-mass accumulator, then alpha and the risk features. */
+typedef struct {
+    int64_t T;             /* context tokens */
+    uint32_t window;       /* observation window, min(w, T) */
+    uint32_t n_layers;     /* layers added so far */
+    double *mass;          /* [T] sum over added layers of the head-mean window mass */
+    float *alpha;          /* [T] after finish: mass / n_layers * T / window (mean ~1) */
+    double entropy;        /* after finish: entropy of alpha / sum(alpha), divided by log T */
+    double ppl;            /* after finish: exp(-mean log p) of the window's tokens */
+    int finished;
+} kvrt_compilerkv_prompt;
+int kvrt_compilerkv_prompt_create(int64_t T, uint32_t window, kvrt_compilerkv_prompt **out);
+void kvrt_compilerkv_prompt_free(kvrt_compilerkv_prompt *p);
+/* Add one layer: q [T, H, d] (only rows T-w..T-1 are read), k [T, Hkv, d], post-RoPE; the
+ * window mass of kvrt_snapkv_scores averaged over heads. _ref: through kvrt_snapkv_scores_ref. */
+int kvrt_compilerkv_prompt_add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k,
+                                     uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim);
+int kvrt_compilerkv_prompt_add_layer_ref(kvrt_compilerkv_prompt *p, const float *q,
+                                         const float *k, uint32_t n_heads, uint32_t n_kv_heads,
+                                         uint32_t head_dim);
+/* Or add a layer's precomputed head-mean window mass [T] (sum over window queries of their
+ * causal softmax rows, averaged over the layer's query heads). */
+int kvrt_compilerkv_prompt_add_mass(kvrt_compilerkv_prompt *p, const float *mass);
+/* alpha, entropy and ppl. next_logprob [T-1]: next_logprob[t] = log p(token t+1 | 0..t) (the
+ * corpus convention); entries T-w-1 .. T-2 are read. */
+int kvrt_compilerkv_prompt_finish(kvrt_compilerkv_prompt *p, const float *next_logprob);
+
+/* Head-relative value norms rho [Hkv, T]: ||v[t, j]|| / mean_t ||v[t, j]||. v [T, Hkv, d]. */
+int kvrt_compilerkv_value_norms(const float *v, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
+                                float *rho);
+/* Risk bins: number of compiled interior edges strictly below the feature. */
+int kvrt_compilerkv_bins(const kvrt_compilerkv_tables *tb, double entropy, double ppl, int *b_ent,
+                         int *b_ppl);
+/* The compiled budget index for a budget of `budget` tokens: exact match, else the nearest
+ * (ties: the smaller) with KVRT_COMPILERKV_NEAREST_BUDGET, else KVRT_ERR_UNSUPPORTED with the
+ * compiled budgets in the message. */
+int kvrt_compilerkv_budget_index(const kvrt_compilerkv_tables *tb, int64_t budget,
+                                 unsigned flags, uint32_t *index);
+typedef struct {
+    int64_t candidates;    /* window + tokens with s >= tau */
+    int64_t kept;          /* positions kept (<= budget) */
+    float tau;
+    uint32_t budget_index; /* kvrt_compilerkv_select only */
+    int b_ent, b_ppl;      /* kvrt_compilerkv_select only */
+} kvrt_compilerkv_stats;
+/* Steps 3, 4, 7 with an explicit table row: s[t] = max_h alpha[t] rho[h / G, t] w_head[h];
+ * keep the last min(window, budget, T) positions, then of the earlier positions with s >= tau
+ * the highest s up to the budget (kvrt_topk rules). alpha [T], rho [Hkv, T], w_head [H].
+ * *out: the same ascending positions for every KV head. st may be NULL. _ref: double scores,
+ * full sort. */
+int kvrt_compilerkv_select_layer(const float *alpha, const float *rho, int64_t T,
+                                 uint32_t n_heads, uint32_t n_kv_heads, const float *w_head,
+                                 float tau, int64_t budget, uint32_t window, kvrt_selection **out,
+                                 kvrt_compilerkv_stats *st);
+int kvrt_compilerkv_select_layer_ref(const float *alpha, const float *rho, int64_t T,
+                                     uint32_t n_heads, uint32_t n_kv_heads, const float *w_head,
+                                     float tau, int64_t budget, uint32_t window,
+                                     kvrt_selection **out, kvrt_compilerkv_stats *st);
+/* Steps 2-7 for one layer of a finished prompt with the compiled tables: v [T, Hkv, d]
+ * (context part), budget in tokens (resolve ratios with kvrt_budget_resolve first). */
+int kvrt_compilerkv_select(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
+                           uint32_t layer, const float *v, uint32_t n_kv_heads, uint32_t head_dim,
+                           int64_t budget, unsigned flags, kvrt_selection **out,
+                           kvrt_compilerkv_stats *st);
+/* All layers at once, for callers that hold every layer (e.g. after a model prefill): steps
+ * 1-7. q, k, v: [n_layers] pointers to [T, H, d], [T, Hkv, d], [T, Hkv, d] (context part);
+ * next_logprob [T-1]; sels [n_layers] receive new selections (all NULL on failure); stats
+ * [n_layers] or NULL. */
+int kvrt_compilerkv_select_all(const kvrt_compilerkv_tables *tb, const float *const *q,
+                               const float *const *k, const float *const *v,
+                               const float *next_logprob, int64_t T, uint32_t n_heads,
+                               uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
+                               unsigned flags, kvrt_selection **sels,
+                               kvrt_compilerkv_stats *stats);
+// --- end CompilerKV
+
 #ifdef __cplusplus
 }
 #endif

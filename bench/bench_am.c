@@ -1,0 +1,168 @@
+/*
+ * bench_am.c: timing of Attention Matching compaction (runtime/cpu/am.c). Not a test.
+ * Run by `make bench` (no arguments: the default run below, about a minute on 2 cores) and by
+ * bench/am_vs_scipy.sh (with --head T --dump DIR, so that bench/am_scipy.py times the same
+ * algorithm written with numpy + scipy on the same inputs).
+ *
+ * Default run:
+ *  1. one head, d = 128, ratio 0.05, 4096 reference queries, T = 4096 and T = 16384 (chunks of
+ *     4096, each with its proportional budget), HighestAttnKeys; best of 3;
+ *  2. the whole model: every layer of a SmolLM2-135M-shaped model (30 layers, 9 query heads,
+ *     3 KV heads, d = 64) over an 8192-token context with kvrt_am_compact_layer (default options:
+ *     4096 reference queries per KV head, chunks of 4096), ratio 0.05. The q/k/v are SYNTHETIC
+ *     (Gaussian, queries sharing a per-head direction as trained heads do): the timing depends on
+ *     the shapes only, not on the values.
+ * Options: --head T (only part 1 at this T), --dump DIR (write DIR/{q,k,v}.f32 and DIR/meta.txt
+ * of the part-1 input), --omp (OMP key selection instead of HighestAttnKeys), --reps N.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvrt.h"
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static float rng_n(uint64_t *s) { /* sum of 4 uniforms, centred: cheap, roughly Gaussian */
+    double a = 0;
+    for (int i = 0; i < 4; i++) a += (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
+    return (float)((a - 2.0) * 1.7320508);
+}
+
+/* x [rows, heads, d]: Gaussian with sd `sd`, plus a per-head direction of sd `dir` (queries). */
+static float *synth(int64_t rows, int64_t heads, int64_t d, float sd, float dir, uint64_t seed) {
+    float *x = malloc(sizeof(float) * (size_t)(rows * heads * d));
+    float *u = malloc(sizeof(float) * (size_t)(heads * d));
+    if (!x || !u) { free(x); free(u); return NULL; }
+    uint64_t s = seed;
+    for (int64_t i = 0; i < heads * d; i++) u[i] = dir * rng_n(&s);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < heads * d; i++) x[r * heads * d + i] = sd * rng_n(&s) + u[i];
+    free(u);
+    return x;
+}
+
+static int dump(const char *dir, const char *name, const float *x, size_t n) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(x, sizeof(float), n, f) != n) {
+        fprintf(stderr, "bench_am: cannot write %s\n", path);
+        if (f) fclose(f);
+        return -1;
+    }
+    return fclose(f);
+}
+
+/* Part 1: one head. Returns 0 or 1. */
+static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
+    const int64_t d = 128, n = 4096;
+    const double ratio = 0.05;
+    const int64_t t = (int64_t)llround(ratio * (double)T);
+    float *k = synth(T, 1, d, 1.0f, 0.0f, 1), *v = synth(T, 1, d, 1.0f, 0.0f, 2);
+    float *q = synth(n, 1, d, 0.8f, 1.0f, 3);
+    if (!k || !v || !q) { fprintf(stderr, "bench_am: out of memory\n"); return 1; }
+    if (dump_dir) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/meta.txt", dump_dir);
+        FILE *f = fopen(path, "w");
+        if (!f) { fprintf(stderr, "bench_am: cannot write %s\n", path); return 1; }
+        fprintf(f, "T %lld\nd %lld\nn %lld\nt %lld\nchunk 4096\nselect %s\n", (long long)T, (long long)d,
+                (long long)n, (long long)t, omp ? "omp" : "highest");
+        fclose(f);
+        if (dump(dump_dir, "k.f32", k, (size_t)(T * d)) || dump(dump_dir, "v.f32", v, (size_t)(T * d)) ||
+            dump(dump_dir, "q.f32", q, (size_t)(n * d)))
+            return 1;
+    }
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    if (omp) o.key_select = KVRT_AM_SELECT_OMP;
+    double best = INFINITY;
+    kvrt_am_stats st = {0};
+    for (int r = 0; r < reps; r++) {
+        kvrt_cache *c = NULL;
+        double t0 = now_s();
+        int rc = kvrt_am_compact(&o, k, v, T, (uint32_t)d, q, NULL, n, t, KVRT_DTYPE_F32, &c, &st);
+        double dt = now_s() - t0;
+        kvrt_cache_free(c);
+        if (rc) {
+            fprintf(stderr, "bench_am: %s\n", kvrt_last_error()->msg);
+            return 1;
+        }
+        if (dt < best) best = dt;
+    }
+    printf("am head: T %6lld  d %lld  queries %lld  ratio %.2f (t %lld, kept %lld)  %s  chunk 4096: "
+           "%8.3f s (best of %d)  mass relerr %.4f  out relerr %.4f\n",
+           (long long)T, (long long)d, (long long)n, ratio, (long long)t, (long long)st.kept,
+           omp ? "omp" : "highest", best, reps, st.mass_relerr, st.out_relerr);
+    printf("c_seconds %.6f\n", best);
+    free(k); free(v); free(q);
+    return 0;
+}
+
+/* Part 2: the whole model, synthetic SmolLM2-135M shapes, 8k context. */
+static int bench_model(int omp) {
+    const int64_t L = 30, H = 9, Hkv = 3, d = 64, T = 8192;
+    const double ratio = 0.05;
+    float *k = synth(T, Hkv, d, 1.0f, 0.0f, 11), *v = synth(T, Hkv, d, 1.0f, 0.0f, 12);
+    float *q = synth(T, H, d, 0.8f, 1.0f, 13);
+    if (!k || !v || !q) { fprintf(stderr, "bench_am: out of memory\n"); return 1; }
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    if (omp) o.key_select = KVRT_AM_SELECT_OMP;
+    double t0 = now_s();
+    int64_t kept = 0;
+    for (int64_t l = 0; l < L; l++) { /* same synthetic tensors for every layer: timing only */
+        kvrt_cache *c = NULL;
+        int rc = kvrt_am_compact_layer(&o, q, k, v, T, (uint32_t)H, (uint32_t)Hkv, (uint32_t)d, NULL, ratio,
+                                       KVRT_DTYPE_F16, &c, NULL);
+        if (rc) {
+            fprintf(stderr, "bench_am: layer %lld: %s\n", (long long)l, kvrt_last_error()->msg);
+            return 1;
+        }
+        kept += c->n_entries;
+        kvrt_cache_free(c);
+    }
+    const double dt = now_s() - t0;
+    printf("am model: SmolLM2-135M shapes (30 layers, 9 heads, 3 KV heads, d 64), SYNTHETIC q/k/v, "
+           "context %lld, ratio %.2f, %s, 4096 reference queries per KV head, chunk 4096: %.2f s "
+           "(%.3f s per layer, %lld entries kept)\n",
+           (long long)T, ratio, omp ? "omp" : "highest", dt, dt / (double)L, (long long)kept);
+    free(k); free(v); free(q);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    int64_t head = 0;
+    int omp = 0, reps = 3;
+    const char *dump_dir = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--head") && i + 1 < argc) head = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--dump") && i + 1 < argc) dump_dir = argv[++i];
+        else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--omp")) omp = 1;
+        else {
+            fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--reps N]\n");
+            return 2;
+        }
+    }
+    if (reps < 1) reps = 1;
+    if (head > 0) return bench_head(head, omp, reps, dump_dir);
+    if (dump_dir) { fprintf(stderr, "bench_am: --dump needs --head T\n"); return 2; }
+    int rc = bench_head(4096, omp, reps, NULL);
+    if (!rc) rc = bench_head(16384, omp, 1, NULL);
+    if (!rc) rc = bench_model(omp);
+    return rc;
+}

@@ -1,0 +1,363 @@
+/*
+ * am.c: the Attention Matching pass of `kvcc compile --policies am` (ALGORITHMS.md section 2,
+ * "Offline"): per-(layer, KV head) sensitivity curves over a ratio grid, measured by compacting
+ * each calibration context with the runtime's own kvrt_am_compact_layer (runtime/cpu/am.c), and
+ * the greedy-exchange head-budget schedule for each target mean ratio. Writes sections
+ * am.schedule (critical: what kvrt_am_schedule_load and kvcc eval's `am` read) and am.curves, and
+ * summarizes them for `kvcc inspect`.
+ * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c).
+ *
+ * defines: kvcc_pass_am
+ *
+ * Loss of a head at ratio r: the context [0, C) of every (prompt, layer) is compacted with ratio
+ * r for every KV head (uniform), then the continuation queries [C, T) attend through kvrt_attend
+ * to the compacted context plus the exact continuation keys (causal), as kvcc eval's layer-local
+ * path does; loss = |o_c - o_full| / |o_full| averaged over continuation queries, the G query
+ * heads of the KV head, and the prompts. Mass error: the same queries over the context block
+ * alone, |exp(lse_c - lse_full) - 1| (the compacted block's attention mass relative to the
+ * original's), averaged the same way.
+ * Schedule: budgets in units of T / 1024; start uniform at the target (total units
+ * round(target * 1024 * L * Hkv), spread evenly, first heads take the remainder); repeatedly move
+ * one unit from the head whose interpolated loss rises least to the head whose loss falls most,
+ * while that lowers the total loss (ties: lowest head index); every head keeps at least one unit.
+ * Losses between grid points are interpolated linearly in log(ratio); ratio 1 has loss 0; below
+ * the grid the first segment is extrapolated (never below the loss at the smallest ratio).
+ * Determinism: everything is sequential except inside the runtime calls, whose output does not
+ * depend on the thread count.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "corpus.h"
+#include "kvcc.h"
+#include "kvpol.h"
+#include "kvrt.h"
+#include "passes.h"
+
+#define AM_UNITS 1024 /* budget units per head (fractions of T) */
+
+// ----------------------------------------------------------------------------
+// loss curves and the greedy exchange
+
+/* Loss of curve y [nr] over grid r [nr] (ascending) at ratio x (> 0). */
+static double curve_at(const double *r, const float *y, int nr, double x) {
+    if (x >= 1.0) return 0.0;
+    const double lx = log(x);
+    if (x <= r[0]) {
+        if (nr == 1) return y[0];
+        const double s = ((double)y[1] - y[0]) / (log(r[1]) - log(r[0]));
+        const double v = y[0] + s * (lx - log(r[0]));
+        return v > y[0] ? v : y[0];
+    }
+    for (int i = 0; i + 1 < nr; i++)
+        if (x <= r[i + 1]) {
+            const double f = (lx - log(r[i])) / (log(r[i + 1]) - log(r[i]));
+            return y[i] + f * ((double)y[i + 1] - y[i]);
+        }
+    /* between the last grid point and ratio 1 (loss 0) */
+    const double f = (lx - log(r[nr - 1])) / (0.0 - log(r[nr - 1]));
+    return y[nr - 1] * (1.0 - f);
+}
+
+/* Greedy exchange for one target: units [nh] out. curves [nh, nr]. */
+static void greedy_exchange(const double *r, const float *curves, int nr, int nh, double target,
+                            int *units) {
+    int64_t total = llround(target * AM_UNITS * nh);
+    if (total < nh) total = nh;
+    if (total > (int64_t)AM_UNITS * nh) total = (int64_t)AM_UNITS * nh;
+    for (int h = 0; h < nh; h++) units[h] = (int)(total / nh) + (h < total % nh ? 1 : 0);
+#define LOSS(h, u) curve_at(r, curves + (size_t)(h) * nr, nr, (double)(u) / AM_UNITS)
+    for (int64_t step = 0; step < 64 * total; step++) {
+        int donor = -1, recv = -1;
+        double rise = INFINITY, fall = 0;
+        for (int h = 0; h < nh; h++) {
+            const double cur = LOSS(h, units[h]);
+            if (units[h] > 1) {
+                const double d = LOSS(h, units[h] - 1) - cur;
+                if (d < rise) { rise = d; donor = h; }
+            }
+            if (units[h] < AM_UNITS) {
+                const double d = cur - LOSS(h, units[h] + 1);
+                if (d > fall) { fall = d; recv = h; }
+            }
+        }
+        if (donor < 0 || recv < 0 || donor == recv || !(fall - rise > 1e-12)) break;
+        units[donor]--;
+        units[recv]++;
+    }
+#undef LOSS
+}
+
+// ----------------------------------------------------------------------------
+// run
+
+static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
+    kvcc_corpus *c = cx->corpus;
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
+    const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+    const uint32_t G = H / Hkv;
+    const int nr = cx->n_am_ratios, nt = cx->n_am_targets;
+    uint32_t n_prompts = kvcc_corpus_get_info(c)->n_prompts;
+    if (cx->max_prompts && cx->max_prompts < n_prompts) n_prompts = cx->max_prompts;
+    if (n_prompts == 0) {
+        snprintf(err, errlen, "%s: the corpus holds no prompts", cx->corpus_path);
+        return KVCC_EXIT_USAGE;
+    }
+    for (int i = 0; i < nr; i++)
+        if (!(cx->am_ratios[i] > 0 && cx->am_ratios[i] < 1)) {
+            snprintf(err, errlen, "--am-ratios: %g is not a ratio in (0, 1)", cx->am_ratios[i]);
+            return KVCC_EXIT_USAGE;
+        }
+    for (int i = 0; i < nt; i++)
+        if (!(cx->am_targets[i] > 0 && cx->am_targets[i] < 1)) {
+            snprintf(err, errlen, "--am-targets: %g is not a ratio in (0, 1)", cx->am_targets[i]);
+            return KVCC_EXIT_USAGE;
+        }
+    kvrt_am_opts ao;
+    kvrt_am_opts_init(&ao);
+    ao.chunk = cx->am_chunk;
+    ao.key_select = strcmp(cx->am_select, "omp") == 0 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+    const float scale = 1.0f / sqrtf((float)d);
+    const size_t nh = (size_t)L * Hkv;
+    double *loss = calloc(nh * (size_t)nr, sizeof(double)), *merr = calloc(nh * (size_t)nr, sizeof(double));
+    float *q = NULL, *k = NULL, *v = NULL, *of = NULL, *oc = NULL, *lf = NULL, *lc = NULL, *lf0 = NULL, *lc0 = NULL;
+    kvrt_ctx *rt = NULL;
+    kvrt_error ke;
+    int rc = 0;
+    if (!loss || !merr) { snprintf(err, errlen, "am: out of memory"); rc = KVCC_EXIT_FAILED; }
+    if (!rc && kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &ke) != KVRT_OK) {
+        snprintf(err, errlen, "am: %s", ke.msg);
+        rc = KVCC_EXIT_FAILED;
+    }
+    size_t cap = 0;
+    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+        kvcc_corpus_prompt_info info;
+        if (kvcc_corpus_prompt(c, p, &info, NULL, NULL) != 0) {
+            snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+            rc = KVCC_EXIT_FAILED;
+            break;
+        }
+        const int64_t T = info.n_tokens, C = info.context_len, N = info.continuation_len;
+        if (N < 1 || C < 1) {
+            snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; the am pass "
+                     "needs both (continuation queries measure the loss)", cx->corpus_path, p, (long long)C,
+                     (long long)N);
+            rc = KVCC_EXIT_USAGE;
+            break;
+        }
+        if ((size_t)T > cap) {
+            free(q); free(k); free(v); free(of); free(oc); free(lf); free(lc); free(lf0); free(lc0);
+            cap = (size_t)T;
+            q = malloc(cap * H * d * sizeof *q);
+            k = malloc(cap * Hkv * d * sizeof *k);
+            v = malloc(cap * Hkv * d * sizeof *v);
+            of = malloc(cap * H * d * sizeof *of);
+            oc = malloc(cap * H * d * sizeof *oc);
+            lf = malloc(cap * H * sizeof *lf);
+            lc = malloc(cap * H * sizeof *lc);
+            lf0 = malloc(cap * H * sizeof *lf0);
+            lc0 = malloc(cap * H * sizeof *lc0);
+            if (!q || !k || !v || !of || !oc || !lf || !lc || !lf0 || !lc0) {
+                snprintf(err, errlen, "am: out of memory for %lld tokens", (long long)T);
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+        }
+        for (uint32_t l = 0; l < L && !rc; l++) {
+            if (kvcc_corpus_read_layer(c, p, l, q, k, v) != 0) {
+                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+            const float *qc = q + (size_t)C * H * d, *kr = k + (size_t)C * Hkv * d, *vr = v + (size_t)C * Hkv * d;
+            /* the reference: the full context (every position), with and without the continuation */
+            int64_t *cnt = malloc(Hkv * sizeof *cnt);
+            kvrt_selection *all = NULL;
+            kvrt_cache *full = NULL;
+            int s = cnt ? KVRT_OK : KVRT_ERR_NOMEM;
+            for (uint32_t j = 0; cnt && j < Hkv; j++) cnt[j] = C;
+            if (!s) s = kvrt_selection_create(Hkv, cnt, &all);
+            free(cnt);
+            if (!s) {
+                for (uint32_t j = 0; j < Hkv; j++)
+                    for (int64_t t = 0; t < C; t++) all->positions[all->offsets[j] + t] = (int32_t)t;
+                s = kvrt_cache_gather(k, v, C, Hkv, d, all, KVRT_DTYPE_F32, &full);
+            }
+            if (!s) s = kvrt_attend(rt, qc, N, H, full, kr, vr, N, scale, of, lf);
+            if (!s) s = kvrt_attend(rt, qc, N, H, full, NULL, NULL, 0, scale, oc, lf0);
+            kvrt_selection_free(all);
+            kvrt_cache_free(full);
+            for (int ri = 0; ri < nr && !s; ri++) {
+                kvrt_cache *cc = NULL;
+                s = kvrt_am_compact_layer(&ao, q, k, v, C, H, Hkv, d, NULL, cx->am_ratios[ri], KVRT_DTYPE_F32, &cc,
+                                          NULL);
+                if (!s) s = kvrt_attend(rt, qc, N, H, cc, NULL, NULL, 0, scale, oc, lc0);
+                if (!s) s = kvrt_attend(rt, qc, N, H, cc, kr, vr, N, scale, oc, lc);
+                kvrt_cache_free(cc);
+                if (s) break;
+                for (uint32_t hk = 0; hk < Hkv; hk++) {
+                    double e = 0, me = 0;
+                    for (uint32_t g = 0; g < G; g++) {
+                        const uint32_t h = hk * G + g;
+                        for (int64_t i = 0; i < N; i++) {
+                            const float *a = oc + ((size_t)i * H + h) * d, *b = of + ((size_t)i * H + h) * d;
+                            double num = 0, den = 0;
+                            for (uint32_t x = 0; x < d; x++) {
+                                num += ((double)a[x] - b[x]) * ((double)a[x] - b[x]);
+                                den += (double)b[x] * b[x];
+                            }
+                            e += sqrt(num) / (sqrt(den) + 1e-30);
+                            me += fabs(exp((double)lc0[i * H + h] - lf0[i * H + h]) - 1.0);
+                        }
+                    }
+                    const size_t at = ((size_t)l * Hkv + hk) * nr + ri;
+                    loss[at] += e / ((double)G * N * n_prompts);
+                    merr[at] += me / ((double)G * N * n_prompts);
+                }
+            }
+            if (s) {
+                snprintf(err, errlen, "am: prompt %u, layer %u: %s (%s)", p, l, kvrt_status_str(s),
+                         kvrt_last_error()->msg);
+                rc = KVCC_EXIT_FAILED;
+            }
+        }
+        if (cx->progress) kvcc_progress(p + 1, n_prompts);
+    }
+    free(q); free(k); free(v); free(of); free(oc); free(lf); free(lc); free(lf0); free(lc0);
+    kvrt_ctx_free(rt);
+    /* curves (f32 in the artifact) and schedules */
+    float *curves = NULL, *mcurves = NULL, *sched = NULL;
+    int *units = NULL;
+    if (!rc) {
+        curves = malloc(nh * (size_t)nr * sizeof *curves);
+        mcurves = malloc(nh * (size_t)nr * sizeof *mcurves);
+        sched = malloc((size_t)nt * nh * sizeof *sched);
+        units = malloc(nh * sizeof *units);
+        if (!curves || !mcurves || !sched || !units) {
+            snprintf(err, errlen, "am: out of memory");
+            rc = KVCC_EXIT_FAILED;
+        }
+    }
+    if (!rc) {
+        for (size_t i = 0; i < nh * (size_t)nr; i++) {
+            curves[i] = (float)loss[i];
+            mcurves[i] = (float)merr[i];
+            if (!isfinite(curves[i]) || !isfinite(mcurves[i])) {
+                snprintf(err, errlen, "am: a sensitivity curve is not finite (head %zu)", i / (size_t)nr);
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+        }
+    }
+    for (int ti = 0; ti < nt && !rc; ti++) {
+        greedy_exchange(cx->am_ratios, curves, nr, (int)nh, cx->am_targets[ti], units);
+        for (size_t h = 0; h < nh; h++) sched[(size_t)ti * nh + h] = (float)units[h] / AM_UNITS;
+    }
+    if (!rc) {
+        const uint64_t dt[1] = {(uint64_t)nt}, ds[3] = {(uint64_t)nt, L, Hkv}, dr[1] = {(uint64_t)nr},
+                       dc[3] = {L, Hkv, (uint64_t)nr};
+        int k2 = kvpol_writer_begin_section(w, KVRT_AM_SEC_SCHEDULE, "am.schedule", KVPOL_SECTION_CRITICAL,
+                                            KVPOL_CODEC_ZSTD, 1);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "targets", KVPOL_DTYPE_F64, 1, dt, cx->am_targets);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "schedule", KVPOL_DTYPE_F32, 3, ds, sched);
+        if (!k2) k2 = kvpol_writer_add_string(w, "key_select", cx->am_select, strlen(cx->am_select));
+        if (!k2) k2 = kvpol_writer_add_i64(w, "chunk", cx->am_chunk);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "units", AM_UNITS);
+        if (!k2) k2 = kvpol_writer_end_section(w);
+        if (!k2) k2 = kvpol_writer_begin_section(w, KVRT_AM_SEC_CURVES, "am.curves", 0, KVPOL_CODEC_ZSTD, 1);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "loss", KVPOL_DTYPE_F32, 3, dc, curves);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "mass_err", KVPOL_DTYPE_F32, 3, dc, mcurves);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "prompts", n_prompts);
+        if (!k2) k2 = kvpol_writer_end_section(w);
+        if (k2) {
+            snprintf(err, errlen, "am: writing the sections: %s", kvpol_status_str(k2));
+            rc = KVCC_EXIT_FAILED;
+        }
+    }
+    free(loss); free(merr); free(curves); free(mcurves); free(sched); free(units);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// inspect
+
+static void am_inspect(const kvpol_file *f, FILE *out) {
+    uint32_t si, ci;
+    kvpol_item tg, sc, rr, lo, me;
+    if (kvpol_section_find(f, KVRT_AM_SEC_SCHEDULE, &si) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "targets", KVPOL_DTYPE_F64, &tg) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK || sc.ndim != 3) {
+        fprintf(out, "Attention Matching: no readable am.schedule section\n");
+        return;
+    }
+    const char *ks = "?";
+    uint64_t kl = 1;
+    int64_t chunk = 0;
+    kvpol_get_string(f, si, "key_select", &ks, &kl);
+    kvpol_get_i64(f, si, "chunk", &chunk);
+    const uint64_t nt = sc.dims[0], L = sc.dims[1], Hkv = sc.dims[2];
+    const double *t = tg.data;
+    const float *s = sc.data;
+    fprintf(out, "Attention Matching: key selection %.*s, chunk %lld, %llu targets, %llu layers x %llu KV heads\n",
+            (int)kl, ks, (long long)chunk, (unsigned long long)nt, (unsigned long long)L, (unsigned long long)Hkv);
+    fprintf(out, "  budgets (fraction of the context kept per KV head), per layer:\n  %-6s", "layer");
+    for (uint64_t ti = 0; ti < nt; ti++) fprintf(out, " | target %-*.3g", (int)(Hkv * 7 - 8), t[ti]);
+    fprintf(out, "\n");
+    for (uint64_t l = 0; l < L; l++) {
+        fprintf(out, "  %-6llu", (unsigned long long)l);
+        for (uint64_t ti = 0; ti < nt; ti++) {
+            fprintf(out, " |");
+            for (uint64_t h = 0; h < Hkv; h++) fprintf(out, " %6.4f", s[(ti * L + l) * Hkv + h]);
+        }
+        fprintf(out, "\n");
+    }
+    if (kvpol_section_find(f, KVRT_AM_SEC_CURVES, &ci) != KVPOL_OK ||
+        kvpol_get_tensor(f, ci, "ratios", KVPOL_DTYPE_F64, &rr) != KVPOL_OK ||
+        kvpol_get_tensor(f, ci, "loss", KVPOL_DTYPE_F32, &lo) != KVPOL_OK ||
+        kvpol_get_tensor(f, ci, "mass_err", KVPOL_DTYPE_F32, &me) != KVPOL_OK || lo.ndim != 3 ||
+        lo.dims[0] != L || lo.dims[1] != Hkv || lo.dims[2] != rr.dims[0])
+        return;
+    const uint64_t nr = rr.dims[0], nh = L * Hkv;
+    const double *r = rr.data;
+    const float *y = lo.data, *mz = me.data;
+    /* sensitivity = mean loss over the grid; rank heads */
+    double *sens = malloc(nh * sizeof *sens);
+    uint32_t *ord = malloc(nh * sizeof *ord);
+    if (!sens || !ord) { free(sens); free(ord); return; }
+    for (uint64_t h = 0; h < nh; h++) {
+        double a = 0;
+        for (uint64_t i = 0; i < nr; i++) a += y[h * nr + i];
+        sens[h] = a / (double)nr;
+        ord[h] = (uint32_t)h;
+    }
+    for (uint64_t i = 1; i < nh; i++) /* insertion sort, descending, stable */
+        for (uint64_t j = i; j > 0 && sens[ord[j]] > sens[ord[j - 1]]; j--) {
+            uint32_t tmp = ord[j]; ord[j] = ord[j - 1]; ord[j - 1] = tmp;
+        }
+    fprintf(out, "  sensitivity (output rel. error after compaction at ratio");
+    for (uint64_t i = 0; i < nr; i++) fprintf(out, " %.4g", r[i]);
+    fprintf(out, "; mass error at the smallest ratio):\n");
+    const uint64_t show = nh < 5 ? nh : 5;
+    for (int part = 0; part < 2; part++) {
+        fprintf(out, "  %s sensitive:\n", part ? "least" : "most");
+        for (uint64_t i = 0; i < show; i++) {
+            const uint32_t h = part ? ord[nh - 1 - i] : ord[i];
+            fprintf(out, "    layer %2u kv head %u:", h / (uint32_t)Hkv, h % (uint32_t)Hkv);
+            for (uint64_t j = 0; j < nr; j++) fprintf(out, " %.4f", y[(uint64_t)h * nr + j]);
+            fprintf(out, "  (mass %.4f)\n", mz[(uint64_t)h * nr]);
+        }
+    }
+    free(sens);
+    free(ord);
+}
+
+const kvcc_pass kvcc_pass_am = {
+    .name = "am",
+    .group = KVPOL_GROUP_AM,
+    .needs_corpus = 1,
+    .run = am_run,
+    .inspect = am_inspect,
+};

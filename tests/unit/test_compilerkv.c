@@ -1,0 +1,419 @@
+/*
+ * test_compilerkv.c: Criterion tests of CompilerKV: the runtime's online steps
+ * (runtime/cpu/compilerkv.c: alpha, rho, risk features, bins, budget index, elastic selection,
+ * fast paths against the _ref ones, tables from an artifact) and the compiler pass
+ * (compiler/passes/compilerkv.c) on a tiny synthetic corpus: a loadable artifact, byte-identical
+ * across two runs and across 1 and 2 OpenMP threads.
+ */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvpol.h"
+#include "kvrt.h"
+#include "passes/compilerkv.h"
+#include "passes/passes.h"
+#include "synth.h"
+
+static uint64_t rng_next(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static float unif(uint64_t *s, float lo, float hi) {
+    return lo + (hi - lo) * (float)((double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0));
+}
+
+static kvrt_compilerkv_tables *simple_tables(uint32_t nB, const int64_t *budgets, uint32_t L, uint32_t H, uint32_t w,
+                                             float weight, float tau) {
+    float *wh = malloc(sizeof(float) * nB * L * H), *tg = malloc(sizeof(float) * nB * L * 80);
+    for (uint32_t i = 0; i < nB * L * H; i++) wh[i] = weight;
+    for (uint32_t i = 0; i < nB * L * 80; i++) tg[i] = tau;
+    float ee[19], pe[3];
+    for (int i = 0; i < 19; i++) ee[i] = 0.5f + 0.02f * i;
+    for (int i = 0; i < 3; i++) pe[i] = 10.0f * (i + 1);
+    kvrt_compilerkv_tables *tb = NULL;
+    cr_assert_eq(kvrt_compilerkv_tables_create(nB, L, H, w, budgets, wh, tg, ee, pe, &tb), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    free(wh);
+    free(tg);
+    return tb;
+}
+
+// ----------------------------------------------------------------------------
+// runtime
+
+Test(compilerkv, select_layer_hand_case_veto_window_elastic) {
+    /* T = 10, 2 query heads on 1 KV head... use 2 KV heads so that a head weight can veto */
+    enum { T = 10 };
+    float alpha[T] = {2.0f, 0.1f, 0.1f, 1.0f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f, 0.1f};
+    float rho[2 * T];
+    for (int t = 0; t < T; t++) { rho[t] = 1.0f; rho[T + t] = 1.0f; }
+    rho[T + 4] = 20.0f; /* kv head 1 sees token 4 with a large value norm */
+    float w[2] = {1.0f, 1.0f};
+    kvrt_selection *sel = NULL;
+    kvrt_compilerkv_stats st;
+    /* window 2 (tokens 8, 9), tau 0.9: candidates 0 (2.0), 3 (1.0), 4 (2.0): budget 10 keeps all */
+    cr_assert_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 2, w, 0.9f, 10, 2, &sel, &st), KVRT_OK);
+    cr_expect_eq(st.candidates, 5);
+    cr_expect_eq(st.kept, 5, "elastic: fewer candidates than the budget keeps them all");
+    int32_t want1[5] = {0, 3, 4, 8, 9};
+    cr_assert_eq(sel->offsets[1] - sel->offsets[0], 5);
+    for (uint32_t j = 0; j < 2; j++)
+        for (int i = 0; i < 5; i++) cr_expect_eq(sel->positions[sel->offsets[j] + i], want1[i], "head %u", j);
+    kvrt_selection_free(sel);
+    /* budget 4: window 2 + top 2 of {0: 2.0, 3: 1.0, 4: 2.0} = 0 and 4 */
+    cr_assert_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 2, w, 0.9f, 4, 2, &sel, &st), KVRT_OK);
+    int32_t want2[4] = {0, 4, 8, 9};
+    for (int i = 0; i < 4; i++) cr_expect_eq(sel->positions[i], want2[i]);
+    kvrt_selection_free(sel);
+    /* head 1 weight 0: token 4 loses its veto; then 0 and 3 */
+    w[1] = 0.0f;
+    cr_assert_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 2, w, 0.9f, 4, 2, &sel, &st), KVRT_OK);
+    int32_t want3[4] = {0, 3, 8, 9};
+    for (int i = 0; i < 4; i++) cr_expect_eq(sel->positions[i], want3[i]);
+    kvrt_selection_free(sel);
+    /* a high threshold keeps the window only; a budget below the window keeps the last tokens */
+    cr_assert_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 2, w, 100.0f, 4, 2, &sel, &st), KVRT_OK);
+    cr_expect_eq(st.kept, 2);
+    kvrt_selection_free(sel);
+    cr_assert_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 2, w, 0.0f, 1, 2, &sel, &st), KVRT_OK);
+    cr_expect_eq(st.kept, 1);
+    cr_expect_eq(sel->positions[0], 9);
+    kvrt_selection_free(sel);
+    /* bad arguments: statuses, never a crash */
+    cr_expect_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 3, 2, w, 0.9f, 4, 2, &sel, &st), KVRT_ERR_SHAPE);
+    cr_expect_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 2, w, NAN, 4, 2, &sel, &st), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_compilerkv_select_layer(NULL, rho, T, 2, 2, w, 0.9f, 4, 2, &sel, &st), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 2, w, 0.9f, 0, 2, &sel, &st), KVRT_ERR_ARG);
+    cr_expect_null(sel);
+}
+
+Test(compilerkv, select_layer_fast_equals_ref) {
+    uint64_t s = 5;
+    const uint32_t H = 8, Hkv = 2;
+    for (int trial = 0; trial < 40; trial++) {
+        int64_t T = 50 + (int64_t)(rng_next(&s) % 400);
+        float *alpha = malloc(sizeof(float) * T), *rho = malloc(sizeof(float) * T * Hkv), w[8];
+        for (int64_t t = 0; t < T; t++) alpha[t] = unif(&s, 0, 3) * unif(&s, 0, 1);
+        for (int64_t t = 0; t < T * Hkv; t++) rho[t] = unif(&s, 0.2f, 2.0f);
+        for (uint32_t h = 0; h < H; h++) w[h] = unif(&s, 0.8f, 1.5f);
+        float tau = unif(&s, 0.0f, 1.2f);
+        int64_t B = 1 + (int64_t)(rng_next(&s) % (uint64_t)T);
+        uint32_t win = 1 + (uint32_t)(rng_next(&s) % 40);
+        kvrt_selection *a = NULL, *b = NULL;
+        kvrt_compilerkv_stats sa, sb;
+        cr_assert_eq(kvrt_compilerkv_select_layer(alpha, rho, T, H, Hkv, w, tau, B, win, &a, &sa), KVRT_OK);
+        cr_assert_eq(kvrt_compilerkv_select_layer_ref(alpha, rho, T, H, Hkv, w, tau, B, win, &b, &sb), KVRT_OK);
+        cr_expect_eq(sa.candidates, sb.candidates, "trial %d", trial);
+        cr_expect_eq(sa.kept, sb.kept, "trial %d", trial);
+        cr_expect_leq(sa.kept, B);
+        cr_assert_eq(a->offsets[Hkv], b->offsets[Hkv]);
+        cr_expect_eq(memcmp(a->positions, b->positions, sizeof(int32_t) * (size_t)a->offsets[Hkv]), 0, "trial %d", trial);
+        for (int64_t i = 1; i < sa.kept; i++) cr_expect_gt(a->positions[i], a->positions[i - 1]);
+        kvrt_selection_free(a);
+        kvrt_selection_free(b);
+        free(alpha);
+        free(rho);
+    }
+}
+
+Test(compilerkv, prompt_alpha_rho_risk) {
+    uint64_t s = 11;
+    const int64_t T = 120;
+    const uint32_t H = 4, Hkv = 2, d = 8, L = 3, w = 16;
+    float *q = malloc(sizeof(float) * T * H * d), *k = malloc(sizeof(float) * T * Hkv * d), *v = malloc(sizeof(float) * T * Hkv * d);
+    kvrt_compilerkv_prompt *pf = NULL, *pr = NULL;
+    cr_assert_eq(kvrt_compilerkv_prompt_create(T, w, &pf), KVRT_OK);
+    cr_assert_eq(kvrt_compilerkv_prompt_create(T, w, &pr), KVRT_OK);
+    for (uint32_t l = 0; l < L; l++) {
+        for (int64_t i = 0; i < T * H * d; i++) q[i] = unif(&s, -1, 1);
+        for (int64_t i = 0; i < T * Hkv * d; i++) k[i] = unif(&s, -1, 1);
+        cr_assert_eq(kvrt_compilerkv_prompt_add_layer(pf, q, k, H, Hkv, d), KVRT_OK);
+        cr_assert_eq(kvrt_compilerkv_prompt_add_layer_ref(pr, q, k, H, Hkv, d), KVRT_OK);
+    }
+    float *lp = malloc(sizeof(float) * (T - 1));
+    double lsum = 0;
+    for (int64_t t = 0; t < T - 1; t++) lp[t] = -unif(&s, 0.1f, 5.0f);
+    for (int64_t t = T - w; t < T; t++) lsum += lp[t - 1];
+    cr_assert_eq(kvrt_compilerkv_prompt_finish(pf, lp), KVRT_OK);
+    cr_assert_eq(kvrt_compilerkv_prompt_finish(pr, lp), KVRT_OK);
+    double sum = 0;
+    for (int64_t t = 0; t < T; t++) {
+        cr_expect_leq(fabs(pf->alpha[t] - pr->alpha[t]), 1e-5 + 1e-4 * fabs(pr->alpha[t]), "alpha[%lld]", (long long)t);
+        cr_expect_geq(pf->alpha[t], 0.0f);
+        sum += pf->alpha[t];
+    }
+    cr_expect_leq(fabs(sum / T - 1.0), 1e-4, "alpha is scaled to mean 1 (got %g)", sum / T);
+    cr_expect(pf->entropy > 0 && pf->entropy <= 1.0 + 1e-9);
+    cr_expect_leq(fabs(pf->ppl - exp(-lsum / w)), 1e-6 * pf->ppl);
+    /* value norms: mean 1 per KV head, ratio of norms preserved */
+    for (int64_t i = 0; i < T * Hkv * d; i++) v[i] = unif(&s, -1, 1);
+    float *rho = malloc(sizeof(float) * T * Hkv);
+    cr_assert_eq(kvrt_compilerkv_value_norms(v, T, Hkv, d, rho), KVRT_OK);
+    for (uint32_t j = 0; j < Hkv; j++) {
+        double m = 0;
+        for (int64_t t = 0; t < T; t++) m += rho[j * T + t];
+        cr_expect_leq(fabs(m / T - 1), 1e-5);
+    }
+    /* the full per-layer path agrees with select_layer on the same inputs */
+    int64_t budgets[2] = {32, 64};
+    kvrt_compilerkv_tables *tb = simple_tables(2, budgets, L, H, w, 1.1f, 0.9f);
+    kvrt_selection *a = NULL, *b = NULL;
+    kvrt_compilerkv_stats st;
+    cr_assert_eq(kvrt_compilerkv_select(tb, pf, 1, v, Hkv, d, 64, 0, &a, &st), KVRT_OK, "%s", kvrt_last_error()->msg);
+    float wr[4] = {1.1f, 1.1f, 1.1f, 1.1f};
+    cr_assert_eq(kvrt_compilerkv_select_layer(pf->alpha, rho, T, H, Hkv, wr, 0.9f, 64, w, &b, NULL), KVRT_OK);
+    cr_assert_eq(a->offsets[Hkv], b->offsets[Hkv]);
+    cr_expect_eq(memcmp(a->positions, b->positions, sizeof(int32_t) * (size_t)a->offsets[Hkv]), 0);
+    cr_expect_eq(st.budget_index, 1u);
+    kvrt_selection_free(a);
+    kvrt_selection_free(b);
+    /* all layers at once: the same as the streaming path */
+    {
+        float *qs[3], *ks[3], *vs[3];
+        for (uint32_t l = 0; l < L; l++) {
+            qs[l] = q; ks[l] = k; vs[l] = v;
+        }
+        kvrt_compilerkv_prompt *p2 = NULL;
+        cr_assert_eq(kvrt_compilerkv_prompt_create(T, w, &p2), KVRT_OK);
+        for (uint32_t l = 0; l < L; l++) cr_assert_eq(kvrt_compilerkv_prompt_add_layer(p2, q, k, H, Hkv, d), KVRT_OK);
+        cr_assert_eq(kvrt_compilerkv_prompt_finish(p2, lp), KVRT_OK);
+        kvrt_selection *sa[3];
+        kvrt_compilerkv_stats sst[3];
+        cr_assert_eq(kvrt_compilerkv_select_all(tb, (const float *const *)qs, (const float *const *)ks,
+                                                (const float *const *)vs, lp, T, H, Hkv, d, 32, 0, sa, sst),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
+        for (uint32_t l = 0; l < L; l++) {
+            cr_assert_eq(kvrt_compilerkv_select(tb, p2, l, v, Hkv, d, 32, 0, &a, NULL), KVRT_OK);
+            cr_assert_eq(a->offsets[Hkv], sa[l]->offsets[Hkv]);
+            cr_expect_eq(memcmp(a->positions, sa[l]->positions, sizeof(int32_t) * (size_t)a->offsets[Hkv]), 0);
+            cr_expect_eq(sst[l].kept, a->offsets[1]);
+            kvrt_selection_free(a);
+            kvrt_selection_free(sa[l]);
+        }
+        cr_expect_eq(kvrt_compilerkv_select_all(tb, (const float *const *)qs, (const float *const *)ks,
+                                                (const float *const *)vs, lp, T, H, Hkv, d, 33, 0, sa, NULL),
+                     KVRT_ERR_UNSUPPORTED);
+        for (uint32_t l = 0; l < L; l++) cr_expect_null(sa[l]);
+        kvrt_compilerkv_prompt_free(p2);
+        a = NULL;
+    }
+    /* budgets not compiled: refused unless the nearest is allowed */
+    cr_expect_eq(kvrt_compilerkv_select(tb, pf, 1, v, Hkv, d, 50, 0, &a, &st), KVRT_ERR_UNSUPPORTED);
+    cr_expect(strstr(kvrt_last_error()->msg, "32,64") != NULL, "%s", kvrt_last_error()->msg);
+    cr_expect_null(a);
+    cr_expect_eq(kvrt_compilerkv_select(tb, pf, 1, v, Hkv, d, 50, KVRT_COMPILERKV_NEAREST_BUDGET, &a, &st), KVRT_OK);
+    cr_expect_eq(st.budget_index, 1u);
+    cr_expect_leq(st.kept, 50);
+    kvrt_selection_free(a);
+    uint32_t bi;
+    cr_expect_eq(kvrt_compilerkv_budget_index(tb, 48, KVRT_COMPILERKV_NEAREST_BUDGET, &bi), KVRT_OK);
+    cr_expect_eq(bi, 0u, "ties go to the smaller budget");
+    cr_expect_eq(kvrt_compilerkv_budget_index(tb, 1000, KVRT_COMPILERKV_NEAREST_BUDGET, &bi), KVRT_OK);
+    cr_expect_eq(bi, 1u);
+    /* bins: number of edges strictly below */
+    int be, bp;
+    cr_expect_eq(kvrt_compilerkv_bins(tb, 0.0, 5.0, &be, &bp), KVRT_OK);
+    cr_expect(be == 0 && bp == 0);
+    cr_expect_eq(kvrt_compilerkv_bins(tb, 0.51, 25.0, &be, &bp), KVRT_OK);
+    cr_expect(be == 1 && bp == 2, "be %d bp %d", be, bp);
+    cr_expect_eq(kvrt_compilerkv_bins(tb, 2.0, 1e9, &be, &bp), KVRT_OK);
+    cr_expect(be == 19 && bp == 3);
+    cr_expect_eq(kvrt_compilerkv_bins(tb, NAN, 1.0, &be, &bp), KVRT_ERR_ARG);
+    /* misuse */
+    kvrt_compilerkv_prompt *pu = NULL;
+    cr_assert_eq(kvrt_compilerkv_prompt_create(T, w, &pu), KVRT_OK);
+    cr_expect_eq(kvrt_compilerkv_prompt_finish(pu, lp), KVRT_ERR_ARG, "no layer added");
+    cr_expect_eq(kvrt_compilerkv_select(tb, pu, 0, v, Hkv, d, 32, 0, &a, &st), KVRT_ERR_ARG, "not finished");
+    cr_expect_eq(kvrt_compilerkv_select(tb, pf, 7, v, Hkv, d, 32, 0, &a, &st), KVRT_ERR_ARG, "layer out of range");
+    kvrt_compilerkv_prompt_free(pu);
+    kvrt_compilerkv_tables_free(tb);
+    kvrt_compilerkv_prompt_free(pf);
+    kvrt_compilerkv_prompt_free(pr);
+    free(q); free(k); free(v); free(lp); free(rho);
+}
+
+Test(compilerkv, tables_create_refuses_bad_input) {
+    int64_t bud[2] = {64, 32};
+    float wh[2 * 1 * 2] = {1, 1, 1, 1}, tg[2 * 80] = {0}, ee[19] = {0}, pe[3] = {0};
+    kvrt_compilerkv_tables *tb = NULL;
+    cr_expect_eq(kvrt_compilerkv_tables_create(2, 1, 2, 8, bud, wh, tg, ee, pe, &tb), KVRT_ERR_ARG, "budgets not ascending");
+    bud[0] = 16;
+    wh[1] = NAN;
+    cr_expect_eq(kvrt_compilerkv_tables_create(2, 1, 2, 8, bud, wh, tg, ee, pe, &tb), KVRT_ERR_ARG);
+    wh[1] = 1;
+    ee[3] = -1;
+    cr_expect_eq(kvrt_compilerkv_tables_create(2, 1, 2, 8, bud, wh, tg, ee, pe, &tb), KVRT_ERR_ARG, "edges not ascending");
+    ee[3] = 0;
+    cr_expect_eq(kvrt_compilerkv_tables_create(2, 1, 2, 0, bud, wh, tg, ee, pe, &tb), KVRT_ERR_SHAPE);
+    cr_expect_eq(kvrt_compilerkv_tables_create(2, 1, 2, 8, bud, wh, tg, ee, pe, &tb), KVRT_OK);
+    kvrt_compilerkv_tables_free(tb);
+    kvrt_compilerkv_tables_free(NULL);
+}
+
+// ----------------------------------------------------------------------------
+// the pass
+
+static const kvcc_corpus_model TINY = {.name = "tiny", .n_layers = 2, .n_heads = 8, .n_kv_heads = 2, .head_dim = 16,
+                                       .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling = "none",
+                                       .rope_scaling_factor = 1};
+
+static void compile_to_memory(const char *corpus, int threads, void **buf, size_t *len) {
+    omp_set_num_threads(threads);
+    kvcc_corpus *c = NULL;
+    char err[768];
+    cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
+    kvpol_header h;
+    kvpol_header_init(&h);
+    h.created = 0;
+    h.model.n_layers = TINY.n_layers;
+    h.model.n_heads = TINY.n_heads;
+    h.model.n_kv_heads = TINY.n_kv_heads;
+    h.model.head_dim = TINY.head_dim;
+    h.model.vocab_size = TINY.vocab_size;
+    h.model.rope_theta = TINY.rope_theta;
+    h.model.rope_scaling_factor = 1.0f;
+    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    double budgets[3] = {24, 40, 500};
+    kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 3, .threads = threads,
+                           .budgets = budgets, .n_budgets = 3, .window = 8, .reward = "attention"};
+    const kvcc_pass *ps = kvcc_pass_find("compilerkv");
+    cr_assert_not_null(ps);
+    cr_expect_eq(ps->group, (uint32_t)KVPOL_GROUP_COMPILERKV);
+    kvpol_writer *w = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+    cr_assert_eq(ps->run(&cx, w, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvpol_writer_to_memory(w, buf, len, &ke), 0, "%s", ke.msg);
+    kvpol_writer_free(w);
+    kvcc_corpus_close(c);
+}
+
+Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeout = 300) {
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/kvcc_ckv_synth_%d.h5", (int)getpid());
+    kvcc_synth_opts so = {.n_prompts = 3, .context_len = 64, .continuation_len = 8, .seed = 4, .retrieval_heads = 1};
+    char err[512];
+    cr_assert_eq(kvcc_synth_write(path, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    int saved = omp_get_max_threads();
+    void *b1 = NULL, *b2 = NULL, *b3 = NULL;
+    size_t n1 = 0, n2 = 0, n3 = 0;
+    compile_to_memory(path, 1, &b1, &n1);
+    compile_to_memory(path, 2, &b2, &n2);
+    compile_to_memory(path, 2, &b3, &n3);
+    omp_set_num_threads(saved);
+    cr_expect_eq(n1, n2);
+    cr_expect(n1 == n2 && memcmp(b1, b2, n1) == 0, "--threads 1 and 2 give different artifacts");
+    cr_expect(n2 == n3 && memcmp(b2, b3, n2) == 0, "two runs give different artifacts");
+
+    /* the runtime loads the tables and selects with them */
+    kvrt_policy *pol = NULL;
+    kvrt_error e;
+    cr_assert_eq(kvrt_policy_open_mem(b1, n1, NULL, &pol, &e), KVRT_OK, "%s", e.msg);
+    cr_expect(kvrt_policy_groups(pol) & (1u << KVPOL_GROUP_COMPILERKV));
+    kvrt_compilerkv_tables *tb = NULL;
+    cr_assert_eq(kvrt_compilerkv_tables_from_policy(pol, &tb), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_expect_eq(tb->n_budgets, 2u, "budget 500 >= the context is skipped");
+    cr_expect_eq(tb->budgets[0], 24);
+    cr_expect_eq(tb->budgets[1], 40);
+    cr_expect_eq(tb->window, 8u);
+    for (uint32_t i = 0; i < tb->n_budgets * tb->n_layers * tb->n_heads; i++)
+        cr_expect(tb->w_head[i] >= 0.8f - 1e-6f && tb->w_head[i] <= 1.5f + 1e-6f);
+    for (uint32_t i = 0; i < tb->n_budgets * tb->n_layers * 80; i++)
+        cr_expect(tb->t_gate[i] >= 0.8f - 1e-6f && tb->t_gate[i] <= 1.0f + 1e-6f);
+    kvpol_file *f = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_open_mem(&f, b1, n1, NULL, &ke), 0, "%s", ke.msg);
+    uint32_t si;
+    cr_assert_eq(kvpol_section_find(f, KVRT_COMPILERKV_SECTION_ID, &si), 0);
+    int64_t rounds = 0, hr = 0;
+    cr_expect_eq(kvpol_get_i64(f, si, "rounds", &rounds), 0);
+    cr_expect(rounds >= 1 && rounds <= 3);
+    cr_expect_eq(kvpol_get_i64(f, si, "head_records", &hr), 0);
+    cr_expect_eq(hr, 3 * 2 * 2 * 8 * 4, "prompts x layers x budgets x heads x actions");
+    const char *rw;
+    uint64_t rl;
+    cr_expect_eq(kvpol_get_string(f, si, "reward", &rw, &rl), 0);
+    cr_expect(rl == 9 && !memcmp(rw, "attention", 9));
+    /* inspect prints the heatmap */
+    char *txt = NULL;
+    size_t tl = 0;
+    FILE *mf = open_memstream(&txt, &tl);
+    kvcc_pass_find("compilerkv")->inspect(f, mf);
+    fclose(mf);
+    cr_expect(strstr(txt, "budget 24") && strstr(txt, "L01 [") && strstr(txt, "top heads"), "%s", txt);
+    free(txt);
+    kvpol_close(f);
+
+    /* eval's path: the prompt from the corpus, then per-layer selections */
+    kvcc_corpus *c = NULL;
+    char msg[768];
+    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, msg, sizeof msg), 0, "%s", msg);
+    kvrt_compilerkv_prompt *pr = NULL;
+    uint32_t C = 0;
+    cr_assert_eq(kvcc_compilerkv_prompt_from_corpus(c, 0, tb->window, NULL, &pr, &C, msg, sizeof msg), 0, "%s", msg);
+    cr_expect_eq(C, 64u);
+    float *v = malloc(sizeof(float) * 72 * 2 * 16);
+    cr_assert_eq(kvcc_corpus_read_layer(c, 0, 1, NULL, NULL, v), 0);
+    kvrt_selection *sel = NULL;
+    kvrt_compilerkv_stats st;
+    cr_expect_eq(kvrt_compilerkv_select(tb, pr, 1, v, 2, 16, 40, 0, &sel, &st), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_expect(st.kept >= 8 && st.kept <= 40);
+    kvrt_selection_free(sel);
+    free(v);
+    kvrt_compilerkv_prompt_free(pr);
+    kvcc_corpus_close(c);
+    kvrt_compilerkv_tables_free(tb);
+    kvrt_policy_free(pol);
+    free(b1); free(b2); free(b3);
+    unlink(path);
+}
+
+Test(compilerkv, pass_refuses_model_reward_and_bad_budgets) {
+    char path[128];
+    snprintf(path, sizeof path, "/tmp/kvcc_ckv_synth_r_%d.h5", (int)getpid());
+    kvcc_synth_opts so = {.n_prompts = 1, .context_len = 32, .continuation_len = 4, .seed = 4};
+    char err[768];
+    cr_assert_eq(kvcc_synth_write(path, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    kvcc_corpus *c = NULL;
+    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
+    double budgets[1] = {16};
+    kvcc_compile_ctx cx = {.corpus_path = path, .corpus = c, .seed = 1, .budgets = budgets, .n_budgets = 1,
+                           .window = 8, .reward = "model"};
+    const kvcc_pass *ps = kvcc_pass_find("compilerkv");
+    kvpol_header h;
+    kvpol_header_init(&h);
+    h.model.n_layers = TINY.n_layers;
+    h.model.n_heads = TINY.n_heads;
+    h.model.n_kv_heads = TINY.n_kv_heads;
+    h.model.head_dim = TINY.head_dim;
+    h.model.vocab_size = TINY.vocab_size;
+    h.model.rope_theta = TINY.rope_theta;
+    h.model.rope_scaling_factor = 1.0f;
+    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    cx.model = &h.model;
+    kvpol_writer *w = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+    cr_expect_neq(ps->run(&cx, w, err, sizeof err), 0);
+    cr_expect(strstr(err, "model") != NULL, "%s", err);
+    cx.reward = "attention";
+    budgets[0] = 64;
+    cr_expect_neq(ps->run(&cx, w, err, sizeof err), 0);
+    cr_expect(strstr(err, "context") != NULL, "%s", err);
+    cx.window = 40;
+    budgets[0] = 16;
+    cr_expect_neq(ps->run(&cx, w, err, sizeof err), 0);
+    cr_expect(strstr(err, "window") != NULL, "%s", err);
+    kvpol_writer_free(w);
+    kvcc_corpus_close(c);
+    unlink(path);
+}
