@@ -15,7 +15,7 @@
 #include "kvcc.h"
 #include "kvrt.h"
 
-static const char *PLANNED[] = {"compilerkv", "compkv", "kv2", "merge-reduce", "quest"};
+static const char *PLANNED[] = {"compkv", "kv2", "merge-reduce", "quest"};
 
 static void usage(FILE *out) {
     fprintf(out,
@@ -23,7 +23,8 @@ static void usage(FILE *out) {
             "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
             "  --methods LIST      comma-separated: full, streaming, random, snapkv, h2o, knorm, keydiff, or all;\n"
             "                      am (schedule from --policy), am-uniform, am-omp (Attention Matching: budgets are\n"
-            "                      target mean ratios < 1)\n"
+            "                      target mean ratios < 1); compilerkv (tables from --policy) and ckv-flat (its\n"
+            "                      ablation: head weights 1.0, threshold 0.8)\n"
             "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context ratios (< 1)\n"
             "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
             "  --policy X.kvpol    an artifact; checked against the corpus's model (method am reads its\n"
@@ -47,15 +48,17 @@ static int parse_methods(const char *list, int *out, int *n) {
         if (!strcmp(tok, "am")) m = KVCC_EVAL_AM;
         if (!strcmp(tok, "am-uniform")) m = KVCC_EVAL_AM_UNIFORM;
         if (!strcmp(tok, "am-omp")) m = KVCC_EVAL_AM_OMP;
+        if (!strcmp(tok, "compilerkv")) m = KVCC_EVAL_COMPILERKV;
+        if (!strcmp(tok, "ckv-flat")) m = KVCC_EVAL_COMPILERKV_FLAT;
         if (m < 0) {
             for (size_t i = 0; i < sizeof PLANNED / sizeof PLANNED[0]; i++)
                 if (!strcmp(tok, PLANNED[i])) {
                     fprintf(stderr, "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: full, "
-                                    "streaming, random, snapkv, h2o, knorm, keydiff, all, am, am-uniform, am-omp)\n", tok);
+                                    "streaming, random, snapkv, h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat)\n", tok);
                     return -1;
                 }
             fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: full, streaming, random, snapkv, "
-                            "h2o, knorm, keydiff, all, am, am-uniform, am-omp)\n", tok);
+                            "h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat)\n", tok);
             return -1;
         }
         if (*n == 64) return -1;

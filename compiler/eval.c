@@ -36,6 +36,7 @@
 #include "kvcc.h"
 #include "kvrt.h"
 #include "loader.h"
+#include "passes/compilerkv.h"
 
 static double now_s(void) {
     struct timespec t;
@@ -65,6 +66,7 @@ static int cmp_d(const void *a, const void *b) {
 
 typedef struct {
     float *am_sched;       /* method am: per-head ratios [L, Hkv] of the row's target */
+    kvrt_compilerkv_tables *ckv; /* compilerkv rows: the tables (compiled, or flat for the ablation) */
     dvec relerr;
     double kl_sum, mass_sum, kept_sum, bytes_sum, sel_s;
     uint64_t kl_n, kept_n;
@@ -77,6 +79,8 @@ const char *kvcc_eval_method_name(int method) {
     case KVCC_EVAL_AM: return "am";
     case KVCC_EVAL_AM_UNIFORM: return "am-uniform";
     case KVCC_EVAL_AM_OMP: return "am-omp";
+    case KVCC_EVAL_COMPILERKV: return "compilerkv";
+    case KVCC_EVAL_COMPILERKV_FLAT: return "ckv-flat";
     default: return kvrt_method_name(method);
     }
 }
@@ -87,7 +91,7 @@ const char *kvcc_eval_method_name(int method) {
 static int compress_layer(const kvcc_eval_row *row, int64_t B, uint64_t seed, uint32_t layer, const float *q,
                           const float *k, const float *v, int64_t C, uint32_t H, uint32_t Hkv, uint32_t d, int dtype,
                           const float *am_sched, kvrt_cache **out) {
-    if (row->method >= KVCC_EVAL_AM) {
+    if (KVCC_EVAL_IS_AM(row->method)) {
         kvrt_am_opts ao;
         kvrt_am_opts_init(&ao);
         if (row->method == KVCC_EVAL_AM_OMP) ao.key_select = KVRT_AM_SELECT_OMP;
@@ -110,7 +114,7 @@ static int row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B) {
         *B = C;
         return KVRT_OK;
     }
-    if (row->method >= KVCC_EVAL_AM) { /* a target ratio (checked in kvcc_eval_run) */
+    if (KVCC_EVAL_IS_AM(row->method)) { /* a target ratio (checked in kvcc_eval_run) */
         *B = 0;
         return KVRT_OK;
     }
@@ -164,6 +168,14 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
             }
         }
         double bytes_prompt[KVCC_EVAL_MAX_ROWS] = {0};
+        /* CompilerKV needs the whole prompt first (window mass over every layer, risk features):
+         * the same corpus pass the compiler's rollouts use. */
+        kvrt_compilerkv_prompt *ckv_pr = NULL;
+        for (int ri = 0; ri < r->n_rows && !ckv_pr && !rc; ri++) {
+            if (!acc[ri].ckv || r->rows[ri].status) continue;
+            if (kvcc_compilerkv_prompt_from_corpus(c, p, acc[ri].ckv->window, NULL, &ckv_pr, NULL, err, errlen) != 0)
+                rc = KVCC_EXIT_FAILED;
+        }
         for (uint32_t l = 0; l < L && !rc; l++) {
             if ((rc = kvcc_corpus_read_layer(c, p, l, q, k, v)) != 0) {
                 snprintf(err, errlen, "%s", kvcc_corpus_error(c));
@@ -197,8 +209,16 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
                 if (s) { row_fail(row, s, "budget"); continue; }
                 double t0 = now_s();
                 kvrt_cache *cc = NULL;
-                s = compress_layer(row, B, o->seed, l, q, k, v, C, H, Hkv, d, dtype,
-                                   acc[ri].am_sched ? acc[ri].am_sched + (size_t)l * Hkv : NULL, &cc);
+                if (acc[ri].ckv) {
+                    kvrt_selection *sel = NULL;
+                    s = kvrt_compilerkv_select(acc[ri].ckv, ckv_pr, l, v, Hkv, d, B, KVRT_COMPILERKV_NEAREST_BUDGET,
+                                               &sel, NULL);
+                    if (!s) s = kvrt_cache_gather(k, v, C, Hkv, d, sel, dtype, &cc);
+                    kvrt_selection_free(sel);
+                } else {
+                    s = compress_layer(row, B, o->seed, l, q, k, v, C, H, Hkv, d, dtype,
+                                       acc[ri].am_sched ? acc[ri].am_sched + (size_t)l * Hkv : NULL, &cc);
+                }
                 acc[ri].sel_s += now_s() - t0;
                 if (s) { row_fail(row, s, "select"); kvrt_cache_free(cc); continue; }
                 s = kvrt_attend(rt, qc, N, H, cc, kr, vr, N, scale, o_c, lse_c);
@@ -226,6 +246,7 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
                 }
             }
         }
+        kvrt_compilerkv_prompt_free(ckv_pr);
         for (int ri = 0; ri < r->n_rows; ri++) acc[ri].bytes_sum += bytes_prompt[ri];
         r->full_bytes_mean += (double)C * Hkv * d * 2 * sizeof(float) * L / n_prompts;
         if (o->verbose) kvcc_progress(p + 1, n_prompts);
@@ -390,7 +411,27 @@ static int eval_e2e(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompts,
             int64_t B;
             int st = row_budget(row, C, &B);
             if (st) { row_fail(row, st, "budget"); continue; }
-            for (int l = 0; l < L && !st; l++) {
+            if (acc[ri].ckv) { /* all layers at once from the model's own q/k/v and the corpus log-probs */
+                const size_t T_ = (size_t)s->n_ctx, Kd = (size_t)Hkv * d;
+                const float **qp = malloc((size_t)L * sizeof *qp), **kp = malloc((size_t)L * sizeof *kp),
+                            **vp = malloc((size_t)L * sizeof *vp);
+                kvrt_selection **sels = calloc((size_t)L, sizeof *sels);
+                float *lp = malloc((size_t)T * sizeof *lp);
+                st = (qp && kp && vp && sels && lp) ? 0 : KVRT_ERR_NOMEM;
+                for (int l = 0; !st && l < L; l++) {
+                    qp[l] = g.q[l];
+                    kp[l] = s->k_cache + (size_t)l * T_ * Kd;
+                    vp[l] = s->v_cache + (size_t)l * T_ * Kd;
+                }
+                if (!st) st = kvcc_corpus_prompt(c, p, &info, NULL, lp) ? KVRT_ERR_ARG : 0;
+                if (!st) st = kvrt_compilerkv_select_all(acc[ri].ckv, qp, kp, vp, lp, C, (uint32_t)H, (uint32_t)Hkv,
+                                                        (uint32_t)d, B, KVRT_COMPILERKV_NEAREST_BUDGET, sels, NULL);
+                for (int l = 0; !st && l < L; l++)
+                    st = kvrt_cache_gather(kp[l], vp[l], C, (uint32_t)Hkv, (uint32_t)d, sels[l], dtype, &caches[l]);
+                for (int l = 0; sels && l < L; l++) kvrt_selection_free(sels[l]);
+                free(qp); free(kp); free(vp); free(sels); free(lp);
+            }
+            for (int l = 0; l < L && !st && !acc[ri].ckv; l++) {
                 const size_t T_ = (size_t)s->n_ctx, Kd = (size_t)Hkv * d;
                 /* the model's own context keys/values of layer l: rows [0, C) of its cache */
                 const float *kc = s->k_cache + (size_t)l * T_ * Kd, *vc = s->v_cache + (size_t)l * T_ * Kd;
@@ -439,7 +480,7 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
             kvcc_eval_row *row = &r->rows[r->n_rows++];
             row->method = o->methods[i];
             row->budget = o->methods[i] == KVRT_METHOD_FULL ? 0 : o->budgets[j];
-            if (row->method >= KVCC_EVAL_AM && !(row->budget < 1)) {
+            if (KVCC_EVAL_IS_AM(row->method) && !(row->budget < 1)) {
                 row->status = KVRT_ERR_ARG;
                 snprintf(row->msg, sizeof row->msg, "Attention Matching budgets are target mean ratios in (0, 1), "
                          "got %g", row->budget);
@@ -491,6 +532,34 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
             rc = KVCC_EXIT_USAGE;
         }
     }
+    /* compilerkv rows: the compiled tables, and the flat ablation (weights 1.0, tau 0.8) */
+    for (int ri = 0; !rc && ri < r->n_rows; ri++) {
+        if (!KVCC_EVAL_IS_CKV(r->rows[ri].method)) continue;
+        if (!o->policy) {
+            snprintf(err, errlen, "method %s needs --policy X.kvpol compiled with kvcc compile --policies compilerkv",
+                     kvcc_eval_method_name(r->rows[ri].method));
+            rc = KVCC_EXIT_USAGE;
+            break;
+        }
+        kvrt_policy *pol = NULL;
+        kvrt_error ke = {0};
+        kvrt_model_dims want = {.n_layers = m->n_layers, .n_heads = m->n_heads, .n_kv_heads = m->n_kv_heads,
+                                .head_dim = m->head_dim};
+        kvrt_compilerkv_tables *tb = NULL;
+        int s = kvrt_policy_open(o->policy, &want, &pol, &ke);
+        if (s) snprintf(err, errlen, "--policy: %s [%s]", ke.msg, kvrt_status_name(s));
+        if (!s && (s = kvrt_compilerkv_tables_from_policy(pol, &tb)) != 0)
+            snprintf(err, errlen, "--policy %s: %s [%s]", o->policy, kvrt_last_error()->msg, kvrt_status_name(s));
+        kvrt_policy_free(pol);
+        if (!s && r->rows[ri].method == KVCC_EVAL_COMPILERKV_FLAT) {
+            size_t nw = (size_t)tb->n_budgets * tb->n_layers * tb->n_heads;
+            size_t ng = (size_t)tb->n_budgets * tb->n_layers * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS;
+            for (size_t i = 0; i < nw; i++) tb->w_head[i] = 1.0f;
+            for (size_t i = 0; i < ng; i++) tb->t_gate[i] = 0.8f;
+        }
+        if (s) { rc = KVCC_EXIT_USAGE; kvrt_compilerkv_tables_free(tb); break; }
+        acc[ri].ckv = tb;
+    }
     double t0 = now_s();
     if (!rc) {
         if (o->verbose) kvcc_progress_begin("eval (layer-local)");
@@ -531,6 +600,7 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
         for (int ri = 0; ri < r->n_rows; ri++) {
             free(acc[ri].relerr.v);
             free(acc[ri].am_sched);
+            kvrt_compilerkv_tables_free(acc[ri].ckv);
         }
     free(acc);
     kvrt_ctx_free(rt);

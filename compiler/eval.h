@@ -18,6 +18,10 @@
 #define KVCC_EVAL_AM 100          /* am: the compiled per-head schedule (--policy), HighestAttnKeys */
 #define KVCC_EVAL_AM_UNIFORM 101  /* am-uniform: every head at the ratio, HighestAttnKeys */
 #define KVCC_EVAL_AM_OMP 102      /* am-omp: every head at the ratio, OMP key selection */
+#define KVCC_EVAL_IS_AM(m) ((m) >= KVCC_EVAL_AM && (m) <= KVCC_EVAL_AM_OMP)
+#define KVCC_EVAL_COMPILERKV 200      /* compilerkv: the compiled W_head / T_gate tables (--policy) */
+#define KVCC_EVAL_COMPILERKV_FLAT 201 /* compilerkv-flat: same pipeline, all head weights 1.0, tau 0.8 */
+#define KVCC_EVAL_IS_CKV(m) ((m) == KVCC_EVAL_COMPILERKV || (m) == KVCC_EVAL_COMPILERKV_FLAT)
 /* kvrt_method_name, plus "am", "am-uniform", "am-omp". */
 const char *kvcc_eval_method_name(int method);
 
