@@ -145,6 +145,23 @@ int kvcc_cmd_compile(int argc, char **argv) {
             if (!dup && n_run < 16) run[n_run++] = ps;
         }
     }
+    /* canonical order (the registry's) and spelling, so equal requests give equal artifacts */
+    char canon[256] = "none";
+    if (n_run) {
+        const kvcc_pass *sorted[16];
+        int k = 0;
+        canon[0] = 0;
+        for (int i = 0; kvcc_passes[i]; i++)
+            for (int j = 0; j < n_run; j++)
+                if (run[j] == kvcc_passes[i]) {
+                    sorted[k] = kvcc_passes[i];
+                    snprintf(canon + strlen(canon), sizeof canon - strlen(canon), "%s%s", k ? "," : "", kvcc_passes[i]->name);
+                    k++;
+                }
+        memcpy(run, sorted, (size_t)k * sizeof *run);
+        n_run = k;
+    }
+    policies = canon;
     int need_corpus = 0;
     for (int i = 0; i < n_run; i++) need_corpus |= run[i]->needs_corpus;
     if (need_corpus && !corpus) {

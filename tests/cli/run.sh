@@ -74,6 +74,21 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
 else
   echo "cli: capture checks skipped (model not fetched)"
 fi
+# 9. policy passes on a small synthetic corpus: canonical policy order and thread count do not
+#    change a byte; the artifact loads in eval and inspect
+"$KVCC" synth --model smollm2-135m --prompts 1 --context 128 --continuation 32 -o "$tmp/cs.h5" 2>/dev/null
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am,compilerkv --budgets 32,64 \
+  --am-targets 0.1,0.2 -o "$tmp/p1.kvpol" 2>/dev/null && \
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compilerkv,am --budgets 32,64 \
+  --am-targets 0.1,0.2 --threads 1 -o "$tmp/p2.kvpol" 2>/dev/null && cmp -s "$tmp/p1.kvpol" "$tmp/p2.kvpol" \
+  && ok || bad "compile --policies am,compilerkv differs across order/threads"
+out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"compilerkv"* && "$out" == *"Attention Matching"* ]] && ok || bad "inspect of a policy artifact"
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods compilerkv,ckv-flat,h2o --budgets 32,64 --csv); ex=$?
+[[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 6 ]] && ok || bad "eval compilerkv rows: exit $ex: $out"
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
+[[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 4 ]] && ok || bad "eval am rows: exit $ex: $out"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compilerkv --budgets 32 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval compilerkv without --policy: exit $ex: $err"
 "$KVCC" --help | grep -q "exit status" && ok || bad "--help"
 "$KVCC" --version | grep -q "kvcc " && ok || bad "--version"
 
