@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # scripts/demo.sh: `make demo`: the main job on the embedded default model (SmolLM2-135M-Instruct,
 # fetched by scripts/fetch-model.sh). It captures a small real calibration corpus from the
-# built-in model on the bundled calibration text, compiles an artifact against it (policy set
-# `none` for now: fingerprint, corpus hash, provenance), inspects and verifies it, shows the
-# refusal for a model it was not compiled for, and shows that a second compile is byte-identical.
+# built-in model on the bundled calibration text, compiles the CompilerKV and Attention Matching
+# policies against it, inspects and verifies the artifact, shows the refusal for a model it was
+# not compiled for and that a second compile is byte-identical, then scores the policies and the
+# baselines on held-out text (layer-local; add --gguf to kvcc eval for the end-to-end columns).
 set -euo pipefail
 KVCC=${KVCC:-build/kvcc}
 out=build/demo
@@ -14,12 +15,13 @@ step "capture a small corpus: 4 windows of 512 + 64 tokens from examples/data/ca
      "kvcc capture --prompts 4 --context 512 --continuation 64 -o $out/corpus.h5"
 "$KVCC" capture --prompts 4 --context 512 --continuation 64 -o "$out/corpus.h5"
 
-step "compile an artifact for the default model against that corpus" \
-     "kvcc compile --model smollm2-135m --corpus $out/corpus.h5 -o $out/smollm2-135m.kvpol"
-"$KVCC" compile --model smollm2-135m --corpus "$out/corpus.h5" -o "$out/smollm2-135m.kvpol"
+POL=(--policies compilerkv,am --budgets 128,256 --am-targets 0.1,0.2)
+step "compile CompilerKV and Attention Matching for the default model against that corpus" \
+     "kvcc compile --model smollm2-135m --corpus $out/corpus.h5 ${POL[*]} -o $out/smollm2-135m.kvpol"
+"$KVCC" compile --model smollm2-135m --corpus "$out/corpus.h5" "${POL[@]}" -o "$out/smollm2-135m.kvpol"
 
-step "inspect it" "kvcc inspect $out/smollm2-135m.kvpol"
-"$KVCC" inspect "$out/smollm2-135m.kvpol"
+step "inspect it (header, sections, per-policy summaries)" "kvcc inspect --items 3 $out/smollm2-135m.kvpol"
+"$KVCC" inspect --items 3 "$out/smollm2-135m.kvpol"
 
 step "verify it against the model it was compiled for" "kvcc verify $out/smollm2-135m.kvpol --model smollm2-135m"
 "$KVCC" verify "$out/smollm2-135m.kvpol" --model smollm2-135m
@@ -30,6 +32,20 @@ set +e
 echo "exit status: $?"
 set -e
 
-step "compiling twice gives the same bytes" "kvcc compile ... -o $out/again.kvpol && cmp"
-"$KVCC" compile --model smollm2-135m --corpus "$out/corpus.h5" -o "$out/again.kvpol" 2>/dev/null
+step "compiling twice, on one thread this time, gives the same bytes" "kvcc compile ... --threads 1 -o $out/again.kvpol && cmp"
+"$KVCC" compile --model smollm2-135m --corpus "$out/corpus.h5" "${POL[@]}" --threads 1 -o "$out/again.kvpol" 2>/dev/null
 cmp "$out/smollm2-135m.kvpol" "$out/again.kvpol" && echo "byte-identical: sha256 $(sha256sum "$out/again.kvpol" | cut -c1-16)..."
+
+step "capture 2 held-out windows (text never used for calibration)" \
+     "kvcc capture --text examples/data/heldout/2012_barack_obama_d.txt --prompts 2 --context 512 --continuation 64 -o $out/heldout.h5"
+"$KVCC" capture --text examples/data/heldout/2012_barack_obama_d.txt --prompts 2 --context 512 --continuation 64 \
+  -o "$out/heldout.h5"
+
+step "score CompilerKV and the baselines at 128 and 256 of 512 tokens per KV head" \
+     "kvcc eval --corpus $out/heldout.h5 --policy $out/smollm2-135m.kvpol --methods full,compilerkv,ckv-flat,snapkv,h2o,streaming --budgets 128,256"
+"$KVCC" eval --corpus "$out/heldout.h5" --policy "$out/smollm2-135m.kvpol" \
+  --methods full,compilerkv,ckv-flat,snapkv,h2o,streaming --budgets 128,256
+
+step "score Attention Matching at mean ratios 0.1 and 0.2 (same memory as 51 and 102 tokens)" \
+     "kvcc eval --corpus $out/heldout.h5 --policy $out/smollm2-135m.kvpol --methods am,am-uniform,h2o --budgets 0.1,0.2"
+"$KVCC" eval --corpus "$out/heldout.h5" --policy "$out/smollm2-135m.kvpol" --methods am,am-uniform,h2o --budgets 0.1,0.2
