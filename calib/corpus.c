@@ -7,6 +7,7 @@
  */
 #include "corpus.h"
 #include "kvpol.h" /* kvpol_f16_to_f32 */
+#include "kvrt.h"  /* kvrt_f32_to_f16 */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -60,30 +61,6 @@ const char *kvcc_corpus_error(const kvcc_corpus *c) { return c ? c->msg : ""; }
 
 // ----------------------------------------------------------------------------
 // half floats
-
-uint16_t kvcc_f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000u;
-    uint32_t exp = (x >> 23) & 0xff;
-    uint32_t man = x & 0x7fffffu;
-    if (exp == 0xff) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u : 0)); /* Inf / NaN */
-    int e = (int)exp - 127 + 15;
-    if (e >= 31) return (uint16_t)(sign | 0x7c00u); /* overflow */
-    if (e <= 0) {                                   /* subnormal or zero */
-        if (e < -10) return (uint16_t)sign;
-        man |= 0x800000u;
-        int shift = 14 - e;
-        uint32_t half = man >> shift;
-        uint32_t rem = man & ((1u << shift) - 1), mid = 1u << (shift - 1);
-        if (rem > mid || (rem == mid && (half & 1))) half++;
-        return (uint16_t)(sign | half);
-    }
-    uint32_t half = sign | ((uint32_t)e << 10) | (man >> 13);
-    uint32_t rem = man & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (half & 1))) half++; /* may carry into exp: correct */
-    return (uint16_t)half;
-}
 
 /* IEEE binary16 as an HDF5 type (HDF5 1.10 has no predefined one); h5py reads it as float16. */
 static hid_t half_type(void) {
@@ -348,7 +325,7 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
         if (c->info.dtype_f16) {
             uint16_t *h = malloc(n * 2);
             if (!h) { bad = 1; break; }
-            for (size_t j = 0; j < n; j++) h[j] = kvcc_f32_to_f16(src[i][j]);
+            for (size_t j = 0; j < n; j++) h[j] = kvrt_f32_to_f16(src[i][j]);
             bad |= write_dataset(g, nm[i], ht, ht, 3, dims, h, 1);
             free(h);
         } else {

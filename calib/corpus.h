@@ -6,7 +6,7 @@
  *
  * defines: kvcc_corpus_create, kvcc_corpus_write_prompt, kvcc_corpus_write_layer,
  *          kvcc_corpus_close_writer, kvcc_corpus_open, kvcc_corpus_prompt, kvcc_corpus_read_layer,
- *          kvcc_corpus_close, kvcc_f32_to_f16
+ *          kvcc_corpus_close
  */
 #ifndef KVCC_CORPUS_H
 #define KVCC_CORPUS_H
@@ -92,6 +92,4 @@ const char *kvcc_corpus_error(const kvcc_corpus *c);
 /* Close a reader, or abandon a writer (its temp file is removed). Accepts NULL. */
 void kvcc_corpus_close(kvcc_corpus *c);
 
-// ---------------------------------------------------------------- helpers
-uint16_t kvcc_f32_to_f16(float f);  /* round to nearest even; overflow to Inf (inverse: kvpol_f16_to_f32) */
 #endif

@@ -58,9 +58,9 @@ if ! python3 -c 'import h5py, numpy' >/dev/null 2>&1; then
     exit 0
 fi
 reader="$build/peer/read_corpus"
-${CC:-cc} -std=c11 -O2 $san -D_GNU_SOURCE -Icalib -Iformats -I/usr/include/hdf5/serial -o "$reader" \
-    tests/peer/read_corpus.c "$build/libkvcalib.a" "$build/libkvpol.a" \
-    -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5 -lzstd -lxxhash -lm
+${CC:-cc} -std=c11 -O2 -fopenmp $san -D_GNU_SOURCE -Icalib -Iformats -Iruntime/include -I/usr/include/hdf5/serial \
+    -o "$reader" tests/peer/read_corpus.c "$build/libkvcalib.a" "$build/libkvrt.a" "$build/libkvpol.a" \
+    -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5 -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
 echo "== capture_hf.py round trip through our corpus reader"
 python3 tests/peer/capture_hf_check.py examples/capture_hf.py "$reader" --real "$model" --dump "$dump" \
     --kvcc "$build/kvcc"
