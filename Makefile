@@ -20,7 +20,8 @@ ifeq ($(SAN),1)
   # CUDA's runtime and ASan's shadow memory do not mix; the sanitizer build is CPU-only.
   USE_CUDA := 0
 else ifeq ($(SAN),0)
-  BUILD := build
+  # BUILDDIR=build/xyz: a separate tree (parallel work on one checkout)
+  BUILD := $(or $(BUILDDIR),build)
   SANFLAGS :=
 else
   $(error SAN must be 0 or 1, got '$(SAN)')

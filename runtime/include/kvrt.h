@@ -565,6 +565,86 @@ int kvrt_compilerkv_select_all(const kvrt_compilerkv_tables *tb, const float *co
                                kvrt_compilerkv_stats *stats);
 // --- end CompilerKV
 
+// --- CompKV (runtime/cpu/compkv.c) ---------------------------------------------------------------
+/* Decode-time sparse attention with mean compensation (ALGORITHMS.md section 3). One
+ * kvrt_compkv holds one layer: the full KV cache in host memory (f32, [T, Hkv, d], appended as
+ * tokens arrive) and per KV head and block of `block` tokens the summaries
+ *   count |b|, mean key kbar_b [d], mean value vbar_b [d], grouped key variance Dbar_b [r]
+ * ((Dbar_b)_t = mean over the coordinates i of group t of the within-block (population)
+ * variance of coordinate i). Summaries are contiguous per KV head so scoring streams them:
+ *   kmean [Hkv][cap_blocks][d], vmean [Hkv][cap_blocks][d], gvar [Hkv][cap_blocks][r],
+ *   count [cap_blocks] (shared by the heads). The current partial block is always summarized.
+ * Groups: per KV head a permutation perm [d] of the coordinates and offsets [r + 1]
+ * (0 = off[0] < off[1] < ... < off[r] = d): group t = { perm[i] : off[t] <= i < off[t+1] }.
+ * NULL perm/offsets: index order, r groups of (nearly) equal size (the paper's grouping).
+ * Each decode step and KV head (G = H / Hkv query heads g):
+ *   zbar[g,b] = q_g . kbar_b * scale;  s2[g,b] = scale^2 * sum_t (sum_{i in G_t} q_g[i]^2) Dbar_bt
+ *   phat[g,b] = |b| exp(zbar + s2/2) / sum_c |c| exp(zbar_c + s2_c/2)     (second order)
+ *            (first_order: exp(zbar) instead of exp(zbar + s2/2))
+ *   S_b = sum_g phat[g,b] * s2[g,b]   (mass_only: S_b = sum_g phat[g,b])
+ *   forced blocks: the first n_sink_blocks and the last n_recent_blocks (the partial one counts),
+ *   inside the budget; the rest by top S_b (ties: lower block). Selected blocks are ascending.
+ *   out_g = (sum_{t in selected blocks} e^{z_t} v_t + sum_{b unselected} |b| e^{zbar_b} vbar_b) /
+ *           (sum_{t in sel} e^{z_t} + sum_{b unsel} |b| e^{zbar_b})   (compensate = 1; running
+ *   max, never overflows). compensate = 0: attention over the selected tokens only.
+ * Messages of failures in kvrt_last_error(). */
+typedef struct {
+    uint32_t block;          /* tokens per block (default 16) */
+    uint32_t r;              /* variance groups, 1..head_dim (default 4); ignored with offsets */
+    float scale;             /* logit scale; 0 = 1/sqrt(head_dim) (default 0) */
+    int compensate;          /* 1: mean compensation of unselected blocks (default 1) */
+    int mass_only;           /* 1: S_b = sum_g phat (no variance factor) (default 0) */
+    int first_order;         /* 1: phat from exp(zbar), no s2/2 correction (default 0) */
+    uint32_t n_sink_blocks;  /* forced leading blocks (default 1) */
+    uint32_t n_recent_blocks;/* forced trailing blocks, partial included (default 2) */
+} kvrt_compkv_opts;
+void kvrt_compkv_opts_init(kvrt_compkv_opts *o);
+
+typedef struct kvrt_compkv kvrt_compkv;
+/* A state for up to `capacity` tokens of one layer. perm [Hkv, d] and offsets [Hkv, r + 1] (both
+ * or neither; uint16 values) give the compiled grouping of each KV head (kvcc's compkv pass);
+ * they are copied. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d, perm not a permutation,
+ * offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. */
+int kvrt_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
+                       int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
+                       kvrt_compkv **out);
+void kvrt_compkv_free(kvrt_compkv *s);
+/* Append n tokens k, v [n, Hkv, d] (f32), updating the summaries incrementally (the running
+ * partial block by Welford; a block is finalized when it fills). KVRT_ERR_SHAPE past capacity. */
+int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n);
+int64_t kvrt_compkv_length(const kvrt_compkv *s);    /* tokens held */
+int64_t kvrt_compkv_n_blocks(const kvrt_compkv *s);  /* ceil(length / block) */
+uint32_t kvrt_compkv_groups(const kvrt_compkv *s);   /* r */
+/* Read-only views of the summaries of KV head h (arrays as laid out above, n_blocks rows
+ * valid); any pointer may be NULL. */
+int kvrt_compkv_summaries(const kvrt_compkv *s, uint32_t h, const float **kmean,
+                          const float **vmean, const float **gvar, const int32_t **count);
+/* The same summaries built from scratch with plain loops in double (the reference):
+ * k, v [T, Hkv, d]; kmean, vmean [Hkv, nb, d]; gvar [Hkv, nb, r]; count [nb]. */
+int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const float *v,
+                              int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
+                              const uint16_t *perm, const uint16_t *offsets, float *kmean,
+                              float *vmean, float *gvar, int32_t *count);
+/* Block scores S [Hkv, n_blocks] for one decode step, q [H, d] (f32). */
+int kvrt_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads, float *scores);
+int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                           float *scores);
+/* Blocks to read per KV head: forced set + top scores; k_blocks >= 1 (clamped to n_blocks);
+ * blocks_out [Hkv, min(k_blocks, n_blocks)], ascending per head. */
+int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_blocks,
+                       int32_t *blocks_out);
+/* Attention of one decode step over an explicit block selection (e.g. Quest's pages, or the
+ * exact-variance score's), blocks [Hkv, n_sel] ascending per head; compensation as in the
+ * options. out [H, d]. */
+int kvrt_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                              const int32_t *blocks, int64_t n_sel, float *out);
+int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                                  const int32_t *blocks, int64_t n_sel, float *out);
+/* One whole step: scores, select k_blocks, attend. out [H, d]; blocks_out [Hkv, k] or NULL. */
+int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int64_t k_blocks,
+                     float *out, int32_t *blocks_out);
+// --- end CompKV
+
 #ifdef __cplusplus
 }
 #endif
