@@ -335,6 +335,15 @@ int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, in
     return 0;
 }
 
+int kvcc_state_set_attention_hook(kvcc_state *s, kvcc_attn_fn fn, void *user, int from) {
+    if (!s) return KVCC_GGUF_ERR_ARG;
+    if (fn && (from < 0 || from > s->n_ctx)) return KVCC_GGUF_ERR_ARG;
+    s->attn_hook = fn;
+    s->attn_user = fn ? user : NULL;
+    s->attn_from = fn ? from : 0;
+    return 0;
+}
+
 void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
     if (!s) return;
     s->capture = fn;
@@ -522,6 +531,8 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
     const size_t T = (size_t)s->n_ctx;
     if (s->compressed && pos0 < s->compressed_ctx && pos0 + n > s->compressed_ctx)
         return KVCC_GGUF_ERR_ARG; /* a chunk may not straddle the compressed-context boundary */
+    if (s->attn_hook && pos0 < s->attn_from && pos0 + n > s->attn_from)
+        return KVCC_GGUF_ERR_ARG; /* nor the attention hook's */
 
     for (int t = 0; t < n; t++)
         memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E, (size_t)E * sizeof(float));
@@ -550,11 +561,13 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
         rope(kn, n, Hkv, d, Kd, s->rope_cos, s->rope_sin);
         if (s->capture && (st = s->capture(s->capture_user, l, pos0, n, s->q, kn, vn)) != 0) break;
 
-        if (s->compressed && pos0 >= s->compressed_ctx) {
+        if (s->attn_hook && pos0 >= s->attn_from) {
+            if ((st = s->attn_hook(s->attn_user, l, pos0, n, s->q, kn, vn, s->att)) != 0) break;
+        } else if (s->compressed && pos0 >= s->compressed_ctx && s->compressed[l]) {
             /* The compressed context plus the exact tokens after it, through libkvrt (causal:
              * query t sees recent rows up to its own position). */
             const kvrt_cache *cc = s->compressed[l];
-            if (!cc || (int)cc->n_kv_heads != Hkv || (int)cc->head_dim != d) { st = KVCC_GGUF_ERR_ARG; break; }
+            if ((int)cc->n_kv_heads != Hkv || (int)cc->head_dim != d) { st = KVCC_GGUF_ERR_ARG; break; }
             const int64_t nr = pos0 + n - s->compressed_ctx;
             const size_t r0 = (size_t)s->compressed_ctx * Kd;
             if (kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr, 1.0f / sqrtf((float)d), s->att,

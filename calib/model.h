@@ -74,6 +74,13 @@ void kvcc_model_free(kvcc_model *m); /* accepts NULL */
  *   q: [n, H, d] post-RoPE queries   k: [n, Hkv, d] post-RoPE keys   v: [n, Hkv, d] values
  * pos0 is the absolute position of the first of the n tokens. Buffers are only valid during the
  * call. Return 0 to continue; a nonzero return aborts the prefill with that value. */
+/* Attention hook: for a chunk of n new tokens at positions pos0..pos0+n-1 of layer `layer`, q
+ * [n, H, d] (post-RoPE), k, v [n, Hkv, d] (the new tokens' post-RoPE keys and values, already
+ * written to the state's cache) -> out [n, H, d], causal (token i sees itself and everything
+ * before). Nonzero return aborts the forward pass with that value. */
+typedef int (*kvcc_attn_fn)(void *user, int layer, int pos0, int n, const float *q,
+                            const float *k, const float *v, float *out);
+
 typedef int (*kvcc_capture_fn)(void *user, int layer, int pos0, int n, const float *q,
                                const float *k, const float *v);
 
@@ -101,6 +108,10 @@ typedef struct kvcc_state {
     const kvrt_cache *const *compressed; /* [n_layer] or NULL */
     int compressed_ctx;  /* tokens 0..compressed_ctx-1 are served by the compressed caches */
     kvrt_ctx *rt;        /* libkvrt context that runs kvrt_attend */
+    /* attention-hook mode (kvcc_state_set_attention_hook) */
+    kvcc_attn_fn attn_hook;
+    void *attn_user;
+    int attn_from;       /* positions >= attn_from attend through attn_hook */
 } kvcc_state;
 
 /* A state holding up to n_ctx tokens (1 <= n_ctx; it may exceed the training context). */
@@ -115,8 +126,15 @@ int kvcc_state_truncate(kvcc_state *s, int n_past);
  * head, with per-entry bias) plus the exact tokens ctx_len .. its own position (the state's own
  * cache rows), through kvrt_attend on rt. Tokens before ctx_len must already be in the state
  * (their rows are not read while the mode is on). caches == NULL turns the mode off.
- * caches[l] must have the model's n_kv_heads and head_dim. */
+ * caches[l] must have the model's n_kv_heads and head_dim; caches[l] == NULL: layer l attends
+ * exactly over the state's own cache (whose rows 0..ctx_len-1 must then hold the context), so
+ * one layer can be compressed alone. */
 int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len, kvrt_ctx *rt);
+/* Attention-hook mode (decode-time policies such as CompKV): every token at a position >= from
+ * attends through fn instead of the model's own attention, in every layer (fn may compute
+ * exact attention for layers it leaves alone). fn == NULL turns the mode off. Takes precedence
+ * over the compressed-context mode. A chunk may not straddle `from`. */
+int kvcc_state_set_attention_hook(kvcc_state *s, kvcc_attn_fn fn, void *user, int from);
 
 /* flags for prefill */
 #define KVCC_LOGITS_LAST 0u  /* logits (V) of the last token only */
