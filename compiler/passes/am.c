@@ -22,6 +22,8 @@
  * while that lowers the total loss (ties: lowest head index); every head keeps at least one unit.
  * Losses between grid points are interpolated linearly in log(ratio); ratio 1 has loss 0; below
  * the grid the first segment is extrapolated (never below the loss at the smallest ratio).
+ * Speed: the whole ratio grid of a layer is compacted in one kvrt_am_compact_layer_multi call, which
+ * computes each KV head's logits and targets once for all ratios.
  * Determinism: everything is sequential except inside the runtime calls, whose output does not
  * depend on the thread count.
  */
@@ -189,10 +191,14 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             if (!s) s = kvrt_attend(rt, qc, N, H, full, NULL, NULL, 0, scale, oc, lf0);
             kvrt_selection_free(all);
             kvrt_cache_free(full);
+            /* every ratio of the grid at once: the logits and targets are shared */
+            kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
+            if (!s && !ccs) s = KVRT_ERR_NOMEM;
+            if (!s) s = kvrt_am_compact_layer_multi(&ao, q, k, v, C, H, Hkv, d, nr, NULL, cx->am_ratios, KVRT_DTYPE_F32,
+                                                    ccs, NULL);
             for (int ri = 0; ri < nr && !s; ri++) {
-                kvrt_cache *cc = NULL;
-                s = kvrt_am_compact_layer(&ao, q, k, v, C, H, Hkv, d, NULL, cx->am_ratios[ri], KVRT_DTYPE_F32, &cc,
-                                          NULL);
+                kvrt_cache *cc = ccs[ri];
+                ccs[ri] = NULL;
                 if (!s) s = kvrt_attend(rt, qc, N, H, cc, NULL, NULL, 0, scale, oc, lc0);
                 if (!s) s = kvrt_attend(rt, qc, N, H, cc, kr, vr, N, scale, oc, lc);
                 kvrt_cache_free(cc);
@@ -217,6 +223,8 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
                     merr[at] += me / ((double)G * N * n_prompts);
                 }
             }
+            for (int ri = 0; ccs && ri < nr; ri++) kvrt_cache_free(ccs[ri]);
+            free(ccs);
             if (s) {
                 snprintf(err, errlen, "am: prompt %u, layer %u: %s (%s)", p, l, kvrt_status_str(s),
                          kvrt_last_error()->msg);

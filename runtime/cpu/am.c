@@ -40,6 +40,7 @@
 #include "cpu/vexp.h" /* exp_nonpos_f32 */
 
 #define AM_ROWBLK 64 /* rows per block of the column reductions (fixed: keeps them deterministic) */
+#define AM_QBLK 256  /* query rows per block of the causal logit / value products (fixed) */
 
 #define AM_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
 
@@ -561,9 +562,8 @@ static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int m
     const float *P = ws->S;
     /* relative rows, as for HighestAttnKeys' NNLS: columns P_ij / m_i, target 1; rf holds the
      * residual times 1 / m_i so that P^T rf is the correlation of the scaled columns */
-    col_sumsq(P, n, Tc, ws->rowsum, ws->part, ws->colnorm);
-    for (int64_t j = 0; j < Tc; j++) {
-        ws->colnorm[j] = sqrt(ws->colnorm[j]);
+    for (int64_t j = 0; j < Tc; j++) { /* ws->colsum: am_prep's column sums of squares */
+        ws->colnorm[j] = sqrt(ws->colsum[j]);
         ws->taken[j] = 0;
     }
     for (int64_t i = 0; i < n; i++) ws->rf[i] = (float)ws->rowsum[i];
@@ -638,15 +638,32 @@ typedef struct {
     int status, iters;
 } am_acc;
 
-/* Compact keys [k0, k0 + Tc) of one head into tc entries, appended to res. */
-static int am_chunk(const kvrt_am_opts *o, am_ws *ws, const float *k, const float *v, int64_t ld,
-                    int64_t k0, int64_t Tc, int64_t d, const float *q, const int32_t *qpos,
-                    int64_t n, int64_t tc, am_out *res, am_acc *acc) {
+/* Keys a query block [i0, i0 + nb) needs: up to its furthest-seeing query (causal). */
+static int64_t block_vis(const int32_t *qpos, int64_t i0, int64_t nb, int64_t k0, int64_t Tc) {
+    if (qpos == NULL) return Tc;
+    int64_t vmax = 1;
+    for (int64_t i = i0; i < i0 + nb; i++) {
+        const int64_t vis = (int64_t)qpos[i] - k0 + 1;
+        vmax = vis > vmax ? vis : vmax;
+    }
+    return vmax < Tc ? vmax : Tc;
+}
+
+/* Steps 1-2 of one chunk [k0, k0 + Tc) of one head, shared by every budget compacted from it:
+ * logits, P = exp(z - rowmax), masses, Y = softmax(z) V, and the column sums of squares of
+ * softmax(z) (HighestAttnKeys' scores, OMP's column norms). Queries are processed in blocks of
+ * AM_QBLK rows, each block only over the keys its queries can see (causal: with queries in
+ * position order the masked upper triangle of the products is never computed). */
+static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_t k0, int64_t Tc,
+                   int64_t d, const float *q, const int32_t *qpos, int64_t n) {
     const float scale = 1.0f / sqrtf((float)d);
     float *S = ws->S;
-    /* 1. logits, P = exp(z - rowmax), masses */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)n, (int)Tc, (int)d, scale, q,
-                (int)d, k + k0 * ld, (int)ld, 0.0f, S, (int)Tc);
+    for (int64_t i0 = 0; i0 < n; i0 += AM_QBLK) {
+        const int64_t nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+        const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nb, (int)vm, (int)d, scale,
+                    q + i0 * d, (int)d, k + k0 * ld, (int)ld, 0.0f, S + i0 * Tc, (int)Tc);
+    }
     int bad = 0;
     for (int64_t i = 0; i < n; i++) {
         float *row = S + i * Tc;
@@ -669,14 +686,27 @@ static int am_chunk(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
         return AM_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) > "
                                      "3.4e38) or are NaN in keys %lld..%lld",
                        (long long)k0, (long long)(k0 + Tc - 1));
-    /* 2. Y = softmax(z) V */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)d, (int)Tc, 1.0f, S,
-                (int)Tc, v + k0 * ld, (int)ld, 0.0f, ws->Yf, (int)d);
+    /* 2. Y = softmax(z) V (P is 0 past each block's visible keys) */
+    for (int64_t i0 = 0; i0 < n; i0 += AM_QBLK) {
+        const int64_t nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+        const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)d, (int)vm, 1.0f,
+                    S + i0 * Tc, (int)Tc, v + k0 * ld, (int)ld, 0.0f, ws->Yf + i0 * d, (int)d);
+    }
     for (int64_t i = 0; i < n; i++) {
         const double inv = 1.0 / ws->mass[i];
         ws->rowsum[i] = inv;
         for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
     }
+    /* column sums of squares of softmax(z) = P_ij / m_i */
+    col_sumsq(S, n, Tc, ws->rowsum, ws->part, ws->colsum);
+    return KVRT_OK;
+}
+
+/* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. */
+static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, int64_t k0,
+                  int64_t Tc, int64_t d, int64_t n, int64_t tc, am_out *res, am_acc *acc) {
+    const float *S = ws->S;
     /* 3. key selection (+ weights for OMP) */
     int64_t ts;
     kvrt_nnls_info inf = {0};
@@ -686,7 +716,6 @@ static int am_chunk(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
         if (ts < 0) return AM_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     } else {
         /* HighestAttnKeys: score_j = RMS over queries of softmax(z)_ij = P_ij / m_i */
-        col_sumsq(S, n, Tc, ws->rowsum, ws->part, ws->colsum);
         for (int64_t j = 0; j < Tc; j++) ws->score[j] = (float)sqrt(ws->colsum[j] / (double)n);
         if (kvrt_topk(ws->score, Tc, tc, ws->sel) != KVRT_OK) return kvrt_tls_err()->code;
         ts = tc;
@@ -802,18 +831,21 @@ static void chunk_span(int64_t T, int64_t chunk, int64_t t, int64_t c, int64_t *
     *tc = b - a;
 }
 
-/* One head: k, v rows at stride ld, q [n, d], qpos [n] or NULL. res has capacity t. */
+/* One head, compacted to ns budgets t[ns] at once (the chunk's logits, masses and targets are
+ * computed once and shared): k, v rows at stride ld, q [n, d], qpos [n] or NULL. res[si] has
+ * capacity t[si]; st [ns] or NULL. */
 static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_t ld, int64_t T,
-                   int64_t d, const float *q, const int32_t *qpos, int64_t n, int64_t t,
-                   am_out *res, kvrt_am_stats *st) {
+                   int64_t d, const float *q, const int32_t *qpos, int64_t n, int ns,
+                   const int64_t *t, am_out *res, kvrt_am_stats *st) {
     const int64_t chunk = o->chunk > 0 && o->chunk < T ? o->chunk : T;
     const int64_t nc = (T + chunk - 1) / chunk;
     int64_t tmax = 0;
-    for (int64_t c = 0; c < nc; c++) {
-        int64_t k0, Tc, tc;
-        chunk_span(T, chunk, t, c, &k0, &Tc, &tc);
-        tmax = tc > tmax ? tc : tmax;
-    }
+    for (int si = 0; si < ns; si++)
+        for (int64_t c = 0; c < nc; c++) {
+            int64_t k0, Tc, tc;
+            chunk_span(T, chunk, t[si], c, &k0, &Tc, &tc);
+            tmax = tc > tmax ? tc : tmax;
+        }
     am_ws ws;
     if (am_ws_alloc(&ws, n, chunk, tmax, d, o->key_select == KVRT_AM_SELECT_OMP) != 0)
         return AM_FAIL(KVRT_ERR_NOMEM,
@@ -822,16 +854,19 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     /* causal reference queries: per chunk, the rows that see at least its first key */
     float *qb = qpos ? malloc(sizeof(float) * (size_t)(n * d)) : NULL;
     int32_t *pb = qpos ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
-    if (qpos && (!qb || !pb)) {
-        free(qb); free(pb); am_ws_free(&ws);
+    am_acc *acc = calloc((size_t)ns, sizeof *acc);
+    if ((qpos && (!qb || !pb)) || !acc) {
+        free(qb); free(pb); free(acc); am_ws_free(&ws);
         return AM_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     }
-    am_acc acc = {0};
     int rc = KVRT_OK;
     for (int64_t c = 0; c < nc && rc == KVRT_OK; c++) {
-        int64_t k0, Tc, tc;
-        chunk_span(T, chunk, t, c, &k0, &Tc, &tc);
-        if (tc == 0) continue;
+        int64_t k0, Tc, tc, need = 0;
+        for (int si = 0; si < ns; si++) {
+            chunk_span(T, chunk, t[si], c, &k0, &Tc, &tc);
+            need |= tc > 0;
+        }
+        if (!need) continue;
         const float *qc = q;
         int64_t nv = n;
         if (qpos) {
@@ -848,20 +883,25 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
                 break;
             }
         }
-        rc = am_chunk(o, &ws, k, v, ld, k0, Tc, d, qc, pb, nv, tc, res, &acc);
+        rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv);
+        for (int si = 0; si < ns && rc == KVRT_OK; si++) {
+            chunk_span(T, chunk, t[si], c, &k0, &Tc, &tc);
+            if (tc > 0) rc = am_fit(o, &ws, k, ld, k0, Tc, d, nv, tc, &res[si], &acc[si]);
+        }
     }
     free(qb);
     free(pb);
     am_ws_free(&ws);
-    if (st) {
-        st->asked = t;
-        st->kept = res->n;
-        st->n_queries = n;
-        st->mass_relerr = acc.n_q ? acc.mass_err / (double)acc.n_q : 0;
-        st->out_relerr = acc.n_q ? acc.out_err / (double)acc.n_q : 0;
-        st->nnls_status = acc.status;
-        st->nnls_iterations = acc.iters;
+    for (int si = 0; st && si < ns; si++) {
+        st[si].asked = t[si];
+        st[si].kept = res[si].n;
+        st[si].n_queries = n;
+        st[si].mass_relerr = acc[si].n_q ? acc[si].mass_err / (double)acc[si].n_q : 0;
+        st[si].out_relerr = acc[si].n_q ? acc[si].out_err / (double)acc[si].n_q : 0;
+        st[si].nnls_status = acc[si].status;
+        st[si].nnls_iterations = acc[si].iters;
     }
+    free(acc);
     return rc;
 }
 
@@ -938,7 +978,7 @@ int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64
         out_free(&r);
         return AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
-    rc = am_head(o, k, v, d, T, d, q_ref, q_pos, n, t, &r, stats);
+    rc = am_head(o, k, v, d, T, d, q_ref, q_pos, n, 1, &t, &r, stats);
     if (rc == KVRT_OK) {
         int64_t cnt = r.n;
         rc = kvrt_cache_create(1, head_dim, dtype, &cnt, out);
@@ -948,13 +988,18 @@ int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64
     return rc;
 }
 
-int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k, const float *v,
-                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                          const float *ratios, double ratio, int dtype, kvrt_cache **out,
-                          kvrt_am_stats *stats) {
+int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
+                                const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                                uint32_t head_dim, int n_sets, const float *ratios,
+                                const double *ratio_list, int dtype, kvrt_cache **out,
+                                kvrt_am_stats *stats) {
     const char *fn = "kvrt_am_compact_layer";
     if (out == NULL) return AM_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
-    *out = NULL;
+    if (n_sets < 1 || n_sets > 4096)
+        return AM_FAIL(KVRT_ERR_ARG, "%s: n_sets %d, expected 1..4096", fn, n_sets);
+    for (int si = 0; si < n_sets; si++) out[si] = NULL;
+    if (ratios == NULL && ratio_list == NULL)
+        return AM_FAIL(KVRT_ERR_ARG, "%s: both ratios and ratio_list are NULL", fn);
     kvrt_am_opts def;
     if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
     int rc = opts_check(fn, o);
@@ -970,55 +1015,87 @@ int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k,
                        n_heads, n_kv_heads);
     if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
         return AM_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected f32 or f16", fn, dtype);
-    const int64_t d = head_dim, Hkv = n_kv_heads, H = n_heads, G = H / Hkv;
-    int64_t *tb = malloc(sizeof(int64_t) * (size_t)Hkv);
+    const int64_t d = head_dim, Hkv = n_kv_heads, H = n_heads, G = H / Hkv, ns = n_sets;
+    int64_t *tb = malloc(sizeof(int64_t) * (size_t)(Hkv * ns)); /* [Hkv, ns] */
     if (tb == NULL) return AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    for (int64_t h = 0; h < Hkv; h++) {
-        const double r = ratios ? (double)ratios[h] : ratio;
-        if (!(r > 0) || !(r <= 1)) {
-            free(tb);
-            return AM_FAIL(KVRT_ERR_ARG, "%s: ratio of KV head %lld is %g, expected (0, 1]", fn,
-                           (long long)h, r);
+    for (int64_t si = 0; si < ns; si++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const double r = ratios ? (double)ratios[si * Hkv + h] : ratio_list[si];
+            if (!(r > 0) || !(r <= 1)) {
+                free(tb);
+                return AM_FAIL(KVRT_ERR_ARG, "%s: ratio of KV head %lld (set %lld) is %g, expected (0, 1]",
+                               fn, (long long)h, (long long)si, r);
+            }
+            int64_t t = (int64_t)llround(r * (double)T);
+            tb[h * ns + si] = t < 1 ? 1 : t > T ? T : t;
         }
-        int64_t t = (int64_t)llround(r * (double)T);
-        tb[h] = t < 1 ? 1 : t > T ? T : t;
-    }
     if (!all_finite_f(k, T * Hkv * d) || !all_finite_f(v, T * Hkv * d) ||
         !all_finite_f(q, T * H * d)) {
         free(tb);
         return AM_FAIL(KVRT_ERR_ARG, "%s: q, k or v holds NaN or Inf", fn);
     }
-    /* reference queries of a KV head: its G query heads at every position, evenly strided */
+    /* reference queries of a KV head: n of its T * G context queries (G query heads at every
+     * position), at evenly spaced positions, the query head rotating so that every one of the G
+     * heads contributes (a plain stride over the interleaved (position, head) order can skip a
+     * head entirely, e.g. n = 2T/3 of 3T never picks the third). Ascending positions. */
     const int64_t n_all = T * G;
     const int64_t n = o->max_queries > 0 && o->max_queries < n_all ? o->max_queries : n_all;
     float *qr = malloc(sizeof(float) * (size_t)(n * d));
     int32_t *qp = malloc(sizeof(int32_t) * (size_t)n);
-    am_out *res = calloc((size_t)Hkv, sizeof *res);
+    am_out *res = calloc((size_t)(Hkv * ns), sizeof *res);
     int ok = qr && qp && res;
-    for (int64_t h = 0; ok && h < Hkv; h++) ok = out_alloc(&res[h], tb[h], d) == 0;
+    for (int64_t e = 0; ok && e < Hkv * ns; e++) ok = out_alloc(&res[e], tb[e], d) == 0;
     if (!ok) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    kvrt_am_stats *hst = NULL;
+    if (rc == KVRT_OK && stats) {
+        hst = calloc((size_t)ns, sizeof *hst);
+        if (!hst) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    }
     for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
         for (int64_t i = 0; i < n; i++) {
-            const int64_t u = n == n_all ? i : (int64_t)((double)i * (double)n_all / (double)n);
-            const int64_t tok = u / G, g = u % G;
+            int64_t tok, g;
+            if (n == n_all) {
+                tok = i / G;
+                g = i % G;
+            } else {
+                tok = (int64_t)((double)i * (double)T / (double)n);
+                g = i % G;
+            }
             memcpy(qr + i * d, q + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
             qp[i] = (int32_t)tok;
         }
-        rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, qp, n, tb[h], &res[h],
-                     stats ? &stats[h] : NULL);
+        rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, qp, n, (int)ns, tb + h * ns,
+                     res + h * ns, hst);
+        for (int64_t si = 0; hst && si < ns; si++) stats[si * Hkv + h] = hst[si];
     }
-    if (rc == KVRT_OK) {
-        for (int64_t h = 0; h < Hkv; h++) tb[h] = res[h].n;
-        rc = kvrt_cache_create(n_kv_heads, head_dim, dtype, tb, out);
-        for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) out_store(&res[h], *out, (uint32_t)h);
+    int64_t *cnt = malloc(sizeof(int64_t) * (size_t)Hkv);
+    if (rc == KVRT_OK && !cnt) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    for (int64_t si = 0; rc == KVRT_OK && si < ns; si++) {
+        for (int64_t h = 0; h < Hkv; h++) cnt[h] = res[h * ns + si].n;
+        rc = kvrt_cache_create(n_kv_heads, head_dim, dtype, cnt, &out[si]);
+        for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++)
+            out_store(&res[h * ns + si], out[si], (uint32_t)h);
     }
+    if (rc != KVRT_OK)
+        for (int64_t si = 0; si < ns; si++) { kvrt_cache_free(out[si]); out[si] = NULL; }
     if (res)
-        for (int64_t h = 0; h < Hkv; h++) out_free(&res[h]);
+        for (int64_t e = 0; e < Hkv * ns; e++) out_free(&res[e]);
     free(res);
+    free(hst);
+    free(cnt);
     free(qr);
     free(qp);
     free(tb);
     return rc;
+}
+
+int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k, const float *v,
+                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                          const float *ratios, double ratio, int dtype, kvrt_cache **out,
+                          kvrt_am_stats *stats) {
+    if (out == NULL) return AM_FAIL(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
+    return kvrt_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1, ratios,
+                                       &ratio, dtype, out, stats);
 }
 
 #if defined(__GNUC__) && !defined(__clang__)

@@ -379,8 +379,9 @@ typedef struct {
     int64_t chunk;         /* keys per chunk (default 4096); <= 0: the whole context at once */
     double ridge;          /* relative ridge of the values' least squares (default 1e-6), >= 0 */
     int nnls_max_iter;     /* cap on NNLS iterations (default 0: 3 * t + 30) */
-    int64_t max_queries;   /* kvrt_am_compact_layer: reference queries per KV head, evenly
-                            * strided over the T * G context queries (default 4096; 0: all) */
+    int64_t max_queries;   /* kvrt_am_compact_layer: reference queries per KV head, at evenly
+                            * spaced positions of the context, the G query heads in turn
+                            * (default 4096; 0: all T * G) */
 } kvrt_am_opts;
 void kvrt_am_opts_init(kvrt_am_opts *o);
 
@@ -438,6 +439,16 @@ int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k,
                           int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                           const float *ratios, double ratio, int dtype, kvrt_cache **out,
                           kvrt_am_stats *stats);
+/* kvrt_am_compact_layer for n_sets budget sets at once: each KV head's logits, masses, targets
+ * and key scores are computed once and shared by every set (the compile pass's ratio grid, an
+ * eval over several targets). Set si: ratios [n_sets, Hkv] (row si), or ratio_list[si] for every
+ * head when ratios is NULL. out [n_sets] receives n_sets caches (all NULL on failure), each equal
+ * to what kvrt_am_compact_layer gives for that set alone; stats [n_sets, Hkv] or NULL. */
+int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
+                                const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                                uint32_t head_dim, int n_sets, const float *ratios,
+                                const double *ratio_list, int dtype, kvrt_cache **out,
+                                kvrt_am_stats *stats);
 
 /* The compiled schedule (kvcc compile --policies am): section ids of kvpol group 2. */
 #define KVRT_AM_SEC_SCHEDULE 0x00020001u /* critical: targets f64 [n_t], schedule f32 [n_t, L, Hkv],
@@ -460,7 +471,8 @@ int kvrt_am_schedule_load(const char *path, double target, uint32_t n_layers,
  *   kvrt_compilerkv_prompt_finish(pr, next_logprob);                          (alpha, step 5)
  *   for each layer: kvrt_compilerkv_select(tb, pr, l, v_l, Hkv, d, B, flags, &sel, &st);
  *                   kvrt_cache_gather(k_l, v_l, T, Hkv, d, sel, dtype, &cache);
- * The kept set is shared by all KV heads of the layer; its size may be < B (elastic). */
+ * The kept set is shared by all KV heads of the layer; its size may be < B (elastic). It always
+ * holds the last min(w, B/2) tokens when B < 2w, else the last w (kvrt_compilerkv_kept_window). */
 #define KVRT_COMPILERKV_ENT_BINS 20
 #define KVRT_COMPILERKV_PPL_BINS 4
 #define KVRT_COMPILERKV_SECTION_ID 0x00010001u /* kvpol group 1, "compilerkv.tables" */
@@ -534,11 +546,16 @@ typedef struct {
     uint32_t budget_index; /* kvrt_compilerkv_select only */
     int b_ent, b_ppl;      /* kvrt_compilerkv_select only */
 } kvrt_compilerkv_stats;
+/* The always-kept recent tokens of a selection (kvcc rule for budgets at or below the window):
+ * n_w = window when budget >= 2 * window, else max(1, budget / 2) (rounded down); at most T.
+ * E.g. window 64: budget 64 keeps the last 32 tokens and gives the other 32 slots to the
+ * candidates (the attention sink among them), budget 128 keeps the last 64. */
+int64_t kvrt_compilerkv_kept_window(uint32_t window, int64_t budget, int64_t T);
 /* Steps 3, 4, 7 with an explicit table row: s[t] = max_h alpha[t] rho[h / G, t] w_head[h];
- * keep the last min(window, budget, T) positions, then of the earlier positions with s >= tau
- * the highest s up to the budget (kvrt_topk rules). alpha [T], rho [Hkv, T], w_head [H].
- * *out: the same ascending positions for every KV head. st may be NULL. _ref: double scores,
- * full sort. */
+ * keep the last n_w = kvrt_compilerkv_kept_window(window, budget, T) positions, then of the
+ * earlier positions with s >= tau the highest s up to the budget (kvrt_topk rules). alpha [T],
+ * rho [Hkv, T], w_head [H]. *out: the same ascending positions for every KV head. st may be
+ * NULL. _ref: double scores, full sort (the same window rule). */
 int kvrt_compilerkv_select_layer(const float *alpha, const float *rho, int64_t T,
                                  uint32_t n_heads, uint32_t n_kv_heads, const float *w_head,
                                  float tau, int64_t budget, uint32_t window, kvrt_selection **out,
@@ -643,6 +660,34 @@ int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t
 /* One whole step: scores, select k_blocks, attend. out [H, d]; blocks_out [Hkv, k] or NULL. */
 int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int64_t k_blocks,
                      float *out, int32_t *blocks_out);
+/* The compiled variance groupings (kvcc compile --policies compkv; runtime/core/compkv_policy.c):
+ * section ids of kvpol group 3 (docs/kvpol-format.md). */
+#define KVRT_COMPKV_SEC_GROUPINGS 0x00030001u   /* critical: perm u16 [L, Hkv, d], offsets u16
+                                                 * [L, Hkv, r + 1], learned u8 [L, Hkv], r i64,
+                                                 * block i64, scale f64 */
+#define KVRT_COMPKV_SEC_CALIBRATION 0x00030002u /* optional: err_learned, err_index f64 [L, Hkv],
+                                                 * agree_learned, agree_index f32 [L, Hkv],
+                                                 * agree_blocks, prompts, samples i64 */
+typedef struct {
+    uint32_t n_layers, n_kv_heads, head_dim;
+    uint32_t r;           /* groups per KV head */
+    uint32_t block;       /* block size the grouping was calibrated with */
+    double scale;         /* logit scale of the calibration */
+    uint16_t *perm;       /* [n_layers, n_kv_heads, head_dim] */
+    uint16_t *offsets;    /* [n_layers, n_kv_heads, r + 1] */
+    uint8_t *learned;     /* [n_layers, n_kv_heads]: 1 where the learned grouping beat index order
+                           * on the calibration corpus (elsewhere perm/offsets are index order) */
+} kvrt_compkv_grouping;
+/* Read and check the grouping of the artifact at `path`; layer l's arguments for
+ * kvrt_compkv_create are perm + l * Hkv * d and offsets + l * Hkv * (r + 1). Statuses:
+ * KVRT_ERR_IO / KVRT_ERR_FORMAT (unreadable; an item missing or mis-shaped; a perm that is not a
+ * permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_MODEL_MISMATCH (L, Hkv or d
+ * differ; 0 = not checked), KVRT_ERR_UNSUPPORTED (no CompKV section). */
+int kvrt_compkv_grouping_load(const char *path, uint32_t n_layers, uint32_t n_kv_heads,
+                              uint32_t head_dim, kvrt_compkv_grouping **out);
+/* The same from an open policy (checked against the policy's model). */
+int kvrt_compkv_grouping_from_policy(const kvrt_policy *p, kvrt_compkv_grouping **out);
+void kvrt_compkv_grouping_free(kvrt_compkv_grouping *g);
 // --- end CompKV
 
 #ifdef __cplusplus

@@ -461,6 +461,62 @@ Test(am, layer_budgets_chunks_and_determinism) {
     free(q); free(k); free(v);
 }
 
+/* Several budget sets at once share the chunk's logits and targets: each set must equal the
+ * one-set call exactly (same code path per set, same inputs), for HighestAttnKeys and OMP, with
+ * chunks and subsampled causal reference queries. */
+Test(am, multi_sets_equal_single_calls) {
+    uint64_t s = 77;
+    enum { T = 260, H = 6, HKV = 2, D = 16, NS = 3 };
+    float *q = randn_f(T * H * D, &s, 1.5), *k = randn_f(T * HKV * D, &s, 1.0);
+    float *v = randn_f(T * HKV * D, &s, 1.0);
+    const float ratios[NS * HKV] = {0.05f, 0.2f, 0.1f, 0.1f, 0.5f, 0.02f};
+    for (int sel = 0; sel < 2; sel++) {
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.chunk = 100;
+        o.max_queries = 400; /* < T * G: subsampled, every query head in turn */
+        o.key_select = sel ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+        kvrt_cache *m[NS];
+        kvrt_am_stats st[NS * HKV];
+        cr_assert_eq(kvrt_am_compact_layer_multi(&o, q, k, v, T, H, HKV, D, NS, ratios, NULL, KVRT_DTYPE_F32, m,
+                                                 st), KVRT_OK, "%s", kvrt_last_error()->msg);
+        for (int si = 0; si < NS; si++) {
+            kvrt_cache *one = NULL;
+            kvrt_am_stats s1[HKV];
+            cr_assert_eq(kvrt_am_compact_layer(&o, q, k, v, T, H, HKV, D, ratios + si * HKV, 0, KVRT_DTYPE_F32,
+                                               &one, s1), KVRT_OK);
+            cr_assert_eq(one->n_entries, m[si]->n_entries, "set %d", si);
+            cr_assert_eq(memcmp(one->offsets, m[si]->offsets, sizeof(int64_t) * (HKV + 1)), 0);
+            cr_assert_eq(memcmp(one->keys, m[si]->keys, sizeof(float) * (size_t)(one->n_entries * D)), 0);
+            cr_assert_eq(memcmp(one->values, m[si]->values, sizeof(float) * (size_t)(one->n_entries * D)), 0,
+                         "set %d (%s): values differ from the one-set call", si, sel ? "omp" : "highest");
+            cr_assert_eq(memcmp(one->bias, m[si]->bias, sizeof(float) * (size_t)one->n_entries), 0);
+            cr_assert_eq(memcmp(one->positions, m[si]->positions, sizeof(int32_t) * (size_t)one->n_entries), 0);
+            for (int h = 0; h < HKV; h++) {
+                cr_assert_eq(st[si * HKV + h].asked, s1[h].asked);
+                cr_assert_eq(st[si * HKV + h].kept, s1[h].kept);
+                cr_assert_eq(st[si * HKV + h].out_relerr, s1[h].out_relerr);
+            }
+            kvrt_cache_free(one);
+            kvrt_cache_free(m[si]);
+        }
+    }
+    /* uniform sets by ratio_list; errors */
+    const double rl[2] = {0.1, 0.3};
+    kvrt_cache *m2[2];
+    cr_assert_eq(kvrt_am_compact_layer_multi(NULL, q, k, v, T, H, HKV, D, 2, NULL, rl, KVRT_DTYPE_F16, m2, NULL),
+                 KVRT_OK);
+    cr_assert_leq(m2[0]->n_entries, m2[1]->n_entries);
+    kvrt_cache_free(m2[0]);
+    kvrt_cache_free(m2[1]);
+    cr_assert_eq(kvrt_am_compact_layer_multi(NULL, q, k, v, T, H, HKV, D, 0, NULL, rl, KVRT_DTYPE_F32, m2, NULL),
+                 KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact_layer_multi(NULL, q, k, v, T, H, HKV, D, 2, NULL, NULL, KVRT_DTYPE_F32, m2, NULL),
+                 KVRT_ERR_ARG);
+    cr_assert(m2[0] == NULL && m2[1] == NULL);
+    free(q); free(k); free(v);
+}
+
 Test(am, schedule_load_errors) {
     float r[4];
     cr_assert_eq(kvrt_am_schedule_load("/nonexistent/x.kvpol", 0.05, 2, 2, r), KVRT_ERR_IO);
