@@ -255,6 +255,29 @@ static int chol_append(const double *G, int64_t n, double *L, const int64_t *P, 
     return 0;
 }
 
+/* Remove factor position a (0 <= a < p) of the passive list and of its factor: the rows after
+ * a move up one place, which leaves one entry above the diagonal in each of them; Givens
+ * rotations of the column pairs (k, k+1), k = a..p-2, restore the lower triangle (L Q Q^T L^T
+ * = L L^T), with positive diagonal. O(p^2) instead of refactoring the survivors (O(p^3)). */
+static void chol_delete(double *L, int64_t n, int64_t *P, int64_t p, int64_t a) {
+    for (int64_t r = a; r < p - 1; r++) {
+        memmove(L + r * n, L + (r + 1) * n, sizeof(double) * (size_t)(r + 2));
+        P[r] = P[r + 1];
+    }
+    for (int64_t k = a; k < p - 1; k++) {
+        const double x = L[k * n + k], y = L[k * n + k + 1];
+        const double rr = hypot(x, y);
+        if (!(rr > 0)) continue;
+        const double c = x / rr, sn = y / rr;
+        for (int64_t r = k; r < p - 1; r++) {
+            const double u = L[r * n + k], w = L[r * n + k + 1];
+            L[r * n + k] = c * u + sn * w;
+            L[r * n + k + 1] = c * w - sn * u;
+        }
+        L[k * n + k + 1] = 0.0;
+    }
+}
+
 /* s = G[P, P]^-1 c[P] through the factor. */
 static void chol_solve(const double *L, int64_t n, int64_t p, const int64_t *P, const double *c,
                        double *s) {
@@ -292,14 +315,21 @@ static void nnls_gram(const double *G, const double *c, int64_t n, int max_iter,
     for (;;) {
         int64_t jnew = -1;
         if (!solve) {
-            /* gradient w = c - G x over the zero set (x is supported on P) */
+            /* gradient w = c - G x over the zero set (x is supported on P): G is symmetric, so
+             * G x = sum over the passive rows of x_a G[a, :] (contiguous rows, fixed order) */
+            double *gx = ws->w;
+            for (int64_t j = 0; j < n; j++) gx[j] = 0.0;
+            for (int64_t a = 0; a < p; a++) {
+                const double xa = x[P[a]];
+                const double *g = G + P[a] * n;
+#pragma omp simd
+                for (int64_t j = 0; j < n; j++) gx[j] += xa * g[j];
+            }
             int64_t jbest = -1;
             double wbest = tol;
             for (int64_t j = 0; j < n; j++) {
                 if (flag[j] != 0) continue;
-                const double *g = G + j * n;
-                double acc = c[j];
-                for (int64_t a = 0; a < p; a++) acc -= g[P[a]] * x[P[a]];
+                const double acc = c[j] - gx[j];
                 if (acc > wbest) { wbest = acc; jbest = j; }
             }
             if (jbest < 0) break;
@@ -333,24 +363,18 @@ static void nnls_gram(const double *G, const double *c, int64_t n, int max_iter,
                     if (al < alpha) { alpha = al; amin = P[a]; }
                 }
             for (int64_t a = 0; a < p; a++) x[P[a]] += alpha * (ws->s[a] - x[P[a]]);
-            int64_t q = 0;
-            for (int64_t a = 0; a < p; a++) {
+            /* drop the columns that reached 0 from the passive list and the factor (from the
+             * end, so that the positions still to visit do not move) */
+            for (int64_t a = p - 1; a >= 0; a--) {
                 const int64_t j = P[a];
                 if (j == amin || x[j] <= 0) {
                     x[j] = 0;
                     /* a column that leaves right after entering would cycle: exclude it */
                     flag[j] = j == jnew ? 2 : 0;
                     if (j == jnew) degenerate = 1;
-                } else {
-                    P[q++] = j;
+                    chol_delete(ws->L, n, P, p, a);
+                    p--;
                 }
-            }
-            const int64_t keep = q;
-            p = 0;
-            for (int64_t a = 0; a < keep; a++) {
-                const int64_t j = P[a];
-                if (chol_append(G, n, ws->L, P, p, j) == 0) P[p++] = j;
-                else { x[j] = 0; flag[j] = 2; degenerate = 1; }
             }
             jnew = -1;
             if (++iters > max_iter) { status = KVRT_NNLS_MAX_ITER; break; }
