@@ -15,7 +15,10 @@
 #include "kvcc.h"
 #include "kvrt.h"
 
-static const char *PLANNED[] = {"compkv", "kv2", "merge-reduce", "quest"};
+static const char *PLANNED[] = {"kv2", "merge-reduce"};
+
+#define DECODE_NAMES "compkv, compkv-index, compkv-nocomp, compkv-mass, compkv-first, compkv-r1, compkv-r16, " \
+                     "compkv-rd, topk-mass, quest"
 
 static void usage(FILE *out) {
     fprintf(out,
@@ -24,11 +27,16 @@ static void usage(FILE *out) {
             "  --methods LIST      comma-separated: full, streaming, random, snapkv, h2o, knorm, keydiff, or all;\n"
             "                      am (schedule from --policy), am-uniform, am-omp (Attention Matching: budgets are\n"
             "                      target mean ratios < 1); compilerkv (tables from --policy) and ckv-flat (its\n"
-            "                      ablation: head weights 1.0, threshold 0.8)\n"
-            "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context ratios (< 1)\n"
+            "                      ablation: head weights 1.0, threshold 0.8); decode-time (every continuation\n"
+            "                      token attends through a CompKV state; budgets are BLOCKS of 16 tokens, or of the\n"
+            "                      artifact's --compkv-block): compkv (grouping from --policy), compkv-index,\n"
+            "                      compkv-nocomp, compkv-mass, compkv-first, compkv-r1, compkv-r16, compkv-rd,\n"
+            "                      topk-mass (top-K block mass, no compensation), quest (Quest pages = blocks)\n"
+            "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context ratios (< 1);\n"
+            "                      decode-time methods: blocks read exactly per KV head and step (integers >= 1)\n"
             "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
             "  --policy X.kvpol    an artifact; checked against the corpus's model (method am reads its\n"
-            "                      Attention Matching schedule)\n"
+            "                      Attention Matching schedule, compilerkv its tables, compkv its groupings)\n"
             "  --prompts N         use the first N prompts (default: all)\n"
             "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
             "  --seed S            seed of the random method (default 1)\n"
@@ -50,15 +58,18 @@ static int parse_methods(const char *list, int *out, int *n) {
         if (!strcmp(tok, "am-omp")) m = KVCC_EVAL_AM_OMP;
         if (!strcmp(tok, "compilerkv")) m = KVCC_EVAL_COMPILERKV;
         if (!strcmp(tok, "ckv-flat")) m = KVCC_EVAL_COMPILERKV_FLAT;
+        for (int dm = KVCC_EVAL_COMPKV; dm <= KVCC_EVAL_QUEST; dm++)
+            if (!strcmp(tok, kvcc_eval_method_name(dm))) m = dm;
         if (m < 0) {
             for (size_t i = 0; i < sizeof PLANNED / sizeof PLANNED[0]; i++)
                 if (!strcmp(tok, PLANNED[i])) {
                     fprintf(stderr, "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: full, "
-                                    "streaming, random, snapkv, h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat)\n", tok);
+                                    "streaming, random, snapkv, h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat, "
+                                    "%s)\n", tok, DECODE_NAMES);
                     return -1;
                 }
             fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: full, streaming, random, snapkv, "
-                            "h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat)\n", tok);
+                            "h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat, %s)\n", tok, DECODE_NAMES);
             return -1;
         }
         if (*n == 64) return -1;
@@ -101,7 +112,10 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     if (gguf) printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
                      "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
                      KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
-    printf("\n%-10s %7s %7s %9s %9s %8s %7s %9s %8s", "method", "budget", "kept", "relerr", "relerr95", "KL", "mass",
+    if (r->decode_note[0])
+        printf("decode-time rows: %s; kept = tokens read exactly per KV head and step, MB = bytes read per decode step "
+               "(all layers), sel_ms = decode-time work per prompt\n", r->decode_note);
+    printf("\n%-13s %7s %7s %9s %9s %8s %7s %9s %8s", "method", "budget", "kept", "relerr", "relerr95", "KL", "mass",
            "MB", "sel_ms");
     if (gguf) printf(" %7s %8s %7s %7s", "NLL", "dNLL", "exact", "tokacc");
     printf("\n");
@@ -109,7 +123,7 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         const kvcc_eval_row *row = &r->rows[i];
         char b[32];
         budget_str(row, b, sizeof b);
-        printf("%-10s %7s ", kvcc_eval_method_name(row->method), b);
+        printf("%-13s %7s ", kvcc_eval_method_name(row->method), b);
         if (row->status) {
             printf("error: %s\n", row->msg);
             continue;
@@ -151,6 +165,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
     cJSON_AddNumberToObject(root, "context_len", r->context_len);
     cJSON_AddNumberToObject(root, "continuation_len", r->continuation_len);
     cJSON_AddNumberToObject(root, "full_cache_bytes", r->full_bytes_mean);
+    if (r->decode_note[0]) cJSON_AddStringToObject(root, "decode_rows", r->decode_note);
     cJSON *rows = cJSON_AddArrayToObject(root, "rows");
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *w = &r->rows[i];

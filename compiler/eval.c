@@ -22,6 +22,10 @@
  * KVCC_EVAL_PROBE_ANSWER. Scored teacher-forced in one pass: greedy decoding reproduces the
  * answer exactly iff every argmax along the true answer is right, so "exact" is exactly the
  * greedy exact-match rate; token accuracy is reported alongside.
+ *
+ * Decode-time rows (compkv and its ablations, topk-mass, quest; budgets in blocks): the context is
+ * never compressed; every continuation token attends through a kvrt_compkv state (see "decode-time
+ * rows" below), layer-locally and end to end through the model's attention hook.
  */
 #include "eval.h"
 
@@ -31,6 +35,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <cblas.h>
 
 #include "corpus.h"
 #include "kvcc.h"
@@ -72,6 +78,11 @@ typedef struct {
     uint64_t kl_n, kept_n;
     double nll_sum, nll_full_sum;
     uint64_t nll_n;
+    /* decode-time rows */
+    const kvrt_compkv_grouping *grp; /* the compiled grouping of --policy (shared), or NULL */
+    uint32_t block;                  /* tokens per block */
+    double dbytes;                   /* bytes read, summed over (layer, step) */
+    uint64_t dsteps;                 /* (layer, step) units */
 } row_acc;
 
 const char *kvcc_eval_method_name(int method) {
@@ -81,6 +92,16 @@ const char *kvcc_eval_method_name(int method) {
     case KVCC_EVAL_AM_OMP: return "am-omp";
     case KVCC_EVAL_COMPILERKV: return "compilerkv";
     case KVCC_EVAL_COMPILERKV_FLAT: return "ckv-flat";
+    case KVCC_EVAL_COMPKV: return "compkv";
+    case KVCC_EVAL_COMPKV_INDEX: return "compkv-index";
+    case KVCC_EVAL_COMPKV_NOCOMP: return "compkv-nocomp";
+    case KVCC_EVAL_COMPKV_MASS: return "compkv-mass";
+    case KVCC_EVAL_COMPKV_FIRST: return "compkv-first";
+    case KVCC_EVAL_COMPKV_R1: return "compkv-r1";
+    case KVCC_EVAL_COMPKV_R16: return "compkv-r16";
+    case KVCC_EVAL_COMPKV_RD: return "compkv-rd";
+    case KVCC_EVAL_TOPK_MASS: return "topk-mass";
+    case KVCC_EVAL_QUEST: return "quest";
     default: return kvrt_method_name(method);
     }
 }
@@ -125,6 +146,242 @@ static void row_fail(kvcc_eval_row *row, int rc, const char *what) {
     if (row->status) return;
     row->status = rc;
     snprintf(row->msg, sizeof row->msg, "%s: %s (%.180s)", what, kvrt_status_str(rc), kvrt_last_error()->msg);
+}
+
+// ----------------------------------------------------------------------------
+// decode-time rows (CompKV and its ablations, top-K block mass, Quest)
+//
+// Every continuation token attends through a kvrt_compkv state holding the whole sequence so far
+// (the context appended at once, then one token at a time): the row's method selects `budget`
+// blocks per KV head, the selected tokens are read exactly and (with compensation) every other
+// block contributes its mean key and mean value (kvrt_compkv_step; Quest: kvrt_quest_select's
+// pages, page = block, then kvrt_compkv_attend_blocks without compensation). Layer-local: the
+// output of step i is compared with exact causal attention of query C + i; KL(p_comp || p_full)
+// = log Z - log Z', Z' = sum over the selected blocks' tokens of e^z + (compensated rows) sum over
+// the other blocks of |b| e^{zbar_b}: the distribution in which every unselected token's logit
+// is replaced by its block mean (zbar is that mean exactly, so the cross term vanishes); for
+// rows without compensation it is -log(mass). Mass: the exact attention mass of the selected
+// blocks. End to end: the model's attention hook (kvcc_state_set_attention_hook) from position
+// C: per layer a state built from the model's own cached context rows, then each token of the
+// chunk appended and attended right away.
+
+#define EVAL_DEFAULT_R 4
+#define EVAL_DEFAULT_BLOCK 16
+
+/* The runtime options of a decode-time row; *use_grp: 1 when it runs the compiled grouping. */
+static void dec_opts(int method, const kvrt_compkv_grouping *grp, uint32_t block, uint32_t d, kvrt_compkv_opts *o,
+                     int *use_grp) {
+    kvrt_compkv_opts_init(o);
+    o->block = block;
+    o->r = grp ? grp->r : (EVAL_DEFAULT_R < d ? EVAL_DEFAULT_R : d);
+    *use_grp = 0;
+    switch (method) {
+    case KVCC_EVAL_COMPKV: *use_grp = 1; break;
+    case KVCC_EVAL_COMPKV_NOCOMP: *use_grp = grp != NULL; o->compensate = 0; break;
+    case KVCC_EVAL_COMPKV_MASS: *use_grp = grp != NULL; o->mass_only = 1; break;
+    case KVCC_EVAL_COMPKV_FIRST: *use_grp = grp != NULL; o->first_order = 1; break;
+    case KVCC_EVAL_COMPKV_R1: o->r = 1; break;
+    case KVCC_EVAL_COMPKV_R16: o->r = d < 16 ? d : 16; break;
+    case KVCC_EVAL_COMPKV_RD: o->r = d; break;
+    case KVCC_EVAL_TOPK_MASS: o->mass_only = 1; o->first_order = 1; o->compensate = 0; break;
+    case KVCC_EVAL_QUEST: o->compensate = 0; break;
+    default: break; /* compkv-index: index order, r of the artifact (else 4) */
+    }
+}
+
+/* A state of a decode-time row for layer `layer` with room for cap tokens. */
+static int dec_state(const kvcc_eval_row *row, const row_acc *a, uint32_t layer, uint32_t Hkv, uint32_t d,
+                     int64_t cap, kvrt_compkv **out) {
+    kvrt_compkv_opts o;
+    int use_grp;
+    dec_opts(row->method, a->grp, a->block, d, &o, &use_grp);
+    const kvrt_compkv_grouping *g = use_grp ? a->grp : NULL;
+    return kvrt_compkv_create(&o, Hkv, d, cap, g ? g->perm + (size_t)layer * Hkv * d : NULL,
+                              g ? g->offsets + (size_t)layer * Hkv * (g->r + 1) : NULL, out);
+}
+
+/* One decode step on st (holding tokens [0, len); k [len, Hkv, d] its keys, read by Quest):
+ * out [H, d]; blocks [Hkv, *n_sel] the blocks read exactly. */
+static int dec_step(int method, const kvrt_compkv *st, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
+                    int64_t K, const float *k, int64_t len, uint32_t block, float *out, int32_t *blocks,
+                    int64_t *n_sel) {
+    const int64_t nb = kvrt_compkv_n_blocks(st);
+    const int64_t ke = K < nb ? K : nb;
+    *n_sel = ke;
+    if (method != KVCC_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
+    kvrt_quest *qs = NULL;
+    int s = kvrt_quest_summarize(k, len, Hkv, d, block, &qs);
+    if (!s) s = kvrt_quest_select(qs, q, H, ke, blocks);
+    kvrt_quest_free(qs);
+    if (!s) s = kvrt_compkv_attend_blocks(st, q, H, blocks, ke, out);
+    return s;
+}
+
+/* Bytes one step reads for one layer: exact K/V of the selected tokens + the summaries scored
+ * (CompKV: count, mean key, mean value, r group variances per block; Quest: min and max key). */
+static double dec_step_bytes(int method, int64_t tokens_all_heads, int64_t nb, uint32_t Hkv, uint32_t d, uint32_t r) {
+    const double per_block = method == KVCC_EVAL_QUEST ? 2.0 * d : 2.0 * d + r + 1;
+    return 4.0 * ((double)tokens_all_heads * 2 * d + (double)Hkv * nb * per_block);
+}
+
+/* Layer-local decode-time rows of one (prompt, layer): q, k, v [T, ...] of the corpus (context
+ * [0, C), continuation [C, C + N)), o_full [N, H, d] the exact causal outputs of the continuation
+ * queries. Failures are reported in the rows; returns nonzero only when out of memory. */
+static int dec_layer_local(kvcc_eval_result *r, row_acc *acc, uint32_t layer, const float *q, const float *k,
+                           const float *v, int64_t C, int64_t N, uint32_t H, uint32_t Hkv, uint32_t d,
+                           const float *o_full) {
+    int any = 0;
+    uint32_t block = EVAL_DEFAULT_BLOCK;
+    for (int ri = 0; ri < r->n_rows; ri++)
+        if (KVCC_EVAL_IS_DECODE(r->rows[ri].method) && !r->rows[ri].status) { any = 1; block = acc[ri].block; }
+    if (!any) return 0;
+    const int64_t T = C + N, nbmax = (T + block - 1) / block;
+    const uint32_t G = H / Hkv;
+    const float scale = 1.0f / sqrtf((float)d);
+    /* exact block aggregates per (query i, head h, block b) over the tokens [0, C + i]:
+     * es = sum e^{z - mx}, zb = mean z - mx */
+    double *es = malloc((size_t)N * H * nbmax * sizeof *es), *zb = malloc((size_t)N * H * nbmax * sizeof *zb);
+    float *Z = malloc((size_t)N * T * sizeof *Z), *out = malloc((size_t)H * d * sizeof *out);
+    int32_t *blocks = malloc((size_t)Hkv * nbmax * sizeof *blocks);
+    uint8_t *mark = malloc((size_t)nbmax);
+    double *esum = malloc((size_t)H * sizeof *esum);
+    if (!es || !zb || !Z || !out || !blocks || !mark || !esum) {
+        free(es); free(zb); free(Z); free(out); free(blocks); free(mark); free(esum);
+        return -1;
+    }
+    for (uint32_t h = 0; h < H; h++) {
+        const uint32_t hk = h / G;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)T, (int)d, scale, q + (size_t)C * H * d + h * d,
+                    (int)(H * d), k + (size_t)hk * d, (int)(Hkv * d), 0.0f, Z, (int)T);
+        for (int64_t i = 0; i < N; i++) {
+            const int64_t len = C + i + 1, nb = (len + block - 1) / block;
+            const float *z = Z + (size_t)i * T;
+            float mx = z[0];
+            for (int64_t t = 1; t < len; t++) mx = z[t] > mx ? z[t] : mx;
+            double *e = es + ((size_t)i * H + h) * nbmax, *zm = zb + ((size_t)i * H + h) * nbmax;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t t0 = b * block, t1 = t0 + block < len ? t0 + block : len;
+                double se = 0, sz = 0;
+                for (int64_t t = t0; t < t1; t++) {
+                    se += exp((double)z[t] - mx);
+                    sz += (double)z[t] - mx;
+                }
+                e[b] = se;
+                zm[b] = sz / (double)(t1 - t0);
+            }
+        }
+    }
+    const size_t Kd = (size_t)Hkv * d;
+    int oom = 0;
+    for (int ri = 0; ri < r->n_rows && !oom; ri++) {
+        kvcc_eval_row *row = &r->rows[ri];
+        if (!KVCC_EVAL_IS_DECODE(row->method) || row->status) continue;
+        row_acc *a = &acc[ri];
+        const int64_t K = (int64_t)row->budget;
+        const int comp = row->method != KVCC_EVAL_COMPKV_NOCOMP && row->method != KVCC_EVAL_TOPK_MASS &&
+                         row->method != KVCC_EVAL_QUEST;
+        double t0 = now_s();
+        kvrt_compkv *st = NULL;
+        int s = dec_state(row, a, layer, Hkv, d, T, &st);
+        if (!s) s = kvrt_compkv_append(st, k, v, C);
+        a->sel_s += now_s() - t0;
+        if (s) { row_fail(row, s, "compkv state"); kvrt_compkv_free(st); continue; }
+        const uint32_t rg = kvrt_compkv_groups(st);
+        for (uint32_t h = 0; h < H; h++) esum[h] = 0;
+        for (int64_t i = 0; i < N && !s; i++) {
+            const int64_t len = C + i + 1;
+            int64_t ns = 0;
+            t0 = now_s();
+            s = kvrt_compkv_append(st, k + (size_t)(C + i) * Kd, v + (size_t)(C + i) * Kd, 1);
+            if (!s) s = dec_step(row->method, st, q + (size_t)(C + i) * H * d, H, Hkv, d, K, k, len, block, out, blocks,
+                                 &ns);
+            a->sel_s += now_s() - t0;
+            if (s) break;
+            const int64_t nb = (len + block - 1) / block;
+            int64_t toks = 0;
+            for (uint32_t hk = 0; hk < Hkv; hk++) {
+                memset(mark, 0, (size_t)nb);
+                for (int64_t x = 0; x < ns; x++) {
+                    const int32_t b = blocks[(size_t)hk * ns + x];
+                    if (b < 0 || b >= nb) continue;
+                    mark[b] = 1;
+                    toks += (b + 1) * (int64_t)block <= len ? block : len - (int64_t)b * block;
+                }
+                for (uint32_t g = 0; g < G; g++) {
+                    const uint32_t h = hk * G + g;
+                    const float *x1 = out + (size_t)h * d, *x0 = o_full + ((size_t)i * H + h) * d;
+                    double num = 0, den = 0;
+                    for (uint32_t x = 0; x < d; x++) {
+                        num += ((double)x1[x] - x0[x]) * ((double)x1[x] - x0[x]);
+                        den += (double)x0[x] * x0[x];
+                    }
+                    esum[h] += sqrt(num) / (sqrt(den) + 1e-30);
+                    const double *e = es + ((size_t)i * H + h) * nbmax, *zm = zb + ((size_t)i * H + h) * nbmax;
+                    double tot = 0, sel = 0, cmp = 0;
+                    for (int64_t b = 0; b < nb; b++) {
+                        tot += e[b];
+                        if (mark[b]) sel += e[b];
+                        else if (comp) {
+                            const int64_t cnt = (b + 1) * (int64_t)block <= len ? block : len - b * (int64_t)block;
+                            cmp += (double)cnt * exp(zm[b]);
+                        }
+                    }
+                    a->kl_sum += log(tot) - log(sel + cmp);
+                    a->mass_sum += sel / tot;
+                    a->kl_n++;
+                }
+            }
+            a->kept_sum += (double)toks / Hkv;
+            a->kept_n++;
+            a->dbytes += dec_step_bytes(row->method, toks, nb, Hkv, d, rg);
+            a->dsteps++;
+        }
+        kvrt_compkv_free(st);
+        if (s) { row_fail(row, s, "compkv step"); continue; }
+        for (uint32_t h = 0; h < H && !oom; h++) oom = dvec_push(&a->relerr, esum[h] / (double)N) != 0;
+    }
+    free(es); free(zb); free(Z); free(out); free(blocks); free(mark); free(esum);
+    return oom ? -1 : 0;
+}
+
+/* End to end: the attention hook of one decode-time row. */
+typedef struct {
+    const kvcc_eval_row *row;
+    const row_acc *acc;
+    const kvcc_state *s;
+    kvrt_compkv **st;        /* [L] */
+    uint32_t H, Hkv, d;
+    int32_t *blocks;         /* [Hkv, n_blocks of the longest sequence] */
+    int status;              /* the kvrt status that failed the row */
+    double seconds;
+} dec_hook;
+
+static int dec_hook_fn(void *user, int layer, int pos0, int n, const float *q, const float *k, const float *v,
+                       float *out) {
+    dec_hook *hk = user;
+    const uint32_t H = hk->H, Hkv = hk->Hkv, d = hk->d;
+    const size_t Kd = (size_t)Hkv * d, T_ = (size_t)hk->s->n_ctx;
+    const float *kc = hk->s->k_cache + (size_t)layer * T_ * Kd, *vc = hk->s->v_cache + (size_t)layer * T_ * Kd;
+    const double t0 = now_s();
+    int s = 0;
+    kvrt_compkv *st = hk->st[layer];
+    if (!st || kvrt_compkv_length(st) != pos0) { /* first call, or the sequence was rewound (probes) */
+        kvrt_compkv_free(st);
+        hk->st[layer] = st = NULL;
+        s = dec_state(hk->row, hk->acc, (uint32_t)layer, Hkv, d, hk->s->n_ctx, &st);
+        if (!s && pos0 > 0) s = kvrt_compkv_append(st, kc, vc, pos0);
+        if (s) kvrt_compkv_free(st);
+        else hk->st[layer] = st;
+    }
+    for (int i = 0; i < n && !s; i++) {
+        int64_t ns;
+        s = kvrt_compkv_append(st, k + (size_t)i * Kd, v + (size_t)i * Kd, 1);
+        if (!s) s = dec_step(hk->row->method, st, q + (size_t)i * H * d, H, Hkv, d, (int64_t)hk->row->budget, kc,
+                             pos0 + i + 1, hk->acc->block, out + (size_t)i * H * d, hk->blocks, &ns);
+    }
+    hk->seconds += now_s() - t0;
+    if (s) hk->status = s;
+    return s ? 1 : 0;
 }
 
 // ----------------------------------------------------------------------------
@@ -203,7 +460,7 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
             }
             for (int ri = 0; ri < r->n_rows; ri++) {
                 kvcc_eval_row *row = &r->rows[ri];
-                if (row->status) continue;
+                if (row->status || KVCC_EVAL_IS_DECODE(row->method)) continue;
                 int64_t B;
                 int s = row_budget(row, C, &B);
                 if (s) { row_fail(row, s, "budget"); continue; }
@@ -244,6 +501,10 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
                     }
                     if (dvec_push(&acc[ri].relerr, e_sum / (double)N)) { rc = -1; break; }
                 }
+            }
+            if (!rc && dec_layer_local(r, acc, l, q, k, v, C, N, H, Hkv, d, o_full)) {
+                snprintf(err, errlen, "eval: out of memory (decode-time rows)");
+                rc = -1;
             }
         }
         kvrt_compilerkv_prompt_free(ckv_pr);
@@ -408,6 +669,32 @@ static int eval_e2e(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompts,
         for (int ri = 0; ri < r->n_rows; ri++) {
             kvcc_eval_row *row = &r->rows[ri];
             if (row->status) continue;
+            if (KVCC_EVAL_IS_DECODE(row->method)) { /* through the attention hook from position C */
+                const int64_t nbm = (s->n_ctx + acc[ri].block - 1) / acc[ri].block;
+                kvrt_compkv **sts = calloc((size_t)L, sizeof *sts);
+                int32_t *bl = malloc((size_t)Hkv * nbm * sizeof *bl);
+                dec_hook hk = {.row = row, .acc = &acc[ri], .s = s, .st = sts, .H = (uint32_t)H, .Hkv = (uint32_t)Hkv,
+                               .d = (uint32_t)d, .blocks = bl};
+                double nll = 0;
+                uint64_t nn = 0;
+                int st = (sts && bl) ? kvcc_state_set_attention_hook(s, dec_hook_fn, &hk, C) : KVRT_ERR_NOMEM;
+                if (!st)
+                    st = score_continuation(s, m, rt, NULL, C, T, tok, logits, &nll, &nn, &row->probes, &row->probes_exact,
+                                            &row->probe_tokens, &row->probe_tokens_ok);
+                kvcc_state_set_attention_hook(s, NULL, NULL, 0);
+                for (int l = 0; sts && l < L; l++) kvrt_compkv_free(sts[l]);
+                free(sts);
+                free(bl);
+                if (hk.status) row_fail(row, hk.status, "compkv (end to end)");
+                else if (st == KVRT_ERR_NOMEM) row_fail(row, st, "compkv (end to end)");
+                else if (st) row_fail(row, KVRT_ERR_ARG, "model");
+                else {
+                    acc[ri].nll_sum += nll;
+                    acc[ri].nll_full_sum += nll_full;
+                    acc[ri].nll_n += nn;
+                }
+                continue;
+            }
             int64_t B;
             int st = row_budget(row, C, &B);
             if (st) { row_fail(row, st, "budget"); continue; }
@@ -485,6 +772,11 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
                 snprintf(row->msg, sizeof row->msg, "Attention Matching budgets are target mean ratios in (0, 1), "
                          "got %g", row->budget);
             }
+            if (KVCC_EVAL_IS_DECODE(row->method) && !(row->budget >= 1 && row->budget == floor(row->budget))) {
+                row->status = KVRT_ERR_ARG;
+                snprintf(row->msg, sizeof row->msg, "%s budgets are block counts (integers >= 1), got %g",
+                         kvcc_eval_method_name(row->method), row->budget);
+            }
         }
     kvcc_corpus *c = NULL;
     int rc = kvcc_corpus_open(&c, o->corpus, NULL, err, errlen);
@@ -560,6 +852,44 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
         if (s) { rc = KVCC_EXIT_USAGE; kvrt_compilerkv_tables_free(tb); break; }
         acc[ri].ckv = tb;
     }
+    /* decode-time rows: the compiled CompKV grouping (method compkv; the ablations nocomp, mass
+     * and first use it when --policy carries one, index order otherwise) */
+    kvrt_compkv_grouping *grp = NULL;
+    int any_dec = 0, need_grp = 0;
+    for (int ri = 0; ri < r->n_rows; ri++) {
+        any_dec |= KVCC_EVAL_IS_DECODE(r->rows[ri].method);
+        need_grp |= r->rows[ri].method == KVCC_EVAL_COMPKV;
+    }
+    if (!rc && any_dec && o->policy) {
+        int s = kvrt_compkv_grouping_load(o->policy, m->n_layers, m->n_kv_heads, m->head_dim, &grp);
+        if (s && !(s == KVRT_ERR_UNSUPPORTED && !need_grp)) {
+            snprintf(err, errlen, "--policy %s: %s [%s]", o->policy, kvrt_last_error()->msg, kvrt_status_name(s));
+            rc = KVCC_EXIT_USAGE;
+        }
+    }
+    if (!rc && need_grp && !grp && !o->policy) {
+        snprintf(err, errlen, "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
+                 "(or use compkv-index: the index-order grouping)");
+        rc = KVCC_EXIT_USAGE;
+    }
+    if (!rc && any_dec) {
+        const uint32_t block = grp ? grp->block : EVAL_DEFAULT_BLOCK;
+        for (int ri = 0; ri < r->n_rows; ri++) {
+            acc[ri].grp = grp;
+            acc[ri].block = block;
+        }
+        if (grp) {
+            uint32_t nl = 0;
+            for (uint32_t h = 0; h < grp->n_layers * grp->n_kv_heads; h++) nl += grp->learned[h];
+            snprintf(r->decode_note, sizeof r->decode_note, "blocks of %u tokens, budgets in blocks; compkv, "
+                     "compkv-nocomp/-mass/-first: the compiled grouping (r %u, learned on %u/%u heads); compkv-index: "
+                     "index order (r %u)", block, grp->r, nl, grp->n_layers * grp->n_kv_heads, grp->r);
+        } else {
+            snprintf(r->decode_note, sizeof r->decode_note, "blocks of %u tokens, budgets in blocks; no compiled "
+                     "grouping: compkv-index/-nocomp/-mass/-first use index order (r %u)", block,
+                     EVAL_DEFAULT_R < m->head_dim ? EVAL_DEFAULT_R : m->head_dim);
+        }
+    }
     double t0 = now_s();
     if (!rc) {
         if (o->verbose) kvcc_progress_begin("eval (layer-local)");
@@ -589,6 +919,8 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
         }
         if (a->kept_n) row->kept_mean = a->kept_sum / (double)a->kept_n;
         row->bytes_mean = a->bytes_sum / n_prompts;
+        if (KVCC_EVAL_IS_DECODE(row->method))
+            row->bytes_mean = a->dsteps ? a->dbytes / (double)a->dsteps * m->n_layers : 0;
         row->select_ms = 1e3 * a->sel_s / n_prompts;
         if (a->nll_n) {
             row->have_e2e = 1;
@@ -603,6 +935,7 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
             kvrt_compilerkv_tables_free(acc[ri].ckv);
         }
     free(acc);
+    kvrt_compkv_grouping_free(grp);
     kvrt_ctx_free(rt);
     kvcc_corpus_close(c);
     if (rc && !err[0]) snprintf(err, errlen, "eval: out of memory");

@@ -22,7 +22,22 @@
 #define KVCC_EVAL_COMPILERKV 200      /* compilerkv: the compiled W_head / T_gate tables (--policy) */
 #define KVCC_EVAL_COMPILERKV_FLAT 201 /* compilerkv-flat: same pipeline, all head weights 1.0, tau 0.8 */
 #define KVCC_EVAL_IS_CKV(m) ((m) == KVCC_EVAL_COMPILERKV || (m) == KVCC_EVAL_COMPILERKV_FLAT)
-/* kvrt_method_name, plus "am", "am-uniform", "am-omp". */
+/* Decode-time rows (CompKV, ALGORITHMS.md section 3; Quest): every continuation token attends
+ * through a kvrt_compkv state of the whole sequence, reading `budget` blocks exactly (budgets are
+ * block counts, integers >= 1; a block is the artifact's --compkv-block, default 16 tokens). */
+#define KVCC_EVAL_COMPKV 300        /* compkv: the compiled grouping of --policy (r from it) */
+#define KVCC_EVAL_COMPKV_INDEX 301  /* compkv-index: index-order grouping (r of --policy, else 4) */
+#define KVCC_EVAL_COMPKV_NOCOMP 302 /* compkv-nocomp: as compkv, no mean compensation */
+#define KVCC_EVAL_COMPKV_MASS 303   /* compkv-mass: as compkv, S_b = second-order mass only */
+#define KVCC_EVAL_COMPKV_FIRST 304  /* compkv-first: as compkv, first-order mass (no s2/2) */
+#define KVCC_EVAL_COMPKV_R1 305     /* compkv-r1: index order, r = 1 */
+#define KVCC_EVAL_COMPKV_R16 306    /* compkv-r16: index order, r = 16 */
+#define KVCC_EVAL_COMPKV_RD 307     /* compkv-rd: r = d (per-coordinate variances) */
+#define KVCC_EVAL_TOPK_MASS 308     /* topk-mass: top-K first-order block mass, no compensation */
+#define KVCC_EVAL_QUEST 309         /* quest: Quest pages (= blocks), selected tokens only */
+#define KVCC_EVAL_IS_DECODE(m) ((m) >= KVCC_EVAL_COMPKV && (m) <= KVCC_EVAL_QUEST)
+/* kvrt_method_name, plus "am", "am-uniform", "am-omp", "compilerkv", "ckv-flat", the decode-time
+ * names above. */
 const char *kvcc_eval_method_name(int method);
 
 typedef struct {
@@ -32,9 +47,13 @@ typedef struct {
     double relerr_mean, relerr_p95; /* over (prompt, layer, query head) units */
     double kl_mean;        /* mean over (prompt, layer, continuation query, head) of KL(p_comp || p_full) */
     double mass_mean;      /* retained attention mass, same averaging */
-    double kept_mean;      /* entries kept per KV head per layer (mean) */
-    double bytes_mean;     /* compressed-cache bytes per prompt, all layers */
-    double select_ms;      /* selection + gather time per prompt, all layers */
+    double kept_mean;      /* entries kept per KV head per layer (mean); decode-time rows: tokens
+                            * read exactly per KV head, layer and step */
+    double bytes_mean;     /* compressed-cache bytes per prompt, all layers; decode-time rows:
+                            * bytes read per decode step, all layers (exact K/V of the selected
+                            * tokens + the block summaries scored) */
+    double select_ms;      /* selection + gather time per prompt, all layers; decode-time rows:
+                            * state build + every step (score, select, attend) per prompt */
     /* end to end (with a model) */
     int have_e2e;
     double nll, nll_full;  /* mean continuation NLL per token: compressed / full cache */
@@ -47,7 +66,8 @@ typedef struct {
 typedef struct {
     const char *corpus;
     const char *gguf;        /* NULL: layer-local only */
-    const char *policy;      /* --policy artifact: the AM schedule of method am (else NULL) */
+    const char *policy;      /* --policy artifact: the AM schedule of method am, the CompilerKV
+                              * tables, the CompKV grouping (else NULL) */
     const int *methods;      /* kvrt_method values */
     int n_methods;
     const double *budgets;
@@ -65,6 +85,7 @@ typedef struct {
     double full_bytes_mean;  /* the uncompressed context cache (f32), per prompt */
     char model_name[64];
     double seconds_local, seconds_e2e;
+    char decode_note[192];   /* decode-time rows: the block size and the groupings used */
 } kvcc_eval_result;
 
 /* Runs everything; returns 0, or a nonzero status with a message naming the file and field.

@@ -185,6 +185,8 @@ static const kvpol_known_section KNOWN[] = {
     {KVPOL_SECTION_ID(KVPOL_GROUP_AM, 1), 1, "am.schedule"}, /* = KVRT_AM_SEC_SCHEDULE */
     {KVPOL_SECTION_ID(KVPOL_GROUP_AM, 2), 1, "am.curves"},   /* = KVRT_AM_SEC_CURVES */
     /* group 3: CompKV */
+    {KVPOL_SECTION_ID(KVPOL_GROUP_COMPKV, 1), 1, "compkv.groupings"},   /* = KVRT_COMPKV_SEC_GROUPINGS */
+    {KVPOL_SECTION_ID(KVPOL_GROUP_COMPKV, 2), 1, "compkv.calibration"}, /* = KVRT_COMPKV_SEC_CALIBRATION */
 };
 
 const kvpol_known_section *kvpol_known_sections(size_t *count) {

@@ -8,10 +8,12 @@
 /* (declare each pass here and list it below) */
 extern const kvcc_pass kvcc_pass_compilerkv;
 extern const kvcc_pass kvcc_pass_am;
+extern const kvcc_pass kvcc_pass_compkv;
 
 const kvcc_pass *const kvcc_passes[] = {
     &kvcc_pass_compilerkv,
     &kvcc_pass_am,
+    &kvcc_pass_compkv,
     NULL,
 };
 

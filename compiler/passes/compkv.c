@@ -1,0 +1,626 @@
+/*
+ * compkv.c: the CompKV pass of `kvcc compile --policies compkv` (ALGORITHMS.md section 3,
+ * "Offline (kvcc compile): variance groupings"). Per (layer, KV head): the partition of the d
+ * key coordinates into r groups (--compkv-r) that makes the runtime's estimated within-block
+ * logit variance s2hat track the true one on the calibration corpus, kept only where it beats
+ * index-order grouping. Writes sections compkv.groupings (critical: what
+ * kvrt_compkv_grouping_load and kvcc eval's compkv rows read) and compkv.calibration (errors and
+ * block-selection agreement), and summarizes them for `kvcc inspect`.
+ * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c); the
+ * tests (kvcc_compkv_search, kvcc_compkv_error: passes.h).
+ *
+ * defines: kvcc_pass_compkv, kvcc_compkv_search, kvcc_compkv_error, kvcc_compkv_index_grouping
+ *
+ * Samples: for every prompt, the context [0, C) is appended to a runtime state (kvrt_compkv with
+ * r = d and the identity grouping, blocks of --compkv-block tokens), whose summaries are the
+ * per-coordinate within-block key variances var[b, i]. The queries g are the continuation
+ * queries at `npos` evenly spaced positions of [C, T) (the G query heads of the KV head), each
+ * over the context only: true mass p[g, b] = sum_{j in b} softmax_j(q_g . k_j * scale) and true
+ * within-block logit variance sigma2[g, b] = Var_{j in b}(q_g . k_j * scale) (population), exact
+ * in double. npos is the largest count that keeps the samples of a head at or below
+ * CK_MAX_SAMPLES (at least 1), so the pass stays fast on any corpus.
+ * Objective of a grouping: E = sum_{g,b} p (s2hat - sigma2)^2 / sum p, with the runtime's
+ * s2hat = scale^2 sum_t (sum_{i in G_t} q_i^2) mean_{i in G_t} var[b, i].
+ * Search: coordinates sorted by mean within-block variance (ties: lower index); the contiguous
+ * partition of that order into r groups by dynamic programming over the separable surrogate
+ * sum_t sum_s p_s e_t(s)^2, e_t = scale^2 (Q_t V_t / |G_t| - W_t) (each group's error against
+ * the diagonal variance sum_{i in G_t} q_i^2 var_i; Q, V, W prefix sums of q^2, var, q^2 var in
+ * the sorted order, so each candidate group costs O(1) per sample). The exact E is then
+ * evaluated for the DP result and for index order (offsets floor(t d / r)); the learned grouping
+ * is kept when its E is lower by more than float noise (1e-9 relative and 1e-12 of the mean
+ * squared sigma2), otherwise the head stores index order.
+ * Agreement: per sampled query position and KV head, the blocks the runtime selects
+ * (kvrt_compkv_scores + kvrt_compkv_select, forced sink and recent blocks included) at a budget
+ * of K = min(16, smallest context's blocks / 2) blocks, with the learned (DP) and the index
+ * grouping, against the selection from the exact score S_b = sum_g p[g, b] sigma2[g, b]
+ * (kvrt_compkv_select on those scores): |common| / K, averaged.
+ * Determinism: no random step (the seed is unused); parallel loops write disjoint slots and
+ * every sum runs in a fixed order, so the artifact does not depend on the thread count.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "corpus.h"
+#include "kvcc.h"
+#include "kvpol.h"
+#include "kvrt.h"
+#include "passes.h"
+
+#define CK_MAX_SAMPLES 6144 /* (query, block) samples per (layer, KV head) */
+#define CK_AGREE_BLOCKS 16  /* budget (blocks) of the agreement measure */
+
+static double ck_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// ----------------------------------------------------------------------------
+// the grouping search
+
+void kvcc_compkv_index_grouping(uint32_t d, uint32_t r, uint16_t *perm, uint16_t *offsets) {
+    for (uint32_t i = 0; i < d; i++) perm[i] = (uint16_t)i;
+    for (uint32_t t = 0; t <= r; t++) offsets[t] = (uint16_t)((uint64_t)t * d / r);
+}
+
+double kvcc_compkv_error(const kvcc_compkv_samples *s, uint32_t r, const uint16_t *perm, const uint16_t *offsets) {
+    const uint32_t d = s->d;
+    const double sc2 = s->scale * s->scale;
+    double num = 0, den = 0;
+    for (int64_t n = 0; n < s->n; n++) {
+        const float *q2 = s->q2 + (size_t)n * d, *vr = s->var + (size_t)n * d;
+        double est = 0;
+        for (uint32_t t = 0; t < r; t++) {
+            double sq = 0, sv = 0;
+            for (uint32_t k = offsets[t]; k < offsets[t + 1]; k++) {
+                sq += q2[perm[k]];
+                sv += vr[perm[k]];
+            }
+            est += sq * sv / (double)(offsets[t + 1] - offsets[t]);
+        }
+        const double e = sc2 * est - s->sigma2[n];
+        num += s->p[n] * e * e;
+        den += s->p[n];
+    }
+    return den > 0 ? num / den : 0.0;
+}
+
+int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm, uint16_t *offsets,
+                       kvcc_compkv_fit *fit) {
+    const uint32_t d = s ? s->d : 0;
+    if (!s || !perm || !offsets || !fit || d < 1 || d > 65535 || r < 1 || r > d || s->n < 1) return -1;
+    const int64_t n = s->n;
+    const size_t D1 = (size_t)d + 1;
+    double *key = calloc(d, sizeof *key);
+    double *Q = malloc(D1 * (size_t)n * sizeof *Q), *V = malloc(D1 * (size_t)n * sizeof *V),
+           *W = malloc(D1 * (size_t)n * sizeof *W);
+    double *cost = malloc(D1 * D1 * sizeof *cost), *F = malloc(((size_t)r + 1) * D1 * sizeof *F);
+    int *arg = malloc(((size_t)r + 1) * D1 * sizeof *arg);
+    uint16_t *ip = malloc((size_t)d * sizeof *ip), *io = malloc(((size_t)r + 1) * sizeof *io);
+    int rc = 0;
+    if (!key || !Q || !V || !W || !cost || !F || !arg || !ip || !io) rc = -1;
+    if (!rc) {
+        /* sort coordinates by mean within-block variance (ascending; ties: lower index) */
+        for (int64_t j = 0; j < n; j++)
+            for (uint32_t i = 0; i < d; i++) key[i] += s->var[(size_t)j * d + i];
+        for (uint32_t i = 0; i < d; i++) perm[i] = (uint16_t)i;
+        for (uint32_t i = 1; i < d; i++)
+            for (uint32_t j = i; j > 0 && key[perm[j]] < key[perm[j - 1]]; j--) {
+                uint16_t t = perm[j];
+                perm[j] = perm[j - 1];
+                perm[j - 1] = t;
+            }
+        /* prefix sums along the sorted order, laid out [k][sample] */
+        for (int64_t j = 0; j < n; j++) Q[j] = V[j] = W[j] = 0;
+        for (uint32_t k = 0; k < d; k++) {
+            const uint32_t c = perm[k];
+            double *q1 = Q + (size_t)(k + 1) * n, *v1 = V + (size_t)(k + 1) * n, *w1 = W + (size_t)(k + 1) * n;
+            const double *q0 = Q + (size_t)k * n, *v0 = V + (size_t)k * n, *w0 = W + (size_t)k * n;
+            for (int64_t j = 0; j < n; j++) {
+                const double a = s->q2[(size_t)j * d + c], b = s->var[(size_t)j * d + c];
+                q1[j] = q0[j] + a;
+                v1[j] = v0[j] + b;
+                w1[j] = w0[j] + a * b;
+            }
+        }
+        /* cost of every contiguous group [a, c) of the sorted order (each entry in a fixed order) */
+        const double sc2 = s->scale * s->scale;
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t a = 0; a < (int64_t)d; a++) {
+            for (uint32_t c = (uint32_t)a + 1; c <= d; c++) {
+                const double inv = 1.0 / (double)(c - (uint32_t)a);
+                const double *qa = Q + (size_t)a * n, *va = V + (size_t)a * n, *wa = W + (size_t)a * n;
+                const double *qc = Q + (size_t)c * n, *vc = V + (size_t)c * n, *wc = W + (size_t)c * n;
+                double acc = 0;
+                for (int64_t j = 0; j < n; j++) {
+                    const double e = sc2 * ((qc[j] - qa[j]) * (vc[j] - va[j]) * inv - (wc[j] - wa[j]));
+                    acc += s->p[j] * e * e;
+                }
+                cost[(size_t)a * D1 + c] = acc;
+            }
+        }
+        /* F[t][c]: best t groups covering [0, c) */
+        for (size_t i = 0; i < ((size_t)r + 1) * D1; i++) { F[i] = INFINITY; arg[i] = -1; }
+        F[0] = 0;
+        for (uint32_t t = 1; t <= r; t++)
+            for (uint32_t c = t; c <= d; c++)
+                for (uint32_t a = t - 1; a < c; a++) {
+                    const double prev = F[(size_t)(t - 1) * D1 + a];
+                    if (!isfinite(prev)) continue;
+                    const double v = prev + cost[(size_t)a * D1 + c];
+                    if (v < F[(size_t)t * D1 + c]) {
+                        F[(size_t)t * D1 + c] = v;
+                        arg[(size_t)t * D1 + c] = (int)a;
+                    }
+                }
+        uint32_t c = d;
+        offsets[r] = (uint16_t)d;
+        for (uint32_t t = r; t >= 1; t--) {
+            int a = arg[(size_t)t * D1 + c];
+            if (a < 0) { rc = -1; break; } /* non-finite costs */
+            offsets[t - 1] = (uint16_t)a;
+            c = (uint32_t)a;
+        }
+        if (!rc && offsets[0] != 0) rc = -1;
+    }
+    if (!rc) {
+        kvcc_compkv_index_grouping(d, r, ip, io);
+        fit->err_learned = kvcc_compkv_error(s, r, perm, offsets);
+        fit->err_index = kvcc_compkv_error(s, r, ip, io);
+        /* a win must exceed float noise: 1e-9 relative, and 1e-12 of the squared target scale
+         * (exact ties, e.g. r = d or equal variances, differ only by rounding) */
+        double t2 = 0, tp = 0;
+        for (int64_t j = 0; j < n; j++) {
+            t2 += s->p[j] * s->sigma2[j] * s->sigma2[j];
+            tp += s->p[j];
+        }
+        const double floor_ = 1e-300 + 1e-12 * (tp > 0 ? t2 / tp : 0);
+        fit->learned = fit->err_learned + floor_ < fit->err_index * (1.0 - 1e-9);
+        if (!isfinite(fit->err_learned) || !isfinite(fit->err_index)) rc = -1;
+    }
+    free(key); free(Q); free(V); free(W); free(cost); free(F); free(arg); free(ip); free(io);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// run
+
+/* Exact logits of one query over the context keys of KV head hk: p[b] (mass), s2[b] (within-block
+ * logit variance), both over blocks of B tokens of [0, C). z: scratch [C]. */
+static void exact_blocks(const float *qv, const float *k, int64_t C, uint32_t Hkv, uint32_t d, uint32_t hk,
+                         uint32_t B, double scale, double *z, double *p, double *s2) {
+    double mx = -INFINITY;
+    for (int64_t t = 0; t < C; t++) {
+        const float *kt = k + ((size_t)t * Hkv + hk) * d;
+        double a = 0;
+        for (uint32_t i = 0; i < d; i++) a += (double)qv[i] * kt[i];
+        z[t] = a * scale;
+        if (z[t] > mx) mx = z[t];
+    }
+    double Z = 0;
+    for (int64_t t = 0; t < C; t++) Z += exp(z[t] - mx);
+    const int64_t nb = (C + B - 1) / B;
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t t0 = b * B, t1 = t0 + B < C ? t0 + B : C;
+        double m = 0, e = 0, v = 0;
+        for (int64_t t = t0; t < t1; t++) { m += z[t]; e += exp(z[t] - mx); }
+        m /= (double)(t1 - t0);
+        for (int64_t t = t0; t < t1; t++) v += (z[t] - m) * (z[t] - m);
+        p[b] = e / Z;
+        s2[b] = v / (double)(t1 - t0);
+    }
+}
+
+/* A runtime state of layer data k, v (context [0, C)) with the given groupings [Hkv, d] /
+ * [Hkv, r + 1]. */
+static int make_state(uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d, int64_t C, const uint16_t *perm,
+                      const uint16_t *off, const float *k, const float *v, kvrt_compkv **out) {
+    kvrt_compkv_opts o;
+    kvrt_compkv_opts_init(&o);
+    o.block = B;
+    o.r = r;
+    o.scale = scale;
+    int s = kvrt_compkv_create(&o, Hkv, d, C, perm, off, out);
+    if (!s) s = kvrt_compkv_append(*out, k, v, C);
+    if (s) { kvrt_compkv_free(*out); *out = NULL; }
+    return s;
+}
+
+static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
+    const double t_start = ck_now();
+    kvcc_corpus *c = cx->corpus;
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
+    const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim, G = H / Hkv;
+    const uint32_t r = cx->compkv_r, B = cx->compkv_block;
+    if (r < 1 || r > d) {
+        snprintf(err, errlen, "--compkv-r: %u groups for head dim %u; expected 1..%u", r, d, d);
+        return KVCC_EXIT_USAGE;
+    }
+    if (B < 2) {
+        snprintf(err, errlen, "--compkv-block: %u; expected >= 2 tokens (within-block variances need two)", B);
+        return KVCC_EXIT_USAGE;
+    }
+    if (d > 65535) {
+        snprintf(err, errlen, "compkv: head dim %u does not fit the u16 permutation (at most 65535)", d);
+        return KVCC_EXIT_USAGE;
+    }
+    uint32_t n_prompts = kvcc_corpus_get_info(c)->n_prompts;
+    if (cx->max_prompts && cx->max_prompts < n_prompts) n_prompts = cx->max_prompts;
+    if (n_prompts == 0) {
+        snprintf(err, errlen, "%s: the corpus holds no prompts", cx->corpus_path);
+        return KVCC_EXIT_USAGE;
+    }
+    const double scale = 1.0 / sqrt((double)d);
+    /* shapes of every prompt: context blocks, continuation length */
+    int64_t *Cp = calloc(n_prompts, sizeof *Cp), *Tp = calloc(n_prompts, sizeof *Tp), *nbp = calloc(n_prompts, sizeof *nbp);
+    int64_t *base = calloc((size_t)n_prompts + 1, sizeof *base);
+    if (!Cp || !Tp || !nbp || !base) {
+        free(Cp); free(Tp); free(nbp); free(base);
+        snprintf(err, errlen, "compkv: out of memory");
+        return KVCC_EXIT_FAILED;
+    }
+    int rc = 0;
+    int64_t sum_nb = 0, min_nb = INT64_MAX, min_N = INT64_MAX, max_T = 0;
+    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+        kvcc_corpus_prompt_info info;
+        if (kvcc_corpus_prompt(c, p, &info, NULL, NULL) != 0) {
+            snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+            rc = KVCC_EXIT_FAILED;
+            break;
+        }
+        const int64_t C = info.context_len, N = info.continuation_len;
+        if (N < 1 || C < (int64_t)B) {
+            snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; the compkv pass needs "
+                     "at least one block of --compkv-block %u context tokens and one continuation query",
+                     cx->corpus_path, p, (long long)C, (long long)N, B);
+            rc = KVCC_EXIT_USAGE;
+            break;
+        }
+        Cp[p] = C;
+        Tp[p] = info.n_tokens;
+        nbp[p] = (C + B - 1) / B;
+        sum_nb += nbp[p];
+        if (nbp[p] < min_nb) min_nb = nbp[p];
+        if (N < min_N) min_N = N;
+        if (Tp[p] > max_T) max_T = Tp[p];
+    }
+    /* query positions per prompt and the sample layout of a head: prompt p's samples start at
+     * base[p]; sample ((j * G + g) * nb + b) within the prompt */
+    int64_t npos = 1;
+    if (!rc) {
+        npos = CK_MAX_SAMPLES / ((int64_t)G * sum_nb);
+        if (npos < 1) npos = 1;
+        if (npos > min_N) npos = min_N;
+        for (uint32_t p = 0; p < n_prompts; p++) base[p + 1] = base[p] + npos * G * nbp[p];
+    }
+    const int64_t ns = base[n_prompts];
+    int64_t K = min_nb / 2 < CK_AGREE_BLOCKS ? min_nb / 2 : CK_AGREE_BLOCKS;
+    if (K < 1) K = 1;
+    const size_t nh = (size_t)L * Hkv;
+    float *q = NULL, *k = NULL, *v = NULL;
+    double *sp = NULL, *ss2 = NULL, *zbuf = NULL;
+    float *sq2 = NULL, *svar = NULL, *sc_i = NULL, *sc_l = NULL, *sc_x = NULL;
+    uint16_t *perm_st = NULL, *off_st = NULL, *perm_dp = NULL, *off_dp = NULL, *perm_ix = NULL, *off_ix = NULL,
+             *perm_id = NULL, *off_id = NULL;
+    uint8_t *learned = NULL;
+    double *err_l = NULL, *err_i = NULL;
+    float *agr_l = NULL, *agr_i = NULL;
+    int32_t *bl_i = NULL, *bl_l = NULL, *bl_x = NULL;
+    const int64_t max_nb = (max_T + B - 1) / B;
+    if (!rc) {
+        q = malloc((size_t)max_T * H * d * sizeof *q);
+        k = malloc((size_t)max_T * Hkv * d * sizeof *k);
+        v = malloc((size_t)max_T * Hkv * d * sizeof *v);
+        sp = malloc((size_t)Hkv * ns * sizeof *sp);
+        ss2 = malloc((size_t)Hkv * ns * sizeof *ss2);
+        sq2 = malloc((size_t)Hkv * ns * d * sizeof *sq2);
+        svar = malloc((size_t)Hkv * ns * d * sizeof *svar);
+        zbuf = malloc((size_t)npos * G * max_T * sizeof *zbuf);
+        sc_i = malloc((size_t)Hkv * max_nb * sizeof *sc_i);
+        sc_l = malloc((size_t)Hkv * max_nb * sizeof *sc_l);
+        sc_x = malloc((size_t)Hkv * max_nb * sizeof *sc_x);
+        bl_i = malloc((size_t)Hkv * K * sizeof *bl_i);
+        bl_l = malloc((size_t)Hkv * K * sizeof *bl_l);
+        bl_x = malloc((size_t)Hkv * K * sizeof *bl_x);
+        perm_st = malloc(nh * d * sizeof *perm_st);
+        off_st = malloc(nh * (r + 1) * sizeof *off_st);
+        perm_dp = malloc((size_t)Hkv * d * sizeof *perm_dp);
+        off_dp = malloc((size_t)Hkv * (r + 1) * sizeof *off_dp);
+        perm_ix = malloc((size_t)Hkv * d * sizeof *perm_ix);
+        off_ix = malloc((size_t)Hkv * (r + 1) * sizeof *off_ix);
+        perm_id = malloc((size_t)Hkv * d * sizeof *perm_id);
+        off_id = malloc((size_t)Hkv * (d + 1) * sizeof *off_id);
+        learned = malloc(nh);
+        err_l = malloc(nh * sizeof *err_l);
+        err_i = malloc(nh * sizeof *err_i);
+        agr_l = calloc(nh, sizeof *agr_l);
+        agr_i = calloc(nh, sizeof *agr_i);
+        if (!q || !k || !v || !sp || !ss2 || !sq2 || !svar || !zbuf || !sc_i || !sc_l || !sc_x || !bl_i ||
+            !bl_l || !bl_x || !perm_st || !off_st || !perm_dp || !off_dp || !perm_ix || !off_ix || !perm_id ||
+            !off_id || !learned || !err_l || !err_i || !agr_l || !agr_i) {
+            snprintf(err, errlen, "compkv: out of memory (%lld samples per head)", (long long)ns);
+            rc = KVCC_EXIT_FAILED;
+        }
+    }
+    if (!rc)
+        for (uint32_t h = 0; h < Hkv; h++) {
+            kvcc_compkv_index_grouping(d, r, perm_ix + (size_t)h * d, off_ix + (size_t)h * (r + 1));
+            kvcc_compkv_index_grouping(d, d, perm_id + (size_t)h * d, off_id + (size_t)h * (d + 1));
+        }
+    for (uint32_t l = 0; l < L && !rc; l++) {
+        /* 1. samples from every prompt */
+        for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+            const int64_t C = Cp[p], N = Tp[p] - Cp[p], nb = nbp[p];
+            if (kvcc_corpus_read_layer(c, p, l, q, k, v) != 0) {
+                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+            kvrt_compkv *st = NULL;
+            int s = make_state(B, d, (float)scale, Hkv, d, C, perm_id, off_id, k, v, &st);
+            for (uint32_t hk = 0; hk < Hkv && !s; hk++) {
+                const float *gv = NULL;
+                s = kvrt_compkv_summaries(st, hk, NULL, NULL, &gv, NULL);
+                if (s) break;
+                const int64_t nq = npos * G;
+                double *hp = sp + (size_t)hk * ns + base[p], *hs = ss2 + (size_t)hk * ns + base[p];
+                float *hq = sq2 + ((size_t)hk * ns + base[p]) * d, *hv = svar + ((size_t)hk * ns + base[p]) * d;
+#pragma omp parallel for schedule(static)
+                for (int64_t jg = 0; jg < nq; jg++) {
+                    const int64_t j = jg / G, g = jg % G;
+                    const int64_t pos = C + (2 * j + 1) * N / (2 * npos);
+                    const float *qv = q + ((size_t)pos * H + hk * G + (uint32_t)g) * d;
+                    double *z = zbuf + (size_t)jg * max_T;
+                    double *pb = hp + jg * nb, *sb = hs + jg * nb;
+                    exact_blocks(qv, k, C, Hkv, d, hk, B, scale, z, pb, sb);
+                    for (int64_t b = 0; b < nb; b++) {
+                        float *q2 = hq + ((size_t)jg * nb + b) * d, *vr = hv + ((size_t)jg * nb + b) * d;
+                        for (uint32_t i = 0; i < d; i++) {
+                            q2[i] = qv[i] * qv[i];
+                            vr[i] = gv[(size_t)b * d + i];
+                        }
+                    }
+                }
+            }
+            kvrt_compkv_free(st);
+            if (s) {
+                snprintf(err, errlen, "compkv: layer %u, prompt %u: block summaries: %s (%s)", l, p, kvrt_status_str(s),
+                         kvrt_last_error()->msg);
+                rc = KVCC_EXIT_FAILED;
+            }
+        }
+        /* 2. the search, per KV head */
+        for (uint32_t hk = 0; hk < Hkv && !rc; hk++) {
+            kvcc_compkv_samples smp = {.n = ns, .d = d, .scale = scale, .p = sp + (size_t)hk * ns,
+                                       .sigma2 = ss2 + (size_t)hk * ns, .q2 = sq2 + (size_t)hk * ns * d,
+                                       .var = svar + (size_t)hk * ns * d};
+            kvcc_compkv_fit fit;
+            uint16_t *pd = perm_dp + (size_t)hk * d, *od = off_dp + (size_t)hk * (r + 1);
+            if (kvcc_compkv_search(&smp, r, pd, od, &fit) != 0) {
+                snprintf(err, errlen, "compkv: layer %u KV head %u: the grouping search failed (out of memory or "
+                         "non-finite calibration data)", l, hk);
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+            const size_t at = (size_t)l * Hkv + hk;
+            learned[at] = (uint8_t)fit.learned;
+            err_l[at] = fit.err_learned;
+            err_i[at] = fit.err_index;
+            memcpy(perm_st + at * d, fit.learned ? pd : perm_ix + (size_t)hk * d, d * sizeof *perm_st);
+            memcpy(off_st + at * (r + 1), fit.learned ? od : off_ix + (size_t)hk * (r + 1), (r + 1) * sizeof *off_st);
+        }
+        /* 3. block-selection agreement with the exact score, learned (DP) vs index grouping */
+        double agl[64] = {0}, agi[64] = {0};
+        double *al = Hkv <= 64 ? agl : calloc(Hkv, sizeof *al), *ai = Hkv <= 64 ? agi : calloc(Hkv, sizeof *ai);
+        int64_t n_agree = 0;
+        if (!rc && (!al || !ai)) { snprintf(err, errlen, "compkv: out of memory"); rc = KVCC_EXIT_FAILED; }
+        for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+            const int64_t C = Cp[p], N = Tp[p] - Cp[p], nb = nbp[p];
+            if (kvcc_corpus_read_layer(c, p, l, q, k, v) != 0) {
+                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+            kvrt_compkv *si = NULL, *sl = NULL;
+            int s = make_state(B, r, (float)scale, Hkv, d, C, perm_ix, off_ix, k, v, &si);
+            if (!s) s = make_state(B, r, (float)scale, Hkv, d, C, perm_dp, off_dp, k, v, &sl);
+            const int64_t Ke = K < nb ? K : nb;
+            for (int64_t j = 0; j < npos && !s; j++) {
+                const int64_t pos = C + (2 * j + 1) * N / (2 * npos);
+                const float *qv = q + (size_t)pos * H * d;
+                for (uint32_t hk = 0; hk < Hkv; hk++)
+                    for (int64_t b = 0; b < nb; b++) {
+                        double a = 0;
+                        for (uint32_t g = 0; g < G; g++) {
+                            const size_t at = (size_t)hk * ns + base[p] + (size_t)(j * G + g) * nb + b;
+                            a += sp[at] * ss2[at];
+                        }
+                        sc_x[(size_t)hk * nb + b] = (float)a;
+                    }
+                s = kvrt_compkv_scores(si, qv, H, sc_i);
+                if (!s) s = kvrt_compkv_scores(sl, qv, H, sc_l);
+                if (!s) s = kvrt_compkv_select(si, sc_x, K, bl_x);
+                if (!s) s = kvrt_compkv_select(si, sc_i, K, bl_i);
+                if (!s) s = kvrt_compkv_select(sl, sc_l, K, bl_l);
+                if (s) break;
+                for (uint32_t hk = 0; hk < Hkv; hk++) {
+                    const int32_t *x = bl_x + (size_t)hk * Ke, *bi = bl_i + (size_t)hk * Ke, *bl = bl_l + (size_t)hk * Ke;
+                    int64_t ci = 0, cl = 0;
+                    for (int64_t a = 0; a < Ke; a++)
+                        for (int64_t b = 0; b < Ke; b++) {
+                            ci += bi[a] == x[b];
+                            cl += bl[a] == x[b];
+                        }
+                    ai[hk] += (double)ci / (double)Ke;
+                    al[hk] += (double)cl / (double)Ke;
+                }
+                n_agree++;
+            }
+            kvrt_compkv_free(si);
+            kvrt_compkv_free(sl);
+            if (s) {
+                snprintf(err, errlen, "compkv: layer %u, prompt %u: scoring: %s (%s)", l, p, kvrt_status_str(s),
+                         kvrt_last_error()->msg);
+                rc = KVCC_EXIT_FAILED;
+            }
+        }
+        for (uint32_t hk = 0; hk < Hkv && !rc; hk++) {
+            agr_l[(size_t)l * Hkv + hk] = (float)(al[hk] / (double)(n_agree ? n_agree : 1));
+            agr_i[(size_t)l * Hkv + hk] = (float)(ai[hk] / (double)(n_agree ? n_agree : 1));
+        }
+        if (al != agl) free(al);
+        if (ai != agi) free(ai);
+        if (cx->progress) kvcc_progress(l + 1, L);
+    }
+    if (!rc) {
+        const uint64_t dp[3] = {L, Hkv, d}, dof[3] = {L, Hkv, (uint64_t)r + 1}, dh[2] = {L, Hkv};
+        int k2 = kvpol_writer_begin_section(w, KVRT_COMPKV_SEC_GROUPINGS, "compkv.groupings", KVPOL_SECTION_CRITICAL,
+                                            KVPOL_CODEC_ZSTD, 1);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "perm", KVPOL_DTYPE_U16, 3, dp, perm_st);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "offsets", KVPOL_DTYPE_U16, 3, dof, off_st);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "learned", KVPOL_DTYPE_U8, 2, dh, learned);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "r", r);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "block", B);
+        if (!k2) k2 = kvpol_writer_add_f64(w, "scale", scale);
+        if (!k2) k2 = kvpol_writer_end_section(w);
+        if (!k2) k2 = kvpol_writer_begin_section(w, KVRT_COMPKV_SEC_CALIBRATION, "compkv.calibration", 0,
+                                                 KVPOL_CODEC_ZSTD, 1);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "err_learned", KVPOL_DTYPE_F64, 2, dh, err_l);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "err_index", KVPOL_DTYPE_F64, 2, dh, err_i);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "agree_learned", KVPOL_DTYPE_F32, 2, dh, agr_l);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "agree_index", KVPOL_DTYPE_F32, 2, dh, agr_i);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "agree_blocks", K);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "prompts", n_prompts);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "samples", ns);
+        if (!k2) k2 = kvpol_writer_end_section(w);
+        if (k2) {
+            snprintf(err, errlen, "compkv: writing the sections: %s", kvpol_status_str(k2));
+            rc = KVCC_EXIT_FAILED;
+        }
+    }
+    if (!rc && cx->progress) {
+        uint32_t nl = 0;
+        double ml = 0, mi = 0, mk = 0, al = 0, ai = 0, ak = 0;
+        for (size_t h = 0; h < nh; h++) {
+            nl += learned[h];
+            ml += err_l[h] / (double)nh;
+            mi += err_i[h] / (double)nh;
+            mk += (learned[h] ? err_l[h] : err_i[h]) / (double)nh;
+            al += agr_l[h] / (double)nh;
+            ai += agr_i[h] / (double)nh;
+            ak += (learned[h] ? agr_l[h] : agr_i[h]) / (double)nh;
+        }
+        fprintf(stderr, "kvcc compile: compkv: r %u, block %u, %u prompts, %lld samples per head (%lld query positions "
+                "per prompt); learned grouping beats index order on %u/%zu heads; mean error learned %.4g, index %.4g, "
+                "stored %.4g; selection agreement with the exact score at %lld blocks: learned %.3f, index %.3f, "
+                "stored %.3f; %.1f s\n", r, B, n_prompts, (long long)ns, (long long)npos, nl, nh, ml, mi, mk,
+                (long long)K, al, ai, ak, ck_now() - t_start);
+    }
+    free(Cp); free(Tp); free(nbp); free(base);
+    free(q); free(k); free(v); free(sp); free(ss2); free(sq2); free(svar); free(zbuf);
+    free(sc_i); free(sc_l); free(sc_x); free(bl_i); free(bl_l); free(bl_x);
+    free(perm_st); free(off_st); free(perm_dp); free(off_dp); free(perm_ix); free(off_ix); free(perm_id); free(off_id);
+    free(learned); free(err_l); free(err_i); free(agr_l); free(agr_i);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// inspect
+
+static void compkv_inspect(const kvpol_file *f, FILE *out) {
+    uint32_t si, ci;
+    kvpol_item pm, of, le;
+    int64_t r = 0, block = 0;
+    double scale = 0;
+    if (kvpol_section_find(f, KVRT_COMPKV_SEC_GROUPINGS, &si) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "perm", KVPOL_DTYPE_U16, &pm) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "offsets", KVPOL_DTYPE_U16, &of) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "learned", KVPOL_DTYPE_U8, &le) != KVPOL_OK || pm.ndim != 3 || of.ndim != 3 ||
+        le.ndim != 2 || kvpol_get_i64(f, si, "r", &r) != KVPOL_OK || r < 1 || of.dims[2] != (uint64_t)r + 1 ||
+        of.dims[0] != pm.dims[0] || of.dims[1] != pm.dims[1] || le.dims[0] != pm.dims[0] || le.dims[1] != pm.dims[1]) {
+        fprintf(out, "CompKV: no readable compkv.groupings section\n");
+        return;
+    }
+    kvpol_get_i64(f, si, "block", &block);
+    kvpol_get_f64(f, si, "scale", &scale);
+    const uint64_t L = pm.dims[0], Hkv = pm.dims[1], d = pm.dims[2], R1 = (uint64_t)r + 1;
+    const uint16_t *p = pm.data, *o = of.data;
+    const uint8_t *lr = le.data;
+    uint64_t nl = 0;
+    for (uint64_t h = 0; h < L * Hkv; h++) nl += lr[h];
+    fprintf(out, "CompKV: r %lld groups of d %llu, block %lld, scale %.6g; learned grouping kept on %llu/%llu "
+            "(layer, KV head) pairs (elsewhere index order)\n", (long long)r, (unsigned long long)d,
+            (long long)block, scale, (unsigned long long)nl, (unsigned long long)(L * Hkv));
+    kvpol_item el, ei, gl, gi;
+    int64_t K = 0, np = 0, ns = 0;
+    int cal = kvpol_section_find(f, KVRT_COMPKV_SEC_CALIBRATION, &ci) == KVPOL_OK &&
+              kvpol_get_tensor(f, ci, "err_learned", KVPOL_DTYPE_F64, &el) == KVPOL_OK &&
+              kvpol_get_tensor(f, ci, "err_index", KVPOL_DTYPE_F64, &ei) == KVPOL_OK &&
+              kvpol_get_tensor(f, ci, "agree_learned", KVPOL_DTYPE_F32, &gl) == KVPOL_OK &&
+              kvpol_get_tensor(f, ci, "agree_index", KVPOL_DTYPE_F32, &gi) == KVPOL_OK && el.count == L * Hkv &&
+              ei.count == L * Hkv && gl.count == L * Hkv && gi.count == L * Hkv;
+    if (cal) {
+        kvpol_get_i64(f, ci, "agree_blocks", &K);
+        kvpol_get_i64(f, ci, "prompts", &np);
+        kvpol_get_i64(f, ci, "samples", &ns);
+        const double *e1 = el.data, *e2 = ei.data;
+        const float *a1 = gl.data, *a2 = gi.data;
+        fprintf(out, "  calibration: %lld prompts, %lld (query, block) samples per head; error = mass-weighted mean "
+                "squared error of the estimated block logit variance; agreement = fraction of the %lld selected "
+                "blocks shared with the exact-variance score's selection\n", (long long)np, (long long)ns, (long long)K);
+        fprintf(out, "  %-5s", "layer");
+        for (uint64_t h = 0; h < Hkv; h++) {
+            char lab[32];
+            snprintf(lab, sizeof lab, "kv%llu err learned/idx", (unsigned long long)h);
+            fprintf(out, " | %-19s %-11s", lab, "S agree L/I");
+        }
+        fprintf(out, "\n");
+        double sl = 0, sx = 0, gl1 = 0, gi1 = 0;
+        for (uint64_t l = 0; l < L; l++) {
+            fprintf(out, "  %-5llu", (unsigned long long)l);
+            for (uint64_t h = 0; h < Hkv; h++) {
+                const uint64_t at = l * Hkv + h;
+                fprintf(out, " | %9.3g/%-9.3g %c %.2f/%.2f", e1[at], e2[at], lr[at] ? 'L' : 'I', a1[at], a2[at]);
+                sl += e1[at];
+                sx += e2[at];
+                gl1 += a1[at];
+                gi1 += a2[at];
+            }
+            fprintf(out, "\n");
+        }
+        const double n = (double)(L * Hkv);
+        fprintf(out, "  mean: error learned %.4g vs index %.4g; agreement learned %.3f vs index %.3f "
+                "(S: the grouping stored, L learned, I index order)\n", sl / n, sx / n, gl1 / n, gi1 / n);
+    }
+    /* a few stored permutations: the first learned heads */
+    int shown = 0;
+    for (uint64_t h = 0; h < L * Hkv && shown < 3; h++) {
+        if (!lr[h]) continue;
+        shown++;
+        fprintf(out, "  layer %llu KV head %llu groups:", (unsigned long long)(h / Hkv), (unsigned long long)(h % Hkv));
+        for (int64_t t = 0; t < r; t++) {
+            fprintf(out, " {");
+            const uint16_t *oh = o + h * R1;
+            for (uint16_t i = oh[t]; i < oh[t + 1]; i++) {
+                if (i - oh[t] == 12 && oh[t + 1] - oh[t] > 14) {
+                    fprintf(out, " ...+%u", (unsigned)(oh[t + 1] - i));
+                    break;
+                }
+                fprintf(out, "%s%u", i == oh[t] ? "" : " ", (unsigned)p[h * d + i]);
+            }
+            fprintf(out, "}");
+        }
+        fprintf(out, "\n");
+    }
+}
+
+const kvcc_pass kvcc_pass_compkv = {
+    .name = "compkv",
+    .group = KVPOL_GROUP_COMPKV,
+    .needs_corpus = 1,
+    .run = compkv_run,
+    .inspect = compkv_inspect,
+};

@@ -1,0 +1,418 @@
+/*
+ * test_compkv_pass.c: Criterion tests of the CompKV compile pass (compiler/passes/compkv.c), its
+ * artifact sections and loader (runtime/core/compkv_policy.c), and kvcc eval's decode-time rows
+ * (compiler/eval.c: compkv and its ablations, topk-mass, quest).
+ *  - the grouping search finds the known optimum where grouping matters (coordinates with very
+ *    different variance levels interleaved: the learned grouping separates the levels and has
+ *    zero error, index order does not), and keeps index order when every grouping ties (equal
+ *    variances; r = 1; r = d);
+ *  - the pass on a small synthetic corpus: byte-identical artifacts at 1 and 2 threads, a file
+ *    that passes full validation, kvrt_compkv_grouping_load reads it back (valid permutations,
+ *    index order exactly where the learned grouping did not win), model mismatch refused, a bad
+ *    --compkv-r refused with a message; the explicit index grouping gives the runtime's own
+ *    index-order summaries;
+ *  - eval rows: the full row is exact; with a budget of every block, compkv (and each decode-time
+ *    method) equals exact attention (relerr ~ 0, KL ~ 0, mass 1); small budgets give positive
+ *    error; compkv without a grouping is refused naming --policy; ratio budgets are refused;
+ *  - on the real model when fetched: end to end through the attention hook, every block selected
+ *    reproduces the model's NLL.
+ */
+#include <criterion/criterion.h>
+#include <criterion/logging.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "capture.h"
+#include "corpus.h"
+#include "eval.h"
+#include "kvcc.h"
+#include "kvpol.h"
+#include "kvrt.h"
+#include "loader.h"
+#include "passes/passes.h"
+#include "synth.h"
+
+static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double rng_u(uint64_t *s) { return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+/* Samples with diagonal covariance: sigma2 = scale^2 sum_i q_i^2 var_i exactly. var of
+ * coordinate i: level[i % n_levels] times a per-sample factor in [0.5, 1.5]. */
+typedef struct {
+    kvcc_compkv_samples s;
+    double *p, *sigma2;
+    float *q2, *var;
+} sample_set;
+
+static void make_samples(sample_set *ss, int64_t n, uint32_t d, const double *level, int n_levels, uint64_t seed) {
+    ss->p = malloc((size_t)n * sizeof(double));
+    ss->sigma2 = malloc((size_t)n * sizeof(double));
+    ss->q2 = malloc((size_t)n * d * sizeof(float));
+    ss->var = malloc((size_t)n * d * sizeof(float));
+    cr_assert(ss->p && ss->sigma2 && ss->q2 && ss->var);
+    const double scale = 1.0 / sqrt((double)d);
+    for (int64_t j = 0; j < n; j++) {
+        const double f = 0.5 + rng_u(&seed);
+        double diag = 0;
+        for (uint32_t i = 0; i < d; i++) {
+            const double q = 2.0 * rng_u(&seed) - 1.0;
+            ss->q2[(size_t)j * d + i] = (float)(q * q);
+            ss->var[(size_t)j * d + i] = (float)(level[i % (uint32_t)n_levels] * f);
+            diag += (double)ss->q2[(size_t)j * d + i] * ss->var[(size_t)j * d + i];
+        }
+        ss->p[j] = 0.1 + rng_u(&seed);
+        ss->sigma2[j] = scale * scale * diag;
+    }
+    ss->s = (kvcc_compkv_samples){.n = n, .d = d, .scale = scale, .p = ss->p, .sigma2 = ss->sigma2, .q2 = ss->q2,
+                                  .var = ss->var};
+}
+static void free_samples(sample_set *ss) {
+    free(ss->p);
+    free(ss->sigma2);
+    free(ss->q2);
+    free(ss->var);
+}
+
+// ----------------------------------------------------------------------------
+// the search
+
+Test(compkv_pass, dp_separates_interleaved_variance_levels) {
+    const double lv2[2] = {10.0, 0.1}, lv3[3] = {0.01, 100.0, 1.0};
+    for (int caseno = 0; caseno < 2; caseno++) {
+        const uint32_t d = caseno == 0 ? 8 : 9, r = caseno == 0 ? 2 : 3;
+        sample_set ss;
+        make_samples(&ss, 200, d, caseno == 0 ? lv2 : lv3, (int)r, 42 + (uint64_t)caseno);
+        uint16_t perm[16], off[8];
+        kvcc_compkv_fit fit;
+        cr_assert_eq(kvcc_compkv_search(&ss.s, r, perm, off, &fit), 0);
+        cr_log_info("case %d: learned %.3g index %.3g", caseno, fit.err_learned, fit.err_index);
+        cr_expect_eq(fit.learned, 1);
+        cr_expect_lt(fit.err_learned, 1e-9 * fit.err_index, "learned %g vs index %g", fit.err_learned, fit.err_index);
+        cr_expect_gt(fit.err_index, 1e-6);
+        cr_expect_eq(off[0], 0);
+        cr_expect_eq(off[r], d);
+        /* every group holds exactly one variance level (i % r), each level once */
+        unsigned seen_levels = 0;
+        for (uint32_t t = 0; t < r; t++) {
+            cr_expect_eq(off[t + 1] - off[t], d / r, "group %u has %u coordinates", t, off[t + 1] - off[t]);
+            const uint32_t lev = perm[off[t]] % r;
+            for (uint32_t k = off[t]; k < off[t + 1]; k++) cr_expect_eq(perm[k] % r, lev, "group %u mixes levels", t);
+            seen_levels |= 1u << lev;
+        }
+        cr_expect_eq(seen_levels, (1u << r) - 1);
+        /* groups in ascending variance order (the sorted order the DP partitions) */
+        const double *lv = caseno == 0 ? lv2 : lv3;
+        for (uint32_t t = 0; t + 1 < r; t++) cr_expect_lt(lv[perm[off[t]] % r], lv[perm[off[t + 1]] % r]);
+        /* the exact error of the returned grouping is what fit reports */
+        cr_expect_float_eq(kvcc_compkv_error(&ss.s, r, perm, off), fit.err_learned, 1e-15);
+        uint16_t ip[16], io[8];
+        kvcc_compkv_index_grouping(d, r, ip, io);
+        cr_expect_float_eq(kvcc_compkv_error(&ss.s, r, ip, io), fit.err_index, 1e-12 * fit.err_index);
+        free_samples(&ss);
+    }
+}
+
+Test(compkv_pass, ties_keep_index_order) {
+    /* all variances equal: every grouping gives the same estimate */
+    const double one[1] = {1.0};
+    sample_set ss;
+    make_samples(&ss, 128, 16, one, 1, 7);
+    uint16_t perm[16], off[17];
+    kvcc_compkv_fit fit;
+    cr_assert_eq(kvcc_compkv_search(&ss.s, 4, perm, off, &fit), 0);
+    cr_expect_eq(fit.learned, 0, "learned %.17g index %.17g", fit.err_learned, fit.err_index);
+    cr_expect_leq(fabs(fit.err_learned - fit.err_index), 1e-9 * fit.err_index + 1e-20);
+    free_samples(&ss);
+    /* r = 1 and r = d: the grouping cannot matter whatever the variances */
+    const double lv[2] = {5.0, 0.2};
+    make_samples(&ss, 128, 16, lv, 2, 8);
+    for (int i = 0; i < 2; i++) {
+        const uint32_t r = i ? 16 : 1;
+        cr_assert_eq(kvcc_compkv_search(&ss.s, r, perm, off, &fit), 0);
+        cr_expect_eq(fit.learned, 0, "r %u: learned %.17g index %.17g", r, fit.err_learned, fit.err_index);
+        cr_expect_leq(fabs(fit.err_learned - fit.err_index), 1e-9 * fit.err_index + 1e-20);
+    }
+    /* bad arguments */
+    cr_expect_eq(kvcc_compkv_search(&ss.s, 0, perm, off, &fit), -1);
+    cr_expect_eq(kvcc_compkv_search(&ss.s, 17, perm, off, &fit), -1);
+    free_samples(&ss);
+}
+
+// ----------------------------------------------------------------------------
+// the pass on a synthetic corpus
+
+static const kvcc_corpus_model TINY = {.name = "tiny", .n_layers = 2, .n_heads = 8, .n_kv_heads = 2, .head_dim = 16,
+                                       .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling = "none",
+                                       .rope_scaling_factor = 1};
+
+static void tiny_synth(char *path, size_t len) {
+    snprintf(path, len, "/tmp/kvcc_compkv_synth_%d.h5", (int)getpid());
+    kvcc_synth_opts so = {.n_prompts = 2, .context_len = 128, .continuation_len = 16, .seed = 11,
+                          .retrieval_heads = 1};
+    char err[512];
+    cr_assert_eq(kvcc_synth_write(path, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+}
+
+/* Run the pass into memory; returns the pass's exit status (0 ok); err receives its message. */
+static int tiny_compile(const char *corpus, int threads, uint32_t r, void **buf, size_t *len, char *err, size_t errlen) {
+#ifdef _OPENMP
+    omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+    kvcc_corpus *c = NULL;
+    cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, errlen), 0, "%s", err);
+    kvpol_header h;
+    kvpol_header_init(&h);
+    h.model.n_layers = TINY.n_layers;
+    h.model.n_heads = TINY.n_heads;
+    h.model.n_kv_heads = TINY.n_kv_heads;
+    h.model.head_dim = TINY.head_dim;
+    h.model.vocab_size = TINY.vocab_size;
+    h.model.rope_theta = TINY.rope_theta;
+    h.model.rope_scaling_factor = 1.0f;
+    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 1, .threads = threads,
+                           .compkv_r = r, .compkv_block = 16};
+    const kvcc_pass *ps = kvcc_pass_find("compkv");
+    cr_assert_not_null(ps);
+    cr_assert_eq(ps->group, (uint32_t)KVPOL_GROUP_COMPKV);
+    kvpol_writer *w = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+    int rc = ps->run(&cx, w, err, errlen);
+    if (rc == 0) cr_assert_eq(kvpol_writer_to_memory(w, buf, len, &ke), 0, "%s", ke.msg);
+    kvpol_writer_free(w);
+    kvcc_corpus_close(c);
+    return rc;
+}
+
+static void write_file(const char *path, const void *buf, size_t n) {
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(buf, 1, n, f), n);
+    fclose(f);
+}
+
+Test(compkv_pass, pass_end_to_end_and_loader, .timeout = 120) {
+    char corpus[128], art[128], err[768];
+    tiny_synth(corpus, sizeof corpus);
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads();
+#endif
+    void *b1 = NULL, *b2 = NULL;
+    size_t n1 = 0, n2 = 0;
+    cr_assert_eq(tiny_compile(corpus, 1, 4, &b1, &n1, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(tiny_compile(corpus, 2, 4, &b2, &n2, err, sizeof err), 0, "%s", err);
+#ifdef _OPENMP
+    omp_set_num_threads(nt);
+#endif
+    cr_assert_eq(n1, n2);
+    cr_assert_eq(memcmp(b1, b2, n1), 0, "the artifact depends on the thread count");
+    /* full validation, every section decoded */
+    kvpol_file *f = NULL;
+    kvpol_error ke;
+    kvpol_open_opts oo = {.flags = KVPOL_OPEN_VERIFY_ALL};
+    cr_assert_eq(kvpol_open_mem(&f, b1, n1, &oo, &ke), 0, "%s", ke.msg);
+    uint32_t si, ci;
+    cr_assert_eq(kvpol_section_find(f, KVRT_COMPKV_SEC_GROUPINGS, &si), KVPOL_OK);
+    cr_assert_eq(kvpol_section_find(f, KVRT_COMPKV_SEC_CALIBRATION, &ci), KVPOL_OK);
+    cr_expect(kvpol_section_at(f, si)->flags & KVPOL_SECTION_CRITICAL);
+    cr_expect(kvpol_section_at(f, si)->known && kvpol_section_at(f, ci)->known);
+    kvpol_item el, ei, ag;
+    cr_assert_eq(kvpol_get_tensor(f, ci, "err_learned", KVPOL_DTYPE_F64, &el), KVPOL_OK);
+    cr_assert_eq(kvpol_get_tensor(f, ci, "err_index", KVPOL_DTYPE_F64, &ei), KVPOL_OK);
+    cr_assert_eq(kvpol_get_tensor(f, ci, "agree_learned", KVPOL_DTYPE_F32, &ag), KVPOL_OK);
+    cr_assert_eq(el.count, 4);
+    /* the loader */
+    snprintf(art, sizeof art, "/tmp/kvcc_compkv_%d.kvpol", (int)getpid());
+    write_file(art, b1, n1);
+    kvrt_compkv_grouping *g = NULL;
+    cr_assert_eq(kvrt_compkv_grouping_load(art, 2, 2, 16, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_expect_eq(g->r, 4);
+    cr_expect_eq(g->block, 16);
+    cr_expect_float_eq(g->scale, 0.25, 1e-12);
+    const double *e1 = el.data, *e2 = ei.data;
+    const float *a1 = ag.data;
+    for (uint32_t h = 0; h < 4; h++) {
+        const uint16_t *p = g->perm + h * 16, *o = g->offsets + h * 5;
+        cr_log_info("head %u: learned %d err %.4g vs %.4g agree %.3f", h, g->learned[h], e1[h], e2[h], a1[h]);
+        cr_expect(a1[h] >= 0 && a1[h] <= 1);
+        if (g->learned[h]) {
+            cr_expect_lt(e1[h], e2[h]);
+        } else { /* index order */
+            for (uint32_t i = 0; i < 16; i++) cr_expect_eq(p[i], i);
+            for (uint32_t t = 0; t <= 4; t++) cr_expect_eq(o[t], 4 * t);
+        }
+    }
+    /* the runtime accepts it */
+    kvrt_compkv_opts co;
+    kvrt_compkv_opts_init(&co);
+    kvrt_compkv *st = NULL;
+    cr_expect_eq(kvrt_compkv_create(&co, 2, 16, 64, g->perm + 2 * 16, g->offsets + 2 * 5, &st), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    kvrt_compkv_free(st);
+    kvrt_compkv_grouping_free(g);
+    g = NULL;
+    cr_expect_eq(kvrt_compkv_grouping_load(art, 3, 2, 16, &g), KVRT_ERR_MODEL_MISMATCH);
+    cr_expect_null(g);
+    /* the policy handle path */
+    kvrt_policy *pol = NULL;
+    kvrt_error re;
+    cr_assert_eq(kvrt_policy_open(art, NULL, &pol, &re), KVRT_OK, "%s", re.msg);
+    cr_expect_eq(kvrt_compkv_grouping_from_policy(pol, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_compkv_grouping_free(g);
+    kvrt_policy_free(pol);
+    kvpol_close(f);
+    /* a bad r is refused by name */
+    void *b3 = NULL;
+    size_t n3 = 0;
+    cr_expect_eq(tiny_compile(corpus, 1, 17, &b3, &n3, err, sizeof err), KVCC_EXIT_USAGE);
+    cr_expect(strstr(err, "--compkv-r") != NULL, "%s", err);
+    free(b1);
+    free(b2);
+    unlink(art);
+    unlink(corpus);
+}
+
+Test(compkv_pass, index_grouping_matches_runtime_default) {
+    /* the pass's explicit index grouping = the runtime's NULL grouping (same summaries) */
+    uint64_t seed = 3;
+    enum { HKV = 2, D = 24, T = 70 };
+    float k[T * HKV * D], v[T * HKV * D];
+    for (int i = 0; i < T * HKV * D; i++) {
+        k[i] = (float)(2 * rng_u(&seed) - 1);
+        v[i] = (float)(2 * rng_u(&seed) - 1);
+    }
+    const uint32_t rs[3] = {4, 5, 7};
+    for (int ri = 0; ri < 3; ri++) {
+        const uint32_t r = rs[ri];
+        uint16_t perm[HKV * D], off[HKV * 8];
+        for (int h = 0; h < HKV; h++) kvcc_compkv_index_grouping(D, r, perm + h * D, off + h * (r + 1));
+        kvrt_compkv_opts o;
+        kvrt_compkv_opts_init(&o);
+        o.r = r;
+        kvrt_compkv *a = NULL, *b = NULL;
+        cr_assert_eq(kvrt_compkv_create(&o, HKV, D, T, NULL, NULL, &a), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_compkv_create(&o, HKV, D, T, perm, off, &b), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_compkv_append(a, k, v, T), KVRT_OK);
+        cr_assert_eq(kvrt_compkv_append(b, k, v, T), KVRT_OK);
+        cr_assert_eq(kvrt_compkv_groups(b), r);
+        const int64_t nb = kvrt_compkv_n_blocks(a);
+        for (uint32_t h = 0; h < HKV; h++) {
+            const float *ga, *gb;
+            cr_assert_eq(kvrt_compkv_summaries(a, h, NULL, NULL, &ga, NULL), KVRT_OK);
+            cr_assert_eq(kvrt_compkv_summaries(b, h, NULL, NULL, &gb, NULL), KVRT_OK);
+            for (int64_t x = 0; x < nb * (int64_t)r; x++)
+                cr_expect_eq(ga[x], gb[x], "r %u head %u entry %lld: %g vs %g", r, h, (long long)x, ga[x], gb[x]);
+        }
+        kvrt_compkv_free(a);
+        kvrt_compkv_free(b);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// eval rows
+
+static kvcc_eval_result R; /* large: keep off the stack */
+
+Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
+    char corpus[128], art[128], err[768];
+    tiny_synth(corpus, sizeof corpus);
+    void *b1 = NULL;
+    size_t n1 = 0;
+    cr_assert_eq(tiny_compile(corpus, 1, 4, &b1, &n1, err, sizeof err), 0, "%s", err);
+    snprintf(art, sizeof art, "/tmp/kvcc_compkv_eval_%d.kvpol", (int)getpid());
+    write_file(art, b1, n1);
+    free(b1);
+    int methods[] = {KVRT_METHOD_FULL,      KVCC_EVAL_COMPKV,     KVCC_EVAL_COMPKV_INDEX, KVCC_EVAL_COMPKV_NOCOMP,
+                     KVCC_EVAL_COMPKV_MASS, KVCC_EVAL_COMPKV_FIRST, KVCC_EVAL_COMPKV_R1,  KVCC_EVAL_COMPKV_R16,
+                     KVCC_EVAL_COMPKV_RD,   KVCC_EVAL_TOPK_MASS,  KVCC_EVAL_QUEST};
+    const int nm = (int)(sizeof methods / sizeof methods[0]);
+    double budgets[] = {4, 100, 0.5}; /* 128 + 16 tokens = 9 blocks: 100 selects every block */
+    kvcc_eval_opts o = {.corpus = corpus, .policy = art, .methods = methods, .n_methods = nm, .budgets = budgets,
+                        .n_budgets = 3, .seed = 1};
+    cr_assert_eq(kvcc_eval_run(&o, &R, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(R.n_rows, 1 + (nm - 1) * 3);
+    const kvcc_eval_row *full = &R.rows[0];
+    cr_expect_eq(full->status, 0, "%s", full->msg);
+    cr_expect_leq(full->relerr_p95, 1e-6);
+    cr_expect_leq(fabs(full->kl_mean), 1e-6);
+    cr_expect(strstr(R.decode_note, "blocks of 16") != NULL, "%s", R.decode_note);
+    for (int i = 1; i < R.n_rows; i++) {
+        const kvcc_eval_row *w = &R.rows[i];
+        const char *name = kvcc_eval_method_name(w->method);
+        if (w->budget < 1) {
+            cr_expect_eq(w->status, KVRT_ERR_ARG, "%s: a ratio budget must be refused", name);
+            cr_expect(strstr(w->msg, "block counts") != NULL, "%s", w->msg);
+            continue;
+        }
+        cr_assert_eq(w->status, 0, "%s %g: %s", name, w->budget, w->msg);
+        cr_log_info("%-13s %4g: kept %6.1f relerr %.5f KL %.5f mass %.4f MB %.4f", name, w->budget, w->kept_mean,
+                    w->relerr_mean, w->kl_mean, w->mass_mean, w->bytes_mean / 1e6);
+        if (w->budget == 100) { /* every block read exactly: exact attention */
+            cr_expect_leq(w->relerr_p95, 2e-5, "%s: relerr95 %g", name, w->relerr_p95);
+            cr_expect_leq(fabs(w->kl_mean), 1e-9, "%s: KL %g", name, w->kl_mean);
+            cr_expect_float_eq(w->mass_mean, 1.0, 1e-12, "%s: mass %g", name, w->mass_mean);
+            cr_expect_float_eq(w->kept_mean, 128 + 8.5, 1e-9, "%s: kept %g", name, w->kept_mean);
+        } else {
+            cr_expect_float_eq(w->kept_mean, 64, 16.0, "%s: kept %g", name, w->kept_mean);
+            cr_expect_gt(w->relerr_mean, 1e-4, "%s", name);
+            cr_expect(w->mass_mean > 0 && w->mass_mean < 1);
+            cr_expect_geq(w->kl_mean, -1e-9);
+        }
+    }
+    /* compkv needs a compiled grouping */
+    int only[] = {KVCC_EVAL_COMPKV};
+    kvcc_eval_opts o2 = {.corpus = corpus, .methods = only, .n_methods = 1, .budgets = budgets, .n_budgets = 1};
+    cr_expect_neq(kvcc_eval_run(&o2, &R, err, sizeof err), 0);
+    cr_expect(strstr(err, "--policy") != NULL, "%s", err);
+    unlink(art);
+    unlink(corpus);
+}
+
+Test(compkv_pass, real_model_all_blocks_is_exact_end_to_end, .timeout = 1200) {
+    const char *gguf = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+    if (access(gguf, R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_compkv_real_%d.h5", (int)getpid());
+    kvcc_loaded_model lm;
+    cr_assert_eq(kvcc_load_model(gguf, 0, &lm, err, sizeof err), 0, "%s", err);
+    const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
+    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 96, .continuation_len = 24,
+                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
+    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
+    kvcc_loaded_model_free(&lm);
+    int methods[] = {KVCC_EVAL_COMPKV_INDEX};
+    double budgets[] = {100, 3};
+    kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 1, .budgets = budgets,
+                        .n_budgets = 2, .seed = 1};
+    cr_assert_eq(kvcc_eval_run(&o, &R, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(R.n_rows, 2);
+    for (int i = 0; i < 2; i++) {
+        const kvcc_eval_row *w = &R.rows[i];
+        cr_assert_eq(w->status, 0, "%s", w->msg);
+        cr_assert(w->have_e2e);
+        cr_log_info("%s %g: NLL %.6f full %.6f", kvcc_eval_method_name(w->method), w->budget, w->nll, w->nll_full);
+        cr_expect_eq(w->probes, 3);
+        if (w->budget == 100)
+            cr_expect_leq(fabs(w->nll - w->nll_full), 1e-4, "%s: NLL %.7f vs model %.7f",
+                          kvcc_eval_method_name(w->method), w->nll, w->nll_full);
+        else
+            cr_expect_gt(fabs(w->nll - w->nll_full), 1e-5, "3 of 8 blocks should change the NLL");
+    }
+    unlink(path);
+}
