@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "kvcc.h"
+#include "passes/compilerkv.h"
 #include "passes/passes.h"
 #include "presets.h"
 
@@ -36,7 +37,12 @@ static void usage(FILE *out) {
                  "                      --am-chunk N (default 4096)  --am-select highest|omp (default highest)\n"
                  " CompKV:              --compkv-r R (default 4)  --compkv-block B (default 16)\n"
                  " CompilerKV:          --budgets LIST (default 128,256,512,1024,2048)  --window W (default 64)\n"
-                 "                      --reward attention|model (default attention)\n");
+                 "                      --reward attention|model (default attention; model needs --gguf)\n"
+                 "                      --reward-check N   after compiling, score N head states' rollouts with both rewards\n"
+                 "                                         (needs --gguf) and print their rank agreement (Spearman)\n"
+                 "                      --transfer-check OTHER.h5  also compile on a second, disjoint corpus and print the\n"
+                 "                                         Spearman correlation of the head rankings per budget (with\n"
+                 "                                         seed + 1 controls: 3 extra compiles)\n");
 }
 
 static int parse_list(const char *opt, const char *s, double *out, int *n) {
@@ -68,7 +74,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
                            .n_am_ratios = 6, .am_chunk = 4096, .am_select = "highest", .compkv_r = 4,
                            .compkv_block = 16, .budgets = budgets, .n_budgets = 5, .window = 64, .reward = "attention"};
     unsigned u;
-    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_AMT, O_AMR, O_AMC, O_AMS, O_CR, O_CB, O_BUD, O_WIN, O_REW };
+    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_AMT, O_AMR, O_AMC, O_AMS, O_CR, O_CB, O_BUD, O_WIN, O_REW, O_RCHK, O_TCHK };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"output", required_argument, 0, 'o'},
         {"policies", required_argument, 0, 'p'}, {"corpus", required_argument, 0, 'c'},
@@ -78,7 +84,10 @@ int kvcc_cmd_compile(int argc, char **argv) {
         {"am-chunk", required_argument, 0, O_AMC}, {"am-select", required_argument, 0, O_AMS},
         {"compkv-r", required_argument, 0, O_CR}, {"compkv-block", required_argument, 0, O_CB},
         {"budgets", required_argument, 0, O_BUD}, {"window", required_argument, 0, O_WIN},
-        {"reward", required_argument, 0, O_REW}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+        {"reward", required_argument, 0, O_REW}, {"reward-check", required_argument, 0, O_RCHK},
+        {"transfer-check", required_argument, 0, O_TCHK}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+    const char *transfer = NULL;   /* --transfer-check OTHER.h5 */
+    unsigned reward_check = 0;     /* --reward-check N */
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "m:o:p:c:h", opts, NULL)) != -1) {
@@ -112,6 +121,8 @@ int kvcc_cmd_compile(int argc, char **argv) {
             }
             cx.reward = optarg;
             break;
+        case O_RCHK: if (kvcc_parse_u32("compile", "reward-check", optarg, 1, 1000000, &u)) return KVCC_EXIT_USAGE; reward_check = u; break;
+        case O_TCHK: transfer = optarg; break;
         case 'h': usage(stdout); return KVCC_EXIT_OK;
         default: usage(stderr); return KVCC_EXIT_USAGE;
         }
@@ -168,6 +179,19 @@ int kvcc_cmd_compile(int argc, char **argv) {
         fprintf(stderr, "kvcc compile: --policies %s needs a calibration corpus: --corpus CALIB.h5\n", policies);
         return KVCC_EXIT_USAGE;
     }
+    /* CompilerKV's reward and reports: refused before any work */
+    int ckv = 0;
+    for (int i = 0; i < n_run; i++) ckv |= !strcmp(run[i]->name, "compilerkv");
+    if ((transfer || reward_check) && !ckv) {
+        fprintf(stderr, "kvcc compile: --%s reports on CompilerKV tables: add compilerkv to --policies\n",
+                transfer ? "transfer-check" : "reward-check");
+        return KVCC_EXIT_USAGE;
+    }
+    if (ckv && !gguf && (reward_check || !strcmp(cx.reward, "model"))) {
+        fprintf(stderr, "kvcc compile: %s needs the model the corpus was captured with: --gguf FILE.gguf\n",
+                reward_check ? "--reward-check" : "--reward model");
+        return KVCC_EXIT_USAGE;
+    }
     if (cx.threads > 0) omp_set_num_threads(cx.threads);
     qsort(am_targets, (size_t)cx.n_am_targets, sizeof(double), cmp_dbl);
     qsort(am_ratios, (size_t)cx.n_am_ratios, sizeof(double), cmp_dbl);
@@ -214,6 +238,16 @@ int kvcc_cmd_compile(int argc, char **argv) {
         }
         cx.corpus = cp;
     }
+    if (transfer) { /* the second corpus must open and match the model before the first compile */
+        kvcc_corpus *tc = NULL;
+        int tr = kvcc_compilerkv_transfer_open(&cx, transfer, &tc, msg, sizeof msg);
+        kvcc_corpus_close(tc);
+        if (tr) {
+            fprintf(stderr, "kvcc compile: %s\n", msg);
+            kvcc_corpus_close(cp);
+            return tr;
+        }
+    }
 
     kvpol_writer *w = NULL;
     int rc = kvpol_writer_create(&w, &h, &err);
@@ -248,12 +282,17 @@ int kvcc_cmd_compile(int argc, char **argv) {
         if (ex) fprintf(stderr, "kvcc compile: %s: %s\n", run[i]->name, msg);
         else fprintf(stderr, "kvcc compile: %s: done in %.1f s\n", run[i]->name, kvcc_progress_elapsed());
     }
-    kvcc_corpus_close(cp);
     if (!ex && kvpol_writer_finish(w, out, &err) != 0) {
         fprintf(stderr, "kvcc compile: %s\n", err.msg);
         ex = KVCC_EXIT_FAILED;
     }
     kvpol_writer_free(w);
     if (!ex) fprintf(stderr, "kvcc compile: wrote %s (model %s, policies %s)\n", out, p->name, policies);
+    /* the CompilerKV reports (stdout), from the artifact just written */
+    if (!ex && reward_check && (ex = kvcc_compilerkv_reward_check(&cx, out, reward_check, stdout, msg, sizeof msg)))
+        fprintf(stderr, "kvcc compile: --reward-check: %s\n", msg);
+    if (!ex && transfer && (ex = kvcc_compilerkv_transfer_check(&cx, out, transfer, 1, stdout, msg, sizeof msg)))
+        fprintf(stderr, "kvcc compile: --transfer-check: %s\n", msg);
+    kvcc_corpus_close(cp);
     return ex;
 }

@@ -2,8 +2,8 @@
  * cql.c: horizon-1 conservative Q-learning on a tabular Q (see cql.h for the objective and the
  * choices). Callers: compiler/passes/compilerkv.c, tests/unit/test_cql.c.
  *
- * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax, kvcc_rng_next, kvcc_rng_below,
- *          kvcc_rng_mix
+ * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax, kvcc_spearman, kvcc_rng_next,
+ *          kvcc_rng_below, kvcc_rng_mix
  *
  * One step: draw `batch` records state-balanced; for each state s drawn n_s times in the batch
  * the conservative term contributes c * n_s * softmax(Q[s, :]) to the gradient of its row, each
@@ -218,4 +218,57 @@ void kvcc_cql_argmax(const float *Q, const uint32_t *support, uint32_t n_states,
         }
         best[s] = b < 0 ? fallback : (uint32_t)b;
     }
+}
+
+// ----------------------------------------------------------------------------
+// Spearman rank correlation (average ranks for ties)
+
+typedef struct {
+    double v;
+    size_t i;
+} rank_item;
+
+static int cmp_rank_item(const void *a, const void *b) {
+    const rank_item *x = a, *y = b;
+    if (x->v != y->v) return x->v < y->v ? -1 : 1;
+    return (x->i > y->i) - (x->i < y->i);
+}
+
+/* r [n] = 1-based ranks of x, ties get their mean rank. */
+static void avg_ranks(const double *x, size_t n, rank_item *tmp, double *r) {
+    for (size_t i = 0; i < n; i++) tmp[i] = (rank_item){x[i], i};
+    qsort(tmp, n, sizeof *tmp, cmp_rank_item);
+    for (size_t a = 0; a < n;) {
+        size_t b = a + 1;
+        while (b < n && tmp[b].v == tmp[a].v) b++;
+        const double mean = 0.5 * (double)(a + 1 + b); /* mean of ranks a+1 .. b */
+        for (size_t j = a; j < b; j++) r[tmp[j].i] = mean;
+        a = b;
+    }
+}
+
+int kvcc_spearman(const double *x, const double *y, size_t n, double *rho) {
+    *rho = NAN;
+    for (size_t i = 0; i < n; i++)
+        if (isnan(x[i]) || isnan(y[i])) return -1;
+    if (n < 2) return 0;
+    rank_item *tmp = malloc(n * sizeof *tmp);
+    double *rx = malloc(n * sizeof *rx), *ry = malloc(n * sizeof *ry);
+    if (!tmp || !rx || !ry) {
+        free(tmp); free(rx); free(ry);
+        return -1;
+    }
+    avg_ranks(x, n, tmp, rx);
+    avg_ranks(y, n, tmp, ry);
+    const double mean = 0.5 * (double)(n + 1); /* the mean of average ranks is always (n+1)/2 */
+    double sxy = 0.0, sxx = 0.0, syy = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        const double a = rx[i] - mean, b = ry[i] - mean;
+        sxy += a * b;
+        sxx += a * a;
+        syy += b * b;
+    }
+    if (sxx > 0 && syy > 0) *rho = sxy / sqrt(sxx * syy);
+    free(tmp); free(rx); free(ry);
+    return 0;
 }

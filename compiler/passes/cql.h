@@ -4,9 +4,10 @@
  * bootstrap: minimize over experience records (s, a, r)
  *     c * (logsumexp_a' Q[s, a'] - Q[s, a]) + 0.5 * (Q[s, a] - r)^2
  * with AdamW on state-balanced minibatches, then read the table off by argmax.
- * Callers: compiler/passes/compilerkv.c (head and gate tables), tests/unit/test_cql.c.
+ * Callers: compiler/passes/compilerkv.c (head and gate tables, the reward and transfer reports),
+ * tests/unit/test_cql.c.
  *
- * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax, kvcc_rng_*
+ * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax, kvcc_spearman, kvcc_rng_*
  */
 #ifndef KVCC_CQL_H
 #define KVCC_CQL_H
@@ -57,6 +58,12 @@ int kvcc_cql_fit(const kvcc_cql_record *rec, size_t n_rec, uint32_t n_states, ui
  * index. States without any support get `fallback` (the conservative action). */
 void kvcc_cql_argmax(const float *Q, const uint32_t *support, uint32_t n_states,
                      uint32_t n_actions, uint32_t fallback, uint32_t *best);
+
+/* Spearman rank correlation of x [n] and y [n]: the Pearson correlation of their ranks, tied
+ * values sharing the mean of their ranks (the usual definition with ties). *rho = NAN when
+ * n < 2 or either vector is constant (no ranking to compare). Returns 0, or -1 on a NaN input
+ * or out of memory (*rho = NAN). */
+int kvcc_spearman(const double *x, const double *y, size_t n, double *rho);
 
 /* splitmix64 stream and an unbiased bounded draw (Lemire), shared with the pass. */
 uint64_t kvcc_rng_next(uint64_t *s);

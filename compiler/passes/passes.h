@@ -51,6 +51,35 @@ typedef struct {
     void (*inspect)(const kvpol_file *f, FILE *out);
 } kvcc_pass;
 
+/* CompKV grouping search (compiler/passes/compkv.c; exposed for the tests). n calibration
+ * samples of one (layer, KV head), each a (query g, block b) pair: mass weight p[s] (the true
+ * attention mass of b for g), the true within-block logit variance sigma2[s] = Var_{j in b}
+ * (q_g . k_j * scale), the squared query coordinates q2 [n, d] and the block's per-coordinate
+ * key variances var [n, d]. The estimate of a grouping G_1..G_r is
+ * s2hat = scale^2 * sum_t (sum_{i in G_t} q2_i) * mean_{i in G_t} var_i (the runtime's). */
+typedef struct {
+    int64_t n;
+    uint32_t d;
+    double scale;
+    const double *p, *sigma2;       /* [n] */
+    const float *q2, *var;          /* [n, d] */
+} kvcc_compkv_samples;
+typedef struct {
+    double err_learned, err_index;  /* sum_s p (s2hat - sigma2)^2 / sum_s p */
+    int learned;                    /* 1: the learned grouping beats index order (kept) */
+} kvcc_compkv_fit;
+/* The mass-weighted mean squared error of the grouping perm [d] / offsets [r + 1]. */
+double kvcc_compkv_error(const kvcc_compkv_samples *s, uint32_t r, const uint16_t *perm,
+                         const uint16_t *offsets);
+/* Index order: perm = identity, offsets[t] = floor(t * d / r). */
+void kvcc_compkv_index_grouping(uint32_t d, uint32_t r, uint16_t *perm, uint16_t *offsets);
+/* Coordinates sorted by mean within-block variance, then the contiguous partition of that order
+ * into r groups minimizing the separable surrogate (dynamic programming); perm/offsets receive
+ * it (whether or not it wins), fit the exact errors of it and of index order. 0, or -1 (bad
+ * arguments, out of memory). Deterministic whatever the thread count. */
+int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm, uint16_t *offsets,
+                       kvcc_compkv_fit *fit);
+
 /* NULL-terminated table (registry.c). */
 extern const kvcc_pass *const kvcc_passes[];
 const kvcc_pass *kvcc_pass_find(const char *name);

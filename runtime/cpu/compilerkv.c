@@ -12,7 +12,7 @@
  *          kvrt_compilerkv_prompt_finish, kvrt_compilerkv_prompt_free,
  *          kvrt_compilerkv_value_norms, kvrt_compilerkv_bins, kvrt_compilerkv_budget_index,
  *          kvrt_compilerkv_select_layer(_ref), kvrt_compilerkv_select,
- *          kvrt_compilerkv_select_all
+ *          kvrt_compilerkv_select_all, kvrt_compilerkv_kept_window
  *
  * Per prompt (steps 1, 5): the window attention mass of every layer is accumulated (one layer at
  * a time, so a caller streaming layers never holds more than one), then finished into
@@ -23,9 +23,13 @@
  *  - the entropy feature is normalized by log T (a value in [0, 1]) so that bins compiled on one
  *    context length stay meaningful on another;
  *  - bins: bin = number of compiled interior edges strictly below the feature;
- *  - the observation window (last min(w, B, T) tokens) is always kept and counts in the budget;
- *    the rest of the budget goes to the candidates (s >= tau) of highest s (kvrt_topk rules:
- *    ties by lower position); the count kept may be < B (elastic under-retention);
+ *  - the always-kept window and the budget (kvcc): the last n_w tokens are always kept and count
+ *    in the budget, n_w = w when B >= 2w, else max(1, floor(B / 2)) (a budget at or below the
+ *    window would otherwise be spent on the window alone and lose the attention sink and every
+ *    early heavy hitter); n_w <= T. The other B - n_w slots go to the candidates (s >= tau) of
+ *    highest s among the earlier tokens (kvrt_topk rules: ties by lower position); the count kept
+ *    may be < B (elastic under-retention). The observation window that measures alpha (step 1)
+ *    stays the full w queries;
  *  - budget index: the compiled budget equal to B; another B is refused with
  *    KVRT_ERR_UNSUPPORTED unless the caller passes KVRT_COMPILERKV_NEAREST_BUDGET (then the
  *    nearest compiled budget, ties to the smaller one).
@@ -302,17 +306,33 @@ int kvrt_compilerkv_value_norms(const float *v, int64_t T, uint32_t n_kv_heads, 
     if (T < 1 || n_kv_heads == 0 || head_dim == 0)
         return ERR(KVRT_ERR_SHAPE, "%s: T %lld, n_kv_heads %u, head_dim %u: expected >= 1", fn,
                    (long long)T, n_kv_heads, head_dim);
-    for (uint32_t j = 0; j < n_kv_heads; j++) {
-        double mean = 0.0;
-        float *r = rho + (size_t)j * T;
-        for (int64_t t = 0; t < T; t++) {
-            const float *x = v + ((size_t)t * n_kv_heads + j) * head_dim;
-            double s = 0.0;
-            for (uint32_t i = 0; i < head_dim; i++) s += (double)x[i] * x[i];
-            if (!isfinite(s)) return ERR(KVRT_ERR_ARG, "%s: v not finite at token %lld", fn, (long long)t);
-            r[t] = (float)sqrt(s);
-            mean += r[t];
+    /* norms: 16 float partial sums per row (independent chains that vectorize), added in double;
+     * rows in parallel (each row's arithmetic is fixed: the result does not depend on threads) */
+    const int64_t rows = T * (int64_t)n_kv_heads;
+    int64_t bad = -1;
+#pragma omp parallel for schedule(static) if (rows * head_dim > 65536)
+    for (int64_t rw = 0; rw < rows; rw++) {
+        const float *x = v + (size_t)rw * head_dim;
+        float acc[16] = {0};
+        uint32_t i = 0;
+        for (; i + 16 <= head_dim; i += 16)
+#pragma omp simd
+            for (uint32_t u = 0; u < 16; u++) acc[u] += x[i + u] * x[i + u];
+        double s = 0.0;
+        for (uint32_t u = 0; u < 16; u++) s += acc[u];
+        for (; i < head_dim; i++) s += (double)x[i] * x[i];
+        const int64_t t = rw / n_kv_heads, j = rw % n_kv_heads;
+        rho[j * T + t] = (float)sqrt(s);
+        if (!isfinite(s)) {
+#pragma omp critical(kvrt_ckv_norms)
+            if (bad < 0 || t < bad) bad = t;
         }
+    }
+    if (bad >= 0) return ERR(KVRT_ERR_ARG, "%s: v not finite at token %lld", fn, (long long)bad);
+    for (uint32_t j = 0; j < n_kv_heads; j++) {
+        float *r = rho + (size_t)j * T;
+        double mean = 0.0;
+        for (int64_t t = 0; t < T; t++) mean += r[t];
         mean /= (double)T;
         const double inv = mean > 0 ? 1.0 / mean : 0.0;
         for (int64_t t = 0; t < T; t++) r[t] = (float)(r[t] * inv);
@@ -386,13 +406,21 @@ static int select_check(const char *fn, const float *alpha, const float *rho, in
     return KVRT_OK;
 }
 
+/* The always-kept recent tokens for a budget (see the top of the file): w when B >= 2w, else
+ * max(1, B / 2); never more than T. */
+int64_t kvrt_compilerkv_kept_window(uint32_t window, int64_t budget, int64_t T) {
+    int64_t nw = window;
+    if (budget < 2 * (int64_t)window) nw = budget / 2;
+    if (nw < 1) nw = 1;
+    if (nw > T) nw = T;
+    return nw;
+}
+
 /* The common tail: window + top candidates from scores s [T] (window part ignored). */
 static int finish_select(const char *fn, const float *s, int64_t T, uint32_t Hkv, float tau,
                          int64_t budget, uint32_t window, int ref, kvrt_selection **out,
                          kvrt_compilerkv_stats *st) {
-    int64_t nw = window;
-    if (nw > budget) nw = budget;
-    if (nw > T) nw = T;
+    const int64_t nw = kvrt_compilerkv_kept_window(window, budget, T);
     const int64_t head = T - nw; /* positions [0, head) compete */
     int32_t *cand = malloc(sizeof(int32_t) * (size_t)(head > 0 ? head : 1));
     float *cs = malloc(sizeof(float) * (size_t)(head > 0 ? head : 1));

@@ -584,8 +584,9 @@ int kvrt_compilerkv_select_all(const kvrt_compilerkv_tables *tb, const float *co
 
 // --- CompKV (runtime/cpu/compkv.c) ---------------------------------------------------------------
 /* Decode-time sparse attention with mean compensation (ALGORITHMS.md section 3). One
- * kvrt_compkv holds one layer: the full KV cache in host memory (f32, [T, Hkv, d], appended as
- * tokens arrive) and per KV head and block of `block` tokens the summaries
+ * kvrt_compkv holds one layer: the full KV cache in host memory (f32, appended as [n, Hkv, d] as
+ * tokens arrive; stored head-major [Hkv][capacity][d] so that one block of one KV head is a
+ * contiguous run) and per KV head and block of `block` tokens the summaries
  *   count |b|, mean key kbar_b [d], mean value vbar_b [d], grouped key variance Dbar_b [r]
  * ((Dbar_b)_t = mean over the coordinates i of group t of the within-block (population)
  * variance of coordinate i). Summaries are contiguous per KV head so scoring streams them:
@@ -593,18 +594,26 @@ int kvrt_compilerkv_select_all(const kvrt_compilerkv_tables *tb, const float *co
  *   count [cap_blocks] (shared by the heads). The current partial block is always summarized.
  * Groups: per KV head a permutation perm [d] of the coordinates and offsets [r + 1]
  * (0 = off[0] < off[1] < ... < off[r] = d): group t = { perm[i] : off[t] <= i < off[t+1] }.
- * NULL perm/offsets: index order, r groups of (nearly) equal size (the paper's grouping).
+ * NULL perm/offsets: index order, r groups of (nearly) equal size (the paper's grouping):
+ * off[t] = floor(t * d / r). With offsets, r is read from them (the first t with offsets[t] == d
+ * in head 0's row; every head must have the same r) and opts.r is ignored.
  * Each decode step and KV head (G = H / Hkv query heads g):
  *   zbar[g,b] = q_g . kbar_b * scale;  s2[g,b] = scale^2 * sum_t (sum_{i in G_t} q_g[i]^2) Dbar_bt
  *   phat[g,b] = |b| exp(zbar + s2/2) / sum_c |c| exp(zbar_c + s2_c/2)     (second order)
  *            (first_order: exp(zbar) instead of exp(zbar + s2/2))
  *   S_b = sum_g phat[g,b] * s2[g,b]   (mass_only: S_b = sum_g phat[g,b])
  *   forced blocks: the first n_sink_blocks and the last n_recent_blocks (the partial one counts),
- *   inside the budget; the rest by top S_b (ties: lower block). Selected blocks are ascending.
+ *   inside the budget; the rest by top S_b (ties: lower block; NaN lowest). Selected blocks are
+ *   ascending. A budget below the forced count keeps the first min(k, n_sink_blocks) blocks,
+ *   then the most recent ones.
  *   out_g = (sum_{t in selected blocks} e^{z_t} v_t + sum_{b unselected} |b| e^{zbar_b} vbar_b) /
  *           (sum_{t in sel} e^{z_t} + sum_{b unsel} |b| e^{zbar_b})   (compensate = 1; running
  *   max, never overflows). compensate = 0: attention over the selected tokens only.
- * Messages of failures in kvrt_last_error(). */
+ * Messages of failures in kvrt_last_error(). Per-step calls (scores, select, attend, step):
+ * KVRT_ERR_ARG on NULL pointers, NaN in q, or a state that holds no token yet; KVRT_ERR_SHAPE
+ * when n_heads is not a positive multiple of n_kv_heads. The fast paths run OpenMP over KV
+ * heads and give the same bits whatever the thread count; their _ref are plain double loops
+ * (tolerances in tests/unit/test_compkv.c). */
 typedef struct {
     uint32_t block;          /* tokens per block (default 16) */
     uint32_t r;              /* variance groups, 1..head_dim (default 4); ignored with offsets */
@@ -620,14 +629,16 @@ void kvrt_compkv_opts_init(kvrt_compkv_opts *o);
 typedef struct kvrt_compkv kvrt_compkv;
 /* A state for up to `capacity` tokens of one layer. perm [Hkv, d] and offsets [Hkv, r + 1] (both
  * or neither; uint16 values) give the compiled grouping of each KV head (kvcc's compkv pass);
- * they are copied. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d, perm not a permutation,
- * offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. */
+ * they are copied. o NULL: the defaults. capacity 1..INT32_MAX, head_dim 1..65535, block >= 1,
+ * scale finite, the three switches 0 or 1. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d,
+ * perm not a permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. */
 int kvrt_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
                        int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
                        kvrt_compkv **out);
 void kvrt_compkv_free(kvrt_compkv *s);
 /* Append n tokens k, v [n, Hkv, d] (f32), updating the summaries incrementally (the running
- * partial block by Welford; a block is finalized when it fills). KVRT_ERR_SHAPE past capacity. */
+ * partial block by Welford; a block is finalized when it fills). n = 0 is a no-op.
+ * KVRT_ERR_SHAPE past capacity (nothing is appended then). */
 int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n);
 int64_t kvrt_compkv_length(const kvrt_compkv *s);    /* tokens held */
 int64_t kvrt_compkv_n_blocks(const kvrt_compkv *s);  /* ceil(length / block) */
@@ -637,7 +648,8 @@ uint32_t kvrt_compkv_groups(const kvrt_compkv *s);   /* r */
 int kvrt_compkv_summaries(const kvrt_compkv *s, uint32_t h, const float **kmean,
                           const float **vmean, const float **gvar, const int32_t **count);
 /* The same summaries built from scratch with plain loops in double (the reference):
- * k, v [T, Hkv, d]; kmean, vmean [Hkv, nb, d]; gvar [Hkv, nb, r]; count [nb]. */
+ * k, v [T, Hkv, d]; kmean, vmean [Hkv, nb, d]; gvar [Hkv, nb, r]; count [nb]; nb =
+ * ceil(T / block), T >= 1; o NULL: the defaults. */
 int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const float *v,
                               int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
                               const uint16_t *perm, const uint16_t *offsets, float *kmean,
@@ -651,13 +663,16 @@ int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_head
 int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_blocks,
                        int32_t *blocks_out);
 /* Attention of one decode step over an explicit block selection (e.g. Quest's pages, or the
- * exact-variance score's), blocks [Hkv, n_sel] ascending per head; compensation as in the
- * options. out [H, d]. */
+ * exact-variance score's), blocks [Hkv, n_sel] strictly ascending per head, 0 <= n_sel <=
+ * n_blocks; compensation as in the options (n_sel = 0 with compensate = 0: zero rows). out
+ * [H, d]. */
 int kvrt_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                               const int32_t *blocks, int64_t n_sel, float *out);
 int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                                   const int32_t *blocks, int64_t n_sel, float *out);
-/* One whole step: scores, select k_blocks, attend. out [H, d]; blocks_out [Hkv, k] or NULL. */
+/* One whole step: scores, select k_blocks, attend. out [H, d]; blocks_out [Hkv, k] or NULL,
+ * k = min(k_blocks, n_blocks). Fused: the zbar of the scoring is reused by the compensation;
+ * the same scores and selection as kvrt_compkv_scores + kvrt_compkv_select (bitwise). */
 int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int64_t k_blocks,
                      float *out, int32_t *blocks_out);
 /* The compiled variance groupings (kvcc compile --policies compkv; runtime/core/compkv_policy.c):

@@ -92,5 +92,43 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compilerkv --budgets 32 2>&1)
 "$KVCC" --help | grep -q "exit status" && ok || bad "--help"
 "$KVCC" --version | grep -q "kvcc " && ok || bad "--version"
 
+# 10. CompKV: the variance groupings on the small synthetic corpus (the thread count does not change
+#     a byte), full validation, inspect, decode-time eval rows (budgets in blocks), usage errors
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 4 --compkv-block 16 \
+  -o "$tmp/k1.kvpol" 2>/dev/null && \
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --threads 1 -o "$tmp/k2.kvpol" 2>/dev/null && \
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --threads 2 -o "$tmp/k3.kvpol" 2>/dev/null && \
+  cmp -s "$tmp/k1.kvpol" "$tmp/k2.kvpol" && cmp -s "$tmp/k1.kvpol" "$tmp/k3.kvpol" \
+  && ok || bad "compile --policies compkv differs across --threads"
+"$KVCC" verify --quiet --model smollm2-135m "$tmp/k1.kvpol" && ok || bad "verify of a compkv artifact"
+out=$("$KVCC" inspect "$tmp/k1.kvpol"); [[ "$out" == *"compkv.groupings"* && "$out" == *"CompKV: r 4 groups"* && "$out" == *"agree L/I"* ]] \
+  && ok || bad "inspect of a compkv artifact: $out"
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/k1.kvpol" --methods full,compkv,compkv-index,topk-mass,quest --budgets 2,4 --csv); ex=$?
+[[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 9 ]] && ok || bad "eval compkv rows: exit $ex: $out"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compkv --budgets 4 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval compkv without --policy: exit $ex: $err"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 65 -o "$tmp/k4.kvpol" 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--compkv-r"* && ! -e "$tmp/k4.kvpol" ]] && ok || bad "compile --compkv-r 65: exit $ex: $err"
+
+# 11. CompilerKV: --reward model and the two reports refuse bad requests before any work, naming
+#     the option or the file; a GGUF that did not produce the corpus is refused
+"$KVCC" synth --model smollm2-135m --prompts 1 --context 80 --continuation 4 -o "$tmp/ck.h5" 2>/dev/null
+ck=(compile --model smollm2-135m --corpus "$tmp/ck.h5" --policies compilerkv --budgets 32 -o "$tmp/ck.kvpol")
+err=$("$KVCC" "${ck[@]}" --reward model 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--gguf"* ]] && ok || bad "--reward model without --gguf: exit $ex: $err"
+err=$("$KVCC" "${ck[@]}" --reward-check 4 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--reward-check"*"--gguf"* ]] && ok || bad "--reward-check without --gguf: exit $ex: $err"
+err=$("$KVCC" "${ck[@]}" --reward-check 0 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--reward-check"* ]] && ok || bad "--reward-check 0: exit $ex: $err"
+err=$("$KVCC" "${ck[@]}" --transfer-check "$tmp/missing.h5" 2>&1); ex=$?
+[[ $ex -eq 5 && "$err" == *"--transfer-check"*"$tmp/missing.h5"* ]] && ok || bad "--transfer-check of a missing file: exit $ex: $err"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/ck.h5" --policies am -o "$tmp/ck.kvpol" --transfer-check "$tmp/ck.h5" 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"compilerkv"* ]] && ok || bad "--transfer-check without compilerkv: exit $ex: $err"
+if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  err=$("$KVCC" "${ck[@]}" --reward model --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"is not the model"* ]] && ok || bad "--reward model on a synthetic corpus: exit $ex: $err"
+fi
+[ ! -e "$tmp/ck.kvpol" ] && ok || bad "a refused CompilerKV compile wrote its output"
+
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -3,7 +3,11 @@
  * (runtime/cpu/compilerkv.c: alpha, rho, risk features, bins, budget index, elastic selection,
  * fast paths against the _ref ones, tables from an artifact) and the compiler pass
  * (compiler/passes/compilerkv.c) on a tiny synthetic corpus: a loadable artifact, byte-identical
- * across two runs and across 1 and 2 OpenMP threads.
+ * across two runs and across 1 and 2 OpenMP threads; the window rule for budgets at or below the
+ * window; the pass's incremental attention reward against kvrt_cache_gather + kvrt_attend_ref;
+ * `kvcc compile` option errors of --reward / --reward-check / --transfer-check; the model reward
+ * through --reward-check on a tiny real capture (skipped without the model) and its refusal of a
+ * corpus the model did not produce.
  */
 #include <criterion/criterion.h>
 
@@ -15,8 +19,11 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "capture.h"
+#include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt.h"
+#include "loader.h"
 #include "passes/compilerkv.h"
 #include "passes/passes.h"
 #include "synth.h"
@@ -416,4 +423,334 @@ Test(compilerkv, pass_refuses_model_reward_and_bad_budgets) {
     kvpol_writer_free(w);
     kvcc_corpus_close(c);
     unlink(path);
+}
+
+// ----------------------------------------------------------------------------
+// the transfer report: a corpus against itself ranks every head the same; bad second corpora
+
+Test(compilerkv, transfer_check_report, .timeout = 300) {
+    char pa[128], pb[128], art[128], err[768];
+    const int pid = (int)getpid();
+    snprintf(pa, sizeof pa, "/tmp/kvcc_ckv_tr_a_%d.h5", pid);
+    snprintf(pb, sizeof pb, "/tmp/kvcc_ckv_tr_b_%d.h5", pid);
+    snprintf(art, sizeof art, "/tmp/kvcc_ckv_tr_%d.kvpol", pid);
+    kvcc_synth_opts so = {.n_prompts = 2, .context_len = 64, .continuation_len = 8, .seed = 4, .retrieval_heads = 1};
+    cr_assert_eq(kvcc_synth_write(pa, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    const kvcc_corpus_model other = {.name = "tiny", .n_layers = 3, .n_heads = 8, .n_kv_heads = 2, .head_dim = 16,
+                                     .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling = "none", .rope_scaling_factor = 1};
+    so.seed = 5;
+    cr_assert_eq(kvcc_synth_write(pb, &other, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    void *buf = NULL;
+    size_t len = 0;
+    compile_to_memory(pa, 2, &buf, &len);
+    FILE *f = fopen(art, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(buf, 1, len, f), len);
+    fclose(f);
+    free(buf);
+    kvcc_corpus *c = NULL;
+    cr_assert_eq(kvcc_corpus_open(&c, pa, NULL, err, sizeof err), 0, "%s", err);
+    kvpol_model km = {.n_layers = TINY.n_layers, .n_heads = TINY.n_heads, .n_kv_heads = TINY.n_kv_heads,
+                      .head_dim = TINY.head_dim, .vocab_size = TINY.vocab_size, .rope_theta = TINY.rope_theta};
+    snprintf(km.name, sizeof km.name, "tiny");
+    double budgets[3] = {24, 40, 500};
+    kvcc_compile_ctx cx = {.corpus_path = pa, .corpus = c, .model = &km, .seed = 3, .budgets = budgets, .n_budgets = 3,
+                           .window = 8, .reward = "attention"};
+    char *txt = NULL;
+    size_t tl = 0;
+    FILE *mf = open_memstream(&txt, &tl);
+    cr_assert_eq(kvcc_compilerkv_transfer_check(&cx, art, pa, 1, mf, err, sizeof err), 0, "%s", err);
+    fclose(mf);
+    /* the same corpus, the same options: the same tables, so every budget correlates exactly; the
+     * two seed + 1 controls compile the same thing, so they agree with each other */
+    for (int b = 0; b < 2; b++) {
+        const char *row = strstr(txt, b ? "\n        40  " : "\n        24  ");
+        cr_assert_not_null(row, "%s", txt);
+        double r0, r1, r2;
+        int eq;
+        cr_assert_eq(sscanf(row, " %*d %lf %lf %lf %d/16", &r0, &r1, &r2, &eq), 4, "%s", txt);
+        cr_expect_eq(r0, 1.0, "%s", txt);
+        cr_expect_eq(eq, 16, "%s", txt);
+        cr_expect_eq(r1, r2, "%s", txt);
+        cr_expect(r1 >= -1 && r1 <= 1, "%s", txt);
+    }
+    cr_expect(strstr(txt, "A vs A(seed+1)") != NULL, "%s", txt);
+    free(txt);
+    /* a corpus of another model is refused before any work; a missing one names the file */
+    cr_expect_eq(kvcc_compilerkv_transfer_check(&cx, art, pb, 1, stdout, err, sizeof err), KVCC_EXIT_FAILED);
+    cr_expect(strstr(err, pb) && strstr(err, "n_layers"), "%s", err);
+    cr_expect_eq(kvcc_compilerkv_transfer_check(&cx, art, "/nonexistent/other.h5", 1, stdout, err, sizeof err),
+                 KVCC_EXIT_FAILED);
+    cr_expect(strstr(err, "/nonexistent/other.h5") != NULL, "%s", err);
+    kvcc_corpus_close(c);
+    unlink(pa);
+    unlink(pb);
+    unlink(art);
+}
+
+// ----------------------------------------------------------------------------
+// the window rule (budgets at or below the window)
+
+Test(compilerkv, kept_window_rule) {
+    cr_expect_eq(kvrt_compilerkv_kept_window(64, 64, 512), 32);
+    cr_expect_eq(kvrt_compilerkv_kept_window(64, 127, 512), 63);
+    cr_expect_eq(kvrt_compilerkv_kept_window(64, 128, 512), 64);
+    cr_expect_eq(kvrt_compilerkv_kept_window(64, 1000, 512), 64);
+    cr_expect_eq(kvrt_compilerkv_kept_window(64, 1, 512), 1, "at least one recent token");
+    cr_expect_eq(kvrt_compilerkv_kept_window(64, 3, 512), 1);
+    cr_expect_eq(kvrt_compilerkv_kept_window(64, 128, 40), 40, "never more than T");
+    /* B = w: the sink (token 0, the largest utility) and the early heavy hitter survive; the
+     * window part is the last B/2 tokens; kept <= B; fast == ref */
+    enum { T = 200, W = 16 };
+    float alpha[T], rho[T], w[2] = {1.0f, 1.0f};
+    for (int t = 0; t < T; t++) { alpha[t] = 0.5f; rho[t] = 1.0f; }
+    alpha[0] = 40.0f;  /* the sink */
+    alpha[37] = 5.0f;  /* an early heavy hitter */
+    for (int64_t B = 1; B <= 2 * W + 1; B++) {
+        kvrt_selection *a = NULL, *b = NULL;
+        kvrt_compilerkv_stats sa, sb;
+        cr_assert_eq(kvrt_compilerkv_select_layer(alpha, rho, T, 2, 1, w, 0.9f, B, W, &a, &sa), KVRT_OK);
+        cr_assert_eq(kvrt_compilerkv_select_layer_ref(alpha, rho, T, 2, 1, w, 0.9f, B, W, &b, &sb), KVRT_OK);
+        const int64_t nw = kvrt_compilerkv_kept_window(W, B, T), n = a->offsets[1];
+        cr_expect_leq(n, B, "B %lld", (long long)B);
+        cr_expect_eq(sa.kept, n);
+        cr_assert_eq(n, b->offsets[1]);
+        cr_expect_eq(memcmp(a->positions, b->positions, sizeof(int32_t) * (size_t)n), 0, "B %lld: fast != ref", (long long)B);
+        for (int64_t i = 0; i < nw; i++) cr_expect_eq(a->positions[n - nw + i], T - nw + i, "B %lld: window", (long long)B);
+        if (B >= 2) cr_expect_eq(a->positions[0], 0, "B %lld: the sink is kept", (long long)B);
+        if (B >= 4) cr_expect_eq(a->positions[1], 37, "B %lld: the heavy hitter is kept", (long long)B);
+        if (B == W) cr_expect_eq(n, 2 + W / 2, "B = w: window w/2 + the 2 candidates above tau");
+        kvrt_selection_free(a);
+        kvrt_selection_free(b);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// the pass's incremental attention reward == gather + attend (reference path)
+
+static double ref_error(const float *q, const float *k, const float *v, uint32_t C, uint32_t N, uint32_t H, uint32_t Hkv,
+                        uint32_t d, const int32_t *pos, int64_t n) {
+    int64_t *cnt = malloc(sizeof(int64_t) * Hkv);
+    for (uint32_t j = 0; j < Hkv; j++) cnt[j] = n;
+    kvrt_selection *sel = NULL, *all = NULL;
+    kvrt_cache *cs = NULL, *cf = NULL;
+    cr_assert_eq(kvrt_selection_create(Hkv, cnt, &sel), KVRT_OK);
+    for (uint32_t j = 0; j < Hkv; j++) memcpy(sel->positions + sel->offsets[j], pos, sizeof(int32_t) * (size_t)n);
+    for (uint32_t j = 0; j < Hkv; j++) cnt[j] = C;
+    cr_assert_eq(kvrt_selection_create(Hkv, cnt, &all), KVRT_OK);
+    for (uint32_t j = 0; j < Hkv; j++)
+        for (uint32_t t = 0; t < C; t++) all->positions[all->offsets[j] + t] = (int32_t)t;
+    cr_assert_eq(kvrt_cache_gather(k, v, C, Hkv, d, sel, KVRT_DTYPE_F32, &cs), KVRT_OK);
+    cr_assert_eq(kvrt_cache_gather(k, v, C, Hkv, d, all, KVRT_DTYPE_F32, &cf), KVRT_OK);
+    float *oc = malloc(sizeof(float) * N * H * d), *of = malloc(sizeof(float) * N * H * d);
+    const float sc = 1.0f / sqrtf((float)d);
+    cr_assert_eq(kvrt_attend_ref(q + (size_t)C * H * d, N, H, cs, k + (size_t)C * Hkv * d, v + (size_t)C * Hkv * d, N, sc, oc,
+                                 NULL), KVRT_OK);
+    cr_assert_eq(kvrt_attend_ref(q + (size_t)C * H * d, N, H, cf, k + (size_t)C * Hkv * d, v + (size_t)C * Hkv * d, N, sc, of,
+                                 NULL), KVRT_OK);
+    double tot = 0;
+    for (uint32_t h = 0; h < H; h++) {
+        double e = 0;
+        for (uint32_t i = 0; i < N; i++) {
+            double num = 0, den = 0;
+            for (uint32_t x = 0; x < d; x++) {
+                const double a = oc[((size_t)i * H + h) * d + x], b = of[((size_t)i * H + h) * d + x];
+                num += (a - b) * (a - b);
+                den += b * b;
+            }
+            e += sqrt(num) / (sqrt(den) + 1e-30);
+        }
+        tot += e / N;
+    }
+    kvrt_selection_free(sel); kvrt_selection_free(all); kvrt_cache_free(cs); kvrt_cache_free(cf);
+    free(oc); free(of); free(cnt);
+    return tot / H;
+}
+
+static int64_t random_set(uint64_t *s, uint32_t C, int32_t *pos) {
+    int64_t n = 0;
+    const uint32_t keep = 1 + (uint32_t)(rng_next(s) % 100);
+    for (uint32_t t = 0; t < C; t++)
+        if (rng_next(s) % 100 < keep) pos[n++] = (int32_t)t;
+    return n;
+}
+
+Test(compilerkv, incremental_attention_reward_matches_attend) {
+    const uint32_t C = 70, N = 6, H = 4, Hkv = 2, d = 16, T = C + N;
+    uint64_t s = 99;
+    float *q = malloc(sizeof(float) * T * H * d), *k = malloc(sizeof(float) * T * Hkv * d), *v = malloc(sizeof(float) * T * Hkv * d);
+    for (uint32_t i = 0; i < T * H * d; i++) q[i] = unif(&s, -1.5f, 1.5f);
+    for (uint32_t i = 0; i < T * Hkv * d; i++) k[i] = unif(&s, -1.5f, 1.5f);
+    for (uint32_t i = 0; i < T * Hkv * d; i++) v[i] = unif(&s, -1, 1);
+    for (uint32_t x = 0; x < Hkv * d; x++) k[x] *= 4.0f; /* a sink-like first key */
+    kvcc_ckv_layer *lc = NULL;
+    cr_assert_eq(kvcc_ckv_layer_build(q, k, v, C, N, H, Hkv, d, &lc), 0);
+    double *scratch = malloc(sizeof(double) * kvcc_ckv_scratch_doubles(lc));
+    int32_t base_pos[70], pos[70], all[70];
+    for (uint32_t t = 0; t < C; t++) all[t] = (int32_t)t;
+    double e;
+    cr_assert_eq(kvcc_ckv_error(lc, NULL, all, C, scratch, &e), 0);
+    cr_expect_leq(e, 1e-12, "the whole context is exact (%g)", e);
+    cr_assert_eq(kvcc_ckv_error(lc, NULL, NULL, 0, scratch, &e), 0);
+    cr_expect_leq(fabs(e - ref_error(q, k, v, C, N, H, Hkv, d, NULL, 0)), 1e-5, "continuation only");
+    for (int trial = 0; trial < 12; trial++) {
+        const int64_t nb = random_set(&s, C, base_pos);
+        kvcc_ckv_base *base = NULL;
+        cr_assert_eq(kvcc_ckv_base_create(lc, base_pos, nb, &base), 0);
+        for (int r = 0; r < 4; r++) {
+            const int64_t n = random_set(&s, C, pos);
+            const double want = ref_error(q, k, v, C, N, H, Hkv, d, pos, n);
+            double e0, e1;
+            cr_assert_eq(kvcc_ckv_error(lc, base, pos, n, scratch, &e1), 0);
+            cr_assert_eq(kvcc_ckv_error(lc, NULL, pos, n, scratch, &e0), 0);
+            cr_expect_leq(fabs(e1 - want), 1e-5 + 1e-5 * want, "trial %d.%d: incremental %.9g vs attend %.9g", trial, r, e1, want);
+            cr_expect_leq(fabs(e1 - e0), 1e-9 + 1e-9 * want, "base vs no base %.12g %.12g", e1, e0);
+        }
+        kvcc_ckv_base_free(base);
+    }
+    /* positions out of order or range: refused */
+    int32_t bad[2] = {5, 3};
+    cr_expect_eq(kvcc_ckv_error(lc, NULL, bad, 2, scratch, &e), -1);
+    bad[0] = 1; bad[1] = (int32_t)C;
+    cr_expect_eq(kvcc_ckv_error(lc, NULL, bad, 2, scratch, &e), -1);
+    kvcc_ckv_layer_free(lc);
+    free(scratch); free(q); free(k); free(v);
+}
+
+// ----------------------------------------------------------------------------
+// kvcc compile: option errors of the CompilerKV reports (refused before any work: exit 2 or 5)
+
+static int run_compile(int n, const char **args) {
+    char *argv[32];
+    argv[0] = (char *)"compile";
+    for (int i = 0; i < n; i++) argv[i + 1] = (char *)args[i];
+    return kvcc_cmd_compile(n + 1, argv);
+}
+
+Test(compilerkv, compile_option_errors) {
+    char path[128], out[160], other[160];
+    snprintf(path, sizeof path, "/tmp/kvcc_ckv_opt_%d.h5", (int)getpid());
+    snprintf(out, sizeof out, "/tmp/kvcc_ckv_opt_%d.kvpol", (int)getpid());
+    snprintf(other, sizeof other, "/tmp/kvcc_ckv_opt_missing_%d.h5", (int)getpid());
+    const kvcc_corpus_model sm = {.name = "smollm2-135m", .n_layers = 30, .n_heads = 9, .n_kv_heads = 3, .head_dim = 64,
+                                  .vocab_size = 49152, .rope_theta = 100000.0, .rope_scaling = "none", .rope_scaling_factor = 1};
+    kvcc_synth_opts so = {.n_prompts = 1, .context_len = 80, .continuation_len = 4, .seed = 4};
+    char err[512];
+    cr_assert_eq(kvcc_synth_write(path, &sm, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    const char *base[] = {"--model", "smollm2-135m", "--corpus", path, "--policies", "compilerkv", "-o", out};
+#define ARGS(...) (const char *[]){base[0], base[1], base[2], base[3], base[4], base[5], base[6], base[7], __VA_ARGS__}
+    cr_expect_eq(run_compile(9, ARGS("--reward=model")), KVCC_EXIT_USAGE, "--reward model without --gguf");
+    cr_expect_eq(run_compile(9, ARGS("--reward=both")), KVCC_EXIT_USAGE);
+    cr_expect_eq(run_compile(9, ARGS("--reward-check=3")), KVCC_EXIT_USAGE, "--reward-check without --gguf");
+    cr_expect_eq(run_compile(9, ARGS("--reward-check=0")), KVCC_EXIT_USAGE);
+    cr_expect_eq(run_compile(9, ARGS("--reward-check=many")), KVCC_EXIT_USAGE);
+    cr_expect_eq(run_compile(9, ARGS("--transfer-check")), KVCC_EXIT_USAGE, "missing argument");
+    const char *tc[2] = {"--transfer-check", other};
+    cr_expect_eq(run_compile(10, ARGS(tc[0], tc[1])), KVCC_EXIT_FAILED, "a missing transfer corpus is an I/O failure");
+    const char *am[] = {"--model", "smollm2-135m", "--corpus", path, "--policies", "am", "-o", out, "--transfer-check", path};
+    cr_expect_eq(run_compile(10, am), KVCC_EXIT_USAGE, "--transfer-check without compilerkv");
+    /* a transfer corpus of another model */
+    char tiny[160];
+    snprintf(tiny, sizeof tiny, "/tmp/kvcc_ckv_opt_tiny_%d.h5", (int)getpid());
+    cr_assert_eq(kvcc_synth_write(tiny, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    cr_expect_eq(run_compile(10, ARGS("--transfer-check", tiny)), KVCC_EXIT_FAILED);
+#undef ARGS
+    cr_expect_neq(access(out, F_OK), 0, "a refused compile wrote its output");
+    unlink(path);
+    unlink(tiny);
+}
+
+// ----------------------------------------------------------------------------
+// the model reward on the real model (skipped when it is not fetched)
+
+static const char *model_path(void) {
+    const char *p = getenv("KVCC_MODEL");
+    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+Test(compilerkv, model_reward_check_real_model, .timeout = 600) {
+    const char *text = "examples/data/calib/1790_george_washington_n.txt"; /* calibration text only */
+    if (access(model_path(), R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    if (access(text, R_OK) != 0) cr_skip_test("calibration text missing");
+    char cpath[128], apath[128], spath[128], msg[768];
+    snprintf(cpath, sizeof cpath, "/tmp/kvcc_ckv_cap_%d.h5", (int)getpid());
+    snprintf(apath, sizeof apath, "/tmp/kvcc_ckv_cap_%d.kvpol", (int)getpid());
+    snprintf(spath, sizeof spath, "/tmp/kvcc_ckv_syn_%d.h5", (int)getpid());
+    kvcc_loaded_model lm;
+    cr_assert_eq(kvcc_load_model(model_path(), 0, &lm, msg, sizeof msg), 0, "%s", msg);
+    const char *texts[] = {text};
+    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 40, .continuation_len = 6,
+                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
+    kvcc_capture_stats cs;
+    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, cpath, NULL, &cs, msg, sizeof msg), 0, "%s", msg);
+    kvcc_loaded_model_free(&lm);
+    /* tables to roll out around (written directly: compiling them would cost most of the test) */
+    {
+        kvpol_header h;
+        kvpol_header_init(&h);
+        h.model = (kvpol_model){.n_layers = 30, .n_heads = 9, .n_kv_heads = 3, .head_dim = 64, .vocab_size = 49152,
+                                .rope_theta = 100000.0, .rope_scaling_factor = 1.0f};
+        snprintf(h.model.name, sizeof h.model.name, "smollm2-135m");
+        static float wh[30 * 9], tg[30 * 80];
+        float ee[19], pe[3] = {5, 10, 20};
+        for (int i = 0; i < 30 * 9; i++) wh[i] = 0.8f + 0.025f * (float)(i % 29);
+        for (int i = 0; i < 30 * 80; i++) tg[i] = 0.8f;
+        for (int i = 0; i < 19; i++) ee[i] = 0.5f + 0.02f * (float)i;
+        const int64_t bud[1] = {12};
+        uint64_t d1[1] = {1}, d3[3] = {1, 30, 9}, d4[4] = {1, 30, 20, 4}, de[1] = {19}, dp[1] = {3};
+        kvpol_writer *w = NULL;
+        kvpol_error ke;
+        cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+        int kc = kvpol_writer_begin_section(w, KVRT_COMPILERKV_SECTION_ID, "compilerkv.tables", KVPOL_SECTION_CRITICAL,
+                                            KVPOL_CODEC_NONE, 1);
+        if (!kc) kc = kvpol_writer_add_i64(w, "n_budgets", 1);
+        if (!kc) kc = kvpol_writer_add_i64(w, "window", 8);
+        if (!kc) kc = kvpol_writer_add_tensor(w, "budgets", KVPOL_DTYPE_I64, 1, d1, bud);
+        if (!kc) kc = kvpol_writer_add_tensor(w, "w_head", KVPOL_DTYPE_F32, 3, d3, wh);
+        if (!kc) kc = kvpol_writer_add_tensor(w, "t_gate", KVPOL_DTYPE_F32, 4, d4, tg);
+        if (!kc) kc = kvpol_writer_add_tensor(w, "ent_edges", KVPOL_DTYPE_F32, 1, de, ee);
+        if (!kc) kc = kvpol_writer_add_tensor(w, "ppl_edges", KVPOL_DTYPE_F32, 1, dp, pe);
+        if (!kc) kc = kvpol_writer_end_section(w);
+        cr_assert_eq(kc, 0, "%s", kvpol_status_str(kc));
+        cr_assert_eq(kvpol_writer_finish(w, apath, &ke), 0, "%s", ke.msg);
+        kvpol_writer_free(w);
+    }
+    /* the check, as kvcc compile --gguf M --reward-check 3 runs it */
+    kvcc_corpus *c = NULL;
+    cr_assert_eq(kvcc_corpus_open(&c, cpath, NULL, msg, sizeof msg), 0, "%s", msg);
+    double budgets[1] = {12};
+    kvpol_model km = {.n_layers = 30, .n_heads = 9, .n_kv_heads = 3, .head_dim = 64, .vocab_size = 49152, .rope_theta = 100000.0};
+    snprintf(km.name, sizeof km.name, "smollm2-135m");
+    kvcc_compile_ctx cx = {.corpus_path = cpath, .corpus = c, .model = &km, .seed = 1, .budgets = budgets, .n_budgets = 1,
+                           .window = 8, .reward = "attention", .gguf = model_path()};
+    char *txt = NULL;
+    size_t tl = 0;
+    FILE *mf = open_memstream(&txt, &tl);
+    int rc = kvcc_compilerkv_reward_check(&cx, apath, 3, mf, msg, sizeof msg);
+    fclose(mf);
+    cr_assert_eq(rc, 0, "%s", msg);
+    cr_expect(strstr(txt, "3 head states") && strstr(txt, "per-state Spearman") && strstr(txt, "pooled Spearman"), "%s", txt);
+    const char *lpd = strstr(txt, "model vs corpus ");
+    cr_assert_not_null(lpd, "%s", txt);
+    cr_expect_leq(atof(lpd + 16), 1e-3, "the capture's log-probabilities are the model's: %s", lpd);
+    free(txt);
+    kvcc_corpus_close(c);
+    /* a corpus the model did not produce (synthetic tokens and log-probabilities): refused */
+    const kvcc_corpus_model sm = {.name = "smollm2-135m", .n_layers = 30, .n_heads = 9, .n_kv_heads = 3, .head_dim = 64,
+                                  .vocab_size = 49152, .rope_theta = 100000.0, .rope_scaling = "none", .rope_scaling_factor = 1};
+    kvcc_synth_opts so = {.n_prompts = 1, .context_len = 40, .continuation_len = 6, .seed = 4};
+    cr_assert_eq(kvcc_synth_write(spath, &sm, &so, "test", NULL, msg, sizeof msg), 0, "%s", msg);
+    cr_assert_eq(kvcc_corpus_open(&c, spath, NULL, msg, sizeof msg), 0, "%s", msg);
+    cx.corpus = c;
+    cx.corpus_path = spath;
+    mf = open_memstream(&txt, &tl);
+    rc = kvcc_compilerkv_reward_check(&cx, apath, 3, mf, msg, sizeof msg);
+    fclose(mf);
+    free(txt);
+    cr_expect_eq(rc, KVCC_EXIT_USAGE, "%s", msg);
+    cr_expect(strstr(msg, "is not the model") != NULL, "%s", msg);
+    kvcc_corpus_close(c);
+    unlink(cpath);
+    unlink(apath);
+    unlink(spath);
 }

@@ -124,3 +124,33 @@ Test(cql, refuses_bad_records) {
     cr_expect_eq(best[0], 2u);
     cr_expect_eq(best[1], 2u);
 }
+
+Test(cql, spearman_known_values_and_ties) {
+    double rho;
+    const double x[5] = {1, 2, 3, 4, 5}, y[5] = {5, 6, 7, 8, 7};
+    /* ranks of y: 1, 2, 3.5, 5, 3.5 -> 8 / sqrt(10 * 9.5) (scipy.stats.spearmanr: 0.8207826816681233) */
+    cr_assert_eq(kvcc_spearman(x, y, 5, &rho), 0);
+    cr_expect_leq(fabs(rho - 0.8207826816681233), 1e-12, "%.16g", rho);
+    const double up[4] = {0.1, 0.5, 2, 9}, down[4] = {4, 3, 2, -1};
+    cr_assert_eq(kvcc_spearman(x, up, 4, &rho), 0);
+    cr_expect_eq(rho, 1.0);
+    cr_assert_eq(kvcc_spearman(up, down, 4, &rho), 0);
+    cr_expect_eq(rho, -1.0);
+    /* ties on both sides that cancel: 0 */
+    const double a[4] = {1, 1, 2, 2}, b[4] = {1, 2, 1, 2};
+    cr_assert_eq(kvcc_spearman(a, b, 4, &rho), 0);
+    cr_expect_leq(fabs(rho), 1e-15);
+    /* scipy.stats.spearmanr([3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8]) = 0.19885368120992467 */
+    const double p[8] = {3, 1, 4, 1, 5, 9, 2, 6}, q[8] = {2, 7, 1, 8, 2, 8, 1, 8};
+    cr_assert_eq(kvcc_spearman(p, q, 8, &rho), 0);
+    cr_expect_leq(fabs(rho - 0.19885368120992467), 1e-12, "%.17g", rho);
+    /* undefined: constant input, fewer than 2 values; NaN refused */
+    const double c[3] = {2, 2, 2};
+    cr_assert_eq(kvcc_spearman(x, c, 3, &rho), 0);
+    cr_expect(isnan(rho));
+    cr_assert_eq(kvcc_spearman(x, y, 1, &rho), 0);
+    cr_expect(isnan(rho));
+    const double n[3] = {1, NAN, 3};
+    cr_expect_eq(kvcc_spearman(x, n, 3, &rho), -1);
+    cr_expect(isnan(rho));
+}

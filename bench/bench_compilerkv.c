@@ -1,0 +1,318 @@
+/*
+ * bench_compilerkv.c: timing of CompilerKV, offline and online. Not a test. Run by `make bench`
+ * (no arguments: both parts with their defaults) or by hand.
+ *
+ * Part 1, compile time vs corpus size: spawns the kvcc binary (this bench does not link the
+ * compiler's passes) as
+ *     kvcc compile --model smollm2-135m --corpus CORPUS --policies compilerkv
+ *                  --budgets 64,128,256 --prompts N -o TMP.kvpol
+ * for N = 1, 2, 4, 8 (sizes above the corpus's prompt count are skipped, with a note) and reports
+ * per N the wall time, the child's CPU time (user + system, from wait4) and the pass's own split
+ * (prompt features, rollouts, CQL) parsed from its stderr. CORPUS: --corpus F (default
+ * build/demo/corpus.h5, 4 prompts; an 8-prompt corpus: kvcc capture --prompts 8 --context 512
+ * --continuation 64 -o F). The kvcc binary: --kvcc PATH, else $KVCC, else ../kvcc next to this
+ * bench (build/bench/bench_compilerkv -> build/kvcc).
+ *
+ * Part 2, runtime selection cost at llama3-8b shapes (32 query heads, 8 KV heads, d = 128),
+ * context 32768, observation window 64, budget 1024: one layer's activations from kvcc synth's
+ * generator (kvcc_synth_layer: planted sinks, recency, retrieval heads; the timing depends on the
+ * shapes only), then per layer
+ *   - the unavoidable part: the window-attention matrix product alone, 64 window queries x 32768
+ *     keys per query head, as one cblas_sgemm per KV head ([4 heads x 64 queries, 128] x
+ *     [128, 32768]) through OpenBLAS;
+ *   - CompilerKV's steps: window mass (kvrt_compilerkv_prompt_add_layer: the same product plus the
+ *     causal softmax and the column sums), value norms (kvrt_compilerkv_value_norms), selection
+ *     (kvrt_compilerkv_select_layer: pooled scores, threshold, top-k), and once per prompt
+ *     kvrt_compilerkv_prompt_finish (alpha, entropy, perplexity) divided by the 32 layers;
+ * medians over --reps repeats (default 5), each part timed in the same run, and the ratio of
+ * each to the sgemm. Threads: whatever OpenMP and OpenBLAS use (set OMP_NUM_THREADS /
+ * OPENBLAS_NUM_THREADS to pin them).
+ *
+ * Options: --part 1|2 (default both), --corpus F, --kvcc PATH, --sizes LIST (default 1,2,4,8),
+ * --reps N (part 2), --compile-reps N (part 1, default 1), --context T (part 2, default 32768).
+ */
+#include <cblas.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "corpus.h"
+#include "kvrt.h"
+#include "synth.h"
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+static double median(double *x, int n) {
+    qsort(x, (size_t)n, sizeof *x, cmp_d);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+// ----------------------------------------------------------------------------
+// part 1: compile time vs corpus size (spawns kvcc)
+
+typedef struct {
+    double wall, cpu, features, rollouts, cql;
+    int ok;
+} compile_run;
+
+/* Run kvcc compile once; stderr of the child goes to errpath. */
+static int run_compile(const char *kvcc, const char *corpus, unsigned prompts, const char *out, const char *errpath,
+                       compile_run *r) {
+    char np[16];
+    snprintf(np, sizeof np, "%u", prompts);
+    memset(r, 0, sizeof *r);
+    double t0 = now_s();
+    pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "bench_compilerkv: fork: %s\n", strerror(errno));
+        return -1;
+    }
+    if (pid == 0) {
+        FILE *e = freopen(errpath, "w", stderr);
+        if (!e) _exit(127);
+        execl(kvcc, kvcc, "compile", "--model", "smollm2-135m", "--corpus", corpus, "--policies", "compilerkv",
+              "--budgets", "64,128,256", "--prompts", np, "-o", out, (char *)NULL);
+        fprintf(stderr, "bench_compilerkv: cannot run %s: %s\n", kvcc, strerror(errno));
+        _exit(127);
+    }
+    int status = 0;
+    struct rusage ru;
+    if (wait4(pid, &status, 0, &ru) < 0) {
+        fprintf(stderr, "bench_compilerkv: wait4: %s\n", strerror(errno));
+        return -1;
+    }
+    r->wall = now_s() - t0;
+    r->cpu = (double)ru.ru_utime.tv_sec + 1e-6 * (double)ru.ru_utime.tv_usec + (double)ru.ru_stime.tv_sec +
+             1e-6 * (double)ru.ru_stime.tv_usec;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "bench_compilerkv: %s compile --prompts %u failed (status %d); its messages are in %s\n", kvcc,
+                prompts, WIFEXITED(status) ? WEXITSTATUS(status) : -1, errpath);
+        return -1;
+    }
+    FILE *f = fopen(errpath, "r");
+    char line[1024];
+    while (f && fgets(line, sizeof line, f)) {
+        const char *p = strstr(line, "time: features ");
+        if (p && sscanf(p, "time: features %lf s, rollouts %lf s, CQL %lf s", &r->features, &r->rollouts, &r->cql) == 3)
+            r->ok = 1;
+    }
+    if (f) fclose(f);
+    return 0;
+}
+
+static int part1(const char *kvcc, const char *corpus, const unsigned *sizes, int n_sizes, int reps) {
+    char msg[768];
+    kvcc_corpus *c = NULL;
+    if (kvcc_corpus_open(&c, corpus, NULL, msg, sizeof msg) != 0) {
+        fprintf(stderr, "bench_compilerkv: --corpus: %s\n", msg);
+        return 1;
+    }
+    const uint32_t have = kvcc_corpus_get_info(c)->n_prompts;
+    kvcc_corpus_prompt_info info;
+    kvcc_corpus_prompt(c, 0, &info, NULL, NULL);
+    kvcc_corpus_close(c);
+    if (access(kvcc, X_OK) != 0) {
+        fprintf(stderr, "bench_compilerkv: the kvcc binary %s is not executable (build it, or pass --kvcc PATH)\n", kvcc);
+        return 1;
+    }
+    char out[256], errp[256];
+    snprintf(out, sizeof out, "/tmp/bench_compilerkv_%d.kvpol", (int)getpid());
+    snprintf(errp, sizeof errp, "/tmp/bench_compilerkv_%d.log", (int)getpid());
+    printf("part 1: kvcc compile --policies compilerkv --budgets 64,128,256 --prompts N on %s (%u prompts of %u + %u "
+           "tokens), spawned %s; median of %d\n", corpus, have, info.context_len, info.continuation_len, kvcc, reps);
+    printf("  %7s  %9s  %9s  %10s  %10s  %9s  %12s\n", "prompts", "wall s", "cpu s", "features s", "rollouts s", "CQL s",
+           "wall/prompt");
+    int rc = 0;
+    for (int i = 0; i < n_sizes && !rc; i++) {
+        if (sizes[i] > have) {
+            printf("  %7u  (skipped: the corpus has %u prompts)\n", sizes[i], have);
+            continue;
+        }
+        double w[16], cp[16], fe[16], ro[16], cq[16];
+        int n = 0;
+        for (int k = 0; k < reps && k < 16; k++) {
+            compile_run r;
+            if (run_compile(kvcc, corpus, sizes[i], out, errp, &r) != 0) {
+                rc = 1;
+                break;
+            }
+            w[n] = r.wall; cp[n] = r.cpu; fe[n] = r.ok ? r.features : NAN; ro[n] = r.ok ? r.rollouts : NAN;
+            cq[n] = r.ok ? r.cql : NAN;
+            n++;
+        }
+        if (!n) break;
+        const double mw = median(w, n);
+        printf("  %7u  %9.1f  %9.1f  %10.1f  %10.1f  %9.1f  %12.1f\n", sizes[i], mw, median(cp, n), median(fe, n),
+               median(ro, n), median(cq, n), mw / sizes[i]);
+        fflush(stdout);
+    }
+    unlink(out);
+    if (!rc) unlink(errp);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+// part 2: runtime selection cost at llama3-8b shapes
+
+static int part2(int64_t T, int reps) {
+    const uint32_t H = 32, Hkv = 8, d = 128, W = 64, L = 32, G = H / Hkv;
+    const int64_t B = 1024;
+    const kvcc_corpus_model m = {.name = "llama3-8b", .n_layers = L, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d,
+                                 .vocab_size = 128256, .rope_theta = 500000.0, .rope_scaling = "none",
+                                 .rope_scaling_factor = 1};
+    const kvcc_synth_opts so = {.n_prompts = 1, .context_len = (uint32_t)T, .continuation_len = 0, .seed = 1,
+                                .retrieval_heads = 2};
+    float *q = malloc(sizeof(float) * (size_t)T * H * d), *k = malloc(sizeof(float) * (size_t)T * Hkv * d);
+    float *v = malloc(sizeof(float) * (size_t)T * Hkv * d), *lp = malloc(sizeof(float) * (size_t)T);
+    float *qw = malloc(sizeof(float) * (size_t)Hkv * G * W * d);   /* window queries per KV head [G*W, d] */
+    float *sc = malloc(sizeof(float) * (size_t)G * W * T);          /* one KV head's products */
+    float *rho = malloc(sizeof(float) * (size_t)Hkv * T), *wrow = malloc(sizeof(float) * H);
+    if (!q || !k || !v || !lp || !qw || !sc || !rho || !wrow) {
+        fprintf(stderr, "bench_compilerkv: out of memory for T = %lld\n", (long long)T);
+        return 1;
+    }
+    double t0 = now_s();
+    kvcc_synth_layer(&m, &so, 0, 7, q, k, v);
+    for (int64_t t = 0; t + 1 < T; t++) lp[t] = -2.0f - 0.5f * (float)((t * 7919) % 13) / 13.0f;
+    const double t_gen = now_s() - t0;
+    /* window queries packed per KV head: rows (g, i) = query head j*G + g at token T - W + i */
+    for (uint32_t j = 0; j < Hkv; j++)
+        for (uint32_t g = 0; g < G; g++)
+            for (uint32_t i = 0; i < W; i++)
+                memcpy(qw + (((size_t)j * G + g) * W + i) * d, q + (((size_t)(T - W + i)) * H + j * G + g) * d,
+                       sizeof(float) * d);
+    for (uint32_t h = 0; h < H; h++) wrow[h] = 0.8f + 0.025f * (float)(h % 29);
+    double ts[64], tm[64], tv[64], tsel[64], tf[64];
+    int n = 0, rc = 0;
+    int64_t kept = 0;
+    for (int r = 0; r < reps && r < 64 && !rc; r++) {
+        /* the unavoidable part: QK^T of the window, per KV head one sgemm */
+        double a = now_s();
+        for (uint32_t j = 0; j < Hkv; j++)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(G * W), (int)T, (int)d, 1.0f / sqrtf((float)d),
+                        qw + (size_t)j * G * W * d, (int)d, k + (size_t)j * d, (int)(Hkv * d), 0.0f, sc, (int)T);
+        ts[n] = now_s() - a;
+        /* window mass (one layer) */
+        kvrt_compilerkv_prompt *pr = NULL;
+        if (kvrt_compilerkv_prompt_create(T, W, &pr) != KVRT_OK) { rc = 1; break; }
+        a = now_s();
+        rc |= kvrt_compilerkv_prompt_add_layer(pr, q, k, H, Hkv, d) != KVRT_OK;
+        tm[n] = now_s() - a;
+        /* per prompt: alpha and risk (its cost spread over the L layers) */
+        a = now_s();
+        rc |= kvrt_compilerkv_prompt_finish(pr, lp) != KVRT_OK;
+        tf[n] = (now_s() - a) / L;
+        /* value norms, selection */
+        a = now_s();
+        rc |= kvrt_compilerkv_value_norms(v, T, Hkv, d, rho) != KVRT_OK;
+        tv[n] = now_s() - a;
+        kvrt_selection *sel = NULL;
+        kvrt_compilerkv_stats st;
+        a = now_s();
+        rc |= kvrt_compilerkv_select_layer(pr->alpha, rho, T, H, Hkv, wrow, 0.9f, B, W, &sel, &st) != KVRT_OK;
+        tsel[n] = now_s() - a;
+        kept = st.kept;
+        kvrt_selection_free(sel);
+        kvrt_compilerkv_prompt_free(pr);
+        if (rc) fprintf(stderr, "bench_compilerkv: %s\n", kvrt_last_error()->msg);
+        n++;
+    }
+    if (!rc && n) {
+        const double s = median(ts, n), ms = median(tm, n), mv = median(tv, n), msel = median(tsel, n), mf = median(tf, n);
+        const double ck = ms + mv + msel + mf;
+        printf("part 2: CompilerKV selection at llama3-8b shapes: %u query heads, %u KV heads, d %u, context %lld, window %u, "
+               "budget %lld (kept %lld); synthetic activations (kvcc synth's generator, %.1f s); per layer, median of %d\n",
+               H, Hkv, d, (long long)T, W, (long long)B, (long long)kept, t_gen, n);
+        printf("  %-48s  %10s  %8s\n", "part", "ms/layer", "x sgemm");
+        printf("  %-48s  %10.2f  %8.3f\n", "window QK^T alone (sgemm, the unavoidable part)", 1e3 * s, 1.0);
+        printf("  %-48s  %10.2f  %8.3f\n", "window mass (QK^T + causal softmax + column sums)", 1e3 * ms, ms / s);
+        printf("  %-48s  %10.2f  %8.3f\n", "value norms", 1e3 * mv, mv / s);
+        printf("  %-48s  %10.2f  %8.3f\n", "selection (pooled scores, threshold, top-k)", 1e3 * msel, msel / s);
+        printf("  %-48s  %10.2f  %8.3f\n", "alpha + risk features (per prompt / 32 layers)", 1e3 * mf, mf / s);
+        printf("  %-48s  %10.2f  %8.3f\n", "CompilerKV total", 1e3 * ck, ck / s);
+        printf("  %-48s  %10.2f  %8.3f\n", "CompilerKV beyond the window mass", 1e3 * (mv + msel + mf), (mv + msel + mf) / s);
+        printf("  per prompt (32 layers): sgemm %.2f s, CompilerKV %.2f s\n", L * s, L * ck);
+    }
+    free(q); free(k); free(v); free(lp); free(qw); free(sc); free(rho); free(wrow);
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
+
+static int parse_sizes(const char *s, unsigned *out, int *n) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", s);
+    *n = 0;
+    for (char *t = strtok(buf, ","); t && *n < 16; t = strtok(NULL, ",")) {
+        char *end;
+        long x = strtol(t, &end, 10);
+        if (*end || x < 1 || x > 100000) return -1;
+        out[(*n)++] = (unsigned)x;
+    }
+    return *n ? 0 : -1;
+}
+
+int main(int argc, char **argv) {
+    int part = 0, reps = 5, creps = 1;
+    int64_t T = 32768;
+    const char *corpus = "build/demo/corpus.h5", *kvcc = getenv("KVCC");
+    unsigned sizes[16] = {1, 2, 4, 8};
+    int n_sizes = 4;
+    char self_kvcc[1024];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--part") && val) part = atoi(argv[++i]);
+        else if (!strcmp(a, "--corpus") && val) corpus = argv[++i];
+        else if (!strcmp(a, "--kvcc") && val) kvcc = argv[++i];
+        else if (!strcmp(a, "--reps") && val) reps = atoi(argv[++i]);
+        else if (!strcmp(a, "--compile-reps") && val) creps = atoi(argv[++i]);
+        else if (!strcmp(a, "--context") && val) T = atoll(argv[++i]);
+        else if (!strcmp(a, "--sizes") && val) {
+            if (parse_sizes(argv[++i], sizes, &n_sizes)) {
+                fprintf(stderr, "bench_compilerkv: --sizes: expected a list of prompt counts such as 1,2,4,8\n");
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "usage: bench_compilerkv [--part 1|2] [--corpus F] [--kvcc PATH] [--sizes 1,2,4,8] "
+                            "[--compile-reps N] [--reps N] [--context T]\n");
+            return 2;
+        }
+    }
+    if (part < 0 || part > 2 || reps < 1 || reps > 64 || creps < 1 || creps > 16 || T < 128 || T > (1 << 22)) {
+        fprintf(stderr, "bench_compilerkv: --part 1|2, --reps 1..64, --compile-reps 1..16, --context 128..4194304\n");
+        return 2;
+    }
+    if (!kvcc || !*kvcc) { /* build/bench/bench_compilerkv -> build/kvcc */
+        snprintf(self_kvcc, sizeof self_kvcc, "%s", argv[0]);
+        char *slash = strrchr(self_kvcc, '/');
+        if (slash) {
+            *slash = 0;
+            size_t len = strlen(self_kvcc);
+            snprintf(self_kvcc + len, sizeof self_kvcc - len, "/../kvcc");
+        } else {
+            snprintf(self_kvcc, sizeof self_kvcc, "../kvcc");
+        }
+        kvcc = self_kvcc;
+    }
+    int rc = 0;
+    if (part == 0 || part == 2) rc |= part2(T, reps);
+    if (part == 0 || part == 1) rc |= part1(kvcc, corpus, sizes, n_sizes, creps);
+    return rc;
+}
