@@ -56,7 +56,9 @@
  * same. Rollouts run one after another; the model's prefill uses the threads.
  *
  * Tables: CQL per phase, argmax over the supported actions of each state; a state without
- * records gets the conservative action (weight 1.0, threshold 0.8). Rounds stop when a round
+ * records, or whose records all have paired reward 0 (no sampled action changed the kept set:
+ * "without signal"), gets the conservative action (weight 1.0, threshold 0.8): there the argmax
+ * would only encode which actions the seeded sampler drew. Rounds stop when a round
  * changes no cell, or after MAX_ROUNDS.
  * Determinism: attention rollouts run in parallel (OpenMP over the rollouts of one (prompt,
  * layer)), results stored by index, every sum in a fixed order; records are appended in a fixed
@@ -1053,8 +1055,18 @@ static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_
     uint32_t flat = 0;
     if (seen) {
         for (size_t i = 0; i < S->n_rec; i++) seen[S->rec[i].state] |= (uint8_t)(1 | (S->rec[i].reward != 0.0f) << 1);
-        for (uint32_t st = 0; st < nS; st++) flat += seen[st] == 1;
+        /* no action changed the reward: the argmax would only encode which actions the seeded
+         * sampler drew (the conservative term ranks them by count), so these states take the
+         * conservative fallback, as unsupported ones do */
+        for (uint32_t st = 0; st < nS; st++)
+            if (seen[st] == 1) {
+                flat++;
+                best[st] = gate ? GATE_FALLBACK : HEAD_FALLBACK;
+            }
         free(seen);
+    } else {
+        free(Q); free(best);
+        return failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
     }
     if (gate) S->flat_gate = flat;
     else S->flat_head = flat;
