@@ -23,20 +23,7 @@
 #endif
 
 #include "kvrt.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+#include "bench_util.h"
 
 static uint32_t xs32(uint32_t *s) {
     uint32_t x = *s;
@@ -93,10 +80,10 @@ static double triad_gbs(int threads, int runs) {
     double t[32];
     const float sc = 3.0f;
     for (int r = 0; r < runs; r++) {
-        const double t0 = now();
+        const double t0 = now_s();
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (size_t i = 0; i < n; i++) a[i] = b[i] + sc * c[i];
-        t[r] = now() - t0;
+        t[r] = now_s() - t0;
     }
     volatile float sink = a[n / 2];
     (void)sink;
@@ -197,16 +184,16 @@ int main(int argc, char **argv) {
         /* Warm-up: at least 3 calls and 0.3 s. On small VMs the first calls after a pause pay
          * thread wake-up latencies of whole scheduler ticks (measured: 16 ms per call for the
          * first ~6 calls, then 1.2 ms), which is not what a serving loop sees. */
-        const double w0 = now();
-        for (int it = 0; rc == KVRT_OK && (it < 3 || now() - w0 < 0.3); it++) {
+        const double w0 = now_s();
+        for (int it = 0; rc == KVRT_OK && (it < 3 || now_s() - w0 < 0.3); it++) {
             rc = kvrt_attend(ctx, qq, 1, H, c, NULL, NULL, 0, 1.0f / sqrtf((float)D), oo, NULL);
             if (rc == KVRT_OK) rc = kvrt_ctx_sync(ctx);
         }
         for (int it = 0; it < runs && rc == KVRT_OK; it++) {
-            const double t0 = now();
+            const double t0 = now_s();
             rc = kvrt_attend(ctx, qq, 1, H, c, NULL, NULL, 0, 1.0f / sqrtf((float)D), oo, NULL);
             if (rc == KVRT_OK) rc = kvrt_ctx_sync(ctx);
-            t[it] = now() - t0;
+            t[it] = now_s() - t0;
         }
         if (rc != KVRT_OK) {
             fprintf(stderr, "bench_attend: kvrt_attend: %s\n", kvrt_ctx_last_error(ctx)->msg);

@@ -47,22 +47,8 @@
 
 #include "corpus.h"
 #include "kvrt.h"
+#include "bench_util.h"
 #include "synth.h"
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *x, int n) {
-    qsort(x, (size_t)n, sizeof *x, cmp_d);
-    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
 
 // ----------------------------------------------------------------------------
 // part 1: compile time vs corpus size (spawns kvcc)

@@ -36,20 +36,7 @@
 #endif
 
 #include "kvrt.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+#include "bench_util.h"
 
 static uint32_t xs32(uint32_t *s) {
     uint32_t x = *s;
@@ -84,10 +71,10 @@ static double triad_gbs(int threads, int runs) {
     double t[MAX_RUNS];
     const float sc = 3.0f;
     for (int r = 0; r < runs; r++) {
-        const double t0 = now();
+        const double t0 = now_s();
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (size_t i = 0; i < n; i++) a[i] = b[i] + sc * c[i];
-        t[r] = now() - t0;
+        t[r] = now_s() - t0;
     }
     volatile float sink = a[n / 2];
     (void)sink;
@@ -121,13 +108,13 @@ static int run_op(op_kind op, const op_args *a) {
  * the first calls after a pause pay thread wake-up latencies). -1 on failure. */
 static double time_op(op_kind op, const op_args *a, int runs) {
     double t[MAX_RUNS];
-    const double w0 = now();
-    for (int it = 0; it < 3 || now() - w0 < 0.3; it++)
+    const double w0 = now_s();
+    for (int it = 0; it < 3 || now_s() - w0 < 0.3; it++)
         if (run_op(op, a) != KVRT_OK) return -1.0;
     for (int it = 0; it < runs; it++) {
-        const double t0 = now();
+        const double t0 = now_s();
         if (run_op(op, a) != KVRT_OK) return -1.0;
-        t[it] = now() - t0;
+        t[it] = now_s() - t0;
     }
     return median(t, runs);
 }
@@ -223,13 +210,13 @@ int main(int argc, char **argv) {
             status = 1;
             goto next;
         }
-        const double ta = now();
+        const double ta = now_s();
         if (kvrt_compkv_append(ck, k, v, T) != KVRT_OK) {
             fprintf(stderr, "bench_compkv: %s\n", kvrt_last_error()->msg);
             status = 1;
             goto next;
         }
-        const double append_s = now() - ta;
+        const double append_s = now_s() - ta;
         /* the full cache of every token */
         int64_t counts[HKV];
         for (int j = 0; j < HKV; j++) counts[j] = T;

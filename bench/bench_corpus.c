@@ -22,25 +22,13 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
+
+#include "bench_util.h"
 #include <unistd.h>
 
 #include "corpus.h"
 #include "presets.h"
 #include "synth.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 /* A field of /proc/self/status in kB, or -1. */
 static long proc_kb(const char *field) {
@@ -120,7 +108,7 @@ static read_result read_all(const char *path, int runs) {
     double bytes = 0;
     for (int run = 0; run < runs; run++) {
         bytes = 0;
-        double t0 = now();
+        double t0 = now_s();
         for (uint32_t p = 0; p < in->n_prompts; p++) {
             kvcc_corpus_prompt_info pi;
             if ((rc = kvcc_corpus_prompt(c, p, &pi, tok, lp))) goto fail;
@@ -130,7 +118,7 @@ static read_result read_all(const char *path, int runs) {
             }
             if (run == 0 && (p == 7 || p + 1 == in->n_prompts) && !r.hwm8_kb) r.hwm8_kb = proc_kb("VmHWM");
         }
-        sec[run] = now() - t0;
+        sec[run] = now_s() - t0;
     }
     r.seconds = median(sec, runs);
     r.mb = bytes * 1e-6;
@@ -202,13 +190,13 @@ static int ensure_corpus(const char *path, const kvcc_corpus_model *m, const kvc
         kvcc_corpus_close(c);
         if (same) return 0;
     }
-    double t0 = now();
+    double t0 = now_s();
     int rc = kvcc_synth_write(path, m, o, options, NULL, err, sizeof err);
     if (rc) {
         fprintf(stderr, "bench_corpus: %s [%s]\n", err, kvcc_corpus_status_name(rc));
         return 1;
     }
-    printf("bench_corpus: wrote %s (%u prompts, %.1fs)\n", path, o->n_prompts, now() - t0);
+    printf("bench_corpus: wrote %s (%u prompts, %.1fs)\n", path, o->n_prompts, now_s() - t0);
     return 0;
 }
 

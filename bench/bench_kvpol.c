@@ -10,24 +10,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "bench_util.h"
 #include <unistd.h>
 #include <zstd.h>
 
 #include "kvpol.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 int main(int argc, char **argv) {
     int mb = 100, runs = 7;
@@ -55,7 +43,7 @@ int main(int argc, char **argv) {
     strcpy(h.model.name, "llama3-8b");
     kvpol_writer *w;
     kvpol_error err;
-    double t0 = now();
+    double t0 = now_s();
     if (kvpol_writer_create(&w, &h, &err)) { fprintf(stderr, "%s\n", err.msg); return 1; }
     uint64_t state = 0x9e3779b97f4a7c15ull;
     for (int s = 0; s < n_secs; s++) {
@@ -77,7 +65,7 @@ int main(int argc, char **argv) {
     }
     if (kvpol_writer_finish(w, path, &err)) { fprintf(stderr, "%s\n", err.msg); return 1; }
     kvpol_writer_free(w);
-    double t_write = now() - t0;
+    double t_write = now_s() - t0;
 
     /* Time open+validate+decode, all sections decoded (VERIFY_ALL: they are unknown ids). */
     double *t = malloc((size_t)runs * sizeof *t);
@@ -85,9 +73,9 @@ int main(int argc, char **argv) {
     for (int r = 0; r < runs; r++) {
         kvpol_file *f;
         kvpol_open_opts o = {.flags = KVPOL_OPEN_VERIFY_ALL};
-        double a = now();
+        double a = now_s();
         if (kvpol_open_path(&f, path, &o, &err)) { fprintf(stderr, "%s\n", err.msg); return 1; }
-        t[r] = now() - a;
+        t[r] = now_s() - a;
         file_size = kvpol_get_header(f)->file_size;
         raw_total = zstd_raw = zstd_stored = 0;
         for (uint32_t s = 0; s < kvpol_section_count(f); s++) {
@@ -104,10 +92,10 @@ int main(int argc, char **argv) {
     char *src = malloc(nb), *dst = malloc(nb);
     memset(src, 1, nb);
     memset(dst, 2, nb);
-    for (int r = 0; r < runs; r++) { double a = now(); memcpy(dst, src, nb); t[r] = now() - a; }
+    for (int r = 0; r < runs; r++) { double a = now_s(); memcpy(dst, src, nb); t[r] = now_s() - a; }
     double t_memcpy = median(t, runs);
     volatile uint64_t sink = 0;
-    for (int r = 0; r < runs; r++) { double a = now(); sink ^= kvpol_hash(dst, nb); t[r] = now() - a; }
+    for (int r = 0; r < runs; r++) { double a = now_s(); sink ^= kvpol_hash(dst, nb); t[r] = now_s() - a; }
     double t_hash = median(t, runs);
     /* zstd alone over one compressed section of this artifact, scaled to all zstd bytes. */
     size_t one = (size_t)(per * sizeof(float));
@@ -115,7 +103,7 @@ int main(int argc, char **argv) {
     size_t cap = ZSTD_compressBound(one);
     char *z = malloc(cap);
     size_t zn = ZSTD_compress(z, cap, data, one, 9);
-    for (int r = 0; r < runs; r++) { double a = now(); sink ^= ZSTD_decompress(dst, one, z, zn); t[r] = now() - a; }
+    for (int r = 0; r < runs; r++) { double a = now_s(); sink ^= ZSTD_decompress(dst, one, z, zn); t[r] = now_s() - a; }
     double t_zstd = median(t, runs) * (double)zstd_raw / (double)one;
 
     double MB = 1e6;

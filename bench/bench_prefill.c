@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "bench_util.h"
 #include <unistd.h>
 
 #include "gguf.h"
@@ -33,19 +35,6 @@
 #define HELDOUT_DIR "examples/data/heldout"
 #define MAX_FILES 64
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 static char *read_file(const char *path, size_t *len) {
@@ -83,11 +72,11 @@ static double sgemm_rate(int m, int n, int k, int runs) {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, A, k, B, k, 0.0f, C, n); /* warm */
     for (int i = 0; i < runs; i++) {
         int inner = 0;
-        double t0 = now(), t;
+        double t0 = now_s(), t;
         do { /* at least 50 ms per sample */
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, A, k, B, k, 0.0f, C, n);
             inner++;
-        } while ((t = now() - t0) < 0.05);
+        } while ((t = now_s() - t0) < 0.05);
         r[i] = 2.0 * m * n * k * inner / t * 1e-9;
     }
     free(A);
@@ -130,14 +119,14 @@ int main(int argc, char **argv) {
     kvcc_tok *tok;
     kvcc_model *m;
     int st;
-    double t0 = now();
+    double t0 = now_s();
     if ((st = kvcc_gguf_open(model_path, &g, msg, sizeof msg)) || (st = kvcc_tok_from_gguf(g, &tok, msg, sizeof msg)) ||
         (st = kvcc_model_load_gguf(g, &m, msg, sizeof msg))) {
         fprintf(stderr, "bench_prefill: %s (%s)\n", msg, kvcc_gguf_status_str(st));
         return 1;
     }
     kvcc_gguf_close(g);
-    double t_load = now() - t0;
+    double t_load = now_s() - t0;
     DIR *dir = opendir(HELDOUT_DIR);
     if (!dir) {
         fprintf(stderr, "bench_prefill: cannot open %s (run from the repository root)\n", HELDOUT_DIR);
@@ -217,12 +206,12 @@ int main(int argc, char **argv) {
         runs[r] = 0;
         for (int p = 0; p < np; p++) {
             kvcc_state_reset(s);
-            double a = now();
+            double a = now_s();
             if ((st = kvcc_model_prefill(m, s, ids + (size_t)p * T, T, logits, KVCC_LOGITS_LAST))) {
                 fprintf(stderr, "bench_prefill: prefill failed (%d)\n", st);
                 return 1;
             }
-            sec[r * np + p] = now() - a;
+            sec[r * np + p] = now_s() - a;
             runs[r] += sec[r * np + p];
         }
     }

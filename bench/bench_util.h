@@ -1,0 +1,28 @@
+/*
+ * bench_util.h: the timing helpers every benchmark shares (header-only, static inline).
+ *   now_s()        monotonic wall clock in seconds
+ *   median(v, n)   median of n doubles (sorts v in place)
+ */
+#ifndef KVCC_BENCH_UTIL_H
+#define KVCC_BENCH_UTIL_H
+
+#include <stdlib.h>
+#include <time.h>
+
+static inline double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static inline int bench_cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static inline double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#endif
