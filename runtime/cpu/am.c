@@ -552,8 +552,10 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
 
 /* part[b, j] = sum over rows i of block b of (P_ij * rs_i)^2 (rs NULL: 1); out[j] = sum_b. */
 static void col_sumsq(const float *P, int64_t n, int64_t Tc, const double *rs, double *part,
-                      double *out) {
+                      double *out, const int32_t *qpos, int64_t k0) {
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
+    /* each block sums its rows in order, each row only over the keys it can see (P is 0 beyond
+     * them: the same sums, bit for bit) */
     for (int64_t b = 0; b < nblk; b++) {
         double *pb = part + b * Tc;
         for (int64_t j = 0; j < Tc; j++) pb[j] = 0;
@@ -561,7 +563,9 @@ static void col_sumsq(const float *P, int64_t n, int64_t Tc, const double *rs, d
         for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
             const float *row = P + i * Tc;
             const double s = rs ? rs[i] : 1.0;
-            for (int64_t j = 0; j < Tc; j++) {
+            int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
+            vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
+            for (int64_t j = 0; j < vis; j++) {
                 const double a = (double)row[j] * s;
                 pb[j] += a * a;
             }
@@ -723,7 +727,7 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
         for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
     }
     /* column sums of squares of softmax(z) = P_ij / m_i */
-    col_sumsq(S, n, Tc, ws->rowsum, ws->part, ws->colsum);
+    col_sumsq(S, n, Tc, ws->rowsum, ws->part, ws->colsum, qpos, k0);
     return KVRT_OK;
 }
 
@@ -858,10 +862,8 @@ static void chunk_span(int64_t T, int64_t chunk, int64_t t, int64_t c, int64_t *
 /* One head, compacted to ns budgets t[ns] at once (the chunk's logits, masses and targets are
  * computed once and shared): k, v rows at stride ld, q [n, d], qpos [n] or NULL. res[si] has
  * capacity t[si]; st [ns] or NULL. */
-static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_t ld, int64_t T,
-                   int64_t d, const float *q, const int32_t *qpos, int64_t n, int ns,
-                   const int64_t *t, am_out *res, kvrt_am_stats *st) {
-    const int64_t chunk = o->chunk > 0 && o->chunk < T ? o->chunk : T;
+/* Largest per-chunk budget of ns budgets t[ns] over T keys in chunks of `chunk`. */
+static int64_t chunk_tmax(int64_t T, int64_t chunk, int ns, const int64_t *t) {
     const int64_t nc = (T + chunk - 1) / chunk;
     int64_t tmax = 0;
     for (int si = 0; si < ns; si++)
@@ -870,17 +872,33 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
             chunk_span(T, chunk, t[si], c, &k0, &Tc, &tc);
             tmax = tc > tmax ? tc : tmax;
         }
-    am_ws ws;
-    if (am_ws_alloc(&ws, n, chunk, tmax, d, o->key_select == KVRT_AM_SELECT_OMP) != 0)
-        return AM_FAIL(KVRT_ERR_NOMEM,
-                       "kvrt_am_compact: out of memory (%lld queries x %lld keys per chunk)",
-                       (long long)n, (long long)chunk);
+    return tmax;
+}
+
+/* wsp: a workspace sized for (n, chunk, >= this head's tmax, d) to reuse (a layer's heads share
+ * one: fresh 64 MB logit buffers per head cost as much in page faults as in products), or NULL. */
+static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_t ld, int64_t T,
+                   int64_t d, const float *q, const int32_t *qpos, int64_t n, int ns,
+                   const int64_t *t, am_out *res, kvrt_am_stats *st, am_ws *wsp) {
+    const int64_t chunk = o->chunk > 0 && o->chunk < T ? o->chunk : T;
+    const int64_t nc = (T + chunk - 1) / chunk;
+    am_ws own, *wp = wsp;
+    if (wp == NULL) {
+        if (am_ws_alloc(&own, n, chunk, chunk_tmax(T, chunk, ns, t), d,
+                        o->key_select == KVRT_AM_SELECT_OMP) != 0)
+            return AM_FAIL(KVRT_ERR_NOMEM,
+                           "kvrt_am_compact: out of memory (%lld queries x %lld keys per chunk)",
+                           (long long)n, (long long)chunk);
+        wp = &own;
+    }
+#define ws (*wp)
     /* causal reference queries: per chunk, the rows that see at least its first key */
     float *qb = qpos ? malloc(sizeof(float) * (size_t)(n * d)) : NULL;
     int32_t *pb = qpos ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
     am_acc *acc = calloc((size_t)ns, sizeof *acc);
     if ((qpos && (!qb || !pb)) || !acc) {
-        free(qb); free(pb); free(acc); am_ws_free(&ws);
+        free(qb); free(pb); free(acc);
+        if (wp == &own) am_ws_free(&own);
         return AM_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     }
     int rc = KVRT_OK;
@@ -915,7 +933,8 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     }
     free(qb);
     free(pb);
-    am_ws_free(&ws);
+    if (wp == &own) am_ws_free(&own);
+#undef ws
     for (int si = 0; st && si < ns; si++) {
         st[si].asked = t[si];
         st[si].kept = res[si].n;
@@ -1002,7 +1021,7 @@ int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64
         out_free(&r);
         return AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
-    rc = am_head(o, k, v, d, T, d, q_ref, q_pos, n, 1, &t, &r, stats);
+    rc = am_head(o, k, v, d, T, d, q_ref, q_pos, n, 1, &t, &r, stats, NULL);
     if (rc == KVRT_OK) {
         int64_t cnt = r.n;
         rc = kvrt_cache_create(1, head_dim, dtype, &cnt, out);
@@ -1075,6 +1094,18 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
         hst = calloc((size_t)ns, sizeof *hst);
         if (!hst) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
+    /* one workspace for every head of the layer, sized for the largest budget */
+    am_ws lws;
+    int have_ws = 0;
+    if (rc == KVRT_OK) {
+        const int64_t chunk = o->chunk > 0 && o->chunk < T ? o->chunk : T;
+        if (am_ws_alloc(&lws, n, chunk, chunk_tmax(T, chunk, (int)(Hkv * ns), tb), d,
+                        o->key_select == KVRT_AM_SELECT_OMP) != 0)
+            rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld queries x %lld keys per chunk)", fn,
+                         (long long)n, (long long)chunk);
+        else
+            have_ws = 1;
+    }
     for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
         for (int64_t i = 0; i < n; i++) {
             int64_t tok, g;
@@ -1089,9 +1120,10 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
             qp[i] = (int32_t)tok;
         }
         rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, qp, n, (int)ns, tb + h * ns,
-                     res + h * ns, hst);
+                     res + h * ns, hst, &lws);
         for (int64_t si = 0; hst && si < ns; si++) stats[si * Hkv + h] = hst[si];
     }
+    if (have_ws) am_ws_free(&lws);
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)Hkv);
     if (rc == KVRT_OK && !cnt) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     for (int64_t si = 0; rc == KVRT_OK && si < ns; si++) {
