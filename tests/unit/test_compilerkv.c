@@ -535,7 +535,8 @@ static double ref_error(const float *q, const float *k, const float *v, uint32_t
     kvrt_selection *sel = NULL, *all = NULL;
     kvrt_cache *cs = NULL, *cf = NULL;
     cr_assert_eq(kvrt_selection_create(Hkv, cnt, &sel), KVRT_OK);
-    for (uint32_t j = 0; j < Hkv; j++) memcpy(sel->positions + sel->offsets[j], pos, sizeof(int32_t) * (size_t)n);
+    for (uint32_t j = 0; n > 0 && j < Hkv; j++) /* n = 0: positions is NULL */
+        memcpy(sel->positions + sel->offsets[j], pos, sizeof(int32_t) * (size_t)n);
     for (uint32_t j = 0; j < Hkv; j++) cnt[j] = C;
     cr_assert_eq(kvrt_selection_create(Hkv, cnt, &all), KVRT_OK);
     for (uint32_t j = 0; j < Hkv; j++)
