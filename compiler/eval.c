@@ -440,19 +440,9 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
             }
             const float *qc = q + (size_t)C * H * d, *kr = k + (size_t)C * Hkv * d, *vr = v + (size_t)C * Hkv * d;
             /* the reference: every context token */
-            kvrt_selection *all = NULL;
             kvrt_cache *full = NULL;
-            int64_t *cnt = malloc(Hkv * sizeof *cnt);
-            for (uint32_t j = 0; j < Hkv; j++) cnt[j] = C;
-            rc = kvrt_selection_create(Hkv, cnt, &all);
-            free(cnt);
-            if (!rc) {
-                for (uint32_t j = 0; j < Hkv; j++)
-                    for (int64_t t = 0; t < C; t++) all->positions[all->offsets[j] + t] = (int32_t)t;
-                rc = kvrt_cache_gather(k, v, C, Hkv, d, all, KVRT_DTYPE_F32, &full);
-            }
+            rc = kvcc_full_cache(k, v, C, Hkv, d, &full);
             if (!rc) rc = kvrt_attend(rt, qc, N, H, full, kr, vr, N, scale, o_full, lse_full);
-            kvrt_selection_free(all);
             kvrt_cache_free(full);
             if (rc) {
                 snprintf(err, errlen, "eval: full-cache attention failed: %s", kvrt_last_error()->msg);

@@ -9,6 +9,7 @@
 #include <stdio.h>
 
 #include "kvpol.h"
+#include "kvrt.h"
 
 #define KVCC_VERSION "0.1.0"
 
@@ -45,4 +46,8 @@ void kvcc_progress(unsigned done, unsigned total);
 double kvcc_progress_elapsed(void);
 /* Parse an unsigned integer option in [lo, hi]; prints "kvcc CMD: --NAME: ..." and returns -1 on error. */
 int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out);
+/* The uncompressed reference: a host f32 cache holding every one of the C context tokens of
+ * k, v [C, Hkv, d] for every KV head (the same gather every compressed row goes through).
+ * kvrt status; message in kvrt_last_error(). */
+int kvcc_full_cache(const float *k, const float *v, int64_t C, uint32_t Hkv, uint32_t d, kvrt_cache **out);
 #endif

@@ -62,3 +62,18 @@ int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo,
     *out = (unsigned)v;
     return 0;
 }
+
+int kvcc_full_cache(const float *k, const float *v, int64_t C, uint32_t Hkv, uint32_t d, kvrt_cache **out) {
+    int64_t *cnt = calloc(Hkv ? Hkv : 1, sizeof *cnt);
+    if (!cnt) return KVRT_ERR_NOMEM;
+    for (uint32_t j = 0; j < Hkv; j++) cnt[j] = C;
+    kvrt_selection *all = NULL;
+    int rc = kvrt_selection_create(Hkv, cnt, &all);
+    free(cnt);
+    if (rc) return rc;
+    for (uint32_t j = 0; j < Hkv; j++)
+        for (int64_t t = 0; t < C; t++) all->positions[all->offsets[j] + t] = (int32_t)t;
+    rc = kvrt_cache_gather(k, v, C, Hkv, d, all, KVRT_DTYPE_F32, out);
+    kvrt_selection_free(all);
+    return rc;
+}

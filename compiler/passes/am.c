@@ -175,21 +175,10 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             }
             const float *qc = q + (size_t)C * H * d, *kr = k + (size_t)C * Hkv * d, *vr = v + (size_t)C * Hkv * d;
             /* the reference: the full context (every position), with and without the continuation */
-            int64_t *cnt = malloc(Hkv * sizeof *cnt);
-            kvrt_selection *all = NULL;
             kvrt_cache *full = NULL;
-            int s = cnt ? KVRT_OK : KVRT_ERR_NOMEM;
-            for (uint32_t j = 0; cnt && j < Hkv; j++) cnt[j] = C;
-            if (!s) s = kvrt_selection_create(Hkv, cnt, &all);
-            free(cnt);
-            if (!s) {
-                for (uint32_t j = 0; j < Hkv; j++)
-                    for (int64_t t = 0; t < C; t++) all->positions[all->offsets[j] + t] = (int32_t)t;
-                s = kvrt_cache_gather(k, v, C, Hkv, d, all, KVRT_DTYPE_F32, &full);
-            }
+            int s = kvcc_full_cache(k, v, C, Hkv, d, &full);
             if (!s) s = kvrt_attend(rt, qc, N, H, full, kr, vr, N, scale, of, lf);
             if (!s) s = kvrt_attend(rt, qc, N, H, full, NULL, NULL, 0, scale, oc, lf0);
-            kvrt_selection_free(all);
             kvrt_cache_free(full);
             /* every ratio of the grid at once: the logits and targets are shared */
             kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);

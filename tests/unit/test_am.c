@@ -27,19 +27,13 @@
 #include "eval.h"
 #include "kvpol.h"
 #include "kvrt.h"
+#include "test_rng.h"
 #include "passes/passes.h"
 #include "synth.h"
 
 // ----------------------------------------------------------------------------
 // helpers
 
-static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rng_u(uint64_t *s) { return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
 static double rng_n(uint64_t *s) { /* Box-Muller */
     double u = rng_u(s), v = rng_u(s);
     return sqrt(-2.0 * log(u + 1e-300)) * cos(6.283185307179586 * v);

@@ -20,23 +20,12 @@
 #include <string.h>
 
 #include "kvrt.h"
+#include "test_rng.h"
 #include "core/backend.h" /* kvrt_f16_to_f32_row: the block conversion of the fast path */
 #include "kvpol.h"
 
 // ----------------------------------------------------------------------------
 // helpers
-
-static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-static float rng_uniform(uint64_t *s, float lo, float hi) {
-    double u = (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
-    return (float)(lo + (hi - lo) * u);
-}
 
 static float *rand_buf(size_t count, uint64_t *s, float lo, float hi) {
     float *p = malloc(sizeof(float) * (count ? count : 1));

@@ -23,17 +23,12 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt.h"
+#include "test_rng.h"
 #include "loader.h"
 #include "passes/compilerkv.h"
 #include "passes/passes.h"
 #include "synth.h"
 
-static uint64_t rng_next(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 static float unif(uint64_t *s, float lo, float hi) {
     return lo + (hi - lo) * (float)((double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0));
 }

@@ -37,17 +37,10 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt.h"
+#include "test_rng.h"
 #include "loader.h"
 #include "passes/passes.h"
 #include "synth.h"
-
-static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double rng_u(uint64_t *s) { return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
 
 /* Samples with diagonal covariance: sigma2 = scale^2 sum_i q_i^2 var_i exactly. var of
  * coordinate i: level[i % n_levels] times a per-sample factor in [0.5, 1.5]. */
