@@ -21,7 +21,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "bench_util.h"
 
 static uint64_t rng_next(uint64_t *s) { /* splitmix64 */

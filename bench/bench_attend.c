@@ -22,7 +22,7 @@
 #include <omp.h>
 #endif
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "bench_util.h"
 
 static uint32_t xs32(uint32_t *s) {

@@ -46,7 +46,7 @@
 #include <unistd.h>
 
 #include "corpus.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "bench_util.h"
 #include "synth.h"
 

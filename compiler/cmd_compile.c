@@ -257,7 +257,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
         return KVCC_EXIT_FAILED;
     }
     const char *tool = "kvcc " KVCC_VERSION;
-    rc = kvpol_writer_begin_section(w, KVPOL_SEC_PROVENANCE, "kvcc.provenance", 0, KVPOL_CODEC_ZSTD, 1);
+    rc = kvpol_writer_begin_section(w, KVPOL_SEC_PROVENANCE, kvpol_known_find(KVPOL_SEC_PROVENANCE)->name, 0, KVPOL_CODEC_ZSTD, 1);
     if (!rc) rc = kvpol_writer_add_string(w, "tool", tool, strlen(tool));
     if (!rc) rc = kvpol_writer_add_string(w, "preset", p->name, strlen(p->name));
     if (!rc) rc = kvpol_writer_add_string(w, "preset_source", p->source, strlen(p->source));

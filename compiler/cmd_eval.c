@@ -13,7 +13,7 @@
 
 #include "eval.h"
 #include "kvcc.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 
 static const char *PLANNED[] = {"kv2", "merge-reduce"};
 

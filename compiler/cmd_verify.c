@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "kvcc.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "presets.h"
 
 static int verify_one(const char *path, const kvcc_preset *p, int quiet) {

@@ -40,7 +40,7 @@
 
 #include "corpus.h"
 #include "kvcc.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "loader.h"
 #include "passes/compilerkv.h"
 

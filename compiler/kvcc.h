@@ -9,7 +9,7 @@
 #include <stdio.h>
 
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 
 #define KVCC_VERSION "0.1.0"
 

@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "kvcc.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 
 static void usage(FILE *out) {
     fprintf(out,

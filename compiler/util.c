@@ -1,5 +1,5 @@
 /*
- * util.c: helpers shared by kvcc's subcommands: names of policy groups and RoPE modes,
+ * util.c: helpers shared by kvcc's subcommands: names of policy groups (kvpol_sections.h) and RoPE modes,
  * escaped printing of strings read from artifacts, and opening an artifact with a message.
  */
 #include <ctype.h>
@@ -9,17 +9,7 @@
 
 #include "kvcc.h"
 
-const char *kvcc_group_name(uint32_t group) {
-    switch (group) {
-    case KVPOL_GROUP_CORE: return "core";
-    case KVPOL_GROUP_COMPILERKV: return "compilerkv";
-    case KVPOL_GROUP_AM: return "am";
-    case KVPOL_GROUP_COMPKV: return "compkv";
-    case KVPOL_GROUP_KV2: return "kv2";
-    case KVPOL_GROUP_RISK: return "risk";
-    default: return "unknown";
-    }
-}
+const char *kvcc_group_name(uint32_t group) { return kvpol_group_name(group); }
 
 const char *kvcc_rope_name(uint32_t type) {
     switch (type) {

@@ -17,6 +17,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "kvpol_sections.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -161,17 +162,17 @@ typedef struct {
 /* id = (group << 16) | index. Group 0 is the core; one group per policy. */
 #define KVPOL_SECTION_ID(group, index) ((uint32_t)(((uint32_t)(group) << 16) | (uint32_t)(index)))
 #define KVPOL_SECTION_GROUP(id) ((uint32_t)(id) >> 16)
-typedef enum {
-    KVPOL_GROUP_CORE = 0,
-    KVPOL_GROUP_COMPILERKV = 1,
-    KVPOL_GROUP_AM = 2,
-    KVPOL_GROUP_COMPKV = 3,
-    KVPOL_GROUP_KV2 = 4,
-    KVPOL_GROUP_RISK = 5,
-} kvpol_group;
-#define KVPOL_SEC_PROVENANCE KVPOL_SECTION_ID(KVPOL_GROUP_CORE, 1) /* tool, corpus, options */
-/* Reserved for conformance files (tests/golden/): any items; readers decode and validate it. */
-#define KVPOL_SEC_SELFTEST KVPOL_SECTION_ID(KVPOL_GROUP_CORE, 0xFFFF)
+/* Groups and section ids come from the one table in kvpol_sections.h. KVPOL_SEC_PROVENANCE holds
+ * tool, corpus and options; KVPOL_SEC_SELFTEST is reserved for conformance files (tests/golden/):
+ * any items, decoded and validated by readers. */
+#define KVPOL_GROUP_ENUM_(e, n, name) e = n,
+typedef enum { KVPOL_GROUPS(KVPOL_GROUP_ENUM_) } kvpol_group;
+#undef KVPOL_GROUP_ENUM_
+#define KVPOL_SECTION_ENUM_(m, g, i, v, name) m = KVPOL_SECTION_ID(g, i),
+enum { KVPOL_SECTIONS(KVPOL_SECTION_ENUM_) };
+#undef KVPOL_SECTION_ENUM_
+/* "core", "compilerkv", "am", "compkv", "kv2", "merge-reduce"; "unknown" otherwise. */
+const char *kvpol_group_name(uint32_t group);
 
 typedef enum {
     KVPOL_CODEC_NONE = 0,

@@ -176,18 +176,15 @@ float kvpol_bf16_to_f32(uint16_t h) {
 // ----------------------------------------------------------------------------
 // the section registry: ids this library knows, with the newest group version it reads
 
-static const kvpol_known_section KNOWN[] = {
-    {KVPOL_SEC_PROVENANCE, 1, "kvcc.provenance"},
-    {KVPOL_SEC_SELFTEST, 1, "kvcc.selftest"},
-    /* group 1: CompilerKV */
-    {KVPOL_SECTION_ID(KVPOL_GROUP_COMPILERKV, 1), 1, "compilerkv.tables"},
-    /* group 2: Attention Matching */
-    {KVPOL_SECTION_ID(KVPOL_GROUP_AM, 1), 1, "am.schedule"}, /* = KVRT_AM_SEC_SCHEDULE */
-    {KVPOL_SECTION_ID(KVPOL_GROUP_AM, 2), 1, "am.curves"},   /* = KVRT_AM_SEC_CURVES */
-    /* group 3: CompKV */
-    {KVPOL_SECTION_ID(KVPOL_GROUP_COMPKV, 1), 1, "compkv.groupings"},   /* = KVRT_COMPKV_SEC_GROUPINGS */
-    {KVPOL_SECTION_ID(KVPOL_GROUP_COMPKV, 2), 1, "compkv.calibration"}, /* = KVRT_COMPKV_SEC_CALIBRATION */
-};
+#define KVPOL_KNOWN_ROW_(m, g, i, v, name) {m, v, name},
+static const kvpol_known_section KNOWN[] = {KVPOL_SECTIONS(KVPOL_KNOWN_ROW_)};
+#undef KVPOL_KNOWN_ROW_
+
+const char *kvpol_group_name(uint32_t group) {
+#define KVPOL_GROUP_CASE_(e, n, name) case n: return name;
+    switch (group) { KVPOL_GROUPS(KVPOL_GROUP_CASE_) default: return "unknown"; }
+#undef KVPOL_GROUP_CASE_
+}
 
 const kvpol_known_section *kvpol_known_sections(size_t *count) {
     if (count) *count = sizeof KNOWN / sizeof KNOWN[0];

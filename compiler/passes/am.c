@@ -35,7 +35,7 @@
 #include "corpus.h"
 #include "kvcc.h"
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "passes.h"
 
 #define AM_UNITS 1024 /* budget units per head (fractions of T) */
@@ -255,7 +255,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
     if (!rc) {
         const uint64_t dt[1] = {(uint64_t)nt}, ds[3] = {(uint64_t)nt, L, Hkv}, dr[1] = {(uint64_t)nr},
                        dc[3] = {L, Hkv, (uint64_t)nr};
-        int k2 = kvpol_writer_begin_section(w, KVRT_AM_SEC_SCHEDULE, "am.schedule", KVPOL_SECTION_CRITICAL,
+        int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_SCHEDULE, kvpol_known_find(KVPOL_SEC_AM_SCHEDULE)->name, KVPOL_SECTION_CRITICAL,
                                             KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "targets", KVPOL_DTYPE_F64, 1, dt, cx->am_targets);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "schedule", KVPOL_DTYPE_F32, 3, ds, sched);
@@ -263,7 +263,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
         if (!k2) k2 = kvpol_writer_add_i64(w, "chunk", cx->am_chunk);
         if (!k2) k2 = kvpol_writer_add_i64(w, "units", AM_UNITS);
         if (!k2) k2 = kvpol_writer_end_section(w);
-        if (!k2) k2 = kvpol_writer_begin_section(w, KVRT_AM_SEC_CURVES, "am.curves", 0, KVPOL_CODEC_ZSTD, 1);
+        if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_CURVES, kvpol_known_find(KVPOL_SEC_AM_CURVES)->name, 0, KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "loss", KVPOL_DTYPE_F32, 3, dc, curves);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "mass_err", KVPOL_DTYPE_F32, 3, dc, mcurves);
@@ -284,7 +284,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
 static void am_inspect(const kvpol_file *f, FILE *out) {
     uint32_t si, ci;
     kvpol_item tg, sc, rr, lo, me;
-    if (kvpol_section_find(f, KVRT_AM_SEC_SCHEDULE, &si) != KVPOL_OK ||
+    if (kvpol_section_find(f, KVPOL_SEC_AM_SCHEDULE, &si) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "targets", KVPOL_DTYPE_F64, &tg) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK || sc.ndim != 3) {
         fprintf(out, "Attention Matching: no readable am.schedule section\n");
@@ -311,7 +311,7 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
         }
         fprintf(out, "\n");
     }
-    if (kvpol_section_find(f, KVRT_AM_SEC_CURVES, &ci) != KVPOL_OK ||
+    if (kvpol_section_find(f, KVPOL_SEC_AM_CURVES, &ci) != KVPOL_OK ||
         kvpol_get_tensor(f, ci, "ratios", KVPOL_DTYPE_F64, &rr) != KVPOL_OK ||
         kvpol_get_tensor(f, ci, "loss", KVPOL_DTYPE_F32, &lo) != KVPOL_OK ||
         kvpol_get_tensor(f, ci, "mass_err", KVPOL_DTYPE_F32, &me) != KVPOL_OK || lo.ndim != 3 ||

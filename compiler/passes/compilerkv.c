@@ -3,7 +3,7 @@
  * section 1, "Offline"): experience records by rollouts of the runtime's own retention pipeline
  * (runtime/cpu/compilerkv.c: kvrt_compilerkv_prompt_*, kvrt_compilerkv_select_layer), horizon-1
  * CQL (cql.c), argmax tables, alternating head / gate rounds; writes section "compilerkv.tables"
- * (KVRT_COMPILERKV_SECTION_ID) and summarizes it for `kvcc inspect`. Also the two reports of
+ * (KVPOL_SEC_COMPILERKV_TABLES) and summarizes it for `kvcc inspect`. Also the two reports of
  * `kvcc compile`: --reward-check (attention vs model reward on the same rollouts) and
  * --transfer-check (head rankings compiled on two corpora).
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c) and
@@ -81,7 +81,7 @@
 
 #include "cql.h"
 #include "kvcc.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "loader.h"
 #include "passes.h"
 
@@ -1145,7 +1145,7 @@ static int write_section(const ckv *S, kvpol_writer *w, const ckv_result *res, u
     const char *reward = S->model ? "model" : "attention";
     const char *ent = "entropy of alpha / sum(alpha), divided by log(context tokens)";
     const kvcc_cql_opts *co = &res->co;
-    int rc = kvpol_writer_begin_section(w, KVRT_COMPILERKV_SECTION_ID, "compilerkv.tables", KVPOL_SECTION_CRITICAL,
+    int rc = kvpol_writer_begin_section(w, KVPOL_SEC_COMPILERKV_TABLES, kvpol_known_find(KVPOL_SEC_COMPILERKV_TABLES)->name, KVPOL_SECTION_CRITICAL,
                                         KVPOL_CODEC_ZSTD, 1);
     uint64_t d1[1] = {nB}, d3[3] = {nB, L, H}, d4[4] = {nB, L, NE, NP};
     uint64_t dhs[4] = {nB, L, H, HEAD_ACTIONS}, dgs[4] = {nB * L, NE, NP, GATE_ACTIONS};
@@ -1632,7 +1632,7 @@ int kvcc_compilerkv_reward_check(const kvcc_compile_ctx *cx, const char *artifac
 
 static void ckv_inspect(const kvpol_file *f, FILE *out) {
     uint32_t si;
-    if (kvpol_section_find(f, KVRT_COMPILERKV_SECTION_ID, &si) != 0) return;
+    if (kvpol_section_find(f, KVPOL_SEC_COMPILERKV_TABLES, &si) != 0) return;
     const kvpol_header *h = kvpol_get_header(f);
     const uint32_t L = h->model.n_layers, H = h->model.n_heads;
     int64_t nb = 0, window = 0, rounds = 0, prompts = 0, hr = 0, gr = 0;

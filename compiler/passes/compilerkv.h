@@ -15,7 +15,7 @@
 #include <stdio.h>
 
 #include "corpus.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "passes.h"
 
 /* --reward model refuses a GGUF whose next-token log-probabilities on a prompt's continuation

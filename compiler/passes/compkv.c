@@ -46,7 +46,7 @@
 #include "corpus.h"
 #include "kvcc.h"
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "passes.h"
 
 #define CK_MAX_SAMPLES 6144 /* (query, block) samples per (layer, KV head) */
@@ -477,7 +477,7 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
     }
     if (!rc) {
         const uint64_t dp[3] = {L, Hkv, d}, dof[3] = {L, Hkv, (uint64_t)r + 1}, dh[2] = {L, Hkv};
-        int k2 = kvpol_writer_begin_section(w, KVRT_COMPKV_SEC_GROUPINGS, "compkv.groupings", KVPOL_SECTION_CRITICAL,
+        int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_GROUPINGS, kvpol_known_find(KVPOL_SEC_COMPKV_GROUPINGS)->name, KVPOL_SECTION_CRITICAL,
                                             KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "perm", KVPOL_DTYPE_U16, 3, dp, perm_st);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "offsets", KVPOL_DTYPE_U16, 3, dof, off_st);
@@ -486,7 +486,7 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
         if (!k2) k2 = kvpol_writer_add_i64(w, "block", B);
         if (!k2) k2 = kvpol_writer_add_f64(w, "scale", scale);
         if (!k2) k2 = kvpol_writer_end_section(w);
-        if (!k2) k2 = kvpol_writer_begin_section(w, KVRT_COMPKV_SEC_CALIBRATION, "compkv.calibration", 0,
+        if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_CALIBRATION, kvpol_known_find(KVPOL_SEC_COMPKV_CALIBRATION)->name, 0,
                                                  KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "err_learned", KVPOL_DTYPE_F64, 2, dh, err_l);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "err_index", KVPOL_DTYPE_F64, 2, dh, err_i);
@@ -535,7 +535,7 @@ static void compkv_inspect(const kvpol_file *f, FILE *out) {
     kvpol_item pm, of, le;
     int64_t r = 0, block = 0;
     double scale = 0;
-    if (kvpol_section_find(f, KVRT_COMPKV_SEC_GROUPINGS, &si) != KVPOL_OK ||
+    if (kvpol_section_find(f, KVPOL_SEC_COMPKV_GROUPINGS, &si) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "perm", KVPOL_DTYPE_U16, &pm) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "offsets", KVPOL_DTYPE_U16, &of) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "learned", KVPOL_DTYPE_U8, &le) != KVPOL_OK || pm.ndim != 3 || of.ndim != 3 ||
@@ -556,7 +556,7 @@ static void compkv_inspect(const kvpol_file *f, FILE *out) {
             (long long)block, scale, (unsigned long long)nl, (unsigned long long)(L * Hkv));
     kvpol_item el, ei, gl, gi;
     int64_t K = 0, np = 0, ns = 0;
-    int cal = kvpol_section_find(f, KVRT_COMPKV_SEC_CALIBRATION, &ci) == KVPOL_OK &&
+    int cal = kvpol_section_find(f, KVPOL_SEC_COMPKV_CALIBRATION, &ci) == KVPOL_OK &&
               kvpol_get_tensor(f, ci, "err_learned", KVPOL_DTYPE_F64, &el) == KVPOL_OK &&
               kvpol_get_tensor(f, ci, "err_index", KVPOL_DTYPE_F64, &ei) == KVPOL_OK &&
               kvpol_get_tensor(f, ci, "agree_learned", KVPOL_DTYPE_F32, &gl) == KVPOL_OK &&

@@ -13,7 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 int kvrt_attend_check(kvrt_error *e, const char *fn, const float *q, int64_t n, uint32_t n_heads,

@@ -16,7 +16,7 @@
 #ifndef KVRT_BACKEND_H
 #define KVRT_BACKEND_H
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 
 #ifdef __cplusplus
 extern "C" {

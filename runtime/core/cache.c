@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 // ----------------------------------------------------------------------------

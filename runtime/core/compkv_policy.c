@@ -6,7 +6,7 @@
  * defines: kvrt_compkv_grouping_load, kvrt_compkv_grouping_from_policy,
  *          kvrt_compkv_grouping_free
  *
- * Section compkv.groupings (KVRT_COMPKV_SEC_GROUPINGS, critical): perm u16 [L, Hkv, d], offsets
+ * Section compkv.groupings (KVPOL_SEC_COMPKV_GROUPINGS, critical): perm u16 [L, Hkv, d], offsets
  * u16 [L, Hkv, r + 1], learned u8 [L, Hkv], r i64, block i64, scale f64 (docs/kvpol-format.md).
  * Everything the runtime would reject later (perm not a permutation of 0..d-1, offsets not
  * strictly increasing from 0 to d) is refused here as KVRT_ERR_FORMAT naming the layer and head.
@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 #define CG_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
@@ -34,7 +34,7 @@ void kvrt_compkv_grouping_free(kvrt_compkv_grouping *g) {
 static int grouping_parse(const kvpol_file *f, const char *label, uint32_t want_l, uint32_t want_hkv,
                           uint32_t want_d, kvrt_compkv_grouping **out) {
     uint32_t si;
-    if (kvpol_section_find(f, KVRT_COMPKV_SEC_GROUPINGS, &si) != KVPOL_OK)
+    if (kvpol_section_find(f, KVPOL_SEC_COMPKV_GROUPINGS, &si) != KVPOL_OK)
         return CG_FAIL(KVRT_ERR_UNSUPPORTED,
                        "%s: no CompKV grouping (section compkv.groupings): compile it with kvcc compile "
                        "--policies compkv", label);

@@ -19,7 +19,7 @@
 #include <omp.h>
 #endif
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 // ----------------------------------------------------------------------------

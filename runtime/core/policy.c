@@ -17,7 +17,7 @@
 #include <string.h>
 
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 struct kvrt_policy {

@@ -8,7 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 // ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 
 size_t kvrt_dtype_size(int dtype) {
     switch (dtype) {

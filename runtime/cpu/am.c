@@ -29,7 +29,7 @@
 #include <cblas.h>
 #include <lapacke.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "kvpol.h"
 #include "core/backend.h"
 
@@ -1177,7 +1177,7 @@ int kvrt_am_schedule_load(const char *path, double target, uint32_t n_layers,
     int rc = KVRT_OK;
     uint32_t si;
     kvpol_item tg, sc;
-    if (kvpol_section_find(f, KVRT_AM_SEC_SCHEDULE, &si) != KVPOL_OK) {
+    if (kvpol_section_find(f, KVPOL_SEC_AM_SCHEDULE, &si) != KVPOL_OK) {
         rc = AM_FAIL(KVRT_ERR_UNSUPPORTED,
                      "%s: no Attention Matching schedule (section am.schedule): compile it with "
                      "kvcc compile --policies am", path);

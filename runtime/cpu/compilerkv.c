@@ -42,7 +42,7 @@
 #include <string.h>
 
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 #define ERR(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
@@ -144,7 +144,7 @@ int kvrt_compilerkv_tables_from_policy(const kvrt_policy *p, kvrt_compilerkv_tab
     kvrt_model_dims md;
     kvrt_policy_model(p, &md);
     uint32_t si;
-    if (f == NULL || kvpol_section_find(f, KVRT_COMPILERKV_SECTION_ID, &si) != KVPOL_OK)
+    if (f == NULL || kvpol_section_find(f, KVPOL_SEC_COMPILERKV_TABLES, &si) != KVPOL_OK)
         return ERR(KVRT_ERR_UNSUPPORTED,
                    "compilerkv tables: the artifact has no CompilerKV section (compile it with "
                    "kvcc compile --policies compilerkv)");

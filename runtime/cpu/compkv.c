@@ -59,7 +59,7 @@
 #include <omp.h>
 #endif
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 /* The per-head kernels (append, scores, attention) are compiled twice on x86-64 Linux with GCC:

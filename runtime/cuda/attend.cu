@@ -26,7 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "core/backend.h"
 
 // ----------------------------------------------------------------------------

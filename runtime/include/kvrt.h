@@ -163,8 +163,6 @@ int kvrt_ctx_sync(kvrt_ctx *ctx);
  * optional scale applied to the logits first: y = softmax(scale * x). x and y may alias.
  * f32 accumulation, running max. Tensors must live on the context's device. */
 int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale);
-/* The plain CPU reference of the same op, contiguous f32 [rows, cols]. */
-void kvrt_softmax_rows_ref(const float *x, float *y, int64_t rows, int64_t cols, float scale);
 
 
 /* ------------------------------------------------------------------ thread-local last error */
@@ -247,9 +245,6 @@ float kvrt_f16_to_f32(uint16_t h);
  * not a multiple of c->n_kv_heads), KVRT_ERR_DTYPE (cache dtype), KVRT_ERR_DEVICE (cache on
  * another device or owned by another context).
  * _ref: plain loops, double accumulation, host cache only. */
-int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cache *c,
-                    const float *k_recent, const float *v_recent, int64_t n_recent, float scale,
-                    float *out, float *lse_out);
 /* On a CPU context: host pointers, sgemm over blocks of entries, OpenMP over (kv head, query
  * block, entry split) tiles; the output does not depend on the thread count. On a CUDA
  * context: q, k_recent, v_recent, out, lse_out are device pointers and c a device cache
@@ -263,7 +258,6 @@ int kvrt_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads, cons
  * ranks lowest (below -INFINITY; NaNs among themselves by index), -0.0 == +0.0. idx [k] is
  * written sorted ascending by index. _ref: a full sort; kvrt_topk: quickselect, O(n) expected,
  * identical output. */
-int kvrt_topk_ref(const float *scores, int64_t n, int64_t k, int32_t *idx);
 int kvrt_topk(const float *scores, int64_t n, int64_t k, int32_t *idx);
 /* budget >= 1: a token count (rounded to nearest); 0 < budget < 1: a ratio of T (round to
  * nearest, at least 1). budget <= 0, NaN, inf, T < 1, or a count > T: KVRT_ERR_ARG with a
@@ -318,19 +312,6 @@ int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k
                        kvrt_selection **out);
 const char *kvrt_method_name(int method);   /* "full", ..., "keydiff"; "unknown" otherwise */
 int kvrt_method_from_name(const char *name); /* -1 when unknown */
-/* Score vectors behind snapkv and h2o, per KV head (G-averaged, before pooling):
- * scores [Hkv, T]. snapkv: window mass (positions of the window included, 0 where no window
- * query sees them); h2o: accumulated attention. _ref: plain loops in double; the fast paths
- * (sgemm, f32) match them within |a-b| <= 1e-5 + 1e-4*|ref|. */
-int kvrt_snapkv_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
-                           uint32_t n_kv_heads, uint32_t head_dim, uint32_t window, float *scores);
-int kvrt_snapkv_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
-                       uint32_t n_kv_heads, uint32_t head_dim, uint32_t window, float *scores);
-int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
-                        uint32_t n_kv_heads, uint32_t head_dim, float *scores);
-int kvrt_h2o_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
-                    uint32_t n_kv_heads, uint32_t head_dim, float *scores);
-
 /* ------------------------------------------------------------------ Quest (decode-time pages) */
 /* Per page of `page` tokens (the last page may be shorter) and KV head: elementwise min and max
  * of the keys. */
@@ -385,31 +366,6 @@ typedef struct {
 } kvrt_am_opts;
 void kvrt_am_opts_init(kvrt_am_opts *o);
 
-/* NNLS outcome (not an error: x is always feasible, x >= 0). */
-typedef enum {
-    KVRT_NNLS_CONVERGED = 0,   /* KKT conditions hold within tolerance */
-    KVRT_NNLS_MAX_ITER = 1,    /* iteration cap reached: x is the last feasible iterate */
-    KVRT_NNLS_DEGENERATE = 2,  /* converged after excluding numerically dependent columns */
-} kvrt_nnls_status;
-typedef struct {
-    int status;            /* kvrt_nnls_status */
-    int iterations;        /* outer (column additions) + inner (step-backs) */
-    double residual;       /* |A x - b| */
-} kvrt_nnls_info;
-/* min |A x - b| s.t. x >= 0 (Lawson-Hanson active set). A [m, n] row-major, b [m], x [n] (out).
- * max_iter <= 0: 3 n + 30. _ref: textbook, subproblems by modified Gram-Schmidt QR on A's
- * passive columns, double. kvrt_nnls: columns scaled to unit norm, normal equations (Gram
- * A^T A by dgemm) and Cholesky on the passive set; same solution within 1e-9 relative on
- * well-conditioned problems. info may be NULL. KVRT_ERR_ARG on NULL / sizes < 1 / non-finite. */
-int kvrt_nnls_ref(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,
-                  kvrt_nnls_info *info);
-int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,
-              kvrt_nnls_info *info);
-/* Ridge least squares C = argmin |X C - Y|^2 + lambda |C|^2 with lambda = ridge * trace(X^T X)
- * / t (ridge >= 0; 0 = plain normal equations, which must then be positive definite).
- * X [n, t], Y [n, d], C [t, d], double, row-major. KVRT_ERR_ARG when the system is singular. */
-int kvrt_ridge_lstsq(const double *X, const double *Y, int64_t n, int64_t t, int64_t d,
-                     double ridge, double *C);
 
 /* Quality of one compaction on its reference queries (chunk-local, averaged over chunks). */
 typedef struct {
@@ -439,22 +395,7 @@ int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k,
                           int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                           const float *ratios, double ratio, int dtype, kvrt_cache **out,
                           kvrt_am_stats *stats);
-/* kvrt_am_compact_layer for n_sets budget sets at once: each KV head's logits, masses, targets
- * and key scores are computed once and shared by every set (the compile pass's ratio grid, an
- * eval over several targets). Set si: ratios [n_sets, Hkv] (row si), or ratio_list[si] for every
- * head when ratios is NULL. out [n_sets] receives n_sets caches (all NULL on failure), each equal
- * to what kvrt_am_compact_layer gives for that set alone; stats [n_sets, Hkv] or NULL. */
-int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
-                                const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
-                                uint32_t head_dim, int n_sets, const float *ratios,
-                                const double *ratio_list, int dtype, kvrt_cache **out,
-                                kvrt_am_stats *stats);
 
-/* The compiled schedule (kvcc compile --policies am): section ids of kvpol group 2. */
-#define KVRT_AM_SEC_SCHEDULE 0x00020001u /* critical: targets f64 [n_t], schedule f32 [n_t, L, Hkv],
-                                          * key_select string, chunk i64 */
-#define KVRT_AM_SEC_CURVES 0x00020002u   /* optional: ratios f64 [n_r], loss f32 [L, Hkv, n_r],
-                                          * mass_err f32 [L, Hkv, n_r], prompts i64 */
 /* Per-head ratios [L, Hkv] of the artifact at `path` for the target mean ratio `target`
  * (matched within 1e-6 relative). KVRT_ERR_IO / KVRT_ERR_FORMAT (artifact unreadable),
  * KVRT_ERR_MODEL_MISMATCH (L or Hkv differ), KVRT_ERR_UNSUPPORTED (no Attention Matching
@@ -475,7 +416,6 @@ int kvrt_am_schedule_load(const char *path, double target, uint32_t n_layers,
  * holds the last min(w, B/2) tokens when B < 2w, else the last w (kvrt_compilerkv_kept_window). */
 #define KVRT_COMPILERKV_ENT_BINS 20
 #define KVRT_COMPILERKV_PPL_BINS 4
-#define KVRT_COMPILERKV_SECTION_ID 0x00010001u /* kvpol group 1, "compilerkv.tables" */
 #define KVRT_COMPILERKV_NEAREST_BUDGET 0x1u    /* flag: an uncompiled budget uses the nearest */
 /* The compiled tables. Owned arrays; create/free. Callers may overwrite w_head / t_gate values
  * in place (the compiler does between rounds). */
@@ -488,12 +428,6 @@ typedef struct {
     float ent_edges[KVRT_COMPILERKV_ENT_BINS - 1]; /* ascending interior edges (entropy / log T) */
     float ppl_edges[KVRT_COMPILERKV_PPL_BINS - 1]; /* ascending interior edges (window ppl) */
 } kvrt_compilerkv_tables;
-/* Copies every array (shapes as in the struct). KVRT_ERR_ARG on NULL, non-finite values,
- * negative weights, budgets not ascending or < 1, edges not ascending; KVRT_ERR_SHAPE on 0 dims. */
-int kvrt_compilerkv_tables_create(uint32_t n_budgets, uint32_t n_layers, uint32_t n_heads,
-                                  uint32_t window, const int64_t *budgets, const float *w_head,
-                                  const float *t_gate, const float *ent_edges,
-                                  const float *ppl_edges, kvrt_compilerkv_tables **out);
 /* From an open policy's CompilerKV section (items budgets i64 [nB], w_head f32 [nB, L, H],
  * t_gate f32 [nB, L, 20, 4], ent_edges f32 [19], ppl_edges f32 [3], scalars n_budgets, window).
  * KVRT_ERR_UNSUPPORTED when the artifact has no CompilerKV section, KVRT_ERR_FORMAT when an
@@ -518,12 +452,6 @@ void kvrt_compilerkv_prompt_free(kvrt_compilerkv_prompt *p);
  * window mass of kvrt_snapkv_scores averaged over heads. _ref: through kvrt_snapkv_scores_ref. */
 int kvrt_compilerkv_prompt_add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k,
                                      uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim);
-int kvrt_compilerkv_prompt_add_layer_ref(kvrt_compilerkv_prompt *p, const float *q,
-                                         const float *k, uint32_t n_heads, uint32_t n_kv_heads,
-                                         uint32_t head_dim);
-/* Or add a layer's precomputed head-mean window mass [T] (sum over window queries of their
- * causal softmax rows, averaged over the layer's query heads). */
-int kvrt_compilerkv_prompt_add_mass(kvrt_compilerkv_prompt *p, const float *mass);
 /* alpha, entropy and ppl. next_logprob [T-1]: next_logprob[t] = log p(token t+1 | 0..t) (the
  * corpus convention); entries T-w-1 .. T-2 are read. */
 int kvrt_compilerkv_prompt_finish(kvrt_compilerkv_prompt *p, const float *next_logprob);
@@ -551,19 +479,6 @@ typedef struct {
  * E.g. window 64: budget 64 keeps the last 32 tokens and gives the other 32 slots to the
  * candidates (the attention sink among them), budget 128 keeps the last 64. */
 int64_t kvrt_compilerkv_kept_window(uint32_t window, int64_t budget, int64_t T);
-/* Steps 3, 4, 7 with an explicit table row: s[t] = max_h alpha[t] rho[h / G, t] w_head[h];
- * keep the last n_w = kvrt_compilerkv_kept_window(window, budget, T) positions, then of the
- * earlier positions with s >= tau the highest s up to the budget (kvrt_topk rules). alpha [T],
- * rho [Hkv, T], w_head [H]. *out: the same ascending positions for every KV head. st may be
- * NULL. _ref: double scores, full sort (the same window rule). */
-int kvrt_compilerkv_select_layer(const float *alpha, const float *rho, int64_t T,
-                                 uint32_t n_heads, uint32_t n_kv_heads, const float *w_head,
-                                 float tau, int64_t budget, uint32_t window, kvrt_selection **out,
-                                 kvrt_compilerkv_stats *st);
-int kvrt_compilerkv_select_layer_ref(const float *alpha, const float *rho, int64_t T,
-                                     uint32_t n_heads, uint32_t n_kv_heads, const float *w_head,
-                                     float tau, int64_t budget, uint32_t window,
-                                     kvrt_selection **out, kvrt_compilerkv_stats *st);
 /* Steps 2-7 for one layer of a finished prompt with the compiled tables: v [T, Hkv, d]
  * (context part), budget in tokens (resolve ratios with kvrt_budget_resolve first). */
 int kvrt_compilerkv_select(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
@@ -647,17 +562,8 @@ uint32_t kvrt_compkv_groups(const kvrt_compkv *s);   /* r */
  * valid); any pointer may be NULL. */
 int kvrt_compkv_summaries(const kvrt_compkv *s, uint32_t h, const float **kmean,
                           const float **vmean, const float **gvar, const int32_t **count);
-/* The same summaries built from scratch with plain loops in double (the reference):
- * k, v [T, Hkv, d]; kmean, vmean [Hkv, nb, d]; gvar [Hkv, nb, r]; count [nb]; nb =
- * ceil(T / block), T >= 1; o NULL: the defaults. */
-int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const float *v,
-                              int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
-                              const uint16_t *perm, const uint16_t *offsets, float *kmean,
-                              float *vmean, float *gvar, int32_t *count);
 /* Block scores S [Hkv, n_blocks] for one decode step, q [H, d] (f32). */
 int kvrt_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads, float *scores);
-int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
-                           float *scores);
 /* Blocks to read per KV head: forced set + top scores; k_blocks >= 1 (clamped to n_blocks);
  * blocks_out [Hkv, min(k_blocks, n_blocks)], ascending per head. */
 int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_blocks,
@@ -668,21 +574,11 @@ int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_bloc
  * [H, d]. */
 int kvrt_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                               const int32_t *blocks, int64_t n_sel, float *out);
-int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
-                                  const int32_t *blocks, int64_t n_sel, float *out);
 /* One whole step: scores, select k_blocks, attend. out [H, d]; blocks_out [Hkv, k] or NULL,
  * k = min(k_blocks, n_blocks). Fused: the zbar of the scoring is reused by the compensation;
  * the same scores and selection as kvrt_compkv_scores + kvrt_compkv_select (bitwise). */
 int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int64_t k_blocks,
                      float *out, int32_t *blocks_out);
-/* The compiled variance groupings (kvcc compile --policies compkv; runtime/core/compkv_policy.c):
- * section ids of kvpol group 3 (docs/kvpol-format.md). */
-#define KVRT_COMPKV_SEC_GROUPINGS 0x00030001u   /* critical: perm u16 [L, Hkv, d], offsets u16
-                                                 * [L, Hkv, r + 1], learned u8 [L, Hkv], r i64,
-                                                 * block i64, scale f64 */
-#define KVRT_COMPKV_SEC_CALIBRATION 0x00030002u /* optional: err_learned, err_index f64 [L, Hkv],
-                                                 * agree_learned, agree_index f32 [L, Hkv],
-                                                 * agree_blocks, prompts, samples i64 */
 typedef struct {
     uint32_t n_layers, n_kv_heads, head_dim;
     uint32_t r;           /* groups per KV head */

@@ -26,7 +26,7 @@
 
 #include "eval.h"
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "test_rng.h"
 #include "passes/passes.h"
 #include "synth.h"

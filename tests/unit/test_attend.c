@@ -19,7 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "test_rng.h"
 #include "core/backend.h" /* kvrt_f16_to_f32_row: the block conversion of the fast path */
 #include "kvpol.h"

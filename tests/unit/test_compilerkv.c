@@ -22,7 +22,7 @@
 #include "capture.h"
 #include "kvcc.h"
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "test_rng.h"
 #include "loader.h"
 #include "passes/compilerkv.h"
@@ -335,7 +335,7 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     kvpol_error ke;
     cr_assert_eq(kvpol_open_mem(&f, b1, n1, NULL, &ke), 0, "%s", ke.msg);
     uint32_t si;
-    cr_assert_eq(kvpol_section_find(f, KVRT_COMPILERKV_SECTION_ID, &si), 0);
+    cr_assert_eq(kvpol_section_find(f, KVPOL_SEC_COMPILERKV_TABLES, &si), 0);
     int64_t rounds = 0, hr = 0;
     cr_expect_eq(kvpol_get_i64(f, si, "rounds", &rounds), 0);
     cr_expect(rounds >= 1 && rounds <= 3);
@@ -697,7 +697,7 @@ Test(compilerkv, model_reward_check_real_model, .timeout = 600) {
         kvpol_writer *w = NULL;
         kvpol_error ke;
         cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
-        int kc = kvpol_writer_begin_section(w, KVRT_COMPILERKV_SECTION_ID, "compilerkv.tables", KVPOL_SECTION_CRITICAL,
+        int kc = kvpol_writer_begin_section(w, KVPOL_SEC_COMPILERKV_TABLES, kvpol_known_find(KVPOL_SEC_COMPILERKV_TABLES)->name, KVPOL_SECTION_CRITICAL,
                                             KVPOL_CODEC_NONE, 1);
         if (!kc) kc = kvpol_writer_add_i64(w, "n_budgets", 1);
         if (!kc) kc = kvpol_writer_add_i64(w, "window", 8);

@@ -27,7 +27,7 @@
 #include <omp.h>
 #endif
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "test_rng.h"
 
 // ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@
 #include "eval.h"
 #include "kvcc.h"
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "test_rng.h"
 #include "loader.h"
 #include "passes/passes.h"
@@ -221,8 +221,8 @@ Test(compkv_pass, pass_end_to_end_and_loader, .timeout = 120) {
     kvpol_open_opts oo = {.flags = KVPOL_OPEN_VERIFY_ALL};
     cr_assert_eq(kvpol_open_mem(&f, b1, n1, &oo, &ke), 0, "%s", ke.msg);
     uint32_t si, ci;
-    cr_assert_eq(kvpol_section_find(f, KVRT_COMPKV_SEC_GROUPINGS, &si), KVPOL_OK);
-    cr_assert_eq(kvpol_section_find(f, KVRT_COMPKV_SEC_CALIBRATION, &ci), KVPOL_OK);
+    cr_assert_eq(kvpol_section_find(f, KVPOL_SEC_COMPKV_GROUPINGS, &si), KVPOL_OK);
+    cr_assert_eq(kvpol_section_find(f, KVPOL_SEC_COMPKV_CALIBRATION, &ci), KVPOL_OK);
     cr_expect(kvpol_section_at(f, si)->flags & KVPOL_SECTION_CRITICAL);
     cr_expect(kvpol_section_at(f, si)->known && kvpol_section_at(f, ci)->known);
     kvpol_item el, ei, ag;

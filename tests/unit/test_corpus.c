@@ -14,7 +14,7 @@
 
 #include "corpus.h"
 #include "kvpol.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "synth.h"
 
 static const kvcc_corpus_model TINY = {.name = "tiny", .n_layers = 2, .n_heads = 4, .n_kv_heads = 2, .head_dim = 8,

@@ -15,7 +15,7 @@
 #include "capture.h"
 #include "corpus.h"
 #include "eval.h"
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "loader.h"
 #include "synth.h"
 

@@ -19,7 +19,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "test_rng.h"
 #ifndef KVRT_TEST_NO_POLICY
 #include "kvpol.h"

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvrt.h"
+#include "kvrt_experimental.h"
 #include "test_rng.h"
 
 // ----------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+/*
+ * kvrt_experimental.h: the parts of libkvrt that are not the serving API: the plain CPU
+ * references (_ref) every fast path is tested against, the solvers behind Attention Matching,
+ * and the lower-level entry points the compiler's calibration passes call (explicit table rows,
+ * several budget sets at once, precomputed features). These may change between minor versions;
+ * serving stacks use kvrt.h only (zstd's ZSTD_STATIC_LINKING_ONLY split).
+ *
+ * Callers: compiler/ (passes, eval), tests/, bench/. Same error rule as kvrt.h (stated there).
+ */
+#ifndef KVRT_EXPERIMENTAL_H
+#define KVRT_EXPERIMENTAL_H
+
+#include "kvrt.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- softmax */
+/* The plain CPU reference of the same op, contiguous f32 [rows, cols]. */
+void kvrt_softmax_rows_ref(const float *x, float *y, int64_t rows, int64_t cols, float scale);
+
+/* ---- attend */
+int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cache *c,
+                    const float *k_recent, const float *v_recent, int64_t n_recent, float scale,
+                    float *out, float *lse_out);
+
+/* ---- topk */
+int kvrt_topk_ref(const float *scores, int64_t n, int64_t k, int32_t *idx);
+
+/* ---- baseline score vectors (SnapKV window mass, H2O accumulation) */
+/* Score vectors behind snapkv and h2o, per KV head (G-averaged, before pooling):
+ * scores [Hkv, T]. snapkv: window mass (positions of the window included, 0 where no window
+ * query sees them); h2o: accumulated attention. _ref: plain loops in double; the fast paths
+ * (sgemm, f32) match them within |a-b| <= 1e-5 + 1e-4*|ref|. */
+int kvrt_snapkv_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                           uint32_t n_kv_heads, uint32_t head_dim, uint32_t window, float *scores);
+int kvrt_snapkv_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                       uint32_t n_kv_heads, uint32_t head_dim, uint32_t window, float *scores);
+int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                        uint32_t n_kv_heads, uint32_t head_dim, float *scores);
+int kvrt_h2o_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
+                    uint32_t n_kv_heads, uint32_t head_dim, float *scores);
+
+
+/* ---- NNLS and ridge least squares (Attention Matching's solvers) */
+/* NNLS outcome (not an error: x is always feasible, x >= 0). */
+typedef enum {
+    KVRT_NNLS_CONVERGED = 0,   /* KKT conditions hold within tolerance */
+    KVRT_NNLS_MAX_ITER = 1,    /* iteration cap reached: x is the last feasible iterate */
+    KVRT_NNLS_DEGENERATE = 2,  /* converged after excluding numerically dependent columns */
+} kvrt_nnls_status;
+typedef struct {
+    int status;            /* kvrt_nnls_status */
+    int iterations;        /* outer (column additions) + inner (step-backs) */
+    double residual;       /* |A x - b| */
+} kvrt_nnls_info;
+/* min |A x - b| s.t. x >= 0 (Lawson-Hanson active set). A [m, n] row-major, b [m], x [n] (out).
+ * max_iter <= 0: 3 n + 30. _ref: textbook, subproblems by modified Gram-Schmidt QR on A's
+ * passive columns, double. kvrt_nnls: columns scaled to unit norm, normal equations (Gram
+ * A^T A by dgemm) and Cholesky on the passive set; same solution within 1e-9 relative on
+ * well-conditioned problems. info may be NULL. KVRT_ERR_ARG on NULL / sizes < 1 / non-finite. */
+int kvrt_nnls_ref(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,
+                  kvrt_nnls_info *info);
+int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,
+              kvrt_nnls_info *info);
+/* Ridge least squares C = argmin |X C - Y|^2 + lambda |C|^2 with lambda = ridge * trace(X^T X)
+ * / t (ridge >= 0; 0 = plain normal equations, which must then be positive definite).
+ * X [n, t], Y [n, d], C [t, d], double, row-major. KVRT_ERR_ARG when the system is singular. */
+int kvrt_ridge_lstsq(const double *X, const double *Y, int64_t n, int64_t t, int64_t d,
+                     double ridge, double *C);
+
+/* ---- Attention Matching: several budget sets at once (the compile pass, eval) */
+/* kvrt_am_compact_layer for n_sets budget sets at once: each KV head's logits, masses, targets
+ * and key scores are computed once and shared by every set (the compile pass's ratio grid, an
+ * eval over several targets). Set si: ratios [n_sets, Hkv] (row si), or ratio_list[si] for every
+ * head when ratios is NULL. out [n_sets] receives n_sets caches (all NULL on failure), each equal
+ * to what kvrt_am_compact_layer gives for that set alone; stats [n_sets, Hkv] or NULL. */
+int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
+                                const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                                uint32_t head_dim, int n_sets, const float *ratios,
+                                const double *ratio_list, int dtype, kvrt_cache **out,
+                                kvrt_am_stats *stats);
+
+/* ---- CompilerKV tables built in memory (the compile pass) */
+/* Copies every array (shapes as in the struct). KVRT_ERR_ARG on NULL, non-finite values,
+ * negative weights, budgets not ascending or < 1, edges not ascending; KVRT_ERR_SHAPE on 0 dims. */
+int kvrt_compilerkv_tables_create(uint32_t n_budgets, uint32_t n_layers, uint32_t n_heads,
+                                  uint32_t window, const int64_t *budgets, const float *w_head,
+                                  const float *t_gate, const float *ent_edges,
+                                  const float *ppl_edges, kvrt_compilerkv_tables **out);
+
+/* ---- CompilerKV prompt features: reference and precomputed mass */
+int kvrt_compilerkv_prompt_add_layer_ref(kvrt_compilerkv_prompt *p, const float *q,
+                                         const float *k, uint32_t n_heads, uint32_t n_kv_heads,
+                                         uint32_t head_dim);
+/* Or add a layer's precomputed head-mean window mass [T] (sum over window queries of their
+ * causal softmax rows, averaged over the layer's query heads). */
+int kvrt_compilerkv_prompt_add_mass(kvrt_compilerkv_prompt *p, const float *mass);
+
+/* ---- CompilerKV selection with an explicit table row (the compile pass's rollouts) */
+/* Steps 3, 4, 7 with an explicit table row: s[t] = max_h alpha[t] rho[h / G, t] w_head[h];
+ * keep the last n_w = kvrt_compilerkv_kept_window(window, budget, T) positions, then of the
+ * earlier positions with s >= tau the highest s up to the budget (kvrt_topk rules). alpha [T],
+ * rho [Hkv, T], w_head [H]. *out: the same ascending positions for every KV head. st may be
+ * NULL. _ref: double scores, full sort (the same window rule). */
+int kvrt_compilerkv_select_layer(const float *alpha, const float *rho, int64_t T,
+                                 uint32_t n_heads, uint32_t n_kv_heads, const float *w_head,
+                                 float tau, int64_t budget, uint32_t window, kvrt_selection **out,
+                                 kvrt_compilerkv_stats *st);
+int kvrt_compilerkv_select_layer_ref(const float *alpha, const float *rho, int64_t T,
+                                     uint32_t n_heads, uint32_t n_kv_heads, const float *w_head,
+                                     float tau, int64_t budget, uint32_t window,
+                                     kvrt_selection **out, kvrt_compilerkv_stats *st);
+
+/* ---- CompKV reference summaries */
+/* The same summaries built from scratch with plain loops in double (the reference):
+ * k, v [T, Hkv, d]; kmean, vmean [Hkv, nb, d]; gvar [Hkv, nb, r]; count [nb]; nb =
+ * ceil(T / block), T >= 1; o NULL: the defaults. */
+int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const float *v,
+                              int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
+                              const uint16_t *perm, const uint16_t *offsets, float *kmean,
+                              float *vmean, float *gvar, int32_t *count);
+
+/* ---- CompKV reference scores */
+int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                           float *scores);
+
+/* ---- CompKV reference attention */
+int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                                  const int32_t *blocks, int64_t n_sel, float *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVRT_EXPERIMENTAL_H */
