@@ -1,13 +1,17 @@
 /*
- * bench_util.h: the timing helpers every benchmark shares (header-only, static inline).
+ * bench_util.h: the timing and input helpers every benchmark shares (header-only, static inline).
  *   now_s()        monotonic wall clock in seconds
  *   median(v, n)   median of n doubles (sorts v in place)
+ *   frand(&s)      uniform float in [-1, 1) from the project's generator (kvrt_rng.h)
  */
 #ifndef KVCC_BENCH_UTIL_H
 #define KVCC_BENCH_UTIL_H
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
+
+#include "kvrt_rng.h"
 
 static inline double now_s(void) {
     struct timespec t;
@@ -24,5 +28,7 @@ static inline double median(double *v, int n) {
     qsort(v, (size_t)n, sizeof *v, bench_cmp_d);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
+
+static inline float frand(uint64_t *s) { return (float)(2.0 * kvrt_rng_u01(s) - 1.0); }
 
 #endif

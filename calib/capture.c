@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "corpus.h"
+#include "kvrt_rng.h"
 
 typedef struct {
     uint32_t T, H, Hkv, d;
@@ -34,13 +35,6 @@ static int on_layer(void *user, int layer, int pos0, int n, const float *q, cons
     memcpy(b->k[layer] + (size_t)pos0 * kr, k, (size_t)n * kr * sizeof(float));
     memcpy(b->v[layer] + (size_t)pos0 * kr, v, (size_t)n * kr * sizeof(float));
     return 0;
-}
-
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 typedef struct { uint32_t file; uint64_t off; } window;
@@ -116,8 +110,8 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         for (int i = 0; i < o->n_texts; i++)
             for (uint64_t j = 0; j < n_ids[i] / T; j++) wins[w++] = (window){(uint32_t)i, j * T};
         uint64_t s = o->seed ^ 0xc0ffee;
-        for (uint64_t i = n_win - 1; i > 0; i--) { /* Fisher-Yates */
-            uint64_t j = splitmix(&s) % (i + 1);
+        for (uint64_t i = n_win - 1; i > 0; i--) { /* Fisher-Yates (modulo draw: keeps old corpora) */
+            uint64_t j = kvrt_rng_next(&s) % (i + 1);
             window t = wins[i]; wins[i] = wins[j]; wins[j] = t;
         }
         qsort(wins, o->n_prompts, sizeof *wins, cmp_window);
