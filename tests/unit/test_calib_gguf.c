@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "gguf.h"
+#include "kvpol.h" /* kvpol_f16_to_f32, kvpol_bf16_to_f32 */
 
 // ---------------------------------------------------------------- a tiny GGUF writer
 
@@ -334,17 +335,17 @@ Test(calib_gguf, status_strings) {
 // ---------------------------------------------------------------- dequantizers
 
 Test(calib_gguf, f16_and_bf16) {
-    cr_assert_eq(kvcc_f16_to_f32(0x3C00), 1.0f);
-    cr_assert_eq(kvcc_f16_to_f32(0xC000), -2.0f);
-    cr_assert_eq(kvcc_f16_to_f32(0x7BFF), 65504.0f);
-    cr_assert_eq(kvcc_f16_to_f32(0x0001), ldexpf(1.0f, -24)); /* smallest subnormal */
-    cr_assert_eq(kvcc_f16_to_f32(0x03FF), ldexpf(1023.0f, -24)); /* largest subnormal */
-    cr_assert_eq(kvcc_f16_to_f32(0x3555), 0.333251953125f);
-    cr_assert(signbit(kvcc_f16_to_f32(0x8000)) && kvcc_f16_to_f32(0x8000) == 0.0f);
-    cr_assert(isinf(kvcc_f16_to_f32(0x7C00)));
-    cr_assert(isnan(kvcc_f16_to_f32(0x7E00)));
-    cr_assert_eq(kvcc_bf16_to_f32(0x3F80), 1.0f);
-    cr_assert_eq(kvcc_bf16_to_f32(0xC0A0), -5.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0x3C00), 1.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0xC000), -2.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0x7BFF), 65504.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0x0001), ldexpf(1.0f, -24)); /* smallest subnormal */
+    cr_assert_eq(kvpol_f16_to_f32(0x03FF), ldexpf(1023.0f, -24)); /* largest subnormal */
+    cr_assert_eq(kvpol_f16_to_f32(0x3555), 0.333251953125f);
+    cr_assert(signbit(kvpol_f16_to_f32(0x8000)) && kvpol_f16_to_f32(0x8000) == 0.0f);
+    cr_assert(isinf(kvpol_f16_to_f32(0x7C00)));
+    cr_assert(isnan(kvpol_f16_to_f32(0x7E00)));
+    cr_assert_eq(kvpol_bf16_to_f32(0x3F80), 1.0f);
+    cr_assert_eq(kvpol_bf16_to_f32(0xC0A0), -5.0f);
     uint8_t raw[4] = {0x00, 0x3C, 0x00, 0xC0};
     float out[2];
     kvcc_dequant_f16_ref(raw, out, 2);
