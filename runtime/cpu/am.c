@@ -2,14 +2,14 @@
  * am.c: Attention Matching compaction on the CPU: per (layer, KV head), replace T keys/values by
  * t synthetic entries (C_k, beta, C_v) that reproduce the attention output and mass of the
  * original block for a set of reference queries (ALGORITHMS.md section 2; kvrt.h documents the
- * API). Also the NNLS solvers it is built on (Lawson-Hanson, _ref and fast), the ridge least
- * squares of the values, and the reader of the compiled per-head budget schedule.
+ * API). Also the NNLS solvers it is built on (Lawson-Hanson, _ref and fast) and the ridge least
+ * squares of the values. The schedule handle and the argument checks are in runtime/core/am.c.
  * Callers: serving stacks (kvrt_am_compact_layer after prefill), kvcc compile's am pass
  * (compiler/passes/am.c, sensitivity curves), kvcc eval (methods am, am-uniform, am-omp), tests
  * (tests/unit/test_am.c), bench/bench_am.c.
  *
- * defines: kvrt_am_opts_init, kvrt_nnls_ref, kvrt_nnls, kvrt_ridge_lstsq, kvrt_am_compact,
- *          kvrt_am_compact_layer, kvrt_am_schedule_load
+ * defines: kvrt_am_opts_init, kvrt_nnls_ref, kvrt_nnls, kvrt_ridge_lstsq, kvrt_cpu_am_compact,
+ *          kvrt_cpu_am_compact_layer_multi (the CPU implementations behind runtime/core/am.c)
  *
  * Threading: the big products (Q K^T, P V, Gram matrices, X C_v) are single OpenBLAS calls, which
  * OpenBLAS threads itself; the elementwise work between them (row max, exp, column statistics)
@@ -32,6 +32,7 @@
 #include "kvrt_experimental.h"
 #include "kvpol.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -989,7 +990,7 @@ static int opts_check(const char *fn, const kvrt_am_opts *o) {
     return KVRT_OK;
 }
 
-int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
+int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
                     uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
                     int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
     const char *fn = "kvrt_am_compact";
@@ -1031,7 +1032,7 @@ int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64
     return rc;
 }
 
-int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
+int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
                                 const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
                                 uint32_t head_dim, int n_sets, const float *ratios,
                                 const double *ratio_list, int dtype, kvrt_cache **out,
@@ -1145,70 +1146,6 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
     return rc;
 }
 
-int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k, const float *v,
-                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                          const float *ratios, double ratio, int dtype, kvrt_cache **out,
-                          kvrt_am_stats *stats) {
-    if (out == NULL) return AM_FAIL(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
-    return kvrt_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1, ratios,
-                                       &ratio, dtype, out, stats);
-}
-
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
-
-// ----------------------------------------------------------------------------
-// the compiled schedule
-
-int kvrt_am_schedule_load(const char *path, double target, uint32_t n_layers,
-                          uint32_t n_kv_heads, float *ratios) {
-    const char *fn = "kvrt_am_schedule_load";
-    if (path == NULL || ratios == NULL)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, path == NULL ? "path" : "ratios");
-    kvpol_file *f = NULL;
-    kvpol_error ke = {0};
-    int kc = kvpol_open_path(&f, path, NULL, &ke);
-    if (kc != KVPOL_OK) {
-        kvpol_close(f);
-        return kvrt_err_set(kvrt_tls_err(), kc == KVPOL_ERR_IO ? KVRT_ERR_IO : KVRT_ERR_FORMAT, kc,
-                            "%s", ke.msg);
-    }
-    int rc = KVRT_OK;
-    uint32_t si;
-    kvpol_item tg, sc;
-    if (kvpol_section_find(f, KVPOL_SEC_AM_SCHEDULE, &si) != KVPOL_OK) {
-        rc = AM_FAIL(KVRT_ERR_UNSUPPORTED,
-                     "%s: no Attention Matching schedule (section am.schedule): compile it with "
-                     "kvcc compile --policies am", path);
-    } else if (kvpol_get_tensor(f, si, "targets", KVPOL_DTYPE_F64, &tg) != KVPOL_OK ||
-               kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK ||
-               tg.ndim != 1 || sc.ndim != 3 || sc.dims[0] != tg.dims[0]) {
-        rc = kvrt_err_set(kvrt_tls_err(), KVRT_ERR_FORMAT, 0,
-                          "%s: am.schedule: expected items targets f64 [n_t] and schedule f32 "
-                          "[n_t, L, Hkv]", path);
-    } else if (sc.dims[1] != n_layers || sc.dims[2] != n_kv_heads) {
-        rc = AM_FAIL(KVRT_ERR_MODEL_MISMATCH,
-                     "%s: am.schedule is [%llu, %llu, %llu], expected layers %u x KV heads %u",
-                     path, (unsigned long long)sc.dims[0], (unsigned long long)sc.dims[1],
-                     (unsigned long long)sc.dims[2], n_layers, n_kv_heads);
-    } else {
-        const double *tv = tg.data;
-        int64_t hit = -1;
-        for (uint64_t i = 0; i < tg.dims[0]; i++)
-            if (fabs(tv[i] - target) <= 1e-6 * fabs(target)) hit = (int64_t)i;
-        if (hit < 0) {
-            char list[256] = "";
-            size_t len = 0;
-            for (uint64_t i = 0; i < tg.dims[0] && len + 16 < sizeof list; i++)
-                len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "", tv[i]);
-            rc = AM_FAIL(KVRT_ERR_ARG, "%s: target ratio %g is not compiled (compiled: %s)", path,
-                         target, list);
-        } else {
-            const size_t cnt = (size_t)n_layers * n_kv_heads;
-            memcpy(ratios, (const float *)sc.data + (size_t)hit * cnt, sizeof(float) * cnt);
-        }
-    }
-    kvpol_close(f);
-    return rc;
-}

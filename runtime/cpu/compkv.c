@@ -6,7 +6,8 @@
  * Callers: serving stacks (per layer, per decode step), kvcc's compkv pass and eval, tests
  * (tests/unit/test_compkv.c), bench/bench_compkv.c, examples/compkv_decode.c.
  *
- * defines: kvrt_compkv_opts_init, kvrt_compkv_create, kvrt_compkv_free, kvrt_compkv_append,
+ * defines: kvrt_compkv_opts_init, kvrt_cpu_compkv_create (behind runtime/core/compkv.c),
+ *          kvrt_compkv_free, kvrt_compkv_append,
  *          kvrt_compkv_length, kvrt_compkv_n_blocks, kvrt_compkv_groups,
  *          kvrt_compkv_summaries, kvrt_compkv_summaries_ref, kvrt_compkv_scores(_ref),
  *          kvrt_compkv_select, kvrt_compkv_attend_blocks(_ref), kvrt_compkv_step
@@ -61,6 +62,7 @@
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 /* The per-head kernels (append, scores, attention) are compiled twice on x86-64 Linux with GCC:
  * for the baseline ISA (SSE2, what -O2 targets) and for AVX2, picked once at load time by an
@@ -223,9 +225,9 @@ void kvrt_compkv_free(kvrt_compkv *s) {
     free(s);
 }
 
-int kvrt_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
-                       int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
-                       kvrt_compkv **out) {
+int kvrt_cpu_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
+                           int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
+                           kvrt_compkv **out) {
     static const char fn[] = "kvrt_compkv_create";
     if (out == NULL) return CK_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     *out = NULL;

@@ -1,16 +1,20 @@
 /*
- * compkv_policy.c: the compiled CompKV variance groupings of an artifact (kvcc compile
- * --policies compkv, compiler/passes/compkv.c; ALGORITHMS.md section 3, "Offline"), read and
- * checked for kvrt_compkv_create. Callers: serving stacks, kvcc eval's compkv rows, tests.
+ * compkv.c: CompKV's front door (docs/policies/compkv.md): the compiled variance groupings of an
+ * open policy (kvrt_compkv_open; kvcc compile --policies compkv, compiler/passes/compkv.c) with
+ * the options they were calibrated with (block, r, scale), decode states built from them
+ * (kvrt_compkv_create_layer refuses other compiled options unless the caller overrides them
+ * explicitly), and dispatch to the context's backend (runtime/cpu/compkv.c).
+ * Callers: serving stacks, kvcc eval's compkv rows, tests.
  *
- * defines: kvrt_compkv_grouping_load, kvrt_compkv_grouping_from_policy,
- *          kvrt_compkv_grouping_free
+ * defines: kvrt_compkv_open, kvrt_compkv_grouping_free, kvrt_compkv_grouping_opts,
+ *          kvrt_compkv_create_layer, kvrt_compkv_create
  *
  * Section compkv.groupings (KVPOL_SEC_COMPKV_GROUPINGS, critical): perm u16 [L, Hkv, d], offsets
  * u16 [L, Hkv, r + 1], learned u8 [L, Hkv], r i64, block i64, scale f64 (docs/kvpol-format.md).
  * Everything the runtime would reject later (perm not a permutation of 0..d-1, offsets not
  * strictly increasing from 0 to d) is refused here as KVRT_ERR_FORMAT naming the layer and head.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,7 +22,7 @@
 
 #include "kvpol.h"
 #include "kvrt_experimental.h"
-#include "core/backend.h"
+#include "core/policies.h"
 
 #define CG_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
 
@@ -119,28 +123,76 @@ static int grouping_parse(const kvpol_file *f, const char *label, uint32_t want_
     return KVRT_OK;
 }
 
-int kvrt_compkv_grouping_load(const char *path, uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim,
-                              kvrt_compkv_grouping **out) {
-    if (out) *out = NULL;
-    if (path == NULL || out == NULL)
-        return CG_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_load: NULL %s", path == NULL ? "path" : "out");
-    kvpol_file *f = NULL;
-    kvpol_error ke = {0};
-    int kc = kvpol_open_path(&f, path, NULL, &ke);
-    if (kc != KVPOL_OK) {
-        kvpol_close(f);
-        return kvrt_err_set(kvrt_tls_err(), kc == KVPOL_ERR_IO ? KVRT_ERR_IO : KVRT_ERR_FORMAT, kc, "%s", ke.msg);
-    }
-    int rc = grouping_parse(f, path, n_layers, n_kv_heads, head_dim, out);
-    kvpol_close(f);
-    return rc;
-}
-
-int kvrt_compkv_grouping_from_policy(const kvrt_policy *p, kvrt_compkv_grouping **out) {
+int kvrt_compkv_open(const kvrt_policy *p, kvrt_compkv_grouping **out) {
     if (out) *out = NULL;
     if (p == NULL || out == NULL)
-        return CG_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_from_policy: NULL %s", p == NULL ? "policy" : "out");
+        return CG_FAIL(KVRT_ERR_ARG, "kvrt_compkv_open: NULL %s", p == NULL ? "policy" : "out");
     kvrt_model_dims md;
     kvrt_policy_model(p, &md);
-    return grouping_parse(kvrt_policy_file(p), "policy", md.n_layers, md.n_kv_heads, md.head_dim, out);
+    return grouping_parse(kvrt_policy_file(p), "kvrt_compkv_open", md.n_layers, md.n_kv_heads,
+                          md.head_dim, out);
+}
+
+int kvrt_compkv_grouping_opts(const kvrt_compkv_grouping *g, kvrt_compkv_opts *out) {
+    if (g == NULL || out == NULL)
+        return CG_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_opts: NULL argument");
+    kvrt_compkv_opts_init(out);
+    out->block = g->block;
+    out->r = g->r;
+    out->scale = (float)g->scale;
+    return KVRT_OK;
+}
+
+/* The checks of kvrt_compkv_create_layer that need the grouping. */
+static int layer_check(const char *fn, const kvrt_compkv_grouping *g, uint32_t layer,
+                       const kvrt_compkv_opts *o, unsigned flags, kvrt_compkv **out) {
+    if (g == NULL || out == NULL) return CG_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, g ? "out" : "grouping");
+    if (flags & ~KVRT_OVERRIDE_OPTIONS)
+        return CG_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn, flags & ~KVRT_OVERRIDE_OPTIONS);
+    if (layer >= g->n_layers)
+        return CG_FAIL(KVRT_ERR_ARG, "%s: layer %u, the grouping has %u layers", fn, layer, g->n_layers);
+    if (o == NULL || (flags & KVRT_OVERRIDE_OPTIONS)) return KVRT_OK;
+    kvrt_compkv_opts c;
+    kvrt_compkv_grouping_opts(g, &c);
+    const float scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)g->head_dim));
+    if (o->block != c.block)
+        return CG_FAIL(KVRT_ERR_ARG, "%s: block %u differs from the compiled %u (pass "
+                       "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->block, c.block);
+    if (o->r != c.r)
+        return CG_FAIL(KVRT_ERR_ARG, "%s: r %u differs from the compiled %u (pass "
+                       "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->r, c.r);
+    if (scale != c.scale)
+        return CG_FAIL(KVRT_ERR_ARG, "%s: scale %g differs from the compiled %g (pass "
+                       "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (double)scale, (double)c.scale);
+    return KVRT_OK;
+}
+
+int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint32_t layer,
+                             int64_t capacity, const kvrt_compkv_opts *o, unsigned flags,
+                             kvrt_compkv **out) {
+    const char *fn = "kvrt_compkv_create_layer";
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, fn, "compkv_create");
+    if (rc) return rc;
+    rc = layer_check(fn, g, layer, o, flags, out);
+    if (rc == KVRT_OK) {
+        kvrt_compkv_opts c;
+        kvrt_compkv_grouping_opts(g, &c);
+        const size_t hd = (size_t)g->n_kv_heads * g->head_dim;
+        const size_t ho = (size_t)g->n_kv_heads * (g->r + 1);
+        rc = kvrt_cpu_compkv_create(o ? o : &c, g->n_kv_heads, g->head_dim, capacity,
+                                    g->perm + (size_t)layer * hd, g->offsets + (size_t)layer * ho,
+                                    out);
+    }
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                       uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                       const uint16_t *offsets, kvrt_compkv **out) {
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_create", "compkv_create");
+    if (rc) return rc;
+    rc = kvrt_cpu_compkv_create(o, n_kv_heads, head_dim, capacity, perm, offsets, out);
+    return kvrt_policy_ctx_done(ctx, rc);
 }
