@@ -45,34 +45,6 @@
 #define R 4
 #define MAX_RUNS 31
 
-/* STREAM triad, GB/s (1e9 bytes), median of runs. */
-static double triad_gbs(int threads, int runs) {
-    const size_t n = (size_t)16 << 20; /* 16 Mi floats = 64 MiB per array */
-    float *a = malloc(n * 4), *b = malloc(n * 4), *c = malloc(n * 4);
-    if (!a || !b || !c) {
-        free(a); free(b); free(c);
-        return 0.0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        a[i] = 0.0f;
-        b[i] = 1.0f;
-        c[i] = 2.0f;
-    }
-    double t[MAX_RUNS];
-    const float sc = 3.0f;
-    for (int r = 0; r < runs; r++) {
-        const double t0 = now_s();
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (size_t i = 0; i < n; i++) a[i] = b[i] + sc * c[i];
-        t[r] = now_s() - t0;
-    }
-    volatile float sink = a[n / 2];
-    (void)sink;
-    free(a); free(b); free(c);
-    return 12.0 * (double)n / median(t, runs) / 1e9;
-}
-
 typedef enum { OP_FULL, OP_STEP, OP_SCORES } op_kind;
 
 typedef struct {
