@@ -89,22 +89,20 @@ static int put_attr_str(hid_t obj, const char *name, const char *s) {
     return r < 0 ? -1 : 0;
 }
 
-static int put_attr_i64(hid_t obj, const char *name, int64_t v) {
+/* A scalar attribute stored as `ftype`, written from *v of memory type `mtype`. */
+static int put_attr_scalar(hid_t obj, const char *name, hid_t ftype, hid_t mtype, const void *v) {
     hid_t sp = H5Screate(H5S_SCALAR);
-    hid_t a = H5Acreate2(obj, name, H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-    herr_t r = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, &v);
+    hid_t a = H5Acreate2(obj, name, ftype, sp, H5P_DEFAULT, H5P_DEFAULT);
+    herr_t r = a < 0 ? -1 : H5Awrite(a, mtype, v);
     if (a >= 0) H5Aclose(a);
     H5Sclose(sp);
     return r < 0 ? -1 : 0;
 }
-
+static int put_attr_i64(hid_t obj, const char *name, int64_t v) {
+    return put_attr_scalar(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v);
+}
 static int put_attr_f64(hid_t obj, const char *name, double v) {
-    hid_t sp = H5Screate(H5S_SCALAR);
-    hid_t a = H5Acreate2(obj, name, H5T_IEEE_F64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-    herr_t r = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_DOUBLE, &v);
-    if (a >= 0) H5Aclose(a);
-    H5Sclose(sp);
-    return r < 0 ? -1 : 0;
+    return put_attr_scalar(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
 }
 
 /* Read a scalar numeric attribute as int64 / double; -1 when absent or not numeric. */
