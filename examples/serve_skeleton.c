@@ -190,6 +190,16 @@ static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_m
     return rc;
 }
 
+/* A kvrt_*_open status: KVRT_ERR_UNSUPPORTED says the artifact does not carry that policy (not
+ * an error here: the caller tries the next one); other failures are reported. 1 when open. */
+static int opened(const char *fn, int rc, int *found) {
+    *found = rc != KVRT_ERR_UNSUPPORTED;
+    if (*found && rc != KVRT_OK) fail_call(fn, rc);
+    return rc == KVRT_OK;
+}
+
+static int wants(const char *asked, const char *name) { return !asked || !strcmp(asked, name); }
+
 /* Opens the handle of `name` (NULL: the first of compilerkv, am, compkv the artifact carries)
  * and runs it on the middle layer. *found: 0 when the artifact carries none of those asked. */
 static int run_policy(kvrt_ctx *ctx, const kvrt_policy *pol, const char *name, int *found) {
@@ -200,42 +210,27 @@ static int run_policy(kvrt_ctx *ctx, const kvrt_policy *pol, const char *name, i
     const size_t nk = (size_t)T_CTX * m.n_kv_heads * m.head_dim;
     float *q = malloc(sizeof(float) * nq), *k = malloc(sizeof(float) * nk);
     float *v = malloc(sizeof(float) * nk);
-    int rc = q && k && v ? KVRT_ERR_UNSUPPORTED : KVRT_ERR_NOMEM;
+    int rc = KVRT_ERR_NOMEM;
     *found = 0;
-    /* kvrt_*_open says KVRT_ERR_UNSUPPORTED when the artifact lacks that policy's group */
-    if (!*found && rc == KVRT_ERR_UNSUPPORTED && (!name || strcmp(name, "compilerkv") == 0)) {
+    if (q && k && v && wants(name, "compilerkv")) {
         kvrt_compilerkv_tables *tb = NULL;
-        if ((rc = kvrt_compilerkv_open(pol, &tb)) == KVRT_OK) {
-            *found = 1;
+        if (opened("kvrt_compilerkv_open", rc = kvrt_compilerkv_open(pol, &tb), found))
             rc = run_compilerkv(ctx, tb, &m, layer, q, k, v);
-        } else if (rc != KVRT_ERR_UNSUPPORTED) {
-            *found = 1;
-            fail_call("kvrt_compilerkv_open", rc);
-        }
         kvrt_compilerkv_tables_free(tb);
     }
-    if (!*found && rc == KVRT_ERR_UNSUPPORTED && (!name || strcmp(name, "am") == 0)) {
+    if (q && k && v && !*found && wants(name, "am")) {
         kvrt_am_schedule *s = NULL;
-        if ((rc = kvrt_am_open(pol, &s)) == KVRT_OK) {
-            *found = 1;
+        if (opened("kvrt_am_open", rc = kvrt_am_open(pol, &s), found))
             rc = run_am(ctx, s, &m, layer, q, k, v);
-        } else if (rc != KVRT_ERR_UNSUPPORTED) {
-            *found = 1;
-            fail_call("kvrt_am_open", rc);
-        }
         kvrt_am_schedule_free(s);
     }
-    if (!*found && rc == KVRT_ERR_UNSUPPORTED && (!name || strcmp(name, "compkv") == 0)) {
+    if (q && k && v && !*found && wants(name, "compkv")) {
         kvrt_compkv_grouping *g = NULL;
-        if ((rc = kvrt_compkv_open(pol, &g)) == KVRT_OK) {
-            *found = 1;
+        if (opened("kvrt_compkv_open", rc = kvrt_compkv_open(pol, &g), found))
             rc = run_compkv(ctx, g, &m, layer, q, k, v);
-        } else if (rc != KVRT_ERR_UNSUPPORTED) {
-            *found = 1;
-            fail_call("kvrt_compkv_open", rc);
-        }
         kvrt_compkv_grouping_free(g);
     }
+    if (rc == KVRT_ERR_NOMEM && !*found) fprintf(stderr, "error: out of memory\n");
     free(q);
     free(k);
     free(v);
@@ -347,7 +342,7 @@ int main(int argc, char **argv) {
             else fprintf(stderr, "error: %s (%s)\n", err.msg, kvrt_status_name(rc));
             kvrt_ctx_free(cpu);
         }
-        if (!found)
+        if (!found && rc == KVRT_ERR_UNSUPPORTED)
             fprintf(stderr, "error: %s carries no %s policy group\n", path,
                     policy ? policy : "CompilerKV, Attention Matching or CompKV");
     }
