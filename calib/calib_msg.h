@@ -9,6 +9,7 @@
 #include <stddef.h>
 
 /* printf into dst[cap], truncating; a NULL dst or cap 0 writes nothing. */
-void kvcc_set_msg(char *dst, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void kvcc_set_msg(char *dst, size_t cap, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 #endif
