@@ -27,8 +27,6 @@ struct kvrt_am_schedule {
     kvrt_am_opts opts;    /* kvrt_am_opts_init + the compiled key_select and chunk */
 };
 
-#define AM_ERR(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
-
 void kvrt_am_schedule_free(kvrt_am_schedule *s) {
     if (s == NULL) return;
     free(s->targets);
@@ -39,15 +37,12 @@ void kvrt_am_schedule_free(kvrt_am_schedule *s) {
 int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     const char *fn = "kvrt_am_open";
     if (out) *out = NULL;
-    if (p == NULL || out == NULL) return AM_ERR(KVRT_ERR_ARG, "%s: NULL %s", fn, p ? "out" : "policy");
-    const kvpol_file *f = kvrt_policy_file(p);
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    const kvpol_file *f;
     kvrt_model_dims md;
-    kvrt_policy_model(p, &md);
     uint32_t si;
-    if (f == NULL || kvpol_section_find(f, KVPOL_SEC_AM_SCHEDULE, &si) != KVPOL_OK)
-        return AM_ERR(KVRT_ERR_UNSUPPORTED,
-                      "%s: the artifact has no Attention Matching schedule (section am.schedule): "
-                      "compile it with kvcc compile --policies am", fn);
+    int rc = kvrt_policy_section(p, KVPOL_SEC_AM_SCHEDULE, fn, &f, &si, &md);
+    if (rc) return rc;
     kvpol_item tg, sc;
     const char *sel = NULL;
     uint64_t sel_len = 0;
@@ -55,33 +50,39 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     if (kvpol_get_tensor(f, si, "targets", KVPOL_DTYPE_F64, &tg) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK || tg.ndim != 1 ||
         sc.ndim != 3 || sc.dims[0] != tg.dims[0] || tg.dims[0] < 1 || tg.dims[0] > 4096)
-        return AM_ERR(KVRT_ERR_FORMAT,
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
                       "%s: am.schedule: expected items targets f64 [n_t] (n_t 1..4096) and "
                       "schedule f32 [n_t, L, Hkv]", fn);
     if (kvpol_get_string(f, si, "key_select", &sel, &sel_len) != KVPOL_OK ||
         kvpol_get_i64(f, si, "chunk", &chunk) != KVPOL_OK)
-        return AM_ERR(KVRT_ERR_FORMAT,
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
                       "%s: am.schedule: expected items key_select string and chunk i64", fn);
     int key_select;
     if (sel_len == 7 && memcmp(sel, "highest", 7) == 0) key_select = KVRT_AM_SELECT_HIGHEST;
     else if (sel_len == 3 && memcmp(sel, "omp", 3) == 0) key_select = KVRT_AM_SELECT_OMP;
     else
-        return AM_ERR(KVRT_ERR_FORMAT, "%s: am.schedule: key_select '%.*s', expected highest or omp",
-                      fn, (int)(sel_len < 32 ? sel_len : 32), sel);
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "%s: am.schedule: key_select '%.*s', expected highest or omp", fn,
+                         (int)(sel_len < 32 ? sel_len : 32), sel);
     if (chunk < 0 || chunk > INT32_MAX)
-        return AM_ERR(KVRT_ERR_FORMAT, "%s: am.schedule: chunk %lld, expected 0..%d", fn,
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: chunk %lld, expected 0..%d", fn,
                       (long long)chunk, INT32_MAX);
-    if ((md.n_layers && sc.dims[1] != md.n_layers) || (md.n_kv_heads && sc.dims[2] != md.n_kv_heads))
-        return AM_ERR(KVRT_ERR_MODEL_MISMATCH,
-                      "%s: am.schedule is [%llu, %llu, %llu], the policy's model has %u layers x %u "
-                      "KV heads", fn, (unsigned long long)sc.dims[0], (unsigned long long)sc.dims[1],
-                      (unsigned long long)sc.dims[2], md.n_layers, md.n_kv_heads);
+    if ((md.n_layers && sc.dims[1] != md.n_layers) ||
+        (md.n_kv_heads && sc.dims[2] != md.n_kv_heads))
+        return KVRT_FAIL(
+            KVRT_ERR_MODEL_MISMATCH,
+            "%s: am.schedule is [%llu, %llu, %llu], the policy's model has %u layers x %u "
+            "KV heads",
+            fn, (unsigned long long)sc.dims[0], (unsigned long long)sc.dims[1],
+            (unsigned long long)sc.dims[2], md.n_layers, md.n_kv_heads);
     const float *rv = sc.data;
     const size_t nr = (size_t)(sc.dims[0] * sc.dims[1] * sc.dims[2]);
     for (size_t i = 0; i < nr; i++)
         if (!(rv[i] > 0.0f && rv[i] <= 1.0f))
-            return AM_ERR(KVRT_ERR_FORMAT, "%s: am.schedule: schedule[%zu] = %g, expected a ratio in "
-                          "(0, 1]", fn, i, (double)rv[i]);
+            return KVRT_FAIL(KVRT_ERR_FORMAT,
+                             "%s: am.schedule: schedule[%zu] = %g, expected a ratio in "
+                             "(0, 1]",
+                             fn, i, (double)rv[i]);
     kvrt_am_schedule *s = calloc(1, sizeof *s);
     if (s) {
         s->targets = malloc(sizeof(double) * (size_t)tg.dims[0]);
@@ -89,7 +90,7 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     }
     if (s == NULL || s->targets == NULL || s->ratios == NULL) {
         kvrt_am_schedule_free(s);
-        return AM_ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     s->n_targets = (uint32_t)tg.dims[0];
     s->n_layers = (uint32_t)sc.dims[1];
@@ -105,14 +106,15 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
 }
 
 int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out) {
-    if (s == NULL || out == NULL) return AM_ERR(KVRT_ERR_ARG, "kvrt_am_schedule_opts: NULL argument");
+    if (s == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_opts: NULL argument");
     *out = s->opts;
     return KVRT_OK;
 }
 
 int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, int *n_targets) {
     if (s == NULL || targets == NULL || n_targets == NULL)
-        return AM_ERR(KVRT_ERR_ARG, "kvrt_am_schedule_targets: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_targets: NULL argument");
     *targets = s->targets;
     *n_targets = (int)s->n_targets;
     return KVRT_OK;
@@ -121,10 +123,11 @@ int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, 
 int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t layer,
                             const float **ratios) {
     const char *fn = "kvrt_am_schedule_ratios";
-    if (s == NULL || ratios == NULL) return AM_ERR(KVRT_ERR_ARG, "%s: NULL argument", fn);
+    if (s == NULL || ratios == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
     *ratios = NULL;
     if (layer >= s->n_layers)
-        return AM_ERR(KVRT_ERR_ARG, "%s: layer %u, the schedule has %u layers", fn, layer, s->n_layers);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, the schedule has %u layers", fn, layer,
+                         s->n_layers);
     int64_t hit = -1;
     for (uint32_t i = 0; i < s->n_targets; i++)
         if (fabs(s->targets[i] - target) <= 1e-6 * fabs(target)) hit = i;
@@ -132,9 +135,10 @@ int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t l
         char list[256] = "";
         size_t len = 0;
         for (uint32_t i = 0; i < s->n_targets && len + 16 < sizeof list; i++)
-            len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "", s->targets[i]);
-        return AM_ERR(KVRT_ERR_ARG, "%s: target ratio %g is not compiled (compiled: %s)", fn, target,
-                      list);
+            len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "",
+                                    s->targets[i]);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: target ratio %g is not compiled (compiled: %s)", fn,
+                         target, list);
     }
     *ratios = s->ratios + ((size_t)hit * s->n_layers + layer) * s->n_kv_heads;
     return KVRT_OK;
@@ -148,16 +152,18 @@ static const char *select_name(int ks) {
 static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt_am_opts *o,
                            unsigned flags, double target, uint32_t layer, kvrt_cache **out,
                            const float **ratios) {
-    if (s == NULL || out == NULL) return AM_ERR(KVRT_ERR_ARG, "%s: NULL %s", fn, s ? "out" : "schedule");
+    if (s == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, s ? "out" : "schedule");
     if (flags & ~KVRT_OVERRIDE_OPTIONS)
-        return AM_ERR(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn, flags & ~KVRT_OVERRIDE_OPTIONS);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn,
+                         flags & ~KVRT_OVERRIDE_OPTIONS);
     if (o && !(flags & KVRT_OVERRIDE_OPTIONS)) {
         if (o->key_select != s->opts.key_select)
-            return AM_ERR(KVRT_ERR_ARG, "%s: key_select %s differs from the compiled %s (pass "
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: key_select %s differs from the compiled %s (pass "
                           "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, select_name(o->key_select),
                           select_name(s->opts.key_select));
         if (o->chunk != s->opts.chunk)
-            return AM_ERR(KVRT_ERR_ARG, "%s: chunk %lld differs from the compiled %lld (pass "
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: chunk %lld differs from the compiled %lld (pass "
                           "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (long long)o->chunk,
                           (long long)s->opts.chunk);
     }
@@ -197,7 +203,7 @@ int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, 
     if (out) *out = NULL;
     int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact_layer", "am_compact_layer");
     if (rc) return rc;
-    if (out == NULL) rc = AM_ERR(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
+    if (out == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
     else
         rc = kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1,
                                              ratios, &ratio, dtype, out, stats);

@@ -24,8 +24,6 @@
 #include "kvrt_experimental.h"
 #include "core/policies.h"
 
-#define CG_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
-
 void kvrt_compkv_grouping_free(kvrt_compkv_grouping *g) {
     if (g == NULL) return;
     free(g->perm);
@@ -34,56 +32,60 @@ void kvrt_compkv_grouping_free(kvrt_compkv_grouping *g) {
     free(g);
 }
 
-/* Parse and check the section of an open file. want_*: 0 = not checked. */
-static int grouping_parse(const kvpol_file *f, const char *label, uint32_t want_l, uint32_t want_hkv,
-                          uint32_t want_d, kvrt_compkv_grouping **out) {
-    uint32_t si;
-    if (kvpol_section_find(f, KVPOL_SEC_COMPKV_GROUPINGS, &si) != KVPOL_OK)
-        return CG_FAIL(KVRT_ERR_UNSUPPORTED,
-                       "%s: no CompKV grouping (section compkv.groupings): compile it with kvcc compile "
-                       "--policies compkv", label);
+/* Parse and check section si (compkv.groupings) of an open file. want_*: 0 = not checked. */
+static int grouping_parse(const kvpol_file *f, uint32_t si, const char *label, uint32_t want_l,
+                          uint32_t want_hkv, uint32_t want_d, kvrt_compkv_grouping **out) {
     kvpol_item pm, of, le;
     int64_t r = 0, block = 0;
     double scale = 0;
     if (kvpol_get_tensor(f, si, "perm", KVPOL_DTYPE_U16, &pm) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "offsets", KVPOL_DTYPE_U16, &of) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "learned", KVPOL_DTYPE_U8, &le) != KVPOL_OK ||
-        kvpol_get_i64(f, si, "r", &r) != KVPOL_OK || kvpol_get_i64(f, si, "block", &block) != KVPOL_OK ||
+        kvpol_get_i64(f, si, "r", &r) != KVPOL_OK ||
+        kvpol_get_i64(f, si, "block", &block) != KVPOL_OK ||
         kvpol_get_f64(f, si, "scale", &scale) != KVPOL_OK)
-        return CG_FAIL(KVRT_ERR_FORMAT,
-                       "%s: compkv.groupings: expected items perm u16 [L, Hkv, d], offsets u16 [L, Hkv, r+1], "
-                       "learned u8 [L, Hkv], r i64, block i64, scale f64", label);
+        return KVRT_FAIL(
+            KVRT_ERR_FORMAT,
+            "%s: compkv.groupings: expected items perm u16 [L, Hkv, d], offsets u16 [L, Hkv, r+1], "
+            "learned u8 [L, Hkv], r i64, block i64, scale f64",
+            label);
     if (pm.ndim != 3 || of.ndim != 3 || le.ndim != 2)
-        return CG_FAIL(KVRT_ERR_FORMAT, "%s: compkv.groupings: perm and offsets must be 3-D, learned 2-D", label);
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "%s: compkv.groupings: perm and offsets must be 3-D, learned 2-D", label);
     const uint64_t L = pm.dims[0], Hkv = pm.dims[1], d = pm.dims[2];
     if (r < 1 || (uint64_t)r > d || d > 65535 || of.dims[0] != L || of.dims[1] != Hkv ||
         of.dims[2] != (uint64_t)r + 1 || le.dims[0] != L || le.dims[1] != Hkv)
-        return CG_FAIL(KVRT_ERR_FORMAT,
-                       "%s: compkv.groupings: r = %lld with perm [%llu, %llu, %llu] needs r in 1..d, offsets "
-                       "[L, Hkv, r+1] and learned [L, Hkv]", label, (long long)r, (unsigned long long)L,
-                       (unsigned long long)Hkv, (unsigned long long)d);
+        return KVRT_FAIL(
+            KVRT_ERR_FORMAT,
+            "%s: compkv.groupings: r = %lld with perm [%llu, %llu, %llu] needs r in 1..d, offsets "
+            "[L, Hkv, r+1] and learned [L, Hkv]",
+            label, (long long)r, (unsigned long long)L, (unsigned long long)Hkv,
+            (unsigned long long)d);
     if (block < 1 || block > 0x7fffffff || !(scale > 0))
-        return CG_FAIL(KVRT_ERR_FORMAT, "%s: compkv.groupings: block %lld must be >= 1 and scale %g > 0", label,
-                       (long long)block, scale);
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "%s: compkv.groupings: block %lld must be >= 1 and scale %g > 0", label,
+                         (long long)block, scale);
     if ((want_l && L != want_l) || (want_hkv && Hkv != want_hkv) || (want_d && d != want_d))
-        return CG_FAIL(KVRT_ERR_MODEL_MISMATCH,
-                       "%s: compkv.groupings is [%llu layers, %llu KV heads, d %llu], expected %u x %u x %u", label,
-                       (unsigned long long)L, (unsigned long long)Hkv, (unsigned long long)d, want_l, want_hkv,
-                       want_d);
+        return KVRT_FAIL(
+            KVRT_ERR_MODEL_MISMATCH,
+            "%s: compkv.groupings is [%llu layers, %llu KV heads, d %llu], expected %u x %u x %u",
+            label, (unsigned long long)L, (unsigned long long)Hkv, (unsigned long long)d, want_l,
+            want_hkv, want_d);
     const uint16_t *p = pm.data, *o = of.data;
     uint8_t *seen = calloc((size_t)d, 1);
-    if (seen == NULL) return CG_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", label);
+    if (seen == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", label);
     for (uint64_t h = 0; h < L * Hkv; h++) {
         memset(seen, 0, (size_t)d);
         for (uint64_t i = 0; i < d; i++) {
             const uint16_t c = p[h * d + i];
             if (c >= d || seen[c]) {
                 free(seen);
-                return CG_FAIL(KVRT_ERR_FORMAT,
-                               "%s: compkv.groupings: perm of layer %llu KV head %llu is not a permutation of "
-                               "0..%llu (entry %llu = %u)", label, (unsigned long long)(h / Hkv),
-                               (unsigned long long)(h % Hkv), (unsigned long long)(d - 1),
-                               (unsigned long long)i, (unsigned)c);
+                return KVRT_FAIL(
+                    KVRT_ERR_FORMAT,
+                    "%s: compkv.groupings: perm of layer %llu KV head %llu is not a permutation of "
+                    "0..%llu (entry %llu = %u)",
+                    label, (unsigned long long)(h / Hkv), (unsigned long long)(h % Hkv),
+                    (unsigned long long)(d - 1), (unsigned long long)i, (unsigned)c);
             }
             seen[c] = 1;
         }
@@ -92,15 +94,18 @@ static int grouping_parse(const kvpol_file *f, const char *label, uint32_t want_
         for (int64_t t = 0; ok && t < r; t++) ok = oh[t] < oh[t + 1];
         if (!ok) {
             free(seen);
-            return CG_FAIL(KVRT_ERR_FORMAT,
-                           "%s: compkv.groupings: offsets of layer %llu KV head %llu must rise strictly from 0 "
-                           "to d = %llu", label, (unsigned long long)(h / Hkv), (unsigned long long)(h % Hkv),
-                           (unsigned long long)d);
+            return KVRT_FAIL(KVRT_ERR_FORMAT,
+                             "%s: compkv.groupings: offsets of layer %llu KV head %llu must rise "
+                             "strictly from 0 "
+                             "to d = %llu",
+                             label, (unsigned long long)(h / Hkv), (unsigned long long)(h % Hkv),
+                             (unsigned long long)d);
         }
     }
     free(seen);
     kvrt_compkv_grouping *g = calloc(1, sizeof *g);
-    const size_t np = (size_t)(L * Hkv * d), no = (size_t)(L * Hkv * ((uint64_t)r + 1)), nl = (size_t)(L * Hkv);
+    const size_t np = (size_t)(L * Hkv * d), no = (size_t)(L * Hkv * ((uint64_t)r + 1)),
+                 nl = (size_t)(L * Hkv);
     if (g) {
         g->perm = malloc(np * sizeof *g->perm);
         g->offsets = malloc(no * sizeof *g->offsets);
@@ -108,7 +113,7 @@ static int grouping_parse(const kvpol_file *f, const char *label, uint32_t want_
     }
     if (g == NULL || !g->perm || !g->offsets || !g->learned) {
         kvrt_compkv_grouping_free(g);
-        return CG_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", label);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", label);
     }
     g->n_layers = (uint32_t)L;
     g->n_kv_heads = (uint32_t)Hkv;
@@ -124,18 +129,20 @@ static int grouping_parse(const kvpol_file *f, const char *label, uint32_t want_
 }
 
 int kvrt_compkv_open(const kvrt_policy *p, kvrt_compkv_grouping **out) {
+    const char *fn = "kvrt_compkv_open";
     if (out) *out = NULL;
-    if (p == NULL || out == NULL)
-        return CG_FAIL(KVRT_ERR_ARG, "kvrt_compkv_open: NULL %s", p == NULL ? "policy" : "out");
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    const kvpol_file *f;
     kvrt_model_dims md;
-    kvrt_policy_model(p, &md);
-    return grouping_parse(kvrt_policy_file(p), "kvrt_compkv_open", md.n_layers, md.n_kv_heads,
-                          md.head_dim, out);
+    uint32_t si;
+    int rc = kvrt_policy_section(p, KVPOL_SEC_COMPKV_GROUPINGS, fn, &f, &si, &md);
+    if (rc) return rc;
+    return grouping_parse(f, si, fn, md.n_layers, md.n_kv_heads, md.head_dim, out);
 }
 
 int kvrt_compkv_grouping_opts(const kvrt_compkv_grouping *g, kvrt_compkv_opts *out) {
     if (g == NULL || out == NULL)
-        return CG_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_opts: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_opts: NULL argument");
     kvrt_compkv_opts_init(out);
     out->block = g->block;
     out->r = g->r;
@@ -146,24 +153,29 @@ int kvrt_compkv_grouping_opts(const kvrt_compkv_grouping *g, kvrt_compkv_opts *o
 /* The checks of kvrt_compkv_create_layer that need the grouping. */
 static int layer_check(const char *fn, const kvrt_compkv_grouping *g, uint32_t layer,
                        const kvrt_compkv_opts *o, unsigned flags, kvrt_compkv **out) {
-    if (g == NULL || out == NULL) return CG_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, g ? "out" : "grouping");
+    if (g == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, g ? "out" : "grouping");
     if (flags & ~KVRT_OVERRIDE_OPTIONS)
-        return CG_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn, flags & ~KVRT_OVERRIDE_OPTIONS);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn,
+                         flags & ~KVRT_OVERRIDE_OPTIONS);
     if (layer >= g->n_layers)
-        return CG_FAIL(KVRT_ERR_ARG, "%s: layer %u, the grouping has %u layers", fn, layer, g->n_layers);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, the grouping has %u layers", fn, layer,
+                         g->n_layers);
     if (o == NULL || (flags & KVRT_OVERRIDE_OPTIONS)) return KVRT_OK;
     kvrt_compkv_opts c;
     kvrt_compkv_grouping_opts(g, &c);
     const float scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)g->head_dim));
     if (o->block != c.block)
-        return CG_FAIL(KVRT_ERR_ARG, "%s: block %u differs from the compiled %u (pass "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: block %u differs from the compiled %u (pass "
                        "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->block, c.block);
     if (o->r != c.r)
-        return CG_FAIL(KVRT_ERR_ARG, "%s: r %u differs from the compiled %u (pass "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: r %u differs from the compiled %u (pass "
                        "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->r, c.r);
     if (scale != c.scale)
-        return CG_FAIL(KVRT_ERR_ARG, "%s: scale %g differs from the compiled %g (pass "
-                       "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (double)scale, (double)c.scale);
+        return KVRT_FAIL(KVRT_ERR_ARG,
+                         "%s: scale %g differs from the compiled %g (pass "
+                         "KVRT_OVERRIDE_OPTIONS to run it anyway)",
+                         fn, (double)scale, (double)c.scale);
     return KVRT_OK;
 }
 

@@ -3,7 +3,8 @@
  * checks, the handle built from a kvrt_policy, dispatch to the context's backend) and its
  * kernels (runtime/cpu/P.c; runtime/cuda/P.cu from the CUDA issue on). Not installed.
  *
- * defines: kvrt_policy_ctx_check, kvrt_policy_ctx_done, and the CPU implementations kvrt_cpu_am_compact,
+ * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section
+ *          (core/policy.c), and the CPU implementations kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_cpu_compkv_create (cpu/compkv.c)
  *
@@ -23,6 +24,10 @@ extern "C" {
 /* KVRT_OK when ctx can run policy op `op` of public function `fn`: ctx non-NULL and a CPU
  * context (the policies have no other backend yet); else KVRT_ERR_ARG / KVRT_ERR_UNSUPPORTED
  * with a message naming fn, op and the backend (in ctx->last_err and the thread-local error). */
+/* The one failure macro of the policy files: record the message in the thread-local error and
+ * return the status, e.g. `return KVRT_FAIL(KVRT_ERR_ARG, "%s: T = %lld", fn, T)`. */
+#define KVRT_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
+
 KVRT_INTERNAL int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, const char *op);
 /* The error rule for calls that take a context: a failure's message (in the thread-local error)
  * is also left in ctx->last_err. Returns rc. */
@@ -30,6 +35,14 @@ static inline int kvrt_policy_ctx_done(kvrt_ctx *ctx, int rc) {
     if (rc != KVRT_OK && ctx != NULL) ctx->last_err = *kvrt_tls_err();
     return rc;
 }
+
+/* For a policy's open function: the validated file behind p, its model and the index of section
+ * `id`. KVRT_ERR_ARG (p NULL), KVRT_ERR_UNSUPPORTED naming the group, the section and the
+ * kvcc compile option that makes it. */
+struct kvpol_file;
+KVRT_INTERNAL int kvrt_policy_section(const kvrt_policy *p, uint32_t id, const char *fn,
+                                      const struct kvpol_file **f, uint32_t *si,
+                                      kvrt_model_dims *md);
 
 KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v,
                                       int64_t T, uint32_t head_dim, const float *q_ref,

@@ -156,7 +156,7 @@ void kvrt_ctx_free(kvrt_ctx *ctx);
 int kvrt_ctx_info(const kvrt_ctx *ctx, kvrt_device_info *out);
 /* The message of the last failed call on this context that takes no kvrt_error* (alloc, upload,
  * download, sync, ops): code, detail (the CUDA/cuBLAS error for KVRT_ERR_CUDA) and text. Valid
- * until the next call on ctx; NULL when ctx is NULL. (Added with the backends.) */
+ * until the next call on ctx; NULL when ctx is NULL. */
 const kvrt_error *kvrt_ctx_last_error(const kvrt_ctx *ctx);
 
 /* Device memory helpers (host contexts use malloc/memcpy). */
@@ -193,7 +193,6 @@ typedef struct {
     void *values;         /* [n_entries, head_dim] */
     float *bias;          /* [n_entries]: additive logit bias (0 for plain tokens; AM beta; log weight) */
     int32_t *positions;   /* [n_entries]: original token position, -1 for synthetic entries */
-    /* (fields added after the first version) */
     kvrt_ctx *owner;      /* device caches: the context whose memory holds every array above
                            * (offsets included); NULL for host caches */
     int64_t *host_offsets;/* device caches: host copy of offsets [n_kv_heads + 1]; host caches:
@@ -340,7 +339,8 @@ int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, fl
 int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, uint32_t n_heads,
                       int64_t budget_pages, int32_t *pages_out /*[Hkv, budget_pages]*/);
 
-// --- Attention Matching (runtime/cpu/am.c) ----------------------------------------------------
+/* ------------------------------------------------------------------ Attention Matching */
+/* docs/policies/am.md; runtime/core/am.c, runtime/cpu/am.c. */
 /* Replace a KV head's T keys/values by t << T synthetic entries (C_k, beta, C_v) that reproduce,
  * for reference queries Q_ref, the attention output and the attention mass (softmax
  * denominator) of the original block, so the compacted block still mixes correctly with the
@@ -397,10 +397,10 @@ int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const 
  * of its G = H / Hkv query heads, causal, evenly strided down to max_queries), k, v [T, Hkv, d].
  * Budget of head h: t_h = round(ratios[h] * T) clamped to 1..T, ratios [Hkv] in (0, 1] (NULL:
  * ratio for every head). *out: one cache of n_kv_heads heads. stats [Hkv] or NULL. */
-int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, const float *k, const float *v,
-                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                          const float *ratios, double ratio, int dtype, kvrt_cache **out,
-                          kvrt_am_stats *stats);
+int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, const float *k,
+                          const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                          uint32_t head_dim, const float *ratios, double ratio, int dtype,
+                          kvrt_cache **out, kvrt_am_stats *stats);
 
 /* The compiled schedule (kvcc compile --policies am; section am.schedule): per compiled target
  * mean ratio, per-(layer, KV head) ratios, and the key selection and chunk it was calibrated
@@ -427,9 +427,9 @@ int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kv
                               const float *k, const float *v, int64_t T, uint32_t n_heads,
                               int dtype, kvrt_cache **out, kvrt_am_stats *stats);
 
-
-// --- CompilerKV (runtime/cpu/compilerkv.c; ALGORITHMS.md section 1): prefill-only retention
-// from a compiled head-reliability table W_head and a risk threshold LUT T_gate.
+/* ------------------------------------------------------------------ CompilerKV */
+/* Prefill-only retention from a compiled head-reliability table W_head and a risk threshold LUT
+ * T_gate (docs/policies/compilerkv.md; runtime/core/compilerkv.c, runtime/cpu/compilerkv.c). */
 /* Usage per prompt of T context tokens (a caller streaming one layer at a time):
  *   kvrt_compilerkv_prompt_create(T, tb->window, &pr);
  *   for each layer: kvrt_compilerkv_prompt_add_layer(pr, q_l, k_l, H, Hkv, d);   (step 1)
@@ -506,25 +506,23 @@ int64_t kvrt_compilerkv_kept_window(uint32_t window, int64_t budget, int64_t T);
 /* Steps 2-7 for one layer of a finished prompt with the compiled tables: v [T, Hkv, d]
  * (context part), budget in tokens (resolve ratios with kvrt_budget_resolve first). */
 int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
-                           const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v, uint32_t n_kv_heads, uint32_t head_dim,
-                           int64_t budget, unsigned flags, kvrt_selection **out,
-                           kvrt_compilerkv_stats *st);
+                           const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v,
+                           uint32_t n_kv_heads, uint32_t head_dim, int64_t budget, unsigned flags,
+                           kvrt_selection **out, kvrt_compilerkv_stats *st);
 /* All layers at once, for callers that hold every layer (e.g. after a model prefill): steps
  * 1-7. q, k, v: [n_layers] pointers to [T, H, d], [T, Hkv, d], [T, Hkv, d] (context part);
  * next_logprob [T-1]; sels [n_layers] receive new selections (all NULL on failure); stats
  * [n_layers] or NULL. */
-int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb, const float *const *q,
-                               const float *const *k, const float *const *v,
+int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                               const float *const *q, const float *const *k, const float *const *v,
                                const float *next_logprob, int64_t T, uint32_t n_heads,
                                uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
-                               unsigned flags, kvrt_selection **sels,
-                               kvrt_compilerkv_stats *stats);
-// --- end CompilerKV
+                               unsigned flags, kvrt_selection **sels, kvrt_compilerkv_stats *stats);
 
-// --- CompKV (runtime/cpu/compkv.c) ---------------------------------------------------------------
-/* Decode-time sparse attention with mean compensation (ALGORITHMS.md section 3). One
- * kvrt_compkv holds one layer: the full KV cache in host memory (f32, appended as [n, Hkv, d] as
- * tokens arrive; stored head-major [Hkv][capacity][d] so that one block of one KV head is a
+/* ------------------------------------------------------------------ CompKV */
+/* Decode-time sparse attention with mean compensation (docs/policies/compkv.md;
+ * runtime/core/compkv.c, runtime/cpu/compkv.c). One kvrt_compkv holds one layer: the full KV
+ * cache in host memory (f32, appended as [n, Hkv, d] as tokens arrive; stored head-major [Hkv][capacity][d] so that one block of one KV head is a
  * contiguous run) and per KV head and block of `block` tokens the summaries
  *   count |b|, mean key kbar_b [d], mean value vbar_b [d], grouped key variance Dbar_b [r]
  * ((Dbar_b)_t = mean over the coordinates i of group t of the within-block (population)
@@ -571,9 +569,9 @@ typedef struct kvrt_compkv kvrt_compkv;
  * they are copied. o NULL: the defaults. capacity 1..INT32_MAX, head_dim 1..65535, block >= 1,
  * scale finite, the three switches 0 or 1. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d,
  * perm not a permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. */
-int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
-                       int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
-                       kvrt_compkv **out);
+int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                       uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                       const uint16_t *offsets, kvrt_compkv **out);
 void kvrt_compkv_free(kvrt_compkv *s);
 /* Append n tokens k, v [n, Hkv, d] (f32), updating the summaries incrementally (the running
  * partial block by Welford; a block is finalized when it fills). n = 0 is a no-op.
@@ -629,7 +627,6 @@ int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint3
                              int64_t capacity, const kvrt_compkv_opts *o, unsigned flags,
                              kvrt_compkv **out);
 void kvrt_compkv_grouping_free(kvrt_compkv_grouping *g);
-// --- end CompKV
 
 #ifdef __cplusplus
 }

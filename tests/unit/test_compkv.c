@@ -1054,6 +1054,14 @@ Test(compkv, handle_runs_the_compiled_block) {
     cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe), KVRT_OK, "%s", pe.msg);
     kvrt_compkv_grouping *g = NULL;
     cr_assert_eq(kvrt_compkv_open(pol, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
+    /* the groups it does not carry are refused by name */
+    kvrt_am_schedule *am = NULL;
+    cr_assert_eq(kvrt_am_open(pol, &am), KVRT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvrt_last_error()->msg, "no am section am.schedule: compile it with kvcc compile "
+                                             "--policies am") != NULL, "%s", kvrt_last_error()->msg);
+    kvrt_compilerkv_tables *tb = NULL;
+    cr_assert_eq(kvrt_compilerkv_open(pol, &tb), KVRT_ERR_UNSUPPORTED);
+    cr_assert_null(tb);
     kvrt_compkv_opts co;
     cr_assert_eq(kvrt_compkv_grouping_opts(g, &co), KVRT_OK);
     cr_assert_eq(co.block, BLK);
