@@ -260,8 +260,9 @@ static int parse(kvcc_gguf *g) {
     int st;
     uint32_t magic;
     if (g->size < 4)
-        FAIL(KVCC_GGUF_ERR_TRUNCATED, "%s: truncated: %llu bytes (expected >= 24 for a GGUF header)",
-             g->name, (unsigned long long)g->size);
+        FAIL(KVCC_GGUF_ERR_TRUNCATED,
+             "%s: truncated: %llu bytes (expected >= 24 for a GGUF header)", g->name,
+             (unsigned long long)g->size);
     magic = ld32(g->buf);
     if (magic != 0x46554747u) /* "GGUF" little-endian */
         FAIL(KVCC_GGUF_ERR_BAD_MAGIC, "%s: bad magic %02x %02x %02x %02x (expected 'GGUF')",

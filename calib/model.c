@@ -46,8 +46,9 @@ static int load_tensor(kvcc_gguf *g, const char *name, int64_t cols, int64_t row
         kvcc_set_msg(msg, cap, "%s: missing tensor '%s'", kvcc_gguf_name(g), name);
         return KVCC_GGUF_ERR_MISSING;
     }
-    int ok = rows == 0 ? (t->n_dims == 1 && t->ne[0] == (uint64_t)cols)
-                       : (t->n_dims == 2 && t->ne[0] == (uint64_t)cols && t->ne[1] == (uint64_t)rows);
+    int ok = rows == 0
+                 ? (t->n_dims == 1 && t->ne[0] == (uint64_t)cols)
+                 : (t->n_dims == 2 && t->ne[0] == (uint64_t)cols && t->ne[1] == (uint64_t)rows);
     if (!ok) {
         kvcc_set_msg(msg, cap,
                      "%s: tensor '%s' has shape [%llu, %llu] (n_dims %u) (expected [%lld, %lld])",
@@ -324,7 +325,8 @@ int kvcc_state_truncate(kvcc_state *s, int n_past) {
     return 0;
 }
 
-int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len, kvrt_ctx *rt) {
+int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len,
+                              kvrt_ctx *rt) {
     if (!s) return KVCC_GGUF_ERR_ARG;
     if (caches && (ctx_len < 0 || ctx_len > s->n_ctx || !rt)) return KVCC_GGUF_ERR_ARG;
     s->compressed = caches;
@@ -478,11 +480,12 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
         int64_t ne = kh->n;
         if (!kh->pos && ne > pos0 + n) ne = pos0 + n;
         if (ne == 0) {
-            for (int t = 0; t < n; t++) memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
+            for (int t = 0; t < n; t++)
+                memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
             continue;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale, q + (size_t)h * d,
-                    H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale,
+                    q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
         for (int t = 0; t < n; t++) {
             float *sc = scores + (size_t)t * ne;
             const int64_t p = pos0 + t;
@@ -533,7 +536,8 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
         return KVCC_GGUF_ERR_ARG; /* nor the attention hook's */
 
     for (int t = 0; t < n; t++)
-        memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E, (size_t)E * sizeof(float));
+        memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E,
+               (size_t)E * sizeof(float));
     for (int t = 0; t < n; t++)
         for (int i = 0; i < h2; i++) {
             /* as transformers: angle = float(pos) * inv_freq in f32 */
@@ -565,14 +569,21 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
             /* The compressed context plus the exact tokens after it, through libkvrt (causal:
              * query t sees recent rows up to its own position). */
             const kvrt_cache *cc = s->compressed[l];
-            if ((int)cc->n_kv_heads != Hkv || (int)cc->head_dim != d) { st = KVCC_GGUF_ERR_ARG; break; }
+            if ((int)cc->n_kv_heads != Hkv || (int)cc->head_dim != d) {
+                st = KVCC_GGUF_ERR_ARG;
+                break;
+            }
             const int64_t nr = pos0 + n - s->compressed_ctx;
             const size_t r0 = (size_t)s->compressed_ctx * Kd;
-            if (kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr, 1.0f / sqrtf((float)d), s->att,
-                            NULL) != KVRT_OK) { st = KVCC_GGUF_ERR_ARG; break; }
+            if (kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr,
+                            1.0f / sqrtf((float)d), s->att, NULL) != KVRT_OK) {
+                st = KVCC_GGUF_ERR_ARG;
+                break;
+            }
         } else {
             for (int h = 0; h < Hkv; h++)
-                hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL, NULL};
+                hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL,
+                                       NULL};
             kv_view view = {Hkv, hv};
             attend(m, l, s->q, n, pos0, &view, s->att, s);
         }

@@ -50,12 +50,14 @@ static void rope(float *x, uint32_t d, uint32_t pos, double theta) {
     }
 }
 
-void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt, uint32_t layer,
-                      float *q, float *k, float *v) {
-    const uint32_t T = o->context_len + o->continuation_len, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt,
+                      uint32_t layer, float *q, float *k, float *v) {
+    const uint32_t T = o->context_len + o->continuation_len, H = m->n_heads, Hkv = m->n_kv_heads,
+                   d = m->head_dim;
     const uint32_t G = H / Hkv, half = d / 2;
     const double sd = sqrt((double)d);
-    float *mu = malloc(sizeof(float) * d), *qmean = malloc(sizeof(float) * d), *sigma = malloc(sizeof(float) * d);
+    float *mu = malloc(sizeof(float) * d), *qmean = malloc(sizeof(float) * d),
+          *sigma = malloc(sizeof(float) * d);
     /* Per-(layer, head) structure comes from a stream that does not depend on the prompt. */
     for (uint32_t j = 0; j < Hkv; j++) {
         uint64_t hr = stream(o->seed, 0xffffffffu, layer, j);
@@ -84,7 +86,8 @@ void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint
             qmean[half - 1] = (float)(1.0 + 0.3 * uniform(&qr)); /* sink affinity: logit +4..5 */
             int retrieval = (int)g < o->retrieval_heads && j == layer % Hkv;
             uint64_t pr = stream(o->seed, prompt, layer, 2000 + h);
-            uint32_t needle = o->context_len > 2 ? 1 + (uint32_t)(uniform(&pr) * (o->context_len - 2)) : 0;
+            uint32_t needle =
+                o->context_len > 2 ? 1 + (uint32_t)(uniform(&pr) * (o->context_len - 2)) : 0;
             for (uint32_t t = 0; t < T; t++) {
                 float *qt = q + ((size_t)t * H + h) * d;
                 if (retrieval && t >= o->context_len) {
@@ -95,7 +98,8 @@ void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint
                     for (uint32_t i = 0; i < d; i++) qt[i] = (float)(sc * kn[i] + 0.3 * gauss(&pr));
                     continue;
                 }
-                for (uint32_t i = 0; i < d; i++) qt[i] = (float)(qmean[i] + 0.7 * sigma[i] * gauss(&pr));
+                for (uint32_t i = 0; i < d; i++)
+                    qt[i] = (float)(qmean[i] + 0.7 * sigma[i] * gauss(&pr));
                 rope(qt, d, t, m->rope_theta);
             }
         }
@@ -105,8 +109,8 @@ void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint
     free(sigma);
 }
 
-void kvcc_synth_tokens(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt, int32_t *tokens,
-                       float *next_logprob) {
+void kvcc_synth_tokens(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt,
+                       int32_t *tokens, float *next_logprob) {
     const uint32_t T = o->context_len + o->continuation_len;
     uint64_t r = stream(o->seed, prompt, 0xfffffffdu, 0);
     uint32_t vocab = m->vocab_size ? m->vocab_size : 32000;
@@ -114,11 +118,13 @@ void kvcc_synth_tokens(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uin
     for (uint32_t t = 0; t + 1 < T; t++) next_logprob[t] = (float)(-2.5 * -log(uniform(&r)));
 }
 
-int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_synth_opts *o, const char *options,
-                     void (*progress)(uint32_t, uint32_t), char *err, size_t errlen) {
+int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_synth_opts *o,
+                     const char *options, void (*progress)(uint32_t, uint32_t), char *err,
+                     size_t errlen) {
     const uint32_t T = o->context_len + o->continuation_len;
     kvcc_corpus *c;
-    int rc = kvcc_corpus_create(&c, path, m, o->dtype_f16, "kvcc synth 0.1.0", options, err, errlen);
+    int rc =
+        kvcc_corpus_create(&c, path, m, o->dtype_f16, "kvcc synth 0.1.0", options, err, errlen);
     if (rc) return rc;
     size_t nq = (size_t)T * m->n_heads * m->head_dim, nk = (size_t)T * m->n_kv_heads * m->head_dim;
     float *q = malloc(nq * sizeof *q), *k = malloc(nk * sizeof *k), *v = malloc(nk * sizeof *v);
@@ -128,7 +134,8 @@ int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_sy
     for (uint32_t p = 0; !rc && p < o->n_prompts; p++) {
         kvcc_corpus_prompt_info info = {.n_tokens = T, .context_len = o->context_len,
                                         .continuation_len = o->continuation_len};
-        snprintf(info.source, sizeof info.source, "synth:seed=%llu:prompt=%u", (unsigned long long)o->seed, p);
+        snprintf(info.source, sizeof info.source, "synth:seed=%llu:prompt=%u",
+                 (unsigned long long)o->seed, p);
         kvcc_synth_tokens(m, o, p, tok, lp);
         rc = kvcc_corpus_write_prompt(c, &info, tok, lp);
         for (uint32_t l = 0; !rc && l < m->n_layers; l++) {
@@ -139,7 +146,9 @@ int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_sy
     }
     free(q); free(k); free(v); free(tok); free(lp);
     if (rc) {
-        if (err && errlen) snprintf(err, errlen, "%s", rc == KVCC_CORPUS_ERR_NOMEM ? "out of memory" : kvcc_corpus_error(c));
+        if (err && errlen)
+            snprintf(err, errlen, "%s",
+                     rc == KVCC_CORPUS_ERR_NOMEM ? "out of memory" : kvcc_corpus_error(c));
         kvcc_corpus_close(c);
         return rc;
     }

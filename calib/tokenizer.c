@@ -90,7 +90,8 @@ static const merge_slot *merge_find(const kvcc_tok *t, int32_t a, int32_t b) {
 static void byte_to_unicode_table(uint32_t cp[256]) {
     int n = 0;
     for (int b = 0; b < 256; b++) {
-        int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        int printable =
+            (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
         cp[b] = printable ? (uint32_t)b : (uint32_t)(256 + n++);
     }
 }
@@ -260,7 +261,8 @@ int kvcc_tok_create(const kvcc_tok_def *def, kvcc_tok **out, char *msg, size_t m
         int32_t ty = def->types ? def->types[i] : KVCC_TOK_TYPE_NORMAL;
         t->types[i] = (uint8_t)(ty >= 0 && ty <= 6 ? ty : KVCC_TOK_TYPE_NORMAL);
         if (t->types[i] == KVCC_TOK_TYPE_UNKNOWN && t->unk_id < 0) t->unk_id = i;
-        if ((t->types[i] == KVCC_TOK_TYPE_CONTROL || t->types[i] == KVCC_TOK_TYPE_USER_DEFINED) && s->n)
+        if ((t->types[i] == KVCC_TOK_TYPE_CONTROL || t->types[i] == KVCC_TOK_TYPE_USER_DEFINED) &&
+            s->n)
             n_special++;
     }
     t->text_off[t->n_vocab] = off;
@@ -522,7 +524,8 @@ static void bpe_piece(const kvcc_tok *t, enc_ctx *c, const uint8_t *s, size_t n)
     }
     for (size_t i = 0; i < n; i++) {
         int32_t id = t->byte_id[s[i]];
-        c->syms[i] = (sym){id < 0 ? t->unk_id : id, (int32_t)i - 1, i + 1 < n ? (int32_t)i + 1 : -1};
+        c->syms[i] =
+            (sym){id < 0 ? t->unk_id : id, (int32_t)i - 1, i + 1 < n ? (int32_t)i + 1 : -1};
     }
     c->heap_n = 0;
     for (size_t i = 0; i + 1 < n; i++) add_cand(t, c, (int32_t)i);
