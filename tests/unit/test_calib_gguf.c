@@ -44,20 +44,10 @@ static fx_buf build(gopts o) {
     }
     fx_u32(&b, KVCC_GGUF_VT_STRING);
     fx_str(&b, o.arch);
-    fx_str(&b, "general.alignment");
-    fx_u32(&b, KVCC_GGUF_VT_U32);
-    fx_u32(&b, 32);
-    fx_str(&b, "llama.block_count");
-    fx_u32(&b, KVCC_GGUF_VT_U32);
-    fx_u32(&b, 30);
-    if (o.dup_key) {
-        fx_str(&b, "llama.block_count");
-        fx_u32(&b, KVCC_GGUF_VT_U32);
-        fx_u32(&b, 31);
-    }
-    fx_str(&b, "llama.rope.freq_base");
-    fx_u32(&b, KVCC_GGUF_VT_F32);
-    fx_f32(&b, 100000.0f);
+    fx_kv_u32(&b, "general.alignment", 32);
+    fx_kv_u32(&b, "llama.block_count", 30);
+    if (o.dup_key) fx_kv_u32(&b, "llama.block_count", 31);
+    fx_kv_f32(&b, "llama.rope.freq_base", 100000.0f);
     fx_str(&b, "tokenizer.ggml.tokens");
     fx_u32(&b, KVCC_GGUF_VT_ARRAY);
     fx_u32(&b, KVCC_GGUF_VT_STRING);
