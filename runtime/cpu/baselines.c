@@ -2,7 +2,8 @@
  * baselines.c: the baseline KV-cache compression methods behind one API (full, StreamingLLM,
  * random, SnapKV, H2O, Knorm, KeyDiff) and Quest's decode-time page selection. Every comparison
  * table runs them on the same inputs and budgets as the five policies.
- * Callers: kvcc eval and the compiler's baselines, serving stacks, tests.
+ * Callers: kvcc eval and the compiler's baselines, serving stacks, tests; the CPU table's
+ * snapkv_scores / h2o_scores ops (cpu/backend_cpu.c).
  *
  * defines: kvrt_method_name, kvrt_method_from_name, kvrt_method_opts_init, kvrt_method_select,
  *          kvrt_snapkv_scores_ref, kvrt_snapkv_scores, kvrt_h2o_scores_ref, kvrt_h2o_scores,
