@@ -3,7 +3,7 @@
  * "Offline"): per-(layer, KV head) sensitivity curves over a ratio grid, measured by compacting
  * each calibration context with the runtime's own kvrt_am_compact_layer (runtime/cpu/am.c), and
  * the greedy-exchange head-budget schedule for each target mean ratio. Writes sections
- * am.schedule (critical: what kvrt_am_schedule_load and kvcc eval's `am` read) and am.curves, and
+ * am.schedule (critical: what kvrt_am_open and kvcc eval's `am` read) and am.curves, and
  * summarizes them for `kvcc inspect`.
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c).
  *
@@ -183,7 +183,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             /* every ratio of the grid at once: the logits and targets are shared */
             kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
             if (!s && !ccs) s = KVRT_ERR_NOMEM;
-            if (!s) s = kvrt_am_compact_layer_multi(&ao, q, k, v, C, H, Hkv, d, nr, NULL, cx->am_ratios, KVRT_DTYPE_F32,
+            if (!s) s = kvrt_am_compact_layer_multi(rt, &ao, q, k, v, C, H, Hkv, d, nr, NULL, cx->am_ratios, KVRT_DTYPE_F32,
                                                     ccs, NULL);
             for (int ri = 0; ri < nr && !s; ri++) {
                 kvrt_cache *cc = ccs[ri];

@@ -4,7 +4,7 @@
  * key coordinates into r groups (--compkv-r) that makes the runtime's estimated within-block
  * logit variance s2hat track the true one on the calibration corpus, kept only where it beats
  * index-order grouping. Writes sections compkv.groupings (critical: what
- * kvrt_compkv_grouping_load and kvcc eval's compkv rows read) and compkv.calibration (errors and
+ * kvrt_compkv_open and kvcc eval's compkv rows read) and compkv.calibration (errors and
  * block-selection agreement), and summarizes them for `kvcc inspect`.
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c); the
  * tests (kvcc_compkv_search, kvcc_compkv_error: passes.h).
@@ -216,14 +216,14 @@ static void exact_blocks(const float *qv, const float *k, int64_t C, uint32_t Hk
 
 /* A runtime state of layer data k, v (context [0, C)) with the given groupings [Hkv, d] /
  * [Hkv, r + 1]. */
-static int make_state(uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d, int64_t C, const uint16_t *perm,
+static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d, int64_t C, const uint16_t *perm,
                       const uint16_t *off, const float *k, const float *v, kvrt_compkv **out) {
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o);
     o.block = B;
     o.r = r;
     o.scale = scale;
-    int s = kvrt_compkv_create(&o, Hkv, d, C, perm, off, out);
+    int s = kvrt_compkv_create(rt, &o, Hkv, d, C, perm, off, out);
     if (!s) s = kvrt_compkv_append(*out, k, v, C);
     if (s) { kvrt_compkv_free(*out); *out = NULL; }
     return s;
@@ -310,6 +310,14 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
     float *agr_l = NULL, *agr_i = NULL;
     int32_t *bl_i = NULL, *bl_l = NULL, *bl_x = NULL;
     const int64_t max_nb = (max_T + B - 1) / B;
+    kvrt_ctx *rt = NULL;
+    if (!rc) {
+        kvrt_error ke;
+        if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &ke) != KVRT_OK) {
+            snprintf(err, errlen, "compkv: %s", ke.msg);
+            rc = KVCC_EXIT_FAILED;
+        }
+    }
     if (!rc) {
         q = malloc((size_t)max_T * H * d * sizeof *q);
         k = malloc((size_t)max_T * Hkv * d * sizeof *k);
@@ -360,7 +368,7 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
                 break;
             }
             kvrt_compkv *st = NULL;
-            int s = make_state(B, d, (float)scale, Hkv, d, C, perm_id, off_id, k, v, &st);
+            int s = make_state(rt, B, d, (float)scale, Hkv, d, C, perm_id, off_id, k, v, &st);
             for (uint32_t hk = 0; hk < Hkv && !s; hk++) {
                 const float *gv = NULL;
                 s = kvrt_compkv_summaries(st, hk, NULL, NULL, &gv, NULL);
@@ -425,8 +433,8 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
                 break;
             }
             kvrt_compkv *si = NULL, *sl = NULL;
-            int s = make_state(B, r, (float)scale, Hkv, d, C, perm_ix, off_ix, k, v, &si);
-            if (!s) s = make_state(B, r, (float)scale, Hkv, d, C, perm_dp, off_dp, k, v, &sl);
+            int s = make_state(rt, B, r, (float)scale, Hkv, d, C, perm_ix, off_ix, k, v, &si);
+            if (!s) s = make_state(rt, B, r, (float)scale, Hkv, d, C, perm_dp, off_dp, k, v, &sl);
             const int64_t Ke = K < nb ? K : nb;
             for (int64_t j = 0; j < npos && !s; j++) {
                 const int64_t pos = C + (2 * j + 1) * N / (2 * npos);
@@ -524,6 +532,7 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
     free(sc_i); free(sc_l); free(sc_x); free(bl_i); free(bl_l); free(bl_x);
     free(perm_st); free(off_st); free(perm_dp); free(off_dp); free(perm_ix); free(off_ix); free(perm_id); free(off_id);
     free(learned); free(err_l); free(err_i); free(agr_l); free(agr_i);
+    kvrt_ctx_free(rt);
     return rc;
 }
 

@@ -100,18 +100,29 @@ typedef struct kvrt_backend_ops {
                       uint32_t n_kv_heads, uint32_t head_dim, float *scores);
 
     // --- policy hot ops (KVRT_OP_COMPILERKV_SELECT .. KVRT_OP_COMPKV_STEP)
-    /* CompilerKV, one layer with its table row: rho = value norms of v [T, Hkv, d], then
-     * kvrt_compilerkv_select_layer(alpha [T], rho, w_head [H], tau, budget, window). */
-    int (*compilerkv_select)(kvrt_ctx *ctx, const float *alpha, const float *v, int64_t T,
-                             uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                             const float *w_head, float tau, int64_t budget, uint32_t window,
-                             kvrt_selection **out, kvrt_compilerkv_stats *st);
-    /* Attention Matching, one layer (kvrt_am_compact_layer). */
+    /* CompilerKV, one layer of a finished prompt with the compiled tables
+     * (kvrt_compilerkv_select): value norms of v [T, Hkv, d], the table row of the budget and
+     * the prompt's risk bins, the elastic selection. */
+    int (*compilerkv_select)(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                             const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v,
+                             uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
+                             unsigned flags, kvrt_selection **out, kvrt_compilerkv_stats *st);
+    /* Attention Matching, one KV head with explicit reference queries (kvrt_am_compact). */
+    int (*am_compact)(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v,
+                      int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
+                      int64_t n, int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats);
+    /* Attention Matching, one layer for n_sets budget sets (kvrt_am_compact_layer_multi; the
+     * single-set calls pass n_sets = 1). */
     int (*am_compact_layer)(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
                             const float *k, const float *v, int64_t T, uint32_t n_heads,
-                            uint32_t n_kv_heads, uint32_t head_dim, const float *ratios,
-                            double ratio, int dtype, kvrt_cache **out, kvrt_am_stats *stats);
-    /* CompKV decode step parts (kvrt_compkv_scores, _attend_blocks, _step) on a state s. */
+                            uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                            const float *ratios, const double *ratio_list, int dtype,
+                            kvrt_cache **out, kvrt_am_stats *stats);
+    /* CompKV: a decode state of one layer (kvrt_compkv_create), then the decode step parts
+     * (kvrt_compkv_scores, _attend_blocks, _step) on it. */
+    int (*compkv_create)(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                         uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                         const uint16_t *offsets, kvrt_compkv **out);
     int (*compkv_scores)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
                          float *scores);
     int (*compkv_attend_blocks)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
@@ -133,8 +144,8 @@ struct kvrt_ctx {
 };
 
 /* KVRT_OK when ctx's backend implements op; else KVRT_ERR_UNSUPPORTED with "fn: the cuda
- * backend does not implement op compkv_step" written to *e (may be NULL). The dispatch points
- * call it before ctx->ops->slot (core/ctx.c). */
+ * backend does not implement op compkv_step" written to *e (may be NULL; the thread-local error
+ * gets it too). The dispatch points call it before ctx->ops->slot (core/ctx.c). */
 KVRT_INTERNAL int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const char *fn,
                                      kvrt_op op);
 

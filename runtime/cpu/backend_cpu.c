@@ -7,8 +7,9 @@
  * defines: kvrt_backend_cpu
  *
  * The op entries are thin wrappers: the kernels (cpu/attend.c, softmax.c, select.c,
- * baselines.c, compilerkv.c, am.c, compkv.c) keep the signatures of their public entry points
- * and report failures where those document it.
+ * baselines.c, and the policies' kvrt_cpu_* of cpu/compilerkv.c, am.c, compkv.c, declared in
+ * core/policies.h) take the arguments of their public entry points minus the context and check
+ * them themselves.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 // ----------------------------------------------------------------------------
 // housekeeping
@@ -119,36 +121,39 @@ static int cpu_h2o_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t
 // ----------------------------------------------------------------------------
 // policy hot ops
 
-static int cpu_compilerkv_select(kvrt_ctx *ctx, const float *alpha, const float *v, int64_t T,
-                                 uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                                 const float *w_head, float tau, int64_t budget, uint32_t window,
-                                 kvrt_selection **out, kvrt_compilerkv_stats *st) {
+static int cpu_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                                 const kvrt_compilerkv_prompt *pr, uint32_t layer,
+                                 const float *v, uint32_t n_kv_heads, uint32_t head_dim,
+                                 int64_t budget, unsigned flags, kvrt_selection **out,
+                                 kvrt_compilerkv_stats *st) {
     (void)ctx;
-    if (out) *out = NULL;
-    if (T < 1 || n_kv_heads == 0 || (size_t)T > SIZE_MAX / sizeof(float) / n_kv_heads)
-        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_SHAPE, 0,
-                            "kvrt_compilerkv_select: T %lld, n_kv_heads %u: expected >= 1",
-                            (long long)T, n_kv_heads);
-    float *rho = malloc(sizeof(float) * (size_t)T * n_kv_heads);
-    if (rho == NULL)
-        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0,
-                            "kvrt_compilerkv_select: out of memory");
-    int rc = kvrt_compilerkv_value_norms(v, T, n_kv_heads, head_dim, rho);
-    if (rc == KVRT_OK)
-        rc = kvrt_compilerkv_select_layer(alpha, rho, T, n_heads, n_kv_heads, w_head, tau, budget,
-                                          window, out, st);
-    free(rho);
-    return rc;
+    return kvrt_cpu_compilerkv_select(tb, pr, layer, v, n_kv_heads, head_dim, budget, flags, out,
+                                      st);
+}
+
+static int cpu_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v,
+                          int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
+                          int64_t n, int64_t t, int dtype, kvrt_cache **out,
+                          kvrt_am_stats *stats) {
+    (void)ctx;
+    return kvrt_cpu_am_compact(o, k, v, T, head_dim, q_ref, q_pos, n, t, dtype, out, stats);
 }
 
 static int cpu_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
                                 const float *k, const float *v, int64_t T, uint32_t n_heads,
-                                uint32_t n_kv_heads, uint32_t head_dim, const float *ratios,
-                                double ratio, int dtype, kvrt_cache **out,
-                                kvrt_am_stats *stats) {
+                                uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                                const float *ratios, const double *ratio_list, int dtype,
+                                kvrt_cache **out, kvrt_am_stats *stats) {
     (void)ctx;
-    return kvrt_am_compact_layer(o, q, k, v, T, n_heads, n_kv_heads, head_dim, ratios, ratio,
-                                 dtype, out, stats);
+    return kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, n_sets,
+                                           ratios, ratio_list, dtype, out, stats);
+}
+
+static int cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                             uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                             const uint16_t *offsets, kvrt_compkv **out) {
+    (void)ctx;
+    return kvrt_cpu_compkv_create(o, n_kv_heads, head_dim, capacity, perm, offsets, out);
 }
 
 static int cpu_compkv_scores(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
@@ -191,7 +196,9 @@ static const kvrt_backend_ops cpu_ops = {
     .snapkv_scores = cpu_snapkv_scores,
     .h2o_scores = cpu_h2o_scores,
     .compilerkv_select = cpu_compilerkv_select,
+    .am_compact = cpu_am_compact,
     .am_compact_layer = cpu_am_compact_layer,
+    .compkv_create = cpu_compkv_create,
     .compkv_scores = cpu_compkv_scores,
     .compkv_attend_blocks = cpu_compkv_attend_blocks,
     .compkv_step = cpu_compkv_step,

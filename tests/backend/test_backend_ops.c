@@ -21,8 +21,10 @@
  * no _ref; its solvers are checked against kvrt_nnls_ref in tests/unit/test_am.c), so on the
  * CPU that row checks the dispatch and determinism, and on another backend the port.
  * Inputs live in the context's memory (kvrt_ctx_alloc + upload), so the same code runs every
- * backend; the ops are called through the public entry point where it takes a context
- * (kvrt_softmax_rows, kvrt_attend), else through ctx->ops (the table itself).
+ * backend; the ops are called through the public entry point where it takes a context and
+ * plain arrays (kvrt_softmax_rows, kvrt_attend), else through ctx->ops (the table itself). The
+ * CompKV rows build the state with the backend's compkv_create and a reference state on the CPU
+ * context from the same tokens.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,11 +40,12 @@
 // reporting
 
 static int n_passed, n_failed, n_unsupported, n_skipped;
+static kvrt_ctx *cpu_ref; /* the CPU context the references that need one run on */
 
 #define NMSE_DEFAULT 1e-7 /* ggml's default max_nmse_err */
 
 static void row_head(const char *op, const char *backend, const char *shape) {
-    printf("%-20s %-5s %-50s ", op, backend, shape);
+    printf("%-20s %-5s %-54s ", op, backend, shape);
 }
 
 static void report(const char *op, const char *backend, const char *shape, double nmse,
@@ -577,41 +580,96 @@ static void test_scores(kvrt_ctx *ctx, const char *bk, int h2o) {
 // ----------------------------------------------------------------------------
 // compilerkv_select
 
+/* Random tables for layers L of H heads, budgets {b0, b1}, thresholds in [0, 1.5]. */
+static kvrt_compilerkv_tables *make_tables(uint64_t *s, uint32_t L, uint32_t H, uint32_t window,
+                                           int64_t b0, int64_t b1) {
+    const int64_t budgets[2] = {b0 < b1 ? b0 : b1, b0 < b1 ? b1 : b0};
+    const int64_t ng = 2 * (int64_t)L * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS;
+    float *wh = randf(s, 2 * (int64_t)L * H, 0.0f, 1.0f), *tg = randf(s, ng, 0.0f, 1.5f);
+    float ee[KVRT_COMPILERKV_ENT_BINS - 1], pe[KVRT_COMPILERKV_PPL_BINS - 1];
+    for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS - 1; i++) ee[i] = (float)(i + 1) / 20.0f;
+    for (int i = 0; i < KVRT_COMPILERKV_PPL_BINS - 1; i++) pe[i] = 2.0f + 4.0f * (float)i;
+    kvrt_compilerkv_tables *tb = NULL;
+    if (kvrt_compilerkv_tables_create(2, L, H, window, budgets, wh, tg, ee, pe, &tb) != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
+        exit(2);
+    }
+    free(wh);
+    free(tg);
+    return tb;
+}
+
+/* A finished prompt of T tokens from random window masses of L layers and log-probabilities. */
+static kvrt_compilerkv_prompt *make_prompt(uint64_t *s, int64_t T, uint32_t window, uint32_t L) {
+    kvrt_compilerkv_prompt *pr = NULL;
+    float *mass = malloc(sizeof(float) * (size_t)T);
+    float *lp = randf(s, T - 1, -4.0f, -0.01f);
+    int rc = kvrt_compilerkv_prompt_create(T, window, &pr);
+    for (uint32_t l = 0; l < L && rc == KVRT_OK; l++) {
+        fill(s, mass, T, 0.0f, 2.0f * (float)window / (float)T);
+        rc = kvrt_compilerkv_prompt_add_mass(pr, mass);
+    }
+    if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, lp);
+    if (rc != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
+        exit(2);
+    }
+    free(mass);
+    free(lp);
+    return pr;
+}
+
+/* The reference of one layer's selection: the compiled budget's row and the prompt's risk bin
+ * as kvrt_compilerkv_select documents them, rho by kvrt_compilerkv_value_norms (the one
+ * implementation of the norms), then kvrt_compilerkv_select_layer_ref. */
+static int compilerkv_ref(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
+                          uint32_t layer, const float *v, uint32_t Hkv, uint32_t d, int64_t B,
+                          kvrt_selection **out, kvrt_compilerkv_stats *st) {
+    uint32_t b;
+    int be, bp;
+    int rc = kvrt_compilerkv_budget_index(tb, B, 0, &b);
+    if (rc == KVRT_OK) rc = kvrt_compilerkv_bins(tb, pr->entropy, pr->ppl, &be, &bp);
+    if (rc != KVRT_OK) return rc;
+    const size_t bl = (size_t)b * tb->n_layers + layer;
+    const float tau = tb->t_gate[(bl * KVRT_COMPILERKV_ENT_BINS + (size_t)be) *
+                                     KVRT_COMPILERKV_PPL_BINS + (size_t)bp];
+    float *rho = malloc(sizeof(float) * (size_t)pr->T * Hkv);
+    rc = kvrt_compilerkv_value_norms(v, pr->T, Hkv, d, rho);
+    if (rc == KVRT_OK)
+        rc = kvrt_compilerkv_select_layer_ref(pr->alpha, rho, pr->T, tb->n_heads, Hkv,
+                                              tb->w_head + bl * tb->n_heads, tau, B, tb->window,
+                                              out, st);
+    free(rho);
+    return rc;
+}
+
 static void test_compilerkv(kvrt_ctx *ctx, const char *bk) {
     static const struct {
         int64_t T;
-        uint32_t H, Hkv, d, window;
-        int64_t budget;
-        float tau;
-    } shapes[] = {{600, 8, 2, 64, 32, 128, 0.5f}, {600, 8, 2, 64, 32, 40, 0.2f},
-                  {300, 4, 4, 32, 16, 200, 1.5f}, {64, 6, 3, 32, 16, 8, 0.0f}};
+        uint32_t H, Hkv, d, window, layer;
+        int64_t budget, other;
+    } shapes[] = {{600, 8, 2, 64, 32, 1, 128, 256}, {600, 8, 2, 64, 32, 0, 40, 128},
+                  {300, 4, 4, 32, 16, 1, 200, 64}, {64, 6, 3, 32, 16, 0, 8, 16}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T, B = shapes[si].budget;
         const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
-        const uint32_t w = shapes[si].window;
-        const float tau = shapes[si].tau;
+        const uint32_t w = shapes[si].window, layer = shapes[si].layer;
         char shape[96];
-        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u w=%u B=%lld tau=%g", (long long)T,
-                 H, Hkv, d, w, (long long)B, (double)tau);
+        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u w=%u B=%lld layer=%u",
+                 (long long)T, H, Hkv, d, w, (long long)B, layer);
         if (!row_runs(ctx, bk, "compilerkv_select", KVRT_OP_COMPILERKV_SELECT, shape)) continue;
         uint64_t seed = 600 + si;
-        float *alpha = randf(&seed, T, 0.0f, 2.0f), *v = randf(&seed, T * Hkv * d, -1.0f, 1.0f);
-        float *wh = randf(&seed, H, 0.0f, 1.0f);
-        float *rho = malloc(sizeof(float) * (size_t)(T * Hkv));
+        kvrt_compilerkv_tables *tb = make_tables(&seed, 2, H, w, B, shapes[si].other);
+        kvrt_compilerkv_prompt *pr = make_prompt(&seed, T, w, 2);
+        float *v = randf(&seed, T * Hkv * d, -1.0f, 1.0f);
         kvrt_selection *ref = NULL, *got = NULL;
         kvrt_compilerkv_stats rs, gs;
-        /* rho by the one implementation of the value norms (no _ref: plain norms), then the
-         * selection's _ref */
-        int rc = kvrt_compilerkv_value_norms(v, T, Hkv, d, rho);
-        if (rc == KVRT_OK)
-            rc = kvrt_compilerkv_select_layer_ref(alpha, rho, T, H, Hkv, wh, tau, B, w, &ref, &rs);
+        int rc = compilerkv_ref(tb, pr, layer, v, Hkv, d, B, &ref, &rs);
         if (rc != KVRT_OK) {
-            report_error("compilerkv_select", bk, shape, rc, "kvrt_compilerkv_select_layer_ref");
+            report_error("compilerkv_select", bk, shape, rc, "the reference");
         } else {
-            float *da = to_ctx(ctx, alpha, sizeof(float) * (size_t)T);
             float *dv = to_ctx(ctx, v, sizeof(float) * (size_t)(T * Hkv * d));
-            float *dw = to_ctx(ctx, wh, sizeof(float) * H);
-            rc = ctx->ops->compilerkv_select(ctx, da, dv, T, H, Hkv, d, dw, tau, B, w, &got, &gs);
+            rc = ctx->ops->compilerkv_select(ctx, tb, pr, layer, dv, Hkv, d, B, 0, &got, &gs);
             if (rc != KVRT_OK) {
                 report_error("compilerkv_select", bk, shape, rc, "compilerkv_select");
             } else {
@@ -621,18 +679,84 @@ static void test_compilerkv(kvrt_ctx *ctx, const char *bk) {
                     a.bad = 1;
                 else
                     acc_i(&a, got->positions, ref->positions, ref->offsets[Hkv]);
-                report("compilerkv_select", bk, shape, acc_nmse(&a), 0.0, NULL);
+                char note[48];
+                snprintf(note, sizeof note, "kept %lld of %lld candidates", (long long)gs.kept,
+                         (long long)gs.candidates);
+                report("compilerkv_select", bk, shape, acc_nmse(&a), 0.0, note);
             }
-            kvrt_ctx_dealloc(ctx, da);
             kvrt_ctx_dealloc(ctx, dv);
-            kvrt_ctx_dealloc(ctx, dw);
         }
         kvrt_selection_free(ref);
         kvrt_selection_free(got);
-        free(alpha);
+        kvrt_compilerkv_tables_free(tb);
+        kvrt_compilerkv_prompt_free(pr);
         free(v);
-        free(wh);
-        free(rho);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// am_compact (one KV head, explicit reference queries)
+
+static void test_am_head(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T;
+        uint32_t d;
+        int64_t n, t;
+        int select, causal, dtype;
+    } shapes[] = {{200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32},
+                  {300, 64, 100, 30, KVRT_AM_SELECT_OMP, 0, KVRT_DTYPE_F16}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T, n = shapes[si].n, t = shapes[si].t;
+        const uint32_t d = shapes[si].d;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld d=%u n=%lld t=%lld %s%s %s", (long long)T, d,
+                 (long long)n, (long long)t,
+                 shapes[si].select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
+                 shapes[si].causal ? " causal" : "",
+                 shapes[si].dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+        if (!row_runs(ctx, bk, "am_compact", KVRT_OP_AM_COMPACT, shape)) continue;
+        uint64_t seed = 650 + si;
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.key_select = shapes[si].select;
+        float *k = randf(&seed, T * d, -1.0f, 1.0f), *v = randf(&seed, T * d, -1.0f, 1.0f);
+        float *q = randf(&seed, n * d, -1.0f, 1.0f);
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)n); /* evenly spaced, the last at T-1 */
+        for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(T - 1 - (n - 1 - i) * (T / n));
+        const int32_t *qp = shapes[si].causal ? pos : NULL;
+        kvrt_cache *ref = NULL, *got = NULL;
+        /* the reference: the CPU fast path through the public call (no _ref of the compaction) */
+        int rc = kvrt_am_compact(cpu_ref, &o, k, v, T, d, q, qp, n, t, shapes[si].dtype, &ref,
+                                 NULL);
+        if (rc != KVRT_OK) {
+            report_error("am_compact", bk, shape, rc, "kvrt_am_compact");
+        } else {
+            const size_t nk = sizeof(float) * (size_t)(T * d);
+            float *dk = to_ctx(ctx, k, nk), *dv = to_ctx(ctx, v, nk);
+            float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)(n * d));
+            int32_t *dp = to_ctx(ctx, qp, qp ? sizeof(int32_t) * (size_t)n : 0);
+            rc = ctx->ops->am_compact(ctx, &o, dk, dv, T, d, dq, dp, n, t, shapes[si].dtype, &got,
+                                      NULL);
+            if (rc != KVRT_OK) {
+                report_error("am_compact", bk, shape, rc, "am_compact");
+            } else {
+                kvrt_cache *h = cache_to_host(ctx, got);
+                nmse_acc a = {0, 0, 0};
+                acc_cache(&a, h, ref);
+                report("am_compact", bk, shape, acc_nmse(&a), 1e-6, NULL);
+                kvrt_cache_free(h);
+                kvrt_cache_free(got);
+            }
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, dv);
+            kvrt_ctx_dealloc(ctx, dq);
+            kvrt_ctx_dealloc(ctx, dp);
+        }
+        kvrt_cache_free(ref);
+        free(k);
+        free(v);
+        free(q);
+        free(pos);
     }
 }
 
@@ -671,9 +795,10 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
         for (uint32_t j = 0; j < Hkv; j++) ratios[j] = (float)(shapes[si].ratio * (0.5 + j));
         const float *rp = shapes[si].per_head ? ratios : NULL;
         kvrt_cache *ref = NULL, *got = NULL;
-        /* the reference: the CPU fast path called directly (no _ref of the compaction) */
-        int rc = kvrt_am_compact_layer(&o, q, k, v, T, H, Hkv, d, rp, shapes[si].ratio, dtype,
-                                       &ref, NULL);
+        /* the reference: the CPU fast path through the public call on the CPU context (no _ref
+         * of the compaction) */
+        int rc = kvrt_am_compact_layer(cpu_ref, &o, q, k, v, T, H, Hkv, d, rp, shapes[si].ratio,
+                                       dtype, &ref, NULL);
         if (rc != KVRT_OK) {
             report_error("am_compact_layer", bk, shape, rc, "kvrt_am_compact_layer");
         } else {
@@ -681,8 +806,9 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
             const size_t nk = sizeof(float) * (size_t)(T * Hkv * d);
             float *dq = to_ctx(ctx, q, nq), *dk = to_ctx(ctx, k, nk), *dv = to_ctx(ctx, v, nk);
             float *dr = to_ctx(ctx, rp, rp ? sizeof(float) * Hkv : 0);
-            rc = ctx->ops->am_compact_layer(ctx, &o, dq, dk, dv, T, H, Hkv, d, dr,
-                                            shapes[si].ratio, dtype, &got, NULL);
+            const double ratio = shapes[si].ratio;
+            rc = ctx->ops->am_compact_layer(ctx, &o, dq, dk, dv, T, H, Hkv, d, 1, dr, &ratio,
+                                            dtype, &got, NULL);
             if (rc != KVRT_OK) {
                 report_error("am_compact_layer", bk, shape, rc, "am_compact_layer");
             } else {
@@ -711,169 +837,266 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
 typedef struct {
     int64_t T;
     uint32_t H, Hkv, d, block, r;
-    int compensate;
-    int64_t k_blocks; /* step; attend_blocks takes about half the blocks */
+    int compensate, grouped; /* grouped: a random permutation and uneven groups per KV head */
+    int64_t k_blocks;        /* step; attend_blocks reads half the blocks */
 } ck_shape;
 
-static const ck_shape ck_shapes[] = {{517, 8, 2, 64, 16, 4, 1, 8},
-                                     {40, 4, 4, 32, 8, 1, 1, 100},
-                                     {300, 6, 2, 64, 16, 16, 0, 5}};
+static const ck_shape ck_shapes[] = {{517, 8, 2, 64, 16, 4, 1, 0, 8},
+                                     {40, 4, 4, 32, 8, 1, 1, 0, 100},
+                                     {300, 6, 2, 64, 16, 16, 0, 1, 5}};
 #define N_CK (sizeof ck_shapes / sizeof ck_shapes[0])
 
-static kvrt_compkv *make_compkv(const ck_shape *S, uint64_t *seed) {
+/* The same decode state twice: `got` made by ctx's compkv_create op, `ref` by kvrt_compkv_create
+ * on the CPU context (for the _ref calls), both appended the same T tokens. */
+typedef struct {
+    kvrt_compkv *got, *ref;
+    float *k, *v;              /* [T, Hkv, d] */
+    uint16_t *perm, *offsets;  /* [Hkv, d], [Hkv, r + 1] or NULL */
     kvrt_compkv_opts o;
-    kvrt_compkv_opts_init(&o);
-    o.block = S->block;
-    o.r = S->r;
-    o.compensate = S->compensate;
-    kvrt_compkv *s = NULL;
-    if (kvrt_compkv_create(&o, S->Hkv, S->d, S->T, NULL, NULL, &s) != KVRT_OK) {
+} ck_pair;
+
+static void ck_pair_free(ck_pair *p) {
+    kvrt_compkv_free(p->got);
+    kvrt_compkv_free(p->ref);
+    free(p->k);
+    free(p->v);
+    free(p->perm);
+    free(p->offsets);
+}
+
+static int ck_pair_make(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p) {
+    memset(p, 0, sizeof *p);
+    kvrt_compkv_opts_init(&p->o);
+    p->o.block = S->block;
+    p->o.r = S->r;
+    p->o.compensate = S->compensate;
+    if (S->grouped) {
+        p->perm = malloc(sizeof(uint16_t) * S->Hkv * S->d);
+        p->offsets = malloc(sizeof(uint16_t) * S->Hkv * (S->r + 1));
+        for (uint32_t j = 0; j < S->Hkv; j++) {
+            uint16_t *pj = p->perm + (size_t)j * S->d, *oj = p->offsets + (size_t)j * (S->r + 1);
+            for (uint32_t i = 0; i < S->d; i++) pj[i] = (uint16_t)i;
+            for (uint32_t i = S->d - 1; i > 0; i--) { /* Fisher-Yates */
+                const uint32_t x = (uint32_t)kvrt_rng_below(seed, i + 1);
+                const uint16_t t = pj[i];
+                pj[i] = pj[x];
+                pj[x] = t;
+            }
+            for (uint32_t t = 0; t <= S->r; t++) oj[t] = (uint16_t)(t * S->d / S->r);
+            if (S->r >= 2 && oj[2] >= 3) oj[1] = 1; /* uneven: a group of one coordinate */
+        }
+    }
+    p->k = randf(seed, S->T * S->Hkv * S->d, -1.0f, 1.0f);
+    p->v = randf(seed, S->T * S->Hkv * S->d, -1.0f, 1.0f);
+    int rc = kvrt_compkv_create(cpu_ref, &p->o, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->ref);
+    if (rc == KVRT_OK) rc = kvrt_compkv_append(p->ref, p->k, p->v, S->T);
+    if (rc != KVRT_OK) {
         fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
         exit(2);
     }
-    float *k = randf(seed, S->T * S->Hkv * S->d, -1.0f, 1.0f);
-    float *v = randf(seed, S->T * S->Hkv * S->d, -1.0f, 1.0f);
-    if (kvrt_compkv_append(s, k, v, S->T) != KVRT_OK) exit(2);
-    free(k);
-    free(v);
-    return s;
+    rc = ctx->ops->compkv_create(ctx, &p->o, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->got);
+    if (rc == KVRT_OK) rc = kvrt_compkv_append(p->got, p->k, p->v, S->T);
+    return rc;
 }
 
 static void ck_shape_str(const ck_shape *S, char *buf, size_t n, int with_k) {
-    int o = snprintf(buf, n, "T=%lld H=%u Hkv=%u d=%u block=%u r=%u%s", (long long)S->T, S->H,
-                     S->Hkv, S->d, S->block, S->r, S->compensate ? "" : " nocomp");
+    int o = snprintf(buf, n, "T=%lld H=%u Hkv=%u d=%u block=%u r=%u%s%s", (long long)S->T, S->H,
+                     S->Hkv, S->d, S->block, S->r, S->grouped ? " grouped" : "",
+                     S->compensate ? "" : " nocomp");
     if (with_k && o > 0 && (size_t)o < n)
         snprintf(buf + o, n - (size_t)o, " k=%lld", (long long)S->k_blocks);
 }
 
-static void test_compkv(kvrt_ctx *ctx, const char *bk, int part) {
-    /* scores */
-    for (size_t si = 0; part == 0 && si < N_CK; si++) {
-        const ck_shape *S = &ck_shapes[si];
-        char shape[96];
-        ck_shape_str(S, shape, sizeof shape, 0);
-        if (!row_runs(ctx, bk, "compkv_scores", KVRT_OP_COMPKV_SCORES, shape)) continue;
-        uint64_t seed = 800 + si;
-        kvrt_compkv *s = make_compkv(S, &seed);
-        const int64_t nb = kvrt_compkv_n_blocks(s), ns = S->Hkv * nb;
-        float *q = randf(&seed, S->H * S->d, -1.0f, 1.0f);
-        float *ref = malloc(sizeof(float) * (size_t)ns), *got = malloc(sizeof(float) * (size_t)ns);
-        int rc = kvrt_compkv_scores_ref(s, q, S->H, ref);
-        if (rc != KVRT_OK) {
-            report_error("compkv_scores", bk, shape, rc, "kvrt_compkv_scores_ref");
-        } else {
-            float *dq = to_ctx(ctx, q, sizeof(float) * S->H * S->d);
-            float *ds = to_ctx(ctx, NULL, sizeof(float) * (size_t)ns);
-            rc = ctx->ops->compkv_scores(ctx, s, dq, S->H, ds);
-            if (rc != KVRT_OK) {
-                report_error("compkv_scores", bk, shape, rc, "compkv_scores");
-            } else {
-                from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
-                nmse_acc a = {0, 0, 0};
-                acc_f(&a, got, ref, ns);
-                report("compkv_scores", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
-            }
-            kvrt_ctx_dealloc(ctx, dq);
-            kvrt_ctx_dealloc(ctx, ds);
-        }
-        kvrt_compkv_free(s);
-        free(q);
-        free(ref);
-        free(got);
+/* Rows of op `name` (`id`) that also need the backend's compkv_create: 1 when it runs. */
+static int ck_runs(kvrt_ctx *ctx, const char *bk, const char *name, kvrt_op id,
+                   const char *shape) {
+    if (!row_runs(ctx, bk, name, id, shape)) return 0;
+    if (id != KVRT_OP_COMPKV_CREATE && !kvrt_backend_supports(ctx, KVRT_OP_COMPKV_CREATE)) {
+        row_head(name, bk, shape);
+        printf("not supported (no compkv_create)\n");
+        n_unsupported++;
+        return 0;
     }
-    /* attend_blocks */
-    for (size_t si = 0; part == 1 && si < N_CK; si++) {
-        const ck_shape *S = &ck_shapes[si];
-        char shape[96];
-        ck_shape_str(S, shape, sizeof shape, 0);
-        if (!row_runs(ctx, bk, "compkv_attend_blocks", KVRT_OP_COMPKV_ATTEND_BLOCKS, shape))
-            continue;
-        uint64_t seed = 850 + si;
-        kvrt_compkv *s = make_compkv(S, &seed);
-        /* head j reads blocks 2i + (j & 1): half of them, different per head */
-        const int64_t nb = kvrt_compkv_n_blocks(s), nsel = nb >= 2 ? nb / 2 : 1;
-        int32_t *blocks = malloc(sizeof(int32_t) * (size_t)(S->Hkv * nsel));
-        for (uint32_t j = 0; j < S->Hkv; j++)
-            for (int64_t i = 0; i < nsel; i++)
-                blocks[j * nsel + i] = nb >= 2 ? (int32_t)(2 * i + (j & 1)) : 0;
-        const int64_t no = S->H * S->d;
-        float *q = randf(&seed, no, -1.0f, 1.0f);
-        float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
-        int rc = kvrt_compkv_attend_blocks_ref(s, q, S->H, blocks, nsel, ref);
-        if (rc != KVRT_OK) {
-            report_error("compkv_attend_blocks", bk, shape, rc, "kvrt_compkv_attend_blocks_ref");
-        } else {
-            float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
-            int32_t *db = to_ctx(ctx, blocks, sizeof(int32_t) * (size_t)(S->Hkv * nsel));
-            float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
-            rc = ctx->ops->compkv_attend_blocks(ctx, s, dq, S->H, db, nsel, dout);
-            if (rc != KVRT_OK) {
-                report_error("compkv_attend_blocks", bk, shape, rc, "compkv_attend_blocks");
-            } else {
-                from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
-                nmse_acc a = {0, 0, 0};
-                acc_f(&a, got, ref, no);
-                report("compkv_attend_blocks", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
-            }
-            kvrt_ctx_dealloc(ctx, dq);
-            kvrt_ctx_dealloc(ctx, db);
-            kvrt_ctx_dealloc(ctx, dout);
-        }
-        kvrt_compkv_free(s);
-        free(blocks);
-        free(q);
-        free(ref);
-        free(got);
+    return 1;
+}
+
+/* create + append: the summaries against kvrt_compkv_summaries_ref */
+static void test_compkv_create(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 0);
+    if (!ck_runs(ctx, bk, "compkv_create", KVRT_OP_COMPKV_CREATE, shape)) return;
+    uint64_t seed = 750 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    if (rc != KVRT_OK) {
+        report_error("compkv_create", bk, shape, rc, "compkv_create + kvrt_compkv_append");
+        ck_pair_free(&p);
+        return;
     }
-    /* step: reference = scores_ref, the selection rule, attend_blocks_ref */
-    for (size_t si = 0; part == 2 && si < N_CK; si++) {
-        const ck_shape *S = &ck_shapes[si];
-        char shape[96];
-        ck_shape_str(S, shape, sizeof shape, 1);
-        if (!row_runs(ctx, bk, "compkv_step", KVRT_OP_COMPKV_STEP, shape)) continue;
-        uint64_t seed = 900 + si;
-        kvrt_compkv *s = make_compkv(S, &seed);
-        const int64_t nb = kvrt_compkv_n_blocks(s);
-        const int64_t kk = S->k_blocks < nb ? S->k_blocks : nb;
-        const int64_t no = S->H * S->d;
-        float *q = randf(&seed, no, -1.0f, 1.0f);
-        float *sc = malloc(sizeof(float) * (size_t)(S->Hkv * nb));
-        int32_t *rb = malloc(sizeof(int32_t) * (size_t)(S->Hkv * kk));
-        int32_t *gb = malloc(sizeof(int32_t) * (size_t)(S->Hkv * kk));
-        float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
-        int rc = kvrt_compkv_scores_ref(s, q, S->H, sc);
-        if (rc == KVRT_OK) rc = kvrt_compkv_select(s, sc, S->k_blocks, rb);
-        if (rc == KVRT_OK) rc = kvrt_compkv_attend_blocks_ref(s, q, S->H, rb, kk, ref);
+    const int64_t nb = kvrt_compkv_n_blocks(p.got), r = kvrt_compkv_groups(p.got);
+    const int64_t nd = S->Hkv * nb * S->d, ng = S->Hkv * nb * r;
+    float *km = malloc(sizeof(float) * (size_t)nd), *vm = malloc(sizeof(float) * (size_t)nd);
+    float *gv = malloc(sizeof(float) * (size_t)ng);
+    int32_t *cnt = malloc(sizeof(int32_t) * (size_t)nb);
+    rc = kvrt_compkv_summaries_ref(&p.o, p.k, p.v, S->T, S->Hkv, S->d, p.perm, p.offsets, km, vm,
+                                   gv, cnt);
+    nmse_acc a = {0, 0, 0};
+    for (uint32_t h = 0; h < S->Hkv && rc == KVRT_OK; h++) {
+        const float *gk, *gvm, *gg;
+        const int32_t *gc;
+        rc = kvrt_compkv_summaries(p.got, h, &gk, &gvm, &gg, &gc);
+        if (rc != KVRT_OK) break;
+        acc_f(&a, gk, km + (size_t)h * nb * S->d, nb * S->d);
+        acc_f(&a, gvm, vm + (size_t)h * nb * S->d, nb * S->d);
+        acc_f(&a, gg, gv + (size_t)h * nb * r, nb * r);
+        if (h == 0) acc_i(&a, gc, cnt, nb);
+    }
+    if (rc != KVRT_OK) report_error("compkv_create", bk, shape, rc, "the summaries");
+    else report("compkv_create", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+    free(km);
+    free(vm);
+    free(gv);
+    free(cnt);
+    ck_pair_free(&p);
+}
+
+static void test_compkv_scores(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 0);
+    if (!ck_runs(ctx, bk, "compkv_scores", KVRT_OP_COMPKV_SCORES, shape)) return;
+    uint64_t seed = 800 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref), ns = S->Hkv * nb;
+    float *q = randf(&seed, S->H * S->d, -1.0f, 1.0f);
+    float *ref = malloc(sizeof(float) * (size_t)ns), *got = malloc(sizeof(float) * (size_t)ns);
+    if (rc != KVRT_OK) {
+        report_error("compkv_scores", bk, shape, rc, "compkv_create");
+    } else if ((rc = kvrt_compkv_scores_ref(p.ref, q, S->H, ref)) != KVRT_OK) {
+        report_error("compkv_scores", bk, shape, rc, "kvrt_compkv_scores_ref");
+    } else {
+        float *dq = to_ctx(ctx, q, sizeof(float) * S->H * S->d);
+        float *ds = to_ctx(ctx, NULL, sizeof(float) * (size_t)ns);
+        rc = ctx->ops->compkv_scores(ctx, p.got, dq, S->H, ds);
         if (rc != KVRT_OK) {
+            report_error("compkv_scores", bk, shape, rc, "compkv_scores");
+        } else {
+            from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, got, ref, ns);
+            report("compkv_scores", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, ds);
+    }
+    ck_pair_free(&p);
+    free(q);
+    free(ref);
+    free(got);
+}
+
+static void test_compkv_attend_blocks(kvrt_ctx *ctx, const char *bk, const ck_shape *S,
+                                      size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 0);
+    if (!ck_runs(ctx, bk, "compkv_attend_blocks", KVRT_OP_COMPKV_ATTEND_BLOCKS, shape)) return;
+    uint64_t seed = 850 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    /* head j reads blocks 2i + (j & 1): half of them, different per head */
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref), nsel = nb >= 2 ? nb / 2 : 1;
+    int32_t *blocks = malloc(sizeof(int32_t) * (size_t)(S->Hkv * nsel));
+    for (uint32_t j = 0; j < S->Hkv; j++)
+        for (int64_t i = 0; i < nsel; i++)
+            blocks[j * nsel + i] = nb >= 2 ? (int32_t)(2 * i + (j & 1)) : 0;
+    const int64_t no = S->H * S->d;
+    float *q = randf(&seed, no, -1.0f, 1.0f);
+    float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
+    if (rc != KVRT_OK) {
+        report_error("compkv_attend_blocks", bk, shape, rc, "compkv_create");
+    } else if ((rc = kvrt_compkv_attend_blocks_ref(p.ref, q, S->H, blocks, nsel, ref)) != 0) {
+        report_error("compkv_attend_blocks", bk, shape, rc, "kvrt_compkv_attend_blocks_ref");
+    } else {
+        float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
+        int32_t *db = to_ctx(ctx, blocks, sizeof(int32_t) * (size_t)(S->Hkv * nsel));
+        float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
+        rc = ctx->ops->compkv_attend_blocks(ctx, p.got, dq, S->H, db, nsel, dout);
+        if (rc != KVRT_OK) {
+            report_error("compkv_attend_blocks", bk, shape, rc, "compkv_attend_blocks");
+        } else {
+            from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, got, ref, no);
+            report("compkv_attend_blocks", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, db);
+        kvrt_ctx_dealloc(ctx, dout);
+    }
+    ck_pair_free(&p);
+    free(blocks);
+    free(q);
+    free(ref);
+    free(got);
+}
+
+/* step: reference = scores_ref, the selection rule (kvrt_compkv_select), attend_blocks_ref */
+static void test_compkv_step(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 1);
+    if (!ck_runs(ctx, bk, "compkv_step", KVRT_OP_COMPKV_STEP, shape)) return;
+    uint64_t seed = 900 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref);
+    const int64_t kk = S->k_blocks < nb ? S->k_blocks : nb;
+    const int64_t no = S->H * S->d, nbk = S->Hkv * kk;
+    float *q = randf(&seed, no, -1.0f, 1.0f);
+    float *sc = malloc(sizeof(float) * (size_t)(S->Hkv * nb));
+    int32_t *rb = malloc(sizeof(int32_t) * (size_t)nbk), *gb = malloc(sizeof(int32_t) * nbk);
+    float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
+    if (rc == KVRT_OK) {
+        rc = kvrt_compkv_scores_ref(p.ref, q, S->H, sc);
+        if (rc == KVRT_OK) rc = kvrt_compkv_select(p.ref, sc, S->k_blocks, rb);
+        if (rc == KVRT_OK) rc = kvrt_compkv_attend_blocks_ref(p.ref, q, S->H, rb, kk, ref);
+        if (rc != KVRT_OK)
             report_error("compkv_step", bk, shape, rc, "scores_ref + select + attend_blocks_ref");
-        } else {
-            float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
-            float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
-            int32_t *db = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)(S->Hkv * kk));
-            rc = ctx->ops->compkv_step(ctx, s, dq, S->H, S->k_blocks, dout, db);
-            if (rc != KVRT_OK) {
-                report_error("compkv_step", bk, shape, rc, "compkv_step");
-            } else {
-                from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
-                from_ctx(ctx, gb, db, sizeof(int32_t) * (size_t)(S->Hkv * kk));
-                nmse_acc a = {0, 0, 0};
-                acc_f(&a, got, ref, no);
-                const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)(S->Hkv * kk)) == 0;
-                report("compkv_step", bk, shape, same ? acc_nmse(&a) : INFINITY, NMSE_DEFAULT,
-                       same ? NULL : "the selected blocks differ from the reference's");
-            }
-            kvrt_ctx_dealloc(ctx, dq);
-            kvrt_ctx_dealloc(ctx, dout);
-            kvrt_ctx_dealloc(ctx, db);
-        }
-        kvrt_compkv_free(s);
-        free(q);
-        free(sc);
-        free(rb);
-        free(gb);
-        free(ref);
-        free(got);
+    } else {
+        report_error("compkv_step", bk, shape, rc, "compkv_create");
     }
+    if (rc == KVRT_OK) {
+        float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
+        float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
+        int32_t *db = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)nbk);
+        rc = ctx->ops->compkv_step(ctx, p.got, dq, S->H, S->k_blocks, dout, db);
+        if (rc != KVRT_OK) {
+            report_error("compkv_step", bk, shape, rc, "compkv_step");
+        } else {
+            from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
+            from_ctx(ctx, gb, db, sizeof(int32_t) * (size_t)nbk);
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, got, ref, no);
+            const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
+            report("compkv_step", bk, shape, same ? acc_nmse(&a) : INFINITY, NMSE_DEFAULT,
+                   same ? NULL : "the selected blocks differ from the reference's");
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, dout);
+        kvrt_ctx_dealloc(ctx, db);
+    }
+    ck_pair_free(&p);
+    free(q);
+    free(sc);
+    free(rb);
+    free(gb);
+    free(ref);
+    free(got);
+}
+
+typedef void (*ck_test)(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si);
+
+static void test_compkv(kvrt_ctx *ctx, const char *bk, ck_test t) {
+    for (size_t si = 0; si < N_CK; si++) t(ctx, bk, &ck_shapes[si], si);
 }
 
 // ----------------------------------------------------------------------------
@@ -887,6 +1110,7 @@ int main(void) {
         fprintf(stderr, "test_backend_ops: no CPU context: %s\n", err.msg);
         return 2;
     }
+    cpu_ref = cpu;
     const char *why_no_gpu = "";
     if (!kvrt_has_cuda())
         why_no_gpu = "libkvrt built without CUDA";
@@ -918,9 +1142,12 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 0);
     for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 1);
     for (int b = 0; b < 2; b++) test_compilerkv(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_am_head(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am(backends[b].ctx, backends[b].name);
-    for (int part = 0; part < 3; part++)
-        for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, part);
+    static const ck_test ck_tests[] = {test_compkv_create, test_compkv_scores,
+                                       test_compkv_attend_blocks, test_compkv_step};
+    for (size_t t = 0; t < sizeof ck_tests / sizeof ck_tests[0]; t++)
+        for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, ck_tests[t]);
 
     kvrt_ctx_free(cuda);
     kvrt_ctx_free(cpu);

@@ -525,7 +525,19 @@ Test(ctx, missing_op_is_unsupported_by_name) {
     cr_expect_str_eq(kvrt_ctx_last_error(ctx)->msg,
                      "kvrt_attend: the cpu backend does not implement op attend");
     kvrt_cache_free(c);
+
+    /* a policy front door: its op's slot decides, not the backend id */
+    lacking.compkv_create = NULL;
+    cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_COMPKV_CREATE), 0);
+    kvrt_compkv *st = (kvrt_compkv *)0x1;
+    cr_expect_eq(kvrt_compkv_create(ctx, NULL, 1, 8, 16, NULL, NULL, &st), KVRT_ERR_UNSUPPORTED);
+    cr_expect_null(st);
+    cr_expect_str_eq(kvrt_ctx_last_error(ctx)->msg,
+                     "kvrt_compkv_create: the cpu backend does not implement op compkv_create");
+    cr_expect_str_eq(kvrt_last_error()->msg, kvrt_ctx_last_error(ctx)->msg);
     ctx->ops = keep;
+    cr_expect_eq(kvrt_compkv_create(ctx, NULL, 1, 8, 16, NULL, NULL, &st), KVRT_OK);
+    kvrt_compkv_free(st);
     kvrt_ctx_free(ctx);
 }
 
