@@ -127,6 +127,11 @@ int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, k
                             "kvrt_ctx_create: the %s backend's table has API version %d, this "
                             "libkvrt expects %d", ops->name, ops->api_version,
                             KVRT_BACKEND_API_VERSION);
+    if (!ops->init || !ops->free || !ops->info || !ops->alloc || !ops->dealloc || !ops->upload ||
+        !ops->download || !ops->sync)
+        return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
+                            "kvrt_ctx_create: the %s backend's table lacks a housekeeping entry",
+                            ops->name);
 
     kvrt_ctx *ctx = calloc(1, sizeof *ctx);
     if (ctx == NULL)
