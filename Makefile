@@ -6,6 +6,7 @@
 #   make demo         the main job on the embedded default model
 #   make fuzz         build the libFuzzer target (clang) and run it for FUZZ_SECONDS
 #   make bench        benchmarks (not tests)
+#   make examples     the examples against the serving header only (build/examples/)
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
 
 CC       ?= cc
@@ -93,11 +94,12 @@ TESTS      := $(BUILD)/tests/kvcc_tests
 FUZZ_REPLAY:= $(BUILD)/tests/fuzz_replay
 BACKEND_OPS:= $(BUILD)/tests/test_backend_ops
 BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
+EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps model test check backend-ops demo fuzz bench golden clean
+.PHONY: all deps model test check backend-ops demo fuzz bench examples golden clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
@@ -153,6 +155,13 @@ $(FUZZ_REPLAY): tests/fuzz/fuzz_kvpol.c tests/fuzz/replay.c $(LIBKVPOL_A)
 $(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_LIBS) $(LDFLAGS)
+
+# Examples see runtime/include only, as a serving stack does.
+examples: $(EXAMPLES)
+$(BUILD)/examples/%: examples/%.c $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) -Iruntime/include $(CFLAGS) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
+	  $(LIBS_FORMATS) -lm $(LDFLAGS)
 
 # ---------------------------------------------------------------- suites
 # The real-model tests need the default model; without network they skip visibly.
