@@ -116,23 +116,23 @@ $(BUILD)/obj/%.cu.o: %.cu
 
 $(LIBKVPOL_A): $(FORMATS_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVPOL_SO): $(FORMATS_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_FORMATS)
 $(LIBKVRT_A): $(RUNTIME_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm
 $(LIBCALIB_A): $(CALIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
+	rm -f $@ && $(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
 
 # The compiler's commands and passes (everything but main.c) also link into the tests.
 LIBCLI_A := $(BUILD)/libkvcccli.a
 $(LIBCLI_A): $(filter-out $(BUILD)/obj/compiler/main.o,$(COMPILER_OBJ))
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(KVCC): $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
 	$(CC) $(LDFLAGS) -o $@ $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(ALL_LIBS)
@@ -169,7 +169,7 @@ model:
 	@bash scripts/fetch-model.sh || echo "kvcc: WARNING: model not fetched; the tests that need it will say 'skipped'"
 
 test: deps model
-	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(BACKEND_OPS)
+	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(BACKEND_OPS) $(EXAMPLES)
 	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
 	@echo "== unit, golden and equivalence tests (Criterion)"
@@ -178,7 +178,7 @@ test: deps model
 	@echo "== fuzz corpus replay"
 	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
 	@echo "== CLI checks"
-	@KVCC=$(KVCC) bash tests/cli/run.sh
+	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
 
 backend-ops: $(BACKEND_OPS)

@@ -8,7 +8,7 @@
  *          kvrt_backend_ops (one entry per op), struct kvrt_ctx, kvrt_backend_check,
  *          kvrt_backend_cpu, kvrt_backend_cuda, kvrt_cuda_device_count_impl,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
- *          kvrt_f16_to_f32_row, kvrt_policy_file
+ *          kvrt_f16_to_f32_row
  *
  * Included by C files and by the .cu files (hence the extern "C" block): it must stay valid C11
  * and C++17 and must not include any CUDA header (the CPU side never sees CUDA types; backend
@@ -186,13 +186,6 @@ KVRT_INTERNAL int kvrt_attend_check(kvrt_error *e, const char *fn, const float *
 KVRT_INTERNAL void kvrt_f32_to_f16_row(const float *src, uint16_t *dst, int64_t n);
 KVRT_INTERNAL void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n);
 
-// ----------------------------------------------------------------------------
-// policies
-
-/* The validated kvpol file behind a policy handle (core/policy.c), for the policies' loaders.
- * Valid until kvrt_policy_free; NULL for NULL. */
-struct kvpol_file;
-KVRT_INTERNAL const struct kvpol_file *kvrt_policy_file(const kvrt_policy *p);
 
 #ifdef __cplusplus
 }

@@ -192,7 +192,6 @@ int kvrt_policy_model(const kvrt_policy *p, kvrt_model_dims *out) {
 uint32_t kvrt_policy_groups(const kvrt_policy *p) { return p ? p->groups : 0; }
 
 /* (added with CompilerKV) internal accessor, core/backend.h */
-const struct kvpol_file *kvrt_policy_file(const kvrt_policy *p) { return p ? p->file : NULL; }
 
 int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, kvrt_op op) {
     if (ctx == NULL)
