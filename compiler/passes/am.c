@@ -36,6 +36,8 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "loop.h"
+#include "metrics.h"
 #include "passes.h"
 
 #define AM_UNITS 1024 /* budget units per head (fractions of T) */
@@ -95,11 +97,32 @@ static void greedy_exchange(const double *r, const float *curves, int nr, int nh
 // ----------------------------------------------------------------------------
 // run
 
+/* Add one compacted ratio ri of the loop's current (prompt, layer) to the loss and mass-error
+ * curves [L, Hkv, nr]: per KV head, the mean over its G query heads and the N continuation
+ * queries, divided by the prompt count (summed in (query head, query) order). */
+static void am_accumulate(const kvcc_loop *lp, int ri, int nr, double n_prompts, double *loss, double *merr) {
+    const uint32_t H = lp->H, Hkv = lp->Hkv, d = lp->d, G = H / Hkv;
+    const int64_t N = lp->N;
+    for (uint32_t hk = 0; hk < Hkv; hk++) {
+        double e = 0, me = 0;
+        for (uint32_t g = 0; g < G; g++) {
+            const uint32_t h = hk * G + g;
+            for (int64_t i = 0; i < N; i++) {
+                const size_t at = (size_t)i * H + h;
+                e += kvcc_relerr(lp->o_c + at * d, lp->o_full + at * d, d);
+                me += fabs(exp(-kvcc_kl_lse(lp->lse_ctx[at], lp->lse_c_ctx[at])) - 1.0);
+            }
+        }
+        const size_t at = ((size_t)lp->layer * Hkv + hk) * nr + ri;
+        loss[at] += e / ((double)G * N * n_prompts);
+        merr[at] += me / ((double)G * N * n_prompts);
+    }
+}
+
 static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
     kvcc_corpus *c = cx->corpus;
     const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
     const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
-    const uint32_t G = H / Hkv;
     const int nr = cx->n_am_ratios, nt = cx->n_am_targets;
     uint32_t n_prompts = kvcc_corpus_get_info(c)->n_prompts;
     if (cx->max_prompts && cx->max_prompts < n_prompts) n_prompts = cx->max_prompts;
@@ -121,27 +144,15 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
     kvrt_am_opts_init(&ao);
     ao.chunk = cx->am_chunk;
     ao.key_select = strcmp(cx->am_select, "omp") == 0 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
-    const float scale = 1.0f / sqrtf((float)d);
     const size_t nh = (size_t)L * Hkv;
     double *loss = calloc(nh * (size_t)nr, sizeof(double)), *merr = calloc(nh * (size_t)nr, sizeof(double));
-    float *q = NULL, *k = NULL, *v = NULL, *of = NULL, *oc = NULL, *lf = NULL, *lc = NULL, *lf0 = NULL, *lc0 = NULL;
-    kvrt_ctx *rt = NULL;
-    kvrt_error ke;
-    int rc = 0;
-    if (!loss || !merr) { snprintf(err, errlen, "am: out of memory"); rc = KVCC_EXIT_FAILED; }
-    if (!rc && kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &ke) != KVRT_OK) {
-        snprintf(err, errlen, "am: %s", ke.msg);
-        rc = KVCC_EXIT_FAILED;
-    }
-    size_t cap = 0;
+    kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
+    kvcc_loop lp;
+    int rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
+    if (!rc && (!loss || !merr || !ccs)) { snprintf(err, errlen, "am: out of memory"); rc = KVCC_EXIT_FAILED; }
     for (uint32_t p = 0; p < n_prompts && !rc; p++) {
-        kvcc_corpus_prompt_info info;
-        if (kvcc_corpus_prompt(c, p, &info, NULL, NULL) != 0) {
-            snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-            rc = KVCC_EXIT_FAILED;
-            break;
-        }
-        const int64_t T = info.n_tokens, C = info.context_len, N = info.continuation_len;
+        if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
+        const int64_t C = lp.C, N = lp.N;
         if (N < 1 || C < 1) {
             snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; the am pass "
                      "needs both (continuation queries measure the loss)", cx->corpus_path, p, (long long)C,
@@ -149,71 +160,20 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             rc = KVCC_EXIT_USAGE;
             break;
         }
-        if ((size_t)T > cap) {
-            free(q); free(k); free(v); free(of); free(oc); free(lf); free(lc); free(lf0); free(lc0);
-            cap = (size_t)T;
-            q = malloc(cap * H * d * sizeof *q);
-            k = malloc(cap * Hkv * d * sizeof *k);
-            v = malloc(cap * Hkv * d * sizeof *v);
-            of = malloc(cap * H * d * sizeof *of);
-            oc = malloc(cap * H * d * sizeof *oc);
-            lf = malloc(cap * H * sizeof *lf);
-            lc = malloc(cap * H * sizeof *lc);
-            lf0 = malloc(cap * H * sizeof *lf0);
-            lc0 = malloc(cap * H * sizeof *lc0);
-            if (!q || !k || !v || !of || !oc || !lf || !lc || !lf0 || !lc0) {
-                snprintf(err, errlen, "am: out of memory for %lld tokens", (long long)T);
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-        }
         for (uint32_t l = 0; l < L && !rc; l++) {
-            if (kvcc_corpus_read_layer(c, p, l, q, k, v) != 0) {
-                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-            const float *qc = q + (size_t)C * H * d, *kr = k + (size_t)C * Hkv * d, *vr = v + (size_t)C * Hkv * d;
-            /* the reference: the full context (every position), with and without the continuation */
-            kvrt_cache *full = NULL;
-            int s = kvcc_full_cache(k, v, C, Hkv, d, &full);
-            if (!s) s = kvrt_attend(rt, qc, N, H, full, kr, vr, N, scale, of, lf);
-            if (!s) s = kvrt_attend(rt, qc, N, H, full, NULL, NULL, 0, scale, oc, lf0);
-            kvrt_cache_free(full);
-            /* every ratio of the grid at once: the logits and targets are shared */
-            kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
-            if (!s && !ccs) s = KVRT_ERR_NOMEM;
-            if (!s) s = kvrt_am_compact_layer_multi(&ao, q, k, v, C, H, Hkv, d, nr, NULL, cx->am_ratios, KVRT_DTYPE_F32,
-                                                    ccs, NULL);
+            /* the reference: the full context, with (o_full, lse_full) and without (lse_ctx) the
+             * continuation; then every ratio of the grid at once (shared logits and targets) */
+            if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
+            int s = kvrt_am_compact_layer_multi(&ao, lp.q, lp.k, lp.v, C, H, Hkv, d, nr, NULL, cx->am_ratios,
+                                                KVRT_DTYPE_F32, ccs, NULL);
             for (int ri = 0; ri < nr && !s; ri++) {
-                kvrt_cache *cc = ccs[ri];
+                s = kvcc_loop_attend(&lp, ccs[ri], lp.o_c, lp.lse_c, lp.lse_c_ctx);
+                kvrt_cache_free(ccs[ri]);
                 ccs[ri] = NULL;
-                if (!s) s = kvrt_attend(rt, qc, N, H, cc, NULL, NULL, 0, scale, oc, lc0);
-                if (!s) s = kvrt_attend(rt, qc, N, H, cc, kr, vr, N, scale, oc, lc);
-                kvrt_cache_free(cc);
                 if (s) break;
-                for (uint32_t hk = 0; hk < Hkv; hk++) {
-                    double e = 0, me = 0;
-                    for (uint32_t g = 0; g < G; g++) {
-                        const uint32_t h = hk * G + g;
-                        for (int64_t i = 0; i < N; i++) {
-                            const float *a = oc + ((size_t)i * H + h) * d, *b = of + ((size_t)i * H + h) * d;
-                            double num = 0, den = 0;
-                            for (uint32_t x = 0; x < d; x++) {
-                                num += ((double)a[x] - b[x]) * ((double)a[x] - b[x]);
-                                den += (double)b[x] * b[x];
-                            }
-                            e += sqrt(num) / (sqrt(den) + 1e-30);
-                            me += fabs(exp((double)lc0[i * H + h] - lf0[i * H + h]) - 1.0);
-                        }
-                    }
-                    const size_t at = ((size_t)l * Hkv + hk) * nr + ri;
-                    loss[at] += e / ((double)G * N * n_prompts);
-                    merr[at] += me / ((double)G * N * n_prompts);
-                }
+                am_accumulate(&lp, ri, nr, (double)n_prompts, loss, merr);
             }
-            for (int ri = 0; ccs && ri < nr; ri++) kvrt_cache_free(ccs[ri]);
-            free(ccs);
+            for (int ri = 0; ri < nr; ri++) { kvrt_cache_free(ccs[ri]); ccs[ri] = NULL; }
             if (s) {
                 snprintf(err, errlen, "am: prompt %u, layer %u: %s (%s)", p, l, kvrt_status_str(s),
                          kvrt_last_error()->msg);
@@ -222,8 +182,8 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
         }
         if (cx->progress) kvcc_progress(p + 1, n_prompts);
     }
-    free(q); free(k); free(v); free(of); free(oc); free(lf); free(lc); free(lf0); free(lc0);
-    kvrt_ctx_free(rt);
+    free(ccs);
+    kvcc_loop_close(&lp);
     /* curves (f32 in the artifact) and schedules */
     float *curves = NULL, *mcurves = NULL, *sched = NULL;
     int *units = NULL;
