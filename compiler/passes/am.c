@@ -28,6 +28,7 @@
  * depend on the thread count.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -311,10 +312,25 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     free(ord);
 }
 
+#define AM_OPT(f) offsetof(kvcc_compile_ctx, f)
+static const kvcc_pass_option am_options[] = {
+    {"am-targets", KVCC_OPT_LIST, "LIST", "0.02,0.05,0.1,0.2", "target mean ratios of the context kept per KV head",
+     AM_OPT(am_targets), AM_OPT(n_am_targets), 0, 0, NULL, 0},
+    {"am-ratios", KVCC_OPT_LIST, "LIST", "0.015625,0.03125,0.0625,0.125,0.25,0.5",
+     "ratio grid of the sensitivity curves (1/64 ... 1/2)", AM_OPT(am_ratios), AM_OPT(n_am_ratios), 0, 0, NULL, 0},
+    {"am-chunk", KVCC_OPT_U32, "N", "4096", "queries per chunk of the compaction (written; eval runs it)",
+     AM_OPT(am_chunk), 0, 16, 1u << 20, NULL, 0},
+    {"am-select", KVCC_OPT_CHOICE, "highest|omp", "highest", "key selection (written; eval runs it)",
+     AM_OPT(am_select), 0, 0, 0, "highest|omp", 0},
+    {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
+};
+
 const kvcc_pass kvcc_pass_am = {
     .name = "am",
+    .title = "Attention Matching",
     .group = KVPOL_GROUP_AM,
     .needs_corpus = 1,
+    .options = am_options,
     .run = am_run,
     .inspect = am_inspect,
 };

@@ -39,6 +39,7 @@
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -726,11 +727,65 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// options, checks, reports
+
+/* Before any work: the model reward and --reward-check need the GGUF; the --transfer-check
+ * corpus must open and match the model. */
+static int ckv_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
+    if (!cx->gguf && (cx->ckv_reward_check || (cx->reward && !strcmp(cx->reward, "model"))))
+        return ckv_failf(err, errlen, KVCC_EXIT_USAGE, "%s needs the model the corpus was captured with: --gguf FILE.gguf",
+                         cx->ckv_reward_check ? "--reward-check" : "--reward model");
+    if (cx->ckv_transfer_check) {
+        kvcc_corpus *tc = NULL;
+        int rc = kvcc_compilerkv_transfer_open(cx, cx->ckv_transfer_check, &tc, err, errlen);
+        kvcc_corpus_close(tc);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* After the artifact is written: the two reports it was asked for (stdout). */
+static int ckv_report(const kvcc_compile_ctx *cx, const char *artifact, FILE *out, char *err, size_t errlen) {
+    char msg[640];
+    int rc = 0;
+    if (cx->ckv_reward_check &&
+        (rc = kvcc_compilerkv_reward_check(cx, artifact, cx->ckv_reward_check, out, msg, sizeof msg)) != 0) {
+        snprintf(err, errlen, "--reward-check: %s", msg);
+        return rc;
+    }
+    if (cx->ckv_transfer_check &&
+        (rc = kvcc_compilerkv_transfer_check(cx, artifact, cx->ckv_transfer_check, 1, out, msg, sizeof msg)) != 0)
+        snprintf(err, errlen, "--transfer-check: %s", msg);
+    return rc;
+}
+
+#define CKV_OPT(f) offsetof(kvcc_compile_ctx, f)
+static const kvcc_pass_option ckv_options[] = {
+    {"budgets", KVCC_OPT_LIST, "LIST", "128,256,512,1024,2048", "token budgets per KV head the tables are compiled for",
+     CKV_OPT(budgets), CKV_OPT(n_budgets), 0, 0, NULL, 0},
+    {"window", KVCC_OPT_U32, "W", "64", "observation window (the last W context tokens, always kept)",
+     CKV_OPT(window), 0, 1, 65536, NULL, 0},
+    {"reward", KVCC_OPT_CHOICE, "attention|model", "attention", "rollout reward (model needs --gguf)",
+     CKV_OPT(reward), 0, 0, 0, "attention|model", 0},
+    {"reward-check", KVCC_OPT_U32, "N", NULL, "after compiling, score N head states' rollouts with both rewards "
+     "(needs --gguf) and print their rank agreement (Spearman)", CKV_OPT(ckv_reward_check), 0, 1, 1000000, NULL,
+     KVCC_OPT_REPORT},
+    {"transfer-check", KVCC_OPT_PATH, "OTHER.h5", NULL, "also compile on a second, disjoint corpus and print the "
+     "Spearman correlation of the head rankings per budget (with seed + 1 controls: 3 extra compiles)",
+     CKV_OPT(ckv_transfer_check), 0, 0, 0, NULL, KVCC_OPT_REPORT},
+    {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
+};
+
 const kvcc_pass kvcc_pass_compilerkv = {
     .name = "compilerkv",
+    .title = "CompilerKV",
     .group = KVPOL_GROUP_COMPILERKV,
     .needs_corpus = 1,
+    .options = ckv_options,
+    .check = ckv_check,
     .run = ckv_run,
+    .report = ckv_report,
     .inspect = ckv_inspect,
 };
 
