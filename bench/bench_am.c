@@ -49,6 +49,8 @@ static float *synth(int64_t rows, int64_t heads, int64_t d, float sd, float dir,
     return x;
 }
 
+static kvrt_ctx *g_ctx; /* the CPU context every call runs on */
+
 static int dump(const char *dir, const char *name, const float *x, size_t n) {
     char path[1024];
     snprintf(path, sizeof path, "%s/%s", dir, name);
@@ -89,7 +91,7 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     for (int r = 0; r < reps; r++) {
         kvrt_cache *c = NULL;
         double t0 = now_s();
-        int rc = kvrt_am_compact(&o, k, v, T, (uint32_t)d, q, NULL, n, t, KVRT_DTYPE_F32, &c, &st);
+        int rc = kvrt_am_compact(g_ctx, &o, k, v, T, (uint32_t)d, q, NULL, n, t, KVRT_DTYPE_F32, &c, &st);
         double dt = now_s() - t0;
         kvrt_cache_free(c);
         if (rc) {
@@ -121,7 +123,7 @@ static int bench_model(int omp) {
     int64_t kept = 0;
     for (int64_t l = 0; l < L; l++) { /* same synthetic tensors for every layer: timing only */
         kvrt_cache *c = NULL;
-        int rc = kvrt_am_compact_layer(&o, q, k, v, T, (uint32_t)H, (uint32_t)Hkv, (uint32_t)d, NULL, ratio,
+        int rc = kvrt_am_compact_layer(g_ctx, &o, q, k, v, T, (uint32_t)H, (uint32_t)Hkv, (uint32_t)d, NULL, ratio,
                                        KVRT_DTYPE_F16, &c, NULL);
         if (rc) {
             fprintf(stderr, "bench_am: layer %lld: %s\n", (long long)l, kvrt_last_error()->msg);
@@ -140,6 +142,11 @@ static int bench_model(int omp) {
 }
 
 int main(int argc, char **argv) {
+    kvrt_error ce;
+    if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &g_ctx, &ce) != KVRT_OK) {
+        fprintf(stderr, "bench_am: %s\n", ce.msg);
+        return 1;
+    }
     int64_t head = 0;
     int omp = 0, reps = 3;
     const char *dump_dir = NULL;

@@ -205,7 +205,7 @@ int main(int argc, char **argv) {
         kvrt_compkv_opts_init(&o);
         o.block = BLOCK;
         o.r = R;
-        if (kvrt_compkv_create(&o, HKV, D, T, NULL, NULL, &ck) != KVRT_OK) {
+        if (kvrt_compkv_create(ctx, &o, HKV, D, T, NULL, NULL, &ck) != KVRT_OK) {
             fprintf(stderr, "bench_compkv: %s\n", kvrt_last_error()->msg);
             status = 1;
             goto next;

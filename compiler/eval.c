@@ -71,7 +71,8 @@ static int cmp_d(const void *a, const void *b) {
 }
 
 typedef struct {
-    float *am_sched;       /* method am: per-head ratios [L, Hkv] of the row's target */
+    kvrt_ctx *rt;          /* the runtime context every policy call runs on */
+    const kvrt_am_schedule *am; /* method am: the compiled schedule of --policy (shared) */
     kvrt_compilerkv_tables *ckv; /* compilerkv rows: the tables (compiled, or flat for the ablation) */
     dvec relerr;
     double kl_sum, mass_sum, kept_sum, bytes_sum, sel_s;
@@ -107,17 +108,19 @@ const char *kvcc_eval_method_name(int method) {
 }
 
 /* Compress one layer's context with a row's method: selection + gather; Attention Matching
- * rows compact with the context's own queries (kvrt_am_compact_layer; am_sched: the layer's
- * per-head ratios [Hkv] for method am). */
-static int compress_layer(const kvcc_eval_row *row, int64_t B, uint64_t seed, uint32_t layer, const float *q,
-                          const float *k, const float *v, int64_t C, uint32_t H, uint32_t Hkv, uint32_t d, int dtype,
-                          const float *am_sched, kvrt_cache **out) {
+ * rows compact with the context's own queries (am: the compiled schedule with the compiled
+ * options; am-uniform / am-omp: every head at the row's ratio, highest / omp, chunk 4096). */
+static int compress_layer(const kvcc_eval_row *row, const row_acc *a, int64_t B, uint64_t seed, uint32_t layer,
+                          const float *q, const float *k, const float *v, int64_t C, uint32_t H, uint32_t Hkv,
+                          uint32_t d, int dtype, kvrt_cache **out) {
+    if (row->method == KVCC_EVAL_AM)
+        return kvrt_am_compact_scheduled(a->rt, a->am, NULL, 0, row->budget, layer, q, k, v, C, H, dtype, out,
+                                         NULL);
     if (KVCC_EVAL_IS_AM(row->method)) {
         kvrt_am_opts ao;
         kvrt_am_opts_init(&ao);
         if (row->method == KVCC_EVAL_AM_OMP) ao.key_select = KVRT_AM_SELECT_OMP;
-        return kvrt_am_compact_layer(&ao, q, k, v, C, H, Hkv, d, row->method == KVCC_EVAL_AM ? am_sched : NULL,
-                                     row->budget, dtype, out, NULL);
+        return kvrt_am_compact_layer(a->rt, &ao, q, k, v, C, H, Hkv, d, NULL, row->budget, dtype, out, NULL);
     }
     kvrt_method_opts mo;
     kvrt_method_opts_init(&mo, row->method, B);
@@ -195,9 +198,8 @@ static int dec_state(const kvcc_eval_row *row, const row_acc *a, uint32_t layer,
     kvrt_compkv_opts o;
     int use_grp;
     dec_opts(row->method, a->grp, a->block, d, &o, &use_grp);
-    const kvrt_compkv_grouping *g = use_grp ? a->grp : NULL;
-    return kvrt_compkv_create(&o, Hkv, d, cap, g ? g->perm + (size_t)layer * Hkv * d : NULL,
-                              g ? g->offsets + (size_t)layer * Hkv * (g->r + 1) : NULL, out);
+    if (use_grp && a->grp) return kvrt_compkv_create_layer(a->rt, a->grp, layer, cap, &o, 0, out);
+    return kvrt_compkv_create(a->rt, &o, Hkv, d, cap, NULL, NULL, out);
 }
 
 /* One decode step on st (holding tokens [0, len); k [len, Hkv, d] its keys, read by Quest):
@@ -458,13 +460,12 @@ static int eval_local(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompt
                 kvrt_cache *cc = NULL;
                 if (acc[ri].ckv) {
                     kvrt_selection *sel = NULL;
-                    s = kvrt_compilerkv_select(acc[ri].ckv, ckv_pr, l, v, Hkv, d, B, KVRT_COMPILERKV_NEAREST_BUDGET,
+                    s = kvrt_compilerkv_select(acc[ri].rt, acc[ri].ckv, ckv_pr, l, v, Hkv, d, B, KVRT_COMPILERKV_NEAREST_BUDGET,
                                                &sel, NULL);
                     if (!s) s = kvrt_cache_gather(k, v, C, Hkv, d, sel, dtype, &cc);
                     kvrt_selection_free(sel);
                 } else {
-                    s = compress_layer(row, B, o->seed, l, q, k, v, C, H, Hkv, d, dtype,
-                                       acc[ri].am_sched ? acc[ri].am_sched + (size_t)l * Hkv : NULL, &cc);
+                    s = compress_layer(row, &acc[ri], B, o->seed, l, q, k, v, C, H, Hkv, d, dtype, &cc);
                 }
                 acc[ri].sel_s += now_s() - t0;
                 if (s) { row_fail(row, s, "select"); kvrt_cache_free(cc); continue; }
@@ -701,7 +702,7 @@ static int eval_e2e(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompts,
                     vp[l] = s->v_cache + (size_t)l * T_ * Kd;
                 }
                 if (!st) st = kvcc_corpus_prompt(c, p, &info, NULL, lp) ? KVRT_ERR_ARG : 0;
-                if (!st) st = kvrt_compilerkv_select_all(acc[ri].ckv, qp, kp, vp, lp, C, (uint32_t)H, (uint32_t)Hkv,
+                if (!st) st = kvrt_compilerkv_select_all(acc[ri].rt, acc[ri].ckv, qp, kp, vp, lp, C, (uint32_t)H, (uint32_t)Hkv,
                                                         (uint32_t)d, B, KVRT_COMPILERKV_NEAREST_BUDGET, sels, NULL);
                 for (int l = 0; !st && l < L; l++)
                     st = kvrt_cache_gather(kp[l], vp[l], C, (uint32_t)Hkv, (uint32_t)d, sels[l], dtype, &caches[l]);
@@ -714,9 +715,8 @@ static int eval_e2e(const kvcc_eval_opts *o, kvcc_corpus *c, uint32_t n_prompts,
                 const float *kc = s->k_cache + (size_t)l * T_ * Kd, *vc = s->v_cache + (size_t)l * T_ * Kd;
                 memcpy(kbuf, kc, (size_t)C * Kd * sizeof(float));
                 memcpy(vbuf, vc, (size_t)C * Kd * sizeof(float));
-                st = compress_layer(row, B, o->seed, (uint32_t)l, g.q[l], kbuf, vbuf, C, (uint32_t)H, (uint32_t)Hkv,
-                                    (uint32_t)d, dtype, acc[ri].am_sched ? acc[ri].am_sched + (size_t)l * Hkv : NULL,
-                                    &caches[l]);
+                st = compress_layer(row, &acc[ri], B, o->seed, (uint32_t)l, g.q[l], kbuf, vbuf, C, (uint32_t)H,
+                                    (uint32_t)Hkv, (uint32_t)d, dtype, &caches[l]);
             }
             if (st) row_fail(row, st, "select");
             else {
@@ -797,42 +797,67 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
     }
     row_acc *acc = calloc((size_t)r->n_rows, sizeof *acc);
     if (!acc) rc = -1;
-    /* method am: the compiled schedule of each row's target ratio */
-    for (int ri = 0; !rc && ri < r->n_rows; ri++) {
-        if (r->rows[ri].method != KVCC_EVAL_AM || !(r->rows[ri].budget < 1)) continue;
-        if (!o->policy) {
-            snprintf(err, errlen, "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
-                     "(or use am-uniform / am-omp)");
-            rc = KVCC_EXIT_USAGE;
-            break;
-        }
-        acc[ri].am_sched = malloc((size_t)m->n_layers * m->n_kv_heads * sizeof(float));
-        if (!acc[ri].am_sched) { rc = -1; break; }
-        int s = kvrt_am_schedule_load(o->policy, r->rows[ri].budget, m->n_layers, m->n_kv_heads, acc[ri].am_sched);
-        if (s) {
-            snprintf(err, errlen, "--policy: %s [%s]", kvrt_last_error()->msg, kvrt_status_name(s));
-            rc = KVCC_EXIT_USAGE;
-        }
+    /* the artifact, opened once (checked against the corpus's model), and each policy's handle */
+    kvrt_policy *pol = NULL;
+    kvrt_am_schedule *am = NULL;
+    kvrt_compkv_grouping *grp = NULL;
+    int need_am = 0, need_ckv = 0, any_dec = 0, need_grp = 0;
+    for (int ri = 0; ri < r->n_rows; ri++) {
+        need_am |= r->rows[ri].method == KVCC_EVAL_AM;
+        need_ckv |= KVCC_EVAL_IS_CKV(r->rows[ri].method);
+        any_dec |= KVCC_EVAL_IS_DECODE(r->rows[ri].method);
+        need_grp |= r->rows[ri].method == KVCC_EVAL_COMPKV;
     }
-    /* compilerkv rows: the compiled tables, and the flat ablation (weights 1.0, tau 0.8) */
-    for (int ri = 0; !rc && ri < r->n_rows; ri++) {
-        if (!KVCC_EVAL_IS_CKV(r->rows[ri].method)) continue;
-        if (!o->policy) {
-            snprintf(err, errlen, "method %s needs --policy X.kvpol compiled with kvcc compile --policies compilerkv",
-                     kvcc_eval_method_name(r->rows[ri].method));
-            rc = KVCC_EXIT_USAGE;
-            break;
-        }
-        kvrt_policy *pol = NULL;
+    if (!rc && o->policy) {
         kvrt_error ke = {0};
         kvrt_model_dims want = {.n_layers = m->n_layers, .n_heads = m->n_heads, .n_kv_heads = m->n_kv_heads,
                                 .head_dim = m->head_dim};
-        kvrt_compilerkv_tables *tb = NULL;
         int s = kvrt_policy_open(o->policy, &want, &pol, &ke);
-        if (s) snprintf(err, errlen, "--policy: %s [%s]", ke.msg, kvrt_status_name(s));
-        if (!s && (s = kvrt_compilerkv_tables_from_policy(pol, &tb)) != 0)
+        if (s) {
+            snprintf(err, errlen, "--policy: %s [%s]", ke.msg, kvrt_status_name(s));
+            rc = KVCC_EXIT_USAGE;
+        }
+    }
+    for (int ri = 0; acc && ri < r->n_rows; ri++) acc[ri].rt = rt;
+    /* method am: the compiled schedule, and each row's target ratio compiled in it */
+    if (!rc && need_am && !pol) {
+        snprintf(err, errlen, "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
+                 "(or use am-uniform / am-omp)");
+        rc = KVCC_EXIT_USAGE;
+    }
+    if (!rc && need_am) {
+        int s = kvrt_am_open(pol, &am);
+        if (s) {
             snprintf(err, errlen, "--policy %s: %s [%s]", o->policy, kvrt_last_error()->msg, kvrt_status_name(s));
-        kvrt_policy_free(pol);
+            rc = KVCC_EXIT_USAGE;
+        }
+    }
+    for (int ri = 0; !rc && ri < r->n_rows; ri++) {
+        if (r->rows[ri].method != KVCC_EVAL_AM || !(r->rows[ri].budget < 1)) continue;
+        const float *ratios;
+        int s = kvrt_am_schedule_ratios(am, r->rows[ri].budget, 0, &ratios);
+        if (s) {
+            snprintf(err, errlen, "--policy %s: %s [%s]", o->policy, kvrt_last_error()->msg, kvrt_status_name(s));
+            rc = KVCC_EXIT_USAGE;
+        }
+        acc[ri].am = am;
+    }
+    /* compilerkv rows: the compiled tables, and the flat ablation (weights 1.0, tau 0.8) */
+    if (!rc && need_ckv && !pol) {
+        for (int ri = 0; ri < r->n_rows; ri++)
+            if (KVCC_EVAL_IS_CKV(r->rows[ri].method)) {
+                snprintf(err, errlen, "method %s needs --policy X.kvpol compiled with kvcc compile --policies "
+                         "compilerkv", kvcc_eval_method_name(r->rows[ri].method));
+                break;
+            }
+        rc = KVCC_EXIT_USAGE;
+    }
+    for (int ri = 0; !rc && ri < r->n_rows; ri++) {
+        if (!KVCC_EVAL_IS_CKV(r->rows[ri].method)) continue;
+        kvrt_compilerkv_tables *tb = NULL;
+        int s = kvrt_compilerkv_open(pol, &tb);
+        if (s)
+            snprintf(err, errlen, "--policy %s: %s [%s]", o->policy, kvrt_last_error()->msg, kvrt_status_name(s));
         if (!s && r->rows[ri].method == KVCC_EVAL_COMPILERKV_FLAT) {
             size_t nw = (size_t)tb->n_budgets * tb->n_layers * tb->n_heads;
             size_t ng = (size_t)tb->n_budgets * tb->n_layers * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS;
@@ -844,14 +869,8 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
     }
     /* decode-time rows: the compiled CompKV grouping (method compkv; the ablations nocomp, mass
      * and first use it when --policy carries one, index order otherwise) */
-    kvrt_compkv_grouping *grp = NULL;
-    int any_dec = 0, need_grp = 0;
-    for (int ri = 0; ri < r->n_rows; ri++) {
-        any_dec |= KVCC_EVAL_IS_DECODE(r->rows[ri].method);
-        need_grp |= r->rows[ri].method == KVCC_EVAL_COMPKV;
-    }
-    if (!rc && any_dec && o->policy) {
-        int s = kvrt_compkv_grouping_load(o->policy, m->n_layers, m->n_kv_heads, m->head_dim, &grp);
+    if (!rc && any_dec && pol) {
+        int s = kvrt_compkv_open(pol, &grp);
         if (s && !(s == KVRT_ERR_UNSUPPORTED && !need_grp)) {
             snprintf(err, errlen, "--policy %s: %s [%s]", o->policy, kvrt_last_error()->msg, kvrt_status_name(s));
             rc = KVCC_EXIT_USAGE;
@@ -921,11 +940,12 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
     if (acc)
         for (int ri = 0; ri < r->n_rows; ri++) {
             free(acc[ri].relerr.v);
-            free(acc[ri].am_sched);
             kvrt_compilerkv_tables_free(acc[ri].ckv);
         }
     free(acc);
     kvrt_compkv_grouping_free(grp);
+    kvrt_am_schedule_free(am);
+    kvrt_policy_free(pol);
     kvrt_ctx_free(rt);
     kvcc_corpus_close(c);
     if (rc && !err[0]) snprintf(err, errlen, "eval: out of memory");

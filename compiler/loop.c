@@ -33,7 +33,7 @@ int kvcc_loop_open(kvcc_loop *lp, kvcc_corpus *c, const char *label, unsigned fl
     lp->d = m->head_dim;
     lp->scale = 1.0f / sqrtf((float)lp->d);
     kvrt_error ke;
-    if ((flags & (KVCC_LOOP_REF | KVCC_LOOP_REF_CTX)) && kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &lp->rt, &ke) != KVRT_OK) {
+    if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &lp->rt, &ke) != KVRT_OK) {
         snprintf(err, errlen, "%s: %s", label, ke.msg);
         return KVCC_EXIT_FAILED;
     }

@@ -31,7 +31,7 @@ typedef struct {
     kvcc_corpus *corpus;
     const char *label;          /* message prefix ("am", "eval", ...) */
     unsigned flags;
-    kvrt_ctx *rt;               /* CPU context of the references and kvcc_loop_attend (REF flags) */
+    kvrt_ctx *rt;               /* CPU context of the references and kvcc_loop_attend, for the caller too */
     uint32_t L, H, Hkv, d;
     float scale;                /* 1 / sqrt(d) */
     /* the current prompt (kvcc_loop_prompt) */

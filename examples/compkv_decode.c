@@ -64,7 +64,7 @@ int main(int argc, char **argv) {
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o); /* block 16, r = 4 index-order groups, compensation on,
                                 * 1 sink + 2 recent blocks forced; a compiled grouping
-                                * (kvrt_compkv_grouping_load) would pass perm/offsets here */
+                                * (kvrt_compkv_open + kvrt_compkv_create_layer) replaces this */
     const int64_t k_blocks = (budget + o.block - 1) / o.block;
     kvrt_compkv *st[L] = {0};
     float *k = malloc(sizeof(float) * (size_t)T * HKV * D);
@@ -77,8 +77,14 @@ int main(int argc, char **argv) {
         return 1;
     }
     int status = 0;
+    kvrt_ctx *ctx = NULL;
+    kvrt_error ce;
+    if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &ctx, &ce) != KVRT_OK) {
+        fprintf(stderr, "error: %s\n", ce.msg);
+        return 1;
+    }
     for (int l = 0; l < L && status == 0; l++) {
-        int rc = kvrt_compkv_create(&o, HKV, D, T + n_new, NULL, NULL, &st[l]);
+        int rc = kvrt_compkv_create(ctx, &o, HKV, D, T + n_new, NULL, NULL, &st[l]);
         if (rc != KVRT_OK) { status = fail("kvrt_compkv_create", rc); break; }
         for (int64_t t = 0; t < T; t++) fake_qkv(l, t, q, k + t * HKV * D, v + t * HKV * D);
         rc = kvrt_compkv_append(st[l], k, v, T);
@@ -125,5 +131,6 @@ int main(int argc, char **argv) {
     free(out);
     free(exact);
     free(blocks);
+    kvrt_ctx_free(ctx);
     return status;
 }

@@ -3,7 +3,7 @@
  * "Offline"): per-(layer, KV head) sensitivity curves over a ratio grid, measured by compacting
  * each calibration context with the runtime's own kvrt_am_compact_layer (runtime/cpu/am.c), and
  * the greedy-exchange head-budget schedule for each target mean ratio. Writes sections
- * am.schedule (critical: what kvrt_am_schedule_load and kvcc eval's `am` read) and am.curves, and
+ * am.schedule (critical: what kvrt_am_open and kvcc eval's `am` read) and am.curves, and
  * summarizes them for `kvcc inspect`.
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c).
  *
@@ -165,7 +165,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             /* the reference: the full context, with (o_full, lse_full) and without (lse_ctx) the
              * continuation; then every ratio of the grid at once (shared logits and targets) */
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
-            int s = kvrt_am_compact_layer_multi(&ao, lp.q, lp.k, lp.v, C, H, Hkv, d, nr, NULL, cx->am_ratios,
+            int s = kvrt_am_compact_layer_multi(lp.rt, &ao, lp.q, lp.k, lp.v, C, H, Hkv, d, nr, NULL, cx->am_ratios,
                                                 KVRT_DTYPE_F32, ccs, NULL);
             for (int ri = 0; ri < nr && !s; ri++) {
                 s = kvcc_loop_attend(&lp, ccs[ri], lp.o_c, lp.lse_c, lp.lse_c_ctx);

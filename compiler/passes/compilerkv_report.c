@@ -40,7 +40,7 @@ static int load_tables(const kvcc_compile_ctx *cx, const char *artifact, kvrt_co
     kvrt_error ke = {0};
     int s = kvrt_policy_open(artifact, NULL, &pol, &ke);
     if (s) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s: %s", artifact, ke.msg);
-    s = kvrt_compilerkv_tables_from_policy(pol, tb);
+    s = kvrt_compilerkv_open(pol, tb);
     kvrt_policy_free(pol);
     if (s) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s: %s", artifact, kvrt_last_error()->msg);
     (void)cx;

@@ -4,7 +4,7 @@
  * key coordinates into r groups (--compkv-r) that makes the runtime's estimated within-block
  * logit variance s2hat track the true one on the calibration corpus, kept only where it beats
  * index-order grouping. Writes sections compkv.groupings (critical: what
- * kvrt_compkv_grouping_load and kvcc eval's compkv rows read) and compkv.calibration (errors and
+ * kvrt_compkv_open and kvcc eval's compkv rows read) and compkv.calibration (errors and
  * block-selection agreement), and summarizes them for `kvcc inspect`.
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c); the
  * tests (kvcc_compkv_search, kvcc_compkv_error: passes.h).
@@ -212,14 +212,14 @@ static void exact_blocks(const float *qv, const float *k, int64_t C, uint32_t Hk
 
 /* A runtime state of layer data k, v (context [0, C)) with the given groupings [Hkv, d] /
  * [Hkv, r + 1]. */
-static int make_state(uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d, int64_t C, const uint16_t *perm,
-                      const uint16_t *off, const float *k, const float *v, kvrt_compkv **out) {
+static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d, int64_t C,
+                      const uint16_t *perm, const uint16_t *off, const float *k, const float *v, kvrt_compkv **out) {
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o);
     o.block = B;
     o.r = r;
     o.scale = scale;
-    int s = kvrt_compkv_create(&o, Hkv, d, C, perm, off, out);
+    int s = kvrt_compkv_create(rt, &o, Hkv, d, C, perm, off, out);
     if (!s) s = kvrt_compkv_append(*out, k, v, C);
     if (s) { kvrt_compkv_free(*out); *out = NULL; }
     return s;
@@ -354,7 +354,7 @@ static int ck_samples(ck_run *R, uint32_t l, char *err, size_t errlen) {
         if (rc) return rc;
         const float *q = R->lp.q, *k = R->lp.k;
         kvrt_compkv *st = NULL;
-        int s = make_state(B, d, (float)R->scale, Hkv, d, C, R->perm_id, R->off_id, k, R->lp.v, &st);
+        int s = make_state(R->lp.rt, B, d, (float)R->scale, Hkv, d, C, R->perm_id, R->off_id, k, R->lp.v, &st);
         for (uint32_t hk = 0; hk < Hkv && !s; hk++) {
             const float *gv = NULL;
             s = kvrt_compkv_summaries(st, hk, NULL, NULL, &gv, NULL);
@@ -429,8 +429,8 @@ static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double
     if (rc) return rc;
     const float *q = R->lp.q, *k = R->lp.k, *v = R->lp.v;
     kvrt_compkv *si = NULL, *sl = NULL;
-    int s = make_state(B, r, (float)R->scale, Hkv, d, C, R->perm_ix, R->off_ix, k, v, &si);
-    if (!s) s = make_state(B, r, (float)R->scale, Hkv, d, C, R->perm_dp, R->off_dp, k, v, &sl);
+    int s = make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_ix, R->off_ix, k, v, &si);
+    if (!s) s = make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_dp, R->off_dp, k, v, &sl);
     const int64_t Ke = K < nb ? K : nb;
     for (int64_t j = 0; j < npos && !s; j++) {
         const int64_t pos = C + (2 * j + 1) * N / (2 * npos);

@@ -3,7 +3,8 @@
  * caller runs. Callers: serving stacks (kvrt_policy_open at start-up), kvcc eval, tests.
  *
  * defines: kvrt_policy_open, kvrt_policy_open_mem, kvrt_policy_free, kvrt_policy_model,
- *          kvrt_policy_groups
+ *          kvrt_policy_groups, kvrt_policy_ctx_check, kvrt_policy_section (internal,
+ *          core/policies.h)
  *
  * All validation of the bytes is libkvpol's (kvpol_open_*: header, table, every known section
  * decoded and checksummed). Here we only translate its status into kvrt's (IO stays IO, anything
@@ -19,6 +20,7 @@
 #include "kvpol.h"
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 struct kvrt_policy {
     kvpol_file *file;                     /* owns the mapping / decoded sections */
@@ -191,3 +193,29 @@ uint32_t kvrt_policy_groups(const kvrt_policy *p) { return p ? p->groups : 0; }
 
 /* (added with CompilerKV) internal accessor, core/backend.h */
 const struct kvpol_file *kvrt_policy_file(const kvrt_policy *p) { return p ? p->file : NULL; }
+
+int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, const char *op) {
+    if (ctx == NULL)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0,
+                            "%s: ctx is NULL (create one with kvrt_ctx_create)", fn);
+    if (ctx->backend != KVRT_BACKEND_CPU)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_UNSUPPORTED, 0,
+                            "%s: the %s backend does not implement op %s", fn,
+                            ctx->ops && ctx->ops->name ? ctx->ops->name : "?", op);
+    return KVRT_OK;
+}
+
+int kvrt_policy_section(const kvrt_policy *p, uint32_t id, const char *fn, const kvpol_file **f,
+                        uint32_t *si, kvrt_model_dims *md) {
+    if (p == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: policy is NULL", fn);
+    *f = p->file;
+    kvrt_policy_model(p, md);
+    if (*f == NULL || kvpol_section_find(*f, id, si) != KVPOL_OK) {
+        const kvpol_known_section *ks = kvpol_known_find(id);
+        const char *group = kvpol_group_name(KVPOL_SECTION_GROUP(id));
+        return KVRT_FAIL(KVRT_ERR_UNSUPPORTED,
+                         "%s: the artifact has no %s section %s: compile it with kvcc compile "
+                         "--policies %s", fn, group, ks ? ks->name : "?", group);
+    }
+    return KVRT_OK;
+}

@@ -52,16 +52,18 @@ const char *kvrt_version(void) { return KVRT_VERSION_STRING; }
 // internal error helper
 
 int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
-    if (err) {
-        err->code = code;
-        err->detail = detail;
-        err->msg[0] = '\0';
-        if (fmt) {
-            va_list ap;
-            va_start(ap, fmt);
-            vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-            va_end(ap);
-        }
+    /* The error rule (kvrt.h): every failure's message also lands in the thread-local error. */
+    kvrt_error *tls = kvrt_tls_err();
+    kvrt_error *dst = err ? err : tls;
+    dst->code = code;
+    dst->detail = detail;
+    dst->msg[0] = '\0';
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(dst->msg, sizeof dst->msg, fmt, ap);
+        va_end(ap);
     }
+    if (dst != tls) *tls = *dst;
     return code;
 }

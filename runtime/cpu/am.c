@@ -2,14 +2,14 @@
  * am.c: Attention Matching compaction on the CPU: per (layer, KV head), replace T keys/values by
  * t synthetic entries (C_k, beta, C_v) that reproduce the attention output and mass of the
  * original block for a set of reference queries (ALGORITHMS.md section 2; kvrt.h documents the
- * API). Also the NNLS solvers it is built on (Lawson-Hanson, _ref and fast), the ridge least
- * squares of the values, and the reader of the compiled per-head budget schedule.
+ * API). Also the NNLS solvers it is built on (Lawson-Hanson, _ref and fast) and the ridge least
+ * squares of the values. The schedule handle and the argument checks are in runtime/core/am.c.
  * Callers: serving stacks (kvrt_am_compact_layer after prefill), kvcc compile's am pass
  * (compiler/passes/am.c, sensitivity curves), kvcc eval (methods am, am-uniform, am-omp), tests
  * (tests/unit/test_am.c), bench/bench_am.c.
  *
- * defines: kvrt_am_opts_init, kvrt_nnls_ref, kvrt_nnls, kvrt_ridge_lstsq, kvrt_am_compact,
- *          kvrt_am_compact_layer, kvrt_am_schedule_load
+ * defines: kvrt_am_opts_init, kvrt_nnls_ref, kvrt_nnls, kvrt_ridge_lstsq, kvrt_cpu_am_compact,
+ *          kvrt_cpu_am_compact_layer_multi (the CPU implementations behind runtime/core/am.c)
  *
  * Threading: the big products (Q K^T, P V, Gram matrices, X C_v) are single OpenBLAS calls, which
  * OpenBLAS threads itself; the elementwise work between them (row max, exp, column statistics)
@@ -32,6 +32,7 @@
 #include "kvrt_experimental.h"
 #include "kvpol.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -41,8 +42,6 @@
 
 #define AM_ROWBLK 64 /* rows per block of the column reductions (fixed: keeps them deterministic) */
 #define AM_QBLK 256  /* query rows per block of the causal logit / value products (fixed) */
-
-#define AM_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
 
 void kvrt_am_opts_init(kvrt_am_opts *o) {
     if (o == NULL) return;
@@ -120,12 +119,13 @@ static double residual_norm(const double *A, const double *b, int64_t m, int64_t
 static int nnls_args(const char *fn, const double *A, const double *b, int64_t m, int64_t n,
                      const double *x) {
     if (A == NULL || b == NULL || x == NULL)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, A == NULL ? "A" : b == NULL ? "b" : "x");
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, A == NULL ? "A" : b == NULL ? "b" : "x");
     if (m < 1 || n < 1 || n > (int64_t)1 << 24 || m > ((int64_t)1 << 40) / n)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: A is [%lld, %lld], expected m, n >= 1 and m * n <= 2^40",
-                       fn, (long long)m, (long long)n);
+        return KVRT_FAIL(KVRT_ERR_ARG,
+                         "%s: A is [%lld, %lld], expected m, n >= 1 and m * n <= 2^40", fn,
+                         (long long)m, (long long)n);
     if (!all_finite_d(A, m * n) || !all_finite_d(b, m))
-        return AM_FAIL(KVRT_ERR_ARG, "%s: A or b holds NaN or Inf", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: A or b holds NaN or Inf", fn);
     return KVRT_OK;
 }
 
@@ -137,11 +137,12 @@ int kvrt_nnls_ref(const double *A, const double *b, int64_t m, int64_t n, int ma
     unsigned char *flag = calloc((size_t)n, 1); /* 0 zero set, 1 passive, 2 excluded */
     int64_t *P = malloc(sizeof(int64_t) * (size_t)n);
     double *w = malloc(sizeof(double) * (size_t)n), *s = malloc(sizeof(double) * (size_t)n);
-    double *Q = malloc(sizeof(double) * (size_t)(m * n)), *R = malloc(sizeof(double) * (size_t)(n * n));
+    double *Q = malloc(sizeof(double) * (size_t)(m * n)),
+           *R = malloc(sizeof(double) * (size_t)(n * n));
     double *r = malloc(sizeof(double) * (size_t)m);
     if (!flag || !P || !w || !s || !Q || !R || !r) {
-        rc = AM_FAIL(KVRT_ERR_NOMEM, "kvrt_nnls_ref: out of memory (A [%lld, %lld])", (long long)m,
-                     (long long)n);
+        rc = KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_nnls_ref: out of memory (A [%lld, %lld])",
+                       (long long)m, (long long)n);
         goto done;
     }
     for (int64_t j = 0; j < n; j++) x[j] = 0;
@@ -398,7 +399,7 @@ int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_it
     double *c = malloc(sizeof(double) * (size_t)n), *sc = malloc(sizeof(double) * (size_t)n);
     nnls_ws ws = {0};
     if (!As || !G || !c || !sc || nnls_ws_alloc(&ws, n)) {
-        rc = AM_FAIL(KVRT_ERR_NOMEM, "kvrt_nnls: out of memory (A [%lld, %lld])", (long long)m,
+        rc = KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_nnls: out of memory (A [%lld, %lld])", (long long)m,
                      (long long)n);
         goto done;
     }
@@ -465,25 +466,26 @@ static int ridge_solve(double *XtX, double *XtY, int64_t t, int64_t d, double ri
 int kvrt_ridge_lstsq(const double *X, const double *Y, int64_t n, int64_t t, int64_t d,
                      double ridge, double *C) {
     if (X == NULL || Y == NULL || C == NULL)
-        return AM_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: NULL argument");
     if (n < 1 || t < 1 || d < 1 || t > (1 << 20) || d > (1 << 20) || n > ((int64_t)1 << 40) / t)
-        return AM_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: sizes n %lld, t %lld, d %lld", (long long)n,
-                       (long long)t, (long long)d);
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: sizes n %lld, t %lld, d %lld",
+                         (long long)n, (long long)t, (long long)d);
     if (!(ridge >= 0) || !isfinite(ridge))
-        return AM_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: ridge %g, expected a finite value >= 0",
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: ridge %g, expected a finite value >= 0",
                        ridge);
     if (!all_finite_d(X, n * t) || !all_finite_d(Y, n * d))
-        return AM_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: X or Y holds NaN or Inf");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: X or Y holds NaN or Inf");
     double *XtX = malloc(sizeof(double) * (size_t)(t * t));
-    if (!XtX) return AM_FAIL(KVRT_ERR_NOMEM, "kvrt_ridge_lstsq: out of memory");
+    if (!XtX) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_ridge_lstsq: out of memory");
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)t, (int)t, (int)n, 1.0, X, (int)t, X,
                 (int)t, 0.0, XtX, (int)t);
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)t, (int)d, (int)n, 1.0, X, (int)t, Y,
                 (int)d, 0.0, C, (int)d);
     int rc = ridge_solve(XtX, C, t, d, ridge);
     free(XtX);
-    if (rc == KVRT_ERR_NOMEM) return AM_FAIL(rc, "kvrt_ridge_lstsq: out of memory");
-    if (rc) return AM_FAIL(rc, "kvrt_ridge_lstsq: X^T X + lambda I is singular (ridge %g)", ridge);
+    if (rc == KVRT_ERR_NOMEM) return KVRT_FAIL(rc, "kvrt_ridge_lstsq: out of memory");
+    if (rc)
+        return KVRT_FAIL(rc, "kvrt_ridge_lstsq: X^T X + lambda I is singular (ridge %g)", ridge);
     return KVRT_OK;
 }
 
@@ -529,7 +531,14 @@ typedef struct {
 static void am_ws_free(am_ws *w) {
     free(w->S); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob); free(w->part); free(w->score);
     free(w->sel); free(w->MS); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
-    free(w->rowsum); free(w->colsum); free(w->Gc); free(w->rf); free(w->corr); free(w->colnorm); free(w->cols); free(w->taken);
+    free(w->rowsum);
+    free(w->colsum);
+    free(w->Gc);
+    free(w->rf);
+    free(w->corr);
+    free(w->colnorm);
+    free(w->cols);
+    free(w->taken);
     nnls_ws_free(&w->nw);
 }
 
@@ -538,10 +547,11 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
 #define AM_ALLOC(p, count) ((p) = malloc(sizeof(*(p)) * (size_t)((count) > 0 ? (count) : 1)))
     int ok = AM_ALLOC(w->S, n * Tc) && AM_ALLOC(w->mass, n) && AM_ALLOC(w->Yf, n * d) &&
-             AM_ALLOC(w->Y, n * d) && AM_ALLOC(w->Ob, n * d) && AM_ALLOC(w->part, nblk * Tc) && AM_ALLOC(w->score, Tc) &&
-             AM_ALLOC(w->sel, t) && AM_ALLOC(w->MS, n * t) && AM_ALLOC(w->G, t * t) &&
-             AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) && AM_ALLOC(w->scale, t) &&
-             AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) && AM_ALLOC(w->colsum, Tc) && nnls_ws_alloc(&w->nw, t) == 0;
+             AM_ALLOC(w->Y, n * d) && AM_ALLOC(w->Ob, n * d) && AM_ALLOC(w->part, nblk * Tc) &&
+             AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) && AM_ALLOC(w->MS, n * t) &&
+             AM_ALLOC(w->G, t * t) && AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
+             AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
+             AM_ALLOC(w->colsum, Tc) && nnls_ws_alloc(&w->nw, t) == 0;
     if (ok && omp)
         ok = AM_ALLOC(w->rf, n) && AM_ALLOC(w->corr, Tc) && AM_ALLOC(w->colnorm, Tc) &&
              AM_ALLOC(w->cols, t * n) && AM_ALLOC(w->taken, Tc) && AM_ALLOC(w->Gc, t * t);
@@ -711,7 +721,7 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
         bad |= !all_finite_f(row, vis);
     }
     if (bad)
-        return AM_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) > "
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) > "
                                      "3.4e38) or are NaN in keys %lld..%lld",
                        (long long)k0, (long long)(k0 + Tc - 1));
     /* 2. Y = softmax(z) V (P is 0 past each block's visible keys) */
@@ -741,7 +751,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
     if (o->key_select == KVRT_AM_SELECT_OMP) {
         ts = am_select_omp(ws, n, Tc, tc, max_iter, &inf);
-        if (ts < 0) return AM_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
+        if (ts < 0) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     } else {
         /* HighestAttnKeys: score_j = RMS over queries of softmax(z)_ij = P_ij / m_i */
         for (int64_t j = 0; j < Tc; j++) ws->score[j] = (float)sqrt(ws->colsum[j] / (double)n);
@@ -755,7 +765,8 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
                 ws->MS[i * ts + a] = (double)S[i * Tc + ws->sel[a]] * ws->rowsum[i];
         for (int64_t a = 0; a < ts; a++) ws->scale[a] = 0;
         for (int64_t i = 0; i < n; i++)
-            for (int64_t a = 0; a < ts; a++) ws->scale[a] += ws->MS[i * ts + a] * ws->MS[i * ts + a];
+            for (int64_t a = 0; a < ts; a++)
+                ws->scale[a] += ws->MS[i * ts + a] * ws->MS[i * ts + a];
         for (int64_t a = 0; a < ts; a++)
             ws->scale[a] = ws->scale[a] > 0 ? 1.0 / sqrt(ws->scale[a]) : 0.0;
         for (int64_t i = 0; i < n; i++)
@@ -812,9 +823,9 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)kept, (int)d, (int)n, 1.0, X,
                 (int)kept, ws->Y, (int)d, 0.0, ws->C, (int)d);
     int rc = ridge_solve(XtX, ws->C, kept, d, o->ridge > 0 ? o->ridge : 1e-12);
-    if (rc == KVRT_ERR_NOMEM) return AM_FAIL(rc, "kvrt_am_compact: out of memory");
+    if (rc == KVRT_ERR_NOMEM) return KVRT_FAIL(rc, "kvrt_am_compact: out of memory");
     if (rc)
-        return AM_FAIL(rc, "kvrt_am_compact: the values' least squares is singular "
+        return KVRT_FAIL(rc, "kvrt_am_compact: the values' least squares is singular "
                            "(keys %lld..%lld, %lld entries, ridge %g)",
                        (long long)k0, (long long)(k0 + Tc - 1), (long long)kept, o->ridge);
     /* 7. output error on the reference queries: |X C - Y| / |Y| per query (O = X C) */
@@ -886,7 +897,7 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     if (wp == NULL) {
         if (am_ws_alloc(&own, n, chunk, chunk_tmax(T, chunk, ns, t), d,
                         o->key_select == KVRT_AM_SELECT_OMP) != 0)
-            return AM_FAIL(KVRT_ERR_NOMEM,
+            return KVRT_FAIL(KVRT_ERR_NOMEM,
                            "kvrt_am_compact: out of memory (%lld queries x %lld keys per chunk)",
                            (long long)n, (long long)chunk);
         wp = &own;
@@ -899,7 +910,7 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     if ((qpos && (!qb || !pb)) || !acc) {
         free(qb); free(pb); free(acc);
         if (wp == &own) am_ws_free(&own);
-        return AM_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     }
     int rc = KVRT_OK;
     for (int64_t c = 0; c < nc && rc == KVRT_OK; c++) {
@@ -920,7 +931,7 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
                 }
             qc = qb;
             if (nv == 0) {
-                rc = AM_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys %lld.. "
+                rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys %lld.. "
                              "(every q_pos < %lld)", (long long)k0, (long long)k0);
                 break;
             }
@@ -979,47 +990,52 @@ static void out_store(const am_out *r, kvrt_cache *c, uint32_t h) {
 
 static int opts_check(const char *fn, const kvrt_am_opts *o) {
     if (o->key_select != KVRT_AM_SELECT_HIGHEST && o->key_select != KVRT_AM_SELECT_OMP)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: key_select %d, expected %d (highest) or %d (omp)", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: key_select %d, expected %d (highest) or %d (omp)", fn,
                        o->key_select, KVRT_AM_SELECT_HIGHEST, KVRT_AM_SELECT_OMP);
     if (!(o->ridge >= 0) || !isfinite(o->ridge))
-        return AM_FAIL(KVRT_ERR_ARG, "%s: ridge %g, expected a finite value >= 0", fn, o->ridge);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: ridge %g, expected a finite value >= 0", fn, o->ridge);
     if (o->max_queries < 0)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: max_queries %lld, expected >= 0", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: max_queries %lld, expected >= 0", fn,
                        (long long)o->max_queries);
     return KVRT_OK;
 }
 
-int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
+int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
                     uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
                     int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
     const char *fn = "kvrt_am_compact";
-    if (out == NULL) return AM_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     *out = NULL;
     kvrt_am_opts def;
     if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
     int rc = opts_check(fn, o);
     if (rc) return rc;
     if (k == NULL || v == NULL || q_ref == NULL)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, k == NULL ? "k" : v == NULL ? "v" : "q_ref");
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                         k == NULL   ? "k"
+                         : v == NULL ? "v"
+                                     : "q_ref");
     if (T < 1 || T > INT32_MAX || n < 1 || n > INT32_MAX || head_dim == 0 || head_dim > 65536)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: T %lld, n %lld, head_dim %u: expected T, n in 1..2^31-1, "
-                       "head_dim in 1..65536", fn, (long long)T, (long long)n, head_dim);
+        return KVRT_FAIL(KVRT_ERR_ARG,
+                         "%s: T %lld, n %lld, head_dim %u: expected T, n in 1..2^31-1, "
+                         "head_dim in 1..65536",
+                         fn, (long long)T, (long long)n, head_dim);
     if (t < 1 || t > T)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: t = %lld, expected 1..T = %lld", fn, (long long)t,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: t = %lld, expected 1..T = %lld", fn, (long long)t,
                        (long long)T);
     if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        return AM_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected f32 or f16", fn, dtype);
+        return KVRT_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected f32 or f16", fn, dtype);
     const int64_t d = head_dim;
     if (!all_finite_f(k, T * d) || !all_finite_f(v, T * d) || !all_finite_f(q_ref, n * d))
-        return AM_FAIL(KVRT_ERR_ARG, "%s: k, v or q_ref holds NaN or Inf", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: k, v or q_ref holds NaN or Inf", fn);
     for (int64_t i = 0; q_pos && i < n; i++)
         if (q_pos[i] < 0)
-            return AM_FAIL(KVRT_ERR_ARG, "%s: q_pos[%lld] = %d, expected >= 0", fn, (long long)i,
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: q_pos[%lld] = %d, expected >= 0", fn, (long long)i,
                            q_pos[i]);
     am_out r;
     if (out_alloc(&r, t, d) != 0) {
         out_free(&r);
-        return AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     rc = am_head(o, k, v, d, T, d, q_ref, q_pos, n, 1, &t, &r, stats, NULL);
     if (rc == KVRT_OK) {
@@ -1031,43 +1047,44 @@ int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64
     return rc;
 }
 
-int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
+int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
                                 const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
                                 uint32_t head_dim, int n_sets, const float *ratios,
                                 const double *ratio_list, int dtype, kvrt_cache **out,
                                 kvrt_am_stats *stats) {
     const char *fn = "kvrt_am_compact_layer";
-    if (out == NULL) return AM_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     if (n_sets < 1 || n_sets > 4096)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: n_sets %d, expected 1..4096", fn, n_sets);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sets %d, expected 1..4096", fn, n_sets);
     for (int si = 0; si < n_sets; si++) out[si] = NULL;
     if (ratios == NULL && ratio_list == NULL)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: both ratios and ratio_list are NULL", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: both ratios and ratio_list are NULL", fn);
     kvrt_am_opts def;
     if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
     int rc = opts_check(fn, o);
     if (rc) return rc;
     if (q == NULL || k == NULL || v == NULL)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, q == NULL ? "q" : k == NULL ? "k" : "v");
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, q == NULL ? "q" : k == NULL ? "k" : "v");
     if (T < 1 || T > INT32_MAX || head_dim == 0 || head_dim > 65536 || n_kv_heads == 0 ||
         n_heads == 0)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: T %lld, head_dim %u, n_kv_heads %u, n_heads %u", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: T %lld, head_dim %u, n_kv_heads %u, n_heads %u", fn,
                        (long long)T, head_dim, n_kv_heads, n_heads);
     if (n_heads % n_kv_heads != 0)
-        return AM_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a multiple of n_kv_heads %u", fn,
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a multiple of n_kv_heads %u", fn,
                        n_heads, n_kv_heads);
     if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        return AM_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected f32 or f16", fn, dtype);
+        return KVRT_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected f32 or f16", fn, dtype);
     const int64_t d = head_dim, Hkv = n_kv_heads, H = n_heads, G = H / Hkv, ns = n_sets;
     int64_t *tb = malloc(sizeof(int64_t) * (size_t)(Hkv * ns)); /* [Hkv, ns] */
-    if (tb == NULL) return AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (tb == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     for (int64_t si = 0; si < ns; si++)
         for (int64_t h = 0; h < Hkv; h++) {
             const double r = ratios ? (double)ratios[si * Hkv + h] : ratio_list[si];
             if (!(r > 0) || !(r <= 1)) {
                 free(tb);
-                return AM_FAIL(KVRT_ERR_ARG, "%s: ratio of KV head %lld (set %lld) is %g, expected (0, 1]",
-                               fn, (long long)h, (long long)si, r);
+                return KVRT_FAIL(KVRT_ERR_ARG,
+                                 "%s: ratio of KV head %lld (set %lld) is %g, expected (0, 1]", fn,
+                                 (long long)h, (long long)si, r);
             }
             int64_t t = (int64_t)llround(r * (double)T);
             tb[h * ns + si] = t < 1 ? 1 : t > T ? T : t;
@@ -1075,7 +1092,7 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
     if (!all_finite_f(k, T * Hkv * d) || !all_finite_f(v, T * Hkv * d) ||
         !all_finite_f(q, T * H * d)) {
         free(tb);
-        return AM_FAIL(KVRT_ERR_ARG, "%s: q, k or v holds NaN or Inf", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q, k or v holds NaN or Inf", fn);
     }
     /* reference queries of a KV head: n of its T * G context queries (G query heads at every
      * position), at evenly spaced positions, the query head rotating so that every one of the G
@@ -1088,11 +1105,11 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
     am_out *res = calloc((size_t)(Hkv * ns), sizeof *res);
     int ok = qr && qp && res;
     for (int64_t e = 0; ok && e < Hkv * ns; e++) ok = out_alloc(&res[e], tb[e], d) == 0;
-    if (!ok) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (!ok) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     kvrt_am_stats *hst = NULL;
     if (rc == KVRT_OK && stats) {
         hst = calloc((size_t)ns, sizeof *hst);
-        if (!hst) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        if (!hst) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     /* one workspace for every head of the layer, sized for the largest budget */
     am_ws lws;
@@ -1101,8 +1118,8 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
         const int64_t chunk = o->chunk > 0 && o->chunk < T ? o->chunk : T;
         if (am_ws_alloc(&lws, n, chunk, chunk_tmax(T, chunk, (int)(Hkv * ns), tb), d,
                         o->key_select == KVRT_AM_SELECT_OMP) != 0)
-            rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld queries x %lld keys per chunk)", fn,
-                         (long long)n, (long long)chunk);
+            rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld queries x %lld keys per chunk)",
+                           fn, (long long)n, (long long)chunk);
         else
             have_ws = 1;
     }
@@ -1125,7 +1142,7 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
     }
     if (have_ws) am_ws_free(&lws);
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)Hkv);
-    if (rc == KVRT_OK && !cnt) rc = AM_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (rc == KVRT_OK && !cnt) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     for (int64_t si = 0; rc == KVRT_OK && si < ns; si++) {
         for (int64_t h = 0; h < Hkv; h++) cnt[h] = res[h * ns + si].n;
         rc = kvrt_cache_create(n_kv_heads, head_dim, dtype, cnt, &out[si]);
@@ -1145,70 +1162,6 @@ int kvrt_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const flo
     return rc;
 }
 
-int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k, const float *v,
-                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                          const float *ratios, double ratio, int dtype, kvrt_cache **out,
-                          kvrt_am_stats *stats) {
-    if (out == NULL) return AM_FAIL(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
-    return kvrt_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1, ratios,
-                                       &ratio, dtype, out, stats);
-}
-
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
-
-// ----------------------------------------------------------------------------
-// the compiled schedule
-
-int kvrt_am_schedule_load(const char *path, double target, uint32_t n_layers,
-                          uint32_t n_kv_heads, float *ratios) {
-    const char *fn = "kvrt_am_schedule_load";
-    if (path == NULL || ratios == NULL)
-        return AM_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, path == NULL ? "path" : "ratios");
-    kvpol_file *f = NULL;
-    kvpol_error ke = {0};
-    int kc = kvpol_open_path(&f, path, NULL, &ke);
-    if (kc != KVPOL_OK) {
-        kvpol_close(f);
-        return kvrt_err_set(kvrt_tls_err(), kc == KVPOL_ERR_IO ? KVRT_ERR_IO : KVRT_ERR_FORMAT, kc,
-                            "%s", ke.msg);
-    }
-    int rc = KVRT_OK;
-    uint32_t si;
-    kvpol_item tg, sc;
-    if (kvpol_section_find(f, KVPOL_SEC_AM_SCHEDULE, &si) != KVPOL_OK) {
-        rc = AM_FAIL(KVRT_ERR_UNSUPPORTED,
-                     "%s: no Attention Matching schedule (section am.schedule): compile it with "
-                     "kvcc compile --policies am", path);
-    } else if (kvpol_get_tensor(f, si, "targets", KVPOL_DTYPE_F64, &tg) != KVPOL_OK ||
-               kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK ||
-               tg.ndim != 1 || sc.ndim != 3 || sc.dims[0] != tg.dims[0]) {
-        rc = kvrt_err_set(kvrt_tls_err(), KVRT_ERR_FORMAT, 0,
-                          "%s: am.schedule: expected items targets f64 [n_t] and schedule f32 "
-                          "[n_t, L, Hkv]", path);
-    } else if (sc.dims[1] != n_layers || sc.dims[2] != n_kv_heads) {
-        rc = AM_FAIL(KVRT_ERR_MODEL_MISMATCH,
-                     "%s: am.schedule is [%llu, %llu, %llu], expected layers %u x KV heads %u",
-                     path, (unsigned long long)sc.dims[0], (unsigned long long)sc.dims[1],
-                     (unsigned long long)sc.dims[2], n_layers, n_kv_heads);
-    } else {
-        const double *tv = tg.data;
-        int64_t hit = -1;
-        for (uint64_t i = 0; i < tg.dims[0]; i++)
-            if (fabs(tv[i] - target) <= 1e-6 * fabs(target)) hit = (int64_t)i;
-        if (hit < 0) {
-            char list[256] = "";
-            size_t len = 0;
-            for (uint64_t i = 0; i < tg.dims[0] && len + 16 < sizeof list; i++)
-                len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "", tv[i]);
-            rc = AM_FAIL(KVRT_ERR_ARG, "%s: target ratio %g is not compiled (compiled: %s)", path,
-                         target, list);
-        } else {
-            const size_t cnt = (size_t)n_layers * n_kv_heads;
-            memcpy(ratios, (const float *)sc.data + (size_t)hit * cnt, sizeof(float) * cnt);
-        }
-    }
-    kvpol_close(f);
-    return rc;
-}

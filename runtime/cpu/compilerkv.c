@@ -6,13 +6,13 @@
  * (compiler/passes/compilerkv.c runs exactly these functions for every experience record, with
  * perturbed table rows passed to kvrt_compilerkv_select_layer).
  *
- * defines: kvrt_compilerkv_tables_create, kvrt_compilerkv_tables_from_policy,
- *          kvrt_compilerkv_tables_free, kvrt_compilerkv_prompt_create,
+ * defines: kvrt_compilerkv_tables_create, kvrt_compilerkv_tables_free,
+ *          kvrt_compilerkv_prompt_create,
  *          kvrt_compilerkv_prompt_add_layer(_ref), kvrt_compilerkv_prompt_add_mass,
  *          kvrt_compilerkv_prompt_finish, kvrt_compilerkv_prompt_free,
  *          kvrt_compilerkv_value_norms, kvrt_compilerkv_bins, kvrt_compilerkv_budget_index,
- *          kvrt_compilerkv_select_layer(_ref), kvrt_compilerkv_select,
- *          kvrt_compilerkv_select_all, kvrt_compilerkv_kept_window
+ *          kvrt_compilerkv_select_layer(_ref), kvrt_cpu_compilerkv_select (behind
+ *          runtime/core/compilerkv.c), kvrt_compilerkv_kept_window
  *
  * Per prompt (steps 1, 5): the window attention mass of every layer is accumulated (one layer at
  * a time, so a caller streaming layers never holds more than one), then finished into
@@ -44,8 +44,7 @@
 #include "kvpol.h"
 #include "kvrt_experimental.h"
 #include "core/backend.h"
-
-#define ERR(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
+#include "core/policies.h"
 
 // ----------------------------------------------------------------------------
 // tables
@@ -71,36 +70,36 @@ int kvrt_compilerkv_tables_create(uint32_t n_budgets, uint32_t n_layers, uint32_
                                   const float *t_gate, const float *ent_edges,
                                   const float *ppl_edges, kvrt_compilerkv_tables **out) {
     const char *fn = "kvrt_compilerkv_tables_create";
-    if (out == NULL) return ERR(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     *out = NULL;
     if (budgets == NULL || w_head == NULL || t_gate == NULL || ent_edges == NULL ||
         ppl_edges == NULL)
-        return ERR(KVRT_ERR_ARG, "%s: NULL table array", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL table array", fn);
     if (n_budgets == 0 || n_budgets > 4096 || n_layers == 0 || n_layers > 4096 || n_heads == 0 ||
         n_heads > 4096 || window == 0)
-        return ERR(KVRT_ERR_SHAPE,
+        return KVRT_FAIL(KVRT_ERR_SHAPE,
                    "%s: n_budgets %u, n_layers %u, n_heads %u, window %u: expected 1..4096 each "
                    "(window >= 1)",
                    fn, n_budgets, n_layers, n_heads, window);
     for (uint32_t b = 0; b < n_budgets; b++)
         if (budgets[b] < 1 || (b > 0 && budgets[b] <= budgets[b - 1]))
-            return ERR(KVRT_ERR_ARG, "%s: budgets[%u] = %lld: expected >= 1 and ascending", fn, b,
-                       (long long)budgets[b]);
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: budgets[%u] = %lld: expected >= 1 and ascending",
+                             fn, b, (long long)budgets[b]);
     if (!edges_ok(ent_edges, KVRT_COMPILERKV_ENT_BINS - 1) ||
         !edges_ok(ppl_edges, KVRT_COMPILERKV_PPL_BINS - 1))
-        return ERR(KVRT_ERR_ARG, "%s: risk bin edges must be finite and ascending", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: risk bin edges must be finite and ascending", fn);
     const size_t nw = (size_t)n_budgets * n_layers * n_heads;
     const size_t ng = (size_t)n_budgets * n_layers * KVRT_COMPILERKV_ENT_BINS *
                       KVRT_COMPILERKV_PPL_BINS;
     for (size_t i = 0; i < nw; i++)
         if (!isfinite(w_head[i]) || w_head[i] < 0)
-            return ERR(KVRT_ERR_ARG, "%s: w_head[%zu] = %g: expected finite and >= 0", fn, i,
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: w_head[%zu] = %g: expected finite and >= 0", fn, i,
                        (double)w_head[i]);
     for (size_t i = 0; i < ng; i++)
         if (!isfinite(t_gate[i]))
-            return ERR(KVRT_ERR_ARG, "%s: t_gate[%zu] is not finite", fn, i);
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: t_gate[%zu] is not finite", fn, i);
     kvrt_compilerkv_tables *tb = calloc(1, sizeof *tb);
-    if (tb == NULL) return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (tb == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     tb->n_budgets = n_budgets;
     tb->n_layers = n_layers;
     tb->n_heads = n_heads;
@@ -110,7 +109,7 @@ int kvrt_compilerkv_tables_create(uint32_t n_budgets, uint32_t n_layers, uint32_
     tb->t_gate = malloc(sizeof(float) * ng);
     if (tb->budgets == NULL || tb->w_head == NULL || tb->t_gate == NULL) {
         kvrt_compilerkv_tables_free(tb);
-        return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     memcpy(tb->budgets, budgets, sizeof(int64_t) * n_budgets);
     memcpy(tb->w_head, w_head, sizeof(float) * nw);
@@ -121,74 +120,26 @@ int kvrt_compilerkv_tables_create(uint32_t n_budgets, uint32_t n_layers, uint32_
     return KVRT_OK;
 }
 
-/* A tensor item of the CompilerKV section with the expected dtype and element count. */
-static int get_item(const kvpol_file *f, uint32_t si, const char *name, int dtype, uint64_t count,
-                    const void **data) {
-    kvpol_item it;
-    int kc = kvpol_get_tensor(f, si, name, dtype, &it);
-    if (kc != KVPOL_OK)
-        return ERR(KVRT_ERR_FORMAT, "compilerkv tables: item '%s': %s (expected a %s tensor)", name,
-                   kvpol_status_str(kc), kvpol_dtype_name(dtype));
-    if (it.count != count)
-        return ERR(KVRT_ERR_FORMAT, "compilerkv tables: item '%s': %llu elements, expected %llu",
-                   name, (unsigned long long)it.count, (unsigned long long)count);
-    *data = it.data;
-    return KVRT_OK;
-}
-
-int kvrt_compilerkv_tables_from_policy(const kvrt_policy *p, kvrt_compilerkv_tables **out) {
-    if (out) *out = NULL;
-    if (p == NULL || out == NULL)
-        return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_tables_from_policy: NULL argument");
-    const kvpol_file *f = kvrt_policy_file(p);
-    kvrt_model_dims md;
-    kvrt_policy_model(p, &md);
-    uint32_t si;
-    if (f == NULL || kvpol_section_find(f, KVPOL_SEC_COMPILERKV_TABLES, &si) != KVPOL_OK)
-        return ERR(KVRT_ERR_UNSUPPORTED,
-                   "compilerkv tables: the artifact has no CompilerKV section (compile it with "
-                   "kvcc compile --policies compilerkv)");
-    int64_t nb = 0, window = 0;
-    if (kvpol_get_i64(f, si, "n_budgets", &nb) != KVPOL_OK || nb < 1 || nb > 4096 ||
-        kvpol_get_i64(f, si, "window", &window) != KVPOL_OK || window < 1 || window > 1 << 20)
-        return ERR(KVRT_ERR_FORMAT, "compilerkv tables: scalars 'n_budgets' (1..4096) and "
-                                    "'window' (1..2^20) missing or out of range");
-    const uint64_t L = md.n_layers, H = md.n_heads;
-    const void *bud, *wh, *tg, *ee, *pe;
-    int rc;
-    if ((rc = get_item(f, si, "budgets", KVPOL_DTYPE_I64, (uint64_t)nb, &bud))) return rc;
-    if ((rc = get_item(f, si, "w_head", KVPOL_DTYPE_F32, (uint64_t)nb * L * H, &wh))) return rc;
-    if ((rc = get_item(f, si, "t_gate", KVPOL_DTYPE_F32,
-                       (uint64_t)nb * L * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS,
-                       &tg)))
-        return rc;
-    if ((rc = get_item(f, si, "ent_edges", KVPOL_DTYPE_F32, KVRT_COMPILERKV_ENT_BINS - 1, &ee)))
-        return rc;
-    if ((rc = get_item(f, si, "ppl_edges", KVPOL_DTYPE_F32, KVRT_COMPILERKV_PPL_BINS - 1, &pe)))
-        return rc;
-    return kvrt_compilerkv_tables_create((uint32_t)nb, (uint32_t)L, (uint32_t)H, (uint32_t)window,
-                                         bud, wh, tg, ee, pe, out);
-}
-
 // ----------------------------------------------------------------------------
 // per prompt: window mass accumulator, alpha, risk features
 
 int kvrt_compilerkv_prompt_create(int64_t T, uint32_t window, kvrt_compilerkv_prompt **out) {
     const char *fn = "kvrt_compilerkv_prompt_create";
-    if (out == NULL) return ERR(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     *out = NULL;
     if (T < 1 || T > INT32_MAX || window == 0)
-        return ERR(KVRT_ERR_ARG, "%s: T = %lld, window = %u: expected T in 1..%d, window >= 1", fn,
-                   (long long)T, window, INT32_MAX);
+        return KVRT_FAIL(KVRT_ERR_ARG,
+                         "%s: T = %lld, window = %u: expected T in 1..%d, window >= 1", fn,
+                         (long long)T, window, INT32_MAX);
     kvrt_compilerkv_prompt *p = calloc(1, sizeof *p);
-    if (p == NULL) return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (p == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     p->T = T;
     p->window = (int64_t)window < T ? window : (uint32_t)T;
     p->mass = calloc((size_t)T, sizeof *p->mass);
     p->alpha = calloc((size_t)T, sizeof *p->alpha);
     if (p->mass == NULL || p->alpha == NULL) {
         kvrt_compilerkv_prompt_free(p);
-        return ERR(KVRT_ERR_NOMEM, "%s: out of memory for T = %lld", fn, (long long)T);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory for T = %lld", fn, (long long)T);
     }
     p->entropy = NAN;
     p->ppl = NAN;
@@ -205,12 +156,12 @@ void kvrt_compilerkv_prompt_free(kvrt_compilerkv_prompt *p) {
 
 int kvrt_compilerkv_prompt_add_mass(kvrt_compilerkv_prompt *p, const float *mass) {
     if (p == NULL || mass == NULL)
-        return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: NULL argument");
     if (p->finished)
-        return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: prompt already finished");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: prompt already finished");
     for (int64_t t = 0; t < p->T; t++)
         if (!isfinite(mass[t]))
-            return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: mass[%lld] not finite",
+            return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: mass[%lld] not finite",
                        (long long)t);
     for (int64_t t = 0; t < p->T; t++) p->mass[t] += mass[t];
     p->n_layers++;
@@ -220,13 +171,15 @@ int kvrt_compilerkv_prompt_add_mass(kvrt_compilerkv_prompt *p, const float *mass
 /* One layer's head-mean window mass through the SnapKV score path (fast or _ref). */
 static int add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k, uint32_t H,
                      uint32_t Hkv, uint32_t d, int ref) {
-    const char *fn = ref ? "kvrt_compilerkv_prompt_add_layer_ref" : "kvrt_compilerkv_prompt_add_layer";
-    if (p == NULL || q == NULL || k == NULL) return ERR(KVRT_ERR_ARG, "%s: NULL argument", fn);
-    if (p->finished) return ERR(KVRT_ERR_ARG, "%s: prompt already finished", fn);
-    if (Hkv == 0) return ERR(KVRT_ERR_SHAPE, "%s: n_kv_heads is 0", fn);
+    const char *fn =
+        ref ? "kvrt_compilerkv_prompt_add_layer_ref" : "kvrt_compilerkv_prompt_add_layer";
+    if (p == NULL || q == NULL || k == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+    if (p->finished) return KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt already finished", fn);
+    if (Hkv == 0) return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_kv_heads is 0", fn);
     const int64_t T = p->T;
     float *sc = malloc(sizeof(float) * (size_t)T * Hkv);
-    if (sc == NULL) return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (sc == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     int rc = ref ? kvrt_snapkv_scores_ref(q, k, T, H, Hkv, d, p->window, sc)
                  : kvrt_snapkv_scores(q, k, T, H, Hkv, d, p->window, sc);
     if (rc == KVRT_OK) {
@@ -256,11 +209,11 @@ int kvrt_compilerkv_prompt_add_layer_ref(kvrt_compilerkv_prompt *p, const float 
 
 int kvrt_compilerkv_prompt_finish(kvrt_compilerkv_prompt *p, const float *next_logprob) {
     const char *fn = "kvrt_compilerkv_prompt_finish";
-    if (p == NULL) return ERR(KVRT_ERR_ARG, "%s: prompt is NULL", fn);
-    if (p->n_layers == 0) return ERR(KVRT_ERR_ARG, "%s: no layer was added", fn);
+    if (p == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt is NULL", fn);
+    if (p->n_layers == 0) return KVRT_FAIL(KVRT_ERR_ARG, "%s: no layer was added", fn);
     const int64_t T = p->T, w = p->window;
     if (next_logprob == NULL && T > 1)
-        return ERR(KVRT_ERR_ARG, "%s: next_logprob is NULL (the window perplexity needs the "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: next_logprob is NULL (the window perplexity needs the "
                                  "log-probabilities of the prompt's tokens)", fn);
     /* step 1: mean over layers (heads already averaged), scaled by T / w */
     const double scale = (double)T / (double)w / (double)p->n_layers;
@@ -285,8 +238,8 @@ int kvrt_compilerkv_prompt_finish(kvrt_compilerkv_prompt *p, const float *next_l
         if (t < 1) continue;
         float x = next_logprob[t - 1];
         if (!isfinite(x) || x > 0)
-            return ERR(KVRT_ERR_ARG, "%s: next_logprob[%lld] = %g: expected finite and <= 0", fn,
-                       (long long)(t - 1), (double)x);
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: next_logprob[%lld] = %g: expected finite and <= 0",
+                             fn, (long long)(t - 1), (double)x);
         lp += x;
         n++;
     }
@@ -302,10 +255,10 @@ int kvrt_compilerkv_prompt_finish(kvrt_compilerkv_prompt *p, const float *next_l
 int kvrt_compilerkv_value_norms(const float *v, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
                                 float *rho) {
     const char *fn = "kvrt_compilerkv_value_norms";
-    if (v == NULL || rho == NULL) return ERR(KVRT_ERR_ARG, "%s: NULL argument", fn);
+    if (v == NULL || rho == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
     if (T < 1 || n_kv_heads == 0 || head_dim == 0)
-        return ERR(KVRT_ERR_SHAPE, "%s: T %lld, n_kv_heads %u, head_dim %u: expected >= 1", fn,
-                   (long long)T, n_kv_heads, head_dim);
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: T %lld, n_kv_heads %u, head_dim %u: expected >= 1",
+                         fn, (long long)T, n_kv_heads, head_dim);
     /* norms: 16 float partial sums per row (independent chains that vectorize), added in double;
      * rows in parallel (each row's arithmetic is fixed: the result does not depend on threads) */
     const int64_t rows = T * (int64_t)n_kv_heads;
@@ -328,7 +281,8 @@ int kvrt_compilerkv_value_norms(const float *v, int64_t T, uint32_t n_kv_heads, 
             if (bad < 0 || t < bad) bad = t;
         }
     }
-    if (bad >= 0) return ERR(KVRT_ERR_ARG, "%s: v not finite at token %lld", fn, (long long)bad);
+    if (bad >= 0)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: v not finite at token %lld", fn, (long long)bad);
     for (uint32_t j = 0; j < n_kv_heads; j++) {
         float *r = rho + (size_t)j * T;
         double mean = 0.0;
@@ -349,9 +303,10 @@ static int bin_of(double x, const float *edges, int n_edges) {
 int kvrt_compilerkv_bins(const kvrt_compilerkv_tables *tb, double entropy, double ppl, int *b_ent,
                          int *b_ppl) {
     if (tb == NULL || b_ent == NULL || b_ppl == NULL)
-        return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_bins: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_bins: NULL argument");
     if (isnan(entropy) || isnan(ppl))
-        return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_bins: risk feature is NaN (prompt not finished?)");
+        return KVRT_FAIL(KVRT_ERR_ARG,
+                         "kvrt_compilerkv_bins: risk feature is NaN (prompt not finished?)");
     *b_ent = bin_of(entropy, tb->ent_edges, KVRT_COMPILERKV_ENT_BINS - 1);
     *b_ppl = bin_of(ppl, tb->ppl_edges, KVRT_COMPILERKV_PPL_BINS - 1);
     return KVRT_OK;
@@ -360,9 +315,9 @@ int kvrt_compilerkv_bins(const kvrt_compilerkv_tables *tb, double entropy, doubl
 int kvrt_compilerkv_budget_index(const kvrt_compilerkv_tables *tb, int64_t budget,
                                  unsigned flags, uint32_t *index) {
     if (tb == NULL || index == NULL)
-        return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_budget_index: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_budget_index: NULL argument");
     if (budget < 1)
-        return ERR(KVRT_ERR_ARG, "kvrt_compilerkv_budget_index: budget %lld, expected >= 1",
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_budget_index: budget %lld, expected >= 1",
                    (long long)budget);
     uint32_t best = 0;
     for (uint32_t b = 0; b < tb->n_budgets; b++) {
@@ -383,7 +338,7 @@ int kvrt_compilerkv_budget_index(const kvrt_compilerkv_tables *tb, int64_t budge
     for (uint32_t b = 0; b < tb->n_budgets && o + 24 < sizeof list; b++)
         o += (size_t)snprintf(list + o, sizeof list - o, "%s%lld", b ? "," : "",
                               (long long)tb->budgets[b]);
-    return ERR(KVRT_ERR_UNSUPPORTED,
+    return KVRT_FAIL(KVRT_ERR_UNSUPPORTED,
                "compilerkv: budget %lld was not compiled (compiled: %s); recompile with --budgets "
                "or allow the nearest compiled budget (KVRT_COMPILERKV_NEAREST_BUDGET, nearest: "
                "%lld)",
@@ -393,16 +348,18 @@ int kvrt_compilerkv_budget_index(const kvrt_compilerkv_tables *tb, int64_t budge
 static int select_check(const char *fn, const float *alpha, const float *rho, int64_t T,
                         uint32_t H, uint32_t Hkv, const float *w_head, float tau, int64_t budget,
                         kvrt_selection **out) {
-    if (out == NULL) return ERR(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     *out = NULL;
     if (alpha == NULL || rho == NULL || w_head == NULL)
-        return ERR(KVRT_ERR_ARG, "%s: NULL alpha, rho or w_head", fn);
-    if (T < 1 || T > INT32_MAX) return ERR(KVRT_ERR_ARG, "%s: T = %lld, expected 1..%d", fn, (long long)T, INT32_MAX);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL alpha, rho or w_head", fn);
+    if (T < 1 || T > INT32_MAX)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: T = %lld, expected 1..%d", fn, (long long)T, INT32_MAX);
     if (Hkv == 0 || H == 0 || H % Hkv != 0)
-        return ERR(KVRT_ERR_SHAPE, "%s: n_heads %u is not a positive multiple of n_kv_heads %u", fn,
-                   H, Hkv);
-    if (budget < 1) return ERR(KVRT_ERR_ARG, "%s: budget %lld, expected >= 1", fn, (long long)budget);
-    if (isnan(tau)) return ERR(KVRT_ERR_ARG, "%s: tau is NaN", fn);
+        return KVRT_FAIL(KVRT_ERR_SHAPE,
+                         "%s: n_heads %u is not a positive multiple of n_kv_heads %u", fn, H, Hkv);
+    if (budget < 1)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %lld, expected >= 1", fn, (long long)budget);
+    if (isnan(tau)) return KVRT_FAIL(KVRT_ERR_ARG, "%s: tau is NaN", fn);
     return KVRT_OK;
 }
 
@@ -427,7 +384,7 @@ static int finish_select(const char *fn, const float *s, int64_t T, uint32_t Hkv
     int32_t *top = malloc(sizeof(int32_t) * (size_t)(head > 0 ? head : 1));
     if (cand == NULL || cs == NULL || top == NULL) {
         free(cand); free(cs); free(top);
-        return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     int64_t nc = 0;
     for (int64_t t = 0; t < head; t++)
@@ -448,7 +405,7 @@ static int finish_select(const char *fn, const float *s, int64_t T, uint32_t Hkv
     kvrt_selection *sel = NULL;
     if (rc == KVRT_OK) {
         int64_t *cnt = malloc(sizeof(int64_t) * Hkv);
-        if (cnt == NULL) rc = ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        if (cnt == NULL) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
         else {
             for (uint32_t j = 0; j < Hkv; j++) cnt[j] = kept;
             rc = kvrt_selection_create(Hkv, cnt, &sel);
@@ -483,7 +440,7 @@ int kvrt_compilerkv_select_layer_ref(const float *alpha, const float *rho, int64
     int rc = select_check(fn, alpha, rho, T, n_heads, n_kv_heads, w_head, tau, budget, out);
     if (rc) return rc;
     float *s = malloc(sizeof(float) * (size_t)T);
-    if (s == NULL) return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     const uint32_t G = n_heads / n_kv_heads;
     for (int64_t t = 0; t < T; t++) {
         double m = -INFINITY;
@@ -507,9 +464,9 @@ int kvrt_compilerkv_select_layer(const float *alpha, const float *rho, int64_t T
     int rc = select_check(fn, alpha, rho, T, n_heads, n_kv_heads, w_head, tau, budget, out);
     if (rc) return rc;
     float *s = malloc(sizeof(float) * (size_t)T);
-    if (s == NULL) return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    /* alpha_t >= 0 (a sum of softmax mass), so max_h alpha rho W = alpha max_j rho_j max_{h in j} W:
-     * one pass per KV head over contiguous rows */
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    /* alpha_t >= 0 (a sum of softmax mass), so max_h alpha rho W = alpha max_j rho_j max_{h in j}
+     * W: one pass per KV head over contiguous rows */
     const uint32_t G = n_heads / n_kv_heads;
     for (int64_t t = 0; t < T; t++) s[t] = -INFINITY;
     for (uint32_t j = 0; j < n_kv_heads; j++) {
@@ -529,34 +486,39 @@ int kvrt_compilerkv_select_layer(const float *alpha, const float *rho, int64_t T
     return rc;
 }
 
-int kvrt_compilerkv_select(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
-                           uint32_t layer, const float *v, uint32_t n_kv_heads, uint32_t head_dim,
-                           int64_t budget, unsigned flags, kvrt_selection **out,
-                           kvrt_compilerkv_stats *st) {
+int kvrt_cpu_compilerkv_select(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
+                               uint32_t layer, const float *v, uint32_t n_kv_heads,
+                               uint32_t head_dim, int64_t budget, unsigned flags,
+                               kvrt_selection **out, kvrt_compilerkv_stats *st) {
     const char *fn = "kvrt_compilerkv_select";
     if (out) *out = NULL;
     if (tb == NULL || pr == NULL || v == NULL || out == NULL)
-        return ERR(KVRT_ERR_ARG, "%s: NULL argument", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
     if (!pr->finished)
-        return ERR(KVRT_ERR_ARG, "%s: prompt not finished (kvrt_compilerkv_prompt_finish)", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt not finished (kvrt_compilerkv_prompt_finish)",
+                         fn);
     if (layer >= tb->n_layers)
-        return ERR(KVRT_ERR_ARG, "%s: layer %u, tables have %u layers", fn, layer, tb->n_layers);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, tables have %u layers", fn, layer,
+                         tb->n_layers);
     if (n_kv_heads == 0 || tb->n_heads % n_kv_heads != 0)
-        return ERR(KVRT_ERR_SHAPE, "%s: tables' n_heads %u is not a multiple of n_kv_heads %u", fn,
-                   tb->n_heads, n_kv_heads);
+        return KVRT_FAIL(KVRT_ERR_SHAPE,
+                         "%s: tables' n_heads %u is not a multiple of n_kv_heads %u", fn,
+                         tb->n_heads, n_kv_heads);
     if (pr->window != tb->window && pr->window != (uint32_t)pr->T)
-        return ERR(KVRT_ERR_ARG, "%s: prompt window %u differs from the compiled window %u", fn,
-                   pr->window, tb->window);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt window %u differs from the compiled window %u",
+                         fn, pr->window, tb->window);
     uint32_t b;
     int be, bp;
     int rc = kvrt_compilerkv_budget_index(tb, budget, flags, &b);
     if (rc) return rc;
     if ((rc = kvrt_compilerkv_bins(tb, pr->entropy, pr->ppl, &be, &bp))) return rc;
     float *rho = malloc(sizeof(float) * (size_t)pr->T * n_kv_heads);
-    if (rho == NULL) return ERR(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (rho == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     rc = kvrt_compilerkv_value_norms(v, pr->T, n_kv_heads, head_dim, rho);
     const size_t bl = (size_t)b * tb->n_layers + layer;
-    const float tau = tb->t_gate[(bl * KVRT_COMPILERKV_ENT_BINS + (size_t)be) * KVRT_COMPILERKV_PPL_BINS + (size_t)bp];
+    const float tau =
+        tb->t_gate[(bl * KVRT_COMPILERKV_ENT_BINS + (size_t)be) * KVRT_COMPILERKV_PPL_BINS +
+                   (size_t)bp];
     if (rc == KVRT_OK)
         rc = kvrt_compilerkv_select_layer(pr->alpha, rho, pr->T, tb->n_heads, n_kv_heads,
                                           tb->w_head + bl * tb->n_heads, tau, budget,
@@ -570,36 +532,3 @@ int kvrt_compilerkv_select(const kvrt_compilerkv_tables *tb, const kvrt_compiler
     return rc;
 }
 
-int kvrt_compilerkv_select_all(const kvrt_compilerkv_tables *tb, const float *const *q,
-                               const float *const *k, const float *const *v,
-                               const float *next_logprob, int64_t T, uint32_t n_heads,
-                               uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
-                               unsigned flags, kvrt_selection **sels,
-                               kvrt_compilerkv_stats *stats) {
-    const char *fn = "kvrt_compilerkv_select_all";
-    if (tb == NULL || q == NULL || k == NULL || v == NULL || sels == NULL)
-        return ERR(KVRT_ERR_ARG, "%s: NULL argument", fn);
-    const uint32_t L = tb->n_layers;
-    for (uint32_t l = 0; l < L; l++) sels[l] = NULL;
-    if (n_heads != tb->n_heads)
-        return ERR(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u", fn, n_heads, tb->n_heads);
-    kvrt_compilerkv_prompt *pr = NULL;
-    int rc = kvrt_compilerkv_prompt_create(T, tb->window, &pr);
-    for (uint32_t l = 0; l < L && rc == KVRT_OK; l++) {
-        if (q[l] == NULL || k[l] == NULL || v[l] == NULL)
-            rc = ERR(KVRT_ERR_ARG, "%s: layer %u: NULL q, k or v", fn, l);
-        else
-            rc = kvrt_compilerkv_prompt_add_layer(pr, q[l], k[l], n_heads, n_kv_heads, head_dim);
-    }
-    if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, next_logprob);
-    for (uint32_t l = 0; l < L && rc == KVRT_OK; l++)
-        rc = kvrt_compilerkv_select(tb, pr, l, v[l], n_kv_heads, head_dim, budget, flags, &sels[l],
-                                    stats ? &stats[l] : NULL);
-    if (rc != KVRT_OK)
-        for (uint32_t l = 0; l < L; l++) {
-            kvrt_selection_free(sels[l]);
-            sels[l] = NULL;
-        }
-    kvrt_compilerkv_prompt_free(pr);
-    return rc;
-}

@@ -6,7 +6,8 @@
  * Callers: serving stacks (per layer, per decode step), kvcc's compkv pass and eval, tests
  * (tests/unit/test_compkv.c), bench/bench_compkv.c, examples/compkv_decode.c.
  *
- * defines: kvrt_compkv_opts_init, kvrt_compkv_create, kvrt_compkv_free, kvrt_compkv_append,
+ * defines: kvrt_compkv_opts_init, kvrt_cpu_compkv_create (behind runtime/core/compkv.c),
+ *          kvrt_compkv_free, kvrt_compkv_append,
  *          kvrt_compkv_length, kvrt_compkv_n_blocks, kvrt_compkv_groups,
  *          kvrt_compkv_summaries, kvrt_compkv_summaries_ref, kvrt_compkv_scores(_ref),
  *          kvrt_compkv_select, kvrt_compkv_attend_blocks(_ref), kvrt_compkv_step
@@ -61,6 +62,7 @@
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 /* The per-head kernels (append, scores, attention) are compiled twice on x86-64 Linux with GCC:
  * for the baseline ISA (SSE2, what -O2 targets) and for AVX2, picked once at load time by an
@@ -75,7 +77,6 @@
 #define CK_CLONES
 #endif
 
-#define CK_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
 #define CK_FLUSH 64 /* rows accumulated in f32 before they are added into the double sums */
 
 struct kvrt_compkv {
@@ -115,32 +116,32 @@ void kvrt_compkv_opts_init(kvrt_compkv_opts *o) {
 static int opts_check(const char *fn, const kvrt_compkv_opts *o, uint32_t hkv, uint32_t d,
                       const uint16_t *perm, const uint16_t *offsets, uint32_t *r_out) {
     if (hkv == 0 || d == 0 || d > 65535)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: n_kv_heads %u, head_dim %u, expected n_kv_heads >= 1 "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_kv_heads %u, head_dim %u, expected n_kv_heads >= 1 "
                        "and head_dim in 1..65535", fn, hkv, d);
-    if (o->block == 0) return CK_FAIL(KVRT_ERR_ARG, "%s: opts.block is 0, expected >= 1", fn);
+    if (o->block == 0) return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.block is 0, expected >= 1", fn);
     if (!isfinite(o->scale))
-        return CK_FAIL(KVRT_ERR_ARG, "%s: opts.scale = %g, expected a finite value (0: "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.scale = %g, expected a finite value (0: "
                        "1/sqrt(head_dim))", fn, (double)o->scale);
     if ((o->compensate | 1) != 1 || (o->mass_only | 1) != 1 || (o->first_order | 1) != 1)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: opts.compensate %d, mass_only %d, first_order %d, "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.compensate %d, mass_only %d, first_order %d, "
                        "expected 0 or 1 each", fn, o->compensate, o->mass_only, o->first_order);
     if ((perm == NULL) != (offsets == NULL))
-        return CK_FAIL(KVRT_ERR_ARG, "%s: perm is %s but offsets is %s, expected both or neither",
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: perm is %s but offsets is %s, expected both or neither",
                        fn, perm ? "given" : "NULL", offsets ? "given" : "NULL");
     if (perm == NULL) {
         if (o->r < 1 || o->r > d)
-            return CK_FAIL(KVRT_ERR_ARG, "%s: opts.r = %u, expected 1..head_dim = %u", fn, o->r,
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.r = %u, expected 1..head_dim = %u", fn, o->r,
                            d);
         *r_out = o->r;
         return KVRT_OK;
     }
     /* r from head 0's offsets: the first t with offsets[t] == d */
     if (offsets[0] != 0)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: offsets[0][0] = %u, expected 0", fn, offsets[0]);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: offsets[0][0] = %u, expected 0", fn, offsets[0]);
     uint32_t r = 0;
     for (uint32_t t = 1; t <= d; t++) {
         if (offsets[t] <= offsets[t - 1] || offsets[t] > d)
-            return CK_FAIL(KVRT_ERR_ARG, "%s: offsets[0][%u] = %u after %u, expected strictly "
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: offsets[0][%u] = %u after %u, expected strictly "
                            "increasing values from 0 up to head_dim = %u", fn, t, offsets[t],
                            offsets[t - 1], d);
         if (offsets[t] == d) {
@@ -149,21 +150,21 @@ static int opts_check(const char *fn, const kvrt_compkv_opts *o, uint32_t hkv, u
         }
     }
     if (r == 0) /* cannot happen: d + 1 strictly increasing values from 0 reach d */
-        return CK_FAIL(KVRT_ERR_ARG, "%s: offsets of head 0 never reach head_dim = %u", fn, d);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: offsets of head 0 never reach head_dim = %u", fn, d);
     unsigned char *seen = malloc(d);
-    if (seen == NULL) return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (seen == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     int rc = KVRT_OK;
     for (uint32_t h = 0; h < hkv && rc == KVRT_OK; h++) {
         const uint16_t *of = offsets + (size_t)h * (r + 1);
         if (of[0] != 0 || of[r] != d) {
-            rc = CK_FAIL(KVRT_ERR_ARG, "%s: offsets[%u] = {%u, .., %u}, expected 0 .. head_dim = "
+            rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: offsets[%u] = {%u, .., %u}, expected 0 .. head_dim = "
                          "%u in r + 1 = %u entries (r = %u from head 0)", fn, h, of[0], of[r], d,
                          r + 1, r);
             break;
         }
         for (uint32_t t = 1; t <= r; t++)
             if (of[t] <= of[t - 1]) {
-                rc = CK_FAIL(KVRT_ERR_ARG, "%s: offsets[%u][%u] = %u after %u, expected strictly "
+                rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: offsets[%u][%u] = %u after %u, expected strictly "
                              "increasing (empty group)", fn, h, t, of[t], of[t - 1]);
                 break;
             }
@@ -172,7 +173,7 @@ static int opts_check(const char *fn, const kvrt_compkv_opts *o, uint32_t hkv, u
         const uint16_t *pm = perm + (size_t)h * d;
         for (uint32_t i = 0; i < d; i++) {
             if (pm[i] >= d || seen[pm[i]]) {
-                rc = CK_FAIL(KVRT_ERR_ARG, "%s: perm[%u][%u] = %u %s, expected a permutation of "
+                rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: perm[%u][%u] = %u %s, expected a permutation of "
                              "0..%u", fn, h, i, pm[i], pm[i] >= d ? "is out of range" :
                              "repeats", d - 1);
                 break;
@@ -223,11 +224,11 @@ void kvrt_compkv_free(kvrt_compkv *s) {
     free(s);
 }
 
-int kvrt_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
-                       int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
-                       kvrt_compkv **out) {
+int kvrt_cpu_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
+                           int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
+                           kvrt_compkv **out) {
     static const char fn[] = "kvrt_compkv_create";
-    if (out == NULL) return CK_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     *out = NULL;
     kvrt_compkv_opts def;
     if (o == NULL) {
@@ -238,14 +239,14 @@ int kvrt_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t 
     int rc = opts_check(fn, o, n_kv_heads, head_dim, perm, offsets, &r);
     if (rc != KVRT_OK) return rc;
     if (capacity < 1 || capacity > INT32_MAX)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: capacity = %lld tokens, expected 1..%d", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: capacity = %lld tokens, expected 1..%d", fn,
                        (long long)capacity, INT32_MAX);
     const size_t hkv = n_kv_heads, d = head_dim;
     if ((double)capacity * (double)hkv * (double)d * 4.0 > (double)(SIZE_MAX / 4))
-        return CK_FAIL(KVRT_ERR_NOMEM, "%s: capacity %lld x %u KV heads x %u is too large", fn,
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: capacity %lld x %u KV heads x %u is too large", fn,
                        (long long)capacity, n_kv_heads, head_dim);
     kvrt_compkv *s = calloc(1, sizeof *s);
-    if (s == NULL) return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     s->o = *o;
     s->scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)head_dim));
     s->o.scale = s->scale;
@@ -276,7 +277,7 @@ int kvrt_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t 
         !s->perm || !s->off || !s->grp || !s->ginv || !s->wk_mean || !s->wk_m2 || !s->wv_mean ||
         !s->wg) {
         kvrt_compkv_free(s);
-        return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (capacity %lld tokens: %.1f MiB of "
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (capacity %lld tokens: %.1f MiB of "
                        "K, V)", fn, (long long)capacity,
                        2.0 * 4.0 * (double)capacity * (double)(hkv * d) / 1048576.0);
     }
@@ -353,12 +354,12 @@ CK_CLONES static void append_heads(kvrt_compkv *s, uint32_t h0, uint32_t h1, con
 
 int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n) {
     static const char fn[] = "kvrt_compkv_append";
-    if (s == NULL) return CK_FAIL(KVRT_ERR_ARG, "%s: state is NULL", fn);
-    if (n < 0) return CK_FAIL(KVRT_ERR_ARG, "%s: n = %lld, expected >= 0", fn, (long long)n);
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: state is NULL", fn);
+    if (n < 0) return KVRT_FAIL(KVRT_ERR_ARG, "%s: n = %lld, expected >= 0", fn, (long long)n);
     if (n == 0) return KVRT_OK;
-    if (k == NULL || v == NULL) return CK_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, k ? "v" : "k");
+    if (k == NULL || v == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, k ? "v" : "k");
     if (n > s->cap - s->len)
-        return CK_FAIL(KVRT_ERR_SHAPE, "%s: appending %lld tokens to %lld would exceed the "
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: appending %lld tokens to %lld would exceed the "
                        "capacity of %lld tokens", fn, (long long)n, (long long)s->len,
                        (long long)s->cap);
     const size_t row = (size_t)s->hkv * s->d;
@@ -386,9 +387,9 @@ int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n
 
 int kvrt_compkv_summaries(const kvrt_compkv *s, uint32_t h, const float **kmean,
                           const float **vmean, const float **gvar, const int32_t **count) {
-    if (s == NULL) return CK_FAIL(KVRT_ERR_ARG, "kvrt_compkv_summaries: state is NULL");
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_summaries: state is NULL");
     if (h >= s->hkv)
-        return CK_FAIL(KVRT_ERR_ARG, "kvrt_compkv_summaries: KV head %u, expected 0..%u", h,
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_summaries: KV head %u, expected 0..%u", h,
                        s->hkv - 1);
     const size_t off = (size_t)h * s->cap_blocks;
     if (kmean) *kmean = s->kmean + off * s->d;
@@ -412,10 +413,10 @@ int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const f
     int rc = opts_check(fn, o, n_kv_heads, head_dim, perm, offsets, &r);
     if (rc != KVRT_OK) return rc;
     if (T < 1 || T > INT32_MAX)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: T = %lld, expected 1..%d", fn, (long long)T,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: T = %lld, expected 1..%d", fn, (long long)T,
                        INT32_MAX);
     if (!k || !v || !kmean || !vmean || !gvar || !count)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
                        !k ? "k" : !v ? "v" : !kmean ? "kmean" : !vmean ? "vmean" : !gvar ? "gvar"
                                                                                    : "count");
     const size_t hkv = n_kv_heads, d = head_dim;
@@ -426,7 +427,7 @@ int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const f
         free(pm);
         free(of);
         free(mean);
-        return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     double *var = mean + d;
     groups_fill(n_kv_heads, head_dim, r, perm, offsets, pm, of);
@@ -481,16 +482,16 @@ static int has_nan(const float *x, int64_t count) {
 static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint32_t n_heads,
                       const void *out, const char *out_name) {
     if (s == NULL || q == NULL || out == NULL)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
                        s == NULL ? "state" : q == NULL ? "q" : out_name);
     if (n_heads == 0 || n_heads % s->hkv != 0)
-        return CK_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a positive multiple of n_kv_heads "
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a positive multiple of n_kv_heads "
                        "%u", fn, n_heads, s->hkv);
     if (s->len == 0)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);
     if (has_nan(q, (int64_t)n_heads * s->d))
-        return CK_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN", fn, n_heads, s->d);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN", fn, n_heads, s->d);
     return KVRT_OK;
 }
 
@@ -499,14 +500,14 @@ static int blocks_check(const char *fn, const kvrt_compkv *s, const int32_t *blo
                         int64_t n_sel) {
     const int64_t nb = kvrt_compkv_n_blocks(s);
     if (n_sel < 0 || n_sel > nb)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: n_sel = %lld, expected 0..n_blocks = %lld", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sel = %lld, expected 0..n_blocks = %lld", fn,
                        (long long)n_sel, (long long)nb);
-    if (n_sel > 0 && blocks == NULL) return CK_FAIL(KVRT_ERR_ARG, "%s: NULL blocks", fn);
+    if (n_sel > 0 && blocks == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL blocks", fn);
     for (uint32_t h = 0; h < s->hkv; h++)
         for (int64_t i = 0; i < n_sel; i++) {
             const int32_t b = blocks[(size_t)h * n_sel + i];
             if (b < 0 || b >= nb || (i > 0 && b <= blocks[(size_t)h * n_sel + i - 1]))
-                return CK_FAIL(KVRT_ERR_ARG, "%s: blocks[%u][%lld] = %d, expected strictly "
+                return KVRT_FAIL(KVRT_ERR_ARG, "%s: blocks[%u][%lld] = %d, expected strictly "
                                "ascending block indices in 0..%lld", fn, h, (long long)i, b,
                                (long long)nb - 1);
         }
@@ -525,7 +526,7 @@ int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_head
     const size_t d = s->d, r = s->r;
     const uint32_t G = n_heads / s->hkv;
     double *a = malloc(sizeof(double) * (size_t)nb * 3 + sizeof(double) * r);
-    if (a == NULL) return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    if (a == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     double *s2 = a + nb, *S = s2 + nb, *qg = S + nb;
     const double sc = s->scale;
     for (uint32_t h = 0; h < s->hkv; h++) {
@@ -576,7 +577,7 @@ int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t
     if (sel == NULL || acc == NULL) {
         free(sel);
         free(acc);
-        return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     const double sc = s->scale;
     for (size_t h = 0; h < hkv; h++) {
@@ -960,7 +961,7 @@ int kvrt_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads, f
     char *base = w ? ws_alloc(s, G, nb, 0, 0, w) : NULL;
     if (base == NULL) {
         free(w);
-        return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     const int nh = (int)s->hkv;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -988,14 +989,14 @@ int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_bloc
                        int32_t *blocks_out) {
     static const char fn[] = "kvrt_compkv_select";
     if (s == NULL || scores == NULL || blocks_out == NULL)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
                        s == NULL ? "state" : scores == NULL ? "scores" : "blocks_out");
     if (k_blocks < 1)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: k_blocks = %lld, expected >= 1", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: k_blocks = %lld, expected >= 1", fn,
                        (long long)k_blocks);
     const int64_t nb = kvrt_compkv_n_blocks(s);
     if (nb == 0)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);
     const int64_t k = k_blocks < nb ? k_blocks : nb;
     for (uint32_t h = 0; h < s->hkv; h++) {
@@ -1024,7 +1025,7 @@ int kvrt_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_h
     char *base = w ? ws_alloc(s, G, nb, ntok, 0, w) : NULL;
     if (base == NULL) {
         free(w);
-        return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     const int nh = (int)s->hkv;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -1042,7 +1043,7 @@ int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int
     int rc = step_check(fn, s, q, n_heads, out, "out");
     if (rc != KVRT_OK) return rc;
     if (k_blocks < 1)
-        return CK_FAIL(KVRT_ERR_ARG, "%s: k_blocks = %lld, expected >= 1", fn,
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: k_blocks = %lld, expected >= 1", fn,
                        (long long)k_blocks);
     const int64_t nb = kvrt_compkv_n_blocks(s);
     const int64_t k = k_blocks < nb ? k_blocks : nb;
@@ -1056,7 +1057,7 @@ int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int
         free(w);
         free(S);
         free(rcs);
-        return CK_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     const int nh = (int)s->hkv;
 #pragma omp parallel for schedule(dynamic, 1)
@@ -1073,7 +1074,7 @@ int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int
     rc = KVRT_OK;
     for (int h = 0; h < nh && rc == KVRT_OK; h++)
         if (rcs[h] != KVRT_OK)
-            rc = CK_FAIL(rcs[h], "%s: block selection of KV head %d failed (%s)", fn, h,
+            rc = KVRT_FAIL(rcs[h], "%s: block selection of KV head %d failed (%s)", fn, h,
                          kvrt_status_str(rcs[h]));
     free(base);
     free(w);

@@ -1,15 +1,21 @@
 /*
- * kvrt.h: the public C API of libkvrt, the kvcc runtime.
+ * kvrt.h: the serving API of libkvrt, the kvcc runtime.
  *
- * A serving stack links libkvrt (+ libkvpol), opens a .kvpol artifact against the model it runs,
- * creates a backend context (CPU always; CUDA when built with it) and calls the policies per
- * layer. This first version holds the skeleton every policy builds on: status codes, tensor
- * views, the policy handle, backend contexts, and one numerical op (row softmax) that exists on
- * every backend with a _ref on the CPU.
+ * A serving stack links libkvrt (+ libkvpol), opens a .kvpol artifact against the model it runs
+ * (kvrt_policy_open), creates a backend context (CPU always; CUDA when built with it), opens the
+ * handle of each policy it uses from the policy (kvrt_compilerkv_open, kvrt_am_open,
+ * kvrt_compkv_open: each carries every option the artifact was compiled with) and calls the
+ * policy per layer with the context. docs/policies/ describes each policy; the plain references
+ * (_ref), the solvers and the compiler's entry points are in kvrt_experimental.h.
  *
- * Conventions: opaque handles with create/free pairs, free accepts NULL; every call returns a
- * kvrt_status (0 ok, negative error) and never exits or aborts on input; an optional kvrt_error*
- * receives a message naming the file, the field and the expected value.
+ * Conventions: opaque handles with create/open and free pairs, free accepts NULL; a handle runs
+ * with its compiled options, and options that differ need KVRT_OVERRIDE_OPTIONS.
+ *
+ * The error rule: every call returns a kvrt_status (0 ok, negative error) and never exits or
+ * aborts on input. The message of every failure (naming the function, the file or field, and the
+ * expected value) is readable from kvrt_last_error() on the calling thread until its next
+ * failure; calls that take a kvrt_error* also fill it, and calls that take a kvrt_ctx also leave
+ * it in kvrt_ctx_last_error(ctx).
  */
 #ifndef KVRT_H
 #define KVRT_H
@@ -103,6 +109,8 @@ typedef struct {
 } kvrt_model_dims;
 
 typedef struct kvrt_policy kvrt_policy;
+/* Flag of the policy calls: run with caller options that differ from the compiled ones. */
+#define KVRT_OVERRIDE_OPTIONS 0x100u
 
 /* Open and fully validate an artifact (mmap), refusing one compiled for another model. */
 int kvrt_policy_open(const char *path, const kvrt_model_dims *expect, kvrt_policy **out,
@@ -148,7 +156,7 @@ void kvrt_ctx_free(kvrt_ctx *ctx);
 int kvrt_ctx_info(const kvrt_ctx *ctx, kvrt_device_info *out);
 /* The message of the last failed call on this context that takes no kvrt_error* (alloc, upload,
  * download, sync, ops): code, detail (the CUDA/cuBLAS error for KVRT_ERR_CUDA) and text. Valid
- * until the next call on ctx; NULL when ctx is NULL. (Added with the backends.) */
+ * until the next call on ctx; NULL when ctx is NULL. */
 const kvrt_error *kvrt_ctx_last_error(const kvrt_ctx *ctx);
 
 /* Device memory helpers (host contexts use malloc/memcpy). */
@@ -166,10 +174,8 @@ int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float
 
 
 /* ------------------------------------------------------------------ thread-local last error */
-/* Calls that take neither a context nor a kvrt_error* (kvrt_cache_*, kvrt_selection_*,
- * kvrt_attend_ref, kvrt_topk*, kvrt_budget_resolve, kvrt_select_pinned, kvrt_method_*,
- * kvrt_quest_*) record the message of their last failure in a thread-local kvrt_error, readable
- * here until the next failing call of that kind on the same thread. Never NULL. */
+/* The last failure of any libkvrt call on this thread (the error rule at the top of this file),
+ * until the next failure. Never NULL. */
 const kvrt_error *kvrt_last_error(void);
 
 /* ------------------------------------------------------------------ compressed cache */
@@ -187,7 +193,6 @@ typedef struct {
     void *values;         /* [n_entries, head_dim] */
     float *bias;          /* [n_entries]: additive logit bias (0 for plain tokens; AM beta; log weight) */
     int32_t *positions;   /* [n_entries]: original token position, -1 for synthetic entries */
-    /* (fields added after the first version) */
     kvrt_ctx *owner;      /* device caches: the context whose memory holds every array above
                            * (offsets included); NULL for host caches */
     int64_t *host_offsets;/* device caches: host copy of offsets [n_kv_heads + 1]; host caches:
@@ -334,7 +339,8 @@ int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, fl
 int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, uint32_t n_heads,
                       int64_t budget_pages, int32_t *pages_out /*[Hkv, budget_pages]*/);
 
-// --- Attention Matching (runtime/cpu/am.c) ----------------------------------------------------
+/* ------------------------------------------------------------------ Attention Matching */
+/* docs/policies/am.md; runtime/core/am.c, runtime/cpu/am.c. */
 /* Replace a KV head's T keys/values by t << T synthetic entries (C_k, beta, C_v) that reproduce,
  * for reference queries Q_ref, the attention output and the attention mass (softmax
  * denominator) of the original block, so the compacted block still mixes correctly with the
@@ -384,33 +390,51 @@ typedef struct {
  * distribution) or NULL (every query sees every key), 1 <= t <= T. *out: a new host cache with
  * one KV head of at most t entries, dtype f32 or f16. stats may be NULL. KVRT_ERR_ARG also when
  * no reference query sees some chunk. */
-int kvrt_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
+int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
                     uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
                     int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats);
 /* A whole layer: q [T, H, d] (the context's own queries: reference queries of KV head h are those
  * of its G = H / Hkv query heads, causal, evenly strided down to max_queries), k, v [T, Hkv, d].
  * Budget of head h: t_h = round(ratios[h] * T) clamped to 1..T, ratios [Hkv] in (0, 1] (NULL:
  * ratio for every head). *out: one cache of n_kv_heads heads. stats [Hkv] or NULL. */
-int kvrt_am_compact_layer(const kvrt_am_opts *o, const float *q, const float *k, const float *v,
-                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                          const float *ratios, double ratio, int dtype, kvrt_cache **out,
-                          kvrt_am_stats *stats);
+int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, const float *k,
+                          const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                          uint32_t head_dim, const float *ratios, double ratio, int dtype,
+                          kvrt_cache **out, kvrt_am_stats *stats);
 
-/* Per-head ratios [L, Hkv] of the artifact at `path` for the target mean ratio `target`
- * (matched within 1e-6 relative). KVRT_ERR_IO / KVRT_ERR_FORMAT (artifact unreadable),
- * KVRT_ERR_MODEL_MISMATCH (L or Hkv differ), KVRT_ERR_UNSUPPORTED (no Attention Matching
- * group), KVRT_ERR_ARG (target not compiled: the message lists the compiled ones). */
-int kvrt_am_schedule_load(const char *path, double target, uint32_t n_layers,
-                          uint32_t n_kv_heads, float *ratios);
+/* The compiled schedule (kvcc compile --policies am; section am.schedule): per compiled target
+ * mean ratio, per-(layer, KV head) ratios, and the key selection and chunk it was calibrated
+ * with. kvrt_am_open: KVRT_ERR_UNSUPPORTED (no Attention Matching group), KVRT_ERR_FORMAT (an item
+ * missing, mis-shaped or out of range), KVRT_ERR_MODEL_MISMATCH (L or Hkv differ from the
+ * policy's model). */
+typedef struct kvrt_am_schedule kvrt_am_schedule;
+int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out);
+void kvrt_am_schedule_free(kvrt_am_schedule *s);
+/* The compiled options: key_select and chunk from the artifact, the rest kvrt_am_opts_init's. */
+int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out);
+/* The compiled target mean ratios (valid while s lives). */
+int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, int *n_targets);
+/* Per-head ratios [Hkv] of `layer` for a compiled target (matched within 1e-6 relative; another
+ * target: KVRT_ERR_ARG, the message lists the compiled ones). Valid while s lives. */
+int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t layer,
+                            const float **ratios);
+/* One layer with the compiled schedule (kvrt_am_compact_layer with the ratios of `layer` for
+ * `target`). o NULL: the compiled options. o non-NULL whose key_select or chunk differ from the
+ * compiled ones: KVRT_ERR_ARG naming the option, unless flags has KVRT_OVERRIDE_OPTIONS (the
+ * other fields are run-time choices and may differ). */
+int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kvrt_am_opts *o,
+                              unsigned flags, double target, uint32_t layer, const float *q,
+                              const float *k, const float *v, int64_t T, uint32_t n_heads,
+                              int dtype, kvrt_cache **out, kvrt_am_stats *stats);
 
-
-// --- CompilerKV (runtime/cpu/compilerkv.c; ALGORITHMS.md section 1): prefill-only retention
-// from a compiled head-reliability table W_head and a risk threshold LUT T_gate.
+/* ------------------------------------------------------------------ CompilerKV */
+/* Prefill-only retention from a compiled head-reliability table W_head and a risk threshold LUT
+ * T_gate (docs/policies/compilerkv.md; runtime/core/compilerkv.c, runtime/cpu/compilerkv.c). */
 /* Usage per prompt of T context tokens (a caller streaming one layer at a time):
  *   kvrt_compilerkv_prompt_create(T, tb->window, &pr);
  *   for each layer: kvrt_compilerkv_prompt_add_layer(pr, q_l, k_l, H, Hkv, d);   (step 1)
  *   kvrt_compilerkv_prompt_finish(pr, next_logprob);                          (alpha, step 5)
- *   for each layer: kvrt_compilerkv_select(tb, pr, l, v_l, Hkv, d, B, flags, &sel, &st);
+ *   for each layer: kvrt_compilerkv_select(ctx, tb, pr, l, v_l, Hkv, d, B, flags, &sel, &st);
  *                   kvrt_cache_gather(k_l, v_l, T, Hkv, d, sel, dtype, &cache);
  * The kept set is shared by all KV heads of the layer; its size may be < B (elastic). It always
  * holds the last min(w, B/2) tokens when B < 2w, else the last w (kvrt_compilerkv_kept_window). */
@@ -432,7 +456,7 @@ typedef struct {
  * t_gate f32 [nB, L, 20, 4], ent_edges f32 [19], ppl_edges f32 [3], scalars n_budgets, window).
  * KVRT_ERR_UNSUPPORTED when the artifact has no CompilerKV section, KVRT_ERR_FORMAT when an
  * item is missing or mis-shaped. */
-int kvrt_compilerkv_tables_from_policy(const kvrt_policy *p, kvrt_compilerkv_tables **out);
+int kvrt_compilerkv_open(const kvrt_policy *p, kvrt_compilerkv_tables **out);
 void kvrt_compilerkv_tables_free(kvrt_compilerkv_tables *tb);
 
 /* Per-prompt state: the window-mass accumulator, then alpha and the risk features. */
@@ -481,26 +505,24 @@ typedef struct {
 int64_t kvrt_compilerkv_kept_window(uint32_t window, int64_t budget, int64_t T);
 /* Steps 2-7 for one layer of a finished prompt with the compiled tables: v [T, Hkv, d]
  * (context part), budget in tokens (resolve ratios with kvrt_budget_resolve first). */
-int kvrt_compilerkv_select(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
-                           uint32_t layer, const float *v, uint32_t n_kv_heads, uint32_t head_dim,
-                           int64_t budget, unsigned flags, kvrt_selection **out,
-                           kvrt_compilerkv_stats *st);
+int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                           const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v,
+                           uint32_t n_kv_heads, uint32_t head_dim, int64_t budget, unsigned flags,
+                           kvrt_selection **out, kvrt_compilerkv_stats *st);
 /* All layers at once, for callers that hold every layer (e.g. after a model prefill): steps
  * 1-7. q, k, v: [n_layers] pointers to [T, H, d], [T, Hkv, d], [T, Hkv, d] (context part);
  * next_logprob [T-1]; sels [n_layers] receive new selections (all NULL on failure); stats
  * [n_layers] or NULL. */
-int kvrt_compilerkv_select_all(const kvrt_compilerkv_tables *tb, const float *const *q,
-                               const float *const *k, const float *const *v,
+int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                               const float *const *q, const float *const *k, const float *const *v,
                                const float *next_logprob, int64_t T, uint32_t n_heads,
                                uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
-                               unsigned flags, kvrt_selection **sels,
-                               kvrt_compilerkv_stats *stats);
-// --- end CompilerKV
+                               unsigned flags, kvrt_selection **sels, kvrt_compilerkv_stats *stats);
 
-// --- CompKV (runtime/cpu/compkv.c) ---------------------------------------------------------------
-/* Decode-time sparse attention with mean compensation (ALGORITHMS.md section 3). One
- * kvrt_compkv holds one layer: the full KV cache in host memory (f32, appended as [n, Hkv, d] as
- * tokens arrive; stored head-major [Hkv][capacity][d] so that one block of one KV head is a
+/* ------------------------------------------------------------------ CompKV */
+/* Decode-time sparse attention with mean compensation (docs/policies/compkv.md;
+ * runtime/core/compkv.c, runtime/cpu/compkv.c). One kvrt_compkv holds one layer: the full KV
+ * cache in host memory (f32, appended as [n, Hkv, d] as tokens arrive; stored head-major [Hkv][capacity][d] so that one block of one KV head is a
  * contiguous run) and per KV head and block of `block` tokens the summaries
  *   count |b|, mean key kbar_b [d], mean value vbar_b [d], grouped key variance Dbar_b [r]
  * ((Dbar_b)_t = mean over the coordinates i of group t of the within-block (population)
@@ -547,9 +569,9 @@ typedef struct kvrt_compkv kvrt_compkv;
  * they are copied. o NULL: the defaults. capacity 1..INT32_MAX, head_dim 1..65535, block >= 1,
  * scale finite, the three switches 0 or 1. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d,
  * perm not a permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. */
-int kvrt_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
-                       int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
-                       kvrt_compkv **out);
+int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                       uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                       const uint16_t *offsets, kvrt_compkv **out);
 void kvrt_compkv_free(kvrt_compkv *s);
 /* Append n tokens k, v [n, Hkv, d] (f32), updating the summaries incrementally (the running
  * partial block by Welford; a block is finalized when it fills). n = 0 is a no-op.
@@ -589,17 +611,22 @@ typedef struct {
     uint8_t *learned;     /* [n_layers, n_kv_heads]: 1 where the learned grouping beat index order
                            * on the calibration corpus (elsewhere perm/offsets are index order) */
 } kvrt_compkv_grouping;
-/* Read and check the grouping of the artifact at `path`; layer l's arguments for
- * kvrt_compkv_create are perm + l * Hkv * d and offsets + l * Hkv * (r + 1). Statuses:
- * KVRT_ERR_IO / KVRT_ERR_FORMAT (unreadable; an item missing or mis-shaped; a perm that is not a
- * permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_MODEL_MISMATCH (L, Hkv or d
- * differ; 0 = not checked), KVRT_ERR_UNSUPPORTED (no CompKV section). */
-int kvrt_compkv_grouping_load(const char *path, uint32_t n_layers, uint32_t n_kv_heads,
-                              uint32_t head_dim, kvrt_compkv_grouping **out);
-/* The same from an open policy (checked against the policy's model). */
-int kvrt_compkv_grouping_from_policy(const kvrt_policy *p, kvrt_compkv_grouping **out);
+/* The compiled grouping of an open policy (section compkv.groupings), checked against the
+ * policy's model: KVRT_ERR_UNSUPPORTED (no CompKV section), KVRT_ERR_FORMAT (an item missing or
+ * mis-shaped; a perm that is not a permutation, offsets not strictly increasing from 0 to d),
+ * KVRT_ERR_MODEL_MISMATCH (L, Hkv or d differ). */
+int kvrt_compkv_open(const kvrt_policy *p, kvrt_compkv_grouping **out);
+/* The compiled options: block, r and scale from the artifact, the rest kvrt_compkv_opts_init's. */
+int kvrt_compkv_grouping_opts(const kvrt_compkv_grouping *g, kvrt_compkv_opts *out);
+/* A decode state for `layer` with the compiled grouping (kvrt_compkv_create with the layer's
+ * perm/offsets). o NULL: the compiled options. o non-NULL whose block, r or scale (0 = 1/sqrt(d))
+ * differ from the compiled ones: KVRT_ERR_ARG naming the option, unless flags has
+ * KVRT_OVERRIDE_OPTIONS; compensate, mass_only, first_order and the forced blocks are run-time
+ * choices and may differ. */
+int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint32_t layer,
+                             int64_t capacity, const kvrt_compkv_opts *o, unsigned flags,
+                             kvrt_compkv **out);
 void kvrt_compkv_grouping_free(kvrt_compkv_grouping *g);
-// --- end CompKV
 
 #ifdef __cplusplus
 }

@@ -5,7 +5,7 @@
  * kvrt_am_compact_layer) through kvrt_attend_ref: exact reproduction at t = T, bounded mass and
  * output error at t < T (better than dropping the same keys), degenerate inputs, determinism;
  * the compile pass (compiler/passes/am.c) on a synthetic corpus (schedule means equal the
- * targets, byte-identical artifacts whatever the thread count, kvrt_am_schedule_load reads it)
+ * targets, byte-identical artifacts whatever the thread count, kvrt_am_open reads it)
  * and kvcc eval's am / am-uniform / am-omp rows.
  *
  * Tolerances: NNLS objective within 1e-9 relative of the brute force (double); t = T outputs
@@ -27,6 +27,7 @@
 #include "eval.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "test_ctx.h"
 #include "test_rng.h"
 #include "passes/passes.h"
 #include "synth.h"
@@ -248,7 +249,7 @@ Test(am, t_equals_T_reproduces_attention) {
         o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
         kvrt_cache *c = NULL;
         kvrt_am_stats st;
-        cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, NULL, NQ, T, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
+        cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, T, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
                      "%s", kvrt_last_error()->msg);
         cr_assert_eq(c->n_entries, T, "%s: kept %lld of %d", key ? "omp" : "highest",
                      (long long)c->n_entries, T);
@@ -292,7 +293,7 @@ Test(am, compaction_bounded_and_better_than_dropping) {
         o.chunk = 128; /* 4 chunks of 16 entries */
         kvrt_cache *c = NULL;
         kvrt_am_stats st;
-        cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
+        cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
                      "%s", kvrt_last_error()->msg);
         cr_assert_leq(c->n_entries, TT);
         cr_assert_gt(c->n_entries, TT / 2);
@@ -349,7 +350,7 @@ Test(am, degenerate_inputs) {
     for (int t = 0; t < T; t++) memcpy(kd + t * D, k, sizeof(float) * D);
     for (int key = 0; key < 2; key++) {
         o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
-        cr_assert_eq(kvrt_am_compact(&o, kd, v, T, D, q, NULL, NQ, 8, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
+        cr_assert_eq(kvrt_am_compact(test_cpu(), &o, kd, v, T, D, q, NULL, NQ, 8, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
                      "%s", kvrt_last_error()->msg);
         expect_finite_cache(c);
         cr_assert_eq(kvrt_attend_ref(q, NQ, 1, c, NULL, NULL, 0, 1.0f / sqrtf(D), out, lse), KVRT_OK);
@@ -365,7 +366,7 @@ Test(am, degenerate_inputs) {
     /* huge logits (|z| ~ 1e4): finite */
     float *kh = malloc(sizeof(float) * T * D);
     for (int i = 0; i < T * D; i++) kh[i] = k[i] * 3000.0f;
-    cr_assert_eq(kvrt_am_compact(&o, kh, v, T, D, q, NULL, NQ, 16, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, kh, v, T, D, q, NULL, NQ, 16, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
                  "%s", kvrt_last_error()->msg);
     expect_finite_cache(c);
     cr_assert_eq(kvrt_attend_ref(q, NQ, 1, c, NULL, NULL, 0, 1.0f / sqrtf(D), out, lse), KVRT_OK);
@@ -375,12 +376,12 @@ Test(am, degenerate_inputs) {
     float *qp = malloc(sizeof(float) * NQ * D);
     for (int i = 0; i < T * D; i++) kh[i] = 3e38f;
     for (int i = 0; i < NQ * D; i++) qp[i] = 1.0f;
-    cr_assert_eq(kvrt_am_compact(&o, kh, v, T, D, qp, NULL, NQ, 16, KVRT_DTYPE_F32, &c, &st), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, kh, v, T, D, qp, NULL, NQ, 16, KVRT_DTYPE_F32, &c, &st), KVRT_ERR_ARG);
     free(qp);
     cr_assert(strstr(kvrt_last_error()->msg, "overflow") != NULL, "%s", kvrt_last_error()->msg);
     cr_assert_null(c);
     /* t = 1, f16 storage */
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, NULL, NQ, 1, KVRT_DTYPE_F16, &c, &st), KVRT_OK);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, 1, KVRT_DTYPE_F16, &c, &st), KVRT_OK);
     cr_assert_eq(c->n_entries, 1);
     cr_assert(isfinite(c->bias[0]));
     cr_assert_eq(kvrt_attend_ref(q, NQ, 1, c, NULL, NULL, 0, 1.0f / sqrtf(D), out, lse), KVRT_OK);
@@ -389,12 +390,12 @@ Test(am, degenerate_inputs) {
                 st.mass_relerr);
     kvrt_cache_free(c);
     /* argument errors */
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, NULL, NQ, 0, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, NULL, NQ, T + 1, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, 0, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, T + 1, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
     q[3] = NAN;
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, NULL, NQ, 4, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, 4, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
     o.key_select = 7;
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, NULL, NQ, 4, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, 4, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
     free(k); free(v); free(q); free(kd); free(kh);
 }
 
@@ -414,12 +415,12 @@ Test(am, layer_budgets_chunks_and_determinism) {
     const int nt = omp_get_max_threads();
     omp_set_num_threads(1);
 #endif
-    cr_assert_eq(kvrt_am_compact_layer(&o, q, k, v, T, H, HKV, D, ratios, 0, KVRT_DTYPE_F32, &a, st),
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, ratios, 0, KVRT_DTYPE_F32, &a, st),
                  KVRT_OK, "%s", kvrt_last_error()->msg);
 #ifdef _OPENMP
     omp_set_num_threads(nt > 1 ? nt : 2);
 #endif
-    cr_assert_eq(kvrt_am_compact_layer(&o, q, k, v, T, H, HKV, D, ratios, 0, KVRT_DTYPE_F32, &b, NULL),
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, ratios, 0, KVRT_DTYPE_F32, &b, NULL),
                  KVRT_OK);
 #ifdef _OPENMP
     omp_set_num_threads(nt);
@@ -444,13 +445,13 @@ Test(am, layer_budgets_chunks_and_determinism) {
     kvrt_cache_free(a);
     kvrt_cache_free(b);
     /* uniform budgets; bad ratio */
-    cr_assert_eq(kvrt_am_compact_layer(&o, q, k, v, T, H, HKV, D, NULL, 0.05, KVRT_DTYPE_F16, &a, NULL),
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.05, KVRT_DTYPE_F16, &a, NULL),
                  KVRT_OK);
     cr_assert_eq(a->n_kv_heads, HKV);
     kvrt_cache_free(a);
-    cr_assert_eq(kvrt_am_compact_layer(&o, q, k, v, T, H, HKV, D, NULL, 1.5, KVRT_DTYPE_F32, &a, NULL),
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 1.5, KVRT_DTYPE_F32, &a, NULL),
                  KVRT_ERR_ARG);
-    cr_assert_eq(kvrt_am_compact_layer(&o, q, k, v, T, 3, HKV, D, NULL, 0.1, KVRT_DTYPE_F32, &a, NULL),
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, 3, HKV, D, NULL, 0.1, KVRT_DTYPE_F32, &a, NULL),
                  KVRT_ERR_SHAPE);
     free(q); free(k); free(v);
 }
@@ -472,12 +473,12 @@ Test(am, multi_sets_equal_single_calls) {
         o.key_select = sel ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
         kvrt_cache *m[NS];
         kvrt_am_stats st[NS * HKV];
-        cr_assert_eq(kvrt_am_compact_layer_multi(&o, q, k, v, T, H, HKV, D, NS, ratios, NULL, KVRT_DTYPE_F32, m,
+        cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), &o, q, k, v, T, H, HKV, D, NS, ratios, NULL, KVRT_DTYPE_F32, m,
                                                  st), KVRT_OK, "%s", kvrt_last_error()->msg);
         for (int si = 0; si < NS; si++) {
             kvrt_cache *one = NULL;
             kvrt_am_stats s1[HKV];
-            cr_assert_eq(kvrt_am_compact_layer(&o, q, k, v, T, H, HKV, D, ratios + si * HKV, 0, KVRT_DTYPE_F32,
+            cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, ratios + si * HKV, 0, KVRT_DTYPE_F32,
                                                &one, s1), KVRT_OK);
             cr_assert_eq(one->n_entries, m[si]->n_entries, "set %d", si);
             cr_assert_eq(memcmp(one->offsets, m[si]->offsets, sizeof(int64_t) * (HKV + 1)), 0);
@@ -498,23 +499,25 @@ Test(am, multi_sets_equal_single_calls) {
     /* uniform sets by ratio_list; errors */
     const double rl[2] = {0.1, 0.3};
     kvrt_cache *m2[2];
-    cr_assert_eq(kvrt_am_compact_layer_multi(NULL, q, k, v, T, H, HKV, D, 2, NULL, rl, KVRT_DTYPE_F16, m2, NULL),
+    cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), NULL, q, k, v, T, H, HKV, D, 2, NULL, rl, KVRT_DTYPE_F16, m2, NULL),
                  KVRT_OK);
     cr_assert_leq(m2[0]->n_entries, m2[1]->n_entries);
     kvrt_cache_free(m2[0]);
     kvrt_cache_free(m2[1]);
-    cr_assert_eq(kvrt_am_compact_layer_multi(NULL, q, k, v, T, H, HKV, D, 0, NULL, rl, KVRT_DTYPE_F32, m2, NULL),
+    cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), NULL, q, k, v, T, H, HKV, D, 0, NULL, rl, KVRT_DTYPE_F32, m2, NULL),
                  KVRT_ERR_ARG);
-    cr_assert_eq(kvrt_am_compact_layer_multi(NULL, q, k, v, T, H, HKV, D, 2, NULL, NULL, KVRT_DTYPE_F32, m2, NULL),
+    cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), NULL, q, k, v, T, H, HKV, D, 2, NULL, NULL, KVRT_DTYPE_F32, m2, NULL),
                  KVRT_ERR_ARG);
     cr_assert(m2[0] == NULL && m2[1] == NULL);
     free(q); free(k); free(v);
 }
 
-Test(am, schedule_load_errors) {
-    float r[4];
-    cr_assert_eq(kvrt_am_schedule_load("/nonexistent/x.kvpol", 0.05, 2, 2, r), KVRT_ERR_IO);
-    cr_assert_eq(kvrt_am_schedule_load(NULL, 0.05, 2, 2, r), KVRT_ERR_ARG);
+Test(am, open_errors) {
+    kvrt_am_schedule *s = (kvrt_am_schedule *)1;
+    cr_assert_eq(kvrt_am_open(NULL, &s), KVRT_ERR_ARG);
+    cr_assert_null(s);
+    cr_assert_eq(kvrt_am_schedule_opts(NULL, NULL), KVRT_ERR_ARG);
+    kvrt_am_schedule_free(NULL);
 }
 
 Test(am, causal_query_positions) {
@@ -528,7 +531,7 @@ Test(am, causal_query_positions) {
     o.chunk = 32;
     kvrt_cache *c = NULL;
     kvrt_am_stats st;
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, pos, NQ, 24, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 24, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
                  "%s", kvrt_last_error()->msg);
     expect_finite_cache(c);
     cr_assert_leq(c->n_entries, 24);
@@ -538,10 +541,10 @@ Test(am, causal_query_positions) {
     kvrt_cache_free(c);
     /* no query sees the last chunk: a clear status; negative positions refused */
     for (int i = 0; i < NQ; i++) pos[i] = i % 50;
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, pos, NQ, 24, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 24, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
     cr_assert(strstr(kvrt_last_error()->msg, "no reference query") != NULL, "%s", kvrt_last_error()->msg);
     pos[3] = -1;
-    cr_assert_eq(kvrt_am_compact(&o, k, v, T, D, q, pos, NQ, 24, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 24, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
     free(k); free(v); free(q);
 }
 
@@ -560,7 +563,7 @@ static void am_synth(char *path, size_t len) {
     cr_assert_eq(kvcc_synth_write(path, &TINY_AM, &so, "test", NULL, err, sizeof err), 0, "%s", err);
 }
 
-static void am_compile(const char *corpus, int threads, void **buf, size_t *len) {
+static void am_compile(const char *corpus, int threads, const char *select, void **buf, size_t *len) {
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #else
@@ -583,7 +586,7 @@ static void am_compile(const char *corpus, int threads, void **buf, size_t *len)
     double targets[2] = {0.05, 0.2}, ratios[4] = {1.0 / 32, 1.0 / 8, 0.25, 0.5};
     kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 1, .threads = threads,
                            .am_targets = targets, .n_am_targets = 2, .am_ratios = ratios, .n_am_ratios = 4,
-                           .am_chunk = 64, .am_select = "highest"};
+                           .am_chunk = 64, .am_select = select};
     const kvcc_pass *ps = kvcc_pass_find("am");
     cr_assert_not_null(ps);
     cr_assert_eq(ps->group, (uint32_t)KVPOL_GROUP_AM);
@@ -606,8 +609,8 @@ Test(am, compile_pass_schedule_and_eval_rows, .timeout = 300) {
 #endif
     void *b1 = NULL, *b2 = NULL;
     size_t n1 = 0, n2 = 0;
-    am_compile(corpus, 1, &b1, &n1);
-    am_compile(corpus, nt > 1 ? nt : 2, &b2, &n2);
+    am_compile(corpus, 1, "highest", &b1, &n1);
+    am_compile(corpus, nt > 1 ? nt : 2, "highest", &b2, &n2);
 #ifdef _OPENMP
     omp_set_num_threads(nt);
 #endif
@@ -619,11 +622,25 @@ Test(am, compile_pass_schedule_and_eval_rows, .timeout = 300) {
     cr_assert_eq(fwrite(b1, 1, n1, f), n1);
     fclose(f);
     /* the schedule: per-head ratios whose mean is the target, every head >= 1 unit */
-    float sched[2 * 2];
+    kvrt_policy *pol = NULL;
+    kvrt_error pe;
+    cr_assert_eq(kvrt_policy_open_mem(b1, n1, NULL, &pol, &pe), KVRT_OK, "%s", pe.msg);
+    kvrt_am_schedule *sch = NULL;
+    cr_assert_eq(kvrt_am_open(pol, &sch), KVRT_OK, "%s", kvrt_last_error()->msg);
     const double targets[2] = {0.05, 0.2};
+    const double *ct = NULL;
+    int nct = 0;
+    cr_assert_eq(kvrt_am_schedule_targets(sch, &ct, &nct), KVRT_OK);
+    cr_assert_eq(nct, 2);
+    cr_assert(ct[0] == targets[0] && ct[1] == targets[1]);
     for (int ti = 0; ti < 2; ti++) {
-        cr_assert_eq(kvrt_am_schedule_load(art, targets[ti], 2, 2, sched), KVRT_OK, "%s",
-                     kvrt_last_error()->msg);
+        float sched[2 * 2];
+        for (uint32_t l = 0; l < 2; l++) {
+            const float *rl = NULL;
+            cr_assert_eq(kvrt_am_schedule_ratios(sch, targets[ti], l, &rl), KVRT_OK, "%s",
+                         kvrt_last_error()->msg);
+            memcpy(sched + 2 * l, rl, 2 * sizeof(float));
+        }
         double mean = 0;
         for (int h = 0; h < 4; h++) {
             cr_assert_geq(sched[h], 1.0f / 1024);
@@ -633,9 +650,20 @@ Test(am, compile_pass_schedule_and_eval_rows, .timeout = 300) {
                     sched[2], sched[3]);
         cr_assert_float_eq(mean, targets[ti], 1.0 / 1024, "mean %g vs target %g", mean, targets[ti]);
     }
-    cr_assert_eq(kvrt_am_schedule_load(art, 0.1, 2, 2, sched), KVRT_ERR_ARG);
+    const float *rl = NULL;
+    cr_assert_eq(kvrt_am_schedule_ratios(sch, 0.1, 0, &rl), KVRT_ERR_ARG);
     cr_assert(strstr(kvrt_last_error()->msg, "compiled: 0.05, 0.2") != NULL, "%s", kvrt_last_error()->msg);
-    cr_assert_eq(kvrt_am_schedule_load(art, 0.05, 3, 2, sched), KVRT_ERR_MODEL_MISMATCH);
+    cr_assert_eq(kvrt_am_schedule_ratios(sch, 0.05, 2, &rl), KVRT_ERR_ARG);
+    /* the handle carries the compiled options (this corpus was compiled with chunk 64) */
+    kvrt_am_opts co;
+    cr_assert_eq(kvrt_am_schedule_opts(sch, &co), KVRT_OK);
+    cr_assert_eq(co.key_select, KVRT_AM_SELECT_HIGHEST);
+    cr_assert_eq(co.chunk, 64);
+    kvrt_am_schedule_free(sch);
+    kvrt_policy_free(pol);
+    /* a model that differs from the compiled one is refused at open */
+    kvrt_model_dims other = {.n_layers = 3};
+    cr_assert_eq(kvrt_policy_open_mem(b1, n1, &other, &pol, &pe), KVRT_ERR_MODEL_MISMATCH);
     /* eval rows */
     static kvcc_eval_result R;
     int methods[] = {KVCC_EVAL_AM, KVCC_EVAL_AM_UNIFORM, KVCC_EVAL_AM_OMP, KVRT_METHOD_STREAMING};
@@ -662,5 +690,76 @@ Test(am, compile_pass_schedule_and_eval_rows, .timeout = 300) {
     free(b1);
     free(b2);
     unlink(art);
+    unlink(corpus);
+}
+
+/* Calibrate == execute: an artifact compiled with --am-select omp (and chunk 64) carries both, the
+ * handle runs exactly them (bitwise equal to an explicit compaction with those options), refuses
+ * other options unless told to override, and the result differs from the defaults' (highest,
+ * chunk 4096), so running the defaults would have been visible. */
+Test(am, handle_runs_the_compiled_options, .timeout = 300) {
+    char corpus[128];
+    am_synth(corpus, sizeof corpus);
+    void *buf = NULL;
+    size_t len = 0;
+    am_compile(corpus, 1, "omp", &buf, &len);
+    kvrt_policy *pol = NULL;
+    kvrt_error pe;
+    cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe), KVRT_OK, "%s", pe.msg);
+    kvrt_am_schedule *sch = NULL;
+    cr_assert_eq(kvrt_am_open(pol, &sch), KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_am_opts co;
+    cr_assert_eq(kvrt_am_schedule_opts(sch, &co), KVRT_OK);
+    cr_assert_eq(co.key_select, KVRT_AM_SELECT_OMP);
+    cr_assert_eq(co.chunk, 64);
+    const uint32_t H = TINY_AM.n_heads, HKV = TINY_AM.n_kv_heads, D = TINY_AM.head_dim;
+    const int64_t T = 256;
+    uint64_t seed = 7;
+    float *q = randn_f((size_t)T * H * D, &seed, 1.0), *k = randn_f((size_t)T * HKV * D, &seed, 1.0),
+          *v = randn_f((size_t)T * HKV * D, &seed, 1.0);
+    const float *ratios = NULL;
+    cr_assert_eq(kvrt_am_schedule_ratios(sch, 0.2, 1, &ratios), KVRT_OK);
+    kvrt_cache *a = NULL, *b = NULL, *c = NULL;
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, NULL, 0, 0.2, 1, q, k, v, T, H, KVRT_DTYPE_F32, &a,
+                                           NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &co, q, k, v, T, H, HKV, D, ratios, 0.2, KVRT_DTYPE_F32, &b,
+                                       NULL), KVRT_OK);
+    cr_assert_eq(a->n_entries, b->n_entries);
+    cr_assert_eq(memcmp(a->offsets, b->offsets, sizeof(int64_t) * (HKV + 1)), 0);
+    cr_assert_eq(memcmp(a->keys, b->keys, sizeof(float) * (size_t)a->n_entries * D), 0);
+    cr_assert_eq(memcmp(a->values, b->values, sizeof(float) * (size_t)a->n_entries * D), 0);
+    cr_assert_eq(memcmp(a->bias, b->bias, sizeof(float) * (size_t)a->n_entries), 0);
+    /* the defaults give another compaction */
+    kvrt_am_opts def;
+    kvrt_am_opts_init(&def);
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &def, q, k, v, T, H, HKV, D, ratios, 0.2, KVRT_DTYPE_F32, &c,
+                                       NULL), KVRT_OK);
+    cr_assert(c->n_entries != a->n_entries ||
+              memcmp(c->values, a->values, sizeof(float) * (size_t)a->n_entries * D) != 0 ||
+              memcmp(c->positions, a->positions, sizeof(int32_t) * (size_t)a->n_entries) != 0,
+              "highest/4096 and the compiled omp/64 gave the same compaction");
+    kvrt_cache_free(c);
+    c = NULL;
+    /* other options are refused by name unless overridden explicitly */
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &def, 0, 0.2, 1, q, k, v, T, H, KVRT_DTYPE_F32, &c,
+                                           NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "key_select highest differs from the compiled omp") != NULL, "%s",
+              kvrt_last_error()->msg);
+    cr_assert(strstr(kvrt_ctx_last_error(test_cpu())->msg, "key_select") != NULL);
+    kvrt_am_opts chunk_only = co;
+    chunk_only.chunk = 4096;
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &chunk_only, 0, 0.2, 1, q, k, v, T, H,
+                                           KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "chunk 4096 differs from the compiled 64") != NULL, "%s",
+              kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &def, KVRT_OVERRIDE_OPTIONS, 0.2, 1, q, k, v, T, H,
+                                           KVRT_DTYPE_F32, &c, NULL), KVRT_OK);
+    cr_assert_eq(c->n_entries > 0, 1);
+    kvrt_cache_free(a);
+    kvrt_cache_free(b);
+    kvrt_cache_free(c);
+    kvrt_am_schedule_free(sch);
+    kvrt_policy_free(pol);
+    free(q); free(k); free(v); free(buf);
     unlink(corpus);
 }

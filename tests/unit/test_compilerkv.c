@@ -23,6 +23,7 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "test_ctx.h"
 #include "test_rng.h"
 #include "loader.h"
 #include "passes/compilerkv.h"
@@ -170,7 +171,7 @@ Test(compilerkv, prompt_alpha_rho_risk) {
     kvrt_compilerkv_tables *tb = simple_tables(2, budgets, L, H, w, 1.1f, 0.9f);
     kvrt_selection *a = NULL, *b = NULL;
     kvrt_compilerkv_stats st;
-    cr_assert_eq(kvrt_compilerkv_select(tb, pf, 1, v, Hkv, d, 64, 0, &a, &st), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_compilerkv_select(test_cpu(), tb, pf, 1, v, Hkv, d, 64, 0, &a, &st), KVRT_OK, "%s", kvrt_last_error()->msg);
     float wr[4] = {1.1f, 1.1f, 1.1f, 1.1f};
     cr_assert_eq(kvrt_compilerkv_select_layer(pf->alpha, rho, T, H, Hkv, wr, 0.9f, 64, w, &b, NULL), KVRT_OK);
     cr_assert_eq(a->offsets[Hkv], b->offsets[Hkv]);
@@ -190,18 +191,18 @@ Test(compilerkv, prompt_alpha_rho_risk) {
         cr_assert_eq(kvrt_compilerkv_prompt_finish(p2, lp), KVRT_OK);
         kvrt_selection *sa[3];
         kvrt_compilerkv_stats sst[3];
-        cr_assert_eq(kvrt_compilerkv_select_all(tb, (const float *const *)qs, (const float *const *)ks,
+        cr_assert_eq(kvrt_compilerkv_select_all(test_cpu(), tb, (const float *const *)qs, (const float *const *)ks,
                                                 (const float *const *)vs, lp, T, H, Hkv, d, 32, 0, sa, sst),
                      KVRT_OK, "%s", kvrt_last_error()->msg);
         for (uint32_t l = 0; l < L; l++) {
-            cr_assert_eq(kvrt_compilerkv_select(tb, p2, l, v, Hkv, d, 32, 0, &a, NULL), KVRT_OK);
+            cr_assert_eq(kvrt_compilerkv_select(test_cpu(), tb, p2, l, v, Hkv, d, 32, 0, &a, NULL), KVRT_OK);
             cr_assert_eq(a->offsets[Hkv], sa[l]->offsets[Hkv]);
             cr_expect_eq(memcmp(a->positions, sa[l]->positions, sizeof(int32_t) * (size_t)a->offsets[Hkv]), 0);
             cr_expect_eq(sst[l].kept, a->offsets[1]);
             kvrt_selection_free(a);
             kvrt_selection_free(sa[l]);
         }
-        cr_expect_eq(kvrt_compilerkv_select_all(tb, (const float *const *)qs, (const float *const *)ks,
+        cr_expect_eq(kvrt_compilerkv_select_all(test_cpu(), tb, (const float *const *)qs, (const float *const *)ks,
                                                 (const float *const *)vs, lp, T, H, Hkv, d, 33, 0, sa, NULL),
                      KVRT_ERR_UNSUPPORTED);
         for (uint32_t l = 0; l < L; l++) cr_expect_null(sa[l]);
@@ -209,10 +210,10 @@ Test(compilerkv, prompt_alpha_rho_risk) {
         a = NULL;
     }
     /* budgets not compiled: refused unless the nearest is allowed */
-    cr_expect_eq(kvrt_compilerkv_select(tb, pf, 1, v, Hkv, d, 50, 0, &a, &st), KVRT_ERR_UNSUPPORTED);
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pf, 1, v, Hkv, d, 50, 0, &a, &st), KVRT_ERR_UNSUPPORTED);
     cr_expect(strstr(kvrt_last_error()->msg, "32,64") != NULL, "%s", kvrt_last_error()->msg);
     cr_expect_null(a);
-    cr_expect_eq(kvrt_compilerkv_select(tb, pf, 1, v, Hkv, d, 50, KVRT_COMPILERKV_NEAREST_BUDGET, &a, &st), KVRT_OK);
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pf, 1, v, Hkv, d, 50, KVRT_COMPILERKV_NEAREST_BUDGET, &a, &st), KVRT_OK);
     cr_expect_eq(st.budget_index, 1u);
     cr_expect_leq(st.kept, 50);
     kvrt_selection_free(a);
@@ -234,8 +235,8 @@ Test(compilerkv, prompt_alpha_rho_risk) {
     kvrt_compilerkv_prompt *pu = NULL;
     cr_assert_eq(kvrt_compilerkv_prompt_create(T, w, &pu), KVRT_OK);
     cr_expect_eq(kvrt_compilerkv_prompt_finish(pu, lp), KVRT_ERR_ARG, "no layer added");
-    cr_expect_eq(kvrt_compilerkv_select(tb, pu, 0, v, Hkv, d, 32, 0, &a, &st), KVRT_ERR_ARG, "not finished");
-    cr_expect_eq(kvrt_compilerkv_select(tb, pf, 7, v, Hkv, d, 32, 0, &a, &st), KVRT_ERR_ARG, "layer out of range");
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pu, 0, v, Hkv, d, 32, 0, &a, &st), KVRT_ERR_ARG, "not finished");
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pf, 7, v, Hkv, d, 32, 0, &a, &st), KVRT_ERR_ARG, "layer out of range");
     kvrt_compilerkv_prompt_free(pu);
     kvrt_compilerkv_tables_free(tb);
     kvrt_compilerkv_prompt_free(pf);
@@ -322,7 +323,7 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     cr_assert_eq(kvrt_policy_open_mem(b1, n1, NULL, &pol, &e), KVRT_OK, "%s", e.msg);
     cr_expect(kvrt_policy_groups(pol) & (1u << KVPOL_GROUP_COMPILERKV));
     kvrt_compilerkv_tables *tb = NULL;
-    cr_assert_eq(kvrt_compilerkv_tables_from_policy(pol, &tb), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_compilerkv_open(pol, &tb), KVRT_OK, "%s", kvrt_last_error()->msg);
     cr_expect_eq(tb->n_budgets, 2u, "budget 500 >= the context is skipped");
     cr_expect_eq(tb->budgets[0], 24);
     cr_expect_eq(tb->budgets[1], 40);
@@ -367,7 +368,7 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     cr_assert_eq(kvcc_corpus_read_layer(c, 0, 1, NULL, NULL, v), 0);
     kvrt_selection *sel = NULL;
     kvrt_compilerkv_stats st;
-    cr_expect_eq(kvrt_compilerkv_select(tb, pr, 1, v, 2, 16, 40, 0, &sel, &st), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pr, 1, v, 2, 16, 40, 0, &sel, &st), KVRT_OK, "%s", kvrt_last_error()->msg);
     cr_expect(st.kept >= 8 && st.kept <= 40);
     kvrt_selection_free(sel);
     free(v);

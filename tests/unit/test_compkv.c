@@ -27,7 +27,9 @@
 #include <omp.h>
 #endif
 
+#include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "test_ctx.h"
 #include "test_rng.h"
 
 // ----------------------------------------------------------------------------
@@ -122,7 +124,7 @@ static void rand_grouping(uint32_t hkv, uint32_t d, uint32_t r, uint64_t *s, uin
 static kvrt_compkv *make_state(const kvrt_compkv_opts *o, uint32_t hkv, uint32_t d, int64_t cap,
                                const uint16_t *perm, const uint16_t *off) {
     kvrt_compkv *s = NULL;
-    int rc = kvrt_compkv_create(o, hkv, d, cap, perm, off, &s);
+    int rc = kvrt_compkv_create(test_cpu(), o, hkv, d, cap, perm, off, &s);
     cr_assert_eq(rc, KVRT_OK, "kvrt_compkv_create: %s", kvrt_last_error()->msg);
     return s;
 }
@@ -842,56 +844,56 @@ Test(compkv, bad_arguments_are_refused_with_a_message) {
         memcpy(off + h * 5, of, sizeof of);
     }
     /* create */
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, NULL, NULL, NULL), KVRT_ERR_ARG, "out",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, NULL), KVRT_ERR_ARG, "out",
                  "out NULL");
-    expect_error(kvrt_compkv_create(&o, 0, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "n_kv_heads",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 0, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "n_kv_heads",
                  "no KV head");
     cr_assert_null(s, "*out is set to NULL on failure");
-    expect_error(kvrt_compkv_create(&o, 2, d, 0, NULL, NULL, &s), KVRT_ERR_ARG, "capacity",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 0, NULL, NULL, &s), KVRT_ERR_ARG, "capacity",
                  "capacity 0");
     o.block = 0;
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "block",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "block",
                  "block 0");
     kvrt_compkv_opts_init(&o);
     o.r = 0;
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "opts.r", "r 0");
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "opts.r", "r 0");
     o.r = d + 1;
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "opts.r",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "opts.r",
                  "r > d");
     kvrt_compkv_opts_init(&o);
     o.scale = NAN;
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "scale",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "scale",
                  "NaN scale");
     kvrt_compkv_opts_init(&o);
     o.compensate = 2;
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "compensate",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "compensate",
                  "compensate 2");
     kvrt_compkv_opts_init(&o);
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, perm, NULL, &s), KVRT_ERR_ARG, "offsets",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, NULL, &s), KVRT_ERR_ARG, "offsets",
                  "perm without offsets");
     perm[8 + 3] = perm[8 + 4]; /* head 1 repeats a coordinate */
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "perm[1]",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "perm[1]",
                  "perm repeats");
     perm[8 + 3] = 8; /* out of range */
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "perm[1]",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "perm[1]",
                  "perm out of range");
     perm[8 + 3] = 4;
     s = make_state(&o, 2, d, 10, perm, off); /* repaired: fine */
     kvrt_compkv_free(s);
     off[0] = 1;
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets",
                  "offsets not starting at 0");
     off[0] = 0;
     off[5 + 2] = off[5 + 1]; /* head 1: empty group */
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets[1]",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets[1]",
                  "offsets not increasing");
     off[5 + 2] = 4;
     off[5 + 4] = 7; /* head 1 does not end at d */
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets[1]",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets[1]",
                  "offsets not ending at d");
     off[5 + 4] = 8;
     off[3] = 9; /* head 0 jumps past d */
-    expect_error(kvrt_compkv_create(&o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets",
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, off, &s), KVRT_ERR_ARG, "offsets",
                  "offsets past d");
     off[3] = 6;
 
@@ -1009,4 +1011,99 @@ Test(compkv, results_do_not_depend_on_thread_count) {
     free(v);
     free(q);
 #endif
+}
+
+/* Calibrate == execute for CompKV: a grouping compiled with block 8 (not the default 16) gives
+ * decode states with blocks of 8 through kvrt_compkv_create_layer (the same scores as an explicit
+ * kvrt_compkv_create with the compiled options), and another block is refused by name unless the
+ * caller overrides it explicitly. */
+Test(compkv, handle_runs_the_compiled_block) {
+    enum { L = 2, HKV = 2, H = 4, D = 16, R = 4, BLK = 8, T = 100 };
+    kvpol_header h;
+    kvpol_header_init(&h);
+    h.model = (kvpol_model){.n_layers = L, .n_heads = H, .n_kv_heads = HKV, .head_dim = D, .vocab_size = 100,
+                            .rope_theta = 10000.0, .rope_scaling_factor = 1.0f};
+    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    uint16_t perm[L * HKV * D], off[L * HKV * (R + 1)];
+    uint8_t learned[L * HKV];
+    for (int hh = 0; hh < L * HKV; hh++) {
+        for (int i = 0; i < D; i++) perm[hh * D + i] = (uint16_t)((i * 5 + hh) % D); /* 5 is prime to 16 */
+        for (int t = 0; t <= R; t++) off[hh * (R + 1) + t] = (uint16_t)(t * D / R);
+        learned[hh] = 1;
+    }
+    const uint64_t dp[3] = {L, HKV, D}, dof[3] = {L, HKV, R + 1}, dl[2] = {L, HKV};
+    kvpol_writer *w = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+    int kc = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_GROUPINGS, kvpol_known_find(KVPOL_SEC_COMPKV_GROUPINGS)->name,
+                                        KVPOL_SECTION_CRITICAL, KVPOL_CODEC_NONE, 1);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "perm", KVPOL_DTYPE_U16, 3, dp, perm);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "offsets", KVPOL_DTYPE_U16, 3, dof, off);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "learned", KVPOL_DTYPE_U8, 2, dl, learned);
+    if (!kc) kc = kvpol_writer_add_i64(w, "r", R);
+    if (!kc) kc = kvpol_writer_add_i64(w, "block", BLK);
+    if (!kc) kc = kvpol_writer_add_f64(w, "scale", 0.25);
+    if (!kc) kc = kvpol_writer_end_section(w);
+    cr_assert_eq(kc, 0, "%s", kvpol_status_str(kc));
+    void *buf = NULL;
+    size_t len = 0;
+    cr_assert_eq(kvpol_writer_to_memory(w, &buf, &len, &ke), 0, "%s", ke.msg);
+    kvpol_writer_free(w);
+    kvrt_policy *pol = NULL;
+    kvrt_error pe;
+    cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe), KVRT_OK, "%s", pe.msg);
+    kvrt_compkv_grouping *g = NULL;
+    cr_assert_eq(kvrt_compkv_open(pol, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
+    /* the groups it does not carry are refused by name */
+    kvrt_am_schedule *am = NULL;
+    cr_assert_eq(kvrt_am_open(pol, &am), KVRT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvrt_last_error()->msg, "no am section am.schedule: compile it with kvcc compile "
+                                             "--policies am") != NULL, "%s", kvrt_last_error()->msg);
+    kvrt_compilerkv_tables *tb = NULL;
+    cr_assert_eq(kvrt_compilerkv_open(pol, &tb), KVRT_ERR_UNSUPPORTED);
+    cr_assert_null(tb);
+    kvrt_compkv_opts co;
+    cr_assert_eq(kvrt_compkv_grouping_opts(g, &co), KVRT_OK);
+    cr_assert_eq(co.block, BLK);
+    cr_assert_eq(co.r, R);
+    cr_assert_float_eq(co.scale, 0.25f, 0);
+    uint64_t s = 3;
+    float k[T * HKV * D], v[T * HKV * D], q[H * D];
+    for (int i = 0; i < T * HKV * D; i++) { k[i] = rng_uniform(&s, -1, 1); v[i] = rng_uniform(&s, -1, 1); }
+    for (int i = 0; i < H * D; i++) q[i] = rng_uniform(&s, -1, 1);
+    kvrt_compkv *a = NULL, *b = NULL, *c = NULL;
+    cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 1, T, NULL, 0, &a), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_compkv_create(test_cpu(), &co, HKV, D, T, perm + HKV * D, off + HKV * (R + 1), &b), KVRT_OK);
+    cr_assert_eq(kvrt_compkv_append(a, k, v, T), KVRT_OK);
+    cr_assert_eq(kvrt_compkv_append(b, k, v, T), KVRT_OK);
+    cr_assert_eq(kvrt_compkv_n_blocks(a), (T + BLK - 1) / BLK, "the state does not run the compiled block");
+    float sa[HKV * ((T + BLK - 1) / BLK)], sb[HKV * ((T + BLK - 1) / BLK)];
+    cr_assert_eq(kvrt_compkv_scores(a, q, H, sa), KVRT_OK);
+    cr_assert_eq(kvrt_compkv_scores(b, q, H, sb), KVRT_OK);
+    cr_assert_eq(memcmp(sa, sb, sizeof sa), 0);
+    /* the default block (16) is refused by name; the run-time switches are not compiled options */
+    kvrt_compkv_opts def;
+    kvrt_compkv_opts_init(&def);
+    def.r = R;
+    cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 1, T, &def, 0, &c), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "block 16 differs from the compiled 8") != NULL, "%s",
+              kvrt_last_error()->msg);
+    cr_assert(strstr(kvrt_ctx_last_error(test_cpu())->msg, "block 16") != NULL);
+    kvrt_compkv_opts sw = co;
+    sw.compensate = 0;
+    sw.n_recent_blocks = 3;
+    cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 0, T, &sw, 0, &c), KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_compkv_free(c);
+    c = NULL;
+    cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 1, T, &def, KVRT_OVERRIDE_OPTIONS, &c), KVRT_OK);
+    cr_assert_eq(kvrt_compkv_append(c, k, v, T), KVRT_OK);
+    cr_assert_eq(kvrt_compkv_n_blocks(c), (T + 15) / 16);
+    cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 2, T, NULL, 0, &c), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_compkv_create_layer(NULL, g, 0, T, NULL, 0, &c), KVRT_ERR_ARG);
+    kvrt_compkv_free(a);
+    kvrt_compkv_free(b);
+    kvrt_compkv_free(c);
+    kvrt_compkv_grouping_free(g);
+    kvrt_policy_free(pol);
+    free(buf);
 }

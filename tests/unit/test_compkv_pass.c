@@ -7,7 +7,7 @@
  *    zero error, index order does not), and keeps index order when every grouping ties (equal
  *    variances; r = 1; r = d);
  *  - the pass on a small synthetic corpus: byte-identical artifacts at 1 and 2 threads, a file
- *    that passes full validation, kvrt_compkv_grouping_load reads it back (valid permutations,
+ *    that passes full validation, kvrt_compkv_open reads it back (valid permutations,
  *    index order exactly where the learned grouping did not win), model mismatch refused, a bad
  *    --compkv-r refused with a message; the explicit index grouping gives the runtime's own
  *    index-order summaries;
@@ -37,6 +37,7 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "test_ctx.h"
 #include "test_rng.h"
 #include "loader.h"
 #include "passes/passes.h"
@@ -234,7 +235,11 @@ Test(compkv_pass, pass_end_to_end_and_loader, .timeout = 120) {
     snprintf(art, sizeof art, "/tmp/kvcc_compkv_%d.kvpol", (int)getpid());
     write_file(art, b1, n1);
     kvrt_compkv_grouping *g = NULL;
-    cr_assert_eq(kvrt_compkv_grouping_load(art, 2, 2, 16, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_policy *pol = NULL;
+    kvrt_error re;
+    kvrt_model_dims want = {.n_layers = 2, .n_kv_heads = 2, .head_dim = 16};
+    cr_assert_eq(kvrt_policy_open(art, &want, &pol, &re), KVRT_OK, "%s", re.msg);
+    cr_assert_eq(kvrt_compkv_open(pol, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
     cr_expect_eq(g->r, 4);
     cr_expect_eq(g->block, 16);
     cr_expect_float_eq(g->scale, 0.25, 1e-12);
@@ -255,20 +260,18 @@ Test(compkv_pass, pass_end_to_end_and_loader, .timeout = 120) {
     kvrt_compkv_opts co;
     kvrt_compkv_opts_init(&co);
     kvrt_compkv *st = NULL;
-    cr_expect_eq(kvrt_compkv_create(&co, 2, 16, 64, g->perm + 2 * 16, g->offsets + 2 * 5, &st), KVRT_OK, "%s",
+    cr_expect_eq(kvrt_compkv_create(test_cpu(), &co, 2, 16, 64, g->perm + 2 * 16, g->offsets + 2 * 5, &st),
+                 KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_compkv_free(st);
+    st = NULL;
+    cr_expect_eq(kvrt_compkv_create_layer(test_cpu(), g, 1, 64, NULL, 0, &st), KVRT_OK, "%s",
                  kvrt_last_error()->msg);
     kvrt_compkv_free(st);
     kvrt_compkv_grouping_free(g);
-    g = NULL;
-    cr_expect_eq(kvrt_compkv_grouping_load(art, 3, 2, 16, &g), KVRT_ERR_MODEL_MISMATCH);
-    cr_expect_null(g);
-    /* the policy handle path */
-    kvrt_policy *pol = NULL;
-    kvrt_error re;
-    cr_assert_eq(kvrt_policy_open(art, NULL, &pol, &re), KVRT_OK, "%s", re.msg);
-    cr_expect_eq(kvrt_compkv_grouping_from_policy(pol, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
-    kvrt_compkv_grouping_free(g);
     kvrt_policy_free(pol);
+    /* another model is refused at open */
+    want.n_layers = 3;
+    cr_expect_eq(kvrt_policy_open(art, &want, &pol, &re), KVRT_ERR_MODEL_MISMATCH);
     kvpol_close(f);
     /* a bad r is refused by name */
     void *b3 = NULL;
@@ -299,8 +302,8 @@ Test(compkv_pass, index_grouping_matches_runtime_default) {
         kvrt_compkv_opts_init(&o);
         o.r = r;
         kvrt_compkv *a = NULL, *b = NULL;
-        cr_assert_eq(kvrt_compkv_create(&o, HKV, D, T, NULL, NULL, &a), KVRT_OK, "%s", kvrt_last_error()->msg);
-        cr_assert_eq(kvrt_compkv_create(&o, HKV, D, T, perm, off, &b), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_compkv_create(test_cpu(), &o, HKV, D, T, NULL, NULL, &a), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_compkv_create(test_cpu(), &o, HKV, D, T, perm, off, &b), KVRT_OK, "%s", kvrt_last_error()->msg);
         cr_assert_eq(kvrt_compkv_append(a, k, v, T), KVRT_OK);
         cr_assert_eq(kvrt_compkv_append(b, k, v, T), KVRT_OK);
         cr_assert_eq(kvrt_compkv_groups(b), r);

@@ -1,0 +1,227 @@
+/*
+ * am.c: Attention Matching's front door (docs/policies/am.md): the compiled schedule handle
+ * (kvrt_am_open from an open policy: per-target per-head ratios and the compiled key selection
+ * and chunk), the rule that a run uses the compiled options unless the caller overrides them
+ * explicitly, and dispatch of the compactions to the context's backend (runtime/cpu/am.c).
+ * Callers: serving stacks, kvcc eval, tests.
+ *
+ * defines: kvrt_am_open, kvrt_am_schedule_free, kvrt_am_schedule_opts,
+ *          kvrt_am_schedule_targets, kvrt_am_schedule_ratios, kvrt_am_compact_scheduled,
+ *          kvrt_am_compact, kvrt_am_compact_layer, kvrt_am_compact_layer_multi
+ *
+ * Section am.schedule (critical): targets f64 [n_t], schedule f32 [n_t, L, Hkv], key_select
+ * string ("highest" | "omp"), chunk i64 (docs/kvpol-format.md, group 2).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvpol.h"
+#include "core/policies.h"
+
+struct kvrt_am_schedule {
+    uint32_t n_layers, n_kv_heads, head_dim, n_targets;
+    double *targets;      /* [n_targets] */
+    float *ratios;        /* [n_targets, n_layers, n_kv_heads] */
+    kvrt_am_opts opts;    /* kvrt_am_opts_init + the compiled key_select and chunk */
+};
+
+void kvrt_am_schedule_free(kvrt_am_schedule *s) {
+    if (s == NULL) return;
+    free(s->targets);
+    free(s->ratios);
+    free(s);
+}
+
+int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
+    const char *fn = "kvrt_am_open";
+    if (out) *out = NULL;
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    const kvpol_file *f;
+    kvrt_model_dims md;
+    uint32_t si;
+    int rc = kvrt_policy_section(p, KVPOL_SEC_AM_SCHEDULE, fn, &f, &si, &md);
+    if (rc) return rc;
+    kvpol_item tg, sc;
+    const char *sel = NULL;
+    uint64_t sel_len = 0;
+    int64_t chunk = 0;
+    if (kvpol_get_tensor(f, si, "targets", KVPOL_DTYPE_F64, &tg) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK || tg.ndim != 1 ||
+        sc.ndim != 3 || sc.dims[0] != tg.dims[0] || tg.dims[0] < 1 || tg.dims[0] > 4096)
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                      "%s: am.schedule: expected items targets f64 [n_t] (n_t 1..4096) and "
+                      "schedule f32 [n_t, L, Hkv]", fn);
+    if (kvpol_get_string(f, si, "key_select", &sel, &sel_len) != KVPOL_OK ||
+        kvpol_get_i64(f, si, "chunk", &chunk) != KVPOL_OK)
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                      "%s: am.schedule: expected items key_select string and chunk i64", fn);
+    int key_select;
+    if (sel_len == 7 && memcmp(sel, "highest", 7) == 0) key_select = KVRT_AM_SELECT_HIGHEST;
+    else if (sel_len == 3 && memcmp(sel, "omp", 3) == 0) key_select = KVRT_AM_SELECT_OMP;
+    else
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "%s: am.schedule: key_select '%.*s', expected highest or omp", fn,
+                         (int)(sel_len < 32 ? sel_len : 32), sel);
+    if (chunk < 0 || chunk > INT32_MAX)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: chunk %lld, expected 0..%d", fn,
+                      (long long)chunk, INT32_MAX);
+    if ((md.n_layers && sc.dims[1] != md.n_layers) ||
+        (md.n_kv_heads && sc.dims[2] != md.n_kv_heads))
+        return KVRT_FAIL(
+            KVRT_ERR_MODEL_MISMATCH,
+            "%s: am.schedule is [%llu, %llu, %llu], the policy's model has %u layers x %u "
+            "KV heads",
+            fn, (unsigned long long)sc.dims[0], (unsigned long long)sc.dims[1],
+            (unsigned long long)sc.dims[2], md.n_layers, md.n_kv_heads);
+    const float *rv = sc.data;
+    const size_t nr = (size_t)(sc.dims[0] * sc.dims[1] * sc.dims[2]);
+    for (size_t i = 0; i < nr; i++)
+        if (!(rv[i] > 0.0f && rv[i] <= 1.0f))
+            return KVRT_FAIL(KVRT_ERR_FORMAT,
+                             "%s: am.schedule: schedule[%zu] = %g, expected a ratio in "
+                             "(0, 1]",
+                             fn, i, (double)rv[i]);
+    kvrt_am_schedule *s = calloc(1, sizeof *s);
+    if (s) {
+        s->targets = malloc(sizeof(double) * (size_t)tg.dims[0]);
+        s->ratios = malloc(sizeof(float) * nr);
+    }
+    if (s == NULL || s->targets == NULL || s->ratios == NULL) {
+        kvrt_am_schedule_free(s);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    }
+    s->n_targets = (uint32_t)tg.dims[0];
+    s->n_layers = (uint32_t)sc.dims[1];
+    s->n_kv_heads = (uint32_t)sc.dims[2];
+    s->head_dim = md.head_dim;
+    memcpy(s->targets, tg.data, sizeof(double) * s->n_targets);
+    memcpy(s->ratios, rv, sizeof(float) * nr);
+    kvrt_am_opts_init(&s->opts);
+    s->opts.key_select = key_select;
+    s->opts.chunk = chunk;
+    *out = s;
+    return KVRT_OK;
+}
+
+int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out) {
+    if (s == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_opts: NULL argument");
+    *out = s->opts;
+    return KVRT_OK;
+}
+
+int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, int *n_targets) {
+    if (s == NULL || targets == NULL || n_targets == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_targets: NULL argument");
+    *targets = s->targets;
+    *n_targets = (int)s->n_targets;
+    return KVRT_OK;
+}
+
+int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t layer,
+                            const float **ratios) {
+    const char *fn = "kvrt_am_schedule_ratios";
+    if (s == NULL || ratios == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+    *ratios = NULL;
+    if (layer >= s->n_layers)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, the schedule has %u layers", fn, layer,
+                         s->n_layers);
+    int64_t hit = -1;
+    for (uint32_t i = 0; i < s->n_targets; i++)
+        if (fabs(s->targets[i] - target) <= 1e-6 * fabs(target)) hit = i;
+    if (hit < 0) {
+        char list[256] = "";
+        size_t len = 0;
+        for (uint32_t i = 0; i < s->n_targets && len + 16 < sizeof list; i++)
+            len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "",
+                                    s->targets[i]);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: target ratio %g is not compiled (compiled: %s)", fn,
+                         target, list);
+    }
+    *ratios = s->ratios + ((size_t)hit * s->n_layers + layer) * s->n_kv_heads;
+    return KVRT_OK;
+}
+
+static const char *select_name(int ks) {
+    return ks == KVRT_AM_SELECT_HIGHEST ? "highest" : ks == KVRT_AM_SELECT_OMP ? "omp" : "unknown";
+}
+
+/* The checks of kvrt_am_compact_scheduled that need the schedule; *ratios: the layer's ratios. */
+static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt_am_opts *o,
+                           unsigned flags, double target, uint32_t layer, kvrt_cache **out,
+                           const float **ratios) {
+    if (s == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, s ? "out" : "schedule");
+    if (flags & ~KVRT_OVERRIDE_OPTIONS)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn,
+                         flags & ~KVRT_OVERRIDE_OPTIONS);
+    if (o && !(flags & KVRT_OVERRIDE_OPTIONS)) {
+        if (o->key_select != s->opts.key_select)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: key_select %s differs from the compiled %s (pass "
+                          "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, select_name(o->key_select),
+                          select_name(s->opts.key_select));
+        if (o->chunk != s->opts.chunk)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: chunk %lld differs from the compiled %lld (pass "
+                          "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (long long)o->chunk,
+                          (long long)s->opts.chunk);
+    }
+    return kvrt_am_schedule_ratios(s, target, layer, ratios);
+}
+
+int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kvrt_am_opts *o,
+                              unsigned flags, double target, uint32_t layer, const float *q,
+                              const float *k, const float *v, int64_t T, uint32_t n_heads,
+                              int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
+    const char *fn = "kvrt_am_compact_scheduled";
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, fn, "am_compact_layer");
+    if (rc) return rc;
+    const float *ratios = NULL;
+    rc = scheduled_check(fn, s, o, flags, target, layer, out, &ratios);
+    if (rc == KVRT_OK)
+        rc = kvrt_cpu_am_compact_layer_multi(o ? o : &s->opts, q, k, v, T, n_heads, s->n_kv_heads,
+                                             s->head_dim, 1, ratios, &target, dtype, out, stats);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v,
+                    int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
+                    int64_t n, int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact", "am_compact");
+    if (rc) return rc;
+    rc = kvrt_cpu_am_compact(o, k, v, T, head_dim, q_ref, q_pos, n, t, dtype, out, stats);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, const float *k,
+                          const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                          uint32_t head_dim, const float *ratios, double ratio, int dtype,
+                          kvrt_cache **out, kvrt_am_stats *stats) {
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact_layer", "am_compact_layer");
+    if (rc) return rc;
+    if (out == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
+    else
+        rc = kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1,
+                                             ratios, &ratio, dtype, out, stats);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_am_compact_layer_multi(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
+                                const float *k, const float *v, int64_t T, uint32_t n_heads,
+                                uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                                const float *ratios, const double *ratio_list, int dtype,
+                                kvrt_cache **out, kvrt_am_stats *stats) {
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact_layer_multi", "am_compact_layer");
+    if (rc) {
+        if (out && n_sets > 0 && n_sets <= 4096)
+            for (int i = 0; i < n_sets; i++) out[i] = NULL;
+        return rc;
+    }
+    rc = kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, n_sets,
+                                         ratios, ratio_list, dtype, out, stats);
+    return kvrt_policy_ctx_done(ctx, rc);
+}

@@ -1,0 +1,113 @@
+/*
+ * compilerkv.c: CompilerKV's front door (docs/policies/compilerkv.md): the compiled tables from an
+ * open policy (kvrt_compilerkv_open: budgets, window, W_head, T_gate and the risk-bin edges; the
+ * tables carry their window and budgets, and a selection refuses a prompt of another window or an
+ * uncompiled budget unless asked for the nearest one), and dispatch of the per-layer selection to
+ * the context's backend (runtime/cpu/compilerkv.c). Callers: serving stacks, kvcc eval, tests.
+ *
+ * defines: kvrt_compilerkv_open, kvrt_compilerkv_select, kvrt_compilerkv_select_all
+ *
+ * Section compilerkv.tables (critical): budgets i64 [nB], w_head f32 [nB, L, H], t_gate f32
+ * [nB, L, 20, 4], ent_edges f32 [19], ppl_edges f32 [3], n_budgets i64, window i64
+ * (docs/kvpol-format.md, group 1).
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kvpol.h"
+#include "core/policies.h"
+
+/* A tensor item of the CompilerKV section with the expected dtype and element count. */
+static int get_item(const kvpol_file *f, uint32_t si, const char *name, int dtype, uint64_t count,
+                    const void **data) {
+    kvpol_item it;
+    int kc = kvpol_get_tensor(f, si, name, dtype, &it);
+    if (kc != KVPOL_OK)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "compilerkv tables: item '%s': %s (expected a %s tensor)",
+                         name, kvpol_status_str(kc), kvpol_dtype_name(dtype));
+    if (it.count != count)
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "compilerkv tables: item '%s': %llu elements, expected %llu", name,
+                         (unsigned long long)it.count, (unsigned long long)count);
+    *data = it.data;
+    return KVRT_OK;
+}
+
+int kvrt_compilerkv_open(const kvrt_policy *p, kvrt_compilerkv_tables **out) {
+    if (out) *out = NULL;
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_open: out is NULL");
+    const kvpol_file *f;
+    kvrt_model_dims md;
+    uint32_t si;
+    int rc = kvrt_policy_section(p, KVPOL_SEC_COMPILERKV_TABLES, "kvrt_compilerkv_open", &f, &si,
+                                 &md);
+    if (rc) return rc;
+    int64_t nb = 0, window = 0;
+    if (kvpol_get_i64(f, si, "n_budgets", &nb) != KVPOL_OK || nb < 1 || nb > 4096 ||
+        kvpol_get_i64(f, si, "window", &window) != KVPOL_OK || window < 1 || window > 1 << 20)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "compilerkv tables: scalars 'n_budgets' (1..4096) and "
+                                    "'window' (1..2^20) missing or out of range");
+    const uint64_t L = md.n_layers, H = md.n_heads;
+    const void *bud, *wh, *tg, *ee, *pe;
+    if ((rc = get_item(f, si, "budgets", KVPOL_DTYPE_I64, (uint64_t)nb, &bud))) return rc;
+    if ((rc = get_item(f, si, "w_head", KVPOL_DTYPE_F32, (uint64_t)nb * L * H, &wh))) return rc;
+    if ((rc = get_item(f, si, "t_gate", KVPOL_DTYPE_F32,
+                       (uint64_t)nb * L * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS,
+                       &tg)))
+        return rc;
+    if ((rc = get_item(f, si, "ent_edges", KVPOL_DTYPE_F32, KVRT_COMPILERKV_ENT_BINS - 1, &ee)))
+        return rc;
+    if ((rc = get_item(f, si, "ppl_edges", KVPOL_DTYPE_F32, KVRT_COMPILERKV_PPL_BINS - 1, &pe)))
+        return rc;
+    return kvrt_compilerkv_tables_create((uint32_t)nb, (uint32_t)L, (uint32_t)H, (uint32_t)window,
+                                         bud, wh, tg, ee, pe, out);
+}
+
+int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                           const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v,
+                           uint32_t n_kv_heads, uint32_t head_dim, int64_t budget, unsigned flags,
+                           kvrt_selection **out, kvrt_compilerkv_stats *st) {
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compilerkv_select", "compilerkv_select");
+    if (rc) return rc;
+    rc = kvrt_cpu_compilerkv_select(tb, pr, layer, v, n_kv_heads, head_dim, budget, flags, out, st);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                               const float *const *q, const float *const *k, const float *const *v,
+                               const float *next_logprob, int64_t T, uint32_t n_heads,
+                               uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
+                               unsigned flags, kvrt_selection **sels,
+                               kvrt_compilerkv_stats *stats) {
+    const char *fn = "kvrt_compilerkv_select_all";
+    int rc = kvrt_policy_ctx_check(ctx, fn, "compilerkv_select");
+    if (rc) return rc;
+    if (tb == NULL || q == NULL || k == NULL || v == NULL || sels == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+    const uint32_t L = tb->n_layers;
+    for (uint32_t l = 0; l < L; l++) sels[l] = NULL;
+    if (n_heads != tb->n_heads)
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u", fn, n_heads,
+                         tb->n_heads);
+    kvrt_compilerkv_prompt *pr = NULL;
+    rc = kvrt_compilerkv_prompt_create(T, tb->window, &pr);
+    for (uint32_t l = 0; l < L && rc == KVRT_OK; l++) {
+        if (q[l] == NULL || k[l] == NULL || v[l] == NULL)
+            rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u: NULL q, k or v", fn, l);
+        else
+            rc = kvrt_compilerkv_prompt_add_layer(pr, q[l], k[l], n_heads, n_kv_heads, head_dim);
+    }
+    if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, next_logprob);
+    for (uint32_t l = 0; l < L && rc == KVRT_OK; l++)
+        rc = kvrt_cpu_compilerkv_select(tb, pr, l, v[l], n_kv_heads, head_dim, budget, flags,
+                                        &sels[l], stats ? &stats[l] : NULL);
+    if (rc != KVRT_OK)
+        for (uint32_t l = 0; l < L; l++) {
+            kvrt_selection_free(sels[l]);
+            sels[l] = NULL;
+        }
+    kvrt_compilerkv_prompt_free(pr);
+    return rc;
+}

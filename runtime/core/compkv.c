@@ -1,0 +1,210 @@
+/*
+ * compkv.c: CompKV's front door (docs/policies/compkv.md): the compiled variance groupings of an
+ * open policy (kvrt_compkv_open; kvcc compile --policies compkv, compiler/passes/compkv.c) with
+ * the options they were calibrated with (block, r, scale), decode states built from them
+ * (kvrt_compkv_create_layer refuses other compiled options unless the caller overrides them
+ * explicitly), and dispatch to the context's backend (runtime/cpu/compkv.c).
+ * Callers: serving stacks, kvcc eval's compkv rows, tests.
+ *
+ * defines: kvrt_compkv_open, kvrt_compkv_grouping_free, kvrt_compkv_grouping_opts,
+ *          kvrt_compkv_create_layer, kvrt_compkv_create
+ *
+ * Section compkv.groupings (KVPOL_SEC_COMPKV_GROUPINGS, critical): perm u16 [L, Hkv, d], offsets
+ * u16 [L, Hkv, r + 1], learned u8 [L, Hkv], r i64, block i64, scale f64 (docs/kvpol-format.md).
+ * Everything the runtime would reject later (perm not a permutation of 0..d-1, offsets not
+ * strictly increasing from 0 to d) is refused here as KVRT_ERR_FORMAT naming the layer and head.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvpol.h"
+#include "kvrt_experimental.h"
+#include "core/policies.h"
+
+void kvrt_compkv_grouping_free(kvrt_compkv_grouping *g) {
+    if (g == NULL) return;
+    free(g->perm);
+    free(g->offsets);
+    free(g->learned);
+    free(g);
+}
+
+/* Parse and check section si (compkv.groupings) of an open file. want_*: 0 = not checked. */
+static int grouping_parse(const kvpol_file *f, uint32_t si, const char *label, uint32_t want_l,
+                          uint32_t want_hkv, uint32_t want_d, kvrt_compkv_grouping **out) {
+    kvpol_item pm, of, le;
+    int64_t r = 0, block = 0;
+    double scale = 0;
+    if (kvpol_get_tensor(f, si, "perm", KVPOL_DTYPE_U16, &pm) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "offsets", KVPOL_DTYPE_U16, &of) != KVPOL_OK ||
+        kvpol_get_tensor(f, si, "learned", KVPOL_DTYPE_U8, &le) != KVPOL_OK ||
+        kvpol_get_i64(f, si, "r", &r) != KVPOL_OK ||
+        kvpol_get_i64(f, si, "block", &block) != KVPOL_OK ||
+        kvpol_get_f64(f, si, "scale", &scale) != KVPOL_OK)
+        return KVRT_FAIL(
+            KVRT_ERR_FORMAT,
+            "%s: compkv.groupings: expected items perm u16 [L, Hkv, d], offsets u16 [L, Hkv, r+1], "
+            "learned u8 [L, Hkv], r i64, block i64, scale f64",
+            label);
+    if (pm.ndim != 3 || of.ndim != 3 || le.ndim != 2)
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "%s: compkv.groupings: perm and offsets must be 3-D, learned 2-D", label);
+    const uint64_t L = pm.dims[0], Hkv = pm.dims[1], d = pm.dims[2];
+    if (r < 1 || (uint64_t)r > d || d > 65535 || of.dims[0] != L || of.dims[1] != Hkv ||
+        of.dims[2] != (uint64_t)r + 1 || le.dims[0] != L || le.dims[1] != Hkv)
+        return KVRT_FAIL(
+            KVRT_ERR_FORMAT,
+            "%s: compkv.groupings: r = %lld with perm [%llu, %llu, %llu] needs r in 1..d, offsets "
+            "[L, Hkv, r+1] and learned [L, Hkv]",
+            label, (long long)r, (unsigned long long)L, (unsigned long long)Hkv,
+            (unsigned long long)d);
+    if (block < 1 || block > 0x7fffffff || !(scale > 0))
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "%s: compkv.groupings: block %lld must be >= 1 and scale %g > 0", label,
+                         (long long)block, scale);
+    if ((want_l && L != want_l) || (want_hkv && Hkv != want_hkv) || (want_d && d != want_d))
+        return KVRT_FAIL(
+            KVRT_ERR_MODEL_MISMATCH,
+            "%s: compkv.groupings is [%llu layers, %llu KV heads, d %llu], expected %u x %u x %u",
+            label, (unsigned long long)L, (unsigned long long)Hkv, (unsigned long long)d, want_l,
+            want_hkv, want_d);
+    const uint16_t *p = pm.data, *o = of.data;
+    uint8_t *seen = calloc((size_t)d, 1);
+    if (seen == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", label);
+    for (uint64_t h = 0; h < L * Hkv; h++) {
+        memset(seen, 0, (size_t)d);
+        for (uint64_t i = 0; i < d; i++) {
+            const uint16_t c = p[h * d + i];
+            if (c >= d || seen[c]) {
+                free(seen);
+                return KVRT_FAIL(
+                    KVRT_ERR_FORMAT,
+                    "%s: compkv.groupings: perm of layer %llu KV head %llu is not a permutation of "
+                    "0..%llu (entry %llu = %u)",
+                    label, (unsigned long long)(h / Hkv), (unsigned long long)(h % Hkv),
+                    (unsigned long long)(d - 1), (unsigned long long)i, (unsigned)c);
+            }
+            seen[c] = 1;
+        }
+        const uint16_t *oh = o + h * ((uint64_t)r + 1);
+        int ok = oh[0] == 0 && oh[r] == d;
+        for (int64_t t = 0; ok && t < r; t++) ok = oh[t] < oh[t + 1];
+        if (!ok) {
+            free(seen);
+            return KVRT_FAIL(KVRT_ERR_FORMAT,
+                             "%s: compkv.groupings: offsets of layer %llu KV head %llu must rise "
+                             "strictly from 0 "
+                             "to d = %llu",
+                             label, (unsigned long long)(h / Hkv), (unsigned long long)(h % Hkv),
+                             (unsigned long long)d);
+        }
+    }
+    free(seen);
+    kvrt_compkv_grouping *g = calloc(1, sizeof *g);
+    const size_t np = (size_t)(L * Hkv * d), no = (size_t)(L * Hkv * ((uint64_t)r + 1)),
+                 nl = (size_t)(L * Hkv);
+    if (g) {
+        g->perm = malloc(np * sizeof *g->perm);
+        g->offsets = malloc(no * sizeof *g->offsets);
+        g->learned = malloc(nl);
+    }
+    if (g == NULL || !g->perm || !g->offsets || !g->learned) {
+        kvrt_compkv_grouping_free(g);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", label);
+    }
+    g->n_layers = (uint32_t)L;
+    g->n_kv_heads = (uint32_t)Hkv;
+    g->head_dim = (uint32_t)d;
+    g->r = (uint32_t)r;
+    g->block = (uint32_t)block;
+    g->scale = scale;
+    memcpy(g->perm, p, np * sizeof *g->perm);
+    memcpy(g->offsets, o, no * sizeof *g->offsets);
+    memcpy(g->learned, le.data, nl);
+    *out = g;
+    return KVRT_OK;
+}
+
+int kvrt_compkv_open(const kvrt_policy *p, kvrt_compkv_grouping **out) {
+    const char *fn = "kvrt_compkv_open";
+    if (out) *out = NULL;
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    const kvpol_file *f;
+    kvrt_model_dims md;
+    uint32_t si;
+    int rc = kvrt_policy_section(p, KVPOL_SEC_COMPKV_GROUPINGS, fn, &f, &si, &md);
+    if (rc) return rc;
+    return grouping_parse(f, si, fn, md.n_layers, md.n_kv_heads, md.head_dim, out);
+}
+
+int kvrt_compkv_grouping_opts(const kvrt_compkv_grouping *g, kvrt_compkv_opts *out) {
+    if (g == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_opts: NULL argument");
+    kvrt_compkv_opts_init(out);
+    out->block = g->block;
+    out->r = g->r;
+    out->scale = (float)g->scale;
+    return KVRT_OK;
+}
+
+/* The checks of kvrt_compkv_create_layer that need the grouping. */
+static int layer_check(const char *fn, const kvrt_compkv_grouping *g, uint32_t layer,
+                       const kvrt_compkv_opts *o, unsigned flags, kvrt_compkv **out) {
+    if (g == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, g ? "out" : "grouping");
+    if (flags & ~KVRT_OVERRIDE_OPTIONS)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn,
+                         flags & ~KVRT_OVERRIDE_OPTIONS);
+    if (layer >= g->n_layers)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, the grouping has %u layers", fn, layer,
+                         g->n_layers);
+    if (o == NULL || (flags & KVRT_OVERRIDE_OPTIONS)) return KVRT_OK;
+    kvrt_compkv_opts c;
+    kvrt_compkv_grouping_opts(g, &c);
+    const float scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)g->head_dim));
+    if (o->block != c.block)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: block %u differs from the compiled %u (pass "
+                       "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->block, c.block);
+    if (o->r != c.r)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: r %u differs from the compiled %u (pass "
+                       "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->r, c.r);
+    if (scale != c.scale)
+        return KVRT_FAIL(KVRT_ERR_ARG,
+                         "%s: scale %g differs from the compiled %g (pass "
+                         "KVRT_OVERRIDE_OPTIONS to run it anyway)",
+                         fn, (double)scale, (double)c.scale);
+    return KVRT_OK;
+}
+
+int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint32_t layer,
+                             int64_t capacity, const kvrt_compkv_opts *o, unsigned flags,
+                             kvrt_compkv **out) {
+    const char *fn = "kvrt_compkv_create_layer";
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, fn, "compkv_create");
+    if (rc) return rc;
+    rc = layer_check(fn, g, layer, o, flags, out);
+    if (rc == KVRT_OK) {
+        kvrt_compkv_opts c;
+        kvrt_compkv_grouping_opts(g, &c);
+        const size_t hd = (size_t)g->n_kv_heads * g->head_dim;
+        const size_t ho = (size_t)g->n_kv_heads * (g->r + 1);
+        rc = kvrt_cpu_compkv_create(o ? o : &c, g->n_kv_heads, g->head_dim, capacity,
+                                    g->perm + (size_t)layer * hd, g->offsets + (size_t)layer * ho,
+                                    out);
+    }
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                       uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                       const uint16_t *offsets, kvrt_compkv **out) {
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_create", "compkv_create");
+    if (rc) return rc;
+    rc = kvrt_cpu_compkv_create(o, n_kv_heads, head_dim, capacity, perm, offsets, out);
+    return kvrt_policy_ctx_done(ctx, rc);
+}

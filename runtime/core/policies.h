@@ -1,0 +1,71 @@
+/*
+ * policies.h: libkvrt internals between a policy's front door (runtime/core/P.c: argument
+ * checks, the handle built from a kvrt_policy, dispatch to the context's backend) and its
+ * kernels (runtime/cpu/P.c; runtime/cuda/P.cu from the CUDA issue on). Not installed.
+ *
+ * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section
+ *          (core/policy.c), and the CPU implementations kvrt_cpu_am_compact,
+ *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
+ *          (cpu/compilerkv.c), kvrt_cpu_compkv_create (cpu/compkv.c)
+ *
+ * The CPU implementations take the arguments of the public call minus the context and check
+ * them themselves (messages name the public function).
+ */
+#ifndef KVRT_POLICIES_H
+#define KVRT_POLICIES_H
+
+#include "kvrt_experimental.h"
+#include "core/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* KVRT_OK when ctx can run policy op `op` of public function `fn`: ctx non-NULL and a CPU
+ * context (the policies have no other backend yet); else KVRT_ERR_ARG / KVRT_ERR_UNSUPPORTED
+ * with a message naming fn, op and the backend (in ctx->last_err and the thread-local error). */
+/* The one failure macro of the policy files: record the message in the thread-local error and
+ * return the status, e.g. `return KVRT_FAIL(KVRT_ERR_ARG, "%s: T = %lld", fn, T)`. */
+#define KVRT_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
+
+KVRT_INTERNAL int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, const char *op);
+/* The error rule for calls that take a context: a failure's message (in the thread-local error)
+ * is also left in ctx->last_err. Returns rc. */
+static inline int kvrt_policy_ctx_done(kvrt_ctx *ctx, int rc) {
+    if (rc != KVRT_OK && ctx != NULL) ctx->last_err = *kvrt_tls_err();
+    return rc;
+}
+
+/* For a policy's open function: the validated file behind p, its model and the index of section
+ * `id`. KVRT_ERR_ARG (p NULL), KVRT_ERR_UNSUPPORTED naming the group, the section and the
+ * kvcc compile option that makes it. */
+struct kvpol_file;
+KVRT_INTERNAL int kvrt_policy_section(const kvrt_policy *p, uint32_t id, const char *fn,
+                                      const struct kvpol_file **f, uint32_t *si,
+                                      kvrt_model_dims *md);
+
+KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v,
+                                      int64_t T, uint32_t head_dim, const float *q_ref,
+                                      const int32_t *q_pos, int64_t n, int64_t t, int dtype,
+                                      kvrt_cache **out, kvrt_am_stats *stats);
+KVRT_INTERNAL int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q,
+                                                  const float *k, const float *v, int64_t T,
+                                                  uint32_t n_heads, uint32_t n_kv_heads,
+                                                  uint32_t head_dim, int n_sets,
+                                                  const float *ratios, const double *ratio_list,
+                                                  int dtype, kvrt_cache **out,
+                                                  kvrt_am_stats *stats);
+KVRT_INTERNAL int kvrt_cpu_compilerkv_select(const kvrt_compilerkv_tables *tb,
+                                             const kvrt_compilerkv_prompt *pr, uint32_t layer,
+                                             const float *v, uint32_t n_kv_heads,
+                                             uint32_t head_dim, int64_t budget, unsigned flags,
+                                             kvrt_selection **out, kvrt_compilerkv_stats *st);
+KVRT_INTERNAL int kvrt_cpu_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                                         uint32_t head_dim, int64_t capacity,
+                                         const uint16_t *perm, const uint16_t *offsets,
+                                         kvrt_compkv **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVRT_POLICIES_H */
