@@ -72,9 +72,15 @@ struct kvcc_eval_method {
     const char *family;          /* header label of its notes ("Attention Matching", "decode-time") */
     kvcc_budget_kind budget;
     int variant;                 /* the method's own switch (e.g. a kvrt_method, an ablation) */
-    /* Once per run: build p->state from env (the policy handle, opened here, once), check the
-     * budgets, write p->note. 0, or a KVCC_EXIT_* status with the message in err. May be NULL. */
-    int (*prepare)(const kvcc_eval_method *m, const kvcc_eval_env *env, kvcc_eval_prep *p, char *err, size_t errlen);
+    /* The policy handle the method runs (may be NULL): opened once per run from env->policy and
+     * shared by every method with the same open_handle; *h may stay NULL (no policy, or none of
+     * that group) and prepare decides. 0, or a KVCC_EXIT_* status with the message in err. */
+    int (*open_handle)(const kvcc_eval_env *env, void **h, char *err, size_t errlen);
+    void (*close_handle)(void *h);
+    /* Once per run: build p->state from env and the handle, check the budgets, write p->note.
+     * 0, or a KVCC_EXIT_* status with the message in err. May be NULL. */
+    int (*prepare)(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p, char *err,
+                   size_t errlen);
     void (*release)(void *state);
     /* prefill: per prompt (layer-local), a per-prompt state from the corpus (may be NULL) */
     int (*prompt_begin)(void *state, kvcc_corpus *c, uint32_t prompt, void **pstate, char *err, size_t errlen);

@@ -7,7 +7,7 @@
  * summarizes them for `kvcc inspect`.
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c).
  *
- * defines: kvcc_pass_am
+ * defines: kvcc_pass_am (its options and its kvcc eval methods am, am-uniform, am-omp)
  *
  * Loss of a head at ratio r: the context [0, C) of every (prompt, layer) is compacted with ratio
  * r for every KV head (uniform), then the continuation queries [C, T) attend through kvrt_attend
@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "corpus.h"
+#include "eval_methods.h"
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
@@ -312,6 +313,83 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     free(ord);
 }
 
+// ----------------------------------------------------------------------------
+// eval methods: am (the compiled schedule with the compiled options), am-uniform and am-omp
+// (explicit uncompiled variants: every head at the row's ratio, kvrt_am_opts_init's options)
+
+enum { AM_EVAL_SCHEDULED, AM_EVAL_UNIFORM, AM_EVAL_OMP };
+
+static int am_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
+    if (!env->policy) {
+        snprintf(err, errlen, "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
+                 "(or use am-uniform / am-omp)");
+        return KVCC_EXIT_USAGE;
+    }
+    kvrt_am_schedule *s = NULL;
+    int rc = kvrt_am_open(env->policy, &s);
+    if (rc) {
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(rc));
+        return KVCC_EXIT_USAGE;
+    }
+    *h = s;
+    return 0;
+}
+
+static void am_eval_close(void *h) { kvrt_am_schedule_free(h); }
+
+static const char *am_select_name(int ks) { return ks == KVRT_AM_SELECT_OMP ? "omp" : "highest"; }
+
+/* am: every ratio budget must be a compiled target; the note states the compiled options. */
+static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p,
+                           char *err, size_t errlen) {
+    kvrt_am_opts o;
+    if (m->variant != AM_EVAL_SCHEDULED) {
+        kvrt_am_opts_init(&o);
+        if (m->variant == AM_EVAL_OMP) o.key_select = KVRT_AM_SELECT_OMP;
+        snprintf(p->note, sizeof p->note, "%s: an uncompiled variant, every KV head at the row's ratio (key "
+                 "selection %s, chunk %lld)", m->name, am_select_name(o.key_select), (long long)o.chunk);
+        return 0;
+    }
+    const kvrt_am_schedule *s = handle;
+    int rc = kvrt_am_schedule_opts(s, &o);
+    for (int j = 0; !rc && j < env->n_budgets; j++) {
+        const float *ratios;
+        if (env->budgets[j] < 1) rc = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
+    }
+    if (rc) {
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(rc));
+        return KVCC_EXIT_USAGE;
+    }
+    p->state = handle;
+    snprintf(p->note, sizeof p->note, "am: the compiled per-head schedule with the compiled options (key selection "
+             "%s, chunk %lld)", am_select_name(o.key_select), (long long)o.chunk);
+    return 0;
+}
+
+static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate, const kvcc_eval_env *env,
+                            const kvcc_eval_layer *x, double budget, int64_t B, kvrt_cache **out) {
+    (void)pstate; (void)B;
+    if (m->variant == AM_EVAL_SCHEDULED)
+        return kvrt_am_compact_scheduled(env->rt, state, NULL, 0, budget, x->layer, x->q, x->k, x->v, x->C, env->H,
+                                         env->dtype, out, NULL);
+    kvrt_am_opts ao;
+    kvrt_am_opts_init(&ao);
+    if (m->variant == AM_EVAL_OMP) ao.key_select = KVRT_AM_SELECT_OMP;
+    return kvrt_am_compact_layer(env->rt, &ao, x->q, x->k, x->v, x->C, env->H, env->Hkv, env->d, NULL, budget,
+                                 env->dtype, out, NULL);
+}
+
+static const kvcc_eval_method am_eval_methods[] = {
+    {.name = "am", .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = AM_EVAL_SCHEDULED,
+     .open_handle = am_eval_open, .close_handle = am_eval_close, .prepare = am_eval_prepare,
+     .compress_layer = am_eval_compress},
+    {.name = "am-uniform", .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = AM_EVAL_UNIFORM,
+     .prepare = am_eval_prepare, .compress_layer = am_eval_compress},
+    {.name = "am-omp", .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = AM_EVAL_OMP,
+     .prepare = am_eval_prepare, .compress_layer = am_eval_compress},
+    {.name = NULL},
+};
+
 #define AM_OPT(f) offsetof(kvcc_compile_ctx, f)
 static const kvcc_pass_option am_options[] = {
     {"am-targets", KVCC_OPT_LIST, "LIST", "0.02,0.05,0.1,0.2", "target mean ratios of the context kept per KV head",
@@ -333,4 +411,5 @@ const kvcc_pass kvcc_pass_am = {
     .options = am_options,
     .run = am_run,
     .inspect = am_inspect,
+    .eval_methods = am_eval_methods,
 };

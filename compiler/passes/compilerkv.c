@@ -9,8 +9,8 @@
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c);
  * tests/unit/test_compilerkv.c.
  *
- * defines: kvcc_pass_compilerkv, ckv_setup, ckv_free_state, ckv_compile_rounds,
- *          ckv_select_rollout, ckv_incumbent_row, ckv_incumbent_tau, ckv_draw_actions, ckv_failf
+ * defines: kvcc_pass_compilerkv (options, reports, eval methods compilerkv and ckv-flat),
+ *          ckv_setup, ckv_free_state, ckv_compile_rounds, ckv_select_rollout, ckv_incumbent_row, ckv_incumbent_tau, ckv_draw_actions, ckv_failf
  *
  * Records. Prompt features first (one pass over the layers): alpha [C], rho [L, Hkv, C], the
  * entropy and perplexity features; bin edges = quantiles (type 7) of the features over the
@@ -50,6 +50,7 @@
 #endif
 
 #include "compilerkv_int.h"
+#include "eval_methods.h"
 #include "passes.h"
 
 int ckv_failf(char *err, size_t errlen, int code, const char *fmt, ...) {
@@ -760,6 +761,124 @@ static int ckv_report(const kvcc_compile_ctx *cx, const char *artifact, FILE *ou
     return rc;
 }
 
+// ----------------------------------------------------------------------------
+// eval methods: compilerkv (the compiled tables) and ckv-flat (an uncompiled ablation of them:
+// every head weight 1.0, every threshold 0.8)
+
+enum { CKV_EVAL_COMPILED, CKV_EVAL_FLAT };
+
+typedef struct {
+    const kvrt_compilerkv_tables *tb; /* the tables the rows run */
+    kvrt_compilerkv_tables *own;      /* ckv-flat's copy */
+} ckv_eval;
+
+static int ckv_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
+    if (!env->policy) {
+        snprintf(err, errlen, "methods compilerkv and ckv-flat need --policy X.kvpol compiled with kvcc compile "
+                 "--policies compilerkv");
+        return KVCC_EXIT_USAGE;
+    }
+    kvrt_compilerkv_tables *tb = NULL;
+    int s = kvrt_compilerkv_open(env->policy, &tb);
+    if (s) {
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(s));
+        return KVCC_EXIT_USAGE;
+    }
+    *h = tb;
+    return 0;
+}
+
+static void ckv_eval_close(void *h) { kvrt_compilerkv_tables_free(h); }
+
+static void ckv_eval_release(void *state) {
+    ckv_eval *e = state;
+    kvrt_compilerkv_tables_free(e->own);
+    free(e);
+}
+
+static int ckv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p,
+                            char *err, size_t errlen) {
+    (void)env;
+    const kvrt_compilerkv_tables *tb = handle;
+    ckv_eval *e = calloc(1, sizeof *e);
+    if (!e) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "eval: out of memory");
+    p->state = e;
+    e->tb = tb;
+    char bud[160] = "";
+    for (uint32_t b = 0, o = 0; b < tb->n_budgets && o < sizeof bud; b++)
+        o += (uint32_t)snprintf(bud + o, sizeof bud - o, "%s%lld", b ? "," : "", (long long)tb->budgets[b]);
+    if (m->variant == CKV_EVAL_FLAT) {
+        const size_t nw = (size_t)tb->n_budgets * tb->n_layers * tb->n_heads;
+        const size_t ng = (size_t)tb->n_budgets * tb->n_layers * CKV_ENT_BINS * CKV_PPL_BINS;
+        float *wh = malloc(sizeof(float) * nw), *tg = malloc(sizeof(float) * ng);
+        int s = wh && tg ? 0 : KVRT_ERR_NOMEM;
+        for (size_t i = 0; !s && i < nw; i++) wh[i] = 1.0f;
+        for (size_t i = 0; !s && i < ng; i++) tg[i] = 0.8f;
+        if (!s) s = kvrt_compilerkv_tables_create(tb->n_budgets, tb->n_layers, tb->n_heads, tb->window, tb->budgets, wh,
+                                                  tg, tb->ent_edges, tb->ppl_edges, &e->own);
+        free(wh);
+        free(tg);
+        if (s) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "ckv-flat: %s", kvrt_last_error()->msg);
+        e->tb = e->own;
+        snprintf(p->note, sizeof p->note, "ckv-flat: an uncompiled ablation of the compiled pipeline (every head "
+                 "weight 1.0, every threshold 0.8; window %u)", tb->window);
+    } else {
+        snprintf(p->note, sizeof p->note, "compilerkv: the compiled tables (window %u, budgets %s; another budget "
+                 "runs the nearest compiled one)", tb->window, bud);
+    }
+    return 0;
+}
+
+static int ckv_eval_prompt(void *state, kvcc_corpus *c, uint32_t prompt, void **pstate, char *err, size_t errlen) {
+    const ckv_eval *e = state;
+    kvrt_compilerkv_prompt *pr = NULL;
+    int rc = kvcc_compilerkv_prompt_from_corpus(c, prompt, e->tb->window, NULL, &pr, NULL, err, errlen);
+    *pstate = pr;
+    return rc;
+}
+
+static void ckv_eval_prompt_end(void *pstate) { kvrt_compilerkv_prompt_free(pstate); }
+
+static int ckv_eval_compress(const kvcc_eval_method *m, void *state, void *pstate, const kvcc_eval_env *env,
+                             const kvcc_eval_layer *x, double budget, int64_t B, kvrt_cache **out) {
+    (void)m; (void)budget;
+    const ckv_eval *e = state;
+    kvrt_selection *sel = NULL;
+    int s = kvrt_compilerkv_select(env->rt, e->tb, pstate, x->layer, x->v, env->Hkv, env->d, B,
+                                   KVRT_COMPILERKV_NEAREST_BUDGET, &sel, NULL);
+    if (!s) s = kvrt_cache_gather(x->k, x->v, x->C, env->Hkv, env->d, sel, env->dtype, out);
+    kvrt_selection_free(sel);
+    return s;
+}
+
+/* End to end: every layer at once from the model's own q/k/v and the corpus log-probabilities. */
+static int ckv_eval_compress_all(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
+                                 const kvcc_eval_all *x, double budget, int64_t B, kvrt_cache **out) {
+    (void)m; (void)budget;
+    const ckv_eval *e = state;
+    const uint32_t L = env->L;
+    kvrt_selection **sels = calloc(L, sizeof *sels);
+    int s = sels ? 0 : KVRT_ERR_NOMEM;
+    if (!s) s = kvrt_compilerkv_select_all(env->rt, e->tb, x->q, x->k, x->v, x->next_logprob, x->C, env->H, env->Hkv,
+                                           env->d, B, KVRT_COMPILERKV_NEAREST_BUDGET, sels, NULL);
+    for (uint32_t l = 0; !s && l < L; l++)
+        s = kvrt_cache_gather(x->k[l], x->v[l], x->C, env->Hkv, env->d, sels[l], env->dtype, &out[l]);
+    for (uint32_t l = 0; sels && l < L; l++) kvrt_selection_free(sels[l]);
+    free(sels);
+    return s;
+}
+
+#define CKV_EVAL_METHOD(nm, var)                                                                             \
+    {.name = nm, .family = "CompilerKV", .budget = KVCC_BUDGET_TOKENS, .variant = var,                      \
+     .open_handle = ckv_eval_open, .close_handle = ckv_eval_close, .prepare = ckv_eval_prepare,            \
+     .release = ckv_eval_release, .prompt_begin = ckv_eval_prompt, .prompt_end = ckv_eval_prompt_end,      \
+     .compress_layer = ckv_eval_compress, .compress_all = ckv_eval_compress_all}
+static const kvcc_eval_method ckv_eval_methods[] = {
+    CKV_EVAL_METHOD("compilerkv", CKV_EVAL_COMPILED),
+    CKV_EVAL_METHOD("ckv-flat", CKV_EVAL_FLAT),
+    {.name = NULL},
+};
+
 #define CKV_OPT(f) offsetof(kvcc_compile_ctx, f)
 static const kvcc_pass_option ckv_options[] = {
     {"budgets", KVCC_OPT_LIST, "LIST", "128,256,512,1024,2048", "token budgets per KV head the tables are compiled for",
@@ -787,5 +906,6 @@ const kvcc_pass kvcc_pass_compilerkv = {
     .run = ckv_run,
     .report = ckv_report,
     .inspect = ckv_inspect,
+    .eval_methods = ckv_eval_methods,
 };
 

@@ -9,7 +9,8 @@
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c); the
  * tests (kvcc_compkv_search, kvcc_compkv_error: passes.h).
  *
- * defines: kvcc_pass_compkv, kvcc_compkv_search, kvcc_compkv_error, kvcc_compkv_index_grouping
+ * defines: kvcc_pass_compkv (options, eval methods compkv*, topk-mass, quest), kvcc_compkv_search,
+ *          kvcc_compkv_error, kvcc_compkv_index_grouping
  *
  * Samples: for every prompt, the context [0, C) is appended to a runtime state (kvrt_compkv with
  * r = d and the identity grouping, blocks of --compkv-block tokens), whose summaries are the
@@ -44,6 +45,7 @@
 #include <string.h>
 
 #include "corpus.h"
+#include "eval_methods.h"
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
@@ -670,6 +672,141 @@ static void compkv_inspect(const kvpol_file *f, FILE *out) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// eval methods (decode-time): compkv (the compiled grouping with the compiled block and r),
+// compkv-nocomp / -mass / -first (the compiled grouping, other run-time scoring switches),
+// compkv-index, topk-mass, quest (index order, the compiled r), compkv-r1 / -r16 / -rd
+// (uncompiled variants: index order with another r). Blocks of the compiled size everywhere
+// (KVCC_EVAL_DEFAULT_BLOCK without a compiled grouping).
+
+enum { CK_EVAL_COMPKV, CK_EVAL_INDEX, CK_EVAL_NOCOMP, CK_EVAL_MASS, CK_EVAL_FIRST, CK_EVAL_R1, CK_EVAL_R16, CK_EVAL_RD,
+       CK_EVAL_TOPK_MASS, CK_EVAL_QUEST };
+#define CK_EVAL_DEFAULT_R 4
+
+typedef struct {
+    const kvrt_compkv_grouping *g; /* the compiled grouping (shared handle), or NULL */
+    kvrt_compkv_opts o;            /* the row's options */
+    int use_grp;                   /* 1: the compiled grouping of each layer */
+    uint32_t Hkv, d;
+} ck_eval;
+
+/* The compiled grouping when --policy has one (NULL otherwise: index order rows still run). */
+static int ck_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
+    if (!env->policy) return 0;
+    kvrt_compkv_grouping *g = NULL;
+    int s = kvrt_compkv_open(env->policy, &g);
+    if (s == KVRT_ERR_UNSUPPORTED) return 0;
+    if (s) {
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(s));
+        return KVCC_EXIT_USAGE;
+    }
+    *h = g;
+    return 0;
+}
+
+static void ck_eval_close(void *h) { kvrt_compkv_grouping_free(h); }
+
+static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p,
+                           char *err, size_t errlen) {
+    const kvrt_compkv_grouping *g = handle;
+    const uint32_t d = env->d;
+    if (m->variant == CK_EVAL_COMPKV && !g) {
+        if (env->policy)
+            snprintf(err, errlen, "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
+                     "(%s has no compkv.groupings section; or use compkv-index: the index-order grouping)",
+                     env->policy_path);
+        else
+            snprintf(err, errlen, "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
+                     "(or use compkv-index: the index-order grouping)");
+        return KVCC_EXIT_USAGE;
+    }
+    ck_eval *e = calloc(1, sizeof *e);
+    if (!e) {
+        snprintf(err, errlen, "eval: out of memory");
+        return KVCC_EXIT_FAILED;
+    }
+    p->state = e;
+    e->g = g;
+    e->Hkv = env->Hkv;
+    e->d = d;
+    kvrt_compkv_opts *o = &e->o;
+    kvrt_compkv_opts_init(o);
+    o->block = g ? g->block : KVCC_EVAL_DEFAULT_BLOCK;
+    o->r = g ? g->r : (CK_EVAL_DEFAULT_R < d ? CK_EVAL_DEFAULT_R : d);
+    switch (m->variant) {
+    case CK_EVAL_COMPKV: e->use_grp = 1; break;
+    case CK_EVAL_NOCOMP: e->use_grp = g != NULL; o->compensate = 0; break;
+    case CK_EVAL_MASS: e->use_grp = g != NULL; o->mass_only = 1; break;
+    case CK_EVAL_FIRST: e->use_grp = g != NULL; o->first_order = 1; break;
+    case CK_EVAL_R1: o->r = 1; break;
+    case CK_EVAL_R16: o->r = d < 16 ? d : 16; break;
+    case CK_EVAL_RD: o->r = d; break;
+    case CK_EVAL_TOPK_MASS: o->mass_only = 1; o->first_order = 1; o->compensate = 0; break;
+    case CK_EVAL_QUEST: o->compensate = 0; break;
+    default: break; /* compkv-index: index order, r of the artifact (else 4) */
+    }
+    p->block = (uint32_t)o->block;
+    const uint32_t r16 = d < 16 ? d : 16;
+    if (g) {
+        uint32_t nl = 0;
+        for (uint32_t h = 0; h < g->n_layers * g->n_kv_heads; h++) nl += g->learned[h];
+        snprintf(p->note, sizeof p->note, "blocks of %u tokens (compiled), budgets in blocks; compkv, "
+                 "compkv-nocomp/-mass/-first: the compiled grouping (r %u, learned on %u/%u heads; the three "
+                 "ablations change run-time switches only); compkv-index, topk-mass, quest: index order (r %u); "
+                 "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u", (unsigned)o->block, g->r, nl,
+                 g->n_layers * g->n_kv_heads, g->r, r16, d);
+    } else {
+        snprintf(p->note, sizeof p->note, "blocks of %u tokens, budgets in blocks; no compiled grouping: "
+                 "compkv-index/-nocomp/-mass/-first use index order (r %u); compkv-r1/-r16/-rd: r 1/%u/%u",
+                 (unsigned)o->block, CK_EVAL_DEFAULT_R < d ? CK_EVAL_DEFAULT_R : d, r16, d);
+    }
+    return 0;
+}
+
+static int ck_eval_create(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env, uint32_t layer,
+                          int64_t cap, kvrt_compkv **out) {
+    (void)m;
+    const ck_eval *e = state;
+    if (e->use_grp && e->g) return kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out);
+    return kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
+}
+
+static int ck_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st, const float *q, uint32_t H,
+                        int64_t K, const float *k, int64_t len, float *out, int32_t *blocks, int64_t *n_sel) {
+    const ck_eval *e = state;
+    const int64_t nb = kvrt_compkv_n_blocks(st);
+    const int64_t ke = K < nb ? K : nb;
+    *n_sel = ke;
+    if (m->variant != CK_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
+    kvrt_quest *qs = NULL;
+    int s = kvrt_quest_summarize(k, len, e->Hkv, e->d, (uint32_t)e->o.block, &qs);
+    if (!s) s = kvrt_quest_select(qs, q, H, ke, blocks);
+    kvrt_quest_free(qs);
+    if (!s) s = kvrt_compkv_attend_blocks(st, q, H, blocks, ke, out);
+    return s;
+}
+
+static void ck_eval_release(void *state) { free(state); }
+
+#define CK_EVAL_METHOD(nm, var, comp, quest)                                                                   \
+    {.name = nm, .family = "decode-time", .budget = KVCC_BUDGET_BLOCKS, .variant = var,                       \
+     .open_handle = ck_eval_open, .close_handle = ck_eval_close, .prepare = ck_eval_prepare,                 \
+     .release = ck_eval_release, .decode_create = ck_eval_create, .decode_step = ck_eval_step,               \
+     .compensated = comp, .quest_summaries = quest}
+static const kvcc_eval_method compkv_eval_methods[] = {
+    CK_EVAL_METHOD("compkv", CK_EVAL_COMPKV, 1, 0),
+    CK_EVAL_METHOD("compkv-index", CK_EVAL_INDEX, 1, 0),
+    CK_EVAL_METHOD("compkv-nocomp", CK_EVAL_NOCOMP, 0, 0),
+    CK_EVAL_METHOD("compkv-mass", CK_EVAL_MASS, 1, 0),
+    CK_EVAL_METHOD("compkv-first", CK_EVAL_FIRST, 1, 0),
+    CK_EVAL_METHOD("compkv-r1", CK_EVAL_R1, 1, 0),
+    CK_EVAL_METHOD("compkv-r16", CK_EVAL_R16, 1, 0),
+    CK_EVAL_METHOD("compkv-rd", CK_EVAL_RD, 1, 0),
+    CK_EVAL_METHOD("topk-mass", CK_EVAL_TOPK_MASS, 0, 0),
+    CK_EVAL_METHOD("quest", CK_EVAL_QUEST, 0, 1),
+    {.name = NULL},
+};
+
 static const kvcc_pass_option compkv_options[] = {
     {"compkv-r", KVCC_OPT_U32, "R", "4", "variance groups of the key coordinates per (layer, KV head)",
      offsetof(kvcc_compile_ctx, compkv_r), 0, 1, 65536, NULL, 0},
@@ -686,4 +823,5 @@ const kvcc_pass kvcc_pass_compkv = {
     .options = compkv_options,
     .run = compkv_run,
     .inspect = compkv_inspect,
+    .eval_methods = compkv_eval_methods,
 };

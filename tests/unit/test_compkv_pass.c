@@ -334,9 +334,8 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
     snprintf(art, sizeof art, "/tmp/kvcc_compkv_eval_%d.kvpol", (int)getpid());
     write_file(art, b1, n1);
     free(b1);
-    int methods[] = {KVRT_METHOD_FULL,      KVCC_EVAL_COMPKV,     KVCC_EVAL_COMPKV_INDEX, KVCC_EVAL_COMPKV_NOCOMP,
-                     KVCC_EVAL_COMPKV_MASS, KVCC_EVAL_COMPKV_FIRST, KVCC_EVAL_COMPKV_R1,  KVCC_EVAL_COMPKV_R16,
-                     KVCC_EVAL_COMPKV_RD,   KVCC_EVAL_TOPK_MASS,  KVCC_EVAL_QUEST};
+    const char *methods[] = {"full",         "compkv",    "compkv-index", "compkv-nocomp", "compkv-mass", "compkv-first",
+                             "compkv-r1",    "compkv-r16", "compkv-rd",   "topk-mass",     "quest"};
     const int nm = (int)(sizeof methods / sizeof methods[0]);
     double budgets[] = {4, 100, 0.5}; /* 128 + 16 tokens = 9 blocks: 100 selects every block */
     kvcc_eval_opts o = {.corpus = corpus, .policy = art, .methods = methods, .n_methods = nm, .budgets = budgets,
@@ -350,7 +349,7 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
     cr_expect(strstr(R.decode_note, "blocks of 16") != NULL, "%s", R.decode_note);
     for (int i = 1; i < R.n_rows; i++) {
         const kvcc_eval_row *w = &R.rows[i];
-        const char *name = kvcc_eval_method_name(w->method);
+        const char *name = w->name;
         if (w->budget < 1) {
             cr_expect_eq(w->status, KVRT_ERR_ARG, "%s: a ratio budget must be refused", name);
             cr_expect(strstr(w->msg, "block counts") != NULL, "%s", w->msg);
@@ -372,7 +371,7 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
         }
     }
     /* compkv needs a compiled grouping */
-    int only[] = {KVCC_EVAL_COMPKV};
+    const char *only[] = {"compkv"};
     kvcc_eval_opts o2 = {.corpus = corpus, .methods = only, .n_methods = 1, .budgets = budgets, .n_budgets = 1};
     cr_expect_neq(kvcc_eval_run(&o2, &R, err, sizeof err), 0);
     cr_expect(strstr(err, "--policy") != NULL, "%s", err);
@@ -392,7 +391,7 @@ Test(compkv_pass, real_model_all_blocks_is_exact_end_to_end, .timeout = 1200) {
                             .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
     cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
     kvcc_loaded_model_free(&lm);
-    int methods[] = {KVCC_EVAL_COMPKV_INDEX};
+    const char *methods[] = {"compkv-index"};
     double budgets[] = {100, 3};
     kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 1, .budgets = budgets,
                         .n_budgets = 2, .seed = 1};
@@ -402,11 +401,11 @@ Test(compkv_pass, real_model_all_blocks_is_exact_end_to_end, .timeout = 1200) {
         const kvcc_eval_row *w = &R.rows[i];
         cr_assert_eq(w->status, 0, "%s", w->msg);
         cr_assert(w->have_e2e);
-        cr_log_info("%s %g: NLL %.6f full %.6f", kvcc_eval_method_name(w->method), w->budget, w->nll, w->nll_full);
+        cr_log_info("%s %g: NLL %.6f full %.6f", w->name, w->budget, w->nll, w->nll_full);
         cr_expect_eq(w->probes, 3);
         if (w->budget == 100)
             cr_expect_leq(fabs(w->nll - w->nll_full), 1e-4, "%s: NLL %.7f vs model %.7f",
-                          kvcc_eval_method_name(w->method), w->nll, w->nll_full);
+                          w->name, w->nll, w->nll_full);
         else
             cr_expect_gt(fabs(w->nll - w->nll_full), 1e-5, "3 of 8 blocks should change the NLL");
     }
