@@ -1,0 +1,38 @@
+/*
+ * nnls.h: libkvrt internals shared by runtime/cpu/nnls.c and the Attention Matching compaction
+ * (runtime/cpu/am.c): the NNLS workspace and its Gram-form active-set solver, and the ridge
+ * least squares of the values. Not installed.
+ *
+ * defines: kvrt_cpu_nnls_ws, kvrt_cpu_nnls_ws_alloc, kvrt_cpu_nnls_ws_free, kvrt_cpu_nnls_gram,
+ *          kvrt_cpu_ridge_solve
+ */
+#ifndef KVRT_CPU_NNLS_H
+#define KVRT_CPU_NNLS_H
+
+#include "kvrt_experimental.h"
+#include "core/backend.h"
+
+/* The passive set is kept as an ordered list P with the Cholesky factor L of G[P, P] (row-major,
+ * leading dimension n, lower triangle): adding a column appends one row in O(p^2); removing
+ * columns (rare: a step back) refactors the survivors. */
+typedef struct {
+    unsigned char *flag; /* [n] 0 zero set, 1 passive, 2 excluded */
+    int64_t *P;          /* [n] passive columns in factor order */
+    double *L;           /* [n * n] */
+    double *s, *w;       /* [n] */
+} kvrt_cpu_nnls_ws;
+
+/* 0, or -1 when out of memory (free it either way). */
+KVRT_INTERNAL int kvrt_cpu_nnls_ws_alloc(kvrt_cpu_nnls_ws *ws, int64_t n);
+KVRT_INTERNAL void kvrt_cpu_nnls_ws_free(kvrt_cpu_nnls_ws *ws);
+/* min x^T G x / 2 - c^T x, x >= 0 (the normal equations of an NNLS with G = A^T A, c = A^T b).
+ * G [n, n] row-major with unit diagonal (scaled columns). Warm start: x [n] holds a feasible
+ * start (its positive entries form the first passive set); cold: x = 0. */
+KVRT_INTERNAL void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_iter,
+                                      double *x, kvrt_cpu_nnls_ws *ws, kvrt_nnls_info *info);
+/* Solve (XtX + lambda I) C = XtY in place (XtY becomes C), lambda = ridge * trace(XtX) / t; XtX
+ * [t, t] is overwritten. Retries with a 100x larger ridge up to 3 times when the factorization
+ * fails. KVRT_OK, KVRT_ERR_ARG (singular), KVRT_ERR_NOMEM. */
+KVRT_INTERNAL int kvrt_cpu_ridge_solve(double *XtX, double *XtY, int64_t t, int64_t d, double ridge);
+
+#endif /* KVRT_CPU_NNLS_H */
