@@ -26,7 +26,8 @@ typedef struct {
 static int pass_opts(pass_opt *po) {
     int n = 0;
     for (int i = 0; kvcc_passes[i]; i++)
-        for (const kvcc_pass_option *o = kvcc_passes[i]->options; o && o->name && n < MAX_PASS_OPTS; o++)
+        for (const kvcc_pass_option *o = kvcc_passes[i]->options; o && o->name && n < MAX_PASS_OPTS;
+             o++)
             po[n++] = (pass_opt){kvcc_passes[i], o};
     return n;
 }
@@ -50,7 +51,8 @@ static void usage(FILE *out) {
 
 /* The --policies list: 'none', or known passes (each once), in registry order (canonical, so
  * equal requests give equal artifacts); canon receives the spelling. Returns the count or -1. */
-static int parse_policies(const char *policies, const kvcc_pass **run, char *canon, size_t n_canon) {
+static int parse_policies(const char *policies, const kvcc_pass **run, char *canon,
+                          size_t n_canon) {
     int n_run = 0;
     snprintf(canon, n_canon, "none");
     if (!strcmp(policies, "none")) return 0;
@@ -59,7 +61,9 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
         const kvcc_pass *ps = kvcc_pass_find(t);
         if (!ps) {
-            fprintf(stderr, "kvcc compile: --policies: '%s' is not a policy this kvcc %s compiles (built:", t, KVCC_VERSION);
+            fprintf(stderr,
+                    "kvcc compile: --policies: '%s' is not a policy this kvcc %s compiles (built:",
+                    t, KVCC_VERSION);
             for (int i = 0; kvcc_passes[i]; i++) fprintf(stderr, " %s", kvcc_passes[i]->name);
             fprintf(stderr, "%s)\n", kvcc_passes[0] ? "" : " none yet");
             return -1;
@@ -75,11 +79,81 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
         for (int j = 0; j < n_run; j++)
             if (run[j] == kvcc_passes[i]) {
                 sorted[k] = kvcc_passes[i];
-                snprintf(canon + strlen(canon), n_canon - strlen(canon), "%s%s", k ? "," : "", kvcc_passes[i]->name);
+                snprintf(canon + strlen(canon), n_canon - strlen(canon), "%s%s", k ? "," : "",
+                         kvcc_passes[i]->name);
                 k++;
             }
     memcpy(run, sorted, (size_t)k * sizeof *run);
     return k;
+}
+
+/* The artifact header: the preset's fingerprint, the compiler, the canonical options. */
+static void make_header(kvpol_header *h, const kvcc_preset *p, const char *policies,
+                        const kvcc_compile_ctx *cx) {
+    kvpol_header_init(h);
+    kvpol_model *m = &h->model;
+    m->n_layers = p->n_layers;
+    m->n_heads = p->n_heads;
+    m->n_kv_heads = p->n_kv_heads;
+    m->head_dim = p->head_dim;
+    m->vocab_size = p->vocab_size;
+    m->max_context = p->max_context;
+    m->rope_theta = p->rope_theta;
+    snprintf(m->name, sizeof m->name, "%s", p->name);
+    snprintf(h->compiler_version, sizeof h->compiler_version, "kvcc %s", KVCC_VERSION);
+    int ol = snprintf(h->compile_options, sizeof h->compile_options, "policies=%s seed=%llu",
+                      policies, (unsigned long long)cx->seed);
+    if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
+        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol, " prompts=%u",
+                 cx->max_prompts);
+}
+
+/* The provenance section: tool, preset, policies, the corpus's own provenance. kvpol status. */
+static int write_provenance(kvpol_writer *w, const kvcc_preset *p, const char *policies,
+                            kvcc_corpus *cp) {
+    const char *tool = "kvcc " KVCC_VERSION;
+    int rc = kvpol_writer_begin_section(w, KVPOL_SEC_PROVENANCE,
+                                        kvpol_known_find(KVPOL_SEC_PROVENANCE)->name, 0,
+                                        KVPOL_CODEC_ZSTD, 1);
+    if (!rc) rc = kvpol_writer_add_string(w, "tool", tool, strlen(tool));
+    if (!rc) rc = kvpol_writer_add_string(w, "preset", p->name, strlen(p->name));
+    if (!rc) rc = kvpol_writer_add_string(w, "preset_source", p->source, strlen(p->source));
+    if (!rc) rc = kvpol_writer_add_string(w, "policies", policies, strlen(policies));
+    if (!rc && cp) {
+        const kvcc_corpus_info *ci = kvcc_corpus_get_info(cp);
+        rc = kvpol_writer_add_i64(w, "corpus_prompts", ci->n_prompts);
+        if (!rc) rc = kvpol_writer_add_string(w, "corpus_tool", ci->tool, strlen(ci->tool));
+        if (!rc)
+            rc = kvpol_writer_add_string(w, "corpus_options", ci->options, strlen(ci->options));
+    }
+    if (!rc) rc = kvpol_writer_end_section(w);
+    return rc;
+}
+
+/* Run every pass into w, write the artifact, then the passes' reports (stdout). */
+static int run_passes(kvcc_compile_ctx *cx, const kvcc_pass *const *run, int n_run, kvpol_writer *w,
+                      const char *out, const kvcc_preset *p, const char *policies) {
+    char msg[768];
+    kvpol_error err = {0};
+    int ex = KVCC_EXIT_OK;
+    for (int i = 0; i < n_run && !ex; i++) {
+        kvcc_progress_begin(run[i]->name);
+        ex = run[i]->run(cx, w, msg, sizeof msg);
+        if (ex) fprintf(stderr, "kvcc compile: %s: %s\n", run[i]->name, msg);
+        else
+            fprintf(stderr, "kvcc compile: %s: done in %.1f s\n", run[i]->name,
+                    kvcc_progress_elapsed());
+    }
+    if (!ex && kvpol_writer_finish(w, out, &err) != 0) {
+        fprintf(stderr, "kvcc compile: %s\n", err.msg);
+        ex = KVCC_EXIT_FAILED;
+    }
+    if (!ex)
+        fprintf(stderr, "kvcc compile: wrote %s (model %s, policies %s)\n", out, p->name, policies);
+    for (int i = 0; i < n_run && !ex; i++)
+        if (run[i]->report && (ex = run[i]->report(cx, out, stdout, msg, sizeof msg)) != 0)
+            fprintf(stderr, "kvcc compile: %s\n", msg);
+    return ex;
 }
 
 int kvcc_cmd_compile(int argc, char **argv) {
@@ -100,7 +174,8 @@ int kvcc_cmd_compile(int argc, char **argv) {
         {"seed", required_argument, 0, O_SEED}, {"threads", required_argument, 0, O_THREADS},
         {"prompts", required_argument, 0, O_PROMPTS}, {"gguf", required_argument, 0, O_GGUF},
         {"help", no_argument, 0, 'h'}};
-    for (int i = 0; i < npo; i++) opts[9 + i] = (struct option){po[i].opt->name, required_argument, 0, O_PASS + i};
+    for (int i = 0; i < npo; i++)
+        opts[9 + i] = (struct option){po[i].opt->name, required_argument, 0, O_PASS + i};
     uint8_t given[MAX_PASS_OPTS] = {0};
     char msg[768] = "";
     int c;
@@ -156,29 +231,16 @@ int kvcc_cmd_compile(int argc, char **argv) {
         int on = 0;
         for (int i = 0; i < n_run; i++) on |= run[i] == po[k].pass;
         if (given[k] && (po[k].opt->flags & KVCC_OPT_REPORT) && !on) {
-            fprintf(stderr, "kvcc compile: --%s reports on the %s sections: add %s to --policies\n", po[k].opt->name,
-                    po[k].pass->name, po[k].pass->name);
+            fprintf(stderr, "kvcc compile: --%s reports on the %s sections: add %s to --policies\n",
+                    po[k].opt->name, po[k].pass->name, po[k].pass->name);
             return KVCC_EXIT_USAGE;
         }
     }
     if (cx.threads > 0) omp_set_num_threads(cx.threads);
 
     kvpol_header h;
-    kvpol_header_init(&h);
+    make_header(&h, p, policies, &cx);
     kvpol_model *m = &h.model;
-    m->n_layers = p->n_layers;
-    m->n_heads = p->n_heads;
-    m->n_kv_heads = p->n_kv_heads;
-    m->head_dim = p->head_dim;
-    m->vocab_size = p->vocab_size;
-    m->max_context = p->max_context;
-    m->rope_theta = p->rope_theta;
-    snprintf(m->name, sizeof m->name, "%s", p->name);
-    snprintf(h.compiler_version, sizeof h.compiler_version, "kvcc %s", KVCC_VERSION);
-    int ol = snprintf(h.compile_options, sizeof h.compile_options, "policies=%s seed=%llu", policies,
-                      (unsigned long long)cx.seed);
-    if (cx.max_prompts && ol > 0 && ol < (int)sizeof h.compile_options)
-        snprintf(h.compile_options + ol, sizeof h.compile_options - (size_t)ol, " prompts=%u", cx.max_prompts);
     kvpol_error err = {0};
     if (gguf && kvpol_hash_file(gguf, &m->model_hash, &err) != 0) {
         fprintf(stderr, "kvcc compile: --gguf: %s\n", err.msg);
@@ -220,42 +282,15 @@ int kvcc_cmd_compile(int argc, char **argv) {
         kvcc_corpus_close(cp);
         return KVCC_EXIT_FAILED;
     }
-    const char *tool = "kvcc " KVCC_VERSION;
-    rc = kvpol_writer_begin_section(w, KVPOL_SEC_PROVENANCE, kvpol_known_find(KVPOL_SEC_PROVENANCE)->name, 0, KVPOL_CODEC_ZSTD, 1);
-    if (!rc) rc = kvpol_writer_add_string(w, "tool", tool, strlen(tool));
-    if (!rc) rc = kvpol_writer_add_string(w, "preset", p->name, strlen(p->name));
-    if (!rc) rc = kvpol_writer_add_string(w, "preset_source", p->source, strlen(p->source));
-    if (!rc) rc = kvpol_writer_add_string(w, "policies", policies, strlen(policies));
-    if (!rc && cp) {
-        const kvcc_corpus_info *ci = kvcc_corpus_get_info(cp);
-        rc = kvpol_writer_add_i64(w, "corpus_prompts", ci->n_prompts);
-        if (!rc) rc = kvpol_writer_add_string(w, "corpus_tool", ci->tool, strlen(ci->tool));
-        if (!rc) rc = kvpol_writer_add_string(w, "corpus_options", ci->options, strlen(ci->options));
-    }
-    if (!rc) rc = kvpol_writer_end_section(w);
+    rc = write_provenance(w, p, policies, cp);
     if (rc) {
         fprintf(stderr, "kvcc compile: building the provenance section: %s\n", kvpol_status_str(rc));
         kvpol_writer_free(w);
         kvcc_corpus_close(cp);
         return KVCC_EXIT_FAILED;
     }
-    int ex = KVCC_EXIT_OK;
-    for (int i = 0; i < n_run && !ex; i++) {
-        kvcc_progress_begin(run[i]->name);
-        ex = run[i]->run(&cx, w, msg, sizeof msg);
-        if (ex) fprintf(stderr, "kvcc compile: %s: %s\n", run[i]->name, msg);
-        else fprintf(stderr, "kvcc compile: %s: done in %.1f s\n", run[i]->name, kvcc_progress_elapsed());
-    }
-    if (!ex && kvpol_writer_finish(w, out, &err) != 0) {
-        fprintf(stderr, "kvcc compile: %s\n", err.msg);
-        ex = KVCC_EXIT_FAILED;
-    }
+    int ex = run_passes(&cx, run, n_run, w, out, p, policies);
     kvpol_writer_free(w);
-    if (!ex) fprintf(stderr, "kvcc compile: wrote %s (model %s, policies %s)\n", out, p->name, policies);
-    /* the passes' reports (stdout), from the artifact just written */
-    for (int i = 0; i < n_run && !ex; i++)
-        if (run[i]->report && (ex = run[i]->report(&cx, out, stdout, msg, sizeof msg)) != 0)
-            fprintf(stderr, "kvcc compile: %s\n", msg);
     kvcc_corpus_close(cp);
     return ex;
 }

@@ -22,25 +22,37 @@ static const char *PLANNED[] = {"kv2", "merge-reduce"};
 static void usage(FILE *out) {
     char names[1024];
     kvcc_eval_method_list(names, sizeof names);
-    fprintf(out,
-            "usage: kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [options]\n"
-            "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
-            "  --methods LIST      comma-separated, of: %s\n"
-            "                      (all: the baselines). am, am-uniform, am-omp (Attention Matching): budgets are\n"
-            "                      target mean ratios < 1, am runs the schedule and options compiled in --policy;\n"
-            "                      compilerkv (tables from --policy) and ckv-flat (its ablation: head weights 1.0,\n"
-            "                      threshold 0.8); decode-time (every continuation token attends through a CompKV\n"
-            "                      state; budgets are BLOCKS of the artifact's --compkv-block, default 16 tokens):\n"
-            "                      compkv (grouping from --policy) and its ablations, topk-mass, quest\n"
-            "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context ratios (< 1);\n"
-            "                      decode-time methods: blocks read exactly per KV head and step (integers >= 1)\n"
-            "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
-            "  --policy X.kvpol    an artifact, opened once and checked against the corpus's model; the header says\n"
-            "                      which options each policy's rows run (the compiled ones unless marked)\n"
-            "  --prompts N         use the first N prompts (default: all)\n"
-            "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
-            "  --seed S            seed of the random method (default 1)\n"
-            "  --json | --csv      machine-readable output (default: a table)\n", names);
+    fprintf(
+        out,
+        "usage: kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [options]\n"
+        "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
+        "  --methods LIST      comma-separated, of: %s\n"
+        "                      (all: the baselines). am, am-uniform, am-omp (Attention Matching): "
+        "budgets are\n"
+        "                      target mean ratios < 1, am runs the schedule and options compiled "
+        "in --policy;\n"
+        "                      compilerkv (tables from --policy) and ckv-flat (its ablation: head "
+        "weights 1.0,\n"
+        "                      threshold 0.8); decode-time (every continuation token attends "
+        "through a CompKV\n"
+        "                      state; budgets are BLOCKS of the artifact's --compkv-block, default "
+        "16 tokens):\n"
+        "                      compkv (grouping from --policy) and its ablations, topk-mass, "
+        "quest\n"
+        "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context "
+        "ratios (< 1);\n"
+        "                      decode-time methods: blocks read exactly per KV head and step "
+        "(integers >= 1)\n"
+        "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
+        "  --policy X.kvpol    an artifact, opened once and checked against the corpus's model; "
+        "the header says\n"
+        "                      which options each policy's rows run (the compiled ones unless "
+        "marked)\n"
+        "  --prompts N         use the first N prompts (default: all)\n"
+        "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
+        "  --seed S            seed of the random method (default 1)\n"
+        "  --json | --csv      machine-readable output (default: a table)\n",
+        names);
 }
 
 static int parse_methods(const char *list, const char **out, int *n) {
@@ -59,11 +71,14 @@ static int parse_methods(const char *list, const char **out, int *n) {
         } else {
             for (size_t i = 0; i < sizeof PLANNED / sizeof PLANNED[0]; i++)
                 if (!strcmp(tok, PLANNED[i])) {
-                    fprintf(stderr, "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: %s)\n", tok,
-                            names);
+                    fprintf(stderr,
+                            "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: "
+                            "%s)\n",
+                            tok, names);
                     return -1;
                 }
-            fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: %s)\n", tok, names);
+            fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: %s)\n", tok,
+                    names);
             return -1;
         }
         for (int a = 0; a < na; a++) {
@@ -144,8 +159,9 @@ static void print_csv(const kvcc_eval_result *r) {
         const kvcc_eval_row *w = &r->rows[i];
         char b[32];
         budget_str(w, b, sizeof b);
-        printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", w->name, b, w->kept_mean, w->relerr_mean,
-               w->relerr_p95, w->kl_mean, w->mass_mean, w->bytes_mean, w->select_ms);
+        printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", w->name, b, w->kept_mean,
+               w->relerr_mean, w->relerr_p95, w->kl_mean, w->mass_mean, w->bytes_mean,
+               w->select_ms);
         if (w->have_e2e)
             printf("%.6f,%.6f,%.6f,%u,%u,%.4f,", w->nll, w->nll_full, w->nll - w->nll_full, w->probes, w->probes_exact,
                    w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0.0);
@@ -166,7 +182,8 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
     if (r->decode_note[0]) cJSON_AddStringToObject(root, "decode_rows", r->decode_note);
     if (r->n_notes) {
         cJSON *notes = cJSON_AddArrayToObject(root, "notes");
-        for (int i = 0; i < r->n_notes; i++) cJSON_AddItemToArray(notes, cJSON_CreateString(r->notes[i]));
+        for (int i = 0; i < r->n_notes; i++)
+            cJSON_AddItemToArray(notes, cJSON_CreateString(r->notes[i]));
     }
     cJSON *rows = cJSON_AddArrayToObject(root, "rows");
     for (int i = 0; i < r->n_rows; i++) {

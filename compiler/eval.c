@@ -48,7 +48,9 @@ void eval_row_fail(kvcc_eval_row *row, int rc, const char *what) {
 int eval_row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B) {
     switch (row->method->budget) {
     case KVCC_BUDGET_NONE: *B = C; return KVRT_OK;
-    case KVCC_BUDGET_RATIO: *B = 0; return KVRT_OK; /* a target ratio (checked when the rows are made) */
+    case KVCC_BUDGET_RATIO:
+        *B = 0;
+        return KVRT_OK; /* a target ratio (checked when the rows are made) */
     default: return kvrt_budget_resolve(row->budget, C, B);
     }
 }
@@ -63,7 +65,8 @@ static int make_rows(eval_run *E, char *err, size_t errlen) {
         if (!m) {
             char names[1024];
             kvcc_eval_method_list(names, sizeof names);
-            snprintf(err, errlen, "--methods: unknown method '%s' (available: %s)", o->methods[i], names);
+            snprintf(err, errlen, "--methods: unknown method '%s' (available: %s)", o->methods[i],
+                     names);
             return KVCC_EXIT_USAGE;
         }
         int mi = 0;
@@ -84,12 +87,15 @@ static int make_rows(eval_run *E, char *err, size_t errlen) {
             row->budget = m->budget == KVCC_BUDGET_NONE ? 0 : o->budgets[j];
             if (m->budget == KVCC_BUDGET_RATIO && !(row->budget < 1)) {
                 row->status = KVRT_ERR_ARG;
-                snprintf(row->msg, sizeof row->msg, "%s budgets are target mean ratios in (0, 1), got %g", m->name,
+                snprintf(row->msg, sizeof row->msg,
+                         "%s budgets are target mean ratios in (0, 1), got %g", m->name,
                          row->budget);
             }
-            if (m->budget == KVCC_BUDGET_BLOCKS && !(row->budget >= 1 && row->budget == floor(row->budget))) {
+            if (m->budget == KVCC_BUDGET_BLOCKS &&
+                !(row->budget >= 1 && row->budget == floor(row->budget))) {
                 row->status = KVRT_ERR_ARG;
-                snprintf(row->msg, sizeof row->msg, "%s budgets are block counts (integers >= 1), got %g", m->name,
+                snprintf(row->msg, sizeof row->msg,
+                         "%s budgets are block counts (integers >= 1), got %g", m->name,
                          row->budget);
             }
         }
@@ -227,9 +233,15 @@ static int open_corpus(eval_run *E, char *err, size_t errlen) {
     r->n_kv_heads = m->n_kv_heads;
     r->head_dim = m->head_dim;
     snprintf(r->model_name, sizeof r->model_name, "%s", m->name);
-    E->env = (kvcc_eval_env){.policy_path = o->policy, .L = m->n_layers, .H = m->n_heads, .Hkv = m->n_kv_heads,
-                             .d = m->head_dim, .seed = o->seed, .dtype = o->cache_f16 ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32,
-                             .budgets = o->budgets, .n_budgets = o->n_budgets};
+    E->env = (kvcc_eval_env){.policy_path = o->policy,
+                             .L = m->n_layers,
+                             .H = m->n_heads,
+                             .Hkv = m->n_kv_heads,
+                             .d = m->head_dim,
+                             .seed = o->seed,
+                             .dtype = o->cache_f16 ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32,
+                             .budgets = o->budgets,
+                             .n_budgets = o->n_budgets};
     return 0;
 }
 
@@ -242,7 +254,8 @@ static int open_policy(eval_run *E, kvrt_policy **pol, char *err, size_t errlen)
     int s = kvrt_policy_open(E->o->policy, &want, pol, &ke);
     if (!s) return 0;
     snprintf(err, errlen, "--policy: %s [%s]", ke.msg, kvrt_status_name(s));
-    return s == KVRT_ERR_FORMAT || s == KVRT_ERR_IO ? kvcc_exit_for_kvpol(ke.detail) : KVCC_EXIT_USAGE;
+    return s == KVRT_ERR_FORMAT || s == KVRT_ERR_IO ? kvcc_exit_for_kvpol(ke.detail)
+                                                    : KVCC_EXIT_USAGE;
 }
 
 int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_t errlen) {

@@ -31,23 +31,24 @@
 
 /* Bytes one step reads for one layer: exact K/V of the selected tokens + the summaries scored
  * (CompKV: count, mean key, mean value, r group variances per block; Quest: min and max key). */
-static double step_bytes(const kvcc_eval_method *m, int64_t tokens_all_heads, int64_t nb, uint32_t Hkv, uint32_t d,
-                         uint32_t r) {
+static double step_bytes(const kvcc_eval_method *m, int64_t tokens_all_heads, int64_t nb,
+                         uint32_t Hkv, uint32_t d, uint32_t r) {
     const double per_block = m->quest_summaries ? 2.0 * d : 2.0 * d + r + 1;
     return 4.0 * ((double)tokens_all_heads * 2 * d + (double)Hkv * nb * per_block);
 }
 
 /* Exact block aggregates of the loop's layer per (query i, head h, block b) over the tokens
  * [0, C + i]: es = sum e^{z - mx}, zb = mean z - mx. Z: scratch [N, T]. */
-static void block_aggregates(const kvcc_loop *lp, uint32_t block, int64_t nbmax, float *Z, double *es, double *zb) {
+static void block_aggregates(const kvcc_loop *lp, uint32_t block, int64_t nbmax, float *Z,
+                             double *es, double *zb) {
     const uint32_t H = lp->H, Hkv = lp->Hkv, d = lp->d, G = H / Hkv;
     const int64_t C = lp->C, N = lp->N, T = C + N;
     const float scale = 1.0f / sqrtf((float)d);
     for (uint32_t h = 0; h < H; h++) {
         const uint32_t hk = h / G;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)T, (int)d, scale,
-                    lp->q + (size_t)C * H * d + h * d, (int)(H * d), lp->k + (size_t)hk * d, (int)(Hkv * d), 0.0f, Z,
-                    (int)T);
+                    lp->q + (size_t)C * H * d + h * d, (int)(H * d), lp->k + (size_t)hk * d,
+                    (int)(Hkv * d), 0.0f, Z, (int)T);
         for (int64_t i = 0; i < N; i++) {
             const int64_t len = C + i + 1, nb = (len + block - 1) / block;
             const float *z = Z + (size_t)i * T;
@@ -100,7 +101,9 @@ static int decode_row(eval_run *E, int ri, const kvcc_loop *lp, uint32_t block, 
         int64_t ns = 0;
         t0 = kvcc_now_s();
         s = kvrt_compkv_append(st, k + (size_t)(C + i) * Kd, v + (size_t)(C + i) * Kd, 1);
-        if (!s) s = m->decode_step(m, state, st, q + (size_t)(C + i) * H * d, H, K, k, len, w->out, w->blocks, &ns);
+        if (!s)
+            s = m->decode_step(m, state, st, q + (size_t)(C + i) * H * d, H, K, k, len, w->out,
+                               w->blocks, &ns);
         a->sel_s += kvcc_now_s() - t0;
         if (s) break;
         const int64_t nb = (len + block - 1) / block;
@@ -115,14 +118,17 @@ static int decode_row(eval_run *E, int ri, const kvcc_loop *lp, uint32_t block, 
             }
             for (uint32_t g = 0; g < G; g++) {
                 const uint32_t h = hk * G + g;
-                w->esum[h] += kvcc_relerr(w->out + (size_t)h * d, lp->o_full + ((size_t)i * H + h) * d, d);
-                const double *e = w->es + ((size_t)i * H + h) * nbmax, *zm = w->zb + ((size_t)i * H + h) * nbmax;
+                w->esum[h] +=
+                    kvcc_relerr(w->out + (size_t)h * d, lp->o_full + ((size_t)i * H + h) * d, d);
+                const double *e = w->es + ((size_t)i * H + h) * nbmax,
+                             *zm = w->zb + ((size_t)i * H + h) * nbmax;
                 double tot = 0, sel = 0, cmp = 0;
                 for (int64_t b = 0; b < nb; b++) {
                     tot += e[b];
                     if (w->mark[b]) sel += e[b];
                     else if (m->compensated) {
-                        const int64_t cnt = (b + 1) * (int64_t)block <= len ? block : len - b * (int64_t)block;
+                        const int64_t cnt =
+                            (b + 1) * (int64_t)block <= len ? block : len - b * (int64_t)block;
                         cmp += (double)cnt * exp(zm[b]);
                     }
                 }
@@ -177,18 +183,20 @@ int eval_decode_layer(eval_run *E, const kvcc_loop *lp) {
     return oom ? -1 : 0;
 }
 
-int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, const float *k, const float *v,
-                     float *out) {
+int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, const float *k,
+                     const float *v, float *out) {
     eval_dec_hook *hk = user;
     eval_run *E = hk->E;
     const kvcc_eval_method *m = eval_row_method(E, hk->ri);
     void *state = eval_row_prep(E, hk->ri)->state;
     const uint32_t H = E->env.H, Hkv = E->env.Hkv, d = E->env.d;
     const size_t Kd = (size_t)Hkv * d, T_ = (size_t)hk->s->n_ctx;
-    const float *kc = hk->s->k_cache + (size_t)layer * T_ * Kd, *vc = hk->s->v_cache + (size_t)layer * T_ * Kd;
+    const float *kc = hk->s->k_cache + (size_t)layer * T_ * Kd,
+                *vc = hk->s->v_cache + (size_t)layer * T_ * Kd;
     int s = 0;
     kvrt_compkv *st = hk->st[layer];
-    if (!st || kvrt_compkv_length(st) != pos0) { /* first call, or the sequence was rewound (probes) */
+    if (!st ||
+        kvrt_compkv_length(st) != pos0) { /* first call, or the sequence was rewound (probes) */
         kvrt_compkv_free(st);
         hk->st[layer] = st = NULL;
         s = m->decode_create(m, state, &E->env, (uint32_t)layer, hk->s->n_ctx, &st);
@@ -200,8 +208,9 @@ int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, con
     for (int i = 0; i < n && !s; i++) {
         int64_t ns;
         s = kvrt_compkv_append(st, k + (size_t)i * Kd, v + (size_t)i * Kd, 1);
-        if (!s) s = m->decode_step(m, state, st, q + (size_t)i * H * d, H, K, kc, pos0 + i + 1, out + (size_t)i * H * d,
-                                   hk->blocks, &ns);
+        if (!s)
+            s = m->decode_step(m, state, st, q + (size_t)i * H * d, H, K, kc, pos0 + i + 1,
+                               out + (size_t)i * H * d, hk->blocks, &ns);
     }
     if (s) hk->status = s;
     return s ? 1 : 0;

@@ -51,8 +51,12 @@ typedef struct {
     void *pstates[EVAL_MAX_METHODS]; /* the current prompt's per-method state (prompt_begin) */
 } eval_run;
 
-static inline const kvcc_eval_method *eval_row_method(const eval_run *E, int ri) { return E->ms[E->acc[ri].mi]; }
-static inline kvcc_eval_prep *eval_row_prep(eval_run *E, int ri) { return &E->preps[E->acc[ri].mi]; }
+static inline const kvcc_eval_method *eval_row_method(const eval_run *E, int ri) {
+    return E->ms[E->acc[ri].mi];
+}
+static inline kvcc_eval_prep *eval_row_prep(eval_run *E, int ri) {
+    return &E->preps[E->acc[ri].mi];
+}
 static inline int eval_is_decode(const kvcc_eval_method *m) { return m->decode_step != NULL; }
 
 /* Record the first failure of a row (with kvrt_last_error's message). */
@@ -75,8 +79,8 @@ typedef struct {
     int32_t *blocks;       /* [Hkv, n_blocks of the longest sequence] */
     int status;            /* the kvrt status that failed the row */
 } eval_dec_hook;
-int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, const float *k, const float *v,
-                     float *out);
+int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, const float *k,
+                     const float *v, float *out);
 /* eval_model.c: end to end through the model (--gguf). */
 int eval_e2e(eval_run *E, char *err, size_t errlen);
 #endif

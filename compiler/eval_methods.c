@@ -13,21 +13,26 @@
 #include "passes/passes.h"
 
 /* Selection + gather with kvrt_method `variant`; the random method's seed mixes in the layer. */
-static int baseline_compress(const kvcc_eval_method *m, void *state, void *pstate, const kvcc_eval_env *env,
-                             const kvcc_eval_layer *x, double budget, int64_t B, kvrt_cache **out) {
+static int baseline_compress(const kvcc_eval_method *m, void *state, void *pstate,
+                             const kvcc_eval_env *env, const kvcc_eval_layer *x, double budget,
+                             int64_t B, kvrt_cache **out) {
     (void)state; (void)pstate; (void)budget;
     kvrt_method_opts mo;
     kvrt_method_opts_init(&mo, m->variant, B);
     mo.seed = env->seed ^ (0x9e3779b97f4a7c15ull * (x->layer + 1));
     kvrt_selection *sel = NULL;
     int rc = kvrt_method_select(&mo, x->q, x->k, x->v, x->C, env->H, env->Hkv, env->d, &sel);
-    if (rc == KVRT_OK) rc = kvrt_cache_gather(x->k, x->v, x->C, env->Hkv, env->d, sel, env->dtype, out);
+    if (rc == KVRT_OK)
+        rc = kvrt_cache_gather(x->k, x->v, x->C, env->Hkv, env->d, sel, env->dtype, out);
     kvrt_selection_free(sel);
     return rc;
 }
 
-#define BASELINE(nm, id, kind) \
-    {.name = nm, .family = "baseline", .budget = kind, .variant = id, .compress_layer = baseline_compress}
+#define BASELINE(nm, id, kind)                                                                     \
+    {                                                                                              \
+        .name = nm, .family = "baseline", .budget = kind, .variant = id,                           \
+        .compress_layer = baseline_compress                                                        \
+    }
 const kvcc_eval_method kvcc_eval_baselines[] = {
     BASELINE("full", KVRT_METHOD_FULL, KVCC_BUDGET_NONE),
     BASELINE("streaming", KVRT_METHOD_STREAMING, KVCC_BUDGET_TOKENS),

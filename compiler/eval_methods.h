@@ -69,7 +69,7 @@ typedef struct {
 typedef struct kvcc_eval_method kvcc_eval_method;
 struct kvcc_eval_method {
     const char *name;            /* --methods name (NULL ends a table) */
-    const char *family;          /* header label of its notes ("Attention Matching", "decode-time") */
+    const char *family; /* header label of its notes ("Attention Matching", "decode-time") */
     kvcc_budget_kind budget;
     int variant;                 /* the method's own switch (e.g. a kvrt_method, an ablation) */
     /* The policy handle the method runs (may be NULL): opened once per run from env->policy and
@@ -79,27 +79,29 @@ struct kvcc_eval_method {
     void (*close_handle)(void *h);
     /* Once per run: build p->state from env and the handle, check the budgets, write p->note.
      * 0, or a KVCC_EXIT_* status with the message in err. May be NULL. */
-    int (*prepare)(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p, char *err,
-                   size_t errlen);
+    int (*prepare)(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
+                   kvcc_eval_prep *p, char *err, size_t errlen);
     void (*release)(void *state);
     /* prefill: per prompt (layer-local), a per-prompt state from the corpus (may be NULL) */
-    int (*prompt_begin)(void *state, kvcc_corpus *c, uint32_t prompt, void **pstate, char *err, size_t errlen);
+    int (*prompt_begin)(void *state, kvcc_corpus *c, uint32_t prompt, void **pstate, char *err,
+                        size_t errlen);
     void (*prompt_end)(void *pstate);
     /* prefill: compress one layer's context at budget (B: tokens, resolved; RATIO rows: 0).
      * kvrt status (message in kvrt_last_error). */
-    int (*compress_layer)(const kvcc_eval_method *m, void *state, void *pstate, const kvcc_eval_env *env,
-                          const kvcc_eval_layer *x, double budget, int64_t B, kvrt_cache **out);
+    int (*compress_layer)(const kvcc_eval_method *m, void *state, void *pstate,
+                          const kvcc_eval_env *env, const kvcc_eval_layer *x, double budget,
+                          int64_t B, kvrt_cache **out);
     /* prefill, end to end: every layer at once (may be NULL: compress_layer per layer) */
-    int (*compress_all)(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env, const kvcc_eval_all *x,
-                        double budget, int64_t B, kvrt_cache **out);
+    int (*compress_all)(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
+                        const kvcc_eval_all *x, double budget, int64_t B, kvrt_cache **out);
     /* decode-time: a state of layer `layer` with room for cap tokens */
-    int (*decode_create)(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env, uint32_t layer,
-                         int64_t cap, kvrt_compkv **out);
+    int (*decode_create)(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
+                         uint32_t layer, int64_t cap, kvrt_compkv **out);
     /* decode-time: one step of query q [H, d] on st (holding tokens [0, len); k [len, Hkv, d]
      * their keys): out [H, d], blocks [Hkv, *n_sel] the blocks read exactly */
-    int (*decode_step)(const kvcc_eval_method *m, void *state, const kvrt_compkv *st, const float *q,
-                       uint32_t H, int64_t K, const float *k, int64_t len, float *out, int32_t *blocks,
-                       int64_t *n_sel);
+    int (*decode_step)(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
+                       const float *q, uint32_t H, int64_t K, const float *k, int64_t len,
+                       float *out, int32_t *blocks, int64_t *n_sel);
     int compensated;             /* decode-time: unselected blocks enter through their means */
     int quest_summaries;         /* decode-time: the blocks scored hold min/max keys (2d floats) */
 };

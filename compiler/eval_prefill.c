@@ -24,7 +24,8 @@ static int begin_prompt(eval_run *E, uint32_t p, char *err, size_t errlen) {
         E->pstates[mi] = NULL;
         if (!m->prompt_begin) continue;
         int live = 0;
-        for (int ri = 0; ri < E->r->n_rows; ri++) live |= E->acc[ri].mi == mi && !E->r->rows[ri].status;
+        for (int ri = 0; ri < E->r->n_rows; ri++)
+            live |= E->acc[ri].mi == mi && !E->r->rows[ri].status;
         if (live && m->prompt_begin(E->preps[mi].state, E->c, p, &E->pstates[mi], err, errlen) != 0)
             return KVCC_EXIT_FAILED;
     }
@@ -49,11 +50,12 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
     int64_t B;
     int s = eval_row_budget(row, lp->C, &B);
     if (s) { eval_row_fail(row, s, "budget"); return 0; }
-    const kvcc_eval_layer x = {.prompt = lp->prompt, .layer = lp->layer, .q = lp->q, .k = lp->k, .v = lp->v,
-                               .C = lp->C};
+    const kvcc_eval_layer x = {
+        .prompt = lp->prompt, .layer = lp->layer, .q = lp->q, .k = lp->k, .v = lp->v, .C = lp->C};
     double t0 = kvcc_now_s();
     kvrt_cache *cc = NULL;
-    s = m->compress_layer(m, eval_row_prep(E, ri)->state, E->pstates[a->mi], &E->env, &x, row->budget, B, &cc);
+    s = m->compress_layer(m, eval_row_prep(E, ri)->state, E->pstates[a->mi], &E->env, &x,
+                          row->budget, B, &cc);
     a->sel_s += kvcc_now_s() - t0;
     if (s) { eval_row_fail(row, s, "select"); kvrt_cache_free(cc); return 0; }
     s = kvcc_loop_attend(lp, cc, lp->o_c, lp->lse_c, NULL);
@@ -86,7 +88,8 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
     for (uint32_t p = 0; p < E->n_prompts && !rc; p++) {
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
         if (lp.N < 1) {
-            snprintf(err, errlen, "%s: prompt %u has no continuation tokens; eval needs continuation queries",
+            snprintf(err, errlen,
+                     "%s: prompt %u has no continuation tokens; eval needs continuation queries",
                      E->o->corpus, p);
             rc = KVCC_EXIT_USAGE;
             break;
@@ -106,7 +109,8 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
         }
         end_prompt(E);
         for (int ri = 0; ri < r->n_rows; ri++) E->acc[ri].bytes_sum += bytes_prompt[ri];
-        r->full_bytes_mean += (double)lp.C * lp.Hkv * lp.d * 2 * sizeof(float) * lp.L / E->n_prompts;
+        r->full_bytes_mean +=
+            (double)lp.C * lp.Hkv * lp.d * 2 * sizeof(float) * lp.L / E->n_prompts;
         if (E->o->verbose) kvcc_progress(p + 1, E->n_prompts);
     }
     free(bytes_prompt);

@@ -21,7 +21,8 @@ static void free_buffers(kvcc_loop *lp) {
     lp->cap = 0;
 }
 
-int kvcc_loop_open(kvcc_loop *lp, kvcc_corpus *c, const char *label, unsigned flags, char *err, size_t errlen) {
+int kvcc_loop_open(kvcc_loop *lp, kvcc_corpus *c, const char *label, unsigned flags, char *err,
+                   size_t errlen) {
     memset(lp, 0, sizeof *lp);
     const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
     lp->corpus = c;
@@ -92,22 +93,27 @@ int kvcc_loop_layer(kvcc_loop *lp, uint32_t l, char *err, size_t errlen) {
     kvrt_cache *full = NULL;
     int s = kvcc_full_cache(lp->k, lp->v, lp->C, lp->Hkv, lp->d, &full);
     if (!s && (lp->flags & KVCC_LOOP_REF))
-        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, full, lp->kr, lp->vr, lp->N, lp->scale, lp->o_full, lp->lse_full);
+        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, full, lp->kr, lp->vr, lp->N, lp->scale,
+                        lp->o_full, lp->lse_full);
     if (!s && (lp->flags & KVCC_LOOP_REF_CTX))
-        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, full, NULL, NULL, 0, lp->scale, lp->o_c, lp->lse_ctx);
+        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, full, NULL, NULL, 0, lp->scale, lp->o_c,
+                        lp->lse_ctx);
     kvrt_cache_free(full);
     if (s) {
-        snprintf(err, errlen, "%s: prompt %u, layer %u: the full-context reference: %s (%s)", lp->label, lp->prompt, l,
-                 kvrt_status_str(s), kvrt_last_error()->msg);
+        snprintf(err, errlen, "%s: prompt %u, layer %u: the full-context reference: %s (%s)",
+                 lp->label, lp->prompt, l, kvrt_status_str(s), kvrt_last_error()->msg);
         return KVCC_EXIT_FAILED;
     }
     return 0;
 }
 
-int kvcc_loop_attend(const kvcc_loop *lp, const kvrt_cache *cc, float *o, float *lse, float *lse_ctx) {
+int kvcc_loop_attend(const kvcc_loop *lp, const kvrt_cache *cc, float *o, float *lse,
+                     float *lse_ctx) {
     int s = 0;
-    if (lse_ctx) s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, cc, NULL, NULL, 0, lp->scale, o, lse_ctx);
-    if (!s) s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, cc, lp->kr, lp->vr, lp->N, lp->scale, o, lse);
+    if (lse_ctx)
+        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, cc, NULL, NULL, 0, lp->scale, o, lse_ctx);
+    if (!s)
+        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, cc, lp->kr, lp->vr, lp->N, lp->scale, o, lse);
     return s;
 }
 

@@ -31,7 +31,7 @@ typedef struct {
     kvcc_corpus *corpus;
     const char *label;          /* message prefix ("am", "eval", ...) */
     unsigned flags;
-    kvrt_ctx *rt;               /* CPU context of the references and kvcc_loop_attend, for the caller too */
+    kvrt_ctx *rt; /* CPU context of the references and kvcc_loop_attend, for the caller too */
     uint32_t L, H, Hkv, d;
     float scale;                /* 1 / sqrt(d) */
     /* the current prompt (kvcc_loop_prompt) */
@@ -49,7 +49,8 @@ typedef struct {
 } kvcc_loop;
 
 /* Zero lp and bind it to the corpus (its model gives L, H, Hkv, d). 0 or KVCC_EXIT_FAILED. */
-int kvcc_loop_open(kvcc_loop *lp, kvcc_corpus *c, const char *label, unsigned flags, char *err, size_t errlen);
+int kvcc_loop_open(kvcc_loop *lp, kvcc_corpus *c, const char *label, unsigned flags, char *err,
+                   size_t errlen);
 /* Prompt p's shape (info, T, C, N) and buffers for T tokens. 0 or KVCC_EXIT_FAILED. */
 int kvcc_loop_prompt(kvcc_loop *lp, uint32_t p, char *err, size_t errlen);
 /* Read layer l of the current prompt and, with KVCC_LOOP_REF / _REF_CTX (and N >= 1), compute
@@ -58,6 +59,7 @@ int kvcc_loop_layer(kvcc_loop *lp, uint32_t l, char *err, size_t errlen);
 /* The continuation queries of the current layer over cache cc plus the exact continuation:
  * o [N, H, d], lse [N, H]; lse_ctx (optional): over cc alone (o is then overwritten by the
  * first result). kvrt status. */
-int kvcc_loop_attend(const kvcc_loop *lp, const kvrt_cache *cc, float *o, float *lse, float *lse_ctx);
+int kvcc_loop_attend(const kvcc_loop *lp, const kvrt_cache *cc, float *o, float *lse,
+                     float *lse_ctx);
 void kvcc_loop_close(kvcc_loop *lp);
 #endif

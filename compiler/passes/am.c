@@ -102,7 +102,8 @@ static void greedy_exchange(const double *r, const float *curves, int nr, int nh
 /* Add one compacted ratio ri of the loop's current (prompt, layer) to the loss and mass-error
  * curves [L, Hkv, nr]: per KV head, the mean over its G query heads and the N continuation
  * queries, divided by the prompt count (summed in (query head, query) order). */
-static void am_accumulate(const kvcc_loop *lp, int ri, int nr, double n_prompts, double *loss, double *merr) {
+static void am_accumulate(const kvcc_loop *lp, int ri, int nr, double n_prompts, double *loss,
+                          double *merr) {
     const uint32_t H = lp->H, Hkv = lp->Hkv, d = lp->d, G = H / Hkv;
     const int64_t N = lp->N;
     for (uint32_t hk = 0; hk < Hkv; hk++) {
@@ -151,7 +152,10 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
     kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
     kvcc_loop lp;
     int rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
-    if (!rc && (!loss || !merr || !ccs)) { snprintf(err, errlen, "am: out of memory"); rc = KVCC_EXIT_FAILED; }
+    if (!rc && (!loss || !merr || !ccs)) {
+        snprintf(err, errlen, "am: out of memory");
+        rc = KVCC_EXIT_FAILED;
+    }
     for (uint32_t p = 0; p < n_prompts && !rc; p++) {
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
         const int64_t C = lp.C, N = lp.N;
@@ -166,8 +170,8 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             /* the reference: the full context, with (o_full, lse_full) and without (lse_ctx) the
              * continuation; then every ratio of the grid at once (shared logits and targets) */
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
-            int s = kvrt_am_compact_layer_multi(lp.rt, &ao, lp.q, lp.k, lp.v, C, H, Hkv, d, nr, NULL, cx->am_ratios,
-                                                KVRT_DTYPE_F32, ccs, NULL);
+            int s = kvrt_am_compact_layer_multi(lp.rt, &ao, lp.q, lp.k, lp.v, C, H, Hkv, d, nr,
+                                                NULL, cx->am_ratios, KVRT_DTYPE_F32, ccs, NULL);
             for (int ri = 0; ri < nr && !s; ri++) {
                 s = kvcc_loop_attend(&lp, ccs[ri], lp.o_c, lp.lse_c, lp.lse_c_ctx);
                 kvrt_cache_free(ccs[ri]);
@@ -321,14 +325,16 @@ enum { AM_EVAL_SCHEDULED, AM_EVAL_UNIFORM, AM_EVAL_OMP };
 
 static int am_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
     if (!env->policy) {
-        snprintf(err, errlen, "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
+        snprintf(err, errlen,
+                 "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
                  "(or use am-uniform / am-omp)");
         return KVCC_EXIT_USAGE;
     }
     kvrt_am_schedule *s = NULL;
     int rc = kvrt_am_open(env->policy, &s);
     if (rc) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(rc));
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+                 kvrt_status_name(rc));
         return KVCC_EXIT_USAGE;
     }
     *h = s;
@@ -340,14 +346,16 @@ static void am_eval_close(void *h) { kvrt_am_schedule_free(h); }
 static const char *am_select_name(int ks) { return ks == KVRT_AM_SELECT_OMP ? "omp" : "highest"; }
 
 /* am: every ratio budget must be a compiled target; the note states the compiled options. */
-static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p,
-                           char *err, size_t errlen) {
+static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
+                           kvcc_eval_prep *p, char *err, size_t errlen) {
     kvrt_am_opts o;
     if (m->variant != AM_EVAL_SCHEDULED) {
         kvrt_am_opts_init(&o);
         if (m->variant == AM_EVAL_OMP) o.key_select = KVRT_AM_SELECT_OMP;
-        snprintf(p->note, sizeof p->note, "%s: an uncompiled variant, every KV head at the row's ratio (key "
-                 "selection %s, chunk %lld)", m->name, am_select_name(o.key_select), (long long)o.chunk);
+        snprintf(p->note, sizeof p->note,
+                 "%s: an uncompiled variant, every KV head at the row's ratio (key "
+                 "selection %s, chunk %lld)",
+                 m->name, am_select_name(o.key_select), (long long)o.chunk);
         return 0;
     }
     const kvrt_am_schedule *s = handle;
@@ -357,49 +365,69 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
         if (env->budgets[j] < 1) rc = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
     }
     if (rc) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(rc));
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+                 kvrt_status_name(rc));
         return KVCC_EXIT_USAGE;
     }
     p->state = handle;
-    snprintf(p->note, sizeof p->note, "am: the compiled per-head schedule with the compiled options (key selection "
-             "%s, chunk %lld)", am_select_name(o.key_select), (long long)o.chunk);
+    snprintf(p->note, sizeof p->note,
+             "am: the compiled per-head schedule with the compiled options (key selection "
+             "%s, chunk %lld)",
+             am_select_name(o.key_select), (long long)o.chunk);
     return 0;
 }
 
-static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate, const kvcc_eval_env *env,
-                            const kvcc_eval_layer *x, double budget, int64_t B, kvrt_cache **out) {
+static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate,
+                            const kvcc_eval_env *env, const kvcc_eval_layer *x, double budget,
+                            int64_t B, kvrt_cache **out) {
     (void)pstate; (void)B;
     if (m->variant == AM_EVAL_SCHEDULED)
-        return kvrt_am_compact_scheduled(env->rt, state, NULL, 0, budget, x->layer, x->q, x->k, x->v, x->C, env->H,
-                                         env->dtype, out, NULL);
+        return kvrt_am_compact_scheduled(env->rt, state, NULL, 0, budget, x->layer, x->q, x->k,
+                                         x->v, x->C, env->H, env->dtype, out, NULL);
     kvrt_am_opts ao;
     kvrt_am_opts_init(&ao);
     if (m->variant == AM_EVAL_OMP) ao.key_select = KVRT_AM_SELECT_OMP;
-    return kvrt_am_compact_layer(env->rt, &ao, x->q, x->k, x->v, x->C, env->H, env->Hkv, env->d, NULL, budget,
-                                 env->dtype, out, NULL);
+    return kvrt_am_compact_layer(env->rt, &ao, x->q, x->k, x->v, x->C, env->H, env->Hkv, env->d,
+                                 NULL, budget, env->dtype, out, NULL);
 }
 
 static const kvcc_eval_method am_eval_methods[] = {
-    {.name = "am", .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = AM_EVAL_SCHEDULED,
-     .open_handle = am_eval_open, .close_handle = am_eval_close, .prepare = am_eval_prepare,
+    {.name = "am",
+     .family = "Attention Matching",
+     .budget = KVCC_BUDGET_RATIO,
+     .variant = AM_EVAL_SCHEDULED,
+     .open_handle = am_eval_open,
+     .close_handle = am_eval_close,
+     .prepare = am_eval_prepare,
      .compress_layer = am_eval_compress},
-    {.name = "am-uniform", .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = AM_EVAL_UNIFORM,
-     .prepare = am_eval_prepare, .compress_layer = am_eval_compress},
-    {.name = "am-omp", .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = AM_EVAL_OMP,
-     .prepare = am_eval_prepare, .compress_layer = am_eval_compress},
+    {.name = "am-uniform",
+     .family = "Attention Matching",
+     .budget = KVCC_BUDGET_RATIO,
+     .variant = AM_EVAL_UNIFORM,
+     .prepare = am_eval_prepare,
+     .compress_layer = am_eval_compress},
+    {.name = "am-omp",
+     .family = "Attention Matching",
+     .budget = KVCC_BUDGET_RATIO,
+     .variant = AM_EVAL_OMP,
+     .prepare = am_eval_prepare,
+     .compress_layer = am_eval_compress},
     {.name = NULL},
 };
 
 #define AM_OPT(f) offsetof(kvcc_compile_ctx, f)
 static const kvcc_pass_option am_options[] = {
-    {"am-targets", KVCC_OPT_LIST, "LIST", "0.02,0.05,0.1,0.2", "target mean ratios of the context kept per KV head",
-     AM_OPT(am_targets), AM_OPT(n_am_targets), 0, 0, NULL, 0},
+    {"am-targets", KVCC_OPT_LIST, "LIST", "0.02,0.05,0.1,0.2",
+     "target mean ratios of the context kept per KV head", AM_OPT(am_targets), AM_OPT(n_am_targets),
+     0, 0, NULL, 0},
     {"am-ratios", KVCC_OPT_LIST, "LIST", "0.015625,0.03125,0.0625,0.125,0.25,0.5",
-     "ratio grid of the sensitivity curves (1/64 ... 1/2)", AM_OPT(am_ratios), AM_OPT(n_am_ratios), 0, 0, NULL, 0},
-    {"am-chunk", KVCC_OPT_U32, "N", "4096", "queries per chunk of the compaction (written; eval runs it)",
-     AM_OPT(am_chunk), 0, 16, 1u << 20, NULL, 0},
-    {"am-select", KVCC_OPT_CHOICE, "highest|omp", "highest", "key selection (written; eval runs it)",
-     AM_OPT(am_select), 0, 0, 0, "highest|omp", 0},
+     "ratio grid of the sensitivity curves (1/64 ... 1/2)", AM_OPT(am_ratios), AM_OPT(n_am_ratios),
+     0, 0, NULL, 0},
+    {"am-chunk", KVCC_OPT_U32, "N", "4096",
+     "queries per chunk of the compaction (written; eval runs it)", AM_OPT(am_chunk), 0, 16,
+     1u << 20, NULL, 0},
+    {"am-select", KVCC_OPT_CHOICE, "highest|omp", "highest",
+     "key selection (written; eval runs it)", AM_OPT(am_select), 0, 0, 0, "highest|omp", 0},
     {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
 };
 

@@ -10,7 +10,8 @@
  * tests/unit/test_compilerkv.c.
  *
  * defines: kvcc_pass_compilerkv (options, reports, eval methods compilerkv and ckv-flat),
- *          ckv_setup, ckv_free_state, ckv_compile_rounds, ckv_select_rollout, ckv_incumbent_row, ckv_incumbent_tau, ckv_draw_actions, ckv_failf
+ *          ckv_setup, ckv_free_state, ckv_compile_rounds, ckv_select_rollout, ckv_incumbent_row,
+ * ckv_incumbent_tau, ckv_draw_actions, ckv_failf
  *
  * Records. Prompt features first (one pass over the layers): alpha [C], rho [L, Hkv, C], the
  * entropy and perplexity features; bin edges = quantiles (type 7) of the features over the
@@ -81,7 +82,8 @@ static int push_rec(ckv *S, uint32_t state, uint32_t action, float r) {
 }
 
 /* Draw k distinct actions of n with the incumbent first (seeded, order-independent). */
-uint32_t ckv_draw_actions(uint64_t seed, uint32_t n, uint32_t k, uint32_t incumbent, uint32_t *out) {
+uint32_t ckv_draw_actions(uint64_t seed, uint32_t n, uint32_t k, uint32_t incumbent,
+                          uint32_t *out) {
     uint32_t pool[CKV_HEAD_ACTIONS > CKV_GATE_ACTIONS ? CKV_HEAD_ACTIONS : CKV_GATE_ACTIONS];
     uint32_t np = 0;
     for (uint32_t a = 0; a < n; a++)
@@ -131,53 +133,15 @@ void ckv_free_state(ckv *S) {
 // ----------------------------------------------------------------------------
 // setup: prompts, budgets, features, edges, initial tables
 
-int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const char *corpus_path, int attention, int model,
-                 char *err, size_t errlen) {
-    memset(S, 0, sizeof *S);
-    S->cx = cx;
-    S->corpus = corpus;
-    S->corpus_path = corpus_path;
-    S->attention = attention;
-    S->model = model;
-    const kvcc_corpus_model *m = kvcc_corpus_get_model(corpus);
-    const kvcc_corpus_info *ci = kvcc_corpus_get_info(corpus);
-    S->L = m->n_layers; S->H = m->n_heads; S->Hkv = m->n_kv_heads; S->d = m->head_dim;
-    S->window = cx->window ? cx->window : 64;
-    S->P = ci->n_prompts;
-    if (cx->max_prompts && cx->max_prompts < S->P) S->P = cx->max_prompts;
-    if (S->P == 0) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s: the corpus has no prompts", corpus_path);
-    if (S->Hkv == 0 || S->Hkv > 256 || S->H % S->Hkv)
-        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s: n_kv_heads %u: expected 1..256 dividing n_heads %u",
-                     corpus_path, S->Hkv, S->H);
+/* The budget axis: token counts below the smallest context minC, ascending, distinct. */
+static int setup_budgets(ckv *S, uint32_t minC, char *err, size_t errlen) {
     int rc = 0;
-    /* prompts: sizes, the smallest context */
-    uint32_t minC = UINT32_MAX;
-    S->pr = calloc(S->P, sizeof *S->pr);
-    if (!S->pr) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
-    for (uint32_t p = 0; p < S->P && !rc; p++) {
-        kvcc_corpus_prompt_info info;
-        if (kvcc_corpus_prompt(corpus, p, &info, NULL, NULL) != 0) {
-            rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s", kvcc_corpus_error(corpus));
-            break;
-        }
-        if (info.continuation_len < 1)
-            rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED,
-                       "%s: prompt %u has no continuation tokens; the rewards need continuation queries",
-                       corpus_path, p);
-        else if (info.context_len <= S->window)
-            rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE, "%s: prompt %u: context of %u tokens, expected more than --window %u",
-                       corpus_path, p, info.context_len, S->window);
-        S->pr[p].C = info.context_len;
-        S->pr[p].N = info.continuation_len;
-        if (info.context_len < minC) minC = info.context_len;
-        if (info.n_tokens > S->maxT) S->maxT = info.n_tokens;
-    }
-    /* the budget axis */
     size_t so = 0;
-    for (int i = 0; i < cx->n_budgets && !rc; i++) {
-        double bd = cx->budgets[i];
+    for (int i = 0; i < S->cx->n_budgets && !rc; i++) {
+        double bd = S->cx->budgets[i];
         if (bd < 1) {
-            rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE, "--budgets: %g: compilerkv budgets are token counts (>= 1)", bd);
+            rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE,
+                           "--budgets: %g: compilerkv budgets are token counts (>= 1)", bd);
             break;
         }
         int64_t B = (int64_t)llround(bd);
@@ -190,18 +154,25 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
         if (S->nB == 64) break;
         S->budgets[S->nB++] = B;
     }
-    if (!rc && S->skipped[0] && cx->progress)
+    if (!rc && S->skipped[0] && S->cx->progress)
         fprintf(stderr, "kvcc compile: compilerkv: note: budgets %s are >= the corpus context (%u tokens): skipped\n",
                 S->skipped, minC);
     if (!rc && S->nB == 0)
-        rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE, "--budgets: every budget is >= the corpus context (%u tokens); nothing to compile",
-                   minC);
-    /* threads, scratch, read buffers, the layer-cache policy */
+        rc = ckv_failf(
+            err, errlen, KVCC_EXIT_USAGE,
+            "--budgets: every budget is >= the corpus context (%u tokens); nothing to compile",
+            minC);
+    return rc;
+}
+
+/* Threads, per-thread scratch, read buffers, and whether every layer cache fits in memory. */
+static int setup_caches(ckv *S, char *err, size_t errlen) {
+    int rc = 0;
     S->n_threads = 1;
 #ifdef _OPENMP
     S->n_threads = omp_get_max_threads();
 #endif
-    if (!rc && attention) {
+    if (S->attention) {
         size_t bytes = 0;
         for (uint32_t p = 0; p < S->P; p++) {
             const size_t nh = (size_t)S->pr[p].N * S->H;
@@ -214,7 +185,8 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
             char *end;
             cap_mb = strtod(env, &end);
             if (*end || !(cap_mb >= 0))
-                rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE, "KVCC_COMPILERKV_CACHE_MB=%s: expected a size in MB (>= 0)", env);
+                rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE,
+                               "KVCC_COMPILERKV_CACHE_MB=%s: expected a size in MB (>= 0)", env);
         }
         S->cache_bytes = bytes;
         S->cache_all = (double)bytes <= cap_mb * 1048576.0;
@@ -229,7 +201,12 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
             if (!(S->scratch[t] = malloc(sizeof(double) * S->scratch_doubles)))
                 rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
     }
-    /* prompt features (and, when they fit, every layer cache in the same pass) */
+    return rc;
+}
+
+/* Prompt features (and, when they fit, every layer cache in the same corpus pass). */
+static int setup_features(ckv *S, char *err, size_t errlen) {
+    int rc = 0;
     for (uint32_t p = 0; p < S->P && !rc; p++) {
         ckv_prompt *P = &S->pr[p];
         P->rho = malloc(sizeof(float) * (size_t)S->L * S->Hkv * P->C);
@@ -239,8 +216,9 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
             rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
             break;
         }
-        if (ckv_prompt_features(corpus, p, S->window, P->rho, &kp, NULL, attention && S->cache_all ? ckv_build_layer_cb : NULL, S,
-                               err, errlen) != 0) {
+        if (ckv_prompt_features(S->corpus, p, S->window, P->rho, &kp, NULL,
+                                S->attention && S->cache_all ? ckv_build_layer_cb : NULL, S, err,
+                                errlen) != 0) {
             rc = KVCC_EXIT_FAILED;
             break;
         }
@@ -249,8 +227,14 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
         P->ppl = kp->ppl;
         kvrt_compilerkv_prompt_free(kp);
     }
-    /* quantile edges, initial (conservative) tables, bins */
-    const size_t nSh = (size_t)S->nB * S->L * S->H, nSg = (size_t)S->nB * S->L * CKV_ENT_BINS * CKV_PPL_BINS;
+    return rc;
+}
+
+/* Quantile edges of the features, the initial (conservative) tables, every prompt's bins. */
+static int setup_tables(ckv *S, char *err, size_t errlen) {
+    int rc = 0;
+    const size_t nSh = (size_t)S->nB * S->L * S->H,
+                 nSg = (size_t)S->nB * S->L * CKV_ENT_BINS * CKV_PPL_BINS;
     if (!rc) {
         double *x = malloc(sizeof(double) * S->P);
         float ee[CKV_ENT_BINS - 1], pe[CKV_PPL_BINS - 1];
@@ -264,20 +248,83 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
         } else {
             for (uint32_t p = 0; p < S->P; p++) x[p] = S->pr[p].ent;
             qsort(x, S->P, sizeof *x, kvcc_cmp_double);
-            for (int i = 0; i < CKV_ENT_BINS - 1; i++) ee[i] = (float)kvcc_quantile7(x, S->P, (i + 1.0) / CKV_ENT_BINS);
+            for (int i = 0; i < CKV_ENT_BINS - 1; i++)
+                ee[i] = (float)kvcc_quantile7(x, S->P, (i + 1.0) / CKV_ENT_BINS);
             for (uint32_t p = 0; p < S->P; p++) x[p] = S->pr[p].ppl;
             qsort(x, S->P, sizeof *x, kvcc_cmp_double);
-            for (int i = 0; i < CKV_PPL_BINS - 1; i++) pe[i] = (float)kvcc_quantile7(x, S->P, (i + 1.0) / CKV_PPL_BINS);
-            for (size_t i = 0; i < nSh; i++) { S->head_act[i] = CKV_HEAD_FALLBACK; wh[i] = ckv_head_grid(CKV_HEAD_FALLBACK); }
-            for (size_t i = 0; i < nSg; i++) { S->gate_act[i] = CKV_GATE_FALLBACK; tg[i] = ckv_gate_grid(CKV_GATE_FALLBACK); }
+            for (int i = 0; i < CKV_PPL_BINS - 1; i++)
+                pe[i] = (float)kvcc_quantile7(x, S->P, (i + 1.0) / CKV_PPL_BINS);
+            for (size_t i = 0; i < nSh; i++) {
+                S->head_act[i] = CKV_HEAD_FALLBACK;
+                wh[i] = ckv_head_grid(CKV_HEAD_FALLBACK);
+            }
+            for (size_t i = 0; i < nSg; i++) {
+                S->gate_act[i] = CKV_GATE_FALLBACK;
+                tg[i] = ckv_gate_grid(CKV_GATE_FALLBACK);
+            }
             if (kvrt_compilerkv_tables_create(S->nB, S->L, S->H, S->window, S->budgets, wh, tg, ee, pe, &S->tb) != 0)
-                rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: %s", kvrt_last_error()->msg);
+                rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: %s",
+                               kvrt_last_error()->msg);
             for (uint32_t p = 0; p < S->P && !rc; p++)
                 if (kvrt_compilerkv_bins(S->tb, S->pr[p].ent, S->pr[p].ppl, &S->pr[p].be, &S->pr[p].bp) != 0)
-                    rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: %s", kvrt_last_error()->msg);
+                    rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: %s",
+                                   kvrt_last_error()->msg);
         }
         free(x); free(wh); free(tg);
     }
+    return rc;
+}
+
+int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const char *corpus_path,
+              int attention, int model, char *err, size_t errlen) {
+    memset(S, 0, sizeof *S);
+    S->cx = cx;
+    S->corpus = corpus;
+    S->corpus_path = corpus_path;
+    S->attention = attention;
+    S->model = model;
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(corpus);
+    const kvcc_corpus_info *ci = kvcc_corpus_get_info(corpus);
+    S->L = m->n_layers; S->H = m->n_heads; S->Hkv = m->n_kv_heads; S->d = m->head_dim;
+    S->window = cx->window ? cx->window : 64;
+    S->P = ci->n_prompts;
+    if (cx->max_prompts && cx->max_prompts < S->P) S->P = cx->max_prompts;
+    if (S->P == 0)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s: the corpus has no prompts",
+                         corpus_path);
+    if (S->Hkv == 0 || S->Hkv > 256 || S->H % S->Hkv)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                         "%s: n_kv_heads %u: expected 1..256 dividing n_heads %u", corpus_path,
+                         S->Hkv, S->H);
+    int rc = 0;
+    /* prompts: sizes, the smallest context */
+    uint32_t minC = UINT32_MAX;
+    S->pr = calloc(S->P, sizeof *S->pr);
+    if (!S->pr) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
+    for (uint32_t p = 0; p < S->P && !rc; p++) {
+        kvcc_corpus_prompt_info info;
+        if (kvcc_corpus_prompt(corpus, p, &info, NULL, NULL) != 0) {
+            rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s", kvcc_corpus_error(corpus));
+            break;
+        }
+        if (info.continuation_len < 1)
+            rc = ckv_failf(
+                err, errlen, KVCC_EXIT_FAILED,
+                "%s: prompt %u has no continuation tokens; the rewards need continuation queries",
+                corpus_path, p);
+        else if (info.context_len <= S->window)
+            rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE,
+                           "%s: prompt %u: context of %u tokens, expected more than --window %u",
+                           corpus_path, p, info.context_len, S->window);
+        S->pr[p].C = info.context_len;
+        S->pr[p].N = info.continuation_len;
+        if (info.context_len < minC) minC = info.context_len;
+        if (info.n_tokens > S->maxT) S->maxT = info.n_tokens;
+    }
+    if (!rc) rc = setup_budgets(S, minC, err, errlen);
+    if (!rc) rc = setup_caches(S, err, errlen);
+    if (!rc) rc = setup_features(S, err, errlen);
+    if (!rc) rc = setup_tables(S, err, errlen);
     if (!rc && model) rc = ckv_model_open(S, err, errlen);
     return rc;
 }
@@ -286,8 +333,8 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
 // rollouts
 
 /* The selection of one rollout: the table row (w_row, tau) at budget B on layer l of prompt P. */
-int ckv_select_rollout(const ckv *S, const ckv_prompt *P, uint32_t l, const float *w_row, float tau, int64_t B,
-                          kvrt_selection **sel, kvrt_compilerkv_stats *st) {
+int ckv_select_rollout(const ckv *S, const ckv_prompt *P, uint32_t l, const float *w_row, float tau,
+                       int64_t B, kvrt_selection **sel, kvrt_compilerkv_stats *st) {
     return kvrt_compilerkv_select_layer(P->alpha, P->rho + (size_t)l * S->Hkv * P->C, P->C, S->H, S->Hkv, w_row, tau, B,
                                         S->window, sel, st);
 }
@@ -307,8 +354,10 @@ static int make_bases(const ckv *S, const ckv_prompt *P, uint32_t l, const kvcc_
     for (uint32_t b = 0; b < S->nB; b++) {
         kvrt_selection *sel = NULL;
         bases[b] = NULL;
-        if (ckv_select_rollout(S, P, l, ckv_incumbent_row(S, b, l), ckv_incumbent_tau(S, P, b, l), S->budgets[b], &sel, NULL) != 0 ||
-            kvcc_ckv_base_create(lc, sel->positions, sel->offsets[1] - sel->offsets[0], &bases[b]) != 0)
+        if (ckv_select_rollout(S, P, l, ckv_incumbent_row(S, b, l), ckv_incumbent_tau(S, P, b, l),
+                               S->budgets[b], &sel, NULL) != 0 ||
+            kvcc_ckv_base_create(lc, sel->positions, sel->offsets[1] - sel->offsets[0],
+                                 &bases[b]) != 0)
             bad = 1;
         kvrt_selection_free(sel);
     }
@@ -321,7 +370,8 @@ static int make_bases(const ckv *S, const ckv_prompt *P, uint32_t l, const kvcc_
  * records, the candidates beyond the budget per context token. Writes jb->reward; 0 or the
  * failing status. */
 static int rollout(ckv *S, uint32_t p, uint32_t l, int gate, ckv_job *jb, const kvcc_ckv_layer *lc,
-                   kvcc_ckv_base *const *bases, float *w_row, double *scratch, char *err, size_t errlen) {
+                   kvcc_ckv_base *const *bases, float *w_row, double *scratch, char *err,
+                   size_t errlen) {
     const ckv_prompt *P = &S->pr[p];
     memcpy(w_row, ckv_incumbent_row(S, jb->b, l), sizeof(float) * S->H);
     float tau = ckv_incumbent_tau(S, P, jb->b, l);
@@ -333,11 +383,12 @@ static int rollout(ckv *S, uint32_t p, uint32_t l, int gate, ckv_job *jb, const 
     double r = 0.0;
     int rc = ckv_select_rollout(S, P, l, w_row, tau, B, &sel, &st);
     if (rc && S->model)
-        rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: selection (prompt %u, layer %u): %s", p, l,
+        rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                       "compilerkv: selection (prompt %u, layer %u): %s", p, l,
                        kvrt_last_error()->msg);
     if (!rc)
-        rc = ckv_reward(S, S->model ? CKV_REWARD_MODEL : CKV_REWARD_ATTENTION, p, l, lc, bases ? bases[jb->b] : NULL,
-                        sel, scratch, &r, err, errlen);
+        rc = ckv_reward(S, S->model ? CKV_REWARD_MODEL : CKV_REWARD_ATTENTION, p, l, lc,
+                        bases ? bases[jb->b] : NULL, sel, scratch, &r, err, errlen);
     kvrt_selection_free(sel);
     if (!rc && gate) r -= (double)(st.candidates > B ? st.candidates - B : 0) / P->C;
     jb->reward = (float)r;
@@ -348,16 +399,21 @@ static int rollout(ckv *S, uint32_t p, uint32_t l, int gate, ckv_job *jb, const 
 static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) {
     const uint32_t L = S->L, H = S->H, nB = S->nB;
     const int gate = phase == 1;
-    const uint32_t nA = gate ? CKV_GATE_ACTIONS : CKV_HEAD_ACTIONS, K = gate ? CKV_GATE_K : CKV_HEAD_K;
+    const uint32_t nA = gate ? CKV_GATE_ACTIONS : CKV_HEAD_ACTIONS,
+                   K = gate ? CKV_GATE_K : CKV_HEAD_K;
     const uint32_t n_elem = gate ? 1 : H;
     uint32_t *sup = gate ? S->gate_sup : S->head_sup;
-    memset(sup, 0, sizeof(uint32_t) * (gate ? (size_t)nB * L * CKV_ENT_BINS * CKV_PPL_BINS * CKV_GATE_ACTIONS : (size_t)nB * L * H * CKV_HEAD_ACTIONS));
+    memset(sup, 0,
+           sizeof(uint32_t) * (gate
+                                   ? (size_t)nB * L * CKV_ENT_BINS * CKV_PPL_BINS * CKV_GATE_ACTIONS
+                                   : (size_t)nB * L * H * CKV_HEAD_ACTIONS));
     S->n_rec = 0;
     ckv_job *jobs = malloc(sizeof(ckv_job) * (size_t)nB * n_elem * K);
     kvcc_ckv_base **bases = calloc(nB, sizeof *bases);
     float *w_rows = malloc(sizeof(float) * (size_t)S->n_threads * H);
     int rc = 0;
-    if (!jobs || !bases || !w_rows) rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
+    if (!jobs || !bases || !w_rows)
+        rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
     for (uint32_t p = 0; p < S->P && !rc; p++) {
         const ckv_prompt *P = &S->pr[p];
         for (uint32_t l = 0; l < L && !rc; l++) {
@@ -366,7 +422,9 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
             for (uint32_t b = 0; b < nB; b++)
                 for (uint32_t e = 0; e < n_elem; e++) {
                     uint32_t state, acts[CKV_HEAD_ACTIONS];
-                    if (gate) state = (((b * L + l) * CKV_ENT_BINS) + (uint32_t)P->be) * CKV_PPL_BINS + (uint32_t)P->bp;
+                    if (gate)
+                        state = (((b * L + l) * CKV_ENT_BINS) + (uint32_t)P->be) * CKV_PPL_BINS +
+                                (uint32_t)P->bp;
                     else state = (b * L + l) * H + e;
                     uint32_t inc = gate ? S->gate_act[state] : S->head_act[state];
                     uint64_t seed = kvcc_rng_mix(S->cx->seed, (uint64_t)round * 2 + (uint64_t)phase,
@@ -384,16 +442,17 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
                 int owned = 0;
                 if ((rc = ckv_get_layer(S, p, l, &lc, &owned, err, errlen)) != 0) break;
                 if (make_bases(S, P, l, lc, bases) != 0)
-                    rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: prompt %u layer %u: incumbent selection: %s",
-                                   p, l, kvrt_last_error()->msg);
+                    rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                                   "compilerkv: prompt %u layer %u: incumbent selection: %s", p, l,
+                                   kvrt_last_error()->msg);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(S->n_threads)
                 for (size_t j = 0; j < (rc ? 0 : nj); j++) {
                     int tid = 0;
 #ifdef _OPENMP
                     tid = omp_get_thread_num();
 #endif
-                    jobs[j].rc = rollout(S, p, l, gate, &jobs[j], lc, bases, w_rows + (size_t)tid * H, S->scratch[tid],
-                                         NULL, 0);
+                    jobs[j].rc = rollout(S, p, l, gate, &jobs[j], lc, bases,
+                                         w_rows + (size_t)tid * H, S->scratch[tid], NULL, 0);
                 }
                 for (uint32_t b = 0; b < nB; b++) {
                     kvcc_ckv_base_free(bases[b]);
@@ -409,12 +468,15 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
                     jobs[j].elem != jobs[j - 1].elem)
                     base = jobs[j].reward;
                 if (jobs[j].rc) {
-                    rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: rollout (prompt %u, layer %u, budget %lld): %s",
-                               p, l, (long long)S->budgets[jobs[j].b], kvrt_status_str(jobs[j].rc));
+                    rc =
+                        ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                                  "compilerkv: rollout (prompt %u, layer %u, budget %lld): %s", p,
+                                  l, (long long)S->budgets[jobs[j].b], kvrt_status_str(jobs[j].rc));
                     break;
                 }
                 if (push_rec(S, jobs[j].state, jobs[j].action, jobs[j].reward - base)) {
-                    rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory for records");
+                    rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                                   "compilerkv: out of memory for records");
                     break;
                 }
                 sup[(size_t)jobs[j].state * nA + jobs[j].action]++;
@@ -450,7 +512,8 @@ static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_
         free(Q); free(best);
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: %s", m);
     }
-    kvcc_cql_argmax(Q, gate ? S->gate_sup : S->head_sup, nS, nA, gate ? CKV_GATE_FALLBACK : CKV_HEAD_FALLBACK, best);
+    kvcc_cql_argmax(Q, gate ? S->gate_sup : S->head_sup, nS, nA,
+                    gate ? CKV_GATE_FALLBACK : CKV_HEAD_FALLBACK, best);
     /* states without signal: every record's paired reward is 0 (no action changed the reward) */
     uint8_t *seen = calloc(nS, 1);
     uint32_t flat = 0;
@@ -492,7 +555,9 @@ int ckv_compile_rounds(ckv *S, const char *label, ckv_result *res, char *err, si
     kvcc_cql_opts_default(&res->co);
     /* progress unit: one rollout */
     const uint64_t per_round = (uint64_t)S->P * S->L * S->nB * (S->H * CKV_HEAD_K + CKV_GATE_K);
-    S->progress_total = (unsigned)(per_round * CKV_MAX_ROUNDS > UINT32_MAX ? UINT32_MAX : per_round * CKV_MAX_ROUNDS);
+    S->progress_total =
+        (unsigned)(per_round * CKV_MAX_ROUNDS > UINT32_MAX ? UINT32_MAX
+                                                           : per_round * CKV_MAX_ROUNDS);
     S->progress_done = 0;
     if (S->model && cx->progress)
         fprintf(stderr, "kvcc compile: %s: reward model: up to %" PRIu64 " rollouts per round, each a %u-token forward pass "
@@ -541,8 +606,10 @@ static int write_section(const ckv *S, kvpol_writer *w, const ckv_result *res, u
     int rc = kvpol_writer_begin_section(w, KVPOL_SEC_COMPILERKV_TABLES, kvpol_known_find(KVPOL_SEC_COMPILERKV_TABLES)->name, KVPOL_SECTION_CRITICAL,
                                         KVPOL_CODEC_ZSTD, 1);
     uint64_t d1[1] = {nB}, d3[3] = {nB, L, H}, d4[4] = {nB, L, CKV_ENT_BINS, CKV_PPL_BINS};
-    uint64_t dhs[4] = {nB, L, H, CKV_HEAD_ACTIONS}, dgs[4] = {nB * L, CKV_ENT_BINS, CKV_PPL_BINS, CKV_GATE_ACTIONS};
-    uint64_t de[1] = {CKV_ENT_BINS - 1}, dp[1] = {CKV_PPL_BINS - 1}, dhg[1] = {CKV_HEAD_ACTIONS}, dgg[1] = {CKV_GATE_ACTIONS};
+    uint64_t dhs[4] = {nB, L, H, CKV_HEAD_ACTIONS},
+             dgs[4] = {nB * L, CKV_ENT_BINS, CKV_PPL_BINS, CKV_GATE_ACTIONS};
+    uint64_t de[1] = {CKV_ENT_BINS - 1}, dp[1] = {CKV_PPL_BINS - 1}, dhg[1] = {CKV_HEAD_ACTIONS},
+             dgg[1] = {CKV_GATE_ACTIONS};
     uint64_t drc[2] = {res->rounds, 2};
     if (!rc) rc = kvpol_writer_add_i64(w, "n_budgets", (int64_t)nB);
     if (!rc) rc = kvpol_writer_add_i64(w, "window", S->window);
@@ -593,10 +660,13 @@ static uint64_t paired_checksum(const kvrt_compilerkv_tables *tb) {
 }
 
 static int ckv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
-    if (!cx->corpus) return ckv_failf(err, errlen, KVCC_EXIT_USAGE, "compilerkv needs a calibration corpus (--corpus)");
+    if (!cx->corpus)
+        return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
+                         "compilerkv needs a calibration corpus (--corpus)");
     const char *rw = cx->reward ? cx->reward : "attention";
     if (strcmp(rw, "attention") && strcmp(rw, "model"))
-        return ckv_failf(err, errlen, KVCC_EXIT_USAGE, "--reward %s: expected attention or model", rw);
+        return ckv_failf(err, errlen, KVCC_EXIT_USAGE, "--reward %s: expected attention or model",
+                         rw);
     const int model = !strcmp(rw, "model");
     if (model && !cx->gguf)
         return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
@@ -609,7 +679,8 @@ static int ckv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
     if (!rc) rc = ckv_compile_rounds(&S, "compilerkv", &res, err, errlen);
     if (!rc && cx->progress) kvcc_progress(S.progress_total, S.progress_total);
     if (!rc) {
-        const size_t nSh = (size_t)S.nB * S.L * S.H, nSg = (size_t)S.nB * S.L * CKV_ENT_BINS * CKV_PPL_BINS;
+        const size_t nSh = (size_t)S.nB * S.L * S.H,
+                     nSg = (size_t)S.nB * S.L * CKV_ENT_BINS * CKV_PPL_BINS;
         uint64_t sum = paired_checksum(S.tb);
         uint32_t sup_h = 0, sup_g = 0;
         for (size_t s = 0; s < nSh; s++) {
@@ -623,7 +694,9 @@ static int ckv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
             sup_g += t > 0;
         }
         int kc = write_section(&S, w, &res, sum);
-        if (kc) rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: writing the section: %s", kvpol_status_str(kc));
+        if (kc)
+            rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: writing the section: %s",
+                           kvpol_status_str(kc));
         else if (cx->progress) {
             fprintf(stderr, "kvcc compile: compilerkv: %u prompts, budgets %u, %u rounds; last round %" PRIu64
                             " head + %" PRIu64 " gate records; supported states %u/%zu head, %u/%zu gate (without signal, "
@@ -661,12 +734,15 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
     uint64_t rl = 0;
     kvpol_get_string(f, si, "reward", &rw, &rl);
     kvpol_item bud, wh, tg, ee, pe, hs, gs;
-    if (kvpol_get_tensor(f, si, "budgets", KVPOL_DTYPE_I64, &bud) || kvpol_get_tensor(f, si, "w_head", KVPOL_DTYPE_F32, &wh) ||
-        kvpol_get_tensor(f, si, "t_gate", KVPOL_DTYPE_F32, &tg) || kvpol_get_tensor(f, si, "ent_edges", KVPOL_DTYPE_F32, &ee) ||
+    if (kvpol_get_tensor(f, si, "budgets", KVPOL_DTYPE_I64, &bud) ||
+        kvpol_get_tensor(f, si, "w_head", KVPOL_DTYPE_F32, &wh) ||
+        kvpol_get_tensor(f, si, "t_gate", KVPOL_DTYPE_F32, &tg) ||
+        kvpol_get_tensor(f, si, "ent_edges", KVPOL_DTYPE_F32, &ee) ||
         kvpol_get_tensor(f, si, "ppl_edges", KVPOL_DTYPE_F32, &pe) ||
         kvpol_get_tensor(f, si, "head_support", KVPOL_DTYPE_U32, &hs) ||
-        kvpol_get_tensor(f, si, "gate_support", KVPOL_DTYPE_U32, &gs) || bud.count != (uint64_t)nb ||
-        wh.count != (uint64_t)nb * L * H || tg.count != (uint64_t)nb * L * CKV_ENT_BINS * CKV_PPL_BINS ||
+        kvpol_get_tensor(f, si, "gate_support", KVPOL_DTYPE_U32, &gs) ||
+        bud.count != (uint64_t)nb || wh.count != (uint64_t)nb * L * H ||
+        tg.count != (uint64_t)nb * L * CKV_ENT_BINS * CKV_PPL_BINS ||
         hs.count != wh.count * CKV_HEAD_ACTIONS || gs.count != tg.count * CKV_GATE_ACTIONS) {
         fprintf(out, "  compilerkv: tables missing or mis-shaped\n");
         return;
@@ -676,8 +752,9 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
     const uint32_t *HS = hs.data, *GS = gs.data;
     fprintf(out, "  compilerkv: reward %.*s, window %lld, %lld prompts, %lld rounds, last round %lld head + %lld gate records\n",
             (int)rl, rw, (long long)window, (long long)prompts, (long long)rounds, (long long)hr, (long long)gr);
-    fprintf(out, "  entropy edges (entropy / log T): %.4f .. %.4f; perplexity edges: %.2f %.2f %.2f\n", E[0], E[CKV_ENT_BINS - 2],
-            PE[0], PE[1], PE[2]);
+    fprintf(out,
+            "  entropy edges (entropy / log T): %.4f .. %.4f; perplexity edges: %.2f %.2f %.2f\n",
+            E[0], E[CKV_ENT_BINS - 2], PE[0], PE[1], PE[2]);
     static const char ramp[] = " .:-=+*#%@"; /* weight 0.8 -> ' ', 1.5 -> '@' */
     for (int64_t b = 0; b < nb; b++) {
         fprintf(out, "  budget %lld: head weights W_head[l, h] (' ' = 0.8 ... '@' = 1.5)\n",
@@ -695,7 +772,8 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
                 for (uint32_t x = 0; x < H; x++) fprintf(out, " %.3f", row[x]);
             uint32_t sup = 0;
             for (uint32_t x = 0; x < H; x++)
-                for (int a = 0; a < CKV_HEAD_ACTIONS; a++) sup += HS[(((size_t)b * L + l) * H + x) * CKV_HEAD_ACTIONS + a] > 0;
+                for (int a = 0; a < CKV_HEAD_ACTIONS; a++)
+                    sup += HS[(((size_t)b * L + l) * H + x) * CKV_HEAD_ACTIONS + a] > 0;
             fprintf(out, "  (%u supported cells)\n", sup);
         }
         /* top heads by weight (ties: lower layer, then head) */
@@ -717,7 +795,8 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
         for (uint32_t l = 0; l < L; l++)
             for (int e = 0; e < CKV_ENT_BINS; e++)
                 for (int p = 0; p < CKV_PPL_BINS; p++) {
-                    size_t s = (((size_t)b * L + l) * CKV_ENT_BINS + (size_t)e) * CKV_PPL_BINS + (size_t)p;
+                    size_t s =
+                        (((size_t)b * L + l) * CKV_ENT_BINS + (size_t)e) * CKV_PPL_BINS + (size_t)p;
                     uint32_t t = 0;
                     for (int a = 0; a < CKV_GATE_ACTIONS; a++) t += GS[s * CKV_GATE_ACTIONS + a];
                     if (!t) continue;
@@ -735,7 +814,8 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
  * corpus must open and match the model. */
 static int ckv_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
     if (!cx->gguf && (cx->ckv_reward_check || (cx->reward && !strcmp(cx->reward, "model"))))
-        return ckv_failf(err, errlen, KVCC_EXIT_USAGE, "%s needs the model the corpus was captured with: --gguf FILE.gguf",
+        return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
+                         "%s needs the model the corpus was captured with: --gguf FILE.gguf",
                          cx->ckv_reward_check ? "--reward-check" : "--reward model");
     if (cx->ckv_transfer_check) {
         kvcc_corpus *tc = NULL;
@@ -747,16 +827,19 @@ static int ckv_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
 }
 
 /* After the artifact is written: the two reports it was asked for (stdout). */
-static int ckv_report(const kvcc_compile_ctx *cx, const char *artifact, FILE *out, char *err, size_t errlen) {
+static int ckv_report(const kvcc_compile_ctx *cx, const char *artifact, FILE *out, char *err,
+                      size_t errlen) {
     char msg[640];
     int rc = 0;
     if (cx->ckv_reward_check &&
-        (rc = kvcc_compilerkv_reward_check(cx, artifact, cx->ckv_reward_check, out, msg, sizeof msg)) != 0) {
+        (rc = kvcc_compilerkv_reward_check(cx, artifact, cx->ckv_reward_check, out, msg,
+                                           sizeof msg)) != 0) {
         snprintf(err, errlen, "--reward-check: %s", msg);
         return rc;
     }
     if (cx->ckv_transfer_check &&
-        (rc = kvcc_compilerkv_transfer_check(cx, artifact, cx->ckv_transfer_check, 1, out, msg, sizeof msg)) != 0)
+        (rc = kvcc_compilerkv_transfer_check(cx, artifact, cx->ckv_transfer_check, 1, out, msg,
+                                             sizeof msg)) != 0)
         snprintf(err, errlen, "--transfer-check: %s", msg);
     return rc;
 }
@@ -774,14 +857,16 @@ typedef struct {
 
 static int ckv_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
     if (!env->policy) {
-        snprintf(err, errlen, "methods compilerkv and ckv-flat need --policy X.kvpol compiled with kvcc compile "
+        snprintf(err, errlen,
+                 "methods compilerkv and ckv-flat need --policy X.kvpol compiled with kvcc compile "
                  "--policies compilerkv");
         return KVCC_EXIT_USAGE;
     }
     kvrt_compilerkv_tables *tb = NULL;
     int s = kvrt_compilerkv_open(env->policy, &tb);
     if (s) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(s));
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+                 kvrt_status_name(s));
         return KVCC_EXIT_USAGE;
     }
     *h = tb;
@@ -796,8 +881,8 @@ static void ckv_eval_release(void *state) {
     free(e);
 }
 
-static int ckv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p,
-                            char *err, size_t errlen) {
+static int ckv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
+                            kvcc_eval_prep *p, char *err, size_t errlen) {
     (void)env;
     const kvrt_compilerkv_tables *tb = handle;
     ckv_eval *e = calloc(1, sizeof *e);
@@ -806,7 +891,8 @@ static int ckv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env,
     e->tb = tb;
     char bud[160] = "";
     for (uint32_t b = 0, o = 0; b < tb->n_budgets && o < sizeof bud; b++)
-        o += (uint32_t)snprintf(bud + o, sizeof bud - o, "%s%lld", b ? "," : "", (long long)tb->budgets[b]);
+        o += (uint32_t)snprintf(bud + o, sizeof bud - o, "%s%lld", b ? "," : "",
+                                (long long)tb->budgets[b]);
     if (m->variant == CKV_EVAL_FLAT) {
         const size_t nw = (size_t)tb->n_budgets * tb->n_layers * tb->n_heads;
         const size_t ng = (size_t)tb->n_budgets * tb->n_layers * CKV_ENT_BINS * CKV_PPL_BINS;
@@ -814,33 +900,43 @@ static int ckv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env,
         int s = wh && tg ? 0 : KVRT_ERR_NOMEM;
         for (size_t i = 0; !s && i < nw; i++) wh[i] = 1.0f;
         for (size_t i = 0; !s && i < ng; i++) tg[i] = 0.8f;
-        if (!s) s = kvrt_compilerkv_tables_create(tb->n_budgets, tb->n_layers, tb->n_heads, tb->window, tb->budgets, wh,
-                                                  tg, tb->ent_edges, tb->ppl_edges, &e->own);
+        if (!s)
+            s = kvrt_compilerkv_tables_create(tb->n_budgets, tb->n_layers, tb->n_heads, tb->window,
+                                              tb->budgets, wh, tg, tb->ent_edges, tb->ppl_edges,
+                                              &e->own);
         free(wh);
         free(tg);
-        if (s) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "ckv-flat: %s", kvrt_last_error()->msg);
+        if (s)
+            return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "ckv-flat: %s", kvrt_last_error()->msg);
         e->tb = e->own;
-        snprintf(p->note, sizeof p->note, "ckv-flat: an uncompiled ablation of the compiled pipeline (every head "
-                 "weight 1.0, every threshold 0.8; window %u)", tb->window);
+        snprintf(p->note, sizeof p->note,
+                 "ckv-flat: an uncompiled ablation of the compiled pipeline (every head "
+                 "weight 1.0, every threshold 0.8; window %u)",
+                 tb->window);
     } else {
-        snprintf(p->note, sizeof p->note, "compilerkv: the compiled tables (window %u, budgets %s; another budget "
-                 "runs the nearest compiled one)", tb->window, bud);
+        snprintf(p->note, sizeof p->note,
+                 "compilerkv: the compiled tables (window %u, budgets %s; another budget "
+                 "runs the nearest compiled one)",
+                 tb->window, bud);
     }
     return 0;
 }
 
-static int ckv_eval_prompt(void *state, kvcc_corpus *c, uint32_t prompt, void **pstate, char *err, size_t errlen) {
+static int ckv_eval_prompt(void *state, kvcc_corpus *c, uint32_t prompt, void **pstate, char *err,
+                           size_t errlen) {
     const ckv_eval *e = state;
     kvrt_compilerkv_prompt *pr = NULL;
-    int rc = kvcc_compilerkv_prompt_from_corpus(c, prompt, e->tb->window, NULL, &pr, NULL, err, errlen);
+    int rc =
+        kvcc_compilerkv_prompt_from_corpus(c, prompt, e->tb->window, NULL, &pr, NULL, err, errlen);
     *pstate = pr;
     return rc;
 }
 
 static void ckv_eval_prompt_end(void *pstate) { kvrt_compilerkv_prompt_free(pstate); }
 
-static int ckv_eval_compress(const kvcc_eval_method *m, void *state, void *pstate, const kvcc_eval_env *env,
-                             const kvcc_eval_layer *x, double budget, int64_t B, kvrt_cache **out) {
+static int ckv_eval_compress(const kvcc_eval_method *m, void *state, void *pstate,
+                             const kvcc_eval_env *env, const kvcc_eval_layer *x, double budget,
+                             int64_t B, kvrt_cache **out) {
     (void)m; (void)budget;
     const ckv_eval *e = state;
     kvrt_selection *sel = NULL;
@@ -853,26 +949,33 @@ static int ckv_eval_compress(const kvcc_eval_method *m, void *state, void *pstat
 
 /* End to end: every layer at once from the model's own q/k/v and the corpus log-probabilities. */
 static int ckv_eval_compress_all(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
-                                 const kvcc_eval_all *x, double budget, int64_t B, kvrt_cache **out) {
+                                 const kvcc_eval_all *x, double budget, int64_t B,
+                                 kvrt_cache **out) {
     (void)m; (void)budget;
     const ckv_eval *e = state;
     const uint32_t L = env->L;
     kvrt_selection **sels = calloc(L, sizeof *sels);
     int s = sels ? 0 : KVRT_ERR_NOMEM;
-    if (!s) s = kvrt_compilerkv_select_all(env->rt, e->tb, x->q, x->k, x->v, x->next_logprob, x->C, env->H, env->Hkv,
-                                           env->d, B, KVRT_COMPILERKV_NEAREST_BUDGET, sels, NULL);
+    if (!s)
+        s = kvrt_compilerkv_select_all(env->rt, e->tb, x->q, x->k, x->v, x->next_logprob, x->C,
+                                       env->H, env->Hkv, env->d, B, KVRT_COMPILERKV_NEAREST_BUDGET,
+                                       sels, NULL);
     for (uint32_t l = 0; !s && l < L; l++)
-        s = kvrt_cache_gather(x->k[l], x->v[l], x->C, env->Hkv, env->d, sels[l], env->dtype, &out[l]);
+        s = kvrt_cache_gather(x->k[l], x->v[l], x->C, env->Hkv, env->d, sels[l], env->dtype,
+                              &out[l]);
     for (uint32_t l = 0; sels && l < L; l++) kvrt_selection_free(sels[l]);
     free(sels);
     return s;
 }
 
-#define CKV_EVAL_METHOD(nm, var)                                                                             \
-    {.name = nm, .family = "CompilerKV", .budget = KVCC_BUDGET_TOKENS, .variant = var,                      \
-     .open_handle = ckv_eval_open, .close_handle = ckv_eval_close, .prepare = ckv_eval_prepare,            \
-     .release = ckv_eval_release, .prompt_begin = ckv_eval_prompt, .prompt_end = ckv_eval_prompt_end,      \
-     .compress_layer = ckv_eval_compress, .compress_all = ckv_eval_compress_all}
+#define CKV_EVAL_METHOD(nm, var)                                                                   \
+    {                                                                                              \
+        .name = nm, .family = "CompilerKV", .budget = KVCC_BUDGET_TOKENS, .variant = var,          \
+        .open_handle = ckv_eval_open, .close_handle = ckv_eval_close, .prepare = ckv_eval_prepare, \
+        .release = ckv_eval_release, .prompt_begin = ckv_eval_prompt,                              \
+        .prompt_end = ckv_eval_prompt_end, .compress_layer = ckv_eval_compress,                    \
+        .compress_all = ckv_eval_compress_all                                                      \
+    }
 static const kvcc_eval_method ckv_eval_methods[] = {
     CKV_EVAL_METHOD("compilerkv", CKV_EVAL_COMPILED),
     CKV_EVAL_METHOD("ckv-flat", CKV_EVAL_FLAT),
@@ -881,17 +984,22 @@ static const kvcc_eval_method ckv_eval_methods[] = {
 
 #define CKV_OPT(f) offsetof(kvcc_compile_ctx, f)
 static const kvcc_pass_option ckv_options[] = {
-    {"budgets", KVCC_OPT_LIST, "LIST", "128,256,512,1024,2048", "token budgets per KV head the tables are compiled for",
-     CKV_OPT(budgets), CKV_OPT(n_budgets), 0, 0, NULL, 0},
-    {"window", KVCC_OPT_U32, "W", "64", "observation window (the last W context tokens, always kept)",
-     CKV_OPT(window), 0, 1, 65536, NULL, 0},
-    {"reward", KVCC_OPT_CHOICE, "attention|model", "attention", "rollout reward (model needs --gguf)",
-     CKV_OPT(reward), 0, 0, 0, "attention|model", 0},
-    {"reward-check", KVCC_OPT_U32, "N", NULL, "after compiling, score N head states' rollouts with both rewards "
-     "(needs --gguf) and print their rank agreement (Spearman)", CKV_OPT(ckv_reward_check), 0, 1, 1000000, NULL,
-     KVCC_OPT_REPORT},
-    {"transfer-check", KVCC_OPT_PATH, "OTHER.h5", NULL, "also compile on a second, disjoint corpus and print the "
-     "Spearman correlation of the head rankings per budget (with seed + 1 controls: 3 extra compiles)",
+    {"budgets", KVCC_OPT_LIST, "LIST", "128,256,512,1024,2048",
+     "token budgets per KV head the tables are compiled for", CKV_OPT(budgets), CKV_OPT(n_budgets),
+     0, 0, NULL, 0},
+    {"window", KVCC_OPT_U32, "W", "64",
+     "observation window (the last W context tokens, always kept)", CKV_OPT(window), 0, 1, 65536,
+     NULL, 0},
+    {"reward", KVCC_OPT_CHOICE, "attention|model", "attention",
+     "rollout reward (model needs --gguf)", CKV_OPT(reward), 0, 0, 0, "attention|model", 0},
+    {"reward-check", KVCC_OPT_U32, "N", NULL,
+     "after compiling, score N head states' rollouts with both rewards "
+     "(needs --gguf) and print their rank agreement (Spearman)",
+     CKV_OPT(ckv_reward_check), 0, 1, 1000000, NULL, KVCC_OPT_REPORT},
+    {"transfer-check", KVCC_OPT_PATH, "OTHER.h5", NULL,
+     "also compile on a second, disjoint corpus and print the "
+     "Spearman correlation of the head rankings per budget (with seed + 1 controls: 3 extra "
+     "compiles)",
      CKV_OPT(ckv_transfer_check), 0, 0, 0, NULL, KVCC_OPT_REPORT},
     {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
 };

@@ -29,8 +29,12 @@
 #define CKV_ENT_BINS KVRT_COMPILERKV_ENT_BINS
 #define CKV_PPL_BINS KVRT_COMPILERKV_PPL_BINS
 
-static inline float ckv_head_grid(uint32_t a) { return (float)(0.8 + 0.7 * a / (CKV_HEAD_ACTIONS - 1)); }
-static inline float ckv_gate_grid(uint32_t a) { return (float)(0.8 + 0.2 * a / (CKV_GATE_ACTIONS - 1)); }
+static inline float ckv_head_grid(uint32_t a) {
+    return (float)(0.8 + 0.7 * a / (CKV_HEAD_ACTIONS - 1));
+}
+static inline float ckv_gate_grid(uint32_t a) {
+    return (float)(0.8 + 0.2 * a / (CKV_GATE_ACTIONS - 1));
+}
 /* The grid action of a table value (tables read back from an artifact). */
 static inline uint32_t ckv_head_action_of(float w) {
     long a = lround((w - 0.8) / 0.7 * (CKV_HEAD_ACTIONS - 1));
@@ -117,35 +121,39 @@ int ckv_failf(char *err, size_t errlen, int code, const char *fmt, ...);
 
 /* compilerkv.c: the pass state from a corpus (attention / model: which rewards to prepare),
  * the alternating rounds, the rollout selection, the seeded action draws. */
-int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const char *corpus_path, int attention,
-              int model, char *err, size_t errlen);
+int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const char *corpus_path,
+              int attention, int model, char *err, size_t errlen);
 void ckv_free_state(ckv *S);
 int ckv_compile_rounds(ckv *S, const char *label, ckv_result *res, char *err, size_t errlen);
-int ckv_select_rollout(const ckv *S, const ckv_prompt *P, uint32_t l, const float *w_row, float tau, int64_t B,
-                       kvrt_selection **sel, kvrt_compilerkv_stats *st);
+int ckv_select_rollout(const ckv *S, const ckv_prompt *P, uint32_t l, const float *w_row, float tau,
+                       int64_t B, kvrt_selection **sel, kvrt_compilerkv_stats *st);
 const float *ckv_incumbent_row(const ckv *S, uint32_t b, uint32_t l);
 float ckv_incumbent_tau(const ckv *S, const ckv_prompt *P, uint32_t b, uint32_t l);
 uint32_t ckv_draw_actions(uint64_t seed, uint32_t n, uint32_t k, uint32_t incumbent, uint32_t *out);
 
 /* compilerkv_reward.c */
-typedef int (*ckv_layer_fn)(void *user, uint32_t prompt, uint32_t layer, const float *q, const float *k,
-                            const float *v, char *err, size_t errlen);
+typedef int (*ckv_layer_fn)(void *user, uint32_t prompt, uint32_t layer, const float *q,
+                            const float *k, const float *v, char *err, size_t errlen);
 /* kvcc_compilerkv_prompt_from_corpus, calling each_layer (optional) with every layer read. */
-int ckv_prompt_features(kvcc_corpus *c, uint32_t prompt, uint32_t window, float *rho, kvrt_compilerkv_prompt **out,
-                        uint32_t *context_len, ckv_layer_fn each_layer, void *user, char *err, size_t errlen);
+int ckv_prompt_features(kvcc_corpus *c, uint32_t prompt, uint32_t window, float *rho,
+                        kvrt_compilerkv_prompt **out, uint32_t *context_len,
+                        ckv_layer_fn each_layer, void *user, char *err, size_t errlen);
 /* The features pass's callback: builds the layer cache of (prompt, layer) into S->lc. */
-int ckv_build_layer_cb(void *user, uint32_t p, uint32_t l, const float *q, const float *k, const float *v, char *err,
-                       size_t errlen);
+int ckv_build_layer_cb(void *user, uint32_t p, uint32_t l, const float *q, const float *k,
+                       const float *v, char *err, size_t errlen);
 /* The layer cache of (p, l): cached, or read and built (*owned = 1: free it after use). */
-int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *owned, char *err, size_t errlen);
+int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *owned, char *err,
+                  size_t errlen);
 /* Load --gguf into S and check it against the corpus's model. */
 int ckv_model_open(ckv *S, char *err, size_t errlen);
 /* The continuation NLL with layer l's context cut to the kept positions (memoized per (p, l)). */
-int ckv_model_nll(ckv *S, uint32_t p, uint32_t l, const kvrt_selection *sel, double *nll, char *err, size_t errlen);
+int ckv_model_nll(ckv *S, uint32_t p, uint32_t l, const kvrt_selection *sel, double *nll, char *err,
+                  size_t errlen);
 /* The reward of the kept set sel [1 KV head row] of (prompt p, layer l): CKV_REWARD_ATTENTION
  * minus the relative attention-output error against base (lc, scratch: that rollout's thread's;
  * thread-safe, no message: returns KVRT_ERR_ARG), or CKV_REWARD_MODEL minus the continuation
  * NLL increase (serial; a KVCC_EXIT_* status with the message in err). */
-int ckv_reward(ckv *S, int which, uint32_t p, uint32_t l, const kvcc_ckv_layer *lc, const kvcc_ckv_base *base,
-               const kvrt_selection *sel, double *scratch, double *r, char *err, size_t errlen);
+int ckv_reward(ckv *S, int which, uint32_t p, uint32_t l, const kvcc_ckv_layer *lc,
+               const kvcc_ckv_base *base, const kvrt_selection *sel, double *scratch, double *r,
+               char *err, size_t errlen);
 #endif

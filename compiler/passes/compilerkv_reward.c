@@ -3,7 +3,8 @@
  * behind one function, ckv_reward, and the corpus pass that builds a prompt's CompilerKV
  * features (shared with kvcc eval through kvcc_compilerkv_prompt_from_corpus).
  * Callers: compilerkv.c (rollouts), compilerkv_report.c (--reward-check scores both rewards),
- * kvcc eval, tests/unit/test_compilerkv.c (kvcc_ckv_*: against kvrt_cache_gather + kvrt_attend_ref).
+ * kvcc eval, tests/unit/test_compilerkv.c (kvcc_ckv_*: against kvrt_cache_gather +
+ * kvrt_attend_ref).
  *
  * defines: ckv_reward, ckv_prompt_features, kvcc_compilerkv_prompt_from_corpus, kvcc_ckv_layer_*,
  *          kvcc_ckv_base_*, kvcc_ckv_scratch_doubles, kvcc_ckv_error, ckv_get_layer,
@@ -20,9 +21,9 @@
  * kept set is summed once (the base); a rollout adds the tokens its set has beyond the base and
  * subtracts the ones it lacks, in ascending position order - cost |symmetric difference| rows,
  * not |kept set| x continuation x d. The layer caches of all (prompt, layer) stay in memory
- * across rounds when they fit KVCC_COMPILERKV_CACHE_MB (default CKV_DEFAULT_CACHE_MB = 2048 MB; 0 turns caching off);
- * otherwise each visit re-reads the layer from the corpus and rebuilds it. The cache changes
- * the speed only: the artifact is the same either way.
+ * across rounds when they fit KVCC_COMPILERKV_CACHE_MB (default CKV_DEFAULT_CACHE_MB = 2048 MB; 0
+ * turns caching off); otherwise each visit re-reads the layer from the corpus and rebuilds it. The
+ * cache changes the speed only: the artifact is the same either way.
  *
  * Reward `model` (--gguf, the model the corpus was captured with): minus the continuation NLL
  * delta through the built-in model with only layer l's context cache compressed. Per prompt
@@ -49,18 +50,23 @@
 // ----------------------------------------------------------------------------
 // prompt features (shared with kvcc eval)
 
-int ckv_prompt_features(kvcc_corpus *c, uint32_t prompt, uint32_t window, float *rho, kvrt_compilerkv_prompt **out,
-                        uint32_t *context_len, ckv_layer_fn each_layer, void *user, char *err, size_t errlen) {
+int ckv_prompt_features(kvcc_corpus *c, uint32_t prompt, uint32_t window, float *rho,
+                        kvrt_compilerkv_prompt **out, uint32_t *context_len,
+                        ckv_layer_fn each_layer, void *user, char *err, size_t errlen) {
     *out = NULL;
     kvcc_loop lp;
-    if (kvcc_loop_open(&lp, c, "compilerkv", rho || each_layer ? 0 : KVCC_LOOP_NO_V, err, errlen) != 0) return -1;
+    if (kvcc_loop_open(&lp, c, "compilerkv", rho || each_layer ? 0 : KVCC_LOOP_NO_V, err, errlen) !=
+        0)
+        return -1;
     int rc = kvcc_loop_prompt(&lp, prompt, err, errlen) ? -1 : 0;
     const int64_t T = lp.T, C = lp.C;
     if (!rc && C < 2)
-        rc = ckv_failf(err, errlen, -1, "corpus prompt %u: context of %lld tokens, expected >= 2", prompt, (long long)C);
+        rc = ckv_failf(err, errlen, -1, "corpus prompt %u: context of %lld tokens, expected >= 2",
+                       prompt, (long long)C);
     float *lp_next = rc ? NULL : malloc(sizeof(float) * (size_t)(T > 1 ? T - 1 : 1));
     kvrt_compilerkv_prompt *pr = NULL;
-    if (!rc && !lp_next) rc = ckv_failf(err, errlen, -1, "compilerkv: out of memory for %lld tokens", (long long)T);
+    if (!rc && !lp_next)
+        rc = ckv_failf(err, errlen, -1, "compilerkv: out of memory for %lld tokens", (long long)T);
     if (!rc && kvcc_corpus_prompt(c, prompt, &lp.info, NULL, lp_next) != 0)
         rc = ckv_failf(err, errlen, -1, "%s", kvcc_corpus_error(c));
     if (!rc && kvrt_compilerkv_prompt_create(C, window, &pr) != 0)
@@ -71,13 +77,16 @@ int ckv_prompt_features(kvcc_corpus *c, uint32_t prompt, uint32_t window, float 
             break;
         }
         if (kvrt_compilerkv_prompt_add_layer(pr, lp.q, lp.k, lp.H, lp.Hkv, lp.d) != 0 ||
-            (rho && kvrt_compilerkv_value_norms(lp.v, C, lp.Hkv, lp.d, rho + (size_t)l * lp.Hkv * C) != 0))
-            rc = ckv_failf(err, errlen, -1, "compilerkv: prompt %u layer %u: %s", prompt, l, kvrt_last_error()->msg);
+            (rho &&
+             kvrt_compilerkv_value_norms(lp.v, C, lp.Hkv, lp.d, rho + (size_t)l * lp.Hkv * C) != 0))
+            rc = ckv_failf(err, errlen, -1, "compilerkv: prompt %u layer %u: %s", prompt, l,
+                           kvrt_last_error()->msg);
         else if (each_layer && each_layer(user, prompt, l, lp.q, lp.k, lp.v, err, errlen) != 0)
             rc = -1;
     }
     if (!rc && kvrt_compilerkv_prompt_finish(pr, lp_next) != 0)
-        rc = ckv_failf(err, errlen, -1, "compilerkv: prompt %u: %s", prompt, kvrt_last_error()->msg);
+        rc =
+            ckv_failf(err, errlen, -1, "compilerkv: prompt %u: %s", prompt, kvrt_last_error()->msg);
     free(lp_next);
     kvcc_loop_close(&lp);
     if (rc) {
@@ -127,8 +136,8 @@ void kvcc_ckv_layer_free(kvcc_ckv_layer *lc) {
     free(lc);
 }
 
-int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_t C, uint32_t N, uint32_t H,
-                         uint32_t Hkv, uint32_t d, kvcc_ckv_layer **out) {
+int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_t C, uint32_t N,
+                         uint32_t H, uint32_t Hkv, uint32_t d, kvcc_ckv_layer **out) {
     *out = NULL;
     if (!q || !k || !v || C < 1 || N < 1 || H < 1 || Hkv < 1 || H % Hkv || d < 1) return -1;
     kvcc_ckv_layer *lc = calloc(1, sizeof *lc);
@@ -159,7 +168,8 @@ int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_
             const size_t i = r / H, h = r % H, hk = h / G;
             const float *qi = q + (((size_t)C + i) * H + h) * d;
             float M = -INFINITY;
-            for (size_t t = 0; t < (size_t)C + i + 1; t++) { /* context, then visible continuation */
+            for (size_t t = 0; t < (size_t)C + i + 1;
+                 t++) { /* context, then visible continuation */
                 const float *kt = k + (t * Hkv + hk) * d;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -237,7 +247,8 @@ void kvcc_ckv_base_free(kvcc_ckv_base *b) {
     free(b);
 }
 
-int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n, kvcc_ckv_base **out) {
+int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n,
+                         kvcc_ckv_base **out) {
     *out = NULL;
     if (!lc || (n && !pos) || n < 0 || !positions_ok(lc, pos, n)) return -1;
     const size_t NH = (size_t)lc->N * lc->H;
@@ -257,8 +268,8 @@ int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n
     return 0;
 }
 
-int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const int32_t *pos, int64_t n,
-                   double *scratch, double *err) {
+int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const int32_t *pos,
+                   int64_t n, double *scratch, double *err) {
     if (!lc || !scratch || !err || n < 0 || (n && !pos) || !positions_ok(lc, pos, n)) return -1;
     const size_t NH = (size_t)lc->N * lc->H, d = lc->d;
     double *num = scratch, *den = scratch + NH * d;
@@ -307,17 +318,22 @@ int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const in
 // ----------------------------------------------------------------------------
 // layer caches
 
-int ckv_build_layer_cb(void *user, uint32_t p, uint32_t l, const float *q, const float *k, const float *v, char *err,
-                       size_t errlen) {
+int ckv_build_layer_cb(void *user, uint32_t p, uint32_t l, const float *q, const float *k,
+                       const float *v, char *err, size_t errlen) {
     ckv *S = user;
     const ckv_prompt *P = &S->pr[p];
-    if (kvcc_ckv_layer_build(q, k, v, P->C, P->N, S->H, S->Hkv, S->d, &S->lc[(size_t)p * S->L + l]) != 0)
-        return ckv_failf(err, errlen, -1, "compilerkv: prompt %u layer %u: out of memory (or non-finite attention) building "
-                     "the layer cache", p, l);
+    if (kvcc_ckv_layer_build(q, k, v, P->C, P->N, S->H, S->Hkv, S->d,
+                             &S->lc[(size_t)p * S->L + l]) != 0)
+        return ckv_failf(
+            err, errlen, -1,
+            "compilerkv: prompt %u layer %u: out of memory (or non-finite attention) building "
+            "the layer cache",
+            p, l);
     return 0;
 }
 
-int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *owned, char *err, size_t errlen) {
+int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *owned, char *err,
+                  size_t errlen) {
     kvcc_ckv_layer **slot = &S->lc[(size_t)p * S->L + l];
     *owned = 0;
     if (*slot) {
@@ -326,9 +342,11 @@ int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *own
     }
     if (kvcc_corpus_read_layer(S->corpus, p, l, S->qb, S->kb, S->vb) != 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s", kvcc_corpus_error(S->corpus));
-    if (kvcc_ckv_layer_build(S->qb, S->kb, S->vb, S->pr[p].C, S->pr[p].N, S->H, S->Hkv, S->d, out) != 0)
-        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: prompt %u layer %u: out of memory building the layer cache",
-                     p, l);
+    if (kvcc_ckv_layer_build(S->qb, S->kb, S->vb, S->pr[p].C, S->pr[p].N, S->H, S->Hkv, S->d,
+                             out) != 0)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                         "compilerkv: prompt %u layer %u: out of memory building the layer cache",
+                         p, l);
     if (S->cache_all) *slot = *out;
     else *owned = 1;
     return 0;
@@ -340,7 +358,8 @@ int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *own
 /* NLL of the continuation tokens C+1 .. T-1 of the state's prompt; caches NULL: the model's own
  * exact attention, else kvcc_state_set_compressed(caches). lp_diff (optional): the largest
  * |log-probability - the corpus's| over the tokens scored, maxed into *lp_diff. */
-static int continuation_nll(ckv *S, uint32_t p, const kvrt_cache *const *caches, double *lp_diff, double *nll) {
+static int continuation_nll(ckv *S, uint32_t p, const kvrt_cache *const *caches, double *lp_diff,
+                            double *nll) {
     const kvcc_model *m = S->lm.model;
     const int C = (int)S->pr[p].C, T = C + (int)S->pr[p].N, V = m->hp.n_vocab;
     int rc = kvcc_state_truncate(S->ms, C);
@@ -377,19 +396,22 @@ static int ckv_model_prompt(ckv *S, uint32_t p, char *err, size_t errlen) {
     for (int pos = 0; pos < C; pos += KVCC_MODEL_CHUNK) {
         const int n = C - pos < KVCC_MODEL_CHUNK ? C - pos : KVCC_MODEL_CHUNK;
         if (kvcc_model_prefill(m, S->ms, S->tok + pos, n, NULL, KVCC_LOGITS_NONE) != 0)
-            return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: --gguf %s: the model failed on the context of prompt %u",
-                         S->cx->gguf, p);
+            return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                             "compilerkv: --gguf %s: the model failed on the context of prompt %u",
+                             S->cx->gguf, p);
     }
     double nll, diff = 0.0;
     if (continuation_nll(S, p, NULL, &diff, &nll) != 0)
-        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: --gguf %s: the model failed on the continuation of prompt %u",
-                     S->cx->gguf, p);
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                         "compilerkv: --gguf %s: the model failed on the continuation of prompt %u",
+                         S->cx->gguf, p);
     if (!(diff <= S->max_lp_diff)) S->max_lp_diff = diff;
     if (!(diff <= KVCC_COMPILERKV_LP_TOL))
         return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
-                     "--gguf %s is not the model %s was captured with: on prompt %u its next-token log-probabilities "
-                     "differ from the corpus's by up to %.3g (expected <= %g)",
-                     S->cx->gguf, S->corpus_path, p, diff, KVCC_COMPILERKV_LP_TOL);
+                         "--gguf %s is not the model %s was captured with: on prompt %u its "
+                         "next-token log-probabilities "
+                         "differ from the corpus's by up to %.3g (expected <= %g)",
+                         S->cx->gguf, S->corpus_path, p, diff, KVCC_COMPILERKV_LP_TOL);
     S->nll_full[p] = nll;
     S->ms_prompt = p;
     return 0;
@@ -399,7 +421,8 @@ static uint64_t hash_pos(const int32_t *pos, int64_t n) {
     return kvpol_hash(pos, sizeof(int32_t) * (size_t)n) ^ (uint64_t)n;
 }
 
-int ckv_model_nll(ckv *S, uint32_t p, uint32_t l, const kvrt_selection *sel, double *nll, char *err, size_t errlen) {
+int ckv_model_nll(ckv *S, uint32_t p, uint32_t l, const kvrt_selection *sel, double *nll, char *err,
+                  size_t errlen) {
     int rc = ckv_model_prompt(S, p, err, errlen);
     if (rc) return rc;
     const int32_t *pos = sel->positions;
@@ -407,23 +430,29 @@ int ckv_model_nll(ckv *S, uint32_t p, uint32_t l, const kvrt_selection *sel, dou
     const uint64_t h = hash_pos(pos, n);
     ckv_memo *mm = &S->memo[(size_t)p * S->L + l];
     for (size_t i = 0; i < mm->n; i++)
-        if (mm->e[i].hash == h && mm->e[i].n == n && !memcmp(mm->e[i].pos, pos, sizeof(int32_t) * (size_t)n)) {
+        if (mm->e[i].hash == h && mm->e[i].n == n &&
+            !memcmp(mm->e[i].pos, pos, sizeof(int32_t) * (size_t)n)) {
             S->memo_hits++;
             *nll = mm->e[i].nll;
             return 0;
         }
     const size_t stride = (size_t)S->ms->n_ctx * S->Hkv * S->d;
     kvrt_cache *cache = NULL;
-    int s = kvrt_cache_gather(S->ms->k_cache + l * stride, S->ms->v_cache + l * stride, S->pr[p].C, S->Hkv, S->d, sel,
-                              KVRT_DTYPE_F32, &cache);
-    if (s) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: gathering layer %u: %s", l, kvrt_last_error()->msg);
+    int s = kvrt_cache_gather(S->ms->k_cache + l * stride, S->ms->v_cache + l * stride, S->pr[p].C,
+                              S->Hkv, S->d, sel, KVRT_DTYPE_F32, &cache);
+    if (s)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: gathering layer %u: %s", l,
+                         kvrt_last_error()->msg);
     for (uint32_t j = 0; j < S->L; j++) S->caches[j] = NULL;
     S->caches[l] = cache;
     s = continuation_nll(S, p, S->caches, NULL, nll);
     S->caches[l] = NULL;
     kvrt_cache_free(cache);
-    if (s) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: --gguf %s: the model failed with layer %u compressed "
-                        "(prompt %u)", S->cx->gguf, l, p);
+    if (s)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                         "compilerkv: --gguf %s: the model failed with layer %u compressed "
+                         "(prompt %u)",
+                         S->cx->gguf, l, p);
     S->model_runs++;
     if (mm->n == mm->cap) {
         size_t cap = mm->cap ? 2 * mm->cap : 16;
@@ -443,8 +472,9 @@ int ckv_model_nll(ckv *S, uint32_t p, uint32_t l, const kvrt_selection *sel, dou
 int ckv_model_open(ckv *S, char *err, size_t errlen) {
     const kvcc_compile_ctx *cx = S->cx;
     if (!cx->gguf)
-        return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
-                     "--reward model needs the model the corpus was captured with: --gguf FILE.gguf");
+        return ckv_failf(
+            err, errlen, KVCC_EXIT_USAGE,
+            "--reward model needs the model the corpus was captured with: --gguf FILE.gguf");
     char msg[512];
     if (kvcc_load_model(cx->gguf, 0, &S->lm, msg, sizeof msg) != 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "--gguf: %s", msg);
@@ -455,15 +485,18 @@ int ckv_model_open(ckv *S, char *err, size_t errlen) {
         (uint32_t)m->hp.n_head_kv != cm->n_kv_heads || (uint32_t)m->hp.head_dim != cm->head_dim ||
         (uint32_t)m->hp.n_vocab != cm->vocab_size)
         return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
-                     "%s: the corpus was captured from a model with %u layers, %u heads, %u KV heads, head dim %u, vocab %u; "
-                     "--gguf %s has %d, %d, %d, %d, %d", S->corpus_path, cm->n_layers, cm->n_heads, cm->n_kv_heads,
-                     cm->head_dim, cm->vocab_size, cx->gguf, m->hp.n_layer, m->hp.n_head, m->hp.n_head_kv,
-                     m->hp.head_dim, m->hp.n_vocab);
+                         "%s: the corpus was captured from a model with %u layers, %u heads, %u KV "
+                         "heads, head dim %u, vocab %u; "
+                         "--gguf %s has %d, %d, %d, %d, %d",
+                         S->corpus_path, cm->n_layers, cm->n_heads, cm->n_kv_heads, cm->head_dim,
+                         cm->vocab_size, cx->gguf, m->hp.n_layer, m->hp.n_head, m->hp.n_head_kv,
+                         m->hp.head_dim, m->hp.n_vocab);
     for (uint32_t p = 0; p < S->P; p++)
         if (S->pr[p].N < 2)
             return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
-                         "%s: prompt %u has %u continuation tokens; the model reward scores tokens C+1 .. T-1 and needs >= 2",
-                         S->corpus_path, p, S->pr[p].N);
+                             "%s: prompt %u has %u continuation tokens; the model reward scores "
+                             "tokens C+1 .. T-1 and needs >= 2",
+                             S->corpus_path, p, S->pr[p].N);
     const size_t V = (size_t)m->hp.n_vocab;
     const size_t rows = S->maxT < KVCC_MODEL_CHUNK ? S->maxT : KVCC_MODEL_CHUNK;
     S->tok = malloc(sizeof(int32_t) * S->maxT);
@@ -474,7 +507,8 @@ int ckv_model_open(ckv *S, char *err, size_t errlen) {
     S->memo = calloc((size_t)S->P * S->L, sizeof *S->memo);
     if (!S->tok || !S->lp || !S->logits || !S->caches || !S->nll_full || !S->memo ||
         kvcc_state_create(m, (int)S->maxT, &S->ms) != 0)
-        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory for the model state (%u tokens)", S->maxT);
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                         "compilerkv: out of memory for the model state (%u tokens)", S->maxT);
     for (uint32_t p = 0; p < S->P; p++) S->nll_full[p] = NAN;
     S->ms_prompt = -1;
     kvrt_ctx_options ro = {.n_threads = 0};
@@ -488,11 +522,13 @@ int ckv_model_open(ckv *S, char *err, size_t errlen) {
 // ----------------------------------------------------------------------------
 // one reward function for the rollouts
 
-int ckv_reward(ckv *S, int which, uint32_t p, uint32_t l, const kvcc_ckv_layer *lc, const kvcc_ckv_base *base,
-               const kvrt_selection *sel, double *scratch, double *r, char *err, size_t errlen) {
+int ckv_reward(ckv *S, int which, uint32_t p, uint32_t l, const kvcc_ckv_layer *lc,
+               const kvcc_ckv_base *base, const kvrt_selection *sel, double *scratch, double *r,
+               char *err, size_t errlen) {
     if (which == CKV_REWARD_ATTENTION) {
         double e = 0.0;
-        if (kvcc_ckv_error(lc, base, sel->positions, sel->offsets[1] - sel->offsets[0], scratch, &e) != 0)
+        if (kvcc_ckv_error(lc, base, sel->positions, sel->offsets[1] - sel->offsets[0], scratch,
+                           &e) != 0)
             return KVRT_ERR_ARG;
         *r = -e;
         return 0;

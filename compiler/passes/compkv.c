@@ -214,8 +214,9 @@ static void exact_blocks(const float *qv, const float *k, int64_t C, uint32_t Hk
 
 /* A runtime state of layer data k, v (context [0, C)) with the given groupings [Hkv, d] /
  * [Hkv, r + 1]. */
-static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d, int64_t C,
-                      const uint16_t *perm, const uint16_t *off, const float *k, const float *v, kvrt_compkv **out) {
+static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d,
+                      int64_t C, const uint16_t *perm, const uint16_t *off, const float *k,
+                      const float *v, kvrt_compkv **out) {
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o);
     o.block = B;
@@ -252,7 +253,12 @@ static void ck_free(ck_run *R) {
     free(R->Cp); free(R->Tp); free(R->nbp); free(R->base);
     free(R->sp); free(R->ss2); free(R->sq2); free(R->svar); free(R->zbuf);
     free(R->sc_i); free(R->sc_l); free(R->sc_x); free(R->bl_i); free(R->bl_l); free(R->bl_x);
-    free(R->perm_st); free(R->off_st); free(R->perm_dp); free(R->off_dp); free(R->perm_ix); free(R->off_ix);
+    free(R->perm_st);
+    free(R->off_st);
+    free(R->perm_dp);
+    free(R->off_dp);
+    free(R->perm_ix);
+    free(R->off_ix);
     free(R->perm_id); free(R->off_id);
     free(R->learned); free(R->err_l); free(R->err_i); free(R->agr_l); free(R->agr_i);
     kvcc_loop_close(&R->lp);
@@ -331,15 +337,18 @@ static int ck_alloc(ck_run *R, char *err, size_t errlen) {
     R->err_i = malloc(nh * sizeof *R->err_i);
     R->agr_l = calloc(nh, sizeof *R->agr_l);
     R->agr_i = calloc(nh, sizeof *R->agr_i);
-    if (!R->sp || !R->ss2 || !R->sq2 || !R->svar || !R->zbuf || !R->sc_i || !R->sc_l || !R->sc_x || !R->bl_i ||
-        !R->bl_l || !R->bl_x || !R->perm_st || !R->off_st || !R->perm_dp || !R->off_dp || !R->perm_ix ||
-        !R->off_ix || !R->perm_id || !R->off_id || !R->learned || !R->err_l || !R->err_i || !R->agr_l || !R->agr_i) {
+    if (!R->sp || !R->ss2 || !R->sq2 || !R->svar || !R->zbuf || !R->sc_i || !R->sc_l || !R->sc_x ||
+        !R->bl_i || !R->bl_l || !R->bl_x || !R->perm_st || !R->off_st || !R->perm_dp ||
+        !R->off_dp || !R->perm_ix || !R->off_ix || !R->perm_id || !R->off_id || !R->learned ||
+        !R->err_l || !R->err_i || !R->agr_l || !R->agr_i) {
         snprintf(err, errlen, "compkv: out of memory (%lld samples per head)", (long long)R->ns);
         return KVCC_EXIT_FAILED;
     }
     for (uint32_t h = 0; h < Hkv; h++) {
-        kvcc_compkv_index_grouping(d, r, R->perm_ix + (size_t)h * d, R->off_ix + (size_t)h * (r + 1));
-        kvcc_compkv_index_grouping(d, d, R->perm_id + (size_t)h * d, R->off_id + (size_t)h * (d + 1));
+        kvcc_compkv_index_grouping(d, r, R->perm_ix + (size_t)h * d,
+                                   R->off_ix + (size_t)h * (r + 1));
+        kvcc_compkv_index_grouping(d, d, R->perm_id + (size_t)h * d,
+                                   R->off_id + (size_t)h * (d + 1));
     }
     return 0;
 }
@@ -356,14 +365,17 @@ static int ck_samples(ck_run *R, uint32_t l, char *err, size_t errlen) {
         if (rc) return rc;
         const float *q = R->lp.q, *k = R->lp.k;
         kvrt_compkv *st = NULL;
-        int s = make_state(R->lp.rt, B, d, (float)R->scale, Hkv, d, C, R->perm_id, R->off_id, k, R->lp.v, &st);
+        int s = make_state(R->lp.rt, B, d, (float)R->scale, Hkv, d, C, R->perm_id, R->off_id, k,
+                           R->lp.v, &st);
         for (uint32_t hk = 0; hk < Hkv && !s; hk++) {
             const float *gv = NULL;
             s = kvrt_compkv_summaries(st, hk, NULL, NULL, &gv, NULL);
             if (s) break;
             const int64_t nq = npos * G;
-            double *hp = R->sp + (size_t)hk * ns + R->base[p], *hs = R->ss2 + (size_t)hk * ns + R->base[p];
-            float *hq = R->sq2 + ((size_t)hk * ns + R->base[p]) * d, *hv = R->svar + ((size_t)hk * ns + R->base[p]) * d;
+            double *hp = R->sp + (size_t)hk * ns + R->base[p],
+                   *hs = R->ss2 + (size_t)hk * ns + R->base[p];
+            float *hq = R->sq2 + ((size_t)hk * ns + R->base[p]) * d,
+                  *hv = R->svar + ((size_t)hk * ns + R->base[p]) * d;
             const double scale = R->scale;
             double *zbuf = R->zbuf;
             const int64_t max_T = R->max_T;
@@ -376,7 +388,8 @@ static int ck_samples(ck_run *R, uint32_t l, char *err, size_t errlen) {
                 double *pb = hp + jg * nb, *sb = hs + jg * nb;
                 exact_blocks(qv, k, C, Hkv, d, hk, B, scale, z, pb, sb);
                 for (int64_t b = 0; b < nb; b++) {
-                    float *q2 = hq + ((size_t)jg * nb + b) * d, *vr = hv + ((size_t)jg * nb + b) * d;
+                    float *q2 = hq + ((size_t)jg * nb + b) * d,
+                          *vr = hv + ((size_t)jg * nb + b) * d;
                     for (uint32_t i = 0; i < d; i++) {
                         q2[i] = qv[i] * qv[i];
                         vr[i] = gv[(size_t)b * d + i];
@@ -386,8 +399,8 @@ static int ck_samples(ck_run *R, uint32_t l, char *err, size_t errlen) {
         }
         kvrt_compkv_free(st);
         if (s) {
-            snprintf(err, errlen, "compkv: layer %u, prompt %u: block summaries: %s (%s)", l, p, kvrt_status_str(s),
-                     kvrt_last_error()->msg);
+            snprintf(err, errlen, "compkv: layer %u, prompt %u: block summaries: %s (%s)", l, p,
+                     kvrt_status_str(s), kvrt_last_error()->msg);
             return KVCC_EXIT_FAILED;
         }
     }
@@ -399,21 +412,28 @@ static int ck_search(ck_run *R, uint32_t l, char *err, size_t errlen) {
     const uint32_t Hkv = R->Hkv, d = R->d, r = R->r;
     const int64_t ns = R->ns;
     for (uint32_t hk = 0; hk < Hkv; hk++) {
-        kvcc_compkv_samples smp = {.n = ns, .d = d, .scale = R->scale, .p = R->sp + (size_t)hk * ns,
-                                   .sigma2 = R->ss2 + (size_t)hk * ns, .q2 = R->sq2 + (size_t)hk * ns * d,
+        kvcc_compkv_samples smp = {.n = ns,
+                                   .d = d,
+                                   .scale = R->scale,
+                                   .p = R->sp + (size_t)hk * ns,
+                                   .sigma2 = R->ss2 + (size_t)hk * ns,
+                                   .q2 = R->sq2 + (size_t)hk * ns * d,
                                    .var = R->svar + (size_t)hk * ns * d};
         kvcc_compkv_fit fit;
         uint16_t *pd = R->perm_dp + (size_t)hk * d, *od = R->off_dp + (size_t)hk * (r + 1);
         if (kvcc_compkv_search(&smp, r, pd, od, &fit) != 0) {
-            snprintf(err, errlen, "compkv: layer %u KV head %u: the grouping search failed (out of memory or "
-                     "non-finite calibration data)", l, hk);
+            snprintf(err, errlen,
+                     "compkv: layer %u KV head %u: the grouping search failed (out of memory or "
+                     "non-finite calibration data)",
+                     l, hk);
             return KVCC_EXIT_FAILED;
         }
         const size_t at = (size_t)l * Hkv + hk;
         R->learned[at] = (uint8_t)fit.learned;
         R->err_l[at] = fit.err_learned;
         R->err_i[at] = fit.err_index;
-        memcpy(R->perm_st + at * d, fit.learned ? pd : R->perm_ix + (size_t)hk * d, d * sizeof *R->perm_st);
+        memcpy(R->perm_st + at * d, fit.learned ? pd : R->perm_ix + (size_t)hk * d,
+               d * sizeof *R->perm_st);
         memcpy(R->off_st + at * (r + 1), fit.learned ? od : R->off_ix + (size_t)hk * (r + 1),
                (r + 1) * sizeof *R->off_st);
     }
@@ -422,17 +442,21 @@ static int ck_search(ck_run *R, uint32_t l, char *err, size_t errlen) {
 
 /* Step 3 of layer l: block-selection agreement with the exact score, learned (DP) vs index
  * grouping, summed into al / ai [Hkv] over n_agree (prompt, query position) units. */
-static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double *ai, int64_t *n_agree, char *err,
-                           size_t errlen) {
+static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double *ai,
+                           int64_t *n_agree, char *err, size_t errlen) {
     const uint32_t H = R->H, Hkv = R->Hkv, d = R->d, G = R->G, B = R->B, r = R->r;
-    const int64_t C = R->Cp[p], N = R->Tp[p] - R->Cp[p], nb = R->nbp[p], K = R->K, ns = R->ns, npos = R->npos;
+    const int64_t C = R->Cp[p], N = R->Tp[p] - R->Cp[p], nb = R->nbp[p], K = R->K, ns = R->ns,
+                  npos = R->npos;
     int rc = kvcc_loop_prompt(&R->lp, p, err, errlen);
     if (!rc) rc = kvcc_loop_layer(&R->lp, l, err, errlen);
     if (rc) return rc;
     const float *q = R->lp.q, *k = R->lp.k, *v = R->lp.v;
     kvrt_compkv *si = NULL, *sl = NULL;
-    int s = make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_ix, R->off_ix, k, v, &si);
-    if (!s) s = make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_dp, R->off_dp, k, v, &sl);
+    int s =
+        make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_ix, R->off_ix, k, v, &si);
+    if (!s)
+        s = make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_dp, R->off_dp, k, v,
+                       &sl);
     const int64_t Ke = K < nb ? K : nb;
     for (int64_t j = 0; j < npos && !s; j++) {
         const int64_t pos = C + (2 * j + 1) * N / (2 * npos);
@@ -453,7 +477,8 @@ static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double
         if (!s) s = kvrt_compkv_select(sl, R->sc_l, K, R->bl_l);
         if (s) break;
         for (uint32_t hk = 0; hk < Hkv; hk++) {
-            const int32_t *x = R->bl_x + (size_t)hk * Ke, *bi = R->bl_i + (size_t)hk * Ke, *bl = R->bl_l + (size_t)hk * Ke;
+            const int32_t *x = R->bl_x + (size_t)hk * Ke, *bi = R->bl_i + (size_t)hk * Ke,
+                          *bl = R->bl_l + (size_t)hk * Ke;
             int64_t ci = 0, cl = 0;
             for (int64_t a = 0; a < Ke; a++)
                 for (int64_t b = 0; b < Ke; b++) {
@@ -468,8 +493,8 @@ static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double
     kvrt_compkv_free(si);
     kvrt_compkv_free(sl);
     if (s) {
-        snprintf(err, errlen, "compkv: layer %u, prompt %u: scoring: %s (%s)", l, p, kvrt_status_str(s),
-                 kvrt_last_error()->msg);
+        snprintf(err, errlen, "compkv: layer %u, prompt %u: scoring: %s (%s)", l, p,
+                 kvrt_status_str(s), kvrt_last_error()->msg);
         return KVCC_EXIT_FAILED;
     }
     return 0;
@@ -478,11 +503,13 @@ static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double
 static int ck_agreement(ck_run *R, uint32_t l, char *err, size_t errlen) {
     const uint32_t Hkv = R->Hkv;
     double agl[64] = {0}, agi[64] = {0};
-    double *al = Hkv <= 64 ? agl : calloc(Hkv, sizeof *al), *ai = Hkv <= 64 ? agi : calloc(Hkv, sizeof *ai);
+    double *al = Hkv <= 64 ? agl : calloc(Hkv, sizeof *al),
+           *ai = Hkv <= 64 ? agi : calloc(Hkv, sizeof *ai);
     int64_t n_agree = 0;
     int rc = 0;
     if (!al || !ai) { snprintf(err, errlen, "compkv: out of memory"); rc = KVCC_EXIT_FAILED; }
-    for (uint32_t p = 0; p < R->n_prompts && !rc; p++) rc = ck_agree_prompt(R, l, p, al, ai, &n_agree, err, errlen);
+    for (uint32_t p = 0; p < R->n_prompts && !rc; p++)
+        rc = ck_agree_prompt(R, l, p, al, ai, &n_agree, err, errlen);
     for (uint32_t hk = 0; hk < Hkv && !rc; hk++) {
         R->agr_l[(size_t)l * Hkv + hk] = (float)(al[hk] / (double)(n_agree ? n_agree : 1));
         R->agr_i[(size_t)l * Hkv + hk] = (float)(ai[hk] / (double)(n_agree ? n_agree : 1));
@@ -495,7 +522,8 @@ static int ck_agreement(ck_run *R, uint32_t l, char *err, size_t errlen) {
 static int ck_write(const ck_run *R, kvpol_writer *w, char *err, size_t errlen) {
     const uint64_t L = R->L, Hkv = R->Hkv, d = R->d, r = R->r;
     const uint64_t dp[3] = {L, Hkv, d}, dof[3] = {L, Hkv, r + 1}, dh[2] = {L, Hkv};
-    int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_GROUPINGS, kvpol_known_find(KVPOL_SEC_COMPKV_GROUPINGS)->name,
+    int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_GROUPINGS,
+                                        kvpol_known_find(KVPOL_SEC_COMPKV_GROUPINGS)->name,
                                         KVPOL_SECTION_CRITICAL, KVPOL_CODEC_ZSTD, 1);
     if (!k2) k2 = kvpol_writer_add_tensor(w, "perm", KVPOL_DTYPE_U16, 3, dp, R->perm_st);
     if (!k2) k2 = kvpol_writer_add_tensor(w, "offsets", KVPOL_DTYPE_U16, 3, dof, R->off_st);
@@ -504,8 +532,10 @@ static int ck_write(const ck_run *R, kvpol_writer *w, char *err, size_t errlen) 
     if (!k2) k2 = kvpol_writer_add_i64(w, "block", R->B);
     if (!k2) k2 = kvpol_writer_add_f64(w, "scale", R->scale);
     if (!k2) k2 = kvpol_writer_end_section(w);
-    if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_CALIBRATION,
-                                             kvpol_known_find(KVPOL_SEC_COMPKV_CALIBRATION)->name, 0, KVPOL_CODEC_ZSTD, 1);
+    if (!k2)
+        k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_CALIBRATION,
+                                        kvpol_known_find(KVPOL_SEC_COMPKV_CALIBRATION)->name, 0,
+                                        KVPOL_CODEC_ZSTD, 1);
     if (!k2) k2 = kvpol_writer_add_tensor(w, "err_learned", KVPOL_DTYPE_F64, 2, dh, R->err_l);
     if (!k2) k2 = kvpol_writer_add_tensor(w, "err_index", KVPOL_DTYPE_F64, 2, dh, R->err_i);
     if (!k2) k2 = kvpol_writer_add_tensor(w, "agree_learned", KVPOL_DTYPE_F32, 2, dh, R->agr_l);
@@ -534,10 +564,15 @@ static void ck_summary(const ck_run *R, double seconds) {
         ai += R->agr_i[h] / (double)nh;
         ak += (R->learned[h] ? R->agr_l[h] : R->agr_i[h]) / (double)nh;
     }
-    fprintf(stderr, "kvcc compile: compkv: r %u, block %u, %u prompts, %lld samples per head (%lld query positions "
-            "per prompt); learned grouping beats index order on %u/%zu heads; mean error learned %.4g, index %.4g, "
-            "stored %.4g; selection agreement with the exact score at %lld blocks: learned %.3f, index %.3f, "
-            "stored %.3f; %.1f s\n", R->r, R->B, R->n_prompts, (long long)R->ns, (long long)R->npos, nl, nh, ml, mi, mk,
+    fprintf(stderr,
+            "kvcc compile: compkv: r %u, block %u, %u prompts, %lld samples per head (%lld query "
+            "positions "
+            "per prompt); learned grouping beats index order on %u/%zu heads; mean error learned "
+            "%.4g, index %.4g, "
+            "stored %.4g; selection agreement with the exact score at %lld blocks: learned %.3f, "
+            "index %.3f, "
+            "stored %.3f; %.1f s\n",
+            R->r, R->B, R->n_prompts, (long long)R->ns, (long long)R->npos, nl, nh, ml, mi, mk,
             (long long)R->K, al, ai, ak, seconds);
 }
 
@@ -552,11 +587,13 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
         return KVCC_EXIT_USAGE;
     }
     if (R.B < 2) {
-        snprintf(err, errlen, "--compkv-block: %u; expected >= 2 tokens (within-block variances need two)", R.B);
+        snprintf(err, errlen,
+                 "--compkv-block: %u; expected >= 2 tokens (within-block variances need two)", R.B);
         return KVCC_EXIT_USAGE;
     }
     if (d > 65535) {
-        snprintf(err, errlen, "compkv: head dim %u does not fit the u16 permutation (at most 65535)", d);
+        snprintf(err, errlen,
+                 "compkv: head dim %u does not fit the u16 permutation (at most 65535)", d);
         return KVCC_EXIT_USAGE;
     }
     R.G = R.H / R.Hkv;
@@ -679,8 +716,18 @@ static void compkv_inspect(const kvpol_file *f, FILE *out) {
 // (uncompiled variants: index order with another r). Blocks of the compiled size everywhere
 // (KVCC_EVAL_DEFAULT_BLOCK without a compiled grouping).
 
-enum { CK_EVAL_COMPKV, CK_EVAL_INDEX, CK_EVAL_NOCOMP, CK_EVAL_MASS, CK_EVAL_FIRST, CK_EVAL_R1, CK_EVAL_R16, CK_EVAL_RD,
-       CK_EVAL_TOPK_MASS, CK_EVAL_QUEST };
+enum {
+    CK_EVAL_COMPKV,
+    CK_EVAL_INDEX,
+    CK_EVAL_NOCOMP,
+    CK_EVAL_MASS,
+    CK_EVAL_FIRST,
+    CK_EVAL_R1,
+    CK_EVAL_R16,
+    CK_EVAL_RD,
+    CK_EVAL_TOPK_MASS,
+    CK_EVAL_QUEST
+};
 #define CK_EVAL_DEFAULT_R 4
 
 typedef struct {
@@ -697,7 +744,8 @@ static int ck_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t er
     int s = kvrt_compkv_open(env->policy, &g);
     if (s == KVRT_ERR_UNSUPPORTED) return 0;
     if (s) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg, kvrt_status_name(s));
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+                 kvrt_status_name(s));
         return KVCC_EXIT_USAGE;
     }
     *h = g;
@@ -706,18 +754,23 @@ static int ck_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t er
 
 static void ck_eval_close(void *h) { kvrt_compkv_grouping_free(h); }
 
-static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle, kvcc_eval_prep *p,
-                           char *err, size_t errlen) {
+static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
+                           kvcc_eval_prep *p, char *err, size_t errlen) {
     const kvrt_compkv_grouping *g = handle;
     const uint32_t d = env->d;
     if (m->variant == CK_EVAL_COMPKV && !g) {
         if (env->policy)
-            snprintf(err, errlen, "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
-                     "(%s has no compkv.groupings section; or use compkv-index: the index-order grouping)",
-                     env->policy_path);
+            snprintf(
+                err, errlen,
+                "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
+                "(%s has no compkv.groupings section; or use compkv-index: the index-order "
+                "grouping)",
+                env->policy_path);
         else
-            snprintf(err, errlen, "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
-                     "(or use compkv-index: the index-order grouping)");
+            snprintf(
+                err, errlen,
+                "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
+                "(or use compkv-index: the index-order grouping)");
         return KVCC_EXIT_USAGE;
     }
     ck_eval *e = calloc(1, sizeof *e);
@@ -750,29 +803,36 @@ static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
     if (g) {
         uint32_t nl = 0;
         for (uint32_t h = 0; h < g->n_layers * g->n_kv_heads; h++) nl += g->learned[h];
-        snprintf(p->note, sizeof p->note, "blocks of %u tokens (compiled), budgets in blocks; compkv, "
-                 "compkv-nocomp/-mass/-first: the compiled grouping (r %u, learned on %u/%u heads; the three "
-                 "ablations change run-time switches only); compkv-index, topk-mass, quest: index order (r %u); "
-                 "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u", (unsigned)o->block, g->r, nl,
-                 g->n_layers * g->n_kv_heads, g->r, r16, d);
+        snprintf(p->note, sizeof p->note,
+                 "blocks of %u tokens (compiled), budgets in blocks; compkv, "
+                 "compkv-nocomp/-mass/-first: the compiled grouping (r %u, learned on %u/%u heads; "
+                 "the three "
+                 "ablations change run-time switches only); compkv-index, topk-mass, quest: index "
+                 "order (r %u); "
+                 "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u",
+                 (unsigned)o->block, g->r, nl, g->n_layers * g->n_kv_heads, g->r, r16, d);
     } else {
-        snprintf(p->note, sizeof p->note, "blocks of %u tokens, budgets in blocks; no compiled grouping: "
-                 "compkv-index/-nocomp/-mass/-first use index order (r %u); compkv-r1/-r16/-rd: r 1/%u/%u",
+        snprintf(p->note, sizeof p->note,
+                 "blocks of %u tokens, budgets in blocks; no compiled grouping: "
+                 "compkv-index/-nocomp/-mass/-first use index order (r %u); compkv-r1/-r16/-rd: r "
+                 "1/%u/%u",
                  (unsigned)o->block, CK_EVAL_DEFAULT_R < d ? CK_EVAL_DEFAULT_R : d, r16, d);
     }
     return 0;
 }
 
-static int ck_eval_create(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env, uint32_t layer,
-                          int64_t cap, kvrt_compkv **out) {
+static int ck_eval_create(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
+                          uint32_t layer, int64_t cap, kvrt_compkv **out) {
     (void)m;
     const ck_eval *e = state;
-    if (e->use_grp && e->g) return kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out);
+    if (e->use_grp && e->g)
+        return kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out);
     return kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
 }
 
-static int ck_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st, const float *q, uint32_t H,
-                        int64_t K, const float *k, int64_t len, float *out, int32_t *blocks, int64_t *n_sel) {
+static int ck_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
+                        const float *q, uint32_t H, int64_t K, const float *k, int64_t len,
+                        float *out, int32_t *blocks, int64_t *n_sel) {
     const ck_eval *e = state;
     const int64_t nb = kvrt_compkv_n_blocks(st);
     const int64_t ke = K < nb ? K : nb;
@@ -788,11 +848,13 @@ static int ck_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compk
 
 static void ck_eval_release(void *state) { free(state); }
 
-#define CK_EVAL_METHOD(nm, var, comp, quest)                                                                   \
-    {.name = nm, .family = "decode-time", .budget = KVCC_BUDGET_BLOCKS, .variant = var,                       \
-     .open_handle = ck_eval_open, .close_handle = ck_eval_close, .prepare = ck_eval_prepare,                 \
-     .release = ck_eval_release, .decode_create = ck_eval_create, .decode_step = ck_eval_step,               \
-     .compensated = comp, .quest_summaries = quest}
+#define CK_EVAL_METHOD(nm, var, comp, quest)                                                       \
+    {                                                                                              \
+        .name = nm, .family = "decode-time", .budget = KVCC_BUDGET_BLOCKS, .variant = var,         \
+        .open_handle = ck_eval_open, .close_handle = ck_eval_close, .prepare = ck_eval_prepare,    \
+        .release = ck_eval_release, .decode_create = ck_eval_create, .decode_step = ck_eval_step,  \
+        .compensated = comp, .quest_summaries = quest                                              \
+    }
 static const kvcc_eval_method compkv_eval_methods[] = {
     CK_EVAL_METHOD("compkv", CK_EVAL_COMPKV, 1, 0),
     CK_EVAL_METHOD("compkv-index", CK_EVAL_INDEX, 1, 0),
@@ -808,7 +870,8 @@ static const kvcc_eval_method compkv_eval_methods[] = {
 };
 
 static const kvcc_pass_option compkv_options[] = {
-    {"compkv-r", KVCC_OPT_U32, "R", "4", "variance groups of the key coordinates per (layer, KV head)",
+    {"compkv-r", KVCC_OPT_U32, "R", "4",
+     "variance groups of the key coordinates per (layer, KV head)",
      offsetof(kvcc_compile_ctx, compkv_r), 0, 1, 65536, NULL, 0},
     {"compkv-block", KVCC_OPT_U32, "B", "16", "tokens per block (written; eval runs it)",
      offsetof(kvcc_compile_ctx, compkv_block), 0, 1, 65536, NULL, 0},

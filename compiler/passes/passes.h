@@ -55,7 +55,8 @@ typedef struct {
  * numbers, sorted ascending). `def` (text, NULL: none) is applied before the command line is
  * read, and printed by --help. */
 typedef enum { KVCC_OPT_U32, KVCC_OPT_LIST, KVCC_OPT_CHOICE, KVCC_OPT_PATH } kvcc_opt_kind;
-#define KVCC_OPT_REPORT 1u          /* flag: only meaningful with the pass in --policies (refused otherwise) */
+#define KVCC_OPT_REPORT                                                                            \
+    1u /* flag: only meaningful with the pass in --policies (refused otherwise) */
 #define KVCC_PASS_MAX_LIST 32
 typedef struct {
     const char *name;               /* --name (NULL ends a table) */
@@ -85,7 +86,8 @@ typedef struct {
     int (*run)(const kvcc_compile_ctx *c, kvpol_writer *w, char *err, size_t errlen);
     /* After the artifact is written: reports on it to out (stdout), e.g. CompilerKV's
      * --reward-check. 0, or a KVCC_EXIT_* status (may be NULL). */
-    int (*report)(const kvcc_compile_ctx *c, const char *artifact, FILE *out, char *err, size_t errlen);
+    int (*report)(const kvcc_compile_ctx *c, const char *artifact, FILE *out, char *err,
+                  size_t errlen);
     /* Human summary of the group for `kvcc inspect` (may be NULL). */
     void (*inspect)(const kvpol_file *f, FILE *out);
     /* The kvcc eval methods of the policy (NULL-name-terminated; may be NULL). */
@@ -128,11 +130,12 @@ const kvcc_pass *kvcc_pass_for_group(uint32_t group);
 
 /* Set option o of a pass from text (store: KVCC_PASS_MAX_LIST doubles that a LIST keeps).
  * 0, or -1 with "--NAME: got 'X', expected ..." in err. */
-int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const char *value, double *store,
-                         char *err, size_t errlen);
+int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const char *value,
+                         double *store, char *err, size_t errlen);
 /* Every pass's defaults into c (stores [n_options][KVCC_PASS_MAX_LIST], one row per option of
  * every pass in table order); 0, or -1 (a default that does not parse: a bug). */
-int kvcc_pass_options_default(kvcc_compile_ctx *c, double (*stores)[KVCC_PASS_MAX_LIST], int n_stores);
+int kvcc_pass_options_default(kvcc_compile_ctx *c, double (*stores)[KVCC_PASS_MAX_LIST],
+                              int n_stores);
 /* Print every pass's options, grouped under its title, with the defaults. */
 void kvcc_pass_options_help(FILE *out);
 #endif

@@ -55,8 +55,8 @@ static int is_choice(const char *choices, const char *s) {
     return 0;
 }
 
-int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const char *value, double *store,
-                         char *err, size_t errlen) {
+int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const char *value,
+                         double *store, char *err, size_t errlen) {
     char *base = (char *)c;
     switch (o->kind) {
     case KVCC_OPT_U32: {
@@ -64,7 +64,8 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
         errno = 0;
         unsigned long long v = strtoull(value, &end, 10);
         if (errno || end == value || *end || value[0] == '-' || v < o->lo || v > o->hi) {
-            snprintf(err, errlen, "--%s: got '%s', expected an integer in %u..%u", o->name, value, o->lo, o->hi);
+            snprintf(err, errlen, "--%s: got '%s', expected an integer in %u..%u", o->name, value,
+                     o->lo, o->hi);
             return -1;
         }
         *(uint32_t *)(base + o->offset) = (uint32_t)v;
@@ -79,7 +80,8 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
             snprintf(err, errlen, "--%s: got '%s', expected %s", o->name, value, alt);
             return -1;
         }
-        *(const char **)(base + o->offset) = value; /* argv or the table's default: outlives the compile */
+        *(const char **)(base + o->offset) =
+            value; /* argv or the table's default: outlives the compile */
         return 0;
     case KVCC_OPT_PATH:
         *(const char **)(base + o->offset) = value;
@@ -92,14 +94,16 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
             char *end;
             double v = strtod(t, &end);
             if (*end || !isfinite(v) || v <= 0 || n == KVCC_PASS_MAX_LIST) {
-                snprintf(err, errlen, "--%s: got '%s', expected up to %d positive numbers", o->name, t,
-                         KVCC_PASS_MAX_LIST);
+                snprintf(err, errlen, "--%s: got '%s', expected up to %d positive numbers", o->name,
+                         t, KVCC_PASS_MAX_LIST);
                 return -1;
             }
             store[n++] = v;
         }
         if (!n) {
-            snprintf(err, errlen, "--%s: got '%s', expected a comma-separated list of positive numbers", o->name, value);
+            snprintf(err, errlen,
+                     "--%s: got '%s', expected a comma-separated list of positive numbers", o->name,
+                     value);
             return -1;
         }
         qsort(store, (size_t)n, sizeof(double), cmp_dbl);
@@ -111,13 +115,15 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
     return -1;
 }
 
-int kvcc_pass_options_default(kvcc_compile_ctx *c, double (*stores)[KVCC_PASS_MAX_LIST], int n_stores) {
+int kvcc_pass_options_default(kvcc_compile_ctx *c, double (*stores)[KVCC_PASS_MAX_LIST],
+                              int n_stores) {
     int k = 0;
     char err[256];
     for (int i = 0; kvcc_passes[i]; i++)
         for (const kvcc_pass_option *o = kvcc_passes[i]->options; o && o->name; o++, k++) {
             if (k >= n_stores) return -1;
-            if (o->def && kvcc_pass_option_set(o, c, o->def, stores[k], err, sizeof err) != 0) return -1;
+            if (o->def && kvcc_pass_option_set(o, c, o->def, stores[k], err, sizeof err) != 0)
+                return -1;
         }
     return 0;
 }
@@ -149,8 +155,8 @@ void kvcc_pass_options_help(FILE *out) {
         for (const kvcc_pass_option *o = ps->options; o->name; o++) {
             char lhs[64], text[512];
             snprintf(lhs, sizeof lhs, "--%s %s", o->name, o->arg ? o->arg : "X");
-            snprintf(text, sizeof text, "%s%s%s%s", o->help, o->def ? " (default " : "", o->def ? o->def : "",
-                     o->def ? ")" : "");
+            snprintf(text, sizeof text, "%s%s%s%s", o->help, o->def ? " (default " : "",
+                     o->def ? o->def : "", o->def ? ")" : "");
             const int w = fprintf(out, "  %-26s", lhs);
             print_wrapped(out, text, w, 28);
             fputc('\n', out);

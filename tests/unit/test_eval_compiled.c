@@ -37,20 +37,30 @@ static const char *model_path(void) {
 
 /* One 96 + 24 token window of held-out text through the real model (skips without it). */
 static void real_corpus(char *path, size_t n, const char *tag) {
-    if (access(model_path(), R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    if (access(model_path(), R_OK) != 0)
+        cr_skip_test("model not fetched: run scripts/fetch-model.sh");
     char err[512];
     snprintf(path, n, "/tmp/kvcc_evc_%s_%d.h5", tag, (int)getpid());
     kvcc_loaded_model lm;
     cr_assert_eq(kvcc_load_model(model_path(), 0, &lm, err, sizeof err), 0, "%s", err);
     const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
-    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 96, .continuation_len = 24,
-                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
-    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
+    kvcc_capture_opts co = {.texts = texts,
+                            .n_texts = 1,
+                            .n_prompts = 1,
+                            .context_len = 96,
+                            .continuation_len = 24,
+                            .seed = 3,
+                            .dtype_f16 = 1,
+                            .model_name = lm.name,
+                            .options = "test"};
+    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0,
+                 "%s", err);
     kvcc_loaded_model_free(&lm);
 }
 
 /* Run pass `name` with cx (corpus and model filled in here) into the artifact art. */
-static void compile_to(const char *name, kvcc_compile_ctx *cx, const char *corpus, const char *art) {
+static void compile_to(const char *name, kvcc_compile_ctx *cx, const char *corpus,
+                       const char *art) {
     char err[768];
     kvcc_corpus *c = NULL;
     cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
@@ -88,12 +98,18 @@ static kvrt_policy *open_policy(const char *art) {
     return pol;
 }
 
-static const kvcc_eval_result *eval_one(const char *corpus, const char *art, const char *method, double budget) {
+static const kvcc_eval_result *eval_one(const char *corpus, const char *art, const char *method,
+                                        double budget) {
     static kvcc_eval_result R;
     const char *methods[] = {method};
     char err[768];
-    kvcc_eval_opts o = {.corpus = corpus, .policy = art, .methods = methods, .n_methods = 1, .budgets = &budget,
-                        .n_budgets = 1, .seed = 1};
+    kvcc_eval_opts o = {.corpus = corpus,
+                        .policy = art,
+                        .methods = methods,
+                        .n_methods = 1,
+                        .budgets = &budget,
+                        .n_budgets = 1,
+                        .seed = 1};
     cr_assert_eq(kvcc_eval_run(&o, &R, err, sizeof err), 0, "%s", err);
     cr_assert_eq(R.n_rows, 1);
     cr_assert_eq(R.rows[0].status, 0, "%s", R.rows[0].msg);
@@ -111,8 +127,8 @@ static double sorted_mean(double *x, size_t n) {
 /* ---- Attention Matching: --am-select omp, --am-chunk 32 */
 
 /* Layer-local relerr of the schedule at target with options o (NULL: the compiled ones). */
-static double am_direct(const char *corpus, const kvrt_am_schedule *s, const kvrt_am_opts *o, unsigned flags,
-                        double target) {
+static double am_direct(const char *corpus, const kvrt_am_schedule *s, const kvrt_am_opts *o,
+                        unsigned flags, double target) {
     char err[512];
     kvcc_corpus *c = NULL;
     cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
@@ -124,15 +140,16 @@ static double am_direct(const char *corpus, const kvrt_am_schedule *s, const kvr
     for (uint32_t l = 0; l < lp.L; l++) {
         cr_assert_eq(kvcc_loop_layer(&lp, l, err, sizeof err), 0, "%s", err);
         kvrt_cache *cc = NULL;
-        cr_assert_eq(kvrt_am_compact_scheduled(lp.rt, s, o, flags, target, l, lp.q, lp.k, lp.v, lp.C, lp.H,
-                                               KVRT_DTYPE_F32, &cc, NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_am_compact_scheduled(lp.rt, s, o, flags, target, l, lp.q, lp.k, lp.v,
+                                               lp.C, lp.H, KVRT_DTYPE_F32, &cc, NULL),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
         cr_assert_eq(kvcc_loop_attend(&lp, cc, lp.o_c, lp.lse_c, NULL), KVRT_OK);
         kvrt_cache_free(cc);
         for (uint32_t h = 0; h < lp.H; h++) {
             double s_h = 0;
             for (int64_t i = 0; i < lp.N; i++)
-                s_h += kvcc_relerr(lp.o_c + ((size_t)i * lp.H + h) * lp.d, lp.o_full + ((size_t)i * lp.H + h) * lp.d,
-                                   lp.d);
+                s_h += kvcc_relerr(lp.o_c + ((size_t)i * lp.H + h) * lp.d,
+                                   lp.o_full + ((size_t)i * lp.H + h) * lp.d, lp.d);
             e[n++] = s_h / (double)lp.N;
         }
     }
@@ -148,8 +165,12 @@ Test(eval_compiled, am_row_runs_the_compiled_select_and_chunk, .timeout = 1200) 
     real_corpus(corpus, sizeof corpus, "am");
     snprintf(art, sizeof art, "/tmp/kvcc_evc_am_%d.kvpol", (int)getpid());
     double targets[] = {0.25}, ratios[] = {0.125, 0.25, 0.5};
-    kvcc_compile_ctx cx = {.am_targets = targets, .n_am_targets = 1, .am_ratios = ratios, .n_am_ratios = 3,
-                           .am_chunk = 32, .am_select = "omp"};
+    kvcc_compile_ctx cx = {.am_targets = targets,
+                           .n_am_targets = 1,
+                           .am_ratios = ratios,
+                           .n_am_ratios = 3,
+                           .am_chunk = 32,
+                           .am_select = "omp"};
     compile_to("am", &cx, corpus, art);
     kvrt_policy *pol = open_policy(art);
     kvrt_am_schedule *s = NULL;
@@ -159,17 +180,21 @@ Test(eval_compiled, am_row_runs_the_compiled_select_and_chunk, .timeout = 1200) 
     cr_assert_eq(co.key_select, KVRT_AM_SELECT_OMP);
     cr_assert_eq(co.chunk, 32);
     const kvcc_eval_result *R = eval_one(corpus, art, "am", 0.25);
-    cr_assert(R->n_notes == 1 && strstr(R->notes[0], "key selection omp, chunk 32") != NULL, "%s", R->notes[0]);
-    const double direct = am_direct(corpus, s, NULL, 0, 0.25), explicit_ = am_direct(corpus, s, &co, 0, 0.25);
+    cr_assert(R->n_notes == 1 && strstr(R->notes[0], "key selection omp, chunk 32") != NULL, "%s",
+              R->notes[0]);
+    const double direct = am_direct(corpus, s, NULL, 0, 0.25),
+                 explicit_ = am_direct(corpus, s, &co, 0, 0.25);
     kvrt_am_opts_init(&def);
     kvrt_cache *cc = NULL;
     const float dummy[1] = {0};
-    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), s, &def, 0, 0.25, 0, dummy, dummy, dummy, 1, 1,
-                                           KVRT_DTYPE_F32, &cc, NULL), KVRT_ERR_ARG, "the defaults must be refused");
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), s, &def, 0, 0.25, 0, dummy, dummy, dummy, 1,
+                                           1, KVRT_DTYPE_F32, &cc, NULL),
+                 KVRT_ERR_ARG, "the defaults must be refused");
     const double defaults = am_direct(corpus, s, &def, KVRT_OVERRIDE_OPTIONS, 0.25);
-    cr_log_info("am 0.25: eval %.10f, direct (compiled omp/32) %.10f, highest/4096 %.10f", R->rows[0].relerr_mean,
-                direct, defaults);
-    cr_expect(R->rows[0].relerr_mean == direct, "eval %.17g vs the handle %.17g", R->rows[0].relerr_mean, direct);
+    cr_log_info("am 0.25: eval %.10f, direct (compiled omp/32) %.10f, highest/4096 %.10f",
+                R->rows[0].relerr_mean, direct, defaults);
+    cr_expect(R->rows[0].relerr_mean == direct, "eval %.17g vs the handle %.17g",
+              R->rows[0].relerr_mean, direct);
     cr_expect(direct == explicit_);
     cr_expect(defaults != direct, "highest/4096 gave the compiled omp/32 result");
     kvrt_am_schedule_free(s);
@@ -182,8 +207,8 @@ Test(eval_compiled, am_row_runs_the_compiled_select_and_chunk, .timeout = 1200) 
 
 /* Layer-local relerr of decode-time CompKV at K blocks with the compiled grouping and options o
  * (block and r; flags: KVRT_OVERRIDE_OPTIONS to run another block). */
-static double compkv_direct(const char *corpus, const kvrt_compkv_grouping *g, const kvrt_compkv_opts *o,
-                            unsigned flags, int64_t K) {
+static double compkv_direct(const char *corpus, const kvrt_compkv_grouping *g,
+                            const kvrt_compkv_opts *o, unsigned flags, int64_t K) {
     char err[512];
     kvcc_corpus *c = NULL;
     cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
@@ -203,10 +228,15 @@ static double compkv_direct(const char *corpus, const kvrt_compkv_grouping *g, c
         cr_assert_eq(kvrt_compkv_append(st, lp.k, lp.v, lp.C), KVRT_OK);
         memset(esum, 0, sizeof(double) * lp.H);
         for (int64_t i = 0; i < lp.N; i++) {
-            cr_assert_eq(kvrt_compkv_append(st, lp.k + (size_t)(lp.C + i) * Kd, lp.v + (size_t)(lp.C + i) * Kd, 1), 0);
-            cr_assert_eq(kvrt_compkv_step(st, lp.q + (size_t)(lp.C + i) * lp.H * lp.d, lp.H, K, out, blocks), 0);
+            cr_assert_eq(kvrt_compkv_append(st, lp.k + (size_t)(lp.C + i) * Kd,
+                                            lp.v + (size_t)(lp.C + i) * Kd, 1),
+                         0);
+            cr_assert_eq(
+                kvrt_compkv_step(st, lp.q + (size_t)(lp.C + i) * lp.H * lp.d, lp.H, K, out, blocks),
+                0);
             for (uint32_t h = 0; h < lp.H; h++)
-                esum[h] += kvcc_relerr(out + (size_t)h * lp.d, lp.o_full + ((size_t)i * lp.H + h) * lp.d, lp.d);
+                esum[h] += kvcc_relerr(out + (size_t)h * lp.d,
+                                       lp.o_full + ((size_t)i * lp.H + h) * lp.d, lp.d);
         }
         kvrt_compkv_free(st);
         for (uint32_t h = 0; h < lp.H; h++) e[n++] = esum[h] / (double)lp.N;
@@ -229,7 +259,8 @@ Test(eval_compiled, compkv_row_runs_the_compiled_block, .timeout = 1200) {
     cr_assert_eq(kvrt_compkv_open(pol, &g), KVRT_OK, "%s", kvrt_last_error()->msg);
     cr_assert_eq(g->block, 8);
     const kvcc_eval_result *R = eval_one(corpus, art, "compkv", 4);
-    cr_assert(strstr(R->decode_note, "blocks of 8 tokens (compiled)") != NULL, "%s", R->decode_note);
+    cr_assert(strstr(R->decode_note, "blocks of 8 tokens (compiled)") != NULL, "%s",
+              R->decode_note);
     /* eval's options: kvrt_compkv_opts_init with the compiled block and r */
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o);
@@ -244,7 +275,8 @@ Test(eval_compiled, compkv_row_runs_the_compiled_block, .timeout = 1200) {
     const double b16 = compkv_direct(corpus, g, &o16, KVRT_OVERRIDE_OPTIONS, 4);
     cr_log_info("compkv 4 blocks: eval %.10f, direct (compiled block 8) %.10f, block 16 %.10f",
                 R->rows[0].relerr_mean, direct, b16);
-    cr_expect(R->rows[0].relerr_mean == direct, "eval %.17g vs the handle %.17g", R->rows[0].relerr_mean, direct);
+    cr_expect(R->rows[0].relerr_mean == direct, "eval %.17g vs the handle %.17g",
+              R->rows[0].relerr_mean, direct);
     cr_expect(b16 != direct, "block 16 gave the compiled block-8 result");
     kvrt_compkv_grouping_free(g);
     kvrt_policy_free(pol);
