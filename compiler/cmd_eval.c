@@ -16,8 +16,7 @@
 #include "eval_methods.h"
 #include "kvcc.h"
 #include "kvrt_experimental.h"
-
-static const char *PLANNED[] = {"kv2", "merge-reduce"};
+#include "passes/passes.h"
 
 static void usage(FILE *out) {
     char names[1024];
@@ -69,8 +68,8 @@ static int parse_methods(const char *list, const char **out, int *n) {
         } else if (kvcc_eval_method_find(tok)) {
             add[na++] = tok;
         } else {
-            for (size_t i = 0; i < sizeof PLANNED / sizeof PLANNED[0]; i++)
-                if (!strcmp(tok, PLANNED[i])) {
+            for (int i = 0; kvcc_planned_policies[i]; i++)
+                if (!strcmp(tok, kvcc_planned_policies[i])) {
                     fprintf(stderr,
                             "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: "
                             "%s)\n",

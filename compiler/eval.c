@@ -132,7 +132,6 @@ static void add_note(kvcc_eval_result *r, const kvcc_eval_method *m, const char 
 /* The artifact (once, checked against the corpus's model), every handle (once per
  * open_handle), every method's prepare (once). */
 static int prepare_methods(eval_run *E, void **handles, char *err, size_t errlen) {
-    const kvcc_eval_opts *o = E->o;
     typedef int (*open_fn)(const kvcc_eval_env *, void **, char *, size_t);
     open_fn opened[EVAL_MAX_METHODS];
     int n_open = 0;
@@ -157,7 +156,6 @@ static int prepare_methods(eval_run *E, void **handles, char *err, size_t errlen
         }
         add_note(E->r, m, E->preps[i].note);
     }
-    (void)o;
     return 0;
 }
 

@@ -391,27 +391,15 @@ static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate
                                  NULL, budget, env->dtype, out, NULL);
 }
 
+/* am opens the schedule (once per run); the uncompiled variants need no policy. */
+#define AM_EVAL_METHOD(nm, var, open, close)                                                       \
+    {.name = nm, .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = var,      \
+     .open_handle = open, .close_handle = close, .prepare = am_eval_prepare,                       \
+     .compress_layer = am_eval_compress}
 static const kvcc_eval_method am_eval_methods[] = {
-    {.name = "am",
-     .family = "Attention Matching",
-     .budget = KVCC_BUDGET_RATIO,
-     .variant = AM_EVAL_SCHEDULED,
-     .open_handle = am_eval_open,
-     .close_handle = am_eval_close,
-     .prepare = am_eval_prepare,
-     .compress_layer = am_eval_compress},
-    {.name = "am-uniform",
-     .family = "Attention Matching",
-     .budget = KVCC_BUDGET_RATIO,
-     .variant = AM_EVAL_UNIFORM,
-     .prepare = am_eval_prepare,
-     .compress_layer = am_eval_compress},
-    {.name = "am-omp",
-     .family = "Attention Matching",
-     .budget = KVCC_BUDGET_RATIO,
-     .variant = AM_EVAL_OMP,
-     .prepare = am_eval_prepare,
-     .compress_layer = am_eval_compress},
+    AM_EVAL_METHOD("am", AM_EVAL_SCHEDULED, am_eval_open, am_eval_close),
+    AM_EVAL_METHOD("am-uniform", AM_EVAL_UNIFORM, NULL, NULL),
+    AM_EVAL_METHOD("am-omp", AM_EVAL_OMP, NULL, NULL),
     {.name = NULL},
 };
 
@@ -424,7 +412,7 @@ static const kvcc_pass_option am_options[] = {
      "ratio grid of the sensitivity curves (1/64 ... 1/2)", AM_OPT(am_ratios), AM_OPT(n_am_ratios),
      0, 0, NULL, 0},
     {"am-chunk", KVCC_OPT_U32, "N", "4096",
-     "queries per chunk of the compaction (written; eval runs it)", AM_OPT(am_chunk), 0, 16,
+     "keys per chunk of the compaction (written; eval runs it)", AM_OPT(am_chunk), 0, 16,
      1u << 20, NULL, 0},
     {"am-select", KVCC_OPT_CHOICE, "highest|omp", "highest",
      "key selection (written; eval runs it)", AM_OPT(am_select), 0, 0, 0, "highest|omp", 0},

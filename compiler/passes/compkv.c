@@ -19,7 +19,7 @@
  * over the context only: true mass p[g, b] = sum_{j in b} softmax_j(q_g . k_j * scale) and true
  * within-block logit variance sigma2[g, b] = Var_{j in b}(q_g . k_j * scale) (population), exact
  * in double. npos is the largest count that keeps the samples of a head at or below
- * CK_MAX_SAMPLES (at least 1), so the pass stays fast on any corpus.
+ * COMPKV_MAX_SAMPLES (at least 1), so the pass stays fast on any corpus.
  * Objective of a grouping: E = sum_{g,b} p (s2hat - sigma2)^2 / sum p, with the runtime's
  * s2hat = scale^2 sum_t (sum_{i in G_t} q_i^2) mean_{i in G_t} var[b, i].
  * Search: coordinates sorted by mean within-block variance (ties: lower index); the contiguous
@@ -53,8 +53,8 @@
 #include "passes.h"
 #include "stats.h"
 
-#define CK_MAX_SAMPLES 6144 /* (query, block) samples per (layer, KV head) */
-#define CK_AGREE_BLOCKS 16  /* budget (blocks) of the agreement measure */
+#define COMPKV_MAX_SAMPLES 6144 /* (query, block) samples per (layer, KV head) */
+#define COMPKV_AGREE_BLOCKS 16  /* budget (blocks) of the agreement measure */
 
 // ----------------------------------------------------------------------------
 // the grouping search
@@ -229,7 +229,7 @@ static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_
 }
 
 /* The pass's working set: shapes, samples of one layer, groupings, results (one allocation per
- * array, all freed by ck_free). Sample layout of a KV head hk: prompt p's samples start at
+ * array, all freed by compkv_free). Sample layout of a KV head hk: prompt p's samples start at
  * hk * ns + base[p]; sample ((j * G + g) * nb + b) within the prompt. */
 typedef struct {
     const kvcc_compile_ctx *cx;
@@ -247,9 +247,9 @@ typedef struct {
     uint8_t *learned;               /* [L, Hkv] */
     double *err_l, *err_i;          /* [L, Hkv] */
     float *agr_l, *agr_i;           /* [L, Hkv] */
-} ck_run;
+} compkv_work;
 
-static void ck_free(ck_run *R) {
+static void compkv_free(compkv_work *R) {
     free(R->Cp); free(R->Tp); free(R->nbp); free(R->base);
     free(R->sp); free(R->ss2); free(R->sq2); free(R->svar); free(R->zbuf);
     free(R->sc_i); free(R->sc_l); free(R->sc_x); free(R->bl_i); free(R->bl_l); free(R->bl_x);
@@ -265,8 +265,8 @@ static void ck_free(ck_run *R) {
 }
 
 /* Shapes of every prompt, the query positions per prompt (npos: the most that keep a head's
- * samples at or below CK_MAX_SAMPLES) and the agreement budget K. */
-static int ck_shapes(ck_run *R, char *err, size_t errlen) {
+ * samples at or below COMPKV_MAX_SAMPLES) and the agreement budget K. */
+static int compkv_shapes(compkv_work *R, char *err, size_t errlen) {
     const kvcc_compile_ctx *cx = R->cx;
     const uint32_t P = R->n_prompts, B = R->B;
     R->Cp = calloc(P, sizeof *R->Cp);
@@ -299,17 +299,17 @@ static int ck_shapes(ck_run *R, char *err, size_t errlen) {
         if (N < R->min_N) R->min_N = N;
         if (R->Tp[p] > R->max_T) R->max_T = R->Tp[p];
     }
-    R->npos = CK_MAX_SAMPLES / ((int64_t)R->G * R->sum_nb);
+    R->npos = COMPKV_MAX_SAMPLES / ((int64_t)R->G * R->sum_nb);
     if (R->npos < 1) R->npos = 1;
     if (R->npos > R->min_N) R->npos = R->min_N;
     for (uint32_t p = 0; p < P; p++) R->base[p + 1] = R->base[p] + R->npos * R->G * R->nbp[p];
     R->ns = R->base[P];
-    R->K = R->min_nb / 2 < CK_AGREE_BLOCKS ? R->min_nb / 2 : CK_AGREE_BLOCKS;
+    R->K = R->min_nb / 2 < COMPKV_AGREE_BLOCKS ? R->min_nb / 2 : COMPKV_AGREE_BLOCKS;
     if (R->K < 1) R->K = 1;
     return 0;
 }
 
-static int ck_alloc(ck_run *R, char *err, size_t errlen) {
+static int compkv_alloc(compkv_work *R, char *err, size_t errlen) {
     const uint32_t Hkv = R->Hkv, d = R->d, r = R->r;
     const size_t nh = (size_t)R->L * Hkv, ns = (size_t)R->ns;
     const int64_t max_nb = (R->max_T + R->B - 1) / R->B;
@@ -355,7 +355,7 @@ static int ck_alloc(ck_run *R, char *err, size_t errlen) {
 
 /* Step 1 of layer l: the samples of every prompt (exact block mass and logit variance of the
  * sampled queries, the runtime's per-coordinate block variances). */
-static int ck_samples(ck_run *R, uint32_t l, char *err, size_t errlen) {
+static int compkv_samples(compkv_work *R, uint32_t l, char *err, size_t errlen) {
     const uint32_t H = R->H, Hkv = R->Hkv, d = R->d, G = R->G, B = R->B;
     const int64_t ns = R->ns, npos = R->npos;
     for (uint32_t p = 0; p < R->n_prompts; p++) {
@@ -408,7 +408,7 @@ static int ck_samples(ck_run *R, uint32_t l, char *err, size_t errlen) {
 }
 
 /* Step 2 of layer l: the grouping search per KV head; stores the winner (learned or index). */
-static int ck_search(ck_run *R, uint32_t l, char *err, size_t errlen) {
+static int compkv_search(compkv_work *R, uint32_t l, char *err, size_t errlen) {
     const uint32_t Hkv = R->Hkv, d = R->d, r = R->r;
     const int64_t ns = R->ns;
     for (uint32_t hk = 0; hk < Hkv; hk++) {
@@ -442,7 +442,7 @@ static int ck_search(ck_run *R, uint32_t l, char *err, size_t errlen) {
 
 /* Step 3 of layer l: block-selection agreement with the exact score, learned (DP) vs index
  * grouping, summed into al / ai [Hkv] over n_agree (prompt, query position) units. */
-static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double *ai,
+static int compkv_agree_prompt(compkv_work *R, uint32_t l, uint32_t p, double *al, double *ai,
                            int64_t *n_agree, char *err, size_t errlen) {
     const uint32_t H = R->H, Hkv = R->Hkv, d = R->d, G = R->G, B = R->B, r = R->r;
     const int64_t C = R->Cp[p], N = R->Tp[p] - R->Cp[p], nb = R->nbp[p], K = R->K, ns = R->ns,
@@ -500,7 +500,7 @@ static int ck_agree_prompt(ck_run *R, uint32_t l, uint32_t p, double *al, double
     return 0;
 }
 
-static int ck_agreement(ck_run *R, uint32_t l, char *err, size_t errlen) {
+static int compkv_agreement(compkv_work *R, uint32_t l, char *err, size_t errlen) {
     const uint32_t Hkv = R->Hkv;
     double agl[64] = {0}, agi[64] = {0};
     double *al = Hkv <= 64 ? agl : calloc(Hkv, sizeof *al),
@@ -509,7 +509,7 @@ static int ck_agreement(ck_run *R, uint32_t l, char *err, size_t errlen) {
     int rc = 0;
     if (!al || !ai) { snprintf(err, errlen, "compkv: out of memory"); rc = KVCC_EXIT_FAILED; }
     for (uint32_t p = 0; p < R->n_prompts && !rc; p++)
-        rc = ck_agree_prompt(R, l, p, al, ai, &n_agree, err, errlen);
+        rc = compkv_agree_prompt(R, l, p, al, ai, &n_agree, err, errlen);
     for (uint32_t hk = 0; hk < Hkv && !rc; hk++) {
         R->agr_l[(size_t)l * Hkv + hk] = (float)(al[hk] / (double)(n_agree ? n_agree : 1));
         R->agr_i[(size_t)l * Hkv + hk] = (float)(ai[hk] / (double)(n_agree ? n_agree : 1));
@@ -519,7 +519,7 @@ static int ck_agreement(ck_run *R, uint32_t l, char *err, size_t errlen) {
     return rc;
 }
 
-static int ck_write(const ck_run *R, kvpol_writer *w, char *err, size_t errlen) {
+static int compkv_write(const compkv_work *R, kvpol_writer *w, char *err, size_t errlen) {
     const uint64_t L = R->L, Hkv = R->Hkv, d = R->d, r = R->r;
     const uint64_t dp[3] = {L, Hkv, d}, dof[3] = {L, Hkv, r + 1}, dh[2] = {L, Hkv};
     int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_GROUPINGS,
@@ -551,7 +551,7 @@ static int ck_write(const ck_run *R, kvpol_writer *w, char *err, size_t errlen) 
     return 0;
 }
 
-static void ck_summary(const ck_run *R, double seconds) {
+static void compkv_summary(const compkv_work *R, double seconds) {
     const size_t nh = (size_t)R->L * R->Hkv;
     uint32_t nl = 0;
     double ml = 0, mi = 0, mk = 0, al = 0, ai = 0, ak = 0;
@@ -579,8 +579,13 @@ static void ck_summary(const ck_run *R, double seconds) {
 static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
     const double t_start = kvcc_now_s();
     const kvcc_corpus_model *m = kvcc_corpus_get_model(cx->corpus);
-    ck_run R = {.cx = cx, .L = m->n_layers, .H = m->n_heads, .Hkv = m->n_kv_heads, .d = m->head_dim,
-                .r = cx->compkv_r, .B = cx->compkv_block};
+    compkv_work R = {.cx = cx,
+                     .L = m->n_layers,
+                     .H = m->n_heads,
+                     .Hkv = m->n_kv_heads,
+                     .d = m->head_dim,
+                     .r = cx->compkv_r,
+                     .B = cx->compkv_block};
     const uint32_t d = R.d;
     if (R.r < 1 || R.r > d) {
         snprintf(err, errlen, "--compkv-r: %u groups for head dim %u; expected 1..%u", R.r, d, d);
@@ -605,17 +610,17 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
     }
     R.scale = 1.0 / sqrt((double)d);
     int rc = kvcc_loop_open(&R.lp, cx->corpus, "compkv", 0, err, errlen);
-    if (!rc) rc = ck_shapes(&R, err, errlen);
-    if (!rc) rc = ck_alloc(&R, err, errlen);
+    if (!rc) rc = compkv_shapes(&R, err, errlen);
+    if (!rc) rc = compkv_alloc(&R, err, errlen);
     for (uint32_t l = 0; l < R.L && !rc; l++) {
-        rc = ck_samples(&R, l, err, errlen);
-        if (!rc) rc = ck_search(&R, l, err, errlen);
-        if (!rc) rc = ck_agreement(&R, l, err, errlen);
+        rc = compkv_samples(&R, l, err, errlen);
+        if (!rc) rc = compkv_search(&R, l, err, errlen);
+        if (!rc) rc = compkv_agreement(&R, l, err, errlen);
         if (cx->progress) kvcc_progress(l + 1, R.L);
     }
-    if (!rc) rc = ck_write(&R, w, err, errlen);
-    if (!rc && cx->progress) ck_summary(&R, kvcc_now_s() - t_start);
-    ck_free(&R);
+    if (!rc) rc = compkv_write(&R, w, err, errlen);
+    if (!rc && cx->progress) compkv_summary(&R, kvcc_now_s() - t_start);
+    compkv_free(&R);
     return rc;
 }
 
@@ -717,28 +722,28 @@ static void compkv_inspect(const kvpol_file *f, FILE *out) {
 // (KVCC_EVAL_DEFAULT_BLOCK without a compiled grouping).
 
 enum {
-    CK_EVAL_COMPKV,
-    CK_EVAL_INDEX,
-    CK_EVAL_NOCOMP,
-    CK_EVAL_MASS,
-    CK_EVAL_FIRST,
-    CK_EVAL_R1,
-    CK_EVAL_R16,
-    CK_EVAL_RD,
-    CK_EVAL_TOPK_MASS,
-    CK_EVAL_QUEST
+    COMPKV_EVAL_COMPKV,
+    COMPKV_EVAL_INDEX,
+    COMPKV_EVAL_NOCOMP,
+    COMPKV_EVAL_MASS,
+    COMPKV_EVAL_FIRST,
+    COMPKV_EVAL_R1,
+    COMPKV_EVAL_R16,
+    COMPKV_EVAL_RD,
+    COMPKV_EVAL_TOPK_MASS,
+    COMPKV_EVAL_QUEST
 };
-#define CK_EVAL_DEFAULT_R 4
+#define COMPKV_EVAL_DEFAULT_R 4
 
 typedef struct {
     const kvrt_compkv_grouping *g; /* the compiled grouping (shared handle), or NULL */
     kvrt_compkv_opts o;            /* the row's options */
     int use_grp;                   /* 1: the compiled grouping of each layer */
     uint32_t Hkv, d;
-} ck_eval;
+} compkv_eval;
 
 /* The compiled grouping when --policy has one (NULL otherwise: index order rows still run). */
-static int ck_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
+static int compkv_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
     if (!env->policy) return 0;
     kvrt_compkv_grouping *g = NULL;
     int s = kvrt_compkv_open(env->policy, &g);
@@ -752,13 +757,13 @@ static int ck_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t er
     return 0;
 }
 
-static void ck_eval_close(void *h) { kvrt_compkv_grouping_free(h); }
+static void compkv_eval_close(void *h) { kvrt_compkv_grouping_free(h); }
 
-static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
+static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
                            kvcc_eval_prep *p, char *err, size_t errlen) {
     const kvrt_compkv_grouping *g = handle;
     const uint32_t d = env->d;
-    if (m->variant == CK_EVAL_COMPKV && !g) {
+    if (m->variant == COMPKV_EVAL_COMPKV && !g) {
         if (env->policy)
             snprintf(
                 err, errlen,
@@ -773,7 +778,7 @@ static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
                 "(or use compkv-index: the index-order grouping)");
         return KVCC_EXIT_USAGE;
     }
-    ck_eval *e = calloc(1, sizeof *e);
+    compkv_eval *e = calloc(1, sizeof *e);
     if (!e) {
         snprintf(err, errlen, "eval: out of memory");
         return KVCC_EXIT_FAILED;
@@ -785,17 +790,17 @@ static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
     kvrt_compkv_opts *o = &e->o;
     kvrt_compkv_opts_init(o);
     o->block = g ? g->block : KVCC_EVAL_DEFAULT_BLOCK;
-    o->r = g ? g->r : (CK_EVAL_DEFAULT_R < d ? CK_EVAL_DEFAULT_R : d);
+    o->r = g ? g->r : (COMPKV_EVAL_DEFAULT_R < d ? COMPKV_EVAL_DEFAULT_R : d);
     switch (m->variant) {
-    case CK_EVAL_COMPKV: e->use_grp = 1; break;
-    case CK_EVAL_NOCOMP: e->use_grp = g != NULL; o->compensate = 0; break;
-    case CK_EVAL_MASS: e->use_grp = g != NULL; o->mass_only = 1; break;
-    case CK_EVAL_FIRST: e->use_grp = g != NULL; o->first_order = 1; break;
-    case CK_EVAL_R1: o->r = 1; break;
-    case CK_EVAL_R16: o->r = d < 16 ? d : 16; break;
-    case CK_EVAL_RD: o->r = d; break;
-    case CK_EVAL_TOPK_MASS: o->mass_only = 1; o->first_order = 1; o->compensate = 0; break;
-    case CK_EVAL_QUEST: o->compensate = 0; break;
+    case COMPKV_EVAL_COMPKV: e->use_grp = 1; break;
+    case COMPKV_EVAL_NOCOMP: e->use_grp = g != NULL; o->compensate = 0; break;
+    case COMPKV_EVAL_MASS: e->use_grp = g != NULL; o->mass_only = 1; break;
+    case COMPKV_EVAL_FIRST: e->use_grp = g != NULL; o->first_order = 1; break;
+    case COMPKV_EVAL_R1: o->r = 1; break;
+    case COMPKV_EVAL_R16: o->r = d < 16 ? d : 16; break;
+    case COMPKV_EVAL_RD: o->r = d; break;
+    case COMPKV_EVAL_TOPK_MASS: o->mass_only = 1; o->first_order = 1; o->compensate = 0; break;
+    case COMPKV_EVAL_QUEST: o->compensate = 0; break;
     default: break; /* compkv-index: index order, r of the artifact (else 4) */
     }
     p->block = (uint32_t)o->block;
@@ -816,28 +821,28 @@ static int ck_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
                  "blocks of %u tokens, budgets in blocks; no compiled grouping: "
                  "compkv-index/-nocomp/-mass/-first use index order (r %u); compkv-r1/-r16/-rd: r "
                  "1/%u/%u",
-                 (unsigned)o->block, CK_EVAL_DEFAULT_R < d ? CK_EVAL_DEFAULT_R : d, r16, d);
+                 (unsigned)o->block, COMPKV_EVAL_DEFAULT_R < d ? COMPKV_EVAL_DEFAULT_R : d, r16, d);
     }
     return 0;
 }
 
-static int ck_eval_create(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
+static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
                           uint32_t layer, int64_t cap, kvrt_compkv **out) {
     (void)m;
-    const ck_eval *e = state;
+    const compkv_eval *e = state;
     if (e->use_grp && e->g)
         return kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out);
     return kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
 }
 
-static int ck_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
+static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
                         const float *q, uint32_t H, int64_t K, const float *k, int64_t len,
                         float *out, int32_t *blocks, int64_t *n_sel) {
-    const ck_eval *e = state;
+    const compkv_eval *e = state;
     const int64_t nb = kvrt_compkv_n_blocks(st);
     const int64_t ke = K < nb ? K : nb;
     *n_sel = ke;
-    if (m->variant != CK_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
+    if (m->variant != COMPKV_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
     kvrt_quest *qs = NULL;
     int s = kvrt_quest_summarize(k, len, e->Hkv, e->d, (uint32_t)e->o.block, &qs);
     if (!s) s = kvrt_quest_select(qs, q, H, ke, blocks);
@@ -846,26 +851,27 @@ static int ck_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compk
     return s;
 }
 
-static void ck_eval_release(void *state) { free(state); }
+static void compkv_eval_release(void *state) { free(state); }
 
-#define CK_EVAL_METHOD(nm, var, comp, quest)                                                       \
+#define COMPKV_EVAL_METHOD(nm, var, comp, quest)                                                   \
     {                                                                                              \
         .name = nm, .family = "decode-time", .budget = KVCC_BUDGET_BLOCKS, .variant = var,         \
-        .open_handle = ck_eval_open, .close_handle = ck_eval_close, .prepare = ck_eval_prepare,    \
-        .release = ck_eval_release, .decode_create = ck_eval_create, .decode_step = ck_eval_step,  \
-        .compensated = comp, .quest_summaries = quest                                              \
+        .open_handle = compkv_eval_open, .close_handle = compkv_eval_close,                        \
+        .prepare = compkv_eval_prepare, .release = compkv_eval_release,                            \
+        .decode_create = compkv_eval_create, .decode_step = compkv_eval_step, .compensated = comp, \
+        .quest_summaries = quest                                                                   \
     }
 static const kvcc_eval_method compkv_eval_methods[] = {
-    CK_EVAL_METHOD("compkv", CK_EVAL_COMPKV, 1, 0),
-    CK_EVAL_METHOD("compkv-index", CK_EVAL_INDEX, 1, 0),
-    CK_EVAL_METHOD("compkv-nocomp", CK_EVAL_NOCOMP, 0, 0),
-    CK_EVAL_METHOD("compkv-mass", CK_EVAL_MASS, 1, 0),
-    CK_EVAL_METHOD("compkv-first", CK_EVAL_FIRST, 1, 0),
-    CK_EVAL_METHOD("compkv-r1", CK_EVAL_R1, 1, 0),
-    CK_EVAL_METHOD("compkv-r16", CK_EVAL_R16, 1, 0),
-    CK_EVAL_METHOD("compkv-rd", CK_EVAL_RD, 1, 0),
-    CK_EVAL_METHOD("topk-mass", CK_EVAL_TOPK_MASS, 0, 0),
-    CK_EVAL_METHOD("quest", CK_EVAL_QUEST, 0, 1),
+    COMPKV_EVAL_METHOD("compkv", COMPKV_EVAL_COMPKV, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-index", COMPKV_EVAL_INDEX, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-nocomp", COMPKV_EVAL_NOCOMP, 0, 0),
+    COMPKV_EVAL_METHOD("compkv-mass", COMPKV_EVAL_MASS, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-first", COMPKV_EVAL_FIRST, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-r1", COMPKV_EVAL_R1, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-r16", COMPKV_EVAL_R16, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-rd", COMPKV_EVAL_RD, 1, 0),
+    COMPKV_EVAL_METHOD("topk-mass", COMPKV_EVAL_TOPK_MASS, 0, 0),
+    COMPKV_EVAL_METHOD("quest", COMPKV_EVAL_QUEST, 0, 1),
     {.name = NULL},
 };
 

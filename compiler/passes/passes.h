@@ -125,6 +125,7 @@ int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm,
 
 /* NULL-terminated table (registry.c). */
 extern const kvcc_pass *const kvcc_passes[];
+extern const char *const kvcc_planned_policies[]; /* announced, not built (NULL-terminated) */
 const kvcc_pass *kvcc_pass_find(const char *name);
 const kvcc_pass *kvcc_pass_for_group(uint32_t group);
 

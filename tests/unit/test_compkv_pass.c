@@ -1,6 +1,6 @@
 /*
  * test_compkv_pass.c: Criterion tests of the CompKV compile pass (compiler/passes/compkv.c), its
- * artifact sections and loader (runtime/core/compkv_policy.c), and kvcc eval's decode-time rows
+ * artifact sections and loader (runtime/core/compkv.c), and kvcc eval's decode-time rows
  * (compiler/eval.c: compkv and its ablations, topk-mass, quest).
  *  - the grouping search finds the known optimum where grouping matters (coordinates with very
  *    different variance levels interleaved: the learned grouping separates the levels and has
@@ -334,8 +334,9 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
     snprintf(art, sizeof art, "/tmp/kvcc_compkv_eval_%d.kvpol", (int)getpid());
     write_file(art, b1, n1);
     free(b1);
-    const char *methods[] = {"full",         "compkv",    "compkv-index", "compkv-nocomp", "compkv-mass", "compkv-first",
-                             "compkv-r1",    "compkv-r16", "compkv-rd",   "topk-mass",     "quest"};
+    const char *methods[] = {"full",        "compkv",       "compkv-index", "compkv-nocomp",
+                             "compkv-mass", "compkv-first", "compkv-r1",    "compkv-r16",
+                             "compkv-rd",   "topk-mass",    "quest"};
     const int nm = (int)(sizeof methods / sizeof methods[0]);
     double budgets[] = {4, 100, 0.5}; /* 128 + 16 tokens = 9 blocks: 100 selects every block */
     kvcc_eval_opts o = {.corpus = corpus, .policy = art, .methods = methods, .n_methods = nm, .budgets = budgets,

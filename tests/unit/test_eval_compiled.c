@@ -116,12 +116,30 @@ static const kvcc_eval_result *eval_one(const char *corpus, const char *art, con
     return &R;
 }
 
-/* Mean of the per-(prompt, layer, head) values, summed in ascending order (as eval does). */
-static double sorted_mean(double *x, size_t n) {
+/* Mean of the per-(prompt, layer, head) values x [n], summed in ascending order (as eval does);
+ * frees x and closes the walk. */
+static double sorted_mean(double *x, size_t n, kvcc_loop *lp, kvcc_corpus *c) {
     qsort(x, n, sizeof *x, kvcc_cmp_double);
     double s = 0;
     for (size_t i = 0; i < n; i++) s += x[i];
+    free(x);
+    kvcc_loop_close(lp);
+    kvcc_corpus_close(c);
     return s / (double)n;
+}
+
+/* The corpus of prompt 0 walked with the full reference. */
+static void open_walk(const char *corpus, kvcc_corpus **c, kvcc_loop *lp) {
+    char err[512];
+    cr_assert_eq(kvcc_corpus_open(c, corpus, NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_loop_open(lp, *c, "test", KVCC_LOOP_REF, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_loop_prompt(lp, 0, err, sizeof err), 0, "%s", err);
+}
+
+/* A real corpus and the path of the artifact of one case. */
+static void new_case(char *corpus, char *art, size_t n, const char *tag) {
+    real_corpus(corpus, n, tag);
+    snprintf(art, n, "/tmp/kvcc_evc_%s_%d.kvpol", tag, (int)getpid());
 }
 
 /* ---- Attention Matching: --am-select omp, --am-chunk 32 */
@@ -131,10 +149,8 @@ static double am_direct(const char *corpus, const kvrt_am_schedule *s, const kvr
                         unsigned flags, double target) {
     char err[512];
     kvcc_corpus *c = NULL;
-    cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
     kvcc_loop lp;
-    cr_assert_eq(kvcc_loop_open(&lp, c, "test", KVCC_LOOP_REF, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(kvcc_loop_prompt(&lp, 0, err, sizeof err), 0, "%s", err);
+    open_walk(corpus, &c, &lp);
     double *e = calloc((size_t)lp.L * lp.H, sizeof *e);
     size_t n = 0;
     for (uint32_t l = 0; l < lp.L; l++) {
@@ -153,17 +169,12 @@ static double am_direct(const char *corpus, const kvrt_am_schedule *s, const kvr
             e[n++] = s_h / (double)lp.N;
         }
     }
-    const double mean = sorted_mean(e, n);
-    free(e);
-    kvcc_loop_close(&lp);
-    kvcc_corpus_close(c);
-    return mean;
+    return sorted_mean(e, n, &lp, c);
 }
 
 Test(eval_compiled, am_row_runs_the_compiled_select_and_chunk, .timeout = 1200) {
     char corpus[128], art[128];
-    real_corpus(corpus, sizeof corpus, "am");
-    snprintf(art, sizeof art, "/tmp/kvcc_evc_am_%d.kvpol", (int)getpid());
+    new_case(corpus, art, sizeof corpus, "am");
     double targets[] = {0.25}, ratios[] = {0.125, 0.25, 0.5};
     kvcc_compile_ctx cx = {.am_targets = targets,
                            .n_am_targets = 1,
@@ -211,10 +222,8 @@ static double compkv_direct(const char *corpus, const kvrt_compkv_grouping *g,
                             const kvrt_compkv_opts *o, unsigned flags, int64_t K) {
     char err[512];
     kvcc_corpus *c = NULL;
-    cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
     kvcc_loop lp;
-    cr_assert_eq(kvcc_loop_open(&lp, c, "test", KVCC_LOOP_REF, err, sizeof err), 0, "%s", err);
-    cr_assert_eq(kvcc_loop_prompt(&lp, 0, err, sizeof err), 0, "%s", err);
+    open_walk(corpus, &c, &lp);
     const size_t Kd = (size_t)lp.Hkv * lp.d;
     double *e = calloc((size_t)lp.L * lp.H, sizeof *e), *esum = calloc(lp.H, sizeof *esum);
     float *out = malloc(sizeof(float) * lp.H * lp.d);
@@ -241,17 +250,13 @@ static double compkv_direct(const char *corpus, const kvrt_compkv_grouping *g,
         kvrt_compkv_free(st);
         for (uint32_t h = 0; h < lp.H; h++) e[n++] = esum[h] / (double)lp.N;
     }
-    const double mean = sorted_mean(e, n);
-    free(e); free(esum); free(out); free(blocks);
-    kvcc_loop_close(&lp);
-    kvcc_corpus_close(c);
-    return mean;
+    free(esum); free(out); free(blocks);
+    return sorted_mean(e, n, &lp, c);
 }
 
 Test(eval_compiled, compkv_row_runs_the_compiled_block, .timeout = 1200) {
     char corpus[128], art[128];
-    real_corpus(corpus, sizeof corpus, "ck");
-    snprintf(art, sizeof art, "/tmp/kvcc_evc_ck_%d.kvpol", (int)getpid());
+    new_case(corpus, art, sizeof corpus, "ck");
     kvcc_compile_ctx cx = {.compkv_r = 4, .compkv_block = 8};
     compile_to("compkv", &cx, corpus, art);
     kvrt_policy *pol = open_policy(art);
