@@ -116,7 +116,7 @@ void ckv_free_state(ckv *S) {
     if (S->lc)
         for (size_t i = 0; i < (size_t)S->P * S->L; i++) kvcc_ckv_layer_free(S->lc[i]);
     free(S->lc);
-    free(S->qb); free(S->kb); free(S->vb);
+    if (S->have_walk) kvcc_loop_close(&S->walk);
     if (S->memo)
         for (size_t i = 0; i < (size_t)S->P * S->L; i++) {
             for (size_t j = 0; j < S->memo[i].n; j++) free(S->memo[i].e[j].pos);
@@ -192,11 +192,10 @@ static int setup_caches(ckv *S, char *err, size_t errlen) {
         S->cache_all = (double)bytes <= cap_mb * 1048576.0;
         S->lc = calloc((size_t)S->P * S->L, sizeof *S->lc);
         S->scratch = calloc((size_t)S->n_threads, sizeof *S->scratch);
-        S->qb = malloc(sizeof(float) * (size_t)S->maxT * S->H * S->d);
-        S->kb = malloc(sizeof(float) * (size_t)S->maxT * S->Hkv * S->d);
-        S->vb = malloc(sizeof(float) * (size_t)S->maxT * S->Hkv * S->d);
-        if (!rc && (!S->lc || !S->scratch || !S->qb || !S->kb || !S->vb))
+        if (!rc && (!S->lc || !S->scratch))
             rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
+        if (!rc) rc = kvcc_loop_open(&S->walk, S->corpus, "compilerkv", 0, err, errlen);
+        S->have_walk = !rc;
         for (int t = 0; t < S->n_threads && !rc; t++)
             if (!(S->scratch[t] = malloc(sizeof(double) * S->scratch_doubles)))
                 rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");

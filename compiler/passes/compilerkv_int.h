@@ -15,6 +15,7 @@
 #include "cql.h"
 #include "kvcc.h"
 #include "loader.h"
+#include "loop.h"
 #include "stats.h"
 
 #define CKV_HEAD_ACTIONS 29 /* weights 0.8 .. 1.5 */
@@ -83,7 +84,8 @@ typedef struct {
     int cache_all;
     size_t cache_bytes;
     uint32_t maxT;
-    float *qb, *kb, *vb;            /* [maxT] read buffers (rebuilds when not cached) */
+    kvcc_loop walk;                 /* the corpus walk of the rebuilds (when not cached) */
+    int have_walk;
     /* model reward */
     int model;                      /* the model reward is needed */
     kvcc_loaded_model lm;

@@ -340,10 +340,12 @@ int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *own
         *out = *slot;
         return 0;
     }
-    if (kvcc_corpus_read_layer(S->corpus, p, l, S->qb, S->kb, S->vb) != 0)
-        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s", kvcc_corpus_error(S->corpus));
-    if (kvcc_ckv_layer_build(S->qb, S->kb, S->vb, S->pr[p].C, S->pr[p].N, S->H, S->Hkv, S->d,
-                             out) != 0)
+    int rc = kvcc_loop_prompt(&S->walk, p, err, errlen);
+    if (!rc) rc = kvcc_loop_layer(&S->walk, l, err, errlen);
+    if (rc) return rc;
+    const kvcc_loop *w = &S->walk;
+    const ckv_prompt *P = &S->pr[p];
+    if (kvcc_ckv_layer_build(w->q, w->k, w->v, P->C, P->N, S->H, S->Hkv, S->d, out) != 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
                          "compilerkv: prompt %u layer %u: out of memory building the layer cache",
                          p, l);
