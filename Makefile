@@ -2,9 +2,11 @@
 #   make              build everything into build/ (kvcc, libkvrt.{a,so}, libkvpol.{a,so})
 #   make test         install missing Debian packages, build, run the whole suite (CI runs this)
 #   make test SAN=1   the same suite under ASan + UBSan (build tree build/san/)
+#   make backend-ops  every op of the backend table on every backend (tests/backend/)
 #   make demo         the main job on the embedded default model
 #   make fuzz         build the libFuzzer target (clang) and run it for FUZZ_SECONDS
 #   make bench        benchmarks (not tests)
+#   make examples     the examples against the serving header only (build/examples/)
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
 
 CC       ?= cc
@@ -90,12 +92,14 @@ LIBCALIB_A := $(BUILD)/libkvcalib.a
 KVCC       := $(BUILD)/kvcc
 TESTS      := $(BUILD)/tests/kvcc_tests
 FUZZ_REPLAY:= $(BUILD)/tests/fuzz_replay
+BACKEND_OPS:= $(BUILD)/tests/test_backend_ops
 BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
+EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps model test check demo fuzz bench golden clean
+.PHONY: all deps model test check backend-ops demo fuzz bench examples golden clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
@@ -108,27 +112,27 @@ $(BUILD)/obj/%.o: %.c
 
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -MMD -MP -c $< -o $@
 
 $(LIBKVPOL_A): $(FORMATS_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVPOL_SO): $(FORMATS_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_FORMATS)
 $(LIBKVRT_A): $(RUNTIME_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ)
 	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm
 $(LIBCALIB_A): $(CALIB_OBJ)
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
+	rm -f $@ && $(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
 
 # The compiler's commands and passes (everything but main.c) also link into the tests.
 LIBCLI_A := $(BUILD)/libkvcccli.a
 $(LIBCLI_A): $(filter-out $(BUILD)/obj/compiler/main.o,$(COMPILER_OBJ))
 	@mkdir -p $(dir $@)
-	$(AR) rcs $@ $^
+	rm -f $@ && $(AR) rcs $@ $^
 
 $(KVCC): $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
 	$(CC) $(LDFLAGS) -o $@ $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(ALL_LIBS)
@@ -136,6 +140,12 @@ $(KVCC): $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(L
 $(TESTS): $(TEST_OBJ) $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(LDFLAGS) -o $@ $(TEST_OBJ) $(LIBCLI_A) $(ALL_LIBS) -lcriterion
+
+# Every op of the backend table on every backend against its reference (tests/backend/).
+$(BACKEND_OPS): $(BUILD)/obj/tests/backend/test_backend_ops.o $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(LDFLAGS) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
+	  $(LIBS_FORMATS) -lm -lpthread
 
 # The fuzz target's own source doubles as the replay driver's body.
 $(FUZZ_REPLAY): tests/fuzz/fuzz_kvpol.c tests/fuzz/replay.c $(LIBKVPOL_A)
@@ -146,21 +156,33 @@ $(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_LIBS) $(LDFLAGS)
 
+# Examples see runtime/include only, as a serving stack does.
+examples: $(EXAMPLES)
+$(BUILD)/examples/%: examples/%.c $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) -Iruntime/include $(CFLAGS) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
+	  $(LIBS_FORMATS) -lm $(LDFLAGS)
+
 # ---------------------------------------------------------------- suites
 # The real-model tests need the default model; without network they skip visibly.
 model:
 	@bash scripts/fetch-model.sh || echo "kvcc: WARNING: model not fetched; the tests that need it will say 'skipped'"
 
 test: deps model
-	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY)
+	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(BACKEND_OPS) $(EXAMPLES)
+	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
+	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
 	@echo "== unit, golden and equivalence tests (Criterion)"
 	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
 	  $(TESTS) --jobs 2
 	@echo "== fuzz corpus replay"
 	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
 	@echo "== CLI checks"
-	@KVCC=$(KVCC) bash tests/cli/run.sh
+	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
+
+backend-ops: $(BACKEND_OPS)
+	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
 
 check: all $(TESTS)
 	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(TESTS) --jobs 2

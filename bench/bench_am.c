@@ -24,15 +24,9 @@
 #include "kvrt_experimental.h"
 #include "bench_util.h"
 
-static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 static float rng_n(uint64_t *s) { /* sum of 4 uniforms, centred: cheap, roughly Gaussian */
     double a = 0;
-    for (int i = 0; i < 4; i++) a += (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0);
+    for (int i = 0; i < 4; i++) a += kvrt_rng_u01(s);
     return (float)((a - 2.0) * 1.7320508);
 }
 

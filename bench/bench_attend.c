@@ -25,21 +25,12 @@
 #include "kvrt_experimental.h"
 #include "bench_util.h"
 
-static uint32_t xs32(uint32_t *s) {
-    uint32_t x = *s;
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    return *s = x;
-}
-static float frand(uint32_t *s) { return (float)(xs32(s) >> 8) * (2.0f / 16777216.0f) - 1.0f; }
-
 #define H 32
 #define HKV 8
 #define D 128
 
 /* A cache of `per_head` random entries per KV head. */
-static kvrt_cache *make_cache(int64_t per_head, int dtype, uint32_t seed) {
+static kvrt_cache *make_cache(int64_t per_head, int dtype, uint64_t seed) {
     int64_t counts[HKV];
     for (int j = 0; j < HKV; j++) counts[j] = per_head;
     kvrt_cache *c = NULL;
@@ -48,7 +39,7 @@ static kvrt_cache *make_cache(int64_t per_head, int dtype, uint32_t seed) {
         return NULL;
     }
     const size_t n = (size_t)c->n_entries * D;
-    uint32_t s = seed;
+    uint64_t s = seed;
     for (size_t i = 0; i < n; i++) {
         const float k = frand(&s), v = frand(&s);
         if (dtype == KVRT_DTYPE_F32) {
@@ -61,34 +52,6 @@ static kvrt_cache *make_cache(int64_t per_head, int dtype, uint32_t seed) {
     }
     for (int64_t e = 0; e < c->n_entries; e++) c->positions[e] = (int32_t)(e % per_head);
     return c;
-}
-
-/* STREAM triad, GB/s (1e9 bytes), median of runs. */
-static double triad_gbs(int threads, int runs) {
-    const size_t n = (size_t)16 << 20; /* 16 Mi floats = 64 MiB per array */
-    float *a = malloc(n * 4), *b = malloc(n * 4), *c = malloc(n * 4);
-    if (!a || !b || !c) {
-        free(a); free(b); free(c);
-        return 0.0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        a[i] = 0.0f;
-        b[i] = 1.0f;
-        c[i] = 2.0f;
-    }
-    double t[32];
-    const float sc = 3.0f;
-    for (int r = 0; r < runs; r++) {
-        const double t0 = now_s();
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (size_t i = 0; i < n; i++) a[i] = b[i] + sc * c[i];
-        t[r] = now_s() - t0;
-    }
-    volatile float sink = a[n / 2];
-    (void)sink;
-    free(a); free(b); free(c);
-    return 12.0 * (double)n / median(t, runs) / 1e9;
 }
 
 typedef struct {
@@ -152,7 +115,7 @@ int main(int argc, char **argv) {
         {"compressed", B, KVRT_DTYPE_F16},
     };
     float *q = malloc(sizeof(float) * H * D), *out = malloc(sizeof(float) * H * D);
-    uint32_t s = 7;
+    uint64_t s = 7;
     for (int i = 0; i < H * D; i++) q[i] = frand(&s);
     void *dq = NULL, *dout = NULL;
     if (use_cuda) {

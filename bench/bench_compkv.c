@@ -38,49 +38,12 @@
 #include "kvrt_experimental.h"
 #include "bench_util.h"
 
-static uint32_t xs32(uint32_t *s) {
-    uint32_t x = *s;
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    return *s = x;
-}
-static float frand(uint32_t *s) { return (float)(xs32(s) >> 8) * (2.0f / 16777216.0f) - 1.0f; }
-
 #define H 32
 #define HKV 8
 #define D 128
 #define BLOCK 16
 #define R 4
 #define MAX_RUNS 31
-
-/* STREAM triad, GB/s (1e9 bytes), median of runs. */
-static double triad_gbs(int threads, int runs) {
-    const size_t n = (size_t)16 << 20; /* 16 Mi floats = 64 MiB per array */
-    float *a = malloc(n * 4), *b = malloc(n * 4), *c = malloc(n * 4);
-    if (!a || !b || !c) {
-        free(a); free(b); free(c);
-        return 0.0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        a[i] = 0.0f;
-        b[i] = 1.0f;
-        c[i] = 2.0f;
-    }
-    double t[MAX_RUNS];
-    const float sc = 3.0f;
-    for (int r = 0; r < runs; r++) {
-        const double t0 = now_s();
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (size_t i = 0; i < n; i++) a[i] = b[i] + sc * c[i];
-        t[r] = now_s() - t0;
-    }
-    volatile float sink = a[n / 2];
-    (void)sink;
-    free(a); free(b); free(c);
-    return 12.0 * (double)n / median(t, runs) / 1e9;
-}
 
 typedef enum { OP_FULL, OP_STEP, OP_SCORES } op_kind;
 
@@ -172,7 +135,7 @@ int main(int argc, char **argv) {
     const int64_t budgets[2] = {32, 128}; /* blocks: 512 and 2048 tokens */
     float *q = malloc(sizeof(float) * H * D), *out_full = malloc(sizeof(float) * H * D),
           *out = malloc(sizeof(float) * H * D);
-    uint32_t seed = 7;
+    uint64_t seed = 7;
     for (int i = 0; i < H * D; i++) q[i] = frand(&seed);
     printf("\n%8s %7s %11s %10s %10s %8s %11s %12s %9s %10s\n", "context", "budget", "full ms",
            "step ms", "speedup", "score ms", "summ. MiB", "score GB/s", "of triad",
@@ -192,7 +155,7 @@ int main(int argc, char **argv) {
             status = 1;
             goto next;
         }
-        uint32_t s = 100 + (uint32_t)ci;
+        uint64_t s = 100 + (uint64_t)ci;
         for (int64_t t = 0; t < T; t++)
             for (int i = 0; i < HKV * D; i++) {
                 const size_t at = (size_t)t * HKV * D + (size_t)i;

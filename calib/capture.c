@@ -20,13 +20,15 @@
 #include <time.h>
 
 #include "corpus.h"
+#include "kvrt_rng.h"
 
 typedef struct {
     uint32_t T, H, Hkv, d;
     float **q, **k, **v; /* [n_layers] -> [T, H|Hkv, d] */
 } capture_buf;
 
-static int on_layer(void *user, int layer, int pos0, int n, const float *q, const float *k, const float *v) {
+static int on_layer(void *user, int layer, int pos0, int n, const float *q, const float *k,
+                    const float *v) {
     capture_buf *b = user;
     if (pos0 < 0 || (uint32_t)(pos0 + n) > b->T) return -1;
     size_t qr = (size_t)b->H * b->d, kr = (size_t)b->Hkv * b->d;
@@ -34,13 +36,6 @@ static int on_layer(void *user, int layer, int pos0, int n, const float *q, cons
     memcpy(b->k[layer] + (size_t)pos0 * kr, k, (size_t)n * kr * sizeof(float));
     memcpy(b->v[layer] + (size_t)pos0 * kr, v, (size_t)n * kr * sizeof(float));
     return 0;
-}
-
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 typedef struct { uint32_t file; uint64_t off; } window;
@@ -77,15 +72,17 @@ static char *read_file(const char *path, size_t *len, char *err, size_t errlen) 
     return b;
 }
 
-int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_capture_opts *o, const char *out_path,
-                     void (*progress)(unsigned, unsigned), kvcc_capture_stats *stats, char *err, size_t errlen) {
+int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_capture_opts *o,
+                     const char *out_path, void (*progress)(unsigned, unsigned),
+                     kvcc_capture_stats *stats, char *err, size_t errlen) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     if (err && errlen) err[0] = 0;
     const kvcc_model_hparams *hp = &m->hp;
     const uint32_t T = o->context_len + o->continuation_len, L = (uint32_t)hp->n_layer;
     if (o->n_texts < 1 || o->n_prompts < 1 || o->context_len < 1 || T < 2) {
-        snprintf(err, errlen, "capture: need at least one text, one prompt and a context of >= 1 token");
+        snprintf(err, errlen,
+                 "capture: need at least one text, one prompt and a context of >= 1 token");
         return KVCC_CORPUS_ERR_ARG;
     }
     /* 1. tokenize the texts and list their windows */
@@ -106,8 +103,11 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
     }
     window *wins = NULL;
     if (!rc && n_win < o->n_prompts) {
-        snprintf(err, errlen, "capture: the texts hold %llu non-overlapping windows of %u tokens; %u prompts asked "
-                 "(give more text, fewer prompts or shorter windows)", (unsigned long long)n_win, T, o->n_prompts);
+        snprintf(
+            err, errlen,
+            "capture: the texts hold %llu non-overlapping windows of %u tokens; %u prompts asked "
+            "(give more text, fewer prompts or shorter windows)",
+            (unsigned long long)n_win, T, o->n_prompts);
         rc = KVCC_CORPUS_ERR_RANGE;
     }
     if (!rc && !(wins = malloc(n_win * sizeof *wins))) rc = KVCC_CORPUS_ERR_NOMEM;
@@ -116,15 +116,19 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         for (int i = 0; i < o->n_texts; i++)
             for (uint64_t j = 0; j < n_ids[i] / T; j++) wins[w++] = (window){(uint32_t)i, j * T};
         uint64_t s = o->seed ^ 0xc0ffee;
-        for (uint64_t i = n_win - 1; i > 0; i--) { /* Fisher-Yates */
-            uint64_t j = splitmix(&s) % (i + 1);
+        /* Fisher-Yates (a modulo draw: the corpora written before stay byte-identical) */
+        for (uint64_t i = n_win - 1; i > 0; i--) {
+            uint64_t j = kvrt_rng_next(&s) % (i + 1);
             window t = wins[i]; wins[i] = wins[j]; wins[j] = t;
         }
         qsort(wins, o->n_prompts, sizeof *wins, cmp_window);
     }
 
     /* 2. buffers, model state, corpus writer */
-    capture_buf b = {.T = T, .H = (uint32_t)hp->n_head, .Hkv = (uint32_t)hp->n_head_kv, .d = (uint32_t)hp->head_dim};
+    capture_buf b = {.T = T,
+                     .H = (uint32_t)hp->n_head,
+                     .Hkv = (uint32_t)hp->n_head_kv,
+                     .d = (uint32_t)hp->head_dim};
     b.q = calloc(L, sizeof *b.q);
     b.k = calloc(L, sizeof *b.k);
     b.v = calloc(L, sizeof *b.v);
@@ -140,7 +144,8 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
     float *logits = rc ? NULL : malloc((size_t)CH * V * sizeof(float));
     float *lp = rc ? NULL : malloc(T * sizeof(float));
     if (!rc && (!logits || !lp)) rc = KVCC_CORPUS_ERR_NOMEM;
-    if (rc == KVCC_CORPUS_ERR_NOMEM) snprintf(err, errlen, "capture: out of memory for %u tokens x %u layers", T, L);
+    if (rc == KVCC_CORPUS_ERR_NOMEM)
+        snprintf(err, errlen, "capture: out of memory for %u tokens x %u layers", T, L);
     kvcc_state *st = NULL;
     if (!rc && kvcc_state_create(m, (int)T, &st) != 0) {
         snprintf(err, errlen, "capture: cannot create a model state of %u tokens", T);
@@ -148,11 +153,17 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
     }
     kvcc_corpus *c = NULL;
     if (!rc) {
-        kvcc_corpus_model cm = {.n_layers = L, .n_heads = b.H, .n_kv_heads = b.Hkv, .head_dim = b.d,
-                                .vocab_size = (uint32_t)V, .rope_theta = hp->rope_base, .rope_scaling_factor = 1.0f};
+        kvcc_corpus_model cm = {.n_layers = L,
+                                .n_heads = b.H,
+                                .n_kv_heads = b.Hkv,
+                                .head_dim = b.d,
+                                .vocab_size = (uint32_t)V,
+                                .rope_theta = hp->rope_base,
+                                .rope_scaling_factor = 1.0f};
         snprintf(cm.name, sizeof cm.name, "%s", o->model_name);
         snprintf(cm.rope_scaling, sizeof cm.rope_scaling, "none");
-        rc = kvcc_corpus_create(&c, out_path, &cm, o->dtype_f16, "kvcc capture 0.1.0", o->options, err, errlen);
+        rc = kvcc_corpus_create(&c, out_path, &cm, o->dtype_f16, "kvcc capture 0.1.0", o->options,
+                                err, errlen);
     }
     if (st) kvcc_state_set_capture(st, on_layer, &b);
 
@@ -184,10 +195,11 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         kvcc_corpus_prompt_info info = {.n_tokens = T, .context_len = o->context_len,
                                         .continuation_len = o->continuation_len};
         const char *base = strrchr(o->texts[wins[p].file], '/');
-        snprintf(info.source, sizeof info.source, "%s@token%llu", base ? base + 1 : o->texts[wins[p].file],
-                 (unsigned long long)wins[p].off);
+        snprintf(info.source, sizeof info.source, "%s@token%llu",
+                 base ? base + 1 : o->texts[wins[p].file], (unsigned long long)wins[p].off);
         rc = kvcc_corpus_write_prompt(c, &info, w, lp);
-        for (uint32_t l = 0; !rc && l < L; l++) rc = kvcc_corpus_write_layer(c, l, b.q[l], b.k[l], b.v[l]);
+        for (uint32_t l = 0; !rc && l < L; l++)
+            rc = kvcc_corpus_write_layer(c, l, b.q[l], b.k[l], b.v[l]);
         if (rc && !err[0]) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
         if (rc == KVCC_CORPUS_OK && progress) progress(p + 1, o->n_prompts);
     }

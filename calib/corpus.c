@@ -34,10 +34,11 @@ struct kvcc_corpus {
     char msg[512];
 };
 
-static const char *STATUS_NAMES[] = {"KVCC_CORPUS_OK", "KVCC_CORPUS_ERR_ARG", "KVCC_CORPUS_ERR_NOMEM",
-                                     "KVCC_CORPUS_ERR_IO", "KVCC_CORPUS_ERR_SCHEMA", "KVCC_CORPUS_ERR_MISSING",
-                                     "KVCC_CORPUS_ERR_SHAPE", "KVCC_CORPUS_ERR_DTYPE", "KVCC_CORPUS_ERR_NONFINITE",
-                                     "KVCC_CORPUS_ERR_MODEL", "KVCC_CORPUS_ERR_LINK", "KVCC_CORPUS_ERR_RANGE"};
+static const char *STATUS_NAMES[] = {
+    "KVCC_CORPUS_OK",        "KVCC_CORPUS_ERR_ARG",    "KVCC_CORPUS_ERR_NOMEM",
+    "KVCC_CORPUS_ERR_IO",    "KVCC_CORPUS_ERR_SCHEMA", "KVCC_CORPUS_ERR_MISSING",
+    "KVCC_CORPUS_ERR_SHAPE", "KVCC_CORPUS_ERR_DTYPE",  "KVCC_CORPUS_ERR_NONFINITE",
+    "KVCC_CORPUS_ERR_MODEL", "KVCC_CORPUS_ERR_LINK",   "KVCC_CORPUS_ERR_RANGE"};
 
 const char *kvcc_corpus_status_name(int s) {
     return (s <= 0 && s >= -11) ? STATUS_NAMES[-s] : "KVCC_CORPUS_ERR_UNKNOWN";
@@ -89,22 +90,20 @@ static int put_attr_str(hid_t obj, const char *name, const char *s) {
     return r < 0 ? -1 : 0;
 }
 
-static int put_attr_i64(hid_t obj, const char *name, int64_t v) {
+/* A scalar attribute stored as `ftype`, written from *v of memory type `mtype`. */
+static int put_attr_scalar(hid_t obj, const char *name, hid_t ftype, hid_t mtype, const void *v) {
     hid_t sp = H5Screate(H5S_SCALAR);
-    hid_t a = H5Acreate2(obj, name, H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-    herr_t r = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, &v);
+    hid_t a = H5Acreate2(obj, name, ftype, sp, H5P_DEFAULT, H5P_DEFAULT);
+    herr_t r = a < 0 ? -1 : H5Awrite(a, mtype, v);
     if (a >= 0) H5Aclose(a);
     H5Sclose(sp);
     return r < 0 ? -1 : 0;
 }
-
+static int put_attr_i64(hid_t obj, const char *name, int64_t v) {
+    return put_attr_scalar(obj, name, H5T_STD_I64LE, H5T_NATIVE_INT64, &v);
+}
 static int put_attr_f64(hid_t obj, const char *name, double v) {
-    hid_t sp = H5Screate(H5S_SCALAR);
-    hid_t a = H5Acreate2(obj, name, H5T_IEEE_F64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-    herr_t r = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_DOUBLE, &v);
-    if (a >= 0) H5Aclose(a);
-    H5Sclose(sp);
-    return r < 0 ? -1 : 0;
+    return put_attr_scalar(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
 }
 
 /* Read a scalar numeric attribute as int64 / double; -1 when absent or not numeric. */
@@ -170,12 +169,16 @@ static hid_t gcpl_untimed(void) {
     return p;
 }
 
-int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_model *m, int dtype_f16,
-                       const char *tool, const char *options, char *err, size_t errlen) {
-    if (!out || !path || !m) return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_create: NULL argument");
+int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_model *m,
+                       int dtype_f16, const char *tool, const char *options, char *err,
+                       size_t errlen) {
+    if (!out || !path || !m)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_create: NULL argument");
     *out = NULL;
-    if (m->n_layers == 0 || m->n_heads == 0 || m->n_kv_heads == 0 || m->head_dim == 0 || m->n_heads % m->n_kv_heads)
-        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "%s: implausible model dimensions", path);
+    if (m->n_layers == 0 || m->n_heads == 0 || m->n_kv_heads == 0 || m->head_dim == 0 ||
+        m->n_heads % m->n_kv_heads)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "%s: implausible model dimensions",
+                     path);
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
     kvcc_corpus *c = calloc(1, sizeof *c);
     if (!c) return failc(NULL, err, errlen, KVCC_CORPUS_ERR_NOMEM, "out of memory");
@@ -191,8 +194,8 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
     if (fd < 0) {
         int e = errno;
         free(c);
-        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot create a temporary file beside it: %s", path,
-                     strerror(e));
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
+                     "%s: cannot create a temporary file beside it: %s", path, strerror(e));
     }
     fchmod(fd, 0644);
     close(fd);
@@ -203,24 +206,30 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
     if (c->file < 0) {
         unlink(c->tmp);
         free(c);
-        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 cannot create the file", path);
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 cannot create the file",
+                     path);
     }
     hid_t r = c->file;
-    int bad = put_attr_i64(r, "kvcc_corpus_schema", KVCC_CORPUS_SCHEMA) | put_attr_str(r, "model_name", m->name) |
-              put_attr_i64(r, "n_layers", m->n_layers) | put_attr_i64(r, "n_heads", m->n_heads) |
-              put_attr_i64(r, "n_kv_heads", m->n_kv_heads) | put_attr_i64(r, "head_dim", m->head_dim) |
-              put_attr_i64(r, "vocab_size", m->vocab_size) | put_attr_f64(r, "rope_theta", m->rope_theta) |
-              put_attr_str(r, "rope_scaling", m->rope_scaling[0] ? m->rope_scaling : "none") |
-              put_attr_f64(r, "rope_scaling_factor", m->rope_scaling_factor > 0 ? m->rope_scaling_factor : 1.0) |
-              put_attr_str(r, "activation_dtype", dtype_f16 ? "f16" : "f32") |
-              put_attr_str(r, "capture_tool", c->info.tool) | put_attr_str(r, "capture_options", c->info.options);
+    int bad =
+        put_attr_i64(r, "kvcc_corpus_schema", KVCC_CORPUS_SCHEMA) |
+        put_attr_str(r, "model_name", m->name) | put_attr_i64(r, "n_layers", m->n_layers) |
+        put_attr_i64(r, "n_heads", m->n_heads) | put_attr_i64(r, "n_kv_heads", m->n_kv_heads) |
+        put_attr_i64(r, "head_dim", m->head_dim) | put_attr_i64(r, "vocab_size", m->vocab_size) |
+        put_attr_f64(r, "rope_theta", m->rope_theta) |
+        put_attr_str(r, "rope_scaling", m->rope_scaling[0] ? m->rope_scaling : "none") |
+        put_attr_f64(r, "rope_scaling_factor",
+                     m->rope_scaling_factor > 0 ? m->rope_scaling_factor : 1.0) |
+        put_attr_str(r, "activation_dtype", dtype_f16 ? "f16" : "f32") |
+        put_attr_str(r, "capture_tool", c->info.tool) |
+        put_attr_str(r, "capture_options", c->info.options);
     hid_t gp = gcpl_untimed();
     hid_t g = H5Gcreate2(r, "prompts", H5P_DEFAULT, gp, H5P_DEFAULT);
     H5Pclose(gp);
     if (g < 0 || bad) {
         if (g >= 0) H5Gclose(g);
         kvcc_corpus_close(c);
-        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 cannot write the root attributes", path);
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
+                     "%s: HDF5 cannot write the root attributes", path);
     }
     H5Gclose(g);
     *out = c;
@@ -228,8 +237,8 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
 }
 
 /* A chunked, deflate+shuffle dataset with the data written in one call. */
-static int write_dataset(hid_t loc, const char *name, hid_t file_type, hid_t mem_type, int rank, const hsize_t *dims,
-                         const void *data, int compress) {
+static int write_dataset(hid_t loc, const char *name, hid_t file_type, hid_t mem_type, int rank,
+                         const hsize_t *dims, const void *data, int compress) {
     hid_t sp = H5Screate_simple(rank, dims, NULL);
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
     H5Pset_obj_track_times(dcpl, 0);
@@ -244,7 +253,8 @@ static int write_dataset(hid_t loc, const char *name, hid_t file_type, hid_t mem
         H5Pset_deflate(dcpl, 4);
     }
     hid_t ds = H5Dcreate2(loc, name, file_type, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT);
-    herr_t r = ds < 0 ? -1 : (zero ? 0 : H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data));
+    herr_t r =
+        ds < 0 ? -1 : (zero ? 0 : H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data));
     if (ds >= 0) H5Dclose(ds);
     H5Pclose(dcpl);
     H5Sclose(sp);
@@ -256,24 +266,27 @@ static int end_prompt(kvcc_corpus *c) {
     H5Gclose(c->cur_prompt);
     c->cur_prompt = -1;
     if (c->layers_written != c->model.n_layers)
-        return FAIL(KVCC_CORPUS_ERR_ARG, "%s: prompt %u has %u of %u layers", c->path, c->info.n_prompts - 1,
-                    c->layers_written, c->model.n_layers);
+        return FAIL(KVCC_CORPUS_ERR_ARG, "%s: prompt %u has %u of %u layers", c->path,
+                    c->info.n_prompts - 1, c->layers_written, c->model.n_layers);
     return KVCC_CORPUS_OK;
 }
 
-int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p, const int32_t *tokens,
-                             const float *next_logprob) {
+int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p,
+                             const int32_t *tokens, const float *next_logprob) {
     if (!c || !c->writing || !p || !tokens || !next_logprob) return KVCC_CORPUS_ERR_ARG;
     int rc = end_prompt(c);
     if (rc) return rc;
     uint32_t T = p->n_tokens;
-    if (T < 2 || T > KVCC_CORPUS_MAX_TOKENS || p->context_len + p->continuation_len != T || p->context_len == 0)
-        return FAIL(KVCC_CORPUS_ERR_RANGE, "%s: prompt %u: n_tokens %u must be context %u + continuation %u, 2..%u",
-                    c->path, c->info.n_prompts, T, p->context_len, p->continuation_len, KVCC_CORPUS_MAX_TOKENS);
+    if (T < 2 || T > KVCC_CORPUS_MAX_TOKENS || p->context_len + p->continuation_len != T ||
+        p->context_len == 0)
+        return FAIL(KVCC_CORPUS_ERR_RANGE,
+                    "%s: prompt %u: n_tokens %u must be context %u + continuation %u, 2..%u",
+                    c->path, c->info.n_prompts, T, p->context_len, p->continuation_len,
+                    KVCC_CORPUS_MAX_TOKENS);
     for (uint32_t t = 0; t + 1 < T; t++)
         if (!isfinite(next_logprob[t]))
-            return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: prompt %u: next_logprob[%u] is not finite", c->path,
-                        c->info.n_prompts, t);
+            return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: prompt %u: next_logprob[%u] is not finite",
+                        c->path, c->info.n_prompts, t);
     char name[64];
     snprintf(name, sizeof name, "prompts/p%06u", c->info.n_prompts);
     hid_t gp = gcpl_untimed();
@@ -281,10 +294,12 @@ int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p, c
     H5Pclose(gp);
     if (g < 0) return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot create group /%s", c->path, name);
     hsize_t d1 = T, d2 = T - 1;
-    int bad = put_attr_i64(g, "n_tokens", T) | put_attr_i64(g, "context_len", p->context_len) |
-              put_attr_i64(g, "continuation_len", p->continuation_len) | put_attr_str(g, "source", p->source) |
-              write_dataset(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, 1, &d1, tokens, 1) |
-              write_dataset(g, "next_logprob", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 1, &d2, next_logprob, 1);
+    int bad =
+        put_attr_i64(g, "n_tokens", T) | put_attr_i64(g, "context_len", p->context_len) |
+        put_attr_i64(g, "continuation_len", p->continuation_len) |
+        put_attr_str(g, "source", p->source) |
+        write_dataset(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, 1, &d1, tokens, 1) |
+        write_dataset(g, "next_logprob", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 1, &d2, next_logprob, 1);
     if (bad) {
         H5Gclose(g);
         return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot write /%s", c->path, name);
@@ -296,11 +311,12 @@ int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p, c
     return KVCC_CORPUS_OK;
 }
 
-int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, const float *k, const float *v) {
+int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, const float *k,
+                            const float *v) {
     if (!c || !c->writing || c->cur_prompt < 0 || !q || !k || !v) return KVCC_CORPUS_ERR_ARG;
     if (layer != c->layers_written)
-        return FAIL(KVCC_CORPUS_ERR_ARG, "%s: layer %u written out of order (expected %u)", c->path, layer,
-                    c->layers_written);
+        return FAIL(KVCC_CORPUS_ERR_ARG, "%s: layer %u written out of order (expected %u)", c->path,
+                    layer, c->layers_written);
     const kvcc_corpus_model *m = &c->model;
     char name[32];
     snprintf(name, sizeof name, "layer%03u", layer);
@@ -320,7 +336,8 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
             if (!isfinite(src[i][j])) {
                 H5Gclose(g);
                 if (ht >= 0) H5Tclose(ht);
-                return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: layer %u %s[%zu] is not finite", c->path, layer, nm[i], j);
+                return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: layer %u %s[%zu] is not finite",
+                            c->path, layer, nm[i], j);
             }
         if (c->info.dtype_f16) {
             uint16_t *h = malloc(n * 2);
@@ -340,15 +357,16 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
 }
 
 int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen) {
-    if (!c || !c->writing) return failc(c, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_finish: not a writer");
+    if (!c || !c->writing)
+        return failc(c, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_finish: not a writer");
     int rc = end_prompt(c);
     if (rc) {
         failc(c, err, errlen, rc, "%s", c->msg);
         kvcc_corpus_close(c);
         return rc;
     }
-    if (put_attr_i64(c->file, "n_prompts", c->info.n_prompts) || H5Fflush(c->file, H5F_SCOPE_GLOBAL) < 0 ||
-        H5Fclose(c->file) < 0) {
+    if (put_attr_i64(c->file, "n_prompts", c->info.n_prompts) ||
+        H5Fflush(c->file, H5F_SCOPE_GLOBAL) < 0 || H5Fclose(c->file) < 0) {
         c->file = -1;
         failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 failed to finish the file", c->path);
         kvcc_corpus_close(c);
@@ -359,8 +377,8 @@ int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen) {
     int ok = fd >= 0 && fsync(fd) == 0;
     if (fd >= 0) close(fd);
     if (!ok || rename(c->tmp, c->path) != 0) {
-        failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot move the finished corpus into place: %s", c->path,
-              strerror(errno));
+        failc(c, err, errlen, KVCC_CORPUS_ERR_IO,
+              "%s: cannot move the finished corpus into place: %s", c->path, strerror(errno));
         kvcc_corpus_close(c);
         return KVCC_CORPUS_ERR_IO;
     }
@@ -384,20 +402,27 @@ static int check_hard_link(kvcc_corpus *c, hid_t loc, const char *name, const ch
     htri_t ex = H5Lexists(loc, name, H5P_DEFAULT);
     if (ex <= 0) return FAIL(KVCC_CORPUS_ERR_MISSING, "%s: %s is missing", c->path, full);
     H5L_info_t li;
-    if (H5Lget_info(loc, name, &li, H5P_DEFAULT) < 0) return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot query %s", c->path, full);
+    if (H5Lget_info(loc, name, &li, H5P_DEFAULT) < 0)
+        return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot query %s", c->path, full);
     if (li.type != H5L_TYPE_HARD)
-        return FAIL(KVCC_CORPUS_ERR_LINK, "%s: %s is a %s link; only hard links are accepted", c->path, full,
-                    li.type == H5L_TYPE_SOFT ? "soft" : li.type == H5L_TYPE_EXTERNAL ? "external" : "user-defined");
+        return FAIL(KVCC_CORPUS_ERR_LINK, "%s: %s is a %s link; only hard links are accepted",
+                    c->path, full,
+                    li.type == H5L_TYPE_SOFT       ? "soft"
+                    : li.type == H5L_TYPE_EXTERNAL ? "external"
+                                                   : "user-defined");
     return KVCC_CORPUS_OK;
 }
 
-int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect, char *err, size_t errlen) {
-    if (!out || !path) return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open: NULL argument");
+int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,
+                     char *err, size_t errlen) {
+    if (!out || !path)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open: NULL argument");
     *out = NULL;
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
     H5PLset_loading_state(0); /* no filter plugins: only HDF5's built-in deflate and shuffle */
     if (access(path, R_OK) != 0)
-        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot open: %s", path,
+                     strerror(errno));
     if (H5Fis_hdf5(path) <= 0)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: not an HDF5 file", path);
     kvcc_corpus *c = calloc(1, sizeof *c);
@@ -410,38 +435,49 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
     int64_t v;
     double dv;
     if (!rc && get_attr_num(c->file, "kvcc_corpus_schema", 0, &v) != 0)
-        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: root attribute 'kvcc_corpus_schema' is missing: not a kvcc corpus", path);
+        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                  "%s: root attribute 'kvcc_corpus_schema' is missing: not a kvcc corpus", path);
     if (!rc && v != KVCC_CORPUS_SCHEMA)
-        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: root attribute 'kvcc_corpus_schema': got %lld, this kvcc reads %d", path,
+        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                  "%s: root attribute 'kvcc_corpus_schema': got %lld, this kvcc reads %d", path,
                   (long long)v, KVCC_CORPUS_SCHEMA);
     kvcc_corpus_model *m = &c->model;
     struct { const char *name; uint32_t *dst; int64_t lo, hi; } ints[] = {
         {"n_layers", &m->n_layers, 1, 100000}, {"n_heads", &m->n_heads, 1, 100000},
         {"n_kv_heads", &m->n_kv_heads, 1, 100000}, {"head_dim", &m->head_dim, 1, 65536},
-        {"vocab_size", &m->vocab_size, 0, 1 << 30}, {"n_prompts", &c->info.n_prompts, 0, KVCC_CORPUS_MAX_PROMPTS}};
+        {"vocab_size", &m->vocab_size, 0, 1 << 30},
+        {"n_prompts", &c->info.n_prompts, 0, KVCC_CORPUS_MAX_PROMPTS}};
     for (size_t i = 0; !rc && i < sizeof ints / sizeof ints[0]; i++) {
         if (get_attr_num(c->file, ints[i].name, 0, &v) != 0)
-            rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: root attribute '%s' is missing or not an integer", path, ints[i].name);
+            rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                      "%s: root attribute '%s' is missing or not an integer", path, ints[i].name);
         else if (v < ints[i].lo || v > ints[i].hi)
-            rc = FAIL(KVCC_CORPUS_ERR_RANGE, "%s: root attribute '%s': got %lld, expected %lld..%lld", path,
-                      ints[i].name, (long long)v, (long long)ints[i].lo, (long long)ints[i].hi);
+            rc = FAIL(KVCC_CORPUS_ERR_RANGE,
+                      "%s: root attribute '%s': got %lld, expected %lld..%lld", path, ints[i].name,
+                      (long long)v, (long long)ints[i].lo, (long long)ints[i].hi);
         else *ints[i].dst = (uint32_t)v;
     }
     if (!rc && m->n_heads % m->n_kv_heads)
-        rc = FAIL(KVCC_CORPUS_ERR_RANGE, "%s: root attribute 'n_kv_heads' %u does not divide n_heads %u", path,
+        rc = FAIL(KVCC_CORPUS_ERR_RANGE,
+                  "%s: root attribute 'n_kv_heads' %u does not divide n_heads %u", path,
                   m->n_kv_heads, m->n_heads);
     if (!rc && (get_attr_num(c->file, "rope_theta", 1, &dv) != 0 || !isfinite(dv) || dv <= 0))
-        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: root attribute 'rope_theta' missing or not a positive number", path);
+        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                  "%s: root attribute 'rope_theta' missing or not a positive number", path);
     if (!rc) m->rope_theta = dv;
-    if (!rc && get_attr_num(c->file, "rope_scaling_factor", 1, &dv) == 0) m->rope_scaling_factor = (float)dv;
+    if (!rc && get_attr_num(c->file, "rope_scaling_factor", 1, &dv) == 0)
+        m->rope_scaling_factor = (float)dv;
     char dt[16] = "";
     if (!rc && get_attr_str(c->file, "model_name", m->name, sizeof m->name) != 0)
-        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: root attribute 'model_name' is missing or not a string", path);
+        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                  "%s: root attribute 'model_name' is missing or not a string", path);
     if (!rc && get_attr_str(c->file, "rope_scaling", m->rope_scaling, sizeof m->rope_scaling) != 0)
         snprintf(m->rope_scaling, sizeof m->rope_scaling, "none");
-    if (!rc && (get_attr_str(c->file, "activation_dtype", dt, sizeof dt) != 0 || (strcmp(dt, "f16") && strcmp(dt, "f32"))))
-        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: root attribute 'activation_dtype': got '%s', expected 'f16' or 'f32'",
-                  path, dt);
+    if (!rc && (get_attr_str(c->file, "activation_dtype", dt, sizeof dt) != 0 ||
+                (strcmp(dt, "f16") && strcmp(dt, "f32"))))
+        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                  "%s: root attribute 'activation_dtype': got '%s', expected 'f16' or 'f32'", path,
+                  dt);
     if (!rc) c->info.dtype_f16 = strcmp(dt, "f16") == 0;
     if (!rc) get_attr_str(c->file, "capture_tool", c->info.tool, sizeof c->info.tool);
     if (!rc) get_attr_str(c->file, "capture_options", c->info.options, sizeof c->info.options);
@@ -449,22 +485,27 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
     if (!rc) {
         H5G_info_t gi;
         hid_t g = H5Gopen2(c->file, "prompts", H5P_DEFAULT);
-        if (g < 0 || H5Gget_info(g, &gi) < 0) rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot read group /prompts", path);
+        if (g < 0 || H5Gget_info(g, &gi) < 0)
+            rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot read group /prompts", path);
         else if (gi.nlinks != c->info.n_prompts)
-            rc = FAIL(KVCC_CORPUS_ERR_RANGE, "%s: /prompts holds %llu entries, root attribute 'n_prompts' says %u",
-                      path, (unsigned long long)gi.nlinks, c->info.n_prompts);
+            rc = FAIL(KVCC_CORPUS_ERR_RANGE,
+                      "%s: /prompts holds %llu entries, root attribute 'n_prompts' says %u", path,
+                      (unsigned long long)gi.nlinks, c->info.n_prompts);
         if (g >= 0) H5Gclose(g);
     }
     if (!rc && expect) {
-#define CHK(f)                                                                                                     \
-    if (!rc && expect->f && expect->f != m->f)                                                                     \
-        rc = FAIL(KVCC_CORPUS_ERR_MODEL, "%s: root attribute '" #f "': corpus has %u, model '%s' expects %u", path, \
-                  m->f, expect->name, expect->f);
+#define CHK(f)                                                                                     \
+    if (!rc && expect->f && expect->f != m->f)                                                     \
+        rc = FAIL(KVCC_CORPUS_ERR_MODEL,                                                           \
+                  "%s: root attribute '" #f "': corpus has %u, model '%s' expects %u", path, m->f, \
+                  expect->name, expect->f);
         CHK(n_layers) CHK(n_heads) CHK(n_kv_heads) CHK(head_dim) CHK(vocab_size)
 #undef CHK
-        if (!rc && expect->rope_theta > 0 && fabs(expect->rope_theta - m->rope_theta) > 1e-9 * expect->rope_theta)
-            rc = FAIL(KVCC_CORPUS_ERR_MODEL, "%s: root attribute 'rope_theta': corpus has %g, model '%s' expects %g",
-                      path, m->rope_theta, expect->name, expect->rope_theta);
+        if (!rc && expect->rope_theta > 0 &&
+            fabs(expect->rope_theta - m->rope_theta) > 1e-9 * expect->rope_theta)
+            rc = FAIL(KVCC_CORPUS_ERR_MODEL,
+                      "%s: root attribute 'rope_theta': corpus has %g, model '%s' expects %g", path,
+                      m->rope_theta, expect->name, expect->rope_theta);
     }
     if (rc) {
         if (err && errlen) snprintf(err, errlen, "%s", c->msg);
@@ -475,7 +516,9 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
     return KVCC_CORPUS_OK;
 }
 
-const kvcc_corpus_model *kvcc_corpus_get_model(const kvcc_corpus *c) { return c ? &c->model : NULL; }
+const kvcc_corpus_model *kvcc_corpus_get_model(const kvcc_corpus *c) {
+    return c ? &c->model : NULL;
+}
 const kvcc_corpus_info *kvcc_corpus_get_info(const kvcc_corpus *c) { return c ? &c->info : NULL; }
 
 /* Open dataset loc/name, check rank and dims and type class/size; returns the dataset or <0. */
@@ -494,14 +537,23 @@ static hid_t open_checked(kvcc_corpus *c, hid_t loc, const char *name, const cha
     if (r >= 0 && r <= 8) H5Sget_simple_extent_dims(sp, dims, NULL);
     char got[96] = "", exp[96] = "";
     int pos = 0, pe = 0;
-    for (int i = 0; i < r && i < 8; i++) pos += snprintf(got + pos, sizeof got - (size_t)pos, "%s%llu", i ? ", " : "", (unsigned long long)dims[i]);
-    for (int i = 0; i < rank; i++) pe += snprintf(exp + pe, sizeof exp - (size_t)pe, "%s%llu", i ? ", " : "", (unsigned long long)want[i]);
+    for (int i = 0; i < r && i < 8; i++)
+        pos += snprintf(got + pos, sizeof got - (size_t)pos, "%s%llu", i ? ", " : "",
+                        (unsigned long long)dims[i]);
+    for (int i = 0; i < rank; i++)
+        pe += snprintf(exp + pe, sizeof exp - (size_t)pe, "%s%llu", i ? ", " : "",
+                       (unsigned long long)want[i]);
     int shape_ok = r == rank;
     for (int i = 0; shape_ok && i < rank; i++) shape_ok = dims[i] == want[i];
-    if (!shape_ok) *rc = FAIL(KVCC_CORPUS_ERR_SHAPE, "%s: dataset %s has shape [%s], expected [%s]", c->path, full, got, exp);
+    if (!shape_ok)
+        *rc = FAIL(KVCC_CORPUS_ERR_SHAPE, "%s: dataset %s has shape [%s], expected [%s]", c->path,
+                   full, got, exp);
     else if (H5Tget_class(t) != cls || (tsize && H5Tget_size(t) != tsize))
-        *rc = FAIL(KVCC_CORPUS_ERR_DTYPE, "%s: dataset %s has a %s type of %zu bytes, expected %s%zu", c->path, full,
-                   H5Tget_class(t) == H5T_FLOAT ? "float" : H5Tget_class(t) == H5T_INTEGER ? "integer" : "non-numeric",
+        *rc = FAIL(KVCC_CORPUS_ERR_DTYPE,
+                   "%s: dataset %s has a %s type of %zu bytes, expected %s%zu", c->path, full,
+                   H5Tget_class(t) == H5T_FLOAT     ? "float"
+                   : H5Tget_class(t) == H5T_INTEGER ? "integer"
+                                                    : "non-numeric",
                    H5Tget_size(t), cls == H5T_FLOAT ? "float of " : "integer of ", tsize);
     H5Sclose(sp);
     H5Tclose(t);
@@ -515,7 +567,8 @@ static hid_t open_checked(kvcc_corpus *c, hid_t loc, const char *name, const cha
 static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info, int *rc) {
     char name[32], full[48];
     if (index >= c->info.n_prompts) {
-        *rc = FAIL(KVCC_CORPUS_ERR_RANGE, "%s: prompt %u requested, the corpus has %u", c->path, index, c->info.n_prompts);
+        *rc = FAIL(KVCC_CORPUS_ERR_RANGE, "%s: prompt %u requested, the corpus has %u", c->path,
+                   index, c->info.n_prompts);
         return -1;
     }
     snprintf(name, sizeof name, "p%06u", index);
@@ -533,12 +586,15 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
     memset(info, 0, sizeof *info);
     if (get_attr_num(g, "n_tokens", 0, &T) || get_attr_num(g, "context_len", 0, &ctx) ||
         get_attr_num(g, "continuation_len", 0, &cont))
-        *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: /prompts/%s: attributes n_tokens, context_len, continuation_len required",
+        *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                   "%s: /prompts/%s: attributes n_tokens, context_len, continuation_len required",
                    c->path, name);
     else if (T < 2 || T > KVCC_CORPUS_MAX_TOKENS || ctx < 1 || cont < 0 || ctx + cont != T)
         *rc = FAIL(KVCC_CORPUS_ERR_RANGE,
-                   "%s: /prompts/%s: n_tokens %lld must equal context_len %lld + continuation_len %lld, within 2..%u",
-                   c->path, name, (long long)T, (long long)ctx, (long long)cont, KVCC_CORPUS_MAX_TOKENS);
+                   "%s: /prompts/%s: n_tokens %lld must equal context_len %lld + continuation_len "
+                   "%lld, within 2..%u",
+                   c->path, name, (long long)T, (long long)ctx, (long long)cont,
+                   KVCC_CORPUS_MAX_TOKENS);
     if (*rc) {
         H5Gclose(g);
         return -1;
@@ -550,8 +606,8 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
     return g;
 }
 
-int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info, int32_t *tokens,
-                       float *next_logprob) {
+int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info,
+                       int32_t *tokens, float *next_logprob) {
     if (!c || c->writing || !info) return KVCC_CORPUS_ERR_ARG;
     int rc;
     hid_t g = open_prompt(c, index, info, &rc);
@@ -565,8 +621,10 @@ int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *
             if (H5Dread(ds, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, tokens) < 0)
                 rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot read %s", c->path, full);
             for (uint32_t t = 0; !rc && t < info->n_tokens; t++)
-                if (tokens[t] < 0 || (c->model.vocab_size && (uint32_t)tokens[t] >= c->model.vocab_size))
-                    rc = FAIL(KVCC_CORPUS_ERR_RANGE, "%s: %s[%u] = %d outside the vocabulary [0, %u)", c->path, full, t,
+                if (tokens[t] < 0 ||
+                    (c->model.vocab_size && (uint32_t)tokens[t] >= c->model.vocab_size))
+                    rc = FAIL(KVCC_CORPUS_ERR_RANGE,
+                              "%s: %s[%u] = %d outside the vocabulary [0, %u)", c->path, full, t,
                               tokens[t], c->model.vocab_size);
         }
         H5Dclose(ds);
@@ -576,11 +634,13 @@ int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *
         ds = open_checked(c, g, "next_logprob", full, 1, &dT1, H5T_FLOAT, 0, &rc);
         if (ds >= 0) {
             if (next_logprob) {
-                if (dT1 && H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, next_logprob) < 0)
+                if (dT1 &&
+                    H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, next_logprob) < 0)
                     rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot read %s", c->path, full);
                 for (uint32_t t = 0; !rc && t + 1 < info->n_tokens; t++)
                     if (!isfinite(next_logprob[t]) || next_logprob[t] > 1e-4f)
-                        rc = FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: %s[%u] = %g, expected a finite log-probability <= 0",
+                        rc = FAIL(KVCC_CORPUS_ERR_NONFINITE,
+                                  "%s: %s[%u] = %g, expected a finite log-probability <= 0",
                                   c->path, full, t, (double)next_logprob[t]);
             }
             H5Dclose(ds);
@@ -590,10 +650,12 @@ int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *
     return rc;
 }
 
-int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, float *q, float *k, float *v) {
+int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, float *q, float *k,
+                           float *v) {
     if (!c || c->writing) return KVCC_CORPUS_ERR_ARG;
     if (layer >= c->model.n_layers)
-        return FAIL(KVCC_CORPUS_ERR_RANGE, "%s: layer %u requested, the corpus has %u", c->path, layer, c->model.n_layers);
+        return FAIL(KVCC_CORPUS_ERR_RANGE, "%s: layer %u requested, the corpus has %u", c->path,
+                    layer, c->model.n_layers);
     kvcc_corpus_prompt_info info;
     int rc;
     hid_t g = open_prompt(c, prompt, &info, &rc);
@@ -630,8 +692,9 @@ int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, floa
         }
         for (size_t j = 0; !rc && j < n; j++)
             if (!isfinite(dst[i][j]))
-                rc = FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: dataset %s element %zu (token %zu) is NaN or Inf", c->path,
-                          full, j, j / ((size_t)heads[i] * m->head_dim));
+                rc = FAIL(KVCC_CORPUS_ERR_NONFINITE,
+                          "%s: dataset %s element %zu (token %zu) is NaN or Inf", c->path, full, j,
+                          j / ((size_t)heads[i] * m->head_dim));
         H5Dclose(ds);
     }
     if (ht >= 0) H5Tclose(ht);

@@ -63,30 +63,34 @@ typedef struct kvcc_corpus kvcc_corpus;
 
 // ---------------------------------------------------------------- writer
 /* Create (truncate) path; written to a temp file beside it and renamed at close. */
-int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_model *m, int dtype_f16,
-                       const char *tool, const char *options, char *err, size_t errlen);
+int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_model *m,
+                       int dtype_f16, const char *tool, const char *options, char *err,
+                       size_t errlen);
 /* Start prompt `index` (0, 1, 2, ... in order): tokens [T], next_logprob [T-1] with
  * next_logprob[t] = log p(tokens[t+1] | tokens[0..t]). */
-int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p, const int32_t *tokens,
-                             const float *next_logprob);
+int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p,
+                             const int32_t *tokens, const float *next_logprob);
 /* Layer l of the current prompt: q [T, H, d], k [T, Hkv, d], v [T, Hkv, d], post-RoPE, f32. */
-int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, const float *k, const float *v);
+int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, const float *k,
+                            const float *v);
 /* Finish: root attribute n_prompts, close, rename into place. */
 int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen);
 
 // ---------------------------------------------------------------- reader
 /* Open read-only and validate the root. expect (optional): refuse a corpus of another model
  * (every non-zero field of expect must match; name compared when non-empty). */
-int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect, char *err, size_t errlen);
+int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,
+                     char *err, size_t errlen);
 const kvcc_corpus_model *kvcc_corpus_get_model(const kvcc_corpus *c);
 const kvcc_corpus_info *kvcc_corpus_get_info(const kvcc_corpus *c);
 /* Prompt metadata; tokens [T] and next_logprob [T-1] are copied when the pointers are not NULL
  * (caller-sized: T known from a first call with NULL buffers). */
-int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info, int32_t *tokens,
-                       float *next_logprob);
+int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info,
+                       int32_t *tokens, float *next_logprob);
 /* One (prompt, layer), converted to f32 into caller buffers of T*H*d / T*Hkv*d floats
  * (any pointer may be NULL to skip that tensor). Values are checked finite. */
-int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, float *q, float *k, float *v);
+int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, float *q, float *k,
+                           float *v);
 /* The last error message of a reader or writer. */
 const char *kvcc_corpus_error(const kvcc_corpus *c);
 /* Close a reader, or abandon a writer (its temp file is removed). Accepts NULL. */

@@ -13,13 +13,15 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "calib_msg.h"
+#include "kvpol.h" /* kvpol_f16_to_f32, kvpol_bf16_to_f32 */
 
 // ---------------------------------------------------------------- handle
 
@@ -68,16 +70,8 @@ const char *kvcc_gguf_status_str(int s) {
     }
 }
 
-static void set_msg(char *dst, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_msg(char *dst, size_t cap, const char *fmt, ...) {
-    if (!dst || cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(dst, cap, fmt, ap);
-    va_end(ap);
-}
-
-#define FAIL(st, ...) do { set_msg(g->err, sizeof g->err, __VA_ARGS__); return (st); } while (0)
+#define FAIL(st, ...) \
+    do { kvcc_set_msg(g->err, sizeof g->err, __VA_ARGS__); return (st); } while (0)
 
 // ---------------------------------------------------------------- types
 
@@ -266,8 +260,9 @@ static int parse(kvcc_gguf *g) {
     int st;
     uint32_t magic;
     if (g->size < 4)
-        FAIL(KVCC_GGUF_ERR_TRUNCATED, "%s: truncated: %llu bytes (expected >= 24 for a GGUF header)",
-             g->name, (unsigned long long)g->size);
+        FAIL(KVCC_GGUF_ERR_TRUNCATED,
+             "%s: truncated: %llu bytes (expected >= 24 for a GGUF header)", g->name,
+             (unsigned long long)g->size);
     magic = ld32(g->buf);
     if (magic != 0x46554747u) /* "GGUF" little-endian */
         FAIL(KVCC_GGUF_ERR_BAD_MAGIC, "%s: bad magic %02x %02x %02x %02x (expected 'GGUF')",
@@ -408,7 +403,7 @@ static int parse(kvcc_gguf *g) {
 static int open_common(kvcc_gguf *g, kvcc_gguf **out, char *msg, size_t msg_cap) {
     int st = parse(g);
     if (st) {
-        set_msg(msg, msg_cap, "%s", g->err);
+        kvcc_set_msg(msg, msg_cap, "%s", g->err);
         kvcc_gguf_close(g);
         return st;
     }
@@ -420,13 +415,13 @@ static int open_common(kvcc_gguf *g, kvcc_gguf **out, char *msg, size_t msg_cap)
 int kvcc_gguf_open_memory(const void *buf, size_t size, const char *name, kvcc_gguf **out,
                           char *msg, size_t msg_cap) {
     if (!out || (!buf && size)) {
-        set_msg(msg, msg_cap, "kvcc_gguf_open_memory: NULL argument");
+        kvcc_set_msg(msg, msg_cap, "kvcc_gguf_open_memory: NULL argument");
         return KVCC_GGUF_ERR_ARG;
     }
     *out = NULL;
     kvcc_gguf *g = calloc(1, sizeof *g);
     if (!g) {
-        set_msg(msg, msg_cap, "%s: out of memory", name ? name : "<memory>");
+        kvcc_set_msg(msg, msg_cap, "%s: out of memory", name ? name : "<memory>");
         return KVCC_GGUF_ERR_NOMEM;
     }
     snprintf(g->name, sizeof g->name, "%s", name ? name : "<memory>");
@@ -437,25 +432,25 @@ int kvcc_gguf_open_memory(const void *buf, size_t size, const char *name, kvcc_g
 
 int kvcc_gguf_open(const char *path, kvcc_gguf **out, char *msg, size_t msg_cap) {
     if (!out || !path) {
-        set_msg(msg, msg_cap, "kvcc_gguf_open: NULL argument");
+        kvcc_set_msg(msg, msg_cap, "kvcc_gguf_open: NULL argument");
         return KVCC_GGUF_ERR_ARG;
     }
     *out = NULL;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
-        set_msg(msg, msg_cap, "%s: cannot open: %s", path, strerror(errno));
+        kvcc_set_msg(msg, msg_cap, "%s: cannot open: %s", path, strerror(errno));
         return KVCC_GGUF_ERR_IO;
     }
     struct stat sb;
     if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
-        set_msg(msg, msg_cap, "%s: not a regular file", path);
+        kvcc_set_msg(msg, msg_cap, "%s: not a regular file", path);
         close(fd);
         return KVCC_GGUF_ERR_IO;
     }
     kvcc_gguf *g = calloc(1, sizeof *g);
     if (!g) {
         close(fd);
-        set_msg(msg, msg_cap, "%s: out of memory", path);
+        kvcc_set_msg(msg, msg_cap, "%s: out of memory", path);
         return KVCC_GGUF_ERR_NOMEM;
     }
     snprintf(g->name, sizeof g->name, "%s", path);
@@ -463,7 +458,7 @@ int kvcc_gguf_open(const char *path, kvcc_gguf **out, char *msg, size_t msg_cap)
     if (g->size > 0) {
         void *p = mmap(NULL, (size_t)g->size, PROT_READ, MAP_PRIVATE, fd, 0);
         if (p == MAP_FAILED) {
-            set_msg(msg, msg_cap, "%s: mmap failed: %s", path, strerror(errno));
+            kvcc_set_msg(msg, msg_cap, "%s: mmap failed: %s", path, strerror(errno));
             close(fd);
             free(g);
             return KVCC_GGUF_ERR_IO;
@@ -695,33 +690,6 @@ const kvcc_gguf_tensor *kvcc_gguf_find_tensor(const kvcc_gguf *g, const char *na
 
 // ---------------------------------------------------------------- dequantization
 
-float kvcc_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal: normalize */
-            int e = -1;
-            do { e++; man <<= 1; } while ((man & 0x400) == 0);
-            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13); /* inf / nan */
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-float kvcc_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 void kvcc_dequant_f32_ref(const void *src, float *dst, int64_t n) {
     const uint8_t *p = src;
     for (int64_t i = 0; i < n; i++) dst[i] = ldf32(p + 4 * i);
@@ -729,12 +697,12 @@ void kvcc_dequant_f32_ref(const void *src, float *dst, int64_t n) {
 
 void kvcc_dequant_f16_ref(const void *src, float *dst, int64_t n) {
     const uint8_t *p = src;
-    for (int64_t i = 0; i < n; i++) dst[i] = kvcc_f16_to_f32(ld16(p + 2 * i));
+    for (int64_t i = 0; i < n; i++) dst[i] = kvpol_f16_to_f32(ld16(p + 2 * i));
 }
 
 void kvcc_dequant_bf16_ref(const void *src, float *dst, int64_t n) {
     const uint8_t *p = src;
-    for (int64_t i = 0; i < n; i++) dst[i] = kvcc_bf16_to_f32(ld16(p + 2 * i));
+    for (int64_t i = 0; i < n; i++) dst[i] = kvpol_bf16_to_f32(ld16(p + 2 * i));
 }
 
 /* Q4_0 block (18 bytes, 32 values): f16 d | u8 qs[16]; x[j] = (lo4(qs[j]) - 8) d,
@@ -742,7 +710,7 @@ void kvcc_dequant_bf16_ref(const void *src, float *dst, int64_t n) {
 void kvcc_dequant_q4_0_ref(const void *src, float *dst, int64_t n) {
     const uint8_t *b = src;
     for (int64_t i = 0; i < n / 32; i++, b += 18, dst += 32) {
-        float d = kvcc_f16_to_f32(ld16(b));
+        float d = kvpol_f16_to_f32(ld16(b));
         for (int j = 0; j < 16; j++) {
             dst[j] = (float)((b[2 + j] & 0x0f) - 8) * d;
             dst[j + 16] = (float)((b[2 + j] >> 4) - 8) * d;
@@ -755,7 +723,7 @@ void kvcc_dequant_q4_0_ref(const void *src, float *dst, int64_t n) {
 void kvcc_dequant_q4_1_ref(const void *src, float *dst, int64_t n) {
     const uint8_t *b = src;
     for (int64_t i = 0; i < n / 32; i++, b += 20, dst += 32) {
-        float d = kvcc_f16_to_f32(ld16(b)), m = kvcc_f16_to_f32(ld16(b + 2));
+        float d = kvpol_f16_to_f32(ld16(b)), m = kvpol_f16_to_f32(ld16(b + 2));
         for (int j = 0; j < 16; j++) {
             dst[j] = (float)(b[4 + j] & 0x0f) * d + m;
             dst[j + 16] = (float)(b[4 + j] >> 4) * d + m;
@@ -767,7 +735,7 @@ void kvcc_dequant_q4_1_ref(const void *src, float *dst, int64_t n) {
 void kvcc_dequant_q8_0_ref(const void *src, float *dst, int64_t n) {
     const uint8_t *b = src;
     for (int64_t i = 0; i < n / 32; i++, b += 34, dst += 32) {
-        float d = kvcc_f16_to_f32(ld16(b));
+        float d = kvpol_f16_to_f32(ld16(b));
         for (int j = 0; j < 32; j++) dst[j] = (float)(int8_t)b[2 + j] * d;
     }
 }
@@ -787,7 +755,7 @@ static void q4k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
 void kvcc_dequant_q4_k_ref(const void *src, float *dst, int64_t n) {
     const uint8_t *b = src;
     for (int64_t i = 0; i < n / 256; i++, b += 144) {
-        float d = kvcc_f16_to_f32(ld16(b)), dmin = kvcc_f16_to_f32(ld16(b + 2));
+        float d = kvpol_f16_to_f32(ld16(b)), dmin = kvpol_f16_to_f32(ld16(b + 2));
         const uint8_t *scales = b + 4, *q = b + 16;
         for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
             int sc, m;
@@ -808,7 +776,7 @@ void kvcc_dequant_q6_k_ref(const void *src, float *dst, int64_t n) {
     for (int64_t i = 0; i < n / 256; i++, b += 210) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
-        float d = kvcc_f16_to_f32(ld16(b + 208));
+        float d = kvpol_f16_to_f32(ld16(b + 208));
         for (int h = 0; h < 256; h += 128, dst += 128, ql += 64, qh += 32, sc += 8) {
             for (int l = 0; l < 32; l++) {
                 int is = l / 16;

@@ -8,7 +8,8 @@
  * naming the file, the field and the expected value into a caller buffer or the handle.
  *
  * defines: kvcc_gguf_open, kvcc_gguf_open_memory, kvcc_gguf_close, kvcc_gguf_get_*,
- *          kvcc_gguf_find_tensor, kvcc_gguf_dequantize, kvcc_dequant_*_ref, kvcc_f16_to_f32
+ *          kvcc_gguf_find_tensor, kvcc_gguf_dequantize, kvcc_dequant_*_ref (half-precision
+ *          scalars convert with the format library's kvpol_f16_to_f32 / kvpol_bf16_to_f32)
  *
  * Byte order: little-endian files only (a big-endian file is refused with KVCC_GGUF_ERR_VERSION).
  * Tensor shapes follow GGUF: ne[0] is the innermost (contiguous) dimension, so a matrix with
@@ -133,8 +134,6 @@ int kvcc_gguf_dequantize(const kvcc_gguf_tensor *t, float *dst, uint64_t cap);
 int kvcc_dequantize(uint32_t type, const void *src, float *dst, int64_t n);
 
 /* Plain reference dequantizers: n is a multiple of the block size (32, or 256 for *_K). */
-float kvcc_f16_to_f32(uint16_t h);
-float kvcc_bf16_to_f32(uint16_t h);
 void kvcc_dequant_f32_ref(const void *src, float *dst, int64_t n);
 void kvcc_dequant_f16_ref(const void *src, float *dst, int64_t n);
 void kvcc_dequant_bf16_ref(const void *src, float *dst, int64_t n);

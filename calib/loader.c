@@ -10,7 +10,8 @@
 #include "kvpol.h"
 #include "presets.h"
 
-int kvcc_load_model(const char *path, int want_hash, kvcc_loaded_model *out, char *msg, size_t cap) {
+int kvcc_load_model(const char *path, int want_hash, kvcc_loaded_model *out, char *msg,
+                    size_t cap) {
     memset(out, 0, sizeof *out);
     kvcc_gguf *g = NULL;
     int rc = kvcc_gguf_open(path, &g, msg, cap);

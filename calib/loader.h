@@ -18,6 +18,7 @@ typedef struct {
 } kvcc_loaded_model;
 
 /* 0 on success; otherwise a KVCC_GGUF_ERR_* status and a message naming the file. */
-int kvcc_load_model(const char *gguf_path, int want_hash, kvcc_loaded_model *out, char *msg, size_t msg_cap);
+int kvcc_load_model(const char *gguf_path, int want_hash, kvcc_loaded_model *out, char *msg,
+                    size_t msg_cap);
 void kvcc_loaded_model_free(kvcc_loaded_model *lm);
 #endif

@@ -12,19 +12,11 @@
 #include <cblas.h>
 #include <math.h>
 #include <omp.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static void set_msg(char *dst, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_msg(char *dst, size_t cap, const char *fmt, ...) {
-    if (!dst || cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(dst, cap, fmt, ap);
-    va_end(ap);
-}
+#include "calib_msg.h"
 
 // ---------------------------------------------------------------- load
 
@@ -51,26 +43,30 @@ static int load_tensor(kvcc_gguf *g, const char *name, int64_t cols, int64_t row
     const kvcc_gguf_tensor *t = kvcc_gguf_find_tensor(g, name);
     *out = NULL;
     if (!t) {
-        set_msg(msg, cap, "%s: missing tensor '%s'", kvcc_gguf_name(g), name);
+        kvcc_set_msg(msg, cap, "%s: missing tensor '%s'", kvcc_gguf_name(g), name);
         return KVCC_GGUF_ERR_MISSING;
     }
-    int ok = rows == 0 ? (t->n_dims == 1 && t->ne[0] == (uint64_t)cols)
-                       : (t->n_dims == 2 && t->ne[0] == (uint64_t)cols && t->ne[1] == (uint64_t)rows);
+    int ok = rows == 0
+                 ? (t->n_dims == 1 && t->ne[0] == (uint64_t)cols)
+                 : (t->n_dims == 2 && t->ne[0] == (uint64_t)cols && t->ne[1] == (uint64_t)rows);
     if (!ok) {
-        set_msg(msg, cap, "%s: tensor '%s' has shape [%llu, %llu] (n_dims %u) (expected [%lld, %lld])",
-                kvcc_gguf_name(g), name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
-                t->n_dims, (long long)cols, (long long)(rows ? rows : 1));
+        kvcc_set_msg(msg, cap,
+                     "%s: tensor '%s' has shape [%llu, %llu] (n_dims %u) (expected [%lld, %lld])",
+                     kvcc_gguf_name(g), name, (unsigned long long)t->ne[0],
+                     (unsigned long long)t->ne[1], t->n_dims, (long long)cols,
+                     (long long)(rows ? rows : 1));
         return KVCC_GGUF_ERR_SHAPE;
     }
     float *p = malloc(t->n_elements * sizeof *p);
     if (!p) {
-        set_msg(msg, cap, "%s: tensor '%s': out of memory", kvcc_gguf_name(g), name);
+        kvcc_set_msg(msg, cap, "%s: tensor '%s': out of memory", kvcc_gguf_name(g), name);
         return KVCC_GGUF_ERR_NOMEM;
     }
     int st = kvcc_gguf_dequantize(t, p, t->n_elements);
     if (st) {
-        set_msg(msg, cap, "%s: tensor '%s' has type %s (expected one of F32, F16, BF16, Q4_0, "
-                "Q4_1, Q8_0, Q4_K, Q6_K)", kvcc_gguf_name(g), name, kvcc_gguf_type_name(t->type));
+        kvcc_set_msg(msg, cap, "%s: tensor '%s' has type %s (expected one of F32, F16, BF16, "
+                     "Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)", kvcc_gguf_name(g), name,
+                     kvcc_gguf_type_name(t->type));
         free(p);
         return st;
     }
@@ -98,11 +94,11 @@ static int get_dim(kvcc_gguf *g, const char *key, int lo, int hi, int *out, char
     uint32_t v;
     int st = kvcc_gguf_get_u32(g, key, &v);
     if (st) {
-        set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
+        kvcc_set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
         return st;
     }
     if (v < (uint32_t)lo || v > (uint32_t)hi) {
-        set_msg(msg, cap, "%s: %s = %u (expected %d..%d)", kvcc_gguf_name(g), key, v, lo, hi);
+        kvcc_set_msg(msg, cap, "%s: %s = %u (expected %d..%d)", kvcc_gguf_name(g), key, v, lo, hi);
         return KVCC_GGUF_ERR_SHAPE;
     }
     *out = (int)v;
@@ -111,19 +107,20 @@ static int get_dim(kvcc_gguf *g, const char *key, int lo, int hi, int *out, char
 
 int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) {
     if (!g || !out) {
-        set_msg(msg, cap, "kvcc_model_load_gguf: NULL argument");
+        kvcc_set_msg(msg, cap, "kvcc_model_load_gguf: NULL argument");
         return KVCC_GGUF_ERR_ARG;
     }
     *out = NULL;
     int st = kvcc_gguf_require_arch(g, "llama");
     if (st) {
-        set_msg(msg, cap, "%s (only the llama architecture is supported)", kvcc_gguf_errmsg(g));
+        kvcc_set_msg(msg, cap, "%s (only the llama architecture is supported)",
+                     kvcc_gguf_errmsg(g));
         return st;
     }
     const char *fn = kvcc_gguf_name(g);
     kvcc_model *m = calloc(1, sizeof *m);
     if (!m) {
-        set_msg(msg, cap, "%s: out of memory", fn);
+        kvcc_set_msg(msg, cap, "%s: out of memory", fn);
         return KVCC_GGUF_ERR_NOMEM;
     }
     kvcc_model_hparams *hp = &m->hp;
@@ -140,9 +137,9 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
         TRY(get_dim(g, "llama.context_length", 1, 1 << 24, &hp->n_ctx_train, msg, cap));
     if (hp->n_embd % hp->n_head != 0 || hp->n_head % hp->n_head_kv != 0 ||
         (hp->n_embd / hp->n_head) % 2 != 0) {
-        set_msg(msg, cap, "%s: embedding_length %d, head_count %d, head_count_kv %d (expected "
-                "head_count | embedding_length, head_count_kv | head_count, even head dim)", fn,
-                hp->n_embd, hp->n_head, hp->n_head_kv);
+        kvcc_set_msg(msg, cap, "%s: embedding_length %d, head_count %d, head_count_kv %d (expected "
+                     "head_count | embedding_length, head_count_kv | head_count, even head dim)",
+                     fn, hp->n_embd, hp->n_head, hp->n_head_kv);
         st = KVCC_GGUF_ERR_SHAPE;
         goto fail;
     }
@@ -151,8 +148,8 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
         int rd;
         TRY(get_dim(g, "llama.rope.dimension_count", 1, 1 << 16, &rd, msg, cap));
         if (rd != hp->head_dim) {
-            set_msg(msg, cap, "%s: llama.rope.dimension_count = %d (expected the head dim %d; "
-                    "partial rotary is not supported)", fn, rd, hp->head_dim);
+            kvcc_set_msg(msg, cap, "%s: llama.rope.dimension_count = %d (expected the head dim %d; "
+                         "partial rotary is not supported)", fn, rd, hp->head_dim);
             st = KVCC_GGUF_ERR_SHAPE;
             goto fail;
         }
@@ -160,19 +157,19 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
     hp->rope_base = 10000.0f;
     if (kvcc_gguf_has_key(g, "llama.rope.freq_base")) {
         if ((st = kvcc_gguf_get_f32(g, "llama.rope.freq_base", &hp->rope_base))) {
-            set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
+            kvcc_set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
             goto fail;
         }
     }
     hp->rms_eps = 1e-5f;
     if (kvcc_gguf_has_key(g, "llama.attention.layer_norm_rms_epsilon") &&
         (st = kvcc_gguf_get_f32(g, "llama.attention.layer_norm_rms_epsilon", &hp->rms_eps))) {
-        set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
+        kvcc_set_msg(msg, cap, "%s", kvcc_gguf_errmsg(g));
         goto fail;
     }
     if (!(hp->rope_base > 1.0f && hp->rope_base < 1e12f) || !(hp->rms_eps > 0 && hp->rms_eps < 1)) {
-        set_msg(msg, cap, "%s: rope.freq_base = %g, layer_norm_rms_epsilon = %g (expected > 1 and "
-                "in (0, 1))", fn, hp->rope_base, hp->rms_eps);
+        kvcc_set_msg(msg, cap, "%s: rope.freq_base = %g, layer_norm_rms_epsilon = %g (expected > 1 "
+                     "and in (0, 1))", fn, hp->rope_base, hp->rms_eps);
         st = KVCC_GGUF_ERR_SHAPE;
         goto fail;
     }
@@ -180,8 +177,8 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
         kvcc_gguf_str s;
         if (kvcc_gguf_get_str(g, "llama.rope.scaling.type", &s) != 0 ||
             !(s.n == 4 && memcmp(s.p, "none", 4) == 0)) {
-            set_msg(msg, cap, "%s: llama.rope.scaling.type is set (expected absent or 'none'; "
-                    "RoPE scaling is not supported)", fn);
+            kvcc_set_msg(msg, cap, "%s: llama.rope.scaling.type is set (expected absent or 'none'; "
+                         "RoPE scaling is not supported)", fn);
             st = KVCC_GGUF_ERR_TYPE;
             goto fail;
         }
@@ -193,8 +190,9 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
     }
     const kvcc_gguf_tensor *te = kvcc_gguf_find_tensor(g, "token_embd.weight");
     if (!te || te->n_dims != 2 || te->ne[1] > (1u << 24)) {
-        set_msg(msg, cap, "%s: tensor 'token_embd.weight' %s (expected [embedding_length, vocab])",
-                fn, te ? "has a bad shape" : "is missing");
+        kvcc_set_msg(msg, cap,
+                     "%s: tensor 'token_embd.weight' %s (expected [embedding_length, vocab])", fn,
+                     te ? "has a bad shape" : "is missing");
         st = te ? KVCC_GGUF_ERR_SHAPE : KVCC_GGUF_ERR_MISSING;
         goto fail;
     }
@@ -202,8 +200,9 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
     if (kvcc_gguf_has_key(g, "llama.vocab_size")) {
         uint32_t vs;
         if (kvcc_gguf_get_u32(g, "llama.vocab_size", &vs) == 0 && vs != (uint32_t)hp->n_vocab) {
-            set_msg(msg, cap, "%s: llama.vocab_size = %u (expected %d, the rows of token_embd)", fn,
-                    vs, hp->n_vocab);
+            kvcc_set_msg(msg, cap,
+                         "%s: llama.vocab_size = %u (expected %d, the rows of token_embd)", fn, vs,
+                         hp->n_vocab);
             st = KVCC_GGUF_ERR_SHAPE;
             goto fail;
         }
@@ -222,7 +221,7 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->layers) {
         st = KVCC_GGUF_ERR_NOMEM;
-        set_msg(msg, cap, "%s: out of memory", fn);
+        kvcc_set_msg(msg, cap, "%s: out of memory", fn);
         goto fail;
     }
     for (int l = 0; l < hp->n_layer; l++) {
@@ -243,14 +242,14 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
 #undef LOADW
         if ((st = unpermute_rows(w->wq, hp->n_head, d, E)) ||
             (st = unpermute_rows(w->wk, hp->n_head_kv, d, E))) {
-            set_msg(msg, cap, "%s: out of memory", fn);
+            kvcc_set_msg(msg, cap, "%s: out of memory", fn);
             goto fail;
         }
     }
     m->rope_inv_freq = malloc((size_t)(d / 2) * sizeof *m->rope_inv_freq);
     if (!m->rope_inv_freq) {
         st = KVCC_GGUF_ERR_NOMEM;
-        set_msg(msg, cap, "%s: out of memory", fn);
+        kvcc_set_msg(msg, cap, "%s: out of memory", fn);
         goto fail;
     }
     for (int i = 0; i < d / 2; i++)
@@ -326,7 +325,8 @@ int kvcc_state_truncate(kvcc_state *s, int n_past) {
     return 0;
 }
 
-int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len, kvrt_ctx *rt) {
+int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len,
+                              kvrt_ctx *rt) {
     if (!s) return KVCC_GGUF_ERR_ARG;
     if (caches && (ctx_len < 0 || ctx_len > s->n_ctx || !rt)) return KVCC_GGUF_ERR_ARG;
     s->compressed = caches;
@@ -480,11 +480,12 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
         int64_t ne = kh->n;
         if (!kh->pos && ne > pos0 + n) ne = pos0 + n;
         if (ne == 0) {
-            for (int t = 0; t < n; t++) memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
+            for (int t = 0; t < n; t++)
+                memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
             continue;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale, q + (size_t)h * d,
-                    H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale,
+                    q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
         for (int t = 0; t < n; t++) {
             float *sc = scores + (size_t)t * ne;
             const int64_t p = pos0 + t;
@@ -535,7 +536,8 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
         return KVCC_GGUF_ERR_ARG; /* nor the attention hook's */
 
     for (int t = 0; t < n; t++)
-        memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E, (size_t)E * sizeof(float));
+        memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E,
+               (size_t)E * sizeof(float));
     for (int t = 0; t < n; t++)
         for (int i = 0; i < h2; i++) {
             /* as transformers: angle = float(pos) * inv_freq in f32 */
@@ -567,14 +569,21 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
             /* The compressed context plus the exact tokens after it, through libkvrt (causal:
              * query t sees recent rows up to its own position). */
             const kvrt_cache *cc = s->compressed[l];
-            if ((int)cc->n_kv_heads != Hkv || (int)cc->head_dim != d) { st = KVCC_GGUF_ERR_ARG; break; }
+            if ((int)cc->n_kv_heads != Hkv || (int)cc->head_dim != d) {
+                st = KVCC_GGUF_ERR_ARG;
+                break;
+            }
             const int64_t nr = pos0 + n - s->compressed_ctx;
             const size_t r0 = (size_t)s->compressed_ctx * Kd;
-            if (kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr, 1.0f / sqrtf((float)d), s->att,
-                            NULL) != KVRT_OK) { st = KVCC_GGUF_ERR_ARG; break; }
+            if (kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr,
+                            1.0f / sqrtf((float)d), s->att, NULL) != KVRT_OK) {
+                st = KVCC_GGUF_ERR_ARG;
+                break;
+            }
         } else {
             for (int h = 0; h < Hkv; h++)
-                hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL, NULL};
+                hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL,
+                                       NULL};
             kv_view view = {Hkv, hv};
             attend(m, l, s->q, n, pos0, &view, s->att, s);
         }

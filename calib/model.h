@@ -129,7 +129,8 @@ int kvcc_state_truncate(kvcc_state *s, int n_past);
  * caches[l] must have the model's n_kv_heads and head_dim; caches[l] == NULL: layer l attends
  * exactly over the state's own cache (whose rows 0..ctx_len-1 must then hold the context), so
  * one layer can be compressed alone. */
-int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len, kvrt_ctx *rt);
+int kvcc_state_set_compressed(kvcc_state *s, const kvrt_cache *const *caches, int ctx_len,
+                              kvrt_ctx *rt);
 /* Attention-hook mode (decode-time policies such as CompKV): every token at a position >= from
  * attends through fn instead of the model's own attention, in every layer (fn may compute
  * exact attention for layers it leaves alone). fn == NULL turns the mode off. Takes precedence

@@ -10,8 +10,8 @@
  *    one randomly chosen context key ("needle"), so their attention concentrates there;
  *  - values v ~ N(0, 1) with a heavy-tailed per-token scale.
  * RoPE is applied in the half-split (NeoX / Hugging Face) layout with the preset's theta.
- * Randomness: splitmix64 streams keyed by (seed, prompt, layer): identical output whatever the
- * thread count or the order in which prompts and layers are generated.
+ * Randomness: kvrt_rng.h's splitmix64, one stream per (seed, prompt, layer): identical output
+ * whatever the thread count or the order in which prompts and layers are generated.
  */
 #include "synth.h"
 
@@ -20,18 +20,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct { uint64_t s; } rng;
-static uint64_t next_u64(rng *r) {
-    uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+#include "kvrt_rng.h"
+
+/* uniform in (0, 1): the 53-bit draw offset by half a step, so log() never sees 0 (this differs
+ * from kvrt_rng_u01 on purpose: corpora written before stay byte-identical) */
+static double uniform(uint64_t *r) {
+    return ((double)(kvrt_rng_next(r) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }
-static double uniform(rng *r) { return ((double)(next_u64(r) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
-static double gauss(rng *r) { return sqrt(-2.0 * log(uniform(r))) * cos(6.283185307179586 * uniform(r)); }
-static rng stream(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
-    rng r = {seed ^ (a * 0xd1b54a32d192ed03ull) ^ (b * 0x8cb92ba72f3d8dd7ull) ^ (c * 0x9e3779b97f4a7c15ull)};
-    next_u64(&r);
+static double gauss(uint64_t *r) {
+    return sqrt(-2.0 * log(uniform(r))) * cos(6.283185307179586 * uniform(r));
+}
+/* the stream keyed by (seed, a, b, c), advanced once */
+static uint64_t stream(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
+    uint64_t r = seed ^ (a * 0xd1b54a32d192ed03ull) ^ (b * 0x8cb92ba72f3d8dd7ull) ^
+                 (c * 0x9e3779b97f4a7c15ull);
+    kvrt_rng_next(&r);
     return r;
 }
 
@@ -47,21 +50,23 @@ static void rope(float *x, uint32_t d, uint32_t pos, double theta) {
     }
 }
 
-void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt, uint32_t layer,
-                      float *q, float *k, float *v) {
-    const uint32_t T = o->context_len + o->continuation_len, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt,
+                      uint32_t layer, float *q, float *k, float *v) {
+    const uint32_t T = o->context_len + o->continuation_len, H = m->n_heads, Hkv = m->n_kv_heads,
+                   d = m->head_dim;
     const uint32_t G = H / Hkv, half = d / 2;
     const double sd = sqrt((double)d);
-    float *mu = malloc(sizeof(float) * d), *qmean = malloc(sizeof(float) * d), *sigma = malloc(sizeof(float) * d);
+    float *mu = malloc(sizeof(float) * d), *qmean = malloc(sizeof(float) * d),
+          *sigma = malloc(sizeof(float) * d);
     /* Per-(layer, head) structure comes from a stream that does not depend on the prompt. */
     for (uint32_t j = 0; j < Hkv; j++) {
-        rng hr = stream(o->seed, 0xffffffffu, layer, j);
+        uint64_t hr = stream(o->seed, 0xffffffffu, layer, j);
         for (uint32_t i = 0; i < d; i++) {
             mu[i] = (float)(gauss(&hr) * 0.6);
             sigma[i] = (float)(1.2 * exp(-2.0 * (double)(i % half) / half) + 0.15);
         }
         /* Sink direction: the lowest-frequency pair (i = half-1, half-1+half). */
-        rng tr = stream(o->seed, prompt, layer, 1000 + j);
+        uint64_t tr = stream(o->seed, prompt, layer, 1000 + j);
         for (uint32_t t = 0; t < T; t++) {
             float *kt = k + ((size_t)t * Hkv + j) * d, *vt = v + ((size_t)t * Hkv + j) * d;
             double s = exp(0.5 * gauss(&tr));
@@ -76,12 +81,13 @@ void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint
         }
         for (uint32_t g = 0; g < G; g++) {
             uint32_t h = j * G + g;
-            rng qr = stream(o->seed, 0xfffffffeu, layer, h);
+            uint64_t qr = stream(o->seed, 0xfffffffeu, layer, h);
             for (uint32_t i = 0; i < d; i++) qmean[i] = (float)(0.8 * mu[i] + 0.5 * gauss(&qr));
             qmean[half - 1] = (float)(1.0 + 0.3 * uniform(&qr)); /* sink affinity: logit +4..5 */
             int retrieval = (int)g < o->retrieval_heads && j == layer % Hkv;
-            rng pr = stream(o->seed, prompt, layer, 2000 + h);
-            uint32_t needle = o->context_len > 2 ? 1 + (uint32_t)(uniform(&pr) * (o->context_len - 2)) : 0;
+            uint64_t pr = stream(o->seed, prompt, layer, 2000 + h);
+            uint32_t needle =
+                o->context_len > 2 ? 1 + (uint32_t)(uniform(&pr) * (o->context_len - 2)) : 0;
             for (uint32_t t = 0; t < T; t++) {
                 float *qt = q + ((size_t)t * H + h) * d;
                 if (retrieval && t >= o->context_len) {
@@ -92,7 +98,8 @@ void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint
                     for (uint32_t i = 0; i < d; i++) qt[i] = (float)(sc * kn[i] + 0.3 * gauss(&pr));
                     continue;
                 }
-                for (uint32_t i = 0; i < d; i++) qt[i] = (float)(qmean[i] + 0.7 * sigma[i] * gauss(&pr));
+                for (uint32_t i = 0; i < d; i++)
+                    qt[i] = (float)(qmean[i] + 0.7 * sigma[i] * gauss(&pr));
                 rope(qt, d, t, m->rope_theta);
             }
         }
@@ -102,20 +109,22 @@ void kvcc_synth_layer(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint
     free(sigma);
 }
 
-void kvcc_synth_tokens(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt, int32_t *tokens,
-                       float *next_logprob) {
+void kvcc_synth_tokens(const kvcc_corpus_model *m, const kvcc_synth_opts *o, uint32_t prompt,
+                       int32_t *tokens, float *next_logprob) {
     const uint32_t T = o->context_len + o->continuation_len;
-    rng r = stream(o->seed, prompt, 0xfffffffdu, 0);
+    uint64_t r = stream(o->seed, prompt, 0xfffffffdu, 0);
     uint32_t vocab = m->vocab_size ? m->vocab_size : 32000;
-    for (uint32_t t = 0; t < T; t++) tokens[t] = (int32_t)(next_u64(&r) % vocab);
+    for (uint32_t t = 0; t < T; t++) tokens[t] = (int32_t)(kvrt_rng_next(&r) % vocab);
     for (uint32_t t = 0; t + 1 < T; t++) next_logprob[t] = (float)(-2.5 * -log(uniform(&r)));
 }
 
-int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_synth_opts *o, const char *options,
-                     void (*progress)(uint32_t, uint32_t), char *err, size_t errlen) {
+int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_synth_opts *o,
+                     const char *options, void (*progress)(uint32_t, uint32_t), char *err,
+                     size_t errlen) {
     const uint32_t T = o->context_len + o->continuation_len;
     kvcc_corpus *c;
-    int rc = kvcc_corpus_create(&c, path, m, o->dtype_f16, "kvcc synth 0.1.0", options, err, errlen);
+    int rc =
+        kvcc_corpus_create(&c, path, m, o->dtype_f16, "kvcc synth 0.1.0", options, err, errlen);
     if (rc) return rc;
     size_t nq = (size_t)T * m->n_heads * m->head_dim, nk = (size_t)T * m->n_kv_heads * m->head_dim;
     float *q = malloc(nq * sizeof *q), *k = malloc(nk * sizeof *k), *v = malloc(nk * sizeof *v);
@@ -125,7 +134,8 @@ int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_sy
     for (uint32_t p = 0; !rc && p < o->n_prompts; p++) {
         kvcc_corpus_prompt_info info = {.n_tokens = T, .context_len = o->context_len,
                                         .continuation_len = o->continuation_len};
-        snprintf(info.source, sizeof info.source, "synth:seed=%llu:prompt=%u", (unsigned long long)o->seed, p);
+        snprintf(info.source, sizeof info.source, "synth:seed=%llu:prompt=%u",
+                 (unsigned long long)o->seed, p);
         kvcc_synth_tokens(m, o, p, tok, lp);
         rc = kvcc_corpus_write_prompt(c, &info, tok, lp);
         for (uint32_t l = 0; !rc && l < m->n_layers; l++) {
@@ -136,7 +146,9 @@ int kvcc_synth_write(const char *path, const kvcc_corpus_model *m, const kvcc_sy
     }
     free(q); free(k); free(v); free(tok); free(lp);
     if (rc) {
-        if (err && errlen) snprintf(err, errlen, "%s", rc == KVCC_CORPUS_ERR_NOMEM ? "out of memory" : kvcc_corpus_error(c));
+        if (err && errlen)
+            snprintf(err, errlen, "%s",
+                     rc == KVCC_CORPUS_ERR_NOMEM ? "out of memory" : kvcc_corpus_error(c));
         kvcc_corpus_close(c);
         return rc;
     }

@@ -10,10 +10,11 @@
  */
 #include "tokenizer.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "calib_msg.h"
 
 // ---------------------------------------------------------------- handle
 
@@ -39,15 +40,6 @@ struct kvcc_tok {
     int32_t bos_id, eos_id, unk_id;
     int pre;
 };
-
-static void set_msg(char *dst, size_t cap, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void set_msg(char *dst, size_t cap, const char *fmt, ...) {
-    if (!dst || cap == 0) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(dst, cap, fmt, ap);
-    va_end(ap);
-}
 
 static uint64_t hash_bytes(const char *p, size_t n) {
     uint64_t h = 1469598103934665603ull;
@@ -98,7 +90,8 @@ static const merge_slot *merge_find(const kvcc_tok *t, int32_t a, int32_t b) {
 static void byte_to_unicode_table(uint32_t cp[256]) {
     int n = 0;
     for (int b = 0; b < 256; b++) {
-        int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        int printable =
+            (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
         cp[b] = printable ? (uint32_t)b : (uint32_t)(256 + n++);
     }
 }
@@ -218,17 +211,17 @@ static int cmp_special_len(const void *a, const void *b, void *ctx);
 
 int kvcc_tok_create(const kvcc_tok_def *def, kvcc_tok **out, char *msg, size_t msg_cap) {
     if (!def || !out || (!def->tokens && def->n_tokens) || (!def->merges && def->n_merges)) {
-        set_msg(msg, msg_cap, "kvcc_tok_create: NULL argument");
+        kvcc_set_msg(msg, msg_cap, "kvcc_tok_create: NULL argument");
         return KVCC_GGUF_ERR_ARG;
     }
     *out = NULL;
     if (def->n_tokens == 0 || def->n_tokens > (1u << 24) || def->n_merges > (1u << 24)) {
-        set_msg(msg, msg_cap, "tokenizer: %llu tokens and %llu merges (expected 1..2^24 each)",
-                (unsigned long long)def->n_tokens, (unsigned long long)def->n_merges);
+        kvcc_set_msg(msg, msg_cap, "tokenizer: %llu tokens and %llu merges (expected 1..2^24 each)",
+                     (unsigned long long)def->n_tokens, (unsigned long long)def->n_merges);
         return KVCC_GGUF_ERR_LIMIT;
     }
     if (def->pre != KVCC_TOK_PRE_GPT2 && def->pre != KVCC_TOK_PRE_SMOLLM) {
-        set_msg(msg, msg_cap, "tokenizer: pre-tokenizer kind %d (expected 0 or 1)", def->pre);
+        kvcc_set_msg(msg, msg_cap, "tokenizer: pre-tokenizer kind %d (expected 0 or 1)", def->pre);
         return KVCC_GGUF_ERR_ARG;
     }
     kvcc_tok *t = calloc(1, sizeof *t);
@@ -242,8 +235,8 @@ int kvcc_tok_create(const kvcc_tok_def *def, kvcc_tok **out, char *msg, size_t m
     uint64_t total = 0;
     for (uint64_t i = 0; i < def->n_tokens; i++) {
         if (def->tokens[i].n > 4096 || (def->tokens[i].n && !def->tokens[i].p)) {
-            set_msg(msg, msg_cap, "tokenizer: token %llu has length %llu (expected <= 4096)",
-                    (unsigned long long)i, (unsigned long long)def->tokens[i].n);
+            kvcc_set_msg(msg, msg_cap, "tokenizer: token %llu has length %llu (expected <= 4096)",
+                         (unsigned long long)i, (unsigned long long)def->tokens[i].n);
             kvcc_tok_free(t);
             return KVCC_GGUF_ERR_LIMIT;
         }
@@ -268,7 +261,8 @@ int kvcc_tok_create(const kvcc_tok_def *def, kvcc_tok **out, char *msg, size_t m
         int32_t ty = def->types ? def->types[i] : KVCC_TOK_TYPE_NORMAL;
         t->types[i] = (uint8_t)(ty >= 0 && ty <= 6 ? ty : KVCC_TOK_TYPE_NORMAL);
         if (t->types[i] == KVCC_TOK_TYPE_UNKNOWN && t->unk_id < 0) t->unk_id = i;
-        if ((t->types[i] == KVCC_TOK_TYPE_CONTROL || t->types[i] == KVCC_TOK_TYPE_USER_DEFINED) && s->n)
+        if ((t->types[i] == KVCC_TOK_TYPE_CONTROL || t->types[i] == KVCC_TOK_TYPE_USER_DEFINED) &&
+            s->n)
             n_special++;
     }
     t->text_off[t->n_vocab] = off;
@@ -318,8 +312,8 @@ int kvcc_tok_create(const kvcc_tok_def *def, kvcc_tok **out, char *msg, size_t m
         kvcc_gguf_str m = def->merges[r];
         const char *sp = m.n ? memchr(m.p, ' ', m.n) : NULL;
         if (!sp || sp == m.p || (size_t)(sp - m.p) + 1 >= m.n || m.n > 2 * 4096) {
-            set_msg(msg, msg_cap, "tokenizer: merge %llu '%.*s' (expected 'left right')",
-                    (unsigned long long)r, (int)(m.n > 64 ? 64 : m.n), m.p ? m.p : "");
+            kvcc_set_msg(msg, msg_cap, "tokenizer: merge %llu '%.*s' (expected 'left right')",
+                         (unsigned long long)r, (int)(m.n > 64 ? 64 : m.n), m.p ? m.p : "");
             free(cat);
             kvcc_tok_free(t);
             return KVCC_GGUF_ERR_TYPE;
@@ -343,7 +337,7 @@ int kvcc_tok_create(const kvcc_tok_def *def, kvcc_tok **out, char *msg, size_t m
     *out = t;
     return 0;
 nomem:
-    set_msg(msg, msg_cap, "tokenizer: out of memory");
+    kvcc_set_msg(msg, msg_cap, "tokenizer: out of memory");
     kvcc_tok_free(t);
     return KVCC_GGUF_ERR_NOMEM;
 }
@@ -369,22 +363,22 @@ void kvcc_tok_free(kvcc_tok *t) {
 
 int kvcc_tok_from_gguf(kvcc_gguf *g, kvcc_tok **out, char *msg, size_t msg_cap) {
     if (!g || !out) {
-        set_msg(msg, msg_cap, "kvcc_tok_from_gguf: NULL argument");
+        kvcc_set_msg(msg, msg_cap, "kvcc_tok_from_gguf: NULL argument");
         return KVCC_GGUF_ERR_ARG;
     }
     *out = NULL;
     const char *fn = kvcc_gguf_name(g);
     kvcc_gguf_str model, pre = {"default", 7};
     int st = kvcc_gguf_get_str(g, "tokenizer.ggml.model", &model);
-    if (st) { set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g)); return st; }
+    if (st) { kvcc_set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g)); return st; }
     if (!(model.n == 4 && memcmp(model.p, "gpt2", 4) == 0)) {
-        set_msg(msg, msg_cap, "%s: tokenizer.ggml.model = '%.*s' (expected 'gpt2')", fn,
-                (int)(model.n > 64 ? 64 : model.n), model.p);
+        kvcc_set_msg(msg, msg_cap, "%s: tokenizer.ggml.model = '%.*s' (expected 'gpt2')", fn,
+                     (int)(model.n > 64 ? 64 : model.n), model.p);
         return KVCC_GGUF_ERR_TYPE;
     }
     if (kvcc_gguf_has_key(g, "tokenizer.ggml.pre") &&
         (st = kvcc_gguf_get_str(g, "tokenizer.ggml.pre", &pre))) {
-        set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
+        kvcc_set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
         return st;
     }
     kvcc_tok_def def = {0};
@@ -398,31 +392,35 @@ int kvcc_tok_from_gguf(kvcc_gguf *g, kvcc_tok **out, char *msg, size_t msg_cap) 
         if (pre.n == strlen(pres[i].name) && memcmp(pre.p, pres[i].name, pre.n) == 0)
             def.pre = pres[i].kind;
     if (def.pre < 0) {
-        set_msg(msg, msg_cap, "%s: tokenizer.ggml.pre = '%.*s' (expected smollm, starcoder, refact, "
-                "gpt2 or default)", fn, (int)(pre.n > 64 ? 64 : pre.n), pre.p);
+        kvcc_set_msg(msg, msg_cap, "%s: tokenizer.ggml.pre = '%.*s' (expected smollm, starcoder, "
+                     "refact, gpt2 or default)", fn, (int)(pre.n > 64 ? 64 : pre.n), pre.p);
         return KVCC_GGUF_ERR_TYPE;
     }
     if ((st = kvcc_gguf_get_arr_str(g, "tokenizer.ggml.tokens", &def.tokens, &def.n_tokens)) ||
         (st = kvcc_gguf_get_arr_str(g, "tokenizer.ggml.merges", &def.merges, &def.n_merges))) {
-        set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
+        kvcc_set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
         return st;
     }
     int32_t *types = NULL;
     if (kvcc_gguf_has_key(g, "tokenizer.ggml.token_type")) {
         uint64_t nt = 0;
         if ((st = kvcc_gguf_get_arr_i32(g, "tokenizer.ggml.token_type", NULL, 0, &nt))) {
-            set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
+            kvcc_set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
             return st;
         }
         if (nt != def.n_tokens) {
-            set_msg(msg, msg_cap, "%s: tokenizer.ggml.token_type has %llu entries (expected %llu, "
-                    "one per token)", fn, (unsigned long long)nt, (unsigned long long)def.n_tokens);
+            kvcc_set_msg(msg, msg_cap, "%s: tokenizer.ggml.token_type has %llu entries (expected "
+                         "%llu, one per token)", fn, (unsigned long long)nt,
+                         (unsigned long long)def.n_tokens);
             return KVCC_GGUF_ERR_SHAPE;
         }
         types = malloc((nt ? nt : 1) * sizeof *types);
-        if (!types) { set_msg(msg, msg_cap, "%s: out of memory", fn); return KVCC_GGUF_ERR_NOMEM; }
+        if (!types) {
+            kvcc_set_msg(msg, msg_cap, "%s: out of memory", fn);
+            return KVCC_GGUF_ERR_NOMEM;
+        }
         if ((st = kvcc_gguf_get_arr_i32(g, "tokenizer.ggml.token_type", types, nt, &nt))) {
-            set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
+            kvcc_set_msg(msg, msg_cap, "%s", kvcc_gguf_errmsg(g));
             free(types);
             return st;
         }
@@ -433,7 +431,7 @@ int kvcc_tok_from_gguf(kvcc_gguf *g, kvcc_tok **out, char *msg, size_t msg_cap) 
     def.eos_id = kvcc_gguf_get_u32(g, "tokenizer.ggml.eos_token_id", &v) == 0 ? (int32_t)v : -1;
     char sub[256];
     st = kvcc_tok_create(&def, out, sub, sizeof sub);
-    if (st) set_msg(msg, msg_cap, "%s: %s", fn, sub);
+    if (st) kvcc_set_msg(msg, msg_cap, "%s: %s", fn, sub);
     free(types);
     return st;
 }
@@ -526,7 +524,8 @@ static void bpe_piece(const kvcc_tok *t, enc_ctx *c, const uint8_t *s, size_t n)
     }
     for (size_t i = 0; i < n; i++) {
         int32_t id = t->byte_id[s[i]];
-        c->syms[i] = (sym){id < 0 ? t->unk_id : id, (int32_t)i - 1, i + 1 < n ? (int32_t)i + 1 : -1};
+        c->syms[i] =
+            (sym){id < 0 ? t->unk_id : id, (int32_t)i - 1, i + 1 < n ? (int32_t)i + 1 : -1};
     }
     c->heap_n = 0;
     for (size_t i = 0; i + 1 < n; i++) add_cand(t, c, (int32_t)i);

@@ -1,30 +1,257 @@
 /*
- * serve_skeleton.c: how a serving stack starts libkvrt: open the .kvpol artifact against the
- * model it runs (refused if compiled for another model), create a backend context (CUDA when
- * this libkvrt has it and a GPU is present, else CPU), print the device, run one op.
+ * serve_skeleton.c: how a serving stack starts libkvrt and runs a policy: open the .kvpol
+ * artifact against the model it runs (refused if compiled for another model), create a backend
+ * context (CUDA when this libkvrt has it and a GPU is present, else CPU), print the device, run
+ * one op, then open the handle of a policy the artifact carries (it holds every option the
+ * artifact was compiled with) and run it on one layer: CompilerKV (prompt features over every
+ * layer, then the kept tokens of one layer), Attention Matching (one layer compacted with the
+ * compiled schedule, key selection and chunk) or CompKV (a decode state with the compiled
+ * grouping and one decode step). The q/k/v are made up (deterministic, well-formed, of the
+ * artifact's dimensions); a real server passes its own post-RoPE activations of the layer.
+ * Only the serving header kvrt.h is used.
  *
- * Build (after `make`; CPU-only libkvrt):
- *   cc -std=c11 -O2 -Iruntime/include -Iformats examples/serve_skeleton.c \
- *      build/libkvrt.a build/libkvpol.a -lzstd -lxxhash -lopenblas -lm -fopenmp -o serve_skeleton
+ * Build: `make examples` (build/examples/serve_skeleton), or by hand after `make` (CPU-only):
+ *   cc -std=c11 -O2 -Iruntime/include examples/serve_skeleton.c build/libkvrt.a \
+ *      build/libkvpol.a -lopenblas -llapacke -lzstd -lxxhash -lm -fopenmp -o serve_skeleton
  * With a CUDA libkvrt (USE_CUDA=1) add:
  *      -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublas -lcudart -lstdc++
  * Run:
- *   ./serve_skeleton smollm2.kvpol [--cpu]
- * The model dimensions below are SmolLM2-135M's; a real server takes them from its model config.
+ *   ./serve_skeleton smollm2.kvpol [--cpu] [--policy compilerkv|am|compkv]
+ * (default policy: the first of compilerkv, am, compkv that the artifact carries). Exit 0 when
+ * the op and the policy call succeed, 1 on a failure, 2 on a usage error. The model dimensions
+ * below are SmolLM2-135M's; a real server takes them from its model config.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvrt.h"
 
+enum { T_CTX = 512 }; /* context tokens of the made-up request */
+
+/* Made-up but well-formed activations of `layer`: q [T, H, d], k, v [T, Hkv, d]. Keys carry a
+ * slowly drifting direction plus a per-token wiggle, and every 37th token has a larger key, so
+ * that the policies have something to choose between; queries lean towards the keys. */
+static void fake_layer(uint32_t layer, int64_t T, uint32_t H, uint32_t Hkv, uint32_t d, float *q,
+                       float *k, float *v) {
+    for (int64_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < Hkv; j++)
+            for (uint32_t i = 0; i < d; i++) {
+                const size_t at = ((size_t)t * Hkv + j) * d + i;
+                const float peak = t % 37 == 0 ? 3.0f : 1.0f;
+                k[at] = peak * (sinf(0.01f * (float)t + 0.5f * (float)(i + j + layer)) +
+                                0.3f * cosf(1.7f * (float)(t * (i + 1) % 97)));
+                v[at] = cosf(0.02f * (float)t * (float)(1 + i % 5) + (float)(i + 3 * j));
+            }
+    for (int64_t t = 0; t < T; t++)
+        for (uint32_t h = 0; h < H; h++)
+            for (uint32_t i = 0; i < d; i++)
+                q[((size_t)t * H + h) * d + i] =
+                    sinf(0.01f * (float)t + 0.5f * (float)(i + h / (H / Hkv) + layer)) +
+                    0.5f * sinf(0.3f * (float)(h * d + i));
+}
+
+static int fail_call(const char *what, int rc) {
+    fprintf(stderr, "error: %s: %s (%s)\n", what, kvrt_last_error()->msg, kvrt_status_name(rc));
+    return rc;
+}
+
+/* CompilerKV: the prompt's features over every layer, then the kept tokens of `layer` at the
+ * smallest compiled budget, gathered into an f16 cache. */
+static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                          const kvrt_model_dims *m, uint32_t layer, float *q, float *k,
+                          float *v) {
+    const int64_t T = T_CTX, budget = tb->budgets[0];
+    printf("compilerkv: %u compiled budgets (smallest %lld tokens), window %u\n", tb->n_budgets,
+           (long long)budget, tb->window);
+    if (budget >= T) {
+        fprintf(stderr, "error: the smallest compiled budget, %lld tokens, is not below this "
+                "example's %lld context tokens\n", (long long)budget, (long long)T);
+        return KVRT_ERR_ARG;
+    }
+    kvrt_compilerkv_prompt *pr = NULL;
+    float *next_logprob = malloc(sizeof(float) * (T - 1));
+    kvrt_selection *sel = NULL;
+    kvrt_cache *cache = NULL;
+    kvrt_compilerkv_stats st;
+    int rc = next_logprob ? kvrt_compilerkv_prompt_create(T, tb->window, &pr) : KVRT_ERR_NOMEM;
+    if (rc != KVRT_OK) return fail_call("kvrt_compilerkv_prompt_create", rc);
+    for (uint32_t l = 0; l < m->n_layers && rc == KVRT_OK; l++) { /* as the prefill goes */
+        fake_layer(l, T, m->n_heads, m->n_kv_heads, m->head_dim, q, k, v);
+        rc = kvrt_compilerkv_prompt_add_layer(pr, q, k, m->n_heads, m->n_kv_heads, m->head_dim);
+    }
+    if (rc != KVRT_OK) rc = fail_call("kvrt_compilerkv_prompt_add_layer", rc);
+    for (int64_t t = 0; t + 1 < T; t++) next_logprob[t] = -2.5f - sinf(0.1f * (float)t);
+    if (rc == KVRT_OK && (rc = kvrt_compilerkv_prompt_finish(pr, next_logprob)) != KVRT_OK)
+        rc = fail_call("kvrt_compilerkv_prompt_finish", rc);
+    if (rc == KVRT_OK) {
+        fake_layer(layer, T, m->n_heads, m->n_kv_heads, m->head_dim, q, k, v);
+        rc = kvrt_compilerkv_select(ctx, tb, pr, layer, v, m->n_kv_heads, m->head_dim, budget, 0,
+                                    &sel, &st);
+        if (rc != KVRT_OK) rc = fail_call("kvrt_compilerkv_select", rc);
+    }
+    if (rc == KVRT_OK &&
+        (rc = kvrt_cache_gather(k, v, T, m->n_kv_heads, m->head_dim, sel, KVRT_DTYPE_F16,
+                                &cache)) != KVRT_OK)
+        rc = fail_call("kvrt_cache_gather", rc);
+    if (rc == KVRT_OK) {
+        printf("compilerkv: layer %u, %lld context tokens, budget %lld: kept %lld, one set for "
+               "all KV heads (tau %.4g, risk bins %d/%d), f16 cache %zu bytes\n", layer,
+               (long long)T, (long long)budget, (long long)st.kept, st.tau, st.b_ent, st.b_ppl,
+               kvrt_cache_bytes(cache));
+        const int64_t n0 = sel->offsets[1] - sel->offsets[0];
+        printf("compilerkv: KV head 0 keeps positions");
+        for (int64_t i = 0; i < n0 && i < 8; i++) printf(" %d", sel->positions[i]);
+        if (n0 > 8) printf(" ... %d", sel->positions[n0 - 1]);
+        printf("\n");
+    }
+    kvrt_cache_free(cache);
+    kvrt_selection_free(sel);
+    kvrt_compilerkv_prompt_free(pr);
+    free(next_logprob);
+    return rc;
+}
+
+/* Attention Matching: `layer` compacted at the first compiled target with the compiled
+ * per-head ratios, key selection and chunk (o NULL: the compiled options). */
+static int run_am(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kvrt_model_dims *m,
+                  uint32_t layer, float *q, float *k, float *v) {
+    const double *targets;
+    int n_targets;
+    kvrt_am_opts o;
+    const float *ratios;
+    int rc = kvrt_am_schedule_targets(s, &targets, &n_targets);
+    if (rc == KVRT_OK) rc = kvrt_am_schedule_opts(s, &o);
+    if (rc == KVRT_OK) rc = kvrt_am_schedule_ratios(s, targets[0], layer, &ratios);
+    if (rc != KVRT_OK) return fail_call("the AM schedule", rc);
+    printf("am: %d compiled targets (first %g), key selection %s, chunk %lld\n", n_targets,
+           targets[0], o.key_select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
+           (long long)o.chunk);
+    const int64_t T = T_CTX;
+    fake_layer(layer, T, m->n_heads, m->n_kv_heads, m->head_dim, q, k, v);
+    kvrt_am_stats *stats = calloc(m->n_kv_heads, sizeof *stats);
+    kvrt_cache *cache = NULL;
+    rc = stats ? kvrt_am_compact_scheduled(ctx, s, NULL, 0, targets[0], layer, q, k, v, T,
+                                           m->n_heads, KVRT_DTYPE_F16, &cache, stats)
+               : KVRT_ERR_NOMEM;
+    if (rc != KVRT_OK) {
+        free(stats);
+        return fail_call("kvrt_am_compact_scheduled", rc);
+    }
+    printf("am: layer %u, %lld context tokens, target %g: f16 cache %zu bytes\n", layer,
+           (long long)T, targets[0], kvrt_cache_bytes(cache));
+    for (uint32_t j = 0; j < m->n_kv_heads; j++)
+        printf("am: KV head %u: ratio %.4f, %lld entries asked, %lld kept, mass error %.2e, "
+               "output error %.2e\n", j, ratios[j], (long long)stats[j].asked,
+               (long long)stats[j].kept, stats[j].mass_relerr, stats[j].out_relerr);
+    kvrt_cache_free(cache);
+    free(stats);
+    return KVRT_OK;
+}
+
+/* CompKV: a decode state of `layer` with the compiled grouping, the context appended, one decode
+ * step that reads a quarter of the blocks exactly and the rest through their means. */
+static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_model_dims *m,
+                      uint32_t layer, float *q, float *k, float *v) {
+    kvrt_compkv_opts o;
+    int rc = kvrt_compkv_grouping_opts(g, &o);
+    if (rc != KVRT_OK) return fail_call("kvrt_compkv_grouping_opts", rc);
+    uint32_t n_learned = 0;
+    for (uint32_t j = 0; j < g->n_kv_heads; j++) n_learned += g->learned[layer * g->n_kv_heads + j];
+    printf("compkv: block %u tokens, r %u variance groups; layer %u: learned grouping on %u of %u "
+           "KV heads\n", o.block, o.r, layer, n_learned, g->n_kv_heads);
+    const int64_t T = T_CTX;
+    fake_layer(layer, T, m->n_heads, m->n_kv_heads, m->head_dim, q, k, v);
+    kvrt_compkv *st = NULL;
+    rc = kvrt_compkv_create_layer(ctx, g, layer, T, NULL, 0, &st);
+    if (rc != KVRT_OK) return fail_call("kvrt_compkv_create_layer", rc);
+    const int64_t n_blocks = (T + o.block - 1) / o.block;
+    const int64_t k_blocks = n_blocks >= 8 ? n_blocks / 4 : (n_blocks + 1) / 2;
+    float *out = malloc(sizeof(float) * m->n_heads * m->head_dim);
+    int32_t *blocks = malloc(sizeof(int32_t) * m->n_kv_heads * (size_t)k_blocks);
+    rc = out && blocks ? kvrt_compkv_append(st, k, v, T) : KVRT_ERR_NOMEM;
+    if (rc == KVRT_OK) /* the last token's queries stand in for the next decode step */
+        rc = kvrt_compkv_step(st, q + (size_t)(T - 1) * m->n_heads * m->head_dim, m->n_heads,
+                              k_blocks, out, blocks);
+    if (rc != KVRT_OK) {
+        rc = fail_call("kvrt_compkv_step", rc);
+    } else {
+        printf("compkv: layer %u, %lld tokens in %lld blocks: one step reads %lld blocks per KV "
+               "head\n", layer, (long long)kvrt_compkv_length(st), (long long)n_blocks,
+               (long long)k_blocks);
+        printf("compkv: KV head 0 reads blocks");
+        for (int64_t i = 0; i < k_blocks && i < n_blocks; i++) printf(" %d", blocks[i]);
+        printf("; out[0][0..3] %.4f %.4f %.4f %.4f\n", out[0], out[1], out[2], out[3]);
+    }
+    free(blocks);
+    free(out);
+    kvrt_compkv_free(st);
+    return rc;
+}
+
+/* A kvrt_*_open status: KVRT_ERR_UNSUPPORTED says the artifact does not carry that policy (not
+ * an error here: the caller tries the next one); other failures are reported. 1 when open. */
+static int opened(const char *fn, int rc, int *found) {
+    *found = rc != KVRT_ERR_UNSUPPORTED;
+    if (*found && rc != KVRT_OK) fail_call(fn, rc);
+    return rc == KVRT_OK;
+}
+
+static int wants(const char *asked, const char *name) { return !asked || !strcmp(asked, name); }
+
+/* Opens the handle of `name` (NULL: the first of compilerkv, am, compkv the artifact carries)
+ * and runs it on the middle layer. *found: 0 when the artifact carries none of those asked. */
+static int run_policy(kvrt_ctx *ctx, const kvrt_policy *pol, const char *name, int *found) {
+    kvrt_model_dims m;
+    kvrt_policy_model(pol, &m);
+    const uint32_t layer = m.n_layers / 2;
+    const size_t nq = (size_t)T_CTX * m.n_heads * m.head_dim;
+    const size_t nk = (size_t)T_CTX * m.n_kv_heads * m.head_dim;
+    float *q = malloc(sizeof(float) * nq), *k = malloc(sizeof(float) * nk);
+    float *v = malloc(sizeof(float) * nk);
+    int rc = KVRT_ERR_NOMEM;
+    *found = 0;
+    if (q && k && v && wants(name, "compilerkv")) {
+        kvrt_compilerkv_tables *tb = NULL;
+        if (opened("kvrt_compilerkv_open", rc = kvrt_compilerkv_open(pol, &tb), found))
+            rc = run_compilerkv(ctx, tb, &m, layer, q, k, v);
+        kvrt_compilerkv_tables_free(tb);
+    }
+    if (q && k && v && !*found && wants(name, "am")) {
+        kvrt_am_schedule *s = NULL;
+        if (opened("kvrt_am_open", rc = kvrt_am_open(pol, &s), found))
+            rc = run_am(ctx, s, &m, layer, q, k, v);
+        kvrt_am_schedule_free(s);
+    }
+    if (q && k && v && !*found && wants(name, "compkv")) {
+        kvrt_compkv_grouping *g = NULL;
+        if (opened("kvrt_compkv_open", rc = kvrt_compkv_open(pol, &g), found))
+            rc = run_compkv(ctx, g, &m, layer, q, k, v);
+        kvrt_compkv_grouping_free(g);
+    }
+    if (rc == KVRT_ERR_NOMEM && !*found) fprintf(stderr, "error: out of memory\n");
+    free(q);
+    free(k);
+    free(v);
+    return rc;
+}
+
 int main(int argc, char **argv) {
-    if (argc < 2) {
-        fprintf(stderr, "usage: %s MODEL.kvpol [--cpu]\n", argv[0]);
+    const char *path = NULL, *policy = NULL;
+    int force_cpu = 0, usage = argc < 2;
+    for (int i = 1; i < argc && !usage; i++) {
+        if (strcmp(argv[i], "--cpu") == 0) force_cpu = 1;
+        else if (strcmp(argv[i], "--policy") == 0 && i + 1 < argc) policy = argv[++i];
+        else if (argv[i][0] != '-' && !path) path = argv[i];
+        else usage = 1;
+    }
+    if (usage || !path || (policy && strcmp(policy, "compilerkv") && strcmp(policy, "am") &&
+                           strcmp(policy, "compkv"))) {
+        fprintf(stderr, "usage: %s MODEL.kvpol [--cpu] [--policy compilerkv|am|compkv]\n",
+                argv[0]);
         return 2;
     }
-    const char *path = argv[1];
-    const int force_cpu = argc > 2 && strcmp(argv[2], "--cpu") == 0;
     printf("libkvrt %s\n", kvrt_version());
 
     // --- 1. the policy artifact, checked against the model this server runs
@@ -101,7 +328,24 @@ int main(int argc, char **argv) {
                scores[3]);
     if (dev == KVRT_DEVICE_CUDA) kvrt_ctx_dealloc(ctx, buf);
 
-    // --- 4. per request / per layer: the policies run here (coming with the policy ops)
+    // --- 4. per request / per layer: a policy handle from the artifact, run on one layer.
+    // The policies run on CPU contexts in this libkvrt; a CUDA context says
+    // KVRT_ERR_UNSUPPORTED naming the op, and the policy then runs on a CPU context.
+    if (rc == KVRT_OK) {
+        int found;
+        rc = run_policy(ctx, pol, policy, &found);
+        if (found && rc == KVRT_ERR_UNSUPPORTED && info.backend == KVRT_BACKEND_CUDA) {
+            kvrt_ctx *cpu = NULL;
+            fprintf(stderr, "note: running the policy on a CPU context instead\n");
+            rc = kvrt_ctx_create(KVRT_BACKEND_CPU, &opts, &cpu, &err);
+            if (rc == KVRT_OK) rc = run_policy(cpu, pol, policy, &found);
+            else fprintf(stderr, "error: %s (%s)\n", err.msg, kvrt_status_name(rc));
+            kvrt_ctx_free(cpu);
+        }
+        if (!found && rc == KVRT_ERR_UNSUPPORTED)
+            fprintf(stderr, "error: %s carries no %s policy group\n", path,
+                    policy ? policy : "CompilerKV, Attention Matching or CompKV");
+    }
 
     kvrt_ctx_free(ctx);
     kvrt_policy_free(pol);

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # device-check.sh: the one command to run on a machine with an NVIDIA GPU.
 #   - lists the GPUs (nvidia-smi -L) and the toolkit (nvcc --version)
+#   - first: builds and runs tests/backend (every op of the backend table on CPU and CUDA against
+#     its reference); a "skipped: no GPU" row is a failure here
 #   - builds with USE_CUDA=1: the test binary and every benchmark
 #   - runs build/tests/kvcc_tests (includes the CUDA-vs-CPU-reference equivalence tests; on this
 #     machine they must run, so a "skipped: no GPU" line is a failure here)
@@ -38,6 +40,19 @@ else
     fail "nvcc not found (install the CUDA toolkit or put it on PATH)"
 fi
 
+step "backend ops (tests/backend, USE_CUDA=1)"
+if make -j"$JOBS" USE_CUDA=1 build/tests/test_backend_ops; then
+    BLOG="$OUTDIR/device-check.backend-ops.log"
+    timeout 300 build/tests/test_backend_ops 2>&1 | tee "$BLOG"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || fail "test_backend_ops exited with $rc"
+    if grep -q "skipped: no GPU" "$BLOG"; then
+        fail "test_backend_ops skipped the CUDA rows on a machine that should have a GPU"
+    fi
+else
+    fail "make USE_CUDA=1 build/tests/test_backend_ops"
+fi
+
 step "build (USE_CUDA=1)"
 BENCH_BINS=()
 for src in bench/*.c; do
@@ -66,7 +81,7 @@ else
     fail "build/tests/kvcc_tests missing"
 fi
 
-step "CUDA attend kernels under compute-sanitizer (memcheck), when the toolkit has it"
+step "CUDA kernels under compute-sanitizer (memcheck), when the toolkit has it"
 # The attend kernels (runtime/cuda/attend.cu) were written on a machine without a GPU: check
 # their memory accesses once here. Criterion forks a process per test, hence --target-processes.
 CSAN="$(command -v compute-sanitizer 2>/dev/null || true)"
@@ -77,6 +92,15 @@ if [ -n "$CSAN" ] && [ -x build/tests/kvcc_tests ]; then
         echo "compute-sanitizer: clean"
     else
         fail "compute-sanitizer memcheck on the CUDA attend tests"
+    fi
+    if [ -x build/tests/test_backend_ops ]; then
+        if timeout 600 "$CSAN" --tool memcheck --error-exitcode 99 build/tests/test_backend_ops \
+            > "$OUTDIR/device-check.backend-ops.memcheck.log" 2>&1; then
+            echo "compute-sanitizer (test_backend_ops): clean"
+        else
+            tail -n 40 "$OUTDIR/device-check.backend-ops.memcheck.log"
+            fail "compute-sanitizer memcheck on test_backend_ops"
+        fi
     fi
 else
     echo "compute-sanitizer not found: step skipped"

@@ -176,13 +176,13 @@ int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kv
                               int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
     const char *fn = "kvrt_am_compact_scheduled";
     if (out) *out = NULL;
-    int rc = kvrt_policy_ctx_check(ctx, fn, "am_compact_layer");
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_AM_COMPACT_LAYER);
     if (rc) return rc;
     const float *ratios = NULL;
     rc = scheduled_check(fn, s, o, flags, target, layer, out, &ratios);
     if (rc == KVRT_OK)
-        rc = kvrt_cpu_am_compact_layer_multi(o ? o : &s->opts, q, k, v, T, n_heads, s->n_kv_heads,
-                                             s->head_dim, 1, ratios, &target, dtype, out, stats);
+        rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, q, k, v, T, n_heads, s->n_kv_heads,
+                                        s->head_dim, 1, ratios, &target, dtype, out, stats);
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
@@ -190,9 +190,9 @@ int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const 
                     int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
                     int64_t n, int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
     if (out) *out = NULL;
-    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact", "am_compact");
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact", KVRT_OP_AM_COMPACT);
     if (rc) return rc;
-    rc = kvrt_cpu_am_compact(o, k, v, T, head_dim, q_ref, q_pos, n, t, dtype, out, stats);
+    rc = ctx->ops->am_compact(ctx, o, k, v, T, head_dim, q_ref, q_pos, n, t, dtype, out, stats);
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
@@ -201,12 +201,12 @@ int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, 
                           uint32_t head_dim, const float *ratios, double ratio, int dtype,
                           kvrt_cache **out, kvrt_am_stats *stats) {
     if (out) *out = NULL;
-    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact_layer", "am_compact_layer");
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact_layer", KVRT_OP_AM_COMPACT_LAYER);
     if (rc) return rc;
     if (out == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
     else
-        rc = kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1,
-                                             ratios, &ratio, dtype, out, stats);
+        rc = ctx->ops->am_compact_layer(ctx, o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1,
+                                        ratios, &ratio, dtype, out, stats);
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
@@ -215,13 +215,13 @@ int kvrt_am_compact_layer_multi(kvrt_ctx *ctx, const kvrt_am_opts *o, const floa
                                 uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                                 const float *ratios, const double *ratio_list, int dtype,
                                 kvrt_cache **out, kvrt_am_stats *stats) {
-    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact_layer_multi", "am_compact_layer");
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_am_compact_layer_multi", KVRT_OP_AM_COMPACT_LAYER);
     if (rc) {
         if (out && n_sets > 0 && n_sets <= 4096)
             for (int i = 0; i < n_sets; i++) out[i] = NULL;
         return rc;
     }
-    rc = kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, n_sets,
-                                         ratios, ratio_list, dtype, out, stats);
+    rc = ctx->ops->am_compact_layer(ctx, o, q, k, v, T, n_heads, n_kv_heads, head_dim, n_sets,
+                                    ratios, ratio_list, dtype, out, stats);
     return kvrt_policy_ctx_done(ctx, rc);
 }

@@ -1,14 +1,13 @@
 /*
  * attend.c: kvrt_attend, attention of queries over a compressed cache (plus an optional causal
- * window of recent tokens): the argument checks shared by every backend, then the dispatch to
- * the CPU fast path (runtime/cpu/attend.c) or the CUDA kernels (runtime/cuda/attend.cu).
+ * window of recent tokens): the argument checks shared by every backend, then the context's
+ * attend op (CPU: runtime/cpu/attend.c; CUDA: runtime/cuda/attend.cu).
  * Callers: serving stacks, the built-in model's evaluation, the compiler's rollouts, tests.
  *
  * defines: kvrt_attend, kvrt_attend_check (internal, core/backend.h)
  *
  * The op and its edge cases are specified in kvrt.h; the reference is kvrt_attend_ref
- * (runtime/cpu/attend.c). Dispatch is a switch on ctx->backend rather than a new entry in
- * kvrt_backend_ops, so the function table of the first version stays as it was.
+ * (runtime/cpu/attend.c).
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,17 +85,8 @@ int kvrt_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads, cons
                             c->device == KVRT_DEVICE_CUDA ? "CUDA" : "the host",
                             c->owner != NULL && c->owner != ctx ? " of another context" : "",
                             ctx->device == KVRT_DEVICE_CUDA ? "CUDA" : "the host");
-    switch (ctx->backend) {
-    case KVRT_BACKEND_CPU:
-        return kvrt_cpu_attend(ctx, q, n, n_heads, c, k_recent, v_recent, n_recent, scale, out,
-                               lse_out);
-#if defined(KVRT_WITH_CUDA)
-    case KVRT_BACKEND_CUDA:
-        return kvrt_cuda_attend(ctx, q, n, n_heads, c, k_recent, v_recent, n_recent, scale, out,
-                                lse_out);
-#endif
-    default:
-        return kvrt_err_set(e, KVRT_ERR_UNSUPPORTED, 0,
-                            "kvrt_attend: backend %d has no attention op", ctx->backend);
-    }
+    rc = kvrt_backend_check(ctx, e, "kvrt_attend", KVRT_OP_ATTEND);
+    if (rc != KVRT_OK) return rc;
+    return ctx->ops->attend(ctx, q, n, n_heads, c, k_recent, v_recent, n_recent, scale, out,
+                            lse_out);
 }

@@ -1,17 +1,18 @@
 /*
- * backend.h: libkvrt internals shared by the core, the CPU backend and the CUDA backend.
- * Not installed; serving stacks only see kvrt.h.
+ * backend.h: libkvrt internals shared by the core (runtime/core/), the CPU backend
+ * (runtime/cpu/) and the CUDA backend (runtime/cuda/). Not installed; serving stacks only see
+ * kvrt.h.
+ * Callers: every runtime file; tests that reach a backend's table (tests/backend/).
  *
- * defines: struct kvrt_ctx, kvrt_backend_ops (the backend function table), kvrt_err_set,
- *          kvrt_cpu_softmax_rows (CPU fast path, runtime/cpu/softmax.c),
- *          kvrt_tls_err, kvrt_f32_to_f16_row, kvrt_f16_to_f32_row (core/cache.c),
- *          kvrt_attend_check (core/attend.c), kvrt_cpu_attend (runtime/cpu/attend.c),
- *          kvrt_cuda_* (CUDA backend entry points, runtime/cuda/cuda_backend.cu; only declared
- *          when built with KVRT_WITH_CUDA)
+ * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_tls_err, KVRT_BACKEND_API_VERSION,
+ *          kvrt_backend_ops (one entry per op), struct kvrt_ctx, kvrt_backend_check,
+ *          kvrt_backend_cpu, kvrt_backend_cuda, kvrt_cuda_device_count_impl,
+ *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
+ *          kvrt_f16_to_f32_row
  *
- * Included by C files and by the .cu (hence the extern "C" block): it must stay valid C11 and
- * C++17 and must not include any CUDA header (the CPU side never sees CUDA types; backend state
- * is an opaque `void *impl`).
+ * Included by C files and by the .cu files (hence the extern "C" block): it must stay valid C11
+ * and C++17 and must not include any CUDA header (the CPU side never sees CUDA types; backend
+ * state is an opaque `void *impl`).
  */
 #ifndef KVRT_BACKEND_H
 #define KVRT_BACKEND_H
@@ -29,7 +30,9 @@ extern "C" {
 #define KVRT_INTERNAL
 #endif
 
-/* ------------------------------------------------------------------ errors */
+// ----------------------------------------------------------------------------
+// errors
+
 /* Fill *err (may be NULL) with code, detail and a printf-style message; returns code so that
  * callers can write `return kvrt_err_set(err, KVRT_ERR_ARG, 0, "...")`. */
 #if defined(__GNUC__)
@@ -37,14 +40,33 @@ __attribute__((format(printf, 4, 5)))
 #endif
 KVRT_INTERNAL int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...);
 
-/* ------------------------------------------------------------------ backend table */
-/* One table per backend. The core (ctx.c) validates arguments that do not depend on the backend
- * (NULLs, shapes, dtypes, which device a tensor lives on) before calling in, so backends may
- * assume: ctx != NULL, tensors pass kvrt_tensor_check, softmax tensors are 2-D f32 of equal
- * shape with column stride 1 and live on this context's device. Functions without a kvrt_error*
- * record their message in ctx->last_err. */
+/* The thread-local kvrt_error behind kvrt_last_error() (core/cache.c), for calls that take no
+ * context and no kvrt_error*. */
+KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
+
+// ----------------------------------------------------------------------------
+// the backend table
+
+/* Bumped whenever a slot is added, removed or changes its signature; kvrt_ctx_create refuses a
+ * table of another version (ggml's GGML_BACKEND_API_VERSION). */
+#define KVRT_BACKEND_API_VERSION 1
+
+/* One table per backend, one entry per op (ggml's struct ggml_backend_i). The housekeeping
+ * entries are required; an op entry may be NULL, which means the backend lacks the op: the
+ * public entry point then returns KVRT_ERR_UNSUPPORTED naming the op and the backend
+ * (kvrt_backend_check), and kvrt_backend_supports reports 0.
+ *
+ * The core validates what does not depend on the backend (NULLs, shapes, dtypes, which device
+ * the data lives on) before calling an op, so an op may assume: ctx != NULL, arguments as the
+ * public entry point of kvrt.h / kvrt_experimental.h documents them, data in this context's
+ * memory (host pointers on the CPU, device pointers on CUDA). An op reports a failure where its
+ * public entry point says (ctx->last_err for calls on a context; kvrt_last_error() for the
+ * context-free calls the CPU slots wrap). */
 typedef struct kvrt_backend_ops {
-    const char *name; /* "cpu", "cuda" */
+    int api_version;  /* KVRT_BACKEND_API_VERSION */
+    const char *name; /* "cpu", "cuda": the backend in messages */
+
+    // --- housekeeping (required)
     int (*init)(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err);
     void (*free)(kvrt_ctx *ctx); /* releases ctx->impl; never called with a NULL ctx */
     int (*info)(const kvrt_ctx *ctx, kvrt_device_info *out);
@@ -53,7 +75,61 @@ typedef struct kvrt_backend_ops {
     int (*upload)(kvrt_ctx *ctx, void *dst_dev, const void *src_host, size_t bytes);
     int (*download)(kvrt_ctx *ctx, void *dst_host, const void *src_dev, size_t bytes);
     int (*sync)(kvrt_ctx *ctx);
+
+    // --- primitives (KVRT_OP_SOFTMAX_ROWS .. KVRT_OP_CACHE_GATHER)
+    /* kvrt_softmax_rows: x, y 2-D f32 of equal shape, column stride 1 (ctx.c checked). */
     int (*softmax_rows)(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale);
+    /* kvrt_attend: checked by kvrt_attend_check; c is a cache of this context. */
+    int (*attend)(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
+                  const kvrt_cache *c, const float *k_recent, const float *v_recent,
+                  int64_t n_recent, float scale, float *out, float *lse_out);
+    /* kvrt_topk: scores [n] -> idx [k], ascending. */
+    int (*topk)(kvrt_ctx *ctx, const float *scores, int64_t n, int64_t k, int32_t *idx);
+    /* kvrt_cache_gather from host k, v [T, Hkv, d] into a cache in this context's memory
+     * (CPU: a host cache; CUDA: a device cache owned by ctx). */
+    int (*cache_gather)(kvrt_ctx *ctx, const float *k, const float *v, int64_t T,
+                        uint32_t n_kv_heads, uint32_t head_dim, const kvrt_selection *sel,
+                        int dtype, kvrt_cache **out);
+
+    // --- baseline scores (KVRT_OP_SNAPKV_SCORES, KVRT_OP_H2O_SCORES)
+    /* kvrt_snapkv_scores / kvrt_h2o_scores: q [T, H, d], k [T, Hkv, d] -> scores [Hkv, T]. */
+    int (*snapkv_scores)(kvrt_ctx *ctx, const float *q, const float *k, int64_t T,
+                         uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                         uint32_t window, float *scores);
+    int (*h2o_scores)(kvrt_ctx *ctx, const float *q, const float *k, int64_t T, uint32_t n_heads,
+                      uint32_t n_kv_heads, uint32_t head_dim, float *scores);
+
+    // --- policy hot ops (KVRT_OP_COMPILERKV_SELECT .. KVRT_OP_COMPKV_STEP)
+    /* CompilerKV, one layer of a finished prompt with the compiled tables
+     * (kvrt_compilerkv_select): value norms of v [T, Hkv, d], the table row of the budget and
+     * the prompt's risk bins, the elastic selection. */
+    int (*compilerkv_select)(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                             const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v,
+                             uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
+                             unsigned flags, kvrt_selection **out, kvrt_compilerkv_stats *st);
+    /* Attention Matching, one KV head with explicit reference queries (kvrt_am_compact). */
+    int (*am_compact)(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v,
+                      int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
+                      int64_t n, int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats);
+    /* Attention Matching, one layer for n_sets budget sets (kvrt_am_compact_layer_multi; the
+     * single-set calls pass n_sets = 1). */
+    int (*am_compact_layer)(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
+                            const float *k, const float *v, int64_t T, uint32_t n_heads,
+                            uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                            const float *ratios, const double *ratio_list, int dtype,
+                            kvrt_cache **out, kvrt_am_stats *stats);
+    /* CompKV: a decode state of one layer (kvrt_compkv_create), then the decode step parts
+     * (kvrt_compkv_scores, _attend_blocks, _step) on it. */
+    int (*compkv_create)(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                         uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                         const uint16_t *offsets, kvrt_compkv **out);
+    int (*compkv_scores)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                         float *scores);
+    int (*compkv_attend_blocks)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
+                                uint32_t n_heads, const int32_t *blocks, int64_t n_sel,
+                                float *out);
+    int (*compkv_step)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                       int64_t k_blocks, float *out, int32_t *blocks_out);
 } kvrt_backend_ops;
 
 struct kvrt_ctx {
@@ -67,42 +143,37 @@ struct kvrt_ctx {
     void *impl;                 /* backend-private state (CUDA: stream, cuBLAS handle) */
 };
 
-/* ------------------------------------------------------------------ CPU backend */
+/* KVRT_OK when ctx's backend implements op; else KVRT_ERR_UNSUPPORTED with "fn: the cuda
+ * backend does not implement op compkv_step" written to *e (may be NULL; the thread-local error
+ * gets it too). The dispatch points call it before ctx->ops->slot (core/ctx.c). */
+KVRT_INTERNAL int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const char *fn,
+                                     kvrt_op op);
+
+/* The tables (runtime/cpu/backend_cpu.c, runtime/cuda/cuda_backend.cu). */
+KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
+#if defined(KVRT_WITH_CUDA)
+KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cuda(void);
+KVRT_INTERNAL int kvrt_cuda_device_count_impl(void); /* 0 on any driver/runtime error */
+#endif
+
+// ----------------------------------------------------------------------------
+// CPU kernels behind the CPU table (runtime/cpu/)
+
 /* Fast CPU softmax over 2-D f32 views (row stride strides[0], column stride 1), OpenMP over rows
- * with n_threads threads (>= 1). Same semantics as kvrt_softmax_rows_ref. x and y may alias. */
+ * with n_threads threads (>= 1). Same semantics as kvrt_softmax_rows_ref. x and y may alias
+ * (cpu/softmax.c). */
 KVRT_INTERNAL int kvrt_cpu_softmax_rows(const kvrt_tensor *x, kvrt_tensor *y, float scale,
                                         int n_threads);
 
-/* ------------------------------------------------------------------ CUDA backend */
-#if defined(KVRT_WITH_CUDA)
-/* Defined in runtime/cuda/cuda_backend.cu with C linkage. */
-KVRT_INTERNAL int kvrt_cuda_device_count_impl(void); /* 0 on any driver/runtime error */
-KVRT_INTERNAL int kvrt_cuda_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err);
-KVRT_INTERNAL void kvrt_cuda_free(kvrt_ctx *ctx);
-KVRT_INTERNAL int kvrt_cuda_info(const kvrt_ctx *ctx, kvrt_device_info *out);
-KVRT_INTERNAL int kvrt_cuda_alloc(kvrt_ctx *ctx, size_t bytes, void **out);
-KVRT_INTERNAL void kvrt_cuda_dealloc(kvrt_ctx *ctx, void *p);
-KVRT_INTERNAL int kvrt_cuda_upload(kvrt_ctx *ctx, void *dst_dev, const void *src_host,
-                                   size_t bytes);
-KVRT_INTERNAL int kvrt_cuda_download(kvrt_ctx *ctx, void *dst_host, const void *src_dev,
-                                     size_t bytes);
-KVRT_INTERNAL int kvrt_cuda_sync(kvrt_ctx *ctx);
-KVRT_INTERNAL int kvrt_cuda_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y,
-                                         float scale);
-#endif
+/* CPU fast attention (cpu/attend.c): host cache of dtype f32/f16, arguments checked by
+ * kvrt_attend. Checks q for NaN itself; messages in ctx->last_err. */
+KVRT_INTERNAL int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
+                                  const kvrt_cache *c, const float *k_recent,
+                                  const float *v_recent, int64_t n_recent, float scale,
+                                  float *out, float *lse_out);
 
-
-/* ------------------------------------------------------------------ added with the cache, attend,
- * selection and baseline ops (runtime/core/cache.c, core/attend.c, cpu/attend.c, cpu/select.c,
- * cpu/baselines.c, cuda/attend.cu) */
-
-/* The thread-local kvrt_error behind kvrt_last_error() (core/cache.c), for calls that take no
- * context and no kvrt_error*. */
-KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
-
-/* Row conversions (core/cache.c), written to vectorize: dst[i] = f16(src[i]) (RNE) and back. */
-KVRT_INTERNAL void kvrt_f32_to_f16_row(const float *src, uint16_t *dst, int64_t n);
-KVRT_INTERNAL void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n);
+// ----------------------------------------------------------------------------
+// shared checks and conversions (runtime/core/)
 
 /* The backend-independent argument checks of kvrt_attend and kvrt_attend_ref (core/attend.c):
  * fn names the caller in the message written to *e. Does not look at q's values. */
@@ -111,31 +182,10 @@ KVRT_INTERNAL int kvrt_attend_check(kvrt_error *e, const char *fn, const float *
                                     const float *v_recent, int64_t n_recent, float scale,
                                     const float *out);
 
-/* CPU fast attention (cpu/attend.c). Arguments were checked by kvrt_attend (core/attend.c):
- * host cache of dtype f32/f16, n >= 1, n_heads % c->n_kv_heads == 0, pointers non-NULL as
- * required. Checks q for NaN itself; messages in ctx->last_err. */
-KVRT_INTERNAL int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
-                                  const kvrt_cache *c, const float *k_recent,
-                                  const float *v_recent, int64_t n_recent, float scale,
-                                  float *out, float *lse_out);
+/* Row conversions (core/cache.c), written to vectorize: dst[i] = f16(src[i]) (RNE) and back. */
+KVRT_INTERNAL void kvrt_f32_to_f16_row(const float *src, uint16_t *dst, int64_t n);
+KVRT_INTERNAL void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n);
 
-#if defined(KVRT_WITH_CUDA)
-/* The context's cudaStream_t, as void * so that this header stays free of CUDA types
- * (cuda/cuda_backend.cu); for the other .cu files of the backend. */
-KVRT_INTERNAL void *kvrt_cuda_stream_of(const kvrt_ctx *ctx);
-/* CUDA attention (cuda/attend.cu): same checks done; c is a device cache owned by ctx, every
- * pointer is device memory. Asynchronous on the context's stream. */
-KVRT_INTERNAL int kvrt_cuda_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
-                                   const kvrt_cache *c, const float *k_recent,
-                                   const float *v_recent, int64_t n_recent, float scale,
-                                   float *out, float *lse_out);
-#endif
-
-/* ------------------------------------------------------------------ added with CompilerKV */
-/* The validated kvpol file behind a policy handle (core/policy.c), for the policies' table
- * loaders (cpu/compilerkv.c). Valid until kvrt_policy_free; NULL for NULL. */
-struct kvpol_file;
-KVRT_INTERNAL const struct kvpol_file *kvrt_policy_file(const kvrt_policy *p);
 
 #ifdef __cplusplus
 }

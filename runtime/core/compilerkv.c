@@ -69,9 +69,10 @@ int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                            uint32_t n_kv_heads, uint32_t head_dim, int64_t budget, unsigned flags,
                            kvrt_selection **out, kvrt_compilerkv_stats *st) {
     if (out) *out = NULL;
-    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compilerkv_select", "compilerkv_select");
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compilerkv_select", KVRT_OP_COMPILERKV_SELECT);
     if (rc) return rc;
-    rc = kvrt_cpu_compilerkv_select(tb, pr, layer, v, n_kv_heads, head_dim, budget, flags, out, st);
+    rc = ctx->ops->compilerkv_select(ctx, tb, pr, layer, v, n_kv_heads, head_dim, budget, flags,
+                                     out, st);
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
@@ -82,7 +83,7 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                                unsigned flags, kvrt_selection **sels,
                                kvrt_compilerkv_stats *stats) {
     const char *fn = "kvrt_compilerkv_select_all";
-    int rc = kvrt_policy_ctx_check(ctx, fn, "compilerkv_select");
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_COMPILERKV_SELECT);
     if (rc) return rc;
     if (tb == NULL || q == NULL || k == NULL || v == NULL || sels == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
@@ -101,8 +102,8 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     }
     if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, next_logprob);
     for (uint32_t l = 0; l < L && rc == KVRT_OK; l++)
-        rc = kvrt_cpu_compilerkv_select(tb, pr, l, v[l], n_kv_heads, head_dim, budget, flags,
-                                        &sels[l], stats ? &stats[l] : NULL);
+        rc = ctx->ops->compilerkv_select(ctx, tb, pr, l, v[l], n_kv_heads, head_dim, budget,
+                                         flags, &sels[l], stats ? &stats[l] : NULL);
     if (rc != KVRT_OK)
         for (uint32_t l = 0; l < L; l++) {
             kvrt_selection_free(sels[l]);

@@ -184,7 +184,7 @@ int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint3
                              kvrt_compkv **out) {
     const char *fn = "kvrt_compkv_create_layer";
     if (out) *out = NULL;
-    int rc = kvrt_policy_ctx_check(ctx, fn, "compkv_create");
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_COMPKV_CREATE);
     if (rc) return rc;
     rc = layer_check(fn, g, layer, o, flags, out);
     if (rc == KVRT_OK) {
@@ -192,9 +192,9 @@ int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint3
         kvrt_compkv_grouping_opts(g, &c);
         const size_t hd = (size_t)g->n_kv_heads * g->head_dim;
         const size_t ho = (size_t)g->n_kv_heads * (g->r + 1);
-        rc = kvrt_cpu_compkv_create(o ? o : &c, g->n_kv_heads, g->head_dim, capacity,
-                                    g->perm + (size_t)layer * hd, g->offsets + (size_t)layer * ho,
-                                    out);
+        rc = ctx->ops->compkv_create(ctx, o ? o : &c, g->n_kv_heads, g->head_dim, capacity,
+                                     g->perm + (size_t)layer * hd,
+                                     g->offsets + (size_t)layer * ho, out);
     }
     return kvrt_policy_ctx_done(ctx, rc);
 }
@@ -203,8 +203,8 @@ int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_h
                        uint32_t head_dim, int64_t capacity, const uint16_t *perm,
                        const uint16_t *offsets, kvrt_compkv **out) {
     if (out) *out = NULL;
-    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_create", "compkv_create");
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_create", KVRT_OP_COMPKV_CREATE);
     if (rc) return rc;
-    rc = kvrt_cpu_compkv_create(o, n_kv_heads, head_dim, capacity, perm, offsets, out);
+    rc = ctx->ops->compkv_create(ctx, o, n_kv_heads, head_dim, capacity, perm, offsets, out);
     return kvrt_policy_ctx_done(ctx, rc);
 }

@@ -1,120 +1,27 @@
 /*
- * ctx.c: backend contexts. Validates arguments once, then dispatches through a backend function
- * table (core/backend.h): the CPU backend (defined here, ops in runtime/cpu/) always, the CUDA
+ * ctx.c: backend contexts. Validates arguments once, then dispatches through the context's
+ * backend table (core/backend.h): the CPU backend (runtime/cpu/backend_cpu.c) always, the CUDA
  * backend (runtime/cuda/cuda_backend.cu) when built with KVRT_WITH_CUDA.
- * Callers: serving stacks, tests, the compiler's rollouts (CPU).
+ * Callers: serving stacks, tests, the compiler's rollouts (CPU), every op's entry point
+ * (kvrt_backend_check).
  *
- * defines: kvrt_has_cuda, kvrt_cuda_device_count, kvrt_ctx_create, kvrt_ctx_free, kvrt_ctx_info,
+ * defines: kvrt_has_cuda, kvrt_cuda_device_count, kvrt_op_name, kvrt_backend_supports,
+ *          kvrt_backend_check (internal), kvrt_ctx_create, kvrt_ctx_free, kvrt_ctx_info,
  *          kvrt_ctx_last_error, kvrt_ctx_alloc, kvrt_ctx_dealloc, kvrt_ctx_upload,
  *          kvrt_ctx_download, kvrt_ctx_sync, kvrt_softmax_rows
  *
  * A context is not thread-safe: one thread at a time (its last_err is shared state).
- * This file never includes CUDA headers; the CUDA backend is reached through C entry points.
+ * This file never includes CUDA headers; the CUDA backend is reached through its table.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "kvrt_experimental.h"
 #include "core/backend.h"
 
 // ----------------------------------------------------------------------------
-// CPU backend
-
-static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err) {
-    int n = opts->n_threads;
-    if (n == 0) {
-#ifdef _OPENMP
-        n = omp_get_max_threads();
-#else
-        n = 1;
-#endif
-    }
-    if (n < 1) n = 1;
-    ctx->n_threads = n;
-    ctx->device = KVRT_DEVICE_HOST;
-    ctx->device_id = 0;
-    memset(&ctx->info, 0, sizeof ctx->info);
-    ctx->info.backend = KVRT_BACKEND_CPU;
-    snprintf(ctx->info.name, sizeof ctx->info.name, "CPU (%d thread%s)", n, n == 1 ? "" : "s");
-    ctx->info.device_id = 0;
-    ctx->info.n_threads = n;
-    (void)err;
-    return KVRT_OK;
-}
-
-static void cpu_free(kvrt_ctx *ctx) { (void)ctx; }
-
-static int cpu_info(const kvrt_ctx *ctx, kvrt_device_info *out) {
-    *out = ctx->info;
-    return KVRT_OK;
-}
-
-static int cpu_alloc(kvrt_ctx *ctx, size_t bytes, void **out) {
-    void *p = NULL;
-    /* 64-byte alignment: a cache line, and what .kvpol tensors are aligned to. */
-    size_t rounded = (bytes + 63u) & ~(size_t)63u;
-    if (rounded < bytes || posix_memalign(&p, 64, rounded) != 0)
-        return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0,
-                            "kvrt_ctx_alloc: cannot allocate %zu bytes on the host", bytes);
-    *out = p;
-    return KVRT_OK;
-}
-
-static void cpu_dealloc(kvrt_ctx *ctx, void *p) {
-    (void)ctx;
-    free(p);
-}
-
-static int cpu_copy(kvrt_ctx *ctx, void *dst, const void *src, size_t bytes) {
-    (void)ctx;
-    memmove(dst, src, bytes);
-    return KVRT_OK;
-}
-
-static int cpu_sync(kvrt_ctx *ctx) {
-    (void)ctx;
-    return KVRT_OK;
-}
-
-static int cpu_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {
-    return kvrt_cpu_softmax_rows(x, y, scale, ctx->n_threads);
-}
-
-static const kvrt_backend_ops cpu_ops = {
-    .name = "cpu",
-    .init = cpu_init,
-    .free = cpu_free,
-    .info = cpu_info,
-    .alloc = cpu_alloc,
-    .dealloc = cpu_dealloc,
-    .upload = cpu_copy,
-    .download = cpu_copy,
-    .sync = cpu_sync,
-    .softmax_rows = cpu_softmax_rows,
-};
-
-// ----------------------------------------------------------------------------
-// CUDA backend table (entry points live in runtime/cuda/cuda_backend.cu)
-
-#if defined(KVRT_WITH_CUDA)
-static const kvrt_backend_ops cuda_ops = {
-    .name = "cuda",
-    .init = kvrt_cuda_init,
-    .free = kvrt_cuda_free,
-    .info = kvrt_cuda_info,
-    .alloc = kvrt_cuda_alloc,
-    .dealloc = kvrt_cuda_dealloc,
-    .upload = kvrt_cuda_upload,
-    .download = kvrt_cuda_download,
-    .sync = kvrt_cuda_sync,
-    .softmax_rows = kvrt_cuda_softmax_rows,
-};
-#endif
+// backends and their ops
 
 int kvrt_has_cuda(void) {
 #if defined(KVRT_WITH_CUDA)
@@ -130,6 +37,56 @@ int kvrt_cuda_device_count(void) {
 #else
     return 0;
 #endif
+}
+
+static const char *const op_names[KVRT_OP_COUNT] = {
+    [KVRT_OP_SOFTMAX_ROWS] = "softmax_rows",
+    [KVRT_OP_ATTEND] = "attend",
+    [KVRT_OP_TOPK] = "topk",
+    [KVRT_OP_CACHE_GATHER] = "cache_gather",
+    [KVRT_OP_SNAPKV_SCORES] = "snapkv_scores",
+    [KVRT_OP_H2O_SCORES] = "h2o_scores",
+    [KVRT_OP_COMPILERKV_SELECT] = "compilerkv_select",
+    [KVRT_OP_AM_COMPACT] = "am_compact",
+    [KVRT_OP_AM_COMPACT_LAYER] = "am_compact_layer",
+    [KVRT_OP_COMPKV_CREATE] = "compkv_create",
+    [KVRT_OP_COMPKV_SCORES] = "compkv_scores",
+    [KVRT_OP_COMPKV_ATTEND_BLOCKS] = "compkv_attend_blocks",
+    [KVRT_OP_COMPKV_STEP] = "compkv_step",
+};
+
+const char *kvrt_op_name(int op) {
+    return op >= 0 && op < KVRT_OP_COUNT && op_names[op] ? op_names[op] : "unknown";
+}
+
+/* 1 when table t fills the slot of op. */
+static int has_slot(const kvrt_backend_ops *t, int op) {
+    switch (op) {
+    case KVRT_OP_SOFTMAX_ROWS: return t->softmax_rows != NULL;
+    case KVRT_OP_ATTEND: return t->attend != NULL;
+    case KVRT_OP_TOPK: return t->topk != NULL;
+    case KVRT_OP_CACHE_GATHER: return t->cache_gather != NULL;
+    case KVRT_OP_SNAPKV_SCORES: return t->snapkv_scores != NULL;
+    case KVRT_OP_H2O_SCORES: return t->h2o_scores != NULL;
+    case KVRT_OP_COMPILERKV_SELECT: return t->compilerkv_select != NULL;
+    case KVRT_OP_AM_COMPACT: return t->am_compact != NULL;
+    case KVRT_OP_AM_COMPACT_LAYER: return t->am_compact_layer != NULL;
+    case KVRT_OP_COMPKV_CREATE: return t->compkv_create != NULL;
+    case KVRT_OP_COMPKV_SCORES: return t->compkv_scores != NULL;
+    case KVRT_OP_COMPKV_ATTEND_BLOCKS: return t->compkv_attend_blocks != NULL;
+    case KVRT_OP_COMPKV_STEP: return t->compkv_step != NULL;
+    default: return 0;
+    }
+}
+
+int kvrt_backend_supports(const kvrt_ctx *ctx, kvrt_op op) {
+    return ctx != NULL && ctx->ops != NULL && has_slot(ctx->ops, (int)op);
+}
+
+int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const char *fn, kvrt_op op) {
+    if (kvrt_backend_supports(ctx, op)) return KVRT_OK;
+    return kvrt_err_set(e, KVRT_ERR_UNSUPPORTED, 0, "%s: the %s backend does not implement op %s",
+                        fn, ctx && ctx->ops ? ctx->ops->name : "(no)", kvrt_op_name((int)op));
 }
 
 // ----------------------------------------------------------------------------
@@ -149,10 +106,10 @@ int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, k
 
     const kvrt_backend_ops *ops = NULL;
     switch (backend) {
-    case KVRT_BACKEND_CPU: ops = &cpu_ops; break;
+    case KVRT_BACKEND_CPU: ops = kvrt_backend_cpu(); break;
     case KVRT_BACKEND_CUDA:
 #if defined(KVRT_WITH_CUDA)
-        ops = &cuda_ops;
+        ops = kvrt_backend_cuda();
         break;
 #else
         return kvrt_err_set(err, KVRT_ERR_NO_CUDA, 0,
@@ -164,6 +121,17 @@ int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, k
                             "kvrt_ctx_create: backend: got %d, expected KVRT_BACKEND_CPU (%d) or "
                             "KVRT_BACKEND_CUDA (%d)", backend, KVRT_BACKEND_CPU, KVRT_BACKEND_CUDA);
     }
+
+    if (ops->api_version != KVRT_BACKEND_API_VERSION)
+        return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
+                            "kvrt_ctx_create: the %s backend's table has API version %d, this "
+                            "libkvrt expects %d", ops->name, ops->api_version,
+                            KVRT_BACKEND_API_VERSION);
+    if (!ops->init || !ops->free || !ops->info || !ops->alloc || !ops->dealloc || !ops->upload ||
+        !ops->download || !ops->sync)
+        return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
+                            "kvrt_ctx_create: the %s backend's table lacks a housekeeping entry",
+                            ops->name);
 
     kvrt_ctx *ctx = calloc(1, sizeof *ctx);
     if (ctx == NULL)
@@ -285,5 +253,7 @@ int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float
                             "kvrt_softmax_rows: y is [%lld, %lld], expected x's shape [%lld, %lld]",
                             (long long)y->shape[0], (long long)y->shape[1],
                             (long long)x->shape[0], (long long)x->shape[1]);
+    rc = kvrt_backend_check(ctx, &ctx->last_err, "kvrt_softmax_rows", KVRT_OP_SOFTMAX_ROWS);
+    if (rc != KVRT_OK) return rc;
     return ctx->ops->softmax_rows(ctx, x, y, scale);
 }

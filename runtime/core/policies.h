@@ -21,14 +21,15 @@
 extern "C" {
 #endif
 
-/* KVRT_OK when ctx can run policy op `op` of public function `fn`: ctx non-NULL and a CPU
- * context (the policies have no other backend yet); else KVRT_ERR_ARG / KVRT_ERR_UNSUPPORTED
- * with a message naming fn, op and the backend (in ctx->last_err and the thread-local error). */
 /* The one failure macro of the policy files: record the message in the thread-local error and
  * return the status, e.g. `return KVRT_FAIL(KVRT_ERR_ARG, "%s: T = %lld", fn, T)`. */
 #define KVRT_FAIL(code, ...) kvrt_err_set(kvrt_tls_err(), (code), 0, __VA_ARGS__)
 
-KVRT_INTERNAL int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, const char *op);
+/* KVRT_OK when ctx can run policy op `op` of public function `fn`: ctx non-NULL and its
+ * backend's table fills the op's slot (then the front door calls ctx->ops->slot); else
+ * KVRT_ERR_ARG / KVRT_ERR_UNSUPPORTED with a message naming fn, op and the backend (in
+ * ctx->last_err and the thread-local error). */
+KVRT_INTERNAL int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, kvrt_op op);
 /* The error rule for calls that take a context: a failure's message (in the thread-local error)
  * is also left in ctx->last_err. Returns rc. */
 static inline int kvrt_policy_ctx_done(kvrt_ctx *ctx, int rc) {

@@ -192,17 +192,12 @@ int kvrt_policy_model(const kvrt_policy *p, kvrt_model_dims *out) {
 uint32_t kvrt_policy_groups(const kvrt_policy *p) { return p ? p->groups : 0; }
 
 /* (added with CompilerKV) internal accessor, core/backend.h */
-const struct kvpol_file *kvrt_policy_file(const kvrt_policy *p) { return p ? p->file : NULL; }
 
-int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, const char *op) {
+int kvrt_policy_ctx_check(kvrt_ctx *ctx, const char *fn, kvrt_op op) {
     if (ctx == NULL)
         return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0,
                             "%s: ctx is NULL (create one with kvrt_ctx_create)", fn);
-    if (ctx->backend != KVRT_BACKEND_CPU)
-        return kvrt_err_set(&ctx->last_err, KVRT_ERR_UNSUPPORTED, 0,
-                            "%s: the %s backend does not implement op %s", fn,
-                            ctx->ops && ctx->ops->name ? ctx->ops->name : "?", op);
-    return KVRT_OK;
+    return kvrt_backend_check(ctx, &ctx->last_err, fn, op);
 }
 
 int kvrt_policy_section(const kvrt_policy *p, uint32_t id, const char *fn, const kvpol_file **f,

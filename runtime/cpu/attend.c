@@ -2,8 +2,9 @@
  * attend.c: attention of queries over a compressed cache on the CPU: the plain reference and the
  * fast path of the CPU backend. Never includes CUDA headers; OpenBLAS (cblas_sgemm) does the
  * products.
- * Callers: kvrt_attend (core/attend.c, CPU contexts) -> kvrt_cpu_attend; tests, the CUDA
- * equivalence tests and anyone who wants the obvious code -> kvrt_attend_ref.
+ * Callers: kvrt_attend (core/attend.c) through the CPU table (cpu/backend_cpu.c) ->
+ * kvrt_cpu_attend; tests, the CUDA equivalence tests and anyone who wants the obvious code ->
+ * kvrt_attend_ref.
  *
  * defines: kvrt_attend_ref, kvrt_cpu_attend (internal, core/backend.h)
  *

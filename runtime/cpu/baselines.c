@@ -2,7 +2,8 @@
  * baselines.c: the baseline KV-cache compression methods behind one API (full, StreamingLLM,
  * random, SnapKV, H2O, Knorm, KeyDiff) and Quest's decode-time page selection. Every comparison
  * table runs them on the same inputs and budgets as the five policies.
- * Callers: kvcc eval and the compiler's baselines, serving stacks, tests.
+ * Callers: kvcc eval and the compiler's baselines, serving stacks, tests; the CPU table's
+ * snapkv_scores / h2o_scores ops (cpu/backend_cpu.c).
  *
  * defines: kvrt_method_name, kvrt_method_from_name, kvrt_method_opts_init, kvrt_method_select,
  *          kvrt_snapkv_scores_ref, kvrt_snapkv_scores, kvrt_h2o_scores_ref, kvrt_h2o_scores,
@@ -33,6 +34,7 @@
 #endif
 
 #include "kvrt_experimental.h"
+#include "kvrt_rng.h"
 #include "core/backend.h"
 
 // ----------------------------------------------------------------------------
@@ -275,30 +277,6 @@ int kvrt_h2o_scores(const float *q, const float *k, int64_t T, uint32_t n_heads,
 // ----------------------------------------------------------------------------
 // per-method token scores (higher = keep)
 
-static uint64_t splitmix64(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-/* Uniform in [0, range), range >= 1, unbiased (Lemire's multiply-and-reject). */
-static uint64_t bounded(uint64_t *s, uint64_t range) {
-    __extension__ typedef unsigned __int128 u128;
-    uint64_t x = splitmix64(s);
-    u128 m = (u128)x * range;
-    uint64_t l = (uint64_t)m;
-    if (l < range) {
-        const uint64_t t = (0 - range) % range;
-        while (l < t) {
-            x = splitmix64(s);
-            m = (u128)x * range;
-            l = (uint64_t)m;
-        }
-    }
-    return (uint64_t)(m >> 64);
-}
-
 static int cmp_i32(const void *a, const void *b) {
     const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     return (x > y) - (x < y);
@@ -442,7 +420,7 @@ int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k
             const int64_t M = T - sink, want = B - sink;
             for (int64_t i = 0; i < M; i++) perm[i] = (int32_t)(sink + i);
             for (int64_t i = 0; i < want; i++) { /* partial Fisher-Yates */
-                const int64_t j = i + (int64_t)bounded(&st, (uint64_t)(M - i));
+                const int64_t j = i + (int64_t)kvrt_rng_below(&st, (uint64_t)(M - i));
                 const int32_t t = perm[i];
                 perm[i] = perm[j];
                 perm[j] = t;

@@ -2,7 +2,8 @@
  * select.c: token-selection primitives shared by every method and policy: top-k with fixed tie
  * rules (reference sort and fast quickselect), budget resolution (count or ratio), and pinned
  * selection (sinks + recent window forced, rest by score).
- * Callers: runtime/cpu/baselines.c, the policies, the compiler's rollouts, tests.
+ * Callers: runtime/cpu/baselines.c, the policies, the compiler's rollouts, tests; the CPU
+ * table's topk op (cpu/backend_cpu.c).
  *
  * defines: kvrt_topk_ref, kvrt_topk, kvrt_budget_resolve, kvrt_select_pinned
  *

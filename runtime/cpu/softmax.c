@@ -1,7 +1,8 @@
 /*
  * softmax.c: row softmax on the CPU: the plain reference and the fast path of the CPU backend.
- * Callers: kvrt_softmax_rows (ctx.c, CPU contexts) -> kvrt_cpu_softmax_rows; tests and the
- * CUDA equivalence tests -> kvrt_softmax_rows_ref. Never includes CUDA headers.
+ * Callers: kvrt_softmax_rows (core/ctx.c) through the CPU table (cpu/backend_cpu.c) ->
+ * kvrt_cpu_softmax_rows; tests and the CUDA equivalence tests -> kvrt_softmax_rows_ref. Never
+ * includes CUDA headers.
  *
  * defines: kvrt_softmax_rows_ref, kvrt_cpu_softmax_rows (internal, core/backend.h)
  *

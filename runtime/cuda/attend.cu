@@ -1,7 +1,7 @@
 /*
  * attend.cu: kvrt_attend on the CUDA backend: attention of queries over a device cache (CSR per
  * KV head, f32 or f16 keys/values) plus an optional causal window of recent tokens.
- * Callers: kvrt_attend (core/attend.c) through kvrt_cuda_attend (C linkage, core/backend.h).
+ * Callers: kvrt_attend (core/attend.c) through the CUDA table (cuda_backend.cu).
  *
  * defines: kvrt_cuda_attend
  *
@@ -26,25 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "kvrt_experimental.h"
-#include "core/backend.h"
-
-// ----------------------------------------------------------------------------
-// errors (same pattern as cuda_backend.cu)
-
-static int att_cuda_fail(kvrt_error *err, cudaError_t e, const char *expr, const char *file,
-                         int line) {
-    (void)cudaGetLastError();
-    return kvrt_err_set(err, KVRT_ERR_CUDA, (int)e, "CUDA error %d (%s: %s) in '%s' at %s:%d "
-                        "(kvrt_attend)", (int)e, cudaGetErrorName(e), cudaGetErrorString(e), expr,
-                        file, line);
-}
-
-#define ATT_CUDA_CHECK(err_, expr)                                                              \
-    do {                                                                                        \
-        cudaError_t e_ = (expr);                                                                \
-        if (e_ != cudaSuccess) return att_cuda_fail((err_), e_, #expr, __FILE__, __LINE__);     \
-    } while (0)
+#include "cuda/common.cuh"
 
 // ----------------------------------------------------------------------------
 // kernels
@@ -218,10 +200,10 @@ extern "C" int kvrt_cuda_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32
     }
     const int64_t max_total = max_m + n_recent;
 
-    ATT_CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
+    CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
     int sms = 0;
-    ATT_CUDA_CHECK(err, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
-                                               ctx->device_id));
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
+                                           ctx->device_id));
     /* enough blocks to fill the GPU about 4 times, at least 64 entries per split */
     int64_t S = (4 * (int64_t)sms + rows - 1) / rows;
     const int64_t max_s = (max_total + 63) / 64;
@@ -229,10 +211,10 @@ extern "C" int kvrt_cuda_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32
     S = S < 1 ? 1 : S > 1024 ? 1024 : S;
     const int64_t chunk = max_total > 0 ? (max_total + S - 1) / S : 1;
 
-    cudaStream_t stream = (cudaStream_t)kvrt_cuda_stream_of(ctx);
+    cudaStream_t stream = kvrt_cuda_stream(ctx);
     float *part = NULL;
     const size_t part_bytes = (size_t)rows * (size_t)S * (size_t)(d + 2) * sizeof(float);
-    ATT_CUDA_CHECK(err, cudaMallocAsync((void **)&part, part_bytes, stream));
+    CUDA_CHECK(err, cudaMallocAsync((void **)&part, part_bytes, stream));
     (void)cudaGetLastError();
     dim3 grid((unsigned)rows, (unsigned)S);
     if (c->dtype == KVRT_DTYPE_F32)
@@ -250,7 +232,7 @@ extern "C" int kvrt_cuda_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32
     }
     cudaError_t fe = cudaFreeAsync(part, stream);
     if (le != cudaSuccess)
-        return att_cuda_fail(err, le, "attend kernels launch", __FILE__, __LINE__);
-    ATT_CUDA_CHECK(err, fe);
+        return kvrt_cuda_error(err, le, "attend kernels launch", __func__, __FILE__, __LINE__);
+    CUDA_CHECK(err, fe);
     return KVRT_OK;
 }

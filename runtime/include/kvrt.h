@@ -166,6 +166,31 @@ int kvrt_ctx_upload(kvrt_ctx *ctx, void *dst_dev, const void *src_host, size_t b
 int kvrt_ctx_download(kvrt_ctx *ctx, void *dst_host, const void *src_dev, size_t bytes);
 int kvrt_ctx_sync(kvrt_ctx *ctx);
 
+/* The ops a backend may implement, for kvrt_backend_supports (ggml's supports_op). A call of an
+ * op the context's backend lacks returns KVRT_ERR_UNSUPPORTED naming the op and the backend.
+ * Pinned values; enums only grow. */
+typedef enum {
+    KVRT_OP_SOFTMAX_ROWS = 0,         /* kvrt_softmax_rows */
+    KVRT_OP_ATTEND = 1,               /* kvrt_attend */
+    KVRT_OP_TOPK = 2,                 /* kvrt_topk */
+    KVRT_OP_CACHE_GATHER = 3,         /* kvrt_cache_gather into the context's memory */
+    KVRT_OP_SNAPKV_SCORES = 4,        /* SnapKV window mass */
+    KVRT_OP_H2O_SCORES = 5,           /* H2O accumulated attention */
+    KVRT_OP_COMPILERKV_SELECT = 6,    /* CompilerKV selection of one layer */
+    KVRT_OP_AM_COMPACT = 7,           /* Attention Matching compaction of one KV head */
+    KVRT_OP_AM_COMPACT_LAYER = 8,     /* Attention Matching compaction of one layer */
+    KVRT_OP_COMPKV_CREATE = 9,        /* CompKV decode state of one layer */
+    KVRT_OP_COMPKV_SCORES = 10,       /* CompKV block scores */
+    KVRT_OP_COMPKV_ATTEND_BLOCKS = 11,/* CompKV attention over chosen blocks */
+    KVRT_OP_COMPKV_STEP = 12,         /* CompKV fused decode step */
+} kvrt_op;
+#define KVRT_OP_COUNT 13
+/* "softmax_rows", "attend", ... (the enum's names in lower case, without KVRT_OP_); "unknown"
+ * for other values. */
+const char *kvrt_op_name(int op);
+/* 1 when ctx's backend implements op, 0 when it does not (or ctx is NULL, op unknown). */
+int kvrt_backend_supports(const kvrt_ctx *ctx, kvrt_op op);
+
 /* ------------------------------------------------------------------ ops */
 /* Numerically safe softmax along the last dimension of a 2-D f32 tensor [rows, cols], with an
  * optional scale applied to the logits first: y = softmax(scale * x). x and y may alias.

@@ -36,8 +36,9 @@ fi
 
 mkdir -p "$build/peer"
 dump="$build/peer/dump_model"
-# calib/model.c runs compressed caches through libkvrt (kvrt_attend): link the built runtime, and
-# CUDA's libraries when that runtime was built with the CUDA backend.
+# The built calib library (gguf, tokenizer, model); calib/model.c runs compressed caches through
+# libkvrt (kvrt_attend): link the built runtime, and CUDA's libraries when that runtime was built
+# with the CUDA backend.
 cuda_libs=""
 san=""
 case "$build" in */san|san) san="-fsanitize=address,undefined" ;; esac  # SAN=1 libraries
@@ -46,8 +47,8 @@ if nm "$build/libkvrt.a" 2>/dev/null | grep " U cuda" >/dev/null; then  # no -q:
     cuda_libs="-L$c/lib64 -Wl,-rpath,$c/lib64 -lcublas -lcudart -lstdc++"
 fi
 ${CC:-cc} -std=c11 -O2 -fopenmp $san -D_GNU_SOURCE -Icalib -Iruntime/include -Iformats -o "$dump" \
-    tests/peer/dump_model.c calib/gguf.c calib/tokenizer.c calib/model.c "$build/libkvrt.a" \
-    "$build/libkvpol.a" -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
+    tests/peer/dump_model.c "$build/libkvcalib.a" "$build/libkvrt.a" "$build/libkvpol.a" \
+    -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
 echo "== peer check against transformers ($model)"
 python3 tests/peer/check_transformers.py "$dump" "$model"
 

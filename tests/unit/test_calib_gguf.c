@@ -9,45 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fixtures.h"
 #include "gguf.h"
-
-// ---------------------------------------------------------------- a tiny GGUF writer
-
-typedef struct {
-    uint8_t *p;
-    size_t n, cap;
-} gbuf;
-
-static void gb_put(gbuf *b, const void *src, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        cr_assert_not_null(b->p);
-    }
-    memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-static void gb_u32(gbuf *b, uint32_t v) {
-    uint8_t x[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
-    gb_put(b, x, 4);
-}
-static void gb_u64(gbuf *b, uint64_t v) {
-    gb_u32(b, (uint32_t)v);
-    gb_u32(b, (uint32_t)(v >> 32));
-}
-static void gb_f32(gbuf *b, float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    gb_u32(b, u);
-}
-static void gb_str(gbuf *b, const char *s) {
-    gb_u64(b, strlen(s));
-    gb_put(b, s, strlen(s));
-}
-static void gb_pad(gbuf *b, size_t align) {
-    static const uint8_t z[64] = {0};
-    while (b->n % align) gb_put(b, z, 1);
-}
+#include "kvpol.h" /* kvpol_f16_to_f32, kvpol_bf16_to_f32 */
 
 /* Options for the standard test file; each test breaks one thing. */
 typedef struct {
@@ -66,78 +30,68 @@ static gopts defaults(void) {
 
 /* Metadata: arch, alignment 32, one u32, one f32, a string array, an i32 array.
  * Tensors: "a" F32 [4, 2] = 0..7, "b" Q8_0 [32] with d = 0.25, q = j - 16. */
-static gbuf build(gopts o) {
-    gbuf b = {0};
-    gb_u32(&b, o.magic);
-    gb_u32(&b, o.version);
-    gb_u64(&b, 2);               /* tensors */
-    gb_u64(&b, 6 + o.dup_key);   /* kv */
+static fx_buf build(gopts o) {
+    fx_buf b = {0};
+    fx_u32(&b, o.magic);
+    fx_u32(&b, o.version);
+    fx_u64(&b, 2);               /* tensors */
+    fx_u64(&b, 6 + o.dup_key);   /* kv */
     if (o.key_len_override) {
-        gb_u64(&b, o.key_len_override);
-        gb_put(&b, "general.architecture", 20);
+        fx_u64(&b, o.key_len_override);
+        fx_put(&b, "general.architecture", 20);
     } else {
-        gb_str(&b, "general.architecture");
+        fx_str(&b, "general.architecture");
     }
-    gb_u32(&b, KVCC_GGUF_VT_STRING);
-    gb_str(&b, o.arch);
-    gb_str(&b, "general.alignment");
-    gb_u32(&b, KVCC_GGUF_VT_U32);
-    gb_u32(&b, 32);
-    gb_str(&b, "llama.block_count");
-    gb_u32(&b, KVCC_GGUF_VT_U32);
-    gb_u32(&b, 30);
-    if (o.dup_key) {
-        gb_str(&b, "llama.block_count");
-        gb_u32(&b, KVCC_GGUF_VT_U32);
-        gb_u32(&b, 31);
-    }
-    gb_str(&b, "llama.rope.freq_base");
-    gb_u32(&b, KVCC_GGUF_VT_F32);
-    gb_f32(&b, 100000.0f);
-    gb_str(&b, "tokenizer.ggml.tokens");
-    gb_u32(&b, KVCC_GGUF_VT_ARRAY);
-    gb_u32(&b, KVCC_GGUF_VT_STRING);
-    gb_u64(&b, 3);
-    gb_str(&b, "a");
-    gb_str(&b, "bc");
-    gb_str(&b, "");
-    gb_str(&b, "tokenizer.ggml.token_type");
-    gb_u32(&b, KVCC_GGUF_VT_ARRAY);
-    gb_u32(&b, KVCC_GGUF_VT_I32);
-    gb_u64(&b, 3);
-    gb_u32(&b, 1);
-    gb_u32(&b, 3);
-    gb_u32(&b, (uint32_t)-7);
+    fx_u32(&b, KVCC_GGUF_VT_STRING);
+    fx_str(&b, o.arch);
+    fx_kv_u32(&b, "general.alignment", 32);
+    fx_kv_u32(&b, "llama.block_count", 30);
+    if (o.dup_key) fx_kv_u32(&b, "llama.block_count", 31);
+    fx_kv_f32(&b, "llama.rope.freq_base", 100000.0f);
+    fx_str(&b, "tokenizer.ggml.tokens");
+    fx_u32(&b, KVCC_GGUF_VT_ARRAY);
+    fx_u32(&b, KVCC_GGUF_VT_STRING);
+    fx_u64(&b, 3);
+    fx_str(&b, "a");
+    fx_str(&b, "bc");
+    fx_str(&b, "");
+    fx_str(&b, "tokenizer.ggml.token_type");
+    fx_u32(&b, KVCC_GGUF_VT_ARRAY);
+    fx_u32(&b, KVCC_GGUF_VT_I32);
+    fx_u64(&b, 3);
+    fx_u32(&b, 1);
+    fx_u32(&b, 3);
+    fx_u32(&b, (uint32_t)-7);
     /* tensor infos */
-    gb_str(&b, "a");
-    gb_u32(&b, o.n_dims0);
-    gb_u64(&b, 4);
-    if (o.n_dims0 >= 2) gb_u64(&b, 2);
-    for (uint32_t d = 2; d < o.n_dims0; d++) gb_u64(&b, 1);
-    gb_u32(&b, o.tensor_type0);
-    gb_u64(&b, 0);
-    gb_str(&b, "b");
-    gb_u32(&b, 1);
-    gb_u64(&b, 32);
-    gb_u32(&b, KVCC_GGUF_T_Q8_0);
-    gb_u64(&b, 32 + o.tensor_offset_add);
-    gb_pad(&b, 32);
-    for (int i = 0; i < 8; i++) gb_f32(&b, (float)i);
-    gb_pad(&b, 32);
+    fx_str(&b, "a");
+    fx_u32(&b, o.n_dims0);
+    fx_u64(&b, 4);
+    if (o.n_dims0 >= 2) fx_u64(&b, 2);
+    for (uint32_t d = 2; d < o.n_dims0; d++) fx_u64(&b, 1);
+    fx_u32(&b, o.tensor_type0);
+    fx_u64(&b, 0);
+    fx_str(&b, "b");
+    fx_u32(&b, 1);
+    fx_u64(&b, 32);
+    fx_u32(&b, KVCC_GGUF_T_Q8_0);
+    fx_u64(&b, 32 + o.tensor_offset_add);
+    fx_pad(&b, 32);
+    for (int i = 0; i < 8; i++) fx_f32(&b, (float)i);
+    fx_pad(&b, 32);
     uint8_t blk[34] = {0x00, 0x34}; /* f16 0.25 */
     for (int j = 0; j < 32; j++) blk[2 + j] = (uint8_t)(int8_t)(j - 16);
-    gb_put(&b, blk, sizeof blk);
+    fx_put(&b, blk, sizeof blk);
     return b;
 }
 
-static int open_buf(const gbuf *b, size_t len, kvcc_gguf **g, char *msg, size_t cap) {
+static int open_buf(const fx_buf *b, size_t len, kvcc_gguf **g, char *msg, size_t cap) {
     return kvcc_gguf_open_memory(b->p, len, "test.gguf", g, msg, cap);
 }
 
 // ---------------------------------------------------------------- valid file
 
 Test(calib_gguf, valid_file_parses) {
-    gbuf b = build(defaults());
+    fx_buf b = build(defaults());
     kvcc_gguf *g;
     char msg[512] = "";
     cr_assert_eq(open_buf(&b, b.n, &g, msg, sizeof msg), 0, "%s", msg);
@@ -203,7 +157,7 @@ Test(calib_gguf, valid_file_parses) {
 // ---------------------------------------------------------------- malformed files
 
 static int status_of(gopts o, char *msg, size_t cap) {
-    gbuf b = build(o);
+    fx_buf b = build(o);
     kvcc_gguf *g = (kvcc_gguf *)1;
     int st = open_buf(&b, b.n, &g, msg, cap);
     if (st == 0) kvcc_gguf_close(g);
@@ -213,7 +167,7 @@ static int status_of(gopts o, char *msg, size_t cap) {
 }
 
 Test(calib_gguf, every_truncation_fails_cleanly) {
-    gbuf b = build(defaults());
+    fx_buf b = build(defaults());
     /* every prefix shorter than the end of the last tensor is an error, never a crash */
     for (size_t len = 0; len < b.n; len++) {
         kvcc_gguf *g;
@@ -299,7 +253,7 @@ Test(calib_gguf, duplicate_key) {
 Test(calib_gguf, unsupported_architecture) {
     gopts o = defaults();
     o.arch = "gpt2";
-    gbuf b = build(o);
+    fx_buf b = build(o);
     kvcc_gguf *g;
     char msg[256];
     cr_assert_eq(open_buf(&b, b.n, &g, msg, sizeof msg), 0);
@@ -311,17 +265,17 @@ Test(calib_gguf, unsupported_architecture) {
 }
 
 Test(calib_gguf, huge_counts) {
-    gbuf b = {0};
-    gb_u32(&b, 0x46554747u);
-    gb_u32(&b, 3);
-    gb_u64(&b, 1ull << 40); /* tensors */
-    gb_u64(&b, 0);
+    fx_buf b = {0};
+    fx_u32(&b, 0x46554747u);
+    fx_u32(&b, 3);
+    fx_u64(&b, 1ull << 40); /* tensors */
+    fx_u64(&b, 0);
     kvcc_gguf *g;
     char msg[256];
     cr_assert_eq(open_buf(&b, b.n, &g, msg, sizeof msg), KVCC_GGUF_ERR_LIMIT);
     b.n = 8;
-    gb_u64(&b, 1000);  /* plausible count, but 24 bytes cannot hold 1000 tensor infos */
-    gb_u64(&b, 0);
+    fx_u64(&b, 1000);  /* plausible count, but 24 bytes cannot hold 1000 tensor infos */
+    fx_u64(&b, 0);
     cr_assert_eq(open_buf(&b, b.n, &g, msg, sizeof msg), KVCC_GGUF_ERR_TRUNCATED);
     free(b.p);
 }
@@ -334,17 +288,17 @@ Test(calib_gguf, status_strings) {
 // ---------------------------------------------------------------- dequantizers
 
 Test(calib_gguf, f16_and_bf16) {
-    cr_assert_eq(kvcc_f16_to_f32(0x3C00), 1.0f);
-    cr_assert_eq(kvcc_f16_to_f32(0xC000), -2.0f);
-    cr_assert_eq(kvcc_f16_to_f32(0x7BFF), 65504.0f);
-    cr_assert_eq(kvcc_f16_to_f32(0x0001), ldexpf(1.0f, -24)); /* smallest subnormal */
-    cr_assert_eq(kvcc_f16_to_f32(0x03FF), ldexpf(1023.0f, -24)); /* largest subnormal */
-    cr_assert_eq(kvcc_f16_to_f32(0x3555), 0.333251953125f);
-    cr_assert(signbit(kvcc_f16_to_f32(0x8000)) && kvcc_f16_to_f32(0x8000) == 0.0f);
-    cr_assert(isinf(kvcc_f16_to_f32(0x7C00)));
-    cr_assert(isnan(kvcc_f16_to_f32(0x7E00)));
-    cr_assert_eq(kvcc_bf16_to_f32(0x3F80), 1.0f);
-    cr_assert_eq(kvcc_bf16_to_f32(0xC0A0), -5.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0x3C00), 1.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0xC000), -2.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0x7BFF), 65504.0f);
+    cr_assert_eq(kvpol_f16_to_f32(0x0001), ldexpf(1.0f, -24)); /* smallest subnormal */
+    cr_assert_eq(kvpol_f16_to_f32(0x03FF), ldexpf(1023.0f, -24)); /* largest subnormal */
+    cr_assert_eq(kvpol_f16_to_f32(0x3555), 0.333251953125f);
+    cr_assert(signbit(kvpol_f16_to_f32(0x8000)) && kvpol_f16_to_f32(0x8000) == 0.0f);
+    cr_assert(isinf(kvpol_f16_to_f32(0x7C00)));
+    cr_assert(isnan(kvpol_f16_to_f32(0x7E00)));
+    cr_assert_eq(kvpol_bf16_to_f32(0x3F80), 1.0f);
+    cr_assert_eq(kvpol_bf16_to_f32(0xC0A0), -5.0f);
     uint8_t raw[4] = {0x00, 0x3C, 0x00, 0xC0};
     float out[2];
     kvcc_dequant_f16_ref(raw, out, 2);

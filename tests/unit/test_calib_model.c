@@ -13,42 +13,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fixtures.h"
 #include "gguf.h"
 #include "model.h"
 #include "tokenizer.h"
-
-// ---------------------------------------------------------------- tiny GGUF writer
-
-typedef struct {
-    uint8_t *p;
-    size_t n, cap;
-} gbuf;
-
-static void gb_put(gbuf *b, const void *src, size_t n) {
-    if (b->n + n > b->cap) {
-        b->cap = (b->n + n) * 2 + 64;
-        b->p = realloc(b->p, b->cap);
-        cr_assert_not_null(b->p);
-    }
-    memcpy(b->p + b->n, src, n);
-    b->n += n;
-}
-static void gb_u32(gbuf *b, uint32_t v) { gb_put(b, &v, 4); } /* tests run on little-endian */
-static void gb_u64(gbuf *b, uint64_t v) { gb_put(b, &v, 8); }
-static void gb_str(gbuf *b, const char *s) {
-    gb_u64(b, strlen(s));
-    gb_put(b, s, strlen(s));
-}
-static void gb_kv_u32(gbuf *b, const char *k, uint32_t v) {
-    gb_str(b, k);
-    gb_u32(b, KVCC_GGUF_VT_U32);
-    gb_u32(b, v);
-}
-static void gb_kv_f32(gbuf *b, const char *k, float v) {
-    gb_str(b, k);
-    gb_u32(b, KVCC_GGUF_VT_F32);
-    gb_put(b, &v, 4);
-}
 
 enum { L = 2, E = 16, H = 4, HKV = 2, D = 4, F = 24, V = 40 };
 #define ROPE_BASE 10000.0f
@@ -94,7 +62,7 @@ typedef struct {
 } tdesc;
 
 /* Build the GGUF; skip_tensor / bad_shape_tensor name one tensor to break (or NULL). */
-static gbuf build_tiny(const tiny_w *w, const char *arch, const char *skip_tensor,
+static fx_buf build_tiny(const tiny_w *w, const char *arch, const char *skip_tensor,
                        const char *bad_shape_tensor) {
     tdesc t[3 + 9 * L];
     int nt = 0;
@@ -117,42 +85,42 @@ static gbuf build_tiny(const tiny_w *w, const char *arch, const char *skip_tenso
     int n_keep = 0;
     for (int i = 0; i < nt; i++) n_keep += !(skip_tensor && strcmp(t[i].name, skip_tensor) == 0);
 
-    gbuf b = {0};
-    gb_u32(&b, 0x46554747u);
-    gb_u32(&b, 3);
-    gb_u64(&b, (uint64_t)n_keep);
-    gb_u64(&b, 9);
-    gb_str(&b, "general.architecture");
-    gb_u32(&b, KVCC_GGUF_VT_STRING);
-    gb_str(&b, arch);
-    gb_kv_u32(&b, "llama.block_count", L);
-    gb_kv_u32(&b, "llama.embedding_length", E);
-    gb_kv_u32(&b, "llama.feed_forward_length", F);
-    gb_kv_u32(&b, "llama.attention.head_count", H);
-    gb_kv_u32(&b, "llama.attention.head_count_kv", HKV);
-    gb_kv_u32(&b, "llama.context_length", 64);
-    gb_kv_f32(&b, "llama.rope.freq_base", ROPE_BASE);
-    gb_kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", EPS);
+    fx_buf b = {0};
+    fx_u32(&b, 0x46554747u);
+    fx_u32(&b, 3);
+    fx_u64(&b, (uint64_t)n_keep);
+    fx_u64(&b, 9);
+    fx_str(&b, "general.architecture");
+    fx_u32(&b, KVCC_GGUF_VT_STRING);
+    fx_str(&b, arch);
+    fx_kv_u32(&b, "llama.block_count", L);
+    fx_kv_u32(&b, "llama.embedding_length", E);
+    fx_kv_u32(&b, "llama.feed_forward_length", F);
+    fx_kv_u32(&b, "llama.attention.head_count", H);
+    fx_kv_u32(&b, "llama.attention.head_count_kv", HKV);
+    fx_kv_u32(&b, "llama.context_length", 64);
+    fx_kv_f32(&b, "llama.rope.freq_base", ROPE_BASE);
+    fx_kv_f32(&b, "llama.attention.layer_norm_rms_epsilon", EPS);
     uint64_t off = 0;
     for (int i = 0; i < nt; i++) {
         if (skip_tensor && strcmp(t[i].name, skip_tensor) == 0) continue;
         int bad = bad_shape_tensor && strcmp(t[i].name, bad_shape_tensor) == 0;
-        gb_str(&b, t[i].name);
-        gb_u32(&b, t[i].rows ? 2 : 1);
-        gb_u64(&b, (uint64_t)t[i].cols);
-        if (t[i].rows) gb_u64(&b, (uint64_t)(bad ? t[i].rows / 2 : t[i].rows));
-        gb_u32(&b, KVCC_GGUF_T_F32);
-        gb_u64(&b, off);
+        fx_str(&b, t[i].name);
+        fx_u32(&b, t[i].rows ? 2 : 1);
+        fx_u64(&b, (uint64_t)t[i].cols);
+        if (t[i].rows) fx_u64(&b, (uint64_t)(bad ? t[i].rows / 2 : t[i].rows));
+        fx_u32(&b, KVCC_GGUF_T_F32);
+        fx_u64(&b, off);
         uint64_t bytes = (uint64_t)t[i].cols * (t[i].rows ? (uint64_t)t[i].rows : 1) * 4;
         off += (bytes + 31) / 32 * 32;
     }
     static const uint8_t z[32] = {0};
-    while (b.n % 32) gb_put(&b, z, 1);
+    while (b.n % 32) fx_put(&b, z, 1);
     for (int i = 0; i < nt; i++) {
         if (skip_tensor && strcmp(t[i].name, skip_tensor) == 0) continue;
         size_t bytes = (size_t)t[i].cols * (t[i].rows ? (size_t)t[i].rows : 1) * 4;
-        gb_put(&b, t[i].data, bytes);
-        while (b.n % 32) gb_put(&b, z, 1);
+        fx_put(&b, t[i].data, bytes);
+        while (b.n % 32) fx_put(&b, z, 1);
     }
     return b;
 }
@@ -236,7 +204,7 @@ static void ref_forward(const tiny_w *w, const int32_t *tok, int n, float *logit
 
 static tiny_w g_w;
 
-static kvcc_model *tiny_model(gbuf *keep) {
+static kvcc_model *tiny_model(fx_buf *keep) {
     make_weights(&g_w);
     *keep = build_tiny(&g_w, "llama", NULL, NULL);
     kvcc_gguf *g;
@@ -261,7 +229,7 @@ static const int32_t k_toks[] = {3, 17, 5, 39, 0, 22, 22, 8, 31, 12, 1, 30, 7, 1
 #define NTOK ((int)(sizeof k_toks / sizeof k_toks[0]))
 
 Test(calib_model, tiny_matches_naive_reference) {
-    gbuf b;
+    fx_buf b;
     kvcc_model *m = tiny_model(&b);
     cr_assert(m->tied && m->hp.n_vocab == V && m->hp.head_dim == D && m->hp.n_head_kv == HKV);
     kvcc_state *s;
@@ -278,7 +246,7 @@ Test(calib_model, tiny_matches_naive_reference) {
 }
 
 Test(calib_model, tiny_prefill_equals_decode) {
-    gbuf b;
+    fx_buf b;
     kvcc_model *m = tiny_model(&b);
     kvcc_state *s1, *s2;
     cr_assert_eq(kvcc_state_create(m, NTOK, &s1), 0);
@@ -334,7 +302,7 @@ static int capture_cb(void *user, int layer, int pos0, int n, const float *q, co
 }
 
 Test(calib_model, tiny_capture_and_logprobs) {
-    gbuf b;
+    fx_buf b;
     kvcc_model *m = tiny_model(&b);
     kvcc_state *s;
     cr_assert_eq(kvcc_state_create(m, 400, &s), 0);
@@ -384,7 +352,7 @@ Test(calib_model, load_errors) {
         {"llama", NULL, "blk.0.attn_k.weight", KVCC_GGUF_ERR_SHAPE, "blk.0.attn_k.weight"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        gbuf b = build_tiny(&g_w, cases[i].arch, cases[i].skip, cases[i].bad);
+        fx_buf b = build_tiny(&g_w, cases[i].arch, cases[i].skip, cases[i].bad);
         kvcc_gguf *g;
         kvcc_model *m = (kvcc_model *)1;
         char msg[512];
@@ -402,11 +370,6 @@ Test(calib_model, load_errors) {
 
 // ---------------------------------------------------------------- real model (optional)
 
-static const char *model_path(void) {
-    const char *p = getenv("KVCC_MODEL");
-    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
 typedef struct {
     kvcc_model *m;
     kvcc_tok *t;
@@ -414,12 +377,12 @@ typedef struct {
 
 static real_model load_real(void) {
     real_model r = {0};
-    FILE *f = fopen(model_path(), "rb");
+    FILE *f = fopen(fx_model_path(), "rb");
     if (!f) return r;
     fclose(f);
     kvcc_gguf *g;
     char msg[512];
-    cr_assert_eq(kvcc_gguf_open(model_path(), &g, msg, sizeof msg), 0, "%s", msg);
+    cr_assert_eq(kvcc_gguf_open(fx_model_path(), &g, msg, sizeof msg), 0, "%s", msg);
     cr_assert_eq(kvcc_tok_from_gguf(g, &r.t, msg, sizeof msg), 0, "%s", msg);
     cr_assert_eq(kvcc_model_load_gguf(g, &r.m, msg, sizeof msg), 0, "%s", msg);
     kvcc_gguf_close(g);

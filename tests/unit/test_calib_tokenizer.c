@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "fixtures.h"
 #include "gguf.h"
 #include "tokenizer.h"
 
@@ -186,32 +187,14 @@ Test(calib_tokenizer, bad_definitions) {
 
 // ---------------------------------------------------------------- real model (optional)
 
-static const char *model_path(void) {
-    const char *p = getenv("KVCC_MODEL");
-    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
-static char *read_file(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)sz + 1);
-    *n = fread(b, 1, (size_t)sz, f);
-    b[*n] = 0;
-    fclose(f);
-    return b;
-}
-
 static kvcc_tok *real_tokenizer(void) {
-    FILE *f = fopen(model_path(), "rb");
+    FILE *f = fopen(fx_model_path(), "rb");
     if (!f) return NULL;
     fclose(f);
     kvcc_gguf *g;
     kvcc_tok *t;
     char msg[512];
-    cr_assert_eq(kvcc_gguf_open(model_path(), &g, msg, sizeof msg), 0, "%s", msg);
+    cr_assert_eq(kvcc_gguf_open(fx_model_path(), &g, msg, sizeof msg), 0, "%s", msg);
     cr_assert_eq(kvcc_tok_from_gguf(g, &t, msg, sizeof msg), 0, "%s", msg);
     kvcc_gguf_close(g); /* the tokenizer keeps copies */
     return t;
@@ -245,7 +228,7 @@ Test(calib_tokenizer, real_vocab_round_trip_and_speed, .timeout = 60) {
     double t0 = now_s();
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         size_t len;
-        char *text = read_file(files[i], &len);
+        char *text = fx_read_file(files[i], &len);
         if (!text) cr_skip_test("examples/data not found (run the tests from the repository root)");
         cr_assert_eq(kvcc_tok_encode(t, text, len, 0, &ids, &n), 0);
         cr_assert(n > len / 8 && n < len / 2, "%s: %zu tokens for %zu bytes", files[i], n, len);

@@ -12,12 +12,8 @@
 
 #include "capture.h"
 #include "corpus.h"
+#include "fixtures.h"
 #include "loader.h"
-
-static const char *model_path(void) {
-    const char *p = getenv("KVCC_MODEL");
-    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
 
 typedef struct {
     int layer;
@@ -34,10 +30,10 @@ static int grab_layer(void *user, int layer, int pos0, int n, const float *q, co
 }
 
 Test(capture, real_model_round_trip, .timeout = 900) {
-    if (access(model_path(), R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FX_REQUIRE_MODEL();
     kvcc_loaded_model lm;
     char msg[512];
-    cr_assert_eq(kvcc_load_model(model_path(), 0, &lm, msg, sizeof msg), 0, "%s", msg);
+    cr_assert_eq(kvcc_load_model(fx_model_path(), 0, &lm, msg, sizeof msg), 0, "%s", msg);
     const char *texts[] = {"examples/data/heldout/1985_ronald_reagan_r.txt"};
     if (access(texts[0], R_OK) != 0) {
         cr_skip_test("held-out text missing");

@@ -164,25 +164,25 @@ static char *broken(const char *name, void (*edit)(hid_t f), int f16) {
 }
 
 static void del_k(hid_t f) { H5Ldelete(f, "prompts/p000000/layer001/k", H5P_DEFAULT); }
-static void wrong_shape(hid_t f) {
-    H5Ldelete(f, "prompts/p000000/layer001/k", H5P_DEFAULT);
-    hsize_t dims[3] = {48, 3, 8};
+/* Replaces dataset `name` with a zero-filled [d0, d1, d2] one of file type `ftype`. */
+static void replace_zeros(hid_t f, const char *name, hsize_t d0, hsize_t d1, hsize_t d2,
+                          hid_t ftype) {
+    H5Ldelete(f, name, H5P_DEFAULT);
+    hsize_t dims[3] = {d0, d1, d2};
     hid_t sp = H5Screate_simple(3, dims, NULL);
-    hid_t ds = H5Dcreate2(f, "prompts/p000000/layer001/k", H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    float z[48 * 3 * 8] = {0};
-    H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, z);
+    hid_t ds = H5Dcreate2(f, name, ftype, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    int *z = calloc(d0 * d1 * d2, sizeof *z);
+    cr_assert_not_null(z);
+    H5Dwrite(ds, H5T_NATIVE_INT, H5S_ALL, H5S_ALL, H5P_DEFAULT, z);
+    free(z);
     H5Dclose(ds);
     H5Sclose(sp);
 }
+static void wrong_shape(hid_t f) {
+    replace_zeros(f, "prompts/p000000/layer001/k", 48, 3, 8, H5T_IEEE_F32LE);
+}
 static void wrong_dtype(hid_t f) {
-    H5Ldelete(f, "prompts/p000000/layer000/v", H5P_DEFAULT);
-    hsize_t dims[3] = {48, 2, 8};
-    hid_t sp = H5Screate_simple(3, dims, NULL);
-    hid_t ds = H5Dcreate2(f, "prompts/p000000/layer000/v", H5T_STD_I32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    int z[48 * 2 * 8] = {0};
-    H5Dwrite(ds, H5T_NATIVE_INT, H5S_ALL, H5S_ALL, H5P_DEFAULT, z);
-    H5Dclose(ds);
-    H5Sclose(sp);
+    replace_zeros(f, "prompts/p000000/layer000/v", 48, 2, 8, H5T_STD_I32LE);
 }
 static void put_nan(hid_t f) {
     hid_t ds = H5Dopen2(f, "prompts/p000000/layer001/q", H5P_DEFAULT);

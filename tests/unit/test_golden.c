@@ -9,20 +9,8 @@
 #include <string.h>
 
 #include "cases.h"
+#include "fixtures.h"
 #include "kvpol.h"
-
-static uint8_t *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *b = malloc(n > 0 ? (size_t)n : 1);
-    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) { free(b); b = NULL; }
-    fclose(f);
-    *len = (size_t)n;
-    return b;
-}
 
 Test(golden, committed_files_match_builders) {
     size_t n;
@@ -32,7 +20,7 @@ Test(golden, committed_files_match_builders) {
         char path[512];
         snprintf(path, sizeof path, "tests/golden/%s", cs[i].file);
         size_t flen, blen;
-        uint8_t *fb = slurp(path, &flen), *bb = NULL;
+        uint8_t *fb = fx_read_file(path, &flen), *bb = NULL;
         cr_assert_not_null(fb, "missing golden file %s (run `make golden`)", path);
         cr_assert_eq(golden_build(&cs[i], &bb, &blen), 0, "builder failed for %s", path);
         cr_assert(flen == blen && memcmp(fb, bb, flen) == 0,
@@ -63,7 +51,7 @@ Test(golden, each_file_gives_its_status) {
         }
         /* The same bytes from memory give the same status. */
         size_t len;
-        uint8_t *b = slurp(path, &len);
+        uint8_t *b = fx_read_file(path, &len);
         kvpol_file *g = NULL;
         cr_expect_eq(kvpol_open_mem(&g, b, len, &o, NULL), cs[i].expect, "%s from memory", path);
         kvpol_close(g);

@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "fixtures.h"
 #include "kvpol.h"
 
 static void model_header(kvpol_header *h) {
@@ -59,19 +60,6 @@ static uint8_t *build_mem(size_t *len) {
     cr_assert_eq(kvpol_writer_to_memory(w, &buf, len, NULL), KVPOL_OK);
     kvpol_writer_free(w);
     return buf;
-}
-
-static uint8_t *slurp(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    cr_assert_not_null(f, "%s", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *b = malloc((size_t)n + 1);
-    cr_assert_eq(fread(b, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    *len = (size_t)n;
-    return b;
 }
 
 static char tmpdir[256];
@@ -162,7 +150,8 @@ Test(kvpol, deterministic_memory_stream_and_file) {
     kvpol_writer_free(w);
 
     size_t l1, l2;
-    uint8_t *f1 = slurp(p1, &l1), *f2 = slurp(p2, &l2);
+    uint8_t *f1 = fx_read_file(p1, &l1), *f2 = fx_read_file(p2, &l2);
+    cr_assert(f1 && f2, "cannot read back %s or %s", p1, p2);
     cr_expect(l1 == a_len && memcmp(f1, a, l1) == 0, "file write differs from memory build");
     cr_expect(l2 == a_len && memcmp(f2, a, l2) == 0, "stream write differs from memory build");
     cr_expect_eq(count_files(tmpdir), 2, "temporary files left behind");

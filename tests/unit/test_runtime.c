@@ -1,7 +1,9 @@
 /*
  * test_runtime.c: Criterion tests of libkvrt's skeleton: status strings, tensor views, row
- * softmax (fast CPU path and CUDA against kvrt_softmax_rows_ref), backend contexts, and policy
- * loading against a model fingerprint.
+ * softmax (fast CPU path and CUDA against kvrt_softmax_rows_ref), backend contexts and their op
+ * tables (kvrt_backend_supports, KVRT_ERR_UNSUPPORTED by name for a missing op), and policy
+ * loading against a model fingerprint. Every op against its reference on every backend:
+ * tests/backend/test_backend_ops.c.
  *
  * Tolerance for every softmax comparison: |a - b| <= 1e-6 + 1e-5 * |ref| per element (the
  * reference sums in double, the fast paths in f32), and every finite row sums to 1 within 1e-5.
@@ -20,6 +22,7 @@
 #include <unistd.h>
 
 #include "kvrt_experimental.h"
+#include "core/backend.h" /* the backend tables: a table with an op left out */
 #include "test_rng.h"
 #ifndef KVRT_TEST_NO_POLICY
 #include "kvpol.h"
@@ -474,6 +477,70 @@ Test(ctx, bad_arguments) {
     cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, NULL, NULL), KVRT_ERR_ARG);
 }
 
+Test(ctx, op_names_and_cpu_supports_every_op) {
+    cr_assert_str_eq(kvrt_op_name(KVRT_OP_SOFTMAX_ROWS), "softmax_rows");
+    cr_assert_str_eq(kvrt_op_name(KVRT_OP_COMPKV_STEP), "compkv_step");
+    cr_assert_str_eq(kvrt_op_name(-1), "unknown");
+    cr_assert_str_eq(kvrt_op_name(KVRT_OP_COUNT), "unknown");
+    kvrt_ctx *ctx = NULL;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &ctx, NULL), KVRT_OK);
+    for (int op = 0; op < KVRT_OP_COUNT; op++) {
+        cr_expect_neq(strcmp(kvrt_op_name(op), "unknown"), 0, "op %d has no name", op);
+        cr_expect_eq(kvrt_backend_supports(ctx, (kvrt_op)op), 1, "cpu lacks %s",
+                     kvrt_op_name(op));
+    }
+    cr_expect_eq(kvrt_backend_supports(ctx, (kvrt_op)KVRT_OP_COUNT), 0);
+    cr_expect_eq(kvrt_backend_supports(NULL, KVRT_OP_ATTEND), 0);
+    cr_expect_eq(ctx->ops->api_version, KVRT_BACKEND_API_VERSION);
+    kvrt_ctx_free(ctx);
+}
+
+Test(ctx, missing_op_is_unsupported_by_name) {
+    /* The CPU table with attend and softmax_rows left out: the entry points refuse by name. */
+    kvrt_ctx *ctx = NULL;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &ctx, NULL), KVRT_OK);
+    kvrt_backend_ops lacking = *ctx->ops;
+    lacking.attend = NULL;
+    lacking.softmax_rows = NULL;
+    const kvrt_backend_ops *keep = ctx->ops;
+    ctx->ops = &lacking;
+    cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_ATTEND), 0);
+    cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_TOPK), 1);
+
+    float x[6] = {1, 2, 3, 4, 5, 6}, y[6];
+    const int64_t shape[2] = {2, 3};
+    kvrt_tensor tx = kvrt_tensor_view(x, KVRT_DTYPE_F32, 2, shape, KVRT_DEVICE_HOST);
+    kvrt_tensor ty = kvrt_tensor_view(y, KVRT_DTYPE_F32, 2, shape, KVRT_DEVICE_HOST);
+    cr_expect_eq(kvrt_softmax_rows(ctx, &tx, &ty, 1.0f), KVRT_ERR_UNSUPPORTED);
+    cr_expect_str_eq(kvrt_ctx_last_error(ctx)->msg,
+                     "kvrt_softmax_rows: the cpu backend does not implement op softmax_rows");
+
+    const int64_t counts[1] = {2};
+    kvrt_cache *c = NULL;
+    cr_assert_eq(kvrt_cache_create(1, 3, KVRT_DTYPE_F32, counts, &c), KVRT_OK);
+    float out[3];
+    cr_expect_eq(kvrt_attend(ctx, x, 1, 1, c, NULL, NULL, 0, 1.0f, out, NULL),
+                 KVRT_ERR_UNSUPPORTED);
+    cr_expect_eq(kvrt_ctx_last_error(ctx)->code, KVRT_ERR_UNSUPPORTED);
+    cr_expect_str_eq(kvrt_ctx_last_error(ctx)->msg,
+                     "kvrt_attend: the cpu backend does not implement op attend");
+    kvrt_cache_free(c);
+
+    /* a policy front door: its op's slot decides, not the backend id */
+    lacking.compkv_create = NULL;
+    cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_COMPKV_CREATE), 0);
+    kvrt_compkv *st = (kvrt_compkv *)0x1;
+    cr_expect_eq(kvrt_compkv_create(ctx, NULL, 1, 8, 16, NULL, NULL, &st), KVRT_ERR_UNSUPPORTED);
+    cr_expect_null(st);
+    cr_expect_str_eq(kvrt_ctx_last_error(ctx)->msg,
+                     "kvrt_compkv_create: the cpu backend does not implement op compkv_create");
+    cr_expect_str_eq(kvrt_last_error()->msg, kvrt_ctx_last_error(ctx)->msg);
+    ctx->ops = keep;
+    cr_expect_eq(kvrt_compkv_create(ctx, NULL, 1, 8, 16, NULL, NULL, &st), KVRT_OK);
+    kvrt_compkv_free(st);
+    kvrt_ctx_free(ctx);
+}
+
 // ----------------------------------------------------------------------------
 // CUDA
 
@@ -502,6 +569,11 @@ Test(cuda, create_reports_what_this_build_and_machine_can_do) {
         cr_assert(info.total_mem > 0);
         fprintf(stderr, "note: CUDA device 0: %s, cc %d.%d, %.1f GiB\n", info.name,
                 info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024));
+        /* the CUDA table: softmax, attend and gather; the policy ops are not ported yet */
+        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_SOFTMAX_ROWS), 1);
+        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_ATTEND), 1);
+        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_CACHE_GATHER), 1);
+        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_COMPKV_STEP), 0);
         kvrt_ctx_free(ctx);
         kvrt_ctx_options o = {0, kvrt_cuda_device_count()}; /* one past the last */
         cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, &o, &ctx, &err), KVRT_ERR_NO_DEVICE);

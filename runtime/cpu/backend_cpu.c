@@ -1,0 +1,207 @@
+/*
+ * backend_cpu.c: the CPU backend's table (core/backend.h): host memory, OpenMP threads, and one
+ * entry per op pointing at the CPU kernels of runtime/cpu/.
+ * Callers: kvrt_ctx_create (core/ctx.c) through kvrt_backend_cpu; the public entry points reach
+ * the ops through ctx->ops.
+ *
+ * defines: kvrt_backend_cpu
+ *
+ * The op entries are thin wrappers: the kernels (cpu/attend.c, softmax.c, select.c,
+ * baselines.c, and the policies' kvrt_cpu_* of cpu/compilerkv.c, am.c, compkv.c, declared in
+ * core/policies.h) take the arguments of their public entry points minus the context and check
+ * them themselves.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kvrt_experimental.h"
+#include "core/backend.h"
+#include "core/policies.h"
+
+// ----------------------------------------------------------------------------
+// housekeeping
+
+static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err) {
+    int n = opts->n_threads;
+    if (n == 0) {
+#ifdef _OPENMP
+        n = omp_get_max_threads();
+#else
+        n = 1;
+#endif
+    }
+    if (n < 1) n = 1;
+    ctx->n_threads = n;
+    ctx->device = KVRT_DEVICE_HOST;
+    ctx->device_id = 0;
+    memset(&ctx->info, 0, sizeof ctx->info);
+    ctx->info.backend = KVRT_BACKEND_CPU;
+    snprintf(ctx->info.name, sizeof ctx->info.name, "CPU (%d thread%s)", n, n == 1 ? "" : "s");
+    ctx->info.device_id = 0;
+    ctx->info.n_threads = n;
+    (void)err;
+    return KVRT_OK;
+}
+
+static void cpu_free(kvrt_ctx *ctx) { (void)ctx; }
+
+static int cpu_info(const kvrt_ctx *ctx, kvrt_device_info *out) {
+    *out = ctx->info;
+    return KVRT_OK;
+}
+
+static int cpu_alloc(kvrt_ctx *ctx, size_t bytes, void **out) {
+    void *p = NULL;
+    /* 64-byte alignment: a cache line, and what .kvpol tensors are aligned to. */
+    size_t rounded = (bytes + 63u) & ~(size_t)63u;
+    if (rounded < bytes || posix_memalign(&p, 64, rounded) != 0)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0,
+                            "kvrt_ctx_alloc: cannot allocate %zu bytes on the host", bytes);
+    *out = p;
+    return KVRT_OK;
+}
+
+static void cpu_dealloc(kvrt_ctx *ctx, void *p) {
+    (void)ctx;
+    free(p);
+}
+
+static int cpu_copy(kvrt_ctx *ctx, void *dst, const void *src, size_t bytes) {
+    (void)ctx;
+    memmove(dst, src, bytes);
+    return KVRT_OK;
+}
+
+static int cpu_sync(kvrt_ctx *ctx) {
+    (void)ctx;
+    return KVRT_OK;
+}
+
+// ----------------------------------------------------------------------------
+// primitives
+
+static int cpu_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {
+    return kvrt_cpu_softmax_rows(x, y, scale, ctx->n_threads);
+}
+
+static int cpu_topk(kvrt_ctx *ctx, const float *scores, int64_t n, int64_t k, int32_t *idx) {
+    (void)ctx;
+    return kvrt_topk(scores, n, k, idx);
+}
+
+static int cpu_cache_gather(kvrt_ctx *ctx, const float *k, const float *v, int64_t T,
+                            uint32_t n_kv_heads, uint32_t head_dim, const kvrt_selection *sel,
+                            int dtype, kvrt_cache **out) {
+    (void)ctx;
+    return kvrt_cache_gather(k, v, T, n_kv_heads, head_dim, sel, dtype, out);
+}
+
+// ----------------------------------------------------------------------------
+// baseline scores
+
+static int cpu_snapkv_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t T,
+                             uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                             uint32_t window, float *scores) {
+    (void)ctx;
+    return kvrt_snapkv_scores(q, k, T, n_heads, n_kv_heads, head_dim, window, scores);
+}
+
+static int cpu_h2o_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t T,
+                          uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                          float *scores) {
+    (void)ctx;
+    return kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, scores);
+}
+
+// ----------------------------------------------------------------------------
+// policy hot ops
+
+static int cpu_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                                 const kvrt_compilerkv_prompt *pr, uint32_t layer,
+                                 const float *v, uint32_t n_kv_heads, uint32_t head_dim,
+                                 int64_t budget, unsigned flags, kvrt_selection **out,
+                                 kvrt_compilerkv_stats *st) {
+    (void)ctx;
+    return kvrt_cpu_compilerkv_select(tb, pr, layer, v, n_kv_heads, head_dim, budget, flags, out,
+                                      st);
+}
+
+static int cpu_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v,
+                          int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
+                          int64_t n, int64_t t, int dtype, kvrt_cache **out,
+                          kvrt_am_stats *stats) {
+    (void)ctx;
+    return kvrt_cpu_am_compact(o, k, v, T, head_dim, q_ref, q_pos, n, t, dtype, out, stats);
+}
+
+static int cpu_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
+                                const float *k, const float *v, int64_t T, uint32_t n_heads,
+                                uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                                const float *ratios, const double *ratio_list, int dtype,
+                                kvrt_cache **out, kvrt_am_stats *stats) {
+    (void)ctx;
+    return kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, n_sets,
+                                           ratios, ratio_list, dtype, out, stats);
+}
+
+static int cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                             uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                             const uint16_t *offsets, kvrt_compkv **out) {
+    (void)ctx;
+    return kvrt_cpu_compkv_create(o, n_kv_heads, head_dim, capacity, perm, offsets, out);
+}
+
+static int cpu_compkv_scores(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
+                             uint32_t n_heads, float *scores) {
+    (void)ctx;
+    return kvrt_compkv_scores(s, q, n_heads, scores);
+}
+
+static int cpu_compkv_attend_blocks(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
+                                    uint32_t n_heads, const int32_t *blocks, int64_t n_sel,
+                                    float *out) {
+    (void)ctx;
+    return kvrt_compkv_attend_blocks(s, q, n_heads, blocks, n_sel, out);
+}
+
+static int cpu_compkv_step(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                           int64_t k_blocks, float *out, int32_t *blocks_out) {
+    (void)ctx;
+    return kvrt_compkv_step(s, q, n_heads, k_blocks, out, blocks_out);
+}
+
+// ----------------------------------------------------------------------------
+// the table
+
+static const kvrt_backend_ops cpu_ops = {
+    .api_version = KVRT_BACKEND_API_VERSION,
+    .name = "cpu",
+    .init = cpu_init,
+    .free = cpu_free,
+    .info = cpu_info,
+    .alloc = cpu_alloc,
+    .dealloc = cpu_dealloc,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .sync = cpu_sync,
+    .softmax_rows = cpu_softmax_rows,
+    .attend = kvrt_cpu_attend,
+    .topk = cpu_topk,
+    .cache_gather = cpu_cache_gather,
+    .snapkv_scores = cpu_snapkv_scores,
+    .h2o_scores = cpu_h2o_scores,
+    .compilerkv_select = cpu_compilerkv_select,
+    .am_compact = cpu_am_compact,
+    .am_compact_layer = cpu_am_compact_layer,
+    .compkv_create = cpu_compkv_create,
+    .compkv_scores = cpu_compkv_scores,
+    .compkv_attend_blocks = cpu_compkv_attend_blocks,
+    .compkv_step = cpu_compkv_step,
+};
+
+const kvrt_backend_ops *kvrt_backend_cpu(void) { return &cpu_ops; }

@@ -1,0 +1,1157 @@
+/*
+ * test_backend_ops.c: every op of the backend table (runtime/core/backend.h) on every backend
+ * this build and machine have, against its reference, by normalized mean squared error with a
+ * per-op bound (ggml's tests/test-backend-ops.cpp: nmse, max_nmse_err).
+ * Callers: `make test` (and `make backend-ops`), scripts/device-check.sh.
+ *
+ * defines: main
+ *
+ * One line per (op, backend, shape):
+ *   attend               cpu   n=1 H=8 Hkv=2 d=64 T=517 f16     nmse=2.3e-15 <= 1e-07  OK
+ *   attend               cuda  n=1 H=8 Hkv=2 d=64 T=517 f16     skipped: no GPU
+ *   topk                 cuda  n=1000 k=10                      not supported
+ * then the counts and, alone on the last line, "backend-ops: N passed, M failed". Exit status 1
+ * when a row failed. "not supported" (kvrt_backend_supports is 0) and "skipped" are not failures.
+ *
+ * nmse = sum (got - ref)^2 / sum ref^2 over the op's outputs (0 when both are all zero); a NaN
+ * or an infinity that the reference does not have in the same place makes it infinite. Ops
+ * with integer outputs (top-k indices, selections, gathered positions) have the bound 0.
+ * References: the op's _ref (plain loops in double) where one exists; the gather against plain
+ * loops here; Attention Matching against the CPU fast path called directly (the compaction has
+ * no _ref; its solvers are checked against kvrt_nnls_ref in tests/unit/test_am.c), so on the
+ * CPU that row checks the dispatch and determinism, and on another backend the port.
+ * Inputs live in the context's memory (kvrt_ctx_alloc + upload), so the same code runs every
+ * backend; the ops are called through the public entry point where it takes a context and
+ * plain arrays (kvrt_softmax_rows, kvrt_attend), else through ctx->ops (the table itself). The
+ * CompKV rows build the state with the backend's compkv_create and a reference state on the CPU
+ * context from the same tokens.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrt_experimental.h"
+#include "kvrt_rng.h"
+#include "core/backend.h" /* struct kvrt_ctx: the table behind a context */
+
+// ----------------------------------------------------------------------------
+// reporting
+
+static int n_passed, n_failed, n_unsupported, n_skipped;
+static kvrt_ctx *cpu_ref; /* the CPU context the references that need one run on */
+
+#define NMSE_DEFAULT 1e-7 /* ggml's default max_nmse_err */
+
+static void row_head(const char *op, const char *backend, const char *shape) {
+    printf("%-20s %-5s %-54s ", op, backend, shape);
+}
+
+static void report(const char *op, const char *backend, const char *shape, double nmse,
+                   double bound, const char *note) {
+    row_head(op, backend, shape);
+    const int ok = nmse <= bound; /* NaN fails */
+    printf("nmse=%.2g <= %g  %s%s%s\n", nmse, bound, ok ? "OK" : "FAIL", note ? ": " : "",
+           note ? note : "");
+    if (ok) n_passed++;
+    else n_failed++;
+}
+
+/* A row that could not run: a failed call is a failure. */
+static void report_error(const char *op, const char *backend, const char *shape, int rc,
+                         const char *what) {
+    row_head(op, backend, shape);
+    printf("FAIL: %s returned %s: %s\n", what, kvrt_status_name(rc), kvrt_last_error()->msg);
+    n_failed++;
+}
+
+/* 1 when the row should run on ctx; else prints why not (no GPU, op not implemented). */
+static int row_runs(kvrt_ctx *ctx, const char *backend, const char *op, kvrt_op id,
+                    const char *shape) {
+    if (ctx == NULL) {
+        row_head(op, backend, shape);
+        printf("skipped: no GPU\n");
+        n_skipped++;
+        return 0;
+    }
+    if (!kvrt_backend_supports(ctx, id)) {
+        row_head(op, backend, shape);
+        printf("not supported\n");
+        n_unsupported++;
+        return 0;
+    }
+    return 1;
+}
+
+/* Accumulates the nmse of one row over several outputs. */
+typedef struct {
+    double err, ref;
+    int bad; /* a non-finite value where the reference has another */
+} nmse_acc;
+
+static void acc_f(nmse_acc *a, const float *got, const float *ref, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const double g = got[i], r = ref[i];
+        if (!isfinite(r) || !isfinite(g)) {
+            if (!(g == r || (isnan(g) && isnan(r)))) a->bad = 1;
+            continue;
+        }
+        a->err += (g - r) * (g - r);
+        a->ref += r * r;
+    }
+}
+
+static void acc_i(nmse_acc *a, const int32_t *got, const int32_t *ref, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const double g = got[i], r = ref[i];
+        a->err += (g - r) * (g - r);
+        a->ref += r * r;
+    }
+}
+
+static double acc_nmse(const nmse_acc *a) {
+    if (a->bad) return INFINITY;
+    if (a->ref == 0.0) return a->err == 0.0 ? 0.0 : INFINITY;
+    return a->err / a->ref;
+}
+
+// ----------------------------------------------------------------------------
+// data in the context's memory
+
+static void fill(uint64_t *s, float *x, int64_t n, float lo, float hi) {
+    for (int64_t i = 0; i < n; i++) x[i] = (float)(lo + (hi - lo) * kvrt_rng_u01(s));
+}
+
+static float *randf(uint64_t *s, int64_t n, float lo, float hi) {
+    float *x = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (x == NULL) {
+        fprintf(stderr, "test_backend_ops: out of memory\n");
+        exit(2);
+    }
+    fill(s, x, n, lo, hi);
+    return x;
+}
+
+/* A copy of host[bytes] in ctx's memory (NULL for 0 bytes); exits on failure (a test driver). */
+static void *to_ctx(kvrt_ctx *ctx, const void *host, size_t bytes) {
+    if (bytes == 0) return NULL;
+    void *p = NULL;
+    if (kvrt_ctx_alloc(ctx, bytes, &p) != KVRT_OK ||
+        (host && kvrt_ctx_upload(ctx, p, host, bytes) != KVRT_OK)) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_ctx_last_error(ctx)->msg);
+        exit(2);
+    }
+    return p;
+}
+
+static void from_ctx(kvrt_ctx *ctx, void *host, const void *dev, size_t bytes) {
+    if (bytes == 0) return;
+    if (kvrt_ctx_sync(ctx) != KVRT_OK || kvrt_ctx_download(ctx, host, dev, bytes) != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_ctx_last_error(ctx)->msg);
+        exit(2);
+    }
+}
+
+/* The arrays of a cache made by an op on ctx (a host cache, or one owned by ctx), as host
+ * copies in a new host cache (same dtype, offsets, entries). */
+static kvrt_cache *cache_to_host(kvrt_ctx *ctx, const kvrt_cache *c) {
+    const int64_t *off = c->owner ? c->host_offsets : c->offsets;
+    int64_t *counts = malloc(sizeof(int64_t) * c->n_kv_heads);
+    for (uint32_t j = 0; j < c->n_kv_heads; j++) counts[j] = off[j + 1] - off[j];
+    kvrt_cache *h = NULL;
+    if (kvrt_cache_create(c->n_kv_heads, c->head_dim, c->dtype, counts, &h) != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
+        exit(2);
+    }
+    free(counts);
+    const size_t ne = (size_t)c->n_entries;
+    const size_t kv = ne * c->head_dim * kvrt_dtype_size(c->dtype);
+    if (c->owner) {
+        from_ctx(ctx, h->keys, c->keys, kv);
+        from_ctx(ctx, h->values, c->values, kv);
+        from_ctx(ctx, h->bias, c->bias, ne * sizeof(float));
+        from_ctx(ctx, h->positions, c->positions, ne * sizeof(int32_t));
+    } else if (ne > 0) {
+        memcpy(h->keys, c->keys, kv);
+        memcpy(h->values, c->values, kv);
+        memcpy(h->bias, c->bias, ne * sizeof(float));
+        memcpy(h->positions, c->positions, ne * sizeof(int32_t));
+    }
+    return h;
+}
+
+/* Keys and values of a cache as f32 (f16 storage widened exactly). */
+static float *cache_f32(const kvrt_cache *c, const void *arr) {
+    const int64_t n = c->n_entries * (int64_t)c->head_dim;
+    float *x = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    for (int64_t i = 0; i < n; i++)
+        x[i] = c->dtype == KVRT_DTYPE_F16 ? kvrt_f16_to_f32(((const uint16_t *)arr)[i])
+                                          : ((const float *)arr)[i];
+    return x;
+}
+
+/* nmse terms of two host caches: entry counts per head must match (else infinite). */
+static void acc_cache(nmse_acc *a, const kvrt_cache *got, const kvrt_cache *ref) {
+    if (got->n_kv_heads != ref->n_kv_heads || got->n_entries != ref->n_entries ||
+        got->dtype != ref->dtype) {
+        a->bad = 1;
+        return;
+    }
+    for (uint32_t j = 0; j <= ref->n_kv_heads; j++)
+        if (got->offsets[j] != ref->offsets[j]) a->bad = 1;
+    if (a->bad || ref->n_entries == 0) return;
+    const int64_t n = ref->n_entries * (int64_t)ref->head_dim;
+    float *gk = cache_f32(got, got->keys), *rk = cache_f32(ref, ref->keys);
+    float *gv = cache_f32(got, got->values), *rv = cache_f32(ref, ref->values);
+    acc_f(a, gk, rk, n);
+    acc_f(a, gv, rv, n);
+    acc_f(a, got->bias, ref->bias, ref->n_entries);
+    acc_i(a, got->positions, ref->positions, ref->n_entries);
+    free(gk);
+    free(rk);
+    free(gv);
+    free(rv);
+}
+
+// ----------------------------------------------------------------------------
+// softmax_rows
+
+typedef struct {
+    int64_t rows, cols, ld;
+    float scale;
+} sm_shape;
+
+static void test_softmax(kvrt_ctx *ctx, const char *bk) {
+    static const sm_shape shapes[] = {
+        {7, 5, 5, 1.0f}, {64, 1000, 1000, 0.125f}, {3, 4097, 4097, 2.0f}, {16, 33, 40, 1.0f}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const sm_shape *S = &shapes[si];
+        char shape[96];
+        snprintf(shape, sizeof shape, "rows=%lld cols=%lld ld=%lld scale=%g", (long long)S->rows,
+                 (long long)S->cols, (long long)S->ld, (double)S->scale);
+        if (!row_runs(ctx, bk, "softmax_rows", KVRT_OP_SOFTMAX_ROWS, shape)) continue;
+        uint64_t seed = 100 + si;
+        const int64_t n = S->rows * S->ld;
+        float *x = randf(&seed, n, -8.0f, 8.0f);
+        float *xc = malloc(sizeof(float) * (size_t)(S->rows * S->cols));
+        for (int64_t r = 0; r < S->rows; r++)
+            memcpy(xc + r * S->cols, x + r * S->ld, sizeof(float) * (size_t)S->cols);
+        float *ref = malloc(sizeof(float) * (size_t)(S->rows * S->cols));
+        kvrt_softmax_rows_ref(xc, ref, S->rows, S->cols, S->scale);
+
+        float *dx = to_ctx(ctx, x, sizeof(float) * (size_t)n);
+        float *dy = to_ctx(ctx, x, sizeof(float) * (size_t)n);
+        const int64_t sh[2] = {S->rows, S->cols};
+        kvrt_tensor tx = kvrt_tensor_view(dx, KVRT_DTYPE_F32, 2, sh, ctx->device);
+        kvrt_tensor ty = kvrt_tensor_view(dy, KVRT_DTYPE_F32, 2, sh, ctx->device);
+        tx.strides[0] = ty.strides[0] = S->ld;
+        tx.device_id = ty.device_id = ctx->device_id;
+        int rc = kvrt_softmax_rows(ctx, &tx, &ty, S->scale);
+        if (rc != KVRT_OK) {
+            row_head("softmax_rows", bk, shape);
+            printf("FAIL: kvrt_softmax_rows returned %s: %s\n", kvrt_status_name(rc),
+                   kvrt_ctx_last_error(ctx)->msg);
+            n_failed++;
+        } else {
+            float *y = malloc(sizeof(float) * (size_t)n);
+            from_ctx(ctx, y, dy, sizeof(float) * (size_t)n);
+            nmse_acc a = {0, 0, 0};
+            for (int64_t r = 0; r < S->rows; r++)
+                acc_f(&a, y + r * S->ld, ref + r * S->cols, S->cols);
+            report("softmax_rows", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            free(y);
+        }
+        kvrt_ctx_dealloc(ctx, dx);
+        kvrt_ctx_dealloc(ctx, dy);
+        free(x);
+        free(xc);
+        free(ref);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// attend
+
+typedef struct {
+    int64_t n;
+    uint32_t H, Hkv, d;
+    int64_t T;        /* cache entries of each KV head */
+    int64_t n_recent;
+    int dtype;
+    int ragged;       /* head 1 holds no entry, head 0 half of T */
+} att_shape;
+
+static kvrt_cache *make_cache(uint64_t *s, uint32_t Hkv, uint32_t d, const int64_t *counts,
+                              int dtype) {
+    kvrt_cache *c = NULL;
+    if (kvrt_cache_create(Hkv, d, dtype, counts, &c) != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
+        exit(2);
+    }
+    const int64_t n = c->n_entries * (int64_t)d;
+    for (int64_t i = 0; i < n; i++) {
+        const float kx = (float)(2.0 * kvrt_rng_u01(s) - 1.0);
+        const float vx = (float)(2.0 * kvrt_rng_u01(s) - 1.0);
+        if (dtype == KVRT_DTYPE_F16) {
+            ((uint16_t *)c->keys)[i] = kvrt_f32_to_f16(kx);
+            ((uint16_t *)c->values)[i] = kvrt_f32_to_f16(vx);
+        } else {
+            ((float *)c->keys)[i] = kx;
+            ((float *)c->values)[i] = vx;
+        }
+    }
+    for (int64_t i = 0; i < c->n_entries; i++) {
+        c->bias[i] = (float)(0.5 * kvrt_rng_u01(s) - 0.25);
+        c->positions[i] = (int32_t)i;
+    }
+    if (c->n_entries > 2) c->bias[1] = -INFINITY; /* a dropped entry */
+    return c;
+}
+
+static void test_attend(kvrt_ctx *ctx, const char *bk) {
+    static const att_shape shapes[] = {
+        {1, 8, 2, 64, 517, 0, KVRT_DTYPE_F32, 0},
+        {1, 8, 2, 64, 517, 0, KVRT_DTYPE_F16, 0},
+        {4, 8, 2, 64, 300, 6, KVRT_DTYPE_F16, 1},
+        {3, 4, 4, 128, 1000, 3, KVRT_DTYPE_F32, 0},
+        {2, 6, 2, 32, 40, 0, KVRT_DTYPE_F32, 1},
+    };
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const att_shape *S = &shapes[si];
+        char shape[96];
+        snprintf(shape, sizeof shape, "n=%lld H=%u Hkv=%u d=%u T=%lld%s%s %s", (long long)S->n,
+                 S->H, S->Hkv, S->d, (long long)S->T, S->n_recent ? " recent" : "",
+                 S->ragged ? " ragged" : "", S->dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+        if (!row_runs(ctx, bk, "attend", KVRT_OP_ATTEND, shape)) continue;
+        uint64_t seed = 200 + si;
+        int64_t counts[16];
+        for (uint32_t j = 0; j < S->Hkv; j++) counts[j] = S->T;
+        if (S->ragged) {
+            counts[0] = S->T / 2;
+            counts[1] = 0;
+        }
+        kvrt_cache *hc = make_cache(&seed, S->Hkv, S->d, counts, S->dtype);
+        const int64_t nq = S->n * S->H * S->d, nr = S->n_recent * S->Hkv * S->d;
+        float *q = randf(&seed, nq, -1.0f, 1.0f);
+        float *kr = randf(&seed, nr, -1.0f, 1.0f), *vr = randf(&seed, nr, -1.0f, 1.0f);
+        const float scale = 1.0f / sqrtf((float)S->d);
+        float *ref = malloc(sizeof(float) * (size_t)nq);
+        float *ref_lse = malloc(sizeof(float) * (size_t)(S->n * S->H));
+        int rc = kvrt_attend_ref(q, S->n, S->H, hc, S->n_recent ? kr : NULL,
+                                 S->n_recent ? vr : NULL, S->n_recent, scale, ref, ref_lse);
+        if (rc != KVRT_OK) {
+            report_error("attend", bk, shape, rc, "kvrt_attend_ref");
+            goto next;
+        }
+        kvrt_cache *dc = NULL;
+        rc = kvrt_cache_to_device(ctx, hc, &dc);
+        if (rc != KVRT_OK) {
+            report_error("attend", bk, shape, rc, "kvrt_cache_to_device");
+            goto next;
+        }
+        float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)nq);
+        float *dkr = to_ctx(ctx, kr, sizeof(float) * (size_t)nr);
+        float *dvr = to_ctx(ctx, vr, sizeof(float) * (size_t)nr);
+        float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)nq);
+        float *dlse = to_ctx(ctx, NULL, sizeof(float) * (size_t)(S->n * S->H));
+        rc = kvrt_attend(ctx, dq, S->n, S->H, dc, dkr, dvr, S->n_recent, scale, dout, dlse);
+        if (rc != KVRT_OK) {
+            row_head("attend", bk, shape);
+            printf("FAIL: kvrt_attend returned %s: %s\n", kvrt_status_name(rc),
+                   kvrt_ctx_last_error(ctx)->msg);
+            n_failed++;
+        } else {
+            float *out = malloc(sizeof(float) * (size_t)nq);
+            float *lse = malloc(sizeof(float) * (size_t)(S->n * S->H));
+            from_ctx(ctx, out, dout, sizeof(float) * (size_t)nq);
+            from_ctx(ctx, lse, dlse, sizeof(float) * (size_t)(S->n * S->H));
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, out, ref, nq);
+            acc_f(&a, lse, ref_lse, S->n * S->H);
+            report("attend", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            free(out);
+            free(lse);
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, dkr);
+        kvrt_ctx_dealloc(ctx, dvr);
+        kvrt_ctx_dealloc(ctx, dout);
+        kvrt_ctx_dealloc(ctx, dlse);
+        kvrt_cache_free(dc);
+    next:
+        kvrt_cache_free(hc);
+        free(q);
+        free(kr);
+        free(vr);
+        free(ref);
+        free(ref_lse);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// topk
+
+static void test_topk(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t n, k;
+        int ties, nans;
+    } shapes[] = {{1000, 10, 0, 0}, {5000, 4000, 1, 0}, {257, 0, 0, 0}, {300, 150, 1, 1}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t n = shapes[si].n, k = shapes[si].k;
+        char shape[96];
+        snprintf(shape, sizeof shape, "n=%lld k=%lld%s%s", (long long)n, (long long)k,
+                 shapes[si].ties ? " ties" : "", shapes[si].nans ? " nan" : "");
+        if (!row_runs(ctx, bk, "topk", KVRT_OP_TOPK, shape)) continue;
+        uint64_t seed = 300 + si;
+        float *x = randf(&seed, n, -1.0f, 1.0f);
+        for (int64_t i = 0; shapes[si].ties && i < n; i++) x[i] = floorf(x[i] * 8.0f) / 8.0f;
+        for (int64_t i = 0; shapes[si].nans && i < n; i += 17) x[i] = NAN;
+        int32_t *ref = malloc(sizeof(int32_t) * (size_t)(k > 0 ? k : 1));
+        int32_t *got = malloc(sizeof(int32_t) * (size_t)(k > 0 ? k : 1));
+        int rc = kvrt_topk_ref(x, n, k, ref);
+        if (rc != KVRT_OK) {
+            report_error("topk", bk, shape, rc, "kvrt_topk_ref");
+        } else {
+            float *dx = to_ctx(ctx, x, sizeof(float) * (size_t)n);
+            int32_t *di = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)k);
+            rc = ctx->ops->topk(ctx, dx, n, k, di);
+            if (rc != KVRT_OK) {
+                report_error("topk", bk, shape, rc, "topk");
+            } else {
+                from_ctx(ctx, got, di, sizeof(int32_t) * (size_t)k);
+                nmse_acc a = {0, 0, 0};
+                acc_i(&a, got, ref, k);
+                report("topk", bk, shape, acc_nmse(&a), 0.0, NULL);
+            }
+            kvrt_ctx_dealloc(ctx, dx);
+            kvrt_ctx_dealloc(ctx, di);
+        }
+        free(x);
+        free(ref);
+        free(got);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// cache_gather
+
+/* A selection of about `frac` of [0, T) per KV head (head 1 empty when ragged). */
+static kvrt_selection *make_selection(uint64_t *s, int64_t T, uint32_t Hkv, double frac,
+                                      int ragged) {
+    int64_t *counts = calloc(Hkv, sizeof(int64_t));
+    int32_t *pick = malloc(sizeof(int32_t) * (size_t)T * Hkv);
+    for (uint32_t j = 0; j < Hkv; j++)
+        for (int64_t t = 0; t < T; t++)
+            if (!(ragged && j == 1) && kvrt_rng_u01(s) < frac)
+                pick[j * T + counts[j]++] = (int32_t)t;
+    kvrt_selection *sel = NULL;
+    if (kvrt_selection_create(Hkv, counts, &sel) != KVRT_OK) exit(2);
+    for (uint32_t j = 0; j < Hkv; j++)
+        memcpy(sel->positions + sel->offsets[j], pick + j * T, sizeof(int32_t) * (size_t)counts[j]);
+    free(counts);
+    free(pick);
+    return sel;
+}
+
+/* The gather by plain loops: entry i of head j = token sel[j][i] of k, v [T, Hkv, d]. */
+static kvrt_cache *gather_ref(const float *k, const float *v, uint32_t Hkv, uint32_t d,
+                              const kvrt_selection *sel, int dtype) {
+    int64_t counts[16];
+    for (uint32_t j = 0; j < Hkv; j++) counts[j] = sel->offsets[j + 1] - sel->offsets[j];
+    kvrt_cache *c = NULL;
+    if (kvrt_cache_create(Hkv, d, dtype, counts, &c) != KVRT_OK) exit(2);
+    for (uint32_t j = 0; j < Hkv; j++)
+        for (int64_t i = sel->offsets[j]; i < sel->offsets[j + 1]; i++) {
+            const int64_t t = sel->positions[i], e = c->offsets[j] + (i - sel->offsets[j]);
+            for (uint32_t x = 0; x < d; x++) {
+                const float kx = k[(t * Hkv + j) * d + x], vx = v[(t * Hkv + j) * d + x];
+                if (dtype == KVRT_DTYPE_F16) {
+                    ((uint16_t *)c->keys)[e * d + x] = kvrt_f32_to_f16(kx);
+                    ((uint16_t *)c->values)[e * d + x] = kvrt_f32_to_f16(vx);
+                } else {
+                    ((float *)c->keys)[e * d + x] = kx;
+                    ((float *)c->values)[e * d + x] = vx;
+                }
+            }
+            c->bias[e] = 0.0f;
+            c->positions[e] = (int32_t)t;
+        }
+    return c;
+}
+
+static void test_gather(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T;
+        uint32_t Hkv, d;
+        int dtype, ragged;
+    } shapes[] = {{200, 2, 64, KVRT_DTYPE_F32, 0}, {517, 4, 64, KVRT_DTYPE_F16, 1},
+                  {33, 1, 128, KVRT_DTYPE_F32, 0}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T;
+        const uint32_t Hkv = shapes[si].Hkv, d = shapes[si].d;
+        const int dtype = shapes[si].dtype;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld Hkv=%u d=%u%s %s", (long long)T, Hkv, d,
+                 shapes[si].ragged ? " ragged" : "", dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+        if (!row_runs(ctx, bk, "cache_gather", KVRT_OP_CACHE_GATHER, shape)) continue;
+        uint64_t seed = 400 + si;
+        float *k = randf(&seed, T * Hkv * d, -2.0f, 2.0f), *v = randf(&seed, T * Hkv * d, -2, 2);
+        kvrt_selection *sel = make_selection(&seed, T, Hkv, 0.3, shapes[si].ragged);
+        kvrt_cache *ref = gather_ref(k, v, Hkv, d, sel, dtype), *got = NULL;
+        int rc = ctx->ops->cache_gather(ctx, k, v, T, Hkv, d, sel, dtype, &got);
+        if (rc != KVRT_OK) {
+            report_error("cache_gather", bk, shape, rc, "cache_gather");
+        } else {
+            const int in_ctx = got->device == ctx->device &&
+                               (ctx->device == KVRT_DEVICE_HOST || got->owner == ctx);
+            kvrt_cache *h = cache_to_host(ctx, got);
+            nmse_acc a = {0, 0, 0};
+            acc_cache(&a, h, ref);
+            report("cache_gather", bk, shape, in_ctx ? acc_nmse(&a) : INFINITY, 0.0,
+                   in_ctx ? NULL : "the cache is not in the context's memory");
+            kvrt_cache_free(h);
+            kvrt_cache_free(got);
+        }
+        kvrt_cache_free(ref);
+        kvrt_selection_free(sel);
+        free(k);
+        free(v);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// baseline scores (snapkv, h2o)
+
+typedef struct {
+    int64_t T;
+    uint32_t H, Hkv, d, window;
+} sc_shape;
+
+static void test_scores(kvrt_ctx *ctx, const char *bk, int h2o) {
+    static const sc_shape shapes[] = {
+        {300, 8, 2, 64, 32}, {100, 4, 4, 32, 128}, {129, 6, 3, 32, 7}};
+    const char *op = h2o ? "h2o_scores" : "snapkv_scores";
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const sc_shape *S = &shapes[si];
+        char shape[96];
+        if (h2o)
+            snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u", (long long)S->T, S->H,
+                     S->Hkv, S->d);
+        else
+            snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u window=%u", (long long)S->T,
+                     S->H, S->Hkv, S->d, S->window);
+        if (!row_runs(ctx, bk, op, h2o ? KVRT_OP_H2O_SCORES : KVRT_OP_SNAPKV_SCORES, shape))
+            continue;
+        uint64_t seed = 500 + si + (h2o ? 50 : 0);
+        const int64_t nq = S->T * S->H * S->d, nk = S->T * S->Hkv * S->d, ns = S->Hkv * S->T;
+        float *q = randf(&seed, nq, -1.0f, 1.0f), *k = randf(&seed, nk, -1.0f, 1.0f);
+        float *ref = malloc(sizeof(float) * (size_t)ns), *got = malloc(sizeof(float) * (size_t)ns);
+        int rc = h2o ? kvrt_h2o_scores_ref(q, k, S->T, S->H, S->Hkv, S->d, ref)
+                     : kvrt_snapkv_scores_ref(q, k, S->T, S->H, S->Hkv, S->d, S->window, ref);
+        if (rc != KVRT_OK) {
+            report_error(op, bk, shape, rc, h2o ? "kvrt_h2o_scores_ref" : "kvrt_snapkv_scores_ref");
+        } else {
+            float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)nq);
+            float *dk = to_ctx(ctx, k, sizeof(float) * (size_t)nk);
+            float *ds = to_ctx(ctx, NULL, sizeof(float) * (size_t)ns);
+            rc = h2o ? ctx->ops->h2o_scores(ctx, dq, dk, S->T, S->H, S->Hkv, S->d, ds)
+                     : ctx->ops->snapkv_scores(ctx, dq, dk, S->T, S->H, S->Hkv, S->d, S->window,
+                                               ds);
+            if (rc != KVRT_OK) {
+                report_error(op, bk, shape, rc, op);
+            } else {
+                from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
+                nmse_acc a = {0, 0, 0};
+                acc_f(&a, got, ref, ns);
+                report(op, bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            }
+            kvrt_ctx_dealloc(ctx, dq);
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, ds);
+        }
+        free(q);
+        free(k);
+        free(ref);
+        free(got);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// compilerkv_select
+
+/* Random tables for layers L of H heads, budgets {b0, b1}, thresholds in [0, 1.5]. */
+static kvrt_compilerkv_tables *make_tables(uint64_t *s, uint32_t L, uint32_t H, uint32_t window,
+                                           int64_t b0, int64_t b1) {
+    const int64_t budgets[2] = {b0 < b1 ? b0 : b1, b0 < b1 ? b1 : b0};
+    const int64_t ng = 2 * (int64_t)L * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS;
+    float *wh = randf(s, 2 * (int64_t)L * H, 0.0f, 1.0f), *tg = randf(s, ng, 0.0f, 1.5f);
+    float ee[KVRT_COMPILERKV_ENT_BINS - 1], pe[KVRT_COMPILERKV_PPL_BINS - 1];
+    for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS - 1; i++) ee[i] = (float)(i + 1) / 20.0f;
+    for (int i = 0; i < KVRT_COMPILERKV_PPL_BINS - 1; i++) pe[i] = 2.0f + 4.0f * (float)i;
+    kvrt_compilerkv_tables *tb = NULL;
+    if (kvrt_compilerkv_tables_create(2, L, H, window, budgets, wh, tg, ee, pe, &tb) != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
+        exit(2);
+    }
+    free(wh);
+    free(tg);
+    return tb;
+}
+
+/* A finished prompt of T tokens from random window masses of L layers and log-probabilities. */
+static kvrt_compilerkv_prompt *make_prompt(uint64_t *s, int64_t T, uint32_t window, uint32_t L) {
+    kvrt_compilerkv_prompt *pr = NULL;
+    float *mass = malloc(sizeof(float) * (size_t)T);
+    float *lp = randf(s, T - 1, -4.0f, -0.01f);
+    int rc = kvrt_compilerkv_prompt_create(T, window, &pr);
+    for (uint32_t l = 0; l < L && rc == KVRT_OK; l++) {
+        fill(s, mass, T, 0.0f, 2.0f * (float)window / (float)T);
+        rc = kvrt_compilerkv_prompt_add_mass(pr, mass);
+    }
+    if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, lp);
+    if (rc != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
+        exit(2);
+    }
+    free(mass);
+    free(lp);
+    return pr;
+}
+
+/* The reference of one layer's selection: the compiled budget's row and the prompt's risk bin
+ * as kvrt_compilerkv_select documents them, rho by kvrt_compilerkv_value_norms (the one
+ * implementation of the norms), then kvrt_compilerkv_select_layer_ref. */
+static int compilerkv_ref(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
+                          uint32_t layer, const float *v, uint32_t Hkv, uint32_t d, int64_t B,
+                          kvrt_selection **out, kvrt_compilerkv_stats *st) {
+    uint32_t b;
+    int be, bp;
+    int rc = kvrt_compilerkv_budget_index(tb, B, 0, &b);
+    if (rc == KVRT_OK) rc = kvrt_compilerkv_bins(tb, pr->entropy, pr->ppl, &be, &bp);
+    if (rc != KVRT_OK) return rc;
+    const size_t bl = (size_t)b * tb->n_layers + layer;
+    const float tau = tb->t_gate[(bl * KVRT_COMPILERKV_ENT_BINS + (size_t)be) *
+                                     KVRT_COMPILERKV_PPL_BINS + (size_t)bp];
+    float *rho = malloc(sizeof(float) * (size_t)pr->T * Hkv);
+    rc = kvrt_compilerkv_value_norms(v, pr->T, Hkv, d, rho);
+    if (rc == KVRT_OK)
+        rc = kvrt_compilerkv_select_layer_ref(pr->alpha, rho, pr->T, tb->n_heads, Hkv,
+                                              tb->w_head + bl * tb->n_heads, tau, B, tb->window,
+                                              out, st);
+    free(rho);
+    return rc;
+}
+
+static void test_compilerkv(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T;
+        uint32_t H, Hkv, d, window, layer;
+        int64_t budget, other;
+    } shapes[] = {{600, 8, 2, 64, 32, 1, 128, 256}, {600, 8, 2, 64, 32, 0, 40, 128},
+                  {300, 4, 4, 32, 16, 1, 200, 64}, {64, 6, 3, 32, 16, 0, 8, 16}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T, B = shapes[si].budget;
+        const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
+        const uint32_t w = shapes[si].window, layer = shapes[si].layer;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u w=%u B=%lld layer=%u",
+                 (long long)T, H, Hkv, d, w, (long long)B, layer);
+        if (!row_runs(ctx, bk, "compilerkv_select", KVRT_OP_COMPILERKV_SELECT, shape)) continue;
+        uint64_t seed = 600 + si;
+        kvrt_compilerkv_tables *tb = make_tables(&seed, 2, H, w, B, shapes[si].other);
+        kvrt_compilerkv_prompt *pr = make_prompt(&seed, T, w, 2);
+        float *v = randf(&seed, T * Hkv * d, -1.0f, 1.0f);
+        kvrt_selection *ref = NULL, *got = NULL;
+        kvrt_compilerkv_stats rs, gs;
+        int rc = compilerkv_ref(tb, pr, layer, v, Hkv, d, B, &ref, &rs);
+        if (rc != KVRT_OK) {
+            report_error("compilerkv_select", bk, shape, rc, "the reference");
+        } else {
+            float *dv = to_ctx(ctx, v, sizeof(float) * (size_t)(T * Hkv * d));
+            rc = ctx->ops->compilerkv_select(ctx, tb, pr, layer, dv, Hkv, d, B, 0, &got, &gs);
+            if (rc != KVRT_OK) {
+                report_error("compilerkv_select", bk, shape, rc, "compilerkv_select");
+            } else {
+                nmse_acc a = {0, 0, 0};
+                if (got->offsets[Hkv] != ref->offsets[Hkv] || gs.kept != rs.kept ||
+                    gs.candidates != rs.candidates)
+                    a.bad = 1;
+                else
+                    acc_i(&a, got->positions, ref->positions, ref->offsets[Hkv]);
+                char note[48];
+                snprintf(note, sizeof note, "kept %lld of %lld candidates", (long long)gs.kept,
+                         (long long)gs.candidates);
+                report("compilerkv_select", bk, shape, acc_nmse(&a), 0.0, note);
+            }
+            kvrt_ctx_dealloc(ctx, dv);
+        }
+        kvrt_selection_free(ref);
+        kvrt_selection_free(got);
+        kvrt_compilerkv_tables_free(tb);
+        kvrt_compilerkv_prompt_free(pr);
+        free(v);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// am_compact (one KV head, explicit reference queries)
+
+static void test_am_head(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T;
+        uint32_t d;
+        int64_t n, t;
+        int select, causal, dtype;
+    } shapes[] = {{200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32},
+                  {300, 64, 100, 30, KVRT_AM_SELECT_OMP, 0, KVRT_DTYPE_F16}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T, n = shapes[si].n, t = shapes[si].t;
+        const uint32_t d = shapes[si].d;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld d=%u n=%lld t=%lld %s%s %s", (long long)T, d,
+                 (long long)n, (long long)t,
+                 shapes[si].select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
+                 shapes[si].causal ? " causal" : "",
+                 shapes[si].dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+        if (!row_runs(ctx, bk, "am_compact", KVRT_OP_AM_COMPACT, shape)) continue;
+        uint64_t seed = 650 + si;
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.key_select = shapes[si].select;
+        float *k = randf(&seed, T * d, -1.0f, 1.0f), *v = randf(&seed, T * d, -1.0f, 1.0f);
+        float *q = randf(&seed, n * d, -1.0f, 1.0f);
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)n); /* evenly spaced, the last at T-1 */
+        for (int64_t i = 0; i < n; i++) pos[i] = (int32_t)(T - 1 - (n - 1 - i) * (T / n));
+        const int32_t *qp = shapes[si].causal ? pos : NULL;
+        kvrt_cache *ref = NULL, *got = NULL;
+        /* the reference: the CPU fast path through the public call (no _ref of the compaction) */
+        int rc = kvrt_am_compact(cpu_ref, &o, k, v, T, d, q, qp, n, t, shapes[si].dtype, &ref,
+                                 NULL);
+        if (rc != KVRT_OK) {
+            report_error("am_compact", bk, shape, rc, "kvrt_am_compact");
+        } else {
+            const size_t nk = sizeof(float) * (size_t)(T * d);
+            float *dk = to_ctx(ctx, k, nk), *dv = to_ctx(ctx, v, nk);
+            float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)(n * d));
+            int32_t *dp = to_ctx(ctx, qp, qp ? sizeof(int32_t) * (size_t)n : 0);
+            rc = ctx->ops->am_compact(ctx, &o, dk, dv, T, d, dq, dp, n, t, shapes[si].dtype, &got,
+                                      NULL);
+            if (rc != KVRT_OK) {
+                report_error("am_compact", bk, shape, rc, "am_compact");
+            } else {
+                kvrt_cache *h = cache_to_host(ctx, got);
+                nmse_acc a = {0, 0, 0};
+                acc_cache(&a, h, ref);
+                report("am_compact", bk, shape, acc_nmse(&a), 1e-6, NULL);
+                kvrt_cache_free(h);
+                kvrt_cache_free(got);
+            }
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, dv);
+            kvrt_ctx_dealloc(ctx, dq);
+            kvrt_ctx_dealloc(ctx, dp);
+        }
+        kvrt_cache_free(ref);
+        free(k);
+        free(v);
+        free(q);
+        free(pos);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// am_compact_layer
+
+static void test_am(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T;
+        uint32_t H, Hkv, d;
+        double ratio;
+        int select, per_head, dtype;
+        int64_t chunk;
+    } shapes[] = {{256, 4, 2, 32, 0.25, KVRT_AM_SELECT_HIGHEST, 0, KVRT_DTYPE_F32, 4096},
+                  {256, 4, 2, 32, 0.1, KVRT_AM_SELECT_OMP, 1, KVRT_DTYPE_F16, 4096},
+                  {300, 6, 3, 64, 0.2, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32, 128}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T;
+        const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
+        const int dtype = shapes[si].dtype;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u %s%s chunk=%lld %s",
+                 (long long)T, H, Hkv, d,
+                 shapes[si].select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
+                 shapes[si].per_head ? " ratios" : "", (long long)shapes[si].chunk,
+                 dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+        if (!row_runs(ctx, bk, "am_compact_layer", KVRT_OP_AM_COMPACT_LAYER, shape)) continue;
+        uint64_t seed = 700 + si;
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.key_select = shapes[si].select;
+        o.chunk = shapes[si].chunk;
+        float *q = randf(&seed, T * H * d, -1.0f, 1.0f), *k = randf(&seed, T * Hkv * d, -1, 1);
+        float *v = randf(&seed, T * Hkv * d, -1.0f, 1.0f);
+        float ratios[16];
+        for (uint32_t j = 0; j < Hkv; j++) ratios[j] = (float)(shapes[si].ratio * (0.5 + j));
+        const float *rp = shapes[si].per_head ? ratios : NULL;
+        kvrt_cache *ref = NULL, *got = NULL;
+        /* the reference: the CPU fast path through the public call on the CPU context (no _ref
+         * of the compaction) */
+        int rc = kvrt_am_compact_layer(cpu_ref, &o, q, k, v, T, H, Hkv, d, rp, shapes[si].ratio,
+                                       dtype, &ref, NULL);
+        if (rc != KVRT_OK) {
+            report_error("am_compact_layer", bk, shape, rc, "kvrt_am_compact_layer");
+        } else {
+            const size_t nq = sizeof(float) * (size_t)(T * H * d);
+            const size_t nk = sizeof(float) * (size_t)(T * Hkv * d);
+            float *dq = to_ctx(ctx, q, nq), *dk = to_ctx(ctx, k, nk), *dv = to_ctx(ctx, v, nk);
+            float *dr = to_ctx(ctx, rp, rp ? sizeof(float) * Hkv : 0);
+            const double ratio = shapes[si].ratio;
+            rc = ctx->ops->am_compact_layer(ctx, &o, dq, dk, dv, T, H, Hkv, d, 1, dr, &ratio,
+                                            dtype, &got, NULL);
+            if (rc != KVRT_OK) {
+                report_error("am_compact_layer", bk, shape, rc, "am_compact_layer");
+            } else {
+                kvrt_cache *h = cache_to_host(ctx, got);
+                nmse_acc a = {0, 0, 0};
+                acc_cache(&a, h, ref);
+                report("am_compact_layer", bk, shape, acc_nmse(&a), 1e-6, NULL);
+                kvrt_cache_free(h);
+                kvrt_cache_free(got);
+            }
+            kvrt_ctx_dealloc(ctx, dq);
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, dv);
+            kvrt_ctx_dealloc(ctx, dr);
+        }
+        kvrt_cache_free(ref);
+        free(q);
+        free(k);
+        free(v);
+    }
+}
+
+// ----------------------------------------------------------------------------
+// compkv: scores, attend_blocks, step
+
+typedef struct {
+    int64_t T;
+    uint32_t H, Hkv, d, block, r;
+    int compensate, grouped; /* grouped: a random permutation and uneven groups per KV head */
+    int64_t k_blocks;        /* step; attend_blocks reads half the blocks */
+} ck_shape;
+
+static const ck_shape ck_shapes[] = {{517, 8, 2, 64, 16, 4, 1, 0, 8},
+                                     {40, 4, 4, 32, 8, 1, 1, 0, 100},
+                                     {300, 6, 2, 64, 16, 16, 0, 1, 5}};
+#define N_CK (sizeof ck_shapes / sizeof ck_shapes[0])
+
+/* The same decode state twice: `got` made by ctx's compkv_create op, `ref` by kvrt_compkv_create
+ * on the CPU context (for the _ref calls), both appended the same T tokens. */
+typedef struct {
+    kvrt_compkv *got, *ref;
+    float *k, *v;              /* [T, Hkv, d] */
+    uint16_t *perm, *offsets;  /* [Hkv, d], [Hkv, r + 1] or NULL */
+    kvrt_compkv_opts o;
+} ck_pair;
+
+static void ck_pair_free(ck_pair *p) {
+    kvrt_compkv_free(p->got);
+    kvrt_compkv_free(p->ref);
+    free(p->k);
+    free(p->v);
+    free(p->perm);
+    free(p->offsets);
+}
+
+static int ck_pair_make(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p) {
+    memset(p, 0, sizeof *p);
+    kvrt_compkv_opts_init(&p->o);
+    p->o.block = S->block;
+    p->o.r = S->r;
+    p->o.compensate = S->compensate;
+    if (S->grouped) {
+        p->perm = malloc(sizeof(uint16_t) * S->Hkv * S->d);
+        p->offsets = malloc(sizeof(uint16_t) * S->Hkv * (S->r + 1));
+        for (uint32_t j = 0; j < S->Hkv; j++) {
+            uint16_t *pj = p->perm + (size_t)j * S->d, *oj = p->offsets + (size_t)j * (S->r + 1);
+            for (uint32_t i = 0; i < S->d; i++) pj[i] = (uint16_t)i;
+            for (uint32_t i = S->d - 1; i > 0; i--) { /* Fisher-Yates */
+                const uint32_t x = (uint32_t)kvrt_rng_below(seed, i + 1);
+                const uint16_t t = pj[i];
+                pj[i] = pj[x];
+                pj[x] = t;
+            }
+            for (uint32_t t = 0; t <= S->r; t++) oj[t] = (uint16_t)(t * S->d / S->r);
+            if (S->r >= 2 && oj[2] >= 3) oj[1] = 1; /* uneven: a group of one coordinate */
+        }
+    }
+    p->k = randf(seed, S->T * S->Hkv * S->d, -1.0f, 1.0f);
+    p->v = randf(seed, S->T * S->Hkv * S->d, -1.0f, 1.0f);
+    int rc = kvrt_compkv_create(cpu_ref, &p->o, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->ref);
+    if (rc == KVRT_OK) rc = kvrt_compkv_append(p->ref, p->k, p->v, S->T);
+    if (rc != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
+        exit(2);
+    }
+    rc = ctx->ops->compkv_create(ctx, &p->o, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->got);
+    if (rc == KVRT_OK) rc = kvrt_compkv_append(p->got, p->k, p->v, S->T);
+    return rc;
+}
+
+static void ck_shape_str(const ck_shape *S, char *buf, size_t n, int with_k) {
+    int o = snprintf(buf, n, "T=%lld H=%u Hkv=%u d=%u block=%u r=%u%s%s", (long long)S->T, S->H,
+                     S->Hkv, S->d, S->block, S->r, S->grouped ? " grouped" : "",
+                     S->compensate ? "" : " nocomp");
+    if (with_k && o > 0 && (size_t)o < n)
+        snprintf(buf + o, n - (size_t)o, " k=%lld", (long long)S->k_blocks);
+}
+
+/* Rows of op `name` (`id`) that also need the backend's compkv_create: 1 when it runs. */
+static int ck_runs(kvrt_ctx *ctx, const char *bk, const char *name, kvrt_op id,
+                   const char *shape) {
+    if (!row_runs(ctx, bk, name, id, shape)) return 0;
+    if (id != KVRT_OP_COMPKV_CREATE && !kvrt_backend_supports(ctx, KVRT_OP_COMPKV_CREATE)) {
+        row_head(name, bk, shape);
+        printf("not supported (no compkv_create)\n");
+        n_unsupported++;
+        return 0;
+    }
+    return 1;
+}
+
+/* create + append: the summaries against kvrt_compkv_summaries_ref */
+static void test_compkv_create(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 0);
+    if (!ck_runs(ctx, bk, "compkv_create", KVRT_OP_COMPKV_CREATE, shape)) return;
+    uint64_t seed = 750 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    if (rc != KVRT_OK) {
+        report_error("compkv_create", bk, shape, rc, "compkv_create + kvrt_compkv_append");
+        ck_pair_free(&p);
+        return;
+    }
+    const int64_t nb = kvrt_compkv_n_blocks(p.got), r = kvrt_compkv_groups(p.got);
+    const int64_t nd = S->Hkv * nb * S->d, ng = S->Hkv * nb * r;
+    float *km = malloc(sizeof(float) * (size_t)nd), *vm = malloc(sizeof(float) * (size_t)nd);
+    float *gv = malloc(sizeof(float) * (size_t)ng);
+    int32_t *cnt = malloc(sizeof(int32_t) * (size_t)nb);
+    rc = kvrt_compkv_summaries_ref(&p.o, p.k, p.v, S->T, S->Hkv, S->d, p.perm, p.offsets, km, vm,
+                                   gv, cnt);
+    nmse_acc a = {0, 0, 0};
+    for (uint32_t h = 0; h < S->Hkv && rc == KVRT_OK; h++) {
+        const float *gk, *gvm, *gg;
+        const int32_t *gc;
+        rc = kvrt_compkv_summaries(p.got, h, &gk, &gvm, &gg, &gc);
+        if (rc != KVRT_OK) break;
+        acc_f(&a, gk, km + (size_t)h * nb * S->d, nb * S->d);
+        acc_f(&a, gvm, vm + (size_t)h * nb * S->d, nb * S->d);
+        acc_f(&a, gg, gv + (size_t)h * nb * r, nb * r);
+        if (h == 0) acc_i(&a, gc, cnt, nb);
+    }
+    if (rc != KVRT_OK) report_error("compkv_create", bk, shape, rc, "the summaries");
+    else report("compkv_create", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+    free(km);
+    free(vm);
+    free(gv);
+    free(cnt);
+    ck_pair_free(&p);
+}
+
+static void test_compkv_scores(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 0);
+    if (!ck_runs(ctx, bk, "compkv_scores", KVRT_OP_COMPKV_SCORES, shape)) return;
+    uint64_t seed = 800 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref), ns = S->Hkv * nb;
+    float *q = randf(&seed, S->H * S->d, -1.0f, 1.0f);
+    float *ref = malloc(sizeof(float) * (size_t)ns), *got = malloc(sizeof(float) * (size_t)ns);
+    if (rc != KVRT_OK) {
+        report_error("compkv_scores", bk, shape, rc, "compkv_create");
+    } else if ((rc = kvrt_compkv_scores_ref(p.ref, q, S->H, ref)) != KVRT_OK) {
+        report_error("compkv_scores", bk, shape, rc, "kvrt_compkv_scores_ref");
+    } else {
+        float *dq = to_ctx(ctx, q, sizeof(float) * S->H * S->d);
+        float *ds = to_ctx(ctx, NULL, sizeof(float) * (size_t)ns);
+        rc = ctx->ops->compkv_scores(ctx, p.got, dq, S->H, ds);
+        if (rc != KVRT_OK) {
+            report_error("compkv_scores", bk, shape, rc, "compkv_scores");
+        } else {
+            from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, got, ref, ns);
+            report("compkv_scores", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, ds);
+    }
+    ck_pair_free(&p);
+    free(q);
+    free(ref);
+    free(got);
+}
+
+static void test_compkv_attend_blocks(kvrt_ctx *ctx, const char *bk, const ck_shape *S,
+                                      size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 0);
+    if (!ck_runs(ctx, bk, "compkv_attend_blocks", KVRT_OP_COMPKV_ATTEND_BLOCKS, shape)) return;
+    uint64_t seed = 850 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    /* head j reads blocks 2i + (j & 1): half of them, different per head */
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref), nsel = nb >= 2 ? nb / 2 : 1;
+    int32_t *blocks = malloc(sizeof(int32_t) * (size_t)(S->Hkv * nsel));
+    for (uint32_t j = 0; j < S->Hkv; j++)
+        for (int64_t i = 0; i < nsel; i++)
+            blocks[j * nsel + i] = nb >= 2 ? (int32_t)(2 * i + (j & 1)) : 0;
+    const int64_t no = S->H * S->d;
+    float *q = randf(&seed, no, -1.0f, 1.0f);
+    float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
+    if (rc != KVRT_OK) {
+        report_error("compkv_attend_blocks", bk, shape, rc, "compkv_create");
+    } else if ((rc = kvrt_compkv_attend_blocks_ref(p.ref, q, S->H, blocks, nsel, ref)) != 0) {
+        report_error("compkv_attend_blocks", bk, shape, rc, "kvrt_compkv_attend_blocks_ref");
+    } else {
+        float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
+        int32_t *db = to_ctx(ctx, blocks, sizeof(int32_t) * (size_t)(S->Hkv * nsel));
+        float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
+        rc = ctx->ops->compkv_attend_blocks(ctx, p.got, dq, S->H, db, nsel, dout);
+        if (rc != KVRT_OK) {
+            report_error("compkv_attend_blocks", bk, shape, rc, "compkv_attend_blocks");
+        } else {
+            from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, got, ref, no);
+            report("compkv_attend_blocks", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, db);
+        kvrt_ctx_dealloc(ctx, dout);
+    }
+    ck_pair_free(&p);
+    free(blocks);
+    free(q);
+    free(ref);
+    free(got);
+}
+
+/* step: reference = scores_ref, the selection rule (kvrt_compkv_select), attend_blocks_ref */
+static void test_compkv_step(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 1);
+    if (!ck_runs(ctx, bk, "compkv_step", KVRT_OP_COMPKV_STEP, shape)) return;
+    uint64_t seed = 900 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref);
+    const int64_t kk = S->k_blocks < nb ? S->k_blocks : nb;
+    const int64_t no = S->H * S->d, nbk = S->Hkv * kk;
+    float *q = randf(&seed, no, -1.0f, 1.0f);
+    float *sc = malloc(sizeof(float) * (size_t)(S->Hkv * nb));
+    int32_t *rb = malloc(sizeof(int32_t) * (size_t)nbk), *gb = malloc(sizeof(int32_t) * nbk);
+    float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
+    if (rc == KVRT_OK) {
+        rc = kvrt_compkv_scores_ref(p.ref, q, S->H, sc);
+        if (rc == KVRT_OK) rc = kvrt_compkv_select(p.ref, sc, S->k_blocks, rb);
+        if (rc == KVRT_OK) rc = kvrt_compkv_attend_blocks_ref(p.ref, q, S->H, rb, kk, ref);
+        if (rc != KVRT_OK)
+            report_error("compkv_step", bk, shape, rc, "scores_ref + select + attend_blocks_ref");
+    } else {
+        report_error("compkv_step", bk, shape, rc, "compkv_create");
+    }
+    if (rc == KVRT_OK) {
+        float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
+        float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
+        int32_t *db = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)nbk);
+        rc = ctx->ops->compkv_step(ctx, p.got, dq, S->H, S->k_blocks, dout, db);
+        if (rc != KVRT_OK) {
+            report_error("compkv_step", bk, shape, rc, "compkv_step");
+        } else {
+            from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
+            from_ctx(ctx, gb, db, sizeof(int32_t) * (size_t)nbk);
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, got, ref, no);
+            const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
+            report("compkv_step", bk, shape, same ? acc_nmse(&a) : INFINITY, NMSE_DEFAULT,
+                   same ? NULL : "the selected blocks differ from the reference's");
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, dout);
+        kvrt_ctx_dealloc(ctx, db);
+    }
+    ck_pair_free(&p);
+    free(q);
+    free(sc);
+    free(rb);
+    free(gb);
+    free(ref);
+    free(got);
+}
+
+typedef void (*ck_test)(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si);
+
+static void test_compkv(kvrt_ctx *ctx, const char *bk, ck_test t) {
+    for (size_t si = 0; si < N_CK; si++) t(ctx, bk, &ck_shapes[si], si);
+}
+
+// ----------------------------------------------------------------------------
+// driver
+
+int main(void) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    kvrt_ctx *cpu = NULL, *cuda = NULL;
+    kvrt_error err;
+    if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &cpu, &err) != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: no CPU context: %s\n", err.msg);
+        return 2;
+    }
+    cpu_ref = cpu;
+    const char *why_no_gpu = "";
+    if (!kvrt_has_cuda())
+        why_no_gpu = "libkvrt built without CUDA";
+    else if (kvrt_cuda_device_count() == 0)
+        why_no_gpu = "no CUDA device";
+    else if (kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &cuda, &err) != KVRT_OK) {
+        fprintf(stderr, "test_backend_ops: a GPU is present but no CUDA context: %s\n", err.msg);
+        n_failed++;
+        cuda = NULL;
+    }
+    kvrt_device_info info;
+    kvrt_ctx_info(cpu, &info);
+    printf("backend-ops: cpu = %s; cuda = ", info.name);
+    if (cuda) {
+        kvrt_ctx_info(cuda, &info);
+        printf("%s (cc %d.%d)\n", info.name, info.cc_major, info.cc_minor);
+    } else {
+        printf("none (%s)\n", why_no_gpu);
+    }
+
+    struct {
+        kvrt_ctx *ctx;
+        const char *name;
+    } backends[2] = {{cpu, "cpu"}, {cuda, "cuda"}};
+    for (int b = 0; b < 2; b++) test_softmax(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_attend(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_topk(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_gather(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 0);
+    for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 1);
+    for (int b = 0; b < 2; b++) test_compilerkv(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_am_head(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_am(backends[b].ctx, backends[b].name);
+    static const ck_test ck_tests[] = {test_compkv_create, test_compkv_scores,
+                                       test_compkv_attend_blocks, test_compkv_step};
+    for (size_t t = 0; t < sizeof ck_tests / sizeof ck_tests[0]; t++)
+        for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, ck_tests[t]);
+
+    kvrt_ctx_free(cuda);
+    kvrt_ctx_free(cpu);
+    printf("backend-ops: %d not supported, %d skipped (no GPU)\n", n_unsupported, n_skipped);
+    printf("backend-ops: %d passed, %d failed\n", n_passed, n_failed);
+    return n_failed == 0 ? 0 : 1;
+}
