@@ -34,6 +34,7 @@
 #include "capture.h"
 #include "corpus.h"
 #include "eval.h"
+#include "fixtures.h"
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
@@ -381,17 +382,11 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
 }
 
 Test(compkv_pass, real_model_all_blocks_is_exact_end_to_end, .timeout = 1200) {
-    const char *gguf = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    if (access(gguf, R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FX_REQUIRE_MODEL();
+    const char *gguf = fx_model_path();
     char path[128], err[512];
     snprintf(path, sizeof path, "/tmp/kvcc_compkv_real_%d.h5", (int)getpid());
-    kvcc_loaded_model lm;
-    cr_assert_eq(kvcc_load_model(gguf, 0, &lm, err, sizeof err), 0, "%s", err);
-    const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
-    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 96, .continuation_len = 24,
-                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
-    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
-    kvcc_loaded_model_free(&lm);
+    fx_capture_real("examples/data/heldout/2002_george_w_bush_r.txt", 96, 24, 3, path, NULL);
     const char *methods[] = {"compkv-index"};
     double budgets[] = {100, 3};
     kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 1, .budgets = budgets,

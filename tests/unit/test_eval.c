@@ -15,6 +15,7 @@
 #include "capture.h"
 #include "corpus.h"
 #include "eval.h"
+#include "fixtures.h"
 #include "kvrt_experimental.h"
 #include "loader.h"
 #include "synth.h"
@@ -61,17 +62,11 @@ Test(eval, synthetic_layer_local) {
 }
 
 Test(eval, real_model_full_row_is_exact, .timeout = 1200) {
-    const char *gguf = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    if (access(gguf, R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FX_REQUIRE_MODEL();
+    const char *gguf = fx_model_path();
     char path[128], err[512];
     snprintf(path, sizeof path, "/tmp/kvcc_eval_real_%d.h5", (int)getpid());
-    kvcc_loaded_model lm;
-    cr_assert_eq(kvcc_load_model(gguf, 0, &lm, err, sizeof err), 0, "%s", err);
-    const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
-    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 96, .continuation_len = 24,
-                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
-    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
-    kvcc_loaded_model_free(&lm);
+    fx_capture_real("examples/data/heldout/2002_george_w_bush_r.txt", 96, 24, 3, path, NULL);
     const char *methods[] = {"full", "streaming"};
     double budgets[] = {24};
     kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 2, .budgets = budgets,

@@ -18,44 +18,22 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "capture.h"
 #include "corpus.h"
 #include "eval.h"
+#include "fixtures.h"
 #include "kvcc.h"
 #include "kvrt_experimental.h"
-#include "loader.h"
 #include "loop.h"
 #include "metrics.h"
 #include "passes/passes.h"
 #include "stats.h"
 #include "test_ctx.h"
 
-static const char *model_path(void) {
-    const char *m = getenv("KVCC_MODEL");
-    return m ? m : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
 /* One 96 + 24 token window of held-out text through the real model (skips without it). */
 static void real_corpus(char *path, size_t n, const char *tag) {
-    if (access(model_path(), R_OK) != 0)
-        cr_skip_test("model not fetched: run scripts/fetch-model.sh");
-    char err[512];
+    FX_REQUIRE_MODEL();
     snprintf(path, n, "/tmp/kvcc_evc_%s_%d.h5", tag, (int)getpid());
-    kvcc_loaded_model lm;
-    cr_assert_eq(kvcc_load_model(model_path(), 0, &lm, err, sizeof err), 0, "%s", err);
-    const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
-    kvcc_capture_opts co = {.texts = texts,
-                            .n_texts = 1,
-                            .n_prompts = 1,
-                            .context_len = 96,
-                            .continuation_len = 24,
-                            .seed = 3,
-                            .dtype_f16 = 1,
-                            .model_name = lm.name,
-                            .options = "test"};
-    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0,
-                 "%s", err);
-    kvcc_loaded_model_free(&lm);
+    fx_capture_real("examples/data/heldout/2002_george_w_bush_r.txt", 96, 24, 3, path, NULL);
 }
 
 /* Run pass `name` with cx (corpus and model filled in here) into the artifact art. */
@@ -64,18 +42,8 @@ static void compile_to(const char *name, kvcc_compile_ctx *cx, const char *corpu
     char err[768];
     kvcc_corpus *c = NULL;
     cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
-    const kvcc_corpus_model *cm = kvcc_corpus_get_model(c);
     kvpol_header h;
-    kvpol_header_init(&h);
-    h.created = 0;
-    h.model.n_layers = cm->n_layers;
-    h.model.n_heads = cm->n_heads;
-    h.model.n_kv_heads = cm->n_kv_heads;
-    h.model.head_dim = cm->head_dim;
-    h.model.vocab_size = cm->vocab_size;
-    h.model.rope_theta = cm->rope_theta;
-    h.model.rope_scaling_factor = 1.0f;
-    snprintf(h.model.name, sizeof h.model.name, "%s", cm->name);
+    fx_header(&h, kvcc_corpus_get_model(c));
     cx->corpus_path = corpus;
     cx->corpus = c;
     cx->model = &h.model;
