@@ -130,6 +130,30 @@ static int write_provenance(kvpol_writer *w, const kvcc_preset *p, const char *p
     return rc;
 }
 
+/* The calibration corpus, hashed into the header and checked against the preset (prints why
+ * not). 0 or -1. */
+static int open_corpus(const char *corpus, const kvcc_preset *p, kvpol_header *h,
+                       kvcc_corpus **cp) {
+    kvpol_error err = {0};
+    char msg[768];
+    if (kvpol_hash_file(corpus, &h->corpus_hash, &err) != 0) {
+        fprintf(stderr, "kvcc compile: --corpus: %s\n", err.msg);
+        return -1;
+    }
+    kvcc_corpus_model want = {.n_layers = p->n_layers,
+                              .n_heads = p->n_heads,
+                              .n_kv_heads = p->n_kv_heads,
+                              .head_dim = p->head_dim,
+                              .vocab_size = p->vocab_size,
+                              .rope_theta = p->rope_theta};
+    snprintf(want.name, sizeof want.name, "%s", p->name);
+    if (kvcc_corpus_open(cp, corpus, &want, msg, sizeof msg) != 0) {
+        fprintf(stderr, "kvcc compile: --corpus: %s\n", msg);
+        return -1;
+    }
+    return 0;
+}
+
 /* Run every pass into w, write the artifact, then the passes' reports (stdout). */
 static int run_passes(kvcc_compile_ctx *cx, const kvcc_pass *const *run, int n_run, kvpol_writer *w,
                       const char *out, const kvcc_preset *p, const char *policies) {
@@ -251,20 +275,8 @@ int kvcc_cmd_compile(int argc, char **argv) {
     cx.corpus_path = corpus;
     cx.progress = 1;
     kvcc_corpus *cp = NULL;
-    if (corpus) {
-        if (kvpol_hash_file(corpus, &h.corpus_hash, &err) != 0) {
-            fprintf(stderr, "kvcc compile: --corpus: %s\n", err.msg);
-            return KVCC_EXIT_FAILED;
-        }
-        kvcc_corpus_model want = {.n_layers = p->n_layers, .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads,
-                                  .head_dim = p->head_dim, .vocab_size = p->vocab_size, .rope_theta = p->rope_theta};
-        snprintf(want.name, sizeof want.name, "%s", p->name);
-        if (kvcc_corpus_open(&cp, corpus, &want, msg, sizeof msg) != 0) {
-            fprintf(stderr, "kvcc compile: --corpus: %s\n", msg);
-            return KVCC_EXIT_FAILED;
-        }
-        cx.corpus = cp;
-    }
+    if (corpus && open_corpus(corpus, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
+    cx.corpus = cp;
     /* each pass checks its options (and the files they name) before any work */
     for (int i = 0; i < n_run; i++) {
         int ex = run[i]->check ? run[i]->check(&cx, msg, sizeof msg) : 0;

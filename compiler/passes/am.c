@@ -99,6 +99,67 @@ static void greedy_exchange(const double *r, const float *curves, int nr, int nh
 // ----------------------------------------------------------------------------
 // run
 
+/* The curves (f32 in the artifact) from the sums loss / merr [L, Hkv, nr], the schedule of every
+ * target (greedy exchange), and the two sections. 0 or a KVCC_EXIT_* status. */
+static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const double *loss,
+                             const double *merr, uint32_t L, uint32_t Hkv, uint32_t n_prompts,
+                             char *err, size_t errlen) {
+    const int nr = cx->n_am_ratios, nt = cx->n_am_targets;
+    const size_t nh = (size_t)L * Hkv;
+    int rc = 0;
+    float *curves = NULL, *mcurves = NULL, *sched = NULL;
+    int *units = NULL;
+    {
+        curves = malloc(nh * (size_t)nr * sizeof *curves);
+        mcurves = malloc(nh * (size_t)nr * sizeof *mcurves);
+        sched = malloc((size_t)nt * nh * sizeof *sched);
+        units = malloc(nh * sizeof *units);
+        if (!curves || !mcurves || !sched || !units) {
+            snprintf(err, errlen, "am: out of memory");
+            rc = KVCC_EXIT_FAILED;
+        }
+    }
+    if (!rc) {
+        for (size_t i = 0; i < nh * (size_t)nr; i++) {
+            curves[i] = (float)loss[i];
+            mcurves[i] = (float)merr[i];
+            if (!isfinite(curves[i]) || !isfinite(mcurves[i])) {
+                snprintf(err, errlen, "am: a sensitivity curve is not finite (head %zu)", i / (size_t)nr);
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+        }
+    }
+    for (int ti = 0; ti < nt && !rc; ti++) {
+        greedy_exchange(cx->am_ratios, curves, nr, (int)nh, cx->am_targets[ti], units);
+        for (size_t h = 0; h < nh; h++) sched[(size_t)ti * nh + h] = (float)units[h] / AM_UNITS;
+    }
+    if (!rc) {
+        const uint64_t dt[1] = {(uint64_t)nt}, ds[3] = {(uint64_t)nt, L, Hkv}, dr[1] = {(uint64_t)nr},
+                       dc[3] = {L, Hkv, (uint64_t)nr};
+        int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_SCHEDULE, kvpol_known_find(KVPOL_SEC_AM_SCHEDULE)->name, KVPOL_SECTION_CRITICAL,
+                                            KVPOL_CODEC_ZSTD, 1);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "targets", KVPOL_DTYPE_F64, 1, dt, cx->am_targets);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "schedule", KVPOL_DTYPE_F32, 3, ds, sched);
+        if (!k2) k2 = kvpol_writer_add_string(w, "key_select", cx->am_select, strlen(cx->am_select));
+        if (!k2) k2 = kvpol_writer_add_i64(w, "chunk", cx->am_chunk);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "units", AM_UNITS);
+        if (!k2) k2 = kvpol_writer_end_section(w);
+        if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_CURVES, kvpol_known_find(KVPOL_SEC_AM_CURVES)->name, 0, KVPOL_CODEC_ZSTD, 1);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "loss", KVPOL_DTYPE_F32, 3, dc, curves);
+        if (!k2) k2 = kvpol_writer_add_tensor(w, "mass_err", KVPOL_DTYPE_F32, 3, dc, mcurves);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "prompts", n_prompts);
+        if (!k2) k2 = kvpol_writer_end_section(w);
+        if (k2) {
+            snprintf(err, errlen, "am: writing the sections: %s", kvpol_status_str(k2));
+            rc = KVCC_EXIT_FAILED;
+        }
+    }
+    free(curves); free(mcurves); free(sched); free(units);
+    return rc;
+}
+
 /* Add one compacted ratio ri of the loop's current (prompt, layer) to the loss and mass-error
  * curves [L, Hkv, nr]: per KV head, the mean over its G query heads and the N continuation
  * queries, divided by the prompt count (summed in (query head, query) order). */
@@ -148,7 +209,8 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
     ao.chunk = cx->am_chunk;
     ao.key_select = strcmp(cx->am_select, "omp") == 0 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
     const size_t nh = (size_t)L * Hkv;
-    double *loss = calloc(nh * (size_t)nr, sizeof(double)), *merr = calloc(nh * (size_t)nr, sizeof(double));
+    double *loss = calloc(nh * (size_t)nr, sizeof(double)),
+           *merr = calloc(nh * (size_t)nr, sizeof(double));
     kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
     kvcc_loop lp;
     int rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
@@ -160,9 +222,10 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
         const int64_t C = lp.C, N = lp.N;
         if (N < 1 || C < 1) {
-            snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; the am pass "
-                     "needs both (continuation queries measure the loss)", cx->corpus_path, p, (long long)C,
-                     (long long)N);
+            snprintf(err, errlen,
+                     "%s: prompt %u has %lld context and %lld continuation tokens; the am pass "
+                     "needs both (continuation queries measure the loss)",
+                     cx->corpus_path, p, (long long)C, (long long)N);
             rc = KVCC_EXIT_USAGE;
             break;
         }
@@ -190,57 +253,9 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
     }
     free(ccs);
     kvcc_loop_close(&lp);
-    /* curves (f32 in the artifact) and schedules */
-    float *curves = NULL, *mcurves = NULL, *sched = NULL;
-    int *units = NULL;
-    if (!rc) {
-        curves = malloc(nh * (size_t)nr * sizeof *curves);
-        mcurves = malloc(nh * (size_t)nr * sizeof *mcurves);
-        sched = malloc((size_t)nt * nh * sizeof *sched);
-        units = malloc(nh * sizeof *units);
-        if (!curves || !mcurves || !sched || !units) {
-            snprintf(err, errlen, "am: out of memory");
-            rc = KVCC_EXIT_FAILED;
-        }
-    }
-    if (!rc) {
-        for (size_t i = 0; i < nh * (size_t)nr; i++) {
-            curves[i] = (float)loss[i];
-            mcurves[i] = (float)merr[i];
-            if (!isfinite(curves[i]) || !isfinite(mcurves[i])) {
-                snprintf(err, errlen, "am: a sensitivity curve is not finite (head %zu)", i / (size_t)nr);
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-        }
-    }
-    for (int ti = 0; ti < nt && !rc; ti++) {
-        greedy_exchange(cx->am_ratios, curves, nr, (int)nh, cx->am_targets[ti], units);
-        for (size_t h = 0; h < nh; h++) sched[(size_t)ti * nh + h] = (float)units[h] / AM_UNITS;
-    }
-    if (!rc) {
-        const uint64_t dt[1] = {(uint64_t)nt}, ds[3] = {(uint64_t)nt, L, Hkv}, dr[1] = {(uint64_t)nr},
-                       dc[3] = {L, Hkv, (uint64_t)nr};
-        int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_SCHEDULE, kvpol_known_find(KVPOL_SEC_AM_SCHEDULE)->name, KVPOL_SECTION_CRITICAL,
-                                            KVPOL_CODEC_ZSTD, 1);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "targets", KVPOL_DTYPE_F64, 1, dt, cx->am_targets);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "schedule", KVPOL_DTYPE_F32, 3, ds, sched);
-        if (!k2) k2 = kvpol_writer_add_string(w, "key_select", cx->am_select, strlen(cx->am_select));
-        if (!k2) k2 = kvpol_writer_add_i64(w, "chunk", cx->am_chunk);
-        if (!k2) k2 = kvpol_writer_add_i64(w, "units", AM_UNITS);
-        if (!k2) k2 = kvpol_writer_end_section(w);
-        if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_CURVES, kvpol_known_find(KVPOL_SEC_AM_CURVES)->name, 0, KVPOL_CODEC_ZSTD, 1);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "loss", KVPOL_DTYPE_F32, 3, dc, curves);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "mass_err", KVPOL_DTYPE_F32, 3, dc, mcurves);
-        if (!k2) k2 = kvpol_writer_add_i64(w, "prompts", n_prompts);
-        if (!k2) k2 = kvpol_writer_end_section(w);
-        if (k2) {
-            snprintf(err, errlen, "am: writing the sections: %s", kvpol_status_str(k2));
-            rc = KVCC_EXIT_FAILED;
-        }
-    }
-    free(loss); free(merr); free(curves); free(mcurves); free(sched); free(units);
+    if (!rc) rc = am_schedule_write(cx, w, loss, merr, L, Hkv, n_prompts, err, errlen);
+    free(loss);
+    free(merr);
     return rc;
 }
 
