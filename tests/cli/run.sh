@@ -119,6 +119,22 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compkv --budgets 4 2>&1); ex=
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 65 -o "$tmp/k4.kvpol" 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--compkv-r"* && ! -e "$tmp/k4.kvpol" ]] && ok || bad "compile --compkv-r 65: exit $ex: $err"
 
+# 12. the serving example (make examples; make test builds it) makes one real call of each policy
+#     through kvrt.h on the artifacts of sections 9 and 10, and names a group the artifact lacks
+sk=${KVCC_BUILD:-build}/examples/serve_skeleton
+if [ -x "$sk" ]; then
+  for p in compilerkv am; do
+    out=$("$sk" "$tmp/p1.kvpol" --cpu --policy $p 2>&1); ex=$?
+    [[ $ex -eq 0 && "$out" == *"$p: layer 15, 512 context tokens"* ]] && ok || bad "serve_skeleton --policy $p: exit $ex: $out"
+  done
+  out=$("$sk" "$tmp/k1.kvpol" --cpu 2>&1); ex=$?
+  [[ $ex -eq 0 && "$out" == *"compkv: layer 15, 512 tokens in 32 blocks"* ]] && ok || bad "serve_skeleton on a compkv artifact: exit $ex: $out"
+  err=$("$sk" "$tmp/k1.kvpol" --cpu --policy am 2>&1); ex=$?
+  [[ $ex -eq 1 && "$err" == *"carries no am policy group"* ]] && ok || bad "serve_skeleton --policy am on a compkv artifact: exit $ex: $err"
+else
+  bad "the serving example $sk is not built (make examples)"
+fi
+
 # 11. CompilerKV: --reward model and the two reports refuse bad requests before any work, naming
 #     the option or the file; a GGUF that did not produce the corpus is refused
 "$KVCC" synth --model smollm2-135m --prompts 1 --context 80 --continuation 4 -o "$tmp/ck.h5" 2>/dev/null
