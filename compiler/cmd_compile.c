@@ -6,18 +6,31 @@
  * unless SOURCE_DATE_EPOCH is set, seeded passes.
  */
 #include <getopt.h>
-#include <math.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvcc.h"
-#include "passes/compilerkv.h"
 #include "passes/passes.h"
 #include "presets.h"
 
-#define MAX_LIST 32
+#define MAX_PASS_OPTS 64
+
+/* Every pass's options, in registry order (the index of a row is its list store and getopt id). */
+typedef struct {
+    const kvcc_pass *pass;
+    const kvcc_pass_option *opt;
+} pass_opt;
+
+static int pass_opts(pass_opt *po) {
+    int n = 0;
+    for (int i = 0; kvcc_passes[i]; i++)
+        for (const kvcc_pass_option *o = kvcc_passes[i]->options; o && o->name && n < MAX_PASS_OPTS;
+             o++)
+            po[n++] = (pass_opt){kvcc_passes[i], o};
+    return n;
+}
 
 static void usage(FILE *out) {
     fprintf(out, "usage: kvcc compile --model NAME -o OUT.kvpol [--corpus CALIB.h5] [--policies LIST] [options]\n"
@@ -32,62 +45,163 @@ static void usage(FILE *out) {
                  "  --threads N         worker threads (default: all); never changes the output\n"
                  "  --prompts N         use the first N corpus prompts (default: all)\n"
                  "  --gguf M            the model file: recorded as the model hash; needed by --reward model\n"
-                 " Attention Matching:  --am-targets LIST (default 0.02,0.05,0.1,0.2)  --am-ratios LIST\n"
-                 "                      (default 1/64,...,1/2 as 0.015625,0.03125,0.0625,0.125,0.25,0.5)\n"
-                 "                      --am-chunk N (default 4096)  --am-select highest|omp (default highest)\n"
-                 " CompKV:              --compkv-r R (default 4)  --compkv-block B (default 16)\n"
-                 " CompilerKV:          --budgets LIST (default 128,256,512,1024,2048)  --window W (default 64)\n"
-                 "                      --reward attention|model (default attention; model needs --gguf)\n"
-                 "                      --reward-check N   after compiling, score N head states' rollouts with both rewards\n"
-                 "                                         (needs --gguf) and print their rank agreement (Spearman)\n"
-                 "                      --transfer-check OTHER.h5  also compile on a second, disjoint corpus and print the\n"
-                 "                                         Spearman correlation of the head rankings per budget (with\n"
-                 "                                         seed + 1 controls: 3 extra compiles)\n");
+                 "Policy options (each read by its pass; see docs/cli.md):\n");
+    kvcc_pass_options_help(out);
 }
 
-static int parse_list(const char *opt, const char *s, double *out, int *n) {
-    char buf[512];
-    snprintf(buf, sizeof buf, "%s", s);
-    *n = 0;
+/* The --policies list: 'none', or known passes (each once), in registry order (canonical, so
+ * equal requests give equal artifacts); canon receives the spelling. Returns the count or -1. */
+static int parse_policies(const char *policies, const kvcc_pass **run, char *canon,
+                          size_t n_canon) {
+    int n_run = 0;
+    snprintf(canon, n_canon, "none");
+    if (!strcmp(policies, "none")) return 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", policies);
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
-        char *end;
-        double v = strtod(t, &end);
-        if (*end || !isfinite(v) || v <= 0 || *n == MAX_LIST) {
-            fprintf(stderr, "kvcc compile: --%s: got '%s', expected up to %d positive numbers\n", opt, t, MAX_LIST);
+        const kvcc_pass *ps = kvcc_pass_find(t);
+        if (!ps) {
+            fprintf(stderr,
+                    "kvcc compile: --policies: '%s' is not a policy this kvcc %s compiles (built:",
+                    t, KVCC_VERSION);
+            for (int i = 0; kvcc_passes[i]; i++) fprintf(stderr, " %s", kvcc_passes[i]->name);
+            fprintf(stderr, "%s)\n", kvcc_passes[0] ? "" : " none yet");
             return -1;
         }
-        out[(*n)++] = v;
+        int dup = 0;
+        for (int i = 0; i < n_run; i++) dup |= run[i] == ps;
+        if (!dup && n_run < 16) run[n_run++] = ps;
     }
-    return *n ? 0 : -1;
+    const kvcc_pass *sorted[16];
+    int k = 0;
+    canon[0] = 0;
+    for (int i = 0; kvcc_passes[i]; i++)
+        for (int j = 0; j < n_run; j++)
+            if (run[j] == kvcc_passes[i]) {
+                sorted[k] = kvcc_passes[i];
+                snprintf(canon + strlen(canon), n_canon - strlen(canon), "%s%s", k ? "," : "",
+                         kvcc_passes[i]->name);
+                k++;
+            }
+    memcpy(run, sorted, (size_t)k * sizeof *run);
+    return k;
 }
 
-static int cmp_dbl(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
+/* The artifact header: the preset's fingerprint, the compiler, the canonical options. */
+static void make_header(kvpol_header *h, const kvcc_preset *p, const char *policies,
+                        const kvcc_compile_ctx *cx) {
+    kvpol_header_init(h);
+    kvpol_model *m = &h->model;
+    m->n_layers = p->n_layers;
+    m->n_heads = p->n_heads;
+    m->n_kv_heads = p->n_kv_heads;
+    m->head_dim = p->head_dim;
+    m->vocab_size = p->vocab_size;
+    m->max_context = p->max_context;
+    m->rope_theta = p->rope_theta;
+    snprintf(m->name, sizeof m->name, "%s", p->name);
+    snprintf(h->compiler_version, sizeof h->compiler_version, "kvcc %s", KVCC_VERSION);
+    int ol = snprintf(h->compile_options, sizeof h->compile_options, "policies=%s seed=%llu",
+                      policies, (unsigned long long)cx->seed);
+    if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
+        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol, " prompts=%u",
+                 cx->max_prompts);
+}
+
+/* The provenance section: tool, preset, policies, the corpus's own provenance. kvpol status. */
+static int write_provenance(kvpol_writer *w, const kvcc_preset *p, const char *policies,
+                            kvcc_corpus *cp) {
+    const char *tool = "kvcc " KVCC_VERSION;
+    int rc = kvpol_writer_begin_section(w, KVPOL_SEC_PROVENANCE,
+                                        kvpol_known_find(KVPOL_SEC_PROVENANCE)->name, 0,
+                                        KVPOL_CODEC_ZSTD, 1);
+    if (!rc) rc = kvpol_writer_add_string(w, "tool", tool, strlen(tool));
+    if (!rc) rc = kvpol_writer_add_string(w, "preset", p->name, strlen(p->name));
+    if (!rc) rc = kvpol_writer_add_string(w, "preset_source", p->source, strlen(p->source));
+    if (!rc) rc = kvpol_writer_add_string(w, "policies", policies, strlen(policies));
+    if (!rc && cp) {
+        const kvcc_corpus_info *ci = kvcc_corpus_get_info(cp);
+        rc = kvpol_writer_add_i64(w, "corpus_prompts", ci->n_prompts);
+        if (!rc) rc = kvpol_writer_add_string(w, "corpus_tool", ci->tool, strlen(ci->tool));
+        if (!rc)
+            rc = kvpol_writer_add_string(w, "corpus_options", ci->options, strlen(ci->options));
+    }
+    if (!rc) rc = kvpol_writer_end_section(w);
+    return rc;
+}
+
+/* The calibration corpus, hashed into the header and checked against the preset (prints why
+ * not). 0 or -1. */
+static int open_corpus(const char *corpus, const kvcc_preset *p, kvpol_header *h,
+                       kvcc_corpus **cp) {
+    kvpol_error err = {0};
+    char msg[768];
+    if (kvpol_hash_file(corpus, &h->corpus_hash, &err) != 0) {
+        fprintf(stderr, "kvcc compile: --corpus: %s\n", err.msg);
+        return -1;
+    }
+    kvcc_corpus_model want = {.n_layers = p->n_layers,
+                              .n_heads = p->n_heads,
+                              .n_kv_heads = p->n_kv_heads,
+                              .head_dim = p->head_dim,
+                              .vocab_size = p->vocab_size,
+                              .rope_theta = p->rope_theta};
+    snprintf(want.name, sizeof want.name, "%s", p->name);
+    if (kvcc_corpus_open(cp, corpus, &want, msg, sizeof msg) != 0) {
+        fprintf(stderr, "kvcc compile: --corpus: %s\n", msg);
+        return -1;
+    }
+    return 0;
+}
+
+/* Run every pass into w, write the artifact, then the passes' reports (stdout). */
+static int run_passes(kvcc_compile_ctx *cx, const kvcc_pass *const *run, int n_run, kvpol_writer *w,
+                      const char *out, const kvcc_preset *p, const char *policies) {
+    char msg[768];
+    kvpol_error err = {0};
+    int ex = KVCC_EXIT_OK;
+    for (int i = 0; i < n_run && !ex; i++) {
+        kvcc_progress_begin(run[i]->name);
+        ex = run[i]->run(cx, w, msg, sizeof msg);
+        if (ex) fprintf(stderr, "kvcc compile: %s: %s\n", run[i]->name, msg);
+        else
+            fprintf(stderr, "kvcc compile: %s: done in %.1f s\n", run[i]->name,
+                    kvcc_progress_elapsed());
+    }
+    if (!ex && kvpol_writer_finish(w, out, &err) != 0) {
+        fprintf(stderr, "kvcc compile: %s\n", err.msg);
+        ex = KVCC_EXIT_FAILED;
+    }
+    if (!ex)
+        fprintf(stderr, "kvcc compile: wrote %s (model %s, policies %s)\n", out, p->name, policies);
+    for (int i = 0; i < n_run && !ex; i++)
+        if (run[i]->report && (ex = run[i]->report(cx, out, stdout, msg, sizeof msg)) != 0)
+            fprintf(stderr, "kvcc compile: %s\n", msg);
+    return ex;
 }
 
 int kvcc_cmd_compile(int argc, char **argv) {
     const char *model = NULL, *out = NULL, *policies = "none", *corpus = NULL, *gguf = NULL;
-    static double am_targets[MAX_LIST] = {0.02, 0.05, 0.1, 0.2}, am_ratios[MAX_LIST] = {1.0 / 64, 1.0 / 32, 1.0 / 16, 1.0 / 8, 0.25, 0.5},
-                  budgets[MAX_LIST] = {128, 256, 512, 1024, 2048};
-    kvcc_compile_ctx cx = {.seed = 1, .am_targets = am_targets, .n_am_targets = 4, .am_ratios = am_ratios,
-                           .n_am_ratios = 6, .am_chunk = 4096, .am_select = "highest", .compkv_r = 4,
-                           .compkv_block = 16, .budgets = budgets, .n_budgets = 5, .window = 64, .reward = "attention"};
+    static double stores[MAX_PASS_OPTS][KVCC_PASS_MAX_LIST];
+    pass_opt po[MAX_PASS_OPTS];
+    const int npo = pass_opts(po);
+    kvcc_compile_ctx cx = {.seed = 1};
+    if (kvcc_pass_options_default(&cx, stores, MAX_PASS_OPTS) != 0) {
+        fprintf(stderr, "kvcc compile: a pass's option defaults do not parse (a bug)\n");
+        return KVCC_EXIT_FAILED;
+    }
     unsigned u;
-    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_AMT, O_AMR, O_AMC, O_AMS, O_CR, O_CB, O_BUD, O_WIN, O_REW, O_RCHK, O_TCHK };
-    static const struct option opts[] = {
+    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_PASS };
+    struct option opts[9 + MAX_PASS_OPTS] = {
         {"model", required_argument, 0, 'm'}, {"output", required_argument, 0, 'o'},
         {"policies", required_argument, 0, 'p'}, {"corpus", required_argument, 0, 'c'},
         {"seed", required_argument, 0, O_SEED}, {"threads", required_argument, 0, O_THREADS},
         {"prompts", required_argument, 0, O_PROMPTS}, {"gguf", required_argument, 0, O_GGUF},
-        {"am-targets", required_argument, 0, O_AMT}, {"am-ratios", required_argument, 0, O_AMR},
-        {"am-chunk", required_argument, 0, O_AMC}, {"am-select", required_argument, 0, O_AMS},
-        {"compkv-r", required_argument, 0, O_CR}, {"compkv-block", required_argument, 0, O_CB},
-        {"budgets", required_argument, 0, O_BUD}, {"window", required_argument, 0, O_WIN},
-        {"reward", required_argument, 0, O_REW}, {"reward-check", required_argument, 0, O_RCHK},
-        {"transfer-check", required_argument, 0, O_TCHK}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
-    const char *transfer = NULL;   /* --transfer-check OTHER.h5 */
-    unsigned reward_check = 0;     /* --reward-check N */
+        {"help", no_argument, 0, 'h'}};
+    for (int i = 0; i < npo; i++)
+        opts[9 + i] = (struct option){po[i].opt->name, required_argument, 0, O_PASS + i};
+    uint8_t given[MAX_PASS_OPTS] = {0};
+    char msg[768] = "";
     int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "m:o:p:c:h", opts, NULL)) != -1) {
@@ -100,31 +214,19 @@ int kvcc_cmd_compile(int argc, char **argv) {
         case O_THREADS: if (kvcc_parse_u32("compile", "threads", optarg, 1, 4096, &u)) return KVCC_EXIT_USAGE; cx.threads = (int)u; break;
         case O_PROMPTS: if (kvcc_parse_u32("compile", "prompts", optarg, 1, 1000000, &u)) return KVCC_EXIT_USAGE; cx.max_prompts = u; break;
         case O_GGUF: gguf = optarg; break;
-        case O_AMT: if (parse_list("am-targets", optarg, am_targets, &cx.n_am_targets)) return KVCC_EXIT_USAGE; break;
-        case O_AMR: if (parse_list("am-ratios", optarg, am_ratios, &cx.n_am_ratios)) return KVCC_EXIT_USAGE; break;
-        case O_AMC: if (kvcc_parse_u32("compile", "am-chunk", optarg, 16, 1u << 20, &u)) return KVCC_EXIT_USAGE; cx.am_chunk = u; break;
-        case O_AMS:
-            if (strcmp(optarg, "highest") && strcmp(optarg, "omp")) {
-                fprintf(stderr, "kvcc compile: --am-select: got '%s', expected highest or omp\n", optarg);
-                return KVCC_EXIT_USAGE;
-            }
-            cx.am_select = optarg;
-            break;
-        case O_CR: if (kvcc_parse_u32("compile", "compkv-r", optarg, 1, 65536, &u)) return KVCC_EXIT_USAGE; cx.compkv_r = u; break;
-        case O_CB: if (kvcc_parse_u32("compile", "compkv-block", optarg, 1, 65536, &u)) return KVCC_EXIT_USAGE; cx.compkv_block = u; break;
-        case O_BUD: if (parse_list("budgets", optarg, budgets, &cx.n_budgets)) return KVCC_EXIT_USAGE; break;
-        case O_WIN: if (kvcc_parse_u32("compile", "window", optarg, 1, 65536, &u)) return KVCC_EXIT_USAGE; cx.window = u; break;
-        case O_REW:
-            if (strcmp(optarg, "attention") && strcmp(optarg, "model")) {
-                fprintf(stderr, "kvcc compile: --reward: got '%s', expected attention or model\n", optarg);
-                return KVCC_EXIT_USAGE;
-            }
-            cx.reward = optarg;
-            break;
-        case O_RCHK: if (kvcc_parse_u32("compile", "reward-check", optarg, 1, 1000000, &u)) return KVCC_EXIT_USAGE; reward_check = u; break;
-        case O_TCHK: transfer = optarg; break;
         case 'h': usage(stdout); return KVCC_EXIT_OK;
-        default: usage(stderr); return KVCC_EXIT_USAGE;
+        default:
+            if (c >= O_PASS && c < O_PASS + npo) {
+                const int k = c - O_PASS;
+                if (kvcc_pass_option_set(po[k].opt, &cx, optarg, stores[k], msg, sizeof msg) != 0) {
+                    fprintf(stderr, "kvcc compile: %s\n", msg);
+                    return KVCC_EXIT_USAGE;
+                }
+                given[k] = 1;
+                break;
+            }
+            usage(stderr);
+            return KVCC_EXIT_USAGE;
         }
     }
     if (optind < argc) { fprintf(stderr, "kvcc compile: unexpected argument '%s'\n", argv[optind]); return KVCC_EXIT_USAGE; }
@@ -137,41 +239,10 @@ int kvcc_cmd_compile(int argc, char **argv) {
         fprintf(stderr, "kvcc compile: --model: unknown preset '%s' (kvcc models lists them)\n", model);
         return KVCC_EXIT_USAGE;
     }
-    /* the policy list: 'none', or known passes (each once); run in registry order */
     const kvcc_pass *run[16];
-    int n_run = 0;
-    if (strcmp(policies, "none") != 0) {
-        char buf[256];
-        snprintf(buf, sizeof buf, "%s", policies);
-        for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
-            const kvcc_pass *ps = kvcc_pass_find(t);
-            if (!ps) {
-                fprintf(stderr, "kvcc compile: --policies: '%s' is not a policy this kvcc %s compiles (built:", t, KVCC_VERSION);
-                for (int i = 0; kvcc_passes[i]; i++) fprintf(stderr, " %s", kvcc_passes[i]->name);
-                fprintf(stderr, "%s)\n", kvcc_passes[0] ? "" : " none yet");
-                return KVCC_EXIT_USAGE;
-            }
-            int dup = 0;
-            for (int i = 0; i < n_run; i++) dup |= run[i] == ps;
-            if (!dup && n_run < 16) run[n_run++] = ps;
-        }
-    }
-    /* canonical order (the registry's) and spelling, so equal requests give equal artifacts */
-    char canon[256] = "none";
-    if (n_run) {
-        const kvcc_pass *sorted[16];
-        int k = 0;
-        canon[0] = 0;
-        for (int i = 0; kvcc_passes[i]; i++)
-            for (int j = 0; j < n_run; j++)
-                if (run[j] == kvcc_passes[i]) {
-                    sorted[k] = kvcc_passes[i];
-                    snprintf(canon + strlen(canon), sizeof canon - strlen(canon), "%s%s", k ? "," : "", kvcc_passes[i]->name);
-                    k++;
-                }
-        memcpy(run, sorted, (size_t)k * sizeof *run);
-        n_run = k;
-    }
+    char canon[256];
+    const int n_run = parse_policies(policies, run, canon, sizeof canon);
+    if (n_run < 0) return KVCC_EXIT_USAGE;
     policies = canon;
     int need_corpus = 0;
     for (int i = 0; i < n_run; i++) need_corpus |= run[i]->needs_corpus;
@@ -179,42 +250,22 @@ int kvcc_cmd_compile(int argc, char **argv) {
         fprintf(stderr, "kvcc compile: --policies %s needs a calibration corpus: --corpus CALIB.h5\n", policies);
         return KVCC_EXIT_USAGE;
     }
-    /* CompilerKV's reward and reports: refused before any work */
-    int ckv = 0;
-    for (int i = 0; i < n_run; i++) ckv |= !strcmp(run[i]->name, "compilerkv");
-    if ((transfer || reward_check) && !ckv) {
-        fprintf(stderr, "kvcc compile: --%s reports on CompilerKV tables: add compilerkv to --policies\n",
-                transfer ? "transfer-check" : "reward-check");
-        return KVCC_EXIT_USAGE;
-    }
-    if (ckv && !gguf && (reward_check || !strcmp(cx.reward, "model"))) {
-        fprintf(stderr, "kvcc compile: %s needs the model the corpus was captured with: --gguf FILE.gguf\n",
-                reward_check ? "--reward-check" : "--reward model");
-        return KVCC_EXIT_USAGE;
+    /* a report option reports on its pass's sections: refused before any work without the pass */
+    for (int k = 0; k < npo; k++) {
+        int on = 0;
+        for (int i = 0; i < n_run; i++) on |= run[i] == po[k].pass;
+        if (given[k] && (po[k].opt->flags & KVCC_OPT_REPORT) && !on) {
+            fprintf(stderr, "kvcc compile: --%s reports on the %s sections: add %s to --policies\n",
+                    po[k].opt->name, po[k].pass->name, po[k].pass->name);
+            return KVCC_EXIT_USAGE;
+        }
     }
     if (cx.threads > 0) omp_set_num_threads(cx.threads);
-    qsort(am_targets, (size_t)cx.n_am_targets, sizeof(double), cmp_dbl);
-    qsort(am_ratios, (size_t)cx.n_am_ratios, sizeof(double), cmp_dbl);
-    qsort(budgets, (size_t)cx.n_budgets, sizeof(double), cmp_dbl);
 
     kvpol_header h;
-    kvpol_header_init(&h);
+    make_header(&h, p, policies, &cx);
     kvpol_model *m = &h.model;
-    m->n_layers = p->n_layers;
-    m->n_heads = p->n_heads;
-    m->n_kv_heads = p->n_kv_heads;
-    m->head_dim = p->head_dim;
-    m->vocab_size = p->vocab_size;
-    m->max_context = p->max_context;
-    m->rope_theta = p->rope_theta;
-    snprintf(m->name, sizeof m->name, "%s", p->name);
-    snprintf(h.compiler_version, sizeof h.compiler_version, "kvcc %s", KVCC_VERSION);
-    int ol = snprintf(h.compile_options, sizeof h.compile_options, "policies=%s seed=%llu", policies,
-                      (unsigned long long)cx.seed);
-    if (cx.max_prompts && ol > 0 && ol < (int)sizeof h.compile_options)
-        snprintf(h.compile_options + ol, sizeof h.compile_options - (size_t)ol, " prompts=%u", cx.max_prompts);
     kvpol_error err = {0};
-    char msg[768] = "";
     if (gguf && kvpol_hash_file(gguf, &m->model_hash, &err) != 0) {
         fprintf(stderr, "kvcc compile: --gguf: %s\n", err.msg);
         return KVCC_EXIT_FAILED;
@@ -224,28 +275,15 @@ int kvcc_cmd_compile(int argc, char **argv) {
     cx.corpus_path = corpus;
     cx.progress = 1;
     kvcc_corpus *cp = NULL;
-    if (corpus) {
-        if (kvpol_hash_file(corpus, &h.corpus_hash, &err) != 0) {
-            fprintf(stderr, "kvcc compile: --corpus: %s\n", err.msg);
-            return KVCC_EXIT_FAILED;
-        }
-        kvcc_corpus_model want = {.n_layers = p->n_layers, .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads,
-                                  .head_dim = p->head_dim, .vocab_size = p->vocab_size, .rope_theta = p->rope_theta};
-        snprintf(want.name, sizeof want.name, "%s", p->name);
-        if (kvcc_corpus_open(&cp, corpus, &want, msg, sizeof msg) != 0) {
-            fprintf(stderr, "kvcc compile: --corpus: %s\n", msg);
-            return KVCC_EXIT_FAILED;
-        }
-        cx.corpus = cp;
-    }
-    if (transfer) { /* the second corpus must open and match the model before the first compile */
-        kvcc_corpus *tc = NULL;
-        int tr = kvcc_compilerkv_transfer_open(&cx, transfer, &tc, msg, sizeof msg);
-        kvcc_corpus_close(tc);
-        if (tr) {
+    if (corpus && open_corpus(corpus, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
+    cx.corpus = cp;
+    /* each pass checks its options (and the files they name) before any work */
+    for (int i = 0; i < n_run; i++) {
+        int ex = run[i]->check ? run[i]->check(&cx, msg, sizeof msg) : 0;
+        if (ex) {
             fprintf(stderr, "kvcc compile: %s\n", msg);
             kvcc_corpus_close(cp);
-            return tr;
+            return ex;
         }
     }
 
@@ -256,43 +294,15 @@ int kvcc_cmd_compile(int argc, char **argv) {
         kvcc_corpus_close(cp);
         return KVCC_EXIT_FAILED;
     }
-    const char *tool = "kvcc " KVCC_VERSION;
-    rc = kvpol_writer_begin_section(w, KVPOL_SEC_PROVENANCE, kvpol_known_find(KVPOL_SEC_PROVENANCE)->name, 0, KVPOL_CODEC_ZSTD, 1);
-    if (!rc) rc = kvpol_writer_add_string(w, "tool", tool, strlen(tool));
-    if (!rc) rc = kvpol_writer_add_string(w, "preset", p->name, strlen(p->name));
-    if (!rc) rc = kvpol_writer_add_string(w, "preset_source", p->source, strlen(p->source));
-    if (!rc) rc = kvpol_writer_add_string(w, "policies", policies, strlen(policies));
-    if (!rc && cp) {
-        const kvcc_corpus_info *ci = kvcc_corpus_get_info(cp);
-        rc = kvpol_writer_add_i64(w, "corpus_prompts", ci->n_prompts);
-        if (!rc) rc = kvpol_writer_add_string(w, "corpus_tool", ci->tool, strlen(ci->tool));
-        if (!rc) rc = kvpol_writer_add_string(w, "corpus_options", ci->options, strlen(ci->options));
-    }
-    if (!rc) rc = kvpol_writer_end_section(w);
+    rc = write_provenance(w, p, policies, cp);
     if (rc) {
         fprintf(stderr, "kvcc compile: building the provenance section: %s\n", kvpol_status_str(rc));
         kvpol_writer_free(w);
         kvcc_corpus_close(cp);
         return KVCC_EXIT_FAILED;
     }
-    int ex = KVCC_EXIT_OK;
-    for (int i = 0; i < n_run && !ex; i++) {
-        kvcc_progress_begin(run[i]->name);
-        ex = run[i]->run(&cx, w, msg, sizeof msg);
-        if (ex) fprintf(stderr, "kvcc compile: %s: %s\n", run[i]->name, msg);
-        else fprintf(stderr, "kvcc compile: %s: done in %.1f s\n", run[i]->name, kvcc_progress_elapsed());
-    }
-    if (!ex && kvpol_writer_finish(w, out, &err) != 0) {
-        fprintf(stderr, "kvcc compile: %s\n", err.msg);
-        ex = KVCC_EXIT_FAILED;
-    }
+    int ex = run_passes(&cx, run, n_run, w, out, p, policies);
     kvpol_writer_free(w);
-    if (!ex) fprintf(stderr, "kvcc compile: wrote %s (model %s, policies %s)\n", out, p->name, policies);
-    /* the CompilerKV reports (stdout), from the artifact just written */
-    if (!ex && reward_check && (ex = kvcc_compilerkv_reward_check(&cx, out, reward_check, stdout, msg, sizeof msg)))
-        fprintf(stderr, "kvcc compile: --reward-check: %s\n", msg);
-    if (!ex && transfer && (ex = kvcc_compilerkv_transfer_check(&cx, out, transfer, 1, stdout, msg, sizeof msg)))
-        fprintf(stderr, "kvcc compile: --transfer-check: %s\n", msg);
     kvcc_corpus_close(cp);
     return ex;
 }

@@ -1,7 +1,8 @@
 /*
  * cmd_eval.c: `kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [--gguf M]
  * [--policy X.kvpol] [--prompts N] [--cache-dtype f32|f16] [--seed S] [--json | --csv]`:
- * one table, a row per (method, budget); the measures are described in compiler/eval.c.
+ * one table, a row per (method, budget); the measures are described in compiler/eval.c, the
+ * methods in compiler/eval_methods.h (names from the table: no method list here).
  */
 #include <cjson/cJSON.h>
 #include <getopt.h>
@@ -12,70 +13,80 @@
 #include <unistd.h>
 
 #include "eval.h"
+#include "eval_methods.h"
 #include "kvcc.h"
 #include "kvrt_experimental.h"
-
-static const char *PLANNED[] = {"kv2", "merge-reduce"};
-
-#define DECODE_NAMES "compkv, compkv-index, compkv-nocomp, compkv-mass, compkv-first, compkv-r1, compkv-r16, " \
-                     "compkv-rd, topk-mass, quest"
+#include "passes/passes.h"
 
 static void usage(FILE *out) {
-    fprintf(out,
-            "usage: kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [options]\n"
-            "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
-            "  --methods LIST      comma-separated: full, streaming, random, snapkv, h2o, knorm, keydiff, or all;\n"
-            "                      am (schedule from --policy), am-uniform, am-omp (Attention Matching: budgets are\n"
-            "                      target mean ratios < 1); compilerkv (tables from --policy) and ckv-flat (its\n"
-            "                      ablation: head weights 1.0, threshold 0.8); decode-time (every continuation\n"
-            "                      token attends through a CompKV state; budgets are BLOCKS of 16 tokens, or of the\n"
-            "                      artifact's --compkv-block): compkv (grouping from --policy), compkv-index,\n"
-            "                      compkv-nocomp, compkv-mass, compkv-first, compkv-r1, compkv-r16, compkv-rd,\n"
-            "                      topk-mass (top-K block mass, no compensation), quest (Quest pages = blocks)\n"
-            "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context ratios (< 1);\n"
-            "                      decode-time methods: blocks read exactly per KV head and step (integers >= 1)\n"
-            "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
-            "  --policy X.kvpol    an artifact; checked against the corpus's model (method am reads its\n"
-            "                      Attention Matching schedule, compilerkv its tables, compkv its groupings)\n"
-            "  --prompts N         use the first N prompts (default: all)\n"
-            "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
-            "  --seed S            seed of the random method (default 1)\n"
-            "  --json | --csv      machine-readable output (default: a table)\n");
+    char names[1024];
+    kvcc_eval_method_list(names, sizeof names);
+    fprintf(
+        out,
+        "usage: kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [options]\n"
+        "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
+        "  --methods LIST      comma-separated, of: %s\n"
+        "                      (all: the baselines). am, am-uniform, am-omp (Attention Matching): "
+        "budgets are\n"
+        "                      target mean ratios < 1, am runs the schedule and options compiled "
+        "in --policy;\n"
+        "                      compilerkv (tables from --policy) and ckv-flat (its ablation: head "
+        "weights 1.0,\n"
+        "                      threshold 0.8); decode-time (every continuation token attends "
+        "through a CompKV\n"
+        "                      state; budgets are BLOCKS of the artifact's --compkv-block, default "
+        "16 tokens):\n"
+        "                      compkv (grouping from --policy) and its ablations, topk-mass, "
+        "quest\n"
+        "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context "
+        "ratios (< 1);\n"
+        "                      decode-time methods: blocks read exactly per KV head and step "
+        "(integers >= 1)\n"
+        "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
+        "  --policy X.kvpol    an artifact, opened once and checked against the corpus's model; "
+        "the header says\n"
+        "                      which options each policy's rows run (the compiled ones unless "
+        "marked)\n"
+        "  --prompts N         use the first N prompts (default: all)\n"
+        "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
+        "  --seed S            seed of the random method (default 1)\n"
+        "  --json | --csv      machine-readable output (default: a table)\n",
+        names);
 }
 
-static int parse_methods(const char *list, int *out, int *n) {
-    char buf[512];
+static int parse_methods(const char *list, const char **out, int *n) {
+    static char buf[512];
     snprintf(buf, sizeof buf, "%s", list);
     *n = 0;
+    char names[1024];
+    kvcc_eval_method_list(names, sizeof names);
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        const char *add[KVRT_METHOD_COUNT + 1];
+        int na = 0;
         if (!strcmp(tok, "all")) {
-            for (int m = 0; m < KVRT_METHOD_COUNT; m++) out[(*n)++] = m;
-            continue;
-        }
-        int m = kvrt_method_from_name(tok);
-        if (!strcmp(tok, "am")) m = KVCC_EVAL_AM;
-        if (!strcmp(tok, "am-uniform")) m = KVCC_EVAL_AM_UNIFORM;
-        if (!strcmp(tok, "am-omp")) m = KVCC_EVAL_AM_OMP;
-        if (!strcmp(tok, "compilerkv")) m = KVCC_EVAL_COMPILERKV;
-        if (!strcmp(tok, "ckv-flat")) m = KVCC_EVAL_COMPILERKV_FLAT;
-        for (int dm = KVCC_EVAL_COMPKV; dm <= KVCC_EVAL_QUEST; dm++)
-            if (!strcmp(tok, kvcc_eval_method_name(dm))) m = dm;
-        if (m < 0) {
-            for (size_t i = 0; i < sizeof PLANNED / sizeof PLANNED[0]; i++)
-                if (!strcmp(tok, PLANNED[i])) {
-                    fprintf(stderr, "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: full, "
-                                    "streaming, random, snapkv, h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat, "
-                                    "%s)\n", tok, DECODE_NAMES);
+            for (const kvcc_eval_method *m = kvcc_eval_baselines; m->name; m++) add[na++] = m->name;
+        } else if (kvcc_eval_method_find(tok)) {
+            add[na++] = tok;
+        } else {
+            for (int i = 0; kvcc_planned_policies[i]; i++)
+                if (!strcmp(tok, kvcc_planned_policies[i])) {
+                    fprintf(stderr,
+                            "kvcc eval: --methods: '%s' is not built yet in this kvcc (available: "
+                            "%s)\n",
+                            tok, names);
                     return -1;
                 }
-            fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: full, streaming, random, snapkv, "
-                            "h2o, knorm, keydiff, all, am, am-uniform, am-omp, compilerkv, ckv-flat, %s)\n", tok, DECODE_NAMES);
+            fprintf(stderr, "kvcc eval: --methods: unknown method '%s' (available: %s)\n", tok,
+                    names);
             return -1;
         }
-        if (*n == 64) return -1;
-        int dup = 0;
-        for (int i = 0; i < *n; i++) dup |= out[i] == m;
-        if (!dup) out[(*n)++] = m;
+        for (int a = 0; a < na; a++) {
+            int dup = 0;
+            for (int i = 0; i < *n; i++) dup |= !strcmp(out[i], add[a]);
+            if (dup) continue;
+            if (*n == 64) return -1;
+            out[(*n)++] = add[a];
+        }
     }
     if (*n == 0) { fprintf(stderr, "kvcc eval: --methods: empty list\n"); return -1; }
     return 0;
@@ -99,7 +110,7 @@ static int parse_budgets(const char *list, double *out, int *n) {
 }
 
 static void budget_str(const kvcc_eval_row *row, char *b, size_t n) {
-    if (row->method == KVRT_METHOD_FULL) snprintf(b, n, "-");
+    if (row->method->budget == KVCC_BUDGET_NONE) snprintf(b, n, "-");
     else if (row->budget < 1) snprintf(b, n, "%.3g", row->budget);
     else snprintf(b, n, "%.0f", row->budget);
 }
@@ -112,6 +123,7 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     if (gguf) printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
                      "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
                      KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
+    for (int i = 0; i < r->n_notes; i++) printf("%s\n", r->notes[i]);
     if (r->decode_note[0])
         printf("decode-time rows: %s; kept = tokens read exactly per KV head and step, MB = bytes read per decode step "
                "(all layers), sel_ms = decode-time work per prompt\n", r->decode_note);
@@ -123,7 +135,7 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         const kvcc_eval_row *row = &r->rows[i];
         char b[32];
         budget_str(row, b, sizeof b);
-        printf("%-13s %7s ", kvcc_eval_method_name(row->method), b);
+        printf("%-13s %7s ", row->name, b);
         if (row->status) {
             printf("error: %s\n", row->msg);
             continue;
@@ -146,8 +158,9 @@ static void print_csv(const kvcc_eval_result *r) {
         const kvcc_eval_row *w = &r->rows[i];
         char b[32];
         budget_str(w, b, sizeof b);
-        printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", kvcc_eval_method_name(w->method), b, w->kept_mean, w->relerr_mean,
-               w->relerr_p95, w->kl_mean, w->mass_mean, w->bytes_mean, w->select_ms);
+        printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", w->name, b, w->kept_mean,
+               w->relerr_mean, w->relerr_p95, w->kl_mean, w->mass_mean, w->bytes_mean,
+               w->select_ms);
         if (w->have_e2e)
             printf("%.6f,%.6f,%.6f,%u,%u,%.4f,", w->nll, w->nll_full, w->nll - w->nll_full, w->probes, w->probes_exact,
                    w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0.0);
@@ -166,12 +179,17 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
     cJSON_AddNumberToObject(root, "continuation_len", r->continuation_len);
     cJSON_AddNumberToObject(root, "full_cache_bytes", r->full_bytes_mean);
     if (r->decode_note[0]) cJSON_AddStringToObject(root, "decode_rows", r->decode_note);
+    if (r->n_notes) {
+        cJSON *notes = cJSON_AddArrayToObject(root, "notes");
+        for (int i = 0; i < r->n_notes; i++)
+            cJSON_AddItemToArray(notes, cJSON_CreateString(r->notes[i]));
+    }
     cJSON *rows = cJSON_AddArrayToObject(root, "rows");
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *w = &r->rows[i];
         cJSON *o = cJSON_CreateObject();
-        cJSON_AddStringToObject(o, "method", kvcc_eval_method_name(w->method));
-        if (w->method != KVRT_METHOD_FULL) cJSON_AddNumberToObject(o, "budget", w->budget);
+        cJSON_AddStringToObject(o, "method", w->name);
+        if (w->method->budget != KVCC_BUDGET_NONE) cJSON_AddNumberToObject(o, "budget", w->budget);
         if (w->status) {
             cJSON_AddStringToObject(o, "error", w->msg);
         } else {
@@ -237,20 +255,11 @@ int kvcc_cmd_eval(int argc, char **argv) {
         fprintf(stderr, "kvcc eval: --cache-dtype: got '%s', expected f32 or f16\n", cdt);
         return KVCC_EXIT_USAGE;
     }
-    int ms[64], nm;
+    const char *ms[64];
+    int nm;
     double bs[64];
     int nb;
     if (parse_methods(methods, ms, &nm) || parse_budgets(budgets, bs, &nb)) return KVCC_EXIT_USAGE;
-    if (policy) {
-        kvrt_policy *pol = NULL;
-        kvrt_error e = {0};
-        int rc = kvrt_policy_open(policy, NULL, &pol, &e);
-        kvrt_policy_free(pol);
-        if (rc) {
-            fprintf(stderr, "kvcc eval: --policy: %s [%s]\n", e.msg, kvrt_status_name(rc));
-            return rc == KVRT_ERR_FORMAT || rc == KVRT_ERR_IO ? kvcc_exit_for_kvpol(e.detail) : KVCC_EXIT_FAILED;
-        }
-    }
     kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
                         .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
                         .verbose = isatty(STDERR_FILENO)};
@@ -261,7 +270,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
     if (rc) {
         fprintf(stderr, "kvcc eval: %s\n", err);
         free(r);
-        return rc == KVCC_EXIT_USAGE ? KVCC_EXIT_USAGE : KVCC_EXIT_FAILED;
+        return rc == KVCC_EXIT_USAGE || rc >= KVCC_EXIT_ARTIFACT_BASE ? rc : KVCC_EXIT_FAILED;
     }
     if (json) print_json(r, corpus, gguf);
     else if (csv) print_csv(r);

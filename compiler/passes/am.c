@@ -7,7 +7,7 @@
  * summarizes them for `kvcc inspect`.
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c).
  *
- * defines: kvcc_pass_am
+ * defines: kvcc_pass_am (its options and its kvcc eval methods am, am-uniform, am-omp)
  *
  * Loss of a head at ratio r: the context [0, C) of every (prompt, layer) is compacted with ratio
  * r for every KV head (uniform), then the continuation queries [C, T) attend through kvrt_attend
@@ -28,14 +28,18 @@
  * depend on the thread count.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "corpus.h"
+#include "eval_methods.h"
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "loop.h"
+#include "metrics.h"
 #include "passes.h"
 
 #define AM_UNITS 1024 /* budget units per head (fractions of T) */
@@ -95,139 +99,17 @@ static void greedy_exchange(const double *r, const float *curves, int nr, int nh
 // ----------------------------------------------------------------------------
 // run
 
-static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
-    kvcc_corpus *c = cx->corpus;
-    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
-    const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
-    const uint32_t G = H / Hkv;
+/* The curves (f32 in the artifact) from the sums loss / merr [L, Hkv, nr], the schedule of every
+ * target (greedy exchange), and the two sections. 0 or a KVCC_EXIT_* status. */
+static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const double *loss,
+                             const double *merr, uint32_t L, uint32_t Hkv, uint32_t n_prompts,
+                             char *err, size_t errlen) {
     const int nr = cx->n_am_ratios, nt = cx->n_am_targets;
-    uint32_t n_prompts = kvcc_corpus_get_info(c)->n_prompts;
-    if (cx->max_prompts && cx->max_prompts < n_prompts) n_prompts = cx->max_prompts;
-    if (n_prompts == 0) {
-        snprintf(err, errlen, "%s: the corpus holds no prompts", cx->corpus_path);
-        return KVCC_EXIT_USAGE;
-    }
-    for (int i = 0; i < nr; i++)
-        if (!(cx->am_ratios[i] > 0 && cx->am_ratios[i] < 1)) {
-            snprintf(err, errlen, "--am-ratios: %g is not a ratio in (0, 1)", cx->am_ratios[i]);
-            return KVCC_EXIT_USAGE;
-        }
-    for (int i = 0; i < nt; i++)
-        if (!(cx->am_targets[i] > 0 && cx->am_targets[i] < 1)) {
-            snprintf(err, errlen, "--am-targets: %g is not a ratio in (0, 1)", cx->am_targets[i]);
-            return KVCC_EXIT_USAGE;
-        }
-    kvrt_am_opts ao;
-    kvrt_am_opts_init(&ao);
-    ao.chunk = cx->am_chunk;
-    ao.key_select = strcmp(cx->am_select, "omp") == 0 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
-    const float scale = 1.0f / sqrtf((float)d);
     const size_t nh = (size_t)L * Hkv;
-    double *loss = calloc(nh * (size_t)nr, sizeof(double)), *merr = calloc(nh * (size_t)nr, sizeof(double));
-    float *q = NULL, *k = NULL, *v = NULL, *of = NULL, *oc = NULL, *lf = NULL, *lc = NULL, *lf0 = NULL, *lc0 = NULL;
-    kvrt_ctx *rt = NULL;
-    kvrt_error ke;
     int rc = 0;
-    if (!loss || !merr) { snprintf(err, errlen, "am: out of memory"); rc = KVCC_EXIT_FAILED; }
-    if (!rc && kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &ke) != KVRT_OK) {
-        snprintf(err, errlen, "am: %s", ke.msg);
-        rc = KVCC_EXIT_FAILED;
-    }
-    size_t cap = 0;
-    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
-        kvcc_corpus_prompt_info info;
-        if (kvcc_corpus_prompt(c, p, &info, NULL, NULL) != 0) {
-            snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-            rc = KVCC_EXIT_FAILED;
-            break;
-        }
-        const int64_t T = info.n_tokens, C = info.context_len, N = info.continuation_len;
-        if (N < 1 || C < 1) {
-            snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; the am pass "
-                     "needs both (continuation queries measure the loss)", cx->corpus_path, p, (long long)C,
-                     (long long)N);
-            rc = KVCC_EXIT_USAGE;
-            break;
-        }
-        if ((size_t)T > cap) {
-            free(q); free(k); free(v); free(of); free(oc); free(lf); free(lc); free(lf0); free(lc0);
-            cap = (size_t)T;
-            q = malloc(cap * H * d * sizeof *q);
-            k = malloc(cap * Hkv * d * sizeof *k);
-            v = malloc(cap * Hkv * d * sizeof *v);
-            of = malloc(cap * H * d * sizeof *of);
-            oc = malloc(cap * H * d * sizeof *oc);
-            lf = malloc(cap * H * sizeof *lf);
-            lc = malloc(cap * H * sizeof *lc);
-            lf0 = malloc(cap * H * sizeof *lf0);
-            lc0 = malloc(cap * H * sizeof *lc0);
-            if (!q || !k || !v || !of || !oc || !lf || !lc || !lf0 || !lc0) {
-                snprintf(err, errlen, "am: out of memory for %lld tokens", (long long)T);
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-        }
-        for (uint32_t l = 0; l < L && !rc; l++) {
-            if (kvcc_corpus_read_layer(c, p, l, q, k, v) != 0) {
-                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-            const float *qc = q + (size_t)C * H * d, *kr = k + (size_t)C * Hkv * d, *vr = v + (size_t)C * Hkv * d;
-            /* the reference: the full context (every position), with and without the continuation */
-            kvrt_cache *full = NULL;
-            int s = kvcc_full_cache(k, v, C, Hkv, d, &full);
-            if (!s) s = kvrt_attend(rt, qc, N, H, full, kr, vr, N, scale, of, lf);
-            if (!s) s = kvrt_attend(rt, qc, N, H, full, NULL, NULL, 0, scale, oc, lf0);
-            kvrt_cache_free(full);
-            /* every ratio of the grid at once: the logits and targets are shared */
-            kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
-            if (!s && !ccs) s = KVRT_ERR_NOMEM;
-            if (!s) s = kvrt_am_compact_layer_multi(rt, &ao, q, k, v, C, H, Hkv, d, nr, NULL, cx->am_ratios, KVRT_DTYPE_F32,
-                                                    ccs, NULL);
-            for (int ri = 0; ri < nr && !s; ri++) {
-                kvrt_cache *cc = ccs[ri];
-                ccs[ri] = NULL;
-                if (!s) s = kvrt_attend(rt, qc, N, H, cc, NULL, NULL, 0, scale, oc, lc0);
-                if (!s) s = kvrt_attend(rt, qc, N, H, cc, kr, vr, N, scale, oc, lc);
-                kvrt_cache_free(cc);
-                if (s) break;
-                for (uint32_t hk = 0; hk < Hkv; hk++) {
-                    double e = 0, me = 0;
-                    for (uint32_t g = 0; g < G; g++) {
-                        const uint32_t h = hk * G + g;
-                        for (int64_t i = 0; i < N; i++) {
-                            const float *a = oc + ((size_t)i * H + h) * d, *b = of + ((size_t)i * H + h) * d;
-                            double num = 0, den = 0;
-                            for (uint32_t x = 0; x < d; x++) {
-                                num += ((double)a[x] - b[x]) * ((double)a[x] - b[x]);
-                                den += (double)b[x] * b[x];
-                            }
-                            e += sqrt(num) / (sqrt(den) + 1e-30);
-                            me += fabs(exp((double)lc0[i * H + h] - lf0[i * H + h]) - 1.0);
-                        }
-                    }
-                    const size_t at = ((size_t)l * Hkv + hk) * nr + ri;
-                    loss[at] += e / ((double)G * N * n_prompts);
-                    merr[at] += me / ((double)G * N * n_prompts);
-                }
-            }
-            for (int ri = 0; ccs && ri < nr; ri++) kvrt_cache_free(ccs[ri]);
-            free(ccs);
-            if (s) {
-                snprintf(err, errlen, "am: prompt %u, layer %u: %s (%s)", p, l, kvrt_status_str(s),
-                         kvrt_last_error()->msg);
-                rc = KVCC_EXIT_FAILED;
-            }
-        }
-        if (cx->progress) kvcc_progress(p + 1, n_prompts);
-    }
-    free(q); free(k); free(v); free(of); free(oc); free(lf); free(lc); free(lf0); free(lc0);
-    kvrt_ctx_free(rt);
-    /* curves (f32 in the artifact) and schedules */
     float *curves = NULL, *mcurves = NULL, *sched = NULL;
     int *units = NULL;
-    if (!rc) {
+    {
         curves = malloc(nh * (size_t)nr * sizeof *curves);
         mcurves = malloc(nh * (size_t)nr * sizeof *mcurves);
         sched = malloc((size_t)nt * nh * sizeof *sched);
@@ -274,7 +156,106 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             rc = KVCC_EXIT_FAILED;
         }
     }
-    free(loss); free(merr); free(curves); free(mcurves); free(sched); free(units);
+    free(curves); free(mcurves); free(sched); free(units);
+    return rc;
+}
+
+/* Add one compacted ratio ri of the loop's current (prompt, layer) to the loss and mass-error
+ * curves [L, Hkv, nr]: per KV head, the mean over its G query heads and the N continuation
+ * queries, divided by the prompt count (summed in (query head, query) order). */
+static void am_accumulate(const kvcc_loop *lp, int ri, int nr, double n_prompts, double *loss,
+                          double *merr) {
+    const uint32_t H = lp->H, Hkv = lp->Hkv, d = lp->d, G = H / Hkv;
+    const int64_t N = lp->N;
+    for (uint32_t hk = 0; hk < Hkv; hk++) {
+        double e = 0, me = 0;
+        for (uint32_t g = 0; g < G; g++) {
+            const uint32_t h = hk * G + g;
+            for (int64_t i = 0; i < N; i++) {
+                const size_t at = (size_t)i * H + h;
+                e += kvcc_relerr(lp->o_c + at * d, lp->o_full + at * d, d);
+                me += fabs(exp(-kvcc_kl_lse(lp->lse_ctx[at], lp->lse_c_ctx[at])) - 1.0);
+            }
+        }
+        const size_t at = ((size_t)lp->layer * Hkv + hk) * nr + ri;
+        loss[at] += e / ((double)G * N * n_prompts);
+        merr[at] += me / ((double)G * N * n_prompts);
+    }
+}
+
+static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
+    kvcc_corpus *c = cx->corpus;
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
+    const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+    const int nr = cx->n_am_ratios, nt = cx->n_am_targets;
+    uint32_t n_prompts = kvcc_corpus_get_info(c)->n_prompts;
+    if (cx->max_prompts && cx->max_prompts < n_prompts) n_prompts = cx->max_prompts;
+    if (n_prompts == 0) {
+        snprintf(err, errlen, "%s: the corpus holds no prompts", cx->corpus_path);
+        return KVCC_EXIT_USAGE;
+    }
+    for (int i = 0; i < nr; i++)
+        if (!(cx->am_ratios[i] > 0 && cx->am_ratios[i] < 1)) {
+            snprintf(err, errlen, "--am-ratios: %g is not a ratio in (0, 1)", cx->am_ratios[i]);
+            return KVCC_EXIT_USAGE;
+        }
+    for (int i = 0; i < nt; i++)
+        if (!(cx->am_targets[i] > 0 && cx->am_targets[i] < 1)) {
+            snprintf(err, errlen, "--am-targets: %g is not a ratio in (0, 1)", cx->am_targets[i]);
+            return KVCC_EXIT_USAGE;
+        }
+    kvrt_am_opts ao;
+    kvrt_am_opts_init(&ao);
+    ao.chunk = cx->am_chunk;
+    ao.key_select = strcmp(cx->am_select, "omp") == 0 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+    const size_t nh = (size_t)L * Hkv;
+    double *loss = calloc(nh * (size_t)nr, sizeof(double)),
+           *merr = calloc(nh * (size_t)nr, sizeof(double));
+    kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
+    kvcc_loop lp;
+    int rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
+    if (!rc && (!loss || !merr || !ccs)) {
+        snprintf(err, errlen, "am: out of memory");
+        rc = KVCC_EXIT_FAILED;
+    }
+    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+        if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
+        const int64_t C = lp.C, N = lp.N;
+        if (N < 1 || C < 1) {
+            snprintf(err, errlen,
+                     "%s: prompt %u has %lld context and %lld continuation tokens; the am pass "
+                     "needs both (continuation queries measure the loss)",
+                     cx->corpus_path, p, (long long)C, (long long)N);
+            rc = KVCC_EXIT_USAGE;
+            break;
+        }
+        for (uint32_t l = 0; l < L && !rc; l++) {
+            /* the reference: the full context, with (o_full, lse_full) and without (lse_ctx) the
+             * continuation; then every ratio of the grid at once (shared logits and targets) */
+            if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
+            int s = kvrt_am_compact_layer_multi(lp.rt, &ao, lp.q, lp.k, lp.v, C, H, Hkv, d, nr,
+                                                NULL, cx->am_ratios, KVRT_DTYPE_F32, ccs, NULL);
+            for (int ri = 0; ri < nr && !s; ri++) {
+                s = kvcc_loop_attend(&lp, ccs[ri], lp.o_c, lp.lse_c, lp.lse_c_ctx);
+                kvrt_cache_free(ccs[ri]);
+                ccs[ri] = NULL;
+                if (s) break;
+                am_accumulate(&lp, ri, nr, (double)n_prompts, loss, merr);
+            }
+            for (int ri = 0; ri < nr; ri++) { kvrt_cache_free(ccs[ri]); ccs[ri] = NULL; }
+            if (s) {
+                snprintf(err, errlen, "am: prompt %u, layer %u: %s (%s)", p, l, kvrt_status_str(s),
+                         kvrt_last_error()->msg);
+                rc = KVCC_EXIT_FAILED;
+            }
+        }
+        if (cx->progress) kvcc_progress(p + 1, n_prompts);
+    }
+    free(ccs);
+    kvcc_loop_close(&lp);
+    if (!rc) rc = am_schedule_write(cx, w, loss, merr, L, Hkv, n_prompts, err, errlen);
+    free(loss);
+    free(merr);
     return rc;
 }
 
@@ -351,10 +332,115 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     free(ord);
 }
 
+// ----------------------------------------------------------------------------
+// eval methods: am (the compiled schedule with the compiled options), am-uniform and am-omp
+// (explicit uncompiled variants: every head at the row's ratio, kvrt_am_opts_init's options)
+
+enum { AM_EVAL_SCHEDULED, AM_EVAL_UNIFORM, AM_EVAL_OMP };
+
+static int am_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
+    if (!env->policy) {
+        snprintf(err, errlen,
+                 "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
+                 "(or use am-uniform / am-omp)");
+        return KVCC_EXIT_USAGE;
+    }
+    kvrt_am_schedule *s = NULL;
+    int rc = kvrt_am_open(env->policy, &s);
+    if (rc) {
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+                 kvrt_status_name(rc));
+        return KVCC_EXIT_USAGE;
+    }
+    *h = s;
+    return 0;
+}
+
+static void am_eval_close(void *h) { kvrt_am_schedule_free(h); }
+
+static const char *am_select_name(int ks) { return ks == KVRT_AM_SELECT_OMP ? "omp" : "highest"; }
+
+/* am: every ratio budget must be a compiled target; the note states the compiled options. */
+static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
+                           kvcc_eval_prep *p, char *err, size_t errlen) {
+    kvrt_am_opts o;
+    if (m->variant != AM_EVAL_SCHEDULED) {
+        kvrt_am_opts_init(&o);
+        if (m->variant == AM_EVAL_OMP) o.key_select = KVRT_AM_SELECT_OMP;
+        snprintf(p->note, sizeof p->note,
+                 "%s: an uncompiled variant, every KV head at the row's ratio (key "
+                 "selection %s, chunk %lld)",
+                 m->name, am_select_name(o.key_select), (long long)o.chunk);
+        return 0;
+    }
+    const kvrt_am_schedule *s = handle;
+    int rc = kvrt_am_schedule_opts(s, &o);
+    for (int j = 0; !rc && j < env->n_budgets; j++) {
+        const float *ratios;
+        if (env->budgets[j] < 1) rc = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
+    }
+    if (rc) {
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+                 kvrt_status_name(rc));
+        return KVCC_EXIT_USAGE;
+    }
+    p->state = handle;
+    snprintf(p->note, sizeof p->note,
+             "am: the compiled per-head schedule with the compiled options (key selection "
+             "%s, chunk %lld)",
+             am_select_name(o.key_select), (long long)o.chunk);
+    return 0;
+}
+
+static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate,
+                            const kvcc_eval_env *env, const kvcc_eval_layer *x, double budget,
+                            int64_t B, kvrt_cache **out) {
+    (void)pstate; (void)B;
+    if (m->variant == AM_EVAL_SCHEDULED)
+        return kvrt_am_compact_scheduled(env->rt, state, NULL, 0, budget, x->layer, x->q, x->k,
+                                         x->v, x->C, env->H, env->dtype, out, NULL);
+    kvrt_am_opts ao;
+    kvrt_am_opts_init(&ao);
+    if (m->variant == AM_EVAL_OMP) ao.key_select = KVRT_AM_SELECT_OMP;
+    return kvrt_am_compact_layer(env->rt, &ao, x->q, x->k, x->v, x->C, env->H, env->Hkv, env->d,
+                                 NULL, budget, env->dtype, out, NULL);
+}
+
+/* am opens the schedule (once per run); the uncompiled variants need no policy. */
+#define AM_EVAL_METHOD(nm, var, open, close)                                                       \
+    {.name = nm, .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = var,      \
+     .open_handle = open, .close_handle = close, .prepare = am_eval_prepare,                       \
+     .compress_layer = am_eval_compress}
+static const kvcc_eval_method am_eval_methods[] = {
+    AM_EVAL_METHOD("am", AM_EVAL_SCHEDULED, am_eval_open, am_eval_close),
+    AM_EVAL_METHOD("am-uniform", AM_EVAL_UNIFORM, NULL, NULL),
+    AM_EVAL_METHOD("am-omp", AM_EVAL_OMP, NULL, NULL),
+    {.name = NULL},
+};
+
+#define AM_OPT(f) offsetof(kvcc_compile_ctx, f)
+static const kvcc_pass_option am_options[] = {
+    {"am-targets", KVCC_OPT_LIST, "LIST", "0.02,0.05,0.1,0.2",
+     "target mean ratios of the context kept per KV head", AM_OPT(am_targets), AM_OPT(n_am_targets),
+     0, 0, NULL, 0},
+    {"am-ratios", KVCC_OPT_LIST, "LIST", "0.015625,0.03125,0.0625,0.125,0.25,0.5",
+     "ratio grid of the sensitivity curves (1/64 ... 1/2)", AM_OPT(am_ratios), AM_OPT(n_am_ratios),
+     0, 0, NULL, 0},
+    {"am-chunk", KVCC_OPT_U32, "N", "4096",
+     "keys per chunk of the compaction (written; eval runs it)", AM_OPT(am_chunk), 0, 16,
+     1u << 20, NULL, 0},
+    {"am-select", KVCC_OPT_CHOICE, "highest|omp", "highest",
+     "key selection (written; eval runs it)", AM_OPT(am_select), 0, 0, 0, "highest|omp", 0},
+    {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
+};
+
 const kvcc_pass kvcc_pass_am = {
     .name = "am",
+    .title = "Attention Matching",
     .group = KVPOL_GROUP_AM,
     .needs_corpus = 1,
+    .options = am_options,
     .run = am_run,
     .inspect = am_inspect,
+    .eval_methods = am_eval_methods,
 };

@@ -9,7 +9,8 @@
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c); the
  * tests (kvcc_compkv_search, kvcc_compkv_error: passes.h).
  *
- * defines: kvcc_pass_compkv, kvcc_compkv_search, kvcc_compkv_error, kvcc_compkv_index_grouping
+ * defines: kvcc_pass_compkv (options, eval methods compkv*, topk-mass, quest), kvcc_compkv_search,
+ *          kvcc_compkv_error, kvcc_compkv_index_grouping
  *
  * Samples: for every prompt, the context [0, C) is appended to a runtime state (kvrt_compkv with
  * r = d and the identity grouping, blocks of --compkv-block tokens), whose summaries are the
@@ -18,7 +19,7 @@
  * over the context only: true mass p[g, b] = sum_{j in b} softmax_j(q_g . k_j * scale) and true
  * within-block logit variance sigma2[g, b] = Var_{j in b}(q_g . k_j * scale) (population), exact
  * in double. npos is the largest count that keeps the samples of a head at or below
- * CK_MAX_SAMPLES (at least 1), so the pass stays fast on any corpus.
+ * COMPKV_MAX_SAMPLES (at least 1), so the pass stays fast on any corpus.
  * Objective of a grouping: E = sum_{g,b} p (s2hat - sigma2)^2 / sum p, with the runtime's
  * s2hat = scale^2 sum_t (sum_{i in G_t} q_i^2) mean_{i in G_t} var[b, i].
  * Search: coordinates sorted by mean within-block variance (ties: lower index); the contiguous
@@ -38,25 +39,22 @@
  * every sum runs in a fixed order, so the artifact does not depend on the thread count.
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "corpus.h"
+#include "eval_methods.h"
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "loop.h"
 #include "passes.h"
+#include "stats.h"
 
-#define CK_MAX_SAMPLES 6144 /* (query, block) samples per (layer, KV head) */
-#define CK_AGREE_BLOCKS 16  /* budget (blocks) of the agreement measure */
-
-static double ck_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
+#define COMPKV_MAX_SAMPLES 6144 /* (query, block) samples per (layer, KV head) */
+#define COMPKV_AGREE_BLOCKS 16  /* budget (blocks) of the agreement measure */
 
 // ----------------------------------------------------------------------------
 // the grouping search
@@ -216,8 +214,9 @@ static void exact_blocks(const float *qv, const float *k, int64_t C, uint32_t Hk
 
 /* A runtime state of layer data k, v (context [0, C)) with the given groupings [Hkv, d] /
  * [Hkv, r + 1]. */
-static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d, int64_t C, const uint16_t *perm,
-                      const uint16_t *off, const float *k, const float *v, kvrt_compkv **out) {
+static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_t Hkv, uint32_t d,
+                      int64_t C, const uint16_t *perm, const uint16_t *off, const float *k,
+                      const float *v, kvrt_compkv **out) {
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o);
     o.block = B;
@@ -229,310 +228,399 @@ static int make_state(kvrt_ctx *rt, uint32_t B, uint32_t r, float scale, uint32_
     return s;
 }
 
-static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
-    const double t_start = ck_now();
-    kvcc_corpus *c = cx->corpus;
-    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
-    const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim, G = H / Hkv;
-    const uint32_t r = cx->compkv_r, B = cx->compkv_block;
-    if (r < 1 || r > d) {
-        snprintf(err, errlen, "--compkv-r: %u groups for head dim %u; expected 1..%u", r, d, d);
-        return KVCC_EXIT_USAGE;
-    }
-    if (B < 2) {
-        snprintf(err, errlen, "--compkv-block: %u; expected >= 2 tokens (within-block variances need two)", B);
-        return KVCC_EXIT_USAGE;
-    }
-    if (d > 65535) {
-        snprintf(err, errlen, "compkv: head dim %u does not fit the u16 permutation (at most 65535)", d);
-        return KVCC_EXIT_USAGE;
-    }
-    uint32_t n_prompts = kvcc_corpus_get_info(c)->n_prompts;
-    if (cx->max_prompts && cx->max_prompts < n_prompts) n_prompts = cx->max_prompts;
-    if (n_prompts == 0) {
-        snprintf(err, errlen, "%s: the corpus holds no prompts", cx->corpus_path);
-        return KVCC_EXIT_USAGE;
-    }
-    const double scale = 1.0 / sqrt((double)d);
-    /* shapes of every prompt: context blocks, continuation length */
-    int64_t *Cp = calloc(n_prompts, sizeof *Cp), *Tp = calloc(n_prompts, sizeof *Tp), *nbp = calloc(n_prompts, sizeof *nbp);
-    int64_t *base = calloc((size_t)n_prompts + 1, sizeof *base);
-    if (!Cp || !Tp || !nbp || !base) {
-        free(Cp); free(Tp); free(nbp); free(base);
+/* The pass's working set: shapes, samples of one layer, groupings, results (one allocation per
+ * array, all freed by compkv_free). Sample layout of a KV head hk: prompt p's samples start at
+ * hk * ns + base[p]; sample ((j * G + g) * nb + b) within the prompt. */
+typedef struct {
+    const kvcc_compile_ctx *cx;
+    kvcc_loop lp;                   /* the corpus walk (q, k, v of one (prompt, layer)) */
+    uint32_t L, H, Hkv, d, G, r, B, n_prompts;
+    double scale;
+    int64_t *Cp, *Tp, *nbp, *base; /* [P] context, tokens, context blocks; [P + 1] sample offsets */
+    int64_t sum_nb, min_nb, min_N, max_T, npos, ns, K;
+    double *sp, *ss2, *zbuf;        /* [Hkv, ns] mass, sigma2; [npos * G, max_T] logits */
+    float *sq2, *svar;              /* [Hkv, ns, d] */
+    float *sc_i, *sc_l, *sc_x;      /* [Hkv, max_nb] block scores: index, learned, exact */
+    int32_t *bl_i, *bl_l, *bl_x;    /* [Hkv, K] selected blocks */
+    uint16_t *perm_st, *off_st;     /* [L, Hkv, d], [L, Hkv, r + 1]: the groupings stored */
+    uint16_t *perm_dp, *off_dp, *perm_ix, *off_ix, *perm_id, *off_id; /* [Hkv, ...] of one layer */
+    uint8_t *learned;               /* [L, Hkv] */
+    double *err_l, *err_i;          /* [L, Hkv] */
+    float *agr_l, *agr_i;           /* [L, Hkv] */
+} compkv_work;
+
+static void compkv_free(compkv_work *R) {
+    free(R->Cp); free(R->Tp); free(R->nbp); free(R->base);
+    free(R->sp); free(R->ss2); free(R->sq2); free(R->svar); free(R->zbuf);
+    free(R->sc_i); free(R->sc_l); free(R->sc_x); free(R->bl_i); free(R->bl_l); free(R->bl_x);
+    free(R->perm_st);
+    free(R->off_st);
+    free(R->perm_dp);
+    free(R->off_dp);
+    free(R->perm_ix);
+    free(R->off_ix);
+    free(R->perm_id); free(R->off_id);
+    free(R->learned); free(R->err_l); free(R->err_i); free(R->agr_l); free(R->agr_i);
+    kvcc_loop_close(&R->lp);
+}
+
+/* Shapes of every prompt, the query positions per prompt (npos: the most that keep a head's
+ * samples at or below COMPKV_MAX_SAMPLES) and the agreement budget K. */
+static int compkv_shapes(compkv_work *R, char *err, size_t errlen) {
+    const kvcc_compile_ctx *cx = R->cx;
+    const uint32_t P = R->n_prompts, B = R->B;
+    R->Cp = calloc(P, sizeof *R->Cp);
+    R->Tp = calloc(P, sizeof *R->Tp);
+    R->nbp = calloc(P, sizeof *R->nbp);
+    R->base = calloc((size_t)P + 1, sizeof *R->base);
+    if (!R->Cp || !R->Tp || !R->nbp || !R->base) {
         snprintf(err, errlen, "compkv: out of memory");
         return KVCC_EXIT_FAILED;
     }
-    int rc = 0;
-    int64_t sum_nb = 0, min_nb = INT64_MAX, min_N = INT64_MAX, max_T = 0;
-    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+    R->sum_nb = 0, R->min_nb = INT64_MAX, R->min_N = INT64_MAX, R->max_T = 0;
+    for (uint32_t p = 0; p < P; p++) {
         kvcc_corpus_prompt_info info;
-        if (kvcc_corpus_prompt(c, p, &info, NULL, NULL) != 0) {
-            snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-            rc = KVCC_EXIT_FAILED;
-            break;
+        if (kvcc_corpus_prompt(cx->corpus, p, &info, NULL, NULL) != 0) {
+            snprintf(err, errlen, "%s", kvcc_corpus_error(cx->corpus));
+            return KVCC_EXIT_FAILED;
         }
         const int64_t C = info.context_len, N = info.continuation_len;
         if (N < 1 || C < (int64_t)B) {
             snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; the compkv pass needs "
                      "at least one block of --compkv-block %u context tokens and one continuation query",
                      cx->corpus_path, p, (long long)C, (long long)N, B);
-            rc = KVCC_EXIT_USAGE;
-            break;
+            return KVCC_EXIT_USAGE;
         }
-        Cp[p] = C;
-        Tp[p] = info.n_tokens;
-        nbp[p] = (C + B - 1) / B;
-        sum_nb += nbp[p];
-        if (nbp[p] < min_nb) min_nb = nbp[p];
-        if (N < min_N) min_N = N;
-        if (Tp[p] > max_T) max_T = Tp[p];
+        R->Cp[p] = C;
+        R->Tp[p] = info.n_tokens;
+        R->nbp[p] = (C + B - 1) / B;
+        R->sum_nb += R->nbp[p];
+        if (R->nbp[p] < R->min_nb) R->min_nb = R->nbp[p];
+        if (N < R->min_N) R->min_N = N;
+        if (R->Tp[p] > R->max_T) R->max_T = R->Tp[p];
     }
-    /* query positions per prompt and the sample layout of a head: prompt p's samples start at
-     * base[p]; sample ((j * G + g) * nb + b) within the prompt */
-    int64_t npos = 1;
-    if (!rc) {
-        npos = CK_MAX_SAMPLES / ((int64_t)G * sum_nb);
-        if (npos < 1) npos = 1;
-        if (npos > min_N) npos = min_N;
-        for (uint32_t p = 0; p < n_prompts; p++) base[p + 1] = base[p] + npos * G * nbp[p];
+    R->npos = COMPKV_MAX_SAMPLES / ((int64_t)R->G * R->sum_nb);
+    if (R->npos < 1) R->npos = 1;
+    if (R->npos > R->min_N) R->npos = R->min_N;
+    for (uint32_t p = 0; p < P; p++) R->base[p + 1] = R->base[p] + R->npos * R->G * R->nbp[p];
+    R->ns = R->base[P];
+    R->K = R->min_nb / 2 < COMPKV_AGREE_BLOCKS ? R->min_nb / 2 : COMPKV_AGREE_BLOCKS;
+    if (R->K < 1) R->K = 1;
+    return 0;
+}
+
+static int compkv_alloc(compkv_work *R, char *err, size_t errlen) {
+    const uint32_t Hkv = R->Hkv, d = R->d, r = R->r;
+    const size_t nh = (size_t)R->L * Hkv, ns = (size_t)R->ns;
+    const int64_t max_nb = (R->max_T + R->B - 1) / R->B;
+    R->sp = malloc((size_t)Hkv * ns * sizeof *R->sp);
+    R->ss2 = malloc((size_t)Hkv * ns * sizeof *R->ss2);
+    R->sq2 = malloc((size_t)Hkv * ns * d * sizeof *R->sq2);
+    R->svar = malloc((size_t)Hkv * ns * d * sizeof *R->svar);
+    R->zbuf = malloc((size_t)R->npos * R->G * R->max_T * sizeof *R->zbuf);
+    R->sc_i = malloc((size_t)Hkv * max_nb * sizeof *R->sc_i);
+    R->sc_l = malloc((size_t)Hkv * max_nb * sizeof *R->sc_l);
+    R->sc_x = malloc((size_t)Hkv * max_nb * sizeof *R->sc_x);
+    R->bl_i = malloc((size_t)Hkv * R->K * sizeof *R->bl_i);
+    R->bl_l = malloc((size_t)Hkv * R->K * sizeof *R->bl_l);
+    R->bl_x = malloc((size_t)Hkv * R->K * sizeof *R->bl_x);
+    R->perm_st = malloc(nh * d * sizeof *R->perm_st);
+    R->off_st = malloc(nh * (r + 1) * sizeof *R->off_st);
+    R->perm_dp = malloc((size_t)Hkv * d * sizeof *R->perm_dp);
+    R->off_dp = malloc((size_t)Hkv * (r + 1) * sizeof *R->off_dp);
+    R->perm_ix = malloc((size_t)Hkv * d * sizeof *R->perm_ix);
+    R->off_ix = malloc((size_t)Hkv * (r + 1) * sizeof *R->off_ix);
+    R->perm_id = malloc((size_t)Hkv * d * sizeof *R->perm_id);
+    R->off_id = malloc((size_t)Hkv * (d + 1) * sizeof *R->off_id);
+    R->learned = malloc(nh);
+    R->err_l = malloc(nh * sizeof *R->err_l);
+    R->err_i = malloc(nh * sizeof *R->err_i);
+    R->agr_l = calloc(nh, sizeof *R->agr_l);
+    R->agr_i = calloc(nh, sizeof *R->agr_i);
+    if (!R->sp || !R->ss2 || !R->sq2 || !R->svar || !R->zbuf || !R->sc_i || !R->sc_l || !R->sc_x ||
+        !R->bl_i || !R->bl_l || !R->bl_x || !R->perm_st || !R->off_st || !R->perm_dp ||
+        !R->off_dp || !R->perm_ix || !R->off_ix || !R->perm_id || !R->off_id || !R->learned ||
+        !R->err_l || !R->err_i || !R->agr_l || !R->agr_i) {
+        snprintf(err, errlen, "compkv: out of memory (%lld samples per head)", (long long)R->ns);
+        return KVCC_EXIT_FAILED;
     }
-    const int64_t ns = base[n_prompts];
-    int64_t K = min_nb / 2 < CK_AGREE_BLOCKS ? min_nb / 2 : CK_AGREE_BLOCKS;
-    if (K < 1) K = 1;
-    const size_t nh = (size_t)L * Hkv;
-    float *q = NULL, *k = NULL, *v = NULL;
-    double *sp = NULL, *ss2 = NULL, *zbuf = NULL;
-    float *sq2 = NULL, *svar = NULL, *sc_i = NULL, *sc_l = NULL, *sc_x = NULL;
-    uint16_t *perm_st = NULL, *off_st = NULL, *perm_dp = NULL, *off_dp = NULL, *perm_ix = NULL, *off_ix = NULL,
-             *perm_id = NULL, *off_id = NULL;
-    uint8_t *learned = NULL;
-    double *err_l = NULL, *err_i = NULL;
-    float *agr_l = NULL, *agr_i = NULL;
-    int32_t *bl_i = NULL, *bl_l = NULL, *bl_x = NULL;
-    const int64_t max_nb = (max_T + B - 1) / B;
-    kvrt_ctx *rt = NULL;
-    if (!rc) {
-        kvrt_error ke;
-        if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &ke) != KVRT_OK) {
-            snprintf(err, errlen, "compkv: %s", ke.msg);
-            rc = KVCC_EXIT_FAILED;
-        }
+    for (uint32_t h = 0; h < Hkv; h++) {
+        kvcc_compkv_index_grouping(d, r, R->perm_ix + (size_t)h * d,
+                                   R->off_ix + (size_t)h * (r + 1));
+        kvcc_compkv_index_grouping(d, d, R->perm_id + (size_t)h * d,
+                                   R->off_id + (size_t)h * (d + 1));
     }
-    if (!rc) {
-        q = malloc((size_t)max_T * H * d * sizeof *q);
-        k = malloc((size_t)max_T * Hkv * d * sizeof *k);
-        v = malloc((size_t)max_T * Hkv * d * sizeof *v);
-        sp = malloc((size_t)Hkv * ns * sizeof *sp);
-        ss2 = malloc((size_t)Hkv * ns * sizeof *ss2);
-        sq2 = malloc((size_t)Hkv * ns * d * sizeof *sq2);
-        svar = malloc((size_t)Hkv * ns * d * sizeof *svar);
-        zbuf = malloc((size_t)npos * G * max_T * sizeof *zbuf);
-        sc_i = malloc((size_t)Hkv * max_nb * sizeof *sc_i);
-        sc_l = malloc((size_t)Hkv * max_nb * sizeof *sc_l);
-        sc_x = malloc((size_t)Hkv * max_nb * sizeof *sc_x);
-        bl_i = malloc((size_t)Hkv * K * sizeof *bl_i);
-        bl_l = malloc((size_t)Hkv * K * sizeof *bl_l);
-        bl_x = malloc((size_t)Hkv * K * sizeof *bl_x);
-        perm_st = malloc(nh * d * sizeof *perm_st);
-        off_st = malloc(nh * (r + 1) * sizeof *off_st);
-        perm_dp = malloc((size_t)Hkv * d * sizeof *perm_dp);
-        off_dp = malloc((size_t)Hkv * (r + 1) * sizeof *off_dp);
-        perm_ix = malloc((size_t)Hkv * d * sizeof *perm_ix);
-        off_ix = malloc((size_t)Hkv * (r + 1) * sizeof *off_ix);
-        perm_id = malloc((size_t)Hkv * d * sizeof *perm_id);
-        off_id = malloc((size_t)Hkv * (d + 1) * sizeof *off_id);
-        learned = malloc(nh);
-        err_l = malloc(nh * sizeof *err_l);
-        err_i = malloc(nh * sizeof *err_i);
-        agr_l = calloc(nh, sizeof *agr_l);
-        agr_i = calloc(nh, sizeof *agr_i);
-        if (!q || !k || !v || !sp || !ss2 || !sq2 || !svar || !zbuf || !sc_i || !sc_l || !sc_x || !bl_i ||
-            !bl_l || !bl_x || !perm_st || !off_st || !perm_dp || !off_dp || !perm_ix || !off_ix || !perm_id ||
-            !off_id || !learned || !err_l || !err_i || !agr_l || !agr_i) {
-            snprintf(err, errlen, "compkv: out of memory (%lld samples per head)", (long long)ns);
-            rc = KVCC_EXIT_FAILED;
-        }
-    }
-    if (!rc)
-        for (uint32_t h = 0; h < Hkv; h++) {
-            kvcc_compkv_index_grouping(d, r, perm_ix + (size_t)h * d, off_ix + (size_t)h * (r + 1));
-            kvcc_compkv_index_grouping(d, d, perm_id + (size_t)h * d, off_id + (size_t)h * (d + 1));
-        }
-    for (uint32_t l = 0; l < L && !rc; l++) {
-        /* 1. samples from every prompt */
-        for (uint32_t p = 0; p < n_prompts && !rc; p++) {
-            const int64_t C = Cp[p], N = Tp[p] - Cp[p], nb = nbp[p];
-            if (kvcc_corpus_read_layer(c, p, l, q, k, v) != 0) {
-                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-            kvrt_compkv *st = NULL;
-            int s = make_state(rt, B, d, (float)scale, Hkv, d, C, perm_id, off_id, k, v, &st);
-            for (uint32_t hk = 0; hk < Hkv && !s; hk++) {
-                const float *gv = NULL;
-                s = kvrt_compkv_summaries(st, hk, NULL, NULL, &gv, NULL);
-                if (s) break;
-                const int64_t nq = npos * G;
-                double *hp = sp + (size_t)hk * ns + base[p], *hs = ss2 + (size_t)hk * ns + base[p];
-                float *hq = sq2 + ((size_t)hk * ns + base[p]) * d, *hv = svar + ((size_t)hk * ns + base[p]) * d;
+    return 0;
+}
+
+/* Step 1 of layer l: the samples of every prompt (exact block mass and logit variance of the
+ * sampled queries, the runtime's per-coordinate block variances). */
+static int compkv_samples(compkv_work *R, uint32_t l, char *err, size_t errlen) {
+    const uint32_t H = R->H, Hkv = R->Hkv, d = R->d, G = R->G, B = R->B;
+    const int64_t ns = R->ns, npos = R->npos;
+    for (uint32_t p = 0; p < R->n_prompts; p++) {
+        const int64_t C = R->Cp[p], N = R->Tp[p] - R->Cp[p], nb = R->nbp[p];
+        int rc = kvcc_loop_prompt(&R->lp, p, err, errlen);
+        if (!rc) rc = kvcc_loop_layer(&R->lp, l, err, errlen);
+        if (rc) return rc;
+        const float *q = R->lp.q, *k = R->lp.k;
+        kvrt_compkv *st = NULL;
+        int s = make_state(R->lp.rt, B, d, (float)R->scale, Hkv, d, C, R->perm_id, R->off_id, k,
+                           R->lp.v, &st);
+        for (uint32_t hk = 0; hk < Hkv && !s; hk++) {
+            const float *gv = NULL;
+            s = kvrt_compkv_summaries(st, hk, NULL, NULL, &gv, NULL);
+            if (s) break;
+            const int64_t nq = npos * G;
+            double *hp = R->sp + (size_t)hk * ns + R->base[p],
+                   *hs = R->ss2 + (size_t)hk * ns + R->base[p];
+            float *hq = R->sq2 + ((size_t)hk * ns + R->base[p]) * d,
+                  *hv = R->svar + ((size_t)hk * ns + R->base[p]) * d;
+            const double scale = R->scale;
+            double *zbuf = R->zbuf;
+            const int64_t max_T = R->max_T;
 #pragma omp parallel for schedule(static)
-                for (int64_t jg = 0; jg < nq; jg++) {
-                    const int64_t j = jg / G, g = jg % G;
-                    const int64_t pos = C + (2 * j + 1) * N / (2 * npos);
-                    const float *qv = q + ((size_t)pos * H + hk * G + (uint32_t)g) * d;
-                    double *z = zbuf + (size_t)jg * max_T;
-                    double *pb = hp + jg * nb, *sb = hs + jg * nb;
-                    exact_blocks(qv, k, C, Hkv, d, hk, B, scale, z, pb, sb);
-                    for (int64_t b = 0; b < nb; b++) {
-                        float *q2 = hq + ((size_t)jg * nb + b) * d, *vr = hv + ((size_t)jg * nb + b) * d;
-                        for (uint32_t i = 0; i < d; i++) {
-                            q2[i] = qv[i] * qv[i];
-                            vr[i] = gv[(size_t)b * d + i];
-                        }
-                    }
-                }
-            }
-            kvrt_compkv_free(st);
-            if (s) {
-                snprintf(err, errlen, "compkv: layer %u, prompt %u: block summaries: %s (%s)", l, p, kvrt_status_str(s),
-                         kvrt_last_error()->msg);
-                rc = KVCC_EXIT_FAILED;
-            }
-        }
-        /* 2. the search, per KV head */
-        for (uint32_t hk = 0; hk < Hkv && !rc; hk++) {
-            kvcc_compkv_samples smp = {.n = ns, .d = d, .scale = scale, .p = sp + (size_t)hk * ns,
-                                       .sigma2 = ss2 + (size_t)hk * ns, .q2 = sq2 + (size_t)hk * ns * d,
-                                       .var = svar + (size_t)hk * ns * d};
-            kvcc_compkv_fit fit;
-            uint16_t *pd = perm_dp + (size_t)hk * d, *od = off_dp + (size_t)hk * (r + 1);
-            if (kvcc_compkv_search(&smp, r, pd, od, &fit) != 0) {
-                snprintf(err, errlen, "compkv: layer %u KV head %u: the grouping search failed (out of memory or "
-                         "non-finite calibration data)", l, hk);
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-            const size_t at = (size_t)l * Hkv + hk;
-            learned[at] = (uint8_t)fit.learned;
-            err_l[at] = fit.err_learned;
-            err_i[at] = fit.err_index;
-            memcpy(perm_st + at * d, fit.learned ? pd : perm_ix + (size_t)hk * d, d * sizeof *perm_st);
-            memcpy(off_st + at * (r + 1), fit.learned ? od : off_ix + (size_t)hk * (r + 1), (r + 1) * sizeof *off_st);
-        }
-        /* 3. block-selection agreement with the exact score, learned (DP) vs index grouping */
-        double agl[64] = {0}, agi[64] = {0};
-        double *al = Hkv <= 64 ? agl : calloc(Hkv, sizeof *al), *ai = Hkv <= 64 ? agi : calloc(Hkv, sizeof *ai);
-        int64_t n_agree = 0;
-        if (!rc && (!al || !ai)) { snprintf(err, errlen, "compkv: out of memory"); rc = KVCC_EXIT_FAILED; }
-        for (uint32_t p = 0; p < n_prompts && !rc; p++) {
-            const int64_t C = Cp[p], N = Tp[p] - Cp[p], nb = nbp[p];
-            if (kvcc_corpus_read_layer(c, p, l, q, k, v) != 0) {
-                snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-                rc = KVCC_EXIT_FAILED;
-                break;
-            }
-            kvrt_compkv *si = NULL, *sl = NULL;
-            int s = make_state(rt, B, r, (float)scale, Hkv, d, C, perm_ix, off_ix, k, v, &si);
-            if (!s) s = make_state(rt, B, r, (float)scale, Hkv, d, C, perm_dp, off_dp, k, v, &sl);
-            const int64_t Ke = K < nb ? K : nb;
-            for (int64_t j = 0; j < npos && !s; j++) {
+            for (int64_t jg = 0; jg < nq; jg++) {
+                const int64_t j = jg / G, g = jg % G;
                 const int64_t pos = C + (2 * j + 1) * N / (2 * npos);
-                const float *qv = q + (size_t)pos * H * d;
-                for (uint32_t hk = 0; hk < Hkv; hk++)
-                    for (int64_t b = 0; b < nb; b++) {
-                        double a = 0;
-                        for (uint32_t g = 0; g < G; g++) {
-                            const size_t at = (size_t)hk * ns + base[p] + (size_t)(j * G + g) * nb + b;
-                            a += sp[at] * ss2[at];
-                        }
-                        sc_x[(size_t)hk * nb + b] = (float)a;
+                const float *qv = q + ((size_t)pos * H + hk * G + (uint32_t)g) * d;
+                double *z = zbuf + (size_t)jg * max_T;
+                double *pb = hp + jg * nb, *sb = hs + jg * nb;
+                exact_blocks(qv, k, C, Hkv, d, hk, B, scale, z, pb, sb);
+                for (int64_t b = 0; b < nb; b++) {
+                    float *q2 = hq + ((size_t)jg * nb + b) * d,
+                          *vr = hv + ((size_t)jg * nb + b) * d;
+                    for (uint32_t i = 0; i < d; i++) {
+                        q2[i] = qv[i] * qv[i];
+                        vr[i] = gv[(size_t)b * d + i];
                     }
-                s = kvrt_compkv_scores(si, qv, H, sc_i);
-                if (!s) s = kvrt_compkv_scores(sl, qv, H, sc_l);
-                if (!s) s = kvrt_compkv_select(si, sc_x, K, bl_x);
-                if (!s) s = kvrt_compkv_select(si, sc_i, K, bl_i);
-                if (!s) s = kvrt_compkv_select(sl, sc_l, K, bl_l);
-                if (s) break;
-                for (uint32_t hk = 0; hk < Hkv; hk++) {
-                    const int32_t *x = bl_x + (size_t)hk * Ke, *bi = bl_i + (size_t)hk * Ke, *bl = bl_l + (size_t)hk * Ke;
-                    int64_t ci = 0, cl = 0;
-                    for (int64_t a = 0; a < Ke; a++)
-                        for (int64_t b = 0; b < Ke; b++) {
-                            ci += bi[a] == x[b];
-                            cl += bl[a] == x[b];
-                        }
-                    ai[hk] += (double)ci / (double)Ke;
-                    al[hk] += (double)cl / (double)Ke;
                 }
-                n_agree++;
-            }
-            kvrt_compkv_free(si);
-            kvrt_compkv_free(sl);
-            if (s) {
-                snprintf(err, errlen, "compkv: layer %u, prompt %u: scoring: %s (%s)", l, p, kvrt_status_str(s),
-                         kvrt_last_error()->msg);
-                rc = KVCC_EXIT_FAILED;
             }
         }
-        for (uint32_t hk = 0; hk < Hkv && !rc; hk++) {
-            agr_l[(size_t)l * Hkv + hk] = (float)(al[hk] / (double)(n_agree ? n_agree : 1));
-            agr_i[(size_t)l * Hkv + hk] = (float)(ai[hk] / (double)(n_agree ? n_agree : 1));
-        }
-        if (al != agl) free(al);
-        if (ai != agi) free(ai);
-        if (cx->progress) kvcc_progress(l + 1, L);
-    }
-    if (!rc) {
-        const uint64_t dp[3] = {L, Hkv, d}, dof[3] = {L, Hkv, (uint64_t)r + 1}, dh[2] = {L, Hkv};
-        int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_GROUPINGS, kvpol_known_find(KVPOL_SEC_COMPKV_GROUPINGS)->name, KVPOL_SECTION_CRITICAL,
-                                            KVPOL_CODEC_ZSTD, 1);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "perm", KVPOL_DTYPE_U16, 3, dp, perm_st);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "offsets", KVPOL_DTYPE_U16, 3, dof, off_st);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "learned", KVPOL_DTYPE_U8, 2, dh, learned);
-        if (!k2) k2 = kvpol_writer_add_i64(w, "r", r);
-        if (!k2) k2 = kvpol_writer_add_i64(w, "block", B);
-        if (!k2) k2 = kvpol_writer_add_f64(w, "scale", scale);
-        if (!k2) k2 = kvpol_writer_end_section(w);
-        if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_CALIBRATION, kvpol_known_find(KVPOL_SEC_COMPKV_CALIBRATION)->name, 0,
-                                                 KVPOL_CODEC_ZSTD, 1);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "err_learned", KVPOL_DTYPE_F64, 2, dh, err_l);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "err_index", KVPOL_DTYPE_F64, 2, dh, err_i);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "agree_learned", KVPOL_DTYPE_F32, 2, dh, agr_l);
-        if (!k2) k2 = kvpol_writer_add_tensor(w, "agree_index", KVPOL_DTYPE_F32, 2, dh, agr_i);
-        if (!k2) k2 = kvpol_writer_add_i64(w, "agree_blocks", K);
-        if (!k2) k2 = kvpol_writer_add_i64(w, "prompts", n_prompts);
-        if (!k2) k2 = kvpol_writer_add_i64(w, "samples", ns);
-        if (!k2) k2 = kvpol_writer_end_section(w);
-        if (k2) {
-            snprintf(err, errlen, "compkv: writing the sections: %s", kvpol_status_str(k2));
-            rc = KVCC_EXIT_FAILED;
+        kvrt_compkv_free(st);
+        if (s) {
+            snprintf(err, errlen, "compkv: layer %u, prompt %u: block summaries: %s (%s)", l, p,
+                     kvrt_status_str(s), kvrt_last_error()->msg);
+            return KVCC_EXIT_FAILED;
         }
     }
-    if (!rc && cx->progress) {
-        uint32_t nl = 0;
-        double ml = 0, mi = 0, mk = 0, al = 0, ai = 0, ak = 0;
-        for (size_t h = 0; h < nh; h++) {
-            nl += learned[h];
-            ml += err_l[h] / (double)nh;
-            mi += err_i[h] / (double)nh;
-            mk += (learned[h] ? err_l[h] : err_i[h]) / (double)nh;
-            al += agr_l[h] / (double)nh;
-            ai += agr_i[h] / (double)nh;
-            ak += (learned[h] ? agr_l[h] : agr_i[h]) / (double)nh;
+    return 0;
+}
+
+/* Step 2 of layer l: the grouping search per KV head; stores the winner (learned or index). */
+static int compkv_search(compkv_work *R, uint32_t l, char *err, size_t errlen) {
+    const uint32_t Hkv = R->Hkv, d = R->d, r = R->r;
+    const int64_t ns = R->ns;
+    for (uint32_t hk = 0; hk < Hkv; hk++) {
+        kvcc_compkv_samples smp = {.n = ns,
+                                   .d = d,
+                                   .scale = R->scale,
+                                   .p = R->sp + (size_t)hk * ns,
+                                   .sigma2 = R->ss2 + (size_t)hk * ns,
+                                   .q2 = R->sq2 + (size_t)hk * ns * d,
+                                   .var = R->svar + (size_t)hk * ns * d};
+        kvcc_compkv_fit fit;
+        uint16_t *pd = R->perm_dp + (size_t)hk * d, *od = R->off_dp + (size_t)hk * (r + 1);
+        if (kvcc_compkv_search(&smp, r, pd, od, &fit) != 0) {
+            snprintf(err, errlen,
+                     "compkv: layer %u KV head %u: the grouping search failed (out of memory or "
+                     "non-finite calibration data)",
+                     l, hk);
+            return KVCC_EXIT_FAILED;
         }
-        fprintf(stderr, "kvcc compile: compkv: r %u, block %u, %u prompts, %lld samples per head (%lld query positions "
-                "per prompt); learned grouping beats index order on %u/%zu heads; mean error learned %.4g, index %.4g, "
-                "stored %.4g; selection agreement with the exact score at %lld blocks: learned %.3f, index %.3f, "
-                "stored %.3f; %.1f s\n", r, B, n_prompts, (long long)ns, (long long)npos, nl, nh, ml, mi, mk,
-                (long long)K, al, ai, ak, ck_now() - t_start);
+        const size_t at = (size_t)l * Hkv + hk;
+        R->learned[at] = (uint8_t)fit.learned;
+        R->err_l[at] = fit.err_learned;
+        R->err_i[at] = fit.err_index;
+        memcpy(R->perm_st + at * d, fit.learned ? pd : R->perm_ix + (size_t)hk * d,
+               d * sizeof *R->perm_st);
+        memcpy(R->off_st + at * (r + 1), fit.learned ? od : R->off_ix + (size_t)hk * (r + 1),
+               (r + 1) * sizeof *R->off_st);
     }
-    free(Cp); free(Tp); free(nbp); free(base);
-    free(q); free(k); free(v); free(sp); free(ss2); free(sq2); free(svar); free(zbuf);
-    free(sc_i); free(sc_l); free(sc_x); free(bl_i); free(bl_l); free(bl_x);
-    free(perm_st); free(off_st); free(perm_dp); free(off_dp); free(perm_ix); free(off_ix); free(perm_id); free(off_id);
-    free(learned); free(err_l); free(err_i); free(agr_l); free(agr_i);
-    kvrt_ctx_free(rt);
+    return 0;
+}
+
+/* Step 3 of layer l: block-selection agreement with the exact score, learned (DP) vs index
+ * grouping, summed into al / ai [Hkv] over n_agree (prompt, query position) units. */
+static int compkv_agree_prompt(compkv_work *R, uint32_t l, uint32_t p, double *al, double *ai,
+                           int64_t *n_agree, char *err, size_t errlen) {
+    const uint32_t H = R->H, Hkv = R->Hkv, d = R->d, G = R->G, B = R->B, r = R->r;
+    const int64_t C = R->Cp[p], N = R->Tp[p] - R->Cp[p], nb = R->nbp[p], K = R->K, ns = R->ns,
+                  npos = R->npos;
+    int rc = kvcc_loop_prompt(&R->lp, p, err, errlen);
+    if (!rc) rc = kvcc_loop_layer(&R->lp, l, err, errlen);
+    if (rc) return rc;
+    const float *q = R->lp.q, *k = R->lp.k, *v = R->lp.v;
+    kvrt_compkv *si = NULL, *sl = NULL;
+    int s =
+        make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_ix, R->off_ix, k, v, &si);
+    if (!s)
+        s = make_state(R->lp.rt, B, r, (float)R->scale, Hkv, d, C, R->perm_dp, R->off_dp, k, v,
+                       &sl);
+    const int64_t Ke = K < nb ? K : nb;
+    for (int64_t j = 0; j < npos && !s; j++) {
+        const int64_t pos = C + (2 * j + 1) * N / (2 * npos);
+        const float *qv = q + (size_t)pos * H * d;
+        for (uint32_t hk = 0; hk < Hkv; hk++)
+            for (int64_t b = 0; b < nb; b++) {
+                double a = 0;
+                for (uint32_t g = 0; g < G; g++) {
+                    const size_t at = (size_t)hk * ns + R->base[p] + (size_t)(j * G + g) * nb + b;
+                    a += R->sp[at] * R->ss2[at];
+                }
+                R->sc_x[(size_t)hk * nb + b] = (float)a;
+            }
+        s = kvrt_compkv_scores(si, qv, H, R->sc_i);
+        if (!s) s = kvrt_compkv_scores(sl, qv, H, R->sc_l);
+        if (!s) s = kvrt_compkv_select(si, R->sc_x, K, R->bl_x);
+        if (!s) s = kvrt_compkv_select(si, R->sc_i, K, R->bl_i);
+        if (!s) s = kvrt_compkv_select(sl, R->sc_l, K, R->bl_l);
+        if (s) break;
+        for (uint32_t hk = 0; hk < Hkv; hk++) {
+            const int32_t *x = R->bl_x + (size_t)hk * Ke, *bi = R->bl_i + (size_t)hk * Ke,
+                          *bl = R->bl_l + (size_t)hk * Ke;
+            int64_t ci = 0, cl = 0;
+            for (int64_t a = 0; a < Ke; a++)
+                for (int64_t b = 0; b < Ke; b++) {
+                    ci += bi[a] == x[b];
+                    cl += bl[a] == x[b];
+                }
+            ai[hk] += (double)ci / (double)Ke;
+            al[hk] += (double)cl / (double)Ke;
+        }
+        (*n_agree)++;
+    }
+    kvrt_compkv_free(si);
+    kvrt_compkv_free(sl);
+    if (s) {
+        snprintf(err, errlen, "compkv: layer %u, prompt %u: scoring: %s (%s)", l, p,
+                 kvrt_status_str(s), kvrt_last_error()->msg);
+        return KVCC_EXIT_FAILED;
+    }
+    return 0;
+}
+
+static int compkv_agreement(compkv_work *R, uint32_t l, char *err, size_t errlen) {
+    const uint32_t Hkv = R->Hkv;
+    double agl[64] = {0}, agi[64] = {0};
+    double *al = Hkv <= 64 ? agl : calloc(Hkv, sizeof *al),
+           *ai = Hkv <= 64 ? agi : calloc(Hkv, sizeof *ai);
+    int64_t n_agree = 0;
+    int rc = 0;
+    if (!al || !ai) { snprintf(err, errlen, "compkv: out of memory"); rc = KVCC_EXIT_FAILED; }
+    for (uint32_t p = 0; p < R->n_prompts && !rc; p++)
+        rc = compkv_agree_prompt(R, l, p, al, ai, &n_agree, err, errlen);
+    for (uint32_t hk = 0; hk < Hkv && !rc; hk++) {
+        R->agr_l[(size_t)l * Hkv + hk] = (float)(al[hk] / (double)(n_agree ? n_agree : 1));
+        R->agr_i[(size_t)l * Hkv + hk] = (float)(ai[hk] / (double)(n_agree ? n_agree : 1));
+    }
+    if (al != agl) free(al);
+    if (ai != agi) free(ai);
+    return rc;
+}
+
+static int compkv_write(const compkv_work *R, kvpol_writer *w, char *err, size_t errlen) {
+    const uint64_t L = R->L, Hkv = R->Hkv, d = R->d, r = R->r;
+    const uint64_t dp[3] = {L, Hkv, d}, dof[3] = {L, Hkv, r + 1}, dh[2] = {L, Hkv};
+    int k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_GROUPINGS,
+                                        kvpol_known_find(KVPOL_SEC_COMPKV_GROUPINGS)->name,
+                                        KVPOL_SECTION_CRITICAL, KVPOL_CODEC_ZSTD, 1);
+    if (!k2) k2 = kvpol_writer_add_tensor(w, "perm", KVPOL_DTYPE_U16, 3, dp, R->perm_st);
+    if (!k2) k2 = kvpol_writer_add_tensor(w, "offsets", KVPOL_DTYPE_U16, 3, dof, R->off_st);
+    if (!k2) k2 = kvpol_writer_add_tensor(w, "learned", KVPOL_DTYPE_U8, 2, dh, R->learned);
+    if (!k2) k2 = kvpol_writer_add_i64(w, "r", R->r);
+    if (!k2) k2 = kvpol_writer_add_i64(w, "block", R->B);
+    if (!k2) k2 = kvpol_writer_add_f64(w, "scale", R->scale);
+    if (!k2) k2 = kvpol_writer_end_section(w);
+    if (!k2)
+        k2 = kvpol_writer_begin_section(w, KVPOL_SEC_COMPKV_CALIBRATION,
+                                        kvpol_known_find(KVPOL_SEC_COMPKV_CALIBRATION)->name, 0,
+                                        KVPOL_CODEC_ZSTD, 1);
+    if (!k2) k2 = kvpol_writer_add_tensor(w, "err_learned", KVPOL_DTYPE_F64, 2, dh, R->err_l);
+    if (!k2) k2 = kvpol_writer_add_tensor(w, "err_index", KVPOL_DTYPE_F64, 2, dh, R->err_i);
+    if (!k2) k2 = kvpol_writer_add_tensor(w, "agree_learned", KVPOL_DTYPE_F32, 2, dh, R->agr_l);
+    if (!k2) k2 = kvpol_writer_add_tensor(w, "agree_index", KVPOL_DTYPE_F32, 2, dh, R->agr_i);
+    if (!k2) k2 = kvpol_writer_add_i64(w, "agree_blocks", R->K);
+    if (!k2) k2 = kvpol_writer_add_i64(w, "prompts", R->n_prompts);
+    if (!k2) k2 = kvpol_writer_add_i64(w, "samples", R->ns);
+    if (!k2) k2 = kvpol_writer_end_section(w);
+    if (k2) {
+        snprintf(err, errlen, "compkv: writing the sections: %s", kvpol_status_str(k2));
+        return KVCC_EXIT_FAILED;
+    }
+    return 0;
+}
+
+static void compkv_summary(const compkv_work *R, double seconds) {
+    const size_t nh = (size_t)R->L * R->Hkv;
+    uint32_t nl = 0;
+    double ml = 0, mi = 0, mk = 0, al = 0, ai = 0, ak = 0;
+    for (size_t h = 0; h < nh; h++) {
+        nl += R->learned[h];
+        ml += R->err_l[h] / (double)nh;
+        mi += R->err_i[h] / (double)nh;
+        mk += (R->learned[h] ? R->err_l[h] : R->err_i[h]) / (double)nh;
+        al += R->agr_l[h] / (double)nh;
+        ai += R->agr_i[h] / (double)nh;
+        ak += (R->learned[h] ? R->agr_l[h] : R->agr_i[h]) / (double)nh;
+    }
+    fprintf(stderr,
+            "kvcc compile: compkv: r %u, block %u, %u prompts, %lld samples per head (%lld query "
+            "positions "
+            "per prompt); learned grouping beats index order on %u/%zu heads; mean error learned "
+            "%.4g, index %.4g, "
+            "stored %.4g; selection agreement with the exact score at %lld blocks: learned %.3f, "
+            "index %.3f, "
+            "stored %.3f; %.1f s\n",
+            R->r, R->B, R->n_prompts, (long long)R->ns, (long long)R->npos, nl, nh, ml, mi, mk,
+            (long long)R->K, al, ai, ak, seconds);
+}
+
+static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
+    const double t_start = kvcc_now_s();
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(cx->corpus);
+    compkv_work R = {.cx = cx,
+                     .L = m->n_layers,
+                     .H = m->n_heads,
+                     .Hkv = m->n_kv_heads,
+                     .d = m->head_dim,
+                     .r = cx->compkv_r,
+                     .B = cx->compkv_block};
+    const uint32_t d = R.d;
+    if (R.r < 1 || R.r > d) {
+        snprintf(err, errlen, "--compkv-r: %u groups for head dim %u; expected 1..%u", R.r, d, d);
+        return KVCC_EXIT_USAGE;
+    }
+    if (R.B < 2) {
+        snprintf(err, errlen,
+                 "--compkv-block: %u; expected >= 2 tokens (within-block variances need two)", R.B);
+        return KVCC_EXIT_USAGE;
+    }
+    if (d > 65535) {
+        snprintf(err, errlen,
+                 "compkv: head dim %u does not fit the u16 permutation (at most 65535)", d);
+        return KVCC_EXIT_USAGE;
+    }
+    R.G = R.H / R.Hkv;
+    R.n_prompts = kvcc_corpus_get_info(cx->corpus)->n_prompts;
+    if (cx->max_prompts && cx->max_prompts < R.n_prompts) R.n_prompts = cx->max_prompts;
+    if (R.n_prompts == 0) {
+        snprintf(err, errlen, "%s: the corpus holds no prompts", cx->corpus_path);
+        return KVCC_EXIT_USAGE;
+    }
+    R.scale = 1.0 / sqrt((double)d);
+    int rc = kvcc_loop_open(&R.lp, cx->corpus, "compkv", 0, err, errlen);
+    if (!rc) rc = compkv_shapes(&R, err, errlen);
+    if (!rc) rc = compkv_alloc(&R, err, errlen);
+    for (uint32_t l = 0; l < R.L && !rc; l++) {
+        rc = compkv_samples(&R, l, err, errlen);
+        if (!rc) rc = compkv_search(&R, l, err, errlen);
+        if (!rc) rc = compkv_agreement(&R, l, err, errlen);
+        if (cx->progress) kvcc_progress(l + 1, R.L);
+    }
+    if (!rc) rc = compkv_write(&R, w, err, errlen);
+    if (!rc && cx->progress) compkv_summary(&R, kvcc_now_s() - t_start);
+    compkv_free(&R);
     return rc;
 }
 
@@ -626,10 +714,183 @@ static void compkv_inspect(const kvpol_file *f, FILE *out) {
     }
 }
 
+// ----------------------------------------------------------------------------
+// eval methods (decode-time): compkv (the compiled grouping with the compiled block and r),
+// compkv-nocomp / -mass / -first (the compiled grouping, other run-time scoring switches),
+// compkv-index, topk-mass, quest (index order, the compiled r), compkv-r1 / -r16 / -rd
+// (uncompiled variants: index order with another r). Blocks of the compiled size everywhere
+// (KVCC_EVAL_DEFAULT_BLOCK without a compiled grouping).
+
+enum {
+    COMPKV_EVAL_COMPKV,
+    COMPKV_EVAL_INDEX,
+    COMPKV_EVAL_NOCOMP,
+    COMPKV_EVAL_MASS,
+    COMPKV_EVAL_FIRST,
+    COMPKV_EVAL_R1,
+    COMPKV_EVAL_R16,
+    COMPKV_EVAL_RD,
+    COMPKV_EVAL_TOPK_MASS,
+    COMPKV_EVAL_QUEST
+};
+#define COMPKV_EVAL_DEFAULT_R 4
+
+typedef struct {
+    const kvrt_compkv_grouping *g; /* the compiled grouping (shared handle), or NULL */
+    kvrt_compkv_opts o;            /* the row's options */
+    int use_grp;                   /* 1: the compiled grouping of each layer */
+    uint32_t Hkv, d;
+} compkv_eval;
+
+/* The compiled grouping when --policy has one (NULL otherwise: index order rows still run). */
+static int compkv_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
+    if (!env->policy) return 0;
+    kvrt_compkv_grouping *g = NULL;
+    int s = kvrt_compkv_open(env->policy, &g);
+    if (s == KVRT_ERR_UNSUPPORTED) return 0;
+    if (s) {
+        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+                 kvrt_status_name(s));
+        return KVCC_EXIT_USAGE;
+    }
+    *h = g;
+    return 0;
+}
+
+static void compkv_eval_close(void *h) { kvrt_compkv_grouping_free(h); }
+
+static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
+                           kvcc_eval_prep *p, char *err, size_t errlen) {
+    const kvrt_compkv_grouping *g = handle;
+    const uint32_t d = env->d;
+    if (m->variant == COMPKV_EVAL_COMPKV && !g) {
+        if (env->policy)
+            snprintf(
+                err, errlen,
+                "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
+                "(%s has no compkv.groupings section; or use compkv-index: the index-order "
+                "grouping)",
+                env->policy_path);
+        else
+            snprintf(
+                err, errlen,
+                "method compkv needs --policy X.kvpol compiled with kvcc compile --policies compkv "
+                "(or use compkv-index: the index-order grouping)");
+        return KVCC_EXIT_USAGE;
+    }
+    compkv_eval *e = calloc(1, sizeof *e);
+    if (!e) {
+        snprintf(err, errlen, "eval: out of memory");
+        return KVCC_EXIT_FAILED;
+    }
+    p->state = e;
+    e->g = g;
+    e->Hkv = env->Hkv;
+    e->d = d;
+    kvrt_compkv_opts *o = &e->o;
+    kvrt_compkv_opts_init(o);
+    o->block = g ? g->block : KVCC_EVAL_DEFAULT_BLOCK;
+    o->r = g ? g->r : (COMPKV_EVAL_DEFAULT_R < d ? COMPKV_EVAL_DEFAULT_R : d);
+    switch (m->variant) {
+    case COMPKV_EVAL_COMPKV: e->use_grp = 1; break;
+    case COMPKV_EVAL_NOCOMP: e->use_grp = g != NULL; o->compensate = 0; break;
+    case COMPKV_EVAL_MASS: e->use_grp = g != NULL; o->mass_only = 1; break;
+    case COMPKV_EVAL_FIRST: e->use_grp = g != NULL; o->first_order = 1; break;
+    case COMPKV_EVAL_R1: o->r = 1; break;
+    case COMPKV_EVAL_R16: o->r = d < 16 ? d : 16; break;
+    case COMPKV_EVAL_RD: o->r = d; break;
+    case COMPKV_EVAL_TOPK_MASS: o->mass_only = 1; o->first_order = 1; o->compensate = 0; break;
+    case COMPKV_EVAL_QUEST: o->compensate = 0; break;
+    default: break; /* compkv-index: index order, r of the artifact (else 4) */
+    }
+    p->block = (uint32_t)o->block;
+    const uint32_t r16 = d < 16 ? d : 16;
+    if (g) {
+        uint32_t nl = 0;
+        for (uint32_t h = 0; h < g->n_layers * g->n_kv_heads; h++) nl += g->learned[h];
+        snprintf(p->note, sizeof p->note,
+                 "blocks of %u tokens (compiled), budgets in blocks; compkv, "
+                 "compkv-nocomp/-mass/-first: the compiled grouping (r %u, learned on %u/%u heads; "
+                 "the three "
+                 "ablations change run-time switches only); compkv-index, topk-mass, quest: index "
+                 "order (r %u); "
+                 "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u",
+                 (unsigned)o->block, g->r, nl, g->n_layers * g->n_kv_heads, g->r, r16, d);
+    } else {
+        snprintf(p->note, sizeof p->note,
+                 "blocks of %u tokens, budgets in blocks; no compiled grouping: "
+                 "compkv-index/-nocomp/-mass/-first use index order (r %u); compkv-r1/-r16/-rd: r "
+                 "1/%u/%u",
+                 (unsigned)o->block, COMPKV_EVAL_DEFAULT_R < d ? COMPKV_EVAL_DEFAULT_R : d, r16, d);
+    }
+    return 0;
+}
+
+static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
+                          uint32_t layer, int64_t cap, kvrt_compkv **out) {
+    (void)m;
+    const compkv_eval *e = state;
+    if (e->use_grp && e->g)
+        return kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out);
+    return kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
+}
+
+static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
+                        const float *q, uint32_t H, int64_t K, const float *k, int64_t len,
+                        float *out, int32_t *blocks, int64_t *n_sel) {
+    const compkv_eval *e = state;
+    const int64_t nb = kvrt_compkv_n_blocks(st);
+    const int64_t ke = K < nb ? K : nb;
+    *n_sel = ke;
+    if (m->variant != COMPKV_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
+    kvrt_quest *qs = NULL;
+    int s = kvrt_quest_summarize(k, len, e->Hkv, e->d, (uint32_t)e->o.block, &qs);
+    if (!s) s = kvrt_quest_select(qs, q, H, ke, blocks);
+    kvrt_quest_free(qs);
+    if (!s) s = kvrt_compkv_attend_blocks(st, q, H, blocks, ke, out);
+    return s;
+}
+
+static void compkv_eval_release(void *state) { free(state); }
+
+#define COMPKV_EVAL_METHOD(nm, var, comp, quest)                                                   \
+    {                                                                                              \
+        .name = nm, .family = "decode-time", .budget = KVCC_BUDGET_BLOCKS, .variant = var,         \
+        .open_handle = compkv_eval_open, .close_handle = compkv_eval_close,                        \
+        .prepare = compkv_eval_prepare, .release = compkv_eval_release,                            \
+        .decode_create = compkv_eval_create, .decode_step = compkv_eval_step, .compensated = comp, \
+        .quest_summaries = quest                                                                   \
+    }
+static const kvcc_eval_method compkv_eval_methods[] = {
+    COMPKV_EVAL_METHOD("compkv", COMPKV_EVAL_COMPKV, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-index", COMPKV_EVAL_INDEX, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-nocomp", COMPKV_EVAL_NOCOMP, 0, 0),
+    COMPKV_EVAL_METHOD("compkv-mass", COMPKV_EVAL_MASS, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-first", COMPKV_EVAL_FIRST, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-r1", COMPKV_EVAL_R1, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-r16", COMPKV_EVAL_R16, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-rd", COMPKV_EVAL_RD, 1, 0),
+    COMPKV_EVAL_METHOD("topk-mass", COMPKV_EVAL_TOPK_MASS, 0, 0),
+    COMPKV_EVAL_METHOD("quest", COMPKV_EVAL_QUEST, 0, 1),
+    {.name = NULL},
+};
+
+static const kvcc_pass_option compkv_options[] = {
+    {"compkv-r", KVCC_OPT_U32, "R", "4",
+     "variance groups of the key coordinates per (layer, KV head)",
+     offsetof(kvcc_compile_ctx, compkv_r), 0, 1, 65536, NULL, 0},
+    {"compkv-block", KVCC_OPT_U32, "B", "16", "tokens per block (written; eval runs it)",
+     offsetof(kvcc_compile_ctx, compkv_block), 0, 1, 65536, NULL, 0},
+    {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
+};
+
 const kvcc_pass kvcc_pass_compkv = {
     .name = "compkv",
+    .title = "CompKV",
     .group = KVPOL_GROUP_COMPKV,
     .needs_corpus = 1,
+    .options = compkv_options,
     .run = compkv_run,
     .inspect = compkv_inspect,
+    .eval_methods = compkv_eval_methods,
 };

@@ -2,8 +2,7 @@
  * cql.c: horizon-1 conservative Q-learning on a tabular Q (see cql.h for the objective and the
  * choices). Callers: compiler/passes/compilerkv.c, tests/unit/test_cql.c.
  *
- * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax, kvcc_spearman, kvcc_rng_next,
- *          kvcc_rng_below, kvcc_rng_mix
+ * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax
  *
  * One step: draw `batch` records state-balanced; for each state s drawn n_s times in the batch
  * the conservative term contributes c * n_s * softmax(Q[s, :]) to the gradient of its row, each
@@ -19,39 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-uint64_t kvcc_rng_next(uint64_t *s) { /* splitmix64 */
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
-uint64_t kvcc_rng_below(uint64_t *s, uint64_t range) {
-    __extension__ typedef unsigned __int128 u128;
-    uint64_t x = kvcc_rng_next(s);
-    u128 m = (u128)x * range;
-    uint64_t l = (uint64_t)m;
-    if (l < range) {
-        const uint64_t t = (0 - range) % range;
-        while (l < t) {
-            x = kvcc_rng_next(s);
-            m = (u128)x * range;
-            l = (uint64_t)m;
-        }
-    }
-    return (uint64_t)(m >> 64);
-}
-
-uint64_t kvcc_rng_mix(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
-    uint64_t s = seed;
-    uint64_t h = kvcc_rng_next(&s);
-    s = h ^ (a * 0xD6E8FEB86659FD93ull);
-    h = kvcc_rng_next(&s);
-    s = h ^ (b * 0xA0761D6478BD642Full);
-    h = kvcc_rng_next(&s);
-    s = h ^ (c * 0xE7037ED1A0B428DBull);
-    return kvcc_rng_next(&s);
-}
+#include "kvrt_rng.h"
 
 void kvcc_cql_opts_default(kvcc_cql_opts *o) {
     memset(o, 0, sizeof *o);
@@ -152,8 +119,8 @@ int kvcc_cql_fit(const kvcc_cql_record *rec, size_t n_rec, uint32_t n_states, ui
         /* draw the batch: a state uniformly, then one of its records */
         uint32_t n_touched = 0;
         for (uint32_t i = 0; i < o->batch; i++) {
-            uint32_t s = active[kvcc_rng_below(&rng, n_active)];
-            size_t j = start[s] + (size_t)kvcc_rng_below(&rng, start[s + 1] - start[s]);
+            uint32_t s = active[kvrt_rng_below(&rng, n_active)];
+            size_t j = start[s] + (size_t)kvrt_rng_below(&rng, start[s + 1] - start[s]);
             bsamp[i] = j;
             if (bcount[s]++ == 0) touched[n_touched++] = s;
         }
@@ -218,57 +185,4 @@ void kvcc_cql_argmax(const float *Q, const uint32_t *support, uint32_t n_states,
         }
         best[s] = b < 0 ? fallback : (uint32_t)b;
     }
-}
-
-// ----------------------------------------------------------------------------
-// Spearman rank correlation (average ranks for ties)
-
-typedef struct {
-    double v;
-    size_t i;
-} rank_item;
-
-static int cmp_rank_item(const void *a, const void *b) {
-    const rank_item *x = a, *y = b;
-    if (x->v != y->v) return x->v < y->v ? -1 : 1;
-    return (x->i > y->i) - (x->i < y->i);
-}
-
-/* r [n] = 1-based ranks of x, ties get their mean rank. */
-static void avg_ranks(const double *x, size_t n, rank_item *tmp, double *r) {
-    for (size_t i = 0; i < n; i++) tmp[i] = (rank_item){x[i], i};
-    qsort(tmp, n, sizeof *tmp, cmp_rank_item);
-    for (size_t a = 0; a < n;) {
-        size_t b = a + 1;
-        while (b < n && tmp[b].v == tmp[a].v) b++;
-        const double mean = 0.5 * (double)(a + 1 + b); /* mean of ranks a+1 .. b */
-        for (size_t j = a; j < b; j++) r[tmp[j].i] = mean;
-        a = b;
-    }
-}
-
-int kvcc_spearman(const double *x, const double *y, size_t n, double *rho) {
-    *rho = NAN;
-    for (size_t i = 0; i < n; i++)
-        if (isnan(x[i]) || isnan(y[i])) return -1;
-    if (n < 2) return 0;
-    rank_item *tmp = malloc(n * sizeof *tmp);
-    double *rx = malloc(n * sizeof *rx), *ry = malloc(n * sizeof *ry);
-    if (!tmp || !rx || !ry) {
-        free(tmp); free(rx); free(ry);
-        return -1;
-    }
-    avg_ranks(x, n, tmp, rx);
-    avg_ranks(y, n, tmp, ry);
-    const double mean = 0.5 * (double)(n + 1); /* the mean of average ranks is always (n+1)/2 */
-    double sxy = 0.0, sxx = 0.0, syy = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const double a = rx[i] - mean, b = ry[i] - mean;
-        sxy += a * b;
-        sxx += a * a;
-        syy += b * b;
-    }
-    if (sxx > 0 && syy > 0) *rho = sxy / sqrt(sxx * syy);
-    free(tmp); free(rx); free(ry);
-    return 0;
 }

@@ -7,7 +7,7 @@
  * Callers: compiler/passes/compilerkv.c (head and gate tables, the reward and transfer reports),
  * tests/unit/test_cql.c.
  *
- * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax, kvcc_spearman, kvcc_rng_*
+ * defines: kvcc_cql_opts_default, kvcc_cql_fit, kvcc_cql_argmax (its RNG: kvrt_rng.h)
  */
 #ifndef KVCC_CQL_H
 #define KVCC_CQL_H
@@ -59,15 +59,4 @@ int kvcc_cql_fit(const kvcc_cql_record *rec, size_t n_rec, uint32_t n_states, ui
 void kvcc_cql_argmax(const float *Q, const uint32_t *support, uint32_t n_states,
                      uint32_t n_actions, uint32_t fallback, uint32_t *best);
 
-/* Spearman rank correlation of x [n] and y [n]: the Pearson correlation of their ranks, tied
- * values sharing the mean of their ranks (the usual definition with ties). *rho = NAN when
- * n < 2 or either vector is constant (no ranking to compare). Returns 0, or -1 on a NaN input
- * or out of memory (*rho = NAN). */
-int kvcc_spearman(const double *x, const double *y, size_t n, double *rho);
-
-/* splitmix64 stream and an unbiased bounded draw (Lemire), shared with the pass. */
-uint64_t kvcc_rng_next(uint64_t *s);
-uint64_t kvcc_rng_below(uint64_t *s, uint64_t range);
-/* Mix several words into a seed (order-sensitive). */
-uint64_t kvcc_rng_mix(uint64_t seed, uint64_t a, uint64_t b, uint64_t c);
 #endif

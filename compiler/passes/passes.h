@@ -2,11 +2,18 @@
  * passes.h: the compiler's policy passes. `kvcc compile --policies LIST` runs, for each named
  * policy, its pass: the pass reads the calibration corpus (calling the runtime's own functions
  * for every rollout: "the compiler calibrates what the runtime executes") and writes its section
- * group into the artifact. `kvcc inspect` asks each pass to summarize its group.
+ * group into the artifact. A pass owns everything policy-specific on the compiler side: its
+ * command-line options (a table: name, kind, default, help; parsed generically into
+ * kvcc_compile_ctx), its checks and reports (hooks), its inspect summary and the eval methods it
+ * registers (eval_methods.h). cmd_compile.c, cmd_inspect.c and kvcc eval know no policy names.
  *
- * Adding a policy: write compiler/passes/NAME.c defining a `const kvcc_pass kvcc_pass_NAME`,
- * add one line to the table in compiler/passes/registry.c, and register its section ids in
- * formats/kvpol_common.c (KNOWN[]) so readers decode them.
+ * Adding a policy: write compiler/passes/NAME.c defining a `const kvcc_pass kvcc_pass_NAME`
+ * (options, run, inspect, eval methods), add one line to the table in compiler/passes/registry.c,
+ * and one row for its sections in formats/kvpol_sections.h.
+ *
+ * defines: kvcc_compile_ctx, kvcc_pass_option, kvcc_pass, kvcc_passes, kvcc_pass_find,
+ *          kvcc_pass_for_group, kvcc_pass_option_set, kvcc_pass_options_default,
+ *          kvcc_pass_options_help, kvcc_compkv_* (the grouping search, for the tests)
  */
 #ifndef KVCC_PASSES_H
 #define KVCC_PASSES_H
@@ -38,17 +45,53 @@ typedef struct {
     uint32_t window;
     const char *reward;             /* "attention" (default) or "model" */
     const char *gguf;               /* --gguf: the model file (reward "model") */
+    uint32_t ckv_reward_check;      /* --reward-check N (0: off) */
+    const char *ckv_transfer_check; /* --transfer-check OTHER.h5 (NULL: off) */
 } kvcc_compile_ctx;
+
+/* One command-line option of a pass. The value lands in kvcc_compile_ctx at `offset`: a
+ * uint32_t (U32, in [lo, hi]), a const char * (CHOICE: one of `choices`, "a|b"; PATH), or a
+ * const double * with its int count at `count_offset` (LIST: up to KVCC_PASS_MAX_LIST positive
+ * numbers, sorted ascending). `def` (text, NULL: none) is applied before the command line is
+ * read, and printed by --help. */
+typedef enum { KVCC_OPT_U32, KVCC_OPT_LIST, KVCC_OPT_CHOICE, KVCC_OPT_PATH } kvcc_opt_kind;
+#define KVCC_OPT_REPORT                                                                            \
+    1u /* flag: only meaningful with the pass in --policies (refused otherwise) */
+#define KVCC_PASS_MAX_LIST 32
+typedef struct {
+    const char *name;               /* --name (NULL ends a table) */
+    kvcc_opt_kind kind;
+    const char *arg;                /* the value's placeholder in --help (N, LIST, F, a|b) */
+    const char *def;
+    const char *help;
+    size_t offset, count_offset;
+    unsigned lo, hi;                /* U32 */
+    const char *choices;            /* CHOICE */
+    unsigned flags;
+} kvcc_pass_option;
+
+typedef struct kvcc_eval_method kvcc_eval_method; /* eval_methods.h */
 
 typedef struct {
     const char *name;               /* --policies name */
+    const char *title;              /* "Attention Matching" (--help) */
     uint32_t group;                 /* kvpol_group of its sections */
     int needs_corpus;
+    const kvcc_pass_option *options; /* NULL-name-terminated (may be NULL) */
+    /* Once the corpus is open and before any work: the options checked against each other (and
+     * any file they name). 0, or a KVCC_EXIT_* status with the message in err (may be NULL). */
+    int (*check)(const kvcc_compile_ctx *c, char *err, size_t errlen);
     /* Compute and write the group's sections into w. 0 on success; else a KVCC_EXIT_* status
      * with a message in err naming the file, the field and the expected value. */
     int (*run)(const kvcc_compile_ctx *c, kvpol_writer *w, char *err, size_t errlen);
+    /* After the artifact is written: reports on it to out (stdout), e.g. CompilerKV's
+     * --reward-check. 0, or a KVCC_EXIT_* status (may be NULL). */
+    int (*report)(const kvcc_compile_ctx *c, const char *artifact, FILE *out, char *err,
+                  size_t errlen);
     /* Human summary of the group for `kvcc inspect` (may be NULL). */
     void (*inspect)(const kvpol_file *f, FILE *out);
+    /* The kvcc eval methods of the policy (NULL-name-terminated; may be NULL). */
+    const kvcc_eval_method *eval_methods;
 } kvcc_pass;
 
 /* CompKV grouping search (compiler/passes/compkv.c; exposed for the tests). n calibration
@@ -82,6 +125,18 @@ int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm,
 
 /* NULL-terminated table (registry.c). */
 extern const kvcc_pass *const kvcc_passes[];
+extern const char *const kvcc_planned_policies[]; /* announced, not built (NULL-terminated) */
 const kvcc_pass *kvcc_pass_find(const char *name);
 const kvcc_pass *kvcc_pass_for_group(uint32_t group);
+
+/* Set option o of a pass from text (store: KVCC_PASS_MAX_LIST doubles that a LIST keeps).
+ * 0, or -1 with "--NAME: got 'X', expected ..." in err. */
+int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const char *value,
+                         double *store, char *err, size_t errlen);
+/* Every pass's defaults into c (stores [n_options][KVCC_PASS_MAX_LIST], one row per option of
+ * every pass in table order); 0, or -1 (a default that does not parse: a bug). */
+int kvcc_pass_options_default(kvcc_compile_ctx *c, double (*stores)[KVCC_PASS_MAX_LIST],
+                              int n_stores);
+/* Print every pass's options, grouped under its title, with the defaults. */
+void kvcc_pass_options_help(FILE *out);
 #endif

@@ -87,6 +87,15 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods comp
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 6 ]] && ok || bad "eval compilerkv rows: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 4 ]] && ok || bad "eval am rows: exit $ex: $out"
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1); ex=$?
+[[ $ex -eq 0 && "$out" == *"am: the compiled per-head schedule with the compiled options (key selection highest, chunk 4096)"* \
+   && "$out" == *"am-uniform: an uncompiled variant"* ]] && ok || bad "eval header: the options each AM row runs: $out"
+# every pass option in compile --help with its default (continuation lines joined to their option)
+help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
+                                     {if (NR > 1) print last; last = $0} END {print last}')
+for o in am-targets am-ratios am-chunk am-select compkv-r compkv-block budgets window reward reward-check transfer-check; do
+  grep -q -- "^  --$o .*(default [^)]*)\$" <<<"$help" && ok || bad "compile --help: --$o with its default"
+done
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compilerkv --budgets 32 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval compilerkv without --policy: exit $ex: $err"
 "$KVCC" --help | grep -q "exit status" && ok || bad "--help"
@@ -109,6 +118,22 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compkv --budgets 4 2>&1); ex=
 [[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval compkv without --policy: exit $ex: $err"
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 65 -o "$tmp/k4.kvpol" 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--compkv-r"* && ! -e "$tmp/k4.kvpol" ]] && ok || bad "compile --compkv-r 65: exit $ex: $err"
+
+# 12. the serving example (make examples; make test builds it) makes one real call of each policy
+#     through kvrt.h on the artifacts of sections 9 and 10, and names a group the artifact lacks
+sk=${KVCC_BUILD:-build}/examples/serve_skeleton
+if [ -x "$sk" ]; then
+  for p in compilerkv am; do
+    out=$("$sk" "$tmp/p1.kvpol" --cpu --policy $p 2>&1); ex=$?
+    [[ $ex -eq 0 && "$out" == *"$p: layer 15, 512 context tokens"* ]] && ok || bad "serve_skeleton --policy $p: exit $ex: $out"
+  done
+  out=$("$sk" "$tmp/k1.kvpol" --cpu 2>&1); ex=$?
+  [[ $ex -eq 0 && "$out" == *"compkv: layer 15, 512 tokens in 32 blocks"* ]] && ok || bad "serve_skeleton on a compkv artifact: exit $ex: $out"
+  err=$("$sk" "$tmp/k1.kvpol" --cpu --policy am 2>&1); ex=$?
+  [[ $ex -eq 1 && "$err" == *"carries no am policy group"* ]] && ok || bad "serve_skeleton --policy am on a compkv artifact: exit $ex: $err"
+else
+  bad "the serving example $sk is not built (make examples)"
+fi
 
 # 11. CompilerKV: --reward model and the two reports refuse bad requests before any work, naming
 #     the option or the file; a GGUF that did not produce the corpus is refused

@@ -1,6 +1,6 @@
 /*
  * test_compkv_pass.c: Criterion tests of the CompKV compile pass (compiler/passes/compkv.c), its
- * artifact sections and loader (runtime/core/compkv_policy.c), and kvcc eval's decode-time rows
+ * artifact sections and loader (runtime/core/compkv.c), and kvcc eval's decode-time rows
  * (compiler/eval.c: compkv and its ablations, topk-mass, quest).
  *  - the grouping search finds the known optimum where grouping matters (coordinates with very
  *    different variance levels interleaved: the learned grouping separates the levels and has
@@ -34,6 +34,7 @@
 #include "capture.h"
 #include "corpus.h"
 #include "eval.h"
+#include "fixtures.h"
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
@@ -334,9 +335,9 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
     snprintf(art, sizeof art, "/tmp/kvcc_compkv_eval_%d.kvpol", (int)getpid());
     write_file(art, b1, n1);
     free(b1);
-    int methods[] = {KVRT_METHOD_FULL,      KVCC_EVAL_COMPKV,     KVCC_EVAL_COMPKV_INDEX, KVCC_EVAL_COMPKV_NOCOMP,
-                     KVCC_EVAL_COMPKV_MASS, KVCC_EVAL_COMPKV_FIRST, KVCC_EVAL_COMPKV_R1,  KVCC_EVAL_COMPKV_R16,
-                     KVCC_EVAL_COMPKV_RD,   KVCC_EVAL_TOPK_MASS,  KVCC_EVAL_QUEST};
+    const char *methods[] = {"full",        "compkv",       "compkv-index", "compkv-nocomp",
+                             "compkv-mass", "compkv-first", "compkv-r1",    "compkv-r16",
+                             "compkv-rd",   "topk-mass",    "quest"};
     const int nm = (int)(sizeof methods / sizeof methods[0]);
     double budgets[] = {4, 100, 0.5}; /* 128 + 16 tokens = 9 blocks: 100 selects every block */
     kvcc_eval_opts o = {.corpus = corpus, .policy = art, .methods = methods, .n_methods = nm, .budgets = budgets,
@@ -350,7 +351,7 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
     cr_expect(strstr(R.decode_note, "blocks of 16") != NULL, "%s", R.decode_note);
     for (int i = 1; i < R.n_rows; i++) {
         const kvcc_eval_row *w = &R.rows[i];
-        const char *name = kvcc_eval_method_name(w->method);
+        const char *name = w->name;
         if (w->budget < 1) {
             cr_expect_eq(w->status, KVRT_ERR_ARG, "%s: a ratio budget must be refused", name);
             cr_expect(strstr(w->msg, "block counts") != NULL, "%s", w->msg);
@@ -372,7 +373,7 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
         }
     }
     /* compkv needs a compiled grouping */
-    int only[] = {KVCC_EVAL_COMPKV};
+    const char *only[] = {"compkv"};
     kvcc_eval_opts o2 = {.corpus = corpus, .methods = only, .n_methods = 1, .budgets = budgets, .n_budgets = 1};
     cr_expect_neq(kvcc_eval_run(&o2, &R, err, sizeof err), 0);
     cr_expect(strstr(err, "--policy") != NULL, "%s", err);
@@ -381,18 +382,12 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
 }
 
 Test(compkv_pass, real_model_all_blocks_is_exact_end_to_end, .timeout = 1200) {
-    const char *gguf = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    if (access(gguf, R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FX_REQUIRE_MODEL();
+    const char *gguf = fx_model_path();
     char path[128], err[512];
     snprintf(path, sizeof path, "/tmp/kvcc_compkv_real_%d.h5", (int)getpid());
-    kvcc_loaded_model lm;
-    cr_assert_eq(kvcc_load_model(gguf, 0, &lm, err, sizeof err), 0, "%s", err);
-    const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
-    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 96, .continuation_len = 24,
-                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
-    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
-    kvcc_loaded_model_free(&lm);
-    int methods[] = {KVCC_EVAL_COMPKV_INDEX};
+    fx_capture_real("examples/data/heldout/2002_george_w_bush_r.txt", 96, 24, 3, path, NULL);
+    const char *methods[] = {"compkv-index"};
     double budgets[] = {100, 3};
     kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 1, .budgets = budgets,
                         .n_budgets = 2, .seed = 1};
@@ -402,11 +397,11 @@ Test(compkv_pass, real_model_all_blocks_is_exact_end_to_end, .timeout = 1200) {
         const kvcc_eval_row *w = &R.rows[i];
         cr_assert_eq(w->status, 0, "%s", w->msg);
         cr_assert(w->have_e2e);
-        cr_log_info("%s %g: NLL %.6f full %.6f", kvcc_eval_method_name(w->method), w->budget, w->nll, w->nll_full);
+        cr_log_info("%s %g: NLL %.6f full %.6f", w->name, w->budget, w->nll, w->nll_full);
         cr_expect_eq(w->probes, 3);
         if (w->budget == 100)
             cr_expect_leq(fabs(w->nll - w->nll_full), 1e-4, "%s: NLL %.7f vs model %.7f",
-                          kvcc_eval_method_name(w->method), w->nll, w->nll_full);
+                          w->name, w->nll, w->nll_full);
         else
             cr_expect_gt(fabs(w->nll - w->nll_full), 1e-5, "3 of 8 blocks should change the NLL");
     }

@@ -1,5 +1,6 @@
 /*
- * test_cql.c: Criterion tests of the horizon-1 CQL of compiler/passes/cql.c: on a synthetic
+ * test_cql.c: Criterion tests of the horizon-1 CQL of compiler/passes/cql.c (and the Spearman
+ * correlation of compiler/stats.c): on a synthetic
  * contextual bandit with known best actions the argmax tables recover them; a rarely tried
  * action does not displace a well-supported one (the conservative term), a state without data
  * falls back; two fits are bit-identical; bad records are refused with a message.
@@ -12,8 +13,9 @@
 #include <string.h>
 
 #include "passes/cql.h"
+#include "stats.h"
 
-static double unif(uint64_t *s) { return (double)(kvcc_rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
+static double unif(uint64_t *s) { return kvrt_rng_u01(s); }
 
 /* n_states x n_actions bandit: reward = -0.1 |a - best(s)| + noise; every action `per` times. */
 static kvcc_cql_record *bandit(uint32_t S, uint32_t A, uint32_t per, size_t *n, uint32_t *best) {

@@ -15,6 +15,7 @@
 #include "capture.h"
 #include "corpus.h"
 #include "eval.h"
+#include "fixtures.h"
 #include "kvrt_experimental.h"
 #include "loader.h"
 #include "synth.h"
@@ -29,7 +30,7 @@ Test(eval, synthetic_layer_local) {
     kvcc_synth_opts so = {.n_prompts = 2, .context_len = 96, .continuation_len = 16, .seed = 9, .retrieval_heads = 1};
     char err[512];
     cr_assert_eq(kvcc_synth_write(path, &m, &so, "test", NULL, err, sizeof err), 0, "%s", err);
-    int methods[] = {KVRT_METHOD_FULL, KVRT_METHOD_STREAMING, KVRT_METHOD_H2O, KVRT_METHOD_SNAPKV, KVRT_METHOD_KEYDIFF};
+    const char *methods[] = {"full", "streaming", "h2o", "snapkv", "keydiff"};
     double budgets[] = {40, 64, 0.5, 500};
     kvcc_eval_opts o = {.corpus = path, .methods = methods, .n_methods = 5, .budgets = budgets, .n_budgets = 4, .seed = 1};
     cr_assert_eq(kvcc_eval_run(&o, &R, err, sizeof err), 0, "%s", err);
@@ -49,7 +50,7 @@ Test(eval, synthetic_layer_local) {
         }
         cr_expect_eq(w->status, 0, "%s", w->msg);
         double want = w->budget < 1 ? round(w->budget * 96) : w->budget;
-        cr_expect_float_eq(w->kept_mean, want, 1e-9, "%s budget %g kept %g", kvrt_method_name(w->method), w->budget, w->kept_mean);
+        cr_expect_float_eq(w->kept_mean, want, 1e-9, "%s budget %g kept %g", w->name, w->budget, w->kept_mean);
         cr_expect(w->mass_mean > 0 && w->mass_mean <= 1 + 1e-6);
         cr_expect(w->kl_mean >= -1e-6);
         cr_expect(w->relerr_mean > 0 && w->relerr_p95 >= w->relerr_mean * 0.5);
@@ -61,18 +62,12 @@ Test(eval, synthetic_layer_local) {
 }
 
 Test(eval, real_model_full_row_is_exact, .timeout = 1200) {
-    const char *gguf = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-    if (access(gguf, R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FX_REQUIRE_MODEL();
+    const char *gguf = fx_model_path();
     char path[128], err[512];
     snprintf(path, sizeof path, "/tmp/kvcc_eval_real_%d.h5", (int)getpid());
-    kvcc_loaded_model lm;
-    cr_assert_eq(kvcc_load_model(gguf, 0, &lm, err, sizeof err), 0, "%s", err);
-    const char *texts[] = {"examples/data/heldout/2002_george_w_bush_r.txt"};
-    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 96, .continuation_len = 24,
-                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
-    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, path, NULL, NULL, err, sizeof err), 0, "%s", err);
-    kvcc_loaded_model_free(&lm);
-    int methods[] = {KVRT_METHOD_FULL, KVRT_METHOD_STREAMING};
+    fx_capture_real("examples/data/heldout/2002_george_w_bush_r.txt", 96, 24, 3, path, NULL);
+    const char *methods[] = {"full", "streaming"};
     double budgets[] = {24};
     kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 2, .budgets = budgets,
                         .n_budgets = 1, .seed = 1};

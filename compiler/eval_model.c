@@ -1,0 +1,294 @@
+/*
+ * eval_model.c: the end-to-end pass of kvcc eval (with --gguf, the model the corpus came from):
+ * per prompt the model prefills the context once (capturing every layer's queries for the
+ * methods that need them); then per row every layer's context cache is compressed from the
+ * model's own keys (the method's compress_all, or compress_layer per layer) and the
+ * continuation is scored by the model attending through kvrt_attend (kvcc_state_set_compressed):
+ * mean NLL of the continuation tokens C+1 .. T-1 (token C is predicted from the context alone,
+ * which is never compressed, so it is left out). Decode-time rows attend through the model's
+ * attention hook (eval_decode.c). Retrieval: KVCC_EVAL_PROBES passages of the context (at depths
+ * 10%, 50%, 90%) are asked to be repeated: after the context comes the passage's first
+ * KVCC_EVAL_PROBE_PREFIX tokens, and the model must continue with the next
+ * KVCC_EVAL_PROBE_ANSWER. Scored teacher-forced in one pass: greedy decoding reproduces the
+ * answer exactly iff every argmax along the true answer is right, so "exact" is exactly the
+ * greedy exact-match rate; token accuracy is reported alongside.
+ * Callers: compiler/eval.c.
+ *
+ * defines: eval_e2e
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "eval_int.h"
+#include "metrics.h"
+
+typedef struct {
+    float **q;    /* [L] -> [C, H, d] */
+    int64_t C;
+    uint32_t H, d;
+} qgrab;
+
+static int grab_q(void *user, int layer, int pos0, int n, const float *q, const float *k,
+                  const float *v) {
+    qgrab *g = user;
+    (void)k; (void)v;
+    for (int t = 0; t < n; t++)
+        if (pos0 + t < g->C)
+            memcpy(g->q[layer] + (size_t)(pos0 + t) * g->H * g->d, q + (size_t)t * g->H * g->d,
+                   sizeof(float) * g->H * g->d);
+    return 0;
+}
+
+/* Summed NLL of tokens[base+1 .. base+n_rows) from logits rows (row i predicts token base+i+1). */
+static double nll_of(const float *logits, int V, const int32_t *tokens, int base, int n_rows,
+                     uint64_t *count) {
+    double s = 0;
+    for (int i = 0; i + 1 < n_rows; i++) {
+        s += kvcc_nll_token(logits + (size_t)i * V, V, tokens[base + i + 1]);
+        (*count)++;
+    }
+    return s;
+}
+
+static int argmax_row(const float *row, int V) {
+    int b = 0;
+    for (int j = 1; j < V; j++) if (row[j] > row[b]) b = j;
+    return b;
+}
+
+/* Run the continuation (and the probes) from state position C; with caches == NULL the plain
+ * full-cache path. Accumulates into row/acc. */
+static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, kvrt_cache **caches,
+                              int C, int T, const int32_t *tok, float *logits, double *nll_sum,
+                              uint64_t *nll_n, uint32_t *probes, uint32_t *exact, uint64_t *ptok,
+                              uint64_t *ptok_ok) {
+    const int V = m->hp.n_vocab, P = KVCC_EVAL_PROBE_PREFIX, A = KVCC_EVAL_PROBE_ANSWER;
+    int rc = kvcc_state_truncate(s, C);
+    if (!rc) rc = kvcc_state_set_compressed(s, (const kvrt_cache *const *)caches, C, rt);
+    for (int pos = C; !rc && pos < T; pos += KVCC_MODEL_CHUNK) {
+        int n = T - pos < KVCC_MODEL_CHUNK ? T - pos : KVCC_MODEL_CHUNK;
+        rc = kvcc_model_prefill(m, s, tok + pos, n, logits, KVCC_LOGITS_ALL);
+        if (!rc) *nll_sum += nll_of(logits, V, tok, pos, n, nll_n);
+        if (!rc && pos + n < T) { /* the boundary prediction: row n-1 predicts tok[pos+n] */
+            *nll_sum += kvcc_nll_token(logits + (size_t)(n - 1) * V, V, tok[pos + n]);
+            (*nll_n)++;
+        }
+    }
+    for (int pr = 0; !rc && pr < KVCC_EVAL_PROBES; pr++) {
+        static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
+        int start = (int)(depth[pr] * C);
+        if (start + P + A > C) start = C - P - A;
+        if (start < 0) break; /* context too short for probes */
+        rc = kvcc_state_truncate(s, C);
+        if (!rc) rc = kvcc_model_prefill(m, s, tok + start, P + A, logits, KVCC_LOGITS_ALL);
+        if (rc) break;
+        int ok_all = 1;
+        for (int i = 0; i < A; i++) {
+            int want = tok[start + P + i];
+            int ok = argmax_row(logits + (size_t)(P - 1 + i) * V, V) == want;
+            ok_all &= ok;
+            *ptok_ok += (uint64_t)ok;
+            (*ptok)++;
+        }
+        (*probes)++;
+        *exact += (uint32_t)ok_all;
+    }
+    kvcc_state_set_compressed(s, NULL, 0, NULL);
+    return rc;
+}
+
+/* Everything one prompt's rows share end to end. */
+typedef struct {
+    kvcc_state *s;
+    const kvcc_model *m;
+    kvrt_ctx *rt;
+    const int32_t *tok;
+    float *logits, *kbuf, *vbuf;
+    float **q;               /* [L] the context's queries */
+    kvrt_cache **caches;     /* [L] */
+    float *lp;               /* [T] the corpus's next-token log-probabilities */
+    int C, T;
+    double nll_full;
+} e2e_prompt;
+
+static void add_nll(eval_acc *a, double nll, double nll_full, uint64_t nn) {
+    a->nll_sum += nll;
+    a->nll_full_sum += nll_full;
+    a->nll_n += nn;
+}
+
+/* A decode-time row: the continuation through the attention hook from position C. */
+static void e2e_decode_row(eval_run *E, int ri, e2e_prompt *x) {
+    kvcc_eval_row *row = &E->r->rows[ri];
+    const uint32_t L = E->env.L, Hkv = E->env.Hkv, block = eval_row_prep(E, ri)->block;
+    const int64_t nbm = (x->s->n_ctx + block - 1) / block;
+    kvrt_compkv **sts = calloc((size_t)L, sizeof *sts);
+    int32_t *bl = malloc((size_t)Hkv * nbm * sizeof *bl);
+    eval_dec_hook hk = {.E = E, .ri = ri, .s = x->s, .st = sts, .blocks = bl};
+    double nll = 0;
+    uint64_t nn = 0;
+    int st = (sts && bl) ? kvcc_state_set_attention_hook(x->s, eval_decode_hook, &hk, x->C)
+                         : KVRT_ERR_NOMEM;
+    if (!st)
+        st = score_continuation(x->s, x->m, x->rt, NULL, x->C, x->T, x->tok, x->logits, &nll, &nn,
+                                &row->probes, &row->probes_exact, &row->probe_tokens,
+                                &row->probe_tokens_ok);
+    kvcc_state_set_attention_hook(x->s, NULL, NULL, 0);
+    for (uint32_t l = 0; sts && l < L; l++) kvrt_compkv_free(sts[l]);
+    free(sts);
+    free(bl);
+    if (hk.status) eval_row_fail(row, hk.status, "compkv (end to end)");
+    else if (st == KVRT_ERR_NOMEM) eval_row_fail(row, st, "compkv (end to end)");
+    else if (st) eval_row_fail(row, KVRT_ERR_ARG, "model");
+    else add_nll(&E->acc[ri], nll, x->nll_full, nn);
+}
+
+/* A prefill row: every layer's context compressed from the model's own keys and values. */
+static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x) {
+    kvcc_eval_row *row = &E->r->rows[ri];
+    const kvcc_eval_method *m = eval_row_method(E, ri);
+    void *state = eval_row_prep(E, ri)->state;
+    const uint32_t L = E->env.L, Hkv = E->env.Hkv, d = E->env.d;
+    const size_t T_ = (size_t)x->s->n_ctx, Kd = (size_t)Hkv * d;
+    int64_t B;
+    int st = eval_row_budget(row, x->C, &B);
+    if (st) { eval_row_fail(row, st, "budget"); return; }
+    if (m->compress_all) { /* all layers at once from the model's own q/k/v and the corpus log-probs
+                            */
+        const float **kp = malloc((size_t)L * sizeof *kp), **vp = malloc((size_t)L * sizeof *vp);
+        st = kp && vp ? 0 : KVRT_ERR_NOMEM;
+        for (uint32_t l = 0; !st && l < L; l++) {
+            kp[l] = x->s->k_cache + (size_t)l * T_ * Kd;
+            vp[l] = x->s->v_cache + (size_t)l * T_ * Kd;
+        }
+        const kvcc_eval_all all = {
+            .q = (const float *const *)x->q, .k = kp, .v = vp, .next_logprob = x->lp, .C = x->C};
+        if (!st) st = m->compress_all(m, state, &E->env, &all, row->budget, B, x->caches);
+        free(kp);
+        free(vp);
+    }
+    for (uint32_t l = 0; l < L && !st && !m->compress_all; l++) {
+        /* the model's own context keys/values of layer l: rows [0, C) of its cache */
+        memcpy(x->kbuf, x->s->k_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));
+        memcpy(x->vbuf, x->s->v_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));
+        const kvcc_eval_layer xl = {
+            .layer = l, .q = x->q[l], .k = x->kbuf, .v = x->vbuf, .C = x->C};
+        st = m->compress_layer(m, state, NULL, &E->env, &xl, row->budget, B, &x->caches[l]);
+    }
+    if (st) eval_row_fail(row, st, "select");
+    else {
+        double nll = 0;
+        uint64_t nn = 0;
+        st = score_continuation(x->s, x->m, x->rt, x->caches, x->C, x->T, x->tok, x->logits, &nll,
+                                &nn, &row->probes, &row->probes_exact, &row->probe_tokens,
+                                &row->probe_tokens_ok);
+        if (st) eval_row_fail(row, KVRT_ERR_ARG, "model");
+        add_nll(&E->acc[ri], nll, x->nll_full, nn);
+    }
+    for (uint32_t l = 0; l < L; l++) { kvrt_cache_free(x->caches[l]); x->caches[l] = NULL; }
+}
+
+int eval_e2e(eval_run *E, char *err, size_t errlen) {
+    const kvcc_eval_opts *o = E->o;
+    kvcc_corpus *c = E->c;
+    kvcc_loaded_model lm;
+    char msg[512];
+    if (kvcc_load_model(o->gguf, 0, &lm, msg, sizeof msg) != 0) {
+        snprintf(err, errlen, "--gguf: %s", msg);
+        return KVCC_EXIT_FAILED;
+    }
+    const kvcc_model *m = lm.model;
+    const kvcc_corpus_model *cm = kvcc_corpus_get_model(c);
+    const int L = m->hp.n_layer, H = m->hp.n_head, Hkv = m->hp.n_head_kv, d = m->hp.head_dim,
+              V = m->hp.n_vocab;
+    if ((uint32_t)L != cm->n_layers || (uint32_t)H != cm->n_heads ||
+        (uint32_t)Hkv != cm->n_kv_heads || (uint32_t)d != cm->head_dim ||
+        (uint32_t)V != cm->vocab_size) {
+        snprintf(
+            err, errlen,
+            "%s: the corpus was captured from a model with %u layers, %u heads, %u KV heads, head "
+            "dim %u, vocab %u; --gguf %s has %d, %d, %d, %d, %d",
+            o->corpus, cm->n_layers, cm->n_heads, cm->n_kv_heads, cm->head_dim, cm->vocab_size,
+            o->gguf, L, H, Hkv, d, V);
+        kvcc_loaded_model_free(&lm);
+        return KVCC_EXIT_USAGE;
+    }
+    int rc = 0;
+    int32_t *tok = NULL;
+    e2e_prompt x = {
+        .m = m, .rt = E->env.rt, .logits = malloc((size_t)KVCC_MODEL_CHUNK * V * sizeof(float))};
+    qgrab g = {.q = calloc((size_t)L, sizeof(float *)), .H = (uint32_t)H, .d = (uint32_t)d};
+    x.caches = calloc((size_t)L, sizeof *x.caches);
+    x.q = g.q;
+    int cap_T = 0;
+    if (!x.logits || !g.q || !x.caches) rc = -1;
+    for (uint32_t p = 0; p < E->n_prompts && !rc; p++) {
+        kvcc_corpus_prompt_info info;
+        if ((rc = kvcc_corpus_prompt(c, p, &info, NULL, NULL)) != 0) break;
+        const int T = (int)info.n_tokens, C = (int)info.context_len;
+        const int probe = C + KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER,
+                  need = T > probe ? T : probe;
+        if (need > cap_T) {
+            kvcc_state_free(x.s);
+            x.s = NULL;
+            free(tok); free(x.kbuf); free(x.vbuf); free(x.lp);
+            for (int l = 0; l < L; l++) free(g.q[l]);
+            cap_T = need;
+            tok = malloc((size_t)cap_T * sizeof *tok);
+            x.lp = malloc((size_t)cap_T * sizeof *x.lp);
+            x.kbuf = malloc((size_t)cap_T * Hkv * d * sizeof *x.kbuf);
+            x.vbuf = malloc((size_t)cap_T * Hkv * d * sizeof *x.vbuf);
+            for (int l = 0; l < L; l++) g.q[l] = malloc((size_t)cap_T * H * d * sizeof(float));
+            if (!tok || !x.lp || !x.kbuf || !x.vbuf || kvcc_state_create(m, cap_T, &x.s) != 0) {
+                rc = -1;
+                break;
+            }
+            for (int l = 0; l < L; l++) if (!g.q[l]) rc = -1;
+            if (rc) break;
+        }
+        if ((rc = kvcc_corpus_prompt(c, p, &info, tok, x.lp)) != 0) break;
+        x.tok = tok;
+        x.C = C;
+        x.T = T;
+        /* the context, once, full, capturing queries */
+        g.C = C;
+        kvcc_state_reset(x.s);
+        kvcc_state_set_capture(x.s, grab_q, &g);
+        for (int pos = 0; !rc && pos < C; pos += KVCC_MODEL_CHUNK) {
+            int n = C - pos < KVCC_MODEL_CHUNK ? C - pos : KVCC_MODEL_CHUNK;
+            rc = kvcc_model_prefill(m, x.s, tok + pos, n, NULL, KVCC_LOGITS_NONE);
+        }
+        kvcc_state_set_capture(x.s, NULL, NULL);
+        if (rc) {
+            snprintf(err, errlen, "eval: the model failed on the context of prompt %u", p);
+            break;
+        }
+        /* the full-cache reference (the model's own attention) */
+        uint64_t n_full = 0;
+        uint32_t fp = 0, fe = 0;
+        uint64_t ft = 0, fto = 0;
+        x.nll_full = 0;
+        rc = score_continuation(x.s, m, x.rt, NULL, C, T, tok, x.logits, &x.nll_full, &n_full, &fp,
+                                &fe, &ft, &fto);
+        if (rc) {
+            snprintf(err, errlen, "eval: the model failed on the continuation of prompt %u", p);
+            break;
+        }
+        for (int ri = 0; ri < E->r->n_rows; ri++) {
+            if (E->r->rows[ri].status) continue;
+            if (eval_is_decode(eval_row_method(E, ri))) e2e_decode_row(E, ri, &x);
+            else e2e_prefill_row(E, ri, &x);
+        }
+        if (o->verbose) kvcc_progress(p + 1, E->n_prompts);
+    }
+    if (rc && !err[0])
+        snprintf(err, errlen, "eval: end-to-end scoring failed (out of memory or model error)");
+    kvcc_state_free(x.s);
+    free(tok); free(x.kbuf); free(x.vbuf); free(x.logits); free(x.caches); free(x.lp);
+    if (g.q) for (int l = 0; l < L; l++) free(g.q[l]);
+    free(g.q);
+    kvcc_loaded_model_free(&lm);
+    return rc;
+}
