@@ -1,5 +1,5 @@
 /*
- * am.c: the Attention Matching pass of `kvcc compile --policies am` (ALGORITHMS.md section 2,
+ * am.c: the Attention Matching pass of `kvcc compile --policies am` (docs/policies/am.md,
  * "Offline"): per-(layer, KV head) sensitivity curves over a ratio grid, measured by compacting
  * each calibration context with the runtime's own kvrt_am_compact_layer (runtime/cpu/am.c), and
  * the greedy-exchange head-budget schedule for each target mean ratio. Writes sections

@@ -1,7 +1,7 @@
 /*
  * am.c: Attention Matching compaction on the CPU: per (layer, KV head), replace T keys/values by
  * t synthetic entries (C_k, beta, C_v) that reproduce the attention output and mass of the
- * original block for a set of reference queries (ALGORITHMS.md section 2; kvrt.h documents the
+ * original block for a set of reference queries (docs/policies/am.md; kvrt.h documents the
  * API). The solvers it is built on (NNLS, ridge least squares) are in runtime/cpu/nnls.c; the
  * schedule handle and the dispatch in runtime/core/am.c.
  * Callers: serving stacks (kvrt_am_compact_layer after prefill), kvcc compile's am pass

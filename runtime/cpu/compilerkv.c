@@ -1,7 +1,7 @@
 /*
- * compilerkv.c: the online half of CompilerKV (ALGORITHMS.md section 1, steps 1-7): prefill-only
- * token retention driven by two compiled tables, the head-reliability table W_head and the risk
- * threshold LUT T_gate.
+ * compilerkv.c: the online half of CompilerKV (docs/policies/compilerkv.md, steps 1-7):
+ * prefill-only token retention driven by two compiled tables, the head-reliability table W_head
+ * and the risk threshold LUT T_gate.
  * Callers: serving stacks after prefill, kvcc eval, and the compiler's rollouts
  * (compiler/passes/compilerkv.c runs exactly these functions for every experience record, with
  * perturbed table rows passed to kvrt_compilerkv_select_layer).

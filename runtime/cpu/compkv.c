@@ -1,5 +1,5 @@
 /*
- * compkv.c: CompKV on the CPU (ALGORITHMS.md section 3; kvrt.h documents the API): decode-time
+ * compkv.c: CompKV on the CPU (docs/policies/compkv.md; kvrt.h documents the API): decode-time
  * sparse attention over blocks of `block` tokens that reads only the selected blocks exactly and
  * lets every unselected block contribute through its mean key and mean value (mean
  * compensation); blocks are chosen by the compensation-error score S_b = sum_g phat * s2.

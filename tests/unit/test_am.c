@@ -29,6 +29,7 @@
 #include "kvrt_experimental.h"
 #include "test_ctx.h"
 #include "test_rng.h"
+#include "fixtures.h"
 #include "passes/passes.h"
 #include "synth.h"
 
@@ -551,16 +552,13 @@ Test(am, causal_query_positions) {
 // ----------------------------------------------------------------------------
 // the compile pass and the eval rows, on a synthetic corpus
 
-static const kvcc_corpus_model TINY_AM = {.name = "tiny", .n_layers = 2, .n_heads = 8, .n_kv_heads = 2,
-                                          .head_dim = 16, .vocab_size = 100, .rope_theta = 10000.0,
-                                          .rope_scaling = "none", .rope_scaling_factor = 1};
 
 static void am_synth(char *path, size_t len) {
     snprintf(path, len, "/tmp/kvcc_am_synth_%d.h5", (int)getpid());
     kvcc_synth_opts so = {.n_prompts = 2, .context_len = 128, .continuation_len = 16, .seed = 5,
                           .retrieval_heads = 1};
     char err[512];
-    cr_assert_eq(kvcc_synth_write(path, &TINY_AM, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_synth_write(path, &FX_TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
 }
 
 static void am_compile(const char *corpus, int threads, const char *select, void **buf, size_t *len) {
@@ -573,16 +571,7 @@ static void am_compile(const char *corpus, int threads, const char *select, void
     char err[768];
     cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
     kvpol_header h;
-    kvpol_header_init(&h);
-    h.created = 0;
-    h.model.n_layers = TINY_AM.n_layers;
-    h.model.n_heads = TINY_AM.n_heads;
-    h.model.n_kv_heads = TINY_AM.n_kv_heads;
-    h.model.head_dim = TINY_AM.head_dim;
-    h.model.vocab_size = TINY_AM.vocab_size;
-    h.model.rope_theta = TINY_AM.rope_theta;
-    h.model.rope_scaling_factor = 1.0f;
-    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    fx_header(&h, &FX_TINY);
     double targets[2] = {0.05, 0.2}, ratios[4] = {1.0 / 32, 1.0 / 8, 0.25, 0.5};
     kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 1, .threads = threads,
                            .am_targets = targets, .n_am_targets = 2, .am_ratios = ratios, .n_am_ratios = 4,
@@ -712,7 +701,7 @@ Test(am, handle_runs_the_compiled_options, .timeout = 300) {
     cr_assert_eq(kvrt_am_schedule_opts(sch, &co), KVRT_OK);
     cr_assert_eq(co.key_select, KVRT_AM_SELECT_OMP);
     cr_assert_eq(co.chunk, 64);
-    const uint32_t H = TINY_AM.n_heads, HKV = TINY_AM.n_kv_heads, D = TINY_AM.head_dim;
+    const uint32_t H = FX_TINY.n_heads, HKV = FX_TINY.n_kv_heads, D = FX_TINY.head_dim;
     const int64_t T = 256;
     uint64_t seed = 7;
     float *q = randn_f((size_t)T * H * D, &seed, 1.0), *k = randn_f((size_t)T * HKV * D, &seed, 1.0),

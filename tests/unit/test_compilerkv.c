@@ -25,6 +25,7 @@
 #include "kvrt_experimental.h"
 #include "test_ctx.h"
 #include "test_rng.h"
+#include "fixtures.h"
 #include "loader.h"
 #include "passes/compilerkv.h"
 #include "passes/passes.h"
@@ -265,9 +266,6 @@ Test(compilerkv, tables_create_refuses_bad_input) {
 // ----------------------------------------------------------------------------
 // the pass
 
-static const kvcc_corpus_model TINY = {.name = "tiny", .n_layers = 2, .n_heads = 8, .n_kv_heads = 2, .head_dim = 16,
-                                       .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling = "none",
-                                       .rope_scaling_factor = 1};
 
 static void compile_to_memory(const char *corpus, int threads, void **buf, size_t *len) {
     omp_set_num_threads(threads);
@@ -275,16 +273,7 @@ static void compile_to_memory(const char *corpus, int threads, void **buf, size_
     char err[768];
     cr_assert_eq(kvcc_corpus_open(&c, corpus, NULL, err, sizeof err), 0, "%s", err);
     kvpol_header h;
-    kvpol_header_init(&h);
-    h.created = 0;
-    h.model.n_layers = TINY.n_layers;
-    h.model.n_heads = TINY.n_heads;
-    h.model.n_kv_heads = TINY.n_kv_heads;
-    h.model.head_dim = TINY.head_dim;
-    h.model.vocab_size = TINY.vocab_size;
-    h.model.rope_theta = TINY.rope_theta;
-    h.model.rope_scaling_factor = 1.0f;
-    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    fx_header(&h, &FX_TINY);
     double budgets[3] = {24, 40, 500};
     kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 3, .threads = threads,
                            .budgets = budgets, .n_budgets = 3, .window = 8, .reward = "attention"};
@@ -305,7 +294,7 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     snprintf(path, sizeof path, "/tmp/kvcc_ckv_synth_%d.h5", (int)getpid());
     kvcc_synth_opts so = {.n_prompts = 3, .context_len = 64, .continuation_len = 8, .seed = 4, .retrieval_heads = 1};
     char err[512];
-    cr_assert_eq(kvcc_synth_write(path, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_synth_write(path, &FX_TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
     int saved = omp_get_max_threads();
     void *b1 = NULL, *b2 = NULL, *b3 = NULL;
     size_t n1 = 0, n2 = 0, n3 = 0;
@@ -385,7 +374,7 @@ Test(compilerkv, pass_refuses_model_reward_and_bad_budgets) {
     snprintf(path, sizeof path, "/tmp/kvcc_ckv_synth_r_%d.h5", (int)getpid());
     kvcc_synth_opts so = {.n_prompts = 1, .context_len = 32, .continuation_len = 4, .seed = 4};
     char err[768];
-    cr_assert_eq(kvcc_synth_write(path, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_synth_write(path, &FX_TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
     kvcc_corpus *c = NULL;
     cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
     double budgets[1] = {16};
@@ -393,15 +382,7 @@ Test(compilerkv, pass_refuses_model_reward_and_bad_budgets) {
                            .window = 8, .reward = "model"};
     const kvcc_pass *ps = kvcc_pass_find("compilerkv");
     kvpol_header h;
-    kvpol_header_init(&h);
-    h.model.n_layers = TINY.n_layers;
-    h.model.n_heads = TINY.n_heads;
-    h.model.n_kv_heads = TINY.n_kv_heads;
-    h.model.head_dim = TINY.head_dim;
-    h.model.vocab_size = TINY.vocab_size;
-    h.model.rope_theta = TINY.rope_theta;
-    h.model.rope_scaling_factor = 1.0f;
-    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    fx_header(&h, &FX_TINY);
     cx.model = &h.model;
     kvpol_writer *w = NULL;
     kvpol_error ke;
@@ -431,7 +412,7 @@ Test(compilerkv, transfer_check_report, .timeout = 300) {
     snprintf(pb, sizeof pb, "/tmp/kvcc_ckv_tr_b_%d.h5", pid);
     snprintf(art, sizeof art, "/tmp/kvcc_ckv_tr_%d.kvpol", pid);
     kvcc_synth_opts so = {.n_prompts = 2, .context_len = 64, .continuation_len = 8, .seed = 4, .retrieval_heads = 1};
-    cr_assert_eq(kvcc_synth_write(pa, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_synth_write(pa, &FX_TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
     const kvcc_corpus_model other = {.name = "tiny", .n_layers = 3, .n_heads = 8, .n_kv_heads = 2, .head_dim = 16,
                                      .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling = "none", .rope_scaling_factor = 1};
     so.seed = 5;
@@ -446,8 +427,8 @@ Test(compilerkv, transfer_check_report, .timeout = 300) {
     free(buf);
     kvcc_corpus *c = NULL;
     cr_assert_eq(kvcc_corpus_open(&c, pa, NULL, err, sizeof err), 0, "%s", err);
-    kvpol_model km = {.n_layers = TINY.n_layers, .n_heads = TINY.n_heads, .n_kv_heads = TINY.n_kv_heads,
-                      .head_dim = TINY.head_dim, .vocab_size = TINY.vocab_size, .rope_theta = TINY.rope_theta};
+    kvpol_model km = {.n_layers = FX_TINY.n_layers, .n_heads = FX_TINY.n_heads, .n_kv_heads = FX_TINY.n_kv_heads,
+                      .head_dim = FX_TINY.head_dim, .vocab_size = FX_TINY.vocab_size, .rope_theta = FX_TINY.rope_theta};
     snprintf(km.name, sizeof km.name, "tiny");
     double budgets[3] = {24, 40, 500};
     kvcc_compile_ctx cx = {.corpus_path = pa, .corpus = c, .model = &km, .seed = 3, .budgets = budgets, .n_budgets = 3,
@@ -649,7 +630,7 @@ Test(compilerkv, compile_option_errors) {
     /* a transfer corpus of another model */
     char tiny[160];
     snprintf(tiny, sizeof tiny, "/tmp/kvcc_ckv_opt_tiny_%d.h5", (int)getpid());
-    cr_assert_eq(kvcc_synth_write(tiny, &TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_synth_write(tiny, &FX_TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
     cr_expect_eq(run_compile(10, ARGS("--transfer-check", tiny)), KVCC_EXIT_FAILED);
 #undef ARGS
     cr_expect_neq(access(out, F_OK), 0, "a refused compile wrote its output");
@@ -660,27 +641,15 @@ Test(compilerkv, compile_option_errors) {
 // ----------------------------------------------------------------------------
 // the model reward on the real model (skipped when it is not fetched)
 
-static const char *model_path(void) {
-    const char *p = getenv("KVCC_MODEL");
-    return p && *p ? p : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-}
-
 Test(compilerkv, model_reward_check_real_model, .timeout = 600) {
     const char *text = "examples/data/calib/1790_george_washington_n.txt"; /* calibration text only */
-    if (access(model_path(), R_OK) != 0) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FX_REQUIRE_MODEL();
     if (access(text, R_OK) != 0) cr_skip_test("calibration text missing");
     char cpath[128], apath[128], spath[128], msg[768];
     snprintf(cpath, sizeof cpath, "/tmp/kvcc_ckv_cap_%d.h5", (int)getpid());
     snprintf(apath, sizeof apath, "/tmp/kvcc_ckv_cap_%d.kvpol", (int)getpid());
     snprintf(spath, sizeof spath, "/tmp/kvcc_ckv_syn_%d.h5", (int)getpid());
-    kvcc_loaded_model lm;
-    cr_assert_eq(kvcc_load_model(model_path(), 0, &lm, msg, sizeof msg), 0, "%s", msg);
-    const char *texts[] = {text};
-    kvcc_capture_opts co = {.texts = texts, .n_texts = 1, .n_prompts = 1, .context_len = 40, .continuation_len = 6,
-                            .seed = 3, .dtype_f16 = 1, .model_name = lm.name, .options = "test"};
-    kvcc_capture_stats cs;
-    cr_assert_eq(kvcc_capture_run(lm.model, lm.tok, &co, cpath, NULL, &cs, msg, sizeof msg), 0, "%s", msg);
-    kvcc_loaded_model_free(&lm);
+    fx_capture_real(text, 40, 6, 3, cpath, NULL);
     /* tables to roll out around (written directly: compiling them would cost most of the test) */
     {
         kvpol_header h;
@@ -719,7 +688,7 @@ Test(compilerkv, model_reward_check_real_model, .timeout = 600) {
     kvpol_model km = {.n_layers = 30, .n_heads = 9, .n_kv_heads = 3, .head_dim = 64, .vocab_size = 49152, .rope_theta = 100000.0};
     snprintf(km.name, sizeof km.name, "smollm2-135m");
     kvcc_compile_ctx cx = {.corpus_path = cpath, .corpus = c, .model = &km, .seed = 1, .budgets = budgets, .n_budgets = 1,
-                           .window = 8, .reward = "attention", .gguf = model_path()};
+                           .window = 8, .reward = "attention", .gguf = fx_model_path()};
     char *txt = NULL;
     size_t tl = 0;
     FILE *mf = open_memstream(&txt, &tl);
