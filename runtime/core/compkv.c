@@ -7,7 +7,8 @@
  * Callers: serving stacks, kvcc eval's compkv rows, tests.
  *
  * defines: kvrt_compkv_open, kvrt_compkv_grouping_free, kvrt_compkv_grouping_opts,
- *          kvrt_compkv_create_layer, kvrt_compkv_create
+ *          kvrt_compkv_create_layer, kvrt_compkv_create, and the per-step front doors
+ *          kvrt_compkv_scores, kvrt_compkv_attend_blocks, kvrt_compkv_step
  *
  * Section compkv.groupings (KVPOL_SEC_COMPKV_GROUPINGS, critical): perm u16 [L, Hkv, d], offsets
  * u16 [L, Hkv, r + 1], learned u8 [L, Hkv], r i64, block i64, scale f64 (docs/kvpol-format.md).
@@ -206,5 +207,38 @@ int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_h
     int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_create", KVRT_OP_COMPKV_CREATE);
     if (rc) return rc;
     rc = ctx->ops->compkv_create(ctx, o, n_kv_heads, head_dim, capacity, perm, offsets, out);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+/* The context a state was created on (NULL for NULL), for the per-step front doors. */
+static kvrt_ctx *state_ctx(const kvrt_compkv *s) {
+    return s ? ((const kvrt_compkv_base *)(const void *)s)->ctx : NULL;
+}
+
+int kvrt_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads, float *scores) {
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_scores: NULL state");
+    kvrt_ctx *ctx = state_ctx(s);
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_scores", KVRT_OP_COMPKV_SCORES);
+    if (rc) return rc;
+    return kvrt_policy_ctx_done(ctx, ctx->ops->compkv_scores(ctx, s, q, n_heads, scores));
+}
+
+int kvrt_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                              const int32_t *blocks, int64_t n_sel, float *out) {
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_attend_blocks: NULL state");
+    kvrt_ctx *ctx = state_ctx(s);
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_attend_blocks", KVRT_OP_COMPKV_ATTEND_BLOCKS);
+    if (rc) return rc;
+    rc = ctx->ops->compkv_attend_blocks(ctx, s, q, n_heads, blocks, n_sel, out);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int64_t k_blocks,
+                     float *out, int32_t *blocks_out) {
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_step: NULL state");
+    kvrt_ctx *ctx = state_ctx(s);
+    int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_step", KVRT_OP_COMPKV_STEP);
+    if (rc) return rc;
+    rc = ctx->ops->compkv_step(ctx, s, q, n_heads, k_blocks, out, blocks_out);
     return kvrt_policy_ctx_done(ctx, rc);
 }

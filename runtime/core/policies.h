@@ -6,7 +6,8 @@
  * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section
  *          (core/policy.c), and the CPU implementations kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
- *          (cpu/compilerkv.c), kvrt_cpu_compkv_create (cpu/compkv.c)
+ *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
+ *          _attend_blocks, _step (cpu/compkv.c)
  *
  * The CPU implementations take the arguments of the public call minus the context and check
  * them themselves (messages name the public function).
@@ -61,10 +62,22 @@ KVRT_INTERNAL int kvrt_cpu_compilerkv_select(const kvrt_compilerkv_tables *tb,
                                              const float *v, uint32_t n_kv_heads,
                                              uint32_t head_dim, int64_t budget, unsigned flags,
                                              kvrt_selection **out, kvrt_compilerkv_stats *st);
-KVRT_INTERNAL int kvrt_cpu_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads,
-                                         uint32_t head_dim, int64_t capacity,
-                                         const uint16_t *perm, const uint16_t *offsets,
-                                         kvrt_compkv **out);
+/* Every backend's kvrt_compkv begins with the context that created it, so the per-step front
+ * doors (core/compkv.c) dispatch to that context's table. */
+typedef struct {
+    kvrt_ctx *ctx;
+} kvrt_compkv_base;
+KVRT_INTERNAL int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
+                                         uint32_t n_kv_heads, uint32_t head_dim,
+                                         int64_t capacity, const uint16_t *perm,
+                                         const uint16_t *offsets, kvrt_compkv **out);
+KVRT_INTERNAL int kvrt_cpu_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                                         float *scores);
+KVRT_INTERNAL int kvrt_cpu_compkv_attend_blocks(const kvrt_compkv *s, const float *q,
+                                                uint32_t n_heads, const int32_t *blocks,
+                                                int64_t n_sel, float *out);
+KVRT_INTERNAL int kvrt_cpu_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                                       int64_t k_blocks, float *out, int32_t *blocks_out);
 
 #ifdef __cplusplus
 }

@@ -153,26 +153,26 @@ static int cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t 
                              uint32_t head_dim, int64_t capacity, const uint16_t *perm,
                              const uint16_t *offsets, kvrt_compkv **out) {
     (void)ctx;
-    return kvrt_cpu_compkv_create(o, n_kv_heads, head_dim, capacity, perm, offsets, out);
+    return kvrt_cpu_compkv_create(ctx, o, n_kv_heads, head_dim, capacity, perm, offsets, out);
 }
 
 static int cpu_compkv_scores(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
                              uint32_t n_heads, float *scores) {
     (void)ctx;
-    return kvrt_compkv_scores(s, q, n_heads, scores);
+    return kvrt_cpu_compkv_scores(s, q, n_heads, scores);
 }
 
 static int cpu_compkv_attend_blocks(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
                                     uint32_t n_heads, const int32_t *blocks, int64_t n_sel,
                                     float *out) {
     (void)ctx;
-    return kvrt_compkv_attend_blocks(s, q, n_heads, blocks, n_sel, out);
+    return kvrt_cpu_compkv_attend_blocks(s, q, n_heads, blocks, n_sel, out);
 }
 
 static int cpu_compkv_step(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
                            int64_t k_blocks, float *out, int32_t *blocks_out) {
     (void)ctx;
-    return kvrt_compkv_step(s, q, n_heads, k_blocks, out, blocks_out);
+    return kvrt_cpu_compkv_step(s, q, n_heads, k_blocks, out, blocks_out);
 }
 
 // ----------------------------------------------------------------------------

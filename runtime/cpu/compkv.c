@@ -80,6 +80,7 @@
 #define CK_FLUSH 64 /* rows accumulated in f32 before they are added into the double sums */
 
 struct kvrt_compkv {
+    kvrt_ctx *ctx;        /* the context that created it (first: kvrt_compkv_base, policies.h) */
     kvrt_compkv_opts o;   /* as given (o.scale resolved) */
     float scale;
     uint32_t hkv, d, r;
@@ -224,8 +225,8 @@ void kvrt_compkv_free(kvrt_compkv *s) {
     free(s);
 }
 
-int kvrt_cpu_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint32_t head_dim,
-                           int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
+int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                           uint32_t head_dim, int64_t capacity, const uint16_t *perm, const uint16_t *offsets,
                            kvrt_compkv **out) {
     static const char fn[] = "kvrt_compkv_create";
     if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
@@ -247,6 +248,7 @@ int kvrt_cpu_compkv_create(const kvrt_compkv_opts *o, uint32_t n_kv_heads, uint3
                        (long long)capacity, n_kv_heads, head_dim);
     kvrt_compkv *s = calloc(1, sizeof *s);
     if (s == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    s->ctx = ctx;
     s->o = *o;
     s->scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)head_dim));
     s->o.scale = s->scale;
@@ -951,7 +953,7 @@ CK_CLONES static void head_attend(const kvrt_compkv *s, uint32_t h, const float 
 // ----------------------------------------------------------------------------
 // public fast entry points
 
-int kvrt_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads, float *scores) {
+int kvrt_cpu_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads, float *scores) {
     static const char fn[] = "kvrt_compkv_scores";
     int rc = step_check(fn, s, q, n_heads, scores, "scores");
     if (rc != KVRT_OK) return rc;
@@ -1006,7 +1008,7 @@ int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_bloc
     return KVRT_OK;
 }
 
-int kvrt_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_heads,
+int kvrt_cpu_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                               const int32_t *blocks, int64_t n_sel, float *out) {
     static const char fn[] = "kvrt_compkv_attend_blocks";
     int rc = step_check(fn, s, q, n_heads, out, "out");
@@ -1037,7 +1039,7 @@ int kvrt_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t n_h
     return KVRT_OK;
 }
 
-int kvrt_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int64_t k_blocks,
+int kvrt_cpu_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads, int64_t k_blocks,
                      float *out, int32_t *blocks_out) {
     static const char fn[] = "kvrt_compkv_step";
     int rc = step_check(fn, s, q, n_heads, out, "out");

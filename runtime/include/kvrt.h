@@ -593,7 +593,8 @@ typedef struct kvrt_compkv kvrt_compkv;
  * or neither; uint16 values) give the compiled grouping of each KV head (kvcc's compkv pass);
  * they are copied. o NULL: the defaults. capacity 1..INT32_MAX, head_dim 1..65535, block >= 1,
  * scale finite, the three switches 0 or 1. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d,
- * perm not a permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. */
+ * perm not a permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. The
+ * state's per-step calls (scores, attend_blocks, step) run on ctx's backend: ctx must outlive it. */
 int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
                        uint32_t head_dim, int64_t capacity, const uint16_t *perm,
                        const uint16_t *offsets, kvrt_compkv **out);
