@@ -18,7 +18,7 @@
  * kvcc eval).
  *
  * On a shared, oversubscribed machine run it with OMP_WAIT_POLICY=PASSIVE: spinning OpenMP
- * workers that lose their core stall every parallel region (docs/compkv.md has both runs).
+ * workers that lose their core stall every parallel region (docs/policies/compkv.md has both runs).
  * Memory: K + V of the context three times at peak (the generated data, the CompKV state, the
  * full cache; the data is freed once both are built): 3 GiB at 128k.
  *

@@ -1,6 +1,6 @@
 /*
  * compkv_decode.c: how a serving loop drives CompKV (decode-time sparse attention with mean
- * compensation, docs/compkv.md): one kvrt_compkv per layer, created after the prefill with the
+ * compensation, docs/policies/compkv.md): one kvrt_compkv per layer, created after the prefill with the
  * whole prompt appended; then, per decode step and layer, append the new token's k/v and call
  * kvrt_compkv_step, which scores the blocks, reads the `budget` best ones exactly and the rest
  * through their mean key / mean value. Only kvrt.h is used.

@@ -1,6 +1,6 @@
 /*
  * am.c: the Attention Matching pass of `kvcc compile --policies am` (docs/policies/am.md,
- * "Offline"): per-(layer, KV head) sensitivity curves over a ratio grid, measured by compacting
+ * "The offline calibration"): per-(layer, KV head) sensitivity curves over a ratio grid, measured by compacting
  * each calibration context with the runtime's own kvrt_am_compact_layer (runtime/cpu/am.c), and
  * the greedy-exchange head-budget schedule for each target mean ratio. Writes sections
  * am.schedule (critical: what kvrt_am_open and kvcc eval's `am` read) and am.curves, and

@@ -1,6 +1,6 @@
 /*
  * compkv.c: the CompKV pass of `kvcc compile --policies compkv` (docs/policies/compkv.md,
- * "Offline (kvcc compile): variance groupings"). Per (layer, KV head): the partition of the d
+ * "The offline calibration"). Per (layer, KV head): the partition of the d
  * key coordinates into r groups (--compkv-r) that makes the runtime's estimated within-block
  * logit variance s2hat track the true one on the calibration corpus, kept only where it beats
  * index-order grouping. Writes sections compkv.groupings (critical: what

@@ -1,6 +1,6 @@
 /*
  * cql.h: horizon-1 conservative Q-learning on a tabular Q[s, a] (docs/policies/compilerkv.md,
- * "Horizon-1 conservative Q-learning"). Retention is a one-step contextual bandit, so there is no
+ * "The offline calibration", horizon-1 conservative Q-learning). Retention is a one-step contextual bandit, so there is no
  * bootstrap: minimize over experience records (s, a, r)
  *     c * (logsumexp_a' Q[s, a'] - Q[s, a]) + 0.5 * (Q[s, a] - r)^2
  * with AdamW on state-balanced minibatches, then read the table off by argmax.
