@@ -3,9 +3,9 @@
  * (docs/policies/compilerkv.md, "The offline calibration"): experience records by rollouts of
  * the runtime's own retention pipeline (runtime/cpu/compilerkv.c: kvrt_compilerkv_prompt_*,
  * kvrt_compilerkv_select_layer), horizon-1 CQL (cql.c), argmax tables, alternating head / gate
- * rounds; writes section "compilerkv.tables" (KVPOL_SEC_COMPILERKV_TABLES) and summarizes it for `kvcc inspect`. The rewards are in
- * compilerkv_reward.c, the two reports (--reward-check, --transfer-check) in
- * compilerkv_report.c; the state all three share in compilerkv_int.h.
+ * rounds; writes section "compilerkv.tables" (KVPOL_SEC_COMPILERKV_TABLES) and summarizes it
+ * for `kvcc inspect`. The rewards are in compilerkv_reward.c, the two reports (--reward-check,
+ * --transfer-check) in compilerkv_report.c; the state all three share in compilerkv_int.h.
  * Callers: compiler/cmd_compile.c and cmd_inspect.c through the pass table (registry.c);
  * tests/unit/test_compilerkv.c.
  *
