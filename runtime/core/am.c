@@ -164,8 +164,21 @@ static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt
                           select_name(s->opts.key_select));
         if (o->chunk != s->opts.chunk)
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: chunk %lld differs from the compiled %lld (pass "
-                          "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (long long)o->chunk,
-                          (long long)s->opts.chunk);
+                             "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (long long)o->chunk,
+                             (long long)s->opts.chunk);
+        /* not stored: the calibration ran kvrt_am_opts_init's values, which the handle holds */
+        if (o->ridge != s->opts.ridge)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: ridge %g differs from the calibrated %g (pass "
+                             "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->ridge,
+                             s->opts.ridge);
+        if (o->nnls_max_iter != s->opts.nnls_max_iter)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: nnls_max_iter %d differs from the calibrated %d "
+                             "(pass KVRT_OVERRIDE_OPTIONS to run it anyway)", fn,
+                             o->nnls_max_iter, s->opts.nnls_max_iter);
+        if (o->max_queries != s->opts.max_queries)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: max_queries %lld differs from the calibrated %lld "
+                             "(pass KVRT_OVERRIDE_OPTIONS to run it anyway)", fn,
+                             (long long)o->max_queries, (long long)s->opts.max_queries);
     }
     return kvrt_am_schedule_ratios(s, target, layer, ratios);
 }

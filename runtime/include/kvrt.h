@@ -446,7 +446,8 @@ int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t l
 /* One layer with the compiled schedule (kvrt_am_compact_layer with the ratios of `layer` for
  * `target`). o NULL: the compiled options. o non-NULL whose key_select or chunk differ from the
  * compiled ones: KVRT_ERR_ARG naming the option, unless flags has KVRT_OVERRIDE_OPTIONS (the
- * other fields are run-time choices and may differ). */
+ * ridge, nnls_max_iter and max_queries, which the calibration ran at kvrt_am_opts_init's values,
+ * are held to those the same way). */
 int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kvrt_am_opts *o,
                               unsigned flags, double target, uint32_t layer, const float *q,
                               const float *k, const float *v, int64_t T, uint32_t n_heads,

@@ -741,6 +741,12 @@ Test(am, handle_runs_the_compiled_options, .timeout = 300) {
                                            KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
     cr_assert(strstr(kvrt_last_error()->msg, "chunk 4096 differs from the compiled 64") != NULL, "%s",
               kvrt_last_error()->msg);
+    kvrt_am_opts ridge_only = co;
+    ridge_only.ridge = 1e-3;
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &ridge_only, 0, 0.2, 1, q, k, v, T, H,
+                                           KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "ridge 0.001 differs from the calibrated 1e-06") != NULL, "%s",
+              kvrt_last_error()->msg);
     cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &def, KVRT_OVERRIDE_OPTIONS, 0.2, 1, q, k, v, T, H,
                                            KVRT_DTYPE_F32, &c, NULL), KVRT_OK);
     cr_assert_eq(c->n_entries > 0, 1);
