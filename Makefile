@@ -99,11 +99,13 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps model test check backend-ops demo fuzz bench examples golden clean
+.PHONY: all deps peer-deps model test check backend-ops demo fuzz bench examples golden clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
 	@bash scripts/install-deps.sh
+peer-deps:
+	@bash scripts/install-peer-deps.sh
 
 # ---------------------------------------------------------------- rules
 $(BUILD)/obj/%.o: %.c
@@ -168,7 +170,7 @@ $(BUILD)/examples/%: examples/%.c $(LIBKVRT_A) $(LIBKVPOL_A)
 model:
 	@bash scripts/fetch-model.sh || echo "kvcc: WARNING: model not fetched; the tests that need it will say 'skipped'"
 
-test: deps model
+test: deps peer-deps model
 	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(BACKEND_OPS) $(EXAMPLES)
 	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)

@@ -11,8 +11,8 @@
 # against `kvcc capture` on the same texts.
 #
 # Usage: tests/peer/run.sh [--install]
-#   --install   pip-install torch (CPU wheel when the PyTorch index is reachable), transformers,
-#               gguf, accelerate, h5py and numpy first.
+#   --install   pip-install torch, transformers, gguf, accelerate, h5py and numpy first
+#               (scripts/install-peer-deps.sh; `make test` does it).
 # Env: KVCC_MODEL (model path, default models/SmolLM2-135M-Instruct.Q4_1.gguf),
 #      KVCC_BUILD (build dir for the helper binary, default build), CC (default cc).
 set -euo pipefail
@@ -23,10 +23,7 @@ model="${KVCC_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 build="${KVCC_BUILD:-build}"
 
 if [ "${1:-}" = "--install" ]; then
-    echo "peer check: installing torch (CPU), transformers, gguf, accelerate with pip" >&2
-    python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch ||
-        python3 -m pip install torch
-    python3 -m pip install transformers gguf accelerate h5py numpy
+    bash scripts/install-peer-deps.sh
 fi
 
 if ! python3 -c 'import torch, transformers, gguf, accelerate' >/dev/null 2>&1 || [ ! -f "$model" ]; then

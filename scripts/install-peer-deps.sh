@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# install-peer-deps.sh: install the PyPI packages of the peer checks (tests/peer/run.sh: the
+# built-in model against transformers, examples/capture_hf.py against kvcc capture): torch,
+# transformers, gguf, accelerate, h5py, numpy. Called by `make test` (so a fresh machine runs the
+# peer checks instead of skipping them) and by tests/peer/run.sh --install. Idempotent: quiet when
+# everything imports. KVCC_NO_PEER_INSTALL=1 skips the install (the checks then say "skipped").
+set -euo pipefail
+
+PY=${PYTHON:-python3}
+MODS="torch transformers gguf accelerate h5py numpy"
+if $PY -c "import ${MODS// /, }" >/dev/null 2>&1; then exit 0; fi
+if [ "${KVCC_NO_PEER_INSTALL:-0}" = 1 ]; then
+  echo "kvcc: peer-check packages missing and KVCC_NO_PEER_INSTALL=1: the peer checks will be skipped" >&2
+  exit 0
+fi
+echo "kvcc: installing the peer checks' Python packages with pip ($MODS; torch is ~0.5 GB plus its CUDA libraries)"
+t0=$(date +%s)
+if ! $PY -m pip install --quiet --disable-pip-version-check $MODS; then
+  echo "kvcc: WARNING: pip could not install $MODS; the peer checks will say 'skipped'" >&2
+  exit 0
+fi
+echo "kvcc: peer-check packages installed ($(( $(date +%s) - t0 )) s)"
