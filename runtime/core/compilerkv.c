@@ -60,8 +60,12 @@ int kvrt_compilerkv_open(const kvrt_policy *p, kvrt_compilerkv_tables **out) {
         return rc;
     if ((rc = get_item(f, si, "ppl_edges", KVPOL_DTYPE_F32, KVRT_COMPILERKV_PPL_BINS - 1, &pe)))
         return rc;
-    return kvrt_compilerkv_tables_create((uint32_t)nb, (uint32_t)L, (uint32_t)H, (uint32_t)window,
-                                         bud, wh, tg, ee, pe, out);
+    rc = kvrt_compilerkv_tables_create((uint32_t)nb, (uint32_t)L, (uint32_t)H, (uint32_t)window,
+                                       bud, wh, tg, ee, pe, out);
+    if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) /* the artifact's values fail the tables' checks */
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: %s",
+                         kvrt_last_error()->msg);
+    return rc;
 }
 
 int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
@@ -83,15 +87,16 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                                unsigned flags, kvrt_selection **sels,
                                kvrt_compilerkv_stats *stats) {
     const char *fn = "kvrt_compilerkv_select_all";
+    if (tb != NULL && sels != NULL)
+        for (uint32_t l = 0; l < tb->n_layers; l++) sels[l] = NULL;
     int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_COMPILERKV_SELECT);
     if (rc) return rc;
     if (tb == NULL || q == NULL || k == NULL || v == NULL || sels == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn));
     const uint32_t L = tb->n_layers;
-    for (uint32_t l = 0; l < L; l++) sels[l] = NULL;
     if (n_heads != tb->n_heads)
-        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u", fn, n_heads,
-                         tb->n_heads);
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u",
+                                                   fn, n_heads, tb->n_heads));
     kvrt_compilerkv_prompt *pr = NULL;
     rc = kvrt_compilerkv_prompt_create(T, tb->window, &pr);
     for (uint32_t l = 0; l < L && rc == KVRT_OK; l++) {
@@ -110,5 +115,5 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
             sels[l] = NULL;
         }
     kvrt_compilerkv_prompt_free(pr);
-    return rc;
+    return kvrt_policy_ctx_done(ctx, rc);
 }

@@ -154,7 +154,8 @@ void kvrt_ctx_free(kvrt_ctx *ctx) {
 }
 
 int kvrt_ctx_info(const kvrt_ctx *ctx, kvrt_device_info *out) {
-    if (ctx == NULL || out == NULL) return KVRT_ERR_ARG;
+    if (ctx == NULL || out == NULL)
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_info: NULL argument");
     return ctx->ops->info(ctx, out);
 }
 
@@ -167,7 +168,8 @@ const kvrt_error *kvrt_ctx_last_error(const kvrt_ctx *ctx) {
 
 int kvrt_ctx_alloc(kvrt_ctx *ctx, size_t bytes, void **out) {
     if (out) *out = NULL;
-    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (ctx == NULL)
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_alloc: NULL ctx");
     if (out == NULL || bytes == 0)
         return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0,
                             "kvrt_ctx_alloc: %s", out == NULL ? "out is NULL" : "bytes is 0");
@@ -180,7 +182,8 @@ void kvrt_ctx_dealloc(kvrt_ctx *ctx, void *p) {
 }
 
 int kvrt_ctx_upload(kvrt_ctx *ctx, void *dst_dev, const void *src_host, size_t bytes) {
-    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (ctx == NULL)
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_upload: NULL ctx");
     if (bytes == 0) return KVRT_OK;
     if (dst_dev == NULL || src_host == NULL)
         return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0, "kvrt_ctx_upload: NULL %s",
@@ -189,7 +192,8 @@ int kvrt_ctx_upload(kvrt_ctx *ctx, void *dst_dev, const void *src_host, size_t b
 }
 
 int kvrt_ctx_download(kvrt_ctx *ctx, void *dst_host, const void *src_dev, size_t bytes) {
-    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (ctx == NULL)
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_download: NULL ctx");
     if (bytes == 0) return KVRT_OK;
     if (dst_host == NULL || src_dev == NULL)
         return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0, "kvrt_ctx_download: NULL %s",
@@ -198,7 +202,8 @@ int kvrt_ctx_download(kvrt_ctx *ctx, void *dst_host, const void *src_dev, size_t
 }
 
 int kvrt_ctx_sync(kvrt_ctx *ctx) {
-    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (ctx == NULL)
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_sync: NULL ctx");
     return ctx->ops->sync(ctx);
 }
 
@@ -243,7 +248,8 @@ static int check_softmax_arg(kvrt_ctx *ctx, const kvrt_tensor *t, const char *wh
 }
 
 int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {
-    if (ctx == NULL) return KVRT_ERR_ARG;
+    if (ctx == NULL)
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_softmax_rows: NULL ctx");
     int rc = check_softmax_arg(ctx, x, "x");
     if (rc != KVRT_OK) return rc;
     rc = check_softmax_arg(ctx, y, "y");

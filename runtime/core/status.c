@@ -54,6 +54,7 @@ const char *kvrt_version(void) { return KVRT_VERSION_STRING; }
 int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
     /* The error rule (kvrt.h): every failure's message also lands in the thread-local error. */
     kvrt_error *tls = kvrt_tls_err();
+    if (code == KVRT_OK && err == NULL) return code; /* a success clears no thread error */
     kvrt_error *dst = err ? err : tls;
     dst->code = code;
     dst->detail = detail;
@@ -64,6 +65,6 @@ int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
         vsnprintf(dst->msg, sizeof dst->msg, fmt, ap);
         va_end(ap);
     }
-    if (dst != tls) *tls = *dst;
+    if (dst != tls && code != KVRT_OK) *tls = *dst;
     return code;
 }

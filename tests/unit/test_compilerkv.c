@@ -720,3 +720,34 @@ Test(compilerkv, model_reward_check_real_model, .timeout = 600) {
     unlink(apath);
     unlink(spath);
 }
+
+/* The error rule on kvrt_compilerkv_select_all's early failures: sels are all NULL, and the
+ * message is in both the thread error and the context's. A later success clears neither. */
+Test(compilerkv, select_all_error_rule) {
+    const int64_t bud[1] = {4};
+    float wh[1 * 1 * 1] = {1}, tg[1 * 1 * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS] = {0};
+    float ee[KVRT_COMPILERKV_ENT_BINS - 1], pe[KVRT_COMPILERKV_PPL_BINS - 1];
+    for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS - 1; i++) ee[i] = (float)i;
+    for (int i = 0; i < KVRT_COMPILERKV_PPL_BINS - 1; i++) pe[i] = (float)i;
+    kvrt_compilerkv_tables *tb = NULL;
+    cr_assert_eq(kvrt_compilerkv_tables_create(1, 1, 1, 2, bud, wh, tg, ee, pe, &tb), KVRT_OK);
+    float x[8] = {0};
+    const float *ql[1] = {x}, *kl[1] = {x}, *vl[1] = {x};
+    kvrt_selection *sels[1] = {(kvrt_selection *)1};
+    cr_assert_eq(kvrt_compilerkv_select_all(NULL, tb, ql, kl, vl, x, 4, 1, 1, 2, 4, 0, sels, NULL),
+                 KVRT_ERR_ARG);
+    cr_assert_null(sels[0], "sels not cleared on a NULL ctx");
+    cr_assert_eq(kvrt_compilerkv_select_all(test_cpu(), tb, ql, kl, vl, x, 4, 2, 1, 2, 4, 0, sels, NULL),
+                 KVRT_ERR_SHAPE);
+    cr_assert(strstr(kvrt_ctx_last_error(test_cpu())->msg, "n_heads 2, tables have 1") != NULL, "%s",
+              kvrt_ctx_last_error(test_cpu())->msg);
+    kvrt_ctx *c2 = NULL;
+    kvrt_error e;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &c2, &e), KVRT_OK);
+    cr_assert(strstr(kvrt_last_error()->msg, "n_heads 2, tables have 1") != NULL,
+              "a successful call cleared the thread's last error: '%s'", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_ctx_sync(NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "kvrt_ctx_sync") != NULL, "%s", kvrt_last_error()->msg);
+    kvrt_ctx_free(c2);
+    kvrt_compilerkv_tables_free(tb);
+}
