@@ -8,8 +8,10 @@
  */
 #include "eval_methods.h"
 
+#include <stdio.h>
 #include <string.h>
 
+#include "kvcc.h"
 #include "passes/passes.h"
 
 /* Selection + gather with kvrt_method `variant`; the random method's seed mixes in the layer. */
@@ -43,6 +45,12 @@ const kvcc_eval_method kvcc_eval_baselines[] = {
     BASELINE("keydiff", KVRT_METHOD_KEYDIFF, KVCC_BUDGET_TOKENS),
     {.name = NULL},
 };
+
+int kvcc_eval_policy_error(const kvcc_eval_env *env, int status, char *err, size_t errlen) {
+    snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
+             kvrt_status_name(status));
+    return KVCC_EXIT_USAGE;
+}
 
 const kvcc_eval_method *kvcc_eval_method_find(const char *name) {
     for (const kvcc_eval_method *m = kvcc_eval_baselines; m->name; m++)

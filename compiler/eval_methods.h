@@ -11,7 +11,7 @@
  * Callers: compiler/eval.c, eval_prefill.c, eval_decode.c, the passes, cmd_eval.c (names).
  *
  * defines: kvcc_eval_method, kvcc_eval_env, kvcc_eval_prep, kvcc_eval_layer, kvcc_eval_all,
- *          kvcc_budget_kind, kvcc_eval_method_find, kvcc_eval_method_list,
+ *          kvcc_budget_kind, kvcc_eval_method_find, kvcc_eval_method_list, kvcc_eval_policy_error,
  *          KVCC_EVAL_DEFAULT_BLOCK
  */
 #ifndef KVCC_EVAL_METHODS_H
@@ -108,6 +108,9 @@ struct kvcc_eval_method {
 
 #define KVCC_EVAL_DEFAULT_BLOCK 16 /* decode-time rows without a compiled block size */
 
+/* A policy handle of --policy could not be opened or used: "--policy FILE: MESSAGE [STATUS]"
+ * into err (the message of kvrt_last_error()); returns KVCC_EXIT_USAGE. For the methods' hooks. */
+int kvcc_eval_policy_error(const kvcc_eval_env *env, int status, char *err, size_t errlen);
 /* The method called name: a baseline or one a pass registered (NULL: none). */
 const kvcc_eval_method *kvcc_eval_method_find(const char *name);
 /* Every method name, comma-separated, into buf (for messages and --help). */

@@ -347,11 +347,7 @@ static int am_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t er
     }
     kvrt_am_schedule *s = NULL;
     int rc = kvrt_am_open(env->policy, &s);
-    if (rc) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
-                 kvrt_status_name(rc));
-        return KVCC_EXIT_USAGE;
-    }
+    if (rc) return kvcc_eval_policy_error(env, rc, err, errlen);
     *h = s;
     return 0;
 }
@@ -379,11 +375,7 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
         const float *ratios;
         if (env->budgets[j] < 1) rc = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
     }
-    if (rc) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
-                 kvrt_status_name(rc));
-        return KVCC_EXIT_USAGE;
-    }
+    if (rc) return kvcc_eval_policy_error(env, rc, err, errlen);
     p->state = handle;
     snprintf(p->note, sizeof p->note,
              "am: the compiled per-head schedule with the compiled options (key selection "

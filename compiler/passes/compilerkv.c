@@ -863,11 +863,7 @@ static int ckv_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t e
     }
     kvrt_compilerkv_tables *tb = NULL;
     int s = kvrt_compilerkv_open(env->policy, &tb);
-    if (s) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
-                 kvrt_status_name(s));
-        return KVCC_EXIT_USAGE;
-    }
+    if (s) return kvcc_eval_policy_error(env, s, err, errlen);
     *h = tb;
     return 0;
 }

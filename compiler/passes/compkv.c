@@ -748,11 +748,7 @@ static int compkv_eval_open(const kvcc_eval_env *env, void **h, char *err, size_
     kvrt_compkv_grouping *g = NULL;
     int s = kvrt_compkv_open(env->policy, &g);
     if (s == KVRT_ERR_UNSUPPORTED) return 0;
-    if (s) {
-        snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
-                 kvrt_status_name(s));
-        return KVCC_EXIT_USAGE;
-    }
+    if (s) return kvcc_eval_policy_error(env, s, err, errlen);
     *h = g;
     return 0;
 }
