@@ -453,6 +453,122 @@ int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kv
                               const float *k, const float *v, int64_t T, uint32_t n_heads,
                               int dtype, kvrt_cache **out, kvrt_am_stats *stats);
 
+/* ------------------------------------------------------------------ KV² */
+/* Query-agnostic compression of one prefilled context of C tokens in two stages
+ * (docs/policies/kv2.md; runtime/core/kv2.c, runtime/cpu/kv2.c). The second stage is a forward
+ * pass that the serving stack runs with its own model; the runtime says which tokens to run and
+ * at which position ids, and takes back the queries. One plan per prompt:
+ *
+ *   kvrt_kv2_plan_create(ctx, &opts, L, H, Hkv, d, C, &pl);
+ *   for each layer l: kvrt_kv2_plan_proxy(pl, l, k_l);                  stage 1 (k_l [C, Hkv, d])
+ *   for pass = 1 .. opts.passes:
+ *     for chunk r = 0 .. kvrt_kv2_plan_n_chunks(pl) - 1:
+ *       kvrt_kv2_plan_queries(pl, r, pos, pos_ids, &n);   the reconstruction tokens of chunk r
+ *       the stack runs tokens[pos[i]] at position ids pos_ids[i] (= C + i) after the full context
+ *       cache, causal among themselves, and for each layer l hands back their post-RoPE queries
+ *       q_l [n, H, d] and keys k_new_l [n, Hkv, d]:
+ *         kvrt_kv2_plan_score(pl, r, l, q_l, k_l, k_new_l);               stage 2
+ *       then drops the n appended tokens from its cache.
+ *     if pass < opts.passes: kvrt_kv2_plan_next_pass(pl);   stage-2 scores become the proxy
+ *   for each layer l: kvrt_kv2_plan_compress(pl, l, budget, k_l, v_l, dtype, &cache_l);
+ *
+ * Stage 1 (per layer and KV head, over the C context keys): KeyDiff s_t = -cos(k_t, a) with a
+ * the mean of the L2-normalized keys, or Knorm s_t = -|k_t|; p_t = mean (or max) of s_t over
+ * every layer and KV head. Positions [0, n_sink) are sinks; [n_sink, C) is cut into chunks of
+ * `chunk` positions (the last may be shorter). Chunk r's reconstruction queries are its
+ * n_q = max(floor(rho |C_r|), 1) positions of highest p (topk rules: ties to the lower
+ * position), listed ascending. Stage 2: position i of chunk r scores, per (layer, KV head),
+ * the max over the chunk's reconstruction queries and the KV head's G query heads of the
+ * attention weight softmax(q K^T / sqrt(d))_i, the softmax running over the C context keys and
+ * the appended keys up to and including the query's own (k_new NULL: over the context only).
+ * Sinks score the maximum. Compress: per KV head the budget highest stage-2 scores (sinks
+ * first; ties to the lower position), or with per_head the layer's Hkv * budget highest over
+ * all its heads (each head at least its sinks): a ragged cache holding only what is kept.
+ * Deterministic whatever the thread count. Every failure names the function and the argument
+ * in kvrt_last_error(). */
+typedef enum { KVRT_KV2_PROXY_KEYDIFF = 0, KVRT_KV2_PROXY_KNORM = 1 } kvrt_kv2_proxy;
+typedef enum { KVRT_KV2_AGG_MEAN = 0, KVRT_KV2_AGG_MAX = 1 } kvrt_kv2_agg;
+typedef struct {
+    double rho;          /* reconstruction ratio, in (0, 1] (default 0.1) */
+    uint32_t n_sink;     /* sink tokens kept exactly (default 4) */
+    int64_t chunk;       /* chunk size m (default 0: 4096, or the whole compressible context
+                          * when shorter); an explicit chunk larger than C - n_sink: KVRT_ERR_ARG */
+    int proxy;           /* kvrt_kv2_proxy (default KEYDIFF) */
+    int aggregate;       /* kvrt_kv2_agg: layers and KV heads to one token score (default MEAN) */
+    uint32_t passes;     /* stage-2 passes, 1..16 (default 1); more: refinement */
+    int per_head;        /* 0 (default): every KV head keeps `budget`; 1: the layer's heads share
+                          * Hkv * budget */
+} kvrt_kv2_opts;
+void kvrt_kv2_opts_init(kvrt_kv2_opts *o);
+const char *kvrt_kv2_proxy_name(int proxy);   /* "keydiff", "knorm"; "unknown" otherwise */
+int kvrt_kv2_proxy_from_name(const char *name); /* -1 when unknown */
+
+typedef struct kvrt_kv2_plan kvrt_kv2_plan;
+/* KVRT_ERR_ARG: rho outside (0, 1], passes outside 1..16, n_sink >= C, an explicit chunk larger
+ * than C - n_sink, H not a multiple of Hkv, a zero dimension. The plan holds no K/V: only scores
+ * [L, Hkv, C] and the proxy [C]. */
+int kvrt_kv2_plan_create(kvrt_ctx *ctx, const kvrt_kv2_opts *o, uint32_t n_layers,
+                         uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, int64_t C,
+                         kvrt_kv2_plan **out);
+void kvrt_kv2_plan_free(kvrt_kv2_plan *pl);
+/* Stage 1 for one layer: k [C, Hkv, d]. Every layer once, before the first plan_queries. */
+int kvrt_kv2_plan_proxy(kvrt_kv2_plan *pl, uint32_t layer, const float *k);
+int64_t kvrt_kv2_plan_n_chunks(const kvrt_kv2_plan *pl);
+/* Chunk r's positions [*lo, *hi) and its number of reconstruction queries. */
+int kvrt_kv2_plan_chunk(const kvrt_kv2_plan *pl, int64_t r, int64_t *lo, int64_t *hi,
+                        int64_t *n_queries);
+/* Chunk r's reconstruction queries of the current pass: pos [n_q] ascending context positions
+ * (the tokens to run), pos_ids [n_q] their position ids C + i (either may be NULL). */
+int kvrt_kv2_plan_queries(const kvrt_kv2_plan *pl, int64_t r, int32_t *pos, int32_t *pos_ids,
+                          int64_t *n_queries);
+/* Stage 2 of chunk r, layer l: q [n_q, H, d] the reconstruction tokens' post-RoPE queries,
+ * k [C, Hkv, d] the context keys, k_new [n_q, Hkv, d] the reconstruction tokens' keys or NULL.
+ * n_q must be chunk r's (KVRT_ERR_SHAPE otherwise). Every (chunk, layer) once per pass. */
+int kvrt_kv2_plan_score(kvrt_kv2_plan *pl, int64_t r, uint32_t layer, const float *q,
+                        int64_t n_q, const float *k, const float *k_new);
+/* Refinement: p := aggregate of this pass's stage-2 scores; the next pass picks new queries.
+ * KVRT_ERR_ARG when some (chunk, layer) of the pass was not scored. */
+int kvrt_kv2_plan_next_pass(kvrt_kv2_plan *pl);
+/* The token scores p [C] of the current pass, and the stage-2 scores of a layer [Hkv, C]
+ * (valid while pl lives and until the next call that changes them). */
+int kvrt_kv2_plan_proxy_scores(const kvrt_kv2_plan *pl, const float **p);
+int kvrt_kv2_plan_scores(const kvrt_kv2_plan *pl, uint32_t layer, const float **scores);
+/* Layer l's compressed cache at budget (kvrt_budget_resolve: a count per KV head, or a ratio of
+ * C); k, v [C, Hkv, d]; dtype f32 or f16. KVRT_ERR_ARG when the budget is below n_sink or some
+ * chunk of the last pass was not scored for this layer. */
+int kvrt_kv2_plan_compress(kvrt_kv2_plan *pl, uint32_t layer, double budget, const float *k,
+                           const float *v, int dtype, kvrt_cache **out);
+
+/* The compiled schedule (kvcc compile --policies kv2; group 4 sections kv2.opts and
+ * kv2.schedule): per compiled final budget (a ratio of the context) the reconstruction ratio
+ * rho, plus the proxy, aggregation, passes, sinks, chunk and per_head the calibration chose, and
+ * where its reconstruction queries came from. kvrt_kv2_open: KVRT_ERR_UNSUPPORTED (no kv2
+ * group), KVRT_ERR_FORMAT (an item missing, mis-shaped or out of range). */
+typedef enum {
+    KVRT_KV2_QUERIES_MODEL = 0,   /* stage 2 ran the model's forward pass (kvcc compile --gguf) */
+    KVRT_KV2_QUERIES_REROTATED = 1/* approximation: stored queries re-rotated after the context */
+} kvrt_kv2_query_source;
+typedef struct kvrt_kv2_schedule kvrt_kv2_schedule;
+int kvrt_kv2_open(const kvrt_policy *p, kvrt_kv2_schedule **out);
+void kvrt_kv2_schedule_free(kvrt_kv2_schedule *s);
+/* The compiled budgets [n] (ratios, ascending) and their rho [n] (valid while s lives). */
+int kvrt_kv2_schedule_budgets(const kvrt_kv2_schedule *s, const double **budgets,
+                              const double **rho, int *n);
+int kvrt_kv2_schedule_query_source(const kvrt_kv2_schedule *s); /* kvrt_kv2_query_source */
+#define KVRT_KV2_NEAREST_BUDGET 0x1u /* flag: an uncompiled budget takes the nearest one's rho */
+/* The compiled options for a final budget (a ratio of the context in (0, 1)): rho from the
+ * schedule (a budget not compiled: KVRT_ERR_ARG listing the compiled ones, unless flags has
+ * KVRT_KV2_NEAREST_BUDGET: the nearest compiled budget in log ratio). */
+int kvrt_kv2_schedule_opts(const kvrt_kv2_schedule *s, double budget, unsigned flags,
+                           kvrt_kv2_opts *out);
+/* A plan with the compiled options for budget (kvrt_kv2_schedule_opts); o non-NULL: those
+ * options instead, refused (KVRT_ERR_ARG naming the option) where they differ from the
+ * compiled ones unless flags has KVRT_OVERRIDE_OPTIONS. */
+int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
+                                   const kvrt_kv2_opts *o, unsigned flags, double budget,
+                                   uint32_t n_heads, uint32_t head_dim, int64_t C,
+                                   kvrt_kv2_plan **out);
+
 /* ------------------------------------------------------------------ CompilerKV */
 /* Prefill-only retention from a compiled head-reliability table W_head and a risk threshold LUT
  * T_gate (docs/policies/compilerkv.md; runtime/core/compilerkv.c, runtime/cpu/compilerkv.c). */
