@@ -4,8 +4,9 @@
  * (identity, composition, and the model's own layer-0 keys and queries of a repeated token),
  * the plan end to end on a real window (caches of exactly the budget per KV head, sinks kept,
  * memory of the kept entries only, the selection checked by brute force, per_head, refinement,
- * the same bits with 1 and 2 threads), bad inputs, and the schedule handle on hand-written
- * artifacts (kvpol writer), corrupted items included.
+ * the same bits with 1 and 2 threads), stage 2 run by the built-in model (kvcc_model_extend) at
+ * the plan's position ids, bad inputs, and the schedule handle on hand-written artifacts
+ * (kvpol writer), corrupted items included.
  *
  * Tolerances (f32 fast paths against the double _refs): proxy |a - b| <= 2e-6 (KeyDiff
  * cosines) and <= 2e-6 |ref| (Knorm); chunk scores |a - b| <= 1e-7 + 1e-4 |ref| (f32 logits and
@@ -26,6 +27,8 @@
 
 #include "corpus.h"
 #include "fixtures.h"
+#include "loader.h"
+#include "model.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
 #include "test_ctx.h"
@@ -596,6 +599,93 @@ Test(kv2, real_plan_end_to_end, .timeout = 600) {
     flow_free(&a, w.L);
     kvrt_ctx_free(c1);
     kvrt_ctx_free(c2);
+    real_free(&w);
+}
+
+/* Stage 2 as a serving stack runs it: the built-in model runs the reconstruction tokens at the
+ * plan's position ids after the full context (kvcc_model_extend) and hands back each layer's
+ * queries and keys. Layer 0's queries of a reconstruction token depend on the token alone before
+ * RoPE, so they must equal the stored query re-rotated to its position id C + i (the plan's
+ * pos_ids and kvrt_rope_shift agree with the model); the plan compresses with the model's
+ * scores, and the no-model approximation's kept sets are compared with them (logged). */
+Test(kv2, real_model_stage2, .timeout = 600) {
+    real_window w;
+    real_capture(&w, 96, 8);
+    kvcc_loaded_model lm;
+    char err[512];
+    cr_assert_eq(kvcc_load_model(fx_model_path(), 0, &lm, err, sizeof err), 0, "%s", err);
+    kvcc_state *st = NULL;
+    cr_assert_eq(kvcc_state_create(lm.model, (int)w.T + 64, &st), 0);
+    cr_assert_eq(kvcc_model_prefill(lm.model, st, w.tokens, (int)w.C, NULL, KVCC_LOGITS_NONE), 0);
+    kvrt_kv2_opts o;
+    kvrt_kv2_opts_init(&o);
+    o.chunk = 32;
+    o.rho = 0.25;
+    kvrt_kv2_plan *pl = NULL;
+    cr_assert_eq(kvrt_kv2_plan_create(test_cpu(), &o, w.L, w.H, w.Hkv, w.d, w.C, &pl), KVRT_OK);
+    for (uint32_t l = 0; l < w.L; l++) cr_assert_eq(kvrt_kv2_plan_proxy(pl, l, w.k[l]), KVRT_OK);
+    float **q = malloc(sizeof(float *) * w.L), **kn = malloc(sizeof(float *) * w.L);
+    for (uint32_t l = 0; l < w.L; l++) {
+        q[l] = malloc(sizeof(float) * (size_t)w.C * w.H * w.d);
+        kn[l] = malloc(sizeof(float) * (size_t)w.C * w.Hkv * w.d);
+    }
+    float *qr = malloc(sizeof(float) * (size_t)w.C * w.H * w.d);
+    float *kr = malloc(sizeof(float) * (size_t)w.C * w.Hkv * w.d);
+    int32_t pos[32], ids[32], toks[32];
+    double worst_q0 = 0.0;
+    for (int64_t r = 0; r < kvrt_kv2_plan_n_chunks(pl); r++) {
+        int64_t n;
+        cr_assert_eq(kvrt_kv2_plan_queries(pl, r, pos, ids, &n), KVRT_OK);
+        for (int64_t i = 0; i < n; i++) toks[i] = w.tokens[pos[i]];
+        cr_assert_eq(kvcc_model_extend(lm.model, st, toks, (int)n, q, kn), 0);
+        rerotated(&w, 0, pos, n, qr, kr);
+        double e2 = 0.0, n2 = 0.0;
+        for (size_t i = 0; i < (size_t)n * w.H * w.d; i++) {
+            e2 += ((double)q[0][i] - qr[i]) * ((double)q[0][i] - qr[i]);
+            n2 += (double)q[0][i] * q[0][i];
+        }
+        if (sqrt(e2 / n2) > worst_q0) worst_q0 = sqrt(e2 / n2);
+        for (uint32_t l = 0; l < w.L; l++)
+            cr_assert_eq(kvrt_kv2_plan_score(pl, r, l, q[l], n, w.k[l], kn[l]), KVRT_OK, "%s",
+                         kvrt_last_error()->msg);
+    }
+    cr_expect_leq(worst_q0, 2e-3, "layer 0: the model's stage-2 queries and the re-rotated "
+                  "stored ones differ by %g (relative)", worst_q0);
+    /* the model's plan against the no-model approximation's (run_flow), at budget 0.2 */
+    flow_out a;
+    run_flow(test_cpu(), &w, &o, 0.2, &a);
+    int64_t same = 0, total = 0;
+    for (uint32_t l = 0; l < w.L; l++) {
+        kvrt_cache *c = NULL;
+        cr_assert_eq(kvrt_kv2_plan_compress(pl, l, 0.2, w.k[l], w.v[l], KVRT_DTYPE_F16, &c),
+                     KVRT_OK);
+        cr_assert_eq(c->n_entries, (int64_t)w.Hkv * 19);
+        cr_assert_eq(kvrt_cache_bytes(c), 2 * (size_t)c->n_entries * w.d * 2 +
+                                              8 * (size_t)c->n_entries + 8 * (w.Hkv + 1));
+        for (uint32_t h = 0; h < w.Hkv; h++)
+            for (int64_t i = c->offsets[h] + o.n_sink; i < c->offsets[h + 1]; i++) {
+                const kvrt_cache *b = a.caches[l];
+                for (int64_t j = b->offsets[h]; j < b->offsets[h + 1]; j++)
+                    same += b->positions[j] == c->positions[i];
+                total++;
+            }
+        kvrt_cache_free(c);
+    }
+    cr_log_info("stage 2 through the model: layer-0 queries within %.2g of the re-rotated ones; "
+                "%.1f%% of the kept non-sink entries are those the re-rotated approximation keeps",
+                worst_q0, 100.0 * (double)same / (double)total);
+    flow_free(&a, w.L);
+    for (uint32_t l = 0; l < w.L; l++) {
+        free(q[l]);
+        free(kn[l]);
+    }
+    free(q);
+    free(kn);
+    free(qr);
+    free(kr);
+    kvrt_kv2_plan_free(pl);
+    kvcc_state_free(st);
+    kvcc_loaded_model_free(&lm);
     real_free(&w);
 }
 
