@@ -337,6 +337,23 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
                 snprintf(err, errlen, "kv2: the model failed on the context of prompt %u", p);
                 rc = KVCC_EXIT_FAILED;
             }
+            /* the model must be the one the corpus came from: its own layer-0 keys of the
+             * context against the stored ones (f16 storage: ~1e-3 relative) */
+            if (!rc) {
+                const size_t n = (size_t)C * Hkv * d;
+                double num = 0, den = 0;
+                for (size_t i = 0; i < n; i++) {
+                    const double e = (double)M.st->k_cache[i] - ka[0][i];
+                    num += e * e;
+                    den += (double)ka[0][i] * ka[0][i];
+                }
+                if (!(num <= 1e-4 * den)) {
+                    snprintf(err, errlen, "--gguf %s is not the model %s was captured with: on "
+                             "prompt %u its layer-0 keys differ from the stored ones by %.3g "
+                             "(relative)", cx->gguf, cx->corpus_path, p, sqrt(num / (den + 1e-30)));
+                    rc = KVCC_EXIT_USAGE;
+                }
+            }
             src.extend = kv2_model_extend;
             src.extend_user = &M;
             src.q_all = NULL;
@@ -466,6 +483,7 @@ typedef struct {
     const kvrt_kv2_schedule *s;  /* NULL: kv2-fixed (one plan serves every budget) */
     double budgets[64];          /* the run's budgets (layer-local plans are made per budget) */
     int n_budgets;
+    kvrt_ctx *rt;                /* the run's context (its plans live on it) */
 } kv2_eval_state;
 
 /* Layer-local per-prompt state: one finished plan per budget of the run. */
@@ -496,6 +514,7 @@ static int kv2_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env,
     if (!st) return KVCC_EXIT_FAILED;
     st->s = m->variant == KV2_EVAL_SCHEDULED ? handle : NULL;
     for (int j = 0; j < env->n_budgets && j < 64; j++) st->budgets[st->n_budgets++] = env->budgets[j];
+    st->rt = env->rt;
     p->state = st;
     kvrt_kv2_opts o;
     if (!st->s) {
@@ -609,9 +628,7 @@ static int kv2_prompt_begin(void *state, kvcc_corpus *c, uint32_t prompt, void *
                    .k_all = (const float *const *)ka, .q_all = (const float *const *)qa,
                    .rope_theta = cm->rope_theta};
     const kvcc_eval_env env = {.L = L, .H = H, .Hkv = Hkv, .d = d};
-    kvrt_ctx *rt = NULL;
-    kvrt_error ke;
-    if (!rc && kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &ke) != KVRT_OK) rc = KVCC_EXIT_FAILED;
+    kvrt_ctx *rt = st->rt;
     /* one plan per budget of the run (kv2-fixed: one plan, budget -1, serves them all) */
     for (int j = 0; !rc && j < (st->s ? st->n_budgets : 1) && P->n < 64; j++) {
         const double b = st->s ? st->budgets[j] : -1;
@@ -633,7 +650,6 @@ static int kv2_prompt_begin(void *state, kvcc_corpus *c, uint32_t prompt, void *
     kv2_src_free(&src);
     for (uint32_t l = 0; l < L && qa && ka; l++) { free(qa[l]); free(ka[l]); }
     free(qa); free(ka);
-    kvrt_ctx_free(rt);
     if (rc) { kv2_prompt_end(P); return rc; }
     *pstate = P;
     return 0;
