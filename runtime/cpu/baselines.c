@@ -6,6 +6,7 @@
  * snapkv_scores / h2o_scores ops (cpu/backend_cpu.c).
  *
  * defines: kvrt_method_name, kvrt_method_from_name, kvrt_method_opts_init, kvrt_method_select,
+ *          kvrt_method_has_scores, kvrt_method_scores, kvrt_method_select_scored,
  *          kvrt_snapkv_scores_ref, kvrt_snapkv_scores, kvrt_h2o_scores_ref, kvrt_h2o_scores,
  *          kvrt_quest_summarize, kvrt_quest_free, kvrt_quest_scores, kvrt_quest_select
  *
@@ -333,81 +334,122 @@ static void avg_pool(const float *in, int64_t P, uint32_t kernel, float *out) {
 }
 
 // ----------------------------------------------------------------------------
-// kvrt_method_select
+// kvrt_method_select = kvrt_method_scores + kvrt_method_select_scored
 
-int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k, const float *v,
-                       int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                       kvrt_selection **out) {
+int kvrt_method_has_scores(int method) {
+    return method == KVRT_METHOD_SNAPKV || method == KVRT_METHOD_H2O ||
+           method == KVRT_METHOD_KNORM || method == KVRT_METHOD_KEYDIFF;
+}
+
+/* The checks of the options that do not involve the budget (fn names the caller in messages). */
+static int method_check(const char *fn, const kvrt_method_opts *o, int64_t T) {
     kvrt_error *e = kvrt_tls_err();
-    (void)v;
-    if (out == NULL || o == NULL)
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_method_select: NULL %s",
-                            out == NULL ? "out" : "options");
-    *out = NULL;
     const int m = o->method;
     if (m < 0 || m >= KVRT_METHOD_COUNT)
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_method_select: method %d, expected 0..%d",
-                            m, KVRT_METHOD_COUNT - 1);
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: method %d, expected 0..%d", fn, m,
+                            KVRT_METHOD_COUNT - 1);
+    if (T < 1 || T > INT32_MAX)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: T = %lld, expected 1..%d", fn, (long long)T,
+                            INT32_MAX);
+    if (m == KVRT_METHOD_SNAPKV && (o->window == 0 || o->pool_kernel == 0 ||
+                                    o->pool_kernel % 2 == 0))
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "%s (snapkv): window %u, pool_kernel %u; expected window >= 1 and an "
+                            "odd kernel >= 1", fn, o->window, o->pool_kernel);
+    return KVRT_OK;
+}
+
+/* The budget checks of a selection (after method_check). */
+static int budget_check(const char *fn, const kvrt_method_opts *o, int64_t T) {
+    kvrt_error *e = kvrt_tls_err();
+    const int m = o->method;
     const char *name = method_names[m];
-    const int need_q = m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O;
-    int rc = dims_check("kvrt_method_select", q, need_q, k, T, n_heads, n_kv_heads, head_dim);
-    if (rc != KVRT_OK) return rc;
     const int64_t B = m == KVRT_METHOD_FULL ? T : o->budget;
     if (B < 1 || B > T)
         return kvrt_err_set(e, KVRT_ERR_ARG, 0,
-                            "kvrt_method_select (%s): budget %lld, expected 1..T = %lld (resolve "
-                            "ratios with kvrt_budget_resolve)", name, (long long)B, (long long)T);
+                            "%s (%s): budget %lld, expected 1..T = %lld (resolve ratios with "
+                            "kvrt_budget_resolve)", fn, name, (long long)B, (long long)T);
     const int64_t sink = (int64_t)o->n_sink < T ? (int64_t)o->n_sink : T;
     const int uses_sink = m == KVRT_METHOD_STREAMING || m == KVRT_METHOD_RANDOM ||
                           m == KVRT_METHOD_KNORM || m == KVRT_METHOD_KEYDIFF;
     if (uses_sink && B < sink)
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
-                            "kvrt_method_select (%s): budget %lld is smaller than n_sink %u", name,
-                            (long long)B, o->n_sink);
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s (%s): budget %lld is smaller than n_sink %u",
+                            fn, name, (long long)B, o->n_sink);
     const int64_t w = (int64_t)o->window < T ? (int64_t)o->window : T;
-    if (m == KVRT_METHOD_SNAPKV) {
-        if (o->window == 0 || o->pool_kernel == 0 || o->pool_kernel % 2 == 0)
-            return kvrt_err_set(e, KVRT_ERR_ARG, 0,
-                                "kvrt_method_select (snapkv): window %u, pool_kernel %u; expected "
-                                "window >= 1 and an odd kernel >= 1", o->window, o->pool_kernel);
-        if (B < w)
-            return kvrt_err_set(e, KVRT_ERR_ARG, 0,
-                                "kvrt_method_select (snapkv): budget %lld is smaller than the "
-                                "observation window %lld (it is always kept)", (long long)B,
-                                (long long)w);
-    }
+    if (m == KVRT_METHOD_SNAPKV && B < w)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "%s (snapkv): budget %lld is smaller than the observation window "
+                            "%lld (it is always kept)", fn, (long long)B, (long long)w);
+    return KVRT_OK;
+}
 
+/* kvrt_method_scores after the option checks; fn names the public caller. */
+static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *o,
+                         const float *q, const float *k, int64_t T, uint32_t n_heads,
+                         uint32_t n_kv_heads, uint32_t head_dim, float *sc) {
+    kvrt_error *e = kvrt_tls_err();
+    const int m = o->method;
+    if (!kvrt_method_has_scores(m)) return KVRT_OK;
+    if (sc == NULL) return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: scores is NULL", fn);
+    const int64_t w = (int64_t)o->window < T ? (int64_t)o->window : T;
+    int rc = KVRT_OK;
+    if (m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O) {
+        const kvrt_op op = m == KVRT_METHOD_SNAPKV ? KVRT_OP_SNAPKV_SCORES : KVRT_OP_H2O_SCORES;
+        if (ctx != NULL && (rc = kvrt_backend_check(ctx, e, fn, op)) != KVRT_OK) return rc;
+        if (m == KVRT_METHOD_SNAPKV)
+            rc = ctx ? ctx->ops->snapkv_scores(ctx, q, k, T, n_heads, n_kv_heads, head_dim,
+                                               o->window, sc)
+                     : kvrt_snapkv_scores(q, k, T, n_heads, n_kv_heads, head_dim, o->window, sc);
+        else
+            rc = ctx ? ctx->ops->h2o_scores(ctx, q, k, T, n_heads, n_kv_heads, head_dim, sc)
+                     : kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, sc);
+        if (rc != KVRT_OK || m == KVRT_METHOD_H2O) return rc;
+        float *tmp = malloc(sizeof(float) * (size_t)T);
+        if (tmp == NULL)
+            return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "%s (snapkv): out of memory", fn);
+        for (uint32_t hk = 0; hk < n_kv_heads; hk++) { /* pooled in place of the window mass */
+            float *row = sc + (size_t)hk * T;
+            avg_pool(row, T - w, o->pool_kernel, tmp);
+            memcpy(row, tmp, sizeof(float) * (size_t)(T - w));
+            for (int64_t t = T - w; t < T; t++) row[t] = INFINITY;
+        }
+        free(tmp);
+        return KVRT_OK;
+    }
+    double *anchor = malloc(sizeof(double) * head_dim);
+    if (anchor == NULL)
+        return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "%s (%s): out of memory", fn, method_names[m]);
+    for (uint32_t hk = 0; hk < n_kv_heads; hk++)
+        key_scores(m, k, T, n_kv_heads, head_dim, hk, sc + (size_t)hk * T, anchor);
+    free(anchor);
+    return KVRT_OK;
+}
+
+/* kvrt_method_select_scored after every check. */
+static int select_scored(const char *fn, const kvrt_method_opts *o, const float *sc, int64_t T,
+                         uint32_t n_kv_heads, kvrt_selection **out) {
+    kvrt_error *e = kvrt_tls_err();
+    const int m = o->method;
+    const int64_t B = m == KVRT_METHOD_FULL ? T : o->budget;
+    const int64_t sink = (int64_t)o->n_sink < T ? (int64_t)o->n_sink : T;
+    const int64_t w = (int64_t)o->window < T ? (int64_t)o->window : T;
+    if (kvrt_method_has_scores(m) && sc == NULL)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s (%s): scores is NULL", fn, method_names[m]);
     int64_t *counts = malloc(sizeof(int64_t) * n_kv_heads);
-    if (counts == NULL)
-        return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_method_select: out of memory");
+    if (counts == NULL) return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
     for (uint32_t j = 0; j < n_kv_heads; j++) counts[j] = B;
     kvrt_selection *sel = NULL;
-    rc = kvrt_selection_create(n_kv_heads, counts, &sel);
+    int rc = kvrt_selection_create(n_kv_heads, counts, &sel);
     free(counts);
     if (rc != KVRT_OK) return rc;
-
-    /* scratch: one score row per KV head for the attention methods, [T] otherwise */
-    float *sc = NULL, *tmp = NULL;
-    double *anchor = NULL;
     int32_t *perm = NULL;
-    if (m != KVRT_METHOD_FULL && m != KVRT_METHOD_STREAMING) {
-        sc = malloc(sizeof(float) * (size_t)T * (need_q ? n_kv_heads : 1));
-        tmp = malloc(sizeof(float) * (size_t)T);
-        anchor = malloc(sizeof(double) * head_dim);
-        perm = malloc(sizeof(int32_t) * (size_t)T);
-        if (!sc || !tmp || !anchor || !perm) {
-            rc = kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_method_select (%s): out of memory", name);
-            goto done;
-        }
+    if (m == KVRT_METHOD_RANDOM && (perm = malloc(sizeof(int32_t) * (size_t)T)) == NULL) {
+        kvrt_selection_free(sel);
+        return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "%s (random): out of memory", fn);
     }
-    if (m == KVRT_METHOD_SNAPKV)
-        rc = kvrt_snapkv_scores(q, k, T, n_heads, n_kv_heads, head_dim, o->window, sc);
-    else if (m == KVRT_METHOD_H2O)
-        rc = kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, sc);
-    if (rc != KVRT_OK) goto done;
-
     for (uint32_t hk = 0; hk < n_kv_heads && rc == KVRT_OK; hk++) {
         int32_t *idx = sel->positions + sel->offsets[hk];
+        const float *row = sc ? sc + (size_t)hk * T : NULL;
         switch (m) {
         case KVRT_METHOD_FULL:
             for (int64_t t = 0; t < T; t++) idx[t] = (int32_t)t;
@@ -430,25 +472,13 @@ int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k
             qsort(idx + sink, (size_t)want, sizeof(int32_t), cmp_i32);
             break;
         }
-        case KVRT_METHOD_SNAPKV:
-            avg_pool(sc + (size_t)hk * T, T - w, o->pool_kernel, tmp);
-            rc = kvrt_select_pinned(tmp, T, B, 0, w, idx);
-            break;
-        case KVRT_METHOD_H2O:
-            rc = kvrt_select_pinned(sc + (size_t)hk * T, T, B, 0, B / 2, idx);
-            break;
+        case KVRT_METHOD_SNAPKV: rc = kvrt_select_pinned(row, T, B, 0, w, idx); break;
+        case KVRT_METHOD_H2O: rc = kvrt_select_pinned(row, T, B, 0, B / 2, idx); break;
         case KVRT_METHOD_KNORM:
-        case KVRT_METHOD_KEYDIFF:
-            key_scores(m, k, T, n_kv_heads, head_dim, hk, sc, anchor);
-            rc = kvrt_select_pinned(sc, T, B, sink, 0, idx);
-            break;
+        case KVRT_METHOD_KEYDIFF: rc = kvrt_select_pinned(row, T, B, sink, 0, idx); break;
         default: break;
         }
     }
-done:
-    free(sc);
-    free(tmp);
-    free(anchor);
     free(perm);
     if (rc != KVRT_OK) {
         kvrt_selection_free(sel);
@@ -456,6 +486,64 @@ done:
     }
     *out = sel;
     return KVRT_OK;
+}
+
+int kvrt_method_scores(kvrt_ctx *ctx, const kvrt_method_opts *o, const float *q, const float *k,
+                       int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                       float *scores) {
+    const char *fn = "kvrt_method_scores";
+    if (o == NULL) return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "%s: NULL options", fn);
+    int rc = method_check(fn, o, T);
+    const int need_q = o->method == KVRT_METHOD_SNAPKV || o->method == KVRT_METHOD_H2O;
+    if (rc == KVRT_OK && kvrt_method_has_scores(o->method))
+        rc = dims_check(fn, q, need_q, k, T, n_heads, n_kv_heads, head_dim);
+    if (rc == KVRT_OK)
+        rc = method_scores(fn, ctx, o, q, k, T, n_heads, n_kv_heads, head_dim, scores);
+    if (rc != KVRT_OK && ctx != NULL) ctx->last_err = *kvrt_tls_err();
+    return rc;
+}
+
+int kvrt_method_select_scored(const kvrt_method_opts *o, const float *scores, int64_t T,
+                              uint32_t n_kv_heads, kvrt_selection **out) {
+    const char *fn = "kvrt_method_select_scored";
+    kvrt_error *e = kvrt_tls_err();
+    if (out == NULL || o == NULL)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: NULL %s", fn, out == NULL ? "out" : "options");
+    *out = NULL;
+    int rc = method_check(fn, o, T);
+    if (rc == KVRT_OK && n_kv_heads == 0)
+        rc = kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: n_kv_heads 0, expected >= 1", fn);
+    if (rc == KVRT_OK) rc = budget_check(fn, o, T);
+    if (rc == KVRT_OK) rc = select_scored(fn, o, scores, T, n_kv_heads, out);
+    return rc;
+}
+
+int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k, const float *v,
+                       int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                       kvrt_selection **out) {
+    const char *fn = "kvrt_method_select";
+    kvrt_error *e = kvrt_tls_err();
+    (void)v;
+    if (out == NULL || o == NULL)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: NULL %s", fn, out == NULL ? "out" : "options");
+    *out = NULL;
+    const int m = o->method;
+    int rc = method_check(fn, o, T);
+    const int need_q = rc == KVRT_OK && (m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O);
+    if (rc == KVRT_OK) rc = dims_check(fn, q, need_q, k, T, n_heads, n_kv_heads, head_dim);
+    if (rc == KVRT_OK) rc = budget_check(fn, o, T);
+    if (rc != KVRT_OK) return rc;
+    float *sc = NULL;
+    if (kvrt_method_has_scores(m)) {
+        sc = malloc(sizeof(float) * (size_t)T * n_kv_heads);
+        if (sc == NULL)
+            return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "%s (%s): out of memory", fn,
+                                method_names[m]);
+        rc = method_scores(fn, NULL, o, q, k, T, n_heads, n_kv_heads, head_dim, sc);
+    }
+    if (rc == KVRT_OK) rc = select_scored(fn, o, sc, T, n_kv_heads, out);
+    free(sc);
+    return rc;
 }
 
 // ----------------------------------------------------------------------------

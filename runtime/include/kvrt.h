@@ -342,6 +342,27 @@ void kvrt_method_opts_init(kvrt_method_opts *o, int method, int64_t budget);
 int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k, const float *v,
                        int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                        kvrt_selection **out);
+/* kvrt_method_select in two steps, for one context selected at many budgets: the budget-
+ * independent scores once (kvrt_method_scores), then a selection per budget
+ * (kvrt_method_select_scored); the selection equals kvrt_method_select's for the same options
+ * and inputs, position for position. scores [Hkv, T] (higher = keep), written only by the methods
+ * that score tokens (kvrt_method_has_scores: snapkv, h2o, knorm, keydiff):
+ *  snapkv   the window mass average-pooled over the positions before the window; the window's
+ *           own positions (always kept) hold +INFINITY;
+ *  h2o      the accumulated attention;
+ *  knorm    -||k_t||;  keydiff  -cos(k_t, mean normalized key).
+ * Full, streaming and random write nothing (scores may be NULL). ctx may be NULL (the CPU
+ * paths kvrt_method_select runs); with a context, the snapkv / h2o score ops run through its
+ * backend table on host pointers (KVRT_ERR_UNSUPPORTED where the slot is empty; the message also
+ * in kvrt_ctx_last_error(ctx)). o->budget is not read by kvrt_method_scores. */
+int kvrt_method_has_scores(int method);
+int kvrt_method_scores(kvrt_ctx *ctx, const kvrt_method_opts *o, const float *q, const float *k,
+                       int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                       float *scores);
+/* The selection of o->budget positions per KV head from scores [Hkv, T] of kvrt_method_scores
+ * with the same options (scores may be NULL for methods without scores). */
+int kvrt_method_select_scored(const kvrt_method_opts *o, const float *scores, int64_t T,
+                              uint32_t n_kv_heads, kvrt_selection **out);
 const char *kvrt_method_name(int method);   /* "full", ..., "keydiff"; "unknown" otherwise */
 int kvrt_method_from_name(const char *name); /* -1 when unknown */
 /* ------------------------------------------------------------------ Quest (decode-time pages) */

@@ -1,0 +1,193 @@
+/*
+ * test_method_scores.c: Criterion tests of the baselines' two-step selection
+ * (runtime/cpu/baselines.c): kvrt_method_scores once, kvrt_method_select_scored per budget,
+ * equal position for position to kvrt_method_select for every method at many budgets, on real
+ * SmolLM2 activations (fx_capture_real: every layer of one held-out window) and with or
+ * without a CPU context; the scores' documented contents (SnapKV's window at +INFINITY, H2O's
+ * equal to kvrt_h2o_scores, nothing written by the methods without scores); bad inputs.
+ * The eval's use of it (one scoring per context and layer, shared by every budget row) is
+ * checked in test_eval.c's equal-numbers test.
+ */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "corpus.h"
+#include "fixtures.h"
+#include "kvrt_experimental.h"
+#include "test_ctx.h"
+
+typedef struct {
+    uint32_t L, H, Hkv, d;
+    int64_t C;
+    float **q, **k;
+} real_ctx;
+
+static void real_load(real_ctx *w) {
+    FX_REQUIRE_MODEL();
+    const char *text = "examples/data/heldout/2012_barack_obama_d.txt";
+    if (access(text, R_OK) != 0) cr_skip_test("held-out text missing");
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_mscores_%d.h5", (int)getpid());
+    fx_capture_real(text, 320, 8, 5, path, NULL);
+    kvcc_corpus *c = NULL;
+    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
+    kvcc_corpus_prompt_info pi;
+    cr_assert_eq(kvcc_corpus_prompt(c, 0, &pi, NULL, NULL), 0);
+    *w = (real_ctx){.L = m->n_layers, .H = m->n_heads, .Hkv = m->n_kv_heads, .d = m->head_dim,
+                    .C = pi.context_len};
+    const int64_t T = pi.n_tokens;
+    w->q = calloc(w->L, sizeof(float *));
+    w->k = calloc(w->L, sizeof(float *));
+    float *v = malloc(sizeof(float) * (size_t)T * w->Hkv * w->d);
+    for (uint32_t l = 0; l < w->L; l++) {
+        w->q[l] = malloc(sizeof(float) * (size_t)T * w->H * w->d);
+        w->k[l] = malloc(sizeof(float) * (size_t)T * w->Hkv * w->d);
+        cr_assert_eq(kvcc_corpus_read_layer(c, 0, l, w->q[l], w->k[l], v), 0);
+    }
+    free(v);
+    kvcc_corpus_close(c);
+    unlink(path);
+}
+
+static void real_free(real_ctx *w) {
+    for (uint32_t l = 0; l < w->L; l++) {
+        free(w->q[l]);
+        free(w->k[l]);
+    }
+    free(w->q);
+    free(w->k);
+}
+
+static void assert_same(const kvrt_selection *a, const kvrt_selection *b, const char *what) {
+    cr_assert_eq(a->n_kv_heads, b->n_kv_heads, "%s", what);
+    for (uint32_t h = 0; h <= a->n_kv_heads; h++)
+        cr_assert_eq(a->offsets[h], b->offsets[h], "%s: offsets[%u]", what, h);
+    for (int64_t i = 0; i < a->offsets[a->n_kv_heads]; i++)
+        cr_assert_eq(a->positions[i], b->positions[i], "%s: position %lld", what, (long long)i);
+}
+
+/* The scores' documented contents on layer 7 of w. */
+static void check_contents(const real_ctx *w) {
+    const int64_t T = w->C;
+    const uint32_t l = 7;
+    float *sc = malloc(sizeof(float) * (size_t)w->Hkv * T);
+    float *ref = malloc(sizeof(float) * (size_t)w->Hkv * T);
+    kvrt_method_opts mo;
+    kvrt_method_opts_init(&mo, KVRT_METHOD_H2O, 0); /* the budget is not read */
+    cr_assert_eq(kvrt_method_scores(NULL, &mo, w->q[l], w->k[l], T, w->H, w->Hkv, w->d, sc),
+                 KVRT_OK);
+    cr_assert_eq(kvrt_h2o_scores(w->q[l], w->k[l], T, w->H, w->Hkv, w->d, ref), KVRT_OK);
+    cr_assert_eq(memcmp(sc, ref, sizeof(float) * (size_t)w->Hkv * T), 0, "h2o: the same bits");
+    kvrt_method_opts_init(&mo, KVRT_METHOD_SNAPKV, 0);
+    cr_assert_eq(kvrt_method_scores(NULL, &mo, w->q[l], w->k[l], T, w->H, w->Hkv, w->d, sc),
+                 KVRT_OK);
+    for (uint32_t h = 0; h < w->Hkv; h++)
+        for (int64_t t = 0; t < T; t++) {
+            const float x = sc[(size_t)h * T + t];
+            if (t >= T - mo.window) cr_assert(isinf(x) && x > 0, "snapkv window at +inf");
+            else cr_assert(isfinite(x) && x >= 0, "snapkv pooled mass %g", x);
+        }
+    const int none[] = {KVRT_METHOD_FULL, KVRT_METHOD_STREAMING, KVRT_METHOD_RANDOM};
+    for (int i = 0; i < 3; i++) {
+        cr_assert_not(kvrt_method_has_scores(none[i]));
+        for (int64_t t = 0; t < T; t++) sc[t] = -7.0f;
+        kvrt_method_opts_init(&mo, none[i], 8);
+        cr_assert_eq(kvrt_method_scores(NULL, &mo, NULL, w->k[l], T, w->H, w->Hkv, w->d, sc),
+                     KVRT_OK);
+        for (int64_t t = 0; t < T; t++) cr_assert_eq(sc[t], -7.0f, "nothing written");
+        cr_assert_eq(kvrt_method_scores(NULL, &mo, NULL, NULL, T, w->H, w->Hkv, w->d, NULL),
+                     KVRT_OK);
+    }
+    free(sc);
+    free(ref);
+}
+
+Test(method_scores, scored_selection_equals_method_select_on_real_layers, .timeout = 300) {
+    real_ctx w;
+    real_load(&w);
+    const int64_t T = w.C;
+    const int64_t budgets[] = {1, 4, 5, 16, 31, 32, 33, 64, 100, T / 2, T - 1, T};
+    float *sc = malloc(sizeof(float) * (size_t)w.Hkv * T);
+    int compared = 0;
+    for (uint32_t l = 0; l < w.L; l += 3) {
+        for (int m = 0; m < KVRT_METHOD_COUNT; m++) {
+            kvrt_method_opts mo;
+            kvrt_method_opts_init(&mo, m, 1);
+            mo.seed = 7 + l;
+            /* scores once (with a context on odd layers, without on even ones) */
+            kvrt_ctx *ctx = l % 2 ? test_cpu() : NULL;
+            cr_assert_eq(kvrt_method_scores(ctx, &mo, w.q[l], w.k[l], T, w.H, w.Hkv, w.d, sc),
+                         KVRT_OK, "layer %u %s: %s", l, kvrt_method_name(m),
+                         kvrt_last_error()->msg);
+            for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++) {
+                mo.budget = budgets[b];
+                kvrt_selection *a = NULL, *s = NULL;
+                const int ra = kvrt_method_select(&mo, w.q[l], w.k[l], NULL, T, w.H, w.Hkv, w.d,
+                                                  &a);
+                const int rs = kvrt_method_select_scored(&mo, sc, T, w.Hkv, &s);
+                cr_assert_eq(ra, rs, "layer %u %s budget %lld: statuses %d vs %d", l,
+                             kvrt_method_name(m), (long long)budgets[b], ra, rs);
+                if (ra == KVRT_OK) {
+                    char what[96];
+                    snprintf(what, sizeof what, "layer %u %s budget %lld", l, kvrt_method_name(m),
+                             (long long)budgets[b]);
+                    assert_same(a, s, what);
+                    compared++;
+                } else {
+                    cr_assert_null(s);
+                }
+                kvrt_selection_free(a);
+                kvrt_selection_free(s);
+            }
+        }
+    }
+    cr_assert_gt(compared, 200);
+    free(sc);
+    check_contents(&w);
+    real_free(&w);
+}
+
+Test(method_scores, bad_inputs_have_clear_statuses) {
+    const int64_t T = 64;
+    const uint32_t H = 4, Hkv = 2, d = 8;
+    float *q = calloc((size_t)T * H * d, sizeof(float)), *k = calloc((size_t)T * Hkv * d, 4);
+    float *sc = calloc((size_t)T * Hkv, sizeof(float));
+    kvrt_method_opts mo;
+    kvrt_selection *s = NULL;
+    kvrt_method_opts_init(&mo, KVRT_METHOD_H2O, 16);
+    cr_assert_eq(kvrt_method_scores(NULL, NULL, q, k, T, H, Hkv, d, sc), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_method_scores(NULL, &mo, NULL, k, T, H, Hkv, d, sc), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_method_scores(NULL, &mo, q, k, T, H, Hkv, d, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "kvrt_method_scores: scores is NULL"), "%s",
+              kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_method_scores(NULL, &mo, q, k, T, 3, Hkv, d, sc), KVRT_ERR_SHAPE);
+    cr_assert_eq(kvrt_method_select_scored(&mo, NULL, T, Hkv, &s), KVRT_ERR_ARG);
+    cr_assert_null(s);
+    cr_assert(strstr(kvrt_last_error()->msg, "scores is NULL"), "%s", kvrt_last_error()->msg);
+    mo.budget = T + 1;
+    cr_assert_eq(kvrt_method_select_scored(&mo, sc, T, Hkv, &s), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "kvrt_method_select_scored (h2o): budget 65"), "%s",
+              kvrt_last_error()->msg);
+    kvrt_method_opts_init(&mo, KVRT_METHOD_SNAPKV, 16);
+    cr_assert_eq(kvrt_method_select_scored(&mo, sc, T, Hkv, &s), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "smaller than the observation window 32"), "%s",
+              kvrt_last_error()->msg);
+    mo.pool_kernel = 4;
+    cr_assert_eq(kvrt_method_scores(NULL, &mo, q, k, T, H, Hkv, d, sc), KVRT_ERR_ARG);
+    mo.method = 99;
+    cr_assert_eq(kvrt_method_scores(NULL, &mo, q, k, T, H, Hkv, d, sc), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_method_select_scored(&mo, sc, T, Hkv, &s), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_method_select_scored(&mo, sc, T, Hkv, NULL), KVRT_ERR_ARG);
+    kvrt_method_opts_init(&mo, KVRT_METHOD_KNORM, 16);
+    cr_assert_eq(kvrt_method_select_scored(&mo, sc, T, 0, &s), KVRT_ERR_SHAPE);
+    free(q);
+    free(k);
+    free(sc);
+}
