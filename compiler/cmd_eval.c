@@ -146,6 +146,23 @@ static void budget_str(const kvcc_eval_row *row, char *b, size_t n) {
     else snprintf(b, n, "%.0f", row->budget);
 }
 
+/* The footnote of the MB column: the rows not at equal memory, their bytes against the budget's
+ * reference (the token-eviction baselines at the same budget), and their per-head spread. */
+static void print_equal_memory(const kvcc_eval_result *r) {
+    int n = 0;
+    for (int i = 0; i < r->n_rows; i++) {
+        const kvcc_eval_row *w = &r->rows[i];
+        if (w->status || w->equal_memory != 0) continue;
+        char b[32];
+        budget_str(w, b, sizeof b);
+        if (!n++)
+            printf("\n* not at equal memory: bytes vs the token-eviction baselines at the same "
+                   "budget (entries per layer and KV head: min..max)\n");
+        printf("  %-13s %7s %6.3fx (%.2f vs %.2f MB; kept %.0f..%.0f)\n", w->name, b, w->bytes_rel,
+               w->bytes_mean / 1e6, w->ref_bytes / 1e6, w->kept_min, w->kept_max);
+    }
+}
+
 static void print_table(const kvcc_eval_result *r, const char *corpus, const char *gguf) {
     printf("kvcc eval: %s (%s), %u prompts x %u context + %u continuation tokens, %u layers, %u KV heads x d %u\n",
            corpus, r->model_name, r->prompts, r->context_len, r->continuation_len, r->layers, r->n_kv_heads, r->head_dim);
@@ -165,6 +182,10 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     if (r->decode_note[0])
         printf("decode-time rows: %s; kept = tokens read exactly per KV head and step, MB = bytes read per decode step "
                "(all layers), sel_ms = decode-time work per prompt\n", r->decode_note);
+    printf("memory: kept = entries per layer and KV head (mean), MB = compressed cache per "
+           "prompt (all layers); MB* = not within %.0f%% of the token-eviction baselines at that "
+           "budget (footnote); sel_ms charges shared scores to every row using them\n",
+           100 * KVCC_EVAL_EQUAL_MEM);
     printf("\n%-13s %7s %7s %9s %9s %8s %7s %9s %8s", "method", "budget", "kept", "relerr", "relerr95", "KL", "mass",
            "MB", "sel_ms");
     if (gguf) printf(" %7s %8s %7s %7s", "NLL", "dNLL", "exact", "tokacc");
@@ -183,8 +204,9 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
             printf("error: %s\n", row->msg);
             continue;
         }
-        printf("%7.0f %9.4f %9.4f %8.4f %7.4f %9.2f %8.1f", row->kept_mean, row->relerr_mean, row->relerr_p95,
-               row->kl_mean, row->mass_mean, row->bytes_mean / 1e6, row->select_ms);
+        printf("%7.0f %9.4f %9.4f %8.4f %7.4f %9.2f%c%7.1f", row->kept_mean, row->relerr_mean,
+               row->relerr_p95, row->kl_mean, row->mass_mean, row->bytes_mean / 1e6,
+               row->equal_memory == 0 ? '*' : ' ', row->select_ms);
         if (gguf && row->have_e2e)
             printf(" %7.4f %+8.4f %3u/%-3u %7.3f", row->nll, row->nll - row->nll_full, row->probes_exact, row->probes,
                    row->probe_tokens ? (double)row->probe_tokens_ok / row->probe_tokens : 0.0);
@@ -195,6 +217,7 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         }
         printf("\n");
     }
+    print_equal_memory(r);
     printf("\ntime: layer-local %.1f s", r->seconds_local);
     if (gguf) printf(", end to end %.1f s", r->seconds_e2e);
     if (r->n_needle_ctx) printf(", needle task %.1f s", r->seconds_needle);
@@ -202,7 +225,9 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
 }
 
 static void print_csv(const kvcc_eval_result *r) {
-    printf("method,budget,kept,relerr_mean,relerr_p95,kl,mass,bytes,select_ms,nll,nll_full,dnll,probes,exact,token_acc");
+    printf("method,budget,kept,relerr_mean,relerr_p95,kl,mass,bytes,select_ms,kept_min,kept_max,"
+           "unit_bytes_mean,unit_bytes_min,unit_bytes_max,ref_bytes,bytes_rel,equal_memory,nll,"
+           "nll_full,dnll,probes,exact,token_acc");
     for (int c = 0; c < r->n_needle_ctx; c++)
         printf(",needle%d_asked,needle%d_exact,needle%d_kept,needle%d_bytes,needle%d_ms", r->needle_ctx[c],
                r->needle_ctx[c], r->needle_ctx[c], r->needle_ctx[c], r->needle_ctx[c]);
@@ -214,6 +239,14 @@ static void print_csv(const kvcc_eval_result *r) {
         printf("%s,%s,%.1f,%.6g,%.6g,%.6g,%.6g,%.0f,%.3f,", w->name, b, w->kept_mean,
                w->relerr_mean, w->relerr_p95, w->kl_mean, w->mass_mean, w->bytes_mean,
                w->select_ms);
+        if (w->equal_memory >= 0)
+            printf("%.0f,%.0f,%.1f,%.1f,%.1f,%.0f,%.4f,%d,", w->kept_min, w->kept_max,
+                   w->unit_bytes_mean, w->unit_bytes_min, w->unit_bytes_max, w->ref_bytes,
+                   w->bytes_rel, w->equal_memory);
+        else if (w->unit_bytes_mean > 0)
+            printf("%.0f,%.0f,%.1f,%.1f,%.1f,,,,", w->kept_min, w->kept_max, w->unit_bytes_mean,
+                   w->unit_bytes_min, w->unit_bytes_max);
+        else printf(",,,,,,,,");
         if (w->have_e2e)
             printf("%.6f,%.6f,%.6f,%u,%u,%.4f,", w->nll, w->nll_full, w->nll - w->nll_full, w->probes, w->probes_exact,
                    w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0.0);
@@ -269,6 +302,20 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
             cJSON_AddNumberToObject(o, "mass", w->mass_mean);
             cJSON_AddNumberToObject(o, "bytes", w->bytes_mean);
             cJSON_AddNumberToObject(o, "select_ms", w->select_ms);
+            if (w->unit_bytes_mean > 0) {
+                cJSON *mem = cJSON_AddObjectToObject(o, "memory"); /* per (layer, KV head) unit */
+                cJSON_AddNumberToObject(mem, "kept_mean", w->kept_mean);
+                cJSON_AddNumberToObject(mem, "kept_min", w->kept_min);
+                cJSON_AddNumberToObject(mem, "kept_max", w->kept_max);
+                cJSON_AddNumberToObject(mem, "bytes_mean", w->unit_bytes_mean);
+                cJSON_AddNumberToObject(mem, "bytes_min", w->unit_bytes_min);
+                cJSON_AddNumberToObject(mem, "bytes_max", w->unit_bytes_max);
+                if (w->equal_memory >= 0) {
+                    cJSON_AddNumberToObject(mem, "ref_bytes", w->ref_bytes);
+                    cJSON_AddNumberToObject(mem, "bytes_rel", w->bytes_rel);
+                    cJSON_AddBoolToObject(mem, "equal_memory", w->equal_memory);
+                }
+            }
             if (w->have_e2e) {
                 cJSON_AddNumberToObject(o, "nll", w->nll);
                 cJSON_AddNumberToObject(o, "nll_full", w->nll_full);

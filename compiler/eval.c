@@ -201,6 +201,19 @@ static void summarize(eval_run *E) {
         row->bytes_mean = a->bytes_sum / n_prompts;
         if (eval_is_decode(row->method))
             row->bytes_mean = a->dsteps ? a->dbytes / (double)a->dsteps * E->env.L : 0;
+        row->equal_memory = -1;
+        if (a->unit_n && !eval_is_decode(row->method)) {
+            row->kept_min = a->kept_min;
+            row->kept_max = a->kept_max;
+            row->unit_bytes_mean = a->ub_sum / (double)a->unit_n;
+            row->unit_bytes_min = a->ub_min;
+            row->unit_bytes_max = a->ub_max;
+            row->ref_bytes = a->ref_sum / n_prompts;
+            if (row->ref_bytes > 0) {
+                row->bytes_rel = row->bytes_mean / row->ref_bytes;
+                row->equal_memory = fabs(row->bytes_rel - 1) <= KVCC_EVAL_EQUAL_MEM;
+            }
+        }
         row->select_ms = 1e3 * a->sel_s / n_prompts;
         if (a->nll_n) {
             row->have_e2e = 1;

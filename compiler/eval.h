@@ -18,6 +18,7 @@
 #define KVCC_EVAL_PROBE_PREFIX 16 /* tokens of the passage given */
 #define KVCC_EVAL_PROBE_ANSWER 8  /* tokens of the passage to reproduce */
 #define KVCC_EVAL_NEEDLE_CTX 4    /* needle context lengths per run */
+#define KVCC_EVAL_EQUAL_MEM 0.02  /* rows within 2% of their budget's reference bytes are equal */
 
 typedef struct {
     const kvcc_eval_method *method; /* the row's method (eval_methods.h) */
@@ -32,8 +33,21 @@ typedef struct {
     double bytes_mean;     /* compressed-cache bytes per prompt, all layers; decode-time rows:
                             * bytes read per decode step, all layers (exact K/V of the selected
                             * tokens + the block summaries scored) */
-    double select_ms;      /* selection + gather time per prompt, all layers; decode-time rows:
-                            * state build + every step (score, select, attend) per prompt */
+    double select_ms;      /* selection + gather time per prompt, all layers (shared budget-
+                            * independent work, e.g. H2O's scores, charged to every row using it);
+                            * decode-time rows: state build + every step (score, select, attend)
+                            * per prompt */
+    /* equal memory (prefill rows, layer-local caches): per (prompt, layer, KV head) unit, the
+     * entries kept and the unit's bytes (its entries' share of kvrt_cache_bytes of the layer's
+     * cache): mean, min, max over units. ref_bytes: the budget's reference, the bytes per prompt
+     * of a token-eviction cache of exactly the budget's tokens per KV head (what streaming,
+     * random, snapkv, h2o, knorm, keydiff keep); bytes_rel = bytes_mean / ref_bytes; equal_memory:
+     * 1 within KVCC_EVAL_EQUAL_MEM of the reference, 0 outside, -1 not compared (full,
+     * decode-time rows) */
+    double kept_min, kept_max;
+    double unit_bytes_mean, unit_bytes_min, unit_bytes_max;
+    double ref_bytes, bytes_rel;
+    int equal_memory;
     /* end to end (with a model) */
     int have_e2e;
     double nll, nll_full;  /* mean continuation NLL per token: compressed / full cache */

@@ -32,6 +32,10 @@ typedef struct {
     eval_dvec relerr;
     double kl_sum, mass_sum, kept_sum, bytes_sum, sel_s;
     uint64_t kl_n, kept_n;
+    double kept_min, kept_max;       /* per (prompt, layer, KV head) unit (valid when unit_n) */
+    double ub_sum, ub_min, ub_max;   /* unit bytes */
+    uint64_t unit_n;
+    double ref_sum;                  /* reference bytes, summed over prompts */
     double nll_sum, nll_full_sum;
     uint64_t nll_n;
     double dbytes;         /* decode-time: bytes read, summed over (layer, step) */
@@ -49,6 +53,7 @@ typedef struct {
     const kvcc_eval_method *ms[EVAL_MAX_METHODS];
     kvcc_eval_prep preps[EVAL_MAX_METHODS];
     void *pstates[EVAL_MAX_METHODS]; /* the current prompt's per-method state (prompt_begin) */
+    uint64_t ctx_serial;   /* the last context id handed out (kvcc_eval_layer.ctx_id) */
 } eval_run;
 
 static inline const kvcc_eval_method *eval_row_method(const eval_run *E, int ri) {
@@ -101,6 +106,8 @@ typedef struct {
     int64_t x_cap;           /* tokens xq / xk hold */
     int C, T;
     double nll_full;
+    uint64_t ctx_id;         /* this context's id (kvcc_eval_layer.ctx_id) */
+    double shared_s;         /* the current row's reused shared work, seconds (compression time) */
 } e2e_prompt;
 /* A row's scoring once its context is compressed: caches [L] (prefill rows) or NULL (decode-time
  * rows: the state's attention hook is set from C). Returns 0 or a model / kvrt status. */

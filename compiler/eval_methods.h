@@ -51,11 +51,18 @@ typedef struct {
 } kvcc_eval_prep;
 
 /* One layer of one prompt, for a prefill compressor: q [C, H, d] the context's queries (rows
- * beyond C may follow), k, v [C, Hkv, d] the context's keys and values. */
+ * beyond C may follow), k, v [C, Hkv, d] the context's keys and values. ctx_id names the context
+ * (a corpus prompt layer-locally, a prompt end to end, a needle haystack: unique in the run, 0
+ * when unnamed): every row of a method sees the same (ctx_id, layer) inputs, so budget-independent
+ * work may be computed by the first row and kept in the method's state for the others. The
+ * seconds that kept work took are added to *shared_s by every row that reuses it (the row's
+ * compression time counts it, as if the row had run alone). */
 typedef struct {
     uint32_t prompt, layer;
     const float *q, *k, *v;
     int64_t C;
+    uint64_t ctx_id;
+    double *shared_s;            /* may be NULL: the time is not charged */
 } kvcc_eval_layer;
 
 /* Every layer of one prompt after a model prefill (end to end): q[l] [C, H, d], k[l] / v[l]

@@ -178,6 +178,7 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
     int64_t B;
     int st = eval_row_budget(row, x->C, &B);
     if (st) { eval_row_fail(row, st, "budget"); return; }
+    x->shared_s = 0;
     if (m->compress_all) { /* all layers at once from the model's own q/k/v and the log-probs */
         const float **kp = malloc((size_t)L * sizeof *kp), **vp = malloc((size_t)L * sizeof *vp);
         st = kp && vp ? 0 : KVRT_ERR_NOMEM;
@@ -196,8 +197,8 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         /* the model's own context keys/values of layer l: rows [0, C) of its cache */
         memcpy(x->kbuf, x->s->k_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));
         memcpy(x->vbuf, x->s->v_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));
-        const kvcc_eval_layer xl = {
-            .layer = l, .q = x->q[l], .k = x->kbuf, .v = x->vbuf, .C = x->C};
+        const kvcc_eval_layer xl = {.layer = l, .q = x->q[l], .k = x->kbuf, .v = x->vbuf,
+                                    .C = x->C, .ctx_id = x->ctx_id, .shared_s = &x->shared_s};
         st = m->compress_layer(m, state, NULL, &E->env, &xl, row->budget, B, &x->caches[l]);
     }
     if (st) eval_row_fail(row, st, "select");
@@ -307,6 +308,7 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
             snprintf(err, errlen, "eval: the model failed on the context of prompt %u", p);
             break;
         }
+        x.ctx_id = ++E->ctx_serial; /* the rows share budget-independent work of this context */
         /* the full-cache reference (the model's own attention) */
         uint64_t n_full = 0;
         uint32_t fp = 0, fe = 0;

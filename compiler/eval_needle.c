@@ -56,7 +56,7 @@ static int score_needle_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **cac
     needle_run *nr = user;
     (void)E;
     (void)ri;
-    nr->comp_s = kvcc_now_s() - nr->t_row;
+    nr->comp_s = kvcc_now_s() - nr->t_row + x->shared_s; /* + reused shared work */
     nr->kept = nr->bytes = 0;
     for (uint32_t l = 0; caches && l < E->env.L; l++) {
         nr->kept += (double)caches[l]->n_entries / E->env.Hkv / E->env.L;
@@ -148,6 +148,7 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
                 break;
             }
             x.tok = nd.ctx;
+            x.ctx_id = ++E->ctx_serial; /* the rows share budget-independent work of it */
             if (eval_e2e_prefill(&x)) {
                 snprintf(err, errlen, "eval: the model failed on needle haystack %u", h);
                 rc = KVCC_EXIT_FAILED;

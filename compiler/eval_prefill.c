@@ -50,19 +50,32 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
     int64_t B;
     int s = eval_row_budget(row, lp->C, &B);
     if (s) { eval_row_fail(row, s, "budget"); return 0; }
-    const kvcc_eval_layer x = {
-        .prompt = lp->prompt, .layer = lp->layer, .q = lp->q, .k = lp->k, .v = lp->v, .C = lp->C};
+    double shared = 0;
+    const kvcc_eval_layer x = {.prompt = lp->prompt, .layer = lp->layer, .q = lp->q, .k = lp->k,
+                               .v = lp->v, .C = lp->C, .ctx_id = E->ctx_serial,
+                               .shared_s = &shared};
     double t0 = kvcc_now_s();
     kvrt_cache *cc = NULL;
     s = m->compress_layer(m, eval_row_prep(E, ri)->state, E->pstates[a->mi], &E->env, &x,
                           row->budget, B, &cc);
-    a->sel_s += kvcc_now_s() - t0;
+    a->sel_s += kvcc_now_s() - t0 + shared;
     if (s) { eval_row_fail(row, s, "select"); kvrt_cache_free(cc); return 0; }
     s = kvcc_loop_attend(lp, cc, lp->o_c, lp->lse_c, NULL);
     if (s) { eval_row_fail(row, s, "attend"); kvrt_cache_free(cc); return 0; }
-    *bytes_prompt += (double)kvrt_cache_bytes(cc);
+    const double bytes = (double)kvrt_cache_bytes(cc);
+    *bytes_prompt += bytes;
     a->kept_sum += (double)cc->n_entries / Hkv;
     a->kept_n++;
+    for (uint32_t h = 0; h < cc->n_kv_heads; h++) { /* per (layer, KV head) unit */
+        const double n_h = (double)(cc->offsets[h + 1] - cc->offsets[h]);
+        const double b_h = cc->n_entries ? bytes * n_h / (double)cc->n_entries : 0;
+        if (!a->unit_n || n_h < a->kept_min) a->kept_min = n_h;
+        if (!a->unit_n || n_h > a->kept_max) a->kept_max = n_h;
+        if (!a->unit_n || b_h < a->ub_min) a->ub_min = b_h;
+        if (!a->unit_n || b_h > a->ub_max) a->ub_max = b_h;
+        a->ub_sum += b_h;
+        a->unit_n++;
+    }
     kvrt_cache_free(cc);
     for (uint32_t h = 0; h < H; h++) {
         double e_sum = 0;
@@ -76,6 +89,28 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
         }
         if (eval_dvec_push(&a->relerr, e_sum / (double)N)) return -1;
     }
+    return 0;
+}
+
+/* Row ri's reference bytes on a C-token context of L layers (prefill rows with a budget): a
+ * token-eviction cache of exactly the budget's tokens per KV head, as kvrt_cache_bytes counts it.
+ * Nonzero only when out of memory. */
+static int add_reference(eval_run *E, int ri, int64_t C, uint32_t L) {
+    const kvcc_eval_row *row = &E->r->rows[ri];
+    const kvcc_budget_kind kind = row->method->budget;
+    int64_t B;
+    if (row->status || (kind != KVCC_BUDGET_TOKENS && kind != KVCC_BUDGET_RATIO) ||
+        kvrt_budget_resolve(row->budget, C, &B) != KVRT_OK)
+        return 0;
+    int64_t *counts = malloc(sizeof(int64_t) * E->env.Hkv);
+    if (!counts) return -1;
+    kvrt_cache *c = NULL;
+    for (uint32_t h = 0; h < E->env.Hkv; h++) counts[h] = B;
+    int s = kvrt_cache_create(E->env.Hkv, E->env.d, E->env.dtype, counts, &c);
+    free(counts);
+    if (s == KVRT_ERR_NOMEM) return -1;
+    if (s == KVRT_OK) E->acc[ri].ref_sum += (double)kvrt_cache_bytes(c) * L;
+    kvrt_cache_free(c);
     return 0;
 }
 
@@ -95,7 +130,9 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
             break;
         }
         memset(bytes_prompt, 0, (size_t)r->n_rows * sizeof *bytes_prompt);
+        E->ctx_serial++; /* this prompt's context id */
         rc = begin_prompt(E, p, err, errlen);
+        for (int ri = 0; ri < r->n_rows && !rc; ri++) rc = add_reference(E, ri, lp.C, lp.L);
         for (uint32_t l = 0; l < lp.L && !rc; l++) {
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
             for (int ri = 0; ri < r->n_rows && !rc; ri++) {

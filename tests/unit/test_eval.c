@@ -2,7 +2,8 @@
  * test_eval.c: kvcc eval's measures. On a synthetic corpus: the full row is exact (relative
  * error 0, retained mass 1, KL 0), every method keeps exactly its budget, a budget larger than
  * the context fails that row with a clear message, and more budget never loses mass for
- * streaming. On the real model (skipped when it is not fetched): the full-cache row, which runs
+ * streaming; the baselines' scores shared by their budget rows give the numbers of one budget at
+ * a time, and their bytes are the equal-memory reference. On the real model (skipped when it is not fetched): the full-cache row, which runs
  * the model's attention through kvrt_attend over a compressed cache that keeps everything,
  * reproduces the uncompressed model's continuation NLL (delta 0 up to float noise).
  */
@@ -58,6 +59,54 @@ Test(eval, synthetic_layer_local) {
     }
     /* streaming: 64 tokens retain at least the mass of 40 (a superset per head) */
     cr_expect_geq(R.rows[2].mass_mean, R.rows[1].mass_mean - 1e-9);
+    unlink(path);
+}
+
+static kvcc_eval_result R1; /* one budget at a time */
+
+/* The baselines score each (prompt, layer) once for all their budgets: every row equals the row
+ * of a run at its budget alone; the token-eviction rows are the equal-memory reference. */
+Test(eval, shared_scores_equal_one_budget_runs_and_memory_fields) {
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_eval_shared_%d.h5", (int)getpid());
+    kvcc_corpus_model m = {.name = "tiny", .n_layers = 2, .n_heads = 8, .n_kv_heads = 2,
+                           .head_dim = 16, .vocab_size = 100, .rope_theta = 10000.0,
+                           .rope_scaling = "none", .rope_scaling_factor = 1};
+    kvcc_synth_opts so = {.n_prompts = 2, .context_len = 96, .continuation_len = 16, .seed = 4,
+                          .retrieval_heads = 1};
+    cr_assert_eq(kvcc_synth_write(path, &m, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    const char *methods[] = {"full", "h2o", "snapkv", "knorm", "keydiff", "random"};
+    double budgets[] = {40, 0.5, 64};
+    kvcc_eval_opts o = {.corpus = path, .methods = methods, .n_methods = 6, .budgets = budgets,
+                        .n_budgets = 3, .seed = 1};
+    cr_assert_eq(kvcc_eval_run(&o, &R, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(R.n_rows, 1 + 5 * 3);
+    cr_expect_eq(R.rows[0].equal_memory, -1, "full is not compared");
+    for (int j = 0; j < 3; j++) {
+        kvcc_eval_opts o1 = o;
+        o1.budgets = &budgets[j];
+        o1.n_budgets = 1;
+        cr_assert_eq(kvcc_eval_run(&o1, &R1, err, sizeof err), 0, "%s", err);
+        for (int i = 1; i < R1.n_rows; i++) {
+            const kvcc_eval_row *a = &R1.rows[i], *b = NULL;
+            for (int k = 1; k < R.n_rows; k++)
+                if (!strcmp(R.rows[k].name, a->name) && R.rows[k].budget == a->budget)
+                    b = &R.rows[k];
+            cr_assert_not_null(b);
+            cr_assert_eq(a->status, 0, "%s", a->msg);
+            cr_expect(a->relerr_mean == b->relerr_mean && a->relerr_p95 == b->relerr_p95 &&
+                          a->kl_mean == b->kl_mean && a->mass_mean == b->mass_mean &&
+                          a->bytes_mean == b->bytes_mean,
+                      "%s at %g: shared scores change the numbers", a->name, a->budget);
+            const double want = a->budget < 1 ? round(a->budget * 96) : a->budget;
+            cr_expect(b->kept_min == want && b->kept_max == want, "%s kept %g..%g", b->name,
+                      b->kept_min, b->kept_max);
+            cr_expect(b->ref_bytes == b->bytes_mean && b->equal_memory == 1,
+                      "%s at %g: bytes %g, reference %g", b->name, b->budget, b->bytes_mean,
+                      b->ref_bytes);
+            cr_expect_float_eq(b->unit_bytes_mean * 2 * 2, b->bytes_mean, 1e-6 * b->bytes_mean);
+        }
+    }
     unlink(path);
 }
 
