@@ -88,7 +88,7 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods comp
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 4 ]] && ok || bad "eval am rows: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1); ex=$?
-[[ $ex -eq 0 && "$out" == *"am: the compiled per-head schedule with the compiled options (key selection highest, chunk 4096)"* \
+[[ $ex -eq 0 && "$out" == *"am: the compiled per-head schedule with the compiled options (key selection highest, chunk 4096, beta floor "* \
    && "$out" == *"am-uniform: an uncompiled variant"* ]] && ok || bad "eval header: the options each AM row runs: $out"
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
