@@ -520,10 +520,10 @@ static const kvcc_pass_option am_options[] = {
      "bias floor: every selected key is kept with beta = max(log w, F), so a head holds its whole "
      "budget; none: keys of NNLS weight 0 are dropped (written; eval runs it)", AM_OPT(am_floor),
      0, 0, 0, NULL, 0},
-    {"am-sinks", KVCC_OPT_U32, "N", "0",
+    {"am-sinks", KVCC_OPT_U32, "N", "4",
      "first N keys of every head kept exactly (beta 0), inside its budget (written; eval runs it)",
      AM_OPT(am_sinks), 0, 0, 1u << 20, NULL, 0},
-    {"am-recent", KVCC_OPT_F64, "F", "0",
+    {"am-recent", KVCC_OPT_F64, "F", "0.5",
      "fraction of every head's budget kept as the exact recent window, in [0, 1) (written; eval "
      "runs it)", AM_OPT(am_recent), 0, 0, 0, NULL, 0},
     {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},

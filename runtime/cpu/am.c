@@ -53,8 +53,8 @@ void kvrt_am_opts_init(kvrt_am_opts *o) {
     o->nnls_max_iter = 0;
     o->max_queries = 4096;
     o->beta_floor = -3;
-    o->n_sink = 0;
-    o->recent_frac = 0;
+    o->n_sink = 4;
+    o->recent_frac = 0.5;
 }
 
 static int all_finite_f(const float *x, int64_t count) {

@@ -294,6 +294,8 @@ Test(am, compaction_bounded_and_better_than_dropping) {
         kvrt_am_opts_init(&o);
         o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
         o.chunk = 128; /* 4 chunks of 16 entries */
+        o.n_sink = 0;  /* the whole head compacted (no exact sinks or recent window) */
+        o.recent_frac = 0;
         kvrt_cache *c = NULL;
         kvrt_am_stats st;
         cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
@@ -346,6 +348,8 @@ Test(am, degenerate_inputs) {
     float out[NQ * D], lse[NQ], of[NQ * D], lf[NQ];
     kvrt_am_opts o;
     kvrt_am_opts_init(&o);
+    o.n_sink = 0; /* the whole head compacted */
+    o.recent_frac = 0;
     kvrt_cache *c = NULL;
     kvrt_am_stats st;
     /* every key identical: one entry with beta = log T carries all the mass (dropping zero
@@ -880,6 +884,8 @@ Test(am, floor_keeps_the_whole_budget) {
         o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
         o.chunk = 0;
         o.beta_floor = NAN;
+        o.n_sink = 0; /* every entry fitted (the plain ridge below fits them all) */
+        o.recent_frac = 0;
         kvrt_cache *c0 = NULL, *c1 = NULL;
         kvrt_am_stats s0, s1;
         cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c0, &s0), KVRT_OK,
@@ -946,6 +952,8 @@ Test(am, sinks_and_recent_are_exact) {
             o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
             o.chunk = 128; /* the middle in chunks too */
             o.beta_floor = fl ? -3 : NAN;
+            o.n_sink = 0;
+            o.recent_frac = 0;
             kvrt_cache *ref = NULL, *c = NULL;
             cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k + NS * D, v + NS * D, Tm, D, qm, pm, nm, tm,
                                          KVRT_DTYPE_F32, &ref, NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
@@ -1143,6 +1151,8 @@ Test(am, omp_equals_plain_greedy) {
     kvrt_am_opts_init(&o);
     o.key_select = KVRT_AM_SELECT_OMP;
     o.beta_floor = NAN;
+    o.n_sink = 0;
+    o.recent_frac = 0;
     kvrt_cache *c = NULL;
     cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c, NULL), KVRT_OK,
                  "%s", kvrt_last_error()->msg);
