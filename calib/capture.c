@@ -45,7 +45,7 @@ static int cmp_window(const void *a, const void *b) {
     return (x->off > y->off) - (x->off < y->off);
 }
 
-static char *read_file(const char *path, size_t *len, char *err, size_t errlen) {
+char *kvcc_read_text_file(const char *path, size_t *len, char *err, size_t errlen) {
     FILE *f = fopen(path, "rb");
     if (!f) {
         snprintf(err, errlen, "%s: cannot open: %s", path, strerror(errno));
@@ -92,7 +92,7 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
     int rc = (ids && n_ids) ? 0 : KVCC_CORPUS_ERR_NOMEM;
     for (int i = 0; !rc && i < o->n_texts; i++) {
         size_t len;
-        char *text = read_file(o->texts[i], &len, err, errlen);
+        char *text = kvcc_read_text_file(o->texts[i], &len, err, errlen);
         if (!text) { rc = KVCC_CORPUS_ERR_IO; break; }
         if (kvcc_tok_encode(tok, text, len, 0, &ids[i], &n_ids[i]) != 0) {
             snprintf(err, errlen, "%s: tokenization failed", o->texts[i]);

@@ -35,4 +35,7 @@ typedef struct {
 int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_capture_opts *o,
                      const char *out_path, void (*progress)(unsigned done, unsigned total),
                      kvcc_capture_stats *stats, char *err, size_t errlen);
+/* A whole text file (up to 1 GiB), NUL-terminated, malloc'd; NULL with a message naming the
+ * file on failure. */
+char *kvcc_read_text_file(const char *path, size_t *len, char *err, size_t errlen);
 #endif

@@ -624,6 +624,39 @@ int kvcc_model_prefill(const kvcc_model *m, kvcc_state *s, const int32_t *tokens
     return 0;
 }
 
+typedef struct {
+    float *const *q, *const *k;
+    int base, n;           /* n_past before the pass, tokens in it */
+    size_t Hd, Kd;
+} extend_grab;
+
+static int extend_capture(void *user, int layer, int pos0, int n, const float *q, const float *k,
+                          const float *v) {
+    extend_grab *g = user;
+    (void)v;
+    const size_t r0 = (size_t)(pos0 - g->base);
+    if (g->q && g->q[layer]) memcpy(g->q[layer] + r0 * g->Hd, q, (size_t)n * g->Hd * sizeof *q);
+    if (g->k && g->k[layer]) memcpy(g->k[layer] + r0 * g->Kd, k, (size_t)n * g->Kd * sizeof *k);
+    return 0;
+}
+
+int kvcc_model_extend(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                      float *const *q, float *const *k) {
+    if (!m || !s || !tokens || n <= 0) return KVCC_GGUF_ERR_ARG;
+    extend_grab g = {.q = q, .k = k, .base = s->n_past, .n = n,
+                     .Hd = (size_t)m->hp.n_head * m->hp.head_dim,
+                     .Kd = (size_t)m->hp.n_head_kv * m->hp.head_dim};
+    kvcc_capture_fn fn = s->capture;
+    void *user = s->capture_user;
+    s->capture = extend_capture;
+    s->capture_user = &g;
+    int st = kvcc_model_prefill(m, s, tokens, n, NULL, KVCC_LOGITS_NONE);
+    s->capture = fn;
+    s->capture_user = user;
+    s->n_past = g.base; /* the appended rows are forgotten, whatever happened */
+    return st;
+}
+
 int kvcc_model_decode(const kvcc_model *m, kvcc_state *s, int32_t token, float *logits) {
     return kvcc_model_prefill(m, s, &token, 1, logits, KVCC_LOGITS_LAST);
 }

@@ -147,6 +147,16 @@ int kvcc_state_set_attention_hook(kvcc_state *s, kvcc_attn_fn fn, void *user, in
  * KVCC_GGUF_ERR_LIMIT (n_past + n > n_ctx), or the capture callback's nonzero return. */
 int kvcc_model_prefill(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
                        float *logits, unsigned flags);
+/* A forward pass on top of the state without keeping it (KV² stage 2, docs/policies/kv2.md): the n
+ * tokens run at position ids n_past .. n_past + n - 1 after everything in the cache, attending
+ * to all of it and causally among themselves, exactly as if they had been appended; each
+ * layer's post-RoPE queries go to q[l] [n, H, d] and keys to k[l] [n, Hkv, d] (q or k NULL, or
+ * an entry NULL: not wanted). The state is then rewound to n_past: the cache rows the tokens
+ * used are forgotten and the context is never re-run. Needs n_past + n <= n_ctx
+ * (KVCC_GGUF_ERR_LIMIT), 1 <= n, token ids in range (KVCC_GGUF_ERR_ARG); the state's capture
+ * callback is not called. */
+int kvcc_model_extend(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                      float *const *q, float *const *k);
 /* Prefill of one token; logits: V floats. */
 int kvcc_model_decode(const kvcc_model *m, kvcc_state *s, int32_t token, float *logits);
 

@@ -33,29 +33,6 @@ static void usage(FILE *out) {
                  "  -o, --output F      corpus to write (temp file + rename)\n");
 }
 
-static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
-
-/* Every regular *.txt file of dir, sorted (so the corpus does not depend on readdir order). */
-static int list_texts(const char *dir, char **paths, int cap) {
-    DIR *d = opendir(dir);
-    if (!d) return -1;
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) && n < cap) {
-        size_t len = strlen(e->d_name);
-        if (len < 5 || strcmp(e->d_name + len - 4, ".txt")) continue;
-        char *p = malloc(strlen(dir) + len + 2);
-        if (!p) break;
-        sprintf(p, "%s/%s", dir, e->d_name);
-        struct stat st;
-        if (stat(p, &st) == 0 && S_ISREG(st.st_mode)) paths[n++] = p;
-        else free(p);
-    }
-    closedir(d);
-    qsort(paths, (size_t)n, sizeof *paths, cmp_str);
-    return n;
-}
-
 int kvcc_cmd_capture(int argc, char **argv) {
     const char *gguf = DEFAULT_GGUF, *out = NULL, *dtype = "f16";
     char *texts[MAX_TEXTS];
@@ -94,7 +71,7 @@ int kvcc_cmd_capture(int argc, char **argv) {
     }
     if (ctx + cont < 2) { fprintf(stderr, "kvcc capture: --context + --continuation must be >= 2 tokens\n"); return KVCC_EXIT_USAGE; }
     if (n_texts == 0) {
-        n_texts = list_texts(DEFAULT_TEXT_DIR, texts, MAX_TEXTS);
+        n_texts = kvcc_list_texts(DEFAULT_TEXT_DIR, texts, MAX_TEXTS);
         own_texts = 1;
         if (n_texts <= 0) {
             fprintf(stderr, "kvcc capture: no --text given and no .txt files in %s (run from the repository root)\n",

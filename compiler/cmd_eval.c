@@ -18,6 +18,9 @@
 #include "kvrt_experimental.h"
 #include "passes/passes.h"
 
+#define DEFAULT_NEEDLE_DIR "examples/data/heldout"
+#define MAX_NEEDLE_TEXTS 256
+
 static void usage(FILE *out) {
     char names[1024];
     kvcc_eval_method_list(names, sizeof names);
@@ -50,6 +53,16 @@ static void usage(FILE *out) {
         "  --prompts N         use the first N prompts (default: all)\n"
         "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
         "  --seed S            seed of the random method (default 1)\n"
+        "  --needle LIST       with --gguf: the needle task at these context lengths (e.g. "
+        "2048,8192): haystacks\n"
+        "                      of held-out text with numbers hidden at depths 10-90%%, the "
+        "questions after the\n"
+        "                      compressed context, greedy exact match (column nd@C: "
+        "answered/asked)\n"
+        "  --needle-haystacks N  haystacks per context length (default 4)\n"
+        "  --needle-keys K     needles (= questions) per haystack, 1..5 (default 3)\n"
+        "  --needle-text F     held-out text for the haystacks; repeatable (default: every .txt in "
+        DEFAULT_NEEDLE_DIR ")\n"
         "  --json | --csv      machine-readable output (default: a table)\n",
         names);
 }
@@ -109,6 +122,24 @@ static int parse_budgets(const char *list, double *out, int *n) {
     return 0;
 }
 
+static int parse_needle(const char *list, int *out, int *n) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", list);
+    *n = 0;
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        char *end;
+        long v = strtol(tok, &end, 10);
+        if (*end || v < 64 || v > 524256 || *n == KVCC_EVAL_NEEDLE_CTX) {
+            fprintf(stderr, "kvcc eval: --needle: got '%s', expected up to %d context lengths of 64..524256 tokens\n",
+                    tok, KVCC_EVAL_NEEDLE_CTX);
+            return -1;
+        }
+        out[(*n)++] = (int)v;
+    }
+    if (*n == 0) { fprintf(stderr, "kvcc eval: --needle: empty list, expected context lengths such as 2048,8192\n"); return -1; }
+    return 0;
+}
+
 static void budget_str(const kvcc_eval_row *row, char *b, size_t n) {
     if (row->method->budget == KVCC_BUDGET_NONE) snprintf(b, n, "-");
     else if (row->budget < 1) snprintf(b, n, "%.3g", row->budget);
@@ -123,6 +154,16 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     if (gguf) printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
                      "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
                      KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
+    if (r->n_needle_ctx) {
+        printf("needle task: %u haystacks x %u questions per context length; full cache", r->needle_haystacks,
+               r->needle_keys);
+        for (int c = 0; c < r->n_needle_ctx; c++)
+            printf("%s %u/%u at %d", c ? "," : "", r->needle_full_ok[c], r->needle_full_n[c], r->needle_ctx[c]);
+        printf(" (must be high for the column to judge anything); model prefill");
+        for (int c = 0; c < r->n_needle_ctx; c++)
+            printf("%s %.0f ms at %d", c ? "," : "", r->needle_prefill_ms[c], r->needle_ctx[c]);
+        printf(" per haystack (--json: each row's compression time)\n");
+    }
     for (int i = 0; i < r->n_notes; i++) printf("%s\n", r->notes[i]);
     if (r->decode_note[0])
         printf("decode-time rows: %s; kept = tokens read exactly per KV head and step, MB = bytes read per decode step "
@@ -130,6 +171,11 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     printf("\n%-13s %7s %7s %9s %9s %8s %7s %9s %8s", "method", "budget", "kept", "relerr", "relerr95", "KL", "mass",
            "MB", "sel_ms");
     if (gguf) printf(" %7s %8s %7s %7s", "NLL", "dNLL", "exact", "tokacc");
+    for (int c = 0; c < r->n_needle_ctx; c++) {
+        char h[32];
+        snprintf(h, sizeof h, "nd@%d", r->needle_ctx[c]);
+        printf(" %9s", h);
+    }
     printf("\n");
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *row = &r->rows[i];
@@ -145,15 +191,25 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         if (gguf && row->have_e2e)
             printf(" %7.4f %+8.4f %3u/%-3u %7.3f", row->nll, row->nll - row->nll_full, row->probes_exact, row->probes,
                    row->probe_tokens ? (double)row->probe_tokens_ok / row->probe_tokens : 0.0);
+        for (int c = 0; c < r->n_needle_ctx; c++) {
+            char v[32];
+            snprintf(v, sizeof v, "%u/%u", row->needle_ok[c], row->needle_n[c]);
+            printf(" %9s", v);
+        }
         printf("\n");
     }
     printf("\ntime: layer-local %.1f s", r->seconds_local);
     if (gguf) printf(", end to end %.1f s", r->seconds_e2e);
+    if (r->n_needle_ctx) printf(", needle task %.1f s", r->seconds_needle);
     printf("\n");
 }
 
 static void print_csv(const kvcc_eval_result *r) {
-    printf("method,budget,kept,relerr_mean,relerr_p95,kl,mass,bytes,select_ms,nll,nll_full,dnll,probes,exact,token_acc,status\n");
+    printf("method,budget,kept,relerr_mean,relerr_p95,kl,mass,bytes,select_ms,nll,nll_full,dnll,probes,exact,token_acc");
+    for (int c = 0; c < r->n_needle_ctx; c++)
+        printf(",needle%d_asked,needle%d_exact,needle%d_kept,needle%d_bytes,needle%d_ms", r->needle_ctx[c],
+               r->needle_ctx[c], r->needle_ctx[c], r->needle_ctx[c], r->needle_ctx[c]);
+    printf(",status\n");
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *w = &r->rows[i];
         char b[32];
@@ -165,6 +221,9 @@ static void print_csv(const kvcc_eval_result *r) {
             printf("%.6f,%.6f,%.6f,%u,%u,%.4f,", w->nll, w->nll_full, w->nll - w->nll_full, w->probes, w->probes_exact,
                    w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0.0);
         else printf(",,,,,,");
+        for (int c = 0; c < r->n_needle_ctx; c++)
+            printf("%u,%u,%.1f,%.0f,%.3f,", w->needle_n[c], w->needle_ok[c], w->needle_kept[c], w->needle_bytes[c],
+                   w->needle_ms[c]);
         printf("%s\n", w->status ? "error" : "ok");
     }
 }
@@ -183,6 +242,20 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
         cJSON *notes = cJSON_AddArrayToObject(root, "notes");
         for (int i = 0; i < r->n_notes; i++)
             cJSON_AddItemToArray(notes, cJSON_CreateString(r->notes[i]));
+    }
+    if (r->n_needle_ctx) {
+        cJSON *nd = cJSON_AddObjectToObject(root, "needle");
+        cJSON_AddNumberToObject(nd, "haystacks", r->needle_haystacks);
+        cJSON_AddNumberToObject(nd, "questions_per_haystack", r->needle_keys);
+        cJSON *full = cJSON_AddArrayToObject(nd, "full_cache");
+        for (int c = 0; c < r->n_needle_ctx; c++) {
+            cJSON *f = cJSON_CreateObject();
+            cJSON_AddNumberToObject(f, "context", r->needle_ctx[c]);
+            cJSON_AddNumberToObject(f, "asked", r->needle_full_n[c]);
+            cJSON_AddNumberToObject(f, "exact", r->needle_full_ok[c]);
+            cJSON_AddNumberToObject(f, "prefill_ms", r->needle_prefill_ms[c]);
+            cJSON_AddItemToArray(full, f);
+        }
     }
     cJSON *rows = cJSON_AddArrayToObject(root, "rows");
     for (int i = 0; i < r->n_rows; i++) {
@@ -208,6 +281,19 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
                 cJSON_AddNumberToObject(o, "probes_exact", w->probes_exact);
                 cJSON_AddNumberToObject(o, "token_acc", w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0);
             }
+            if (r->n_needle_ctx) {
+                cJSON *nd = cJSON_AddArrayToObject(o, "needle");
+                for (int c = 0; c < r->n_needle_ctx; c++) {
+                    cJSON *f = cJSON_CreateObject();
+                    cJSON_AddNumberToObject(f, "context", r->needle_ctx[c]);
+                    cJSON_AddNumberToObject(f, "asked", w->needle_n[c]);
+                    cJSON_AddNumberToObject(f, "exact", w->needle_ok[c]);
+                    cJSON_AddNumberToObject(f, "kept_per_head", w->needle_kept[c]);
+                    cJSON_AddNumberToObject(f, "bytes", w->needle_bytes[c]);
+                    cJSON_AddNumberToObject(f, "compress_ms", w->needle_ms[c]);
+                    cJSON_AddItemToArray(nd, f);
+                }
+            }
         }
         cJSON_AddItemToArray(rows, o);
     }
@@ -226,7 +312,13 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"budgets", required_argument, 0, 'b'}, {"gguf", required_argument, 0, 'g'},
         {"policy", required_argument, 0, 'p'}, {"prompts", required_argument, 0, 'n'},
         {"cache-dtype", required_argument, 0, 'd'}, {"seed", required_argument, 0, 's'},
-        {"json", no_argument, 0, 'j'}, {"csv", no_argument, 0, 'v'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
+        {"json", no_argument, 0, 'j'}, {"csv", no_argument, 0, 'v'}, {"help", no_argument, 0, 'h'},
+        {"needle", required_argument, 0, 'N'}, {"needle-haystacks", required_argument, 0, 'H'},
+        {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'}, {0, 0, 0, 0}};
+    const char *needle = NULL;
+    unsigned n_hay = 4, n_keys = 3;
+    char *texts[MAX_NEEDLE_TEXTS];
+    int n_texts = 0, own_texts = 0;
     int ch;
     optind = 1;
     while ((ch = getopt_long(argc, argv, "c:m:b:g:p:n:d:s:jvh", opts, NULL)) != -1) {
@@ -241,6 +333,13 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'd': cdt = optarg; break;
         case 'j': json = 1; break;
         case 'v': csv = 1; break;
+        case 'N': needle = optarg; break;
+        case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; break;
+        case 'K': if (kvcc_parse_u32("eval", "needle-keys", optarg, 1, 5, &n_keys)) return KVCC_EXIT_USAGE; break;
+        case 'T':
+            if (n_texts == MAX_NEEDLE_TEXTS) { fprintf(stderr, "kvcc eval: --needle-text: at most %d files\n", MAX_NEEDLE_TEXTS); return KVCC_EXIT_USAGE; }
+            texts[n_texts++] = optarg;
+            break;
         case 'h': usage(stdout); return KVCC_EXIT_OK;
         default: usage(stderr); return KVCC_EXIT_USAGE;
         }
@@ -260,13 +359,29 @@ int kvcc_cmd_eval(int argc, char **argv) {
     double bs[64];
     int nb;
     if (parse_methods(methods, ms, &nm) || parse_budgets(budgets, bs, &nb)) return KVCC_EXIT_USAGE;
+    int nctx[KVCC_EVAL_NEEDLE_CTX], n_ctx = 0;
+    if (needle) {
+        if (!gguf) { fprintf(stderr, "kvcc eval: --needle needs --gguf (the task runs the model)\n"); return KVCC_EXIT_USAGE; }
+        if (parse_needle(needle, nctx, &n_ctx)) return KVCC_EXIT_USAGE;
+        if (n_texts == 0) {
+            n_texts = kvcc_list_texts(DEFAULT_NEEDLE_DIR, texts, MAX_NEEDLE_TEXTS);
+            own_texts = 1;
+            if (n_texts <= 0) {
+                fprintf(stderr, "kvcc eval: --needle: no .txt files in " DEFAULT_NEEDLE_DIR " (run from the repository root or give --needle-text)\n");
+                return KVCC_EXIT_USAGE;
+            }
+        }
+    }
     kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
                         .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
-                        .verbose = isatty(STDERR_FILENO)};
+                        .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
+                        .needle_haystacks = n_hay, .needle_keys = (int)n_keys,
+                        .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts};
     kvcc_eval_result *r = malloc(sizeof *r);
     if (!r) return KVCC_EXIT_FAILED;
     char err[768];
     int rc = kvcc_eval_run(&o, r, err, sizeof err);
+    for (int i = 0; own_texts && i < n_texts; i++) free(texts[i]);
     if (rc) {
         fprintf(stderr, "kvcc eval: %s\n", err);
         free(r);

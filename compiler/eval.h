@@ -17,6 +17,7 @@
 #define KVCC_EVAL_PROBES 3        /* retrieval probes per prompt: depths 10%, 50%, 90% */
 #define KVCC_EVAL_PROBE_PREFIX 16 /* tokens of the passage given */
 #define KVCC_EVAL_PROBE_ANSWER 8  /* tokens of the passage to reproduce */
+#define KVCC_EVAL_NEEDLE_CTX 4    /* needle context lengths per run */
 
 typedef struct {
     const kvcc_eval_method *method; /* the row's method (eval_methods.h) */
@@ -38,6 +39,11 @@ typedef struct {
     double nll, nll_full;  /* mean continuation NLL per token: compressed / full cache */
     uint32_t probes, probes_exact;
     uint64_t probe_tokens, probe_tokens_ok;
+    /* needle task (with needle contexts): questions asked / answered exactly, per context
+     * length; kept and bytes per needle context (mean over haystacks) */
+    uint32_t needle_n[KVCC_EVAL_NEEDLE_CTX], needle_ok[KVCC_EVAL_NEEDLE_CTX];
+    double needle_kept[KVCC_EVAL_NEEDLE_CTX], needle_bytes[KVCC_EVAL_NEEDLE_CTX];
+    double needle_ms[KVCC_EVAL_NEEDLE_CTX]; /* compression time per haystack */
     int status;            /* 0, or the kvrt status that made the row fail */
     char msg[256];
 } kvcc_eval_row;
@@ -55,6 +61,13 @@ typedef struct {
     int cache_f16;           /* store compressed caches in f16 */
     uint64_t seed;           /* random method */
     int verbose;             /* progress on stderr when a terminal */
+    /* the needle task (end to end, needs gguf): context lengths (none: no task) */
+    const int *needle_contexts;
+    int n_needle_contexts;
+    uint32_t needle_haystacks;  /* per context length (0: 4) */
+    int needle_keys;            /* needles = questions per haystack (0: 3) */
+    const char *const *needle_texts; /* held-out text files the haystacks come from */
+    int n_needle_texts;
 } kvcc_eval_opts;
 
 typedef struct {
@@ -65,6 +78,12 @@ typedef struct {
     char model_name[64];
     double seconds_local, seconds_e2e;
     char decode_note[320];   /* decode-time rows: the block size and the groupings used */
+    /* needle task: per context length, the full cache's score (the model's own attention) */
+    int n_needle_ctx, needle_ctx[KVCC_EVAL_NEEDLE_CTX];
+    uint32_t needle_haystacks, needle_keys;
+    uint32_t needle_full_n[KVCC_EVAL_NEEDLE_CTX], needle_full_ok[KVCC_EVAL_NEEDLE_CTX];
+    double needle_prefill_ms[KVCC_EVAL_NEEDLE_CTX]; /* the model's full prefill per haystack */
+    double seconds_needle;
     char notes[4][640];      /* per method family with a note: "FAMILY rows: what they run" */
     int n_notes;
 } kvcc_eval_result;

@@ -81,6 +81,38 @@ typedef struct {
 } eval_dec_hook;
 int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, const float *k,
                      const float *v, float *out);
-/* eval_model.c: end to end through the model (--gguf). */
+/* eval_model.c: end to end through the model (--gguf): the corpus's prompts, then (with
+ * needle contexts) the needle task of eval_needle.c with the same loaded model. */
 int eval_e2e(eval_run *E, char *err, size_t errlen);
+
+/* One context as the end-to-end rows see it: the model's state holds its C tokens (prefilled
+ * in full, its queries in q), and every row compresses it from the model's own keys. */
+typedef struct {
+    kvcc_state *s;
+    const kvcc_model *m;
+    kvrt_ctx *rt;
+    const int32_t *tok;      /* [T] (continuation after C; needle contexts: T = C) */
+    float *logits;           /* [KVCC_MODEL_CHUNK, V] scratch */
+    float *kbuf, *vbuf;      /* [C, Hkv, d] scratch */
+    float **q;               /* [L] the context's queries [C, H, d] */
+    kvrt_cache **caches;     /* [L] */
+    float *lp;               /* [T - 1] next-token log-probabilities of the context */
+    float **xq, **xk;        /* [L] scratch of the stage-2 forward (eval_e2e_extend) */
+    int64_t x_cap;           /* tokens xq / xk hold */
+    int C, T;
+    double nll_full;
+} e2e_prompt;
+/* A row's scoring once its context is compressed: caches [L] (prefill rows) or NULL (decode-time
+ * rows: the state's attention hook is set from C). Returns 0 or a model / kvrt status. */
+typedef int (*e2e_score_fn)(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user);
+/* Compress x's context with row ri's method and score it with fn; failures go to the row. */
+void eval_e2e_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn, void *user);
+/* The stage-2 forward of kvcc_eval_all.extend on x (user = x). */
+int eval_e2e_extend(void *user, const int32_t *pos, int64_t n, float *const **q,
+                    float *const **k);
+/* Prefill x's context tokens [0, C) from an empty state, capturing the queries into x->q and the
+ * next-token log-probabilities into x->lp. 0 or a model status. */
+int eval_e2e_prefill(e2e_prompt *x);
+/* eval_needle.c: the needle task on the loaded model (rows' needle_* fields). */
+int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errlen);
 #endif

@@ -64,6 +64,12 @@ typedef struct {
     const float *const *q, *const *k, *const *v;
     const float *next_logprob;
     int64_t C;
+    const int32_t *tokens;       /* [C] the context's token ids */
+    /* The model's forward pass on top of the full context (KV² stage 2): tokens[pos[i]] run at
+     * position ids C + i, causal among themselves; *q / *k receive per-layer arrays [L] of
+     * [n, H, d] queries and [n, Hkv, d] keys, valid until the next call. 0 or a status. */
+    int (*extend)(void *user, const int32_t *pos, int64_t n, float *const **q, float *const **k);
+    void *extend_user;
 } kvcc_eval_all;
 
 typedef struct kvcc_eval_method kvcc_eval_method;

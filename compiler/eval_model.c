@@ -99,42 +99,66 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
     return rc;
 }
 
-/* Everything one prompt's rows share end to end. */
-typedef struct {
-    kvcc_state *s;
-    const kvcc_model *m;
-    kvrt_ctx *rt;
-    const int32_t *tok;
-    float *logits, *kbuf, *vbuf;
-    float **q;               /* [L] the context's queries */
-    kvrt_cache **caches;     /* [L] */
-    float *lp;               /* [T] the corpus's next-token log-probabilities */
-    int C, T;
-    double nll_full;
-} e2e_prompt;
-
 static void add_nll(eval_acc *a, double nll, double nll_full, uint64_t nn) {
     a->nll_sum += nll;
     a->nll_full_sum += nll_full;
     a->nll_n += nn;
 }
 
-/* A decode-time row: the continuation through the attention hook from position C. */
-static void e2e_decode_row(eval_run *E, int ri, e2e_prompt *x) {
+/* The corpus's continuation scorer: NLL and the passage probes of row ri. */
+static int score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user) {
+    kvcc_eval_row *row = &E->r->rows[ri];
+    double nll = 0;
+    uint64_t nn = 0;
+    (void)user;
+    int st = score_continuation(x->s, x->m, x->rt, caches, x->C, x->T, x->tok, x->logits, &nll,
+                                &nn, &row->probes, &row->probes_exact, &row->probe_tokens,
+                                &row->probe_tokens_ok);
+    if (!st) add_nll(&E->acc[ri], nll, x->nll_full, nn);
+    return st;
+}
+
+int eval_e2e_extend(void *user, const int32_t *pos, int64_t n, float *const **q,
+                    float *const **k) {
+    e2e_prompt *x = user;
+    const int L = x->m->hp.n_layer, H = x->m->hp.n_head, Hkv = x->m->hp.n_head_kv,
+              d = x->m->hp.head_dim;
+    if (n < 1 || n > x->s->n_ctx - x->C) return KVRT_ERR_ARG; /* the state has no room */
+    if (n > x->x_cap) {
+        for (int l = 0; l < L; l++) {
+            free(x->xq[l]); free(x->xk[l]);
+            x->xq[l] = malloc(sizeof(float) * (size_t)n * H * d);
+            x->xk[l] = malloc(sizeof(float) * (size_t)n * Hkv * d);
+            if (!x->xq[l] || !x->xk[l]) { x->x_cap = 0; return KVRT_ERR_NOMEM; }
+        }
+        x->x_cap = n;
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    if (!ids) return KVRT_ERR_NOMEM;
+    for (int64_t i = 0; i < n; i++) {
+        if (pos[i] < 0 || pos[i] >= x->C) { free(ids); return KVRT_ERR_ARG; }
+        ids[i] = x->tok[pos[i]];
+    }
+    int rc = kvcc_state_truncate(x->s, x->C);
+    if (!rc) rc = kvcc_model_extend(x->m, x->s, ids, (int)n, x->xq, x->xk);
+    free(ids);
+    if (rc) return KVRT_ERR_ARG; /* a model error (bad token ids cannot happen here) */
+    *q = x->xq;
+    *k = x->xk;
+    return 0;
+}
+
+/* A decode-time row: everything after C attends through the attention hook. */
+static void e2e_decode_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn, void *user) {
     kvcc_eval_row *row = &E->r->rows[ri];
     const uint32_t L = E->env.L, Hkv = E->env.Hkv, block = eval_row_prep(E, ri)->block;
     const int64_t nbm = (x->s->n_ctx + block - 1) / block;
     kvrt_compkv **sts = calloc((size_t)L, sizeof *sts);
     int32_t *bl = malloc((size_t)Hkv * nbm * sizeof *bl);
     eval_dec_hook hk = {.E = E, .ri = ri, .s = x->s, .st = sts, .blocks = bl};
-    double nll = 0;
-    uint64_t nn = 0;
     int st = (sts && bl) ? kvcc_state_set_attention_hook(x->s, eval_decode_hook, &hk, x->C)
                          : KVRT_ERR_NOMEM;
-    if (!st)
-        st = score_continuation(x->s, x->m, x->rt, NULL, x->C, x->T, x->tok, x->logits, &nll, &nn,
-                                &row->probes, &row->probes_exact, &row->probe_tokens,
-                                &row->probe_tokens_ok);
+    if (!st) st = fn(E, ri, x, NULL, user);
     kvcc_state_set_attention_hook(x->s, NULL, NULL, 0);
     for (uint32_t l = 0; sts && l < L; l++) kvrt_compkv_free(sts[l]);
     free(sts);
@@ -142,11 +166,10 @@ static void e2e_decode_row(eval_run *E, int ri, e2e_prompt *x) {
     if (hk.status) eval_row_fail(row, hk.status, "compkv (end to end)");
     else if (st == KVRT_ERR_NOMEM) eval_row_fail(row, st, "compkv (end to end)");
     else if (st) eval_row_fail(row, KVRT_ERR_ARG, "model");
-    else add_nll(&E->acc[ri], nll, x->nll_full, nn);
 }
 
 /* A prefill row: every layer's context compressed from the model's own keys and values. */
-static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x) {
+static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn, void *user) {
     kvcc_eval_row *row = &E->r->rows[ri];
     const kvcc_eval_method *m = eval_row_method(E, ri);
     void *state = eval_row_prep(E, ri)->state;
@@ -155,16 +178,16 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x) {
     int64_t B;
     int st = eval_row_budget(row, x->C, &B);
     if (st) { eval_row_fail(row, st, "budget"); return; }
-    if (m->compress_all) { /* all layers at once from the model's own q/k/v and the corpus log-probs
-                            */
+    if (m->compress_all) { /* all layers at once from the model's own q/k/v and the log-probs */
         const float **kp = malloc((size_t)L * sizeof *kp), **vp = malloc((size_t)L * sizeof *vp);
         st = kp && vp ? 0 : KVRT_ERR_NOMEM;
         for (uint32_t l = 0; !st && l < L; l++) {
             kp[l] = x->s->k_cache + (size_t)l * T_ * Kd;
             vp[l] = x->s->v_cache + (size_t)l * T_ * Kd;
         }
-        const kvcc_eval_all all = {
-            .q = (const float *const *)x->q, .k = kp, .v = vp, .next_logprob = x->lp, .C = x->C};
+        const kvcc_eval_all all = {.q = (const float *const *)x->q, .k = kp, .v = vp,
+                                   .next_logprob = x->lp, .C = x->C, .tokens = x->tok,
+                                   .extend = eval_e2e_extend, .extend_user = x};
         if (!st) st = m->compress_all(m, state, &E->env, &all, row->budget, B, x->caches);
         free(kp);
         free(vp);
@@ -178,16 +201,33 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x) {
         st = m->compress_layer(m, state, NULL, &E->env, &xl, row->budget, B, &x->caches[l]);
     }
     if (st) eval_row_fail(row, st, "select");
-    else {
-        double nll = 0;
-        uint64_t nn = 0;
-        st = score_continuation(x->s, x->m, x->rt, x->caches, x->C, x->T, x->tok, x->logits, &nll,
-                                &nn, &row->probes, &row->probes_exact, &row->probe_tokens,
-                                &row->probe_tokens_ok);
-        if (st) eval_row_fail(row, KVRT_ERR_ARG, "model");
-        add_nll(&E->acc[ri], nll, x->nll_full, nn);
-    }
+    else if ((st = fn(E, ri, x, x->caches, user)) != 0) eval_row_fail(row, KVRT_ERR_ARG, "model");
     for (uint32_t l = 0; l < L; l++) { kvrt_cache_free(x->caches[l]); x->caches[l] = NULL; }
+}
+
+void eval_e2e_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn, void *user) {
+    if (E->r->rows[ri].status) return;
+    if (eval_is_decode(eval_row_method(E, ri))) e2e_decode_row(E, ri, x, fn, user);
+    else e2e_prefill_row(E, ri, x, fn, user);
+}
+
+int eval_e2e_prefill(e2e_prompt *x) {
+    const kvcc_model *m = x->m;
+    const int V = m->hp.n_vocab;
+    qgrab g = {.q = x->q, .C = x->C, .H = (uint32_t)m->hp.n_head, .d = (uint32_t)m->hp.head_dim};
+    int rc = 0;
+    kvcc_state_reset(x->s);
+    kvcc_state_set_capture(x->s, grab_q, &g);
+    for (int pos = 0; !rc && pos < x->C; pos += KVCC_MODEL_CHUNK) {
+        int n = x->C - pos < KVCC_MODEL_CHUNK ? x->C - pos : KVCC_MODEL_CHUNK;
+        rc = kvcc_model_prefill(m, x->s, x->tok + pos, n, x->logits, KVCC_LOGITS_ALL);
+        /* row i predicts token pos + i + 1 (within the context) */
+        for (int i = 0; !rc && x->lp && i < n && pos + i + 1 < x->C; i++)
+            x->lp[pos + i] = -(float)kvcc_nll_token(x->logits + (size_t)i * V, V,
+                                                     x->tok[pos + i + 1]);
+    }
+    kvcc_state_set_capture(x->s, NULL, NULL);
+    return rc;
 }
 
 int eval_e2e(eval_run *E, char *err, size_t errlen) {
@@ -221,15 +261,17 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         .m = m, .rt = E->env.rt, .logits = malloc((size_t)KVCC_MODEL_CHUNK * V * sizeof(float))};
     qgrab g = {.q = calloc((size_t)L, sizeof(float *)), .H = (uint32_t)H, .d = (uint32_t)d};
     x.caches = calloc((size_t)L, sizeof *x.caches);
+    x.xq = calloc((size_t)L, sizeof *x.xq);
+    x.xk = calloc((size_t)L, sizeof *x.xk);
     x.q = g.q;
     int cap_T = 0;
-    if (!x.logits || !g.q || !x.caches) rc = -1;
+    if (!x.logits || !g.q || !x.caches || !x.xq || !x.xk) rc = -1;
     for (uint32_t p = 0; p < E->n_prompts && !rc; p++) {
         kvcc_corpus_prompt_info info;
         if ((rc = kvcc_corpus_prompt(c, p, &info, NULL, NULL)) != 0) break;
         const int T = (int)info.n_tokens, C = (int)info.context_len;
         const int probe = C + KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER,
-                  need = T > probe ? T : probe;
+                  need = (T > probe ? T : probe) + C; /* + room for a stage-2 forward */
         if (need > cap_T) {
             kvcc_state_free(x.s);
             x.s = NULL;
@@ -276,19 +318,20 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
             snprintf(err, errlen, "eval: the model failed on the continuation of prompt %u", p);
             break;
         }
-        for (int ri = 0; ri < E->r->n_rows; ri++) {
-            if (E->r->rows[ri].status) continue;
-            if (eval_is_decode(eval_row_method(E, ri))) e2e_decode_row(E, ri, &x);
-            else e2e_prefill_row(E, ri, &x);
-        }
+        for (int ri = 0; ri < E->r->n_rows; ri++) eval_e2e_row(E, ri, &x, score_corpus_row, NULL);
         if (o->verbose) kvcc_progress(p + 1, E->n_prompts);
     }
     if (rc && !err[0])
         snprintf(err, errlen, "eval: end-to-end scoring failed (out of memory or model error)");
+    for (int l = 0; x.xq && x.xk && l < L; l++) { free(x.xq[l]); free(x.xk[l]); }
+    free(x.xq);
+    free(x.xk);
     kvcc_state_free(x.s);
+    x.s = NULL;
     free(tok); free(x.kbuf); free(x.vbuf); free(x.logits); free(x.caches); free(x.lp);
     if (g.q) for (int l = 0; l < L; l++) free(g.q[l]);
     free(g.q);
+    if (!rc && o->n_needle_contexts > 0) rc = eval_needle(E, &lm, err, errlen);
     kvcc_loaded_model_free(&lm);
     return rc;
 }

@@ -45,6 +45,9 @@ void kvcc_progress_begin(const char *label);
 void kvcc_progress(unsigned done, unsigned total);
 double kvcc_progress_elapsed(void);
 /* Parse an unsigned integer option in [lo, hi]; prints "kvcc CMD: --NAME: ..." and returns -1 on error. */
+/* Every regular *.txt file of dir, sorted (so results do not depend on readdir order): malloc'd
+ * paths into paths[cap]; -1 when dir cannot be opened. */
+int kvcc_list_texts(const char *dir, char **paths, int cap);
 int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out);
 /* The uncompressed reference: a host f32 cache holding every one of the C context tokens of
  * k, v [C, Hkv, d] for every KV head (the same gather every compressed row goes through).

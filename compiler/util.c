@@ -3,9 +3,12 @@
  * escaped printing of strings read from artifacts, and opening an artifact with a message.
  */
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 
 #include "kvcc.h"
 
@@ -66,4 +69,27 @@ int kvcc_full_cache(const float *k, const float *v, int64_t C, uint32_t Hkv, uin
     rc = kvrt_cache_gather(k, v, C, Hkv, d, all, KVRT_DTYPE_F32, out);
     kvrt_selection_free(all);
     return rc;
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Every regular *.txt file of dir, sorted (so the corpus does not depend on readdir order). */
+int kvcc_list_texts(const char *dir, char **paths, int cap) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) && n < cap) {
+        size_t len = strlen(e->d_name);
+        if (len < 5 || strcmp(e->d_name + len - 4, ".txt")) continue;
+        char *p = malloc(strlen(dir) + len + 2);
+        if (!p) break;
+        sprintf(p, "%s/%s", dir, e->d_name);
+        struct stat st;
+        if (stat(p, &st) == 0 && S_ISREG(st.st_mode)) paths[n++] = p;
+        else free(p);
+    }
+    closedir(d);
+    qsort(paths, (size_t)n, sizeof *paths, cmp_str);
+    return n;
 }

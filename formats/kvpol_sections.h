@@ -29,6 +29,8 @@
     X(KVPOL_SEC_AM_SCHEDULE, KVPOL_GROUP_AM, 1, 1, "am.schedule")                                \
     X(KVPOL_SEC_AM_CURVES, KVPOL_GROUP_AM, 2, 1, "am.curves")                                    \
     X(KVPOL_SEC_COMPKV_GROUPINGS, KVPOL_GROUP_COMPKV, 1, 1, "compkv.groupings")                  \
-    X(KVPOL_SEC_COMPKV_CALIBRATION, KVPOL_GROUP_COMPKV, 2, 1, "compkv.calibration")
+    X(KVPOL_SEC_COMPKV_CALIBRATION, KVPOL_GROUP_COMPKV, 2, 1, "compkv.calibration")              \
+    X(KVPOL_SEC_KV2_SCHEDULE, KVPOL_GROUP_KV2, 1, 1, "kv2.schedule")                             \
+    X(KVPOL_SEC_KV2_CURVES, KVPOL_GROUP_KV2, 2, 1, "kv2.curves")
 
 #endif /* KVPOL_SECTIONS_H */

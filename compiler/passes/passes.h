@@ -51,6 +51,11 @@ typedef struct {
     const char *gguf;               /* --gguf: the model file (reward "model") */
     uint32_t ckv_reward_check;      /* --reward-check N (0: off) */
     const char *ckv_transfer_check; /* --transfer-check OTHER.h5 (NULL: off) */
+    /* KV2 (--kv2-budgets, --kv2-rho, --kv2-proxies, --kv2-max-passes, --kv2-sinks, --kv2-chunk) */
+    const double *kv2_budgets; int n_kv2_budgets;
+    const double *kv2_rho; int n_kv2_rho;
+    const char *kv2_proxies;        /* "keydiff", "knorm" or "both" (default) */
+    uint32_t kv2_max_passes, kv2_sinks, kv2_chunk;
 } kvcc_compile_ctx;
 
 /* One command-line option of a pass. The value lands in kvcc_compile_ctx at `offset`: a

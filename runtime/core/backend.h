@@ -49,7 +49,7 @@ KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
 
 /* Bumped whenever a slot is added, removed or changes its signature; kvrt_ctx_create refuses a
  * table of another version (ggml's GGML_BACKEND_API_VERSION). */
-#define KVRT_BACKEND_API_VERSION 1
+#define KVRT_BACKEND_API_VERSION 2
 
 /* One table per backend, one entry per op (ggml's struct ggml_backend_i). The housekeeping
  * entries are required; an op entry may be NULL, which means the backend lacks the op: the
@@ -99,7 +99,7 @@ typedef struct kvrt_backend_ops {
     int (*h2o_scores)(kvrt_ctx *ctx, const float *q, const float *k, int64_t T, uint32_t n_heads,
                       uint32_t n_kv_heads, uint32_t head_dim, float *scores);
 
-    // --- policy hot ops (KVRT_OP_COMPILERKV_SELECT .. KVRT_OP_COMPKV_STEP)
+    // --- policy hot ops (KVRT_OP_COMPILERKV_SELECT .. KVRT_OP_KV2_SCORE)
     /* CompilerKV, one layer of a finished prompt with the compiled tables
      * (kvrt_compilerkv_select): value norms of v [T, Hkv, d], the table row of the budget and
      * the prompt's risk bins, the elastic selection. */
@@ -130,6 +130,15 @@ typedef struct kvrt_backend_ops {
                                 float *out);
     int (*compkv_step)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
                        int64_t k_blocks, float *out, int32_t *blocks_out);
+    /* KV²: stage-1 proxy scores of one layer, k [C, Hkv, d] -> s [Hkv, C] (kvrt_kv2_proxy), and
+     * stage-2 scores of positions [lo, hi) for n_q reconstruction queries, q [n_q, H, d],
+     * k [C, Hkv, d], k_new [n_q, Hkv, d] or NULL -> out [Hkv, hi - lo]
+     * (kvrt_kv2_chunk_scores). */
+    int (*kv2_proxy)(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_kv_heads,
+                     uint32_t head_dim, int proxy, float *s);
+    int (*kv2_score)(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_heads,
+                     const float *k, int64_t C, uint32_t n_kv_heads, uint32_t head_dim,
+                     const float *k_new, int64_t lo, int64_t hi, float *out);
 } kvrt_backend_ops;
 
 struct kvrt_ctx {

@@ -53,6 +53,8 @@ static const char *const op_names[KVRT_OP_COUNT] = {
     [KVRT_OP_COMPKV_SCORES] = "compkv_scores",
     [KVRT_OP_COMPKV_ATTEND_BLOCKS] = "compkv_attend_blocks",
     [KVRT_OP_COMPKV_STEP] = "compkv_step",
+    [KVRT_OP_KV2_PROXY] = "kv2_proxy",
+    [KVRT_OP_KV2_SCORE] = "kv2_score",
 };
 
 const char *kvrt_op_name(int op) {
@@ -75,6 +77,8 @@ static int has_slot(const kvrt_backend_ops *t, int op) {
     case KVRT_OP_COMPKV_SCORES: return t->compkv_scores != NULL;
     case KVRT_OP_COMPKV_ATTEND_BLOCKS: return t->compkv_attend_blocks != NULL;
     case KVRT_OP_COMPKV_STEP: return t->compkv_step != NULL;
+    case KVRT_OP_KV2_PROXY: return t->kv2_proxy != NULL;
+    case KVRT_OP_KV2_SCORE: return t->kv2_score != NULL;
     default: return 0;
     }
 }

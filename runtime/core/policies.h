@@ -7,7 +7,8 @@
  *          (core/policy.c), and the CPU implementations kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
- *          _attend_blocks, _step (cpu/compkv.c)
+ *          _attend_blocks, _step (cpu/compkv.c), kvrt_cpu_kv2_proxy,
+ *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c)
  *
  * The CPU implementations take the arguments of the public call minus the context and check
  * them themselves (messages name the public function).
@@ -78,6 +79,13 @@ KVRT_INTERNAL int kvrt_cpu_compkv_attend_blocks(const kvrt_compkv *s, const floa
                                                 int64_t n_sel, float *out);
 KVRT_INTERNAL int kvrt_cpu_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                                        int64_t k_blocks, float *out, int32_t *blocks_out);
+/* KV²'s fast paths with n_threads OpenMP threads (>= 1); same outputs for every thread count. */
+KVRT_INTERNAL int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t n_kv_heads,
+                                     uint32_t head_dim, int proxy, float *s, int n_threads);
+KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t n_heads,
+                                            const float *k, int64_t C, uint32_t n_kv_heads,
+                                            uint32_t head_dim, const float *k_new, int64_t lo,
+                                            int64_t hi, float *out, int n_threads);
 
 #ifdef __cplusplus
 }

@@ -7,9 +7,9 @@
  * defines: kvrt_backend_cpu
  *
  * The op entries are thin wrappers: the kernels (cpu/attend.c, softmax.c, select.c,
- * baselines.c, and the policies' kvrt_cpu_* of cpu/compilerkv.c, am.c, compkv.c, declared in
- * core/policies.h) take the arguments of their public entry points minus the context and check
- * them themselves.
+ * baselines.c, and the policies' kvrt_cpu_* of cpu/compilerkv.c, am.c, compkv.c, kv2.c,
+ * declared in core/policies.h) take the arguments of their public entry points minus the context
+ * and check them themselves (the KV² kernels also take the context's thread count).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -175,6 +175,18 @@ static int cpu_compkv_step(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, 
     return kvrt_cpu_compkv_step(s, q, n_heads, k_blocks, out, blocks_out);
 }
 
+static int cpu_kv2_proxy(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_kv_heads,
+                         uint32_t head_dim, int proxy, float *s) {
+    return kvrt_cpu_kv2_proxy(k, C, n_kv_heads, head_dim, proxy, s, ctx->n_threads);
+}
+
+static int cpu_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_heads,
+                         const float *k, int64_t C, uint32_t n_kv_heads, uint32_t head_dim,
+                         const float *k_new, int64_t lo, int64_t hi, float *out) {
+    return kvrt_cpu_kv2_chunk_scores(q, n_q, n_heads, k, C, n_kv_heads, head_dim, k_new, lo, hi,
+                                     out, ctx->n_threads);
+}
+
 // ----------------------------------------------------------------------------
 // the table
 
@@ -202,6 +214,8 @@ static const kvrt_backend_ops cpu_ops = {
     .compkv_scores = cpu_compkv_scores,
     .compkv_attend_blocks = cpu_compkv_attend_blocks,
     .compkv_step = cpu_compkv_step,
+    .kv2_proxy = cpu_kv2_proxy,
+    .kv2_score = cpu_kv2_score,
 };
 
 const kvrt_backend_ops *kvrt_backend_cpu(void) { return &cpu_ops; }

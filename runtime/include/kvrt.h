@@ -183,8 +183,10 @@ typedef enum {
     KVRT_OP_COMPKV_SCORES = 10,       /* CompKV block scores */
     KVRT_OP_COMPKV_ATTEND_BLOCKS = 11,/* CompKV attention over chosen blocks */
     KVRT_OP_COMPKV_STEP = 12,         /* CompKV fused decode step */
+    KVRT_OP_KV2_PROXY = 13,           /* KV² stage-1 proxy scores of one layer */
+    KVRT_OP_KV2_SCORE = 14,           /* KV² stage-2 scores of one chunk and layer */
 } kvrt_op;
-#define KVRT_OP_COUNT 13
+#define KVRT_OP_COUNT 15
 /* "softmax_rows", "attend", ... (the enum's names in lower case, without KVRT_OP_); "unknown"
  * for other values. */
 const char *kvrt_op_name(int op);
@@ -554,9 +556,9 @@ int kvrt_kv2_plan_scores(const kvrt_kv2_plan *pl, uint32_t layer, const float **
 int kvrt_kv2_plan_compress(kvrt_kv2_plan *pl, uint32_t layer, double budget, const float *k,
                            const float *v, int dtype, kvrt_cache **out);
 
-/* The compiled schedule (kvcc compile --policies kv2; group 4 sections kv2.opts and
- * kv2.schedule): per compiled final budget (a ratio of the context) the reconstruction ratio
- * rho, plus the proxy, aggregation, passes, sinks, chunk and per_head the calibration chose, and
+/* The compiled schedule (kvcc compile --policies kv2; group 4 section kv2.schedule, with the
+ * measured curves in kv2.curves): per compiled final budget (a ratio of the context) the
+ * reconstruction ratio rho, plus the proxy, aggregation, passes, sinks, chunk and per_head the calibration chose, and
  * where its reconstruction queries came from. kvrt_kv2_open: KVRT_ERR_UNSUPPORTED (no kv2
  * group), KVRT_ERR_FORMAT (an item missing, mis-shaped or out of range). */
 typedef enum {

@@ -131,6 +131,40 @@ int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_head
 int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                                   const int32_t *blocks, int64_t n_sel, float *out);
 
+/* ---- KV²: the plan's two numerical ops, their references, and the RoPE shift */
+/* Stage-1 proxy scores of one layer (higher = keep): k [C, Hkv, d] -> s [Hkv, C]. KEYDIFF:
+ * s = -cos(k_t, a), a the mean over the C keys of the head of the L2-normalized keys (a zero
+ * key, or a zero anchor, scores 0); KNORM: s = -|k_t|. kvrt_kv2_proxy_scores runs ctx's backend
+ * (CPU: OpenMP over KV heads, f32 with the anchor summed in double; within 2e-6 of the _ref).
+ * KVRT_ERR_ARG: NULL, C outside 1..INT32_MAX, a zero dimension, an unknown proxy. */
+int kvrt_kv2_proxy_ref(const float *k, int64_t C, uint32_t n_kv_heads, uint32_t head_dim,
+                       int proxy, float *s);
+int kvrt_kv2_proxy_scores(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_kv_heads,
+                          uint32_t head_dim, int proxy, float *s);
+/* Stage-2 scores of positions [lo, hi): for each query i of q [n_q, H, d] and query head h,
+ * the softmax (scale 1/sqrt(d)) of its logits over the C context keys k [C, Hkv, d] and the
+ * appended keys k_new [0 .. i] (k_new [n_q, Hkv, d], causal; NULL: the context only);
+ * out [Hkv, hi - lo]: out[h / G][t - lo] = the max over i and the G heads of the KV head of the
+ * weight of position t. _ref: double loops. kvrt_kv2_chunk_scores runs ctx's backend (CPU: sgemm
+ * tiles of stacked query heads, log-sum-exp pass, f32; the same output for every thread count;
+ * within 1e-7 + 1e-4 |ref| of the _ref; non-finite q, k or k_new: KVRT_ERR_ARG).
+ * KVRT_ERR_ARG: NULL, n_q or C outside 1..INT32_MAX, not 0 <= lo < hi <= C; KVRT_ERR_SHAPE:
+ * n_heads not a positive multiple of n_kv_heads. */
+int kvrt_kv2_chunk_scores_ref(const float *q, int64_t n_q, uint32_t n_heads, const float *k,
+                              int64_t C, uint32_t n_kv_heads, uint32_t head_dim,
+                              const float *k_new, int64_t lo, int64_t hi, float *out);
+int kvrt_kv2_chunk_scores(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_heads,
+                          const float *k, int64_t C, uint32_t n_kv_heads, uint32_t head_dim,
+                          const float *k_new, int64_t lo, int64_t hi, float *out);
+/* Rotate x [n, n_heads, d] (post-RoPE vectors, in place) from positions from[i] to to[i]: the
+ * Hugging Face rotate_half layout (dimension j and j + d/2 are a pair with angle
+ * pos * rope_theta^(-2j/d)), plain RoPE (no scaling), angles and products in double. KV²'s
+ * no-model approximation moves the stored queries and keys of the reconstruction positions to
+ * the position ids C + i with it. KVRT_ERR_ARG: NULL, n < 0, head_dim odd or 0, n_heads 0,
+ * rope_theta not finite and > 0. */
+int kvrt_rope_shift(float *x, int64_t n, uint32_t n_heads, uint32_t head_dim,
+                    const int32_t *from, const int32_t *to, double rope_theta);
+
 #ifdef __cplusplus
 }
 #endif

@@ -24,7 +24,8 @@
  * backend; the ops are called through the public entry point where it takes a context and
  * plain arrays (kvrt_softmax_rows, kvrt_attend), else through ctx->ops (the table itself). The
  * CompKV rows build the state with the backend's compkv_create and a reference state on the CPU
- * context from the same tokens.
+ * context from the same tokens. The KV² rows (kv2_proxy, kv2_score) check against
+ * kvrt_kv2_proxy_ref and kvrt_kv2_chunk_scores_ref.
  */
 #include <math.h>
 #include <stdint.h>
@@ -1100,6 +1101,103 @@ static void test_compkv(kvrt_ctx *ctx, const char *bk, ck_test t) {
 }
 
 // ----------------------------------------------------------------------------
+// KV² (kv2_proxy, kv2_score)
+
+static void test_kv2_proxy(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t C;
+        uint32_t Hkv, d;
+        int proxy;
+    } shapes[] = {{517, 2, 64, KVRT_KV2_PROXY_KEYDIFF}, {517, 2, 64, KVRT_KV2_PROXY_KNORM},
+                  {33, 3, 128, KVRT_KV2_PROXY_KEYDIFF}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t C = shapes[si].C, nk = C * shapes[si].Hkv * shapes[si].d,
+                      ns = C * shapes[si].Hkv;
+        char shape[96];
+        snprintf(shape, sizeof shape, "C=%lld Hkv=%u d=%u %s", (long long)C, shapes[si].Hkv,
+                 shapes[si].d, kvrt_kv2_proxy_name(shapes[si].proxy));
+        if (!row_runs(ctx, bk, "kv2_proxy", KVRT_OP_KV2_PROXY, shape)) continue;
+        uint64_t seed = 900 + si;
+        float *k = randf(&seed, nk, -1.0f, 1.0f);
+        float *ref = malloc(sizeof(float) * (size_t)ns), *got = malloc(sizeof(float) * (size_t)ns);
+        int rc = kvrt_kv2_proxy_ref(k, C, shapes[si].Hkv, shapes[si].d, shapes[si].proxy, ref);
+        if (rc != KVRT_OK) {
+            report_error("kv2_proxy", bk, shape, rc, "kvrt_kv2_proxy_ref");
+        } else {
+            float *dk = to_ctx(ctx, k, sizeof(float) * (size_t)nk);
+            float *ds = to_ctx(ctx, NULL, sizeof(float) * (size_t)ns);
+            rc = ctx->ops->kv2_proxy(ctx, dk, C, shapes[si].Hkv, shapes[si].d, shapes[si].proxy,
+                                     ds);
+            if (rc != KVRT_OK) {
+                report_error("kv2_proxy", bk, shape, rc, "kv2_proxy");
+            } else {
+                from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
+                nmse_acc a = {0, 0, 0};
+                acc_f(&a, got, ref, ns);
+                report("kv2_proxy", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            }
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, ds);
+        }
+        free(k);
+        free(ref);
+        free(got);
+    }
+}
+
+static void test_kv2_score(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t n_q;
+        uint32_t H, Hkv, d;
+        int64_t C, lo, hi;
+        int appended;
+    } shapes[] = {{41, 8, 2, 64, 517, 100, 357, 1}, {41, 8, 2, 64, 517, 100, 357, 0},
+                  {3, 9, 3, 64, 96, 4, 96, 1}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t nq = shapes[si].n_q, C = shapes[si].C, lo = shapes[si].lo, hi = shapes[si].hi;
+        const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
+        const int64_t n_qv = nq * H * d, n_kv = C * Hkv * d, n_new = nq * Hkv * d,
+                      ns = (int64_t)Hkv * (hi - lo);
+        char shape[96];
+        snprintf(shape, sizeof shape, "n_q=%lld H=%u Hkv=%u d=%u C=%lld [%lld,%lld)%s",
+                 (long long)nq, H, Hkv, d, (long long)C, (long long)lo, (long long)hi,
+                 shapes[si].appended ? " +new" : "");
+        if (!row_runs(ctx, bk, "kv2_score", KVRT_OP_KV2_SCORE, shape)) continue;
+        uint64_t seed = 950 + si;
+        float *q = randf(&seed, n_qv, -1.0f, 1.0f), *k = randf(&seed, n_kv, -1.0f, 1.0f);
+        float *kn = shapes[si].appended ? randf(&seed, n_new, -1.0f, 1.0f) : NULL;
+        float *ref = malloc(sizeof(float) * (size_t)ns), *got = malloc(sizeof(float) * (size_t)ns);
+        int rc = kvrt_kv2_chunk_scores_ref(q, nq, H, k, C, Hkv, d, kn, lo, hi, ref);
+        if (rc != KVRT_OK) {
+            report_error("kv2_score", bk, shape, rc, "kvrt_kv2_chunk_scores_ref");
+        } else {
+            float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)n_qv);
+            float *dk = to_ctx(ctx, k, sizeof(float) * (size_t)n_kv);
+            float *dn = kn ? to_ctx(ctx, kn, sizeof(float) * (size_t)n_new) : NULL;
+            float *ds = to_ctx(ctx, NULL, sizeof(float) * (size_t)ns);
+            rc = ctx->ops->kv2_score(ctx, dq, nq, H, dk, C, Hkv, d, dn, lo, hi, ds);
+            if (rc != KVRT_OK) {
+                report_error("kv2_score", bk, shape, rc, "kv2_score");
+            } else {
+                from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
+                nmse_acc a = {0, 0, 0};
+                acc_f(&a, got, ref, ns);
+                report("kv2_score", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            }
+            kvrt_ctx_dealloc(ctx, dq);
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, dn);
+            kvrt_ctx_dealloc(ctx, ds);
+        }
+        free(q);
+        free(k);
+        free(kn);
+        free(ref);
+        free(got);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // driver
 
 int main(void) {
@@ -1148,6 +1246,8 @@ int main(void) {
                                        test_compkv_attend_blocks, test_compkv_step};
     for (size_t t = 0; t < sizeof ck_tests / sizeof ck_tests[0]; t++)
         for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, ck_tests[t]);
+    for (int b = 0; b < 2; b++) test_kv2_proxy(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_kv2_score(backends[b].ctx, backends[b].name);
 
     kvrt_ctx_free(cuda);
     kvrt_ctx_free(cpu);

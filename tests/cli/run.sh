@@ -93,7 +93,8 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,a
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
                                      {if (NR > 1) print last; last = $0} END {print last}')
-for o in am-targets am-ratios am-chunk am-select compkv-r compkv-block budgets window reward reward-check transfer-check; do
+for o in am-targets am-ratios am-chunk am-select compkv-r compkv-block budgets window reward reward-check transfer-check \
+         kv2-budgets kv2-rho kv2-proxies kv2-max-passes kv2-sinks kv2-chunk; do
   grep -q -- "^  --$o .*(default [^)]*)\$" <<<"$help" && ok || bad "compile --help: --$o with its default"
 done
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compilerkv --budgets 32 2>&1); ex=$?
@@ -118,6 +119,33 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compkv --budgets 4 2>&1); ex=
 [[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval compkv without --policy: exit $ex: $err"
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 65 -o "$tmp/k4.kvpol" 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--compkv-r"* && ! -e "$tmp/k4.kvpol" ]] && ok || bad "compile --compkv-r 65: exit $ex: $err"
+
+# 13. KV2: the rho schedule compiles byte-identically across thread counts, inspect shows it, its
+#     eval rows run, bad options and uncompiled budgets are refused by name; the needle task
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies kv2 --kv2-budgets 0.1,0.2 --kv2-rho 0.05,0.2,1 -o "$tmp/v1.kvpol" 2>/dev/null && \
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies kv2 --kv2-budgets 0.1,0.2 --kv2-rho 0.05,0.2,1 --threads 1 -o "$tmp/v2.kvpol" 2>/dev/null && \
+  cmp -s "$tmp/v1.kvpol" "$tmp/v2.kvpol" && ok || bad "compile --policies kv2 differs across --threads"
+out=$("$KVCC" inspect "$tmp/v1.kvpol"); [[ "$out" == *"kv2.schedule"* && "$out" == *"KV2: proxy"* && "$out" == *"calibrated from rerotated"* \
+   && "$out" == *"budget 0.1     rho"* ]] && ok || bad "inspect of a kv2 artifact: $out"
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/v1.kvpol" --methods kv2,kv2-fixed,keydiff --budgets 0.1,0.2 --csv); ex=$?
+[[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 6 ]] && ok || bad "eval kv2 rows: exit $ex: $out"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/v1.kvpol" --methods kv2 --budgets 0.3 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"0.3"* && "$err" == *"0.1"* ]] && ok || bad "eval kv2 at an uncompiled budget: exit $ex: $err"
+for a in "--kv2-budgets 1.5" "--kv2-rho 2" "--kv2-proxies cur" "--kv2-max-passes 0"; do
+  # shellcheck disable=SC2086
+  err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies kv2 $a -o "$tmp/v3.kvpol" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"${a%% *}"* && ! -e "$tmp/v3.kvpol" ]] && ok || bad "compile $a: exit $ex: $err"
+done
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods full --budgets 1 --needle 2048 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--needle needs --gguf"* ]] && ok || bad "eval --needle without --gguf: exit $ex: $err"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods full --budgets 1 --needle 20 --gguf x.gguf 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--needle: got '20'"* ]] && ok || bad "eval --needle 20: exit $ex: $err"
+if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  out=$("$KVCC" eval --corpus "$tmp/c1.h5" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --methods full,streaming \
+        --budgets 0.5 --needle 400 --needle-haystacks 1 2>&1); ex=$?
+  [[ $ex -eq 0 && "$out" == *"needle task: 1 haystacks x 3 questions per context length; full cache 3/3 at 400 (must be high"* \
+     && "$out" == *"nd@400"* ]] && ok || bad "eval --needle 400: exit $ex: $out"
+fi
 
 # 12. the serving example (make examples; make test builds it) makes one real call of each policy
 #     through kvrt.h on the artifacts of sections 9 and 10, and names a group the artifact lacks
