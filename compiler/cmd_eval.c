@@ -176,7 +176,10 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
                r->needle_keys);
         for (int c = 0; c < r->n_needle_ctx; c++)
             printf("%s %u/%u at %d", c ? "," : "", r->needle_full_ok[c], r->needle_full_n[c], r->needle_ctx[c]);
-        printf(" (must be high for the column to judge anything)\n");
+        printf(" (must be high for the column to judge anything); model prefill");
+        for (int c = 0; c < r->n_needle_ctx; c++)
+            printf("%s %.0f ms at %d", c ? "," : "", r->needle_prefill_ms[c], r->needle_ctx[c]);
+        printf(" per haystack (--json: each row's compression time)\n");
     }
     for (int i = 0; i < r->n_notes; i++) printf("%s\n", r->notes[i]);
     if (r->decode_note[0])
@@ -283,6 +286,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
             cJSON_AddNumberToObject(f, "context", r->needle_ctx[c]);
             cJSON_AddNumberToObject(f, "asked", r->needle_full_n[c]);
             cJSON_AddNumberToObject(f, "exact", r->needle_full_ok[c]);
+            cJSON_AddNumberToObject(f, "prefill_ms", r->needle_prefill_ms[c]);
             cJSON_AddItemToArray(full, f);
         }
     }

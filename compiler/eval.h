@@ -96,6 +96,7 @@ typedef struct {
     int n_needle_ctx, needle_ctx[KVCC_EVAL_NEEDLE_CTX];
     uint32_t needle_haystacks, needle_keys;
     uint32_t needle_full_n[KVCC_EVAL_NEEDLE_CTX], needle_full_ok[KVCC_EVAL_NEEDLE_CTX];
+    double needle_prefill_ms[KVCC_EVAL_NEEDLE_CTX]; /* the model's full prefill per haystack */
     double seconds_needle;
     char notes[4][640];      /* per method family with a note: "FAMILY rows: what they run" */
     int n_notes;

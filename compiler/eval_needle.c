@@ -149,7 +149,10 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
             }
             x.tok = nd.ctx;
             x.ctx_id = ++E->ctx_serial; /* the rows share budget-independent work of it */
-            if (eval_e2e_prefill(&x)) {
+            const double tp = kvcc_now_s();
+            int prc = eval_e2e_prefill(&x);
+            r->needle_prefill_ms[ci] += 1e3 * (kvcc_now_s() - tp) / n_hay;
+            if (prc) {
                 snprintf(err, errlen, "eval: the model failed on needle haystack %u", h);
                 rc = KVCC_EXIT_FAILED;
             }

@@ -144,6 +144,10 @@ static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const 
         if (!k2) k2 = kvpol_writer_add_string(w, "key_select", cx->am_select, strlen(cx->am_select));
         if (!k2) k2 = kvpol_writer_add_i64(w, "chunk", cx->am_chunk);
         if (!k2) k2 = kvpol_writer_add_i64(w, "units", AM_UNITS);
+        /* no beta_floor item: zero-weight keys dropped (what ran before the item existed) */
+        if (!k2 && !isnan(cx->am_floor)) k2 = kvpol_writer_add_f64(w, "beta_floor", cx->am_floor);
+        if (!k2) k2 = kvpol_writer_add_i64(w, "n_sink", cx->am_sinks);
+        if (!k2) k2 = kvpol_writer_add_f64(w, "recent_frac", cx->am_recent);
         if (!k2) k2 = kvpol_writer_end_section(w);
         if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_CURVES, kvpol_known_find(KVPOL_SEC_AM_CURVES)->name, 0, KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
@@ -183,6 +187,31 @@ static void am_accumulate(const kvcc_loop *lp, int ri, int nr, double n_prompts,
     }
 }
 
+/* The runtime options the calibration runs (and the artifact records). */
+static void am_compile_opts(const kvcc_compile_ctx *cx, kvrt_am_opts *ao) {
+    kvrt_am_opts_init(ao);
+    ao->chunk = cx->am_chunk;
+    ao->key_select = strcmp(cx->am_select, "omp") == 0 ? KVRT_AM_SELECT_OMP
+                                                        : KVRT_AM_SELECT_HIGHEST;
+    ao->beta_floor = cx->am_floor;
+    ao->n_sink = cx->am_sinks;
+    ao->recent_frac = cx->am_recent;
+}
+
+static int am_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
+    if (!isnan(cx->am_floor) && !(cx->am_floor >= -80 && cx->am_floor <= 80)) {
+        snprintf(err, errlen, "--am-floor: got %g, expected none or a bias in -80..80",
+                 cx->am_floor);
+        return KVCC_EXIT_USAGE;
+    }
+    if (!(cx->am_recent >= 0 && cx->am_recent < 1)) {
+        snprintf(err, errlen, "--am-recent: got %g, expected a fraction of the budget in [0, 1)",
+                 cx->am_recent);
+        return KVCC_EXIT_USAGE;
+    }
+    return 0;
+}
+
 static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t errlen) {
     kvcc_corpus *c = cx->corpus;
     const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
@@ -205,9 +234,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             return KVCC_EXIT_USAGE;
         }
     kvrt_am_opts ao;
-    kvrt_am_opts_init(&ao);
-    ao.chunk = cx->am_chunk;
-    ao.key_select = strcmp(cx->am_select, "omp") == 0 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+    am_compile_opts(cx, &ao);
     const size_t nh = (size_t)L * Hkv;
     double *loss = calloc(nh * (size_t)nr, sizeof(double)),
            *merr = calloc(nh * (size_t)nr, sizeof(double));
@@ -262,6 +289,8 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
 // ----------------------------------------------------------------------------
 // inspect
 
+static void am_opts_text(const kvrt_am_opts *o, char *buf, size_t n);
+
 static void am_inspect(const kvpol_file *f, FILE *out) {
     uint32_t si, ci;
     kvpol_item tg, sc, rr, lo, me;
@@ -276,11 +305,24 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     int64_t chunk = 0;
     kvpol_get_string(f, si, "key_select", &ks, &kl);
     kvpol_get_i64(f, si, "chunk", &chunk);
+    /* the optional options, absent in older artifacts: what ran before them */
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    o.key_select = kl == 3 && !memcmp(ks, "omp", 3) ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+    o.chunk = chunk;
+    o.beta_floor = NAN;
+    int64_t iv;
+    double dv;
+    if (kvpol_get_f64(f, si, "beta_floor", &dv) == KVPOL_OK) o.beta_floor = dv;
+    if (kvpol_get_i64(f, si, "n_sink", &iv) == KVPOL_OK) o.n_sink = iv;
+    if (kvpol_get_f64(f, si, "recent_frac", &dv) == KVPOL_OK) o.recent_frac = dv;
+    char txt[200];
+    am_opts_text(&o, txt, sizeof txt);
     const uint64_t nt = sc.dims[0], L = sc.dims[1], Hkv = sc.dims[2];
     const double *t = tg.data;
     const float *s = sc.data;
-    fprintf(out, "Attention Matching: key selection %.*s, chunk %lld, %llu targets, %llu layers x %llu KV heads\n",
-            (int)kl, ks, (long long)chunk, (unsigned long long)nt, (unsigned long long)L, (unsigned long long)Hkv);
+    fprintf(out, "Attention Matching: %llu targets, %llu layers x %llu KV heads\n  options: %s\n",
+            (unsigned long long)nt, (unsigned long long)L, (unsigned long long)Hkv, txt);
     fprintf(out, "  budgets (fraction of the context kept per KV head), per layer:\n  %-6s", "layer");
     for (uint64_t ti = 0; ti < nt; ti++) fprintf(out, " | target %-*.3g", (int)(Hkv * 7 - 8), t[ti]);
     fprintf(out, "\n");
@@ -356,20 +398,73 @@ static void am_eval_close(void *h) { kvrt_am_schedule_free(h); }
 
 static const char *am_select_name(int ks) { return ks == KVRT_AM_SELECT_OMP ? "omp" : "highest"; }
 
-/* am: every ratio budget must be a compiled target; the note states the compiled options. */
+/* "key selection highest, chunk 4096, beta floor -3, 4 sinks, recent 0.125 of t" */
+static void am_opts_text(const kvrt_am_opts *o, char *buf, size_t n) {
+    char fl[32];
+    if (isnan(o->beta_floor)) snprintf(fl, sizeof fl, "none (zero weights dropped)");
+    else snprintf(fl, sizeof fl, "%g", o->beta_floor);
+    snprintf(buf, n, "key selection %s, chunk %lld, beta floor %s, %lld sinks, recent %g of t",
+             am_select_name(o->key_select), (long long)o->chunk, fl, (long long)o->n_sink,
+             o->recent_frac);
+}
+
+/* KVCC_AM_OPTS (a measurement knob of the uncompiled rows am-uniform / am-omp): comma-separated
+ * NAME=VALUE of beta_floor (a number or "none"), n_sink, recent_frac, chunk. 0, or
+ * KVCC_EXIT_USAGE with the message in err. */
+static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
+    const char *env = getenv("KVCC_AM_OPTS");
+    if (env == NULL || *env == 0) return 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", env);
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        char *eq = strchr(tok, '=');
+        char *end = NULL;
+        double v = eq ? strtod(eq + 1, &end) : 0;
+        int ok = eq && end && end != eq + 1 && *end == 0 && isfinite(v);
+        if (eq) *eq = 0;
+        if (eq && !strcmp(tok, "beta_floor") && !strcmp(eq + 1, "none")) {
+            o->beta_floor = NAN;
+            continue;
+        }
+        if (ok && !strcmp(tok, "beta_floor")) o->beta_floor = v;
+        else if (ok && !strcmp(tok, "n_sink") && v >= 0) o->n_sink = (int64_t)v;
+        else if (ok && !strcmp(tok, "recent_frac")) o->recent_frac = v;
+        else if (ok && !strcmp(tok, "chunk")) o->chunk = (int64_t)v;
+        else {
+            snprintf(err, errlen, "KVCC_AM_OPTS: '%s' is not NAME=VALUE with NAME beta_floor, "
+                     "n_sink, recent_frac or chunk", tok);
+            return KVCC_EXIT_USAGE;
+        }
+    }
+    return 0;
+}
+
+/* am: every ratio budget must be a compiled target; the note states the options each row runs
+ * with. The uncompiled variants hold their options (kvrt_am_opts) as the state. */
 static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
                            kvcc_eval_prep *p, char *err, size_t errlen) {
-    kvrt_am_opts o;
+    char txt[200];
     if (m->variant != AM_EVAL_SCHEDULED) {
-        kvrt_am_opts_init(&o);
-        if (m->variant == AM_EVAL_OMP) o.key_select = KVRT_AM_SELECT_OMP;
+        kvrt_am_opts *o = malloc(sizeof *o);
+        if (o == NULL) {
+            snprintf(err, errlen, "%s: out of memory", m->name);
+            return KVCC_EXIT_FAILED;
+        }
+        kvrt_am_opts_init(o);
+        if (m->variant == AM_EVAL_OMP) o->key_select = KVRT_AM_SELECT_OMP;
+        int rc = am_env_opts(o, err, errlen);
+        if (rc) {
+            free(o);
+            return rc;
+        }
+        am_opts_text(o, txt, sizeof txt);
         snprintf(p->note, sizeof p->note,
-                 "%s: an uncompiled variant, every KV head at the row's ratio (key "
-                 "selection %s, chunk %lld)",
-                 m->name, am_select_name(o.key_select), (long long)o.chunk);
+                 "%s: an uncompiled variant, every KV head at the row's ratio (%s)", m->name, txt);
+        p->state = o;
         return 0;
     }
     const kvrt_am_schedule *s = handle;
+    kvrt_am_opts o;
     int rc = kvrt_am_schedule_opts(s, &o);
     for (int j = 0; !rc && j < env->n_budgets; j++) {
         const float *ratios;
@@ -377,10 +472,9 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
     }
     if (rc) return kvcc_eval_policy_error(env, rc, err, errlen);
     p->state = handle;
+    am_opts_text(&o, txt, sizeof txt);
     snprintf(p->note, sizeof p->note,
-             "am: the compiled per-head schedule with the compiled options (key selection "
-             "%s, chunk %lld)",
-             am_select_name(o.key_select), (long long)o.chunk);
+             "am: the compiled per-head schedule with the compiled options (%s)", txt);
     return 0;
 }
 
@@ -391,22 +485,21 @@ static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate
     if (m->variant == AM_EVAL_SCHEDULED)
         return kvrt_am_compact_scheduled(env->rt, state, NULL, 0, budget, x->layer, x->q, x->k,
                                          x->v, x->C, env->H, env->dtype, out, NULL);
-    kvrt_am_opts ao;
-    kvrt_am_opts_init(&ao);
-    if (m->variant == AM_EVAL_OMP) ao.key_select = KVRT_AM_SELECT_OMP;
-    return kvrt_am_compact_layer(env->rt, &ao, x->q, x->k, x->v, x->C, env->H, env->Hkv, env->d,
-                                 NULL, budget, env->dtype, out, NULL);
+    return kvrt_am_compact_layer(env->rt, state, x->q, x->k, x->v, x->C, env->H, env->Hkv,
+                                 env->d, NULL, budget, env->dtype, out, NULL);
 }
 
+static void am_eval_release(void *state) { free(state); }
+
 /* am opens the schedule (once per run); the uncompiled variants need no policy. */
-#define AM_EVAL_METHOD(nm, var, open, close)                                                       \
+#define AM_EVAL_METHOD(nm, var, open, close, rel)                                                  \
     {.name = nm, .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = var,      \
-     .open_handle = open, .close_handle = close, .prepare = am_eval_prepare,                       \
+     .open_handle = open, .close_handle = close, .prepare = am_eval_prepare, .release = rel,       \
      .compress_layer = am_eval_compress}
 static const kvcc_eval_method am_eval_methods[] = {
-    AM_EVAL_METHOD("am", AM_EVAL_SCHEDULED, am_eval_open, am_eval_close),
-    AM_EVAL_METHOD("am-uniform", AM_EVAL_UNIFORM, NULL, NULL),
-    AM_EVAL_METHOD("am-omp", AM_EVAL_OMP, NULL, NULL),
+    AM_EVAL_METHOD("am", AM_EVAL_SCHEDULED, am_eval_open, am_eval_close, NULL),
+    AM_EVAL_METHOD("am-uniform", AM_EVAL_UNIFORM, NULL, NULL, am_eval_release),
+    AM_EVAL_METHOD("am-omp", AM_EVAL_OMP, NULL, NULL, am_eval_release),
     {.name = NULL},
 };
 
@@ -423,6 +516,16 @@ static const kvcc_pass_option am_options[] = {
      1u << 20, NULL, 0},
     {"am-select", KVCC_OPT_CHOICE, "highest|omp", "highest",
      "key selection (written; eval runs it)", AM_OPT(am_select), 0, 0, 0, "highest|omp", 0},
+    {"am-floor", KVCC_OPT_F64, "F|none", "-3",
+     "bias floor: every selected key is kept with beta = max(log w, F), so a head holds its whole "
+     "budget; none: keys of NNLS weight 0 are dropped (written; eval runs it)", AM_OPT(am_floor),
+     0, 0, 0, NULL, 0},
+    {"am-sinks", KVCC_OPT_U32, "N", "4",
+     "first N keys of every head kept exactly (beta 0), inside its budget (written; eval runs it)",
+     AM_OPT(am_sinks), 0, 0, 1u << 20, NULL, 0},
+    {"am-recent", KVCC_OPT_F64, "F", "0.5",
+     "fraction of every head's budget kept as the exact recent window, in [0, 1) (written; eval "
+     "runs it)", AM_OPT(am_recent), 0, 0, 0, NULL, 0},
     {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
 };
 
@@ -432,6 +535,7 @@ const kvcc_pass kvcc_pass_am = {
     .group = KVPOL_GROUP_AM,
     .needs_corpus = 1,
     .options = am_options,
+    .check = am_check,
     .run = am_run,
     .inspect = am_inspect,
     .eval_methods = am_eval_methods,

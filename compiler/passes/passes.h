@@ -33,11 +33,15 @@ typedef struct {
     int threads;                    /* --threads (0: OpenMP default); output must not depend on it */
     uint32_t max_prompts;           /* --prompts (0: all) */
     int progress;                   /* draw progress on stderr (a terminal) */
-    /* Attention Matching (--am-targets, --am-ratios, --am-chunk, --am-select) */
+    /* Attention Matching (--am-targets, --am-ratios, --am-chunk, --am-select, --am-floor,
+     * --am-sinks, --am-recent) */
     const double *am_targets; int n_am_targets;
     const double *am_ratios; int n_am_ratios;
     uint32_t am_chunk;
     const char *am_select;          /* "highest" (default) or "omp" */
+    double am_floor;                /* beta floor (NAN: zero-weight keys dropped) */
+    uint32_t am_sinks;
+    double am_recent;               /* recent window, a fraction of each head's budget */
     /* CompKV (--compkv-r, --compkv-block) */
     uint32_t compkv_r, compkv_block;
     /* CompilerKV (--budgets, --window, --reward) */
@@ -55,11 +59,14 @@ typedef struct {
 } kvcc_compile_ctx;
 
 /* One command-line option of a pass. The value lands in kvcc_compile_ctx at `offset`: a
- * uint32_t (U32, in [lo, hi]), a const char * (CHOICE: one of `choices`, "a|b"; PATH), or a
+ * uint32_t (U32, in [lo, hi]), a double (F64: a finite number, or "none" for NAN; the pass
+ * checks its range), a const char * (CHOICE: one of `choices`, "a|b"; PATH), or a
  * const double * with its int count at `count_offset` (LIST: up to KVCC_PASS_MAX_LIST positive
  * numbers, sorted ascending). `def` (text, NULL: none) is applied before the command line is
  * read, and printed by --help. */
-typedef enum { KVCC_OPT_U32, KVCC_OPT_LIST, KVCC_OPT_CHOICE, KVCC_OPT_PATH } kvcc_opt_kind;
+typedef enum {
+    KVCC_OPT_U32, KVCC_OPT_LIST, KVCC_OPT_CHOICE, KVCC_OPT_PATH, KVCC_OPT_F64
+} kvcc_opt_kind;
 #define KVCC_OPT_REPORT                                                                            \
     1u /* flag: only meaningful with the pass in --policies (refused otherwise) */
 #define KVCC_PASS_MAX_LIST 32

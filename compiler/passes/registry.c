@@ -91,6 +91,17 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
     case KVCC_OPT_PATH:
         *(const char **)(base + o->offset) = value;
         return 0;
+    case KVCC_OPT_F64: {
+        char *end;
+        double v = strtod(value, &end);
+        if (!strcmp(value, "none")) v = NAN;
+        else if (end == value || *end || !isfinite(v)) {
+            snprintf(err, errlen, "--%s: got '%s', expected a number or none", o->name, value);
+            return -1;
+        }
+        *(double *)(base + o->offset) = v;
+        return 0;
+    }
     case KVCC_OPT_LIST: {
         char buf[512];
         int n = 0;

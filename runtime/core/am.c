@@ -10,7 +10,9 @@
  *          kvrt_am_compact, kvrt_am_compact_layer, kvrt_am_compact_layer_multi
  *
  * Section am.schedule (critical): targets f64 [n_t], schedule f32 [n_t, L, Hkv], key_select
- * string ("highest" | "omp"), chunk i64 (docs/kvpol-format.md, group 2).
+ * string ("highest" | "omp"), chunk i64; optional beta_floor f64, n_sink i64 and recent_frac
+ * f64, absent in artifacts written before them (then: what ran before them, zero-weight keys
+ * dropped, no exact sinks or recent window; docs/kvpol-format.md, group 2).
  */
 #include <math.h>
 #include <stdio.h>
@@ -24,7 +26,7 @@ struct kvrt_am_schedule {
     uint32_t n_layers, n_kv_heads, head_dim, n_targets;
     double *targets;      /* [n_targets] */
     float *ratios;        /* [n_targets, n_layers, n_kv_heads] */
-    kvrt_am_opts opts;    /* kvrt_am_opts_init + the compiled key_select and chunk */
+    kvrt_am_opts opts;    /* the compiled options (kvrt_am_opts_init's for those not stored) */
 };
 
 void kvrt_am_schedule_free(kvrt_am_schedule *s) {
@@ -83,6 +85,27 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
                              "%s: am.schedule: schedule[%zu] = %g, expected a ratio in "
                              "(0, 1]",
                              fn, i, (double)rv[i]);
+    /* optional items (absent: what ran before they existed) */
+    double beta_floor = NAN, recent_frac = 0;
+    int64_t n_sink = 0;
+    int g1 = kvpol_get_f64(f, si, "beta_floor", &beta_floor);
+    int g2 = kvpol_get_i64(f, si, "n_sink", &n_sink);
+    int g3 = kvpol_get_f64(f, si, "recent_frac", &recent_frac);
+    if ((g1 && g1 != KVPOL_ERR_NOT_FOUND) || (g2 && g2 != KVPOL_ERR_NOT_FOUND) ||
+        (g3 && g3 != KVPOL_ERR_NOT_FOUND))
+        return KVRT_FAIL(KVRT_ERR_FORMAT,
+                         "%s: am.schedule: expected beta_floor f64, n_sink i64 and recent_frac "
+                         "f64 where present (%s is of another type)", fn,
+                         g1 ? "beta_floor" : g2 ? "n_sink" : "recent_frac");
+    if (!isnan(beta_floor) && !(isfinite(beta_floor) && fabs(beta_floor) <= 80))
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: beta_floor %g, expected NaN (drop) "
+                         "or a value in -80..80", fn, beta_floor);
+    if (n_sink < 0 || n_sink > INT32_MAX)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: n_sink %lld, expected 0..%d", fn,
+                         (long long)n_sink, INT32_MAX);
+    if (!(recent_frac >= 0 && recent_frac < 1))
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: recent_frac %g, expected [0, 1)", fn,
+                         recent_frac);
     kvrt_am_schedule *s = calloc(1, sizeof *s);
     if (s) {
         s->targets = malloc(sizeof(double) * (size_t)tg.dims[0]);
@@ -101,6 +124,9 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     kvrt_am_opts_init(&s->opts);
     s->opts.key_select = key_select;
     s->opts.chunk = chunk;
+    s->opts.beta_floor = beta_floor;
+    s->opts.n_sink = n_sink;
+    s->opts.recent_frac = recent_frac;
     *out = s;
     return KVRT_OK;
 }
@@ -179,6 +205,19 @@ static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: max_queries %lld differs from the calibrated %lld "
                              "(pass KVRT_OVERRIDE_OPTIONS to run it anyway)", fn,
                              (long long)o->max_queries, (long long)s->opts.max_queries);
+        if (!(o->beta_floor == s->opts.beta_floor ||
+              (isnan(o->beta_floor) && isnan(s->opts.beta_floor))))
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: beta_floor %g differs from the compiled %g (NaN: "
+                             "drop zero weights; pass KVRT_OVERRIDE_OPTIONS to run it anyway)",
+                             fn, o->beta_floor, s->opts.beta_floor);
+        if (o->n_sink != s->opts.n_sink)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sink %lld differs from the compiled %lld (pass "
+                             "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (long long)o->n_sink,
+                             (long long)s->opts.n_sink);
+        if (o->recent_frac != s->opts.recent_frac)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g differs from the compiled %g (pass "
+                             "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->recent_frac,
+                             s->opts.recent_frac);
     }
     return kvrt_am_schedule_ratios(s, target, layer, ratios);
 }

@@ -52,6 +52,9 @@ void kvrt_am_opts_init(kvrt_am_opts *o) {
     o->ridge = 1e-6;
     o->nnls_max_iter = 0;
     o->max_queries = 4096;
+    o->beta_floor = -3;
+    o->n_sink = 4;
+    o->recent_frac = 0.5;
 }
 
 static int all_finite_f(const float *x, int64_t count) {
@@ -90,12 +93,14 @@ typedef struct {
     double *scale;  /* [t] */
     double *C;      /* [t, d] */
     double *rowsum; /* [n] */
-    float *rf;      /* [n] OMP residual */
-    float *corr;    /* [Tc] */
+    double *H;      /* [Tc, Tc] OMP: Gram Q^T Q of the relative columns Q_ij = P_ij / m_i */
+    double *c0;     /* [Tc] OMP: Q^T 1 */
+    double *Qb;     /* [AM_QBLK, Tc] OMP: one block of Q in double */
+    double *corrd;  /* [Tc] OMP: correlations with the residual */
+    double *HS;     /* [t, Tc] OMP: the rows of H of the selected keys, in pick order */
+    double *wv;     /* [t] OMP: weights times column scales */
     double *colsum; /* [Tc] column statistics */
     double *colnorm;/* [Tc] OMP: column norms of P */
-    double *Gc;     /* [t, t] OMP: compact copy of the Gram of the selected columns */
-    double *cols;   /* [t, n] OMP: selected columns */
     unsigned char *taken; /* [Tc] */
     kvrt_cpu_nnls_ws nw;
 } am_ws;
@@ -105,11 +110,13 @@ static void am_ws_free(am_ws *w) {
     free(w->sel); free(w->MS); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
     free(w->rowsum);
     free(w->colsum);
-    free(w->Gc);
-    free(w->rf);
-    free(w->corr);
+    free(w->H);
+    free(w->c0);
+    free(w->Qb);
+    free(w->corrd);
+    free(w->HS);
+    free(w->wv);
     free(w->colnorm);
-    free(w->cols);
     free(w->taken);
     kvrt_cpu_nnls_ws_free(&w->nw);
 }
@@ -125,8 +132,9 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
              AM_ALLOC(w->colsum, Tc) && kvrt_cpu_nnls_ws_alloc(&w->nw, t) == 0;
     if (ok && omp)
-        ok = AM_ALLOC(w->rf, n) && AM_ALLOC(w->corr, Tc) && AM_ALLOC(w->colnorm, Tc) &&
-             AM_ALLOC(w->cols, t * n) && AM_ALLOC(w->taken, Tc) && AM_ALLOC(w->Gc, t * t);
+        ok = AM_ALLOC(w->H, Tc * Tc) && AM_ALLOC(w->c0, Tc) && AM_ALLOC(w->Qb, AM_QBLK * Tc) &&
+             AM_ALLOC(w->corrd, Tc) && AM_ALLOC(w->colnorm, Tc) && AM_ALLOC(w->taken, Tc) &&
+             AM_ALLOC(w->HS, t * Tc) && AM_ALLOC(w->wv, t);
 #undef AM_ALLOC
     if (!ok) am_ws_free(w);
     return ok ? 0 : -1;
@@ -160,70 +168,75 @@ static void col_sumsq(const float *P, int64_t n, int64_t Tc, const double *rs, d
     }
 }
 
+/* Keys a query block [i0, i0 + nb) needs: up to its furthest-seeing query (causal). */
+static int64_t block_vis(const int32_t *qpos, int64_t i0, int64_t nb, int64_t k0, int64_t Tc) {
+    if (qpos == NULL) return Tc;
+    int64_t vmax = 1;
+    for (int64_t i = i0; i < i0 + nb; i++) {
+        const int64_t vis = (int64_t)qpos[i] - k0 + 1;
+        vmax = vis > vmax ? vis : vmax;
+    }
+    return vmax < Tc ? vmax : Tc;
+}
+
 static int cmp_i32(const void *a, const void *b) {
     int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
     return (x > y) - (x < y);
 }
 
 /* OMP key selection with NNLS refits: fills ws->sel [count] (ascending) and ws->w (weights in
- * the order of sel). Returns the count (>= 1). */
-static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int max_iter,
+ * the order of sel). Returns the count (>= 1). Works in the Gram space of the relative columns
+ * Q_.j = P_.j / m (am_prep's H = Q^T Q and c0 = Q^T 1): the residual of the mass is
+ * r = 1 - Q_S w, so the correlation of column j with it is c0_j - H[j, S] w, and the NNLS Gram
+ * and right-hand side of the selected columns are H[S, S] and c0[S]; no pass over the n queries
+ * per pick. */
+static int64_t am_select_omp(am_ws *ws, int64_t Tc, int64_t tc, int max_iter,
                              kvrt_nnls_info *inf) {
-    const float *P = ws->S;
-    /* relative rows, as for HighestAttnKeys' NNLS: columns P_ij / m_i, target 1; rf holds the
-     * residual times 1 / m_i so that P^T rf is the correlation of the scaled columns */
-    for (int64_t j = 0; j < Tc; j++) { /* ws->colsum: am_prep's column sums of squares */
+    const double *H = ws->H, *c0 = ws->c0;
+    for (int64_t j = 0; j < Tc; j++) { /* ws->colsum: am_prep's column sums of squares, H_jj */
         ws->colnorm[j] = sqrt(ws->colsum[j]);
         ws->taken[j] = 0;
+        ws->corrd[j] = c0[j];
     }
-    for (int64_t i = 0; i < n; i++) ws->rf[i] = (float)ws->rowsum[i];
     int64_t s = 0;
     inf->status = KVRT_NNLS_CONVERGED;
     inf->iterations = 0;
     while (s < tc) {
-        cblas_sgemv(CblasRowMajor, CblasTrans, (int)n, (int)Tc, 1.0f, P, (int)Tc, ws->rf, 1, 0.0f,
-                    ws->corr, 1);
+        /* the unselected key of highest positive normalized correlation (ties: lowest index) */
         int64_t jb = -1;
         double best = 0;
         for (int64_t j = 0; j < Tc; j++) {
             if (ws->taken[j] || !(ws->colnorm[j] > 0)) continue;
-            const double sc = (double)ws->corr[j] / ws->colnorm[j];
+            const double sc = ws->corrd[j] / ws->colnorm[j];
             if (sc > best) { best = sc; jb = j; }
         }
         if (jb < 0) break; /* no key reduces the residual */
         ws->taken[jb] = 1;
         ws->sel[s] = (int32_t)jb;
-        double *col = ws->cols + s * n;
-        for (int64_t i = 0; i < n; i++) col[i] = (double)P[i * Tc + jb] * ws->rowsum[i];
         ws->scale[s] = 1.0 / ws->colnorm[jb];
         /* Gram row s of the scaled columns (G is kept with leading dimension tc) */
-        if (s > 0)
-            cblas_dgemv(CblasRowMajor, CblasNoTrans, (int)s, (int)n, 1.0, ws->cols, (int)n, col, 1,
-                        0.0, ws->G + s * tc, 1);
+        const double *hj = H + jb * Tc;
+        memcpy(ws->HS + s * Tc, hj, sizeof(double) * (size_t)Tc);
         for (int64_t a = 0; a < s; a++) {
-            ws->G[s * tc + a] *= ws->scale[a] * ws->scale[s];
+            ws->G[s * tc + a] = hj[ws->sel[a]] * ws->scale[a] * ws->scale[s];
             ws->G[a * tc + s] = ws->G[s * tc + a];
         }
         ws->G[s * tc + s] = 1.0;
-        double cj = 0;
-        for (int64_t i = 0; i < n; i++) cj += col[i];
-        ws->cvec[s] = cj * ws->scale[s];
+        ws->cvec[s] = c0[jb] * ws->scale[s];
+        ws->w[s] = 0;
         s++;
-        /* refit on the s columns, warm-started from the previous weights (new one at 0) */
+        /* refit on the s columns, resumed from the previous refit's passive set and Cholesky
+         * factor (the new column at 0; G's leading block is unchanged) */
         kvrt_nnls_info it = {0};
-        for (int64_t a = 0; a < s; a++)
-            for (int64_t b = 0; b < s; b++) ws->Gc[a * s + b] = ws->G[a * tc + b];
-        ws->w[s - 1] = 0;
-        kvrt_cpu_nnls_gram(ws->Gc, ws->cvec, s, max_iter, ws->w, &ws->nw, &it);
+        kvrt_cpu_nnls_gram_ex(ws->G, tc, ws->cvec, s, max_iter, ws->w, &ws->nw, s > 1, &it);
         inf->iterations += it.iterations;
         if (it.status > inf->status) inf->status = it.status;
-        /* residual r = 1 - sum_a cols_a * w_a * scale_a (relative mass) */
-        for (int64_t i = 0; i < n; i++) {
-            double acc = 1.0;
-            for (int64_t a = 0; a < s; a++)
-                if (ws->w[a] > 0) acc -= ws->cols[a * n + i] * ws->w[a] * ws->scale[a];
-            ws->rf[i] = (float)(acc * ws->rowsum[i]);
-        }
+        /* correlations with the new residual: c0 - H[:, S] (w * scale), through H's rows of S
+         * (H is symmetric) */
+        for (int64_t a = 0; a < s; a++) ws->wv[a] = ws->w[a] > 0 ? ws->w[a] * ws->scale[a] : 0.0;
+        memcpy(ws->corrd, c0, sizeof(double) * (size_t)Tc);
+        cblas_dgemv(CblasRowMajor, CblasTrans, (int)s, (int)Tc, -1.0, ws->HS, (int)Tc, ws->wv, 1,
+                    1.0, ws->corrd, 1);
     }
     if (s == 0) { /* every column is zero or no correlation: keep the first key */
         ws->sel[0] = 0;
@@ -248,24 +261,13 @@ typedef struct {
     int status, iters;
 } am_acc;
 
-/* Keys a query block [i0, i0 + nb) needs: up to its furthest-seeing query (causal). */
-static int64_t block_vis(const int32_t *qpos, int64_t i0, int64_t nb, int64_t k0, int64_t Tc) {
-    if (qpos == NULL) return Tc;
-    int64_t vmax = 1;
-    for (int64_t i = i0; i < i0 + nb; i++) {
-        const int64_t vis = (int64_t)qpos[i] - k0 + 1;
-        vmax = vis > vmax ? vis : vmax;
-    }
-    return vmax < Tc ? vmax : Tc;
-}
-
 /* Steps 1-2 of one chunk [k0, k0 + Tc) of one head, shared by every budget compacted from it:
  * logits, P = exp(z - rowmax), masses, Y = softmax(z) V, and the column sums of squares of
  * softmax(z) (HighestAttnKeys' scores, OMP's column norms). Queries are processed in blocks of
  * AM_QBLK rows, each block only over the keys its queries can see (causal: with queries in
  * position order the masked upper triangle of the products is never computed). */
 static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_t k0, int64_t Tc,
-                   int64_t d, const float *q, const int32_t *qpos, int64_t n) {
+                   int64_t d, const float *q, const int32_t *qpos, int64_t n, int gram) {
     const float scale = 1.0f / sqrtf((float)d);
     float *S = ws->S;
     for (int64_t i0 = 0; i0 < n; i0 += AM_QBLK) {
@@ -310,6 +312,27 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
     }
     /* column sums of squares of softmax(z) = P_ij / m_i */
     col_sumsq(S, n, Tc, ws->rowsum, ws->part, ws->colsum, qpos, k0);
+    if (!gram) return KVRT_OK;
+    /* OMP: H = Q^T Q and c0 = Q^T 1, Q = P / m in double, by query blocks over the keys each
+     * block sees (its contribution is H's leading vm x vm block), blocks in order */
+    double *H = ws->H;
+    memset(H, 0, sizeof(double) * (size_t)(Tc * Tc));
+    for (int64_t j = 0; j < Tc; j++) ws->c0[j] = 0;
+    for (int64_t i0 = 0; i0 < n; i0 += AM_QBLK) {
+        const int64_t nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+        const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
+        for (int64_t i = 0; i < nb; i++) {
+            const float *row = S + (i0 + i) * Tc;
+            const double rs = ws->rowsum[i0 + i];
+            double *qr = ws->Qb + i * vm;
+            for (int64_t j = 0; j < vm; j++) qr[j] = (double)row[j] * rs;
+            for (int64_t j = 0; j < vm; j++) ws->c0[j] += qr[j];
+        }
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)vm, (int)nb, 1.0, ws->Qb, (int)vm,
+                    1.0, H, (int)Tc);
+    }
+    for (int64_t a = 0; a < Tc; a++) /* mirror: the selection reads whole rows */
+        for (int64_t b = a + 1; b < Tc; b++) H[a * Tc + b] = H[b * Tc + a];
     return KVRT_OK;
 }
 
@@ -322,7 +345,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     kvrt_nnls_info inf = {0};
     const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
     if (o->key_select == KVRT_AM_SELECT_OMP) {
-        ts = am_select_omp(ws, n, Tc, tc, max_iter, &inf);
+        ts = am_select_omp(ws, Tc, tc, max_iter, &inf);
         if (ts < 0) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     } else {
         /* HighestAttnKeys: score_j = RMS over queries of softmax(z)_ij = P_ij / m_i */
@@ -361,16 +384,21 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         kvrt_cpu_nnls_gram(ws->G, ws->cvec, ts, max_iter, ws->w, &ws->nw, &inf);
         for (int64_t a = 0; a < ts; a++) ws->w[a] *= ws->scale[a];
     }
-    /* 5. keep the keys of positive weight (all of them, beta = 0, if none is positive) */
-    int64_t kept = 0;
+    /* 5. keep the keys of positive weight (all of them, beta = 0, if none is positive); with a
+     * floor, every selected key, beta = max(log w, floor) */
+    int64_t kept = 0, pos_w = 0;
+    const int has_floor = !isnan(o->beta_floor);
+    const double wmin = has_floor ? exp(o->beta_floor) : 0;
     for (int64_t a = 0; a < ts; a++) {
-        if (ws->w[a] > 0 && isfinite(log(ws->w[a]))) {
+        const int ok = ws->w[a] > 0 && isfinite(log(ws->w[a]));
+        pos_w += ok;
+        if (ok || has_floor) {
             ws->sel[kept] = ws->sel[a];
-            ws->w[kept] = ws->w[a];
+            ws->w[kept] = ok && ws->w[a] > wmin ? ws->w[a] : wmin;
             kept++;
         }
     }
-    if (kept == 0) {
+    if (pos_w == 0) {
         kept = ts;
         for (int64_t a = 0; a < ts; a++) ws->w[a] = 1.0;
         if (inf.status == KVRT_NNLS_CONVERGED) inf.status = KVRT_NNLS_DEGENERATE;
@@ -431,43 +459,76 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     return KVRT_OK;
 }
 
-/* Chunk c of nc over T keys: [start, end) and its share of t by cumulative rounding. */
-static void chunk_span(int64_t T, int64_t chunk, int64_t t, int64_t c, int64_t *k0, int64_t *Tc,
-                       int64_t *tc) {
-    const int64_t s = c * chunk, e = (c + 1) * chunk < T ? (c + 1) * chunk : T;
-    *k0 = s;
-    *Tc = e - s;
-    const int64_t a = (int64_t)llround((double)t * (double)s / (double)T);
-    const int64_t b = (int64_t)llround((double)t * (double)e / (double)T);
-    *tc = b - a;
+/* The split of a head's budget t over its T keys: the sinks [0, ns) and the recent window
+ * [T - nr, T) kept exactly, the middle [ns, T - nr) compacted to tm = t - ns - nr entries. */
+typedef struct { int64_t ns, nr, tm; } am_split;
+static am_split split_of(const kvrt_am_opts *o, int64_t t) {
+    am_split sp;
+    sp.ns = o->n_sink < t ? o->n_sink : t;
+    const int64_t nr = (int64_t)llround(o->recent_frac * (double)t);
+    sp.nr = nr < t - sp.ns ? nr : t - sp.ns;
+    sp.tm = t - sp.ns - sp.nr;
+    return sp;
 }
 
-/* One head, compacted to ns budgets t[ns] at once (the chunk's logits, masses and targets are
- * computed once and shared): k, v rows at stride ld, q [n, d], qpos [n] or NULL. res[si] has
- * capacity t[si]; st [ns] or NULL. */
-/* Largest per-chunk budget of ns budgets t[ns] over T keys in chunks of `chunk`. */
-static int64_t chunk_tmax(int64_t T, int64_t chunk, int ns, const int64_t *t) {
-    const int64_t nc = (T + chunk - 1) / chunk;
+/* Chunk c of the Tm keys from key a on: [k0, k0 + Tc) and its share tc of tm by cumulative
+ * rounding. */
+static void chunk_span(int64_t a, int64_t Tm, int64_t chunk, int64_t tm, int64_t c, int64_t *k0,
+                       int64_t *Tc, int64_t *tc) {
+    const int64_t s = c * chunk, e = (c + 1) * chunk < Tm ? (c + 1) * chunk : Tm;
+    *k0 = a + s;
+    *Tc = e - s;
+    const int64_t lo = (int64_t)llround((double)tm * (double)s / (double)Tm);
+    const int64_t hi = (int64_t)llround((double)tm * (double)e / (double)Tm);
+    *tc = hi - lo;
+}
+
+static int64_t chunk_of(const kvrt_am_opts *o, int64_t Tm) {
+    return o->chunk > 0 && o->chunk < Tm ? o->chunk : Tm;
+}
+
+/* Largest per-chunk budget of ns budgets t[ns] over T keys (what a workspace must hold). */
+static int64_t chunk_tmax(const kvrt_am_opts *o, int64_t T, int ns, const int64_t *t) {
     int64_t tmax = 0;
-    for (int si = 0; si < ns; si++)
+    for (int si = 0; si < ns; si++) {
+        const am_split sp = split_of(o, t[si]);
+        const int64_t Tm = T - sp.ns - sp.nr;
+        if (Tm < 1) continue;
+        const int64_t chunk = chunk_of(o, Tm), nc = (Tm + chunk - 1) / chunk;
         for (int64_t c = 0; c < nc; c++) {
             int64_t k0, Tc, tc;
-            chunk_span(T, chunk, t[si], c, &k0, &Tc, &tc);
+            chunk_span(sp.ns, Tm, chunk, sp.tm, c, &k0, &Tc, &tc);
             tmax = tc > tmax ? tc : tmax;
         }
+    }
     return tmax;
 }
 
-/* wsp: a workspace sized for (n, chunk, >= this head's tmax, d) to reuse (a layer's heads share
+/* Append keys [j0, j1) exactly: original key and value, beta 0. */
+static void append_exact(am_out *r, const float *k, const float *v, int64_t ld, int64_t d,
+                         int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; j++) {
+        const int64_t e = r->n++;
+        r->pos[e] = (int32_t)j;
+        memcpy(r->ck + e * d, k + j * ld, sizeof(float) * (size_t)d);
+        memcpy(r->cv + e * d, v + j * ld, sizeof(float) * (size_t)d);
+        r->beta[e] = 0.0f;
+    }
+}
+
+/* One head, compacted to ns budgets t[ns] at once: k, v rows at stride ld, q [n, d], qpos [n] or
+ * NULL. res[si] has capacity t[si]; st [ns] or NULL. Per budget, the sinks and the recent window
+ * are copied and the middle is compacted chunk by chunk; the budgets whose split leaves the same
+ * middle share its logits, masses and targets (computed once).
+ * wsp: a workspace sized for (n, chunk, >= this head's tmax, d) to reuse (a layer's heads share
  * one: fresh 64 MB logit buffers per head cost as much in page faults as in products), or NULL. */
 static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_t ld, int64_t T,
                    int64_t d, const float *q, const int32_t *qpos, int64_t n, int ns,
                    const int64_t *t, am_out *res, kvrt_am_stats *st, am_ws *wsp) {
-    const int64_t chunk = o->chunk > 0 && o->chunk < T ? o->chunk : T;
-    const int64_t nc = (T + chunk - 1) / chunk;
     am_ws own, *wp = wsp;
     if (wp == NULL) {
-        if (am_ws_alloc(&own, n, chunk, chunk_tmax(T, chunk, ns, t), d,
+        const int64_t chunk = chunk_of(o, T);
+        if (am_ws_alloc(&own, n, chunk, chunk_tmax(o, T, ns, t), d,
                         o->key_select == KVRT_AM_SELECT_OMP) != 0)
             return KVRT_FAIL(KVRT_ERR_NOMEM,
                            "kvrt_am_compact: out of memory (%lld queries x %lld keys per chunk)",
@@ -479,43 +540,69 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     float *qb = qpos ? malloc(sizeof(float) * (size_t)(n * d)) : NULL;
     int32_t *pb = qpos ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
     am_acc *acc = calloc((size_t)ns, sizeof *acc);
-    if ((qpos && (!qb || !pb)) || !acc) {
-        free(qb); free(pb); free(acc);
+    am_split *sp = malloc(sizeof *sp * (size_t)ns);
+    unsigned char *done = calloc((size_t)ns, 1);
+    if ((qpos && (!qb || !pb)) || !acc || !sp || !done) {
+        free(qb); free(pb); free(acc); free(sp); free(done);
         if (wp == &own) am_ws_free(&own);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     }
+    for (int si = 0; si < ns; si++) sp[si] = split_of(o, t[si]);
     int rc = KVRT_OK;
-    for (int64_t c = 0; c < nc && rc == KVRT_OK; c++) {
-        int64_t k0, Tc, tc, need = 0;
-        for (int si = 0; si < ns; si++) {
-            chunk_span(T, chunk, t[si], c, &k0, &Tc, &tc);
-            need |= tc > 0;
-        }
-        if (!need) continue;
-        const float *qc = q;
-        int64_t nv = n;
-        if (qpos) {
-            nv = 0;
-            for (int64_t i = 0; i < n; i++)
-                if (qpos[i] >= k0) {
-                    memcpy(qb + nv * d, q + i * d, sizeof(float) * (size_t)d);
-                    pb[nv++] = qpos[i];
+    for (int g0 = 0; g0 < ns && rc == KVRT_OK; g0++) {
+        if (done[g0]) continue;
+        /* the group of g0: the budgets with its sinks and recent window (the same middle) */
+        const int64_t a = sp[g0].ns, Tm = T - sp[g0].ns - sp[g0].nr;
+#define IN_GROUP(si) (!done[si] && sp[si].ns == sp[g0].ns && sp[si].nr == sp[g0].nr)
+        for (int si = g0; si < ns; si++)
+            if (IN_GROUP(si)) append_exact(&res[si], k, v, ld, d, 0, a);
+        const int64_t chunk = Tm > 0 ? chunk_of(o, Tm) : 1;
+        const int64_t nc = Tm > 0 ? (Tm + chunk - 1) / chunk : 0;
+        for (int64_t c = 0; c < nc && rc == KVRT_OK; c++) {
+            int64_t k0 = 0, Tc = 0, tc, need = 0;
+            for (int si = g0; si < ns; si++)
+                if (IN_GROUP(si)) {
+                    chunk_span(a, Tm, chunk, sp[si].tm, c, &k0, &Tc, &tc);
+                    need |= tc > 0;
                 }
-            qc = qb;
-            if (nv == 0) {
-                rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys %lld.. "
-                             "(every q_pos < %lld)", (long long)k0, (long long)k0);
-                break;
+            if (!need) continue;
+            const float *qc = q;
+            int64_t nv = n;
+            if (qpos) {
+                nv = 0;
+                for (int64_t i = 0; i < n; i++)
+                    if (qpos[i] >= k0) {
+                        memcpy(qb + nv * d, q + i * d, sizeof(float) * (size_t)d);
+                        pb[nv++] = qpos[i];
+                    }
+                qc = qb;
+                if (nv == 0) {
+                    rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys "
+                                   "%lld.. (every q_pos < %lld)", (long long)k0, (long long)k0);
+                    break;
+                }
+            }
+            rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv,
+                         o->key_select == KVRT_AM_SELECT_OMP);
+            for (int si = g0; si < ns && rc == KVRT_OK; si++) {
+                if (!IN_GROUP(si)) continue;
+                chunk_span(a, Tm, chunk, sp[si].tm, c, &k0, &Tc, &tc);
+                if (tc > 0)
+                    rc = am_fit(o, &ws, k, ld, k0, Tc, d, nv, tc, &res[si], &acc[si]);
             }
         }
-        rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv);
-        for (int si = 0; si < ns && rc == KVRT_OK; si++) {
-            chunk_span(T, chunk, t[si], c, &k0, &Tc, &tc);
-            if (tc > 0) rc = am_fit(o, &ws, k, ld, k0, Tc, d, nv, tc, &res[si], &acc[si]);
-        }
+        for (int si = g0; si < ns; si++) /* IN_GROUP(si) reads done[si] only: g0 is set last */
+            if (IN_GROUP(si)) {
+                append_exact(&res[si], k, v, ld, d, T - sp[si].nr, T);
+                if (si != g0) done[si] = 1;
+            }
+        done[g0] = 1;
+#undef IN_GROUP
     }
     free(qb);
     free(pb);
+    free(sp);
+    free(done);
     if (wp == &own) am_ws_free(&own);
 #undef ws
     for (int si = 0; st && si < ns; si++) {
@@ -569,6 +656,15 @@ static int opts_check(const char *fn, const kvrt_am_opts *o) {
     if (o->max_queries < 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: max_queries %lld, expected >= 0", fn,
                        (long long)o->max_queries);
+    if (!isnan(o->beta_floor) && !(isfinite(o->beta_floor) && fabs(o->beta_floor) <= 80))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: beta_floor %g, expected NAN (drop zero weights) or a "
+                         "value in -80..80", fn, o->beta_floor);
+    if (o->n_sink < 0 || o->n_sink > INT32_MAX)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sink %lld, expected 0..2^31-1", fn,
+                         (long long)o->n_sink);
+    if (!(o->recent_frac >= 0 && o->recent_frac < 1))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g, expected a fraction in [0, 1)", fn,
+                         o->recent_frac);
     return KVRT_OK;
 }
 
@@ -687,8 +783,8 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     am_ws lws;
     int have_ws = 0;
     if (rc == KVRT_OK) {
-        const int64_t chunk = o->chunk > 0 && o->chunk < T ? o->chunk : T;
-        if (am_ws_alloc(&lws, n, chunk, chunk_tmax(T, chunk, (int)(Hkv * ns), tb), d,
+        const int64_t chunk = chunk_of(o, T);
+        if (am_ws_alloc(&lws, n, chunk, chunk_tmax(o, T, (int)(Hkv * ns), tb), d,
                         o->key_select == KVRT_AM_SELECT_OMP) != 0)
             rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld queries x %lld keys per chunk)",
                            fn, (long long)n, (long long)chunk);

@@ -179,6 +179,8 @@ done:
 
 
 int kvrt_cpu_nnls_ws_alloc(kvrt_cpu_nnls_ws *ws, int64_t n) {
+    ws->cap = n;
+    ws->p = 0;
     ws->flag = calloc((size_t)n, 1);
     ws->P = malloc(sizeof(int64_t) * (size_t)n);
     ws->L = malloc(sizeof(double) * (size_t)(n * n));
@@ -192,13 +194,13 @@ void kvrt_cpu_nnls_ws_free(kvrt_cpu_nnls_ws *ws) {
 
 /* Append column j as row p of the factor; -1 (nothing changed) when its pivot falls below
  * 1e-10 of G[j, j]: j is numerically a combination of the passive columns (duplicate keys). */
-static int chol_append(const double *G, int64_t n, double *L, const int64_t *P, int64_t p,
-                       int64_t j) {
+static int chol_append(const double *G, int64_t ldg, double *L, int64_t n, const int64_t *P,
+                       int64_t p, int64_t j) {
     double *row = L + p * n;
-    double d = G[j * n + j];
+    double d = G[j * ldg + j];
     const double d0 = d;
     for (int64_t a = 0; a < p; a++) {
-        double acc = G[j * n + P[a]];
+        double acc = G[j * ldg + P[a]];
         const double *ra = L + a * n;
         for (int64_t k = 0; k < a; k++) acc -= row[k] * ra[k];
         row[a] = acc / ra[a];
@@ -252,18 +254,32 @@ static void chol_solve(const double *L, int64_t n, int64_t p, const int64_t *P, 
  * start (its positive entries form the first passive set); cold: x = 0. */
 void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_iter, double *x,
                       kvrt_cpu_nnls_ws *ws, kvrt_nnls_info *info) {
+    kvrt_cpu_nnls_gram_ex(G, n, c, n, max_iter, x, ws, 0, info);
+}
+
+void kvrt_cpu_nnls_gram_ex(const double *G, int64_t ldg, const double *c, int64_t n, int max_iter,
+                           double *x, kvrt_cpu_nnls_ws *ws, int resume, kvrt_nnls_info *info) {
     unsigned char *flag = ws->flag;
     int64_t *P = ws->P;
+    const int64_t ldl = ws->cap; /* the factor's row stride: fixed, so that it can be resumed */
     double cmax = 0;
     for (int64_t j = 0; j < n; j++) cmax = fmax(cmax, fabs(c[j]));
     const double tol = 1e-11 * (double)n * (cmax > 0 ? cmax : 1.0);
     int iters = 0, status = KVRT_NNLS_CONVERGED, degenerate = 0;
     int64_t p = 0;
-    for (int64_t j = 0; j < n; j++) {
-        flag[j] = 0;
-        if (!(x[j] > 0)) { x[j] = 0; continue; }
-        if (chol_append(G, n, ws->L, P, p, j) == 0) { P[p++] = j; flag[j] = 1; }
-        else { x[j] = 0; flag[j] = 2; degenerate = 1; }
+    if (resume) { /* the previous call's passive set and factor, on the leading block of G */
+        p = ws->p;
+        for (int64_t j = 0; j < n; j++) flag[j] = 0;
+        for (int64_t a = 0; a < p; a++) flag[P[a]] = 1;
+        for (int64_t j = 0; j < n; j++)
+            if (flag[j] == 0) x[j] = 0;
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            flag[j] = 0;
+            if (!(x[j] > 0)) { x[j] = 0; continue; }
+            if (chol_append(G, ldg, ws->L, ldl, P, p, j) == 0) { P[p++] = j; flag[j] = 1; }
+            else { x[j] = 0; flag[j] = 2; degenerate = 1; }
+        }
     }
     int solve = p > 0;
     for (;;) {
@@ -275,7 +291,7 @@ void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_ite
             for (int64_t j = 0; j < n; j++) gx[j] = 0.0;
             for (int64_t a = 0; a < p; a++) {
                 const double xa = x[P[a]];
-                const double *g = G + P[a] * n;
+                const double *g = G + P[a] * ldg;
 #pragma omp simd
                 for (int64_t j = 0; j < n; j++) gx[j] += xa * g[j];
             }
@@ -288,7 +304,7 @@ void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_ite
             }
             if (jbest < 0) break;
             if (++iters > max_iter) { status = KVRT_NNLS_MAX_ITER; break; }
-            if (chol_append(G, n, ws->L, P, p, jbest) != 0) {
+            if (chol_append(G, ldg, ws->L, ldl, P, p, jbest) != 0) {
                 flag[jbest] = 2; /* dependent on the passive columns: never again */
                 degenerate = 1;
                 continue;
@@ -300,7 +316,7 @@ void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_ite
         solve = 0;
         for (;;) {
             if (p == 0) break;
-            chol_solve(ws->L, n, p, P, c, ws->s);
+            chol_solve(ws->L, ldl, p, P, c, ws->s);
             int all_pos = 1;
             for (int64_t a = 0; a < p; a++) all_pos &= ws->s[a] > 0;
             if (all_pos) {
@@ -326,7 +342,7 @@ void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_ite
                     /* a column that leaves right after entering would cycle: exclude it */
                     flag[j] = j == jnew ? 2 : 0;
                     if (j == jnew) degenerate = 1;
-                    chol_delete(ws->L, n, P, p, a);
+                    chol_delete(ws->L, ldl, P, p, a);
                     p--;
                 }
             }
@@ -336,6 +352,7 @@ void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_ite
         if (status == KVRT_NNLS_MAX_ITER) break;
     }
     if (status == KVRT_NNLS_CONVERGED && degenerate) status = KVRT_NNLS_DEGENERATE;
+    ws->p = p;
     if (info) {
         info->status = status;
         info->iterations = iters;

@@ -393,15 +393,19 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, u
  * for reference queries Q_ref, the attention output and the attention mass (softmax
  * denominator) of the original block, so the compacted block still mixes correctly with the
  * tokens that come after it (kvrt_attend adds beta to the logits of cache entries).
- * Per chunk of the context (default 4096 keys; each chunk gets its proportional share of t):
+ * The first n_sink keys and the last round(recent_frac * t) are kept exactly inside t (beta 0);
+ * the middle is compacted to the rest of t, per chunk (default 4096 keys; each chunk gets its
+ * proportional share):
  *  1. logits z = Q_ref K^T / sqrt(d) over the chunk (causal when query positions are given: a
  *     query sees the keys at or before its position); P = exp(z - rowmax), m_i = sum_j P_ij;
  *  2. key selection: HIGHEST = top-t of the RMS over queries of softmax(z) columns; OMP = greedy
  *     on the relative mass residual r_i = 1 - (P_S w)_i / m_i (pick the key whose column P_j / m
- *     best correlates with r, NNLS refit after each pick, stop early when none reduces it);
+ *     best correlates with r, NNLS refit after each pick, stop early when none reduces it; run in
+ *     the Gram space of those columns);
  *  3. beta = log w, w = argmin_{w >= 0} sum_i ((P_S w)_i / m_i - 1)^2 (NNLS on the mass matrix
  *     with rows divided by the mass, i.e. relative mass error, columns scaled to unit norm);
- *     w = 0 drops the key (the head then holds fewer than t entries);
+ *     with beta_floor (default -3) beta = max(log w, floor) and every selected key stays; with
+ *     beta_floor NAN a key of w = 0 is dropped (the head then holds fewer than t entries);
  *  4. C_v = argmin |X C_v - Y|^2 + lambda |C_v|^2, X = softmax(z_S + beta), Y = softmax(z) V,
  *     lambda = ridge * trace(X^T X) / t (Cholesky, LAPACKE_dposv, in double).
  * C_k are the selected original keys; positions are their original positions. Deterministic:
@@ -417,14 +421,25 @@ typedef struct {
     int64_t max_queries;   /* kvrt_am_compact_layer: reference queries per KV head, at evenly
                             * spaced positions of the context, the G query heads in turn
                             * (default 4096; 0: all T * G) */
+    double beta_floor;     /* every selected key is kept with beta = max(log w, beta_floor), so
+                            * a head holds exactly t entries (default -3, the authors' box);
+                            * NAN: drop the keys whose NNLS weight is 0 (a head may then hold
+                            * fewer than t) */
+    int64_t n_sink;        /* the first n_sink keys are kept exactly (original k, v, beta 0),
+                            * counted inside t (default 4) */
+    double recent_frac;    /* the last round(recent_frac * t) keys are kept exactly, counted
+                            * inside t, in [0, 1) (default 0.5); the keys between the sinks and
+                            * the recent window are compacted with the rest of t */
 } kvrt_am_opts;
 void kvrt_am_opts_init(kvrt_am_opts *o);
 
 
-/* Quality of one compaction on its reference queries (chunk-local, averaged over chunks). */
+/* Quality of one compaction on its reference queries (chunk-local, averaged over the compacted
+ * chunks; the exact sinks and recent window are not in it). */
 typedef struct {
     int64_t asked;         /* t: entries asked */
-    int64_t kept;          /* entries written (t minus keys whose NNLS weight is 0) */
+    int64_t kept;          /* entries written (t, minus the keys whose NNLS weight is 0 when
+                            * beta_floor is NAN) */
     int64_t n_queries;     /* reference queries used */
     double mass_relerr;    /* mean over queries of |sum exp(z_c + beta) - sum exp(z)| / sum exp(z) */
     double out_relerr;     /* mean over queries of |o_c - o| / |o| */

@@ -88,7 +88,7 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods comp
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 4 ]] && ok || bad "eval am rows: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1); ex=$?
-[[ $ex -eq 0 && "$out" == *"am: the compiled per-head schedule with the compiled options (key selection highest, chunk 4096)"* \
+[[ $ex -eq 0 && "$out" == *"am: the compiled per-head schedule with the compiled options (key selection highest, chunk 4096, beta floor "* \
    && "$out" == *"am-uniform: an uncompiled variant"* ]] && ok || bad "eval header: the options each AM row runs: $out"
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
@@ -143,7 +143,7 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods full --budgets 1 --needle 20 
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   out=$("$KVCC" eval --corpus "$tmp/c1.h5" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --methods full,streaming \
         --budgets 0.5 --needle 400 --needle-haystacks 1 2>&1); ex=$?
-  [[ $ex -eq 0 && "$out" == *"needle task: 1 haystacks x 3 questions per context length; full cache 3/3 at 400"* \
+  [[ $ex -eq 0 && "$out" == *"needle task: 1 haystacks x 3 questions per context length; full cache 3/3 at 400 (must be high"* \
      && "$out" == *"nd@400"* ]] && ok || bad "eval --needle 400: exit $ex: $out"
 fi
 

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifdef _OPENMP
@@ -27,6 +28,7 @@
 #include "eval.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "loop.h"
 #include "test_ctx.h"
 #include "test_rng.h"
 #include "fixtures.h"
@@ -292,6 +294,8 @@ Test(am, compaction_bounded_and_better_than_dropping) {
         kvrt_am_opts_init(&o);
         o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
         o.chunk = 128; /* 4 chunks of 16 entries */
+        o.n_sink = 0;  /* the whole head compacted (no exact sinks or recent window) */
+        o.recent_frac = 0;
         kvrt_cache *c = NULL;
         kvrt_am_stats st;
         cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
@@ -344,26 +348,32 @@ Test(am, degenerate_inputs) {
     float out[NQ * D], lse[NQ], of[NQ * D], lf[NQ];
     kvrt_am_opts o;
     kvrt_am_opts_init(&o);
+    o.n_sink = 0; /* the whole head compacted */
+    o.recent_frac = 0;
     kvrt_cache *c = NULL;
     kvrt_am_stats st;
-    /* every key identical: one entry with beta = log T carries all the mass */
+    /* every key identical: one entry with beta = log T carries all the mass (dropping zero
+     * weights); with the floor the other 7 add 7 exp(-3) / T = 0.5% to the mass */
     float *kd = malloc(sizeof(float) * T * D);
     for (int t = 0; t < T; t++) memcpy(kd + t * D, k, sizeof(float) * D);
-    for (int key = 0; key < 2; key++) {
-        o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+    for (int key = 0; key < 4; key++) {
+        o.key_select = key % 2 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+        o.beta_floor = key < 2 ? NAN : -3;
+        const double lse_tol = key < 2 ? 1e-3 : log(1 + 7 * exp(-3.0) / T) + 1e-3;
         cr_assert_eq(kvrt_am_compact(test_cpu(), &o, kd, v, T, D, q, NULL, NQ, 8, KVRT_DTYPE_F32, &c, &st), KVRT_OK,
                      "%s", kvrt_last_error()->msg);
         expect_finite_cache(c);
         cr_assert_eq(kvrt_attend_ref(q, NQ, 1, c, NULL, NULL, 0, 1.0f / sqrtf(D), out, lse), KVRT_OK);
         attend_full(q, NQ, kd, v, T, D, of, lf);
         cr_log_info("duplicate keys (%s): kept %lld, nnls status %d, out relerr %.2e, mass %.2e",
-                    key ? "omp" : "highest", (long long)c->n_entries, st.nnls_status,
+                    key % 2 ? "omp" : "highest", (long long)c->n_entries, st.nnls_status,
                     mean_relerr(out, of, NQ, D), st.mass_relerr);
         cr_assert_lt(mean_relerr(out, of, NQ, D), 1e-3);
-        for (int i = 0; i < NQ; i++) cr_assert_float_eq(lse[i], lf[i], 1e-3);
+        for (int i = 0; i < NQ; i++) cr_assert_float_eq(lse[i], lf[i], lse_tol);
         kvrt_cache_free(c);
     }
     o.key_select = KVRT_AM_SELECT_HIGHEST;
+    o.beta_floor = -3;
     /* huge logits (|z| ~ 1e4): finite */
     float *kh = malloc(sizeof(float) * T * D);
     for (int i = 0; i < T * D; i++) kh[i] = k[i] * 3000.0f;
@@ -561,7 +571,9 @@ static void am_synth(char *path, size_t len) {
     cr_assert_eq(kvcc_synth_write(path, &FX_TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
 }
 
-static void am_compile(const char *corpus, int threads, const char *select, void **buf, size_t *len) {
+/* ao: the compiled beta_floor, n_sink and recent_frac (NULL: kvrt_am_opts_init's). */
+static void am_compile_with(const char *corpus, int threads, const char *select, const kvrt_am_opts *ao,
+                            void **buf, size_t *len) {
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #else
@@ -576,6 +588,12 @@ static void am_compile(const char *corpus, int threads, const char *select, void
     kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 1, .threads = threads,
                            .am_targets = targets, .n_am_targets = 2, .am_ratios = ratios, .n_am_ratios = 4,
                            .am_chunk = 64, .am_select = select};
+    kvrt_am_opts def;
+    kvrt_am_opts_init(&def);
+    if (ao == NULL) ao = &def;
+    cx.am_floor = ao->beta_floor;
+    cx.am_sinks = (uint32_t)ao->n_sink;
+    cx.am_recent = ao->recent_frac;
     const kvcc_pass *ps = kvcc_pass_find("am");
     cr_assert_not_null(ps);
     cr_assert_eq(ps->group, (uint32_t)KVPOL_GROUP_AM);
@@ -586,6 +604,10 @@ static void am_compile(const char *corpus, int threads, const char *select, void
     cr_assert_eq(kvpol_writer_to_memory(w, buf, len, &ke), 0, "%s", ke.msg);
     kvpol_writer_free(w);
     kvcc_corpus_close(c);
+}
+
+static void am_compile(const char *corpus, int threads, const char *select, void **buf, size_t *len) {
+    am_compile_with(corpus, threads, select, NULL, buf, len);
 }
 
 Test(am, compile_pass_schedule_and_eval_rows, .timeout = 300) {
@@ -753,6 +775,544 @@ Test(am, handle_runs_the_compiled_options, .timeout = 300) {
     kvrt_cache_free(a);
     kvrt_cache_free(b);
     kvrt_cache_free(c);
+    kvrt_am_schedule_free(sch);
+    kvrt_policy_free(pol);
+    free(q); free(k); free(v); free(buf);
+    unlink(corpus);
+}
+
+// ----------------------------------------------------------------------------
+// the options: bias floor, exact sinks and recent window, OMP in Gram space, the artifact
+
+/* Plain reference of the values' step for a compacted head c (one KV head): with its positions
+ * and biases, X = softmax(z_sel + beta), Y = softmax(z) V on the reference queries q [nq, D]
+ * (every query sees every key), C = (X^T X + lambda I)^-1 X^T Y in double by Gauss-Jordan,
+ * lambda = 1e-6 trace(X^T X) / t. Returns max_i |X C_lib - X C_ref|_i / |Y_i|. */
+static double values_vs_plain_ridge(const kvrt_cache *c, const float *q, int64_t nq, const float *k,
+                                    const float *v, int64_t T, int D) {
+    const int64_t t = c->n_entries;
+    double *X = calloc((size_t)(nq * t), sizeof(double)), *Y = calloc((size_t)(nq * D), sizeof(double));
+    double *A = calloc((size_t)(t * t), sizeof(double)), *B = calloc((size_t)(t * D), sizeof(double));
+    double *z = malloc(sizeof(double) * (size_t)T);
+    const double sc = 1.0 / sqrt((double)D);
+    for (int64_t i = 0; i < nq; i++) {
+        double mx = -INFINITY, m = 0;
+        for (int64_t j = 0; j < T; j++) {
+            double a = 0;
+            for (int x = 0; x < D; x++) a += (double)q[i * D + x] * k[j * D + x];
+            z[j] = a * sc;
+            mx = z[j] > mx ? z[j] : mx;
+        }
+        for (int64_t j = 0; j < T; j++) {
+            const double p = exp(z[j] - mx);
+            m += p;
+            for (int x = 0; x < D; x++) Y[i * D + x] += p * v[j * D + x];
+        }
+        for (int x = 0; x < D; x++) Y[i * D + x] /= m;
+        double s = 0;
+        for (int64_t a = 0; a < t; a++) {
+            X[i * t + a] = exp(z[c->positions[a]] - mx + c->bias[a]);
+            s += X[i * t + a];
+        }
+        for (int64_t a = 0; a < t; a++) X[i * t + a] /= s;
+    }
+    double tr = 0;
+    for (int64_t a = 0; a < t; a++)
+        for (int64_t b = 0; b < t; b++) {
+            double g = 0;
+            for (int64_t i = 0; i < nq; i++) g += X[i * t + a] * X[i * t + b];
+            A[a * t + b] = g;
+            if (a == b) tr += g;
+        }
+    for (int64_t a = 0; a < t; a++) {
+        A[a * t + a] += 1e-6 * tr / (double)t;
+        for (int x = 0; x < D; x++) {
+            double g = 0;
+            for (int64_t i = 0; i < nq; i++) g += X[i * t + a] * Y[i * D + x];
+            B[a * D + x] = g;
+        }
+    }
+    for (int64_t p = 0; p < t; p++) { /* Gauss-Jordan, SPD: no pivoting needed */
+        const double piv = A[p * t + p];
+        for (int64_t r = 0; r < t; r++) {
+            if (r == p) continue;
+            const double f = A[r * t + p] / piv;
+            for (int64_t b = 0; b < t; b++) A[r * t + b] -= f * A[p * t + b];
+            for (int x = 0; x < D; x++) B[r * D + x] -= f * B[p * D + x];
+        }
+    }
+    for (int64_t p = 0; p < t; p++)
+        for (int x = 0; x < D; x++) B[p * D + x] /= A[p * t + p];
+    double worst = 0;
+    const float *cv = c->values;
+    for (int64_t i = 0; i < nq; i++) {
+        double num = 0, den = 0;
+        for (int x = 0; x < D; x++) {
+            double ol = 0, orf = 0;
+            for (int64_t a = 0; a < t; a++) {
+                ol += X[i * t + a] * cv[a * D + x];
+                orf += X[i * t + a] * B[a * D + x];
+            }
+            num += (ol - orf) * (ol - orf);
+            den += Y[i * D + x] * Y[i * D + x];
+        }
+        const double e = sqrt(num) / sqrt(den);
+        worst = e > worst ? e : worst;
+    }
+    free(X); free(Y); free(A); free(B); free(z);
+    return worst;
+}
+
+/* beta_floor: the same selection and NNLS as dropping, every selected key kept (exactly t
+ * entries), beta = max(log w, floor), and the values the plain ridge fit of those biases
+ * (outputs on the reference queries within 1e-4 relative). */
+Test(am, floor_keeps_the_whole_budget) {
+    uint64_t s = 33;
+    enum { T = 512, D = 32, NQ = 1024, TT = 64 };
+    float *k = randn_f(T * D, &s, 1.0), *v = randn_f(T * D, &s, 1.0), *q = randn_f(NQ * D, &s, 0.8);
+    /* near-duplicate keys (every key j >= T / 2 repeats key j - T / 2): their NNLS weights split
+     * unevenly and some are 0 */
+    for (int j = T / 2; j < T; j++)
+        for (int x = 0; x < D; x++) k[j * D + x] = k[(j - T / 2) * D + x] * 1.0001f;
+    float *u = randn_f(D, &s, 1.5);
+    for (int i = 0; i < NQ; i++)
+        for (int x = 0; x < D; x++) q[i * D + x] += u[x];
+    free(u);
+    for (int key = 0; key < 2; key++) {
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+        o.chunk = 0;
+        o.beta_floor = NAN;
+        o.n_sink = 0; /* every entry fitted (the plain ridge below fits them all) */
+        o.recent_frac = 0;
+        kvrt_cache *c0 = NULL, *c1 = NULL;
+        kvrt_am_stats s0, s1;
+        cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c0, &s0), KVRT_OK,
+                     "%s", kvrt_last_error()->msg);
+        o.beta_floor = -3;
+        cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c1, &s1), KVRT_OK,
+                     "%s", kvrt_last_error()->msg);
+        const char *nm = key ? "omp" : "highest";
+        cr_log_info("am %s floor: drop keeps %lld of %d (out relerr %.4f, mass %.4f), floor -3 keeps %lld "
+                    "(out relerr %.4f, mass %.4f)", nm, (long long)c0->n_entries, TT, s0.out_relerr,
+                    s0.mass_relerr, (long long)c1->n_entries, s1.out_relerr, s1.mass_relerr);
+        if (key == 0) { /* OMP stops early when no key correlates: then fewer than t were selected */
+            cr_assert_eq(c1->n_entries, TT, "%s: floor kept %lld of %d", nm, (long long)c1->n_entries, TT);
+            cr_assert_eq(s1.kept, TT);
+            cr_assert_lt(c0->n_entries, TT, "the data must have zero-weight keys for this test");
+        }
+        cr_assert_geq(c1->n_entries, c0->n_entries);
+        int64_t b = 0;
+        for (int64_t a = 0; a < c1->n_entries; a++) {
+            cr_assert_geq(c1->bias[a], -3.0f, "%s: entry %lld bias %g below the floor", nm, (long long)a,
+                          c1->bias[a]);
+            if (b < c0->n_entries && c0->positions[b] == c1->positions[a]) {
+                const float want = c0->bias[b] > -3.0f ? c0->bias[b] : -3.0f;
+                cr_assert_float_eq(c1->bias[a], want, 1e-5, "%s: entry %lld bias %g, dropped run %g", nm,
+                                   (long long)a, c1->bias[a], c0->bias[b]);
+                b++;
+            } else {
+                cr_assert_eq(c1->bias[a], -3.0f, "%s: a key the dropped run lacks must sit at the floor", nm);
+            }
+        }
+        cr_assert_eq(b, c0->n_entries, "%s: the floor run lacks a key the dropped run kept", nm);
+        const double e = values_vs_plain_ridge(c1, q, NQ, k, v, T, D);
+        cr_log_info("am %s floor: values vs plain ridge, worst output difference %.2e", nm, e);
+        cr_assert_lt(e, 1e-4, "%s: values differ from the plain ridge fit by %.3g", nm, e);
+        kvrt_cache_free(c0);
+        kvrt_cache_free(c1);
+    }
+    free(k); free(v); free(q);
+}
+
+/* n_sink / recent_frac: the first n_sink and the last round(recent_frac t) entries are the
+ * original keys and values with beta 0, and the middle equals kvrt_am_compact of the middle
+ * keys alone (its queries: those that see it, positions shifted), bit for bit. */
+Test(am, sinks_and_recent_are_exact) {
+    uint64_t s = 71;
+    enum { T = 300, D = 32, NQ = 600, TT = 60, NS = 4 };
+    const double RF = 0.25;
+    float *k = randn_f(T * D, &s, 1.0), *v = randn_f(T * D, &s, 1.0), *q = randn_f(NQ * D, &s, 1.0);
+    int32_t pos[NQ];
+    for (int i = 0; i < NQ; i++) pos[i] = i / 2;
+    const int64_t nr = llround(RF * TT), tm = TT - NS - nr, Tm = T - NS - nr;
+    float *qm = malloc(sizeof(float) * NQ * D);
+    int32_t pm[NQ];
+    int64_t nm = 0;
+    for (int i = 0; i < NQ; i++)
+        if (pos[i] >= NS) {
+            memcpy(qm + nm * D, q + i * D, sizeof(float) * D);
+            pm[nm++] = pos[i] - NS;
+        }
+    for (int key = 0; key < 2; key++)
+        for (int fl = 0; fl < 2; fl++) {
+            kvrt_am_opts o;
+            kvrt_am_opts_init(&o);
+            o.key_select = key ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+            o.chunk = 128; /* the middle in chunks too */
+            o.beta_floor = fl ? -3 : NAN;
+            o.n_sink = 0;
+            o.recent_frac = 0;
+            kvrt_cache *ref = NULL, *c = NULL;
+            cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k + NS * D, v + NS * D, Tm, D, qm, pm, nm, tm,
+                                         KVRT_DTYPE_F32, &ref, NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+            o.n_sink = NS;
+            o.recent_frac = RF;
+            kvrt_am_stats st;
+            cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, TT, KVRT_DTYPE_F32, &c, &st),
+                         KVRT_OK, "%s", kvrt_last_error()->msg);
+            const char *nmz = key ? "omp" : "highest";
+            cr_assert_eq(c->n_entries, NS + ref->n_entries + nr, "%s: %lld entries, expected %lld + %lld + %lld",
+                         nmz, (long long)c->n_entries, (long long)NS, (long long)ref->n_entries, (long long)nr);
+            cr_assert_eq(st.asked, TT);
+            cr_assert_eq(st.kept, c->n_entries);
+            const float *ck = c->keys, *cv = c->values, *rk = ref->keys, *rv = ref->values;
+            for (int64_t a = 0; a < c->n_entries; a++) {
+                const int64_t mid = a - NS;
+                if (a < NS || a >= NS + ref->n_entries) { /* exact */
+                    const int64_t j = a < NS ? a : T - nr + (a - NS - ref->n_entries);
+                    cr_assert_eq(c->positions[a], j, "%s: entry %lld at %d, expected %lld", nmz, (long long)a,
+                                 c->positions[a], (long long)j);
+                    cr_assert_eq(c->bias[a], 0.0f);
+                    cr_assert_eq(memcmp(ck + a * D, k + j * D, sizeof(float) * D), 0);
+                    cr_assert_eq(memcmp(cv + a * D, v + j * D, sizeof(float) * D), 0);
+                } else {
+                    cr_assert_eq(c->positions[a], ref->positions[mid] + NS);
+                    cr_assert_eq(c->bias[a], ref->bias[mid], "%s: middle entry %lld bias", nmz, (long long)mid);
+                    cr_assert_eq(memcmp(ck + a * D, rk + mid * D, sizeof(float) * D), 0);
+                    cr_assert_eq(memcmp(cv + a * D, rv + mid * D, sizeof(float) * D), 0,
+                                 "%s: middle entry %lld values differ from the middle alone", nmz, (long long)mid);
+                }
+            }
+            kvrt_cache_free(ref);
+            kvrt_cache_free(c);
+        }
+    /* a budget below the sinks: only sinks; the whole budget exact: no compaction at all */
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    o.n_sink = NS;
+    o.recent_frac = 0.5;
+    kvrt_cache *c = NULL;
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 3, KVRT_DTYPE_F32, &c, NULL), KVRT_OK);
+    cr_assert_eq(c->n_entries, 3);
+    for (int a = 0; a < 3; a++) cr_assert_eq(c->positions[a], a);
+    kvrt_cache_free(c);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 8, KVRT_DTYPE_F32, &c, NULL), KVRT_OK);
+    cr_assert_eq(c->n_entries, 8); /* 4 sinks + 4 recent, nothing compacted */
+    for (int a = 0; a < 8; a++) cr_assert_eq(c->positions[a], a < 4 ? a : T - 8 + a);
+    kvrt_cache_free(c);
+    /* bad values */
+    o.recent_frac = 1.0;
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 8, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "recent_frac") != NULL, "%s", kvrt_last_error()->msg);
+    o.recent_frac = 0;
+    o.n_sink = -1;
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 8, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    o.n_sink = 0;
+    o.beta_floor = INFINITY;
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, pos, NQ, 8, KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "beta_floor") != NULL, "%s", kvrt_last_error()->msg);
+    free(k); free(v); free(q); free(qm);
+}
+
+/* Held-out (continuation) relerr of layer-local compaction at ratio r with options o, over the
+ * layers `layers` of a real SmolLM2 window: mean over layers, query heads, continuation queries;
+ * *ms the compaction time. */
+static double real_relerr(kvcc_loop *lp, const uint32_t *layers, int nl, const kvrt_am_opts *o,
+                          double r, double *ms) {
+    char err[512];
+    double e = 0, t0 = 0;
+    size_t n = 0;
+    for (int li = 0; li < nl; li++) {
+        cr_assert_eq(kvcc_loop_layer(lp, layers[li], err, sizeof err), 0, "%s", err);
+        kvrt_cache *cc = NULL;
+        struct timespec ta, tb;
+        clock_gettime(CLOCK_MONOTONIC, &ta);
+        cr_assert_eq(kvrt_am_compact_layer(lp->rt, o, lp->q, lp->k, lp->v, lp->C, lp->H, lp->Hkv, lp->d,
+                                           NULL, r, KVRT_DTYPE_F32, &cc, NULL),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
+        clock_gettime(CLOCK_MONOTONIC, &tb);
+        t0 += (double)(tb.tv_sec - ta.tv_sec) + 1e-9 * (double)(tb.tv_nsec - ta.tv_nsec);
+        cr_assert_eq(kvcc_loop_attend(lp, cc, lp->o_c, lp->lse_c, NULL), KVRT_OK);
+        kvrt_cache_free(cc);
+        for (int64_t i = 0; i < lp->N; i++)
+            for (uint32_t h = 0; h < lp->H; h++, n++) {
+                const size_t at = ((size_t)i * lp->H + h) * lp->d;
+                double num = 0, den = 0;
+                for (uint32_t x = 0; x < lp->d; x++) {
+                    const double dd = (double)lp->o_c[at + x] - lp->o_full[at + x];
+                    num += dd * dd;
+                    den += (double)lp->o_full[at + x] * lp->o_full[at + x];
+                }
+                e += sqrt(num / (den + 1e-30));
+            }
+    }
+    if (ms) *ms = 1e3 * t0;
+    return e / (double)n;
+}
+
+/* On real SmolLM2 heads (512 context + 32 continuation tokens, 6 layers, ratio 0.2), held-out
+ * error: the floor not worse than dropping, OMP below HighestAttnKeys (measured 0.1971 against
+ * 0.2384), and the exact sinks and recent window logged (measured 0.2330 with 4 sinks, 0.1821
+ * with a quarter of the budget recent as well). */
+Test(am, options_on_real_heads, .timeout = 600) {
+    FX_REQUIRE_MODEL();
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_am_real_%d.h5", (int)getpid());
+    fx_capture_real("examples/data/heldout/2012_barack_obama_d.txt", 512, 32, 3, path, NULL);
+    kvcc_corpus *c = NULL;
+    kvcc_loop lp;
+    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_loop_open(&lp, c, "test", KVCC_LOOP_REF, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_loop_prompt(&lp, 0, err, sizeof err), 0, "%s", err);
+    const uint32_t layers[] = {0, 5, 11, 17, 23, 29};
+    const int nl = 6;
+    const double r = 0.2;
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    o.beta_floor = NAN;
+    o.n_sink = 0;
+    o.recent_frac = 0;
+    double ms_h, ms_o;
+    const double ed = real_relerr(&lp, layers, nl, &o, r, NULL);
+    o.beta_floor = -3;
+    const double ef = real_relerr(&lp, layers, nl, &o, r, &ms_h);
+    o.key_select = KVRT_AM_SELECT_OMP;
+    const double eo = real_relerr(&lp, layers, nl, &o, r, &ms_o);
+    o.key_select = KVRT_AM_SELECT_HIGHEST;
+    o.n_sink = 4;
+    const double es = real_relerr(&lp, layers, nl, &o, r, NULL);
+    o.recent_frac = 0.25;
+    const double esr = real_relerr(&lp, layers, nl, &o, r, NULL);
+    cr_log_info("am real heads at %.2f: highest drop %.4f, floor -3 %.4f (%.0f ms), omp %.4f (%.0f ms), "
+                "highest + 4 sinks %.4f, + recent 1/4 %.4f", r, ed, ef, ms_h, eo, ms_o, es, esr);
+    cr_assert_leq(ef, ed * 1.01, "the floor %.4f vs dropping %.4f", ef, ed);
+    cr_assert_lt(eo, ef, "OMP %.4f vs HighestAttnKeys %.4f", eo, ef);
+    kvcc_loop_close(&lp);
+    kvcc_corpus_close(c);
+    unlink(path);
+}
+
+/* Plain OMP (double, kvrt_nnls_ref on the explicit relative columns, every query sees every
+ * key): the greedy picks argmax_j Q_.j . r / |Q_.j| with r = 1 - Q_S w, refits w = NNLS(Q_S, 1)
+ * after each pick, stops at t picks or when no correlation is positive; beta = log w, the keys of
+ * weight 0 dropped. The runtime's OMP (Gram space, resumed refits) must select the same keys
+ * and give the same biases within 1e-4. */
+Test(am, omp_equals_plain_greedy) {
+    uint64_t s = 91;
+    enum { T = 128, D = 16, NQ = 256, TT = 16 };
+    float *k = randn_f(T * D, &s, 1.0), *v = randn_f(T * D, &s, 1.0), *q = randn_f(NQ * D, &s, 1.0);
+    double *Q = malloc(sizeof(double) * NQ * T), *A = malloc(sizeof(double) * NQ * TT);
+    double nrm[T], r[NQ], w[TT], one[NQ];
+    int32_t sel[TT];
+    unsigned char taken[T] = {0};
+    for (int i = 0; i < NQ; i++) {
+        double z[T], mx = -INFINITY, m = 0;
+        for (int j = 0; j < T; j++) {
+            double a = 0;
+            for (int x = 0; x < D; x++) a += (double)q[i * D + x] * k[j * D + x];
+            z[j] = a / sqrt((double)D);
+            mx = z[j] > mx ? z[j] : mx;
+        }
+        for (int j = 0; j < T; j++) m += exp(z[j] - mx);
+        for (int j = 0; j < T; j++) Q[i * T + j] = exp(z[j] - mx) / m;
+        one[i] = 1.0;
+    }
+    for (int j = 0; j < T; j++) {
+        nrm[j] = 0;
+        for (int i = 0; i < NQ; i++) nrm[j] += Q[i * T + j] * Q[i * T + j];
+        nrm[j] = sqrt(nrm[j]);
+    }
+    int ns = 0;
+    for (int i = 0; i < NQ; i++) r[i] = 1.0;
+    while (ns < TT) {
+        int jb = -1;
+        double best = 0;
+        for (int j = 0; j < T; j++) {
+            if (taken[j]) continue;
+            double c = 0;
+            for (int i = 0; i < NQ; i++) c += Q[i * T + j] * r[i];
+            if (c / nrm[j] > best) { best = c / nrm[j]; jb = j; }
+        }
+        if (jb < 0) break;
+        taken[jb] = 1;
+        sel[ns++] = jb;
+        for (int i = 0; i < NQ; i++)
+            for (int a = 0; a < ns; a++) A[i * ns + a] = Q[i * T + sel[a]];
+        kvrt_nnls_info inf;
+        cr_assert_eq(kvrt_nnls_ref(A, one, NQ, ns, 0, w, &inf), KVRT_OK);
+        for (int i = 0; i < NQ; i++) {
+            r[i] = 1.0;
+            for (int a = 0; a < ns; a++) r[i] -= A[i * ns + a] * w[a];
+        }
+    }
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    o.key_select = KVRT_AM_SELECT_OMP;
+    o.beta_floor = NAN;
+    o.n_sink = 0;
+    o.recent_frac = 0;
+    kvrt_cache *c = NULL;
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c, NULL), KVRT_OK,
+                 "%s", kvrt_last_error()->msg);
+    /* the reference's kept keys (weight > 0) in position order, with their biases */
+    int32_t pos[TT];
+    double beta[TT];
+    int nk = 0;
+    for (int j = 0; j < T; j++)
+        for (int a = 0; a < ns; a++)
+            if (sel[a] == j && w[a] > 0) { pos[nk] = j; beta[nk++] = log(w[a]); }
+    cr_log_info("am omp vs plain greedy: %d picks, %d kept (runtime %lld)", ns, nk, (long long)c->n_entries);
+    cr_assert_eq(c->n_entries, nk, "runtime kept %lld keys, the plain greedy %d", (long long)c->n_entries, nk);
+    for (int a = 0; a < nk; a++) {
+        cr_assert_eq(c->positions[a], pos[a], "entry %d at %d, the plain greedy's at %d", a, c->positions[a],
+                     pos[a]);
+        cr_assert_float_eq(c->bias[a], beta[a], 1e-4, "entry %d bias %g, the plain greedy's %g", a, c->bias[a],
+                           beta[a]);
+    }
+    kvrt_cache_free(c);
+    free(k); free(v); free(q); free(Q); free(A);
+}
+
+/* An am.schedule written by hand: the items every artifact has, plus `extra` (0: none, 1: the
+ * optional options with the given values, 2: n_sink of the wrong type). */
+static void am_hand_artifact(int extra, double floor_v, int64_t sinks, double recent, void **buf,
+                             size_t *len) {
+    kvpol_header h;
+    fx_header(&h, &FX_TINY);
+    kvpol_writer *w = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+    const double tg[1] = {0.25};
+    float sched[2 * 2] = {0.25f, 0.25f, 0.25f, 0.25f};
+    const uint64_t dt[1] = {1}, ds[3] = {1, 2, 2};
+    int k = kvpol_writer_begin_section(w, KVPOL_SEC_AM_SCHEDULE, kvpol_known_find(KVPOL_SEC_AM_SCHEDULE)->name,
+                                       KVPOL_SECTION_CRITICAL, KVPOL_CODEC_ZSTD, 1);
+    if (!k) k = kvpol_writer_add_tensor(w, "targets", KVPOL_DTYPE_F64, 1, dt, tg);
+    if (!k) k = kvpol_writer_add_tensor(w, "schedule", KVPOL_DTYPE_F32, 3, ds, sched);
+    if (!k) k = kvpol_writer_add_string(w, "key_select", "highest", 7);
+    if (!k) k = kvpol_writer_add_i64(w, "chunk", 4096);
+    if (!k) k = kvpol_writer_add_i64(w, "units", 1024);
+    if (!k && extra == 1 && !isnan(floor_v)) k = kvpol_writer_add_f64(w, "beta_floor", floor_v);
+    if (!k && extra == 1) k = kvpol_writer_add_i64(w, "n_sink", sinks);
+    if (!k && extra == 1) k = kvpol_writer_add_f64(w, "recent_frac", recent);
+    if (!k && extra == 2) k = kvpol_writer_add_string(w, "n_sink", "4", 1);
+    if (!k) k = kvpol_writer_end_section(w);
+    cr_assert_eq(k, 0, "%s", kvpol_status_str(k));
+    cr_assert_eq(kvpol_writer_to_memory(w, buf, len, &ke), 0, "%s", ke.msg);
+    kvpol_writer_free(w);
+}
+
+static int am_open_mem(const void *buf, size_t len, kvrt_policy **pol, kvrt_am_schedule **s) {
+    kvrt_error pe;
+    cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, pol, &pe), KVRT_OK, "%s", pe.msg);
+    return kvrt_am_open(*pol, s);
+}
+
+/* The compiled floor, sinks and recent window: written by the pass, read by the handle (absent in
+ * an older artifact: zero weights dropped, no exact sinks or window), shown by inspect, run by
+ * kvrt_am_compact_scheduled and refused by name when a caller asks for others. */
+Test(am, compiled_floor_sinks_recent_reach_the_runtime, .timeout = 300) {
+    /* an artifact written before the items existed */
+    void *buf = NULL;
+    size_t len = 0;
+    kvrt_policy *pol = NULL;
+    kvrt_am_schedule *sch = NULL;
+    am_hand_artifact(0, 0, 0, 0, &buf, &len);
+    cr_assert_eq(am_open_mem(buf, len, &pol, &sch), KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_am_opts co;
+    cr_assert_eq(kvrt_am_schedule_opts(sch, &co), KVRT_OK);
+    cr_assert(isnan(co.beta_floor), "absent beta_floor: %g, expected NaN (drop)", co.beta_floor);
+    cr_assert_eq(co.n_sink, 0);
+    cr_assert_eq(co.recent_frac, 0.0);
+    kvrt_am_schedule_free(sch);
+    kvrt_policy_free(pol);
+    free(buf);
+    /* a mistyped item is a format error naming it */
+    am_hand_artifact(2, 0, 0, 0, &buf, &len);
+    cr_assert_eq(am_open_mem(buf, len, &pol, &sch), KVRT_ERR_FORMAT);
+    cr_assert(strstr(kvrt_last_error()->msg, "n_sink") != NULL, "%s", kvrt_last_error()->msg);
+    kvrt_policy_free(pol);
+    free(buf);
+    am_hand_artifact(1, -3, 4, 1.5, &buf, &len);
+    cr_assert_eq(am_open_mem(buf, len, &pol, &sch), KVRT_ERR_FORMAT);
+    cr_assert(strstr(kvrt_last_error()->msg, "recent_frac") != NULL, "%s", kvrt_last_error()->msg);
+    kvrt_policy_free(pol);
+    free(buf);
+    /* compiled by the pass */
+    char corpus[128];
+    am_synth(corpus, sizeof corpus);
+    kvrt_am_opts ao;
+    kvrt_am_opts_init(&ao);
+    ao.beta_floor = -2.5;
+    ao.n_sink = 3;
+    ao.recent_frac = 0.25;
+    am_compile_with(corpus, 1, "highest", &ao, &buf, &len);
+    cr_assert_eq(am_open_mem(buf, len, &pol, &sch), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_am_schedule_opts(sch, &co), KVRT_OK);
+    cr_assert_eq(co.beta_floor, -2.5);
+    cr_assert_eq(co.n_sink, 3);
+    cr_assert_eq(co.recent_frac, 0.25);
+    /* inspect shows them */
+    kvpol_file *f = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_open_mem(&f, buf, len, NULL, &ke), 0, "%s", ke.msg);
+    char *text = NULL;
+    size_t tl = 0;
+    FILE *mf = open_memstream(&text, &tl);
+    kvcc_pass_find("am")->inspect(f, mf);
+    fclose(mf);
+    cr_assert(strstr(text, "beta floor -2.5, 3 sinks, recent 0.25 of t") != NULL, "%s", text);
+    free(text);
+    kvpol_close(f);
+    /* the handle runs them: equal to an explicit compaction with those options, and the first
+     * 3 entries of every head are the sinks */
+    const uint32_t H = FX_TINY.n_heads, HKV = FX_TINY.n_kv_heads, D = FX_TINY.head_dim;
+    const int64_t T = 256;
+    uint64_t seed = 7;
+    float *q = randn_f((size_t)T * H * D, &seed, 1.0), *k = randn_f((size_t)T * HKV * D, &seed, 1.0),
+          *v = randn_f((size_t)T * HKV * D, &seed, 1.0);
+    const float *ratios = NULL;
+    cr_assert_eq(kvrt_am_schedule_ratios(sch, 0.2, 1, &ratios), KVRT_OK);
+    kvrt_cache *a = NULL, *b = NULL, *c = NULL;
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, NULL, 0, 0.2, 1, q, k, v, T, H, KVRT_DTYPE_F32, &a,
+                                           NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &co, q, k, v, T, H, HKV, D, ratios, 0.2, KVRT_DTYPE_F32, &b,
+                                       NULL), KVRT_OK);
+    cr_assert_eq(a->n_entries, b->n_entries);
+    cr_assert_eq(memcmp(a->values, b->values, sizeof(float) * (size_t)a->n_entries * D), 0);
+    for (uint32_t h = 0; h < HKV; h++) {
+        const int64_t e0 = a->offsets[h], t_h = a->offsets[h + 1] - e0;
+        cr_assert_eq(t_h, llround(ratios[h] * T), "head %u holds %lld entries: the floor keeps the budget", h,
+                     (long long)t_h);
+        for (int j = 0; j < 3; j++) {
+            cr_assert_eq(a->positions[e0 + j], j);
+            cr_assert_eq(a->bias[e0 + j], 0.0f);
+        }
+        cr_assert_eq(a->positions[e0 + t_h - 1], T - 1, "the recent window ends the head");
+    }
+    /* other values are refused by name unless overridden */
+    const struct { const char *name; double floor_v; int64_t sinks; double recent; } cases[] = {
+        {"beta_floor", NAN, 3, 0.25}, {"beta_floor", -3, 3, 0.25}, {"n_sink", -2.5, 0, 0.25},
+        {"recent_frac", -2.5, 3, 0.125}};
+    for (int i = 0; i < 4; i++) {
+        kvrt_am_opts x = co;
+        x.beta_floor = cases[i].floor_v;
+        x.n_sink = cases[i].sinks;
+        x.recent_frac = cases[i].recent;
+        cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &x, 0, 0.2, 1, q, k, v, T, H, KVRT_DTYPE_F32,
+                                               &c, NULL), KVRT_ERR_ARG, "%s", cases[i].name);
+        cr_assert(strstr(kvrt_last_error()->msg, cases[i].name) != NULL &&
+                      strstr(kvrt_last_error()->msg, "differs from the compiled") != NULL,
+                  "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &x, KVRT_OVERRIDE_OPTIONS, 0.2, 1, q, k, v, T, H,
+                                               KVRT_DTYPE_F32, &c, NULL), KVRT_OK);
+        kvrt_cache_free(c);
+        c = NULL;
+    }
+    kvrt_cache_free(a);
+    kvrt_cache_free(b);
     kvrt_am_schedule_free(sch);
     kvrt_policy_free(pol);
     free(q); free(k); free(v); free(buf);

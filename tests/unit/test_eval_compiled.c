@@ -149,7 +149,8 @@ Test(eval_compiled, am_row_runs_the_compiled_select_and_chunk, .timeout = 1200) 
                            .am_ratios = ratios,
                            .n_am_ratios = 3,
                            .am_chunk = 32,
-                           .am_select = "omp"};
+                           .am_select = "omp",
+                           .am_floor = NAN};
     compile_to("am", &cx, corpus, art);
     kvrt_policy *pol = open_policy(art);
     kvrt_am_schedule *s = NULL;
