@@ -87,6 +87,10 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods comp
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 6 ]] && ok || bad "eval compilerkv rows: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 4 ]] && ok || bad "eval am rows: exit $ex: $out"
+#    equal memory: the h2o rows are the reference (bytes_rel 1, equal_memory 1); every row has the fields
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods full,am,h2o --budgets 0.1 --csv); ex=$?
+[[ $ex -eq 0 && "$out" == *",ref_bytes,bytes_rel,equal_memory,"* && $(grep -c '^h2o,.*,1.0000,1,' <<<"$out") -eq 1 \
+   && $(grep -c '^am,0.1,.*,[01],' <<<"$out") -eq 1 ]] && ok || bad "eval equal-memory fields: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1); ex=$?
 [[ $ex -eq 0 && "$out" == *"am: the compiled per-head schedule with the compiled options (key selection highest, chunk 4096, beta floor "* \
    && "$out" == *"am-uniform: an uncompiled variant"* ]] && ok || bad "eval header: the options each AM row runs: $out"
