@@ -83,6 +83,8 @@ fi
   --am-targets 0.1,0.2 --threads 1 -o "$tmp/p2.kvpol" 2>/dev/null && cmp -s "$tmp/p1.kvpol" "$tmp/p2.kvpol" \
   && ok || bad "compile --policies am,compilerkv differs across order/threads"
 out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"compilerkv"* && "$out" == *"Attention Matching"* ]] && ok || bad "inspect of a policy artifact"
+[[ "$out" == *"options: key selection highest, chunk 4096, beta floor -3, 4 sinks, recent 0.5 of t"* ]] && ok \
+  || bad "inspect: the compiled AM options: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods compilerkv,ckv-flat,h2o --budgets 32,64 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 6 ]] && ok || bad "eval compilerkv rows: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
@@ -97,9 +99,13 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,a
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
                                      {if (NR > 1) print last; last = $0} END {print last}')
-for o in am-targets am-ratios am-chunk am-select compkv-r compkv-block budgets window reward reward-check transfer-check \
+for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent compkv-r compkv-block budgets window reward reward-check transfer-check \
          kv2-budgets kv2-rho kv2-proxies kv2-max-passes kv2-sinks kv2-chunk; do
   grep -q -- "^  --$o .*(default [^)]*)\$" <<<"$help" && ok || bad "compile --help: --$o with its default"
+done
+for bad_opt in "--am-floor abc" "--am-recent 1" "--am-floor 99"; do
+  err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am $bad_opt -o "$tmp/bad.kvpol" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"${bad_opt%% *}"* ]] && ok || bad "compile $bad_opt: exit $ex: $err"
 done
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compilerkv --budgets 32 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval compilerkv without --policy: exit $ex: $err"
