@@ -8,7 +8,7 @@
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_cpu_kv2_proxy,
- *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c)
+ *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c), kvrt_cpu_key_scores (cpu/baselines.c)
  *
  * The CPU implementations take the arguments of the public call minus the context and check
  * them themselves (messages name the public function).
@@ -86,6 +86,11 @@ KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_
                                             const float *k, int64_t C, uint32_t n_kv_heads,
                                             uint32_t head_dim, const float *k_new, int64_t lo,
                                             int64_t hi, float *out, int n_threads);
+
+/* Knorm (knorm != 0: -|k_t|) or KeyDiff (-cos(k_t, mean of the L2-normalized keys)) scores
+ * [T] of KV head hk of k [T, Hkv, d], in double; anchor: scratch of d doubles. */
+void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
+                         uint32_t hk, float *score, double *anchor);
 
 #ifdef __cplusplus
 }

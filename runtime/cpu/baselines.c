@@ -37,6 +37,7 @@
 #include "kvrt_experimental.h"
 #include "kvrt_rng.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 // ----------------------------------------------------------------------------
 // names and options
@@ -283,10 +284,11 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* knorm: -||k_t||; keydiff: -cos(k_t, mean of normalized keys). score [T] for kv head hk. */
-static void key_scores(int method, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
-                       uint32_t hk, float *score, double *anchor) {
-    if (method == KVRT_METHOD_KNORM) {
+/* knorm: -||k_t||; keydiff: -cos(k_t, mean of normalized keys). score [T] for kv head hk
+ * (declared in core/policies.h; KV²'s stage-1 reference uses it too). */
+void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
+                         uint32_t hk, float *score, double *anchor) {
+    if (knorm) {
         for (int64_t t = 0; t < T; t++) {
             const float *kr = k + ((size_t)t * Hkv + hk) * d;
             double s = 0.0;
@@ -420,7 +422,8 @@ static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *
     if (anchor == NULL)
         return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "%s (%s): out of memory", fn, method_names[m]);
     for (uint32_t hk = 0; hk < n_kv_heads; hk++)
-        key_scores(m, k, T, n_kv_heads, head_dim, hk, sc + (size_t)hk * T, anchor);
+        kvrt_cpu_key_scores(m == KVRT_METHOD_KNORM, k, T, n_kv_heads, head_dim, hk,
+                            sc + (size_t)hk * T, anchor);
     free(anchor);
     return KVRT_OK;
 }

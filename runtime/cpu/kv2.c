@@ -99,43 +99,9 @@ int kvrt_kv2_proxy_ref(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int 
     if (rc) return rc;
     double *anchor = malloc(sizeof(double) * d);
     if (anchor == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    for (uint32_t h = 0; h < Hkv; h++) {
-        float *sh = s + (size_t)h * C;
-        if (proxy == KVRT_KV2_PROXY_KNORM) {
-            for (int64_t t = 0; t < C; t++) {
-                const float *kr = k + ((size_t)t * Hkv + h) * d;
-                double n2 = 0.0;
-                for (uint32_t x = 0; x < d; x++) n2 += (double)kr[x] * kr[x];
-                sh[t] = (float)-sqrt(n2);
-            }
-            continue;
-        }
-        /* KeyDiff: zero keys normalize to zero (cosine 0) */
-        for (uint32_t x = 0; x < d; x++) anchor[x] = 0.0;
-        for (int64_t t = 0; t < C; t++) {
-            const float *kr = k + ((size_t)t * Hkv + h) * d;
-            double n2 = 0.0;
-            for (uint32_t x = 0; x < d; x++) n2 += (double)kr[x] * kr[x];
-            const double inv = n2 > 0.0 ? 1.0 / sqrt(n2) : 0.0;
-            for (uint32_t x = 0; x < d; x++) anchor[x] += kr[x] * inv;
-        }
-        double an = 0.0;
-        for (uint32_t x = 0; x < d; x++) {
-            anchor[x] /= (double)C;
-            an += anchor[x] * anchor[x];
-        }
-        an = sqrt(an);
-        for (int64_t t = 0; t < C; t++) {
-            const float *kr = k + ((size_t)t * Hkv + h) * d;
-            double n2 = 0.0, dot = 0.0;
-            for (uint32_t x = 0; x < d; x++) {
-                n2 += (double)kr[x] * kr[x];
-                dot += (double)kr[x] * anchor[x];
-            }
-            const double den = sqrt(n2) * an;
-            sh[t] = den > 0.0 ? (float)(-dot / den) : 0.0f;
-        }
-    }
+    for (uint32_t h = 0; h < Hkv; h++) /* the knorm / keydiff baselines' scores, per head */
+        kvrt_cpu_key_scores(proxy == KVRT_KV2_PROXY_KNORM, k, C, Hkv, d, h, s + (size_t)h * C,
+                            anchor);
     free(anchor);
     return KVRT_OK;
 }
