@@ -31,6 +31,8 @@
     X(KVPOL_SEC_COMPKV_GROUPINGS, KVPOL_GROUP_COMPKV, 1, 1, "compkv.groupings")                  \
     X(KVPOL_SEC_COMPKV_CALIBRATION, KVPOL_GROUP_COMPKV, 2, 1, "compkv.calibration")              \
     X(KVPOL_SEC_KV2_SCHEDULE, KVPOL_GROUP_KV2, 1, 1, "kv2.schedule")                             \
-    X(KVPOL_SEC_KV2_CURVES, KVPOL_GROUP_KV2, 2, 1, "kv2.curves")
+    X(KVPOL_SEC_KV2_CURVES, KVPOL_GROUP_KV2, 2, 1, "kv2.curves")                                 \
+    X(KVPOL_SEC_MR_BASIS, KVPOL_GROUP_MERGE_REDUCE, 1, 1, "merge-reduce.basis")                  \
+    X(KVPOL_SEC_MR_REPORT, KVPOL_GROUP_MERGE_REDUCE, 2, 1, "merge-reduce.report")
 
 #endif /* KVPOL_SECTIONS_H */

@@ -185,8 +185,10 @@ typedef enum {
     KVRT_OP_COMPKV_STEP = 12,         /* CompKV fused decode step */
     KVRT_OP_KV2_PROXY = 13,           /* KV² stage-1 proxy scores of one layer */
     KVRT_OP_KV2_SCORE = 14,           /* KV² stage-2 scores of one chunk and layer */
+    KVRT_OP_MR_REDUCE = 15,           /* merge-reduce REDUCE of two summaries of one KV head */
+    KVRT_OP_MR_COMPRESS = 16,         /* merge-reduce summary of one layer's context */
 } kvrt_op;
-#define KVRT_OP_COUNT 15
+#define KVRT_OP_COUNT 17
 /* "softmax_rows", "attend", ... (the enum's names in lower case, without KVRT_OP_); "unknown"
  * for other values. */
 const char *kvrt_op_name(int op);
@@ -606,6 +608,128 @@ int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
                                    const kvrt_kv2_opts *o, unsigned flags, double budget,
                                    uint32_t n_heads, uint32_t head_dim, int64_t C,
                                    kvrt_kv2_plan **out);
+
+/* ------------------------------------------------------------------ merge-reduce */
+/* A compressed cache as a sparse reweighted measure (docs/policies/merge-reduce.md;
+ * runtime/core/merge_reduce.c, runtime/cpu/merge_reduce.c). Every entry (k, v, w) stands for
+ * w > 0 tokens; its cache bias is log w, so attention over a weighted cache equals attention
+ * over the multiset it stands for. Per KV head of a context of T tokens at budget B entries:
+ *   sinks   positions [0, n_sink) exact (weight 1, bias 0);
+ *   recent  the last n_recent = round(recent_frac * B) positions exact;
+ *   middle  the n_mid = T - n_sink - n_recent positions between, cut into blocks of
+ *           K = B - n_sink - n_recent tokens from the first middle position (the last block may
+ *           be shorter; block 0 starts at position n_sink), summarized to <= K weighted entries.
+ * When T <= B every token is kept exactly; KVRT_ERR_ARG when T > B and K < 1.
+ * REDUCE(a, b -> K): the union of two summaries (a's entries first, then b's), n entries; n <= K:
+ * the union as is. Else:
+ *   random   K of the n entries uniformly without replacement: a splitmix64 stream seeded with
+ *            the reduce's key (kvrt_mr_key) draws a partial Fisher-Yates shuffle of 0..n-1
+ *            (i = 0..K-1: j = i + next() % (n - i), swap); the K drawn entries are kept in their
+ *            input order, each weight multiplied by n / K (in double, rounded to f32): unbiased.
+ *   cluster  phi(k) = U_m^T k (the first m columns of the head's basis U [d, m_max]; double);
+ *            balanced clustering of the n entries into K clusters whose sizes are
+ *            s_c = floor(n / K) + (c < n mod K) (c = 0..K-1: pairs and singletons when n <= 2K)
+ *            by recursive bisection: a node holding clusters [c0, c1) (k = c1 - c0) and their
+ *            entries splits at k_L = ceil(k / 2): its entries, stably sorted by the coordinate of
+ *            phi with the largest weighted variance over the node (ties: the lower coordinate;
+ *            entries with equal values keep their order), give the first sum_{c0 <= c < c0+k_L}
+ *            s_c entries to the left child, the rest to the right; a leaf (k = 1) is one entry:
+ *            weight = the sum of its weights, key and value = the weight-averaged keys and values
+ *            in the full space (double, rounded to f32), position = the entry's own when the leaf
+ *            holds one entry, -1 otherwise. Output order: leaves left to right.
+ * Summaries over blocks (block indices count from the first middle block): node(lo, hi) for a
+ * dyadic range (hi - lo = 2^j, lo a multiple of 2^j; a range running past the last block is cut
+ * at it) is the block itself for j = 0, else REDUCE(node(lo, mid), node(mid, hi)) with key
+ * kvrt_mr_key(seed, layer, head, lo, hi). The summary of blocks [0, b) folds the dyadic
+ * decomposition of b, largest range first: S = D_1; S = REDUCE(S, D_i) with the key of [0, end
+ * of D_i). Prefill computes it for every b by a Blelloch scan (kvrt_mr_prefix_scan); decode keeps
+ * the binary counter of the same dyadic nodes (kvrt_mr_stream), so both give the same bits.
+ * Deterministic whatever the thread count. Failures name the function and the argument in
+ * kvrt_last_error() (and kvrt_ctx_last_error(ctx) for calls that take a context). */
+typedef enum { KVRT_MR_RANDOM = 0, KVRT_MR_CLUSTER = 1 } kvrt_mr_reducer;
+typedef struct {
+    int reducer;          /* kvrt_mr_reducer (default CLUSTER; RANDOM needs no basis) */
+    uint32_t n_sink;      /* exact leading tokens (default 4) */
+    double recent_frac;   /* exact recent window, a fraction of the budget in [0, 1) (default 0.25) */
+    uint64_t seed;        /* the random reducer's seed (default 1) */
+} kvrt_mr_opts;
+void kvrt_mr_opts_init(kvrt_mr_opts *o);
+const char *kvrt_mr_reducer_name(int reducer);    /* "random", "cluster"; "unknown" otherwise */
+int kvrt_mr_reducer_from_name(const char *name);  /* -1 when unknown */
+/* The key of the reduce whose result summarizes blocks [lo, hi) of (layer, KV head): splitmix64
+ * finalizer over seed, layer, head, lo, hi in that order (docs/policies/merge-reduce.md). */
+uint64_t kvrt_mr_key(uint64_t seed, uint32_t layer, uint32_t head, int64_t lo, int64_t hi);
+
+/* The protected basis of one layer: per KV head the m_max columns U [d, m_max] (row-major: entry
+ * (i, j) of head h at U[(h * d + i) * m_max + j], columns orthonormal, by decreasing eigenvalue of
+ * the query second moment), and the number of columns each head uses, 1 <= m[h] <= m_max <= d. */
+typedef struct {
+    uint32_t n_kv_heads, head_dim, m_max;
+    const float *U;       /* [n_kv_heads, head_dim, m_max] */
+    const uint32_t *m;    /* [n_kv_heads] */
+} kvrt_mr_basis;
+
+/* One layer: k, v [T, Hkv, d] (post-RoPE keys, f32) -> *out, a ragged cache per KV head: sinks,
+ * the summary of the middle blocks (bias log w; position -1 for merged entries), the recent
+ * window; dtype f32 or f16. budget: kvrt_budget_resolve (a count per KV head, or a ratio of T).
+ * basis: required by CLUSTER (NULL: KVRT_ERR_ARG), ignored by RANDOM; its n_kv_heads and
+ * head_dim must equal Hkv and d. layer keys the random reducer. KVRT_ERR_ARG also for NaN or
+ * infinite keys or values. CPU: OpenMP over (KV head, dyadic node) of a level. */
+int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
+                           uint32_t layer, const float *k, const float *v, int64_t T,
+                           uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,
+                           kvrt_cache **out);
+
+/* Decode: a stream of one layer that keeps the same summaries token by token: sinks, a binary
+ * counter of buckets (level j holds the summary of a dyadic range of 2^j blocks; two buckets on a
+ * level are REDUCEd into one on the next), the partial block of raw tokens, and the recent
+ * window of n_recent exact tokens (a token leaves it into the partial block). Memory
+ * O(K log(T / K)) entries per head. basis is copied (NULL for RANDOM). K >= 1, n_recent >= 0. */
+typedef struct kvrt_mr_stream kvrt_mr_stream;
+int kvrt_mr_stream_create(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
+                          uint32_t layer, uint32_t n_kv_heads, uint32_t head_dim, int64_t K,
+                          int64_t n_recent, kvrt_mr_stream **out);
+void kvrt_mr_stream_free(kvrt_mr_stream *s);
+/* Append n tokens k, v [n, Hkv, d]; n = 0 is a no-op. Non-finite values: KVRT_ERR_ARG (nothing
+ * appended). */
+int kvrt_mr_stream_append(kvrt_mr_stream *s, const float *k, const float *v, int64_t n);
+int64_t kvrt_mr_stream_length(const kvrt_mr_stream *s);   /* tokens appended */
+/* Entries (per KV head, all heads equal) and bytes held now: k, v (f32), w and positions of every
+ * entry of sinks, buckets, partial block and recent window. */
+int64_t kvrt_mr_stream_entries(const kvrt_mr_stream *s);
+size_t kvrt_mr_stream_bytes(const kvrt_mr_stream *s);
+/* The stream's cache now. fold 0: sinks, every bucket (oldest first), the partial block, the
+ * recent window (what decode attends over); fold 1: the buckets and the partial block folded
+ * into the summary of blocks [0, b) (the partial block counted as block b - 1), which after T
+ * appended tokens equals kvrt_mr_compress_layer's for the same K, n_recent and T, bit for bit. */
+int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cache **out);
+
+/* The compiled policy (kvcc compile --policies merge-reduce; section merge-reduce.basis, with
+ * the compressibility report in merge-reduce.report): the basis of every (layer, KV head), the
+ * compiled budgets (ratios of the context), per budget and head the chosen m, and the reducer,
+ * sinks, recent fraction and seed of the calibration. kvrt_mr_open: KVRT_ERR_UNSUPPORTED (no
+ * merge-reduce group), KVRT_ERR_FORMAT (an item missing, mis-shaped or out of range, e.g. m
+ * outside 1..m_max), KVRT_ERR_MODEL_MISMATCH (L, Hkv or d differ from the policy's model). */
+typedef struct kvrt_mr_schedule kvrt_mr_schedule;
+int kvrt_mr_open(const kvrt_policy *p, kvrt_mr_schedule **out);
+void kvrt_mr_schedule_free(kvrt_mr_schedule *s);
+/* The compiled options (reducer, n_sink, recent_frac, seed). */
+int kvrt_mr_schedule_opts(const kvrt_mr_schedule *s, kvrt_mr_opts *out);
+/* The compiled budgets [n] (ratios, ascending; valid while s lives). */
+int kvrt_mr_schedule_budgets(const kvrt_mr_schedule *s, const double **budgets, int *n);
+#define KVRT_MR_NEAREST_BUDGET 0x1u /* flag: an uncompiled budget takes the nearest one's m */
+/* The basis of `layer` with the m of a compiled budget (a ratio in (0, 1); another: KVRT_ERR_ARG
+ * listing the compiled ones, unless flags has KVRT_MR_NEAREST_BUDGET: the nearest in log ratio).
+ * *out views s's arrays (valid while s lives). */
+int kvrt_mr_schedule_basis(const kvrt_mr_schedule *s, double budget, unsigned flags,
+                           uint32_t layer, kvrt_mr_basis *out);
+/* One layer with the compiled basis and options (kvrt_mr_compress_layer). o non-NULL: those
+ * options, refused (KVRT_ERR_ARG naming the option) where reducer, n_sink, recent_frac or seed
+ * differ from the compiled ones, unless flags has KVRT_OVERRIDE_OPTIONS. A budget that is a count
+ * (>= 1) takes the m of the compiled ratio nearest to budget / T. */
+int kvrt_mr_compress_scheduled(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_mr_opts *o,
+                               unsigned flags, double budget, uint32_t layer, const float *k,
+                               const float *v, int64_t T, int dtype, kvrt_cache **out);
 
 /* ------------------------------------------------------------------ CompilerKV */
 /* Prefill-only retention from a compiled head-reliability table W_head and a risk threshold LUT
