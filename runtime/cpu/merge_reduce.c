@@ -475,6 +475,7 @@ struct kvrt_mr_ws {
     uint8_t *mark;          /* [cap] */
     double *mu, *var;       /* [mcap] */
     double *acc;            /* [2 d] */
+    double *Ud;             /* [d, mcap] the first m columns of U in double */
 };
 
 void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws) {
@@ -490,6 +491,7 @@ void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws) {
     free(ws->mu);
     free(ws->var);
     free(ws->acc);
+    free(ws->Ud);
     free(ws);
 }
 
@@ -512,7 +514,8 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     ws->mu = malloc(sizeof(double) * mcap);
     ws->var = malloc(sizeof(double) * mcap);
     ws->acc = malloc(sizeof(double) * 2 * (size_t)(d ? d : 1));
-    if (!ws->kr || !ws->vr || !ws->w || !ws->pos || !ws->phi || !ws->idx || !ws->pairs ||
+    ws->Ud = malloc(sizeof(double) * (size_t)(d ? d : 1) * mcap);
+    if (!ws->Ud || !ws->kr || !ws->vr || !ws->w || !ws->pos || !ws->phi || !ws->idx || !ws->pairs ||
         !ws->mark || !ws->mu || !ws->var || !ws->acc) {
         kvrt_cpu_mr_ws_free(ws);
         return NULL;
@@ -560,12 +563,14 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
     for (int64_t i = 0; i < cnt; i++) {
         const double wi = (double)ws->w[idx[i]];
         const double *ph = ws->phi + (size_t)idx[i] * ws->mcap;
+#pragma omp simd
         for (uint32_t j = 0; j < m; j++) mu[j] += wi * ph[j];
     }
     for (uint32_t j = 0; j < m; j++) mu[j] = mu[j] / W;
     for (int64_t i = 0; i < cnt; i++) {
         const double wi = (double)ws->w[idx[i]];
         const double *ph = ws->phi + (size_t)idx[i] * ws->mcap;
+#pragma omp simd
         for (uint32_t j = 0; j < m; j++) {
             const double e = ph[j] - mu[j];
             var[j] += wi * e * e;
@@ -640,14 +645,20 @@ static void fast_reduce(kvrt_mr_ws *ws, int reducer, const float *U, uint32_t ld
         return;
     }
     const uint32_t mc = ws->mcap;
+    for (uint32_t x = 0; x < d; x++)
+        for (uint32_t j = 0; j < m; j++)
+            ws->Ud[(size_t)x * mc + j] = (double)U[(size_t)x * ldm + j];
+    /* phi_j = sum_x U[x, j] k[x] with x ascending per j: the reference's sums (the simd loop
+     * runs across j, independent accumulators, so no sum is reassociated) */
     for (int64_t i = 0; i < n; i++) {
         double *ph = ws->phi + (size_t)i * mc;
         const float *kr = ws->kr[i];
         for (uint32_t j = 0; j < m; j++) ph[j] = 0.0;
         for (uint32_t x = 0; x < d; x++) {
             const double kx = (double)kr[x];
-            const float *ur = U + (size_t)x * ldm;
-            for (uint32_t j = 0; j < m; j++) ph[j] += (double)ur[j] * kx;
+            const double *ur = ws->Ud + (size_t)x * mc;
+#pragma omp simd
+            for (uint32_t j = 0; j < m; j++) ph[j] += ur[j] * kx;
         }
         ws->idx[i] = i;
     }

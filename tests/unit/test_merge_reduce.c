@@ -100,16 +100,16 @@ static void basis_free(basis_buf *bb) {
     free(bb->m);
 }
 
-/* A set of n entries from rows k, v [n, d] (contiguous), weights w (NULL: 1), pos 100 + i. */
+/* A set of n entries from rows k, v [n, d] (contiguous), weights w (NULL: 1), pos pos0 + i. */
 static kvrt_mr_set *set_of(const float *k, const float *v, int64_t n, int64_t cap, uint32_t d,
-                           const float *w) {
+                           const float *w, int32_t pos0) {
     kvrt_mr_set *s = NULL;
     cr_assert_eq(kvrt_mr_set_create(cap, d, &s), KVRT_OK, "%s", kvrt_last_error()->msg);
     memcpy(s->k, k, sizeof(float) * (size_t)n * d);
     memcpy(s->v, v, sizeof(float) * (size_t)n * d);
     for (int64_t i = 0; i < n; i++) {
         s->w[i] = w ? w[i] : 1.0f;
-        s->pos[i] = 100 + (int32_t)i;
+        s->pos[i] = pos0 + (int32_t)i;
     }
     s->n = n;
     return s;
@@ -234,9 +234,9 @@ static void reduce_case(kvrt_ctx *ctx, int reducer, const float *k, const float 
                         int64_t nb, int64_t K, uint32_t d, const float *U, uint32_t ldm,
                         uint32_t m, const float *w, uint64_t key) {
     const kvrt_mr_opts o = opts(reducer, 4, 0.25, 3);
-    kvrt_mr_set *a = set_of(k, v, na, na ? na : 1, d, w);
+    kvrt_mr_set *a = set_of(k, v, na, na ? na : 1, d, w, 100);
     kvrt_mr_set *b = nb ? set_of(k + (size_t)na * d, v + (size_t)na * d, nb, nb, d,
-                                 w ? w + na : NULL) : NULL;
+                                 w ? w + na : NULL, 100 + (int32_t)na) : NULL;
     kvrt_mr_set *r1 = NULL, *r2 = NULL;
     cr_assert_eq(kvrt_mr_set_create(K, d, &r1), KVRT_OK);
     cr_assert_eq(kvrt_mr_set_create(K, d, &r2), KVRT_OK);
@@ -250,8 +250,7 @@ static void reduce_case(kvrt_ctx *ctx, int reducer, const float *k, const float 
     cr_expect_eq(r1->n, n <= K ? n : K);
     if (n <= K) { /* the union as is */
         for (int64_t i = 0; i < n; i++)
-            cr_expect(r1->pos[i] == 100 + (int32_t)(i < na ? i : i - na) &&
-                      r1->w[i] == (w ? w[i] : 1.0f));
+            cr_expect(r1->pos[i] == 100 + (int32_t)i && r1->w[i] == (w ? w[i] : 1.0f));
     } else if (reducer == KVRT_MR_CLUSTER && w == NULL) {
         double sum = 0;
         for (int64_t c = 0; c < K; c++) {
@@ -263,11 +262,15 @@ static void reduce_case(kvrt_ctx *ctx, int reducer, const float *k, const float 
             sum += r1->w[c];
         }
         cr_expect_eq(sum, (double)n);
-    } else if (reducer == KVRT_MR_RANDOM) {
+    } else if (reducer == KVRT_MR_RANDOM) { /* K input entries in input order, n / K scaled */
         double sum = 0;
         for (int64_t i = 0; i < K; i++) {
+            const int64_t src = r1->pos[i] - 100;
+            cr_assert(src >= 0 && src < n && (i == 0 || r1->pos[i] > r1->pos[i - 1]));
+            const float win = w ? w[src] : 1.0f;
+            cr_expect_eq(r1->w[i], (float)((double)win * ((double)n / (double)K)));
+            cr_expect(memcmp(r1->k + i * d, k + src * d, sizeof(float) * d) == 0);
             sum += r1->w[i];
-            if (w == NULL) cr_expect_eq(r1->w[i], (float)((double)n / (double)K));
         }
         if (w == NULL && n % K == 0) cr_expect_eq(sum, (double)n, "weights sum %g", sum);
     }
@@ -491,8 +494,8 @@ Test(merge_reduce, random_sampling_is_unbiased) {
         for (uint32_t x = 0; x < d; x++) full[x] += e * v[i * d + x];
         full[d] += e;
     }
-    kvrt_mr_set *a = set_of(k, v, K, K, d, w);
-    kvrt_mr_set *b = set_of(k + K * d, v + K * d, n - K, n - K, d, w + K);
+    kvrt_mr_set *a = set_of(k, v, K, K, d, w, 100);
+    kvrt_mr_set *b = set_of(k + K * d, v + K * d, n - K, n - K, d, w + K, 100 + (int32_t)K);
     kvrt_mr_set *r = NULL;
     cr_assert_eq(kvrt_mr_set_create(K, d, &r), KVRT_OK);
     const kvrt_mr_opts o = opts(KVRT_MR_RANDOM, 0, 0.0, 1);
@@ -874,8 +877,8 @@ Test(merge_reduce, bad_inputs) {
 #undef LAYER
 
     /* REDUCE: m > d, m = 0, weights <= 0, NaN, K = 0, U NULL, aliasing, small out */
-    kvrt_mr_set *a = set_of(k, v, 10, 10, d, NULL), *b = set_of(k + 10 * d, v + 10 * d, 10, 10, d,
-                                                                NULL);
+    kvrt_mr_set *a = set_of(k, v, 10, 10, d, NULL, 0);
+    kvrt_mr_set *b = set_of(k + 10 * d, v + 10 * d, 10, 10, d, NULL, 10);
     kvrt_mr_set *r = NULL, *r3 = NULL, *r16 = NULL;
     cr_assert_eq(kvrt_mr_set_create(8, d, &r), KVRT_OK);
     cr_assert_eq(kvrt_mr_set_create(3, d, &r3), KVRT_OK);
