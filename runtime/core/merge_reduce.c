@@ -929,10 +929,11 @@ int kvrt_mr_schedule_budgets(const kvrt_mr_schedule *s, const double **budgets, 
     return KVRT_OK;
 }
 
-/* The compiled budget for ratio (nearest: the nearest in log ratio, a tie keeps the smaller). */
+/* The compiled budget for ratio (nearest: the nearest in log ratio, a tie keeps the smaller;
+ * any_ratio: a ratio >= 1, from a count of T or more, takes the nearest too). */
 static int budget_index(const char *fn, const kvrt_mr_schedule *s, double ratio, int nearest,
-                        int *out) {
-    if (!(ratio > 0.0 && ratio < 1.0) && !(nearest && ratio > 0.0 && isfinite(ratio)))
+                        int any_ratio, int *out) {
+    if (!(ratio > 0.0 && ratio < 1.0) && !(any_ratio && ratio > 0.0 && isfinite(ratio)))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %g, expected a ratio of the context in (0, 1)",
                          fn, ratio);
     int hit = -1;
@@ -980,7 +981,7 @@ int kvrt_mr_schedule_basis(const kvrt_mr_schedule *s, double budget, unsigned fl
     if (layer >= s->L)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, expected 0..%u", fn, layer, s->L - 1);
     int bi;
-    int rc = budget_index(fn, s, budget, (flags & KVRT_MR_NEAREST_BUDGET) != 0, &bi);
+    int rc = budget_index(fn, s, budget, (flags & KVRT_MR_NEAREST_BUDGET) != 0, 0, &bi);
     if (rc) return rc;
     basis_of(s, bi, layer, out);
     return KVRT_OK;
@@ -1021,9 +1022,9 @@ int kvrt_mr_compress_scheduled(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const k
     else if (T < 1)
         rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: T = %lld, expected >= 1", fn, (long long)T);
     else if (isfinite(budget) && budget >= 1.0) /* a count: the nearest compiled ratio */
-        rc = budget_index(fn, s, budget / (double)T, 1, &bi);
+        rc = budget_index(fn, s, budget / (double)T, 1, 1, &bi);
     else
-        rc = budget_index(fn, s, budget, (flags & KVRT_MR_NEAREST_BUDGET) != 0, &bi);
+        rc = budget_index(fn, s, budget, (flags & KVRT_MR_NEAREST_BUDGET) != 0, 0, &bi);
     if (rc == KVRT_OK && o && !(flags & KVRT_OVERRIDE_OPTIONS)) rc = same_opts(fn, o, &s->opts);
     if (rc) return kvrt_policy_ctx_done(ctx, rc);
     kvrt_mr_basis b;

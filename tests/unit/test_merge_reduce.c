@@ -1106,6 +1106,9 @@ Test(merge_reduce, schedule_handle) {
               kvrt_last_error()->msg);
     cr_assert_eq(kvrt_mr_schedule_basis(s, 0.2, KVRT_MR_NEAREST_BUDGET, 0, &b), KVRT_OK);
     cr_expect(b.m[0] == 3 && b.m[1] == 3, "0.2 is nearer 0.1 than 0.5 in log ratio");
+    cr_expect_eq(kvrt_mr_schedule_basis(s, 1.5, KVRT_MR_NEAREST_BUDGET, 0, &b), KVRT_ERR_ARG);
+    cr_expect(has("budget 1.5, expected a ratio of the context in (0, 1)"), "%s",
+              kvrt_last_error()->msg);
     cr_expect_eq(kvrt_mr_schedule_basis(s, 0.1, 0, 2, &b), KVRT_ERR_ARG);
     cr_expect_eq(kvrt_mr_schedule_basis(s, 0.1, 0x8, 0, &b), KVRT_ERR_ARG);
     cr_expect_eq(kvrt_mr_schedule_basis(NULL, 0.1, 0, 0, &b), KVRT_ERR_ARG);
@@ -1133,6 +1136,11 @@ Test(merge_reduce, schedule_handle) {
     cr_expect(cache_eq(c1, c2));
     kvrt_cache_free(c1);
     kvrt_cache_free(c2);
+    /* a count of T or more keeps every token (with the largest compiled ratio's m) */
+    cr_assert_eq(kvrt_mr_compress_scheduled(test_cpu(), s, NULL, 0, 500, 1, k, v, T,
+                                            KVRT_DTYPE_F32, &c1), KVRT_OK);
+    cr_expect_eq(c1->n_entries, T * 2);
+    kvrt_cache_free(c1);
     cr_expect_eq(kvrt_mr_compress_scheduled(test_cpu(), s, NULL, 0, 0.2, 1, k, v, T,
                                             KVRT_DTYPE_F32, &c1), KVRT_ERR_ARG);
     cr_expect(has("kvrt_mr_compress_scheduled: budget 0.2 is not compiled"), "%s",
