@@ -79,10 +79,14 @@ int kvcc_cmd_capture(int argc, char **argv) {
             return KVCC_EXIT_USAGE;
         }
     }
+    kvcc_input in[MAX_TEXTS + 1] = {{"--gguf", gguf}};
+    for (int i = 0; i < n_texts; i++) in[i + 1] = (kvcc_input){"--text", texts[i]};
+    int ex = kvcc_check_output("capture", out, in, n_texts + 1);
     kvcc_loaded_model lm;
     char msg[512] = "";
-    int ex = KVCC_EXIT_OK;
-    if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
+    if (ex) {
+        /* nothing was written */
+    } else if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_FAILED;
     } else {

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "kvcc.h"
 
@@ -92,4 +93,44 @@ int kvcc_list_texts(const char *dir, char **paths, int cap) {
     closedir(d);
     qsort(paths, (size_t)n, sizeof *paths, cmp_str);
     return n;
+}
+
+/* Same file: equal paths, or both exist with the same device and inode. */
+static int same_file(const char *a, const char *b) {
+    if (!strcmp(a, b)) return 1;
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, int n_in) {
+    if (!out[0]) {
+        fprintf(stderr, "kvcc %s: -o: the output path is empty\n", cmd);
+        return KVCC_EXIT_USAGE;
+    }
+    struct stat st;
+    if (stat(out, &st) == 0 && S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "kvcc %s: -o %s: is a directory; expected a file path\n", cmd, out);
+        return KVCC_EXIT_USAGE;
+    }
+    for (int i = 0; i < n_in; i++)
+        if (in[i].path && in[i].path[0] && same_file(out, in[i].path)) {
+            fprintf(stderr, "kvcc %s: -o %s is the same file as the input %s %s; refusing to overwrite an input\n",
+                    cmd, out, in[i].opt, in[i].path);
+            return KVCC_EXIT_USAGE;
+        }
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", out);
+    char *slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == dir) dir[1] = 0;
+    else *slash = 0;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "kvcc %s: -o %s: the directory %s does not exist\n", cmd, out, dir);
+        return KVCC_EXIT_USAGE;
+    }
+    if (access(dir, W_OK | X_OK) != 0) {
+        fprintf(stderr, "kvcc %s: -o %s: the directory %s is not writable: %s\n", cmd, out, dir, strerror(errno));
+        return KVCC_EXIT_USAGE;
+    }
+    return KVCC_EXIT_OK;
 }
