@@ -161,6 +161,19 @@ static int get_attr_str(hid_t obj, const char *name, char *buf, size_t n) {
 }
 
 // ----------------------------------------------------------------------------
+// library set-up
+
+/* Before the first HDF5 call: no error printing, and no H5close at exit. A file whose flush or
+ * close failed (a full disk) stays in HDF5's id table in a half-closed state, and the library's
+ * atexit clean-up closes it a second time and crashes (SIGSEGV in H5F__close_cb, HDF5 1.10.8);
+ * the process exits anyway, so the kernel's clean-up is enough. H5dont_atexit is a no-op
+ * once the library is initialized. */
+static void h5_setup(void) {
+    H5dont_atexit();
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+}
+
+// ----------------------------------------------------------------------------
 // writer
 
 static hid_t gcpl_untimed(void) {
@@ -179,7 +192,7 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
         m->n_heads % m->n_kv_heads)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "%s: implausible model dimensions",
                      path);
-    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    h5_setup();
     kvcc_corpus *c = calloc(1, sizeof *c);
     if (!c) return failc(NULL, err, errlen, KVCC_CORPUS_ERR_NOMEM, "out of memory");
     c->writing = 1;
@@ -319,6 +332,7 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
                     layer, c->layers_written);
     const kvcc_corpus_model *m = &c->model;
     char name[32];
+    errno = 0;
     snprintf(name, sizeof name, "layer%03u", layer);
     hid_t gp = gcpl_untimed();
     hid_t g = H5Gcreate2(c->cur_prompt, name, H5P_DEFAULT, gp, H5P_DEFAULT);
@@ -351,7 +365,9 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
     }
     if (ht >= 0) H5Tclose(ht);
     H5Gclose(g);
-    if (bad) return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot write layer %u", c->path, layer);
+    if (bad)
+        return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot write layer %u: %s", c->path, layer,
+                    errno ? strerror(errno) : "HDF5 error");
     c->layers_written++;
     return KVCC_CORPUS_OK;
 }
@@ -365,10 +381,14 @@ int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen) {
         kvcc_corpus_close(c);
         return rc;
     }
+    errno = 0;
     if (put_attr_i64(c->file, "n_prompts", c->info.n_prompts) ||
         H5Fflush(c->file, H5F_SCOPE_GLOBAL) < 0 || H5Fclose(c->file) < 0) {
+        int e = errno; /* the sec2 driver's failed write(2), e.g. ENOSPC */
+        /* the id is never closed again: HDF5 1.10 crashes closing a file whose close failed */
         c->file = -1;
-        failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 failed to finish the file", c->path);
+        failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 failed to finish the file: %s",
+              c->path, e ? strerror(e) : "write error");
         kvcc_corpus_close(c);
         return KVCC_CORPUS_ERR_IO;
     }
@@ -418,7 +438,7 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
     if (!out || !path)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open: NULL argument");
     *out = NULL;
-    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    h5_setup();
     H5PLset_loading_state(0); /* no filter plugins: only HDF5's built-in deflate and shuffle */
     if (access(path, R_OK) != 0)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot open: %s", path,

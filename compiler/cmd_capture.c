@@ -82,6 +82,7 @@ int kvcc_cmd_capture(int argc, char **argv) {
     kvcc_input in[MAX_TEXTS + 1] = {{"--gguf", gguf}};
     for (int i = 0; i < n_texts; i++) in[i + 1] = (kvcc_input){"--text", texts[i]};
     int ex = kvcc_check_output("capture", out, in, n_texts + 1);
+    if (!ex) kvcc_remove_temp_on_signal(out);
     kvcc_loaded_model lm;
     char msg[512] = "";
     if (ex) {

@@ -267,6 +267,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
             in[n_in++] = (kvcc_input){po[k].opt->name, *(const char **)((char *)&cx + po[k].opt->offset)};
     int ex0 = kvcc_check_output("compile", out, in, n_in);
     if (ex0) return ex0;
+    kvcc_remove_temp_on_signal(out);
     if (cx.threads > 0) omp_set_num_threads(cx.threads);
 
     kvpol_header h;

@@ -57,6 +57,9 @@ typedef struct {
  * n_in inputs (same path, or same st_dev/st_ino), or in a directory that does not exist or is not
  * writable. Prints "kvcc CMD: ..." naming the paths; KVCC_EXIT_USAGE, or 0 when the path is fine. */
 int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, int n_in);
+/* On SIGINT, SIGTERM, SIGHUP or SIGQUIT, remove the OUT.tmp.XXXXXX this process has open (found
+ * through /proc/self/fd with async-signal-safe calls), then die of the signal. */
+void kvcc_remove_temp_on_signal(const char *out);
 /* The uncompressed reference: a host f32 cache holding every one of the C context tokens of
  * k, v [C, Hkv, d] for every KV head (the same gather every compressed row goes through).
  * kvrt status; message in kvrt_last_error(). */
