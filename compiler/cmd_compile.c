@@ -56,6 +56,13 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     int n_run = 0;
     snprintf(canon, n_canon, "none");
     if (!strcmp(policies, "none")) return 0;
+    const size_t len = strlen(policies);
+    if (!len || len >= 256 || strstr(policies, ",,") || policies[0] == ',' ||
+        policies[len - 1] == ',') {
+        fprintf(stderr, "kvcc compile: --policies: got '%s', expected 'none' or a comma-separated "
+                "list of policies (no empty items)\n", policies);
+        return -1;
+    }
     char buf[256];
     snprintf(buf, sizeof buf, "%s", policies);
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
@@ -87,6 +94,28 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     return k;
 }
 
+/* The canonical options of the header: policies, seed, and the prompts really used. */
+static void header_options(kvpol_header *h, const char *policies, const kvcc_compile_ctx *cx) {
+    int ol = snprintf(h->compile_options, sizeof h->compile_options, "policies=%s seed=%llu",
+                      policies, (unsigned long long)cx->seed);
+    if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
+        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol, " prompts=%u",
+                 cx->max_prompts);
+}
+
+/* SOURCE_DATE_EPOCH, when set: decimal seconds since 1970, 0..253402300799 (9999-12-31). */
+static int check_source_date_epoch(void) {
+    const char *s = getenv("SOURCE_DATE_EPOCH");
+    if (!s || !*s) return 0;
+    int ok = strlen(s) <= 12;
+    for (const char *q = s; ok && *q; q++) ok = *q >= '0' && *q <= '9';
+    if (ok) ok = strtoull(s, NULL, 10) <= 253402300799ull;
+    if (ok) return 0;
+    fprintf(stderr, "kvcc compile: SOURCE_DATE_EPOCH: got '%s', expected a whole number of seconds "
+            "since 1970 (digits only, 0..253402300799)\n", s);
+    return -1;
+}
+
 /* The artifact header: the preset's fingerprint, the compiler, the canonical options. */
 static void make_header(kvpol_header *h, const kvcc_preset *p, const char *policies,
                         const kvcc_compile_ctx *cx) {
@@ -101,11 +130,7 @@ static void make_header(kvpol_header *h, const kvcc_preset *p, const char *polic
     m->rope_theta = p->rope_theta;
     snprintf(m->name, sizeof m->name, "%s", p->name);
     snprintf(h->compiler_version, sizeof h->compiler_version, "kvcc %s", KVCC_VERSION);
-    int ol = snprintf(h->compile_options, sizeof h->compile_options, "policies=%s seed=%llu",
-                      policies, (unsigned long long)cx->seed);
-    if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
-        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol, " prompts=%u",
-                 cx->max_prompts);
+    header_options(h, policies, cx);
 }
 
 /* The provenance section: tool, preset, policies, the corpus's own provenance. kvpol status. */
@@ -267,6 +292,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
             in[n_in++] = (kvcc_input){po[k].opt->name, *(const char **)((char *)&cx + po[k].opt->offset)};
     int ex0 = kvcc_check_output("compile", out, in, n_in);
     if (ex0) return ex0;
+    if (check_source_date_epoch()) return KVCC_EXIT_USAGE;
     kvcc_remove_temp_on_signal(out);
     if (cx.threads > 0) omp_set_num_threads(cx.threads);
 
@@ -285,6 +311,13 @@ int kvcc_cmd_compile(int argc, char **argv) {
     kvcc_corpus *cp = NULL;
     if (corpus && open_corpus(corpus, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
     cx.corpus = cp;
+    if (cp && cx.max_prompts > kvcc_corpus_get_info(cp)->n_prompts) {
+        const unsigned have = kvcc_corpus_get_info(cp)->n_prompts;
+        fprintf(stderr, "kvcc compile: --prompts %u: the corpus %s holds %u; using %u (recorded as "
+                "prompts=%u)\n", cx.max_prompts, corpus, have, have, have);
+        cx.max_prompts = have;
+        header_options(&h, policies, &cx);
+    }
     /* each pass checks its options (and the files they name) before any work */
     for (int i = 0; i < n_run; i++) {
         int ex = run[i]->check ? run[i]->check(&cx, msg, sizeof msg) : 0;
