@@ -6,12 +6,15 @@
  * unless SOURCE_DATE_EPOCH is set, seeded passes.
  */
 #include <getopt.h>
+#include <math.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf.h"
 #include "kvcc.h"
+#include "model.h"
 #include "passes/passes.h"
 #include "presets.h"
 
@@ -114,6 +117,38 @@ static int check_source_date_epoch(void) {
     fprintf(stderr, "kvcc compile: SOURCE_DATE_EPOCH: got '%s', expected a whole number of seconds "
             "since 1970 (digits only, 0..253402300799)\n", s);
     return -1;
+}
+
+/* --gguf: a llama GGUF that parses (header, metadata, tensor table) and whose dimensions are the
+ * preset's, before its hash is recorded as the model hash. 0 or the exit status (printed). */
+static int check_gguf(const char *path, const kvcc_preset *p) {
+    char msg[512];
+    kvcc_gguf *g = NULL;
+    int rc = kvcc_gguf_open(path, &g, msg, sizeof msg);
+    kvcc_model_hparams hp;
+    char name[128];
+    if (!rc) rc = kvcc_model_read_hparams(g, &hp, name, sizeof name, msg, sizeof msg);
+    kvcc_gguf_close(g);
+    if (rc) {
+        fprintf(stderr, "kvcc compile: --gguf: %s [%s]\n", msg, kvcc_gguf_status_str(rc));
+        return KVCC_EXIT_FAILED;
+    }
+    const struct { const char *f; long long got, want; } d[] = {
+        {"n_layers", hp.n_layer, p->n_layers}, {"n_heads", hp.n_head, p->n_heads},
+        {"n_kv_heads", hp.n_head_kv, p->n_kv_heads}, {"head_dim", hp.head_dim, p->head_dim},
+        {"vocab_size", hp.n_vocab, p->vocab_size}};
+    for (size_t i = 0; i < sizeof d / sizeof d[0]; i++)
+        if (d[i].got != d[i].want) {
+            fprintf(stderr, "kvcc compile: --gguf %s: %s is %lld, --model %s has %lld (the GGUF is "
+                    "not that model)\n", path, d[i].f, d[i].got, p->name, d[i].want);
+            return KVCC_EXIT_USAGE;
+        }
+    if (fabs((double)hp.rope_base - p->rope_theta) > 1e-6 * p->rope_theta) {
+        fprintf(stderr, "kvcc compile: --gguf %s: rope theta is %g, --model %s has %g (the GGUF is "
+                "not that model)\n", path, (double)hp.rope_base, p->name, p->rope_theta);
+        return KVCC_EXIT_USAGE;
+    }
+    return 0;
 }
 
 /* The artifact header: the preset's fingerprint, the compiler, the canonical options. */
@@ -300,6 +335,10 @@ int kvcc_cmd_compile(int argc, char **argv) {
     make_header(&h, p, policies, &cx);
     kvpol_model *m = &h.model;
     kvpol_error err = {0};
+    if (gguf) {
+        int gx = check_gguf(gguf, p);
+        if (gx) return gx;
+    }
     if (gguf && kvpol_hash_file(gguf, &m->model_hash, &err) != 0) {
         fprintf(stderr, "kvcc compile: --gguf: %s\n", err.msg);
         return KVCC_EXIT_FAILED;
