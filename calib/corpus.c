@@ -546,8 +546,9 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
         double frac = 0;
         int g = get_attr_num_ex(c->file, ints[i].name, 0, &v, &frac);
         if (g == -2)
-            rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: root attribute '%s': got %g, expected an integer",
-                      path, ints[i].name, frac);
+            rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                      "%s: root attribute '%s': got %g, expected an integer", path, ints[i].name,
+                      frac);
         else if (g != 0)
             rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
                       "%s: root attribute '%s' is missing or not an integer", path, ints[i].name);

@@ -71,7 +71,8 @@ static int load_tensor(kvcc_gguf *g, const char *name, int64_t cols, int64_t row
         return st;
     }
     /* every weight once, after dequantization: a NaN or Inf would only show as NaN logits. An
-     * all-ones exponent is NaN or Inf; the OR of the tests vectorizes, the search runs on failure */
+     * all-ones exponent is NaN or Inf; the OR of the tests vectorizes, the search runs on
+     * failure only */
     const uint32_t *bits = (const uint32_t *)(const void *)p;
     uint32_t bad = 0;
     for (uint64_t i = 0; i < t->n_elements; i++) bad |= (bits[i] & 0x7f800000u) == 0x7f800000u;

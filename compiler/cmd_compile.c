@@ -324,7 +324,8 @@ int kvcc_cmd_compile(int argc, char **argv) {
     int n_in = 2;
     for (int k = 0; k < npo; k++) /* the files a pass option names (e.g. --transfer-check) */
         if (po[k].opt->kind == KVCC_OPT_PATH)
-            in[n_in++] = (kvcc_input){po[k].opt->name, *(const char **)((char *)&cx + po[k].opt->offset)};
+            in[n_in++] = (kvcc_input){po[k].opt->name,
+                                      *(const char **)((char *)&cx + po[k].opt->offset)};
     int ex0 = kvcc_check_output("compile", out, in, n_in);
     if (ex0) return ex0;
     if (check_source_date_epoch()) return KVCC_EXIT_USAGE;

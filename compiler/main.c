@@ -38,8 +38,8 @@ static void usage(FILE *out) {
             "   1  kvcc diff: the artifacts differ\n"
             "   2  usage error\n"
             "   4  the artifact was compiled for another model (verify --model)\n"
-            "   5  the command failed (I/O, a full disk or stdout write error, out of memory, ...;\n"
-            "      see the message)\n"
+            "   5  the command failed (I/O, a full disk or stdout write error, out of memory,\n"
+            "      ...; see the message)\n"
             "  10+N  the artifact is invalid or unreadable: N = -(kvpol status), e.g. 15 = bad magic;\n"
             "        the status name is printed with the message (docs/kvpol-format.md lists them)\n",
             KVCC_VERSION);

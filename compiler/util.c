@@ -1,6 +1,9 @@
 /*
  * util.c: helpers shared by kvcc's subcommands: names of policy groups (kvpol_sections.h) and RoPE modes,
- * escaped printing of strings read from artifacts, and opening an artifact with a message.
+ * escaped printing of strings read from artifacts, and opening an artifact with a message; the
+ * output checks made before any work (kvcc_check_output: never an input, a directory or an
+ * unwritable place) and the removal of the temp file on SIGINT/SIGTERM
+ * (kvcc_remove_temp_on_signal), used by compile, capture and synth.
  */
 #include <ctype.h>
 #include <dirent.h>
@@ -103,7 +106,8 @@ int kvcc_list_texts(const char *dir, char **paths, int cap) {
 static int same_file(const char *a, const char *b) {
     if (!strcmp(a, b)) return 1;
     struct stat sa, sb;
-    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
 }
 
 int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, int n_in) {
@@ -118,8 +122,9 @@ int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, in
     }
     for (int i = 0; i < n_in; i++)
         if (in[i].path && in[i].path[0] && same_file(out, in[i].path)) {
-            fprintf(stderr, "kvcc %s: -o %s is the same file as the input %s %s; refusing to overwrite an input\n",
-                    cmd, out, in[i].opt, in[i].path);
+            fprintf(stderr,
+                    "kvcc %s: -o %s is the same file as the input %s %s; refusing to overwrite "
+                    "an input\n", cmd, out, in[i].opt, in[i].path);
             return KVCC_EXIT_USAGE;
         }
     char dir[4096];
@@ -133,7 +138,8 @@ int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, in
         return KVCC_EXIT_USAGE;
     }
     if (access(dir, W_OK | X_OK) != 0) {
-        fprintf(stderr, "kvcc %s: -o %s: the directory %s is not writable: %s\n", cmd, out, dir, strerror(errno));
+        fprintf(stderr, "kvcc %s: -o %s: the directory %s is not writable: %s\n", cmd, out, dir,
+                strerror(errno));
         return KVCC_EXIT_USAGE;
     }
     return KVCC_EXIT_OK;
@@ -152,7 +158,8 @@ static void on_fatal_signal(int sig) {
     long n;
     while (dfd >= 0 && (n = syscall(SYS_getdents64, dfd, buf, sizeof buf)) > 0) {
         for (long off = 0; off < n;) {
-            const char *name = buf + off + 19; /* struct linux_dirent64: ino 8, off 8, reclen 2, type 1 */
+            /* struct linux_dirent64: ino 8, off 8, reclen 2, type 1, then the name */
+            const char *name = buf + off + 19;
             unsigned short reclen;
             memcpy(&reclen, buf + off + 16, sizeof reclen);
             off += reclen;
@@ -162,7 +169,8 @@ static void on_fatal_signal(int sig) {
             for (const char *q = name; *q && k + 1 < sizeof fdpath; q++) fdpath[k++] = *q;
             fdpath[k] = 0;
             ssize_t len = readlink(fdpath, link, sizeof link - 1);
-            if (len != (ssize_t)temp_prefix_len + 6 || memcmp(link, temp_prefix, temp_prefix_len)) continue;
+            if (len != (ssize_t)temp_prefix_len + 6 || memcmp(link, temp_prefix, temp_prefix_len))
+                continue;
             link[len] = 0;
             unlink(link);
         }

@@ -21,12 +21,17 @@ trap cleanup EXIT
 # expect STATUS 'MESSAGE GLOB' DESCRIPTION: the last command's exit status $ex and stderr $err
 expect() { [[ $ex -eq $1 && "$err" == $2 ]] && ok || bad "$3: exit $ex (expected $1): $err"; }
 # expect_sub STATUS 'LITERAL TEXT' DESCRIPTION: as expect, the message holding the text verbatim
-expect_sub() { [[ $ex -eq $1 && "$err" == *"$2"* ]] && ok || bad "$3: exit $ex (expected $1): $err"; }
-no_temps() { local left; left=$(find "$1" -name '*.tmp.*' 2>/dev/null); [ -z "$left" ] && ok || bad "$2 left $left"; }
+expect_sub() {
+  [[ $ex -eq $1 && "$err" == *"$2"* ]] && ok || bad "$3: exit $ex (expected $1): $err"
+}
+no_temps() {
+  local left; left=$(find "$1" -name '*.tmp.*' 2>/dev/null)
+  [ -z "$left" ] && ok || bad "$2 left $left"
+}
 SYN=(synth --model smollm2-135m --prompts 1 --context 72 --continuation 8)
 
 "$KVCC" "${SYN[@]}" -o "$tmp/c.h5" 2>/dev/null || bad "synth of the test corpus failed"
-"$KVCC" compile --model smollm2-135m -o "$tmp/a.kvpol" 2>/dev/null || bad "compile of the test artifact failed"
+"$KVCC" compile --model smollm2-135m -o "$tmp/a.kvpol" 2>/dev/null || bad "compile a.kvpol"
 printf 'old contents\n' > "$tmp/old.txt"
 
 # 1. a full disk: exit 5 with the reason, the old output intact, no temp file left
@@ -47,8 +52,10 @@ if mount -t tmpfs -o size=200k tmpfs "$full" 2>/dev/null; then
   err=$("$KVCC" compile --model smollm2-135m -o "$full/x.kvpol" 2>&1); ex=$?
   expect 5 "*x.kvpol*" "compile on a full disk"
   no_temps "$full" "compile on a full disk"
-  err=$("$KVCC" eval --corpus "$tmp/c.h5" --methods knorm --budgets 16 --json 2>&1 >"$full/res.json"); ex=$?
-  expect 5 "*cannot write the output to standard output: No space left on device*" "eval --json to a full disk"
+  err=$("$KVCC" eval --corpus "$tmp/c.h5" --methods knorm --budgets 16 --json 2>&1 \
+        >"$full/res.json"); ex=$?
+  expect 5 "*cannot write the output to standard output: No space left on device*" \
+    "eval --json to a full disk"
 else
   skip "disk full (mount -t tmpfs failed: not root?)"
 fi
@@ -78,7 +85,8 @@ err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/c.h5" -o "$tmp/c.h5" 2
 expect 2 "*-o $tmp/c.h5 is the same file as the input --corpus $tmp/c.h5*" "compile --corpus X -o X"
 ln "$tmp/c.h5" "$tmp/hard.h5"
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/c.h5" -o "$tmp/hard.h5" 2>&1); ex=$?
-expect 2 "*-o $tmp/hard.h5 is the same file as the input --corpus $tmp/c.h5*" "compile -o a hard link of the corpus"
+expect 2 "*-o $tmp/hard.h5 is the same file as the input --corpus $tmp/c.h5*" \
+  "compile -o a hard link of the corpus"
 cmp -s "$tmp/c.h5" "$tmp/c0.h5" && ok || bad "the corpus changed"
 cp "$tmp/a.kvpol" "$tmp/m.gguf"
 err=$("$KVCC" compile --model smollm2-135m --gguf "$tmp/m.gguf" -o "$tmp/m.gguf" 2>&1); ex=$?
@@ -104,17 +112,22 @@ sig_test() { # NAME OUT CMD...: start, wait for OUT.tmp.*, SIGTERM, check
   cmp -s "$tmp/old.txt" "$out" && ok || bad "$name: the old output changed"
   [ -z "$(compgen -G "$out.tmp.*")" ] && ok || bad "$name left $(compgen -G "$out.tmp.*")"
 }
-sig_test "SIGTERM during synth" "$tmp/sig.h5" "$KVCC" synth --model smollm2-135m --prompts 50 --context 4096
+sig_test "SIGTERM during synth" "$tmp/sig.h5" \
+  "$KVCC" synth --model smollm2-135m --prompts 50 --context 4096
 if [ -f "$GGUF" ]; then
-  sig_test "SIGTERM during capture" "$tmp/sigc.h5" "$KVCC" capture --prompts 4 --context 1024 --continuation 8
+  sig_test "SIGTERM during capture" "$tmp/sigc.h5" \
+    "$KVCC" capture --prompts 4 --context 1024 --continuation 8
 else skip "SIGTERM during capture (no $GGUF)"; fi
 # compile holds its temp file only while writing the artifact: killed during a pass, nothing is
 # left and the old artifact stays
 cp "$tmp/a.kvpol" "$tmp/k.kvpol"
-"$KVCC" compile --model smollm2-135m --corpus "$tmp/c.h5" --policies am -o "$tmp/k.kvpol" 2>/dev/null & pid=$!
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/c.h5" --policies am -o "$tmp/k.kvpol" \
+  2>/dev/null & pid=$!
 sleep 0.5; kill -TERM $pid 2>/dev/null; wait $pid; ex=$?
 [[ $ex -eq 143 || $ex -eq 0 ]] && ok || bad "SIGTERM during compile: exit $ex"
-[ $ex -eq 0 ] || { cmp -s "$tmp/a.kvpol" "$tmp/k.kvpol" && ok || bad "SIGTERM during compile changed the old artifact"; }
+if [ $ex -ne 0 ]; then
+  cmp -s "$tmp/a.kvpol" "$tmp/k.kvpol" && ok || bad "SIGTERM during compile changed the artifact"
+fi
 no_temps "$tmp" "SIGTERM during compile"
 
 # 5. stdout to /dev/full or closed: exit 5 with a message, never 0
@@ -123,11 +136,13 @@ for args in "models --json" "models" "--help" "inspect --json $tmp/a.kvpol" "ver
             "eval --corpus $tmp/c.h5 --methods knorm --budgets 16 --json"; do
   # shellcheck disable=SC2086
   err=$("$KVCC" $args 2>&1 >/dev/full); ex=$?
-  expect 5 "*cannot write the output to standard output: No space left on device*" "kvcc $args > /dev/full"
+  expect 5 "*cannot write the output to standard output: No space left on device*" \
+    "kvcc $args > /dev/full"
 done
 err=$("$KVCC" models --json 2>&1 >&-); ex=$?
 expect 5 "*cannot write the output to standard output*" "kvcc models --json >&-"
-"$KVCC" compile --model smollm2-135m -o "$tmp/closed.kvpol" >&- 2>/dev/null && ok || bad "compile with stdout closed (prints nothing) failed"
+"$KVCC" compile --model smollm2-135m -o "$tmp/closed.kvpol" >&- 2>/dev/null && ok ||
+  bad "compile with stdout closed (it prints nothing) failed"
 
 # 6. invalid corpora: refused at open by every command, each with its own message
 if python3 -c 'import h5py, numpy' 2>/dev/null; then
@@ -160,10 +175,12 @@ mk("fixed", attr("model_name", np.bytes_("smollm2-135m")))   # fixed-length, NUL
 mk("vlen", attr("model_name", "smollm2-135m"))                 # variable-length UTF-8: valid
 EOF
   while IFS='|' read -r name msg both; do
-    err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/$name.h5" -o "$tmp/v.kvpol" 2>&1); ex=$?
+    err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/$name.h5" -o "$tmp/v.kvpol" 2>&1)
+    ex=$?
     expect_sub 5 "$msg" "compile --corpus $name.h5"
     if [ "$both" = both ]; then
-      err=$("$KVCC" eval --corpus "$tmp/$name.h5" --methods knorm --budgets 16 2>&1 >/dev/null); ex=$?
+      err=$("$KVCC" eval --corpus "$tmp/$name.h5" --methods knorm --budgets 16 2>&1 >/dev/null)
+      ex=$?
       expect_sub 5 "$msg" "eval --corpus $name.h5"
     fi
   done <<'EOF'
@@ -178,7 +195,8 @@ twice|/prompts/p000000 and /prompts/p000001 are the same group|both
 layers|root attribute 'n_layers': corpus has 29, model 'smollm2-135m' expects 30|
 EOF
   for name in fixed vlen; do
-    err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/$name.h5" -o "$tmp/v.kvpol" 2>&1); ex=$?
+    err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/$name.h5" -o "$tmp/v.kvpol" 2>&1)
+    ex=$?
     expect 0 "*wrote*" "compile --corpus $name.h5 (h5py string attribute)"
   done
 else skip "invalid corpora (python3 h5py not installed)"; fi
@@ -190,7 +208,8 @@ import shutil, sys
 import gguf, numpy as np
 src, d = sys.argv[1], sys.argv[2]
 tensors = {t.name: t for t in gguf.GGUFReader(src).tensors}
-for name, value, out in (("output_norm.weight", np.inf, "inf"), ("blk.0.attn_norm.weight", np.nan, "nan")):
+for name, value, out in (("output_norm.weight", np.inf, "inf"),
+                         ("blk.0.attn_norm.weight", np.nan, "nan")):
     t = tensors[name]
     assert t.tensor_type == gguf.GGMLQuantizationType.F32, name
     shutil.copy(src, f"{d}/{out}.gguf")
@@ -198,10 +217,14 @@ for name, value, out in (("output_norm.weight", np.inf, "inf"), ("blk.0.attn_nor
         f.seek(t.data_offset + 4 * 5)
         f.write(np.array([value], dtype=np.float32).tobytes())
 EOF
-  err=$("$KVCC" eval --corpus "$tmp/c.h5" --gguf "$tmp/inf.gguf" --methods knorm --budgets 16 2>&1 >/dev/null); ex=$?
-  expect_sub 5 "tensor 'output_norm.weight': element 5 is Inf (weights must be finite)" "eval --gguf with an Inf weight"
-  err=$("$KVCC" capture --gguf "$tmp/nan.gguf" --prompts 1 --context 64 --continuation 8 -o "$tmp/n.h5" 2>&1); ex=$?
-  expect_sub 5 "tensor 'blk.0.attn_norm.weight': element 5 is NaN (weights must be finite)" "capture --gguf with a NaN weight"
+  err=$("$KVCC" eval --corpus "$tmp/c.h5" --gguf "$tmp/inf.gguf" --methods knorm --budgets 16 \
+        2>&1 >/dev/null); ex=$?
+  expect_sub 5 "tensor 'output_norm.weight': element 5 is Inf (weights must be finite)" \
+    "eval --gguf with an Inf weight"
+  err=$("$KVCC" capture --gguf "$tmp/nan.gguf" --prompts 1 --context 64 --continuation 8 \
+        -o "$tmp/n.h5" 2>&1); ex=$?
+  expect_sub 5 "tensor 'blk.0.attn_norm.weight': element 5 is NaN (weights must be finite)" \
+    "capture --gguf with a NaN weight"
   rm -f "$tmp/inf.gguf" "$tmp/nan.gguf"
 else skip "non-finite GGUF weights (no $GGUF or no python3 gguf)"; fi
 : > "$tmp/empty.gguf"
@@ -231,9 +254,11 @@ for e in -5 abc 1.5e9; do
 done
 [ ! -e "$tmp/o.kvpol" ] && ok || bad "a refused compile wrote its output"
 err=$("$KVCC" "${CO[@]}" --prompts 100 2>&1); ex=$?
-expect_sub 0 "--prompts 100: the corpus $tmp/c.h5 holds 1; using 1" "compile --prompts 100 on a 1-prompt corpus"
+expect_sub 0 "--prompts 100: the corpus $tmp/c.h5 holds 1; using 1" \
+  "compile --prompts 100 on a 1-prompt corpus"
 out=$("$KVCC" inspect "$tmp/o.kvpol" 2>&1)
-[[ "$out" == *"prompts=1"* && "$out" != *"prompts=100"* ]] && ok || bad "--prompts 100 recorded as: $out"
+[[ "$out" == *"prompts=1"* && "$out" != *"prompts=100"* ]] && ok ||
+  bad "--prompts 100 recorded as: $out"
 
 for s in "${skipped[@]}"; do echo "faults: skipped: $s"; done
 echo "faults: $pass passed, $fail failed"
