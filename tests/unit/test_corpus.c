@@ -224,7 +224,8 @@ static void put_attr(hid_t f, const char *name, hid_t t, const void *v) {
     H5Aclose(a);
     H5Sclose(sp);
 }
-/* A string attribute as h5py writes it: fixed-length NULLPAD (np.bytes_) or variable UTF-8 (str). */
+/* A string attribute as h5py writes it: fixed-length NULLPAD (np.bytes_) or variable-length UTF-8
+ * (str). */
 static void put_str_h5py(hid_t f, const char *name, const char *s, int vlen) {
     hid_t t = H5Tcopy(H5T_C_S1);
     if (vlen) {
@@ -276,7 +277,7 @@ Test(corpus, each_defect_has_a_clear_error) {
         {"count.h5", bad_count, KVCC_CORPUS_ERR_RANGE, "n_prompts"},
         {"schema.h5", no_schema, KVCC_CORPUS_ERR_SCHEMA, "kvcc_corpus_schema"},
         {"tokens.h5", bad_tokens, KVCC_CORPUS_ERR_RANGE, "tokens[5]"},
-        {"frac.h5", frac_layers, KVCC_CORPUS_ERR_SCHEMA, "'n_layers': got 2.5, expected an integer"},
+        {"frac.h5", frac_layers, KVCC_CORPUS_ERR_SCHEMA, "'n_layers': got 2.5, expected an int"},
         {"rope.h5", bad_rope, KVCC_CORPUS_ERR_SCHEMA, "'rope_scaling': got 'dynamic'"},
         {"factor.h5", nan_factor, KVCC_CORPUS_ERR_RANGE, "'rope_scaling_factor': got nan"},
         {"name.h5", other_name, KVCC_CORPUS_ERR_MODEL, "'model_name': corpus has 'llama3-8b'"},
