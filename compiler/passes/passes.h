@@ -56,6 +56,14 @@ typedef struct {
     const double *kv2_rho; int n_kv2_rho;
     const char *kv2_proxies;        /* "keydiff", "knorm" or "both" (default) */
     uint32_t kv2_max_passes, kv2_sinks, kv2_chunk;
+    /* merge-reduce (--mr-budgets, --mr-m, --mr-sinks, --mr-recent, --mr-report-k,
+     * --mr-report-queries) */
+    const double *mr_budgets; int n_mr_budgets;
+    const double *mr_m; int n_mr_m;
+    uint32_t mr_sinks;
+    double mr_recent;
+    const double *mr_report_k; int n_mr_report_k;
+    uint32_t mr_report_queries;
 } kvcc_compile_ctx;
 
 /* One command-line option of a pass. The value lands in kvcc_compile_ctx at `offset`: a

@@ -18,17 +18,19 @@ extern const kvcc_pass kvcc_pass_compilerkv;
 extern const kvcc_pass kvcc_pass_am;
 extern const kvcc_pass kvcc_pass_compkv;
 extern const kvcc_pass kvcc_pass_kv2;
+extern const kvcc_pass kvcc_pass_merge_reduce;
 
 const kvcc_pass *const kvcc_passes[] = {
     &kvcc_pass_compilerkv,
     &kvcc_pass_am,
     &kvcc_pass_compkv,
     &kvcc_pass_kv2,
+    &kvcc_pass_merge_reduce,
     NULL,
 };
 
 /* Policies announced but not built yet (kvcc eval names them as such). */
-const char *const kvcc_planned_policies[] = {"merge-reduce", NULL};
+const char *const kvcc_planned_policies[] = {NULL};
 
 const kvcc_pass *kvcc_pass_find(const char *name) {
     for (int i = 0; kvcc_passes[i]; i++)

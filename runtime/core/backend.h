@@ -49,7 +49,7 @@ KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
 
 /* Bumped whenever a slot is added, removed or changes its signature; kvrt_ctx_create refuses a
  * table of another version (ggml's GGML_BACKEND_API_VERSION). */
-#define KVRT_BACKEND_API_VERSION 2
+#define KVRT_BACKEND_API_VERSION 3
 
 /* One table per backend, one entry per op (ggml's struct ggml_backend_i). The housekeeping
  * entries are required; an op entry may be NULL, which means the backend lacks the op: the
@@ -99,7 +99,7 @@ typedef struct kvrt_backend_ops {
     int (*h2o_scores)(kvrt_ctx *ctx, const float *q, const float *k, int64_t T, uint32_t n_heads,
                       uint32_t n_kv_heads, uint32_t head_dim, float *scores);
 
-    // --- policy hot ops (KVRT_OP_COMPILERKV_SELECT .. KVRT_OP_KV2_SCORE)
+    // --- policy hot ops (KVRT_OP_COMPILERKV_SELECT .. KVRT_OP_MR_COMPRESS)
     /* CompilerKV, one layer of a finished prompt with the compiled tables
      * (kvrt_compilerkv_select): value norms of v [T, Hkv, d], the table row of the budget and
      * the prompt's risk bins, the elastic selection. */
@@ -139,6 +139,15 @@ typedef struct kvrt_backend_ops {
     int (*kv2_score)(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_heads,
                      const float *k, int64_t C, uint32_t n_kv_heads, uint32_t head_dim,
                      const float *k_new, int64_t lo, int64_t hi, float *out);
+    /* merge-reduce: REDUCE of two host summaries (kvrt_mr_reduce) and one layer's compressed
+     * cache (kvrt_mr_compress_layer; k, v [T, Hkv, d] in the context's memory). */
+    int (*mr_reduce)(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
+                     uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                     uint64_t key, kvrt_mr_set *out);
+    int (*mr_compress)(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
+                       uint32_t layer, const float *k, const float *v, int64_t T,
+                       uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,
+                       kvrt_cache **out);
 } kvrt_backend_ops;
 
 struct kvrt_ctx {

@@ -55,6 +55,8 @@ static const char *const op_names[KVRT_OP_COUNT] = {
     [KVRT_OP_COMPKV_STEP] = "compkv_step",
     [KVRT_OP_KV2_PROXY] = "kv2_proxy",
     [KVRT_OP_KV2_SCORE] = "kv2_score",
+    [KVRT_OP_MR_REDUCE] = "mr_reduce",
+    [KVRT_OP_MR_COMPRESS] = "mr_compress",
 };
 
 const char *kvrt_op_name(int op) {
@@ -79,6 +81,8 @@ static int has_slot(const kvrt_backend_ops *t, int op) {
     case KVRT_OP_COMPKV_STEP: return t->compkv_step != NULL;
     case KVRT_OP_KV2_PROXY: return t->kv2_proxy != NULL;
     case KVRT_OP_KV2_SCORE: return t->kv2_score != NULL;
+    case KVRT_OP_MR_REDUCE: return t->mr_reduce != NULL;
+    case KVRT_OP_MR_COMPRESS: return t->mr_compress != NULL;
     default: return 0;
     }
 }

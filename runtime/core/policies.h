@@ -8,7 +8,9 @@
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_cpu_kv2_proxy,
- *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c), kvrt_cpu_key_scores (cpu/baselines.c)
+ *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c), kvrt_cpu_key_scores (cpu/baselines.c),
+ *          merge-reduce's kvrt_mr_layout and checks (core/merge_reduce.c) and kvrt_mr_ws,
+ *          kvrt_cpu_mr_* (cpu/merge_reduce.c)
  *
  * The CPU implementations take the arguments of the public call minus the context and check
  * them themselves (messages name the public function).
@@ -91,6 +93,53 @@ KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_
  * [T] of KV head hk of k [T, Hkv, d], in double; anchor: scratch of d doubles. */
 void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
                          uint32_t hk, float *score, double *anchor);
+
+/* merge-reduce: one layer's layout per KV head (kvrt.h): B entries, and when T > B the sinks,
+ * recent window, block size K, middle tokens and blocks. */
+typedef struct {
+    int64_t B;            /* resolved budget (entries per KV head) */
+    int exact;            /* 1: T <= B, every token kept (the fields below are 0) */
+    int64_t n_sink, n_recent, K, n_mid, nb;
+} kvrt_mr_layout;
+/* The checks of kvrt_mr_compress_layer(_ref) (fn names the caller): NULLs, dimensions, dtype,
+ * options, the budget and K >= 1, the basis (CLUSTER), and with scan_values the keys and values
+ * finite; fills *L. */
+KVRT_INTERNAL int kvrt_mr_layer_check(const char *fn, const kvrt_mr_opts *o,
+                                      const kvrt_mr_basis *basis, const float *k,
+                                      const float *v, int64_t T, uint32_t n_kv_heads,
+                                      uint32_t head_dim, double budget, int dtype,
+                                      kvrt_cache **out, int scan_values, kvrt_mr_layout *L);
+/* The checks of kvrt_mr_reduce(_ref) and of the sequence calls (prefix ref, scan). */
+KVRT_INTERNAL int kvrt_mr_reduce_check(const char *fn, const kvrt_mr_opts *o, const float *U,
+                                       uint32_t ldm, uint32_t m, const kvrt_mr_set *a,
+                                       const kvrt_mr_set *b, int64_t K, const kvrt_mr_set *out);
+KVRT_INTERNAL int kvrt_mr_seq_check(const char *fn, const kvrt_mr_opts *o, const float *U,
+                                    uint32_t ldm, uint32_t m, const float *k, const float *v,
+                                    int64_t n, int64_t ld, uint32_t head_dim, int32_t pos0,
+                                    int64_t K);
+/* A REDUCE workspace for unions of up to cap entries of dimension d, m <= mcap (NULL: out of
+ * memory), and REDUCE without checks through it (the stream; the same bits as the _ref). */
+typedef struct kvrt_mr_ws kvrt_mr_ws;
+KVRT_INTERNAL kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap);
+KVRT_INTERNAL void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws);
+KVRT_INTERNAL void kvrt_cpu_mr_reduce_sets(kvrt_mr_ws *ws, int reducer, const float *U,
+                                           uint32_t ldm, uint32_t m, const kvrt_mr_set *a,
+                                           const kvrt_mr_set *b, int64_t K, uint64_t key,
+                                           kvrt_mr_set *out);
+/* The CPU ops (checked here; n_threads >= 1 OpenMP threads, the same bits for every count). */
+KVRT_INTERNAL int kvrt_cpu_mr_reduce(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
+                                     uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b,
+                                     int64_t K, uint64_t key, kvrt_mr_set *out);
+KVRT_INTERNAL int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
+                                             uint32_t layer, const float *k, const float *v,
+                                             int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
+                                             double budget, int dtype, kvrt_cache **out,
+                                             int n_threads);
+KVRT_INTERNAL int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
+                                          uint32_t m, uint32_t layer, uint32_t head,
+                                          const float *k, const float *v, int64_t n, int64_t ld,
+                                          uint32_t head_dim, int32_t pos0, int64_t K,
+                                          kvrt_mr_set *const *prefixes, int n_threads);
 
 #ifdef __cplusplus
 }

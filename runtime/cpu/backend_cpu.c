@@ -8,8 +8,9 @@
  *
  * The op entries are thin wrappers: the kernels (cpu/attend.c, softmax.c, select.c,
  * baselines.c, and the policies' kvrt_cpu_* of cpu/compilerkv.c, am.c, compkv.c, kv2.c,
- * declared in core/policies.h) take the arguments of their public entry points minus the context
- * and check them themselves (the KV² kernels also take the context's thread count).
+ * merge_reduce.c, declared in core/policies.h) take the arguments of their public entry points
+ * minus the context and check them themselves (the KV² and merge-reduce layer kernels also take
+ * the context's thread count).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -187,6 +188,21 @@ static int cpu_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_
                                      out, ctx->n_threads);
 }
 
+static int cpu_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
+                         uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                         uint64_t key, kvrt_mr_set *out) {
+    (void)ctx;
+    return kvrt_cpu_mr_reduce(o, U, ldm, m, a, b, K, key, out);
+}
+
+static int cpu_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
+                           uint32_t layer, const float *k, const float *v, int64_t T,
+                           uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,
+                           kvrt_cache **out) {
+    return kvrt_cpu_mr_compress_layer(o, basis, layer, k, v, T, n_kv_heads, head_dim, budget,
+                                      dtype, out, ctx->n_threads);
+}
+
 // ----------------------------------------------------------------------------
 // the table
 
@@ -216,6 +232,8 @@ static const kvrt_backend_ops cpu_ops = {
     .compkv_step = cpu_compkv_step,
     .kv2_proxy = cpu_kv2_proxy,
     .kv2_score = cpu_kv2_score,
+    .mr_reduce = cpu_mr_reduce,
+    .mr_compress = cpu_mr_compress,
 };
 
 const kvrt_backend_ops *kvrt_backend_cpu(void) { return &cpu_ops; }

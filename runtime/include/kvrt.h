@@ -632,7 +632,9 @@ int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
  *            by recursive bisection: a node holding clusters [c0, c1) (k = c1 - c0) and their
  *            entries splits at k_L = ceil(k / 2): its entries, stably sorted by the coordinate of
  *            phi with the largest weighted variance over the node (ties: the lower coordinate;
- *            entries with equal values keep their order), give the first sum_{c0 <= c < c0+k_L}
+ *            entries with equal values keep their order; the variance of coordinate j is
+ *            sum_i w_i (phi_ij - mu_j)^2, mu_j = sum_i w_i phi_ij / sum_i w_i, sums in the
+ *            node's order), give the first sum_{c0 <= c < c0+k_L}
  *            s_c entries to the left child, the rest to the right; a leaf (k = 1) is one entry:
  *            weight = the sum of its weights, key and value = the weight-averaged keys and values
  *            in the full space (double, rounded to f32), position = the entry's own when the leaf
@@ -657,7 +659,8 @@ void kvrt_mr_opts_init(kvrt_mr_opts *o);
 const char *kvrt_mr_reducer_name(int reducer);    /* "random", "cluster"; "unknown" otherwise */
 int kvrt_mr_reducer_from_name(const char *name);  /* -1 when unknown */
 /* The key of the reduce whose result summarizes blocks [lo, hi) of (layer, KV head): splitmix64
- * finalizer over seed, layer, head, lo, hi in that order (docs/policies/merge-reduce.md). */
+ * finalizer f over seed, layer, head, lo, hi in that order (docs/policies/merge-reduce.md):
+ * h = f(seed), then h = f(h ^ x) for x = layer, head, lo, hi (each as uint64_t). */
 uint64_t kvrt_mr_key(uint64_t seed, uint32_t layer, uint32_t head, int64_t lo, int64_t hi);
 
 /* The protected basis of one layer: per KV head the m_max columns U [d, m_max] (row-major: entry
@@ -671,7 +674,8 @@ typedef struct {
 
 /* One layer: k, v [T, Hkv, d] (post-RoPE keys, f32) -> *out, a ragged cache per KV head: sinks,
  * the summary of the middle blocks (bias log w; position -1 for merged entries), the recent
- * window; dtype f32 or f16. budget: kvrt_budget_resolve (a count per KV head, or a ratio of T).
+ * window; dtype f32 or f16. budget: kvrt_budget_resolve (a count per KV head, or a ratio of T;
+ * a count of T or more keeps every token).
  * basis: required by CLUSTER (NULL: KVRT_ERR_ARG), ignored by RANDOM; its n_kv_heads and
  * head_dim must equal Hkv and d. layer keys the random reducer. KVRT_ERR_ARG also for NaN or
  * infinite keys or values. CPU: OpenMP over (KV head, dyadic node) of a level. */
@@ -684,7 +688,9 @@ int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_b
  * counter of buckets (level j holds the summary of a dyadic range of 2^j blocks; two buckets on a
  * level are REDUCEd into one on the next), the partial block of raw tokens, and the recent
  * window of n_recent exact tokens (a token leaves it into the partial block). Memory
- * O(K log(T / K)) entries per head. basis is copied (NULL for RANDOM). K >= 1, n_recent >= 0. */
+ * O(K log(T / K)) entries per head. basis is copied (NULL for RANDOM). K >= 1, n_recent >= 0;
+ * o's n_sink, reducer and seed apply (its recent_frac does not: n_recent is explicit). ctx
+ * receives the messages (the REDUCEs run on the CPU). */
 typedef struct kvrt_mr_stream kvrt_mr_stream;
 int kvrt_mr_stream_create(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                           uint32_t layer, uint32_t n_kv_heads, uint32_t head_dim, int64_t K,

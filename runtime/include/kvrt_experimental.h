@@ -191,8 +191,9 @@ int kvrt_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_
  * k, v [n, d] with row stride ld (elements), row 0 at position pos0; nb = ceil(n / K) blocks;
  * prefixes [nb] caller-created sets (cap >= K) receive prefixes[b] = the summary of blocks
  * [0, b + 1). kvrt_mr_prefix_scan: Blelloch up-sweep (dyadic nodes, level by level, OpenMP over
- * the nodes of a level) and down-sweep; kvrt_mr_prefix_ref: each prefix by the definition
- * (recursive nodes, sequential fold), the same bits. */
+ * the nodes of a level) and down-sweep (CPU contexts; KVRT_ERR_UNSUPPORTED on others);
+ * kvrt_mr_prefix_ref: the one summary of blocks [0, b) (1 <= b <= nb) into out (cap >= K) by the
+ * definition (recursive nodes, sequential fold), the same bits as prefixes[b - 1]. */
 int kvrt_mr_prefix_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
                        uint32_t layer, uint32_t head, const float *k, const float *v, int64_t n,
                        int64_t ld, uint32_t head_dim, int32_t pos0, int64_t K, int64_t b,

@@ -25,7 +25,9 @@
  * plain arrays (kvrt_softmax_rows, kvrt_attend), else through ctx->ops (the table itself). The
  * CompKV rows build the state with the backend's compkv_create and a reference state on the CPU
  * context from the same tokens. The KV² rows (kv2_proxy, kv2_score) check against
- * kvrt_kv2_proxy_ref and kvrt_kv2_chunk_scores_ref.
+ * kvrt_kv2_proxy_ref and kvrt_kv2_chunk_scores_ref; the merge-reduce rows (mr_reduce on host
+ * summaries, mr_compress on k, v in the context's memory) against kvrt_mr_reduce_ref and
+ * kvrt_mr_compress_layer_ref (on the CPU the same bits, noted "bitwise").
  */
 #include <math.h>
 #include <stdint.h>
@@ -1198,6 +1200,147 @@ static void test_kv2_score(kvrt_ctx *ctx, const char *bk) {
 }
 
 // ----------------------------------------------------------------------------
+// merge-reduce (mr_reduce, mr_compress)
+
+/* An orthonormal-ish basis for the rows: U [Hkv, d, m_max] with U[i, j] = 1 on i = (j * 7) % d
+ * plus a small random part (the reference does not need orthonormality). */
+static float *mr_basis(uint64_t *s, uint32_t Hkv, uint32_t d, uint32_t m_max) {
+    float *U = randf(s, (int64_t)Hkv * d * m_max, -0.05f, 0.05f);
+    for (uint32_t h = 0; h < Hkv; h++)
+        for (uint32_t j = 0; j < m_max; j++) U[((size_t)h * d + (j * 7) % d) * m_max + j] += 1.0f;
+    return U;
+}
+
+static void test_mr_reduce(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t na, nb, K;
+        uint32_t d, m;
+        int reducer;
+    } shapes[] = {{64, 64, 64, 64, 32, KVRT_MR_CLUSTER}, {100, 57, 40, 64, 64, KVRT_MR_CLUSTER},
+                  {64, 64, 64, 64, 0, KVRT_MR_RANDOM}, {20, 10, 40, 32, 8, KVRT_MR_CLUSTER}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t na = shapes[si].na, nb = shapes[si].nb, K = shapes[si].K;
+        const uint32_t d = shapes[si].d, m = shapes[si].m ? shapes[si].m : 1;
+        char shape[96];
+        snprintf(shape, sizeof shape, "n=%lld+%lld K=%lld d=%u m=%u %s", (long long)na,
+                 (long long)nb, (long long)K, d, shapes[si].m,
+                 kvrt_mr_reducer_name(shapes[si].reducer));
+        if (!row_runs(ctx, bk, "mr_reduce", KVRT_OP_MR_REDUCE, shape)) continue;
+        uint64_t seed = 1000 + si;
+        kvrt_mr_set *a = NULL, *b = NULL, *got = NULL, *ref = NULL;
+        if (kvrt_mr_set_create(na, d, &a) || kvrt_mr_set_create(nb, d, &b) ||
+            kvrt_mr_set_create(K, d, &got) || kvrt_mr_set_create(K, d, &ref)) {
+            report_error("mr_reduce", bk, shape, KVRT_ERR_NOMEM, "kvrt_mr_set_create");
+            continue;
+        }
+        kvrt_mr_set *ab[2] = {a, b};
+        for (int x = 0; x < 2; x++) {
+            kvrt_mr_set *t = ab[x];
+            t->n = x ? nb : na;
+            fill(&seed, t->k, t->n * d, -1.0f, 1.0f);
+            fill(&seed, t->v, t->n * d, -1.0f, 1.0f);
+            fill(&seed, t->w, t->n, 0.5f, 3.0f);
+            for (int64_t i = 0; i < t->n; i++) t->pos[i] = (int32_t)(x * 1000 + i);
+        }
+        float *U = mr_basis(&seed, 1, d, m);
+        kvrt_mr_opts o;
+        kvrt_mr_opts_init(&o);
+        o.reducer = shapes[si].reducer;
+        int rc = kvrt_mr_reduce_ref(&o, U, m, m, a, b, K, 77 + si, ref);
+        if (rc != KVRT_OK) {
+            report_error("mr_reduce", bk, shape, rc, "kvrt_mr_reduce_ref");
+        } else if ((rc = ctx->ops->mr_reduce(ctx, &o, U, m, m, a, b, K, 77 + si, got)) !=
+                   KVRT_OK) {
+            report_error("mr_reduce", bk, shape, rc, "mr_reduce");
+        } else {
+            nmse_acc acc = {0, 0, 0};
+            if (got->n != ref->n) acc.bad = 1;
+            const int64_t n = got->n == ref->n ? ref->n : 0;
+            acc_f(&acc, got->k, ref->k, n * d);
+            acc_f(&acc, got->v, ref->v, n * d);
+            acc_f(&acc, got->w, ref->w, n);
+            acc_i(&acc, got->pos, ref->pos, n);
+            const int same = n == ref->n && memcmp(got->k, ref->k, sizeof(float) * n * d) == 0 &&
+                             memcmp(got->v, ref->v, sizeof(float) * n * d) == 0 &&
+                             memcmp(got->w, ref->w, sizeof(float) * n) == 0 &&
+                             memcmp(got->pos, ref->pos, sizeof(int32_t) * n) == 0;
+            report("mr_reduce", bk, shape, acc_nmse(&acc), NMSE_DEFAULT,
+                   same ? "bitwise" : NULL);
+        }
+        free(U);
+        kvrt_mr_set_free(a);
+        kvrt_mr_set_free(b);
+        kvrt_mr_set_free(got);
+        kvrt_mr_set_free(ref);
+    }
+}
+
+static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T;
+        uint32_t Hkv, d, m;
+        double budget;
+        int reducer, dtype;
+    } shapes[] = {{1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32},
+                  {517, 2, 64, 16, 0.2, KVRT_MR_CLUSTER, KVRT_DTYPE_F16},
+                  {1024, 3, 64, 0, 0.05, KVRT_MR_RANDOM, KVRT_DTYPE_F32},
+                  {300, 2, 32, 8, 310, KVRT_MR_CLUSTER, KVRT_DTYPE_F32}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T;
+        const uint32_t Hkv = shapes[si].Hkv, d = shapes[si].d;
+        const uint32_t mm = shapes[si].m ? shapes[si].m : 1;
+        const int64_t nk = T * Hkv * d;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld Hkv=%u d=%u m=%u budget=%g %s %s", (long long)T,
+                 Hkv, d, shapes[si].m, shapes[si].budget,
+                 kvrt_mr_reducer_name(shapes[si].reducer),
+                 shapes[si].dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+        if (!row_runs(ctx, bk, "mr_compress", KVRT_OP_MR_COMPRESS, shape)) continue;
+        uint64_t seed = 1100 + si;
+        float *k = randf(&seed, nk, -1.0f, 1.0f), *v = randf(&seed, nk, -1.0f, 1.0f);
+        float *U = mr_basis(&seed, Hkv, d, mm);
+        uint32_t m[4] = {mm, mm > 1 ? mm - 1 : 1, mm, mm};
+        const kvrt_mr_basis basis = {Hkv, d, mm, U, m};
+        kvrt_mr_opts o;
+        kvrt_mr_opts_init(&o);
+        o.reducer = shapes[si].reducer;
+        kvrt_cache *ref = NULL, *got = NULL;
+        int rc = kvrt_mr_compress_layer_ref(&o, &basis, 3, k, v, T, Hkv, d, shapes[si].budget,
+                                            shapes[si].dtype, &ref);
+        if (rc != KVRT_OK) {
+            report_error("mr_compress", bk, shape, rc, "kvrt_mr_compress_layer_ref");
+        } else {
+            float *dk = to_ctx(ctx, k, sizeof(float) * (size_t)nk);
+            float *dv = to_ctx(ctx, v, sizeof(float) * (size_t)nk);
+            rc = ctx->ops->mr_compress(ctx, &o, &basis, 3, dk, dv, T, Hkv, d, shapes[si].budget,
+                                       shapes[si].dtype, &got);
+            if (rc != KVRT_OK) {
+                report_error("mr_compress", bk, shape, rc, "mr_compress");
+            } else {
+                kvrt_cache *h = cache_to_host(ctx, got);
+                nmse_acc a = {0, 0, 0};
+                acc_cache(&a, h, ref);
+                const size_t es = kvrt_dtype_size(ref->dtype) * d, ne = (size_t)ref->n_entries;
+                const int same = !a.bad && memcmp(h->keys, ref->keys, es * ne) == 0 &&
+                                 memcmp(h->values, ref->values, es * ne) == 0 &&
+                                 memcmp(h->bias, ref->bias, 4 * ne) == 0 &&
+                                 memcmp(h->positions, ref->positions, 4 * ne) == 0;
+                report("mr_compress", bk, shape, acc_nmse(&a), NMSE_DEFAULT,
+                       same ? "bitwise" : NULL);
+                kvrt_cache_free(h);
+                kvrt_cache_free(got);
+            }
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, dv);
+        }
+        kvrt_cache_free(ref);
+        free(k);
+        free(v);
+        free(U);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // driver
 
 int main(void) {
@@ -1248,6 +1391,8 @@ int main(void) {
         for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, ck_tests[t]);
     for (int b = 0; b < 2; b++) test_kv2_proxy(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_kv2_score(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_mr_reduce(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_mr_compress(backends[b].ctx, backends[b].name);
 
     kvrt_ctx_free(cuda);
     kvrt_ctx_free(cpu);

@@ -100,7 +100,8 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,a
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
                                      {if (NR > 1) print last; last = $0} END {print last}')
 for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent compkv-r compkv-block budgets window reward reward-check transfer-check \
-         kv2-budgets kv2-rho kv2-proxies kv2-max-passes kv2-sinks kv2-chunk; do
+         kv2-budgets kv2-rho kv2-proxies kv2-max-passes kv2-sinks kv2-chunk \
+         mr-budgets mr-m mr-sinks mr-recent mr-report-k mr-report-queries; do
   grep -q -- "^  --$o .*(default [^)]*)\$" <<<"$help" && ok || bad "compile --help: --$o with its default"
 done
 for bad_opt in "--am-floor abc" "--am-recent 1" "--am-floor 99"; do
@@ -156,6 +157,24 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   [[ $ex -eq 0 && "$out" == *"needle task: 1 haystacks x 3 questions per context length; full cache 3/3 at 400 (must be high"* \
      && "$out" == *"nd@400"* ]] && ok || bad "eval --needle 400: exit $ex: $out"
 fi
+
+# 14. merge-reduce: the protected basis and the report compile byte-identically across thread
+#     counts, verify and inspect read them, the eval rows run, bad options are refused by name
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies merge-reduce --mr-budgets 0.1,0.2 -o "$tmp/r1.kvpol" 2>/dev/null && \
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies merge-reduce --mr-budgets 0.1,0.2 --threads 1 -o "$tmp/r2.kvpol" 2>/dev/null && \
+  cmp -s "$tmp/r1.kvpol" "$tmp/r2.kvpol" && ok || bad "compile --policies merge-reduce differs across --threads"
+"$KVCC" verify --quiet --model smollm2-135m "$tmp/r1.kvpol" && ok || bad "verify of a merge-reduce artifact"
+out=$("$KVCC" inspect "$tmp/r1.kvpol"); [[ "$out" == *"merge-reduce.basis"* && "$out" == *"merge-reduce: reducer"* \
+   && "$out" == *"compressibility report"* && "$out" == *"most compressible heads"* ]] && ok || bad "inspect of a merge-reduce artifact: $out"
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/r1.kvpol" --methods mr,mr-random,mr-m16,mr-m32,mr-m64,snapkv --budgets 0.1,0.2 --csv); ex=$?
+[[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 12 ]] && ok || bad "eval merge-reduce rows: exit $ex: $out"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods mr --budgets 0.1 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval mr without --policy: exit $ex: $err"
+for a in "--mr-recent 1" "--mr-budgets 1.5" "--mr-report-queries 65"; do
+  # shellcheck disable=SC2086
+  err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies merge-reduce $a -o "$tmp/r3.kvpol" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"${a%% *}"* && ! -e "$tmp/r3.kvpol" ]] && ok || bad "compile $a: exit $ex: $err"
+done
 
 # 12. the serving example (make examples; make test builds it) makes one real call of each policy
 #     through kvrt.h on the artifacts of sections 9 and 10, and names a group the artifact lacks
