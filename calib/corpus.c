@@ -456,6 +456,72 @@ static int check_hard_link(kvcc_corpus *c, hid_t loc, const char *name, const ch
 }
 
 static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info, int *rc);
+static hid_t open_checked(kvcc_corpus *c, hid_t loc, const char *name, const char *full, int rank,
+                          const hsize_t *want, H5T_class_t cls, size_t tsize, int *rc);
+
+static uint32_t g_max_tokens = KVCC_CORPUS_MAX_TOKENS;
+static uint64_t g_max_prompt_bytes; /* 0: the memory available at open */
+
+void kvcc_corpus_set_limits(uint32_t max_tokens, uint64_t max_prompt_bytes) {
+    g_max_tokens = max_tokens == 0                            ? KVCC_CORPUS_MAX_TOKENS
+                   : max_tokens > KVCC_CORPUS_MAX_TOKENS_HARD ? KVCC_CORPUS_MAX_TOKENS_HARD
+                                                              : max_tokens;
+    g_max_prompt_bytes = max_prompt_bytes;
+}
+
+/* MemAvailable from /proc/meminfo, else physical memory; UINT64_MAX when neither is known. */
+static uint64_t mem_available(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[128];
+    unsigned long long kb = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+    if (f) fclose(f);
+    if (kb) return (uint64_t)kb * 1024;
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    return pages > 0 && psz > 0 ? (uint64_t)pages * (uint64_t)psz : UINT64_MAX;
+}
+
+/* One prompt's activations over all layers fit the cap (--max-tokens' companion). */
+static int check_prompt_bytes(kvcc_corpus *c, uint32_t p, uint32_t T, uint64_t cap) {
+    const kvcc_corpus_model *m = &c->model;
+    const uint64_t per_tok = (uint64_t)m->n_layers * (m->n_heads + 2ull * m->n_kv_heads) *
+                             m->head_dim * sizeof(float);
+    const uint64_t need = per_tok * T; /* < 2^24 * 1e5 * 3e5 * 65536 * 4: fits with room */
+    if (need <= cap) return KVCC_CORPUS_OK;
+    return FAIL(KVCC_CORPUS_ERR_RANGE,
+                "%s: /prompts/p%06u: attribute 'n_tokens' = %u needs %.1f MiB of activations "
+                "(n_tokens x n_layers %u x (n_heads %u + 2 n_kv_heads %u) x head_dim %u x 4 "
+                "bytes), more than the %.1f MiB %s",
+                c->path, p, T, need / 1048576.0, m->n_layers, m->n_heads, m->n_kv_heads,
+                m->head_dim, cap / 1048576.0,
+                g_max_prompt_bytes ? "allowed" : "of memory available");
+}
+
+/* The q, k, v datasets of every layer of prompt p: shape, type and stored extent (no data read). */
+static int check_layers(kvcc_corpus *c, hid_t g, uint32_t p, uint32_t T) {
+    const kvcc_corpus_model *m = &c->model;
+    const char *nm[3] = {"q", "k", "v"};
+    const uint32_t heads[3] = {m->n_heads, m->n_kv_heads, m->n_kv_heads};
+    const size_t esz = c->info.dtype_f16 ? 2 : 4;
+    int rc = KVCC_CORPUS_OK;
+    for (uint32_t l = 0; !rc && l < m->n_layers; l++) {
+        char lname[16], full[64];
+        snprintf(lname, sizeof lname, "layer%03u", l);
+        snprintf(full, sizeof full, "group /prompts/p%06u/%s", p, lname);
+        rc = check_hard_link(c, g, lname, full);
+        hid_t lg = rc ? -1 : H5Gopen2(g, lname, H5P_DEFAULT);
+        if (!rc && lg < 0) rc = FAIL(KVCC_CORPUS_ERR_MISSING, "%s: %s cannot be opened", c->path, full);
+        for (int i = 0; !rc && i < 3; i++) {
+            hsize_t dims[3] = {T, heads[i], m->head_dim};
+            snprintf(full, sizeof full, "/prompts/p%06u/%s/%s", p, lname, nm[i]);
+            hid_t ds = open_checked(c, lg, nm[i], full, 3, dims, H5T_FLOAT, esz, &rc);
+            if (ds >= 0) H5Dclose(ds);
+        }
+        if (lg >= 0) H5Gclose(lg);
+    }
+    return rc;
+}
 
 /* Every prompt once, at open, whatever the command reads later: its attributes, tokens in the
  * vocabulary, finite log-probabilities <= 0, every layer group present, and no prompt group
@@ -468,6 +534,7 @@ static int validate_prompts(kvcc_corpus *c) {
     float *lp = NULL;
     uint32_t cap = 0;
     int rc = KVCC_CORPUS_OK;
+    const uint64_t mem_cap = g_max_prompt_bytes ? g_max_prompt_bytes : mem_available();
     for (uint32_t p = 0; !rc && p < n; p++) {
         kvcc_corpus_prompt_info info;
         hid_t g = open_prompt(c, p, &info, &rc);
@@ -476,12 +543,8 @@ static int validate_prompts(kvcc_corpus *c) {
         if (H5Oget_info2(g, &oi, H5O_INFO_BASIC) < 0)
             rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot query /prompts/p%06u", c->path, p);
         else addr[p] = oi.addr;
-        for (uint32_t l = 0; !rc && l < c->model.n_layers; l++) {
-            char lname[16], full[64];
-            snprintf(lname, sizeof lname, "layer%03u", l);
-            snprintf(full, sizeof full, "group /prompts/p%06u/%s", p, lname);
-            rc = check_hard_link(c, g, lname, full);
-        }
+        if (!rc) rc = check_prompt_bytes(c, p, info.n_tokens, mem_cap);
+        if (!rc) rc = check_layers(c, g, p, info.n_tokens);
         H5Gclose(g);
         for (uint32_t q = 0; !rc && q < p; q++)
             if (addr[q] == addr[p])
@@ -673,6 +736,23 @@ static hid_t open_checked(kvcc_corpus *c, hid_t loc, const char *name, const cha
                    : H5Tget_class(t) == H5T_INTEGER ? "integer"
                                                     : "non-numeric",
                    H5Tget_size(t), cls == H5T_FLOAT ? "float of " : "integer of ", tsize);
+    if (!*rc) {
+        /* the bytes the file really holds bound what the dataset may claim: unallocated storage
+         * reads as fill values, so a small file could otherwise declare any size */
+        uint64_t logical = H5Tget_size(t);
+        for (int i = 0; i < rank; i++) logical *= want[i];
+        hid_t pl = H5Dget_create_plist(ds);
+        const int nfilt = pl >= 0 ? H5Pget_nfilters(pl) : 0;
+        if (pl >= 0) H5Pclose(pl);
+        const uint64_t stored = H5Dget_storage_size(ds);
+        const uint64_t ratio = nfilt > 0 ? KVCC_CORPUS_MAX_RATIO : 1;
+        if (logical && stored < (logical + ratio - 1) / ratio)
+            *rc = FAIL(KVCC_CORPUS_ERR_SHAPE,
+                       "%s: dataset %s declares %llu bytes but the file stores %llu bytes of it "
+                       "(%s); the declared shape exceeds the data", c->path, full,
+                       (unsigned long long)logical, (unsigned long long)stored,
+                       nfilt > 0 ? "compressed, at most 1032:1" : "uncompressed");
+    }
     H5Sclose(sp);
     H5Tclose(t);
     if (*rc) {
@@ -712,12 +792,16 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
         *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
                    "%s: /prompts/%s: attributes n_tokens, context_len, continuation_len required",
                    c->path, name);
-    else if (T < 2 || T > KVCC_CORPUS_MAX_TOKENS || ctx < 1 || cont < 0 || ctx + cont != T)
+    else if (T > g_max_tokens)
+        *rc = FAIL(KVCC_CORPUS_ERR_RANGE,
+                   "%s: /prompts/%s: attribute 'n_tokens' = %lld exceeds the cap of %u tokens per "
+                   "prompt (--max-tokens N raises it, up to %u)",
+                   c->path, name, (long long)T, g_max_tokens, KVCC_CORPUS_MAX_TOKENS_HARD);
+    else if (T < 2 || ctx < 1 || cont < 0 || ctx + cont != T)
         *rc = FAIL(KVCC_CORPUS_ERR_RANGE,
                    "%s: /prompts/%s: n_tokens %lld must equal context_len %lld + continuation_len "
                    "%lld, within 2..%u",
-                   c->path, name, (long long)T, (long long)ctx, (long long)cont,
-                   KVCC_CORPUS_MAX_TOKENS);
+                   c->path, name, (long long)T, (long long)ctx, (long long)cont, g_max_tokens);
     if (*rc) {
         H5Gclose(g);
         return -1;

@@ -6,7 +6,7 @@
  *
  * defines: kvcc_corpus_create, kvcc_corpus_write_prompt, kvcc_corpus_write_layer,
  *          kvcc_corpus_close_writer, kvcc_corpus_open, kvcc_corpus_prompt, kvcc_corpus_read_layer,
- *          kvcc_corpus_close
+ *          kvcc_corpus_close, kvcc_corpus_set_limits
  */
 #ifndef KVCC_CORPUS_H
 #define KVCC_CORPUS_H
@@ -15,8 +15,12 @@
 #include <stdint.h>
 
 #define KVCC_CORPUS_SCHEMA 1
-#define KVCC_CORPUS_MAX_TOKENS (1u << 20)  /* per prompt: a hard cap before any allocation */
+#define KVCC_CORPUS_MAX_TOKENS (1u << 20)  /* per prompt: the default cap before any allocation */
+#define KVCC_CORPUS_MAX_TOKENS_HARD (1u << 24) /* the most --max-tokens can raise it to */
 #define KVCC_CORPUS_MAX_PROMPTS 1000000u
+/* A filtered (deflate) dataset holds at most this many logical bytes per stored byte (zlib's
+ * bound is 1032:1); a dataset that claims more than its storage can hold is refused at open. */
+#define KVCC_CORPUS_MAX_RATIO 1032u
 
 typedef enum {
     KVCC_CORPUS_OK = 0,
@@ -77,6 +81,12 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
 int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen);
 
 // ---------------------------------------------------------------- reader
+/* Caps on what a corpus may declare, applied by every later kvcc_corpus_open of the process
+ * (the commands set them once from --max-tokens). max_tokens: tokens per prompt, 0 = the default
+ * KVCC_CORPUS_MAX_TOKENS (at most KVCC_CORPUS_MAX_TOKENS_HARD). max_prompt_bytes: one prompt's
+ * activations over all layers, T * n_layers * (n_heads + 2 n_kv_heads) * head_dim * 4 bytes;
+ * 0 = the memory available when the corpus is opened (MemAvailable, else physical memory). */
+void kvcc_corpus_set_limits(uint32_t max_tokens, uint64_t max_prompt_bytes);
 /* Open read-only and validate the root. expect (optional): refuse a corpus of another model
  * (every non-zero field of expect must match; name compared when non-empty). */
 int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,

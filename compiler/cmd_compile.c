@@ -47,6 +47,8 @@ static void usage(FILE *out) {
     fprintf(out, "  --seed S            seed of every randomized step (default 1)\n"
                  "  --threads N         worker threads (default: all); never changes the output\n"
                  "  --prompts N         use the first N corpus prompts (default: all)\n"
+                 "  --max-tokens N      refuse a corpus prompt of more than N tokens (default\n"
+                 "                      1048576; its activations must also fit in available memory)\n"
                  "  --gguf M            the model file: recorded as the model hash; needed by --reward model\n"
                  "Policy options (each read by its pass; see docs/cli.md):\n");
     kvcc_pass_options_help(out);
@@ -251,15 +253,15 @@ int kvcc_cmd_compile(int argc, char **argv) {
         return KVCC_EXIT_FAILED;
     }
     unsigned u;
-    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_PASS };
-    struct option opts[9 + MAX_PASS_OPTS] = {
+    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_MAXTOK, O_PASS };
+    struct option opts[10 + MAX_PASS_OPTS] = {
         {"model", required_argument, 0, 'm'}, {"output", required_argument, 0, 'o'},
         {"policies", required_argument, 0, 'p'}, {"corpus", required_argument, 0, 'c'},
         {"seed", required_argument, 0, O_SEED}, {"threads", required_argument, 0, O_THREADS},
         {"prompts", required_argument, 0, O_PROMPTS}, {"gguf", required_argument, 0, O_GGUF},
-        {"help", no_argument, 0, 'h'}};
+        {"max-tokens", required_argument, 0, O_MAXTOK}, {"help", no_argument, 0, 'h'}};
     for (int i = 0; i < npo; i++)
-        opts[9 + i] = (struct option){po[i].opt->name, required_argument, 0, O_PASS + i};
+        opts[10 + i] = (struct option){po[i].opt->name, required_argument, 0, O_PASS + i};
     uint8_t given[MAX_PASS_OPTS] = {0};
     char msg[768] = "";
     int c;
@@ -274,6 +276,11 @@ int kvcc_cmd_compile(int argc, char **argv) {
         case O_THREADS: if (kvcc_parse_u32("compile", "threads", optarg, 1, 4096, &u)) return KVCC_EXIT_USAGE; cx.threads = (int)u; break;
         case O_PROMPTS: if (kvcc_parse_u32("compile", "prompts", optarg, 1, 1000000, &u)) return KVCC_EXIT_USAGE; cx.max_prompts = u; break;
         case O_GGUF: gguf = optarg; break;
+        case O_MAXTOK:
+            if (kvcc_parse_u32("compile", "max-tokens", optarg, 2, KVCC_CORPUS_MAX_TOKENS_HARD, &u))
+                return KVCC_EXIT_USAGE;
+            kvcc_corpus_set_limits(u, 0);
+            break;
         case 'h': usage(stdout); return KVCC_EXIT_OK;
         default:
             if (c >= O_PASS && c < O_PASS + npo) {

@@ -52,6 +52,8 @@ static void usage(FILE *out) {
         "                      which options each policy's rows run (the compiled ones unless "
         "marked)\n"
         "  --prompts N         use the first N prompts (default: all)\n"
+        "  --max-tokens N      refuse a corpus prompt of more than N tokens (default 1048576; a\n"
+        "                      prompt's activations must also fit in the memory available)\n"
         "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
         "  --seed S            seed of the random method (default 1)\n"
         "  --needle LIST       with --gguf: the needle task at these context lengths (e.g. "
@@ -360,7 +362,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
 int kvcc_cmd_eval(int argc, char **argv) {
     const char *corpus = NULL, *methods = NULL, *budgets = NULL, *gguf = NULL, *policy = NULL, *cdt = "f32";
     int json = 0, csv = 0;
-    unsigned prompts = 0, seed = 1;
+    unsigned prompts = 0, seed = 1, max_tokens = 0;
     static const struct option opts[] = {
         {"corpus", required_argument, 0, 'c'}, {"methods", required_argument, 0, 'm'},
         {"budgets", required_argument, 0, 'b'}, {"gguf", required_argument, 0, 'g'},
@@ -368,7 +370,8 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"cache-dtype", required_argument, 0, 'd'}, {"seed", required_argument, 0, 's'},
         {"json", no_argument, 0, 'j'}, {"csv", no_argument, 0, 'v'}, {"help", no_argument, 0, 'h'},
         {"needle", required_argument, 0, 'N'}, {"needle-haystacks", required_argument, 0, 'H'},
-        {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'}, {0, 0, 0, 0}};
+        {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'},
+        {"max-tokens", required_argument, 0, 'X'}, {0, 0, 0, 0}};
     const char *needle = NULL;
     unsigned n_hay = 4, n_keys = 3;
     char *texts[MAX_NEEDLE_TEXTS];
@@ -385,6 +388,11 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'n': if (kvcc_parse_u32("eval", "prompts", optarg, 1, 1000000, &prompts)) return KVCC_EXIT_USAGE; break;
         case 's': if (kvcc_parse_u32("eval", "seed", optarg, 0, 0xffffffffu, &seed)) return KVCC_EXIT_USAGE; break;
         case 'd': cdt = optarg; break;
+        case 'X':
+            if (kvcc_parse_u32("eval", "max-tokens", optarg, 2, KVCC_CORPUS_MAX_TOKENS_HARD, &max_tokens))
+                return KVCC_EXIT_USAGE;
+            kvcc_corpus_set_limits(max_tokens, 0);
+            break;
         case 'j': json = 1; break;
         case 'v': csv = 1; break;
         case 'N': needle = optarg; break;
