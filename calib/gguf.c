@@ -255,6 +255,15 @@ static uint64_t fnv1a(const char *p, uint64_t n) {
     return h;
 }
 
+/* qsort has no context argument in C11: parse() sets the base; one parse at a time per thread */
+static _Thread_local const kvcc_gguf_tensor *g_sort_base;
+static int by_offset(const void *x, const void *y) {
+    const kvcc_gguf_tensor *a = &g_sort_base[*(const uint64_t *)x];
+    const kvcc_gguf_tensor *b = &g_sort_base[*(const uint64_t *)y];
+    if (a->offset != b->offset) return a->offset < b->offset ? -1 : 1;
+    return a->n_bytes < b->n_bytes ? -1 : a->n_bytes > b->n_bytes;
+}
+
 static int parse(kvcc_gguf *g) {
     cursor c = {g, 0};
     cursor *cp = &c;
@@ -376,6 +385,29 @@ static int parse(kvcc_gguf *g) {
                  (unsigned long long)ds, (unsigned long long)g->size);
         t->offset = abs;
         t->data = g->buf + abs;
+    }
+    /* data ranges must not overlap: two tensors reading the same bytes is a damaged index */
+    if (g->n_tensors > 1) {
+        uint64_t *ord = malloc(g->n_tensors * sizeof *ord);
+        if (!ord) FAIL(KVCC_GGUF_ERR_NOMEM, "%s: out of memory", g->name);
+        for (uint64_t i = 0; i < g->n_tensors; i++) ord[i] = i;
+        g_sort_base = g->tensors;
+        qsort(ord, g->n_tensors, sizeof *ord, by_offset);
+        for (uint64_t i = 1; i < g->n_tensors; i++) {
+            const kvcc_gguf_tensor *a = &g->tensors[ord[i - 1]], *b = &g->tensors[ord[i]];
+            if (b->offset < a->offset + a->n_bytes) {
+                char an[KVCC_GGUF_MAX_NAME + 1];
+                snprintf(an, sizeof an, "%s", a->name);
+                const uint64_t ao = a->offset - ds, bo = b->offset - ds, ae = ao + a->n_bytes;
+                const uint64_t be2 = bo + b->n_bytes;
+                free(ord);
+                FAIL(KVCC_GGUF_ERR_BOUNDS, "%s: tensors '%s' [%llu, %llu) and '%s' [%llu, %llu) "
+                     "of the data section overlap (expected disjoint ranges)", g->name, an,
+                     (unsigned long long)ao, (unsigned long long)ae, b->name,
+                     (unsigned long long)bo, (unsigned long long)be2);
+            }
+        }
+        free(ord);
     }
     /* duplicate tensor names: hash table over indices */
     if (g->n_tensors > 1) {

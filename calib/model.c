@@ -119,6 +119,74 @@ static int get_dim(kvcc_gguf *g, const char *key, int lo, int hi, int *out, char
     return 0;
 }
 
+/* Tensor name's shape against (cols, rows) (rows 0: a vector); message as load_tensor's. */
+static int check_shape(kvcc_gguf *g, const kvcc_gguf_tensor *t, int64_t cols, int64_t rows,
+                       char *msg, size_t cap) {
+    int ok = rows == 0
+                 ? (t->n_dims == 1 && t->ne[0] == (uint64_t)cols)
+                 : (t->n_dims == 2 && t->ne[0] == (uint64_t)cols && t->ne[1] == (uint64_t)rows);
+    if (ok) return 0;
+    kvcc_set_msg(msg, cap,
+                 "%s: tensor '%s' has shape [%llu, %llu] (n_dims %u) (expected [%lld, %lld])",
+                 kvcc_gguf_name(g), t->name, (unsigned long long)t->ne[0],
+                 (unsigned long long)t->ne[1], t->n_dims, (long long)cols,
+                 (long long)(rows ? rows : 1));
+    return KVCC_GGUF_ERR_SHAPE;
+}
+
+/* Metadata and tensors agree, before any weight is read: every tensor the hyper-parameters call
+ * for is present with its shape, and no layer tensor lies past llama.block_count. */
+static int check_tensors(kvcc_gguf *g, const kvcc_model_hparams *hp, char *msg, size_t cap) {
+    const char *fn = kvcc_gguf_name(g);
+    const int64_t E = hp->n_embd, F = hp->n_ff, Hd = (int64_t)hp->n_head * hp->head_dim;
+    const int64_t Kd = (int64_t)hp->n_head_kv * hp->head_dim, V = hp->n_vocab;
+    const kvcc_gguf_tensor *t = kvcc_gguf_find_tensor(g, "output_norm.weight");
+    if (!t) {
+        kvcc_set_msg(msg, cap, "%s: tensor 'output_norm.weight' is missing", fn);
+        return KVCC_GGUF_ERR_MISSING;
+    }
+    int st = check_shape(g, t, E, 0, msg, cap);
+    if (!st && (t = kvcc_gguf_find_tensor(g, "output.weight")))
+        st = check_shape(g, t, E, V, msg, cap);
+    static const char *const suf[9] = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                       "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"};
+    const int64_t cols[9] = {E, E, E, E, Hd, E, E, E, F};
+    const int64_t rows[9] = {0, Hd, Kd, Kd, E, 0, F, F, E};
+    for (int l = 0; !st && l < hp->n_layer; l++)
+        for (int k = 0; !st && k < 9; k++) {
+            char nm[96];
+            snprintf(nm, sizeof nm, "blk.%d.%s.weight", l, suf[k]);
+            if (!(t = kvcc_gguf_find_tensor(g, nm))) {
+                kvcc_set_msg(msg, cap, "%s: llama.block_count = %d but tensor '%s' is missing", fn,
+                             hp->n_layer, nm);
+                return KVCC_GGUF_ERR_MISSING;
+            }
+            st = check_shape(g, t, cols[k], rows[k], msg, cap);
+        }
+    for (uint64_t i = 0; !st && i < kvcc_gguf_n_tensors(g); i++) {
+        const kvcc_gguf_tensor *ti = kvcc_gguf_tensor_at(g, i);
+        unsigned long l;
+        int n = 0;
+        if (sscanf(ti->name, "blk.%lu.%n", &l, &n) == 1 && n > 0 &&
+            l >= (unsigned long)hp->n_layer) {
+            kvcc_set_msg(msg, cap, "%s: tensor '%s' belongs to layer %lu, but llama.block_count = "
+                         "%d (expected layers 0..%d)", fn, ti->name, l, hp->n_layer,
+                         hp->n_layer - 1);
+            return KVCC_GGUF_ERR_SHAPE;
+        }
+    }
+    return st;
+}
+
+int kvcc_model_check_window(const kvcc_model_hparams *hp, const char *file, long n_tokens,
+                            const char *what, char *msg, size_t cap) {
+    if (!hp || n_tokens <= hp->n_ctx_train) return 0;
+    kvcc_set_msg(msg, cap, "%s: llama.context_length = %d, shorter than the %ld tokens requested "
+                 "(%s); the model was not trained on windows that long", file ? file : "model",
+                 hp->n_ctx_train, n_tokens, what ? what : "window");
+    return KVCC_GGUF_ERR_SHAPE;
+}
+
 int kvcc_model_read_hparams(kvcc_gguf *g, kvcc_model_hparams *hp, char *name, size_t name_cap,
                             char *msg, size_t cap) {
     if (!g || !hp || !name || !name_cap) {
@@ -217,7 +285,7 @@ int kvcc_model_read_hparams(kvcc_gguf *g, kvcc_model_hparams *hp, char *name, si
             goto fail;
         }
     }
-
+    TRY(check_tensors(g, hp, msg, cap));
     return 0;
 fail:
     return st;

@@ -72,6 +72,10 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t msg_c
 int kvcc_model_read_hparams(kvcc_gguf *g, kvcc_model_hparams *hp, char *name, size_t name_cap,
                             char *msg, size_t msg_cap);
 void kvcc_model_free(kvcc_model *m); /* accepts NULL */
+/* 0 when a window of n_tokens fits the model's llama.context_length, else KVCC_GGUF_ERR_SHAPE
+ * and a message naming file, the key, both lengths and what asked (e.g. "--needle 16384"). */
+int kvcc_model_check_window(const kvcc_model_hparams *hp, const char *file, long n_tokens,
+                            const char *what, char *msg, size_t cap);
 
 /* Per-layer capture of the processed tokens, called after RoPE, in layer order, once per layer
  * per internal chunk (prefill splits long inputs into chunks of at most KVCC_MODEL_CHUNK tokens).

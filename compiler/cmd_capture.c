@@ -100,6 +100,11 @@ int kvcc_cmd_capture(int argc, char **argv) {
     } else if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_FAILED;
+    } else if (kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
+                                       "--context + --continuation", msg, sizeof msg) != 0) {
+        fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
+        kvcc_loaded_model_free(&lm);
+        ex = KVCC_EXIT_USAGE;
     } else {
         char options[512];
         int k = snprintf(options, sizeof options, "model=%s prompts=%u context=%u continuation=%u seed=%u dtype=%s texts=",

@@ -256,6 +256,18 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         kvcc_loaded_model_free(&lm);
         return KVCC_EXIT_USAGE;
     }
+    /* every prompt's window within the model's context, before any work */
+    for (uint32_t p = 0; p < E->n_prompts; p++) {
+        kvcc_corpus_prompt_info pi;
+        char what[96];
+        if (kvcc_corpus_prompt(c, p, &pi, NULL, NULL) != 0) continue; /* reported when read */
+        snprintf(what, sizeof what, "prompt %u of --corpus %s", p, o->corpus);
+        if (kvcc_model_check_window(&m->hp, o->gguf, pi.n_tokens, what, msg, sizeof msg)) {
+            snprintf(err, errlen, "--gguf: %s", msg);
+            kvcc_loaded_model_free(&lm);
+            return KVCC_EXIT_USAGE;
+        }
+    }
     int rc = 0;
     int32_t *tok = NULL;
     e2e_prompt x = {

@@ -122,9 +122,13 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
             rc = KVCC_EXIT_USAGE;
             break;
         }
-        if (C > m->hp.n_ctx_train)
-            fprintf(stderr, "kvcc eval: warning: needle context %d exceeds the model's training "
-                            "context %d\n", C, m->hp.n_ctx_train);
+        char what[48], wmsg[320];
+        snprintf(what, sizeof what, "--needle %d", C);
+        if (kvcc_model_check_window(&m->hp, o->gguf, C, what, wmsg, sizeof wmsg)) {
+            snprintf(err, errlen, "--gguf: %s", wmsg);
+            rc = KVCC_EXIT_USAGE;
+            break;
+        }
         e2e_prompt x = {.m = m, .rt = E->env.rt, .C = C, .T = C};
         x.logits = malloc(sizeof(float) * (size_t)KVCC_MODEL_CHUNK * V);
         x.kbuf = malloc(sizeof(float) * (size_t)C * Hkv * d);
