@@ -74,7 +74,7 @@ RUNTIME_SRC  := $(wildcard runtime/core/*.c runtime/cpu/*.c)
 CUDA_SRC     := $(if $(filter 1,$(USE_CUDA)),$(wildcard runtime/cuda/*.cu))
 CALIB_SRC    := $(wildcard calib/*.c)
 COMPILER_SRC := $(wildcard compiler/*.c compiler/passes/*.c)
-TEST_SRC     := $(wildcard tests/unit/*.c) tests/golden/cases.c
+TEST_SRC     := $(wildcard tests/unit/*.c) tests/golden/cases.c tests/golden/inputs.c
 BENCH_SRC    := $(wildcard bench/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
@@ -99,7 +99,7 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps peer-deps model test check check-cli backend-ops demo fuzz bench examples golden clean
+.PHONY: all deps peer-deps model test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
@@ -217,6 +217,9 @@ bench: deps
 # Regenerate the committed golden files (tests check that they still match the cases).
 golden: $(BUILD)/tests/gen_golden
 	$(BUILD)/tests/gen_golden tests/golden
+# The golden invalid corpora and GGUFs (h5py, numpy): tests/golden/invalid-{corpus,gguf}/.
+golden-inputs:
+	python3 tests/golden/gen_invalid_inputs.py tests/golden
 $(BUILD)/tests/gen_golden: tests/golden/gen.c tests/golden/cases.c $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -Itests/golden -o $@ tests/golden/gen.c tests/golden/cases.c $(LIBKVPOL_A) $(LIBS_FORMATS) $(LDFLAGS)

@@ -511,7 +511,8 @@ static int check_layers(kvcc_corpus *c, hid_t g, uint32_t p, uint32_t T) {
         snprintf(full, sizeof full, "group /prompts/p%06u/%s", p, lname);
         rc = check_hard_link(c, g, lname, full);
         hid_t lg = rc ? -1 : H5Gopen2(g, lname, H5P_DEFAULT);
-        if (!rc && lg < 0) rc = FAIL(KVCC_CORPUS_ERR_MISSING, "%s: %s cannot be opened", c->path, full);
+        if (!rc && lg < 0)
+            rc = FAIL(KVCC_CORPUS_ERR_MISSING, "%s: %s cannot be opened", c->path, full);
         for (int i = 0; !rc && i < 3; i++) {
             hsize_t dims[3] = {T, heads[i], m->head_dim};
             snprintf(full, sizeof full, "/prompts/p%06u/%s/%s", p, lname, nm[i]);
@@ -544,7 +545,6 @@ static int validate_prompts(kvcc_corpus *c) {
             rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot query /prompts/p%06u", c->path, p);
         else addr[p] = oi.addr;
         if (!rc) rc = check_prompt_bytes(c, p, info.n_tokens, mem_cap);
-        if (!rc) rc = check_layers(c, g, p, info.n_tokens);
         H5Gclose(g);
         for (uint32_t q = 0; !rc && q < p; q++)
             if (addr[q] == addr[p])
@@ -561,6 +561,16 @@ static int validate_prompts(kvcc_corpus *c) {
             if (!tok || !lp) rc = FAIL(KVCC_CORPUS_ERR_NOMEM, "%s: out of memory", c->path);
         }
         if (!rc) rc = kvcc_corpus_prompt(c, p, &info, tok, lp);
+        if (!rc) {
+            char name[32];
+            snprintf(name, sizeof name, "p%06u", p);
+            hid_t pg = H5Gopen2(c->file, "prompts", H5P_DEFAULT);
+            g = pg >= 0 ? H5Gopen2(pg, name, H5P_DEFAULT) : -1;
+            if (pg >= 0) H5Gclose(pg);
+            rc = g < 0 ? FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot reopen /prompts/%s", c->path, name)
+                       : check_layers(c, g, p, info.n_tokens);
+            if (g >= 0) H5Gclose(g);
+        }
     }
     free(addr);
     free(tok);
