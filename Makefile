@@ -4,7 +4,7 @@
 #   make test SAN=1   the same suite under ASan + UBSan (build tree build/san/)
 #   make backend-ops  every op of the backend table on every backend (tests/backend/)
 #   make demo         the main job on the embedded default model
-#   make fuzz         build the libFuzzer target (clang) and run it for FUZZ_SECONDS
+#   make fuzz         build the libFuzzer targets (clang) and run each for FUZZ_SECONDS
 #   make bench        benchmarks (not tests)
 #   make examples     the examples against the serving header only (build/examples/)
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
@@ -92,6 +92,7 @@ LIBCALIB_A := $(BUILD)/libkvcalib.a
 KVCC       := $(BUILD)/kvcc
 TESTS      := $(BUILD)/tests/kvcc_tests
 FUZZ_REPLAY:= $(BUILD)/tests/fuzz_replay
+FUZZ_REPLAY_INPUTS := $(BUILD)/tests/fuzz_replay_corpus $(BUILD)/tests/fuzz_replay_gguf
 BACKEND_OPS:= $(BUILD)/tests/test_backend_ops
 BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
@@ -154,6 +155,12 @@ $(FUZZ_REPLAY): tests/fuzz/fuzz_kvpol.c tests/fuzz/replay.c $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ tests/fuzz/replay.c tests/fuzz/fuzz_kvpol.c $(LIBKVPOL_A) $(LIBS_FORMATS) $(LDFLAGS)
 
+# The corpus and GGUF targets replayed the same way (their seeds: the golden invalid inputs).
+$(BUILD)/tests/fuzz_replay_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c tests/golden/inputs.c \
+    $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ tests/fuzz/replay.c $< tests/golden/inputs.c $(ALL_LIBS) $(LDFLAGS)
+
 $(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_LIBS) $(LDFLAGS)
@@ -171,7 +178,8 @@ model:
 	@bash scripts/fetch-model.sh || echo "kvcc: WARNING: model not fetched; the tests that need it will say 'skipped'"
 
 test: deps peer-deps model
-	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(BACKEND_OPS) $(EXAMPLES)
+	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(FUZZ_REPLAY_INPUTS) $(BACKEND_OPS) \
+	  $(EXAMPLES)
 	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
 	@echo "== unit, golden and equivalence tests (Criterion)"
@@ -179,6 +187,8 @@ test: deps peer-deps model
 	  $(TESTS) --jobs 2
 	@echo "== fuzz corpus replay"
 	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
+	@$(BUILD)/tests/fuzz_replay_corpus tests/golden/invalid-corpus $(wildcard tests/fuzz/corpus-h5)
+	@$(BUILD)/tests/fuzz_replay_gguf tests/golden/invalid-gguf $(wildcard tests/fuzz/corpus-gguf)
 	@echo "== CLI checks"
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh
 	@echo "== CLI fault checks (full disk, read-only directory, output = input, signals, stdout errors)"
@@ -201,14 +211,42 @@ demo: deps
 	@$(MAKE) --no-print-directory all
 	@KVCC=$(KVCC) bash scripts/demo.sh
 
+# make fuzz [FUZZ_TARGETS="kvpol kvpol_struct corpus gguf"] [FUZZ_SECONDS=60]: each target in
+# turn, its new inputs kept under build/fuzz/<target>/ (seeds: the saved and golden files).
+# The corpus and GGUF readers are built instrumented from source; libkvrt links plain (gcc).
 FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= kvpol kvpol_struct corpus gguf
+FUZZ_CFLAGS := $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined
+FUZZ_SEEDS_kvpol        := tests/fuzz/corpus tests/golden/valid tests/golden/invalid
+FUZZ_SEEDS_kvpol_struct := tests/golden/valid tests/fuzz/corpus
+FUZZ_SEEDS_corpus       := tests/golden/invalid-corpus $(wildcard tests/fuzz/corpus-h5)
+FUZZ_SEEDS_gguf         := tests/golden/invalid-gguf $(wildcard tests/fuzz/corpus-gguf)
+FUZZ_READERS := calib/corpus.c calib/gguf.c calib/model.c calib/calib_msg.c tests/golden/inputs.c
 fuzz: deps
+	@$(MAKE) --no-print-directory $(LIBKVRT_A)
 	@mkdir -p build/fuzz
-	$(CLANG) $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined \
-	  -o build/fuzz/fuzz_kvpol tests/fuzz/fuzz_kvpol.c $(FORMATS_SRC) $(LIBS_FORMATS)
-	@mkdir -p build/fuzz/corpus
-	build/fuzz/fuzz_kvpol -max_total_time=$(FUZZ_SECONDS) -max_len=65536 \
-	  build/fuzz/corpus tests/fuzz/corpus tests/golden/valid tests/golden/invalid
+	$(CLANG) $(FUZZ_CFLAGS) -o build/fuzz/fuzz_kvpol tests/fuzz/fuzz_kvpol.c $(FORMATS_SRC) \
+	  $(LIBS_FORMATS)
+	@# the mutator itself uninstrumented: edges count the reader only, as fuzz_kvpol's do
+	$(CLANG) $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=address,undefined -c \
+	  -o build/fuzz/fuzz_kvpol_struct.o tests/fuzz/fuzz_kvpol_struct.c
+	$(CLANG) $(FUZZ_CFLAGS) -o build/fuzz/fuzz_kvpol_struct tests/fuzz/fuzz_kvpol.c \
+	  build/fuzz/fuzz_kvpol_struct.o $(FORMATS_SRC) $(LIBS_FORMATS)
+	for t in corpus gguf; do \
+	  $(CLANG) $(FUZZ_CFLAGS) -fopenmp=libgomp -o build/fuzz/fuzz_$$t tests/fuzz/fuzz_$$t.c \
+	    $(FUZZ_READERS) $(FORMATS_SRC) $(LIBKVRT_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
+	    $(LIBS_FORMATS) -lgomp -lm -lpthread || exit 1; \
+	done
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p build/fuzz/$$t; \
+	  echo "== fuzz_$$t for $(FUZZ_SECONDS) s"; \
+	  seeds="$(FUZZ_SEEDS_kvpol)"; \
+	  case $$t in kvpol_struct) seeds="$(FUZZ_SEEDS_kvpol_struct)";; \
+	    corpus) seeds="$(FUZZ_SEEDS_corpus)";; gguf) seeds="$(FUZZ_SEEDS_gguf)";; esac; \
+	  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/fuzz/lsan_hdf5.supp \
+	  build/fuzz/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=4096 \
+	    -artifact_prefix=build/fuzz/$$t- build/fuzz/$$t $$seeds || exit 1; \
+	done
 
 bench: deps
 	@$(MAKE) --no-print-directory all $(BENCHES)
