@@ -298,6 +298,7 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
         E->env.policy = pol;
         rc = prepare_methods(E, handles, err, errlen);
     }
+    if (!rc && o->gguf) rc = eval_check_windows(E, err, errlen);
     double t0 = kvcc_now_s();
     if (!rc) {
         if (o->verbose) kvcc_progress_begin("eval (layer-local)");

@@ -88,6 +88,9 @@ int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, con
                      const float *v, float *out);
 /* eval_model.c: end to end through the model (--gguf): the corpus's prompts, then (with
  * needle contexts) the needle task of eval_needle.c with the same loaded model. */
+/* With --gguf: the model's hyper-parameters only (no weight read), and every corpus prompt and
+ * --needle length checked against llama.context_length before any work. 0 or KVCC_EXIT_*. */
+int eval_check_windows(eval_run *E, char *err, size_t errlen);
 int eval_e2e(eval_run *E, char *err, size_t errlen);
 
 /* One context as the end-to-end rows see it: the model's state holds its C tokens (prefilled

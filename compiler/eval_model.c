@@ -231,6 +231,34 @@ int eval_e2e_prefill(e2e_prompt *x) {
     return rc;
 }
 
+int eval_check_windows(eval_run *E, char *err, size_t errlen) {
+    const kvcc_eval_opts *o = E->o;
+    kvcc_gguf *g = NULL;
+    kvcc_model_hparams hp;
+    char msg[512], name[128], what[96];
+    int st = kvcc_gguf_open(o->gguf, &g, msg, sizeof msg);
+    if (!st) st = kvcc_model_read_hparams(g, &hp, name, sizeof name, msg, sizeof msg);
+    kvcc_gguf_close(g);
+    if (st) {
+        snprintf(err, errlen, "--gguf: %s", msg);
+        return KVCC_EXIT_FAILED;
+    }
+    msg[0] = 0;
+    for (uint32_t p = 0; p < E->n_prompts; p++) {
+        kvcc_corpus_prompt_info pi;
+        if (kvcc_corpus_prompt(E->c, p, &pi, NULL, NULL) != 0) continue; /* reported when read */
+        snprintf(what, sizeof what, "prompt %u of --corpus %s", p, o->corpus);
+        if (kvcc_model_check_window(&hp, o->gguf, pi.n_tokens, what, msg, sizeof msg)) break;
+    }
+    for (int i = 0; !msg[0] && i < o->n_needle_contexts; i++) {
+        snprintf(what, sizeof what, "--needle %d", o->needle_contexts[i]);
+        (void)kvcc_model_check_window(&hp, o->gguf, o->needle_contexts[i], what, msg, sizeof msg);
+    }
+    if (!msg[0]) return 0;
+    snprintf(err, errlen, "--gguf: %s", msg);
+    return KVCC_EXIT_USAGE;
+}
+
 int eval_e2e(eval_run *E, char *err, size_t errlen) {
     const kvcc_eval_opts *o = E->o;
     kvcc_corpus *c = E->c;

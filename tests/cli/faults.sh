@@ -233,7 +233,23 @@ expect_sub 5 "truncated: 0 bytes" "compile --gguf of an empty file"
 if [ -f "$GGUF" ]; then
   err=$("$KVCC" compile --model llama3-8b --gguf "$GGUF" -o "$tmp/e.kvpol" 2>&1); ex=$?
   expect_sub 2 "n_layers is 30, --model llama3-8b has 32" "compile --gguf of another model"
+  # windows past llama.context_length (8192) refused before any work
+  err=$("$KVCC" eval --corpus "$tmp/c.h5" --gguf "$GGUF" --methods full --budgets 8 \
+    --needle 2048,16384 2>&1 >/dev/null); ex=$?
+  expect_sub 2 "llama.context_length = 8192, shorter than the 16384 tokens requested (--needle" \
+    "eval --needle past the model's context"
+  err=$("$KVCC" capture --gguf "$GGUF" --prompts 1 --context 8192 --continuation 8 \
+    -o "$tmp/w.h5" 2>&1); ex=$?
+  expect_sub 2 "shorter than the 8200 tokens requested (--context + --continuation)" \
+    "capture past the model's context"
 fi
+# 7b. cost bounded by input: --max-tokens below the corpus's prompts (80 tokens)
+err=$("$KVCC" eval --corpus "$tmp/c.h5" --methods full --budgets 8 --max-tokens 64 2>&1); ex=$?
+expect_sub 5 "attribute 'n_tokens' = 80 exceeds the cap of 64 tokens per prompt" \
+  "eval --max-tokens 64"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/c.h5" --max-tokens 64 \
+  -o "$tmp/o.kvpol" 2>&1); ex=$?
+expect_sub 5 "exceeds the cap of 64 tokens" "compile --max-tokens 64"
 
 # 8. options never silently changed or dropped: each refusal prints why
 EV=(eval --corpus "$tmp/c.h5" --methods knorm)
