@@ -24,6 +24,14 @@ int kvcc_load_model(const char *path, int want_hash, kvcc_loaded_model *out, cha
         return rc;
     }
     const kvcc_model_hparams *hp = &out->model->hp;
+    /* every id the tokenizer can produce must have an embedding row (padded rows are fine) */
+    if (kvcc_tok_n_vocab(out->tok) > hp->n_vocab) {
+        snprintf(msg, cap, "%s: tokenizer.ggml.tokens has %d entries but token_embd.weight has %d "
+                 "rows (expected at most one token per row)", path, (int)kvcc_tok_n_vocab(out->tok),
+                 hp->n_vocab);
+        kvcc_loaded_model_free(out);
+        return KVCC_GGUF_ERR_SHAPE;
+    }
     int np;
     const kvcc_preset *p = kvcc_presets(&np);
     for (int i = 0; i < np; i++) {
