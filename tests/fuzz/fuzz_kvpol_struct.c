@@ -91,7 +91,8 @@ static size_t mutate_section(uint8_t *d, size_t size, size_t max_size, unsigned 
         uint16_t codec = ld16(e + 6);
         ok = off <= size && stored <= size - off && rsz <= (1u << 22);
         if (!ok) break;
-        size_t room = (size_t)rsz * 2 + 4096, len = 0;
+        /* room for the larger of the declared and the stored size (they differ once mutated) */
+        size_t room = (size_t)(rsz > stored ? rsz : stored) * 2 + 4096, len = 0;
         raw = malloc(room);
         if (!(ok = raw != NULL)) break;
         if (codec == KVPOL_CODEC_ZSTD) {
