@@ -99,7 +99,7 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps peer-deps model test check backend-ops demo fuzz bench examples golden clean
+.PHONY: all deps peer-deps model test check check-cli backend-ops demo fuzz bench examples golden clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
@@ -181,7 +181,14 @@ test: deps peer-deps model
 	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
 	@echo "== CLI checks"
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh
+	@echo "== CLI fault checks (full disk, read-only directory, output = input, signals, stdout errors)"
+	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/faults.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
+
+# The CLI checks alone: tests/cli/run.sh, then tests/cli/faults.sh (each prints its summary line).
+check-cli: all $(EXAMPLES)
+	@st=0; KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh || st=1; \
+	  KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/faults.sh || st=1; exit $$st
 
 backend-ops: $(BACKEND_OPS)
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)

@@ -162,7 +162,7 @@ static int bench_time(kvrt_ctx *ctx, int runs) {
         if (!rc) {
             const double a = median(ta, runs), f = median(tf, runs);
             printf("\ndecode step at T = 2k (cluster, K 128): stream append %.2f us per token, "
-                   "full-cache attention %.2f us per step; append / attention %.2f\n",
+                   "full-cache attention %.2f us per step; append / attention %.4f\n",
                    1e6 * a, 1e6 * f, a / f);
         }
         kvrt_mr_stream_free(s);

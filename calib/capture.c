@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "corpus.h"
@@ -46,6 +47,12 @@ static int cmp_window(const void *a, const void *b) {
 }
 
 char *kvcc_read_text_file(const char *path, size_t *len, char *err, size_t errlen) {
+    struct stat st;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        snprintf(err, errlen, "%s: is %s, expected a text file", path,
+                 S_ISDIR(st.st_mode) ? "a directory" : "not a regular file");
+        return NULL;
+    }
     FILE *f = fopen(path, "rb");
     if (!f) {
         snprintf(err, errlen, "%s: cannot open: %s", path, strerror(errno));

@@ -106,19 +106,36 @@ static int put_attr_f64(hid_t obj, const char *name, double v) {
     return put_attr_scalar(obj, name, H5T_IEEE_F64LE, H5T_NATIVE_DOUBLE, &v);
 }
 
-/* Read a scalar numeric attribute as int64 / double; -1 when absent or not numeric. */
-static int get_attr_num(hid_t obj, const char *name, int is_float, void *out) {
+/* Read a scalar numeric attribute as int64 / double; -1 when absent or not numeric. An integer
+ * attribute stored as a float must hold a whole number in the int64 range (30.5 is -2, never
+ * truncated to 30), and *frac receives the value read when frac is not NULL. */
+static int get_attr_num_ex(hid_t obj, const char *name, int is_float, void *out, double *frac) {
     if (H5Aexists(obj, name) <= 0) return -1;
     hid_t a = H5Aopen(obj, name, H5P_DEFAULT);
     if (a < 0) return -1;
     hid_t t = H5Aget_type(a), sp = H5Aget_space(a);
     H5T_class_t cl = H5Tget_class(t);
     int ok = (cl == H5T_INTEGER || cl == H5T_FLOAT) && H5Sget_simple_extent_npoints(sp) == 1;
-    if (ok) ok = H5Aread(a, is_float ? H5T_NATIVE_DOUBLE : H5T_NATIVE_INT64, out) >= 0;
+    int rc = ok ? 0 : -1;
+    if (ok && !is_float && cl == H5T_FLOAT) {
+        double d = 0;
+        rc = H5Aread(a, H5T_NATIVE_DOUBLE, &d) >= 0 ? 0 : -1;
+        if (!rc && !(isfinite(d) && d == floor(d) && fabs(d) < 9.2e18)) {
+            if (frac) *frac = d;
+            rc = -2;
+        } else if (!rc) {
+            *(int64_t *)out = (int64_t)d;
+        }
+    } else if (ok) {
+        rc = H5Aread(a, is_float ? H5T_NATIVE_DOUBLE : H5T_NATIVE_INT64, out) >= 0 ? 0 : -1;
+    }
     H5Sclose(sp);
     H5Tclose(t);
     H5Aclose(a);
-    return ok ? 0 : -1;
+    return rc;
+}
+static int get_attr_num(hid_t obj, const char *name, int is_float, void *out) {
+    return get_attr_num_ex(obj, name, is_float, out, NULL);
 }
 
 /* Read a string attribute (fixed or variable length) into buf; -1 when absent or not a string. */
@@ -129,9 +146,10 @@ static int get_attr_str(hid_t obj, const char *name, char *buf, size_t n) {
     hid_t t = H5Aget_type(a), sp = H5Aget_space(a);
     int rc = -1;
     if (H5Tget_class(t) == H5T_STRING && H5Sget_simple_extent_npoints(sp) == 1) {
-        if (H5Tis_variable_str(t) > 0) {
+        if (H5Tis_variable_str(t) > 0) { /* h5py's default for str; UTF-8 or ASCII */
             hid_t mt = H5Tcopy(H5T_C_S1);
             H5Tset_size(mt, H5T_VARIABLE);
+            H5Tset_cset(mt, H5Tget_cset(t));
             char *s = NULL;
             if (H5Aread(a, mt, &s) >= 0 && s) {
                 snprintf(buf, n, "%s", s);
@@ -142,9 +160,13 @@ static int get_attr_str(hid_t obj, const char *name, char *buf, size_t n) {
         } else {
             size_t sz = H5Tget_size(t);
             if (sz > 0 && sz < 1u << 20) {
+                /* the file's own padding and charset: a NULLPAD string of sz bytes (h5py's
+                 * np.bytes_) read as NULLTERM would lose its last byte to the terminator */
                 char *s = calloc(1, sz + 1);
                 hid_t mt = H5Tcopy(H5T_C_S1);
                 H5Tset_size(mt, sz);
+                H5Tset_strpad(mt, H5Tget_strpad(t));
+                H5Tset_cset(mt, H5Tget_cset(t));
                 if (s && H5Aread(a, mt, s) >= 0) {
                     snprintf(buf, n, "%s", s);
                     rc = 0;
@@ -158,6 +180,19 @@ static int get_attr_str(hid_t obj, const char *name, char *buf, size_t n) {
     H5Tclose(t);
     H5Aclose(a);
     return rc;
+}
+
+// ----------------------------------------------------------------------------
+// library set-up
+
+/* Before the first HDF5 call: no error printing, and no H5close at exit. A file whose flush or
+ * close failed (a full disk) stays in HDF5's id table in a half-closed state, and the library's
+ * atexit clean-up closes it a second time and crashes (SIGSEGV in H5F__close_cb, HDF5 1.10.8);
+ * the process exits anyway, so the kernel's clean-up is enough. H5dont_atexit is a no-op
+ * once the library is initialized. */
+static void h5_setup(void) {
+    H5dont_atexit();
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
 }
 
 // ----------------------------------------------------------------------------
@@ -179,7 +214,7 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
         m->n_heads % m->n_kv_heads)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "%s: implausible model dimensions",
                      path);
-    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    h5_setup();
     kvcc_corpus *c = calloc(1, sizeof *c);
     if (!c) return failc(NULL, err, errlen, KVCC_CORPUS_ERR_NOMEM, "out of memory");
     c->writing = 1;
@@ -319,6 +354,7 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
                     layer, c->layers_written);
     const kvcc_corpus_model *m = &c->model;
     char name[32];
+    errno = 0;
     snprintf(name, sizeof name, "layer%03u", layer);
     hid_t gp = gcpl_untimed();
     hid_t g = H5Gcreate2(c->cur_prompt, name, H5P_DEFAULT, gp, H5P_DEFAULT);
@@ -351,7 +387,9 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
     }
     if (ht >= 0) H5Tclose(ht);
     H5Gclose(g);
-    if (bad) return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot write layer %u", c->path, layer);
+    if (bad)
+        return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot write layer %u: %s", c->path, layer,
+                    errno ? strerror(errno) : "HDF5 error");
     c->layers_written++;
     return KVCC_CORPUS_OK;
 }
@@ -365,10 +403,14 @@ int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen) {
         kvcc_corpus_close(c);
         return rc;
     }
+    errno = 0;
     if (put_attr_i64(c->file, "n_prompts", c->info.n_prompts) ||
         H5Fflush(c->file, H5F_SCOPE_GLOBAL) < 0 || H5Fclose(c->file) < 0) {
+        int e = errno; /* the sec2 driver's failed write(2), e.g. ENOSPC */
+        /* the id is never closed again: HDF5 1.10 crashes closing a file whose close failed */
         c->file = -1;
-        failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 failed to finish the file", c->path);
+        failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 failed to finish the file: %s",
+              c->path, e ? strerror(e) : "write error");
         kvcc_corpus_close(c);
         return KVCC_CORPUS_ERR_IO;
     }
@@ -413,12 +455,62 @@ static int check_hard_link(kvcc_corpus *c, hid_t loc, const char *name, const ch
     return KVCC_CORPUS_OK;
 }
 
+static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info, int *rc);
+
+/* Every prompt once, at open, whatever the command reads later: its attributes, tokens in the
+ * vocabulary, finite log-probabilities <= 0, every layer group present, and no prompt group
+ * linked twice (two names for one object). */
+static int validate_prompts(kvcc_corpus *c) {
+    const uint32_t n = c->info.n_prompts;
+    haddr_t *addr = n ? malloc(n * sizeof *addr) : NULL;
+    if (n && !addr) return FAIL(KVCC_CORPUS_ERR_NOMEM, "%s: out of memory", c->path);
+    int32_t *tok = NULL;
+    float *lp = NULL;
+    uint32_t cap = 0;
+    int rc = KVCC_CORPUS_OK;
+    for (uint32_t p = 0; !rc && p < n; p++) {
+        kvcc_corpus_prompt_info info;
+        hid_t g = open_prompt(c, p, &info, &rc);
+        if (g < 0) break;
+        H5O_info_t oi;
+        if (H5Oget_info2(g, &oi, H5O_INFO_BASIC) < 0)
+            rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot query /prompts/p%06u", c->path, p);
+        else addr[p] = oi.addr;
+        for (uint32_t l = 0; !rc && l < c->model.n_layers; l++) {
+            char lname[16], full[64];
+            snprintf(lname, sizeof lname, "layer%03u", l);
+            snprintf(full, sizeof full, "group /prompts/p%06u/%s", p, lname);
+            rc = check_hard_link(c, g, lname, full);
+        }
+        H5Gclose(g);
+        for (uint32_t q = 0; !rc && q < p; q++)
+            if (addr[q] == addr[p])
+                rc = FAIL(KVCC_CORPUS_ERR_LINK,
+                          "%s: /prompts/p%06u and /prompts/p%06u are the same group (linked "
+                          "twice); every prompt must be its own",
+                          c->path, q, p);
+        if (!rc && info.n_tokens > cap) {
+            free(tok);
+            free(lp);
+            cap = info.n_tokens;
+            tok = malloc(cap * sizeof *tok);
+            lp = malloc(cap * sizeof *lp);
+            if (!tok || !lp) rc = FAIL(KVCC_CORPUS_ERR_NOMEM, "%s: out of memory", c->path);
+        }
+        if (!rc) rc = kvcc_corpus_prompt(c, p, &info, tok, lp);
+    }
+    free(addr);
+    free(tok);
+    free(lp);
+    return rc;
+}
+
 int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,
                      char *err, size_t errlen) {
     if (!out || !path)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open: NULL argument");
     *out = NULL;
-    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    h5_setup();
     H5PLset_loading_state(0); /* no filter plugins: only HDF5's built-in deflate and shuffle */
     if (access(path, R_OK) != 0)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot open: %s", path,
@@ -434,6 +526,9 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
     if (c->file < 0) rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: HDF5 cannot open it read-only", path);
     int64_t v;
     double dv;
+    if (!rc && get_attr_num(c->file, "kvcc_corpus_schema", 0, &v) == -2)
+        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                  "%s: root attribute 'kvcc_corpus_schema' is not an integer", path);
     if (!rc && get_attr_num(c->file, "kvcc_corpus_schema", 0, &v) != 0)
         rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
                   "%s: root attribute 'kvcc_corpus_schema' is missing: not a kvcc corpus", path);
@@ -448,7 +543,13 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
         {"vocab_size", &m->vocab_size, 0, 1 << 30},
         {"n_prompts", &c->info.n_prompts, 0, KVCC_CORPUS_MAX_PROMPTS}};
     for (size_t i = 0; !rc && i < sizeof ints / sizeof ints[0]; i++) {
-        if (get_attr_num(c->file, ints[i].name, 0, &v) != 0)
+        double frac = 0;
+        int g = get_attr_num_ex(c->file, ints[i].name, 0, &v, &frac);
+        if (g == -2)
+            rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                      "%s: root attribute '%s': got %g, expected an integer", path, ints[i].name,
+                      frac);
+        else if (g != 0)
             rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
                       "%s: root attribute '%s' is missing or not an integer", path, ints[i].name);
         else if (v < ints[i].lo || v > ints[i].hi)
@@ -465,14 +566,26 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
         rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
                   "%s: root attribute 'rope_theta' missing or not a positive number", path);
     if (!rc) m->rope_theta = dv;
-    if (!rc && get_attr_num(c->file, "rope_scaling_factor", 1, &dv) == 0)
+    if (!rc && get_attr_num(c->file, "rope_scaling_factor", 1, &dv) == 0) {
+        if (!(isfinite(dv) && dv > 0 && dv <= 1e6))
+            rc = FAIL(KVCC_CORPUS_ERR_RANGE,
+                      "%s: root attribute 'rope_scaling_factor': got %g, expected a finite number "
+                      "in (0, 1e6]", path, dv);
         m->rope_scaling_factor = (float)dv;
+    } else if (!rc) {
+        m->rope_scaling_factor = 1.0f;
+    }
     char dt[16] = "";
     if (!rc && get_attr_str(c->file, "model_name", m->name, sizeof m->name) != 0)
         rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
                   "%s: root attribute 'model_name' is missing or not a string", path);
     if (!rc && get_attr_str(c->file, "rope_scaling", m->rope_scaling, sizeof m->rope_scaling) != 0)
         snprintf(m->rope_scaling, sizeof m->rope_scaling, "none");
+    if (!rc && strcmp(m->rope_scaling, "none") && strcmp(m->rope_scaling, "linear") &&
+        strcmp(m->rope_scaling, "llama3") && strcmp(m->rope_scaling, "yarn"))
+        rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                  "%s: root attribute 'rope_scaling': got '%s', expected none, linear, llama3 or "
+                  "yarn", path, m->rope_scaling);
     if (!rc && (get_attr_str(c->file, "activation_dtype", dt, sizeof dt) != 0 ||
                 (strcmp(dt, "f16") && strcmp(dt, "f32"))))
         rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
@@ -501,12 +614,17 @@ int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
                   expect->name, expect->f);
         CHK(n_layers) CHK(n_heads) CHK(n_kv_heads) CHK(head_dim) CHK(vocab_size)
 #undef CHK
+        if (!rc && expect->name[0] && m->name[0] && strcmp(expect->name, m->name))
+            rc = FAIL(KVCC_CORPUS_ERR_MODEL,
+                      "%s: root attribute 'model_name': corpus has '%s', expected '%s'", path,
+                      m->name, expect->name);
         if (!rc && expect->rope_theta > 0 &&
             fabs(expect->rope_theta - m->rope_theta) > 1e-9 * expect->rope_theta)
             rc = FAIL(KVCC_CORPUS_ERR_MODEL,
                       "%s: root attribute 'rope_theta': corpus has %g, model '%s' expects %g", path,
                       m->rope_theta, expect->name, expect->rope_theta);
     }
+    if (!rc) rc = validate_prompts(c);
     if (rc) {
         if (err && errlen) snprintf(err, errlen, "%s", c->msg);
         kvcc_corpus_close(c);
@@ -584,7 +702,12 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
     }
     int64_t T, ctx, cont;
     memset(info, 0, sizeof *info);
-    if (get_attr_num(g, "n_tokens", 0, &T) || get_attr_num(g, "context_len", 0, &ctx) ||
+    if (get_attr_num(g, "n_tokens", 0, &T) == -2 || get_attr_num(g, "context_len", 0, &ctx) == -2 ||
+        get_attr_num(g, "continuation_len", 0, &cont) == -2)
+        *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                   "%s: /prompts/%s: attributes n_tokens, context_len, continuation_len must be "
+                   "integers", c->path, name);
+    else if (get_attr_num(g, "n_tokens", 0, &T) || get_attr_num(g, "context_len", 0, &ctx) ||
         get_attr_num(g, "continuation_len", 0, &cont))
         *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
                    "%s: /prompts/%s: attributes n_tokens, context_len, continuation_len required",

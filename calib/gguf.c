@@ -66,6 +66,7 @@ const char *kvcc_gguf_status_str(int s) {
     case KVCC_GGUF_ERR_LIMIT: return "count or length exceeds a hard limit";
     case KVCC_GGUF_ERR_DUP: return "duplicate key or tensor name";
     case KVCC_GGUF_ERR_ARG: return "invalid argument";
+    case KVCC_GGUF_ERR_NONFINITE: return "non-finite weight";
     default: return "unknown status";
     }
 }

@@ -4,8 +4,8 @@
  *
  * Called through model.h by capture, eval, the CLI and tests. OpenBLAS is used only here
  * (cblas_sgemm for every matrix product); attention is plain C with OpenMP over (token, head).
- * defines: kvcc_model_load, kvcc_model_free, kvcc_state_*, kvcc_model_prefill,
- *          kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax
+ * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
+ *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax
  */
 #include "model.h"
 
@@ -70,6 +70,20 @@ static int load_tensor(kvcc_gguf *g, const char *name, int64_t cols, int64_t row
         free(p);
         return st;
     }
+    /* every weight once, after dequantization: a NaN or Inf would only show as NaN logits. An
+     * all-ones exponent is NaN or Inf; the OR of the tests vectorizes, the search runs on
+     * failure only */
+    const uint32_t *bits = (const uint32_t *)(const void *)p;
+    uint32_t bad = 0;
+    for (uint64_t i = 0; i < t->n_elements; i++) bad |= (bits[i] & 0x7f800000u) == 0x7f800000u;
+    for (uint64_t i = 0; bad && i < t->n_elements; i++)
+        if (!isfinite(p[i])) {
+            kvcc_set_msg(msg, cap, "%s: tensor '%s': element %llu is %s (weights must be finite)",
+                         kvcc_gguf_name(g), name, (unsigned long long)i,
+                         isnan(p[i]) ? "NaN" : "Inf");
+            free(p);
+            return KVCC_GGUF_ERR_NONFINITE;
+        }
     *out = p;
     return 0;
 }
@@ -105,12 +119,14 @@ static int get_dim(kvcc_gguf *g, const char *key, int lo, int hi, int *out, char
     return 0;
 }
 
-int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) {
-    if (!g || !out) {
-        kvcc_set_msg(msg, cap, "kvcc_model_load_gguf: NULL argument");
+int kvcc_model_read_hparams(kvcc_gguf *g, kvcc_model_hparams *hp, char *name, size_t name_cap,
+                            char *msg, size_t cap) {
+    if (!g || !hp || !name || !name_cap) {
+        kvcc_set_msg(msg, cap, "kvcc_model_read_hparams: NULL argument");
         return KVCC_GGUF_ERR_ARG;
     }
-    *out = NULL;
+    memset(hp, 0, sizeof *hp);
+    name[0] = 0;
     int st = kvcc_gguf_require_arch(g, "llama");
     if (st) {
         kvcc_set_msg(msg, cap, "%s (only the llama architecture is supported)",
@@ -118,12 +134,6 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
         return st;
     }
     const char *fn = kvcc_gguf_name(g);
-    kvcc_model *m = calloc(1, sizeof *m);
-    if (!m) {
-        kvcc_set_msg(msg, cap, "%s: out of memory", fn);
-        return KVCC_GGUF_ERR_NOMEM;
-    }
-    kvcc_model_hparams *hp = &m->hp;
 #define TRY(expr) do { if ((st = (expr)) != 0) goto fail; } while (0)
     TRY(get_dim(g, "llama.block_count", 1, 1024, &hp->n_layer, msg, cap));
     TRY(get_dim(g, "llama.embedding_length", 1, 1 << 16, &hp->n_embd, msg, cap));
@@ -186,7 +196,7 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
     {
         kvcc_gguf_str s;
         if (kvcc_gguf_get_str(g, "general.name", &s) == 0)
-            snprintf(m->name, sizeof m->name, "%.*s", (int)(s.n > 127 ? 127 : s.n), s.p);
+            snprintf(name, name_cap, "%.*s", (int)(s.n > 127 ? 127 : s.n), s.p);
     }
     const kvcc_gguf_tensor *te = kvcc_gguf_find_tensor(g, "token_embd.weight");
     if (!te || te->n_dims != 2 || te->ne[1] > (1u << 24)) {
@@ -208,6 +218,26 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
         }
     }
 
+    return 0;
+fail:
+    return st;
+}
+
+int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) {
+    if (!g || !out) {
+        kvcc_set_msg(msg, cap, "kvcc_model_load_gguf: NULL argument");
+        return KVCC_GGUF_ERR_ARG;
+    }
+    *out = NULL;
+    const char *fn = kvcc_gguf_name(g);
+    kvcc_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        kvcc_set_msg(msg, cap, "%s: out of memory", fn);
+        return KVCC_GGUF_ERR_NOMEM;
+    }
+    kvcc_model_hparams *hp = &m->hp;
+    int st = kvcc_model_read_hparams(g, hp, m->name, sizeof m->name, msg, cap);
+    if (st) goto fail;
     const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim;
     const int Hd = hp->n_head * d, Kd = hp->n_head_kv * d;
     TRY(load_tensor(g, "token_embd.weight", E, hp->n_vocab, &m->tok_embd, msg, cap));

@@ -67,6 +67,10 @@ typedef struct kvcc_model {
  * msg (optional) receives the file, the field and the expected value on failure. */
 int kvcc_model_load(const char *path, kvcc_model **out, char *msg, size_t msg_cap);
 int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t msg_cap);
+/* The hyper-parameters (and general.name, into name) of an open llama GGUF, validated as
+ * kvcc_model_load_gguf does, without loading any weight: for fingerprint checks. */
+int kvcc_model_read_hparams(kvcc_gguf *g, kvcc_model_hparams *hp, char *name, size_t name_cap,
+                            char *msg, size_t msg_cap);
 void kvcc_model_free(kvcc_model *m); /* accepts NULL */
 
 /* Per-layer capture of the processed tokens, called after RoPE, in layer order, once per layer

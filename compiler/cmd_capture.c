@@ -79,10 +79,25 @@ int kvcc_cmd_capture(int argc, char **argv) {
             return KVCC_EXIT_USAGE;
         }
     }
+    for (int i = 0; i < n_texts; i++) { /* before the model loads: a directory is a usage error */
+        struct stat ts;
+        if (stat(texts[i], &ts) == 0 && !S_ISREG(ts.st_mode)) {
+            fprintf(stderr, "kvcc capture: --text %s: is %s, expected a text file\n", texts[i],
+                    S_ISDIR(ts.st_mode) ? "a directory" : "not a regular file");
+            if (own_texts)
+                for (int j = 0; j < n_texts; j++) free(texts[j]);
+            return KVCC_EXIT_USAGE;
+        }
+    }
+    kvcc_input in[MAX_TEXTS + 1] = {{"--gguf", gguf}};
+    for (int i = 0; i < n_texts; i++) in[i + 1] = (kvcc_input){"--text", texts[i]};
+    int ex = kvcc_check_output("capture", out, in, n_texts + 1);
+    if (!ex) kvcc_remove_temp_on_signal(out);
     kvcc_loaded_model lm;
     char msg[512] = "";
-    int ex = KVCC_EXIT_OK;
-    if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
+    if (ex) {
+        /* nothing was written */
+    } else if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_FAILED;
     } else {

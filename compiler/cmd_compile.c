@@ -6,12 +6,15 @@
  * unless SOURCE_DATE_EPOCH is set, seeded passes.
  */
 #include <getopt.h>
+#include <math.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "gguf.h"
 #include "kvcc.h"
+#include "model.h"
 #include "passes/passes.h"
 #include "presets.h"
 
@@ -56,6 +59,13 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     int n_run = 0;
     snprintf(canon, n_canon, "none");
     if (!strcmp(policies, "none")) return 0;
+    const size_t len = strlen(policies);
+    if (!len || len >= 256 || strstr(policies, ",,") || policies[0] == ',' ||
+        policies[len - 1] == ',') {
+        fprintf(stderr, "kvcc compile: --policies: got '%s', expected 'none' or a comma-separated "
+                "list of policies (no empty items)\n", policies);
+        return -1;
+    }
     char buf[256];
     snprintf(buf, sizeof buf, "%s", policies);
     for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
@@ -87,6 +97,60 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     return k;
 }
 
+/* The canonical options of the header: policies, seed, and the prompts really used. */
+static void header_options(kvpol_header *h, const char *policies, const kvcc_compile_ctx *cx) {
+    int ol = snprintf(h->compile_options, sizeof h->compile_options, "policies=%s seed=%llu",
+                      policies, (unsigned long long)cx->seed);
+    if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
+        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol, " prompts=%u",
+                 cx->max_prompts);
+}
+
+/* SOURCE_DATE_EPOCH, when set: decimal seconds since 1970, 0..253402300799 (9999-12-31). */
+static int check_source_date_epoch(void) {
+    const char *s = getenv("SOURCE_DATE_EPOCH");
+    if (!s || !*s) return 0;
+    int ok = strlen(s) <= 12;
+    for (const char *q = s; ok && *q; q++) ok = *q >= '0' && *q <= '9';
+    if (ok) ok = strtoull(s, NULL, 10) <= 253402300799ull;
+    if (ok) return 0;
+    fprintf(stderr, "kvcc compile: SOURCE_DATE_EPOCH: got '%s', expected a whole number of seconds "
+            "since 1970 (digits only, 0..253402300799)\n", s);
+    return -1;
+}
+
+/* --gguf: a llama GGUF that parses (header, metadata, tensor table) and whose dimensions are the
+ * preset's, before its hash is recorded as the model hash. 0 or the exit status (printed). */
+static int check_gguf(const char *path, const kvcc_preset *p) {
+    char msg[512];
+    kvcc_gguf *g = NULL;
+    int rc = kvcc_gguf_open(path, &g, msg, sizeof msg);
+    kvcc_model_hparams hp;
+    char name[128];
+    if (!rc) rc = kvcc_model_read_hparams(g, &hp, name, sizeof name, msg, sizeof msg);
+    kvcc_gguf_close(g);
+    if (rc) {
+        fprintf(stderr, "kvcc compile: --gguf: %s [%s]\n", msg, kvcc_gguf_status_str(rc));
+        return KVCC_EXIT_FAILED;
+    }
+    const struct { const char *f; long long got, want; } d[] = {
+        {"n_layers", hp.n_layer, p->n_layers}, {"n_heads", hp.n_head, p->n_heads},
+        {"n_kv_heads", hp.n_head_kv, p->n_kv_heads}, {"head_dim", hp.head_dim, p->head_dim},
+        {"vocab_size", hp.n_vocab, p->vocab_size}};
+    for (size_t i = 0; i < sizeof d / sizeof d[0]; i++)
+        if (d[i].got != d[i].want) {
+            fprintf(stderr, "kvcc compile: --gguf %s: %s is %lld, --model %s has %lld (the GGUF is "
+                    "not that model)\n", path, d[i].f, d[i].got, p->name, d[i].want);
+            return KVCC_EXIT_USAGE;
+        }
+    if (fabs((double)hp.rope_base - p->rope_theta) > 1e-6 * p->rope_theta) {
+        fprintf(stderr, "kvcc compile: --gguf %s: rope theta is %g, --model %s has %g (the GGUF is "
+                "not that model)\n", path, (double)hp.rope_base, p->name, p->rope_theta);
+        return KVCC_EXIT_USAGE;
+    }
+    return 0;
+}
+
 /* The artifact header: the preset's fingerprint, the compiler, the canonical options. */
 static void make_header(kvpol_header *h, const kvcc_preset *p, const char *policies,
                         const kvcc_compile_ctx *cx) {
@@ -101,11 +165,7 @@ static void make_header(kvpol_header *h, const kvcc_preset *p, const char *polic
     m->rope_theta = p->rope_theta;
     snprintf(m->name, sizeof m->name, "%s", p->name);
     snprintf(h->compiler_version, sizeof h->compiler_version, "kvcc %s", KVCC_VERSION);
-    int ol = snprintf(h->compile_options, sizeof h->compile_options, "policies=%s seed=%llu",
-                      policies, (unsigned long long)cx->seed);
-    if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
-        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol, " prompts=%u",
-                 cx->max_prompts);
+    header_options(h, policies, cx);
 }
 
 /* The provenance section: tool, preset, policies, the corpus's own provenance. kvpol status. */
@@ -260,12 +320,26 @@ int kvcc_cmd_compile(int argc, char **argv) {
             return KVCC_EXIT_USAGE;
         }
     }
+    kvcc_input in[2 + MAX_PASS_OPTS] = {{"--corpus", corpus}, {"--gguf", gguf}};
+    int n_in = 2;
+    for (int k = 0; k < npo; k++) /* the files a pass option names (e.g. --transfer-check) */
+        if (po[k].opt->kind == KVCC_OPT_PATH)
+            in[n_in++] = (kvcc_input){po[k].opt->name,
+                                      *(const char **)((char *)&cx + po[k].opt->offset)};
+    int ex0 = kvcc_check_output("compile", out, in, n_in);
+    if (ex0) return ex0;
+    if (check_source_date_epoch()) return KVCC_EXIT_USAGE;
+    kvcc_remove_temp_on_signal(out);
     if (cx.threads > 0) omp_set_num_threads(cx.threads);
 
     kvpol_header h;
     make_header(&h, p, policies, &cx);
     kvpol_model *m = &h.model;
     kvpol_error err = {0};
+    if (gguf) {
+        int gx = check_gguf(gguf, p);
+        if (gx) return gx;
+    }
     if (gguf && kvpol_hash_file(gguf, &m->model_hash, &err) != 0) {
         fprintf(stderr, "kvcc compile: --gguf: %s\n", err.msg);
         return KVCC_EXIT_FAILED;
@@ -277,6 +351,13 @@ int kvcc_cmd_compile(int argc, char **argv) {
     kvcc_corpus *cp = NULL;
     if (corpus && open_corpus(corpus, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
     cx.corpus = cp;
+    if (cp && cx.max_prompts > kvcc_corpus_get_info(cp)->n_prompts) {
+        const unsigned have = kvcc_corpus_get_info(cp)->n_prompts;
+        fprintf(stderr, "kvcc compile: --prompts %u: the corpus %s holds %u; using %u (recorded as "
+                "prompts=%u)\n", cx.max_prompts, corpus, have, have, have);
+        cx.max_prompts = have;
+        header_options(&h, policies, &cx);
+    }
     /* each pass checks its options (and the files they name) before any work */
     for (int i = 0; i < n_run; i++) {
         int ex = run[i]->check ? run[i]->check(&cx, msg, sizeof msg) : 0;

@@ -41,8 +41,9 @@ static void usage(FILE *out) {
         "16 tokens):\n"
         "                      compkv (grouping from --policy) and its ablations, topk-mass, "
         "quest\n"
-        "  --budgets LIST      comma-separated budgets per KV head: token counts (>= 1) or context "
-        "ratios (< 1);\n"
+        "  --budgets LIST      comma-separated budgets per KV head: token counts (integers >= 1; "
+        "1.0 is one token,\n"
+        "                      not the whole context) or context ratios (< 1);\n"
         "                      decode-time methods: blocks read exactly per KV head and step "
         "(integers >= 1)\n"
         "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
@@ -107,8 +108,14 @@ static int parse_methods(const char *list, const char **out, int *n) {
 
 static int parse_budgets(const char *list, double *out, int *n) {
     char buf[512];
-    snprintf(buf, sizeof buf, "%s", list);
+    const size_t len = strlen(list);
     *n = 0;
+    if (!len || len >= sizeof buf || strstr(list, ",,") || list[0] == ',' || list[len - 1] == ',') {
+        fprintf(stderr, "kvcc eval: --budgets: got '%s', expected a comma-separated list of token "
+                "counts or ratios (no empty items)\n", list);
+        return -1;
+    }
+    snprintf(buf, sizeof buf, "%s", list);
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         char *end;
         double v = strtod(tok, &end);

@@ -70,6 +70,9 @@ int kvcc_cmd_synth(int argc, char **argv) {
         fprintf(stderr, "kvcc synth: --model: unknown preset '%s' (kvcc models lists them)\n", model);
         return KVCC_EXIT_USAGE;
     }
+    int ex = kvcc_check_output("synth", out, NULL, 0);
+    if (!ex) kvcc_remove_temp_on_signal(out);
+    if (ex) return ex;
     kvcc_corpus_model m = {.n_layers = p->n_layers, .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads,
                            .head_dim = p->head_dim, .vocab_size = p->vocab_size, .rope_theta = p->rope_theta,
                            .rope_scaling_factor = 1.0f};

@@ -269,7 +269,10 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
     if (!x.logits || !g.q || !x.caches || !x.xq || !x.xk) rc = -1;
     for (uint32_t p = 0; p < E->n_prompts && !rc; p++) {
         kvcc_corpus_prompt_info info;
-        if ((rc = kvcc_corpus_prompt(c, p, &info, NULL, NULL)) != 0) break;
+        if ((rc = kvcc_corpus_prompt(c, p, &info, NULL, NULL)) != 0) {
+            snprintf(err, errlen, "eval: %s", kvcc_corpus_error(c)); /* the reader's own message */
+            break;
+        }
         const int T = (int)info.n_tokens, C = (int)info.context_len;
         const int probe = C + KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER,
                   need = (T > probe ? T : probe) + C; /* + room for a stage-2 forward */
@@ -286,12 +289,19 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
             for (int l = 0; l < L; l++) g.q[l] = malloc((size_t)cap_T * H * d * sizeof(float));
             if (!tok || !x.lp || !x.kbuf || !x.vbuf || kvcc_state_create(m, cap_T, &x.s) != 0) {
                 rc = -1;
+                snprintf(err, errlen, "eval: out of memory for a model state of %d tokens", cap_T);
                 break;
             }
             for (int l = 0; l < L; l++) if (!g.q[l]) rc = -1;
-            if (rc) break;
+            if (rc) {
+                snprintf(err, errlen, "eval: out of memory for %d tokens of queries", cap_T);
+                break;
+            }
         }
-        if ((rc = kvcc_corpus_prompt(c, p, &info, tok, x.lp)) != 0) break;
+        if ((rc = kvcc_corpus_prompt(c, p, &info, tok, x.lp)) != 0) {
+            snprintf(err, errlen, "eval: %s", kvcc_corpus_error(c));
+            break;
+        }
         x.tok = tok;
         x.C = C;
         x.T = T;

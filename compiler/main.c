@@ -1,7 +1,9 @@
 /*
  * main.c: the kvcc command-line tool: dispatch to subcommands, --help, --version.
- * Each subcommand lives in compiler/cmd_*.c and parses its own options with getopt_long.
+ * Each subcommand lives in compiler/cmd_*.c and parses its own options with getopt_long; what a
+ * command printed on stdout is flushed and checked here (a write error exits 5).
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,10 +38,28 @@ static void usage(FILE *out) {
             "   1  kvcc diff: the artifacts differ\n"
             "   2  usage error\n"
             "   4  the artifact was compiled for another model (verify --model)\n"
-            "   5  the command failed (I/O, out of memory, ...; see the message)\n"
+            "   5  the command failed (I/O, a full disk or stdout write error, out of memory,\n"
+            "      ...; see the message)\n"
             "  10+N  the artifact is invalid or unreadable: N = -(kvpol status), e.g. 15 = bad magic;\n"
             "        the status name is printed with the message (docs/kvpol-format.md lists them)\n",
             KVCC_VERSION);
+}
+
+/* Every command's printing ends here: a write error on stdout (a full disk, /dev/full, a closed
+ * pipe) fails the command with status 5 instead of passing silently. */
+static int finish_stdout(const char *cmd, int ex) {
+    errno = 0;
+    int bad = fflush(stdout) != 0 || ferror(stdout);
+    int e = errno;
+    /* a closed stdout (>&-) that nothing was written to is not an error */
+    if (fclose(stdout) != 0 && !bad && errno != EBADF) {
+        bad = 1;
+        e = errno;
+    }
+    if (!bad) return ex;
+    fprintf(stderr, "kvcc%s%s: cannot write the output to standard output: %s\n", cmd ? " " : "",
+            cmd ? cmd : "", e ? strerror(e) : "write error");
+    return KVCC_EXIT_FAILED;
 }
 
 int main(int argc, char **argv) {
@@ -56,12 +76,12 @@ int main(int argc, char **argv) {
     const char *cmd = argv[1];
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         usage(stdout);
-        return KVCC_EXIT_OK;
+        return finish_stdout(NULL, KVCC_EXIT_OK);
     }
     if (!strcmp(cmd, "-V") || !strcmp(cmd, "--version")) {
         printf("kvcc %s (.kvpol format %d.%d, libkvrt %s, CUDA backend %s)\n", KVCC_VERSION, KVPOL_VERSION_MAJOR,
                KVPOL_VERSION_MINOR, kvrt_version(), kvrt_has_cuda() ? "built" : "not built");
-        return KVCC_EXIT_OK;
+        return finish_stdout(NULL, KVCC_EXIT_OK);
     }
     static const struct {
         const char *name;
@@ -71,7 +91,7 @@ int main(int argc, char **argv) {
         {"verify", kvcc_cmd_verify}, {"diff", kvcc_cmd_diff}, {"synth", kvcc_cmd_synth}, {"capture", kvcc_cmd_capture}, {"eval", kvcc_cmd_eval},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
-        if (!strcmp(cmd, cmds[i].name)) return cmds[i].fn(argc - 1, argv + 1);
+        if (!strcmp(cmd, cmds[i].name)) return finish_stdout(cmd, cmds[i].fn(argc - 1, argv + 1));
     fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, capture, synth, eval, inspect, verify, diff; see kvcc --help)\n",
             cmd);
     return KVCC_EXIT_USAGE;

@@ -1,14 +1,22 @@
 /*
  * util.c: helpers shared by kvcc's subcommands: names of policy groups (kvpol_sections.h) and RoPE modes,
- * escaped printing of strings read from artifacts, and opening an artifact with a message.
+ * escaped printing of strings read from artifacts, and opening an artifact with a message; the
+ * output checks made before any work (kvcc_check_output: never an input, a directory or an
+ * unwritable place) and the removal of the temp file on SIGINT/SIGTERM
+ * (kvcc_remove_temp_on_signal), used by compile, capture and synth.
  */
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "kvcc.h"
 
@@ -92,4 +100,109 @@ int kvcc_list_texts(const char *dir, char **paths, int cap) {
     closedir(d);
     qsort(paths, (size_t)n, sizeof *paths, cmp_str);
     return n;
+}
+
+/* Same file: equal paths, or both exist with the same device and inode. */
+static int same_file(const char *a, const char *b) {
+    if (!strcmp(a, b)) return 1;
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
+}
+
+int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, int n_in) {
+    if (!out[0]) {
+        fprintf(stderr, "kvcc %s: -o: the output path is empty\n", cmd);
+        return KVCC_EXIT_USAGE;
+    }
+    struct stat st;
+    if (stat(out, &st) == 0 && S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "kvcc %s: -o %s: is a directory; expected a file path\n", cmd, out);
+        return KVCC_EXIT_USAGE;
+    }
+    for (int i = 0; i < n_in; i++)
+        if (in[i].path && in[i].path[0] && same_file(out, in[i].path)) {
+            fprintf(stderr,
+                    "kvcc %s: -o %s is the same file as the input %s %s; refusing to overwrite "
+                    "an input\n", cmd, out, in[i].opt, in[i].path);
+            return KVCC_EXIT_USAGE;
+        }
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", out);
+    char *slash = strrchr(dir, '/');
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == dir) dir[1] = 0;
+    else *slash = 0;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "kvcc %s: -o %s: the directory %s does not exist\n", cmd, out, dir);
+        return KVCC_EXIT_USAGE;
+    }
+    if (access(dir, W_OK | X_OK) != 0) {
+        fprintf(stderr, "kvcc %s: -o %s: the directory %s is not writable: %s\n", cmd, out, dir,
+                strerror(errno));
+        return KVCC_EXIT_USAGE;
+    }
+    return KVCC_EXIT_OK;
+}
+
+/* The temp-file prefix "<absolute dir>/<base>.tmp." of the output being written. */
+static char temp_prefix[PATH_MAX + 16];
+static size_t temp_prefix_len;
+
+/* Async-signal-safe: unlink every file this process holds open (/proc/self/fd) whose path is
+ * temp_prefix + 6 characters (mkostemp's XXXXXX), then die of the signal as if unhandled. */
+static void on_fatal_signal(int sig) {
+    int saved = errno;
+    int dfd = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    char buf[4096], link[PATH_MAX + 32], fdpath[64];
+    long n;
+    while (dfd >= 0 && (n = syscall(SYS_getdents64, dfd, buf, sizeof buf)) > 0) {
+        for (long off = 0; off < n;) {
+            /* struct linux_dirent64: ino 8, off 8, reclen 2, type 1, then the name */
+            const char *name = buf + off + 19;
+            unsigned short reclen;
+            memcpy(&reclen, buf + off + 16, sizeof reclen);
+            off += reclen;
+            if (name[0] < '0' || name[0] > '9') continue;
+            size_t k = 0;
+            for (const char *q = "/proc/self/fd/"; *q; q++) fdpath[k++] = *q;
+            for (const char *q = name; *q && k + 1 < sizeof fdpath; q++) fdpath[k++] = *q;
+            fdpath[k] = 0;
+            ssize_t len = readlink(fdpath, link, sizeof link - 1);
+            if (len != (ssize_t)temp_prefix_len + 6 || memcmp(link, temp_prefix, temp_prefix_len))
+                continue;
+            link[len] = 0;
+            unlink(link);
+        }
+    }
+    if (dfd >= 0) close(dfd);
+    signal(sig, SIG_DFL);
+    errno = saved;
+    raise(sig);
+}
+
+void kvcc_remove_temp_on_signal(const char *out) {
+    char dir[PATH_MAX], abs_dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s", out);
+    char *slash = strrchr(dir, '/');
+    const char *base = slash ? out + (slash - dir) + 1 : out;
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (slash == dir) dir[1] = 0;
+    else *slash = 0;
+    if (!realpath(dir, abs_dir)) return;
+    int n = snprintf(temp_prefix, sizeof temp_prefix, "%s%s%s.tmp.", abs_dir,
+                     strcmp(abs_dir, "/") ? "/" : "", base);
+    if (n <= 0 || (size_t)n >= sizeof temp_prefix) return;
+    temp_prefix_len = (size_t)n;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_fatal_signal;
+    sigemptyset(&sa.sa_mask);
+    const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction old;
+        /* a signal ignored by the parent (nohup, background jobs) stays ignored */
+        if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+        sigaction(sigs[i], &sa, NULL);
+    }
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # scripts/demo.sh: `make demo`: the main job on the embedded default model (SmolLM2-135M-Instruct,
 # fetched by scripts/fetch-model.sh). It captures a small real calibration corpus from the
-# built-in model on the bundled calibration text, compiles the CompilerKV, Attention Matching and
-# CompKV policies against it, inspects and verifies the artifact, shows the refusal for a model it was
+# built-in model on the bundled calibration text, compiles the CompilerKV, Attention Matching,
+# CompKV and merge-reduce policies against it, inspects and verifies the artifact, shows the refusal for a model it was
 # not compiled for and that a second compile is byte-identical, then scores the policies and the
 # baselines on held-out text (layer-local; add --gguf to kvcc eval for the end-to-end columns).
 set -euo pipefail
@@ -15,8 +15,8 @@ step "capture a small corpus: 4 windows of 512 + 64 tokens from examples/data/ca
      "kvcc capture --prompts 4 --context 512 --continuation 64 -o $out/corpus.h5"
 "$KVCC" capture --prompts 4 --context 512 --continuation 64 -o "$out/corpus.h5"
 
-POL=(--policies compilerkv,am,compkv --budgets 128,256 --am-targets 0.1,0.2 --compkv-r 4 --compkv-block 16)
-step "compile CompilerKV, Attention Matching and CompKV for the default model against that corpus" \
+POL=(--policies compilerkv,am,compkv,merge-reduce --budgets 128,256 --am-targets 0.1,0.2 --compkv-r 4 --compkv-block 16)
+step "compile CompilerKV, Attention Matching, CompKV and merge-reduce for the default model against that corpus" \
      "kvcc compile --model smollm2-135m --corpus $out/corpus.h5 ${POL[*]} -o $out/smollm2-135m.kvpol"
 "$KVCC" compile --model smollm2-135m --corpus "$out/corpus.h5" "${POL[@]}" -o "$out/smollm2-135m.kvpol"
 
@@ -49,6 +49,11 @@ step "score CompilerKV and the baselines at 128 and 256 of 512 tokens per KV hea
 step "score Attention Matching at mean ratios 0.1 and 0.2 (same memory as 51 and 102 tokens)" \
      "kvcc eval --corpus $out/heldout.h5 --policy $out/smollm2-135m.kvpol --methods am,am-uniform,h2o --budgets 0.1,0.2"
 "$KVCC" eval --corpus "$out/heldout.h5" --policy "$out/smollm2-135m.kvpol" --methods am,am-uniform,h2o --budgets 0.1,0.2
+
+step "score merge-reduce (random sampling and protected clustering at 5%, 10% and 20% of the context)" \
+     "kvcc eval --corpus $out/heldout.h5 --policy $out/smollm2-135m.kvpol --methods mr,mr-random,mr-m16,mr-m64,h2o,streaming --budgets 0.05,0.1,0.2"
+"$KVCC" eval --corpus "$out/heldout.h5" --policy "$out/smollm2-135m.kvpol" \
+  --methods mr,mr-random,mr-m16,mr-m64,h2o,streaming --budgets 0.05,0.1,0.2
 
 step "score CompKV (decode-time: every continuation token reads 4 or 8 blocks of 16 exactly)" \
      "kvcc eval --corpus $out/heldout.h5 --policy $out/smollm2-135m.kvpol --methods full,compkv,compkv-index,compkv-nocomp,topk-mass,quest --budgets 4,8"

@@ -981,7 +981,7 @@ static const kvcc_eval_method ckv_eval_methods[] = {
 static const kvcc_pass_option ckv_options[] = {
     {"budgets", KVCC_OPT_LIST, "LIST", "128,256,512,1024,2048",
      "token budgets per KV head the tables are compiled for", CKV_OPT(budgets), CKV_OPT(n_budgets),
-     0, 0, NULL, 0},
+     0, 0, NULL, KVCC_OPT_INTEGER},
     {"window", KVCC_OPT_U32, "W", "64",
      "observation window (the last W context tokens, always kept)", CKV_OPT(window), 0, 1, 65536,
      NULL, 0},

@@ -660,6 +660,18 @@ static int mr_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
 // ----------------------------------------------------------------------------
 // inspect
 
+/* Median of x [n] (sorted in place; 0 for n = 0). */
+static double mr_median(double *x, size_t n) {
+    if (!n) return 0;
+    for (size_t i = 1; i < n; i++) {
+        const double v = x[i];
+        size_t j = i;
+        while (j > 0 && x[j - 1] > v) { x[j] = x[j - 1]; j--; }
+        x[j] = v;
+    }
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
 static const double *mr_f64(const kvpol_file *f, uint32_t si, const char *name, uint32_t ndim,
                             uint64_t n0, kvpol_item *it) {
     if (kvpol_get_tensor(f, si, name, KVPOL_DTYPE_F64, it) != KVPOL_OK || it->ndim != ndim ||
@@ -824,6 +836,51 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
             fprintf(out, " %lld.%lld %.3g", (long long)(h / Hkv), (long long)(h % Hkv), tr[h]);
         }
         fprintf(out, "\n");
+        /* per class of heads (thirds by predicted compressibility): medians over the class's
+         * heads of predicted and measured errors, and the median per-head slope against K */
+        fprintf(out, "  per class of heads (thirds by tr(Sigma); medians over the class's heads; "
+                "slope: median per-head log-log slope):\n");
+        double *tmp = malloc(sizeof(double) * LH);
+        for (int cls = 0; tmp && cls < 3 && LH >= 3; cls++) {
+            const size_t lo = LH * cls / 3, hi = LH * (cls + 1) / 3;
+            fprintf(out, "    %s third (%zu heads):\n      %-6s %11s %11s",
+                    cls == 0 ? "most compressible" : cls == 1 ? "middle" : "least compressible",
+                    hi - lo, "K", "tr/K", "tail/K");
+            for (uint64_t c = 0; c < nC; c++) fprintf(out, " %11s", names[c]);
+            fprintf(out, "\n");
+            for (uint64_t k = 0; k < nk; k++) {
+                if (me[k * LH] < 0) continue;
+                fprintf(out, "      %-6lld", (long long)kg[k]);
+                for (int col = -2; col < (int)nC; col++) {
+                    for (size_t i = lo; i < hi; i++) {
+                        const int64_t h = rk[i];
+                        tmp[i - lo] = col == -2 ? tr[h] / kg[k] : col == -1 ? tl[k * LH + h] / kg[k]
+                                                 : me[((uint64_t)col * nk + k) * LH + h];
+                    }
+                    fprintf(out, " %11.4g", mr_median(tmp, hi - lo));
+                }
+                fprintf(out, "\n");
+            }
+            fprintf(out, "      %-6s %11s %11s", "slope", "-1", "");
+            for (uint64_t c = 0; c < nC; c++) {
+                for (size_t i = lo; i < hi; i++) {
+                    const int64_t h = rk[i];
+                    double sx = 0, sy = 0, sxx = 0, sxy = 0;
+                    int n = 0;
+                    for (uint64_t k = 0; k < nk; k++) {
+                        const double y = me[(c * nk + k) * LH + h];
+                        if (me[k * LH] < 0 || !(y > 0)) continue;
+                        const double x = log((double)kg[k]), ly = log(y);
+                        sx += x; sy += ly; sxx += x * x; sxy += x * ly; n++;
+                    }
+                    tmp[i - lo] = n >= 2 && n * sxx - sx * sx > 0
+                                      ? (n * sxy - sx * sy) / (n * sxx - sx * sx) : 0;
+                }
+                fprintf(out, " %11.2f", mr_median(tmp, hi - lo));
+            }
+            fprintf(out, "\n");
+        }
+        free(tmp);
     }
 }
 

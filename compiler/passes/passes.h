@@ -77,6 +77,8 @@ typedef enum {
 } kvcc_opt_kind;
 #define KVCC_OPT_REPORT                                                                            \
     1u /* flag: only meaningful with the pass in --policies (refused otherwise) */
+#define KVCC_OPT_INTEGER                                                                           \
+    2u /* flag of a LIST: every value is a count (an integer; 32.7 is refused, not rounded) */
 #define KVCC_PASS_MAX_LIST 32
 typedef struct {
     const char *name;               /* --name (NULL ends a table) */

@@ -107,13 +107,23 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
     case KVCC_OPT_LIST: {
         char buf[512];
         int n = 0;
+        const int integer = (o->flags & KVCC_OPT_INTEGER) != 0;
+        const size_t len = strlen(value);
+        if (len >= sizeof buf || strstr(value, ",,") || value[0] == ',' ||
+            (len && value[len - 1] == ',')) {
+            snprintf(err, errlen, "--%s: got '%s', expected a comma-separated list of positive %s "
+                     "(no empty items)", o->name, value, integer ? "integers" : "numbers");
+            return -1;
+        }
         snprintf(buf, sizeof buf, "%s", value);
         for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
             char *end;
             double v = strtod(t, &end);
-            if (*end || !isfinite(v) || v <= 0 || n == KVCC_PASS_MAX_LIST) {
-                snprintf(err, errlen, "--%s: got '%s', expected up to %d positive numbers", o->name,
-                         t, KVCC_PASS_MAX_LIST);
+            if (end == t || *end || !isfinite(v) || v <= 0 || n == KVCC_PASS_MAX_LIST ||
+                (integer && (v != floor(v) || v > 1e9))) {
+                snprintf(err, errlen, "--%s: got '%s', expected up to %d positive %s", o->name,
+                         t, KVCC_PASS_MAX_LIST,
+                         integer ? "integers (token counts are not rounded)" : "numbers");
                 return -1;
             }
             store[n++] = v;

@@ -77,6 +77,12 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
             "KV heads",
             fn, (unsigned long long)sc.dims[0], (unsigned long long)sc.dims[1],
             (unsigned long long)sc.dims[2], md.n_layers, md.n_kv_heads);
+    const double *tv = tg.data;
+    for (uint64_t i = 0; i < tg.dims[0]; i++)
+        if (!(tv[i] > 0.0 && tv[i] <= 1.0))
+            return KVRT_FAIL(KVRT_ERR_FORMAT,
+                             "%s: am.schedule: targets[%llu] = %g, expected a ratio in (0, 1]", fn,
+                             (unsigned long long)i, tv[i]);
     const float *rv = sc.data;
     const size_t nr = (size_t)(sc.dims[0] * sc.dims[1] * sc.dims[2]);
     for (size_t i = 0; i < nr; i++)

@@ -166,7 +166,7 @@ fi
 "$KVCC" verify --quiet --model smollm2-135m "$tmp/r1.kvpol" && ok || bad "verify of a merge-reduce artifact"
 out=$("$KVCC" inspect "$tmp/r1.kvpol"); [[ "$out" == *"merge-reduce.basis"* && "$out" == *"merge-reduce: reducer"* \
    && "$out" == *"compressibility report"* && "$out" == *"most compressible heads"* ]] && ok || bad "inspect of a merge-reduce artifact: $out"
-out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/r1.kvpol" --methods mr,mr-random,mr-m16,mr-m32,mr-m64,snapkv --budgets 0.1,0.2 --csv); ex=$?
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/r1.kvpol" --methods mr,mr-random,mr-m16,mr-m32,mr-m64,h2o --budgets 0.1,0.2 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 12 ]] && ok || bad "eval merge-reduce rows: exit $ex: $out"
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods mr --budgets 0.1 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval mr without --policy: exit $ex: $err"

@@ -1175,6 +1175,10 @@ Test(am, omp_equals_plain_greedy) {
     free(k); free(v); free(q); free(Q); free(A);
 }
 
+/* The target and the ratios am_hand_artifact writes (changed by the range test only). */
+static double hand_target = 0.25;
+static float hand_ratio = 0.25f;
+
 /* An am.schedule written by hand: the items every artifact has, plus `extra` (0: none, 1: the
  * optional options with the given values, 2: n_sink of the wrong type). */
 static void am_hand_artifact(int extra, double floor_v, int64_t sinks, double recent, void **buf,
@@ -1184,8 +1188,8 @@ static void am_hand_artifact(int extra, double floor_v, int64_t sinks, double re
     kvpol_writer *w = NULL;
     kvpol_error ke;
     cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
-    const double tg[1] = {0.25};
-    float sched[2 * 2] = {0.25f, 0.25f, 0.25f, 0.25f};
+    const double tg[1] = {hand_target};
+    float sched[2 * 2] = {hand_ratio, 0.25f, 0.25f, 0.25f};
     const uint64_t dt[1] = {1}, ds[3] = {1, 2, 2};
     int k = kvpol_writer_begin_section(w, KVPOL_SEC_AM_SCHEDULE, kvpol_known_find(KVPOL_SEC_AM_SCHEDULE)->name,
                                        KVPOL_SECTION_CRITICAL, KVPOL_CODEC_ZSTD, 1);
@@ -1208,6 +1212,32 @@ static int am_open_mem(const void *buf, size_t len, kvrt_policy **pol, kvrt_am_s
     kvrt_error pe;
     cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, pol, &pe), KVRT_OK, "%s", pe.msg);
     return kvrt_am_open(*pol, s);
+}
+
+/* Ratios and targets outside (0, 1] are refused at open (KVRT_ERR_FORMAT naming the item), not
+ * at the first compaction. */
+Test(am, open_refuses_ratios_outside_0_1) {
+    const struct { double target; float ratio; const char *item; } bad[] = {
+        {0.25, 2.0f, "schedule[0] = 2"}, {0.25, 9.3e18f, "schedule[0] = 9.3"},
+        {0.25, 0.0f, "schedule[0] = 0"}, {0.25, -0.5f, "schedule[0] = -0.5"},
+        {1.5, 0.25f, "targets[0] = 1.5"}, {0.0, 0.25f, "targets[0] = 0"}}; /* NaN: kvpol refuses */
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        hand_target = bad[i].target;
+        hand_ratio = bad[i].ratio;
+        void *buf = NULL;
+        size_t len = 0;
+        kvrt_policy *pol = NULL;
+        kvrt_am_schedule *sch = NULL;
+        am_hand_artifact(0, 0, 0, 0, &buf, &len);
+        cr_expect_eq(am_open_mem(buf, len, &pol, &sch), KVRT_ERR_FORMAT, "case %zu", i);
+        cr_expect(strstr(kvrt_last_error()->msg, bad[i].item) != NULL, "case %zu: %s", i,
+                  kvrt_last_error()->msg);
+        kvrt_am_schedule_free(sch);
+        kvrt_policy_free(pol);
+        free(buf);
+    }
+    hand_target = 0.25;
+    hand_ratio = 0.25f;
 }
 
 /* The compiled floor, sinks and recent window: written by the pass, read by the handle (absent in

@@ -2,7 +2,9 @@
  * test_corpus.c: HDF5 corpus schema v1: write/read round trip (f16 and f32) against the
  * synthetic generator, reproducible bytes, planted structure visible in the data, and one clear
  * error for each kind of bad corpus (not HDF5, missing dataset, wrong shape, wrong dtype, NaN,
- * model mismatch, external link, inconsistent counts).
+ * model mismatch, external link, inconsistent counts, fractional integers, unknown rope_scaling,
+ * NaN scaling factor, another model_name, positive log-probabilities, a prompt linked twice), and
+ * h5py's fixed- and variable-length strings read whole.
  */
 #include <criterion/criterion.h>
 #include <hdf5.h>
@@ -213,6 +215,53 @@ static void bad_tokens(hid_t f) {
     H5Dclose(ds);
 }
 
+/* Root attribute `name` replaced by a scalar of type t holding *v. */
+static void put_attr(hid_t f, const char *name, hid_t t, const void *v) {
+    if (H5Aexists(f, name) > 0) H5Adelete(f, name);
+    hid_t sp = H5Screate(H5S_SCALAR);
+    hid_t a = H5Acreate2(f, name, t, sp, H5P_DEFAULT, H5P_DEFAULT);
+    H5Awrite(a, t, v);
+    H5Aclose(a);
+    H5Sclose(sp);
+}
+/* A string attribute as h5py writes it: fixed-length NULLPAD (np.bytes_) or variable-length UTF-8
+ * (str). */
+static void put_str_h5py(hid_t f, const char *name, const char *s, int vlen) {
+    hid_t t = H5Tcopy(H5T_C_S1);
+    if (vlen) {
+        H5Tset_size(t, H5T_VARIABLE);
+        H5Tset_cset(t, H5T_CSET_UTF8);
+        put_attr(f, name, t, &s);
+    } else {
+        H5Tset_size(t, strlen(s));
+        H5Tset_strpad(t, H5T_STR_NULLPAD);
+        put_attr(f, name, t, s);
+    }
+    H5Tclose(t);
+}
+static void frac_layers(hid_t f) {
+    double v = 2.5;
+    put_attr(f, "n_layers", H5T_IEEE_F64LE, &v);
+}
+static void bad_rope(hid_t f) { put_str_h5py(f, "rope_scaling", "dynamic", 0); }
+static void nan_factor(hid_t f) {
+    double v = NAN;
+    put_attr(f, "rope_scaling_factor", H5T_IEEE_F64LE, &v);
+}
+static void other_name(hid_t f) { put_str_h5py(f, "model_name", "llama3-8b", 0); }
+static void positive_lp(hid_t f) {
+    hid_t ds = H5Dopen2(f, "prompts/p000000/next_logprob", H5P_DEFAULT);
+    float lp[47];
+    H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, lp);
+    lp[9] = 0.5f;
+    H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, lp);
+    H5Dclose(ds);
+}
+static void linked_twice(hid_t f) {
+    H5Lcreate_hard(f, "prompts/p000000", f, "prompts/p000001", H5P_DEFAULT, H5P_DEFAULT);
+    bad_count(f); /* n_prompts = 2 */
+}
+
 Test(corpus, each_defect_has_a_clear_error) {
     struct {
         const char *name;
@@ -228,6 +277,12 @@ Test(corpus, each_defect_has_a_clear_error) {
         {"count.h5", bad_count, KVCC_CORPUS_ERR_RANGE, "n_prompts"},
         {"schema.h5", no_schema, KVCC_CORPUS_ERR_SCHEMA, "kvcc_corpus_schema"},
         {"tokens.h5", bad_tokens, KVCC_CORPUS_ERR_RANGE, "tokens[5]"},
+        {"frac.h5", frac_layers, KVCC_CORPUS_ERR_SCHEMA, "'n_layers': got 2.5, expected an int"},
+        {"rope.h5", bad_rope, KVCC_CORPUS_ERR_SCHEMA, "'rope_scaling': got 'dynamic'"},
+        {"factor.h5", nan_factor, KVCC_CORPUS_ERR_RANGE, "'rope_scaling_factor': got nan"},
+        {"name.h5", other_name, KVCC_CORPUS_ERR_MODEL, "'model_name': corpus has 'llama3-8b'"},
+        {"lp.h5", positive_lp, KVCC_CORPUS_ERR_NONFINITE, "next_logprob[9] = 0.5"},
+        {"twice.h5", linked_twice, KVCC_CORPUS_ERR_LINK, "are the same group"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char *p = broken(cases[i].name, cases[i].edit, 0);
@@ -236,6 +291,31 @@ Test(corpus, each_defect_has_a_clear_error) {
         cr_expect_eq(rc, cases[i].expect, "%s: got %s (%s)", cases[i].name, kvcc_corpus_status_name(rc), err);
         cr_expect(strstr(err, cases[i].mention) != NULL, "%s: message lacks '%s': %s", cases[i].name, cases[i].mention, err);
         cr_expect(strstr(err, p) != NULL, "%s: message lacks the path: %s", cases[i].name, err);
+        unlink(p);
+    }
+}
+
+static void h5py_fixed(hid_t f) {
+    put_str_h5py(f, "model_name", "tiny", 0);
+    put_str_h5py(f, "activation_dtype", "f32", 0);
+}
+static void h5py_vlen(hid_t f) {
+    put_str_h5py(f, "model_name", "tiny", 1);
+    put_str_h5py(f, "activation_dtype", "f32", 1);
+}
+
+/* h5py's two string forms are read whole: fixed-length NULLPAD without losing the last byte
+ * ("f3" for "f32", "tin" for "tiny" before), variable-length UTF-8 instead of "missing". */
+Test(corpus, h5py_strings_read_whole) {
+    void (*edit[2])(hid_t) = {h5py_fixed, h5py_vlen};
+    for (int i = 0; i < 2; i++) {
+        char *p = broken(i ? "vlen.h5" : "fixed.h5", edit[i], 0);
+        kvcc_corpus *c = NULL;
+        char err[512] = "";
+        cr_assert_eq(kvcc_corpus_open(&c, p, &TINY, err, sizeof err), 0, "%s", err);
+        cr_expect_str_eq(kvcc_corpus_get_model(c)->name, "tiny");
+        cr_expect_eq(kvcc_corpus_get_info(c)->dtype_f16, 0);
+        kvcc_corpus_close(c);
         unlink(p);
     }
 }
