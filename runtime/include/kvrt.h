@@ -638,7 +638,9 @@ int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
  *            s_c entries to the left child, the rest to the right; a leaf (k = 1) is one entry:
  *            weight = the sum of its weights, key and value = the weight-averaged keys and values
  *            in the full space (double, rounded to f32), position = the entry's own when the leaf
- *            holds one entry, -1 otherwise. Output order: leaves left to right.
+ *            holds one entry, -1 otherwise (with mass_comp = 1 a leaf of more than one entry
+ *            takes the compensated weight and value of kvrt_mr_opts). Output order: leaves left
+ *            to right.
  * Summaries over blocks (block indices count from the first middle block): node(lo, hi) for a
  * dyadic range (hi - lo = 2^j, lo a multiple of 2^j; a range running past the last block is cut
  * at it) is the block itself for j = 0, else REDUCE(node(lo, mid), node(mid, hi)) with key
