@@ -11,7 +11,10 @@
  *    the random reducer and the clustering reducer at every m of --mr-m and m = d; the
  *    continuation queries attend to the compressed context plus the exact continuation
  *    (kvcc_loop_attend, as kvcc eval's layer-local rows); the m of lowest mean relative output
- *    error wins (ties: the smaller m). The reducer written is the one of lower mean error.
+ *    error wins (ties: the smaller m). The clustering is measured without and with mass
+ *    compensation (configs cluster-M, cluster-mc-M); m is chosen per head within the setting
+ *    (mass_comp 0 or 1) whose choice has the lower mean error, and that setting is written
+ *    (item mass_comp). The reducer written is the one of lower mean error.
  * 3. The compressibility report (beyond the paper): per (prompt, layer, KV head), on the context
  *    tokens after the sinks (M of them) and --mr-report-queries continuation queries q_j, the
  *    response profiles g_t(q_j) = exp(q_j.k_t/sqrt(d) - lse_j) (v_t, 1) (lse_j over the whole
@@ -27,7 +30,7 @@
  * Callers: compiler/cmd_compile.c, cmd_inspect.c and kvcc eval through the pass table.
  *
  * defines: kvcc_pass_merge_reduce (its options and the eval methods mr, mr-random, mr-m16,
- *          mr-m32, mr-m64)
+ *          mr-m32, mr-m64, mr-mc)
  */
 #include <cblas.h>
 #include <lapacke.h>
@@ -46,13 +49,15 @@
 #include "metrics.h"
 #include "passes.h"
 
-#define MR_MAX_CFG 34   /* random + up to 32 grid values + d */
+#define MR_MAX_CFG 67   /* random + up to 32 grid values + d, plain and mass-compensated */
 #define MR_SPECTRUM 32  /* eigenvalues of Sigma written per head */
 
-/* The reducer configurations the pass measures: 0 random, then cluster at m_list[c - 1]. */
+/* The reducer configurations the pass measures: 0 random, then cluster at each m of the grid,
+ * then cluster with mass compensation (mass_comp = 1) at each m of the grid. */
 typedef struct {
     int n;
     uint32_t m[MR_MAX_CFG];      /* 0 for random */
+    int mc[MR_MAX_CFG];          /* 1: mass_comp */
 } mr_cfgs;
 
 static void mr_configs(const kvcc_compile_ctx *cx, uint32_t d, mr_cfgs *c) {
@@ -63,10 +68,16 @@ static void mr_configs(const kvcc_compile_ctx *cx, uint32_t d, mr_cfgs *c) {
         if (m >= 1 && m < d && (c->n == 1 || m != c->m[c->n - 1])) c->m[c->n++] = m;
     }
     c->m[c->n++] = d;
+    const int plain = c->n;
+    for (int i = 0; i < plain; i++) c->mc[i] = 0;
+    for (int i = 1; i < plain; i++) {
+        c->m[c->n] = c->m[i];
+        c->mc[c->n++] = 1;
+    }
 }
 
-static void mr_cfg_name(uint32_t m, char *buf, size_t n) {
-    if (m) snprintf(buf, n, "cluster-%u", m);
+static void mr_cfg_name(uint32_t m, int mc, char *buf, size_t n) {
+    if (m) snprintf(buf, n, mc ? "cluster-mc-%u" : "cluster-%u", m);
     else snprintf(buf, n, "random");
 }
 
@@ -319,14 +330,16 @@ static int mr_basis_pass(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_
     return rc;
 }
 
-static int mr_compress(kvrt_ctx *rt, const mr_acc *A, uint32_t m, const kvrt_mr_opts *o,
+static int mr_compress(kvrt_ctx *rt, const mr_acc *A, uint32_t m, int mc, const kvrt_mr_opts *o,
                        uint32_t layer, const float *k, const float *v, int64_t C, double budget,
                        uint32_t *mh, kvrt_cache **out) {
     kvrt_mr_opts oo = *o;
     oo.reducer = m ? KVRT_MR_CLUSTER : KVRT_MR_RANDOM;
+    oo.mass_comp = m ? mc : 0;
     for (uint32_t h = 0; h < A->Hkv; h++) mh[h] = m ? m : A->d;
     const kvrt_mr_basis b = {.n_kv_heads = A->Hkv, .head_dim = A->d, .m_max = A->d,
-                             .U = A->U + (size_t)layer * A->Hkv * A->d * A->d, .m = mh};
+                             .U = A->U + (size_t)layer * A->Hkv * A->d * A->d, .m = mh,
+                             .lam = A->lam + (size_t)layer * A->Hkv * A->d};
     return kvrt_mr_compress_layer(rt, &oo, &b, layer, k, v, C, A->Hkv, A->d, budget,
                                   KVRT_DTYPE_F32, out);
 }
@@ -375,7 +388,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                     int64_t B = 0;
                     kvrt_cache *cc = NULL;
                     int s = kvrt_budget_resolve(cx->mr_budgets[b], C, &B);
-                    if (!s) s = mr_compress(lp.rt, A, A->cf.m[c], &o, l, lp.k, lp.v, C, (double)B, mh, &cc);
+                    if (!s) s = mr_compress(lp.rt, A, A->cf.m[c], A->cf.mc[c], &o, l, lp.k, lp.v, C, (double)B, mh, &cc);
                     if (!s) s = kvcc_loop_attend(&lp, cc, lp.o_c, lp.lse_c, NULL);
                     kvrt_cache_free(cc);
                     if (s) {
@@ -407,7 +420,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                 const int64_t K = (int64_t)cx->mr_report_k[ki];
                 if (P.n_sink + K >= C) continue;
                 for (int c = 0; c < nC && !rc; c++) {
-                    int s = mr_compress(lp.rt, A, A->cf.m[c], &orep, l, lp.k, lp.v, C,
+                    int s = mr_compress(lp.rt, A, A->cf.m[c], A->cf.mc[c], &orep, l, lp.k, lp.v, C,
                                         (double)(P.n_sink + K), mh, &rep[ki * nC + c]);
                     if (s) {
                         snprintf(err, errlen, "merge-reduce: report, prompt %u layer %u K %lld: "
@@ -470,23 +483,40 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     return rc;
 }
 
-/* Per (budget, layer, head) the m of lowest fidelity among the cluster configs (ties: smaller);
- * *cluster = 1 when the clustering at those m beats the random reducer on the mean. */
-static void mr_choose(const mr_acc *A, int64_t *m_out, int *cluster) {
+/* Per (budget, layer, head) the m of lowest fidelity among the cluster configs of one
+ * mass_comp setting (ties: smaller), for each setting; *mass_comp: the setting whose choice has
+ * the lower mean fidelity (ties: 0, the paper); *cluster = 1 when the clustering at its m beats
+ * the random reducer on the mean. */
+static void mr_choose(const mr_acc *A, int64_t *m_out, int *cluster, int *mass_comp) {
     const size_t LH = (size_t)A->L * A->Hkv;
-    double e_rand = 0, e_cl = 0;
-    for (int b = 0; b < A->nb; b++)
+    double e_rand = 0, e_cl[2] = {0, 0};
+    int has_mc = 0;
+    for (int c = 1; c < A->cf.n; c++) has_mc |= A->cf.mc[c];
+    for (int mc = 0; mc < 2; mc++)
+        for (int b = 0; b < A->nb; b++)
+            for (size_t lh = 0; lh < LH; lh++) {
+                int best = -1;
+                for (int c = 1; c < A->cf.n; c++)
+                    if (A->cf.mc[c] == mc &&
+                        (best < 0 || A->fid[((size_t)c * A->nb + b) * LH + lh] <
+                                         A->fid[((size_t)best * A->nb + b) * LH + lh]))
+                        best = c;
+                if (best < 0) continue;
+                e_cl[mc] += A->fid[((size_t)best * A->nb + b) * LH + lh];
+                if (mc == 0) e_rand += A->fid[(size_t)b * LH + lh];
+            }
+    *mass_comp = has_mc && e_cl[1] < e_cl[0];
+    for (int b = 0; b < A->nb; b++) /* the m of the chosen setting */
         for (size_t lh = 0; lh < LH; lh++) {
-            int best = 1;
-            for (int c = 2; c < A->cf.n; c++)
-                if (A->fid[((size_t)c * A->nb + b) * LH + lh] <
-                    A->fid[((size_t)best * A->nb + b) * LH + lh])
+            int best = -1;
+            for (int c = 1; c < A->cf.n; c++)
+                if (A->cf.mc[c] == *mass_comp &&
+                    (best < 0 || A->fid[((size_t)c * A->nb + b) * LH + lh] <
+                                     A->fid[((size_t)best * A->nb + b) * LH + lh]))
                     best = c;
             m_out[(size_t)b * LH + lh] = A->cf.m[best];
-            e_cl += A->fid[((size_t)best * A->nb + b) * LH + lh];
-            e_rand += A->fid[(size_t)b * LH + lh];
         }
-    *cluster = e_cl <= e_rand;
+    *cluster = e_cl[*mass_comp] <= e_rand;
 }
 
 static int mr_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const mr_acc *A, char *err,
@@ -503,9 +533,10 @@ static int mr_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const mr_acc *A
         snprintf(err, errlen, "merge-reduce: out of memory");
         return KVCC_EXIT_FAILED;
     }
-    int cluster = 1;
-    mr_choose(A, m, &cluster);
-    for (int c = 1; c < nC; c++) grid[c - 1] = A->cf.m[c];
+    int cluster = 1, mass_comp = 0, ng = 0;
+    mr_choose(A, m, &cluster, &mass_comp);
+    for (int c = 1; c < nC; c++)
+        if (!A->cf.mc[c]) grid[ng++] = A->cf.m[c]; /* the grid of m (the plain configs) */
     for (int ki = 0; ki < nk; ki++) kg[ki] = (int64_t)cx->mr_report_k[ki];
     /* heads from the most compressible (smallest predicted tr(Sigma)) to the least */
     for (size_t i = 0; i < LH; i++) rank[i] = (int64_t)i;
@@ -526,16 +557,16 @@ static int mr_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const mr_acc *A
             spt[c * nk + ki] = isfinite(r1) ? r1 : -2.0;
             sp[c * nk + ki] = isfinite(c ? r2 : r1) ? (c ? r2 : r1) : -2.0;
         }
-    char configs[512] = "";
+    char configs[1280] = "";
     for (int c = 0; c < nC; c++) {
         char nm[32];
-        mr_cfg_name(A->cf.m[c], nm, sizeof nm);
+        mr_cfg_name(A->cf.m[c], A->cf.mc[c], nm, sizeof nm);
         size_t n = strlen(configs);
         snprintf(configs + n, sizeof configs - n, "%s%s", c ? "," : "", nm);
     }
     const char *red = cluster ? "cluster" : "random";
     const uint64_t dU[4] = {L, Hkv, d, d}, dl[3] = {L, Hkv, d}, db[1] = {(uint64_t)nb},
-                   dm[3] = {(uint64_t)nb, L, Hkv}, dg[1] = {(uint64_t)(nC - 1)},
+                   dm[3] = {(uint64_t)nb, L, Hkv}, dg[1] = {(uint64_t)ng},
                    df[4] = {(uint64_t)nC, (uint64_t)nb, L, Hkv}, dk[1] = {(uint64_t)nk},
                    dt[2] = {L, Hkv}, dtl[3] = {(uint64_t)nk, L, Hkv}, ds[3] = {L, Hkv, MR_SPECTRUM},
                    dme[4] = {(uint64_t)nC, (uint64_t)nk, L, Hkv}, dr[1] = {LH},
@@ -552,6 +583,7 @@ static int mr_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const mr_acc *A
     if (!k) k = kvpol_writer_add_i64(w, "n_sink", cx->mr_sinks);
     if (!k) k = kvpol_writer_add_f64(w, "recent_frac", cx->mr_recent);
     if (!k) k = kvpol_writer_add_i64(w, "seed", (int64_t)(cx->seed & INT64_MAX));
+    if (!k) k = kvpol_writer_add_i64(w, "mass_comp", cluster ? mass_comp : 0);
     if (!k) k = kvpol_writer_end_section(w);
     if (!k) k = kvpol_writer_begin_section(w, KVPOL_SEC_MR_REPORT,
                                            kvpol_known_find(KVPOL_SEC_MR_REPORT)->name, 0,
@@ -855,19 +887,22 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
 // ----------------------------------------------------------------------------
 // eval methods: mr (the compiled basis, m per head and options), mr-random (uncompiled:
 // the random reducer, which needs no basis), mr-m16 / mr-m32 / mr-m64 (the compiled basis with
-// every head at that m).
+// every head at that m, cluster, no mass compensation), mr-mc (the compiled basis, every head
+// at m = d, cluster with mass compensation: the departure measured against mr-m64).
+
+#define MR_VARIANT_MC 0x10000 /* mr-mc: m = d, mass_comp = 1 */
 
 typedef struct {
     const kvrt_mr_schedule *s;   /* NULL: mr-random */
     kvrt_mr_opts o;
-    uint32_t m;                  /* mr-mN: N; else 0 */
+    uint32_t m;                  /* mr-mN: N; mr-mc: d; else 0 */
     uint32_t *mh;                /* [Hkv] scratch of mr-mN */
 } mr_eval_state;
 
 static int mr_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
     if (!env->policy) {
-        snprintf(err, errlen, "methods mr, mr-m16, mr-m32, mr-m64 need --policy X.kvpol compiled "
-                 "with kvcc compile --policies merge-reduce (or use mr-random)");
+        snprintf(err, errlen, "methods mr, mr-m16, mr-m32, mr-m64, mr-mc need --policy X.kvpol "
+                 "compiled with kvcc compile --policies merge-reduce (or use mr-random)");
         return KVCC_EXIT_USAGE;
     }
     kvrt_mr_schedule *s = NULL;
@@ -907,6 +942,8 @@ static int mr_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
     }
     st->s = handle;
     kvrt_mr_schedule_opts(st->s, &st->o);
+    const int mc = m->variant == MR_VARIANT_MC;
+    if (mc) st->m = env->d;
     if (st->m) {
         kvrt_mr_basis b;
         int rc = kvrt_mr_schedule_basis(st->s, 0.5, KVRT_MR_NEAREST_BUDGET, 0, &b);
@@ -917,14 +954,15 @@ static int mr_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
             return KVCC_EXIT_USAGE;
         }
         st->o.reducer = KVRT_MR_CLUSTER;
+        st->o.mass_comp = mc;
         snprintf(p->note, sizeof p->note, "%s: the compiled basis, every head at m = %u, cluster "
-                 "reducer, %u sinks, recent window %g of the budget", m->name, st->m,
-                 st->o.n_sink, st->o.recent_frac);
+                 "reducer%s, %u sinks, recent window %g of the budget", m->name, st->m,
+                 mc ? " with mass compensation" : "", st->o.n_sink, st->o.recent_frac);
     } else {
-        snprintf(p->note, sizeof p->note, "mr: the compiled policy (reducer %s, m per head from "
+        snprintf(p->note, sizeof p->note, "mr: the compiled policy (reducer %s%s, m per head from "
                  "the nearest compiled budget, %u sinks, recent window %g of the budget, seed %llu)",
-                 kvrt_mr_reducer_name(st->o.reducer), st->o.n_sink, st->o.recent_frac,
-                 (unsigned long long)st->o.seed);
+                 kvrt_mr_reducer_name(st->o.reducer), st->o.mass_comp ? " with mass compensation"
+                 : "", st->o.n_sink, st->o.recent_frac, (unsigned long long)st->o.seed);
     }
     return 0;
 }
@@ -960,6 +998,7 @@ static const kvcc_eval_method mr_eval_methods[] = {
     MR_EVAL_METHOD("mr-m16", 16, mr_eval_open, mr_eval_close),
     MR_EVAL_METHOD("mr-m32", 32, mr_eval_open, mr_eval_close),
     MR_EVAL_METHOD("mr-m64", 64, mr_eval_open, mr_eval_close),
+    MR_EVAL_METHOD("mr-mc", MR_VARIANT_MC, mr_eval_open, mr_eval_close),
     {.name = NULL},
 };
 

@@ -142,7 +142,8 @@ typedef struct kvrt_backend_ops {
     /* merge-reduce: REDUCE of two host summaries (kvrt_mr_reduce) and one layer's compressed
      * cache (kvrt_mr_compress_layer; k, v [T, Hkv, d] in the context's memory). */
     int (*mr_reduce)(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                     uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                     uint32_t m, const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b,
+                     int64_t K,
                      uint64_t key, kvrt_mr_set *out);
     int (*mr_compress)(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                        uint32_t layer, const float *k, const float *v, int64_t T,

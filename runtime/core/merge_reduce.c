@@ -108,6 +108,23 @@ static int opts_check(const char *fn, const kvrt_mr_opts *o) {
     if (!(o->recent_frac >= 0.0 && o->recent_frac < 1.0))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g, expected a fraction of the budget in "
                          "[0, 1)", fn, o->recent_frac);
+    if (o->mass_comp != 0 && o->mass_comp != 1)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: mass_comp %d, expected 0 (off) or 1 (on)", fn,
+                         o->mass_comp);
+    return KVRT_OK;
+}
+
+/* The eigenvalues lam[0..m) of the mass compensation (CLUSTER with mass_comp only). */
+static int check_lam(const char *fn, const kvrt_mr_opts *o, const char *what, const float *lam,
+                     uint32_t m) {
+    if (o->reducer != KVRT_MR_CLUSTER || !o->mass_comp) return KVRT_OK;
+    if (lam == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: mass_comp = 1 with the cluster reducer needs the "
+                         "eigenvalues (%s is NULL)", fn, what);
+    for (uint32_t j = 0; j < m; j++)
+        if (!(lam[j] >= 0.0f) || !isfinite(lam[j]))
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s[%u] = %g, expected finite and >= 0", fn, what,
+                             j, (double)lam[j]);
     return KVRT_OK;
 }
 
@@ -154,8 +171,8 @@ static int check_set(const char *fn, const char *what, const kvrt_mr_set *s, uin
 }
 
 int kvrt_mr_reduce_check(const char *fn, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                         uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
-                         const kvrt_mr_set *out) {
+                         uint32_t m, const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b,
+                         int64_t K, const kvrt_mr_set *out) {
     int rc = opts_check(fn, o);
     if (rc) return rc;
     if (a == NULL || out == NULL)
@@ -169,14 +186,15 @@ int kvrt_mr_reduce_check(const char *fn, const kvrt_mr_opts *o, const float *U, 
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: out has head_dim %u and cap %lld, expected %u and "
                          ">= K = %lld", fn, out->head_dim, (long long)out->cap, d, (long long)K);
     if (o->reducer == KVRT_MR_CLUSTER && (rc = check_u(fn, U, ldm, m, d)) != KVRT_OK) return rc;
+    if ((rc = check_lam(fn, o, "lam", lam, m)) != KVRT_OK) return rc;
     if ((rc = check_set(fn, "a", a, d)) != KVRT_OK) return rc;
     if (b && (rc = check_set(fn, "b", b, d)) != KVRT_OK) return rc;
     return KVRT_OK;
 }
 
 int kvrt_mr_seq_check(const char *fn, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                      uint32_t m, const float *k, const float *v, int64_t n, int64_t ld,
-                      uint32_t head_dim, int32_t pos0, int64_t K) {
+                      uint32_t m, const float *lam, const float *k, const float *v, int64_t n,
+                      int64_t ld, uint32_t head_dim, int32_t pos0, int64_t K) {
     int rc = opts_check(fn, o);
     if (rc) return rc;
     if (k == NULL || v == NULL)
@@ -192,6 +210,7 @@ int kvrt_mr_seq_check(const char *fn, const kvrt_mr_opts *o, const float *U, uin
                          "0..%d", fn, pos0, (long long)n, INT32_MAX);
     if (o->reducer == KVRT_MR_CLUSTER && (rc = check_u(fn, U, ldm, m, head_dim)) != KVRT_OK)
         return rc;
+    if ((rc = check_lam(fn, o, "lam", lam, m)) != KVRT_OK) return rc;
     int64_t bad = first_bad(k, n, ld, head_dim);
     if (bad >= 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: key row %lld is not finite", fn, (long long)bad);
@@ -201,7 +220,8 @@ int kvrt_mr_seq_check(const char *fn, const kvrt_mr_opts *o, const float *U, uin
     return KVRT_OK;
 }
 
-static int basis_check(const char *fn, const kvrt_mr_basis *b, uint32_t Hkv, uint32_t d) {
+static int basis_check(const char *fn, const kvrt_mr_opts *o, const kvrt_mr_basis *b,
+                       uint32_t Hkv, uint32_t d) {
     if (b == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: the cluster reducer needs a basis (basis is NULL)",
                          fn);
@@ -221,6 +241,13 @@ static int basis_check(const char *fn, const kvrt_mr_basis *b, uint32_t Hkv, uin
     for (size_t i = 0; i < nu; i++)
         if (!isfinite(b->U[i]))
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: basis U[%zu] is not finite", fn, i);
+    if (o->mass_comp && b->lam == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: mass_comp = 1 with the cluster reducer needs the "
+                         "eigenvalues (basis lam is NULL)", fn);
+    for (size_t i = 0; o->mass_comp && i < (size_t)Hkv * b->m_max; i++)
+        if (!(b->lam[i] >= 0.0f) || !isfinite(b->lam[i]))
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: basis lam[%zu] = %g, expected finite and >= 0",
+                             fn, i, (double)b->lam[i]);
     return KVRT_OK;
 }
 
@@ -278,7 +305,7 @@ int kvrt_mr_layer_check(const char *fn, const kvrt_mr_opts *o, const kvrt_mr_bas
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: T = %lld x %u KV heads x %u overflows", fn,
                          (long long)T, n_kv_heads, head_dim);
     if (o->reducer == KVRT_MR_CLUSTER &&
-        (rc = basis_check(fn, basis, n_kv_heads, head_dim)) != KVRT_OK)
+        (rc = basis_check(fn, o, basis, n_kv_heads, head_dim)) != KVRT_OK)
         return rc;
     if (scan_values) {
         const int64_t rows = T * n_kv_heads;
@@ -298,18 +325,18 @@ int kvrt_mr_layer_check(const char *fn, const kvrt_mr_opts *o, const kvrt_mr_bas
 // the ops through a context
 
 int kvrt_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                   const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K, uint64_t key,
-                   kvrt_mr_set *out) {
+                   const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                   uint64_t key, kvrt_mr_set *out) {
     int rc = kvrt_policy_ctx_check(ctx, "kvrt_mr_reduce", KVRT_OP_MR_REDUCE);
     if (rc) return rc;
-    rc = ctx->ops->mr_reduce(ctx, o, U, ldm, m, a, b, K, key, out);
+    rc = ctx->ops->mr_reduce(ctx, o, U, ldm, m, lam, a, b, K, key, out);
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
 int kvrt_mr_prefix_scan(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                        uint32_t m, uint32_t layer, uint32_t head, const float *k, const float *v,
-                        int64_t n, int64_t ld, uint32_t head_dim, int32_t pos0, int64_t K,
-                        kvrt_mr_set *const *prefixes) {
+                        uint32_t m, const float *lam, uint32_t layer, uint32_t head,
+                        const float *k, const float *v, int64_t n, int64_t ld, uint32_t head_dim,
+                        int32_t pos0, int64_t K, kvrt_mr_set *const *prefixes) {
     const char *fn = "kvrt_mr_prefix_scan";
     int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_MR_REDUCE);
     if (rc) return rc;
@@ -317,7 +344,7 @@ int kvrt_mr_prefix_scan(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, ui
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_UNSUPPORTED, "%s: the scan runs on "
                                                    "CPU contexts (the %s backend has none)", fn,
                                                    ctx->ops->name));
-    rc = kvrt_cpu_mr_prefix_scan(o, U, ldm, m, layer, head, k, v, n, ld, head_dim, pos0, K,
+    rc = kvrt_cpu_mr_prefix_scan(o, U, ldm, m, lam, layer, head, k, v, n, ld, head_dim, pos0, K,
                                  prefixes, ctx->n_threads);
     return kvrt_policy_ctx_done(ctx, rc);
 }
@@ -353,6 +380,7 @@ struct kvrt_mr_stream {
     int64_t K, n_recent;
     float *U;                 /* [Hkv, d, m_max] (CLUSTER) */
     uint32_t *m;              /* [Hkv] */
+    float *lam;               /* [Hkv, m_max] (CLUSTER with mass_comp) */
     int64_t len;              /* tokens appended */
     int64_t n_full;           /* complete blocks pushed into the counter */
     kvrt_mr_set **sink;       /* [Hkv], cap n_sink (NULL entries when n_sink = 0) */
@@ -387,6 +415,7 @@ void kvrt_mr_stream_free(kvrt_mr_stream *s) {
     if (s == NULL) return;
     free(s->U);
     free(s->m);
+    free(s->lam);
     sets_free(s->sink, s->Hkv);
     sets_free(s->partial, s->Hkv);
     sets_free(s->carry, s->Hkv);
@@ -417,7 +446,7 @@ int kvrt_mr_stream_create(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_ba
         rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: K = %lld, n_recent = %lld: expected K >= 1 and "
                        "n_recent >= 0", fn, (long long)K, (long long)n_recent);
     if (rc == KVRT_OK && o->reducer == KVRT_MR_CLUSTER)
-        rc = basis_check(fn, basis, n_kv_heads, head_dim);
+        rc = basis_check(fn, o, basis, n_kv_heads, head_dim);
     if (rc) return kvrt_policy_ctx_done(ctx, rc);
     const uint32_t Hkv = n_kv_heads, d = head_dim;
     kvrt_mr_stream *s = calloc(1, sizeof *s);
@@ -439,6 +468,11 @@ int kvrt_mr_stream_create(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_ba
             if (ok) {
                 memcpy(s->U, basis->U, sizeof(float) * nu);
                 memcpy(s->m, basis->m, sizeof(uint32_t) * Hkv);
+            }
+            if (ok && o->mass_comp) {
+                const size_t nl = (size_t)Hkv * basis->m_max;
+                ok = (s->lam = malloc(sizeof(float) * nl)) != NULL;
+                if (ok) memcpy(s->lam, basis->lam, sizeof(float) * nl);
             }
         }
         if (ok && o->n_sink > 0) ok = (s->sink = sets_new(Hkv, o->n_sink, d)) != NULL;
@@ -475,6 +509,9 @@ static const float *stream_U(const kvrt_mr_stream *s, uint32_t h) {
     return s->U ? s->U + (size_t)h * s->d * s->m_max : NULL;
 }
 static uint32_t stream_m(const kvrt_mr_stream *s, uint32_t h) { return s->m ? s->m[h] : 1; }
+static const float *stream_lam(const kvrt_mr_stream *s, uint32_t h) {
+    return s->lam ? s->lam + (size_t)h * s->m_max : NULL;
+}
 
 /* The partial block (full) becomes block n_full: the binary counter's carry chain. */
 static int push_block(kvrt_mr_stream *s) {
@@ -491,7 +528,8 @@ static int push_block(kvrt_mr_stream *s) {
         const int64_t lo = hi - ((int64_t)2 << j);
         for (uint32_t h = 0; h < Hkv; h++) {
             kvrt_cpu_mr_reduce_sets(s->ws, s->o.reducer, stream_U(s, h), s->m_max,
-                                    stream_m(s, h), s->level[j][h], s->carry[h], s->K,
+                                    stream_m(s, h), stream_lam(s, h), s->level[j][h],
+                                    s->carry[h], s->K,
                                     kvrt_mr_key(s->o.seed, s->layer, h, lo, hi), s->tmp[h]);
             kvrt_mr_set *t = s->carry[h];
             s->carry[h] = s->tmp[h];
@@ -629,6 +667,7 @@ int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cach
         kvrt_mr_set *const *t3 = scratch + 3 * h;
         const float *U = stream_U(s, h);
         const uint32_t m = stream_m(s, h);
+        const float *lam = stream_lam(s, h);
         /* a virtual counter with the partial block pushed as block n_full */
         kvrt_mr_set *vb[MR_LEVELS];
         uint8_t vocc[MR_LEVELS];
@@ -643,7 +682,8 @@ int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cach
             int j = 0;
             for (; j < MR_LEVELS - 1 && vocc[j]; j++) {
                 kvrt_mr_set *o = other(t3, vb[j], cur, NULL);
-                kvrt_cpu_mr_reduce_sets(s->ws, s->o.reducer, U, s->m_max, m, vb[j], cur, s->K,
+                kvrt_cpu_mr_reduce_sets(s->ws, s->o.reducer, U, s->m_max, m, lam, vb[j], cur,
+                                        s->K,
                                         kvrt_mr_key(s->o.seed, s->layer, h,
                                                     hi - ((int64_t)2 << j), hi), o);
                 cur = o;
@@ -663,7 +703,7 @@ int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cach
                 continue;
             }
             kvrt_mr_set *o = other(t3, S, vb[j], pushed);
-            kvrt_cpu_mr_reduce_sets(s->ws, s->o.reducer, U, s->m_max, m, S, vb[j], s->K,
+            kvrt_cpu_mr_reduce_sets(s->ws, s->o.reducer, U, s->m_max, m, lam, S, vb[j], s->K,
                                     kvrt_mr_key(s->o.seed, s->layer, h, 0, end), o);
             S = o;
         }
@@ -728,6 +768,7 @@ struct kvrt_mr_schedule {
     int n;                    /* compiled budgets */
     double *budgets;          /* [n] ascending ratios */
     float *U;                 /* [L, Hkv, d, m_max] */
+    float *lam;               /* [L, Hkv, m_max] the eigenvalues of the columns */
     uint32_t *m;              /* [n, L, Hkv] */
     kvrt_mr_opts opts;
 };
@@ -736,6 +777,7 @@ void kvrt_mr_schedule_free(kvrt_mr_schedule *s) {
     if (s == NULL) return;
     free(s->budgets);
     free(s->U);
+    free(s->lam);
     free(s->m);
     free(s);
 }
@@ -886,14 +928,19 @@ int kvrt_mr_open(const kvrt_policy *p, kvrt_mr_schedule **out) {
                            "in [0, 1)", fn, recent);
     }
     if (rc == KVRT_OK) rc = get_int(f, si, fn, "seed", 0, INT64_MAX, &seed);
+    int64_t mass_comp = 0; /* optional: absent = 0 (artifacts before it) */
+    if (rc == KVRT_OK && kvpol_get_i64(f, si, "mass_comp", &mass_comp) != KVPOL_ERR_NOT_FOUND)
+        rc = get_int(f, si, fn, "mass_comp", 0, 1, &mass_comp);
+    const float *ev = ei.data;
     if (rc) return rc;
     kvrt_mr_schedule *s = calloc(1, sizeof *s);
     if (s) {
         s->budgets = malloc(sizeof(double) * (size_t)nB);
         s->U = malloc(sizeof(float) * nu);
+        s->lam = malloc(sizeof(float) * (size_t)(L * Hkv * m_max));
         s->m = malloc(sizeof(uint32_t) * (size_t)(nB * L * Hkv));
     }
-    if (s == NULL || !s->budgets || !s->U || !s->m) {
+    if (s == NULL || !s->budgets || !s->U || !s->lam || !s->m) {
         kvrt_mr_schedule_free(s);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
@@ -904,12 +951,18 @@ int kvrt_mr_open(const kvrt_policy *p, kvrt_mr_schedule **out) {
     s->n = (int)nB;
     memcpy(s->budgets, bud, sizeof(double) * (size_t)nB);
     memcpy(s->U, U, sizeof(float) * nu);
+    /* lam: the first m_max of each [d] row of eigenvalues, a negative one (rounding of an
+     * eigensolver) as 0 */
+    for (size_t r = 0; r < (size_t)(L * Hkv); r++)
+        for (size_t j = 0; j < (size_t)m_max; j++)
+            s->lam[r * m_max + j] = ev[r * d + j] > 0.0f ? ev[r * d + j] : 0.0f;
     for (size_t i = 0; i < (size_t)(nB * L * Hkv); i++) s->m[i] = (uint32_t)mv[i];
     kvrt_mr_opts_init(&s->opts);
     s->opts.reducer = reducer;
     s->opts.n_sink = (uint32_t)n_sink;
     s->opts.recent_frac = recent;
     s->opts.seed = (uint64_t)seed;
+    s->opts.mass_comp = (int)mass_comp;
     *out = s;
     return KVRT_OK;
 }
@@ -968,6 +1021,7 @@ static void basis_of(const kvrt_mr_schedule *s, int bi, uint32_t layer, kvrt_mr_
     out->m_max = s->m_max;
     out->U = s->U + (size_t)layer * s->Hkv * s->d * s->m_max;
     out->m = s->m + ((size_t)bi * s->L + layer) * s->Hkv;
+    out->lam = s->lam + (size_t)layer * s->Hkv * s->m_max;
 }
 
 int kvrt_mr_schedule_basis(const kvrt_mr_schedule *s, double budget, unsigned flags,
@@ -1000,6 +1054,7 @@ static int same_opts(const char *fn, const kvrt_mr_opts *o, const kvrt_mr_opts *
         MR_DIFF("recent_frac", "%g", o->recent_frac, c->recent_frac);
     if (o->seed != c->seed)
         MR_DIFF("seed", "%llu", (unsigned long long)o->seed, (unsigned long long)c->seed);
+    if (o->mass_comp != c->mass_comp) MR_DIFF("mass_comp", "%d", o->mass_comp, c->mass_comp);
 #undef MR_DIFF
     return KVRT_OK;
 }

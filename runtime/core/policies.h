@@ -111,24 +111,28 @@ KVRT_INTERNAL int kvrt_mr_layer_check(const char *fn, const kvrt_mr_opts *o,
                                       kvrt_cache **out, int scan_values, kvrt_mr_layout *L);
 /* The checks of kvrt_mr_reduce(_ref) and of the sequence calls (prefix ref, scan). */
 KVRT_INTERNAL int kvrt_mr_reduce_check(const char *fn, const kvrt_mr_opts *o, const float *U,
-                                       uint32_t ldm, uint32_t m, const kvrt_mr_set *a,
-                                       const kvrt_mr_set *b, int64_t K, const kvrt_mr_set *out);
+                                       uint32_t ldm, uint32_t m, const float *lam,
+                                       const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                                       const kvrt_mr_set *out);
 KVRT_INTERNAL int kvrt_mr_seq_check(const char *fn, const kvrt_mr_opts *o, const float *U,
-                                    uint32_t ldm, uint32_t m, const float *k, const float *v,
-                                    int64_t n, int64_t ld, uint32_t head_dim, int32_t pos0,
-                                    int64_t K);
+                                    uint32_t ldm, uint32_t m, const float *lam, const float *k,
+                                    const float *v, int64_t n, int64_t ld, uint32_t head_dim,
+                                    int32_t pos0, int64_t K);
 /* A REDUCE workspace for unions of up to cap entries of dimension d, m <= mcap (NULL: out of
- * memory), and REDUCE without checks through it (the stream; the same bits as the _ref). */
+ * memory), and REDUCE without checks through it (the stream; the same bits as the _ref); lam
+ * non-NULL: the cluster reducer's mass compensation with those eigenvalues, NULL: none. */
 typedef struct kvrt_mr_ws kvrt_mr_ws;
 KVRT_INTERNAL kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap);
 KVRT_INTERNAL void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws);
 KVRT_INTERNAL void kvrt_cpu_mr_reduce_sets(kvrt_mr_ws *ws, int reducer, const float *U,
-                                           uint32_t ldm, uint32_t m, const kvrt_mr_set *a,
+                                           uint32_t ldm, uint32_t m, const float *lam,
+                                           const kvrt_mr_set *a,
                                            const kvrt_mr_set *b, int64_t K, uint64_t key,
                                            kvrt_mr_set *out);
 /* The CPU ops (checked here; n_threads >= 1 OpenMP threads, the same bits for every count). */
 KVRT_INTERNAL int kvrt_cpu_mr_reduce(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                                     uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b,
+                                     uint32_t m, const float *lam, const kvrt_mr_set *a,
+                                     const kvrt_mr_set *b,
                                      int64_t K, uint64_t key, kvrt_mr_set *out);
 KVRT_INTERNAL int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                                              uint32_t layer, const float *k, const float *v,
@@ -136,7 +140,8 @@ KVRT_INTERNAL int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_m
                                              double budget, int dtype, kvrt_cache **out,
                                              int n_threads);
 KVRT_INTERNAL int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                                          uint32_t m, uint32_t layer, uint32_t head,
+                                          uint32_t m, const float *lam, uint32_t layer,
+                                          uint32_t head,
                                           const float *k, const float *v, int64_t n, int64_t ld,
                                           uint32_t head_dim, int32_t pos0, int64_t K,
                                           kvrt_mr_set *const *prefixes, int n_threads);

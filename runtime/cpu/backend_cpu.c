@@ -189,10 +189,10 @@ static int cpu_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_
 }
 
 static int cpu_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                         uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
-                         uint64_t key, kvrt_mr_set *out) {
+                         uint32_t m, const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b,
+                         int64_t K, uint64_t key, kvrt_mr_set *out) {
     (void)ctx;
-    return kvrt_cpu_mr_reduce(o, U, ldm, m, a, b, K, key, out);
+    return kvrt_cpu_mr_reduce(o, U, ldm, m, lam, a, b, K, key, out);
 }
 
 static int cpu_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,

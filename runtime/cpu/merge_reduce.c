@@ -42,6 +42,28 @@ static float scaled_weight(float w, int64_t n, int64_t K) {
     return (float)((double)w * ((double)n / (double)K));
 }
 
+/* The mass compensation's second-order term of one entry:
+ * x = s^2 / 2 * sum_{j < m} lam_j (phi_j - pb_j)^2 (s^2 = 1 / d; j ascending; capped at
+ * KVRT_MR_MC_MAX_X), in double. */
+static double mc_exponent(const float *lam, const double *phi, const double *pb, uint32_t m,
+                          uint32_t d) {
+    double acc = 0.0;
+    for (uint32_t j = 0; j < m; j++) {
+        const double e = phi[j] - pb[j];
+        acc += (double)lam[j] * e * e;
+    }
+    const double x = acc * (0.5 / (double)d);
+    return x < KVRT_MR_MC_MAX_X ? x : KVRT_MR_MC_MAX_X;
+}
+
+/* c = 1 + x: the second-order expansion itself. Its resummation exp(x) (exact for centred
+ * Gaussian queries) over-compensates real ones by orders of magnitude: a query along the mean
+ * direction sees cosh(s q.d) ~ e^{|s q.d|}, not e^{(s q.d)^2 / 2} (docs/policies/merge-reduce.md). */
+static double mc_factor(double x) { return 1.0 + x; }
+
+/* The compensated weight sum in f32 (capped at KVRT_MR_MC_MAX_W). */
+static float mc_weight(double Wc) { return (float)(Wc < KVRT_MR_MC_MAX_W ? Wc : KVRT_MR_MC_MAX_W); }
+
 /* A read view of entries: row i at k + i * ld (v likewise), weight w[i] (NULL: 1) and position
  * pos[i] (NULL: pos0 + i). */
 typedef struct {
@@ -107,10 +129,53 @@ static double ref_phi(const float *U, uint32_t ldm, uint32_t d, const float *k, 
 
 /* A node holding clusters [c0, c1) and the entries idx[0..cnt) of u (their order is the
  * node's order). Writes leaves into out->k/v/w/pos at cluster index. Returns 0 or -1 (NOMEM). */
-static int ref_node(const ref_union *u, const float *U, uint32_t ldm, uint32_t m, int64_t n,
-                    int64_t K, const int64_t *idx, int64_t cnt, int64_t c0, int64_t c1,
-                    kvrt_mr_set *out) {
+static int ref_node(const ref_union *u, const float *U, uint32_t ldm, uint32_t m,
+                    const float *lam, int64_t n, int64_t K, const int64_t *idx, int64_t cnt,
+                    int64_t c0, int64_t c1, kvrt_mr_set *out) {
     const uint32_t d = u->d;
+    if (c1 - c0 == 1 && lam != NULL && cnt > 1) { /* the mass-compensated leaf */
+        double W = 0.0;
+        for (int64_t i = 0; i < cnt; i++) W += (double)u->w[idx[i]];
+        double *phi = malloc(sizeof(double) * (size_t)cnt * m);
+        double *pb = malloc(sizeof(double) * m);
+        double *c = malloc(sizeof(double) * (size_t)cnt);
+        if (phi == NULL || pb == NULL || c == NULL) {
+            free(phi);
+            free(pb);
+            free(c);
+            return -1;
+        }
+        for (int64_t i = 0; i < cnt; i++)
+            for (uint32_t j = 0; j < m; j++)
+                phi[(size_t)i * m + j] = ref_phi(U, ldm, d, u->k + (size_t)idx[i] * d, j);
+        for (uint32_t j = 0; j < m; j++) {
+            double a = 0.0;
+            for (int64_t i = 0; i < cnt; i++)
+                a += (double)u->w[idx[i]] * phi[(size_t)i * m + j];
+            pb[j] = a / W;
+        }
+        double Wc = 0.0;
+        for (int64_t i = 0; i < cnt; i++) {
+            c[i] = mc_factor(mc_exponent(lam, phi + (size_t)i * m, pb, m, d));
+            Wc += (double)u->w[idx[i]] * c[i];
+        }
+        for (uint32_t x = 0; x < d; x++) {
+            double ak = 0.0, av = 0.0;
+            for (int64_t i = 0; i < cnt; i++) {
+                const double wi = (double)u->w[idx[i]];
+                ak += wi * (double)u->k[(size_t)idx[i] * d + x];
+                av += (wi * c[i]) * (double)u->v[(size_t)idx[i] * d + x];
+            }
+            out->k[(size_t)c0 * d + x] = (float)(ak / W);
+            out->v[(size_t)c0 * d + x] = (float)(av / Wc);
+        }
+        out->w[c0] = mc_weight(Wc);
+        out->pos[c0] = -1;
+        free(phi);
+        free(pb);
+        free(c);
+        return 0;
+    }
     if (c1 - c0 == 1) {
         double W = 0.0;
         for (int64_t i = 0; i < cnt; i++) W += (double)u->w[idx[i]];
@@ -162,8 +227,9 @@ static int ref_node(const ref_union *u, const float *U, uint32_t ldm, uint32_t m
     ref_msort(sorted, val, cnt, sorted + cnt, val + cnt);
     const int64_t kl = (c1 - c0 + 1) / 2;
     const int64_t nl = cluster_count(n, K, c0, c0 + kl);
-    int rc = ref_node(u, U, ldm, m, n, K, sorted, nl, c0, c0 + kl, out);
-    if (rc == 0) rc = ref_node(u, U, ldm, m, n, K, sorted + nl, cnt - nl, c0 + kl, c1, out);
+    int rc = ref_node(u, U, ldm, m, lam, n, K, sorted, nl, c0, c0 + kl, out);
+    if (rc == 0)
+        rc = ref_node(u, U, ldm, m, lam, n, K, sorted + nl, cnt - nl, c0 + kl, c1, out);
     free(sorted);
     free(val);
     return rc;
@@ -175,15 +241,16 @@ static int cmp_i64(const void *a, const void *b) {
 }
 
 int kvrt_mr_reduce_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                       const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K, uint64_t key,
-                       kvrt_mr_set *out) {
+                       const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                       uint64_t key, kvrt_mr_set *out) {
     const char *fn = "kvrt_mr_reduce_ref";
     kvrt_mr_opts def;
     kvrt_mr_opts_init(&def);
     if (o == NULL) o = &def;
-    int rc = kvrt_mr_reduce_check(fn, o, U, ldm, m, a, b, K, out);
+    int rc = kvrt_mr_reduce_check(fn, o, U, ldm, m, lam, a, b, K, out);
     if (rc) return rc;
     const uint32_t d = a->head_dim;
+    const float *lc = o->mass_comp ? lam : NULL; /* the cluster reducer's compensation */
     const int64_t na = a->n, nb = b ? b->n : 0, n = na + nb;
     ref_union u = {n, d, malloc(sizeof(float) * (size_t)(n ? n : 1) * d),
                    malloc(sizeof(float) * (size_t)(n ? n : 1) * d),
@@ -229,7 +296,7 @@ int kvrt_mr_reduce_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint
         }
         out->n = K;
     } else {
-        if (ref_node(&u, U, ldm, m, n, K, idx, n, 0, K, out) != 0)
+        if (ref_node(&u, U, ldm, m, lc, n, K, idx, n, 0, K, out) != 0)
             rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
         else out->n = K;
     }
@@ -252,6 +319,7 @@ typedef struct {
     const float *k, *v;
     int64_t n, ld, K;
     int32_t pos0;
+    const float *lam;
 } ref_seq;
 
 /* A new set holding block b of the sequence (weight 1, its positions). */
@@ -281,7 +349,7 @@ static int ref_dyadic(const ref_seq *q, int64_t lo, int64_t hi, kvrt_mr_set **ou
     if (rc == KVRT_OK) rc = ref_dyadic(q, mid, hi, &r);
     if (rc == KVRT_OK) rc = kvrt_mr_set_create(q->K, q->d, out);
     if (rc == KVRT_OK)
-        rc = kvrt_mr_reduce_ref(q->o, q->U, q->ldm, q->m, l, r, q->K,
+        rc = kvrt_mr_reduce_ref(q->o, q->U, q->ldm, q->m, q->lam, l, r, q->K,
                                 kvrt_mr_key(q->o->seed, q->layer, q->head, lo, hi), *out);
     kvrt_mr_set_free(l);
     kvrt_mr_set_free(r);
@@ -310,7 +378,7 @@ static int ref_prefix(const ref_seq *q, int64_t b, kvrt_mr_set **out) {
             kvrt_mr_set *N = NULL;
             rc = kvrt_mr_set_create(q->K, q->d, &N);
             if (rc == KVRT_OK)
-                rc = kvrt_mr_reduce_ref(q->o, q->U, q->ldm, q->m, S, D, q->K,
+                rc = kvrt_mr_reduce_ref(q->o, q->U, q->ldm, q->m, q->lam, S, D, q->K,
                                         kvrt_mr_key(q->o->seed, q->layer, q->head, 0, hi), N);
             kvrt_mr_set_free(S);
             kvrt_mr_set_free(D);
@@ -336,14 +404,14 @@ static void copy_set(const kvrt_mr_set *src, kvrt_mr_set *dst) {
 }
 
 int kvrt_mr_prefix_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                       uint32_t layer, uint32_t head, const float *k, const float *v, int64_t n,
-                       int64_t ld, uint32_t head_dim, int32_t pos0, int64_t K, int64_t b,
-                       kvrt_mr_set *out) {
+                       const float *lam, uint32_t layer, uint32_t head, const float *k,
+                       const float *v, int64_t n, int64_t ld, uint32_t head_dim, int32_t pos0,
+                       int64_t K, int64_t b, kvrt_mr_set *out) {
     const char *fn = "kvrt_mr_prefix_ref";
     kvrt_mr_opts def;
     kvrt_mr_opts_init(&def);
     if (o == NULL) o = &def;
-    int rc = kvrt_mr_seq_check(fn, o, U, ldm, m, k, v, n, ld, head_dim, pos0, K);
+    int rc = kvrt_mr_seq_check(fn, o, U, ldm, m, lam, k, v, n, ld, head_dim, pos0, K);
     if (rc) return rc;
     const int64_t nb = (n + K - 1) / K;
     if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
@@ -355,7 +423,7 @@ int kvrt_mr_prefix_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: out has head_dim %u and cap %lld, expected %u and "
                          ">= K = %lld", fn, out->head_dim, (long long)out->cap, head_dim,
                          (long long)K);
-    const ref_seq q = {o, U, ldm, m, layer, head, head_dim, k, v, n, ld, K, pos0};
+    const ref_seq q = {o, U, ldm, m, layer, head, head_dim, k, v, n, ld, K, pos0, lam};
     kvrt_mr_set *S = NULL;
     rc = ref_prefix(&q, b, &S);
     if (rc) return rc;
@@ -440,9 +508,10 @@ int kvrt_mr_compress_layer_ref(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
         const int cl = o->reducer == KVRT_MR_CLUSTER;
         const float *U = cl ? basis->U + (size_t)h * d * basis->m_max : NULL;
         const uint32_t ldm = cl ? basis->m_max : 1, m = cl ? basis->m[h] : 1;
+        const float *lam = cl && o->mass_comp ? basis->lam + (size_t)h * basis->m_max : NULL;
         rc = kvrt_mr_set_create(L.K, d, &S[h]);
         if (rc == KVRT_OK)
-            rc = kvrt_mr_prefix_ref(o, U, ldm, m, layer, h,
+            rc = kvrt_mr_prefix_ref(o, U, ldm, m, lam, layer, h,
                                     k + ((size_t)L.n_sink * n_kv_heads + h) * d,
                                     v + ((size_t)L.n_sink * n_kv_heads + h) * d, L.n_mid,
                                     (int64_t)n_kv_heads * d, d, (int32_t)L.n_sink, L.K, L.nb,
@@ -476,6 +545,9 @@ struct kvrt_mr_ws {
     double *mu, *var;       /* [mcap] */
     double *acc;            /* [2 d] */
     double *Ud;             /* [d, mcap] the first m columns of U in double */
+    double *pb;             /* [mcap] a leaf's mean phi (mass compensation) */
+    double *cw;             /* [cap] the entries' compensation factors */
+    const float *lam;       /* the reduce's eigenvalues (NULL: no mass compensation) */
 };
 
 void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws) {
@@ -492,6 +564,8 @@ void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws) {
     free(ws->var);
     free(ws->acc);
     free(ws->Ud);
+    free(ws->pb);
+    free(ws->cw);
     free(ws);
 }
 
@@ -515,7 +589,10 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     ws->var = malloc(sizeof(double) * mcap);
     ws->acc = malloc(sizeof(double) * 2 * (size_t)(d ? d : 1));
     ws->Ud = malloc(sizeof(double) * (size_t)(d ? d : 1) * mcap);
-    if (!ws->Ud || !ws->kr || !ws->vr || !ws->w || !ws->pos || !ws->phi || !ws->idx || !ws->pairs ||
+    ws->pb = malloc(sizeof(double) * mcap);
+    ws->cw = malloc(sizeof(double) * (size_t)cap);
+    if (!ws->pb || !ws->cw || !ws->Ud || !ws->kr || !ws->vr || !ws->w || !ws->pos || !ws->phi ||
+        !ws->idx || !ws->pairs ||
         !ws->mark || !ws->mu || !ws->var || !ws->acc) {
         kvrt_cpu_mr_ws_free(ws);
         return NULL;
@@ -535,6 +612,41 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
                       int64_t c0, int64_t c1, kvrt_mr_set *out) {
     const uint32_t d = ws->d;
     const int64_t *idx = ws->idx + off;
+    if (c1 - c0 == 1 && ws->lam != NULL && cnt > 1) { /* the mass-compensated leaf */
+        double W = 0.0;
+        for (int64_t i = 0; i < cnt; i++) W += (double)ws->w[idx[i]];
+        double *pb = ws->pb, *cw = ws->cw;
+        for (uint32_t j = 0; j < m; j++) pb[j] = 0.0;
+        for (int64_t i = 0; i < cnt; i++) {
+            const double wi = (double)ws->w[idx[i]];
+            const double *ph = ws->phi + (size_t)idx[i] * ws->mcap;
+#pragma omp simd
+            for (uint32_t j = 0; j < m; j++) pb[j] += wi * ph[j];
+        }
+        for (uint32_t j = 0; j < m; j++) pb[j] = pb[j] / W;
+        double Wc = 0.0;
+        for (int64_t i = 0; i < cnt; i++) {
+            cw[i] = mc_factor(mc_exponent(ws->lam, ws->phi + (size_t)idx[i] * ws->mcap, pb, m, d));
+            Wc += (double)ws->w[idx[i]] * cw[i];
+        }
+        double *ak = ws->acc, *av = ws->acc + d;
+        for (uint32_t x = 0; x < d; x++) ak[x] = av[x] = 0.0;
+        for (int64_t i = 0; i < cnt; i++) {
+            const double wi = (double)ws->w[idx[i]], wc = wi * cw[i];
+            const float *kr = ws->kr[idx[i]], *vr = ws->vr[idx[i]];
+            for (uint32_t x = 0; x < d; x++) {
+                ak[x] += wi * (double)kr[x];
+                av[x] += wc * (double)vr[x];
+            }
+        }
+        for (uint32_t x = 0; x < d; x++) {
+            out->k[(size_t)c0 * d + x] = (float)(ak[x] / W);
+            out->v[(size_t)c0 * d + x] = (float)(av[x] / Wc);
+        }
+        out->w[c0] = mc_weight(Wc);
+        out->pos[c0] = -1;
+        return;
+    }
     if (c1 - c0 == 1) {
         double W = 0.0;
         for (int64_t i = 0; i < cnt; i++) W += (double)ws->w[idx[i]];
@@ -599,7 +711,8 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
 
 /* REDUCE(a, b -> K) of two views into out (cap >= K, distinct from a and b); no checks. */
 static void fast_reduce(kvrt_mr_ws *ws, int reducer, const float *U, uint32_t ldm, uint32_t m,
-                        const mr_view *a, const mr_view *b, int64_t K, uint64_t key,
+                        const float *lam, const mr_view *a, const mr_view *b, int64_t K,
+                        uint64_t key,
                         kvrt_mr_set *out) {
     const uint32_t d = ws->d;
     const int64_t na = a->n, n = na + (b ? b->n : 0);
@@ -662,33 +775,36 @@ static void fast_reduce(kvrt_mr_ws *ws, int reducer, const float *U, uint32_t ld
         }
         ws->idx[i] = i;
     }
+    ws->lam = lam;
     fast_node(ws, m, n, K, 0, n, 0, K, out);
+    ws->lam = NULL;
     out->n = K;
 }
 
 void kvrt_cpu_mr_reduce_sets(kvrt_mr_ws *ws, int reducer, const float *U, uint32_t ldm,
-                             uint32_t m, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
-                             uint64_t key, kvrt_mr_set *out) {
+                             uint32_t m, const float *lam, const kvrt_mr_set *a,
+                             const kvrt_mr_set *b, int64_t K, uint64_t key, kvrt_mr_set *out) {
     const mr_view va = view_set(a);
     mr_view vb;
     if (b) vb = view_set(b);
-    fast_reduce(ws, reducer, U, ldm, m, &va, b ? &vb : NULL, K, key, out);
+    fast_reduce(ws, reducer, U, ldm, m, lam, &va, b ? &vb : NULL, K, key, out);
 }
 
 int kvrt_cpu_mr_reduce(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                       const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K, uint64_t key,
-                       kvrt_mr_set *out) {
+                       const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                       uint64_t key, kvrt_mr_set *out) {
     const char *fn = "kvrt_mr_reduce";
     kvrt_mr_opts def;
     kvrt_mr_opts_init(&def);
     if (o == NULL) o = &def;
-    int rc = kvrt_mr_reduce_check(fn, o, U, ldm, m, a, b, K, out);
+    int rc = kvrt_mr_reduce_check(fn, o, U, ldm, m, lam, a, b, K, out);
     if (rc) return rc;
     const int64_t n = a->n + (b ? b->n : 0);
     kvrt_mr_ws *ws = kvrt_cpu_mr_ws_create(n, a->head_dim, o->reducer == KVRT_MR_CLUSTER ? m : 1);
     if (ws == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld entries)", fn,
                                      (long long)n);
-    kvrt_cpu_mr_reduce_sets(ws, o->reducer, U, ldm, m, a, b, K, key, out);
+    kvrt_cpu_mr_reduce_sets(ws, o->reducer, U, ldm, m, o->mass_comp ? lam : NULL, a, b, K, key,
+                            out);
     kvrt_cpu_mr_ws_free(ws);
     return KVRT_OK;
 }
@@ -764,6 +880,7 @@ typedef struct {
     const float *U;
     uint32_t ldm, m;
     uint32_t head;
+    const float *lam; /* NULL: no mass compensation */
 } mr_seq;
 
 static mr_view seq_block(const mr_seq *q, int64_t K, int64_t b) {
@@ -796,7 +913,7 @@ static void tree_up(mr_tree *t, const mr_seq *seqs, int reducer, uint32_t layer,
                 b = view_set(tree_node(t, s, j - 1, 2 * i + 1));
             }
             const int64_t lo = i << j, hi = (i + 1) << j;
-            fast_reduce(ws[tid], reducer, q->U, q->ldm, q->m, &a, &b, t->K,
+            fast_reduce(ws[tid], reducer, q->U, q->ldm, q->m, q->lam, &a, &b, t->K,
                         kvrt_mr_key(seed, layer, q->head, lo, hi), tree_node(t, s, j, i));
         }
     }
@@ -868,6 +985,7 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
         q->ldm = cl ? basis->m_max : 1;
         q->m = cl ? basis->m[h] : 1;
         q->head = h;
+        q->lam = cl && o->mass_comp ? basis->lam + (size_t)h * basis->m_max : NULL;
         if (q->m > mcap) mcap = q->m;
     }
     mr_tree t;
@@ -909,7 +1027,8 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
                 continue;
             }
             const int nx = cur == 0 ? 1 : 0;
-            fast_reduce(ws[tid], o->reducer, seqs[h].U, seqs[h].ldm, seqs[h].m, &Sv, &D, L.K,
+            fast_reduce(ws[tid], o->reducer, seqs[h].U, seqs[h].ldm, seqs[h].m, seqs[h].lam, &Sv,
+                        &D, L.K,
                         kvrt_mr_key(o->seed, layer, (uint32_t)h, 0, end), buf[nx]);
             cur = nx;
             Sv = view_set(buf[cur]);
@@ -929,14 +1048,15 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
 }
 
 int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                            uint32_t layer, uint32_t head, const float *k, const float *v,
+                            const float *lam, uint32_t layer, uint32_t head, const float *k,
+                            const float *v,
                             int64_t n, int64_t ld, uint32_t head_dim, int32_t pos0, int64_t K,
                             kvrt_mr_set *const *prefixes, int n_threads) {
     const char *fn = "kvrt_mr_prefix_scan";
     kvrt_mr_opts def;
     kvrt_mr_opts_init(&def);
     if (o == NULL) o = &def;
-    int rc = kvrt_mr_seq_check(fn, o, U, ldm, m, k, v, n, ld, head_dim, pos0, K);
+    int rc = kvrt_mr_seq_check(fn, o, U, ldm, m, lam, k, v, n, ld, head_dim, pos0, K);
     if (rc) return rc;
     const int64_t nb = (n + K - 1) / K;
     if (prefixes == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: prefixes is NULL", fn);
@@ -954,7 +1074,8 @@ int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
     }
     const int nt = threads_of(n_threads);
     const uint32_t mm = o->reducer == KVRT_MR_CLUSTER ? m : 1;
-    mr_seq q = {k, v, n, ld, pos0, U, ldm, mm, head};
+    const float *lc = o->reducer == KVRT_MR_CLUSTER && o->mass_comp ? lam : NULL;
+    mr_seq q = {k, v, n, ld, pos0, U, ldm, mm, head, lc};
     mr_tree t;
     if (tree_alloc(&t, nb, K, 1, head_dim, 0) != KVRT_OK)
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld blocks)", fn, (long long)nb);
@@ -986,7 +1107,7 @@ int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
                 set_from_view(&D, prefixes[b - 1]);
             } else {
                 const mr_view P = view_set(prefixes[b - low - 1]);
-                fast_reduce(ws[tid], o->reducer, U, ldm, mm, &P, &D, K,
+                fast_reduce(ws[tid], o->reducer, U, ldm, mm, lc, &P, &D, K,
                             kvrt_mr_key(o->seed, layer, head, 0, b), prefixes[b - 1]);
             }
         }

@@ -638,7 +638,9 @@ int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
  *            s_c entries to the left child, the rest to the right; a leaf (k = 1) is one entry:
  *            weight = the sum of its weights, key and value = the weight-averaged keys and values
  *            in the full space (double, rounded to f32), position = the entry's own when the leaf
- *            holds one entry, -1 otherwise. Output order: leaves left to right.
+ *            holds one entry, -1 otherwise (with mass_comp = 1 a leaf of more than one entry
+ *            takes the compensated weight and value of kvrt_mr_opts). Output order: leaves left
+ *            to right.
  * Summaries over blocks (block indices count from the first middle block): node(lo, hi) for a
  * dyadic range (hi - lo = 2^j, lo a multiple of 2^j; a range running past the last block is cut
  * at it) is the block itself for j = 0, else REDUCE(node(lo, mid), node(mid, hi)) with key
@@ -654,7 +656,20 @@ typedef struct {
     uint32_t n_sink;      /* exact leading tokens (default 4) */
     double recent_frac;   /* exact recent window, a fraction of the budget in [0, 1) (default 0.25) */
     uint64_t seed;        /* the random reducer's seed (default 1) */
+    /* Mass compensation of the cluster reducer (0: off, the paper, default; 1: on). A leaf of
+     * n > 1 entries (w_i, k_i, v_i) becomes key sum w_i k_i / W (W = sum w_i), value
+     * sum w_i c_i v_i / sum w_i c_i and weight sum w_i c_i, with
+     *   c_i = 1 + x_i,  x_i = s^2 / 2 * sum_{j < m} lam_j (phi_ij - phibar_j)^2,  s = 1 / sqrt(d),
+     * phibar the w-weighted mean of phi over the leaf, lam the basis's eigenvalues (the query
+     * second moment along its columns): the second-order expansion of Jensen's gap
+     * E_q[sum w_i e^{s q.k_i}] / (W e^{s q.kbar}) averaged over queries (not its resummation
+     * exp(x_i), which over-compensates real queries; docs/policies/merge-reduce.md). x_i is
+     * capped at KVRT_MR_MC_MAX_X and the weight at KVRT_MR_MC_MAX_W (finite in f32); double
+     * arithmetic. A leaf of one entry is unchanged. Needs lam. */
+    int mass_comp;
 } kvrt_mr_opts;
+#define KVRT_MR_MC_MAX_X 20.0
+#define KVRT_MR_MC_MAX_W 1e30
 void kvrt_mr_opts_init(kvrt_mr_opts *o);
 const char *kvrt_mr_reducer_name(int reducer);    /* "random", "cluster"; "unknown" otherwise */
 int kvrt_mr_reducer_from_name(const char *name);  /* -1 when unknown */
@@ -665,11 +680,13 @@ uint64_t kvrt_mr_key(uint64_t seed, uint32_t layer, uint32_t head, int64_t lo, i
 
 /* The protected basis of one layer: per KV head the m_max columns U [d, m_max] (row-major: entry
  * (i, j) of head h at U[(h * d + i) * m_max + j], columns orthonormal, by decreasing eigenvalue of
- * the query second moment), and the number of columns each head uses, 1 <= m[h] <= m_max <= d. */
+ * the query second moment), and the number of columns each head uses, 1 <= m[h] <= m_max <= d.
+ * lam: the eigenvalues of the columns (>= 0, finite), needed by mass_comp = 1 only. */
 typedef struct {
     uint32_t n_kv_heads, head_dim, m_max;
     const float *U;       /* [n_kv_heads, head_dim, m_max] */
     const uint32_t *m;    /* [n_kv_heads] */
+    const float *lam;     /* [n_kv_heads, m_max] or NULL */
 } kvrt_mr_basis;
 
 /* One layer: k, v [T, Hkv, d] (post-RoPE keys, f32) -> *out, a ragged cache per KV head: sinks,
@@ -677,7 +694,8 @@ typedef struct {
  * window; dtype f32 or f16. budget: kvrt_budget_resolve (a count per KV head, or a ratio of T;
  * a count of T or more keeps every token).
  * basis: required by CLUSTER (NULL: KVRT_ERR_ARG), ignored by RANDOM; its n_kv_heads and
- * head_dim must equal Hkv and d. layer keys the random reducer. KVRT_ERR_ARG also for NaN or
+ * head_dim must equal Hkv and d; CLUSTER with mass_comp = 1 needs basis->lam (NULL, a negative or
+ * non-finite value: KVRT_ERR_ARG). layer keys the random reducer. KVRT_ERR_ARG also for NaN or
  * infinite keys or values. CPU: OpenMP over (KV head, dyadic node) of a level. */
 int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                            uint32_t layer, const float *k, const float *v, int64_t T,
@@ -719,20 +737,20 @@ int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cach
 typedef struct kvrt_mr_schedule kvrt_mr_schedule;
 int kvrt_mr_open(const kvrt_policy *p, kvrt_mr_schedule **out);
 void kvrt_mr_schedule_free(kvrt_mr_schedule *s);
-/* The compiled options (reducer, n_sink, recent_frac, seed). */
+/* The compiled options (reducer, n_sink, recent_frac, seed, mass_comp). */
 int kvrt_mr_schedule_opts(const kvrt_mr_schedule *s, kvrt_mr_opts *out);
 /* The compiled budgets [n] (ratios, ascending; valid while s lives). */
 int kvrt_mr_schedule_budgets(const kvrt_mr_schedule *s, const double **budgets, int *n);
 #define KVRT_MR_NEAREST_BUDGET 0x1u /* flag: an uncompiled budget takes the nearest one's m */
 /* The basis of `layer` with the m of a compiled budget (a ratio in (0, 1); another: KVRT_ERR_ARG
  * listing the compiled ones, unless flags has KVRT_MR_NEAREST_BUDGET: the nearest in log ratio).
- * *out views s's arrays (valid while s lives). */
+ * *out views s's arrays (valid while s lives); out->lam: the eigenvalues of the columns. */
 int kvrt_mr_schedule_basis(const kvrt_mr_schedule *s, double budget, unsigned flags,
                            uint32_t layer, kvrt_mr_basis *out);
 /* One layer with the compiled basis and options (kvrt_mr_compress_layer). o non-NULL: those
- * options, refused (KVRT_ERR_ARG naming the option) where reducer, n_sink, recent_frac or seed
- * differ from the compiled ones, unless flags has KVRT_OVERRIDE_OPTIONS. A budget that is a count
- * (>= 1) takes the m of the compiled ratio nearest to budget / T. */
+ * options, refused (KVRT_ERR_ARG naming the option) where reducer, n_sink, recent_frac, seed or
+ * mass_comp differ from the compiled ones, unless flags has KVRT_OVERRIDE_OPTIONS. A budget
+ * that is a count (>= 1) takes the m of the compiled ratio nearest to budget / T. */
 int kvrt_mr_compress_scheduled(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_mr_opts *o,
                                unsigned flags, double budget, uint32_t layer, const float *k,
                                const float *v, int64_t T, int dtype, kvrt_cache **out);

@@ -177,16 +177,19 @@ typedef struct {
 int kvrt_mr_set_create(int64_t cap, uint32_t head_dim, kvrt_mr_set **out);
 void kvrt_mr_set_free(kvrt_mr_set *s);
 /* REDUCE(a, b -> K) (kvrt.h's rules) into out (cap >= K; distinct from a and b). b may be NULL
- * (a alone). U: [d, ldm] row-major, the first m columns used (CLUSTER; ignored by RANDOM).
- * KVRT_ERR_ARG: K < 1, m outside 1..min(d, ldm) for CLUSTER, U NULL for CLUSTER, a weight <= 0 or
+ * (a alone). U: [d, ldm] row-major, the first m columns used (CLUSTER; ignored by RANDOM); lam
+ * [ldm] the eigenvalues of U's columns, the first m used (CLUSTER with o->mass_comp = 1; else
+ * ignored, NULL allowed).
+ * KVRT_ERR_ARG: K < 1, m outside 1..min(d, ldm) for CLUSTER, U NULL for CLUSTER, lam NULL or a
+ * used value negative or non-finite for CLUSTER with mass_comp, a weight <= 0 or
  * not finite, a non-finite key or value, head_dim mismatch, out too small. kvrt_mr_reduce runs
  * ctx's backend (the same bits as _ref). */
 int kvrt_mr_reduce_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                       const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K, uint64_t key,
-                       kvrt_mr_set *out);
+                       const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                       uint64_t key, kvrt_mr_set *out);
 int kvrt_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                   const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K, uint64_t key,
-                   kvrt_mr_set *out);
+                   const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                   uint64_t key, kvrt_mr_set *out);
 /* Prefill: the summaries of every causal prefix of blocks of one KV head's middle tokens: rows
  * k, v [n, d] with row stride ld (elements), row 0 at position pos0; nb = ceil(n / K) blocks;
  * prefixes [nb] caller-created sets (cap >= K) receive prefixes[b] = the summary of blocks
@@ -195,13 +198,13 @@ int kvrt_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_
  * kvrt_mr_prefix_ref: the one summary of blocks [0, b) (1 <= b <= nb) into out (cap >= K) by the
  * definition (recursive nodes, sequential fold), the same bits as prefixes[b - 1]. */
 int kvrt_mr_prefix_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
-                       uint32_t layer, uint32_t head, const float *k, const float *v, int64_t n,
-                       int64_t ld, uint32_t head_dim, int32_t pos0, int64_t K, int64_t b,
-                       kvrt_mr_set *out);
+                       const float *lam, uint32_t layer, uint32_t head, const float *k,
+                       const float *v, int64_t n, int64_t ld, uint32_t head_dim, int32_t pos0,
+                       int64_t K, int64_t b, kvrt_mr_set *out);
 int kvrt_mr_prefix_scan(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
-                        uint32_t m, uint32_t layer, uint32_t head, const float *k, const float *v,
-                        int64_t n, int64_t ld, uint32_t head_dim, int32_t pos0, int64_t K,
-                        kvrt_mr_set *const *prefixes);
+                        uint32_t m, const float *lam, uint32_t layer, uint32_t head,
+                        const float *k, const float *v, int64_t n, int64_t ld, uint32_t head_dim,
+                        int32_t pos0, int64_t K, kvrt_mr_set *const *prefixes);
 /* kvrt_mr_compress_layer in plain loops: per head the summary by kvrt_mr_prefix_ref of the last
  * prefix; the same cache bit for bit. */
 int kvrt_mr_compress_layer_ref(const kvrt_mr_opts *o, const kvrt_mr_basis *basis, uint32_t layer,

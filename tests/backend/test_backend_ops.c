@@ -1215,16 +1215,20 @@ static void test_mr_reduce(kvrt_ctx *ctx, const char *bk) {
     static const struct {
         int64_t na, nb, K;
         uint32_t d, m;
-        int reducer;
-    } shapes[] = {{64, 64, 64, 64, 32, KVRT_MR_CLUSTER}, {100, 57, 40, 64, 64, KVRT_MR_CLUSTER},
-                  {64, 64, 64, 64, 0, KVRT_MR_RANDOM}, {20, 10, 40, 32, 8, KVRT_MR_CLUSTER}};
+        int reducer, mc; /* mc: mass_comp */
+    } shapes[] = {{64, 64, 64, 64, 32, KVRT_MR_CLUSTER, 0},
+                  {100, 57, 40, 64, 64, KVRT_MR_CLUSTER, 0},
+                  {64, 64, 64, 64, 0, KVRT_MR_RANDOM, 0},
+                  {20, 10, 40, 32, 8, KVRT_MR_CLUSTER, 0},
+                  {100, 57, 40, 64, 64, KVRT_MR_CLUSTER, 1},
+                  {64, 64, 20, 64, 16, KVRT_MR_CLUSTER, 1}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t na = shapes[si].na, nb = shapes[si].nb, K = shapes[si].K;
         const uint32_t d = shapes[si].d, m = shapes[si].m ? shapes[si].m : 1;
         char shape[96];
-        snprintf(shape, sizeof shape, "n=%lld+%lld K=%lld d=%u m=%u %s", (long long)na,
+        snprintf(shape, sizeof shape, "n=%lld+%lld K=%lld d=%u m=%u %s%s", (long long)na,
                  (long long)nb, (long long)K, d, shapes[si].m,
-                 kvrt_mr_reducer_name(shapes[si].reducer));
+                 kvrt_mr_reducer_name(shapes[si].reducer), shapes[si].mc ? " mass_comp" : "");
         if (!row_runs(ctx, bk, "mr_reduce", KVRT_OP_MR_REDUCE, shape)) continue;
         uint64_t seed = 1000 + si;
         kvrt_mr_set *a = NULL, *b = NULL, *got = NULL, *ref = NULL;
@@ -1242,14 +1246,15 @@ static void test_mr_reduce(kvrt_ctx *ctx, const char *bk) {
             fill(&seed, t->w, t->n, 0.5f, 3.0f);
             for (int64_t i = 0; i < t->n; i++) t->pos[i] = (int32_t)(x * 1000 + i);
         }
-        float *U = mr_basis(&seed, 1, d, m);
+        float *U = mr_basis(&seed, 1, d, m), *lam = randf(&seed, m, 0.0f, 4.0f);
         kvrt_mr_opts o;
         kvrt_mr_opts_init(&o);
         o.reducer = shapes[si].reducer;
-        int rc = kvrt_mr_reduce_ref(&o, U, m, m, a, b, K, 77 + si, ref);
+        o.mass_comp = shapes[si].mc;
+        int rc = kvrt_mr_reduce_ref(&o, U, m, m, lam, a, b, K, 77 + si, ref);
         if (rc != KVRT_OK) {
             report_error("mr_reduce", bk, shape, rc, "kvrt_mr_reduce_ref");
-        } else if ((rc = ctx->ops->mr_reduce(ctx, &o, U, m, m, a, b, K, 77 + si, got)) !=
+        } else if ((rc = ctx->ops->mr_reduce(ctx, &o, U, m, m, lam, a, b, K, 77 + si, got)) !=
                    KVRT_OK) {
             report_error("mr_reduce", bk, shape, rc, "mr_reduce");
         } else {
@@ -1268,6 +1273,7 @@ static void test_mr_reduce(kvrt_ctx *ctx, const char *bk) {
                    same ? "bitwise" : NULL);
         }
         free(U);
+        free(lam);
         kvrt_mr_set_free(a);
         kvrt_mr_set_free(b);
         kvrt_mr_set_free(got);
@@ -1280,30 +1286,32 @@ static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
         int64_t T;
         uint32_t Hkv, d, m;
         double budget;
-        int reducer, dtype;
-    } shapes[] = {{1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32},
-                  {517, 2, 64, 16, 0.2, KVRT_MR_CLUSTER, KVRT_DTYPE_F16},
-                  {1024, 3, 64, 0, 0.05, KVRT_MR_RANDOM, KVRT_DTYPE_F32},
-                  {300, 2, 32, 8, 310, KVRT_MR_CLUSTER, KVRT_DTYPE_F32}};
+        int reducer, dtype, mc; /* mc: mass_comp */
+    } shapes[] = {{1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 0},
+                  {517, 2, 64, 16, 0.2, KVRT_MR_CLUSTER, KVRT_DTYPE_F16, 0},
+                  {1024, 3, 64, 0, 0.05, KVRT_MR_RANDOM, KVRT_DTYPE_F32, 0},
+                  {300, 2, 32, 8, 310, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 0},
+                  {1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 1}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T;
         const uint32_t Hkv = shapes[si].Hkv, d = shapes[si].d;
         const uint32_t mm = shapes[si].m ? shapes[si].m : 1;
         const int64_t nk = T * Hkv * d;
         char shape[96];
-        snprintf(shape, sizeof shape, "T=%lld Hkv=%u d=%u m=%u budget=%g %s %s", (long long)T,
+        snprintf(shape, sizeof shape, "T=%lld Hkv=%u d=%u m=%u budget=%g %s%s %s", (long long)T,
                  Hkv, d, shapes[si].m, shapes[si].budget,
-                 kvrt_mr_reducer_name(shapes[si].reducer),
+                 kvrt_mr_reducer_name(shapes[si].reducer), shapes[si].mc ? " mass_comp" : "",
                  shapes[si].dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
         if (!row_runs(ctx, bk, "mr_compress", KVRT_OP_MR_COMPRESS, shape)) continue;
         uint64_t seed = 1100 + si;
         float *k = randf(&seed, nk, -1.0f, 1.0f), *v = randf(&seed, nk, -1.0f, 1.0f);
-        float *U = mr_basis(&seed, Hkv, d, mm);
+        float *U = mr_basis(&seed, Hkv, d, mm), *lam = randf(&seed, (int64_t)Hkv * mm, 0.0f, 4.0f);
         uint32_t m[4] = {mm, mm > 1 ? mm - 1 : 1, mm, mm};
-        const kvrt_mr_basis basis = {Hkv, d, mm, U, m};
+        const kvrt_mr_basis basis = {Hkv, d, mm, U, m, lam};
         kvrt_mr_opts o;
         kvrt_mr_opts_init(&o);
         o.reducer = shapes[si].reducer;
+        o.mass_comp = shapes[si].mc;
         kvrt_cache *ref = NULL, *got = NULL;
         int rc = kvrt_mr_compress_layer_ref(&o, &basis, 3, k, v, T, Hkv, d, shapes[si].budget,
                                             shapes[si].dtype, &ref);
@@ -1337,6 +1345,7 @@ static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
         free(k);
         free(v);
         free(U);
+        free(lam);
     }
 }
 

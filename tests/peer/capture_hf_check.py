@@ -185,7 +185,8 @@ def tiny(capture, reader, tmp):
 
     # the reader refuses a corpus of another model
     r = run([reader, files["f16"], "--expect", f"{L},{H},{Hkv},{d},300,10000"])
-    check(r.returncode == 0, "read_corpus --expect (the right model) accepts the corpus")
+    check(r.returncode == 0, "read_corpus --expect (the right model) accepts the corpus"
+          + ("" if r.returncode == 0 else f": exit {r.returncode}: {r.stdout.strip()} {r.stderr.strip()}"))
     for bad, what in ((f"{L},8,{Hkv},{d},300,10000", "n_heads 8"), (f"3,{H},{Hkv},{d},300,10000", "n_layers 3"),
                       (f"{L},{H},{Hkv},{d},300,500000", "rope_theta 500000")):
         r = run([reader, files["f16"], "--expect", bad])

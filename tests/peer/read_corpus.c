@@ -62,7 +62,6 @@ int main(int argc, char **argv) {
             fprintf(stderr, "read_corpus: --expect: got '%s', expected L,H,HKV,D,V,THETA\n", expect_s);
             return 2;
         }
-        snprintf(ex.name, sizeof ex.name, "expected");
         expect = &ex;
     }
     if (dir && mkdir(dir, 0755) != 0 && errno != EEXIST) {

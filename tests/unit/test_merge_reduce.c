@@ -52,10 +52,16 @@ static kvrt_ctx *ctx_threads(int n) {
 }
 static int has(const char *needle) { return strstr(kvrt_last_error()->msg, needle) != NULL; }
 
+/* The reducers under test: KVRT_MR_RANDOM, KVRT_MR_CLUSTER and MC, the cluster reducer with
+ * mass compensation. */
+#define MC 2
+static const char *rname(int r) { return r == MC ? "cluster-mc" : kvrt_mr_reducer_name(r); }
+
 static kvrt_mr_opts opts(int reducer, uint32_t n_sink, double recent_frac, uint64_t seed) {
     kvrt_mr_opts o;
     kvrt_mr_opts_init(&o);
-    o.reducer = reducer;
+    o.reducer = reducer == MC ? KVRT_MR_CLUSTER : reducer;
+    o.mass_comp = reducer == MC;
     o.n_sink = n_sink;
     o.recent_frac = recent_frac;
     o.seed = seed;
@@ -66,12 +72,16 @@ static kvrt_mr_opts opts(int reducer, uint32_t n_sink, double recent_frac, uint6
 typedef struct {
     float *U;
     uint32_t *m;
+    float *lam; /* [Hkv, m_max] */
     kvrt_mr_basis b;
 } basis_buf;
 static void basis_random(basis_buf *bb, uint32_t Hkv, uint32_t d, uint32_t m_max, uint32_t m,
                          uint64_t *seed) {
     bb->U = malloc(sizeof(float) * Hkv * d * m_max);
     bb->m = malloc(sizeof(uint32_t) * Hkv);
+    bb->lam = malloc(sizeof(float) * Hkv * m_max);
+    for (uint32_t i = 0; i < Hkv * m_max; i++) /* decreasing, c_i of order e^1 on unit keys */
+        bb->lam[i] = 4.0f * (float)d / (float)(1 + i % m_max);
     double *col = malloc(sizeof(double) * d * m_max);
     for (uint32_t h = 0; h < Hkv; h++) {
         for (uint32_t j = 0; j < m_max; j++) {
@@ -93,11 +103,12 @@ static void basis_random(basis_buf *bb, uint32_t Hkv, uint32_t d, uint32_t m_max
         bb->m[h] = m < m_max ? m + (h % 2 == 1 && m + 1 <= m_max) : m_max;
     }
     free(col);
-    bb->b = (kvrt_mr_basis){Hkv, d, m_max, bb->U, bb->m};
+    bb->b = (kvrt_mr_basis){Hkv, d, m_max, bb->U, bb->m, bb->lam};
 }
 static void basis_free(basis_buf *bb) {
     free(bb->U);
     free(bb->m);
+    free(bb->lam);
 }
 
 /* A set of n entries from rows k, v [n, d] (contiguous), weights w (NULL: 1), pos pos0 + i. */
@@ -232,7 +243,7 @@ Test(merge_reduce, weighted_attention_equals_expanded_multiset) {
  * unit weights also the cluster sizes (floor/ceil of n / K) and the random scaling. */
 static void reduce_case(kvrt_ctx *ctx, int reducer, const float *k, const float *v, int64_t na,
                         int64_t nb, int64_t K, uint32_t d, const float *U, uint32_t ldm,
-                        uint32_t m, const float *w, uint64_t key) {
+                        uint32_t m, const float *lam, const float *w, uint64_t key) {
     const kvrt_mr_opts o = opts(reducer, 4, 0.25, 3);
     kvrt_mr_set *a = set_of(k, v, na, na ? na : 1, d, w, 100);
     kvrt_mr_set *b = nb ? set_of(k + (size_t)na * d, v + (size_t)na * d, nb, nb, d,
@@ -240,13 +251,13 @@ static void reduce_case(kvrt_ctx *ctx, int reducer, const float *k, const float 
     kvrt_mr_set *r1 = NULL, *r2 = NULL;
     cr_assert_eq(kvrt_mr_set_create(K, d, &r1), KVRT_OK);
     cr_assert_eq(kvrt_mr_set_create(K, d, &r2), KVRT_OK);
-    cr_assert_eq(kvrt_mr_reduce(ctx, &o, U, ldm, m, a, b, K, key, r1), KVRT_OK, "%s",
+    cr_assert_eq(kvrt_mr_reduce(ctx, &o, U, ldm, m, lam, a, b, K, key, r1), KVRT_OK, "%s",
                  kvrt_last_error()->msg);
-    cr_assert_eq(kvrt_mr_reduce_ref(&o, U, ldm, m, a, b, K, key, r2), KVRT_OK, "%s",
+    cr_assert_eq(kvrt_mr_reduce_ref(&o, U, ldm, m, lam, a, b, K, key, r2), KVRT_OK, "%s",
                  kvrt_last_error()->msg);
     const int64_t n = na + nb;
     cr_expect(set_eq(r1, r2), "%s n_a %lld n_b %lld K %lld: fast != ref",
-              kvrt_mr_reducer_name(reducer), (long long)na, (long long)nb, (long long)K);
+              rname(reducer), (long long)na, (long long)nb, (long long)K);
     cr_expect_eq(r1->n, n <= K ? n : K);
     if (n <= K) { /* the union as is */
         for (int64_t i = 0; i < n; i++)
@@ -295,12 +306,12 @@ Test(merge_reduce, reduce_matches_ref_random_keys) {
         {3, 4, 8}, {5, 3, 8}, {0, 6, 6}, {8, 5, 8}, {8, 8, 8}, {16, 16, 16}, {9, 0, 8},
         {30, 30, 7}, {100, 61, 20}, {1, 1, 1}, {37, 0, 36}, {200, 200, 3}};
     kvrt_ctx *c2 = ctx_threads(2);
-    for (int r = 0; r < 2; r++)
+    for (int r = 0; r < 3; r++)
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
             for (int wt = 0; wt < 2; wt++) {
                 const uint32_t m = i % 3 == 0 ? m_max : i % 3 == 1 ? 1 : 5;
                 reduce_case(i % 2 ? c2 : test_cpu(), r, k, v, cases[i].na, cases[i].nb,
-                            cases[i].K, d, bb.U, m_max, m, wt ? w : NULL, 77 + i);
+                            cases[i].K, d, bb.U, m_max, m, bb.lam, wt ? w : NULL, 77 + i);
             }
     kvrt_ctx_free(c2);
     basis_free(&bb);
@@ -367,6 +378,7 @@ static void basis_from_queries(const real_window *w, uint32_t l, uint32_t m, bas
     const uint32_t d = w->d, Hkv = w->Hkv, G = w->H / w->Hkv;
     bb->U = malloc(sizeof(float) * Hkv * d * d);
     bb->m = malloc(sizeof(uint32_t) * Hkv);
+    bb->lam = malloc(sizeof(float) * Hkv * d);
     double *M = malloc(sizeof(double) * d * d), *ev = malloc(sizeof(double) * d);
     for (uint32_t h = 0; h < Hkv; h++) {
         memset(M, 0, sizeof(double) * d * d);
@@ -381,11 +393,13 @@ static void basis_from_queries(const real_window *w, uint32_t l, uint32_t m, bas
         for (uint32_t i = 0; i < d; i++) /* ascending eigenvalues: column d - 1 - j first */
             for (uint32_t j = 0; j < d; j++)
                 bb->U[((size_t)h * d + i) * d + j] = (float)M[i * d + (d - 1 - j)];
+        for (uint32_t j = 0; j < d; j++) /* the second moment's eigenvalues, descending */
+            bb->lam[h * d + j] = (float)fmax(ev[d - 1 - j] / (double)(w->C * G), 0.0);
         bb->m[h] = m;
     }
     free(M);
     free(ev);
-    bb->b = (kvrt_mr_basis){Hkv, d, d, bb->U, bb->m};
+    bb->b = (kvrt_mr_basis){Hkv, d, d, bb->U, bb->m, bb->lam};
 }
 
 /* Layer-local attention error of cache c against the full context: the continuation's queries
@@ -409,6 +423,32 @@ static double attn_error(const real_window *w, uint32_t l, const kvrt_cache *c,
     return num / den;
 }
 
+/* The attention mass of cache c against the full context: per (continuation query, head) the
+ * ratio exp(lse_c - lse_full) of softmax denominators; *mean its mean, *dev the mean of
+ * |lse_c - lse_full| (|log ratio|: how far from the full mass, robust to a few far queries). */
+static void attn_mass(const real_window *w, uint32_t l, const kvrt_cache *c,
+                      const kvrt_cache *full, double *mean, double *dev) {
+    const int64_t nq = w->T - w->C;
+    const size_t no = (size_t)nq * w->H * w->d, nl = (size_t)nq * w->H;
+    float *o = malloc(sizeof(float) * no), *l1 = malloc(sizeof(float) * nl);
+    float *l2 = malloc(sizeof(float) * nl);
+    const float *q = w->q[l] + (size_t)w->C * w->H * w->d;
+    const float scale = 1.0f / sqrtf((float)w->d);
+    cr_assert_eq(kvrt_attend(test_cpu(), q, nq, w->H, c, NULL, NULL, 0, scale, o, l1), 0);
+    cr_assert_eq(kvrt_attend(test_cpu(), q, nq, w->H, full, NULL, NULL, 0, scale, o, l2), 0);
+    double s = 0, a = 0;
+    for (size_t i = 0; i < nl; i++) {
+        const double r = exp((double)l1[i] - (double)l2[i]);
+        s += r;
+        a += fabs((double)l1[i] - (double)l2[i]);
+    }
+    *mean = s / (double)nl;
+    *dev = a / (double)nl;
+    free(o);
+    free(l1);
+    free(l2);
+}
+
 Test(merge_reduce, real_keys_reduce_layer_and_golden, .timeout = 600) {
     real_window w;
     real_capture(&w, 512, 32);
@@ -426,20 +466,23 @@ Test(merge_reduce, real_keys_reduce_layer_and_golden, .timeout = 600) {
                 memcpy(v + (size_t)t * d, w.v[l] + ((size_t)(t + 4) * Hkv + h) * d,
                        sizeof(float) * d);
             }
-            const float *U = bb.U + (size_t)h * d * d;
-            for (int r = 0; r < 2; r++) {
-                reduce_case(test_cpu(), r, k, v, 20, 20, 48, d, U, d, 16, NULL, 9);
-                reduce_case(test_cpu(), r, k, v, 40, 32, 40, d, U, d, d, NULL, 9);
-                reduce_case(test_cpu(), r, k, v, 150, 150, 64, d, U, d, 32, NULL, 9);
+            const float *U = bb.U + (size_t)h * d * d, *lam = bb.lam + (size_t)h * d;
+            for (int r = 0; r < 3; r++) {
+                reduce_case(test_cpu(), r, k, v, 20, 20, 48, d, U, d, 16, lam, NULL, 9);
+                reduce_case(test_cpu(), r, k, v, 40, 32, 40, d, U, d, d, lam, NULL, 9);
+                reduce_case(test_cpu(), r, k, v, 150, 150, 64, d, U, d, 32, lam, NULL, 9);
             }
             free(k);
             free(v);
         }
         basis_free(&bb);
     }
-    /* the layer call against its _ref, and the golden check: clustering with m = d beats random
-     * sampling at the same K in layer-local attention error, summed over layers */
-    double err[2] = {0, 0};
+    /* the layer call against its _ref, and the golden checks: clustering with m = d beats random
+     * sampling at the same K in layer-local attention error, summed over layers; the mass
+     * compensation brings the attention mass (the softmax denominator over the context, from
+     * kvrt_attend's lse) closer to the full cache's than the plain cluster summary, averaged
+     * over heads (and queries and layers) */
+    double err[3] = {0, 0, 0}, mass[3] = {0, 0, 0}, dmass[3] = {0, 0, 0};
     const double budget = 0.1;
     for (uint32_t l = 0; l < w.L; l++) {
         basis_buf bb;
@@ -449,8 +492,8 @@ Test(merge_reduce, real_keys_reduce_layer_and_golden, .timeout = 600) {
         cr_assert_eq(kvrt_mr_compress_layer(test_cpu(), &o, &bb.b, l, w.k[l], w.v[l], w.C, Hkv,
                                             d, (double)w.C, KVRT_DTYPE_F32, &full), KVRT_OK);
         cr_assert_eq(full->n_entries, w.C * Hkv);
-        for (int r = 0; r < 2; r++) {
-            o.reducer = r;
+        for (int r = 0; r < 3; r++) {
+            o = opts(r, 4, 0.25, 1);
             kvrt_cache *a = NULL, *b = NULL;
             cr_assert_eq(kvrt_mr_compress_layer(c3, &o, &bb.b, l, w.k[l], w.v[l], w.C, Hkv, d,
                                                 budget, KVRT_DTYPE_F32, &a), KVRT_OK, "%s",
@@ -458,11 +501,14 @@ Test(merge_reduce, real_keys_reduce_layer_and_golden, .timeout = 600) {
             if (l % 10 == 0) {
                 cr_assert_eq(kvrt_mr_compress_layer_ref(&o, &bb.b, l, w.k[l], w.v[l], w.C, Hkv, d,
                                                         budget, KVRT_DTYPE_F32, &b), KVRT_OK);
-                cr_expect(cache_eq(a, b), "layer %u %s: fast != ref", l,
-                          kvrt_mr_reducer_name(r));
+                cr_expect(cache_eq(a, b), "layer %u %s: fast != ref", l, rname(r));
                 kvrt_cache_free(b);
             }
             err[r] += attn_error(&w, l, a, full);
+            double mr, dm;
+            attn_mass(&w, l, a, full, &mr, &dm);
+            mass[r] += mr / w.L;
+            dmass[r] += dm / w.L;
             kvrt_cache_free(a);
         }
         kvrt_cache_free(full);
@@ -471,6 +517,12 @@ Test(merge_reduce, real_keys_reduce_layer_and_golden, .timeout = 600) {
     cr_log_info("real window C = %lld, budget %g: layer-local error summed over %u layers: "
                 "random %.4g, cluster (m = d) %.4g", (long long)w.C, budget, w.L, err[0], err[1]);
     cr_expect(err[1] < err[0], "cluster %g, random %g", err[1], err[0]);
+    cr_log_info("attention mass (mean over layers, heads, queries; full = 1): random %.4g, "
+                "cluster %.4g, cluster-mc %.4g; mean |log mass|: %.4g, %.4g, %.4g; error "
+                "cluster-mc %.4g", mass[0], mass[1], mass[2], dmass[0], dmass[1], dmass[2],
+                err[2]);
+    cr_expect(dmass[2] < dmass[1], "mean |log mass|: cluster-mc %g, cluster %g", dmass[2],
+              dmass[1]);
     kvrt_ctx_free(c3);
     real_free(&w);
 }
@@ -502,7 +554,7 @@ Test(merge_reduce, random_sampling_is_unbiased) {
     const int S = 4000;
     double mean[9] = {0}, m2[9] = {0};
     for (int s = 0; s < S; s++) {
-        cr_assert_eq(kvrt_mr_reduce(test_cpu(), &o, NULL, 0, 0, a, b, K,
+        cr_assert_eq(kvrt_mr_reduce(test_cpu(), &o, NULL, 0, 0, NULL, a, b, K,
                                     kvrt_mr_key((uint64_t)s, 0, 0, 0, 2), r), KVRT_OK);
         cr_assert_eq(r->n, K);
         double est[9] = {0};
@@ -554,22 +606,22 @@ Test(merge_reduce, scan_matches_prefix_ref_every_prefix) {
         const int64_t n = cases[ci].n, K = cases[ci].K, nb = (n + K - 1) / K;
         float *k = randn_f((size_t)n * 3 * d, &seed, 1.0), *v = randn_f((size_t)n * 3 * d, &seed,
                                                                         1.0);
-        for (int r = 0; r < 2; r++) {
+        for (int r = 0; r < 3; r++) {
             const kvrt_mr_opts o = opts(r, 0, 0.0, 7);
             kvrt_mr_set **pre = calloc((size_t)nb, sizeof *pre);
             kvrt_mr_set *ref = NULL;
             cr_assert_eq(kvrt_mr_set_create(K, d, &ref), KVRT_OK);
             for (int64_t b = 0; b < nb; b++) cr_assert_eq(kvrt_mr_set_create(K, d, &pre[b]), 0);
             for (int t = 0; t < 3; t++) {
-                cr_assert_eq(kvrt_mr_prefix_scan(ctx[t], &o, bb.U, m_max, 6, 2, 1, k + d, v + d,
-                                                 n, ld, d, 10, K, pre), KVRT_OK, "%s",
+                cr_assert_eq(kvrt_mr_prefix_scan(ctx[t], &o, bb.U, m_max, 6, bb.lam, 2, 1, k + d,
+                                                 v + d, n, ld, d, 10, K, pre), KVRT_OK, "%s",
                              kvrt_last_error()->msg);
                 for (int64_t b = 1; b <= nb; b++) {
-                    cr_assert_eq(kvrt_mr_prefix_ref(&o, bb.U, m_max, 6, 2, 1, k + d, v + d, n, ld,
-                                                    d, 10, K, b, ref), KVRT_OK, "%s",
+                    cr_assert_eq(kvrt_mr_prefix_ref(&o, bb.U, m_max, 6, bb.lam, 2, 1, k + d, v + d,
+                                                    n, ld, d, 10, K, b, ref), KVRT_OK, "%s",
                                  kvrt_last_error()->msg);
                     cr_expect(set_eq(pre[b - 1], ref), "%s n %lld K %lld prefix %lld threads %d",
-                              kvrt_mr_reducer_name(r), (long long)n, (long long)K, (long long)b,
+                              rname(r), (long long)n, (long long)K, (long long)b,
                               t + 1);
                     double sw = 0;
                     for (int64_t i = 0; i < ref->n; i++) sw += ref->w[i];
@@ -606,7 +658,7 @@ Test(merge_reduce, compress_layer_matches_ref_and_threads) {
         const int64_t T = cases[ci].T;
         float *k = randn_f((size_t)T * Hkv * d, &seed, 1.0);
         float *v = randn_f((size_t)T * Hkv * d, &seed, 1.0);
-        for (int r = 0; r < 2; r++)
+        for (int r = 0; r < 3; r++)
             for (int dt = 0; dt < 2; dt++) {
                 const int dtype = dt ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32;
                 const kvrt_mr_opts o = opts(r, cases[ci].n_sink, cases[ci].rf, 5 + ci);
@@ -620,7 +672,7 @@ Test(merge_reduce, compress_layer_matches_ref_and_threads) {
                                                         cases[ci].budget, dtype, &c), KVRT_OK,
                                  "%s", kvrt_last_error()->msg);
                     cr_expect(cache_eq(c, ref), "case %zu %s dtype %d threads %d: != ref", ci,
-                              kvrt_mr_reducer_name(r), dtype, t + 1);
+                              rname(r), dtype, t + 1);
                     kvrt_cache_free(c);
                 }
                 kvrt_cache_free(ref);
@@ -736,7 +788,7 @@ static void stream_case(int reducer, int64_t T, int64_t K, int64_t n_recent, uin
                                             KVRT_DTYPE_F32, &ref), KVRT_OK, "%s",
                      kvrt_last_error()->msg);
         cr_expect(cache_eq(c1, ref), "%s T %lld K %lld n_recent %lld n_sink %u chunk %lld: fold "
-                  "1 != kvrt_mr_compress_layer", kvrt_mr_reducer_name(reducer), (long long)t,
+                  "1 != kvrt_mr_compress_layer", rname(reducer), (long long)t,
                   (long long)K, (long long)n_recent, n_sink, (long long)chunk);
         kvrt_cache_free(c0);
         kvrt_cache_free(c1);
@@ -750,7 +802,7 @@ static void stream_case(int reducer, int64_t T, int64_t K, int64_t n_recent, uin
 
 Test(merge_reduce, stream_fold_equals_compress_layer) {
     uint64_t seed = 61;
-    for (int r = 0; r < 2; r++) {
+    for (int r = 0; r < 3; r++) {
         stream_case(r, 150, 5, 3, 2, 1, &seed);
         stream_case(r, 97, 8, 0, 0, 1, &seed);
         stream_case(r, 140, 4, 10, 4, 1, &seed);
@@ -884,39 +936,74 @@ Test(merge_reduce, bad_inputs) {
     cr_assert_eq(kvrt_mr_set_create(3, d, &r3), KVRT_OK);
     cr_assert_eq(kvrt_mr_set_create(8, 16, &r16), KVRT_OK);
     const float *U = bb.U;
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 5, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 5, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     cr_expect(has("m = 5, expected 1..4"), "%s", kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 16, 9, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 16, 9, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     cr_expect(has("m = 9, expected 1..8 (min(head_dim 8, ldm 16))"), "%s",
               kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 0, a, b, 8, 1, r), KVRT_ERR_ARG);
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, NULL, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 0, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, NULL, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     cr_expect(has("needs a basis (U is NULL)"));
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 0, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 0, 1, r), KVRT_ERR_ARG);
     cr_expect(has("K = 0, expected >= 1"));
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r3), KVRT_ERR_ARG);
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r16), KVRT_ERR_ARG);
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, a), KVRT_ERR_ARG);
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, b, 8, 1, r), KVRT_ERR_ARG);
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, NULL), KVRT_ERR_ARG);
-    cr_expect_eq(kvrt_mr_reduce(NULL, &o, U, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r3), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r16), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, a), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, NULL, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, NULL), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(NULL, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     b->w[3] = 0.0f;
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     cr_expect(has("b weight 3 is 0, expected finite and > 0"), "%s", kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_mr_reduce_ref(&o, U, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce_ref(&o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     b->w[3] = -2.0f;
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     b->w[3] = NAN;
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     b->w[3] = 1.0f;
     a->k[2 * d + 1] = NAN;
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     cr_expect(has("a key 2 is not finite"), "%s", kvrt_last_error()->msg);
     a->k[2 * d + 1] = 0.0f;
     a->v[0] = -INFINITY;
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     a->v[0] = 0.0f;
-    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, a, b, 8, 1, r), KVRT_OK);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_OK);
+    /* mass compensation: 0 or 1, needs lam (finite, >= 0) with the cluster reducer only */
+    float lam[4] = {3.0f, 2.0f, 1.0f, -1.0f};
+    o.mass_comp = 2;
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, lam, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect(has("mass_comp 2, expected 0 (off) or 1 (on)"), "%s", kvrt_last_error()->msg);
+    o.mass_comp = 1;
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect(has("needs the eigenvalues (lam is NULL)"), "%s", kvrt_last_error()->msg);
+    cr_expect_eq(kvrt_mr_reduce_ref(&o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_prefix_ref(&o, U, 4, 3, NULL, 0, 0, k, v, 100, d, d, 0, 8, 1, r),
+                 KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, lam, a, b, 8, 1, r), KVRT_OK); /* lam[3] unused */
+    lam[1] = -0.5f;
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, lam, a, b, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect(has("lam[1] = -0.5, expected finite and >= 0"), "%s", kvrt_last_error()->msg);
+    lam[1] = INFINITY;
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, lam, a, b, 8, 1, r), KVRT_ERR_ARG);
+    lam[1] = NAN;
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, lam, a, b, 8, 1, r), KVRT_ERR_ARG);
+    o.reducer = KVRT_MR_RANDOM; /* ignores lam */
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_OK);
+    o.reducer = KVRT_MR_CLUSTER;
+    kvrt_mr_basis nolam = bb.b;
+    nolam.lam = NULL;
+    cr_expect_eq(kvrt_mr_compress_layer(ctx, &o, &nolam, 0, k, v, 100, Hkv, d, 20,
+                                        KVRT_DTYPE_F32, &c), KVRT_ERR_ARG);
+    cr_expect(has("basis lam is NULL"), "%s", kvrt_last_error()->msg);
+    kvrt_mr_stream *s0 = NULL;
+    cr_expect_eq(kvrt_mr_stream_create(ctx, &o, &nolam, 0, Hkv, d, 8, 4, &s0), KVRT_ERR_ARG);
+    cr_expect_null(s0);
+    o.mass_comp = 0;
+    cr_expect_eq(kvrt_mr_compress_layer(ctx, &o, &nolam, 0, k, v, 100, Hkv, d, 20,
+                                        KVRT_DTYPE_F32, &c), KVRT_OK);
+    kvrt_cache_free(c);
+    c = NULL;
     cr_expect_eq(kvrt_mr_set_create(0, d, &r3), KVRT_ERR_ARG);
     cr_expect_null(r3);
     cr_expect_eq(kvrt_mr_set_create(4, 8, NULL), KVRT_ERR_ARG);
@@ -950,22 +1037,22 @@ Test(merge_reduce, bad_inputs) {
     /* the sequence calls */
     kvrt_mr_set *pre[13] = {0};
     for (int i = 0; i < 13; i++) cr_assert_eq(kvrt_mr_set_create(8, d, &pre[i]), KVRT_OK);
-    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, 0, 0, k, v, 100, d, d, 0, 8, pre),
+    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, NULL, 0, 0, k, v, 100, d, d, 0, 8, pre),
                  KVRT_OK, "%s", kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, 0, 0, k, v, 100, d - 1, d, 0, 8, pre),
-                 KVRT_ERR_ARG);
-    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, 0, 0, k, v, 100, d, d, 0, 8, NULL),
+    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, NULL, 0, 0, k, v, 100, d - 1, d, 0, 8,
+                                     pre), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, NULL, 0, 0, k, v, 100, d, d, 0, 8, NULL),
                  KVRT_ERR_ARG);
     kvrt_mr_set *keep = pre[12];
     pre[12] = pre[0];
-    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, 0, 0, k, v, 100, d, d, 0, 8, pre),
+    cr_expect_eq(kvrt_mr_prefix_scan(ctx, &o, U, 4, 3, NULL, 0, 0, k, v, 100, d, d, 0, 8, pre),
                  KVRT_ERR_ARG);
     cr_expect(has("prefixes[0] and prefixes[12] are the same set"), "%s", kvrt_last_error()->msg);
     pre[12] = keep;
-    cr_expect_eq(kvrt_mr_prefix_ref(&o, U, 4, 3, 0, 0, k, v, 100, d, d, 0, 8, 14, r),
+    cr_expect_eq(kvrt_mr_prefix_ref(&o, U, 4, 3, NULL, 0, 0, k, v, 100, d, d, 0, 8, 14, r),
                  KVRT_ERR_ARG);
     cr_expect(has("b = 14, expected 1..13"), "%s", kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_mr_prefix_ref(&o, U, 4, 3, 0, 0, k, v, 100, d, d, 0, 0, 1, r),
+    cr_expect_eq(kvrt_mr_prefix_ref(&o, U, 4, 3, NULL, 0, 0, k, v, 100, d, d, 0, 0, 1, r),
                  KVRT_ERR_ARG);
     for (int i = 0; i < 13; i++) kvrt_mr_set_free(pre[i]);
 
@@ -995,6 +1082,8 @@ typedef struct {
     const char *reducer;
     int64_t n_sink, seed;
     double recent_frac;
+    int mc_item;               /* write item mass_comp (0: absent) */
+    int64_t mass_comp;
 } art_spec;
 
 static art_spec spec_ok(void) {
@@ -1033,6 +1122,7 @@ static kvrt_policy *open_art(const art_spec *s, void **buf, float **basis_out) {
                                                              U);
         const uint64_t ed[3] = {s->L, s->Hkv, s->eig_d};
         float *eig = calloc(s->L * s->Hkv * s->eig_d + 1, sizeof(float));
+        for (size_t i = 0; i < s->L * s->Hkv * s->eig_d; i++) eig[i] = (float)(i % 7);
         if (!kc && want(s, "eigenvalues"))
             kc = kvpol_writer_add_tensor(w, "eigenvalues", KVPOL_DTYPE_F32, 3, ed, eig);
         free(eig);
@@ -1060,6 +1150,9 @@ static kvrt_policy *open_art(const art_spec *s, void **buf, float **basis_out) {
             kc = typed(s, "recent_frac") ? kvpol_writer_add_string(w, "recent_frac", "0", 1)
                                          : kvpol_writer_add_f64(w, "recent_frac", s->recent_frac);
         if (!kc && want(s, "seed")) kc = kvpol_writer_add_i64(w, "seed", s->seed);
+        if (!kc && s->mc_item)
+            kc = typed(s, "mass_comp") ? kvpol_writer_add_f64(w, "mass_comp", 1.0)
+                                       : kvpol_writer_add_i64(w, "mass_comp", s->mass_comp);
         if (!kc) kc = kvpol_writer_end_section(w);
     }
     /* merge-reduce.report: optional, never read by the runtime */
@@ -1095,12 +1188,15 @@ Test(merge_reduce, schedule_handle) {
     kvrt_mr_opts co;
     cr_assert_eq(kvrt_mr_schedule_opts(s, &co), KVRT_OK);
     cr_expect(co.reducer == KVRT_MR_CLUSTER && co.n_sink == 2 && co.recent_frac == 0.125 &&
-              co.seed == 7);
+              co.seed == 7 && co.mass_comp == 0, "mass_comp absent: 0");
     kvrt_mr_basis b;
     cr_assert_eq(kvrt_mr_schedule_basis(s, 0.1, 0, 1, &b), KVRT_OK);
     cr_expect(b.n_kv_heads == 2 && b.head_dim == 16 && b.m_max == 8);
     cr_expect(b.m[0] == 8 && b.m[1] == 1, "m of budget 0.1, layer 1: %u %u", b.m[0], b.m[1]);
     cr_expect(memcmp(b.U, U + 2 * 16 * 8, sizeof(float) * 2 * 16 * 8) == 0);
+    for (uint32_t h = 0; h < 2; h++) /* lam: the first m_max eigenvalues of each row */
+        for (uint32_t j = 0; j < 8; j++)
+            cr_expect(b.lam[h * 8 + j] == (float)(((2 + h) * 16 + j) % 7), "lam[%u, %u]", h, j);
     cr_expect_eq(kvrt_mr_schedule_basis(s, 0.2, 0, 0, &b), KVRT_ERR_ARG);
     cr_expect(has("budget 0.2 is not compiled (compiled: 0.05, 0.1, 0.5"), "%s",
               kvrt_last_error()->msg);
@@ -1154,7 +1250,8 @@ Test(merge_reduce, schedule_handle) {
         {"reducer random differs from the compiled cluster", 0},
         {"n_sink 4 differs from the compiled 2", 1},
         {"recent_frac 0.25 differs from the compiled 0.125", 2},
-        {"seed 1 differs from the compiled 7", 3}};
+        {"seed 1 differs from the compiled 7", 3},
+        {"mass_comp 1 differs from the compiled 0", 4}};
     cr_assert_eq(kvrt_mr_compress_scheduled(test_cpu(), s, &co, 0, 0.1, 1, k, v, T,
                                             KVRT_DTYPE_F32, &c1), KVRT_OK);
     kvrt_cache_free(c1);
@@ -1164,7 +1261,8 @@ Test(merge_reduce, schedule_handle) {
         case 0: x.reducer = KVRT_MR_RANDOM; break;
         case 1: x.n_sink = 4; break;
         case 2: x.recent_frac = 0.25; break;
-        default: x.seed = 1; break;
+        case 3: x.seed = 1; break;
+        default: x.mass_comp = 1; break;
         }
         c1 = (kvrt_cache *)&x;
         cr_expect_eq(kvrt_mr_compress_scheduled(test_cpu(), s, &x, 0, 0.1, 1, k, v, T,
@@ -1193,10 +1291,38 @@ Test(merge_reduce, schedule_handle) {
     kvrt_policy_free(pol);
     free(buf);
     cr_expect_eq(kvrt_mr_open(NULL, &s), KVRT_ERR_ARG);
+    /* an artifact compiled with mass compensation */
+    sp.mc_item = 1;
+    sp.mass_comp = 1;
+    pol = open_art(&sp, &buf, NULL);
+    cr_assert_eq(kvrt_mr_open(pol, &s), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_mr_schedule_opts(s, &co), KVRT_OK);
+    cr_expect_eq(co.mass_comp, 1);
+    k = randn_f((size_t)T * 2 * 16, &seed, 1.0);
+    v = randn_f((size_t)T * 2 * 16, &seed, 1.0);
+    cr_assert_eq(kvrt_mr_compress_scheduled(test_cpu(), s, NULL, 0, 0.1, 1, k, v, T,
+                                            KVRT_DTYPE_F32, &c1), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_mr_schedule_basis(s, 0.1, 0, 1, &b), KVRT_OK);
+    cr_assert_eq(kvrt_mr_compress_layer(test_cpu(), &co, &b, 1, k, v, T, 2, 16, 0.1,
+                                        KVRT_DTYPE_F32, &c2), KVRT_OK);
+    cr_expect(cache_eq(c1, c2));
+    kvrt_cache_free(c2);
+    co.mass_comp = 0;
+    cr_assert_eq(kvrt_mr_compress_layer(test_cpu(), &co, &b, 1, k, v, T, 2, 16, 0.1,
+                                        KVRT_DTYPE_F32, &c2), KVRT_OK);
+    cr_expect(!cache_eq(c1, c2), "mass_comp 1 changes the merged entries");
+    kvrt_cache_free(c1);
+    kvrt_cache_free(c2);
+    free(k);
+    free(v);
+    kvrt_mr_schedule_free(s);
+    kvrt_policy_free(pol);
+    free(buf);
 }
 
 Test(merge_reduce, schedule_loader_refuses_bad_items) {
-    struct { const char *what; art_spec s; const char *msg; int status; } cases[32];
+    struct { const char *what; art_spec s; const char *msg; int status; } cases[40];
     int n = 0;
 #define CASE(label, edit, expect_msg, st)                                                        \
     do {                                                                                         \
@@ -1247,6 +1373,11 @@ Test(merge_reduce, schedule_loader_refuses_bad_items) {
     CASE("recent_frac", S->recent_frac = 1.0, "item recent_frac = 1, expected a value in [0, 1)",
          F);
     CASE("seed", S->seed = -1, "item seed = -1, expected 0..", F);
+    CASE("mass_comp 2", (S->mc_item = 1, S->mass_comp = 2), "item mass_comp = 2, expected 0..1",
+         F);
+    CASE("mass_comp -1", (S->mc_item = 1, S->mass_comp = -1), "item mass_comp = -1", F);
+    CASE("mass_comp f64", (S->mc_item = 1, S->bad_type = "mass_comp"),
+         "item mass_comp is not an i64 scalar", F);
 #undef CASE
     for (int i = 0; i < n; i++) {
         void *buf = NULL;
