@@ -700,11 +700,13 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
     kvpol_get_i64(f, si, "n_sink", &sinks);
     kvpol_get_f64(f, si, "recent_frac", &recent);
     kvpol_get_i64(f, si, "seed", &seed);
+    int64_t mc = 0;
+    kvpol_get_i64(f, si, "mass_comp", &mc);
     const uint64_t nb = bu.dims[0], L = mi.dims[1], Hkv = mi.dims[2], d = ei.dims[2];
     const size_t LH = (size_t)(L * Hkv);
-    fprintf(out, "merge-reduce: reducer %.*s, %lld sinks, recent window %g of the budget, seed "
+    fprintf(out, "merge-reduce: reducer %.*s%s, %lld sinks, recent window %g of the budget, seed "
             "%lld; protected basis of %llu x %llu heads, d = %llu\n", (int)rl, red,
-            (long long)sinks, recent, (long long)seed, (unsigned long long)L,
+            mc ? " (mass-compensated)" : "", (long long)sinks, recent, (long long)seed, (unsigned long long)L,
             (unsigned long long)Hkv, (unsigned long long)d);
     const int64_t *m = mi.data;
     const float *lam = ei.data;
