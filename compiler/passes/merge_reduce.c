@@ -118,7 +118,8 @@ static int mr_eigen(double *A, double count, uint32_t d, float *U, float *lam, d
         for (uint32_t i = 1; i < d; i++)
             if (fabs(A[(size_t)i * d + src]) > fabs(A[(size_t)big * d + src])) big = i;
         const double sg = A[(size_t)big * d + src] < 0 ? -1.0 : 1.0;
-        for (uint32_t i = 0; i < d; i++) U[(size_t)i * d + j] = (float)(sg * A[(size_t)i * d + src]);
+        for (uint32_t i = 0; i < d; i++)
+            U[(size_t)i * d + j] = (float)(sg * A[(size_t)i * d + src]);
         lam[j] = (float)fmax(w[src], 0.0);
     }
     return 0;
@@ -206,8 +207,8 @@ static int mr_profile_head(mr_profile *P, const float *k, const float *v, int64_
     *trace = (double)M * (double)M * tr;
     cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)Dp, (int)M, 1.0 / (double)M, P->X,
                 (int)Dp, 0.0, P->cov, (int)Dp);
-    if (LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'N', 'U', (lapack_int)Dp, P->cov, (lapack_int)Dp, P->ev) != 0)
-        return -1;
+    const lapack_int n = (lapack_int)Dp;
+    if (LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'N', 'U', n, P->cov, n, P->ev) != 0) return -1;
     for (size_t i = 0; i < Dp / 2; i++) {     /* descending */
         const double t = P->ev[i];
         P->ev[i] = P->ev[Dp - 1 - i];
@@ -310,7 +311,10 @@ static int mr_basis_pass(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_
     double count = 0;
     kvcc_loop lp;
     int rc = kvcc_loop_open(&lp, cx->corpus, "merge-reduce", KVCC_LOOP_NO_V, err, errlen);
-    if (!rc && (!S || !w)) { snprintf(err, errlen, "merge-reduce: out of memory"); rc = KVCC_EXIT_FAILED; }
+    if (!rc && (!S || !w)) {
+        snprintf(err, errlen, "merge-reduce: out of memory");
+        rc = KVCC_EXIT_FAILED;
+    }
     for (uint32_t p = 0; p < A->n_prompts && !rc; p++) {
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
         for (uint32_t l = 0; l < L && !rc; l++) {
@@ -363,7 +367,10 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     mr_profile P = {.d = d, .ns = cx->mr_report_queries};
     uint32_t *mh = malloc(sizeof(uint32_t) * Hkv);
     kvrt_cache **rep = calloc((size_t)nk * nC, sizeof *rep); /* the report's caches of a layer */
-    if (!rc && (!mh || !rep)) { snprintf(err, errlen, "merge-reduce: out of memory"); rc = KVCC_EXIT_FAILED; }
+    if (!rc && (!mh || !rep)) {
+        snprintf(err, errlen, "merge-reduce: out of memory");
+        rc = KVCC_EXIT_FAILED;
+    }
     kvrt_mr_opts o;
     kvrt_mr_opts_init(&o);
     o.n_sink = cx->mr_sinks;
@@ -388,12 +395,15 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                     int64_t B = 0;
                     kvrt_cache *cc = NULL;
                     int s = kvrt_budget_resolve(cx->mr_budgets[b], C, &B);
-                    if (!s) s = mr_compress(lp.rt, A, A->cf.m[c], A->cf.mc[c], &o, l, lp.k, lp.v, C, (double)B, mh, &cc);
+                    if (!s)
+                        s = mr_compress(lp.rt, A, A->cf.m[c], A->cf.mc[c], &o, l, lp.k, lp.v, C,
+                                        (double)B, mh, &cc);
                     if (!s) s = kvcc_loop_attend(&lp, cc, lp.o_c, lp.lse_c, NULL);
                     kvrt_cache_free(cc);
                     if (s) {
                         snprintf(err, errlen, "merge-reduce: prompt %u layer %u budget %g: %s (%s)",
-                                 p, l, cx->mr_budgets[b], kvrt_status_str(s), kvrt_last_error()->msg);
+                                 p, l, cx->mr_budgets[b], kvrt_status_str(s),
+                                 kvrt_last_error()->msg);
                         rc = KVCC_EXIT_FAILED;
                         break;
                     }
@@ -526,7 +536,8 @@ static int mr_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const mr_acc *A
     const int nb = A->nb, nk = A->nk, nC = A->cf.n;
     int64_t *m = malloc(sizeof(int64_t) * nb * LH), *rank = malloc(sizeof(int64_t) * LH);
     int64_t grid[MR_MAX_CFG], kg[KVCC_PASS_MAX_LIST];
-    double *sp = malloc(sizeof(double) * (size_t)nC * nk), *spt = malloc(sizeof(double) * (size_t)nC * nk);
+    double *sp = malloc(sizeof(double) * (size_t)nC * nk),
+           *spt = malloc(sizeof(double) * (size_t)nC * nk);
     double *pred = malloc(sizeof(double) * LH);
     if (!m || !rank || !sp || !spt || !pred) {
         free(m); free(rank); free(sp); free(spt); free(pred);
@@ -700,18 +711,22 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
     kvpol_get_i64(f, si, "n_sink", &sinks);
     kvpol_get_f64(f, si, "recent_frac", &recent);
     kvpol_get_i64(f, si, "seed", &seed);
+    int64_t mc = 0;
+    kvpol_get_i64(f, si, "mass_comp", &mc);
     const uint64_t nb = bu.dims[0], L = mi.dims[1], Hkv = mi.dims[2], d = ei.dims[2];
     const size_t LH = (size_t)(L * Hkv);
-    fprintf(out, "merge-reduce: reducer %.*s, %lld sinks, recent window %g of the budget, seed "
-            "%lld; protected basis of %llu x %llu heads, d = %llu\n", (int)rl, red,
-            (long long)sinks, recent, (long long)seed, (unsigned long long)L,
-            (unsigned long long)Hkv, (unsigned long long)d);
+    fprintf(out,
+            "merge-reduce: reducer %.*s%s, %lld sinks, recent window %g of the budget, seed "
+            "%lld; protected basis of %llu x %llu heads, d = %llu\n",
+            (int)rl, red, mc ? " (mass-compensated)" : "", (long long)sinks, recent,
+            (long long)seed, (unsigned long long)L, (unsigned long long)Hkv, (unsigned long long)d);
     const int64_t *m = mi.data;
     const float *lam = ei.data;
     int64_t grid[MR_MAX_CFG];
     int ng = 0;
     if (kvpol_get_tensor(f, si, "m_grid", KVPOL_DTYPE_I64, &gi) == KVPOL_OK && gi.ndim == 1)
-        for (uint64_t i = 0; i < gi.dims[0] && ng < MR_MAX_CFG; i++) grid[ng++] = ((const int64_t *)gi.data)[i];
+        for (uint64_t i = 0; i < gi.dims[0] && ng < MR_MAX_CFG; i++)
+            grid[ng++] = ((const int64_t *)gi.data)[i];
     fprintf(out, "  protected dims m per budget (heads choosing each m; E[q q^T] energy kept, mean "
             "over heads):\n");
     for (uint64_t b = 0; b < nb; b++) {
@@ -748,7 +763,8 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
     const uint64_t nk = ki.dims[0];
     const int64_t *kg = ki.data;
     const double *tr = mr_f64(f, ri, "trace", 2, L, &ti), *tl = mr_f64(f, ri, "tail", 3, nk, &tli),
-                 *me = mr_f64(f, ri, "measured", 4, 0, &mei), *sp = mr_f64(f, ri, "spearman", 2, 0, &spi),
+                 *me = mr_f64(f, ri, "measured", 4, 0, &mei),
+                 *sp = mr_f64(f, ri, "spearman", 2, 0, &spi),
                  *spt = mr_f64(f, ri, "spearman_trace", 2, 0, &spti);
     if (!fid || !tr || !tl || !me || !sp || !spt || fi.dims[1] != nb || fi.dims[2] != L ||
         mei.dims[1] != nk || mei.dims[0] != fi.dims[0] || spi.dims[0] != fi.dims[0] ||
@@ -783,9 +799,11 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
         }
         fprintf(out, "\n");
     }
-    fprintf(out, "  compressibility report (%lld prompts, %lld sampled queries per head; errors of "
-            "the (numerator, denominator) relative to the context's softmax mass, mean over heads):\n",
-            (long long)prompts, (long long)queries);
+    fprintf(
+        out,
+        "  compressibility report (%lld prompts, %lld sampled queries per head; errors of "
+        "the (numerator, denominator) relative to the context's softmax mass, mean over heads):\n",
+        (long long)prompts, (long long)queries);
     fprintf(out, "    %-6s %11s %11s", "K", "tr/K", "tail/K");
     for (uint64_t c = 0; c < nC; c++) fprintf(out, " %11s", names[c]);
     fprintf(out, "   Spearman(pred, measured) per reducer\n");
@@ -829,7 +847,8 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
         const int show = LH < 10 ? (int)LH : 5;
         fprintf(out, "    most compressible heads (layer.head, M^2 tr(Sigma)):");
         for (int i = 0; i < show; i++)
-            fprintf(out, " %lld.%lld %.3g", (long long)(rk[i] / Hkv), (long long)(rk[i] % Hkv), tr[rk[i]]);
+            fprintf(out, " %lld.%lld %.3g", (long long)(rk[i] / Hkv), (long long)(rk[i] % Hkv),
+                    tr[rk[i]]);
         fprintf(out, "\n    least compressible:");
         for (int i = 0; i < show; i++) {
             const int64_t h = rk[LH - 1 - i];
@@ -959,10 +978,12 @@ static int mr_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
                  "reducer%s, %u sinks, recent window %g of the budget", m->name, st->m,
                  mc ? " with mass compensation" : "", st->o.n_sink, st->o.recent_frac);
     } else {
-        snprintf(p->note, sizeof p->note, "mr: the compiled policy (reducer %s%s, m per head from "
-                 "the nearest compiled budget, %u sinks, recent window %g of the budget, seed %llu)",
-                 kvrt_mr_reducer_name(st->o.reducer), st->o.mass_comp ? " with mass compensation"
-                 : "", st->o.n_sink, st->o.recent_frac, (unsigned long long)st->o.seed);
+        snprintf(
+            p->note, sizeof p->note,
+            "mr: the compiled policy (reducer %s%s, m per head from "
+            "the nearest compiled budget, %u sinks, recent window %g of the budget, seed %llu)",
+            kvrt_mr_reducer_name(st->o.reducer), st->o.mass_comp ? " with mass compensation" : "",
+            st->o.n_sink, st->o.recent_frac, (unsigned long long)st->o.seed);
     }
     return 0;
 }

@@ -571,21 +571,6 @@ static int get_vec(const kvpol_file *f, uint32_t si, const char *fn, const char 
     return KVRT_OK;
 }
 
-static int get_int(const kvpol_file *f, uint32_t si, const char *fn, const char *name,
-                   int64_t lo, int64_t hi, int64_t *out) {
-    const int st = kvpol_get_i64(f, si, name, out);
-    if (st == KVPOL_ERR_NOT_FOUND)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: " SEC ": item %s is missing (expected an i64 "
-                         "scalar in %lld..%lld)", fn, name, (long long)lo, (long long)hi);
-    if (st != KVPOL_OK)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: " SEC ": item %s is not an i64 scalar (%s)", fn,
-                         name, kvpol_status_str(st));
-    if (*out < lo || *out > hi)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: " SEC ": item %s = %lld, expected %lld..%lld", fn,
-                         name, (long long)*out, (long long)lo, (long long)hi);
-    return KVRT_OK;
-}
-
 /* String item `name`, one of names[0..n): its index in *out. */
 static int get_choice(const kvpol_file *f, uint32_t si, const char *fn, const char *name,
                       const char *const *names, int n, int *out) {
@@ -632,10 +617,11 @@ int kvrt_kv2_open(const kvrt_policy *p, kvrt_kv2_schedule **out) {
     if (rc == KVRT_OK) rc = get_choice(f, si, fn, "proxy", proxy_names, 2, &proxy);
     if (rc == KVRT_OK) rc = get_choice(f, si, fn, "aggregate", agg_names, 2, &agg);
     if (rc == KVRT_OK) rc = get_choice(f, si, fn, "query_source", source_names, 2, &source);
-    if (rc == KVRT_OK) rc = get_int(f, si, fn, "passes", 1, KV2_MAX_PASSES, &passes);
-    if (rc == KVRT_OK) rc = get_int(f, si, fn, "n_sink", 0, 65536, &n_sink);
-    if (rc == KVRT_OK) rc = get_int(f, si, fn, "chunk", 0, INT32_MAX, &chunk);
-    if (rc == KVRT_OK) rc = get_int(f, si, fn, "per_head", 0, 1, &per_head);
+    if (rc == KVRT_OK)
+        rc = kvrt_policy_item_int(f, si, fn, SEC, "passes", 1, KV2_MAX_PASSES, &passes);
+    if (rc == KVRT_OK) rc = kvrt_policy_item_int(f, si, fn, SEC, "n_sink", 0, 65536, &n_sink);
+    if (rc == KVRT_OK) rc = kvrt_policy_item_int(f, si, fn, SEC, "chunk", 0, INT32_MAX, &chunk);
+    if (rc == KVRT_OK) rc = kvrt_policy_item_int(f, si, fn, SEC, "per_head", 0, 1, &per_head);
     if (rc == KVRT_OK && (md.n_layers == 0 || md.n_kv_heads == 0))
         rc = KVRT_FAIL(KVRT_ERR_FORMAT, "%s: the policy's model has %u layers and %u KV heads, "
                        "expected both >= 1", fn, md.n_layers, md.n_kv_heads);

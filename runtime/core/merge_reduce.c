@@ -800,21 +800,6 @@ static int get_tensor(const kvpol_file *f, uint32_t si, const char *fn, const ch
     return KVRT_OK;
 }
 
-static int get_int(const kvpol_file *f, uint32_t si, const char *fn, const char *name,
-                   int64_t lo, int64_t hi, int64_t *out) {
-    const int st = kvpol_get_i64(f, si, name, out);
-    if (st == KVPOL_ERR_NOT_FOUND)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: " SEC ": item %s is missing (expected an i64 "
-                         "scalar in %lld..%lld)", fn, name, (long long)lo, (long long)hi);
-    if (st != KVPOL_OK)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: " SEC ": item %s is not an i64 scalar (%s)", fn,
-                         name, kvpol_status_str(st));
-    if (*out < lo || *out > hi)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: " SEC ": item %s = %lld, expected %lld..%lld", fn,
-                         name, (long long)*out, (long long)lo, (long long)hi);
-    return KVRT_OK;
-}
-
 static int check_dims(const char *fn, const char *name, const kvpol_item *it, const uint64_t *want,
                       const char *shape) {
     for (uint32_t i = 0; i < it->ndim; i++)
@@ -914,7 +899,7 @@ int kvrt_mr_open(const kvrt_policy *p, kvrt_mr_schedule **out) {
     }
     int64_t n_sink = 0, seed = 0;
     double recent = 0.0;
-    if (rc == KVRT_OK) rc = get_int(f, si, fn, "n_sink", 0, 65535, &n_sink);
+    if (rc == KVRT_OK) rc = kvrt_policy_item_int(f, si, fn, SEC, "n_sink", 0, 65535, &n_sink);
     if (rc == KVRT_OK) {
         const int st = kvpol_get_f64(f, si, "recent_frac", &recent);
         if (st == KVPOL_ERR_NOT_FOUND)
@@ -927,10 +912,10 @@ int kvrt_mr_open(const kvrt_policy *p, kvrt_mr_schedule **out) {
             rc = KVRT_FAIL(KVRT_ERR_FORMAT, "%s: " SEC ": item recent_frac = %g, expected a value "
                            "in [0, 1)", fn, recent);
     }
-    if (rc == KVRT_OK) rc = get_int(f, si, fn, "seed", 0, INT64_MAX, &seed);
+    if (rc == KVRT_OK) rc = kvrt_policy_item_int(f, si, fn, SEC, "seed", 0, INT64_MAX, &seed);
     int64_t mass_comp = 0; /* optional: absent = 0 (artifacts before it) */
     if (rc == KVRT_OK && kvpol_get_i64(f, si, "mass_comp", &mass_comp) != KVPOL_ERR_NOT_FOUND)
-        rc = get_int(f, si, fn, "mass_comp", 0, 1, &mass_comp);
+        rc = kvrt_policy_item_int(f, si, fn, SEC, "mass_comp", 0, 1, &mass_comp);
     const float *ev = ei.data;
     if (rc) return rc;
     kvrt_mr_schedule *s = calloc(1, sizeof *s);

@@ -3,8 +3,8 @@
  * checks, the handle built from a kvrt_policy, dispatch to the context's backend) and its
  * kernels (runtime/cpu/P.c; runtime/cuda/P.cu from the CUDA issue on). Not installed.
  *
- * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section
- *          (core/policy.c), and the CPU implementations kvrt_cpu_am_compact,
+ * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section,
+ *          kvrt_policy_item_int (core/policy.c), and the CPU implementations kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_cpu_kv2_proxy,
@@ -48,6 +48,11 @@ struct kvpol_file;
 KVRT_INTERNAL int kvrt_policy_section(const kvrt_policy *p, uint32_t id, const char *fn,
                                       const struct kvpol_file **f, uint32_t *si,
                                       kvrt_model_dims *md);
+/* For a policy's open function: the i64 scalar item `name` of section si (named sec in the
+ * message) in lo..hi; KVRT_ERR_FORMAT naming the section, the item and the range otherwise. */
+KVRT_INTERNAL int kvrt_policy_item_int(const struct kvpol_file *f, uint32_t si, const char *fn,
+                                       const char *sec, const char *name, int64_t lo, int64_t hi,
+                                       int64_t *out);
 
 KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v,
                                       int64_t T, uint32_t head_dim, const float *q_ref,

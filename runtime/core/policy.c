@@ -3,8 +3,8 @@
  * caller runs. Callers: serving stacks (kvrt_policy_open at start-up), kvcc eval, tests.
  *
  * defines: kvrt_policy_open, kvrt_policy_open_mem, kvrt_policy_free, kvrt_policy_model,
- *          kvrt_policy_groups, kvrt_policy_ctx_check, kvrt_policy_section (internal,
- *          core/policies.h)
+ *          kvrt_policy_groups, kvrt_policy_ctx_check, kvrt_policy_section,
+ *          kvrt_policy_item_int (internal, core/policies.h)
  *
  * All validation of the bytes is libkvpol's (kvpol_open_*: header, table, every known section
  * decoded and checksummed). Here we only translate its status into kvrt's (IO stays IO, anything
@@ -213,5 +213,20 @@ int kvrt_policy_section(const kvrt_policy *p, uint32_t id, const char *fn, const
                          "%s: the artifact has no %s section %s: compile it with kvcc compile "
                          "--policies %s", fn, group, ks ? ks->name : "?", group);
     }
+    return KVRT_OK;
+}
+
+int kvrt_policy_item_int(const kvpol_file *f, uint32_t si, const char *fn, const char *sec,
+                         const char *name, int64_t lo, int64_t hi, int64_t *out) {
+    const int st = kvpol_get_i64(f, si, name, out);
+    if (st == KVPOL_ERR_NOT_FOUND)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: %s: item %s is missing (expected an i64 scalar in "
+                         "%lld..%lld)", fn, sec, name, (long long)lo, (long long)hi);
+    if (st != KVPOL_OK)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: %s: item %s is not an i64 scalar (%s)", fn, sec,
+                         name, kvpol_status_str(st));
+    if (*out < lo || *out > hi)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: %s: item %s = %lld, expected %lld..%lld", fn, sec,
+                         name, (long long)*out, (long long)lo, (long long)hi);
     return KVRT_OK;
 }

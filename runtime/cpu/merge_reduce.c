@@ -58,7 +58,8 @@ static double mc_exponent(const float *lam, const double *phi, const double *pb,
 
 /* c = 1 + x: the second-order expansion itself. Its resummation exp(x) (exact for centred
  * Gaussian queries) over-compensates real ones by orders of magnitude: a query along the mean
- * direction sees cosh(s q.d) ~ e^{|s q.d|}, not e^{(s q.d)^2 / 2} (docs/policies/merge-reduce.md). */
+ * direction sees cosh(s q.d) ~ e^{|s q.d|}, not e^{(s q.d)^2 / 2}
+ * (docs/policies/merge-reduce.md). */
 static double mc_factor(double x) { return 1.0 + x; }
 
 /* The compensated weight sum in f32 (capped at KVRT_MR_MC_MAX_W). */
