@@ -107,3 +107,51 @@ void fx_kv_f32(fx_buf *b, const char *key, float v) {
     fx_u32(b, KVCC_GGUF_VT_F32);
     fx_f32(b, v);
 }
+
+void fx_real_load(fx_real_window *w, uint32_t context, uint32_t continuation, uint64_t seed,
+                  const char *tag) {
+    FX_REQUIRE_MODEL();
+    const char *text = "examples/data/heldout/2002_george_w_bush_r.txt";
+    if (access(text, R_OK) != 0) cr_skip_test("held-out text missing");
+    char path[160], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_%s_cap_%d.h5", tag, (int)getpid());
+    fx_capture_real(text, context, continuation, seed, path, NULL);
+    kvcc_corpus *c = NULL;
+    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
+    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
+    kvcc_corpus_prompt_info pi;
+    cr_assert_eq(kvcc_corpus_prompt(c, 0, &pi, NULL, NULL), 0);
+    memset(w, 0, sizeof *w);
+    w->L = m->n_layers;
+    w->H = m->n_heads;
+    w->Hkv = m->n_kv_heads;
+    w->d = m->head_dim;
+    w->theta = m->rope_theta;
+    w->C = pi.context_len;
+    w->T = pi.n_tokens;
+    w->tokens = malloc(sizeof(int32_t) * (size_t)w->T);
+    cr_assert_eq(kvcc_corpus_prompt(c, 0, &pi, w->tokens, NULL), 0);
+    w->q = calloc(w->L, sizeof(float *));
+    w->k = calloc(w->L, sizeof(float *));
+    w->v = calloc(w->L, sizeof(float *));
+    for (uint32_t l = 0; l < w->L; l++) {
+        w->q[l] = malloc(sizeof(float) * (size_t)w->T * w->H * w->d);
+        w->k[l] = malloc(sizeof(float) * (size_t)w->T * w->Hkv * w->d);
+        w->v[l] = malloc(sizeof(float) * (size_t)w->T * w->Hkv * w->d);
+        cr_assert_eq(kvcc_corpus_read_layer(c, 0, l, w->q[l], w->k[l], w->v[l]), 0);
+    }
+    kvcc_corpus_close(c);
+    unlink(path);
+}
+
+void fx_real_free(fx_real_window *w) {
+    for (uint32_t l = 0; w->q && l < w->L; l++) {
+        free(w->q[l]);
+        free(w->k[l]);
+        free(w->v[l]);
+    }
+    free(w->q);
+    free(w->k);
+    free(w->v);
+    free(w->tokens);
+}

@@ -6,7 +6,8 @@
  * call these from test bodies only. Used by test_calib_*.c, test_capture.c, test_golden.c and
  * test_kvpol.c; test_am.c, test_compilerkv.c, test_compkv_pass.c and test_eval.c can switch.
  *
- * defines: fx_model_path, FX_REQUIRE_MODEL, fx_capture_real, FX_TINY, fx_header, fx_read_file,
+ * defines: fx_model_path, FX_REQUIRE_MODEL, fx_capture_real, fx_real_window, fx_real_load,
+ *          fx_real_free, FX_TINY, fx_header, fx_read_file,
  *          fx_buf, fx_put, fx_u32, fx_u64, fx_f32, fx_str, fx_pad, fx_kv_u32, fx_kv_f32
  */
 #ifndef KVCC_TEST_FIXTURES_H
@@ -35,6 +36,21 @@ const char *fx_model_path(void);
  * loaded and freed here; call FX_REQUIRE_MODEL() first. */
 void fx_capture_real(const char *text, uint32_t context, uint32_t continuation, uint64_t seed,
                      const char *path, kvcc_capture_stats *st);
+
+/* Every layer's q, k, v of one real window of the bundled held-out text
+ * (examples/data/heldout/2002_george_w_bush_r.txt), captured with fx_capture_real through a
+ * temporary corpus named after `tag` and the pid (removed again). Skips the test when the model
+ * or the text is missing. */
+typedef struct {
+    uint32_t L, H, Hkv, d;
+    int64_t C, T;         /* context tokens, all tokens of the window */
+    double theta;         /* rope theta */
+    int32_t *tokens;      /* [T] */
+    float **q, **k, **v;  /* [L] of [T, H, d], [T, Hkv, d], [T, Hkv, d] */
+} fx_real_window;
+void fx_real_load(fx_real_window *w, uint32_t context, uint32_t continuation, uint64_t seed,
+                  const char *tag);
+void fx_real_free(fx_real_window *w);
 
 /* ---------------------------------------------------------------- the tiny synthetic model */
 

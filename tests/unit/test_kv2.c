@@ -216,60 +216,8 @@ Test(kv2, rope_shift_identity_and_composition) {
 // ----------------------------------------------------------------------------
 // a real window (SmolLM2 through the built-in model)
 
-typedef struct {
-    uint32_t L, H, Hkv, d;
-    int64_t C, T;         /* context tokens, all tokens of the window */
-    double theta;
-    int32_t *tokens;      /* [T] */
-    float **q, **k, **v;  /* [L] of [T, H, d], [T, Hkv, d], [T, Hkv, d] */
-} real_window;
+typedef fx_real_window real_window;
 
-static void real_capture(real_window *w, uint32_t context, uint32_t continuation) {
-    FX_REQUIRE_MODEL();
-    const char *text = "examples/data/heldout/2002_george_w_bush_r.txt";
-    if (access(text, R_OK) != 0) cr_skip_test("held-out text missing");
-    char path[128], err[512];
-    snprintf(path, sizeof path, "/tmp/kvcc_kv2_cap_%d.h5", (int)getpid());
-    fx_capture_real(text, context, continuation, 3, path, NULL);
-    kvcc_corpus *c = NULL;
-    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
-    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
-    kvcc_corpus_prompt_info pi;
-    cr_assert_eq(kvcc_corpus_prompt(c, 0, &pi, NULL, NULL), 0);
-    memset(w, 0, sizeof *w);
-    w->L = m->n_layers;
-    w->H = m->n_heads;
-    w->Hkv = m->n_kv_heads;
-    w->d = m->head_dim;
-    w->theta = m->rope_theta;
-    w->C = pi.context_len;
-    w->T = pi.n_tokens;
-    w->tokens = malloc(sizeof(int32_t) * (size_t)w->T);
-    cr_assert_eq(kvcc_corpus_prompt(c, 0, &pi, w->tokens, NULL), 0);
-    w->q = calloc(w->L, sizeof(float *));
-    w->k = calloc(w->L, sizeof(float *));
-    w->v = calloc(w->L, sizeof(float *));
-    for (uint32_t l = 0; l < w->L; l++) {
-        w->q[l] = malloc(sizeof(float) * (size_t)w->T * w->H * w->d);
-        w->k[l] = malloc(sizeof(float) * (size_t)w->T * w->Hkv * w->d);
-        w->v[l] = malloc(sizeof(float) * (size_t)w->T * w->Hkv * w->d);
-        cr_assert_eq(kvcc_corpus_read_layer(c, 0, l, w->q[l], w->k[l], w->v[l]), 0);
-    }
-    kvcc_corpus_close(c);
-    unlink(path);
-}
-
-static void real_free(real_window *w) {
-    for (uint32_t l = 0; l < w->L; l++) {
-        free(w->q[l]);
-        free(w->k[l]);
-        free(w->v[l]);
-    }
-    free(w->q);
-    free(w->k);
-    free(w->v);
-    free(w->tokens);
-}
 
 /* Stage-2 inputs without running the model (the compiler's no-model approximation): the
  * stored queries and keys of positions pos [n] moved to the position ids C + i. */
@@ -289,7 +237,7 @@ static void rerotated(const real_window *w, uint32_t l, const int32_t *pos, int6
 
 Test(kv2, real_ops_vs_ref, .timeout = 300) {
     real_window w;
-    real_capture(&w, 96, 24);
+    fx_real_load(&w, 96, 24, 3, "kv2");
     const int64_t C = w.C;
     float *ref = malloc(sizeof(float) * w.Hkv * (size_t)C);
     float *got = malloc(sizeof(float) * w.Hkv * (size_t)C);
@@ -332,14 +280,14 @@ Test(kv2, real_ops_vs_ref, .timeout = 300) {
     free(kn);
     free(ref);
     free(got);
-    real_free(&w);
+    fx_real_free(&w);
 }
 
 /* Layer 0's keys and queries depend on the token alone before RoPE, so a token that occurs at
  * t1 and t2 gives k(t2) = R(t2 - t1) k(t1): the shift must reproduce what the model computed. */
 Test(kv2, real_rope_shift_matches_the_model, .timeout = 300) {
     real_window w;
-    real_capture(&w, 96, 24);
+    fx_real_load(&w, 96, 24, 3, "kv2");
     int64_t t1 = -1, t2 = -1, best = 0;
     for (int64_t a = 0; a < w.T; a++) /* the repeated pair farthest apart */
         for (int64_t b = a + 1; b < w.T; b++)
@@ -373,7 +321,7 @@ Test(kv2, real_rope_shift_matches_the_model, .timeout = 300) {
                      which ? "q" : "k", (long long)t1, (long long)t2);
         free(x);
     }
-    real_free(&w);
+    fx_real_free(&w);
 }
 
 // ----------------------------------------------------------------------------
@@ -517,7 +465,7 @@ static void check_cache(const real_window *w, const kvrt_cache *c, const float *
 
 Test(kv2, real_plan_end_to_end, .timeout = 600) {
     real_window w;
-    real_capture(&w, 96, 8);
+    fx_real_load(&w, 96, 8, 3, "kv2");
     kvrt_kv2_opts o;
     kvrt_kv2_opts_init(&o);
     o.chunk = 32;    /* 92 compressible positions: chunks of 32, 32, 28 */
@@ -599,7 +547,7 @@ Test(kv2, real_plan_end_to_end, .timeout = 600) {
     flow_free(&a, w.L);
     kvrt_ctx_free(c1);
     kvrt_ctx_free(c2);
-    real_free(&w);
+    fx_real_free(&w);
 }
 
 /* Stage 2 as a serving stack runs it: the built-in model runs the reconstruction tokens at the
@@ -610,7 +558,7 @@ Test(kv2, real_plan_end_to_end, .timeout = 600) {
  * scores, and the no-model approximation's kept sets are compared with them (logged). */
 Test(kv2, real_model_stage2, .timeout = 600) {
     real_window w;
-    real_capture(&w, 96, 8);
+    fx_real_load(&w, 96, 8, 3, "kv2");
     kvcc_loaded_model lm;
     char err[512];
     cr_assert_eq(kvcc_load_model(fx_model_path(), 0, &lm, err, sizeof err), 0, "%s", err);
@@ -686,7 +634,7 @@ Test(kv2, real_model_stage2, .timeout = 600) {
     kvrt_kv2_plan_free(pl);
     kvcc_state_free(st);
     kvcc_loaded_model_free(&lm);
-    real_free(&w);
+    fx_real_free(&w);
 }
 
 // ----------------------------------------------------------------------------

@@ -323,54 +323,8 @@ Test(merge_reduce, reduce_matches_ref_random_keys) {
 // ----------------------------------------------------------------------------
 // real SmolLM2 activations
 
-typedef struct {
-    uint32_t L, H, Hkv, d;
-    int64_t C, T;         /* context tokens, all tokens of the window */
-    float **q, **k, **v;  /* [L] of [T, H, d], [T, Hkv, d], [T, Hkv, d] */
-} real_window;
+typedef fx_real_window real_window;
 
-static void real_capture(real_window *w, uint32_t context, uint32_t continuation) {
-    FX_REQUIRE_MODEL();
-    const char *text = "examples/data/heldout/2002_george_w_bush_r.txt";
-    if (access(text, R_OK) != 0) cr_skip_test("held-out text missing");
-    char path[128], err[512];
-    snprintf(path, sizeof path, "/tmp/kvcc_mr_cap_%d.h5", (int)getpid());
-    fx_capture_real(text, context, continuation, 5, path, NULL);
-    kvcc_corpus *c = NULL;
-    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
-    const kvcc_corpus_model *m = kvcc_corpus_get_model(c);
-    kvcc_corpus_prompt_info pi;
-    cr_assert_eq(kvcc_corpus_prompt(c, 0, &pi, NULL, NULL), 0);
-    memset(w, 0, sizeof *w);
-    w->L = m->n_layers;
-    w->H = m->n_heads;
-    w->Hkv = m->n_kv_heads;
-    w->d = m->head_dim;
-    w->C = pi.context_len;
-    w->T = pi.n_tokens;
-    w->q = calloc(w->L, sizeof(float *));
-    w->k = calloc(w->L, sizeof(float *));
-    w->v = calloc(w->L, sizeof(float *));
-    for (uint32_t l = 0; l < w->L; l++) {
-        w->q[l] = malloc(sizeof(float) * (size_t)w->T * w->H * w->d);
-        w->k[l] = malloc(sizeof(float) * (size_t)w->T * w->Hkv * w->d);
-        w->v[l] = malloc(sizeof(float) * (size_t)w->T * w->Hkv * w->d);
-        cr_assert_eq(kvcc_corpus_read_layer(c, 0, l, w->q[l], w->k[l], w->v[l]), 0);
-    }
-    kvcc_corpus_close(c);
-    unlink(path);
-}
-
-static void real_free(real_window *w) {
-    for (uint32_t l = 0; l < w->L; l++) {
-        free(w->q[l]);
-        free(w->k[l]);
-        free(w->v[l]);
-    }
-    free(w->q);
-    free(w->k);
-    free(w->v);
-}
 
 /* The protected basis of layer l from the context's own queries: per KV head the eigenvectors of
  * sum over the G query heads and the C positions of q q^T, by decreasing eigenvalue (LAPACKE). */
@@ -451,7 +405,7 @@ static void attn_mass(const real_window *w, uint32_t l, const kvrt_cache *c,
 
 Test(merge_reduce, real_keys_reduce_layer_and_golden, .timeout = 600) {
     real_window w;
-    real_capture(&w, 512, 32);
+    fx_real_load(&w, 512, 32, 5, "mr");
     const uint32_t d = w.d, Hkv = w.Hkv;
     kvrt_ctx *c3 = ctx_threads(3);
     /* REDUCE on real keys of a few (layer, head): n <= K, K < n <= 2K, n > 2K */
@@ -524,7 +478,7 @@ Test(merge_reduce, real_keys_reduce_layer_and_golden, .timeout = 600) {
     cr_expect(dmass[2] < dmass[1], "mean |log mass|: cluster-mc %g, cluster %g", dmass[2],
               dmass[1]);
     kvrt_ctx_free(c3);
-    real_free(&w);
+    fx_real_free(&w);
 }
 
 // ----------------------------------------------------------------------------
