@@ -677,27 +677,10 @@ static int schedule_opts(const char *fn, const kvrt_kv2_schedule *s, double budg
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %g, expected a ratio of the context in "
                          "(0, 1)", fn, budget);
     int hit = -1;
-    for (int i = 0; i < s->n; i++)
-        if (fabs(s->budgets[i] - budget) <= 1e-6 * budget) hit = i;
-    if (hit < 0 && (flags & KVRT_KV2_NEAREST_BUDGET)) {
-        double best = INFINITY;
-        for (int i = 0; i < s->n; i++) { /* ascending: a tie keeps the smaller */
-            const double dist = fabs(log(s->budgets[i]) - log(budget));
-            if (dist < best) {
-                best = dist;
-                hit = i;
-            }
-        }
-    }
-    if (hit < 0) {
-        char list[256] = "";
-        size_t len = 0;
-        for (int i = 0; i < s->n && len + 24 < sizeof list; i++)
-            len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "",
-                                    s->budgets[i]);
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %g is not compiled (compiled: %s; "
-                         "KVRT_KV2_NEAREST_BUDGET takes the nearest)", fn, budget, list);
-    }
+    const int rc = kvrt_policy_budget_index(fn, s->budgets, s->n, budget,
+                                            (flags & KVRT_KV2_NEAREST_BUDGET) != 0,
+                                            "KVRT_KV2_NEAREST_BUDGET", &hit);
+    if (rc != KVRT_OK) return rc;
     *out = s->opts;
     out->rho = s->rho[hit];
     return KVRT_OK;

@@ -974,30 +974,8 @@ static int budget_index(const char *fn, const kvrt_mr_schedule *s, double ratio,
     if (!(ratio > 0.0 && ratio < 1.0) && !(any_ratio && ratio > 0.0 && isfinite(ratio)))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %g, expected a ratio of the context in (0, 1)",
                          fn, ratio);
-    int hit = -1;
-    for (int i = 0; i < s->n; i++)
-        if (fabs(s->budgets[i] - ratio) <= 1e-6 * ratio) hit = i;
-    if (hit < 0 && nearest) {
-        double best = INFINITY;
-        for (int i = 0; i < s->n; i++) {
-            const double dist = fabs(log(s->budgets[i]) - log(ratio));
-            if (dist < best) {
-                best = dist;
-                hit = i;
-            }
-        }
-    }
-    if (hit < 0) {
-        char list[256] = "";
-        size_t len = 0;
-        for (int i = 0; i < s->n && len + 24 < sizeof list; i++)
-            len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "",
-                                    s->budgets[i]);
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %g is not compiled (compiled: %s; "
-                         "KVRT_MR_NEAREST_BUDGET takes the nearest)", fn, ratio, list);
-    }
-    *out = hit;
-    return KVRT_OK;
+    return kvrt_policy_budget_index(fn, s->budgets, s->n, ratio, nearest,
+                                    "KVRT_MR_NEAREST_BUDGET", out);
 }
 
 static void basis_of(const kvrt_mr_schedule *s, int bi, uint32_t layer, kvrt_mr_basis *out) {

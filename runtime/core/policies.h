@@ -4,7 +4,8 @@
  * kernels (runtime/cpu/P.c; runtime/cuda/P.cu from the CUDA issue on). Not installed.
  *
  * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section,
- *          kvrt_policy_item_int (core/policy.c), and the CPU implementations kvrt_cpu_am_compact,
+ *          kvrt_policy_item_int, kvrt_policy_budget_index (core/policy.c), and the CPU
+ *          implementations kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_cpu_kv2_proxy,
@@ -53,6 +54,13 @@ KVRT_INTERNAL int kvrt_policy_section(const kvrt_policy *p, uint32_t id, const c
 KVRT_INTERNAL int kvrt_policy_item_int(const struct kvpol_file *f, uint32_t si, const char *fn,
                                        const char *sec, const char *name, int64_t lo, int64_t hi,
                                        int64_t *out);
+/* The index in budgets [n] (ascending ratios) of the compiled budget equal to ratio within 1e-6
+ * relative; else, with nearest, the nearest in log ratio (a tie keeps the smaller); else
+ * KVRT_ERR_ARG listing the compiled budgets and naming flag_name (the flag that takes the
+ * nearest). The caller checks ratio's range. */
+KVRT_INTERNAL int kvrt_policy_budget_index(const char *fn, const double *budgets, int n,
+                                           double ratio, int nearest, const char *flag_name,
+                                           int *out);
 
 KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v,
                                       int64_t T, uint32_t head_dim, const float *q_ref,

@@ -4,7 +4,7 @@
  *
  * defines: kvrt_policy_open, kvrt_policy_open_mem, kvrt_policy_free, kvrt_policy_model,
  *          kvrt_policy_groups, kvrt_policy_ctx_check, kvrt_policy_section,
- *          kvrt_policy_item_int (internal, core/policies.h)
+ *          kvrt_policy_item_int, kvrt_policy_budget_index (internal, core/policies.h)
  *
  * All validation of the bytes is libkvpol's (kvpol_open_*: header, table, every known section
  * decoded and checksummed). Here we only translate its status into kvrt's (IO stays IO, anything
@@ -228,5 +228,33 @@ int kvrt_policy_item_int(const kvpol_file *f, uint32_t si, const char *fn, const
     if (*out < lo || *out > hi)
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: %s: item %s = %lld, expected %lld..%lld", fn, sec,
                          name, (long long)*out, (long long)lo, (long long)hi);
+    return KVRT_OK;
+}
+
+int kvrt_policy_budget_index(const char *fn, const double *budgets, int n, double ratio,
+                             int nearest, const char *flag_name, int *out) {
+    int hit = -1;
+    for (int i = 0; i < n; i++)
+        if (fabs(budgets[i] - ratio) <= 1e-6 * ratio) hit = i;
+    if (hit < 0 && nearest) {
+        double best = INFINITY;
+        for (int i = 0; i < n; i++) { /* ascending: a tie keeps the smaller */
+            const double dist = fabs(log(budgets[i]) - log(ratio));
+            if (dist < best) {
+                best = dist;
+                hit = i;
+            }
+        }
+    }
+    if (hit < 0) {
+        char list[256] = "";
+        size_t len = 0;
+        for (int i = 0; i < n && len + 24 < sizeof list; i++)
+            len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "",
+                                    budgets[i]);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %g is not compiled (compiled: %s; %s takes the "
+                         "nearest)", fn, ratio, list, flag_name);
+    }
+    *out = hit;
     return KVRT_OK;
 }
