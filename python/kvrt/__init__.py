@@ -25,6 +25,8 @@ from ._core import (Context, Selection, Cache, CacheArrays, attend, as_f32, budg
 from .policy import (Policy, PRESETS, model_dims, inspect, CompilerKV, CompilerKVPrompt,
                      AMSchedule, am_compact_layer, am_options, CompKVGrouping, CompKVState,
                      compkv_options)
+from .kv2 import KV2Plan, KV2Schedule, kv2_options
+from .mr import MRBasis, MRSchedule, MRStream, mr_compress_layer, mr_options
 
 __version__ = "0.1.0"
 #: The loaded library's kvrt_version() and path.
