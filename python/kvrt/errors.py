@@ -43,6 +43,11 @@ class KvrtError(Exception):
         self.name = status_name(status)
         self.message = message or status_str(status)
         self.detail = detail
+        #: for FORMAT / IO errors of an artifact: the kvpol status name of ``detail``
+        #: ("KVPOL_ERR_TRUNCATED", ...), else None
+        self.kvpol_status: Optional[str] = None
+        if status in (ERR_FORMAT, ERR_IO) and detail < 0:
+            self.kvpol_status = _lib.lib.kvpol_status_name(detail).decode()
         super().__init__(f"{self.message} [{self.name}]")
 
 
@@ -69,7 +74,8 @@ class KvrtIOError(KvrtError):
 
 
 class FormatError(KvrtError):
-    """KVRT_ERR_FORMAT: the artifact is invalid (``detail``: the kvpol status)."""
+    """KVRT_ERR_FORMAT: the artifact is invalid (``detail``: the kvpol status, named by
+    ``kvpol_status``, e.g. "KVPOL_ERR_SECTION_CHECKSUM")."""
 
 
 class ModelMismatchError(KvrtError):

@@ -200,8 +200,7 @@ def inspect(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     opts = _lib.kvpol_open_opts(flags=1)  # KVPOL_OPEN_VERIFY_ALL
     rc = lib.kvpol_open_path(byref(f), p.encode(), byref(opts), byref(err))
     if rc:
-        name = lib.kvpol_status_name(rc).decode()
-        raise KvrtError(-3 if rc == -3 else -4, f"{_cstr(err.msg)} [{name}]", detail=rc)
+        raise KvrtError(-3 if rc == -3 else -4, _cstr(err.msg), detail=rc)
     try:
         h = lib.kvpol_get_header(f).contents
         m = h.model
