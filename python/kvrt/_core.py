@@ -555,9 +555,10 @@ def attend(q: ArrayLike, cache: Cache, k_recent: Optional[ArrayLike] = None,
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     check(lib.kvrt_attend(c.ptr, qb.ptr, n, H, cache.ptr, kp, vp, n_recent, s, ob.ptr,
                           lb.ptr if lb else None), ctx_ptr=c.ptr)
+    o = ob.obj if out is None else out
     if return_lse:
-        return ob.obj, lb.obj
-    return ob.obj
+        return o, (lb.obj if lse_out is None else lse_out)
+    return o
 
 
 # ------------------------------------------------------------------------------------------

@@ -666,7 +666,7 @@ class CompKVState(_Handle):
         blocks = np.empty((self.n_kv_heads, min(int(k_blocks), self.n_blocks)), np.int32)
         check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], int(k_blocks), ob.ptr,
                                    blocks.ctypes.data))
-        return ob.obj, blocks
+        return (ob.obj if out is None else out), blocks
 
 
 class CompKVGrouping(_Handle):
