@@ -64,6 +64,19 @@ class _Buf:
         self.obj, self.ptr, self.shape, self.device = obj, ptr, shape, device
 
 
+_from_buffer = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def _addr(x: np.ndarray) -> int:
+    """The data address of a C-contiguous array (from_buffer is ~4x cheaper than
+    x.ctypes.data; read-only or empty arrays take the slow path)."""
+    try:
+        return _addressof(_from_buffer(x))
+    except (TypeError, ValueError):
+        return x.ctypes.data
+
+
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
@@ -86,6 +99,28 @@ def _shape_str(expect) -> str:
 def _buf(x: ArrayLike, name: str, fn: str, expect: Optional[Sequence[Optional[int]]] = None,
          dtype=np.float32, allow_device: bool = False) -> _Buf:
     """Validate ``x`` (dtype, contiguity, shape) and return its data pointer without copying."""
+    if type(x) is not np.ndarray:
+        x = _foreign(x, name, fn, expect, dtype, allow_device)
+        if type(x) is _Buf:
+            return x
+    if x.dtype != dtype:
+        raise KvrtError(ERR_DTYPE, f"{fn}: {name}: got dtype {x.dtype}, expected "
+                                   f"{np.dtype(dtype).name} (kvrt.as_f32(x) copies explicitly)")
+    if not x.flags.c_contiguous:
+        raise KvrtError(ERR_SHAPE, f"{fn}: {name}: not C-contiguous (strides {x.strides}); "
+                                   "np.ascontiguousarray(x) / kvrt.as_f32(x) copies explicitly")
+    shape = x.shape
+    if expect is not None:
+        if len(shape) != len(expect):
+            _bad_shape(shape, name, fn, expect)
+        for s, e in zip(shape, expect):
+            if e is not None and e != s:
+                _bad_shape(shape, name, fn, expect)
+    return _Buf(x, _addr(x), shape, "host")
+
+
+def _foreign(x, name, fn, expect, dtype, allow_device):
+    """A torch CPU tensor -> its numpy view; a CUDA array -> a device _Buf; else refused."""
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
         if not allow_device:
@@ -112,18 +147,16 @@ def _buf(x: ArrayLike, name: str, fn: str, expect: Optional[Sequence[Optional[in
         if x.device.type != "cpu":
             raise KvrtError(ERR_DEVICE, f"{fn}: {name}: a torch tensor on {x.device}: expected "
                                         "a CPU tensor (or a CUDA tensor with a CUDA Context)")
-        x = x.detach().numpy()  # shares memory
-    if not isinstance(x, np.ndarray):
-        raise KvrtError(ERR_ARG, f"{fn}: {name}: got {type(x).__name__}, expected a numpy "
-                                 "array or a torch tensor")
-    if x.dtype != dtype:
-        raise KvrtError(ERR_DTYPE, f"{fn}: {name}: got dtype {x.dtype}, expected "
-                                   f"{np.dtype(dtype).name} (kvrt.as_f32(x) copies explicitly)")
-    if not x.flags.c_contiguous:
-        raise KvrtError(ERR_SHAPE, f"{fn}: {name}: not C-contiguous (strides {x.strides}); "
-                                   "np.ascontiguousarray(x) / kvrt.as_f32(x) copies explicitly")
-    _check_shape(x.shape, name, fn, expect)
-    return _Buf(x, x.ctypes.data, x.shape, "host")
+        return x.detach().numpy()  # shares memory
+    if isinstance(x, np.ndarray):
+        return x
+    raise KvrtError(ERR_ARG, f"{fn}: {name}: got {type(x).__name__}, expected a numpy "
+                             "array or a torch tensor")
+
+
+def _bad_shape(shape, name, fn, expect):
+    raise KvrtError(ERR_SHAPE, f"{fn}: {name}: got shape {list(shape)}, expected "
+                               f"{_shape_str(expect)}")
 
 
 def _check_shape(shape, name, fn, expect):
@@ -137,7 +170,7 @@ def _check_shape(shape, name, fn, expect):
 def _out(shape, out: Optional[np.ndarray], name: str, fn: str, dtype=np.float32) -> _Buf:
     if out is None:
         a = np.empty(shape, dtype=dtype)
-        return _Buf(a, a.ctypes.data, a.shape, "host")
+        return _Buf(a, _addr(a), a.shape, "host")
     return _buf(out, name, fn, shape, dtype, allow_device=True)
 
 
@@ -152,8 +185,10 @@ class _Handle:
     def __init__(self, ptr: int, parent: Optional["_Handle"] = None):
         self._ptr = ptr
         self._parent = parent          # keeps what this handle depends on alive
-        self._children: "weakref.WeakSet[_Handle]" = weakref.WeakSet()
+        self._children: "Optional[weakref.WeakSet[_Handle]]" = None
         if parent is not None:
+            if parent._children is None:
+                parent._children = weakref.WeakSet()
             parent._children.add(self)
 
     @property
@@ -169,7 +204,7 @@ class _Handle:
 
     def close(self) -> None:
         """Free the handle (and first every handle that depends on it). Idempotent."""
-        for c in list(getattr(self, "_children", ())):
+        for c in list(getattr(self, "_children", None) or ()):
             c.close()
         p, self._ptr = getattr(self, "_ptr", None), None
         if p:
@@ -268,7 +303,7 @@ class Selection(_Handle):
 
     def __init__(self, ptr: int):
         super().__init__(ptr)
-        self._s = ctypes.cast(ptr, POINTER(_lib.kvrt_selection)).contents
+        self._s = _lib.kvrt_selection.from_address(ptr)
 
     @classmethod
     def from_positions(cls, heads: Sequence[Sequence[int]]) -> "Selection":
@@ -277,7 +312,7 @@ class Selection(_Handle):
         if len(counts) < 1:
             raise KvrtError(ERR_ARG, "kvrt.Selection.from_positions: expected >= 1 KV head")
         out = c_void_p()
-        check(lib.kvrt_selection_create(len(counts), counts.ctypes.data, byref(out)))
+        check(lib.kvrt_selection_create(len(counts), _addr(counts), byref(out)))
         sel = cls(out.value)
         n = int(counts.sum())
         if n:
@@ -356,7 +391,7 @@ class Cache(_Handle):
 
     def __init__(self, ptr: int, ctx: Optional[Context] = None):
         super().__init__(ptr, parent=ctx)
-        self._c = ctypes.cast(ptr, POINTER(_lib.kvrt_cache)).contents
+        self._c = _lib.kvrt_cache.from_address(ptr)
         self.ctx = ctx
 
     # constructors
@@ -369,7 +404,7 @@ class Cache(_Handle):
             raise KvrtError(ERR_SHAPE, f"kvrt.Cache.create: counts: got shape {list(cnt.shape)}, "
                                        f"expected [{n_kv_heads}]")
         out = c_void_p()
-        check(lib.kvrt_cache_create(n_kv_heads, head_dim, _dtype_code(dtype), cnt.ctypes.data,
+        check(lib.kvrt_cache_create(n_kv_heads, head_dim, _dtype_code(dtype), _addr(cnt),
                                     byref(out)))
         return cls(out.value)
 
@@ -500,7 +535,7 @@ class Cache(_Handle):
                          (bias, ctypes.cast(c.bias, c_void_p).value),
                          (pos, ctypes.cast(c.positions, c_void_p).value)):
             if dst.nbytes:
-                check(lib.kvrt_ctx_download(cp, dst.ctypes.data, src, dst.nbytes), ctx_ptr=cp)
+                check(lib.kvrt_ctx_download(cp, _addr(dst), src, dst.nbytes), ctx_ptr=cp)
         return CacheArrays(self.offsets, keys, values, bias, pos)
 
     def __repr__(self):
@@ -591,7 +626,7 @@ def topk(scores: ArrayLike, k: int) -> np.ndarray:
     NaN lowest)."""
     sb = _buf(scores, "scores", "kvrt.topk", (None,))
     idx = np.empty(int(k), dtype=np.int32)
-    check(lib.kvrt_topk(sb.ptr, sb.shape[0], int(k), idx.ctypes.data))
+    check(lib.kvrt_topk(sb.ptr, sb.shape[0], int(k), _addr(idx)))
     return idx
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (ArrayLike, Cache, Context, Selection, _buf, _ctx, _dtype_code, _Handle,
+from ._core import (_addr, ArrayLike, Cache, Context, Selection, _buf, _ctx, _dtype_code, _Handle,
                     _out, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
@@ -601,7 +601,7 @@ class CompKVState(_Handle):
             pa = np.ascontiguousarray(perm, dtype=np.uint16)
             oa = np.ascontiguousarray(offsets, dtype=np.uint16)
             keep = [pa, oa]
-            pp, op = pa.ctypes.data, oa.ctypes.data
+            pp, op = _addr(pa), _addr(oa)
         out = c_void_p()
         check(lib.kvrt_compkv_create(c.ptr, byref(o), int(n_kv_heads), int(head_dim),
                                      int(capacity), pp, op, byref(out)), ctx_ptr=c.ptr)
@@ -634,7 +634,7 @@ class CompKVState(_Handle):
         """Block scores float32 [Hkv, n_blocks] for one decode step, q [H, d]."""
         qb = self._q(q, "kvrt.CompKVState.scores")
         s = np.empty((self.n_kv_heads, self.n_blocks), np.float32)
-        check(lib.kvrt_compkv_scores(self.ptr, qb.ptr, qb.shape[0], s.ctypes.data))
+        check(lib.kvrt_compkv_scores(self.ptr, qb.ptr, qb.shape[0], _addr(s)))
         return s
 
     def select(self, scores: ArrayLike, k_blocks: int) -> np.ndarray:
@@ -642,7 +642,7 @@ class CompKVState(_Handle):
         nb = self.n_blocks
         sb = _buf(scores, "scores", "kvrt.CompKVState.select", (self.n_kv_heads, nb))
         out = np.empty((self.n_kv_heads, min(int(k_blocks), nb)), np.int32)
-        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, int(k_blocks), out.ctypes.data))
+        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, int(k_blocks), _addr(out)))
         return out
 
     def attend_blocks(self, q: ArrayLike, blocks: ArrayLike) -> np.ndarray:
@@ -653,7 +653,7 @@ class CompKVState(_Handle):
         bb = _buf(blocks, "blocks", fn, (self.n_kv_heads, None), dtype=np.int32)
         out = np.empty((qb.shape[0], self.head_dim), np.float32)
         check(lib.kvrt_compkv_attend_blocks(self.ptr, qb.ptr, qb.shape[0], bb.ptr, bb.shape[1],
-                                            out.ctypes.data))
+                                            _addr(out)))
         return out
 
     def step(self, q: ArrayLike, k_blocks: int, *, out: Optional[np.ndarray] = None
@@ -665,7 +665,7 @@ class CompKVState(_Handle):
         ob = _out((qb.shape[0], self.head_dim), out, "out", fn)
         blocks = np.empty((self.n_kv_heads, min(int(k_blocks), self.n_blocks)), np.int32)
         check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], int(k_blocks), ob.ptr,
-                                   blocks.ctypes.data))
+                                   _addr(blocks)))
         return (ob.obj if out is None else out), blocks
 
 
