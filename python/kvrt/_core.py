@@ -150,6 +150,12 @@ def _foreign(x, name, fn, expect, dtype, allow_device):
         return x.detach().numpy()  # shares memory
     if isinstance(x, np.ndarray):
         return x
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dev = x.__dlpack_device__()
+        if int(dev[0]) != 1:  # kDLCPU
+            raise KvrtError(ERR_DEVICE, f"{fn}: {name}: a DLPack array on device {tuple(dev)}: "
+                                        "expected a CPU array")
+        return np.from_dlpack(x)  # shares memory
     raise KvrtError(ERR_ARG, f"{fn}: {name}: got {type(x).__name__}, expected a numpy "
                              "array or a torch tensor")
 
@@ -628,6 +634,67 @@ def topk(scores: ArrayLike, k: int) -> np.ndarray:
     idx = np.empty(int(k), dtype=np.int32)
     check(lib.kvrt_topk(sb.ptr, sb.shape[0], int(k), _addr(idx)))
     return idx
+
+
+def select_pinned(scores: Optional[ArrayLike], T: int, budget: int, n_sink: int = 0,
+                  n_recent: int = 0) -> np.ndarray:
+    """kvrt_select_pinned: ``budget`` positions of [0, T) (int32, ascending): the first n_sink
+    and last n_recent pinned (inside the budget), the rest the highest scores [T] among the
+    unpinned (topk rules). scores may be None when the pins fill the budget."""
+    sp = None
+    if scores is not None:
+        sp = _buf(scores, "scores", "kvrt.select_pinned", (int(T),)).ptr
+    idx = np.empty(int(budget), dtype=np.int32)
+    check(lib.kvrt_select_pinned(sp, int(T), int(budget), int(n_sink), int(n_recent), _addr(idx)))
+    return idx
+
+
+class Quest(_Handle):
+    """Quest pages (``kvrt_quest``): per page of ``page`` tokens and KV head the elementwise
+    min and max of the keys, k [T, Hkv, d]; decode-time page scores and selection."""
+    _free_fn = "kvrt_quest_free"
+
+    def __init__(self, k: ArrayLike, page: int = 16):
+        kb = _buf(k, "k", "kvrt.Quest", (None, None, None))
+        T, Hkv, d = kb.shape
+        out = c_void_p()
+        check(lib.kvrt_quest_summarize(kb.ptr, T, Hkv, d, int(page), byref(out)))
+        super().__init__(out.value)
+        self._q = _lib.kvrt_quest.from_address(out.value)
+        self.n_kv_heads, self.head_dim, self.page = Hkv, d, int(page)
+
+    @property
+    def n_pages(self) -> int:
+        self.ptr
+        return int(self._q.n_pages)
+
+    @property
+    def kmin(self) -> np.ndarray:
+        """float32 [Hkv, n_pages, d] (a copy); kmax likewise."""
+        n = self.n_kv_heads * self.n_pages * self.head_dim
+        return np.ctypeslib.as_array(self._q.kmin, shape=(n,)).reshape(
+            self.n_kv_heads, self.n_pages, self.head_dim).copy()
+
+    @property
+    def kmax(self) -> np.ndarray:
+        n = self.n_kv_heads * self.n_pages * self.head_dim
+        return np.ctypeslib.as_array(self._q.kmax, shape=(n,)).reshape(
+            self.n_kv_heads, self.n_pages, self.head_dim).copy()
+
+    def scores(self, q: ArrayLike) -> np.ndarray:
+        """Upper-bound scores [Hkv, n_pages] for one step q [H, d]."""
+        qb = _buf(q, "q", "kvrt.Quest.scores", (None, self.head_dim))
+        s = np.empty((self.n_kv_heads, self.n_pages), np.float32)
+        check(lib.kvrt_quest_scores(self.ptr, qb.ptr, qb.shape[0], _addr(s)))
+        return s
+
+    def select(self, q: ArrayLike, budget_pages: int) -> np.ndarray:
+        """Pages [Hkv, budget_pages] ascending per head: first and last always, then top
+        scores."""
+        qb = _buf(q, "q", "kvrt.Quest.select", (None, self.head_dim))
+        p = np.empty((self.n_kv_heads, int(budget_pages)), np.int32)
+        check(lib.kvrt_quest_select(self.ptr, qb.ptr, qb.shape[0], int(budget_pages), _addr(p)))
+        return p
 
 
 def _method_opts(method, budget: int, n_sink=None, window=None, pool_kernel=None,

@@ -470,6 +470,28 @@ def _am_stats(s: _lib.kvrt_am_stats) -> Dict[str, Any]:
     return {f: getattr(s, f) for f, _ in s._fields_}
 
 
+def am_compact(k: ArrayLike, v: ArrayLike, q_ref: ArrayLike, t: int, *,
+               q_pos: Optional[ArrayLike] = None, dtype: str = "f32",
+               ctx: Optional[Context] = None, **options) -> Tuple[Cache, Dict[str, Any]]:
+    """kvrt_am_compact: one (layer, KV head). k, v [T, d] (key j at position j), q_ref [n, d]
+    reference queries, q_pos [n] int32 their positions (a query sees keys j <= q_pos[i]) or
+    None (every key), 1 <= t <= T. Returns (a one-head cache of at most t entries, stats)."""
+    fn = "kvrt.am_compact"
+    kb = _buf(k, "k", fn, (None, None))
+    T, d = kb.shape
+    vb = _buf(v, "v", fn, (T, d))
+    qb = _buf(q_ref, "q_ref", fn, (None, d))
+    pp = None
+    if q_pos is not None:
+        pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
+    o = _am_opts(**options)
+    c = _ctx(ctx)
+    out, st = c_void_p(), _lib.kvrt_am_stats()
+    check(lib.kvrt_am_compact(c.ptr, byref(o), kb.ptr, vb.ptr, T, d, qb.ptr, pp, qb.shape[0],
+                              int(t), _dtype_code(dtype), byref(out), byref(st)), ctx_ptr=c.ptr)
+    return Cache(out.value), _am_stats(st)
+
+
 def am_compact_layer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, ratio: float = 0.0,
                      ratios: Optional[ArrayLike] = None, dtype: str = "f32",
                      ctx: Optional[Context] = None, **options
