@@ -173,11 +173,22 @@ def _check_shape(shape, name, fn, expect):
                                    f"{_shape_str(expect)}")
 
 
-def _out(shape, out: Optional[np.ndarray], name: str, fn: str, dtype=np.float32) -> _Buf:
+def _out(shape, out: Optional[np.ndarray], name: str, fn: str, dtype=np.float32,
+         device: str = "host") -> _Buf:
+    """An output buffer: a new numpy array, or ``out`` checked (dtype, contiguity, shape, and
+    that it lives on ``device``)."""
     if out is None:
         a = np.empty(shape, dtype=dtype)
         return _Buf(a, _addr(a), a.shape, "host")
-    return _buf(out, name, fn, shape, dtype, allow_device=True)
+    return _on(_buf(out, name, fn, shape, dtype, allow_device=device == "cuda"), device, name, fn)
+
+
+def _on(b: _Buf, device: str, name: str, fn: str) -> _Buf:
+    """Refuse a host buffer where a device one is needed (and the reverse)."""
+    if b.device != device:
+        raise KvrtError(ERR_DEVICE, f"{fn}: {name}: a {b.device} array, expected a {device} "
+                                    "array for this context")
+    return b
 
 
 # ------------------------------------------------------------------------------------------
@@ -574,25 +585,28 @@ def attend(q: ArrayLike, cache: Cache, k_recent: Optional[ArrayLike] = None,
     c = _ctx(ctx)
     dev = c.backend == "cuda"
     d = cache.head_dim
-    qb = _buf(q, "q", fn, (None, None, d), allow_device=dev)
+    where = "cuda" if dev else "host"
+    qb = _on(_buf(q, "q", fn, (None, None, d), allow_device=dev), where, "q", fn)
     n, H, _ = qb.shape
-    if dev and qb.device != "cuda":
-        raise KvrtError(ERR_DEVICE, f"{fn}: q: a host array on a CUDA context (expected a CUDA "
-                                    "tensor)")
     if (k_recent is None) != (v_recent is None):
         raise KvrtError(ERR_ARG, f"{fn}: k_recent and v_recent: give both or neither")
     kp = vp = None
     n_recent = 0
     if k_recent is not None:
-        kb = _buf(k_recent, "k_recent", fn, (None, cache.n_kv_heads, d), allow_device=dev)
+        kb = _on(_buf(k_recent, "k_recent", fn, (None, cache.n_kv_heads, d), allow_device=dev),
+                 where, "k_recent", fn)
         n_recent = kb.shape[0]
-        vb = _buf(v_recent, "v_recent", fn, kb.shape, allow_device=dev)
+        vb = _on(_buf(v_recent, "v_recent", fn, kb.shape, allow_device=dev), where, "v_recent", fn)
         kp, vp = kb.ptr, vb.ptr
-    if dev and out is None:
-        raise KvrtError(ERR_ARG, f"{fn}: out: required on a CUDA context (a device array "
-                                 f"[{n}, {H}, {d}])")
-    ob = _out((n, H, d), out, "out", fn)
-    lb = _out((n, H), lse_out, "lse_out", fn) if (return_lse or lse_out is not None) else None
+    if dev and (out is None or (return_lse and lse_out is None)):
+        raise KvrtError(ERR_ARG, f"{fn}: out (and lse_out with return_lse): required on a CUDA "
+                                 f"context (device arrays [{n}, {H}, {d}] and [{n}, {H}])")
+    if dev and cache.device != "cuda":
+        raise KvrtError(ERR_DEVICE, f"{fn}: cache: a host cache on a CUDA context (use "
+                                    "cache.to_device(ctx))")
+    ob = _out((n, H, d), out, "out", fn, device=where)
+    lb = (_out((n, H), lse_out, "lse_out", fn, device=where)
+          if (return_lse or lse_out is not None) else None)
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     check(lib.kvrt_attend(c.ptr, qb.ptr, n, H, cache.ptr, kp, vp, n_recent, s, ob.ptr,
                           lb.ptr if lb else None), ctx_ptr=c.ptr)

@@ -684,7 +684,7 @@ class CompKVState(_Handle):
         min(k_blocks, n_blocks)])."""
         fn = "kvrt.CompKVState.step"
         qb = self._q(q, fn)
-        ob = _out((qb.shape[0], self.head_dim), out, "out", fn)
+        ob = _out((qb.shape[0], self.head_dim), out, "out", fn)  # host only
         blocks = np.empty((self.n_kv_heads, min(int(k_blocks), self.n_blocks)), np.int32)
         check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], int(k_blocks), ob.ptr,
                                    _addr(blocks)))

@@ -231,3 +231,12 @@ def test_pip_install_target_bundles_the_library(tmp_path):
                        capture_output=True, text=True, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tgt / "kvrt" / "_native" / "libkvrt.so")
+
+
+def test_cuda_out_on_a_cpu_context_is_refused():
+    class FakeCudaOut:
+        __cuda_array_interface__ = {"shape": (1, 3, 8), "typestr": "<f4", "data": (1234, False),
+                                    "version": 3, "strides": None}
+    c = kvrt.Cache.create(3, 8, [1, 1, 1])
+    with pytest.raises(kvrt.DeviceError, match="out"):
+        kvrt.attend(rnd(1, 3, 8), c, out=FakeCudaOut())
