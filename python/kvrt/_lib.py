@@ -363,6 +363,7 @@ _PROTOS = {
                                        PP]),
     # libkvpol (for Policy.info)
     "kvpol_open_path": (I, [PP, c_char_p, POINTER(kvpol_open_opts), POINTER(kvpol_error)]),
+    "kvpol_open_mem": (I, [PP, P, c_size_t, POINTER(kvpol_open_opts), POINTER(kvpol_error)]),
     "kvpol_close": (None, [P]),
     "kvpol_status_name": (c_char_p, [I]),
     "kvpol_get_header": (POINTER(kvpol_header), [P]),

@@ -142,9 +142,10 @@ class Policy(_Handle):
     def info(self) -> Dict[str, Any]:
         """What ``kvcc inspect --json`` prints: header, model fingerprint, sections with their
         items (name, kind, dtype, shape, bytes, value of scalars and strings). Read through
-        libkvpol (linked into libkvrt.so), not the kvcc binary; needs the file path."""
+        libkvpol (linked into libkvrt.so), not the kvcc binary. A policy opened from bytes
+        reports "file": "<memory>"."""
         if self.path is None:
-            raise KvrtError(ERR_ARG, "kvrt.Policy.info: a policy opened from bytes has no path")
+            return inspect(self._buf)
         return inspect(self.path)
 
     # per-policy handles
@@ -191,14 +192,19 @@ def _cstr(b: bytes) -> str:
     return b.decode(errors="replace")
 
 
-def inspect(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+def inspect(path: Union[str, os.PathLike, bytes]) -> Dict[str, Any]:
     """``kvcc inspect --json FILE`` as a dict, computed through libkvpol (validates the whole
     file, unknown optional sections included; errors raise :class:`kvrt.FormatError` with the
-    kvpol message)."""
-    p = os.fspath(path)
+    kvpol message). ``path`` may also be the artifact's bytes ("file": "<memory>")."""
     f, err = c_void_p(), _lib.kvpol_error()
     opts = _lib.kvpol_open_opts(flags=1)  # KVPOL_OPEN_VERIFY_ALL
-    rc = lib.kvpol_open_path(byref(f), p.encode(), byref(opts), byref(err))
+    if isinstance(path, (bytes, bytearray)):
+        p, data = "<memory>", bytes(path)
+        rc = lib.kvpol_open_mem(byref(f), ctypes.c_char_p(data), len(data), byref(opts),
+                                byref(err))
+    else:
+        p = os.fspath(path)
+        rc = lib.kvpol_open_path(byref(f), p.encode(), byref(opts), byref(err))
     if rc:
         raise KvrtError(-3 if rc == -3 else -4, _cstr(err.msg), detail=rc)
     try:
