@@ -132,12 +132,14 @@ $(LIBKVPOL_A): $(FORMATS_OBJ)
 	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVPOL_SO): $(FORMATS_OBJ)
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvpol.so.$(KVRT_ABI) -o $@ $^ $(LIBS_FORMATS)
+	ln -sf $(notdir $@) $@.$(KVRT_ABI)  # the soname, for programs linked in the tree
 $(LIBKVRT_A): $(RUNTIME_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ)
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvrt.so.$(KVRT_ABI) -o $@ $^ $(LIBS_BLAS) $(LIBS_CUDA) \
 	  $(LIBS_FORMATS) -lm
+	ln -sf $(notdir $@) $@.$(KVRT_ABI)  # the soname, for programs linked in the tree
 $(LIBCALIB_A): $(CALIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
