@@ -13,8 +13,17 @@
  * layer: wq, wk, wv, wo, gate, up, down) x layers x T, plus attention 2 x 2 x H x d x T(T+1)/2 per
  * layer (QK^T and AV, causal), plus the LM head once (2 x V x E, last token only).
  *
- * usage: bench_prefill [--model F] [--prompts N] [--tokens T] [--reps R] [--ids-out FILE]
- *   --ids-out FILE  write the prompts' token ids (int32, N x T, little-endian) for a peer run
+ * Decode (--decode N, default 0: off): after each timed prefill, the next N tokens of the same
+ * text go through kvcc_model_decode one at a time (a decode step: every weight matrix times one
+ * row, attention over the growing cache, logits over the vocabulary). tokens/s is N over the
+ * median decode time of one prompt. Its limit is memory bandwidth: every step reads all f32
+ * weights once, so the ceiling printed is the triad bandwidth measured in the same run divided
+ * by the weight bytes per token.
+ *
+ * usage: bench_prefill [--model F] [--prompts N] [--tokens T] [--reps R] [--decode N]
+ *                      [--ids-out FILE]
+ *   --ids-out FILE  write the prompts' token ids (int32, N x (T + decode), little-endian) for a
+ *                   peer run
  * Env: KVCC_MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf). Skips (exit 0, one line)
  * when the model file is missing. Prints a machine-readable "RESULT ..." line last.
  */
@@ -56,6 +65,33 @@ static char *read_file(const char *path, size_t *len) {
     return b;
 }
 
+// ---------------------------------------------------------------- triad bandwidth
+/* Median GB/s of a[i] = b[i] + s c[i] over 3 x 64 MiB arrays (threads: OpenMP default), counting
+ * 3 x 4 bytes per element (no write-allocate). The ceiling a weight-streaming decode step meets. */
+static double triad_rate(int runs) {
+    const size_t n = (size_t)16 << 20;
+    float *a = malloc(n * sizeof *a), *b = malloc(n * sizeof *b), *c = malloc(n * sizeof *c);
+    if (!a || !b || !c) {
+        fprintf(stderr, "bench_prefill: out of memory\n");
+        exit(1);
+    }
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) a[i] = 0.0f, b[i] = (float)(i & 1023), c[i] = 1.0f;
+    double r[64];
+    if (runs > 64) runs = 64;
+    for (int k = 0; k < runs; k++) {
+        double t0 = now_s();
+        #pragma omp parallel for schedule(static)
+        for (size_t i = 0; i < n; i++) a[i] = b[i] + 0.5f * c[i];
+        r[k] = 3.0 * n * sizeof(float) / (now_s() - t0) * 1e-9;
+    }
+    if (a[n - 1] != b[n - 1] + 0.5f) exit(1); /* keep the stores */
+    free(a);
+    free(b);
+    free(c);
+    return median(r, runs);
+}
+
 // ---------------------------------------------------------------- sgemm rate
 /* Median GFLOP/s of C[m,n] = A[m,k] . B[n,k]^T (the model's NoTrans/Trans call) over `runs`. */
 static double sgemm_rate(int m, int n, int k, int runs) {
@@ -88,21 +124,25 @@ static double sgemm_rate(int m, int n, int k, int runs) {
 int main(int argc, char **argv) {
     const char *model_path = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     const char *ids_out = NULL;
-    int n_prompts = 4, T = 512, reps = 3;
+    int n_prompts = 4, T = 512, reps = 3, n_dec = 0;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--model") && v) model_path = argv[++i];
         else if (!strcmp(argv[i], "--prompts") && v) n_prompts = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--tokens") && v) T = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--decode") && v) n_dec = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ids-out") && v) ids_out = argv[++i];
         else {
-            fprintf(stderr, "usage: %s [--model F] [--prompts N] [--tokens T] [--reps R] [--ids-out FILE]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--model F] [--prompts N] [--tokens T] [--reps R] [--decode N] "
+                    "[--ids-out FILE]\n", argv[0]);
             return 2;
         }
     }
-    if (n_prompts < 1 || n_prompts > MAX_FILES || T < 2 || T > 8192 || reps < 1 || reps > 99) {
-        fprintf(stderr, "bench_prefill: need 1 <= prompts <= %d, 2 <= tokens <= 8192, 1 <= reps <= 99\n", MAX_FILES);
+    if (n_prompts < 1 || n_prompts > MAX_FILES || T < 2 || T > 8192 || reps < 1 || reps > 99 ||
+        n_dec < 0 || n_dec > 1024 || T + n_dec > 8192) {
+        fprintf(stderr, "bench_prefill: need 1 <= prompts <= %d, 2 <= tokens <= 8192, 1 <= reps <= 99, "
+                "0 <= decode <= 1024, tokens + decode <= 8192\n", MAX_FILES);
         return 2;
     }
     if (access(model_path, R_OK) != 0) {
@@ -138,7 +178,8 @@ int main(int argc, char **argv) {
         if (strstr(e->d_name, ".txt")) names[nf++] = strdup(e->d_name);
     closedir(dir);
     qsort(names, (size_t)nf, sizeof *names, cmp_str);
-    int32_t *ids = malloc((size_t)n_prompts * T * sizeof *ids);
+    const int TT = T + n_dec; /* tokens per prompt row: prefill, then decode */
+    int32_t *ids = malloc((size_t)n_prompts * TT * sizeof *ids);
     int np = 0;
     for (int i = 0; i < nf && np < n_prompts; i++) {
         char path[1024];
@@ -147,20 +188,20 @@ int main(int argc, char **argv) {
         char *text = read_file(path, &len);
         int32_t *t = NULL;
         size_t n = 0;
-        if (text && kvcc_tok_encode(tok, text, len, 0, &t, &n) == 0 && n >= (size_t)T)
-            memcpy(ids + (size_t)np++ * T, t, (size_t)T * sizeof *ids);
+        if (text && kvcc_tok_encode(tok, text, len, 0, &t, &n) == 0 && n >= (size_t)TT)
+            memcpy(ids + (size_t)np++ * TT, t, (size_t)TT * sizeof *ids);
         free(t);
         free(text);
     }
     for (int i = 0; i < nf; i++) free(names[i]);
     if (np < n_prompts) {
-        fprintf(stderr, "bench_prefill: only %d files of %s hold %d tokens (asked %d prompts)\n", np, HELDOUT_DIR, T,
+        fprintf(stderr, "bench_prefill: only %d files of %s hold %d tokens (asked %d prompts)\n", np, HELDOUT_DIR, TT,
                 n_prompts);
         return 1;
     }
     if (ids_out) {
         FILE *f = fopen(ids_out, "wb");
-        if (!f || fwrite(ids, sizeof *ids, (size_t)np * T, f) != (size_t)np * T || fclose(f)) {
+        if (!f || fwrite(ids, sizeof *ids, (size_t)np * TT, f) != (size_t)np * TT || fclose(f)) {
             fprintf(stderr, "bench_prefill: cannot write %s\n", ids_out);
             return 1;
         }
@@ -191,14 +232,15 @@ int main(int argc, char **argv) {
 
     // ------------------------------------------------------------ prefill
     kvcc_state *s;
-    if (kvcc_state_create(m, T, &s)) {
+    if (kvcc_state_create(m, TT, &s)) {
         fprintf(stderr, "bench_prefill: out of memory\n");
         return 1;
     }
     float *logits = malloc((size_t)hp->n_vocab * sizeof *logits);
     double *sec = malloc((size_t)reps * np * sizeof *sec), *runs = malloc((size_t)reps * sizeof *runs);
+    double *dsec = malloc((size_t)reps * np * sizeof *dsec);
     kvcc_state_reset(s); /* warm-up: one prompt (page faults, OpenBLAS buffers, OpenMP pool) */
-    if (!sec || !runs || (st = kvcc_model_prefill(m, s, ids, T, logits, KVCC_LOGITS_LAST))) {
+    if (!sec || !runs || !dsec || (st = kvcc_model_prefill(m, s, ids, T, logits, KVCC_LOGITS_LAST))) {
         fprintf(stderr, "bench_prefill: prefill failed (%d)\n", st);
         return 1;
     }
@@ -207,12 +249,19 @@ int main(int argc, char **argv) {
         for (int p = 0; p < np; p++) {
             kvcc_state_reset(s);
             double a = now_s();
-            if ((st = kvcc_model_prefill(m, s, ids + (size_t)p * T, T, logits, KVCC_LOGITS_LAST))) {
+            if ((st = kvcc_model_prefill(m, s, ids + (size_t)p * TT, T, logits, KVCC_LOGITS_LAST))) {
                 fprintf(stderr, "bench_prefill: prefill failed (%d)\n", st);
                 return 1;
             }
             sec[r * np + p] = now_s() - a;
             runs[r] += sec[r * np + p];
+            a = now_s();
+            for (int i = 0; i < n_dec; i++)
+                if ((st = kvcc_model_decode(m, s, ids[(size_t)p * TT + T + i], logits))) {
+                    fprintf(stderr, "bench_prefill: decode failed (%d)\n", st);
+                    return 1;
+                }
+            dsec[r * np + p] = now_s() - a;
         }
     }
     /* the machine's limit again after the prefill runs: the higher of the two medians counts */
@@ -226,9 +275,23 @@ int main(int argc, char **argv) {
            "%.3f s per %d-token prompt; %.1f GFLOP/s = %.0f%% of the [512 x 576] x [576 x 1536] sgemm rate "
            "(%.1f GFLOP/s)\n",
            med, ns, reps, np, best, worst, T / med, T, gflops, 100 * gflops / rate, rate);
+    if (n_dec > 0) {
+        /* f32 weights read once per step: the linear layers of every layer plus the LM head */
+        const double wbytes = (lin * hp->n_layer + V * E) * sizeof(float);
+        const double bw = triad_rate(7);
+        const double dmed = n_dec / median(dsec, ns), dbest = n_dec / dsec[0];
+        printf("triad: %.1f GB/s (median of 7, 3 x 64 MiB); decode ceiling %.1f tokens/s = triad / "
+               "%.1f MB of f32 weights per token\n", bw, bw * 1e9 / wbytes, wbytes * 1e-6);
+        printf("decode (ours): %.1f tokens/s median of %d x %d steps after a %d-token prefill (best "
+               "%.1f); %.0f%% of the triad ceiling\n", dmed, ns, n_dec, T, dbest,
+               100 * dmed / (bw * 1e9 / wbytes));
+        printf("RESULT_DECODE tokens_per_s=%.2f best_tokens_per_s=%.2f triad_gbps=%.2f ceiling=%.2f "
+               "steps=%d\n", dmed, dbest, bw, bw * 1e9 / wbytes, n_dec);
+    }
     printf("RESULT tokens_per_s=%.2f best_tokens_per_s=%.2f gflops=%.2f sgemm_gflops=%.2f fraction=%.3f prompts=%d "
            "tokens=%d reps=%d\n", med, best, gflops, rate, gflops / rate, np, T, reps);
     free(sec);
+    free(dsec);
     free(runs);
     free(logits);
     free(ids);

@@ -11,7 +11,9 @@
 # Prints the median ratio and the best-of ratio: on a shared machine other jobs only slow runs
 # down, and torch's OpenMP threads suffer more from oversubscription than ours (look at both).
 #
-# Usage: bench/prefill_vs_torch.sh [--prompts N] [--tokens T] [--reps R] [--no-skylakex]
+# With --decode N both sides then also time N decode steps after each prefill (RATIO-DECODE lines).
+#
+# Usage: bench/prefill_vs_torch.sh [--prompts N] [--tokens T] [--reps R] [--decode N] [--no-skylakex]
 # Env: KVCC_MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf), KVCC_BUILD (default build),
 #      TORCH_THREADS (default 2).
 set -euo pipefail
@@ -20,14 +22,15 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 model="${KVCC_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 build="${KVCC_BUILD:-build}"
-prompts=4 tokens=512 reps=3 skylakex=1
+prompts=4 tokens=512 reps=3 skylakex=1 decode=0
 while [ $# -gt 0 ]; do
     case "$1" in
     --prompts) prompts="$2"; shift 2 ;;
     --tokens) tokens="$2"; shift 2 ;;
     --reps) reps="$2"; shift 2 ;;
+    --decode) decode="$2"; shift 2 ;;
     --no-skylakex) skylakex=0; shift ;;
-    *) echo "usage: $0 [--prompts N] [--tokens T] [--reps R] [--no-skylakex]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--prompts N] [--tokens T] [--reps R] [--decode N] [--no-skylakex]" >&2; exit 2 ;;
     esac
 done
 
@@ -43,23 +46,27 @@ make --no-print-directory "$build/bench/bench_prefill" >/dev/null
 ids="$build/bench/prefill_ids.bin"
 
 result() { sed -n 's/^RESULT tokens_per_s=\([0-9.]*\) best_tokens_per_s=\([0-9.]*\).*/\1 \2/p' | tail -1; }
+dresult() { sed -n 's/^RESULT_DECODE tokens_per_s=\([0-9.]*\) best_tokens_per_s=\([0-9.]*\).*/\1 \2/p' | tail -1; }
+ratio() { # ours theirs label
+    python3 -c "import sys; (o, ob), (t, tb) = (map(float, x.split()) for x in sys.argv[1:3]); \
+print(f'{sys.argv[4]} [{sys.argv[3]}] median: ours {o:.1f} tokens/s / torch {t:.1f} tokens/s = {o / t:.2f}x; ' \
+      f'best: ours {ob:.1f} / torch {tb:.1f} = {ob / tb:.2f}x')" "$@"
+}
 
 run_pair() { # label, then env assignments for our side
     local label="$1"; shift
     echo "== $label"
-    local out ours theirs
+    local out ours theirs dours dtheirs
     out="$(env "$@" "$build/bench/bench_prefill" --model "$model" --prompts "$prompts" --tokens "$tokens" \
-        --reps "$reps" --ids-out "$ids")"
+        --reps "$reps" --decode "$decode" --ids-out "$ids")"
     echo "$out"
-    ours="$(echo "$out" | result)"
+    ours="$(echo "$out" | result)"; dours="$(echo "$out" | dresult)"
     out="$(python3 bench/prefill_torch.py "$model" "$ids" --tokens "$tokens" --reps "$reps" \
-        --threads "${TORCH_THREADS:-2}" 2>/dev/null)"
+        --decode "$decode" --threads "${TORCH_THREADS:-2}" 2>/dev/null)"
     echo "$out"
-    theirs="$(echo "$out" | result)"
-    python3 -c "import sys; (o, ob), (t, tb) = (map(float, x.split()) for x in sys.argv[1:3]); \
-print(f'RATIO [{sys.argv[3]}] median: ours {o:.1f} tokens/s / torch {t:.1f} tokens/s = {o / t:.2f}x; ' \
-      f'best: ours {ob:.1f} / torch {tb:.1f} = {ob / tb:.2f}x')" \
-        "$ours" "$theirs" "$label"
+    theirs="$(echo "$out" | result)"; dtheirs="$(echo "$out" | dresult)"
+    ratio "$ours" "$theirs" "$label" RATIO
+    if [ "$decode" -gt 0 ]; then ratio "$dours" "$dtheirs" "$label" RATIO-DECODE; fi
 }
 
 run_pair "default OpenBLAS core detection (OPENBLAS_CORETYPE unset)" -u OPENBLAS_CORETYPE

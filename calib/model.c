@@ -450,11 +450,16 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
 
 // ---------------------------------------------------------------- kernels
 
-/* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. */
+/* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
+ * decode step) goes through sgemv: sgemm with M = 1 makes OpenBLAS re-pack W for every token,
+ * which costs more than the product (docs/benchmarks.md, "Decode"). */
 static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
                      float *y, int ldy) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, cols, 1.0f, x, cols, W, cols,
-                beta, y, ldy);
+    if (n == 1)
+        cblas_sgemv(CblasRowMajor, CblasNoTrans, rows, cols, 1.0f, W, cols, x, 1, beta, y, 1);
+    else
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, cols, 1.0f, x, cols, W,
+                    cols, beta, y, ldy);
 }
 
 /* out[t] = x[t] / rms(x[t]) * w for n rows of E. */
@@ -565,9 +570,57 @@ static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, in
         }
 }
 
+/* GCC keeps loops with float compares feeding selects scalar under -ftrapping-math (its
+ * default), which only protects FP exception flags that nothing here reads; results stay IEEE
+ * (no reassociation, no finite-math assumptions). Scoped to the softmax of attend_blas. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+#endif
+#include "cpu/vexp.h" /* exp_nonpos_f32: the runtime's vectorizable exp (max rel. error 8.3e-8) */
+
+/* One row of scores in place: mask (entries after position p, or with pos[j] > p), bias, then
+ * softmax. With pos == NULL the visible entries are 0..min(p, ne - 1), so the mask is a bound and
+ * every loop vectorizes; exp_nonpos_f32(-INF) is exactly 0. No visible entry: the row is 0. */
+static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, const int32_t *pos) {
+    int64_t nv = ne;
+    if (pos) {
+        for (int64_t j = 0; j < ne; j++)
+            sc[j] = pos[j] > p ? -INFINITY : sc[j] + (bias ? bias[j] : 0.0f);
+    } else {
+        nv = p + 1 < ne ? p + 1 : ne;
+        if (bias) {
+            #pragma omp simd
+            for (int64_t j = 0; j < nv; j++) sc[j] += bias[j];
+        }
+        for (int64_t j = nv; j < ne; j++) sc[j] = 0.0f;
+    }
+    float mx = -INFINITY;
+    #pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
+    if (mx == -INFINITY) { /* nothing visible (or every logit -INF) */
+        memset(sc, 0, (size_t)ne * sizeof(float));
+        return;
+    }
+    float sum = 0.0f;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < nv; j++) {
+        const float e = exp_nonpos_f32(sc[j] - mx);
+        sc[j] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / sum;
+    #pragma omp simd
+    for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 /* attend_blas: same result through two sgemm per query head, S = Q_h K_g^T (n, ne) then
- * O_h = P V_g, with the mask, bias and softmax applied to S in between (serially: no OpenMP
- * team competes with OpenBLAS' threads). scores: at least n * max entries floats. */
+ * O_h = P V_g, with the mask, bias and softmax applied to S in between: rows in parallel
+ * (OpenMP, between the sgemm calls, so no team competes with OpenBLAS' threads), each row
+ * vectorized (softmax_row). scores: at least n * max entries floats. */
 static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                         const kv_view *view, float *out, float *scores) {
     (void)layer;
@@ -584,27 +637,9 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale,
                     q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
-        for (int t = 0; t < n; t++) {
-            float *sc = scores + (size_t)t * ne;
-            const int64_t p = pos0 + t;
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < ne; j++) {
-                float v = sc[j];
-                if (kh->pos ? kh->pos[j] > p : j > p) v = -INFINITY;
-                else if (kh->bias) v += kh->bias[j];
-                sc[j] = v;
-                if (v > mx) mx = v;
-            }
-            float sum = 0.0f;
-            if (mx != -INFINITY)
-                for (int64_t j = 0; j < ne; j++) {
-                    float e = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx);
-                    sc[j] = e;
-                    sum += e;
-                }
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f; /* no visible entry: output 0 */
-            for (int64_t j = 0; j < ne; j++) sc[j] *= inv;
-        }
+        #pragma omp parallel for schedule(static) if ((int64_t)n * ne >= 65536)
+        for (int t = 0; t < n; t++)
+            softmax_row(scores + (size_t)t * ne, ne, pos0 + t, kh->bias, kh->pos);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, (int)ne, 1.0f, scores, (int)ne,
                     kh->v, (int)kh->stride, 0.0f, out + (size_t)h * d, H * d);
     }
