@@ -102,14 +102,14 @@ int kvcc_dist_local_size(void) { return local_size_; }
 int kvcc_dist_active(void) { return size_ > 1; }
 double kvcc_dist_comm_seconds(void) { return comm_s; }
 
-void kvcc_dist_shard_of(uint32_t n, int rank, uint32_t *lo, uint32_t *hi) {
-    const uint64_t s = (uint64_t)(size_ > 0 ? size_ : 1), r = (uint64_t)(rank < 0 ? 0 : rank);
+void kvcc_dist_shard_of(uint32_t n, int rank, int size, uint32_t *lo, uint32_t *hi) {
+    const uint64_t s = (uint64_t)(size > 0 ? size : 1), r = (uint64_t)(rank < 0 ? 0 : rank);
     *lo = (uint32_t)(r * n / s);
     *hi = (uint32_t)((r + 1) * n / s);
 }
 
 void kvcc_dist_shard(uint32_t n, uint32_t *lo, uint32_t *hi) {
-    kvcc_dist_shard_of(n, rank_, lo, hi);
+    kvcc_dist_shard_of(n, rank_, size_, lo, hi);
 }
 
 /* src into dst (n bytes), cut to fit. */
@@ -198,7 +198,7 @@ int kvcc_dist_gather_rows(void *rows, size_t row_bytes, uint32_t n, char *err, s
     }
     for (int r = 0; r < size_; r++) {
         uint32_t lo, hi;
-        kvcc_dist_shard_of(n, r, &lo, &hi);
+        kvcc_dist_shard_of(n, r, size_, &lo, &hi);
         cnt[r] = (int)(hi - lo);
         dsp[r] = (int)lo;
     }

@@ -35,10 +35,10 @@ int kvcc_dist_local_size(void);
 /* 1 when the job has more than one rank. */
 int kvcc_dist_active(void);
 
-/* The shard of items [0, n) of this rank (or of `rank`): the contiguous block
+/* The shard of items [0, n) of this rank (or of `rank` of `size`): the contiguous block
  * [floor(r * n / size), floor((r + 1) * n / size)). Depends on (n, size, r) only. */
 void kvcc_dist_shard(uint32_t n, uint32_t *lo, uint32_t *hi);
-void kvcc_dist_shard_of(uint32_t n, int rank, uint32_t *lo, uint32_t *hi);
+void kvcc_dist_shard_of(uint32_t n, int rank, int size, uint32_t *lo, uint32_t *hi);
 
 /* Collective (every rank must call it at the same point): rc is this rank's status (0: fine).
  * Returns the status of the lowest-numbered failing rank (0 when none failed); err (errlen bytes)

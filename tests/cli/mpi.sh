@@ -36,7 +36,7 @@ declare -A opts=(
   [compkv]="--compkv-r 4 --compkv-block 16"
   [compilerkv]="--budgets 16,32 --window 16"
   [kv2]="--kv2-budgets 0.1,0.2 --kv2-rho 0.05,1"
-  [merge-reduce]="--mr-budgets 0.1,0.2 --mr-m 16,32 --mr-report-k 16,32"
+  [merge-reduce]="--mr-budgets 0.2,0.4 --mr-m 16,32 --mr-report-k 16,32"
 )
 for pol in am compkv compilerkv kv2 merge-reduce; do
   # shellcheck disable=SC2086
