@@ -279,10 +279,13 @@ static int setup_tables(ckv *S, char *err, size_t errlen) {
 /* With MPI (dist): every rank's features of its prompts, then the (entropy, perplexity) of
  * every prompt on every rank (the bin edges are quantiles over all of them). */
 static int gather_features(ckv *S, int rc, char *err, size_t errlen) {
-    rc = kvcc_dist_check(rc, err, errlen);
-    if (rc) return rc;
     double *f = calloc((size_t)S->P * 2, sizeof *f);
-    if (!f) return kvcc_dist_check(ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory"), err, errlen);
+    if (!f && !rc) rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
+    rc = kvcc_dist_check(rc, err, errlen);
+    if (rc) {
+        free(f);
+        return rc;
+    }
     for (uint32_t p = S->plo; p < S->phi; p++) f[2 * p] = S->pr[p].ent, f[2 * p + 1] = S->pr[p].ppl;
     char m[256];
     if (kvcc_dist_gather_rows(f, 2 * sizeof *f, S->P, m, sizeof m) != 0)
