@@ -12,6 +12,8 @@
 #   make uninstall    removes exactly what make install put there
 #   make check-install  install into a scratch prefix and build an example with pkg-config only
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
+# Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), USE_MPI=0/1 (default: 1 when mpicc is
+# found, 0 with SAN=1), SAN=1, OPT=-O2.
 
 CC       ?= cc
 NVCC     ?= nvcc
@@ -40,6 +42,21 @@ ifeq ($(origin USE_CUDA),undefined)
     USE_CUDA := 0
   endif
 endif
+# MPI (Open MPI): `mpirun -np N kvcc compile` (compiler/dist.c). The sanitizer build leaves it
+# out unless asked (Open MPI's own allocations would fill LeakSanitizer's report).
+MPICC ?= mpicc
+ifeq ($(origin USE_MPI),undefined)
+  ifeq ($(SAN),1)
+    USE_MPI := 0
+  else ifneq ($(shell command -v $(MPICC) 2>/dev/null),)
+    USE_MPI := 1
+  else
+    USE_MPI := 0
+  endif
+endif
+ifneq ($(filter-out 0 1,$(USE_MPI)),)
+  $(error USE_MPI must be 0 or 1, got '$(USE_MPI)')
+endif
 ifneq ($(filter-out 0 1,$(USE_CUDA)),)
   $(error USE_CUDA must be 0 or 1, got '$(USE_CUDA)')
 endif
@@ -51,6 +68,13 @@ ifeq ($(MAKELEVEL),0)
     $(info kvcc: CUDA backend OFF (SAN=1 builds are CPU-only); CPU backend only)
   else
     $(info kvcc: CUDA backend OFF ($(if $(shell command -v $(NVCC) 2>/dev/null),USE_CUDA=0,nvcc not found)); CPU backend only)
+  endif
+  ifeq ($(USE_MPI),1)
+    $(info kvcc: MPI ON ($(MPICC): mpirun -np N kvcc compile); USE_MPI=0 to disable)
+  else ifeq ($(SAN),1)
+    $(info kvcc: MPI OFF (SAN=1 builds leave it out; USE_MPI=1 to force); one process only)
+  else
+    $(info kvcc: MPI OFF ($(if $(shell command -v $(MPICC) 2>/dev/null),USE_MPI=0,mpicc not found)); one process only)
   endif
 endif
 
@@ -70,6 +94,12 @@ ifeq ($(USE_CUDA),1)
   LIBS_CUDA := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
 else
   LIBS_CUDA :=
+endif
+ifeq ($(USE_MPI),1)
+  CPPFLAGS += -DKVCC_WITH_MPI=1 $(shell $(MPICC) --showme:compile)
+  LIBS_MPI := $(shell $(MPICC) --showme:link)
+else
+  LIBS_MPI :=
 endif
 
 # The library version comes from kvrt.h. Before 1.0 a minor release may change the ABI, so the
@@ -107,7 +137,7 @@ BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
-            $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
+            $(LIBS_FORMATS) $(LIBS_JSON) $(LIBS_MPI) -lm -lpthread
 
 .PHONY: all deps peer-deps model test python-test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean \
         install uninstall check-install
@@ -119,6 +149,12 @@ peer-deps:
 	@bash scripts/install-peer-deps.sh
 
 # ---------------------------------------------------------------- rules
+# compiler/dist.o is rebuilt when USE_MPI changes (the stamp names the setting).
+MPI_STAMP := $(BUILD)/use_mpi.$(USE_MPI)
+$(MPI_STAMP):
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/use_mpi.* && touch $@
+$(BUILD)/obj/compiler/dist.o: $(MPI_STAMP)
+
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -MMD -MP -c $< -o $@
@@ -208,6 +244,8 @@ test: deps peer-deps model
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/faults.sh
 	@echo "== make install into a scratch prefix, serve_skeleton.c built out of tree with pkg-config only"
 	@KVCC_BUILD=$(BUILD) MAKE="$(MAKE)" SANFLAGS="$(SANFLAGS)" bash tests/cli/install.sh
+	@echo "== MPI checks (mpirun -np 2 and 4 kvcc compile against one process; docs/distributed.md)"
+	@KVCC=$(KVCC) bash tests/cli/mpi.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
 	@$(MAKE) --no-print-directory python-test
 
