@@ -1,8 +1,13 @@
 /*
  * cmd_capture.c: `kvcc capture [--gguf M] [--text FILE]... [--prompts N] [--context T]
- * [--continuation C] [--seed S] [--dtype f16|f32] -o corpus.h5`: real calibration corpora from
- * the built-in model (calib/capture.c). Defaults suit SmolLM2-135M: the calibration texts in
- * examples/data/calib/, 16 prompts of 2048 + 128 tokens.
+ * [--continuation C] [--seed S] [--dtype f16|f32] [--shard R/N] -o corpus.h5`: real calibration
+ * corpora from the built-in model (calib/capture.c). Defaults suit SmolLM2-135M: the calibration
+ * texts in examples/data/calib/, 16 prompts of 2048 + 128 tokens.
+ *
+ * Sharded: `--shard R/N` writes only shard R's block of the prompts to -o; under `mpirun -np N`
+ * (an MPI build) rank R writes shard R/N to OUT.R-of-N.h5 and, once every rank has finished its
+ * shard, rank 0 writes the manifest OUT listing them (docs/corpus-format.md): no manifest if any
+ * rank failed.
  */
 #include <dirent.h>
 #include <getopt.h>
@@ -30,7 +35,26 @@ static void usage(FILE *out) {
                  "  --continuation C    continuation tokens per window (default 128)\n"
                  "  --seed S            window choice (default 1)\n"
                  "  --dtype f16|f32     activation storage (default f16)\n"
+                 "  --shard R/N         capture only shard R (0..N-1) of N: a contiguous block of the prompts;\n"
+                 "                      the shards listed in order in a manifest equal the whole capture\n"
+                 "                      (under mpirun -np N each rank does this itself, see docs/distributed.md)\n"
                  "  -o, --output F      corpus to write (temp file + rename)\n");
+}
+
+/* The MPI world of this process: rank and size (0 and 1 without MPI or outside mpirun), and
+ * failure agreement: the lowest rank whose `failed` is set, or -1 (collective: every rank calls
+ * it the same number of times). */
+static unsigned cap_rank(void) { return 0; }
+static unsigned cap_size(void) { return 1; }
+static int cap_first_failed(int failed) { return failed ? 0 : -1; }
+
+/* kvcc_capture_opts.agree: before a shard is renamed into place, every rank's status. */
+static int cap_agree(void *user, int rc, char *err, size_t errlen) {
+    (void)user;
+    const int bad = cap_first_failed(rc != 0);
+    if (rc || bad < 0) return rc;
+    snprintf(err, errlen, "shard not kept: rank %d failed (its message above)", bad);
+    return KVCC_CORPUS_ERR_IO;
 }
 
 int kvcc_cmd_capture(int argc, char **argv) {
@@ -38,11 +62,13 @@ int kvcc_cmd_capture(int argc, char **argv) {
     char *texts[MAX_TEXTS];
     int n_texts = 0, own_texts = 0;
     unsigned n_prompts = 16, ctx = 2048, cont = 128, seed = 1, u;
+    unsigned shard = 0, n_shards = 0; /* --shard R/N; 0/0: the whole capture */
     static const struct option opts[] = {
         {"gguf", required_argument, 0, 'g'}, {"text", required_argument, 0, 'x'},
         {"prompts", required_argument, 0, 'n'}, {"context", required_argument, 0, 't'},
         {"continuation", required_argument, 0, 'c'}, {"seed", required_argument, 0, 's'},
         {"dtype", required_argument, 0, 'd'}, {"output", required_argument, 0, 'o'},
+        {"shard", required_argument, 0, 'S'},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int ch;
     optind = 1;
@@ -59,6 +85,20 @@ int kvcc_cmd_capture(int argc, char **argv) {
         case 's': if (kvcc_parse_u32("capture", "seed", optarg, 0, 0xffffffffu, &u)) return KVCC_EXIT_USAGE; seed = u; break;
         case 'd': dtype = optarg; break;
         case 'o': out = optarg; break;
+        case 'S': {
+            char *end = NULL, *slash = strchr(optarg, '/');
+            unsigned long r = 0, n = 0;
+            int ok = slash && slash != optarg && optarg[0] >= '0' && optarg[0] <= '9';
+            if (ok) r = strtoul(optarg, &end, 10), ok = end == slash && slash[1] >= '0' && slash[1] <= '9';
+            if (ok) n = strtoul(slash + 1, &end, 10), ok = *end == 0 && n >= 1 && n <= 65536 && r < n;
+            if (!ok) {
+                fprintf(stderr, "kvcc capture: --shard: got '%s', expected R/N with 0 <= R < N <= 65536 (e.g. 0/4)\n", optarg);
+                return KVCC_EXIT_USAGE;
+            }
+            shard = (unsigned)r;
+            n_shards = (unsigned)n;
+            break;
+        }
         case 'h': usage(stdout); return KVCC_EXIT_OK;
         default: usage(stderr); return KVCC_EXIT_USAGE;
         }
@@ -89,23 +129,54 @@ int kvcc_cmd_capture(int argc, char **argv) {
             return KVCC_EXIT_USAGE;
         }
     }
+    /* under mpirun -np N (N > 1): this rank's shard beside OUT, and OUT the manifest */
+    const unsigned rank = cap_rank(), world = cap_size();
+    char shard_out[1100], rank_tag[48] = "";
+    if (world > 1 && n_shards) {
+        fprintf(stderr, "kvcc capture: --shard %u/%u and mpirun -np %u: give one or the other (under mpirun each "
+                "rank captures its own shard)\n", shard, n_shards, world);
+        if (own_texts)
+            for (int i = 0; i < n_texts; i++) free(texts[i]);
+        return KVCC_EXIT_USAGE;
+    }
+    const char *dst = out;
+    if (world > 1) {
+        shard = rank;
+        n_shards = world;
+        if ((size_t)snprintf(shard_out, sizeof shard_out, "%s.%u-of-%u.h5", out, rank, world) >= sizeof shard_out) {
+            fprintf(stderr, "kvcc capture: -o %s: the path is too long\n", out);
+            if (own_texts)
+                for (int i = 0; i < n_texts; i++) free(texts[i]);
+            return KVCC_EXIT_USAGE;
+        }
+        dst = shard_out;
+        snprintf(rank_tag, sizeof rank_tag, "rank %u of %u: ", rank, world);
+    }
     kvcc_input in[MAX_TEXTS + 1] = {{"--gguf", gguf}};
     for (int i = 0; i < n_texts; i++) in[i + 1] = (kvcc_input){"--text", texts[i]};
     int ex = kvcc_check_output("capture", out, in, n_texts + 1);
-    if (!ex) kvcc_remove_temp_on_signal(out);
+    if (!ex && dst != out) ex = kvcc_check_output("capture", dst, in, n_texts + 1);
+    if (!ex) kvcc_remove_temp_on_signal(dst);
     kvcc_loaded_model lm;
+    int loaded = 0;
     char msg[512] = "";
     if (ex) {
         /* nothing was written */
     } else if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
-        fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
+        fprintf(stderr, "kvcc capture: %s--gguf: %s\n", rank_tag, msg);
         ex = KVCC_EXIT_FAILED;
-    } else if (kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
-                                       "--context + --continuation", msg, sizeof msg) != 0) {
-        fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
-        kvcc_loaded_model_free(&lm);
+    } else if ((loaded = 1, kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
+                                                   "--context + --continuation", msg, sizeof msg)) != 0) {
+        fprintf(stderr, "kvcc capture: %s--gguf: %s\n", rank_tag, msg);
         ex = KVCC_EXIT_USAGE;
-    } else {
+    }
+    /* every rank has checked its output and loaded the model, or none captures */
+    int bad_rank = cap_first_failed(ex != 0);
+    if (!ex && bad_rank >= 0) {
+        fprintf(stderr, "kvcc capture: %snot capturing: rank %d failed (its message above)\n", rank_tag, bad_rank);
+        ex = KVCC_EXIT_FAILED;
+    }
+    if (!ex) {
         char options[512];
         int k = snprintf(options, sizeof options, "model=%s prompts=%u context=%u continuation=%u seed=%u dtype=%s texts=",
                          lm.name, n_prompts, ctx, cont, seed, dtype);
@@ -115,24 +186,56 @@ int kvcc_cmd_capture(int argc, char **argv) {
         }
         kvcc_capture_opts o = {.texts = (const char *const *)texts, .n_texts = n_texts, .n_prompts = n_prompts,
                                .context_len = ctx, .continuation_len = cont, .seed = seed,
-                               .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options};
+                               .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options,
+                               .shard = shard, .n_shards = n_shards,
+                               .agree = world > 1 ? cap_agree : NULL};
         kvcc_capture_stats st;
-        kvcc_progress_begin("capture");
-        int rc = kvcc_capture_run(lm.model, lm.tok, &o, out, kvcc_progress, &st, msg, sizeof msg);
+        kvcc_progress_begin(world > 1 && rank ? NULL : "capture");
+        int rc = kvcc_capture_run(lm.model, lm.tok, &o, dst, world > 1 && rank ? NULL : kvcc_progress, &st, msg,
+                                  sizeof msg);
         if (rc) {
-            fprintf(stderr, "kvcc capture: %s [%s]\n", msg, kvcc_corpus_status_name(rc));
+            fprintf(stderr, "kvcc capture: %s%s [%s]\n", rank_tag, msg, kvcc_corpus_status_name(rc));
             ex = rc == KVCC_CORPUS_ERR_RANGE || rc == KVCC_CORPUS_ERR_ARG ? KVCC_EXIT_USAGE : KVCC_EXIT_FAILED;
         } else {
             struct stat sb;
-            long long bytes = stat(out, &sb) == 0 ? (long long)sb.st_size : -1;
+            long long bytes = stat(dst, &sb) == 0 ? (long long)sb.st_size : -1;
             fprintf(stderr,
-                    "kvcc capture: wrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
+                    "kvcc capture: %swrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
                     "%lld bytes; model %s, mean next-token NLL %.3f (perplexity %.1f); %.1f s (%.0f tokens/s)\n",
-                    out, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes, lm.name, st.mean_nll,
-                    exp(st.mean_nll), st.seconds, st.prompts * (double)st.tokens_per_prompt / st.seconds);
+                    rank_tag, dst, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes, lm.name,
+                    st.mean_nll, exp(st.mean_nll), st.seconds,
+                    st.prompts * (double)st.tokens_per_prompt / st.seconds);
         }
-        kvcc_loaded_model_free(&lm);
+        /* every shard is in place, or no manifest */
+        bad_rank = world > 1 ? cap_first_failed(ex != 0) : -1;
+        if (world > 1 && rank == 0) {
+            if (bad_rank >= 0) {
+                fprintf(stderr, "kvcc capture: rank %d of %u failed (its message above): no manifest written; %s "
+                        "is unchanged\n", bad_rank, world, out);
+            } else {
+                char(*names)[1100] = malloc((size_t)world * sizeof *names);
+                const char **list = malloc((size_t)world * sizeof *list);
+                int wrc = names && list ? 0 : KVCC_CORPUS_ERR_NOMEM;
+                for (unsigned r = 0; !wrc && r < world; r++) {
+                    snprintf(names[r], sizeof names[r], "%s.%u-of-%u.h5", out, r, world);
+                    list[r] = names[r];
+                }
+                if (!wrc) wrc = kvcc_corpus_write_manifest(out, list, world, msg, sizeof msg);
+                else snprintf(msg, sizeof msg, "out of memory");
+                if (wrc) {
+                    fprintf(stderr, "kvcc capture: %s\n", msg);
+                    ex = KVCC_EXIT_FAILED;
+                } else {
+                    fprintf(stderr, "kvcc capture: wrote the manifest %s: %u shards (%s.R-of-%u.h5, R = 0..%u), "
+                            "%u prompts in all\n", out, world, out, world, world - 1, n_prompts);
+                }
+                free(names);
+                free(list);
+            }
+        }
+        if (world > 1 && cap_first_failed(ex != 0) >= 0 && !ex) ex = KVCC_EXIT_FAILED;
     }
+    if (loaded) kvcc_loaded_model_free(&lm);
     if (own_texts)
         for (int i = 0; i < n_texts; i++) free(texts[i]);
     return ex;
