@@ -7,7 +7,8 @@
 #   make fuzz         build the libFuzzer targets (clang) and run each for FUZZ_SECONDS
 #   make bench        benchmarks (not tests)
 #   make examples     the examples against the serving header only (build/examples/)
-# Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
+# Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), USE_MPI=0/1 (default: 1 when mpicc is
+# found, 0 with SAN=1), SAN=1, OPT=-O2.
 
 CC       ?= cc
 NVCC     ?= nvcc
@@ -36,6 +37,21 @@ ifeq ($(origin USE_CUDA),undefined)
     USE_CUDA := 0
   endif
 endif
+# MPI (Open MPI): `mpirun -np N kvcc compile` (compiler/dist.c). The sanitizer build leaves it
+# out unless asked (Open MPI's own allocations would fill LeakSanitizer's report).
+MPICC ?= mpicc
+ifeq ($(origin USE_MPI),undefined)
+  ifeq ($(SAN),1)
+    USE_MPI := 0
+  else ifneq ($(shell command -v $(MPICC) 2>/dev/null),)
+    USE_MPI := 1
+  else
+    USE_MPI := 0
+  endif
+endif
+ifneq ($(filter-out 0 1,$(USE_MPI)),)
+  $(error USE_MPI must be 0 or 1, got '$(USE_MPI)')
+endif
 ifneq ($(filter-out 0 1,$(USE_CUDA)),)
   $(error USE_CUDA must be 0 or 1, got '$(USE_CUDA)')
 endif
@@ -47,6 +63,13 @@ ifeq ($(MAKELEVEL),0)
     $(info kvcc: CUDA backend OFF (SAN=1 builds are CPU-only); CPU backend only)
   else
     $(info kvcc: CUDA backend OFF ($(if $(shell command -v $(NVCC) 2>/dev/null),USE_CUDA=0,nvcc not found)); CPU backend only)
+  endif
+  ifeq ($(USE_MPI),1)
+    $(info kvcc: MPI ON ($(MPICC): mpirun -np N kvcc compile); USE_MPI=0 to disable)
+  else ifeq ($(SAN),1)
+    $(info kvcc: MPI OFF (SAN=1 builds leave it out; USE_MPI=1 to force); one process only)
+  else
+    $(info kvcc: MPI OFF ($(if $(shell command -v $(MPICC) 2>/dev/null),USE_MPI=0,mpicc not found)); one process only)
   endif
 endif
 
@@ -66,6 +89,12 @@ ifeq ($(USE_CUDA),1)
   LIBS_CUDA := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
 else
   LIBS_CUDA :=
+endif
+ifeq ($(USE_MPI),1)
+  CPPFLAGS += -DKVCC_WITH_MPI=1 $(shell $(MPICC) --showme:compile)
+  LIBS_MPI := $(shell $(MPICC) --showme:link)
+else
+  LIBS_MPI :=
 endif
 
 # ---------------------------------------------------------------- sources
@@ -98,7 +127,7 @@ BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
-            $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
+            $(LIBS_FORMATS) $(LIBS_JSON) $(LIBS_MPI) -lm -lpthread
 
 .PHONY: all deps peer-deps model test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
@@ -109,6 +138,12 @@ peer-deps:
 	@bash scripts/install-peer-deps.sh
 
 # ---------------------------------------------------------------- rules
+# compiler/dist.o is rebuilt when USE_MPI changes (the stamp names the setting).
+MPI_STAMP := $(BUILD)/use_mpi.$(USE_MPI)
+$(MPI_STAMP):
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/use_mpi.* && touch $@
+$(BUILD)/obj/compiler/dist.o: $(MPI_STAMP)
+
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -MMD -MP -c $< -o $@

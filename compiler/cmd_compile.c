@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dist.h"
 #include "gguf.h"
 #include "kvcc.h"
 #include "model.h"
@@ -20,6 +21,9 @@
 
 #define MAX_PASS_OPTS 64
 #define MAX_CORPORA 256 /* --corpus given this many times at most; a manifest lists more */
+
+/* OpenBLAS (libopenblas, linked by libkvrt's CPU backend). */
+void openblas_set_num_threads(int n);
 
 /* Every pass's options, in registry order (the index of a row is its list store and getopt id). */
 typedef struct {
@@ -220,33 +224,71 @@ static int open_corpus(const char *const *corpora, int n_corpora, const kvcc_pre
     return 0;
 }
 
-/* Run every pass into w, write the artifact, then the passes' reports (stdout). */
+/* Run every pass into w (every rank: each pass shards its prompts and gathers its statistics),
+ * write the artifact (rank 0), then the passes' reports (rank 0, stdout). */
 static int run_passes(kvcc_compile_ctx *cx, const kvcc_pass *const *run, int n_run, kvpol_writer *w,
                       const char *out, const kvcc_preset *p, const char *policies) {
     char msg[768];
     kvpol_error err = {0};
     int ex = KVCC_EXIT_OK;
+    const int root = kvcc_dist_rank() == 0;
     for (int i = 0; i < n_run && !ex; i++) {
         kvcc_progress_begin(run[i]->name);
+        msg[0] = 0;
         ex = run[i]->run(cx, w, msg, sizeof msg);
         if (ex) fprintf(stderr, "kvcc compile: %s: %s\n", run[i]->name, msg);
         else
             fprintf(stderr, "kvcc compile: %s: done in %.1f s\n", run[i]->name,
                     kvcc_progress_elapsed());
     }
-    if (!ex && kvpol_writer_finish(w, out, &err) != 0) {
+    if (!ex && root && kvpol_writer_finish(w, out, &err) != 0) {
         fprintf(stderr, "kvcc compile: %s\n", err.msg);
         ex = KVCC_EXIT_FAILED;
     }
+    if (kvcc_dist_active()) { /* every rank leaves with rank 0's status of the write */
+        int st = ex;
+        if (kvcc_dist_bcast(&st, sizeof st, 0, msg, sizeof msg) == 0 && !root) ex = st;
+    }
     if (!ex)
         fprintf(stderr, "kvcc compile: wrote %s (model %s, policies %s)\n", out, p->name, policies);
-    for (int i = 0; i < n_run && !ex; i++)
+    for (int i = 0; i < n_run && !ex && root; i++)
         if (run[i]->report && (ex = run[i]->report(cx, out, stdout, msg, sizeof msg)) != 0)
             fprintf(stderr, "kvcc compile: %s\n", msg);
     return ex;
 }
 
-int kvcc_cmd_compile(int argc, char **argv) {
+/* What the setup hands to the passes. */
+typedef struct {
+    kvcc_compile_ctx cx;
+    const kvcc_pass *run[16];
+    int n_run;
+    const char *out, *policies;
+    const kvcc_preset *p;
+    char canon[256];
+    kvpol_header h;
+    kvcc_corpus *cp;
+    kvpol_writer *w;
+    int done;                       /* --help: nothing to do */
+} compile_state;
+
+/* A digest of what every rank must agree on: the command line and the hashes of its inputs. */
+static uint64_t inputs_digest(int argc, char **argv, const kvpol_header *h) {
+    uint64_t x = 1469598103934665603ull;
+    for (int i = 0; i < argc; i++)
+        for (const unsigned char *q = (const unsigned char *)argv[i];; q++) {
+            x = (x ^ *q) * 1099511628211ull;
+            if (!*q) break;
+        }
+    const unsigned char *b = (const unsigned char *)&h->corpus_hash;
+    for (size_t i = 0; i < sizeof h->corpus_hash; i++) x = (x ^ b[i]) * 1099511628211ull;
+    b = (const unsigned char *)&h->model.model_hash;
+    for (size_t i = 0; i < sizeof h->model.model_hash; i++) x = (x ^ b[i]) * 1099511628211ull;
+    return x;
+}
+
+/* Everything before the passes: options, inputs, checks, the writer with its provenance section.
+ * No collectives (the caller checks the outcome of every rank). The exit status, or 0. */
+static int compile_setup(int argc, char **argv, compile_state *S) {
     const char *model = NULL, *out = NULL, *policies = "none", *corpus = NULL, *gguf = NULL;
     const char *corpora[MAX_CORPORA];
     int n_corpora = 0;
@@ -293,7 +335,10 @@ int kvcc_cmd_compile(int argc, char **argv) {
                 return KVCC_EXIT_USAGE;
             kvcc_corpus_set_limits(u, 0);
             break;
-        case 'h': usage(stdout); return KVCC_EXIT_OK;
+        case 'h':
+            if (kvcc_dist_rank() == 0) usage(stdout);
+            S->done = 1;
+            return KVCC_EXIT_OK;
         default:
             if (c >= O_PASS && c < O_PASS + npo) {
                 const int k = c - O_PASS;
@@ -318,9 +363,9 @@ int kvcc_cmd_compile(int argc, char **argv) {
         fprintf(stderr, "kvcc compile: --model: unknown preset '%s' (kvcc models lists them)\n", model);
         return KVCC_EXIT_USAGE;
     }
-    const kvcc_pass *run[16];
-    char canon[256];
-    const int n_run = parse_policies(policies, run, canon, sizeof canon);
+    const kvcc_pass **run = S->run;
+    char *canon = S->canon;
+    const int n_run = parse_policies(policies, run, canon, sizeof S->canon);
     if (n_run < 0) return KVCC_EXIT_USAGE;
     policies = canon;
     int need_corpus = 0;
@@ -350,9 +395,18 @@ int kvcc_cmd_compile(int argc, char **argv) {
     if (ex0) return ex0;
     if (check_source_date_epoch()) return KVCC_EXIT_USAGE;
     kvcc_remove_temp_on_signal(out);
+    /* OpenBLAS splits some reductions by its thread count (the machine's cores by default), which
+     * changed the artifact's bytes from one machine (or CPU mask, or MPI binding) to another; the
+     * passes parallelize over rollouts with OpenMP, so OpenBLAS runs one thread here. */
+    openblas_set_num_threads(1);
     if (cx.threads > 0) omp_set_num_threads(cx.threads);
+    else if (kvcc_dist_active()) { /* the node's cores shared among its ranks */
+        const int per = omp_get_num_procs() / kvcc_dist_local_size();
+        omp_set_num_threads(per > 1 ? per : 1);
+    }
 
-    kvpol_header h;
+    kvpol_header *hp = &S->h;
+#define h (*hp)
     make_header(&h, p, policies, &cx);
     kvpol_model *m = &h.model;
     kvpol_error err = {0};
@@ -372,7 +426,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
         corpus = corpus_name;
     }
     cx.corpus_path = corpus;
-    cx.progress = 1;
+    cx.progress = kvcc_dist_rank() == 0;
     kvcc_corpus *cp = NULL;
     if (n_corpora && open_corpus(corpora, n_corpora, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
     cx.corpus = cp;
@@ -407,8 +461,47 @@ int kvcc_cmd_compile(int argc, char **argv) {
         kvcc_corpus_close(cp);
         return KVCC_EXIT_FAILED;
     }
-    int ex = run_passes(&cx, run, n_run, w, out, p, policies);
-    kvpol_writer_free(w);
-    kvcc_corpus_close(cp);
+    S->cx = cx;
+    S->n_run = n_run;
+    S->out = out;
+    S->policies = policies;
+    S->p = p;
+    S->cp = cp;
+    S->w = w;
+    return 0;
+#undef h
+}
+
+int kvcc_cmd_compile(int argc, char **argv) {
+    char msg[768] = "";
+    if (kvcc_dist_init(&argc, &argv, msg, sizeof msg) != 0) {
+        fprintf(stderr, "kvcc compile: %s\n", msg);
+        return KVCC_EXIT_FAILED;
+    }
+    static compile_state S;
+    memset(&S, 0, sizeof S);
+    int ex = compile_setup(argc, argv, &S);
+    if (kvcc_dist_active()) {
+        /* every rank's setup, then the same inputs everywhere (a rank's own message, if it was
+         * not rank 0's, printed by rank 0) */
+        msg[0] = 0;
+        const int all = kvcc_dist_check(ex, msg, sizeof msg);
+        if (all && !ex) fprintf(stderr, "kvcc compile: %s\n", msg);
+        ex = all;
+        if (!ex && !S.done && !kvcc_dist_same(inputs_digest(argc, argv, &S.h), msg, sizeof msg)) {
+            fprintf(stderr, "kvcc compile: %s\n", msg);
+            ex = KVCC_EXIT_USAGE;
+        }
+    }
+    if (!ex && !S.done) {
+        S.cx.model = &S.h.model;
+        ex = run_passes(&S.cx, S.run, S.n_run, S.w, S.out, S.p, S.policies);
+        if (kvcc_dist_active() && kvcc_dist_rank() == 0 && getenv("KVCC_DIST_TIMES"))
+            fprintf(stderr, "kvcc compile: %d ranks: rank 0 spent %.3f s in communication\n",
+                    kvcc_dist_size(), kvcc_dist_comm_seconds());
+    }
+    kvpol_writer_free(S.w);
+    kvcc_corpus_close(S.cp);
+    kvcc_dist_finalize();
     return ex;
 }

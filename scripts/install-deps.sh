@@ -5,7 +5,8 @@
 set -euo pipefail
 
 PKGS=(build-essential pkg-config libhdf5-dev hdf5-tools libzstd-dev libxxhash-dev
-      libopenblas-dev liblapacke-dev libcriterion-dev libcjson-dev clang)
+      libopenblas-dev liblapacke-dev libcriterion-dev libcjson-dev clang
+      libopenmpi-dev openmpi-bin)
 
 missing=()
 for p in "${PKGS[@]}"; do
