@@ -246,6 +246,8 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         stats->layers = L;
         stats->windows_available = n_win;
         stats->mean_nll = nll_n ? nll_sum / (double)nll_n : NAN;
+        stats->nll_sum = nll_sum;
+        stats->nll_n = nll_n;
         stats->seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     }
     kvcc_state_free(st);

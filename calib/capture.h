@@ -41,6 +41,8 @@ typedef struct {
     uint64_t windows_available;
     double mean_nll;           /* over all next-token predictions of all prompts (of the shard) */
     double seconds;
+    double nll_sum;            /* -sum of the log-probabilities, over nll_n predictions */
+    uint64_t nll_n;
 } kvcc_capture_stats;
 
 /* Tokenize the texts, choose n_prompts non-overlapping windows of context+continuation tokens

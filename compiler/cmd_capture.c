@@ -16,11 +16,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <omp.h>
 
 #include "capture.h"
 #include "corpus.h"
+#include "dist.h"
 #include "kvcc.h"
 #include "loader.h"
+#include "stats.h"
 
 #define DEFAULT_GGUF "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define DEFAULT_TEXT_DIR "examples/data/calib"
@@ -41,23 +46,33 @@ static void usage(FILE *out) {
                  "  -o, --output F      corpus to write (temp file + rename)\n");
 }
 
-/* The MPI world of this process: rank and size (0 and 1 without MPI or outside mpirun), and
- * failure agreement: the lowest rank whose `failed` is set, or -1 (collective: every rank calls
- * it the same number of times). */
-static unsigned cap_rank(void) { return 0; }
-static unsigned cap_size(void) { return 1; }
-static int cap_first_failed(int failed) { return failed ? 0 : -1; }
+/* OpenBLAS (libopenblas, which the model's matrix products run on). */
+void openblas_set_num_threads(int n);
 
-/* kvcc_capture_opts.agree: before a shard is renamed into place, every rank's status. */
-static int cap_agree(void *user, int rc, char *err, size_t errlen) {
-    (void)user;
-    const int bad = cap_first_failed(rc != 0);
-    if (rc || bad < 0) return rc;
-    snprintf(err, errlen, "shard not kept: rank %d failed (its message above)", bad);
-    return KVCC_CORPUS_ERR_IO;
+/* Whether path is a corpus manifest (starts with its magic). */
+static int is_manifest_file(const char *path) {
+    char head[sizeof KVCC_CORPUS_MANIFEST_MAGIC] = "";
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    const size_t n = fread(head, 1, sizeof head - 1, f);
+    fclose(f);
+    head[n] = 0;
+    return strcmp(head, KVCC_CORPUS_MANIFEST_MAGIC) == 0;
 }
 
-int kvcc_cmd_capture(int argc, char **argv) {
+/* kvcc_capture_opts.agree under mpirun: before a shard is renamed into place, every rank's
+ * status; a rank whose capture went fine drops its shard when another failed. */
+static int agree_all(void *user, int rc, char *err, size_t errlen) {
+    (void)user;
+    char m[768];
+    snprintf(m, sizeof m, "%s", rc ? err : "");
+    const int all = kvcc_dist_check(rc, m, sizeof m);
+    if (rc || !all) return rc;
+    snprintf(err, errlen, "%s (this rank's shard was not kept)", m);
+    return all < 0 ? all : KVCC_CORPUS_ERR_IO;
+}
+
+static int capture_main(int argc, char **argv) {
     const char *gguf = DEFAULT_GGUF, *out = NULL, *dtype = "f16";
     char *texts[MAX_TEXTS];
     int n_texts = 0, own_texts = 0;
@@ -130,7 +145,7 @@ int kvcc_cmd_capture(int argc, char **argv) {
         }
     }
     /* under mpirun -np N (N > 1): this rank's shard beside OUT, and OUT the manifest */
-    const unsigned rank = cap_rank(), world = cap_size();
+    const unsigned rank = (unsigned)kvcc_dist_rank(), world = (unsigned)kvcc_dist_size();
     char shard_out[1100], rank_tag[48] = "";
     if (world > 1 && n_shards) {
         fprintf(stderr, "kvcc capture: --shard %u/%u and mpirun -np %u: give one or the other (under mpirun each "
@@ -157,25 +172,32 @@ int kvcc_cmd_capture(int argc, char **argv) {
     int ex = kvcc_check_output("capture", out, in, n_texts + 1);
     if (!ex && dst != out) ex = kvcc_check_output("capture", dst, in, n_texts + 1);
     if (!ex) kvcc_remove_temp_on_signal(dst);
+    if (world > 1) { /* the node's cores shared among its ranks (the bytes do not depend on it) */
+        const int per = omp_get_num_procs() / kvcc_dist_local_size();
+        omp_set_num_threads(per > 1 ? per : 1);
+        openblas_set_num_threads(per > 1 ? per : 1);
+    }
     kvcc_loaded_model lm;
     int loaded = 0;
-    char msg[512] = "";
+    char msg[768] = "";
     if (ex) {
-        /* nothing was written */
+        /* nothing was written; the message is printed */
     } else if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
-        fprintf(stderr, "kvcc capture: %s--gguf: %s\n", rank_tag, msg);
+        fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_FAILED;
     } else if ((loaded = 1, kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
                                                    "--context + --continuation", msg, sizeof msg)) != 0) {
-        fprintf(stderr, "kvcc capture: %s--gguf: %s\n", rank_tag, msg);
+        fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_USAGE;
     }
-    /* every rank has checked its output and loaded the model, or none captures */
-    int bad_rank = cap_first_failed(ex != 0);
-    if (!ex && bad_rank >= 0) {
-        fprintf(stderr, "kvcc capture: %snot capturing: rank %d failed (its message above)\n", rank_tag, bad_rank);
-        ex = KVCC_EXIT_FAILED;
+    if (world > 1) { /* every rank checked its output and loaded the model, or none captures */
+        msg[0] = 0; /* a failing rank's message: the last line it printed */
+        const int all = kvcc_dist_check(ex, msg, sizeof msg);
+        if (all && !ex && rank == 0) fprintf(stderr, "kvcc capture: %s\n", msg);
+        ex = all;
     }
+    const double t0 = kvcc_now_s();
+    kvcc_capture_stats st = {0};
     if (!ex) {
         char options[512];
         int k = snprintf(options, sizeof options, "model=%s prompts=%u context=%u continuation=%u seed=%u dtype=%s texts=",
@@ -187,14 +209,14 @@ int kvcc_cmd_capture(int argc, char **argv) {
         kvcc_capture_opts o = {.texts = (const char *const *)texts, .n_texts = n_texts, .n_prompts = n_prompts,
                                .context_len = ctx, .continuation_len = cont, .seed = seed,
                                .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options,
-                               .shard = shard, .n_shards = n_shards,
-                               .agree = world > 1 ? cap_agree : NULL};
-        kvcc_capture_stats st;
-        kvcc_progress_begin(world > 1 && rank ? NULL : "capture");
-        int rc = kvcc_capture_run(lm.model, lm.tok, &o, dst, world > 1 && rank ? NULL : kvcc_progress, &st, msg,
-                                  sizeof msg);
+                               .shard = shard, .n_shards = n_shards, .agree = world > 1 ? agree_all : NULL};
+        kvcc_progress_begin("capture");
+        int rc = kvcc_capture_run(lm.model, lm.tok, &o, dst, kvcc_progress, &st, msg, sizeof msg);
         if (rc) {
-            fprintf(stderr, "kvcc capture: %s%s [%s]\n", rank_tag, msg, kvcc_corpus_status_name(rc));
+            /* another rank's failure reaches every rank as its message ("rank R: ..."): rank 0
+             * prints it, and a rank's own failure is printed by the rank (rank 0's stderr, or
+             * the rank's captured stderr, whose last line the agreement carried) */
+            fprintf(stderr, "kvcc capture: %s [%s]\n", msg, kvcc_corpus_status_name(rc));
             ex = rc == KVCC_CORPUS_ERR_RANGE || rc == KVCC_CORPUS_ERR_ARG ? KVCC_EXIT_USAGE : KVCC_EXIT_FAILED;
         } else {
             struct stat sb;
@@ -206,37 +228,71 @@ int kvcc_cmd_capture(int argc, char **argv) {
                     st.mean_nll, exp(st.mean_nll), st.seconds,
                     st.prompts * (double)st.tokens_per_prompt / st.seconds);
         }
-        /* every shard is in place, or no manifest */
-        bad_rank = world > 1 ? cap_first_failed(ex != 0) : -1;
-        if (world > 1 && rank == 0) {
-            if (bad_rank >= 0) {
-                fprintf(stderr, "kvcc capture: rank %d of %u failed (its message above): no manifest written; %s "
-                        "is unchanged\n", bad_rank, world, out);
-            } else {
-                char(*names)[1100] = malloc((size_t)world * sizeof *names);
-                const char **list = malloc((size_t)world * sizeof *list);
-                int wrc = names && list ? 0 : KVCC_CORPUS_ERR_NOMEM;
-                for (unsigned r = 0; !wrc && r < world; r++) {
-                    snprintf(names[r], sizeof names[r], "%s.%u-of-%u.h5", out, r, world);
-                    list[r] = names[r];
-                }
-                if (!wrc) wrc = kvcc_corpus_write_manifest(out, list, world, msg, sizeof msg);
-                else snprintf(msg, sizeof msg, "out of memory");
-                if (wrc) {
-                    fprintf(stderr, "kvcc capture: %s\n", msg);
-                    ex = KVCC_EXIT_FAILED;
-                } else {
-                    fprintf(stderr, "kvcc capture: wrote the manifest %s: %u shards (%s.R-of-%u.h5, R = 0..%u), "
-                            "%u prompts in all\n", out, world, out, world, world - 1, n_prompts);
-                }
-                free(names);
-                free(list);
-            }
+    }
+    if (world > 1 && !ex) { /* every shard in place: rank 0 lists them (else no manifest) */
+        msg[0] = 0;
+        ex = kvcc_dist_check(0, msg, sizeof msg); /* a rename that failed after the agreement */
+        if (ex && rank == 0) {
+            /* some shards beside OUT are new, some not: an old manifest there would mix them */
+            const int had = is_manifest_file(out) && unlink(out) == 0;
+            fprintf(stderr, "kvcc capture: %s\nkvcc capture: a rank failed after the shards were written: no "
+                    "manifest written%s\n", msg, had ? "; the old manifest at -o was removed" : "");
         }
-        if (world > 1 && cap_first_failed(ex != 0) >= 0 && !ex) ex = KVCC_EXIT_FAILED;
+        int wrc = 0;
+        if (!ex && rank == 0) {
+            char(*names)[1100] = malloc((size_t)world * sizeof *names);
+            const char **list = malloc((size_t)world * sizeof *list);
+            wrc = names && list ? 0 : KVCC_CORPUS_ERR_NOMEM;
+            for (unsigned r = 0; !wrc && r < world; r++) {
+                snprintf(names[r], sizeof names[r], "%s.%u-of-%u.h5", out, r, world);
+                list[r] = names[r];
+            }
+            if (!wrc) wrc = kvcc_corpus_write_manifest(out, list, world, msg, sizeof msg);
+            else snprintf(msg, sizeof msg, "out of memory");
+            free(names);
+            free(list);
+            if (wrc) fprintf(stderr, "kvcc capture: %s\n", msg);
+        }
+        /* every rank's shard statistics, for rank 0's summary */
+        struct { double nll_sum, nll_n, seconds, prompts; } mine = {st.nll_sum, (double)st.nll_n, st.seconds,
+                                                                     st.prompts}, *all = NULL;
+        void *blob = NULL;
+        size_t len = 0;
+        if (!ex && kvcc_dist_allgatherv(&mine, sizeof mine, &blob, &len, NULL, msg, sizeof msg) == 0 &&
+            len == world * sizeof mine && rank == 0 && !wrc) {
+            all = blob;
+            double s = 0, n = 0, slowest = 0;
+            for (unsigned r = 0; r < world; r++) {
+                s += all[r].nll_sum, n += all[r].nll_n;
+                if (all[r].seconds > slowest) slowest = all[r].seconds;
+            }
+            fprintf(stderr, "kvcc capture: wrote the manifest %s: %u shards (%s.R-of-%u.h5, R = 0..%u), %u prompts "
+                    "in all, mean next-token NLL %.3f; slowest rank %.1f s, %.1f s from the first prompt to the "
+                    "manifest\n", out, world, out, world, world - 1, n_prompts, n ? s / n : NAN, slowest,
+                    kvcc_now_s() - t0);
+        }
+        free(blob);
+        if (!ex) {
+            msg[0] = 0;
+            ex = kvcc_dist_check(wrc ? KVCC_EXIT_FAILED : 0, msg, sizeof msg);
+        }
+    } else if (world > 1 && rank == 0) {
+        fprintf(stderr, "kvcc capture: a rank failed (its message above): no manifest written; %s is unchanged\n",
+                out);
     }
     if (loaded) kvcc_loaded_model_free(&lm);
     if (own_texts)
         for (int i = 0; i < n_texts; i++) free(texts[i]);
+    return ex;
+}
+
+int kvcc_cmd_capture(int argc, char **argv) {
+    char msg[768] = "";
+    if (kvcc_dist_init(&argc, &argv, msg, sizeof msg) != 0) {
+        fprintf(stderr, "kvcc capture: %s\n", msg);
+        return KVCC_EXIT_FAILED;
+    }
+    const int ex = capture_main(argc, argv);
+    kvcc_dist_finalize();
     return ex;
 }
