@@ -60,6 +60,14 @@ static int is_manifest_file(const char *path) {
     return strcmp(head, KVCC_CORPUS_MANIFEST_MAGIC) == 0;
 }
 
+/* A failing rank's message as kvcc_dist_check carries it ("rank R: LINE"), without the
+ * "kvcc capture: " that LINE starts with when it is the last line the rank printed. */
+static void strip_inner_prefix(char *msg) {
+    static const char pre[] = "kvcc capture: ";
+    char *q = strstr(msg, pre);
+    if (q && (q == msg || (q - msg < 16 && !strncmp(msg, "rank ", 5)))) memmove(q, q + strlen(pre), strlen(q + strlen(pre)) + 1);
+}
+
 /* kvcc_capture_opts.agree under mpirun: before a shard is renamed into place, every rank's
  * status; a rank whose capture went fine drops its shard when another failed. */
 static int agree_all(void *user, int rc, char *err, size_t errlen) {
@@ -68,7 +76,8 @@ static int agree_all(void *user, int rc, char *err, size_t errlen) {
     snprintf(m, sizeof m, "%s", rc ? err : "");
     const int all = kvcc_dist_check(rc, m, sizeof m);
     if (rc || !all) return rc;
-    snprintf(err, errlen, "%s (this rank's shard was not kept)", m);
+    strip_inner_prefix(m);
+    snprintf(err, errlen, "%s (so no rank keeps its shard)", m);
     return all < 0 ? all : KVCC_CORPUS_ERR_IO;
 }
 
@@ -193,6 +202,7 @@ static int capture_main(int argc, char **argv) {
     if (world > 1) { /* every rank checked its output and loaded the model, or none captures */
         msg[0] = 0; /* a failing rank's message: the last line it printed */
         const int all = kvcc_dist_check(ex, msg, sizeof msg);
+        strip_inner_prefix(msg);
         if (all && !ex && rank == 0) fprintf(stderr, "kvcc capture: %s\n", msg);
         ex = all;
     }
@@ -232,6 +242,7 @@ static int capture_main(int argc, char **argv) {
     if (world > 1 && !ex) { /* every shard in place: rank 0 lists them (else no manifest) */
         msg[0] = 0;
         ex = kvcc_dist_check(0, msg, sizeof msg); /* a rename that failed after the agreement */
+        strip_inner_prefix(msg);
         if (ex && rank == 0) {
             /* some shards beside OUT are new, some not: an old manifest there would mix them */
             const int had = is_manifest_file(out) && unlink(out) == 0;
