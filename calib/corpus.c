@@ -1049,13 +1049,15 @@ static int read_manifest(const char *path, shard_list *l, char *err, size_t errl
     char dir[1024];
     snprintf(dir, sizeof dir, "%s", path);
     const char *d = dirname(dir);
-    char line[1200];
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t got;
     int rc = KVCC_CORPUS_OK;
     uint32_t lineno = 0, listed = 0;
     size_t total = 0;
-    while (!rc && fgets(line, sizeof line, f)) {
+    while (!rc && (got = getline(&line, &cap, f)) >= 0) {
         lineno++;
-        size_t n = strlen(line);
+        size_t n = (size_t)got;
         total += n;
         if (total > KVCC_CORPUS_MANIFEST_MAX_BYTES) {
             rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_RANGE,
@@ -1063,15 +1065,16 @@ static int read_manifest(const char *path, shard_list *l, char *err, size_t errl
                        KVCC_CORPUS_MANIFEST_MAX_BYTES);
             break;
         }
-        if (n == sizeof line - 1 && line[n - 1] != '\n') {
-            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_RANGE,
-                       "%s: line %u: longer than %zu bytes", path, lineno, sizeof line - 2);
+        if (memchr(line, 0, n)) {
+            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_SCHEMA,
+                       "%s: line %u: holds a NUL byte: not a text manifest", path, lineno);
             break;
         }
         while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
-        if (memchr(line, 0, n) || strlen(line) != n) {
-            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_SCHEMA,
-                       "%s: line %u: holds a NUL byte: not a text manifest", path, lineno);
+        if (n > KVCC_CORPUS_MANIFEST_MAX_LINE) {
+            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_RANGE,
+                       "%s: line %u: %zu bytes, longer than %u", path, lineno, n,
+                       KVCC_CORPUS_MANIFEST_MAX_LINE);
             break;
         }
         if (lineno == 1) {
@@ -1082,7 +1085,7 @@ static int read_manifest(const char *path, shard_list *l, char *err, size_t errl
             continue;
         }
         if (n == 0 || line[0] == '#') continue;
-        char full[1100], from[1300];
+        char full[1024], from[1100]; /* full: the bound of a reader's path */
         const int fl = line[0] == '/' ? snprintf(full, sizeof full, "%s", line)
                                       : snprintf(full, sizeof full, "%s/%s", d, line);
         if (fl < 0 || (size_t)fl >= sizeof full) {
@@ -1105,6 +1108,7 @@ static int read_manifest(const char *path, shard_list *l, char *err, size_t errl
                                               : "out of memory");
         listed++;
     }
+    free(line);
     if (!rc && ferror(f))
         rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: read failed", path);
     if (!rc && lineno == 0)

@@ -26,6 +26,7 @@
  * ("kvcc-corpus-manifest 1"), then one shard path a line, relative to the manifest's directory. */
 #define KVCC_CORPUS_MANIFEST_MAGIC "kvcc-corpus-manifest "
 #define KVCC_CORPUS_MANIFEST_MAX_BYTES (1u << 24)
+#define KVCC_CORPUS_MANIFEST_MAX_LINE 1000u /* bytes of one shard path line */
 #define KVCC_CORPUS_MAX_SHARDS 65536u
 
 typedef enum {

@@ -200,6 +200,16 @@ Test(corpus_shards, each_defect_has_a_clear_error) {
     snprintf(text, sizeof text, "kvcc-corpus-manifest 1\n%s\n%s\n", a, inner);
     write_text(m, text);
     expect_refused(pm, 1, KVCC_CORPUS_ERR_SCHEMA, "itself a manifest", "line 3");
+    FILE *f = fopen(m, "wb");
+    cr_assert(f);
+    fwrite("kvcc-corpus-manifest 1\nab\0c.h5\n", 1, 31, f);
+    fclose(f);
+    expect_refused(pm, 1, KVCC_CORPUS_ERR_SCHEMA, "line 2", "NUL");
+    char longline[1200];
+    memset(longline, 'x', sizeof longline);
+    snprintf(longline, sizeof longline, "kvcc-corpus-manifest 1\n%01100d\n", 7);
+    write_text(m, longline);
+    expect_refused(pm, 1, KVCC_CORPUS_ERR_RANGE, "line 2", "longer than 1000");
     write_text(m, "kvcc-corpus-manifest 1\n# nothing\n");
     expect_refused(pm, 1, KVCC_CORPUS_ERR_MISSING, "lists no shard", m);
     /* a manifest given with other files: expanded in place */
