@@ -228,6 +228,8 @@ test: deps peer-deps model
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh
 	@echo "== CLI fault checks (full disk, read-only directory, output = input, signals, stdout errors)"
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/faults.sh
+	@echo "== MPI checks (mpirun -np 2 and 4 kvcc compile against one process; docs/distributed.md)"
+	@KVCC=$(KVCC) bash tests/cli/mpi.sh
 	@echo "== corpora of several files, mpirun capture (tests/cli/mpi_capture.sh)"; KVCC=$(KVCC) bash tests/cli/mpi_capture.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
 

@@ -102,14 +102,14 @@ int kvcc_dist_local_size(void) { return local_size_; }
 int kvcc_dist_active(void) { return size_ > 1; }
 double kvcc_dist_comm_seconds(void) { return comm_s; }
 
-void kvcc_dist_shard_of(uint32_t n, int rank, uint32_t *lo, uint32_t *hi) {
-    const uint64_t s = (uint64_t)(size_ > 0 ? size_ : 1), r = (uint64_t)(rank < 0 ? 0 : rank);
+void kvcc_dist_shard_of(uint32_t n, int rank, int size, uint32_t *lo, uint32_t *hi) {
+    const uint64_t s = (uint64_t)(size > 0 ? size : 1), r = (uint64_t)(rank < 0 ? 0 : rank);
     *lo = (uint32_t)(r * n / s);
     *hi = (uint32_t)((r + 1) * n / s);
 }
 
 void kvcc_dist_shard(uint32_t n, uint32_t *lo, uint32_t *hi) {
-    kvcc_dist_shard_of(n, rank_, lo, hi);
+    kvcc_dist_shard_of(n, rank_, size_, lo, hi);
 }
 
 /* src into dst (n bytes), cut to fit. */
@@ -198,7 +198,7 @@ int kvcc_dist_gather_rows(void *rows, size_t row_bytes, uint32_t n, char *err, s
     }
     for (int r = 0; r < size_; r++) {
         uint32_t lo, hi;
-        kvcc_dist_shard_of(n, r, &lo, &hi);
+        kvcc_dist_shard_of(n, r, size_, &lo, &hi);
         cnt[r] = (int)(hi - lo);
         dsp[r] = (int)lo;
     }
@@ -313,6 +313,82 @@ int kvcc_dist_same(uint64_t v, char *err, size_t errlen) {
     (void)err; (void)errlen;
     return 1;
 #endif
+}
+
+int kvcc_dist_sum_init(kvcc_dist_sum *s, size_t acc_len, size_t row_len, const uint32_t *map,
+                       uint32_t n_items, char *err, size_t errlen) {
+    memset(s, 0, sizeof *s);
+    s->acc_len = acc_len;
+    s->row_len = row_len;
+    s->map = map;
+    kvcc_dist_shard(n_items, &s->lo, &s->hi);
+    s->acc = calloc(acc_len ? acc_len : 1, sizeof(double));
+    const int in_place = size_ == 1 && !map;
+    if (!in_place && s->hi > s->lo)
+        s->rows = calloc((size_t)(s->hi - s->lo) * (row_len ? row_len : 1), sizeof(double));
+    if (!s->acc || (!in_place && s->hi > s->lo && !s->rows)) {
+        snprintf(err, errlen, "out of memory for %u prompts x %zu statistics", s->hi - s->lo,
+                 row_len);
+        kvcc_dist_sum_free(s);
+        return -1;
+    }
+    return 0;
+}
+
+double *kvcc_dist_sum_row(kvcc_dist_sum *s, uint32_t p) {
+    if (!s->rows) return s->acc;
+    return s->rows + (size_t)(p - s->lo) * s->row_len;
+}
+
+/* acc += this rank's rows, in item order. */
+static void sum_replay(kvcc_dist_sum *s) {
+    if (!s->rows) return;
+    for (uint32_t p = s->lo; p < s->hi; p++) {
+        const double *r = s->rows + (size_t)(p - s->lo) * s->row_len;
+        if (s->map)
+            for (size_t j = 0; j < s->row_len; j++) s->acc[s->map[j]] += r[j];
+        else
+            for (size_t j = 0; j < s->row_len; j++) s->acc[j] += r[j];
+    }
+}
+
+int kvcc_dist_sum_finish(kvcc_dist_sum *s, char *err, size_t errlen) {
+    if (!mpi_on || size_ == 1) {
+        sum_replay(s);
+        return 0;
+    }
+#ifdef KVCC_WITH_MPI
+    if (s->acc_len > (size_t)0x7fffffff) {
+        snprintf(err, errlen, "dist: %zu statistics are over MPI's 2 GiB count", s->acc_len);
+        return -1;
+    }
+    const double t0 = now_s();
+    const int n = (int)s->acc_len;
+    int st = MPI_SUCCESS;
+    if (rank_ > 0) st = MPI_Recv(s->acc, n, MPI_DOUBLE, rank_ - 1, 0x5eed, MPI_COMM_WORLD,
+                                 MPI_STATUS_IGNORE);
+    const double t1 = now_s();
+    sum_replay(s);
+    const double t2 = now_s();
+    if (st == MPI_SUCCESS && rank_ + 1 < size_)
+        st = MPI_Send(s->acc, n, MPI_DOUBLE, rank_ + 1, 0x5eed, MPI_COMM_WORLD);
+    if (st == MPI_SUCCESS) st = MPI_Bcast(s->acc, n, MPI_DOUBLE, size_ - 1, MPI_COMM_WORLD);
+    comm_s += (t1 - t0) + (now_s() - t2);
+    if (st != MPI_SUCCESS) {
+        snprintf(err, errlen, "dist: the ordered sum of %zu statistics failed (MPI)", s->acc_len);
+        return -1;
+    }
+    return 0;
+#else
+    (void)err; (void)errlen;
+    return 0;
+#endif
+}
+
+void kvcc_dist_sum_free(kvcc_dist_sum *s) {
+    free(s->acc);
+    free(s->rows);
+    memset(s, 0, sizeof *s);
 }
 
 void kvcc_dist_abort(int code, const char *fmt, ...) {

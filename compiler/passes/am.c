@@ -38,6 +38,7 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "dist.h"
 #include "loop.h"
 #include "metrics.h"
 #include "passes.h"
@@ -235,18 +236,27 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
         }
     kvrt_am_opts ao;
     am_compile_opts(cx, &ao);
-    const size_t nh = (size_t)L * Hkv;
-    double *loss = calloc(nh * (size_t)nr, sizeof(double)),
-           *merr = calloc(nh * (size_t)nr, sizeof(double));
+    const size_t nh = (size_t)L * Hkv, nc = nh * (size_t)nr;
+    /* the curves, summed over prompts in prompt order: [loss | merr], one increment per prompt
+     * and cell (the prompts sharded across MPI ranks; compiler/dist.h) */
+    kvcc_dist_sum sum;
+    char dmsg[256];
+    int rc = kvcc_dist_sum_init(&sum, 2 * nc, 2 * nc, NULL, n_prompts, dmsg, sizeof dmsg);
+    if (rc) {
+        snprintf(err, errlen, "am: %s", dmsg);
+        rc = KVCC_EXIT_FAILED;
+    }
     kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
     kvcc_loop lp;
-    int rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
-    if (!rc && (!loss || !merr || !ccs)) {
+    if (!rc) rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
+    else memset(&lp, 0, sizeof lp);
+    if (!rc && !ccs) {
         snprintf(err, errlen, "am: out of memory");
         rc = KVCC_EXIT_FAILED;
     }
-    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+    for (uint32_t p = sum.lo; p < sum.hi && !rc; p++) {
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
+        double *loss = kvcc_dist_sum_row(&sum, p), *merr = loss + nc;
         const int64_t C = lp.C, N = lp.N;
         if (N < 1 || C < 1) {
             snprintf(err, errlen,
@@ -276,13 +286,17 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
                 rc = KVCC_EXIT_FAILED;
             }
         }
-        if (cx->progress) kvcc_progress(p + 1, n_prompts);
+        if (cx->progress) kvcc_progress(p + 1 - sum.lo, sum.hi - sum.lo);
     }
     free(ccs);
-    kvcc_loop_close(&lp);
-    if (!rc) rc = am_schedule_write(cx, w, loss, merr, L, Hkv, n_prompts, err, errlen);
-    free(loss);
-    free(merr);
+    if (lp.rt) kvcc_loop_close(&lp);
+    rc = kvcc_dist_check(rc, err, errlen);
+    if (!rc && kvcc_dist_sum_finish(&sum, dmsg, sizeof dmsg) != 0) {
+        snprintf(err, errlen, "am: %s", dmsg);
+        rc = KVCC_EXIT_FAILED;
+    }
+    if (!rc) rc = am_schedule_write(cx, w, sum.acc, sum.acc + nc, L, Hkv, n_prompts, err, errlen);
+    kvcc_dist_sum_free(&sum);
     return rc;
 }
 

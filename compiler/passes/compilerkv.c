@@ -51,6 +51,7 @@
 #endif
 
 #include "compilerkv_int.h"
+#include "dist.h"
 #include "eval_methods.h"
 #include "passes.h"
 
@@ -177,7 +178,8 @@ static int setup_caches(ckv *S, char *err, size_t errlen) {
         for (uint32_t p = 0; p < S->P; p++) {
             const size_t nh = (size_t)S->pr[p].N * S->H;
             if (nh * S->d + nh > S->scratch_doubles) S->scratch_doubles = nh * S->d + nh;
-            bytes += (size_t)S->L * kvcc_ckv_layer_bytes(S->pr[p].C, S->pr[p].N, S->H, S->Hkv, S->d);
+            if (p >= S->plo && p < S->phi) /* the caches of this rank's prompts */
+                bytes += (size_t)S->L * kvcc_ckv_layer_bytes(S->pr[p].C, S->pr[p].N, S->H, S->Hkv, S->d);
         }
         double cap_mb = CKV_DEFAULT_CACHE_MB;
         const char *env = getenv("KVCC_COMPILERKV_CACHE_MB");
@@ -206,7 +208,7 @@ static int setup_caches(ckv *S, char *err, size_t errlen) {
 /* Prompt features (and, when they fit, every layer cache in the same corpus pass). */
 static int setup_features(ckv *S, char *err, size_t errlen) {
     int rc = 0;
-    for (uint32_t p = 0; p < S->P && !rc; p++) {
+    for (uint32_t p = S->plo; p < S->phi && !rc; p++) {
         ckv_prompt *P = &S->pr[p];
         P->rho = malloc(sizeof(float) * (size_t)S->L * S->Hkv * P->C);
         P->alpha = malloc(sizeof(float) * P->C);
@@ -274,8 +276,36 @@ static int setup_tables(ckv *S, char *err, size_t errlen) {
     return rc;
 }
 
+/* With MPI (dist): every rank's features of its prompts, then the (entropy, perplexity) of
+ * every prompt on every rank (the bin edges are quantiles over all of them). */
+static int gather_features(ckv *S, int rc, char *err, size_t errlen) {
+    double *f = calloc((size_t)S->P * 2, sizeof *f);
+    if (!f && !rc) rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
+    rc = kvcc_dist_check(rc, err, errlen);
+    if (rc) {
+        free(f);
+        return rc;
+    }
+    for (uint32_t p = S->plo; p < S->phi; p++) f[2 * p] = S->pr[p].ent, f[2 * p + 1] = S->pr[p].ppl;
+    char m[256];
+    if (kvcc_dist_gather_rows(f, 2 * sizeof *f, S->P, m, sizeof m) != 0)
+        rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: %s", m);
+    for (uint32_t p = 0; p < S->P && !rc; p++) S->pr[p].ent = f[2 * p], S->pr[p].ppl = f[2 * p + 1];
+    free(f);
+    return rc;
+}
+
+static int ckv_setup_ex(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus,
+                        const char *corpus_path, int attention, int model, int dist, char *err,
+                        size_t errlen);
 int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const char *corpus_path,
               int attention, int model, char *err, size_t errlen) {
+    return ckv_setup_ex(S, cx, corpus, corpus_path, attention, model, 0, err, errlen);
+}
+
+static int ckv_setup_ex(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus,
+                        const char *corpus_path, int attention, int model, int dist, char *err,
+                        size_t errlen) {
     memset(S, 0, sizeof *S);
     S->cx = cx;
     S->corpus = corpus;
@@ -291,6 +321,10 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
     if (S->P == 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s: the corpus has no prompts",
                          corpus_path);
+    S->dist = dist && kvcc_dist_active();
+    S->plo = 0;
+    S->phi = S->P;
+    if (S->dist) kvcc_dist_shard(S->P, &S->plo, &S->phi);
     if (S->Hkv == 0 || S->Hkv > 256 || S->H % S->Hkv)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
                          "%s: n_kv_heads %u: expected 1..256 dividing n_heads %u", corpus_path,
@@ -323,8 +357,10 @@ int ckv_setup(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus, const cha
     if (!rc) rc = setup_budgets(S, minC, err, errlen);
     if (!rc) rc = setup_caches(S, err, errlen);
     if (!rc) rc = setup_features(S, err, errlen);
+    if (S->dist) rc = gather_features(S, rc, err, errlen);
     if (!rc) rc = setup_tables(S, err, errlen);
     if (!rc && model) rc = ckv_model_open(S, err, errlen);
+    if (S->dist) rc = kvcc_dist_check(rc, err, errlen);
     return rc;
 }
 
@@ -394,6 +430,26 @@ static int rollout(ckv *S, uint32_t p, uint32_t l, int gate, ckv_job *jb, const 
     return rc;
 }
 
+/* With MPI (dist): every rank's records, concatenated in rank order (which is prompt order: the
+ * order one process appends them in) on every rank, and the support counted from them. */
+static int gather_records(ckv *S, int rc, uint32_t nA, uint32_t *sup, char *err, size_t errlen) {
+    rc = kvcc_dist_check(rc, err, errlen);
+    if (rc) return rc;
+    void *all = NULL;
+    size_t n = 0;
+    char m[256];
+    if (kvcc_dist_allgatherv(S->rec, S->n_rec * sizeof *S->rec, &all, &n, NULL, m, sizeof m) != 0)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: records: %s", m);
+    free(S->rec);
+    S->rec = all;
+    S->n_rec = S->cap_rec = n / sizeof *S->rec;
+    const size_t ns = sup == S->gate_sup ? (size_t)S->nB * S->L * CKV_ENT_BINS * CKV_PPL_BINS
+                                         : (size_t)S->nB * S->L * S->H;
+    memset(sup, 0, sizeof(uint32_t) * ns * nA);
+    for (size_t i = 0; i < S->n_rec; i++) sup[(size_t)S->rec[i].state * nA + S->rec[i].action]++;
+    return 0;
+}
+
 /* Collect the records of one phase (0 heads, 1 gate) of round `round`. */
 static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) {
     const uint32_t L = S->L, H = S->H, nB = S->nB;
@@ -413,7 +469,7 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
     int rc = 0;
     if (!jobs || !bases || !w_rows)
         rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
-    for (uint32_t p = 0; p < S->P && !rc; p++) {
+    for (uint32_t p = S->plo; p < S->phi && !rc; p++) {
         const ckv_prompt *P = &S->pr[p];
         for (uint32_t l = 0; l < L && !rc; l++) {
             /* the rollouts of this (prompt, layer) */
@@ -489,6 +545,7 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
     free(jobs);
     free(bases);
     free(w_rows);
+    if (S->dist) rc = gather_records(S, rc, nA, sup, err, errlen);
     return rc;
 }
 
@@ -569,12 +626,16 @@ int ckv_compile_rounds(ckv *S, const char *label, ckv_result *res, char *err, si
         if ((rc = collect(S, 0, r, err, errlen))) break;
         S->n_head_rec = S->n_rec;
         double t1 = kvcc_now_s();
-        if ((rc = fit_phase(S, 0, r, &ch, &res->hi, err, errlen))) break;
+        rc = fit_phase(S, 0, r, &ch, &res->hi, err, errlen);
+        if (S->dist) rc = kvcc_dist_check(rc, err, errlen);
+        if (rc) break;
         double t2 = kvcc_now_s();
         if ((rc = collect(S, 1, r, err, errlen))) break;
         S->n_gate_rec = S->n_rec;
         double t3 = kvcc_now_s();
-        if ((rc = fit_phase(S, 1, r, &cg, &res->gi, err, errlen))) break;
+        rc = fit_phase(S, 1, r, &cg, &res->gi, err, errlen);
+        if (S->dist) rc = kvcc_dist_check(rc, err, errlen);
+        if (rc) break;
         double t4 = kvcc_now_s();
         res->t_collect += (t1 - t0) + (t3 - t2);
         res->t_fit += (t2 - t1) + (t4 - t3);
@@ -673,7 +734,7 @@ static int ckv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
     ckv S;
     ckv_result res;
     double t0 = kvcc_now_s();
-    int rc = ckv_setup(&S, cx, cx->corpus, cx->corpus_path, !model, model, err, errlen);
+    int rc = ckv_setup_ex(&S, cx, cx->corpus, cx->corpus_path, !model, model, 1, err, errlen);
     double t1 = kvcc_now_s();
     if (!rc) rc = ckv_compile_rounds(&S, "compilerkv", &res, err, errlen);
     if (!rc && cx->progress) kvcc_progress(S.progress_total, S.progress_total);

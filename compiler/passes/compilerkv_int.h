@@ -104,6 +104,10 @@ typedef struct {
     uint64_t n_head_rec, n_gate_rec;
     uint32_t flat_head, flat_gate;  /* last round: states whose every record has paired reward 0 */
     unsigned progress_done, progress_total;
+    /* MPI (compiler/dist.h): the prompts [plo, phi) this rank rolls out; dist: records and
+     * features gathered after each phase (the pass itself; the reports run on one rank) */
+    uint32_t plo, phi;
+    int dist;
 } ckv;
 
 typedef struct {

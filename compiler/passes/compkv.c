@@ -49,6 +49,7 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "dist.h"
 #include "loop.h"
 #include "passes.h"
 #include "stats.h"
@@ -612,11 +613,29 @@ static int compkv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, si
     int rc = kvcc_loop_open(&R.lp, cx->corpus, "compkv", 0, err, errlen);
     if (!rc) rc = compkv_shapes(&R, err, errlen);
     if (!rc) rc = compkv_alloc(&R, err, errlen);
-    for (uint32_t l = 0; l < R.L && !rc; l++) {
+    /* layers are independent (samples, search and agreement over every prompt, in prompt
+     * order): sharded by layer across MPI ranks, the per-layer results gathered (compiler/dist.h) */
+    uint32_t llo, lhi;
+    kvcc_dist_shard(R.L, &llo, &lhi);
+    for (uint32_t l = llo; l < lhi && !rc; l++) {
         rc = compkv_samples(&R, l, err, errlen);
         if (!rc) rc = compkv_search(&R, l, err, errlen);
         if (!rc) rc = compkv_agreement(&R, l, err, errlen);
-        if (cx->progress) kvcc_progress(l + 1, R.L);
+        if (cx->progress) kvcc_progress(l + 1 - llo, lhi - llo);
+    }
+    rc = kvcc_dist_check(rc, err, errlen);
+    if (!rc && kvcc_dist_active()) {
+        const size_t Hkv = R.Hkv;
+        struct { void *a; size_t row; } g[] = {
+            {R.perm_st, Hkv * d * sizeof *R.perm_st}, {R.off_st, Hkv * (R.r + 1) * sizeof *R.off_st},
+            {R.learned, Hkv}, {R.err_l, Hkv * sizeof *R.err_l}, {R.err_i, Hkv * sizeof *R.err_i},
+            {R.agr_l, Hkv * sizeof *R.agr_l}, {R.agr_i, Hkv * sizeof *R.agr_i}};
+        char dmsg[256];
+        for (size_t i = 0; i < sizeof g / sizeof g[0] && !rc; i++)
+            if (kvcc_dist_gather_rows(g[i].a, g[i].row, R.L, dmsg, sizeof dmsg) != 0) {
+                snprintf(err, errlen, "compkv: %s", dmsg);
+                rc = KVCC_EXIT_FAILED;
+            }
     }
     if (!rc) rc = compkv_write(&R, w, err, errlen);
     if (!rc && cx->progress) compkv_summary(&R, kvcc_now_s() - t_start);

@@ -33,6 +33,7 @@
 #include "kvpol.h"
 #include "kvrt_experimental.h"
 #include "loader.h"
+#include "dist.h"
 #include "loop.h"
 #include "metrics.h"
 #include "passes.h"
@@ -270,13 +271,27 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
     const int ncfg = kv2_configs(cx, cfg, err, errlen);
     if (ncfg < 1) return KVCC_EXIT_USAGE;
     const int nplan = ncfg * nr;
-    double *fid = calloc((size_t)ncfg * nb * nr, sizeof *fid);
+    /* fid [ncfg, nb, nr], summed over prompts in prompt order with the increments of each prompt
+     * in their (layer, plan, budget) order: one row slot per increment, mapped to its cell (the
+     * prompts sharded across MPI ranks; compiler/dist.h) */
+    const size_t row_len = (size_t)L * nplan * nb;
+    uint32_t *fmap = malloc(sizeof *fmap * (row_len ? row_len : 1));
+    for (size_t j = 0; fmap && j < row_len; j++) {
+        const int i = (int)(j / (size_t)nb % (size_t)nplan), b = (int)(j % (size_t)nb);
+        fmap[j] = (uint32_t)(((size_t)(i / nr) * nb + b) * nr + (size_t)(i % nr));
+    }
+    kvcc_dist_sum fsum;
+    char dmsg[256];
+    const int sum_bad = !fmap || kvcc_dist_sum_init(&fsum, (size_t)ncfg * nb * nr, row_len, fmap,
+                                                    n_prompts, dmsg, sizeof dmsg) != 0;
+    if (sum_bad) memset(&fsum, 0, sizeof fsum);
+    double *fid = fsum.acc;
     float **qa = calloc(L, sizeof *qa), **ka = calloc(L, sizeof *ka);
     kvrt_kv2_plan **pl = calloc((size_t)nplan, sizeof *pl);
     kv2_model M = {0};
     kvcc_loop lp;
     int rc = kvcc_loop_open(&lp, c, "kv2", KVCC_LOOP_REF, err, errlen);
-    if (!rc && (!fid || !qa || !ka || !pl)) { snprintf(err, errlen, "kv2: out of memory"); rc = KVCC_EXIT_FAILED; }
+    if (!rc && (sum_bad || !qa || !ka || !pl)) { snprintf(err, errlen, "kv2: out of memory"); rc = KVCC_EXIT_FAILED; }
     if (!rc && cx->gguf) {
         char msg[512];
         if (kvcc_load_model(cx->gguf, 0, &M.lm, msg, sizeof msg) != 0) {
@@ -297,8 +312,9 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
         }
     }
     size_t cap = 0;
-    for (uint32_t p = 0; p < n_prompts && !rc; p++) {
+    for (uint32_t p = fsum.lo; p < fsum.hi && !rc; p++) {
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
+        double *frow = kvcc_dist_sum_row(&fsum, p);
         const int64_t C = lp.C, N = lp.N, T = lp.T;
         if (N < 1 || C < 16) {
             snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; "
@@ -397,12 +413,16 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
                     double e = 0;
                     for (int64_t q = 0; q < N * H; q++)
                         e += kvcc_relerr(lp.o_c + (size_t)q * d, lp.o_full + (size_t)q * d, d);
-                    const int ci = i / nr, r = i % nr;
-                    fid[((size_t)ci * nb + b) * nr + r] += e / ((double)N * H * L * n_prompts);
+                    frow[((size_t)l * nplan + i) * nb + b] = e / ((double)N * H * L * n_prompts);
                 }
         }
         for (int i = 0; i < nplan; i++) { kvrt_kv2_plan_free(pl[i]); pl[i] = NULL; }
-        if (cx->progress) kvcc_progress(p + 1, n_prompts);
+        if (cx->progress) kvcc_progress(p + 1 - fsum.lo, fsum.hi - fsum.lo);
+    }
+    rc = kvcc_dist_check(rc, err, errlen);
+    if (!rc && kvcc_dist_sum_finish(&fsum, dmsg, sizeof dmsg) != 0) {
+        snprintf(err, errlen, "kv2: %s", dmsg);
+        rc = KVCC_EXIT_FAILED;
     }
     int best = 0;
     double best_sum = INFINITY;
@@ -418,7 +438,8 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
     if (!rc)
         rc = kv2_write(cx, w, cfg, ncfg, fid, best, M.have ? "model" : "rerotated", err, errlen);
     for (uint32_t l = 0; l < L && qa && ka; l++) { free(qa[l]); free(ka[l]); }
-    free(qa); free(ka); free(pl); free(fid);
+    free(qa); free(ka); free(pl); free(fmap);
+    kvcc_dist_sum_free(&fsum);
     kv2_model_free(&M);
     kvcc_loop_close(&lp);
     return rc;

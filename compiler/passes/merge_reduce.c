@@ -45,6 +45,7 @@
 #include "kvcc.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
+#include "dist.h"
 #include "loop.h"
 #include "metrics.h"
 #include "passes.h"
@@ -315,15 +316,19 @@ static int mr_basis_pass(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_
         snprintf(err, errlen, "merge-reduce: out of memory");
         rc = KVCC_EXIT_FAILED;
     }
-    for (uint32_t p = 0; p < A->n_prompts && !rc; p++) {
+    /* sharded by layer across MPI ranks (compiler/dist.h): each layer's moments are summed over
+     * every prompt in prompt order, as one process does, then the bases gathered */
+    uint32_t llo, lhi;
+    kvcc_dist_shard(L, &llo, &lhi);
+    for (uint32_t p = 0; p < A->n_prompts && !rc && llo < lhi; p++) {
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
-        for (uint32_t l = 0; l < L && !rc; l++) {
+        for (uint32_t l = llo; l < lhi && !rc; l++) {
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
             mr_accumulate_moments(S + (size_t)l * Hkv * d * d, lp.q, lp.T, A->H, Hkv, d);
         }
         count += (double)lp.T * (A->H / Hkv);
     }
-    for (size_t lh = 0; lh < (size_t)L * Hkv && !rc; lh++)
+    for (size_t lh = (size_t)llo * Hkv; lh < (size_t)lhi * Hkv && !rc; lh++)
         if (mr_eigen(S + lh * d * d, count, d, A->U + lh * d * d, A->lam + lh * d, w) != 0) {
             snprintf(err, errlen, "merge-reduce: the eigen-decomposition of E[q q^T] failed at "
                      "layer %zu KV head %zu", lh / Hkv, lh % Hkv);
@@ -331,6 +336,13 @@ static int mr_basis_pass(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_
         }
     kvcc_loop_close(&lp);
     free(S); free(w);
+    rc = kvcc_dist_check(rc, err, errlen);
+    char dmsg[256];
+    if (!rc && (kvcc_dist_gather_rows(A->U, sizeof(float) * Hkv * d * d, L, dmsg, sizeof dmsg) ||
+                kvcc_dist_gather_rows(A->lam, sizeof(float) * Hkv * d, L, dmsg, sizeof dmsg))) {
+        snprintf(err, errlen, "merge-reduce: %s", dmsg);
+        rc = KVCC_EXIT_FAILED;
+    }
     return rc;
 }
 
@@ -376,8 +388,25 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     o.n_sink = cx->mr_sinks;
     o.recent_frac = cx->mr_recent;
     o.seed = cx->seed;
-    for (uint32_t p = 0; p < A->n_prompts && !rc; p++) {
+    /* the prompts sharded across MPI ranks (compiler/dist.h): each prompt's increments (at most
+     * one per cell) in a row [fid | trace | spec | tail | meas | n_meas | n_report], summed in
+     * prompt order */
+    const size_t LH = (size_t)L * Hkv, n_fid = (size_t)nC * nb * LH, n_spec = LH * MR_SPECTRUM,
+                 n_tail = (size_t)nk * LH, n_mm = (size_t)nC * nk * LH;
+    const size_t o_tr = n_fid, o_sp = o_tr + LH, o_tl = o_sp + n_spec, o_ms = o_tl + n_tail,
+                 o_nm = o_ms + n_mm, o_nr = o_nm + (size_t)nk, row_len = o_nr + 1;
+    kvcc_dist_sum sum;
+    char dmsg[256];
+    if (kvcc_dist_sum_init(&sum, row_len, row_len, NULL, A->n_prompts, dmsg, sizeof dmsg) != 0) {
+        memset(&sum, 0, sizeof sum);
+        if (!rc) snprintf(err, errlen, "merge-reduce: %s", dmsg);
+        rc = KVCC_EXIT_FAILED;
+    }
+    for (uint32_t p = sum.lo; p < sum.hi && !rc; p++) {
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
+        double *row = kvcc_dist_sum_row(&sum, p);
+        double *fid = row, *trace = row + o_tr, *spec = row + o_sp, *tail = row + o_tl,
+               *meas = row + o_ms, *n_meas = row + o_nm, *n_report = row + o_nr;
         const int64_t C = lp.C, N = lp.N;
         if (N < 1 || C <= (int64_t)cx->mr_sinks + 2) {
             snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; "
@@ -414,7 +443,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                                 const size_t r = ((size_t)i * H + (size_t)h * G + g) * d;
                                 e += kvcc_relerr(lp.o_c + r, lp.o_full + r, d);
                             }
-                        A->fid[(((size_t)c * nb + b) * L + l) * Hkv + h] +=
+                        fid[(((size_t)c * nb + b) * L + l) * Hkv + h] +=
                             e / ((double)N * G * A->n_prompts);
                     }
                 }
@@ -451,28 +480,43 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                     break;
                 }
                 const size_t lh = (size_t)l * Hkv + h, Dp = (size_t)P.ns * (d + 1);
-                A->trace[lh] += tr;
+                trace[lh] += tr;
                 for (size_t r = 0; r < MR_SPECTRUM && r < Dp; r++)
-                    A->spec[lh * MR_SPECTRUM + r] += P.ev[r];
+                    spec[lh * MR_SPECTRUM + r] += P.ev[r];
                 for (int ki = 0; ki < nk; ki++) {
                     const int64_t K = (int64_t)cx->mr_report_k[ki];
                     double tl = 0;
                     for (size_t r = (size_t)(K / 3); r < Dp; r++) tl += P.ev[r];
-                    A->tail[(size_t)ki * L * Hkv + lh] += tl;
+                    tail[(size_t)ki * L * Hkv + lh] += tl;
                     for (int c = 0; c < nC; c++)
                         if (rep[ki * nC + c])
-                            A->meas[(((size_t)c * nk + ki) * L + l) * Hkv + h] +=
+                            meas[(((size_t)c * nk + ki) * L + l) * Hkv + h] +=
                                 mr_measured(&P, rep[ki * nC + c], h);
                 }
             }
             for (int i = 0; i < nk * nC; i++) { kvrt_cache_free(rep[i]); rep[i] = NULL; }
             if (l == 0)
                 for (int ki = 0; ki < nk; ki++)
-                    if (P.n_sink + (int64_t)cx->mr_report_k[ki] < C) A->n_meas[ki]++;
+                    if (P.n_sink + (int64_t)cx->mr_report_k[ki] < C) n_meas[ki] += 1;
         }
-        if (report && !rc) A->n_report++;
-        if (cx->progress) kvcc_progress(p + 1, A->n_prompts);
+        if (report && !rc) *n_report += 1;
+        if (cx->progress) kvcc_progress(p + 1 - sum.lo, sum.hi - sum.lo);
     }
+    rc = kvcc_dist_check(rc, err, errlen);
+    if (!rc && kvcc_dist_sum_finish(&sum, dmsg, sizeof dmsg) != 0) {
+        snprintf(err, errlen, "merge-reduce: %s", dmsg);
+        rc = KVCC_EXIT_FAILED;
+    }
+    if (!rc) {
+        memcpy(A->fid, sum.acc, sizeof(double) * n_fid);
+        memcpy(A->trace, sum.acc + o_tr, sizeof(double) * LH);
+        memcpy(A->spec, sum.acc + o_sp, sizeof(double) * n_spec);
+        memcpy(A->tail, sum.acc + o_tl, sizeof(double) * n_tail);
+        memcpy(A->meas, sum.acc + o_ms, sizeof(double) * n_mm);
+        for (int ki = 0; ki < nk; ki++) A->n_meas[ki] = (int64_t)sum.acc[o_nm + (size_t)ki];
+        A->n_report = (uint32_t)sum.acc[o_nr];
+    }
+    kvcc_dist_sum_free(&sum);
     /* means over the prompts that measured */
     for (size_t i = 0; i < (size_t)L * Hkv && A->n_report; i++) {
         A->trace[i] /= A->n_report;
