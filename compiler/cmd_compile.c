@@ -429,6 +429,15 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
     cx.progress = kvcc_dist_rank() == 0;
     kvcc_corpus *cp = NULL;
     if (n_corpora && open_corpus(corpora, n_corpora, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
+    for (uint32_t s = 0; cp && s < kvcc_corpus_n_shards(cp) && kvcc_corpus_n_shards(cp) > 1; s++) {
+        /* the shards a manifest names are inputs too: -o must not replace one */
+        const kvcc_input shard_in = {"--corpus (a shard)", kvcc_corpus_shard_path(cp, s)};
+        const int sx = kvcc_check_output("compile", out, &shard_in, 1);
+        if (sx) {
+            kvcc_corpus_close(cp);
+            return sx;
+        }
+    }
     cx.corpus = cp;
     if (cp && cx.max_prompts > kvcc_corpus_get_info(cp)->n_prompts) {
         const unsigned have = kvcc_corpus_get_info(cp)->n_prompts;

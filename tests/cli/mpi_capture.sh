@@ -67,6 +67,9 @@ err=$("$KVCC" compile "${pol[@]}" --corpus "$tmp/one.h5" --corpus "$tmp/other.h5
 printf 'kvcc-corpus-manifest 1\ns.0-of-2.h5\nnot-there.h5\n' > "$tmp/missing.corpus"
 err=$("$KVCC" compile "${pol[@]}" --corpus "$tmp/missing.corpus" -o "$tmp/x.kvpol" 2>&1); ex=$?
 [[ $ex -eq 5 && "$err" == *"not-there.h5"*"missing.corpus line 3"* ]] && ok || bad "a missing shard: exit $ex: $err"
+cp "$tmp/s.1-of-2.h5" "$tmp/keep.h5"
+err=$("$KVCC" compile "${pol[@]}" --corpus "$tmp/s.corpus" -o "$tmp/s.1-of-2.h5" 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"s.1-of-2.h5"* ]] && cmp -s "$tmp/keep.h5" "$tmp/s.1-of-2.h5" && ok || bad "-o onto a shard of the manifest: exit $ex: $err"
 [ ! -e "$tmp/x.kvpol" ] && ok || bad "a refused compile wrote its output"
 # eval reads a manifest like a file
 # (columns 1-8 and 10-: select_ms, a time, left out)
