@@ -246,6 +246,7 @@ test: deps peer-deps model
 	@KVCC_BUILD=$(BUILD) MAKE="$(MAKE)" SANFLAGS="$(SANFLAGS)" bash tests/cli/install.sh
 	@echo "== MPI checks (mpirun -np 2 and 4 kvcc compile against one process; docs/distributed.md)"
 	@KVCC=$(KVCC) bash tests/cli/mpi.sh
+	@echo "== corpora of several files, mpirun capture (tests/cli/mpi_capture.sh)"; KVCC=$(KVCC) bash tests/cli/mpi_capture.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
 	@$(MAKE) --no-print-directory python-test
 

@@ -79,6 +79,10 @@ char *kvcc_read_text_file(const char *path, size_t *len, char *err, size_t errle
     return b;
 }
 
+uint32_t kvcc_capture_shard_first(uint32_t n_prompts, uint32_t s, uint32_t n) {
+    return n ? (uint32_t)((uint64_t)n_prompts * s / n) : (s ? n_prompts : 0);
+}
+
 int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_capture_opts *o,
                      const char *out_path, void (*progress)(unsigned, unsigned),
                      kvcc_capture_stats *stats, char *err, size_t errlen) {
@@ -92,6 +96,15 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
                  "capture: need at least one text, one prompt and a context of >= 1 token");
         return KVCC_CORPUS_ERR_ARG;
     }
+    if (o->n_shards ? o->shard >= o->n_shards : o->shard != 0) {
+        snprintf(err, errlen, "capture: shard %u of %u: expected 0..%u", o->shard, o->n_shards,
+                 o->n_shards ? o->n_shards - 1 : 0);
+        return KVCC_CORPUS_ERR_ARG;
+    }
+    /* this shard's prompts: a contiguous block of the written order */
+    const uint32_t p_lo = o->n_shards ? kvcc_capture_shard_first(o->n_prompts, o->shard, o->n_shards) : 0;
+    const uint32_t p_hi =
+        o->n_shards ? kvcc_capture_shard_first(o->n_prompts, o->shard + 1, o->n_shards) : o->n_prompts;
     /* 1. tokenize the texts and list their windows */
     int32_t **ids = calloc((size_t)o->n_texts, sizeof *ids);
     size_t *n_ids = calloc((size_t)o->n_texts, sizeof *n_ids);
@@ -171,13 +184,20 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         snprintf(cm.rope_scaling, sizeof cm.rope_scaling, "none");
         rc = kvcc_corpus_create(&c, out_path, &cm, o->dtype_f16, "kvcc capture 0.1.0", o->options,
                                 err, errlen);
+        if (!rc && o->n_shards) {
+            char note[128];
+            snprintf(note, sizeof note, "shard %u of %u: prompts %u..%u of %u", o->shard,
+                     o->n_shards, p_lo, p_hi, o->n_prompts);
+            rc = kvcc_corpus_set_note(c, "capture_shard", note);
+            if (rc) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
+        }
     }
     if (st) kvcc_state_set_capture(st, on_layer, &b);
 
     /* 3. run the prompts */
     double nll_sum = 0;
     uint64_t nll_n = 0;
-    for (uint32_t p = 0; !rc && p < o->n_prompts; p++) {
+    for (uint32_t p = p_lo; !rc && p < p_hi; p++) {
         const int32_t *w = ids[wins[p].file] + wins[p].off;
         kvcc_state_reset(st);
         for (uint32_t pos = 0; !rc && pos < T; pos += (uint32_t)CH) {
@@ -208,8 +228,9 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         for (uint32_t l = 0; !rc && l < L; l++)
             rc = kvcc_corpus_write_layer(c, l, b.q[l], b.k[l], b.v[l]);
         if (rc && !err[0]) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-        if (rc == KVCC_CORPUS_OK && progress) progress(p + 1, o->n_prompts);
+        if (rc == KVCC_CORPUS_OK && progress) progress(p + 1 - p_lo, p_hi - p_lo);
     }
+    if (o->agree) rc = o->agree(o->agree_user, rc, err, errlen);
     if (!rc) {
         rc = kvcc_corpus_finish(c, err, errlen);
         c = NULL;
@@ -220,11 +241,13 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
     struct timespec t1;
     clock_gettime(CLOCK_MONOTONIC, &t1);
     if (stats) {
-        stats->prompts = o->n_prompts;
+        stats->prompts = p_hi - p_lo;
         stats->tokens_per_prompt = T;
         stats->layers = L;
         stats->windows_available = n_win;
         stats->mean_nll = nll_n ? nll_sum / (double)nll_n : NAN;
+        stats->nll_sum = nll_sum;
+        stats->nll_n = nll_n;
         stats->seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     }
     kvcc_state_free(st);

@@ -21,13 +21,28 @@ typedef struct {
     int dtype_f16;
     const char *model_name;    /* recorded in the corpus (a preset name when the model is one) */
     const char *options;       /* canonical option string recorded in the corpus */
+    /* Shard `shard` of n_shards (0 / 0: the whole capture): the prompts (windows in written
+     * order) [n_prompts * shard / n_shards, n_prompts * (shard + 1) / n_shards), contiguous
+     * blocks, so the shards in order hold the one-process capture's prompts in its order. The
+     * shard's file records the same capture_options, plus root attribute capture_shard. */
+    uint32_t shard, n_shards;
+    /* Optional: called once, after the last prompt (or the first failure) and before the file
+     * is renamed into place, with this process's status; returns the status to go on with (a
+     * sharded run's agreement: nonzero when any shard failed, with a message in err). */
+    int (*agree)(void *user, int rc, char *err, size_t errlen);
+    void *agree_user;
 } kvcc_capture_opts;
 
+/* The first prompt of shard s of n (n_prompts * s / n, in 64 bits); s = n gives n_prompts. */
+uint32_t kvcc_capture_shard_first(uint32_t n_prompts, uint32_t s, uint32_t n);
+
 typedef struct {
-    uint32_t prompts, tokens_per_prompt, layers;
+    uint32_t prompts, tokens_per_prompt, layers; /* prompts: of this shard */
     uint64_t windows_available;
-    double mean_nll;           /* over all next-token predictions of all prompts */
+    double mean_nll;           /* over all next-token predictions of all prompts (of the shard) */
     double seconds;
+    double nll_sum;            /* -sum of the log-probabilities, over nll_n predictions */
+    uint64_t nll_n;
 } kvcc_capture_stats;
 
 /* Tokenize the texts, choose n_prompts non-overlapping windows of context+continuation tokens

@@ -32,6 +32,13 @@ struct kvcc_corpus {
     uint32_t cur_T;
     uint32_t layers_written;
     char msg[512];
+    /* reader: a hash of each prompt's tokens (duplicate prompts across shards) */
+    uint64_t *tok_hash;
+    /* a corpus of several shards (files, or a manifest): the shards in order; prompt i lives in
+     * shard s with first[s] <= i < first[s + 1]. 0 for one file. */
+    uint32_t n_shards;
+    struct kvcc_corpus **shard;
+    uint32_t *first;
 };
 
 static const char *STATUS_NAMES[] = {
@@ -394,6 +401,13 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
     return KVCC_CORPUS_OK;
 }
 
+int kvcc_corpus_set_note(kvcc_corpus *c, const char *name, const char *value) {
+    if (!c || !c->writing || !name || !value) return KVCC_CORPUS_ERR_ARG;
+    if (put_attr_str(c->file, name, value))
+        return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot write root attribute '%s'", c->path, name);
+    return KVCC_CORPUS_OK;
+}
+
 int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen) {
     if (!c || !c->writing)
         return failc(c, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_finish: not a writer");
@@ -536,6 +550,9 @@ static int validate_prompts(kvcc_corpus *c) {
     uint32_t cap = 0;
     int rc = KVCC_CORPUS_OK;
     const uint64_t mem_cap = g_max_prompt_bytes ? g_max_prompt_bytes : mem_available();
+    free(c->tok_hash);
+    c->tok_hash = n ? malloc(n * sizeof *c->tok_hash) : NULL;
+    if (n && !c->tok_hash) rc = FAIL(KVCC_CORPUS_ERR_NOMEM, "%s: out of memory", c->path);
     for (uint32_t p = 0; !rc && p < n; p++) {
         kvcc_corpus_prompt_info info;
         hid_t g = open_prompt(c, p, &info, &rc);
@@ -561,6 +578,7 @@ static int validate_prompts(kvcc_corpus *c) {
             if (!tok || !lp) rc = FAIL(KVCC_CORPUS_ERR_NOMEM, "%s: out of memory", c->path);
         }
         if (!rc) rc = kvcc_corpus_prompt(c, p, &info, tok, lp);
+        if (!rc) c->tok_hash[p] = kvpol_hash(tok, (size_t)info.n_tokens * sizeof *tok);
         if (!rc) {
             char name[32];
             snprintf(name, sizeof name, "p%06u", p);
@@ -578,7 +596,8 @@ static int validate_prompts(kvcc_corpus *c) {
     return rc;
 }
 
-int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,
+/* One HDF5 corpus file (kvcc_corpus_open without manifests). */
+static int open_file(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,
                      char *err, size_t errlen) {
     if (!out || !path)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open: NULL argument");
@@ -823,9 +842,32 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
     return g;
 }
 
+/* The shard holding global prompt `index` of a multi-shard corpus (index < n_prompts), and the
+ * index inside it. */
+static kvcc_corpus *shard_of(const kvcc_corpus *c, uint32_t index, uint32_t *local) {
+    uint32_t lo = 0, hi = c->n_shards; /* first[lo] <= index < first[hi] */
+    while (hi - lo > 1) {
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (c->first[mid] <= index) lo = mid;
+        else hi = mid;
+    }
+    *local = index - c->first[lo];
+    return c->shard[lo];
+}
+
 int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *info,
                        int32_t *tokens, float *next_logprob) {
     if (!c || c->writing || !info) return KVCC_CORPUS_ERR_ARG;
+    if (c->n_shards) {
+        if (index >= c->info.n_prompts)
+            return FAIL(KVCC_CORPUS_ERR_RANGE, "%s: prompt %u requested, the shards hold %u",
+                        c->path, index, c->info.n_prompts);
+        uint32_t local;
+        kvcc_corpus *s = shard_of(c, index, &local);
+        const int r = kvcc_corpus_prompt(s, local, info, tokens, next_logprob);
+        if (r) snprintf(c->msg, sizeof c->msg, "%s", s->msg);
+        return r;
+    }
     int rc;
     hid_t g = open_prompt(c, index, info, &rc);
     if (g < 0) return rc;
@@ -870,6 +912,16 @@ int kvcc_corpus_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info *
 int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, float *q, float *k,
                            float *v) {
     if (!c || c->writing) return KVCC_CORPUS_ERR_ARG;
+    if (c->n_shards) {
+        if (prompt >= c->info.n_prompts)
+            return FAIL(KVCC_CORPUS_ERR_RANGE, "%s: prompt %u requested, the shards hold %u",
+                        c->path, prompt, c->info.n_prompts);
+        uint32_t local;
+        kvcc_corpus *s = shard_of(c, prompt, &local);
+        const int r = kvcc_corpus_read_layer(s, local, layer, q, k, v);
+        if (r) snprintf(c->msg, sizeof c->msg, "%s", s->msg);
+        return r;
+    }
     if (layer >= c->model.n_layers)
         return FAIL(KVCC_CORPUS_ERR_RANGE, "%s: layer %u requested, the corpus has %u", c->path,
                     layer, c->model.n_layers);
@@ -921,8 +973,400 @@ int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, floa
 
 void kvcc_corpus_close(kvcc_corpus *c) {
     if (!c) return;
+    for (uint32_t i = 0; c->shard && i < c->n_shards; i++) kvcc_corpus_close(c->shard[i]);
+    free(c->shard);
+    free(c->first);
+    free(c->tok_hash);
+    if (c->n_shards) {
+        free(c);
+        return;
+    }
     if (c->cur_prompt >= 0) H5Gclose(c->cur_prompt);
     if (c->file >= 0) H5Fclose(c->file);
     if (c->writing && c->tmp[0]) unlink(c->tmp);
     free(c);
+}
+
+// ----------------------------------------------------------------------------
+// several shards: a list of files, or a manifest (docs/corpus-format.md#several-files-shards)
+
+/* Whether path starts with the manifest magic: 1 yes, 0 no (or unreadable: the HDF5 path reports
+ * that). */
+static int is_manifest(const char *path) {
+    char head[sizeof KVCC_CORPUS_MANIFEST_MAGIC] = "";
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    const size_t n = fread(head, 1, sizeof head - 1, f);
+    fclose(f);
+    head[n] = 0;
+    return strcmp(head, KVCC_CORPUS_MANIFEST_MAGIC) == 0;
+}
+
+typedef struct {
+    char **path;  /* the shard files, resolved */
+    char **from;  /* where each was named: "the command line" or "M.manifest line 3" */
+    uint32_t n, cap;
+} shard_list;
+
+static void shard_list_free(shard_list *l) {
+    for (uint32_t i = 0; i < l->n; i++) {
+        free(l->path[i]);
+        free(l->from[i]);
+    }
+    free(l->path);
+    free(l->from);
+    memset(l, 0, sizeof *l);
+}
+
+static int shard_list_add(shard_list *l, const char *path, const char *from) {
+    if (l->n == KVCC_CORPUS_MAX_SHARDS) return KVCC_CORPUS_ERR_RANGE;
+    if (l->n == l->cap) {
+        const uint32_t cap = l->cap ? 2 * l->cap : 8;
+        char **p = realloc(l->path, cap * sizeof *p);
+        if (p) l->path = p;
+        char **f = p ? realloc(l->from, cap * sizeof *f) : NULL;
+        if (f) l->from = f;
+        if (!p || !f) return KVCC_CORPUS_ERR_NOMEM;
+        l->cap = cap;
+    }
+    l->path[l->n] = strdup(path);
+    l->from[l->n] = strdup(from);
+    if (!l->path[l->n] || !l->from[l->n]) {
+        free(l->path[l->n]);
+        free(l->from[l->n]);
+        return KVCC_CORPUS_ERR_NOMEM;
+    }
+    l->n++;
+    return KVCC_CORPUS_OK;
+}
+
+/* The shards a manifest lists, appended to l; paths relative to the manifest's directory. */
+static int read_manifest(const char *path, shard_list *l, char *err, size_t errlen) {
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot open: %s", path,
+                     strerror(errno));
+    char dir[1024];
+    snprintf(dir, sizeof dir, "%s", path);
+    const char *d = dirname(dir);
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t got;
+    int rc = KVCC_CORPUS_OK;
+    uint32_t lineno = 0, listed = 0;
+    size_t total = 0;
+    while (!rc && (got = getline(&line, &cap, f)) >= 0) {
+        lineno++;
+        size_t n = (size_t)got;
+        total += n;
+        if (total > KVCC_CORPUS_MANIFEST_MAX_BYTES) {
+            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_RANGE,
+                       "%s: more than %u bytes: not a corpus manifest", path,
+                       KVCC_CORPUS_MANIFEST_MAX_BYTES);
+            break;
+        }
+        if (memchr(line, 0, n)) {
+            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_SCHEMA,
+                       "%s: line %u: holds a NUL byte: not a text manifest", path, lineno);
+            break;
+        }
+        while (n && (line[n - 1] == '\n' || line[n - 1] == '\r')) line[--n] = 0;
+        if (n > KVCC_CORPUS_MANIFEST_MAX_LINE) {
+            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_RANGE,
+                       "%s: line %u: %zu bytes, longer than %u", path, lineno, n,
+                       KVCC_CORPUS_MANIFEST_MAX_LINE);
+            break;
+        }
+        if (lineno == 1) {
+            if (strcmp(line, KVCC_CORPUS_MANIFEST_MAGIC "1") != 0)
+                rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_SCHEMA,
+                           "%s: line 1: got '%.64s', expected '" KVCC_CORPUS_MANIFEST_MAGIC
+                           "1' (manifest version 1)", path, line);
+            continue;
+        }
+        if (n == 0 || line[0] == '#') continue;
+        char full[1024], from[1100]; /* full: the bound of a reader's path */
+        const int fl = line[0] == '/' ? snprintf(full, sizeof full, "%s", line)
+                                      : snprintf(full, sizeof full, "%s/%s", d, line);
+        if (fl < 0 || (size_t)fl >= sizeof full) {
+            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_RANGE,
+                       "%s: line %u: the shard path is longer than %zu bytes", path, lineno,
+                       sizeof full - 1);
+            break;
+        }
+        if (is_manifest(full)) {
+            rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_SCHEMA,
+                       "%s: line %u: %s is itself a manifest; a manifest lists HDF5 shards only",
+                       path, lineno, full);
+            break;
+        }
+        snprintf(from, sizeof from, "%s line %u", path, lineno);
+        rc = shard_list_add(l, full, from);
+        if (rc)
+            failc(NULL, err, errlen, rc, "%s: line %u: %s", path, lineno,
+                  rc == KVCC_CORPUS_ERR_RANGE ? "more than the most shards (65536)"
+                                              : "out of memory");
+        listed++;
+    }
+    free(line);
+    if (!rc && ferror(f))
+        rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: read failed", path);
+    if (!rc && lineno == 0)
+        rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_SCHEMA, "%s: empty manifest", path);
+    if (!rc && listed == 0)
+        rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_MISSING, "%s: the manifest lists no shard",
+                   path);
+    fclose(f);
+    return rc;
+}
+
+/* Shard s agrees with shard 0 (model, dtype, capture tool and options). */
+static int check_agree(kvcc_corpus *c, const kvcc_corpus *a, const kvcc_corpus *b) {
+    const kvcc_corpus_model *x = &a->model, *y = &b->model;
+#define AGREE_U(f)                                                                                 \
+    if (x->f != y->f)                                                                              \
+        return FAIL(KVCC_CORPUS_ERR_MODEL,                                                         \
+                    "%s: root attribute '" #f "': got %u, the first shard %s has %u; shards must " \
+                    "come from one capture", b->path, y->f, a->path, x->f);
+    AGREE_U(n_layers) AGREE_U(n_heads) AGREE_U(n_kv_heads) AGREE_U(head_dim) AGREE_U(vocab_size)
+#undef AGREE_U
+#define AGREE_S(f, attr)                                                                           \
+    if (strcmp(x->f, y->f))                                                                        \
+        return FAIL(KVCC_CORPUS_ERR_MODEL,                                                         \
+                    "%s: root attribute '" attr "': got '%s', the first shard %s has '%s'; "       \
+                    "shards must come from one capture", b->path, y->f, a->path, x->f);
+    AGREE_S(name, "model_name") AGREE_S(rope_scaling, "rope_scaling")
+#undef AGREE_S
+    if (x->rope_theta != y->rope_theta || x->rope_scaling_factor != y->rope_scaling_factor)
+        return FAIL(KVCC_CORPUS_ERR_MODEL,
+                    "%s: root attribute '%s': got %.17g, the first shard %s has %.17g; shards "
+                    "must come from one capture", b->path,
+                    x->rope_theta != y->rope_theta ? "rope_theta" : "rope_scaling_factor",
+                    x->rope_theta != y->rope_theta ? y->rope_theta : y->rope_scaling_factor,
+                    a->path,
+                    x->rope_theta != y->rope_theta ? x->rope_theta : x->rope_scaling_factor);
+    if (a->info.dtype_f16 != b->info.dtype_f16)
+        return FAIL(KVCC_CORPUS_ERR_DTYPE,
+                    "%s: root attribute 'activation_dtype': got '%s', the first shard %s has "
+                    "'%s'; shards must come from one capture", b->path,
+                    b->info.dtype_f16 ? "f16" : "f32", a->path, a->info.dtype_f16 ? "f16" : "f32");
+    if (strcmp(a->info.tool, b->info.tool))
+        return FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                    "%s: root attribute 'capture_tool': got '%s', the first shard %s has '%s'; "
+                    "shards must come from one capture", b->path, b->info.tool, a->path,
+                    a->info.tool);
+    if (strcmp(a->info.options, b->info.options))
+        return FAIL(KVCC_CORPUS_ERR_SCHEMA,
+                    "%s: root attribute 'capture_options': got '%.160s', the first shard %s has "
+                    "'%.160s'; shards must come from one capture", b->path, b->info.options,
+                    a->path, a->info.options);
+    return KVCC_CORPUS_OK;
+}
+
+typedef struct { uint64_t h; uint32_t shard, local; } tok_key;
+static int cmp_tok_key(const void *a, const void *b) {
+    const tok_key *x = a, *y = b;
+    if (x->h != y->h) return x->h < y->h ? -1 : 1;
+    if (x->shard != y->shard) return x->shard < y->shard ? -1 : 1;
+    return (x->local > y->local) - (x->local < y->local);
+}
+
+/* Two prompts with equal token hashes: equal tokens? 1 yes, 0 no, <0 a read error. */
+static int same_tokens(kvcc_corpus *a, uint32_t pa, kvcc_corpus *b, uint32_t pb) {
+    kvcc_corpus_prompt_info ia, ib;
+    if (kvcc_corpus_prompt(a, pa, &ia, NULL, NULL) || kvcc_corpus_prompt(b, pb, &ib, NULL, NULL))
+        return -1;
+    if (ia.n_tokens != ib.n_tokens) return 0;
+    int32_t *ta = malloc(ia.n_tokens * sizeof *ta), *tb = malloc(ib.n_tokens * sizeof *tb);
+    int r = -1;
+    if (ta && tb && !kvcc_corpus_prompt(a, pa, &ia, ta, NULL) &&
+        !kvcc_corpus_prompt(b, pb, &ib, tb, NULL))
+        r = memcmp(ta, tb, ia.n_tokens * sizeof *ta) == 0;
+    free(ta);
+    free(tb);
+    return r;
+}
+
+/* No prompt (same tokens) in two shards. */
+static int check_duplicates(kvcc_corpus *c) {
+    const uint32_t n = c->info.n_prompts;
+    tok_key *k = n ? malloc(n * sizeof *k) : NULL;
+    if (n && !k) return FAIL(KVCC_CORPUS_ERR_NOMEM, "%s: out of memory", c->path);
+    uint32_t m = 0;
+    for (uint32_t s = 0; s < c->n_shards; s++)
+        for (uint32_t p = 0; p < c->shard[s]->info.n_prompts; p++)
+            k[m++] = (tok_key){c->shard[s]->tok_hash[p], s, p};
+    qsort(k, m, sizeof *k, cmp_tok_key);
+    int rc = KVCC_CORPUS_OK;
+    for (uint32_t i = 0; !rc && i + 1 < m; i++)
+        for (uint32_t j = i + 1; !rc && j < m && k[j].h == k[i].h; j++) {
+            if (k[j].shard == k[i].shard) continue; /* within one file: as for a single file */
+            kvcc_corpus *a = c->shard[k[i].shard], *b = c->shard[k[j].shard];
+            const int same = same_tokens(a, k[i].local, b, k[j].local);
+            if (same < 0)
+                rc = FAIL(KVCC_CORPUS_ERR_IO, "%s", a->msg[0] ? a->msg : b->msg);
+            else if (same) {
+                kvcc_corpus_prompt_info ib;
+                kvcc_corpus_prompt(b, k[j].local, &ib, NULL, NULL);
+                rc = FAIL(KVCC_CORPUS_ERR_RANGE,
+                          "%s: /prompts/p%06u (source '%s') has the same tokens as %s "
+                          "/prompts/p%06u: a prompt may be in one shard only", b->path,
+                          k[j].local, ib.source, a->path, k[i].local);
+            }
+        }
+    free(k);
+    return rc;
+}
+
+int kvcc_corpus_open_many(kvcc_corpus **out, const char *const *paths, uint32_t n_paths,
+                          const kvcc_corpus_model *expect, char *err, size_t errlen) {
+    if (!out || !paths || n_paths == 0)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open_many: no path");
+    *out = NULL;
+    for (uint32_t i = 0; i < n_paths; i++)
+        if (!paths[i])
+            return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open_many: NULL path");
+    if (n_paths == 1 && !is_manifest(paths[0])) return open_file(out, paths[0], expect, err, errlen);
+    h5_setup();
+    shard_list l = {0};
+    int rc = KVCC_CORPUS_OK;
+    for (uint32_t i = 0; !rc && i < n_paths; i++) {
+        if (is_manifest(paths[i])) {
+            rc = read_manifest(paths[i], &l, err, errlen);
+        } else {
+            rc = shard_list_add(&l, paths[i], "the command line");
+            if (rc) failc(NULL, err, errlen, rc, "%s: more than 65536 shards", paths[i]);
+        }
+    }
+    kvcc_corpus *c = rc ? NULL : calloc(1, sizeof *c);
+    if (!rc && !c) rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_NOMEM, "out of memory");
+    if (!rc) {
+        c->cur_prompt = -1;
+        c->file = -1;
+        if (n_paths == 1) snprintf(c->path, sizeof c->path, "%s", paths[0]);
+        else
+            snprintf(c->path, sizeof c->path, "%s (+%u shards)", l.path[0], l.n - 1);
+        c->shard = calloc(l.n, sizeof *c->shard);
+        c->first = calloc(l.n + 1, sizeof *c->first);
+        if (!c->shard || !c->first) rc = FAIL(KVCC_CORPUS_ERR_NOMEM, "out of memory");
+    }
+    struct stat *ids = rc ? NULL : calloc(l.n, sizeof *ids);
+    if (!rc && !ids) rc = FAIL(KVCC_CORPUS_ERR_NOMEM, "out of memory");
+    uint64_t total = 0;
+    for (uint32_t s = 0; !rc && s < l.n; s++) {
+        char msg[512];
+        rc = open_file(&c->shard[s], l.path[s], expect, msg, sizeof msg);
+        if (rc) {
+            FAIL(rc, "%s (shard %u, named on %s)", msg, s, l.from[s]);
+            break;
+        }
+        c->n_shards = s + 1;
+        if (stat(l.path[s], &ids[s]) != 0) {
+            rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot stat: %s", l.path[s], strerror(errno));
+            break;
+        }
+        for (uint32_t t = 0; !rc && t < s; t++)
+            if (ids[t].st_dev == ids[s].st_dev && ids[t].st_ino == ids[s].st_ino)
+                rc = FAIL(KVCC_CORPUS_ERR_LINK,
+                          "%s (named on %s) is the same file as shard %u %s (named on %s): each "
+                          "shard must be listed once", l.path[s], l.from[s], t, l.path[t],
+                          l.from[t]);
+        if (!rc && s > 0) rc = check_agree(c, c->shard[0], c->shard[s]);
+        c->first[s] = (uint32_t)total;
+        total += c->shard[s]->info.n_prompts;
+        if (!rc && total > KVCC_CORPUS_MAX_PROMPTS)
+            rc = FAIL(KVCC_CORPUS_ERR_RANGE, "%s: the shards hold more than %u prompts", l.path[s],
+                      KVCC_CORPUS_MAX_PROMPTS);
+    }
+    free(ids);
+    if (!rc) {
+        c->first[l.n] = (uint32_t)total;
+        c->model = c->shard[0]->model;
+        c->info = c->shard[0]->info;
+        c->info.n_prompts = (uint32_t)total;
+        rc = check_duplicates(c);
+    }
+    shard_list_free(&l);
+    if (rc) {
+        if (c && err && errlen) snprintf(err, errlen, "%s", c->msg);
+        kvcc_corpus_close(c);
+        return rc;
+    }
+    *out = c;
+    return KVCC_CORPUS_OK;
+}
+
+int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,
+                     char *err, size_t errlen) {
+    return kvcc_corpus_open_many(out, &path, 1, expect, err, errlen);
+}
+
+uint32_t kvcc_corpus_n_shards(const kvcc_corpus *c) { return c ? (c->n_shards ? c->n_shards : 1) : 0; }
+
+const char *kvcc_corpus_shard_path(const kvcc_corpus *c, uint32_t s) {
+    if (!c) return NULL;
+    if (!c->n_shards) return s == 0 ? c->path : NULL;
+    return s < c->n_shards ? c->shard[s]->path : NULL;
+}
+
+int kvcc_corpus_hash(const kvcc_corpus *c, uint64_t *out, char *err, size_t errlen) {
+    if (!c || !out || c->writing)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_hash: not a reader");
+    kvpol_error e = {0};
+    if (!c->n_shards) { /* one file: its bytes, as always */
+        if (kvpol_hash_file(c->path, out, &e) != 0)
+            return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s", e.msg);
+        return KVCC_CORPUS_OK;
+    }
+    /* several: the hash of "kvcc-corpus-shards\0", the count and each shard's hash (LE) */
+    const size_t tag = sizeof "kvcc-corpus-shards";
+    const size_t len = tag + 8 + 8 * (size_t)c->n_shards;
+    uint8_t *b = malloc(len);
+    if (!b) return failc(NULL, err, errlen, KVCC_CORPUS_ERR_NOMEM, "out of memory");
+    memcpy(b, "kvcc-corpus-shards", tag);
+    for (int i = 0; i < 8; i++) b[tag + i] = (uint8_t)((uint64_t)c->n_shards >> (8 * i));
+    for (uint32_t s = 0; s < c->n_shards; s++) {
+        uint64_t h = 0;
+        if (kvpol_hash_file(c->shard[s]->path, &h, &e) != 0) {
+            free(b);
+            return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s", e.msg);
+        }
+        for (int i = 0; i < 8; i++) b[tag + 8 + 8 * s + i] = (uint8_t)(h >> (8 * i));
+    }
+    *out = kvpol_hash(b, len);
+    free(b);
+    return KVCC_CORPUS_OK;
+}
+
+int kvcc_corpus_write_manifest(const char *path, const char *const *shards, uint32_t n,
+                               char *err, size_t errlen) {
+    if (!path || !shards || n == 0)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_write_manifest: no shard");
+    char tmp[1100];
+    snprintf(tmp, sizeof tmp, "%s.tmp.XXXXXX", path);
+    int fd = mkostemp(tmp, O_CLOEXEC);
+    if (fd < 0)
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
+                     "%s: cannot create a temporary file beside it: %s", path, strerror(errno));
+    fchmod(fd, 0644);
+    FILE *f = fdopen(fd, "wb");
+    int bad = !f;
+    if (f) {
+        bad |= fprintf(f, KVCC_CORPUS_MANIFEST_MAGIC "1\n") < 0;
+        for (uint32_t i = 0; i < n && !bad; i++) {
+            const char *b = strrchr(shards[i], '/'); /* beside the manifest: base names */
+            bad |= fprintf(f, "%s\n", b ? b + 1 : shards[i]) < 0;
+        }
+        bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
+        bad |= fclose(f) != 0;
+    } else {
+        close(fd);
+    }
+    if (bad || rename(tmp, path) != 0) {
+        const int e = errno;
+        unlink(tmp);
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot write the manifest: %s",
+                     path, strerror(e));
+    }
+    return KVCC_CORPUS_OK;
 }

@@ -6,7 +6,8 @@
  *
  * defines: kvcc_corpus_create, kvcc_corpus_write_prompt, kvcc_corpus_write_layer,
  *          kvcc_corpus_close_writer, kvcc_corpus_open, kvcc_corpus_prompt, kvcc_corpus_read_layer,
- *          kvcc_corpus_close, kvcc_corpus_set_limits
+ *          kvcc_corpus_close, kvcc_corpus_set_limits, kvcc_corpus_open_many, kvcc_corpus_hash,
+ *          kvcc_corpus_n_shards, kvcc_corpus_shard_path, kvcc_corpus_write_manifest
  */
 #ifndef KVCC_CORPUS_H
 #define KVCC_CORPUS_H
@@ -21,6 +22,12 @@
 /* A filtered (deflate) dataset holds at most this many logical bytes per stored byte (zlib's
  * bound is 1032:1); a dataset that claims more than its storage can hold is refused at open. */
 #define KVCC_CORPUS_MAX_RATIO 1032u
+/* A corpus of several files (shards): a text manifest starts with this magic and the version
+ * ("kvcc-corpus-manifest 1"), then one shard path a line, relative to the manifest's directory. */
+#define KVCC_CORPUS_MANIFEST_MAGIC "kvcc-corpus-manifest "
+#define KVCC_CORPUS_MANIFEST_MAX_BYTES (1u << 24)
+#define KVCC_CORPUS_MANIFEST_MAX_LINE 1000u /* bytes of one shard path line */
+#define KVCC_CORPUS_MAX_SHARDS 65536u
 
 typedef enum {
     KVCC_CORPUS_OK = 0,
@@ -77,6 +84,8 @@ int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p,
 /* Layer l of the current prompt: q [T, H, d], k [T, Hkv, d], v [T, Hkv, d], post-RoPE, f32. */
 int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, const float *k,
                             const float *v);
+/* An optional string root attribute (e.g. capture_shard); readers ignore it. */
+int kvcc_corpus_set_note(kvcc_corpus *c, const char *name, const char *value);
 /* Finish: root attribute n_prompts, close, rename into place. */
 int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen);
 
@@ -88,9 +97,28 @@ int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen);
  * 0 = the memory available when the corpus is opened (MemAvailable, else physical memory). */
 void kvcc_corpus_set_limits(uint32_t max_tokens, uint64_t max_prompt_bytes);
 /* Open read-only and validate the root. expect (optional): refuse a corpus of another model
- * (every non-zero field of expect must match; name compared when non-empty). */
+ * (every non-zero field of expect must match; name compared when non-empty). path may also be
+ * a manifest (KVCC_CORPUS_MANIFEST_MAGIC): its shards are opened as by kvcc_corpus_open_many. */
 int kvcc_corpus_open(kvcc_corpus **out, const char *path, const kvcc_corpus_model *expect,
                      char *err, size_t errlen);
+/* Several corpus files (shards; each path a file or a manifest, expanded in place) read as one
+ * corpus: prompts in shard order, then index order. Every shard is validated as by
+ * kvcc_corpus_open; shards must agree with the first (model, dtype, capture tool, capture
+ * options), no file may be listed twice, and no prompt (the same tokens) may be in two shards.
+ * Errors name the shard file and the field. One path that is not a manifest: kvcc_corpus_open. */
+int kvcc_corpus_open_many(kvcc_corpus **out, const char *const *paths, uint32_t n_paths,
+                          const kvcc_corpus_model *expect, char *err, size_t errlen);
+/* 1 for one file, else the number of shards; the path of shard s (NULL past the end). */
+uint32_t kvcc_corpus_n_shards(const kvcc_corpus *c);
+const char *kvcc_corpus_shard_path(const kvcc_corpus *c, uint32_t s);
+/* The corpus hash an artifact records: one file (not a manifest): the hash of its bytes
+ * (kvpol_hash_file), as always; several shards (or a manifest): XXH3-64 (seed 0) of the bytes
+ * "kvcc-corpus-shards\0", the shard count (u64 LE) and each shard's file hash (u64 LE), in
+ * order. */
+int kvcc_corpus_hash(const kvcc_corpus *c, uint64_t *out, char *err, size_t errlen);
+/* Write a manifest listing shards (by base name: they lie beside it), atomically. */
+int kvcc_corpus_write_manifest(const char *path, const char *const *shards, uint32_t n,
+                               char *err, size_t errlen);
 const kvcc_corpus_model *kvcc_corpus_get_model(const kvcc_corpus *c);
 const kvcc_corpus_info *kvcc_corpus_get_info(const kvcc_corpus *c);
 /* Prompt metadata; tokens [T] and next_logprob [T-1] are copied when the pointers are not NULL

@@ -1,8 +1,13 @@
 /*
  * cmd_capture.c: `kvcc capture [--gguf M] [--text FILE]... [--prompts N] [--context T]
- * [--continuation C] [--seed S] [--dtype f16|f32] -o corpus.h5`: real calibration corpora from
- * the built-in model (calib/capture.c). Defaults suit SmolLM2-135M: the calibration texts in
- * examples/data/calib/, 16 prompts of 2048 + 128 tokens.
+ * [--continuation C] [--seed S] [--dtype f16|f32] [--shard R/N] -o corpus.h5`: real calibration
+ * corpora from the built-in model (calib/capture.c). Defaults suit SmolLM2-135M: the calibration
+ * texts in examples/data/calib/, 16 prompts of 2048 + 128 tokens.
+ *
+ * Sharded: `--shard R/N` writes only shard R's block of the prompts to -o; under `mpirun -np N`
+ * (an MPI build) rank R writes shard R/N to OUT.R-of-N.h5 and, once every rank has finished its
+ * shard, rank 0 writes the manifest OUT listing them (docs/corpus-format.md): no manifest if any
+ * rank failed.
  */
 #include <dirent.h>
 #include <getopt.h>
@@ -11,11 +16,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
+
+#include <omp.h>
 
 #include "capture.h"
 #include "corpus.h"
+#include "dist.h"
 #include "kvcc.h"
 #include "loader.h"
+#include "stats.h"
 
 #define DEFAULT_GGUF "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 #define DEFAULT_TEXT_DIR "examples/data/calib"
@@ -30,19 +40,59 @@ static void usage(FILE *out) {
                  "  --continuation C    continuation tokens per window (default 128)\n"
                  "  --seed S            window choice (default 1)\n"
                  "  --dtype f16|f32     activation storage (default f16)\n"
+                 "  --shard R/N         capture only shard R (0..N-1) of N: a contiguous block of the prompts;\n"
+                 "                      the shards listed in order in a manifest equal the whole capture\n"
+                 "                      (under mpirun -np N each rank does this itself, see docs/distributed.md)\n"
                  "  -o, --output F      corpus to write (temp file + rename)\n");
 }
 
-int kvcc_cmd_capture(int argc, char **argv) {
+/* OpenBLAS (libopenblas, which the model's matrix products run on). */
+void openblas_set_num_threads(int n);
+
+/* Whether path is a corpus manifest (starts with its magic). */
+static int is_manifest_file(const char *path) {
+    char head[sizeof KVCC_CORPUS_MANIFEST_MAGIC] = "";
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    const size_t n = fread(head, 1, sizeof head - 1, f);
+    fclose(f);
+    head[n] = 0;
+    return strcmp(head, KVCC_CORPUS_MANIFEST_MAGIC) == 0;
+}
+
+/* A failing rank's message as kvcc_dist_check carries it ("rank R: LINE"), without the
+ * "kvcc capture: " that LINE starts with when it is the last line the rank printed. */
+static void strip_inner_prefix(char *msg) {
+    static const char pre[] = "kvcc capture: ";
+    char *q = strstr(msg, pre);
+    if (q && (q == msg || (q - msg < 16 && !strncmp(msg, "rank ", 5)))) memmove(q, q + strlen(pre), strlen(q + strlen(pre)) + 1);
+}
+
+/* kvcc_capture_opts.agree under mpirun: before a shard is renamed into place, every rank's
+ * status; a rank whose capture went fine drops its shard when another failed. */
+static int agree_all(void *user, int rc, char *err, size_t errlen) {
+    (void)user;
+    char m[768];
+    snprintf(m, sizeof m, "%s", rc ? err : "");
+    const int all = kvcc_dist_check(rc, m, sizeof m);
+    if (rc || !all) return rc;
+    strip_inner_prefix(m);
+    snprintf(err, errlen, "%s (so no rank keeps its shard)", m);
+    return all < 0 ? all : KVCC_CORPUS_ERR_IO;
+}
+
+static int capture_main(int argc, char **argv) {
     const char *gguf = DEFAULT_GGUF, *out = NULL, *dtype = "f16";
     char *texts[MAX_TEXTS];
     int n_texts = 0, own_texts = 0;
     unsigned n_prompts = 16, ctx = 2048, cont = 128, seed = 1, u;
+    unsigned shard = 0, n_shards = 0; /* --shard R/N; 0/0: the whole capture */
     static const struct option opts[] = {
         {"gguf", required_argument, 0, 'g'}, {"text", required_argument, 0, 'x'},
         {"prompts", required_argument, 0, 'n'}, {"context", required_argument, 0, 't'},
         {"continuation", required_argument, 0, 'c'}, {"seed", required_argument, 0, 's'},
         {"dtype", required_argument, 0, 'd'}, {"output", required_argument, 0, 'o'},
+        {"shard", required_argument, 0, 'S'},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int ch;
     optind = 1;
@@ -59,6 +109,20 @@ int kvcc_cmd_capture(int argc, char **argv) {
         case 's': if (kvcc_parse_u32("capture", "seed", optarg, 0, 0xffffffffu, &u)) return KVCC_EXIT_USAGE; seed = u; break;
         case 'd': dtype = optarg; break;
         case 'o': out = optarg; break;
+        case 'S': {
+            char *end = NULL, *slash = strchr(optarg, '/');
+            unsigned long r = 0, n = 0;
+            int ok = slash && slash != optarg && optarg[0] >= '0' && optarg[0] <= '9';
+            if (ok) r = strtoul(optarg, &end, 10), ok = end == slash && slash[1] >= '0' && slash[1] <= '9';
+            if (ok) n = strtoul(slash + 1, &end, 10), ok = *end == 0 && n >= 1 && n <= 65536 && r < n;
+            if (!ok) {
+                fprintf(stderr, "kvcc capture: --shard: got '%s', expected R/N with 0 <= R < N <= 65536 (e.g. 0/4)\n", optarg);
+                return KVCC_EXIT_USAGE;
+            }
+            shard = (unsigned)r;
+            n_shards = (unsigned)n;
+            break;
+        }
         case 'h': usage(stdout); return KVCC_EXIT_OK;
         default: usage(stderr); return KVCC_EXIT_USAGE;
         }
@@ -89,23 +153,62 @@ int kvcc_cmd_capture(int argc, char **argv) {
             return KVCC_EXIT_USAGE;
         }
     }
+    /* under mpirun -np N (N > 1): this rank's shard beside OUT, and OUT the manifest */
+    const unsigned rank = (unsigned)kvcc_dist_rank(), world = (unsigned)kvcc_dist_size();
+    char shard_out[1100], rank_tag[48] = "";
+    if (world > 1 && n_shards) {
+        fprintf(stderr, "kvcc capture: --shard %u/%u and mpirun -np %u: give one or the other (under mpirun each "
+                "rank captures its own shard)\n", shard, n_shards, world);
+        if (own_texts)
+            for (int i = 0; i < n_texts; i++) free(texts[i]);
+        return KVCC_EXIT_USAGE;
+    }
+    const char *dst = out;
+    if (world > 1) {
+        shard = rank;
+        n_shards = world;
+        if ((size_t)snprintf(shard_out, sizeof shard_out, "%s.%u-of-%u.h5", out, rank, world) >= sizeof shard_out) {
+            fprintf(stderr, "kvcc capture: -o %s: the path is too long\n", out);
+            if (own_texts)
+                for (int i = 0; i < n_texts; i++) free(texts[i]);
+            return KVCC_EXIT_USAGE;
+        }
+        dst = shard_out;
+        snprintf(rank_tag, sizeof rank_tag, "rank %u of %u: ", rank, world);
+    }
     kvcc_input in[MAX_TEXTS + 1] = {{"--gguf", gguf}};
     for (int i = 0; i < n_texts; i++) in[i + 1] = (kvcc_input){"--text", texts[i]};
     int ex = kvcc_check_output("capture", out, in, n_texts + 1);
-    if (!ex) kvcc_remove_temp_on_signal(out);
+    if (!ex && dst != out) ex = kvcc_check_output("capture", dst, in, n_texts + 1);
+    if (!ex) kvcc_remove_temp_on_signal(dst);
+    if (world > 1) { /* the node's cores shared among its ranks (the bytes do not depend on it) */
+        const int per = omp_get_num_procs() / kvcc_dist_local_size();
+        omp_set_num_threads(per > 1 ? per : 1);
+        openblas_set_num_threads(per > 1 ? per : 1);
+    }
     kvcc_loaded_model lm;
-    char msg[512] = "";
+    int loaded = 0;
+    char msg[768] = "";
     if (ex) {
-        /* nothing was written */
+        /* nothing was written; the message is printed */
     } else if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_FAILED;
-    } else if (kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
-                                       "--context + --continuation", msg, sizeof msg) != 0) {
+    } else if ((loaded = 1, kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
+                                                   "--context + --continuation", msg, sizeof msg)) != 0) {
         fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
-        kvcc_loaded_model_free(&lm);
         ex = KVCC_EXIT_USAGE;
-    } else {
+    }
+    if (world > 1) { /* every rank checked its output and loaded the model, or none captures */
+        msg[0] = 0; /* a failing rank's message: the last line it printed */
+        const int all = kvcc_dist_check(ex, msg, sizeof msg);
+        strip_inner_prefix(msg);
+        if (all && !ex && rank == 0) fprintf(stderr, "kvcc capture: %s\n", msg);
+        ex = all;
+    }
+    const double t0 = kvcc_now_s();
+    kvcc_capture_stats st = {0};
+    if (!ex) {
         char options[512];
         int k = snprintf(options, sizeof options, "model=%s prompts=%u context=%u continuation=%u seed=%u dtype=%s texts=",
                          lm.name, n_prompts, ctx, cont, seed, dtype);
@@ -115,25 +218,92 @@ int kvcc_cmd_capture(int argc, char **argv) {
         }
         kvcc_capture_opts o = {.texts = (const char *const *)texts, .n_texts = n_texts, .n_prompts = n_prompts,
                                .context_len = ctx, .continuation_len = cont, .seed = seed,
-                               .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options};
-        kvcc_capture_stats st;
+                               .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options,
+                               .shard = shard, .n_shards = n_shards, .agree = world > 1 ? agree_all : NULL};
         kvcc_progress_begin("capture");
-        int rc = kvcc_capture_run(lm.model, lm.tok, &o, out, kvcc_progress, &st, msg, sizeof msg);
+        int rc = kvcc_capture_run(lm.model, lm.tok, &o, dst, kvcc_progress, &st, msg, sizeof msg);
         if (rc) {
+            /* another rank's failure reaches every rank as its message ("rank R: ..."): rank 0
+             * prints it, and a rank's own failure is printed by the rank (rank 0's stderr, or
+             * the rank's captured stderr, whose last line the agreement carried) */
             fprintf(stderr, "kvcc capture: %s [%s]\n", msg, kvcc_corpus_status_name(rc));
             ex = rc == KVCC_CORPUS_ERR_RANGE || rc == KVCC_CORPUS_ERR_ARG ? KVCC_EXIT_USAGE : KVCC_EXIT_FAILED;
         } else {
             struct stat sb;
-            long long bytes = stat(out, &sb) == 0 ? (long long)sb.st_size : -1;
+            long long bytes = stat(dst, &sb) == 0 ? (long long)sb.st_size : -1;
             fprintf(stderr,
-                    "kvcc capture: wrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
+                    "kvcc capture: %swrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
                     "%lld bytes; model %s, mean next-token NLL %.3f (perplexity %.1f); %.1f s (%.0f tokens/s)\n",
-                    out, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes, lm.name, st.mean_nll,
-                    exp(st.mean_nll), st.seconds, st.prompts * (double)st.tokens_per_prompt / st.seconds);
+                    rank_tag, dst, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes, lm.name,
+                    st.mean_nll, exp(st.mean_nll), st.seconds,
+                    st.prompts * (double)st.tokens_per_prompt / st.seconds);
         }
-        kvcc_loaded_model_free(&lm);
     }
+    if (world > 1 && !ex) { /* every shard in place: rank 0 lists them (else no manifest) */
+        msg[0] = 0;
+        ex = kvcc_dist_check(0, msg, sizeof msg); /* a rename that failed after the agreement */
+        strip_inner_prefix(msg);
+        if (ex && rank == 0) {
+            /* some shards beside OUT are new, some not: an old manifest there would mix them */
+            const int had = is_manifest_file(out) && unlink(out) == 0;
+            fprintf(stderr, "kvcc capture: %s\nkvcc capture: a rank failed after the shards were written: no "
+                    "manifest written%s\n", msg, had ? "; the old manifest at -o was removed" : "");
+        }
+        int wrc = 0;
+        if (!ex && rank == 0) {
+            char(*names)[1100] = malloc((size_t)world * sizeof *names);
+            const char **list = malloc((size_t)world * sizeof *list);
+            wrc = names && list ? 0 : KVCC_CORPUS_ERR_NOMEM;
+            for (unsigned r = 0; !wrc && r < world; r++) {
+                snprintf(names[r], sizeof names[r], "%s.%u-of-%u.h5", out, r, world);
+                list[r] = names[r];
+            }
+            if (!wrc) wrc = kvcc_corpus_write_manifest(out, list, world, msg, sizeof msg);
+            else snprintf(msg, sizeof msg, "out of memory");
+            free(names);
+            free(list);
+            if (wrc) fprintf(stderr, "kvcc capture: %s\n", msg);
+        }
+        /* every rank's shard statistics, for rank 0's summary */
+        struct { double nll_sum, nll_n, seconds, prompts; } mine = {st.nll_sum, (double)st.nll_n, st.seconds,
+                                                                     st.prompts}, *all = NULL;
+        void *blob = NULL;
+        size_t len = 0;
+        if (!ex && kvcc_dist_allgatherv(&mine, sizeof mine, &blob, &len, NULL, msg, sizeof msg) == 0 &&
+            len == world * sizeof mine && rank == 0 && !wrc) {
+            all = blob;
+            double s = 0, n = 0, slowest = 0;
+            for (unsigned r = 0; r < world; r++) {
+                s += all[r].nll_sum, n += all[r].nll_n;
+                if (all[r].seconds > slowest) slowest = all[r].seconds;
+            }
+            fprintf(stderr, "kvcc capture: wrote the manifest %s: %u shards (%s.R-of-%u.h5, R = 0..%u), %u prompts "
+                    "in all, mean next-token NLL %.3f; slowest rank %.1f s, %.1f s from the first prompt to the "
+                    "manifest\n", out, world, out, world, world - 1, n_prompts, n ? s / n : NAN, slowest,
+                    kvcc_now_s() - t0);
+        }
+        free(blob);
+        if (!ex) {
+            msg[0] = 0;
+            ex = kvcc_dist_check(wrc ? KVCC_EXIT_FAILED : 0, msg, sizeof msg);
+        }
+    } else if (world > 1 && rank == 0) {
+        fprintf(stderr, "kvcc capture: a rank failed (its message above): no manifest written; %s is unchanged\n",
+                out);
+    }
+    if (loaded) kvcc_loaded_model_free(&lm);
     if (own_texts)
         for (int i = 0; i < n_texts; i++) free(texts[i]);
+    return ex;
+}
+
+int kvcc_cmd_capture(int argc, char **argv) {
+    char msg[768] = "";
+    if (kvcc_dist_init(&argc, &argv, msg, sizeof msg) != 0) {
+        fprintf(stderr, "kvcc capture: %s\n", msg);
+        return KVCC_EXIT_FAILED;
+    }
+    const int ex = capture_main(argc, argv);
+    kvcc_dist_finalize();
     return ex;
 }

@@ -20,6 +20,7 @@
 #include "presets.h"
 
 #define MAX_PASS_OPTS 64
+#define MAX_CORPORA 256 /* --corpus given this many times at most; a manifest lists more */
 
 /* OpenBLAS (libopenblas, linked by libkvrt's CPU backend). */
 void openblas_set_num_threads(int n);
@@ -43,7 +44,8 @@ static void usage(FILE *out) {
     fprintf(out, "usage: kvcc compile --model NAME -o OUT.kvpol [--corpus CALIB.h5] [--policies LIST] [options]\n"
                  "  --model NAME        model preset (kvcc models)\n"
                  "  -o, --output F      artifact to write (atomically: temp file, fsync, rename)\n"
-                 "  --corpus F          calibration corpus (kvcc capture / capture_hf.py); checked against the model\n"
+                 "  --corpus F          calibration corpus (kvcc capture / capture_hf.py); checked against the model;\n"
+                 "                      repeat it, or give a manifest, for a corpus of several shards (in order)\n"
                  "  --policies LIST     comma-separated policies, or none (default). Built:");
     int any = 0;
     for (int i = 0; kvcc_passes[i]; i++, any = 1) fprintf(out, " %s", kvcc_passes[i]->name);
@@ -196,16 +198,12 @@ static int write_provenance(kvpol_writer *w, const kvcc_preset *p, const char *p
     return rc;
 }
 
-/* The calibration corpus, hashed into the header and checked against the preset (prints why
- * not). 0 or -1. */
-static int open_corpus(const char *corpus, const kvcc_preset *p, kvpol_header *h,
-                       kvcc_corpus **cp) {
-    kvpol_error err = {0};
+/* The calibration corpus (one file, a manifest, or several shards in order), checked against
+ * the preset and hashed into the header (kvcc_corpus_hash: one file's hash is its bytes'). Prints
+ * why not. 0 or -1. */
+static int open_corpus(const char *const *corpora, int n_corpora, const kvcc_preset *p,
+                       kvpol_header *h, kvcc_corpus **cp) {
     char msg[768];
-    if (kvpol_hash_file(corpus, &h->corpus_hash, &err) != 0) {
-        fprintf(stderr, "kvcc compile: --corpus: %s\n", err.msg);
-        return -1;
-    }
     kvcc_corpus_model want = {.n_layers = p->n_layers,
                               .n_heads = p->n_heads,
                               .n_kv_heads = p->n_kv_heads,
@@ -213,8 +211,14 @@ static int open_corpus(const char *corpus, const kvcc_preset *p, kvpol_header *h
                               .vocab_size = p->vocab_size,
                               .rope_theta = p->rope_theta};
     snprintf(want.name, sizeof want.name, "%s", p->name);
-    if (kvcc_corpus_open(cp, corpus, &want, msg, sizeof msg) != 0) {
+    if (kvcc_corpus_open_many(cp, corpora, (uint32_t)n_corpora, &want, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc compile: --corpus: %s\n", msg);
+        return -1;
+    }
+    if (kvcc_corpus_hash(*cp, &h->corpus_hash, msg, sizeof msg) != 0) {
+        fprintf(stderr, "kvcc compile: --corpus: %s\n", msg);
+        kvcc_corpus_close(*cp);
+        *cp = NULL;
         return -1;
     }
     return 0;
@@ -286,6 +290,8 @@ static uint64_t inputs_digest(int argc, char **argv, const kvpol_header *h) {
  * No collectives (the caller checks the outcome of every rank). The exit status, or 0. */
 static int compile_setup(int argc, char **argv, compile_state *S) {
     const char *model = NULL, *out = NULL, *policies = "none", *corpus = NULL, *gguf = NULL;
+    const char *corpora[MAX_CORPORA];
+    int n_corpora = 0;
     static double stores[MAX_PASS_OPTS][KVCC_PASS_MAX_LIST];
     pass_opt po[MAX_PASS_OPTS];
     const int npo = pass_opts(po);
@@ -313,7 +319,13 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
         case 'm': model = optarg; break;
         case 'o': out = optarg; break;
         case 'p': policies = optarg; break;
-        case 'c': corpus = optarg; break;
+        case 'c':
+            if (n_corpora == MAX_CORPORA) {
+                fprintf(stderr, "kvcc compile: at most %d --corpus files (list more in a manifest: docs/corpus-format.md)\n", MAX_CORPORA);
+                return KVCC_EXIT_USAGE;
+            }
+            corpora[n_corpora++] = corpus = optarg;
+            break;
         case O_SEED: if (kvcc_parse_u32("compile", "seed", optarg, 0, 0xffffffffu, &u)) return KVCC_EXIT_USAGE; cx.seed = u; break;
         case O_THREADS: if (kvcc_parse_u32("compile", "threads", optarg, 1, 4096, &u)) return KVCC_EXIT_USAGE; cx.threads = (int)u; break;
         case O_PROMPTS: if (kvcc_parse_u32("compile", "prompts", optarg, 1, 1000000, &u)) return KVCC_EXIT_USAGE; cx.max_prompts = u; break;
@@ -372,8 +384,9 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
             return KVCC_EXIT_USAGE;
         }
     }
-    kvcc_input in[2 + MAX_PASS_OPTS] = {{"--corpus", corpus}, {"--gguf", gguf}};
-    int n_in = 2;
+    kvcc_input in[1 + MAX_CORPORA + MAX_PASS_OPTS] = {{"--gguf", gguf}};
+    int n_in = 1;
+    for (int i = 0; i < n_corpora; i++) in[n_in++] = (kvcc_input){"--corpus", corpora[i]};
     for (int k = 0; k < npo; k++) /* the files a pass option names (e.g. --transfer-check) */
         if (po[k].opt->kind == KVCC_OPT_PATH)
             in[n_in++] = (kvcc_input){po[k].opt->name,
@@ -407,10 +420,24 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
     }
     cx.gguf = gguf;
     cx.model = m;
+    char corpus_name[512];
+    if (n_corpora > 1) { /* messages name the first shard and the count */
+        snprintf(corpus_name, sizeof corpus_name, "%s (+%d more --corpus)", corpora[0], n_corpora - 1);
+        corpus = corpus_name;
+    }
     cx.corpus_path = corpus;
     cx.progress = kvcc_dist_rank() == 0;
     kvcc_corpus *cp = NULL;
-    if (corpus && open_corpus(corpus, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
+    if (n_corpora && open_corpus(corpora, n_corpora, p, &h, &cp) != 0) return KVCC_EXIT_FAILED;
+    for (uint32_t s = 0; cp && s < kvcc_corpus_n_shards(cp) && kvcc_corpus_n_shards(cp) > 1; s++) {
+        /* the shards a manifest names are inputs too: -o must not replace one */
+        const kvcc_input shard_in = {"--corpus (a shard)", kvcc_corpus_shard_path(cp, s)};
+        const int sx = kvcc_check_output("compile", out, &shard_in, 1);
+        if (sx) {
+            kvcc_corpus_close(cp);
+            return sx;
+        }
+    }
     cx.corpus = cp;
     if (cp && cx.max_prompts > kvcc_corpus_get_info(cp)->n_prompts) {
         const unsigned have = kvcc_corpus_get_info(cp)->n_prompts;

@@ -27,7 +27,8 @@ static void usage(FILE *out) {
     fprintf(
         out,
         "usage: kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [options]\n"
-        "  --corpus F          held-out corpus (kvcc capture on text never used for calibration)\n"
+        "  --corpus F          held-out corpus (kvcc capture on text never used for calibration), or a\n"
+        "                      manifest of its shards (docs/corpus-format.md)\n"
         "  --methods LIST      comma-separated, of: %s\n"
         "                      (all: the baselines). am, am-uniform, am-omp (Attention Matching): "
         "budgets are\n"
