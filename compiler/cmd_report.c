@@ -755,7 +755,7 @@ done:
 typedef struct {
     const char *name;
     int n;
-    double x[64], budget[64], relerr[64], dnll[64], needle[8][64];
+    double x[64], budget[64], relerr[64], dnll[64], needle[8][64], needle_x[8][64];
     double kl[64];
 } eval_method;
 
@@ -774,7 +774,7 @@ static void sort_points(eval_method *m, int n_ctx) {
         for (int j = i; j > 0 && m->x[j] < m->x[j - 1]; j--) {
 #define SW(a) do { double t_ = a[j]; a[j] = a[j - 1]; a[j - 1] = t_; } while (0)
             SW(m->x); SW(m->budget); SW(m->relerr); SW(m->dnll); SW(m->kl);
-            for (int c = 0; c < n_ctx; c++) SW(m->needle[c]);
+            for (int c = 0; c < n_ctx; c++) { SW(m->needle[c]); SW(m->needle_x[c]); }
 #undef SW
         }
 }
@@ -831,6 +831,7 @@ static void write_eval(report *r, const cJSON *ev, const char *eval_path) {
             const cJSON *e = cJSON_GetArrayItem(nd, c);
             double a = num(e, "asked");
             m->needle[c][m->n] = e && a > 0 ? num(e, "exact") / a : NAN;
+            m->needle_x[c][m->n] = num(e, "kept_per_head"); /* the haystack's own kept entries */
         }
         m->n++;
     }
@@ -864,17 +865,22 @@ static void write_eval(report *r, const cJSON *ev, const char *eval_path) {
             } else note_missing(r, "end-to-end dNLL: the eval JSON has no end-to-end columns (run kvcc eval with --gguf)");
             double fx[2] = {xmin, xmax}, fy[2];
             for (int cc = 0; cc < n_ctx; cc++) {
-                for (int k = 0; k < nm; k++) se[k].y = ms[k].needle[cc];
+                double nx0 = INFINITY, nx1 = -INFINITY;
+                for (int k = 0; k < nm; k++) {
+                    se[k].x = ms[k].needle_x[cc], se[k].y = ms[k].needle[cc];
+                    for (int i = 0; i < ms[k].n; i++)
+                        if (isfinite(se[k].x[i])) nx0 = fmin(nx0, se[k].x[i]), nx1 = fmax(nx1, se[k].x[i]);
+                }
+                fx[0] = isfinite(nx0) ? nx0 : xmin, fx[1] = isfinite(nx1) ? nx1 : xmax;
                 fy[0] = fy[1] = full_acc[cc];
                 se[nm] = (kvcc_svg_series){.name = "full cache", .n = 2, .x = fx, .y = fy, .dashed = 1, .shade = -1,
                                            .no_markers = 1};
                 char id[48], title[128];
                 snprintf(id, sizeof id, "eval-needle-c%.0f", ctx[cc]);
                 snprintf(title, sizeof title, "Needle: exact-match accuracy, %.0f-token haystacks", ctx[cc]);
-                kvcc_svg_chart nd = {.id = id, .title = title, .xlabel = "tokens kept per KV head (mean, all rows)",
-                                     .ylabel = "questions answered exactly (fraction)", .logx = logx,
+                kvcc_svg_chart nd = {.id = id, .title = title, .xlabel = "tokens kept per KV head in the haystack (mean)",
+                                     .ylabel = "questions answered exactly (fraction)", .logx = nx0 > 0 && nx1 / nx0 > 4,
                                      .n_series = nm + 1, .s = se, .legend = 1, .ylo = 0, .yhi = 1};
-                /* the needle rows keep their own token counts; the x of a point is the row's kept_per_head */
                 chart(r, &nd, "Greedy exact match of the hidden numbers after the compressed context; dashed: the full "
                               "cache.");
             }
@@ -1169,7 +1175,7 @@ int kvcc_cmd_report(int argc, char **argv) {
     }
     printf("kvcc report: wrote %s (%zu bytes): %d figures, %d notes on what the artifact%s does not store\n", out, r.b.n,
            r.figures, r.notes, ev ? " or the eval JSON" : "");
-    printf("  figures: %s\n", r.fig_ids);
+    printf("  figures: %s\n", r.fig_ids[0] ? r.fig_ids : "(none)");
     free(r.b.p);
     return KVCC_EXIT_OK;
 }

@@ -336,6 +336,8 @@ void kvcc_svg_chart_write(kvcc_buf *b, const kvcc_svg_chart *c) {
         kvcc_buf_puts(b, "<g class=\"series\" data-name=\"");
         esc(b, se->name);
         kvcc_buf_printf(b, "\" stroke=\"%s\" fill=\"%s\">\n", col, col);
+        /* earlier series drawn wider, so a later one lying on top of it leaves it visible */
+        const double under = c->n_series > 1 ? (double)(c->n_series - 1 - s) / (c->n_series - 1) : 0;
         /* the line, broken at unusable points */
         int open = 0;
         for (int i = 0; i <= se->n; i++) {
@@ -343,8 +345,8 @@ void kvcc_svg_chart_write(kvcc_buf *b, const kvcc_svg_chart *c) {
             if (ok) {
                 double X = SX(c->logx ? log10(se->x[i]) : se->x[i]), Y = SY(c->logy ? log10(se->y[i]) : se->y[i]);
                 if (!open) {
-                    kvcc_buf_printf(b, "<polyline fill=\"none\" stroke-width=\"%s\"%s points=\"",
-                                    se->no_markers ? "1" : "2", se->dashed ? " stroke-dasharray=\"6 4\"" : "");
+                    kvcc_buf_printf(b, "<polyline fill=\"none\" stroke-width=\"%.2f\"%s points=\"",
+                                    se->no_markers ? 1.0 : 1.5 + 2.5 * under, se->dashed ? " stroke-dasharray=\"6 4\"" : "");
                     open = 1;
                 }
                 kvcc_buf_printf(b, "%.2f,%.2f ", X, Y);
@@ -356,8 +358,8 @@ void kvcc_svg_chart_write(kvcc_buf *b, const kvcc_svg_chart *c) {
         for (int i = 0; !se->no_markers && i < se->n; i++) {
             if (!usable(se->x[i], c->logx) || !usable(se->y[i], c->logy)) continue;
             double X = SX(c->logx ? log10(se->x[i]) : se->x[i]), Y = SY(c->logy ? log10(se->y[i]) : se->y[i]);
-            kvcc_buf_printf(b, "<circle class=\"pt\" cx=\"%.2f\" cy=\"%.2f\" r=\"3.5\" data-x=\"%.6g\" data-y=\"%.6g\"><title>",
-                            X, Y, se->x[i], se->y[i]);
+            kvcc_buf_printf(b, "<circle class=\"pt\" cx=\"%.2f\" cy=\"%.2f\" r=\"%.2f\" data-x=\"%.6g\" data-y=\"%.6g\"><title>",
+                            X, Y, 3 + 3 * under, se->x[i], se->y[i]);
             esc(b, se->name);
             kvcc_buf_printf(b, ": %.6g, %.6g</title></circle>\n", se->x[i], se->y[i]);
         }
