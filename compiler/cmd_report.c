@@ -496,15 +496,17 @@ static void write_compkv(report *r) {
                 lo = fmin(lo, fmin(e1[h], e2[h]));
                 hi = fmax(hi, fmax(e1[h], e2[h]));
             }
+            if (!(lo < hi)) lo = hi = 0; /* one value: the maps pick their own range */
             /* the two error maps on one color scale, so they compare cell by cell */
             for (int k = 0; k < 2; k++) {
                 kvcc_svg_heatmap hm = {.id = maps[k].id, .title = maps[k].title, .row_label = "layer",
                                        .col_label = "KV head", .rows = (int)r->L, .cols = (int)r->Hkv,
-                                       .v = k ? e2 : e1, .fmt = maps[k].fmt, .lo = lo, .hi = hi};
+                                       .v = k ? e2 : e1, .fmt = maps[k].fmt, .lo = lo, .hi = hi,
+                                       .log_color = lo > 0};
                 heatmap(r, &hm, maps[k].cap);
             }
-            kvcc_svg_series s[2] = {{.name = "index order", .n = (int)nh, .x = NULL, .y = e2, .shade = -1},
-                                    {.name = "learned", .n = (int)nh, .x = NULL, .y = e1, .shade = -1}};
+            kvcc_svg_series s[2] = {{.name = "index order", .n = (int)nh, .x = NULL, .y = e2, .shade = -1, .no_markers = 1},
+                                    {.name = "learned", .n = (int)nh, .x = NULL, .y = e1, .shade = -1, .no_markers = 1}};
             double *xs = malloc(nh * sizeof *xs);
             if (xs) {
                 for (size_t h = 0; h < nh; h++) xs[h] = (double)h;
@@ -1069,7 +1071,8 @@ static const char css[] =
     "h1{font-size:22px}h2{font-size:19px;border-bottom:1px solid #ccc;padding-bottom:4px;margin-top:36px}h3{font-size:15px}"
     "table{border-collapse:collapse;font-size:12px;margin:8px 0}td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;"
     "vertical-align:top}table.kv th{background:#f4f4f4;white-space:nowrap}table.grid th{background:#f4f4f4}"
-    "figure{margin:14px 0;display:inline-block;vertical-align:top}figcaption{font-size:12px;color:#555;max-width:760px}"
+    "figure{margin:14px 24px 14px 0;display:inline-table;vertical-align:top}figcaption{display:table-caption;"
+    "caption-side:bottom;font-size:12px;color:#555}"
     "svg .ftitle{font:bold 13px 'DejaVu Sans',sans-serif;fill:#222}svg .tick{font:10px 'DejaVu Sans',sans-serif;fill:#333}"
     "svg .axis{font:12px 'DejaVu Sans',sans-serif;fill:#222}svg .grid{stroke:#e8e8e8}.missing{color:#8a4b00;"
     "background:#fff6e5;padding:4px 8px;border-left:3px solid #e0a040}.err{color:#a00}pre{font-size:11px;"

@@ -106,7 +106,7 @@ void kvcc_svg_heatmap_write(kvcc_buf *b, const kvcc_svg_heatmap *h) {
     if (!(lo < hi) && !h->n_categories) {
         lo = INFINITY, hi = -INFINITY;
         for (long i = 0; i < (long)rows * cols; i++)
-            if (isfinite(h->v[i])) {
+            if (isfinite(h->v[i]) && (!h->log_color || h->v[i] > 0)) {
                 if (h->v[i] < lo) lo = h->v[i];
                 if (h->v[i] > hi) hi = h->v[i];
             }
@@ -114,7 +114,9 @@ void kvcc_svg_heatmap_write(kvcc_buf *b, const kvcc_svg_heatmap *h) {
     }
     const int cw = clampi(640 / cols, 3, 36), chh = clampi(460 / rows, 3, 22);
     const int left = h->row_names ? 110 : 56, top = 34, legend_w = h->n_categories ? 120 : 90;
-    const int W = left + cols * cw + 16 + legend_w, H = top + rows * chh + 44;
+    int W = left + cols * cw + 16 + legend_w;
+    const int H = top + rows * chh + 44, title_w = left + (int)(h->title ? strlen(h->title) : 0) * 8 + 12;
+    if (W < title_w) W = title_w; /* the title is not cut */
     kvcc_buf_printf(b, "<svg xmlns=\"http://www.w3.org/2000/svg\" class=\"figure heatmap\" id=\"");
     esc(b, h->id);
     kvcc_buf_printf(b, "\" data-rows=\"%d\" data-cols=\"%d\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\">\n",
@@ -130,6 +132,8 @@ void kvcc_svg_heatmap_write(kvcc_buf *b, const kvcc_svg_heatmap *h) {
             double v = h->v[(long)r * cols + c];
             if (!isfinite(v)) snprintf(col, sizeof col, "#cccccc");
             else if (h->n_categories) cat_color((int)lround(v), h->n_categories, col);
+            else if (h->log_color && lo > 0)
+                seq_color(v > 0 && hi > lo ? (log10(v) - log10(lo)) / (log10(hi) - log10(lo)) : 0, col);
             else seq_color(hi > lo ? (v - lo) / (hi - lo) : 0.5, col);
             kvcc_buf_printf(b, "<rect class=\"cell\" x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"%s\" data-r=\"%d\" data-c=\"%d\" data-v=\"%.6g\"><title>",
                             left + c * cw, top + r * chh, cw, chh, col, r, c, v);
@@ -205,6 +209,8 @@ void kvcc_svg_heatmap_write(kvcc_buf *b, const kvcc_svg_heatmap *h) {
                         top, bh);
         esc(b, h->id);
         kvcc_buf_puts(b, "-grad)\" class=\"colorbar\"/>\n");
+        if (h->log_color && lo > 0)
+            kvcc_buf_printf(b, "<text x=\"%d\" y=\"%d\" class=\"tick\">(log scale)</text>\n", lx, top + bh + 14);
         char vs[64];
         snprintf(vs, sizeof vs, fmt, hi);
         kvcc_buf_printf(b, "<text x=\"%d\" y=\"%d\" class=\"tick\">", lx + 18, top + 9);

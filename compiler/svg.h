@@ -38,6 +38,7 @@ typedef struct {
     int n_categories;             /* > 0: categorical */
     int col_group;                /* > 0: a thin separator every col_group columns */
     int row_group;                /* > 0: the same every row_group rows */
+    int log_color;                /* 1: color by log10 of the value (values > 0; heavy-tailed errors) */
 } kvcc_svg_heatmap;
 void kvcc_svg_heatmap_write(kvcc_buf *b, const kvcc_svg_heatmap *h);
 
