@@ -215,6 +215,11 @@ static void write_header(report *r, const char *path, const char *runtime_check)
     put(r, "<section id=\"header\"><h2>Artifact</h2>\n<table class=\"kv\">\n");
     snprintf(v, sizeof v, "%s (%" PRIu64 " bytes)", path, h->file_size);
     kv_row(r, "file", v);
+    uint64_t fh = 0;
+    if (kvpol_hash_file(path, &fh, NULL) == KVPOL_OK) {
+        snprintf(v, sizeof v, "%016" PRIx64 " (XXH3-64 of the whole file)", fh);
+        kv_row(r, "file hash", v);
+    }
     snprintf(v, sizeof v, ".kvpol %u.%u", h->version_major, h->version_minor);
     kv_row(r, "format", v);
     snprintf(v, sizeof v, "%s: %u layers, %u heads, %u KV heads, head dim %u, vocab %u, context %u", m->name, m->n_layers,
