@@ -254,7 +254,13 @@ static int log_ticks(double lo, double hi, double *t, int max) {
         for (int e = a; e <= z && n < max; e += step)
             if (e >= lo - 1e-9 && e <= hi + 1e-9) t[n++] = e;
     }
-    if (n < 2) return nice_ticks(lo, hi, t, max); /* a narrow range: linear ticks of log10 */
+    if (n < 2) { /* a narrow range: nice ticks of the values themselves, placed on the log axis */
+        double v[32];
+        int k = nice_ticks(pow(10, lo), pow(10, hi), v, max < 32 ? max : 32);
+        n = 0;
+        for (int i = 0; i < k; i++)
+            if (v[i] > 0) t[n++] = log10(v[i]);
+    }
     return n;
 }
 
