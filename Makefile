@@ -7,6 +7,10 @@
 #   make fuzz         build the libFuzzer targets (clang) and run each for FUZZ_SECONDS
 #   make bench        benchmarks (not tests)
 #   make examples     the examples against the serving header only (build/examples/)
+#   make install      kvcc, libkvrt/libkvpol (static + shared, versioned soname), headers and
+#                     kvrt.pc/kvpol.pc into PREFIX (default /usr/local; DESTDIR honoured)
+#   make uninstall    removes exactly what make install put there
+#   make check-install  install into a scratch prefix and build an example with pkg-config only
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
 
 CC       ?= cc
@@ -68,6 +72,11 @@ else
   LIBS_CUDA :=
 endif
 
+# The library version comes from kvrt.h. Before 1.0 a minor release may change the ABI, so the
+# soname carries major.minor: libkvrt.so.0.1 -> libkvrt.so.0.1.0 (docs/install.md).
+KVRT_VERSION := $(shell sed -n 's/^\#define KVRT_VERSION_STRING "\(.*\)"/\1/p' runtime/include/kvrt.h)
+KVRT_ABI     := $(word 1,$(subst ., ,$(KVRT_VERSION))).$(word 2,$(subst ., ,$(KVRT_VERSION)))
+
 # ---------------------------------------------------------------- sources
 FORMATS_SRC  := $(wildcard formats/*.c)
 RUNTIME_SRC  := $(wildcard runtime/core/*.c runtime/cpu/*.c)
@@ -100,7 +109,8 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps peer-deps model test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean
+.PHONY: all deps peer-deps model test python-test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean \
+        install uninstall check-install
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
@@ -121,12 +131,13 @@ $(LIBKVPOL_A): $(FORMATS_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVPOL_SO): $(FORMATS_OBJ)
-	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_FORMATS)
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvpol.so.$(KVRT_ABI) -o $@ $^ $(LIBS_FORMATS)
 $(LIBKVRT_A): $(RUNTIME_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
 $(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ)
-	$(CC) -shared $(LDFLAGS) -o $@ $^ $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvrt.so.$(KVRT_ABI) -o $@ $^ $(LIBS_BLAS) $(LIBS_CUDA) \
+	  $(LIBS_FORMATS) -lm
 $(LIBCALIB_A): $(CALIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
@@ -193,7 +204,24 @@ test: deps peer-deps model
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh
 	@echo "== CLI fault checks (full disk, read-only directory, output = input, signals, stdout errors)"
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/faults.sh
+	@echo "== make install into a scratch prefix, serve_skeleton.c built out of tree with pkg-config only"
+	@KVCC_BUILD=$(BUILD) MAKE="$(MAKE)" SANFLAGS="$(SANFLAGS)" bash tests/cli/install.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
+	@$(MAKE) --no-print-directory python-test
+
+# The Python package (python/kvrt) against this build tree's libkvrt.so: pytest python/tests.
+PYTHON ?= python3
+python-test:
+ifeq ($(SAN),1)
+	@echo "python tests: run by the plain build (libasan cannot be loaded into python)"
+else
+	@$(MAKE) --no-print-directory all
+	@echo "== Python package (python/tests: the bindings against the C calls, pytest)"
+	@if $(PYTHON) -c 'import pytest, numpy' 2>/dev/null; then \
+	  KVCC_BUILD=$(BUILD) KVRT_LIBRARY=$(CURDIR)/$(LIBKVRT_SO) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	    $(PYTHON) -m pytest -q -p no:cacheprovider python/tests; \
+	else echo "python tests: skipped (pytest or numpy not installed: make peer-deps)"; fi
+endif
 
 # The CLI checks alone: tests/cli/run.sh, then tests/cli/faults.sh (each prints its summary line).
 check-cli: all $(EXAMPLES)
@@ -261,6 +289,56 @@ golden-inputs:
 $(BUILD)/tests/gen_golden: tests/golden/gen.c tests/golden/cases.c $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -Itests/golden -o $@ tests/golden/gen.c tests/golden/cases.c $(LIBKVPOL_A) $(LIBS_FORMATS) $(LDFLAGS)
+
+# ---------------------------------------------------------------- install
+# make install [PREFIX=/usr/local] [DESTDIR=] [LIBDIR=$(PREFIX)/lib]: the serving headers
+# (kvrt.h, kvrt_experimental.h, kvrt_rng.h; kvpol.h, kvpol_sections.h), both libraries static and
+# shared (real name .so.X.Y.Z, soname .so.X.Y, link name .so), kvcc, and kvrt.pc / kvpol.pc
+# written for PREFIX. A consumer needs nothing but `pkg-config --cflags --libs kvrt`.
+PREFIX     ?= /usr/local
+BINDIR     ?= $(PREFIX)/bin
+LIBDIR     ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+INSTALL_HEADERS := runtime/include/kvrt.h runtime/include/kvrt_experimental.h \
+                   runtime/include/kvrt_rng.h formats/kvpol.h formats/kvpol_sections.h
+# What a static link of libkvrt.a needs after it (pkg-config --static); the shared library
+# carries its own dependencies.
+KVRT_PRIVATE := -lkvpol $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm -lpthread -fopenmp
+# The .pc files are written for the PREFIX/LIBDIR of this call (rewritten on every install).
+pc_file = printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$(LIBDIR)' \
+  'includedir=$(INCLUDEDIR)' '' 'Name: $(1)' 'Description: $(2)' 'Version: $(KVRT_VERSION)' \
+  'Libs: -L$${libdir} -l$(1)' 'Libs.private: $(strip $(3))' 'Cflags: -I$${includedir}'
+$(BUILD)/kvrt.pc $(BUILD)/kvpol.pc: FORCE
+	@mkdir -p $(dir $@)
+	@$(if $(filter %/kvrt.pc,$@),$(call pc_file,kvrt,kvcc runtime: load .kvpol KV-cache compression policies and run them,$(KVRT_PRIVATE)),$(call pc_file,kvpol,kvcc .kvpol artifact format: validated reader and atomic writer,$(LIBS_FORMATS))) > $@
+FORCE:
+
+install: all $(BUILD)/kvrt.pc $(BUILD)/kvpol.pc
+	@echo "kvcc: installing $(KVRT_VERSION) into $(DESTDIR)$(PREFIX)"
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PKGCONFIGDIR)
+	install -m 755 $(KVCC) $(DESTDIR)$(BINDIR)/kvcc
+	install -m 644 $(INSTALL_HEADERS) $(DESTDIR)$(INCLUDEDIR)/
+	for l in kvrt kvpol; do \
+	  install -m 644 $(BUILD)/lib$$l.a $(DESTDIR)$(LIBDIR)/lib$$l.a && \
+	  install -m 755 $(BUILD)/lib$$l.so $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_VERSION) && \
+	  ln -sf lib$$l.so.$(KVRT_VERSION) $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_ABI) && \
+	  ln -sf lib$$l.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/lib$$l.so && \
+	  install -m 644 $(BUILD)/$$l.pc $(DESTDIR)$(PKGCONFIGDIR)/$$l.pc || exit 1; \
+	done
+
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/kvcc $(addprefix $(DESTDIR)$(INCLUDEDIR)/,$(notdir $(INSTALL_HEADERS)))
+	for l in kvrt kvpol; do \
+	  rm -f $(DESTDIR)$(LIBDIR)/lib$$l.a $(DESTDIR)$(LIBDIR)/lib$$l.so \
+	    $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_VERSION) \
+	    $(DESTDIR)$(PKGCONFIGDIR)/$$l.pc; \
+	done
+
+# make install into a scratch prefix, then build examples/serve_skeleton.c out of tree with
+# pkg-config only (shared and static), run it, and make uninstall (tests/cli/install.sh).
+check-install: all
+	@KVCC_BUILD=$(BUILD) MAKE="$(MAKE)" SANFLAGS="$(SANFLAGS)" bash tests/cli/install.sh
 
 clean:
 	rm -rf build
