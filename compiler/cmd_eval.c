@@ -6,6 +6,7 @@
  */
 #include <cjson/cJSON.h>
 #include <getopt.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -271,10 +272,18 @@ static void print_csv(const kvcc_eval_result *r) {
     }
 }
 
-static void print_json(const kvcc_eval_result *r, const char *corpus, const char *gguf) {
+static void print_json(const kvcc_eval_result *r, const char *corpus, const char *gguf, const char *policy) {
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "corpus", corpus);
     if (gguf) cJSON_AddStringToObject(root, "gguf", gguf);
+    kvpol_file *pf; /* which artifact the rows ran (kvcc report refuses an eval of another one) */
+    if (policy && kvpol_open_path(&pf, policy, NULL, NULL) == KVPOL_OK) {
+        char hx[17];
+        snprintf(hx, sizeof hx, "%016" PRIx64, kvpol_get_header(pf)->header_checksum);
+        cJSON_AddStringToObject(root, "policy", policy);
+        cJSON_AddStringToObject(root, "policy_header_checksum", hx);
+        kvpol_close(pf);
+    }
     cJSON_AddStringToObject(root, "model", r->model_name);
     cJSON_AddNumberToObject(root, "prompts", r->prompts);
     cJSON_AddNumberToObject(root, "context_len", r->context_len);
@@ -450,7 +459,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         free(r);
         return rc == KVCC_EXIT_USAGE || rc >= KVCC_EXIT_ARTIFACT_BASE ? rc : KVCC_EXIT_FAILED;
     }
-    if (json) print_json(r, corpus, gguf);
+    if (json) print_json(r, corpus, gguf, policy);
     else if (csv) print_csv(r);
     else print_table(r, corpus, gguf);
     int any_err = 0;

@@ -32,6 +32,7 @@ int kvcc_cmd_compile(int argc, char **argv);
 int kvcc_cmd_synth(int argc, char **argv);
 int kvcc_cmd_capture(int argc, char **argv);
 int kvcc_cmd_eval(int argc, char **argv);
+int kvcc_cmd_report(int argc, char **argv);
 
 /* Shared helpers (compiler/util.c). */
 const char *kvcc_group_name(uint32_t group);

@@ -28,6 +28,8 @@ static void usage(FILE *out) {
             "  inspect FILE [--json]       show an artifact: header, fingerprint, sections, items\n"
             "  verify FILE [--model NAME]  fully validate an artifact (and its model fingerprint)\n"
             "  diff A B [--json]           which header fields, sections and items differ\n"
+            "  report FILE -o F.html [--eval E.json]\n"
+            "                              an offline HTML page of an artifact's figures (and an eval's)\n"
             "\n"
             "options:\n"
             "  -h, --help                  this help (COMMAND --help for a command's own)\n"
@@ -89,10 +91,11 @@ int main(int argc, char **argv) {
     } cmds[] = {
         {"models", kvcc_cmd_models}, {"compile", kvcc_cmd_compile}, {"inspect", kvcc_cmd_inspect},
         {"verify", kvcc_cmd_verify}, {"diff", kvcc_cmd_diff}, {"synth", kvcc_cmd_synth}, {"capture", kvcc_cmd_capture}, {"eval", kvcc_cmd_eval},
+        {"report", kvcc_cmd_report},
     };
     for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
         if (!strcmp(cmd, cmds[i].name)) return finish_stdout(cmd, cmds[i].fn(argc - 1, argv + 1));
-    fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, capture, synth, eval, inspect, verify, diff; see kvcc --help)\n",
+    fprintf(stderr, "kvcc: unknown command '%s' (expected one of: models, compile, capture, synth, eval, inspect, verify, diff, report; see kvcc --help)\n",
             cmd);
     return KVCC_EXIT_USAGE;
 }

@@ -4,7 +4,8 @@
 # built-in model on the bundled calibration text, compiles the CompilerKV, Attention Matching,
 # CompKV and merge-reduce policies against it, inspects and verifies the artifact, shows the refusal for a model it was
 # not compiled for and that a second compile is byte-identical, then scores the policies and the
-# baselines on held-out text (layer-local; add --gguf to kvcc eval for the end-to-end columns).
+# baselines on held-out text (layer-local; add --gguf to kvcc eval for the end-to-end columns), and writes
+# build/demo/report.html (kvcc report: the artifact's figures and the eval as plots).
 set -euo pipefail
 KVCC=${KVCC:-build/kvcc}
 out=build/demo
@@ -59,3 +60,10 @@ step "score CompKV (decode-time: every continuation token reads 4 or 8 blocks of
      "kvcc eval --corpus $out/heldout.h5 --policy $out/smollm2-135m.kvpol --methods full,compkv,compkv-index,compkv-nocomp,topk-mass,quest --budgets 4,8"
 "$KVCC" eval --corpus "$out/heldout.h5" --policy "$out/smollm2-135m.kvpol" \
   --methods full,compkv,compkv-index,compkv-nocomp,topk-mass,quest --budgets 4,8
+
+step "an HTML report of the artifact and of a layer-local eval (offline: inline SVG figures, no script)" \
+     "kvcc eval ... --methods full,compilerkv,ckv-flat,snapkv,h2o,streaming --budgets 128,256 --json > $out/eval.json && kvcc report $out/smollm2-135m.kvpol --eval $out/eval.json -o $out/report.html"
+"$KVCC" eval --corpus "$out/heldout.h5" --policy "$out/smollm2-135m.kvpol" \
+  --methods full,compilerkv,ckv-flat,snapkv,h2o,streaming --budgets 128,256 --json > "$out/eval.json"
+"$KVCC" report "$out/smollm2-135m.kvpol" --eval "$out/eval.json" -o "$out/report.html"
+echo "open $out/report.html in a browser (it reads offline)"

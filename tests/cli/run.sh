@@ -212,5 +212,6 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
 fi
 [ ! -e "$tmp/ck.kvpol" ] && ok || bad "a refused CompilerKV compile wrote its output"
 
+KVCC="$KVCC" bash tests/cli/report.sh && ok || bad "tests/cli/report.sh (kvcc report)"
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
