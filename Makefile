@@ -100,7 +100,7 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) -lm -lpthread
 
-.PHONY: all deps peer-deps model test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean
+.PHONY: all deps peer-deps model test python-test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
 
 deps:
@@ -194,6 +194,21 @@ test: deps peer-deps model
 	@echo "== CLI fault checks (full disk, read-only directory, output = input, signals, stdout errors)"
 	@KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/faults.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
+	@$(MAKE) --no-print-directory python-test
+
+# The Python package (python/kvrt) against this build tree's libkvrt.so: pytest python/tests.
+PYTHON ?= python3
+python-test:
+ifeq ($(SAN),1)
+	@echo "python tests: run by the plain build (libasan cannot be loaded into python)"
+else
+	@$(MAKE) --no-print-directory all
+	@echo "== Python package (python/tests: the bindings against the C calls, pytest)"
+	@if $(PYTHON) -c 'import pytest, numpy' 2>/dev/null; then \
+	  KVCC_BUILD=$(BUILD) KVRT_LIBRARY=$(CURDIR)/$(LIBKVRT_SO) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	    $(PYTHON) -m pytest -q -p no:cacheprovider python/tests; \
+	else echo "python tests: skipped (pytest or numpy not installed: make peer-deps)"; fi
+endif
 
 # The CLI checks alone: tests/cli/run.sh, then tests/cli/faults.sh (each prints its summary line).
 check-cli: all $(EXAMPLES)

@@ -1,0 +1,233 @@
+"""Library loading, errors, contexts, buffers (zero-copy and refusals), handle lifetimes."""
+import gc
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvrt
+from conftest import BUILD, ROOT
+
+PY = os.path.join(ROOT, "python")
+
+
+def py(code, env_extra=None, env_drop=()):
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    env["PYTHONPATH"] = PY
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+
+
+def test_loaded_in_tree_library():
+    assert kvrt.library_version == "0.1.0"
+    assert os.path.samefile(kvrt.library_path, os.path.join(BUILD, "libkvrt.so"))
+    places = [w for w, _ in kvrt._lib.candidates()]
+    assert places[0] == "$KVRT_LIBRARY" and places[1] == "bundled copy" and \
+        places[2] == "in-tree build" and places[3].startswith("system")
+
+
+def test_kvrt_library_env_missing_names_every_place():
+    p = py("import kvrt", {"KVRT_LIBRARY": "/nonexistent/libkvrt.so"})
+    assert p.returncode != 0
+    assert "LibraryNotFound" in p.stderr and "/nonexistent/libkvrt.so: no such file" in p.stderr
+    assert "tried, in order" in p.stderr and "KVRT_LIBRARY" in p.stderr
+
+
+def test_without_env_finds_the_in_tree_build():
+    # no KVRT_LIBRARY, no bundled copy in a source checkout: the in-tree build/libkvrt.so
+    if os.path.exists(os.path.join(PY, "kvrt", "_native", "libkvrt.so")):
+        pytest.skip("a bundled copy is present")
+    if not os.path.exists(os.path.join(ROOT, "build", "libkvrt.so")):
+        pytest.skip("no build/libkvrt.so (another BUILDDIR)")
+    p = py("import kvrt; print(kvrt.library_path)", env_drop=("KVRT_LIBRARY",))
+    assert p.returncode == 0, p.stderr
+    assert os.path.samefile(p.stdout.strip(), os.path.join(ROOT, "build", "libkvrt.so"))
+
+
+def test_not_a_library():
+    p = py("import kvrt", {"KVRT_LIBRARY": os.path.join(ROOT, "README.md")})
+    assert p.returncode != 0 and "README.md" in p.stderr and "LibraryNotFound" in p.stderr
+
+
+def test_status_names_and_classes():
+    names = {s: kvrt.status_name(s) for s in range(-12, 0)}
+    assert names[-5] == "KVRT_ERR_MODEL_MISMATCH" and names[-12] == "KVRT_ERR_UNSUPPORTED"
+    for s, cls in [(-1, kvrt.ArgError), (-2, kvrt.NoMemError), (-3, kvrt.KvrtIOError),
+                   (-4, kvrt.FormatError), (-5, kvrt.ModelMismatchError), (-6, kvrt.NoCudaError),
+                   (-7, kvrt.NoDeviceError), (-8, kvrt.CudaError), (-9, kvrt.DtypeError),
+                   (-10, kvrt.ShapeError), (-11, kvrt.DeviceError), (-12, kvrt.UnsupportedError)]:
+        e = kvrt.KvrtError(s, "m")
+        assert type(e) is cls and isinstance(e, kvrt.KvrtError)
+        assert e.status == s and e.name == names[s] and str(e) == f"m [{names[s]}]"
+    assert isinstance(kvrt.KvrtError(-1), ValueError)
+
+
+def test_context_cpu():
+    with kvrt.Context("cpu", threads=1) as c:
+        info = c.info()
+        assert info["backend"] == "cpu" and info["n_threads"] == 1 and "CPU" in info["name"]
+        assert c.supports("attend") and c.supports("am_compact_layer")
+    assert c.closed
+    with pytest.raises(kvrt.ArgError, match="after close"):
+        c.info()
+    with pytest.raises(kvrt.ArgError, match="backend"):
+        kvrt.Context("tpu")
+
+
+def test_context_cuda_clean_error_or_device():
+    if kvrt.has_cuda() and kvrt.cuda_device_count() > 0:
+        with kvrt.Context("cuda") as c:
+            assert c.info()["backend"] == "cuda"
+        return
+    with pytest.raises((kvrt.NoCudaError, kvrt.NoDeviceError)) as ei:
+        kvrt.Context("cuda")
+    assert ei.value.name in ("KVRT_ERR_NO_CUDA", "KVRT_ERR_NO_DEVICE") and ei.value.message
+
+
+def rnd(*shape, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+def test_zero_copy_numpy_and_torch():
+    from kvrt._core import _buf
+    a = rnd(10, 3, 8)
+    assert _buf(a, "a", "t").ptr == a.ctypes.data
+    torch = pytest.importorskip("torch")
+    t = torch.from_numpy(a)
+    assert _buf(t, "t", "t").ptr == t.data_ptr() == a.ctypes.data
+    tg = torch.zeros(4, 3, 8, requires_grad=True)
+    assert _buf(tg, "tg", "t").ptr == tg.data_ptr()
+    # the same selection from a torch tensor as from numpy
+    k = rnd(50, 3, 8)
+    s1 = kvrt.method_select("knorm", None, k, 20)
+    s2 = kvrt.method_select("knorm", None, torch.from_numpy(k), 20)
+    np.testing.assert_array_equal(s1.positions, s2.positions)
+
+
+def test_refusals_name_the_argument():
+    k = rnd(50, 3, 8)
+    with pytest.raises(kvrt.DtypeError, match=r"k: got dtype float64, expected float32"):
+        kvrt.method_select("knorm", None, k.astype(np.float64), 20)
+    with pytest.raises(kvrt.ShapeError, match="k: not C-contiguous"):
+        kvrt.method_select("knorm", None, np.swapaxes(k, 0, 1), 2)
+    with pytest.raises(kvrt.ShapeError, match=r"q: got shape \[40, 9, 8\], expected \[50, \*, 8\]"):
+        kvrt.method_select("snapkv", rnd(40, 9, 8), k, 20)
+    with pytest.raises(kvrt.ArgError, match="method"):
+        kvrt.method_select("nope", None, k, 20)
+    with pytest.raises(kvrt.ArgError, match="list"):
+        kvrt.method_select("knorm", None, [[1.0]], 20)
+    # the explicit copy is accepted
+    s = kvrt.method_select("knorm", None, kvrt.as_f32(np.swapaxes(k, 0, 1).astype(np.float64)), 2, n_sink=1)
+    assert s.counts.tolist() == [2] * 50
+
+
+def test_runtime_messages_come_through():
+    k = rnd(50, 3, 8)
+    with pytest.raises(kvrt.ArgError) as ei:
+        kvrt.method_select("snapkv", rnd(50, 9, 8), k, 10)  # budget below the window of 32
+    assert "kvrt_method_select" in ei.value.message or "window" in ei.value.message
+    c = kvrt.Cache.create(3, 8, [2, 0, 1])
+    with pytest.raises(kvrt.ShapeError) as ei:
+        kvrt.attend(rnd(1, 8, 8), c)  # 8 query heads over 3 KV heads
+    assert ei.value.name == "KVRT_ERR_SHAPE" and "3" in ei.value.message
+
+
+def test_cuda_arrays_on_a_cpu_context_are_refused():
+    class FakeCuda:
+        __cuda_array_interface__ = {"shape": (1, 3, 8), "typestr": "<f4", "data": (1234, False),
+                                    "version": 3, "strides": None}
+    c = kvrt.Cache.create(3, 8, [1, 1, 1])
+    with pytest.raises(kvrt.DeviceError, match="CUDA"):
+        kvrt.attend(FakeCuda(), c)
+
+
+def test_selection_and_cache_roundtrip():
+    s = kvrt.Selection.from_positions([[0, 3, 5], [], [7]])
+    assert s.counts.tolist() == [3, 0, 1] and s.head(0).tolist() == [0, 3, 5]
+    assert [x.tolist() for x in s.to_list()] == [[0, 3, 5], [], [7]]
+    k, v = rnd(8, 3, 4, seed=1), rnd(8, 3, 4, seed=2)
+    c = kvrt.Cache.gather(k, v, s)
+    a = c.to_numpy()
+    assert c.counts.tolist() == [3, 0, 1] and c.n_entries == 4
+    np.testing.assert_array_equal(a.keys[:3], k[[0, 3, 5], 0])
+    np.testing.assert_array_equal(a.values[3], v[7, 2])
+    assert a.positions.tolist() == [0, 3, 5, 7] and a.bias.tolist() == [0, 0, 0, 0]
+    assert c.nbytes == 2 * 4 * 4 * 4 + 4 * 4 + 4 * 4 + 8 * 4
+    with pytest.raises(kvrt.ArgError):
+        kvrt.Cache.gather(k, v, kvrt.Selection.from_positions([[9], [], []]))  # position >= T
+    # from_arrays: bias and positions as given; attention sees the bias
+    c2 = kvrt.Cache.from_arrays(a.offsets, a.keys, a.values, bias=[0, 0, np.log(2.0), 0],
+                                positions=[0, 3, -1, 7])
+    b = c2.to_numpy()
+    assert b.positions.tolist() == [0, 3, -1, 7] and b.bias[2] == np.float32(np.log(2.0))
+    q = rnd(1, 3, 4, seed=3)
+    o1 = kvrt.attend(q, c)
+    o2 = kvrt.attend(q, c2)
+    assert not np.allclose(o1[0, 0], o2[0, 0]) and np.allclose(o1[0, 2], o2[0, 2])
+    # an empty head with no recent token: zero row, lse -inf
+    o, l = kvrt.attend(q, c, return_lse=True)
+    assert np.all(o[0, 1] == 0) and l[0, 1] == -np.inf
+
+
+def test_lifetimes():
+    ctx = kvrt.Context("cpu")
+    c = kvrt.Cache.create(2, 4, [1, 1]).to_device(ctx)
+    assert c.device == "host" and c.counts.tolist() == [1, 1]
+    ctx.close()  # closes what lives in its memory first
+    assert c.closed
+    with pytest.raises(kvrt.ArgError, match="after close"):
+        c.nbytes
+    c.close()  # idempotent
+    # handles dropped without close are freed by __del__ (no crash, no leak in a loop)
+    for _ in range(200):
+        kvrt.Cache.create(2, 4, [100, 100])
+    gc.collect()
+
+
+def test_budget_and_topk():
+    assert kvrt.budget_resolve(0.25, 100) == 25 and kvrt.budget_resolve(7, 100) == 7
+    with pytest.raises(kvrt.ArgError, match="exceeds"):
+        kvrt.budget_resolve(101, 100)
+    s = np.array([3, 1, 4, 1, 5, 9, 2, 6], np.float32)
+    assert kvrt.topk(s, 3).tolist() == [4, 5, 7]
+
+
+def test_torch_out_is_written_in_place():
+    torch = pytest.importorskip("torch")
+    k, v = rnd(20, 3, 8, seed=4), rnd(20, 3, 8, seed=5)
+    c = kvrt.Cache.gather(k, v, kvrt.method_select("streaming", None, k, 10))
+    q = torch.from_numpy(rnd(2, 6, 8, seed=6))
+    out = torch.empty(2, 6, 8)
+    r = kvrt.attend(q, c, torch.from_numpy(k[-2:].copy()), torch.from_numpy(v[-2:].copy()), out=out)
+    assert r is out
+    np.testing.assert_array_equal(out.numpy(), kvrt.attend(q.numpy(), c, k[-2:].copy(), v[-2:].copy()))
+
+
+def test_pip_install_target_bundles_the_library(tmp_path):
+    """pip install ./python (offline, --no-build-isolation): the build hook runs make on the
+    checkout (a no-op when build/libkvrt.so is current) and bundles the library, which the
+    installed package then loads first. KVRT_TEST_FRESH_CLONE=1 also installs from a fresh
+    clone of HEAD, where the hook builds the library from scratch (minutes)."""
+    src = ROOT
+    if os.environ.get("KVRT_TEST_FRESH_CLONE") == "1":
+        src = str(tmp_path / "clone")
+        subprocess.run(["git", "clone", "-q", ROOT, src], check=True)
+    tgt = tmp_path / "site"
+    env = dict(os.environ, KVRT_USE_CUDA=os.environ.get("KVRT_USE_CUDA", "0" if src != ROOT else ""))
+    if not env["KVRT_USE_CUDA"]:
+        del env["KVRT_USE_CUDA"]
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        "--no-build-isolation", "--no-index", "--no-deps", "--target", str(tgt),
+                        os.path.join(src, "python")], capture_output=True, text=True, env=env)
+    if p.returncode and "No module named pip" in p.stderr:
+        pytest.skip("pip not available")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tgt / "kvrt" / "_native" / "libkvrt.so").exists()
+    env = {k: v for k, v in os.environ.items() if k != "KVRT_LIBRARY"}
+    env["PYTHONPATH"] = str(tgt)
+    r = subprocess.run([sys.executable, "-c", "import kvrt; print(kvrt.library_path)"],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(tgt / "kvrt" / "_native" / "libkvrt.so")
