@@ -42,8 +42,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import _hf_native as N
-from ._hf_native import HfKvrtError
+from . import _core
+from ._core import Cache as KvrtNativeCache, Context, attend, budget_resolve, method_select
+from .errors import KvrtError, ShapeError
+from .policy import Policy
 
 try:  # transformers >= 5
     from transformers.cache_utils import Cache, DynamicLayer
@@ -53,7 +55,7 @@ except ImportError as e:  # pragma: no cover - checked at import by the caller
     raise ImportError("kvrt.hf needs transformers >= 5 (Cache layers, AttentionInterface): "
                       f"{e}") from e
 
-__all__ = ["apply", "KvrtCache", "KvrtSession", "METHODS", "HfKvrtError", "full_cache_bytes"]
+__all__ = ["apply", "KvrtCache", "KvrtSession", "METHODS", "full_cache_bytes"]
 
 ATTN_NAME = "kvrt"
 BASELINES = ("full", "streaming", "random", "snapkv", "h2o", "knorm", "keydiff")
@@ -83,13 +85,16 @@ class KvrtLayer(DynamicLayer):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.q_ctx: np.ndarray | None = None  # [C, H, d] captured during prefill
-        self.ccache = None                    # POINTER(N.Cache) after compression
-        self.compkv = None                    # c_void_p (kvrt_compkv *) for compkv
+        self.ccache: KvrtNativeCache | None = None  # the compressed context (kvrt_cache)
+        self.compkv = None                    # kvrt.CompKVState (method compkv)
         self.n_ctx = 0                        # context tokens the compressed part stands for
         self.rk: np.ndarray | None = None     # [cap, Hkv, d] recent keys
         self.rv: np.ndarray | None = None
         self.n_rec = 0
         self.compressed = False
+        self._pending = None
+        self._cap = 0
+        self._compkv_bytes = 0
 
     # --- transformers Cache layer interface
     def update(self, key_states, value_states, *args, **kwargs):
@@ -97,9 +102,9 @@ class KvrtLayer(DynamicLayer):
             return super().update(key_states, value_states, *args, **kwargs)
         if key_states.shape[0] != 1:
             raise NotImplementedError("kvrt.hf: batch size 1 only")
-        k = key_states[0].transpose(0, 1).contiguous().to(torch.float32).numpy()  # [n, Hkv, d]
-        v = value_states[0].transpose(0, 1).contiguous().to(torch.float32).numpy()
-        if self.compkv is not None:  # appended one token at a time by the attention function
+        k = key_states[0].transpose(0, 1).to(torch.float32).contiguous().numpy()  # [n, Hkv, d]
+        v = value_states[0].transpose(0, 1).to(torch.float32).contiguous().numpy()
+        if self.compkv is not None:  # appended token by token by the attention function
             self._pending = (k, v)
         else:
             self._append_recent(k, v)
@@ -139,37 +144,27 @@ class KvrtLayer(DynamicLayer):
 
     # --- memory
     def nbytes(self) -> int:
-        """Bytes this layer holds now: the full keys/values (prefill) or libkvrt's compressed
-        cache (kvrt_cache_bytes) + the recent buffers' allocation; compkv: its full state."""
+        """Bytes this layer holds now: the full keys/values (prefill), else libkvrt's compressed
+        cache (kvrt_cache_bytes) + the allocation of the recent buffers; compkv: its state."""
         if not self.compressed:
             b = 0
             if self.keys is not None and self.keys.numel():
                 b += self.keys.numel() * self.keys.element_size()
                 b += self.values.numel() * self.values.element_size()
             return b
-        b = N.cache_bytes(self.ccache)
+        b = self.ccache.nbytes if self.ccache is not None else 0
         if self.rk is not None:
             b += self.rk.nbytes + self.rv.nbytes
-        if self.compkv is not None:
-            b += self._compkv_bytes
-        return b
+        return b + self._compkv_bytes
 
     def release(self) -> None:
-        L = N.lib()
-        if self.ccache:
-            L.kvrt_cache_free(self.ccache)
-        if self.compkv:
-            L.kvrt_compkv_free(self.compkv)
+        for h in (self.ccache, self.compkv):
+            if h is not None:
+                h.close()
         self.ccache = self.compkv = None
-        self.rk = self.rv = self.q_ctx = None
+        self.rk = self.rv = self.q_ctx = self._pending = None
         self.n_rec = self.n_ctx = 0
         self.compressed = False
-
-    def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown
-            pass
 
 
 class KvrtCache(Cache):
@@ -187,11 +182,12 @@ class KvrtCache(Cache):
 
     def compressed_bytes(self) -> int:
         """kvrt_cache_bytes summed over the layers (the compressed context alone)."""
-        return sum(N.cache_bytes(l.ccache) for l in self.layers)
+        return sum(l.ccache.nbytes for l in self.layers if l.ccache is not None)
 
     def entries_per_head(self) -> list[list[int]]:
         """Entries of each (layer, KV head) of the compressed context."""
-        return [N.cache_entries_per_head(l.ccache) if l.ccache else [] for l in self.layers]
+        return [[int(c) for c in l.ccache.counts] if l.ccache is not None else []
+                for l in self.layers]
 
     def _track(self):
         self.peak_bytes = max(self.peak_bytes, self.nbytes())
@@ -265,70 +261,46 @@ class KvrtSession:
                              f"{_NEEDS_POLICY[method]} policy (kvcc compile --policies ...)")
         if cache_dtype not in ("f32", "f16"):
             raise ValueError(f"kvrt.hf: cache_dtype must be 'f32' or 'f16', not {cache_dtype!r}")
-        if not (isinstance(budget, (int, float)) and budget > 0):
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
             raise ValueError(f"kvrt.hf: budget must be > 0 (a token count >= 1 or a ratio < 1), "
                              f"not {budget!r}")
+        if method == "compkv" and (budget < 1 or budget != int(budget)):
+            raise ValueError(f"kvrt.hf: compkv's budget is a number of blocks (an integer >= 1), "
+                             f"not {budget!r}")
         self.model, self.method, self.budget = model, method, budget
-        self.dtype = N.DTYPE_F32 if cache_dtype == "f32" else N.DTYPE_F16
+        self.dtype = cache_dtype
         self.decode_capacity = int(decode_capacity)
         self.dims = _dims(model)
         self.cache: KvrtCache | None = None
+        self.stats: dict = {}
         self._hooks = []
-        self._handles = {}
-        L = N.lib()
-        self.ctx = N.C.c_void_p()
-        opts = None
-        if n_threads:
-            class _O(N.C.Structure):
-                _fields_ = [("n_threads", N.C.c_int), ("device_id", N.C.c_int)]
-            opts = N.C.byref(_O(n_threads, 0))
-        err = N.Error()
-        N.check(L.kvrt_ctx_create(N.BACKEND_CPU, opts, N.C.byref(self.ctx), N.C.byref(err)),
-                "kvrt_ctx_create", err)
-        self.policy = N.C.c_void_p()
-        if policy is not None:
-            dm = self.dims
-            expect = N.ModelDims(dm.L, dm.H, dm.Hkv, dm.d, 0, 0.0, None, 0)
-            err = N.Error()
-            st = L.kvrt_policy_open(str(policy).encode(), N.C.byref(expect),
-                                    N.C.byref(self.policy), N.C.byref(err))
-            N.check(st, f"kvrt_policy_open {policy}", err)
-        self._open_handle()
-
-    # --- policy handles
-    def _open_handle(self):
-        L, m = N.lib(), self.method
-        name = {"compilerkv": "kvrt_compilerkv_open", "am": "kvrt_am_open",
-                "mr": "kvrt_mr_open", "compkv": "kvrt_compkv_open"}.get(m)
-        if not name:
-            return
-        h = N.C.c_void_p()
-        N.check(getattr(L, name)(self.policy, N.C.byref(h)), name)
-        self._handles[m] = h
-        if m == "am":
-            t = N.C.POINTER(N.C.c_double)()
-            n = N.C.c_int()
-            N.check(L.kvrt_am_schedule_targets(h, N.C.byref(t), N.C.byref(n)),
-                    "kvrt_am_schedule_targets")
-            self.am_targets = [t[i] for i in range(n.value)]
+        self._prefill = False
+        self._input_ids = None
+        self.ctx = Context("cpu", threads=n_threads or None)
+        self.policy = None
+        self.handle = None
+        try:
+            if policy is not None:
+                dm = self.dims
+                self.policy = Policy.open(policy, model=dict(n_layers=dm.L, n_heads=dm.H,
+                                                             n_kv_heads=dm.Hkv, head_dim=dm.d))
+                opener = {"compilerkv": self.policy.compilerkv, "am": self.policy.am,
+                          "mr": self.policy.merge_reduce, "compkv": self.policy.compkv}.get(method)
+                if opener is not None:
+                    self.handle = opener()
+        except Exception:
+            self.close()
+            raise
 
     def close(self):
         self._remove_hooks()
-        L = N.lib()
-        free = {"compilerkv": L.kvrt_compilerkv_tables_free, "am": L.kvrt_am_schedule_free,
-                "mr": L.kvrt_mr_schedule_free, "compkv": L.kvrt_compkv_grouping_free}
         if self.cache is not None:
             for l in self.cache.layers:
                 l.release()
-        for m, h in self._handles.items():
-            free[m](h)
-        self._handles = {}
-        if self.policy:
-            L.kvrt_policy_free(self.policy)
-            self.policy = N.C.c_void_p()
-        if self.ctx:
-            L.kvrt_ctx_free(self.ctx)
-            self.ctx = N.C.c_void_p()
+        for h in (self.policy, self.ctx):  # the policy closes its per-policy handles
+            if h is not None:
+                h.close()
+        self.handle = None
 
     # --- hooks on the model
     def _install(self):
@@ -350,13 +322,6 @@ class KvrtSession:
                 _tls.stack.remove(self)
         self._hooks = []
 
-    @staticmethod
-    def _cache_key(kwargs):
-        for k in ("cache", "past_key_values"):
-            if k in kwargs:
-                return k
-        return "cache"
-
     def _pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         emb = kwargs.get("inputs_embeds")
@@ -367,23 +332,21 @@ class KvrtSession:
         if am is not None and am.ndim == 2 and not bool(am.all()):
             raise NotImplementedError("kvrt.hf: padded inputs are not supported (batch size 1, "
                                       "attention_mask all ones)")
-        key = self._cache_key(kwargs)
-        c = kwargs.get(key)
-        if c is None and key == "cache":
-            c = kwargs.get("past_key_values")
-            kwargs.pop("past_key_values", None)
+        c = kwargs.pop("past_key_values", None)
+        if kwargs.get("cache") is not None:
+            c = kwargs["cache"]
         if not isinstance(c, KvrtCache):
             if c is not None and c.get_seq_length() > 0:
                 raise ValueError("kvrt.hf: the call brings a cache that already holds tokens; "
                                  "start from an empty cache inside kvrt.hf.apply")
             if kwargs.get("use_cache") is False:
-                raise ValueError("kvrt.hf: use_cache=False: nothing to compress")
+                raise ValueError("kvrt.hf: use_cache=False: there is no cache to compress")
             c = KvrtCache(self.dims.L)
-            kwargs[key] = c
+        kwargs["cache"] = c
         self.cache = c
         self._prefill = not c.compressed and c.get_seq_length() == 0
         if self._prefill and self.method == "compilerkv":
-            w = self._ckv_window()
+            w = self.handle.window  # the log-probabilities of the last w context tokens
             ltk = kwargs.get("logits_to_keep", 0)
             if isinstance(ltk, int) and ltk != 0 and ltk < w + 1:
                 kwargs["logits_to_keep"] = w + 1
@@ -393,27 +356,15 @@ class KvrtSession:
     def _post(self, module, args, kwargs, output):
         c = self.cache
         if self._prefill and not c.compressed:
-            logits = getattr(output, "logits", None)
             c._track()
-            self.compress(c, self._input_ids, logits)
+            self.compress(c, self._input_ids, getattr(output, "logits", None))
         c._track()
         return output
 
-    def _ckv_window(self) -> int:
-        h = self._handles["compilerkv"]
-        # kvrt_compilerkv_tables: n_budgets, n_layers, n_heads, window (4 x uint32)
-        return N.C.cast(h, N.C.POINTER(N.C.c_uint32))[3]
-
     # --- compression
-    def resolve_budget(self, C_: int) -> int:
-        B = N.C.c_int64()
-        N.check(N.lib().kvrt_budget_resolve(float(self.budget), C_, N.C.byref(B)),
-                "kvrt_budget_resolve")
-        return B.value
-
-    def compress(self, cache: KvrtCache, input_ids=None, logits=None):
-        """Compress every layer of a prefilled cache (called after the prefill)."""
-        L, dm, m = N.lib(), self.dims, self.method
+    def compress(self, cache: KvrtCache, input_ids=None, logits=None) -> KvrtCache:
+        """Compress every layer of a prefilled cache (called right after the prefill)."""
+        dm, m = self.dims, self.method
         C_ = cache.get_seq_length()
         if C_ < 1:
             raise ValueError("kvrt.hf: nothing to compress (empty cache)")
@@ -424,36 +375,31 @@ class KvrtSession:
         if m in _NEEDS_Q and any(x is None or x.shape[0] != C_ for x in q):
             raise RuntimeError("kvrt.hf: the prefill's queries were not captured (was the "
                                "prefill run inside kvrt.hf.apply?)")
-        outs = [N.C.POINTER(N.Cache)() for _ in range(dm.L)]
-        st = {"method": m, "budget": self.budget, "context": C_}
+        st = {"method": m, "budget": self.budget, "context": C_,
+              "full_bytes": int(dm.L * C_ * dm.Hkv * dm.d * 2 * 4)}
+        short = m not in ("compkv", "am", "full") and self.budget >= 1 and self.budget >= C_
         if m == "compkv":
             self._start_compkv(cache, k, v, C_)
+            outs = [None] * dm.L
+        elif short:  # the context is no longer than the budget: every token is kept exactly
+            outs = [KvrtNativeCache.gather(k[l], v[l], method_select("full", None, k[l], C_),
+                                           dtype=self.dtype) for l in range(dm.L)]
+            st["note"] = f"context of {C_} tokens <= budget {self.budget}: kept exactly"
         elif m == "compilerkv":
             if logits is None or input_ids is None:
-                raise RuntimeError("kvrt.hf: compilerkv needs the prefill's logits and ids")
-            B = self.resolve_budget(C_)
+                raise RuntimeError("kvrt.hf: compilerkv needs the prefill's logits and token ids")
+            B = budget_resolve(self.budget, C_)
             lp = self._next_logprob(input_ids, logits, C_)
-            FPA = N._FP * dm.L
-            qa, ka, va = (FPA(*[N.fptr(x) for x in arr]) for arr in (q, k, v))
-            sels = (N._SP * dm.L)()
-            N.check(L.kvrt_compilerkv_select_all(self.ctx, self._handles[m], qa, ka, va,
-                                                 N.fptr(lp), C_, dm.H, dm.Hkv, dm.d, B,
-                                                 N.COMPILERKV_NEAREST_BUDGET, sels, None),
-                    "kvrt_compilerkv_select_all")
-            try:
-                for l in range(dm.L):
-                    N.check(L.kvrt_cache_gather(N.fptr(k[l]), N.fptr(v[l]), C_, dm.Hkv, dm.d,
-                                                sels[l], self.dtype, N.C.byref(outs[l])),
-                            "kvrt_cache_gather")
-            finally:
-                for l in range(dm.L):
-                    L.kvrt_selection_free(sels[l])
+            sels, _ = self.handle.select_all(q, k, v, lp, B, nearest=True, ctx=self.ctx)
+            outs = []
+            for l in range(dm.L):
+                outs.append(KvrtNativeCache.gather(k[l], v[l], sels[l], dtype=self.dtype))
+                sels[l].close()
             st["tokens"] = B
         else:
-            for l in range(dm.L):
-                outs[l] = self._compress_layer(l, q[l], k[l], v[l], C_)
+            outs = [self._compress_layer(l, q[l], k[l], v[l], C_) for l in range(dm.L)]
         for l, layer in enumerate(cache.layers):
-            layer.ccache = outs[l] if outs[l] else None
+            layer.ccache = outs[l]
             layer.n_ctx = C_
             layer.compressed = True
             layer.keys = layer.values = None  # the full context is freed here
@@ -462,94 +408,77 @@ class KvrtSession:
         if m != "compkv":
             st["entries_per_head"] = cache.entries_per_head()
             st["compressed_bytes"] = cache.compressed_bytes()
-        st["full_bytes"] = int(dm.L * C_ * dm.Hkv * dm.d * 2 * 4)
         cache.stats = st
+        self.stats = dict(st)
         return cache
 
-    def _next_logprob(self, input_ids, logits, C_):
-        """next_logprob[t] = log p(token t+1 | 0..t), t in [0, C-1) (entries the logits cover;
-        the others NaN and unread: CompilerKV reads the last window only)."""
+    @staticmethod
+    def _next_logprob(input_ids, logits, C_):
+        """next_logprob[t] = log p(token t+1 | 0..t), t in [0, C-1), where the prefill's logits
+        cover it (NaN elsewhere: CompilerKV reads the last window only)."""
         ids = input_ids[0].to(torch.long)
         lg = logits[0].to(torch.float32)
-        n = lg.shape[0]               # logits of positions C-n .. C-1
-        lp = np.full(C_ - 1 if C_ > 1 else 1, np.nan, np.float32)
-        ls = torch.log_softmax(lg[:-1], dim=-1) if n > 1 else None
-        if ls is not None:
+        n = lg.shape[0]  # logits of positions C-n .. C-1
+        lp = np.full(max(C_ - 1, 1), np.nan, np.float32)
+        if n > 1:
+            ls = torch.log_softmax(lg[:-1], dim=-1)
             pos = torch.arange(C_ - n, C_ - 1)
             lp[C_ - n: C_ - 1] = ls.gather(1, ids[pos + 1].unsqueeze(1))[:, 0].numpy()
         return lp
 
     def _compress_layer(self, l, q, k, v, C_):
-        L, dm, m = N.lib(), self.dims, self.method
-        out = N.C.POINTER(N.Cache)()
+        m = self.method
         if m in BASELINES:
-            B = self.resolve_budget(C_) if m != "full" else C_
-            mo = N.MethodOpts()
-            L.kvrt_method_opts_init(N.C.byref(mo), N.METHODS[m], B)
-            mo.seed = (_EVAL_SEED ^ ((_GOLDEN * (l + 1)) & _MASK64)) & _MASK64
-            sel = N.C.POINTER(N.Selection)()
-            qp = N.fptr(q) if q is not None else None
-            N.check(L.kvrt_method_select(N.C.byref(mo), qp, N.fptr(k), N.fptr(v), C_, dm.H,
-                                         dm.Hkv, dm.d, N.C.byref(sel)), f"kvrt_method_select {m}")
+            seed = (_EVAL_SEED ^ ((_GOLDEN * (l + 1)) & _MASK64)) & _MASK64
+            sel = method_select(m, q, k, self.budget, seed=seed, n_heads=self.dims.H)
             try:
-                N.check(L.kvrt_cache_gather(N.fptr(k), N.fptr(v), C_, dm.Hkv, dm.d, sel,
-                                            self.dtype, N.C.byref(out)), "kvrt_cache_gather")
+                return KvrtNativeCache.gather(k, v, sel, dtype=self.dtype)
             finally:
-                L.kvrt_selection_free(sel)
-        elif m == "am":
-            N.check(L.kvrt_am_compact_scheduled(self.ctx, self._handles[m], None, 0,
-                                                float(self.budget), l, N.fptr(q), N.fptr(k),
-                                                N.fptr(v), C_, dm.H, self.dtype, N.C.byref(out),
-                                                None), "kvrt_am_compact_scheduled")
-        elif m == "mr":
-            B = self.resolve_budget(C_)
-            N.check(L.kvrt_mr_compress_scheduled(self.ctx, self._handles[m], None, 0, float(B), l,
-                                                 N.fptr(k), N.fptr(v), C_, self.dtype,
-                                                 N.C.byref(out)), "kvrt_mr_compress_scheduled")
-        return out
+                sel.close()
+        if m == "am":
+            c, _ = self.handle.compact_scheduled(q, k, v, float(self.budget), l, dtype=self.dtype,
+                                                 ctx=self.ctx)
+            return c
+        if m == "mr":
+            return self.handle.compress_scheduled(k, v, float(budget_resolve(self.budget, C_)), l,
+                                                  dtype=self.dtype, ctx=self.ctx)
+        raise AssertionError(m)
 
     def _start_compkv(self, cache, k, v, C_):
-        L, dm = N.lib(), self.dims
+        dm = self.dims
         cap = C_ + self.decode_capacity
+        blk = int(self.handle.options().get("block", 16))
+        r = int(self.handle.options().get("r", 4))
         for l, layer in enumerate(cache.layers):
-            s = N.C.c_void_p()
-            N.check(L.kvrt_compkv_create_layer(self.ctx, self._handles["compkv"], l, cap, None, 0,
-                                               N.C.byref(s)), "kvrt_compkv_create_layer")
+            s = self.handle.create_layer(l, cap, ctx=self.ctx)
+            s.append(k[l], v[l])
             layer.compkv = s
-            N.check(L.kvrt_compkv_append(s, N.fptr(k[l]), N.fptr(v[l]), C_), "kvrt_compkv_append")
-            # the state's own allocation: raw K/V [Hkv, cap, d] x 2 (f32) + block summaries
-            nb = (cap + 15) // 16
-            layer._compkv_bytes = int(cap * dm.Hkv * dm.d * 8 + nb * dm.Hkv * (2 * dm.d + 16) * 4)
+            # the state's allocation: K/V [Hkv, cap, d] x 2 (f32) and per block and KV head the
+            # mean key, mean value, r variances (+ the shared count)
+            nb = (cap + blk - 1) // blk
+            layer._compkv_bytes = int(cap * dm.Hkv * dm.d * 8 + nb * (dm.Hkv * (2 * dm.d + r) + 1) * 4)
             layer._cap = cap
 
     # --- attention of the tokens after the context
     def _attend(self, layer, module, query, scaling):
-        L, dm = N.lib(), self.dims
+        dm = self.dims
         n = query.shape[2]
         q = query[0].transpose(0, 1).to(torch.float32).contiguous().numpy()  # [n, H, d]
         out = np.empty((n, dm.H, dm.d), np.float32)
-        scale = float(scaling) if scaling is not None else 1.0 / np.sqrt(dm.d)
         if layer.compkv is not None:
             k, v = layer._pending
             if layer.n_ctx + layer.n_rec + n > layer._cap:
-                raise HfKvrtError(-10, f"the CompKV state holds {layer._cap} tokens "
-                                  f"(context + decode_capacity {self.decode_capacity}); pass a "
-                                  "larger decode_capacity to kvrt.hf.apply", "kvrt.hf compkv")
+                raise ShapeError(-10, f"kvrt.hf compkv: the decode state holds {layer._cap} "
+                                 f"tokens (context + decode_capacity {self.decode_capacity}); "
+                                 "pass a larger decode_capacity to kvrt.hf.apply")
             for i in range(n):
-                N.check(L.kvrt_compkv_append(layer.compkv, N.fptr(np.ascontiguousarray(k[i:i + 1])),
-                                             N.fptr(np.ascontiguousarray(v[i:i + 1])), 1),
-                        "kvrt_compkv_append")
-                qi = np.ascontiguousarray(q[i])
-                N.check(L.kvrt_compkv_step(layer.compkv, N.fptr(qi), dm.H, int(self.budget),
-                                           N.fptr(out[i]), None), "kvrt_compkv_step")
+                layer.compkv.append(k[i:i + 1], v[i:i + 1])
+                layer.compkv.step(q[i], int(self.budget), out=out[i])
             layer.n_rec += n
         else:
-            rk = layer.rk[: layer.n_rec]
-            rv = layer.rv[: layer.n_rec]
-            N.check(L.kvrt_attend(self.ctx, N.fptr(q), n, dm.H, layer.ccache,
-                                  N.fptr(np.ascontiguousarray(rk)),
-                                  N.fptr(np.ascontiguousarray(rv)), layer.n_rec, scale,
-                                  N.fptr(out), None), "kvrt_attend", ctx=self.ctx)
+            nr = layer.n_rec
+            attend(q, layer.ccache, layer.rk[:nr], layer.rv[:nr], scale=scaling, ctx=self.ctx,
+                   out=out)
         return torch.from_numpy(out).unsqueeze(0).to(query.dtype), None
 
     # --- context manager
