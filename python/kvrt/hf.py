@@ -293,8 +293,15 @@ class KvrtSession:
             raise
 
     def close(self):
+        """Remove the hooks, restore the model's attention and free everything libkvrt holds
+        (the cache's compressed layers included: a KvrtCache is valid inside its block only).
+        The last cache's sizes stay in self.stats (bytes_held, compressed_bytes, peak_bytes)."""
         self._remove_hooks()
         if self.cache is not None:
+            c = self.cache
+            if c.compressed:
+                self.stats = dict(c.stats, bytes_held=c.nbytes(), peak_bytes=c.peak_bytes,
+                                  seq_length=c.get_seq_length())
             for l in self.cache.layers:
                 l.release()
         for h in (self.policy, self.ctx):  # the policy closes its per-policy handles
@@ -526,5 +533,4 @@ def continuation_nll(model, ids, context_len: int, policy=None, method: str = "c
         lg = torch.log_softmax(out2.logits[0, :-1].to(torch.float32), dim=-1)
         tgt = t[0, C_ + 1:]
         nll = float(-lg.gather(1, tgt.unsqueeze(1)).mean())
-        s.stats = dict(cache.stats, bytes_after=cache.nbytes(), peak_bytes=cache.peak_bytes)
     return nll, s
