@@ -20,10 +20,10 @@ from .errors import (KvrtError, ArgError, NoMemError, KvrtIOError, FormatError,
                      ModelMismatchError, NoCudaError, NoDeviceError, CudaError, DtypeError,
                      ShapeError, DeviceError, UnsupportedError, status_name, status_str)
 from ._core import (Context, Selection, Cache, CacheArrays, attend, as_f32, budget_resolve, topk,
-                    method_select, method_scores, method_select_scored, method_has_scores,
+                    method_select, method_scores, method_select_scored, method_has_scores, select_pinned, Quest,
                     has_cuda, cuda_device_count, default_context, METHODS, OPS)
 from .policy import (Policy, PRESETS, model_dims, inspect, CompilerKV, CompilerKVPrompt,
-                     AMSchedule, am_compact_layer, am_options, CompKVGrouping, CompKVState,
+                     AMSchedule, am_compact, am_compact_layer, am_options, CompKVGrouping, CompKVState,
                      compkv_options)
 from .kv2 import KV2Plan, KV2Schedule, kv2_options
 from .mr import MRBasis, MRSchedule, MRStream, mr_compress_layer, mr_options

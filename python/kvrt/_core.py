@@ -64,6 +64,19 @@ class _Buf:
         self.obj, self.ptr, self.shape, self.device = obj, ptr, shape, device
 
 
+_from_buffer = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def _addr(x: np.ndarray) -> int:
+    """The data address of a C-contiguous array (from_buffer is ~4x cheaper than
+    x.ctypes.data; read-only or empty arrays take the slow path)."""
+    try:
+        return _addressof(_from_buffer(x))
+    except (TypeError, ValueError):
+        return x.ctypes.data
+
+
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
 
@@ -86,6 +99,28 @@ def _shape_str(expect) -> str:
 def _buf(x: ArrayLike, name: str, fn: str, expect: Optional[Sequence[Optional[int]]] = None,
          dtype=np.float32, allow_device: bool = False) -> _Buf:
     """Validate ``x`` (dtype, contiguity, shape) and return its data pointer without copying."""
+    if type(x) is not np.ndarray:
+        x = _foreign(x, name, fn, expect, dtype, allow_device)
+        if type(x) is _Buf:
+            return x
+    if x.dtype != dtype:
+        raise KvrtError(ERR_DTYPE, f"{fn}: {name}: got dtype {x.dtype}, expected "
+                                   f"{np.dtype(dtype).name} (kvrt.as_f32(x) copies explicitly)")
+    if not x.flags.c_contiguous:
+        raise KvrtError(ERR_SHAPE, f"{fn}: {name}: not C-contiguous (strides {x.strides}); "
+                                   "np.ascontiguousarray(x) / kvrt.as_f32(x) copies explicitly")
+    shape = x.shape
+    if expect is not None:
+        if len(shape) != len(expect):
+            _bad_shape(shape, name, fn, expect)
+        for s, e in zip(shape, expect):
+            if e is not None and e != s:
+                _bad_shape(shape, name, fn, expect)
+    return _Buf(x, _addr(x), shape, "host")
+
+
+def _foreign(x, name, fn, expect, dtype, allow_device):
+    """A torch CPU tensor -> its numpy view; a CUDA array -> a device _Buf; else refused."""
     cai = getattr(x, "__cuda_array_interface__", None)
     if cai is not None:
         if not allow_device:
@@ -112,18 +147,22 @@ def _buf(x: ArrayLike, name: str, fn: str, expect: Optional[Sequence[Optional[in
         if x.device.type != "cpu":
             raise KvrtError(ERR_DEVICE, f"{fn}: {name}: a torch tensor on {x.device}: expected "
                                         "a CPU tensor (or a CUDA tensor with a CUDA Context)")
-        x = x.detach().numpy()  # shares memory
-    if not isinstance(x, np.ndarray):
-        raise KvrtError(ERR_ARG, f"{fn}: {name}: got {type(x).__name__}, expected a numpy "
-                                 "array or a torch tensor")
-    if x.dtype != dtype:
-        raise KvrtError(ERR_DTYPE, f"{fn}: {name}: got dtype {x.dtype}, expected "
-                                   f"{np.dtype(dtype).name} (kvrt.as_f32(x) copies explicitly)")
-    if not x.flags.c_contiguous:
-        raise KvrtError(ERR_SHAPE, f"{fn}: {name}: not C-contiguous (strides {x.strides}); "
-                                   "np.ascontiguousarray(x) / kvrt.as_f32(x) copies explicitly")
-    _check_shape(x.shape, name, fn, expect)
-    return _Buf(x, x.ctypes.data, x.shape, "host")
+        return x.detach().numpy()  # shares memory
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dev = x.__dlpack_device__()
+        if int(dev[0]) != 1:  # kDLCPU
+            raise KvrtError(ERR_DEVICE, f"{fn}: {name}: a DLPack array on device {tuple(dev)}: "
+                                        "expected a CPU array")
+        return np.from_dlpack(x)  # shares memory
+    raise KvrtError(ERR_ARG, f"{fn}: {name}: got {type(x).__name__}, expected a numpy "
+                             "array or a torch tensor")
+
+
+def _bad_shape(shape, name, fn, expect):
+    raise KvrtError(ERR_SHAPE, f"{fn}: {name}: got shape {list(shape)}, expected "
+                               f"{_shape_str(expect)}")
 
 
 def _check_shape(shape, name, fn, expect):
@@ -134,11 +173,22 @@ def _check_shape(shape, name, fn, expect):
                                    f"{_shape_str(expect)}")
 
 
-def _out(shape, out: Optional[np.ndarray], name: str, fn: str, dtype=np.float32) -> _Buf:
+def _out(shape, out: Optional[np.ndarray], name: str, fn: str, dtype=np.float32,
+         device: str = "host") -> _Buf:
+    """An output buffer: a new numpy array, or ``out`` checked (dtype, contiguity, shape, and
+    that it lives on ``device``)."""
     if out is None:
         a = np.empty(shape, dtype=dtype)
-        return _Buf(a, a.ctypes.data, a.shape, "host")
-    return _buf(out, name, fn, shape, dtype, allow_device=True)
+        return _Buf(a, _addr(a), a.shape, "host")
+    return _on(_buf(out, name, fn, shape, dtype, allow_device=device == "cuda"), device, name, fn)
+
+
+def _on(b: _Buf, device: str, name: str, fn: str) -> _Buf:
+    """Refuse a host buffer where a device one is needed (and the reverse)."""
+    if b.device != device:
+        raise KvrtError(ERR_DEVICE, f"{fn}: {name}: a {b.device} array, expected a {device} "
+                                    "array for this context")
+    return b
 
 
 # ------------------------------------------------------------------------------------------
@@ -152,8 +202,10 @@ class _Handle:
     def __init__(self, ptr: int, parent: Optional["_Handle"] = None):
         self._ptr = ptr
         self._parent = parent          # keeps what this handle depends on alive
-        self._children: "weakref.WeakSet[_Handle]" = weakref.WeakSet()
+        self._children: "Optional[weakref.WeakSet[_Handle]]" = None
         if parent is not None:
+            if parent._children is None:
+                parent._children = weakref.WeakSet()
             parent._children.add(self)
 
     @property
@@ -169,7 +221,7 @@ class _Handle:
 
     def close(self) -> None:
         """Free the handle (and first every handle that depends on it). Idempotent."""
-        for c in list(getattr(self, "_children", ())):
+        for c in list(getattr(self, "_children", None) or ()):
             c.close()
         p, self._ptr = getattr(self, "_ptr", None), None
         if p:
@@ -268,7 +320,7 @@ class Selection(_Handle):
 
     def __init__(self, ptr: int):
         super().__init__(ptr)
-        self._s = ctypes.cast(ptr, POINTER(_lib.kvrt_selection)).contents
+        self._s = _lib.kvrt_selection.from_address(ptr)
 
     @classmethod
     def from_positions(cls, heads: Sequence[Sequence[int]]) -> "Selection":
@@ -277,7 +329,7 @@ class Selection(_Handle):
         if len(counts) < 1:
             raise KvrtError(ERR_ARG, "kvrt.Selection.from_positions: expected >= 1 KV head")
         out = c_void_p()
-        check(lib.kvrt_selection_create(len(counts), counts.ctypes.data, byref(out)))
+        check(lib.kvrt_selection_create(len(counts), _addr(counts), byref(out)))
         sel = cls(out.value)
         n = int(counts.sum())
         if n:
@@ -356,7 +408,7 @@ class Cache(_Handle):
 
     def __init__(self, ptr: int, ctx: Optional[Context] = None):
         super().__init__(ptr, parent=ctx)
-        self._c = ctypes.cast(ptr, POINTER(_lib.kvrt_cache)).contents
+        self._c = _lib.kvrt_cache.from_address(ptr)
         self.ctx = ctx
 
     # constructors
@@ -369,7 +421,7 @@ class Cache(_Handle):
             raise KvrtError(ERR_SHAPE, f"kvrt.Cache.create: counts: got shape {list(cnt.shape)}, "
                                        f"expected [{n_kv_heads}]")
         out = c_void_p()
-        check(lib.kvrt_cache_create(n_kv_heads, head_dim, _dtype_code(dtype), cnt.ctypes.data,
+        check(lib.kvrt_cache_create(n_kv_heads, head_dim, _dtype_code(dtype), _addr(cnt),
                                     byref(out)))
         return cls(out.value)
 
@@ -500,7 +552,7 @@ class Cache(_Handle):
                          (bias, ctypes.cast(c.bias, c_void_p).value),
                          (pos, ctypes.cast(c.positions, c_void_p).value)):
             if dst.nbytes:
-                check(lib.kvrt_ctx_download(cp, dst.ctypes.data, src, dst.nbytes), ctx_ptr=cp)
+                check(lib.kvrt_ctx_download(cp, _addr(dst), src, dst.nbytes), ctx_ptr=cp)
         return CacheArrays(self.offsets, keys, values, bias, pos)
 
     def __repr__(self):
@@ -533,25 +585,28 @@ def attend(q: ArrayLike, cache: Cache, k_recent: Optional[ArrayLike] = None,
     c = _ctx(ctx)
     dev = c.backend == "cuda"
     d = cache.head_dim
-    qb = _buf(q, "q", fn, (None, None, d), allow_device=dev)
+    where = "cuda" if dev else "host"
+    qb = _on(_buf(q, "q", fn, (None, None, d), allow_device=dev), where, "q", fn)
     n, H, _ = qb.shape
-    if dev and qb.device != "cuda":
-        raise KvrtError(ERR_DEVICE, f"{fn}: q: a host array on a CUDA context (expected a CUDA "
-                                    "tensor)")
     if (k_recent is None) != (v_recent is None):
         raise KvrtError(ERR_ARG, f"{fn}: k_recent and v_recent: give both or neither")
     kp = vp = None
     n_recent = 0
     if k_recent is not None:
-        kb = _buf(k_recent, "k_recent", fn, (None, cache.n_kv_heads, d), allow_device=dev)
+        kb = _on(_buf(k_recent, "k_recent", fn, (None, cache.n_kv_heads, d), allow_device=dev),
+                 where, "k_recent", fn)
         n_recent = kb.shape[0]
-        vb = _buf(v_recent, "v_recent", fn, kb.shape, allow_device=dev)
+        vb = _on(_buf(v_recent, "v_recent", fn, kb.shape, allow_device=dev), where, "v_recent", fn)
         kp, vp = kb.ptr, vb.ptr
-    if dev and out is None:
-        raise KvrtError(ERR_ARG, f"{fn}: out: required on a CUDA context (a device array "
-                                 f"[{n}, {H}, {d}])")
-    ob = _out((n, H, d), out, "out", fn)
-    lb = _out((n, H), lse_out, "lse_out", fn) if (return_lse or lse_out is not None) else None
+    if dev and (out is None or (return_lse and lse_out is None)):
+        raise KvrtError(ERR_ARG, f"{fn}: out (and lse_out with return_lse): required on a CUDA "
+                                 f"context (device arrays [{n}, {H}, {d}] and [{n}, {H}])")
+    if dev and cache.device != "cuda":
+        raise KvrtError(ERR_DEVICE, f"{fn}: cache: a host cache on a CUDA context (use "
+                                    "cache.to_device(ctx))")
+    ob = _out((n, H, d), out, "out", fn, device=where)
+    lb = (_out((n, H), lse_out, "lse_out", fn, device=where)
+          if (return_lse or lse_out is not None) else None)
     s = 1.0 / math.sqrt(d) if scale is None else float(scale)
     check(lib.kvrt_attend(c.ptr, qb.ptr, n, H, cache.ptr, kp, vp, n_recent, s, ob.ptr,
                           lb.ptr if lb else None), ctx_ptr=c.ptr)
@@ -591,8 +646,69 @@ def topk(scores: ArrayLike, k: int) -> np.ndarray:
     NaN lowest)."""
     sb = _buf(scores, "scores", "kvrt.topk", (None,))
     idx = np.empty(int(k), dtype=np.int32)
-    check(lib.kvrt_topk(sb.ptr, sb.shape[0], int(k), idx.ctypes.data))
+    check(lib.kvrt_topk(sb.ptr, sb.shape[0], int(k), _addr(idx)))
     return idx
+
+
+def select_pinned(scores: Optional[ArrayLike], T: int, budget: int, n_sink: int = 0,
+                  n_recent: int = 0) -> np.ndarray:
+    """kvrt_select_pinned: ``budget`` positions of [0, T) (int32, ascending): the first n_sink
+    and last n_recent pinned (inside the budget), the rest the highest scores [T] among the
+    unpinned (topk rules). scores may be None when the pins fill the budget."""
+    sp = None
+    if scores is not None:
+        sp = _buf(scores, "scores", "kvrt.select_pinned", (int(T),)).ptr
+    idx = np.empty(int(budget), dtype=np.int32)
+    check(lib.kvrt_select_pinned(sp, int(T), int(budget), int(n_sink), int(n_recent), _addr(idx)))
+    return idx
+
+
+class Quest(_Handle):
+    """Quest pages (``kvrt_quest``): per page of ``page`` tokens and KV head the elementwise
+    min and max of the keys, k [T, Hkv, d]; decode-time page scores and selection."""
+    _free_fn = "kvrt_quest_free"
+
+    def __init__(self, k: ArrayLike, page: int = 16):
+        kb = _buf(k, "k", "kvrt.Quest", (None, None, None))
+        T, Hkv, d = kb.shape
+        out = c_void_p()
+        check(lib.kvrt_quest_summarize(kb.ptr, T, Hkv, d, int(page), byref(out)))
+        super().__init__(out.value)
+        self._q = _lib.kvrt_quest.from_address(out.value)
+        self.n_kv_heads, self.head_dim, self.page = Hkv, d, int(page)
+
+    @property
+    def n_pages(self) -> int:
+        self.ptr
+        return int(self._q.n_pages)
+
+    @property
+    def kmin(self) -> np.ndarray:
+        """float32 [Hkv, n_pages, d] (a copy); kmax likewise."""
+        n = self.n_kv_heads * self.n_pages * self.head_dim
+        return np.ctypeslib.as_array(self._q.kmin, shape=(n,)).reshape(
+            self.n_kv_heads, self.n_pages, self.head_dim).copy()
+
+    @property
+    def kmax(self) -> np.ndarray:
+        n = self.n_kv_heads * self.n_pages * self.head_dim
+        return np.ctypeslib.as_array(self._q.kmax, shape=(n,)).reshape(
+            self.n_kv_heads, self.n_pages, self.head_dim).copy()
+
+    def scores(self, q: ArrayLike) -> np.ndarray:
+        """Upper-bound scores [Hkv, n_pages] for one step q [H, d]."""
+        qb = _buf(q, "q", "kvrt.Quest.scores", (None, self.head_dim))
+        s = np.empty((self.n_kv_heads, self.n_pages), np.float32)
+        check(lib.kvrt_quest_scores(self.ptr, qb.ptr, qb.shape[0], _addr(s)))
+        return s
+
+    def select(self, q: ArrayLike, budget_pages: int) -> np.ndarray:
+        """Pages [Hkv, budget_pages] ascending per head: first and last always, then top
+        scores."""
+        qb = _buf(q, "q", "kvrt.Quest.select", (None, self.head_dim))
+        p = np.empty((self.n_kv_heads, int(budget_pages)), np.int32)
+        check(lib.kvrt_quest_select(self.ptr, qb.ptr, qb.shape[0], int(budget_pages), _addr(p)))
+        return p
 
 
 def _method_opts(method, budget: int, n_sink=None, window=None, pool_kernel=None,

@@ -113,6 +113,12 @@ class kvrt_method_opts(Structure):
                 ("window", c_uint32), ("pool_kernel", c_uint32), ("seed", c_uint64)]
 
 
+class kvrt_quest(Structure):
+    _fields_ = [("n_kv_heads", c_uint32), ("head_dim", c_uint32), ("page", c_uint32),
+                ("T", c_int64), ("n_pages", c_int64), ("kmin", POINTER(c_float)),
+                ("kmax", POINTER(c_float))]
+
+
 class kvrt_am_opts(Structure):
     _fields_ = [("key_select", c_int), ("chunk", c_int64), ("ridge", c_double),
                 ("nnls_max_iter", c_int), ("max_queries", c_int64), ("beta_floor", c_double),
@@ -265,6 +271,11 @@ _PROTOS = {
     "kvrt_method_select_scored": (I, [POINTER(kvrt_method_opts), P, I64, U32, PP]),
     "kvrt_method_name": (c_char_p, [I]),
     "kvrt_method_from_name": (I, [c_char_p]),
+    # Quest
+    "kvrt_quest_summarize": (I, [P, I64, U32, U32, U32, PP]),
+    "kvrt_quest_free": (None, [P]),
+    "kvrt_quest_scores": (I, [P, P, U32, P]),
+    "kvrt_quest_select": (I, [P, P, U32, I64, P]),
     # Attention Matching
     "kvrt_am_opts_init": (None, [POINTER(kvrt_am_opts)]),
     "kvrt_am_compact": (I, [P, POINTER(kvrt_am_opts), P, P, I64, U32, P, P, I64, I64, I, PP,
@@ -352,6 +363,7 @@ _PROTOS = {
                                        PP]),
     # libkvpol (for Policy.info)
     "kvpol_open_path": (I, [PP, c_char_p, POINTER(kvpol_open_opts), POINTER(kvpol_error)]),
+    "kvpol_open_mem": (I, [PP, P, c_size_t, POINTER(kvpol_open_opts), POINTER(kvpol_error)]),
     "kvpol_close": (None, [P]),
     "kvpol_status_name": (c_char_p, [I]),
     "kvpol_get_header": (POINTER(kvpol_header), [P]),

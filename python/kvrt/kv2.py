@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import ArrayLike, Cache, Context, _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS
+from ._core import _addr, ArrayLike, Cache, Context, _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS
 from .errors import ERR_ARG, KvrtError, check
 
 _AGG = {"mean": 0, "max": 1}
@@ -102,7 +102,7 @@ class KV2Plan(_Handle):
         n = self.chunk(r)[2]
         pos, ids = np.empty(n, np.int32), np.empty(n, np.int32)
         nq = c_int64()
-        check(lib.kvrt_kv2_plan_queries(self.ptr, int(r), pos.ctypes.data, ids.ctypes.data,
+        check(lib.kvrt_kv2_plan_queries(self.ptr, int(r), _addr(pos), _addr(ids),
                                         byref(nq)))
         return pos[:nq.value], ids[:nq.value]
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (ArrayLike, Cache, Context, Selection, _buf, _ctx, _dtype_code, _Handle,
+from ._core import (_addr, ArrayLike, Cache, Context, Selection, _buf, _ctx, _dtype_code, _Handle,
                     _out, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
@@ -142,9 +142,10 @@ class Policy(_Handle):
     def info(self) -> Dict[str, Any]:
         """What ``kvcc inspect --json`` prints: header, model fingerprint, sections with their
         items (name, kind, dtype, shape, bytes, value of scalars and strings). Read through
-        libkvpol (linked into libkvrt.so), not the kvcc binary; needs the file path."""
+        libkvpol (linked into libkvrt.so), not the kvcc binary. A policy opened from bytes
+        reports "file": "<memory>"."""
         if self.path is None:
-            raise KvrtError(ERR_ARG, "kvrt.Policy.info: a policy opened from bytes has no path")
+            return inspect(self._buf)
         return inspect(self.path)
 
     # per-policy handles
@@ -191,14 +192,19 @@ def _cstr(b: bytes) -> str:
     return b.decode(errors="replace")
 
 
-def inspect(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+def inspect(path: Union[str, os.PathLike, bytes]) -> Dict[str, Any]:
     """``kvcc inspect --json FILE`` as a dict, computed through libkvpol (validates the whole
     file, unknown optional sections included; errors raise :class:`kvrt.FormatError` with the
-    kvpol message)."""
-    p = os.fspath(path)
+    kvpol message). ``path`` may also be the artifact's bytes ("file": "<memory>")."""
     f, err = c_void_p(), _lib.kvpol_error()
     opts = _lib.kvpol_open_opts(flags=1)  # KVPOL_OPEN_VERIFY_ALL
-    rc = lib.kvpol_open_path(byref(f), p.encode(), byref(opts), byref(err))
+    if isinstance(path, (bytes, bytearray)):
+        p, data = "<memory>", bytes(path)
+        rc = lib.kvpol_open_mem(byref(f), ctypes.c_char_p(data), len(data), byref(opts),
+                                byref(err))
+    else:
+        p = os.fspath(path)
+        rc = lib.kvpol_open_path(byref(f), p.encode(), byref(opts), byref(err))
     if rc:
         raise KvrtError(-3 if rc == -3 else -4, _cstr(err.msg), detail=rc)
     try:
@@ -470,6 +476,28 @@ def _am_stats(s: _lib.kvrt_am_stats) -> Dict[str, Any]:
     return {f: getattr(s, f) for f, _ in s._fields_}
 
 
+def am_compact(k: ArrayLike, v: ArrayLike, q_ref: ArrayLike, t: int, *,
+               q_pos: Optional[ArrayLike] = None, dtype: str = "f32",
+               ctx: Optional[Context] = None, **options) -> Tuple[Cache, Dict[str, Any]]:
+    """kvrt_am_compact: one (layer, KV head). k, v [T, d] (key j at position j), q_ref [n, d]
+    reference queries, q_pos [n] int32 their positions (a query sees keys j <= q_pos[i]) or
+    None (every key), 1 <= t <= T. Returns (a one-head cache of at most t entries, stats)."""
+    fn = "kvrt.am_compact"
+    kb = _buf(k, "k", fn, (None, None))
+    T, d = kb.shape
+    vb = _buf(v, "v", fn, (T, d))
+    qb = _buf(q_ref, "q_ref", fn, (None, d))
+    pp = None
+    if q_pos is not None:
+        pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
+    o = _am_opts(**options)
+    c = _ctx(ctx)
+    out, st = c_void_p(), _lib.kvrt_am_stats()
+    check(lib.kvrt_am_compact(c.ptr, byref(o), kb.ptr, vb.ptr, T, d, qb.ptr, pp, qb.shape[0],
+                              int(t), _dtype_code(dtype), byref(out), byref(st)), ctx_ptr=c.ptr)
+    return Cache(out.value), _am_stats(st)
+
+
 def am_compact_layer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, ratio: float = 0.0,
                      ratios: Optional[ArrayLike] = None, dtype: str = "f32",
                      ctx: Optional[Context] = None, **options
@@ -601,7 +629,7 @@ class CompKVState(_Handle):
             pa = np.ascontiguousarray(perm, dtype=np.uint16)
             oa = np.ascontiguousarray(offsets, dtype=np.uint16)
             keep = [pa, oa]
-            pp, op = pa.ctypes.data, oa.ctypes.data
+            pp, op = _addr(pa), _addr(oa)
         out = c_void_p()
         check(lib.kvrt_compkv_create(c.ptr, byref(o), int(n_kv_heads), int(head_dim),
                                      int(capacity), pp, op, byref(out)), ctx_ptr=c.ptr)
@@ -634,7 +662,7 @@ class CompKVState(_Handle):
         """Block scores float32 [Hkv, n_blocks] for one decode step, q [H, d]."""
         qb = self._q(q, "kvrt.CompKVState.scores")
         s = np.empty((self.n_kv_heads, self.n_blocks), np.float32)
-        check(lib.kvrt_compkv_scores(self.ptr, qb.ptr, qb.shape[0], s.ctypes.data))
+        check(lib.kvrt_compkv_scores(self.ptr, qb.ptr, qb.shape[0], _addr(s)))
         return s
 
     def select(self, scores: ArrayLike, k_blocks: int) -> np.ndarray:
@@ -642,7 +670,7 @@ class CompKVState(_Handle):
         nb = self.n_blocks
         sb = _buf(scores, "scores", "kvrt.CompKVState.select", (self.n_kv_heads, nb))
         out = np.empty((self.n_kv_heads, min(int(k_blocks), nb)), np.int32)
-        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, int(k_blocks), out.ctypes.data))
+        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, int(k_blocks), _addr(out)))
         return out
 
     def attend_blocks(self, q: ArrayLike, blocks: ArrayLike) -> np.ndarray:
@@ -653,7 +681,7 @@ class CompKVState(_Handle):
         bb = _buf(blocks, "blocks", fn, (self.n_kv_heads, None), dtype=np.int32)
         out = np.empty((qb.shape[0], self.head_dim), np.float32)
         check(lib.kvrt_compkv_attend_blocks(self.ptr, qb.ptr, qb.shape[0], bb.ptr, bb.shape[1],
-                                            out.ctypes.data))
+                                            _addr(out)))
         return out
 
     def step(self, q: ArrayLike, k_blocks: int, *, out: Optional[np.ndarray] = None
@@ -662,10 +690,10 @@ class CompKVState(_Handle):
         min(k_blocks, n_blocks)])."""
         fn = "kvrt.CompKVState.step"
         qb = self._q(q, fn)
-        ob = _out((qb.shape[0], self.head_dim), out, "out", fn)
+        ob = _out((qb.shape[0], self.head_dim), out, "out", fn)  # host only
         blocks = np.empty((self.n_kv_heads, min(int(k_blocks), self.n_blocks)), np.int32)
         check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], int(k_blocks), ob.ptr,
-                                   blocks.ctypes.data))
+                                   _addr(blocks)))
         return (ob.obj if out is None else out), blocks
 
 

@@ -109,7 +109,7 @@ def ref(acts, artifact, work):
     if not cc:
         pytest.skip("no C compiler")
     exe = str(work / "kvrt_ref")
-    run([cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-I", os.path.join(ROOT, "runtime", "include"),
+    run([cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Wshadow", "-I", os.path.join(ROOT, "runtime", "include"),
          os.path.join(ROOT, "python", "tests", "c", "kvrt_ref.c"), "-o", exe, "-L", BUILD,
          "-lkvrt", f"-Wl,-rpath,{BUILD}", "-lm"])
     d = work / "acts"

@@ -231,3 +231,41 @@ def test_pip_install_target_bundles_the_library(tmp_path):
                        capture_output=True, text=True, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tgt / "kvrt" / "_native" / "libkvrt.so")
+
+
+def test_cuda_out_on_a_cpu_context_is_refused():
+    class FakeCudaOut:
+        __cuda_array_interface__ = {"shape": (1, 3, 8), "typestr": "<f4", "data": (1234, False),
+                                    "version": 3, "strides": None}
+    c = kvrt.Cache.create(3, 8, [1, 1, 1])
+    with pytest.raises(kvrt.DeviceError, match="out"):
+        kvrt.attend(rnd(1, 3, 8), c, out=FakeCudaOut())
+
+
+def test_threads_release_the_gil_and_keep_their_own_errors():
+    from concurrent.futures import ThreadPoolExecutor
+    k = rnd(300, 3, 16, seed=7)
+    q = rnd(300, 6, 16, seed=8)
+    want = kvrt.method_select("h2o", q, k, 50).positions
+
+    def work(i):
+        if i % 2:
+            try:
+                kvrt.budget_resolve(1000 + i, 10)
+            except kvrt.ArgError as e:
+                return str(1000 + i) in e.message
+            return False
+        return bool(np.array_equal(kvrt.method_select("h2o", q, k, 50).positions, want))
+    with ThreadPoolExecutor(4) as ex:
+        assert all(ex.map(work, range(16)))
+
+
+def test_unclosed_handles_at_exit():
+    code = ("import kvrt, numpy as np\n"
+            "ctx = kvrt.Context('cpu')\n"
+            "k = np.ones((8, 2, 4), np.float32)\n"
+            "c = kvrt.Cache.gather(k, k, kvrt.method_select('full', None, k, 8)).to_device(ctx)\n"
+            "s = kvrt.method_select('full', None, k, 8)\n"
+            "print('ok')\n")
+    p = py(code)
+    assert p.returncode == 0 and p.stdout.strip() == "ok" and not p.stderr, p.stderr

@@ -68,6 +68,9 @@ def test_info_equals_kvcc_inspect_json(artifact, bare_artifact, kvcc):
             got = p.info()
         assert got == want
         assert json.loads(json.dumps(got)) == want  # plain JSON types
+        with kvrt.Policy.from_bytes(open(path, "rb").read()) as p:
+            got = p.info()
+        assert got.pop("file") == "<memory>" and want.pop("file") == path and got == want
 
 
 def test_missing_group_is_unsupported(bare_artifact):
