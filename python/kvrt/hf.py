@@ -23,10 +23,11 @@ Methods (`METHODS`): the baselines streaming, snapkv, h2o, knorm, keydiff, rando
 (libkvrt's selection + gather; no policy needed); compilerkv (the compiled head-reliability
 tables, `kvrt_compilerkv_select_all` from the prefill's queries, keys, values and next-token
 log-probabilities); am (the compiled Attention Matching schedule: budget = a compiled target
-ratio); mr (the compiled merge-reduce basis); compkv (decode-time: the context stays whole in
-libkvrt's CompKV state, every new token reads `budget` blocks exactly and the rest through their
-means: memory is not freed, bandwidth is). KV² (kv2) is not supported here (its stage 2 needs
-extra model passes; see docs/python-hf.md).
+ratio); mr (the compiled merge-reduce basis); kv2 (the compiled KV² schedule: stage 1 on the
+keys, stage 2 by running the plan's reconstruction tokens through the model after the full
+context, as kvcc eval does; budget = a compiled ratio); compkv (decode-time: the context stays
+whole in libkvrt's CompKV state, every new token reads `budget` blocks exactly and the rest
+through their means: memory is not freed, bandwidth is).
 
 Budgets: token counts per KV head (>= 1) or ratios of the context (< 1), as `kvcc eval` takes
 them; am takes a compiled target ratio; compkv a number of blocks.
@@ -59,10 +60,10 @@ __all__ = ["apply", "KvrtCache", "KvrtSession", "METHODS", "full_cache_bytes"]
 
 ATTN_NAME = "kvrt"
 BASELINES = ("full", "streaming", "random", "snapkv", "h2o", "knorm", "keydiff")
-METHODS = BASELINES + ("compilerkv", "am", "mr", "compkv")
+METHODS = BASELINES + ("compilerkv", "am", "mr", "kv2", "compkv")
 _NEEDS_Q = {"snapkv", "h2o", "compilerkv", "am"}
 _NEEDS_POLICY = {"compilerkv": "CompilerKV", "am": "Attention Matching", "mr": "merge-reduce",
-                 "compkv": "CompKV"}
+                 "kv2": "KV\u00b2", "compkv": "CompKV"}
 # the seed kvcc eval gives the random baseline (kvcc_eval_opts default), mixed with the layer
 _EVAL_SEED = 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -211,6 +212,16 @@ def _kvrt_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = None
     if st is not None and isinstance(st.cache, KvrtCache):
         layer = st.cache.layers[module.layer_idx]
+    if layer is not None and st._extending is not None:  # KV\u00b2 stage 2 (see _kv2_extend)
+        n, kv = query.shape[2], key.shape[2]
+        st._extending[module.layer_idx] = (
+            query[0].transpose(0, 1).to(torch.float32).contiguous().numpy().copy(),
+            key[0, :, kv - n:].transpose(0, 1).to(torch.float32).contiguous().numpy().copy())
+        i = torch.arange(n).unsqueeze(1)
+        j = torch.arange(kv).unsqueeze(0)
+        mask = (j < kv - n) | (j - (kv - n) <= i)  # the whole context, causal among the new
+        return sdpa_attention_forward(module, query, key, value, mask[None, None],
+                                      dropout=dropout, scaling=scaling, **kwargs)
     if layer is None or not layer.compressed:
         if layer is not None and st.method in _NEEDS_Q:  # the context's own queries
             q = query[0].transpose(0, 1).to(torch.float32).contiguous().numpy().copy()
@@ -253,9 +264,7 @@ class KvrtSession:
     def __init__(self, model, policy, method="compilerkv", budget=256, *, cache_dtype="f32",
                  decode_capacity=1024, n_threads=0):
         if method not in METHODS:
-            raise ValueError(f"kvrt.hf: method {method!r} is not one of {', '.join(METHODS)}"
-                             + (" (kv2 needs extra model passes: not supported by kvrt.hf)"
-                                if method == "kv2" else ""))
+            raise ValueError(f"kvrt.hf: method {method!r} is not one of {', '.join(METHODS)}")
         if method in _NEEDS_POLICY and policy is None:
             raise ValueError(f"kvrt.hf: method {method} needs a .kvpol compiled with the "
                              f"{_NEEDS_POLICY[method]} policy (kvcc compile --policies ...)")
@@ -276,6 +285,7 @@ class KvrtSession:
         self._hooks = []
         self._prefill = False
         self._input_ids = None
+        self._extending = None
         self.ctx = Context("cpu", threads=n_threads or None)
         self.policy = None
         self.handle = None
@@ -285,7 +295,8 @@ class KvrtSession:
                 self.policy = Policy.open(policy, model=dict(n_layers=dm.L, n_heads=dm.H,
                                                              n_kv_heads=dm.Hkv, head_dim=dm.d))
                 opener = {"compilerkv": self.policy.compilerkv, "am": self.policy.am,
-                          "mr": self.policy.merge_reduce, "compkv": self.policy.compkv}.get(method)
+                          "mr": self.policy.merge_reduce, "kv2": self.policy.kv2,
+                          "compkv": self.policy.compkv}.get(method)
                 if opener is not None:
                     self.handle = opener()
         except Exception:
@@ -330,6 +341,8 @@ class KvrtSession:
         self._hooks = []
 
     def _pre(self, module, args, kwargs):
+        if self._extending is not None:
+            return args, kwargs
         ids = kwargs.get("input_ids", args[0] if args else None)
         emb = kwargs.get("inputs_embeds")
         n_batch = (ids if ids is not None else emb).shape[0]
@@ -361,6 +374,8 @@ class KvrtSession:
         return args, kwargs
 
     def _post(self, module, args, kwargs, output):
+        if self._extending is not None:
+            return output
         c = self.cache
         if self._prefill and not c.compressed:
             c._track()
@@ -403,6 +418,8 @@ class KvrtSession:
                 outs.append(KvrtNativeCache.gather(k[l], v[l], sels[l], dtype=self.dtype))
                 sels[l].close()
             st["tokens"] = B
+        elif m == "kv2":
+            outs = self._kv2(cache, input_ids, k, v, C_)
         else:
             outs = [self._compress_layer(l, q[l], k[l], v[l], C_) for l in range(dm.L)]
         for l, layer in enumerate(cache.layers):
@@ -450,6 +467,51 @@ class KvrtSession:
             return self.handle.compress_scheduled(k, v, float(budget_resolve(self.budget, C_)), l,
                                                   dtype=self.dtype, ctx=self.ctx)
         raise AssertionError(m)
+
+    def _kv2(self, cache, input_ids, k, v, C_):
+        """KV\u00b2 as kvcc eval runs it end to end: the compiled plan for the budget, stage 1 on
+        every layer's keys, then per pass and chunk its reconstruction tokens run through the
+        model after the full context (position ids C + i, causal among themselves; their
+        queries and keys scored by the plan, their cache rows dropped), then compress."""
+        dm = self.dims
+        if input_ids is None:
+            raise RuntimeError("kvrt.hf: kv2 needs the prefill's token ids")
+        passes = int(self.handle.options(float(self.budget))["passes"])
+        pl = self.handle.plan(float(self.budget), dm.H, dm.d, C_, ctx=self.ctx)
+        try:
+            for l in range(dm.L):
+                pl.proxy(l, k[l])
+            for p in range(passes):
+                if p:
+                    pl.next_pass()
+                for r in range(pl.n_chunks):
+                    pos, pos_ids = pl.queries(r)
+                    got = self._kv2_extend(cache, input_ids[0, torch.as_tensor(pos, dtype=torch.long)],
+                                           pos_ids)
+                    for l in range(dm.L):
+                        pl.score(r, l, got[l][0], k[l], got[l][1])
+            return [pl.compress(l, float(self.budget), k[l], v[l], dtype=self.dtype)
+                    for l in range(dm.L)]
+        finally:
+            pl.close()
+
+    def _kv2_extend(self, cache, tokens, pos_ids):
+        """A forward pass of tokens after the cached context without keeping it: each layer's
+        post-RoPE queries [n, H, d] and keys [n, Hkv, d]."""
+        n = tokens.shape[0]
+        self._extending = [None] * self.dims.L
+        try:
+            with torch.no_grad():
+                self.model(input_ids=tokens.unsqueeze(0).to(torch.long),
+                           position_ids=torch.as_tensor(pos_ids, dtype=torch.long).unsqueeze(0),
+                           cache=cache, use_cache=True, logits_to_keep=1)
+            got = self._extending
+        finally:
+            self._extending = None
+            for layer in cache.layers:  # drop the n rows the pass appended
+                if layer.keys is not None and layer.keys.shape[-2] > 0:
+                    layer.crop(-n)
+        return got
 
     def _start_compkv(self, cache, k, v, C_):
         dm = self.dims
