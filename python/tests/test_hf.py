@@ -1,0 +1,148 @@
+"""kvrt.hf against kvcc eval, end to end on SmolLM2-135M.
+
+transformers loads the model from the same GGUF the built-in model runs (models/, fetched by
+make test); the corpus and the artifact are conftest's (one real window of 128 + 16 tokens, every
+policy compiled on it). For each method, the continuation NLL that transformers computes through
+kvrt.hf (prefill, libkvrt compression of every layer, the continuation attending through
+kvrt_attend over the ragged cache with its biases plus the exact recent tokens) must equal the
+end-to-end NLL of `kvcc eval --gguf` on the same window, and the compressed cache must hold
+exactly the bytes kvcc eval reports (kvrt_cache_bytes), fewer than the full cache.
+
+The tolerance: the two sides run the same libkvrt calls on keys, values and queries that differ
+only by float32 summation order (transformers' matmuls vs the built-in model's OpenBLAS calls;
+logits max rel. diff 2.1e-6, tests/peer); measured |dNLL| <= 1.1e-5 on every method
+(docs/python-hf.md), asserted below 1e-4.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import GGUF, ROOT, T_CTX, run
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+h5py = pytest.importorskip("h5py")
+
+import kvrt  # noqa: E402
+import kvrt.hf as khf  # noqa: E402
+
+NLL_TOL = 1e-4
+# (method, budget) rows: token budgets per KV head, am a compiled target ratio, compkv blocks
+ROWS = [("full", 0), ("snapkv", 32), ("h2o", 32), ("knorm", 32), ("streaming", 32),
+        ("compilerkv", 32), ("mr", 32), ("am", 0.1), ("kv2", 0.1), ("compkv", 2)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    if not os.path.exists(GGUF):
+        pytest.skip(f"{GGUF} not fetched (make test fetches it)")
+    torch.set_grad_enabled(False)
+    d, fn = os.path.split(GGUF)
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=torch.float32)
+    m.eval()
+    return m
+
+
+@pytest.fixture(scope="module")
+def window(corpus):
+    with h5py.File(corpus, "r") as f:
+        g = f["prompts/p000000"]
+        return g["tokens"][:].astype(np.int64), int(g.attrs["context_len"])
+
+
+@pytest.fixture(scope="module")
+def eval_rows(kvcc, corpus, artifact):
+    """kvcc eval's end-to-end rows on the same window: {(method, budget): row}."""
+    rows = {}
+    groups = {}
+    for m, b in ROWS:
+        kind = "ratio" if m in ("am", "kv2") else "blocks" if m == "compkv" else "tokens"
+        groups.setdefault(kind, ([], []))
+        groups[kind][0].append(m)
+        if b and b not in groups[kind][1]:
+            groups[kind][1].append(b)
+    for methods, budgets in groups.values():
+        p = run([kvcc, "eval", "--corpus", corpus, "--gguf", GGUF, "--policy", artifact,
+                 "--methods", ",".join(methods), "--budgets", ",".join(map(str, budgets)),
+                 "--json"], cwd=ROOT)
+        for r in json.loads(p.stdout)["rows"]:
+            rows[(r["method"], r.get("budget", 0))] = r
+    return rows
+
+
+@pytest.mark.parametrize("method,budget", ROWS, ids=[f"{m}-{b}" for m, b in ROWS])
+def test_nll_equals_kvcc_eval(model, window, eval_rows, artifact, method, budget):
+    ids, C = window
+    row = eval_rows[(method, budget)]
+    assert row.get("status", "ok") in ("ok", None), row
+    nll, s = khf.continuation_nll(model, ids, C, artifact if method != "full" else None, method,
+                                  budget or 1)
+    assert abs(nll - row["nll"]) < NLL_TOL, (method, budget, nll, row["nll"])
+    cfg = model.config
+    Hkv, d, L = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, \
+        cfg.num_hidden_layers
+    full = L * C * Hkv * d * 2 * 4
+    assert s.stats["full_bytes"] == full
+    if method == "compkv":  # decode-time: the whole context stays (in libkvrt's state)
+        return
+    # the compressed cache's bytes are libkvrt's (kvrt_cache_bytes), as kvcc eval reports them
+    assert s.stats["compressed_bytes"] == row["bytes"]
+    ent = s.stats["entries_per_head"]
+    assert len(ent) == L and all(len(h) == Hkv for h in ent)
+    if method == "full":
+        assert all(e == C for h in ent for e in h)
+    else:
+        assert s.stats["compressed_bytes"] < full
+        assert max(e for h in ent for e in h) <= (budget if budget >= 1 else C)
+
+
+def test_full_matches_plain_transformers(model, window):
+    """method full through kvrt_attend gives transformers' own NLL (SDPA, DynamicCache)."""
+    ids, C = window
+    t = torch.as_tensor(ids).unsqueeze(0)
+    out = model(input_ids=t[:, :C], use_cache=True)
+    out2 = model(input_ids=t[:, C:], cache=out.cache, use_cache=True)
+    lg = torch.log_softmax(out2.logits[0, :-1], dim=-1)
+    ref = float(-lg.gather(1, t[0, C + 1:].unsqueeze(1)).mean())
+    nll, _ = khf.continuation_nll(model, ids, C, None, "full", 1)
+    assert abs(nll - ref) < 2e-5, (nll, ref)
+
+
+def test_memory_freed_and_generate(model, window, artifact):
+    """After the prefill the full keys/values are gone: the cache holds libkvrt's compressed
+    cache plus the exact recent tokens, and generate() runs on it."""
+    ids, C = window
+    t = torch.as_tensor(ids[:C]).unsqueeze(0)
+    with khf.apply(model, artifact, method="snapkv", budget=32) as s:
+        g = model.generate(t, max_new_tokens=6, do_sample=False)
+        cache = s.cache
+        assert isinstance(cache, khf.KvrtCache) and cache.compressed
+        assert all(l.keys is None and l.values is None for l in cache.layers)
+        assert all(l.ccache is not None and l.ccache.counts.tolist() == [32] * l.ccache.n_kv_heads
+                   for l in cache.layers)
+        assert cache.get_seq_length() == C + 5  # the last generated token is not run
+        held = cache.nbytes()
+        assert held == cache.compressed_bytes() + sum(l.rk.nbytes + l.rv.nbytes
+                                                      for l in cache.layers)
+        assert cache.peak_bytes >= s.stats["full_bytes"]  # the prefill held the full context
+    assert g.shape[1] == C + 6
+    cfg = model.config
+    full_now = cfg.num_hidden_layers * (C + 5) * cfg.num_key_value_heads * 64 * 2 * 4
+    assert held < full_now
+    # the model is restored
+    assert model.config._attn_implementation != khf.ATTN_NAME
+
+
+def test_refusals(model, artifact):
+    with pytest.raises(ValueError, match="needs a .kvpol"):
+        khf.apply(model, None, method="compilerkv", budget=32)
+    with pytest.raises(ValueError, match="not one of"):
+        khf.apply(model, None, method="nope", budget=32)
+    with pytest.raises(kvrt.KvrtError, match="compiled"):  # an uncompiled AM target
+        with khf.apply(model, artifact, method="am", budget=0.3):
+            model(input_ids=torch.arange(40).unsqueeze(0), use_cache=True)
+    with khf.apply(model, None, method="snapkv", budget=32):
+        with pytest.raises(NotImplementedError, match="batch size 1"):
+            model(input_ids=torch.zeros(2, 8, dtype=torch.long), use_cache=True)
