@@ -11,7 +11,6 @@
 #                     kvrt.pc/kvpol.pc into PREFIX (default /usr/local; DESTDIR honoured)
 #   make uninstall    removes exactly what make install put there
 #   make check-install  install into a scratch prefix and build an example with pkg-config only
-# Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), SAN=1, OPT=-O2.
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), USE_MPI=0/1 (default: 1 when mpicc is
 # found, 0 with SAN=1), SAN=1, OPT=-O2.
 
