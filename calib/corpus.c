@@ -992,7 +992,7 @@ void kvcc_corpus_close(kvcc_corpus *c) {
 
 /* Whether path starts with the manifest magic: 1 yes, 0 no (or unreadable: the HDF5 path reports
  * that). */
-static int is_manifest(const char *path) {
+int kvcc_corpus_is_manifest(const char *path) {
     char head[sizeof KVCC_CORPUS_MANIFEST_MAGIC] = "";
     FILE *f = fopen(path, "rb");
     if (!f) return 0;
@@ -1094,7 +1094,7 @@ static int read_manifest(const char *path, shard_list *l, char *err, size_t errl
                        sizeof full - 1);
             break;
         }
-        if (is_manifest(full)) {
+        if (kvcc_corpus_is_manifest(full)) {
             rc = failc(NULL, err, errlen, KVCC_CORPUS_ERR_SCHEMA,
                        "%s: line %u: %s is itself a manifest; a manifest lists HDF5 shards only",
                        path, lineno, full);
@@ -1226,12 +1226,12 @@ int kvcc_corpus_open_many(kvcc_corpus **out, const char *const *paths, uint32_t 
     for (uint32_t i = 0; i < n_paths; i++)
         if (!paths[i])
             return failc(NULL, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_open_many: NULL path");
-    if (n_paths == 1 && !is_manifest(paths[0])) return open_file(out, paths[0], expect, err, errlen);
+    if (n_paths == 1 && !kvcc_corpus_is_manifest(paths[0])) return open_file(out, paths[0], expect, err, errlen);
     h5_setup();
     shard_list l = {0};
     int rc = KVCC_CORPUS_OK;
     for (uint32_t i = 0; !rc && i < n_paths; i++) {
-        if (is_manifest(paths[i])) {
+        if (kvcc_corpus_is_manifest(paths[i])) {
             rc = read_manifest(paths[i], &l, err, errlen);
         } else {
             rc = shard_list_add(&l, paths[i], "the command line");

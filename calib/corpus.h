@@ -25,6 +25,9 @@
 /* A corpus of several files (shards): a text manifest starts with this magic and the version
  * ("kvcc-corpus-manifest 1"), then one shard path a line, relative to the manifest's directory. */
 #define KVCC_CORPUS_MANIFEST_MAGIC "kvcc-corpus-manifest "
+/* Whether the file at path starts with KVCC_CORPUS_MANIFEST_MAGIC (1), else 0 (also when it
+ * cannot be read). */
+int kvcc_corpus_is_manifest(const char *path);
 #define KVCC_CORPUS_MANIFEST_MAX_BYTES (1u << 24)
 #define KVCC_CORPUS_MANIFEST_MAX_LINE 1000u /* bytes of one shard path line */
 #define KVCC_CORPUS_MAX_SHARDS 65536u

@@ -49,17 +49,6 @@ static void usage(FILE *out) {
 /* OpenBLAS (libopenblas, which the model's matrix products run on). */
 void openblas_set_num_threads(int n);
 
-/* Whether path is a corpus manifest (starts with its magic). */
-static int is_manifest_file(const char *path) {
-    char head[sizeof KVCC_CORPUS_MANIFEST_MAGIC] = "";
-    FILE *f = fopen(path, "rb");
-    if (!f) return 0;
-    const size_t n = fread(head, 1, sizeof head - 1, f);
-    fclose(f);
-    head[n] = 0;
-    return strcmp(head, KVCC_CORPUS_MANIFEST_MAGIC) == 0;
-}
-
 /* A failing rank's message as kvcc_dist_check carries it ("rank R: LINE"), without the
  * "kvcc capture: " that LINE starts with when it is the last line the rank printed. */
 static void strip_inner_prefix(char *msg) {
@@ -245,7 +234,7 @@ static int capture_main(int argc, char **argv) {
         strip_inner_prefix(msg);
         if (ex && rank == 0) {
             /* some shards beside OUT are new, some not: an old manifest there would mix them */
-            const int had = is_manifest_file(out) && unlink(out) == 0;
+            const int had = kvcc_corpus_is_manifest(out) && unlink(out) == 0;
             fprintf(stderr, "kvcc capture: %s\nkvcc capture: a rank failed after the shards were written: no "
                     "manifest written%s\n", msg, had ? "; the old manifest at -o was removed" : "");
         }

@@ -21,7 +21,7 @@ import ctypes
 import math
 import weakref
 from ctypes import byref, c_double, c_float, c_int, c_int64, c_uint32, c_void_p, POINTER
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -805,3 +805,27 @@ def method_select_scored(method: Union[str, int], scores: Optional[ArrayLike], b
     out = c_void_p()
     check(lib.kvrt_method_select_scored(byref(o), sp, T, n_kv_heads, byref(out)))
     return Selection(out.value)
+
+
+def _fill_opts(struct_type, init, base, what: str, kw: Dict[str, Any],
+               convert: Optional[Dict[str, Callable[[Any], Any]]] = None):
+    """An options struct of the C API: a copy of `base`, or the library's defaults (`init`, e.g.
+    lib.kvrt_mr_opts_init), with the keyword overrides set (None: left as is). `convert` maps a
+    field to a function turning a Python value (a name, ...) into the field's value, raising
+    KvrtError for a bad one. An unknown field raises KvrtError naming the known ones."""
+    o = struct_type()
+    if base is None:
+        init(byref(o))
+    else:
+        ctypes.pointer(o)[0] = base
+    names = [f for f, _ in o._fields_]
+    for key, val in kw.items():
+        if val is None:
+            continue
+        if key not in names:
+            raise KvrtError(ERR_ARG, f"kvrt: {what} option {key!r} unknown, expected one of "
+                                     f"{', '.join(names)}")
+        if convert and key in convert:
+            val = convert[key](val)
+        setattr(o, key, val)
+    return o

@@ -19,36 +19,33 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import _addr, ArrayLike, Cache, Context, _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS
+from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context,
+                    _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
 _AGG = {"mean": 0, "max": 1}
 
 
+def _proxy(val):
+    if not isinstance(val, str):
+        return val
+    p = lib.kvrt_kv2_proxy_from_name(val.encode())
+    if p < 0:
+        raise KvrtError(ERR_ARG, f"kvrt: KV2 proxy: got {val!r}, expected 'keydiff' or 'knorm'")
+    return p
+
+
+def _aggregate(val):
+    if not isinstance(val, str):
+        return val
+    if val not in _AGG:
+        raise KvrtError(ERR_ARG, f"kvrt: KV2 aggregate: got {val!r}, expected 'mean' or 'max'")
+    return _AGG[val]
+
+
 def _opts(base=None, **kw) -> _lib.kvrt_kv2_opts:
-    o = _lib.kvrt_kv2_opts()
-    if base is None:
-        lib.kvrt_kv2_opts_init(byref(o))
-    else:
-        o = base
-    names = [f for f, _ in o._fields_]
-    for key, val in kw.items():
-        if val is None:
-            continue
-        if key not in names:
-            raise KvrtError(ERR_ARG, f"kvrt: KV2 option {key!r} unknown, expected one of "
-                                     f"{', '.join(names)}")
-        if key == "proxy" and isinstance(val, str):
-            p = lib.kvrt_kv2_proxy_from_name(val.encode())
-            if p < 0:
-                raise KvrtError(ERR_ARG, f"kvrt: KV2 proxy: got {val!r}, expected 'keydiff' or 'knorm'")
-            val = p
-        if key == "aggregate" and isinstance(val, str):
-            if val not in _AGG:
-                raise KvrtError(ERR_ARG, f"kvrt: KV2 aggregate: got {val!r}, expected 'mean' or 'max'")
-            val = _AGG[val]
-        setattr(o, key, val)
-    return o
+    return _fill_opts(_lib.kvrt_kv2_opts, lib.kvrt_kv2_opts_init, base, "KV2", kw,
+                      {"proxy": _proxy, "aggregate": _aggregate})
 
 
 def _opts_dict(o) -> Dict[str, Any]:

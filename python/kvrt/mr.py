@@ -11,31 +11,24 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import ArrayLike, Cache, Context, _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS
+from ._core import (_fill_opts, ArrayLike, Cache, Context,
+                    _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
 
+def _reducer(val):
+    if not isinstance(val, str):
+        return val
+    r = lib.kvrt_mr_reducer_from_name(val.encode())
+    if r < 0:
+        raise KvrtError(ERR_ARG, f"kvrt: merge-reduce reducer: got {val!r}, expected "
+                                 "'random' or 'cluster'")
+    return r
+
+
 def _opts(base=None, **kw) -> _lib.kvrt_mr_opts:
-    o = _lib.kvrt_mr_opts()
-    if base is None:
-        lib.kvrt_mr_opts_init(byref(o))
-    else:
-        o = base
-    names = [f for f, _ in o._fields_]
-    for key, val in kw.items():
-        if val is None:
-            continue
-        if key not in names:
-            raise KvrtError(ERR_ARG, f"kvrt: merge-reduce option {key!r} unknown, expected one "
-                                     f"of {', '.join(names)}")
-        if key == "reducer" and isinstance(val, str):
-            r = lib.kvrt_mr_reducer_from_name(val.encode())
-            if r < 0:
-                raise KvrtError(ERR_ARG, f"kvrt: merge-reduce reducer: got {val!r}, expected "
-                                         "'random' or 'cluster'")
-            val = r
-        setattr(o, key, val)
-    return o
+    return _fill_opts(_lib.kvrt_mr_opts, lib.kvrt_mr_opts_init, base, "merge-reduce", kw,
+                      {"reducer": _reducer})
 
 
 def _opts_dict(o) -> Dict[str, Any]:

@@ -17,8 +17,8 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (_addr, ArrayLike, Cache, Context, Selection, _buf, _ctx, _dtype_code, _Handle,
-                    _out, OVERRIDE_OPTIONS)
+from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _ctx,
+                    _dtype_code, _Handle, _out, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
 #: The model presets of ``kvcc models`` (calib/presets.c): name -> dims. A test checks this
@@ -439,25 +439,17 @@ class CompilerKV(_Handle):
 _KEY_SELECT = {"highest": 0, "omp": 1}
 
 
+def _key_select(val):
+    if not isinstance(val, str):
+        return val
+    if val not in _KEY_SELECT:
+        raise KvrtError(ERR_ARG, f"kvrt: AM key_select: got {val!r}, expected 'highest' or 'omp'")
+    return _KEY_SELECT[val]
+
+
 def _am_opts(base: Optional[_lib.kvrt_am_opts] = None, **kw) -> _lib.kvrt_am_opts:
-    o = _lib.kvrt_am_opts()
-    if base is None:
-        lib.kvrt_am_opts_init(byref(o))
-    else:
-        ctypes.pointer(o)[0] = base
-    for key, val in kw.items():
-        if val is None:
-            continue
-        if key == "key_select" and isinstance(val, str):
-            if val not in _KEY_SELECT:
-                raise KvrtError(ERR_ARG, f"kvrt: AM key_select: got {val!r}, expected 'highest' "
-                                         "or 'omp'")
-            val = _KEY_SELECT[val]
-        if key not in dict(o._fields_):
-            raise KvrtError(ERR_ARG, f"kvrt: AM option {key!r} unknown, expected one of "
-                                     f"{', '.join(f for f, _ in o._fields_)}")
-        setattr(o, key, val)
-    return o
+    return _fill_opts(_lib.kvrt_am_opts, lib.kvrt_am_opts_init, base, "AM", kw,
+                      {"key_select": _key_select})
 
 
 def _am_opts_dict(o: _lib.kvrt_am_opts) -> Dict[str, Any]:
@@ -584,19 +576,9 @@ class AMSchedule(_Handle):
 
 def _compkv_opts(base: Optional[_lib.kvrt_compkv_opts] = None, **kw) -> _lib.kvrt_compkv_opts:
     o = _lib.kvrt_compkv_opts()
-    if base is None:
-        lib.kvrt_compkv_opts_init(byref(o))
-    else:
-        ctypes.pointer(o)[0] = base
     names = [f for f, _ in o._fields_]
-    for key, val in kw.items():
-        if val is None:
-            continue
-        if key not in names:
-            raise KvrtError(ERR_ARG, f"kvrt: CompKV option {key!r} unknown, expected one of "
-                                     f"{', '.join(names)}")
-        setattr(o, key, int(val) if key != "scale" else float(val))
-    return o
+    return _fill_opts(_lib.kvrt_compkv_opts, lib.kvrt_compkv_opts_init, base, "CompKV", kw,
+                      {f: (float if f == "scale" else int) for f in names})
 
 
 def compkv_options(**overrides) -> Dict[str, Any]:
