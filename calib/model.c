@@ -618,9 +618,11 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
 #endif
 
 /* attend_blas: same result through two sgemm per query head, S = Q_h K_g^T (n, ne) then
- * O_h = P V_g, with the mask, bias and softmax applied to S in between: rows in parallel
- * (OpenMP, between the sgemm calls, so no team competes with OpenBLAS' threads), each row
- * vectorized (softmax_row). scores: at least n * max entries floats. */
+ * O_h = P V_g, with the mask, bias and softmax applied to S in between, row by row, each row
+ * vectorized (softmax_row). Not threaded: an OpenMP team here keeps spinning (libgomp's default
+ * wait policy) while the next sgemm's OpenBLAS pthreads run, and on 2 cores that halved prefill
+ * (4.9 s vs 2.4 s per 512-token prompt, docs/benchmarks.md "Prefill"). scores: at least
+ * n * max entries floats. */
 static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                         const kv_view *view, float *out, float *scores) {
     (void)layer;
@@ -637,8 +639,7 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale,
                     q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
-        #pragma omp parallel for schedule(static) if ((int64_t)n * ne >= 65536)
-        for (int t = 0; t < n; t++)
+        for (int t = 0; t < n; t++) /* serial: see the comment above attend_blas */
             softmax_row(scores + (size_t)t * ne, ne, pos0 + t, kh->bias, kh->pos);
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, (int)ne, 1.0f, scores, (int)ne,
                     kh->v, (int)kh->stride, 0.0f, out + (size_t)h * d, H * d);
