@@ -28,8 +28,14 @@
  * each to the sgemm. Threads: whatever OpenMP and OpenBLAS use (set OMP_NUM_THREADS /
  * OPENBLAS_NUM_THREADS to pin them).
  *
- * Options: --part 1|2 (default both), --corpus F, --kvcc PATH, --sizes LIST (default 1,2,4,8),
- * --reps N (part 2), --compile-reps N (part 1, default 1), --context T (part 2, default 32768).
+ * Part 3, the same window-mass kernel as the eval's baselines use it: kvrt_h2o_scores (causal
+ * softmax of every query) and kvrt_snapkv_scores (window 32) at SmolLM2-135M shapes (9 query
+ * heads, 3 KV heads, d = 64), context 2048 (--h2o-context), against the full QK^T sgemm per KV
+ * head in the same run (H2O needs the causal half of its FLOPs).
+ *
+ * Options: --part 1|2|3 (default all), --corpus F, --kvcc PATH, --sizes LIST (default 1,2,4,8),
+ * --reps N (parts 2, 3), --compile-reps N (part 1, default 1), --context T (part 2, default
+ * 32768), --h2o-context T (part 3, default 2048).
  */
 #include <cblas.h>
 #include <errno.h>
@@ -240,6 +246,66 @@ static int part2(int64_t T, int reps) {
     return rc;
 }
 
+
+// ----------------------------------------------------------------------------
+// part 3: H2O and SnapKV scores at SmolLM2-135M shapes (the eval's baselines)
+
+/* The window-mass kernel as kvcc eval runs it for H2O (causal softmax of every query, column
+ * sums) and SnapKV (window 32), at SmolLM2-135M shapes (9 query heads, 3 KV heads, d 64), against
+ * the full QK^T sgemm per KV head ([3 heads x T queries, 64] x [64, T]; the causal half that H2O
+ * needs is half of its FLOPs). */
+static int part3(int64_t T, int reps) {
+    const uint32_t H = 9, Hkv = 3, d = 64, G = H / Hkv, W = 32;
+    const kvcc_corpus_model m = {.name = "smollm2-135m", .n_layers = 30, .n_heads = H, .n_kv_heads = Hkv,
+                                 .head_dim = d, .vocab_size = 49152, .rope_theta = 100000.0,
+                                 .rope_scaling = "none", .rope_scaling_factor = 1};
+    const kvcc_synth_opts so = {.n_prompts = 1, .context_len = (uint32_t)T, .continuation_len = 0, .seed = 1,
+                                .retrieval_heads = 2};
+    float *q = malloc(sizeof(float) * (size_t)T * H * d), *k = malloc(sizeof(float) * (size_t)T * Hkv * d);
+    float *v = malloc(sizeof(float) * (size_t)T * Hkv * d), *qp = malloc(sizeof(float) * (size_t)G * T * d);
+    float *sc = malloc(sizeof(float) * (size_t)G * T * T), *out = malloc(sizeof(float) * (size_t)Hkv * T);
+    if (!q || !k || !v || !qp || !sc || !out) {
+        fprintf(stderr, "bench_compilerkv: out of memory for T = %lld\n", (long long)T);
+        free(q); free(k); free(v); free(qp); free(sc); free(out);
+        return 1;
+    }
+    kvcc_synth_layer(&m, &so, 0, 5, q, k, v);
+    double tg[64], th[64], tsn[64];
+    int n = 0, rc = 0;
+    for (int r = 0; r < reps && r < 64 && !rc; r++) {
+        double a = now_s();
+        for (uint32_t j = 0; j < Hkv; j++) {
+            /* rows (g, t) packed: the same product as the kernel's, one call per KV head */
+            for (uint32_t g = 0; g < G; g++)
+                for (int64_t t = 0; t < T; t++)
+                    memcpy(qp + ((size_t)g * T + t) * d, q + ((size_t)t * H + j * G + g) * d, sizeof(float) * d);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)(G * T), (int)T, (int)d, 1.0f / sqrtf((float)d),
+                        qp, (int)d, k + (size_t)j * d, (int)(Hkv * d), 0.0f, sc, (int)T);
+        }
+        tg[n] = now_s() - a;
+        a = now_s();
+        rc |= kvrt_h2o_scores(q, k, T, H, Hkv, d, out) != KVRT_OK;
+        th[n] = now_s() - a;
+        a = now_s();
+        rc |= kvrt_snapkv_scores(q, k, T, H, Hkv, d, W, out) != KVRT_OK;
+        tsn[n] = now_s() - a;
+        if (rc) fprintf(stderr, "bench_compilerkv: %s\n", kvrt_last_error()->msg);
+        n++;
+    }
+    if (!rc && n) {
+        const double g = median(tg, n), h = median(th, n), s = median(tsn, n);
+        printf("part 3: H2O / SnapKV scores at SmolLM2-135M shapes: %u query heads, %u KV heads, d %u, context %lld; "
+               "synthetic activations; per layer, median of %d\n", H, Hkv, d, (long long)T, n);
+        printf("  %-48s  %10s  %8s\n", "part", "ms/layer", "x sgemm");
+        printf("  %-48s  %10.2f  %8.3f\n", "full QK^T (sgemm per KV head, incl. packing q)", 1e3 * g, 1.0);
+        printf("  %-48s  %10.2f  %8.3f\n", "kvrt_h2o_scores (causal, every query)", 1e3 * h, h / g);
+        printf("  %-48s  %10.2f  %8.3f\n", "kvrt_snapkv_scores (window 32)", 1e3 * s, s / g);
+        printf("  per prompt (30 layers): H2O scores %.2f s\n", 30 * h);
+    }
+    free(q); free(k); free(v); free(qp); free(sc); free(out);
+    return rc;
+}
+
 // ----------------------------------------------------------------------------
 
 static int parse_sizes(const char *s, unsigned *out, int *n) {
@@ -257,7 +323,7 @@ static int parse_sizes(const char *s, unsigned *out, int *n) {
 
 int main(int argc, char **argv) {
     int part = 0, reps = 5, creps = 1;
-    int64_t T = 32768;
+    int64_t T = 32768, T3 = 2048;
     const char *corpus = "build/demo/corpus.h5", *kvcc = getenv("KVCC");
     unsigned sizes[16] = {1, 2, 4, 8};
     int n_sizes = 4;
@@ -270,19 +336,20 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--reps") && val) reps = atoi(argv[++i]);
         else if (!strcmp(a, "--compile-reps") && val) creps = atoi(argv[++i]);
         else if (!strcmp(a, "--context") && val) T = atoll(argv[++i]);
+        else if (!strcmp(a, "--h2o-context") && val) T3 = atoll(argv[++i]);
         else if (!strcmp(a, "--sizes") && val) {
             if (parse_sizes(argv[++i], sizes, &n_sizes)) {
                 fprintf(stderr, "bench_compilerkv: --sizes: expected a list of prompt counts such as 1,2,4,8\n");
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: bench_compilerkv [--part 1|2] [--corpus F] [--kvcc PATH] [--sizes 1,2,4,8] "
-                            "[--compile-reps N] [--reps N] [--context T]\n");
+            fprintf(stderr, "usage: bench_compilerkv [--part 1|2|3] [--corpus F] [--kvcc PATH] [--sizes 1,2,4,8] "
+                            "[--compile-reps N] [--reps N] [--context T] [--h2o-context T]\n");
             return 2;
         }
     }
-    if (part < 0 || part > 2 || reps < 1 || reps > 64 || creps < 1 || creps > 16 || T < 128 || T > (1 << 22)) {
-        fprintf(stderr, "bench_compilerkv: --part 1|2, --reps 1..64, --compile-reps 1..16, --context 128..4194304\n");
+    if (part < 0 || part > 3 || T3 < 16 || T3 > 8192 || reps < 1 || reps > 64 || creps < 1 || creps > 16 || T < 128 || T > (1 << 22)) {
+        fprintf(stderr, "bench_compilerkv: --part 1|2|3, --h2o-context 16..8192, --reps 1..64, --compile-reps 1..16, --context 128..4194304\n");
         return 2;
     }
     if (!kvcc || !*kvcc) { /* build/bench/bench_compilerkv -> build/kvcc */
@@ -299,6 +366,7 @@ int main(int argc, char **argv) {
     }
     int rc = 0;
     if (part == 0 || part == 2) rc |= part2(T, reps);
+    if (part == 0 || part == 3) rc |= part3(T3, reps);
     if (part == 0 || part == 1) rc |= part1(kvcc, corpus, sizes, n_sizes, creps);
     return rc;
 }

@@ -18,9 +18,11 @@
  *  - H2O keeps budget/2 recent positions and budget - budget/2 heavy hitters (H2O's 50/50 split);
  *  - random draws, per KV head j, from splitmix64 seeded with seed ^ (j + 1) * 0x9E3779B97F4A7C15
  *    (partial Fisher-Yates over the non-sink positions, unbiased bounded draws).
- * Fast score paths: query heads in parallel (OpenMP), blocks of 16 queries, logits by
- * single-threaded sgemm in column chunks, vectorized softmax, f32 column sums per block
- * accumulated in double in block order (the result does not depend on the thread count); the
+ * Fast score paths (the window-mass kernel, also behind CompilerKV's window mass): per KV head,
+ * all its query heads and a block of queries at once against chunks of keys (one sgemm each),
+ * vectorized exp with per-chunk max/sum, then the column sums of the probabilities; tasks
+ * (KV head, lane) in parallel with OpenBLAS at one thread inside; sum order fixed by T, G and
+ * the window only (the result does not depend on the thread count; details at scores_fast); the
  * _ref functions are plain double loops. Errors: KVRT_ERR_ARG / KVRT_ERR_SHAPE with the message in kvrt_last_error().
  */
 #include <math.h>
@@ -153,7 +155,26 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 }
 
 // ----------------------------------------------------------------------------
-// attention scores: fast (sgemm over query blocks, vectorized exp, double column sums)
+// attention scores: fast (the window-mass kernel shared by SnapKV, H2O and CompilerKV)
+//
+// Per KV head hk, the rows are (t, g): query t (first_query <= t < T) of query head hk*G + g,
+// taken in row blocks of bq queries (all G heads of the group at once, so every key is packed by
+// the BLAS once per row block instead of once per 16 queries of every head). A row block
+// [ta, tb) sees keys 0..tb-1, processed in chunks of WM_CHUNK keys:
+//   1. one sgemm per chunk: logits [G*bq, chunk] = (q rows) . (keys)^T / sqrt(d), written into
+//      the block's logit buffer (at most WM_BUF_FLOATS per thread);
+//   2. while the chunk is in cache: per row, the causal mask (row t sees keys <= t), the chunk's
+//      max m_c, e = exp(x - m_c) in place (exp_nonpos_f32, vectorized) and the chunk's sum s_c;
+//   3. per row: m = max_c m_c, S = sum_c s_c exp(m_c - m) (double, chunk order), and the factor
+//      f_c = exp(m_c - m) / S of every chunk;
+//   4. per chunk: the column sums of f_c e over the rows, in row order, in float over groups of
+//      WM_GROUP rows, each group added in double into the task's accumulator.
+// Tasks are (KV head, lane): lane l of a KV head processes row blocks l, l + L, l + 2L, ... in
+// order (L = min(row blocks, WM_LANES)); the lanes are added in lane order and divided by G.
+// Block sizes depend on T, G, d and the window only, never on the thread count, so the result is
+// the same for any number of threads. Tasks run in parallel over OpenMP threads with OpenBLAS
+// held at one thread inside (restored after): no OpenMP region sits between multi-threaded
+// OpenBLAS calls, and the sgemms are the same calls whatever the thread count.
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -162,43 +183,124 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 
 #include "cpu/vexp.h" /* exp_nonpos_f32 */
 
-#define SC_ROWS 16            /* query rows per block */
-#define SC_MNK (1 << 18)      /* each sgemm stays single-threaded in OpenBLAS (see attend.c) */
+#define WM_BUF_FLOATS ((int64_t)1 << 23) /* logits per thread: 32 MiB (256 rows at T = 32768) */
+#define WM_CHUNK 1024                    /* keys per sgemm: [256 rows, 1024] = 1 MiB, in L2 */
+#define WM_CAUSAL_ROWS 256               /* rows per block when every query is scored (H2O) */
+#define WM_GROUP 32                      /* rows summed in float before the double accumulator */
+#define WM_LANES 4
 
-/* Rows t0 .. t0 + nq - 1 of head h: logits against keys 0..t0+nq-1 in column chunks (sgemm),
- * causal softmax per row scaled by w, then the block's column sums in row order into
- * col[0 .. t0 + nq). s: [SC_ROWS, T] scratch. */
-static void score_block(const float *q, const float *k, uint32_t H, uint32_t Hkv, uint32_t d,
-                        uint32_t h, int64_t T, int64_t t0, int64_t nq, float w, float *s,
-                        float *col) {
-    const uint32_t hk = h / (H / Hkv);
-    const int64_t ncol = t0 + nq;
-    const float sc = (float)(1.0 / sqrt((double)d));
-    int64_t cb = SC_MNK / (SC_ROWS * (int64_t)d);
-    cb = cb < 16 ? 16 : cb;
-    for (int64_t c0 = 0; c0 < ncol; c0 += cb) {
-        const int64_t nc = ncol - c0 < cb ? ncol - c0 : cb;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nq, (int)nc, (int)d, sc,
-                    q + ((size_t)t0 * H + h) * d, (int)((size_t)H * d),
-                    k + ((size_t)c0 * Hkv + hk) * d, (int)((size_t)Hkv * d), 0.0f, s + c0,
-                    (int)ncol);
-    }
-    for (int64_t j = 0; j < ncol; j++) col[j] = 0.0f;
-    for (int64_t r = 0; r < nq; r++) {
-        float *row = s + r * ncol;
-        const int64_t len = t0 + r + 1; /* causal: keys 0..t0+r */
+typedef struct {
+    const float *q, *k;
+    int64_t T, first_query, bq, nrb, nch_max;
+    uint32_t H, Hkv, d, G;
+    int lanes;
+    float scale;
+} wm_plan;
+
+typedef struct {
+    float *qp;   /* [G*bq, d] packed query rows */
+    float *e;    /* [G*bq, tb] logits, then exp */
+    float *cm;   /* [G*bq, nch] chunk maxima */
+    float *cs;   /* [G*bq, nch] chunk sums, then the factors f_c */
+    float *colf; /* [WM_CHUNK] float column sums of one row group */
+} wm_scratch;
+
+/* The per-element loops (steps 2 and 4) are compiled for the baseline ISA (SSE2, what -O2
+ * targets) and for AVX2 and AVX-512, picked once at load time by an ifunc (target_clones, as in
+ * compkv.c; -DKVRT_NO_CLONES builds the baseline only). No FMA is enabled: the exp and the column
+ * sums round every operation the same way in every clone; only the lane split of a chunk's row
+ * sum differs between clones (the CPU decides, never the thread count). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(KVRT_NO_CLONES)
+#define WM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define WM_CLONES
+#endif
+
+/* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta:
+ * logits e (row stride ldc) become exp(x - m_c), masked keys 0; cm/cs (stride nch) get the
+ * chunk's max and sum. */
+WM_CLONES static void wm_softmax_chunk(float *e, int64_t ldc, int64_t R, uint32_t G, int64_t ta,
+                                       int64_t c0, int64_t nc, float *cm, float *cs,
+                                       int64_t nch) {
+    for (int64_t r = 0; r < R; r++) {
+        float *row = e + (size_t)r * ldc;
+        int64_t len = ta + r / G + 1 - c0; /* causal: query t sees keys 0..t */
+        len = len < 0 ? 0 : len > nc ? nc : len;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < len; j++) m = row[j] > m ? row[j] : m;
         const float shift = m == -INFINITY ? 0.0f : m;
         float sum = 0.0f;
-#pragma omp simd
-        for (int64_t j = 0; j < len; j++) row[j] = exp_nonpos_f32(row[j] - shift);
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) sum += row[j];
-        const float f = sum > 0.0f ? w / sum : 0.0f;
+        for (int64_t j = 0; j < len; j++) {
+            const float x = exp_nonpos_f32(row[j] - shift);
+            row[j] = x;
+            sum += x;
+        }
+        for (int64_t j = len; j < nc; j++) row[j] = 0.0f;
+        cm[(size_t)r * nch] = m;
+        cs[(size_t)r * nch] = sum;
+    }
+}
+
+/* Step 4 for one chunk: acc[j] += sum over the R rows of f[r] e[r][j], float within groups of
+ * WM_GROUP rows (in row order), each group added in double. colf: [nc] scratch. */
+WM_CLONES static void wm_colsum_chunk(const float *e, int64_t ldc, int64_t R, const float *f,
+                                      int64_t fstride, int64_t nc, float *colf, double *acc) {
+    for (int64_t r0 = 0; r0 < R; r0 += WM_GROUP) {
+        const int64_t r1 = r0 + WM_GROUP < R ? r0 + WM_GROUP : R;
+        for (int64_t j = 0; j < nc; j++) colf[j] = 0.0f;
+        for (int64_t r = r0; r < r1; r++) {
+            const float fr = f[(size_t)r * fstride];
+            if (fr == 0.0f) continue; /* a fully masked chunk of this row */
+            const float *row = e + (size_t)r * ldc;
 #pragma omp simd
-        for (int64_t j = 0; j < len; j++) col[j] += row[j] * f;
+            for (int64_t j = 0; j < nc; j++) colf[j] += fr * row[j];
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < nc; j++) acc[j] += (double)colf[j];
+    }
+}
+
+/* Steps 1-2 for one chunk [c0, c0 + nc) of row block [ta, tb) of KV head hk. */
+static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64_t ncol,
+                     int64_t c, wm_scratch *s) {
+    const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
+    const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nc, (int)P->d, P->scale,
+                s->qp, (int)P->d, P->k + ((size_t)c0 * P->Hkv + hk) * P->d,
+                (int)((size_t)P->Hkv * P->d), 0.0f, s->e + c0, (int)ncol);
+    wm_softmax_chunk(s->e + c0, ncol, R, P->G, ta, c0, nc, s->cm + c, s->cs + c, nch);
+}
+
+/* Row block b of KV head hk: steps 1-4, the block's column mass added into acc [T] (double). */
+static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, double *acc) {
+    const uint32_t G = P->G, d = P->d;
+    const int64_t ta = P->first_query + b * P->bq;
+    const int64_t tb = ta + P->bq < P->T ? ta + P->bq : P->T;
+    const int64_t R = (tb - ta) * G, ncol = tb;
+    const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
+    for (int64_t t = ta; t < tb; t++) /* the G heads of a token are contiguous in q */
+        memcpy(s->qp + (size_t)(t - ta) * G * d, P->q + ((size_t)t * P->H + (size_t)hk * G) * d,
+               sizeof(float) * G * d);
+    for (int64_t c = 0; c < nch; c++) wm_chunk(P, hk, ta, R, ncol, c, s);
+    /* step 3: per row, the global max and sum, then each chunk's factor (in place of cs) */
+    for (int64_t r = 0; r < R; r++) {
+        const float *cm = s->cm + (size_t)r * nch;
+        float *cs = s->cs + (size_t)r * nch;
+        float m = -INFINITY;
+        for (int64_t c = 0; c < nch; c++) m = cm[c] > m ? cm[c] : m;
+        double S = 0.0;
+        for (int64_t c = 0; c < nch; c++)
+            if (cs[c] > 0.0f) S += (double)cs[c] * exp((double)cm[c] - (double)m);
+        for (int64_t c = 0; c < nch; c++)
+            cs[c] = cs[c] > 0.0f && S > 0.0 ? (float)(exp((double)cm[c] - (double)m) / S) : 0.0f;
+    }
+    /* step 4: column sums in row order, float within a group of rows, double across groups */
+    for (int64_t c = 0; c < nch; c++) {
+        const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
+        wm_colsum_chunk(s->e + c0, ncol, R, s->cs + c, nch, nc, s->colf, acc + c0);
     }
 }
 
@@ -206,52 +308,67 @@ static void score_block(const float *q, const float *k, uint32_t H, uint32_t Hkv
 #pragma GCC pop_options
 #endif
 
-/* Queries first_query .. T-1 of every query head. One parallel region, OpenMP over query heads
- * (single-threaded sgemms inside); each head's column sums are accumulated in double by one
- * thread in block order, then averaged over the G heads of a KV head in head order, so the
- * result does not depend on the thread count. (An earlier version forked a parallel region per
- * group of row blocks: on a 2-vCPU VM with the default OMP_WAIT_POLICY it ran 6x slower.) */
+/* Queries first_query .. T-1 of every query head (see the section comment). */
 static int scores_fast(const char *fn, const float *q, const float *k, int64_t T, uint32_t H,
                        uint32_t Hkv, uint32_t d, int64_t first_query, float *scores) {
+    wm_plan P = {.q = q, .k = k, .T = T, .first_query = first_query, .H = H, .Hkv = Hkv, .d = d,
+                 .G = H / Hkv, .scale = (float)(1.0 / sqrt((double)d))};
+    const int64_t Q = T - first_query;
+    int64_t bq = WM_BUF_FLOATS / ((int64_t)P.G * T); /* the buffer's bound */
+    if (first_query == 0) { /* every query (H2O): blocks of ~WM_CAUSAL_ROWS rows, so that the */
+        const int64_t c = (WM_CAUSAL_ROWS + P.G - 1) / P.G; /* masked corners stay small */
+        bq = bq < c ? bq : c;
+    }
+    bq = bq < 1 ? 1 : bq > Q ? Q : bq;
+    P.bq = bq;
+    P.nrb = (Q + bq - 1) / bq;
+    P.lanes = P.nrb < WM_LANES ? (int)P.nrb : WM_LANES;
+    P.nch_max = (T + WM_CHUNK - 1) / WM_CHUNK;
+    const int n_tasks = (int)Hkv * P.lanes;
     int nt = 1;
 #ifdef _OPENMP
     nt = omp_get_max_threads();
 #endif
-    if (nt > (int)H) nt = (int)H;
-    double *acc = malloc(sizeof(double) * (size_t)T * H);
-    float *s = malloc(sizeof(float) * (size_t)SC_ROWS * (size_t)T * (size_t)nt);
-    float *col = malloc(sizeof(float) * (size_t)T * (size_t)nt);
-    if (acc == NULL || s == NULL || col == NULL) {
+    if (nt > n_tasks) nt = n_tasks;
+    if (nt < 1) nt = 1;
+    const size_t R = (size_t)bq * P.G;
+    const size_t per = R * d + R * (size_t)T + 2 * R * (size_t)P.nch_max + WM_CHUNK;
+    float *buf = malloc(sizeof(float) * per * (size_t)nt);
+    double *acc = calloc((size_t)n_tasks * (size_t)T, sizeof(double));
+    if (buf == NULL || acc == NULL) {
+        free(buf);
         free(acc);
-        free(s);
-        free(col);
-        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0,
+                            "%s: out of memory (%zu MiB of scratch)", fn,
+                            (sizeof(float) * per * (size_t)nt + sizeof(double) * n_tasks * T) >> 20);
     }
-    const uint32_t G = H / Hkv;
+    /* OpenBLAS at one thread inside the tasks (its own threads would compete with OpenMP's) */
+    const int blas_threads = openblas_get_num_threads();
+    if (blas_threads != 1) openblas_set_num_threads(1);
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (uint32_t h = 0; h < H; h++) {
+    for (int task = 0; task < n_tasks; task++) {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        double *ah = acc + (size_t)h * T;
-        float *st = s + (size_t)tid * SC_ROWS * (size_t)T, *ct = col + (size_t)tid * T;
-        memset(ah, 0, sizeof(double) * (size_t)T);
-        for (int64_t t0 = first_query; t0 < T; t0 += SC_ROWS) {
-            const int64_t nq = T - t0 < SC_ROWS ? T - t0 : SC_ROWS;
-            score_block(q, k, H, Hkv, d, h, T, t0, nq, 1.0f, st, ct);
-            for (int64_t j = 0; j < t0 + nq; j++) ah[j] += (double)ct[j];
-        }
+        float *base = buf + per * (size_t)tid;
+        wm_scratch s = {.qp = base, .e = base + R * d, .cm = base + R * d + R * (size_t)T};
+        s.cs = s.cm + R * (size_t)P.nch_max;
+        s.colf = s.cs + R * (size_t)P.nch_max;
+        const uint32_t hk = (uint32_t)(task / P.lanes);
+        const int lane = task % P.lanes;
+        for (int64_t b = lane; b < P.nrb; b += P.lanes)
+            wm_block(&P, hk, b, &s, acc + (size_t)task * T);
     }
+    if (blas_threads != 1) openblas_set_num_threads(blas_threads);
     for (uint32_t hk = 0; hk < Hkv; hk++)
         for (int64_t j = 0; j < T; j++) {
             double m = 0.0;
-            for (uint32_t g = 0; g < G; g++) m += acc[(size_t)(hk * G + g) * T + j];
-            scores[(size_t)hk * T + j] = (float)(m / G);
+            for (int l = 0; l < P.lanes; l++) m += acc[((size_t)hk * P.lanes + l) * T + j];
+            scores[(size_t)hk * T + j] = (float)(m / P.G);
         }
+    free(buf);
     free(acc);
-    free(s);
-    free(col);
     return KVRT_OK;
 }
 
