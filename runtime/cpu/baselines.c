@@ -25,6 +25,7 @@
  * the window only (the result does not depend on the thread count; details at scores_fast); the
  * _ref functions are plain double loops. Errors: KVRT_ERR_ARG / KVRT_ERR_SHAPE with the message in kvrt_last_error().
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -253,10 +254,17 @@ WM_CLONES static void wm_colsum_chunk(const float *e, int64_t ldc, int64_t R, co
         for (int64_t j = 0; j < nc; j++) colf[j] = 0.0f;
         for (int64_t r = r0; r < r1; r++) {
             const float fr = f[(size_t)r * fstride];
-            if (fr == 0.0f) continue; /* a fully masked chunk of this row */
+            if (fr == 0.0f) continue; /* a fully masked (or negligible) chunk of this row */
             const float *row = e + (size_t)r * ldc;
+            /* entries whose product with fr would be subnormal (< FLT_MIN) count as 0: subnormal
+             * arithmetic runs ~100x slower on x86 and real attention (a sink far above the rest)
+             * makes many; the error is below FLT_MIN per entry */
+            const float thr = FLT_MIN / fr;
 #pragma omp simd
-            for (int64_t j = 0; j < nc; j++) colf[j] += fr * row[j];
+            for (int64_t j = 0; j < nc; j++) {
+                const float x = row[j] >= thr ? row[j] : 0.0f;
+                colf[j] += fr * x;
+            }
         }
 #pragma omp simd
         for (int64_t j = 0; j < nc; j++) acc[j] += (double)colf[j];
@@ -294,8 +302,10 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
         double S = 0.0;
         for (int64_t c = 0; c < nch; c++)
             if (cs[c] > 0.0f) S += (double)cs[c] * exp((double)cm[c] - (double)m);
-        for (int64_t c = 0; c < nch; c++)
-            cs[c] = cs[c] > 0.0f && S > 0.0 ? (float)(exp((double)cm[c] - (double)m) / S) : 0.0f;
+        for (int64_t c = 0; c < nch; c++) { /* factors below FLT_MIN: 0 (see wm_colsum_chunk) */
+            const double f = cs[c] > 0.0f && S > 0.0 ? exp((double)cm[c] - (double)m) / S : 0.0;
+            cs[c] = f >= (double)FLT_MIN ? (float)f : 0.0f;
+        }
     }
     /* step 4: column sums in row order, float within a group of rows, double across groups */
     for (int64_t c = 0; c < nch; c++) {
