@@ -334,13 +334,14 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
     P.nrb = (Q + bq - 1) / bq;
     P.lanes = P.nrb < WM_LANES ? (int)P.nrb : WM_LANES;
     P.nch_max = (T + WM_CHUNK - 1) / WM_CHUNK;
-    const int n_tasks = (int)Hkv * P.lanes;
-    int nt = 1;
+    const int64_t n_tasks = (int64_t)Hkv * P.lanes;
+    int nt = 1, nested = 0;
 #ifdef _OPENMP
     nt = omp_get_max_threads();
+    nested = omp_in_parallel();
 #endif
-    if (nt > n_tasks) nt = n_tasks;
-    if (nt < 1) nt = 1;
+    if (nt > n_tasks) nt = (int)n_tasks;
+    if (nt < 1 || nested) nt = 1; /* nested regions run on one thread */
     const size_t R = (size_t)bq * P.G;
     const size_t per = R * d + R * (size_t)T + 2 * R * (size_t)P.nch_max + WM_CHUNK;
     float *buf = malloc(sizeof(float) * per * (size_t)nt);
@@ -352,11 +353,14 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
                             "%s: out of memory (%zu MiB of scratch)", fn,
                             (sizeof(float) * per * (size_t)nt + sizeof(double) * n_tasks * T) >> 20);
     }
-    /* OpenBLAS at one thread inside the tasks (its own threads would compete with OpenMP's) */
-    const int blas_threads = openblas_get_num_threads();
+    /* OpenBLAS at one thread inside the tasks (its pthreads would compete with OpenMP's team),
+     * restored after. OpenBLAS' thread count is process-wide: inside an enclosing parallel
+     * region the caller owns it and it is left alone (cmd_compile sets it to 1 itself); two
+     * threads of a program calling this concurrently outside OpenMP may leave it at 1. */
+    const int blas_threads = nested ? 1 : openblas_get_num_threads();
     if (blas_threads != 1) openblas_set_num_threads(1);
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
-    for (int task = 0; task < n_tasks; task++) {
+    for (int64_t task = 0; task < n_tasks; task++) {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
@@ -366,7 +370,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         s.cs = s.cm + R * (size_t)P.nch_max;
         s.colf = s.cs + R * (size_t)P.nch_max;
         const uint32_t hk = (uint32_t)(task / P.lanes);
-        const int lane = task % P.lanes;
+        const int lane = (int)(task % P.lanes);
         for (int64_t b = lane; b < P.nrb; b += P.lanes)
             wm_block(&P, hk, b, &s, acc + (size_t)task * T);
     }
