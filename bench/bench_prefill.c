@@ -1,6 +1,7 @@
 /*
  * bench_prefill.c: prefill throughput (tokens/s) of the built-in model (calib/model.h) on real
- * held-out text, against the machine's own OpenBLAS sgemm rate measured in the same run
+ * held-out text, against the sgemm rate of the backend the model uses (oneDNN or OpenBLAS, kvcc_model_gemm_name;
+ * the OpenBLAS rate of the same shape is printed next to it) measured in the same run
  * (`make bench`; bench/prefill_vs_torch.sh puts it side by side with transformers on torch CPU).
  *
  * Prompts: the first --tokens tokens (no BOS) of each of the first --prompts files of
@@ -18,7 +19,8 @@
  * row, attention over the growing cache, logits over the vocabulary). tokens/s is N over the
  * median decode time of one prompt. Its limit is memory bandwidth: every step reads all f32
  * weights once, so the ceiling printed is the triad bandwidth measured in the same run divided
- * by the weight bytes per token.
+ * by the weight bytes per token. The decode GEMV alone (gate/up and lm_head shapes) is measured
+ * against cblas_sgemv and the same triad.
  *
  * usage: bench_prefill [--model F] [--prompts N] [--tokens T] [--reps R] [--decode N]
  *                      [--ids-out FILE]
@@ -29,6 +31,7 @@
  */
 #include <cblas.h>
 #include <dirent.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +43,9 @@
 #include "gguf.h"
 #include "model.h"
 #include "tokenizer.h"
+#if KVCC_WITH_DNNL
+#include <dnnl.h>
+#endif
 
 #define HELDOUT_DIR "examples/data/heldout"
 #define MAX_FILES 64
@@ -93,8 +99,18 @@ static double triad_rate(int runs) {
 }
 
 // ---------------------------------------------------------------- sgemm rate
+/* C[m,n] = A[m,k] . B[n,k]^T through the backend the model uses (backend 1: oneDNN when built
+ * with it) or OpenBLAS (backend 0). */
+static void sgemm_nt(int backend, int m, int n, int k, const float *A, const float *B, float *C) {
+#if KVCC_WITH_DNNL
+    if (backend && dnnl_sgemm('N', 'T', m, n, k, 1.0f, A, k, B, k, 0.0f, C, n) == dnnl_success) return;
+#endif
+    (void)backend;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, A, k, B, k, 0.0f, C, n);
+}
+
 /* Median GFLOP/s of C[m,n] = A[m,k] . B[n,k]^T (the model's NoTrans/Trans call) over `runs`. */
-static double sgemm_rate(int m, int n, int k, int runs) {
+static double sgemm_rate_on(int backend, int m, int n, int k, int runs) {
     float *A = malloc((size_t)m * k * sizeof *A), *B = malloc((size_t)n * k * sizeof *B);
     float *C = malloc((size_t)m * n * sizeof *C);
     if (!A || !B || !C) {
@@ -105,12 +121,12 @@ static double sgemm_rate(int m, int n, int k, int runs) {
     for (size_t i = 0; i < (size_t)n * k; i++) B[i] = (float)((i * 104729u) % 1000) * 1e-3f - 0.5f;
     double r[64];
     if (runs > 64) runs = 64;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, A, k, B, k, 0.0f, C, n); /* warm */
+    sgemm_nt(backend, m, n, k, A, B, C); /* warm */
     for (int i = 0; i < runs; i++) {
         int inner = 0;
         double t0 = now_s(), t;
         do { /* at least 50 ms per sample */
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, A, k, B, k, 0.0f, C, n);
+            sgemm_nt(backend, m, n, k, A, B, C);
             inner++;
         } while ((t = now_s() - t0) < 0.05);
         r[i] = 2.0 * m * n * k * inner / t * 1e-9;
@@ -118,6 +134,41 @@ static double sgemm_rate(int m, int n, int k, int runs) {
     free(A);
     free(B);
     free(C);
+    return median(r, runs);
+}
+static double sgemm_rate(int m, int n, int k, int runs) { return sgemm_rate_on(1, m, n, k, runs); }
+
+// ---------------------------------------------------------------- GEMV rate
+/* Median GB/s (weight bytes / time) of y = W x for W (rows, cols) f32: impl 0 cblas_sgemv, 1 the
+ * model's decode GEMV (kvcc_model_gemv_f32). W is larger than the caches for the shapes asked
+ * (or cycled through copies so that each call reads from memory). */
+static double gemv_rate(int impl, int rows, int cols, int runs) {
+    const size_t wn = (size_t)rows * cols;
+    const int copies = wn * sizeof(float) >= ((size_t)64 << 20) ? 1 : (int)(((size_t)64 << 20) / (wn * sizeof(float))) + 1;
+    float *W = malloc(wn * copies * sizeof *W), *x = malloc((size_t)cols * sizeof *x), *y = malloc((size_t)rows * sizeof *y);
+    if (!W || !x || !y) {
+        fprintf(stderr, "bench_prefill: out of memory\n");
+        exit(1);
+    }
+    for (size_t i = 0; i < wn * copies; i++) W[i] = (float)((i * 7919u) % 1000) * 1e-3f - 0.5f;
+    for (int i = 0; i < cols; i++) x[i] = (float)(i % 17) * 0.01f;
+    double r[64];
+    if (runs > 64) runs = 64;
+    int c = 0;
+    for (int i = 0; i < runs; i++) {
+        int inner = 0;
+        double t0 = now_s(), t;
+        do {
+            const float *Wc = W + (size_t)(c++ % copies) * wn;
+            if (impl == 0) cblas_sgemv(CblasRowMajor, CblasNoTrans, rows, cols, 1.0f, Wc, cols, x, 1, 0.0f, y, 1);
+            else kvcc_model_gemv_f32(1, Wc, rows, cols, x, 0.0f, y);
+            inner++;
+        } while ((t = now_s() - t0) < 0.05);
+        r[i] = (double)wn * sizeof(float) * inner / t * 1e-9;
+    }
+    free(W);
+    free(x);
+    free(y);
     return median(r, runs);
 }
 
@@ -150,6 +201,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     const char *ct = getenv("OPENBLAS_CORETYPE");
+    printf("bench_prefill: model GEMMs: %s; %d OpenMP threads\n", kvcc_model_gemm_name(), omp_get_max_threads());
     printf("bench_prefill: OpenBLAS %s, core %s, %d threads; OPENBLAS_CORETYPE=%s\n", openblas_get_config(),
            openblas_get_corename(), openblas_get_num_threads(), ct ? ct : "(unset)");
 
@@ -227,7 +279,13 @@ int main(int argc, char **argv) {
     double rates[3];
     for (int i = 0; i < 3; i++) {
         rates[i] = sgemm_rate(shapes[i].m, shapes[i].n, shapes[i].k, 7);
-        printf("sgemm %-46s %7.1f GFLOP/s (median of 7)\n", shapes[i].what, rates[i]);
+#if KVCC_WITH_DNNL
+        const double ob = sgemm_rate_on(0, shapes[i].m, shapes[i].n, shapes[i].k, 7);
+        printf("sgemm %-46s %7.1f GFLOP/s oneDNN (the model's), %7.1f OpenBLAS (median of 7)\n", shapes[i].what,
+               rates[i], ob);
+#else
+        printf("sgemm %-46s %7.1f GFLOP/s OpenBLAS (the model's; median of 7)\n", shapes[i].what, rates[i]);
+#endif
     }
 
     // ------------------------------------------------------------ prefill
@@ -279,6 +337,13 @@ int main(int argc, char **argv) {
         /* f32 weights read once per step: the linear layers of every layer plus the LM head */
         const double wbytes = (lin * hp->n_layer + V * E) * sizeof(float);
         const double bw = triad_rate(7);
+        struct { int rows, cols; const char *what; } gs[] = {{hp->n_ff, hp->n_embd, "gate/up"},
+                                                             {hp->n_vocab, hp->n_embd, "lm_head"}};
+        for (int i = 0; i < 2; i++) {
+            const double ours = gemv_rate(1, gs[i].rows, gs[i].cols, 7), ob = gemv_rate(0, gs[i].rows, gs[i].cols, 7);
+            printf("gemv %-8s %5d x %-4d: ours %.1f GB/s = %.0f%% of triad, cblas_sgemv %.1f GB/s = %.0f%% (median of 7)\n",
+                   gs[i].what, gs[i].rows, gs[i].cols, ours, 100 * ours / bw, ob, 100 * ob / bw);
+        }
         const double dmed = n_dec / median(dsec, ns), dbest = n_dec / dsec[0];
         printf("triad: %.1f GB/s (median of 7, 3 x 64 MiB); decode ceiling %.1f tokens/s = triad / "
                "%.1f MB of f32 weights per token\n", bw, bw * 1e9 / wbytes, wbytes * 1e-6);

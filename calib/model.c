@@ -2,21 +2,30 @@
  * model.c - llama-family forward pass (RMSNorm, RoPE, grouped-query attention, SwiGLU) over
  * f32 weights dequantized from GGUF.
  *
- * Called through model.h by capture, eval, the CLI and tests. OpenBLAS is used only here
- * (cblas_sgemm for every matrix product); attention is plain C with OpenMP over (token, head).
+ * Called through model.h by capture, eval, the CLI and tests. The matrix products of a prefill go
+ * through sgemm_rm (oneDNN's dnnl_sgemm with USE_DNNL=1, else OpenBLAS's cblas_sgemm), those of a
+ * decode step through gemv_fast (AVX-512); attention is plain C with OpenMP.
  * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
- *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax
+ *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax,
+ *          kvcc_model_gemm_name, kvcc_model_gemv_f32
  */
 #include "model.h"
 
 #include <cblas.h>
 #include <math.h>
+#include <pthread.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "calib_msg.h"
+
+#if KVCC_WITH_DNNL
+#include <dnnl.h>
+#endif
+
+#define ATT_BQ 32 /* queries per attention task (attend_tiles) */
 
 // ---------------------------------------------------------------- load
 
@@ -401,8 +410,9 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
     s->hb2 = malloc(C * F * sizeof(float));
     s->rope_cos = malloc(C * (d / 2) * sizeof(float));
     s->rope_sin = malloc(C * (d / 2) * sizeof(float));
-    /* attend_ref needs one row per thread, attend_blas one row per token of a chunk */
-    size_t score_rows = (size_t)s->n_threads > C ? (size_t)s->n_threads : C;
+    /* attend_ref needs one row per thread, attend_blas one row per token of a chunk,
+     * attend_tiles ATT_BQ rows per thread */
+    size_t score_rows = (size_t)s->n_threads * ATT_BQ > C ? (size_t)s->n_threads * ATT_BQ : C;
     s->scores = malloc(score_rows * (size_t)n_ctx * sizeof(float));
     if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->att || !s->hb || !s->hb2 ||
         !s->rope_cos || !s->rope_sin || !s->scores) {
@@ -450,16 +460,176 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
 
 // ---------------------------------------------------------------- kernels
 
+/*
+ * GEMM backend. Every product with more than one row goes through sgemm_rm: oneDNN's dnnl_sgemm
+ * when built with USE_DNNL=1 (it dispatches on the CPU's ISA itself and runs on our OpenMP team),
+ * OpenBLAS's cblas_sgemm otherwise (whose kernels depend on what OpenBLAS recognises: 0.3.21 runs
+ * its generic "Prescott" kernels on CPUs newer than it, 4-6x slower). Both give results that do
+ * not depend on the thread count on the shapes used here (tests/cli/capture_threads.sh checks a
+ * capture at OMP_NUM_THREADS=1 and 2). Row-major: C (m, n) = alpha A (m, k) op(B) + beta C, op(B)
+ * = B^T with B (n, k) when tb, else B (k, n).
+ */
+#if KVCC_WITH_DNNL
+/* oneDNN runs its GEMMs on libgomp's team, the one our OpenMP loops use: parallel loops between
+ * GEMMs cost nothing extra (with OpenBLAS, whose pthreads spin after a call, they would). */
+#define GEMM_SHARES_OMP 1
+#else
+#define GEMM_SHARES_OMP 0
+#endif
+
+static void sgemm_rm(int tb, int m, int n, int k, float alpha, const float *A, int lda,
+                     const float *B, int ldb, float beta, float *C, int ldc) {
+#if KVCC_WITH_DNNL
+    if (dnnl_sgemm('N', tb ? 'T' : 'N', m, n, k, alpha, A, lda, B, ldb, beta, C, ldc) ==
+        dnnl_success)
+        return;
+    /* only on an argument oneDNN rejects or an allocation it could not make: same product */
+#endif
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, A,
+                lda, B, ldb, beta, C, ldc);
+}
+
+/*
+ * Decode GEMV: y (rows) = W (rows, cols) x + beta y, beta 0 or 1 (0: y is only written). A decode
+ * step reads every weight once, so its limit is memory bandwidth; cblas_sgemv reached 42% of the
+ * triad rate here, sgemm with M = 1 less (OpenBLAS re-packs W per call; oneDNN is slower still).
+ * gemv_ref: plain loops, the reference. gemv_fast: AVX-512 (when the CPU has it, checked at run
+ * time), four rows at a time sharing the loads of x, OpenMP over blocks of rows with a static
+ * schedule. Every row is summed in one fixed order whatever the thread count or the block it
+ * falls in: one 16-lane FMA accumulator over the columns in order, a masked tail, then
+ * _mm512_reduce_add_ps. So decode is bit-identical at any OMP_NUM_THREADS.
+ */
+static void gemv_ref(const float *W, int rows, int cols, const float *x, float beta, float *y) {
+    for (int r = 0; r < rows; r++) {
+        const float *w = W + (size_t)r * cols;
+        float acc = 0.0f;
+        for (int c = 0; c < cols; c++) acc += w[c] * x[c];
+        y[r] = beta != 0.0f ? beta * y[r] + acc : acc;
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVCC_HAVE_X86 1
+#include <immintrin.h>
+
+__attribute__((target("avx512f"))) static inline float dot1_avx512(const float *w,
+                                                                    const float *x, int cols) {
+    __m512 a = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 16 <= cols; c += 16)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(w + c), _mm512_loadu_ps(x + c), a);
+    if (c < cols) {
+        const __mmask16 k = (__mmask16)((1u << (cols - c)) - 1u);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + c), _mm512_maskz_loadu_ps(k, x + c), a);
+    }
+    return _mm512_reduce_add_ps(a);
+}
+
+__attribute__((target("avx512f"))) static void gemv_avx512(const float *W, int rows, int cols,
+                                                           const float *x, float beta, float *y) {
+    const int nb = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int b = 0; b < nb; b++) {
+        const size_t r = (size_t)b * 4;
+        const float *w0 = W + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + c);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + c), xv, a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + c), xv, a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + c), xv, a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + c), xv, a3);
+        }
+        if (c < cols) { /* the same masked step as dot1_avx512 */
+            const __mmask16 k = (__mmask16)((1u << (cols - c)) - 1u);
+            const __m512 xv = _mm512_maskz_loadu_ps(k, x + c);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w0 + c), xv, a0);
+            a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w1 + c), xv, a1);
+            a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w2 + c), xv, a2);
+            a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w3 + c), xv, a3);
+        }
+        const float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                            _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+        for (int i = 0; i < 4; i++) y[r + i] = beta != 0.0f ? beta * y[r + i] + s[i] : s[i];
+    }
+    for (int r = nb * 4; r < rows; r++) {
+        const float s = dot1_avx512(W + (size_t)r * cols, x, cols);
+        y[r] = beta != 0.0f ? beta * y[r] + s : s;
+    }
+}
+
+static int cpu_has_avx512f(void) {
+    static int v = -1; /* benign race: every thread computes the same value */
+    if (v < 0) v = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    return v;
+}
+#else
+#define KVCC_HAVE_X86 0
+static int cpu_has_avx512f(void) { return 0; }
+#endif
+
+/* the fast path where the CPU has one, else the reference with OpenMP over rows */
+static void gemv_fast(const float *W, int rows, int cols, const float *x, float beta, float *y) {
+#if KVCC_HAVE_X86
+    if (cpu_has_avx512f()) {
+        gemv_avx512(W, rows, cols, x, beta, y);
+        return;
+    }
+#endif
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int r = 0; r < rows; r++) gemv_ref(W + (size_t)r * cols, 1, cols, x, beta, y + r);
+}
+
+int kvcc_model_gemv_f32(int impl, const float *W, int rows, int cols, const float *x, float beta,
+                        float *y) {
+    if (!W || !x || !y || rows < 1 || cols < 1 || (impl != 0 && impl != 1)) return KVCC_GGUF_ERR_ARG;
+    if (impl == 0) gemv_ref(W, rows, cols, x, beta, y);
+    else gemv_fast(W, rows, cols, x, beta, y);
+    return 0;
+}
+
+static char gemm_name[192];
+static void gemm_name_init(void) {
+    const char *gemv = cpu_has_avx512f() ? "AVX-512" : "plain C";
+#if KVCC_WITH_DNNL
+    const dnnl_version_t *v = dnnl_version();
+    const char *isa = "?";
+    switch ((int)dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_sse41: isa = "sse41"; break;
+    case dnnl_cpu_isa_avx: isa = "avx"; break;
+    case dnnl_cpu_isa_avx2: isa = "avx2"; break;
+    case dnnl_cpu_isa_avx2_vnni: isa = "avx2_vnni"; break;
+    case dnnl_cpu_isa_avx512_core: isa = "avx512_core"; break;
+    case dnnl_cpu_isa_avx512_core_vnni: isa = "avx512_core_vnni"; break;
+    case dnnl_cpu_isa_avx512_core_bf16: isa = "avx512_core_bf16"; break;
+    case dnnl_cpu_isa_avx512_core_amx: isa = "avx512_core_amx"; break;
+    default: break;
+    }
+    snprintf(gemm_name, sizeof gemm_name, "oneDNN %d.%d.%d sgemm (isa %s); decode GEMV %s",
+             v->major, v->minor, v->patch, isa, gemv);
+#else
+    char cfg[96];
+    snprintf(cfg, sizeof cfg, "%s", openblas_get_config()); /* "OpenBLAS 0.3.21 DYNAMIC_ARCH ..." */
+    char *sp = strchr(cfg, ' ');
+    if (sp && (sp = strchr(sp + 1, ' '))) *sp = 0; /* keep name and version */
+    snprintf(gemm_name, sizeof gemm_name, "%s sgemm (%s); decode GEMV %s", cfg,
+             openblas_get_corename(), gemv);
+#endif
+}
+
+const char *kvcc_model_gemm_name(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, gemm_name_init);
+    return gemm_name;
+}
+
 /* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
- * decode step) goes through sgemv: sgemm with M = 1 makes OpenBLAS re-pack W for every token,
- * which costs more than the product (docs/benchmarks.md, "Decode"). */
+ * decode step) goes through the GEMV above, more through sgemm_rm. */
 static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
                      float *y, int ldy) {
-    if (n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, rows, cols, 1.0f, W, cols, x, 1, beta, y, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, cols, 1.0f, x, cols, W,
-                    cols, beta, y, ldy);
+    if (n == 1) gemv_fast(W, rows, cols, x, beta, y);
+    else sgemm_rm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
 }
 
 /* out[t] = x[t] / rms(x[t]) * w for n rows of E. */
@@ -525,13 +695,16 @@ typedef struct {
 /* out (n, H, d) = softmax(q k^T / sqrt(d) + bias, causal) v for queries q (n, H, d) at positions
  * pos0 .. pos0 + n - 1; query head h reads KV head h / (H / Hkv).
  * attend_ref: plain loops, OpenMP over (token, head); scores holds one row of scores_ld floats
- * per thread. Used for decode (n == 1), where it is as fast as anything else. */
+ * per thread. Used for decode (n == 1), where it is as fast as anything else; threaded over heads
+ * there too with oneDNN (no OpenBLAS pthreads to compete with). */
 static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, int pos0,
-                       const kv_view *view, float *out, float *scores, int64_t scores_ld) {
+                       const kv_view *view, float *out, float *scores, int64_t scores_ld,
+                       int n_threads) {
     (void)layer;
     const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
-    #pragma omp parallel for schedule(dynamic, 4) collapse(2) if (n > 1)
+    #pragma omp parallel for schedule(dynamic, 1) collapse(2) if (n > 1 || GEMM_SHARES_OMP) \
+        num_threads(n_threads)
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
             const kv_head_view *kh = &view->heads[h / group];
@@ -623,6 +796,7 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
  * wait policy) while the next sgemm's OpenBLAS pthreads run, and on 2 cores that halved prefill
  * (4.9 s vs 2.4 s per 512-token prompt, docs/benchmarks.md "Prefill"). scores: at least
  * n * max entries floats. */
+#if !KVCC_WITH_DNNL
 static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                         const kv_view *view, float *out, float *scores) {
     (void)layer;
@@ -637,20 +811,60 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
                 memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
             continue;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale,
-                    q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
+        sgemm_rm(1, n, (int)ne, d, scale, q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f,
+                 scores, (int)ne);
         for (int t = 0; t < n; t++) /* serial: see the comment above attend_blas */
             softmax_row(scores + (size_t)t * ne, ne, pos0 + t, kh->bias, kh->pos);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, (int)ne, 1.0f, scores, (int)ne,
-                    kh->v, (int)kh->stride, 0.0f, out + (size_t)h * d, H * d);
+        sgemm_rm(0, n, d, (int)ne, 1.0f, scores, (int)ne, kh->v, (int)kh->stride, 0.0f,
+                 out + (size_t)h * d, H * d);
     }
 }
+#endif
 
-/* attend: the one entry point of the seam; picks the implementation by query count. */
+#if KVCC_WITH_DNNL
+/* attend_tiles (oneDNN builds): the same result as attend_blas as tasks of (query head, block of
+ * ATT_BQ queries), on the OpenMP team, each task with two single-threaded dnnl_sgemm calls (oneDNN
+ * runs sequentially inside a parallel region) and its own rows of scores. A block only multiplies
+ * the entries its last query can see (full cache: 0..pos0 + t1 - 1), which skips most of the
+ * masked upper triangle of a causal chunk. Every task's arithmetic is the same whichever thread
+ * runs it, so the output does not depend on the thread count. scores: ATT_BQ rows of scores_ld
+ * floats per thread. */
+static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, const kv_view *view,
+                         float *out, float *scores, int64_t scores_ld, int n_threads) {
+    const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    const int nqb = (n + ATT_BQ - 1) / ATT_BQ;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    for (int task = 0; task < H * nqb; task++) {
+        const int b = nqb - 1 - task / H, h = task % H; /* the costliest blocks first */
+        const int t0 = b * ATT_BQ, nb = n - t0 < ATT_BQ ? n - t0 : ATT_BQ;
+        const kv_head_view *kh = &view->heads[h / group];
+        int64_t ne = kh->n;
+        if (!kh->pos && ne > pos0 + t0 + nb) ne = pos0 + t0 + nb;
+        float *o = out + (size_t)t0 * H * d + (size_t)h * d;
+        if (ne == 0) {
+            for (int t = 0; t < nb; t++) memset(o + (size_t)t * H * d, 0, (size_t)d * sizeof(float));
+            continue;
+        }
+        float *sc = scores + (size_t)omp_get_thread_num() * ATT_BQ * scores_ld;
+        sgemm_rm(1, nb, (int)ne, d, scale, q + (size_t)t0 * H * d + (size_t)h * d, H * d, kh->k,
+                 (int)kh->stride, 0.0f, sc, (int)ne);
+        for (int t = 0; t < nb; t++)
+            softmax_row(sc + (size_t)t * ne, ne, pos0 + t0 + t, kh->bias, kh->pos);
+        sgemm_rm(0, nb, d, (int)ne, 1.0f, sc, (int)ne, kh->v, (int)kh->stride, 0.0f, o, H * d);
+    }
+}
+#endif
+
+/* attend: the one entry point of the seam; picks the implementation by query count and backend. */
 static void attend(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                    const kv_view *view, float *out, kvcc_state *s) {
-    if (n == 1) attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx);
+    if (n == 1) attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
+#if KVCC_WITH_DNNL
+    else attend_tiles(m, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
+#else
     else attend_blas(m, layer, q, n, pos0, view, out, s->scores);
+#endif
 }
 
 // ---------------------------------------------------------------- forward
@@ -726,7 +940,9 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
         rmsnorm(s->xb, s->x, w->ffn_norm, n, E, hp->rms_eps);
         matmul_t(s->xb, n, E, w->w_gate, F, 0.0f, s->hb, F);
         matmul_t(s->xb, n, E, w->w_up, F, 0.0f, s->hb2, F);
-        for (size_t i = 0; i < (size_t)n * F; i++) s->hb[i] = silu(s->hb[i]) * s->hb2[i];
+        const long nF = (long)n * F;
+        #pragma omp parallel for schedule(static) if (GEMM_SHARES_OMP && n >= 16)
+        for (long i = 0; i < nF; i++) s->hb[i] = silu(s->hb[i]) * s->hb2[i];
         matmul_t(s->hb, n, F, w->w_down, E, 1.0f, s->x, E); /* x += ffn */
     }
     if (hv != heads) free(hv);

@@ -3,7 +3,8 @@
  *
  * Called by capture (writes post-RoPE q/k/v into the HDF5 corpus), eval (continuation NLL with
  * compressed caches), the kvcc CLI and tests. Weights are dequantized to f32 at load; matrix
- * products go through cblas_sgemm (OpenBLAS), attention is plain C with OpenMP over heads.
+ * products go through oneDNN's sgemm (USE_DNNL=1) or OpenBLAS's, a decode step (one row) through
+ * an AVX-512 GEMV (kvcc_model_gemm_name says which); attention is plain C with OpenMP.
  *
  * Layout of q/k (read this before comparing with other tools): llama.cpp's converter permutes
  * the rows of attn_q / attn_k inside each head so that GGUF llama uses "normal" RoPE on adjacent
@@ -174,6 +175,18 @@ int kvcc_model_logprobs(const kvcc_model *m, kvcc_state *s, const int32_t *token
                         float *logprobs);
 /* exp(-mean(logprobs[0..n))); NAN when n <= 0. */
 double kvcc_perplexity(const float *logprobs, int n);
+
+/* What runs the model's matrix products, e.g. "oneDNN 2.6.3 sgemm (isa avx512_core_bf16); decode
+ * GEMV AVX-512" or "OpenBLAS 0.3.21 sgemm (Prescott); decode GEMV AVX-512" (USE_DNNL=0). Static
+ * storage; thread-safe. */
+const char *kvcc_model_gemm_name(void);
+
+/* The decode GEMV alone, for tests and benches: y (rows) = W (rows, cols) x + beta y, beta 0 (y
+ * only written) or 1. impl 0: plain loops (the reference); 1: the path decode runs (AVX-512 when
+ * the CPU has it, OpenMP over rows; bit-identical at any thread count). KVCC_GGUF_ERR_ARG on a
+ * NULL pointer, rows or cols < 1 or another impl. */
+int kvcc_model_gemv_f32(int impl, const float *W, int rows, int cols, const float *x, float beta,
+                        float *y);
 
 /* Index of the largest of n values (first on ties). */
 int kvcc_argmax(const float *x, int n);
