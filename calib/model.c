@@ -465,8 +465,8 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
  * when built with USE_DNNL=1 (it dispatches on the CPU's ISA itself and runs on our OpenMP team),
  * OpenBLAS's cblas_sgemm otherwise (whose kernels depend on what OpenBLAS recognises: 0.3.21 runs
  * its generic "Prescott" kernels on CPUs newer than it, 4-6x slower). Both give results that do
- * not depend on the thread count on the shapes used here (tests/cli/capture_threads.sh checks a
- * capture at OMP_NUM_THREADS=1 and 2). Row-major: C (m, n) = alpha A (m, k) op(B) + beta C, op(B)
+ * not depend on the thread count on the shapes used here (a
+ * capture at OMP_NUM_THREADS=1 and 2; tests/cli/run.sh). Row-major: C (m, n) = alpha A (m, k) op(B) + beta C, op(B)
  * = B^T with B (n, k) when tb, else B (k, n).
  */
 #if KVCC_WITH_DNNL

@@ -631,3 +631,44 @@ Test(calib_model, gemv_fast_matches_ref) {
     cr_assert_eq(kvcc_model_gemv_f32(1, &w, 0, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
     cr_assert(strlen(kvcc_model_gemm_name()) > 0);
 }
+
+/* Identical inputs give identical bits whatever the thread count: logits of every position of a
+ * ~600-token prefill (three chunks; several attention blocks per chunk) and of 8 decode steps
+ * after it, at 1 and 2 OpenMP threads (the GEMM backend of kvcc_model_gemm_name included). */
+Test(calib_model, real_thread_count_invariant, .timeout = 600) {
+    real_model r = load_real();
+    if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FILE *f = fopen("examples/data/heldout/1985_ronald_reagan_r.txt", "rb");
+    if (!f) cr_skip_test("examples/data not found (run the tests from the repository root)");
+    static char buf[4096];
+    size_t len = fread(buf, 1, 3000, f);
+    fclose(f);
+    int n;
+    int32_t *ids = encode(r.t, buf, len, &n);
+    cr_assert(n > 520, "%d tokens", n);
+    const int np = n - 8, nv = r.m->hp.n_vocab;
+    float *lg[2];
+    omp_set_num_threads(2);
+    kvcc_state *s;
+    cr_assert_eq(kvcc_state_create(r.m, n, &s), 0);
+    for (int k = 0; k < 2; k++) {
+        omp_set_num_threads(k ? 1 : 2);
+        lg[k] = malloc((size_t)n * nv * sizeof(float));
+        cr_assert(lg[k]);
+        kvcc_state_reset(s);
+        cr_assert_eq(kvcc_model_prefill(r.m, s, ids, np, lg[k], KVCC_LOGITS_ALL), 0);
+        for (int i = np; i < n; i++)
+            cr_assert_eq(kvcc_model_decode(r.m, s, ids[i], lg[k] + (size_t)i * nv), 0);
+    }
+    omp_set_num_threads(2);
+    for (int i = 0; i < n; i++)
+        cr_assert(!memcmp(lg[0] + (size_t)i * nv, lg[1] + (size_t)i * nv, (size_t)nv * sizeof(float)),
+                  "position %d (%s): logits differ between 2 threads and 1 (%s)", i,
+                  i < np ? "prefill" : "decode", kvcc_model_gemm_name());
+    free(lg[0]);
+    free(lg[1]);
+    free(ids);
+    kvcc_state_free(s);
+    kvcc_tok_free(r.t);
+    kvcc_model_free(r.m);
+}
