@@ -26,6 +26,8 @@
  *                      [--ids-out FILE]
  *   --ids-out FILE  write the prompts' token ids (int32, N x (T + decode), little-endian) for a
  *                   peer run
+ *   --precision P   f32 (default) or bf16 (kvcc_model_set_precision; the GEMM reference rate
+ *                   stays the f32 sgemm; the decode ceiling counts 2 bytes per weight)
  * Env: KVCC_MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf). Skips (exit 0, one line)
  * when the model file is missing. Prints a machine-readable "RESULT ..." line last.
  */
@@ -175,7 +177,7 @@ static double gemv_rate(int impl, int rows, int cols, int runs) {
 int main(int argc, char **argv) {
     const char *model_path = getenv("KVCC_MODEL") ? getenv("KVCC_MODEL") : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
     const char *ids_out = NULL;
-    int n_prompts = 4, T = 512, reps = 3, n_dec = 0;
+    int n_prompts = 4, T = 512, reps = 3, n_dec = 0, prec = KVCC_PREC_F32;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(argv[i], "--model") && v) model_path = argv[++i];
@@ -184,9 +186,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && v) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--decode") && v) n_dec = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--ids-out") && v) ids_out = argv[++i];
+        else if (!strcmp(argv[i], "--precision") && v && kvcc_precision_parse(v) >= 0) prec = kvcc_precision_parse(argv[++i]);
         else {
             fprintf(stderr, "usage: %s [--model F] [--prompts N] [--tokens T] [--reps R] [--decode N] "
-                    "[--ids-out FILE]\n", argv[0]);
+                    "[--ids-out FILE] [--precision f32|bf16]\n", argv[0]);
             return 2;
         }
     }
@@ -213,7 +216,7 @@ int main(int argc, char **argv) {
     int st;
     double t0 = now_s();
     if ((st = kvcc_gguf_open(model_path, &g, msg, sizeof msg)) || (st = kvcc_tok_from_gguf(g, &tok, msg, sizeof msg)) ||
-        (st = kvcc_model_load_gguf(g, &m, msg, sizeof msg))) {
+        (st = kvcc_model_load_gguf(g, &m, msg, sizeof msg)) || (st = kvcc_model_set_precision(m, prec, msg, sizeof msg))) {
         fprintf(stderr, "bench_prefill: %s (%s)\n", msg, kvcc_gguf_status_str(st));
         return 1;
     }
@@ -265,10 +268,11 @@ int main(int argc, char **argv) {
     double lin = E * (H * d) * 2 + E * (Hkv * d) * 2 + 3 * E * F; /* wq, wo, wk, wv, gate, up, down */
     double flops_prompt = hp->n_layer * (2 * lin * T + 4 * H * d * (double)T * (T + 1) / 2) + 2 * V * E;
     printf("bench_prefill: %s: %d layers, E %d, F %d, H %d, Hkv %d, d %d, V %d (loaded in %.2fs); %d prompts x %d "
-           "tokens; %.1f MFLOP/token (linear %.1f, attention %.1f, head %.2f)\n",
+           "tokens; %.1f MFLOP/token (linear %.1f, attention %.1f, head %.2f); precision %s, weights %.1f MB\n",
            m->name, hp->n_layer, hp->n_embd, hp->n_ff, hp->n_head, hp->n_head_kv, hp->head_dim, hp->n_vocab, t_load,
            np, T, flops_prompt / T * 1e-6, 2 * lin * hp->n_layer * 1e-6,
-           hp->n_layer * 4 * H * d * (T + 1) / 2.0 * 1e-6, 2 * V * E / T * 1e-6);
+           hp->n_layer * 4 * H * d * (T + 1) / 2.0 * 1e-6, 2 * V * E / T * 1e-6, kvcc_precision_name(prec),
+           m->weight_bytes * 1e-6);
 
     // ------------------------------------------------------------ sgemm rate
     struct { int m, n, k; const char *what; } shapes[] = {
@@ -334,8 +338,9 @@ int main(int argc, char **argv) {
            "(%.1f GFLOP/s)\n",
            med, ns, reps, np, best, worst, T / med, T, gflops, 100 * gflops / rate, rate);
     if (n_dec > 0) {
-        /* f32 weights read once per step: the linear layers of every layer plus the LM head */
-        const double wbytes = (lin * hp->n_layer + V * E) * sizeof(float);
+        /* weights read once per step: the linear layers of every layer plus the LM head, 4 bytes
+         * each in f32, 2 in bf16 */
+        const double wbytes = (lin * hp->n_layer + V * E) * (prec == KVCC_PREC_BF16 ? 2 : 4);
         const double bw = triad_rate(7);
         struct { int rows, cols; const char *what; } gs[] = {{hp->n_ff, hp->n_embd, "gate/up"},
                                                              {hp->n_vocab, hp->n_embd, "lm_head"}};
@@ -346,7 +351,7 @@ int main(int argc, char **argv) {
         }
         const double dmed = n_dec / median(dsec, ns), dbest = n_dec / dsec[0];
         printf("triad: %.1f GB/s (median of 7, 3 x 64 MiB); decode ceiling %.1f tokens/s = triad / "
-               "%.1f MB of f32 weights per token\n", bw, bw * 1e9 / wbytes, wbytes * 1e-6);
+               "%.1f MB of %s weights per token\n", bw, bw * 1e9 / wbytes, wbytes * 1e-6, kvcc_precision_name(prec));
         printf("decode (ours): %.1f tokens/s median of %d x %d steps after a %d-token prefill (best "
                "%.1f); %.0f%% of the triad ceiling\n", dmed, ns, n_dec, T, dbest,
                100 * dmed / (bw * 1e9 / wbytes));
@@ -354,7 +359,7 @@ int main(int argc, char **argv) {
                "steps=%d\n", dmed, dbest, bw, bw * 1e9 / wbytes, n_dec);
     }
     printf("RESULT tokens_per_s=%.2f best_tokens_per_s=%.2f gflops=%.2f sgemm_gflops=%.2f fraction=%.3f prompts=%d "
-           "tokens=%d reps=%d\n", med, best, gflops, rate, gflops / rate, np, T, reps);
+           "tokens=%d reps=%d precision=%s\n", med, best, gflops, rate, gflops / rate, np, T, reps, kvcc_precision_name(prec));
     free(sec);
     free(dsec);
     free(runs);
