@@ -425,6 +425,7 @@ const char *kvcc_precision_name(int p) {
     return p == KVCC_PREC_F32 ? "f32" : p == KVCC_PREC_BF16 ? "bf16" : "?";
 }
 
+#if KVCC_WITH_DNNL
 /* *f (n floats) -> a new bf16 array in *b; *f freed and NULL */
 static int matrix_to_bf16(float **f, uint16_t **b, size_t n) {
     uint16_t *p = malloc(n * sizeof *p);
@@ -435,6 +436,7 @@ static int matrix_to_bf16(float **f, uint16_t **b, size_t n) {
     *b = p;
     return 0;
 }
+#endif
 
 int kvcc_model_set_precision(kvcc_model *m, int precision, char *msg, size_t cap) {
     if (!m || (precision != KVCC_PREC_F32 && precision != KVCC_PREC_BF16)) {
