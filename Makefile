@@ -12,7 +12,8 @@
 #   make uninstall    removes exactly what make install put there
 #   make check-install  install into a scratch prefix and build an example with pkg-config only
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), USE_MPI=0/1 (default: 1 when mpicc is
-# found, 0 with SAN=1), SAN=1, OPT=-O2.
+# found, 0 with SAN=1), USE_DNNL=0/1 (default: 1 when oneDNN's dnnl.h is found: the built-in model's
+# GEMMs through dnnl_sgemm, OpenBLAS otherwise), SAN=1, OPT=-O2.
 
 CC       ?= cc
 NVCC     ?= nvcc
@@ -53,6 +54,19 @@ ifeq ($(origin USE_MPI),undefined)
     USE_MPI := 0
   endif
 endif
+# oneDNN (Debian libdnnl-dev): the built-in model's matrix products (calib/model.c). OpenBLAS 0.3.21
+# picks generic kernels on CPUs it does not know; oneDNN dispatches on the ISA itself.
+DNNL_H := $(wildcard /usr/include/dnnl.h /usr/local/include/dnnl.h)
+ifeq ($(origin USE_DNNL),undefined)
+  ifneq ($(DNNL_H),)
+    USE_DNNL := 1
+  else
+    USE_DNNL := 0
+  endif
+endif
+ifneq ($(filter-out 0 1,$(USE_DNNL)),)
+  $(error USE_DNNL must be 0 or 1, got '$(USE_DNNL)')
+endif
 ifneq ($(filter-out 0 1,$(USE_MPI)),)
   $(error USE_MPI must be 0 or 1, got '$(USE_MPI)')
 endif
@@ -75,6 +89,11 @@ ifeq ($(MAKELEVEL),0)
   else
     $(info kvcc: MPI OFF ($(if $(shell command -v $(MPICC) 2>/dev/null),USE_MPI=0,mpicc not found)); one process only)
   endif
+  ifeq ($(USE_DNNL),1)
+    $(info kvcc: oneDNN ON (built-in model's GEMMs through dnnl_sgemm); USE_DNNL=0 for OpenBLAS)
+  else
+    $(info kvcc: oneDNN OFF ($(if $(DNNL_H),USE_DNNL=0,dnnl.h not found: apt-get install libdnnl-dev)); built-in model's GEMMs through OpenBLAS)
+  endif
 endif
 
 WARN     := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wno-unused-parameter
@@ -93,6 +112,12 @@ ifeq ($(USE_CUDA),1)
   LIBS_CUDA := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
 else
   LIBS_CUDA :=
+endif
+ifeq ($(USE_DNNL),1)
+  CPPFLAGS += -DKVCC_WITH_DNNL=1
+  LIBS_DNNL := -ldnnl
+else
+  LIBS_DNNL :=
 endif
 ifeq ($(USE_MPI),1)
   CPPFLAGS += -DKVCC_WITH_MPI=1 $(shell $(MPICC) --showme:compile)
@@ -135,7 +160,7 @@ BACKEND_OPS:= $(BUILD)/tests/test_backend_ops
 BENCHES    := $(patsubst bench/%.c,$(BUILD)/bench/%,$(BENCH_SRC))
 EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.c))
 
-ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
+ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) $(LIBS_MPI) -lm -lpthread
 
 .PHONY: all deps peer-deps model test python-test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean \
@@ -153,6 +178,11 @@ MPI_STAMP := $(BUILD)/use_mpi.$(USE_MPI)
 $(MPI_STAMP):
 	@mkdir -p $(BUILD) && rm -f $(BUILD)/use_mpi.* && touch $@
 $(BUILD)/obj/compiler/dist.o: $(MPI_STAMP)
+# calib/model.o likewise for USE_DNNL.
+DNNL_STAMP := $(BUILD)/use_dnnl.$(USE_DNNL)
+$(DNNL_STAMP):
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/use_dnnl.* && touch $@
+$(BUILD)/obj/calib/model.o: $(DNNL_STAMP)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -302,7 +332,7 @@ fuzz: deps
 	  build/fuzz/fuzz_kvpol_struct.o $(FORMATS_SRC) $(LIBS_FORMATS)
 	for t in corpus gguf; do \
 	  $(CLANG) $(FUZZ_CFLAGS) -fopenmp=libgomp -o build/fuzz/fuzz_$$t tests/fuzz/fuzz_$$t.c \
-	    $(FUZZ_READERS) $(FORMATS_SRC) $(LIBKVRT_A) $(HDF5_LIBS) $(LIBS_BLAS) $(LIBS_CUDA) \
+	    $(FUZZ_READERS) $(FORMATS_SRC) $(LIBKVRT_A) $(HDF5_LIBS) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
 	    $(LIBS_FORMATS) -lgomp -lm -lpthread || exit 1; \
 	done
 	@for t in $(FUZZ_TARGETS); do \

@@ -13,7 +13,11 @@ With --decode N (the ids rows then hold T + N tokens): after each timed prefill 
 use_cache=True), the next N tokens go through the model one at a time with the cache carried
 over (logits of that token), timed; "RESULT_DECODE tokens_per_s=..." is N over the median.
 
+With --dtype bf16 the model is loaded in torch.bfloat16 (weights and activations), the peer of
+bench_prefill --precision bf16.
+
 Usage: prefill_torch.py MODEL.gguf IDS.bin --tokens T [--reps R] [--threads N] [--decode N]
+                        [--dtype float32|bf16]
 """
 import argparse
 import os
@@ -30,6 +34,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "f32", "bf16"], default="float32",
+                    help="weights and activations dtype (bf16: transformers in torch.bfloat16)")
     a = ap.parse_args()
 
     import numpy as np
@@ -42,7 +48,8 @@ def main():
     ids = np.fromfile(a.ids, dtype="<i4").reshape(-1, a.tokens + a.decode)
     d, fn = os.path.split(os.path.abspath(a.model))
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if a.dtype in ("bfloat16", "bf16") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=dtype).eval()
     t_load = time.perf_counter() - t0
     x = [torch.tensor(row[None, : a.tokens].astype(np.int64)) for row in ids]
     nxt = [torch.tensor(row[None, a.tokens:].astype(np.int64)) for row in ids]
@@ -65,7 +72,7 @@ def main():
     med = a.tokens / statistics.median(sec)
     best, worst = a.tokens / min(sec), a.tokens / max(sec)
     print(f"prefill (torch {torch.__version__}, transformers {__import__('transformers').__version__}, "
-          f"{torch.get_num_threads()} threads, attn {model.config._attn_implementation}, float32; loaded in "
+          f"{torch.get_num_threads()} threads, attn {model.config._attn_implementation}, {str(dtype)[6:]}; loaded in "
           f"{t_load:.1f}s): {med:.1f} tokens/s median of {len(sec)} prefills ({a.reps} runs x {len(x)} prompts; "
           f"best {best:.1f}, worst {worst:.1f}), {a.tokens / med:.3f} s per {a.tokens}-token prompt")
     if dec:

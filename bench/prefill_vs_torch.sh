@@ -12,8 +12,11 @@
 # down, and torch's OpenMP threads suffer more from oversubscription than ours (look at both).
 #
 # With --decode N both sides then also time N decode steps after each prefill (RATIO-DECODE lines).
+# With --precision bf16 ours runs kvcc_model_set_precision(bf16) and torch loads the model in
+# torch.bfloat16 (prefill_torch.py --dtype bf16).
 #
 # Usage: bench/prefill_vs_torch.sh [--prompts N] [--tokens T] [--reps R] [--decode N] [--no-skylakex]
+#                                  [--precision f32|bf16]
 # Env: KVCC_MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf), KVCC_BUILD (default build),
 #      TORCH_THREADS (default 2).
 set -euo pipefail
@@ -22,7 +25,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 model="${KVCC_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 build="${KVCC_BUILD:-build}"
-prompts=4 tokens=512 reps=3 skylakex=1 decode=0
+prompts=4 tokens=512 reps=3 skylakex=1 decode=0 precision=f32
 while [ $# -gt 0 ]; do
     case "$1" in
     --prompts) prompts="$2"; shift 2 ;;
@@ -30,7 +33,8 @@ while [ $# -gt 0 ]; do
     --reps) reps="$2"; shift 2 ;;
     --decode) decode="$2"; shift 2 ;;
     --no-skylakex) skylakex=0; shift ;;
-    *) echo "usage: $0 [--prompts N] [--tokens T] [--reps R] [--decode N] [--no-skylakex]" >&2; exit 2 ;;
+    --precision) precision="$2"; shift 2 ;;
+    *) echo "usage: $0 [--prompts N] [--tokens T] [--reps R] [--decode N] [--no-skylakex] [--precision f32|bf16]" >&2; exit 2 ;;
     esac
 done
 
@@ -58,11 +62,11 @@ run_pair() { # label, then env assignments for our side
     echo "== $label"
     local out ours theirs dours dtheirs
     out="$(env "$@" "$build/bench/bench_prefill" --model "$model" --prompts "$prompts" --tokens "$tokens" \
-        --reps "$reps" --decode "$decode" --ids-out "$ids")"
+        --reps "$reps" --decode "$decode" --precision "$precision" --ids-out "$ids")"
     echo "$out"
     ours="$(echo "$out" | result)"; dours="$(echo "$out" | dresult)"
     out="$(python3 bench/prefill_torch.py "$model" "$ids" --tokens "$tokens" --reps "$reps" \
-        --decode "$decode" --threads "${TORCH_THREADS:-2}" 2>/dev/null)"
+        --decode "$decode" --dtype "$precision" --threads "${TORCH_THREADS:-2}" 2>/dev/null)"
     echo "$out"
     theirs="$(echo "$out" | result)"; dtheirs="$(echo "$out" | dresult)"
     ratio "$ours" "$theirs" "$label" RATIO

@@ -62,6 +62,18 @@ int kvcc_load_model(const char *path, int want_hash, kvcc_loaded_model *out, cha
     return 0;
 }
 
+int kvcc_load_model_prec(const char *path, int want_hash, int precision, kvcc_loaded_model *out,
+                         char *msg, size_t cap) {
+    int rc = kvcc_load_model(path, want_hash, out, msg, cap);
+    if (rc) return rc;
+    char m2[256];
+    if ((rc = kvcc_model_set_precision(out->model, precision, m2, sizeof m2)) != 0) {
+        snprintf(msg, cap, "%s: %s", path, m2);
+        kvcc_loaded_model_free(out);
+    }
+    return rc;
+}
+
 void kvcc_loaded_model_free(kvcc_loaded_model *lm) {
     if (!lm) return;
     kvcc_model_free(lm->model);

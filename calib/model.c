@@ -2,21 +2,30 @@
  * model.c - llama-family forward pass (RMSNorm, RoPE, grouped-query attention, SwiGLU) over
  * f32 weights dequantized from GGUF.
  *
- * Called through model.h by capture, eval, the CLI and tests. OpenBLAS is used only here
- * (cblas_sgemm for every matrix product); attention is plain C with OpenMP over (token, head).
+ * Called through model.h by capture, eval, the CLI and tests. The matrix products of a prefill go
+ * through sgemm_rm (oneDNN's dnnl_sgemm with USE_DNNL=1, else OpenBLAS's cblas_sgemm), those of a
+ * decode step through gemv_fast (AVX-512); attention is plain C with OpenMP.
  * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
- *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax
+ *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax,
+ *          kvcc_model_gemm_name, kvcc_model_gemv_f32
  */
 #include "model.h"
 
 #include <cblas.h>
 #include <math.h>
+#include <pthread.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "calib_msg.h"
+
+#if KVCC_WITH_DNNL
+#include <dnnl.h>
+#endif
+
+#define ATT_BQ 32 /* queries per attention task (attend_tiles) */
 
 // ---------------------------------------------------------------- load
 
@@ -27,11 +36,15 @@ void kvcc_model_free(kvcc_model *m) {
             kvcc_layer_weights *w = &m->layers[l];
             free(w->attn_norm); free(w->wq); free(w->wk); free(w->wv); free(w->wo);
             free(w->ffn_norm); free(w->w_gate); free(w->w_up); free(w->w_down);
+            free(w->bq); free(w->bk); free(w->bv); free(w->bo);
+            free(w->b_gate); free(w->b_up); free(w->b_down);
         }
         free(m->layers);
     }
     if (!m->tied) free(m->output);
+    if (!m->tied) free(m->output_bf);
     free(m->tok_embd);
+    free(m->tok_embd_bf);
     free(m->output_norm);
     free(m->rope_inv_freq);
     free(m);
@@ -291,6 +304,15 @@ fail:
     return st;
 }
 
+/* elements of every weight: matrices and norms, the LM head once when tied */
+static size_t model_weight_elems(const kvcc_model *m) {
+    const kvcc_model_hparams *hp = &m->hp;
+    const size_t E = (size_t)hp->n_embd, F = (size_t)hp->n_ff, d = (size_t)hp->head_dim;
+    const size_t Hd = (size_t)hp->n_head * d, Kd = (size_t)hp->n_head_kv * d;
+    const size_t per_layer = 2 * E * Hd + 2 * E * Kd + 3 * E * F + 2 * E;
+    return (size_t)hp->n_layer * per_layer + (m->tied ? 1 : 2) * (size_t)hp->n_vocab * E + E;
+}
+
 int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) {
     if (!g || !out) {
         kvcc_set_msg(msg, cap, "kvcc_model_load_gguf: NULL argument");
@@ -352,6 +374,8 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
     }
     for (int i = 0; i < d / 2; i++)
         m->rope_inv_freq[i] = (float)(1.0 / pow((double)hp->rope_base, (2.0 * i) / d));
+    m->precision = KVCC_PREC_F32;
+    m->weight_bytes = model_weight_elems(m) * sizeof(float);
 #undef TRY
     *out = m;
     return 0;
@@ -370,10 +394,106 @@ int kvcc_model_load(const char *path, kvcc_model **out, char *msg, size_t cap) {
     return st;
 }
 
+// ---------------------------------------------------------------- precision
+
+/* f32 -> bf16, round to nearest even (as torch and oneDNN); NaN stays NaN */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static void to_bf16(uint16_t *dst, const float *src, size_t n) {
+    #pragma omp parallel for schedule(static) if (n >= 65536)
+    for (size_t i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
+int kvcc_precision_parse(const char *str) {
+    if (!str) return -1;
+    if (!strcmp(str, "f32")) return KVCC_PREC_F32;
+    if (!strcmp(str, "bf16")) return KVCC_PREC_BF16;
+    return -1;
+}
+const char *kvcc_precision_name(int p) {
+    return p == KVCC_PREC_F32 ? "f32" : p == KVCC_PREC_BF16 ? "bf16" : "?";
+}
+
+#if KVCC_WITH_DNNL
+/* *f (n floats) -> a new bf16 array in *b; *f freed and NULL */
+static int matrix_to_bf16(float **f, uint16_t **b, size_t n) {
+    uint16_t *p = malloc(n * sizeof *p);
+    if (!p) return KVCC_GGUF_ERR_NOMEM;
+    to_bf16(p, *f, n);
+    free(*f);
+    *f = NULL;
+    *b = p;
+    return 0;
+}
+#endif
+
+int kvcc_model_set_precision(kvcc_model *m, int precision, char *msg, size_t cap) {
+    if (!m || (precision != KVCC_PREC_F32 && precision != KVCC_PREC_BF16)) {
+        kvcc_set_msg(msg, cap, "precision: got %d, expected f32 or bf16", precision);
+        return KVCC_GGUF_ERR_ARG;
+    }
+    if (precision == m->precision) return 0;
+    if (precision == KVCC_PREC_F32) {
+        kvcc_set_msg(msg, cap, "precision: the model is already bf16 (load it again for f32)");
+        return KVCC_GGUF_ERR_ARG;
+    }
+#if !KVCC_WITH_DNNL
+    kvcc_set_msg(msg, cap, "precision bf16: this build has no oneDNN (built with USE_DNNL=0 or "
+                 "without libdnnl-dev); use f32");
+    return KVCC_GGUF_ERR_ARG;
+#else
+    const kvcc_model_hparams *hp = &m->hp;
+    const size_t E = (size_t)hp->n_embd, F = (size_t)hp->n_ff, d = (size_t)hp->head_dim;
+    const size_t Hd = (size_t)hp->n_head * d, Kd = (size_t)hp->n_head_kv * d;
+    int st = 0;
+    for (int l = 0; l < hp->n_layer && !st; l++) {
+        kvcc_layer_weights *w = &m->layers[l];
+        if ((st = matrix_to_bf16(&w->wq, &w->bq, Hd * E)) ||
+            (st = matrix_to_bf16(&w->wk, &w->bk, Kd * E)) ||
+            (st = matrix_to_bf16(&w->wv, &w->bv, Kd * E)) ||
+            (st = matrix_to_bf16(&w->wo, &w->bo, E * Hd)) ||
+            (st = matrix_to_bf16(&w->w_gate, &w->b_gate, F * E)) ||
+            (st = matrix_to_bf16(&w->w_up, &w->b_up, F * E)) ||
+            (st = matrix_to_bf16(&w->w_down, &w->b_down, E * F)))
+            break;
+    }
+    if (!st && !m->tied) st = matrix_to_bf16(&m->output, &m->output_bf, (size_t)hp->n_vocab * E);
+    if (!st) st = matrix_to_bf16(&m->tok_embd, &m->tok_embd_bf, (size_t)hp->n_vocab * E);
+    if (st) {
+        /* a model half converted cannot run: the caller frees it */
+        kvcc_set_msg(msg, cap, "precision bf16: out of memory converting the weights");
+        return st;
+    }
+    if (m->tied) {
+        m->output = NULL;
+        m->output_bf = m->tok_embd_bf;
+    }
+    m->precision = KVCC_PREC_BF16;
+    const size_t all = model_weight_elems(m);
+    const size_t norms = (size_t)hp->n_layer * 2 * E + E;
+    m->weight_bytes = norms * sizeof(float) + (all - norms) * sizeof(uint16_t);
+    return 0;
+#endif
+}
+
 // ---------------------------------------------------------------- state
+
+static void bf16_ctx_free(struct kvcc_bf16_ctx *c);
 
 void kvcc_state_free(kvcc_state *s) {
     if (!s) return;
+    bf16_ctx_free(s->bf);
     free(s->k_cache); free(s->v_cache);
     free(s->x); free(s->xb); free(s->q); free(s->att); free(s->hb); free(s->hb2);
     free(s->rope_cos); free(s->rope_sin); free(s->scores);
@@ -401,8 +521,9 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
     s->hb2 = malloc(C * F * sizeof(float));
     s->rope_cos = malloc(C * (d / 2) * sizeof(float));
     s->rope_sin = malloc(C * (d / 2) * sizeof(float));
-    /* attend_ref needs one row per thread, attend_blas one row per token of a chunk */
-    size_t score_rows = (size_t)s->n_threads > C ? (size_t)s->n_threads : C;
+    /* attend_ref needs one row per thread, attend_blas one row per token of a chunk,
+     * attend_tiles ATT_BQ rows per thread */
+    size_t score_rows = (size_t)s->n_threads * ATT_BQ > C ? (size_t)s->n_threads * ATT_BQ : C;
     s->scores = malloc(score_rows * (size_t)n_ctx * sizeof(float));
     if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->att || !s->hb || !s->hb2 ||
         !s->rope_cos || !s->rope_sin || !s->scores) {
@@ -450,16 +571,445 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
 
 // ---------------------------------------------------------------- kernels
 
+/*
+ * GEMM backend. Every product with more than one row goes through sgemm_rm: oneDNN's dnnl_sgemm
+ * when built with USE_DNNL=1 (it dispatches on the CPU's ISA itself and runs on our OpenMP team),
+ * OpenBLAS's cblas_sgemm otherwise (whose kernels depend on what OpenBLAS recognises: 0.3.21 runs
+ * its generic "Prescott" kernels on CPUs newer than it, 4-6x slower). Both give results that do
+ * not depend on the thread count on the shapes used here (a
+ * capture at OMP_NUM_THREADS=1 and 2; tests/cli/run.sh). Row-major: C (m, n) = alpha A (m, k) op(B) + beta C, op(B)
+ * = B^T with B (n, k) when tb, else B (k, n).
+ */
+#if KVCC_WITH_DNNL
+/* oneDNN runs its GEMMs on libgomp's team, the one our OpenMP loops use: parallel loops between
+ * GEMMs cost nothing extra (with OpenBLAS, whose pthreads spin after a call, they would). */
+#define GEMM_SHARES_OMP 1
+#else
+#define GEMM_SHARES_OMP 0
+#endif
+
+static void sgemm_rm(int tb, int m, int n, int k, float alpha, const float *A, int lda,
+                     const float *B, int ldb, float beta, float *C, int ldc) {
+#if KVCC_WITH_DNNL
+    if (dnnl_sgemm('N', tb ? 'T' : 'N', m, n, k, alpha, A, lda, B, ldb, beta, C, ldc) ==
+        dnnl_success)
+        return;
+    /* only on an argument oneDNN rejects or an allocation it could not make: same product */
+#endif
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, A,
+                lda, B, ldb, beta, C, ldc);
+}
+
+/*
+ * Decode GEMV: y (rows) = W (rows, cols) x + beta y, beta 0 or 1 (0: y is only written). A decode
+ * step reads every weight once, so its limit is memory bandwidth; cblas_sgemv reached 42% of the
+ * triad rate here, sgemm with M = 1 less (OpenBLAS re-packs W per call; oneDNN is slower still).
+ * gemv_ref: plain loops, the reference. gemv_fast: AVX-512 (when the CPU has it, checked at run
+ * time), four rows at a time sharing the loads of x, OpenMP over blocks of rows with a static
+ * schedule. Every row is summed in one fixed order whatever the thread count or the block it
+ * falls in: one 16-lane FMA accumulator over the columns in order, a masked tail, then
+ * _mm512_reduce_add_ps. So decode is bit-identical at any OMP_NUM_THREADS.
+ */
+static void gemv_ref(const float *W, int rows, int cols, const float *x, float beta, float *y) {
+    for (int r = 0; r < rows; r++) {
+        const float *w = W + (size_t)r * cols;
+        float acc = 0.0f;
+        for (int c = 0; c < cols; c++) acc += w[c] * x[c];
+        y[r] = beta != 0.0f ? beta * y[r] + acc : acc;
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVCC_HAVE_X86 1
+#include <immintrin.h>
+
+__attribute__((target("avx512f"))) static inline float dot1_avx512(const float *w,
+                                                                    const float *x, int cols) {
+    __m512 a = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 16 <= cols; c += 16)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps(w + c), _mm512_loadu_ps(x + c), a);
+    if (c < cols) {
+        const __mmask16 k = (__mmask16)((1u << (cols - c)) - 1u);
+        a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w + c), _mm512_maskz_loadu_ps(k, x + c), a);
+    }
+    return _mm512_reduce_add_ps(a);
+}
+
+__attribute__((target("avx512f"))) static void gemv_avx512(const float *W, int rows, int cols,
+                                                           const float *x, float beta, float *y) {
+    const int nb = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int b = 0; b < nb; b++) {
+        const size_t r = (size_t)b * 4;
+        const float *w0 = W + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + c);
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + c), xv, a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + c), xv, a1);
+            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + c), xv, a2);
+            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + c), xv, a3);
+        }
+        if (c < cols) { /* the same masked step as dot1_avx512 */
+            const __mmask16 k = (__mmask16)((1u << (cols - c)) - 1u);
+            const __m512 xv = _mm512_maskz_loadu_ps(k, x + c);
+            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w0 + c), xv, a0);
+            a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w1 + c), xv, a1);
+            a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w2 + c), xv, a2);
+            a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w3 + c), xv, a3);
+        }
+        const float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                            _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+        for (int i = 0; i < 4; i++) y[r + i] = beta != 0.0f ? beta * y[r + i] + s[i] : s[i];
+    }
+    for (int r = nb * 4; r < rows; r++) {
+        const float s = dot1_avx512(W + (size_t)r * cols, x, cols);
+        y[r] = beta != 0.0f ? beta * y[r] + s : s;
+    }
+}
+
+static int cpu_has_avx512f(void) {
+    static int v = -1; /* benign race: every thread computes the same value */
+    if (v < 0) v = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    return v;
+}
+#else
+#define KVCC_HAVE_X86 0
+static int cpu_has_avx512f(void) { return 0; }
+#endif
+
+/* the fast path where the CPU has one, else the reference with OpenMP over rows */
+static void gemv_fast(const float *W, int rows, int cols, const float *x, float beta, float *y) {
+#if KVCC_HAVE_X86
+    if (cpu_has_avx512f()) {
+        gemv_avx512(W, rows, cols, x, beta, y);
+        return;
+    }
+#endif
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int r = 0; r < rows; r++) gemv_ref(W + (size_t)r * cols, 1, cols, x, beta, y + r);
+}
+
+int kvcc_model_gemv_f32(int impl, const float *W, int rows, int cols, const float *x, float beta,
+                        float *y) {
+    if (!W || !x || !y || rows < 1 || cols < 1 || (impl != 0 && impl != 1)) return KVCC_GGUF_ERR_ARG;
+    if (impl == 0) gemv_ref(W, rows, cols, x, beta, y);
+    else gemv_fast(W, rows, cols, x, beta, y);
+    return 0;
+}
+
+static char gemm_name[192];
+static void gemm_name_init(void) {
+    const char *gemv = cpu_has_avx512f() ? "AVX-512" : "plain C";
+#if KVCC_WITH_DNNL
+    const dnnl_version_t *v = dnnl_version();
+    const char *isa = "?";
+    switch ((int)dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_sse41: isa = "sse41"; break;
+    case dnnl_cpu_isa_avx: isa = "avx"; break;
+    case dnnl_cpu_isa_avx2: isa = "avx2"; break;
+    case dnnl_cpu_isa_avx2_vnni: isa = "avx2_vnni"; break;
+    case dnnl_cpu_isa_avx512_core: isa = "avx512_core"; break;
+    case dnnl_cpu_isa_avx512_core_vnni: isa = "avx512_core_vnni"; break;
+    case dnnl_cpu_isa_avx512_core_bf16: isa = "avx512_core_bf16"; break;
+    case dnnl_cpu_isa_avx512_core_amx: isa = "avx512_core_amx"; break;
+    default: break;
+    }
+    snprintf(gemm_name, sizeof gemm_name, "oneDNN %d.%d.%d sgemm (isa %s); decode GEMV %s",
+             v->major, v->minor, v->patch, isa, gemv);
+#else
+    char cfg[96];
+    snprintf(cfg, sizeof cfg, "%s", openblas_get_config()); /* "OpenBLAS 0.3.21 DYNAMIC_ARCH ..." */
+    char *sp = strchr(cfg, ' ');
+    if (sp && (sp = strchr(sp + 1, ' '))) *sp = 0; /* keep name and version */
+    snprintf(gemm_name, sizeof gemm_name, "%s sgemm (%s); decode GEMV %s", cfg,
+             openblas_get_corename(), gemv);
+#endif
+}
+
+const char *kvcc_model_gemm_name(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, gemm_name_init);
+    return gemm_name;
+}
+
 /* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
- * decode step) goes through sgemv: sgemm with M = 1 makes OpenBLAS re-pack W for every token,
- * which costs more than the product (docs/benchmarks.md, "Decode"). */
+ * decode step) goes through the GEMV above, more through sgemm_rm. */
 static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
                      float *y, int ldy) {
-    if (n == 1)
-        cblas_sgemv(CblasRowMajor, CblasNoTrans, rows, cols, 1.0f, W, cols, x, 1, beta, y, 1);
-    else
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, cols, 1.0f, x, cols, W,
-                    cols, beta, y, ldy);
+    if (n == 1) gemv_fast(W, rows, cols, x, beta, y);
+    else sgemm_rm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
+}
+
+// ---------------------------------------------------------------- bf16 products
+
+/* Decode GEMV on bf16 weights: x rounded to bf16, products summed in f32. gemv_bf16_ref: plain
+ * loops. The fast path: _mm512_dpbf16_ps (AVX512_BF16, checked at run time), four rows at a
+ * time, 32 columns per step, a masked tail, one accumulator per row reduced in a fixed order,
+ * OpenMP over 4-row blocks (static): bit-identical at any thread count, like gemv_avx512. */
+static void gemv_bf16_ref(const uint16_t *W, int rows, int cols, const uint16_t *xb, float beta,
+                          float *y) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *w = W + (size_t)r * cols;
+        float acc = 0.0f;
+        for (int c = 0; c < cols; c++) acc += bf16_to_f32(w[c]) * bf16_to_f32(xb[c]);
+        y[r] = beta != 0.0f ? beta * y[r] + acc : acc;
+    }
+}
+
+#if KVCC_HAVE_X86
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+BF16_TARGET static inline __m512 dpbf16_step(__m512 a, const uint16_t *w, __m512i xv) {
+    return _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const void *)w), (__m512bh)xv);
+}
+BF16_TARGET static inline __m512 dpbf16_tail(__m512 a, const uint16_t *w, __m512i xv,
+                                             __mmask32 k) {
+    return _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(k, (const void *)w),
+                            (__m512bh)xv);
+}
+BF16_TARGET static float dot1_bf16(const uint16_t *w, const uint16_t *xb, int cols) {
+    __m512 a = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 32 <= cols; c += 32)
+        a = dpbf16_step(a, w + c, _mm512_loadu_si512((const void *)(xb + c)));
+    if (c < cols) {
+        const __mmask32 k = (__mmask32)((1ull << (cols - c)) - 1ull);
+        a = dpbf16_tail(a, w + c, _mm512_maskz_loadu_epi16(k, (const void *)(xb + c)), k);
+    }
+    return _mm512_reduce_add_ps(a);
+}
+BF16_TARGET static void gemv_bf16_avx512(const uint16_t *W, int rows, int cols,
+                                         const uint16_t *xb, float beta, float *y) {
+    const int nb = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int b = 0; b < nb; b++) {
+        const size_t r = (size_t)b * 4;
+        const uint16_t *w0 = W + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int c = 0;
+        for (; c + 32 <= cols; c += 32) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xb + c));
+            a0 = dpbf16_step(a0, w0 + c, xv);
+            a1 = dpbf16_step(a1, w1 + c, xv);
+            a2 = dpbf16_step(a2, w2 + c, xv);
+            a3 = dpbf16_step(a3, w3 + c, xv);
+        }
+        if (c < cols) {
+            const __mmask32 k = (__mmask32)((1ull << (cols - c)) - 1ull);
+            const __m512i xv = _mm512_maskz_loadu_epi16(k, (const void *)(xb + c));
+            a0 = dpbf16_tail(a0, w0 + c, xv, k);
+            a1 = dpbf16_tail(a1, w1 + c, xv, k);
+            a2 = dpbf16_tail(a2, w2 + c, xv, k);
+            a3 = dpbf16_tail(a3, w3 + c, xv, k);
+        }
+        const float sm[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                             _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+        for (int i = 0; i < 4; i++) y[r + i] = beta != 0.0f ? beta * y[r + i] + sm[i] : sm[i];
+    }
+    for (int r = nb * 4; r < rows; r++) {
+        const float sm = dot1_bf16(W + (size_t)r * cols, xb, cols);
+        y[r] = beta != 0.0f ? beta * y[r] + sm : sm;
+    }
+}
+static int cpu_has_avx512bf16(void) {
+    static int v = -1;
+    if (v < 0)
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512bf16");
+    return v;
+}
+#else
+static int cpu_has_avx512bf16(void) { return 0; }
+#endif
+
+static void gemv_bf16_fast(const uint16_t *W, int rows, int cols, const uint16_t *xb, float beta,
+                           float *y) {
+#if KVCC_HAVE_X86
+    if (cpu_has_avx512bf16()) {
+        gemv_bf16_avx512(W, rows, cols, xb, beta, y);
+        return;
+    }
+#endif
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int r = 0; r < rows; r++) gemv_bf16_ref(W + (size_t)r * cols, 1, cols, xb, beta, y + r);
+}
+
+int kvcc_model_gemv_bf16(int impl, const uint16_t *W, int rows, int cols, const float *x,
+                         float beta, float *y) {
+    if (!W || !x || !y || rows < 1 || cols < 1 || (impl != 0 && impl != 1)) return KVCC_GGUF_ERR_ARG;
+    uint16_t *xb = malloc((size_t)cols * sizeof *xb);
+    if (!xb) return KVCC_GGUF_ERR_NOMEM;
+    to_bf16(xb, x, (size_t)cols);
+    if (impl == 0) gemv_bf16_ref(W, rows, cols, xb, beta, y);
+    else gemv_bf16_fast(W, rows, cols, xb, beta, y);
+    free(xb);
+    return 0;
+}
+
+/* A bf16 model's per-state context: the activations as bf16 (scratch), and with oneDNN a stream
+ * and the matmul primitives made so far (bf16 src and weights, f32 dst, f32 accumulation),
+ * created once per shape (M, K, N, ldc, beta) and kept, BF16_CACHE of them at most. */
+#define BF16_CACHE 32
+struct kvcc_bf16_ctx {
+    uint16_t *xb;
+    size_t xb_cap;
+    int failed; /* a oneDNN status other than success: the forward pass returns an error */
+#if KVCC_WITH_DNNL
+    dnnl_stream_t stream;
+    struct {
+        int m, k, n, ldc, beta;
+        dnnl_primitive_t prim;
+        dnnl_memory_desc_t src, wei, dst;
+    } ent[BF16_CACHE];
+    int n_ent, next;
+#endif
+};
+
+#if KVCC_WITH_DNNL
+static dnnl_engine_t g_dnnl_engine;
+static void dnnl_engine_init(void) {
+    if (dnnl_engine_create(&g_dnnl_engine, dnnl_cpu, 0) != dnnl_success) g_dnnl_engine = NULL;
+}
+static dnnl_engine_t dnnl_engine(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, dnnl_engine_init);
+    return g_dnnl_engine;
+}
+#endif
+
+static void bf16_ctx_free(struct kvcc_bf16_ctx *c) {
+    if (!c) return;
+#if KVCC_WITH_DNNL
+    for (int i = 0; i < c->n_ent; i++) dnnl_primitive_destroy(c->ent[i].prim);
+    if (c->stream) dnnl_stream_destroy(c->stream);
+#endif
+    free(c->xb);
+    free(c);
+}
+
+static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m) {
+    struct kvcc_bf16_ctx *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    const kvcc_model_hparams *hp = &m->hp;
+    size_t w = (size_t)hp->n_embd;
+    if ((size_t)hp->n_ff > w) w = (size_t)hp->n_ff;
+    if ((size_t)hp->n_head * hp->head_dim > w) w = (size_t)hp->n_head * hp->head_dim;
+    c->xb_cap = (size_t)KVCC_MODEL_CHUNK * w;
+    c->xb = malloc(c->xb_cap * sizeof *c->xb);
+#if KVCC_WITH_DNNL
+    dnnl_engine_t eng = dnnl_engine();
+    if (!eng || dnnl_stream_create(&c->stream, eng, dnnl_stream_default_flags) != dnnl_success)
+        c->stream = NULL;
+    if (!c->stream) {
+        bf16_ctx_free(c);
+        return NULL;
+    }
+#endif
+    if (!c->xb) {
+        bf16_ctx_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+#if KVCC_WITH_DNNL
+/* y (n, rows) = xb (n, cols, bf16) . W (rows, cols, bf16)^T + beta y through a cached matmul */
+static int bf16_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t *W, int rows,
+                       float beta, float *y, int ldy) {
+    const int bt = beta != 0.0f;
+    int e = -1;
+    for (int i = 0; i < c->n_ent; i++)
+        if (c->ent[i].m == n && c->ent[i].k == cols && c->ent[i].n == rows &&
+            c->ent[i].ldc == ldy && c->ent[i].beta == bt) {
+            e = i;
+            break;
+        }
+    if (e < 0) {
+        if (c->n_ent == BF16_CACHE) { /* full: replace round robin */
+            e = c->next;
+            c->next = (c->next + 1) % BF16_CACHE;
+            dnnl_primitive_destroy(c->ent[e].prim);
+        } else {
+            e = c->n_ent++;
+        }
+        c->ent[e].prim = NULL;
+        c->ent[e].m = -1;
+        const dnnl_dims_t sd = {n, cols}, ss = {cols, 1};
+        const dnnl_dims_t wd = {cols, rows}, ws = {1, cols}; /* W^T as a (K, N) view of W */
+        const dnnl_dims_t dd = {n, rows}, ds = {ldy, 1};
+        dnnl_matmul_desc_t md;
+        dnnl_primitive_attr_t attr = NULL;
+        dnnl_primitive_desc_t pd = NULL;
+        int st = dnnl_memory_desc_init_by_strides(&c->ent[e].src, 2, sd, dnnl_bf16, ss);
+        if (!st) st = dnnl_memory_desc_init_by_strides(&c->ent[e].wei, 2, wd, dnnl_bf16, ws);
+        if (!st) st = dnnl_memory_desc_init_by_strides(&c->ent[e].dst, 2, dd, dnnl_f32, ds);
+        if (!st) st = dnnl_matmul_desc_init(&md, &c->ent[e].src, &c->ent[e].wei, NULL, &c->ent[e].dst);
+        if (!st) st = dnnl_primitive_attr_create(&attr);
+        if (!st && bt) {
+            dnnl_post_ops_t po = NULL;
+            st = dnnl_post_ops_create(&po);
+            if (!st) st = dnnl_post_ops_append_sum(po, beta);
+            if (!st) st = dnnl_primitive_attr_set_post_ops(attr, po);
+            if (po) dnnl_post_ops_destroy(po);
+        }
+        if (!st) st = dnnl_primitive_desc_create(&pd, &md, attr, dnnl_engine(), NULL);
+        if (!st) st = dnnl_primitive_create(&c->ent[e].prim, pd);
+        if (pd) dnnl_primitive_desc_destroy(pd);
+        if (attr) dnnl_primitive_attr_destroy(attr);
+        if (st) {
+            c->ent[e] = c->ent[--c->n_ent]; /* drop the slot */
+            return st;
+        }
+        c->ent[e].m = n, c->ent[e].k = cols, c->ent[e].n = rows, c->ent[e].ldc = ldy;
+        c->ent[e].beta = bt;
+    }
+    dnnl_memory_t ms = NULL, mw = NULL, mo = NULL;
+    dnnl_engine_t eng = dnnl_engine();
+    int st = dnnl_memory_create(&ms, &c->ent[e].src, eng, c->xb);
+    if (!st) st = dnnl_memory_create(&mw, &c->ent[e].wei, eng, (void *)W);
+    if (!st) st = dnnl_memory_create(&mo, &c->ent[e].dst, eng, y);
+    if (!st) {
+        const dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, ms}, {DNNL_ARG_WEIGHTS, mw},
+                                         {DNNL_ARG_DST, mo}};
+        st = dnnl_primitive_execute(c->ent[e].prim, c->stream, 3, args);
+        if (!st) st = dnnl_stream_wait(c->stream);
+    }
+    if (ms) dnnl_memory_destroy(ms);
+    if (mw) dnnl_memory_destroy(mw);
+    if (mo) dnnl_memory_destroy(mo);
+    return st;
+}
+#endif
+
+/* A weight matrix in whichever precision the model holds it */
+typedef struct {
+    const float *f;
+    const uint16_t *b;
+} wmat;
+
+/* matmul_t on a wmat: bf16 weights through bf16_matmul / gemv_bf16_fast (x rounded to bf16),
+ * f32 weights through matmul_t. A oneDNN failure is kept in s->bf->failed. */
+static void matmul_w(kvcc_state *s, const float *x, int n, int cols, wmat W, int rows, float beta,
+                     float *y, int ldy) {
+    if (!W.b) {
+        matmul_t(x, n, cols, W.f, rows, beta, y, ldy);
+        return;
+    }
+    struct kvcc_bf16_ctx *c = s->bf;
+    to_bf16(c->xb, x, (size_t)n * cols);
+    if (n == 1) {
+        gemv_bf16_fast(W.b, rows, cols, c->xb, beta, y);
+        return;
+    }
+#if KVCC_WITH_DNNL
+    const int st = bf16_matmul(c, n, cols, W.b, rows, beta, y, ldy);
+    if (st && !c->failed) c->failed = st;
+#else
+    (void)ldy;
+    c->failed = 1; /* unreachable: kvcc_model_set_precision refuses bf16 without oneDNN */
+#endif
 }
 
 /* out[t] = x[t] / rms(x[t]) * w for n rows of E. */
@@ -525,13 +1075,16 @@ typedef struct {
 /* out (n, H, d) = softmax(q k^T / sqrt(d) + bias, causal) v for queries q (n, H, d) at positions
  * pos0 .. pos0 + n - 1; query head h reads KV head h / (H / Hkv).
  * attend_ref: plain loops, OpenMP over (token, head); scores holds one row of scores_ld floats
- * per thread. Used for decode (n == 1), where it is as fast as anything else. */
+ * per thread. Used for decode (n == 1), where it is as fast as anything else; threaded over heads
+ * there too with oneDNN (no OpenBLAS pthreads to compete with). */
 static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, int pos0,
-                       const kv_view *view, float *out, float *scores, int64_t scores_ld) {
+                       const kv_view *view, float *out, float *scores, int64_t scores_ld,
+                       int n_threads) {
     (void)layer;
     const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
-    #pragma omp parallel for schedule(dynamic, 4) collapse(2) if (n > 1)
+    #pragma omp parallel for schedule(dynamic, 1) collapse(2) if (n > 1 || GEMM_SHARES_OMP) \
+        num_threads(n_threads)
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
             const kv_head_view *kh = &view->heads[h / group];
@@ -623,6 +1176,7 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
  * wait policy) while the next sgemm's OpenBLAS pthreads run, and on 2 cores that halved prefill
  * (4.9 s vs 2.4 s per 512-token prompt, docs/benchmarks.md "Prefill"). scores: at least
  * n * max entries floats. */
+#if !KVCC_WITH_DNNL
 static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                         const kv_view *view, float *out, float *scores) {
     (void)layer;
@@ -637,20 +1191,60 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
                 memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
             continue;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, (int)ne, d, scale,
-                    q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f, scores, (int)ne);
+        sgemm_rm(1, n, (int)ne, d, scale, q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f,
+                 scores, (int)ne);
         for (int t = 0; t < n; t++) /* serial: see the comment above attend_blas */
             softmax_row(scores + (size_t)t * ne, ne, pos0 + t, kh->bias, kh->pos);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, (int)ne, 1.0f, scores, (int)ne,
-                    kh->v, (int)kh->stride, 0.0f, out + (size_t)h * d, H * d);
+        sgemm_rm(0, n, d, (int)ne, 1.0f, scores, (int)ne, kh->v, (int)kh->stride, 0.0f,
+                 out + (size_t)h * d, H * d);
     }
 }
+#endif
 
-/* attend: the one entry point of the seam; picks the implementation by query count. */
+#if KVCC_WITH_DNNL
+/* attend_tiles (oneDNN builds): the same result as attend_blas as tasks of (query head, block of
+ * ATT_BQ queries), on the OpenMP team, each task with two single-threaded dnnl_sgemm calls (oneDNN
+ * runs sequentially inside a parallel region) and its own rows of scores. A block only multiplies
+ * the entries its last query can see (full cache: 0..pos0 + t1 - 1), which skips most of the
+ * masked upper triangle of a causal chunk. Every task's arithmetic is the same whichever thread
+ * runs it, so the output does not depend on the thread count. scores: ATT_BQ rows of scores_ld
+ * floats per thread. */
+static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, const kv_view *view,
+                         float *out, float *scores, int64_t scores_ld, int n_threads) {
+    const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    const int nqb = (n + ATT_BQ - 1) / ATT_BQ;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    for (int task = 0; task < H * nqb; task++) {
+        const int b = nqb - 1 - task / H, h = task % H; /* the costliest blocks first */
+        const int t0 = b * ATT_BQ, nb = n - t0 < ATT_BQ ? n - t0 : ATT_BQ;
+        const kv_head_view *kh = &view->heads[h / group];
+        int64_t ne = kh->n;
+        if (!kh->pos && ne > pos0 + t0 + nb) ne = pos0 + t0 + nb;
+        float *o = out + (size_t)t0 * H * d + (size_t)h * d;
+        if (ne == 0) {
+            for (int t = 0; t < nb; t++) memset(o + (size_t)t * H * d, 0, (size_t)d * sizeof(float));
+            continue;
+        }
+        float *sc = scores + (size_t)omp_get_thread_num() * ATT_BQ * scores_ld;
+        sgemm_rm(1, nb, (int)ne, d, scale, q + (size_t)t0 * H * d + (size_t)h * d, H * d, kh->k,
+                 (int)kh->stride, 0.0f, sc, (int)ne);
+        for (int t = 0; t < nb; t++)
+            softmax_row(sc + (size_t)t * ne, ne, pos0 + t0 + t, kh->bias, kh->pos);
+        sgemm_rm(0, nb, d, (int)ne, 1.0f, sc, (int)ne, kh->v, (int)kh->stride, 0.0f, o, H * d);
+    }
+}
+#endif
+
+/* attend: the one entry point of the seam; picks the implementation by query count and backend. */
 static void attend(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                    const kv_view *view, float *out, kvcc_state *s) {
-    if (n == 1) attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx);
+    if (n == 1) attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
+#if KVCC_WITH_DNNL
+    else attend_tiles(m, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
+#else
     else attend_blas(m, layer, q, n, pos0, view, out, s->scores);
+#endif
 }
 
 // ---------------------------------------------------------------- forward
@@ -669,9 +1263,18 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
     if (s->attn_hook && pos0 < s->attn_from && pos0 + n > s->attn_from)
         return KVCC_GGUF_ERR_ARG; /* nor the attention hook's */
 
-    for (int t = 0; t < n; t++)
-        memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E,
-               (size_t)E * sizeof(float));
+    const int bf = m->precision == KVCC_PREC_BF16;
+    if (bf && !s->bf && !(s->bf = bf16_ctx_new(m))) return KVCC_GGUF_ERR_NOMEM;
+    if (bf) s->bf->failed = 0;
+    for (int t = 0; t < n; t++) {
+        if (bf) {
+            const uint16_t *er = m->tok_embd_bf + (size_t)tokens[t] * E;
+            for (int i = 0; i < E; i++) s->x[(size_t)t * E + i] = bf16_to_f32(er[i]);
+        } else {
+            memcpy(s->x + (size_t)t * E, m->tok_embd + (size_t)tokens[t] * E,
+                   (size_t)E * sizeof(float));
+        }
+    }
     for (int t = 0; t < n; t++)
         for (int i = 0; i < h2; i++) {
             /* as transformers: angle = float(pos) * inv_freq in f32 */
@@ -690,9 +1293,9 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
         float *kn = kc + (size_t)pos0 * Kd, *vn = vc + (size_t)pos0 * Kd;
 
         rmsnorm(s->xb, s->x, w->attn_norm, n, E, hp->rms_eps);
-        matmul_t(s->xb, n, E, w->wq, Hd, 0.0f, s->q, Hd);
-        matmul_t(s->xb, n, E, w->wk, Kd, 0.0f, kn, Kd);
-        matmul_t(s->xb, n, E, w->wv, Kd, 0.0f, vn, Kd);
+        matmul_w(s, s->xb, n, E, (wmat){w->wq, w->bq}, Hd, 0.0f, s->q, Hd);
+        matmul_w(s, s->xb, n, E, (wmat){w->wk, w->bk}, Kd, 0.0f, kn, Kd);
+        matmul_w(s, s->xb, n, E, (wmat){w->wv, w->bv}, Kd, 0.0f, vn, Kd);
         rope(s->q, n, H, d, Hd, s->rope_cos, s->rope_sin);
         rope(kn, n, Hkv, d, Kd, s->rope_cos, s->rope_sin);
         if (s->capture && (st = s->capture(s->capture_user, l, pos0, n, s->q, kn, vn)) != 0) break;
@@ -721,13 +1324,16 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
             kv_view view = {Hkv, hv};
             attend(m, l, s->q, n, pos0, &view, s->att, s);
         }
-        matmul_t(s->att, n, Hd, w->wo, E, 1.0f, s->x, E); /* x += att Wo^T */
+        matmul_w(s, s->att, n, Hd, (wmat){w->wo, w->bo}, E, 1.0f, s->x, E); /* x += att Wo^T */
 
         rmsnorm(s->xb, s->x, w->ffn_norm, n, E, hp->rms_eps);
-        matmul_t(s->xb, n, E, w->w_gate, F, 0.0f, s->hb, F);
-        matmul_t(s->xb, n, E, w->w_up, F, 0.0f, s->hb2, F);
-        for (size_t i = 0; i < (size_t)n * F; i++) s->hb[i] = silu(s->hb[i]) * s->hb2[i];
-        matmul_t(s->hb, n, F, w->w_down, E, 1.0f, s->x, E); /* x += ffn */
+        matmul_w(s, s->xb, n, E, (wmat){w->w_gate, w->b_gate}, F, 0.0f, s->hb, F);
+        matmul_w(s, s->xb, n, E, (wmat){w->w_up, w->b_up}, F, 0.0f, s->hb2, F);
+        const long nF = (long)n * F;
+        #pragma omp parallel for schedule(static) if (GEMM_SHARES_OMP && n >= 16)
+        for (long i = 0; i < nF; i++) s->hb[i] = silu(s->hb[i]) * s->hb2[i];
+        matmul_w(s, s->hb, n, F, (wmat){w->w_down, w->b_down}, E, 1.0f, s->x, E); /* x += ffn */
+        if (bf && s->bf->failed) st = KVCC_GGUF_ERR_NOMEM; /* oneDNN could not run a product */
     }
     if (hv != heads) free(hv);
     if (st) return st;
@@ -735,7 +1341,9 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
     if (!want_logits) return 0;
     int r0 = all_logits ? 0 : n - 1, nr = all_logits ? n : 1;
     rmsnorm(s->xb, s->x + (size_t)r0 * E, m->output_norm, nr, E, hp->rms_eps);
-    matmul_t(s->xb, nr, E, m->output, hp->n_vocab, 0.0f, logits, hp->n_vocab);
+    matmul_w(s, s->xb, nr, E, (wmat){m->output, m->output_bf}, hp->n_vocab, 0.0f, logits,
+             hp->n_vocab);
+    if (bf && s->bf->failed) return KVCC_GGUF_ERR_NOMEM;
     return 0;
 }
 

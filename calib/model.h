@@ -3,7 +3,8 @@
  *
  * Called by capture (writes post-RoPE q/k/v into the HDF5 corpus), eval (continuation NLL with
  * compressed caches), the kvcc CLI and tests. Weights are dequantized to f32 at load; matrix
- * products go through cblas_sgemm (OpenBLAS), attention is plain C with OpenMP over heads.
+ * products go through oneDNN's sgemm (USE_DNNL=1) or OpenBLAS's, a decode step (one row) through
+ * an AVX-512 GEMV (kvcc_model_gemm_name says which); attention is plain C with OpenMP.
  *
  * Layout of q/k (read this before comparing with other tools): llama.cpp's converter permutes
  * the rows of attn_q / attn_k inside each head so that GGUF llama uses "normal" RoPE on adjacent
@@ -50,7 +51,13 @@ typedef struct {
     float *w_gate;    /* (F, E) */
     float *w_up;      /* (F, E) */
     float *w_down;    /* (E, F) */
+    /* KVCC_PREC_BF16 (kvcc_model_set_precision): the seven matrices above as bf16, same shapes,
+     * and their f32 pointers NULL */
+    uint16_t *bq, *bk, *bv, *bo, *b_gate, *b_up, *b_down;
 } kvcc_layer_weights;
+
+#define KVCC_PREC_F32 0  /* f32 weights and products (the default) */
+#define KVCC_PREC_BF16 1 /* bf16 weights, bf16 products with f32 accumulation, the rest f32 */
 
 typedef struct kvcc_model {
     kvcc_model_hparams hp;
@@ -61,6 +68,10 @@ typedef struct kvcc_model {
     int tied;                    /* 1 when output aliases tok_embd */
     kvcc_layer_weights *layers;  /* [n_layer] */
     float *rope_inv_freq;        /* (d/2) rope_base^(-2i/d), in double then rounded */
+    int precision;               /* KVCC_PREC_F32 or KVCC_PREC_BF16 */
+    uint16_t *tok_embd_bf;       /* bf16: (V, E), tok_embd NULL */
+    uint16_t *output_bf;         /* bf16: (V, E), == tok_embd_bf when tied; output NULL */
+    size_t weight_bytes;         /* bytes of all weights as held in memory */
 } kvcc_model;
 
 /* Load a llama-family GGUF. Other architectures: KVCC_GGUF_ERR_ARCH naming general.architecture.
@@ -72,6 +83,17 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t msg_c
 int kvcc_model_read_hparams(kvcc_gguf *g, kvcc_model_hparams *hp, char *name, size_t name_cap,
                             char *msg, size_t msg_cap);
 void kvcc_model_free(kvcc_model *m); /* accepts NULL */
+/* Switch a loaded (f32) model to KVCC_PREC_BF16: every matrix (the token embedding, the LM head
+ * and the seven per layer) is rounded to bf16 (nearest even) and its f32 copy freed, one tensor at
+ * a time (half the memory; m->weight_bytes says how much). Products then run in bf16 with f32
+ * accumulation (oneDNN matmul for prefill, an AVX512_BF16 GEMV for decode), norms, RoPE,
+ * attention and softmax in f32. KVCC_PREC_F32 on an f32 model: nothing to do. Errors
+ * (KVCC_GGUF_ERR_ARG with msg): another value, f32 asked of a bf16 model, or bf16 in a build
+ * without oneDNN (USE_DNNL=0); KVCC_GGUF_ERR_NOMEM. States created before must not be used. */
+int kvcc_model_set_precision(kvcc_model *m, int precision, char *msg, size_t msg_cap);
+/* "f32" -> KVCC_PREC_F32, "bf16" -> KVCC_PREC_BF16, else -1; and back ("?" for others). */
+int kvcc_precision_parse(const char *s);
+const char *kvcc_precision_name(int precision);
 /* 0 when a window of n_tokens fits the model's llama.context_length, else KVCC_GGUF_ERR_SHAPE
  * and a message naming file, the key, both lengths and what asked (e.g. "--needle 16384"). */
 int kvcc_model_check_window(const kvcc_model_hparams *hp, const char *file, long n_tokens,
@@ -120,6 +142,7 @@ typedef struct kvcc_state {
     kvcc_attn_fn attn_hook;
     void *attn_user;
     int attn_from;       /* positions >= attn_from attend through attn_hook */
+    struct kvcc_bf16_ctx *bf; /* bf16 models: oneDNN stream, cached matmul primitives, scratch */
 } kvcc_state;
 
 /* A state holding up to n_ctx tokens (1 <= n_ctx; it may exceed the training context). */
@@ -174,6 +197,22 @@ int kvcc_model_logprobs(const kvcc_model *m, kvcc_state *s, const int32_t *token
                         float *logprobs);
 /* exp(-mean(logprobs[0..n))); NAN when n <= 0. */
 double kvcc_perplexity(const float *logprobs, int n);
+
+/* What runs the model's matrix products, e.g. "oneDNN 2.6.3 sgemm (isa avx512_core_bf16); decode
+ * GEMV AVX-512" or "OpenBLAS 0.3.21 sgemm (Prescott); decode GEMV AVX-512" (USE_DNNL=0). Static
+ * storage; thread-safe. */
+const char *kvcc_model_gemm_name(void);
+
+/* The decode GEMV alone, for tests and benches: y (rows) = W (rows, cols) x + beta y, beta 0 (y
+ * only written) or 1. impl 0: plain loops (the reference); 1: the path decode runs (AVX-512 when
+ * the CPU has it, OpenMP over rows; bit-identical at any thread count). KVCC_GGUF_ERR_ARG on a
+ * NULL pointer, rows or cols < 1 or another impl. */
+int kvcc_model_gemv_f32(int impl, const float *W, int rows, int cols, const float *x, float beta,
+                        float *y);
+/* The same for bf16 weights W: x is rounded to bf16 and every product accumulated in f32; impl 1
+ * runs _mm512_dpbf16_ps where the CPU has AVX512_BF16, else the reference with OpenMP. */
+int kvcc_model_gemv_bf16(int impl, const uint16_t *W, int rows, int cols, const float *x,
+                         float beta, float *y);
 
 /* Index of the largest of n values (first on ties). */
 int kvcc_argmax(const float *x, int n);

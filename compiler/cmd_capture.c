@@ -1,6 +1,6 @@
 /*
  * cmd_capture.c: `kvcc capture [--gguf M] [--text FILE]... [--prompts N] [--context T]
- * [--continuation C] [--seed S] [--dtype f16|f32] [--shard R/N] -o corpus.h5`: real calibration
+ * [--continuation C] [--seed S] [--dtype f16|f32] [--precision f32|bf16] [--shard R/N] -o corpus.h5`: real calibration
  * corpora from the built-in model (calib/capture.c). Defaults suit SmolLM2-135M: the calibration
  * texts in examples/data/calib/, 16 prompts of 2048 + 128 tokens.
  *
@@ -40,6 +40,8 @@ static void usage(FILE *out) {
                  "  --continuation C    continuation tokens per window (default 128)\n"
                  "  --seed S            window choice (default 1)\n"
                  "  --dtype f16|f32     activation storage (default f16)\n"
+                 "  --precision P       the model's weights and products: f32 (default) or bf16 (bf16\n"
+                 "                      weights and products, f32 accumulation; docs/benchmarks.md)\n"
                  "  --shard R/N         capture only shard R (0..N-1) of N: a contiguous block of the prompts;\n"
                  "                      the shards listed in order in a manifest equal the whole capture\n"
                  "                      (under mpirun -np N each rank does this itself, see docs/distributed.md)\n"
@@ -72,6 +74,7 @@ static int agree_all(void *user, int rc, char *err, size_t errlen) {
 
 static int capture_main(int argc, char **argv) {
     const char *gguf = DEFAULT_GGUF, *out = NULL, *dtype = "f16";
+    int precision = KVCC_PREC_F32;
     char *texts[MAX_TEXTS];
     int n_texts = 0, own_texts = 0;
     unsigned n_prompts = 16, ctx = 2048, cont = 128, seed = 1, u;
@@ -81,7 +84,7 @@ static int capture_main(int argc, char **argv) {
         {"prompts", required_argument, 0, 'n'}, {"context", required_argument, 0, 't'},
         {"continuation", required_argument, 0, 'c'}, {"seed", required_argument, 0, 's'},
         {"dtype", required_argument, 0, 'd'}, {"output", required_argument, 0, 'o'},
-        {"shard", required_argument, 0, 'S'},
+        {"shard", required_argument, 0, 'S'}, {"precision", required_argument, 0, 'P'},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int ch;
     optind = 1;
@@ -97,6 +100,12 @@ static int capture_main(int argc, char **argv) {
         case 'c': if (kvcc_parse_u32("capture", "continuation", optarg, 0, 1u << 20, &u)) return KVCC_EXIT_USAGE; cont = u; break;
         case 's': if (kvcc_parse_u32("capture", "seed", optarg, 0, 0xffffffffu, &u)) return KVCC_EXIT_USAGE; seed = u; break;
         case 'd': dtype = optarg; break;
+        case 'P':
+            if ((precision = kvcc_precision_parse(optarg)) < 0) {
+                fprintf(stderr, "kvcc capture: --precision: got '%s', expected f32 or bf16\n", optarg);
+                return KVCC_EXIT_USAGE;
+            }
+            break;
         case 'o': out = optarg; break;
         case 'S': {
             char *end = NULL, *slash = strchr(optarg, '/');
@@ -180,7 +189,7 @@ static int capture_main(int argc, char **argv) {
     char msg[768] = "";
     if (ex) {
         /* nothing was written; the message is printed */
-    } else if (kvcc_load_model(gguf, 0, &lm, msg, sizeof msg) != 0) {
+    } else if (kvcc_load_model_prec(gguf, 0, precision, &lm, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_FAILED;
     } else if ((loaded = 1, kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
@@ -199,8 +208,10 @@ static int capture_main(int argc, char **argv) {
     kvcc_capture_stats st = {0};
     if (!ex) {
         char options[512];
-        int k = snprintf(options, sizeof options, "model=%s prompts=%u context=%u continuation=%u seed=%u dtype=%s texts=",
-                         lm.name, n_prompts, ctx, cont, seed, dtype);
+        /* precision=bf16 only when asked, so that an f32 capture's bytes are what they were */
+        int k = snprintf(options, sizeof options, "model=%s prompts=%u context=%u continuation=%u seed=%u dtype=%s %stexts=",
+                         lm.name, n_prompts, ctx, cont, seed, dtype,
+                         precision == KVCC_PREC_BF16 ? "precision=bf16 " : "");
         for (int i = 0; i < n_texts && k < (int)sizeof options; i++) { /* base names: no machine paths */
             const char *b = strrchr(texts[i], '/');
             k += snprintf(options + k, sizeof options - (size_t)k, "%s%s", i ? "," : "", b ? b + 1 : texts[i]);

@@ -56,6 +56,8 @@ static void usage(FILE *out) {
                  "  --max-tokens N      refuse a corpus prompt of more than N tokens (default\n"
                  "                      1048576; its activations must also fit in available memory)\n"
                  "  --gguf M            the model file: recorded as the model hash; needed by --reward model\n"
+                 "  --precision P       the model's weights and products for --reward model and KV2:\n"
+                 "                      f32 (default) or bf16\n"
                  "Policy options (each read by its pass; see docs/cli.md):\n");
     kvcc_pass_options_help(out);
 }
@@ -301,15 +303,16 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
         return KVCC_EXIT_FAILED;
     }
     unsigned u;
-    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_MAXTOK, O_PASS };
-    struct option opts[10 + MAX_PASS_OPTS] = {
+    enum { O_SEED = 256, O_THREADS, O_PROMPTS, O_GGUF, O_MAXTOK, O_PREC, O_PASS };
+    struct option opts[11 + MAX_PASS_OPTS] = {
         {"model", required_argument, 0, 'm'}, {"output", required_argument, 0, 'o'},
         {"policies", required_argument, 0, 'p'}, {"corpus", required_argument, 0, 'c'},
         {"seed", required_argument, 0, O_SEED}, {"threads", required_argument, 0, O_THREADS},
         {"prompts", required_argument, 0, O_PROMPTS}, {"gguf", required_argument, 0, O_GGUF},
-        {"max-tokens", required_argument, 0, O_MAXTOK}, {"help", no_argument, 0, 'h'}};
+        {"max-tokens", required_argument, 0, O_MAXTOK}, {"help", no_argument, 0, 'h'},
+        {"precision", required_argument, 0, O_PREC}};
     for (int i = 0; i < npo; i++)
-        opts[10 + i] = (struct option){po[i].opt->name, required_argument, 0, O_PASS + i};
+        opts[11 + i] = (struct option){po[i].opt->name, required_argument, 0, O_PASS + i};
     uint8_t given[MAX_PASS_OPTS] = {0};
     char msg[768] = "";
     int c;
@@ -330,6 +333,12 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
         case O_THREADS: if (kvcc_parse_u32("compile", "threads", optarg, 1, 4096, &u)) return KVCC_EXIT_USAGE; cx.threads = (int)u; break;
         case O_PROMPTS: if (kvcc_parse_u32("compile", "prompts", optarg, 1, 1000000, &u)) return KVCC_EXIT_USAGE; cx.max_prompts = u; break;
         case O_GGUF: gguf = optarg; break;
+        case O_PREC:
+            if ((cx.precision = kvcc_precision_parse(optarg)) < 0) {
+                fprintf(stderr, "kvcc compile: --precision: got '%s', expected f32 or bf16\n", optarg);
+                return KVCC_EXIT_USAGE;
+            }
+            break;
         case O_MAXTOK:
             if (kvcc_parse_u32("compile", "max-tokens", optarg, 2, KVCC_CORPUS_MAX_TOKENS_HARD, &u))
                 return KVCC_EXIT_USAGE;

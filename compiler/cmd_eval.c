@@ -15,6 +15,7 @@
 
 #include "eval.h"
 #include "eval_methods.h"
+#include "model.h"
 #include "kvcc.h"
 #include "kvrt_experimental.h"
 #include "passes/passes.h"
@@ -49,6 +50,7 @@ static void usage(FILE *out) {
         "                      decode-time methods: blocks read exactly per KV head and step "
         "(integers >= 1)\n"
         "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
+        "  --precision P       with --gguf: the model's weights and products, f32 (default) or bf16\n"
         "  --policy X.kvpol    an artifact, opened once and checked against the corpus's model; "
         "the header says\n"
         "                      which options each policy's rows run (the compiled ones unless "
@@ -381,7 +383,9 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"json", no_argument, 0, 'j'}, {"csv", no_argument, 0, 'v'}, {"help", no_argument, 0, 'h'},
         {"needle", required_argument, 0, 'N'}, {"needle-haystacks", required_argument, 0, 'H'},
         {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'},
-        {"max-tokens", required_argument, 0, 'X'}, {0, 0, 0, 0}};
+        {"max-tokens", required_argument, 0, 'X'}, {"precision", required_argument, 0, 'P'},
+        {0, 0, 0, 0}};
+    int precision = KVCC_PREC_F32;
     const char *needle = NULL;
     unsigned n_hay = 4, n_keys = 3;
     char *texts[MAX_NEEDLE_TEXTS];
@@ -394,6 +398,12 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'm': methods = optarg; break;
         case 'b': budgets = optarg; break;
         case 'g': gguf = optarg; break;
+        case 'P':
+            if ((precision = kvcc_precision_parse(optarg)) < 0) {
+                fprintf(stderr, "kvcc eval: --precision: got '%s', expected f32 or bf16\n", optarg);
+                return KVCC_EXIT_USAGE;
+            }
+            break;
         case 'p': policy = optarg; break;
         case 'n': if (kvcc_parse_u32("eval", "prompts", optarg, 1, 1000000, &prompts)) return KVCC_EXIT_USAGE; break;
         case 's': if (kvcc_parse_u32("eval", "seed", optarg, 0, 0xffffffffu, &seed)) return KVCC_EXIT_USAGE; break;
@@ -444,7 +454,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
             }
         }
     }
-    kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
+    kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .precision = precision, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
                         .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
                         .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,

@@ -65,6 +65,7 @@ typedef struct {
 typedef struct {
     const char *corpus;
     const char *gguf;        /* NULL: layer-local only */
+    int precision;           /* the model's: KVCC_PREC_F32 (0, the default) or KVCC_PREC_BF16 */
     const char *policy;      /* --policy artifact: opened once, every method's policy handle
                               * comes from it (else NULL) */
     const char *const *methods; /* method names (eval_methods.h: kvcc_eval_method_find) */

@@ -264,7 +264,7 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
     kvcc_corpus *c = E->c;
     kvcc_loaded_model lm;
     char msg[512];
-    if (kvcc_load_model(o->gguf, 0, &lm, msg, sizeof msg) != 0) {
+    if (kvcc_load_model_prec(o->gguf, 0, o->precision, &lm, msg, sizeof msg) != 0) {
         snprintf(err, errlen, "--gguf: %s", msg);
         return KVCC_EXIT_FAILED;
     }

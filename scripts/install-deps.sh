@@ -6,7 +6,7 @@ set -euo pipefail
 
 PKGS=(build-essential pkg-config libhdf5-dev hdf5-tools libzstd-dev libxxhash-dev
       libopenblas-dev liblapacke-dev libcriterion-dev libcjson-dev clang
-      libopenmpi-dev openmpi-bin)
+      libopenmpi-dev openmpi-bin libdnnl-dev)
 
 missing=()
 for p in "${PKGS[@]}"; do

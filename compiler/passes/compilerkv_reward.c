@@ -478,7 +478,7 @@ int ckv_model_open(ckv *S, char *err, size_t errlen) {
             err, errlen, KVCC_EXIT_USAGE,
             "--reward model needs the model the corpus was captured with: --gguf FILE.gguf");
     char msg[512];
-    if (kvcc_load_model(cx->gguf, 0, &S->lm, msg, sizeof msg) != 0)
+    if (kvcc_load_model_prec(cx->gguf, 0, cx->precision, &S->lm, msg, sizeof msg) != 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "--gguf: %s", msg);
     S->have_lm = 1;
     const kvcc_model *m = S->lm.model;

@@ -294,7 +294,7 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
     if (!rc && (sum_bad || !qa || !ka || !pl)) { snprintf(err, errlen, "kv2: out of memory"); rc = KVCC_EXIT_FAILED; }
     if (!rc && cx->gguf) {
         char msg[512];
-        if (kvcc_load_model(cx->gguf, 0, &M.lm, msg, sizeof msg) != 0) {
+        if (kvcc_load_model_prec(cx->gguf, 0, cx->precision, &M.lm, msg, sizeof msg) != 0) {
             snprintf(err, errlen, "--gguf: %s", msg);
             rc = KVCC_EXIT_USAGE;
         } else {

@@ -49,6 +49,7 @@ typedef struct {
     uint32_t window;
     const char *reward;             /* "attention" (default) or "model" */
     const char *gguf;               /* --gguf: the model file (reward "model") */
+    int precision;                  /* --precision: KVCC_PREC_F32 (0, default) or KVCC_PREC_BF16 */
     uint32_t ckv_reward_check;      /* --reward-check N (0: off) */
     const char *ckv_transfer_check; /* --transfer-check OTHER.h5 (NULL: off) */
     /* KV2 (--kv2-budgets, --kv2-rho, --kv2-proxies, --kv2-max-passes, --kv2-sinks, --kv2-chunk) */

@@ -69,6 +69,12 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   "$KVCC" capture --prompts 1 --context 24 --continuation 8 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/c1.h5" 2>/dev/null && \
   "$KVCC" capture --prompts 1 --context 24 --continuation 8 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/c2.h5" 2>/dev/null && \
     cmp -s "$tmp/c1.h5" "$tmp/c2.h5" && ok || bad "two captures differ"
+  # the thread count changes no byte (oneDNN / OpenBLAS GEMMs, attention tasks, decode GEMV)
+  OMP_NUM_THREADS=1 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t1.h5" 2>/dev/null && \
+  OMP_NUM_THREADS=2 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t2.h5" 2>/dev/null && \
+    cmp -s "$tmp/t1.h5" "$tmp/t2.h5" && ok || bad "captures at 1 and 2 threads differ"
+  err=$("$KVCC" capture --precision fp8 -o "$tmp/p.h5" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"expected f32 or bf16"* ]] && ok || bad "capture --precision fp8: exit $ex: $err"
   err=$("$KVCC" capture --prompts 1000 --context 4000 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/c3.h5" 2>&1); ex=$?
   [[ $ex -eq 2 && "$err" == *"windows"* && ! -e "$tmp/c3.h5" ]] && ok || bad "capture with too little text: exit $ex: $err"
 else

@@ -43,9 +43,12 @@ if nm "$build/libkvrt.a" 2>/dev/null | grep " U cuda" >/dev/null; then  # no -q:
     c="${CUDA_HOME:-/usr/local/cuda}"
     cuda_libs="-L$c/lib64 -Wl,-rpath,$c/lib64 -lcublas -lcudart -lstdc++"
 fi
+# calib/model.c built with USE_DNNL=1 runs its GEMMs on oneDNN
+dnnl_libs=""
+if nm "$build/libkvcalib.a" 2>/dev/null | grep " U dnnl_" >/dev/null; then dnnl_libs="-ldnnl"; fi
 ${CC:-cc} -std=c11 -O2 -fopenmp $san -D_GNU_SOURCE -Icalib -Iruntime/include -Iformats -o "$dump" \
     tests/peer/dump_model.c "$build/libkvcalib.a" "$build/libkvrt.a" "$build/libkvpol.a" \
-    -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
+    $dnnl_libs -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
 echo "== peer check against transformers ($model)"
 python3 tests/peer/check_transformers.py "$dump" "$model"
 
@@ -58,7 +61,7 @@ fi
 reader="$build/peer/read_corpus"
 ${CC:-cc} -std=c11 -O2 -fopenmp $san -D_GNU_SOURCE -Icalib -Iformats -Iruntime/include -I/usr/include/hdf5/serial \
     -o "$reader" tests/peer/read_corpus.c "$build/libkvcalib.a" "$build/libkvrt.a" "$build/libkvpol.a" \
-    -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5 -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
+    -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5 $dnnl_libs -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
 echo "== capture_hf.py round trip through our corpus reader"
 python3 tests/peer/capture_hf_check.py examples/capture_hf.py "$reader" --real "$model" --dump "$dump" \
     --kvcc "$build/kvcc"

@@ -8,7 +8,9 @@
  * greedy answer and held-out perplexity. Run by `make test`.
  */
 #include <criterion/criterion.h>
+#include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -581,6 +583,92 @@ Test(calib_model, real_extend_equals_fresh_forward, .timeout = 600) {
     for (int i = 0; i < n && ns < 32; i += 3) sel[ns++] = ids[i];
     check_extend(r.m, ids, n, sel, ns, 2e-3f);
     free(ids);
+    kvcc_tok_free(r.t);
+    kvcc_model_free(r.m);
+}
+
+/* The decode GEMV (kvcc_model_gemv_f32): the fast path (AVX-512 where the CPU has it, OpenMP over
+ * rows) against the plain-loop reference on the model's shapes (q/o 576 x 576, k/v 192 x 576,
+ * gate/up 1536 x 576, down 576 x 1536, lm_head 49152 x 576) and on odd ones (rows not a multiple
+ * of 4, cols not a multiple of 16, one row, one column), beta 0 and 1. Tolerance: the two sum in
+ * different orders, so |fast - ref| <= 8 * cols * FLT_EPSILON * sum |w x| (a bound on the rounding
+ * of either order) + 1e-30. Then the fast path gives bit-identical output at 1 and 2 threads. */
+Test(calib_model, gemv_fast_matches_ref) {
+    static const int shapes[][2] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536},
+                                    {49152, 576}, {67, 35}, {1, 17}, {5, 1}, {130, 16}, {3, 15}};
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const int rows = shapes[si][0], cols = shapes[si][1];
+        float *W = malloc((size_t)rows * cols * sizeof *W), *x = malloc((size_t)cols * sizeof *x);
+        float *yr = malloc((size_t)rows * sizeof *yr), *yf = malloc((size_t)rows * sizeof *yf);
+        float *y2 = malloc((size_t)rows * sizeof *y2);
+        cr_assert(W && x && yr && yf && y2);
+        g_rng = 12345u + (uint32_t)si;
+        fill(W, rows * cols, 0.2f, 0.0f);
+        fill(x, cols, 2.0f, 0.1f);
+        for (int beta = 0; beta <= 1; beta++) {
+            for (int r = 0; r < rows; r++) yr[r] = yf[r] = y2[r] = beta ? 0.5f * rnd() : NAN;
+            cr_assert_eq(kvcc_model_gemv_f32(0, W, rows, cols, x, (float)beta, yr), 0);
+            omp_set_num_threads(2);
+            cr_assert_eq(kvcc_model_gemv_f32(1, W, rows, cols, x, (float)beta, yf), 0);
+            omp_set_num_threads(1);
+            cr_assert_eq(kvcc_model_gemv_f32(1, W, rows, cols, x, (float)beta, y2), 0);
+            for (int r = 0; r < rows; r++) {
+                double mag = 0;
+                for (int c = 0; c < cols; c++) mag += fabs((double)W[(size_t)r * cols + c] * x[c]);
+                const double tol = 8.0 * cols * FLT_EPSILON * mag + 1e-30;
+                cr_assert(fabs((double)yf[r] - yr[r]) <= tol,
+                          "%d x %d beta %d row %d: fast %.9g ref %.9g (tol %g)", rows, cols, beta, r,
+                          yf[r], yr[r], tol);
+            }
+            cr_assert(!memcmp(yf, y2, (size_t)rows * sizeof *yf),
+                      "%d x %d: fast GEMV differs between 2 threads and 1", rows, cols);
+        }
+        free(W); free(x); free(yr); free(yf); free(y2);
+    }
+    float w = 1, xx = 1, y = 0;
+    cr_assert_eq(kvcc_model_gemv_f32(2, &w, 1, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_model_gemv_f32(1, NULL, 1, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_model_gemv_f32(1, &w, 0, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
+    cr_assert(strlen(kvcc_model_gemm_name()) > 0);
+}
+
+/* Identical inputs give identical bits whatever the thread count: logits of every position of a
+ * ~600-token prefill (three chunks; several attention blocks per chunk) and of 8 decode steps
+ * after it, at 1 and 2 OpenMP threads (the GEMM backend of kvcc_model_gemm_name included). */
+Test(calib_model, real_thread_count_invariant, .timeout = 600) {
+    real_model r = load_real();
+    if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
+    FILE *f = fopen("examples/data/heldout/1985_ronald_reagan_r.txt", "rb");
+    if (!f) cr_skip_test("examples/data not found (run the tests from the repository root)");
+    static char buf[4096];
+    size_t len = fread(buf, 1, 3000, f);
+    fclose(f);
+    int n;
+    int32_t *ids = encode(r.t, buf, len, &n);
+    cr_assert(n > 520, "%d tokens", n);
+    const int np = n - 8, nv = r.m->hp.n_vocab;
+    float *lg[2];
+    omp_set_num_threads(2);
+    kvcc_state *s;
+    cr_assert_eq(kvcc_state_create(r.m, n, &s), 0);
+    for (int k = 0; k < 2; k++) {
+        omp_set_num_threads(k ? 1 : 2);
+        lg[k] = malloc((size_t)n * nv * sizeof(float));
+        cr_assert(lg[k]);
+        kvcc_state_reset(s);
+        cr_assert_eq(kvcc_model_prefill(r.m, s, ids, np, lg[k], KVCC_LOGITS_ALL), 0);
+        for (int i = np; i < n; i++)
+            cr_assert_eq(kvcc_model_decode(r.m, s, ids[i], lg[k] + (size_t)i * nv), 0);
+    }
+    omp_set_num_threads(2);
+    for (int i = 0; i < n; i++)
+        cr_assert(!memcmp(lg[0] + (size_t)i * nv, lg[1] + (size_t)i * nv, (size_t)nv * sizeof(float)),
+                  "position %d (%s): logits differ between 2 threads and 1 (%s)", i,
+                  i < np ? "prefill" : "decode", kvcc_model_gemm_name());
+    free(lg[0]);
+    free(lg[1]);
+    free(ids);
+    kvcc_state_free(s);
     kvcc_tok_free(r.t);
     kvcc_model_free(r.m);
 }
