@@ -140,32 +140,80 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
     return ok ? 0 : -1;
 }
 
-/* part[b, j] = sum over rows i of block b of (P_ij * rs_i)^2 (rs NULL: 1); out[j] = sum_b. */
-static void col_sumsq(const float *P, int64_t n, int64_t Tc, const double *rs, double *part,
-                      double *out, const int32_t *qpos, int64_t k0) {
+/* The row pass of am_prep, on the logits S [n, Tc] (row i sees its first vis_i keys): each row
+ * becomes P_ij = exp(z_ij - max_j z_ij) (0 past vis_i), mass[i] = sum_j P_ij, rs[i] = 1 / mass[i];
+ * then part[b, j] = sum over the rows i of block b (AM_ROWBLK rows, in order) of (P_ij rs_i)^2
+ * and colsum[j] = sum over b in order. Returns 1 when a row max is not finite or a P is NaN.
+ * Compiled for AVX-512 and AVX2 too (ifunc, like compkv.c's kernels; -DKVRT_NO_CLONES: the
+ * baseline only). No FMA (ISO C11 contracts nothing): every lane rounds as the scalar code; the
+ * mass is summed in AM_LANES interleaved double partial sums added in a fixed order, so the
+ * result depends on neither the ISA nor the thread count. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(KVRT_NO_CLONES)
+#define AM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define AM_CLONES
+#endif
+#define AM_LANES 16
+
+AM_CLONES
+static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
+                     double *mass, double *rs, double *part, double *colsum) {
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
-    /* each block sums its rows in order, each row only over the keys it can see (P is 0 beyond
-     * them: the same sums, bit for bit) */
+    int bad = 0;
     for (int64_t b = 0; b < nblk; b++) {
         double *pb = part + b * Tc;
-        for (int64_t j = 0; j < Tc; j++) pb[j] = 0;
+        memset(pb, 0, sizeof(double) * (size_t)Tc);
         const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
         for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
-            const float *row = P + i * Tc;
-            const double s = rs ? rs[i] : 1.0;
+            float *row = S + i * Tc;
+            /* causal: a query sees the keys at positions <= its own (callers pass only rows
+             * that see at least the chunk's first key) */
             int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
             vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
+            float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
+            if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
+            double acc[AM_LANES] = {0};
+            int nan = 0;
+            const int64_t vl = vis - vis % AM_LANES;
+            for (int64_t j0 = 0; j0 < vl; j0 += AM_LANES) {
+#pragma omp simd reduction(| : nan)
+                for (int64_t l = 0; l < AM_LANES; l++) {
+                    const float e = exp_nonpos_f32(row[j0 + l] - mx);
+                    row[j0 + l] = e;
+                    acc[l] += (double)e;
+                    nan |= e != e;
+                }
+            }
+            for (int64_t j = vl; j < vis; j++) {
+                const float e = exp_nonpos_f32(row[j] - mx);
+                row[j] = e;
+                acc[j - vl] += (double)e;
+                nan |= e != e;
+            }
+            if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
+            double sum = 0;
+            for (int l = 0; l < AM_LANES; l++) sum += acc[l];
+            bad |= nan;
+            mass[i] = sum;
+            const double inv = 1.0 / sum;
+            rs[i] = inv;
+#pragma omp simd
             for (int64_t j = 0; j < vis; j++) {
-                const double a = (double)row[j] * s;
+                const double a = (double)row[j] * inv;
                 pb[j] += a * a;
             }
         }
     }
-    for (int64_t j = 0; j < Tc; j++) {
-        double acc = 0;
-        for (int64_t b = 0; b < nblk; b++) acc += part[b * Tc + j];
-        out[j] = acc;
+    for (int64_t j = 0; j < Tc; j++) colsum[j] = 0;
+    for (int64_t b = 0; b < nblk; b++) {
+        const double *pb = part + b * Tc;
+#pragma omp simd
+        for (int64_t j = 0; j < Tc; j++) colsum[j] += pb[j];
     }
+    return bad;
 }
 
 /* Keys a query block [i0, i0 + nb) needs: up to its furthest-seeing query (causal). */
@@ -276,24 +324,9 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nb, (int)vm, (int)d, scale,
                     q + i0 * d, (int)d, k + k0 * ld, (int)ld, 0.0f, S + i0 * Tc, (int)Tc);
     }
-    int bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float *row = S + i * Tc;
-        /* causal: a query sees the keys at positions <= its own (callers pass only rows that
-         * see at least the chunk's first key) */
-        int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
-        vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
-        if (!(mx - mx == 0.0f)) { bad = 1; continue; }
-        double sum = 0;
-#pragma omp simd
-        for (int64_t j = 0; j < vis; j++) row[j] = exp_nonpos_f32(row[j] - mx);
-        for (int64_t j = vis; j < Tc; j++) row[j] = 0.0f;
-        for (int64_t j = 0; j < vis; j++) sum += row[j];
-        ws->mass[i] = sum;
-        bad |= !all_finite_f(row, vis);
-    }
+    /* P = exp(z - rowmax), masses and the column sums of squares of softmax(z), one pass over
+     * the rows (each row is still in L1 when its squares are added) */
+    const int bad = prep_rows(S, n, Tc, qpos, k0, ws->mass, ws->rowsum, ws->part, ws->colsum);
     if (bad)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) > "
                                      "3.4e38) or are NaN in keys %lld..%lld",
@@ -306,12 +339,10 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
                     S + i0 * Tc, (int)Tc, v + k0 * ld, (int)ld, 0.0f, ws->Yf + i0 * d, (int)d);
     }
     for (int64_t i = 0; i < n; i++) {
-        const double inv = 1.0 / ws->mass[i];
-        ws->rowsum[i] = inv;
+        const double inv = ws->rowsum[i];
+#pragma omp simd
         for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
     }
-    /* column sums of squares of softmax(z) = P_ij / m_i */
-    col_sumsq(S, n, Tc, ws->rowsum, ws->part, ws->colsum, qpos, k0);
     if (!gram) return KVRT_OK;
     /* OMP: H = Q^T Q and c0 = Q^T 1, Q = P / m in double, by query blocks over the keys each
      * block sees (its contribution is H's leading vm x vm block), blocks in order */
