@@ -376,6 +376,36 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
     return KVRT_OK;
 }
 
+/* HighestAttnKeys' NNLS matrix: MS [n, ts] = the relative columns P[:, sel] / m scaled to unit
+ * norm (scale [ts] = 1 / norm, 0 for a column that underflowed everywhere) and cvec = MS^T 1.
+ * Two passes over the rows (gather with the sums of squares, then scale with the column sums),
+ * each sum over the rows in order. */
+AM_CLONES
+static void gather_cols(const float *S, int64_t n, int64_t Tc, const int32_t *sel, int64_t ts,
+                        const double *rowsum, double *MS, double *scale, double *cvec) {
+    for (int64_t a = 0; a < ts; a++) scale[a] = 0, cvec[a] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = S + i * Tc;
+        const double r = rowsum[i];
+        double *m = MS + i * ts;
+#pragma omp simd
+        for (int64_t a = 0; a < ts; a++) {
+            const double x = (double)row[sel[a]] * r;
+            m[a] = x;
+            scale[a] += x * x;
+        }
+    }
+    for (int64_t a = 0; a < ts; a++) scale[a] = scale[a] > 0 ? 1.0 / sqrt(scale[a]) : 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double *m = MS + i * ts;
+#pragma omp simd
+        for (int64_t a = 0; a < ts; a++) {
+            m[a] *= scale[a];
+            cvec[a] += m[a];
+        }
+    }
+}
+
 /* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. */
 static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, int64_t k0,
                   int64_t Tc, int64_t d, int64_t n, int64_t tc, am_out *res, am_acc *acc) {
@@ -395,24 +425,11 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         /* 4. NNLS for the weights, rows in relative terms: sum_j (P_ij / m_i) w_j ~ 1, so every
          * query's mass counts by its relative error (absolute terms let the flat, high-mass rows
          * dominate; measured worse on held-out queries). Columns scaled to unit norm. */
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t a = 0; a < ts; a++)
-                ws->MS[i * ts + a] = (double)S[i * Tc + ws->sel[a]] * ws->rowsum[i];
-        for (int64_t a = 0; a < ts; a++) ws->scale[a] = 0;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t a = 0; a < ts; a++)
-                ws->scale[a] += ws->MS[i * ts + a] * ws->MS[i * ts + a];
-        for (int64_t a = 0; a < ts; a++)
-            ws->scale[a] = ws->scale[a] > 0 ? 1.0 / sqrt(ws->scale[a]) : 0.0;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t a = 0; a < ts; a++) ws->MS[i * ts + a] *= ws->scale[a];
+        gather_cols(S, n, Tc, ws->sel, ts, ws->rowsum, ws->MS, ws->scale, ws->cvec);
         cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)ts, (int)n, 1.0, ws->MS, (int)ts,
                     0.0, ws->G, (int)ts);
         for (int64_t a = 0; a < ts; a++) /* mirror: nnls_gram reads whole rows */
             for (int64_t b = a + 1; b < ts; b++) ws->G[a * ts + b] = ws->G[b * ts + a];
-        for (int64_t a = 0; a < ts; a++) ws->cvec[a] = 0;
-        for (int64_t i = 0; i < n; i++) /* M^T 1 */
-            for (int64_t a = 0; a < ts; a++) ws->cvec[a] += ws->MS[i * ts + a];
         for (int64_t a = 0; a < ts; a++) {
             if (ws->scale[a] == 0) { /* a column that underflowed everywhere */
                 for (int64_t b = 0; b < ts; b++) ws->G[a * ts + b] = ws->G[b * ts + a] = 0;
