@@ -11,9 +11,10 @@
  * defines: kvrt_am_opts_init, kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (the CPU implementations behind runtime/core/am.c)
  *
- * Threading: the big products (Q K^T, P V, Gram matrices, X C_v) are single OpenBLAS calls, which
- * OpenBLAS threads itself; the elementwise work between them (row max, exp, column statistics)
- * is serial on purpose. Measured on SmolLM2 layers (T = 512, 1536 queries, 2 cores): OpenMP
+ * Threading: the big products (Q K^T, P V, the NNLS and value Gram matrices, X C_v) are single
+ * OpenBLAS calls, which OpenBLAS threads itself; the elementwise work between them (one fused,
+ * vectorized row pass: row max, exp, mass, column statistics; OMP's per-pick Gram rows) is
+ * serial on purpose. Measured on SmolLM2 layers (T = 512, 1536 queries, 2 cores): OpenMP
  * loops between the BLAS calls made it 2-4x slower, because idle OpenMP threads spin
  * (libgomp's default wait policy) while OpenBLAS's threads work. The output is the same whatever
  * the OpenMP thread count (column reductions run in a fixed block order).
