@@ -1,30 +1,44 @@
 #!/bin/bash
 # am_vs_scipy.sh: time the C Attention Matching compaction of one head (bench_am) against the same
 # algorithm in numpy + scipy (bench/am_scipy.py) on the same inputs, T = 4096 and 16384, d = 128,
-# ratio 0.05, 4096 reference queries; prints both times and their ratio. Not a test.
+# ratio 0.05, 4096 reference queries; prints both times (medians of REPS = 5 runs each) and their
+# ratio. Not a test.
 # The C side runs twice: with the kernels the system OpenBLAS picks for this CPU, and with
 # OPENBLAS_CORETYPE=Haswell, the kernels numpy's bundled OpenBLAS (scipy-openblas, newer) picks on
 # the same machine: an old system OpenBLAS may not recognize a recent CPU and fall back to its
 # generic Prescott kernels (seen on the dev VM: 3x slower products), which is not the algorithm's
 # doing. The tests never set OPENBLAS_CORETYPE.
-# Usage: bash bench/am_vs_scipy.sh   (from the repository root; BUILD=build by default)
+# Usage: [THREADS=1] [REPS=5] [BENCH_AM=a bench_am binary] bash bench/am_vs_scipy.sh   (from the repository root; BUILD=build
+# by default)
 set -euo pipefail
 BUILD=${BUILD:-build}
-make --no-print-directory "$BUILD/bench/bench_am" >/dev/null
+if [ -z "${BENCH_AM:-}" ]; then
+  make --no-print-directory "$BUILD/bench/bench_am" >/dev/null
+  BENCH_AM=$BUILD/bench/bench_am
+fi
 python3 -c 'import numpy, scipy' 2>/dev/null || pip install numpy scipy
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
+# THREADS=1 runs both sides on one thread (OPENBLAS_NUM_THREADS=OMP_NUM_THREADS=1) and compares
+# their CPU seconds as well: on a loaded machine the steadier figure. Default: the BLAS defaults.
+if [ -n "${THREADS:-}" ]; then
+  export OPENBLAS_NUM_THREADS=$THREADS OMP_NUM_THREADS=$THREADS
+fi
 for T in 4096 16384; do
-  reps=3; [ "$T" -gt 4096 ] && reps=1
-  c=$("$BUILD/bench/bench_am" --head "$T" --reps "$reps" --dump "$dir")
-  echo "C (system OpenBLAS, $(OPENBLAS_VERBOSE=2 "$BUILD/bench/bench_am" --head 16 --reps 1 2>&1 | awk '/^Core/ {print $2}') kernels): $(echo "$c" | grep -v '^c_seconds')"
-  ch=$(OPENBLAS_CORETYPE=Haswell "$BUILD/bench/bench_am" --head "$T" --reps "$reps")
-  echo "C (system OpenBLAS, Haswell kernels): $(echo "$ch" | grep -v '^c_seconds')"
+  reps=${REPS:-5}
+  c=$("$BENCH_AM" --head "$T" --reps "$reps" --dump "$dir")
+  echo "C (system OpenBLAS, $(OPENBLAS_VERBOSE=2 "$BENCH_AM" --head 16 --reps 1 2>&1 | awk '/^Core/ {print $2}') kernels): $(echo "$c" | grep -v '^c_')"
+  ch=$(OPENBLAS_CORETYPE=Haswell "$BENCH_AM" --head "$T" --reps "$reps")
+  echo "C (system OpenBLAS, Haswell kernels): $(echo "$ch" | grep -v '^c_')"
   echo "reps $reps" >> "$dir/meta.txt"
   p=$(python3 bench/am_scipy.py "$dir")
-  echo "$p" | grep -v '^py_seconds'
+  echo "$p" | grep -v '^py_'
   cs=$(echo "$c" | awk '/^c_seconds/ {print $2}')
   chs=$(echo "$ch" | awk '/^c_seconds/ {print $2}')
   ps=$(echo "$p" | awk '/^py_seconds/ {print $2}')
-  awk -v c="$cs" -v h="$chs" -v p="$ps" -v T="$T" 'BEGIN { printf "T %d: numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx faster), %.3f s (Haswell kernels, as numpy: %.1fx faster)\n", T, p, c, p / c, h, p / h }'
+  cc=$(echo "$c" | awk '/^c_cpu_seconds/ {print $2}')
+  chc=$(echo "$ch" | awk '/^c_cpu_seconds/ {print $2}')
+  pc=$(echo "$p" | awk '/^py_cpu_seconds/ {print $2}')
+  awk -v c="$cs" -v h="$chs" -v p="$ps" -v T="$T" 'BEGIN { printf "T %d wall: numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx faster), %.3f s (Haswell kernels, as numpy: %.1fx faster)\n", T, p, c, p / c, h, p / h }'
+  awk -v c="$cc" -v h="$chc" -v p="$pc" -v T="$T" 'BEGIN { printf "T %d CPU:  numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx less), %.3f s (Haswell kernels: %.1fx less)\n", T, p, c, p / c, h, p / h }'
 done

@@ -11,9 +11,10 @@
  * defines: kvrt_am_opts_init, kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (the CPU implementations behind runtime/core/am.c)
  *
- * Threading: the big products (Q K^T, P V, Gram matrices, X C_v) are single OpenBLAS calls, which
- * OpenBLAS threads itself; the elementwise work between them (row max, exp, column statistics)
- * is serial on purpose. Measured on SmolLM2 layers (T = 512, 1536 queries, 2 cores): OpenMP
+ * Threading: the big products (Q K^T, P V, the NNLS and value Gram matrices, X C_v) are single
+ * OpenBLAS calls, which OpenBLAS threads itself; the elementwise work between them (one fused,
+ * vectorized row pass: row max, exp, mass, column statistics; OMP's per-pick Gram rows) is
+ * serial on purpose. Measured on SmolLM2 layers (T = 512, 1536 queries, 2 cores): OpenMP
  * loops between the BLAS calls made it 2-4x slower, because idle OpenMP threads spin
  * (libgomp's default wait policy) while OpenBLAS's threads work. The output is the same whatever
  * the OpenMP thread count (column reductions run in a fixed block order).
@@ -93,11 +94,11 @@ typedef struct {
     double *scale;  /* [t] */
     double *C;      /* [t, d] */
     double *rowsum; /* [n] */
-    double *H;      /* [Tc, Tc] OMP: Gram Q^T Q of the relative columns Q_ij = P_ij / m_i */
-    double *c0;     /* [Tc] OMP: Q^T 1 */
-    double *Qb;     /* [AM_QBLK, Tc] OMP: one block of Q in double */
+    int32_t *vis;   /* [n] keys each query row sees (causal), Tc without positions */
+    double *c0;     /* [Tc] OMP: Q^T 1 of the relative columns Q_ij = P_ij / m_i */
     double *corrd;  /* [Tc] OMP: correlations with the residual */
-    double *HS;     /* [t, Tc] OMP: the rows of H of the selected keys, in pick order */
+    double *HS;     /* [t, Tc] OMP: the rows of the Gram H = Q^T Q of the selected keys, in pick
+                     * order (computed per pick: H itself, Tc x Tc, is never formed) */
     double *wv;     /* [t] OMP: weights times column scales */
     double *colsum; /* [Tc] column statistics */
     double *colnorm;/* [Tc] OMP: column norms of P */
@@ -110,9 +111,8 @@ static void am_ws_free(am_ws *w) {
     free(w->sel); free(w->MS); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
     free(w->rowsum);
     free(w->colsum);
-    free(w->H);
+    free(w->vis);
     free(w->c0);
-    free(w->Qb);
     free(w->corrd);
     free(w->HS);
     free(w->wv);
@@ -130,42 +130,90 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
              AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) && AM_ALLOC(w->MS, n * t) &&
              AM_ALLOC(w->G, t * t) && AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
-             AM_ALLOC(w->colsum, Tc) && kvrt_cpu_nnls_ws_alloc(&w->nw, t) == 0;
+             AM_ALLOC(w->colsum, Tc) && AM_ALLOC(w->vis, n) && kvrt_cpu_nnls_ws_alloc(&w->nw, t) == 0;
     if (ok && omp)
-        ok = AM_ALLOC(w->H, Tc * Tc) && AM_ALLOC(w->c0, Tc) && AM_ALLOC(w->Qb, AM_QBLK * Tc) &&
-             AM_ALLOC(w->corrd, Tc) && AM_ALLOC(w->colnorm, Tc) && AM_ALLOC(w->taken, Tc) &&
+        ok = AM_ALLOC(w->c0, Tc) && AM_ALLOC(w->corrd, Tc) && AM_ALLOC(w->colnorm, Tc) && AM_ALLOC(w->taken, Tc) &&
              AM_ALLOC(w->HS, t * Tc) && AM_ALLOC(w->wv, t);
 #undef AM_ALLOC
     if (!ok) am_ws_free(w);
     return ok ? 0 : -1;
 }
 
-/* part[b, j] = sum over rows i of block b of (P_ij * rs_i)^2 (rs NULL: 1); out[j] = sum_b. */
-static void col_sumsq(const float *P, int64_t n, int64_t Tc, const double *rs, double *part,
-                      double *out, const int32_t *qpos, int64_t k0) {
+/* The row pass of am_prep, on the logits S [n, Tc] (row i sees its first vis_i keys): each row
+ * becomes P_ij = exp(z_ij - max_j z_ij) (0 past vis_i), mass[i] = sum_j P_ij, rs[i] = 1 / mass[i];
+ * then part[b, j] = sum over the rows i of block b (AM_ROWBLK rows, in order) of (P_ij rs_i)^2
+ * and colsum[j] = sum over b in order. Returns 1 when a row max is not finite or a P is NaN.
+ * Compiled for AVX-512 and AVX2 too (ifunc, like compkv.c's kernels; -DKVRT_NO_CLONES: the
+ * baseline only). No FMA (ISO C11 contracts nothing): every lane rounds as the scalar code; the
+ * mass is summed in AM_LANES interleaved double partial sums added in a fixed order, so the
+ * result depends on neither the ISA nor the thread count. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(KVRT_NO_CLONES)
+#define AM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define AM_CLONES
+#endif
+#define AM_LANES 16
+
+AM_CLONES
+static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
+                     double *mass, double *rs, double *part, double *colsum, int32_t *vis_out) {
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
-    /* each block sums its rows in order, each row only over the keys it can see (P is 0 beyond
-     * them: the same sums, bit for bit) */
+    int bad = 0;
     for (int64_t b = 0; b < nblk; b++) {
         double *pb = part + b * Tc;
-        for (int64_t j = 0; j < Tc; j++) pb[j] = 0;
+        memset(pb, 0, sizeof(double) * (size_t)Tc);
         const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
         for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
-            const float *row = P + i * Tc;
-            const double s = rs ? rs[i] : 1.0;
+            float *row = S + i * Tc;
+            /* causal: a query sees the keys at positions <= its own (callers pass only rows
+             * that see at least the chunk's first key) */
             int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
             vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
+            vis_out[i] = (int32_t)vis;
+            float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
+            if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
+            double acc[AM_LANES] = {0};
+            int nan = 0;
+            const int64_t vl = vis - vis % AM_LANES;
+            for (int64_t j0 = 0; j0 < vl; j0 += AM_LANES) {
+#pragma omp simd reduction(| : nan)
+                for (int64_t l = 0; l < AM_LANES; l++) {
+                    const float e = exp_nonpos_f32(row[j0 + l] - mx);
+                    row[j0 + l] = e;
+                    acc[l] += (double)e;
+                    nan |= e != e;
+                }
+            }
+            for (int64_t j = vl; j < vis; j++) {
+                const float e = exp_nonpos_f32(row[j] - mx);
+                row[j] = e;
+                acc[j - vl] += (double)e;
+                nan |= e != e;
+            }
+            if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
+            double sum = 0;
+            for (int l = 0; l < AM_LANES; l++) sum += acc[l];
+            bad |= nan;
+            mass[i] = sum;
+            const double inv = 1.0 / sum;
+            rs[i] = inv;
+#pragma omp simd
             for (int64_t j = 0; j < vis; j++) {
-                const double a = (double)row[j] * s;
+                const double a = (double)row[j] * inv;
                 pb[j] += a * a;
             }
         }
     }
-    for (int64_t j = 0; j < Tc; j++) {
-        double acc = 0;
-        for (int64_t b = 0; b < nblk; b++) acc += part[b * Tc + j];
-        out[j] = acc;
+    for (int64_t j = 0; j < Tc; j++) colsum[j] = 0;
+    for (int64_t b = 0; b < nblk; b++) {
+        const double *pb = part + b * Tc;
+#pragma omp simd
+        for (int64_t j = 0; j < Tc; j++) colsum[j] += pb[j];
     }
+    return bad;
 }
 
 /* Keys a query block [i0, i0 + nb) needs: up to its furthest-seeing query (causal). */
@@ -184,15 +232,35 @@ static int cmp_i32(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Row jb of the Gram H = Q^T Q of the relative columns Q_ij = P_ij rs_i (rs_i = 1 / m_i, each
+ * factor rounded to double as the column sums of squares are): h[j] = sum over the rows i, in
+ * order, of Q_ij Q_ijb. Rows that do not see key jb (P_ijb = 0) add exact zeros and are skipped,
+ * each row runs over the keys it sees only. One pass over P per pick, O(n Tc), instead of the
+ * O(n Tc^2) of the whole H; the sums are per key j, so they do not depend on the ISA. */
+AM_CLONES
+static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, const double *rs,
+                     int64_t jb, double *h) {
+    memset(h, 0, sizeof(double) * (size_t)Tc);
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = S + i * Tc;
+        if (row[jb] == 0.0f) continue;
+        const double r = rs[i], u = (double)row[jb] * r;
+        const int64_t v = vis[i];
+#pragma omp simd
+        for (int64_t j = 0; j < v; j++) h[j] += ((double)row[j] * r) * u;
+    }
+}
+
 /* OMP key selection with NNLS refits: fills ws->sel [count] (ascending) and ws->w (weights in
  * the order of sel). Returns the count (>= 1). Works in the Gram space of the relative columns
- * Q_.j = P_.j / m (am_prep's H = Q^T Q and c0 = Q^T 1): the residual of the mass is
- * r = 1 - Q_S w, so the correlation of column j with it is c0_j - H[j, S] w, and the NNLS Gram
- * and right-hand side of the selected columns are H[S, S] and c0[S]; no pass over the n queries
- * per pick. */
-static int64_t am_select_omp(am_ws *ws, int64_t Tc, int64_t tc, int max_iter,
+ * Q_.j = P_.j / m (H = Q^T Q, am_prep's c0 = Q^T 1): the residual of the mass is r = 1 - Q_S w,
+ * so the correlation of column j with it is c0_j - H[j, S] w, and the NNLS Gram and right-hand
+ * side of the selected columns are H[S, S] and c0[S]. Only the rows of H of the picked keys are
+ * ever read: each pick forms its row (gram_row, one pass over P) instead of the whole Tc x Tc
+ * Gram up front (n Tc^2 flops and 8 Tc^2 bytes: 69 GFLOP and 128 MiB at Tc = n = 4096). */
+static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int max_iter,
                              kvrt_nnls_info *inf) {
-    const double *H = ws->H, *c0 = ws->c0;
+    const double *c0 = ws->c0;
     for (int64_t j = 0; j < Tc; j++) { /* ws->colsum: am_prep's column sums of squares, H_jj */
         ws->colnorm[j] = sqrt(ws->colsum[j]);
         ws->taken[j] = 0;
@@ -215,8 +283,8 @@ static int64_t am_select_omp(am_ws *ws, int64_t Tc, int64_t tc, int max_iter,
         ws->sel[s] = (int32_t)jb;
         ws->scale[s] = 1.0 / ws->colnorm[jb];
         /* Gram row s of the scaled columns (G is kept with leading dimension tc) */
-        const double *hj = H + jb * Tc;
-        memcpy(ws->HS + s * Tc, hj, sizeof(double) * (size_t)Tc);
+        double *hj = ws->HS + s * Tc;
+        gram_row(ws->S, n, Tc, ws->vis, ws->rowsum, jb, hj);
         for (int64_t a = 0; a < s; a++) {
             ws->G[s * tc + a] = hj[ws->sel[a]] * ws->scale[a] * ws->scale[s];
             ws->G[a * tc + s] = ws->G[s * tc + a];
@@ -276,24 +344,10 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nb, (int)vm, (int)d, scale,
                     q + i0 * d, (int)d, k + k0 * ld, (int)ld, 0.0f, S + i0 * Tc, (int)Tc);
     }
-    int bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float *row = S + i * Tc;
-        /* causal: a query sees the keys at positions <= its own (callers pass only rows that
-         * see at least the chunk's first key) */
-        int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
-        vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
-        if (!(mx - mx == 0.0f)) { bad = 1; continue; }
-        double sum = 0;
-#pragma omp simd
-        for (int64_t j = 0; j < vis; j++) row[j] = exp_nonpos_f32(row[j] - mx);
-        for (int64_t j = vis; j < Tc; j++) row[j] = 0.0f;
-        for (int64_t j = 0; j < vis; j++) sum += row[j];
-        ws->mass[i] = sum;
-        bad |= !all_finite_f(row, vis);
-    }
+    /* P = exp(z - rowmax), masses and the column sums of squares of softmax(z), one pass over
+     * the rows (each row is still in L1 when its squares are added) */
+    const int bad =
+        prep_rows(S, n, Tc, qpos, k0, ws->mass, ws->rowsum, ws->part, ws->colsum, ws->vis);
     if (bad)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) > "
                                      "3.4e38) or are NaN in keys %lld..%lld",
@@ -306,34 +360,51 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
                     S + i0 * Tc, (int)Tc, v + k0 * ld, (int)ld, 0.0f, ws->Yf + i0 * d, (int)d);
     }
     for (int64_t i = 0; i < n; i++) {
-        const double inv = 1.0 / ws->mass[i];
-        ws->rowsum[i] = inv;
+        const double inv = ws->rowsum[i];
+#pragma omp simd
         for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
     }
-    /* column sums of squares of softmax(z) = P_ij / m_i */
-    col_sumsq(S, n, Tc, ws->rowsum, ws->part, ws->colsum, qpos, k0);
     if (!gram) return KVRT_OK;
-    /* OMP: H = Q^T Q and c0 = Q^T 1, Q = P / m in double, by query blocks over the keys each
-     * block sees (its contribution is H's leading vm x vm block), blocks in order */
-    double *H = ws->H;
-    memset(H, 0, sizeof(double) * (size_t)(Tc * Tc));
+    /* OMP: c0 = Q^T 1, Q = P / m in double, rows in order (the Gram rows are formed per pick,
+     * am_select_omp) */
     for (int64_t j = 0; j < Tc; j++) ws->c0[j] = 0;
-    for (int64_t i0 = 0; i0 < n; i0 += AM_QBLK) {
-        const int64_t nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
-        const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
-        for (int64_t i = 0; i < nb; i++) {
-            const float *row = S + (i0 + i) * Tc;
-            const double rs = ws->rowsum[i0 + i];
-            double *qr = ws->Qb + i * vm;
-            for (int64_t j = 0; j < vm; j++) qr[j] = (double)row[j] * rs;
-            for (int64_t j = 0; j < vm; j++) ws->c0[j] += qr[j];
-        }
-        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)vm, (int)nb, 1.0, ws->Qb, (int)vm,
-                    1.0, H, (int)Tc);
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = S + i * Tc;
+        const double rs = ws->rowsum[i];
+#pragma omp simd
+        for (int64_t j = 0; j < ws->vis[i]; j++) ws->c0[j] += (double)row[j] * rs;
     }
-    for (int64_t a = 0; a < Tc; a++) /* mirror: the selection reads whole rows */
-        for (int64_t b = a + 1; b < Tc; b++) H[a * Tc + b] = H[b * Tc + a];
     return KVRT_OK;
+}
+
+/* HighestAttnKeys' NNLS matrix: MS [n, ts] = the relative columns P[:, sel] / m scaled to unit
+ * norm (scale [ts] = 1 / norm, 0 for a column that underflowed everywhere) and cvec = MS^T 1.
+ * Two passes over the rows (gather with the sums of squares, then scale with the column sums),
+ * each sum over the rows in order. */
+AM_CLONES
+static void gather_cols(const float *S, int64_t n, int64_t Tc, const int32_t *sel, int64_t ts,
+                        const double *rowsum, double *MS, double *scale, double *cvec) {
+    for (int64_t a = 0; a < ts; a++) scale[a] = 0, cvec[a] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = S + i * Tc;
+        const double r = rowsum[i];
+        double *m = MS + i * ts;
+#pragma omp simd
+        for (int64_t a = 0; a < ts; a++) {
+            const double x = (double)row[sel[a]] * r;
+            m[a] = x;
+            scale[a] += x * x;
+        }
+    }
+    for (int64_t a = 0; a < ts; a++) scale[a] = scale[a] > 0 ? 1.0 / sqrt(scale[a]) : 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double *m = MS + i * ts;
+#pragma omp simd
+        for (int64_t a = 0; a < ts; a++) {
+            m[a] *= scale[a];
+            cvec[a] += m[a];
+        }
+    }
 }
 
 /* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. */
@@ -345,7 +416,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     kvrt_nnls_info inf = {0};
     const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
     if (o->key_select == KVRT_AM_SELECT_OMP) {
-        ts = am_select_omp(ws, Tc, tc, max_iter, &inf);
+        ts = am_select_omp(ws, n, Tc, tc, max_iter, &inf);
         if (ts < 0) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     } else {
         /* HighestAttnKeys: score_j = RMS over queries of softmax(z)_ij = P_ij / m_i */
@@ -355,24 +426,11 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         /* 4. NNLS for the weights, rows in relative terms: sum_j (P_ij / m_i) w_j ~ 1, so every
          * query's mass counts by its relative error (absolute terms let the flat, high-mass rows
          * dominate; measured worse on held-out queries). Columns scaled to unit norm. */
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t a = 0; a < ts; a++)
-                ws->MS[i * ts + a] = (double)S[i * Tc + ws->sel[a]] * ws->rowsum[i];
-        for (int64_t a = 0; a < ts; a++) ws->scale[a] = 0;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t a = 0; a < ts; a++)
-                ws->scale[a] += ws->MS[i * ts + a] * ws->MS[i * ts + a];
-        for (int64_t a = 0; a < ts; a++)
-            ws->scale[a] = ws->scale[a] > 0 ? 1.0 / sqrt(ws->scale[a]) : 0.0;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t a = 0; a < ts; a++) ws->MS[i * ts + a] *= ws->scale[a];
+        gather_cols(S, n, Tc, ws->sel, ts, ws->rowsum, ws->MS, ws->scale, ws->cvec);
         cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)ts, (int)n, 1.0, ws->MS, (int)ts,
                     0.0, ws->G, (int)ts);
         for (int64_t a = 0; a < ts; a++) /* mirror: nnls_gram reads whole rows */
             for (int64_t b = a + 1; b < ts; b++) ws->G[a * ts + b] = ws->G[b * ts + a];
-        for (int64_t a = 0; a < ts; a++) ws->cvec[a] = 0;
-        for (int64_t i = 0; i < n; i++) /* M^T 1 */
-            for (int64_t a = 0; a < ts; a++) ws->cvec[a] += ws->MS[i * ts + a];
         for (int64_t a = 0; a < ts; a++) {
             if (ws->scale[a] == 0) { /* a column that underflowed everywhere */
                 for (int64_t b = 0; b < ts; b++) ws->G[a * ts + b] = ws->G[b * ts + a] = 0;

@@ -1098,8 +1098,9 @@ Test(am, options_on_real_heads, .timeout = 600) {
  * key): the greedy picks argmax_j Q_.j . r / |Q_.j| with r = 1 - Q_S w, refits w = NNLS(Q_S, 1)
  * after each pick, stops at t picks or when no correlation is positive; beta = log w, the keys of
  * weight 0 dropped. The runtime's OMP (Gram space, resumed refits) must select the same keys
- * and give the same biases within 1e-4. */
-Test(am, omp_equals_plain_greedy) {
+ * and give the same biases within 1e-4. causal: query i sits at position i / 2 and sees the keys
+ * up to it (its relative column entries beyond are 0), as in a prefill. */
+static void omp_vs_plain_greedy(int causal) {
     uint64_t s = 91;
     enum { T = 128, D = 16, NQ = 256, TT = 16 };
     float *k = randn_f(T * D, &s, 1.0), *v = randn_f(T * D, &s, 1.0), *q = randn_f(NQ * D, &s, 1.0);
@@ -1107,16 +1108,19 @@ Test(am, omp_equals_plain_greedy) {
     double nrm[T], r[NQ], w[TT], one[NQ];
     int32_t sel[TT];
     unsigned char taken[T] = {0};
+    int32_t qpos[NQ];
     for (int i = 0; i < NQ; i++) {
+        qpos[i] = i * T / NQ;
+        const int vis = causal ? qpos[i] + 1 : T;
         double z[T], mx = -INFINITY, m = 0;
-        for (int j = 0; j < T; j++) {
+        for (int j = 0; j < vis; j++) {
             double a = 0;
             for (int x = 0; x < D; x++) a += (double)q[i * D + x] * k[j * D + x];
             z[j] = a / sqrt((double)D);
             mx = z[j] > mx ? z[j] : mx;
         }
-        for (int j = 0; j < T; j++) m += exp(z[j] - mx);
-        for (int j = 0; j < T; j++) Q[i * T + j] = exp(z[j] - mx) / m;
+        for (int j = 0; j < vis; j++) m += exp(z[j] - mx);
+        for (int j = 0; j < T; j++) Q[i * T + j] = j < vis ? exp(z[j] - mx) / m : 0.0;
         one[i] = 1.0;
     }
     for (int j = 0; j < T; j++) {
@@ -1154,8 +1158,9 @@ Test(am, omp_equals_plain_greedy) {
     o.n_sink = 0;
     o.recent_frac = 0;
     kvrt_cache *c = NULL;
-    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, NQ, TT, KVRT_DTYPE_F32, &c, NULL), KVRT_OK,
-                 "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, causal ? qpos : NULL, NQ, TT, KVRT_DTYPE_F32, &c,
+                                 NULL),
+                 KVRT_OK, "%s", kvrt_last_error()->msg);
     /* the reference's kept keys (weight > 0) in position order, with their biases */
     int32_t pos[TT];
     double beta[TT];
@@ -1163,7 +1168,8 @@ Test(am, omp_equals_plain_greedy) {
     for (int j = 0; j < T; j++)
         for (int a = 0; a < ns; a++)
             if (sel[a] == j && w[a] > 0) { pos[nk] = j; beta[nk++] = log(w[a]); }
-    cr_log_info("am omp vs plain greedy: %d picks, %d kept (runtime %lld)", ns, nk, (long long)c->n_entries);
+    cr_log_info("am omp vs plain greedy%s: %d picks, %d kept (runtime %lld)", causal ? " (causal)" : "", ns, nk,
+                (long long)c->n_entries);
     cr_assert_eq(c->n_entries, nk, "runtime kept %lld keys, the plain greedy %d", (long long)c->n_entries, nk);
     for (int a = 0; a < nk; a++) {
         cr_assert_eq(c->positions[a], pos[a], "entry %d at %d, the plain greedy's at %d", a, c->positions[a],
@@ -1174,6 +1180,11 @@ Test(am, omp_equals_plain_greedy) {
     kvrt_cache_free(c);
     free(k); free(v); free(q); free(Q); free(A);
 }
+
+Test(am, omp_equals_plain_greedy) { omp_vs_plain_greedy(0); }
+
+/* The Gram rows of the picks over causal rows (each only over the keys it sees). */
+Test(am, omp_causal_equals_plain_greedy) { omp_vs_plain_greedy(1); }
 
 /* The target and the ratios am_hand_artifact writes (changed by the range test only). */
 static double hand_target = 0.25;
