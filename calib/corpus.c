@@ -301,7 +301,9 @@ int kvcc_corpus_set_codec(kvcc_corpus *c, int codec) {
     return KVCC_CORPUS_OK;
 }
 
-/* A chunked dataset (row blocks of 256) stored with codec, the data written in one call. */
+/* A dataset stored with codec, the data written in one call. Filtered codecs: chunks of whole
+ * rows (tokens), at most 256 rows each and balanced (T = 576 gives 3 x 192, not 256 + 256 + 64),
+ * so the last chunk carries no padding rows. "none": contiguous, exactly the data's bytes. */
 static int write_dataset(hid_t loc, const char *name, hid_t file_type, hid_t mem_type, int rank,
                          const hsize_t *dims, const void *data, int codec) {
     hid_t sp = H5Screate_simple(rank, dims, NULL);
@@ -310,11 +312,12 @@ static int write_dataset(hid_t loc, const char *name, hid_t file_type, hid_t mem
     hsize_t chunk[3];
     int zero = 0;
     for (int i = 0; i < rank; i++) zero |= dims[i] == 0;
-    if (!zero) {
+    if (!zero && codec != KVCC_CORPUS_CODEC_NONE) {
         for (int i = 0; i < rank; i++) chunk[i] = dims[i];
-        if (chunk[0] > 256) chunk[0] = 256; /* row blocks: a reader can stream a prompt */
+        const hsize_t n_chunks = (dims[0] + 255) / 256; /* row blocks: a reader can stream a prompt */
+        chunk[0] = (dims[0] + n_chunks - 1) / n_chunks;
         H5Pset_chunk(dcpl, rank, chunk);
-        if (codec != KVCC_CORPUS_CODEC_NONE) H5Pset_shuffle(dcpl);
+        H5Pset_shuffle(dcpl);
         if (codec == KVCC_CORPUS_CODEC_DEFLATE4) H5Pset_deflate(dcpl, 4);
         if (codec == KVCC_CORPUS_CODEC_DEFLATE1) H5Pset_deflate(dcpl, 1);
     }
