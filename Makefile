@@ -107,10 +107,20 @@ LIBS_JSON    := -lcjson
 NVCCFLAGS ?= -O2 -std=c++17 -Xcompiler -fPIC -Xcompiler -Wall \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_90,code=compute_90
+# The CUDA backend is its own shared object, $(BUILD)/libkvrt_cuda.so (soname
+# libkvrt_cuda.so.X.Y), the only file linked with libcudart/libcublas: libkvrt (shared or
+# static) dlopens it when a CUDA context is created (runtime/core/cuda_load.c), so nothing that
+# links libkvrt needs the CUDA libraries, and CPU-only runs never map them. LIBS_CUDA is what a
+# program linking libkvrt adds for it (dlopen: libc's since glibc 2.34, -ldl for older ones).
 ifeq ($(USE_CUDA),1)
   CPPFLAGS += -DKVRT_WITH_CUDA=1
-  LIBS_CUDA := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+  LIBS_CUDA_RT := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+  LIBS_CUDA := -ldl
+  # programs linked in the tree (build/tests, build/bench, build/examples) find the backend in
+  # $(BUILD) through their RUNPATH, which dlopen searches for the calling program
+  RPATH_TREE := -Wl,-rpath,'$$ORIGIN/..'
 else
+  LIBS_CUDA_RT :=
   LIBS_CUDA :=
 endif
 ifeq ($(USE_DNNL),1)
@@ -142,7 +152,8 @@ BENCH_SRC    := $(wildcard bench/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 FORMATS_OBJ  := $(call obj,$(FORMATS_SRC))
-RUNTIME_OBJ  := $(call obj,$(RUNTIME_SRC)) $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CUDA_SRC))
+RUNTIME_OBJ  := $(call obj,$(RUNTIME_SRC))
+CUDA_OBJ     := $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CUDA_SRC))
 CALIB_OBJ    := $(call obj,$(CALIB_SRC))
 COMPILER_OBJ := $(call obj,$(COMPILER_SRC))
 TEST_OBJ     := $(call obj,$(TEST_SRC))
@@ -151,6 +162,7 @@ LIBKVPOL_A := $(BUILD)/libkvpol.a
 LIBKVPOL_SO:= $(BUILD)/libkvpol.so
 LIBKVRT_A  := $(BUILD)/libkvrt.a
 LIBKVRT_SO := $(BUILD)/libkvrt.so
+LIBKVRT_CUDA := $(if $(filter 1,$(USE_CUDA)),$(BUILD)/libkvrt_cuda.so)
 LIBCALIB_A := $(BUILD)/libkvcalib.a
 KVCC       := $(BUILD)/kvcc
 TESTS      := $(BUILD)/tests/kvcc_tests
@@ -165,7 +177,7 @@ ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_DNNL) $
 
 .PHONY: all deps peer-deps model test python-test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean \
         install uninstall check-install
-all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(KVCC)
+all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(LIBKVRT_CUDA) $(KVCC)
 
 deps:
 	@bash scripts/install-deps.sh
@@ -190,7 +202,7 @@ $(BUILD)/obj/%.o: %.c
 
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
-	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -Xcompiler -fvisibility=hidden -MMD -MP -c $< -o $@
 
 $(LIBKVPOL_A): $(FORMATS_OBJ)
 	@mkdir -p $(dir $@)
@@ -201,10 +213,17 @@ $(LIBKVPOL_SO): $(FORMATS_OBJ)
 $(LIBKVRT_A): $(RUNTIME_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
-$(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ)
-	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvrt.so.$(KVRT_ABI) -o $@ $^ $(LIBS_BLAS) $(LIBS_CUDA) \
-	  $(LIBS_FORMATS) -lm
+# libkvrt.so comes with its CUDA backend beside it (order-only: either can be rebuilt alone).
+$(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ) | $(LIBKVRT_CUDA)
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvrt.so.$(KVRT_ABI) -o $@ $(RUNTIME_OBJ) $(FORMATS_OBJ) \
+	  $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm
 	ln -sf $(notdir $@) $@.$(KVRT_ABI)  # the soname, for programs linked in the tree
+# The CUDA backend: every symbol hidden but kvrt_cuda_plugin_init (runtime/cuda/cuda_backend.cu);
+# it calls back into libkvrt only through the pointers it is handed, so it links no libkvrt.
+$(BUILD)/libkvrt_cuda.so: $(CUDA_OBJ)
+	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvrt_cuda.so.$(KVRT_ABI) -Wl,--no-undefined -o $@ $^ \
+	  $(LIBS_CUDA_RT) -lm
+	ln -sf $(notdir $@) $@.$(KVRT_ABI)  # the soname, which libkvrt looks for first
 $(LIBCALIB_A): $(CALIB_OBJ)
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^ $(if $(CALIB_OBJ),,$(error no calib sources))
@@ -215,17 +234,17 @@ $(LIBCLI_A): $(filter-out $(BUILD)/obj/compiler/main.o,$(COMPILER_OBJ))
 	@mkdir -p $(dir $@)
 	rm -f $@ && $(AR) rcs $@ $^
 
-$(KVCC): $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+$(KVCC): $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT_CUDA)
 	$(CC) $(LDFLAGS) -o $@ $(BUILD)/obj/compiler/main.o $(LIBCLI_A) $(ALL_LIBS)
 
-$(TESTS): $(TEST_OBJ) $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+$(TESTS): $(TEST_OBJ) $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT_CUDA)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $(TEST_OBJ) $(LIBCLI_A) $(ALL_LIBS) -lcriterion
+	$(CC) $(LDFLAGS) $(RPATH_TREE) -o $@ $(TEST_OBJ) $(LIBCLI_A) $(ALL_LIBS) -lcriterion
 
 # Every op of the backend table on every backend against its reference (tests/backend/).
-$(BACKEND_OPS): $(BUILD)/obj/tests/backend/test_backend_ops.o $(LIBKVRT_A) $(LIBKVPOL_A)
+$(BACKEND_OPS): $(BUILD)/obj/tests/backend/test_backend_ops.o $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT_CUDA)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
+	$(CC) $(LDFLAGS) $(RPATH_TREE) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
 	  $(LIBS_FORMATS) -lm -lpthread
 
 # The fuzz target's own source doubles as the replay driver's body.
@@ -239,16 +258,16 @@ $(BUILD)/tests/fuzz_replay_%: tests/fuzz/fuzz_%.c tests/fuzz/replay.c tests/gold
 	@mkdir -p $(dir $@)
 	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ tests/fuzz/replay.c $< tests/golden/inputs.c $(ALL_LIBS) $(LDFLAGS)
 
-$(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A)
+$(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT_CUDA)
 	@mkdir -p $(dir $@)
-	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_LIBS) $(LDFLAGS)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -o $@ $< $(ALL_LIBS) $(LDFLAGS) $(RPATH_TREE)
 
 # Examples see runtime/include only, as a serving stack does.
 examples: $(EXAMPLES)
-$(BUILD)/examples/%: examples/%.c $(LIBKVRT_A) $(LIBKVPOL_A)
+$(BUILD)/examples/%: examples/%.c $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT_CUDA)
 	@mkdir -p $(dir $@)
 	$(CC) -Iruntime/include $(CFLAGS) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
-	  $(LIBS_FORMATS) -lm $(LDFLAGS)
+	  $(LIBS_FORMATS) -lm $(LDFLAGS) $(RPATH_TREE)
 
 # ---------------------------------------------------------------- suites
 # The real-model tests need the default model; without network they skip visibly.
@@ -396,6 +415,11 @@ install: all $(BUILD)/kvrt.pc $(BUILD)/kvpol.pc
 	  ln -sf lib$$l.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/lib$$l.so && \
 	  install -m 644 $(BUILD)/$$l.pc $(DESTDIR)$(PKGCONFIGDIR)/$$l.pc || exit 1; \
 	done
+ifeq ($(USE_CUDA),1)
+	@# the CUDA backend beside libkvrt, where libkvrt looks for it (runtime/core/cuda_load.c)
+	install -m 755 $(LIBKVRT_CUDA) $(DESTDIR)$(LIBDIR)/libkvrt_cuda.so.$(KVRT_VERSION)
+	ln -sf libkvrt_cuda.so.$(KVRT_VERSION) $(DESTDIR)$(LIBDIR)/libkvrt_cuda.so.$(KVRT_ABI)
+endif
 
 uninstall:
 	rm -f $(DESTDIR)$(BINDIR)/kvcc $(addprefix $(DESTDIR)$(INCLUDEDIR)/,$(notdir $(INSTALL_HEADERS)))
@@ -404,6 +428,7 @@ uninstall:
 	    $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_VERSION) \
 	    $(DESTDIR)$(PKGCONFIGDIR)/$$l.pc; \
 	done
+	rm -f $(DESTDIR)$(LIBDIR)/libkvrt_cuda.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/libkvrt_cuda.so.$(KVRT_VERSION)
 
 # make install into a scratch prefix, then build examples/serve_skeleton.c out of tree with
 # pkg-config only (shared and static), run it, and make uninstall (tests/cli/install.sh).

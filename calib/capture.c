@@ -79,6 +79,12 @@ char *kvcc_read_text_file(const char *path, size_t *len, char *err, size_t errle
     return b;
 }
 
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 uint32_t kvcc_capture_shard_first(uint32_t n_prompts, uint32_t s, uint32_t n) {
     return n ? (uint32_t)((uint64_t)n_prompts * s / n) : (s ? n_prompts : 0);
 }
@@ -182,8 +188,16 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
                                 .rope_scaling_factor = 1.0f};
         snprintf(cm.name, sizeof cm.name, "%s", o->model_name);
         snprintf(cm.rope_scaling, sizeof cm.rope_scaling, "none");
-        rc = kvcc_corpus_create(&c, out_path, &cm, o->dtype_f16, "kvcc capture 0.1.0", o->options,
-                                err, errlen);
+        const int codec = o->codec ? kvcc_corpus_codec_parse(o->codec) : KVCC_CORPUS_CODEC_DEFAULT;
+        if (codec < 0) {
+            snprintf(err, errlen, "capture: codec: got '%s', expected none, shuffle, deflate1 or "
+                     "deflate4", o->codec);
+            rc = KVCC_CORPUS_ERR_ARG;
+        }
+        if (!rc)
+            rc = kvcc_corpus_create(&c, out_path, &cm, o->dtype_f16, "kvcc capture 0.1.0",
+                                    o->options, err, errlen);
+        if (!rc) rc = kvcc_corpus_set_codec(c, codec);
         if (!rc && o->n_shards) {
             char note[128];
             snprintf(note, sizeof note, "shard %u of %u: prompts %u..%u of %u", o->shard,
@@ -195,7 +209,7 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
     if (st) kvcc_state_set_capture(st, on_layer, &b);
 
     /* 3. run the prompts */
-    double nll_sum = 0;
+    double nll_sum = 0, write_s = 0, lp_s = 0;
     uint64_t nll_n = 0;
     for (uint32_t p = p_lo; !rc && p < p_hi; p++) {
         const int32_t *w = ids[wins[p].file] + wins[p].off;
@@ -207,6 +221,7 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
                 rc = KVCC_CORPUS_ERR_IO;
                 break;
             }
+            const double tl = now_s();
             for (int i = 0; i < n && pos + (uint32_t)i + 1 < T; i++) { /* log p(w[t+1] | w[..t]) */
                 const float *row = logits + (size_t)i * V;
                 float mx = row[0];
@@ -217,6 +232,7 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
                 nll_sum -= lp[pos + i];
                 nll_n++;
             }
+            lp_s += now_s() - tl;
         }
         if (rc) break;
         kvcc_corpus_prompt_info info = {.n_tokens = T, .context_len = o->context_len,
@@ -224,15 +240,19 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         const char *base = strrchr(o->texts[wins[p].file], '/');
         snprintf(info.source, sizeof info.source, "%s@token%llu",
                  base ? base + 1 : o->texts[wins[p].file], (unsigned long long)wins[p].off);
+        const double tw = now_s();
         rc = kvcc_corpus_write_prompt(c, &info, w, lp);
         for (uint32_t l = 0; !rc && l < L; l++)
             rc = kvcc_corpus_write_layer(c, l, b.q[l], b.k[l], b.v[l]);
+        write_s += now_s() - tw;
         if (rc && !err[0]) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
         if (rc == KVCC_CORPUS_OK && progress) progress(p + 1 - p_lo, p_hi - p_lo);
     }
     if (o->agree) rc = o->agree(o->agree_user, rc, err, errlen);
     if (!rc) {
+        const double tf = now_s();
         rc = kvcc_corpus_finish(c, err, errlen);
+        write_s += now_s() - tf;
         c = NULL;
     } else if (c) {
         if (!err[0]) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
@@ -248,6 +268,8 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         stats->mean_nll = nll_n ? nll_sum / (double)nll_n : NAN;
         stats->nll_sum = nll_sum;
         stats->nll_n = nll_n;
+        stats->write_seconds = write_s;
+        stats->logprob_seconds = lp_s;
         stats->seconds = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
     }
     kvcc_state_free(st);

@@ -21,6 +21,9 @@ typedef struct {
     int dtype_f16;
     const char *model_name;    /* recorded in the corpus (a preset name when the model is one) */
     const char *options;       /* canonical option string recorded in the corpus */
+    /* How the datasets are stored: a kvcc_corpus_codec name ("none", "shuffle", "deflate1",
+     * "deflate4"); NULL: KVCC_CORPUS_CODEC_DEFAULT (calib/corpus.h). */
+    const char *codec;
     /* Shard `shard` of n_shards (0 / 0: the whole capture): the prompts (windows in written
      * order) [n_prompts * shard / n_shards, n_prompts * (shard + 1) / n_shards), contiguous
      * blocks, so the shards in order hold the one-process capture's prompts in its order. The
@@ -41,6 +44,8 @@ typedef struct {
     uint64_t windows_available;
     double mean_nll;           /* over all next-token predictions of all prompts (of the shard) */
     double seconds;
+    double write_seconds;      /* of seconds: in the corpus writer (encoding, HDF5, the disk) */
+    double logprob_seconds;    /* of seconds: the next-token log-probabilities from the logits */
     double nll_sum;            /* -sum of the log-probabilities, over nll_n predictions */
     uint64_t nll_n;
 } kvcc_capture_stats;

@@ -31,6 +31,7 @@ struct kvcc_corpus {
     hid_t cur_prompt;        /* open group of the prompt being written, or -1 */
     uint32_t cur_T;
     uint32_t layers_written;
+    int codec;               /* kvcc_corpus_codec of the datasets written */
     char msg[512];
     /* reader: a hash of each prompt's tokens (duplicate prompts across shards) */
     uint64_t *tok_hash;
@@ -226,6 +227,7 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
     if (!c) return failc(NULL, err, errlen, KVCC_CORPUS_ERR_NOMEM, "out of memory");
     c->writing = 1;
     c->cur_prompt = -1;
+    c->codec = KVCC_CORPUS_CODEC_DEFAULT;
     c->model = *m;
     c->info.dtype_f16 = dtype_f16;
     snprintf(c->info.tool, sizeof c->info.tool, "%s", tool ? tool : "");
@@ -278,21 +280,46 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
     return KVCC_CORPUS_OK;
 }
 
-/* A chunked, deflate+shuffle dataset with the data written in one call. */
+static const char *const CODEC_NAMES[KVCC_CORPUS_CODEC_COUNT] = {
+    [KVCC_CORPUS_CODEC_DEFLATE4] = "deflate4", [KVCC_CORPUS_CODEC_DEFLATE1] = "deflate1",
+    [KVCC_CORPUS_CODEC_SHUFFLE] = "shuffle", [KVCC_CORPUS_CODEC_NONE] = "none"};
+
+const char *kvcc_corpus_codec_name(int codec) {
+    return codec >= 0 && codec < KVCC_CORPUS_CODEC_COUNT ? CODEC_NAMES[codec] : "unknown";
+}
+
+int kvcc_corpus_codec_parse(const char *s) {
+    for (int i = 0; s && i < KVCC_CORPUS_CODEC_COUNT; i++)
+        if (!strcmp(s, CODEC_NAMES[i])) return i;
+    return -1;
+}
+
+int kvcc_corpus_set_codec(kvcc_corpus *c, int codec) {
+    if (!c || !c->writing || codec < 0 || codec >= KVCC_CORPUS_CODEC_COUNT)
+        return KVCC_CORPUS_ERR_ARG;
+    c->codec = codec;
+    return KVCC_CORPUS_OK;
+}
+
+/* A dataset stored with codec, the data written in one call. Filtered codecs: chunks of whole
+ * rows (tokens), at most 256 rows each and balanced (T = 576 gives 3 x 192, not 256 + 256 + 64),
+ * so the last chunk carries no padding rows. "none": contiguous, exactly the data's bytes. */
 static int write_dataset(hid_t loc, const char *name, hid_t file_type, hid_t mem_type, int rank,
-                         const hsize_t *dims, const void *data, int compress) {
+                         const hsize_t *dims, const void *data, int codec) {
     hid_t sp = H5Screate_simple(rank, dims, NULL);
     hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
     H5Pset_obj_track_times(dcpl, 0);
     hsize_t chunk[3];
     int zero = 0;
     for (int i = 0; i < rank; i++) zero |= dims[i] == 0;
-    if (compress && !zero) {
+    if (!zero && codec != KVCC_CORPUS_CODEC_NONE) {
         for (int i = 0; i < rank; i++) chunk[i] = dims[i];
-        if (chunk[0] > 256) chunk[0] = 256; /* row blocks: a reader can stream a prompt */
+        const hsize_t n_chunks = (dims[0] + 255) / 256; /* row blocks: a reader can stream a prompt */
+        chunk[0] = (dims[0] + n_chunks - 1) / n_chunks;
         H5Pset_chunk(dcpl, rank, chunk);
         H5Pset_shuffle(dcpl);
-        H5Pset_deflate(dcpl, 4);
+        if (codec == KVCC_CORPUS_CODEC_DEFLATE4) H5Pset_deflate(dcpl, 4);
+        if (codec == KVCC_CORPUS_CODEC_DEFLATE1) H5Pset_deflate(dcpl, 1);
     }
     hid_t ds = H5Dcreate2(loc, name, file_type, sp, H5P_DEFAULT, dcpl, H5P_DEFAULT);
     herr_t r =
@@ -340,8 +367,8 @@ int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p,
         put_attr_i64(g, "n_tokens", T) | put_attr_i64(g, "context_len", p->context_len) |
         put_attr_i64(g, "continuation_len", p->continuation_len) |
         put_attr_str(g, "source", p->source) |
-        write_dataset(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, 1, &d1, tokens, 1) |
-        write_dataset(g, "next_logprob", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 1, &d2, next_logprob, 1);
+        write_dataset(g, "tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, 1, &d1, tokens, c->codec) |
+        write_dataset(g, "next_logprob", H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 1, &d2, next_logprob, c->codec);
     if (bad) {
         H5Gclose(g);
         return FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot write /%s", c->path, name);
@@ -386,10 +413,10 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
             uint16_t *h = malloc(n * 2);
             if (!h) { bad = 1; break; }
             for (size_t j = 0; j < n; j++) h[j] = kvrt_f32_to_f16(src[i][j]);
-            bad |= write_dataset(g, nm[i], ht, ht, 3, dims, h, 1);
+            bad |= write_dataset(g, nm[i], ht, ht, 3, dims, h, c->codec);
             free(h);
         } else {
-            bad |= write_dataset(g, nm[i], H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 3, dims, src[i], 1);
+            bad |= write_dataset(g, nm[i], H5T_IEEE_F32LE, H5T_NATIVE_FLOAT, 3, dims, src[i], c->codec);
         }
     }
     if (ht >= 0) H5Tclose(ht);

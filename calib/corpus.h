@@ -76,6 +76,24 @@ typedef struct {
 typedef struct kvcc_corpus kvcc_corpus;
 
 // ---------------------------------------------------------------- writer
+/* How the writer stores each dataset: HDF5 built-in filters only, so any HDF5 reader (h5py,
+ * the C library without plugins) decodes every codec (docs/corpus-format.md). */
+typedef enum {
+    KVCC_CORPUS_CODEC_DEFLATE4 = 0, /* shuffle + deflate level 4 (before 0.1.1 the only codec) */
+    KVCC_CORPUS_CODEC_DEFLATE1 = 1, /* shuffle + deflate level 1 */
+    KVCC_CORPUS_CODEC_SHUFFLE = 2,  /* the shuffle filter alone (chunked, no compression) */
+    KVCC_CORPUS_CODEC_NONE = 3,     /* chunked, no filter */
+    KVCC_CORPUS_CODEC_COUNT
+} kvcc_corpus_codec;
+/* The default of kvcc capture and kvcc synth, chosen by measurement (docs/benchmarks.md). */
+#define KVCC_CORPUS_CODEC_DEFAULT KVCC_CORPUS_CODEC_NONE
+/* "deflate4", "deflate1", "shuffle", "none"; "unknown" otherwise. */
+const char *kvcc_corpus_codec_name(int codec);
+/* The codec named s (one of the names above), or -1. */
+int kvcc_corpus_codec_parse(const char *s);
+/* The codec of every dataset written after this call (default KVCC_CORPUS_CODEC_DEFAULT);
+ * KVCC_CORPUS_ERR_ARG for a writer that is NULL or a codec out of range. */
+int kvcc_corpus_set_codec(kvcc_corpus *c, int codec);
 /* Create (truncate) path; written to a temp file beside it and renamed at close. */
 int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_model *m,
                        int dtype_f16, const char *tool, const char *options, char *err,

@@ -42,10 +42,13 @@ static void usage(FILE *out) {
                  "  --dtype f16|f32     activation storage (default f16)\n"
                  "  --precision P       the model's weights and products: f32 (default) or bf16 (bf16\n"
                  "                      weights and products, f32 accumulation; docs/benchmarks.md)\n"
+                 "  --codec C           how datasets are stored: none, shuffle, deflate1 or deflate4 (HDF5 built-in\n"
+                 "                      filters; any HDF5 reader decodes each); default %s (docs/corpus-format.md)\n"
                  "  --shard R/N         capture only shard R (0..N-1) of N: a contiguous block of the prompts;\n"
                  "                      the shards listed in order in a manifest equal the whole capture\n"
                  "                      (under mpirun -np N each rank does this itself, see docs/distributed.md)\n"
-                 "  -o, --output F      corpus to write (temp file + rename)\n");
+                 "  -o, --output F      corpus to write (temp file + rename)\n",
+            kvcc_corpus_codec_name(KVCC_CORPUS_CODEC_DEFAULT));
 }
 
 /* OpenBLAS (libopenblas, which the model's matrix products run on). */
@@ -73,7 +76,7 @@ static int agree_all(void *user, int rc, char *err, size_t errlen) {
 }
 
 static int capture_main(int argc, char **argv) {
-    const char *gguf = DEFAULT_GGUF, *out = NULL, *dtype = "f16";
+    const char *gguf = DEFAULT_GGUF, *out = NULL, *dtype = "f16", *codec = NULL;
     int precision = KVCC_PREC_F32;
     char *texts[MAX_TEXTS];
     int n_texts = 0, own_texts = 0;
@@ -85,10 +88,11 @@ static int capture_main(int argc, char **argv) {
         {"continuation", required_argument, 0, 'c'}, {"seed", required_argument, 0, 's'},
         {"dtype", required_argument, 0, 'd'}, {"output", required_argument, 0, 'o'},
         {"shard", required_argument, 0, 'S'}, {"precision", required_argument, 0, 'P'},
+        {"codec", required_argument, 0, 'C'},
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int ch;
     optind = 1;
-    while ((ch = getopt_long(argc, argv, "g:x:n:t:c:s:d:o:h", opts, NULL)) != -1) {
+    while ((ch = getopt_long(argc, argv, "g:x:n:t:c:s:d:o:hC:", opts, NULL)) != -1) {
         switch (ch) {
         case 'g': gguf = optarg; break;
         case 'x':
@@ -105,6 +109,13 @@ static int capture_main(int argc, char **argv) {
                 fprintf(stderr, "kvcc capture: --precision: got '%s', expected f32 or bf16\n", optarg);
                 return KVCC_EXIT_USAGE;
             }
+            break;
+        case 'C':
+            if (kvcc_corpus_codec_parse(optarg) < 0) {
+                fprintf(stderr, "kvcc capture: --codec: got '%s', expected none, shuffle, deflate1 or deflate4\n", optarg);
+                return KVCC_EXIT_USAGE;
+            }
+            codec = optarg;
             break;
         case 'o': out = optarg; break;
         case 'S': {
@@ -218,7 +229,7 @@ static int capture_main(int argc, char **argv) {
         }
         kvcc_capture_opts o = {.texts = (const char *const *)texts, .n_texts = n_texts, .n_prompts = n_prompts,
                                .context_len = ctx, .continuation_len = cont, .seed = seed,
-                               .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options,
+                               .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options, .codec = codec,
                                .shard = shard, .n_shards = n_shards, .agree = world > 1 ? agree_all : NULL};
         kvcc_progress_begin("capture");
         int rc = kvcc_capture_run(lm.model, lm.tok, &o, dst, kvcc_progress, &st, msg, sizeof msg);
@@ -233,10 +244,12 @@ static int capture_main(int argc, char **argv) {
             long long bytes = stat(dst, &sb) == 0 ? (long long)sb.st_size : -1;
             fprintf(stderr,
                     "kvcc capture: %swrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
-                    "%lld bytes; model %s, mean next-token NLL %.3f (perplexity %.1f); %.1f s (%.0f tokens/s)\n",
-                    rank_tag, dst, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes, lm.name,
+                    "%lld bytes (codec %s); model %s, mean next-token NLL %.3f (perplexity %.1f); %.1f s (%.0f tokens/s; "
+                    "%.1f s writing, %.1f s log-probabilities)\n",
+                    rank_tag, dst, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes,
+                    codec ? codec : kvcc_corpus_codec_name(KVCC_CORPUS_CODEC_DEFAULT), lm.name,
                     st.mean_nll, exp(st.mean_nll), st.seconds,
-                    st.prompts * (double)st.tokens_per_prompt / st.seconds);
+                    st.prompts * (double)st.tokens_per_prompt / st.seconds, st.write_seconds, st.logprob_seconds);
         }
     }
     if (world > 1 && !ex) { /* every shard in place: rank 0 lists them (else no manifest) */

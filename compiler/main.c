@@ -9,7 +9,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <omp.h>
+
 #include "kvcc.h"
+#include "model.h"
 #include "kvrt_experimental.h"
 
 static void usage(FILE *out) {
@@ -33,7 +36,8 @@ static void usage(FILE *out) {
             "\n"
             "options:\n"
             "  -h, --help                  this help (COMMAND --help for a command's own)\n"
-            "  -V, --version               kvcc, .kvpol format and libkvrt versions\n"
+            "  -V, --version               kvcc, .kvpol format and libkvrt versions, the BLAS and its kernels,\n"
+            "                              threads, and whether CUDA is usable (the one check that loads it)\n"
             "\n"
             "exit status:\n"
             "   0  success\n"
@@ -64,6 +68,34 @@ static int finish_stdout(const char *cmd, int ex) {
     return KVCC_EXIT_FAILED;
 }
 
+/* OpenBLAS (libopenblas, which the model's products and the CPU backend run on). */
+char *openblas_get_config(void);
+char *openblas_get_corename(void);
+int openblas_get_num_threads(void);
+int openblas_get_parallel(void);
+
+/* kvcc --version: the versions, then what this process would compute with: the BLAS and the
+ * kernels it picked for this CPU, its threads, OpenMP's threads, and whether CUDA is usable.
+ * The CUDA line is the one place a CPU command loads the CUDA backend (kvrt_cuda_probe). */
+static void print_version(void) {
+    printf("kvcc %s (.kvpol format %d.%d, libkvrt %s, CUDA backend %s)\n", KVCC_VERSION, KVPOL_VERSION_MAJOR,
+           KVPOL_VERSION_MINOR, kvrt_version(), kvrt_has_cuda() ? "built" : "not built");
+    const int par = openblas_get_parallel(); /* 0 sequential, 1 pthreads, 2 OpenMP */
+    printf("BLAS: %s; kernels %s; %d thread%s (%s)\n", openblas_get_config(), openblas_get_corename(),
+           openblas_get_num_threads(), openblas_get_num_threads() == 1 ? "" : "s",
+           par == 0 ? "sequential build" : par == 2 ? "OpenMP build" : "pthreads build");
+    const char *wait = getenv("OMP_WAIT_POLICY");
+    printf("OpenMP: %d thread%s, %d processor%s, OMP_WAIT_POLICY=%s\n", omp_get_max_threads(),
+           omp_get_max_threads() == 1 ? "" : "s", omp_get_num_procs(), omp_get_num_procs() == 1 ? "" : "s",
+           wait ? wait : "(unset)");
+    printf("model GEMM: %s\n", kvcc_model_gemm_name()); /* the built-in model's products */
+    char why[600];
+    const int n = kvrt_cuda_probe(why, sizeof why);
+    if (n > 0) printf("CUDA: usable, %s\n", why);
+    else if (n == 0) printf("CUDA: not usable (no device): %s\n", why);
+    else printf("CUDA: not usable: %s\n", why);
+}
+
 int main(int argc, char **argv) {
     /* libgomp's default (active) waiting keeps idle OpenMP workers spinning between parallel
      * regions; on a small machine they take the cores that OpenBLAS and the next region need
@@ -81,8 +113,7 @@ int main(int argc, char **argv) {
         return finish_stdout(NULL, KVCC_EXIT_OK);
     }
     if (!strcmp(cmd, "-V") || !strcmp(cmd, "--version")) {
-        printf("kvcc %s (.kvpol format %d.%d, libkvrt %s, CUDA backend %s)\n", KVCC_VERSION, KVPOL_VERSION_MAJOR,
-               KVPOL_VERSION_MINOR, kvrt_version(), kvrt_has_cuda() ? "built" : "not built");
+        print_version();
         return finish_stdout(NULL, KVCC_EXIT_OK);
     }
     static const struct {

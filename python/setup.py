@@ -1,7 +1,8 @@
 """Build hook of the kvrt package: `pip install ./python` from a kvcc checkout builds
 build/libkvrt.so with the checkout's Makefile when it is missing or older than its sources
 (`make -C <checkout> build/libkvrt.so`), and bundles the library into the package as
-kvrt/_native/libkvrt.so, which the loader prefers over the in-tree and system copies.
+kvrt/_native/libkvrt.so, which the loader prefers over the in-tree and system copies (a CUDA
+build's backend, libkvrt_cuda.so, goes beside it: libkvrt loads it from there on first use).
 
 Environment: KVRT_USE_CUDA=0/1 passes USE_CUDA to make (default: the Makefile's choice, on when
 nvcc is found); KVRT_BUILD_LIBRARY=/path/libkvrt.so bundles that library instead (no make);
@@ -55,6 +56,11 @@ class BuildPyWithLibrary(build_py):
             os.makedirs(dst, exist_ok=True)
             shutil.copy2(lib, os.path.join(dst, "libkvrt.so"))
             log(f"bundled {lib} as kvrt/_native/libkvrt.so")
+            # a CUDA build's backend, which libkvrt loads from its own directory on first use
+            cuda = os.path.join(os.path.dirname(lib), "libkvrt_cuda.so")
+            if os.path.exists(cuda):
+                shutil.copy2(cuda, os.path.join(dst, "libkvrt_cuda.so"))
+                log(f"bundled {cuda} as kvrt/_native/libkvrt_cuda.so")
 
 
 class BinaryDistribution(Distribution):

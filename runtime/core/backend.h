@@ -1,12 +1,12 @@
 /*
  * backend.h: libkvrt internals shared by the core (runtime/core/), the CPU backend
- * (runtime/cpu/) and the CUDA backend (runtime/cuda/). Not installed; serving stacks only see
- * kvrt.h.
+ * (runtime/cpu/) and the CUDA backend (runtime/cuda/, built as libkvrt_cuda.so and loaded on
+ * first use). Not installed; serving stacks only see kvrt.h.
  * Callers: every runtime file; tests that reach a backend's table (tests/backend/).
  *
  * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_tls_err, KVRT_BACKEND_API_VERSION,
  *          kvrt_backend_ops (one entry per op), struct kvrt_ctx, kvrt_backend_check,
- *          kvrt_backend_cpu, kvrt_backend_cuda, kvrt_cuda_device_count_impl,
+ *          kvrt_backend_cpu, kvrt_cuda_host, kvrt_cuda_plugin, kvrt_cuda_plugin_get,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
  *          kvrt_f16_to_f32_row
  *
@@ -168,12 +168,58 @@ struct kvrt_ctx {
 KVRT_INTERNAL int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const char *fn,
                                      kvrt_op op);
 
-/* The tables (runtime/cpu/backend_cpu.c, runtime/cuda/cuda_backend.cu). */
+/* The CPU table (runtime/cpu/backend_cpu.c). */
 KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
-#if defined(KVRT_WITH_CUDA)
-KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cuda(void);
-KVRT_INTERNAL int kvrt_cuda_device_count_impl(void); /* 0 on any driver/runtime error */
-#endif
+
+// ----------------------------------------------------------------------------
+// the CUDA backend: a separate shared object, loaded on first use
+
+/* The CUDA backend (runtime/cuda/) is built as its own shared object, libkvrt_cuda.so.X.Y
+ * (KVRT_CUDA_PLUGIN_SONAME), the only file that links libcudart and libcublas. libkvrt (shared
+ * or static) dlopens it the first time a CUDA context is created or CUDA is probed
+ * (kvrt_cuda_device_count, kvrt_cuda_probe), so a CPU-only program never maps a CUDA library
+ * (core/cuda_load.c). The two sides meet through one exported entry point: libkvrt passes the
+ * services the backend calls back (kvrt_cuda_host) and gets the backend's table
+ * (kvrt_cuda_plugin). Both structs carry KVRT_CUDA_PLUGIN_API_VERSION and the library
+ * version; a plugin of another version is refused with a message naming the file. */
+#define KVRT_CUDA_PLUGIN_API_VERSION 1
+#define KVRT_CUDA_PLUGIN_ENTRY "kvrt_cuda_plugin_init"
+#define KVRT_CUDA_PLUGIN_BASENAME "libkvrt_cuda.so"
+#define KVRT_STR_(x) #x
+#define KVRT_STR(x) KVRT_STR_(x)
+#define KVRT_CUDA_PLUGIN_SONAME \
+    KVRT_CUDA_PLUGIN_BASENAME "." KVRT_STR(KVRT_VERSION_MAJOR) "." KVRT_STR(KVRT_VERSION_MINOR)
+
+typedef struct kvrt_cuda_host {
+    int api_version;          /* KVRT_CUDA_PLUGIN_API_VERSION */
+    const char *kvrt_version; /* KVRT_VERSION_STRING of the loading libkvrt */
+    /* kvrt_err_set of the loading libkvrt (it also fills that library's thread-local error) */
+    int (*err_set)(kvrt_error *err, int code, int detail, const char *fmt, ...);
+    int (*cache_gather)(const float *k, const float *v, int64_t T, uint32_t n_kv_heads,
+                        uint32_t head_dim, const kvrt_selection *sel, int dtype,
+                        kvrt_cache **out);
+    int (*cache_to_device)(kvrt_ctx *ctx, const kvrt_cache *host, kvrt_cache **out);
+    void (*cache_free)(kvrt_cache *c);
+} kvrt_cuda_host;
+
+typedef struct kvrt_cuda_plugin {
+    int api_version;          /* KVRT_CUDA_PLUGIN_API_VERSION */
+    const char *kvrt_version; /* KVRT_VERSION_STRING it was built with */
+    const kvrt_backend_ops *ops;
+    int (*device_count)(void); /* 0 on any driver/runtime error */
+    /* The number of usable devices (>= 0), and in msg one line: the CUDA runtime and driver
+     * versions and device 0's name, or why there is no device (the CUDA error). */
+    int (*probe)(char *msg, size_t msglen);
+} kvrt_cuda_plugin;
+
+/* The exported entry point of libkvrt_cuda.so (KVRT_CUDA_PLUGIN_ENTRY). */
+typedef const kvrt_cuda_plugin *(*kvrt_cuda_plugin_init_fn)(const kvrt_cuda_host *host);
+
+/* The loaded CUDA backend (core/cuda_load.c): the first call loads it (thread-safe), later
+ * calls return the same result. NULL when libkvrt was built without CUDA (KVRT_ERR_NO_CUDA,
+ * "built without CUDA") or the backend library cannot be loaded (KVRT_ERR_NO_CUDA; the message
+ * names every file tried and dlerror()), written to *err (may be NULL). */
+KVRT_INTERNAL const kvrt_cuda_plugin *kvrt_cuda_plugin_get(kvrt_error *err);
 
 // ----------------------------------------------------------------------------
 // CPU kernels behind the CPU table (runtime/cpu/)

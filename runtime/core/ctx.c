@@ -1,11 +1,12 @@
 /*
  * ctx.c: backend contexts. Validates arguments once, then dispatches through the context's
  * backend table (core/backend.h): the CPU backend (runtime/cpu/backend_cpu.c) always, the CUDA
- * backend (runtime/cuda/cuda_backend.cu) when built with KVRT_WITH_CUDA.
+ * backend (runtime/cuda/, the separate libkvrt_cuda.so loaded on first use by core/cuda_load.c)
+ * when built with KVRT_WITH_CUDA.
  * Callers: serving stacks, tests, the compiler's rollouts (CPU), every op's entry point
  * (kvrt_backend_check).
  *
- * defines: kvrt_has_cuda, kvrt_cuda_device_count, kvrt_op_name, kvrt_backend_supports,
+ * defines: kvrt_has_cuda, kvrt_cuda_device_count, kvrt_cuda_probe, kvrt_op_name, kvrt_backend_supports,
  *          kvrt_backend_check (internal), kvrt_ctx_create, kvrt_ctx_free, kvrt_ctx_info,
  *          kvrt_ctx_last_error, kvrt_ctx_alloc, kvrt_ctx_dealloc, kvrt_ctx_upload,
  *          kvrt_ctx_download, kvrt_ctx_sync, kvrt_softmax_rows
@@ -13,6 +14,7 @@
  * A context is not thread-safe: one thread at a time (its last_err is shared state).
  * This file never includes CUDA headers; the CUDA backend is reached through its table.
  */
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,11 +34,25 @@ int kvrt_has_cuda(void) {
 }
 
 int kvrt_cuda_device_count(void) {
-#if defined(KVRT_WITH_CUDA)
-    return kvrt_cuda_device_count_impl();
-#else
-    return 0;
-#endif
+    kvrt_error e;
+    const kvrt_cuda_plugin *p = kvrt_cuda_plugin_get(&e);
+    return p ? p->device_count() : 0;
+}
+
+int kvrt_cuda_probe(char *msg, size_t msglen) {
+    kvrt_error e;
+    const kvrt_cuda_plugin *p = kvrt_cuda_plugin_get(&e);
+    if (p == NULL) {
+        if (msg && msglen) snprintf(msg, msglen, "%s", e.msg);
+        return e.code;
+    }
+    char tmp[512] = "";
+    const int n = p->probe(tmp, sizeof tmp);
+    Dl_info where; /* the file the backend was loaded from */
+    const char *file = dladdr((const void *)p->ops, &where) && where.dli_fname ? where.dli_fname
+                                                                             : KVRT_CUDA_PLUGIN_SONAME;
+    if (msg && msglen) snprintf(msg, msglen, "%s: %s", file, tmp);
+    return n;
 }
 
 static const char *const op_names[KVRT_OP_COUNT] = {
@@ -115,15 +131,13 @@ int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, k
     const kvrt_backend_ops *ops = NULL;
     switch (backend) {
     case KVRT_BACKEND_CPU: ops = kvrt_backend_cpu(); break;
-    case KVRT_BACKEND_CUDA:
-#if defined(KVRT_WITH_CUDA)
-        ops = kvrt_backend_cuda();
+    case KVRT_BACKEND_CUDA: {
+        /* the CUDA backend's library is loaded here, on the first CUDA context (cuda_load.c) */
+        const kvrt_cuda_plugin *p = kvrt_cuda_plugin_get(err);
+        if (p == NULL) return KVRT_ERR_NO_CUDA;
+        ops = p->ops;
         break;
-#else
-        return kvrt_err_set(err, KVRT_ERR_NO_CUDA, 0,
-                            "libkvrt was built without CUDA (rebuild with USE_CUDA=1 on a "
-                            "machine with nvcc)");
-#endif
+    }
     default:
         return kvrt_err_set(err, KVRT_ERR_ARG, 0,
                             "kvrt_ctx_create: backend: got %d, expected KVRT_BACKEND_CPU (%d) or "

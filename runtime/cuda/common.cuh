@@ -37,6 +37,11 @@ static inline cudaStream_t kvrt_cuda_stream(const kvrt_ctx *ctx) {
 }
 
 // ----------------------------------------------------------------------------
+// the loading libkvrt's services (set by kvrt_cuda_plugin_init, cuda_backend.cu)
+
+extern "C" KVRT_INTERNAL const kvrt_cuda_host *kvrt_cuda_host_services;
+
+// ----------------------------------------------------------------------------
 // errors (cuda_backend.cu)
 
 /* Record a failed CUDA / cuBLAS call in *err (may be NULL) and return KVRT_ERR_CUDA. The CUDA

@@ -3,9 +3,16 @@
  * housekeeping entries (device, stream, memory, copies) and the error helpers behind
  * CUDA_CHECK / CUBLAS_CHECK (cuda/common.cuh). The ops live in one .cu file each
  * (softmax.cu, attend.cu); ops the table leaves NULL are KVRT_ERR_UNSUPPORTED.
- * Callers: kvrt_ctx_create (core/ctx.c) through kvrt_backend_cuda; nothing else.
+ * Built as its own shared object, libkvrt_cuda.so.X.Y, with the other .cu files: the only file
+ * of the project that links libcudart and libcublas. libkvrt dlopens it on first use
+ * (core/cuda_load.c) and calls its one exported symbol, kvrt_cuda_plugin_init, which takes
+ * libkvrt's services (kvrt_cuda_host: kvrt_err_set, the host cache calls) and returns the
+ * table; nothing else of this library is visible outside it.
+ * Callers: kvrt_ctx_create / kvrt_cuda_device_count / kvrt_cuda_probe (core/ctx.c) through
+ * the plugin.
  *
- * defines: kvrt_backend_cuda, kvrt_cuda_device_count_impl, kvrt_cuda_error, kvrt_cublas_error
+ * defines: kvrt_cuda_plugin_init (exported), kvrt_cuda_host_services, kvrt_err_set (this
+ *          library's, forwarding), kvrt_cuda_error, kvrt_cublas_error
  *
  * Per context: one device (cudaSetDevice on every entry: the calling thread may have another
  * current device), one non-blocking stream that every op and copy goes through, and one cuBLAS
@@ -16,6 +23,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -24,7 +32,24 @@
 #include "cuda/common.cuh"
 
 // ----------------------------------------------------------------------------
-// errors (CUDA_CHECK, CUBLAS_CHECK)
+// the loading libkvrt's services (kvrt_cuda_host), and kvrt_err_set through them
+
+const kvrt_cuda_host *kvrt_cuda_host_services = NULL;
+
+/* This library's kvrt_err_set (backend.h declares it; the .cu files call it): the message is
+ * formatted here and handed to the loading libkvrt's kvrt_err_set, so that library's
+ * thread-local error gets it too. */
+extern "C" int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
+    char buf[sizeof(((kvrt_error *)0)->msg)];
+    buf[0] = '\0';
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(buf, sizeof buf, fmt, ap);
+        va_end(ap);
+    }
+    return kvrt_cuda_host_services->err_set(err, code, detail, fmt ? "%s" : NULL, buf);
+}
 
 int kvrt_cuda_error(kvrt_error *err, cudaError_t e, const char *stmt, const char *func,
                     const char *file, int line) {
@@ -44,7 +69,7 @@ int kvrt_cublas_error(kvrt_error *err, cublasStatus_t s, const char *stmt, const
 // ----------------------------------------------------------------------------
 // housekeeping
 
-extern "C" int kvrt_cuda_device_count_impl(void) {
+static int cuda_device_count(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) { // no driver, no device, driver too old: all mean "0 usable GPUs"
@@ -52,6 +77,42 @@ extern "C" int kvrt_cuda_device_count_impl(void) {
         return 0;
     }
     return n > 0 ? n : 0;
+}
+
+/* kvrt_cuda_probe: the runtime and driver versions, the device count and device 0. */
+static int cuda_probe(char *msg, size_t msglen) {
+    int rt = 0, drv = 0, n = 0;
+    (void)cudaRuntimeGetVersion(&rt);
+    (void)cudaDriverGetVersion(&drv);
+    char vers[96];
+    snprintf(vers, sizeof vers, "CUDA runtime %d.%d, driver %s", rt / 1000, (rt % 1000) / 10,
+             drv ? "" : "none");
+    if (drv) {
+        size_t k = strlen(vers);
+        snprintf(vers + k, sizeof vers - k, "%d.%d", drv / 1000, (drv % 1000) / 10);
+    }
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        snprintf(msg, msglen, "%s; no usable device: cudaGetDeviceCount: %s (%s)", vers,
+                 cudaGetErrorName(e), cudaGetErrorString(e));
+        return 0;
+    }
+    if (n <= 0) {
+        snprintf(msg, msglen, "%s; no CUDA device present", vers);
+        return 0;
+    }
+    cudaDeviceProp prop;
+    memset(&prop, 0, sizeof prop);
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+        (void)cudaGetLastError();
+        snprintf(prop.name, sizeof prop.name, "(properties unavailable)");
+    }
+    prop.name[sizeof prop.name - 1] = '\0';
+    snprintf(msg, msglen, "%s; %d device%s, device 0: %.100s (cc %d.%d, %.1f GiB)", vers, n,
+             n == 1 ? "" : "s", prop.name, prop.major, prop.minor,
+             (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));
+    return n;
 }
 
 /* The stream and the cuBLAS handle of a new context; on failure what was made stays in *st for
@@ -194,10 +255,11 @@ static int cuda_cache_gather(kvrt_ctx *ctx, const float *k, const float *v, int6
                              uint32_t n_kv_heads, uint32_t head_dim, const kvrt_selection *sel,
                              int dtype, kvrt_cache **out) {
     kvrt_cache *host = NULL;
-    int rc = kvrt_cache_gather(k, v, T, n_kv_heads, head_dim, sel, dtype, &host);
+    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
+    int rc = hs->cache_gather(k, v, T, n_kv_heads, head_dim, sel, dtype, &host);
     if (rc != KVRT_OK) return rc;
-    rc = kvrt_cache_to_device(ctx, host, out);
-    kvrt_cache_free(host);
+    rc = hs->cache_to_device(ctx, host, out);
+    hs->cache_free(host);
     return rc;
 }
 
@@ -223,7 +285,16 @@ static kvrt_backend_ops make_cuda_ops(void) {
     return t;
 }
 
-extern "C" const kvrt_backend_ops *kvrt_backend_cuda(void) {
+/* The one exported symbol of libkvrt_cuda.so (KVRT_CUDA_PLUGIN_ENTRY), called by the loading
+ * libkvrt (core/cuda_load.c) once: NULL when the host's services are of another version. */
+extern "C" __attribute__((visibility("default"))) const kvrt_cuda_plugin *
+kvrt_cuda_plugin_init(const kvrt_cuda_host *host) {
+    if (host == NULL || host->api_version != KVRT_CUDA_PLUGIN_API_VERSION || !host->err_set ||
+        !host->cache_gather || !host->cache_to_device || !host->cache_free)
+        return NULL;
+    kvrt_cuda_host_services = host;
     static const kvrt_backend_ops table = make_cuda_ops();
-    return &table;
+    static const kvrt_cuda_plugin plugin = {KVRT_CUDA_PLUGIN_API_VERSION, KVRT_VERSION_STRING,
+                                            &table, cuda_device_count, cuda_probe};
+    return &plugin;
 }

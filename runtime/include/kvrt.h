@@ -41,7 +41,8 @@ typedef enum {
     KVRT_ERR_IO = -3,             /* the artifact could not be read */
     KVRT_ERR_FORMAT = -4,         /* the artifact is invalid (kvpol code in kvrt_error.detail) */
     KVRT_ERR_MODEL_MISMATCH = -5, /* artifact compiled for another model */
-    KVRT_ERR_NO_CUDA = -6,        /* libkvrt was built without CUDA */
+    KVRT_ERR_NO_CUDA = -6,        /* libkvrt was built without CUDA, or its CUDA backend
+                                     library (libkvrt_cuda.so) cannot be loaded */
     KVRT_ERR_NO_DEVICE = -7,      /* built with CUDA, but no usable GPU (or bad device id) */
     KVRT_ERR_CUDA = -8,           /* a CUDA / cuBLAS call failed */
     KVRT_ERR_DTYPE = -9,          /* dtype not supported by this op */
@@ -146,10 +147,19 @@ typedef struct {
 
 typedef struct kvrt_ctx kvrt_ctx;
 
-/* 1 when this libkvrt was built with the CUDA backend. */
+/* 1 when this libkvrt was built with the CUDA backend. The backend itself is a separate
+ * library, libkvrt_cuda.so.X.Y beside libkvrt, loaded on first use (docs/install.md): a
+ * CPU-only program never loads CUDA. */
 int kvrt_has_cuda(void);
-/* Number of CUDA devices (0 when built without CUDA or no GPU is present). */
+/* Number of CUDA devices (0 when built without CUDA, when the CUDA backend library cannot be
+ * loaded, or no GPU is present). The first call loads the CUDA backend. */
 int kvrt_cuda_device_count(void);
+/* Where CUDA stands, for diagnostics (kvcc --version): loads the CUDA backend if this libkvrt
+ * was built with it and asks it for devices. Returns the number of usable devices (>= 0; msg:
+ * the backend file, the CUDA runtime and driver versions, device 0, or why no device is
+ * usable), or KVRT_ERR_NO_CUDA (built without CUDA, or the backend library cannot be loaded;
+ * msg: why, naming the files tried and dlerror()). msg may be NULL. */
+int kvrt_cuda_probe(char *msg, size_t msglen);
 
 int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, kvrt_error *err);
 void kvrt_ctx_free(kvrt_ctx *ctx);

@@ -41,6 +41,19 @@ for l in kvrt kvpol; do
   [ "$so" = "lib$l.so.$abi" ] && ok || bad "lib$l.so.$ver has soname '$so', expected lib$l.so.$abi"
 done
 
+# 1b. a CUDA build installs its backend beside libkvrt, and the installed kvcc (libkvrt.a, in
+#     PREFIX/bin) finds it in ../lib; nothing installed links a CUDA library itself
+if [ -e "$build/libkvrt_cuda.so" ]; then
+  [ -f "$prefix/lib/libkvrt_cuda.so.$ver" ] && \
+    [ "$(readlink "$prefix/lib/libkvrt_cuda.so.$abi")" = "libkvrt_cuda.so.$ver" ] && ok \
+    || bad "make install did not install lib/libkvrt_cuda.so.$ver with its soname link"
+  out=$("$prefix/bin/kvcc" --version | grep '^CUDA:')
+  [[ "$out" == *"$prefix/bin/../lib/libkvrt_cuda.so.$abi"* ]] && ok || bad "installed kvcc --version: $out"
+fi
+for f in "$prefix/bin/kvcc" "$prefix/lib/libkvrt.so.$ver"; do
+  ! ldd "$f" 2>/dev/null | grep -Eq 'libcudart|libcublas' && ok || bad "$f links a CUDA library"
+done
+
 # 2. pkg-config sees the installed copy
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
 [ "$(pkg-config --modversion kvrt)" = "$ver" ] && [ "$(pkg-config --modversion kvpol)" = "$ver" ] \

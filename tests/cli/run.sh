@@ -219,5 +219,6 @@ fi
 [ ! -e "$tmp/ck.kvpol" ] && ok || bad "a refused CompilerKV compile wrote its output"
 
 KVCC="$KVCC" bash tests/cli/report.sh && ok || bad "tests/cli/report.sh (kvcc report)"
+KVCC="$KVCC" bash tests/cli/startup.sh && ok || bad "tests/cli/startup.sh (kvcc --version, lazy CUDA)"
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -911,3 +911,59 @@ Test(policy, null_arguments) {
 }
 
 #endif /* KVRT_TEST_NO_POLICY */
+
+/* The CUDA backend is a separate library loaded on first use (runtime/core/cuda_load.c): a
+ * path in KVRT_CUDA_LIBRARY that does not exist, or a library that is not the backend, is
+ * KVRT_ERR_NO_CUDA with a message naming the file and the loader's reason, never a crash or a
+ * CPU fallback; kvrt_cuda_probe and kvrt_cuda_device_count agree. (Criterion runs each test in
+ * its own process, so the once-per-process load starts fresh here.) */
+Test(cuda, backend_library_missing_or_wrong_is_a_clear_status) {
+    if (!kvrt_has_cuda()) {
+        char msg[512];
+        cr_assert_eq(kvrt_cuda_probe(msg, sizeof msg), KVRT_ERR_NO_CUDA);
+        cr_assert(strstr(msg, "built without CUDA") != NULL, "%s", msg);
+        fprintf(stderr, "note: libkvrt built without CUDA: kvrt_cuda_probe says so\n");
+        return;
+    }
+    setenv("KVRT_CUDA_LIBRARY", "/nonexistent/libkvrt_cuda.so.0.1", 1);
+    kvrt_ctx *ctx = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &ctx, &err), KVRT_ERR_NO_CUDA);
+    cr_assert_null(ctx);
+    cr_assert(strstr(err.msg, "/nonexistent/libkvrt_cuda.so.0.1") != NULL, "%s", err.msg);
+    cr_assert(strstr(err.msg, "No such file") != NULL, "%s", err.msg);
+    cr_assert_eq(kvrt_last_error()->code, KVRT_ERR_NO_CUDA);
+    cr_assert_eq(kvrt_cuda_device_count(), 0);
+    char msg[512];
+    cr_assert_eq(kvrt_cuda_probe(msg, sizeof msg), KVRT_ERR_NO_CUDA);
+    cr_assert(strstr(msg, "KVRT_CUDA_LIBRARY") != NULL, "%s", msg);
+    /* the CPU backend is unaffected */
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &ctx, &err), KVRT_OK, "%s", err.msg);
+    kvrt_ctx_free(ctx);
+}
+
+Test(cuda, a_library_that_is_not_the_backend_is_refused_by_name) {
+    if (!kvrt_has_cuda()) cr_skip_test("libkvrt built without CUDA");
+    const char *b = getenv("KVCC_BUILD") ? getenv("KVCC_BUILD") : "build";
+    char path[512];
+    snprintf(path, sizeof path, "%s/libkvpol.so", b);
+    if (access(path, R_OK) != 0) cr_skip_test("%s not built", path);
+    setenv("KVRT_CUDA_LIBRARY", path, 1);
+    kvrt_ctx *ctx = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &ctx, &err), KVRT_ERR_NO_CUDA);
+    cr_assert(strstr(err.msg, path) != NULL && strstr(err.msg, "kvrt_cuda_plugin_init") != NULL,
+              "%s", err.msg);
+}
+
+/* The in-tree backend beside the build's libraries loads (the tests' RUNPATH), and the probe
+ * names the file and the CUDA runtime; with no GPU it reports why in the message. */
+Test(cuda, probe_names_the_backend_file) {
+    if (!kvrt_has_cuda()) cr_skip_test("libkvrt built without CUDA");
+    char msg[600];
+    const int n = kvrt_cuda_probe(msg, sizeof msg);
+    cr_assert_geq(n, 0, "the in-tree CUDA backend did not load: %s", msg);
+    cr_assert(strstr(msg, "libkvrt_cuda.so") != NULL && strstr(msg, "CUDA runtime") != NULL, "%s", msg);
+    cr_assert_eq(n, kvrt_cuda_device_count());
+    fprintf(stderr, "note: kvrt_cuda_probe: %d device(s): %s\n", n, msg);
+}
