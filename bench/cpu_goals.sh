@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# cpu_goals.sh - the CPU goals of docs/benchmarks.md ("The CPU goals in one run") measured back to
+# back, each as a ratio taken inside its own benchmark run, then one summary table: measured ratio,
+# goal, met or not. Not a test (timings); run by hand on a machine with nothing else running.
+#
+#   prefill, decode  bench/prefill_vs_torch.sh (ours vs transformers on torch CPU, same GGUF and
+#                    token ids, equal threads; ours vs the GEMM / triad of the same run)
+#   prefill 8k       build/bench/bench_prefill --tokens 8192 (fraction of the GEMM rate)
+#   CompilerKV       build/bench/bench_compilerkv --part 2 (window mass and the whole selection vs
+#                    the window GEMM, llama3-8b shapes, 32k)
+#   AM               bench/am_vs_scipy.sh (one head, T = 4096 and 16384, C vs numpy + scipy)
+#   capture          kvcc capture vs bench_prefill tokens/s on windows of the same length
+#
+# Usage: bench/cpu_goals.sh [--quick]   (--quick: fewer repetitions, about half the time)
+# Env: KVCC_MODEL (default models/SmolLM2-135M-Instruct.Q4_1.gguf), BUILD (default build).
+# Needs the model (scripts/fetch-model.sh) and the peer packages (scripts/install-peer-deps.sh);
+# prints "skipped" for a part whose inputs are missing.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+model="${KVCC_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+build="${BUILD:-build}"
+reps=5 prompts=2
+if [ "${1:-}" = "--quick" ]; then reps=3 prompts=1; fi
+log="$(mktemp -d)"
+trap 'rm -rf "$log"' EXIT
+make --no-print-directory "$build/kvcc" "$build/bench/bench_prefill" "$build/bench/bench_compilerkv" \
+    "$build/bench/bench_am" >/dev/null || { echo "cpu_goals: build failed" >&2; exit 1; }
+
+rows=()
+row() { rows+=("$(printf '| %s | %s | %s | %s |' "$1" "$2" "$3" "$4")"); }
+judge() { # value goal op(ge|le) -> yes/no
+    awk -v v="$1" -v g="$2" -v op="$3" 'BEGIN { if (v == "") { print "-"; exit }
+        print ((op == "ge" && v + 0 >= g + 0) || (op == "le" && v + 0 <= g + 0)) ? "yes" : "no" }'
+}
+uptime_load() { awk '{print $1}' /proc/loadavg; }
+
+echo "== cpu_goals: $(date -u +%FT%TZ), load $(uptime_load), $(nproc) cores"
+"$build/kvcc" --version | sed 's/^/   /'
+
+if [ -f "$model" ]; then
+    echo "== prefill + decode vs torch, 512 tokens (bench/prefill_vs_torch.sh)"
+    bench/prefill_vs_torch.sh --prompts "$prompts" --tokens 512 --reps "$reps" --decode 64 --no-skylakex \
+        | tee "$log/pvt.txt" | grep -E '^(prefill|decode|triad|RATIO)'
+    r=$(sed -n 's/^RATIO \[.*median: .* = \([0-9.]*\)x;.*/\1/p' "$log/pvt.txt" | head -1)
+    row "prefill 512 tokens / torch f32 (median)" "${r:--}x" ">= 1.0x" "$(judge "$r" 1.0 ge)"
+    f=$(sed -n 's/^RESULT tokens_per_s=.* fraction=\([0-9.]*\) .*/\1/p' "$log/pvt.txt" | head -1)
+    row "prefill 512 tokens / GEMM rate" "${f:--}" ">= 0.60" "$(judge "$f" 0.60 ge)"
+    r=$(sed -n 's/^RATIO-DECODE \[.*median: .* = \([0-9.]*\)x;.*/\1/p' "$log/pvt.txt" | head -1)
+    row "decode / torch f32 (median)" "${r:--}x" ">= 1.0x" "$(judge "$r" 1.0 ge)"
+    d=$(sed -n 's/^RESULT_DECODE tokens_per_s=\([0-9.]*\) .*ceiling=\([0-9.]*\) .*/\1 \2/p' "$log/pvt.txt" | head -1 \
+        | awk '{ if ($2 > 0) printf "%.2f", $1 / $2 }')
+    row "decode / weight-bandwidth limit (triad)" "${d:--}" ">= 0.70" "$(judge "$d" 0.70 ge)"
+
+    echo "== prefill 8192 tokens (bench_prefill)"
+    "$build/bench/bench_prefill" --model "$model" --prompts 1 --tokens 8192 --reps "$((reps > 3 ? 3 : reps))" \
+        | tee "$log/p8k.txt" | grep -E '^prefill'
+    f=$(sed -n 's/^RESULT tokens_per_s=.* fraction=\([0-9.]*\) .*/\1/p' "$log/p8k.txt" | head -1)
+    row "prefill 8192 tokens / GEMM rate" "${f:--}" ">= 0.50" "$(judge "$f" 0.50 ge)"
+
+    echo "== capture vs prefill, 576-token windows"
+    "$build/bench/bench_prefill" --model "$model" --prompts "$prompts" --tokens 576 --reps "$reps" > "$log/p576.txt"
+    pt=$(sed -n 's/^RESULT tokens_per_s=\([0-9.]*\) .*/\1/p' "$log/p576.txt")
+    ct=$("$build/kvcc" capture --gguf "$model" --prompts "$((prompts * 2))" --context 512 --continuation 64 \
+        -o "$log/c.h5" 2>&1 | tee "$log/cap.txt" | sed -n 's/.*(\([0-9.]*\) tokens\/s[;)].*/\1/p' | tail -1)
+    tail -1 "$log/cap.txt"
+    c=$(awk -v a="$ct" -v b="$pt" 'BEGIN { if (a != "" && b > 0) printf "%.2f", a / b }')
+    row "capture (with log-probabilities) / prefill" "${c:--}" ">= 0.70" "$(judge "$c" 0.70 ge)"
+else
+    echo "== prefill, decode, capture: skipped (no model at $model; scripts/fetch-model.sh)"
+fi
+
+echo "== CompilerKV selection at llama3-8b shapes, 32k (bench_compilerkv --part 2)"
+"$build/bench/bench_compilerkv" --part 2 --reps "$reps" | tee "$log/ckv.txt" | sed -n '/part 2/,$p'
+w=$(awk '/window mass \(QK/ {print $NF}' "$log/ckv.txt" | head -1)
+t=$(awk '/CompilerKV total/ {print $NF}' "$log/ckv.txt" | head -1)
+row "CompilerKV window mass / window GEMM, 32k" "${w:--}x" "-" "-"
+row "CompilerKV selection / window GEMM, 32k" "${t:--}x" "<= 1.25x" "$(judge "$t" 1.25 le)"
+
+echo "== AM one-head compaction vs numpy + scipy (bench/am_vs_scipy.sh)"
+REPS="$reps" bash bench/am_vs_scipy.sh | tee "$log/am.txt" | grep -E '^T '
+for T in 4096 16384; do
+    a=$(sed -n "s/^T $T wall: .*(detected kernels: \([0-9.]*\)x faster).*/\1/p" "$log/am.txt" | head -1)
+    row "AM compaction T=$T / numpy+scipy (wall)" "${a:--}x" ">= 10x" "$(judge "$a" 10 ge)"
+done
+
+echo
+echo "== summary (load at the end: $(uptime_load))"
+echo "| measurement | measured | goal | met |"
+echo "|---|---|---|---|"
+printf '%s\n' "${rows[@]}"
