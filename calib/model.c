@@ -1135,15 +1135,9 @@ static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, in
 /* One row of scores in place: mask (entries after position p, or with pos[j] > p), bias, then
  * softmax. With pos == NULL the visible entries are 0..min(p, ne - 1), so the mask is a bound and
  * every loop vectorizes; exp_nonpos_f32(-INF) is exactly 0. No visible entry: the row is 0. */
-/* Compiled for AVX-512 and AVX2 too, picked once at load time (target_clones, as the runtime's
- * kernels; -DKVRT_NO_CLONES builds the baseline only): at 4096 tokens this row was a quarter of
- * prefill in the baseline SSE2 build. ISO C11 contracts nothing, so every clone rounds each
- * operation the same way; only the lane split of the max and sum reductions differs between
- * clones (the CPU decides, never the thread count). */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    !defined(KVRT_NO_CLONES)
-__attribute__((target_clones("avx512f", "avx2", "default")))
-#endif
+/* KVRT_SIMD_CLONES (cpu/vexp.h): at 4096 tokens this row was a quarter of prefill in the baseline
+ * SSE2 build. */
+KVRT_SIMD_CLONES
 static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, const int32_t *pos) {
     int64_t nv = ne;
     if (pos) {

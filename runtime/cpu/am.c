@@ -143,19 +143,12 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
  * becomes P_ij = exp(z_ij - max_j z_ij) (0 past vis_i), mass[i] = sum_j P_ij, rs[i] = 1 / mass[i];
  * then part[b, j] = sum over the rows i of block b (AM_ROWBLK rows, in order) of (P_ij rs_i)^2
  * and colsum[j] = sum over b in order. Returns 1 when a row max is not finite or a P is NaN.
- * Compiled for AVX-512 and AVX2 too (ifunc, like compkv.c's kernels; -DKVRT_NO_CLONES: the
- * baseline only). No FMA (ISO C11 contracts nothing): every lane rounds as the scalar code; the
+ * Compiled for AVX-512 and AVX2 too (KVRT_SIMD_CLONES, cpu/vexp.h). No FMA (ISO C11 contracts nothing): every lane rounds as the scalar code; the
  * mass is summed in AM_LANES interleaved double partial sums added in a fixed order, so the
  * result depends on neither the ISA nor the thread count. */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    !defined(KVRT_NO_CLONES)
-#define AM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define AM_CLONES
-#endif
 #define AM_LANES 16
 
-AM_CLONES
+KVRT_SIMD_CLONES
 static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
                      double *mass, double *rs, double *part, double *colsum, int32_t *vis_out) {
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
@@ -237,7 +230,7 @@ static int cmp_i32(const void *a, const void *b) {
  * order, of Q_ij Q_ijb. Rows that do not see key jb (P_ijb = 0) add exact zeros and are skipped,
  * each row runs over the keys it sees only. One pass over P per pick, O(n Tc), instead of the
  * O(n Tc^2) of the whole H; the sums are per key j, so they do not depend on the ISA. */
-AM_CLONES
+KVRT_SIMD_CLONES
 static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, const double *rs,
                      int64_t jb, double *h) {
     memset(h, 0, sizeof(double) * (size_t)Tc);
@@ -381,7 +374,7 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
  * norm (scale [ts] = 1 / norm, 0 for a column that underflowed everywhere) and cvec = MS^T 1.
  * Two passes over the rows (gather with the sums of squares, then scale with the column sums),
  * each sum over the rows in order. */
-AM_CLONES
+KVRT_SIMD_CLONES
 static void gather_cols(const float *S, int64_t n, int64_t Tc, const int32_t *sel, int64_t ts,
                         const double *rowsum, double *MS, double *scale, double *cvec) {
     for (int64_t a = 0; a < ts; a++) scale[a] = 0, cvec[a] = 0;

@@ -209,22 +209,14 @@ typedef struct {
     float *colf; /* [WM_CHUNK] float column sums of one row group */
 } wm_scratch;
 
-/* The per-element loops (steps 2 and 4) are compiled for the baseline ISA (SSE2, what -O2
- * targets) and for AVX2 and AVX-512, picked once at load time by an ifunc (target_clones, as in
- * compkv.c; -DKVRT_NO_CLONES builds the baseline only). No FMA is enabled: the exp and the column
- * sums round every operation the same way in every clone; only the lane split of a chunk's row
- * sum differs between clones (the CPU decides, never the thread count). */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
-    !defined(KVRT_NO_CLONES)
-#define WM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define WM_CLONES
-#endif
-
+/* The per-element loops (steps 2 and 4) are compiled for AVX2 and AVX-512 too (KVRT_SIMD_CLONES,
+ * cpu/vexp.h): the exp and the column sums round every operation the same way in every clone;
+ * only the lane split of a chunk's row sum differs between clones (the CPU decides, never the
+ * thread count). */
 /* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta:
  * logits e (row stride ldc) become exp(x - m_c), masked keys 0; cm/cs (stride nch) get the
  * chunk's max and sum. */
-WM_CLONES static void wm_softmax_chunk(float *e, int64_t ldc, int64_t R, uint32_t G, int64_t ta,
+KVRT_SIMD_CLONES static void wm_softmax_chunk(float *e, int64_t ldc, int64_t R, uint32_t G, int64_t ta,
                                        int64_t c0, int64_t nc, float *cm, float *cs,
                                        int64_t nch) {
     for (int64_t r = 0; r < R; r++) {
@@ -250,7 +242,7 @@ WM_CLONES static void wm_softmax_chunk(float *e, int64_t ldc, int64_t R, uint32_
 
 /* Step 4 for one chunk: acc[j] += sum over the R rows of f[r] e[r][j], float within groups of
  * WM_GROUP rows (in row order), each group added in double. colf: [nc] scratch. */
-WM_CLONES static void wm_colsum_chunk(const float *e, int64_t ldc, int64_t R, const float *f,
+KVRT_SIMD_CLONES static void wm_colsum_chunk(const float *e, int64_t ldc, int64_t R, const float *f,
                                       int64_t fstride, int64_t nc, float *colf, double *acc) {
     for (int64_t r0 = 0; r0 < R; r0 += WM_GROUP) {
         const int64_t r1 = r0 + WM_GROUP < R ? r0 + WM_GROUP : R;

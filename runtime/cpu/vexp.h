@@ -2,7 +2,7 @@
  * vexp.h: exp for non-positive arguments, written so that GCC/Clang vectorize the loops that call
  * it. Shared by the CPU fast paths (softmax.c, attend.c, baselines.c); internal, not installed.
  *
- * defines: exp_nonpos_f32 (static inline)
+ * defines: exp_nonpos_f32 (static inline), KVRT_SIMD_CLONES
  *
  * Include it after `#pragma GCC optimize("no-trapping-math")` (see softmax.c for why), so that
  * the function and its callers share the same optimization options and it can be inlined.
@@ -12,6 +12,19 @@
 
 #include <stdint.h>
 #include <string.h>
+
+/* KVRT_SIMD_CLONES before a function: also compiled for AVX-512 and AVX2, the variant picked once
+ * at load time by an ifunc (GCC's target_clones; x86-64 Linux; -DKVRT_NO_CLONES builds the
+ * baseline only). The build targets baseline x86-64 (SSE2), so this is what widens the element
+ * loops. No FMA is enabled and ISO C11 contracts nothing: every clone rounds each operation as the
+ * scalar code does; only the lane split of a vectorized reduction can differ between clones (the
+ * CPU decides, never the thread count). */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__) && \
+    !defined(KVRT_NO_CLONES)
+#define KVRT_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KVRT_SIMD_CLONES
+#endif
 
 /* exp(x) for x <= 0 (or NaN), written so that GCC/Clang vectorize the loops that call it (libm's
  * expf is an opaque call that blocks vectorization without -ffast-math). Cody-Waite range
