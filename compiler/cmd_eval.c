@@ -70,6 +70,9 @@ static void usage(FILE *out) {
         "  --needle-keys K     needles (= questions) per haystack, 1..5 (default 3)\n"
         "  --needle-text F     held-out text for the haystacks; repeatable (default: every .txt in "
         DEFAULT_NEEDLE_DIR ")\n"
+        "  --timings           after the results, where the wall time went: per phase (corpus read,\n"
+        "                      compression, attention, the model's prefill, continuation, probes,\n"
+        "                      needle) and per method (to stderr with --json / --csv)\n"
         "  --json | --csv      machine-readable output (default: a table)\n",
         names);
 }
@@ -240,6 +243,40 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     printf("\n");
 }
 
+/* --timings: the wall time per phase, then per method (its rows summed). To out (stdout after
+ * the table, stderr with --json / --csv so machine-readable output stays parseable). */
+static void print_timings(FILE *out, const kvcc_eval_result *r) {
+    double total = r->seconds_local + r->seconds_e2e, acc = 0;
+    fprintf(out, "\ntimings (wall seconds; %.1f s in the layer-local and end-to-end passes):\n", total);
+    for (int ph = 0; ph < KVCC_PH_COUNT; ph++) {
+        if (r->phase_s[ph] <= 0) continue;
+        acc += r->phase_s[ph];
+        fprintf(out, "  %-22s %9.2f s %5.1f%%\n", kvcc_eval_phase_name(ph), r->phase_s[ph],
+                total > 0 ? 100 * r->phase_s[ph] / total : 0.0);
+    }
+    fprintf(out, "  %-22s %9.2f s %5.1f%%\n", "other", total - acc,
+            total > 0 ? 100 * (total - acc) / total : 0.0);
+    fprintf(out, "per method (all its rows; compression where it ran, shared work once; score = "
+            "the model's continuation, probes and needle questions):\n");
+    fprintf(out, "  %-13s %4s %10s %10s %10s %10s\n", "method", "rows", "local_s", "e2e_s",
+            "needle_s", "score_s");
+    for (int i = 0; i < r->n_rows; i++) {
+        int first = 1;
+        for (int j = 0; j < i; j++) first &= r->rows[j].method != r->rows[i].method;
+        if (!first) continue;
+        double t[4] = {0, 0, 0, 0};
+        int n = 0;
+        for (int j = i; j < r->n_rows; j++) {
+            const kvcc_eval_row *w = &r->rows[j];
+            if (w->method != r->rows[i].method) continue;
+            n++;
+            t[0] += w->t_local_s; t[1] += w->t_e2e_s; t[2] += w->t_needle_s; t[3] += w->t_score_s;
+        }
+        fprintf(out, "  %-13s %4d %10.2f %10.2f %10.2f %10.2f\n", r->rows[i].name, n, t[0], t[1],
+                t[2], t[3]);
+    }
+}
+
 static void print_csv(const kvcc_eval_result *r) {
     printf("method,budget,kept,relerr_mean,relerr_p95,kl,mass,bytes,select_ms,kept_min,kept_max,"
            "unit_bytes_mean,unit_bytes_min,unit_bytes_max,ref_bytes,bytes_rel,equal_memory,nll,"
@@ -373,7 +410,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
 
 int kvcc_cmd_eval(int argc, char **argv) {
     const char *corpus = NULL, *methods = NULL, *budgets = NULL, *gguf = NULL, *policy = NULL, *cdt = "f32";
-    int json = 0, csv = 0;
+    int json = 0, csv = 0, timings = 0;
     unsigned prompts = 0, seed = 1, max_tokens = 0;
     static const struct option opts[] = {
         {"corpus", required_argument, 0, 'c'}, {"methods", required_argument, 0, 'm'},
@@ -384,7 +421,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"needle", required_argument, 0, 'N'}, {"needle-haystacks", required_argument, 0, 'H'},
         {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'},
         {"max-tokens", required_argument, 0, 'X'}, {"precision", required_argument, 0, 'P'},
-        {0, 0, 0, 0}};
+        {"timings", no_argument, 0, 'W'}, {0, 0, 0, 0}};
     int precision = KVCC_PREC_F32;
     const char *needle = NULL;
     unsigned n_hay = 4, n_keys = 3;
@@ -414,6 +451,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
             kvcc_corpus_set_limits(max_tokens, 0);
             break;
         case 'j': json = 1; break;
+        case 'W': timings = 1; break;
         case 'v': csv = 1; break;
         case 'N': needle = optarg; break;
         case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; break;
@@ -472,6 +510,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
     if (json) print_json(r, corpus, gguf, policy);
     else if (csv) print_csv(r);
     else print_table(r, corpus, gguf);
+    if (timings) print_timings(json || csv ? stderr : stdout, r);
     int any_err = 0;
     for (int i = 0; i < r->n_rows; i++) any_err |= r->rows[i].status != 0;
     free(r);

@@ -27,6 +27,14 @@
 #include "eval_int.h"
 #include "stats.h"
 
+const char *kvcc_eval_phase_name(int ph) {
+    static const char *const names[KVCC_PH_COUNT] = {
+        "local.read+reference", "local.compress", "local.attend+metrics", "local.decode-rows",
+        "e2e.prefill", "e2e.full-reference", "e2e.compress", "e2e.continuation", "e2e.probes",
+        "needle.prefill+full", "needle.compress", "needle.questions"};
+    return ph >= 0 && ph < KVCC_PH_COUNT ? names[ph] : "?";
+}
+
 int eval_dvec_push(eval_dvec *d, double x) {
     if (d->n == d->cap) {
         size_t cap = d->cap ? 2 * d->cap : 1024;

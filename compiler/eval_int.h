@@ -111,6 +111,7 @@ typedef struct {
     double nll_full;
     uint64_t ctx_id;         /* this context's id (kvcc_eval_layer.ctx_id) */
     double shared_s;         /* the current row's reused shared work, seconds (compression time) */
+    int needle;              /* a needle haystack (its phases of kvcc_eval_result.phase_s) */
 } e2e_prompt;
 /* A row's scoring once its context is compressed: caches [L] (prefill rows) or NULL (decode-time
  * rows: the state's attention hook is set from C). Returns 0 or a model / kvrt status. */

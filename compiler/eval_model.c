@@ -23,6 +23,7 @@
 
 #include "eval_int.h"
 #include "metrics.h"
+#include "stats.h"
 
 typedef struct {
     float **q;    /* [L] -> [C, H, d] */
@@ -63,10 +64,50 @@ static int argmax_row(const float *row, int V) {
 static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, kvrt_cache **caches,
                               int C, int T, const int32_t *tok, float *logits, double *nll_sum,
                               uint64_t *nll_n, uint32_t *probes, uint32_t *exact, uint64_t *ptok,
-                              uint64_t *ptok_ok) {
+                              uint64_t *ptok_ok, double *t_cont, double *t_probe) {
     const int V = m->hp.n_vocab, P = KVCC_EVAL_PROBE_PREFIX, A = KVCC_EVAL_PROBE_ANSWER;
+    const double t0 = kvcc_now_s();
     int rc = kvcc_state_truncate(s, C);
     if (!rc) rc = kvcc_state_set_compressed(s, (const kvrt_cache *const *)caches, C, rt);
+    /* A compressed context: the continuation and the probes in one forward pass (independent
+     * segments after C), when they fit one chunk: the weights are read once, not four times. */
+    int seg_len[1 + KVCC_EVAL_PROBES], n_seg = 1, seg_start[1 + KVCC_EVAL_PROBES], n_tok = T - C;
+    seg_len[0] = T - C;
+    seg_start[0] = C;
+    for (int pr = 0; pr < KVCC_EVAL_PROBES; pr++) {
+        static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
+        int start = (int)(depth[pr] * C);
+        if (start + P + A > C) start = C - P - A;
+        if (start < 0) break; /* context too short for probes */
+        seg_start[n_seg] = start;
+        seg_len[n_seg++] = P + A;
+        n_tok += P + A;
+    }
+    if (!rc && caches && T > C && n_tok <= KVCC_MODEL_CHUNK) {
+        int32_t ids[KVCC_MODEL_CHUNK];
+        for (int j = 0, o = 0; j < n_seg; o += seg_len[j], j++)
+            memcpy(ids + o, tok + seg_start[j], sizeof(int32_t) * (size_t)seg_len[j]);
+        rc = kvcc_model_prefill_segments(m, s, ids, seg_len, n_seg, logits);
+        if (!rc) *nll_sum += nll_of(logits, V, tok, C, T - C, nll_n);
+        const double t1 = kvcc_now_s();
+        /* the probes' share of the pass, by tokens */
+        *t_cont += (t1 - t0) * (T - C) / n_tok;
+        *t_probe += (t1 - t0) * (n_tok - (T - C)) / n_tok;
+        for (int j = 1, o = T - C; !rc && j < n_seg; o += seg_len[j], j++) {
+            int ok_all = 1;
+            for (int i = 0; i < A; i++) {
+                int want = tok[seg_start[j] + P + i];
+                int ok = argmax_row(logits + (size_t)(o + P - 1 + i) * V, V) == want;
+                ok_all &= ok;
+                *ptok_ok += (uint64_t)ok;
+                (*ptok)++;
+            }
+            (*probes)++;
+            *exact += (uint32_t)ok_all;
+        }
+        kvcc_state_set_compressed(s, NULL, 0, NULL);
+        return rc;
+    }
     for (int pos = C; !rc && pos < T; pos += KVCC_MODEL_CHUNK) {
         int n = T - pos < KVCC_MODEL_CHUNK ? T - pos : KVCC_MODEL_CHUNK;
         rc = kvcc_model_prefill(m, s, tok + pos, n, logits, KVCC_LOGITS_ALL);
@@ -76,6 +117,8 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
             (*nll_n)++;
         }
     }
+    const double t1 = kvcc_now_s();
+    *t_cont += t1 - t0;
     for (int pr = 0; !rc && pr < KVCC_EVAL_PROBES; pr++) {
         static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
         int start = (int)(depth[pr] * C);
@@ -96,6 +139,7 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
         *exact += (uint32_t)ok_all;
     }
     kvcc_state_set_compressed(s, NULL, 0, NULL);
+    *t_probe += kvcc_now_s() - t1;
     return rc;
 }
 
@@ -113,7 +157,8 @@ static int score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **cac
     (void)user;
     int st = score_continuation(x->s, x->m, x->rt, caches, x->C, x->T, x->tok, x->logits, &nll,
                                 &nn, &row->probes, &row->probes_exact, &row->probe_tokens,
-                                &row->probe_tokens_ok);
+                                &row->probe_tokens_ok, &E->r->phase_s[KVCC_PH_E2E_CONT],
+                                &E->r->phase_s[KVCC_PH_E2E_PROBE]);
     if (!st) add_nll(&E->acc[ri], nll, x->nll_full, nn);
     return st;
 }
@@ -158,7 +203,9 @@ static void e2e_decode_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn, 
     eval_dec_hook hk = {.E = E, .ri = ri, .s = x->s, .st = sts, .blocks = bl};
     int st = (sts && bl) ? kvcc_state_set_attention_hook(x->s, eval_decode_hook, &hk, x->C)
                          : KVRT_ERR_NOMEM;
+    const double t0 = kvcc_now_s();
     if (!st) st = fn(E, ri, x, NULL, user);
+    row->t_score_s += kvcc_now_s() - t0; /* the state's work is inside (the attention hook) */
     kvcc_state_set_attention_hook(x->s, NULL, NULL, 0);
     for (uint32_t l = 0; sts && l < L; l++) kvrt_compkv_free(sts[l]);
     free(sts);
@@ -179,6 +226,7 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
     int st = eval_row_budget(row, x->C, &B);
     if (st) { eval_row_fail(row, st, "budget"); return; }
     x->shared_s = 0;
+    const double t0 = kvcc_now_s();
     if (m->compress_all) { /* all layers at once from the model's own q/k/v and the log-probs */
         const float **kp = malloc((size_t)L * sizeof *kp), **vp = malloc((size_t)L * sizeof *vp);
         st = kp && vp ? 0 : KVRT_ERR_NOMEM;
@@ -201,8 +249,12 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
                                     .C = x->C, .ctx_id = x->ctx_id, .shared_s = &x->shared_s};
         st = m->compress_layer(m, state, NULL, &E->env, &xl, row->budget, B, &x->caches[l]);
     }
+    const double t1 = kvcc_now_s();
+    *(x->needle ? &row->t_needle_s : &row->t_e2e_s) += t1 - t0;
+    E->r->phase_s[x->needle ? KVCC_PH_NEEDLE_COMPRESS : KVCC_PH_E2E_COMPRESS] += t1 - t0;
     if (st) eval_row_fail(row, st, "select");
     else if ((st = fn(E, ri, x, x->caches, user)) != 0) eval_row_fail(row, KVRT_ERR_ARG, "model");
+    row->t_score_s += kvcc_now_s() - t1;
     for (uint32_t l = 0; l < L; l++) { kvrt_cache_free(x->caches[l]); x->caches[l] = NULL; }
 }
 
@@ -338,6 +390,7 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
                 break;
             }
         }
+        double tp = kvcc_now_s();
         if ((rc = kvcc_corpus_prompt(c, p, &info, tok, x.lp)) != 0) {
             snprintf(err, errlen, "eval: %s", kvcc_corpus_error(c));
             break;
@@ -354,6 +407,7 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
             rc = kvcc_model_prefill(m, x.s, tok + pos, n, NULL, KVCC_LOGITS_NONE);
         }
         kvcc_state_set_capture(x.s, NULL, NULL);
+        E->r->phase_s[KVCC_PH_E2E_PREFILL] += kvcc_now_s() - tp;
         if (rc) {
             snprintf(err, errlen, "eval: the model failed on the context of prompt %u", p);
             break;
@@ -364,8 +418,10 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         uint32_t fp = 0, fe = 0;
         uint64_t ft = 0, fto = 0;
         x.nll_full = 0;
+        double tf[2] = {0, 0};
         rc = score_continuation(x.s, m, x.rt, NULL, C, T, tok, x.logits, &x.nll_full, &n_full, &fp,
-                                &fe, &ft, &fto);
+                                &fe, &ft, &fto, &tf[0], &tf[1]);
+        E->r->phase_s[KVCC_PH_E2E_FULL] += tf[0] + tf[1];
         if (rc) {
             snprintf(err, errlen, "eval: the model failed on the continuation of prompt %u", p);
             break;

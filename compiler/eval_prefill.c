@@ -58,7 +58,10 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
     kvrt_cache *cc = NULL;
     s = m->compress_layer(m, eval_row_prep(E, ri)->state, E->pstates[a->mi], &E->env, &x,
                           row->budget, B, &cc);
-    a->sel_s += kvcc_now_s() - t0 + shared;
+    double t1 = kvcc_now_s();
+    a->sel_s += t1 - t0 + shared;
+    row->t_local_s += t1 - t0;
+    E->r->phase_s[KVCC_PH_LOCAL_COMPRESS] += t1 - t0;
     if (s) { eval_row_fail(row, s, "select"); kvrt_cache_free(cc); return 0; }
     s = kvcc_loop_attend(lp, cc, lp->o_c, lp->lse_c, NULL);
     if (s) { eval_row_fail(row, s, "attend"); kvrt_cache_free(cc); return 0; }
@@ -89,6 +92,7 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
         }
         if (eval_dvec_push(&a->relerr, e_sum / (double)N)) return -1;
     }
+    E->r->phase_s[KVCC_PH_LOCAL_SCORE] += kvcc_now_s() - t1;
     return 0;
 }
 
@@ -121,7 +125,9 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
     double *bytes_prompt = calloc((size_t)r->n_rows + 1, sizeof *bytes_prompt);
     if (!rc && !bytes_prompt) rc = -1;
     for (uint32_t p = 0; p < E->n_prompts && !rc; p++) {
+        double t0 = kvcc_now_s();
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
+        r->phase_s[KVCC_PH_LOCAL_READ] += kvcc_now_s() - t0;
         if (lp.N < 1) {
             snprintf(err, errlen,
                      "%s: prompt %u has no continuation tokens; eval needs continuation queries",
@@ -134,12 +140,17 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
         rc = begin_prompt(E, p, err, errlen);
         for (int ri = 0; ri < r->n_rows && !rc; ri++) rc = add_reference(E, ri, lp.C, lp.L);
         for (uint32_t l = 0; l < lp.L && !rc; l++) {
+            t0 = kvcc_now_s();
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
+            r->phase_s[KVCC_PH_LOCAL_READ] += kvcc_now_s() - t0;
             for (int ri = 0; ri < r->n_rows && !rc; ri++) {
                 if (r->rows[ri].status || eval_is_decode(eval_row_method(E, ri))) continue;
                 rc = prefill_row(E, ri, &lp, &bytes_prompt[ri]);
             }
-            if (!rc && eval_decode_layer(E, &lp)) {
+            t0 = kvcc_now_s();
+            int drc = rc ? 0 : eval_decode_layer(E, &lp);
+            r->phase_s[KVCC_PH_LOCAL_DECODE] += kvcc_now_s() - t0;
+            if (drc) {
                 snprintf(err, errlen, "eval: out of memory (decode-time rows)");
                 rc = -1;
             }
