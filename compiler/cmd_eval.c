@@ -70,6 +70,11 @@ static void usage(FILE *out) {
         "  --needle-keys K     needles (= questions) per haystack, 1..5 (default 3)\n"
         "  --needle-text F     held-out text for the haystacks; repeatable (default: every .txt in "
         DEFAULT_NEEDLE_DIR ")\n"
+        "  --local-from-corpus with --gguf: the layer-local columns from the corpus's stored tensors in\n"
+        "                      a pass of their own, each row compressing twice (the default computes\n"
+        "                      them from the model's own tensors in the end-to-end pass, one\n"
+        "                      compression per row serving both: the same up to the corpus's f16\n"
+        "                      rounding, and the memory columns are the end-to-end caches')\n"
         "  --timings           after the results, where the wall time went: per phase (corpus read,\n"
         "                      compression, attention, the model's prefill, continuation, probes,\n"
         "                      needle) and per method (to stderr with --json / --csv)\n"
@@ -183,7 +188,9 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     printf("kvcc eval: %s (%s), %u prompts x %u context + %u continuation tokens, %u layers, %u KV heads x d %u\n",
            corpus, r->model_name, r->prompts, r->context_len, r->continuation_len, r->layers, r->n_kv_heads, r->head_dim);
     printf("layer-local: continuation queries vs the full context; relerr per (prompt, layer, head); "
-           "full cache %.1f MB/prompt (f32)\n", r->full_bytes_mean / 1e6);
+           "full cache %.1f MB/prompt (f32)%s\n", r->full_bytes_mean / 1e6,
+           r->fused ? "; from the model's own tensors and the end-to-end caches (one compression "
+                      "per row and prompt)" : "");
     if (gguf) printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
                      "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
                      KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
@@ -237,8 +244,11 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         printf("\n");
     }
     print_equal_memory(r);
-    printf("\ntime: layer-local %.1f s", r->seconds_local);
-    if (gguf) printf(", end to end %.1f s", r->seconds_e2e);
+    if (r->fused) printf("\ntime: layer-local + end to end (one pass, one compression per row) %.1f s", r->seconds_e2e);
+    else {
+        printf("\ntime: layer-local %.1f s", r->seconds_local);
+        if (gguf) printf(", end to end %.1f s", r->seconds_e2e);
+    }
     if (r->n_needle_ctx) printf(", needle task %.1f s", r->seconds_needle);
     printf("\n");
 }
@@ -410,7 +420,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
 
 int kvcc_cmd_eval(int argc, char **argv) {
     const char *corpus = NULL, *methods = NULL, *budgets = NULL, *gguf = NULL, *policy = NULL, *cdt = "f32";
-    int json = 0, csv = 0, timings = 0;
+    int json = 0, csv = 0, timings = 0, local_from_corpus = 0;
     unsigned prompts = 0, seed = 1, max_tokens = 0;
     static const struct option opts[] = {
         {"corpus", required_argument, 0, 'c'}, {"methods", required_argument, 0, 'm'},
@@ -421,7 +431,8 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"needle", required_argument, 0, 'N'}, {"needle-haystacks", required_argument, 0, 'H'},
         {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'},
         {"max-tokens", required_argument, 0, 'X'}, {"precision", required_argument, 0, 'P'},
-        {"timings", no_argument, 0, 'W'}, {0, 0, 0, 0}};
+        {"timings", no_argument, 0, 'W'}, {"local-from-corpus", no_argument, 0, 'L'},
+        {0, 0, 0, 0}};
     int precision = KVCC_PREC_F32;
     const char *needle = NULL;
     unsigned n_hay = 4, n_keys = 3;
@@ -452,6 +463,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
             break;
         case 'j': json = 1; break;
         case 'W': timings = 1; break;
+        case 'L': local_from_corpus = 1; break;
         case 'v': csv = 1; break;
         case 'N': needle = optarg; break;
         case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; break;
@@ -496,7 +508,8 @@ int kvcc_cmd_eval(int argc, char **argv) {
                         .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
                         .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,
-                        .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts};
+                        .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts,
+                        .local_from_corpus = local_from_corpus};
     kvcc_eval_result *r = malloc(sizeof *r);
     if (!r) return KVCC_EXIT_FAILED;
     char err[768];

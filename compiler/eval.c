@@ -308,17 +308,21 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
     }
     if (!rc && o->gguf) rc = eval_check_windows(E, err, errlen);
     double t0 = kvcc_now_s();
-    if (!rc) {
+    if (E) r->fused = E->fused = o->gguf && !o->local_from_corpus;
+    if (!rc && !E->fused) {
         if (o->verbose) kvcc_progress_begin("eval (layer-local)");
         rc = eval_local(E, err, errlen);
     }
-    r->seconds_local = kvcc_now_s() - t0;
+    r->seconds_local = E && E->fused ? 0 : kvcc_now_s() - t0;
+    if (!rc && E->fused && eval_fused_begin(E)) rc = -1;
     if (!rc && o->gguf) {
         t0 = kvcc_now_s();
-        if (o->verbose) kvcc_progress_begin("eval (end to end)");
+        if (o->verbose)
+            kvcc_progress_begin(E->fused ? "eval (layer-local + end to end)" : "eval (end to end)");
         rc = eval_e2e(E, err, errlen);
         r->seconds_e2e = kvcc_now_s() - t0;
     }
+    if (E) eval_fused_end(E);
     if (!rc) summarize(E);
     for (int ri = 0; acc && ri < r->n_rows; ri++) free(acc[ri].relerr.v);
     if (E) {

@@ -106,6 +106,10 @@ typedef struct {
     int needle_keys;            /* needles = questions per haystack (0: 3) */
     const char *const *needle_texts; /* held-out text files the haystacks come from */
     int n_needle_texts;
+    /* with gguf: 0 (default) computes the layer-local rows inside the end-to-end pass from the
+     * model's own tensors and each row's one compression (compiler/eval_fused.c); 1 reads them
+     * from the corpus in a pass of their own, each row compressing twice (as before) */
+    int local_from_corpus;
 } kvcc_eval_opts;
 
 typedef struct {
@@ -114,7 +118,8 @@ typedef struct {
     uint32_t prompts, layers, context_len, continuation_len, n_kv_heads, head_dim;
     double full_bytes_mean;  /* the uncompressed context cache (f32), per prompt */
     char model_name[64];
-    double seconds_local, seconds_e2e;
+    double seconds_local, seconds_e2e; /* fused (the default with gguf): seconds_local 0 */
+    int fused;               /* the layer-local rows came from the end-to-end pass */
     char decode_note[320];   /* decode-time rows: the block size and the groupings used */
     /* needle task: per context length, the full cache's score (the model's own attention) */
     int n_needle_ctx, needle_ctx[KVCC_EVAL_NEEDLE_CTX];

@@ -150,7 +150,7 @@ static void add_nll(eval_acc *a, double nll, double nll_full, uint64_t nn) {
 }
 
 /* The corpus's continuation scorer: NLL and the passage probes of row ri. */
-static int score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user) {
+int eval_score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user) {
     kvcc_eval_row *row = &E->r->rows[ri];
     double nll = 0;
     uint64_t nn = 0;
@@ -250,6 +250,7 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         st = m->compress_layer(m, state, NULL, &E->env, &xl, row->budget, B, &x->caches[l]);
     }
     const double t1 = kvcc_now_s();
+    x->compress_s = t1 - t0;
     *(x->needle ? &row->t_needle_s : &row->t_e2e_s) += t1 - t0;
     E->r->phase_s[x->needle ? KVCC_PH_NEEDLE_COMPRESS : KVCC_PH_E2E_COMPRESS] += t1 - t0;
     if (st) eval_row_fail(row, st, "select");
@@ -398,12 +399,15 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         x.tok = tok;
         x.C = C;
         x.T = T;
-        /* the context, once, full, capturing queries */
-        g.C = C;
+        /* the context, once, full, capturing queries (fused: the whole window, the layer-local
+         * rows' continuation queries, keys and values too; the context's chunks are the same) */
+        const int upto = E->fused ? T : C;
+        g.C = upto;
         kvcc_state_reset(x.s);
         kvcc_state_set_capture(x.s, grab_q, &g);
-        for (int pos = 0; !rc && pos < C; pos += KVCC_MODEL_CHUNK) {
-            int n = C - pos < KVCC_MODEL_CHUNK ? C - pos : KVCC_MODEL_CHUNK;
+        for (int pos = 0; !rc && pos < upto; pos += KVCC_MODEL_CHUNK) {
+            int end = pos < C ? C : upto; /* chunks never straddle C */
+            int n = end - pos < KVCC_MODEL_CHUNK ? end - pos : KVCC_MODEL_CHUNK;
             rc = kvcc_model_prefill(m, x.s, tok + pos, n, NULL, KVCC_LOGITS_NONE);
         }
         kvcc_state_set_capture(x.s, NULL, NULL);
@@ -413,6 +417,7 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
             break;
         }
         x.ctx_id = ++E->ctx_serial; /* the rows share budget-independent work of this context */
+        if (E->fused && (rc = eval_fused_layers(E, &x, p, err, errlen)) != 0) break;
         /* the full-cache reference (the model's own attention) */
         uint64_t n_full = 0;
         uint32_t fp = 0, fe = 0;
@@ -426,7 +431,8 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
             snprintf(err, errlen, "eval: the model failed on the continuation of prompt %u", p);
             break;
         }
-        for (int ri = 0; ri < E->r->n_rows; ri++) eval_e2e_row(E, ri, &x, score_corpus_row, NULL);
+        for (int ri = 0; ri < E->r->n_rows; ri++)
+            eval_e2e_row(E, ri, &x, E->fused ? eval_fused_score : eval_score_corpus_row, NULL);
         if (o->verbose) kvcc_progress(p + 1, E->n_prompts);
     }
     if (rc && !err[0])
