@@ -83,7 +83,7 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
         seg_len[n_seg++] = P + A;
         n_tok += P + A;
     }
-    if (!rc && caches && T > C && n_tok <= KVCC_MODEL_CHUNK) {
+    if (!rc && caches && T > C && n_tok <= KVCC_MODEL_CHUNK && n_tok <= s->n_ctx - C) {
         int32_t ids[KVCC_MODEL_CHUNK];
         for (int j = 0, o = 0; j < n_seg; o += seg_len[j], j++)
             memcpy(ids + o, tok + seg_start[j], sizeof(int32_t) * (size_t)seg_len[j]);
@@ -368,7 +368,9 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         }
         const int T = (int)info.n_tokens, C = (int)info.context_len;
         const int probe = C + KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER,
-                  need = (T > probe ? T : probe) + C; /* + room for a stage-2 forward */
+                  seg = T + KVCC_EVAL_PROBES * (KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER),
+                  need0 = (T > probe ? T : probe) + C, /* + room for a stage-2 forward */
+                  need = need0 > seg ? need0 : seg;  /* + the batched continuation + probes */
         if (need > cap_T) {
             kvcc_state_free(x.s);
             x.s = NULL;
@@ -405,9 +407,9 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         g.C = upto;
         kvcc_state_reset(x.s);
         kvcc_state_set_capture(x.s, grab_q, &g);
-        for (int pos = 0; !rc && pos < upto; pos += KVCC_MODEL_CHUNK) {
+        for (int pos = 0, n = 0; !rc && pos < upto; pos += n) {
             int end = pos < C ? C : upto; /* chunks never straddle C */
-            int n = end - pos < KVCC_MODEL_CHUNK ? end - pos : KVCC_MODEL_CHUNK;
+            n = end - pos < KVCC_MODEL_CHUNK ? end - pos : KVCC_MODEL_CHUNK;
             rc = kvcc_model_prefill(m, x.s, tok + pos, n, NULL, KVCC_LOGITS_NONE);
         }
         kvcc_state_set_capture(x.s, NULL, NULL);
