@@ -323,6 +323,7 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
         r->seconds_e2e = kvcc_now_s() - t0;
     }
     if (E) eval_fused_end(E);
+    if (E) eval_share_free(E);
     if (!rc) summarize(E);
     for (int ri = 0; acc && ri < r->n_rows; ri++) free(acc[ri].relerr.v);
     if (E) {

@@ -56,6 +56,7 @@ typedef struct {
     uint64_t ctx_serial;   /* the last context id handed out (kvcc_eval_layer.ctx_id) */
     int fused;             /* the layer-local rows inside the end-to-end pass (eval_fused.c) */
     void *fused_state;
+    void *share[EVAL_MAX_METHODS]; /* eval_share.c: the methods' multi-budget caches */
 } eval_run;
 
 static inline const kvcc_eval_method *eval_row_method(const eval_run *E, int ri) {
@@ -74,6 +75,12 @@ int eval_row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B);
 /* eval_prefill.c: the layer-local rows (prefill rows here, decode-time rows per layer through
  * eval_decode_layer). 0, or nonzero with the message in err. */
 int eval_local(eval_run *E, char *err, size_t errlen);
+/* eval_share.c: row ri's compression of one layer (m->compress_layer, or its share of one
+ * compress_layer_multi call for every budget of the method); *x->shared_s gets the row's share
+ * of a shared call minus what it ran itself. kvrt status. eval_share_free at the end of a run. */
+int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer *x, int64_t B,
+                        kvrt_cache **out);
+void eval_share_free(eval_run *E);
 /* eval_prefill.c: row ri's layer-local measures of compressed cache cc on lp's current (prompt,
  * layer) (lp's qc, kr, vr, N, o_full, lse_full, o_c, lse_c, rt, scale): relative error, KL,
  * mass, kept entries and bytes (added to *bytes_prompt). Failures go to the row; nonzero only

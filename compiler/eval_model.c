@@ -247,7 +247,7 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         memcpy(x->vbuf, x->s->v_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));
         const kvcc_eval_layer xl = {.layer = l, .q = x->q[l], .k = x->kbuf, .v = x->vbuf,
                                     .C = x->C, .ctx_id = x->ctx_id, .shared_s = &x->shared_s};
-        st = m->compress_layer(m, state, NULL, &E->env, &xl, row->budget, B, &x->caches[l]);
+        st = eval_compress_layer(E, ri, NULL, &xl, B, &x->caches[l]);
     }
     const double t1 = kvcc_now_s();
     x->compress_s = t1 - t0;

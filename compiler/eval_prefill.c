@@ -44,7 +44,6 @@ void eval_end_prompt(eval_run *E) {
 static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_prompt) {
     kvcc_eval_row *row = &E->r->rows[ri];
     eval_acc *a = &E->acc[ri];
-    const kvcc_eval_method *m = eval_row_method(E, ri);
     int64_t B;
     int s = eval_row_budget(row, lp->C, &B);
     if (s) { eval_row_fail(row, s, "budget"); return 0; }
@@ -54,8 +53,7 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
                                .shared_s = &shared};
     double t0 = kvcc_now_s();
     kvrt_cache *cc = NULL;
-    s = m->compress_layer(m, eval_row_prep(E, ri)->state, E->pstates[a->mi], &E->env, &x,
-                          row->budget, B, &cc);
+    s = eval_compress_layer(E, ri, E->pstates[a->mi], &x, B, &cc);
     double t1 = kvcc_now_s();
     a->sel_s += t1 - t0 + shared;
     row->t_local_s += t1 - t0;
