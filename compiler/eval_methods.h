@@ -77,6 +77,10 @@ typedef struct {
      * [n, H, d] queries and [n, Hkv, d] keys, valid until the next call. 0 or a status. */
     int (*extend)(void *user, const int32_t *pos, int64_t n, float *const **q, float *const **k);
     void *extend_user;
+    /* as in kvcc_eval_layer: the context's id (budget-independent work may be kept for the
+     * method's other rows of it) and where reused work's seconds are charged (may be NULL) */
+    uint64_t ctx_id;
+    double *shared_s;
 } kvcc_eval_all;
 
 typedef struct kvcc_eval_method kvcc_eval_method;

@@ -236,7 +236,8 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         }
         const kvcc_eval_all all = {.q = (const float *const *)x->q, .k = kp, .v = vp,
                                    .next_logprob = x->lp, .C = x->C, .tokens = x->tok,
-                                   .extend = eval_e2e_extend, .extend_user = x};
+                                   .extend = eval_e2e_extend, .extend_user = x,
+                                   .ctx_id = x->ctx_id, .shared_s = &x->shared_s};
         if (!st) st = m->compress_all(m, state, &E->env, &all, row->budget, B, x->caches);
         free(kp);
         free(vp);
