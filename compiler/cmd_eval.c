@@ -358,6 +358,14 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
             cJSON_AddItemToArray(full, f);
         }
     }
+    cJSON *tm = cJSON_AddObjectToObject(root, "timings"); /* wall seconds (see --timings) */
+    cJSON_AddBoolToObject(tm, "one_pass", r->fused);
+    cJSON_AddNumberToObject(tm, "layer_local_s", r->seconds_local);
+    cJSON_AddNumberToObject(tm, "end_to_end_s", r->seconds_e2e);
+    if (r->n_needle_ctx) cJSON_AddNumberToObject(tm, "needle_s", r->seconds_needle);
+    cJSON *ph = cJSON_AddObjectToObject(tm, "phases");
+    for (int i = 0; i < KVCC_PH_COUNT; i++)
+        if (r->phase_s[i] > 0) cJSON_AddNumberToObject(ph, kvcc_eval_phase_name(i), r->phase_s[i]);
     cJSON *rows = cJSON_AddArrayToObject(root, "rows");
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *w = &r->rows[i];
