@@ -12,7 +12,10 @@
  * continuation keys (causal), and are compared with the same queries over the full context:
  * relative output error per (prompt, layer, query head) (mean over queries), KL(p_comp || p_full)
  * from the two log-sum-exps (= -log retained mass for token subsets), retained mass.
- * End to end and decode-time rows: see eval_model.c and eval_decode.c.
+ * End to end and decode-time rows: see eval_model.c and eval_decode.c. With --gguf (unless
+ * local_from_corpus) the layer-local rows are computed inside the end-to-end pass from the
+ * model's own tensors and each row's one compression (eval_fused.c); methods with
+ * compress_layer_multi compress every budget of a (context, layer) in one call (eval_share.c).
  * Callers: compiler/cmd_eval.c, the tests.
  *
  * defines: kvcc_eval_run, eval_dvec_push, eval_row_fail, eval_row_budget

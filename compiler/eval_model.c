@@ -11,7 +11,10 @@
  * KVCC_EVAL_PROBE_PREFIX tokens, and the model must continue with the next
  * KVCC_EVAL_PROBE_ANSWER. Scored teacher-forced in one pass: greedy decoding reproduces the
  * answer exactly iff every argmax along the true answer is right, so "exact" is exactly the
- * greedy exact-match rate; token accuracy is reported alongside.
+ * greedy exact-match rate; token accuracy is reported alongside. A compressed row's continuation
+ * and probes run as independent segments of one forward pass (kvcc_model_prefill_segments).
+ * With E->fused the prefill covers the whole window and the rows score through eval_fused_score
+ * (their layer-local measures from the same caches, eval_fused.c).
  * Callers: compiler/eval.c.
  *
  * defines: eval_e2e
