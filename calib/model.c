@@ -1255,8 +1255,20 @@ static void attend(const kvcc_model *m, int layer, const float *q, int n, int po
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
 /* Run n <= KVCC_MODEL_CHUNK tokens at position s->n_past; logits rows as requested. */
+/* seg_off (may be NULL: one sequence): n_seg + 1 offsets into the n tokens; segment j is
+ * tokens [seg_off[j], seg_off[j + 1]), run at positions pos0 .. pos0 + its length - 1 and causal
+ * within itself only, over the compressed context (kvcc_model_prefill_segments checks the
+ * state's mode). */
+static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                             float *logits, int all_logits, int want_logits, const int *seg_off,
+                             int n_seg);
 static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
                          float *logits, int all_logits, int want_logits) {
+    return forward_chunk_seg(m, s, tokens, n, logits, all_logits, want_logits, NULL, 0);
+}
+static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
+                             float *logits, int all_logits, int want_logits, const int *seg_off,
+                             int n_seg) {
     const kvcc_model_hparams *hp = &m->hp;
     const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim, H = hp->n_head, Hkv = hp->n_head_kv;
     const int Hd = H * d, Kd = Hkv * d, pos0 = s->n_past, h2 = d / 2;
@@ -1278,13 +1290,16 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
                    (size_t)E * sizeof(float));
         }
     }
-    for (int t = 0; t < n; t++)
+    for (int t = 0, j = 0; t < n; t++) {
+        while (seg_off && j + 1 < n_seg && t >= seg_off[j + 1]) j++;
+        const int pos = pos0 + t - (seg_off ? seg_off[j] : 0);
         for (int i = 0; i < h2; i++) {
             /* as transformers: angle = float(pos) * inv_freq in f32 */
-            float ang = (float)(pos0 + t) * m->rope_inv_freq[i];
+            float ang = (float)pos * m->rope_inv_freq[i];
             s->rope_cos[(size_t)t * h2 + i] = (float)cos((double)ang);
             s->rope_sin[(size_t)t * h2 + i] = (float)sin((double)ang);
         }
+    }
 
     kv_head_view heads[64];
     kv_head_view *hv = Hkv <= 64 ? heads : malloc((size_t)Hkv * sizeof *hv);
@@ -1315,11 +1330,22 @@ static int forward_chunk(const kvcc_model *m, kvcc_state *s, const int32_t *toke
             }
             const int64_t nr = pos0 + n - s->compressed_ctx;
             const size_t r0 = (size_t)s->compressed_ctx * Kd;
-            if (kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr,
-                            1.0f / sqrtf((float)d), s->att, NULL) != KVRT_OK) {
+            if (!seg_off && kvrt_attend(s->rt, s->q, n, (uint32_t)H, cc, kc + r0, vc + r0, nr,
+                                        1.0f / sqrtf((float)d), s->att, NULL) != KVRT_OK) {
                 st = KVCC_GGUF_ERR_ARG;
                 break;
             }
+            /* segments: each over the compressed context and its own rows (pos0 is the
+             * compressed boundary) */
+            for (int j = 0; seg_off && j < n_seg && !st; j++) {
+                const int o = seg_off[j], ns = seg_off[j + 1] - seg_off[j];
+                if (kvrt_attend(s->rt, s->q + (size_t)o * Hd, ns, (uint32_t)H, cc,
+                                kc + r0 + (size_t)o * Kd, vc + r0 + (size_t)o * Kd, ns,
+                                1.0f / sqrtf((float)d), s->att + (size_t)o * Hd,
+                                NULL) != KVRT_OK)
+                    st = KVCC_GGUF_ERR_ARG;
+            }
+            if (st) break;
         } else {
             for (int h = 0; h < Hkv; h++)
                 hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL,
@@ -1399,6 +1425,39 @@ int kvcc_model_extend(const kvcc_model *m, kvcc_state *s, const int32_t *tokens,
     s->capture = fn;
     s->capture_user = user;
     s->n_past = g.base; /* the appended rows are forgotten, whatever happened */
+    return st;
+}
+
+int kvcc_model_prefill_segments(const kvcc_model *m, kvcc_state *s, const int32_t *tokens,
+                                const int *seg_len, int n_seg, float *logits) {
+    if (!m || !s || !tokens || !seg_len || n_seg < 1 || !logits) return KVCC_GGUF_ERR_ARG;
+    int n = 0;
+    for (int j = 0; j < n_seg; j++) {
+        if (seg_len[j] < 1 || seg_len[j] > s->n_ctx) return KVCC_GGUF_ERR_ARG;
+        n += seg_len[j];
+        if (n > s->n_ctx) return KVCC_GGUF_ERR_LIMIT;
+    }
+    if (n > s->n_ctx - s->n_past) return KVCC_GGUF_ERR_LIMIT;
+    for (int i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= m->hp.n_vocab) return KVCC_GGUF_ERR_ARG;
+    const int pos0 = s->n_past, V = m->hp.n_vocab;
+    int batched = n <= KVCC_MODEL_CHUNK && n_seg <= 64 && s->compressed &&
+                  pos0 == s->compressed_ctx && !(s->attn_hook && pos0 + n > s->attn_from);
+    for (int l = 0; batched && l < m->hp.n_layer; l++) batched = s->compressed[l] != NULL;
+    int st = 0;
+    if (batched) {
+        int off[65];
+        off[0] = 0;
+        for (int j = 0; j < n_seg; j++) off[j + 1] = off[j] + seg_len[j];
+        st = forward_chunk_seg(m, s, tokens, n, logits, 1, 1, off, n_seg);
+    } else { /* one sequence after the other, each from pos0 */
+        for (int j = 0, o = 0; j < n_seg && !st; o += seg_len[j], j++) {
+            s->n_past = pos0;
+            st = kvcc_model_prefill(m, s, tokens + o, seg_len[j], logits + (size_t)o * V,
+                                    KVCC_LOGITS_ALL);
+        }
+    }
+    s->n_past = pos0; /* the segments are forgotten, whatever happened */
     return st;
 }
 

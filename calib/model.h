@@ -188,6 +188,17 @@ int kvcc_model_prefill(const kvcc_model *m, kvcc_state *s, const int32_t *tokens
  * callback is not called. */
 int kvcc_model_extend(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
                       float *const *q, float *const *k);
+/* Independent continuations of the state's context in one forward pass (the eval's scoring of
+ * a compressed context: its continuation and its retrieval probes): segment j is the next
+ * seg_len[j] tokens, run at positions n_past .. n_past + seg_len[j] - 1, causal within itself
+ * and blind to the other segments, as if each were prefilled alone after truncating to n_past.
+ * logits (sum of seg_len, V): every token's. The state is left at n_past (the segments are
+ * forgotten). One batched pass when the segments fit one chunk (KVCC_MODEL_CHUNK tokens, at
+ * most 64 segments) and every layer attends through a compressed cache from n_past on
+ * (kvcc_state_set_compressed with ctx_len = n_past); otherwise one prefill per segment (same
+ * results up to the GEMMs' summation order). 0, KVCC_GGUF_ERR_ARG or _LIMIT (no room). */
+int kvcc_model_prefill_segments(const kvcc_model *m, kvcc_state *s, const int32_t *tokens,
+                                const int *seg_len, int n_seg, float *logits);
 /* Prefill of one token; logits: V floats. */
 int kvcc_model_decode(const kvcc_model *m, kvcc_state *s, int32_t token, float *logits);
 

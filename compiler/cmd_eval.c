@@ -70,6 +70,14 @@ static void usage(FILE *out) {
         "  --needle-keys K     needles (= questions) per haystack, 1..5 (default 3)\n"
         "  --needle-text F     held-out text for the haystacks; repeatable (default: every .txt in "
         DEFAULT_NEEDLE_DIR ")\n"
+        "  --local-from-corpus with --gguf: the layer-local columns from the corpus's stored tensors in\n"
+        "                      a pass of their own, each row compressing twice (the default computes\n"
+        "                      them from the model's own tensors in the end-to-end pass, one\n"
+        "                      compression per row serving both: the same up to the corpus's f16\n"
+        "                      rounding, and the memory columns are the end-to-end caches')\n"
+        "  --timings           after the results, where the wall time went: per phase (corpus read,\n"
+        "                      compression, attention, the model's prefill, continuation, probes,\n"
+        "                      needle) and per method (to stderr with --json / --csv)\n"
         "  --json | --csv      machine-readable output (default: a table)\n",
         names);
 }
@@ -180,7 +188,9 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     printf("kvcc eval: %s (%s), %u prompts x %u context + %u continuation tokens, %u layers, %u KV heads x d %u\n",
            corpus, r->model_name, r->prompts, r->context_len, r->continuation_len, r->layers, r->n_kv_heads, r->head_dim);
     printf("layer-local: continuation queries vs the full context; relerr per (prompt, layer, head); "
-           "full cache %.1f MB/prompt (f32)\n", r->full_bytes_mean / 1e6);
+           "full cache %.1f MB/prompt (f32)%s\n", r->full_bytes_mean / 1e6,
+           r->fused ? "; from the model's own tensors and the end-to-end caches (one compression "
+                      "per row and prompt)" : "");
     if (gguf) printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
                      "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
                      KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
@@ -234,10 +244,47 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         printf("\n");
     }
     print_equal_memory(r);
-    printf("\ntime: layer-local %.1f s", r->seconds_local);
-    if (gguf) printf(", end to end %.1f s", r->seconds_e2e);
+    if (r->fused) printf("\ntime: layer-local + end to end (one pass, one compression per row) %.1f s", r->seconds_e2e);
+    else {
+        printf("\ntime: layer-local %.1f s", r->seconds_local);
+        if (gguf) printf(", end to end %.1f s", r->seconds_e2e);
+    }
     if (r->n_needle_ctx) printf(", needle task %.1f s", r->seconds_needle);
     printf("\n");
+}
+
+/* --timings: the wall time per phase, then per method (its rows summed). To out (stdout after
+ * the table, stderr with --json / --csv so machine-readable output stays parseable). */
+static void print_timings(FILE *out, const kvcc_eval_result *r) {
+    double total = r->seconds_local + r->seconds_e2e, acc = 0;
+    fprintf(out, "\ntimings (wall seconds; %.1f s in the layer-local and end-to-end passes):\n", total);
+    for (int ph = 0; ph < KVCC_PH_COUNT; ph++) {
+        if (r->phase_s[ph] <= 0) continue;
+        acc += r->phase_s[ph];
+        fprintf(out, "  %-22s %9.2f s %5.1f%%\n", kvcc_eval_phase_name(ph), r->phase_s[ph],
+                total > 0 ? 100 * r->phase_s[ph] / total : 0.0);
+    }
+    fprintf(out, "  %-22s %9.2f s %5.1f%%\n", "other", total - acc,
+            total > 0 ? 100 * (total - acc) / total : 0.0);
+    fprintf(out, "per method (all its rows; compression where it ran, shared work once; score = "
+            "the model's continuation, probes and needle questions):\n");
+    fprintf(out, "  %-13s %4s %10s %10s %10s %10s\n", "method", "rows", "local_s", "e2e_s",
+            "needle_s", "score_s");
+    for (int i = 0; i < r->n_rows; i++) {
+        int first = 1;
+        for (int j = 0; j < i; j++) first &= r->rows[j].method != r->rows[i].method;
+        if (!first) continue;
+        double t[4] = {0, 0, 0, 0};
+        int n = 0;
+        for (int j = i; j < r->n_rows; j++) {
+            const kvcc_eval_row *w = &r->rows[j];
+            if (w->method != r->rows[i].method) continue;
+            n++;
+            t[0] += w->t_local_s; t[1] += w->t_e2e_s; t[2] += w->t_needle_s; t[3] += w->t_score_s;
+        }
+        fprintf(out, "  %-13s %4d %10.2f %10.2f %10.2f %10.2f\n", r->rows[i].name, n, t[0], t[1],
+                t[2], t[3]);
+    }
 }
 
 static void print_csv(const kvcc_eval_result *r) {
@@ -311,6 +358,14 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
             cJSON_AddItemToArray(full, f);
         }
     }
+    cJSON *tm = cJSON_AddObjectToObject(root, "timings"); /* wall seconds (see --timings) */
+    cJSON_AddBoolToObject(tm, "one_pass", r->fused);
+    cJSON_AddNumberToObject(tm, "layer_local_s", r->seconds_local);
+    cJSON_AddNumberToObject(tm, "end_to_end_s", r->seconds_e2e);
+    if (r->n_needle_ctx) cJSON_AddNumberToObject(tm, "needle_s", r->seconds_needle);
+    cJSON *ph = cJSON_AddObjectToObject(tm, "phases");
+    for (int i = 0; i < KVCC_PH_COUNT; i++)
+        if (r->phase_s[i] > 0) cJSON_AddNumberToObject(ph, kvcc_eval_phase_name(i), r->phase_s[i]);
     cJSON *rows = cJSON_AddArrayToObject(root, "rows");
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *w = &r->rows[i];
@@ -373,7 +428,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
 
 int kvcc_cmd_eval(int argc, char **argv) {
     const char *corpus = NULL, *methods = NULL, *budgets = NULL, *gguf = NULL, *policy = NULL, *cdt = "f32";
-    int json = 0, csv = 0;
+    int json = 0, csv = 0, timings = 0, local_from_corpus = 0;
     unsigned prompts = 0, seed = 1, max_tokens = 0;
     static const struct option opts[] = {
         {"corpus", required_argument, 0, 'c'}, {"methods", required_argument, 0, 'm'},
@@ -384,6 +439,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"needle", required_argument, 0, 'N'}, {"needle-haystacks", required_argument, 0, 'H'},
         {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'},
         {"max-tokens", required_argument, 0, 'X'}, {"precision", required_argument, 0, 'P'},
+        {"timings", no_argument, 0, 'W'}, {"local-from-corpus", no_argument, 0, 'L'},
         {0, 0, 0, 0}};
     int precision = KVCC_PREC_F32;
     const char *needle = NULL;
@@ -414,6 +470,8 @@ int kvcc_cmd_eval(int argc, char **argv) {
             kvcc_corpus_set_limits(max_tokens, 0);
             break;
         case 'j': json = 1; break;
+        case 'W': timings = 1; break;
+        case 'L': local_from_corpus = 1; break;
         case 'v': csv = 1; break;
         case 'N': needle = optarg; break;
         case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; break;
@@ -458,7 +516,8 @@ int kvcc_cmd_eval(int argc, char **argv) {
                         .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
                         .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,
-                        .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts};
+                        .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts,
+                        .local_from_corpus = local_from_corpus};
     kvcc_eval_result *r = malloc(sizeof *r);
     if (!r) return KVCC_EXIT_FAILED;
     char err[768];
@@ -472,6 +531,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
     if (json) print_json(r, corpus, gguf, policy);
     else if (csv) print_csv(r);
     else print_table(r, corpus, gguf);
+    if (timings) print_timings(json || csv ? stderr : stdout, r);
     int any_err = 0;
     for (int i = 0; i < r->n_rows; i++) any_err |= r->rows[i].status != 0;
     free(r);

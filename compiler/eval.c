@@ -12,7 +12,10 @@
  * continuation keys (causal), and are compared with the same queries over the full context:
  * relative output error per (prompt, layer, query head) (mean over queries), KL(p_comp || p_full)
  * from the two log-sum-exps (= -log retained mass for token subsets), retained mass.
- * End to end and decode-time rows: see eval_model.c and eval_decode.c.
+ * End to end and decode-time rows: see eval_model.c and eval_decode.c. With --gguf (unless
+ * local_from_corpus) the layer-local rows are computed inside the end-to-end pass from the
+ * model's own tensors and each row's one compression (eval_fused.c); methods with
+ * compress_layer_multi compress every budget of a (context, layer) in one call (eval_share.c).
  * Callers: compiler/cmd_eval.c, the tests.
  *
  * defines: kvcc_eval_run, eval_dvec_push, eval_row_fail, eval_row_budget
@@ -26,6 +29,14 @@
 
 #include "eval_int.h"
 #include "stats.h"
+
+const char *kvcc_eval_phase_name(int ph) {
+    static const char *const names[KVCC_PH_COUNT] = {
+        "local.read+reference", "local.compress", "local.attend+metrics", "local.decode-rows",
+        "e2e.prefill", "e2e.full-reference", "e2e.compress", "e2e.continuation", "e2e.probes",
+        "needle.prefill+full", "needle.compress", "needle.questions"};
+    return ph >= 0 && ph < KVCC_PH_COUNT ? names[ph] : "?";
+}
 
 int eval_dvec_push(eval_dvec *d, double x) {
     if (d->n == d->cap) {
@@ -300,17 +311,22 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
     }
     if (!rc && o->gguf) rc = eval_check_windows(E, err, errlen);
     double t0 = kvcc_now_s();
-    if (!rc) {
+    if (E) r->fused = E->fused = o->gguf && !o->local_from_corpus;
+    if (!rc && !E->fused) {
         if (o->verbose) kvcc_progress_begin("eval (layer-local)");
         rc = eval_local(E, err, errlen);
     }
-    r->seconds_local = kvcc_now_s() - t0;
+    r->seconds_local = E && E->fused ? 0 : kvcc_now_s() - t0;
+    if (!rc && E->fused && eval_fused_begin(E)) rc = -1;
     if (!rc && o->gguf) {
         t0 = kvcc_now_s();
-        if (o->verbose) kvcc_progress_begin("eval (end to end)");
+        if (o->verbose)
+            kvcc_progress_begin(E->fused ? "eval (layer-local + end to end)" : "eval (end to end)");
         rc = eval_e2e(E, err, errlen);
         r->seconds_e2e = kvcc_now_s() - t0;
     }
+    if (E) eval_fused_end(E);
+    if (E) eval_share_free(E);
     if (!rc) summarize(E);
     for (int ri = 0; acc && ri < r->n_rows; ri++) free(acc[ri].relerr.v);
     if (E) {

@@ -20,6 +20,25 @@
 #define KVCC_EVAL_NEEDLE_CTX 4    /* needle context lengths per run */
 #define KVCC_EVAL_EQUAL_MEM 0.02  /* rows within 2% of their budget's reference bytes are equal */
 
+/* Where the wall time of a run goes (kvcc_eval_result.phase_s, kvcc eval --timings). */
+typedef enum {
+    KVCC_PH_LOCAL_READ,     /* layer-local: corpus read + the full-context reference */
+    KVCC_PH_LOCAL_COMPRESS, /* layer-local: every prefill row's compression */
+    KVCC_PH_LOCAL_SCORE,    /* layer-local: attention over the compressed caches + metrics */
+    KVCC_PH_LOCAL_DECODE,   /* layer-local: the decode-time rows */
+    KVCC_PH_E2E_PREFILL,    /* end to end: the model's context prefill (+ corpus read) */
+    KVCC_PH_E2E_FULL,       /* end to end: the full-cache reference (continuation + probes) */
+    KVCC_PH_E2E_COMPRESS,   /* end to end: every row's compression from the model's keys */
+    KVCC_PH_E2E_CONT,       /* end to end: every row's continuation scoring */
+    KVCC_PH_E2E_PROBE,      /* end to end: every row's retrieval probes */
+    KVCC_PH_NEEDLE_PREFILL, /* needle: the model's haystack prefill + the full cache's answers */
+    KVCC_PH_NEEDLE_COMPRESS,/* needle: every row's compression */
+    KVCC_PH_NEEDLE_ASK,     /* needle: every row's questions (greedy decoding) */
+    KVCC_PH_COUNT
+} kvcc_eval_phase;
+/* The phase's name ("local.read", ...). */
+const char *kvcc_eval_phase_name(int ph);
+
 typedef struct {
     const kvcc_eval_method *method; /* the row's method (eval_methods.h) */
     const char *name;      /* its name */
@@ -58,6 +77,10 @@ typedef struct {
     uint32_t needle_n[KVCC_EVAL_NEEDLE_CTX], needle_ok[KVCC_EVAL_NEEDLE_CTX];
     double needle_kept[KVCC_EVAL_NEEDLE_CTX], needle_bytes[KVCC_EVAL_NEEDLE_CTX];
     double needle_ms[KVCC_EVAL_NEEDLE_CTX]; /* compression time per haystack */
+    /* seconds, summed over the run (kvcc eval --timings): the row's compressions (layer-local,
+     * end to end, needle; shared budget-independent work counted once, where it ran) and its
+     * model scoring (continuation + probes + needle questions) */
+    double t_local_s, t_e2e_s, t_needle_s, t_score_s;
     int status;            /* 0, or the kvrt status that made the row fail */
     char msg[256];
 } kvcc_eval_row;
@@ -83,6 +106,10 @@ typedef struct {
     int needle_keys;            /* needles = questions per haystack (0: 3) */
     const char *const *needle_texts; /* held-out text files the haystacks come from */
     int n_needle_texts;
+    /* with gguf: 0 (default) computes the layer-local rows inside the end-to-end pass from the
+     * model's own tensors and each row's one compression (compiler/eval_fused.c); 1 reads them
+     * from the corpus in a pass of their own, each row compressing twice (as before) */
+    int local_from_corpus;
 } kvcc_eval_opts;
 
 typedef struct {
@@ -91,7 +118,8 @@ typedef struct {
     uint32_t prompts, layers, context_len, continuation_len, n_kv_heads, head_dim;
     double full_bytes_mean;  /* the uncompressed context cache (f32), per prompt */
     char model_name[64];
-    double seconds_local, seconds_e2e;
+    double seconds_local, seconds_e2e; /* fused (the default with gguf): seconds_local 0 */
+    int fused;               /* the layer-local rows came from the end-to-end pass */
     char decode_note[320];   /* decode-time rows: the block size and the groupings used */
     /* needle task: per context length, the full cache's score (the model's own attention) */
     int n_needle_ctx, needle_ctx[KVCC_EVAL_NEEDLE_CTX];
@@ -99,6 +127,7 @@ typedef struct {
     uint32_t needle_full_n[KVCC_EVAL_NEEDLE_CTX], needle_full_ok[KVCC_EVAL_NEEDLE_CTX];
     double needle_prefill_ms[KVCC_EVAL_NEEDLE_CTX]; /* the model's full prefill per haystack */
     double seconds_needle;
+    double phase_s[KVCC_PH_COUNT]; /* wall seconds per phase (kvcc_eval_phase) */
     char notes[4][640];      /* per method family with a note: "FAMILY rows: what they run" */
     int n_notes;
 } kvcc_eval_result;

@@ -177,7 +177,9 @@ int eval_decode_layer(eval_run *E, const kvcc_loop *lp) {
             block_aggregates(lp, block, nbmax, w.Z, w.es, w.zb);
             have = block;
         }
+        const double t0 = kvcc_now_s();
         oom = decode_row(E, ri, lp, block, &w) != 0;
+        E->r->rows[ri].t_local_s += kvcc_now_s() - t0;
     }
     free(w.es); free(w.zb); free(w.Z); free(w.out); free(w.blocks); free(w.mark); free(w.esum);
     return oom ? -1 : 0;

@@ -54,6 +54,9 @@ typedef struct {
     kvcc_eval_prep preps[EVAL_MAX_METHODS];
     void *pstates[EVAL_MAX_METHODS]; /* the current prompt's per-method state (prompt_begin) */
     uint64_t ctx_serial;   /* the last context id handed out (kvcc_eval_layer.ctx_id) */
+    int fused;             /* the layer-local rows inside the end-to-end pass (eval_fused.c) */
+    void *fused_state;
+    void *share[EVAL_MAX_METHODS]; /* eval_share.c: the methods' multi-budget caches */
 } eval_run;
 
 static inline const kvcc_eval_method *eval_row_method(const eval_run *E, int ri) {
@@ -72,6 +75,23 @@ int eval_row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B);
 /* eval_prefill.c: the layer-local rows (prefill rows here, decode-time rows per layer through
  * eval_decode_layer). 0, or nonzero with the message in err. */
 int eval_local(eval_run *E, char *err, size_t errlen);
+/* eval_share.c: row ri's compression of one layer (m->compress_layer, or its share of one
+ * compress_layer_multi call for every budget of the method); *x->shared_s gets the row's share
+ * of a shared call minus what it ran itself. kvrt status. eval_share_free at the end of a run. */
+int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer *x, int64_t B,
+                        kvrt_cache **out);
+void eval_share_free(eval_run *E);
+/* eval_prefill.c: row ri's layer-local measures of compressed cache cc on lp's current (prompt,
+ * layer) (lp's qc, kr, vr, N, o_full, lse_full, o_c, lse_c, rt, scale): relative error, KL,
+ * mass, kept entries and bytes (added to *bytes_prompt). Failures go to the row; nonzero only
+ * when out of memory. */
+int eval_local_score(eval_run *E, int ri, const kvcc_loop *lp, const kvrt_cache *cc,
+                     double *bytes_prompt);
+/* eval_prefill.c: row ri's reference bytes on a C-token context of L layers (nonzero: OOM) */
+int eval_add_reference(eval_run *E, int ri, int64_t C, uint32_t L);
+/* eval_prefill.c: the per-prompt states of the methods (prompt_begin / prompt_end) */
+int eval_begin_prompt(eval_run *E, uint32_t p, char *err, size_t errlen);
+void eval_end_prompt(eval_run *E);
 /* eval_decode.c: the layer-local decode-time rows of the loop's current (prompt, layer);
  * failures go to the rows; nonzero only when out of memory. */
 int eval_decode_layer(eval_run *E, const kvcc_loop *lp);
@@ -111,6 +131,8 @@ typedef struct {
     double nll_full;
     uint64_t ctx_id;         /* this context's id (kvcc_eval_layer.ctx_id) */
     double shared_s;         /* the current row's reused shared work, seconds (compression time) */
+    int needle;              /* a needle haystack (its phases of kvcc_eval_result.phase_s) */
+    double compress_s;       /* the current row's compression, seconds (set before its score) */
 } e2e_prompt;
 /* A row's scoring once its context is compressed: caches [L] (prefill rows) or NULL (decode-time
  * rows: the state's attention hook is set from C). Returns 0 or a model / kvrt status. */
@@ -123,6 +145,18 @@ int eval_e2e_extend(void *user, const int32_t *pos, int64_t n, float *const **q,
 /* Prefill x's context tokens [0, C) from an empty state, capturing the queries into x->q and the
  * next-token log-probabilities into x->lp. 0 or a model status. */
 int eval_e2e_prefill(e2e_prompt *x);
+/* eval_model.c: the corpus's continuation scorer (NLL and the passage probes of row ri) */
+int eval_score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user);
+/* eval_fused.c (E->fused): the layer-local rows inside the end-to-end pass. begin / end once per
+ * run (begin: nonzero when out of memory); eval_fused_layers after the model prefilled x's whole
+ * window (context + continuation, x->q holding every position's queries): every layer's
+ * reference, the rows' reference bytes and the layer-local decode-time rows (0 or KVCC_EXIT_*
+ * with err); eval_fused_score: the e2e_score_fn of a corpus row (its layer-local measures from
+ * the caches it is scored with, then eval_score_corpus_row). */
+int eval_fused_begin(eval_run *E);
+void eval_fused_end(eval_run *E);
+int eval_fused_layers(eval_run *E, e2e_prompt *x, uint32_t p, char *err, size_t errlen);
+int eval_fused_score(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user);
 /* eval_needle.c: the needle task on the loaded model (rows' needle_* fields). */
 int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errlen);
 #endif

@@ -77,6 +77,10 @@ typedef struct {
      * [n, H, d] queries and [n, Hkv, d] keys, valid until the next call. 0 or a status. */
     int (*extend)(void *user, const int32_t *pos, int64_t n, float *const **q, float *const **k);
     void *extend_user;
+    /* as in kvcc_eval_layer: the context's id (budget-independent work may be kept for the
+     * method's other rows of it) and where reused work's seconds are charged (may be NULL) */
+    uint64_t ctx_id;
+    double *shared_s;
 } kvcc_eval_all;
 
 typedef struct kvcc_eval_method kvcc_eval_method;
@@ -104,6 +108,14 @@ struct kvcc_eval_method {
     int (*compress_layer)(const kvcc_eval_method *m, void *state, void *pstate,
                           const kvcc_eval_env *env, const kvcc_eval_layer *x, double budget,
                           int64_t B, kvrt_cache **out);
+    /* prefill, optional: one layer at n budgets at once (budgets[i], B[i] as compress_layer
+     * takes them) into out[n], each equal to what compress_layer gives for that budget alone
+     * (AM: kvrt_am_compact_layer_multi shares the logits, masses and targets). The driver calls
+     * it once per (context, layer) for the budgets of the method's live rows and hands every row
+     * its cache (compiler/eval_share.c); on failure it falls back to compress_layer. */
+    int (*compress_layer_multi)(const kvcc_eval_method *m, void *state, void *pstate,
+                                const kvcc_eval_env *env, const kvcc_eval_layer *x, int n,
+                                const double *budgets, const int64_t *B, kvrt_cache **out);
     /* prefill, end to end: every layer at once (may be NULL: compress_layer per layer) */
     int (*compress_all)(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
                         const kvcc_eval_all *x, double budget, int64_t B, kvrt_cache **out);

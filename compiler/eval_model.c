@@ -11,7 +11,10 @@
  * KVCC_EVAL_PROBE_PREFIX tokens, and the model must continue with the next
  * KVCC_EVAL_PROBE_ANSWER. Scored teacher-forced in one pass: greedy decoding reproduces the
  * answer exactly iff every argmax along the true answer is right, so "exact" is exactly the
- * greedy exact-match rate; token accuracy is reported alongside.
+ * greedy exact-match rate; token accuracy is reported alongside. A compressed row's continuation
+ * and probes run as independent segments of one forward pass (kvcc_model_prefill_segments).
+ * With E->fused the prefill covers the whole window and the rows score through eval_fused_score
+ * (their layer-local measures from the same caches, eval_fused.c).
  * Callers: compiler/eval.c.
  *
  * defines: eval_e2e
@@ -23,6 +26,7 @@
 
 #include "eval_int.h"
 #include "metrics.h"
+#include "stats.h"
 
 typedef struct {
     float **q;    /* [L] -> [C, H, d] */
@@ -63,10 +67,50 @@ static int argmax_row(const float *row, int V) {
 static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, kvrt_cache **caches,
                               int C, int T, const int32_t *tok, float *logits, double *nll_sum,
                               uint64_t *nll_n, uint32_t *probes, uint32_t *exact, uint64_t *ptok,
-                              uint64_t *ptok_ok) {
+                              uint64_t *ptok_ok, double *t_cont, double *t_probe) {
     const int V = m->hp.n_vocab, P = KVCC_EVAL_PROBE_PREFIX, A = KVCC_EVAL_PROBE_ANSWER;
+    const double t0 = kvcc_now_s();
     int rc = kvcc_state_truncate(s, C);
     if (!rc) rc = kvcc_state_set_compressed(s, (const kvrt_cache *const *)caches, C, rt);
+    /* A compressed context: the continuation and the probes in one forward pass (independent
+     * segments after C), when they fit one chunk: the weights are read once, not four times. */
+    int seg_len[1 + KVCC_EVAL_PROBES], n_seg = 1, seg_start[1 + KVCC_EVAL_PROBES], n_tok = T - C;
+    seg_len[0] = T - C;
+    seg_start[0] = C;
+    for (int pr = 0; pr < KVCC_EVAL_PROBES; pr++) {
+        static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
+        int start = (int)(depth[pr] * C);
+        if (start + P + A > C) start = C - P - A;
+        if (start < 0) break; /* context too short for probes */
+        seg_start[n_seg] = start;
+        seg_len[n_seg++] = P + A;
+        n_tok += P + A;
+    }
+    if (!rc && caches && T > C && n_tok <= KVCC_MODEL_CHUNK && n_tok <= s->n_ctx - C) {
+        int32_t ids[KVCC_MODEL_CHUNK];
+        for (int j = 0, o = 0; j < n_seg; o += seg_len[j], j++)
+            memcpy(ids + o, tok + seg_start[j], sizeof(int32_t) * (size_t)seg_len[j]);
+        rc = kvcc_model_prefill_segments(m, s, ids, seg_len, n_seg, logits);
+        if (!rc) *nll_sum += nll_of(logits, V, tok, C, T - C, nll_n);
+        const double t1 = kvcc_now_s();
+        /* the probes' share of the pass, by tokens */
+        *t_cont += (t1 - t0) * (T - C) / n_tok;
+        *t_probe += (t1 - t0) * (n_tok - (T - C)) / n_tok;
+        for (int j = 1, o = T - C; !rc && j < n_seg; o += seg_len[j], j++) {
+            int ok_all = 1;
+            for (int i = 0; i < A; i++) {
+                int want = tok[seg_start[j] + P + i];
+                int ok = argmax_row(logits + (size_t)(o + P - 1 + i) * V, V) == want;
+                ok_all &= ok;
+                *ptok_ok += (uint64_t)ok;
+                (*ptok)++;
+            }
+            (*probes)++;
+            *exact += (uint32_t)ok_all;
+        }
+        kvcc_state_set_compressed(s, NULL, 0, NULL);
+        return rc;
+    }
     for (int pos = C; !rc && pos < T; pos += KVCC_MODEL_CHUNK) {
         int n = T - pos < KVCC_MODEL_CHUNK ? T - pos : KVCC_MODEL_CHUNK;
         rc = kvcc_model_prefill(m, s, tok + pos, n, logits, KVCC_LOGITS_ALL);
@@ -76,6 +120,8 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
             (*nll_n)++;
         }
     }
+    const double t1 = kvcc_now_s();
+    *t_cont += t1 - t0;
     for (int pr = 0; !rc && pr < KVCC_EVAL_PROBES; pr++) {
         static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
         int start = (int)(depth[pr] * C);
@@ -96,6 +142,7 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
         *exact += (uint32_t)ok_all;
     }
     kvcc_state_set_compressed(s, NULL, 0, NULL);
+    *t_probe += kvcc_now_s() - t1;
     return rc;
 }
 
@@ -106,14 +153,15 @@ static void add_nll(eval_acc *a, double nll, double nll_full, uint64_t nn) {
 }
 
 /* The corpus's continuation scorer: NLL and the passage probes of row ri. */
-static int score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user) {
+int eval_score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **caches, void *user) {
     kvcc_eval_row *row = &E->r->rows[ri];
     double nll = 0;
     uint64_t nn = 0;
     (void)user;
     int st = score_continuation(x->s, x->m, x->rt, caches, x->C, x->T, x->tok, x->logits, &nll,
                                 &nn, &row->probes, &row->probes_exact, &row->probe_tokens,
-                                &row->probe_tokens_ok);
+                                &row->probe_tokens_ok, &E->r->phase_s[KVCC_PH_E2E_CONT],
+                                &E->r->phase_s[KVCC_PH_E2E_PROBE]);
     if (!st) add_nll(&E->acc[ri], nll, x->nll_full, nn);
     return st;
 }
@@ -158,7 +206,9 @@ static void e2e_decode_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn, 
     eval_dec_hook hk = {.E = E, .ri = ri, .s = x->s, .st = sts, .blocks = bl};
     int st = (sts && bl) ? kvcc_state_set_attention_hook(x->s, eval_decode_hook, &hk, x->C)
                          : KVRT_ERR_NOMEM;
+    const double t0 = kvcc_now_s();
     if (!st) st = fn(E, ri, x, NULL, user);
+    row->t_score_s += kvcc_now_s() - t0; /* the state's work is inside (the attention hook) */
     kvcc_state_set_attention_hook(x->s, NULL, NULL, 0);
     for (uint32_t l = 0; sts && l < L; l++) kvrt_compkv_free(sts[l]);
     free(sts);
@@ -179,6 +229,7 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
     int st = eval_row_budget(row, x->C, &B);
     if (st) { eval_row_fail(row, st, "budget"); return; }
     x->shared_s = 0;
+    const double t0 = kvcc_now_s();
     if (m->compress_all) { /* all layers at once from the model's own q/k/v and the log-probs */
         const float **kp = malloc((size_t)L * sizeof *kp), **vp = malloc((size_t)L * sizeof *vp);
         st = kp && vp ? 0 : KVRT_ERR_NOMEM;
@@ -188,7 +239,8 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         }
         const kvcc_eval_all all = {.q = (const float *const *)x->q, .k = kp, .v = vp,
                                    .next_logprob = x->lp, .C = x->C, .tokens = x->tok,
-                                   .extend = eval_e2e_extend, .extend_user = x};
+                                   .extend = eval_e2e_extend, .extend_user = x,
+                                   .ctx_id = x->ctx_id, .shared_s = &x->shared_s};
         if (!st) st = m->compress_all(m, state, &E->env, &all, row->budget, B, x->caches);
         free(kp);
         free(vp);
@@ -199,10 +251,15 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         memcpy(x->vbuf, x->s->v_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));
         const kvcc_eval_layer xl = {.layer = l, .q = x->q[l], .k = x->kbuf, .v = x->vbuf,
                                     .C = x->C, .ctx_id = x->ctx_id, .shared_s = &x->shared_s};
-        st = m->compress_layer(m, state, NULL, &E->env, &xl, row->budget, B, &x->caches[l]);
+        st = eval_compress_layer(E, ri, NULL, &xl, B, &x->caches[l]);
     }
+    const double t1 = kvcc_now_s();
+    x->compress_s = t1 - t0;
+    *(x->needle ? &row->t_needle_s : &row->t_e2e_s) += t1 - t0;
+    E->r->phase_s[x->needle ? KVCC_PH_NEEDLE_COMPRESS : KVCC_PH_E2E_COMPRESS] += t1 - t0;
     if (st) eval_row_fail(row, st, "select");
     else if ((st = fn(E, ri, x, x->caches, user)) != 0) eval_row_fail(row, KVRT_ERR_ARG, "model");
+    row->t_score_s += kvcc_now_s() - t1;
     for (uint32_t l = 0; l < L; l++) { kvrt_cache_free(x->caches[l]); x->caches[l] = NULL; }
 }
 
@@ -315,7 +372,9 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         }
         const int T = (int)info.n_tokens, C = (int)info.context_len;
         const int probe = C + KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER,
-                  need = (T > probe ? T : probe) + C; /* + room for a stage-2 forward */
+                  seg = T + KVCC_EVAL_PROBES * (KVCC_EVAL_PROBE_PREFIX + KVCC_EVAL_PROBE_ANSWER),
+                  need0 = (T > probe ? T : probe) + C, /* + room for a stage-2 forward */
+                  need = need0 > seg ? need0 : seg;  /* + the batched continuation + probes */
         if (need > cap_T) {
             kvcc_state_free(x.s);
             x.s = NULL;
@@ -338,6 +397,7 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
                 break;
             }
         }
+        double tp = kvcc_now_s();
         if ((rc = kvcc_corpus_prompt(c, p, &info, tok, x.lp)) != 0) {
             snprintf(err, errlen, "eval: %s", kvcc_corpus_error(c));
             break;
@@ -345,32 +405,40 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         x.tok = tok;
         x.C = C;
         x.T = T;
-        /* the context, once, full, capturing queries */
-        g.C = C;
+        /* the context, once, full, capturing queries (fused: the whole window, the layer-local
+         * rows' continuation queries, keys and values too; the context's chunks are the same) */
+        const int upto = E->fused ? T : C;
+        g.C = upto;
         kvcc_state_reset(x.s);
         kvcc_state_set_capture(x.s, grab_q, &g);
-        for (int pos = 0; !rc && pos < C; pos += KVCC_MODEL_CHUNK) {
-            int n = C - pos < KVCC_MODEL_CHUNK ? C - pos : KVCC_MODEL_CHUNK;
+        for (int pos = 0, n = 0; !rc && pos < upto; pos += n) {
+            int end = pos < C ? C : upto; /* chunks never straddle C */
+            n = end - pos < KVCC_MODEL_CHUNK ? end - pos : KVCC_MODEL_CHUNK;
             rc = kvcc_model_prefill(m, x.s, tok + pos, n, NULL, KVCC_LOGITS_NONE);
         }
         kvcc_state_set_capture(x.s, NULL, NULL);
+        E->r->phase_s[KVCC_PH_E2E_PREFILL] += kvcc_now_s() - tp;
         if (rc) {
             snprintf(err, errlen, "eval: the model failed on the context of prompt %u", p);
             break;
         }
         x.ctx_id = ++E->ctx_serial; /* the rows share budget-independent work of this context */
+        if (E->fused && (rc = eval_fused_layers(E, &x, p, err, errlen)) != 0) break;
         /* the full-cache reference (the model's own attention) */
         uint64_t n_full = 0;
         uint32_t fp = 0, fe = 0;
         uint64_t ft = 0, fto = 0;
         x.nll_full = 0;
+        double tf[2] = {0, 0};
         rc = score_continuation(x.s, m, x.rt, NULL, C, T, tok, x.logits, &x.nll_full, &n_full, &fp,
-                                &fe, &ft, &fto);
+                                &fe, &ft, &fto, &tf[0], &tf[1]);
+        E->r->phase_s[KVCC_PH_E2E_FULL] += tf[0] + tf[1];
         if (rc) {
             snprintf(err, errlen, "eval: the model failed on the continuation of prompt %u", p);
             break;
         }
-        for (int ri = 0; ri < E->r->n_rows; ri++) eval_e2e_row(E, ri, &x, score_corpus_row, NULL);
+        for (int ri = 0; ri < E->r->n_rows; ri++)
+            eval_e2e_row(E, ri, &x, E->fused ? eval_fused_score : eval_score_corpus_row, NULL);
         if (o->verbose) kvcc_progress(p + 1, E->n_prompts);
     }
     if (rc && !err[0])

@@ -56,13 +56,16 @@ static int score_needle_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **cac
     needle_run *nr = user;
     (void)E;
     (void)ri;
-    nr->comp_s = kvcc_now_s() - nr->t_row + x->shared_s; /* + reused shared work */
+    const double t0 = kvcc_now_s();
+    nr->comp_s = t0 - nr->t_row + x->shared_s; /* + reused shared work */
     nr->kept = nr->bytes = 0;
     for (uint32_t l = 0; caches && l < E->env.L; l++) {
         nr->kept += (double)caches[l]->n_entries / E->env.Hkv / E->env.L;
         nr->bytes += (double)kvrt_cache_bytes(caches[l]);
     }
-    return ask(x, caches, nr);
+    const int rc = ask(x, caches, nr);
+    E->r->phase_s[KVCC_PH_NEEDLE_ASK] += kvcc_now_s() - t0;
+    return rc;
 }
 
 /* Every held-out text, tokenized and concatenated. */
@@ -129,7 +132,7 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
             rc = KVCC_EXIT_USAGE;
             break;
         }
-        e2e_prompt x = {.m = m, .rt = E->env.rt, .C = C, .T = C};
+        e2e_prompt x = {.m = m, .rt = E->env.rt, .C = C, .T = C, .needle = 1};
         x.logits = malloc(sizeof(float) * (size_t)KVCC_MODEL_CHUNK * V);
         x.kbuf = malloc(sizeof(float) * (size_t)C * Hkv * d);
         x.vbuf = malloc(sizeof(float) * (size_t)C * Hkv * d);
@@ -162,6 +165,7 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
             }
             needle_run full = {.nd = &nd, .tok = lm->tok};
             if (!rc && ask(&x, NULL, &full)) rc = KVCC_EXIT_FAILED;
+            r->phase_s[KVCC_PH_NEEDLE_PREFILL] += kvcc_now_s() - tp;
             r->needle_full_ok[ci] += full.ok;
             r->needle_full_n[ci] += full.n;
             for (int ri = 0; !rc && ri < r->n_rows; ri++) {

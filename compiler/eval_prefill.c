@@ -18,7 +18,7 @@
 #include "stats.h"
 
 /* The per-prompt states of the methods with a prompt_begin and a live row. */
-static int begin_prompt(eval_run *E, uint32_t p, char *err, size_t errlen) {
+int eval_begin_prompt(eval_run *E, uint32_t p, char *err, size_t errlen) {
     for (int mi = 0; mi < E->n_ms; mi++) {
         const kvcc_eval_method *m = E->ms[mi];
         E->pstates[mi] = NULL;
@@ -32,7 +32,7 @@ static int begin_prompt(eval_run *E, uint32_t p, char *err, size_t errlen) {
     return 0;
 }
 
-static void end_prompt(eval_run *E) {
+void eval_end_prompt(eval_run *E) {
     for (int mi = 0; mi < E->n_ms; mi++) {
         if (E->pstates[mi] && E->ms[mi]->prompt_end) E->ms[mi]->prompt_end(E->pstates[mi]);
         E->pstates[mi] = NULL;
@@ -44,9 +44,6 @@ static void end_prompt(eval_run *E) {
 static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_prompt) {
     kvcc_eval_row *row = &E->r->rows[ri];
     eval_acc *a = &E->acc[ri];
-    const kvcc_eval_method *m = eval_row_method(E, ri);
-    const uint32_t H = lp->H, Hkv = lp->Hkv, d = lp->d;
-    const int64_t N = lp->N;
     int64_t B;
     int s = eval_row_budget(row, lp->C, &B);
     if (s) { eval_row_fail(row, s, "budget"); return 0; }
@@ -56,12 +53,26 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
                                .shared_s = &shared};
     double t0 = kvcc_now_s();
     kvrt_cache *cc = NULL;
-    s = m->compress_layer(m, eval_row_prep(E, ri)->state, E->pstates[a->mi], &E->env, &x,
-                          row->budget, B, &cc);
-    a->sel_s += kvcc_now_s() - t0 + shared;
+    s = eval_compress_layer(E, ri, E->pstates[a->mi], &x, B, &cc);
+    double t1 = kvcc_now_s();
+    a->sel_s += t1 - t0 + shared;
+    row->t_local_s += t1 - t0;
+    E->r->phase_s[KVCC_PH_LOCAL_COMPRESS] += t1 - t0;
     if (s) { eval_row_fail(row, s, "select"); kvrt_cache_free(cc); return 0; }
-    s = kvcc_loop_attend(lp, cc, lp->o_c, lp->lse_c, NULL);
-    if (s) { eval_row_fail(row, s, "attend"); kvrt_cache_free(cc); return 0; }
+    s = eval_local_score(E, ri, lp, cc, bytes_prompt);
+    kvrt_cache_free(cc);
+    return s;
+}
+
+int eval_local_score(eval_run *E, int ri, const kvcc_loop *lp, const kvrt_cache *cc,
+                     double *bytes_prompt) {
+    kvcc_eval_row *row = &E->r->rows[ri];
+    eval_acc *a = &E->acc[ri];
+    const uint32_t H = lp->H, Hkv = lp->Hkv, d = lp->d;
+    const int64_t N = lp->N;
+    const double t1 = kvcc_now_s();
+    int s = kvcc_loop_attend(lp, cc, lp->o_c, lp->lse_c, NULL);
+    if (s) { eval_row_fail(row, s, "attend"); return 0; }
     const double bytes = (double)kvrt_cache_bytes(cc);
     *bytes_prompt += bytes;
     a->kept_sum += (double)cc->n_entries / Hkv;
@@ -76,7 +87,6 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
         a->ub_sum += b_h;
         a->unit_n++;
     }
-    kvrt_cache_free(cc);
     for (uint32_t h = 0; h < H; h++) {
         double e_sum = 0;
         for (int64_t i = 0; i < N; i++) {
@@ -89,13 +99,14 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
         }
         if (eval_dvec_push(&a->relerr, e_sum / (double)N)) return -1;
     }
+    E->r->phase_s[KVCC_PH_LOCAL_SCORE] += kvcc_now_s() - t1;
     return 0;
 }
 
 /* Row ri's reference bytes on a C-token context of L layers (prefill rows with a budget): a
  * token-eviction cache of exactly the budget's tokens per KV head, as kvrt_cache_bytes counts it.
  * Nonzero only when out of memory. */
-static int add_reference(eval_run *E, int ri, int64_t C, uint32_t L) {
+int eval_add_reference(eval_run *E, int ri, int64_t C, uint32_t L) {
     const kvcc_eval_row *row = &E->r->rows[ri];
     const kvcc_budget_kind kind = row->method->budget;
     int64_t B;
@@ -121,7 +132,9 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
     double *bytes_prompt = calloc((size_t)r->n_rows + 1, sizeof *bytes_prompt);
     if (!rc && !bytes_prompt) rc = -1;
     for (uint32_t p = 0; p < E->n_prompts && !rc; p++) {
+        double t0 = kvcc_now_s();
         if ((rc = kvcc_loop_prompt(&lp, p, err, errlen)) != 0) break;
+        r->phase_s[KVCC_PH_LOCAL_READ] += kvcc_now_s() - t0;
         if (lp.N < 1) {
             snprintf(err, errlen,
                      "%s: prompt %u has no continuation tokens; eval needs continuation queries",
@@ -131,20 +144,25 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
         }
         memset(bytes_prompt, 0, (size_t)r->n_rows * sizeof *bytes_prompt);
         E->ctx_serial++; /* this prompt's context id */
-        rc = begin_prompt(E, p, err, errlen);
-        for (int ri = 0; ri < r->n_rows && !rc; ri++) rc = add_reference(E, ri, lp.C, lp.L);
+        rc = eval_begin_prompt(E, p, err, errlen);
+        for (int ri = 0; ri < r->n_rows && !rc; ri++) rc = eval_add_reference(E, ri, lp.C, lp.L);
         for (uint32_t l = 0; l < lp.L && !rc; l++) {
+            t0 = kvcc_now_s();
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
+            r->phase_s[KVCC_PH_LOCAL_READ] += kvcc_now_s() - t0;
             for (int ri = 0; ri < r->n_rows && !rc; ri++) {
                 if (r->rows[ri].status || eval_is_decode(eval_row_method(E, ri))) continue;
                 rc = prefill_row(E, ri, &lp, &bytes_prompt[ri]);
             }
-            if (!rc && eval_decode_layer(E, &lp)) {
+            t0 = kvcc_now_s();
+            int drc = rc ? 0 : eval_decode_layer(E, &lp);
+            r->phase_s[KVCC_PH_LOCAL_DECODE] += kvcc_now_s() - t0;
+            if (drc) {
                 snprintf(err, errlen, "eval: out of memory (decode-time rows)");
                 rc = -1;
             }
         }
-        end_prompt(E);
+        eval_end_prompt(E);
         for (int ri = 0; ri < r->n_rows; ri++) E->acc[ri].bytes_sum += bytes_prompt[ri];
         r->full_bytes_mean +=
             (double)lp.C * lp.Hkv * lp.d * 2 * sizeof(float) * lp.L / E->n_prompts;

@@ -503,13 +503,38 @@ static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate
                                  env->d, NULL, budget, env->dtype, out, NULL);
 }
 
+/* Every budget of a layer in one kvrt_am_compact_layer_multi call (the per-head logits,
+ * masses, targets and key scores once): the same caches as am_eval_compress per budget. */
+static int am_eval_compress_multi(const kvcc_eval_method *m, void *state, void *pstate,
+                                  const kvcc_eval_env *env, const kvcc_eval_layer *x, int n,
+                                  const double *budgets, const int64_t *B, kvrt_cache **out) {
+    (void)pstate; (void)B;
+    if (m->variant != AM_EVAL_SCHEDULED)
+        return kvrt_am_compact_layer_multi(env->rt, state, x->q, x->k, x->v, x->C, env->H,
+                                           env->Hkv, env->d, n, NULL, budgets, env->dtype, out,
+                                           NULL);
+    kvrt_am_opts o;
+    float *ratios = malloc(sizeof(float) * (size_t)n * env->Hkv);
+    int rc = ratios ? kvrt_am_schedule_opts(state, &o) : KVRT_ERR_NOMEM;
+    for (int j = 0; !rc && j < n; j++) {
+        const float *r;
+        rc = kvrt_am_schedule_ratios(state, budgets[j], x->layer, &r);
+        if (!rc) memcpy(ratios + (size_t)j * env->Hkv, r, sizeof(float) * env->Hkv);
+    }
+    if (!rc)
+        rc = kvrt_am_compact_layer_multi(env->rt, &o, x->q, x->k, x->v, x->C, env->H, env->Hkv,
+                                         env->d, n, ratios, budgets, env->dtype, out, NULL);
+    free(ratios);
+    return rc;
+}
+
 static void am_eval_release(void *state) { free(state); }
 
 /* am opens the schedule (once per run); the uncompiled variants need no policy. */
 #define AM_EVAL_METHOD(nm, var, open, close, rel)                                                  \
     {.name = nm, .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = var,      \
      .open_handle = open, .close_handle = close, .prepare = am_eval_prepare, .release = rel,       \
-     .compress_layer = am_eval_compress}
+     .compress_layer = am_eval_compress, .compress_layer_multi = am_eval_compress_multi}
 static const kvcc_eval_method am_eval_methods[] = {
     AM_EVAL_METHOD("am", AM_EVAL_SCHEDULED, am_eval_open, am_eval_close, NULL),
     AM_EVAL_METHOD("am-uniform", AM_EVAL_UNIFORM, NULL, NULL, am_eval_release),

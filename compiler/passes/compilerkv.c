@@ -913,6 +913,10 @@ enum { CKV_EVAL_COMPILED, CKV_EVAL_FLAT };
 typedef struct {
     const kvrt_compilerkv_tables *tb; /* the tables the rows run */
     kvrt_compilerkv_tables *own;      /* ckv-flat's copy */
+    kvrt_compilerkv_prompt *pr;       /* end to end: the features of context pr_ctx (its rows) */
+    uint64_t pr_ctx;
+    int64_t pr_T;
+    double pr_sec;                    /* seconds they took */
 } ckv_eval;
 
 static int ckv_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
@@ -934,6 +938,7 @@ static void ckv_eval_close(void *h) { kvrt_compilerkv_tables_free(h); }
 static void ckv_eval_release(void *state) {
     ckv_eval *e = state;
     kvrt_compilerkv_tables_free(e->own);
+    kvrt_compilerkv_prompt_free(e->pr);
     free(e);
 }
 
@@ -1008,14 +1013,36 @@ static int ckv_eval_compress_all(const kvcc_eval_method *m, void *state, const k
                                  const kvcc_eval_all *x, double budget, int64_t B,
                                  kvrt_cache **out) {
     (void)m; (void)budget;
-    const ckv_eval *e = state;
+    ckv_eval *e = state;
     const uint32_t L = env->L;
     kvrt_selection **sels = calloc(L, sizeof *sels);
     int s = sels ? 0 : KVRT_ERR_NOMEM;
-    if (!s)
+    if (!s && x->ctx_id) {
+        /* the prompt's features (window mass, alpha) once per context for every budget row:
+         * kvrt_compilerkv_select_all's own steps, the same selections */
+        if (e->pr_ctx != x->ctx_id || e->pr_T != x->C) {
+            kvrt_compilerkv_prompt_free(e->pr);
+            e->pr = NULL;
+            e->pr_ctx = 0;
+            const double t0 = kvcc_now_s();
+            s = kvrt_compilerkv_prompt_create(x->C, e->tb->window, &e->pr);
+            for (uint32_t l = 0; !s && l < L; l++)
+                s = kvrt_compilerkv_prompt_add_layer(e->pr, x->q[l], x->k[l], env->H, env->Hkv,
+                                                     env->d);
+            if (!s) s = kvrt_compilerkv_prompt_finish(e->pr, x->next_logprob);
+            e->pr_sec = kvcc_now_s() - t0;
+            if (!s) { e->pr_ctx = x->ctx_id; e->pr_T = x->C; }
+        } else if (x->shared_s) {
+            *x->shared_s += e->pr_sec;
+        }
+        for (uint32_t l = 0; !s && l < L; l++)
+            s = kvrt_compilerkv_select(env->rt, e->tb, e->pr, l, x->v[l], env->Hkv, env->d, B,
+                                       KVRT_COMPILERKV_NEAREST_BUDGET, &sels[l], NULL);
+    } else if (!s) {
         s = kvrt_compilerkv_select_all(env->rt, e->tb, x->q, x->k, x->v, x->next_logprob, x->C,
                                        env->H, env->Hkv, env->d, B, KVRT_COMPILERKV_NEAREST_BUDGET,
                                        sels, NULL);
+    }
     for (uint32_t l = 0; !s && l < L; l++)
         s = kvrt_cache_gather(x->k[l], x->v[l], x->C, env->Hkv, env->d, sels[l], env->dtype,
                               &out[l]);

@@ -162,6 +162,22 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
         --budgets 0.5 --needle 400 --needle-haystacks 1 2>&1); ex=$?
   [[ $ex -eq 0 && "$out" == *"needle task: 1 haystacks x 3 questions per context length; full cache 3/3 at 400 (must be high"* \
      && "$out" == *"nd@400"* ]] && ok || bad "eval --needle 400: exit $ex: $out"
+  # one compression per row (the default with --gguf): the layer-local columns from the model's
+  # own tensors equal the corpus pass's (--local-from-corpus) within the corpus's f16 rounding,
+  # the end-to-end ones exactly; --timings names the phases (stderr with --csv)
+  g=models/SmolLM2-135M-Instruct.Q4_1.gguf
+  "$KVCC" eval --corpus "$tmp/c1.h5" --gguf $g --methods full,streaming,h2o,knorm --budgets 0.5 --csv \
+    --timings >"$tmp/fu.csv" 2>"$tmp/fu.err"; ex1=$?
+  "$KVCC" eval --corpus "$tmp/c1.h5" --gguf $g --methods full,streaming,h2o,knorm --budgets 0.5 --csv \
+    --local-from-corpus >"$tmp/lc.csv" 2>/dev/null; ex2=$?
+  cmp=$(paste -d, "$tmp/fu.csv" "$tmp/lc.csv" | awk -F, 'NR > 1 { n = NF / 2
+    for (i = 4; i <= 7; i++) { d = $i - $(i + n); if (d < 0) d = -d; if (d > 2e-3) print "col " i ": " $i " vs " $(i + n) }
+    if ($3 != $(3 + n) || $8 != $(8 + n)) print "kept/bytes differ: " $0
+    for (i = 18; i <= 23; i++) if ($i != $(i + n)) print "end-to-end col " i ": " $i " vs " $(i + n) }')
+  [[ $ex1 -eq 0 && $ex2 -eq 0 && -z "$cmp" && $(grep -c ',ok$' "$tmp/fu.csv") -eq 4 ]] && ok \
+    || bad "eval fused vs --local-from-corpus: exit $ex1/$ex2: $cmp"
+  grep -q "e2e.compress" "$tmp/fu.err" && grep -q "e2e.continuation" "$tmp/fu.err" && ok \
+    || bad "eval --timings: $(cat "$tmp/fu.err")"
 fi
 
 # 14. merge-reduce: the protected basis and the report compile byte-identically across thread

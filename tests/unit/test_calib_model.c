@@ -568,6 +568,65 @@ Test(calib_model, tiny_extend_equals_fresh_forward) {
     free(b.p);
 }
 
+/* kvcc_model_prefill_segments over a compressed context (every other context token kept)
+ * equals one prefill per segment after truncating to the context (the eval's batched
+ * continuation + probes); the state is left at the context; bad segments are refused. */
+Test(calib_model, tiny_segments_equal_separate_prefills) {
+    fx_buf b;
+    kvcc_model *m = tiny_model(&b);
+    const int C = 12, nl = m->hp.n_layer, Hkv = m->hp.n_head_kv, d = m->hp.head_dim;
+    const size_t T_ = 64, Kd = (size_t)Hkv * d;
+    kvcc_state *s;
+    cr_assert_eq(kvcc_state_create(m, (int)T_, &s), 0);
+    cr_assert_eq(kvcc_model_prefill(m, s, k_toks, C, NULL, KVCC_LOGITS_NONE), 0);
+    kvrt_ctx *rt;
+    kvrt_error ke;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &rt, &ke), KVRT_OK);
+    int64_t cnt[8];
+    for (int h = 0; h < Hkv; h++) cnt[h] = C / 2;
+    kvrt_selection *sel;
+    cr_assert_eq(kvrt_selection_create((uint32_t)Hkv, cnt, &sel), KVRT_OK);
+    for (int h = 0; h < Hkv; h++)
+        for (int t = 0; t < C / 2; t++) sel->positions[sel->offsets[h] + t] = 2 * t + (h & 1);
+    kvrt_cache **cc = calloc((size_t)nl, sizeof *cc);
+    for (int l = 0; l < nl; l++)
+        cr_assert_eq(kvrt_cache_gather(s->k_cache + (size_t)l * T_ * Kd,
+                                       s->v_cache + (size_t)l * T_ * Kd, C, (uint32_t)Hkv,
+                                       (uint32_t)d, sel, KVRT_DTYPE_F32, &cc[l]), KVRT_OK);
+    cr_assert_eq(kvcc_state_set_compressed(s, (const kvrt_cache *const *)cc, C, rt), 0);
+    const int seg[3] = {5, 3, 4};
+    const int32_t toks[12] = {4, 17, 9, 9, 30, 2, 11, 0, 5, 39, 21, 8};
+    static float got[12 * V], want[12 * V];
+    cr_assert_eq(kvcc_model_prefill_segments(m, s, toks, seg, 3, got), 0);
+    cr_assert_eq(s->n_past, C, "the segments are forgotten");
+    for (int j = 0, o = 0; j < 3; o += seg[j], j++) {
+        cr_assert_eq(kvcc_state_truncate(s, C), 0);
+        cr_assert_eq(kvcc_model_prefill(m, s, toks + o, seg[j], want + (size_t)o * V,
+                                        KVCC_LOGITS_ALL), 0);
+    }
+    float dd = max_abs_diff(got, want, (size_t)12 * V);
+    cr_assert(dd < 1e-5f, "segments vs separate prefills: max abs diff %g", dd);
+    /* a segment is blind to the others: the second one alone gives its rows */
+    cr_assert_eq(kvcc_state_truncate(s, C), 0);
+    cr_assert_eq(kvcc_model_prefill_segments(m, s, toks + 5, seg + 1, 1, got), 0);
+    dd = max_abs_diff(got, want + (size_t)5 * V, (size_t)3 * V);
+    cr_assert(dd < 1e-5f, "segment 2 alone: max abs diff %g", dd);
+    const int zero[2] = {3, 0};
+    cr_assert_eq(kvcc_model_prefill_segments(m, s, toks, zero, 2, got), KVCC_GGUF_ERR_ARG);
+    const int big[1] = {60};
+    static int32_t many[60];
+    cr_assert_eq(kvcc_model_prefill_segments(m, s, many, big, 1, got), KVCC_GGUF_ERR_LIMIT);
+    cr_assert_eq(s->n_past, C);
+    kvcc_state_set_compressed(s, NULL, 0, NULL);
+    for (int l = 0; l < nl; l++) kvrt_cache_free(cc[l]);
+    free(cc);
+    kvrt_selection_free(sel);
+    kvrt_ctx_free(rt);
+    kvcc_state_free(s);
+    kvcc_model_free(m);
+    free(b.p);
+}
+
 Test(calib_model, real_extend_equals_fresh_forward, .timeout = 600) {
     real_model r = load_real();
     if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");

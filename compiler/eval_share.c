@@ -1,0 +1,111 @@
+/*
+ * eval_share.c: one compression call per (method, context, layer) for every budget of kvcc
+ * eval (methods with compress_layer_multi, e.g. AM): the first row of a method to compress a
+ * layer of a context compresses it at the budgets of all the method's live rows at once; the
+ * caches of the other budgets wait in the method's slot of that layer until their rows ask
+ * (the layer-local pass walks rows inside layers, the end-to-end pass layers inside rows: per
+ * layer slots serve both orders). Every row is charged an equal share of the call's time.
+ * A cache is handed out once; a context change or the end of the run frees what is left.
+ * Callers: eval_prefill.c (layer-local rows), eval_model.c (end-to-end and needle rows).
+ *
+ * defines: eval_compress_layer, eval_share_free
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "eval_int.h"
+#include "stats.h"
+
+#define SHARE_MAX 64 /* budgets of one method (the CLI's limit) */
+
+typedef struct {
+    uint64_t ctx_id;       /* 0: empty */
+    int64_t C;
+    int n;
+    double budgets[SHARE_MAX];
+    kvrt_cache *c[SHARE_MAX];
+    double sec;            /* the call's seconds */
+} share_slot;
+
+typedef struct {
+    uint32_t L;
+    share_slot *slot;      /* [L] */
+} share_method;
+
+static void slot_clear(share_slot *sl) {
+    for (int j = 0; j < sl->n; j++) kvrt_cache_free(sl->c[j]);
+    memset(sl, 0, sizeof *sl);
+}
+
+void eval_share_free(eval_run *E) {
+    for (int mi = 0; mi < EVAL_MAX_METHODS; mi++) {
+        share_method *sm = E->share[mi];
+        if (!sm) continue;
+        for (uint32_t l = 0; l < sm->L; l++) slot_clear(&sm->slot[l]);
+        free(sm->slot);
+        free(sm);
+        E->share[mi] = NULL;
+    }
+}
+
+int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer *x, int64_t B,
+                        kvrt_cache **out) {
+    const kvcc_eval_method *m = eval_row_method(E, ri);
+    const int mi = E->acc[ri].mi;
+    void *state = eval_row_prep(E, ri)->state;
+    const double budget = E->r->rows[ri].budget;
+    *out = NULL;
+    if (!m->compress_layer_multi || !x->ctx_id || x->layer >= E->env.L)
+        return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
+    share_method *sm = E->share[mi];
+    if (!sm) {
+        sm = calloc(1, sizeof *sm);
+        if (sm && !(sm->slot = calloc(E->env.L, sizeof *sm->slot))) { free(sm); sm = NULL; }
+        if (!sm) return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
+        sm->L = E->env.L;
+        E->share[mi] = sm;
+    }
+    share_slot *sl = &sm->slot[x->layer];
+    if (sl->ctx_id == x->ctx_id && sl->C == x->C)
+        for (int j = 0; j < sl->n; j++)
+            if (sl->budgets[j] == budget && sl->c[j]) {
+                *out = sl->c[j];
+                sl->c[j] = NULL;
+                if (x->shared_s) *x->shared_s += sl->sec / sl->n;
+                return KVRT_OK;
+            }
+    slot_clear(sl);
+    /* the budgets of the method's live rows (this one first), each once */
+    double bud[SHARE_MAX];
+    int64_t Bs[SHARE_MAX];
+    int n = 0;
+    bud[n] = budget;
+    Bs[n++] = B;
+    for (int rj = 0; rj < E->r->n_rows && n < SHARE_MAX; rj++) {
+        const kvcc_eval_row *w = &E->r->rows[rj];
+        if (rj == ri || E->acc[rj].mi != mi || w->status) continue;
+        int dup = 0;
+        for (int j = 0; j < n; j++) dup |= bud[j] == w->budget;
+        int64_t b;
+        if (dup || eval_row_budget(w, x->C, &b) != KVRT_OK) continue;
+        bud[n] = w->budget;
+        Bs[n++] = b;
+    }
+    if (n == 1) return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
+    const double t0 = kvcc_now_s();
+    int rc = m->compress_layer_multi(m, state, pstate, &E->env, x, n, bud, Bs, sl->c);
+    const double sec = kvcc_now_s() - t0;
+    if (rc) { /* the row's own call reports its own error */
+        for (int j = 0; j < n; j++) { kvrt_cache_free(sl->c[j]); sl->c[j] = NULL; }
+        return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
+    }
+    sl->ctx_id = x->ctx_id;
+    sl->C = x->C;
+    sl->n = n;
+    sl->sec = sec;
+    memcpy(sl->budgets, bud, sizeof(double) * (size_t)n);
+    *out = sl->c[0];
+    sl->c[0] = NULL;
+    if (x->shared_s) *x->shared_s += sec / n - sec; /* this row's share, not the whole call */
+    return KVRT_OK;
+}
