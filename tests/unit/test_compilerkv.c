@@ -390,7 +390,8 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     cr_expect_eq(kvpol_get_i64(f, si, "rounds", &rounds), 0);
     cr_expect(rounds >= 1 && rounds <= 3);
     cr_expect_eq(kvpol_get_i64(f, si, "head_records", &hr), 0);
-    cr_expect_eq(hr, 3 * 2 * 2 * 8 * 4, "prompts x layers x budgets x heads x actions");
+    cr_expect_eq(hr, 3 * 2 * 2 * FX_TINY.n_kv_heads * 29,
+                 "prompts x layers x budgets x KV groups x actions (defaults: group states, all 29)");
     const char *rw;
     uint64_t rl;
     cr_expect_eq(kvpol_get_string(f, si, "reward", &rw, &rl), 0);
