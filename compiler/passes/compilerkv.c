@@ -16,12 +16,14 @@
  * Records. Prompt features first (one pass over the layers): alpha [C], rho [L, Hkv, C], the
  * entropy and perplexity features; bin edges = quantiles (type 7) of the features over the
  * calibration prompts (entropy at j/20, perplexity at j/4). Then, per round, a head phase and a
- * gate phase. Head phase: for every (prompt, layer, budget, query head) the state
- * (budget, layer, head) is rolled out with CKV_HEAD_K actions of the weight grid: the incumbent
- * (the current table's action, always included: kvcc) and CKV_HEAD_K - 1 others drawn without
+ * gate phase. Head phase: for every (prompt, layer, budget, KV group) the state
+ * (budget, layer, group) - or, with --head-states head, every (budget, layer, query head) - is
+ * rolled out with --head-actions K actions of the weight grid (default all 29): the incumbent
+ * (the current table's action, always included: kvcc) and K - 1 others drawn without
  * replacement from a splitmix64 stream seeded by (seed, round, phase, prompt, layer, budget,
- * head) - so the draws do not depend on the order of work. Gate phase: the state
- * (budget, layer, b_ent, b_ppl) of the prompt, CKV_GATE_K threshold actions the same way. Each
+ * head) - so the draws do not depend on the order of work. A group state sets every query head
+ * of the group (the selection reads only the group's largest weight). Gate phase: the state
+ * (budget, layer, b_ent, b_ppl) of the prompt, --gate-actions threshold actions the same way. Each
  * rollout perturbs one cell, holds everything else at the current tables and selects with
  * kvrt_compilerkv_select_layer. Gate records subtract max(0, candidates - B) / C from the
  * reward. (kvcc) A record stores its reward minus the incumbent's reward on the same prompt
@@ -31,12 +33,15 @@
  * Tables: CQL per phase, argmax over the supported actions of each state; a state without
  * records, or whose records all have paired reward 0 (no sampled action changed the kept set:
  * "without signal"), gets the conservative action (weight 1.0, threshold 0.8): there the argmax
- * would only encode which actions the seeded sampler drew. Rounds stop when a round
+ * would only encode which actions the seeded sampler drew. Among actions with the same outcome
+ * (identical record sums and counts) the argmax goes to the one nearest the conservative action:
+ * their Q differ only by the fit's minibatch noise. Rounds stop when a round
  * changes no cell, or after CKV_MAX_ROUNDS.
  * Determinism: attention rollouts run in parallel (OpenMP over the rollouts of one (prompt,
  * layer)), results stored by index, every sum in a fixed order; records are appended in a fixed
  * order; CQL is single-threaded. The artifact does not depend on the thread count.
  */
+#include <float.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -249,12 +254,14 @@ static int setup_tables(ckv *S, char *err, size_t errlen) {
         } else {
             for (uint32_t p = 0; p < S->P; p++) x[p] = S->pr[p].ent;
             qsort(x, S->P, sizeof *x, kvcc_cmp_double);
+            /* --ent-bins / --ppl-bins N: the N - 1 quantile edges first, then FLT_MAX (no
+             * feature is above it: bins N.. are never reached) */
             for (int i = 0; i < CKV_ENT_BINS - 1; i++)
-                ee[i] = (float)kvcc_quantile7(x, S->P, (i + 1.0) / CKV_ENT_BINS);
+                ee[i] = i < (int)S->ent_bins - 1 ? (float)kvcc_quantile7(x, S->P, (i + 1.0) / S->ent_bins) : FLT_MAX;
             for (uint32_t p = 0; p < S->P; p++) x[p] = S->pr[p].ppl;
             qsort(x, S->P, sizeof *x, kvcc_cmp_double);
             for (int i = 0; i < CKV_PPL_BINS - 1; i++)
-                pe[i] = (float)kvcc_quantile7(x, S->P, (i + 1.0) / CKV_PPL_BINS);
+                pe[i] = i < (int)S->ppl_bins - 1 ? (float)kvcc_quantile7(x, S->P, (i + 1.0) / S->ppl_bins) : FLT_MAX;
             for (size_t i = 0; i < nSh; i++) {
                 S->head_act[i] = CKV_HEAD_FALLBACK;
                 wh[i] = ckv_head_grid(CKV_HEAD_FALLBACK);
@@ -316,6 +323,15 @@ static int ckv_setup_ex(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus,
     const kvcc_corpus_info *ci = kvcc_corpus_get_info(corpus);
     S->L = m->n_layers; S->H = m->n_heads; S->Hkv = m->n_kv_heads; S->d = m->head_dim;
     S->window = cx->window ? cx->window : 64;
+    S->head_k = cx->ckv_head_actions ? cx->ckv_head_actions : CKV_HEAD_K;
+    S->gate_k = cx->ckv_gate_actions ? cx->ckv_gate_actions : CKV_GATE_K;
+    if (S->head_k > CKV_HEAD_ACTIONS) S->head_k = CKV_HEAD_ACTIONS;
+    if (S->gate_k > CKV_GATE_ACTIONS) S->gate_k = CKV_GATE_ACTIONS;
+    S->ent_bins = cx->ckv_ent_bins ? cx->ckv_ent_bins : CKV_ENT_BINS;
+    S->ppl_bins = cx->ckv_ppl_bins ? cx->ckv_ppl_bins : CKV_PPL_BINS;
+    if (S->ent_bins > CKV_ENT_BINS) S->ent_bins = CKV_ENT_BINS;
+    if (S->ppl_bins > CKV_PPL_BINS) S->ppl_bins = CKV_PPL_BINS;
+    S->group = cx->ckv_head_states ? !strcmp(cx->ckv_head_states, "group") : CKV_GROUP_DEFAULT;
     S->P = ci->n_prompts;
     if (cx->max_prompts && cx->max_prompts < S->P) S->P = cx->max_prompts;
     if (S->P == 0)
@@ -411,6 +427,8 @@ static int rollout(ckv *S, uint32_t p, uint32_t l, int gate, ckv_job *jb, const 
     memcpy(w_row, ckv_incumbent_row(S, jb->b, l), sizeof(float) * S->H);
     float tau = ckv_incumbent_tau(S, P, jb->b, l);
     if (gate) tau = ckv_gate_grid(jb->action);
+    else if (S->group) /* every query head of KV group elem */
+        for (uint32_t g = 0, G = S->H / S->Hkv; g < G; g++) w_row[jb->elem * G + g] = ckv_head_grid(jb->action);
     else w_row[jb->elem] = ckv_head_grid(jb->action);
     kvrt_selection *sel = NULL;
     kvrt_compilerkv_stats st;
@@ -455,8 +473,8 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
     const uint32_t L = S->L, H = S->H, nB = S->nB;
     const int gate = phase == 1;
     const uint32_t nA = gate ? CKV_GATE_ACTIONS : CKV_HEAD_ACTIONS,
-                   K = gate ? CKV_GATE_K : CKV_HEAD_K;
-    const uint32_t n_elem = gate ? 1 : H;
+                   K = gate ? S->gate_k : S->head_k;
+    const uint32_t n_elem = gate ? 1 : S->group ? S->Hkv : H, G = H / S->Hkv;
     uint32_t *sup = gate ? S->gate_sup : S->head_sup;
     memset(sup, 0,
            sizeof(uint32_t) * (gate
@@ -480,7 +498,7 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
                     if (gate)
                         state = (((b * L + l) * CKV_ENT_BINS) + (uint32_t)P->be) * CKV_PPL_BINS +
                                 (uint32_t)P->bp;
-                    else state = (b * L + l) * H + e;
+                    else state = (b * L + l) * H + (S->group ? e * G : e); /* group: its first head's cell */
                     uint32_t inc = gate ? S->gate_act[state] : S->head_act[state];
                     uint64_t seed = kvcc_rng_mix(S->cx->seed, (uint64_t)round * 2 + (uint64_t)phase,
                                                  ((uint64_t)p << 32) | l, ((uint64_t)b << 32) | e);
@@ -568,8 +586,37 @@ static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_
         free(Q); free(best);
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: %s", m);
     }
-    kvcc_cql_argmax(Q, gate ? S->gate_sup : S->head_sup, nS, nA,
-                    gate ? CKV_GATE_FALLBACK : CKV_HEAD_FALLBACK, best);
+    const uint32_t fb = gate ? CKV_GATE_FALLBACK : CKV_HEAD_FALLBACK;
+    kvcc_cql_argmax(Q, gate ? S->gate_sup : S->head_sup, nS, nA, fb, best);
+    /* actions with the same outcome: records with identical sums and counts (the same kept set
+     * on every prompt gives the same rewards, summed in the same order) differ in Q only by the
+     * minibatch noise of the fit, so the argmax among them is noise; it goes to the one nearest
+     * the conservative action (then the lower index) */
+    double *sum = calloc((size_t)nS * nA, sizeof *sum);
+    uint32_t *cnt = calloc((size_t)nS * nA, sizeof *cnt);
+    if (!sum || !cnt) {
+        free(Q); free(best); free(sum); free(cnt);
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
+    }
+    for (size_t i = 0; i < S->n_rec; i++) {
+        const size_t at = (size_t)S->rec[i].state * nA + S->rec[i].action;
+        sum[at] += S->rec[i].reward;
+        cnt[at]++;
+    }
+    for (uint32_t st = 0; st < nS; st++) {
+        const size_t so = (size_t)st * nA;
+        const uint32_t b0 = best[st];
+        if (!cnt[so + b0]) continue;
+        uint32_t pick = b0;
+        for (uint32_t a = 0; a < nA; a++) {
+            if (cnt[so + a] != cnt[so + b0] || sum[so + a] != sum[so + b0]) continue;
+            const uint32_t da = a > fb ? a - fb : fb - a, dp = pick > fb ? pick - fb : fb - pick;
+            if (da < dp || (da == dp && a < pick)) pick = a;
+        }
+        best[st] = pick;
+    }
+    free(sum);
+    free(cnt);
     /* states without signal: every record's paired reward is 0 (no action changed the reward) */
     uint8_t *seen = calloc(nS, 1);
     uint32_t flat = 0;
@@ -590,6 +637,17 @@ static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_
     }
     if (gate) S->flat_gate = flat;
     else S->flat_head = flat;
+    if (!gate && S->group) {
+        /* head states per KV group: the records sit on the group's first head; every query head
+         * of the group takes its action (and, for the support report, its record counts) */
+        const uint32_t G = S->H / S->Hkv;
+        for (uint32_t st = 0; st < nS; st++) {
+            const uint32_t lead = st - (st % S->H) % G;
+            if (lead == st) continue;
+            best[st] = best[lead];
+            memcpy(S->head_sup + (size_t)st * nA, S->head_sup + (size_t)lead * nA, sizeof(uint32_t) * nA);
+        }
+    }
     uint32_t ch = 0;
     uint32_t *act = gate ? S->gate_act : S->head_act;
     for (uint32_t s = 0; s < nS; s++) {
@@ -610,7 +668,7 @@ int ckv_compile_rounds(ckv *S, const char *label, ckv_result *res, char *err, si
     memset(res, 0, sizeof *res);
     kvcc_cql_opts_default(&res->co);
     /* progress unit: one rollout */
-    const uint64_t per_round = (uint64_t)S->P * S->L * S->nB * (S->H * CKV_HEAD_K + CKV_GATE_K);
+    const uint64_t per_round = (uint64_t)S->P * S->L * S->nB * ((S->group ? S->Hkv : S->H) * S->head_k + S->gate_k);
     S->progress_total =
         (unsigned)(per_round * CKV_MAX_ROUNDS > UINT32_MAX ? UINT32_MAX
                                                            : per_round * CKV_MAX_ROUNDS);
@@ -682,8 +740,11 @@ static int write_section(const ckv *S, kvpol_writer *w, const ckv_result *res, u
     if (!rc) rc = kvpol_writer_add_tensor(w, "gate_grid", KVPOL_DTYPE_F32, 1, dgg, gg);
     if (!rc) rc = kvpol_writer_add_tensor(w, "head_support", KVPOL_DTYPE_U32, 4, dhs, S->head_sup);
     if (!rc) rc = kvpol_writer_add_tensor(w, "gate_support", KVPOL_DTYPE_U32, 4, dgs, S->gate_sup);
-    if (!rc) rc = kvpol_writer_add_i64(w, "head_actions_per_state", CKV_HEAD_K);
-    if (!rc) rc = kvpol_writer_add_i64(w, "gate_actions_per_state", CKV_GATE_K);
+    if (!rc) rc = kvpol_writer_add_i64(w, "head_actions_per_state", S->head_k);
+    if (!rc) rc = kvpol_writer_add_i64(w, "gate_actions_per_state", S->gate_k);
+    if (!rc) rc = kvpol_writer_add_i64(w, "ent_bins_used", S->ent_bins);
+    if (!rc) rc = kvpol_writer_add_i64(w, "ppl_bins_used", S->ppl_bins);
+    if (!rc) rc = kvpol_writer_add_string(w, "head_states", S->group ? "group" : "head", strlen(S->group ? "group" : "head"));
     if (!rc) rc = kvpol_writer_add_string(w, "reward", reward, strlen(reward));
     if (!rc) rc = kvpol_writer_add_string(w, "entropy_feature", ent, strlen(ent));
     if (!rc) rc = kvpol_writer_add_f64(w, "cql_lr", co->lr);
@@ -748,7 +809,10 @@ static int ckv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
             for (int a = 0; a < CKV_HEAD_ACTIONS; a++) t += S.head_sup[s * CKV_HEAD_ACTIONS + a];
             sup_h += t > 0;
         }
+        size_t nSg_used = 0; /* the gate states a prompt can reach (--ent-bins x --ppl-bins) */
         for (size_t s = 0; s < nSg; s++) {
+            if ((s / CKV_PPL_BINS) % CKV_ENT_BINS >= S.ent_bins || s % CKV_PPL_BINS >= S.ppl_bins) continue;
+            nSg_used++;
             uint32_t t = 0;
             for (int a = 0; a < CKV_GATE_ACTIONS; a++) t += S.gate_sup[s * CKV_GATE_ACTIONS + a];
             sup_g += t > 0;
@@ -761,7 +825,7 @@ static int ckv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
             fprintf(stderr, "kvcc compile: compilerkv: %u prompts, budgets %u, %u rounds; last round %" PRIu64
                             " head + %" PRIu64 " gate records; supported states %u/%zu head, %u/%zu gate (without signal, "
                             "every action the same reward: %u head, %u gate); checksum %016" PRIx64 "\n",
-                    S.P, S.nB, res.rounds, S.n_head_rec, S.n_gate_rec, sup_h, nSh, sup_g, nSg, S.flat_head, S.flat_gate, sum);
+                    S.P, S.nB, res.rounds, S.n_head_rec, S.n_gate_rec, sup_h, nSh, sup_g, nSg_used, S.flat_head, S.flat_gate, sum);
             if (model)
                 fprintf(stderr, "kvcc compile: compilerkv: reward model: %" PRIu64 " forward passes, %" PRIu64
                                 " rollouts reused a kept set already scored\n", S.model_runs, S.memo_hits);
@@ -812,9 +876,14 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
     const uint32_t *HS = hs.data, *GS = gs.data;
     fprintf(out, "  compilerkv: reward %.*s, window %lld, %lld prompts, %lld rounds, last round %lld head + %lld gate records\n",
             (int)rl, rw, (long long)window, (long long)prompts, (long long)rounds, (long long)hr, (long long)gr);
-    fprintf(out,
-            "  entropy edges (entropy / log T): %.4f .. %.4f; perplexity edges: %.2f %.2f %.2f\n",
-            E[0], E[CKV_ENT_BINS - 2], PE[0], PE[1], PE[2]);
+    int ne = 0, np_ = 0; /* finite edges in use (--ent-bins / --ppl-bins: the rest are FLT_MAX) */
+    while (ne < CKV_ENT_BINS - 1 && E[ne] < FLT_MAX) ne++;
+    while (np_ < CKV_PPL_BINS - 1 && PE[np_] < FLT_MAX) np_++;
+    fprintf(out, "  risk bins in use: %d entropy x %d perplexity; entropy edges (entropy / log T):", ne + 1, np_ + 1);
+    if (ne) fprintf(out, " %.4f .. %.4f", E[0], E[ne - 1]);
+    fprintf(out, "; perplexity edges:");
+    for (int i = 0; i < np_; i++) fprintf(out, " %.2f", PE[i]);
+    fputc('\n', out);
     static const char ramp[] = " .:-=+*#%@"; /* weight 0.8 -> ' ', 1.5 -> '@' */
     for (int64_t b = 0; b < nb; b++) {
         fprintf(out, "  budget %lld: head weights W_head[l, h] (' ' = 0.8 ... '@' = 1.5)\n",
@@ -1079,6 +1148,25 @@ static const kvcc_pass_option ckv_options[] = {
      "after compiling, score N head states' rollouts with both rewards "
      "(needs --gguf) and print their rank agreement (Spearman)",
      CKV_OPT(ckv_reward_check), 0, 1, 1000000, NULL, KVCC_OPT_REPORT},
+    {"head-states", KVCC_OPT_CHOICE, "group|head", "group",
+     "what a head-table state is: one per KV group (its query heads share one weight; the "
+     "selection only sees the group's largest) or one per query head",
+     CKV_OPT(ckv_head_states), 0, 0, 0, "group|head", 0},
+    {"head-actions", KVCC_OPT_U32, "K", "29",
+     "weight actions rolled out per head state and prompt, the incumbent included (29: every "
+     "action of the grid)",
+     CKV_OPT(ckv_head_actions), 0, 2, CKV_HEAD_ACTIONS, NULL, 0},
+    {"gate-actions", KVCC_OPT_U32, "K", "8",
+     "threshold actions rolled out per gate state and prompt, the incumbent included (21: every "
+     "action of the grid)",
+     CKV_OPT(ckv_gate_actions), 0, 2, CKV_GATE_ACTIONS, NULL, 0},
+    {"ent-bins", KVCC_OPT_U32, "N", "20",
+     "structural-risk (entropy) bins of the gate table: N - 1 quantile edges of the calibration "
+     "prompts (the runtime reads the edges; at most 20)",
+     CKV_OPT(ckv_ent_bins), 0, 1, CKV_ENT_BINS, NULL, 0},
+    {"ppl-bins", KVCC_OPT_U32, "N", "4",
+     "semantic-risk (perplexity) bins of the gate table, as --ent-bins (at most 4)",
+     CKV_OPT(ckv_ppl_bins), 0, 1, CKV_PPL_BINS, NULL, 0},
     {"transfer-check", KVCC_OPT_PATH, "OTHER.h5", NULL,
      "also compile on a second, disjoint corpus and print the "
      "Spearman correlation of the head rankings per budget (with seed + 1 controls: 3 extra "

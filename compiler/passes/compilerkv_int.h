@@ -22,8 +22,9 @@
 #define CKV_GATE_ACTIONS 21 /* thresholds 0.8 .. 1.0 */
 #define CKV_HEAD_FALLBACK 8 /* 0.8 + 8 * 0.025 = 1.0 */
 #define CKV_GATE_FALLBACK 0 /* 0.8: lowest threshold, keeps the most */
-#define CKV_HEAD_K 4        /* actions per state per prompt (incumbent + 3) */
-#define CKV_GATE_K 8
+#define CKV_HEAD_K 29       /* defaults of --head-actions / --gate-actions: actions per state */
+#define CKV_GATE_K 8        /* per prompt, the incumbent included */
+#define CKV_GROUP_DEFAULT 1 /* default of --head-states: 1 group, 0 head */
 #define CKV_CHECK_K 8       /* reward check: actions per head state (incumbent + 7) */
 #define CKV_MAX_ROUNDS 3
 #define CKV_DEFAULT_CACHE_MB 2048
@@ -66,6 +67,10 @@ typedef struct {
     kvcc_corpus *corpus;
     const char *corpus_path;
     uint32_t L, H, Hkv, d, P, nB, window;
+    uint32_t head_k, gate_k;        /* actions per state per prompt (incumbent included) */
+    int group;                      /* head states per KV group (--head-states group) */
+    uint32_t ent_bins, ppl_bins;    /* risk bins in use (--ent-bins, --ppl-bins); the rest of the
+                                     * 20 x 4 bins are unreachable (their edges are FLT_MAX) */
     int64_t budgets[64];
     char skipped[256];              /* budgets >= the context, skipped */
     ckv_prompt *pr;                 /* [P] */

@@ -110,6 +110,22 @@ static int compile_heads(const kvcc_compile_ctx *cx, kvcc_corpus *c, const char 
     return rc;
 }
 
+/* The selection sees only the largest weight of each KV group's query heads
+ * (runtime/cpu/compilerkv.c: max_h alpha rho[kv(h)] W[h] = alpha max_j rho_j max_{h in j} W[h]):
+ * g [L * Hkv] the group maxima of one budget's w [L * H] (NAN stays NAN). */
+static void group_max(const float *w, uint32_t L, uint32_t H, uint32_t Hkv, float *g) {
+    const uint32_t G = H / Hkv;
+    for (uint32_t l = 0; l < L; l++)
+        for (uint32_t j = 0; j < Hkv; j++) {
+            float m = w[(size_t)l * H + (size_t)j * G];
+            for (uint32_t k = 1; k < G; k++) {
+                const float x = w[(size_t)l * H + (size_t)j * G + k];
+                if (x > m) m = x;
+            }
+            g[(size_t)l * Hkv + j] = m;
+        }
+}
+
 static double spearman_f(const float *a, const float *b, size_t n, double *x, double *y) {
     double rho = NAN;
     for (size_t i = 0; i < n; i++) {
@@ -156,13 +172,16 @@ int kvcc_compilerkv_transfer_check(const kvcc_compile_ctx *cx, const char *artif
     /* B at the same seed; controls: B and A at seed + 1 (other action draws) */
     const uint32_t nB = ta->n_budgets < 64 ? ta->n_budgets : 64;
     const size_t LH = (size_t)ta->n_layers * ta->n_heads, k = (LH + 9) / 10;
+    const uint32_t Hkv = kvcc_corpus_get_model(cx->corpus)->n_kv_heads;
+    const size_t LJ = (size_t)ta->n_layers * Hkv;
+    float *ga = malloc(sizeof(float) * LJ), *gb = malloc(sizeof(float) * LJ);
     float *wb = malloc(sizeof(float) * nB * LH), *wb2 = malloc(sizeof(float) * nB * LH),
           *wa2 = malloc(sizeof(float) * nB * LH);
     double *x = malloc(sizeof(double) * LH), *y = malloc(sizeof(double) * LH);
     uint8_t *ma = malloc(LH), *mb = malloc(LH);
     uint32_t pb = 0, pa = 0;
     double sb = 0, sb2 = 0, sa2 = 0;
-    if (!wb || !wb2 || !wa2 || !x || !y || !ma || !mb)
+    if (!wb || !wb2 || !wa2 || !x || !y || !ma || !mb || !ga || !gb || !Hkv || ta->n_heads % Hkv)
         rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
     if (!rc)
         rc = compile_heads(cx, oc, other_path, cx->seed, ta, "compilerkv (transfer corpus)", wb,
@@ -190,7 +209,10 @@ int kvcc_compilerkv_transfer_check(const kvcc_compile_ctx *cx, const char *artif
                     (unsigned long long)cx->seed + 1);
         fprintf(out, "  %8s  %8s", "budget", "A vs B");
         if (controls) fprintf(out, "  %15s  %15s", "A vs B(seed+1)", "A vs A(seed+1)");
-        fprintf(out, "  %11s  %14s  %s\n", "equal cells", "top-10% shared", "cells != 1.0 (A / B)");
+        fprintf(out, "  %11s  %14s  %s", "equal cells", "top-10% shared", "cells != 1.0 (A / B)");
+        fprintf(out, "  |  KV-group max (%zu cells): %8s", LJ, "A vs B");
+        if (controls) fprintf(out, "  %15s  %15s", "A vs B(seed+1)", "A vs A(seed+1)");
+        fputc('\n', out);
     }
     for (uint32_t b = 0; b < nB && !rc; b++) {
         const float *wa = ta->w_head + (size_t)b * LH, *wbb = wb + (size_t)b * LH;
@@ -212,9 +234,19 @@ int kvcc_compilerkv_transfer_check(const kvcc_compile_ctx *cx, const char *artif
         if (controls)
             fprintf(out, "  %15.3f  %15.3f", spearman_f(wa, wb2 + (size_t)b * LH, LH, x, y),
                     spearman_f(wa, wa2 + (size_t)b * LH, LH, x, y));
-        fprintf(out, "  %5zu/%-5zu  %6zu/%-7zu  %zu / %zu\n", eq, LH, both, k, na, nbb);
+        fprintf(out, "  %5zu/%-5zu  %6zu/%-7zu  %zu / %zu", eq, LH, both, k, na, nbb);
+        group_max(wa, ta->n_layers, ta->n_heads, Hkv, ga);
+        group_max(wbb, ta->n_layers, ta->n_heads, Hkv, gb);
+        fprintf(out, "  |  %8.3f", spearman_f(ga, gb, LJ, x, y));
+        if (controls) {
+            group_max(wb2 + (size_t)b * LH, ta->n_layers, ta->n_heads, Hkv, gb);
+            fprintf(out, "  %15.3f", spearman_f(ga, gb, LJ, x, y));
+            group_max(wa2 + (size_t)b * LH, ta->n_layers, ta->n_heads, Hkv, gb);
+            fprintf(out, "  %15.3f", spearman_f(ga, gb, LJ, x, y));
+        }
+        fputc('\n', out);
     }
-    free(wb); free(wb2); free(wa2); free(x); free(y); free(ma); free(mb);
+    free(wb); free(wb2); free(wa2); free(x); free(y); free(ma); free(mb); free(ga); free(gb);
     kvcc_corpus_close(oc);
     kvrt_compilerkv_tables_free(ta);
     return rc;

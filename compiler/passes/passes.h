@@ -52,6 +52,9 @@ typedef struct {
     int precision;                  /* --precision: KVCC_PREC_F32 (0, default) or KVCC_PREC_BF16 */
     uint32_t ckv_reward_check;      /* --reward-check N (0: off) */
     const char *ckv_transfer_check; /* --transfer-check OTHER.h5 (NULL: off) */
+    const char *ckv_head_states;    /* --head-states group|head */
+    uint32_t ckv_head_actions, ckv_gate_actions; /* --head-actions K, --gate-actions K */
+    uint32_t ckv_ent_bins, ckv_ppl_bins; /* --ent-bins N, --ppl-bins N (0: 20, 4) */
     /* KV2 (--kv2-budgets, --kv2-rho, --kv2-proxies, --kv2-max-passes, --kv2-sinks, --kv2-chunk) */
     const double *kv2_budgets; int n_kv2_budgets;
     const double *kv2_rho; int n_kv2_rho;

@@ -228,11 +228,24 @@ err=$("$KVCC" "${ck[@]}" --transfer-check "$tmp/missing.h5" 2>&1); ex=$?
 [[ $ex -eq 5 && "$err" == *"--transfer-check"*"$tmp/missing.h5"* ]] && ok || bad "--transfer-check of a missing file: exit $ex: $err"
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/ck.h5" --policies am -o "$tmp/ck.kvpol" --transfer-check "$tmp/ck.h5" 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"compilerkv"* ]] && ok || bad "--transfer-check without compilerkv: exit $ex: $err"
+for o in "--head-actions 1" "--head-actions 30" "--gate-actions 22" "--head-states kv" "--ent-bins 0" "--ent-bins 21" "--ppl-bins 5"; do
+  # shellcheck disable=SC2086
+  err=$("$KVCC" "${ck[@]}" $o 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"${o%% *}"* ]] && ok || bad "$o: exit $ex: $err"
+done
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   err=$("$KVCC" "${ck[@]}" --reward model --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1); ex=$?
   [[ $ex -eq 2 && "$err" == *"is not the model"* ]] && ok || bad "--reward model on a synthetic corpus: exit $ex: $err"
 fi
 [ ! -e "$tmp/ck.kvpol" ] && ok || bad "a refused CompilerKV compile wrote its output"
+# coarser risk bins: the edges beyond --ent-bins / --ppl-bins are never reached, inspect says so;
+# the options are stored; --threads does not change a byte
+"$KVCC" "${ck[@]/ck.kvpol/ckg.kvpol}" --head-states group --head-actions 29 --ent-bins 2 --ppl-bins 1 --threads 1 2>/dev/null \
+  && cp "$tmp/ckg.kvpol" "$tmp/ckg1.kvpol" \
+  && "$KVCC" "${ck[@]/ck.kvpol/ckg.kvpol}" --head-states group --head-actions 29 --ent-bins 2 --ppl-bins 1 --threads 2 2>/dev/null \
+  && cmp -s "$tmp/ckg.kvpol" "$tmp/ckg1.kvpol" && ok || bad "compilerkv --head-states group --ent-bins 2: differs across threads"
+out=$("$KVCC" inspect --items 100 "$tmp/ckg.kvpol" 2>&1)
+[[ "$out" == *"risk bins in use: 2 entropy x 1 perplexity"* && "$out" == *"head_states"* ]] && ok || bad "inspect of --ent-bins 2 --ppl-bins 1: $out"
 
 KVCC="$KVCC" bash tests/cli/report.sh && ok || bad "tests/cli/report.sh (kvcc report)"
 KVCC="$KVCC" bash tests/cli/startup.sh && ok || bad "tests/cli/startup.sh (kvcc --version, lazy CUDA)"

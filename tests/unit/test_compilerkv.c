@@ -267,7 +267,9 @@ Test(compilerkv, tables_create_refuses_bad_input) {
 // the pass
 
 
-static void compile_to_memory(const char *corpus, int threads, void **buf, size_t *len) {
+/* head_states NULL and head_k / gate_k 0: the pass's defaults */
+static void compile_to_memory_opts(const char *corpus, int threads, const char *head_states,
+                                   uint32_t head_k, uint32_t gate_k, void **buf, size_t *len) {
     omp_set_num_threads(threads);
     kvcc_corpus *c = NULL;
     char err[768];
@@ -276,7 +278,8 @@ static void compile_to_memory(const char *corpus, int threads, void **buf, size_
     fx_header(&h, &FX_TINY);
     double budgets[3] = {24, 40, 500};
     kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 3, .threads = threads,
-                           .budgets = budgets, .n_budgets = 3, .window = 8, .reward = "attention"};
+                           .budgets = budgets, .n_budgets = 3, .window = 8, .reward = "attention",
+                           .ckv_head_states = head_states, .ckv_head_actions = head_k, .ckv_gate_actions = gate_k};
     const kvcc_pass *ps = kvcc_pass_find("compilerkv");
     cr_assert_not_null(ps);
     cr_expect_eq(ps->group, (uint32_t)KVPOL_GROUP_COMPILERKV);
@@ -287,6 +290,63 @@ static void compile_to_memory(const char *corpus, int threads, void **buf, size_
     cr_assert_eq(kvpol_writer_to_memory(w, buf, len, &ke), 0, "%s", ke.msg);
     kvpol_writer_free(w);
     kvcc_corpus_close(c);
+}
+
+static void compile_to_memory(const char *corpus, int threads, void **buf, size_t *len) {
+    compile_to_memory_opts(corpus, threads, NULL, 0, 0, buf, len);
+}
+
+/* --head-states group: one state per KV group, every query head of a group takes its weight;
+ * --head-actions / --gate-actions are stored; byte-identical across threads; per-head states
+ * with the same draws give other tables (the options reach the rollouts) */
+Test(compilerkv, head_states_group_and_dense_actions, .timeout = 300) {
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_ckv_grp_%d.h5", (int)getpid());
+    kvcc_synth_opts so = {.n_prompts = 3, .context_len = 64, .continuation_len = 8, .seed = 4, .retrieval_heads = 1};
+    cr_assert_eq(kvcc_synth_write(path, &FX_TINY, &so, "test", NULL, err, sizeof err), 0, "%s", err);
+    int saved = omp_get_max_threads();
+    void *b1 = NULL, *b2 = NULL, *b3 = NULL;
+    size_t n1 = 0, n2 = 0, n3 = 0;
+    compile_to_memory_opts(path, 1, "group", 29, 21, &b1, &n1);
+    compile_to_memory_opts(path, 2, "group", 29, 21, &b2, &n2);
+    compile_to_memory_opts(path, 2, "head", 29, 21, &b3, &n3);
+    omp_set_num_threads(saved);
+    cr_expect(n1 == n2 && memcmp(b1, b2, n1) == 0, "--threads 1 and 2 give different artifacts");
+    kvpol_file *f = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_open_mem(&f, b1, n1, NULL, &ke), 0, "%s", ke.msg);
+    uint32_t si;
+    cr_assert_eq(kvpol_section_find(f, KVPOL_SEC_COMPILERKV_TABLES, &si), 0);
+    int64_t hk = 0, gk = 0;
+    cr_expect_eq(kvpol_get_i64(f, si, "head_actions_per_state", &hk), 0);
+    cr_expect_eq(kvpol_get_i64(f, si, "gate_actions_per_state", &gk), 0);
+    cr_expect_eq(hk, 29);
+    cr_expect_eq(gk, 21);
+    const char *hs = NULL;
+    uint64_t hl = 0;
+    cr_expect_eq(kvpol_get_string(f, si, "head_states", &hs, &hl), 0);
+    cr_expect(hl == 5 && !memcmp(hs, "group", 5));
+    kvpol_item wh, sup;
+    cr_assert_eq(kvpol_get_tensor(f, si, "w_head", KVPOL_DTYPE_F32, &wh), 0);
+    cr_assert_eq(kvpol_get_tensor(f, si, "head_support", KVPOL_DTYPE_U32, &sup), 0);
+    const float *W = wh.data;
+    const uint32_t *HS = sup.data;
+    const uint32_t H = FX_TINY.n_heads, G = FX_TINY.n_heads / FX_TINY.n_kv_heads;
+    size_t moved = 0, dense = 0;
+    for (uint64_t i = 0; i < wh.count; i++) {
+        const uint64_t lead = i - (i % H) % G;
+        cr_expect_eq(W[i], W[lead], "cell %llu: the heads of a KV group share one weight", (unsigned long long)i);
+        moved += W[i] != 1.0f;
+        uint32_t na = 0;
+        for (int a = 0; a < 29; a++) na += HS[i * 29 + a] > 0;
+        dense += na == 29; /* every action of the grid rolled out */
+    }
+    cr_expect_eq(dense, wh.count, "29 head actions: every state has every action's records");
+    cr_expect_gt(moved, 0u, "some group weight moved off 1.0");
+    cr_expect(n1 != n3 || memcmp(b1, b3, n1) != 0, "--head-states head gives the same artifact");
+    kvpol_close(f);
+    free(b1); free(b2); free(b3);
+    unlink(path);
 }
 
 Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeout = 300) {
@@ -330,7 +390,8 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     cr_expect_eq(kvpol_get_i64(f, si, "rounds", &rounds), 0);
     cr_expect(rounds >= 1 && rounds <= 3);
     cr_expect_eq(kvpol_get_i64(f, si, "head_records", &hr), 0);
-    cr_expect_eq(hr, 3 * 2 * 2 * 8 * 4, "prompts x layers x budgets x heads x actions");
+    cr_expect_eq(hr, 3 * 2 * 2 * FX_TINY.n_kv_heads * 29,
+                 "prompts x layers x budgets x KV groups x actions (defaults: group states, all 29)");
     const char *rw;
     uint64_t rl;
     cr_expect_eq(kvpol_get_string(f, si, "reward", &rw, &rl), 0);
