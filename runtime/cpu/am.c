@@ -766,12 +766,13 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
     return rc;
 }
 
-int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
+int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *q_ref,
+                                const int32_t *q_pos, int64_t n_ref, const float *k,
                                 const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
                                 uint32_t head_dim, int n_sets, const float *ratios,
                                 const double *ratio_list, int dtype, kvrt_cache **out,
                                 kvrt_am_stats *stats) {
-    const char *fn = "kvrt_am_compact_layer";
+    const char *fn = q_ref ? "kvrt_am_compact_layer_ref" : "kvrt_am_compact_layer";
     if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     if (n_sets < 1 || n_sets > 4096)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sets %d, expected 1..4096", fn, n_sets);
@@ -782,8 +783,18 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
     int rc = opts_check(fn, o);
     if (rc) return rc;
-    if (q == NULL || k == NULL || v == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, q == NULL ? "q" : k == NULL ? "k" : "v");
+    if ((q == NULL && q_ref == NULL) || k == NULL || v == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                         q == NULL && q_ref == NULL ? "q"
+                         : k == NULL                ? "k"
+                                                    : "v");
+    if (q_ref && (n_ref < 1 || n_ref > INT32_MAX))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_ref %lld, expected 1..2^31-1", fn,
+                         (long long)n_ref);
+    for (int64_t i = 0; q_ref && q_pos && i < n_ref; i++)
+        if (q_pos[i] < 0)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: q_pos[%lld] = %d, expected >= 0", fn, (long long)i,
+                             q_pos[i]);
     if (T < 1 || T > INT32_MAX || head_dim == 0 || head_dim > 65536 || n_kv_heads == 0 ||
         n_heads == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: T %lld, head_dim %u, n_kv_heads %u, n_heads %u", fn,
@@ -808,16 +819,20 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
             int64_t t = (int64_t)llround(r * (double)T);
             tb[h * ns + si] = t < 1 ? 1 : t > T ? T : t;
         }
+    /* the query source: the context's own (row i at position i, causal) or the caller's
+     * reference queries (positions q_pos, or none: every query sees every key) */
+    const float *qs = q_ref ? q_ref : q;
+    const int64_t nq = q_ref ? n_ref : T;
     if (!all_finite_f(k, T * Hkv * d) || !all_finite_f(v, T * Hkv * d) ||
-        !all_finite_f(q, T * H * d)) {
+        !all_finite_f(qs, nq * H * d)) {
         free(tb);
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q, k or v holds NaN or Inf", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s, k or v holds NaN or Inf", fn, q_ref ? "q_ref" : "q");
     }
-    /* reference queries of a KV head: n of its T * G context queries (G query heads at every
-     * position), at evenly spaced positions, the query head rotating so that every one of the G
-     * heads contributes (a plain stride over the interleaved (position, head) order can skip a
-     * head entirely, e.g. n = 2T/3 of 3T never picks the third). Ascending positions. */
-    const int64_t n_all = T * G;
+    /* reference queries of a KV head: n of its nq * G queries (G query heads at every row),
+     * at evenly spaced rows, the query head rotating so that every one of the G heads
+     * contributes (a plain stride over the interleaved (row, head) order can skip a head
+     * entirely, e.g. n = 2T/3 of 3T never picks the third). Ascending rows. */
+    const int64_t n_all = nq * G;
     const int64_t n = o->max_queries > 0 && o->max_queries < n_all ? o->max_queries : n_all;
     float *qr = malloc(sizeof(float) * (size_t)(n * d));
     int32_t *qp = malloc(sizeof(int32_t) * (size_t)n);
@@ -849,14 +864,14 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
                 tok = i / G;
                 g = i % G;
             } else {
-                tok = (int64_t)((double)i * (double)T / (double)n);
+                tok = (int64_t)((double)i * (double)nq / (double)n);
                 g = i % G;
             }
-            memcpy(qr + i * d, q + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
-            qp[i] = (int32_t)tok;
+            memcpy(qr + i * d, qs + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
+            qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;
         }
-        rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, qp, n, (int)ns, tb + h * ns,
-                     res + h * ns, hst, &lws);
+        rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, q_ref && !q_pos ? NULL : qp, n,
+                     (int)ns, tb + h * ns, res + h * ns, hst, &lws);
         for (int64_t si = 0; hst && si < ns; si++) stats[si * Hkv + h] = hst[si];
     }
     if (have_ws) am_ws_free(&lws);
