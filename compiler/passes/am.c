@@ -250,12 +250,15 @@ static const char *am_source(const kvcc_compile_ctx *cx) {
 
 /* The curves (f32 in the artifact) from the sums loss / merr [L, Hkv, nr], the schedule of every
  * target (greedy exchange), and the two sections. 0 or a KVCC_EXIT_* status. */
+static void am_compile_opts(const kvcc_compile_ctx *cx, kvrt_am_opts *ao);
 static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const double *loss,
                              const double *merr, uint32_t L, uint32_t Hkv, uint32_t n_prompts,
                              char *err, size_t errlen) {
     const int nr = cx->n_am_ratios, nt = cx->n_am_targets;
     const size_t nh = (size_t)L * Hkv;
     int rc = 0;
+    kvrt_am_opts ao;
+    am_compile_opts(cx, &ao);
     float *curves = NULL, *mcurves = NULL, *sched = NULL;
     int *units = NULL;
     {
@@ -298,6 +301,7 @@ static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const 
         if (!k2) k2 = kvpol_writer_add_i64(w, "n_sink", cx->am_sinks);
         if (!k2) k2 = kvpol_writer_add_f64(w, "recent_frac", cx->am_recent);
         if (!k2) k2 = kvpol_writer_add_string(w, "query_source", am_source(cx), strlen(am_source(cx)));
+        if (!k2) k2 = kvpol_writer_add_i64(w, "omp_batch", ao.omp_batch);
         if (!k2) k2 = kvpol_writer_end_section(w);
         if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_CURVES, kvpol_known_find(KVPOL_SEC_AM_CURVES)->name, 0, KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
@@ -528,6 +532,8 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     if (kvpol_get_f64(f, si, "beta_floor", &dv) == KVPOL_OK) o.beta_floor = dv;
     if (kvpol_get_i64(f, si, "n_sink", &iv) == KVPOL_OK) o.n_sink = iv;
     if (kvpol_get_f64(f, si, "recent_frac", &dv) == KVPOL_OK) o.recent_frac = dv;
+    if (kvpol_get_i64(f, si, "omp_batch", &iv) == KVPOL_OK) o.omp_batch = (int)iv;
+    else o.omp_batch = 1;
     char txt[200];
     am_opts_text(&o, txt, sizeof txt);
     const uint64_t nt = sc.dims[0], L = sc.dims[1], Hkv = sc.dims[2];
@@ -629,14 +635,17 @@ static void am_opts_text(const kvrt_am_opts *o, char *buf, size_t n) {
     char fl[32];
     if (isnan(o->beta_floor)) snprintf(fl, sizeof fl, "none (zero weights dropped)");
     else snprintf(fl, sizeof fl, "%g", o->beta_floor);
+    char sel[48];
+    if (o->key_select == KVRT_AM_SELECT_OMP && o->omp_batch > 1)
+        snprintf(sel, sizeof sel, "omp (%d keys per round)", o->omp_batch);
+    else snprintf(sel, sizeof sel, "%s", am_select_name(o->key_select));
     snprintf(buf, n, "key selection %s, chunk %lld, beta floor %s, %lld sinks, recent %g of t",
-             am_select_name(o->key_select), (long long)o->chunk, fl, (long long)o->n_sink,
-             o->recent_frac);
+             sel, (long long)o->chunk, fl, (long long)o->n_sink, o->recent_frac);
 }
 
 /* KVCC_AM_OPTS (a measurement knob of the uncompiled rows am-uniform / am-omp / am-repeat /
  * am-omp-repeat): comma-separated NAME=VALUE of beta_floor (a number or "none"), n_sink,
- * recent_frac, chunk, max_queries. 0, or KVCC_EXIT_USAGE with the message in err. */
+ * recent_frac, chunk, max_queries, omp_batch. 0, or KVCC_EXIT_USAGE with the message in err. */
 static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
     const char *env = getenv("KVCC_AM_OPTS");
     if (env == NULL || *env == 0) return 0;
@@ -657,9 +666,10 @@ static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
         else if (ok && !strcmp(tok, "recent_frac")) o->recent_frac = v;
         else if (ok && !strcmp(tok, "chunk")) o->chunk = (int64_t)v;
         else if (ok && !strcmp(tok, "max_queries") && v >= 0) o->max_queries = (int64_t)v;
+        else if (ok && !strcmp(tok, "omp_batch") && v >= 1 && v <= 4096) o->omp_batch = (int)v;
         else {
             snprintf(err, errlen, "KVCC_AM_OPTS: '%s' is not NAME=VALUE with NAME beta_floor, "
-                     "n_sink, recent_frac, chunk or max_queries", tok);
+                     "n_sink, recent_frac, chunk, max_queries or omp_batch (1..4096)", tok);
             return KVCC_EXIT_USAGE;
         }
     }

@@ -13,7 +13,7 @@
  *
  * Section am.schedule (critical): targets f64 [n_t], schedule f32 [n_t, L, Hkv], key_select
  * string ("highest" | "omp"), chunk i64; optional beta_floor f64, n_sink i64 and recent_frac
- * f64 and query_source string ("context" | "repeat" | "self-study"), absent in artifacts
+ * f64, omp_batch i64 and query_source string ("context" | "repeat" | "self-study"), absent in artifacts
  * written before them (then: what ran before them, context queries, zero-weight keys
  * dropped, no exact sinks or recent window; docs/kvpol-format.md, group 2).
  */
@@ -141,6 +141,15 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
                              "context, repeat or self-study", fn,
                              (int)(qsrc_len < 32 ? qsrc_len : 32), qsrc);
     }
+    /* optional: OMP's keys per round (absent: 1, the plain greedy that ran before the item) */
+    int64_t omp_batch = 1;
+    int g5 = kvpol_get_i64(f, si, "omp_batch", &omp_batch);
+    if (g5 && g5 != KVPOL_ERR_NOT_FOUND)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected omp_batch i64 where present "
+                         "(it is of another type)", fn);
+    if (omp_batch < 1 || omp_batch > 4096)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: omp_batch %lld, expected 1..4096", fn,
+                         (long long)omp_batch);
     kvrt_am_schedule *s = calloc(1, sizeof *s);
     if (s) {
         s->targets = malloc(sizeof(double) * (size_t)tg.dims[0]);
@@ -163,6 +172,7 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     s->opts.n_sink = n_sink;
     s->opts.recent_frac = recent_frac;
     s->query_source = query_source;
+    s->opts.omp_batch = (int)omp_batch;
     *out = s;
     return KVRT_OK;
 }
@@ -274,6 +284,10 @@ static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sink %lld differs from the compiled %lld (pass "
                              "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (long long)o->n_sink,
                              (long long)s->opts.n_sink);
+        if (o->omp_batch != s->opts.omp_batch)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: omp_batch %d differs from the compiled %d (pass "
+                             "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->omp_batch,
+                             s->opts.omp_batch);
         if (o->recent_frac != s->opts.recent_frac)
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g differs from the compiled %g (pass "
                              "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->recent_frac,

@@ -442,6 +442,9 @@ typedef struct {
     double recent_frac;    /* the last round(recent_frac * t) keys are kept exactly, counted
                             * inside t, in [0, 1) (default 0.5); the keys between the sinks and
                             * the recent window are compacted with the rest of t */
+    int omp_batch;         /* OMP: keys picked per round (the top omp_batch by correlation), one
+                            * pass over the probabilities and one NNLS refit per round; 1 (the
+                            * default): the plain greedy, one pick per round */
 } kvrt_am_opts;
 void kvrt_am_opts_init(kvrt_am_opts *o);
 
