@@ -251,18 +251,24 @@ static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, 
  * at n = 4096, Tc = 1839) does not fit in cache, so one pass per pick made OMP memory-bound. */
 KVRT_SIMD_CLONES
 static void gram_rows(const float *S, int64_t n, int64_t Tc, const int32_t *vis, const double *rs,
-                      const int32_t *jb, int64_t nb, double *h) {
+                      const int32_t *jb, int64_t nb, double *h, double *x) {
     memset(h, 0, sizeof(double) * (size_t)(nb * Tc));
     for (int64_t i = 0; i < n; i++) {
         const float *row = S + i * Tc;
         const double r = rs[i];
         const int64_t v = vis[i];
+        int any = 0;
+        for (int64_t b = 0; b < nb; b++) any |= row[jb[b]] != 0.0f;
+        if (!any) continue;
+        /* the row's relative values in double, once for the nb rows (the same roundings) */
+#pragma omp simd
+        for (int64_t j = 0; j < v; j++) x[j] = (double)row[j] * r;
         for (int64_t b = 0; b < nb; b++) {
             if (row[jb[b]] == 0.0f) continue;
             const double u = (double)row[jb[b]] * r;
             double *hb = h + b * Tc;
 #pragma omp simd
-            for (int64_t j = 0; j < v; j++) hb[j] += ((double)row[j] * r) * u;
+            for (int64_t j = 0; j < v; j++) hb[j] += x[j] * u;
         }
     }
 }
@@ -307,7 +313,9 @@ static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int m
         if (s == s0) break;
         /* their Gram rows, one pass over P (G is kept with leading dimension tc) */
         if (s - s0 == 1) gram_row(ws->S, n, Tc, ws->vis, ws->rowsum, ws->sel[s0], ws->HS + s0 * Tc);
-        else gram_rows(ws->S, n, Tc, ws->vis, ws->rowsum, ws->sel + s0, s - s0, ws->HS + s0 * Tc);
+        else /* ws->corrd is free until the correlations are recomputed below */
+            gram_rows(ws->S, n, Tc, ws->vis, ws->rowsum, ws->sel + s0, s - s0, ws->HS + s0 * Tc,
+                      ws->corrd);
         for (int64_t e = s0; e < s; e++) {
             const double *hj = ws->HS + e * Tc;
             for (int64_t a = 0; a < e; a++) {
