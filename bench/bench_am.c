@@ -13,7 +13,8 @@
  *     (Gaussian, queries sharing a per-head direction as trained heads do): the timing depends on
  *     the shapes only, not on the values.
  * Options: --head T (only part 1 at this T), --dump DIR (write DIR/{q,k,v}.f32 and DIR/meta.txt
- * of the part-1 input), --omp (OMP key selection instead of HighestAttnKeys), --reps N.
+ * of the part-1 input), --omp (OMP key selection instead of HighestAttnKeys), --omp-batch N (OMP's
+ * keys per round, default 1), --reps N.
  */
 #include <math.h>
 #include <stdio.h>
@@ -23,6 +24,8 @@
 
 #include "kvrt_experimental.h"
 #include "bench_util.h"
+
+static int g_omp_batch = 1; /* --omp-batch N: OMP's keys per round */
 
 static float rng_n(uint64_t *s) { /* sum of 4 uniforms, centred: cheap, roughly Gaussian */
     double a = 0;
@@ -88,6 +91,7 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     kvrt_am_opts o;
     kvrt_am_opts_init(&o);
     if (omp) o.key_select = KVRT_AM_SELECT_OMP;
+    o.omp_batch = g_omp_batch;
     double best = INFINITY;
     double *times = malloc(sizeof(double) * (size_t)reps);
     double *cpus = malloc(sizeof(double) * (size_t)reps);
@@ -129,6 +133,7 @@ static int bench_model(int omp) {
     kvrt_am_opts o;
     kvrt_am_opts_init(&o);
     if (omp) o.key_select = KVRT_AM_SELECT_OMP;
+    o.omp_batch = g_omp_batch;
     double t0 = now_s();
     int64_t kept = 0;
     for (int64_t l = 0; l < L; l++) { /* same synthetic tensors for every layer: timing only */
@@ -165,6 +170,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--dump") && i + 1 < argc) dump_dir = argv[++i];
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--omp")) omp = 1;
+        else if (!strcmp(argv[i], "--omp-batch") && i + 1 < argc) g_omp_batch = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--reps N]\n");
             return 2;

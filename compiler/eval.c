@@ -263,7 +263,9 @@ static int open_corpus(eval_run *E, char *err, size_t errlen) {
                              .seed = o->seed,
                              .dtype = o->cache_f16 ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32,
                              .budgets = o->budgets,
-                             .n_budgets = o->n_budgets};
+                             .n_budgets = o->n_budgets,
+                             .gguf = o->gguf,
+                             .precision = o->precision};
     return 0;
 }
 

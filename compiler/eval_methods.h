@@ -41,6 +41,8 @@ typedef struct {
     int dtype;                   /* storage of compressed caches (KVRT_DTYPE_F32 / F16) */
     const double *budgets;       /* the rows' budgets (prepare may check them against the policy) */
     int n_budgets;
+    const char *gguf;            /* --gguf (NULL: none), for methods that run the model themselves */
+    int precision;               /* --precision of that model */
 } kvcc_eval_env;
 
 /* What prepare hands the driver (one per method and run). */

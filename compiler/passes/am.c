@@ -42,8 +42,151 @@
 #include "loop.h"
 #include "metrics.h"
 #include "passes.h"
+#include "loader.h"
+#include "stats.h"
 
 #define AM_UNITS 1024 /* budget units per head (fractions of T) */
+
+// ----------------------------------------------------------------------------
+// repeat-prefill reference queries (kvrt.h, kvrt_am_compact_layer_ref): the built-in model runs
+// [context], then [instruction, context] at position ids C .. 2C + m - 1 on top of it (rolled
+// back); the second copy's post-RoPE queries of every layer are the reference queries, each
+// seeing the whole first copy (no positions).
+
+/* The instruction between the two copies: the Instruct chat turn asking for the repeat. */
+#define AM_REPEAT_INSTR                                                                            \
+    "<|im_end|>\n<|im_start|>user\nRepeat the text above exactly.<|im_end|>\n"                    \
+    "<|im_start|>assistant\n"
+
+typedef struct {
+    kvcc_loaded_model lm;
+    int32_t *instr;          /* [m] the instruction's token ids */
+    int m;
+    kvcc_state *st;
+    int st_cap;
+    int32_t *ids;            /* [m + C] */
+    float **xq;              /* [L] -> [m + C, H, d] the extension's queries */
+    int64_t xcap;
+    const float **qref;      /* [L] -> xq[l] + m H d: the second copy's [C, H, d] */
+    int64_t C;               /* the context the queries are of (0: none yet) */
+    uint64_t key;            /* kvpol_hash of its tokens */
+    double gen_s;            /* seconds the last generation took (prefill + extension) */
+    int refs;
+} am_repeat;
+
+static void am_repeat_free(am_repeat *R) {
+    if (R == NULL) return;
+    const int L = R->lm.model ? R->lm.model->hp.n_layer : 0;
+    for (int l = 0; R->xq && l < L; l++) free(R->xq[l]);
+    free(R->xq);
+    free(R->qref);
+    free(R->ids);
+    free(R->instr);
+    kvcc_state_free(R->st);
+    kvcc_loaded_model_free(&R->lm);
+    free(R);
+}
+
+/* Load the model of gguf and tokenize the instruction; checked against the corpus's shape
+ * (L, H, Hkv, d). NULL with the message in err. */
+static am_repeat *am_repeat_open(const char *gguf, int precision, uint32_t L, uint32_t H,
+                                 uint32_t Hkv, uint32_t d, char *err, size_t errlen) {
+    am_repeat *R = calloc(1, sizeof *R);
+    char msg[512];
+    if (R == NULL) {
+        snprintf(err, errlen, "am: out of memory");
+        return NULL;
+    }
+    if (kvcc_load_model_prec(gguf, 0, precision, &R->lm, msg, sizeof msg) != 0) {
+        snprintf(err, errlen, "--gguf: %s", msg);
+        free(R);
+        return NULL;
+    }
+    const kvcc_model_hparams *hp = &R->lm.model->hp;
+    if ((uint32_t)hp->n_layer != L || (uint32_t)hp->n_head != H ||
+        (uint32_t)hp->n_head_kv != Hkv || (uint32_t)hp->head_dim != d) {
+        snprintf(err, errlen, "--gguf %s: %d layers, %d heads, %d KV heads, head dim %d; the corpus "
+                 "has %u, %u, %u, %u (repeat-prefill queries need the corpus's model)", gguf,
+                 hp->n_layer, hp->n_head, hp->n_head_kv, hp->head_dim, L, H, Hkv, d);
+        am_repeat_free(R);
+        return NULL;
+    }
+    size_t ni = 0;
+    R->xq = calloc(L, sizeof *R->xq);
+    R->qref = calloc(L, sizeof *R->qref);
+    if (!R->xq || !R->qref ||
+        kvcc_tok_encode(R->lm.tok, AM_REPEAT_INSTR, strlen(AM_REPEAT_INSTR),
+                        KVCC_TOK_PARSE_SPECIAL, &R->instr, &ni) != 0 || ni < 1) {
+        snprintf(err, errlen, "am: tokenizing the repeat instruction with %s failed", gguf);
+        am_repeat_free(R);
+        return NULL;
+    }
+    R->m = (int)ni;
+    return R;
+}
+
+/* The repeat-prefill queries of the context tok [C] into R->qref (kept while the same tokens
+ * come again). 0, or a KVCC_EXIT_* status with the message in err. */
+static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err, size_t errlen) {
+    const uint64_t key = kvpol_hash(tok, sizeof(int32_t) * (size_t)C);
+    if (R->C == C && R->key == key) return 0;
+    const double t0 = kvcc_now_s();
+    const kvcc_model *m = R->lm.model;
+    const int L = m->hp.n_layer;
+    const size_t Hd = (size_t)m->hp.n_head * m->hp.head_dim;
+    const int64_t n = R->m + C;
+    R->C = 0;
+    if (C < 1 || C + n > (1 << 24)) {
+        snprintf(err, errlen, "am: context of %lld tokens, expected 1..%d for repeat queries",
+                 (long long)C, (1 << 23) - R->m);
+        return KVCC_EXIT_USAGE;
+    }
+    if (C + n > R->st_cap) {
+        kvcc_state_free(R->st);
+        R->st = NULL;
+        R->st_cap = 0;
+        if (kvcc_state_create(m, (int)(C + n), &R->st) != 0) {
+            snprintf(err, errlen, "am: out of memory for a model state of %lld tokens",
+                     (long long)(C + n));
+            return KVCC_EXIT_FAILED;
+        }
+        R->st_cap = (int)(C + n);
+    }
+    if (n > R->xcap) {
+        free(R->ids);
+        R->ids = malloc(sizeof(int32_t) * (size_t)n);
+        int oom = R->ids == NULL;
+        for (int l = 0; l < L; l++) {
+            free(R->xq[l]);
+            R->xq[l] = malloc(sizeof(float) * (size_t)n * Hd);
+            oom |= R->xq[l] == NULL;
+        }
+        R->xcap = oom ? 0 : n;
+        if (oom) {
+            snprintf(err, errlen, "am: out of memory for %lld tokens of repeat queries",
+                     (long long)n);
+            return KVCC_EXIT_FAILED;
+        }
+    }
+    memcpy(R->ids, R->instr, sizeof(int32_t) * (size_t)R->m);
+    memcpy(R->ids + R->m, tok, sizeof(int32_t) * (size_t)C);
+    kvcc_state_reset(R->st);
+    if (kvcc_model_prefill(m, R->st, tok, (int)C, NULL, KVCC_LOGITS_NONE) != 0 ||
+        kvcc_model_extend(m, R->st, R->ids, (int)n, R->xq, NULL) != 0) {
+        snprintf(err, errlen, "am: the model failed on the repeat-prefill of a %lld-token context",
+                 (long long)C);
+        return KVCC_EXIT_FAILED;
+    }
+    for (int l = 0; l < L; l++) R->qref[l] = R->xq[l] + (size_t)R->m * Hd;
+    R->C = C;
+    R->key = key;
+    R->gen_s = kvcc_now_s() - t0;
+    return 0;
+}
+
+/* One model per run of kvcc eval, shared by every AM row that runs repeat queries (they then
+ * also share each context's queries). */
+static am_repeat *am_repeat_shared;
 
 // ----------------------------------------------------------------------------
 // loss curves and the greedy exchange
@@ -100,14 +243,22 @@ static void greedy_exchange(const double *r, const float *curves, int nr, int nh
 // ----------------------------------------------------------------------------
 // run
 
+/* --am-queries: "context" (default) or "repeat" */
+static const char *am_source(const kvcc_compile_ctx *cx) {
+    return cx->am_queries && !strcmp(cx->am_queries, "repeat") ? "repeat" : "context";
+}
+
 /* The curves (f32 in the artifact) from the sums loss / merr [L, Hkv, nr], the schedule of every
  * target (greedy exchange), and the two sections. 0 or a KVCC_EXIT_* status. */
+static void am_compile_opts(const kvcc_compile_ctx *cx, kvrt_am_opts *ao);
 static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const double *loss,
                              const double *merr, uint32_t L, uint32_t Hkv, uint32_t n_prompts,
                              char *err, size_t errlen) {
     const int nr = cx->n_am_ratios, nt = cx->n_am_targets;
     const size_t nh = (size_t)L * Hkv;
     int rc = 0;
+    kvrt_am_opts ao;
+    am_compile_opts(cx, &ao);
     float *curves = NULL, *mcurves = NULL, *sched = NULL;
     int *units = NULL;
     {
@@ -149,6 +300,8 @@ static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const 
         if (!k2 && !isnan(cx->am_floor)) k2 = kvpol_writer_add_f64(w, "beta_floor", cx->am_floor);
         if (!k2) k2 = kvpol_writer_add_i64(w, "n_sink", cx->am_sinks);
         if (!k2) k2 = kvpol_writer_add_f64(w, "recent_frac", cx->am_recent);
+        if (!k2) k2 = kvpol_writer_add_string(w, "query_source", am_source(cx), strlen(am_source(cx)));
+        if (!k2) k2 = kvpol_writer_add_i64(w, "omp_batch", ao.omp_batch);
         if (!k2) k2 = kvpol_writer_end_section(w);
         if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_CURVES, kvpol_known_find(KVPOL_SEC_AM_CURVES)->name, 0, KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
@@ -205,6 +358,11 @@ static int am_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
                  cx->am_floor);
         return KVCC_EXIT_USAGE;
     }
+    if (cx->am_queries && !strcmp(cx->am_queries, "repeat") && !cx->gguf) {
+        snprintf(err, errlen, "--am-queries repeat needs --gguf M: the built-in model runs the "
+                 "repeat-prefill that gives the reference queries (or use --am-queries context)");
+        return KVCC_EXIT_USAGE;
+    }
     if (!(cx->am_recent >= 0 && cx->am_recent < 1)) {
         snprintf(err, errlen, "--am-recent: got %g, expected a fraction of the budget in [0, 1)",
                  cx->am_recent);
@@ -247,6 +405,12 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
         rc = KVCC_EXIT_FAILED;
     }
     kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
+    /* repeat-prefill queries: the built-in model, the context's tokens */
+    const int repeat = !strcmp(am_source(cx), "repeat");
+    am_repeat *R = NULL;
+    int32_t *tok = NULL;
+    if (!rc && repeat && !(R = am_repeat_open(cx->gguf, cx->precision, L, H, Hkv, d, err, errlen)))
+        rc = KVCC_EXIT_USAGE;
     kvcc_loop lp;
     if (!rc) rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
     else memset(&lp, 0, sizeof lp);
@@ -266,12 +430,48 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
             rc = KVCC_EXIT_USAGE;
             break;
         }
+        if (repeat) {
+            kvcc_corpus_prompt_info info;
+            free(tok);
+            tok = malloc(sizeof(int32_t) * (size_t)lp.T);
+            if (!tok || kvcc_corpus_prompt(c, p, &info, tok, NULL) != 0) {
+                snprintf(err, errlen, "%s: prompt %u: reading its tokens: %s", cx->corpus_path, p,
+                         tok ? kvcc_corpus_error(c) : "out of memory");
+                rc = KVCC_EXIT_FAILED;
+                break;
+            }
+            if ((rc = am_repeat_run(R, tok, C, err, errlen)) != 0) break;
+        }
         for (uint32_t l = 0; l < L && !rc; l++) {
             /* the reference: the full context, with (o_full, lse_full) and without (lse_ctx) the
              * continuation; then every ratio of the grid at once (shared logits and targets) */
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
-            int s = kvrt_am_compact_layer_multi(lp.rt, &ao, lp.q, lp.k, lp.v, C, H, Hkv, d, nr,
-                                                NULL, cx->am_ratios, KVRT_DTYPE_F32, ccs, NULL);
+            if (repeat && l == 0) {
+                /* the model must be the one the corpus came from: its own layer-0 keys of the
+                 * context against the stored ones (f16 storage: ~1e-3 relative) */
+                const size_t nk = (size_t)C * Hkv * d;
+                double num = 0, den = 0;
+                for (size_t i = 0; i < nk; i++) {
+                    const double e = (double)R->st->k_cache[i] - lp.k[i];
+                    num += e * e;
+                    den += (double)lp.k[i] * lp.k[i];
+                }
+                if (!(num <= 1e-4 * den)) {
+                    snprintf(err, errlen, "--gguf %s is not the model %s was captured with: on "
+                             "prompt %u its layer-0 keys differ from the stored ones by %.3g "
+                             "(relative)", cx->gguf, cx->corpus_path, p,
+                             sqrt(num / (den + 1e-30)));
+                    rc = KVCC_EXIT_USAGE;
+                    break;
+                }
+            }
+            int s = repeat ? kvrt_am_compact_layer_multi_ref(lp.rt, &ao, R->qref[l], NULL, C, lp.k,
+                                                             lp.v, C, H, Hkv, d, nr, NULL,
+                                                             cx->am_ratios, KVRT_DTYPE_F32, ccs,
+                                                             NULL)
+                           : kvrt_am_compact_layer_multi(lp.rt, &ao, lp.q, lp.k, lp.v, C, H, Hkv,
+                                                         d, nr, NULL, cx->am_ratios,
+                                                         KVRT_DTYPE_F32, ccs, NULL);
             for (int ri = 0; ri < nr && !s; ri++) {
                 s = kvcc_loop_attend(&lp, ccs[ri], lp.o_c, lp.lse_c, lp.lse_c_ctx);
                 kvrt_cache_free(ccs[ri]);
@@ -289,6 +489,8 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
         if (cx->progress) kvcc_progress(p + 1 - sum.lo, sum.hi - sum.lo);
     }
     free(ccs);
+    free(tok);
+    am_repeat_free(R);
     if (lp.rt) kvcc_loop_close(&lp);
     rc = kvcc_dist_check(rc, err, errlen);
     if (!rc && kvcc_dist_sum_finish(&sum, dmsg, sizeof dmsg) != 0) {
@@ -330,13 +532,19 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     if (kvpol_get_f64(f, si, "beta_floor", &dv) == KVPOL_OK) o.beta_floor = dv;
     if (kvpol_get_i64(f, si, "n_sink", &iv) == KVPOL_OK) o.n_sink = iv;
     if (kvpol_get_f64(f, si, "recent_frac", &dv) == KVPOL_OK) o.recent_frac = dv;
+    if (kvpol_get_i64(f, si, "omp_batch", &iv) == KVPOL_OK) o.omp_batch = (int)iv;
+    else o.omp_batch = 1;
     char txt[200];
     am_opts_text(&o, txt, sizeof txt);
     const uint64_t nt = sc.dims[0], L = sc.dims[1], Hkv = sc.dims[2];
     const double *t = tg.data;
     const float *s = sc.data;
-    fprintf(out, "Attention Matching: %llu targets, %llu layers x %llu KV heads\n  options: %s\n",
-            (unsigned long long)nt, (unsigned long long)L, (unsigned long long)Hkv, txt);
+    const char *qs = "context";
+    uint64_t ql = 7;
+    if (kvpol_get_string(f, si, "query_source", &qs, &ql) != KVPOL_OK) qs = "context", ql = 7;
+    fprintf(out, "Attention Matching: %llu targets, %llu layers x %llu KV heads\n  options: %s, "
+            "reference queries %.*s\n", (unsigned long long)nt, (unsigned long long)L,
+            (unsigned long long)Hkv, txt, (int)(ql < 32 ? ql : 32), qs);
     fprintf(out, "  budgets (fraction of the context kept per KV head), per layer:\n  %-6s", "layer");
     for (uint64_t ti = 0; ti < nt; ti++) fprintf(out, " | target %-*.3g", (int)(Hkv * 7 - 8), t[ti]);
     fprintf(out, "\n");
@@ -389,16 +597,26 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
 }
 
 // ----------------------------------------------------------------------------
-// eval methods: am (the compiled schedule with the compiled options), am-uniform and am-omp
-// (explicit uncompiled variants: every head at the row's ratio, kvrt_am_opts_init's options)
+// eval methods: am (the compiled schedule with the compiled options and query source),
+// am-uniform, am-omp, am-repeat, am-omp-repeat (explicit uncompiled variants: every head at the
+// row's ratio, kvrt_am_opts_init's options; the -repeat ones with repeat-prefill queries)
 
-enum { AM_EVAL_SCHEDULED, AM_EVAL_UNIFORM, AM_EVAL_OMP };
+enum { AM_EVAL_SCHEDULED, AM_EVAL_UNIFORM, AM_EVAL_OMP, AM_EVAL_REPEAT, AM_EVAL_OMP_REPEAT };
+
+/* A method's state: its options (the compiled ones for am), the schedule (am), and the model
+ * that makes repeat-prefill queries (rows that run them; shared by every such row). */
+typedef struct {
+    kvrt_am_opts o;
+    const kvrt_am_schedule *s; /* am only */
+    int repeat;                /* reference queries: repeat-prefill (else the context's own) */
+    am_repeat *R;
+} am_eval_state;
 
 static int am_eval_open(const kvcc_eval_env *env, void **h, char *err, size_t errlen) {
     if (!env->policy) {
         snprintf(err, errlen,
                  "method am needs --policy X.kvpol compiled with kvcc compile --policies am "
-                 "(or use am-uniform / am-omp)");
+                 "(or use am-uniform / am-omp / am-repeat / am-omp-repeat)");
         return KVCC_EXIT_USAGE;
     }
     kvrt_am_schedule *s = NULL;
@@ -417,14 +635,17 @@ static void am_opts_text(const kvrt_am_opts *o, char *buf, size_t n) {
     char fl[32];
     if (isnan(o->beta_floor)) snprintf(fl, sizeof fl, "none (zero weights dropped)");
     else snprintf(fl, sizeof fl, "%g", o->beta_floor);
+    char sel[48];
+    if (o->key_select == KVRT_AM_SELECT_OMP && o->omp_batch > 1)
+        snprintf(sel, sizeof sel, "omp (%d keys per round)", o->omp_batch);
+    else snprintf(sel, sizeof sel, "%s", am_select_name(o->key_select));
     snprintf(buf, n, "key selection %s, chunk %lld, beta floor %s, %lld sinks, recent %g of t",
-             am_select_name(o->key_select), (long long)o->chunk, fl, (long long)o->n_sink,
-             o->recent_frac);
+             sel, (long long)o->chunk, fl, (long long)o->n_sink, o->recent_frac);
 }
 
-/* KVCC_AM_OPTS (a measurement knob of the uncompiled rows am-uniform / am-omp): comma-separated
- * NAME=VALUE of beta_floor (a number or "none"), n_sink, recent_frac, chunk. 0, or
- * KVCC_EXIT_USAGE with the message in err. */
+/* KVCC_AM_OPTS (a measurement knob of the uncompiled rows am-uniform / am-omp / am-repeat /
+ * am-omp-repeat): comma-separated NAME=VALUE of beta_floor (a number or "none"), n_sink,
+ * recent_frac, chunk, max_queries, omp_batch. 0, or KVCC_EXIT_USAGE with the message in err. */
 static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
     const char *env = getenv("KVCC_AM_OPTS");
     if (env == NULL || *env == 0) return 0;
@@ -444,81 +665,183 @@ static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
         else if (ok && !strcmp(tok, "n_sink") && v >= 0) o->n_sink = (int64_t)v;
         else if (ok && !strcmp(tok, "recent_frac")) o->recent_frac = v;
         else if (ok && !strcmp(tok, "chunk")) o->chunk = (int64_t)v;
+        else if (ok && !strcmp(tok, "max_queries") && v >= 0) o->max_queries = (int64_t)v;
+        else if (ok && !strcmp(tok, "omp_batch") && v >= 1 && v <= 4096) o->omp_batch = (int)v;
         else {
             snprintf(err, errlen, "KVCC_AM_OPTS: '%s' is not NAME=VALUE with NAME beta_floor, "
-                     "n_sink, recent_frac or chunk", tok);
+                     "n_sink, recent_frac, chunk, max_queries or omp_batch (1..4096)", tok);
             return KVCC_EXIT_USAGE;
         }
     }
     return 0;
 }
 
-/* am: every ratio budget must be a compiled target; the note states the options each row runs
- * with. The uncompiled variants hold their options (kvrt_am_opts) as the state. */
+static void am_eval_release(void *state) {
+    am_eval_state *st = state;
+    if (st == NULL) return;
+    if (st->R && --st->R->refs == 0) {
+        am_repeat_free(st->R);
+        if (am_repeat_shared == st->R) am_repeat_shared = NULL;
+    }
+    free(st);
+}
+
+/* The shared model of the repeat rows (opened by the first). 0 or KVCC_EXIT_*. */
+static int am_eval_repeat_model(const kvcc_eval_method *m, const kvcc_eval_env *env,
+                                am_eval_state *st, char *err, size_t errlen) {
+    if (!env->gguf) {
+        snprintf(err, errlen, "%s: repeat-prefill reference queries need the model: give --gguf M "
+                 "(the layer-local rows too: the model runs the repeat-prefill of every corpus "
+                 "prompt)%s", m->name,
+                 m->variant == AM_EVAL_SCHEDULED ? "; --policy was calibrated with them" : "");
+        return KVCC_EXIT_USAGE;
+    }
+    if (!am_repeat_shared) {
+        char e2[600];
+        am_repeat_shared = am_repeat_open(env->gguf, env->precision, env->L, env->H, env->Hkv,
+                                          env->d, e2, sizeof e2);
+        if (!am_repeat_shared) {
+            snprintf(err, errlen, "%s: %s", m->name, e2);
+            return KVCC_EXIT_USAGE;
+        }
+    }
+    st->R = am_repeat_shared;
+    st->R->refs++;
+    return 0;
+}
+
+/* am: every ratio budget must be a compiled target; the note states the options and the
+ * reference queries each row runs with. */
 static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, void *handle,
                            kvcc_eval_prep *p, char *err, size_t errlen) {
     char txt[200];
+    am_eval_state *st = calloc(1, sizeof *st);
+    if (st == NULL) {
+        snprintf(err, errlen, "%s: out of memory", m->name);
+        return KVCC_EXIT_FAILED;
+    }
+    int rc = 0;
     if (m->variant != AM_EVAL_SCHEDULED) {
-        kvrt_am_opts *o = malloc(sizeof *o);
-        if (o == NULL) {
-            snprintf(err, errlen, "%s: out of memory", m->name);
-            return KVCC_EXIT_FAILED;
+        kvrt_am_opts_init(&st->o);
+        if (m->variant == AM_EVAL_OMP || m->variant == AM_EVAL_OMP_REPEAT)
+            st->o.key_select = KVRT_AM_SELECT_OMP;
+        st->repeat = m->variant == AM_EVAL_REPEAT || m->variant == AM_EVAL_OMP_REPEAT;
+        rc = am_env_opts(&st->o, err, errlen);
+    } else {
+        const kvrt_am_schedule *s = handle;
+        int qs = KVRT_AM_QUERIES_CONTEXT;
+        st->s = s;
+        int k = kvrt_am_schedule_opts(s, &st->o);
+        if (!k) k = kvrt_am_schedule_query_source(s, &qs);
+        if (!k && qs == KVRT_AM_QUERIES_SELF_STUDY) {
+            snprintf(err, errlen, "am: --policy %s was calibrated with self-study reference "
+                     "queries, which kvcc eval does not generate", env->policy_path);
+            free(st);
+            return KVCC_EXIT_USAGE;
         }
-        kvrt_am_opts_init(o);
-        if (m->variant == AM_EVAL_OMP) o->key_select = KVRT_AM_SELECT_OMP;
-        int rc = am_env_opts(o, err, errlen);
-        if (rc) {
-            free(o);
-            return rc;
+        for (int j = 0; !k && j < env->n_budgets; j++) {
+            const float *ratios;
+            if (env->budgets[j] < 1) k = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
         }
-        am_opts_text(o, txt, sizeof txt);
+        if (k) rc = kvcc_eval_policy_error(env, k, err, errlen);
+        st->repeat = qs == KVRT_AM_QUERIES_REPEAT;
+    }
+    if (!rc && st->repeat) rc = am_eval_repeat_model(m, env, st, err, errlen);
+    if (rc) {
+        am_eval_release(st);
+        return rc;
+    }
+    am_opts_text(&st->o, txt, sizeof txt);
+    const char *qtxt = st->repeat ? "repeat-prefill reference queries from --gguf"
+                                  : "the context's own reference queries";
+    if (m->variant == AM_EVAL_SCHEDULED)
         snprintf(p->note, sizeof p->note,
-                 "%s: an uncompiled variant, every KV head at the row's ratio (%s)", m->name, txt);
-        p->state = o;
-        return 0;
-    }
-    const kvrt_am_schedule *s = handle;
-    kvrt_am_opts o;
-    int rc = kvrt_am_schedule_opts(s, &o);
-    for (int j = 0; !rc && j < env->n_budgets; j++) {
-        const float *ratios;
-        if (env->budgets[j] < 1) rc = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
-    }
-    if (rc) return kvcc_eval_policy_error(env, rc, err, errlen);
-    p->state = handle;
-    am_opts_text(&o, txt, sizeof txt);
-    snprintf(p->note, sizeof p->note,
-             "am: the compiled per-head schedule with the compiled options (%s)", txt);
+                 "am: the compiled per-head schedule with the compiled options (%s; %s)", txt,
+                 qtxt);
+    else
+        snprintf(p->note, sizeof p->note,
+                 "%s: an uncompiled variant, every KV head at the row's ratio (%s; %s)", m->name,
+                 txt, qtxt);
+    p->state = st;
     return 0;
+}
+
+/* Layer-local: a repeat row's queries of the prompt (the corpus's tokens through the model). */
+static int am_eval_prompt_begin(void *state, kvcc_corpus *c, uint32_t prompt, void **pstate,
+                                char *err, size_t errlen) {
+    am_eval_state *st = state;
+    *pstate = NULL;
+    if (!st->repeat) return 0;
+    kvcc_corpus_prompt_info info;
+    int32_t *tok = NULL;
+    int rc = kvcc_corpus_prompt(c, prompt, &info, NULL, NULL);
+    if (!rc) rc = (tok = malloc(sizeof(int32_t) * (size_t)(info.n_tokens + 1))) ? 0 : -1;
+    if (!rc) rc = kvcc_corpus_prompt(c, prompt, &info, tok, NULL);
+    if (rc) {
+        snprintf(err, errlen, "am: prompt %u: reading its tokens: %s", prompt,
+                 tok ? kvcc_corpus_error(c) : "out of memory");
+        free(tok);
+        return KVCC_EXIT_FAILED;
+    }
+    rc = am_repeat_run(st->R, tok, (int64_t)info.context_len, err, errlen);
+    free(tok);
+    if (!rc) *pstate = st->R;
+    return rc;
+}
+
+static int am_eval_layer(const kvcc_eval_method *m, am_eval_state *st, const kvcc_eval_env *env,
+                         const kvcc_eval_layer *x, double budget, kvrt_cache **out) {
+    if (st->repeat) {
+        const am_repeat *R = st->R;
+        if (R->C != x->C) { /* cannot happen: prompt_begin / compress_all ran the context */
+            fprintf(stderr, "%s: no repeat queries of this %lld-token context\n", m->name,
+                    (long long)x->C);
+            return KVRT_ERR_ARG;
+        }
+        if (x->shared_s) *x->shared_s += R->gen_s / env->L; /* the model's share of the row */
+        if (m->variant == AM_EVAL_SCHEDULED)
+            return kvrt_am_compact_scheduled_ref(env->rt, st->s, NULL, 0, budget, x->layer,
+                                                 KVRT_AM_QUERIES_REPEAT, R->qref[x->layer], NULL,
+                                                 x->C, x->k, x->v, x->C, env->H, env->dtype, out,
+                                                 NULL);
+        return kvrt_am_compact_layer_ref(env->rt, &st->o, R->qref[x->layer], NULL, x->C, x->k,
+                                         x->v, x->C, env->H, env->Hkv, env->d, NULL, budget,
+                                         env->dtype, out, NULL);
+    }
+    if (m->variant == AM_EVAL_SCHEDULED)
+        return kvrt_am_compact_scheduled(env->rt, st->s, NULL, 0, budget, x->layer, x->q, x->k,
+                                         x->v, x->C, env->H, env->dtype, out, NULL);
+    return kvrt_am_compact_layer(env->rt, &st->o, x->q, x->k, x->v, x->C, env->H, env->Hkv,
+                                 env->d, NULL, budget, env->dtype, out, NULL);
 }
 
 static int am_eval_compress(const kvcc_eval_method *m, void *state, void *pstate,
                             const kvcc_eval_env *env, const kvcc_eval_layer *x, double budget,
                             int64_t B, kvrt_cache **out) {
     (void)pstate; (void)B;
-    if (m->variant == AM_EVAL_SCHEDULED)
-        return kvrt_am_compact_scheduled(env->rt, state, NULL, 0, budget, x->layer, x->q, x->k,
-                                         x->v, x->C, env->H, env->dtype, out, NULL);
-    return kvrt_am_compact_layer(env->rt, state, x->q, x->k, x->v, x->C, env->H, env->Hkv,
-                                 env->d, NULL, budget, env->dtype, out, NULL);
+    return am_eval_layer(m, state, env, x, budget, out);
 }
 
 /* Every budget of a layer in one kvrt_am_compact_layer_multi call (the per-head logits,
- * masses, targets and key scores once): the same caches as am_eval_compress per budget. */
+ * masses, targets and key scores once): the same caches as am_eval_compress per budget. Rows
+ * with repeat-prefill queries are not shared (KVRT_ERR_UNSUPPORTED: eval then compresses each
+ * row on its own). */
 static int am_eval_compress_multi(const kvcc_eval_method *m, void *state, void *pstate,
                                   const kvcc_eval_env *env, const kvcc_eval_layer *x, int n,
                                   const double *budgets, const int64_t *B, kvrt_cache **out) {
+    am_eval_state *st = state;
     (void)pstate; (void)B;
+    if (st->repeat) return KVRT_ERR_UNSUPPORTED;
     if (m->variant != AM_EVAL_SCHEDULED)
-        return kvrt_am_compact_layer_multi(env->rt, state, x->q, x->k, x->v, x->C, env->H,
+        return kvrt_am_compact_layer_multi(env->rt, &st->o, x->q, x->k, x->v, x->C, env->H,
                                            env->Hkv, env->d, n, NULL, budgets, env->dtype, out,
                                            NULL);
     kvrt_am_opts o;
     float *ratios = malloc(sizeof(float) * (size_t)n * env->Hkv);
-    int rc = ratios ? kvrt_am_schedule_opts(state, &o) : KVRT_ERR_NOMEM;
+    int rc = ratios ? kvrt_am_schedule_opts(st->s, &o) : KVRT_ERR_NOMEM;
     for (int j = 0; !rc && j < n; j++) {
         const float *r;
-        rc = kvrt_am_schedule_ratios(state, budgets[j], x->layer, &r);
+        rc = kvrt_am_schedule_ratios(st->s, budgets[j], x->layer, &r);
         if (!rc) memcpy(ratios + (size_t)j * env->Hkv, r, sizeof(float) * env->Hkv);
     }
     if (!rc)
@@ -528,17 +851,48 @@ static int am_eval_compress_multi(const kvcc_eval_method *m, void *state, void *
     return rc;
 }
 
-static void am_eval_release(void *state) { free(state); }
+/* End to end (and the needle task): every layer from the model's own keys and values; repeat
+ * rows first run the repeat-prefill of the context's tokens (once per context for all rows). */
+static int am_eval_compress_all(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
+                                const kvcc_eval_all *x, double budget, int64_t B,
+                                kvrt_cache **out) {
+    am_eval_state *st = state;
+    (void)B;
+    if (st->repeat) {
+        char err[600];
+        int rc = am_repeat_run(st->R, x->tokens, x->C, err, sizeof err);
+        if (rc) { /* the row fails with the status; the reason goes to stderr */
+            fprintf(stderr, "%s: %s\n", m->name, err);
+            return rc == KVCC_EXIT_FAILED ? KVRT_ERR_NOMEM : KVRT_ERR_ARG;
+        }
+    }
+    int rc = KVRT_OK;
+    for (uint32_t l = 0; l < env->L && rc == KVRT_OK; l++) {
+        const kvcc_eval_layer xl = {.layer = l, .q = x->q[l], .k = x->k[l], .v = x->v[l],
+                                    .C = x->C};
+        rc = am_eval_layer(m, st, env, &xl, budget, &out[l]);
+    }
+    if (rc)
+        for (uint32_t l = 0; l < env->L; l++) { kvrt_cache_free(out[l]); out[l] = NULL; }
+    return rc;
+}
 
 /* am opens the schedule (once per run); the uncompiled variants need no policy. */
-#define AM_EVAL_METHOD(nm, var, open, close, rel)                                                  \
+/* all: am_eval_compress_all where the row may need repeat-prefill queries end to end (am: its
+ * artifact says; the -repeat rows), NULL for the context-query rows, whose end-to-end layers
+ * then go through compress_layer and share one call for all budgets (compress_layer_multi). */
+#define AM_EVAL_METHOD(nm, var, open, close, all)                                                  \
     {.name = nm, .family = "Attention Matching", .budget = KVCC_BUDGET_RATIO, .variant = var,      \
-     .open_handle = open, .close_handle = close, .prepare = am_eval_prepare, .release = rel,       \
-     .compress_layer = am_eval_compress, .compress_layer_multi = am_eval_compress_multi}
+     .open_handle = open, .close_handle = close, .prepare = am_eval_prepare,                       \
+     .release = am_eval_release, .prompt_begin = am_eval_prompt_begin,                             \
+     .compress_layer = am_eval_compress, .compress_layer_multi = am_eval_compress_multi,           \
+     .compress_all = all}
 static const kvcc_eval_method am_eval_methods[] = {
-    AM_EVAL_METHOD("am", AM_EVAL_SCHEDULED, am_eval_open, am_eval_close, NULL),
-    AM_EVAL_METHOD("am-uniform", AM_EVAL_UNIFORM, NULL, NULL, am_eval_release),
-    AM_EVAL_METHOD("am-omp", AM_EVAL_OMP, NULL, NULL, am_eval_release),
+    AM_EVAL_METHOD("am", AM_EVAL_SCHEDULED, am_eval_open, am_eval_close, am_eval_compress_all),
+    AM_EVAL_METHOD("am-uniform", AM_EVAL_UNIFORM, NULL, NULL, NULL),
+    AM_EVAL_METHOD("am-omp", AM_EVAL_OMP, NULL, NULL, NULL),
+    AM_EVAL_METHOD("am-repeat", AM_EVAL_REPEAT, NULL, NULL, am_eval_compress_all),
+    AM_EVAL_METHOD("am-omp-repeat", AM_EVAL_OMP_REPEAT, NULL, NULL, am_eval_compress_all),
     {.name = NULL},
 };
 
@@ -562,6 +916,11 @@ static const kvcc_pass_option am_options[] = {
     {"am-sinks", KVCC_OPT_U32, "N", "4",
      "first N keys of every head kept exactly (beta 0), inside its budget (written; eval runs it)",
      AM_OPT(am_sinks), 0, 0, 1u << 20, NULL, 0},
+    {"am-queries", KVCC_OPT_CHOICE, "context|repeat", "context",
+     "reference queries of the calibration: the context's own (causal) or repeat-prefill (the "
+     "model runs the context, an instruction to repeat it and the context again; the second "
+     "copy's queries; needs --gguf) (written; eval runs it)", AM_OPT(am_queries), 0, 0, 0,
+     "context|repeat", 0},
     {"am-recent", KVCC_OPT_F64, "F", "0.5",
      "fraction of every head's budget kept as the exact recent window, in [0, 1) (written; eval "
      "runs it)", AM_OPT(am_recent), 0, 0, 0, NULL, 0},

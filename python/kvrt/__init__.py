@@ -23,7 +23,7 @@ from ._core import (Context, Selection, Cache, CacheArrays, attend, as_f32, budg
                     method_select, method_scores, method_select_scored, method_has_scores, select_pinned, Quest,
                     has_cuda, cuda_device_count, default_context, METHODS, OPS)
 from .policy import (Policy, PRESETS, model_dims, inspect, CompilerKV, CompilerKVPrompt,
-                     AMSchedule, am_compact, am_compact_layer, am_options, CompKVGrouping, CompKVState,
+                     AMSchedule, am_compact, am_compact_layer, am_compact_layer_ref, am_options, CompKVGrouping, CompKVState,
                      compkv_options)
 from .kv2 import KV2Plan, KV2Schedule, kv2_options
 from .mr import MRBasis, MRSchedule, MRStream, mr_compress_layer, mr_options

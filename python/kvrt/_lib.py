@@ -122,7 +122,7 @@ class kvrt_quest(Structure):
 class kvrt_am_opts(Structure):
     _fields_ = [("key_select", c_int), ("chunk", c_int64), ("ridge", c_double),
                 ("nnls_max_iter", c_int), ("max_queries", c_int64), ("beta_floor", c_double),
-                ("n_sink", c_int64), ("recent_frac", c_double)]
+                ("n_sink", c_int64), ("recent_frac", c_double), ("omp_batch", c_int)]
 
 
 class kvrt_am_stats(Structure):
@@ -282,6 +282,12 @@ _PROTOS = {
                             POINTER(kvrt_am_stats)]),
     "kvrt_am_compact_layer": (I, [P, POINTER(kvrt_am_opts), P, P, P, I64, U32, U32, U32, P, D,
                                   I, PP, P]),
+    "kvrt_am_compact_layer_ref": (I, [P, POINTER(kvrt_am_opts), P, P, I64, P, P, I64, U32, U32,
+                                      U32, P, D, I, PP, P]),
+    "kvrt_am_query_source_name": (c_char_p, [I]),
+    "kvrt_am_schedule_query_source": (I, [P, POINTER(c_int)]),
+    "kvrt_am_compact_scheduled_ref": (I, [P, P, POINTER(kvrt_am_opts), c_uint, D, U32, I, P, P,
+                                          I64, P, P, I64, U32, I, PP, P]),
     "kvrt_am_open": (I, [P, PP]),
     "kvrt_am_schedule_free": (None, [P]),
     "kvrt_am_schedule_opts": (I, [P, POINTER(kvrt_am_opts)]),

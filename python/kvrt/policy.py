@@ -2,7 +2,8 @@
 
 * :class:`CompilerKV` (``kvrt_compilerkv_open``): prompt features and per-layer selection.
 * :class:`AMSchedule` (``kvrt_am_open``): Attention Matching compaction with the compiled
-  per-head schedule; :func:`am_compact_layer` the unscheduled call.
+  per-head schedule; :func:`am_compact_layer` the unscheduled call, :func:`am_compact_layer_ref`
+  with reference queries the caller hands in (repeat-prefill).
 * :class:`CompKVGrouping` (``kvrt_compkv_open``) and :class:`CompKVState`: decode-time
   compensated sparse attention (append tokens, step).
 """
@@ -460,7 +461,7 @@ def _am_opts_dict(o: _lib.kvrt_am_opts) -> Dict[str, Any]:
 
 def am_options(**overrides) -> Dict[str, Any]:
     """kvrt_am_opts_init's defaults, with overrides (key_select 'highest'/'omp', chunk, ridge,
-    nnls_max_iter, max_queries, beta_floor, n_sink, recent_frac)."""
+    nnls_max_iter, max_queries, beta_floor, n_sink, recent_frac, omp_batch)."""
     return _am_opts_dict(_am_opts(**overrides))
 
 
@@ -515,6 +516,48 @@ def am_compact_layer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, ratio: float =
     return Cache(out.value), [_am_stats(s) for s in stats]
 
 
+_QUERY_SOURCE = {"context": 0, "repeat": 1, "self-study": 2}
+
+
+def _query_source(val) -> int:
+    if not isinstance(val, str):
+        return int(val)
+    if val not in _QUERY_SOURCE:
+        raise KvrtError(ERR_ARG, f"kvrt: AM query_source: got {val!r}, expected 'context', "
+                                 "'repeat' or 'self-study'")
+    return _QUERY_SOURCE[val]
+
+
+def am_compact_layer_ref(q_ref: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                         q_pos: Optional[ArrayLike] = None, ratio: float = 0.0,
+                         ratios: Optional[ArrayLike] = None, dtype: str = "f32",
+                         ctx: Optional[Context] = None, **options
+                         ) -> Tuple[Cache, List[Dict[str, Any]]]:
+    """kvrt_am_compact_layer_ref: one layer with reference queries the caller hands in:
+    q_ref [n, H, d] (e.g. the repeat-prefill queries of the context's second copy, see kvrt.h),
+    q_pos [n] int32 their positions (a row sees keys j <= q_pos[i]) or None (every key), k, v
+    [T, Hkv, d] the context. Budgets and options as :func:`am_compact_layer`."""
+    fn = "kvrt.am_compact_layer_ref"
+    kb = _buf(k, "k", fn, (None, None, None))
+    T, Hkv, d = kb.shape
+    qb = _buf(q_ref, "q_ref", fn, (None, None, d))
+    vb = _buf(v, "v", fn, (T, Hkv, d))
+    pp = None
+    if q_pos is not None:
+        pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
+    rp = None
+    if ratios is not None:
+        rb = _buf(np.ascontiguousarray(ratios, dtype=np.float32), "ratios", fn, (Hkv,))
+        rp = rb.ptr
+    o = _am_opts(**options)
+    c = _ctx(ctx)
+    out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
+    check(lib.kvrt_am_compact_layer_ref(c.ptr, byref(o), qb.ptr, pp, qb.shape[0], kb.ptr, vb.ptr,
+                                        T, qb.shape[1], Hkv, d, rp, float(ratio),
+                                        _dtype_code(dtype), byref(out), stats), ctx_ptr=c.ptr)
+    return Cache(out.value), [_am_stats(s) for s in stats]
+
+
 class AMSchedule(_Handle):
     """The compiled Attention Matching schedule (``kvrt_am_schedule``)."""
     _free_fn = "kvrt_am_schedule_free"
@@ -535,6 +578,46 @@ class AMSchedule(_Handle):
         o = _lib.kvrt_am_opts()
         check(lib.kvrt_am_schedule_opts(self.ptr, byref(o)))
         return _am_opts_dict(o)
+
+    @property
+    def query_source(self) -> str:
+        """The reference queries the schedule was calibrated with: 'context', 'repeat' or
+        'self-study' (kvrt_am_schedule_query_source)."""
+        qs = c_int()
+        check(lib.kvrt_am_schedule_query_source(self.ptr, byref(qs)))
+        return lib.kvrt_am_query_source_name(qs.value).decode()
+
+    def compact_scheduled_ref(self, q_ref: ArrayLike, k: ArrayLike, v: ArrayLike, target: float,
+                              layer: int, *, query_source="repeat",
+                              q_pos: Optional[ArrayLike] = None, dtype: str = "f32",
+                              ctx: Optional[Context] = None, override: bool = False, **options
+                              ) -> Tuple[Cache, List[Dict[str, Any]]]:
+        """kvrt_am_compact_scheduled_ref: one layer with the compiled ratios and reference
+        queries q_ref [n, H, d] (q_pos [n] or None) of the stated query_source; a source other
+        than the schedule's (:attr:`query_source`) is refused unless override."""
+        fn = "kvrt.AMSchedule.compact_scheduled_ref"
+        kb = _buf(k, "k", fn, (None, None, None))
+        T, Hkv, d = kb.shape
+        qb = _buf(q_ref, "q_ref", fn, (None, None, d))
+        vb = _buf(v, "v", fn, (T, Hkv, d))
+        pp = None
+        if q_pos is not None:
+            pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
+        op = None
+        if options:
+            base = _lib.kvrt_am_opts()
+            check(lib.kvrt_am_schedule_opts(self.ptr, byref(base)))
+            op = byref(_am_opts(base, **options))
+        c = _ctx(ctx)
+        out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
+        check(lib.kvrt_am_compact_scheduled_ref(c.ptr, self.ptr, op,
+                                                OVERRIDE_OPTIONS if override else 0,
+                                                float(target), int(layer),
+                                                _query_source(query_source), qb.ptr, pp,
+                                                qb.shape[0], kb.ptr, vb.ptr, T, qb.shape[1],
+                                                _dtype_code(dtype), byref(out), stats),
+              ctx_ptr=c.ptr)
+        return Cache(out.value), [_am_stats(s) for s in stats]
 
     def ratios(self, target: float, layer: int) -> np.ndarray:
         """Per-KV-head ratios float32 [Hkv] of layer for a compiled target."""

@@ -7,11 +7,14 @@
  *
  * defines: kvrt_am_open, kvrt_am_schedule_free, kvrt_am_schedule_opts,
  *          kvrt_am_schedule_targets, kvrt_am_schedule_ratios, kvrt_am_compact_scheduled,
- *          kvrt_am_compact, kvrt_am_compact_layer, kvrt_am_compact_layer_multi
+ *          kvrt_am_compact_scheduled_ref, kvrt_am_schedule_query_source,
+ *          kvrt_am_query_source_name, kvrt_am_compact, kvrt_am_compact_layer,
+ *          kvrt_am_compact_layer_ref, kvrt_am_compact_layer_multi, kvrt_am_compact_layer_multi_ref
  *
  * Section am.schedule (critical): targets f64 [n_t], schedule f32 [n_t, L, Hkv], key_select
  * string ("highest" | "omp"), chunk i64; optional beta_floor f64, n_sink i64 and recent_frac
- * f64, absent in artifacts written before them (then: what ran before them, zero-weight keys
+ * f64, omp_batch i64 and query_source string ("context" | "repeat" | "self-study"), absent in artifacts
+ * written before them (then: what ran before them, context queries, zero-weight keys
  * dropped, no exact sinks or recent window; docs/kvpol-format.md, group 2).
  */
 #include <math.h>
@@ -27,7 +30,15 @@ struct kvrt_am_schedule {
     double *targets;      /* [n_targets] */
     float *ratios;        /* [n_targets, n_layers, n_kv_heads] */
     kvrt_am_opts opts;    /* the compiled options (kvrt_am_opts_init's for those not stored) */
+    int query_source;     /* kvrt_am_query_source the schedule was calibrated with */
 };
+
+static const char *source_name(int qs) {
+    return qs == KVRT_AM_QUERIES_CONTEXT  ? "context"
+           : qs == KVRT_AM_QUERIES_REPEAT ? "repeat"
+           : qs == KVRT_AM_QUERIES_SELF_STUDY ? "self-study"
+                                          : "unknown";
+}
 
 void kvrt_am_schedule_free(kvrt_am_schedule *s) {
     if (s == NULL) return;
@@ -112,6 +123,33 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     if (!(recent_frac >= 0 && recent_frac < 1))
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: recent_frac %g, expected [0, 1)", fn,
                          recent_frac);
+    /* optional: the reference-query source (absent: context, what ran before the item) */
+    int query_source = KVRT_AM_QUERIES_CONTEXT;
+    const char *qsrc = NULL;
+    uint64_t qsrc_len = 0;
+    int g4 = kvpol_get_string(f, si, "query_source", &qsrc, &qsrc_len);
+    if (g4 && g4 != KVPOL_ERR_NOT_FOUND)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected query_source string (context, "
+                         "repeat or self-study) where present (it is of another type)", fn);
+    if (!g4) {
+        query_source = -1;
+        for (int qs = KVRT_AM_QUERIES_CONTEXT; qs <= KVRT_AM_QUERIES_SELF_STUDY; qs++)
+            if (qsrc_len == strlen(source_name(qs)) && !memcmp(qsrc, source_name(qs), qsrc_len))
+                query_source = qs;
+        if (query_source < 0)
+            return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: query_source '%.*s', expected "
+                             "context, repeat or self-study", fn,
+                             (int)(qsrc_len < 32 ? qsrc_len : 32), qsrc);
+    }
+    /* optional: OMP's keys per round (absent: 1, the plain greedy that ran before the item) */
+    int64_t omp_batch = 1;
+    int g5 = kvpol_get_i64(f, si, "omp_batch", &omp_batch);
+    if (g5 && g5 != KVPOL_ERR_NOT_FOUND)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected omp_batch i64 where present "
+                         "(it is of another type)", fn);
+    if (omp_batch < 1 || omp_batch > 4096)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: omp_batch %lld, expected 1..4096", fn,
+                         (long long)omp_batch);
     kvrt_am_schedule *s = calloc(1, sizeof *s);
     if (s) {
         s->targets = malloc(sizeof(double) * (size_t)tg.dims[0]);
@@ -133,6 +171,8 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     s->opts.beta_floor = beta_floor;
     s->opts.n_sink = n_sink;
     s->opts.recent_frac = recent_frac;
+    s->query_source = query_source;
+    s->opts.omp_batch = (int)omp_batch;
     *out = s;
     return KVRT_OK;
 }
@@ -142,6 +182,19 @@ int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out) {
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_opts: NULL argument");
     *out = s->opts;
     return KVRT_OK;
+}
+
+int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *out) {
+    if (s == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_query_source: NULL argument");
+    *out = s->query_source;
+    return KVRT_OK;
+}
+
+const char *kvrt_am_query_source_name(int query_source) {
+    return query_source >= KVRT_AM_QUERIES_CONTEXT && query_source <= KVRT_AM_QUERIES_SELF_STUDY
+               ? source_name(query_source)
+               : NULL;
 }
 
 int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, int *n_targets) {
@@ -182,13 +235,24 @@ static const char *select_name(int ks) {
 
 /* The checks of kvrt_am_compact_scheduled that need the schedule; *ratios: the layer's ratios. */
 static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt_am_opts *o,
-                           unsigned flags, double target, uint32_t layer, kvrt_cache **out,
-                           const float **ratios) {
+                           unsigned flags, int query_source, double target, uint32_t layer,
+                           kvrt_cache **out, const float **ratios) {
     if (s == NULL || out == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, s ? "out" : "schedule");
     if (flags & ~KVRT_OVERRIDE_OPTIONS)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn,
                          flags & ~KVRT_OVERRIDE_OPTIONS);
+    if (!kvrt_am_query_source_name(query_source))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: query_source %d, expected %d (context), %d (repeat) or "
+                         "%d (self-study)", fn, query_source, KVRT_AM_QUERIES_CONTEXT,
+                         KVRT_AM_QUERIES_REPEAT, KVRT_AM_QUERIES_SELF_STUDY);
+    if (query_source != s->query_source && !(flags & KVRT_OVERRIDE_OPTIONS))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s reference queries, the schedule was calibrated with "
+                         "%s queries (%s; pass KVRT_OVERRIDE_OPTIONS to run it anyway)", fn,
+                         source_name(query_source), source_name(s->query_source),
+                         s->query_source == KVRT_AM_QUERIES_CONTEXT
+                             ? "use kvrt_am_compact_scheduled with the context's own queries"
+                             : "use kvrt_am_compact_scheduled_ref with those queries");
     if (o && !(flags & KVRT_OVERRIDE_OPTIONS)) {
         if (o->key_select != s->opts.key_select)
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: key_select %s differs from the compiled %s (pass "
@@ -220,6 +284,10 @@ static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sink %lld differs from the compiled %lld (pass "
                              "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, (long long)o->n_sink,
                              (long long)s->opts.n_sink);
+        if (o->omp_batch != s->opts.omp_batch)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: omp_batch %d differs from the compiled %d (pass "
+                             "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->omp_batch,
+                             s->opts.omp_batch);
         if (o->recent_frac != s->opts.recent_frac)
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g differs from the compiled %g (pass "
                              "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->recent_frac,
@@ -237,10 +305,31 @@ int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kv
     int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_AM_COMPACT_LAYER);
     if (rc) return rc;
     const float *ratios = NULL;
-    rc = scheduled_check(fn, s, o, flags, target, layer, out, &ratios);
+    rc = scheduled_check(fn, s, o, flags, KVRT_AM_QUERIES_CONTEXT, target, layer, out, &ratios);
     if (rc == KVRT_OK)
-        rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, q, k, v, T, n_heads, s->n_kv_heads,
-                                        s->head_dim, 1, ratios, &target, dtype, out, stats);
+        rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, q, NULL, NULL, 0, k, v, T, n_heads,
+                                        s->n_kv_heads, s->head_dim, 1, ratios, &target, dtype,
+                                        out, stats);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_am_compact_scheduled_ref(kvrt_ctx *ctx, const kvrt_am_schedule *s,
+                                  const kvrt_am_opts *o, unsigned flags, double target,
+                                  uint32_t layer, int query_source, const float *q_ref,
+                                  const int32_t *q_pos, int64_t n_ref, const float *k,
+                                  const float *v, int64_t T, uint32_t n_heads, int dtype,
+                                  kvrt_cache **out, kvrt_am_stats *stats) {
+    const char *fn = "kvrt_am_compact_scheduled_ref";
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_AM_COMPACT_LAYER);
+    if (rc) return rc;
+    const float *ratios = NULL;
+    rc = scheduled_check(fn, s, o, flags, query_source, target, layer, out, &ratios);
+    if (rc == KVRT_OK && q_ref == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: q_ref is NULL", fn);
+    if (rc == KVRT_OK)
+        rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, NULL, q_ref, q_pos, n_ref, k, v, T,
+                                        n_heads, s->n_kv_heads, s->head_dim, 1, ratios, &target,
+                                        dtype, out, stats);
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
@@ -263,8 +352,26 @@ int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, 
     if (rc) return rc;
     if (out == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact_layer: out is NULL");
     else
-        rc = ctx->ops->am_compact_layer(ctx, o, q, k, v, T, n_heads, n_kv_heads, head_dim, 1,
-                                        ratios, &ratio, dtype, out, stats);
+        rc = ctx->ops->am_compact_layer(ctx, o, q, NULL, NULL, 0, k, v, T, n_heads, n_kv_heads,
+                                        head_dim, 1, ratios, &ratio, dtype, out, stats);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_am_compact_layer_ref(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q_ref,
+                              const int32_t *q_pos, int64_t n_ref, const float *k, const float *v,
+                              int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                              const float *ratios, double ratio, int dtype, kvrt_cache **out,
+                              kvrt_am_stats *stats) {
+    const char *fn = "kvrt_am_compact_layer_ref";
+    if (out) *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_AM_COMPACT_LAYER);
+    if (rc) return rc;
+    if (out == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    else if (q_ref == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: q_ref is NULL", fn);
+    else
+        rc = ctx->ops->am_compact_layer(ctx, o, NULL, q_ref, q_pos, n_ref, k, v, T, n_heads,
+                                        n_kv_heads, head_dim, 1, ratios, &ratio, dtype, out,
+                                        stats);
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
@@ -279,7 +386,27 @@ int kvrt_am_compact_layer_multi(kvrt_ctx *ctx, const kvrt_am_opts *o, const floa
             for (int i = 0; i < n_sets; i++) out[i] = NULL;
         return rc;
     }
-    rc = ctx->ops->am_compact_layer(ctx, o, q, k, v, T, n_heads, n_kv_heads, head_dim, n_sets,
-                                    ratios, ratio_list, dtype, out, stats);
+    rc = ctx->ops->am_compact_layer(ctx, o, q, NULL, NULL, 0, k, v, T, n_heads, n_kv_heads,
+                                    head_dim, n_sets, ratios, ratio_list, dtype, out, stats);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+int kvrt_am_compact_layer_multi_ref(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q_ref,
+                                    const int32_t *q_pos, int64_t n_ref, const float *k,
+                                    const float *v, int64_t T, uint32_t n_heads,
+                                    uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                                    const float *ratios, const double *ratio_list, int dtype,
+                                    kvrt_cache **out, kvrt_am_stats *stats) {
+    const char *fn = "kvrt_am_compact_layer_multi_ref";
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_AM_COMPACT_LAYER);
+    if (rc == KVRT_OK && q_ref == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: q_ref is NULL", fn);
+    if (rc) {
+        if (out && n_sets > 0 && n_sets <= 4096)
+            for (int i = 0; i < n_sets; i++) out[i] = NULL;
+        return kvrt_policy_ctx_done(ctx, rc);
+    }
+    rc = ctx->ops->am_compact_layer(ctx, o, NULL, q_ref, q_pos, n_ref, k, v, T, n_heads,
+                                    n_kv_heads, head_dim, n_sets, ratios, ratio_list, dtype, out,
+                                    stats);
     return kvrt_policy_ctx_done(ctx, rc);
 }

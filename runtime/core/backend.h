@@ -112,8 +112,11 @@ typedef struct kvrt_backend_ops {
                       int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
                       int64_t n, int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats);
     /* Attention Matching, one layer for n_sets budget sets (kvrt_am_compact_layer_multi; the
-     * single-set calls pass n_sets = 1). */
+     * single-set calls pass n_sets = 1). q_ref NULL: the context's own queries q [T, H, d];
+     * else the reference queries q_ref [n_ref, H, d] with positions q_pos [n_ref] or NULL
+     * (kvrt_am_compact_layer_ref; q unused). */
     int (*am_compact_layer)(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
+                            const float *q_ref, const int32_t *q_pos, int64_t n_ref,
                             const float *k, const float *v, int64_t T, uint32_t n_heads,
                             uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                             const float *ratios, const double *ratio_list, int dtype,

@@ -67,7 +67,8 @@ KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, con
                                       const int32_t *q_pos, int64_t n, int64_t t, int dtype,
                                       kvrt_cache **out, kvrt_am_stats *stats);
 KVRT_INTERNAL int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q,
-                                                  const float *k, const float *v, int64_t T,
+                                                  const float *q_ref, const int32_t *q_pos,
+                                                  int64_t n_ref, const float *k, const float *v, int64_t T,
                                                   uint32_t n_heads, uint32_t n_kv_heads,
                                                   uint32_t head_dim, int n_sets,
                                                   const float *ratios, const double *ratio_list,

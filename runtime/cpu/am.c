@@ -56,6 +56,7 @@ void kvrt_am_opts_init(kvrt_am_opts *o) {
     o->beta_floor = -3;
     o->n_sink = 4;
     o->recent_frac = 0.5;
+    o->omp_batch = 1;
 }
 
 static int all_finite_f(const float *x, int64_t count) {
@@ -244,6 +245,34 @@ static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, 
     }
 }
 
+/* The Gram rows of nb keys jb[nb] at once (gram_rows(.., 1, ..) is gram_row): h[b, j] as
+ * gram_row(jb[b]) computes it, bit for bit (the same products summed over the rows in the same
+ * order), but P is read once for the nb rows instead of once per row: P (n x Tc floats, 30 MB
+ * at n = 4096, Tc = 1839) does not fit in cache, so one pass per pick made OMP memory-bound. */
+KVRT_SIMD_CLONES
+static void gram_rows(const float *S, int64_t n, int64_t Tc, const int32_t *vis, const double *rs,
+                      const int32_t *jb, int64_t nb, double *h, double *x) {
+    memset(h, 0, sizeof(double) * (size_t)(nb * Tc));
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = S + i * Tc;
+        const double r = rs[i];
+        const int64_t v = vis[i];
+        int any = 0;
+        for (int64_t b = 0; b < nb; b++) any |= row[jb[b]] != 0.0f;
+        if (!any) continue;
+        /* the row's relative values in double, once for the nb rows (the same roundings) */
+#pragma omp simd
+        for (int64_t j = 0; j < v; j++) x[j] = (double)row[j] * r;
+        for (int64_t b = 0; b < nb; b++) {
+            if (row[jb[b]] == 0.0f) continue;
+            const double u = (double)row[jb[b]] * r;
+            double *hb = h + b * Tc;
+#pragma omp simd
+            for (int64_t j = 0; j < v; j++) hb[j] += x[j] * u;
+        }
+    }
+}
+
 /* OMP key selection with NNLS refits: fills ws->sel [count] (ascending) and ws->w (weights in
  * the order of sel). Returns the count (>= 1). Works in the Gram space of the relative columns
  * Q_.j = P_.j / m (H = Q^T Q, am_prep's c0 = Q^T 1): the residual of the mass is r = 1 - Q_S w,
@@ -252,7 +281,7 @@ static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, 
  * ever read: each pick forms its row (gram_row, one pass over P) instead of the whole Tc x Tc
  * Gram up front (n Tc^2 flops and 8 Tc^2 bytes: 69 GFLOP and 128 MiB at Tc = n = 4096). */
 static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int max_iter,
-                             kvrt_nnls_info *inf) {
+                             int64_t batch, kvrt_nnls_info *inf) {
     const double *c0 = ws->c0;
     for (int64_t j = 0; j < Tc; j++) { /* ws->colsum: am_prep's column sums of squares, H_jj */
         ws->colnorm[j] = sqrt(ws->colsum[j]);
@@ -262,34 +291,45 @@ static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int m
     int64_t s = 0;
     inf->status = KVRT_NNLS_CONVERGED;
     inf->iterations = 0;
+    if (batch < 1) batch = 1;
     while (s < tc) {
-        /* the unselected key of highest positive normalized correlation (ties: lowest index) */
-        int64_t jb = -1;
-        double best = 0;
-        for (int64_t j = 0; j < Tc; j++) {
-            if (ws->taken[j] || !(ws->colnorm[j] > 0)) continue;
-            const double sc = ws->corrd[j] / ws->colnorm[j];
-            if (sc > best) { best = sc; jb = j; }
+        /* the round's keys: the (up to) batch unselected keys of highest positive normalized
+         * correlation, best first (ties: lowest index); batch 1 is the plain greedy */
+        const int64_t s0 = s, want = tc - s < batch ? tc - s : batch;
+        for (int64_t b = 0; b < want; b++) {
+            int64_t jb = -1;
+            double best = 0;
+            for (int64_t j = 0; j < Tc; j++) {
+                if (ws->taken[j] || !(ws->colnorm[j] > 0)) continue;
+                const double sc = ws->corrd[j] / ws->colnorm[j];
+                if (sc > best) { best = sc; jb = j; }
+            }
+            if (jb < 0) break; /* no key reduces the residual */
+            ws->taken[jb] = 1;
+            ws->sel[s] = (int32_t)jb;
+            ws->scale[s] = 1.0 / ws->colnorm[jb];
+            s++;
         }
-        if (jb < 0) break; /* no key reduces the residual */
-        ws->taken[jb] = 1;
-        ws->sel[s] = (int32_t)jb;
-        ws->scale[s] = 1.0 / ws->colnorm[jb];
-        /* Gram row s of the scaled columns (G is kept with leading dimension tc) */
-        double *hj = ws->HS + s * Tc;
-        gram_row(ws->S, n, Tc, ws->vis, ws->rowsum, jb, hj);
-        for (int64_t a = 0; a < s; a++) {
-            ws->G[s * tc + a] = hj[ws->sel[a]] * ws->scale[a] * ws->scale[s];
-            ws->G[a * tc + s] = ws->G[s * tc + a];
+        if (s == s0) break;
+        /* their Gram rows, one pass over P (G is kept with leading dimension tc) */
+        if (s - s0 == 1) gram_row(ws->S, n, Tc, ws->vis, ws->rowsum, ws->sel[s0], ws->HS + s0 * Tc);
+        else /* ws->corrd is free until the correlations are recomputed below */
+            gram_rows(ws->S, n, Tc, ws->vis, ws->rowsum, ws->sel + s0, s - s0, ws->HS + s0 * Tc,
+                      ws->corrd);
+        for (int64_t e = s0; e < s; e++) {
+            const double *hj = ws->HS + e * Tc;
+            for (int64_t a = 0; a < e; a++) {
+                ws->G[e * tc + a] = hj[ws->sel[a]] * ws->scale[a] * ws->scale[e];
+                ws->G[a * tc + e] = ws->G[e * tc + a];
+            }
+            ws->G[e * tc + e] = 1.0;
+            ws->cvec[e] = c0[ws->sel[e]] * ws->scale[e];
+            ws->w[e] = 0;
         }
-        ws->G[s * tc + s] = 1.0;
-        ws->cvec[s] = c0[jb] * ws->scale[s];
-        ws->w[s] = 0;
-        s++;
         /* refit on the s columns, resumed from the previous refit's passive set and Cholesky
-         * factor (the new column at 0; G's leading block is unchanged) */
+         * factor (the new columns at 0; G's leading block is unchanged) */
         kvrt_nnls_info it = {0};
-        kvrt_cpu_nnls_gram_ex(ws->G, tc, ws->cvec, s, max_iter, ws->w, &ws->nw, s > 1, &it);
+        kvrt_cpu_nnls_gram_ex(ws->G, tc, ws->cvec, s, max_iter, ws->w, &ws->nw, s0 > 0, &it);
         inf->iterations += it.iterations;
         if (it.status > inf->status) inf->status = it.status;
         /* correlations with the new residual: c0 - H[:, S] (w * scale), through H's rows of S
@@ -409,7 +449,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     kvrt_nnls_info inf = {0};
     const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
     if (o->key_select == KVRT_AM_SELECT_OMP) {
-        ts = am_select_omp(ws, n, Tc, tc, max_iter, &inf);
+        ts = am_select_omp(ws, n, Tc, tc, max_iter, o->omp_batch, &inf);
         if (ts < 0) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     } else {
         /* HighestAttnKeys: score_j = RMS over queries of softmax(z)_ij = P_ij / m_i */
@@ -713,6 +753,9 @@ static int opts_check(const char *fn, const kvrt_am_opts *o) {
     if (o->n_sink < 0 || o->n_sink > INT32_MAX)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sink %lld, expected 0..2^31-1", fn,
                          (long long)o->n_sink);
+    if (o->omp_batch < 1 || o->omp_batch > 4096)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: omp_batch %d, expected 1..4096 keys per OMP round", fn,
+                         o->omp_batch);
     if (!(o->recent_frac >= 0 && o->recent_frac < 1))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g, expected a fraction in [0, 1)", fn,
                          o->recent_frac);
@@ -766,12 +809,13 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
     return rc;
 }
 
-int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *k,
+int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *q_ref,
+                                const int32_t *q_pos, int64_t n_ref, const float *k,
                                 const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
                                 uint32_t head_dim, int n_sets, const float *ratios,
                                 const double *ratio_list, int dtype, kvrt_cache **out,
                                 kvrt_am_stats *stats) {
-    const char *fn = "kvrt_am_compact_layer";
+    const char *fn = q_ref ? "kvrt_am_compact_layer_ref" : "kvrt_am_compact_layer";
     if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
     if (n_sets < 1 || n_sets > 4096)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sets %d, expected 1..4096", fn, n_sets);
@@ -782,8 +826,18 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
     int rc = opts_check(fn, o);
     if (rc) return rc;
-    if (q == NULL || k == NULL || v == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, q == NULL ? "q" : k == NULL ? "k" : "v");
+    if ((q == NULL && q_ref == NULL) || k == NULL || v == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                         q == NULL && q_ref == NULL ? "q"
+                         : k == NULL                ? "k"
+                                                    : "v");
+    if (q_ref && (n_ref < 1 || n_ref > INT32_MAX))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_ref %lld, expected 1..2^31-1", fn,
+                         (long long)n_ref);
+    for (int64_t i = 0; q_ref && q_pos && i < n_ref; i++)
+        if (q_pos[i] < 0)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: q_pos[%lld] = %d, expected >= 0", fn, (long long)i,
+                             q_pos[i]);
     if (T < 1 || T > INT32_MAX || head_dim == 0 || head_dim > 65536 || n_kv_heads == 0 ||
         n_heads == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: T %lld, head_dim %u, n_kv_heads %u, n_heads %u", fn,
@@ -808,16 +862,20 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
             int64_t t = (int64_t)llround(r * (double)T);
             tb[h * ns + si] = t < 1 ? 1 : t > T ? T : t;
         }
+    /* the query source: the context's own (row i at position i, causal) or the caller's
+     * reference queries (positions q_pos, or none: every query sees every key) */
+    const float *qs = q_ref ? q_ref : q;
+    const int64_t nq = q_ref ? n_ref : T;
     if (!all_finite_f(k, T * Hkv * d) || !all_finite_f(v, T * Hkv * d) ||
-        !all_finite_f(q, T * H * d)) {
+        !all_finite_f(qs, nq * H * d)) {
         free(tb);
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q, k or v holds NaN or Inf", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s, k or v holds NaN or Inf", fn, q_ref ? "q_ref" : "q");
     }
-    /* reference queries of a KV head: n of its T * G context queries (G query heads at every
-     * position), at evenly spaced positions, the query head rotating so that every one of the G
-     * heads contributes (a plain stride over the interleaved (position, head) order can skip a
-     * head entirely, e.g. n = 2T/3 of 3T never picks the third). Ascending positions. */
-    const int64_t n_all = T * G;
+    /* reference queries of a KV head: n of its nq * G queries (G query heads at every row),
+     * at evenly spaced rows, the query head rotating so that every one of the G heads
+     * contributes (a plain stride over the interleaved (row, head) order can skip a head
+     * entirely, e.g. n = 2T/3 of 3T never picks the third). Ascending rows. */
+    const int64_t n_all = nq * G;
     const int64_t n = o->max_queries > 0 && o->max_queries < n_all ? o->max_queries : n_all;
     float *qr = malloc(sizeof(float) * (size_t)(n * d));
     int32_t *qp = malloc(sizeof(int32_t) * (size_t)n);
@@ -849,14 +907,14 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
                 tok = i / G;
                 g = i % G;
             } else {
-                tok = (int64_t)((double)i * (double)T / (double)n);
+                tok = (int64_t)((double)i * (double)nq / (double)n);
                 g = i % G;
             }
-            memcpy(qr + i * d, q + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
-            qp[i] = (int32_t)tok;
+            memcpy(qr + i * d, qs + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
+            qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;
         }
-        rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, qp, n, (int)ns, tb + h * ns,
-                     res + h * ns, hst, &lws);
+        rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, q_ref && !q_pos ? NULL : qp, n,
+                     (int)ns, tb + h * ns, res + h * ns, hst, &lws);
         for (int64_t si = 0; hst && si < ns; si++) stats[si * Hkv + h] = hst[si];
     }
     if (have_ws) am_ws_free(&lws);

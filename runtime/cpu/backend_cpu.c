@@ -141,13 +141,15 @@ static int cpu_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, 
 }
 
 static int cpu_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
+                                const float *q_ref, const int32_t *q_pos, int64_t n_ref,
                                 const float *k, const float *v, int64_t T, uint32_t n_heads,
                                 uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                                 const float *ratios, const double *ratio_list, int dtype,
                                 kvrt_cache **out, kvrt_am_stats *stats) {
     (void)ctx;
-    return kvrt_cpu_am_compact_layer_multi(o, q, k, v, T, n_heads, n_kv_heads, head_dim, n_sets,
-                                           ratios, ratio_list, dtype, out, stats);
+    return kvrt_cpu_am_compact_layer_multi(o, q, q_ref, q_pos, n_ref, k, v, T, n_heads,
+                                           n_kv_heads, head_dim, n_sets, ratios, ratio_list,
+                                           dtype, out, stats);
 }
 
 static int cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,

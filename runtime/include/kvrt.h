@@ -442,6 +442,9 @@ typedef struct {
     double recent_frac;    /* the last round(recent_frac * t) keys are kept exactly, counted
                             * inside t, in [0, 1) (default 0.5); the keys between the sinks and
                             * the recent window are compacted with the rest of t */
+    int omp_batch;         /* OMP: keys picked per round (the top omp_batch by correlation), one
+                            * pass over the probabilities and one NNLS refit per round; 1 (the
+                            * default): the plain greedy, one pick per round */
 } kvrt_am_opts;
 void kvrt_am_opts_init(kvrt_am_opts *o);
 
@@ -477,6 +480,42 @@ int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, 
                           uint32_t head_dim, const float *ratios, double ratio, int dtype,
                           kvrt_cache **out, kvrt_am_stats *stats);
 
+/* A whole layer with reference queries the serving stack hands in: q_ref [n_ref, H, d] (post-RoPE,
+ * the model's own), q_pos [n_ref] the position of each row (row i sees keys j <= q_pos[i]) or
+ * NULL (every row sees every key of the context); k, v [T, Hkv, d] the context. The reference
+ * queries of KV head h are those of its G = H / Hkv query heads at every row, evenly strided
+ * down to max_queries as in kvrt_am_compact_layer (row floor(i n_ref / n), query head i mod G).
+ * With q_ref = the context's own queries and q_pos[i] = i it equals kvrt_am_compact_layer.
+ *
+ * Repeat-prefill reference queries (the Attention Matching paper's default; kvcc compile
+ * --am-queries repeat): after the prefill of the context c_0 .. c_{T-1} at positions 0 .. T-1,
+ * run the model on
+ *     [instruction tokens r_0 .. r_{m-1}, c_0 .. c_{T-1}]   at position ids T .. 2T + m - 1,
+ * attending to the whole cached context and causally among themselves (a forward pass on top
+ * of the cache that is then rolled back: nothing is kept). The instruction kvcc uses is the
+ * Instruct chat turn (the model's tokenizer, special tokens parsed):
+ *     "<|im_end|>\n<|im_start|>user\nRepeat the text above exactly.<|im_end|>\n"
+ *     "<|im_start|>assistant\n"
+ * q_ref = every layer's post-RoPE queries of the second copy c_0 .. c_{T-1} (the last T rows,
+ * [T, H, d] per layer), q_pos = NULL: those queries come after the whole first copy, so each sees
+ * all of it. The copy is the model's input, not generated, so one forward pass of m + T tokens
+ * gives every layer's queries. */
+int kvrt_am_compact_layer_ref(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q_ref,
+                              const int32_t *q_pos, int64_t n_ref, const float *k, const float *v,
+                              int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                              const float *ratios, double ratio, int dtype, kvrt_cache **out,
+                              kvrt_am_stats *stats);
+
+/* Where a schedule's reference queries came from during calibration (am.schedule item
+ * query_source; artifacts without it: CONTEXT). */
+typedef enum {
+    KVRT_AM_QUERIES_CONTEXT = 0,    /* the context's own queries, causal (kvrt_am_compact_layer) */
+    KVRT_AM_QUERIES_REPEAT = 1,     /* repeat-prefill queries (kvrt_am_compact_layer_ref above) */
+    KVRT_AM_QUERIES_SELF_STUDY = 2, /* queries of model-generated questions about the context */
+} kvrt_am_query_source;
+/* "context", "repeat", "self-study"; NULL for another value. */
+const char *kvrt_am_query_source_name(int query_source);
+
 /* The compiled schedule (kvcc compile --policies am; section am.schedule): per compiled target
  * mean ratio, per-(layer, KV head) ratios, and the key selection and chunk it was calibrated
  * with. kvrt_am_open: KVRT_ERR_UNSUPPORTED (no Attention Matching group), KVRT_ERR_FORMAT (an item
@@ -487,6 +526,8 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out);
 void kvrt_am_schedule_free(kvrt_am_schedule *s);
 /* The compiled options: key_select and chunk from the artifact, the rest kvrt_am_opts_init's. */
 int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out);
+/* The reference-query source the schedule was calibrated with (kvrt_am_query_source). */
+int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *query_source);
 /* The compiled target mean ratios (valid while s lives). */
 int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, int *n_targets);
 /* Per-head ratios [Hkv] of `layer` for a compiled target (matched within 1e-6 relative; another
@@ -502,6 +543,17 @@ int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kv
                               unsigned flags, double target, uint32_t layer, const float *q,
                               const float *k, const float *v, int64_t T, uint32_t n_heads,
                               int dtype, kvrt_cache **out, kvrt_am_stats *stats);
+/* The same with reference queries (kvrt_am_compact_layer_ref's q_ref, q_pos, n_ref), whose source
+ * the caller states (query_source, a kvrt_am_query_source). kvrt_am_compact_scheduled runs the
+ * context's own queries (CONTEXT). Either call with queries of another source than the schedule
+ * was calibrated with (kvrt_am_schedule_query_source): KVRT_ERR_ARG naming both, unless flags
+ * has KVRT_OVERRIDE_OPTIONS. */
+int kvrt_am_compact_scheduled_ref(kvrt_ctx *ctx, const kvrt_am_schedule *s,
+                                  const kvrt_am_opts *o, unsigned flags, double target,
+                                  uint32_t layer, int query_source, const float *q_ref,
+                                  const int32_t *q_pos, int64_t n_ref, const float *k,
+                                  const float *v, int64_t T, uint32_t n_heads, int dtype,
+                                  kvrt_cache **out, kvrt_am_stats *stats);
 
 /* ------------------------------------------------------------------ KV² */
 /* Query-agnostic compression of one prefilled context of C tokens in two stages

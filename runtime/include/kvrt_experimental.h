@@ -82,6 +82,13 @@ int kvrt_am_compact_layer_multi(kvrt_ctx *ctx, const kvrt_am_opts *o, const floa
                                 const float *ratios,
                                 const double *ratio_list, int dtype, kvrt_cache **out,
                                 kvrt_am_stats *stats);
+/* The same with reference queries (kvrt_am_compact_layer_ref's q_ref, q_pos, n_ref). */
+int kvrt_am_compact_layer_multi_ref(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q_ref,
+                                    const int32_t *q_pos, int64_t n_ref, const float *k,
+                                    const float *v, int64_t T, uint32_t n_heads,
+                                    uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                                    const float *ratios, const double *ratio_list, int dtype,
+                                    kvrt_cache **out, kvrt_am_stats *stats);
 
 /* ---- CompilerKV tables built in memory (the compile pass) */
 /* Copies every array (shapes as in the struct). KVRT_ERR_ARG on NULL, non-finite values,

@@ -812,7 +812,7 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
             float *dq = to_ctx(ctx, q, nq), *dk = to_ctx(ctx, k, nk), *dv = to_ctx(ctx, v, nk);
             float *dr = to_ctx(ctx, rp, rp ? sizeof(float) * Hkv : 0);
             const double ratio = shapes[si].ratio;
-            rc = ctx->ops->am_compact_layer(ctx, &o, dq, dk, dv, T, H, Hkv, d, 1, dr, &ratio,
+            rc = ctx->ops->am_compact_layer(ctx, &o, dq, NULL, NULL, 0, dk, dv, T, H, Hkv, d, 1, dr, &ratio,
                                             dtype, &got, NULL);
             if (rc != KVRT_OK) {
                 report_error("am_compact_layer", bk, shape, rc, "am_compact_layer");

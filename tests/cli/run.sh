@@ -102,10 +102,33 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods full
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1); ex=$?
 [[ $ex -eq 0 && "$out" == *"am: the compiled per-head schedule with the compiled options (key selection highest, chunk 4096, beta floor "* \
    && "$out" == *"am-uniform: an uncompiled variant"* ]] && ok || bad "eval header: the options each AM row runs: $out"
+#    repeat-prefill reference queries need the model: refused by name without --gguf
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am --am-queries repeat -o "$tmp/pr.kvpol" 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--am-queries repeat needs --gguf"* && ! -e "$tmp/pr.kvpol" ]] && ok || bad "compile --am-queries repeat without --gguf: exit $ex: $err"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am --am-queries self -o "$tmp/pr.kvpol" 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--am-queries"* ]] && ok || bad "compile --am-queries self: exit $ex: $err"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods am-repeat --budgets 0.1 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"am-repeat: repeat-prefill reference queries need the model: give --gguf"* ]] && ok || bad "eval am-repeat without --gguf: exit $ex: $err"
+out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"recent 0.5 of t, reference queries context"* ]] && ok || bad "inspect: the AM query source: $out"
+if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  #  the repeat-prefill compile on real text: the same bytes at 1 and 2 threads; inspect and eval run it
+  "$KVCC" capture --prompts 1 --context 96 --continuation 16 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/cr.h5" 2>/dev/null
+  OMP_NUM_THREADS=1 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-targets 0.2 --am-queries repeat \
+    --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1 -o "$tmp/pr1.kvpol" 2>/dev/null && \
+  OMP_NUM_THREADS=2 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-targets 0.2 --am-queries repeat \
+    --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 -o "$tmp/pr2.kvpol" 2>/dev/null && \
+    cmp -s "$tmp/pr1.kvpol" "$tmp/pr2.kvpol" && ok || bad "compile --am-queries repeat differs across --threads"
+  out=$("$KVCC" inspect "$tmp/pr1.kvpol"); [[ "$out" == *"reference queries repeat"* ]] && ok || bad "inspect: repeat source: $out"
+  err=$("$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/pr1.kvpol" --methods am --budgets 0.2 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"am: repeat-prefill reference queries need the model"*"calibrated with them"* ]] && ok || bad "eval am (repeat schedule) without --gguf: exit $ex: $err"
+  out=$("$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/pr1.kvpol" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --methods am,am-repeat,am-uniform --budgets 0.2 --csv); ex=$?
+  [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 3 ]] && ok || bad "eval am (repeat schedule), am-repeat with --gguf: exit $ex: $out"
+fi
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
                                      {if (NR > 1) print last; last = $0} END {print last}')
-for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent compkv-r compkv-block budgets window reward reward-check transfer-check \
+for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent am-queries compkv-r compkv-block budgets window reward reward-check transfer-check \
          kv2-budgets kv2-rho kv2-proxies kv2-max-passes kv2-sinks kv2-chunk \
          mr-budgets mr-m mr-sinks mr-recent mr-report-k mr-report-queries; do
   grep -q -- "^  --$o .*(default [^)]*)\$" <<<"$help" && ok || bad "compile --help: --$o with its default"
