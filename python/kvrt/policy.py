@@ -528,6 +528,20 @@ def _query_source(val) -> int:
     return _QUERY_SOURCE[val]
 
 
+def _am_ref_bufs(fn: str, q_ref: ArrayLike, k: ArrayLike, v: ArrayLike,
+                 q_pos: Optional[ArrayLike]):
+    """The checked buffers of a call with caller-given reference queries: (q_ref [n, H, d],
+    k and v [T, Hkv, d], the q_pos pointer or None)."""
+    kb = _buf(k, "k", fn, (None, None, None))
+    T, Hkv, d = kb.shape
+    qb = _buf(q_ref, "q_ref", fn, (None, None, d))
+    vb = _buf(v, "v", fn, (T, Hkv, d))
+    pp = None
+    if q_pos is not None:
+        pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
+    return qb, kb, vb, pp
+
+
 def am_compact_layer_ref(q_ref: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                          q_pos: Optional[ArrayLike] = None, ratio: float = 0.0,
                          ratios: Optional[ArrayLike] = None, dtype: str = "f32",
@@ -538,13 +552,8 @@ def am_compact_layer_ref(q_ref: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     q_pos [n] int32 their positions (a row sees keys j <= q_pos[i]) or None (every key), k, v
     [T, Hkv, d] the context. Budgets and options as :func:`am_compact_layer`."""
     fn = "kvrt.am_compact_layer_ref"
-    kb = _buf(k, "k", fn, (None, None, None))
+    qb, kb, vb, pp = _am_ref_bufs(fn, q_ref, k, v, q_pos)
     T, Hkv, d = kb.shape
-    qb = _buf(q_ref, "q_ref", fn, (None, None, d))
-    vb = _buf(v, "v", fn, (T, Hkv, d))
-    pp = None
-    if q_pos is not None:
-        pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
     rp = None
     if ratios is not None:
         rb = _buf(np.ascontiguousarray(ratios, dtype=np.float32), "ratios", fn, (Hkv,))
@@ -596,13 +605,8 @@ class AMSchedule(_Handle):
         queries q_ref [n, H, d] (q_pos [n] or None) of the stated query_source; a source other
         than the schedule's (:attr:`query_source`) is refused unless override."""
         fn = "kvrt.AMSchedule.compact_scheduled_ref"
-        kb = _buf(k, "k", fn, (None, None, None))
+        qb, kb, vb, pp = _am_ref_bufs(fn, q_ref, k, v, q_pos)
         T, Hkv, d = kb.shape
-        qb = _buf(q_ref, "q_ref", fn, (None, None, d))
-        vb = _buf(v, "v", fn, (T, Hkv, d))
-        pp = None
-        if q_pos is not None:
-            pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
         op = None
         if options:
             base = _lib.kvrt_am_opts()
