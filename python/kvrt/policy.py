@@ -588,6 +588,15 @@ class AMSchedule(_Handle):
         check(lib.kvrt_am_schedule_opts(self.ptr, byref(o)))
         return _am_opts_dict(o)
 
+    def _opts_arg(self, options: Dict[str, Any]):
+        """The options argument of a scheduled call: None (the compiled ones), or the compiled
+        ones with ``options`` applied on top."""
+        if not options:
+            return None
+        base = _lib.kvrt_am_opts()
+        check(lib.kvrt_am_schedule_opts(self.ptr, byref(base)))
+        return byref(_am_opts(base, **options))
+
     @property
     def query_source(self) -> str:
         """The reference queries the schedule was calibrated with: 'context', 'repeat' or
@@ -607,11 +616,7 @@ class AMSchedule(_Handle):
         fn = "kvrt.AMSchedule.compact_scheduled_ref"
         qb, kb, vb, pp = _am_ref_bufs(fn, q_ref, k, v, q_pos)
         T, Hkv, d = kb.shape
-        op = None
-        if options:
-            base = _lib.kvrt_am_opts()
-            check(lib.kvrt_am_schedule_opts(self.ptr, byref(base)))
-            op = byref(_am_opts(base, **options))
+        op = self._opts_arg(options)
         c = _ctx(ctx)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled_ref(c.ptr, self.ptr, op,
@@ -642,11 +647,7 @@ class AMSchedule(_Handle):
         T, Hkv, d = kb.shape
         qb = _buf(q, "q", fn, (T, None, d))
         vb = _buf(v, "v", fn, (T, Hkv, d))
-        op = None
-        if options:
-            base = _lib.kvrt_am_opts()
-            check(lib.kvrt_am_schedule_opts(self.ptr, byref(base)))
-            op = byref(_am_opts(base, **options))
+        op = self._opts_arg(options)
         c = _ctx(ctx)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled(c.ptr, self.ptr, op,
