@@ -12,8 +12,8 @@
 #   make uninstall    removes exactly what make install put there
 #   make check-install  install into a scratch prefix and build an example with pkg-config only
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), USE_MPI=0/1 (default: 1 when mpicc is
-# found, 0 with SAN=1), USE_DNNL=0/1 (default: 1 when oneDNN's dnnl.h is found: the built-in model's
-# GEMMs through dnnl_sgemm, OpenBLAS otherwise), SAN=1, OPT=-O2.
+# found, 0 with SAN=1), USE_DNNL=0/1 (default: 1 when oneDNN's dnnl.h is found: the f32 GEMMs of
+# the built-in model and the CPU policies through dnnl_sgemm, OpenBLAS otherwise), SAN=1, OPT=-O2.
 
 CC       ?= cc
 NVCC     ?= nvcc
@@ -54,7 +54,8 @@ ifeq ($(origin USE_MPI),undefined)
     USE_MPI := 0
   endif
 endif
-# oneDNN (Debian libdnnl-dev): the built-in model's matrix products (calib/model.c). OpenBLAS 0.3.21
+# oneDNN (Debian libdnnl-dev): the f32 matrix products of the built-in model and of the CPU policies
+# (runtime/cpu/blas.c; libkvrt then links libdnnl). OpenBLAS 0.3.21
 # picks generic kernels on CPUs it does not know; oneDNN dispatches on the ISA itself.
 DNNL_H := $(wildcard /usr/include/dnnl.h /usr/local/include/dnnl.h)
 ifeq ($(origin USE_DNNL),undefined)
@@ -90,9 +91,9 @@ ifeq ($(MAKELEVEL),0)
     $(info kvcc: MPI OFF ($(if $(shell command -v $(MPICC) 2>/dev/null),USE_MPI=0,mpicc not found)); one process only)
   endif
   ifeq ($(USE_DNNL),1)
-    $(info kvcc: oneDNN ON (built-in model's GEMMs through dnnl_sgemm); USE_DNNL=0 for OpenBLAS)
+    $(info kvcc: oneDNN ON (f32 GEMMs of the model and the CPU policies through dnnl_sgemm); USE_DNNL=0 for OpenBLAS)
   else
-    $(info kvcc: oneDNN OFF ($(if $(DNNL_H),USE_DNNL=0,dnnl.h not found: apt-get install libdnnl-dev)); built-in model's GEMMs through OpenBLAS)
+    $(info kvcc: oneDNN OFF ($(if $(DNNL_H),USE_DNNL=0,dnnl.h not found: apt-get install libdnnl-dev)); f32 GEMMs through OpenBLAS)
   endif
 endif
 
@@ -190,11 +191,11 @@ MPI_STAMP := $(BUILD)/use_mpi.$(USE_MPI)
 $(MPI_STAMP):
 	@mkdir -p $(BUILD) && rm -f $(BUILD)/use_mpi.* && touch $@
 $(BUILD)/obj/compiler/dist.o: $(MPI_STAMP)
-# calib/model.o likewise for USE_DNNL.
+# calib/model.o and runtime/cpu/blas.o likewise for USE_DNNL.
 DNNL_STAMP := $(BUILD)/use_dnnl.$(USE_DNNL)
 $(DNNL_STAMP):
 	@mkdir -p $(BUILD) && rm -f $(BUILD)/use_dnnl.* && touch $@
-$(BUILD)/obj/calib/model.o: $(DNNL_STAMP)
+$(BUILD)/obj/calib/model.o $(BUILD)/obj/runtime/cpu/blas.o: $(DNNL_STAMP)
 
 $(BUILD)/obj/%.o: %.c
 	@mkdir -p $(dir $@)
@@ -216,7 +217,7 @@ $(LIBKVRT_A): $(RUNTIME_OBJ)
 # libkvrt.so comes with its CUDA backend beside it (order-only: either can be rebuilt alone).
 $(LIBKVRT_SO): $(RUNTIME_OBJ) $(FORMATS_OBJ) | $(LIBKVRT_CUDA)
 	$(CC) -shared $(LDFLAGS) -Wl,-soname,libkvrt.so.$(KVRT_ABI) -o $@ $(RUNTIME_OBJ) $(FORMATS_OBJ) \
-	  $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm
+	  $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm
 	ln -sf $(notdir $@) $@.$(KVRT_ABI)  # the soname, for programs linked in the tree
 # The CUDA backend: every symbol hidden but kvrt_cuda_plugin_init (runtime/cuda/cuda_backend.cu);
 # it calls back into libkvrt only through the pointers it is handed, so it links no libkvrt.
@@ -244,7 +245,7 @@ $(TESTS): $(TEST_OBJ) $(LIBCLI_A) $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) | $(L
 # Every op of the backend table on every backend against its reference (tests/backend/).
 $(BACKEND_OPS): $(BUILD)/obj/tests/backend/test_backend_ops.o $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT_CUDA)
 	@mkdir -p $(dir $@)
-	$(CC) $(LDFLAGS) $(RPATH_TREE) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
+	$(CC) $(LDFLAGS) $(RPATH_TREE) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
 	  $(LIBS_FORMATS) -lm -lpthread
 
 # The fuzz target's own source doubles as the replay driver's body.
@@ -266,7 +267,7 @@ $(BUILD)/bench/%: bench/%.c $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT
 examples: $(EXAMPLES)
 $(BUILD)/examples/%: examples/%.c $(LIBKVRT_A) $(LIBKVPOL_A) | $(LIBKVRT_CUDA)
 	@mkdir -p $(dir $@)
-	$(CC) -Iruntime/include $(CFLAGS) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_BLAS) $(LIBS_CUDA) \
+	$(CC) -Iruntime/include $(CFLAGS) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
 	  $(LIBS_FORMATS) -lm $(LDFLAGS) $(RPATH_TREE)
 
 # ---------------------------------------------------------------- suites
@@ -393,7 +394,7 @@ INSTALL_HEADERS := runtime/include/kvrt.h runtime/include/kvrt_experimental.h \
                    runtime/include/kvrt_rng.h formats/kvpol.h formats/kvpol_sections.h
 # What a static link of libkvrt.a needs after it (pkg-config --static); the shared library
 # carries its own dependencies.
-KVRT_PRIVATE := -lkvpol $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm -lpthread -fopenmp
+KVRT_PRIVATE := -lkvpol $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm -lpthread -fopenmp
 # The .pc files are written for the PREFIX/LIBDIR of this call (rewritten on every install).
 pc_file = printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$(LIBDIR)' \
   'includedir=$(INCLUDEDIR)' '' 'Name: $(1)' 'Description: $(2)' 'Version: $(KVRT_VERSION)' \

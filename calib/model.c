@@ -3,7 +3,7 @@
  * f32 weights dequantized from GGUF.
  *
  * Called through model.h by capture, eval, the CLI and tests. The matrix products of a prefill go
- * through sgemm_rm (oneDNN's dnnl_sgemm with USE_DNNL=1, else OpenBLAS's cblas_sgemm), those of a
+ * through sgemm_rm (runtime/cpu/blas.c: oneDNN's dnnl_sgemm with USE_DNNL=1, else OpenBLAS), those of a
  * decode step through gemv_fast (AVX-512); attention is plain C with OpenMP.
  * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
  *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax,
@@ -11,7 +11,6 @@
  */
 #include "model.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <pthread.h>
 #include <omp.h>
@@ -20,6 +19,7 @@
 #include <string.h>
 
 #include "calib_msg.h"
+#include "cpu/blas.h" /* kvrt_cpu_sgemm, kvrt_cpu_gemm_name: the GEMM seam shared with libkvrt */
 
 #if KVCC_WITH_DNNL
 #include <dnnl.h>
@@ -572,9 +572,9 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
 // ---------------------------------------------------------------- kernels
 
 /*
- * GEMM backend. Every product with more than one row goes through sgemm_rm: oneDNN's dnnl_sgemm
- * when built with USE_DNNL=1 (it dispatches on the CPU's ISA itself and runs on our OpenMP team),
- * OpenBLAS's cblas_sgemm otherwise (whose kernels depend on what OpenBLAS recognises: 0.3.21 runs
+ * GEMM backend. Every product with more than one row goes through sgemm_rm, i.e. libkvrt's GEMM
+ * seam kvrt_cpu_sgemm (runtime/cpu/blas.c): oneDNN's dnnl_sgemm when built with USE_DNNL=1 (it
+ * dispatches on the CPU's ISA itself and runs on our OpenMP team), OpenBLAS's cblas_sgemm otherwise (whose kernels depend on what OpenBLAS recognises: 0.3.21 runs
  * its generic "Prescott" kernels on CPUs newer than it, 4-6x slower). Both give results that do
  * not depend on the thread count on the shapes used here (a
  * capture at OMP_NUM_THREADS=1 and 2; tests/cli/run.sh). Row-major: C (m, n) = alpha A (m, k) op(B) + beta C, op(B)
@@ -590,14 +590,7 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
 
 static void sgemm_rm(int tb, int m, int n, int k, float alpha, const float *A, int lda,
                      const float *B, int ldb, float beta, float *C, int ldc) {
-#if KVCC_WITH_DNNL
-    if (dnnl_sgemm('N', tb ? 'T' : 'N', m, n, k, alpha, A, lda, B, ldb, beta, C, ldc) ==
-        dnnl_success)
-        return;
-    /* only on an argument oneDNN rejects or an allocation it could not make: same product */
-#endif
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n, k, alpha, A,
-                lda, B, ldb, beta, C, ldc);
+    kvrt_cpu_sgemm(tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc); /* runtime/cpu/blas.c */
 }
 
 /*
@@ -702,31 +695,8 @@ int kvcc_model_gemv_f32(int impl, const float *W, int rows, int cols, const floa
 
 static char gemm_name[192];
 static void gemm_name_init(void) {
-    const char *gemv = cpu_has_avx512f() ? "AVX-512" : "plain C";
-#if KVCC_WITH_DNNL
-    const dnnl_version_t *v = dnnl_version();
-    const char *isa = "?";
-    switch ((int)dnnl_get_effective_cpu_isa()) {
-    case dnnl_cpu_isa_sse41: isa = "sse41"; break;
-    case dnnl_cpu_isa_avx: isa = "avx"; break;
-    case dnnl_cpu_isa_avx2: isa = "avx2"; break;
-    case dnnl_cpu_isa_avx2_vnni: isa = "avx2_vnni"; break;
-    case dnnl_cpu_isa_avx512_core: isa = "avx512_core"; break;
-    case dnnl_cpu_isa_avx512_core_vnni: isa = "avx512_core_vnni"; break;
-    case dnnl_cpu_isa_avx512_core_bf16: isa = "avx512_core_bf16"; break;
-    case dnnl_cpu_isa_avx512_core_amx: isa = "avx512_core_amx"; break;
-    default: break;
-    }
-    snprintf(gemm_name, sizeof gemm_name, "oneDNN %d.%d.%d sgemm (isa %s); decode GEMV %s",
-             v->major, v->minor, v->patch, isa, gemv);
-#else
-    char cfg[96];
-    snprintf(cfg, sizeof cfg, "%s", openblas_get_config()); /* "OpenBLAS 0.3.21 DYNAMIC_ARCH ..." */
-    char *sp = strchr(cfg, ' ');
-    if (sp && (sp = strchr(sp + 1, ' '))) *sp = 0; /* keep name and version */
-    snprintf(gemm_name, sizeof gemm_name, "%s sgemm (%s); decode GEMV %s", cfg,
-             openblas_get_corename(), gemv);
-#endif
+    snprintf(gemm_name, sizeof gemm_name, "%s; decode GEMV %s", kvrt_cpu_gemm_name(),
+             cpu_has_avx512f() ? "AVX-512" : "plain C");
 }
 
 const char *kvcc_model_gemm_name(void) {

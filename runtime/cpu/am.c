@@ -11,13 +11,12 @@
  * defines: kvrt_am_opts_init, kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (the CPU implementations behind runtime/core/am.c)
  *
- * Threading: the big products (Q K^T, P V, the NNLS and value Gram matrices, X C_v) are single
- * OpenBLAS calls, which OpenBLAS threads itself; the elementwise work between them (one fused,
- * vectorized row pass: row max, exp, mass, column statistics; OMP's per-pick Gram rows) is
- * serial on purpose. Measured on SmolLM2 layers (T = 512, 1536 queries, 2 cores): OpenMP
- * loops between the BLAS calls made it 2-4x slower, because idle OpenMP threads spin
- * (libgomp's default wait policy) while OpenBLAS's threads work. The output is the same whatever
- * the OpenMP thread count (column reductions run in a fixed block order).
+ * Threading: the f32 products (Q K^T, P V) are batches of row-block products
+ * (kvrt_cpu_sgemm_batch: with oneDNN one product per OpenMP thread; with OpenBLAS one after
+ * another, threaded by OpenBLAS); the fused row pass (row max, exp, mass, column statistics)
+ * runs its row blocks in parallel; the double products of the fit (the NNLS and value Gram
+ * matrices, X C_v) are OpenBLAS calls. The output is the same whatever the thread count: every
+ * product and every reduction is the same computation in the same order (blocks of fixed size).
  * Precision: logits and P = exp(z - rowmax) in f32 (P in [0, 1]); masses, the NNLS and the
  * values' least squares in double.
  */
@@ -34,6 +33,7 @@
 #include "kvpol.h"
 #include "core/backend.h"
 #include "core/policies.h"
+#include "cpu/blas.h"
 #include "cpu/nnls.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -102,13 +102,14 @@ typedef struct {
                      * order (computed per pick: H itself, Tc x Tc, is never formed) */
     double *wv;     /* [t] OMP: weights times column scales */
     double *colsum; /* [Tc] column statistics */
+    kvrt_sgemm_op *ops; /* [n / AM_QBLK] the products of one pass */
     double *colnorm;/* [Tc] OMP: column norms of P */
     unsigned char *taken; /* [Tc] */
     kvrt_cpu_nnls_ws nw;
 } am_ws;
 
 static void am_ws_free(am_ws *w) {
-    free(w->S); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob); free(w->part); free(w->score);
+    free(w->S); free(w->ops); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob); free(w->part); free(w->score);
     free(w->sel); free(w->MS); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
     free(w->rowsum);
     free(w->colsum);
@@ -126,8 +127,10 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
     memset(w, 0, sizeof *w);
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
 #define AM_ALLOC(p, count) ((p) = malloc(sizeof(*(p)) * (size_t)((count) > 0 ? (count) : 1)))
-    int ok = AM_ALLOC(w->S, n * Tc) && AM_ALLOC(w->mass, n) && AM_ALLOC(w->Yf, n * d) &&
-             AM_ALLOC(w->Y, n * d) && AM_ALLOC(w->Ob, n * d) && AM_ALLOC(w->part, nblk * Tc) &&
+    w->S = kvrt_cpu_scratch_alloc(sizeof(float) * (size_t)(n * Tc));
+    w->part = kvrt_cpu_scratch_alloc(sizeof(double) * (size_t)(nblk * Tc));
+    int ok = w->S && w->part && AM_ALLOC(w->ops, (n + AM_QBLK - 1) / AM_QBLK) && AM_ALLOC(w->mass, n) && AM_ALLOC(w->Yf, n * d) &&
+             AM_ALLOC(w->Y, n * d) && AM_ALLOC(w->Ob, n * d) &&
              AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) && AM_ALLOC(w->MS, n * t) &&
              AM_ALLOC(w->G, t * t) && AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
@@ -149,64 +152,83 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
  * result depends on neither the ISA nor the thread count. */
 #define AM_LANES 16
 
+/* The rows of block b (AM_ROWBLK rows): P, mass, rs, vis and the block's partial sums pb [Tc]. */
 KVRT_SIMD_CLONES
+static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0, int64_t b,
+                      double *mass, double *rs, double *pb, int32_t *vis_out) {
+    int bad = 0;
+    memset(pb, 0, sizeof(double) * (size_t)Tc);
+    const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
+    for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
+        float *row = S + i * Tc;
+        /* causal: a query sees the keys at positions <= its own (callers pass only rows that
+         * see at least the chunk's first key) */
+        int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
+        vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
+        vis_out[i] = (int32_t)vis;
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
+        if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
+        double acc[AM_LANES] = {0};
+        int nan = 0;
+        const int64_t vl = vis - vis % AM_LANES;
+        for (int64_t j0 = 0; j0 < vl; j0 += AM_LANES) {
+#pragma omp simd reduction(| : nan)
+            for (int64_t l = 0; l < AM_LANES; l++) {
+                const float e = exp_nonpos_f32(row[j0 + l] - mx);
+                row[j0 + l] = e;
+                acc[l] += (double)e;
+                nan |= e != e;
+            }
+        }
+        for (int64_t j = vl; j < vis; j++) {
+            const float e = exp_nonpos_f32(row[j] - mx);
+            row[j] = e;
+            acc[j - vl] += (double)e;
+            nan |= e != e;
+        }
+        if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
+        double sum = 0;
+        for (int l = 0; l < AM_LANES; l++) sum += acc[l];
+        bad |= nan;
+        mass[i] = sum;
+        const double inv = 1.0 / sum;
+        rs[i] = inv;
+#pragma omp simd
+        for (int64_t j = 0; j < vis; j++) {
+            const double a = (double)row[j] * inv;
+            pb[j] += a * a;
+        }
+    }
+    return bad;
+}
+
+/* colsum[j] = sum over the blocks b in order of part[b, j], for j in [j0, j1). */
+KVRT_SIMD_CLONES
+static void colsum_range(const double *part, int64_t nblk, int64_t Tc, int64_t j0, int64_t j1,
+                         double *colsum) {
+    for (int64_t j = j0; j < j1; j++) colsum[j] = 0;
+    for (int64_t b = 0; b < nblk; b++) {
+        const double *pb = part + b * Tc;
+#pragma omp simd
+        for (int64_t j = j0; j < j1; j++) colsum[j] += pb[j];
+    }
+}
+
+/* Blocks in parallel (each writes only its own rows and partial sums), then the column sums in
+ * parallel over columns: every sum runs in the same order whatever the thread count. */
 static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
                      double *mass, double *rs, double *part, double *colsum, int32_t *vis_out) {
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
     int bad = 0;
-    for (int64_t b = 0; b < nblk; b++) {
-        double *pb = part + b * Tc;
-        memset(pb, 0, sizeof(double) * (size_t)Tc);
-        const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
-        for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
-            float *row = S + i * Tc;
-            /* causal: a query sees the keys at positions <= its own (callers pass only rows
-             * that see at least the chunk's first key) */
-            int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
-            vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
-            vis_out[i] = (int32_t)vis;
-            float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-            for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
-            if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
-            double acc[AM_LANES] = {0};
-            int nan = 0;
-            const int64_t vl = vis - vis % AM_LANES;
-            for (int64_t j0 = 0; j0 < vl; j0 += AM_LANES) {
-#pragma omp simd reduction(| : nan)
-                for (int64_t l = 0; l < AM_LANES; l++) {
-                    const float e = exp_nonpos_f32(row[j0 + l] - mx);
-                    row[j0 + l] = e;
-                    acc[l] += (double)e;
-                    nan |= e != e;
-                }
-            }
-            for (int64_t j = vl; j < vis; j++) {
-                const float e = exp_nonpos_f32(row[j] - mx);
-                row[j] = e;
-                acc[j - vl] += (double)e;
-                nan |= e != e;
-            }
-            if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
-            double sum = 0;
-            for (int l = 0; l < AM_LANES; l++) sum += acc[l];
-            bad |= nan;
-            mass[i] = sum;
-            const double inv = 1.0 / sum;
-            rs[i] = inv;
-#pragma omp simd
-            for (int64_t j = 0; j < vis; j++) {
-                const double a = (double)row[j] * inv;
-                pb[j] += a * a;
-            }
-        }
-    }
-    for (int64_t j = 0; j < Tc; j++) colsum[j] = 0;
-    for (int64_t b = 0; b < nblk; b++) {
-        const double *pb = part + b * Tc;
-#pragma omp simd
-        for (int64_t j = 0; j < Tc; j++) colsum[j] += pb[j];
-    }
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
+    for (int64_t b = 0; b < nblk; b++)
+        bad |= prep_block(S, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out);
+    const int64_t cw = 512, ncw = (Tc + cw - 1) / cw;
+#pragma omp parallel for schedule(static) if (ncw > 1)
+    for (int64_t c = 0; c < ncw; c++)
+        colsum_range(part, nblk, Tc, c * cw, (c + 1) * cw < Tc ? (c + 1) * cw : Tc, colsum);
     return bad;
 }
 
@@ -371,12 +393,16 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
                    int64_t d, const float *q, const int32_t *qpos, int64_t n, int gram) {
     const float scale = 1.0f / sqrtf((float)d);
     float *S = ws->S;
-    for (int64_t i0 = 0; i0 < n; i0 += AM_QBLK) {
-        const int64_t nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+    kvrt_sgemm_op *ops = ws->ops;
+    const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
+    for (int64_t b = 0; b < nqb; b++) {
+        const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
         const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)nb, (int)vm, (int)d, scale,
-                    q + i0 * d, (int)d, k + k0 * ld, (int)ld, 0.0f, S + i0 * Tc, (int)Tc);
+        ops[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)vm, .k = (int)d, .alpha = scale,
+                                 .A = q + i0 * d, .lda = (int)d, .B = k + k0 * ld, .ldb = (int)ld,
+                                 .C = S + i0 * Tc, .ldc = (int)Tc};
     }
+    kvrt_cpu_sgemm_batch(ops, nqb);
     /* P = exp(z - rowmax), masses and the column sums of squares of softmax(z), one pass over
      * the rows (each row is still in L1 when its squares are added) */
     const int bad =
@@ -386,12 +412,14 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
                                      "3.4e38) or are NaN in keys %lld..%lld",
                        (long long)k0, (long long)(k0 + Tc - 1));
     /* 2. Y = softmax(z) V (P is 0 past each block's visible keys) */
-    for (int64_t i0 = 0; i0 < n; i0 += AM_QBLK) {
-        const int64_t nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+    for (int64_t b = 0; b < nqb; b++) {
+        const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
         const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)d, (int)vm, 1.0f,
-                    S + i0 * Tc, (int)Tc, v + k0 * ld, (int)ld, 0.0f, ws->Yf + i0 * d, (int)d);
+        ops[b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)vm, .alpha = 1.0f,
+                                 .A = S + i0 * Tc, .lda = (int)Tc, .B = v + k0 * ld, .ldb = (int)ld,
+                                 .C = ws->Yf + i0 * d, .ldc = (int)d};
     }
+    kvrt_cpu_sgemm_batch(ops, nqb);
     for (int64_t i = 0; i < n; i++) {
         const double inv = ws->rowsum[i];
 #pragma omp simd
@@ -738,6 +766,12 @@ static void out_store(const am_out *r, kvrt_cache *c, uint32_t h) {
     }
 }
 
+/* With the f32 products on oneDNN (on the OpenMP team), the fit's double products run on
+ * OpenBLAS at one thread: its threads, yielding after every call, took the cores from the team
+ * (bench_am --head 4096: ~17% of the CPU samples in sched_yield and the scheduler). With OpenBLAS
+ * doing every product it keeps its threads. */
+static int am_blas_hold(void) { return kvrt_cpu_gemm_is_dnnl() ? kvrt_cpu_openblas_hold() : 1; }
+
 static int opts_check(const char *fn, const kvrt_am_opts *o) {
     if (o->key_select != KVRT_AM_SELECT_HIGHEST && o->key_select != KVRT_AM_SELECT_OMP)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: key_select %d, expected %d (highest) or %d (omp)", fn,
@@ -799,7 +833,9 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
         out_free(&r);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
+    const int blas = am_blas_hold();
     rc = am_head(o, k, v, d, T, d, q_ref, q_pos, n, 1, &t, &r, stats, NULL);
+    kvrt_cpu_openblas_restore(blas);
     if (rc == KVRT_OK) {
         int64_t cnt = r.n;
         rc = kvrt_cache_create(1, head_dim, dtype, &cnt, out);
@@ -900,6 +936,7 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
         else
             have_ws = 1;
     }
+    const int blas = am_blas_hold();
     for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
         for (int64_t i = 0; i < n; i++) {
             int64_t tok, g;
@@ -917,6 +954,7 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
                      (int)ns, tb + h * ns, res + h * ns, hst, &lws);
         for (int64_t si = 0; hst && si < ns; si++) stats[si * Hkv + h] = hst[si];
     }
+    kvrt_cpu_openblas_restore(blas);
     if (have_ws) am_ws_free(&lws);
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)Hkv);
     if (rc == KVRT_OK && !cnt) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);

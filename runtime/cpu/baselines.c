@@ -31,10 +31,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cblas.h>
-#ifdef __linux__
-#include <sys/mman.h> /* madvise */
-#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -44,6 +40,7 @@
 #include "kvrt_rng.h"
 #include "core/backend.h"
 #include "core/policies.h"
+#include "cpu/blas.h"
 
 // ----------------------------------------------------------------------------
 // names and options
@@ -176,9 +173,9 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 // Tasks are (KV head, lane): lane l of a KV head processes row blocks l, l + L, l + 2L, ... in
 // order (L = min(row blocks, WM_LANES)); the lanes are added in lane order and divided by G.
 // Block sizes depend on T, G, d and the window only, never on the thread count, so the result is
-// the same for any number of threads. Tasks run in parallel over OpenMP threads with OpenBLAS
-// held at one thread inside (restored after): no OpenMP region sits between multi-threaded
-// OpenBLAS calls, and the sgemms are the same calls whatever the thread count.
+// the same for any number of threads. Tasks run in parallel over OpenMP threads, each product on
+// its own thread (kvrt_cpu_sgemm_1t: oneDNN, or OpenBLAS held at one thread inside, restored
+// after), so the sgemms are the same calls whatever the thread count.
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -271,9 +268,9 @@ static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64
                      int64_t c, wm_scratch *s) {
     const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
     const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nc, (int)P->d, P->scale,
-                s->qp, (int)P->d, P->k + ((size_t)c0 * P->Hkv + hk) * P->d,
-                (int)((size_t)P->Hkv * P->d), 0.0f, s->e + c0, (int)ncol);
+    kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d,
+                      P->k + ((size_t)c0 * P->Hkv + hk) * P->d, (int)((size_t)P->Hkv * P->d),
+                      0.0f, s->e + c0, (int)ncol);
     wm_softmax_chunk(s->e + c0, ncol, R, P->G, ta, c0, nc, s->cm + c, s->cs + c, nch);
 }
 
@@ -313,22 +310,6 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
 #pragma GCC pop_options
 #endif
 
-/* Scratch of the kernel: tens of MiB per call, first touched by the sgemms. In 2 MiB pages where
- * Linux offers them (transparent huge pages in madvise mode): with 4 KiB pages the page faults of
- * a fresh 32 MiB buffer cost about a tenth of the kernel at 32k. Freed with free(). */
-static void *wm_alloc(size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const size_t huge = (size_t)2 << 20;
-    if (bytes >= 2 * huge) {
-        const size_t n = (bytes + huge - 1) / huge * huge;
-        void *p = aligned_alloc(huge, n);
-        if (p != NULL) (void)madvise(p, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
-        return p;
-    }
-#endif
-    return malloc(bytes);
-}
-
 /* Queries first_query .. T-1 of every query head (see the section comment). */
 static int scores_fast(const char *fn, const float *q, const float *k, int64_t T, uint32_t H,
                        uint32_t Hkv, uint32_t d, int64_t first_query, float *scores) {
@@ -355,7 +336,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
     if (nt < 1 || nested) nt = 1; /* nested regions run on one thread */
     const size_t R = (size_t)bq * P.G;
     const size_t per = R * d + R * (size_t)T + 2 * R * (size_t)P.nch_max + WM_CHUNK;
-    float *buf = wm_alloc(sizeof(float) * per * (size_t)nt);
+    float *buf = kvrt_cpu_scratch_alloc(sizeof(float) * per * (size_t)nt);
     double *acc = calloc((size_t)n_tasks * (size_t)T, sizeof(double));
     if (buf == NULL || acc == NULL) {
         free(buf);
@@ -364,12 +345,8 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
                             "%s: out of memory (%zu MiB of scratch)", fn,
                             (sizeof(float) * per * (size_t)nt + sizeof(double) * n_tasks * T) >> 20);
     }
-    /* OpenBLAS at one thread inside the tasks (its pthreads would compete with OpenMP's team),
-     * restored after. OpenBLAS' thread count is process-wide: inside an enclosing parallel
-     * region the caller owns it and it is left alone (cmd_compile sets it to 1 itself); two
-     * threads of a program calling this concurrently outside OpenMP may leave it at 1. */
-    const int blas_threads = nested ? 1 : openblas_get_num_threads();
-    if (blas_threads != 1) openblas_set_num_threads(1);
+    /* OpenBLAS (when it does the products) at one thread inside the tasks, restored after */
+    const int blas_threads = kvrt_cpu_openblas_hold();
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int64_t task = 0; task < n_tasks; task++) {
         int tid = 0;
@@ -385,7 +362,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         for (int64_t b = lane; b < P.nrb; b += P.lanes)
             wm_block(&P, hk, b, &s, acc + (size_t)task * T);
     }
-    if (blas_threads != 1) openblas_set_num_threads(blas_threads);
+    kvrt_cpu_openblas_restore(blas_threads);
     for (uint32_t hk = 0; hk < Hkv; hk++)
         for (int64_t j = 0; j < T; j++) {
             double m = 0.0;

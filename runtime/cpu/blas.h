@@ -1,0 +1,77 @@
+/*
+ * blas.h: libkvrt internals: the CPU backend's f32 matrix products behind one seam, and the
+ * allocator of its large scratch buffers. Not installed.
+ *
+ * Every f32 product of the CPU policies (Attention Matching's logits and values, the window-mass
+ * kernel of SnapKV / H2O / CompilerKV) goes through here: oneDNN's dnnl_sgemm when libkvrt is
+ * built with it (USE_DNNL=1, the default when libdnnl-dev is installed: it dispatches on the
+ * CPU's ISA itself and runs on libgomp's team, the one our OpenMP loops use), OpenBLAS's
+ * cblas_sgemm otherwise (whose kernels depend on what the installed OpenBLAS recognises: 0.3.21
+ * runs generic kernels on CPUs newer than it). Row-major: C (m, n) = alpha A (m, k) op(B) +
+ * beta C, op(B) = B^T with B (n, k) when tb, else B (k, n).
+ *
+ * Determinism: in kvrt_cpu_sgemm_1t and _batch each product is computed by one thread (oneDNN never splits a product over
+ * threads when it is told it has one; OpenBLAS is held at one thread by the callers that run
+ * products inside their own parallel tasks), and which products are formed depends on the
+ * shapes only, so results do not depend on the thread count.
+ *
+ * defines: kvrt_sgemm_op, kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
+ *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
+ *          kvrt_cpu_scratch_alloc
+ */
+#ifndef KVRT_CPU_BLAS_H
+#define KVRT_CPU_BLAS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/backend.h"
+
+/* One product of a batch (see kvrt_cpu_sgemm_batch). */
+typedef struct {
+    int tb;                 /* 1: op(B) = B^T */
+    int m, n, k;
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+    int lda, ldb, ldc;
+} kvrt_sgemm_op;
+
+/* One product, threaded by the library (oneDNN on the OpenMP team, OpenBLAS on its own threads):
+ * for large single products outside parallel regions (the built-in model's layers). */
+KVRT_INTERNAL void kvrt_cpu_sgemm(int tb, int m, int n, int k, float alpha, const float *A,
+                                  int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
+/* One product on the calling thread (inside or outside a parallel region). With OpenBLAS the
+ * caller keeps it at one thread (openblas_set_num_threads(1), or products small enough that
+ * OpenBLAS does not thread them: M N K <= 2^18). */
+KVRT_INTERNAL void kvrt_cpu_sgemm_1t(int tb, int m, int n, int k, float alpha, const float *A,
+                                     int lda, const float *B, int ldb, float beta, float *C,
+                                     int ldc);
+
+/* Independent products (no C overlaps another product's A, B or C). With oneDNN they run in
+ * parallel on the OpenMP team, one thread per product, in any order; with OpenBLAS one after
+ * another, each threaded by OpenBLAS. Either way each C is the same whatever the thread count.
+ * Call outside a parallel region (inside one, they run one after another on the caller). */
+KVRT_INTERNAL void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops);
+
+/* OpenBLAS at one thread from here (its pthreads, spinning and yielding after each call, compete
+ * with OpenMP's team): returns the count to hand back to kvrt_cpu_openblas_restore. The count is
+ * process-wide: inside an enclosing parallel region the caller owns it and it is left alone
+ * (returns 1); two threads of a program calling this concurrently outside OpenMP may leave it
+ * at 1. */
+KVRT_INTERNAL int kvrt_cpu_openblas_hold(void);
+KVRT_INTERNAL void kvrt_cpu_openblas_restore(int prev);
+
+/* 1 when the f32 products of this file run on oneDNN (USE_DNNL=1). */
+KVRT_INTERNAL int kvrt_cpu_gemm_is_dnnl(void);
+
+/* "oneDNN 2.6.3 sgemm (isa avx512_core_amx)" or "OpenBLAS cblas_sgemm": what the products run on. */
+KVRT_INTERNAL const char *kvrt_cpu_gemm_name(void);
+
+/* A scratch buffer of `bytes`, freed with free(): from 4 MiB up, aligned to 2 MiB and advised
+ * into transparent huge pages (4 KiB page faults on a fresh buffer of tens of MiB cost a tenth
+ * of the kernels that fill it). NULL when out of memory. */
+KVRT_INTERNAL void *kvrt_cpu_scratch_alloc(size_t bytes);
+
+#endif
