@@ -1,0 +1,120 @@
+/*
+ * test_blas.c: Criterion tests of the CPU backend's GEMM seam (runtime/cpu/blas.c): every path
+ * (kvrt_cpu_sgemm, _1t, _batch; both transposes; alpha, beta, leading dimensions wider than the
+ * rows) against a plain double-accumulated loop within 1e-5 relative, the batch bit-identical at
+ * 1 and 2 OpenMP threads (each product on one thread), and kvrt_cpu_gemm_name naming a library.
+ */
+#include <criterion/criterion.h>
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu/blas.h"
+#include "test_rng.h"
+
+/* C (m, n) = alpha A op(B) + beta C0, in double. */
+static void gemm_plain(int tb, int m, int n, int k, float alpha, const float *A, int lda,
+                       const float *B, int ldb, float beta, const float *C0, float *C, int ldc) {
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double acc = 0;
+            for (int p = 0; p < k; p++)
+                acc += (double)A[i * lda + p] * (double)(tb ? B[j * ldb + p] : B[p * ldb + j]);
+            C[i * ldc + j] = (float)(alpha * acc + (double)beta * C0[i * ldc + j]);
+        }
+}
+
+static float *rand_buf(size_t n, uint64_t *s) {
+    float *x = malloc(sizeof(float) * n);
+    for (size_t i = 0; i < n; i++) x[i] = rng_uniform(s, -1.0f, 1.0f);
+    return x;
+}
+
+static double max_rel(const float *a, const float *b, int m, int n, int ld) {
+    double num = 0, den = 0;
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            const double e = fabs((double)a[i * ld + j] - b[i * ld + j]);
+            num = e > num ? e : num;
+            den = fabs(b[i * ld + j]) > den ? fabs(b[i * ld + j]) : den;
+        }
+    return num / (den > 0 ? den : 1);
+}
+
+Test(blas, every_path_matches_plain_loop) {
+    uint64_t s = 7;
+    const int shapes[][3] = {{1, 1, 1}, {3, 70, 64}, {256, 129, 64}, {65, 64, 300}, {17, 1, 5}};
+    for (size_t c = 0; c < sizeof shapes / sizeof shapes[0]; c++)
+        for (int tb = 0; tb < 2; tb++)
+            for (int path = 0; path < 3; path++) {
+                const int m = shapes[c][0], n = shapes[c][1], k = shapes[c][2];
+                const int lda = k + 3, ldb = (tb ? k : n) + 5, ldc = n + 2;
+                float *A = rand_buf((size_t)m * lda, &s);
+                float *B = rand_buf((size_t)(tb ? n : k) * ldb, &s);
+                float *C0 = rand_buf((size_t)m * ldc, &s);
+                float *C = malloc(sizeof(float) * (size_t)m * ldc);
+                float *R = malloc(sizeof(float) * (size_t)m * ldc);
+                memcpy(C, C0, sizeof(float) * (size_t)m * ldc);
+                const float alpha = 0.75f, beta = path == 2 ? 0.0f : 0.5f;
+                gemm_plain(tb, m, n, k, alpha, A, lda, B, ldb, beta, C0, R, ldc);
+                if (path == 0) kvrt_cpu_sgemm(tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+                else if (path == 1)
+                    kvrt_cpu_sgemm_1t(tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+                else {
+                    kvrt_sgemm_op op = {.tb = tb, .m = m, .n = n, .k = k, .alpha = alpha,
+                                        .beta = beta, .A = A, .B = B, .C = C, .lda = lda,
+                                        .ldb = ldb, .ldc = ldc};
+                    kvrt_cpu_sgemm_batch(&op, 1);
+                }
+                const double e = max_rel(C, R, m, n, ldc);
+                cr_expect(e <= 1e-5, "%s shape %d x %d x %d tb %d (%s): max error %.3g of the "
+                          "largest |C|, expected <= 1e-5",
+                          path == 0 ? "kvrt_cpu_sgemm" : path == 1 ? "_1t" : "_batch", m, n, k,
+                          tb, kvrt_cpu_gemm_name(), e);
+                free(A); free(B); free(C0); free(C); free(R);
+            }
+}
+
+/* A batch like Attention Matching's: row blocks of one product, run at 1 and 2 threads. */
+static void batch_run(int threads, const float *Q, const float *K, float *S, int n, int T, int d) {
+#ifdef _OPENMP
+    const int prev = omp_get_max_threads();
+    omp_set_num_threads(threads);
+#else
+    (void)threads;
+#endif
+    kvrt_sgemm_op ops[16];
+    int nb = 0;
+    for (int i0 = 0; i0 < n; i0 += 64, nb++)
+        ops[nb] = (kvrt_sgemm_op){.tb = 1, .m = n - i0 < 64 ? n - i0 : 64, .n = T, .k = d,
+                                  .alpha = 0.125f, .A = Q + (size_t)i0 * d, .lda = d, .B = K,
+                                  .ldb = d, .C = S + (size_t)i0 * T, .ldc = T};
+    kvrt_cpu_sgemm_batch(ops, nb);
+#ifdef _OPENMP
+    omp_set_num_threads(prev);
+#endif
+}
+
+Test(blas, batch_is_thread_count_invariant) {
+    uint64_t s = 11;
+    const int n = 1000, T = 777, d = 64;
+    float *Q = rand_buf((size_t)n * d, &s), *K = rand_buf((size_t)T * d, &s);
+    float *S1 = calloc((size_t)n * T, sizeof(float)), *S2 = calloc((size_t)n * T, sizeof(float));
+    batch_run(1, Q, K, S1, n, T, d);
+    batch_run(2, Q, K, S2, n, T, d);
+    cr_expect(memcmp(S1, S2, sizeof(float) * (size_t)n * T) == 0,
+              "kvrt_cpu_sgemm_batch (%s): results differ between 1 and 2 OpenMP threads",
+              kvrt_cpu_gemm_name());
+    free(Q); free(K); free(S1); free(S2);
+}
+
+Test(blas, gemm_name_names_the_library) {
+    const char *nm = kvrt_cpu_gemm_name();
+    cr_expect(strstr(nm, "oneDNN") == nm || strstr(nm, "OpenBLAS") == nm,
+              "kvrt_cpu_gemm_name() = '%s', expected it to start with oneDNN or OpenBLAS", nm);
+    cr_expect(kvrt_cpu_gemm_is_dnnl() == (strstr(nm, "oneDNN") == nm));
+}
