@@ -3,8 +3,8 @@
  * f32 weights dequantized from GGUF.
  *
  * Called through model.h by capture, eval, the CLI and tests. The matrix products of a prefill go
- * through sgemm_rm (runtime/cpu/blas.c: oneDNN's dnnl_sgemm with USE_DNNL=1, else OpenBLAS), those of a
- * decode step through gemv_fast (AVX-512); attention is plain C with OpenMP.
+ * through kvrt_cpu_sgemm (runtime/cpu/blas.c: oneDNN's dnnl_sgemm with USE_DNNL=1, else
+ * OpenBLAS), those of a decode step through gemv_fast (AVX-512); attention is plain C with OpenMP.
  * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
  *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax,
  *          kvcc_model_gemm_name, kvcc_model_gemv_f32
@@ -572,13 +572,13 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
 // ---------------------------------------------------------------- kernels
 
 /*
- * GEMM backend. Every product with more than one row goes through sgemm_rm, i.e. libkvrt's GEMM
- * seam kvrt_cpu_sgemm (runtime/cpu/blas.c): oneDNN's dnnl_sgemm when built with USE_DNNL=1 (it
- * dispatches on the CPU's ISA itself and runs on our OpenMP team), OpenBLAS's cblas_sgemm otherwise (whose kernels depend on what OpenBLAS recognises: 0.3.21 runs
- * its generic "Prescott" kernels on CPUs newer than it, 4-6x slower). Both give results that do
- * not depend on the thread count on the shapes used here (a
- * capture at OMP_NUM_THREADS=1 and 2; tests/cli/run.sh). Row-major: C (m, n) = alpha A (m, k) op(B) + beta C, op(B)
- * = B^T with B (n, k) when tb, else B (k, n).
+ * GEMM backend. Every product with more than one row goes through libkvrt's GEMM seam
+ * kvrt_cpu_sgemm (runtime/cpu/blas.c): oneDNN's dnnl_sgemm when built with USE_DNNL=1 (it
+ * dispatches on the CPU's ISA itself and runs on our OpenMP team), OpenBLAS's cblas_sgemm
+ * otherwise (whose kernels depend on what OpenBLAS recognises: 0.3.21 runs its generic
+ * "Prescott" kernels on CPUs newer than it, 4-6x slower). Both give results that do not depend
+ * on the thread count on the shapes used here (a capture at OMP_NUM_THREADS=1 and 2;
+ * tests/cli/run.sh).
  */
 #if KVCC_WITH_DNNL
 /* oneDNN runs its GEMMs on libgomp's team, the one our OpenMP loops use: parallel loops between
@@ -587,11 +587,6 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
 #else
 #define GEMM_SHARES_OMP 0
 #endif
-
-static void sgemm_rm(int tb, int m, int n, int k, float alpha, const float *A, int lda,
-                     const float *B, int ldb, float beta, float *C, int ldc) {
-    kvrt_cpu_sgemm(tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc); /* runtime/cpu/blas.c */
-}
 
 /*
  * Decode GEMV: y (rows) = W (rows, cols) x + beta y, beta 0 or 1 (0: y is only written). A decode
@@ -706,11 +701,11 @@ const char *kvcc_model_gemm_name(void) {
 }
 
 /* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
- * decode step) goes through the GEMV above, more through sgemm_rm. */
+ * decode step) goes through the GEMV above, more through kvrt_cpu_sgemm. */
 static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
                      float *y, int ldy) {
     if (n == 1) gemv_fast(W, rows, cols, x, beta, y);
-    else sgemm_rm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
+    else kvrt_cpu_sgemm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
 }
 
 // ---------------------------------------------------------------- bf16 products
@@ -1164,12 +1159,12 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
                 memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
             continue;
         }
-        sgemm_rm(1, n, (int)ne, d, scale, q + (size_t)h * d, H * d, kh->k, (int)kh->stride, 0.0f,
-                 scores, (int)ne);
+        kvrt_cpu_sgemm(1, n, (int)ne, d, scale, q + (size_t)h * d, H * d, kh->k, (int)kh->stride,
+                       0.0f, scores, (int)ne);
         for (int t = 0; t < n; t++) /* serial: see the comment above attend_blas */
             softmax_row(scores + (size_t)t * ne, ne, pos0 + t, kh->bias, kh->pos);
-        sgemm_rm(0, n, d, (int)ne, 1.0f, scores, (int)ne, kh->v, (int)kh->stride, 0.0f,
-                 out + (size_t)h * d, H * d);
+        kvrt_cpu_sgemm(0, n, d, (int)ne, 1.0f, scores, (int)ne, kh->v, (int)kh->stride, 0.0f,
+                       out + (size_t)h * d, H * d);
     }
 }
 #endif
@@ -1200,11 +1195,12 @@ static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, c
             continue;
         }
         float *sc = scores + (size_t)omp_get_thread_num() * ATT_BQ * scores_ld;
-        sgemm_rm(1, nb, (int)ne, d, scale, q + (size_t)t0 * H * d + (size_t)h * d, H * d, kh->k,
-                 (int)kh->stride, 0.0f, sc, (int)ne);
+        kvrt_cpu_sgemm(1, nb, (int)ne, d, scale, q + (size_t)t0 * H * d + (size_t)h * d, H * d,
+                       kh->k, (int)kh->stride, 0.0f, sc, (int)ne);
         for (int t = 0; t < nb; t++)
             softmax_row(sc + (size_t)t * ne, ne, pos0 + t0 + t, kh->bias, kh->pos);
-        sgemm_rm(0, nb, d, (int)ne, 1.0f, sc, (int)ne, kh->v, (int)kh->stride, 0.0f, o, H * d);
+        kvrt_cpu_sgemm(0, nb, d, (int)ne, 1.0f, sc, (int)ne, kh->v, (int)kh->stride, 0.0f, o,
+                       H * d);
     }
 }
 #endif

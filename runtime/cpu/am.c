@@ -102,14 +102,15 @@ typedef struct {
                      * order (computed per pick: H itself, Tc x Tc, is never formed) */
     double *wv;     /* [t] OMP: weights times column scales */
     double *colsum; /* [Tc] column statistics */
-    kvrt_sgemm_op *ops; /* [n / AM_QBLK] the products of one pass */
+    kvrt_sgemm_op *ops; /* [2 * ceil(n / AM_QBLK)] the f32 products of am_prep */
     double *colnorm;/* [Tc] OMP: column norms of P */
     unsigned char *taken; /* [Tc] */
     kvrt_cpu_nnls_ws nw;
 } am_ws;
 
 static void am_ws_free(am_ws *w) {
-    free(w->S); free(w->ops); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob); free(w->part); free(w->score);
+    free(w->S); free(w->ops); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob); free(w->part);
+    free(w->score);
     free(w->sel); free(w->MS); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
     free(w->rowsum);
     free(w->colsum);
@@ -129,8 +130,9 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
 #define AM_ALLOC(p, count) ((p) = malloc(sizeof(*(p)) * (size_t)((count) > 0 ? (count) : 1)))
     w->S = kvrt_cpu_scratch_alloc(sizeof(float) * (size_t)(n * Tc));
     w->part = kvrt_cpu_scratch_alloc(sizeof(double) * (size_t)(nblk * Tc));
-    int ok = w->S && w->part && AM_ALLOC(w->ops, (n + AM_QBLK - 1) / AM_QBLK) && AM_ALLOC(w->mass, n) && AM_ALLOC(w->Yf, n * d) &&
-             AM_ALLOC(w->Y, n * d) && AM_ALLOC(w->Ob, n * d) &&
+    int ok = w->S && w->part && AM_ALLOC(w->ops, 2 * ((n + AM_QBLK - 1) / AM_QBLK)) &&
+             AM_ALLOC(w->mass, n) && AM_ALLOC(w->Yf, n * d) && AM_ALLOC(w->Y, n * d) &&
+             AM_ALLOC(w->Ob, n * d) &&
              AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) && AM_ALLOC(w->MS, n * t) &&
              AM_ALLOC(w->G, t * t) && AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
@@ -393,6 +395,7 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
                    int64_t d, const float *q, const int32_t *qpos, int64_t n, int gram) {
     const float scale = 1.0f / sqrtf((float)d);
     float *S = ws->S;
+    /* the products of both passes, per block of query rows: ops[b] = Q K^T, ops[nqb + b] = P V */
     kvrt_sgemm_op *ops = ws->ops;
     const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
     for (int64_t b = 0; b < nqb; b++) {
@@ -401,6 +404,10 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
         ops[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)vm, .k = (int)d, .alpha = scale,
                                  .A = q + i0 * d, .lda = (int)d, .B = k + k0 * ld, .ldb = (int)ld,
                                  .C = S + i0 * Tc, .ldc = (int)Tc};
+        ops[nqb + b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)vm,
+                                       .alpha = 1.0f, .A = S + i0 * Tc, .lda = (int)Tc,
+                                       .B = v + k0 * ld, .ldb = (int)ld, .C = ws->Yf + i0 * d,
+                                       .ldc = (int)d};
     }
     kvrt_cpu_sgemm_batch(ops, nqb);
     /* P = exp(z - rowmax), masses and the column sums of squares of softmax(z), one pass over
@@ -412,14 +419,7 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
                                      "3.4e38) or are NaN in keys %lld..%lld",
                        (long long)k0, (long long)(k0 + Tc - 1));
     /* 2. Y = softmax(z) V (P is 0 past each block's visible keys) */
-    for (int64_t b = 0; b < nqb; b++) {
-        const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
-        const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
-        ops[b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)vm, .alpha = 1.0f,
-                                 .A = S + i0 * Tc, .lda = (int)Tc, .B = v + k0 * ld, .ldb = (int)ld,
-                                 .C = ws->Yf + i0 * d, .ldc = (int)d};
-    }
-    kvrt_cpu_sgemm_batch(ops, nqb);
+    kvrt_cpu_sgemm_batch(ops + nqb, nqb);
     for (int64_t i = 0; i < n; i++) {
         const double inv = ws->rowsum[i];
 #pragma omp simd
