@@ -67,6 +67,7 @@ const char *kvcc_gguf_status_str(int s) {
     case KVCC_GGUF_ERR_DUP: return "duplicate key or tensor name";
     case KVCC_GGUF_ERR_ARG: return "invalid argument";
     case KVCC_GGUF_ERR_NONFINITE: return "non-finite weight";
+    case KVCC_GGUF_ERR_UNSUPPORTED: return "not supported on this CPU";
     default: return "unknown status";
     }
 }

@@ -42,6 +42,7 @@ enum kvcc_gguf_status {
     KVCC_GGUF_ERR_DUP = -12,       /* duplicate key or tensor name */
     KVCC_GGUF_ERR_ARG = -13,       /* invalid argument from the caller */
     KVCC_GGUF_ERR_NONFINITE = -14, /* a weight is NaN or Inf after dequantization */
+    KVCC_GGUF_ERR_UNSUPPORTED = -15, /* a code path this CPU lacks (e.g. an ISA-specific kernel) */
 };
 const char *kvcc_gguf_status_str(int status);
 

@@ -4,7 +4,7 @@
  *
  * Called through model.h by capture, eval, the CLI and tests. The matrix products of a prefill go
  * through kvrt_cpu_sgemm (runtime/cpu/blas.c: oneDNN's dnnl_sgemm with USE_DNNL=1, else
- * OpenBLAS), those of a decode step through gemv_fast (AVX-512); attention is plain C with OpenMP.
+ * OpenBLAS), those of a decode step through gemv_fast (AVX-512 or AVX2); attention is plain C with OpenMP.
  * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
  *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax,
  *          kvcc_model_gemm_name, kvcc_model_gemv_f32
@@ -592,7 +592,7 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user) {
  * Decode GEMV: y (rows) = W (rows, cols) x + beta y, beta 0 or 1 (0: y is only written). A decode
  * step reads every weight once, so its limit is memory bandwidth; cblas_sgemv reached 42% of the
  * triad rate here, sgemm with M = 1 less (OpenBLAS re-packs W per call; oneDNN is slower still).
- * gemv_ref: plain loops, the reference. gemv_fast: AVX-512 (when the CPU has it, checked at run
+ * gemv_ref: plain loops, the reference. gemv_fast: AVX-512 (else AVX2, gemv_avx2; checked at run
  * time), four rows at a time sharing the loads of x, OpenMP over blocks of rows with a static
  * schedule. Every row is summed in one fixed order whatever the thread count or the block it
  * falls in: one 16-lane FMA accumulator over the columns in order, a masked tail, then
@@ -658,14 +658,89 @@ __attribute__((target("avx512f"))) static void gemv_avx512(const float *W, int r
     }
 }
 
+/* AVX2 + FMA (CPUs without AVX-512: AMD Zen 1-3, Intel client parts): the same shape as
+ * gemv_avx512 with 8-lane registers and two accumulators per row (columns c..c+7 into the first,
+ * c+8..c+15 into the second: two FMA chains per row hide the FMA latency), a masked tail of
+ * maskload steps into the first, then a fixed reduction (a + b, then the lanes pairwise). Every
+ * row, whether in a 4-row block or the last rows, runs dot1_avx2's order: bit-identical at any
+ * thread count. */
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
+AVX2_TARGET static inline float hsum_avx2(__m256 a, __m256 b) {
+    const __m256 s = _mm256_add_ps(a, b);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+/* lanes [0, n) set, n in 0..8 */
+AVX2_TARGET static inline __m256i tail_mask_avx2(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+AVX2_TARGET static inline float dot1_avx2(const float *w, const float *x, int cols) {
+    __m256 a = _mm256_setzero_ps(), b = a;
+    int c = 0;
+    for (; c + 16 <= cols; c += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(w + c), _mm256_loadu_ps(x + c), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(w + c + 8), _mm256_loadu_ps(x + c + 8), b);
+    }
+    for (; c < cols; c += 8) {
+        const __m256i k = tail_mask_avx2(cols - c);
+        a = _mm256_fmadd_ps(_mm256_maskload_ps(w + c, k), _mm256_maskload_ps(x + c, k), a);
+    }
+    return hsum_avx2(a, b);
+}
+AVX2_TARGET static void gemv_avx2(const float *W, int rows, int cols, const float *x, float beta,
+                                  float *y) {
+    const int nb = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int bk = 0; bk < nb; bk++) {
+        const size_t r = (size_t)bk * 4;
+        const float *w0 = W + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        int c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m256 xa = _mm256_loadu_ps(x + c), xb = _mm256_loadu_ps(x + c + 8);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c), xa, a0);
+            b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + c + 8), xb, b0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + c), xa, a1);
+            b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + c + 8), xb, b1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + c), xa, a2);
+            b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + c + 8), xb, b2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + c), xa, a3);
+            b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + c + 8), xb, b3);
+        }
+        for (; c < cols; c += 8) { /* the same masked steps as dot1_avx2 */
+            const __m256i k = tail_mask_avx2(cols - c);
+            const __m256 xv = _mm256_maskload_ps(x + c, k);
+            a0 = _mm256_fmadd_ps(_mm256_maskload_ps(w0 + c, k), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_maskload_ps(w1 + c, k), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_maskload_ps(w2 + c, k), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_maskload_ps(w3 + c, k), xv, a3);
+        }
+        const float s[4] = {hsum_avx2(a0, b0), hsum_avx2(a1, b1), hsum_avx2(a2, b2),
+                            hsum_avx2(a3, b3)};
+        for (int i = 0; i < 4; i++) y[r + i] = beta != 0.0f ? beta * y[r + i] + s[i] : s[i];
+    }
+    for (int r = nb * 4; r < rows; r++) {
+        const float s = dot1_avx2(W + (size_t)r * cols, x, cols);
+        y[r] = beta != 0.0f ? beta * y[r] + s : s;
+    }
+}
+
 static int cpu_has_avx512f(void) {
     static int v = -1; /* benign race: every thread computes the same value */
     if (v < 0) v = __builtin_cpu_supports("avx512f") ? 1 : 0;
     return v;
 }
+static int cpu_has_avx2(void) {
+    static int v = -1;
+    if (v < 0) v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    return v;
+}
 #else
 #define KVCC_HAVE_X86 0
 static int cpu_has_avx512f(void) { return 0; }
+static int cpu_has_avx2(void) { return 0; }
 #endif
 
 /* the fast path where the CPU has one, else the reference with OpenMP over rows */
@@ -675,6 +750,10 @@ static void gemv_fast(const float *W, int rows, int cols, const float *x, float 
         gemv_avx512(W, rows, cols, x, beta, y);
         return;
     }
+    if (cpu_has_avx2()) {
+        gemv_avx2(W, rows, cols, x, beta, y);
+        return;
+    }
 #endif
     #pragma omp parallel for schedule(static) if (rows >= 64)
     for (int r = 0; r < rows; r++) gemv_ref(W + (size_t)r * cols, 1, cols, x, beta, y + r);
@@ -682,16 +761,24 @@ static void gemv_fast(const float *W, int rows, int cols, const float *x, float 
 
 int kvcc_model_gemv_f32(int impl, const float *W, int rows, int cols, const float *x, float beta,
                         float *y) {
-    if (!W || !x || !y || rows < 1 || cols < 1 || (impl != 0 && impl != 1)) return KVCC_GGUF_ERR_ARG;
-    if (impl == 0) gemv_ref(W, rows, cols, x, beta, y);
-    else gemv_fast(W, rows, cols, x, beta, y);
+    if (!W || !x || !y || rows < 1 || cols < 1 || impl < KVCC_GEMV_REF || impl > KVCC_GEMV_AVX2)
+        return KVCC_GGUF_ERR_ARG;
+    if (impl == KVCC_GEMV_REF) gemv_ref(W, rows, cols, x, beta, y);
+    else if (impl == KVCC_GEMV_FAST) gemv_fast(W, rows, cols, x, beta, y);
+#if KVCC_HAVE_X86
+    else if (cpu_has_avx2()) gemv_avx2(W, rows, cols, x, beta, y);
+#endif
+    else return KVCC_GGUF_ERR_UNSUPPORTED;
     return 0;
+}
+
+static const char *gemv_isa(void) {
+    return cpu_has_avx512f() ? "AVX-512" : cpu_has_avx2() ? "AVX2" : "plain C";
 }
 
 static char gemm_name[192];
 static void gemm_name_init(void) {
-    snprintf(gemm_name, sizeof gemm_name, "%s; decode GEMV %s", kvrt_cpu_gemm_name(),
-             cpu_has_avx512f() ? "AVX-512" : "plain C");
+    snprintf(gemm_name, sizeof gemm_name, "%s; decode GEMV %s", kvrt_cpu_gemm_name(), gemv_isa());
 }
 
 const char *kvcc_model_gemm_name(void) {
@@ -785,6 +872,73 @@ static int cpu_has_avx512bf16(void) {
             __builtin_cpu_supports("avx512bf16");
     return v;
 }
+
+/* bf16 on AVX2 + FMA: 8 bf16 widened to f32 (a 16-bit shift: exact), multiplied and summed in
+ * f32 (a bf16 x bf16 product is exact in f32, so only the summation order differs from the
+ * reference). The order of gemv_avx2: two accumulators per row over 16 columns per step, the
+ * tail (< 16 columns) in steps of 8 into the first, zero-padded; 4-row blocks and the last rows
+ * alike (dot1_bf16_avx2), so bit-identical at any thread count. */
+AVX2_TARGET static inline __m256 bf16x8_avx2(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* columns [c, cols) (fewer than 8) of p, zero-padded to 8 */
+AVX2_TARGET static inline __m256 bf16_tail_avx2(const uint16_t *p, int n) {
+    uint16_t t[8] = {0};
+    memcpy(t, p, sizeof(uint16_t) * (size_t)n);
+    return bf16x8_avx2(t);
+}
+AVX2_TARGET static float dot1_bf16_avx2(const uint16_t *w, const uint16_t *xb, int cols) {
+    __m256 a = _mm256_setzero_ps(), b = a;
+    int c = 0;
+    for (; c + 16 <= cols; c += 16) {
+        a = _mm256_fmadd_ps(bf16x8_avx2(w + c), bf16x8_avx2(xb + c), a);
+        b = _mm256_fmadd_ps(bf16x8_avx2(w + c + 8), bf16x8_avx2(xb + c + 8), b);
+    }
+    for (; c < cols; c += 8) {
+        const int n = cols - c < 8 ? cols - c : 8;
+        a = _mm256_fmadd_ps(bf16_tail_avx2(w + c, n), bf16_tail_avx2(xb + c, n), a);
+    }
+    return hsum_avx2(a, b);
+}
+AVX2_TARGET static void gemv_bf16_avx2(const uint16_t *W, int rows, int cols, const uint16_t *xb,
+                                       float beta, float *y) {
+    const int nb = rows / 4;
+    #pragma omp parallel for schedule(static) if (rows >= 64)
+    for (int bk = 0; bk < nb; bk++) {
+        const size_t r = (size_t)bk * 4;
+        const uint16_t *w0 = W + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        int c = 0;
+        for (; c + 16 <= cols; c += 16) {
+            const __m256 xa = bf16x8_avx2(xb + c), xc = bf16x8_avx2(xb + c + 8);
+            a0 = _mm256_fmadd_ps(bf16x8_avx2(w0 + c), xa, a0);
+            b0 = _mm256_fmadd_ps(bf16x8_avx2(w0 + c + 8), xc, b0);
+            a1 = _mm256_fmadd_ps(bf16x8_avx2(w1 + c), xa, a1);
+            b1 = _mm256_fmadd_ps(bf16x8_avx2(w1 + c + 8), xc, b1);
+            a2 = _mm256_fmadd_ps(bf16x8_avx2(w2 + c), xa, a2);
+            b2 = _mm256_fmadd_ps(bf16x8_avx2(w2 + c + 8), xc, b2);
+            a3 = _mm256_fmadd_ps(bf16x8_avx2(w3 + c), xa, a3);
+            b3 = _mm256_fmadd_ps(bf16x8_avx2(w3 + c + 8), xc, b3);
+        }
+        for (; c < cols; c += 8) {
+            const int n = cols - c < 8 ? cols - c : 8;
+            const __m256 xv = bf16_tail_avx2(xb + c, n);
+            a0 = _mm256_fmadd_ps(bf16_tail_avx2(w0 + c, n), xv, a0);
+            a1 = _mm256_fmadd_ps(bf16_tail_avx2(w1 + c, n), xv, a1);
+            a2 = _mm256_fmadd_ps(bf16_tail_avx2(w2 + c, n), xv, a2);
+            a3 = _mm256_fmadd_ps(bf16_tail_avx2(w3 + c, n), xv, a3);
+        }
+        const float sm[4] = {hsum_avx2(a0, b0), hsum_avx2(a1, b1), hsum_avx2(a2, b2),
+                             hsum_avx2(a3, b3)};
+        for (int i = 0; i < 4; i++) y[r + i] = beta != 0.0f ? beta * y[r + i] + sm[i] : sm[i];
+    }
+    for (int r = nb * 4; r < rows; r++) {
+        const float sm = dot1_bf16_avx2(W + (size_t)r * cols, xb, cols);
+        y[r] = beta != 0.0f ? beta * y[r] + sm : sm;
+    }
+}
 #else
 static int cpu_has_avx512bf16(void) { return 0; }
 #endif
@@ -796,6 +950,10 @@ static void gemv_bf16_fast(const uint16_t *W, int rows, int cols, const uint16_t
         gemv_bf16_avx512(W, rows, cols, xb, beta, y);
         return;
     }
+    if (cpu_has_avx2()) {
+        gemv_bf16_avx2(W, rows, cols, xb, beta, y);
+        return;
+    }
 #endif
     #pragma omp parallel for schedule(static) if (rows >= 64)
     for (int r = 0; r < rows; r++) gemv_bf16_ref(W + (size_t)r * cols, 1, cols, xb, beta, y + r);
@@ -803,12 +961,17 @@ static void gemv_bf16_fast(const uint16_t *W, int rows, int cols, const uint16_t
 
 int kvcc_model_gemv_bf16(int impl, const uint16_t *W, int rows, int cols, const float *x,
                          float beta, float *y) {
-    if (!W || !x || !y || rows < 1 || cols < 1 || (impl != 0 && impl != 1)) return KVCC_GGUF_ERR_ARG;
+    if (!W || !x || !y || rows < 1 || cols < 1 || impl < KVCC_GEMV_REF || impl > KVCC_GEMV_AVX2)
+        return KVCC_GGUF_ERR_ARG;
+    if (impl == KVCC_GEMV_AVX2 && !cpu_has_avx2()) return KVCC_GGUF_ERR_UNSUPPORTED;
     uint16_t *xb = malloc((size_t)cols * sizeof *xb);
     if (!xb) return KVCC_GGUF_ERR_NOMEM;
     to_bf16(xb, x, (size_t)cols);
-    if (impl == 0) gemv_bf16_ref(W, rows, cols, xb, beta, y);
-    else gemv_bf16_fast(W, rows, cols, xb, beta, y);
+    if (impl == KVCC_GEMV_REF) gemv_bf16_ref(W, rows, cols, xb, beta, y);
+    else if (impl == KVCC_GEMV_FAST) gemv_bf16_fast(W, rows, cols, xb, beta, y);
+#if KVCC_HAVE_X86
+    else gemv_bf16_avx2(W, rows, cols, xb, beta, y);
+#endif
     free(xb);
     return 0;
 }

@@ -215,13 +215,18 @@ double kvcc_perplexity(const float *logprobs, int n);
 const char *kvcc_model_gemm_name(void);
 
 /* The decode GEMV alone, for tests and benches: y (rows) = W (rows, cols) x + beta y, beta 0 (y
- * only written) or 1. impl 0: plain loops (the reference); 1: the path decode runs (AVX-512 when
- * the CPU has it, OpenMP over rows; bit-identical at any thread count). KVCC_GGUF_ERR_ARG on a
- * NULL pointer, rows or cols < 1 or another impl. */
+ * only written) or 1. impl KVCC_GEMV_REF: plain loops (the reference); KVCC_GEMV_FAST: the path
+ * decode runs (AVX-512, else AVX2 + FMA, else the reference, each with OpenMP over rows and
+ * bit-identical at any thread count); KVCC_GEMV_AVX2: the AVX2 path even on an AVX-512 CPU (so
+ * tests cover it everywhere; KVCC_GGUF_ERR_UNSUPPORTED where the CPU lacks AVX2 or FMA).
+ * KVCC_GGUF_ERR_ARG on a NULL pointer, rows or cols < 1 or another impl. */
+enum { KVCC_GEMV_REF = 0, KVCC_GEMV_FAST = 1, KVCC_GEMV_AVX2 = 2 };
 int kvcc_model_gemv_f32(int impl, const float *W, int rows, int cols, const float *x, float beta,
                         float *y);
-/* The same for bf16 weights W: x is rounded to bf16 and every product accumulated in f32; impl 1
- * runs _mm512_dpbf16_ps where the CPU has AVX512_BF16, else the reference with OpenMP. */
+/* The same for bf16 weights W: x is rounded to bf16 and every product accumulated in f32;
+ * KVCC_GEMV_FAST runs _mm512_dpbf16_ps where the CPU has AVX512_BF16, else the AVX2 path
+ * (bf16 widened to f32 by a shift, FMA), else the reference with OpenMP; KVCC_GEMV_AVX2 as
+ * above. */
 int kvcc_model_gemv_bf16(int impl, const uint16_t *W, int rows, int cols, const float *x,
                          float beta, float *y);
 

@@ -281,7 +281,7 @@ Test(calib_gguf, huge_counts) {
 }
 
 Test(calib_gguf, status_strings) {
-    for (int s = 0; s >= -13; s--) cr_assert_str_neq(kvcc_gguf_status_str(s), "unknown status");
+    for (int s = 0; s >= -15; s--) cr_assert_str_neq(kvcc_gguf_status_str(s), "unknown status");
     cr_assert_str_eq(kvcc_gguf_status_str(-999), "unknown status");
 }
 

@@ -646,49 +646,102 @@ Test(calib_model, real_extend_equals_fresh_forward, .timeout = 600) {
     kvcc_model_free(r.m);
 }
 
-/* The decode GEMV (kvcc_model_gemv_f32): the fast path (AVX-512 where the CPU has it, OpenMP over
- * rows) against the plain-loop reference on the model's shapes (q/o 576 x 576, k/v 192 x 576,
- * gate/up 1536 x 576, down 576 x 1536, lm_head 49152 x 576) and on odd ones (rows not a multiple
- * of 4, cols not a multiple of 16, one row, one column), beta 0 and 1. Tolerance: the two sum in
- * different orders, so |fast - ref| <= 8 * cols * FLT_EPSILON * sum |w x| (a bound on the rounding
- * of either order) + 1e-30. Then the fast path gives bit-identical output at 1 and 2 threads. */
-Test(calib_model, gemv_fast_matches_ref) {
-    static const int shapes[][2] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536},
-                                    {49152, 576}, {67, 35}, {1, 17}, {5, 1}, {130, 16}, {3, 15}};
-    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
-        const int rows = shapes[si][0], cols = shapes[si][1];
+/* The decode GEMVs (kvcc_model_gemv_f32, kvcc_model_gemv_bf16): the fast path (AVX-512, else
+ * AVX2) and the AVX2 path (run even on an AVX-512 CPU) against the plain-loop reference on the
+ * model's shapes (q/o 576 x 576, k/v 192 x 576, gate/up 1536 x 576, down 576 x 1536, lm_head
+ * 49152 x 576) and on odd ones (rows not a multiple of 4, cols not a multiple of 16 or 8, one row,
+ * one column), beta 0 and 1. Tolerance: the paths sum in different orders, so |fast - ref| <=
+ * 8 * cols * FLT_EPSILON * sum |w x| (a bound on the rounding of either order) + 1e-30; for bf16
+ * w and x are the bf16 values (every product exact in f32). Then each path gives bit-identical
+ * output at 1 and 2 threads. */
+static const int gemv_shapes[][2] = {{576, 576}, {192, 576}, {1536, 576}, {576, 1536},
+                                     {49152, 576}, {67, 35}, {1, 17}, {5, 1}, {130, 16}, {3, 15},
+                                     {9, 7}, {6, 24}};
+
+static float to_bf16_f(float f, uint16_t *b) { /* round to nearest even, as model.c */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    *b = (uint16_t)(u >> 16);
+    u = (uint32_t)*b << 16;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static void check_gemv(int bf16, int impl) {
+    for (size_t si = 0; si < sizeof gemv_shapes / sizeof *gemv_shapes; si++) {
+        const int rows = gemv_shapes[si][0], cols = gemv_shapes[si][1];
         float *W = malloc((size_t)rows * cols * sizeof *W), *x = malloc((size_t)cols * sizeof *x);
+        uint16_t *Wb = malloc((size_t)rows * cols * sizeof *Wb);
+        float *xr = malloc((size_t)cols * sizeof *xr); /* x as the products see it */
         float *yr = malloc((size_t)rows * sizeof *yr), *yf = malloc((size_t)rows * sizeof *yf);
         float *y2 = malloc((size_t)rows * sizeof *y2);
-        cr_assert(W && x && yr && yf && y2);
+        cr_assert(W && x && Wb && xr && yr && yf && y2);
         g_rng = 12345u + (uint32_t)si;
         fill(W, rows * cols, 0.2f, 0.0f);
         fill(x, cols, 2.0f, 0.1f);
+        for (int c = 0; c < cols; c++) {
+            uint16_t b;
+            xr[c] = bf16 ? to_bf16_f(x[c], &b) : x[c];
+        }
+        if (bf16)
+            for (size_t i = 0; i < (size_t)rows * cols; i++) W[i] = to_bf16_f(W[i], &Wb[i]);
+#define GEMV(im, yy) (bf16 ? kvcc_model_gemv_bf16(im, Wb, rows, cols, x, (float)beta, yy) \
+                           : kvcc_model_gemv_f32(im, W, rows, cols, x, (float)beta, yy))
         for (int beta = 0; beta <= 1; beta++) {
             for (int r = 0; r < rows; r++) yr[r] = yf[r] = y2[r] = beta ? 0.5f * rnd() : NAN;
-            cr_assert_eq(kvcc_model_gemv_f32(0, W, rows, cols, x, (float)beta, yr), 0);
+            cr_assert_eq(GEMV(KVCC_GEMV_REF, yr), 0);
             omp_set_num_threads(2);
-            cr_assert_eq(kvcc_model_gemv_f32(1, W, rows, cols, x, (float)beta, yf), 0);
+            cr_assert_eq(GEMV(impl, yf), 0);
             omp_set_num_threads(1);
-            cr_assert_eq(kvcc_model_gemv_f32(1, W, rows, cols, x, (float)beta, y2), 0);
+            cr_assert_eq(GEMV(impl, y2), 0);
             for (int r = 0; r < rows; r++) {
                 double mag = 0;
-                for (int c = 0; c < cols; c++) mag += fabs((double)W[(size_t)r * cols + c] * x[c]);
+                for (int c = 0; c < cols; c++) mag += fabs((double)W[(size_t)r * cols + c] * xr[c]);
                 const double tol = 8.0 * cols * FLT_EPSILON * mag + 1e-30;
                 cr_assert(fabs((double)yf[r] - yr[r]) <= tol,
-                          "%d x %d beta %d row %d: fast %.9g ref %.9g (tol %g)", rows, cols, beta, r,
-                          yf[r], yr[r], tol);
+                          "%s impl %d, %d x %d beta %d row %d: fast %.9g ref %.9g (tol %g)",
+                          bf16 ? "bf16" : "f32", impl, rows, cols, beta, r, yf[r], yr[r], tol);
             }
             cr_assert(!memcmp(yf, y2, (size_t)rows * sizeof *yf),
-                      "%d x %d: fast GEMV differs between 2 threads and 1", rows, cols);
+                      "%s impl %d, %d x %d: GEMV differs between 2 threads and 1",
+                      bf16 ? "bf16" : "f32", impl, rows, cols);
         }
-        free(W); free(x); free(yr); free(yf); free(y2);
+#undef GEMV
+        free(W); free(x); free(Wb); free(xr); free(yr); free(yf); free(y2);
     }
+}
+
+static int cpu_avx2(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
+Test(calib_model, gemv_fast_matches_ref) {
+    check_gemv(0, KVCC_GEMV_FAST);
+    check_gemv(1, KVCC_GEMV_FAST);
     float w = 1, xx = 1, y = 0;
-    cr_assert_eq(kvcc_model_gemv_f32(2, &w, 1, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_model_gemv_f32(3, &w, 1, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_model_gemv_f32(-1, &w, 1, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
     cr_assert_eq(kvcc_model_gemv_f32(1, NULL, 1, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
     cr_assert_eq(kvcc_model_gemv_f32(1, &w, 0, 1, &xx, 0.0f, &y), KVCC_GGUF_ERR_ARG);
     cr_assert(strlen(kvcc_model_gemm_name()) > 0);
+}
+
+/* The AVX2 paths wherever the CPU has AVX2 + FMA (every x86-64 CI machine here); elsewhere the
+ * call must say it is unsupported rather than run something else. */
+Test(calib_model, gemv_avx2_matches_ref) {
+    if (!cpu_avx2()) {
+        float w = 1, xx = 1, y = 0;
+        cr_assert_eq(kvcc_model_gemv_f32(KVCC_GEMV_AVX2, &w, 1, 1, &xx, 0.0f, &y),
+                     KVCC_GGUF_ERR_UNSUPPORTED);
+        cr_skip_test("this CPU has no AVX2 + FMA");
+    }
+    check_gemv(0, KVCC_GEMV_AVX2);
+    check_gemv(1, KVCC_GEMV_AVX2);
 }
 
 /* Identical inputs give identical bits whatever the thread count: logits of every position of a
