@@ -873,31 +873,43 @@ static int cpu_has_avx512bf16(void) {
     return v;
 }
 
-/* bf16 on AVX2 + FMA: 8 bf16 widened to f32 (a 16-bit shift: exact), multiplied and summed in
- * f32 (a bf16 x bf16 product is exact in f32, so only the summation order differs from the
- * reference). The order of gemv_avx2: two accumulators per row over 16 columns per step, the
- * tail (< 16 columns) in steps of 8 into the first, zero-padded; 4-row blocks and the last rows
- * alike (dot1_bf16_avx2), so bit-identical at any thread count. */
-AVX2_TARGET static inline __m256 bf16x8_avx2(const uint16_t *p) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)(const void *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+/* bf16 on AVX2 + FMA: 16 bf16 of w and of x per step, widened to f32 by interleaving each with
+ * zeros (unpacklo/hi_epi16: exact, and one instruction per 8 values; the lanes come out permuted,
+ * identically for w and x, so each product pairs the right values), multiplied and summed in f32
+ * (a bf16 x bf16 product is exact in f32: only the summation order differs from the reference).
+ * Two accumulators per row (the low and the high unpack); the tail (< 16 columns) zero-padded to
+ * one more step. 4-row blocks and the last rows alike (dot1_bf16_avx2): bit-identical at any
+ * thread count. */
+AVX2_TARGET static inline void bf16x16_avx2(__m256i v, __m256 *lo, __m256 *hi) {
+    const __m256i z = _mm256_setzero_si256();
+    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
 }
-/* columns [c, cols) (fewer than 8) of p, zero-padded to 8 */
-AVX2_TARGET static inline __m256 bf16_tail_avx2(const uint16_t *p, int n) {
-    uint16_t t[8] = {0};
+AVX2_TARGET static inline __m256i bf16_load16(const uint16_t *p) {
+    return _mm256_loadu_si256((const __m256i *)(const void *)p);
+}
+/* columns [0, n) of p (n < 16), zero-padded to 16 */
+AVX2_TARGET static inline __m256i bf16_tail16(const uint16_t *p, int n) {
+    uint16_t t[16] = {0};
     memcpy(t, p, sizeof(uint16_t) * (size_t)n);
-    return bf16x8_avx2(t);
+    return bf16_load16(t);
+}
+AVX2_TARGET static inline void bf16_fma16(__m256i w, __m256 xl, __m256 xh, __m256 *a, __m256 *b) {
+    __m256 wl, wh;
+    bf16x16_avx2(w, &wl, &wh);
+    *a = _mm256_fmadd_ps(wl, xl, *a);
+    *b = _mm256_fmadd_ps(wh, xh, *b);
 }
 AVX2_TARGET static float dot1_bf16_avx2(const uint16_t *w, const uint16_t *xb, int cols) {
-    __m256 a = _mm256_setzero_ps(), b = a;
+    __m256 a = _mm256_setzero_ps(), b = a, xl, xh;
     int c = 0;
     for (; c + 16 <= cols; c += 16) {
-        a = _mm256_fmadd_ps(bf16x8_avx2(w + c), bf16x8_avx2(xb + c), a);
-        b = _mm256_fmadd_ps(bf16x8_avx2(w + c + 8), bf16x8_avx2(xb + c + 8), b);
+        bf16x16_avx2(bf16_load16(xb + c), &xl, &xh);
+        bf16_fma16(bf16_load16(w + c), xl, xh, &a, &b);
     }
-    for (; c < cols; c += 8) {
-        const int n = cols - c < 8 ? cols - c : 8;
-        a = _mm256_fmadd_ps(bf16_tail_avx2(w + c, n), bf16_tail_avx2(xb + c, n), a);
+    if (c < cols) {
+        bf16x16_avx2(bf16_tail16(xb + c, cols - c), &xl, &xh);
+        bf16_fma16(bf16_tail16(w + c, cols - c), xl, xh, &a, &b);
     }
     return hsum_avx2(a, b);
 }
@@ -909,26 +921,22 @@ AVX2_TARGET static void gemv_bf16_avx2(const uint16_t *W, int rows, int cols, co
         const size_t r = (size_t)bk * 4;
         const uint16_t *w0 = W + r * cols, *w1 = w0 + cols, *w2 = w1 + cols, *w3 = w2 + cols;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, xl, xh;
         int c = 0;
         for (; c + 16 <= cols; c += 16) {
-            const __m256 xa = bf16x8_avx2(xb + c), xc = bf16x8_avx2(xb + c + 8);
-            a0 = _mm256_fmadd_ps(bf16x8_avx2(w0 + c), xa, a0);
-            b0 = _mm256_fmadd_ps(bf16x8_avx2(w0 + c + 8), xc, b0);
-            a1 = _mm256_fmadd_ps(bf16x8_avx2(w1 + c), xa, a1);
-            b1 = _mm256_fmadd_ps(bf16x8_avx2(w1 + c + 8), xc, b1);
-            a2 = _mm256_fmadd_ps(bf16x8_avx2(w2 + c), xa, a2);
-            b2 = _mm256_fmadd_ps(bf16x8_avx2(w2 + c + 8), xc, b2);
-            a3 = _mm256_fmadd_ps(bf16x8_avx2(w3 + c), xa, a3);
-            b3 = _mm256_fmadd_ps(bf16x8_avx2(w3 + c + 8), xc, b3);
+            bf16x16_avx2(bf16_load16(xb + c), &xl, &xh);
+            bf16_fma16(bf16_load16(w0 + c), xl, xh, &a0, &b0);
+            bf16_fma16(bf16_load16(w1 + c), xl, xh, &a1, &b1);
+            bf16_fma16(bf16_load16(w2 + c), xl, xh, &a2, &b2);
+            bf16_fma16(bf16_load16(w3 + c), xl, xh, &a3, &b3);
         }
-        for (; c < cols; c += 8) {
-            const int n = cols - c < 8 ? cols - c : 8;
-            const __m256 xv = bf16_tail_avx2(xb + c, n);
-            a0 = _mm256_fmadd_ps(bf16_tail_avx2(w0 + c, n), xv, a0);
-            a1 = _mm256_fmadd_ps(bf16_tail_avx2(w1 + c, n), xv, a1);
-            a2 = _mm256_fmadd_ps(bf16_tail_avx2(w2 + c, n), xv, a2);
-            a3 = _mm256_fmadd_ps(bf16_tail_avx2(w3 + c, n), xv, a3);
+        if (c < cols) { /* the same padded step as dot1_bf16_avx2 */
+            const int n = cols - c;
+            bf16x16_avx2(bf16_tail16(xb + c, n), &xl, &xh);
+            bf16_fma16(bf16_tail16(w0 + c, n), xl, xh, &a0, &b0);
+            bf16_fma16(bf16_tail16(w1 + c, n), xl, xh, &a1, &b1);
+            bf16_fma16(bf16_tail16(w2 + c, n), xl, xh, &a2, &b2);
+            bf16_fma16(bf16_tail16(w3 + c, n), xl, xh, &a3, &b3);
         }
         const float sm[4] = {hsum_avx2(a0, b0), hsum_avx2(a1, b1), hsum_avx2(a2, b2),
                              hsum_avx2(a3, b3)};
@@ -984,6 +992,11 @@ struct kvcc_bf16_ctx {
     uint16_t *xb;
     size_t xb_cap;
     int failed; /* a oneDNN status other than success: the forward pass returns an error */
+    /* Where oneDNN has no bf16 matmul for this CPU (bf16_native() == 0): the bf16 activations
+     * widened to f32 (xf [xb_cap]) and a block of weight rows widened (wf [wf_cap]), multiplied
+     * by kvrt_cpu_sgemm: the same products (exact in f32) with f32 accumulation. */
+    float *xf, *wf;
+    size_t wf_cap;
 #if KVCC_WITH_DNNL
     dnnl_stream_t stream;
     struct {
@@ -1005,7 +1018,62 @@ static dnnl_engine_t dnnl_engine(void) {
     pthread_once(&once, dnnl_engine_init);
     return g_dnnl_engine;
 }
+
+/* Whether oneDNN has a bf16 x bf16 -> f32 matmul for this CPU: where it has no kernel it answers
+ * dnnl_unimplemented (seen with oneDNN 2.6.3 on an AVX2-only AMD EPYC; the forward pass then
+ * failed on its first product). Probed once on a small shape. */
+static int g_bf16_native;
+static void bf16_probe(void) {
+    dnnl_memory_desc_t a, b, c;
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_desc_t pd = NULL;
+    const dnnl_dims_t ad = {16, 64}, bd = {64, 16}, cd = {16, 16};
+    int st = dnnl_engine() ? 0 : 1;
+    if (!st) st = dnnl_memory_desc_init_by_tag(&a, 2, ad, dnnl_bf16, dnnl_ab);
+    if (!st) st = dnnl_memory_desc_init_by_tag(&b, 2, bd, dnnl_bf16, dnnl_ba);
+    if (!st) st = dnnl_memory_desc_init_by_tag(&c, 2, cd, dnnl_f32, dnnl_ab);
+    if (!st) st = dnnl_matmul_desc_init(&md, &a, &b, NULL, &c);
+    if (!st) st = dnnl_primitive_desc_create(&pd, &md, NULL, dnnl_engine(), NULL);
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    g_bf16_native = st == 0;
+}
+static int bf16_native(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, bf16_probe);
+    return g_bf16_native;
+}
+
+/* Weight elements widened per block in the fallback: 1 MiB of f32 (a few hundred rows) */
+#define BF16_WBLK_ELEMS ((size_t)1 << 18)
+
+/* y (n, rows) = xb (n, cols, bf16) . W (rows, cols, bf16)^T + beta y without a bf16 matmul:
+ * xb widened to f32 once, then W in blocks of rows widened and multiplied by kvrt_cpu_sgemm. */
+static void bf16_widened_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t *W,
+                                int rows, float beta, float *y, int ldy) {
+    const size_t nx = (size_t)n * cols;
+    #pragma omp parallel for schedule(static) if (nx >= 65536)
+    for (size_t i = 0; i < nx; i++) c->xf[i] = bf16_to_f32(c->xb[i]);
+    const int rb = (int)(c->wf_cap / (size_t)cols);
+    for (int r0 = 0; r0 < rows; r0 += rb) {
+        const int nr = rows - r0 < rb ? rows - r0 : rb;
+        const size_t nw = (size_t)nr * cols;
+        const uint16_t *src = W + (size_t)r0 * cols;
+        #pragma omp parallel for schedule(static) if (nw >= 65536)
+        for (size_t i = 0; i < nw; i++) c->wf[i] = bf16_to_f32(src[i]);
+        kvrt_cpu_sgemm(1, n, nr, cols, 1.0f, c->xf, cols, c->wf, cols, beta, y + r0, ldy);
+    }
+}
 #endif
+
+const char *kvcc_model_bf16_name(void) {
+#if KVCC_WITH_DNNL
+    return bf16_native() ? "oneDNN bf16 matmul, f32 accumulation"
+                         : "bf16 weights widened to f32 for the f32 GEMM (oneDNN has no bf16 "
+                           "matmul on this CPU)";
+#else
+    return "none (built without oneDNN)";
+#endif
+}
 
 static void bf16_ctx_free(struct kvcc_bf16_ctx *c) {
     if (!c) return;
@@ -1014,6 +1082,8 @@ static void bf16_ctx_free(struct kvcc_bf16_ctx *c) {
     if (c->stream) dnnl_stream_destroy(c->stream);
 #endif
     free(c->xb);
+    free(c->xf);
+    free(c->wf);
     free(c);
 }
 
@@ -1027,6 +1097,15 @@ static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m) {
     c->xb_cap = (size_t)KVCC_MODEL_CHUNK * w;
     c->xb = malloc(c->xb_cap * sizeof *c->xb);
 #if KVCC_WITH_DNNL
+    if (!bf16_native()) {
+        c->wf_cap = BF16_WBLK_ELEMS > w * 16 ? BF16_WBLK_ELEMS : w * 16;
+        c->xf = malloc(c->xb_cap * sizeof *c->xf);
+        c->wf = malloc(c->wf_cap * sizeof *c->wf);
+        if (!c->xf || !c->wf) {
+            bf16_ctx_free(c);
+            return NULL;
+        }
+    }
     dnnl_engine_t eng = dnnl_engine();
     if (!eng || dnnl_stream_create(&c->stream, eng, dnnl_stream_default_flags) != dnnl_success)
         c->stream = NULL;
@@ -1132,6 +1211,10 @@ static void matmul_w(kvcc_state *s, const float *x, int n, int cols, wmat W, int
         return;
     }
 #if KVCC_WITH_DNNL
+    if (c->wf) { /* no bf16 matmul on this CPU (bf16_native) */
+        bf16_widened_matmul(c, n, cols, W.b, rows, beta, y, ldy);
+        return;
+    }
     const int st = bf16_matmul(c, n, cols, W.b, rows, beta, y, ldy);
     if (st && !c->failed) c->failed = st;
 #else

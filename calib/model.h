@@ -214,6 +214,12 @@ double kvcc_perplexity(const float *logprobs, int n);
  * storage; thread-safe. */
 const char *kvcc_model_gemm_name(void);
 
+/* How a bf16 model's products run on this CPU: "oneDNN bf16 matmul, f32 accumulation", or, where
+ * oneDNN has no bf16 matmul for the CPU, the bf16 weights widened to f32 block by block for the
+ * f32 GEMM (the same products, exact in f32: weights stay compact, speed is f32's). Static
+ * storage. */
+const char *kvcc_model_bf16_name(void);
+
 /* The decode GEMV alone, for tests and benches: y (rows) = W (rows, cols) x + beta y, beta 0 (y
  * only written) or 1. impl KVCC_GEMV_REF: plain loops (the reference); KVCC_GEMV_FAST: the path
  * decode runs (AVX-512, else AVX2 + FMA, else the reference, each with OpenMP over rows and

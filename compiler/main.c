@@ -88,7 +88,10 @@ static void print_version(void) {
     printf("OpenMP: %d thread%s, %d processor%s, OMP_WAIT_POLICY=%s\n", omp_get_max_threads(),
            omp_get_max_threads() == 1 ? "" : "s", omp_get_num_procs(), omp_get_num_procs() == 1 ? "" : "s",
            wait ? wait : "(unset)");
-    printf("model GEMM: %s\n", kvcc_model_gemm_name()); /* the built-in model's products */
+    /* the f32 products of the built-in model and of the CPU policies (runtime/cpu/blas.c), then
+     * the decode GEMV */
+    printf("f32 GEMM (model, CPU policies): %s\n", kvcc_model_gemm_name());
+    printf("bf16 (--precision bf16): %s\n", kvcc_model_bf16_name());
     char why[600];
     const int n = kvrt_cuda_probe(why, sizeof why);
     if (n > 0) printf("CUDA: usable, %s\n", why);

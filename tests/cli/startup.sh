@@ -18,6 +18,10 @@ out=$("$KVCC" --version); ex=$?
 grep -Eq '^BLAS: .+; kernels [A-Za-z0-9_]+; [0-9]+ threads? \(' <<<"$out" && ok || bad "--version: no BLAS line: $out"
 grep -Eq '^OpenMP: [0-9]+ threads?, [0-9]+ processors?' <<<"$out" && ok || bad "--version: no OpenMP line: $out"
 grep -Eq '^CUDA: (usable|not usable)' <<<"$out" && ok || bad "--version: no CUDA line: $out"
+grep -Eq '^f32 GEMM \(model, CPU policies\): (oneDNN|OpenBLAS) .+; decode GEMV (AVX-512|AVX2|plain C)$' <<<"$out" \
+  && ok || bad "--version: no f32 GEMM line: $out"
+grep -Eq '^bf16 \(--precision bf16\): (oneDNN bf16 matmul|bf16 weights widened|none)' <<<"$out" && ok \
+  || bad "--version: no bf16 line: $out"
 "$KVCC" -V | cmp -s - <(echo "$out") && ok || bad "-V differs from --version"
 
 # 2. it reads the live state, not constants: the thread counts and OpenBLAS' kernel choice follow
