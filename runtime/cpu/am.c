@@ -149,10 +149,62 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
  * becomes P_ij = exp(z_ij - max_j z_ij) (0 past vis_i), mass[i] = sum_j P_ij, rs[i] = 1 / mass[i];
  * then part[b, j] = sum over the rows i of block b (AM_ROWBLK rows, in order) of (P_ij rs_i)^2
  * and colsum[j] = sum over b in order. Returns 1 when a row max is not finite or a P is NaN.
- * Compiled for AVX-512 and AVX2 too (KVRT_SIMD_CLONES, cpu/vexp.h). No FMA (ISO C11 contracts nothing): every lane rounds as the scalar code; the
- * mass is summed in AM_LANES interleaved double partial sums added in a fixed order, so the
- * result depends on neither the ISA nor the thread count. */
+ * Compiled for AVX-512 and AVX2 too (KVRT_SIMD_CLONES, cpu/vexp.h). No FMA (ISO C11 contracts
+ * nothing): every lane rounds as the scalar code; the mass is summed in AM_LANES interleaved
+ * double partial sums added in a fixed order (row_stats), so the result depends on neither the
+ * ISA nor the thread count. */
 #define AM_LANES 16
+
+/* The statistics of one row of P (its first vis values; the rest are 0): mass = sum_j P_j in
+ * AM_LANES interleaved double partial sums added in a fixed order, rs = 1 / mass, and
+ * pb[j] += (P_j rs)^2. Shared by the one-budget row pass and the budgets of a shared group, so
+ * that both sum exactly alike. */
+static inline void row_stats(const float *row, int64_t vis, double *mass, double *rs,
+                             double *pb) {
+    double acc[AM_LANES] = {0};
+    const int64_t vl = vis - vis % AM_LANES;
+    for (int64_t j0 = 0; j0 < vl; j0 += AM_LANES) {
+#pragma omp simd
+        for (int64_t l = 0; l < AM_LANES; l++) acc[l] += (double)row[j0 + l];
+    }
+    for (int64_t j = vl; j < vis; j++) acc[j - vl] += (double)row[j];
+    double sum = 0;
+    for (int l = 0; l < AM_LANES; l++) sum += acc[l];
+    *mass = sum;
+    const double inv = 1.0 / sum;
+    *rs = inv;
+#pragma omp simd
+    for (int64_t j = 0; j < vis; j++) {
+        const double x = (double)row[j] * inv;
+        pb[j] += x * x;
+    }
+}
+
+/* row[j] = exp(z[j] - mx) for j < vis (z may be row itself); returns 1 when one is NaN */
+static inline int row_exp(float *row, const float *z, int64_t vis, float mx) {
+    int nan = 0;
+#pragma omp simd reduction(| : nan)
+    for (int64_t j = 0; j < vis; j++) {
+        const float e = exp_nonpos_f32(z[j] - mx);
+        row[j] = e;
+        nan |= e != e;
+    }
+    return nan;
+}
+
+static inline float row_max(const float *row, int64_t vis) {
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
+    return mx;
+}
+
+/* Keys row i of a chunk from key k0 on sees (causal: the keys at positions <= its own; callers
+ * pass only rows that see at least the chunk's first key), at most Tc */
+static inline int64_t row_vis(const int32_t *qpos, int64_t i, int64_t k0, int64_t Tc) {
+    int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
+    return vis < 1 ? 1 : vis > Tc ? Tc : vis;
+}
 
 /* The rows of block b (AM_ROWBLK rows): P, mass, rs, vis and the block's partial sums pb [Tc]. */
 KVRT_SIMD_CLONES
@@ -163,56 +215,24 @@ static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int6
     const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
     for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
         float *row = S + i * Tc;
-        /* causal: a query sees the keys at positions <= its own (callers pass only rows that
-         * see at least the chunk's first key) */
-        int64_t vis = qpos ? (int64_t)qpos[i] - k0 + 1 : Tc;
-        vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
+        const int64_t vis = row_vis(qpos, i, k0, Tc);
         vis_out[i] = (int32_t)vis;
-        float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < vis; j++) mx = row[j] > mx ? row[j] : mx;
+        const float mx = row_max(row, vis);
         if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
-        double acc[AM_LANES] = {0};
-        int nan = 0;
-        const int64_t vl = vis - vis % AM_LANES;
-        for (int64_t j0 = 0; j0 < vl; j0 += AM_LANES) {
-#pragma omp simd reduction(| : nan)
-            for (int64_t l = 0; l < AM_LANES; l++) {
-                const float e = exp_nonpos_f32(row[j0 + l] - mx);
-                row[j0 + l] = e;
-                acc[l] += (double)e;
-                nan |= e != e;
-            }
-        }
-        for (int64_t j = vl; j < vis; j++) {
-            const float e = exp_nonpos_f32(row[j] - mx);
-            row[j] = e;
-            acc[j - vl] += (double)e;
-            nan |= e != e;
-        }
+        bad |= row_exp(row, row, vis, mx);
         if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
-        double sum = 0;
-        for (int l = 0; l < AM_LANES; l++) sum += acc[l];
-        bad |= nan;
-        mass[i] = sum;
-        const double inv = 1.0 / sum;
-        rs[i] = inv;
-#pragma omp simd
-        for (int64_t j = 0; j < vis; j++) {
-            const double a = (double)row[j] * inv;
-            pb[j] += a * a;
-        }
+        row_stats(row, vis, &mass[i], &rs[i], pb);
     }
     return bad;
 }
 
 /* colsum[j] = sum over the blocks b in order of part[b, j], for j in [j0, j1). */
 KVRT_SIMD_CLONES
-static void colsum_range(const double *part, int64_t nblk, int64_t Tc, int64_t j0, int64_t j1,
+static void colsum_range(const double *part, int64_t nblk, int64_t ldp, int64_t j0, int64_t j1,
                          double *colsum) {
     for (int64_t j = j0; j < j1; j++) colsum[j] = 0;
     for (int64_t b = 0; b < nblk; b++) {
-        const double *pb = part + b * Tc;
+        const double *pb = part + b * ldp;
 #pragma omp simd
         for (int64_t j = j0; j < j1; j++) colsum[j] += pb[j];
     }
@@ -443,11 +463,11 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
  * Two passes over the rows (gather with the sums of squares, then scale with the column sums),
  * each sum over the rows in order. */
 KVRT_SIMD_CLONES
-static void gather_cols(const float *S, int64_t n, int64_t Tc, const int32_t *sel, int64_t ts,
+static void gather_cols(const float *S, int64_t n, int64_t ldS, const int32_t *sel, int64_t ts,
                         const double *rowsum, double *MS, double *scale, double *cvec) {
     for (int64_t a = 0; a < ts; a++) scale[a] = 0, cvec[a] = 0;
     for (int64_t i = 0; i < n; i++) {
-        const float *row = S + i * Tc;
+        const float *row = S + i * ldS;
         const double r = rowsum[i];
         double *m = MS + i * ts;
 #pragma omp simd
@@ -468,9 +488,12 @@ static void gather_cols(const float *S, int64_t n, int64_t Tc, const int32_t *se
     }
 }
 
-/* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. */
+/* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. P is
+ * ws->S with row stride ldS (Tc, or a shared group's widest middle: am_group); OMP needs
+ * ldS == Tc. */
 static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, int64_t k0,
-                  int64_t Tc, int64_t d, int64_t n, int64_t tc, am_out *res, am_acc *acc) {
+                  int64_t Tc, int64_t ldS, int64_t d, int64_t n, int64_t tc, am_out *res,
+                  am_acc *acc) {
     const float *S = ws->S;
     /* 3. key selection (+ weights for OMP) */
     int64_t ts;
@@ -487,7 +510,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         /* 4. NNLS for the weights, rows in relative terms: sum_j (P_ij / m_i) w_j ~ 1, so every
          * query's mass counts by its relative error (absolute terms let the flat, high-mass rows
          * dominate; measured worse on held-out queries). Columns scaled to unit norm. */
-        gather_cols(S, n, Tc, ws->sel, ts, ws->rowsum, ws->MS, ws->scale, ws->cvec);
+        gather_cols(S, n, ldS, ws->sel, ts, ws->rowsum, ws->MS, ws->scale, ws->cvec);
         cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)ts, (int)n, 1.0, ws->MS, (int)ts,
                     0.0, ws->G, (int)ts);
         for (int64_t a = 0; a < ts; a++) /* mirror: nnls_gram reads whole rows */
@@ -529,7 +552,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         double s = 0;
         double *xr = X + i * kept;
         for (int64_t a = 0; a < kept; a++) {
-            xr[a] = (double)S[i * Tc + ws->sel[a]] * ws->w[a];
+            xr[a] = (double)S[i * ldS + ws->sel[a]] * ws->w[a];
             s += xr[a];
         }
         merr += fabs(s - ws->mass[i]) / ws->mass[i];
@@ -635,10 +658,182 @@ static void append_exact(am_out *r, const float *k, const float *v, int64_t ld, 
     }
 }
 
+/* The reference rows of a chunk from key k0 on: with positions, the rows that see at least key
+ * k0, copied to qb/pb (returns their count; 0: none); without, all n (q itself). */
+static int64_t chunk_rows(const float *q, const int32_t *qpos, int64_t n, int64_t d, int64_t k0,
+                          float *qb, int32_t *pb, const float **qc) {
+    *qc = q;
+    if (!qpos) return n;
+    int64_t nv = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (qpos[i] >= k0) {
+            memcpy(qb + nv * d, q + i * d, sizeof(float) * (size_t)d);
+            pb[nv++] = qpos[i];
+        }
+    *qc = qb;
+    return nv;
+}
+
+/* The shared row pass of a group (am_group) over the widest middle Tw, rows of block b: the row
+ * max M over the keys the row sees, each member's max m over its own prefix (mx [cnt, n]), the
+ * logits of the rows where some m != M kept in Z (div[i] = 1), then P = exp(z - M) in place. */
+KVRT_SIMD_CLONES
+static int group_rows(float *S, int64_t n, int64_t Tw, const int32_t *qpos, int64_t k0, int64_t b,
+                      int cnt, const int64_t *Tcs, float *mx, unsigned char *div, float *Z) {
+    int bad = 0;
+    const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
+    for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
+        float *row = S + i * Tw;
+        const int64_t vw = row_vis(qpos, i, k0, Tw);
+        const float M = row_max(row, vw);
+        int dv = 0;
+        for (int m = 0; m < cnt; m++) {
+            const int64_t vs = vw < Tcs[m] ? vw : Tcs[m];
+            const float ms = vs == vw ? M : row_max(row, vs);
+            bad |= !(ms - ms == 0.0f);
+            mx[(int64_t)m * n + i] = ms;
+            dv |= ms != M;
+        }
+        div[i] = (unsigned char)dv;
+        if (bad) continue;
+        if (dv) memcpy(Z + i * Tw, row, sizeof(float) * (size_t)vw);
+        bad |= row_exp(row, row, vw, M);
+        if (vw < Tw) memset(row + vw, 0, sizeof(float) * (size_t)(Tw - vw));
+    }
+    return bad;
+}
+
+/* Member m's rows of block b: the rows of div recomputed from Z with the member's own max, then
+ * the member's mass, rs, vis and the block's partial sums pb [Tc] (row_stats, as prep_block;
+ * pb zeroed over pbw >= Tc). */
+KVRT_SIMD_CLONES
+static int member_rows(float *S, int64_t n, int64_t Tw, int64_t Tc, const int32_t *qpos,
+                       int64_t k0, int64_t b, const float *mx, const unsigned char *div,
+                       const float *Z, double *mass, double *rs, double *pb, int64_t pbw,
+                       int32_t *vis_out) {
+    int bad = 0;
+    memset(pb, 0, sizeof(double) * (size_t)pbw);
+    const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
+    for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
+        float *row = S + i * Tw;
+        const int64_t vs = row_vis(qpos, i, k0, Tc);
+        vis_out[i] = (int32_t)vs;
+        if (div[i]) bad |= row_exp(row, Z + i * Tw, vs, mx[i]);
+        row_stats(row, vs, &mass[i], &rs[i], pb);
+    }
+    return bad;
+}
+
+/* A group of budgets compacted from one head at once: the members (cnt of them) share the sinks
+ * [0, a) and differ only in the end of their middle [a, a + Tcs[m]) (each keeps a recent window
+ * that is a fraction of its budget), every middle one chunk, HighestAttnKeys. The logits Q K^T
+ * and P = exp(z - M) are computed once over the widest middle Tw (M: the max over the keys the
+ * row sees there). A member's own row max m is over its own prefix; where m == M, its
+ * P = exp(z - m) is the same float computation, so it shares the row as it is; the rows where some
+ * member's max differs (a max among the recent keys only wider members compact: late queries)
+ * keep their logits and are recomputed per member. Masses, column statistics, P V over the
+ * member's own keys and the fit are per member, with the arithmetic of the one-budget path
+ * (row_stats); the one difference is the logit product, one over the widest middle instead of
+ * one per budget, which the f32 GEMM may round differently (values within 1e-4 of the one-budget
+ * call's, same selections: tests/unit/test_am.c, multi_sets_equal_single_calls). One logit product
+ * and one exp pass for the group instead of one per budget. */
+static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const float *v, int64_t ld,
+                    int64_t a, int64_t d, const float *q, const int32_t *qpos, int64_t n, int cnt,
+                    const int *mem, const int64_t *Tcs, const int64_t *tcs, am_out *res,
+                    am_acc *acc) {
+    int64_t Tw = 0;
+    for (int m = 0; m < cnt; m++) Tw = Tcs[m] > Tw ? Tcs[m] : Tw;
+    float *mx = malloc(sizeof(float) * (size_t)(cnt * n));
+    unsigned char *div = malloc((size_t)n);
+    float *Z = malloc(sizeof(float) * (size_t)(n * Tw)); /* touched only for the rows of div */
+    if (!mx || !div || !Z) {
+        free(mx); free(div); free(Z);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
+    }
+    const float scale = 1.0f / sqrtf((float)d);
+    float *S = ws->S;
+    kvrt_sgemm_op *ops = ws->ops;
+    const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK, nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
+    for (int64_t b = 0; b < nqb; b++) {
+        const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+        ops[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)block_vis(qpos, i0, nb, a, Tw),
+                                 .k = (int)d, .alpha = scale, .A = q + i0 * d, .lda = (int)d,
+                                 .B = k + a * ld, .ldb = (int)ld, .C = S + i0 * Tw,
+                                 .ldc = (int)Tw};
+    }
+    kvrt_cpu_sgemm_batch(ops, nqb);
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
+    for (int64_t b = 0; b < nblk; b++)
+        bad |= group_rows(S, n, Tw, qpos, a, b, cnt, Tcs, mx, div, Z);
+    /* The blocks whose rows see only keys every member compacts (vis <= the narrowest middle:
+     * all but the late queries) have the same P, masses and partial sums in every member: done
+     * once (partial sums at stride Tw, zeroed over Tw), the other blocks per member. */
+    int64_t Tmin = Tw;
+    for (int m = 0; m < cnt; m++) Tmin = Tcs[m] < Tmin ? Tcs[m] : Tmin;
+    unsigned char *common = mx ? calloc((size_t)nblk, 1) : NULL;
+    if (!common) bad |= 2;
+    for (int64_t b = 0; !bad && b < nblk; b++) {
+        const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
+        int c = 1;
+        for (int64_t i = b * AM_ROWBLK; i < i1 && c; i++) c = row_vis(qpos, i, a, Tw) <= Tmin;
+        common[b] = (unsigned char)c;
+    }
+    if (!bad) {
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
+        for (int64_t b = 0; b < nblk; b++)
+            if (common[b])
+                bad |= member_rows(S, n, Tw, Tmin, qpos, a, b, mx, div, Z, ws->mass, ws->rowsum,
+                                   ws->part + b * Tw, Tw, ws->vis);
+    }
+    int rc = bad & 2 ? KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory") : KVRT_OK;
+    for (int m = 0; m < cnt && rc == KVRT_OK; m++) {
+        const int64_t Tc = Tcs[m];
+        if (!bad) {
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
+            for (int64_t b = 0; b < nblk; b++)
+                if (!common[b])
+                    bad |= member_rows(S, n, Tw, Tc, qpos, a, b, mx + (int64_t)m * n, div, Z,
+                                       ws->mass, ws->rowsum, ws->part + b * Tw, Tc, ws->vis);
+        }
+        if (bad) {
+            rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) "
+                           "> 3.4e38) or are NaN in keys %lld..%lld",
+                           (long long)a, (long long)(a + Tc - 1));
+            break;
+        }
+        const int64_t cw = 512, ncw = (Tc + cw - 1) / cw;
+#pragma omp parallel for schedule(static) if (ncw > 1)
+        for (int64_t c = 0; c < ncw; c++)
+            colsum_range(ws->part, nblk, Tw, c * cw, (c + 1) * cw < Tc ? (c + 1) * cw : Tc,
+                         ws->colsum);
+        for (int64_t b = 0; b < nqb; b++) {
+            const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+            ops[b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d,
+                                     .k = (int)block_vis(qpos, i0, nb, a, Tc), .alpha = 1.0f,
+                                     .A = S + i0 * Tw, .lda = (int)Tw, .B = v + a * ld,
+                                     .ldb = (int)ld, .C = ws->Yf + i0 * d, .ldc = (int)d};
+        }
+        kvrt_cpu_sgemm_batch(ops, nqb);
+        for (int64_t i = 0; i < n; i++) {
+            const double inv = ws->rowsum[i];
+#pragma omp simd
+            for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
+        }
+        rc = am_fit(o, ws, k, ld, a, Tc, Tw, d, n, tcs[m], &res[mem[m]], &acc[mem[m]]);
+    }
+    free(common);
+    free(mx);
+    free(div);
+    free(Z);
+    return rc;
+}
+
 /* One head, compacted to ns budgets t[ns] at once: k, v rows at stride ld, q [n, d], qpos [n] or
  * NULL. res[si] has capacity t[si]; st [ns] or NULL. Per budget, the sinks and the recent window
  * are copied and the middle is compacted chunk by chunk; the budgets whose split leaves the same
- * middle share its logits, masses and targets (computed once).
+ * middle share its logits, masses and targets (computed once), and HighestAttnKeys budgets with
+ * one-chunk middles that differ only in their ends share the logits and most of P (am_group).
  * wsp: a workspace sized for (n, chunk, >= this head's tmax, d) to reuse (a layer's heads share
  * one: fresh 64 MB logit buffers per head cost as much in page faults as in products), or NULL. */
 static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_t ld, int64_t T,
@@ -668,6 +863,44 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     }
     for (int si = 0; si < ns; si++) sp[si] = split_of(o, t[si]);
     int rc = KVRT_OK;
+    /* the budgets that can share one logit and exp pass (am_group): HighestAttnKeys, a middle of
+     * one chunk with something to compact; grouped by their sinks */
+#define SHAREABLE(si)                                                                           \
+    (o->key_select != KVRT_AM_SELECT_OMP && sp[si].tm > 0 && T - sp[si].ns - sp[si].nr >= 1 && \
+     chunk_of(o, T - sp[si].ns - sp[si].nr) == T - sp[si].ns - sp[si].nr)
+    int *mem = malloc(sizeof(int) * (size_t)ns);
+    int64_t *gTc = malloc(sizeof(int64_t) * (size_t)ns), *gtc = malloc(sizeof(int64_t) * (size_t)ns);
+    if (!mem || !gTc || !gtc) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
+    for (int g0 = 0; g0 < ns && rc == KVRT_OK; g0++) {
+        if (done[g0] || !SHAREABLE(g0)) continue;
+        int cnt = 0;
+        for (int si = g0; si < ns; si++)
+            if (!done[si] && SHAREABLE(si) && sp[si].ns == sp[g0].ns) {
+                mem[cnt] = si;
+                gTc[cnt] = T - sp[si].ns - sp[si].nr;
+                gtc[cnt++] = sp[si].tm;
+            }
+        if (cnt < 2) continue;
+        const int64_t a = sp[g0].ns;
+        const float *qc;
+        const int64_t nv = chunk_rows(q, qpos, n, d, a, qb, pb, &qc);
+        if (nv == 0) {
+            rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys %lld.. "
+                           "(every q_pos < %lld)", (long long)a, (long long)a);
+            break;
+        }
+        for (int m = 0; m < cnt; m++) append_exact(&res[mem[m]], k, v, ld, d, 0, a);
+        rc = am_group(o, &ws, k, v, ld, a, d, qc, qpos ? pb : NULL, nv, cnt, mem, gTc, gtc, res,
+                      acc);
+        for (int m = 0; m < cnt; m++) {
+            append_exact(&res[mem[m]], k, v, ld, d, T - sp[mem[m]].nr, T);
+            done[mem[m]] = 1;
+        }
+    }
+#undef SHAREABLE
+    free(mem);
+    free(gTc);
+    free(gtc);
     for (int g0 = 0; g0 < ns && rc == KVRT_OK; g0++) {
         if (done[g0]) continue;
         /* the group of g0: the budgets with its sinks and recent window (the same middle) */
@@ -685,21 +918,12 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
                     need |= tc > 0;
                 }
             if (!need) continue;
-            const float *qc = q;
-            int64_t nv = n;
-            if (qpos) {
-                nv = 0;
-                for (int64_t i = 0; i < n; i++)
-                    if (qpos[i] >= k0) {
-                        memcpy(qb + nv * d, q + i * d, sizeof(float) * (size_t)d);
-                        pb[nv++] = qpos[i];
-                    }
-                qc = qb;
-                if (nv == 0) {
-                    rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys "
-                                   "%lld.. (every q_pos < %lld)", (long long)k0, (long long)k0);
-                    break;
-                }
+            const float *qc;
+            const int64_t nv = chunk_rows(q, qpos, n, d, k0, qb, pb, &qc);
+            if (nv == 0) {
+                rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys "
+                               "%lld.. (every q_pos < %lld)", (long long)k0, (long long)k0);
+                break;
             }
             rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv,
                          o->key_select == KVRT_AM_SELECT_OMP);
@@ -707,7 +931,7 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
                 if (!IN_GROUP(si)) continue;
                 chunk_span(a, Tm, chunk, sp[si].tm, c, &k0, &Tc, &tc);
                 if (tc > 0)
-                    rc = am_fit(o, &ws, k, ld, k0, Tc, d, nv, tc, &res[si], &acc[si]);
+                    rc = am_fit(o, &ws, k, ld, k0, Tc, Tc, d, nv, tc, &res[si], &acc[si]);
             }
         }
         for (int si = g0; si < ns; si++) /* IN_GROUP(si) reads done[si] only: g0 is set last */

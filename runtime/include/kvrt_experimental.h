@@ -75,7 +75,10 @@ int kvrt_ridge_lstsq(const double *X, const double *Y, int64_t n, int64_t t, int
  * and key scores are computed once and shared by every set (the compile pass's ratio grid, an
  * eval over several targets). Set si: ratios [n_sets, Hkv] (row si), or ratio_list[si] for every
  * head when ratios is NULL. out [n_sets] receives n_sets caches (all NULL on failure), each equal
- * to what kvrt_am_compact_layer gives for that set alone; stats [n_sets, Hkv] or NULL. */
+ * to what kvrt_am_compact_layer gives for that set alone: bit for bit where the sets' middles are
+ * the same (or chunked, or OMP); where HighestAttnKeys sets differ only in their recent windows,
+ * one logit product over the widest middle serves them all, and the f32 GEMM's rounding of it
+ * may move values by ~1e-6 relative. stats [n_sets, Hkv] or NULL. */
 int kvrt_am_compact_layer_multi(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
                                 const float *k, const float *v, int64_t T, uint32_t n_heads,
                                 uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
