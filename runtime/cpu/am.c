@@ -406,6 +406,45 @@ typedef struct {
     int status, iters;
 } am_acc;
 
+/* The products of query block b (AM_QBLK rows from i0 = b AM_QBLK), P at row stride ldS over the
+ * keys from k0 on: Q K^T / sqrt(d) into S over the block's first nk keys, and P V into Yf over
+ * its first nk keys. */
+static kvrt_sgemm_op logit_op(const float *q, const float *k, int64_t ld, int64_t k0, int64_t d,
+                              int64_t n, int64_t b, int64_t nk, float *S, int64_t ldS) {
+    const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+    return (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)nk, .k = (int)d,
+                           .alpha = 1.0f / sqrtf((float)d), .A = q + i0 * d, .lda = (int)d,
+                           .B = k + k0 * ld, .ldb = (int)ld, .C = S + i0 * ldS, .ldc = (int)ldS};
+}
+static kvrt_sgemm_op value_op(const float *S, int64_t ldS, const float *v, int64_t ld, int64_t k0,
+                              int64_t d, int64_t n, int64_t b, int64_t nk, float *Yf) {
+    const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+    return (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)nk, .alpha = 1.0f,
+                           .A = S + i0 * ldS, .lda = (int)ldS, .B = v + k0 * ld, .ldb = (int)ld,
+                           .C = Yf + i0 * d, .ldc = (int)d};
+}
+
+/* The keys query block b needs (block_vis), at most Tc */
+static int64_t qblock_vis(const int32_t *qpos, int64_t n, int64_t b, int64_t k0, int64_t Tc) {
+    const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+    return block_vis(qpos, i0, nb, k0, Tc);
+}
+
+/* Y = softmax(z) V in double: the f32 P V rows scaled by 1 / mass */
+static void am_targets(am_ws *ws, int64_t n, int64_t d) {
+    for (int64_t i = 0; i < n; i++) {
+        const double inv = ws->rowsum[i];
+#pragma omp simd
+        for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
+    }
+}
+
+static int overflow_fail(int64_t k0, int64_t Tc) {
+    return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) > "
+                                 "3.4e38) or are NaN in keys %lld..%lld",
+                     (long long)k0, (long long)(k0 + Tc - 1));
+}
+
 /* Steps 1-2 of one chunk [k0, k0 + Tc) of one head, shared by every budget compacted from it:
  * logits, P = exp(z - rowmax), masses, Y = softmax(z) V, and the column sums of squares of
  * softmax(z) (HighestAttnKeys' scores, OMP's column norms). Queries are processed in blocks of
@@ -413,38 +452,24 @@ typedef struct {
  * position order the masked upper triangle of the products is never computed). */
 static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_t k0, int64_t Tc,
                    int64_t d, const float *q, const int32_t *qpos, int64_t n, int gram) {
-    const float scale = 1.0f / sqrtf((float)d);
     float *S = ws->S;
     /* the products of both passes, per block of query rows: ops[b] = Q K^T, ops[nqb + b] = P V */
     kvrt_sgemm_op *ops = ws->ops;
     const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
     for (int64_t b = 0; b < nqb; b++) {
-        const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
-        const int64_t vm = block_vis(qpos, i0, nb, k0, Tc);
-        ops[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)vm, .k = (int)d, .alpha = scale,
-                                 .A = q + i0 * d, .lda = (int)d, .B = k + k0 * ld, .ldb = (int)ld,
-                                 .C = S + i0 * Tc, .ldc = (int)Tc};
-        ops[nqb + b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)vm,
-                                       .alpha = 1.0f, .A = S + i0 * Tc, .lda = (int)Tc,
-                                       .B = v + k0 * ld, .ldb = (int)ld, .C = ws->Yf + i0 * d,
-                                       .ldc = (int)d};
+        const int64_t vm = qblock_vis(qpos, n, b, k0, Tc);
+        ops[b] = logit_op(q, k, ld, k0, d, n, b, vm, S, Tc);
+        ops[nqb + b] = value_op(S, Tc, v, ld, k0, d, n, b, vm, ws->Yf);
     }
     kvrt_cpu_sgemm_batch(ops, nqb);
     /* P = exp(z - rowmax), masses and the column sums of squares of softmax(z), one pass over
      * the rows (each row is still in L1 when its squares are added) */
     const int bad =
         prep_rows(S, n, Tc, qpos, k0, ws->mass, ws->rowsum, ws->part, ws->colsum, ws->vis);
-    if (bad)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) > "
-                                     "3.4e38) or are NaN in keys %lld..%lld",
-                       (long long)k0, (long long)(k0 + Tc - 1));
+    if (bad) return overflow_fail(k0, Tc);
     /* 2. Y = softmax(z) V (P is 0 past each block's visible keys) */
     kvrt_cpu_sgemm_batch(ops + nqb, nqb);
-    for (int64_t i = 0; i < n; i++) {
-        const double inv = ws->rowsum[i];
-#pragma omp simd
-        for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
-    }
+    am_targets(ws, n, d);
     if (!gram) return KVRT_OK;
     /* OMP: c0 = Q^T 1, Q = P / m in double, rows in order (the Gram rows are formed per pick,
      * am_select_omp) */
@@ -659,7 +684,8 @@ static void append_exact(am_out *r, const float *k, const float *v, int64_t ld, 
 }
 
 /* The reference rows of a chunk from key k0 on: with positions, the rows that see at least key
- * k0, copied to qb/pb (returns their count; 0: none); without, all n (q itself). */
+ * k0, copied to qb/pb; without, all n (q itself). Returns their count, or 0 with the error set
+ * when no row sees key k0. */
 static int64_t chunk_rows(const float *q, const int32_t *qpos, int64_t n, int64_t d, int64_t k0,
                           float *qb, int32_t *pb, const float **qc) {
     *qc = q;
@@ -671,6 +697,9 @@ static int64_t chunk_rows(const float *q, const int32_t *qpos, int64_t n, int64_
             pb[nv++] = qpos[i];
         }
     *qc = qb;
+    if (nv == 0)
+        KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys %lld.. (every "
+                  "q_pos < %lld)", (long long)k0, (long long)k0);
     return nv;
 }
 
@@ -743,24 +772,20 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
                     am_acc *acc) {
     int64_t Tw = 0;
     for (int m = 0; m < cnt; m++) Tw = Tcs[m] > Tw ? Tcs[m] : Tw;
+    int64_t Tmin = Tw;
+    for (int m = 0; m < cnt; m++) Tmin = Tcs[m] < Tmin ? Tcs[m] : Tmin;
+    const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK, nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
     float *mx = malloc(sizeof(float) * (size_t)(cnt * n));
-    unsigned char *div = malloc((size_t)n);
+    unsigned char *div = malloc((size_t)n), *common = malloc((size_t)nblk);
     float *Z = malloc(sizeof(float) * (size_t)(n * Tw)); /* touched only for the rows of div */
-    if (!mx || !div || !Z) {
-        free(mx); free(div); free(Z);
+    if (!mx || !div || !common || !Z) {
+        free(mx); free(div); free(common); free(Z);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
     }
-    const float scale = 1.0f / sqrtf((float)d);
     float *S = ws->S;
     kvrt_sgemm_op *ops = ws->ops;
-    const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK, nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
-    for (int64_t b = 0; b < nqb; b++) {
-        const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
-        ops[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)block_vis(qpos, i0, nb, a, Tw),
-                                 .k = (int)d, .alpha = scale, .A = q + i0 * d, .lda = (int)d,
-                                 .B = k + a * ld, .ldb = (int)ld, .C = S + i0 * Tw,
-                                 .ldc = (int)Tw};
-    }
+    for (int64_t b = 0; b < nqb; b++)
+        ops[b] = logit_op(q, k, ld, a, d, n, b, qblock_vis(qpos, n, b, a, Tw), S, Tw);
     kvrt_cpu_sgemm_batch(ops, nqb);
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
@@ -769,10 +794,6 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
     /* The blocks whose rows see only keys every member compacts (vis <= the narrowest middle:
      * all but the late queries) have the same P, masses and partial sums in every member: done
      * once (partial sums at stride Tw, zeroed over Tw), the other blocks per member. */
-    int64_t Tmin = Tw;
-    for (int m = 0; m < cnt; m++) Tmin = Tcs[m] < Tmin ? Tcs[m] : Tmin;
-    unsigned char *common = mx ? calloc((size_t)nblk, 1) : NULL;
-    if (!common) bad |= 2;
     for (int64_t b = 0; !bad && b < nblk; b++) {
         const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
         int c = 1;
@@ -786,7 +807,7 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
                 bad |= member_rows(S, n, Tw, Tmin, qpos, a, b, mx, div, Z, ws->mass, ws->rowsum,
                                    ws->part + b * Tw, Tw, ws->vis);
     }
-    int rc = bad & 2 ? KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory") : KVRT_OK;
+    int rc = KVRT_OK;
     for (int m = 0; m < cnt && rc == KVRT_OK; m++) {
         const int64_t Tc = Tcs[m];
         if (!bad) {
@@ -797,9 +818,7 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
                                        ws->mass, ws->rowsum, ws->part + b * Tw, Tc, ws->vis);
         }
         if (bad) {
-            rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: logits overflow float (|q.k| / sqrt(d) "
-                           "> 3.4e38) or are NaN in keys %lld..%lld",
-                           (long long)a, (long long)(a + Tc - 1));
+            rc = overflow_fail(a, Tc);
             break;
         }
         const int64_t cw = 512, ncw = (Tc + cw - 1) / cw;
@@ -807,19 +826,10 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
         for (int64_t c = 0; c < ncw; c++)
             colsum_range(ws->part, nblk, Tw, c * cw, (c + 1) * cw < Tc ? (c + 1) * cw : Tc,
                          ws->colsum);
-        for (int64_t b = 0; b < nqb; b++) {
-            const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
-            ops[b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d,
-                                     .k = (int)block_vis(qpos, i0, nb, a, Tc), .alpha = 1.0f,
-                                     .A = S + i0 * Tw, .lda = (int)Tw, .B = v + a * ld,
-                                     .ldb = (int)ld, .C = ws->Yf + i0 * d, .ldc = (int)d};
-        }
+        for (int64_t b = 0; b < nqb; b++)
+            ops[b] = value_op(S, Tw, v, ld, a, d, n, b, qblock_vis(qpos, n, b, a, Tc), ws->Yf);
         kvrt_cpu_sgemm_batch(ops, nqb);
-        for (int64_t i = 0; i < n; i++) {
-            const double inv = ws->rowsum[i];
-#pragma omp simd
-            for (int64_t x = 0; x < d; x++) ws->Y[i * d + x] = (double)ws->Yf[i * d + x] * inv;
-        }
+        am_targets(ws, n, d);
         rc = am_fit(o, ws, k, ld, a, Tc, Tw, d, n, tcs[m], &res[mem[m]], &acc[mem[m]]);
     }
     free(common);
@@ -885,8 +895,7 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
         const float *qc;
         const int64_t nv = chunk_rows(q, qpos, n, d, a, qb, pb, &qc);
         if (nv == 0) {
-            rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys %lld.. "
-                           "(every q_pos < %lld)", (long long)a, (long long)a);
+            rc = kvrt_tls_err()->code;
             break;
         }
         for (int m = 0; m < cnt; m++) append_exact(&res[mem[m]], k, v, ld, d, 0, a);
@@ -921,8 +930,7 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
             const float *qc;
             const int64_t nv = chunk_rows(q, qpos, n, d, k0, qb, pb, &qc);
             if (nv == 0) {
-                rc = KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_compact: no reference query sees keys "
-                               "%lld.. (every q_pos < %lld)", (long long)k0, (long long)k0);
+                rc = kvrt_tls_err()->code;
                 break;
             }
             rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv,
