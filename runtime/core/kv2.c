@@ -74,6 +74,9 @@ int kvrt_kv2_proxy_scores(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_k
                           uint32_t head_dim, int proxy, float *s) {
     int rc = kvrt_policy_ctx_check(ctx, "kvrt_kv2_proxy_scores", KVRT_OP_KV2_PROXY);
     if (rc) return rc;
+    if ((rc = kvrt_kv2_proxy_check("kvrt_kv2_proxy_scores", k, C, n_kv_heads, head_dim, proxy,
+                                   s)))
+        return kvrt_policy_ctx_done(ctx, rc);
     rc = ctx->ops->kv2_proxy(ctx, k, C, n_kv_heads, head_dim, proxy, s);
     return kvrt_policy_ctx_done(ctx, rc);
 }
@@ -83,6 +86,9 @@ int kvrt_kv2_chunk_scores(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n
                           const float *k_new, int64_t lo, int64_t hi, float *out) {
     int rc = kvrt_policy_ctx_check(ctx, "kvrt_kv2_chunk_scores", KVRT_OP_KV2_SCORE);
     if (rc) return rc;
+    if ((rc = kvrt_kv2_score_check("kvrt_kv2_chunk_scores", q, n_q, n_heads, k, C, n_kv_heads,
+                                   head_dim, lo, hi, out)))
+        return kvrt_policy_ctx_done(ctx, rc);
     rc = ctx->ops->kv2_score(ctx, q, n_q, n_heads, k, C, n_kv_heads, head_dim, k_new, lo, hi,
                              out);
     return kvrt_policy_ctx_done(ctx, rc);

@@ -8,7 +8,8 @@
  *          implementations kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
- *          _attend_blocks, _step (cpu/compkv.c), kvrt_cpu_kv2_proxy,
+ *          _attend_blocks, _step (cpu/compkv.c), kvrt_kv2_proxy_check, kvrt_kv2_score_check,
+ *          kvrt_cpu_kv2_proxy,
  *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c), kvrt_cpu_key_scores (cpu/baselines.c),
  *          merge-reduce's kvrt_mr_layout and checks (core/merge_reduce.c) and kvrt_mr_ws,
  *          kvrt_cpu_mr_* (cpu/merge_reduce.c)
@@ -96,6 +97,13 @@ KVRT_INTERNAL int kvrt_cpu_compkv_attend_blocks(const kvrt_compkv *s, const floa
 KVRT_INTERNAL int kvrt_cpu_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                                        int64_t k_blocks, float *out, int32_t *blocks_out);
 /* KV²'s fast paths with n_threads OpenMP threads (>= 1); same outputs for every thread count. */
+/* The argument checks of the two KV² ops (cpu/kv2.c), also run by the front doors
+ * (core/kv2.c) before any backend sees the call; fn names the public function. */
+KVRT_INTERNAL int kvrt_kv2_proxy_check(const char *fn, const float *k, int64_t C, uint32_t Hkv,
+                                       uint32_t d, int proxy, const float *s);
+KVRT_INTERNAL int kvrt_kv2_score_check(const char *fn, const float *q, int64_t n_q, uint32_t H,
+                                       const float *k, int64_t C, uint32_t Hkv, uint32_t d,
+                                       int64_t lo, int64_t hi, const float *out);
 KVRT_INTERNAL int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t n_kv_heads,
                                      uint32_t head_dim, int proxy, float *s, int n_threads);
 KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t n_heads,

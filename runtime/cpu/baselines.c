@@ -512,6 +512,12 @@ static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *
     const int m = o->method;
     if (!kvrt_method_has_scores(m)) return KVRT_OK;
     if (sc == NULL) return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: scores is NULL", fn);
+    /* the pooling and the key scores below read host memory: a device context runs the score
+     * ops through its table directly (ctx->ops, tests/backend), not this host-pointer call */
+    if (ctx != NULL && ctx->device != KVRT_DEVICE_HOST)
+        return kvrt_err_set(e, KVRT_ERR_UNSUPPORTED, 0,
+                            "%s: takes host pointers and a CPU context (got a %s context)", fn,
+                            ctx->ops->name);
     const int64_t w = (int64_t)o->window < T ? (int64_t)o->window : T;
     int rc = KVRT_OK;
     if (m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O) {

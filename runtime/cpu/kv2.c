@@ -38,8 +38,8 @@
 // ----------------------------------------------------------------------------
 // shared checks
 
-static int proxy_check(const char *fn, const float *k, int64_t C, uint32_t Hkv, uint32_t d,
-                       int proxy, const float *s) {
+int kvrt_kv2_proxy_check(const char *fn, const float *k, int64_t C, uint32_t Hkv, uint32_t d,
+                         int proxy, const float *s) {
     if (k == NULL || s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, k ? "s" : "k");
     if (C < 1 || C > INT32_MAX)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: C = %lld, expected 1..%d", fn, (long long)C,
@@ -53,9 +53,9 @@ static int proxy_check(const char *fn, const float *k, int64_t C, uint32_t Hkv, 
     return KVRT_OK;
 }
 
-static int score_check(const char *fn, const float *q, int64_t n_q, uint32_t H, const float *k,
-                       int64_t C, uint32_t Hkv, uint32_t d, int64_t lo, int64_t hi,
-                       const float *out) {
+int kvrt_kv2_score_check(const char *fn, const float *q, int64_t n_q, uint32_t H,
+                         const float *k, int64_t C, uint32_t Hkv, uint32_t d, int64_t lo,
+                         int64_t hi, const float *out) {
     if (q == NULL || k == NULL || out == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
                          q == NULL ? "q" : k == NULL ? "k" : "out");
@@ -95,7 +95,7 @@ static int finite_check(const char *fn, const char *name, const float *x, size_t
 int kvrt_kv2_proxy_ref(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int proxy,
                        float *s) {
     const char *fn = "kvrt_kv2_proxy_ref";
-    int rc = proxy_check(fn, k, C, Hkv, d, proxy, s);
+    int rc = kvrt_kv2_proxy_check(fn, k, C, Hkv, d, proxy, s);
     if (rc) return rc;
     double *anchor = malloc(sizeof(double) * d);
     if (anchor == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
@@ -110,7 +110,7 @@ int kvrt_kv2_chunk_scores_ref(const float *q, int64_t n_q, uint32_t H, const flo
                               int64_t C, uint32_t Hkv, uint32_t d, const float *k_new,
                               int64_t lo, int64_t hi, float *out) {
     const char *fn = "kvrt_kv2_chunk_scores_ref";
-    int rc = score_check(fn, q, n_q, H, k, C, Hkv, d, lo, hi, out);
+    int rc = kvrt_kv2_score_check(fn, q, n_q, H, k, C, Hkv, d, lo, hi, out);
     if (rc) return rc;
     const int64_t W = hi - lo, n_keys = C + (k_new ? n_q : 0);
     double *z = malloc(sizeof(double) * (size_t)n_keys);
@@ -190,7 +190,7 @@ int kvrt_rope_shift(float *x, int64_t n, uint32_t n_heads, uint32_t d, const int
 int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int proxy,
                        float *s, int n_threads) {
     const char *fn = "kvrt_kv2_proxy_scores";
-    int rc = proxy_check(fn, k, C, Hkv, d, proxy, s);
+    int rc = kvrt_kv2_proxy_check(fn, k, C, Hkv, d, proxy, s);
     if (rc) return rc;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > (int)Hkv) nt = (int)Hkv;
@@ -360,7 +360,7 @@ int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t H, const flo
                               int64_t C, uint32_t Hkv, uint32_t d, const float *k_new,
                               int64_t lo, int64_t hi, float *out, int n_threads) {
     const char *fn = "kvrt_kv2_chunk_scores";
-    int rc = score_check(fn, q, n_q, H, k, C, Hkv, d, lo, hi, out);
+    int rc = kvrt_kv2_score_check(fn, q, n_q, H, k, C, Hkv, d, lo, hi, out);
     if (rc == KVRT_OK) rc = finite_check(fn, "q", q, (size_t)n_q * H * d);
     if (rc == KVRT_OK) rc = finite_check(fn, "k", k, (size_t)C * Hkv * d);
     if (rc == KVRT_OK && k_new) rc = finite_check(fn, "k_new", k_new, (size_t)n_q * Hkv * d);

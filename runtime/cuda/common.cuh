@@ -4,8 +4,11 @@
  * Callers: the .cu files of runtime/cuda/ only (C files never include CUDA headers).
  *
  * defines: kvrt_cuda_state, kvrt_cuda_state_of, kvrt_cuda_stream, kvrt_cuda_error,
- *          kvrt_cublas_error, CUDA_CHECK, CUBLAS_CHECK, kvrt_cuda_softmax_rows (softmax.cu),
- *          kvrt_cuda_attend (attend.cu)
+ *          kvrt_cublas_error, CUDA_CHECK, CUBLAS_CHECK, kvrt_cuda_weights_problem,
+ *          KVRT_LG_COLSUM / KVRT_LG_COLMAX, kvrt_cuda_weights (logits.cu), kvrt_topk_key,
+ *          kvrt_cuda_topk_keys, kvrt_cuda_topk (select.cu), kvrt_cuda_snapkv_scores,
+ *          kvrt_cuda_h2o_scores (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
+ *          (kv2.cu), kvrt_cuda_softmax_rows (softmax.cu), kvrt_cuda_attend (attend.cu)
  *
  * Errors never abort (ggml's CUDA_CHECK, minus the abort): CUDA_CHECK(err, stmt) evaluates stmt
  * and, when it fails, writes KVRT_ERR_CUDA with the CUDA error in detail and the statement,
@@ -64,6 +67,66 @@ KVRT_INTERNAL int kvrt_cublas_error(kvrt_error *err, cublasStatus_t s, const cha
         if (kvrt_s_ != CUBLAS_STATUS_SUCCESS)                                                  \
             return kvrt_cublas_error((err), kvrt_s_, #stmt, __func__, __FILE__, __LINE__);     \
     } while (0)
+
+// ----------------------------------------------------------------------------
+// shared device helpers (logits.cu, select.cu)
+
+/* One attention-weights problem for kvrt_cuda_weights (logits.cu has the details): queries
+ * q [.., n_heads, d] rows [q0, q1); keys k [n_k, n_kv_heads, d], appended keys k2 [n_k2, ...]
+ * or NULL (n_k2 = 0); query i sees base + (slope ? i + 1 : 0) keys (k first, then k2). */
+typedef struct {
+    const char *fn; /* the public function, for messages */
+    const float *q, *k, *k2;
+    int64_t q0, q1, n_k, n_k2, base;
+    int slope;
+    uint32_t n_heads, n_kv_heads, head_dim;
+    float scale;
+    int64_t lo, hi; /* KVRT_LG_COLMAX: the columns written */
+} kvrt_cuda_weights_problem;
+
+enum {
+    KVRT_LG_COLSUM = 0, /* out [Hkv, n_k] = sum over rows and the G heads of the weights / G */
+    KVRT_LG_COLMAX = 1, /* out [Hkv, hi - lo] = max over rows and the G heads of the weights */
+};
+
+extern "C" {
+/* Device pointers; asynchronous on the context's stream. */
+KVRT_INTERNAL int kvrt_cuda_weights(kvrt_ctx *ctx, const kvrt_cuda_weights_problem *p, int mode,
+                                    float *out);
+/* Order-preserving keys for the top-k rule of kvrt_topk (select.cu): larger score, larger key;
+ * NaN -> 0 (lowest), -0.0 == +0.0; every non-NaN float maps above 0. */
+KVRT_INTERNAL int kvrt_cuda_topk_keys(kvrt_ctx *ctx, const uint32_t *keys, int64_t n, int64_t k,
+                                      int32_t *idx);
+
+/* ops of the table beyond softmax and attend (arguments as in core/backend.h, device pointers;
+ * asynchronous on the context's stream unless the entry says otherwise) */
+KVRT_INTERNAL int kvrt_cuda_topk(kvrt_ctx *ctx, const float *scores, int64_t n, int64_t k,
+                                 int32_t *idx); /* select.cu */
+KVRT_INTERNAL int kvrt_cuda_snapkv_scores(kvrt_ctx *ctx, const float *q, const float *k,
+                                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                                          uint32_t head_dim, uint32_t window,
+                                          float *scores); /* baselines.cu */
+KVRT_INTERNAL int kvrt_cuda_h2o_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t T,
+                                       uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
+                                       float *scores); /* baselines.cu */
+KVRT_INTERNAL int kvrt_cuda_kv2_proxy(kvrt_ctx *ctx, const float *k, int64_t C,
+                                      uint32_t n_kv_heads, uint32_t head_dim, int proxy,
+                                      float *s); /* kv2.cu */
+/* kv2.cu; synchronizes once (the finite check of q, k, k_new) */
+KVRT_INTERNAL int kvrt_cuda_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q,
+                                      uint32_t n_heads, const float *k, int64_t C,
+                                      uint32_t n_kv_heads, uint32_t head_dim, const float *k_new,
+                                      int64_t lo, int64_t hi, float *out);
+}
+
+#ifdef __CUDACC__
+__device__ __forceinline__ uint32_t kvrt_topk_key(float f) {
+    if (f != f) return 0u;
+    if (f == 0.0f) f = 0.0f; /* -0.0 -> +0.0 */
+    const uint32_t b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+#endif
 
 // ----------------------------------------------------------------------------
 // ops of the CUDA table (arguments checked by the core, see core/backend.h)

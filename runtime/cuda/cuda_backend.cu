@@ -2,7 +2,8 @@
  * cuda_backend.cu: the CUDA backend of libkvrt (built when USE_CUDA=1): its table, the
  * housekeeping entries (device, stream, memory, copies) and the error helpers behind
  * CUDA_CHECK / CUBLAS_CHECK (cuda/common.cuh). The ops live in one .cu file each
- * (softmax.cu, attend.cu); ops the table leaves NULL are KVRT_ERR_UNSUPPORTED.
+ * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu; logits.cu is the attention-weights
+ * engine behind the score ops); ops the table leaves NULL are KVRT_ERR_UNSUPPORTED.
  * Built as its own shared object, libkvrt_cuda.so.X.Y, with the other .cu files: the only file
  * of the project that links libcudart and libcublas. libkvrt dlopens it on first use
  * (core/cuda_load.c) and calls its one exported symbol, kvrt_cuda_plugin_init, which takes
@@ -281,6 +282,11 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.sync = cuda_sync;
     t.softmax_rows = kvrt_cuda_softmax_rows;
     t.attend = kvrt_cuda_attend;
+    t.topk = kvrt_cuda_topk;
+    t.snapkv_scores = kvrt_cuda_snapkv_scores;
+    t.h2o_scores = kvrt_cuda_h2o_scores;
+    t.kv2_proxy = kvrt_cuda_kv2_proxy;
+    t.kv2_score = kvrt_cuda_kv2_score;
     t.cache_gather = cuda_cache_gather;
     return t;
 }
