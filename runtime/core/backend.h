@@ -185,7 +185,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
  * services the backend calls back (kvrt_cuda_host) and gets the backend's table
  * (kvrt_cuda_plugin). Both structs carry KVRT_CUDA_PLUGIN_API_VERSION and the library
  * version; a plugin of another version is refused with a message naming the file. */
-#define KVRT_CUDA_PLUGIN_API_VERSION 1
+#define KVRT_CUDA_PLUGIN_API_VERSION 2
 #define KVRT_CUDA_PLUGIN_ENTRY "kvrt_cuda_plugin_init"
 #define KVRT_CUDA_PLUGIN_BASENAME "libkvrt_cuda.so"
 #define KVRT_STR_(x) #x
@@ -203,6 +203,15 @@ typedef struct kvrt_cuda_host {
                         kvrt_cache **out);
     int (*cache_to_device)(kvrt_ctx *ctx, const kvrt_cache *host, kvrt_cache **out);
     void (*cache_free)(kvrt_cache *c);
+    /* since API 2: the host parts of CompilerKV's selection (runtime/cuda/compilerkv.cu):
+     * kvrt_selection_create, kvrt_compilerkv_budget_index, kvrt_compilerkv_bins,
+     * kvrt_compilerkv_kept_window of the loading libkvrt (messages in its thread-local error) */
+    int (*selection_create)(uint32_t n_kv_heads, const int64_t *counts, kvrt_selection **out);
+    int (*compilerkv_budget_index)(const kvrt_compilerkv_tables *tb, int64_t budget,
+                                   unsigned flags, uint32_t *index);
+    int (*compilerkv_bins)(const kvrt_compilerkv_tables *tb, double entropy, double ppl,
+                           int *b_ent, int *b_ppl);
+    int64_t (*compilerkv_kept_window)(uint32_t window, int64_t budget, int64_t T);
 } kvrt_cuda_host;
 
 typedef struct kvrt_cuda_plugin {

@@ -78,6 +78,10 @@ static int try_one(const char *path, int must_exist) {
         .cache_gather = kvrt_cache_gather,
         .cache_to_device = kvrt_cache_to_device,
         .cache_free = kvrt_cache_free,
+        .selection_create = kvrt_selection_create,
+        .compilerkv_budget_index = kvrt_compilerkv_budget_index,
+        .compilerkv_bins = kvrt_compilerkv_bins,
+        .compilerkv_kept_window = kvrt_compilerkv_kept_window,
     };
     const kvrt_cuda_plugin *p = init(&host);
     if (p == NULL || p->api_version != KVRT_CUDA_PLUGIN_API_VERSION || p->kvrt_version == NULL ||
