@@ -8,7 +8,8 @@
  *          KVRT_LG_COLSUM / KVRT_LG_COLMAX, kvrt_cuda_weights (logits.cu), kvrt_topk_key,
  *          kvrt_cuda_topk_keys, kvrt_cuda_topk (select.cu), kvrt_cuda_snapkv_scores,
  *          kvrt_cuda_h2o_scores (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
- *          (kv2.cu), kvrt_cuda_softmax_rows (softmax.cu), kvrt_cuda_attend (attend.cu)
+ *          (kv2.cu), kvrt_cuda_compilerkv_select (compilerkv.cu), kvrt_cuda_softmax_rows
+ *          (softmax.cu), kvrt_cuda_attend (attend.cu)
  *
  * Errors never abort (ggml's CUDA_CHECK, minus the abort): CUDA_CHECK(err, stmt) evaluates stmt
  * and, when it fails, writes KVRT_ERR_CUDA with the CUDA error in detail and the statement,
@@ -112,6 +113,13 @@ KVRT_INTERNAL int kvrt_cuda_h2o_scores(kvrt_ctx *ctx, const float *q, const floa
 KVRT_INTERNAL int kvrt_cuda_kv2_proxy(kvrt_ctx *ctx, const float *k, int64_t C,
                                       uint32_t n_kv_heads, uint32_t head_dim, int proxy,
                                       float *s); /* kv2.cu */
+/* compilerkv.cu: tb, pr host objects, v device memory, *out a host selection; synchronizes
+ * (the candidate count, then the kept positions) */
+KVRT_INTERNAL int kvrt_cuda_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
+                                              const kvrt_compilerkv_prompt *pr, uint32_t layer,
+                                              const float *v, uint32_t n_kv_heads,
+                                              uint32_t head_dim, int64_t budget, unsigned flags,
+                                              kvrt_selection **out, kvrt_compilerkv_stats *st);
 /* kv2.cu; synchronizes once (the finite check of q, k, k_new) */
 KVRT_INTERNAL int kvrt_cuda_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q,
                                       uint32_t n_heads, const float *k, int64_t C,
