@@ -460,7 +460,7 @@ static kvrt_selection *make_selection(uint64_t *s, int64_t T, uint32_t Hkv, doub
 /* The gather by plain loops: entry i of head j = token sel[j][i] of k, v [T, Hkv, d]. */
 static kvrt_cache *gather_ref(const float *k, const float *v, uint32_t Hkv, uint32_t d,
                               const kvrt_selection *sel, int dtype) {
-    int64_t counts[16];
+    int64_t counts[16] = {0}; /* Hkv <= 16; zeroed: gcc -O2 warns otherwise */
     for (uint32_t j = 0; j < Hkv; j++) counts[j] = sel->offsets[j + 1] - sel->offsets[j];
     kvrt_cache *c = NULL;
     if (kvrt_cache_create(Hkv, d, dtype, counts, &c) != KVRT_OK) exit(2);
@@ -604,14 +604,19 @@ static kvrt_compilerkv_tables *make_tables(uint64_t *s, uint32_t L, uint32_t H, 
     return tb;
 }
 
-/* A finished prompt of T tokens from random window masses of L layers and log-probabilities. */
-static kvrt_compilerkv_prompt *make_prompt(uint64_t *s, int64_t T, uint32_t window, uint32_t L) {
+/* A finished prompt of T tokens from the window masses of L layers (random, or with uniform
+ * the same mass for every token: every alpha equal) and random log-probabilities. */
+static kvrt_compilerkv_prompt *make_prompt(uint64_t *s, int64_t T, uint32_t window, uint32_t L,
+                                           int uniform) {
     kvrt_compilerkv_prompt *pr = NULL;
     float *mass = malloc(sizeof(float) * (size_t)T);
     float *lp = randf(s, T - 1, -4.0f, -0.01f);
     int rc = kvrt_compilerkv_prompt_create(T, window, &pr);
     for (uint32_t l = 0; l < L && rc == KVRT_OK; l++) {
-        fill(s, mass, T, 0.0f, 2.0f * (float)window / (float)T);
+        if (uniform)
+            for (int64_t t = 0; t < T; t++) mass[t] = (float)pr->window / (float)T;
+        else
+            fill(s, mass, T, 0.0f, 2.0f * (float)window / (float)T);
         rc = kvrt_compilerkv_prompt_add_mass(pr, mass);
     }
     if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, lp);
@@ -624,74 +629,185 @@ static kvrt_compilerkv_prompt *make_prompt(uint64_t *s, int64_t T, uint32_t wind
     return pr;
 }
 
-/* The reference of one layer's selection: the compiled budget's row and the prompt's risk bin
- * as kvrt_compilerkv_select documents them, rho by kvrt_compilerkv_value_norms (the one
- * implementation of the norms), then kvrt_compilerkv_select_layer_ref. */
-static int compilerkv_ref(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
-                          uint32_t layer, const float *v, uint32_t Hkv, uint32_t d, int64_t B,
-                          kvrt_selection **out, kvrt_compilerkv_stats *st) {
+/* The compiled row of (budget B, layer) and the prompt's bins: its index bl and tau. */
+static int compilerkv_row(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
+                          uint32_t layer, int64_t B, size_t *bl, float *tau) {
     uint32_t b;
     int be, bp;
     int rc = kvrt_compilerkv_budget_index(tb, B, 0, &b);
     if (rc == KVRT_OK) rc = kvrt_compilerkv_bins(tb, pr->entropy, pr->ppl, &be, &bp);
     if (rc != KVRT_OK) return rc;
-    const size_t bl = (size_t)b * tb->n_layers + layer;
-    const float tau = tb->t_gate[(bl * KVRT_COMPILERKV_ENT_BINS + (size_t)be) *
-                                     KVRT_COMPILERKV_PPL_BINS + (size_t)bp];
-    float *rho = malloc(sizeof(float) * (size_t)pr->T * Hkv);
-    rc = kvrt_compilerkv_value_norms(v, pr->T, Hkv, d, rho);
+    *bl = (size_t)b * tb->n_layers + layer;
+    *tau = tb->t_gate[(*bl * KVRT_COMPILERKV_ENT_BINS + (size_t)be) * KVRT_COMPILERKV_PPL_BINS +
+                      (size_t)bp];
+    return KVRT_OK;
+}
+
+/* The reference of one layer's selection: the compiled budget's row and the prompt's risk bin
+ * as kvrt_compilerkv_select documents them, rho by kvrt_compilerkv_value_norms (the one
+ * implementation of the norms), then kvrt_compilerkv_select_layer_ref. *margin: how far the
+ * reference's scores are from a decision (relative): min over the competing positions of
+ * |s - tau|, and when the candidates outnumber the room, the gap between the last kept and the
+ * first dropped candidate score; 0 for an exact tie. */
+static int compilerkv_ref(const kvrt_compilerkv_tables *tb, const kvrt_compilerkv_prompt *pr,
+                          uint32_t layer, const float *v, uint32_t Hkv, uint32_t d, int64_t B,
+                          kvrt_selection **out, kvrt_compilerkv_stats *st, double *margin) {
+    size_t bl;
+    float tau;
+    int rc = compilerkv_row(tb, pr, layer, B, &bl, &tau);
+    if (rc != KVRT_OK) return rc;
+    const int64_t T = pr->T;
+    float *rho = malloc(sizeof(float) * (size_t)T * Hkv);
+    rc = kvrt_compilerkv_value_norms(v, T, Hkv, d, rho);
     if (rc == KVRT_OK)
-        rc = kvrt_compilerkv_select_layer_ref(pr->alpha, rho, pr->T, tb->n_heads, Hkv,
+        rc = kvrt_compilerkv_select_layer_ref(pr->alpha, rho, T, tb->n_heads, Hkv,
                                               tb->w_head + bl * tb->n_heads, tau, B, tb->window,
                                               out, st);
+    *margin = INFINITY;
+    if (rc == KVRT_OK) {
+        /* the scores of kvrt_compilerkv_select_layer_ref, recomputed */
+        const int64_t nw = kvrt_compilerkv_kept_window(tb->window, B, T), head = T - nw;
+        const uint32_t G = tb->n_heads / Hkv;
+        const float *wh = tb->w_head + bl * tb->n_heads;
+        double *cs = malloc(sizeof(double) * (size_t)(head > 0 ? head : 1));
+        int64_t nc = 0;
+        for (int64_t t = 0; t < head; t++) {
+            double m = -INFINITY;
+            for (uint32_t h = 0; h < tb->n_heads; h++) {
+                const double x = (double)pr->alpha[t] * (double)rho[(size_t)(h / G) * T + t] *
+                                 (double)wh[h];
+                if (x > m) m = x;
+            }
+            const double sc = (float)m;
+            const double rel = fabs(sc - tau) / fmax(fabs((double)tau), 1e-30);
+            if (rel < *margin) *margin = rel;
+            if (sc >= tau) cs[nc++] = sc;
+        }
+        const int64_t room = B - nw;
+        if (nc > room && room >= 0) {
+            /* the room-th and (room+1)-th largest candidate scores (selection by partial sort) */
+            for (int64_t i = 0; i <= room && i < nc; i++)
+                for (int64_t j = i + 1; j < nc; j++)
+                    if (cs[j] > cs[i]) {
+                        const double x = cs[i];
+                        cs[i] = cs[j];
+                        cs[j] = x;
+                    }
+            if (room > 0) {
+                const double rel = (cs[room - 1] - cs[room]) / fmax(fabs(cs[room - 1]), 1e-30);
+                if (rel < *margin) *margin = rel;
+            }
+        }
+        free(cs);
+    }
     free(rho);
     return rc;
 }
 
+enum { CKV_RANDOM, CKV_EQUAL, CKV_ZERO_HALF };
+#define CKV_MARGIN 1e-5 /* well separated: every decision further than this (relative) */
+
+/* 1 when two stats agree on every field. */
+static int ckv_stats_eq(const kvrt_compilerkv_stats *a, const kvrt_compilerkv_stats *b,
+                        int with_budget) {
+    if (a->candidates != b->candidates || a->kept != b->kept || a->tau != b->tau) return 0;
+    return !with_budget || (a->budget_index == b->budget_index && a->b_ent == b->b_ent &&
+                            a->b_ppl == b->b_ppl);
+}
+
+/* Rows: random inputs against kvrt_compilerkv_select_layer_ref and the CPU backend's op
+ * (selections compared where the reference's decisions are further than CKV_MARGIN from a
+ * tie, else the table row and tau only); small T (the window is the whole prompt, or every
+ * token); adversarial inputs (every value equal and every alpha equal, so every score ties;
+ * half the tokens zero vectors; tau 0: every token a candidate) against both, exactly: the
+ * tie rule (lower position first) decides. Stats equal to the CPU op's, field by field. */
 static void test_compilerkv(kvrt_ctx *ctx, const char *bk) {
     static const struct {
         int64_t T;
         uint32_t H, Hkv, d, window, layer;
         int64_t budget, other;
-    } shapes[] = {{600, 8, 2, 64, 32, 1, 128, 256}, {600, 8, 2, 64, 32, 0, 40, 128},
-                  {300, 4, 4, 32, 16, 1, 200, 64}, {64, 6, 3, 32, 16, 0, 8, 16}};
+        int kind;
+    } shapes[] = {{600, 8, 2, 64, 32, 1, 128, 256, CKV_RANDOM},
+                  {600, 8, 2, 64, 32, 0, 40, 128, CKV_RANDOM},
+                  {300, 4, 4, 32, 16, 1, 200, 64, CKV_RANDOM},
+                  {64, 6, 3, 32, 16, 0, 8, 16, CKV_RANDOM},
+                  {1000, 9, 3, 70, 32, 1, 100, 300, CKV_RANDOM}, /* d: 4 16-blocks + a tail */
+                  {1, 4, 2, 16, 16, 0, 8, 16, CKV_RANDOM},
+                  {3, 4, 2, 8, 16, 1, 2, 16, CKV_RANDOM},       /* d < 16: the tail only */
+                  {17, 4, 1, 32, 16, 0, 8, 16, CKV_RANDOM},
+                  {500, 8, 2, 64, 32, 1, 100, 200, CKV_EQUAL},
+                  {200, 8, 4, 32, 16, 0, 40, 64, CKV_EQUAL},
+                  {500, 8, 2, 64, 32, 0, 100, 200, CKV_ZERO_HALF}};
+    static const char *const kinds[] = {"", " equal", " zero-half"};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T, B = shapes[si].budget;
         const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
         const uint32_t w = shapes[si].window, layer = shapes[si].layer;
+        const int kind = shapes[si].kind;
         char shape[96];
-        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u w=%u B=%lld layer=%u",
-                 (long long)T, H, Hkv, d, w, (long long)B, layer);
+        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u w=%u B=%lld layer=%u%s",
+                 (long long)T, H, Hkv, d, w, (long long)B, layer, kinds[kind]);
         if (!row_runs(ctx, bk, "compilerkv_select", KVRT_OP_COMPILERKV_SELECT, shape)) continue;
         uint64_t seed = 600 + si;
         kvrt_compilerkv_tables *tb = make_tables(&seed, 2, H, w, B, shapes[si].other);
-        kvrt_compilerkv_prompt *pr = make_prompt(&seed, T, w, 2);
+        kvrt_compilerkv_prompt *pr = make_prompt(&seed, T, w, 2, kind != CKV_RANDOM);
         float *v = randf(&seed, T * Hkv * d, -1.0f, 1.0f);
-        kvrt_selection *ref = NULL, *got = NULL;
-        kvrt_compilerkv_stats rs, gs;
-        int rc = compilerkv_ref(tb, pr, layer, v, Hkv, d, B, &ref, &rs);
+        if (kind != CKV_RANDOM) {
+            const size_t ng = (size_t)2 * 2 * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS;
+            for (size_t i = 0; i < ng; i++) tb->t_gate[i] = 0.0f; /* every token a candidate */
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < (int64_t)Hkv * d; i++)
+                    v[t * Hkv * d + i] = kind == CKV_ZERO_HALF && t % 2 == 0 ? 0.0f : 0.25f;
+        }
+        kvrt_selection *ref = NULL, *cpu = NULL, *got = NULL;
+        kvrt_compilerkv_stats rs, cs, gs;
+        double margin = 0.0;
+        int rc = compilerkv_ref(tb, pr, layer, v, Hkv, d, B, &ref, &rs, &margin);
+        const char *what = "the reference";
+        if (rc == KVRT_OK) {
+            what = "the CPU backend's compilerkv_select";
+            rc = cpu_ref->ops->compilerkv_select(cpu_ref, tb, pr, layer, v, Hkv, d, B, 0, &cpu,
+                                                 &cs);
+        }
         if (rc != KVRT_OK) {
-            report_error("compilerkv_select", bk, shape, rc, "the reference");
+            report_error("compilerkv_select", bk, shape, rc, what);
         } else {
             float *dv = to_ctx(ctx, v, sizeof(float) * (size_t)(T * Hkv * d));
             rc = ctx->ops->compilerkv_select(ctx, tb, pr, layer, dv, Hkv, d, B, 0, &got, &gs);
             if (rc != KVRT_OK) {
                 report_error("compilerkv_select", bk, shape, rc, "compilerkv_select");
             } else {
+                /* exact ties are meant in the adversarial rows: the tie rule must agree */
+                const int separated = kind != CKV_RANDOM || margin > CKV_MARGIN;
                 nmse_acc a = {0, 0, 0};
-                if (got->offsets[Hkv] != ref->offsets[Hkv] || gs.kept != rs.kept ||
-                    gs.candidates != rs.candidates)
+                if (got->n_kv_heads != Hkv || gs.budget_index != cs.budget_index ||
+                    gs.b_ent != cs.b_ent || gs.b_ppl != cs.b_ppl || gs.tau != cs.tau)
                     a.bad = 1;
+                else if (separated) {
+                    if (!ckv_stats_eq(&gs, &cs, 1) || !ckv_stats_eq(&gs, &rs, 0))
+                        a.bad = 1;
+                    for (uint32_t j = 0; j <= Hkv && !a.bad; j++)
+                        if (got->offsets[j] != ref->offsets[j] ||
+                            got->offsets[j] != cpu->offsets[j])
+                            a.bad = 1;
+                    if (!a.bad) {
+                        acc_i(&a, got->positions, ref->positions, ref->offsets[Hkv]);
+                        acc_i(&a, got->positions, cpu->positions, cpu->offsets[Hkv]);
+                    }
+                }
+                char note[96];
+                if (separated)
+                    snprintf(note, sizeof note, "kept %lld of %lld candidates, = ref, = cpu op",
+                             (long long)gs.kept, (long long)gs.candidates);
                 else
-                    acc_i(&a, got->positions, ref->positions, ref->offsets[Hkv]);
-                char note[48];
-                snprintf(note, sizeof note, "kept %lld of %lld candidates", (long long)gs.kept,
-                         (long long)gs.candidates);
+                    snprintf(note, sizeof note, "near tie (margin %.1e): table row and tau only",
+                             margin);
                 report("compilerkv_select", bk, shape, acc_nmse(&a), 0.0, note);
             }
             kvrt_ctx_dealloc(ctx, dv);
         }
         kvrt_selection_free(ref);
+        kvrt_selection_free(cpu);
         kvrt_selection_free(got);
         kvrt_compilerkv_tables_free(tb);
         kvrt_compilerkv_prompt_free(pr);
