@@ -93,6 +93,14 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     if (rc) return rc;
     if (tb == NULL || q == NULL || k == NULL || v == NULL || sels == NULL)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn));
+    /* q and k go through the host window-mass kernel (kvrt_compilerkv_prompt_add_layer): a
+     * device context runs kvrt_compilerkv_select per layer, with a prompt built on the host */
+    if (ctx->device != KVRT_DEVICE_HOST)
+        return kvrt_policy_ctx_done(
+            ctx, KVRT_FAIL(KVRT_ERR_UNSUPPORTED,
+                           "%s: takes host pointers and a CPU context (got a %s context); on a "
+                           "device use kvrt_compilerkv_select per layer",
+                           fn, ctx->ops->name));
     const uint32_t L = tb->n_layers;
     if (n_heads != tb->n_heads)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u",
