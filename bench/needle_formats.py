@@ -7,7 +7,7 @@ greedy exact-match rate. kvcc's own task (calib/needle.c) uses format "own-brack
 --needle` states the full cache's score of that format on every run.
 
 usage: python3 bench/needle_formats.py CONTEXT NEEDLES FORMAT TRIALS
-  FORMAT: plain | repeated | bracket | shared-bracket | own-brackets
+  FORMAT: plain | repeated | bracket | shared-bracket | own-brackets | own-brackets5 | own-brackets-nl
   e.g. python3 bench/needle_formats.py 2048 3 own-brackets 4
 Needs torch, transformers, gguf (scripts/install-peer-deps.sh). About 10-60 s per trial at 2k.
 """
@@ -33,8 +33,13 @@ def fmt(name, i, key):
     if name == "repeated":  # the same sentence three times
         s = f"The {lb} is {key}. "
         return (" " + s * 3, f"\n\nWhat is the {lb}?{ask}The {lb} is", "There are numbers hidden in the text below. Find and memorize them.")
-    o, c = BRACKETS[i] if name == "own-brackets" else BRACKETS[0]
+    own = name.startswith("own-brackets")
+    o, c = BRACKETS[i] if own else BRACKETS[0]
     s = f"The {lb} is {o}{key}{c}. "
+    if name == "own-brackets5":  # said five times
+        return (" " + s * 5, f"\n\nWhat is the {lb}?{ask}The {lb} is {o}", "There are numbers hidden in the text below. Find and memorize them.")
+    if name == "own-brackets-nl":  # a paragraph of its own
+        return ("\n\n" + (s * 3).strip() + "\n\n", f"\n\nWhat is the {lb}?{ask}The {lb} is {o}", "There are numbers hidden in the text below. Find and memorize them.")
     return (" " + s * 3, f"\n\nWhat is the {lb}?{ask}The {lb} is {o}", "There are numbers hidden in the text below. Find and memorize them.")
 
 

@@ -5,7 +5,7 @@
  * the chat template; each needle is one sentence said three times; the question names the
  * needle's label and the answer prefix repeats the needle's wording up to its opening bracket.
  *
- * defines: kvcc_needle_make, kvcc_needle_free, kvcc_needle_match
+ * defines: kvcc_needle_make, kvcc_needle_depths_check, kvcc_needle_free, kvcc_needle_match
  */
 #include "needle.h"
 
@@ -50,14 +50,36 @@ void kvcc_needle_free(kvcc_needle *n) {
     memset(n, 0, sizeof *n);
 }
 
+int kvcc_needle_depths_check(const float *depths, int n, char *err, size_t errlen) {
+    if (n < 1 || n > KVCC_NEEDLE_MAX_KEYS) {
+        snprintf(err, errlen, "needle: %d depths, expected 1..%d", n, KVCC_NEEDLE_MAX_KEYS);
+        return KVCC_GGUF_ERR_ARG;
+    }
+    for (int i = 0; i < n; i++) {
+        if (!(depths[i] >= 0.0f && depths[i] < 1.0f)) {
+            snprintf(err, errlen, "needle: depth %d is %g, expected a fraction in [0, 1)", i + 1,
+                     (double)depths[i]);
+            return KVCC_GGUF_ERR_ARG;
+        }
+        if (i > 0 && !(depths[i] > depths[i - 1])) {
+            snprintf(err, errlen, "needle: depth %d (%g) is not above depth %d (%g): expected "
+                     "ascending depths", i + 1, (double)depths[i], i, (double)depths[i - 1]);
+            return KVCC_GGUF_ERR_ARG;
+        }
+    }
+    return 0;
+}
+
 int kvcc_needle_make(const kvcc_tok *t, const int32_t *hay, size_t n_hay, int n_ctx, int n_keys,
-                     uint64_t seed, uint32_t index, kvcc_needle *out, char *err, size_t errlen) {
+                     const float *depths, uint64_t seed, uint32_t index, kvcc_needle *out,
+                     char *err, size_t errlen) {
     memset(out, 0, sizeof *out);
     if (n_keys < 1 || n_keys > KVCC_NEEDLE_MAX_KEYS) {
         snprintf(err, errlen, "needle: %d needles per haystack, expected 1..%d", n_keys,
                  KVCC_NEEDLE_MAX_KEYS);
         return KVCC_GGUF_ERR_ARG;
     }
+    if (depths && kvcc_needle_depths_check(depths, n_keys, err, errlen)) return KVCC_GGUF_ERR_ARG;
     int32_t *head = NULL, *nd[KVCC_NEEDLE_MAX_KEYS] = {0};
     int n_head = 0, n_nd[KVCC_NEEDLE_MAX_KEYS] = {0}, rc = 0, need = 0;
     uint64_t s = mix(seed ^ mix(index + 0x6e65656cull));
@@ -98,7 +120,9 @@ int kvcc_needle_make(const kvcc_tok *t, const int32_t *hay, size_t n_hay, int n_
         memcpy(out->ctx, head, sizeof(int32_t) * (size_t)n_head);
         w = n_head;
         for (int i = 0; i < n_keys; i++) {
-            double dp = n_keys > 1 ? 0.1 + 0.8 * i / (n_keys - 1) : 0.1 + 0.1 * (index % 9);
+            double dp = depths       ? (double)depths[i]
+                        : n_keys > 1 ? 0.1 + 0.8 * i / (n_keys - 1)
+                                     : 0.1 + 0.1 * (index % 9);
             int cut = (int)(dp * fill);
             memcpy(out->ctx + w, hay + off + f, sizeof(int32_t) * (size_t)(cut - f));
             w += cut - f;

@@ -16,6 +16,7 @@
 #include "eval.h"
 #include "eval_methods.h"
 #include "model.h"
+#include "needle.h"
 #include "kvcc.h"
 #include "kvrt_experimental.h"
 #include "passes/passes.h"
@@ -71,6 +72,10 @@ static void usage(FILE *out) {
         "answered/asked)\n"
         "  --needle-haystacks N  haystacks per context length (default 4)\n"
         "  --needle-keys K     needles (= questions) per haystack, 1..5 (default 3)\n"
+        "  --needle-depths L   where the needles go, as fractions of the haystack (e.g.\n"
+        "                      0.3,0.5,0.7,0.9; ascending, at most 5; sets the needle count;\n"
+        "                      default: K needles spread over 0.1-0.9); the header gives the\n"
+        "                      full cache's answers by depth, --json every row's\n"
         "  --needle-text F     held-out text for the haystacks; repeatable (default: every .txt in "
         DEFAULT_NEEDLE_DIR ")\n"
         "  --local-from-corpus with --gguf: the layer-local columns from the corpus's stored tensors in\n"
@@ -164,6 +169,41 @@ static int parse_needle(const char *list, int *out, int *n) {
     return 0;
 }
 
+/* --needle-depths: 1..KVCC_EVAL_NEEDLE_KEYS fractions in [0, 1), strictly ascending. */
+static int parse_depths(const char *list, float *out, int *n) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", list);
+    *n = 0;
+    for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+        char *end;
+        double v = strtod(tok, &end);
+        if (*end || end == tok || *n == KVCC_EVAL_NEEDLE_KEYS) {
+            fprintf(stderr, "kvcc eval: --needle-depths: got '%s', expected up to %d fractions "
+                    "such as 0.1,0.5,0.9\n", tok, KVCC_EVAL_NEEDLE_KEYS);
+            return -1;
+        }
+        out[(*n)++] = (float)v;
+    }
+    char err[160];
+    if (kvcc_needle_depths_check(out, *n, err, sizeof err)) {
+        fprintf(stderr, "kvcc eval: --needle-depths '%s': %s\n", list, err);
+        return -1;
+    }
+    return 0;
+}
+
+/* "d 0.10: 1/4, d 0.50: 4/4" (by needle) into b, or "" when the depths vary per haystack. */
+static void depth_str(const kvcc_eval_result *r, const uint32_t *ok_at, uint32_t asked, char *b,
+                      size_t n) {
+    b[0] = '\0';
+    if (r->needle_depths_vary || r->needle_keys == 0) return;
+    const uint32_t per = asked / r->needle_keys;
+    size_t w = 0;
+    for (uint32_t i = 0; i < r->needle_keys && w < n; i++)
+        w += (size_t)snprintf(b + w, n - w, "%sdepth %.2f: %u/%u", i ? ", " : "",
+                              (double)r->needle_depth[i], ok_at[i], per);
+}
+
 static void budget_str(const kvcc_eval_row *row, char *b, size_t n) {
     if (row->method->budget == KVCC_BUDGET_NONE) snprintf(b, n, "-");
     else if (row->budget < 1) snprintf(b, n, "%.3g", row->budget);
@@ -200,8 +240,12 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
     if (r->n_needle_ctx) {
         printf("needle task: %u haystacks x %u questions per context length; full cache", r->needle_haystacks,
                r->needle_keys);
-        for (int c = 0; c < r->n_needle_ctx; c++)
+        for (int c = 0; c < r->n_needle_ctx; c++) {
+            char ds[256];
+            depth_str(r, r->needle_full_ok_at[c], r->needle_full_n[c], ds, sizeof ds);
             printf("%s %u/%u at %d", c ? "," : "", r->needle_full_ok[c], r->needle_full_n[c], r->needle_ctx[c]);
+            if (ds[0]) printf(" (%s)", ds);
+        }
         printf(" (must be high for the column to judge anything); model prefill");
         for (int c = 0; c < r->n_needle_ctx; c++)
             printf("%s %.0f ms at %d", c ? "," : "", r->needle_prefill_ms[c], r->needle_ctx[c]);
@@ -351,12 +395,21 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
         cJSON *nd = cJSON_AddObjectToObject(root, "needle");
         cJSON_AddNumberToObject(nd, "haystacks", r->needle_haystacks);
         cJSON_AddNumberToObject(nd, "questions_per_haystack", r->needle_keys);
+        if (!r->needle_depths_vary) {
+            double dv[KVCC_EVAL_NEEDLE_KEYS];
+            for (uint32_t i = 0; i < r->needle_keys; i++) dv[i] = r->needle_depth[i];
+            cJSON_AddItemToObject(nd, "depths", cJSON_CreateDoubleArray(dv, (int)r->needle_keys));
+        }
         cJSON *full = cJSON_AddArrayToObject(nd, "full_cache");
         for (int c = 0; c < r->n_needle_ctx; c++) {
             cJSON *f = cJSON_CreateObject();
             cJSON_AddNumberToObject(f, "context", r->needle_ctx[c]);
             cJSON_AddNumberToObject(f, "asked", r->needle_full_n[c]);
             cJSON_AddNumberToObject(f, "exact", r->needle_full_ok[c]);
+            if (!r->needle_depths_vary)
+                cJSON_AddItemToObject(f, "exact_by_depth",
+                                      cJSON_CreateIntArray((const int *)r->needle_full_ok_at[c],
+                                                           (int)r->needle_keys));
             cJSON_AddNumberToObject(f, "prefill_ms", r->needle_prefill_ms[c]);
             cJSON_AddItemToArray(full, f);
         }
@@ -414,6 +467,10 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
                     cJSON_AddNumberToObject(f, "context", r->needle_ctx[c]);
                     cJSON_AddNumberToObject(f, "asked", w->needle_n[c]);
                     cJSON_AddNumberToObject(f, "exact", w->needle_ok[c]);
+                    if (!r->needle_depths_vary)
+                        cJSON_AddItemToObject(f, "exact_by_depth",
+                                              cJSON_CreateIntArray((const int *)w->needle_ok_at[c],
+                                                                   (int)r->needle_keys));
                     cJSON_AddNumberToObject(f, "kept_per_head", w->needle_kept[c]);
                     cJSON_AddNumberToObject(f, "bytes", w->needle_bytes[c]);
                     cJSON_AddNumberToObject(f, "compress_ms", w->needle_ms[c]);
@@ -441,12 +498,15 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"json", no_argument, 0, 'j'}, {"csv", no_argument, 0, 'v'}, {"help", no_argument, 0, 'h'},
         {"needle", required_argument, 0, 'N'}, {"needle-haystacks", required_argument, 0, 'H'},
         {"needle-keys", required_argument, 0, 'K'}, {"needle-text", required_argument, 0, 'T'},
+        {"needle-depths", required_argument, 0, 'D'},
         {"max-tokens", required_argument, 0, 'X'}, {"precision", required_argument, 0, 'P'},
         {"timings", no_argument, 0, 'W'}, {"local-from-corpus", no_argument, 0, 'L'},
         {0, 0, 0, 0}};
     int precision = KVCC_PREC_F32;
     const char *needle = NULL;
     unsigned n_hay = 4, n_keys = 3;
+    int keys_given = 0, n_depths = 0;
+    float depths[KVCC_EVAL_NEEDLE_KEYS];
     char *texts[MAX_NEEDLE_TEXTS];
     int n_texts = 0, own_texts = 0;
     int ch;
@@ -478,7 +538,8 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'v': csv = 1; break;
         case 'N': needle = optarg; break;
         case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; break;
-        case 'K': if (kvcc_parse_u32("eval", "needle-keys", optarg, 1, 5, &n_keys)) return KVCC_EXIT_USAGE; break;
+        case 'K': if (kvcc_parse_u32("eval", "needle-keys", optarg, 1, 5, &n_keys)) return KVCC_EXIT_USAGE; keys_given = 1; break;
+        case 'D': if (parse_depths(optarg, depths, &n_depths)) return KVCC_EXIT_USAGE; break;
         case 'T':
             if (n_texts == MAX_NEEDLE_TEXTS) { fprintf(stderr, "kvcc eval: --needle-text: at most %d files\n", MAX_NEEDLE_TEXTS); return KVCC_EXIT_USAGE; }
             texts[n_texts++] = optarg;
@@ -503,6 +564,14 @@ int kvcc_cmd_eval(int argc, char **argv) {
     int nb;
     if (parse_methods(methods, ms, &nm) || parse_budgets(budgets, bs, &nb)) return KVCC_EXIT_USAGE;
     int nctx[KVCC_EVAL_NEEDLE_CTX], n_ctx = 0;
+    if (n_depths) {
+        if (keys_given && (int)n_keys != n_depths) {
+            fprintf(stderr, "kvcc eval: --needle-keys %u and --needle-depths with %d depths disagree "
+                    "(the depths set the needle count; drop --needle-keys)\n", n_keys, n_depths);
+            return KVCC_EXIT_USAGE;
+        }
+        n_keys = (unsigned)n_depths;
+    }
     if (needle) {
         if (!gguf) { fprintf(stderr, "kvcc eval: --needle needs --gguf (the task runs the model)\n"); return KVCC_EXIT_USAGE; }
         if (parse_needle(needle, nctx, &n_ctx)) return KVCC_EXIT_USAGE;
@@ -519,6 +588,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
                         .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
                         .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,
+                        .needle_depths = n_depths ? depths : NULL,
                         .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts,
                         .local_from_corpus = local_from_corpus};
     kvcc_eval_result *r = malloc(sizeof *r);

@@ -18,6 +18,7 @@
 #define KVCC_EVAL_PROBE_PREFIX 16 /* tokens of the passage given */
 #define KVCC_EVAL_PROBE_ANSWER 8  /* tokens of the passage to reproduce */
 #define KVCC_EVAL_NEEDLE_CTX 4    /* needle context lengths per run */
+#define KVCC_EVAL_NEEDLE_KEYS 5   /* needles per haystack (KVCC_NEEDLE_MAX_KEYS) */
 #define KVCC_EVAL_EQUAL_MEM 0.02  /* rows within 2% of their budget's reference bytes are equal */
 
 /* Where the wall time of a run goes (kvcc_eval_result.phase_s, kvcc eval --timings). */
@@ -75,6 +76,7 @@ typedef struct {
     /* needle task (with needle contexts): questions asked / answered exactly, per context
      * length; kept and bytes per needle context (mean over haystacks) */
     uint32_t needle_n[KVCC_EVAL_NEEDLE_CTX], needle_ok[KVCC_EVAL_NEEDLE_CTX];
+    uint32_t needle_ok_at[KVCC_EVAL_NEEDLE_CTX][KVCC_EVAL_NEEDLE_KEYS]; /* by needle (depth) */
     double needle_kept[KVCC_EVAL_NEEDLE_CTX], needle_bytes[KVCC_EVAL_NEEDLE_CTX];
     double needle_ms[KVCC_EVAL_NEEDLE_CTX]; /* compression time per haystack */
     /* seconds, summed over the run (kvcc eval --timings): the row's compressions (layer-local,
@@ -104,6 +106,7 @@ typedef struct {
     int n_needle_contexts;
     uint32_t needle_haystacks;  /* per context length (0: 4) */
     int needle_keys;            /* needles = questions per haystack (0: 3) */
+    const float *needle_depths; /* [needle_keys], ascending in [0, 1); NULL: spread over 10-90% */
     const char *const *needle_texts; /* held-out text files the haystacks come from */
     int n_needle_texts;
     /* with gguf: 0 (default) computes the layer-local rows inside the end-to-end pass from the
@@ -125,6 +128,12 @@ typedef struct {
     int n_needle_ctx, needle_ctx[KVCC_EVAL_NEEDLE_CTX];
     uint32_t needle_haystacks, needle_keys;
     uint32_t needle_full_n[KVCC_EVAL_NEEDLE_CTX], needle_full_ok[KVCC_EVAL_NEEDLE_CTX];
+    /* the nominal depth of needle i (its fraction of the filler; the same in every haystack
+     * unless one needle per haystack without --needle-depths: then needle_depths_vary) and the
+     * full cache's answers to it, per context length */
+    float needle_depth[KVCC_EVAL_NEEDLE_KEYS];
+    int needle_depths_vary;
+    uint32_t needle_full_ok_at[KVCC_EVAL_NEEDLE_CTX][KVCC_EVAL_NEEDLE_KEYS];
     double needle_prefill_ms[KVCC_EVAL_NEEDLE_CTX]; /* the model's full prefill per haystack */
     double seconds_needle;
     double phase_s[KVCC_PH_COUNT]; /* wall seconds per phase (kvcc_eval_phase) */

@@ -24,6 +24,7 @@ typedef struct {
     const kvcc_needle *nd;
     const kvcc_tok *tok;
     uint32_t ok, n;           /* this scoring's questions */
+    uint32_t ok_at[KVCC_EVAL_NEEDLE_KEYS]; /* by needle */
     double t_row;             /* when the row started (compression time) */
     double comp_s, kept, bytes;
 } needle_run;
@@ -45,7 +46,9 @@ static int ask(e2e_prompt *x, kvrt_cache **caches, needle_run *nr) {
             if (++g < KVCC_NEEDLE_ANSWER_TOKENS) rc = kvcc_model_decode(x->m, x->s, gen[g - 1], x->logits);
         }
         if (rc) break;
-        nr->ok += (uint32_t)kvcc_needle_match(nr->tok, gen, g, nr->nd->answer[i]);
+        const uint32_t hit = (uint32_t)kvcc_needle_match(nr->tok, gen, g, nr->nd->answer[i]);
+        nr->ok += hit;
+        nr->ok_at[i] += hit;
         nr->n++;
     }
     kvcc_state_set_compressed(x->s, NULL, 0, NULL);
@@ -117,6 +120,18 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
     r->n_needle_ctx = o->n_needle_contexts;
     r->needle_haystacks = n_hay;
     r->needle_keys = (uint32_t)n_keys;
+    if (n_keys > KVCC_EVAL_NEEDLE_KEYS ||
+        (o->needle_depths && kvcc_needle_depths_check(o->needle_depths, n_keys, err, errlen))) {
+        if (n_keys > KVCC_EVAL_NEEDLE_KEYS)
+            snprintf(err, errlen, "--needle-keys: %d, expected 1..%d", n_keys, KVCC_EVAL_NEEDLE_KEYS);
+        free(hay);
+        return KVCC_EXIT_USAGE;
+    }
+    r->needle_depths_vary = !o->needle_depths && n_keys == 1;
+    for (int i = 0; i < n_keys; i++) /* as kvcc_needle_make places them */
+        r->needle_depth[i] = o->needle_depths ? o->needle_depths[i]
+                             : n_keys > 1   ? (float)(0.1 + 0.8 * i / (n_keys - 1))
+                                            : 0.1f;
     for (int ci = 0; !rc && ci < o->n_needle_contexts; ci++) {
         const int C = o->needle_contexts[ci];
         r->needle_ctx[ci] = C;
@@ -148,8 +163,8 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
         for (uint32_t h = 0; !oom && !rc && h < n_hay; h++) {
             kvcc_needle nd;
             char msg[256];
-            if (kvcc_needle_make(lm->tok, hay, n_hay_tok, C, n_keys, o->seed, h, &nd, msg,
-                                 sizeof msg)) {
+            if (kvcc_needle_make(lm->tok, hay, n_hay_tok, C, n_keys, o->needle_depths, o->seed,
+                                 h, &nd, msg, sizeof msg)) {
                 snprintf(err, errlen, "--needle: %s", msg);
                 rc = KVCC_EXIT_USAGE;
                 break;
@@ -168,12 +183,14 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
             r->phase_s[KVCC_PH_NEEDLE_PREFILL] += kvcc_now_s() - tp;
             r->needle_full_ok[ci] += full.ok;
             r->needle_full_n[ci] += full.n;
+            for (int i = 0; i < n_keys; i++) r->needle_full_ok_at[ci][i] += full.ok_at[i];
             for (int ri = 0; !rc && ri < r->n_rows; ri++) {
                 needle_run nr = {.nd = &nd, .tok = lm->tok, .t_row = kvcc_now_s()};
                 eval_e2e_row(E, ri, &x, score_needle_row, &nr);
                 kvcc_eval_row *row = &r->rows[ri];
                 row->needle_ok[ci] += nr.ok;
                 row->needle_n[ci] += nr.n;
+                for (int i = 0; i < n_keys; i++) row->needle_ok_at[ci][i] += nr.ok_at[i];
                 row->needle_kept[ci] += nr.kept / n_hay;
                 row->needle_bytes[ci] += nr.bytes / n_hay;
                 row->needle_ms[ci] += 1e3 * nr.comp_s / n_hay;

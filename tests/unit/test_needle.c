@@ -4,6 +4,7 @@
  * seed, distinct per haystack, the exact-match rule, and clear refusals.
  */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -53,7 +54,7 @@ Test(needle, haystacks_hold_their_needles, .timeout = 120) {
     int32_t *hay = hay_tokens(t, &n_hay);
     char err[256];
     kvcc_needle a, b, c;
-    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, 7, 0, &a, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, NULL, 7, 0, &a, err, sizeof err), 0, "%s", err);
     cr_assert_eq(a.n_ctx, 1024);
     cr_assert_eq(a.n_keys, 3);
     char *ctx = decode(t, a.ctx, a.n_ctx);
@@ -72,9 +73,9 @@ Test(needle, haystacks_hold_their_needles, .timeout = 120) {
     }
     free(ctx);
     /* the same (seed, index) again: identical; another index: another haystack and keys */
-    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, 7, 0, &b, err, sizeof err), 0);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, NULL, 7, 0, &b, err, sizeof err), 0);
     cr_assert(!memcmp(a.ctx, b.ctx, sizeof(int32_t) * 1024) && !strcmp(a.answer[1], b.answer[1]));
-    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, 7, 1, &c, err, sizeof err), 0);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, NULL, 7, 1, &c, err, sizeof err), 0);
     cr_assert(memcmp(a.ctx, c.ctx, sizeof(int32_t) * 1024) && strcmp(a.answer[0], c.answer[0]));
     /* exact match: the first run of digits, all of it */
     int32_t *ids;
@@ -88,12 +89,60 @@ Test(needle, haystacks_hold_their_needles, .timeout = 120) {
     }
     /* refusals */
     kvcc_needle d;
-    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 0, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 0, NULL, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
     cr_assert(strstr(err, "needles per haystack"), "%s", err);
-    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 6, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
-    cr_assert_eq(kvcc_needle_make(t, hay, 200, 4096, 3, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 6, NULL, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_needle_make(t, hay, 200, 4096, 3, NULL, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
     cr_assert(strstr(err, "held-out text holds 200"), "%s", err);
-    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 100, 3, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 100, 3, NULL, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    kvcc_needle_free(&a);
+    kvcc_needle_free(&b);
+    kvcc_needle_free(&c);
+    free(hay);
+    kvcc_tok_free(t);
+}
+
+/* Caller depths: each needle starts at its fraction of the filler (the instructions and the
+ * other needles shift it a little within the context); bad lists are refused with the entry
+ * named. */
+Test(needle, caller_depths, .timeout = 120) {
+    FX_REQUIRE_MODEL();
+    kvcc_tok *t = load_tok();
+    size_t n_hay;
+    int32_t *hay = hay_tokens(t, &n_hay);
+    char err[256];
+    const float dp[4] = {0.3f, 0.5f, 0.7f, 0.9f};
+    kvcc_needle a;
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 2048, 4, dp, 7, 0, &a, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(a.n_ctx, 2048);
+    cr_assert_eq(a.n_keys, 4);
+    for (int i = 0; i < 4; i++) {
+        cr_assert(fabsf(a.depth[i] - dp[i]) < 0.06f, "needle %d at %g, asked %g", i,
+                  a.depth[i], dp[i]);
+        char *at = decode(t, a.ctx + a.needle_pos[i], 12);
+        cr_assert(strstr(at, a.answer[i]), "needle %d not at its position: '%s'", i, at);
+        free(at);
+    }
+    /* NULL depths with 3 needles = the default spread 0.1 / 0.5 / 0.9 (the same keys and offset;
+     * positions within a token: the default computes the fractions in double) */
+    const float spread[3] = {0.1f, 0.5f, 0.9f};
+    kvcc_needle b, c;
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, NULL, 7, 2, &b, err, sizeof err), 0);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 3, spread, 7, 2, &c, err, sizeof err), 0);
+    for (int i = 0; i < 3; i++) {
+        cr_assert(abs(b.needle_pos[i] - c.needle_pos[i]) <= 1, "needle %d: %d vs %d", i,
+                  b.needle_pos[i], c.needle_pos[i]);
+        cr_assert_str_eq(b.answer[i], c.answer[i]);
+    }
+    kvcc_needle d;
+    const float down[2] = {0.5f, 0.4f}, out[2] = {0.2f, 1.0f}, nan2[2] = {NAN, 0.5f};
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 2, down, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    cr_assert(strstr(err, "depth 2 (0.4) is not above depth 1 (0.5)"), "%s", err);
+    cr_assert_eq(kvcc_needle_make(t, hay, n_hay, 1024, 2, out, 7, 0, &d, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    cr_assert(strstr(err, "depth 2 is 1, expected a fraction in [0, 1)"), "%s", err);
+    cr_assert_eq(kvcc_needle_depths_check(nan2, 2, err, sizeof err), KVCC_GGUF_ERR_ARG);
+    cr_assert(strstr(err, "depth 1 is nan"), "%s", err);
+    cr_assert_eq(kvcc_needle_depths_check(dp, 6, err, sizeof err), KVCC_GGUF_ERR_ARG);
     kvcc_needle_free(&a);
     kvcc_needle_free(&b);
     kvcc_needle_free(&c);
