@@ -238,6 +238,17 @@ if [ -f "$GGUF" ]; then
     --needle 2048,16384 2>&1 >/dev/null); ex=$?
   expect_sub 2 "llama.context_length = 8192, shorter than the 16384 tokens requested (--needle" \
     "eval --needle past the model's context"
+  # needle depths: descending, out of range, disagreeing with --needle-keys
+  err=$("$KVCC" eval --corpus "$tmp/c.h5" --gguf "$GGUF" --methods full --budgets 8 \
+    --needle 2048 --needle-depths 0.5,0.4 2>&1 >/dev/null); ex=$?
+  expect_sub 2 "depth 2 (0.4) is not above depth 1 (0.5)" "eval --needle-depths descending"
+  err=$("$KVCC" eval --corpus "$tmp/c.h5" --gguf "$GGUF" --methods full --budgets 8 \
+    --needle 2048 --needle-depths 0.2,1.5 2>&1 >/dev/null); ex=$?
+  expect_sub 2 "depth 2 is 1.5, expected a fraction in [0, 1)" "eval --needle-depths past 1"
+  err=$("$KVCC" eval --corpus "$tmp/c.h5" --gguf "$GGUF" --methods full --budgets 8 \
+    --needle 2048 --needle-keys 3 --needle-depths 0.2,0.5 2>&1 >/dev/null); ex=$?
+  expect_sub 2 "--needle-keys 3 and --needle-depths with 2 depths disagree" \
+    "eval --needle-keys against --needle-depths"
   err=$("$KVCC" capture --gguf "$GGUF" --prompts 1 --context 8192 --continuation 8 \
     -o "$tmp/w.h5" 2>&1); ex=$?
   expect_sub 2 "shorter than the 8200 tokens requested (--context + --continuation)" \
