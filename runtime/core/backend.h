@@ -98,6 +98,11 @@ typedef struct kvrt_backend_ops {
                          uint32_t window, float *scores);
     int (*h2o_scores)(kvrt_ctx *ctx, const float *q, const float *k, int64_t T, uint32_t n_heads,
                       uint32_t n_kv_heads, uint32_t head_dim, float *scores);
+    /* SnapKV's pooling, in place on scores [Hkv, T] of snapkv_scores (kvrt_method_scores):
+     * positions [0, T - w) become their avg_pool1d (odd kernel, zero padding, sum in double in
+     * position order, divided by the kernel), [T - w, T) +INFINITY (always kept). */
+    int (*snapkv_pool)(kvrt_ctx *ctx, float *scores, int64_t T, uint32_t n_kv_heads, int64_t w,
+                       uint32_t kernel);
 
     // --- policy hot ops (KVRT_OP_COMPILERKV_SELECT .. KVRT_OP_MR_COMPRESS)
     /* CompilerKV, one layer of a finished prompt with the compiled tables
@@ -185,7 +190,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
  * services the backend calls back (kvrt_cuda_host) and gets the backend's table
  * (kvrt_cuda_plugin). Both structs carry KVRT_CUDA_PLUGIN_API_VERSION and the library
  * version; a plugin of another version is refused with a message naming the file. */
-#define KVRT_CUDA_PLUGIN_API_VERSION 2
+#define KVRT_CUDA_PLUGIN_API_VERSION 3
 #define KVRT_CUDA_PLUGIN_ENTRY "kvrt_cuda_plugin_init"
 #define KVRT_CUDA_PLUGIN_BASENAME "libkvrt_cuda.so"
 #define KVRT_STR_(x) #x

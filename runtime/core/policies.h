@@ -10,7 +10,8 @@
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_kv2_proxy_check, kvrt_kv2_score_check,
  *          kvrt_cpu_kv2_proxy,
- *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c), kvrt_cpu_key_scores (cpu/baselines.c),
+ *          kvrt_cpu_kv2_chunk_scores (cpu/kv2.c), kvrt_cpu_key_scores, kvrt_cpu_snapkv_pool
+ *          (cpu/baselines.c),
  *          merge-reduce's kvrt_mr_layout and checks (core/merge_reduce.c) and kvrt_mr_ws,
  *          kvrt_cpu_mr_* (cpu/merge_reduce.c)
  *
@@ -115,6 +116,10 @@ KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_
  * [T] of KV head hk of k [T, Hkv, d], in double; anchor: scratch of d doubles. */
 void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
                          uint32_t hk, float *score, double *anchor);
+/* SnapKV's pooling of scores [Hkv, T] in place (the CPU table's snapkv_pool, core/backend.h);
+ * KVRT_ERR_NOMEM in kvrt_last_error(). */
+KVRT_INTERNAL int kvrt_cpu_snapkv_pool(float *scores, int64_t T, uint32_t n_kv_heads, int64_t w,
+                                       uint32_t kernel);
 
 /* merge-reduce: one layer's layout per KV head (kvrt.h): B entries, and when T > B the sinks,
  * recent window, block size K, middle tokens and blocks. */

@@ -119,6 +119,12 @@ static int cpu_h2o_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t
     return kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, scores);
 }
 
+static int cpu_snapkv_pool(kvrt_ctx *ctx, float *scores, int64_t T, uint32_t n_kv_heads,
+                           int64_t w, uint32_t kernel) {
+    (void)ctx;
+    return kvrt_cpu_snapkv_pool(scores, T, n_kv_heads, w, kernel);
+}
+
 // ----------------------------------------------------------------------------
 // policy hot ops
 
@@ -225,6 +231,7 @@ static const kvrt_backend_ops cpu_ops = {
     .cache_gather = cpu_cache_gather,
     .snapkv_scores = cpu_snapkv_scores,
     .h2o_scores = cpu_h2o_scores,
+    .snapkv_pool = cpu_snapkv_pool,
     .compilerkv_select = cpu_compilerkv_select,
     .am_compact = cpu_am_compact,
     .am_compact_layer = cpu_am_compact_layer,

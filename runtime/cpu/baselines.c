@@ -454,6 +454,23 @@ static void avg_pool(const float *in, int64_t P, uint32_t kernel, float *out) {
     }
 }
 
+/* The CPU table's snapkv_pool (core/backend.h): every head's row pooled in place. */
+int kvrt_cpu_snapkv_pool(float *scores, int64_t T, uint32_t n_kv_heads, int64_t w,
+                         uint32_t kernel) {
+    float *tmp = malloc(sizeof(float) * (size_t)T);
+    if (tmp == NULL)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0,
+                            "kvrt_method_scores (snapkv): out of memory");
+    for (uint32_t hk = 0; hk < n_kv_heads; hk++) { /* pooled in place of the window mass */
+        float *row = scores + (size_t)hk * T;
+        avg_pool(row, T - w, kernel, tmp);
+        memcpy(row, tmp, sizeof(float) * (size_t)(T - w));
+        for (int64_t t = T - w; t < T; t++) row[t] = INFINITY;
+    }
+    free(tmp);
+    return KVRT_OK;
+}
+
 // ----------------------------------------------------------------------------
 // kvrt_method_select = kvrt_method_scores + kvrt_method_select_scored
 
@@ -504,6 +521,14 @@ static int budget_check(const char *fn, const kvrt_method_opts *o, int64_t T) {
     return KVRT_OK;
 }
 
+/* A device op's status: its message is in ctx->last_err; kvrt_method_scores reports through
+ * the thread-local error (and copies it back into the context). */
+static int dev_status(kvrt_ctx *ctx, int rc) {
+    if (rc != KVRT_OK && ctx != NULL && ctx->device != KVRT_DEVICE_HOST)
+        *kvrt_tls_err() = ctx->last_err;
+    return rc;
+}
+
 /* kvrt_method_scores after the option checks; fn names the public caller. */
 static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *o,
                          const float *q, const float *k, int64_t T, uint32_t n_heads,
@@ -512,17 +537,15 @@ static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *
     const int m = o->method;
     if (!kvrt_method_has_scores(m)) return KVRT_OK;
     if (sc == NULL) return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: scores is NULL", fn);
-    /* the pooling and the key scores below read host memory: a device context runs the score
-     * ops through its table directly (ctx->ops, tests/backend), not this host-pointer call */
-    if (ctx != NULL && ctx->device != KVRT_DEVICE_HOST)
-        return kvrt_err_set(e, KVRT_ERR_UNSUPPORTED, 0,
-                            "%s: takes host pointers and a CPU context (got a %s context)", fn,
-                            ctx->ops->name);
     const int64_t w = (int64_t)o->window < T ? (int64_t)o->window : T;
     int rc = KVRT_OK;
     if (m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O) {
         const kvrt_op op = m == KVRT_METHOD_SNAPKV ? KVRT_OP_SNAPKV_SCORES : KVRT_OP_H2O_SCORES;
         if (ctx != NULL && (rc = kvrt_backend_check(ctx, e, fn, op)) != KVRT_OK) return rc;
+        if (m == KVRT_METHOD_SNAPKV && ctx != NULL && ctx->ops->snapkv_pool == NULL)
+            return kvrt_err_set(e, KVRT_ERR_UNSUPPORTED, 0,
+                                "%s (snapkv): the %s backend has no SnapKV pooling", fn,
+                                ctx->ops->name);
         if (m == KVRT_METHOD_SNAPKV)
             rc = ctx ? ctx->ops->snapkv_scores(ctx, q, k, T, n_heads, n_kv_heads, head_dim,
                                                o->window, sc)
@@ -530,18 +553,20 @@ static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *
         else
             rc = ctx ? ctx->ops->h2o_scores(ctx, q, k, T, n_heads, n_kv_heads, head_dim, sc)
                      : kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, sc);
-        if (rc != KVRT_OK || m == KVRT_METHOD_H2O) return rc;
-        float *tmp = malloc(sizeof(float) * (size_t)T);
-        if (tmp == NULL)
-            return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "%s (snapkv): out of memory", fn);
-        for (uint32_t hk = 0; hk < n_kv_heads; hk++) { /* pooled in place of the window mass */
-            float *row = sc + (size_t)hk * T;
-            avg_pool(row, T - w, o->pool_kernel, tmp);
-            memcpy(row, tmp, sizeof(float) * (size_t)(T - w));
-            for (int64_t t = T - w; t < T; t++) row[t] = INFINITY;
-        }
-        free(tmp);
-        return KVRT_OK;
+        if (rc != KVRT_OK || m == KVRT_METHOD_H2O) return dev_status(ctx, rc);
+        return ctx ? dev_status(ctx, ctx->ops->snapkv_pool(ctx, sc, T, n_kv_heads, w,
+                                                           o->pool_kernel))
+                   : kvrt_cpu_snapkv_pool(sc, T, n_kv_heads, w, o->pool_kernel);
+    }
+    /* Knorm / KeyDiff: the key scores are KV²'s stage-1 proxies (the same function on the CPU,
+     * the kv2_proxy slot on a device) */
+    if (ctx != NULL && ctx->device != KVRT_DEVICE_HOST) {
+        if ((rc = kvrt_backend_check(ctx, e, fn, KVRT_OP_KV2_PROXY)) != KVRT_OK) return rc;
+        return dev_status(ctx, ctx->ops->kv2_proxy(ctx, k, T, n_kv_heads, head_dim,
+                                                   m == KVRT_METHOD_KNORM
+                                                       ? KVRT_KV2_PROXY_KNORM
+                                                       : KVRT_KV2_PROXY_KEYDIFF,
+                                                   sc));
     }
     double *anchor = malloc(sizeof(double) * head_dim);
     if (anchor == NULL)

@@ -7,7 +7,7 @@
  *          kvrt_cublas_error, CUDA_CHECK, CUBLAS_CHECK, kvrt_cuda_weights_problem,
  *          KVRT_LG_COLSUM / KVRT_LG_COLMAX, kvrt_cuda_weights (logits.cu), kvrt_topk_key,
  *          kvrt_cuda_topk_keys, kvrt_cuda_topk (select.cu), kvrt_cuda_snapkv_scores,
- *          kvrt_cuda_h2o_scores (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
+ *          kvrt_cuda_h2o_scores, kvrt_cuda_snapkv_pool (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
  *          (kv2.cu), kvrt_cuda_compilerkv_select (compilerkv.cu), kvrt_cuda_softmax_rows
  *          (softmax.cu), kvrt_cuda_attend (attend.cu)
  *
@@ -109,7 +109,9 @@ KVRT_INTERNAL int kvrt_cuda_snapkv_scores(kvrt_ctx *ctx, const float *q, const f
                                           float *scores); /* baselines.cu */
 KVRT_INTERNAL int kvrt_cuda_h2o_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t T,
                                        uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                                       float *scores); /* baselines.cu */
+                                       float *scores);
+KVRT_INTERNAL int kvrt_cuda_snapkv_pool(kvrt_ctx *ctx, float *scores, int64_t T,
+                                        uint32_t n_kv_heads, int64_t w, uint32_t kernel); /* baselines.cu */
 KVRT_INTERNAL int kvrt_cuda_kv2_proxy(kvrt_ctx *ctx, const float *k, int64_t C,
                                       uint32_t n_kv_heads, uint32_t head_dim, int proxy,
                                       float *s); /* kv2.cu */

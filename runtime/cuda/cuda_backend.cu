@@ -287,6 +287,7 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.topk = kvrt_cuda_topk;
     t.snapkv_scores = kvrt_cuda_snapkv_scores;
     t.h2o_scores = kvrt_cuda_h2o_scores;
+    t.snapkv_pool = kvrt_cuda_snapkv_pool;
     t.kv2_proxy = kvrt_cuda_kv2_proxy;
     t.kv2_score = kvrt_cuda_kv2_score;
     t.compilerkv_select = kvrt_cuda_compilerkv_select;

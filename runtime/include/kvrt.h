@@ -364,9 +364,12 @@ int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k
  *  h2o      the accumulated attention;
  *  knorm    -||k_t||;  keydiff  -cos(k_t, mean normalized key).
  * Full, streaming and random write nothing (scores may be NULL). ctx may be NULL (the CPU
- * paths kvrt_method_select runs); with a context, the snapkv / h2o score ops run through its
- * backend table on host pointers (KVRT_ERR_UNSUPPORTED where the slot is empty; the message also
- * in kvrt_ctx_last_error(ctx)). o->budget is not read by kvrt_method_scores. */
+ * paths kvrt_method_select runs); with a context, every score runs through its backend table
+ * on that context's memory (a CUDA context: q, k and scores are device pointers, asynchronous
+ * on its stream; snapkv/h2o through their score ops and the pooling op, knorm/keydiff through
+ * the KV² proxy op, the same function) and KVRT_ERR_UNSUPPORTED names an empty slot; the message
+ * also in kvrt_ctx_last_error(ctx). o->budget is not read by kvrt_method_scores. The selection
+ * (kvrt_method_select_scored) reads host scores. */
 int kvrt_method_has_scores(int method);
 int kvrt_method_scores(kvrt_ctx *ctx, const kvrt_method_opts *o, const float *q, const float *k,
                        int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,

@@ -582,6 +582,56 @@ static void test_scores(kvrt_ctx *ctx, const char *bk, int h2o) {
     }
 }
 
+/* kvrt_method_scores through a context (the whole score of each scored baseline: SnapKV's
+ * window mass then its pooling, H2O, Knorm, KeyDiff) against the context-free CPU call; the
+ * selection from those scores (host) is then the same, so the scores are what is compared. */
+static void test_method_scores(kvrt_ctx *ctx, const char *bk) {
+    static const int methods[] = {KVRT_METHOD_SNAPKV, KVRT_METHOD_H2O, KVRT_METHOD_KNORM,
+                                  KVRT_METHOD_KEYDIFF};
+    static const kvrt_op ops[] = {KVRT_OP_SNAPKV_SCORES, KVRT_OP_H2O_SCORES, KVRT_OP_KV2_PROXY,
+                                  KVRT_OP_KV2_PROXY};
+    static const sc_shape shapes[] = {{300, 8, 2, 64, 32}, {1100, 9, 3, 64, 32}, {5, 2, 1, 16, 8}};
+    for (size_t mi = 0; mi < sizeof methods / sizeof methods[0]; mi++)
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            const sc_shape *S = &shapes[si];
+            char shape[96];
+            snprintf(shape, sizeof shape, "%s T=%lld H=%u Hkv=%u d=%u", kvrt_method_name(methods[mi]),
+                     (long long)S->T, S->H, S->Hkv, S->d);
+            if (!row_runs(ctx, bk, "method_scores", ops[mi], shape)) continue;
+            kvrt_method_opts o;
+            kvrt_method_opts_init(&o, methods[mi], S->T / 4 + 1);
+            o.window = S->window;
+            uint64_t seed = 700 + 10 * mi + si;
+            const int64_t nq = S->T * S->H * S->d, nk = S->T * S->Hkv * S->d, ns = S->Hkv * S->T;
+            float *q = randf(&seed, nq, -1.0f, 1.0f), *k = randf(&seed, nk, -1.0f, 1.0f);
+            float *ref = malloc(sizeof(float) * (size_t)ns), *got = malloc(sizeof(float) * (size_t)ns);
+            int rc = kvrt_method_scores(NULL, &o, q, k, S->T, S->H, S->Hkv, S->d, ref);
+            if (rc != KVRT_OK) {
+                report_error("method_scores", bk, shape, rc, "kvrt_method_scores(NULL, ...)");
+            } else {
+                float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)nq);
+                float *dk = to_ctx(ctx, k, sizeof(float) * (size_t)nk);
+                float *ds = to_ctx(ctx, NULL, sizeof(float) * (size_t)ns);
+                rc = kvrt_method_scores(ctx, &o, dq, dk, S->T, S->H, S->Hkv, S->d, ds);
+                if (rc != KVRT_OK) {
+                    report_error("method_scores", bk, shape, rc, "kvrt_method_scores(ctx, ...)");
+                } else {
+                    from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
+                    nmse_acc a = {0, 0, 0};
+                    acc_f(&a, got, ref, ns);
+                    report("method_scores", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+                }
+                kvrt_ctx_dealloc(ctx, dq);
+                kvrt_ctx_dealloc(ctx, dk);
+                kvrt_ctx_dealloc(ctx, ds);
+            }
+            free(q);
+            free(k);
+            free(ref);
+            free(got);
+        }
+}
+
 // ----------------------------------------------------------------------------
 // compilerkv_select
 
@@ -1509,6 +1559,7 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_gather(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 0);
     for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 1);
+    for (int b = 0; b < 2; b++) test_method_scores(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_compilerkv(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am_head(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am(backends[b].ctx, backends[b].name);
