@@ -158,6 +158,15 @@ static void from_ctx(kvrt_ctx *ctx, void *host, const void *dev, size_t bytes) {
 
 /* The arrays of a cache made by an op on ctx (a host cache, or one owned by ctx), as host
  * copies in a new host cache (same dtype, offsets, entries). */
+/* One f32 output row: dev [n] (ctx memory) downloaded into got [n] and compared with ref. */
+static void report_f32(kvrt_ctx *ctx, const char *op, const char *bk, const char *shape,
+                       const float *dev, float *got, const float *ref, int64_t n, double bound) {
+    from_ctx(ctx, got, dev, sizeof(float) * (size_t)n);
+    nmse_acc a = {0, 0, 0};
+    acc_f(&a, got, ref, n);
+    report(op, bk, shape, acc_nmse(&a), bound, NULL);
+}
+
 static kvrt_cache *cache_to_host(kvrt_ctx *ctx, const kvrt_cache *c) {
     const int64_t *off = c->owner ? c->host_offsets : c->offsets;
     int64_t *counts = malloc(sizeof(int64_t) * c->n_kv_heads);
@@ -566,10 +575,7 @@ static void test_scores(kvrt_ctx *ctx, const char *bk, int h2o) {
             if (rc != KVRT_OK) {
                 report_error(op, bk, shape, rc, op);
             } else {
-                from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
-                nmse_acc a = {0, 0, 0};
-                acc_f(&a, got, ref, ns);
-                report(op, bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+                report_f32(ctx, op, bk, shape, ds, got, ref, ns, NMSE_DEFAULT);
             }
             kvrt_ctx_dealloc(ctx, dq);
             kvrt_ctx_dealloc(ctx, dk);
@@ -616,10 +622,7 @@ static void test_method_scores(kvrt_ctx *ctx, const char *bk) {
                 if (rc != KVRT_OK) {
                     report_error("method_scores", bk, shape, rc, "kvrt_method_scores(ctx, ...)");
                 } else {
-                    from_ctx(ctx, got, ds, sizeof(float) * (size_t)ns);
-                    nmse_acc a = {0, 0, 0};
-                    acc_f(&a, got, ref, ns);
-                    report("method_scores", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+                    report_f32(ctx, "method_scores", bk, shape, ds, got, ref, ns, NMSE_DEFAULT);
                 }
                 kvrt_ctx_dealloc(ctx, dq);
                 kvrt_ctx_dealloc(ctx, dk);
@@ -1195,10 +1198,7 @@ static void test_compkv_attend_blocks(kvrt_ctx *ctx, const char *bk, const ck_sh
         if (rc != KVRT_OK) {
             report_error("compkv_attend_blocks", bk, shape, rc, "compkv_attend_blocks");
         } else {
-            from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
-            nmse_acc a = {0, 0, 0};
-            acc_f(&a, got, ref, no);
-            report("compkv_attend_blocks", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            report_f32(ctx, "compkv_attend_blocks", bk, shape, dout, got, ref, no, NMSE_DEFAULT);
         }
         kvrt_ctx_dealloc(ctx, dq);
         kvrt_ctx_dealloc(ctx, db);
