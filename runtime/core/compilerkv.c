@@ -5,7 +5,8 @@
  * uncompiled budget unless asked for the nearest one), and dispatch of the per-layer selection to
  * the context's backend (runtime/cpu/compilerkv.c). Callers: serving stacks, kvcc eval, tests.
  *
- * defines: kvrt_compilerkv_open, kvrt_compilerkv_select, kvrt_compilerkv_select_all
+ * defines: kvrt_compilerkv_open, kvrt_compilerkv_prompt_add_layer_ctx, kvrt_compilerkv_select,
+ *          kvrt_compilerkv_select_all
  *
  * Section compilerkv.tables (critical): budgets i64 [nB], w_head f32 [nB, L, H], t_gate f32
  * [nB, L, 20, 4], ent_edges f32 [19], ppl_edges f32 [3], n_budgets i64, window i64
@@ -80,6 +81,40 @@ int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
+int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *p, const float *q,
+                                         const float *k, uint32_t n_heads, uint32_t n_kv_heads,
+                                         uint32_t head_dim) {
+    const char *fn = "kvrt_compilerkv_prompt_add_layer_ctx";
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_SNAPKV_SCORES);
+    if (rc) return rc;
+    if (ctx->device == KVRT_DEVICE_HOST) /* the CPU table's snapkv_scores is this function's */
+        return kvrt_policy_ctx_done(
+            ctx, kvrt_compilerkv_prompt_add_layer(p, q, k, n_heads, n_kv_heads, head_dim));
+    if (p == NULL || q == NULL || k == NULL)
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn));
+    if (p->finished)
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt already finished", fn));
+    if (n_kv_heads == 0 || head_dim == 0 || n_heads == 0 || n_heads % n_kv_heads != 0)
+        return kvrt_policy_ctx_done(
+            ctx, KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, n_kv_heads %u, head_dim %u: expected "
+                           "n_heads a positive multiple of n_kv_heads and head_dim >= 1",
+                           fn, n_heads, n_kv_heads, head_dim));
+    const size_t bytes = sizeof(float) * (size_t)p->T * n_kv_heads;
+    float *sc = malloc(bytes);
+    void *dsc = NULL;
+    if (sc == NULL)
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn));
+    rc = kvrt_ctx_alloc(ctx, bytes, &dsc);
+    if (rc == KVRT_OK)
+        rc = ctx->ops->snapkv_scores(ctx, q, k, p->T, n_heads, n_kv_heads, head_dim, p->window,
+                                     (float *)dsc);
+    if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, sc, dsc, bytes);
+    if (rc == KVRT_OK) kvrt_compilerkv_prompt_add_scores(p, sc, n_kv_heads);
+    if (dsc) kvrt_ctx_dealloc(ctx, dsc);
+    free(sc);
+    return rc; /* the ops' messages are in ctx->last_err and the thread-local error */
+}
+
 int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                                const float *const *q, const float *const *k, const float *const *v,
                                const float *next_logprob, int64_t T, uint32_t n_heads,
@@ -93,14 +128,7 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     if (rc) return rc;
     if (tb == NULL || q == NULL || k == NULL || v == NULL || sels == NULL)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn));
-    /* q and k go through the host window-mass kernel (kvrt_compilerkv_prompt_add_layer): a
-     * device context runs kvrt_compilerkv_select per layer, with a prompt built on the host */
-    if (ctx->device != KVRT_DEVICE_HOST)
-        return kvrt_policy_ctx_done(
-            ctx, KVRT_FAIL(KVRT_ERR_UNSUPPORTED,
-                           "%s: takes host pointers and a CPU context (got a %s context); on a "
-                           "device use kvrt_compilerkv_select per layer",
-                           fn, ctx->ops->name));
+    if ((rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_SNAPKV_SCORES)) != KVRT_OK) return rc;
     const uint32_t L = tb->n_layers;
     if (n_heads != tb->n_heads)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u",
@@ -111,7 +139,8 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
         if (q[l] == NULL || k[l] == NULL || v[l] == NULL)
             rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u: NULL q, k or v", fn, l);
         else
-            rc = kvrt_compilerkv_prompt_add_layer(pr, q[l], k[l], n_heads, n_kv_heads, head_dim);
+            rc = kvrt_compilerkv_prompt_add_layer_ctx(ctx, pr, q[l], k[l], n_heads, n_kv_heads,
+                                                      head_dim);
     }
     if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, next_logprob);
     for (uint32_t l = 0; l < L && rc == KVRT_OK; l++)

@@ -116,6 +116,10 @@ KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_
  * [T] of KV head hk of k [T, Hkv, d], in double; anchor: scratch of d doubles. */
 void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
                          uint32_t hk, float *score, double *anchor);
+/* CompilerKV: one layer's SnapKV window mass sc [Hkv, T] (host) added to the prompt's
+ * head-mean accumulator (kvrt_compilerkv_prompt_add_layer and its context variant). */
+KVRT_INTERNAL void kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *sc,
+                                                     uint32_t Hkv);
 /* SnapKV's pooling of scores [Hkv, T] in place (the CPU table's snapkv_pool, core/backend.h);
  * KVRT_ERR_NOMEM in kvrt_last_error(). */
 KVRT_INTERNAL int kvrt_cpu_snapkv_pool(float *scores, int64_t T, uint32_t n_kv_heads, int64_t w,

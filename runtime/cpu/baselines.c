@@ -521,14 +521,6 @@ static int budget_check(const char *fn, const kvrt_method_opts *o, int64_t T) {
     return KVRT_OK;
 }
 
-/* A device op's status: its message is in ctx->last_err; kvrt_method_scores reports through
- * the thread-local error (and copies it back into the context). */
-static int dev_status(kvrt_ctx *ctx, int rc) {
-    if (rc != KVRT_OK && ctx != NULL && ctx->device != KVRT_DEVICE_HOST)
-        *kvrt_tls_err() = ctx->last_err;
-    return rc;
-}
-
 /* kvrt_method_scores after the option checks; fn names the public caller. */
 static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *o,
                          const float *q, const float *k, int64_t T, uint32_t n_heads,
@@ -553,20 +545,18 @@ static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *
         else
             rc = ctx ? ctx->ops->h2o_scores(ctx, q, k, T, n_heads, n_kv_heads, head_dim, sc)
                      : kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, sc);
-        if (rc != KVRT_OK || m == KVRT_METHOD_H2O) return dev_status(ctx, rc);
-        return ctx ? dev_status(ctx, ctx->ops->snapkv_pool(ctx, sc, T, n_kv_heads, w,
-                                                           o->pool_kernel))
+        if (rc != KVRT_OK || m == KVRT_METHOD_H2O) return rc;
+        return ctx ? ctx->ops->snapkv_pool(ctx, sc, T, n_kv_heads, w, o->pool_kernel)
                    : kvrt_cpu_snapkv_pool(sc, T, n_kv_heads, w, o->pool_kernel);
     }
     /* Knorm / KeyDiff: the key scores are KV²'s stage-1 proxies (the same function on the CPU,
      * the kv2_proxy slot on a device) */
     if (ctx != NULL && ctx->device != KVRT_DEVICE_HOST) {
         if ((rc = kvrt_backend_check(ctx, e, fn, KVRT_OP_KV2_PROXY)) != KVRT_OK) return rc;
-        return dev_status(ctx, ctx->ops->kv2_proxy(ctx, k, T, n_kv_heads, head_dim,
-                                                   m == KVRT_METHOD_KNORM
-                                                       ? KVRT_KV2_PROXY_KNORM
-                                                       : KVRT_KV2_PROXY_KEYDIFF,
-                                                   sc));
+        return ctx->ops->kv2_proxy(ctx, k, T, n_kv_heads, head_dim,
+                                   m == KVRT_METHOD_KNORM ? KVRT_KV2_PROXY_KNORM
+                                                          : KVRT_KV2_PROXY_KEYDIFF,
+                                   sc);
     }
     double *anchor = malloc(sizeof(double) * head_dim);
     if (anchor == NULL)

@@ -182,18 +182,21 @@ static int add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k, 
     if (sc == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     int rc = ref ? kvrt_snapkv_scores_ref(q, k, T, H, Hkv, d, p->window, sc)
                  : kvrt_snapkv_scores(q, k, T, H, Hkv, d, p->window, sc);
-    if (rc == KVRT_OK) {
-        /* the G query heads of a KV head are already averaged: the mean over KV heads is the
-         * mean over all query heads */
-        for (int64_t t = 0; t < T; t++) {
-            double m = 0.0;
-            for (uint32_t j = 0; j < Hkv; j++) m += sc[(size_t)j * T + t];
-            p->mass[t] += m / Hkv;
-        }
-        p->n_layers++;
-    }
+    if (rc == KVRT_OK) kvrt_compilerkv_prompt_add_scores(p, sc, Hkv);
     free(sc);
     return rc;
+}
+
+void kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *sc, uint32_t Hkv) {
+    const int64_t T = p->T;
+    /* the G query heads of a KV head are already averaged: the mean over KV heads is the mean
+     * over all query heads */
+    for (int64_t t = 0; t < T; t++) {
+        double m = 0.0;
+        for (uint32_t j = 0; j < Hkv; j++) m += sc[(size_t)j * T + t];
+        p->mass[t] += m / Hkv;
+    }
+    p->n_layers++;
 }
 
 int kvrt_compilerkv_prompt_add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k,

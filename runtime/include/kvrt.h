@@ -825,7 +825,8 @@ int kvrt_mr_compress_scheduled(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const k
  * T_gate (docs/policies/compilerkv.md; runtime/core/compilerkv.c, runtime/cpu/compilerkv.c). */
 /* Usage per prompt of T context tokens (a caller streaming one layer at a time):
  *   kvrt_compilerkv_prompt_create(T, tb->window, &pr);
- *   for each layer: kvrt_compilerkv_prompt_add_layer(pr, q_l, k_l, H, Hkv, d);   (step 1)
+ *   for each layer: kvrt_compilerkv_prompt_add_layer(pr, q_l, k_l, H, Hkv, d);   (step 1;
+ *                   _add_layer_ctx(ctx, pr, ...) with q_l, k_l in a context's memory)
  *   kvrt_compilerkv_prompt_finish(pr, next_logprob);                          (alpha, step 5)
  *   for each layer: kvrt_compilerkv_select(ctx, tb, pr, l, v_l, Hkv, d, B, flags, &sel, &st);
  *                   kvrt_cache_gather(k_l, v_l, T, Hkv, d, sel, dtype, &cache);
@@ -869,6 +870,13 @@ void kvrt_compilerkv_prompt_free(kvrt_compilerkv_prompt *p);
  * window mass of kvrt_snapkv_scores averaged over heads. _ref: through kvrt_snapkv_scores_ref. */
 int kvrt_compilerkv_prompt_add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k,
                                      uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim);
+/* The same on a context: q, k in ctx's memory (a CUDA context: device pointers; the window
+ * mass runs on the device, its [Hkv, T] scores are downloaded once and averaged on the host, in
+ * the same order). On a CPU context equal to kvrt_compilerkv_prompt_add_layer. Errors also in
+ * kvrt_ctx_last_error(ctx); KVRT_ERR_UNSUPPORTED when the backend has no snapkv_scores op. */
+int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *p, const float *q,
+                                         const float *k, uint32_t n_heads, uint32_t n_kv_heads,
+                                         uint32_t head_dim);
 /* alpha, entropy and ppl. next_logprob [T-1]: next_logprob[t] = log p(token t+1 | 0..t) (the
  * corpus convention); entries T-w-1 .. T-2 are read. */
 int kvrt_compilerkv_prompt_finish(kvrt_compilerkv_prompt *p, const float *next_logprob);

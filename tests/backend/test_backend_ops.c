@@ -635,6 +635,49 @@ static void test_method_scores(kvrt_ctx *ctx, const char *bk) {
         }
 }
 
+/* kvrt_compilerkv_prompt_add_layer_ctx (q, k in the context's memory) against the host call:
+ * the prompts' mass accumulators after two layers. */
+static void test_ckv_prompt(kvrt_ctx *ctx, const char *bk) {
+    static const sc_shape shapes[] = {{300, 8, 2, 64, 32}, {1100, 9, 3, 64, 64}, {5, 2, 1, 16, 8}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const sc_shape *S = &shapes[si];
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u window=%u, 2 layers",
+                 (long long)S->T, S->H, S->Hkv, S->d, S->window);
+        if (!row_runs(ctx, bk, "compilerkv_prompt", KVRT_OP_SNAPKV_SCORES, shape)) continue;
+        uint64_t seed = 800 + si;
+        const int64_t nq = S->T * S->H * S->d, nk = S->T * S->Hkv * S->d;
+        kvrt_compilerkv_prompt *ref = NULL, *got = NULL;
+        int rc = kvrt_compilerkv_prompt_create(S->T, S->window, &ref);
+        if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_create(S->T, S->window, &got);
+        for (int l = 0; l < 2 && rc == KVRT_OK; l++) {
+            float *q = randf(&seed, nq, -1.0f, 1.0f), *k = randf(&seed, nk, -1.0f, 1.0f);
+            rc = kvrt_compilerkv_prompt_add_layer(ref, q, k, S->H, S->Hkv, S->d);
+            float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)nq);
+            float *dk = to_ctx(ctx, k, sizeof(float) * (size_t)nk);
+            if (rc == KVRT_OK)
+                rc = kvrt_compilerkv_prompt_add_layer_ctx(ctx, got, dq, dk, S->H, S->Hkv, S->d);
+            kvrt_ctx_dealloc(ctx, dq);
+            kvrt_ctx_dealloc(ctx, dk);
+            free(q);
+            free(k);
+        }
+        if (rc != KVRT_OK) {
+            report_error("compilerkv_prompt", bk, shape, rc, "kvrt_compilerkv_prompt_add_layer*");
+        } else {
+            nmse_acc a = {0, 0, 0};
+            for (int64_t t = 0; t < S->T; t++) {
+                const float g = (float)got->mass[t], r = (float)ref->mass[t];
+                acc_f(&a, &g, &r, 1);
+            }
+            report("compilerkv_prompt", bk, shape,
+                   got->n_layers == ref->n_layers ? acc_nmse(&a) : INFINITY, NMSE_DEFAULT, NULL);
+        }
+        kvrt_compilerkv_prompt_free(ref);
+        kvrt_compilerkv_prompt_free(got);
+    }
+}
+
 // ----------------------------------------------------------------------------
 // compilerkv_select
 
@@ -1560,6 +1603,7 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 0);
     for (int b = 0; b < 2; b++) test_scores(backends[b].ctx, backends[b].name, 1);
     for (int b = 0; b < 2; b++) test_method_scores(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_ckv_prompt(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_compilerkv(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am_head(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am(backends[b].ctx, backends[b].name);
