@@ -183,7 +183,7 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods full --budgets 1 --needle 20 
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   out=$("$KVCC" eval --corpus "$tmp/c1.h5" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --methods full,streaming \
         --budgets 0.5 --needle 400 --needle-haystacks 1 2>&1); ex=$?
-  [[ $ex -eq 0 && "$out" == *"needle task: 1 haystacks x 3 questions per context length; full cache 3/3 at 400 (must be high"* \
+  [[ $ex -eq 0 && "$out" == *"needle task: 1 haystacks x 3 questions per context length; full cache 3/3 at 400 (depth 0.10: 1/1, depth 0.50: 1/1, depth 0.90: 1/1) (must be high"* \
      && "$out" == *"nd@400"* ]] && ok || bad "eval --needle 400: exit $ex: $out"
   # one compression per row (the default with --gguf): the layer-local columns from the model's
   # own tensors equal the corpus pass's (--local-from-corpus) within the corpus's f16 rounding,
