@@ -123,7 +123,7 @@ typedef struct {
     char model_name[64];
     double seconds_local, seconds_e2e; /* fused (the default with gguf): seconds_local 0 */
     int fused;               /* the layer-local rows came from the end-to-end pass */
-    char decode_note[320];   /* decode-time rows: the block size and the groupings used */
+    char decode_note[512];   /* decode-time rows: the block size and the groupings used */
     /* needle task: per context length, the full cache's score (the model's own attention) */
     int n_needle_ctx, needle_ctx[KVCC_EVAL_NEEDLE_CTX];
     uint32_t needle_haystacks, needle_keys;

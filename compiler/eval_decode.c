@@ -38,9 +38,10 @@ static double step_bytes(const kvcc_eval_method *m, int64_t tokens_all_heads, in
 }
 
 /* Exact block aggregates of the loop's layer per (query i, head h, block b) over the tokens
- * [0, C + i]: es = sum e^{z - mx}, zb = mean z - mx. Z: scratch [N, T]. */
+ * [0, C + i]: es = sum e^{z - mx}, zb = mean z - mx, zv = the (population) variance of z.
+ * Z: scratch [N, T]. */
 static void block_aggregates(const kvcc_loop *lp, uint32_t block, int64_t nbmax, float *Z,
-                             double *es, double *zb) {
+                             double *es, double *zb, double *zv) {
     const uint32_t H = lp->H, Hkv = lp->Hkv, d = lp->d, G = H / Hkv;
     const int64_t C = lp->C, N = lp->N, T = C + N;
     const float scale = 1.0f / sqrtf((float)d);
@@ -54,23 +55,27 @@ static void block_aggregates(const kvcc_loop *lp, uint32_t block, int64_t nbmax,
             const float *z = Z + (size_t)i * T;
             float mx = z[0];
             for (int64_t t = 1; t < len; t++) mx = z[t] > mx ? z[t] : mx;
-            double *e = es + ((size_t)i * H + h) * nbmax, *zm = zb + ((size_t)i * H + h) * nbmax;
+            const size_t at = ((size_t)i * H + h) * nbmax;
+            double *e = es + at, *zm = zb + at, *zs = zv + at;
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t t0 = b * block, t1 = t0 + block < len ? t0 + block : len;
-                double se = 0, sz = 0;
+                double se = 0, sz = 0, sq = 0;
                 for (int64_t t = t0; t < t1; t++) {
                     se += exp((double)z[t] - mx);
                     sz += (double)z[t] - mx;
                 }
+                const double mean = sz / (double)(t1 - t0);
+                for (int64_t t = t0; t < t1; t++) sq += ((double)z[t] - mx - mean) * ((double)z[t] - mx - mean);
                 e[b] = se;
-                zm[b] = sz / (double)(t1 - t0);
+                zm[b] = mean;
+                zs[b] = sq / (double)(t1 - t0);
             }
         }
     }
 }
 
 typedef struct {
-    double *es, *zb, *esum;
+    double *es, *zb, *zv, *esum;
     float *Z, *out;
     int32_t *blocks;
     uint8_t *mark;
@@ -102,8 +107,8 @@ static int decode_row(eval_run *E, int ri, const kvcc_loop *lp, uint32_t block, 
         t0 = kvcc_now_s();
         s = kvrt_compkv_append(st, k + (size_t)(C + i) * Kd, v + (size_t)(C + i) * Kd, 1);
         if (!s)
-            s = m->decode_step(m, state, st, q + (size_t)(C + i) * H * d, H, K, k, len, w->out,
-                               w->blocks, &ns);
+            s = m->decode_step(m, state, st, q + (size_t)(C + i) * H * d, H, K, k, v, len,
+                               w->out, w->blocks, &ns);
         a->sel_s += kvcc_now_s() - t0;
         if (s) break;
         const int64_t nb = (len + block - 1) / block;
@@ -120,8 +125,8 @@ static int decode_row(eval_run *E, int ri, const kvcc_loop *lp, uint32_t block, 
                 const uint32_t h = hk * G + g;
                 w->esum[h] +=
                     kvcc_relerr(w->out + (size_t)h * d, lp->o_full + ((size_t)i * H + h) * d, d);
-                const double *e = w->es + ((size_t)i * H + h) * nbmax,
-                             *zm = w->zb + ((size_t)i * H + h) * nbmax;
+                const size_t at = ((size_t)i * H + h) * nbmax;
+                const double *e = w->es + at, *zm = w->zb + at, *zs = w->zv + at;
                 double tot = 0, sel = 0, cmp = 0;
                 for (int64_t b = 0; b < nb; b++) {
                     tot += e[b];
@@ -129,7 +134,11 @@ static int decode_row(eval_run *E, int ri, const kvcc_loop *lp, uint32_t block, 
                     else if (m->compensated) {
                         const int64_t cnt =
                             (b + 1) * (int64_t)block <= len ? block : len - b * (int64_t)block;
-                        cmp += (double)cnt * exp(zm[b]);
+                        switch (m->compensated) {
+                        case 2: cmp += e[b]; break;
+                        case 3: cmp += (double)cnt * exp(zm[b] + 0.5 * zs[b]); break;
+                        default: cmp += (double)cnt * exp(zm[b]); break;
+                        }
                     }
                 }
                 a->kl_sum += log(tot) - log(sel + cmp);
@@ -163,25 +172,26 @@ int eval_decode_layer(eval_run *E, const kvcc_loop *lp) {
     dec_scratch w = {.nbmax = nbmax};
     w.es = malloc((size_t)N * H * nbmax * sizeof *w.es);
     w.zb = malloc((size_t)N * H * nbmax * sizeof *w.zb);
+    w.zv = malloc((size_t)N * H * nbmax * sizeof *w.zv);
     w.Z = malloc((size_t)N * T * sizeof *w.Z);
     w.out = malloc((size_t)H * d * sizeof *w.out);
     w.blocks = malloc((size_t)Hkv * nbmax * sizeof *w.blocks);
     w.mark = malloc((size_t)nbmax);
     w.esum = malloc((size_t)H * sizeof *w.esum);
-    int oom = !w.es || !w.zb || !w.Z || !w.out || !w.blocks || !w.mark || !w.esum;
+    int oom = !w.es || !w.zb || !w.zv || !w.Z || !w.out || !w.blocks || !w.mark || !w.esum;
     uint32_t have = 0; /* the block size the aggregates hold */
     for (int ri = 0; ri < r->n_rows && !oom; ri++) {
         if (!eval_is_decode(eval_row_method(E, ri)) || r->rows[ri].status) continue;
         const uint32_t block = eval_row_prep(E, ri)->block;
         if (block != have) {
-            block_aggregates(lp, block, nbmax, w.Z, w.es, w.zb);
+            block_aggregates(lp, block, nbmax, w.Z, w.es, w.zb, w.zv);
             have = block;
         }
         const double t0 = kvcc_now_s();
         oom = decode_row(E, ri, lp, block, &w) != 0;
         E->r->rows[ri].t_local_s += kvcc_now_s() - t0;
     }
-    free(w.es); free(w.zb); free(w.Z); free(w.out); free(w.blocks); free(w.mark); free(w.esum);
+    free(w.es); free(w.zb); free(w.zv); free(w.Z); free(w.out); free(w.blocks); free(w.mark); free(w.esum);
     return oom ? -1 : 0;
 }
 
@@ -211,7 +221,7 @@ int eval_decode_hook(void *user, int layer, int pos0, int n, const float *q, con
         int64_t ns;
         s = kvrt_compkv_append(st, k + (size_t)i * Kd, v + (size_t)i * Kd, 1);
         if (!s)
-            s = m->decode_step(m, state, st, q + (size_t)i * H * d, H, K, kc, pos0 + i + 1,
+            s = m->decode_step(m, state, st, q + (size_t)i * H * d, H, K, kc, vc, pos0 + i + 1,
                                out + (size_t)i * H * d, hk->blocks, &ns);
     }
     if (s) hk->status = s;

@@ -48,7 +48,7 @@ typedef struct {
 /* What prepare hands the driver (one per method and run). */
 typedef struct {
     void *state;                 /* the method's own (policy handles, options), freed by release */
-    char note[320];              /* options the rows run with ("" for none); said in the header */
+    char note[512];              /* options the rows run with ("" for none); said in the header */
     uint32_t block;              /* decode-time: tokens per block */
 } kvcc_eval_prep;
 
@@ -124,12 +124,15 @@ struct kvcc_eval_method {
     /* decode-time: a state of layer `layer` with room for cap tokens */
     int (*decode_create)(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
                          uint32_t layer, int64_t cap, kvrt_compkv **out);
-    /* decode-time: one step of query q [H, d] on st (holding tokens [0, len); k [len, Hkv, d]
-     * their keys): out [H, d], blocks [Hkv, *n_sel] the blocks read exactly */
+    /* decode-time: one step of query q [H, d] on st (holding tokens [0, len); k, v [len, Hkv,
+     * d] their keys and values): out [H, d], blocks [Hkv, *n_sel] the blocks read exactly */
     int (*decode_step)(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
-                       const float *q, uint32_t H, int64_t K, const float *k, int64_t len,
-                       float *out, int32_t *blocks, int64_t *n_sel);
-    int compensated;             /* decode-time: unselected blocks enter through their means */
+                       const float *q, uint32_t H, int64_t K, const float *k, const float *v,
+                       int64_t len, float *out, int32_t *blocks, int64_t *n_sel);
+    /* decode-time: how unselected blocks enter (for the KL column): 0 not at all, 1 with weight
+     * |b| e^{zbar_b} (mean compensation, the paper's), 2 with their exact mass (oracle), 3 with
+     * |b| e^{zbar_b + var_b / 2}, var_b the exact within-block logit variance (oracle) */
+    int compensated;
     int quest_summaries;         /* decode-time: the blocks scored hold min/max keys (2d floats) */
 };
 

@@ -750,7 +750,10 @@ enum {
     COMPKV_EVAL_R16,
     COMPKV_EVAL_RD,
     COMPKV_EVAL_TOPK_MASS,
-    COMPKV_EVAL_QUEST
+    COMPKV_EVAL_QUEST,
+    COMPKV_EVAL_OMASS,  /* oracles: compkv's selection, unselected blocks with their exact mass */
+    COMPKV_EVAL_OVALUE, /* ... with the paper's weight and their exact attention-weighted value */
+    COMPKV_EVAL_OVAR    /* ... with |b| e^{zbar + var/2}, var the exact within-block variance */
 };
 #define COMPKV_EVAL_DEFAULT_R 4
 
@@ -816,6 +819,9 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
     case COMPKV_EVAL_RD: o->r = d; break;
     case COMPKV_EVAL_TOPK_MASS: o->mass_only = 1; o->first_order = 1; o->compensate = 0; break;
     case COMPKV_EVAL_QUEST: o->compensate = 0; break;
+    case COMPKV_EVAL_OMASS:
+    case COMPKV_EVAL_OVALUE:
+    case COMPKV_EVAL_OVAR: e->use_grp = g != NULL; break;
     default: break; /* compkv-index: index order, r of the artifact (else 4) */
     }
     p->block = (uint32_t)o->block;
@@ -829,13 +835,15 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
                  "the three "
                  "ablations change run-time switches only); compkv-index, topk-mass, quest: index "
                  "order (r %u); "
-                 "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u",
+                 "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u; "
+                 "compkv-omass/-ovalue/-ovar: oracle compensations (exact mass, exact value, "
+                 "exact-variance weight) on compkv's selection",
                  (unsigned)o->block, g->r, nl, g->n_layers * g->n_kv_heads, g->r, r16, d);
     } else {
         snprintf(p->note, sizeof p->note,
                  "blocks of %u tokens, budgets in blocks; no compiled grouping: "
-                 "compkv-index/-nocomp/-mass/-first use index order (r %u); compkv-r1/-r16/-rd: r "
-                 "1/%u/%u",
+                 "compkv-index/-nocomp/-mass/-first and the oracles -omass/-ovalue/-ovar use index "
+                 "order (r %u); compkv-r1/-r16/-rd: r 1/%u/%u",
                  (unsigned)o->block, COMPKV_EVAL_DEFAULT_R < d ? COMPKV_EVAL_DEFAULT_R : d, r16, d);
     }
     return 0;
@@ -850,13 +858,99 @@ static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc
     return kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
 }
 
+/* kvcc_compkv_oracle_attend: passes.h. */
+void kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
+                               uint32_t B, double scale, const float *k, const float *v,
+                               int64_t len, const int32_t *blocks, int64_t ns, double *scratch,
+                               float *out) {
+    double *z = scratch, *acc = z + len, *bv = acc + d;
+    const uint32_t G = H / Hkv;
+    const size_t Kd = (size_t)Hkv * d;
+    const int64_t nb = (len + B - 1) / B;
+    for (uint32_t hk = 0; hk < Hkv; hk++) {
+        const int32_t *sel = blocks + (size_t)hk * ns;
+        for (uint32_t g = 0; g < G; g++) {
+            const uint32_t h = hk * G + g;
+            const float *qh = q + (size_t)h * d;
+            double mx = -INFINITY;
+            for (int64_t t = 0; t < len; t++) {
+                const float *kt = k + (size_t)t * Kd + (size_t)hk * d;
+                double dot = 0;
+                for (uint32_t x = 0; x < d; x++) dot += (double)qh[x] * (double)kt[x];
+                z[t] = scale * dot;
+                if (z[t] > mx) mx = z[t];
+            }
+            for (uint32_t x = 0; x < d; x++) acc[x] = 0;
+            double den = 0;
+            int64_t si = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t t0 = b * (int64_t)B, t1 = t0 + B < len ? t0 + B : len, n = t1 - t0;
+                const int is_sel = si < ns && sel[si] == b;
+                if (is_sel) si++;
+                if (is_sel) {
+                    for (int64_t t = t0; t < t1; t++) {
+                        const double w = exp(z[t] - mx);
+                        const float *vt = v + (size_t)t * Kd + (size_t)hk * d;
+                        den += w;
+                        for (uint32_t x = 0; x < d; x++) acc[x] += w * (double)vt[x];
+                    }
+                    continue;
+                }
+                double sz = 0, se = 0, sq = 0;
+                for (uint32_t x = 0; x < d; x++) bv[x] = 0;
+                for (int64_t t = t0; t < t1; t++) sz += z[t];
+                const double zbar = sz / (double)n;
+                for (int64_t t = t0; t < t1; t++) {
+                    const double e = exp(z[t] - mx), wv = kind == KVCC_COMPKV_ORACLE_VALUE ? e : 1.0;
+                    const float *vt = v + (size_t)t * Kd + (size_t)hk * d;
+                    se += e;
+                    sq += (z[t] - zbar) * (z[t] - zbar);
+                    for (uint32_t x = 0; x < d; x++) bv[x] += wv * (double)vt[x];
+                }
+                double w, norm;
+                switch (kind) {
+                case KVCC_COMPKV_ORACLE_MASS: w = se; norm = (double)n; break;
+                case KVCC_COMPKV_ORACLE_VALUE: w = (double)n * exp(zbar - mx); norm = se; break;
+                case KVCC_COMPKV_ORACLE_VAR:
+                    w = (double)n * exp(zbar + 0.5 * sq / (double)n - mx);
+                    norm = (double)n;
+                    break;
+                default: w = (double)n * exp(zbar - mx); norm = (double)n; break;
+                }
+                den += w;
+                for (uint32_t x = 0; x < d; x++) acc[x] += w * bv[x] / norm;
+            }
+            for (uint32_t x = 0; x < d; x++) out[(size_t)h * d + x] = (float)(acc[x] / den);
+        }
+    }
+}
+
 static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
-                        const float *q, uint32_t H, int64_t K, const float *k, int64_t len,
-                        float *out, int32_t *blocks, int64_t *n_sel) {
+                            const float *q, uint32_t H, int64_t K, const float *k, const float *v,
+                            int64_t len, float *out, int32_t *blocks, int64_t *n_sel) {
     const compkv_eval *e = state;
     const int64_t nb = kvrt_compkv_n_blocks(st);
     const int64_t ke = K < nb ? K : nb;
     *n_sel = ke;
+    if (m->variant == COMPKV_EVAL_OMASS || m->variant == COMPKV_EVAL_OVALUE ||
+        m->variant == COMPKV_EVAL_OVAR) {
+        const size_t d = e->d;
+        float *S = malloc(sizeof *S * (size_t)e->Hkv * (size_t)nb);
+        double *z = malloc(sizeof *z * ((size_t)len + 2 * d));
+        int s = S && z ? kvrt_compkv_scores(st, q, H, S) : KVRT_ERR_NOMEM;
+        if (!s) s = kvrt_compkv_select(st, S, K, blocks);
+        if (!s) {
+            const double sc = e->o.scale > 0 ? (double)e->o.scale : 1.0 / sqrt((double)d);
+            const int kind = m->variant == COMPKV_EVAL_OMASS    ? KVCC_COMPKV_ORACLE_MASS
+                             : m->variant == COMPKV_EVAL_OVALUE ? KVCC_COMPKV_ORACLE_VALUE
+                                                                : KVCC_COMPKV_ORACLE_VAR;
+            kvcc_compkv_oracle_attend(kind, q, H, e->Hkv, e->d, e->o.block, sc, k, v, len, blocks,
+                                      ke, z, out);
+        }
+        free(S);
+        free(z);
+        return s;
+    }
     if (m->variant != COMPKV_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
     kvrt_quest *qs = NULL;
     int s = kvrt_quest_summarize(k, len, e->Hkv, e->d, (uint32_t)e->o.block, &qs);
@@ -887,6 +981,9 @@ static const kvcc_eval_method compkv_eval_methods[] = {
     COMPKV_EVAL_METHOD("compkv-rd", COMPKV_EVAL_RD, 1, 0),
     COMPKV_EVAL_METHOD("topk-mass", COMPKV_EVAL_TOPK_MASS, 0, 0),
     COMPKV_EVAL_METHOD("quest", COMPKV_EVAL_QUEST, 0, 1),
+    COMPKV_EVAL_METHOD("compkv-omass", COMPKV_EVAL_OMASS, 2, 0),
+    COMPKV_EVAL_METHOD("compkv-ovalue", COMPKV_EVAL_OVALUE, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-ovar", COMPKV_EVAL_OVAR, 3, 0),
     {.name = NULL},
 };
 

@@ -150,6 +150,24 @@ void kvcc_compkv_index_grouping(uint32_t d, uint32_t r, uint16_t *perm, uint16_t
 int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm, uint16_t *offsets,
                        kvcc_compkv_fit *fit);
 
+/* Mean compensation with an oracle in plain double loops (kvcc eval's compkv-omass, -ovalue,
+ * -ovar rows; a diagnostic: it reads every token). One decode step, q [H, d], keys and values k,
+ * v [len, Hkv, d], blocks of `block` tokens (the last one partial), the selection blocks [Hkv,
+ * ns] ascending per KV head: out_g = (sum_{t in sel} e^{z_t} v_t + sum_{b unsel} w_b u_b) /
+ * (sum_{t in sel} e^{z_t} + sum_{b unsel} w_b), z_t = scale q_g . k_t, per unselected block of
+ * n tokens with mean logit zbar and (population) logit variance var:
+ *   PAPER:  w_b = n e^{zbar},                    u_b = mean value (kvrt_compkv_attend_blocks)
+ *   MASS:   w_b = sum_{t in b} e^{z_t} (exact),  u_b = mean value
+ *   VALUE:  w_b = n e^{zbar},                    u_b = sum e^{z_t} v_t / sum e^{z_t} (exact)
+ *   VAR:    w_b = n e^{zbar + var / 2},          u_b = mean value
+ * scratch: len + 2 d doubles. */
+enum { KVCC_COMPKV_ORACLE_PAPER, KVCC_COMPKV_ORACLE_MASS, KVCC_COMPKV_ORACLE_VALUE,
+       KVCC_COMPKV_ORACLE_VAR };
+void kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
+                               uint32_t block, double scale, const float *k, const float *v,
+                               int64_t len, const int32_t *blocks, int64_t ns, double *scratch,
+                               float *out);
+
 /* NULL-terminated table (registry.c). */
 extern const kvcc_pass *const kvcc_passes[];
 extern const char *const kvcc_planned_policies[]; /* announced, not built (NULL-terminated) */
