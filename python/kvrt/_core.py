@@ -41,7 +41,7 @@ OVERRIDE_OPTIONS = 0x100
 OPS = ("softmax_rows", "attend", "topk", "cache_gather", "snapkv_scores", "h2o_scores",
        "compilerkv_select", "am_compact", "am_compact_layer", "compkv_create", "compkv_scores",
        "compkv_attend_blocks", "compkv_step", "kv2_proxy", "kv2_score", "mr_reduce",
-       "mr_compress")
+       "mr_compress", "compkv_select")
 
 
 def _dtype_code(dtype: Union[str, int]) -> int:

@@ -49,7 +49,7 @@ KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
 
 /* Bumped whenever a slot is added, removed or changes its signature; kvrt_ctx_create refuses a
  * table of another version (ggml's GGML_BACKEND_API_VERSION). */
-#define KVRT_BACKEND_API_VERSION 3
+#define KVRT_BACKEND_API_VERSION 4
 
 /* One table per backend, one entry per op (ggml's struct ggml_backend_i). The housekeeping
  * entries are required; an op entry may be NULL, which means the backend lacks the op: the
@@ -127,7 +127,9 @@ typedef struct kvrt_backend_ops {
                             const float *ratios, const double *ratio_list, int dtype,
                             kvrt_cache **out, kvrt_am_stats *stats);
     /* CompKV: a decode state of one layer (kvrt_compkv_create), then the decode step parts
-     * (kvrt_compkv_scores, _attend_blocks, _step) on it. */
+     * (kvrt_compkv_scores, _attend_blocks, _step) on it. A backend with compkv_create has the
+     * state's own calls too (free, append, summaries, select: since API 4); their pointers
+     * (k, v, q, scores, blocks, out, the summaries' views) are the context's memory. */
     int (*compkv_create)(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
                          uint32_t head_dim, int64_t capacity, const uint16_t *perm,
                          const uint16_t *offsets, kvrt_compkv **out);
@@ -138,6 +140,14 @@ typedef struct kvrt_backend_ops {
                                 float *out);
     int (*compkv_step)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
                        int64_t k_blocks, float *out, int32_t *blocks_out);
+    void (*compkv_free)(kvrt_compkv *s);
+    int (*compkv_append)(kvrt_ctx *ctx, kvrt_compkv *s, const float *k, const float *v,
+                         int64_t n);
+    int (*compkv_summaries)(kvrt_ctx *ctx, const kvrt_compkv *s, uint32_t h,
+                            const float **kmean, const float **vmean, const float **gvar,
+                            const int32_t **count);
+    int (*compkv_select)(kvrt_ctx *ctx, const kvrt_compkv *s, const float *scores,
+                         int64_t k_blocks, int32_t *blocks_out);
     /* KV²: stage-1 proxy scores of one layer, k [C, Hkv, d] -> s [Hkv, C] (kvrt_kv2_proxy), and
      * stage-2 scores of positions [lo, hi) for n_q reconstruction queries, q [n_q, H, d],
      * k [C, Hkv, d], k_new [n_q, Hkv, d] or NULL -> out [Hkv, hi - lo]
@@ -190,7 +200,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
  * services the backend calls back (kvrt_cuda_host) and gets the backend's table
  * (kvrt_cuda_plugin). Both structs carry KVRT_CUDA_PLUGIN_API_VERSION and the library
  * version; a plugin of another version is refused with a message naming the file. */
-#define KVRT_CUDA_PLUGIN_API_VERSION 3
+#define KVRT_CUDA_PLUGIN_API_VERSION 4
 #define KVRT_CUDA_PLUGIN_ENTRY "kvrt_cuda_plugin_init"
 #define KVRT_CUDA_PLUGIN_BASENAME "libkvrt_cuda.so"
 #define KVRT_STR_(x) #x
@@ -217,6 +227,13 @@ typedef struct kvrt_cuda_host {
     int (*compilerkv_bins)(const kvrt_compilerkv_tables *tb, double entropy, double ppl,
                            int *b_ent, int *b_ppl);
     int64_t (*compilerkv_kept_window)(uint32_t window, int64_t budget, int64_t T);
+    /* since API 4: CompKV's shared create checks and grouping fill (runtime/cuda/compkv.cu):
+     * kvrt_compkv_create_check, kvrt_compkv_groups_fill of the loading libkvrt */
+    int (*compkv_create_check)(const char *fn, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                               uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                               const uint16_t *offsets, uint32_t *r);
+    void (*compkv_groups_fill)(uint32_t hkv, uint32_t d, uint32_t r, const uint16_t *perm,
+                               const uint16_t *offsets, uint16_t *pm, uint16_t *of);
 } kvrt_cuda_host;
 
 typedef struct kvrt_cuda_plugin {

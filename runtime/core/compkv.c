@@ -3,12 +3,14 @@
  * open policy (kvrt_compkv_open; kvcc compile --policies compkv, compiler/passes/compkv.c) with
  * the options they were calibrated with (block, r, scale), decode states built from them
  * (kvrt_compkv_create_layer refuses other compiled options unless the caller overrides them
- * explicitly), and dispatch to the context's backend (runtime/cpu/compkv.c).
+ * explicitly), and dispatch to the context's backend (runtime/cpu/compkv.c, runtime/cuda/compkv.cu).
  * Callers: serving stacks, kvcc eval's compkv rows, tests.
  *
  * defines: kvrt_compkv_open, kvrt_compkv_grouping_free, kvrt_compkv_grouping_opts,
- *          kvrt_compkv_create_layer, kvrt_compkv_create, and the per-step front doors
- *          kvrt_compkv_scores, kvrt_compkv_attend_blocks, kvrt_compkv_step
+ *          kvrt_compkv_create_layer, kvrt_compkv_create, the state's calls kvrt_compkv_free,
+ *          _append, _length, _n_blocks, _groups, _summaries, _select and the per-step front
+ *          doors kvrt_compkv_scores, kvrt_compkv_attend_blocks, kvrt_compkv_step (every
+ *          backend's state begins with kvrt_compkv_base: core/policies.h)
  *
  * Section compkv.groupings (KVPOL_SEC_COMPKV_GROUPINGS, critical): perm u16 [L, Hkv, d], offsets
  * u16 [L, Hkv, r + 1], learned u8 [L, Hkv], r i64, block i64, scale f64 (docs/kvpol-format.md).
@@ -210,9 +212,73 @@ int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_h
     return kvrt_policy_ctx_done(ctx, rc);
 }
 
-/* The context a state was created on (NULL for NULL), for the per-step front doors. */
-static kvrt_ctx *state_ctx(const kvrt_compkv *s) {
-    return s ? ((const kvrt_compkv_base *)(const void *)s)->ctx : NULL;
+/* The shared head of every backend's state (NULL for NULL), and its context. */
+static const kvrt_compkv_base *state_base(const kvrt_compkv *s) {
+    return (const kvrt_compkv_base *)(const void *)s;
+}
+static kvrt_ctx *state_ctx(const kvrt_compkv *s) { return s ? state_base(s)->ctx : NULL; }
+
+int64_t kvrt_compkv_length(const kvrt_compkv *s) { return s ? state_base(s)->len : 0; }
+int64_t kvrt_compkv_n_blocks(const kvrt_compkv *s) {
+    if (s == NULL) return 0;
+    const kvrt_compkv_base *b = state_base(s);
+    return (b->len + b->o.block - 1) / b->o.block;
+}
+uint32_t kvrt_compkv_groups(const kvrt_compkv *s) { return s ? state_base(s)->r : 0; }
+
+void kvrt_compkv_free(kvrt_compkv *s) {
+    if (s == NULL) return;
+    kvrt_ctx *ctx = state_ctx(s);
+    ctx->ops->compkv_free(s);
+}
+
+int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n) {
+    static const char fn[] = "kvrt_compkv_append";
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: state is NULL", fn);
+    const kvrt_compkv_base *b = state_base(s);
+    if (n < 0) return KVRT_FAIL(KVRT_ERR_ARG, "%s: n = %lld, expected >= 0", fn, (long long)n);
+    if (n == 0) return KVRT_OK;
+    if (k == NULL || v == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, k ? "v" : "k");
+    if (n > b->cap - b->len)
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: appending %lld tokens to %lld would exceed the "
+                         "capacity of %lld tokens", fn, (long long)n, (long long)b->len,
+                         (long long)b->cap);
+    kvrt_ctx *ctx = b->ctx;
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_COMPKV_CREATE);
+    if (rc) return rc;
+    return kvrt_policy_ctx_done(ctx, ctx->ops->compkv_append(ctx, s, k, v, n));
+}
+
+int kvrt_compkv_summaries(const kvrt_compkv *s, uint32_t h, const float **kmean,
+                          const float **vmean, const float **gvar, const int32_t **count) {
+    static const char fn[] = "kvrt_compkv_summaries";
+    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: state is NULL", fn);
+    const kvrt_compkv_base *b = state_base(s);
+    if (h >= b->hkv)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: KV head %u, expected 0..%u", fn, h, b->hkv - 1);
+    kvrt_ctx *ctx = b->ctx;
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_COMPKV_CREATE);
+    if (rc) return rc;
+    return kvrt_policy_ctx_done(ctx,
+                                ctx->ops->compkv_summaries(ctx, s, h, kmean, vmean, gvar, count));
+}
+
+int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_blocks,
+                       int32_t *blocks_out) {
+    static const char fn[] = "kvrt_compkv_select";
+    if (s == NULL || scores == NULL || blocks_out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                         s == NULL ? "state" : scores == NULL ? "scores" : "blocks_out");
+    if (k_blocks < 1)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: k_blocks = %lld, expected >= 1", fn,
+                         (long long)k_blocks);
+    if (kvrt_compkv_n_blocks(s) == 0)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
+                         "first)", fn);
+    kvrt_ctx *ctx = state_ctx(s);
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_COMPKV_SELECT);
+    if (rc) return rc;
+    return kvrt_policy_ctx_done(ctx, ctx->ops->compkv_select(ctx, s, scores, k_blocks, blocks_out));
 }
 
 int kvrt_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_heads, float *scores) {

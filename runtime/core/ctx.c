@@ -73,6 +73,7 @@ static const char *const op_names[KVRT_OP_COUNT] = {
     [KVRT_OP_KV2_SCORE] = "kv2_score",
     [KVRT_OP_MR_REDUCE] = "mr_reduce",
     [KVRT_OP_MR_COMPRESS] = "mr_compress",
+    [KVRT_OP_COMPKV_SELECT] = "compkv_select",
 };
 
 const char *kvrt_op_name(int op) {
@@ -91,7 +92,8 @@ static int has_slot(const kvrt_backend_ops *t, int op) {
     case KVRT_OP_COMPILERKV_SELECT: return t->compilerkv_select != NULL;
     case KVRT_OP_AM_COMPACT: return t->am_compact != NULL;
     case KVRT_OP_AM_COMPACT_LAYER: return t->am_compact_layer != NULL;
-    case KVRT_OP_COMPKV_CREATE: return t->compkv_create != NULL;
+    case KVRT_OP_COMPKV_CREATE: /* a state it creates it can also free, fill and show */
+        return t->compkv_create && t->compkv_free && t->compkv_append && t->compkv_summaries;
     case KVRT_OP_COMPKV_SCORES: return t->compkv_scores != NULL;
     case KVRT_OP_COMPKV_ATTEND_BLOCKS: return t->compkv_attend_blocks != NULL;
     case KVRT_OP_COMPKV_STEP: return t->compkv_step != NULL;
@@ -99,6 +101,7 @@ static int has_slot(const kvrt_backend_ops *t, int op) {
     case KVRT_OP_KV2_SCORE: return t->kv2_score != NULL;
     case KVRT_OP_MR_REDUCE: return t->mr_reduce != NULL;
     case KVRT_OP_MR_COMPRESS: return t->mr_compress != NULL;
+    case KVRT_OP_COMPKV_SELECT: return t->compkv_select != NULL;
     default: return 0;
     }
 }

@@ -31,6 +31,7 @@
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+#include "core/policies.h"
 
 #if defined(KVRT_WITH_CUDA)
 
@@ -82,6 +83,8 @@ static int try_one(const char *path, int must_exist) {
         .compilerkv_budget_index = kvrt_compilerkv_budget_index,
         .compilerkv_bins = kvrt_compilerkv_bins,
         .compilerkv_kept_window = kvrt_compilerkv_kept_window,
+        .compkv_create_check = kvrt_compkv_create_check,
+        .compkv_groups_fill = kvrt_compkv_groups_fill,
     };
     const kvrt_cuda_plugin *p = init(&host);
     if (p == NULL || p->api_version != KVRT_CUDA_PLUGIN_API_VERSION || p->kvrt_version == NULL ||

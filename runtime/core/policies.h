@@ -81,11 +81,26 @@ KVRT_INTERNAL int kvrt_cpu_compilerkv_select(const kvrt_compilerkv_tables *tb,
                                              const float *v, uint32_t n_kv_heads,
                                              uint32_t head_dim, int64_t budget, unsigned flags,
                                              kvrt_selection **out, kvrt_compilerkv_stats *st);
-/* Every backend's kvrt_compkv begins with the context that created it, so the per-step front
- * doors (core/compkv.c) dispatch to that context's table. */
+/* Every backend's kvrt_compkv begins with this (its first member): the context that created it,
+ * so the front doors (core/compkv.c) dispatch to that context's table, and the shape and length
+ * that the accessors (kvrt_compkv_length, _n_blocks, _groups) and the argument checks read. */
 typedef struct {
     kvrt_ctx *ctx;
+    kvrt_compkv_opts o;      /* as given, o.scale and o.r resolved */
+    uint32_t hkv, d, r;
+    int64_t cap, cap_blocks; /* tokens, blocks of o.block */
+    int64_t len;             /* tokens held */
 } kvrt_compkv_base;
+/* The checks of kvrt_compkv_create shared by the backends (cpu/compkv.c; the CUDA plugin gets
+ * them through kvrt_cuda_host): options, sizes, grouping, capacity; *r the number of groups. */
+KVRT_INTERNAL int kvrt_compkv_create_check(const char *fn, const kvrt_compkv_opts *o,
+                                           uint32_t n_kv_heads, uint32_t head_dim,
+                                           int64_t capacity, const uint16_t *perm,
+                                           const uint16_t *offsets, uint32_t *r);
+/* Full perm [hkv][d] and offsets [hkv][r + 1]: copies of the given ones, or index order. */
+KVRT_INTERNAL void kvrt_compkv_groups_fill(uint32_t hkv, uint32_t d, uint32_t r,
+                                           const uint16_t *perm, const uint16_t *offsets,
+                                           uint16_t *pm, uint16_t *of);
 KVRT_INTERNAL int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
                                          uint32_t n_kv_heads, uint32_t head_dim,
                                          int64_t capacity, const uint16_t *perm,
@@ -97,6 +112,14 @@ KVRT_INTERNAL int kvrt_cpu_compkv_attend_blocks(const kvrt_compkv *s, const floa
                                                 int64_t n_sel, float *out);
 KVRT_INTERNAL int kvrt_cpu_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                                        int64_t k_blocks, float *out, int32_t *blocks_out);
+KVRT_INTERNAL void kvrt_cpu_compkv_free(kvrt_compkv *s);
+KVRT_INTERNAL int kvrt_cpu_compkv_append(kvrt_compkv *s, const float *k, const float *v,
+                                         int64_t n);
+KVRT_INTERNAL int kvrt_cpu_compkv_summaries(const kvrt_compkv *s, uint32_t h,
+                                            const float **kmean, const float **vmean,
+                                            const float **gvar, const int32_t **count);
+KVRT_INTERNAL int kvrt_cpu_compkv_select(const kvrt_compkv *s, const float *scores,
+                                         int64_t k_blocks, int32_t *blocks_out);
 /* KV²'s fast paths with n_threads OpenMP threads (>= 1); same outputs for every thread count. */
 /* The argument checks of the two KV² ops (cpu/kv2.c), also run by the front doors
  * (core/kv2.c) before any backend sees the call; fn names the public function. */

@@ -184,6 +184,27 @@ static int cpu_compkv_step(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, 
     return kvrt_cpu_compkv_step(s, q, n_heads, k_blocks, out, blocks_out);
 }
 
+static void cpu_compkv_free(kvrt_compkv *s) { kvrt_cpu_compkv_free(s); }
+
+static int cpu_compkv_append(kvrt_ctx *ctx, kvrt_compkv *s, const float *k, const float *v,
+                             int64_t n) {
+    (void)ctx;
+    return kvrt_cpu_compkv_append(s, k, v, n);
+}
+
+static int cpu_compkv_summaries(kvrt_ctx *ctx, const kvrt_compkv *s, uint32_t h,
+                                const float **kmean, const float **vmean, const float **gvar,
+                                const int32_t **count) {
+    (void)ctx;
+    return kvrt_cpu_compkv_summaries(s, h, kmean, vmean, gvar, count);
+}
+
+static int cpu_compkv_select(kvrt_ctx *ctx, const kvrt_compkv *s, const float *scores,
+                             int64_t k_blocks, int32_t *blocks_out) {
+    (void)ctx;
+    return kvrt_cpu_compkv_select(s, scores, k_blocks, blocks_out);
+}
+
 static int cpu_kv2_proxy(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_kv_heads,
                          uint32_t head_dim, int proxy, float *s) {
     return kvrt_cpu_kv2_proxy(k, C, n_kv_heads, head_dim, proxy, s, ctx->n_threads);
@@ -239,6 +260,10 @@ static const kvrt_backend_ops cpu_ops = {
     .compkv_scores = cpu_compkv_scores,
     .compkv_attend_blocks = cpu_compkv_attend_blocks,
     .compkv_step = cpu_compkv_step,
+    .compkv_free = cpu_compkv_free,
+    .compkv_append = cpu_compkv_append,
+    .compkv_summaries = cpu_compkv_summaries,
+    .compkv_select = cpu_compkv_select,
     .kv2_proxy = cpu_kv2_proxy,
     .kv2_score = cpu_kv2_score,
     .mr_reduce = cpu_mr_reduce,

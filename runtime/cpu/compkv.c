@@ -7,10 +7,10 @@
  * (tests/unit/test_compkv.c), bench/bench_compkv.c, examples/compkv_decode.c.
  *
  * defines: kvrt_compkv_opts_init, kvrt_cpu_compkv_create (behind runtime/core/compkv.c),
- *          kvrt_compkv_free, kvrt_compkv_append,
- *          kvrt_compkv_length, kvrt_compkv_n_blocks, kvrt_compkv_groups,
- *          kvrt_compkv_summaries, kvrt_compkv_summaries_ref, kvrt_compkv_scores(_ref),
- *          kvrt_compkv_select, kvrt_compkv_attend_blocks(_ref), kvrt_compkv_step
+ *          kvrt_cpu_compkv_free, _append, _summaries, _select, _scores, _attend_blocks,
+ *          _step (behind the front doors of runtime/core/compkv.c), kvrt_compkv_create_check,
+ *          kvrt_compkv_groups_fill (shared with the CUDA backend), kvrt_compkv_summaries_ref,
+ *          kvrt_compkv_scores_ref, kvrt_compkv_attend_blocks_ref
  *
  * State (one layer): the full K, V f32 as appended (callers pass [n, Hkv, d]; stored head-major,
  * [Hkv][capacity][d], so that the tokens of one block of one head are one contiguous run of
@@ -80,11 +80,8 @@
 #define CK_FLUSH 64 /* rows accumulated in f32 before they are added into the double sums */
 
 struct kvrt_compkv {
-    kvrt_ctx *ctx;        /* the context that created it (first: kvrt_compkv_base, policies.h) */
-    kvrt_compkv_opts o;   /* as given (o.scale resolved) */
+    kvrt_compkv_base b;   /* ctx, options (o.scale, o.r resolved), hkv, d, r, cap, cap_blocks, len */
     float scale;
-    uint32_t hkv, d, r;
-    int64_t cap, cap_blocks, len;
     float *k, *v;         /* [hkv][cap][d]: head-major, so a block of one head is contiguous */
     float *kmean, *vmean; /* [hkv][cap_blocks][d] */
     float *gvar;          /* [hkv][cap_blocks][r] */
@@ -187,9 +184,9 @@ static int opts_check(const char *fn, const kvrt_compkv_opts *o, uint32_t hkv, u
     return rc;
 }
 
-/* Full perm [hkv][d] and offsets [hkv][r + 1]: copies, or index order. */
-static void groups_fill(uint32_t hkv, uint32_t d, uint32_t r, const uint16_t *perm,
-                        const uint16_t *offsets, uint16_t *pm, uint16_t *of) {
+/* kvrt_compkv_groups_fill: core/policies.h. */
+void kvrt_compkv_groups_fill(uint32_t hkv, uint32_t d, uint32_t r, const uint16_t *perm,
+                             const uint16_t *offsets, uint16_t *pm, uint16_t *of) {
     if (perm != NULL) {
         memcpy(pm, perm, sizeof(uint16_t) * (size_t)hkv * d);
         memcpy(of, offsets, sizeof(uint16_t) * (size_t)hkv * (r + 1));
@@ -202,10 +199,25 @@ static void groups_fill(uint32_t hkv, uint32_t d, uint32_t r, const uint16_t *pe
     }
 }
 
+/* kvrt_compkv_create_check: core/policies.h. */
+int kvrt_compkv_create_check(const char *fn, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                             uint32_t head_dim, int64_t capacity, const uint16_t *perm,
+                             const uint16_t *offsets, uint32_t *r) {
+    int rc = opts_check(fn, o, n_kv_heads, head_dim, perm, offsets, r);
+    if (rc != KVRT_OK) return rc;
+    if (capacity < 1 || capacity > INT32_MAX)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: capacity = %lld tokens, expected 1..%d", fn,
+                       (long long)capacity, INT32_MAX);
+    if ((double)capacity * (double)n_kv_heads * (double)head_dim * 4.0 > (double)(SIZE_MAX / 4))
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: capacity %lld x %u KV heads x %u is too large", fn,
+                       (long long)capacity, n_kv_heads, head_dim);
+    return KVRT_OK;
+}
+
 // ----------------------------------------------------------------------------
 // create / free / append
 
-void kvrt_compkv_free(kvrt_compkv *s) {
+void kvrt_cpu_compkv_free(kvrt_compkv *s) {
     if (s == NULL) return;
     free(s->k);
     free(s->v);
@@ -237,29 +249,23 @@ int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_
         o = &def;
     }
     uint32_t r = 0;
-    int rc = opts_check(fn, o, n_kv_heads, head_dim, perm, offsets, &r);
+    int rc = kvrt_compkv_create_check(fn, o, n_kv_heads, head_dim, capacity, perm, offsets, &r);
     if (rc != KVRT_OK) return rc;
-    if (capacity < 1 || capacity > INT32_MAX)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: capacity = %lld tokens, expected 1..%d", fn,
-                       (long long)capacity, INT32_MAX);
     const size_t hkv = n_kv_heads, d = head_dim;
-    if ((double)capacity * (double)hkv * (double)d * 4.0 > (double)(SIZE_MAX / 4))
-        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: capacity %lld x %u KV heads x %u is too large", fn,
-                       (long long)capacity, n_kv_heads, head_dim);
     kvrt_compkv *s = calloc(1, sizeof *s);
     if (s == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    s->ctx = ctx;
-    s->o = *o;
+    s->b.ctx = ctx;
+    s->b.o = *o;
     s->scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)head_dim));
-    s->o.scale = s->scale;
-    s->o.r = r;
-    s->hkv = n_kv_heads;
-    s->d = head_dim;
-    s->r = r;
-    s->cap = capacity;
-    s->cap_blocks = (capacity + o->block - 1) / o->block;
-    s->len = 0;
-    const size_t cb = (size_t)s->cap_blocks;
+    s->b.o.scale = s->scale;
+    s->b.o.r = r;
+    s->b.hkv = n_kv_heads;
+    s->b.d = head_dim;
+    s->b.r = r;
+    s->b.cap = capacity;
+    s->b.cap_blocks = (capacity + o->block - 1) / o->block;
+    s->b.len = 0;
+    const size_t cb = (size_t)s->b.cap_blocks;
     s->k = malloc(sizeof(float) * (size_t)capacity * hkv * d);
     s->v = malloc(sizeof(float) * (size_t)capacity * hkv * d);
     s->kmean = calloc(hkv * cb * d, sizeof(float));
@@ -278,12 +284,12 @@ int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_
     if (!s->k || !s->v || !s->kmean || !s->vmean || !s->gvar || !s->count || !s->lcount ||
         !s->perm || !s->off || !s->grp || !s->ginv || !s->wk_mean || !s->wk_m2 || !s->wv_mean ||
         !s->wg) {
-        kvrt_compkv_free(s);
+        kvrt_cpu_compkv_free(s);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (capacity %lld tokens: %.1f MiB of "
                        "K, V)", fn, (long long)capacity,
                        2.0 * 4.0 * (double)capacity * (double)(hkv * d) / 1048576.0);
     }
-    groups_fill(n_kv_heads, head_dim, r, perm, offsets, s->perm, s->off);
+    kvrt_compkv_groups_fill(n_kv_heads, head_dim, r, perm, offsets, s->perm, s->off);
     for (size_t h = 0; h < hkv; h++) {
         const uint16_t *pm = s->perm + h * d, *of = s->off + h * (r + 1);
         for (uint32_t t = 0; t < r; t++) {
@@ -295,22 +301,17 @@ int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_
     return KVRT_OK;
 }
 
-int64_t kvrt_compkv_length(const kvrt_compkv *s) { return s ? s->len : 0; }
-int64_t kvrt_compkv_n_blocks(const kvrt_compkv *s) {
-    return s ? (s->len + s->o.block - 1) / s->o.block : 0;
-}
-uint32_t kvrt_compkv_groups(const kvrt_compkv *s) { return s ? s->r : 0; }
 
 /* Writes the f32 summary row of block b of KV head h from its Welford state (count c). */
 static void summary_write(kvrt_compkv *s, uint32_t h, int64_t b, int64_t c) {
-    const size_t d = s->d, r = s->r;
+    const size_t d = s->b.d, r = s->b.r;
     const double *mk = s->wk_mean + h * d, *m2 = s->wk_m2 + h * d, *mv = s->wv_mean + h * d;
     double *wg = s->wg + h * r;
     const uint16_t *grp = s->grp + h * d;
     const float *ginv = s->ginv + h * r;
-    float *km = s->kmean + ((size_t)h * s->cap_blocks + b) * d;
-    float *vm = s->vmean + ((size_t)h * s->cap_blocks + b) * d;
-    float *gv = s->gvar + ((size_t)h * s->cap_blocks + b) * r;
+    float *km = s->kmean + ((size_t)h * s->b.cap_blocks + b) * d;
+    float *vm = s->vmean + ((size_t)h * s->b.cap_blocks + b) * d;
+    float *gv = s->gvar + ((size_t)h * s->b.cap_blocks + b) * r;
     for (size_t t = 0; t < r; t++) wg[t] = 0.0;
     for (size_t x = 0; x < d; x++) {
         km[x] = (float)mk[x];
@@ -325,17 +326,17 @@ static void summary_write(kvrt_compkv *s, uint32_t h, int64_t b, int64_t c) {
  * rewriting the summary row of a block when it fills and at the end of the call. */
 CK_CLONES static void append_heads(kvrt_compkv *s, uint32_t h0, uint32_t h1, const float *k,
                          const float *v, int64_t n) {
-    const size_t d = s->d, stride = (size_t)s->hkv * d;
-    const int64_t B = s->o.block;
+    const size_t d = s->b.d, stride = (size_t)s->b.hkv * d;
+    const int64_t B = s->b.o.block;
     for (int64_t t = 0; t < n; t++) {
-        const int64_t pos = s->len + t, b = pos / B, j = pos % B;
+        const int64_t pos = s->b.len + t, b = pos / B, j = pos % B;
         const int last = j == B - 1 || t == n - 1;
         const double inv = 1.0 / (double)(j + 1);
         for (uint32_t h = h0; h < h1; h++) {
             const float *kr = k + (size_t)t * stride + (size_t)h * d;
             const float *vr = v + (size_t)t * stride + (size_t)h * d;
-            memcpy(s->k + ((size_t)h * s->cap + (size_t)pos) * d, kr, sizeof(float) * d);
-            memcpy(s->v + ((size_t)h * s->cap + (size_t)pos) * d, vr, sizeof(float) * d);
+            memcpy(s->k + ((size_t)h * s->b.cap + (size_t)pos) * d, kr, sizeof(float) * d);
+            memcpy(s->v + ((size_t)h * s->b.cap + (size_t)pos) * d, vr, sizeof(float) * d);
             double *mk = s->wk_mean + h * d, *m2 = s->wk_m2 + h * d, *mv = s->wv_mean + h * d;
             if (j == 0) {
                 memset(mk, 0, sizeof(double) * d);
@@ -354,49 +355,38 @@ CK_CLONES static void append_heads(kvrt_compkv *s, uint32_t h0, uint32_t h1, con
     }
 }
 
-int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n) {
-    static const char fn[] = "kvrt_compkv_append";
-    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: state is NULL", fn);
-    if (n < 0) return KVRT_FAIL(KVRT_ERR_ARG, "%s: n = %lld, expected >= 0", fn, (long long)n);
-    if (n == 0) return KVRT_OK;
-    if (k == NULL || v == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, k ? "v" : "k");
-    if (n > s->cap - s->len)
-        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: appending %lld tokens to %lld would exceed the "
-                       "capacity of %lld tokens", fn, (long long)n, (long long)s->len,
-                       (long long)s->cap);
-    const size_t row = (size_t)s->hkv * s->d;
+/* Arguments checked by kvrt_compkv_append (core/compkv.c): n >= 1 tokens that fit. */
+int kvrt_cpu_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n) {
+    const size_t row = (size_t)s->b.hkv * s->b.d;
     /* KV heads split statically over the threads; each head's updates run in one thread in
      * token order, so the result does not depend on the split */
 #pragma omp parallel if ((double)n * (double)row >= 65536.0)
     {
-        uint32_t h0 = 0, h1 = s->hkv;
+        uint32_t h0 = 0, h1 = s->b.hkv;
 #ifdef _OPENMP
         const uint32_t nt = (uint32_t)omp_get_num_threads(), id = (uint32_t)omp_get_thread_num();
-        h0 = (uint32_t)((uint64_t)s->hkv * id / nt);
-        h1 = (uint32_t)((uint64_t)s->hkv * (id + 1) / nt);
+        h0 = (uint32_t)((uint64_t)s->b.hkv * id / nt);
+        h1 = (uint32_t)((uint64_t)s->b.hkv * (id + 1) / nt);
 #endif
         append_heads(s, h0, h1, k, v, n);
     }
-    const int64_t B = s->o.block, end = s->len + n;
-    for (int64_t b = s->len / B; b * B < end; b++) {
+    const int64_t B = s->b.o.block, end = s->b.len + n;
+    for (int64_t b = s->b.len / B; b * B < end; b++) {
         const int64_t c = end - b * B < B ? end - b * B : B;
         s->count[b] = (int32_t)c;
         s->lcount[b] = (float)log((double)c);
     }
-    s->len = end;
+    s->b.len = end;
     return KVRT_OK;
 }
 
-int kvrt_compkv_summaries(const kvrt_compkv *s, uint32_t h, const float **kmean,
-                          const float **vmean, const float **gvar, const int32_t **count) {
-    if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_summaries: state is NULL");
-    if (h >= s->hkv)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_summaries: KV head %u, expected 0..%u", h,
-                       s->hkv - 1);
-    const size_t off = (size_t)h * s->cap_blocks;
-    if (kmean) *kmean = s->kmean + off * s->d;
-    if (vmean) *vmean = s->vmean + off * s->d;
-    if (gvar) *gvar = s->gvar + off * s->r;
+/* Arguments checked by kvrt_compkv_summaries (core/compkv.c). */
+int kvrt_cpu_compkv_summaries(const kvrt_compkv *s, uint32_t h, const float **kmean,
+                              const float **vmean, const float **gvar, const int32_t **count) {
+    const size_t off = (size_t)h * s->b.cap_blocks;
+    if (kmean) *kmean = s->kmean + off * s->b.d;
+    if (vmean) *vmean = s->vmean + off * s->b.d;
+    if (gvar) *gvar = s->gvar + off * s->b.r;
     if (count) *count = s->count;
     return KVRT_OK;
 }
@@ -432,7 +422,7 @@ int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const f
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
     double *var = mean + d;
-    groups_fill(n_kv_heads, head_dim, r, perm, offsets, pm, of);
+    kvrt_compkv_groups_fill(n_kv_heads, head_dim, r, perm, offsets, pm, of);
     const int64_t B = o->block, nb = (T + B - 1) / B;
     for (int64_t b = 0; b < nb; b++) {
         const int64_t t0 = b * B, t1 = t0 + B < T ? t0 + B : T;
@@ -486,14 +476,14 @@ static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint
     if (s == NULL || q == NULL || out == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
                        s == NULL ? "state" : q == NULL ? "q" : out_name);
-    if (n_heads == 0 || n_heads % s->hkv != 0)
+    if (n_heads == 0 || n_heads % s->b.hkv != 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a positive multiple of n_kv_heads "
-                       "%u", fn, n_heads, s->hkv);
-    if (s->len == 0)
+                       "%u", fn, n_heads, s->b.hkv);
+    if (s->b.len == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);
-    if (has_nan(q, (int64_t)n_heads * s->d))
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN", fn, n_heads, s->d);
+    if (has_nan(q, (int64_t)n_heads * s->b.d))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN", fn, n_heads, s->b.d);
     return KVRT_OK;
 }
 
@@ -505,7 +495,7 @@ static int blocks_check(const char *fn, const kvrt_compkv *s, const int32_t *blo
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sel = %lld, expected 0..n_blocks = %lld", fn,
                        (long long)n_sel, (long long)nb);
     if (n_sel > 0 && blocks == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL blocks", fn);
-    for (uint32_t h = 0; h < s->hkv; h++)
+    for (uint32_t h = 0; h < s->b.hkv; h++)
         for (int64_t i = 0; i < n_sel; i++) {
             const int32_t b = blocks[(size_t)h * n_sel + i];
             if (b < 0 || b >= nb || (i > 0 && b <= blocks[(size_t)h * n_sel + i - 1]))
@@ -525,13 +515,13 @@ int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_head
     int rc = step_check(fn, s, q, n_heads, scores, "scores");
     if (rc != KVRT_OK) return rc;
     const int64_t nb = kvrt_compkv_n_blocks(s);
-    const size_t d = s->d, r = s->r;
-    const uint32_t G = n_heads / s->hkv;
+    const size_t d = s->b.d, r = s->b.r;
+    const uint32_t G = n_heads / s->b.hkv;
     double *a = malloc(sizeof(double) * (size_t)nb * 3 + sizeof(double) * r);
     if (a == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     double *s2 = a + nb, *S = s2 + nb, *qg = S + nb;
     const double sc = s->scale;
-    for (uint32_t h = 0; h < s->hkv; h++) {
+    for (uint32_t h = 0; h < s->b.hkv; h++) {
         const uint16_t *pm = s->perm + (size_t)h * d, *of = s->off + (size_t)h * (r + 1);
         for (int64_t b = 0; b < nb; b++) S[b] = 0.0;
         for (uint32_t g = 0; g < G; g++) {
@@ -543,20 +533,20 @@ int kvrt_compkv_scores_ref(const kvrt_compkv *s, const float *q, uint32_t n_head
             }
             double m = -INFINITY;
             for (int64_t b = 0; b < nb; b++) {
-                const float *km = s->kmean + ((size_t)h * s->cap_blocks + b) * d;
-                const float *gv = s->gvar + ((size_t)h * s->cap_blocks + b) * r;
+                const float *km = s->kmean + ((size_t)h * s->b.cap_blocks + b) * d;
+                const float *gv = s->gvar + ((size_t)h * s->b.cap_blocks + b) * r;
                 double dot = 0.0, v2 = 0.0;
                 for (size_t x = 0; x < d; x++) dot += (double)qr[x] * (double)km[x];
                 for (size_t t = 0; t < r; t++) v2 += qg[t] * (double)gv[t];
                 s2[b] = sc * sc * v2;
-                a[b] = log((double)s->count[b]) + sc * dot + (s->o.first_order ? 0.0 : 0.5 * s2[b]);
+                a[b] = log((double)s->count[b]) + sc * dot + (s->b.o.first_order ? 0.0 : 0.5 * s2[b]);
                 if (a[b] > m) m = a[b];
             }
             double sum = 0.0;
             for (int64_t b = 0; b < nb; b++) sum += exp(a[b] - m);
             for (int64_t b = 0; b < nb; b++) {
                 const double p = exp(a[b] - m) / sum;
-                S[b] += s->o.mass_only ? p : p * s2[b];
+                S[b] += s->b.o.mass_only ? p : p * s2[b];
             }
         }
         for (int64_t b = 0; b < nb; b++) scores[(size_t)h * nb + b] = (float)S[b];
@@ -571,9 +561,9 @@ int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t
     int rc = step_check(fn, s, q, n_heads, out, "out");
     if (rc == KVRT_OK) rc = blocks_check(fn, s, blocks, n_sel);
     if (rc != KVRT_OK) return rc;
-    const int64_t nb = kvrt_compkv_n_blocks(s), B = s->o.block;
-    const size_t d = s->d, hkv = s->hkv;
-    const uint32_t G = n_heads / s->hkv;
+    const int64_t nb = kvrt_compkv_n_blocks(s), B = s->b.o.block;
+    const size_t d = s->b.d, hkv = s->b.hkv;
+    const uint32_t G = n_heads / s->b.hkv;
     unsigned char *sel = calloc((size_t)nb, 1);
     double *acc = malloc(sizeof(double) * d);
     if (sel == NULL || acc == NULL) {
@@ -594,8 +584,8 @@ int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t
                 for (int64_t b = 0; b < nb; b++) {
                     if (sel[b]) {
                         for (int64_t t = b * B; t < b * B + s->count[b]; t++) {
-                            const float *kr = s->k + (h * (size_t)s->cap + (size_t)t) * d;
-                            const float *vr = s->v + (h * (size_t)s->cap + (size_t)t) * d;
+                            const float *kr = s->k + (h * (size_t)s->b.cap + (size_t)t) * d;
+                            const float *vr = s->v + (h * (size_t)s->b.cap + (size_t)t) * d;
                             double dot = 0.0;
                             for (size_t x = 0; x < d; x++) dot += (double)qr[x] * (double)kr[x];
                             const double z = sc * dot;
@@ -607,9 +597,9 @@ int kvrt_compkv_attend_blocks_ref(const kvrt_compkv *s, const float *q, uint32_t
                                 for (size_t x = 0; x < d; x++) acc[x] += w * (double)vr[x];
                             }
                         }
-                    } else if (s->o.compensate) {
-                        const float *km = s->kmean + (h * s->cap_blocks + (size_t)b) * d;
-                        const float *vm = s->vmean + (h * s->cap_blocks + (size_t)b) * d;
+                    } else if (s->b.o.compensate) {
+                        const float *km = s->kmean + (h * s->b.cap_blocks + (size_t)b) * d;
+                        const float *vm = s->vmean + (h * s->b.cap_blocks + (size_t)b) * d;
                         double dot = 0.0;
                         for (size_t x = 0; x < d; x++) dot += (double)qr[x] * (double)km[x];
                         const double a = log((double)s->count[b]) + sc * dot;
@@ -766,11 +756,11 @@ static size_t ws_carve(char *p, uint32_t G, int64_t nb, uint32_t r, int64_t ntok
 /* One allocation of the hkv workspaces, w[h] carved. Returns the base to free, NULL on failure. */
 static char *ws_alloc(const kvrt_compkv *s, uint32_t G, int64_t nb, int64_t ntok, int64_t k,
                       head_ws *w) {
-    const size_t per = ws_carve(NULL, G, nb, s->r, ntok, s->d, k, NULL);
-    char *base = malloc(per * s->hkv + 64);
+    const size_t per = ws_carve(NULL, G, nb, s->b.r, ntok, s->b.d, k, NULL);
+    char *base = malloc(per * s->b.hkv + 64);
     if (base == NULL) return NULL;
     char *p0 = base + ((64 - ((uintptr_t)base & 63)) & 63);
-    for (uint32_t h = 0; h < s->hkv; h++) ws_carve(p0 + per * h, G, nb, s->r, ntok, s->d, k, &w[h]);
+    for (uint32_t h = 0; h < s->b.hkv; h++) ws_carve(p0 + per * h, G, nb, s->b.r, ntok, s->b.d, k, &w[h]);
     return base;
 }
 
@@ -778,8 +768,8 @@ static char *ws_alloc(const kvrt_compkv *s, uint32_t G, int64_t nb, int64_t ntok
  * w->z [G, nb]. */
 static inline void head_zbar(const kvrt_compkv *s, uint32_t h, const float *qh, uint32_t G, int64_t nb,
                       const unsigned char *mask, float *z) {
-    const size_t d = s->d;
-    const float *km = s->kmean + (size_t)h * s->cap_blocks * d;
+    const size_t d = s->b.d;
+    const float *km = s->kmean + (size_t)h * s->b.cap_blocks * d;
     for (int64_t b = 0; b < nb; b++) {
         if (mask != NULL && mask[b]) continue;
         rowdots(qh, G, d, km + (size_t)b * d, s->scale, z + b, (size_t)nb);
@@ -789,7 +779,7 @@ static inline void head_zbar(const kvrt_compkv *s, uint32_t h, const float *qh, 
 /* Scores S [nb] of KV head h; leaves zbar in w->z. */
 CK_CLONES static void head_scores(const kvrt_compkv *s, uint32_t h, const float *qh, uint32_t G,
                         int64_t nb, head_ws *w, float *S) {
-    const size_t d = s->d, r = s->r;
+    const size_t d = s->b.d, r = s->b.r;
     const uint16_t *grp = s->grp + (size_t)h * d;
     const float sc2 = s->scale * s->scale;
     for (uint32_t g = 0; g < G; g++) {
@@ -800,7 +790,7 @@ CK_CLONES static void head_scores(const kvrt_compkv *s, uint32_t h, const float 
         for (size_t t = 0; t < r; t++) w->qg[g * r + t] = (float)(sc2 * qsum[t]);
     }
     head_zbar(s, h, qh, G, nb, NULL, w->z);
-    const float *gv = s->gvar + (size_t)h * s->cap_blocks * r;
+    const float *gv = s->gvar + (size_t)h * s->b.cap_blocks * r;
     for (uint32_t g = 0; g < G; g++) {
         const float *qg = w->qg + (size_t)g * r;
         float *s2 = w->w + (size_t)g * nb;
@@ -819,8 +809,8 @@ CK_CLONES static void head_scores(const kvrt_compkv *s, uint32_t h, const float 
         }
     }
     for (int64_t b = 0; b < nb; b++) S[b] = 0.0f;
-    const float half = s->o.first_order ? 0.0f : 0.5f;
-    const int mass_only = s->o.mass_only;
+    const float half = s->b.o.first_order ? 0.0f : 0.5f;
+    const int mass_only = s->b.o.mass_only;
     for (uint32_t g = 0; g < G; g++) {
         const float *z = w->z + (size_t)g * nb, *s2 = w->w + (size_t)g * nb;
         float *e = w->e;
@@ -852,10 +842,10 @@ CK_CLONES static void head_scores(const kvrt_compkv *s, uint32_t h, const float 
 CK_CLONES static void head_attend(const kvrt_compkv *s, uint32_t h, const float *qh, uint32_t G,
                         int64_t nb, const int32_t *blk, int64_t n_sel, int zbar_ready,
                         head_ws *w, float *out) {
-    const size_t d = s->d;
-    const int64_t B = s->o.block;
-    const int comp = s->o.compensate;
-    const float *kh = s->k + (size_t)h * s->cap * d, *vh = s->v + (size_t)h * s->cap * d;
+    const size_t d = s->b.d;
+    const int64_t B = s->b.o.block;
+    const int comp = s->b.o.compensate;
+    const float *kh = s->k + (size_t)h * s->b.cap * d, *vh = s->v + (size_t)h * s->b.cap * d;
     memset(w->mask, 0, (size_t)nb);
     int64_t ntok = 0;
     for (int64_t i = 0; i < n_sel; i++) {
@@ -920,7 +910,7 @@ CK_CLONES static void head_attend(const kvrt_compkv *s, uint32_t h, const float 
         }
     }
     if (comp) {
-        const float *vm = s->vmean + (size_t)h * s->cap_blocks * d;
+        const float *vm = s->vmean + (size_t)h * s->b.cap_blocks * d;
         for (int64_t b = 0; b < nb; b++) {
             if (w->mask[b]) continue;
             rowaxpy(w->acc, G, d, vm + (size_t)b * d, w->w + b, (size_t)nb);
@@ -958,17 +948,17 @@ int kvrt_cpu_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_head
     int rc = step_check(fn, s, q, n_heads, scores, "scores");
     if (rc != KVRT_OK) return rc;
     const int64_t nb = kvrt_compkv_n_blocks(s);
-    const uint32_t G = n_heads / s->hkv;
-    head_ws *w = malloc(sizeof(head_ws) * s->hkv);
+    const uint32_t G = n_heads / s->b.hkv;
+    head_ws *w = malloc(sizeof(head_ws) * s->b.hkv);
     char *base = w ? ws_alloc(s, G, nb, 0, 0, w) : NULL;
     if (base == NULL) {
         free(w);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
-    const int nh = (int)s->hkv;
+    const int nh = (int)s->b.hkv;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int h = 0; h < nh; h++)
-        head_scores(s, (uint32_t)h, q + (size_t)h * G * s->d, G, nb, &w[h],
+        head_scores(s, (uint32_t)h, q + (size_t)h * G * s->b.d, G, nb, &w[h],
                     scores + (size_t)h * nb);
     free(base);
     free(w);
@@ -978,8 +968,8 @@ int kvrt_cpu_compkv_scores(const kvrt_compkv *s, const float *q, uint32_t n_head
 /* Selection of one head: k (<= nb) blocks, forced set first (see the file comment). */
 static int select_head(const kvrt_compkv *s, const float *S, int64_t nb, int64_t k,
                        int32_t *out) {
-    const int64_t sink = (int64_t)s->o.n_sink_blocks < nb ? (int64_t)s->o.n_sink_blocks : nb;
-    const int64_t rec = (int64_t)s->o.n_recent_blocks < nb ? (int64_t)s->o.n_recent_blocks : nb;
+    const int64_t sink = (int64_t)s->b.o.n_sink_blocks < nb ? (int64_t)s->b.o.n_sink_blocks : nb;
+    const int64_t rec = (int64_t)s->b.o.n_recent_blocks < nb ? (int64_t)s->b.o.n_recent_blocks : nb;
     const int64_t rstart = rec < nb - sink ? nb - rec : sink;
     const int64_t forced = sink + (nb - rstart);
     if (k >= forced) return kvrt_select_pinned(S, nb, k, sink, rec, out);
@@ -987,21 +977,12 @@ static int select_head(const kvrt_compkv *s, const float *S, int64_t nb, int64_t
     return kvrt_select_pinned(NULL, nb, k, s1, k - s1, out);
 }
 
-int kvrt_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_blocks,
-                       int32_t *blocks_out) {
-    static const char fn[] = "kvrt_compkv_select";
-    if (s == NULL || scores == NULL || blocks_out == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
-                       s == NULL ? "state" : scores == NULL ? "scores" : "blocks_out");
-    if (k_blocks < 1)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: k_blocks = %lld, expected >= 1", fn,
-                       (long long)k_blocks);
+/* Arguments checked by kvrt_compkv_select (core/compkv.c). */
+int kvrt_cpu_compkv_select(const kvrt_compkv *s, const float *scores, int64_t k_blocks,
+                           int32_t *blocks_out) {
     const int64_t nb = kvrt_compkv_n_blocks(s);
-    if (nb == 0)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
-                       "first)", fn);
     const int64_t k = k_blocks < nb ? k_blocks : nb;
-    for (uint32_t h = 0; h < s->hkv; h++) {
+    for (uint32_t h = 0; h < s->b.hkv; h++) {
         int rc = select_head(s, scores + (size_t)h * nb, nb, k, blocks_out + (size_t)h * k);
         if (rc != KVRT_OK) return rc;
     }
@@ -1015,25 +996,25 @@ int kvrt_cpu_compkv_attend_blocks(const kvrt_compkv *s, const float *q, uint32_t
     if (rc == KVRT_OK) rc = blocks_check(fn, s, blocks, n_sel);
     if (rc != KVRT_OK) return rc;
     const int64_t nb = kvrt_compkv_n_blocks(s);
-    const uint32_t G = n_heads / s->hkv;
+    const uint32_t G = n_heads / s->b.hkv;
     /* tokens of the largest selection of a head */
     int64_t ntok = 0;
-    for (uint32_t h = 0; h < s->hkv; h++) {
+    for (uint32_t h = 0; h < s->b.hkv; h++) {
         int64_t c = 0;
         for (int64_t i = 0; i < n_sel; i++) c += s->count[blocks[(size_t)h * n_sel + i]];
         ntok = c > ntok ? c : ntok;
     }
-    head_ws *w = malloc(sizeof(head_ws) * s->hkv);
+    head_ws *w = malloc(sizeof(head_ws) * s->b.hkv);
     char *base = w ? ws_alloc(s, G, nb, ntok, 0, w) : NULL;
     if (base == NULL) {
         free(w);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
-    const int nh = (int)s->hkv;
+    const int nh = (int)s->b.hkv;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int h = 0; h < nh; h++)
-        head_attend(s, (uint32_t)h, q + (size_t)h * G * s->d, G, nb,
-                    blocks + (size_t)h * n_sel, n_sel, 0, &w[h], out + (size_t)h * G * s->d);
+        head_attend(s, (uint32_t)h, q + (size_t)h * G * s->b.d, G, nb,
+                    blocks + (size_t)h * n_sel, n_sel, 0, &w[h], out + (size_t)h * G * s->b.d);
     free(base);
     free(w);
     return KVRT_OK;
@@ -1049,11 +1030,11 @@ int kvrt_cpu_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads,
                        (long long)k_blocks);
     const int64_t nb = kvrt_compkv_n_blocks(s);
     const int64_t k = k_blocks < nb ? k_blocks : nb;
-    const uint32_t G = n_heads / s->hkv;
-    const int64_t ntok = k * (int64_t)s->o.block;
-    head_ws *w = malloc(sizeof(head_ws) * s->hkv);
-    float *S = malloc(sizeof(float) * (size_t)nb * s->hkv);
-    int *rcs = malloc(sizeof(int) * s->hkv);
+    const uint32_t G = n_heads / s->b.hkv;
+    const int64_t ntok = k * (int64_t)s->b.o.block;
+    head_ws *w = malloc(sizeof(head_ws) * s->b.hkv);
+    float *S = malloc(sizeof(float) * (size_t)nb * s->b.hkv);
+    int *rcs = malloc(sizeof(int) * s->b.hkv);
     char *base = w && S && rcs ? ws_alloc(s, G, nb, ntok, k, w) : NULL;
     if (base == NULL) {
         free(w);
@@ -1061,17 +1042,17 @@ int kvrt_cpu_compkv_step(const kvrt_compkv *s, const float *q, uint32_t n_heads,
         free(rcs);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     }
-    const int nh = (int)s->hkv;
+    const int nh = (int)s->b.hkv;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int h = 0; h < nh; h++) {
-        const float *qh = q + (size_t)h * G * s->d;
+        const float *qh = q + (size_t)h * G * s->b.d;
         float *Sh = S + (size_t)h * nb;
         int32_t *blk = blocks_out ? blocks_out + (size_t)h * k : w[h].blk;
         head_scores(s, (uint32_t)h, qh, G, nb, &w[h], Sh);
         rcs[h] = select_head(s, Sh, nb, k, blk);
         if (rcs[h] == KVRT_OK)
             head_attend(s, (uint32_t)h, qh, G, nb, blk, k, 1, &w[h],
-                        out + (size_t)h * G * s->d);
+                        out + (size_t)h * G * s->b.d);
     }
     rc = KVRT_OK;
     for (int h = 0; h < nh && rc == KVRT_OK; h++)

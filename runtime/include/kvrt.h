@@ -197,8 +197,9 @@ typedef enum {
     KVRT_OP_KV2_SCORE = 14,           /* KV² stage-2 scores of one chunk and layer */
     KVRT_OP_MR_REDUCE = 15,           /* merge-reduce REDUCE of two summaries of one KV head */
     KVRT_OP_MR_COMPRESS = 16,         /* merge-reduce summary of one layer's context */
+    KVRT_OP_COMPKV_SELECT = 17,       /* CompKV forced set + top blocks from the scores */
 } kvrt_op;
-#define KVRT_OP_COUNT 17
+#define KVRT_OP_COUNT 18
 /* "softmax_rows", "attend", ... (the enum's names in lower case, without KVRT_OP_); "unknown"
  * for other values. */
 const char *kvrt_op_name(int op);
