@@ -20,7 +20,7 @@ from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _ctx,
                     _dtype_code, _Handle, _out, OVERRIDE_OPTIONS)
-from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
+from .errors import ERR_ARG, ERR_SHAPE, ERR_UNSUPPORTED, KvrtError, check
 
 #: The model presets of ``kvcc models`` (calib/presets.c): name -> dims. A test checks this
 #: table against ``kvcc models``.
@@ -692,6 +692,12 @@ class CompKVState(_Handle):
         """kvrt_compkv_create: a state for up to ``capacity`` tokens; perm [Hkv, d] and offsets
         [Hkv, r + 1] (uint16, both or neither) the grouping; options: :func:`compkv_options`."""
         c = _ctx(ctx)
+        if getattr(c, "backend", "cpu") != "cpu":
+            # a CUDA state takes and gives device memory (k, v, q, scores, blocks, out); this
+            # wrapper passes host arrays, so it refuses rather than hand the GPU host pointers
+            raise KvrtError(ERR_UNSUPPORTED, "kvrt.CompKVState.create: the Python wrapper runs "
+                            "CompKV on a CPU context only (on CUDA every array of the state is "
+                            "device memory: use the C API, docs/cuda.md)")
         o = _compkv_opts(**options)
         pp = op = None
         keep = []

@@ -208,6 +208,11 @@ int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_h
     if (out) *out = NULL;
     int rc = kvrt_policy_ctx_check(ctx, "kvrt_compkv_create", KVRT_OP_COMPKV_CREATE);
     if (rc) return rc;
+    kvrt_compkv_opts def;
+    if (o == NULL) { /* the backends get the options always */
+        kvrt_compkv_opts_init(&def);
+        o = &def;
+    }
     rc = ctx->ops->compkv_create(ctx, o, n_kv_heads, head_dim, capacity, perm, offsets, out);
     return kvrt_policy_ctx_done(ctx, rc);
 }

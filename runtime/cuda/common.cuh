@@ -8,7 +8,8 @@
  *          KVRT_LG_COLSUM / KVRT_LG_COLMAX, kvrt_cuda_weights (logits.cu), kvrt_topk_key,
  *          kvrt_cuda_topk_keys, kvrt_cuda_topk (select.cu), kvrt_cuda_snapkv_scores,
  *          kvrt_cuda_h2o_scores, kvrt_cuda_snapkv_pool (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
- *          (kv2.cu), kvrt_cuda_compilerkv_select (compilerkv.cu), kvrt_cuda_softmax_rows
+ *          (kv2.cu), kvrt_cuda_compilerkv_select (compilerkv.cu), kvrt_cuda_compkv_*
+ *          (compkv.cu), kvrt_cuda_softmax_rows
  *          (softmax.cu), kvrt_cuda_attend (attend.cu)
  *
  * Errors never abort (ggml's CUDA_CHECK, minus the abort): CUDA_CHECK(err, stmt) evaluates stmt
@@ -122,6 +123,30 @@ KVRT_INTERNAL int kvrt_cuda_compilerkv_select(kvrt_ctx *ctx, const kvrt_compiler
                                               const float *v, uint32_t n_kv_heads,
                                               uint32_t head_dim, int64_t budget, unsigned flags,
                                               kvrt_selection **out, kvrt_compilerkv_stats *st);
+/* compkv.cu: a CompKV state in device memory; every pointer device memory (docs/cuda.md).
+ * scores, attend_blocks and step synchronize once (the checks of q and blocks). */
+KVRT_INTERNAL int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
+                                          uint32_t n_kv_heads, uint32_t head_dim,
+                                          int64_t capacity, const uint16_t *perm,
+                                          const uint16_t *offsets, kvrt_compkv **out);
+KVRT_INTERNAL void kvrt_cuda_compkv_free(kvrt_compkv *s);
+KVRT_INTERNAL int kvrt_cuda_compkv_append(kvrt_ctx *ctx, kvrt_compkv *s, const float *k,
+                                          const float *v, int64_t n);
+KVRT_INTERNAL int kvrt_cuda_compkv_summaries(kvrt_ctx *ctx, const kvrt_compkv *s, uint32_t h,
+                                             const float **kmean, const float **vmean,
+                                             const float **gvar, const int32_t **count);
+KVRT_INTERNAL int kvrt_cuda_compkv_scores(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
+                                          uint32_t n_heads, float *scores);
+KVRT_INTERNAL int kvrt_cuda_compkv_select(kvrt_ctx *ctx, const kvrt_compkv *s,
+                                          const float *scores, int64_t k_blocks,
+                                          int32_t *blocks_out);
+KVRT_INTERNAL int kvrt_cuda_compkv_attend_blocks(kvrt_ctx *ctx, const kvrt_compkv *s,
+                                                 const float *q, uint32_t n_heads,
+                                                 const int32_t *blocks, int64_t n_sel,
+                                                 float *out);
+KVRT_INTERNAL int kvrt_cuda_compkv_step(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
+                                        uint32_t n_heads, int64_t k_blocks, float *out,
+                                        int32_t *blocks_out);
 /* kv2.cu; synchronizes once (the finite check of q, k, k_new) */
 KVRT_INTERNAL int kvrt_cuda_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q,
                                       uint32_t n_heads, const float *k, int64_t C,

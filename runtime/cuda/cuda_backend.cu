@@ -2,14 +2,15 @@
  * cuda_backend.cu: the CUDA backend of libkvrt (built when USE_CUDA=1): its table, the
  * housekeeping entries (device, stream, memory, copies) and the error helpers behind
  * CUDA_CHECK / CUBLAS_CHECK (cuda/common.cuh). The ops live in one .cu file each
- * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu, compilerkv.cu; logits.cu is the
+ * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu, compilerkv.cu, compkv.cu; logits.cu is the
  * attention-weights engine behind the score ops); ops the table leaves NULL are
  * KVRT_ERR_UNSUPPORTED.
  * Built as its own shared object, libkvrt_cuda.so.X.Y, with the other .cu files: the only file
  * of the project that links libcudart and libcublas. libkvrt dlopens it on first use
  * (core/cuda_load.c) and calls its one exported symbol, kvrt_cuda_plugin_init, which takes
  * libkvrt's services (kvrt_cuda_host: kvrt_err_set, the host cache calls, CompilerKV's host
- * lookups and kvrt_selection_create) and returns the table; nothing else of this library is
+ * lookups and kvrt_selection_create, CompKV's create checks and grouping fill) and returns the
+ * table; nothing else of this library is
  * visible outside it.
  * Callers: kvrt_ctx_create / kvrt_cuda_device_count / kvrt_cuda_probe (core/ctx.c) through
  * the plugin.
@@ -291,6 +292,14 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.kv2_proxy = kvrt_cuda_kv2_proxy;
     t.kv2_score = kvrt_cuda_kv2_score;
     t.compilerkv_select = kvrt_cuda_compilerkv_select;
+    t.compkv_create = kvrt_cuda_compkv_create;
+    t.compkv_free = kvrt_cuda_compkv_free;
+    t.compkv_append = kvrt_cuda_compkv_append;
+    t.compkv_summaries = kvrt_cuda_compkv_summaries;
+    t.compkv_scores = kvrt_cuda_compkv_scores;
+    t.compkv_select = kvrt_cuda_compkv_select;
+    t.compkv_attend_blocks = kvrt_cuda_compkv_attend_blocks;
+    t.compkv_step = kvrt_cuda_compkv_step;
     t.cache_gather = cuda_cache_gather;
     return t;
 }
@@ -302,7 +311,7 @@ kvrt_cuda_plugin_init(const kvrt_cuda_host *host) {
     if (host == NULL || host->api_version != KVRT_CUDA_PLUGIN_API_VERSION || !host->err_set ||
         !host->cache_gather || !host->cache_to_device || !host->cache_free ||
         !host->selection_create || !host->compilerkv_budget_index || !host->compilerkv_bins ||
-        !host->compilerkv_kept_window)
+        !host->compilerkv_kept_window || !host->compkv_create_check || !host->compkv_groups_fill)
         return NULL;
     kvrt_cuda_host_services = host;
     static const kvrt_backend_ops table = make_cuda_ops();

@@ -948,6 +948,9 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
  *   out_g = (sum_{t in selected blocks} e^{z_t} v_t + sum_{b unselected} |b| e^{zbar_b} vbar_b) /
  *           (sum_{t in sel} e^{z_t} + sum_{b unsel} |b| e^{zbar_b})   (compensate = 1; running
  *   max, never overflows). compensate = 0: attention over the selected tokens only.
+ * The state lives where its context computes: on a CPU context in host memory, on a CUDA
+ * context in device memory, and then every array of its calls (append's k, v; q, scores, blocks,
+ * out) is device memory and kvrt_compkv_summaries returns device pointers (docs/cuda.md).
  * Messages of failures in kvrt_last_error(). Per-step calls (scores, select, attend, step):
  * KVRT_ERR_ARG on NULL pointers, NaN in q, or a state that holds no token yet; KVRT_ERR_SHAPE
  * when n_heads is not a positive multiple of n_kv_heads. The fast paths run OpenMP over KV

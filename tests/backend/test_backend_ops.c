@@ -1060,11 +1060,15 @@ typedef struct {
 
 static const ck_shape ck_shapes[] = {{517, 8, 2, 64, 16, 4, 1, 0, 8},
                                      {40, 4, 4, 32, 8, 1, 1, 0, 100},
-                                     {300, 6, 2, 64, 16, 16, 0, 1, 5}};
+                                     {300, 6, 2, 64, 16, 16, 0, 1, 5},
+                                     {1, 4, 2, 16, 16, 4, 1, 0, 3},   /* one token */
+                                     {40, 4, 1, 8, 16, 2, 1, 0, 2}};  /* k below the forced 3 */
 #define N_CK (sizeof ck_shapes / sizeof ck_shapes[0])
 
 /* The same decode state twice: `got` made by ctx's compkv_create op, `ref` by kvrt_compkv_create
- * on the CPU context (for the _ref calls), both appended the same T tokens. */
+ * on the CPU context (for the _ref calls), both holding the same T tokens: ref appended at once,
+ * got from the context's memory in three calls (T - 2 tokens, then one, then one), so the
+ * backend's summaries of a partial block are checked after later appends too. */
 typedef struct {
     kvrt_compkv *got, *ref;
     float *k, *v;              /* [T, Hkv, d] */
@@ -1112,7 +1116,17 @@ static int ck_pair_make(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pai
         exit(2);
     }
     rc = ctx->ops->compkv_create(ctx, &p->o, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->got);
-    if (rc == KVRT_OK) rc = kvrt_compkv_append(p->got, p->k, p->v, S->T);
+    const size_t row = (size_t)S->Hkv * S->d, bytes = sizeof(float) * (size_t)S->T * row;
+    float *dk = to_ctx(ctx, p->k, bytes), *dv = to_ctx(ctx, p->v, bytes);
+    int64_t done = 0;
+    const int64_t parts[3] = {S->T > 2 ? S->T - 2 : S->T, 1, 1};
+    for (int i = 0; i < 3 && rc == KVRT_OK && done < S->T; i++) {
+        rc = kvrt_compkv_append(p->got, dk + (size_t)done * row, dv + (size_t)done * row,
+                                parts[i]);
+        done += parts[i];
+    }
+    kvrt_ctx_dealloc(ctx, dk);
+    kvrt_ctx_dealloc(ctx, dv);
     return rc;
 }
 
@@ -1158,16 +1172,28 @@ static void test_compkv_create(kvrt_ctx *ctx, const char *bk, const ck_shape *S,
     rc = kvrt_compkv_summaries_ref(&p.o, p.k, p.v, S->T, S->Hkv, S->d, p.perm, p.offsets, km, vm,
                                    gv, cnt);
     nmse_acc a = {0, 0, 0};
+    /* the views are the context's memory: copied to the host here */
+    float *hk = malloc(sizeof(float) * (size_t)(nb * S->d)), *hv = malloc(sizeof(float) * (size_t)(nb * S->d));
+    float *hg = malloc(sizeof(float) * (size_t)(nb * r));
+    int32_t *hc = malloc(sizeof(int32_t) * (size_t)nb);
     for (uint32_t h = 0; h < S->Hkv && rc == KVRT_OK; h++) {
         const float *gk, *gvm, *gg;
         const int32_t *gc;
         rc = kvrt_compkv_summaries(p.got, h, &gk, &gvm, &gg, &gc);
         if (rc != KVRT_OK) break;
-        acc_f(&a, gk, km + (size_t)h * nb * S->d, nb * S->d);
-        acc_f(&a, gvm, vm + (size_t)h * nb * S->d, nb * S->d);
-        acc_f(&a, gg, gv + (size_t)h * nb * r, nb * r);
-        if (h == 0) acc_i(&a, gc, cnt, nb);
+        from_ctx(ctx, hk, gk, sizeof(float) * (size_t)(nb * S->d));
+        from_ctx(ctx, hv, gvm, sizeof(float) * (size_t)(nb * S->d));
+        from_ctx(ctx, hg, gg, sizeof(float) * (size_t)(nb * r));
+        from_ctx(ctx, hc, gc, sizeof(int32_t) * (size_t)nb);
+        acc_f(&a, hk, km + (size_t)h * nb * S->d, nb * S->d);
+        acc_f(&a, hv, vm + (size_t)h * nb * S->d, nb * S->d);
+        acc_f(&a, hg, gv + (size_t)h * nb * r, nb * r);
+        if (h == 0) acc_i(&a, hc, cnt, nb);
     }
+    free(hk);
+    free(hv);
+    free(hg);
+    free(hc);
     if (rc != KVRT_OK) report_error("compkv_create", bk, shape, rc, "the summaries");
     else report("compkv_create", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
     free(km);
@@ -1305,6 +1331,54 @@ static void test_compkv_step(kvrt_ctx *ctx, const char *bk, const ck_shape *S, s
     free(gb);
     free(ref);
     free(got);
+}
+
+/* select: the reference state's scores with ties and NaN planted (every third block scores as
+ * the first one, one NaN), uploaded; the backend's selection must equal kvrt_compkv_select's on
+ * the CPU state exactly. */
+static void test_compkv_select(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 1);
+    if (!ck_runs(ctx, bk, "compkv_select", KVRT_OP_COMPKV_SELECT, shape)) return;
+    uint64_t seed = 950 + si;
+    ck_pair p;
+    int rc = ck_pair_make(ctx, S, &seed, &p);
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref), ns = S->Hkv * nb;
+    const int64_t kk = S->k_blocks < nb ? S->k_blocks : nb, nbk = S->Hkv * kk;
+    float *q = randf(&seed, S->H * S->d, -1.0f, 1.0f);
+    float *sc = malloc(sizeof(float) * (size_t)ns);
+    int32_t *rb = malloc(sizeof(int32_t) * (size_t)nbk), *gb = malloc(sizeof(int32_t) * (size_t)nbk);
+    if (rc == KVRT_OK) rc = kvrt_compkv_scores_ref(p.ref, q, S->H, sc);
+    if (rc == KVRT_OK) {
+        for (uint32_t h = 0; h < S->Hkv; h++) {
+            float *sh = sc + (size_t)h * nb;
+            for (int64_t b = 3; b < nb; b += 3) sh[b] = sh[0];
+            if (nb > 4) sh[nb / 2] = NAN;
+        }
+        rc = kvrt_compkv_select(p.ref, sc, S->k_blocks, rb);
+    }
+    if (rc != KVRT_OK) {
+        report_error("compkv_select", bk, shape, rc, "compkv_create + scores_ref + select");
+    } else {
+        float *ds = to_ctx(ctx, sc, sizeof(float) * (size_t)ns);
+        int32_t *db = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)nbk);
+        rc = ctx->ops->compkv_select(ctx, p.got, ds, S->k_blocks, db);
+        if (rc != KVRT_OK) {
+            report_error("compkv_select", bk, shape, rc, "compkv_select");
+        } else {
+            from_ctx(ctx, gb, db, sizeof(int32_t) * (size_t)nbk);
+            const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
+            report("compkv_select", bk, shape, same ? 0.0 : INFINITY, 0.0,
+                   same ? "exact" : "the selected blocks differ from the CPU's");
+        }
+        kvrt_ctx_dealloc(ctx, ds);
+        kvrt_ctx_dealloc(ctx, db);
+    }
+    ck_pair_free(&p);
+    free(q);
+    free(sc);
+    free(rb);
+    free(gb);
 }
 
 typedef void (*ck_test)(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si);
@@ -1608,7 +1682,8 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_am_head(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am(backends[b].ctx, backends[b].name);
     static const ck_test ck_tests[] = {test_compkv_create, test_compkv_scores,
-                                       test_compkv_attend_blocks, test_compkv_step};
+                                       test_compkv_select, test_compkv_attend_blocks,
+                                       test_compkv_step};
     for (size_t t = 0; t < sizeof ck_tests / sizeof ck_tests[0]; t++)
         for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, ck_tests[t]);
     for (int b = 0; b < 2; b++) test_kv2_proxy(backends[b].ctx, backends[b].name);
