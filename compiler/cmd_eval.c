@@ -1,6 +1,6 @@
 /*
  * cmd_eval.c: `kvcc eval --corpus HELDOUT.h5 --methods LIST --budgets LIST [--gguf M]
- * [--policy X.kvpol] [--prompts N] [--cache-dtype f32|f16] [--seed S] [--json | --csv]`:
+ * [--policy X.kvpol] [--prompts N] [--cache-dtype f32|f16|bf16] [--seed S] [--json | --csv]`:
  * one table, a row per (method, budget); the measures are described in compiler/eval.c, the
  * methods in compiler/eval_methods.h (names from the table: no method list here).
  */
@@ -62,7 +62,7 @@ static void usage(FILE *out) {
         "  --prompts N         use the first N prompts (default: all)\n"
         "  --max-tokens N      refuse a corpus prompt of more than N tokens (default 1048576; a\n"
         "                      prompt's activations must also fit in the memory available)\n"
-        "  --cache-dtype T     f32 (default) or f16 storage of the compressed caches\n"
+        "  --cache-dtype T     f32 (default), f16 or bf16 storage of the compressed caches\n"
         "  --seed S            seed of the random method (default 1)\n"
         "  --needle LIST       with --gguf: the needle task at these context lengths (e.g. "
         "2048,8192): haystacks\n"
@@ -554,8 +554,8 @@ int kvcc_cmd_eval(int argc, char **argv) {
         return KVCC_EXIT_USAGE;
     }
     if (json && csv) { fprintf(stderr, "kvcc eval: --json and --csv exclude each other\n"); return KVCC_EXIT_USAGE; }
-    if (strcmp(cdt, "f32") && strcmp(cdt, "f16")) {
-        fprintf(stderr, "kvcc eval: --cache-dtype: got '%s', expected f32 or f16\n", cdt);
+    if (strcmp(cdt, "f32") && strcmp(cdt, "f16") && strcmp(cdt, "bf16")) {
+        fprintf(stderr, "kvcc eval: --cache-dtype: got '%s', expected f32, f16 or bf16\n", cdt);
         return KVCC_EXIT_USAGE;
     }
     const char *ms[64];
@@ -585,7 +585,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         }
     }
     kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .precision = precision, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
-                        .max_prompts = prompts, .cache_f16 = !strcmp(cdt, "f16"), .seed = seed,
+                        .max_prompts = prompts, .cache_dtype = !strcmp(cdt, "f16") ? KVRT_DTYPE_F16 : !strcmp(cdt, "bf16") ? KVRT_DTYPE_BF16 : KVRT_DTYPE_F32, .seed = seed,
                         .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,
                         .needle_depths = n_depths ? depths : NULL,

@@ -261,7 +261,7 @@ static int open_corpus(eval_run *E, char *err, size_t errlen) {
                              .Hkv = m->n_kv_heads,
                              .d = m->head_dim,
                              .seed = o->seed,
-                             .dtype = o->cache_f16 ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32,
+                             .dtype = o->cache_dtype ? o->cache_dtype : KVRT_DTYPE_F32,
                              .budgets = o->budgets,
                              .n_budgets = o->n_budgets,
                              .gguf = o->gguf,

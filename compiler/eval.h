@@ -98,7 +98,7 @@ typedef struct {
     const double *budgets;
     int n_budgets;
     uint32_t max_prompts;    /* 0: all */
-    int cache_f16;           /* store compressed caches in f16 */
+    int cache_dtype;         /* storage of the compressed caches: KVRT_DTYPE_*; 0 = f32 */
     uint64_t seed;           /* random method */
     int verbose;             /* progress on stderr when a terminal */
     /* the needle task (end to end, needs gguf): context lengths (none: no task) */

@@ -21,7 +21,8 @@ from .errors import (KvrtError, ArgError, NoMemError, KvrtIOError, FormatError,
                      ShapeError, DeviceError, UnsupportedError, status_name, status_str)
 from ._core import (Context, Selection, Cache, CacheArrays, attend, as_f32, budget_resolve, topk,
                     method_select, method_scores, method_select_scored, method_has_scores, select_pinned, Quest,
-                    has_cuda, cuda_device_count, default_context, METHODS, OPS)
+                    has_cuda, cuda_device_count, default_context, METHODS, OPS, f32_to_bf16,
+                    bf16_to_f32)
 from .policy import (Policy, PRESETS, model_dims, inspect, CompilerKV, CompilerKVPrompt,
                      AMSchedule, am_compact, am_compact_layer, am_compact_layer_ref, am_options, CompKVGrouping, CompKVState,
                      compkv_options)

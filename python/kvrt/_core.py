@@ -33,7 +33,8 @@ from .errors import (ERR_ARG, ERR_DEVICE, ERR_DTYPE, ERR_SHAPE, ERR_UNSUPPORTED,
 ArrayLike = Any  # numpy.ndarray, torch.Tensor, or an object with __cuda_array_interface__
 
 DTYPE_F32, DTYPE_F16, DTYPE_BF16 = 1, 2, 3
-_DTYPES = {"f32": DTYPE_F32, "float32": DTYPE_F32, "f16": DTYPE_F16, "float16": DTYPE_F16}
+_DTYPES = {"f32": DTYPE_F32, "float32": DTYPE_F32, "f16": DTYPE_F16, "float16": DTYPE_F16,
+           "bf16": DTYPE_BF16, "bfloat16": DTYPE_BF16}
 _DTYPE_NAMES = {DTYPE_F32: "f32", DTYPE_F16: "f16", DTYPE_BF16: "bf16"}
 BACKEND_CPU, BACKEND_CUDA = 0, 1
 OVERRIDE_OPTIONS = 0x100
@@ -50,7 +51,30 @@ def _dtype_code(dtype: Union[str, int]) -> int:
     try:
         return _DTYPES[dtype]
     except KeyError:
-        raise KvrtError(ERR_DTYPE, f"dtype: got {dtype!r}, expected 'f32' or 'f16'") from None
+        raise KvrtError(ERR_DTYPE, f"dtype: got {dtype!r}, expected 'f32', 'f16' or 'bf16'") \
+            from None
+
+
+def _storage_np(dtype: str):
+    """The numpy element type of a cache's keys/values: bf16 has none, so its raw bits
+    (uint16; :func:`bf16_to_f32` widens them)."""
+    return {"f16": np.float16, "bf16": np.uint16}.get(dtype, np.float32)
+
+
+def f32_to_bf16(x: ArrayLike) -> np.ndarray:
+    """kvrt_f32_to_bf16 on an array: the bf16 bits (uint16), round to nearest even, NaN kept a
+    quiet NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    r = np.where(nan, (u >> np.uint32(16)) | np.uint32(0x40), r)
+    return r.astype(np.uint16)
+
+
+def bf16_to_f32(h: ArrayLike) -> np.ndarray:
+    """kvrt_bf16_to_f32 on an array of bf16 bits (uint16): exact."""
+    return (np.ascontiguousarray(h, dtype=np.uint16).astype(np.uint32) << np.uint32(16)) \
+        .view(np.float32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -382,7 +406,8 @@ class Selection(_Handle):
 
 class CacheArrays:
     """Host copies of a cache's arrays: ``offsets`` int64 [Hkv + 1], ``keys`` and ``values``
-    [n_entries, d] (float32, or float16 for f16 storage), ``bias`` float32 [n_entries] (the
+    [n_entries, d] (float32; float16 for f16 storage; for bf16 storage the raw bits as uint16,
+    :func:`kvrt.bf16_to_f32` widens them), ``bias`` float32 [n_entries] (the
     additive logit bias: 0 for plain tokens, AM beta, log weight), ``positions`` int32
     [n_entries] (original token position, -1 for synthetic entries)."""
 
@@ -430,7 +455,7 @@ class Cache(_Handle):
                     dtype: str = "f32") -> "Cache":
         """A host cache holding the given entries (copied in): offsets [Hkv + 1], keys and
         values [n_entries, d] float32, bias [n_entries] (default 0), positions [n_entries]
-        (default -1). f16 storage rounds the keys and values to nearest even."""
+        (default -1). f16 and bf16 storage round the keys and values to nearest even."""
         off = np.asarray(offsets, dtype=np.int64)
         keys = np.asarray(keys, dtype=np.float32)
         values = np.asarray(values, dtype=np.float32)
@@ -447,6 +472,9 @@ class Cache(_Handle):
             if c.dtype == "f16":
                 a["keys"][:] = keys.astype(np.float16)
                 a["values"][:] = values.astype(np.float16)
+            elif c.dtype == "bf16":
+                a["keys"][:] = f32_to_bf16(keys)
+                a["values"][:] = f32_to_bf16(values)
             else:
                 a["keys"][:] = keys
                 a["values"][:] = values
@@ -524,7 +552,7 @@ class Cache(_Handle):
         c, n, d = self._c, self.n_entries, self.head_dim
         if self.device != "host" or (self.ctx is not None and self.ctx.backend != "cpu"):
             raise KvrtError(ERR_DEVICE, "kvrt.Cache: a device cache has no host views (to_numpy copies)")
-        et = np.float16 if self.dtype == "f16" else np.float32
+        et = _storage_np(self.dtype)
         if n == 0:
             z = np.empty((0, d), dtype=et)
             return {"keys": z, "values": z.copy(), "bias": np.empty(0, np.float32),
@@ -538,13 +566,14 @@ class Cache(_Handle):
 
     def to_numpy(self) -> CacheArrays:
         """Host copies of offsets, keys, values, bias, positions (:class:`CacheArrays`);
-        keys/values are float16 for f16 storage. Device caches are downloaded."""
+        keys/values are float16 for f16 storage, the bits (uint16) for bf16. Device caches are
+        downloaded."""
         if self.device == "host" and (self.ctx is None or self.ctx.backend == "cpu"):
             a = self._arrays_view()
             return CacheArrays(self.offsets, a["keys"].copy(), a["values"].copy(),
                                a["bias"].copy(), a["positions"].copy())
         n, d = self.n_entries, self.head_dim
-        et = np.float16 if self.dtype == "f16" else np.float32
+        et = _storage_np(self.dtype)
         keys, values = np.empty((n, d), et), np.empty((n, d), et)
         bias, pos = np.empty(n, np.float32), np.empty(n, np.int32)
         c, cp = self._c, self.ctx.ptr

@@ -249,6 +249,8 @@ _PROTOS = {
     "kvrt_ctx_download": (I, [P, P, P, c_size_t]),
     "kvrt_ctx_sync": (I, [P]),
     "kvrt_op_name": (c_char_p, [I]),
+    "kvrt_f32_to_bf16": (ctypes.c_uint16, [c_float]),
+    "kvrt_bf16_to_f32": (c_float, [ctypes.c_uint16]),
     "kvrt_backend_supports": (I, [P, I]),
     # caches, selections
     "kvrt_cache_create": (I, [U32, U32, I, P, PP]),

@@ -64,6 +64,43 @@ def test_status_names_and_classes():
     assert isinstance(kvrt.KvrtError(-1), ValueError)
 
 
+def test_bf16_cache_storage():
+    from kvrt._lib import lib
+    rng = np.random.default_rng(3)
+    # the numpy conversion equals the C one on specials and random values
+    x = np.concatenate([np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -0.0, np.inf, -np.inf, np.nan,
+                                  3.4028235e38, 1e-40], np.float32),
+                        rng.standard_normal(2000).astype(np.float32) * 100])
+    b = kvrt.f32_to_bf16(x)
+    for xi, bi in zip(x, b):
+        assert int(bi) == lib.kvrt_f32_to_bf16(float(xi)), xi
+    back = kvrt.bf16_to_f32(b)
+    assert np.all(np.isnan(back) == np.isnan(x))
+    fin = np.isfinite(x) & (np.abs(x) < 3e38) & (np.abs(x) > 1e-37)  # normal: 2^-8 relative
+    assert np.all(np.abs(back[fin] - x[fin]) <= np.abs(x[fin]) * 2**-8)
+    # gather into bf16: the bits of each element; attention equals the f32 cache of them
+    T, Hkv, H, d = 40, 2, 4, 16
+    k = rng.standard_normal((T, Hkv, d)).astype(np.float32)
+    v = rng.standard_normal((T, Hkv, d)).astype(np.float32)
+    q = rng.standard_normal((3, H, d)).astype(np.float32)
+    s = kvrt.method_select("knorm", rng.standard_normal((T, H, d)).astype(np.float32), k, 12)
+    cb = kvrt.Cache.gather(k, v, s, dtype="bf16")
+    assert cb.dtype == "bf16" and cb.nbytes == 2 * cb.n_entries * d * 2 + 8 * cb.n_entries + 8 * (Hkv + 1)
+    a = cb.to_numpy()
+    assert a.keys.dtype == np.uint16
+    pos = a.positions
+    heads = np.repeat(np.arange(Hkv), np.diff(a.offsets))
+    np.testing.assert_array_equal(a.keys, kvrt.f32_to_bf16(k[pos, heads]))
+    cf = kvrt.Cache.from_arrays(a.offsets, kvrt.bf16_to_f32(a.keys), kvrt.bf16_to_f32(a.values),
+                                a.bias, a.positions)
+    np.testing.assert_allclose(kvrt.attend(q, cb), kvrt.attend(q, cf), rtol=1e-5, atol=1e-6)
+    c2 = kvrt.Cache.from_arrays(a.offsets, kvrt.bf16_to_f32(a.keys), kvrt.bf16_to_f32(a.values),
+                                dtype="bf16")
+    np.testing.assert_array_equal(c2.to_numpy().keys, a.keys)
+    with pytest.raises(kvrt.DtypeError, match="bf16"):
+        kvrt.Cache.create(2, 8, [1, 1], dtype="f8")
+
+
 def test_context_cpu():
     with kvrt.Context("cpu", threads=1) as c:
         info = c.info()

@@ -33,10 +33,8 @@ int kvrt_attend_check(kvrt_error *e, const char *fn, const float *q, int64_t n, 
     if (!isfinite(scale))
         return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: scale %g, expected a finite value", fn,
                             (double)scale);
-    if (c->dtype != KVRT_DTYPE_F32 && c->dtype != KVRT_DTYPE_F16)
-        return kvrt_err_set(e, KVRT_ERR_DTYPE, 0,
-                            "%s: cache dtype %d, expected f32 (%d) or f16 (%d)", fn, c->dtype,
-                            KVRT_DTYPE_F32, KVRT_DTYPE_F16);
+    if (!kvrt_cache_dtype_ok(c->dtype))
+        return kvrt_cache_dtype_error(e, KVRT_ERR_DTYPE, fn, "cache dtype", c->dtype);
     /* Host caches built by hand may leave host_offsets NULL: their offsets are host memory. */
     const int64_t *off = c->owner != NULL ? c->host_offsets : c->offsets;
     if (c->n_kv_heads == 0 || c->head_dim == 0 || c->offsets == NULL || off == NULL)

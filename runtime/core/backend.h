@@ -8,7 +8,8 @@
  *          kvrt_backend_ops (one entry per op), struct kvrt_ctx, kvrt_backend_check,
  *          kvrt_backend_cpu, kvrt_cuda_host, kvrt_cuda_plugin, kvrt_cuda_plugin_get,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
- *          kvrt_f16_to_f32_row
+ *          kvrt_f16_to_f32_row, kvrt_cache_dtype_ok, kvrt_row_to_dtype, kvrt_row_from_dtype,
+ *          kvrt_cache_dtype_error
  *
  * Included by C files and by the .cu files (hence the extern "C" block): it must stay valid C11
  * and C++17 and must not include any CUDA header (the CPU side never sees CUDA types; backend
@@ -284,6 +285,15 @@ KVRT_INTERNAL int kvrt_attend_check(kvrt_error *e, const char *fn, const float *
 /* Row conversions (core/cache.c), written to vectorize: dst[i] = f16(src[i]) (RNE) and back. */
 KVRT_INTERNAL void kvrt_f32_to_f16_row(const float *src, uint16_t *dst, int64_t n);
 KVRT_INTERNAL void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n);
+/* A cache's storage types (f32, f16, bf16): 1 when dtype is one of them. Rows in a cache dtype:
+ * dst [n] of dtype from src f32 (copy, f16 or bf16 RNE) and back to f32 (exact). */
+KVRT_INTERNAL int kvrt_cache_dtype_ok(int dtype);
+KVRT_INTERNAL void kvrt_row_to_dtype(int dtype, const float *src, void *dst, int64_t n);
+KVRT_INTERNAL void kvrt_row_from_dtype(int dtype, const void *src, float *dst, int64_t n);
+/* "%s: dtype %d, expected f32 (1), f16 (2) or bf16 (3)" as KVRT_ERR_ARG (what = "dtype" or
+ * "cache dtype") into e; returns the status. */
+KVRT_INTERNAL int kvrt_cache_dtype_error(kvrt_error *e, int code, const char *fn,
+                                         const char *what, int dtype);
 
 
 #ifdef __cplusplus

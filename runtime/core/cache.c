@@ -132,6 +132,50 @@ void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n) {
 }
 
 // ----------------------------------------------------------------------------
+// bf16 <-> f32, and rows in any cache dtype
+
+uint16_t kvrt_f32_to_bf16(float f) {
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16); /* RNE; overflow rounds to inf */
+}
+
+float kvrt_bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+int kvrt_cache_dtype_ok(int dtype) {
+    return dtype == KVRT_DTYPE_F32 || dtype == KVRT_DTYPE_F16 || dtype == KVRT_DTYPE_BF16;
+}
+
+int kvrt_cache_dtype_error(kvrt_error *e, int code, const char *fn, const char *what,
+                           int dtype) {
+    return kvrt_err_set(e, code, 0, "%s: %s %d, expected f32 (%d), f16 (%d) or bf16 (%d)", fn,
+                        what, dtype, KVRT_DTYPE_F32, KVRT_DTYPE_F16, KVRT_DTYPE_BF16);
+}
+
+void kvrt_row_to_dtype(int dtype, const float *src, void *dst, int64_t n) {
+    if (dtype == KVRT_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    } else if (dtype == KVRT_DTYPE_F16) {
+        kvrt_f32_to_f16_row(src, (uint16_t *)dst, n);
+    } else {
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) o[i] = kvrt_f32_to_bf16(src[i]);
+    }
+}
+
+void kvrt_row_from_dtype(int dtype, const void *src, float *dst, int64_t n) {
+    if (dtype == KVRT_DTYPE_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+    } else if (dtype == KVRT_DTYPE_F16) {
+        kvrt_f16_to_f32_row((const uint16_t *)src, dst, n);
+    } else {
+        const uint16_t *h = (const uint16_t *)src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_from_bits((uint32_t)h[i] << 16);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // selections
 
 int kvrt_selection_create(uint32_t n_kv_heads, const int64_t *counts, kvrt_selection **out) {
@@ -212,10 +256,8 @@ int kvrt_cache_create(uint32_t n_kv_heads, uint32_t head_dim, int dtype, const i
         return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_cache_create: %s",
                             counts == NULL ? "counts is NULL"
                             : n_kv_heads == 0 ? "n_kv_heads is 0" : "head_dim is 0");
-    if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        return kvrt_err_set(e, KVRT_ERR_DTYPE, 0,
-                            "kvrt_cache_create: dtype %d, expected f32 (%d) or f16 (%d)", dtype,
-                            KVRT_DTYPE_F32, KVRT_DTYPE_F16);
+    if (!kvrt_cache_dtype_ok(dtype))
+        return kvrt_cache_dtype_error(e, KVRT_ERR_DTYPE, "kvrt_cache_create", "dtype", dtype);
     /* Cap so that every byte count below fits: n_entries * head_dim * 4 < 2^62. */
     const int64_t cap = ((int64_t)1 << 60) / ((int64_t)head_dim * 4);
     int64_t total = 0;
@@ -306,13 +348,9 @@ int kvrt_cache_gather(const float *k, const float *v, int64_t T, uint32_t n_kv_h
             const int64_t dst = c->offsets[j] + (i - sel->offsets[j]);
             const float *ks = k + ((size_t)p * n_kv_heads + j) * d;
             const float *vs = v + ((size_t)p * n_kv_heads + j) * d;
-            if (dtype == KVRT_DTYPE_F32) {
-                memcpy((float *)c->keys + (size_t)dst * d, ks, d * sizeof(float));
-                memcpy((float *)c->values + (size_t)dst * d, vs, d * sizeof(float));
-            } else {
-                kvrt_f32_to_f16_row(ks, (uint16_t *)c->keys + (size_t)dst * d, (int64_t)d);
-                kvrt_f32_to_f16_row(vs, (uint16_t *)c->values + (size_t)dst * d, (int64_t)d);
-            }
+            const size_t es = kvrt_dtype_size(dtype);
+            kvrt_row_to_dtype(dtype, ks, (char *)c->keys + (size_t)dst * d * es, (int64_t)d);
+            kvrt_row_to_dtype(dtype, vs, (char *)c->values + (size_t)dst * d * es, (int64_t)d);
             c->positions[dst] = (int32_t)p;
         }
     }

@@ -507,9 +507,8 @@ int kvrt_kv2_plan_compress(kvrt_kv2_plan *pl, uint32_t layer, double budget, con
                        out == NULL ? "out" : k == NULL ? "k" : "v");
     else if (layer >= pl->L)
         rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, expected 0..%u", fn, layer, pl->L - 1);
-    else if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        rc = KVRT_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected %d (f32) or %d (f16)", fn, dtype,
-                       KVRT_DTYPE_F32, KVRT_DTYPE_F16);
+    else if (!kvrt_cache_dtype_ok(dtype))
+        rc = kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
     else if (kvrt_budget_resolve(budget, pl->C, &B) != KVRT_OK)
         rc = fail_in(KVRT_ERR_ARG, "%s: budget", fn);
     else if (B < (int64_t)pl->o.n_sink)

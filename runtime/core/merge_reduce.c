@@ -295,9 +295,8 @@ int kvrt_mr_layer_check(const char *fn, const kvrt_mr_opts *o, const kvrt_mr_bas
     if (n_kv_heads < 1 || head_dim < 1)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_kv_heads %u, head_dim %u: expected both >= 1", fn,
                          n_kv_heads, head_dim);
-    if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        return KVRT_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected %d (f32) or %d (f16)", fn, dtype,
-                         KVRT_DTYPE_F32, KVRT_DTYPE_F16);
+    if (!kvrt_cache_dtype_ok(dtype))
+        return kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
     int rc = opts_check(fn, o);
     if (rc == KVRT_OK) rc = layout_of(fn, o, T, budget, L);
     if (rc) return rc;
@@ -642,9 +641,8 @@ int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cach
     else if (fold != 0 && fold != 1)
         rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: fold %d, expected 0 (buckets) or 1 (one summary)", fn,
                        fold);
-    else if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        rc = KVRT_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected %d (f32) or %d (f16)", fn, dtype,
-                       KVRT_DTYPE_F32, KVRT_DTYPE_F16);
+    else if (!kvrt_cache_dtype_ok(dtype))
+        rc = kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
     if (rc) return kvrt_policy_ctx_done(s->ctx, rc);
     const uint32_t Hkv = s->Hkv, d = s->d;
     /* per head the middle as a list of sets (oldest first) */
@@ -739,12 +737,10 @@ int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cach
                     w = x->w[i];
                     pos = x->pos[i];
                 }
-                if (dtype == KVRT_DTYPE_F16) {
-                    kvrt_f32_to_f16_row(kr, (uint16_t *)c->keys + (size_t)e * d, d);
-                    kvrt_f32_to_f16_row(vr, (uint16_t *)c->values + (size_t)e * d, d);
-                } else {
-                    memcpy((float *)c->keys + (size_t)e * d, kr, sizeof(float) * d);
-                    memcpy((float *)c->values + (size_t)e * d, vr, sizeof(float) * d);
+                {
+                    const size_t es = kvrt_dtype_size(dtype);
+                    kvrt_row_to_dtype(dtype, kr, (char *)c->keys + (size_t)e * d * es, d);
+                    kvrt_row_to_dtype(dtype, vr, (char *)c->values + (size_t)e * d * es, d);
                 }
                 c->bias[e] = w == 1.0f ? 0.0f : (float)log((double)w);
                 c->positions[e] = pos;

@@ -989,13 +989,9 @@ static void out_store(const am_out *r, kvrt_cache *c, uint32_t h) {
         c->positions[e0 + a] = r->pos[a];
         c->bias[e0 + a] = r->beta[a];
     }
-    if (c->dtype == KVRT_DTYPE_F32) {
-        memcpy((float *)c->keys + e0 * d, r->ck, sizeof(float) * (size_t)(r->n * d));
-        memcpy((float *)c->values + e0 * d, r->cv, sizeof(float) * (size_t)(r->n * d));
-    } else {
-        kvrt_f32_to_f16_row(r->ck, (uint16_t *)c->keys + e0 * d, r->n * d);
-        kvrt_f32_to_f16_row(r->cv, (uint16_t *)c->values + e0 * d, r->n * d);
-    }
+    const size_t es = kvrt_dtype_size(c->dtype);
+    kvrt_row_to_dtype(c->dtype, r->ck, (char *)c->keys + (size_t)(e0 * d) * es, r->n * d);
+    kvrt_row_to_dtype(c->dtype, r->cv, (char *)c->values + (size_t)(e0 * d) * es, r->n * d);
 }
 
 /* With the f32 products on oneDNN (on the OpenMP team), the fit's double products run on
@@ -1051,8 +1047,8 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
     if (t < 1 || t > T)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: t = %lld, expected 1..T = %lld", fn, (long long)t,
                        (long long)T);
-    if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        return KVRT_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected f32 or f16", fn, dtype);
+    if (!kvrt_cache_dtype_ok(dtype))
+        return kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
     const int64_t d = head_dim;
     if (!all_finite_f(k, T * d) || !all_finite_f(v, T * d) || !all_finite_f(q_ref, n * d))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: k, v or q_ref holds NaN or Inf", fn);
@@ -1113,8 +1109,8 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (n_heads % n_kv_heads != 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a multiple of n_kv_heads %u", fn,
                        n_heads, n_kv_heads);
-    if (dtype != KVRT_DTYPE_F32 && dtype != KVRT_DTYPE_F16)
-        return KVRT_FAIL(KVRT_ERR_DTYPE, "%s: dtype %d, expected f32 or f16", fn, dtype);
+    if (!kvrt_cache_dtype_ok(dtype))
+        return kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
     const int64_t d = head_dim, Hkv = n_kv_heads, H = n_heads, G = H / Hkv, ns = n_sets;
     int64_t *tb = malloc(sizeof(int64_t) * (size_t)(Hkv * ns)); /* [Hkv, ns] */
     if (tb == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);

@@ -47,12 +47,15 @@
 // ----------------------------------------------------------------------------
 // reference: obvious code, double accumulation, two passes per (query, head)
 
-/* Pointer to row e of a cache array of keys or values, converted into buf when f16. */
+/* Pointer to row e of a cache array of keys or values, converted into buf when f16 or bf16. */
 static const float *cache_row(const kvrt_cache *c, const void *base, int64_t e, float *buf) {
     const size_t d = c->head_dim;
     if (c->dtype == KVRT_DTYPE_F32) return (const float *)base + (size_t)e * d;
     const uint16_t *h = (const uint16_t *)base + (size_t)e * d;
-    for (size_t x = 0; x < d; x++) buf[x] = kvrt_f16_to_f32(h[x]);
+    if (c->dtype == KVRT_DTYPE_F16)
+        for (size_t x = 0; x < d; x++) buf[x] = kvrt_f16_to_f32(h[x]);
+    else
+        for (size_t x = 0; x < d; x++) buf[x] = kvrt_bf16_to_f32(h[x]);
     return buf;
 }
 
@@ -328,8 +331,8 @@ static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
             kb = (const float *)c->keys + b * d;
             vb = (const float *)c->values + b * d;
         } else {
-            kvrt_f16_to_f32_row((const uint16_t *)c->keys + b * d, w->kb, nb * d);
-            kvrt_f16_to_f32_row((const uint16_t *)c->values + b * d, w->vb, nb * d);
+            kvrt_row_from_dtype(c->dtype, (const uint16_t *)c->keys + b * d, w->kb, nb * d);
+            kvrt_row_from_dtype(c->dtype, (const uint16_t *)c->values + b * d, w->vb, nb * d);
             kb = w->kb;
             vb = w->vb;
         }
@@ -445,7 +448,7 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
     const int64_t hq = (int64_t)jb.hkv * jb.nqb, tiles = hq * jb.nsplit;
     int nt = ctx->n_threads < 1 ? 1 : ctx->n_threads;
     if (nt > tiles) nt = (int)tiles;
-    const int f16 = c->dtype == KVRT_DTYPE_F16;
+    const int f16 = c->dtype != KVRT_DTYPE_F32; /* f16 or bf16: blocks converted to f32 */
     const size_t per = att_ws_floats(R, E, d, f16);
     const size_t part_floats = (size_t)tiles * (size_t)(R * (d + 2));
     float *ws = NULL;

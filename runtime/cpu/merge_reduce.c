@@ -474,12 +474,10 @@ static int build_cache(const float *k, const float *v, int64_t T, uint32_t Hkv, 
             }
             for (int64_t i = 0; i < cnt; i++, e++) {
                 const float *ks = kr + (size_t)i * ld, *vs = vr + (size_t)i * ld;
-                if (dtype == KVRT_DTYPE_F16) {
-                    kvrt_f32_to_f16_row(ks, (uint16_t *)c->keys + (size_t)e * d, d);
-                    kvrt_f32_to_f16_row(vs, (uint16_t *)c->values + (size_t)e * d, d);
-                } else {
-                    memcpy((float *)c->keys + (size_t)e * d, ks, sizeof(float) * d);
-                    memcpy((float *)c->values + (size_t)e * d, vs, sizeof(float) * d);
+                {
+                    const size_t es = kvrt_dtype_size(dtype);
+                    kvrt_row_to_dtype(dtype, ks, (char *)c->keys + (size_t)e * d * es, d);
+                    kvrt_row_to_dtype(dtype, vs, (char *)c->values + (size_t)e * d * es, d);
                 }
                 c->bias[e] = w ? (float)log((double)w[i]) : 0.0f;
                 c->positions[e] = pos ? pos[i] : pos0 + (int32_t)i;

@@ -1,6 +1,6 @@
 /*
  * attend.cu: kvrt_attend on the CUDA backend: attention of queries over a device cache (CSR per
- * KV head, f32 or f16 keys/values) plus an optional causal window of recent tokens.
+ * KV head, f32, f16 or bf16 keys/values) plus an optional causal window of recent tokens.
  * Callers: kvrt_attend (core/attend.c) through the CUDA table (cuda_backend.cu).
  *
  * defines: kvrt_cuda_attend
@@ -21,6 +21,7 @@
  * Workspace: n * H * S * (d + 2) floats, stream-ordered (cudaMallocAsync / cudaFreeAsync).
  */
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <math.h>
@@ -38,6 +39,7 @@
 
 __device__ __forceinline__ float att_to_f32(float x) { return x; }
 __device__ __forceinline__ float att_to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float att_to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 __device__ __forceinline__ float att_warp_sum(float v) {
     for (int o = ATT_WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -221,10 +223,15 @@ extern "C" int kvrt_cuda_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32
         attend_split_kernel<float><<<grid, ATT_WARPS * ATT_WARP, 0, stream>>>(
             q, n, H, G, hkv, d, c->offsets, (const float *)c->keys, (const float *)c->values,
             c->bias, k_recent, v_recent, n_recent, scale, chunk, part);
-    else
+    else if (c->dtype == KVRT_DTYPE_F16)
         attend_split_kernel<__half><<<grid, ATT_WARPS * ATT_WARP, 0, stream>>>(
             q, n, H, G, hkv, d, c->offsets, (const __half *)c->keys, (const __half *)c->values,
             c->bias, k_recent, v_recent, n_recent, scale, chunk, part);
+    else
+        attend_split_kernel<__nv_bfloat16><<<grid, ATT_WARPS * ATT_WARP, 0, stream>>>(
+            q, n, H, G, hkv, d, c->offsets, (const __nv_bfloat16 *)c->keys,
+            (const __nv_bfloat16 *)c->values, c->bias, k_recent, v_recent, n_recent, scale,
+            chunk, part);
     cudaError_t le = cudaGetLastError();
     if (le == cudaSuccess) {
         attend_combine_kernel<<<(unsigned)rows, 128, 0, stream>>>(part, (int)S, d, out, lse_out);

@@ -224,7 +224,7 @@ const kvrt_error *kvrt_last_error(void);
  * kvrt_cache_to_device (CUDA); freed by kvrt_cache_free. Arrays of a head with 0 entries are
  * simply empty; arrays of a cache with n_entries == 0 are NULL. */
 typedef struct {
-    int dtype;            /* KVRT_DTYPE_F32 or KVRT_DTYPE_F16 storage of keys and values */
+    int dtype;            /* KVRT_DTYPE_F32, _F16 or _BF16 storage of keys and values */
     int device;           /* KVRT_DEVICE_HOST (CUDA copies: kvrt_cache_to_device) */
     uint32_t n_kv_heads, head_dim;
     int64_t n_entries;
@@ -246,7 +246,7 @@ typedef struct {
 } kvrt_selection;
 
 /* A host cache with counts[j] entries for head j (keys/values zeroed, bias 0, positions -1).
- * n_kv_heads >= 1, head_dim >= 1, counts >= 0, dtype f32 or f16. */
+ * n_kv_heads >= 1, head_dim >= 1, counts >= 0, dtype f32, f16 or bf16. */
 int kvrt_cache_create(uint32_t n_kv_heads, uint32_t head_dim, int dtype,
                       const int64_t *counts /*[n_kv_heads]*/, kvrt_cache **out);
 /* Frees host caches, and device caches through their owner context (which must still be
@@ -274,6 +274,11 @@ void kvrt_selection_free(kvrt_selection *s);
  * and the exact inverse. Used for f16 cache storage. */
 uint16_t kvrt_f32_to_f16(float f);
 float kvrt_f16_to_f32(uint16_t h);
+/* f32 -> bf16 with round-to-nearest-even (the top 16 bits after rounding; overflow -> +-inf, NaN
+ * stays a quiet NaN with its sign), and the exact inverse (the bits shifted back). Used for
+ * bf16 cache storage. */
+uint16_t kvrt_f32_to_bf16(float f);
+float kvrt_bf16_to_f32(uint16_t h);
 
 /* ------------------------------------------------------------------ attention over a cache */
 /* out[i,h,:] = softmax over { cache entries of kv head h/G: q.k*scale + bias } U { recent tokens j
@@ -470,7 +475,7 @@ typedef struct {
  * stack chooses), q_pos [n] the position of each reference query (it sees keys j <= q_pos[i],
  * as in the model's causal prefill; RoPE'd queries attending to keys ahead of them are out of
  * distribution) or NULL (every query sees every key), 1 <= t <= T. *out: a new host cache with
- * one KV head of at most t entries, dtype f32 or f16. stats may be NULL. KVRT_ERR_ARG also when
+ * one KV head of at most t entries, dtype f32, f16 or bf16. stats may be NULL. KVRT_ERR_ARG also when
  * no reference query sees some chunk. */
 int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
                     uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
@@ -640,7 +645,7 @@ int kvrt_kv2_plan_next_pass(kvrt_kv2_plan *pl);
 int kvrt_kv2_plan_proxy_scores(const kvrt_kv2_plan *pl, const float **p);
 int kvrt_kv2_plan_scores(const kvrt_kv2_plan *pl, uint32_t layer, const float **scores);
 /* Layer l's compressed cache at budget (kvrt_budget_resolve: a count per KV head, or a ratio of
- * C); k, v [C, Hkv, d]; dtype f32 or f16. KVRT_ERR_ARG when the budget is below n_sink or some
+ * C); k, v [C, Hkv, d]; dtype f32, f16 or bf16. KVRT_ERR_ARG when the budget is below n_sink or some
  * chunk of the last pass was not scored for this layer. */
 int kvrt_kv2_plan_compress(kvrt_kv2_plan *pl, uint32_t layer, double budget, const float *k,
                            const float *v, int dtype, kvrt_cache **out);
@@ -757,7 +762,7 @@ typedef struct {
 
 /* One layer: k, v [T, Hkv, d] (post-RoPE keys, f32) -> *out, a ragged cache per KV head: sinks,
  * the summary of the middle blocks (bias log w; position -1 for merged entries), the recent
- * window; dtype f32 or f16. budget: kvrt_budget_resolve (a count per KV head, or a ratio of T;
+ * window; dtype f32, f16 or bf16. budget: kvrt_budget_resolve (a count per KV head, or a ratio of T;
  * a count of T or more keeps every token).
  * basis: required by CLUSTER (NULL: KVRT_ERR_ARG), ignored by RANDOM; its n_kv_heads and
  * head_dim must equal Hkv and d; CLUSTER with mass_comp = 1 needs basis->lam (NULL, a negative or

@@ -193,13 +193,27 @@ static kvrt_cache *cache_to_host(kvrt_ctx *ctx, const kvrt_cache *c) {
     return h;
 }
 
-/* Keys and values of a cache as f32 (f16 storage widened exactly). */
+/* Element i of a cache array of dtype, written from f32 (rounded to nearest even) and read
+ * back as f32 (exact); the dtype's name. */
+static void elem_put(int dtype, void *arr, int64_t i, float x) {
+    if (dtype == KVRT_DTYPE_F16) ((uint16_t *)arr)[i] = kvrt_f32_to_f16(x);
+    else if (dtype == KVRT_DTYPE_BF16) ((uint16_t *)arr)[i] = kvrt_f32_to_bf16(x);
+    else ((float *)arr)[i] = x;
+}
+static float elem_get(int dtype, const void *arr, int64_t i) {
+    if (dtype == KVRT_DTYPE_F16) return kvrt_f16_to_f32(((const uint16_t *)arr)[i]);
+    if (dtype == KVRT_DTYPE_BF16) return kvrt_bf16_to_f32(((const uint16_t *)arr)[i]);
+    return ((const float *)arr)[i];
+}
+static const char *dtype_name(int dtype) {
+    return dtype == KVRT_DTYPE_F16 ? "f16" : dtype == KVRT_DTYPE_BF16 ? "bf16" : "f32";
+}
+
+/* Keys and values of a cache as f32 (f16 / bf16 storage widened exactly). */
 static float *cache_f32(const kvrt_cache *c, const void *arr) {
     const int64_t n = c->n_entries * (int64_t)c->head_dim;
     float *x = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
-    for (int64_t i = 0; i < n; i++)
-        x[i] = c->dtype == KVRT_DTYPE_F16 ? kvrt_f16_to_f32(((const uint16_t *)arr)[i])
-                                          : ((const float *)arr)[i];
+    for (int64_t i = 0; i < n; i++) x[i] = elem_get(c->dtype, arr, i);
     return x;
 }
 
@@ -305,13 +319,8 @@ static kvrt_cache *make_cache(uint64_t *s, uint32_t Hkv, uint32_t d, const int64
     for (int64_t i = 0; i < n; i++) {
         const float kx = (float)(2.0 * kvrt_rng_u01(s) - 1.0);
         const float vx = (float)(2.0 * kvrt_rng_u01(s) - 1.0);
-        if (dtype == KVRT_DTYPE_F16) {
-            ((uint16_t *)c->keys)[i] = kvrt_f32_to_f16(kx);
-            ((uint16_t *)c->values)[i] = kvrt_f32_to_f16(vx);
-        } else {
-            ((float *)c->keys)[i] = kx;
-            ((float *)c->values)[i] = vx;
-        }
+        elem_put(dtype, c->keys, i, kx);
+        elem_put(dtype, c->values, i, vx);
     }
     for (int64_t i = 0; i < c->n_entries; i++) {
         c->bias[i] = (float)(0.5 * kvrt_rng_u01(s) - 0.25);
@@ -326,6 +335,8 @@ static void test_attend(kvrt_ctx *ctx, const char *bk) {
         {1, 8, 2, 64, 517, 0, KVRT_DTYPE_F32, 0},
         {1, 8, 2, 64, 517, 0, KVRT_DTYPE_F16, 0},
         {4, 8, 2, 64, 300, 6, KVRT_DTYPE_F16, 1},
+        {1, 8, 2, 64, 517, 0, KVRT_DTYPE_BF16, 0},
+        {4, 8, 2, 64, 300, 6, KVRT_DTYPE_BF16, 1},
         {3, 4, 4, 128, 1000, 3, KVRT_DTYPE_F32, 0},
         {2, 6, 2, 32, 40, 0, KVRT_DTYPE_F32, 1},
     };
@@ -334,7 +345,7 @@ static void test_attend(kvrt_ctx *ctx, const char *bk) {
         char shape[96];
         snprintf(shape, sizeof shape, "n=%lld H=%u Hkv=%u d=%u T=%lld%s%s %s", (long long)S->n,
                  S->H, S->Hkv, S->d, (long long)S->T, S->n_recent ? " recent" : "",
-                 S->ragged ? " ragged" : "", S->dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+                 S->ragged ? " ragged" : "", dtype_name(S->dtype));
         if (!row_runs(ctx, bk, "attend", KVRT_OP_ATTEND, shape)) continue;
         uint64_t seed = 200 + si;
         int64_t counts[16];
@@ -478,13 +489,8 @@ static kvrt_cache *gather_ref(const float *k, const float *v, uint32_t Hkv, uint
             const int64_t t = sel->positions[i], e = c->offsets[j] + (i - sel->offsets[j]);
             for (uint32_t x = 0; x < d; x++) {
                 const float kx = k[(t * Hkv + j) * d + x], vx = v[(t * Hkv + j) * d + x];
-                if (dtype == KVRT_DTYPE_F16) {
-                    ((uint16_t *)c->keys)[e * d + x] = kvrt_f32_to_f16(kx);
-                    ((uint16_t *)c->values)[e * d + x] = kvrt_f32_to_f16(vx);
-                } else {
-                    ((float *)c->keys)[e * d + x] = kx;
-                    ((float *)c->values)[e * d + x] = vx;
-                }
+                elem_put(dtype, c->keys, e * d + x, kx);
+                elem_put(dtype, c->values, e * d + x, vx);
             }
             c->bias[e] = 0.0f;
             c->positions[e] = (int32_t)t;
@@ -498,14 +504,14 @@ static void test_gather(kvrt_ctx *ctx, const char *bk) {
         uint32_t Hkv, d;
         int dtype, ragged;
     } shapes[] = {{200, 2, 64, KVRT_DTYPE_F32, 0}, {517, 4, 64, KVRT_DTYPE_F16, 1},
-                  {33, 1, 128, KVRT_DTYPE_F32, 0}};
+                  {517, 4, 64, KVRT_DTYPE_BF16, 1}, {33, 1, 128, KVRT_DTYPE_F32, 0}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T;
         const uint32_t Hkv = shapes[si].Hkv, d = shapes[si].d;
         const int dtype = shapes[si].dtype;
         char shape[96];
         snprintf(shape, sizeof shape, "T=%lld Hkv=%u d=%u%s %s", (long long)T, Hkv, d,
-                 shapes[si].ragged ? " ragged" : "", dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+                 shapes[si].ragged ? " ragged" : "", dtype_name(dtype));
         if (!row_runs(ctx, bk, "cache_gather", KVRT_OP_CACHE_GATHER, shape)) continue;
         uint64_t seed = 400 + si;
         float *k = randf(&seed, T * Hkv * d, -2.0f, 2.0f), *v = randf(&seed, T * Hkv * d, -2, 2);
@@ -921,7 +927,8 @@ static void test_am_head(kvrt_ctx *ctx, const char *bk) {
         int64_t n, t;
         int select, causal, dtype;
     } shapes[] = {{200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32},
-                  {300, 64, 100, 30, KVRT_AM_SELECT_OMP, 0, KVRT_DTYPE_F16}};
+                  {300, 64, 100, 30, KVRT_AM_SELECT_OMP, 0, KVRT_DTYPE_F16},
+                  {200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_BF16}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T, n = shapes[si].n, t = shapes[si].t;
         const uint32_t d = shapes[si].d;
@@ -930,7 +937,7 @@ static void test_am_head(kvrt_ctx *ctx, const char *bk) {
                  (long long)n, (long long)t,
                  shapes[si].select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
                  shapes[si].causal ? " causal" : "",
-                 shapes[si].dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+                 dtype_name(shapes[si].dtype));
         if (!row_runs(ctx, bk, "am_compact", KVRT_OP_AM_COMPACT, shape)) continue;
         uint64_t seed = 650 + si;
         kvrt_am_opts o;
@@ -999,7 +1006,7 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
                  (long long)T, H, Hkv, d,
                  shapes[si].select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
                  shapes[si].per_head ? " ratios" : "", (long long)shapes[si].chunk,
-                 dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+                 dtype_name(dtype));
         if (!row_runs(ctx, bk, "am_compact_layer", KVRT_OP_AM_COMPACT_LAYER, shape)) continue;
         uint64_t seed = 700 + si;
         kvrt_am_opts o;
@@ -1574,6 +1581,7 @@ static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
         int reducer, dtype, mc; /* mc: mass_comp */
     } shapes[] = {{1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 0},
                   {517, 2, 64, 16, 0.2, KVRT_MR_CLUSTER, KVRT_DTYPE_F16, 0},
+                  {517, 2, 64, 16, 0.2, KVRT_MR_CLUSTER, KVRT_DTYPE_BF16, 0},
                   {1024, 3, 64, 0, 0.05, KVRT_MR_RANDOM, KVRT_DTYPE_F32, 0},
                   {300, 2, 32, 8, 310, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 0},
                   {1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 1}};
@@ -1586,7 +1594,7 @@ static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
         snprintf(shape, sizeof shape, "T=%lld Hkv=%u d=%u m=%u budget=%g %s%s %s", (long long)T,
                  Hkv, d, shapes[si].m, shapes[si].budget,
                  kvrt_mr_reducer_name(shapes[si].reducer), shapes[si].mc ? " mass_comp" : "",
-                 shapes[si].dtype == KVRT_DTYPE_F16 ? "f16" : "f32");
+                 dtype_name(shapes[si].dtype));
         if (!row_runs(ctx, bk, "mr_compress", KVRT_OP_MR_COMPRESS, shape)) continue;
         uint64_t seed = 1100 + si;
         float *k = randf(&seed, nk, -1.0f, 1.0f), *v = randf(&seed, nk, -1.0f, 1.0f);

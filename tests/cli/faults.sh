@@ -268,6 +268,12 @@ for b in '' ',,,' '8,,16'; do
   err=$("$KVCC" "${EV[@]}" --budgets "$b" 2>&1 >/dev/null); ex=$?
   expect_sub 2 "--budgets: got '$b', expected a comma-separated list" "eval --budgets '$b'"
 done
+err=$("$KVCC" "${EV[@]}" --budgets 8 --cache-dtype f8 2>&1 >/dev/null); ex=$?
+expect_sub 2 "--cache-dtype: got 'f8', expected f32, f16 or bf16" "eval --cache-dtype f8"
+# bf16 storage runs (its rows differ from f32: fewer bytes kept)
+out32=$("$KVCC" "${EV[@]}" --budgets 8 --csv 2>/dev/null); out16=$("$KVCC" "${EV[@]}" --budgets 8 \
+  --cache-dtype bf16 --csv 2>/dev/null); ex=$?
+[[ $ex -eq 0 && -n "$out16" && "$out16" != "$out32" ]] && ok || bad "eval --cache-dtype bf16: exit $ex: $out16"
 CO=(compile --model smollm2-135m --corpus "$tmp/c.h5" -o "$tmp/o.kvpol")
 err=$("$KVCC" "${CO[@]}" --policies am --am-targets '' 2>&1); ex=$?
 expect_sub 2 "--am-targets: got ''" "compile --am-targets ''"

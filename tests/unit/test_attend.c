@@ -70,9 +70,12 @@ static kvrt_cache *rand_cache(uint32_t hkv, uint32_t d, int dtype, const int64_t
         if (dtype == KVRT_DTYPE_F32) {
             ((float *)c->keys)[i] = kv;
             ((float *)c->values)[i] = vv;
-        } else {
+        } else if (dtype == KVRT_DTYPE_F16) {
             ((uint16_t *)c->keys)[i] = kvrt_f32_to_f16(kv);
             ((uint16_t *)c->values)[i] = kvrt_f32_to_f16(vv);
+        } else {
+            ((uint16_t *)c->keys)[i] = kvrt_f32_to_bf16(kv);
+            ((uint16_t *)c->values)[i] = kvrt_f32_to_bf16(vv);
         }
     }
     for (int64_t e = 0; e < c->n_entries; e++) {
@@ -157,6 +160,109 @@ Test(cache_f16, rounds_to_nearest_even) {
 }
 
 // ----------------------------------------------------------------------------
+// bf16 conversions
+
+Test(cache_bf16, every_bf16_round_trips) {
+    for (uint32_t h = 0; h <= 0xFFFF; h++) {
+        const float f = kvrt_bf16_to_f32((uint16_t)h);
+        uint32_t u;
+        memcpy(&u, &f, sizeof u);
+        cr_assert_eq(u, h << 16, "bf16 0x%04x widens to 0x%08x", h, u);
+        if (isnan(f)) {
+            cr_assert(isnan(kvrt_bf16_to_f32(kvrt_f32_to_bf16(f))));
+            continue;
+        }
+        cr_assert_eq(kvrt_f32_to_bf16(f), (uint16_t)h, "bf16 0x%04x does not round-trip", h);
+    }
+}
+
+Test(cache_bf16, rounds_to_nearest_even) {
+    cr_assert_eq(kvrt_f32_to_bf16(1.0f), 0x3F80);
+    cr_assert_eq(kvrt_f32_to_bf16(1.0f + 0x1p-8f), 0x3F80);             /* tie: even (down) */
+    cr_assert_eq(kvrt_f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3F82);         /* tie: even (up) */
+    cr_assert_eq(kvrt_f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3F81);  /* above half: up */
+    cr_assert_eq(kvrt_f32_to_bf16(-1.0f - 0x1p-8f - 0x1p-20f), 0xBF81);
+    cr_assert_eq(kvrt_f32_to_bf16(0x1.fffffep127f), 0x7F80);           /* FLT_MAX -> inf */
+    cr_assert_eq(kvrt_f32_to_bf16(0x1.fep127f), 0x7F7F);               /* largest bf16 */
+    cr_assert_eq(kvrt_f32_to_bf16(-INFINITY), 0xFF80);
+    cr_assert_eq(kvrt_f32_to_bf16(-0.0f), 0x8000);
+    cr_assert_eq(kvrt_f32_to_bf16(0x1p-133f), 0x0001);                 /* smallest subnormal */
+    const uint16_t n = kvrt_f32_to_bf16(NAN), mn = kvrt_f32_to_bf16(-NAN);
+    cr_assert((n & 0x7F80) == 0x7F80 && (n & 0x7F) != 0, "NaN -> 0x%04x", n);
+    cr_assert((mn & 0x8000) && (mn & 0x7F) != 0, "-NaN -> 0x%04x", mn);
+    /* a NaN whose payload sits in the low 16 bits stays a NaN (not inf) */
+    const uint32_t low = 0x7F800001u;
+    float fl;
+    memcpy(&fl, &low, sizeof fl);
+    cr_assert(isnan(kvrt_bf16_to_f32(kvrt_f32_to_bf16(fl))));
+    /* random values: the result is a nearest bf16 */
+    uint64_t s = 7;
+    for (int i = 0; i < 200000; i++) {
+        const float x = rng_uniform(&s, -3.0e4f, 3.0e4f) * (i % 2 ? 1e-30f : 1.0f);
+        const uint16_t h = kvrt_f32_to_bf16(x);
+        const double got = kvrt_bf16_to_f32(h), lo = kvrt_bf16_to_f32((uint16_t)(h - 1)),
+                     hi = kvrt_bf16_to_f32((uint16_t)(h + 1));
+        if ((h & 0x7FFF) != 0 && (h & 0x7FFF) != 0x7F7F)
+            cr_assert(fabs(got - x) <= fabs(lo - x) && fabs(got - x) <= fabs(hi - x),
+                      "%.9g -> %.9g (neighbours %.9g, %.9g)", (double)x, got, lo, hi);
+    }
+}
+
+/* Attention over a bf16 cache equals attention over the f32 cache of the same (rounded)
+ * entries, on the fast path and the reference; the gather rounds each element as
+ * kvrt_f32_to_bf16 does, and the bytes are half the f32 cache's. */
+Test(cache_bf16, attention_equals_f32_of_the_rounded_entries) {
+    const uint32_t hkv = 2, H = 8, d = 64;
+    const int64_t counts[2] = {300, 117}, n = 3;
+    uint64_t s = 11;
+    kvrt_cache *cb = rand_cache(hkv, d, KVRT_DTYPE_BF16, counts, &s, 2.0f, 0.5f), *cf = NULL;
+    cr_assert_eq(kvrt_cache_create(hkv, d, KVRT_DTYPE_F32, counts, &cf), KVRT_OK);
+    for (int64_t i = 0; i < cb->n_entries * (int64_t)d; i++) {
+        ((float *)cf->keys)[i] = kvrt_bf16_to_f32(((const uint16_t *)cb->keys)[i]);
+        ((float *)cf->values)[i] = kvrt_bf16_to_f32(((const uint16_t *)cb->values)[i]);
+    }
+    memcpy(cf->bias, cb->bias, sizeof(float) * (size_t)cb->n_entries);
+    memcpy(cf->positions, cb->positions, sizeof(int32_t) * (size_t)cb->n_entries);
+    cr_assert_eq(kvrt_cache_bytes(cb) - kvrt_cache_bytes(cf),
+                 -(size_t)(2 * cb->n_entries * d * 2));
+    float *q = rand_buf((size_t)n * H * d, &s, -1, 1);
+    float *a = malloc(sizeof(float) * n * H * d), *b = malloc(sizeof(float) * n * H * d);
+    kvrt_ctx *ctx = cpu_ctx(2);
+    const float sc = 1.0f / sqrtf((float)d);
+    cr_assert_eq(kvrt_attend(ctx, q, n, H, cb, NULL, NULL, 0, sc, a, NULL), KVRT_OK, "%s",
+                 kvrt_ctx_last_error(ctx)->msg);
+    cr_assert_eq(kvrt_attend(ctx, q, n, H, cf, NULL, NULL, 0, sc, b, NULL), KVRT_OK);
+    expect_close(a, b, (size_t)n * H * d, "fast path: bf16 vs f32 of the rounded entries");
+    cr_assert_eq(kvrt_attend_ref(q, n, H, cb, NULL, NULL, 0, sc, a, NULL), KVRT_OK);
+    cr_assert_eq(kvrt_attend_ref(q, n, H, cf, NULL, NULL, 0, sc, b, NULL), KVRT_OK);
+    for (size_t i = 0; i < (size_t)n * H * d; i++) cr_assert_eq(a[i], b[i], "ref differs at %zu", i);
+    /* gather: element-wise kvrt_f32_to_bf16 */
+    const int64_t T = 50;
+    float *k = rand_buf((size_t)T * hkv * d, &s, -3, 3), *v = rand_buf((size_t)T * hkv * d, &s, -1, 1);
+    const int64_t sc_counts[2] = {T, T};
+    kvrt_selection *sel = NULL;
+    cr_assert_eq(kvrt_selection_create(hkv, sc_counts, &sel), KVRT_OK);
+    for (uint32_t j = 0; j < hkv; j++)
+        for (int64_t t = 0; t < T; t++) sel->positions[sel->offsets[j] + t] = (int32_t)t;
+    kvrt_cache *g = NULL;
+    cr_assert_eq(kvrt_cache_gather(k, v, T, hkv, d, sel, KVRT_DTYPE_BF16, &g), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    for (uint32_t j = 0; j < hkv; j++)
+        for (int64_t t = 0; t < T; t++)
+            for (uint32_t x = 0; x < d; x++) {
+                const size_t e = (size_t)(g->offsets[j] + t) * d + x, src = ((size_t)t * hkv + j) * d + x;
+                cr_assert_eq(((const uint16_t *)g->keys)[e], kvrt_f32_to_bf16(k[src]));
+                cr_assert_eq(((const uint16_t *)g->values)[e], kvrt_f32_to_bf16(v[src]));
+            }
+    kvrt_cache_free(g);
+    kvrt_selection_free(sel);
+    kvrt_ctx_free(ctx);
+    kvrt_cache_free(cb);
+    kvrt_cache_free(cf);
+    free(q); free(a); free(b); free(k); free(v);
+}
+
+// ----------------------------------------------------------------------------
 // caches
 
 Test(cache, bytes_are_exactly_what_the_counts_imply) {
@@ -199,7 +305,7 @@ Test(cache, create_refuses_bad_arguments) {
     cr_assert_null(c);
     cr_assert(strstr(kvrt_last_error()->msg, "counts[1]") != NULL, "%s", kvrt_last_error()->msg);
     const int64_t ok[2] = {3, 1};
-    cr_assert_eq(kvrt_cache_create(2, 8, KVRT_DTYPE_BF16, ok, &c), KVRT_ERR_DTYPE);
+    cr_assert_eq(kvrt_cache_create(2, 8, 7, ok, &c), KVRT_ERR_DTYPE); /* not a cache dtype */
     cr_assert_eq(kvrt_cache_create(0, 8, KVRT_DTYPE_F32, ok, &c), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_cache_create(2, 0, KVRT_DTYPE_F32, ok, &c), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_cache_create(2, 8, KVRT_DTYPE_F32, NULL, &c), KVRT_ERR_ARG);
@@ -611,7 +717,7 @@ Test(attend, refuses_bad_arguments) {
     in.q[5] = 0.0f;
     /* a cache with an unsupported dtype */
     const int saved = in.c->dtype;
-    in.c->dtype = KVRT_DTYPE_BF16;
+    in.c->dtype = 7; /* not a cache dtype */
     cr_assert_eq(kvrt_attend(ctx, in.q, 1, 4, in.c, NULL, NULL, 0, 1, out, lse), KVRT_ERR_DTYPE);
     in.c->dtype = saved;
     /* a cache claiming to live on CUDA, given to a CPU context */

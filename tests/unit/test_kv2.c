@@ -738,7 +738,7 @@ Test(kv2, plan_bad_inputs) {
     cr_expect_eq(kvrt_kv2_plan_compress(pl, 0, 41, k, v, KVRT_DTYPE_F32, &c), KVRT_ERR_ARG);
     cr_expect(has("kvrt_kv2_plan_compress: budget: kvrt_budget_resolve"), "%s",
               kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_kv2_plan_compress(pl, 0, 8, k, v, KVRT_DTYPE_BF16, &c), KVRT_ERR_DTYPE);
+    cr_expect_eq(kvrt_kv2_plan_compress(pl, 0, 8, k, v, 7, &c), KVRT_ERR_DTYPE); /* not a cache dtype */
     cr_expect_eq(kvrt_kv2_plan_compress(pl, 0, 8, NULL, v, KVRT_DTYPE_F32, &c), KVRT_ERR_ARG);
     cr_expect_eq(kvrt_kv2_plan_compress(pl, 0, 8, k, v, KVRT_DTYPE_F32, NULL), KVRT_ERR_ARG);
     /* budget = the sinks: only the sinks; f16 storage; budget = C: everything */
