@@ -209,6 +209,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
 #define KVRT_CUDA_PLUGIN_SONAME \
     KVRT_CUDA_PLUGIN_BASENAME "." KVRT_STR(KVRT_VERSION_MAJOR) "." KVRT_STR(KVRT_VERSION_MINOR)
 
+struct kvrt_compkv_base; /* core/policies.h */
 typedef struct kvrt_cuda_host {
     int api_version;          /* KVRT_CUDA_PLUGIN_API_VERSION */
     const char *kvrt_version; /* KVRT_VERSION_STRING of the loading libkvrt */
@@ -230,9 +231,10 @@ typedef struct kvrt_cuda_host {
     int64_t (*compilerkv_kept_window)(uint32_t window, int64_t budget, int64_t T);
     /* since API 4: CompKV's shared create checks and grouping fill (runtime/cuda/compkv.cu):
      * kvrt_compkv_create_check, kvrt_compkv_groups_fill of the loading libkvrt */
-    int (*compkv_create_check)(const char *fn, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
-                               uint32_t head_dim, int64_t capacity, const uint16_t *perm,
-                               const uint16_t *offsets, uint32_t *r);
+    int (*compkv_create_check)(const char *fn, kvrt_ctx *ctx, const kvrt_compkv_opts *o,
+                               uint32_t n_kv_heads, uint32_t head_dim, int64_t capacity,
+                               const uint16_t *perm, const uint16_t *offsets,
+                               struct kvrt_compkv_base *b);
     void (*compkv_groups_fill)(uint32_t hkv, uint32_t d, uint32_t r, const uint16_t *perm,
                                const uint16_t *offsets, uint16_t *pm, uint16_t *of);
 } kvrt_cuda_host;

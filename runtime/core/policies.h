@@ -84,7 +84,7 @@ KVRT_INTERNAL int kvrt_cpu_compilerkv_select(const kvrt_compilerkv_tables *tb,
 /* Every backend's kvrt_compkv begins with this (its first member): the context that created it,
  * so the front doors (core/compkv.c) dispatch to that context's table, and the shape and length
  * that the accessors (kvrt_compkv_length, _n_blocks, _groups) and the argument checks read. */
-typedef struct {
+typedef struct kvrt_compkv_base {
     kvrt_ctx *ctx;
     kvrt_compkv_opts o;      /* as given, o.scale and o.r resolved */
     uint32_t hkv, d, r;
@@ -92,11 +92,13 @@ typedef struct {
     int64_t len;             /* tokens held */
 } kvrt_compkv_base;
 /* The checks of kvrt_compkv_create shared by the backends (cpu/compkv.c; the CUDA plugin gets
- * them through kvrt_cuda_host): options, sizes, grouping, capacity; *r the number of groups. */
-KVRT_INTERNAL int kvrt_compkv_create_check(const char *fn, const kvrt_compkv_opts *o,
-                                           uint32_t n_kv_heads, uint32_t head_dim,
-                                           int64_t capacity, const uint16_t *perm,
-                                           const uint16_t *offsets, uint32_t *r);
+ * them through kvrt_cuda_host): options, sizes, grouping, capacity; then the new state's head
+ * *b (ctx, the options with scale and r resolved, shape, no token yet). */
+KVRT_INTERNAL int kvrt_compkv_create_check(const char *fn, kvrt_ctx *ctx,
+                                           const kvrt_compkv_opts *o, uint32_t n_kv_heads,
+                                           uint32_t head_dim, int64_t capacity,
+                                           const uint16_t *perm, const uint16_t *offsets,
+                                           kvrt_compkv_base *b);
 /* Full perm [hkv][d] and offsets [hkv][r + 1]: copies of the given ones, or index order. */
 KVRT_INTERNAL void kvrt_compkv_groups_fill(uint32_t hkv, uint32_t d, uint32_t r,
                                            const uint16_t *perm, const uint16_t *offsets,

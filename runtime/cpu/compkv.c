@@ -200,10 +200,11 @@ void kvrt_compkv_groups_fill(uint32_t hkv, uint32_t d, uint32_t r, const uint16_
 }
 
 /* kvrt_compkv_create_check: core/policies.h. */
-int kvrt_compkv_create_check(const char *fn, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
-                             uint32_t head_dim, int64_t capacity, const uint16_t *perm,
-                             const uint16_t *offsets, uint32_t *r) {
-    int rc = opts_check(fn, o, n_kv_heads, head_dim, perm, offsets, r);
+int kvrt_compkv_create_check(const char *fn, kvrt_ctx *ctx, const kvrt_compkv_opts *o,
+                             uint32_t n_kv_heads, uint32_t head_dim, int64_t capacity,
+                             const uint16_t *perm, const uint16_t *offsets, kvrt_compkv_base *b) {
+    uint32_t r = 0;
+    int rc = opts_check(fn, o, n_kv_heads, head_dim, perm, offsets, &r);
     if (rc != KVRT_OK) return rc;
     if (capacity < 1 || capacity > INT32_MAX)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: capacity = %lld tokens, expected 1..%d", fn,
@@ -211,6 +212,17 @@ int kvrt_compkv_create_check(const char *fn, const kvrt_compkv_opts *o, uint32_t
     if ((double)capacity * (double)n_kv_heads * (double)head_dim * 4.0 > (double)(SIZE_MAX / 4))
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: capacity %lld x %u KV heads x %u is too large", fn,
                        (long long)capacity, n_kv_heads, head_dim);
+    memset(b, 0, sizeof *b);
+    b->ctx = ctx;
+    b->o = *o;
+    b->o.scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)head_dim));
+    b->o.r = r;
+    b->hkv = n_kv_heads;
+    b->d = head_dim;
+    b->r = r;
+    b->cap = capacity;
+    b->cap_blocks = (capacity + o->block - 1) / o->block;
+    b->len = 0;
     return KVRT_OK;
 }
 
@@ -248,23 +260,16 @@ int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_
         kvrt_compkv_opts_init(&def);
         o = &def;
     }
-    uint32_t r = 0;
-    int rc = kvrt_compkv_create_check(fn, o, n_kv_heads, head_dim, capacity, perm, offsets, &r);
+    kvrt_compkv_base base;
+    int rc = kvrt_compkv_create_check(fn, ctx, o, n_kv_heads, head_dim, capacity, perm, offsets,
+                                      &base);
     if (rc != KVRT_OK) return rc;
+    const uint32_t r = base.r;
     const size_t hkv = n_kv_heads, d = head_dim;
     kvrt_compkv *s = calloc(1, sizeof *s);
     if (s == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    s->b.ctx = ctx;
-    s->b.o = *o;
-    s->scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)head_dim));
-    s->b.o.scale = s->scale;
-    s->b.o.r = r;
-    s->b.hkv = n_kv_heads;
-    s->b.d = head_dim;
-    s->b.r = r;
-    s->b.cap = capacity;
-    s->b.cap_blocks = (capacity + o->block - 1) / o->block;
-    s->b.len = 0;
+    s->b = base;
+    s->scale = base.o.scale;
     const size_t cb = (size_t)s->b.cap_blocks;
     s->k = malloc(sizeof(float) * (size_t)capacity * hkv * d);
     s->v = malloc(sizeof(float) * (size_t)capacity * hkv * d);

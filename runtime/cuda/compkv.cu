@@ -85,9 +85,11 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
     *out = NULL;
     if (o == NULL) /* the front door (core/compkv.c) passes the defaults */
         return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: options are NULL", fn);
-    uint32_t r = 0;
-    int rc = hs->compkv_create_check(fn, o, n_kv_heads, head_dim, capacity, perm, offsets, &r);
+    kvrt_compkv_base base;
+    int rc = hs->compkv_create_check(fn, ctx, o, n_kv_heads, head_dim, capacity, perm, offsets,
+                                     &base);
     if (rc != KVRT_OK) return rc;
+    const uint32_t r = base.r;
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
     ck_state *s = (ck_state *)calloc(1, sizeof *s);
     uint16_t *pm = (uint16_t *)malloc(sizeof(uint16_t) * n_kv_heads * head_dim);
@@ -98,16 +100,7 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
         free(of);
         return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
     }
-    s->b.ctx = ctx;
-    s->b.o = *o;
-    s->b.o.scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)head_dim));
-    s->b.o.r = r;
-    s->b.hkv = n_kv_heads;
-    s->b.d = head_dim;
-    s->b.r = r;
-    s->b.cap = capacity;
-    s->b.cap_blocks = (capacity + o->block - 1) / o->block;
-    s->b.len = 0;
+    s->b = base;
     hs->compkv_groups_fill(n_kv_heads, head_dim, r, perm, offsets, pm, of);
     const size_t hkv = n_kv_heads, d = head_dim, cb = (size_t)s->b.cap_blocks;
     const size_t kvb = sizeof(float) * (size_t)capacity * hkv * d;
