@@ -753,7 +753,8 @@ enum {
     COMPKV_EVAL_QUEST,
     COMPKV_EVAL_OMASS,  /* oracles: compkv's selection, unselected blocks with their exact mass */
     COMPKV_EVAL_OVALUE, /* ... with the paper's weight and their exact attention-weighted value */
-    COMPKV_EVAL_OVAR    /* ... with |b| e^{zbar + var/2}, var the exact within-block variance */
+    COMPKV_EVAL_OVAR,   /* ... with |b| e^{zbar + var/2}, var the exact within-block variance */
+    COMPKV_EVAL_OLIN    /* ... the paper's weight, the value to first order in z - zbar */
 };
 #define COMPKV_EVAL_DEFAULT_R 4
 
@@ -821,7 +822,8 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
     case COMPKV_EVAL_QUEST: o->compensate = 0; break;
     case COMPKV_EVAL_OMASS:
     case COMPKV_EVAL_OVALUE:
-    case COMPKV_EVAL_OVAR: e->use_grp = g != NULL; break;
+    case COMPKV_EVAL_OVAR:
+    case COMPKV_EVAL_OLIN: e->use_grp = g != NULL; break;
     default: break; /* compkv-index: index order, r of the artifact (else 4) */
     }
     p->block = (uint32_t)o->block;
@@ -836,13 +838,13 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
                  "ablations change run-time switches only); compkv-index, topk-mass, quest: index "
                  "order (r %u); "
                  "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u; "
-                 "compkv-omass/-ovalue/-ovar: oracle compensations (exact mass, exact value, "
-                 "exact-variance weight) on compkv's selection",
+                 "compkv-omass/-ovalue/-ovar/-olin: oracle compensations (exact mass, exact value, "
+                 "exact-variance weight, first-order value) on compkv's selection",
                  (unsigned)o->block, g->r, nl, g->n_layers * g->n_kv_heads, g->r, r16, d);
     } else {
         snprintf(p->note, sizeof p->note,
                  "blocks of %u tokens, budgets in blocks; no compiled grouping: "
-                 "compkv-index/-nocomp/-mass/-first and the oracles -omass/-ovalue/-ovar use index "
+                 "compkv-index/-nocomp/-mass/-first and the oracles -omass/-ovalue/-ovar/-olin use index "
                  "order (r %u); compkv-r1/-r16/-rd: r 1/%u/%u",
                  (unsigned)o->block, COMPKV_EVAL_DEFAULT_R < d ? COMPKV_EVAL_DEFAULT_R : d, r16, d);
     }
@@ -901,7 +903,10 @@ void kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hk
                 for (int64_t t = t0; t < t1; t++) sz += z[t];
                 const double zbar = sz / (double)n;
                 for (int64_t t = t0; t < t1; t++) {
-                    const double e = exp(z[t] - mx), wv = kind == KVCC_COMPKV_ORACLE_VALUE ? e : 1.0;
+                    const double e = exp(z[t] - mx);
+                    const double wv = kind == KVCC_COMPKV_ORACLE_VALUE    ? e
+                                      : kind == KVCC_COMPKV_ORACLE_LINEAR ? 1.0 + (z[t] - zbar)
+                                                                          : 1.0;
                     const float *vt = v + (size_t)t * Kd + (size_t)hk * d;
                     se += e;
                     sq += (z[t] - zbar) * (z[t] - zbar);
@@ -933,7 +938,7 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
     const int64_t ke = K < nb ? K : nb;
     *n_sel = ke;
     if (m->variant == COMPKV_EVAL_OMASS || m->variant == COMPKV_EVAL_OVALUE ||
-        m->variant == COMPKV_EVAL_OVAR) {
+        m->variant == COMPKV_EVAL_OVAR || m->variant == COMPKV_EVAL_OLIN) {
         const size_t d = e->d;
         float *S = malloc(sizeof *S * (size_t)e->Hkv * (size_t)nb);
         double *z = malloc(sizeof *z * ((size_t)len + 2 * d));
@@ -943,6 +948,7 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
             const double sc = e->o.scale > 0 ? (double)e->o.scale : 1.0 / sqrt((double)d);
             const int kind = m->variant == COMPKV_EVAL_OMASS    ? KVCC_COMPKV_ORACLE_MASS
                              : m->variant == COMPKV_EVAL_OVALUE ? KVCC_COMPKV_ORACLE_VALUE
+                             : m->variant == COMPKV_EVAL_OLIN   ? KVCC_COMPKV_ORACLE_LINEAR
                                                                 : KVCC_COMPKV_ORACLE_VAR;
             kvcc_compkv_oracle_attend(kind, q, H, e->Hkv, e->d, e->o.block, sc, k, v, len, blocks,
                                       ke, z, out);
@@ -984,6 +990,7 @@ static const kvcc_eval_method compkv_eval_methods[] = {
     COMPKV_EVAL_METHOD("compkv-omass", COMPKV_EVAL_OMASS, 2, 0),
     COMPKV_EVAL_METHOD("compkv-ovalue", COMPKV_EVAL_OVALUE, 1, 0),
     COMPKV_EVAL_METHOD("compkv-ovar", COMPKV_EVAL_OVAR, 3, 0),
+    COMPKV_EVAL_METHOD("compkv-olin", COMPKV_EVAL_OLIN, 1, 0),
     {.name = NULL},
 };
 

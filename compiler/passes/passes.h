@@ -160,9 +160,12 @@ int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm,
  *   MASS:   w_b = sum_{t in b} e^{z_t} (exact),  u_b = mean value
  *   VALUE:  w_b = n e^{zbar},                    u_b = sum e^{z_t} v_t / sum e^{z_t} (exact)
  *   VAR:    w_b = n e^{zbar + var / 2},          u_b = mean value
+ *   LINEAR: w_b = n e^{zbar},                    u_b = mean value + (1/n) sum (z_t - zbar) v_t
+ *           (the weighted value to first order in z - zbar, consistent with the first-order
+ *           weight: what a per-block key-value covariance C_b would give, u = vbar + scale q C_b)
  * scratch: len + 2 d doubles. */
 enum { KVCC_COMPKV_ORACLE_PAPER, KVCC_COMPKV_ORACLE_MASS, KVCC_COMPKV_ORACLE_VALUE,
-       KVCC_COMPKV_ORACLE_VAR };
+       KVCC_COMPKV_ORACLE_VAR, KVCC_COMPKV_ORACLE_LINEAR };
 void kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
                                uint32_t block, double scale, const float *k, const float *v,
                                int64_t len, const int32_t *blocks, int64_t ns, double *scratch,

@@ -338,7 +338,7 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
     const char *methods[] = {"full",        "compkv",       "compkv-index", "compkv-nocomp",
                              "compkv-mass", "compkv-first", "compkv-r1",    "compkv-r16",
                              "compkv-rd",   "topk-mass",    "quest",        "compkv-omass",
-                             "compkv-ovalue", "compkv-ovar"};
+                             "compkv-ovalue", "compkv-ovar",  "compkv-olin"};
     const int nm = (int)(sizeof methods / sizeof methods[0]);
     double budgets[] = {4, 100, 0.5}; /* 128 + 16 tokens = 9 blocks: 100 selects every block */
     kvcc_eval_opts o = {.corpus = corpus, .policy = art, .methods = methods, .n_methods = nm, .budgets = budgets,
@@ -387,16 +387,16 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
 
 /* The oracle compensations against the runtime and against exact attention, on inputs where
  * each must be exact: PAPER is kvrt_compkv_attend_blocks_ref's formula; with keys equal inside
- * every block all four are exact attention (one logit per block); with values equal inside every
- * block VALUE is PAPER and MASS is exact; with blocks of one token all four are exact. */
+ * every block all five are exact attention (one logit per block); with values equal inside every
+ * block VALUE and LINEAR are PAPER and MASS is exact; with blocks of one token all are exact. */
 static void oracle_case(uint32_t hkv, uint32_t H, uint32_t d, uint32_t block, int64_t T, int keys_eq,
                         int vals_eq, uint64_t seed) {
     const size_t Kd = (size_t)hkv * d;
     float *k = malloc(sizeof(float) * T * Kd), *v = malloc(sizeof(float) * T * Kd);
     float *q = malloc(sizeof(float) * H * d);
-    float *out[4], *exact = malloc(sizeof(float) * H * d), *rt = malloc(sizeof(float) * H * d);
+    float *out[5], *exact = malloc(sizeof(float) * H * d), *rt = malloc(sizeof(float) * H * d);
     cr_assert(k && v && q && exact && rt);
-    for (int i = 0; i < 4; i++) cr_assert_not_null(out[i] = malloc(sizeof(float) * H * d));
+    for (int i = 0; i < 5; i++) cr_assert_not_null(out[i] = malloc(sizeof(float) * H * d));
     for (int64_t t = 0; t < T; t++)
         for (size_t x = 0; x < Kd; x++) {
             const int64_t src = keys_eq ? t - t % block : t, srv = vals_eq ? t - t % block : t;
@@ -420,7 +420,7 @@ static void oracle_case(uint32_t hkv, uint32_t H, uint32_t d, uint32_t block, in
     }
     const double scale = 1.0 / sqrt((double)d);
     kvcc_compkv_oracle_attend(KVCC_COMPKV_ORACLE_PAPER, q, H, hkv, d, block, scale, k, v, T, all, nb, scr, exact);
-    for (int kind = 0; kind < 4; kind++)
+    for (int kind = 0; kind < 5; kind++)
         kvcc_compkv_oracle_attend(kind, q, H, hkv, d, block, scale, k, v, T, sel, ns, scr, out[kind]);
     /* PAPER against the runtime's reference */
     kvrt_compkv_opts o;
@@ -431,24 +431,27 @@ static void oracle_case(uint32_t hkv, uint32_t H, uint32_t d, uint32_t block, in
     cr_assert_eq(kvrt_compkv_append(st, k, v, T), KVRT_OK);
     cr_assert_eq(kvrt_compkv_attend_blocks_ref(st, q, H, sel, ns, rt), KVRT_OK, "%s", kvrt_last_error()->msg);
     kvrt_compkv_free(st);
-    double e_rt = 0, e_ex[4] = {0}, e_vp = 0, n2 = 0;
+    double e_rt = 0, e_ex[5] = {0}, e_vp = 0, e_lp = 0, n2 = 0;
     for (size_t x = 0; x < (size_t)H * d; x++) {
         n2 += (double)exact[x] * exact[x];
         e_rt += ((double)out[0][x] - rt[x]) * ((double)out[0][x] - rt[x]);
         e_vp += ((double)out[2][x] - out[0][x]) * ((double)out[2][x] - out[0][x]);
-        for (int i = 0; i < 4; i++) e_ex[i] += ((double)out[i][x] - exact[x]) * ((double)out[i][x] - exact[x]);
+        e_lp += ((double)out[4][x] - out[0][x]) * ((double)out[4][x] - out[0][x]);
+        for (int i = 0; i < 5; i++) e_ex[i] += ((double)out[i][x] - exact[x]) * ((double)out[i][x] - exact[x]);
     }
     const double tol = 1e-10 * n2;
     cr_expect_leq(e_rt, tol, "PAPER vs kvrt_compkv_attend_blocks_ref: %g (B %u, T %lld)", e_rt, block, (long long)T);
     const int one = block == 1;
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         const int must = one || keys_eq || (vals_eq && i == KVCC_COMPKV_ORACLE_MASS);
         if (must) cr_expect_leq(e_ex[i], tol, "kind %d vs exact: %g (B %u keys_eq %d vals_eq %d)", i, e_ex[i], block, keys_eq, vals_eq);
         else cr_expect_gt(e_ex[i], 1e-8 * n2, "kind %d is exact where it cannot be (B %u)", i, block);
     }
     if (vals_eq) cr_expect_leq(e_vp, tol, "VALUE vs PAPER with equal values: %g", e_vp);
+    if (vals_eq) cr_expect_leq(e_lp, tol, "LINEAR vs PAPER with equal values: %g", e_lp);
+    else if (!one && !keys_eq) cr_expect_gt(e_lp, 1e-8 * n2, "LINEAR equals PAPER with distinct values");
     else if (!one && !keys_eq) cr_expect_gt(e_vp, 1e-8 * n2, "VALUE equals PAPER with distinct values");
-    for (int i = 0; i < 4; i++) free(out[i]);
+    for (int i = 0; i < 5; i++) free(out[i]);
     free(k); free(v); free(q); free(exact); free(rt); free(sel); free(all); free(scr);
 }
 
