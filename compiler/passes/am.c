@@ -48,20 +48,42 @@
 #define AM_UNITS 1024 /* budget units per head (fractions of T) */
 
 // ----------------------------------------------------------------------------
-// repeat-prefill reference queries (kvrt.h, kvrt_am_compact_layer_ref): the built-in model runs
-// [context], then [instruction, context] at position ids C .. 2C + m - 1 on top of it (rolled
-// back); the second copy's post-RoPE queries of every layer are the reference queries, each
-// seeing the whole first copy (no positions).
+// reference queries from the built-in model (kvrt.h, kvrt_am_compact_layer_ref):
+//  - repeat-prefill: the model runs [context], then [instruction, context] at position ids
+//    C .. 2C + m - 1 on top of it (rolled back); the second copy's post-RoPE queries of every
+//    layer are the reference queries, each seeing the whole first copy (no positions);
+//  - self-study: for each of AM_SELF_STUDY_N chat turns about the context (a detailed summary;
+//    five questions with their answers) the model runs [context, instruction] and answers
+//    greedily for up to AM_SELF_STUDY_TOKENS tokens (until it ends its turn); after rolling back
+//    to the context, one extension pass over [instruction, answer] gives every layer's
+//    post-RoPE queries; those of all turns, instructions included, are the reference queries,
+//    each seeing the whole context (no positions). SmolLM2-135M's questions repeat themselves
+//    (greedy, a small model); its summaries follow the text, hence both turns.
 
 /* The instruction between the two copies: the Instruct chat turn asking for the repeat. */
 #define AM_REPEAT_INSTR                                                                            \
     "<|im_end|>\n<|im_start|>user\nRepeat the text above exactly.<|im_end|>\n"                    \
     "<|im_start|>assistant\n"
+/* Self-study: the chat turns about the context, and how much the model may answer to each. */
+#define AM_SELF_STUDY_N 2
+static const char *const am_self_study_instr[AM_SELF_STUDY_N] = {
+    "<|im_end|>\n<|im_start|>user\nSummarize the text above in detail.<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "<|im_end|>\n<|im_start|>user\nWrite five questions about the text above, each followed by "
+    "its answer.<|im_end|>\n<|im_start|>assistant\n"};
+#define AM_SELF_STUDY_TOKENS 256
+#define AM_TURN_END "<|im_end|>"
 
 typedef struct {
     kvcc_loaded_model lm;
-    int32_t *instr;          /* [m] the instruction's token ids */
+    int self_study;          /* 0: repeat-prefill, 1: self-study */
+    int32_t *instr;          /* [m] the instruction's token ids (repeat) */
     int m;
+    int32_t *sinstr[AM_SELF_STUDY_N]; /* self-study: the turns' token ids, [sm[i]] each */
+    int sm[AM_SELF_STUDY_N];
+    int32_t eos;             /* self-study: the token that ends the model's turn */
+    float *logits;           /* self-study: [V] */
+    int64_t n_ref;           /* reference queries per layer: C (repeat) or the answer's length */
     kvcc_state *st;
     int st_cap;
     int32_t *ids;            /* [m + C] */
@@ -82,6 +104,8 @@ static void am_repeat_free(am_repeat *R) {
     free(R->qref);
     free(R->ids);
     free(R->instr);
+    for (int i = 0; i < AM_SELF_STUDY_N; i++) free(R->sinstr[i]);
+    free(R->logits);
     kvcc_state_free(R->st);
     kvcc_loaded_model_free(&R->lm);
     free(R);
@@ -90,7 +114,8 @@ static void am_repeat_free(am_repeat *R) {
 /* Load the model of gguf and tokenize the instruction; checked against the corpus's shape
  * (L, H, Hkv, d). NULL with the message in err. */
 static am_repeat *am_repeat_open(const char *gguf, int precision, uint32_t L, uint32_t H,
-                                 uint32_t Hkv, uint32_t d, char *err, size_t errlen) {
+                                 uint32_t Hkv, uint32_t d, int self_study, char *err,
+                                 size_t errlen) {
     am_repeat *R = calloc(1, sizeof *R);
     char msg[512];
     if (R == NULL) {
@@ -111,17 +136,39 @@ static am_repeat *am_repeat_open(const char *gguf, int precision, uint32_t L, ui
         am_repeat_free(R);
         return NULL;
     }
-    size_t ni = 0;
+    size_t ni = 0, ne = 0;
+    int32_t *eos = NULL;
+    R->self_study = self_study;
     R->xq = calloc(L, sizeof *R->xq);
     R->qref = calloc(L, sizeof *R->qref);
-    if (!R->xq || !R->qref ||
-        kvcc_tok_encode(R->lm.tok, AM_REPEAT_INSTR, strlen(AM_REPEAT_INSTR),
-                        KVCC_TOK_PARSE_SPECIAL, &R->instr, &ni) != 0 || ni < 1) {
-        snprintf(err, errlen, "am: tokenizing the repeat instruction with %s failed", gguf);
+    int bad = !R->xq || !R->qref ||
+              kvcc_tok_encode(R->lm.tok, AM_REPEAT_INSTR, strlen(AM_REPEAT_INSTR),
+                              KVCC_TOK_PARSE_SPECIAL, &R->instr, &ni) != 0 || ni < 1;
+    for (int i = 0; self_study && !bad && i < AM_SELF_STUDY_N; i++) {
+        size_t k = 0;
+        bad = kvcc_tok_encode(R->lm.tok, am_self_study_instr[i], strlen(am_self_study_instr[i]),
+                              KVCC_TOK_PARSE_SPECIAL, &R->sinstr[i], &k) != 0 || k < 1;
+        R->sm[i] = (int)k;
+    }
+    if (bad || (self_study && (kvcc_tok_encode(R->lm.tok, AM_TURN_END, strlen(AM_TURN_END),
+                                               KVCC_TOK_PARSE_SPECIAL, &eos, &ne) != 0 || ne != 1))) {
+        snprintf(err, errlen, "am: tokenizing the %s instruction with %s failed",
+                 self_study ? "self-study" : "repeat", gguf);
+        free(eos);
         am_repeat_free(R);
         return NULL;
     }
     R->m = (int)ni;
+    if (self_study) {
+        R->eos = eos[0];
+        free(eos);
+        R->logits = malloc(sizeof(float) * (size_t)R->lm.model->hp.n_vocab);
+        if (!R->logits) {
+            snprintf(err, errlen, "am: out of memory");
+            am_repeat_free(R);
+            return NULL;
+        }
+    }
     return R;
 }
 
@@ -134,7 +181,11 @@ static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err,
     const kvcc_model *m = R->lm.model;
     const int L = m->hp.n_layer;
     const size_t Hd = (size_t)m->hp.n_head * m->hp.head_dim;
-    const int64_t n = R->m + C;
+    int64_t n = R->m + C; /* rows of the extension buffers */
+    if (R->self_study) {
+        n = 0;
+        for (int i = 0; i < AM_SELF_STUDY_N; i++) n += R->sm[i] + AM_SELF_STUDY_TOKENS;
+    }
     R->C = 0;
     if (C < 1 || C + n > (1 << 24)) {
         snprintf(err, errlen, "am: context of %lld tokens, expected 1..%d for repeat queries",
@@ -168,25 +219,63 @@ static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err,
             return KVCC_EXIT_FAILED;
         }
     }
-    memcpy(R->ids, R->instr, sizeof(int32_t) * (size_t)R->m);
-    memcpy(R->ids + R->m, tok, sizeof(int32_t) * (size_t)C);
     kvcc_state_reset(R->st);
-    if (kvcc_model_prefill(m, R->st, tok, (int)C, NULL, KVCC_LOGITS_NONE) != 0 ||
-        kvcc_model_extend(m, R->st, R->ids, (int)n, R->xq, NULL) != 0) {
-        snprintf(err, errlen, "am: the model failed on the repeat-prefill of a %lld-token context",
-                 (long long)C);
+    int bad = kvcc_model_prefill(m, R->st, tok, (int)C, NULL, KVCC_LOGITS_NONE) != 0;
+    if (!R->self_study) {
+        memcpy(R->ids, R->instr, sizeof(int32_t) * (size_t)R->m);
+        memcpy(R->ids + R->m, tok, sizeof(int32_t) * (size_t)C);
+        bad = bad || kvcc_model_extend(m, R->st, R->ids, (int)n, R->xq, NULL) != 0;
+        for (int l = 0; l < L; l++) R->qref[l] = R->xq[l] + (size_t)R->m * Hd;
+        R->n_ref = C;
+    } else {
+        const int V = m->hp.n_vocab;
+        const char *show = getenv("KVCC_AM_SHOW_SELF_STUDY"); /* a diagnostic: the answers */
+        int64_t off = 0; /* rows of xq filled */
+        float **qp = calloc((size_t)L, sizeof *qp);
+        bad = bad || qp == NULL;
+        for (int i = 0; i < AM_SELF_STUDY_N && !bad; i++) {
+            /* the answer, greedy, until the end of the turn (not kept) or AM_SELF_STUDY_TOKENS */
+            int32_t *ids = R->ids + off;
+            const int mi = R->sm[i];
+            int64_t g = 0;
+            memcpy(ids, R->sinstr[i], sizeof(int32_t) * (size_t)mi);
+            bad = kvcc_model_prefill(m, R->st, ids, mi, R->logits, KVCC_LOGITS_LAST) != 0;
+            while (!bad && g < AM_SELF_STUDY_TOKENS) {
+                const int32_t t = kvcc_argmax(R->logits, V);
+                if (t == R->eos) break;
+                ids[mi + g++] = t;
+                if (g < AM_SELF_STUDY_TOKENS) bad = kvcc_model_decode(m, R->st, t, R->logits) != 0;
+            }
+            bad = bad || kvcc_state_truncate(R->st, (int)C) != 0;
+            char *txt = NULL;
+            size_t tl = 0;
+            if (!bad && show && *show && strcmp(show, "0") &&
+                kvcc_tok_decode(R->lm.tok, ids + mi, (size_t)g, &txt, &tl) == 0)
+                fprintf(stderr, "am: self-study turn %d: %lld tokens answering about a %lld-token "
+                        "context:\n%.*s\n", i + 1, (long long)g, (long long)C, (int)tl, txt);
+            free(txt);
+            for (int l = 0; l < L; l++) qp[l] = R->xq[l] + (size_t)off * Hd;
+            bad = bad || kvcc_model_extend(m, R->st, ids, (int)(mi + g), qp, NULL) != 0;
+            off += mi + g;
+        }
+        free(qp);
+        for (int l = 0; l < L; l++) R->qref[l] = R->xq[l];
+        R->n_ref = off;
+    }
+    if (bad) {
+        snprintf(err, errlen, "am: the model failed on the %s of a %lld-token context",
+                 R->self_study ? "self-study generation" : "repeat-prefill", (long long)C);
         return KVCC_EXIT_FAILED;
     }
-    for (int l = 0; l < L; l++) R->qref[l] = R->xq[l] + (size_t)R->m * Hd;
     R->C = C;
     R->key = key;
     R->gen_s = kvcc_now_s() - t0;
     return 0;
 }
 
-/* One model per run of kvcc eval, shared by every AM row that runs repeat queries (they then
- * also share each context's queries). */
-static am_repeat *am_repeat_shared;
+/* One model per run of kvcc eval and query source (repeat, self-study), shared by every AM row
+ * that runs those queries (they then also share each context's queries). */
+static am_repeat *am_repeat_shared[2];
 
 // ----------------------------------------------------------------------------
 // loss curves and the greedy exchange
@@ -243,9 +332,11 @@ static void greedy_exchange(const double *r, const float *curves, int nr, int nh
 // ----------------------------------------------------------------------------
 // run
 
-/* --am-queries: "context" (default) or "repeat" */
+/* --am-queries: "context" (default), "repeat" or "self-study" */
 static const char *am_source(const kvcc_compile_ctx *cx) {
-    return cx->am_queries && !strcmp(cx->am_queries, "repeat") ? "repeat" : "context";
+    if (cx->am_queries && !strcmp(cx->am_queries, "repeat")) return "repeat";
+    if (cx->am_queries && !strcmp(cx->am_queries, "self-study")) return "self-study";
+    return "context";
 }
 
 /* The curves (f32 in the artifact) from the sums loss / merr [L, Hkv, nr], the schedule of every
@@ -358,9 +449,11 @@ static int am_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
                  cx->am_floor);
         return KVCC_EXIT_USAGE;
     }
-    if (cx->am_queries && !strcmp(cx->am_queries, "repeat") && !cx->gguf) {
-        snprintf(err, errlen, "--am-queries repeat needs --gguf M: the built-in model runs the "
-                 "repeat-prefill that gives the reference queries (or use --am-queries context)");
+    if (strcmp(am_source(cx), "context") && !cx->gguf) {
+        snprintf(err, errlen, "--am-queries %s needs --gguf M: the built-in model runs the "
+                 "%s that gives the reference queries (or use --am-queries context)",
+                 am_source(cx), strcmp(am_source(cx), "repeat") ? "self-study generation"
+                                                               : "repeat-prefill");
         return KVCC_EXIT_USAGE;
     }
     if (!(cx->am_recent >= 0 && cx->am_recent < 1)) {
@@ -406,10 +499,12 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
     }
     kvrt_cache **ccs = calloc((size_t)nr, sizeof *ccs);
     /* repeat-prefill queries: the built-in model, the context's tokens */
-    const int repeat = !strcmp(am_source(cx), "repeat");
+    const int repeat = strcmp(am_source(cx), "context") != 0; /* queries from the model */
     am_repeat *R = NULL;
     int32_t *tok = NULL;
-    if (!rc && repeat && !(R = am_repeat_open(cx->gguf, cx->precision, L, H, Hkv, d, err, errlen)))
+    if (!rc && repeat &&
+        !(R = am_repeat_open(cx->gguf, cx->precision, L, H, Hkv, d,
+                             !strcmp(am_source(cx), "self-study"), err, errlen)))
         rc = KVCC_EXIT_USAGE;
     kvcc_loop lp;
     if (!rc) rc = kvcc_loop_open(&lp, c, "am", KVCC_LOOP_REF | KVCC_LOOP_REF_CTX, err, errlen);
@@ -465,7 +560,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
                     break;
                 }
             }
-            int s = repeat ? kvrt_am_compact_layer_multi_ref(lp.rt, &ao, R->qref[l], NULL, C, lp.k,
+            int s = repeat ? kvrt_am_compact_layer_multi_ref(lp.rt, &ao, R->qref[l], NULL, R->n_ref, lp.k,
                                                              lp.v, C, H, Hkv, d, nr, NULL,
                                                              cx->am_ratios, KVRT_DTYPE_F32, ccs,
                                                              NULL)
@@ -601,14 +696,16 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
 // am-uniform, am-omp, am-repeat, am-omp-repeat (explicit uncompiled variants: every head at the
 // row's ratio, kvrt_am_opts_init's options; the -repeat ones with repeat-prefill queries)
 
-enum { AM_EVAL_SCHEDULED, AM_EVAL_UNIFORM, AM_EVAL_OMP, AM_EVAL_REPEAT, AM_EVAL_OMP_REPEAT };
+enum { AM_EVAL_SCHEDULED, AM_EVAL_UNIFORM, AM_EVAL_OMP, AM_EVAL_REPEAT, AM_EVAL_OMP_REPEAT,
+       AM_EVAL_SELF };
 
 /* A method's state: its options (the compiled ones for am), the schedule (am), and the model
  * that makes repeat-prefill queries (rows that run them; shared by every such row). */
 typedef struct {
     kvrt_am_opts o;
     const kvrt_am_schedule *s; /* am only */
-    int repeat;                /* reference queries: repeat-prefill (else the context's own) */
+    int repeat;                /* reference queries from the model (else the context's own) */
+    int self_study;            /* ... self-study (else repeat-prefill) */
     am_repeat *R;
 } am_eval_state;
 
@@ -680,32 +777,36 @@ static void am_eval_release(void *state) {
     am_eval_state *st = state;
     if (st == NULL) return;
     if (st->R && --st->R->refs == 0) {
+        for (int i = 0; i < 2; i++)
+            if (am_repeat_shared[i] == st->R) am_repeat_shared[i] = NULL;
         am_repeat_free(st->R);
-        if (am_repeat_shared == st->R) am_repeat_shared = NULL;
     }
     free(st);
 }
 
-/* The shared model of the repeat rows (opened by the first). 0 or KVCC_EXIT_*. */
+/* The shared model of the rows with repeat-prefill or self-study queries (opened by the first
+ * of each). 0 or KVCC_EXIT_*. */
 static int am_eval_repeat_model(const kvcc_eval_method *m, const kvcc_eval_env *env,
                                 am_eval_state *st, char *err, size_t errlen) {
+    const char *what = st->self_study ? "self-study" : "repeat-prefill";
     if (!env->gguf) {
-        snprintf(err, errlen, "%s: repeat-prefill reference queries need the model: give --gguf M "
-                 "(the layer-local rows too: the model runs the repeat-prefill of every corpus "
-                 "prompt)%s", m->name,
+        snprintf(err, errlen, "%s: %s reference queries need the model: give --gguf M "
+                 "(the layer-local rows too: the model runs the %s of every corpus "
+                 "prompt)%s", m->name, what, what,
                  m->variant == AM_EVAL_SCHEDULED ? "; --policy was calibrated with them" : "");
         return KVCC_EXIT_USAGE;
     }
-    if (!am_repeat_shared) {
+    am_repeat **sh = &am_repeat_shared[st->self_study ? 1 : 0];
+    if (!*sh) {
         char e2[600];
-        am_repeat_shared = am_repeat_open(env->gguf, env->precision, env->L, env->H, env->Hkv,
-                                          env->d, e2, sizeof e2);
-        if (!am_repeat_shared) {
+        *sh = am_repeat_open(env->gguf, env->precision, env->L, env->H, env->Hkv, env->d,
+                             st->self_study, e2, sizeof e2);
+        if (!*sh) {
             snprintf(err, errlen, "%s: %s", m->name, e2);
             return KVCC_EXIT_USAGE;
         }
     }
-    st->R = am_repeat_shared;
+    st->R = *sh;
     st->R->refs++;
     return 0;
 }
@@ -725,7 +826,9 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
         kvrt_am_opts_init(&st->o);
         if (m->variant == AM_EVAL_OMP || m->variant == AM_EVAL_OMP_REPEAT)
             st->o.key_select = KVRT_AM_SELECT_OMP;
-        st->repeat = m->variant == AM_EVAL_REPEAT || m->variant == AM_EVAL_OMP_REPEAT;
+        st->repeat = m->variant == AM_EVAL_REPEAT || m->variant == AM_EVAL_OMP_REPEAT ||
+                     m->variant == AM_EVAL_SELF;
+        st->self_study = m->variant == AM_EVAL_SELF;
         rc = am_env_opts(&st->o, err, errlen);
     } else {
         const kvrt_am_schedule *s = handle;
@@ -733,18 +836,13 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
         st->s = s;
         int k = kvrt_am_schedule_opts(s, &st->o);
         if (!k) k = kvrt_am_schedule_query_source(s, &qs);
-        if (!k && qs == KVRT_AM_QUERIES_SELF_STUDY) {
-            snprintf(err, errlen, "am: --policy %s was calibrated with self-study reference "
-                     "queries, which kvcc eval does not generate", env->policy_path);
-            free(st);
-            return KVCC_EXIT_USAGE;
-        }
         for (int j = 0; !k && j < env->n_budgets; j++) {
             const float *ratios;
             if (env->budgets[j] < 1) k = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
         }
         if (k) rc = kvcc_eval_policy_error(env, k, err, errlen);
-        st->repeat = qs == KVRT_AM_QUERIES_REPEAT;
+        st->repeat = qs == KVRT_AM_QUERIES_REPEAT || qs == KVRT_AM_QUERIES_SELF_STUDY;
+        st->self_study = qs == KVRT_AM_QUERIES_SELF_STUDY;
     }
     if (!rc && st->repeat) rc = am_eval_repeat_model(m, env, st, err, errlen);
     if (rc) {
@@ -752,8 +850,10 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
         return rc;
     }
     am_opts_text(&st->o, txt, sizeof txt);
-    const char *qtxt = st->repeat ? "repeat-prefill reference queries from --gguf"
-                                  : "the context's own reference queries";
+    const char *qtxt = st->self_study ? "self-study reference queries from --gguf (its greedy "
+                                        "questions and answers about the context)"
+                       : st->repeat ? "repeat-prefill reference queries from --gguf"
+                                    : "the context's own reference queries";
     if (m->variant == AM_EVAL_SCHEDULED)
         snprintf(p->note, sizeof p->note,
                  "am: the compiled per-head schedule with the compiled options (%s; %s)", txt,
@@ -799,14 +899,14 @@ static int am_eval_layer(const kvcc_eval_method *m, am_eval_state *st, const kvc
             return KVRT_ERR_ARG;
         }
         if (x->shared_s) *x->shared_s += R->gen_s / env->L; /* the model's share of the row */
+        const int qs = R->self_study ? KVRT_AM_QUERIES_SELF_STUDY : KVRT_AM_QUERIES_REPEAT;
         if (m->variant == AM_EVAL_SCHEDULED)
-            return kvrt_am_compact_scheduled_ref(env->rt, st->s, NULL, 0, budget, x->layer,
-                                                 KVRT_AM_QUERIES_REPEAT, R->qref[x->layer], NULL,
-                                                 x->C, x->k, x->v, x->C, env->H, env->dtype, out,
-                                                 NULL);
-        return kvrt_am_compact_layer_ref(env->rt, &st->o, R->qref[x->layer], NULL, x->C, x->k,
-                                         x->v, x->C, env->H, env->Hkv, env->d, NULL, budget,
-                                         env->dtype, out, NULL);
+            return kvrt_am_compact_scheduled_ref(env->rt, st->s, NULL, 0, budget, x->layer, qs,
+                                                 R->qref[x->layer], NULL, R->n_ref, x->k, x->v,
+                                                 x->C, env->H, env->dtype, out, NULL);
+        return kvrt_am_compact_layer_ref(env->rt, &st->o, R->qref[x->layer], NULL, R->n_ref,
+                                         x->k, x->v, x->C, env->H, env->Hkv, env->d, NULL,
+                                         budget, env->dtype, out, NULL);
     }
     if (m->variant == AM_EVAL_SCHEDULED)
         return kvrt_am_compact_scheduled(env->rt, st->s, NULL, 0, budget, x->layer, x->q, x->k,
@@ -893,6 +993,7 @@ static const kvcc_eval_method am_eval_methods[] = {
     AM_EVAL_METHOD("am-omp", AM_EVAL_OMP, NULL, NULL, NULL),
     AM_EVAL_METHOD("am-repeat", AM_EVAL_REPEAT, NULL, NULL, am_eval_compress_all),
     AM_EVAL_METHOD("am-omp-repeat", AM_EVAL_OMP_REPEAT, NULL, NULL, am_eval_compress_all),
+    AM_EVAL_METHOD("am-self", AM_EVAL_SELF, NULL, NULL, am_eval_compress_all),
     {.name = NULL},
 };
 
@@ -916,11 +1017,12 @@ static const kvcc_pass_option am_options[] = {
     {"am-sinks", KVCC_OPT_U32, "N", "4",
      "first N keys of every head kept exactly (beta 0), inside its budget (written; eval runs it)",
      AM_OPT(am_sinks), 0, 0, 1u << 20, NULL, 0},
-    {"am-queries", KVCC_OPT_CHOICE, "context|repeat", "context",
-     "reference queries of the calibration: the context's own (causal) or repeat-prefill (the "
+    {"am-queries", KVCC_OPT_CHOICE, "context|repeat|self-study", "context",
+     "reference queries of the calibration: the context's own (causal), repeat-prefill (the "
      "model runs the context, an instruction to repeat it and the context again; the second "
-     "copy's queries; needs --gguf) (written; eval runs it)", AM_OPT(am_queries), 0, 0, 0,
-     "context|repeat", 0},
+     "copy's queries) or self-study (the model's greedy questions and answers about the context, "
+     "up to 256 tokens; their queries); the last two need --gguf (written; eval runs it)",
+     AM_OPT(am_queries), 0, 0, 0, "context|repeat|self-study", 0},
     {"am-recent", KVCC_OPT_F64, "F", "0.5",
      "fraction of every head's budget kept as the exact recent window, in [0, 1) (written; eval "
      "runs it)", AM_OPT(am_recent), 0, 0, 0, NULL, 0},

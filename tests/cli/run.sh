@@ -109,6 +109,10 @@ err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am -
 [[ $ex -eq 2 && "$err" == *"--am-queries"* ]] && ok || bad "compile --am-queries self: exit $ex: $err"
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods am-repeat --budgets 0.1 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"am-repeat: repeat-prefill reference queries need the model: give --gguf"* ]] && ok || bad "eval am-repeat without --gguf: exit $ex: $err"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am --am-queries self-study -o "$tmp/pr.kvpol" 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--am-queries self-study needs --gguf"* && ! -e "$tmp/pr.kvpol" ]] && ok || bad "compile --am-queries self-study without --gguf: exit $ex: $err"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods am-self --budgets 0.1 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"am-self: self-study reference queries need the model: give --gguf"* ]] && ok || bad "eval am-self without --gguf: exit $ex: $err"
 out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"recent 0.5 of t, reference queries context"* ]] && ok || bad "inspect: the AM query source: $out"
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   #  the repeat-prefill compile on real text: the same bytes at 1 and 2 threads; inspect and eval run it
@@ -124,6 +128,16 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   out=$("$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/pr1.kvpol" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
         --methods am,am-repeat,am-uniform --budgets 0.2 --csv); ex=$?
   [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 3 ]] && ok || bad "eval am (repeat schedule), am-repeat with --gguf: exit $ex: $out"
+  #  self-study: the model's own answers about the context; deterministic (greedy) across threads
+  OMP_NUM_THREADS=1 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-targets 0.2 --am-queries self-study \
+    --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1 -o "$tmp/ps1.kvpol" 2>/dev/null && \
+  OMP_NUM_THREADS=2 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-targets 0.2 --am-queries self-study \
+    --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 -o "$tmp/ps2.kvpol" 2>/dev/null && \
+    cmp -s "$tmp/ps1.kvpol" "$tmp/ps2.kvpol" && ! cmp -s "$tmp/ps1.kvpol" "$tmp/pr1.kvpol" && ok || bad "compile --am-queries self-study: differs across --threads, or equals repeat's"
+  out=$("$KVCC" inspect "$tmp/ps1.kvpol"); [[ "$out" == *"reference queries self-study"* ]] && ok || bad "inspect: self-study source: $out"
+  out=$(KVCC_AM_SHOW_SELF_STUDY=1 "$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/ps1.kvpol" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --methods am,am-self --budgets 0.2 --csv 2>"$tmp/ss.err"); ex=$?
+  [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 2 && $(grep -c 'self-study turn [12]: [0-9]* tokens' "$tmp/ss.err") -ge 2 ]] && ok || bad "eval am (self-study schedule), am-self with --gguf: exit $ex: $out $(head -c 600 "$tmp/ss.err")"
 fi
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
