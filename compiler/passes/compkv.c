@@ -754,7 +754,8 @@ enum {
     COMPKV_EVAL_OMASS,  /* oracles: compkv's selection, unselected blocks with their exact mass */
     COMPKV_EVAL_OVALUE, /* ... with the paper's weight and their exact attention-weighted value */
     COMPKV_EVAL_OVAR,   /* ... with |b| e^{zbar + var/2}, var the exact within-block variance */
-    COMPKV_EVAL_OLIN    /* ... the paper's weight, the value to first order in z - zbar */
+    COMPKV_EVAL_OLIN,   /* ... the paper's weight, the value to first order in z - zbar */
+    COMPKV_EVAL_OLIN1   /* ... the same with each block's covariance at rank 1 */
 };
 #define COMPKV_EVAL_DEFAULT_R 4
 
@@ -823,7 +824,8 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
     case COMPKV_EVAL_OMASS:
     case COMPKV_EVAL_OVALUE:
     case COMPKV_EVAL_OVAR:
-    case COMPKV_EVAL_OLIN: e->use_grp = g != NULL; break;
+    case COMPKV_EVAL_OLIN:
+    case COMPKV_EVAL_OLIN1: e->use_grp = g != NULL; break;
     default: break; /* compkv-index: index order, r of the artifact (else 4) */
     }
     p->block = (uint32_t)o->block;
@@ -838,13 +840,14 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
                  "ablations change run-time switches only); compkv-index, topk-mass, quest: index "
                  "order (r %u); "
                  "compkv-r1/-r16/-rd: uncompiled variants, index order with r 1/%u/%u; "
-                 "compkv-omass/-ovalue/-ovar/-olin: oracle compensations (exact mass, exact value, "
-                 "exact-variance weight, first-order value) on compkv's selection",
+                 "compkv-omass/-ovalue/-ovar/-olin/-olin1: oracle compensations (exact mass, exact "
+                 "value, exact-variance weight, first-order value, its rank-1 form) on compkv's "
+                 "selection",
                  (unsigned)o->block, g->r, nl, g->n_layers * g->n_kv_heads, g->r, r16, d);
     } else {
         snprintf(p->note, sizeof p->note,
                  "blocks of %u tokens, budgets in blocks; no compiled grouping: "
-                 "compkv-index/-nocomp/-mass/-first and the oracles -omass/-ovalue/-ovar/-olin use index "
+                 "compkv-index/-nocomp/-mass/-first and the oracles -omass/.../-olin1 use index "
                  "order (r %u); compkv-r1/-r16/-rd: r 1/%u/%u",
                  (unsigned)o->block, COMPKV_EVAL_DEFAULT_R < d ? COMPKV_EVAL_DEFAULT_R : d, r16, d);
     }
@@ -861,16 +864,74 @@ static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc
 }
 
 /* kvcc_compkv_oracle_attend: passes.h. */
-void kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
-                               uint32_t B, double scale, const float *k, const float *v,
-                               int64_t len, const int32_t *blocks, int64_t ns, double *scratch,
-                               float *out) {
+/* LINEAR1's factors of the blocks of KV head hk: per block b, w_b [d] (unit, the top right
+ * singular vector of C_b = (1/n) sum_t (k_t - kbar) v_t^T) and y_b = C_b w_b [d]. */
+static void oracle_rank1(const float *k, const float *v, size_t Kd, uint32_t hk, uint32_t d,
+                         uint32_t B, int64_t len, double *wy) {
+    const int64_t nb = (len + B - 1) / B;
+    double kbar[1024], tmp[1024];
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t t0 = b * (int64_t)B, t1 = t0 + B < len ? t0 + B : len, n = t1 - t0;
+        double *w = wy + (size_t)b * 2 * d, *y = w + d;
+        for (uint32_t x = 0; x < d; x++) kbar[x] = 0;
+        for (int64_t t = t0; t < t1; t++)
+            for (uint32_t x = 0; x < d; x++) kbar[x] += k[(size_t)t * Kd + (size_t)hk * d + x];
+        for (uint32_t x = 0; x < d; x++) {
+            kbar[x] /= (double)n;
+            w[x] = 1.0 / sqrt((double)d) * (x % 2 ? 1.0 : -1.0) + 1e-3 * x; /* fixed start */
+        }
+        for (int it = 0; it < 12; it++) {
+            /* y = C w; tmp = C^T y; w = tmp / |tmp| */
+            for (uint32_t x = 0; x < d; x++) y[x] = tmp[x] = 0;
+            for (int64_t t = t0; t < t1; t++) {
+                const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
+                            *vt = v + (size_t)t * Kd + (size_t)hk * d;
+                double vw = 0;
+                for (uint32_t x = 0; x < d; x++) vw += (double)vt[x] * w[x];
+                for (uint32_t x = 0; x < d; x++) y[x] += ((double)kt[x] - kbar[x]) * vw / (double)n;
+            }
+            for (int64_t t = t0; t < t1; t++) {
+                const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
+                            *vt = v + (size_t)t * Kd + (size_t)hk * d;
+                double ky = 0;
+                for (uint32_t x = 0; x < d; x++) ky += ((double)kt[x] - kbar[x]) * y[x];
+                for (uint32_t x = 0; x < d; x++) tmp[x] += (double)vt[x] * ky / (double)n;
+            }
+            double nn = 0;
+            for (uint32_t x = 0; x < d; x++) nn += tmp[x] * tmp[x];
+            nn = sqrt(nn);
+            if (!(nn > 0)) break; /* C_b = 0 (one token, or equal keys): w stays, y = 0 */
+            for (uint32_t x = 0; x < d; x++) w[x] = tmp[x] / nn;
+        }
+        /* y = C w for the final w */
+        for (uint32_t x = 0; x < d; x++) y[x] = 0;
+        for (int64_t t = t0; t < t1; t++) {
+            const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
+                        *vt = v + (size_t)t * Kd + (size_t)hk * d;
+            double vw = 0;
+            for (uint32_t x = 0; x < d; x++) vw += (double)vt[x] * w[x];
+            for (uint32_t x = 0; x < d; x++) y[x] += ((double)kt[x] - kbar[x]) * vw / (double)n;
+        }
+    }
+}
+
+int kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
+                              uint32_t B, double scale, const float *k, const float *v,
+                              int64_t len, const int32_t *blocks, int64_t ns, double *scratch,
+                              float *out) {
     double *z = scratch, *acc = z + len, *bv = acc + d;
     const uint32_t G = H / Hkv;
     const size_t Kd = (size_t)Hkv * d;
     const int64_t nb = (len + B - 1) / B;
+    double *wy = NULL;
+    if (kind == KVCC_COMPKV_ORACLE_LINEAR1) {
+        if (d > 1024) return -1;
+        wy = malloc(sizeof(double) * 2 * d * (size_t)nb);
+        if (!wy) return -1;
+    }
     for (uint32_t hk = 0; hk < Hkv; hk++) {
         const int32_t *sel = blocks + (size_t)hk * ns;
+        if (wy) oracle_rank1(k, v, Kd, hk, d, B, len, wy);
         for (uint32_t g = 0; g < G; g++) {
             const uint32_t h = hk * G + g;
             const float *qh = q + (size_t)h * d;
@@ -922,12 +983,20 @@ void kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hk
                     break;
                 default: w = (double)n * exp(zbar - mx); norm = (double)n; break;
                 }
+                if (wy) { /* + scale (q . C w) w: the rank-1 first-order term */
+                    const double *wb = wy + (size_t)b * 2 * d, *yb = wb + d;
+                    double qy = 0;
+                    for (uint32_t x = 0; x < d; x++) qy += (double)qh[x] * yb[x];
+                    for (uint32_t x = 0; x < d; x++) bv[x] += (double)n * scale * qy * wb[x];
+                }
                 den += w;
                 for (uint32_t x = 0; x < d; x++) acc[x] += w * bv[x] / norm;
             }
             for (uint32_t x = 0; x < d; x++) out[(size_t)h * d + x] = (float)(acc[x] / den);
         }
     }
+    free(wy);
+    return 0;
 }
 
 static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
@@ -938,7 +1007,8 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
     const int64_t ke = K < nb ? K : nb;
     *n_sel = ke;
     if (m->variant == COMPKV_EVAL_OMASS || m->variant == COMPKV_EVAL_OVALUE ||
-        m->variant == COMPKV_EVAL_OVAR || m->variant == COMPKV_EVAL_OLIN) {
+        m->variant == COMPKV_EVAL_OVAR || m->variant == COMPKV_EVAL_OLIN ||
+        m->variant == COMPKV_EVAL_OLIN1) {
         const size_t d = e->d;
         float *S = malloc(sizeof *S * (size_t)e->Hkv * (size_t)nb);
         double *z = malloc(sizeof *z * ((size_t)len + 2 * d));
@@ -949,9 +1019,11 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
             const int kind = m->variant == COMPKV_EVAL_OMASS    ? KVCC_COMPKV_ORACLE_MASS
                              : m->variant == COMPKV_EVAL_OVALUE ? KVCC_COMPKV_ORACLE_VALUE
                              : m->variant == COMPKV_EVAL_OLIN   ? KVCC_COMPKV_ORACLE_LINEAR
+                             : m->variant == COMPKV_EVAL_OLIN1  ? KVCC_COMPKV_ORACLE_LINEAR1
                                                                 : KVCC_COMPKV_ORACLE_VAR;
-            kvcc_compkv_oracle_attend(kind, q, H, e->Hkv, e->d, e->o.block, sc, k, v, len, blocks,
-                                      ke, z, out);
+            if (kvcc_compkv_oracle_attend(kind, q, H, e->Hkv, e->d, e->o.block, sc, k, v, len,
+                                          blocks, ke, z, out))
+                s = KVRT_ERR_NOMEM;
         }
         free(S);
         free(z);
@@ -991,6 +1063,7 @@ static const kvcc_eval_method compkv_eval_methods[] = {
     COMPKV_EVAL_METHOD("compkv-ovalue", COMPKV_EVAL_OVALUE, 1, 0),
     COMPKV_EVAL_METHOD("compkv-ovar", COMPKV_EVAL_OVAR, 3, 0),
     COMPKV_EVAL_METHOD("compkv-olin", COMPKV_EVAL_OLIN, 1, 0),
+    COMPKV_EVAL_METHOD("compkv-olin1", COMPKV_EVAL_OLIN1, 1, 0),
     {.name = NULL},
 };
 

@@ -163,10 +163,13 @@ int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm,
  *   LINEAR: w_b = n e^{zbar},                    u_b = mean value + (1/n) sum (z_t - zbar) v_t
  *           (the weighted value to first order in z - zbar, consistent with the first-order
  *           weight: what a per-block key-value covariance C_b would give, u = vbar + scale q C_b)
- * scratch: len + 2 d doubles. */
+ *   LINEAR1: as LINEAR with C_b replaced by its best rank-1 approximation C_b w w^T (w: the top
+ *           right singular vector, 12 power iterations from a fixed start): what a summary of
+ *           2d more floats per block would give
+ * scratch: len + 2 d doubles. 0, or -1 when out of memory (LINEAR1's per-block factors). */
 enum { KVCC_COMPKV_ORACLE_PAPER, KVCC_COMPKV_ORACLE_MASS, KVCC_COMPKV_ORACLE_VALUE,
-       KVCC_COMPKV_ORACLE_VAR, KVCC_COMPKV_ORACLE_LINEAR };
-void kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
+       KVCC_COMPKV_ORACLE_VAR, KVCC_COMPKV_ORACLE_LINEAR, KVCC_COMPKV_ORACLE_LINEAR1 };
+int kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
                                uint32_t block, double scale, const float *k, const float *v,
                                int64_t len, const int32_t *blocks, int64_t ns, double *scratch,
                                float *out);

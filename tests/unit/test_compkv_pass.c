@@ -338,7 +338,7 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
     const char *methods[] = {"full",        "compkv",       "compkv-index", "compkv-nocomp",
                              "compkv-mass", "compkv-first", "compkv-r1",    "compkv-r16",
                              "compkv-rd",   "topk-mass",    "quest",        "compkv-omass",
-                             "compkv-ovalue", "compkv-ovar",  "compkv-olin"};
+                             "compkv-ovalue", "compkv-ovar",  "compkv-olin",  "compkv-olin1"};
     const int nm = (int)(sizeof methods / sizeof methods[0]);
     double budgets[] = {4, 100, 0.5}; /* 128 + 16 tokens = 9 blocks: 100 selects every block */
     kvcc_eval_opts o = {.corpus = corpus, .policy = art, .methods = methods, .n_methods = nm, .budgets = budgets,
@@ -387,16 +387,17 @@ Test(compkv_pass, eval_decode_rows_tiny, .timeout = 120) {
 
 /* The oracle compensations against the runtime and against exact attention, on inputs where
  * each must be exact: PAPER is kvrt_compkv_attend_blocks_ref's formula; with keys equal inside
- * every block all five are exact attention (one logit per block); with values equal inside every
- * block VALUE and LINEAR are PAPER and MASS is exact; with blocks of one token all are exact. */
+ * every block all six are exact attention (one logit per block); with values equal inside every
+ * block VALUE, LINEAR and LINEAR1 are PAPER and MASS is exact; with blocks of one token all are
+ * exact. With blocks of 2 tokens (a covariance of rank 1) LINEAR1 equals LINEAR. */
 static void oracle_case(uint32_t hkv, uint32_t H, uint32_t d, uint32_t block, int64_t T, int keys_eq,
                         int vals_eq, uint64_t seed) {
     const size_t Kd = (size_t)hkv * d;
     float *k = malloc(sizeof(float) * T * Kd), *v = malloc(sizeof(float) * T * Kd);
     float *q = malloc(sizeof(float) * H * d);
-    float *out[5], *exact = malloc(sizeof(float) * H * d), *rt = malloc(sizeof(float) * H * d);
+    float *out[6], *exact = malloc(sizeof(float) * H * d), *rt = malloc(sizeof(float) * H * d);
     cr_assert(k && v && q && exact && rt);
-    for (int i = 0; i < 5; i++) cr_assert_not_null(out[i] = malloc(sizeof(float) * H * d));
+    for (int i = 0; i < 6; i++) cr_assert_not_null(out[i] = malloc(sizeof(float) * H * d));
     for (int64_t t = 0; t < T; t++)
         for (size_t x = 0; x < Kd; x++) {
             const int64_t src = keys_eq ? t - t % block : t, srv = vals_eq ? t - t % block : t;
@@ -419,9 +420,10 @@ static void oracle_case(uint32_t hkv, uint32_t H, uint32_t d, uint32_t block, in
             }
     }
     const double scale = 1.0 / sqrt((double)d);
-    kvcc_compkv_oracle_attend(KVCC_COMPKV_ORACLE_PAPER, q, H, hkv, d, block, scale, k, v, T, all, nb, scr, exact);
-    for (int kind = 0; kind < 5; kind++)
-        kvcc_compkv_oracle_attend(kind, q, H, hkv, d, block, scale, k, v, T, sel, ns, scr, out[kind]);
+    cr_assert_eq(kvcc_compkv_oracle_attend(KVCC_COMPKV_ORACLE_PAPER, q, H, hkv, d, block, scale, k, v, T, all,
+                                           nb, scr, exact), 0);
+    for (int kind = 0; kind < 6; kind++)
+        cr_assert_eq(kvcc_compkv_oracle_attend(kind, q, H, hkv, d, block, scale, k, v, T, sel, ns, scr, out[kind]), 0);
     /* PAPER against the runtime's reference */
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o);
@@ -431,18 +433,19 @@ static void oracle_case(uint32_t hkv, uint32_t H, uint32_t d, uint32_t block, in
     cr_assert_eq(kvrt_compkv_append(st, k, v, T), KVRT_OK);
     cr_assert_eq(kvrt_compkv_attend_blocks_ref(st, q, H, sel, ns, rt), KVRT_OK, "%s", kvrt_last_error()->msg);
     kvrt_compkv_free(st);
-    double e_rt = 0, e_ex[5] = {0}, e_vp = 0, e_lp = 0, n2 = 0;
+    double e_rt = 0, e_ex[6] = {0}, e_vp = 0, e_lp = 0, e_l1 = 0, n2 = 0;
     for (size_t x = 0; x < (size_t)H * d; x++) {
         n2 += (double)exact[x] * exact[x];
         e_rt += ((double)out[0][x] - rt[x]) * ((double)out[0][x] - rt[x]);
         e_vp += ((double)out[2][x] - out[0][x]) * ((double)out[2][x] - out[0][x]);
         e_lp += ((double)out[4][x] - out[0][x]) * ((double)out[4][x] - out[0][x]);
-        for (int i = 0; i < 5; i++) e_ex[i] += ((double)out[i][x] - exact[x]) * ((double)out[i][x] - exact[x]);
+        e_l1 += ((double)out[5][x] - out[0][x]) * ((double)out[5][x] - out[0][x]);
+        for (int i = 0; i < 6; i++) e_ex[i] += ((double)out[i][x] - exact[x]) * ((double)out[i][x] - exact[x]);
     }
     const double tol = 1e-10 * n2;
     cr_expect_leq(e_rt, tol, "PAPER vs kvrt_compkv_attend_blocks_ref: %g (B %u, T %lld)", e_rt, block, (long long)T);
     const int one = block == 1;
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < 6; i++) {
         const int must = one || keys_eq || (vals_eq && i == KVCC_COMPKV_ORACLE_MASS);
         if (must) cr_expect_leq(e_ex[i], tol, "kind %d vs exact: %g (B %u keys_eq %d vals_eq %d)", i, e_ex[i], block, keys_eq, vals_eq);
         else cr_expect_gt(e_ex[i], 1e-8 * n2, "kind %d is exact where it cannot be (B %u)", i, block);
@@ -450,8 +453,10 @@ static void oracle_case(uint32_t hkv, uint32_t H, uint32_t d, uint32_t block, in
     if (vals_eq) cr_expect_leq(e_vp, tol, "VALUE vs PAPER with equal values: %g", e_vp);
     if (vals_eq) cr_expect_leq(e_lp, tol, "LINEAR vs PAPER with equal values: %g", e_lp);
     else if (!one && !keys_eq) cr_expect_gt(e_lp, 1e-8 * n2, "LINEAR equals PAPER with distinct values");
+    if (vals_eq) cr_expect_leq(e_l1, tol, "LINEAR1 vs PAPER with equal values: %g", e_l1);
+    else if (!one && !keys_eq) cr_expect_gt(e_l1, 1e-8 * n2, "LINEAR1 equals PAPER with distinct values");
     else if (!one && !keys_eq) cr_expect_gt(e_vp, 1e-8 * n2, "VALUE equals PAPER with distinct values");
-    for (int i = 0; i < 5; i++) free(out[i]);
+    for (int i = 0; i < 6; i++) free(out[i]);
     free(k); free(v); free(q); free(exact); free(rt); free(sel); free(all); free(scr);
 }
 
@@ -461,6 +466,24 @@ Test(compkv_pass, oracle_compensations_exact_where_they_must_be) {
     oracle_case(2, 6, 16, 8, 203, 1, 0, seed++);  /* keys equal per block: all exact */
     oracle_case(3, 3, 12, 5, 61, 0, 1, seed++);   /* values equal per block: MASS exact, VALUE = PAPER */
     oracle_case(1, 4, 8, 1, 40, 0, 0, seed++);    /* blocks of one token: all exact */
+    /* blocks of 2 tokens: C_b = (k1 - k0)(v1 - v0)^T / 4 has rank 1, so LINEAR1 is LINEAR */
+    {
+        const uint32_t hkv = 2, H = 4, d = 8, B = 2;
+        const int64_t T = 21, nb = (T + B - 1) / B, ns = 3;
+        uint64_t s2 = 77;
+        float *k = malloc(sizeof(float) * T * hkv * d), *v = malloc(sizeof(float) * T * hkv * d);
+        float *q = malloc(sizeof(float) * H * d), *a = malloc(sizeof(float) * H * d), *b = malloc(sizeof(float) * H * d);
+        for (int64_t i = 0; i < T * hkv * d; i++) { k[i] = rng_uniform(&s2, -2, 2); v[i] = rng_uniform(&s2, -1, 1); }
+        for (uint32_t i = 0; i < H * d; i++) q[i] = rng_uniform(&s2, -1, 1);
+        int32_t sel[6] = {0, 4, 9, 1, 5, 10};
+        double *scr = malloc(sizeof(double) * (T + 2 * d));
+        cr_assert_eq(kvcc_compkv_oracle_attend(KVCC_COMPKV_ORACLE_LINEAR, q, H, hkv, d, B, 0.35, k, v, T, sel, ns, scr, a), 0);
+        cr_assert_eq(kvcc_compkv_oracle_attend(KVCC_COMPKV_ORACLE_LINEAR1, q, H, hkv, d, B, 0.35, k, v, T, sel, ns, scr, b), 0);
+        for (uint32_t i = 0; i < H * d; i++)
+            cr_expect(fabsf(a[i] - b[i]) <= 1e-5f + 1e-5f * fabsf(a[i]), "LINEAR1 %g vs LINEAR %g at %u", b[i], a[i], i);
+        (void)nb;
+        free(k); free(v); free(q); free(a); free(b); free(scr);
+    }
 }
 
 Test(compkv_pass, real_model_all_blocks_is_exact_end_to_end, .timeout = 1200) {
