@@ -864,6 +864,19 @@ static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc
 }
 
 /* kvcc_compkv_oracle_attend: passes.h. */
+/* y [d] = C w for C = (1/n) sum_{t in [t0, t1)} (k_t - kbar) v_t^T of KV head hk. */
+static void cov_apply(const float *k, const float *v, size_t Kd, uint32_t hk, uint32_t d,
+                      int64_t t0, int64_t t1, const double *kbar, const double *w, double *y) {
+    const double n = (double)(t1 - t0);
+    for (uint32_t x = 0; x < d; x++) y[x] = 0;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *kt = k + (size_t)t * Kd + (size_t)hk * d, *vt = v + (size_t)t * Kd + (size_t)hk * d;
+        double vw = 0;
+        for (uint32_t x = 0; x < d; x++) vw += (double)vt[x] * w[x];
+        for (uint32_t x = 0; x < d; x++) y[x] += ((double)kt[x] - kbar[x]) * vw / n;
+    }
+}
+
 /* LINEAR1's factors of the blocks of KV head hk: per block b, w_b [d] (unit, the top right
  * singular vector of C_b = (1/n) sum_t (k_t - kbar) v_t^T) and y_b = C_b w_b [d]. */
 static void oracle_rank1(const float *k, const float *v, size_t Kd, uint32_t hk, uint32_t d,
@@ -882,14 +895,8 @@ static void oracle_rank1(const float *k, const float *v, size_t Kd, uint32_t hk,
         }
         for (int it = 0; it < 12; it++) {
             /* y = C w; tmp = C^T y; w = tmp / |tmp| */
-            for (uint32_t x = 0; x < d; x++) y[x] = tmp[x] = 0;
-            for (int64_t t = t0; t < t1; t++) {
-                const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
-                            *vt = v + (size_t)t * Kd + (size_t)hk * d;
-                double vw = 0;
-                for (uint32_t x = 0; x < d; x++) vw += (double)vt[x] * w[x];
-                for (uint32_t x = 0; x < d; x++) y[x] += ((double)kt[x] - kbar[x]) * vw / (double)n;
-            }
+            cov_apply(k, v, Kd, hk, d, t0, t1, kbar, w, y);
+            for (uint32_t x = 0; x < d; x++) tmp[x] = 0;
             for (int64_t t = t0; t < t1; t++) {
                 const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
                             *vt = v + (size_t)t * Kd + (size_t)hk * d;
@@ -903,15 +910,7 @@ static void oracle_rank1(const float *k, const float *v, size_t Kd, uint32_t hk,
             if (!(nn > 0)) break; /* C_b = 0 (one token, or equal keys): w stays, y = 0 */
             for (uint32_t x = 0; x < d; x++) w[x] = tmp[x] / nn;
         }
-        /* y = C w for the final w */
-        for (uint32_t x = 0; x < d; x++) y[x] = 0;
-        for (int64_t t = t0; t < t1; t++) {
-            const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
-                        *vt = v + (size_t)t * Kd + (size_t)hk * d;
-            double vw = 0;
-            for (uint32_t x = 0; x < d; x++) vw += (double)vt[x] * w[x];
-            for (uint32_t x = 0; x < d; x++) y[x] += ((double)kt[x] - kbar[x]) * vw / (double)n;
-        }
+        cov_apply(k, v, Kd, hk, d, t0, t1, kbar, w, y); /* y = C w for the final w */
     }
 }
 
