@@ -184,7 +184,8 @@ void kvcc_pass_options_help(FILE *out) {
             char lhs[64], text[512];
             snprintf(lhs, sizeof lhs, "--%s %s", o->name, o->arg ? o->arg : "X");
             snprintf(text, sizeof text, "%s (default %s)", o->help, o->def ? o->def : "off");
-            const int w = fprintf(out, "  %-26s", lhs);
+            int w = fprintf(out, "  %-26s", lhs);
+            if (w > 28) w = fprintf(out, "\n%28s", "") - 1; /* a long option: text below it */
             print_wrapped(out, text, w, 28);
             fputc('\n', out);
         }
