@@ -9,7 +9,7 @@
  *          kvrt_backend_cpu, kvrt_cuda_host, kvrt_cuda_plugin, kvrt_cuda_plugin_get,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
  *          kvrt_f16_to_f32_row, kvrt_cache_dtype_ok, kvrt_row_to_dtype, kvrt_row_from_dtype,
- *          kvrt_cache_dtype_error
+ *          kvrt_cache_put_kv, kvrt_cache_dtype_error
  *
  * Included by C files and by the .cu files (hence the extern "C" block): it must stay valid C11
  * and C++17 and must not include any CUDA header (the CPU side never sees CUDA types; backend
@@ -292,6 +292,10 @@ KVRT_INTERNAL void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t 
 KVRT_INTERNAL int kvrt_cache_dtype_ok(int dtype);
 KVRT_INTERNAL void kvrt_row_to_dtype(int dtype, const float *src, void *dst, int64_t n);
 KVRT_INTERNAL void kvrt_row_from_dtype(int dtype, const void *src, float *dst, int64_t n);
+/* Keys and values of host cache c's entries e .. e + n - 1 from f32 rows k, v [n, head_dim],
+ * stored in the cache's dtype. */
+KVRT_INTERNAL void kvrt_cache_put_kv(kvrt_cache *c, int64_t e, const float *k, const float *v,
+                                     int64_t n);
 /* "%s: dtype %d, expected f32 (1), f16 (2) or bf16 (3)" as KVRT_ERR_ARG (what = "dtype" or
  * "cache dtype") into e; returns the status. */
 KVRT_INTERNAL int kvrt_cache_dtype_error(kvrt_error *e, int code, const char *fn,

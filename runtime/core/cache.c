@@ -163,6 +163,13 @@ void kvrt_row_to_dtype(int dtype, const float *src, void *dst, int64_t n) {
     }
 }
 
+void kvrt_cache_put_kv(kvrt_cache *c, int64_t e, const float *k, const float *v, int64_t n) {
+    const size_t off = (size_t)e * c->head_dim * kvrt_dtype_size(c->dtype);
+    const int64_t m = n * (int64_t)c->head_dim;
+    kvrt_row_to_dtype(c->dtype, k, (char *)c->keys + off, m);
+    kvrt_row_to_dtype(c->dtype, v, (char *)c->values + off, m);
+}
+
 void kvrt_row_from_dtype(int dtype, const void *src, float *dst, int64_t n) {
     if (dtype == KVRT_DTYPE_F32) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
@@ -348,9 +355,7 @@ int kvrt_cache_gather(const float *k, const float *v, int64_t T, uint32_t n_kv_h
             const int64_t dst = c->offsets[j] + (i - sel->offsets[j]);
             const float *ks = k + ((size_t)p * n_kv_heads + j) * d;
             const float *vs = v + ((size_t)p * n_kv_heads + j) * d;
-            const size_t es = kvrt_dtype_size(dtype);
-            kvrt_row_to_dtype(dtype, ks, (char *)c->keys + (size_t)dst * d * es, (int64_t)d);
-            kvrt_row_to_dtype(dtype, vs, (char *)c->values + (size_t)dst * d * es, (int64_t)d);
+            kvrt_cache_put_kv(c, dst, ks, vs, 1);
             c->positions[dst] = (int32_t)p;
         }
     }

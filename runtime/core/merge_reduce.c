@@ -737,11 +737,7 @@ int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cach
                     w = x->w[i];
                     pos = x->pos[i];
                 }
-                {
-                    const size_t es = kvrt_dtype_size(dtype);
-                    kvrt_row_to_dtype(dtype, kr, (char *)c->keys + (size_t)e * d * es, d);
-                    kvrt_row_to_dtype(dtype, vr, (char *)c->values + (size_t)e * d * es, d);
-                }
+                kvrt_cache_put_kv(c, e, kr, vr, 1);
                 c->bias[e] = w == 1.0f ? 0.0f : (float)log((double)w);
                 c->positions[e] = pos;
             }

@@ -984,14 +984,12 @@ static void out_free(am_out *r) {
 
 /* Write head h's entries into cache c (already created with counts[h] = r->n). */
 static void out_store(const am_out *r, kvrt_cache *c, uint32_t h) {
-    const int64_t d = c->head_dim, e0 = c->offsets[h];
+    const int64_t e0 = c->offsets[h];
     for (int64_t a = 0; a < r->n; a++) {
         c->positions[e0 + a] = r->pos[a];
         c->bias[e0 + a] = r->beta[a];
     }
-    const size_t es = kvrt_dtype_size(c->dtype);
-    kvrt_row_to_dtype(c->dtype, r->ck, (char *)c->keys + (size_t)(e0 * d) * es, r->n * d);
-    kvrt_row_to_dtype(c->dtype, r->cv, (char *)c->values + (size_t)(e0 * d) * es, r->n * d);
+    kvrt_cache_put_kv(c, e0, r->ck, r->cv, r->n);
 }
 
 /* With the f32 products on oneDNN (on the OpenMP team), the fit's double products run on

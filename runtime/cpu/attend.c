@@ -51,11 +51,7 @@
 static const float *cache_row(const kvrt_cache *c, const void *base, int64_t e, float *buf) {
     const size_t d = c->head_dim;
     if (c->dtype == KVRT_DTYPE_F32) return (const float *)base + (size_t)e * d;
-    const uint16_t *h = (const uint16_t *)base + (size_t)e * d;
-    if (c->dtype == KVRT_DTYPE_F16)
-        for (size_t x = 0; x < d; x++) buf[x] = kvrt_f16_to_f32(h[x]);
-    else
-        for (size_t x = 0; x < d; x++) buf[x] = kvrt_bf16_to_f32(h[x]);
+    kvrt_row_from_dtype(c->dtype, (const uint16_t *)base + (size_t)e * d, buf, (int64_t)d);
     return buf;
 }
 

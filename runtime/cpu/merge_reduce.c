@@ -474,11 +474,7 @@ static int build_cache(const float *k, const float *v, int64_t T, uint32_t Hkv, 
             }
             for (int64_t i = 0; i < cnt; i++, e++) {
                 const float *ks = kr + (size_t)i * ld, *vs = vr + (size_t)i * ld;
-                {
-                    const size_t es = kvrt_dtype_size(dtype);
-                    kvrt_row_to_dtype(dtype, ks, (char *)c->keys + (size_t)e * d * es, d);
-                    kvrt_row_to_dtype(dtype, vs, (char *)c->values + (size_t)e * d * es, d);
-                }
+                kvrt_cache_put_kv(c, e, ks, vs, 1);
                 c->bias[e] = w ? (float)log((double)w[i]) : 0.0f;
                 c->positions[e] = pos ? pos[i] : pos0 + (int32_t)i;
             }
