@@ -222,16 +222,12 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
                 break;
             }
             const double tl = now_s();
-            for (int i = 0; i < n && pos + (uint32_t)i + 1 < T; i++) { /* log p(w[t+1] | w[..t]) */
-                const float *row = logits + (size_t)i * V;
-                float mx = row[0];
-                for (int j = 1; j < V; j++) mx = row[j] > mx ? row[j] : mx;
-                double s = 0;
-                for (int j = 0; j < V; j++) s += exp((double)row[j] - mx);
-                lp[pos + i] = (float)((double)row[w[pos + i + 1]] - mx - log(s));
-                nll_sum -= lp[pos + i];
-                nll_n++;
-            }
+            const int nl = pos + (uint32_t)n < T ? n : n - 1; /* log p(w[t+1] | w[..t]) */
+            #pragma omp parallel for schedule(static)
+            for (int i = 0; i < nl; i++)
+                lp[pos + i] = kvcc_log_softmax_at(logits + (size_t)i * V, V, w[pos + i + 1]);
+            for (int i = 0; i < nl; i++) nll_sum -= lp[pos + i]; /* in order: thread-independent */
+            nll_n += (uint64_t)(nl > 0 ? nl : 0);
             lp_s += now_s() - tl;
         }
         if (rc) break;

@@ -7,6 +7,7 @@
  * OpenBLAS), those of a decode step through gemv_fast (AVX-512 or AVX2); attention is plain C with OpenMP.
  * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
  *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax,
+ *          kvcc_logsumexp, kvcc_logsumexp_ref, kvcc_log_softmax_at,
  *          kvcc_model_gemm_name, kvcc_model_gemv_f32
  */
 #include "model.h"
@@ -1380,6 +1381,23 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
     #pragma omp simd
     for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
 }
+/* log sum_j exp(row[j] - *mx) with *mx = max_j row[j]: e^x by exp_nonpos_f32 (relative error
+ * <= 8.3e-8 per term), the terms summed in double in SIMD lanes (the lane split is the CPU's
+ * clone, never the thread count). At 49152 logits the double-exp reference took 0.8 s of a
+ * 6.6 s capture of four 576-token windows (docs/benchmarks.md "Capture"). A row whose max is not
+ * finite (all -INF, +INF or a NaN first) goes to the reference. */
+KVRT_SIMD_CLONES
+double kvcc_logsumexp(const float *row, int n, float *mx_out) {
+    float mx = row[0];
+    #pragma omp simd reduction(max : mx)
+    for (int j = 1; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+    if (!(mx > -INFINITY && mx < INFINITY)) return kvcc_logsumexp_ref(row, n, mx_out);
+    double z = 0;
+    #pragma omp simd reduction(+ : z)
+    for (int j = 0; j < n; j++) z += (double)exp_nonpos_f32(row[j] - mx);
+    *mx_out = mx;
+    return log(z);
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
 #endif
@@ -1679,12 +1697,19 @@ int kvcc_model_decode(const kvcc_model *m, kvcc_state *s, int32_t token, float *
 
 // ---------------------------------------------------------------- log-probabilities
 
-static float log_softmax_at(const float *x, int n, int idx) {
-    float mx = x[0];
-    for (int i = 1; i < n; i++) if (x[i] > mx) mx = x[i];
-    double sum = 0;
-    for (int i = 0; i < n; i++) sum += exp((double)(x[i] - mx));
-    return (float)((double)(x[idx] - mx) - log(sum));
+double kvcc_logsumexp_ref(const float *row, int n, float *mx_out) {
+    float mx = row[0];
+    for (int j = 1; j < n; j++) mx = row[j] > mx ? row[j] : mx;
+    double z = 0;
+    for (int j = 0; j < n; j++) z += exp((double)row[j] - mx);
+    *mx_out = mx;
+    return log(z);
+}
+
+float kvcc_log_softmax_at(const float *row, int n, int32_t idx) {
+    float mx;
+    const double lz = kvcc_logsumexp(row, n, &mx);
+    return (float)((double)row[idx] - mx - lz);
 }
 
 int kvcc_model_logprobs(const kvcc_model *m, kvcc_state *s, const int32_t *tokens, int n,
@@ -1700,7 +1725,7 @@ int kvcc_model_logprobs(const kvcc_model *m, kvcc_state *s, const int32_t *token
         #pragma omp parallel for schedule(static)
         for (int t = 0; t < c; t++)
             if (c0 + t + 1 < n)
-                logprobs[c0 + t] = log_softmax_at(lg + (size_t)t * V, V, tokens[c0 + t + 1]);
+                logprobs[c0 + t] = kvcc_log_softmax_at(lg + (size_t)t * V, V, tokens[c0 + t + 1]);
     }
     free(lg);
     return st;

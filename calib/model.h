@@ -208,6 +208,14 @@ int kvcc_model_logprobs(const kvcc_model *m, kvcc_state *s, const int32_t *token
                         float *logprobs);
 /* exp(-mean(logprobs[0..n))); NAN when n <= 0. */
 double kvcc_perplexity(const float *logprobs, int n);
+/* log sum_j exp(row[j] - *mx) over n logits, *mx = max_j row[j]: the log-softmax of a row is
+ * row - *mx - (return). kvcc_logsumexp is the fast path (float exp, vectorized; within 1e-7
+ * relative of the reference, tests/unit/test_model.c), kvcc_logsumexp_ref the plain double loop.
+ * Used by capture, kvcc_model_logprobs, kvcc eval's NLL and the CompilerKV model reward. */
+double kvcc_logsumexp(const float *row, int n, float *mx);
+double kvcc_logsumexp_ref(const float *row, int n, float *mx);
+/* log softmax(row)[idx] through kvcc_logsumexp. */
+float kvcc_log_softmax_at(const float *row, int n, int32_t idx);
 
 /* What runs the model's matrix products, e.g. "oneDNN 2.6.3 sgemm (isa avx512_core_bf16); decode
  * GEMV AVX-512" or "OpenBLAS 0.3.21 sgemm (Prescott); decode GEMV AVX-512" (USE_DNNL=0). Static

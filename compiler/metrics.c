@@ -8,6 +8,8 @@
 
 #include <math.h>
 
+#include "model.h" /* kvcc_logsumexp */
+
 double kvcc_relerr(const float *a, const float *b, uint32_t d) {
     double num = 0, den = 0;
     for (uint32_t x = 0; x < d; x++) {
@@ -18,12 +20,7 @@ double kvcc_relerr(const float *a, const float *b, uint32_t d) {
 }
 
 double kvcc_logsumexp_row(const float *row, int V, float *mx) {
-    float m = row[0];
-    for (int j = 1; j < V; j++) m = row[j] > m ? row[j] : m;
-    double z = 0;
-    for (int j = 0; j < V; j++) z += exp((double)row[j] - m);
-    *mx = m;
-    return log(z);
+    return kvcc_logsumexp(row, V, mx); /* calib/model.c: vectorized float exp, double sums */
 }
 
 double kvcc_nll_token(const float *row, int V, int32_t tok) {

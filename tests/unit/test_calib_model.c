@@ -731,6 +731,39 @@ Test(calib_model, gemv_fast_matches_ref) {
     cr_assert(strlen(kvcc_model_gemm_name()) > 0);
 }
 
+/* kvcc_logsumexp (float exp, vectorized) against the double reference on rows shaped like
+ * logits: 49152 entries spread over ~40 nats, one and two entries, a row with -INF entries (a
+ * masked vocabulary), all -INF, a huge max. Bound: 1e-7 relative on log z plus 1e-7 absolute
+ * (each term's exp is within 8.3e-8 relative; the sum is in double). */
+Test(calib_model, logsumexp_matches_ref) {
+    enum { NV = 49152 };
+    static float row[NV];
+    uint32_t r = 12345;
+    const int sizes[] = {NV, 1, 2, 17, 1000};
+    for (int si = 0; si < 5; si++) {
+        const int n = sizes[si];
+        for (int j = 0; j < n; j++) {
+            r = r * 1664525u + 1013904223u;
+            row[j] = (float)((double)(r >> 8) / 16777216.0 * 40.0 - 25.0);
+        }
+        if (n > 3) row[n / 3] = -INFINITY;
+        float mx, mr;
+        const double a = kvcc_logsumexp(row, n, &mx), b = kvcc_logsumexp_ref(row, n, &mr);
+        cr_assert_eq(mx, mr, "n %d: max %g vs %g", n, mx, mr);
+        cr_assert(fabs(a - b) <= 1e-7 * fabs(b) + 1e-7, "n %d: %.12g vs %.12g", n, a, b);
+        const int tok = n / 2;
+        const double want = (double)row[tok] - mr - b;
+        cr_assert(fabs(kvcc_log_softmax_at(row, n, tok) - want) <= 1e-6 * fabs(want) + 1e-6);
+    }
+    row[0] = 1e30f; row[1] = -1e30f; row[2] = 0.0f;
+    float mx;
+    cr_assert(fabs(kvcc_logsumexp(row, 3, &mx)) < 1e-12 && mx == 1e30f);
+    for (int j = 0; j < 4; j++) row[j] = -INFINITY; /* nothing finite: the reference's answer */
+    float mr;
+    const double a = kvcc_logsumexp(row, 4, &mx), b = kvcc_logsumexp_ref(row, 4, &mr);
+    cr_assert(isnan(a) == isnan(b) && (isnan(a) || a == b));
+}
+
 /* The AVX2 paths wherever the CPU has AVX2 + FMA (every x86-64 CI machine here); elsewhere the
  * call must say it is unsupported rather than run something else. */
 Test(calib_model, gemv_avx2_matches_ref) {
