@@ -106,10 +106,13 @@ typedef struct {
     double *colnorm;/* [Tc] OMP: column norms of P */
     unsigned char *taken; /* [Tc] */
     kvrt_cpu_nnls_ws nw;
+    size_t S_bytes, part_bytes; /* for kvrt_cpu_scratch_free */
 } am_ws;
 
 static void am_ws_free(am_ws *w) {
-    free(w->S); free(w->ops); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob); free(w->part);
+    kvrt_cpu_scratch_free(w->S, w->S_bytes);
+    kvrt_cpu_scratch_free(w->part, w->part_bytes);
+    free(w->ops); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob);
     free(w->score);
     free(w->sel); free(w->MS); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
     free(w->rowsum);
@@ -128,8 +131,10 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
     memset(w, 0, sizeof *w);
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
 #define AM_ALLOC(p, count) ((p) = malloc(sizeof(*(p)) * (size_t)((count) > 0 ? (count) : 1)))
-    w->S = kvrt_cpu_scratch_alloc(sizeof(float) * (size_t)(n * Tc));
-    w->part = kvrt_cpu_scratch_alloc(sizeof(double) * (size_t)(nblk * Tc));
+    w->S_bytes = sizeof(float) * (size_t)(n * Tc);
+    w->part_bytes = sizeof(double) * (size_t)(nblk * Tc);
+    w->S = kvrt_cpu_scratch_alloc(w->S_bytes);
+    w->part = kvrt_cpu_scratch_alloc(w->part_bytes);
     int ok = w->S && w->part && AM_ALLOC(w->ops, 2 * ((n + AM_QBLK - 1) / AM_QBLK)) &&
              AM_ALLOC(w->mass, n) && AM_ALLOC(w->Yf, n * d) && AM_ALLOC(w->Y, n * d) &&
              AM_ALLOC(w->Ob, n * d) &&

@@ -336,11 +336,13 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
     if (nt < 1 || nested) nt = 1; /* nested regions run on one thread */
     const size_t R = (size_t)bq * P.G;
     const size_t per = R * d + R * (size_t)T + 2 * R * (size_t)P.nch_max + WM_CHUNK;
-    float *buf = kvrt_cpu_scratch_alloc(sizeof(float) * per * (size_t)nt);
-    double *acc = calloc((size_t)n_tasks * (size_t)T, sizeof(double));
+    const size_t buf_bytes = sizeof(float) * per * (size_t)nt;
+    const size_t acc_bytes = sizeof(double) * (size_t)n_tasks * (size_t)T;
+    float *buf = kvrt_cpu_scratch_alloc(buf_bytes);
+    double *acc = kvrt_cpu_scratch_alloc(acc_bytes);
     if (buf == NULL || acc == NULL) {
-        free(buf);
-        free(acc);
+        kvrt_cpu_scratch_free(buf, buf_bytes);
+        kvrt_cpu_scratch_free(acc, acc_bytes);
         return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0,
                             "%s: out of memory (%zu MiB of scratch)", fn,
                             (sizeof(float) * per * (size_t)nt + sizeof(double) * n_tasks * T) >> 20);
@@ -359,6 +361,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         s.colf = s.cs + R * (size_t)P.nch_max;
         const uint32_t hk = (uint32_t)(task / P.lanes);
         const int lane = (int)(task % P.lanes);
+        memset(acc + (size_t)task * T, 0, sizeof(double) * (size_t)T); /* reused scratch */
         for (int64_t b = lane; b < P.nrb; b += P.lanes)
             wm_block(&P, hk, b, &s, acc + (size_t)task * T);
     }
@@ -369,8 +372,8 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
             for (int l = 0; l < P.lanes; l++) m += acc[((size_t)hk * P.lanes + l) * T + j];
             scores[(size_t)hk * T + j] = (float)(m / P.G);
         }
-    free(buf);
-    free(acc);
+    kvrt_cpu_scratch_free(buf, buf_bytes);
+    kvrt_cpu_scratch_free(acc, acc_bytes);
     return KVRT_OK;
 }
 

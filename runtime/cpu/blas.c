@@ -4,7 +4,7 @@
  *
  * defines: kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
- *          kvrt_cpu_scratch_alloc
+ *          kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -132,15 +132,79 @@ const char *kvrt_cpu_gemm_name(void) {
     return gemm_name;
 }
 
+/* Freed large buffers kept for the next call (kvrt_cpu_scratch_free): a kernel called once per
+ * layer (the window mass, AM's logits) otherwise faults in and zeroes tens of MiB of fresh pages
+ * on every call (at 32k keys, llama3-8b shapes: ~5% of the window mass's CPU time in
+ * clear_page). At most SCRATCH_SLOTS buffers and SCRATCH_KEEP bytes are kept; a request takes
+ * the smallest kept buffer that fits. */
+#define SCRATCH_HUGE ((size_t)2 << 20)
+#define SCRATCH_SLOTS 4
+#define SCRATCH_KEEP ((size_t)256 << 20)
+static pthread_mutex_t scratch_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct { void *p; size_t n; } scratch_kept[SCRATCH_SLOTS];
+
+static size_t scratch_round(size_t bytes) {
+    return (bytes + SCRATCH_HUGE - 1) / SCRATCH_HUGE * SCRATCH_HUGE;
+}
+
 void *kvrt_cpu_scratch_alloc(size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const size_t huge = (size_t)2 << 20;
-    if (bytes >= 2 * huge) {
-        const size_t n = (bytes + huge - 1) / huge * huge;
-        void *p = aligned_alloc(huge, n);
+    if (bytes >= 2 * SCRATCH_HUGE) {
+        const size_t n = scratch_round(bytes);
+        void *p = NULL;
+        pthread_mutex_lock(&scratch_mu);
+        int best = -1;
+        for (int i = 0; i < SCRATCH_SLOTS; i++)
+            if (scratch_kept[i].p && scratch_kept[i].n >= n &&
+                (best < 0 || scratch_kept[i].n < scratch_kept[best].n))
+                best = i;
+        if (best >= 0) {
+            p = scratch_kept[best].p;
+            scratch_kept[best].p = NULL;
+        }
+        pthread_mutex_unlock(&scratch_mu);
+        if (p != NULL) return p;
+        p = aligned_alloc(SCRATCH_HUGE, n);
         if (p != NULL) (void)madvise(p, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
         return p;
     }
 #endif
     return malloc(bytes > 0 ? bytes : 1);
+}
+
+void kvrt_cpu_scratch_free(void *p, size_t bytes) {
+    if (p == NULL) return;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (bytes >= 2 * SCRATCH_HUGE) {
+        const size_t n = scratch_round(bytes);
+        pthread_mutex_lock(&scratch_mu);
+        size_t kept = 0;
+        int slot = -1, small = -1;
+        for (int i = 0; i < SCRATCH_SLOTS; i++) {
+            if (!scratch_kept[i].p) {
+                if (slot < 0) slot = i;
+                continue;
+            }
+            kept += scratch_kept[i].n;
+            if (small < 0 || scratch_kept[i].n < scratch_kept[small].n) small = i;
+        }
+        void *drop = NULL;
+        if (slot < 0 && small >= 0 && scratch_kept[small].n < n) { /* full: keep the larger */
+            drop = scratch_kept[small].p;
+            kept -= scratch_kept[small].n;
+            scratch_kept[small].p = NULL;
+            slot = small;
+        }
+        if (slot >= 0 && kept + n <= SCRATCH_KEEP) {
+            scratch_kept[slot].p = p;
+            scratch_kept[slot].n = n;
+            p = NULL;
+        }
+        pthread_mutex_unlock(&scratch_mu);
+        free(drop);
+    }
+#else
+    (void)bytes;
+#endif
+    free(p);
 }

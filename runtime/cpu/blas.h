@@ -17,7 +17,7 @@
  *
  * defines: kvrt_sgemm_op, kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
- *          kvrt_cpu_scratch_alloc
+ *          kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #ifndef KVRT_CPU_BLAS_H
 #define KVRT_CPU_BLAS_H
@@ -69,9 +69,13 @@ KVRT_INTERNAL int kvrt_cpu_gemm_is_dnnl(void);
 /* "oneDNN 2.6.3 sgemm (isa avx512_core_amx)" or "OpenBLAS cblas_sgemm": what the products run on. */
 KVRT_INTERNAL const char *kvrt_cpu_gemm_name(void);
 
-/* A scratch buffer of `bytes`, freed with free(): from 4 MiB up, aligned to 2 MiB and advised
- * into transparent huge pages (4 KiB page faults on a fresh buffer of tens of MiB cost a tenth
- * of the kernels that fill it). NULL when out of memory. */
+/* A scratch buffer of `bytes` (contents undefined), given back with kvrt_cpu_scratch_free(p,
+ * the same bytes): from 4 MiB up, aligned to 2 MiB and advised into transparent huge pages (4 KiB
+ * page faults on a fresh buffer of tens of MiB cost a tenth of the kernels that fill it), and
+ * reused: up to 4 freed buffers, 256 MiB in all, are kept for the next request that fits (a
+ * per-layer kernel then faults its scratch in once per process, not once per call). Thread-safe.
+ * NULL when out of memory. */
 KVRT_INTERNAL void *kvrt_cpu_scratch_alloc(size_t bytes);
+KVRT_INTERNAL void kvrt_cpu_scratch_free(void *p, size_t bytes);
 
 #endif

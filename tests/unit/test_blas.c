@@ -7,6 +7,7 @@
 #include <criterion/criterion.h>
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -117,4 +118,33 @@ Test(blas, gemm_name_names_the_library) {
     cr_expect(strstr(nm, "oneDNN") == nm || strstr(nm, "OpenBLAS") == nm,
               "kvrt_cpu_gemm_name() = '%s', expected it to start with oneDNN or OpenBLAS", nm);
     cr_expect(kvrt_cpu_gemm_is_dnnl() == (strstr(nm, "oneDNN") == nm));
+}
+
+/* kvrt_cpu_scratch_alloc / _free: a freed large buffer serves the next request that fits (no
+ * fresh page faults per call), two live buffers are distinct, small requests are plain malloc,
+ * and more frees than the cache keeps release the rest (LeakSanitizer checks that in SAN runs). */
+Test(blas, scratch_buffers_are_reused) {
+    const size_t big = (size_t)8 << 20;
+    unsigned char *a = kvrt_cpu_scratch_alloc(big);
+    cr_assert_not_null(a);
+    cr_assert_eq((uintptr_t)a % ((size_t)2 << 20), 0, "not 2 MiB aligned");
+    memset(a, 7, big);
+    kvrt_cpu_scratch_free(a, big);
+    unsigned char *b = kvrt_cpu_scratch_alloc(big - 4096); /* fits the kept buffer */
+    cr_assert_eq(b, a, "the kept buffer was not reused");
+    unsigned char *c = kvrt_cpu_scratch_alloc(big);        /* b is in use: a new one */
+    cr_assert_not_null(c);
+    cr_assert_neq(c, b);
+    kvrt_cpu_scratch_free(b, big - 4096);
+    kvrt_cpu_scratch_free(c, big);
+    void *many[6];
+    for (int i = 0; i < 6; i++) {
+        many[i] = kvrt_cpu_scratch_alloc(big * (size_t)(i + 1));
+        cr_assert_not_null(many[i]);
+    }
+    for (int i = 0; i < 6; i++) kvrt_cpu_scratch_free(many[i], big * (size_t)(i + 1));
+    void *s = kvrt_cpu_scratch_alloc(100); /* below the threshold: malloc'ed, freed at once */
+    cr_assert_not_null(s);
+    kvrt_cpu_scratch_free(s, 100);
+    kvrt_cpu_scratch_free(NULL, big);
 }
