@@ -164,12 +164,16 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 // [ta, tb) sees keys 0..tb-1, processed in chunks of WM_CHUNK keys:
 //   1. one sgemm per chunk: logits [G*bq, chunk] = (q rows) . (keys)^T / sqrt(d), written into
 //      the block's logit buffer (at most WM_BUF_FLOATS per thread);
-//   2. while the chunk is in cache: per row, the causal mask (row t sees keys <= t), the chunk's
-//      max m_c, e = exp(x - m_c) in place (exp_nonpos_f32, vectorized) and the chunk's sum s_c;
-//   3. per row: m = max_c m_c, S = sum_c s_c exp(m_c - m) (double, chunk order), and the factor
-//      f_c = exp(m_c - m) / S of every chunk;
-//   4. per chunk: the column sums of f_c e over the rows, in row order, in float over groups of
+//   2. while the chunk is in cache: per row, the max m_c of its visible keys (row t sees keys
+//      <= t);
+//   3. per row, once every chunk is done: m = max_c m_c, p = exp(z - m) (exp_nonpos_f32,
+//      vectorized) into a row buffer with its sum S (float per WM_CHUNK keys, double across);
+//   4. the row's p / S added into the column sums, in row order, in float over groups of
 //      WM_GROUP rows, each group added in double into the task's accumulator.
+// Steps 3-4 read each logit row once, after the block's products: the exp runs while that read
+// streams (an earlier version exponentiated each chunk in place in step 2 and read the buffer
+// again for the sums: 1.82-2.03x the window GEMM at 32k on a 2-core Zen 4 VM against 1.55-1.70x
+// now, docs/benchmarks.md "Window mass").
 // Tasks are (KV head, lane): lane l of a KV head processes row blocks l, l + L, l + 2L, ... in
 // order (L = min(row blocks, WM_LANES)); the lanes are added in lane order and divided by G.
 // Block sizes depend on T, G, d and the window only, never on the thread count, so the result is
@@ -202,68 +206,60 @@ typedef struct {
     float *qp;   /* [G*bq, d] packed query rows */
     float *e;    /* [G*bq, tb] logits, then exp */
     float *cm;   /* [G*bq, nch] chunk maxima */
-    float *cs;   /* [G*bq, nch] chunk sums, then the factors f_c */
-    float *colf; /* [WM_CHUNK] float column sums of one row group */
+    float *pb;   /* [T] one row's probabilities */
+    float *colf; /* [T] float column sums of one row group */
 } wm_scratch;
 
 /* The per-element loops (steps 2 and 4) are compiled for AVX2 and AVX-512 too (KVRT_SIMD_CLONES,
  * cpu/vexp.h): the exp and the column sums round every operation the same way in every clone;
- * only the lane split of a chunk's row sum differs between clones (the CPU decides, never the
- * thread count). */
+ * only the lane split of a row's sums differs between clones (the CPU decides, never the thread
+ * count). */
 /* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta:
- * logits e (row stride ldc) become exp(x - m_c), masked keys 0; cm/cs (stride nch) get the
- * chunk's max and sum. */
-KVRT_SIMD_CLONES static void wm_softmax_chunk(float *e, int64_t ldc, int64_t R, uint32_t G, int64_t ta,
-                                       int64_t c0, int64_t nc, float *cm, float *cs,
-                                       int64_t nch) {
+ * cm (stride nch) gets each row's max over its visible keys of the chunk (-INF when none). */
+KVRT_SIMD_CLONES static void wm_max_chunk(const float *e, int64_t ldc, int64_t R, uint32_t G,
+                                          int64_t ta, int64_t c0, int64_t nc, float *cm,
+                                          int64_t nch) {
     for (int64_t r = 0; r < R; r++) {
-        float *row = e + (size_t)r * ldc;
+        const float *row = e + (size_t)r * ldc;
         int64_t len = ta + r / G + 1 - c0; /* causal: query t sees keys 0..t */
         len = len < 0 ? 0 : len > nc ? nc : len;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < len; j++) m = row[j] > m ? row[j] : m;
-        const float shift = m == -INFINITY ? 0.0f : m;
+        cm[(size_t)r * nch] = m;
+    }
+}
+
+/* Step 3-4 for one row of len visible logits z with max m: p = exp(z - m) into pb, its sum S
+ * (float within runs of WM_CHUNK, double across), then colf[j] += p_j / S (entries whose
+ * quotient would be subnormal, < FLT_MIN, count as 0: subnormal arithmetic runs ~100x slower on
+ * x86 and real attention, a sink far above the rest, makes many; the error is below FLT_MIN per
+ * entry). A row with nothing visible (or every logit -INF) adds nothing. */
+KVRT_SIMD_CLONES static void wm_row_mass(const float *z, int64_t len, float m, float *pb,
+                                         float *colf) {
+    if (len <= 0 || m == -INFINITY) return;
+    double S = 0.0;
+    for (int64_t j0 = 0; j0 < len; j0 += WM_CHUNK) {
+        const int64_t j1 = j0 + WM_CHUNK < len ? j0 + WM_CHUNK : len;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < len; j++) {
-            const float x = exp_nonpos_f32(row[j] - shift);
-            row[j] = x;
+        for (int64_t j = j0; j < j1; j++) {
+            const float x = exp_nonpos_f32(z[j] - m);
+            pb[j] = x;
             sum += x;
         }
-        for (int64_t j = len; j < nc; j++) row[j] = 0.0f;
-        cm[(size_t)r * nch] = m;
-        cs[(size_t)r * nch] = sum;
+        S += (double)sum;
+    }
+    const float inv = (float)(1.0 / S); /* S >= 1: the max's own term is exp(0) */
+    const float thr = FLT_MIN / inv;
+#pragma omp simd
+    for (int64_t j = 0; j < len; j++) {
+        const float x = pb[j] >= thr ? pb[j] : 0.0f;
+        colf[j] += x * inv;
     }
 }
 
-/* Step 4 for one chunk: acc[j] += sum over the R rows of f[r] e[r][j], float within groups of
- * WM_GROUP rows (in row order), each group added in double. colf: [nc] scratch. */
-KVRT_SIMD_CLONES static void wm_colsum_chunk(const float *e, int64_t ldc, int64_t R, const float *f,
-                                      int64_t fstride, int64_t nc, float *colf, double *acc) {
-    for (int64_t r0 = 0; r0 < R; r0 += WM_GROUP) {
-        const int64_t r1 = r0 + WM_GROUP < R ? r0 + WM_GROUP : R;
-        for (int64_t j = 0; j < nc; j++) colf[j] = 0.0f;
-        for (int64_t r = r0; r < r1; r++) {
-            const float fr = f[(size_t)r * fstride];
-            if (fr == 0.0f) continue; /* a fully masked (or negligible) chunk of this row */
-            const float *row = e + (size_t)r * ldc;
-            /* entries whose product with fr would be subnormal (< FLT_MIN) count as 0: subnormal
-             * arithmetic runs ~100x slower on x86 and real attention (a sink far above the rest)
-             * makes many; the error is below FLT_MIN per entry */
-            const float thr = FLT_MIN / fr;
-#pragma omp simd
-            for (int64_t j = 0; j < nc; j++) {
-                const float x = row[j] >= thr ? row[j] : 0.0f;
-                colf[j] += fr * x;
-            }
-        }
-#pragma omp simd
-        for (int64_t j = 0; j < nc; j++) acc[j] += (double)colf[j];
-    }
-}
-
-/* Steps 1-2 for one chunk [c0, c0 + nc) of row block [ta, tb) of KV head hk. */
+/* Step 1-2 for one chunk [c0, c0 + nc) of row block [ta, tb) of KV head hk. */
 static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64_t ncol,
                      int64_t c, wm_scratch *s) {
     const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
@@ -271,7 +267,7 @@ static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64
     kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d,
                       P->k + ((size_t)c0 * P->Hkv + hk) * P->d, (int)((size_t)P->Hkv * P->d),
                       0.0f, s->e + c0, (int)ncol);
-    wm_softmax_chunk(s->e + c0, ncol, R, P->G, ta, c0, nc, s->cm + c, s->cs + c, nch);
+    wm_max_chunk(s->e + c0, ncol, R, P->G, ta, c0, nc, s->cm + c, nch);
 }
 
 /* Row block b of KV head hk: steps 1-4, the block's column mass added into acc [T] (double). */
@@ -285,24 +281,24 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
         memcpy(s->qp + (size_t)(t - ta) * G * d, P->q + ((size_t)t * P->H + (size_t)hk * G) * d,
                sizeof(float) * G * d);
     for (int64_t c = 0; c < nch; c++) wm_chunk(P, hk, ta, R, ncol, c, s);
-    /* step 3: per row, the global max and sum, then each chunk's factor (in place of cs) */
-    for (int64_t r = 0; r < R; r++) {
-        const float *cm = s->cm + (size_t)r * nch;
-        float *cs = s->cs + (size_t)r * nch;
-        float m = -INFINITY;
-        for (int64_t c = 0; c < nch; c++) m = cm[c] > m ? cm[c] : m;
-        double S = 0.0;
-        for (int64_t c = 0; c < nch; c++)
-            if (cs[c] > 0.0f) S += (double)cs[c] * exp((double)cm[c] - (double)m);
-        for (int64_t c = 0; c < nch; c++) { /* factors below FLT_MIN: 0 (see wm_colsum_chunk) */
-            const double f = cs[c] > 0.0f && S > 0.0 ? exp((double)cm[c] - (double)m) / S : 0.0;
-            cs[c] = f >= (double)FLT_MIN ? (float)f : 0.0f;
+    /* steps 3-4, row by row: the row's max, its probabilities and their column sums, in row
+     * order, float within a group of WM_GROUP rows, double across groups */
+    for (int64_t r0 = 0; r0 < R; r0 += WM_GROUP) {
+        const int64_t r1 = r0 + WM_GROUP < R ? r0 + WM_GROUP : R;
+        int64_t width = 0; /* the group's widest visible row */
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t len = ta + r / G + 1 < ncol ? ta + r / G + 1 : ncol;
+            width = len > width ? len : width;
         }
-    }
-    /* step 4: column sums in row order, float within a group of rows, double across groups */
-    for (int64_t c = 0; c < nch; c++) {
-        const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
-        wm_colsum_chunk(s->e + c0, ncol, R, s->cs + c, nch, nc, s->colf, acc + c0);
+        memset(s->colf, 0, sizeof(float) * (size_t)width);
+        for (int64_t r = r0; r < r1; r++) {
+            const float *cm = s->cm + (size_t)r * nch;
+            float m = -INFINITY;
+            for (int64_t c = 0; c < nch; c++) m = cm[c] > m ? cm[c] : m;
+            const int64_t len = ta + r / G + 1 < ncol ? ta + r / G + 1 : ncol;
+            wm_row_mass(s->e + (size_t)r * ncol, len, m, s->pb, s->colf);
+        }
+        for (int64_t j = 0; j < width; j++) acc[j] += (double)s->colf[j];
     }
 }
 
@@ -335,7 +331,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
     if (nt > n_tasks) nt = (int)n_tasks;
     if (nt < 1 || nested) nt = 1; /* nested regions run on one thread */
     const size_t R = (size_t)bq * P.G;
-    const size_t per = R * d + R * (size_t)T + 2 * R * (size_t)P.nch_max + WM_CHUNK;
+    const size_t per = R * d + R * (size_t)T + R * (size_t)P.nch_max + 2 * (size_t)T;
     const size_t buf_bytes = sizeof(float) * per * (size_t)nt;
     const size_t acc_bytes = sizeof(double) * (size_t)n_tasks * (size_t)T;
     float *buf = kvrt_cpu_scratch_alloc(buf_bytes);
@@ -357,8 +353,8 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
 #endif
         float *base = buf + per * (size_t)tid;
         wm_scratch s = {.qp = base, .e = base + R * d, .cm = base + R * d + R * (size_t)T};
-        s.cs = s.cm + R * (size_t)P.nch_max;
-        s.colf = s.cs + R * (size_t)P.nch_max;
+        s.pb = s.cm + R * (size_t)P.nch_max;
+        s.colf = s.pb + T;
         const uint32_t hk = (uint32_t)(task / P.lanes);
         const int lane = (int)(task % P.lanes);
         memset(acc + (size_t)task * T, 0, sizeof(double) * (size_t)T); /* reused scratch */
