@@ -83,6 +83,9 @@ static void usage(FILE *out) {
         "                      them from the model's own tensors in the end-to-end pass, one\n"
         "                      compression per row serving both: the same up to the corpus's f16\n"
         "                      rounding, and the memory columns are the end-to-end caches')\n"
+        "  --no-probes         with --gguf: skip the passage probes (the ret columns): each row is\n"
+        "                      scored on its continuation alone, 128 instead of 200 tokens through\n"
+        "                      the model per row at the default sizes; --needle is the retrieval task\n"
         "  --timings           after the results, where the wall time went: per phase (corpus read,\n"
         "                      compression, attention, the model's prefill, continuation, probes,\n"
         "                      needle) and per method (to stderr with --json / --csv)\n"
@@ -234,9 +237,12 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
            "full cache %.1f MB/prompt (f32)%s\n", r->full_bytes_mean / 1e6,
            r->fused ? "; from the model's own tensors and the end-to-end caches (one compression "
                       "per row and prompt)" : "");
-    if (gguf) printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
-                     "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
-                     KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
+    if (gguf && r->no_probes)
+        printf("end to end: %s; NLL of continuation tokens; retrieval probes off (--no-probes)\n", gguf);
+    else if (gguf)
+        printf("end to end: %s; NLL of continuation tokens; retrieval: %d passages/prompt, %d-token prefix, "
+               "%d-token answer (greedy exact match, token accuracy)\n", gguf, KVCC_EVAL_PROBES,
+               KVCC_EVAL_PROBE_PREFIX, KVCC_EVAL_PROBE_ANSWER);
     if (r->n_needle_ctx) {
         printf("needle task: %u haystacks x %u questions per context length; full cache", r->needle_haystacks,
                r->needle_keys);
@@ -280,7 +286,9 @@ static void print_table(const kvcc_eval_result *r, const char *corpus, const cha
         printf("%7.0f %9.4f %9.4f %8.4f %7.4f %9.2f%c%7.1f", row->kept_mean, row->relerr_mean,
                row->relerr_p95, row->kl_mean, row->mass_mean, row->bytes_mean / 1e6,
                row->equal_memory == 0 ? '*' : ' ', row->select_ms);
-        if (gguf && row->have_e2e)
+        if (gguf && row->have_e2e && !row->probes)
+            printf(" %7.4f %+8.4f %7s %7s", row->nll, row->nll - row->nll_full, "-", "-");
+        else if (gguf && row->have_e2e)
             printf(" %7.4f %+8.4f %3u/%-3u %7.3f", row->nll, row->nll - row->nll_full, row->probes_exact, row->probes,
                    row->probe_tokens ? (double)row->probe_tokens_ok / row->probe_tokens : 0.0);
         for (int c = 0; c < r->n_needle_ctx; c++) {
@@ -488,7 +496,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
 
 int kvcc_cmd_eval(int argc, char **argv) {
     const char *corpus = NULL, *methods = NULL, *budgets = NULL, *gguf = NULL, *policy = NULL, *cdt = "f32";
-    int json = 0, csv = 0, timings = 0, local_from_corpus = 0;
+    int json = 0, csv = 0, timings = 0, local_from_corpus = 0, no_probes = 0;
     unsigned prompts = 0, seed = 1, max_tokens = 0;
     static const struct option opts[] = {
         {"corpus", required_argument, 0, 'c'}, {"methods", required_argument, 0, 'm'},
@@ -501,6 +509,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"needle-depths", required_argument, 0, 'D'},
         {"max-tokens", required_argument, 0, 'X'}, {"precision", required_argument, 0, 'P'},
         {"timings", no_argument, 0, 'W'}, {"local-from-corpus", no_argument, 0, 'L'},
+        {"no-probes", no_argument, 0, 'R'},
         {0, 0, 0, 0}};
     int precision = KVCC_PREC_F32;
     const char *needle = NULL;
@@ -535,6 +544,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'j': json = 1; break;
         case 'W': timings = 1; break;
         case 'L': local_from_corpus = 1; break;
+        case 'R': no_probes = 1; break;
         case 'v': csv = 1; break;
         case 'N': needle = optarg; break;
         case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; break;
@@ -590,7 +600,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,
                         .needle_depths = n_depths ? depths : NULL,
                         .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts,
-                        .local_from_corpus = local_from_corpus};
+                        .local_from_corpus = local_from_corpus, .no_probes = no_probes};
     kvcc_eval_result *r = malloc(sizeof *r);
     if (!r) return KVCC_EXIT_FAILED;
     char err[768];

@@ -314,6 +314,7 @@ int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_
     if (!rc && o->gguf) rc = eval_check_windows(E, err, errlen);
     double t0 = kvcc_now_s();
     if (E) r->fused = E->fused = o->gguf && !o->local_from_corpus;
+    if (E) r->no_probes = o->gguf && o->no_probes;
     if (!rc && !E->fused) {
         if (o->verbose) kvcc_progress_begin("eval (layer-local)");
         rc = eval_local(E, err, errlen);

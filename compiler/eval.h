@@ -71,7 +71,7 @@ typedef struct {
     /* end to end (with a model) */
     int have_e2e;
     double nll, nll_full;  /* mean continuation NLL per token: compressed / full cache */
-    uint32_t probes, probes_exact;
+    uint32_t probes, probes_exact; /* 0 probes: --no-probes */
     uint64_t probe_tokens, probe_tokens_ok;
     /* needle task (with needle contexts): questions asked / answered exactly, per context
      * length; kept and bytes per needle context (mean over haystacks) */
@@ -113,6 +113,10 @@ typedef struct {
      * model's own tensors and each row's one compression (compiler/eval_fused.c); 1 reads them
      * from the corpus in a pass of their own, each row compressing twice (as before) */
     int local_from_corpus;
+    /* with gguf: 1 skips the passage probes (kvcc eval --no-probes): each row's scoring pass is
+     * the continuation alone (128 of 200 tokens at the default probes); the needle task is the
+     * retrieval measure that judges (issue: the full cache answers its probes 14 times in 48) */
+    int no_probes;
 } kvcc_eval_opts;
 
 typedef struct {
@@ -123,6 +127,7 @@ typedef struct {
     char model_name[64];
     double seconds_local, seconds_e2e; /* fused (the default with gguf): seconds_local 0 */
     int fused;               /* the layer-local rows came from the end-to-end pass */
+    int no_probes;           /* the run skipped the passage probes (--no-probes) */
     char decode_note[512];   /* decode-time rows: the block size and the groupings used */
     /* needle task: per context length, the full cache's score (the model's own attention) */
     int n_needle_ctx, needle_ctx[KVCC_EVAL_NEEDLE_CTX];

@@ -65,7 +65,7 @@ static int argmax_row(const float *row, int V) {
 /* Run the continuation (and the probes) from state position C; with caches == NULL the plain
  * full-cache path. Accumulates into row/acc. */
 static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, kvrt_cache **caches,
-                              int C, int T, const int32_t *tok, float *logits, double *nll_sum,
+                              int C, int T, int n_probes, const int32_t *tok, float *logits, double *nll_sum,
                               uint64_t *nll_n, uint32_t *probes, uint32_t *exact, uint64_t *ptok,
                               uint64_t *ptok_ok, double *t_cont, double *t_probe) {
     const int V = m->hp.n_vocab, P = KVCC_EVAL_PROBE_PREFIX, A = KVCC_EVAL_PROBE_ANSWER;
@@ -77,7 +77,7 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
     int seg_len[1 + KVCC_EVAL_PROBES], n_seg = 1, seg_start[1 + KVCC_EVAL_PROBES], n_tok = T - C;
     seg_len[0] = T - C;
     seg_start[0] = C;
-    for (int pr = 0; pr < KVCC_EVAL_PROBES; pr++) {
+    for (int pr = 0; pr < n_probes; pr++) {
         static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
         int start = (int)(depth[pr] * C);
         if (start + P + A > C) start = C - P - A;
@@ -122,7 +122,7 @@ static int score_continuation(kvcc_state *s, const kvcc_model *m, kvrt_ctx *rt, 
     }
     const double t1 = kvcc_now_s();
     *t_cont += t1 - t0;
-    for (int pr = 0; !rc && pr < KVCC_EVAL_PROBES; pr++) {
+    for (int pr = 0; !rc && pr < n_probes; pr++) {
         static const double depth[KVCC_EVAL_PROBES] = {0.1, 0.5, 0.9};
         int start = (int)(depth[pr] * C);
         if (start + P + A > C) start = C - P - A;
@@ -158,7 +158,8 @@ int eval_score_corpus_row(eval_run *E, int ri, e2e_prompt *x, kvrt_cache **cache
     double nll = 0;
     uint64_t nn = 0;
     (void)user;
-    int st = score_continuation(x->s, x->m, x->rt, caches, x->C, x->T, x->tok, x->logits, &nll,
+    int st = score_continuation(x->s, x->m, x->rt, caches, x->C, x->T,
+                                E->o->no_probes ? 0 : KVCC_EVAL_PROBES, x->tok, x->logits, &nll,
                                 &nn, &row->probes, &row->probes_exact, &row->probe_tokens,
                                 &row->probe_tokens_ok, &E->r->phase_s[KVCC_PH_E2E_CONT],
                                 &E->r->phase_s[KVCC_PH_E2E_PROBE]);
@@ -430,7 +431,8 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
         uint64_t ft = 0, fto = 0;
         x.nll_full = 0;
         double tf[2] = {0, 0};
-        rc = score_continuation(x.s, m, x.rt, NULL, C, T, tok, x.logits, &x.nll_full, &n_full, &fp,
+        rc = score_continuation(x.s, m, x.rt, NULL, C, T, E->o->no_probes ? 0 : KVCC_EVAL_PROBES,
+                                tok, x.logits, &x.nll_full, &n_full, &fp,
                                 &fe, &ft, &fto, &tf[0], &tf[1]);
         E->r->phase_s[KVCC_PH_E2E_FULL] += tf[0] + tf[1];
         if (rc) {

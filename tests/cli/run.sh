@@ -213,6 +213,15 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
     for (i = 18; i <= 23; i++) if ($i != $(i + n)) print "end-to-end col " i ": " $i " vs " $(i + n) }')
   [[ $ex1 -eq 0 && $ex2 -eq 0 && -z "$cmp" && $(grep -c ',ok$' "$tmp/fu.csv") -eq 4 ]] && ok \
     || bad "eval fused vs --local-from-corpus: exit $ex1/$ex2: $cmp"
+  # --no-probes: the same continuation NLL (cols 18-20) as with the probes, within the GEMM's
+  # rounding (the pass has 128 rows instead of 200), and no probes asked
+  "$KVCC" eval --corpus "$tmp/c1.h5" --gguf $g --methods full,streaming,h2o,knorm --budgets 0.5 --csv \
+    --no-probes >"$tmp/np.csv" 2>/dev/null; ex=$?
+  cmp=$(paste -d, "$tmp/fu.csv" "$tmp/np.csv" | awk -F, 'NR > 1 { n = NF / 2
+    for (i = 18; i <= 20; i++) { d = $i - $(i + n); if (d < 0) d = -d; if (d > 1e-5) print "col " i ": " $i " vs " $(i + n) }
+    if ($(21 + n) != 0 || $21 == 0) print "probes " $21 " vs " $(21 + n) }')
+  [[ $ex -eq 0 && -z "$cmp" && $(grep -c ',ok$' "$tmp/np.csv") -eq 4 ]] && ok \
+    || bad "eval --no-probes: exit $ex: $cmp"
   grep -q "e2e.compress" "$tmp/fu.err" && grep -q "e2e.continuation" "$tmp/fu.err" && ok \
     || bad "eval --timings: $(cat "$tmp/fu.err")"
 fi
