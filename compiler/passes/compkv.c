@@ -759,11 +759,21 @@ enum {
 };
 #define COMPKV_EVAL_DEFAULT_R 4
 
+/* compkv-olin1: the rank-1 factors of a decode state's full blocks, computed once (a full block
+ * never changes; recomputing every block at every step had made a 6-prompt run take > 75 min). */
+typedef struct {
+    const kvrt_compkv *st; /* the state they belong to (compkv_eval_create resets the slot) */
+    int64_t nfull, cap;    /* blocks done, blocks room */
+    double *wy;            /* [cap][Hkv][2 d]: w_b then y_b = C_b w_b (kvcc_compkv_oracle_rank1) */
+} compkv_r1_slot;
+#define COMPKV_R1_SLOTS 256 /* layers */
+
 typedef struct {
     const kvrt_compkv_grouping *g; /* the compiled grouping (shared handle), or NULL */
     kvrt_compkv_opts o;            /* the row's options */
     int use_grp;                   /* 1: the compiled grouping of each layer */
     uint32_t Hkv, d;
+    compkv_r1_slot *r1;            /* [COMPKV_R1_SLOTS] for compkv-olin1, else NULL */
 } compkv_eval;
 
 /* The compiled grouping when --policy has one (NULL otherwise: index order rows still run). */
@@ -828,6 +838,10 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
     case COMPKV_EVAL_OLIN1: e->use_grp = g != NULL; break;
     default: break; /* compkv-index: index order, r of the artifact (else 4) */
     }
+    if (m->variant == COMPKV_EVAL_OLIN1 && !(e->r1 = calloc(COMPKV_R1_SLOTS, sizeof *e->r1))) {
+        snprintf(err, errlen, "eval: out of memory");
+        return KVCC_EXIT_FAILED;
+    }
     p->block = (uint32_t)o->block;
     const uint32_t r16 = d < 16 ? d : 16;
     if (g) {
@@ -857,10 +871,23 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
 static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc_eval_env *env,
                           uint32_t layer, int64_t cap, kvrt_compkv **out) {
     (void)m;
-    const compkv_eval *e = state;
-    if (e->use_grp && e->g)
-        return kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out);
-    return kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
+    compkv_eval *e = state;
+    const int rc = e->use_grp && e->g
+                       ? kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out)
+                       : kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
+    if (rc == KVRT_OK && e->r1) {
+        if (layer >= COMPKV_R1_SLOTS) {
+            kvrt_compkv_free(*out);
+            *out = NULL;
+            return KVRT_ERR_UNSUPPORTED; /* more layers than the olin1 cache has slots */
+        }
+        /* a new state, maybe at the address of a freed one (of any layer): nothing cached for it */
+        for (uint32_t l = 0; l < COMPKV_R1_SLOTS; l++)
+            if (e->r1[l].st == *out) e->r1[l].st = NULL;
+        e->r1[layer].st = *out;
+        e->r1[layer].nfull = 0;
+    }
+    return rc;
 }
 
 /* kvcc_compkv_oracle_attend: passes.h. */
@@ -877,52 +904,57 @@ static void cov_apply(const float *k, const float *v, size_t Kd, uint32_t hk, ui
     }
 }
 
-/* LINEAR1's factors of the blocks of KV head hk: per block b, w_b [d] (unit, the top right
- * singular vector of C_b = (1/n) sum_t (k_t - kbar) v_t^T) and y_b = C_b w_b [d]. */
-static void oracle_rank1(const float *k, const float *v, size_t Kd, uint32_t hk, uint32_t d,
-                         uint32_t B, int64_t len, double *wy) {
-    const int64_t nb = (len + B - 1) / B;
+/* kvcc_compkv_oracle_rank1: passes.h. */
+void kvcc_compkv_oracle_rank1(const float *k, const float *v, size_t Kd, uint32_t hk, uint32_t d,
+                              int64_t t0, int64_t t1, double *w, double *y) {
+    const int64_t n = t1 - t0;
     double kbar[1024], tmp[1024];
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t t0 = b * (int64_t)B, t1 = t0 + B < len ? t0 + B : len, n = t1 - t0;
-        double *w = wy + (size_t)b * 2 * d, *y = w + d;
-        for (uint32_t x = 0; x < d; x++) kbar[x] = 0;
-        for (int64_t t = t0; t < t1; t++)
-            for (uint32_t x = 0; x < d; x++) kbar[x] += k[(size_t)t * Kd + (size_t)hk * d + x];
-        for (uint32_t x = 0; x < d; x++) {
-            kbar[x] /= (double)n;
-            w[x] = 1.0 / sqrt((double)d) * (x % 2 ? 1.0 : -1.0) + 1e-3 * x; /* fixed start */
-        }
-        for (int it = 0; it < 12; it++) {
-            /* y = C w; tmp = C^T y; w = tmp / |tmp| */
-            cov_apply(k, v, Kd, hk, d, t0, t1, kbar, w, y);
-            for (uint32_t x = 0; x < d; x++) tmp[x] = 0;
-            for (int64_t t = t0; t < t1; t++) {
-                const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
-                            *vt = v + (size_t)t * Kd + (size_t)hk * d;
-                double ky = 0;
-                for (uint32_t x = 0; x < d; x++) ky += ((double)kt[x] - kbar[x]) * y[x];
-                for (uint32_t x = 0; x < d; x++) tmp[x] += (double)vt[x] * ky / (double)n;
-            }
-            double nn = 0;
-            for (uint32_t x = 0; x < d; x++) nn += tmp[x] * tmp[x];
-            nn = sqrt(nn);
-            if (!(nn > 0)) break; /* C_b = 0 (one token, or equal keys): w stays, y = 0 */
-            for (uint32_t x = 0; x < d; x++) w[x] = tmp[x] / nn;
-        }
-        cov_apply(k, v, Kd, hk, d, t0, t1, kbar, w, y); /* y = C w for the final w */
+    for (uint32_t x = 0; x < d; x++) kbar[x] = 0;
+    for (int64_t t = t0; t < t1; t++)
+        for (uint32_t x = 0; x < d; x++) kbar[x] += k[(size_t)t * Kd + (size_t)hk * d + x];
+    for (uint32_t x = 0; x < d; x++) {
+        kbar[x] /= (double)n;
+        w[x] = 1.0 / sqrt((double)d) * (x % 2 ? 1.0 : -1.0) + 1e-3 * x; /* fixed start */
     }
+    for (int it = 0; it < 12; it++) {
+        /* y = C w; tmp = C^T y; w = tmp / |tmp| */
+        cov_apply(k, v, Kd, hk, d, t0, t1, kbar, w, y);
+        for (uint32_t x = 0; x < d; x++) tmp[x] = 0;
+        for (int64_t t = t0; t < t1; t++) {
+            const float *kt = k + (size_t)t * Kd + (size_t)hk * d,
+                        *vt = v + (size_t)t * Kd + (size_t)hk * d;
+            double ky = 0;
+            for (uint32_t x = 0; x < d; x++) ky += ((double)kt[x] - kbar[x]) * y[x];
+            for (uint32_t x = 0; x < d; x++) tmp[x] += (double)vt[x] * ky / (double)n;
+        }
+        double nn = 0;
+        for (uint32_t x = 0; x < d; x++) nn += tmp[x] * tmp[x];
+        nn = sqrt(nn);
+        if (!(nn > 0)) break; /* C = 0 (one token, or equal keys): w stays, y = 0 */
+        for (uint32_t x = 0; x < d; x++) w[x] = tmp[x] / nn;
+    }
+    cov_apply(k, v, Kd, hk, d, t0, t1, kbar, w, y); /* y = C w for the final w */
 }
 
 int kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
                               uint32_t B, double scale, const float *k, const float *v,
                               int64_t len, const int32_t *blocks, int64_t ns, double *scratch,
                               float *out) {
+    return kvcc_compkv_oracle_attend_ex(kind, q, H, Hkv, d, B, scale, k, v, len, blocks, ns, NULL,
+                                        0, scratch, out);
+}
+
+int kvcc_compkv_oracle_attend_ex(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
+                                 uint32_t B, double scale, const float *k, const float *v,
+                                 int64_t len, const int32_t *blocks, int64_t ns,
+                                 const double *wy_full, int64_t n_full, double *scratch,
+                                 float *out) {
     double *z = scratch, *acc = z + len, *bv = acc + d;
     const uint32_t G = H / Hkv;
     const size_t Kd = (size_t)Hkv * d;
     const int64_t nb = (len + B - 1) / B;
-    double *wy = NULL;
+    double *wy = NULL; /* [nb][2 d] of one KV head: the blocks from n_full on */
+    if (!wy_full) n_full = 0;
     if (kind == KVCC_COMPKV_ORACLE_LINEAR1) {
         if (d > 1024) return -1;
         wy = malloc(sizeof(double) * 2 * d * (size_t)nb);
@@ -930,7 +962,11 @@ int kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv
     }
     for (uint32_t hk = 0; hk < Hkv; hk++) {
         const int32_t *sel = blocks + (size_t)hk * ns;
-        if (wy) oracle_rank1(k, v, Kd, hk, d, B, len, wy);
+        for (int64_t b = n_full; wy && b < nb; b++) {
+            const int64_t t0 = b * (int64_t)B, t1 = t0 + B < len ? t0 + B : len;
+            kvcc_compkv_oracle_rank1(k, v, Kd, hk, d, t0, t1, wy + (size_t)b * 2 * d,
+                               wy + (size_t)b * 2 * d + d);
+        }
         for (uint32_t g = 0; g < G; g++) {
             const uint32_t h = hk * G + g;
             const float *qh = q + (size_t)h * d;
@@ -983,7 +1019,9 @@ int kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv
                 default: w = (double)n * exp(zbar - mx); norm = (double)n; break;
                 }
                 if (wy) { /* + scale (q . C w) w: the rank-1 first-order term */
-                    const double *wb = wy + (size_t)b * 2 * d, *yb = wb + d;
+                    const double *wb = b < n_full ? wy_full + ((size_t)b * Hkv + hk) * 2 * d
+                                                  : wy + (size_t)b * 2 * d,
+                                 *yb = wb + d;
                     double qy = 0;
                     for (uint32_t x = 0; x < d; x++) qy += (double)qh[x] * yb[x];
                     for (uint32_t x = 0; x < d; x++) bv[x] += (double)n * scale * qy * wb[x];
@@ -1001,7 +1039,7 @@ int kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv
 static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
                             const float *q, uint32_t H, int64_t K, const float *k, const float *v,
                             int64_t len, float *out, int32_t *blocks, int64_t *n_sel) {
-    const compkv_eval *e = state;
+    compkv_eval *e = state;
     const int64_t nb = kvrt_compkv_n_blocks(st);
     const int64_t ke = K < nb ? K : nb;
     *n_sel = ke;
@@ -1020,8 +1058,28 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
                              : m->variant == COMPKV_EVAL_OLIN   ? KVCC_COMPKV_ORACLE_LINEAR
                              : m->variant == COMPKV_EVAL_OLIN1  ? KVCC_COMPKV_ORACLE_LINEAR1
                                                                 : KVCC_COMPKV_ORACLE_VAR;
-            if (kvcc_compkv_oracle_attend(kind, q, H, e->Hkv, e->d, e->o.block, sc, k, v, len,
-                                          blocks, ke, z, out))
+            compkv_r1_slot *r1 = NULL;
+            for (uint32_t l = 0; e->r1 && l < COMPKV_R1_SLOTS && !r1; l++)
+                if (e->r1[l].st == st) r1 = &e->r1[l];
+            if (r1 && !s) { /* the factors of the blocks that became full since the last step */
+                const int64_t full = len / e->o.block, dd = 2 * (int64_t)d;
+                if (full > r1->cap) {
+                    const int64_t cap = full > 2 * r1->cap ? full : 2 * r1->cap;
+                    double *nw = realloc(r1->wy, sizeof(double) * (size_t)(cap * e->Hkv * dd));
+                    if (!nw) s = KVRT_ERR_NOMEM;
+                    else r1->wy = nw, r1->cap = cap;
+                }
+                for (int64_t b = r1->nfull; !s && b < full; b++)
+                    for (uint32_t hk = 0; hk < e->Hkv; hk++) {
+                        double *w = r1->wy + ((size_t)b * e->Hkv + hk) * (size_t)dd;
+                        kvcc_compkv_oracle_rank1(k, v, (size_t)e->Hkv * d, hk, (uint32_t)d,
+                                           b * e->o.block, (b + 1) * e->o.block, w, w + d);
+                    }
+                if (!s) r1->nfull = full;
+            }
+            if (!s && kvcc_compkv_oracle_attend_ex(kind, q, H, e->Hkv, e->d, e->o.block, sc, k, v,
+                                                   len, blocks, ke, r1 ? r1->wy : NULL,
+                                                   r1 ? r1->nfull : 0, z, out))
                 s = KVRT_ERR_NOMEM;
         }
         free(S);
@@ -1037,7 +1095,12 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
     return s;
 }
 
-static void compkv_eval_release(void *state) { free(state); }
+static void compkv_eval_release(void *state) {
+    compkv_eval *e = state;
+    for (uint32_t l = 0; e && e->r1 && l < COMPKV_R1_SLOTS; l++) free(e->r1[l].wy);
+    if (e) free(e->r1);
+    free(state);
+}
 
 #define COMPKV_EVAL_METHOD(nm, var, comp, quest)                                                   \
     {                                                                                              \

@@ -173,6 +173,20 @@ int kvcc_compkv_oracle_attend(int kind, const float *q, uint32_t H, uint32_t Hkv
                                uint32_t block, double scale, const float *k, const float *v,
                                int64_t len, const int32_t *blocks, int64_t ns, double *scratch,
                                float *out);
+/* LINEAR1's factors of tokens [t0, t1) (at least one; d <= 1024) of KV head
+ * hk of k, v [T, Hkv, d] (row stride Kd = Hkv d): w [d] (unit, the top right singular vector of
+ * C = (1/n) sum_t (k_t - kbar) v_t^T, 12 power iterations from a fixed start) and y = C w [d]. */
+void kvcc_compkv_oracle_rank1(const float *k, const float *v, size_t Kd, uint32_t hk, uint32_t d,
+                              int64_t t0, int64_t t1, double *w, double *y);
+/* The same with LINEAR1's factors of blocks [0, n_full) given (wy_full [n_full][Hkv][2 d]: w_b,
+ * then C_b w_b, as computed from the same keys and values): the eval's decode rows compute a full
+ * block's factors once, not at every step. Same results as kvcc_compkv_oracle_attend (bit for
+ * bit: the same per-block computation). */
+int kvcc_compkv_oracle_attend_ex(int kind, const float *q, uint32_t H, uint32_t Hkv, uint32_t d,
+                                 uint32_t block, double scale, const float *k, const float *v,
+                                 int64_t len, const int32_t *blocks, int64_t ns,
+                                 const double *wy_full, int64_t n_full, double *scratch,
+                                 float *out);
 
 /* NULL-terminated table (registry.c). */
 extern const kvcc_pass *const kvcc_passes[];

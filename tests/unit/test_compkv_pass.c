@@ -481,6 +481,18 @@ Test(compkv_pass, oracle_compensations_exact_where_they_must_be) {
         cr_assert_eq(kvcc_compkv_oracle_attend(KVCC_COMPKV_ORACLE_LINEAR1, q, H, hkv, d, B, 0.35, k, v, T, sel, ns, scr, b), 0);
         for (uint32_t i = 0; i < H * d; i++)
             cr_expect(fabsf(a[i] - b[i]) <= 1e-5f + 1e-5f * fabsf(a[i]), "LINEAR1 %g vs LINEAR %g at %u", b[i], a[i], i);
+        /* the eval's cached factors of the full blocks ([block][Hkv][2d]) give the same bits */
+        const int64_t nf = T / B;
+        double *wy = malloc(sizeof(double) * (size_t)(nf * hkv * 2 * d));
+        for (int64_t bl = 0; bl < nf; bl++)
+            for (uint32_t hk = 0; hk < hkv; hk++) {
+                double *w = wy + ((size_t)bl * hkv + hk) * 2 * d;
+                kvcc_compkv_oracle_rank1(k, v, (size_t)hkv * d, hk, d, bl * B, (bl + 1) * B, w, w + d);
+            }
+        cr_assert_eq(kvcc_compkv_oracle_attend_ex(KVCC_COMPKV_ORACLE_LINEAR1, q, H, hkv, d, B, 0.35, k, v, T, sel,
+                                                  ns, wy, nf, scr, a), 0);
+        cr_assert_eq(memcmp(a, b, sizeof(float) * H * d), 0, "cached factors changed the result");
+        free(wy);
         (void)nb;
         free(k); free(v); free(q); free(a); free(b); free(scr);
     }
