@@ -41,6 +41,7 @@
  * layer)), results stored by index, every sum in a fixed order; records are appended in a fixed
  * order; CQL is single-threaded. The artifact does not depend on the thread count.
  */
+#include <errno.h>
 #include <float.h>
 #include <inttypes.h>
 #include <math.h>
@@ -122,6 +123,8 @@ void ckv_free_state(ckv *S) {
     if (S->lc)
         for (size_t i = 0; i < (size_t)S->P * S->L; i++) kvcc_ckv_layer_free(S->lc[i]);
     free(S->lc);
+    if (S->spill_fd >= 0) close(S->spill_fd); /* unlinked at creation: the space goes with it */
+    free(S->spill_off);
     if (S->have_walk) kvcc_loop_close(&S->walk);
     if (S->memo)
         for (size_t i = 0; i < (size_t)S->P * S->L; i++) {
@@ -134,10 +137,13 @@ void ckv_free_state(ckv *S) {
     free(S->tok); free(S->lp); free(S->logits); free(S->caches); free(S->nll_full);
     if (S->have_lm) kvcc_loaded_model_free(&S->lm);
     memset(S, 0, sizeof *S);
+    S->spill_fd = -1;
 }
 
 // ----------------------------------------------------------------------------
 // setup: prompts, budgets, features, edges, initial tables
+
+static int spill_open(ckv *S, char *err, size_t errlen);
 
 /* The budget axis: token counts below the smallest context minC, ascending, distinct. */
 static int setup_budgets(ckv *S, uint32_t minC, char *err, size_t errlen) {
@@ -197,6 +203,8 @@ static int setup_caches(ckv *S, char *err, size_t errlen) {
         }
         S->cache_bytes = bytes;
         S->cache_all = (double)bytes <= cap_mb * 1048576.0;
+        if (!rc && !S->cache_all) /* the caches go to a temporary file: memory stays flat */
+            rc = spill_open(S, err, errlen);
         S->lc = calloc((size_t)S->P * S->L, sizeof *S->lc);
         S->scratch = calloc((size_t)S->n_threads, sizeof *S->scratch);
         if (!rc && (!S->lc || !S->scratch))
@@ -208,6 +216,28 @@ static int setup_caches(ckv *S, char *err, size_t errlen) {
                 rc = ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
     }
     return rc;
+}
+
+/* The layer caches' file: an unlinked temporary file in $TMPDIR (else /tmp), so nothing is left
+ * behind whatever happens. */
+static int spill_open(ckv *S, char *err, size_t errlen) {
+    const char *dir = getenv("TMPDIR");
+    if (!dir || !*dir) dir = "/tmp";
+    snprintf(S->spill_dir, sizeof S->spill_dir, "%s", dir);
+    char path[512];
+    if (snprintf(path, sizeof path, "%s/kvcc-compilerkv-XXXXXX", dir) >= (int)sizeof path)
+        return ckv_failf(err, errlen, KVCC_EXIT_USAGE, "TMPDIR=%s: path too long", dir);
+    S->spill_fd = mkstemp(path);
+    if (S->spill_fd < 0)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                         "cannot create the layer caches' temporary file in %s: %s "
+                         "(set TMPDIR, or KVCC_COMPILERKV_CACHE_MB=%.0f to keep them in memory)",
+                         dir, strerror(errno), (double)S->cache_bytes / 1048576.0 + 1);
+    unlink(path);
+    S->spill_off = malloc(sizeof(int64_t) * (size_t)S->P * S->L);
+    if (!S->spill_off) return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
+    for (size_t i = 0; i < (size_t)S->P * S->L; i++) S->spill_off[i] = -1;
+    return 0;
 }
 
 /* Prompt features (and, when they fit, every layer cache in the same corpus pass). */
@@ -223,7 +253,7 @@ static int setup_features(ckv *S, char *err, size_t errlen) {
             break;
         }
         if (ckv_prompt_features(S->corpus, p, S->window, P->rho, &kp, NULL,
-                                S->attention && S->cache_all ? ckv_build_layer_cb : NULL, S, err,
+                                S->attention && (S->cache_all || S->spill_fd >= 0) ? ckv_build_layer_cb : NULL, S, err,
                                 errlen) != 0) {
             rc = KVCC_EXIT_FAILED;
             break;
@@ -314,6 +344,7 @@ static int ckv_setup_ex(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus,
                         const char *corpus_path, int attention, int model, int dist, char *err,
                         size_t errlen) {
     memset(S, 0, sizeof *S);
+    S->spill_fd = -1;
     S->cx = cx;
     S->corpus = corpus;
     S->corpus_path = corpus_path;
@@ -832,7 +863,8 @@ static int ckv_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
             else
                 fprintf(stderr, "kvcc compile: compilerkv: time: features %.1f s, rollouts %.1f s, CQL %.1f s; layer caches "
                                 "%.0f MB %s\n", t1 - t0, res.t_collect, res.t_fit, (double)S.cache_bytes / 1048576.0,
-                        S.cache_all ? "kept across rounds" : "rebuilt every visit (above KVCC_COMPILERKV_CACHE_MB)");
+                        S.cache_all ? "kept in memory across rounds"
+                                    : "in a temporary file across rounds (above KVCC_COMPILERKV_CACHE_MB)");
         }
     }
     ckv_free_state(&S);

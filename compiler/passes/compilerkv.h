@@ -45,6 +45,13 @@ int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_
                          uint32_t H, uint32_t Hkv, uint32_t d, kvcc_ckv_layer **out);
 size_t kvcc_ckv_layer_bytes(uint32_t C, uint32_t N, uint32_t H, uint32_t Hkv, uint32_t d);
 void kvcc_ckv_layer_free(kvcc_ckv_layer *lc);
+/* A layer cache to / from a file descriptor at byte offset off (its arrays, raw, in a fixed
+ * order; *end: the offset after it). The read gets the dimensions the cache was built with.
+ * 0, or -1 with errno (a short read: errno 0). The compilerkv pass keeps its caches in an
+ * unlinked temporary file this way when they do not fit KVCC_COMPILERKV_CACHE_MB. */
+int kvcc_ckv_layer_write(int fd, uint64_t off, const kvcc_ckv_layer *lc, uint64_t *end);
+int kvcc_ckv_layer_read(int fd, uint64_t off, uint32_t C, uint32_t N, uint32_t H, uint32_t Hkv,
+                        uint32_t d, kvcc_ckv_layer **out);
 int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n,
                          kvcc_ckv_base **out);
 void kvcc_ckv_base_free(kvcc_ckv_base *b);

@@ -27,7 +27,7 @@
 #define CKV_GROUP_DEFAULT 1 /* default of --head-states: 1 group, 0 head */
 #define CKV_CHECK_K 8       /* reward check: actions per head state (incumbent + 7) */
 #define CKV_MAX_ROUNDS 3
-#define CKV_DEFAULT_CACHE_MB 2048
+#define CKV_DEFAULT_CACHE_MB 0 /* MB of layer caches kept in memory; the rest: a temporary file */
 #define CKV_ENT_BINS KVRT_COMPILERKV_ENT_BINS
 #define CKV_PPL_BINS KVRT_COMPILERKV_PPL_BINS
 
@@ -88,6 +88,10 @@ typedef struct {
     kvcc_ckv_layer **lc;
     int cache_all;
     size_t cache_bytes;
+    int spill_fd;                   /* the layer caches' temporary file (unlinked), or -1 */
+    int64_t *spill_off;             /* [P * L] offset of (p, l) in it, -1: not written yet */
+    uint64_t spill_end;
+    char spill_dir[256];            /* where it is ($TMPDIR or /tmp), for messages */
     uint32_t maxT;
     kvcc_loop walk;                 /* the corpus walk of the rebuilds (when not cached) */
     int have_walk;

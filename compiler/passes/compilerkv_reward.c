@@ -20,10 +20,11 @@
  * the continuation part of every row and o_full. Per (prompt, layer, budget) the incumbent's
  * kept set is summed once (the base); a rollout adds the tokens its set has beyond the base and
  * subtracts the ones it lacks, in ascending position order - cost |symmetric difference| rows,
- * not |kept set| x continuation x d. The layer caches of all (prompt, layer) stay in memory
- * across rounds when they fit KVCC_COMPILERKV_CACHE_MB (default CKV_DEFAULT_CACHE_MB = 2048 MB; 0
- * turns caching off); otherwise each visit re-reads the layer from the corpus and rebuilds it. The
- * cache changes the speed only: the artifact is the same either way.
+ * not |kept set| x continuation x d. The layer caches of all (prompt, layer) are built once, in
+ * the features pass: kept in memory when they fit KVCC_COMPILERKV_CACHE_MB (default
+ * CKV_DEFAULT_CACHE_MB = 0), else written to an unlinked temporary file (kvcc_ckv_layer_write)
+ * and read back at each visit, so the pass's memory does not grow with the prompts. Where they
+ * live changes the speed only: the artifact is the same either way.
  *
  * Reward `model` (--gguf, the model the corpus was captured with): minus the continuation NLL
  * delta through the built-in model with only layer l's context cache compressed. Per prompt
@@ -37,11 +38,13 @@
  * (memoized across budgets, phases and rounds): the run is deterministic, so the reward is the
  * same. Rollouts run one after another; the model's prefill uses the threads.
  */
+#include <errno.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "compilerkv_int.h"
 #include "loop.h"
@@ -136,13 +139,10 @@ void kvcc_ckv_layer_free(kvcc_ckv_layer *lc) {
     free(lc);
 }
 
-int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_t C, uint32_t N,
-                         uint32_t H, uint32_t Hkv, uint32_t d, kvcc_ckv_layer **out) {
-    *out = NULL;
-    if (!q || !k || !v || C < 1 || N < 1 || H < 1 || Hkv < 1 || H % Hkv || d < 1) return -1;
+static kvcc_ckv_layer *layer_alloc(uint32_t C, uint32_t N, uint32_t H, uint32_t Hkv, uint32_t d) {
     kvcc_ckv_layer *lc = calloc(1, sizeof *lc);
-    if (!lc) return -1;
-    const size_t NH = (size_t)N * H, G = H / Hkv;
+    if (!lc) return NULL;
+    const size_t NH = (size_t)N * H;
     *lc = (kvcc_ckv_layer){.C = C, .N = N, .H = H, .Hkv = Hkv, .d = d};
     lc->w = malloc(sizeof(float) * (size_t)C * NH);
     lc->v = malloc(sizeof(float) * (size_t)C * Hkv * d);
@@ -152,8 +152,72 @@ int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_
     lc->o_norm = malloc(sizeof(double) * NH);
     if (!lc->w || !lc->v || !lc->cnum || !lc->cden || !lc->o_full || !lc->o_norm) {
         kvcc_ckv_layer_free(lc);
-        return -1;
+        return NULL;
     }
+    return lc;
+}
+
+/* The arrays of a layer cache in file order, with their byte counts. */
+static int layer_parts(const kvcc_ckv_layer *lc, void *ptr[6], size_t len[6]) {
+    const size_t NH = (size_t)lc->N * lc->H;
+    void *p[6] = {lc->w, lc->v, lc->cnum, lc->cden, lc->o_full, lc->o_norm};
+    const size_t n[6] = {sizeof(float) * (size_t)lc->C * NH,
+                         sizeof(float) * (size_t)lc->C * lc->Hkv * lc->d, sizeof(double) * NH * lc->d,
+                         sizeof(double) * NH, sizeof(double) * NH * lc->d, sizeof(double) * NH};
+    memcpy(ptr, p, sizeof p);
+    memcpy(len, n, sizeof n);
+    return 6;
+}
+
+int kvcc_ckv_layer_write(int fd, uint64_t off, const kvcc_ckv_layer *lc, uint64_t *end) {
+    void *ptr[6];
+    size_t len[6];
+    const int np = layer_parts(lc, ptr, len);
+    for (int i = 0; i < np; i++) {
+        const char *b = ptr[i];
+        for (size_t done = 0; done < len[i];) {
+            const ssize_t w = pwrite(fd, b + done, len[i] - done, (off_t)off);
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) return -1;
+            done += (size_t)w;
+            off += (uint64_t)w;
+        }
+    }
+    *end = off;
+    return 0;
+}
+
+int kvcc_ckv_layer_read(int fd, uint64_t off, uint32_t C, uint32_t N, uint32_t H, uint32_t Hkv,
+                        uint32_t d, kvcc_ckv_layer **out) {
+    kvcc_ckv_layer *lc = layer_alloc(C, N, H, Hkv, d);
+    if (!lc) return -1;
+    void *ptr[6];
+    size_t len[6];
+    const int np = layer_parts(lc, ptr, len);
+    for (int i = 0; i < np; i++) {
+        char *b = ptr[i];
+        for (size_t done = 0; done < len[i];) {
+            const ssize_t r = pread(fd, b + done, len[i] - done, (off_t)off);
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) { /* an error, or a file shorter than what was written */
+                kvcc_ckv_layer_free(lc);
+                return -1;
+            }
+            done += (size_t)r;
+            off += (uint64_t)r;
+        }
+    }
+    *out = lc;
+    return 0;
+}
+
+int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_t C, uint32_t N,
+                         uint32_t H, uint32_t Hkv, uint32_t d, kvcc_ckv_layer **out) {
+    *out = NULL;
+    if (!q || !k || !v || C < 1 || N < 1 || H < 1 || Hkv < 1 || H % Hkv || d < 1) return -1;
+    kvcc_ckv_layer *lc = layer_alloc(C, N, H, Hkv, d);
+    if (!lc) return -1;
+    const size_t NH = (size_t)N * H, G = H / Hkv;
     memcpy(lc->v, v, sizeof(float) * (size_t)C * Hkv * d);
     const float scale = 1.0f / sqrtf((float)d);
     int bad = 0;
@@ -318,17 +382,37 @@ int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const in
 // ----------------------------------------------------------------------------
 // layer caches
 
+/* Layer cache (p, l) into the spill file at its end. */
+static int spill_write(ckv *S, uint32_t p, uint32_t l, const kvcc_ckv_layer *lc, char *err,
+                       size_t errlen) {
+    uint64_t end;
+    if (kvcc_ckv_layer_write(S->spill_fd, S->spill_end, lc, &end) != 0)
+        return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                         "prompt %u layer %u: writing the layer cache to its temporary "
+                         "file in %s failed: %s",
+                         p, l, S->spill_dir, strerror(errno ? errno : EIO));
+    S->spill_off[(size_t)p * S->L + l] = (int64_t)S->spill_end;
+    S->spill_end = end;
+    return 0;
+}
+
 int ckv_build_layer_cb(void *user, uint32_t p, uint32_t l, const float *q, const float *k,
                        const float *v, char *err, size_t errlen) {
     ckv *S = user;
     const ckv_prompt *P = &S->pr[p];
-    if (kvcc_ckv_layer_build(q, k, v, P->C, P->N, S->H, S->Hkv, S->d,
-                             &S->lc[(size_t)p * S->L + l]) != 0)
+    kvcc_ckv_layer **slot = &S->lc[(size_t)p * S->L + l];
+    if (kvcc_ckv_layer_build(q, k, v, P->C, P->N, S->H, S->Hkv, S->d, slot) != 0)
         return ckv_failf(
             err, errlen, -1,
             "compilerkv: prompt %u layer %u: out of memory (or non-finite attention) building "
             "the layer cache",
             p, l);
+    if (S->spill_fd >= 0) { /* to the file; memory holds one layer cache at a time */
+        const int rc = spill_write(S, p, l, *slot, err, errlen);
+        kvcc_ckv_layer_free(*slot);
+        *slot = NULL;
+        return rc ? -1 : 0;
+    }
     return 0;
 }
 
@@ -338,6 +422,17 @@ int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *own
     *owned = 0;
     if (*slot) {
         *out = *slot;
+        return 0;
+    }
+    const ckv_prompt *Pp = &S->pr[p];
+    if (S->spill_fd >= 0 && S->spill_off[(size_t)p * S->L + l] >= 0) {
+        if (kvcc_ckv_layer_read(S->spill_fd, (uint64_t)S->spill_off[(size_t)p * S->L + l], Pp->C,
+                                Pp->N, S->H, S->Hkv, S->d, out) != 0)
+            return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
+                             "prompt %u layer %u: reading the layer cache back from its "
+                             "temporary file in %s failed: %s",
+                             p, l, S->spill_dir, errno ? strerror(errno) : "short read");
+        *owned = 1;
         return 0;
     }
     int rc = kvcc_loop_prompt(&S->walk, p, err, errlen);
@@ -351,7 +446,12 @@ int ckv_get_layer(ckv *S, uint32_t p, uint32_t l, kvcc_ckv_layer **out, int *own
                          p, l);
     if (S->cache_all) *slot = *out;
     else *owned = 1;
-    return 0;
+    if (S->spill_fd >= 0 && (rc = spill_write(S, p, l, *out, err, errlen)) != 0) {
+        kvcc_ckv_layer_free(*out);
+        *out = NULL;
+        *owned = 0;
+    }
+    return rc;
 }
 
 // ----------------------------------------------------------------------------

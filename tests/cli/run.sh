@@ -284,6 +284,15 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   [[ $ex -eq 2 && "$err" == *"is not the model"* ]] && ok || bad "--reward model on a synthetic corpus: exit $ex: $err"
 fi
 [ ! -e "$tmp/ck.kvpol" ] && ok || bad "a refused CompilerKV compile wrote its output"
+# the layer caches in a temporary file (the default) and in memory give the same bytes; an
+# unusable TMPDIR is a clear error naming it, and leaves no output
+"$KVCC" "${ck[@]/ck.kvpol/cks.kvpol}" 2>/dev/null; ex1=$?
+KVCC_COMPILERKV_CACHE_MB=4096 "$KVCC" "${ck[@]/ck.kvpol/ckm.kvpol}" 2>"$tmp/ckm.err"; ex2=$?
+[[ $ex1 -eq 0 && $ex2 -eq 0 ]] && cmp -s "$tmp/cks.kvpol" "$tmp/ckm.kvpol" \
+  && grep -q "kept in memory" "$tmp/ckm.err" && ok || bad "compilerkv caches in a file vs in memory: exit $ex1/$ex2"
+err=$(TMPDIR="$tmp/no/such/dir" "$KVCC" "${ck[@]/ck.kvpol/ckt.kvpol}" 2>&1); ex=$?
+[[ $ex -ne 0 && "$err" == *"temporary file in $tmp/no/such/dir"*"KVCC_COMPILERKV_CACHE_MB"* && ! -e "$tmp/ckt.kvpol" ]] \
+  && ok || bad "compilerkv with an unusable TMPDIR: exit $ex: $err"
 # coarser risk bins: the edges beyond --ent-bins / --ppl-bins are never reached, inspect says so;
 # the options are stored; --threads does not change a byte
 "$KVCC" "${ck[@]/ck.kvpol/ckg.kvpol}" --head-states group --head-actions 29 --ent-bins 2 --ppl-bins 1 --threads 1 2>/dev/null \

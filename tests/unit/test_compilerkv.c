@@ -647,6 +647,29 @@ Test(compilerkv, incremental_attention_reward_matches_attend) {
         }
         kvcc_ckv_base_free(base);
     }
+    /* through a file (the compile pass's temporary file): the same errors, bit for bit; a read
+     * past the end fails */
+    {
+        FILE *f = tmpfile();
+        cr_assert_not_null(f);
+        const int fd = fileno(f);
+        uint64_t end1, end2;
+        cr_assert_eq(kvcc_ckv_layer_write(fd, 0, lc, &end1), 0);
+        cr_assert_eq(kvcc_ckv_layer_write(fd, end1, lc, &end2), 0);
+        cr_assert_eq(end2, 2 * end1);
+        kvcc_ckv_layer *rb = NULL;
+        cr_assert_eq(kvcc_ckv_layer_read(fd, end1, C, N, H, Hkv, d, &rb), 0);
+        const int64_t n = random_set(&s, C, pos);
+        double ea, eb;
+        cr_assert_eq(kvcc_ckv_error(lc, NULL, pos, n, scratch, &ea), 0);
+        cr_assert_eq(kvcc_ckv_error(rb, NULL, pos, n, scratch, &eb), 0);
+        cr_expect_eq(ea, eb, "read back: %.17g vs %.17g", eb, ea);
+        kvcc_ckv_layer_free(rb);
+        rb = NULL;
+        cr_expect_eq(kvcc_ckv_layer_read(fd, end2 - 8, C, N, H, Hkv, d, &rb), -1);
+        cr_expect_null(rb);
+        fclose(f);
+    }
     /* positions out of order or range: refused */
     int32_t bad[2] = {5, 3};
     cr_expect_eq(kvcc_ckv_error(lc, NULL, bad, 2, scratch, &e), -1);
