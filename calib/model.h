@@ -54,6 +54,9 @@ typedef struct {
     /* KVCC_PREC_BF16 (kvcc_model_set_precision): the seven matrices above as bf16, same shapes,
      * and their f32 pointers NULL */
     uint16_t *bq, *bk, *bv, *bo, *b_gate, *b_up, *b_down;
+    /* bf16: q, k, v stacked (H*d + 2*Hkv*d, E) and gate, up stacked (2F, E), one allocation each;
+     * bq/bk/bv and b_gate/b_up point into them (a prefill chunk runs one product per stack) */
+    uint16_t *b_qkv, *b_gu;
 } kvcc_layer_weights;
 
 #define KVCC_PREC_F32 0  /* f32 weights and products (the default) */
