@@ -380,6 +380,65 @@ int kvcc_corpus_write_prompt(kvcc_corpus *c, const kvcc_corpus_prompt_info *p,
     return KVCC_CORPUS_OK;
 }
 
+/* The writer's pass over a tensor: the index of its first non-finite value (n when none) and,
+ * when h != NULL and every value is finite, the f16 of each (RNE, kvrt_f32_to_f16's bits: F16C's
+ * conversion where the CPU has it, exact for finite values). Blocks on the OpenMP team; the
+ * result does not depend on the thread count. In a capture the scalar loops were ~12% of the
+ * wall time (0.4 s of 3.4 s for 4 x 576 tokens, 2-core AMX Xeon). */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#include <immintrin.h>
+#define CORPUS_F16C 1
+__attribute__((target("avx,f16c"))) static void to_f16_f16c(const float *src, uint16_t *h, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(h + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) h[i] = kvrt_f32_to_f16(src[i]);
+}
+#endif
+static size_t first_nonfinite(const float *src, size_t n) {
+    size_t bad = n;
+    for (size_t i0 = 0; i0 < n && bad == n; i0 += 1024) { /* 1024 at a time: vectorizes */
+        const size_t i1 = i0 + 1024 < n ? i0 + 1024 : n;
+        uint32_t any = 0;
+        for (size_t i = i0; i < i1; i++) {
+            uint32_t u;
+            memcpy(&u, src + i, sizeof u);
+            any |= (u & 0x7f800000u) == 0x7f800000u;
+        }
+        if (any)
+            for (size_t i = i0; i < i1; i++)
+                if (!isfinite(src[i])) { bad = i; break; }
+    }
+    return bad;
+}
+#define CORPUS_BLOCK ((size_t)1 << 16)
+static size_t scan_to_f16(const float *src, uint16_t *h, size_t n) {
+    const long nb = (long)((n + CORPUS_BLOCK - 1) / CORPUS_BLOCK);
+    size_t bad = n;
+#if CORPUS_F16C
+    const int f16c = __builtin_cpu_supports("f16c");
+#endif
+    #pragma omp parallel for schedule(static) reduction(min : bad) if (nb > 1)
+    for (long b = 0; b < nb; b++) {
+        const size_t i0 = (size_t)b * CORPUS_BLOCK, m = n - i0 < CORPUS_BLOCK ? n - i0 : CORPUS_BLOCK;
+        const size_t j = first_nonfinite(src + i0, m);
+        if (j < m) {
+            bad = i0 + j < bad ? i0 + j : bad;
+            continue;
+        }
+        if (!h) continue;
+#if CORPUS_F16C
+        if (f16c) {
+            to_f16_f16c(src + i0, h + i0, m);
+            continue;
+        }
+#endif
+        for (size_t i = 0; i < m; i++) h[i0 + i] = kvrt_f32_to_f16(src[i0 + i]);
+    }
+    return bad;
+}
+
 int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, const float *k,
                             const float *v) {
     if (!c || !c->writing || c->cur_prompt < 0 || !q || !k || !v) return KVCC_CORPUS_ERR_ARG;
@@ -402,17 +461,17 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
     for (int i = 0; i < 3 && !bad; i++) {
         hsize_t dims[3] = {c->cur_T, heads[i], m->head_dim};
         size_t n = (size_t)dims[0] * dims[1] * dims[2];
-        for (size_t j = 0; j < n; j++)
-            if (!isfinite(src[i][j])) {
-                H5Gclose(g);
-                if (ht >= 0) H5Tclose(ht);
-                return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: layer %u %s[%zu] is not finite",
-                            c->path, layer, nm[i], j);
-            }
+        uint16_t *h = NULL;
+        if (c->info.dtype_f16 && !(h = malloc(n * 2))) { bad = 1; break; }
+        const size_t j = scan_to_f16(src[i], h, n);
+        if (j < n) {
+            free(h);
+            H5Gclose(g);
+            if (ht >= 0) H5Tclose(ht);
+            return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: layer %u %s[%zu] is not finite",
+                        c->path, layer, nm[i], j);
+        }
         if (c->info.dtype_f16) {
-            uint16_t *h = malloc(n * 2);
-            if (!h) { bad = 1; break; }
-            for (size_t j = 0; j < n; j++) h[j] = kvrt_f32_to_f16(src[i][j]);
             bad |= write_dataset(g, nm[i], ht, ht, 3, dims, h, c->codec);
             free(h);
         } else {
