@@ -26,7 +26,7 @@
 #include <dnnl.h>
 #endif
 
-#define ATT_BQ 32 /* queries per attention task (attend_tiles) */
+#define ATT_BQ 128 /* queries per attention task (attend_tiles): 8k prefill 395 -> 486 tokens/s against 32 */
 
 // ---------------------------------------------------------------- load
 
