@@ -4,7 +4,8 @@
 # goal, met or not. Not a test (timings); run by hand on a machine with nothing else running.
 #
 #   prefill, decode  bench/prefill_vs_torch.sh (ours vs transformers on torch CPU, same GGUF and
-#                    token ids, equal threads; ours vs the GEMM / triad of the same run)
+#                    token ids, equal threads; ours vs the GEMM / triad of the same run); the
+#                    prefill again with --precision bf16 against transformers in bfloat16
 #   prefill 8k       build/bench/bench_prefill --tokens 8192 (fraction of the GEMM rate)
 #   CompilerKV       build/bench/bench_compilerkv --part 2 (window mass and the whole selection vs
 #                    the window GEMM, llama3-8b shapes, 32k)
@@ -51,6 +52,12 @@ if [ -f "$model" ]; then
     d=$(sed -n 's/^RESULT_DECODE tokens_per_s=\([0-9.]*\) .*ceiling=\([0-9.]*\) .*/\1 \2/p' "$log/pvt.txt" | head -1 \
         | awk '{ if ($2 > 0) printf "%.2f", $1 / $2 }')
     row "decode / weight-bandwidth limit (triad)" "${d:--}" ">= 0.70" "$(judge "$d" 0.70 ge)"
+
+    echo "== bf16 prefill vs torch bf16, 512 tokens (bench/prefill_vs_torch.sh --precision bf16)"
+    bench/prefill_vs_torch.sh --prompts "$prompts" --tokens 512 --reps "$reps" --no-skylakex --precision bf16 \
+        | tee "$log/pvt_bf16.txt" | grep -E '^(prefill|RATIO)'
+    r=$(sed -n 's/^RATIO \[.*median: .* = \([0-9.]*\)x;.*/\1/p' "$log/pvt_bf16.txt" | head -1)
+    row "bf16 prefill 512 tokens / torch bf16 (median)" "${r:--}x" ">= 1.0x" "$(judge "$r" 1.0 ge)"
 
     echo "== prefill 8192 tokens (bench_prefill)"
     "$build/bench/bench_prefill" --model "$model" --prompts 1 --tokens 8192 --reps "$((reps > 3 ? 3 : reps))" \
