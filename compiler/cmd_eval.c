@@ -53,6 +53,9 @@ static void usage(FILE *out) {
         "                      not the whole context) or context ratios (< 1);\n"
         "                      decode-time methods: blocks read exactly per KV head and step "
         "(integers >= 1)\n"
+        "  --block-budgets LIST  the decode-time methods' budgets (blocks, integers >= 1) when the "
+        "others\n"
+        "                      take --budgets: every method in one run, the prompts prefilled once\n"
         "  --gguf M            the model the corpus came from: adds end-to-end NLL and retrieval\n"
         "  --precision P       with --gguf: the model's weights and products, f32 (default) or bf16\n"
         "  --policy X.kvpol    an artifact, opened once and checked against the corpus's model; "
@@ -131,13 +134,13 @@ static int parse_methods(const char *list, const char **out, int *n) {
     return 0;
 }
 
-static int parse_budgets(const char *list, double *out, int *n) {
+static int parse_budgets(const char *opt, const char *list, double *out, int *n) {
     char buf[512];
     const size_t len = strlen(list);
     *n = 0;
     if (!len || len >= sizeof buf || strstr(list, ",,") || list[0] == ',' || list[len - 1] == ',') {
-        fprintf(stderr, "kvcc eval: --budgets: got '%s', expected a comma-separated list of token "
-                "counts or ratios (no empty items)\n", list);
+        fprintf(stderr, "kvcc eval: %s: got '%s', expected a comma-separated list of token "
+                "counts or ratios (no empty items)\n", opt, list);
         return -1;
     }
     snprintf(buf, sizeof buf, "%s", list);
@@ -145,12 +148,12 @@ static int parse_budgets(const char *list, double *out, int *n) {
         char *end;
         double v = strtod(tok, &end);
         if (*end || !(v > 0) || !isfinite(v) || (v >= 1 && v != floor(v)) || *n == 64) {
-            fprintf(stderr, "kvcc eval: --budgets: got '%s', expected a token count (integer >= 1) or a ratio in (0, 1)\n", tok);
+            fprintf(stderr, "kvcc eval: %s: got '%s', expected a token count (integer >= 1) or a ratio in (0, 1)\n", opt, tok);
             return -1;
         }
         out[(*n)++] = v;
     }
-    if (*n == 0) { fprintf(stderr, "kvcc eval: --budgets: empty list\n"); return -1; }
+    if (*n == 0) { fprintf(stderr, "kvcc eval: %s: empty list\n", opt); return -1; }
     return 0;
 }
 
@@ -495,6 +498,7 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
 }
 
 int kvcc_cmd_eval(int argc, char **argv) {
+    const char *block_budgets = NULL;
     const char *corpus = NULL, *methods = NULL, *budgets = NULL, *gguf = NULL, *policy = NULL, *cdt = "f32";
     int json = 0, csv = 0, timings = 0, local_from_corpus = 0, no_probes = 0;
     unsigned prompts = 0, seed = 1, max_tokens = 0;
@@ -509,7 +513,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         {"needle-depths", required_argument, 0, 'D'},
         {"max-tokens", required_argument, 0, 'X'}, {"precision", required_argument, 0, 'P'},
         {"timings", no_argument, 0, 'W'}, {"local-from-corpus", no_argument, 0, 'L'},
-        {"no-probes", no_argument, 0, 'R'},
+        {"no-probes", no_argument, 0, 'R'}, {"block-budgets", required_argument, 0, 'B'},
         {0, 0, 0, 0}};
     int precision = KVCC_PREC_F32;
     const char *needle = NULL;
@@ -525,6 +529,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'c': corpus = optarg; break;
         case 'm': methods = optarg; break;
         case 'b': budgets = optarg; break;
+        case 'B': block_budgets = optarg; break;
         case 'g': gguf = optarg; break;
         case 'P':
             if ((precision = kvcc_precision_parse(optarg)) < 0) {
@@ -572,7 +577,15 @@ int kvcc_cmd_eval(int argc, char **argv) {
     int nm;
     double bs[64];
     int nb;
-    if (parse_methods(methods, ms, &nm) || parse_budgets(budgets, bs, &nb)) return KVCC_EXIT_USAGE;
+    if (parse_methods(methods, ms, &nm) || parse_budgets("--budgets", budgets, bs, &nb)) return KVCC_EXIT_USAGE;
+    double bbs[64];
+    int nbb = 0;
+    if (block_budgets && parse_budgets("--block-budgets", block_budgets, bbs, &nbb)) return KVCC_EXIT_USAGE;
+    for (int i = 0; i < nbb; i++)
+        if (bbs[i] < 1) {
+            fprintf(stderr, "kvcc eval: --block-budgets: got %g, expected block counts (integers >= 1)\n", bbs[i]);
+            return KVCC_EXIT_USAGE;
+        }
     int nctx[KVCC_EVAL_NEEDLE_CTX], n_ctx = 0;
     if (n_depths) {
         if (keys_given && (int)n_keys != n_depths) {
@@ -595,6 +608,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         }
     }
     kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .precision = precision, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
+                        .block_budgets = bbs, .n_block_budgets = nbb,
                         .max_prompts = prompts, .cache_dtype = !strcmp(cdt, "f16") ? KVRT_DTYPE_F16 : !strcmp(cdt, "bf16") ? KVRT_DTYPE_BF16 : KVRT_DTYPE_F32, .seed = seed,
                         .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,

@@ -89,13 +89,20 @@ static int make_rows(eval_run *E, char *err, size_t errlen) {
             }
             E->ms[E->n_ms++] = m;
         }
-        for (int j = 0; j < o->n_budgets; j++) {
+        const int blocks = m->budget == KVCC_BUDGET_BLOCKS && o->n_block_budgets > 0;
+        const double *bud = blocks ? o->block_budgets : o->budgets;
+        const int n_bud = blocks ? o->n_block_budgets : o->n_budgets;
+        for (int j = 0; j < n_bud; j++) {
             if (m->budget == KVCC_BUDGET_NONE && j > 0) break;
+            if (r->n_rows == KVCC_EVAL_MAX_ROWS) {
+                snprintf(err, errlen, "eval: at most %d (method, budget) rows", KVCC_EVAL_MAX_ROWS);
+                return KVCC_EXIT_USAGE;
+            }
             kvcc_eval_row *row = &r->rows[r->n_rows];
             E->acc[r->n_rows++].mi = mi;
             row->method = m;
             row->name = m->name;
-            row->budget = m->budget == KVCC_BUDGET_NONE ? 0 : o->budgets[j];
+            row->budget = m->budget == KVCC_BUDGET_NONE ? 0 : bud[j];
             if (m->budget == KVCC_BUDGET_RATIO && !(row->budget < 1)) {
                 row->status = KVRT_ERR_ARG;
                 snprintf(row->msg, sizeof row->msg,
@@ -285,7 +292,9 @@ static int open_policy(eval_run *E, kvrt_policy **pol, char *err, size_t errlen)
 int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_t errlen) {
     memset(r, 0, sizeof *r);
     if (errlen) err[0] = 0;
-    if (o->n_methods * o->n_budgets > KVCC_EVAL_MAX_ROWS || o->n_methods < 1 || o->n_budgets < 1) {
+    const int most = o->n_budgets > o->n_block_budgets ? o->n_budgets : o->n_block_budgets;
+    if (o->n_methods * most > KVCC_EVAL_MAX_ROWS || o->n_methods < 1 || o->n_budgets < 1 ||
+        o->n_block_budgets < 0) {
         snprintf(err, errlen, "eval: need 1..%d (method, budget) rows", KVCC_EVAL_MAX_ROWS);
         return KVCC_EXIT_USAGE;
     }

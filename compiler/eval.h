@@ -97,6 +97,10 @@ typedef struct {
     int n_methods;
     const double *budgets;
     int n_budgets;
+    /* the decode-time methods' budgets (blocks), when they differ from the others' (--block-budgets;
+     * n 0: they take budgets too), so that one run holds every method and prefills once */
+    const double *block_budgets;
+    int n_block_budgets;
     uint32_t max_prompts;    /* 0: all */
     int cache_dtype;         /* storage of the compressed caches: KVRT_DTYPE_*; 0 = f32 */
     uint64_t seed;           /* random method */

@@ -169,6 +169,15 @@ out=$("$KVCC" inspect "$tmp/k1.kvpol"); [[ "$out" == *"compkv.groupings"* && "$o
   && ok || bad "inspect of a compkv artifact: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/k1.kvpol" --methods full,compkv,compkv-index,topk-mass,quest --budgets 2,4 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 9 ]] && ok || bad "eval compkv rows: exit $ex: $out"
+# --block-budgets: the decode-time rows beside token-budget rows in one run, equal to their own run
+# (every column but select_ms, the 9th)
+mix=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/k1.kvpol" --methods snapkv,compkv,topk-mass --budgets 0.5 \
+      --block-budgets 2,4 --csv); ex=$?
+a=$(grep -E '^(compkv|topk-mass),' <<<"$out" | cut -d, -f1-8,10-); b=$(grep -E '^(compkv|topk-mass),' <<<"$mix" | cut -d, -f1-8,10-)
+[[ $ex -eq 0 && -n "$a" && "$a" == "$b" && $(grep -c '^snapkv,0.5,.*,ok$' <<<"$mix") -eq 1 ]] && ok \
+  || bad "eval --block-budgets: exit $ex: mixed rows differ from their own run: $a // $b // $mix"
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compkv --budgets 4 --block-budgets 0.5 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--block-budgets: got 0.5, expected block counts"* ]] && ok || bad "eval --block-budgets 0.5: exit $ex: $err"
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compkv --budgets 4 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--policy"* ]] && ok || bad "eval compkv without --policy: exit $ex: $err"
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 65 -o "$tmp/k4.kvpol" 2>&1); ex=$?
