@@ -768,12 +768,20 @@ typedef struct {
 } compkv_r1_slot;
 #define COMPKV_R1_SLOTS 256 /* layers */
 
+/* quest: each decode state's page summary, appended as the state grows (as a server keeps it;
+ * summarizing the whole sequence at every step had made Quest's rows 2.5x compkv's). */
+typedef struct {
+    const kvrt_compkv *st; /* the state it belongs to (compkv_eval_create resets the slot) */
+    kvrt_quest *qs;        /* NULL until the state's first step */
+} compkv_quest_slot;
+
 typedef struct {
     const kvrt_compkv_grouping *g; /* the compiled grouping (shared handle), or NULL */
     kvrt_compkv_opts o;            /* the row's options */
     int use_grp;                   /* 1: the compiled grouping of each layer */
     uint32_t Hkv, d;
     compkv_r1_slot *r1;            /* [COMPKV_R1_SLOTS] for compkv-olin1, else NULL */
+    compkv_quest_slot *qs;         /* [COMPKV_R1_SLOTS] for quest, else NULL */
 } compkv_eval;
 
 /* The compiled grouping when --policy has one (NULL otherwise: index order rows still run). */
@@ -838,7 +846,8 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
     case COMPKV_EVAL_OLIN1: e->use_grp = g != NULL; break;
     default: break; /* compkv-index: index order, r of the artifact (else 4) */
     }
-    if (m->variant == COMPKV_EVAL_OLIN1 && !(e->r1 = calloc(COMPKV_R1_SLOTS, sizeof *e->r1))) {
+    if ((m->variant == COMPKV_EVAL_OLIN1 && !(e->r1 = calloc(COMPKV_R1_SLOTS, sizeof *e->r1))) ||
+        (m->variant == COMPKV_EVAL_QUEST && !(e->qs = calloc(COMPKV_R1_SLOTS, sizeof *e->qs)))) {
         snprintf(err, errlen, "eval: out of memory");
         return KVCC_EXIT_FAILED;
     }
@@ -886,6 +895,18 @@ static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc
             if (e->r1[l].st == *out) e->r1[l].st = NULL;
         e->r1[layer].st = *out;
         e->r1[layer].nfull = 0;
+    }
+    if (rc == KVRT_OK && e->qs) {
+        if (layer >= COMPKV_R1_SLOTS) {
+            kvrt_compkv_free(*out);
+            *out = NULL;
+            return KVRT_ERR_UNSUPPORTED; /* more layers than the quest cache has slots */
+        }
+        for (uint32_t l = 0; l < COMPKV_R1_SLOTS; l++)
+            if (e->qs[l].st == *out) e->qs[l].st = NULL;
+        kvrt_quest_free(e->qs[layer].qs);
+        e->qs[layer].qs = NULL;
+        e->qs[layer].st = *out;
     }
     return rc;
 }
@@ -1087,10 +1108,24 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
         return s;
     }
     if (m->variant != COMPKV_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
-    kvrt_quest *qs = NULL;
-    int s = kvrt_quest_summarize(k, len, e->Hkv, e->d, (uint32_t)e->o.block, &qs);
+    compkv_quest_slot *slot = NULL;
+    for (uint32_t l = 0; e->qs && l < COMPKV_R1_SLOTS && !slot; l++)
+        if (e->qs[l].st == st) slot = &e->qs[l];
+    kvrt_quest *own = NULL, *qs = slot ? slot->qs : NULL;
+    int s = 0;
+    if (qs && qs->T <= len) /* the tokens added since the last step */
+        s = kvrt_quest_append(qs, k + (size_t)qs->T * e->Hkv * e->d, len - qs->T);
+    else { /* first step of this state (or a state not made here): the whole sequence */
+        s = kvrt_quest_summarize(k, len, e->Hkv, e->d, (uint32_t)e->o.block, &own);
+        if (!s && slot) {
+            kvrt_quest_free(slot->qs);
+            slot->qs = own;
+            own = NULL;
+        }
+        qs = slot ? slot->qs : own;
+    }
     if (!s) s = kvrt_quest_select(qs, q, H, ke, blocks);
-    kvrt_quest_free(qs);
+    kvrt_quest_free(own);
     if (!s) s = kvrt_compkv_attend_blocks(st, q, H, blocks, ke, out);
     return s;
 }
@@ -1098,7 +1133,8 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
 static void compkv_eval_release(void *state) {
     compkv_eval *e = state;
     for (uint32_t l = 0; e && e->r1 && l < COMPKV_R1_SLOTS; l++) free(e->r1[l].wy);
-    if (e) free(e->r1);
+    for (uint32_t l = 0; e && e->qs && l < COMPKV_R1_SLOTS; l++) kvrt_quest_free(e->qs[l].qs);
+    if (e) free(e->r1), free(e->qs);
     free(state);
 }
 

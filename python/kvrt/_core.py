@@ -711,18 +711,27 @@ class Quest(_Handle):
         self.ptr
         return int(self._q.n_pages)
 
+    def append(self, k: ArrayLike) -> None:
+        """Summarize new tokens k [n, Hkv, d] (what a server does per decoded token)."""
+        kb = _buf(k, "k", "kvrt.Quest.append", (None, self.n_kv_heads, self.head_dim))
+        check(lib.kvrt_quest_append(self.ptr, kb.ptr, kb.shape[0]))
+
+    def _pages(self, ptr) -> np.ndarray:
+        stride = int(self._q.page_stride)
+        n = self.n_kv_heads * stride * self.head_dim
+        return np.ctypeslib.as_array(ptr, shape=(n,)).reshape(
+            self.n_kv_heads, stride, self.head_dim)[:, :self.n_pages].copy()
+
     @property
     def kmin(self) -> np.ndarray:
         """float32 [Hkv, n_pages, d] (a copy); kmax likewise."""
-        n = self.n_kv_heads * self.n_pages * self.head_dim
-        return np.ctypeslib.as_array(self._q.kmin, shape=(n,)).reshape(
-            self.n_kv_heads, self.n_pages, self.head_dim).copy()
+        self.ptr
+        return self._pages(self._q.kmin)
 
     @property
     def kmax(self) -> np.ndarray:
-        n = self.n_kv_heads * self.n_pages * self.head_dim
-        return np.ctypeslib.as_array(self._q.kmax, shape=(n,)).reshape(
-            self.n_kv_heads, self.n_pages, self.head_dim).copy()
+        self.ptr
+        return self._pages(self._q.kmax)
 
     def scores(self, q: ArrayLike) -> np.ndarray:
         """Upper-bound scores [Hkv, n_pages] for one step q [H, d]."""

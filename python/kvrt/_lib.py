@@ -116,7 +116,7 @@ class kvrt_method_opts(Structure):
 class kvrt_quest(Structure):
     _fields_ = [("n_kv_heads", c_uint32), ("head_dim", c_uint32), ("page", c_uint32),
                 ("T", c_int64), ("n_pages", c_int64), ("kmin", POINTER(c_float)),
-                ("kmax", POINTER(c_float))]
+                ("kmax", POINTER(c_float)), ("page_stride", c_int64)]
 
 
 class kvrt_am_opts(Structure):
@@ -275,6 +275,7 @@ _PROTOS = {
     "kvrt_method_from_name": (I, [c_char_p]),
     # Quest
     "kvrt_quest_summarize": (I, [P, I64, U32, U32, U32, PP]),
+    "kvrt_quest_append": (I, [P, P, I64]),
     "kvrt_quest_free": (None, [P]),
     "kvrt_quest_scores": (I, [P, P, U32, P]),
     "kvrt_quest_select": (I, [P, P, U32, I64, P]),

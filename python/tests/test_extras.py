@@ -31,6 +31,30 @@ def test_quest_against_numpy(acts):
         assert p[j, 1] == mid
 
 
+def test_quest_append_equals_summarize(acts):
+    """Appended token by token and in uneven pieces (partial pages, room growing): the same
+    pages, scores and selection as one summary of the whole sequence."""
+    l = LAYERS[1]
+    k = acts.kc[l]
+    whole = kvrt.Quest(k, page=16)
+    inc = kvrt.Quest(k[:5], page=16)
+    t = 5
+    for n in (1, 1, 9, 17, 0, 3):
+        inc.append(k[t:t + n])
+        t += n
+    for i in range(t, min(t + 40, acts.T)):
+        inc.append(k[i:i + 1])
+    inc.append(k[min(t + 40, acts.T):])
+    assert inc.n_pages == whole.n_pages
+    eq(inc.kmin, whole.kmin)
+    eq(inc.kmax, whole.kmax)
+    q = acts.q[l][acts.T]
+    eq(inc.scores(q), whole.scores(q))
+    eq(inc.select(q, 4), whole.select(q, 4))
+    with pytest.raises(kvrt.ShapeError):
+        inc.append(k[:1, :, :-1])
+
+
 def test_select_pinned():
     s = np.array([0, 9, 1, 8, 2, 7, 3, 6, 4, 5], np.float32)
     assert kvrt.select_pinned(s, 10, 5, n_sink=1, n_recent=2).tolist() == [0, 1, 3, 8, 9]

@@ -8,7 +8,8 @@
  * defines: kvrt_method_name, kvrt_method_from_name, kvrt_method_opts_init, kvrt_method_select,
  *          kvrt_method_has_scores, kvrt_method_scores, kvrt_method_select_scored,
  *          kvrt_snapkv_scores_ref, kvrt_snapkv_scores, kvrt_h2o_scores_ref, kvrt_h2o_scores,
- *          kvrt_quest_summarize, kvrt_quest_free, kvrt_quest_scores, kvrt_quest_select
+ *          kvrt_quest_summarize, kvrt_quest_append, kvrt_quest_free, kvrt_quest_scores,
+ *          kvrt_quest_select
  *
  * Semantics are documented at kvrt_method_select in kvrt.h. Choices made here (kvcc):
  *  - attention scores use the softmax scale 1/sqrt(d), causal rows (query t sees 0..t);
@@ -698,6 +699,68 @@ void kvrt_quest_free(kvrt_quest *qs) {
     free(qs);
 }
 
+/* Grows kmin/kmax to room for `pages` pages per KV head (the stride at least doubles), the
+ * pages already summarized moved to the new stride. */
+static int quest_reserve(kvrt_quest *qs, int64_t pages) {
+    if (pages <= qs->page_stride) return KVRT_OK;
+    const int64_t stride = pages > 2 * qs->page_stride ? pages : 2 * qs->page_stride;
+    const size_t d = qs->head_dim, cnt = (size_t)qs->n_kv_heads * (size_t)stride * d;
+    float *mn = malloc(cnt * sizeof(float)), *mx = malloc(cnt * sizeof(float));
+    if (mn == NULL || mx == NULL) {
+        free(mn);
+        free(mx);
+        return KVRT_ERR_NOMEM;
+    }
+    for (uint32_t hk = 0; hk < qs->n_kv_heads && qs->n_pages > 0; hk++) {
+        const size_t from = (size_t)hk * (size_t)qs->page_stride * d, to = (size_t)hk * (size_t)stride * d;
+        memcpy(mn + to, qs->kmin + from, (size_t)qs->n_pages * d * sizeof(float));
+        memcpy(mx + to, qs->kmax + from, (size_t)qs->n_pages * d * sizeof(float));
+    }
+    free(qs->kmin);
+    free(qs->kmax);
+    qs->kmin = mn;
+    qs->kmax = mx;
+    qs->page_stride = stride;
+    return KVRT_OK;
+}
+
+int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n) {
+    kvrt_error *e = kvrt_tls_err();
+    if (qs == NULL || (k == NULL && n > 0))
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_append: NULL %s",
+                            qs == NULL ? "summary" : "k");
+    if (n < 0 || n > (int64_t)INT32_MAX - qs->T)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "kvrt_quest_append: n = %lld with %lld tokens summarized, expected "
+                            "0..%lld",
+                            (long long)n, (long long)qs->T, (long long)INT32_MAX - qs->T);
+    if (n == 0) return KVRT_OK;
+    const int64_t T1 = qs->T + n, pages = (T1 + qs->page - 1) / qs->page;
+    if (quest_reserve(qs, pages) != KVRT_OK)
+        return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_append: out of memory");
+    const size_t d = qs->head_dim;
+    const uint32_t Hkv = qs->n_kv_heads;
+    for (uint32_t hk = 0; hk < Hkv; hk++)
+        for (int64_t t = qs->T; t < T1; t++) {
+            const int64_t p = t / qs->page;
+            float *mn = qs->kmin + ((size_t)hk * (size_t)qs->page_stride + (size_t)p) * d;
+            float *mx = qs->kmax + ((size_t)hk * (size_t)qs->page_stride + (size_t)p) * d;
+            if (t % qs->page == 0)
+                for (size_t x = 0; x < d; x++) {
+                    mn[x] = INFINITY;
+                    mx[x] = -INFINITY;
+                }
+            const float *kr = k + ((size_t)(t - qs->T) * Hkv + hk) * d;
+            for (size_t x = 0; x < d; x++) {
+                mn[x] = kr[x] < mn[x] ? kr[x] : mn[x];
+                mx[x] = kr[x] > mx[x] ? kr[x] : mx[x];
+            }
+        }
+    qs->T = T1;
+    qs->n_pages = pages;
+    return KVRT_OK;
+}
+
 int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
                          uint32_t page, kvrt_quest **out) {
     kvrt_error *e = kvrt_tls_err();
@@ -712,33 +775,16 @@ int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_
     qs->n_kv_heads = n_kv_heads;
     qs->head_dim = head_dim;
     qs->page = page;
-    qs->T = T;
-    qs->n_pages = (T + page - 1) / page;
-    const size_t cnt = (size_t)n_kv_heads * (size_t)qs->n_pages * head_dim;
-    qs->kmin = malloc(cnt * sizeof(float));
-    qs->kmax = malloc(cnt * sizeof(float));
-    if (qs->kmin == NULL || qs->kmax == NULL) {
+    /* exactly the pages of T tokens: a summary that is never appended to wastes nothing */
+    if (quest_reserve(qs, (T + page - 1) / page) != KVRT_OK) {
         kvrt_quest_free(qs);
         return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_summarize: out of memory");
     }
-    const size_t d = head_dim;
-    for (uint32_t hk = 0; hk < n_kv_heads; hk++)
-        for (int64_t p = 0; p < qs->n_pages; p++) {
-            float *mn = qs->kmin + ((size_t)hk * qs->n_pages + p) * d;
-            float *mx = qs->kmax + ((size_t)hk * qs->n_pages + p) * d;
-            for (size_t x = 0; x < d; x++) {
-                mn[x] = INFINITY;
-                mx[x] = -INFINITY;
-            }
-            const int64_t t1 = (p + 1) * page < T ? (p + 1) * page : T;
-            for (int64_t t = p * page; t < t1; t++) {
-                const float *kr = k + ((size_t)t * n_kv_heads + hk) * d;
-                for (size_t x = 0; x < d; x++) {
-                    mn[x] = kr[x] < mn[x] ? kr[x] : mn[x];
-                    mx[x] = kr[x] > mx[x] ? kr[x] : mx[x];
-                }
-            }
-        }
+    rc = kvrt_quest_append(qs, k, T);
+    if (rc != KVRT_OK) {
+        kvrt_quest_free(qs);
+        return rc;
+    }
     *out = qs;
     return KVRT_OK;
 }
@@ -756,8 +802,8 @@ int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, fl
     const size_t d = qs->head_dim;
     for (uint32_t hk = 0; hk < qs->n_kv_heads; hk++)
         for (int64_t p = 0; p < qs->n_pages; p++) {
-            const float *mn = qs->kmin + ((size_t)hk * qs->n_pages + p) * d;
-            const float *mx = qs->kmax + ((size_t)hk * qs->n_pages + p) * d;
+            const float *mn = qs->kmin + ((size_t)hk * (size_t)qs->page_stride + (size_t)p) * d;
+            const float *mx = qs->kmax + ((size_t)hk * (size_t)qs->page_stride + (size_t)p) * d;
             double s = 0.0;
             for (uint32_t g = 0; g < G; g++) {
                 const float *qr = q + ((size_t)hk * G + g) * d;

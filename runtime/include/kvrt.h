@@ -388,16 +388,20 @@ const char *kvrt_method_name(int method);   /* "full", ..., "keydiff"; "unknown"
 int kvrt_method_from_name(const char *name); /* -1 when unknown */
 /* ------------------------------------------------------------------ Quest (decode-time pages) */
 /* Per page of `page` tokens (the last page may be shorter) and KV head: elementwise min and max
- * of the keys. */
+ * of the keys. Kept incrementally as a server decodes: kvrt_quest_append summarizes new tokens
+ * (the last page's min/max updated, new pages opened), equal to summarizing the whole sequence. */
 typedef struct {
     uint32_t n_kv_heads, head_dim, page;
     int64_t T, n_pages;   /* n_pages = ceil(T / page) */
-    float *kmin;          /* [n_kv_heads, n_pages, head_dim] */
-    float *kmax;          /* [n_kv_heads, n_pages, head_dim] */
+    float *kmin;          /* [n_kv_heads, page_stride, head_dim]: pages 0..n_pages-1 valid */
+    float *kmax;          /* [n_kv_heads, page_stride, head_dim] */
+    int64_t page_stride;  /* pages of room per KV head (= n_pages after kvrt_quest_summarize) */
 } kvrt_quest;
-/* k [T, Hkv, d] (f32). */
+/* k [T, Hkv, d] (f32), 1 <= T <= INT32_MAX. */
 int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
                          uint32_t page, kvrt_quest **out);
+/* Adds tokens T..T+n-1, k [n, Hkv, d]; n = 0 is a no-op. The room grows geometrically. */
+int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n);
 void kvrt_quest_free(kvrt_quest *qs);
 /* Upper-bound scores [Hkv, n_pages]: sum over the G query heads of the KV head of
  * sum_i max(q_i * min_i, q_i * max_i) (>= q.k for every key of the page). q [H, d], one step. */

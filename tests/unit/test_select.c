@@ -347,6 +347,61 @@ Test(methods, bad_inputs_have_clear_statuses) {
 // ----------------------------------------------------------------------------
 // Quest
 
+/* A server keeps the pages as it decodes: appended one token at a time and in uneven pieces
+ * (partial pages, the room regrown several times), the summary is the one of the whole
+ * sequence, bit for bit, and so are its scores and selection. */
+Test(quest, append_equals_summarize) {
+    const int64_t T = 301;
+    const uint32_t hkv = 3, G = 2, H = hkv * G, d = 8, page = 16;
+    uint64_t s = 21;
+    float *k = rand_buf((size_t)T * hkv * d, &s, -3, 3);
+    kvrt_quest *whole = NULL, *inc = NULL;
+    cr_assert_eq(kvrt_quest_summarize(k, T, hkv, d, page, &whole), KVRT_OK);
+    cr_assert_eq(whole->page_stride, whole->n_pages);
+    cr_assert_eq(kvrt_quest_summarize(k, 3, hkv, d, page, &inc), KVRT_OK);
+    const int64_t pieces[] = {1, 12, 0, 1, 16, 33, 2};
+    int64_t t = 3;
+    for (size_t i = 0; i < sizeof pieces / sizeof *pieces; i++) {
+        cr_assert_eq(kvrt_quest_append(inc, k + (size_t)t * hkv * d, pieces[i]), KVRT_OK);
+        t += pieces[i];
+    }
+    for (; t < T; t++) cr_assert_eq(kvrt_quest_append(inc, k + (size_t)t * hkv * d, 1), KVRT_OK);
+    cr_assert_eq(inc->T, T);
+    cr_assert_eq(inc->n_pages, whole->n_pages);
+    cr_assert_geq(inc->page_stride, inc->n_pages);
+    for (uint32_t j = 0; j < hkv; j++)
+        for (int64_t p = 0; p < whole->n_pages; p++) {
+            const size_t a = ((size_t)j * whole->page_stride + p) * d,
+                         b = ((size_t)j * inc->page_stride + p) * d;
+            cr_assert_eq(memcmp(whole->kmin + a, inc->kmin + b, d * sizeof(float)), 0,
+                         "head %u page %lld min", j, (long long)p);
+            cr_assert_eq(memcmp(whole->kmax + a, inc->kmax + b, d * sizeof(float)), 0,
+                         "head %u page %lld max", j, (long long)p);
+        }
+    float *q = rand_buf((size_t)H * d, &s, -2, 2);
+    float *sa = malloc(sizeof(float) * hkv * whole->n_pages),
+          *sb = malloc(sizeof(float) * hkv * whole->n_pages);
+    cr_assert_eq(kvrt_quest_scores(whole, q, H, sa), KVRT_OK);
+    cr_assert_eq(kvrt_quest_scores(inc, q, H, sb), KVRT_OK);
+    cr_assert_eq(memcmp(sa, sb, sizeof(float) * hkv * whole->n_pages), 0);
+    int32_t pa[3 * 6], pb[3 * 6];
+    cr_assert_eq(kvrt_quest_select(whole, q, H, 6, pa), KVRT_OK);
+    cr_assert_eq(kvrt_quest_select(inc, q, H, 6, pb), KVRT_OK);
+    cr_assert_eq(memcmp(pa, pb, sizeof pa), 0);
+    /* bad input is refused and leaves the summary as it was */
+    cr_assert_eq(kvrt_quest_append(inc, NULL, 1), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_quest_append(inc, k, -1), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_quest_append(NULL, k, 1), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_quest_append(inc, NULL, 0), KVRT_OK);
+    cr_assert_eq(inc->T, T);
+    kvrt_quest_free(whole);
+    kvrt_quest_free(inc);
+    free(sa);
+    free(sb);
+    free(q);
+    free(k);
+}
+
 Test(quest, bound_is_an_upper_bound_for_every_key) {
     const int64_t T = 203; /* last page partial */
     const uint32_t hkv = 2, G = 3, H = hkv * G, d = 16, page = 16;
