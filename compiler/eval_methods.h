@@ -50,6 +50,9 @@ typedef struct {
     void *state;                 /* the method's own (policy handles, options), freed by release */
     char note[512];              /* options the rows run with ("" for none); said in the header */
     uint32_t block;              /* decode-time: tokens per block */
+    int layerwise;               /* 1: end to end goes layer by layer (compress_layer, so the
+                                  * rows of a context share one multi-budget call) although the
+                                  * method has compress_all (which this run does not need) */
 } kvcc_eval_prep;
 
 /* One layer of one prompt, for a prefill compressor: q [C, H, d] the context's queries (rows

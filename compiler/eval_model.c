@@ -226,12 +226,13 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
     void *state = eval_row_prep(E, ri)->state;
     const uint32_t L = E->env.L, Hkv = E->env.Hkv, d = E->env.d;
     const size_t T_ = (size_t)x->s->n_ctx, Kd = (size_t)Hkv * d;
+    const int all_layers = m->compress_all && !eval_row_prep(E, ri)->layerwise;
     int64_t B;
     int st = eval_row_budget(row, x->C, &B);
     if (st) { eval_row_fail(row, st, "budget"); return; }
     x->shared_s = 0;
     const double t0 = kvcc_now_s();
-    if (m->compress_all) { /* all layers at once from the model's own q/k/v and the log-probs */
+    if (all_layers) { /* all layers at once from the model's own q/k/v and the log-probs */
         const float **kp = malloc((size_t)L * sizeof *kp), **vp = malloc((size_t)L * sizeof *vp);
         st = kp && vp ? 0 : KVRT_ERR_NOMEM;
         for (uint32_t l = 0; !st && l < L; l++) {
@@ -246,7 +247,7 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         free(kp);
         free(vp);
     }
-    for (uint32_t l = 0; l < L && !st && !m->compress_all; l++) {
+    for (uint32_t l = 0; l < L && !st && !all_layers; l++) {
         /* the model's own context keys/values of layer l: rows [0, C) of its cache */
         memcpy(x->kbuf, x->s->k_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));
         memcpy(x->vbuf, x->s->v_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));

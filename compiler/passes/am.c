@@ -849,6 +849,9 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
         am_eval_release(st);
         return rc;
     }
+    /* am with a context-query schedule needs no whole-context pass: its end-to-end layers go
+     * through compress_layer and share one call for all budgets, as am-uniform's do */
+    p->layerwise = !st->repeat;
     am_opts_text(&st->o, txt, sizeof txt);
     const char *qtxt = st->self_study ? "self-study reference queries from --gguf (its greedy "
                                         "questions and answers about the context)"
