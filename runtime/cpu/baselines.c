@@ -8,8 +8,8 @@
  * defines: kvrt_method_name, kvrt_method_from_name, kvrt_method_opts_init, kvrt_method_select,
  *          kvrt_method_has_scores, kvrt_method_scores, kvrt_method_select_scored,
  *          kvrt_snapkv_scores_ref, kvrt_snapkv_scores, kvrt_h2o_scores_ref, kvrt_h2o_scores,
- *          kvrt_quest_summarize, kvrt_quest_append, kvrt_quest_free, kvrt_quest_scores,
- *          kvrt_quest_select
+ *          kvrt_quest_summarize, kvrt_quest_append, kvrt_quest_free, kvrt_quest_scores_ref,
+ *          kvrt_quest_scores, kvrt_quest_select
  *
  * Semantics are documented at kvrt_method_select in kvrt.h. Choices made here (kvcc):
  *  - attention scores use the softmax scale 1/sqrt(d), causal rows (query t sees 0..t);
@@ -789,15 +789,24 @@ int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_
     return KVRT_OK;
 }
 
-int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores) {
+static int quest_scores_check(const char *fn, const kvrt_quest *qs, const float *q,
+                              uint32_t n_heads, const float *scores) {
     kvrt_error *e = kvrt_tls_err();
     if (qs == NULL || q == NULL || scores == NULL)
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_scores: NULL %s",
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: NULL %s", fn,
                             qs == NULL ? "summary" : q == NULL ? "q" : "scores");
     if (n_heads == 0 || n_heads % qs->n_kv_heads != 0)
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
-                            "kvrt_quest_scores: n_heads %u is not a positive multiple of "
-                            "n_kv_heads %u", n_heads, qs->n_kv_heads);
+                            "%s: n_heads %u is not a positive multiple of n_kv_heads %u", fn,
+                            n_heads, qs->n_kv_heads);
+    return KVRT_OK;
+}
+
+/* The bound as written: per page, query head and coordinate max(q mn, q mx), summed in order
+ * in double. */
+int kvrt_quest_scores_ref(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores) {
+    const int rc = quest_scores_check("kvrt_quest_scores_ref", qs, q, n_heads, scores);
+    if (rc != KVRT_OK) return rc;
     const uint32_t G = n_heads / qs->n_kv_heads;
     const size_t d = qs->head_dim;
     for (uint32_t hk = 0; hk < qs->n_kv_heads; hk++)
@@ -814,6 +823,46 @@ int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, fl
             }
             scores[(size_t)hk * qs->n_pages + p] = (float)s;
         }
+    return KVRT_OK;
+}
+
+/* One page's bound from the group's split query: sum_x qp_x mx_x + qn_x mn_x. */
+KVRT_SIMD_CLONES static double quest_page(const float *mn, const float *mx, const double *qp,
+                                          const double *qn, size_t d) {
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (size_t x = 0; x < d; x++) s += qp[x] * (double)mx[x] + qn[x] * (double)mn[x];
+    return s;
+}
+
+/* max(q mn, q mx) = q+ mx + q- mn (q+ = max(q, 0), q- = min(q, 0)), so the sum over the G query
+ * heads is one dot product per page with the group's summed q+ and q-: G times less work than
+ * the reference and no branch; only the summation order differs (relative ~1e-15 in double). */
+int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores) {
+    const int rc = quest_scores_check("kvrt_quest_scores", qs, q, n_heads, scores);
+    if (rc != KVRT_OK) return rc;
+    const uint32_t G = n_heads / qs->n_kv_heads;
+    const size_t d = qs->head_dim;
+    double *qp = malloc(sizeof(double) * 2 * d);
+    if (qp == NULL)
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0, "kvrt_quest_scores: out of memory");
+    double *qn = qp + d;
+    for (uint32_t hk = 0; hk < qs->n_kv_heads; hk++) {
+        for (size_t x = 0; x < d; x++) qp[x] = qn[x] = 0.0;
+        for (uint32_t g = 0; g < G; g++) {
+            const float *qr = q + ((size_t)hk * G + g) * d;
+            for (size_t x = 0; x < d; x++) {
+                if (qr[x] > 0) qp[x] += qr[x];
+                else qn[x] += qr[x];
+            }
+        }
+        const float *mn0 = qs->kmin + (size_t)hk * (size_t)qs->page_stride * d;
+        const float *mx0 = qs->kmax + (size_t)hk * (size_t)qs->page_stride * d;
+        for (int64_t p = 0; p < qs->n_pages; p++)
+            scores[(size_t)hk * qs->n_pages + p] =
+                (float)quest_page(mn0 + (size_t)p * d, mx0 + (size_t)p * d, qp, qn, d);
+    }
+    free(qp);
     return KVRT_OK;
 }
 

@@ -28,6 +28,11 @@ int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cach
 /* ---- topk */
 int kvrt_topk_ref(const float *scores, int64_t n, int64_t k, int32_t *idx);
 
+/* ---- Quest's page bound as written (kvrt.h: kvrt_quest_scores): per page, query head and
+ * coordinate max(q min, q max), summed in order in double. kvrt_quest_scores sums the same
+ * terms regrouped (q+ max + q- min over the group at once): |a-b| <= 1e-6 (1 + |ref|). */
+int kvrt_quest_scores_ref(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores);
+
 /* ---- baseline score vectors (SnapKV window mass, H2O accumulation) */
 /* Score vectors behind snapkv and h2o, per KV head (G-averaged, before pooling):
  * scores [Hkv, T]. snapkv: window mass (positions of the window included, 0 where no window

@@ -414,6 +414,11 @@ Test(quest, bound_is_an_upper_bound_for_every_key) {
     for (int trial = 0; trial < 20; trial++) {
         float *q = rand_buf((size_t)H * d, &s, -2, 2);
         cr_assert_eq(kvrt_quest_scores(qs, q, H, sc), KVRT_OK);
+        float ref[2 * 13];
+        cr_assert_eq(kvrt_quest_scores_ref(qs, q, H, ref), KVRT_OK);
+        for (int64_t i = 0; i < hkv * qs->n_pages; i++) /* the regrouped sum vs the bound as written */
+            cr_assert(fabsf(sc[i] - ref[i]) <= 1e-6f * (1 + fabsf(ref[i])), "page %lld: %.9g vs ref %.9g",
+                      (long long)i, (double)sc[i], (double)ref[i]);
         for (uint32_t j = 0; j < hkv; j++)
             for (int64_t t = 0; t < T; t++) {
                 double dot = 0;
@@ -442,6 +447,8 @@ Test(quest, bound_is_an_upper_bound_for_every_key) {
     cr_assert_eq(kvrt_quest_select(qs, q0, H, 1, pages), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_quest_select(qs, q0, H, 14, pages), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_quest_select(qs, q0, 5, 4, pages), KVRT_ERR_SHAPE);
+    cr_assert_eq(kvrt_quest_scores_ref(qs, q0, 5, sc), KVRT_ERR_SHAPE);
+    cr_assert_eq(kvrt_quest_scores_ref(qs, NULL, H, sc), KVRT_ERR_ARG);
     kvrt_quest *bad = (kvrt_quest *)0x1;
     cr_assert_eq(kvrt_quest_summarize(k, T, hkv, d, 0, &bad), KVRT_ERR_ARG);
     cr_assert_null(bad);
