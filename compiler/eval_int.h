@@ -80,6 +80,9 @@ int eval_local(eval_run *E, char *err, size_t errlen);
  * of a shared call minus what it ran itself. kvrt status. eval_share_free at the end of a run. */
 int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer *x, int64_t B,
                         kvrt_cache **out);
+/* End to end: every layer of row ri's context compressed at once, the layers spread over the
+ * threads, before the row walks them with eval_compress_layer (xl [L]: each layer's inputs). */
+void eval_share_prefetch(eval_run *E, int ri, const kvcc_eval_layer *xl, int64_t B);
 void eval_share_free(eval_run *E);
 /* eval_prefill.c: row ri's layer-local measures of compressed cache cc on lp's current (prompt,
  * layer) (lp's qc, kr, vr, N, o_full, lse_full, o_c, lse_c, rt, scale): relative error, KL,

@@ -247,6 +247,16 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
         free(kp);
         free(vp);
     }
+    if (!st && !all_layers && m->compress_layer_multi) { /* the method's call for every layer */
+        kvcc_eval_layer *xl = malloc((size_t)L * sizeof *xl);
+        for (uint32_t l = 0; xl && l < L; l++)
+            xl[l] = (kvcc_eval_layer){.layer = l, .q = x->q[l],
+                                      .k = x->s->k_cache + (size_t)l * T_ * Kd,
+                                      .v = x->s->v_cache + (size_t)l * T_ * Kd, .C = x->C,
+                                      .ctx_id = x->ctx_id};
+        if (xl) eval_share_prefetch(E, ri, xl, B);
+        free(xl);
+    }
     for (uint32_t l = 0; l < L && !st && !all_layers; l++) {
         /* the model's own context keys/values of layer l: rows [0, C) of its cache */
         memcpy(x->kbuf, x->s->k_cache + (size_t)l * T_ * Kd, (size_t)x->C * Kd * sizeof(float));

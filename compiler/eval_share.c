@@ -8,10 +8,15 @@
  * A cache is handed out once; a context change or the end of the run frees what is left.
  * Callers: eval_prefill.c (layer-local rows), eval_model.c (end-to-end and needle rows).
  *
- * defines: eval_compress_layer, eval_share_free
+ * defines: eval_compress_layer, eval_share_prefetch, eval_share_free
  */
 #include <stdlib.h>
 #include <string.h>
+
+#include <cblas.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "eval_int.h"
 #include "stats.h"
@@ -48,6 +53,37 @@ void eval_share_free(eval_run *E) {
     }
 }
 
+/* The budgets of row ri's method's live rows (ri's first), each once: their count. */
+static int share_budgets(eval_run *E, int ri, int64_t C, int64_t B, double *bud, int64_t *Bs) {
+    const int mi = E->acc[ri].mi;
+    int n = 0;
+    bud[n] = E->r->rows[ri].budget;
+    Bs[n++] = B;
+    for (int rj = 0; rj < E->r->n_rows && n < SHARE_MAX; rj++) {
+        const kvcc_eval_row *w = &E->r->rows[rj];
+        if (rj == ri || E->acc[rj].mi != mi || w->status) continue;
+        int dup = 0;
+        for (int j = 0; j < n; j++) dup |= bud[j] == w->budget;
+        int64_t b;
+        if (dup || eval_row_budget(w, C, &b) != KVRT_OK) continue;
+        bud[n] = w->budget;
+        Bs[n++] = b;
+    }
+    return n;
+}
+
+static share_method *share_of(eval_run *E, int mi) {
+    share_method *sm = E->share[mi];
+    if (!sm) {
+        sm = calloc(1, sizeof *sm);
+        if (sm && !(sm->slot = calloc(E->env.L, sizeof *sm->slot))) { free(sm); sm = NULL; }
+        if (!sm) return NULL;
+        sm->L = E->env.L;
+        E->share[mi] = sm;
+    }
+    return sm;
+}
+
 int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer *x, int64_t B,
                         kvrt_cache **out) {
     const kvcc_eval_method *m = eval_row_method(E, ri);
@@ -57,14 +93,8 @@ int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer
     *out = NULL;
     if (!m->compress_layer_multi || !x->ctx_id || x->layer >= E->env.L)
         return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
-    share_method *sm = E->share[mi];
-    if (!sm) {
-        sm = calloc(1, sizeof *sm);
-        if (sm && !(sm->slot = calloc(E->env.L, sizeof *sm->slot))) { free(sm); sm = NULL; }
-        if (!sm) return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
-        sm->L = E->env.L;
-        E->share[mi] = sm;
-    }
+    share_method *sm = share_of(E, mi);
+    if (!sm) return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
     share_slot *sl = &sm->slot[x->layer];
     if (sl->ctx_id == x->ctx_id && sl->C == x->C)
         for (int j = 0; j < sl->n; j++)
@@ -75,22 +105,9 @@ int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer
                 return KVRT_OK;
             }
     slot_clear(sl);
-    /* the budgets of the method's live rows (this one first), each once */
     double bud[SHARE_MAX];
     int64_t Bs[SHARE_MAX];
-    int n = 0;
-    bud[n] = budget;
-    Bs[n++] = B;
-    for (int rj = 0; rj < E->r->n_rows && n < SHARE_MAX; rj++) {
-        const kvcc_eval_row *w = &E->r->rows[rj];
-        if (rj == ri || E->acc[rj].mi != mi || w->status) continue;
-        int dup = 0;
-        for (int j = 0; j < n; j++) dup |= bud[j] == w->budget;
-        int64_t b;
-        if (dup || eval_row_budget(w, x->C, &b) != KVRT_OK) continue;
-        bud[n] = w->budget;
-        Bs[n++] = b;
-    }
+    const int n = share_budgets(E, ri, x->C, B, bud, Bs);
     if (n == 1) return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
     const double t0 = kvcc_now_s();
     int rc = m->compress_layer_multi(m, state, pstate, &E->env, x, n, bud, Bs, sl->c);
@@ -108,4 +125,63 @@ int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer
     sl->c[0] = NULL;
     if (x->shared_s) *x->shared_s += sec / n - sec; /* this row's share, not the whole call */
     return KVRT_OK;
+}
+
+/* Every layer of a context at once, before row ri walks them (end to end): the layers side by
+ * side on the threads, each call on one thread (on 2 cores AM's own threading ran its call at
+ * 1.26x one thread; two layers at a time keep both cores busy), the caches left in the slots
+ * as eval_compress_layer would leave them. Each thread runs on its own runtime context; the
+ * slots' seconds add up to the wall time. A layer whose call fails is left empty (the row's
+ * own call then reports it). */
+void eval_share_prefetch(eval_run *E, int ri, const kvcc_eval_layer *xl, int64_t B) {
+    const kvcc_eval_method *m = eval_row_method(E, ri);
+    const int mi = E->acc[ri].mi;
+    const uint32_t L = E->env.L;
+    if (!m->compress_layer_multi || !xl[0].ctx_id || L < 2) return;
+#ifdef _OPENMP
+    const int nt = omp_get_max_threads() < (int)L ? omp_get_max_threads() : (int)L;
+    if (nt < 2 || omp_in_parallel()) return;
+    share_method *sm = share_of(E, mi);
+    if (!sm) return;
+    double bud[SHARE_MAX];
+    int64_t Bs[SHARE_MAX];
+    const int n = share_budgets(E, ri, xl[0].C, B, bud, Bs);
+    if (n == 1) return;
+    void *state = eval_row_prep(E, ri)->state;
+    const int blas = openblas_get_num_threads();
+    if (blas != 1) openblas_set_num_threads(1); /* global: set around the region, not in it */
+    const double t0 = kvcc_now_s();
+    double busy = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : busy)
+    {
+        omp_set_num_threads(1); /* this thread's nested regions (the call's own): one thread */
+        kvcc_eval_env env = E->env;
+        kvrt_error kerr;
+        if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &env.rt, &kerr) != KVRT_OK) env.rt = NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (uint32_t l = 0; l < L; l++) {
+            share_slot *sl = &sm->slot[l];
+            if (!env.rt || (sl->ctx_id == xl[l].ctx_id && sl->C == xl[l].C)) continue;
+            slot_clear(sl);
+            const double s0 = kvcc_now_s();
+            if (m->compress_layer_multi(m, state, NULL, &env, &xl[l], n, bud, Bs, sl->c)) {
+                for (int j = 0; j < n; j++) { kvrt_cache_free(sl->c[j]); sl->c[j] = NULL; }
+                continue;
+            }
+            sl->ctx_id = xl[l].ctx_id;
+            sl->C = xl[l].C;
+            sl->n = n;
+            sl->sec = kvcc_now_s() - s0;
+            busy += sl->sec;
+            memcpy(sl->budgets, bud, sizeof(double) * (size_t)n);
+        }
+        kvrt_ctx_free(env.rt);
+    }
+    if (blas != 1) openblas_set_num_threads(blas);
+    const double wall = kvcc_now_s() - t0;
+    for (uint32_t l = 0; l < L && busy > 0; l++) /* thread seconds -> this region's wall */
+        if (sm->slot[l].ctx_id == xl[l].ctx_id && sm->slot[l].n == n) sm->slot[l].sec *= wall / busy;
+#else
+    (void)B; (void)xl;
+#endif
 }

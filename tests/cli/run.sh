@@ -128,6 +128,14 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   out=$("$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/pr1.kvpol" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
         --methods am,am-repeat,am-uniform --budgets 0.2 --csv); ex=$?
   [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 3 ]] && ok || bad "eval am (repeat schedule), am-repeat with --gguf: exit $ex: $out"
+  #  end to end, AM's layers are compressed side by side on the threads (eval_share_prefetch),
+  #  each call on one thread: every column but the timing equals a one-thread run's
+  for t in 1 2; do
+    OMP_NUM_THREADS=$t "$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/p1.kvpol" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --methods am,am-uniform --budgets 0.1,0.2 --csv 2>/dev/null | cut -d, -f1-8,10- > "$tmp/pf$t.csv"
+  done
+  [[ $(grep -c ',ok$' "$tmp/pf2.csv") -eq 4 ]] && cmp -s "$tmp/pf1.csv" "$tmp/pf2.csv" && ok \
+    || bad "eval am rows end to end differ between 1 and 2 threads: $(diff "$tmp/pf1.csv" "$tmp/pf2.csv")"
   #  self-study: the model's own answers about the context; deterministic (greedy) across threads
   OMP_NUM_THREADS=1 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-targets 0.2 --am-queries self-study \
     --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1 -o "$tmp/ps1.kvpol" 2>/dev/null && \
