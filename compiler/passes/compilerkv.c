@@ -267,6 +267,18 @@ static int setup_features(ckv *S, char *err, size_t errlen) {
 }
 
 /* Quantile edges of the features, the initial (conservative) tables, every prompt's bins. */
+/* The risk grid: --ent-bins / --ppl-bins when given (0: not given), else the most bins P
+ * calibration prompts can fill: perplexity bins min(4, max(1, P / 20)), entropy bins
+ * min(20, max(1, P / perplexity bins)) (P >= 80: the paper's 20 x 4). */
+void ckv_auto_bins(uint32_t P, uint32_t ent_opt, uint32_t ppl_opt, uint32_t *ent, uint32_t *ppl) {
+    uint32_t p = ppl_opt ? ppl_opt : P / 20 < 1 ? 1 : P / 20 > CKV_PPL_BINS ? CKV_PPL_BINS : P / 20;
+    if (p > CKV_PPL_BINS) p = CKV_PPL_BINS;
+    uint32_t e = ent_opt ? ent_opt : P / p < 1 ? 1 : P / p > CKV_ENT_BINS ? CKV_ENT_BINS : P / p;
+    if (e > CKV_ENT_BINS) e = CKV_ENT_BINS;
+    *ent = e;
+    *ppl = p;
+}
+
 static int setup_tables(ckv *S, char *err, size_t errlen) {
     int rc = 0;
     const size_t nSh = (size_t)S->nB * S->L * S->H,
@@ -358,16 +370,16 @@ static int ckv_setup_ex(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus,
     S->gate_k = cx->ckv_gate_actions ? cx->ckv_gate_actions : CKV_GATE_K;
     if (S->head_k > CKV_HEAD_ACTIONS) S->head_k = CKV_HEAD_ACTIONS;
     if (S->gate_k > CKV_GATE_ACTIONS) S->gate_k = CKV_GATE_ACTIONS;
-    S->ent_bins = cx->ckv_ent_bins ? cx->ckv_ent_bins : CKV_ENT_BINS;
-    S->ppl_bins = cx->ckv_ppl_bins ? cx->ckv_ppl_bins : CKV_PPL_BINS;
-    if (S->ent_bins > CKV_ENT_BINS) S->ent_bins = CKV_ENT_BINS;
-    if (S->ppl_bins > CKV_PPL_BINS) S->ppl_bins = CKV_PPL_BINS;
     S->group = cx->ckv_head_states ? !strcmp(cx->ckv_head_states, "group") : CKV_GROUP_DEFAULT;
     S->P = ci->n_prompts;
     if (cx->max_prompts && cx->max_prompts < S->P) S->P = cx->max_prompts;
     if (S->P == 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "%s: the corpus has no prompts",
                          corpus_path);
+    /* A prompt's risk features are per prompt: it lands in one (entropy, perplexity) bin for
+     * every (budget, layer), so P prompts support at most P bins. Unless given, the grid is the
+     * one the prompts can fill (ckv_auto_bins), up to the paper's 20 x 4. */
+    ckv_auto_bins(S->P, cx->ckv_ent_bins, cx->ckv_ppl_bins, &S->ent_bins, &S->ppl_bins);
     S->dist = dist && kvcc_dist_active();
     S->plo = 0;
     S->phi = S->P;
@@ -611,6 +623,8 @@ static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_
     }
     kvcc_cql_opts o;
     kvcc_cql_opts_default(&o);
+    if (S->cx->ckv_cql_steps) o.min_steps = S->cx->ckv_cql_steps;
+    o.exact = S->cx->ckv_cql_solver && !strcmp(S->cx->ckv_cql_solver, "exact");
     o.seed = kvcc_rng_mix(S->cx->seed, 0x51ull, round, (uint64_t)phase);
     char m[256];
     if (kvcc_cql_fit(S->rec, S->n_rec, nS, nA, &o, Q, info, m, sizeof m) != 0) {
@@ -698,6 +712,8 @@ int ckv_compile_rounds(ckv *S, const char *label, ckv_result *res, char *err, si
     const kvcc_compile_ctx *cx = S->cx;
     memset(res, 0, sizeof *res);
     kvcc_cql_opts_default(&res->co);
+    if (cx->ckv_cql_steps) res->co.min_steps = cx->ckv_cql_steps; /* recorded: cql_min_steps */
+    res->co.exact = cx->ckv_cql_solver && !strcmp(cx->ckv_cql_solver, "exact");
     /* progress unit: one rollout */
     const uint64_t per_round = (uint64_t)S->P * S->L * S->nB * ((S->group ? S->Hkv : S->H) * S->head_k + S->gate_k);
     S->progress_total =
@@ -785,6 +801,7 @@ static int write_section(const ckv *S, kvpol_writer *w, const ckv_result *res, u
     if (!rc) rc = kvpol_writer_add_i64(w, "cql_epochs", co->epochs);
     if (!rc) rc = kvpol_writer_add_i64(w, "cql_min_steps", co->min_steps);
     if (!rc) rc = kvpol_writer_add_i64(w, "cql_standardize", co->standardize);
+    if (!rc && co->exact) rc = kvpol_writer_add_i64(w, "cql_exact", 1); /* absent: adamw */
     if (!rc) rc = kvpol_writer_add_i64(w, "seed", (int64_t)S->cx->seed);
     if (!rc) rc = kvpol_writer_add_i64(w, "prompts", S->P);
     if (!rc) rc = kvpol_writer_add_i64(w, "head_records", (int64_t)S->n_head_rec);
@@ -913,8 +930,10 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
     while (np_ < CKV_PPL_BINS - 1 && PE[np_] < FLT_MAX) np_++;
     fprintf(out, "  risk bins in use: %d entropy x %d perplexity; entropy edges (entropy / log T):", ne + 1, np_ + 1);
     if (ne) fprintf(out, " %.4f .. %.4f", E[0], E[ne - 1]);
+    else fprintf(out, " none");
     fprintf(out, "; perplexity edges:");
     for (int i = 0; i < np_; i++) fprintf(out, " %.2f", PE[i]);
+    if (!np_) fprintf(out, " none");
     fputc('\n', out);
     static const char ramp[] = " .:-=+*#%@"; /* weight 0.8 -> ' ', 1.5 -> '@' */
     for (int64_t b = 0; b < nb; b++) {
@@ -1192,13 +1211,24 @@ static const kvcc_pass_option ckv_options[] = {
      "threshold actions rolled out per gate state and prompt, the incumbent included (21: every "
      "action of the grid)",
      CKV_OPT(ckv_gate_actions), 0, 2, CKV_GATE_ACTIONS, NULL, 0},
-    {"ent-bins", KVCC_OPT_U32, "N", "20",
+    {"cql-solver", KVCC_OPT_CHOICE, "adamw|exact", "adamw",
+     "how each CQL fit is solved: adamw (the paper's minibatch AdamW, --cql-steps) or exact (the "
+     "same objective's minimizer per state by Newton's method: no minibatch noise; recorded as "
+     "cql_exact)",
+     CKV_OPT(ckv_cql_solver), 0, 0, 0, "adamw|exact", 0},
+    {"cql-steps", KVCC_OPT_U32, "N", "5000",
+     "least AdamW steps of each CQL fit (the fit runs max(N, 10 epochs of the records); "
+     "recorded as cql_min_steps)",
+     CKV_OPT(ckv_cql_steps), 0, 1, 100000000, NULL, 0},
+    {"ent-bins", KVCC_OPT_U32, "N", "auto",
      "structural-risk (entropy) bins of the gate table: N - 1 quantile edges of the calibration "
-     "prompts (the runtime reads the edges; at most 20)",
-     CKV_OPT(ckv_ent_bins), 0, 1, CKV_ENT_BINS, NULL, 0},
-    {"ppl-bins", KVCC_OPT_U32, "N", "4",
+     "prompts (the runtime reads the edges; at most 20). auto: the grid P prompts can fill "
+     "(each prompt lands in one bin): perplexity bins min(4, max(1, P/20)), entropy bins "
+     "min(20, P / perplexity bins); 20 x 4 from 80 prompts",
+     CKV_OPT(ckv_ent_bins), 0, 1, CKV_ENT_BINS, NULL, KVCC_OPT_AUTO},
+    {"ppl-bins", KVCC_OPT_U32, "N", "auto",
      "semantic-risk (perplexity) bins of the gate table, as --ent-bins (at most 4)",
-     CKV_OPT(ckv_ppl_bins), 0, 1, CKV_PPL_BINS, NULL, 0},
+     CKV_OPT(ckv_ppl_bins), 0, 1, CKV_PPL_BINS, NULL, KVCC_OPT_AUTO},
     {"transfer-check", KVCC_OPT_PATH, "OTHER.h5", NULL,
      "also compile on a second, disjoint corpus and print the "
      "Spearman correlation of the head rankings per budget (with seed + 1 controls: 3 extra "

@@ -35,6 +35,93 @@ void kvcc_cql_opts_default(kvcc_cql_opts *o) {
     o->seed = 1;
 }
 
+/* The exact minimizer of the objective the AdamW loop samples, per state s with N records:
+ *   L_s(Q) = sum_a (n_a / N) (1/2 (Q_a - rbar_a)^2 - c Q_a) + c log sum_a exp(Q_a),
+ * the actions a with n_a > 0 (the others' Q goes to -inf: they are left at -1e30 and never
+ * argmax, having no support). Strictly convex: Newton's method with a backtracking line search
+ * from Q = rbar; the Hessian diag(w + c p) - c p p^T is solved by Sherman-Morrison. Every action
+ * is treated by the same elementwise arithmetic, so actions with equal (n_a, rbar_a) get equal Q
+ * bit for bit. Returns the Newton iterations summed over the states. */
+static uint64_t cql_exact(const kvcc_cql_record *rec, const size_t *order, const size_t *start,
+                          const double *rw, const uint32_t *active, uint32_t n_active,
+                          uint32_t n_actions, double c, double *q) {
+    uint64_t iters = 0;
+    double *w = malloc(sizeof(double) * n_actions * 6);
+    if (!w) return 0;
+    double *rb = w + n_actions, *p = rb + n_actions, *g = p + n_actions, *dl = g + n_actions,
+           *qn = dl + n_actions;
+    for (uint32_t ai = 0; ai < n_active; ai++) {
+        const uint32_t s = active[ai];
+        double *qs = q + (size_t)s * n_actions;
+        const double N = (double)(start[s + 1] - start[s]);
+        for (uint32_t a = 0; a < n_actions; a++) w[a] = rb[a] = 0;
+        for (size_t j = start[s]; j < start[s + 1]; j++) {
+            const uint32_t a = rec[order[j]].action;
+            w[a] += 1.0;
+            rb[a] += rw[j];
+        }
+        for (uint32_t a = 0; a < n_actions; a++) {
+            if (w[a] > 0) rb[a] /= w[a];
+            w[a] /= N;
+            qs[a] = w[a] > 0 ? rb[a] : -1e30;
+        }
+#define CQL_OBJ(Q, out)                                                                         \
+    do {                                                                                        \
+        double mx_ = -INFINITY, z_ = 0, f_ = 0;                                                 \
+        for (uint32_t a = 0; a < n_actions; a++)                                                \
+            if (w[a] > 0 && (Q)[a] > mx_) mx_ = (Q)[a];                                         \
+        for (uint32_t a = 0; a < n_actions; a++)                                                \
+            if (w[a] > 0) {                                                                     \
+                z_ += exp((Q)[a] - mx_);                                                        \
+                f_ += w[a] * (0.5 * ((Q)[a] - rb[a]) * ((Q)[a] - rb[a]) - c * (Q)[a]);          \
+            }                                                                                   \
+        (out) = f_ + c * (mx_ + log(z_));                                                       \
+    } while (0)
+        double f;
+        CQL_OBJ(qs, f);
+        for (int it = 0; it < 100; it++) {
+            double mx = -INFINITY, z = 0, gmax = 0;
+            for (uint32_t a = 0; a < n_actions; a++)
+                if (w[a] > 0 && qs[a] > mx) mx = qs[a];
+            for (uint32_t a = 0; a < n_actions; a++) z += (p[a] = w[a] > 0 ? exp(qs[a] - mx) : 0);
+            for (uint32_t a = 0; a < n_actions; a++) {
+                p[a] /= z;
+                g[a] = w[a] > 0 ? w[a] * (qs[a] - rb[a] - c) + c * p[a] : 0;
+                gmax = fabs(g[a]) > gmax ? fabs(g[a]) : gmax;
+            }
+            if (gmax < 1e-13) break;
+            iters++;
+            /* (A - c p p^T)^-1 g with A = diag(w + c p): A^-1 g + A^-1 p (c p^T A^-1 g) / (1 - c p^T A^-1 p) */
+            double pg = 0, pp = 0;
+            for (uint32_t a = 0; a < n_actions; a++)
+                if (w[a] > 0) {
+                    const double d = w[a] + c * p[a];
+                    pg += p[a] * g[a] / d;
+                    pp += p[a] * p[a] / d;
+                }
+            const double k = c * pg / (1.0 - c * pp);
+            for (uint32_t a = 0; a < n_actions; a++)
+                dl[a] = w[a] > 0 ? (g[a] + k * p[a]) / (w[a] + c * p[a]) : 0;
+            double t = 1.0, fn = f;
+            for (int ls = 0; ls < 60; ls++, t *= 0.5) { /* Armijo on the Newton decrement */
+                double dec = 0;
+                for (uint32_t a = 0; a < n_actions; a++) {
+                    qn[a] = w[a] > 0 ? qs[a] - t * dl[a] : qs[a];
+                    dec += g[a] * dl[a];
+                }
+                CQL_OBJ(qn, fn);
+                if (fn <= f - 1e-4 * t * dec) break;
+            }
+            if (!(fn < f)) break; /* no decrease left at double precision: converged */
+            memcpy(qs, qn, sizeof(double) * n_actions);
+            f = fn;
+        }
+#undef CQL_OBJ
+    }
+    free(w);
+    return iters;
+}
+
 int kvcc_cql_fit(const kvcc_cql_record *rec, size_t n_rec, uint32_t n_states, uint32_t n_actions,
                  const kvcc_cql_opts *o, float *Q, kvcc_cql_info *info, char *err, size_t errlen) {
     if (!o || !Q || n_states == 0 || n_actions == 0 || (n_rec && !rec) || o->batch == 0 ||
@@ -109,6 +196,10 @@ int kvcc_cql_fit(const kvcc_cql_record *rec, size_t n_rec, uint32_t n_states, ui
             for (size_t j = 0; j < n_rec; j++) rw[j] /= sd;
         }
     }
+    if (o->exact) {
+        inf.steps = cql_exact(rec, order, start, rw, active, n_active, n_actions, o->c, q);
+        goto finish;
+    }
     const uint64_t per_epoch = (n_rec + o->batch - 1) / o->batch;
     uint64_t steps = (uint64_t)o->epochs * per_epoch;
     if (steps < o->min_steps) steps = o->min_steps;
@@ -165,6 +256,7 @@ int kvcc_cql_fit(const kvcc_cql_record *rec, size_t n_rec, uint32_t n_states, ui
         }
     }
     inf.steps = steps;
+finish:
     for (size_t i = 0; i < SA; i++) Q[i] = (float)q[i];
     if (info) *info = inf;
 done:

@@ -34,6 +34,9 @@ typedef struct {
                            * within-state standard deviation: puts the squared term on the
                            * scale the weight c assumes; argmax is invariant to the per-state shift */
     uint64_t seed;
+    int exact;            /* (kvcc, 0) 1: the objective's minimizer per state by Newton's method
+                           * instead of AdamW minibatches (no sampling, no weight decay): the
+                           * tables stop depending on the seed's minibatch order */
 } kvcc_cql_opts;
 
 typedef struct {

@@ -56,6 +56,8 @@ typedef struct {
     const char *ckv_head_states;    /* --head-states group|head */
     uint32_t ckv_head_actions, ckv_gate_actions; /* --head-actions K, --gate-actions K */
     uint32_t ckv_ent_bins, ckv_ppl_bins; /* --ent-bins N, --ppl-bins N (0: 20, 4) */
+    uint32_t ckv_cql_steps;         /* --cql-steps N: least CQL steps per fit (0: 5000) */
+    const char *ckv_cql_solver;     /* --cql-solver adamw|exact */
     /* KV2 (--kv2-budgets, --kv2-rho, --kv2-proxies, --kv2-max-passes, --kv2-sinks, --kv2-chunk) */
     const double *kv2_budgets; int n_kv2_budgets;
     const double *kv2_rho; int n_kv2_rho;
@@ -84,6 +86,8 @@ typedef enum {
     1u /* flag: only meaningful with the pass in --policies (refused otherwise) */
 #define KVCC_OPT_INTEGER                                                                           \
     2u /* flag of a LIST: every value is a count (an integer; 32.7 is refused, not rounded) */
+#define KVCC_OPT_AUTO                                                                              \
+    4u /* flag of a U32: "auto" is a value too, stored as 0 (the pass picks) */
 #define KVCC_PASS_MAX_LIST 32
 typedef struct {
     const char *name;               /* --name (NULL ends a table) */

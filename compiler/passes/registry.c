@@ -68,11 +68,15 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
     switch (o->kind) {
     case KVCC_OPT_U32: {
         char *end;
+        if ((o->flags & KVCC_OPT_AUTO) && !strcmp(value, "auto")) {
+            *(uint32_t *)(base + o->offset) = 0;
+            return 0;
+        }
         errno = 0;
         unsigned long long v = strtoull(value, &end, 10);
         if (errno || end == value || *end || value[0] == '-' || v < o->lo || v > o->hi) {
-            snprintf(err, errlen, "--%s: got '%s', expected an integer in %u..%u", o->name, value,
-                     o->lo, o->hi);
+            snprintf(err, errlen, "--%s: got '%s', expected %san integer in %u..%u", o->name,
+                     value, o->flags & KVCC_OPT_AUTO ? "auto or " : "", o->lo, o->hi);
             return -1;
         }
         *(uint32_t *)(base + o->offset) = (uint32_t)v;

@@ -291,7 +291,7 @@ err=$("$KVCC" "${ck[@]}" --transfer-check "$tmp/missing.h5" 2>&1); ex=$?
 [[ $ex -eq 5 && "$err" == *"--transfer-check"*"$tmp/missing.h5"* ]] && ok || bad "--transfer-check of a missing file: exit $ex: $err"
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/ck.h5" --policies am -o "$tmp/ck.kvpol" --transfer-check "$tmp/ck.h5" 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"compilerkv"* ]] && ok || bad "--transfer-check without compilerkv: exit $ex: $err"
-for o in "--head-actions 1" "--head-actions 30" "--gate-actions 22" "--head-states kv" "--ent-bins 0" "--ent-bins 21" "--ppl-bins 5"; do
+for o in "--head-actions 1" "--head-actions 30" "--gate-actions 22" "--head-states kv" "--ent-bins 0" "--ent-bins 21" "--ppl-bins 5" "--cql-steps 0" "--cql-solver newton"; do
   # shellcheck disable=SC2086
   err=$("$KVCC" "${ck[@]}" $o 2>&1); ex=$?
   [[ $ex -eq 2 && "$err" == *"${o%% *}"* ]] && ok || bad "$o: exit $ex: $err"
@@ -318,6 +318,17 @@ err=$(TMPDIR="$tmp/no/such/dir" "$KVCC" "${ck[@]/ck.kvpol/ckt.kvpol}" 2>&1); ex=
   && cmp -s "$tmp/ckg.kvpol" "$tmp/ckg1.kvpol" && ok || bad "compilerkv --head-states group --ent-bins 2: differs across threads"
 out=$("$KVCC" inspect --items 100 "$tmp/ckg.kvpol" 2>&1)
 [[ "$out" == *"risk bins in use: 2 entropy x 1 perplexity"* && "$out" == *"head_states"* ]] && ok || bad "inspect of --ent-bins 2 --ppl-bins 1: $out"
+"$KVCC" "${ck[@]/ck.kvpol/ckq.kvpol}" --cql-steps 6000 2>/dev/null \
+  && "$KVCC" inspect --items 100 "$tmp/ckq.kvpol" | grep -Eq 'cql_min_steps .* 6000$' \
+  && ok || bad "compilerkv --cql-steps 6000: recorded as cql_min_steps"
+# the default risk grid is the one the calibration prompts can fill (1 prompt: 1 x 1, every gate
+# state supported); --cql-solver exact is recorded
+out=$("$KVCC" inspect "$tmp/cks.kvpol" 2>&1)
+[[ "$out" == *"risk bins in use: 1 entropy x 1 perplexity; entropy edges (entropy / log T): none; perplexity edges: none"* ]] \
+  && ok || bad "auto risk bins on one prompt: $out"
+"$KVCC" "${ck[@]/ck.kvpol/ckx.kvpol}" --cql-solver exact 2>"$tmp/ckx.err" \
+  && grep -q "30/30 gate" "$tmp/ckx.err" && "$KVCC" inspect --items 100 "$tmp/ckx.kvpol" | grep -Eq 'cql_exact .* 1$' \
+  && ok || bad "compilerkv --cql-solver exact: $(cat "$tmp/ckx.err")"
 
 KVCC="$KVCC" bash tests/cli/report.sh && ok || bad "tests/cli/report.sh (kvcc report)"
 KVCC="$KVCC" bash tests/cli/startup.sh && ok || bad "tests/cli/startup.sh (kvcc --version, lazy CUDA)"

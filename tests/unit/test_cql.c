@@ -156,3 +156,53 @@ Test(cql, spearman_known_values_and_ties) {
     cr_expect_eq(kvcc_spearman(x, n, 3, &rho), -1);
     cr_expect(isnan(rho));
 }
+
+/* --cql-solver exact: the objective's minimizer per state. With every action tried equally
+ * often, its stationarity condition Q_a + c (N / n) softmax(Q)_a = rbar_a + c is monotone in
+ * Q_a, so Q orders the actions exactly as their mean rewards do (the AdamW loop reaches this
+ * only up to its minibatch noise). The seed plays no part; the conservative term still keeps a
+ * single lucky record from winning. */
+Test(cql, exact_solver_orders_by_mean_reward_and_ignores_the_seed) {
+    const uint32_t S = 24, A = 12;
+    uint32_t truth[24], got[24];
+    size_t n;
+    kvcc_cql_record *r = bandit(S, A, 6, &n, truth);
+    kvcc_cql_opts o;
+    kvcc_cql_opts_default(&o);
+    o.exact = 1;
+    float *Q = malloc(sizeof(float) * S * A), *Q2 = malloc(sizeof(float) * S * A);
+    uint32_t *sup = calloc(S * A, sizeof *sup);
+    for (size_t i = 0; i < n; i++) sup[r[i].state * A + r[i].action]++;
+    kvcc_cql_info info;
+    char err[256];
+    cr_assert_eq(kvcc_cql_fit(r, n, S, A, &o, Q, &info, err, sizeof err), 0, "%s", err);
+    cr_expect_gt(info.steps, 0u, "Newton iterations are counted");
+    kvcc_cql_argmax(Q, sup, S, A, 0, got);
+    for (uint32_t s = 0; s < S; s++) {
+        cr_expect_eq(got[s], truth[s], "state %u: got %u, best %u", s, got[s], truth[s]);
+        double mean[12] = {0};
+        for (size_t i = 0; i < n; i++)
+            if (r[i].state == s) mean[r[i].action] += r[i].reward / 6.0;
+        for (uint32_t a = 0; a < A; a++)
+            for (uint32_t b = 0; b < A; b++)
+                if (mean[a] > mean[b] + 1e-9)
+                    cr_expect_gt(Q[s * A + a], Q[s * A + b], "state %u: mean reward %g > %g but Q %g <= %g",
+                                 s, mean[a], mean[b], (double)Q[s * A + a], (double)Q[s * A + b]);
+    }
+    o.seed = 99;
+    cr_assert_eq(kvcc_cql_fit(r, n, S, A, &o, Q2, NULL, err, sizeof err), 0, "%s", err);
+    cr_expect_eq(memcmp(Q, Q2, sizeof(float) * S * A), 0, "the exact fit depends on the seed");
+    /* state 0: the conservative action 30 times at -0.10, action 5 once at -0.09 */
+    kvcc_cql_record rec[64];
+    size_t m = 0;
+    uint64_t rng = 7;
+    for (int i = 0; i < 30; i++) rec[m++] = (kvcc_cql_record){0, 0, (float)(-0.10 + 0.01 * (unif(&rng) - 0.5))};
+    rec[m++] = (kvcc_cql_record){0, 5, -0.09f};
+    uint32_t sp[8] = {0}, best[1];
+    for (size_t i = 0; i < m; i++) sp[rec[i].action]++;
+    float q1[8];
+    cr_assert_eq(kvcc_cql_fit(rec, m, 1, 8, &o, q1, NULL, err, sizeof err), 0, "%s", err);
+    kvcc_cql_argmax(q1, sp, 1, 8, 0, best);
+    cr_expect_eq(best[0], 0u, "a single lucky record must not win (Q0 %g, Q5 %g)", (double)q1[0], (double)q1[5]);
+    free(r); free(Q); free(Q2); free(sup);
+}
