@@ -84,6 +84,26 @@ static share_method *share_of(eval_run *E, int mi) {
     return sm;
 }
 
+/* The method's call for every budget (bud, Bs [n]) of layer x into slot sl: filled, with the
+ * call's seconds; emptied on failure (status returned). */
+static int slot_compress(const kvcc_eval_method *m, void *state, void *pstate,
+                         const kvcc_eval_env *env, const kvcc_eval_layer *x, int n,
+                         const double *bud, const int64_t *Bs, share_slot *sl) {
+    slot_clear(sl);
+    const double t0 = kvcc_now_s();
+    const int rc = m->compress_layer_multi(m, state, pstate, env, x, n, bud, Bs, sl->c);
+    sl->n = n;
+    if (rc) {
+        slot_clear(sl);
+        return rc;
+    }
+    sl->ctx_id = x->ctx_id;
+    sl->C = x->C;
+    sl->sec = kvcc_now_s() - t0;
+    memcpy(sl->budgets, bud, sizeof(double) * (size_t)n);
+    return 0;
+}
+
 int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer *x, int64_t B,
                         kvrt_cache **out) {
     const kvcc_eval_method *m = eval_row_method(E, ri);
@@ -109,18 +129,9 @@ int eval_compress_layer(eval_run *E, int ri, void *pstate, const kvcc_eval_layer
     int64_t Bs[SHARE_MAX];
     const int n = share_budgets(E, ri, x->C, B, bud, Bs);
     if (n == 1) return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
-    const double t0 = kvcc_now_s();
-    int rc = m->compress_layer_multi(m, state, pstate, &E->env, x, n, bud, Bs, sl->c);
-    const double sec = kvcc_now_s() - t0;
-    if (rc) { /* the row's own call reports its own error */
-        for (int j = 0; j < n; j++) { kvrt_cache_free(sl->c[j]); sl->c[j] = NULL; }
+    if (slot_compress(m, state, pstate, &E->env, x, n, bud, Bs, sl)) /* the row's own call reports its own error */
         return m->compress_layer(m, state, pstate, &E->env, x, budget, B, out);
-    }
-    sl->ctx_id = x->ctx_id;
-    sl->C = x->C;
-    sl->n = n;
-    sl->sec = sec;
-    memcpy(sl->budgets, bud, sizeof(double) * (size_t)n);
+    const double sec = sl->sec;
     *out = sl->c[0];
     sl->c[0] = NULL;
     if (x->shared_s) *x->shared_s += sec / n - sec; /* this row's share, not the whole call */
@@ -162,18 +173,7 @@ void eval_share_prefetch(eval_run *E, int ri, const kvcc_eval_layer *xl, int64_t
         for (uint32_t l = 0; l < L; l++) {
             share_slot *sl = &sm->slot[l];
             if (!env.rt || (sl->ctx_id == xl[l].ctx_id && sl->C == xl[l].C)) continue;
-            slot_clear(sl);
-            const double s0 = kvcc_now_s();
-            if (m->compress_layer_multi(m, state, NULL, &env, &xl[l], n, bud, Bs, sl->c)) {
-                for (int j = 0; j < n; j++) { kvrt_cache_free(sl->c[j]); sl->c[j] = NULL; }
-                continue;
-            }
-            sl->ctx_id = xl[l].ctx_id;
-            sl->C = xl[l].C;
-            sl->n = n;
-            sl->sec = kvcc_now_s() - s0;
-            busy += sl->sec;
-            memcpy(sl->budgets, bud, sizeof(double) * (size_t)n);
+            if (!slot_compress(m, state, NULL, &env, &xl[l], n, bud, Bs, sl)) busy += sl->sec;
         }
         kvrt_ctx_free(env.rt);
     }

@@ -270,7 +270,7 @@ static int setup_features(ckv *S, char *err, size_t errlen) {
 /* The risk grid: --ent-bins / --ppl-bins when given (0: not given), else the most bins P
  * calibration prompts can fill: perplexity bins min(4, max(1, P / 20)), entropy bins
  * min(20, max(1, P / perplexity bins)) (P >= 80: the paper's 20 x 4). */
-void ckv_auto_bins(uint32_t P, uint32_t ent_opt, uint32_t ppl_opt, uint32_t *ent, uint32_t *ppl) {
+static void ckv_auto_bins(uint32_t P, uint32_t ent_opt, uint32_t ppl_opt, uint32_t *ent, uint32_t *ppl) {
     uint32_t p = ppl_opt ? ppl_opt : P / 20 < 1 ? 1 : P / 20 > CKV_PPL_BINS ? CKV_PPL_BINS : P / 20;
     if (p > CKV_PPL_BINS) p = CKV_PPL_BINS;
     uint32_t e = ent_opt ? ent_opt : P / p < 1 ? 1 : P / p > CKV_ENT_BINS ? CKV_ENT_BINS : P / p;
@@ -610,6 +610,13 @@ static int collect(ckv *S, int phase, uint32_t round, char *err, size_t errlen) 
     return rc;
 }
 
+/* The CQL settings of this compile (--cql-steps, --cql-solver on the defaults). */
+static void ckv_cql_opts(const kvcc_compile_ctx *cx, kvcc_cql_opts *o) {
+    kvcc_cql_opts_default(o);
+    if (cx->ckv_cql_steps) o->min_steps = cx->ckv_cql_steps;
+    o->exact = cx->ckv_cql_solver && !strcmp(cx->ckv_cql_solver, "exact");
+}
+
 /* CQL on the records just collected; updates the phase's actions and tables. */
 static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_cql_info *info, char *err, size_t errlen) {
     const int gate = phase == 1;
@@ -622,9 +629,7 @@ static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "compilerkv: out of memory");
     }
     kvcc_cql_opts o;
-    kvcc_cql_opts_default(&o);
-    if (S->cx->ckv_cql_steps) o.min_steps = S->cx->ckv_cql_steps;
-    o.exact = S->cx->ckv_cql_solver && !strcmp(S->cx->ckv_cql_solver, "exact");
+    ckv_cql_opts(S->cx, &o);
     o.seed = kvcc_rng_mix(S->cx->seed, 0x51ull, round, (uint64_t)phase);
     char m[256];
     if (kvcc_cql_fit(S->rec, S->n_rec, nS, nA, &o, Q, info, m, sizeof m) != 0) {
@@ -711,9 +716,7 @@ static int fit_phase(ckv *S, int phase, uint32_t round, uint32_t *changes, kvcc_
 int ckv_compile_rounds(ckv *S, const char *label, ckv_result *res, char *err, size_t errlen) {
     const kvcc_compile_ctx *cx = S->cx;
     memset(res, 0, sizeof *res);
-    kvcc_cql_opts_default(&res->co);
-    if (cx->ckv_cql_steps) res->co.min_steps = cx->ckv_cql_steps; /* recorded: cql_min_steps */
-    res->co.exact = cx->ckv_cql_solver && !strcmp(cx->ckv_cql_solver, "exact");
+    ckv_cql_opts(cx, &res->co); /* what the artifact records */
     /* progress unit: one rollout */
     const uint64_t per_round = (uint64_t)S->P * S->L * S->nB * ((S->group ? S->Hkv : S->H) * S->head_k + S->gate_k);
     S->progress_total =

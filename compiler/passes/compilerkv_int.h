@@ -171,7 +171,4 @@ int ckv_model_nll(ckv *S, uint32_t p, uint32_t l, const kvrt_selection *sel, dou
 int ckv_reward(ckv *S, int which, uint32_t p, uint32_t l, const kvcc_ckv_layer *lc,
                const kvcc_ckv_base *base, const kvrt_selection *sel, double *scratch, double *r,
                char *err, size_t errlen);
-/* The risk grid of P calibration prompts (--ent-bins / --ppl-bins, 0 = auto): compilerkv.c. */
-void ckv_auto_bins(uint32_t P, uint32_t ent_opt, uint32_t ppl_opt, uint32_t *ent, uint32_t *ppl);
-
 #endif

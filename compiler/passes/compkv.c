@@ -759,29 +759,26 @@ enum {
 };
 #define COMPKV_EVAL_DEFAULT_R 4
 
-/* compkv-olin1: the rank-1 factors of a decode state's full blocks, computed once (a full block
- * never changes; recomputing every block at every step had made a 6-prompt run take > 75 min). */
+/* What a decode state carries beside itself, per layer (compkv_eval_create resets the slot of a
+ * new state, which may sit at the address of a freed one):
+ * - compkv-olin1: the rank-1 factors of its full blocks, computed once (a full block never
+ *   changes; recomputing every block at every step had made a 6-prompt run take > 75 min);
+ * - quest: its page summary, appended as the state grows (as a server keeps it; summarizing the
+ *   whole sequence at every step had made Quest's rows 2.5x compkv's). */
 typedef struct {
-    const kvrt_compkv *st; /* the state they belong to (compkv_eval_create resets the slot) */
-    int64_t nfull, cap;    /* blocks done, blocks room */
-    double *wy;            /* [cap][Hkv][2 d]: w_b then y_b = C_b w_b (kvcc_compkv_oracle_rank1) */
-} compkv_r1_slot;
-#define COMPKV_R1_SLOTS 256 /* layers */
-
-/* quest: each decode state's page summary, appended as the state grows (as a server keeps it;
- * summarizing the whole sequence at every step had made Quest's rows 2.5x compkv's). */
-typedef struct {
-    const kvrt_compkv *st; /* the state it belongs to (compkv_eval_create resets the slot) */
-    kvrt_quest *qs;        /* NULL until the state's first step */
-} compkv_quest_slot;
+    const kvrt_compkv *st; /* the state they belong to */
+    int64_t nfull, cap;    /* olin1: blocks done, blocks room */
+    double *wy;            /* olin1: [cap][Hkv][2 d]: w_b then y_b = C_b w_b (kvcc_compkv_oracle_rank1) */
+    kvrt_quest *qs;        /* quest: NULL until the state's first step */
+} compkv_slot;
+#define COMPKV_SLOTS 256 /* layers */
 
 typedef struct {
     const kvrt_compkv_grouping *g; /* the compiled grouping (shared handle), or NULL */
     kvrt_compkv_opts o;            /* the row's options */
     int use_grp;                   /* 1: the compiled grouping of each layer */
     uint32_t Hkv, d;
-    compkv_r1_slot *r1;            /* [COMPKV_R1_SLOTS] for compkv-olin1, else NULL */
-    compkv_quest_slot *qs;         /* [COMPKV_R1_SLOTS] for quest, else NULL */
+    compkv_slot *slot;             /* [COMPKV_SLOTS] for compkv-olin1 and quest, else NULL */
 } compkv_eval;
 
 /* The compiled grouping when --policy has one (NULL otherwise: index order rows still run). */
@@ -846,8 +843,8 @@ static int compkv_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *e
     case COMPKV_EVAL_OLIN1: e->use_grp = g != NULL; break;
     default: break; /* compkv-index: index order, r of the artifact (else 4) */
     }
-    if ((m->variant == COMPKV_EVAL_OLIN1 && !(e->r1 = calloc(COMPKV_R1_SLOTS, sizeof *e->r1))) ||
-        (m->variant == COMPKV_EVAL_QUEST && !(e->qs = calloc(COMPKV_R1_SLOTS, sizeof *e->qs)))) {
+    if ((m->variant == COMPKV_EVAL_OLIN1 || m->variant == COMPKV_EVAL_QUEST) &&
+        !(e->slot = calloc(COMPKV_SLOTS, sizeof *e->slot))) {
         snprintf(err, errlen, "eval: out of memory");
         return KVCC_EXIT_FAILED;
     }
@@ -884,29 +881,19 @@ static int compkv_eval_create(const kvcc_eval_method *m, void *state, const kvcc
     const int rc = e->use_grp && e->g
                        ? kvrt_compkv_create_layer(env->rt, e->g, layer, cap, &e->o, 0, out)
                        : kvrt_compkv_create(env->rt, &e->o, env->Hkv, env->d, cap, NULL, NULL, out);
-    if (rc == KVRT_OK && e->r1) {
-        if (layer >= COMPKV_R1_SLOTS) {
+    if (rc == KVRT_OK && e->slot) {
+        if (layer >= COMPKV_SLOTS) {
             kvrt_compkv_free(*out);
             *out = NULL;
-            return KVRT_ERR_UNSUPPORTED; /* more layers than the olin1 cache has slots */
+            return KVRT_ERR_UNSUPPORTED; /* more layers than the slots */
         }
-        /* a new state, maybe at the address of a freed one (of any layer): nothing cached for it */
-        for (uint32_t l = 0; l < COMPKV_R1_SLOTS; l++)
-            if (e->r1[l].st == *out) e->r1[l].st = NULL;
-        e->r1[layer].st = *out;
-        e->r1[layer].nfull = 0;
-    }
-    if (rc == KVRT_OK && e->qs) {
-        if (layer >= COMPKV_R1_SLOTS) {
-            kvrt_compkv_free(*out);
-            *out = NULL;
-            return KVRT_ERR_UNSUPPORTED; /* more layers than the quest cache has slots */
-        }
-        for (uint32_t l = 0; l < COMPKV_R1_SLOTS; l++)
-            if (e->qs[l].st == *out) e->qs[l].st = NULL;
-        kvrt_quest_free(e->qs[layer].qs);
-        e->qs[layer].qs = NULL;
-        e->qs[layer].st = *out;
+        for (uint32_t l = 0; l < COMPKV_SLOTS; l++)
+            if (e->slot[l].st == *out) e->slot[l].st = NULL;
+        compkv_slot *sl = &e->slot[layer];
+        sl->st = *out;
+        sl->nfull = 0;
+        kvrt_quest_free(sl->qs);
+        sl->qs = NULL;
     }
     return rc;
 }
@@ -1057,6 +1044,13 @@ int kvcc_compkv_oracle_attend_ex(int kind, const float *q, uint32_t H, uint32_t 
     return 0;
 }
 
+/* The slot of decode state st, or NULL. */
+static compkv_slot *slot_of(const compkv_eval *e, const kvrt_compkv *st) {
+    for (uint32_t l = 0; e->slot && l < COMPKV_SLOTS; l++)
+        if (e->slot[l].st == st) return &e->slot[l];
+    return NULL;
+}
+
 static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_compkv *st,
                             const float *q, uint32_t H, int64_t K, const float *k, const float *v,
                             int64_t len, float *out, int32_t *blocks, int64_t *n_sel) {
@@ -1079,9 +1073,7 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
                              : m->variant == COMPKV_EVAL_OLIN   ? KVCC_COMPKV_ORACLE_LINEAR
                              : m->variant == COMPKV_EVAL_OLIN1  ? KVCC_COMPKV_ORACLE_LINEAR1
                                                                 : KVCC_COMPKV_ORACLE_VAR;
-            compkv_r1_slot *r1 = NULL;
-            for (uint32_t l = 0; e->r1 && l < COMPKV_R1_SLOTS && !r1; l++)
-                if (e->r1[l].st == st) r1 = &e->r1[l];
+            compkv_slot *r1 = slot_of(e, st);
             if (r1 && !s) { /* the factors of the blocks that became full since the last step */
                 const int64_t full = len / e->o.block, dd = 2 * (int64_t)d;
                 if (full > r1->cap) {
@@ -1108,9 +1100,7 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
         return s;
     }
     if (m->variant != COMPKV_EVAL_QUEST) return kvrt_compkv_step(st, q, H, K, out, blocks);
-    compkv_quest_slot *slot = NULL;
-    for (uint32_t l = 0; e->qs && l < COMPKV_R1_SLOTS && !slot; l++)
-        if (e->qs[l].st == st) slot = &e->qs[l];
+    compkv_slot *slot = slot_of(e, st);
     kvrt_quest *own = NULL, *qs = slot ? slot->qs : NULL;
     int s = 0;
     if (qs && qs->T <= len) /* the tokens added since the last step */
@@ -1132,9 +1122,11 @@ static int compkv_eval_step(const kvcc_eval_method *m, void *state, const kvrt_c
 
 static void compkv_eval_release(void *state) {
     compkv_eval *e = state;
-    for (uint32_t l = 0; e && e->r1 && l < COMPKV_R1_SLOTS; l++) free(e->r1[l].wy);
-    for (uint32_t l = 0; e && e->qs && l < COMPKV_R1_SLOTS; l++) kvrt_quest_free(e->qs[l].qs);
-    if (e) free(e->r1), free(e->qs);
+    for (uint32_t l = 0; e && e->slot && l < COMPKV_SLOTS; l++) {
+        free(e->slot[l].wy);
+        kvrt_quest_free(e->slot[l].qs);
+    }
+    if (e) free(e->slot);
     free(state);
 }
 

@@ -102,13 +102,11 @@ static uint64_t cql_exact(const kvcc_cql_record *rec, const size_t *order, const
             const double k = c * pg / (1.0 - c * pp);
             for (uint32_t a = 0; a < n_actions; a++)
                 dl[a] = w[a] > 0 ? (g[a] + k * p[a]) / (w[a] + c * p[a]) : 0;
+            double dec = 0; /* the Newton decrement g . dl */
+            for (uint32_t a = 0; a < n_actions; a++) dec += g[a] * dl[a];
             double t = 1.0, fn = f;
-            for (int ls = 0; ls < 60; ls++, t *= 0.5) { /* Armijo on the Newton decrement */
-                double dec = 0;
-                for (uint32_t a = 0; a < n_actions; a++) {
-                    qn[a] = w[a] > 0 ? qs[a] - t * dl[a] : qs[a];
-                    dec += g[a] * dl[a];
-                }
+            for (int ls = 0; ls < 60; ls++, t *= 0.5) { /* Armijo backtracking */
+                for (uint32_t a = 0; a < n_actions; a++) qn[a] = w[a] > 0 ? qs[a] - t * dl[a] : qs[a];
                 CQL_OBJ(qn, fn);
                 if (fn <= f - 1e-4 * t * dec) break;
             }
