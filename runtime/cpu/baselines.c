@@ -164,17 +164,23 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 // the BLAS once per row block instead of once per 16 queries of every head). A row block
 // [ta, tb) sees keys 0..tb-1, processed in chunks of WM_CHUNK keys:
 //   1. one sgemm per chunk: logits [G*bq, chunk] = (q rows) . (keys)^T / sqrt(d), written into
-//      the block's logit buffer (at most WM_BUF_FLOATS per thread);
-//   2. while the chunk is in cache: per row, the max m_c of its visible keys (row t sees keys
-//      <= t);
-//   3. per row, once every chunk is done: m = max_c m_c, p = exp(z - m) (exp_nonpos_f32,
-//      vectorized) into a row buffer with its sum S (float per WM_CHUNK keys, double across);
-//   4. the row's p / S added into the column sums, in row order, in float over groups of
-//      WM_GROUP rows, each group added in double into the task's accumulator.
-// Steps 3-4 read each logit row once, after the block's products: the exp runs while that read
-// streams (an earlier version exponentiated each chunk in place in step 2 and read the buffer
-// again for the sums: 1.82-2.03x the window GEMM at 32k on a 2-core Zen 4 VM against 1.55-1.70x
-// now, docs/benchmarks.md "Window mass").
+//      the block's logit buffer (about WM_BUF_FLOATS per thread), chunk after chunk, each chunk
+//      contiguous with rows of WM_CHUNK floats (rows of the full width T = 32k are 128 KiB apart,
+//      so a chunk's rows all fell into the same few cache sets: only 16 of 256 stayed in L2);
+//   2. while the chunk is in cache, per row: the max m_c of its visible keys (row t sees keys
+//      <= t), e = exp(z - m_c) in place (exp_nonpos_f32, vectorized; 0 for masked keys) and the
+//      chunk's sum s_c;
+//   3. per row, once every chunk is done: m = max_c m_c, S = sum_c s_c exp(m_c - m) (double),
+//      and per (row, chunk) the weight w = exp(m_c - m) / S, so that p = e w;
+//   4. per chunk, the column sums of p: rows in order, four at a time into a float run of
+//      WM_GROUP rows, each run added in double into the task's accumulator.
+// Step 4 is the only pass over the logit buffer once it has left L2 (it sits in L3 at T = 32k):
+// one read per logit, a multiply-add into an L1-resident column run. Two earlier versions read
+// the buffer back once per row, exponentiating there or in place: 1.55-1.70x and 1.82-2.03x the
+// window GEMM at 32k on a 2-core Zen 4 VM (docs/benchmarks.md "Window mass").
+// Products p that would be subnormal count as 0 (flush-to-zero around step 4): subnormal
+// arithmetic runs ~100x slower on x86 and real attention, a sink far above the rest, makes many;
+// the error is below FLT_MIN per entry.
 // Tasks are (KV head, lane): lane l of a KV head processes row blocks l, l + L, l + 2L, ... in
 // order (L = min(row blocks, WM_LANES)); the lanes are added in lane order and divided by G.
 // Block sizes depend on T, G, d and the window only, never on the thread count, so the result is
@@ -188,6 +194,14 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 #endif
 
 #include "cpu/vexp.h" /* exp_nonpos_f32 */
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h> /* _mm_getcsr / _mm_setcsr: flush-to-zero around step 4 */
+#define WM_FTZ_ON() const unsigned wm_csr = _mm_getcsr(); _mm_setcsr(wm_csr | 0x8040u)
+#define WM_FTZ_OFF() _mm_setcsr(wm_csr)
+#else
+#define WM_FTZ_ON() (void)0
+#define WM_FTZ_OFF() (void)0
+#endif
 
 #define WM_BUF_FLOATS ((int64_t)1 << 23) /* logits per thread: 32 MiB (256 rows at T = 32768) */
 #define WM_CHUNK 1024                    /* keys per sgemm: [256 rows, 1024] = 1 MiB, in L2 */
@@ -205,10 +219,10 @@ typedef struct {
 
 typedef struct {
     float *qp;   /* [G*bq, d] packed query rows */
-    float *e;    /* [G*bq, tb] logits, then exp */
-    float *cm;   /* [G*bq, nch] chunk maxima */
-    float *pb;   /* [T] one row's probabilities */
-    float *colf; /* [T] float column sums of one row group */
+    float *e;    /* [nch][G*bq][WM_CHUNK] logits by chunk, then exp(z - m_c) */
+    float *cm;   /* [G*bq, nch] chunk maxima, then the weights w */
+    float *cs;   /* [G*bq, nch] chunk sums */
+    float *colf; /* [WM_CHUNK] float column sums of one row run */
 } wm_scratch;
 
 /* The per-element loops (steps 2 and 4) are compiled for AVX2 and AVX-512 too (KVRT_SIMD_CLONES,
@@ -216,59 +230,81 @@ typedef struct {
  * only the lane split of a row's sums differs between clones (the CPU decides, never the thread
  * count). */
 /* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta:
- * cm (stride nch) gets each row's max over its visible keys of the chunk (-INF when none). */
-KVRT_SIMD_CLONES static void wm_max_chunk(const float *e, int64_t ldc, int64_t R, uint32_t G,
-                                          int64_t ta, int64_t c0, int64_t nc, float *cm,
+ * per row, cm (stride nch) gets the max over its visible keys (-INF when none), the row's chunk
+ * becomes exp(z - max) (0 past its visible keys, all 0 when none is visible or every visible
+ * logit is -INF) and cs gets its float sum. */
+KVRT_SIMD_CLONES static void wm_exp_chunk(float *e, int64_t ldc, int64_t R, uint32_t G, int64_t ta,
+                                          int64_t c0, int64_t nc, float *cm, float *cs,
                                           int64_t nch) {
     for (int64_t r = 0; r < R; r++) {
-        const float *row = e + (size_t)r * ldc;
+        float *row = e + (size_t)r * ldc;
         int64_t len = ta + r / G + 1 - c0; /* causal: query t sees keys 0..t */
         len = len < 0 ? 0 : len > nc ? nc : len;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
         for (int64_t j = 0; j < len; j++) m = row[j] > m ? row[j] : m;
-        cm[(size_t)r * nch] = m;
-    }
-}
-
-/* Step 3-4 for one row of len visible logits z with max m: p = exp(z - m) into pb, its sum S
- * (float within runs of WM_CHUNK, double across), then colf[j] += p_j / S (entries whose
- * quotient would be subnormal, < FLT_MIN, count as 0: subnormal arithmetic runs ~100x slower on
- * x86 and real attention, a sink far above the rest, makes many; the error is below FLT_MIN per
- * entry). A row with nothing visible (or every logit -INF) adds nothing. */
-KVRT_SIMD_CLONES static void wm_row_mass(const float *z, int64_t len, float m, float *pb,
-                                         float *colf) {
-    if (len <= 0 || m == -INFINITY) return;
-    double S = 0.0;
-    for (int64_t j0 = 0; j0 < len; j0 += WM_CHUNK) {
-        const int64_t j1 = j0 + WM_CHUNK < len ? j0 + WM_CHUNK : len;
         float sum = 0.0f;
+        if (m == -INFINITY) {
+            len = 0;
+        } else {
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = j0; j < j1; j++) {
-            const float x = exp_nonpos_f32(z[j] - m);
-            pb[j] = x;
-            sum += x;
+            for (int64_t j = 0; j < len; j++) {
+                const float x = exp_nonpos_f32(row[j] - m);
+                row[j] = x;
+                sum += x;
+            }
         }
-        S += (double)sum;
-    }
-    const float inv = (float)(1.0 / S); /* S >= 1: the max's own term is exp(0) */
-    const float thr = FLT_MIN / inv;
-#pragma omp simd
-    for (int64_t j = 0; j < len; j++) {
-        const float x = pb[j] >= thr ? pb[j] : 0.0f;
-        colf[j] += x * inv;
+        if (len < nc) memset(row + len, 0, sizeof(float) * (size_t)(nc - len));
+        cm[(size_t)r * nch] = m;
+        cs[(size_t)r * nch] = sum;
     }
 }
 
-/* Step 1-2 for one chunk [c0, c0 + nc) of row block [ta, tb) of KV head hk. */
+/* Step 4 for rows [0, n) of one chunk (nc columns, row stride ldc) with weights w (stride nch):
+ * colf[j] = sum_r w_r e_r[j], rows in order, four per pass (((w0 e0 + w1 e1) + w2 e2) + w3 e3,
+ * then added to colf); rows of weight 0 are skipped (nothing visible in the chunk). */
+KVRT_SIMD_CLONES static void wm_colsum(const float *e, int64_t ldc, int64_t n, const float *w,
+                                       int64_t nch, int64_t nc, float *colf) {
+    memset(colf, 0, sizeof(float) * (size_t)nc);
+    const float *rows[4];
+    float ws[4];
+    int64_t r = 0;
+    while (r < n) {
+        int nr = 0;
+        for (; r < n && nr < 4; r++)
+            if (w[(size_t)r * nch] != 0.0f) {
+                rows[nr] = e + (size_t)r * ldc;
+                ws[nr++] = w[(size_t)r * nch];
+            }
+        if (nr == 4) {
+            const float *a = rows[0], *b = rows[1], *c = rows[2], *dd = rows[3];
+            const float wa = ws[0], wb = ws[1], wc = ws[2], wd = ws[3];
+#pragma omp simd
+            for (int64_t j = 0; j < nc; j++)
+                colf[j] += ((wa * a[j] + wb * b[j]) + wc * c[j]) + wd * dd[j];
+        } else {
+            for (int i = 0; i < nr; i++) {
+                const float *a = rows[i];
+                const float wa = ws[i];
+#pragma omp simd
+                for (int64_t j = 0; j < nc; j++) colf[j] += wa * a[j];
+            }
+        }
+    }
+}
+
+/* Steps 1-2 for one chunk [c0, c0 + nc) of row block [ta, tb) of KV head hk. */
 static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64_t ncol,
                      int64_t c, wm_scratch *s) {
     const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
     const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
     kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d,
                       P->k + ((size_t)c0 * P->Hkv + hk) * P->d, (int)((size_t)P->Hkv * P->d),
-                      0.0f, s->e + c0, (int)ncol);
-    wm_max_chunk(s->e + c0, ncol, R, P->G, ta, c0, nc, s->cm + c, nch);
+                      0.0f, s->e + (size_t)c * R * WM_CHUNK, WM_CHUNK);
+
+    wm_exp_chunk(s->e + (size_t)c * R * WM_CHUNK, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c,
+                 s->cs + c, nch);
+
 }
 
 /* Row block b of KV head hk: steps 1-4, the block's column mass added into acc [T] (double). */
@@ -281,26 +317,35 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
     for (int64_t t = ta; t < tb; t++) /* the G heads of a token are contiguous in q */
         memcpy(s->qp + (size_t)(t - ta) * G * d, P->q + ((size_t)t * P->H + (size_t)hk * G) * d,
                sizeof(float) * G * d);
+    WM_FTZ_ON();
     for (int64_t c = 0; c < nch; c++) wm_chunk(P, hk, ta, R, ncol, c, s);
-    /* steps 3-4, row by row: the row's max, its probabilities and their column sums, in row
-     * order, float within a group of WM_GROUP rows, double across groups */
-    for (int64_t r0 = 0; r0 < R; r0 += WM_GROUP) {
-        const int64_t r1 = r0 + WM_GROUP < R ? r0 + WM_GROUP : R;
-        int64_t width = 0; /* the group's widest visible row */
-        for (int64_t r = r0; r < r1; r++) {
-            const int64_t len = ta + r / G + 1 < ncol ? ta + r / G + 1 : ncol;
-            width = len > width ? len : width;
+    /* step 3: per row, the global max and sum, then the chunk weights (in place of cm) */
+    for (int64_t r = 0; r < R; r++) {
+        float *cm = s->cm + (size_t)r * nch;
+        const float *cs = s->cs + (size_t)r * nch;
+        float m = -INFINITY;
+        for (int64_t c = 0; c < nch; c++) m = cm[c] > m ? cm[c] : m;
+        if (m == -INFINITY) { /* nothing visible: the row adds nothing */
+            for (int64_t c = 0; c < nch; c++) cm[c] = 0.0f;
+            continue;
         }
-        memset(s->colf, 0, sizeof(float) * (size_t)width);
-        for (int64_t r = r0; r < r1; r++) {
-            const float *cm = s->cm + (size_t)r * nch;
-            float m = -INFINITY;
-            for (int64_t c = 0; c < nch; c++) m = cm[c] > m ? cm[c] : m;
-            const int64_t len = ta + r / G + 1 < ncol ? ta + r / G + 1 : ncol;
-            wm_row_mass(s->e + (size_t)r * ncol, len, m, s->pb, s->colf);
-        }
-        for (int64_t j = 0; j < width; j++) acc[j] += (double)s->colf[j];
+        double S = 0.0; /* >= 1: the max's own term is exp(0) */
+        for (int64_t c = 0; c < nch; c++)
+            if (cm[c] != -INFINITY) S += (double)cs[c] * exp((double)cm[c] - (double)m);
+        for (int64_t c = 0; c < nch; c++)
+            cm[c] = cm[c] == -INFINITY ? 0.0f : (float)(exp((double)cm[c] - (double)m) / S);
     }
+    /* step 4: per chunk, the column sums in row order, float within WM_GROUP rows, double across */
+    for (int64_t c = 0; c < nch; c++) {
+        const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
+        for (int64_t r0 = 0; r0 < R; r0 += WM_GROUP) {
+            const int64_t n = R - r0 < WM_GROUP ? R - r0 : WM_GROUP;
+            wm_colsum(s->e + ((size_t)c * R + r0) * WM_CHUNK, WM_CHUNK, n,
+                      s->cm + (size_t)r0 * nch + c, nch, nc, s->colf);
+            for (int64_t j = 0; j < nc; j++) acc[c0 + j] += (double)s->colf[j];
+        }
+    }
+    WM_FTZ_OFF();
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -332,7 +377,8 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
     if (nt > n_tasks) nt = (int)n_tasks;
     if (nt < 1 || nested) nt = 1; /* nested regions run on one thread */
     const size_t R = (size_t)bq * P.G;
-    const size_t per = R * d + R * (size_t)T + R * (size_t)P.nch_max + 2 * (size_t)T;
+    const size_t per = R * d + R * (size_t)P.nch_max * WM_CHUNK + 2 * R * (size_t)P.nch_max +
+                       WM_CHUNK;
     const size_t buf_bytes = sizeof(float) * per * (size_t)nt;
     const size_t acc_bytes = sizeof(double) * (size_t)n_tasks * (size_t)T;
     float *buf = kvrt_cpu_scratch_alloc(buf_bytes);
@@ -353,9 +399,10 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         tid = omp_get_thread_num();
 #endif
         float *base = buf + per * (size_t)tid;
-        wm_scratch s = {.qp = base, .e = base + R * d, .cm = base + R * d + R * (size_t)T};
-        s.pb = s.cm + R * (size_t)P.nch_max;
-        s.colf = s.pb + T;
+        wm_scratch s = {.qp = base, .e = base + R * d};
+        s.cm = s.e + R * (size_t)P.nch_max * WM_CHUNK;
+        s.cs = s.cm + R * (size_t)P.nch_max;
+        s.colf = s.cs + R * (size_t)P.nch_max;
         const uint32_t hk = (uint32_t)(task / P.lanes);
         const int lane = (int)(task % P.lanes);
         memset(acc + (size_t)task * T, 0, sizeof(double) * (size_t)T); /* reused scratch */
