@@ -178,9 +178,10 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 // one read per logit, a multiply-add into an L1-resident column run. Two earlier versions read
 // the buffer back once per row, exponentiating there or in place: 1.55-1.70x and 1.82-2.03x the
 // window GEMM at 32k on a 2-core Zen 4 VM (docs/benchmarks.md "Window mass").
-// Products p that would be subnormal count as 0 (flush-to-zero around step 4): subnormal
-// arithmetic runs ~100x slower on x86 and real attention, a sink far above the rest, makes many;
-// the error is below FLT_MIN per entry.
+// Flush-to-zero and denormals-are-zero are set on the calling thread around a block's steps 1-4
+// (restored after): products p that would be subnormal count as 0, and so do subnormal logits
+// and sgemm inputs (|x| < FLT_MIN). Subnormal arithmetic runs ~100x slower on x86 and real
+// attention, a sink far above the rest, makes many; the error is below FLT_MIN per entry.
 // Tasks are (KV head, lane): lane l of a KV head processes row blocks l, l + L, l + 2L, ... in
 // order (L = min(row blocks, WM_LANES)); the lanes are added in lane order and divided by G.
 // Block sizes depend on T, G, d and the window only, never on the thread count, so the result is
@@ -195,7 +196,7 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 
 #include "cpu/vexp.h" /* exp_nonpos_f32 */
 #if defined(__SSE__) || defined(__x86_64__)
-#include <xmmintrin.h> /* _mm_getcsr / _mm_setcsr: flush-to-zero around step 4 */
+#include <xmmintrin.h> /* _mm_getcsr / _mm_setcsr: FTZ and DAZ around a block */
 #define WM_FTZ_ON() const unsigned wm_csr = _mm_getcsr(); _mm_setcsr(wm_csr | 0x8040u)
 #define WM_FTZ_OFF() _mm_setcsr(wm_csr)
 #else
