@@ -242,11 +242,14 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
                      "%s: cannot create a temporary file beside it: %s", path, strerror(e));
     }
     fchmod(fd, 0644);
-    close(fd);
+    /* fd stays open until HDF5 holds the file: kvcc's signal handler (compiler/util.c) removes
+     * the temp files this process has open, so closing first left a window in which a SIGTERM
+     * left the temp file behind */
     hid_t fcpl = H5Pcreate(H5P_FILE_CREATE);
     H5Pset_obj_track_times(fcpl, 0);
     c->file = H5Fcreate(c->tmp, H5F_ACC_TRUNC, fcpl, H5P_DEFAULT);
     H5Pclose(fcpl);
+    close(fd);
     if (c->file < 0) {
         unlink(c->tmp);
         free(c);
