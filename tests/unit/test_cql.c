@@ -35,6 +35,11 @@ static kvcc_cql_record *bandit(uint32_t S, uint32_t A, uint32_t per, size_t *n, 
     return r;
 }
 
+/* sup[state * A + action] += 1 for every record (the support kvcc_cql_argmax reads). */
+static void add_support(const kvcc_cql_record *r, size_t n, uint32_t A, uint32_t *sup) {
+    for (size_t i = 0; i < n; i++) sup[r[i].state * A + r[i].action]++;
+}
+
 Test(cql, recovers_best_actions_of_a_bandit) {
     const uint32_t S = 24, A = 12;
     uint32_t truth[24], got[24];
@@ -44,7 +49,7 @@ Test(cql, recovers_best_actions_of_a_bandit) {
     kvcc_cql_opts_default(&o);
     float *Q = malloc(sizeof(float) * S * A);
     uint32_t *sup = calloc(S * A, sizeof *sup);
-    for (size_t i = 0; i < n; i++) sup[r[i].state * A + r[i].action]++;
+    add_support(r, n, A, sup);
     kvcc_cql_info info;
     char err[256];
     cr_assert_eq(kvcc_cql_fit(r, n, S, A, &o, Q, &info, err, sizeof err), 0, "%s", err);
@@ -69,7 +74,7 @@ Test(cql, sparse_support_stays_conservative_and_empty_state_falls_back) {
             for (uint32_t a = 0; a < A; a++)
                 rec[n++] = (kvcc_cql_record){s, a, (float)(-0.02 * a + 0.01 * (unif(&rng) - 0.5))};
     uint32_t sup[80] = {0}, best[10];
-    for (size_t i = 0; i < n; i++) sup[rec[i].state * A + rec[i].action]++;
+    add_support(rec, n, A, sup);
     kvcc_cql_opts o;
     kvcc_cql_opts_default(&o);
     float Q[80];
@@ -83,7 +88,7 @@ Test(cql, sparse_support_stays_conservative_and_empty_state_falls_back) {
     /* the same state with plenty of support for action 5 switches */
     for (int i = 0; i < 29; i++) rec[n++] = (kvcc_cql_record){0, 5, (float)(-0.05 + 0.01 * (unif(&rng) - 0.5))};
     memset(sup, 0, sizeof sup);
-    for (size_t i = 0; i < n; i++) sup[rec[i].state * A + rec[i].action]++;
+    add_support(rec, n, A, sup);
     cr_assert_eq(kvcc_cql_fit(rec, n, S, A, &o, Q, NULL, err, sizeof err), 0, "%s", err);
     kvcc_cql_argmax(Q, sup, S, A, 0, best);
     cr_expect_eq(best[0], 5u);
@@ -172,7 +177,7 @@ Test(cql, exact_solver_orders_by_mean_reward_and_ignores_the_seed) {
     o.exact = 1;
     float *Q = malloc(sizeof(float) * S * A), *Q2 = malloc(sizeof(float) * S * A);
     uint32_t *sup = calloc(S * A, sizeof *sup);
-    for (size_t i = 0; i < n; i++) sup[r[i].state * A + r[i].action]++;
+    add_support(r, n, A, sup);
     kvcc_cql_info info;
     char err[256];
     cr_assert_eq(kvcc_cql_fit(r, n, S, A, &o, Q, &info, err, sizeof err), 0, "%s", err);
@@ -199,7 +204,7 @@ Test(cql, exact_solver_orders_by_mean_reward_and_ignores_the_seed) {
     for (int i = 0; i < 30; i++) rec[m++] = (kvcc_cql_record){0, 0, (float)(-0.10 + 0.01 * (unif(&rng) - 0.5))};
     rec[m++] = (kvcc_cql_record){0, 5, -0.09f};
     uint32_t sp[8] = {0}, best[1];
-    for (size_t i = 0; i < m; i++) sp[rec[i].action]++;
+    add_support(rec, m, 8, sp);
     float q1[8];
     cr_assert_eq(kvcc_cql_fit(rec, m, 1, 8, &o, q1, NULL, err, sizeof err), 0, "%s", err);
     kvcc_cql_argmax(q1, sp, 1, 8, 0, best);
