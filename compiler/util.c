@@ -150,29 +150,38 @@ static char temp_prefix[PATH_MAX + 16];
 static size_t temp_prefix_len;
 
 /* Async-signal-safe: unlink every file this process holds open (/proc/self/fd) whose path is
- * temp_prefix + 6 characters (mkostemp's XXXXXX), then die of the signal as if unhandled. */
+ * temp_prefix + 6 characters (mkostemp's XXXXXX), then die of the signal as if unhandled.
+ *
+ * The handler keeps its buffers static and runs on its own stack (sig_stack, SA_ONSTACK): a
+ * signal can land while the main thread runs a oneDNN JIT kernel whose rsp points into heap
+ * memory, and an 8 KiB frame there wrote over the heap (under ASan: "heap-buffer-overflow" in
+ * this handler, exit 1, the temp file left; seen in 1 of ~3 SIGTERMs during capture). A second
+ * signal while the first is being handled (another thread, another signal) returns at once: the
+ * first one kills the process. */
+static char sig_dents[4096], sig_link[PATH_MAX + 32], sig_fdpath[64];
+static volatile sig_atomic_t sig_busy;
 static void on_fatal_signal(int sig) {
+    if (__atomic_exchange_n(&sig_busy, 1, __ATOMIC_SEQ_CST)) return;
     int saved = errno;
     int dfd = open("/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    char buf[4096], link[PATH_MAX + 32], fdpath[64];
     long n;
-    while (dfd >= 0 && (n = syscall(SYS_getdents64, dfd, buf, sizeof buf)) > 0) {
+    while (dfd >= 0 && (n = syscall(SYS_getdents64, dfd, sig_dents, sizeof sig_dents)) > 0) {
         for (long off = 0; off < n;) {
             /* struct linux_dirent64: ino 8, off 8, reclen 2, type 1, then the name */
-            const char *name = buf + off + 19;
+            const char *name = sig_dents + off + 19;
             unsigned short reclen;
-            memcpy(&reclen, buf + off + 16, sizeof reclen);
+            memcpy(&reclen, sig_dents + off + 16, sizeof reclen);
             off += reclen;
             if (name[0] < '0' || name[0] > '9') continue;
             size_t k = 0;
-            for (const char *q = "/proc/self/fd/"; *q; q++) fdpath[k++] = *q;
-            for (const char *q = name; *q && k + 1 < sizeof fdpath; q++) fdpath[k++] = *q;
-            fdpath[k] = 0;
-            ssize_t len = readlink(fdpath, link, sizeof link - 1);
-            if (len != (ssize_t)temp_prefix_len + 6 || memcmp(link, temp_prefix, temp_prefix_len))
+            for (const char *q = "/proc/self/fd/"; *q; q++) sig_fdpath[k++] = *q;
+            for (const char *q = name; *q && k + 1 < sizeof sig_fdpath; q++) sig_fdpath[k++] = *q;
+            sig_fdpath[k] = 0;
+            ssize_t len = readlink(sig_fdpath, sig_link, sizeof sig_link - 1);
+            if (len != (ssize_t)temp_prefix_len + 6 || memcmp(sig_link, temp_prefix, temp_prefix_len))
                 continue;
-            link[len] = 0;
-            unlink(link);
+            sig_link[len] = 0;
+            unlink(sig_link);
         }
     }
     if (dfd >= 0) close(dfd);
@@ -180,6 +189,10 @@ static void on_fatal_signal(int sig) {
     errno = saved;
     raise(sig);
 }
+
+/* The handler's stack: the kernel's signal frame with AVX-512 and AMX state is ~11 KiB, the
+ * handler itself a few hundred bytes (more under ASan); 256 KiB leaves room for both. */
+static _Alignas(64) char sig_stack[256 * 1024];
 
 void kvcc_remove_temp_on_signal(const char *out) {
     char dir[PATH_MAX], abs_dir[PATH_MAX];
@@ -198,6 +211,10 @@ void kvcc_remove_temp_on_signal(const char *out) {
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_fatal_signal;
     sigemptyset(&sa.sa_mask);
+    /* the calling (main) thread's handler runs on sig_stack; a thread without an alternate
+     * stack runs it on its own (SA_ONSTACK is ignored there) */
+    stack_t ss = {.ss_sp = sig_stack, .ss_size = sizeof sig_stack, .ss_flags = 0};
+    if (sigaltstack(&ss, NULL) == 0) sa.sa_flags |= SA_ONSTACK;
     const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
     for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
         struct sigaction old;

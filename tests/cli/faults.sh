@@ -103,12 +103,12 @@ expect 2 "*--text $tmp/dir: is a directory*" "capture --text DIR"
 sig_test() { # NAME OUT CMD...: start, wait for OUT.tmp.*, SIGTERM, check
   local name=$1 out=$2; shift 2
   cp "$tmp/old.txt" "$out"
-  "$@" -o "$out" 2>/dev/null & local pid=$!
+  "$@" -o "$out" 2>"$tmp/sig.err" & local pid=$!
   local i=0
   while [ $i -lt 300 ] && ! compgen -G "$out.tmp.*" >/dev/null; do sleep 0.1; i=$((i+1)); done
   compgen -G "$out.tmp.*" >/dev/null || bad "$name: no temp file appeared"
   kill -TERM $pid; wait $pid; ex=$?
-  [ $ex -eq 143 ] && ok || bad "$name: exit $ex after SIGTERM (expected 143)"
+  [ $ex -eq 143 ] && ok || { bad "$name: exit $ex after SIGTERM (expected 143)"; sed 's/^/    | /' "$tmp/sig.err" >&2; }
   cmp -s "$tmp/old.txt" "$out" && ok || bad "$name: the old output changed"
   [ -z "$(compgen -G "$out.tmp.*")" ] && ok || bad "$name left $(compgen -G "$out.tmp.*")"
 }
