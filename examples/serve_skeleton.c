@@ -8,6 +8,13 @@
  * compiled schedule, key selection and chunk) or CompKV (a decode state with the compiled
  * grouping and one decode step). The q/k/v are made up (deterministic, well-formed, of the
  * artifact's dimensions); a real server passes its own post-RoPE activations of the layer.
+ * Every activation a policy reads is in the context's memory (kvrt_ctx_alloc + kvrt_ctx_upload:
+ * device memory on a CUDA context, host memory on a CPU one), so the same calls run on either:
+ * CompilerKV (kvrt_compilerkv_prompt_add_layer_ctx, kvrt_compilerkv_select; the kept tokens
+ * gathered, moved into the context's memory with kvrt_cache_to_device, then one decode query
+ * through kvrt_attend) and CompKV (kvrt_compkv_create_layer, _append, _step) have CUDA versions;
+ * Attention Matching has none yet (docs/cuda.md): on a CUDA context its call returns
+ * KVRT_ERR_UNSUPPORTED naming the op, and this program then runs it on a CPU context, saying so.
  * Only the serving header kvrt.h is used.
  *
  * Build: `make examples` (build/examples/serve_skeleton), or by hand after `make` (CPU-only):
@@ -57,12 +64,32 @@ static int fail_call(const char *what, int rc) {
     return rc;
 }
 
+/* A copy of host[0..bytes) in ctx's memory (device memory on a CUDA context). NULL on failure,
+ * with the message printed. */
+static void *to_ctx(kvrt_ctx *ctx, const void *host, size_t bytes) {
+    void *p = NULL;
+    int rc = kvrt_ctx_alloc(ctx, bytes, &p);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(ctx, p, host, bytes);
+    if (rc != KVRT_OK) {
+        fprintf(stderr, "error: copying %zu bytes into the context's memory: %s (%s)\n", bytes,
+                kvrt_ctx_last_error(ctx)->msg, kvrt_status_name(rc));
+        kvrt_ctx_dealloc(ctx, p);
+        return NULL;
+    }
+    return p;
+}
+
 /* CompilerKV: the prompt's features over every layer, then the kept tokens of `layer` at the
- * smallest compiled budget, gathered into an f16 cache. */
+ * smallest compiled budget, gathered into an f16 cache in the context's memory, and one decode
+ * query attending to it. */
 static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                           const kvrt_model_dims *m, uint32_t layer, float *q, float *k,
                           float *v) {
     const int64_t T = T_CTX, budget = tb->budgets[0];
+    const uint32_t H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+    const size_t qbytes = sizeof(float) * (size_t)T * H * d;
+    const size_t kbytes = sizeof(float) * (size_t)T * Hkv * d;
+    const size_t obytes = sizeof(float) * H * d;
     printf("compilerkv: %u compiled budgets (smallest %lld tokens), window %u\n", tb->n_budgets,
            (long long)budget, tb->window);
     if (budget >= T) {
@@ -73,28 +100,45 @@ static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     kvrt_compilerkv_prompt *pr = NULL;
     float *next_logprob = malloc(sizeof(float) * (T - 1));
     kvrt_selection *sel = NULL;
-    kvrt_cache *cache = NULL;
+    kvrt_cache *host_cache = NULL, *cache = NULL;
+    void *dq = NULL, *dk = NULL, *dv = NULL, *dout = NULL;
     kvrt_compilerkv_stats st;
     int rc = next_logprob ? kvrt_compilerkv_prompt_create(T, tb->window, &pr) : KVRT_ERR_NOMEM;
-    if (rc != KVRT_OK) return fail_call("kvrt_compilerkv_prompt_create", rc);
-    for (uint32_t l = 0; l < m->n_layers && rc == KVRT_OK; l++) { /* as the prefill goes */
-        fake_layer(l, T, m->n_heads, m->n_kv_heads, m->head_dim, q, k, v);
-        rc = kvrt_compilerkv_prompt_add_layer(pr, q, k, m->n_heads, m->n_kv_heads, m->head_dim);
+    if (rc != KVRT_OK) {
+        free(next_logprob);
+        return fail_call("kvrt_compilerkv_prompt_create", rc);
     }
-    if (rc != KVRT_OK) rc = fail_call("kvrt_compilerkv_prompt_add_layer", rc);
+    /* as the prefill goes: each layer's q and k, in the context's memory, add to the features */
+    for (uint32_t l = 0; l < m->n_layers && rc == KVRT_OK; l++) {
+        fake_layer(l, T, H, Hkv, d, q, k, v);
+        dq = to_ctx(ctx, q, qbytes);
+        dk = dq ? to_ctx(ctx, k, kbytes) : NULL;
+        if (dk == NULL) rc = KVRT_ERR_NOMEM;
+        else if ((rc = kvrt_compilerkv_prompt_add_layer_ctx(ctx, pr, dq, dk, H, Hkv, d)) != KVRT_OK)
+            fprintf(stderr, "error: kvrt_compilerkv_prompt_add_layer_ctx: %s (%s)\n",
+                    kvrt_ctx_last_error(ctx)->msg, kvrt_status_name(rc));
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, dk);
+        dq = dk = NULL;
+    }
     for (int64_t t = 0; t + 1 < T; t++) next_logprob[t] = -2.5f - sinf(0.1f * (float)t);
     if (rc == KVRT_OK && (rc = kvrt_compilerkv_prompt_finish(pr, next_logprob)) != KVRT_OK)
         rc = fail_call("kvrt_compilerkv_prompt_finish", rc);
-    if (rc == KVRT_OK) {
-        fake_layer(layer, T, m->n_heads, m->n_kv_heads, m->head_dim, q, k, v);
-        rc = kvrt_compilerkv_select(ctx, tb, pr, layer, v, m->n_kv_heads, m->head_dim, budget, 0,
-                                    &sel, &st);
-        if (rc != KVRT_OK) rc = fail_call("kvrt_compilerkv_select", rc);
+    if (rc == KVRT_OK) { /* the layer's values, in the context's memory, for the value norms */
+        fake_layer(layer, T, H, Hkv, d, q, k, v);
+        if ((dv = to_ctx(ctx, v, kbytes)) == NULL) rc = KVRT_ERR_NOMEM;
+        else if ((rc = kvrt_compilerkv_select(ctx, tb, pr, layer, dv, Hkv, d, budget, 0, &sel,
+                                              &st)) != KVRT_OK)
+            rc = fail_call("kvrt_compilerkv_select", rc);
     }
+    /* the kept tokens: gathered on the host (the selection is host memory), then one copy of
+     * what is kept, and only that, into the context's memory */
     if (rc == KVRT_OK &&
-        (rc = kvrt_cache_gather(k, v, T, m->n_kv_heads, m->head_dim, sel, KVRT_DTYPE_F16,
-                                &cache)) != KVRT_OK)
+        (rc = kvrt_cache_gather(k, v, T, Hkv, d, sel, KVRT_DTYPE_F16, &host_cache)) != KVRT_OK)
         rc = fail_call("kvrt_cache_gather", rc);
+    if (rc == KVRT_OK && (rc = kvrt_cache_to_device(ctx, host_cache, &cache)) != KVRT_OK)
+        fprintf(stderr, "error: kvrt_cache_to_device: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
+                kvrt_status_name(rc));
     if (rc == KVRT_OK) {
         printf("compilerkv: layer %u, %lld context tokens, budget %lld: kept %lld, one set for "
                "all KV heads (tau %.4g, risk bins %d/%d), f16 cache %zu bytes\n", layer,
@@ -105,8 +149,27 @@ static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
         for (int64_t i = 0; i < n0 && i < 8; i++) printf(" %d", sel->positions[i]);
         if (n0 > 8) printf(" ... %d", sel->positions[n0 - 1]);
         printf("\n");
+        /* the next decode step: the last token's queries (standing in for the new token's)
+         * attend to the compressed cache */
+        float *out = malloc(obytes);
+        dq = out ? to_ctx(ctx, q + (size_t)(T - 1) * H * d, obytes) : NULL;
+        if (dq == NULL || kvrt_ctx_alloc(ctx, obytes, &dout) != KVRT_OK) rc = KVRT_ERR_NOMEM;
+        else rc = kvrt_attend(ctx, dq, 1, H, cache, NULL, NULL, 0, 1.0f / sqrtf((float)d), dout,
+                              NULL);
+        if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, out, dout, obytes);
+        if (rc == KVRT_OK)
+            printf("compilerkv: one decode query over the kept tokens: out[0][0..3] %.4f %.4f "
+                   "%.4f %.4f\n", out[0], out[1], out[2], out[3]);
+        else
+            fprintf(stderr, "error: kvrt_attend: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
+                    kvrt_status_name(rc));
+        free(out);
     }
+    kvrt_ctx_dealloc(ctx, dq);
+    kvrt_ctx_dealloc(ctx, dv);
+    kvrt_ctx_dealloc(ctx, dout);
     kvrt_cache_free(cache);
+    kvrt_cache_free(host_cache);
     kvrt_selection_free(sel);
     kvrt_compilerkv_prompt_free(pr);
     free(next_logprob);
@@ -168,15 +231,29 @@ static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_m
     if (rc != KVRT_OK) return fail_call("kvrt_compkv_create_layer", rc);
     const int64_t n_blocks = (T + o.block - 1) / o.block;
     const int64_t k_blocks = n_blocks >= 8 ? n_blocks / 4 : (n_blocks + 1) / 2;
-    float *out = malloc(sizeof(float) * m->n_heads * m->head_dim);
-    int32_t *blocks = malloc(sizeof(int32_t) * m->n_kv_heads * (size_t)k_blocks);
-    rc = out && blocks ? kvrt_compkv_append(st, k, v, T) : KVRT_ERR_NOMEM;
-    if (rc == KVRT_OK) /* the last token's queries stand in for the next decode step */
-        rc = kvrt_compkv_step(st, q + (size_t)(T - 1) * m->n_heads * m->head_dim, m->n_heads,
-                              k_blocks, out, blocks);
-    if (rc != KVRT_OK) {
+    /* the state lives in the context's memory, and so does every array its calls take */
+    const size_t kbytes = sizeof(float) * (size_t)T * m->n_kv_heads * m->head_dim;
+    const size_t obytes = sizeof(float) * m->n_heads * m->head_dim;
+    const size_t bbytes = sizeof(int32_t) * m->n_kv_heads * (size_t)k_blocks;
+    float *out = malloc(obytes);
+    int32_t *blocks = malloc(bbytes);
+    void *dk = out && blocks ? to_ctx(ctx, k, kbytes) : NULL;
+    void *dv = dk ? to_ctx(ctx, v, kbytes) : NULL;
+    /* the last token's queries stand in for the next decode step's */
+    void *dq = dv ? to_ctx(ctx, q + (size_t)(T - 1) * m->n_heads * m->head_dim, obytes) : NULL;
+    void *dout = NULL, *dblocks = NULL;
+    if (dq == NULL || kvrt_ctx_alloc(ctx, obytes, &dout) != KVRT_OK ||
+        kvrt_ctx_alloc(ctx, bbytes, &dblocks) != KVRT_OK)
+        rc = KVRT_ERR_NOMEM;
+    else if ((rc = kvrt_compkv_append(st, dk, dv, T)) != KVRT_OK)
+        rc = fail_call("kvrt_compkv_append", rc);
+    else if ((rc = kvrt_compkv_step(st, dq, m->n_heads, k_blocks, dout, dblocks)) != KVRT_OK)
         rc = fail_call("kvrt_compkv_step", rc);
-    } else {
+    if (rc == KVRT_OK && ((rc = kvrt_ctx_download(ctx, out, dout, obytes)) != KVRT_OK ||
+                          (rc = kvrt_ctx_download(ctx, blocks, dblocks, bbytes)) != KVRT_OK))
+        fprintf(stderr, "error: kvrt_ctx_download: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
+                kvrt_status_name(rc));
+    if (rc == KVRT_OK) {
         printf("compkv: layer %u, %lld tokens in %lld blocks: one step reads %lld blocks per KV "
                "head\n", layer, (long long)kvrt_compkv_length(st), (long long)n_blocks,
                (long long)k_blocks);
@@ -184,6 +261,11 @@ static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_m
         for (int64_t i = 0; i < k_blocks && i < n_blocks; i++) printf(" %d", blocks[i]);
         printf("; out[0][0..3] %.4f %.4f %.4f %.4f\n", out[0], out[1], out[2], out[3]);
     }
+    kvrt_ctx_dealloc(ctx, dk);
+    kvrt_ctx_dealloc(ctx, dv);
+    kvrt_ctx_dealloc(ctx, dq);
+    kvrt_ctx_dealloc(ctx, dout);
+    kvrt_ctx_dealloc(ctx, dblocks);
     free(blocks);
     free(out);
     kvrt_compkv_free(st);
@@ -329,14 +411,16 @@ int main(int argc, char **argv) {
     if (dev == KVRT_DEVICE_CUDA) kvrt_ctx_dealloc(ctx, buf);
 
     // --- 4. per request / per layer: a policy handle from the artifact, run on one layer.
-    // The policies run on CPU contexts in this libkvrt; a CUDA context says
-    // KVRT_ERR_UNSUPPORTED naming the op, and the policy then runs on a CPU context.
+    // CompilerKV and CompKV run on either backend; a policy whose op this CUDA backend lacks
+    // (Attention Matching, docs/cuda.md) says KVRT_ERR_UNSUPPORTED naming the op, and it then
+    // runs on a CPU context (its arrays in host memory: run_policy copies into the context's).
     if (rc == KVRT_OK) {
         int found;
         rc = run_policy(ctx, pol, policy, &found);
         if (found && rc == KVRT_ERR_UNSUPPORTED && info.backend == KVRT_BACKEND_CUDA) {
             kvrt_ctx *cpu = NULL;
-            fprintf(stderr, "note: running the policy on a CPU context instead\n");
+            fprintf(stderr, "note: %s; running the policy on a CPU context instead\n",
+                    kvrt_last_error()->msg);
             rc = kvrt_ctx_create(KVRT_BACKEND_CPU, &opts, &cpu, &err);
             if (rc == KVRT_OK) rc = run_policy(cpu, pol, policy, &found);
             else fprintf(stderr, "error: %s (%s)\n", err.msg, kvrt_status_name(rc));

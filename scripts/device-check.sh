@@ -106,6 +106,38 @@ else
     echo "compute-sanitizer not found: step skipped"
 fi
 
+step "the serving example on the GPU (examples/serve_skeleton.c) against the same run on the CPU"
+# A small artifact compiled from a synthetic corpus (no model weights needed); each policy runs
+# once on a CUDA context (device pointers throughout) and once with --cpu: the kept positions
+# and the blocks read must be the same, the printed outputs the same to the printed digits
+# (AM has no CUDA op yet: its run must say so and fall back to a CPU context).
+if make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
+    EX="$OUTDIR/device-check.example"
+    mkdir -p "$EX"
+    if build/kvcc synth --model smollm2-135m --prompts 1 --context 640 --continuation 32 \
+           -o "$EX/c.h5" && build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" \
+           --policies compilerkv,am,compkv --budgets 128 --am-targets 0.1 -o "$EX/p.kvpol"; then
+        for p in compilerkv compkv am; do
+            g=$(build/examples/serve_skeleton "$EX/p.kvpol" --policy $p 2>&1); gx=$?
+            c=$(build/examples/serve_skeleton "$EX/p.kvpol" --policy $p --cpu 2>&1); cx=$?
+            echo "-- $p on the GPU (exit $gx):"; echo "$g"
+            echo "-- $p on the CPU (exit $cx):"; echo "$c"
+            [ $gx -eq 0 ] && [ $cx -eq 0 ] || { fail "serve_skeleton --policy $p: exit $gx (GPU) / $cx (CPU)"; continue; }
+            case $p in
+            am) grep -q "device: CUDA" <<<"$g" && grep -q "am_compact" <<<"$g" ||
+                    fail "serve_skeleton --policy am: expected the CUDA context and the AM op named as missing" ;;
+            *) pick() { grep -E "keeps positions|reads blocks|out\[0\]" <<<"$1" | sed 's/.*: //'; }
+               [ "$(pick "$g")" = "$(pick "$c")" ] && [ -n "$(pick "$g")" ] ||
+                    fail "serve_skeleton --policy $p: the GPU's selection or output differs from the CPU's" ;;
+            esac
+        done
+    else
+        fail "kvcc synth / compile for the serving example"
+    fi
+else
+    fail "make USE_CUDA=1 build/kvcc build/examples/serve_skeleton"
+fi
+
 step "benchmarks with --cuda"
 n_bench=0
 for b in build/bench/*; do

@@ -268,6 +268,10 @@ if [ -x "$sk" ]; then
   for p in compilerkv am; do
     out=$("$sk" "$tmp/p1.kvpol" --cpu --policy $p 2>&1); ex=$?
     [[ $ex -eq 0 && "$out" == *"$p: layer 15, 512 context tokens"* ]] && ok || bad "serve_skeleton --policy $p: exit $ex: $out"
+    if [ $p = compilerkv ]; then # the kept tokens, in the context's memory, serve a decode query
+      [[ "$out" == *"one decode query over the kept tokens: out[0][0..3] "[-0-9]* && "$out" != *nan* ]] &&
+        ok || bad "serve_skeleton --policy compilerkv: no decode query over the kept tokens: $out"
+    fi
   done
   out=$("$sk" "$tmp/k1.kvpol" --cpu 2>&1); ex=$?
   [[ $ex -eq 0 && "$out" == *"compkv: layer 15, 512 tokens in 32 blocks"* ]] && ok || bad "serve_skeleton on a compkv artifact: exit $ex: $out"
