@@ -50,7 +50,7 @@ KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
 
 /* Bumped whenever a slot is added, removed or changes its signature; kvrt_ctx_create refuses a
  * table of another version (ggml's GGML_BACKEND_API_VERSION). */
-#define KVRT_BACKEND_API_VERSION 4
+#define KVRT_BACKEND_API_VERSION 5
 
 /* One table per backend, one entry per op (ggml's struct ggml_backend_i). The housekeeping
  * entries are required; an op entry may be NULL, which means the backend lacks the op: the
@@ -76,6 +76,10 @@ typedef struct kvrt_backend_ops {
     int (*upload)(kvrt_ctx *ctx, void *dst_dev, const void *src_host, size_t bytes);
     int (*download)(kvrt_ctx *ctx, void *dst_host, const void *src_dev, size_t bytes);
     int (*sync)(kvrt_ctx *ctx);
+    /* optional (since API 5; NULL: kvrt_ctx_copy_gbs is KVRT_ERR_UNSUPPORTED): the copy
+     * bandwidth of the context's memory, the ceiling its memory-bound kernels are reported
+     * against (kvrt_ctx_copy_gbs). */
+    int (*copy_gbs)(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs);
 
     // --- primitives (KVRT_OP_SOFTMAX_ROWS .. KVRT_OP_CACHE_GATHER)
     /* kvrt_softmax_rows: x, y 2-D f32 of equal shape, column stride 1 (ctx.c checked). */

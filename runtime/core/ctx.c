@@ -232,6 +232,22 @@ int kvrt_ctx_sync(kvrt_ctx *ctx) {
     return ctx->ops->sync(ctx);
 }
 
+int kvrt_ctx_copy_gbs(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs) {
+    if (gbs) *gbs = 0.0;
+    if (ctx == NULL)
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_copy_gbs: NULL ctx");
+    if (gbs == NULL || bytes < ((size_t)1 << 20) || bytes % 16 != 0 || runs < 1 || runs > 101)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0,
+                            "kvrt_ctx_copy_gbs: %s (bytes %zu: expected >= 1 MiB and a multiple "
+                            "of 16; runs %d: expected 1..101)",
+                            gbs == NULL ? "gbs is NULL" : "bad size", bytes, runs);
+    if (ctx->ops->copy_gbs == NULL)
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_UNSUPPORTED, 0,
+                            "kvrt_ctx_copy_gbs: the %s backend has no copy-bandwidth probe",
+                            ctx->ops->name);
+    return ctx->ops->copy_gbs(ctx, bytes, runs, gbs);
+}
+
 // ----------------------------------------------------------------------------
 // ops: backend-independent checks, then dispatch
 

@@ -250,6 +250,65 @@ static int cuda_sync(kvrt_ctx *ctx) {
     return KVRT_OK;
 }
 
+/* kvrt_ctx_copy_gbs: dst = src in 16-byte words, a grid-stride loop over enough blocks to fill
+ * the device (every SM several times), timed with events on the context's stream. */
+__global__ void copy_kernel(const int4 *__restrict__ src, int4 *__restrict__ dst, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+static int cmp_float(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static int cuda_copy_gbs(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs) {
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t st = kvrt_cuda_state_of(ctx)->stream;
+    CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
+    int n_sm = 0;
+    CUDA_CHECK(err, cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, ctx->device_id));
+    void *a = NULL, *b = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    float ms[101];
+    int rc = KVRT_OK;
+    const size_t n = bytes / 16;
+    const int threads = 256, blocks = n_sm * 8;
+    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "kvrt_ctx_copy_gbs: cannot allocate 2 x %zu "
+                          "bytes of device memory", bytes);
+    }
+    if (rc == KVRT_OK && (cudaEventCreate(&e0) != cudaSuccess ||
+                          cudaEventCreate(&e1) != cudaSuccess ||
+                          cudaMemsetAsync(a, 1, bytes, st) != cudaSuccess))
+        rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaEventCreate / cudaMemsetAsync",
+                             __func__, __FILE__, __LINE__);
+    for (int r = -1; rc == KVRT_OK && r < runs; r++) { /* r = -1: the warm-up */
+        cudaEventRecord(e0, st);
+        copy_kernel<<<blocks, threads, 0, st>>>((const int4 *)a, (int4 *)b, n);
+        cudaEventRecord(e1, st);
+        cudaError_t ce = cudaEventSynchronize(e1);
+        if (ce == cudaSuccess) ce = cudaGetLastError();
+        if (ce != cudaSuccess) {
+            rc = kvrt_cuda_error(err, ce, "copy_kernel", __func__, __FILE__, __LINE__);
+            break;
+        }
+        if (r >= 0) cudaEventElapsedTime(&ms[r], e0, e1);
+    }
+    if (rc == KVRT_OK) {
+        qsort(ms, (size_t)runs, sizeof ms[0], cmp_float);
+        const double med = runs % 2 ? ms[runs / 2] : 0.5 * (ms[runs / 2 - 1] + ms[runs / 2]);
+        *gbs = med > 0 ? 2.0 * (double)bytes / (med * 1e-3) / 1e9 : 0.0;
+    }
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    cudaFree(a);
+    cudaFree(b);
+    return rc;
+}
+
 // ----------------------------------------------------------------------------
 // ops
 
@@ -283,6 +342,7 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.upload = cuda_upload;
     t.download = cuda_download;
     t.sync = cuda_sync;
+    t.copy_gbs = cuda_copy_gbs;
     t.softmax_rows = kvrt_cuda_softmax_rows;
     t.attend = kvrt_cuda_attend;
     t.topk = kvrt_cuda_topk;

@@ -16,6 +16,14 @@
 extern "C" {
 #endif
 
+/* ---- the memory ceiling of a context (benchmarks report kernels as a fraction of it)
+ * Copy bandwidth of the context's memory: a copy kernel over two buffers of `bytes` (allocated
+ * and freed here), `runs` timed copies after one warm-up, *gbs = 2 * bytes / median time / 1e9
+ * (read + write counted). CUDA contexts only (device memory, timed with events on the
+ * context's stream); a CPU context returns KVRT_ERR_UNSUPPORTED (bench/ measures the STREAM
+ * triad there). bytes >= 1 MiB, a multiple of 16; 1 <= runs <= 101. */
+int kvrt_ctx_copy_gbs(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs);
+
 /* ---- softmax */
 /* The plain CPU reference of the same op, contiguous f32 [rows, cols]. */
 void kvrt_softmax_rows_ref(const float *x, float *y, int64_t rows, int64_t cols, float scale);

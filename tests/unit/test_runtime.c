@@ -463,6 +463,24 @@ Test(ctx, cpu_memory_round_trip) {
     kvrt_ctx_free(ctx);
 }
 
+/* The memory-ceiling probe: a CPU context has none (UNSUPPORTED naming the backend); bad sizes
+ * are argument errors before any backend is asked. */
+Test(ctx, copy_gbs_is_cuda_only_and_checks_its_arguments) {
+    kvrt_ctx *ctx = NULL;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &ctx, NULL), KVRT_OK);
+    double g = -1.0;
+    cr_assert_eq(kvrt_ctx_copy_gbs(ctx, (size_t)1 << 20, 3, &g), KVRT_ERR_UNSUPPORTED);
+    cr_assert(strstr(kvrt_ctx_last_error(ctx)->msg, "cpu backend") != NULL, "%s",
+              kvrt_ctx_last_error(ctx)->msg);
+    cr_assert_eq(g, 0.0);
+    cr_assert_eq(kvrt_ctx_copy_gbs(ctx, 1000, 3, &g), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_ctx_copy_gbs(ctx, ((size_t)1 << 20) + 4, 3, &g), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_ctx_copy_gbs(ctx, (size_t)1 << 20, 0, &g), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_ctx_copy_gbs(ctx, (size_t)1 << 20, 3, NULL), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_ctx_copy_gbs(NULL, (size_t)1 << 20, 3, &g), KVRT_ERR_ARG);
+    kvrt_ctx_free(ctx);
+}
+
 Test(ctx, bad_arguments) {
     kvrt_ctx *ctx = (kvrt_ctx *)0x1;
     kvrt_error err;
@@ -619,6 +637,23 @@ static void cuda_run_and_compare(kvrt_ctx *ctx, const float *xs, int64_t rows, i
     kvrt_ctx_dealloc(ctx, dx);
     kvrt_ctx_dealloc(ctx, dy);
     free(y);
+}
+
+/* The copy kernel behind bench_attend's "of copy" column runs and reports a plausible rate (any
+ * GPU since sm_80 copies faster than 100 GB/s and slower than 20 TB/s). */
+Test(cuda, copy_gbs_reports_a_device_rate) {
+    if (!have_gpu()) {
+        fprintf(stderr, "skipped: no GPU (CUDA copy bandwidth probe)\n");
+        cr_skip_test("no GPU");
+    }
+    kvrt_ctx *ctx = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &ctx, &err), KVRT_OK, "%s", err.msg);
+    double g = 0.0;
+    cr_assert_eq(kvrt_ctx_copy_gbs(ctx, (size_t)256 << 20, 5, &g), KVRT_OK, "%s",
+                 kvrt_ctx_last_error(ctx)->msg);
+    cr_assert(g > 100.0 && g < 20000.0, "copy bandwidth %.1f GB/s", g);
+    kvrt_ctx_free(ctx);
 }
 
 Test(cuda, softmax_matches_ref) {
