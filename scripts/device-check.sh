@@ -6,7 +6,9 @@
 #   - builds with USE_CUDA=1: the test binary and every benchmark
 #   - runs build/tests/kvcc_tests (includes the CUDA-vs-CPU-reference equivalence tests; on this
 #     machine they must run, so a "skipped: no GPU" line is a failure here)
-#   - runs the CUDA attend tests once more under compute-sanitizer memcheck (when installed)
+#   - runs the CUDA attend tests once more under compute-sanitizer memcheck, and every backend op
+#     (tests/backend) under memcheck and racecheck (when compute-sanitizer is installed)
+#   - runs examples/serve_skeleton.c's policies on the GPU and on the CPU and compares them
 #   - runs every build/bench/* whose source takes a --cuda flag, with --cuda
 # Log: ${OUT:-build}/device-check.log. Exit status: 0 only when every step passed.
 # Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
@@ -93,14 +95,18 @@ if [ -n "$CSAN" ] && [ -x build/tests/kvcc_tests ]; then
     else
         fail "compute-sanitizer memcheck on the CUDA attend tests"
     fi
+    # every CUDA entry point of the backend table (tests/backend), under memcheck and racecheck
     if [ -x build/tests/test_backend_ops ]; then
-        if timeout 600 "$CSAN" --tool memcheck --error-exitcode 99 build/tests/test_backend_ops \
-            > "$OUTDIR/device-check.backend-ops.memcheck.log" 2>&1; then
-            echo "compute-sanitizer (test_backend_ops): clean"
-        else
-            tail -n 40 "$OUTDIR/device-check.backend-ops.memcheck.log"
-            fail "compute-sanitizer memcheck on test_backend_ops"
-        fi
+        for tool in memcheck racecheck; do
+            # bounded: the whole script has to fit in 10 minutes on one GPU
+            if timeout 180 "$CSAN" --tool $tool --error-exitcode 99 build/tests/test_backend_ops \
+                > "$OUTDIR/device-check.backend-ops.$tool.log" 2>&1; then
+                echo "compute-sanitizer $tool (test_backend_ops): clean"
+            else
+                tail -n 40 "$OUTDIR/device-check.backend-ops.$tool.log"
+                fail "compute-sanitizer $tool on test_backend_ops"
+            fi
+        done
     fi
 else
     echo "compute-sanitizer not found: step skipped"
