@@ -610,7 +610,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
     kvcc_eval_opts o = {.corpus = corpus, .gguf = gguf, .precision = precision, .policy = policy, .methods = ms, .n_methods = nm, .budgets = bs, .n_budgets = nb,
                         .block_budgets = bbs, .n_block_budgets = nbb,
                         .max_prompts = prompts, .cache_dtype = !strcmp(cdt, "f16") ? KVRT_DTYPE_F16 : !strcmp(cdt, "bf16") ? KVRT_DTYPE_BF16 : KVRT_DTYPE_F32, .seed = seed,
-                        .verbose = isatty(STDERR_FILENO), .needle_contexts = nctx, .n_needle_contexts = n_ctx,
+                        .verbose = 1, .needle_contexts = nctx, .n_needle_contexts = n_ctx,
                         .needle_haystacks = n_hay, .needle_keys = (int)n_keys,
                         .needle_depths = n_depths ? depths : NULL,
                         .needle_texts = (const char *const *)texts, .n_needle_texts = n_texts,

@@ -104,7 +104,7 @@ typedef struct {
     uint32_t max_prompts;    /* 0: all */
     int cache_dtype;         /* storage of the compressed caches: KVRT_DTYPE_*; 0 = f32 */
     uint64_t seed;           /* random method */
-    int verbose;             /* progress on stderr when a terminal */
+    int verbose;             /* progress on stderr (compiler/progress.c: a bar on a terminal, a line a minute elsewhere) */
     /* the needle task (end to end, needs gguf): context lengths (none: no task) */
     const int *needle_contexts;
     int n_needle_contexts;

@@ -1,25 +1,49 @@
 /*
- * progress.c: a one-line progress bar on stderr, drawn only when stderr is a terminal (CI logs
- * stay quiet). Used by long-running kvcc commands.
+ * progress.c: progress of long-running kvcc commands on stderr. On a terminal, a one-line bar
+ * redrawn in place. Elsewhere (CI logs, files, pipes), one plain line at most every
+ * KVCC_PROGRESS_INTERVAL seconds (default 60; 0 turns the lines off), the first after that many
+ * seconds, so a short run prints nothing and a long one shows in its log that it is alive and
+ * how far it is:
+ *     kvcc: compilerkv: 412/1080 (38%), 600 s elapsed, ~970 s left
  */
 #include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include "kvcc.h"
 #include "stats.h"
 
-static double t_start;
+static double t_start, t_last_line;
 static const char *label_;
+
+/* The seconds between plain lines (KVCC_PROGRESS_INTERVAL; invalid values: the default). */
+static double line_interval(void) {
+    const char *s = getenv("KVCC_PROGRESS_INTERVAL");
+    if (s == NULL || *s == '\0') return 60.0;
+    char *end;
+    const double v = strtod(s, &end);
+    return *end == '\0' && v >= 0.0 && v <= 86400.0 ? v : 60.0;
+}
 
 void kvcc_progress_begin(const char *label) {
     label_ = label;
-    t_start = kvcc_now_s();
+    t_start = t_last_line = kvcc_now_s();
 }
 
 void kvcc_progress(unsigned done, unsigned total) {
-    if (!isatty(STDERR_FILENO) || total == 0) return;
+    if (total == 0) return;
+    const double now = kvcc_now_s(), el = now - t_start;
+    const double eta = done ? el / done * (total - done) : 0;
+    if (!isatty(STDERR_FILENO)) {
+        const double every = line_interval();
+        if (every <= 0.0 || done >= total || now - t_last_line < every) return;
+        t_last_line = now;
+        fprintf(stderr, "kvcc: %s: %u/%u (%.0f%%), %.0f s elapsed, ~%.0f s left\n",
+                label_ ? label_ : "progress", done, total, 100.0 * done / total, el, eta);
+        fflush(stderr);
+        return;
+    }
     int width = 30, fill = (int)((double)done / total * width);
-    double el = kvcc_now_s() - t_start, eta = done ? el / done * (total - done) : 0;
     fprintf(stderr, "\r%s [", label_ ? label_ : "");
     for (int i = 0; i < width; i++) fputc(i < fill ? '#' : '.', stderr);
     fprintf(stderr, "] %u/%u  %.1fs elapsed, ~%.1fs left ", done, total, el, eta);

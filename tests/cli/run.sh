@@ -60,6 +60,14 @@ fi
 "$KVCC" synth --model llama3 --prompts 1 --context 16 --continuation 4 -o "$tmp/s1.h5" 2>/dev/null && \
 "$KVCC" synth --model llama3 --prompts 1 --context 16 --continuation 4 -o "$tmp/s2.h5" 2>/dev/null && \
   cmp -s "$tmp/s1.h5" "$tmp/s2.h5" && ok || bad "two synth runs differ"
+# progress off a terminal: quiet by default (a short run), one plain line per interval otherwise
+err=$("$KVCC" synth --model smollm2-135m --prompts 3 --context 64 -o "$tmp/sp.h5" 2>&1 >/dev/null)
+[[ "$err" != *"1/3"* && "$err" == *"wrote"* ]] && ok || bad "synth off a terminal printed progress: $err"
+err=$(KVCC_PROGRESS_INTERVAL=0 "$KVCC" synth --model smollm2-135m --prompts 3 --context 64 -o "$tmp/sp.h5" 2>&1 >/dev/null)
+[[ "$err" != *"1/3"* ]] && ok || bad "KVCC_PROGRESS_INTERVAL=0 printed progress: $err"
+err=$(KVCC_PROGRESS_INTERVAL=0.000001 "$KVCC" synth --model smollm2-135m --prompts 3 --context 64 -o "$tmp/sp.h5" 2>&1 >/dev/null)
+[[ "$err" == *"kvcc: synth: 1/3 (33%), "*" s elapsed, ~"*" s left"*"kvcc: synth: 2/3 (67%)"* && "$err" != *"3/3"* ]] &&
+  ok || bad "synth progress lines with KVCC_PROGRESS_INTERVAL set: $err"
 head -c 4096 /dev/urandom > "$tmp/garbage.gguf"
 err=$("$KVCC" capture --gguf "$tmp/garbage.gguf" -o "$tmp/c.h5" 2>&1); ex=$?
 [[ $ex -eq 5 && "$err" == *"garbage.gguf"* ]] && ok || bad "capture on a garbage GGUF: exit $ex: $err"
