@@ -6,7 +6,7 @@
  * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section,
  *          kvrt_policy_item_int, kvrt_policy_budget_index (core/policy.c), and the CPU
  *          implementations kvrt_cpu_am_compact,
- *          kvrt_cpu_am_compact_layer_multi (cpu/am.c), kvrt_cpu_compilerkv_select
+ *          kvrt_cpu_am_compact_layer_multi, kvrt_am_layer_plan (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_kv2_proxy_check, kvrt_kv2_score_check,
  *          kvrt_cpu_kv2_proxy,
@@ -68,6 +68,15 @@ KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, con
                                       int64_t T, uint32_t head_dim, const float *q_ref,
                                       const int32_t *q_pos, int64_t n, int64_t t, int dtype,
                                       kvrt_cache **out, kvrt_am_stats *stats);
+/* The checks of a layer compaction that do not read the arrays (options, shapes, dtype, ratios:
+ * what every backend checks alike) and the budgets tb [n_kv_heads, n_sets] (entries per KV head
+ * and set: llround(ratio T) clamped to 1..T). o non-NULL; has_q / has_q_ref: whether q / q_ref
+ * were given; k, v are only tested for NULL. Errors in the thread-local error, named fn. */
+KVRT_INTERNAL int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int has_q,
+                                     int has_q_ref, int64_t n_ref, int64_t T, uint32_t n_heads,
+                                     uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                                     const float *ratios, const double *ratio_list, int dtype,
+                                     const float *k, const float *v, int64_t *tb);
 KVRT_INTERNAL int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q,
                                                   const float *q_ref, const int32_t *q_pos,
                                                   int64_t n_ref, const float *k, const float *v, int64_t T,

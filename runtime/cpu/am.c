@@ -31,6 +31,7 @@
 
 #include "kvrt_experimental.h"
 #include "kvpol.h"
+#include "core/am_plan.h"
 #include "core/backend.h"
 #include "core/policies.h"
 #include "cpu/blas.h"
@@ -557,24 +558,8 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         for (int64_t a = 0; a < ts; a++) ws->w[a] *= ws->scale[a];
     }
     /* 5. keep the keys of positive weight (all of them, beta = 0, if none is positive); with a
-     * floor, every selected key, beta = max(log w, floor) */
-    int64_t kept = 0, pos_w = 0;
-    const int has_floor = !isnan(o->beta_floor);
-    const double wmin = has_floor ? exp(o->beta_floor) : 0;
-    for (int64_t a = 0; a < ts; a++) {
-        const int ok = ws->w[a] > 0 && isfinite(log(ws->w[a]));
-        pos_w += ok;
-        if (ok || has_floor) {
-            ws->sel[kept] = ws->sel[a];
-            ws->w[kept] = ok && ws->w[a] > wmin ? ws->w[a] : wmin;
-            kept++;
-        }
-    }
-    if (pos_w == 0) {
-        kept = ts;
-        for (int64_t a = 0; a < ts; a++) ws->w[a] = 1.0;
-        if (inf.status == KVRT_NNLS_CONVERGED) inf.status = KVRT_NNLS_DEGENERATE;
-    }
+     * floor, every selected key, beta = max(log w, floor) (core/am_plan.h) */
+    const int64_t kept = kvrt_am_keep(o, ws->sel, ws->w, ts, &inf.status);
     /* 6. X = softmax(z_sel + beta) = P_sel w / rowsum; C_v by ridge least squares */
     double *X = ws->MS;
     double merr = 0;
@@ -631,33 +616,12 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     return KVRT_OK;
 }
 
-/* The split of a head's budget t over its T keys: the sinks [0, ns) and the recent window
- * [T - nr, T) kept exactly, the middle [ns, T - nr) compacted to tm = t - ns - nr entries. */
-typedef struct { int64_t ns, nr, tm; } am_split;
-static am_split split_of(const kvrt_am_opts *o, int64_t t) {
-    am_split sp;
-    sp.ns = o->n_sink < t ? o->n_sink : t;
-    const int64_t nr = (int64_t)llround(o->recent_frac * (double)t);
-    sp.nr = nr < t - sp.ns ? nr : t - sp.ns;
-    sp.tm = t - sp.ns - sp.nr;
-    return sp;
-}
-
-/* Chunk c of the Tm keys from key a on: [k0, k0 + Tc) and its share tc of tm by cumulative
- * rounding. */
-static void chunk_span(int64_t a, int64_t Tm, int64_t chunk, int64_t tm, int64_t c, int64_t *k0,
-                       int64_t *Tc, int64_t *tc) {
-    const int64_t s = c * chunk, e = (c + 1) * chunk < Tm ? (c + 1) * chunk : Tm;
-    *k0 = a + s;
-    *Tc = e - s;
-    const int64_t lo = (int64_t)llround((double)tm * (double)s / (double)Tm);
-    const int64_t hi = (int64_t)llround((double)tm * (double)e / (double)Tm);
-    *tc = hi - lo;
-}
-
-static int64_t chunk_of(const kvrt_am_opts *o, int64_t Tm) {
-    return o->chunk > 0 && o->chunk < Tm ? o->chunk : Tm;
-}
+/* The budget's split, the chunks and their shares: core/am_plan.h (shared with the CUDA
+ * backend) */
+typedef kvrt_am_split am_split;
+#define split_of kvrt_am_split_of
+#define chunk_span kvrt_am_chunk_span
+#define chunk_of kvrt_am_chunk_of
 
 /* Largest per-chunk budget of ns budgets t[ns] over T keys (what a workspace must hold). */
 static int64_t chunk_tmax(const kvrt_am_opts *o, int64_t T, int ns, const int64_t *t) {
@@ -1076,6 +1040,46 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
     return rc;
 }
 
+int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int has_q, int has_q_ref,
+                       int64_t n_ref, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                       uint32_t head_dim, int n_sets, const float *ratios,
+                       const double *ratio_list, int dtype, const float *k, const float *v,
+                       int64_t *tb) {
+    int rc = opts_check(fn, o);
+    if (rc) return rc;
+    if (ratios == NULL && ratio_list == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: both ratios and ratio_list are NULL", fn);
+    if ((!has_q && !has_q_ref) || k == NULL || v == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                         !has_q && !has_q_ref ? "q"
+                         : k == NULL          ? "k"
+                                              : "v");
+    if (has_q_ref && (n_ref < 1 || n_ref > INT32_MAX))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_ref %lld, expected 1..2^31-1", fn,
+                         (long long)n_ref);
+    if (T < 1 || T > INT32_MAX || head_dim == 0 || head_dim > 65536 || n_kv_heads == 0 ||
+        n_heads == 0)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: T %lld, head_dim %u, n_kv_heads %u, n_heads %u", fn,
+                       (long long)T, head_dim, n_kv_heads, n_heads);
+    if (n_heads % n_kv_heads != 0)
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a multiple of n_kv_heads %u", fn,
+                       n_heads, n_kv_heads);
+    if (!kvrt_cache_dtype_ok(dtype))
+        return kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
+    const int64_t Hkv = n_kv_heads, ns = n_sets;
+    for (int64_t si = 0; si < ns; si++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const double r = ratios ? (double)ratios[si * Hkv + h] : ratio_list[si];
+            if (!(r > 0) || !(r <= 1))
+                return KVRT_FAIL(KVRT_ERR_ARG,
+                                 "%s: ratio of KV head %lld (set %lld) is %g, expected (0, 1]", fn,
+                                 (long long)h, (long long)si, r);
+            int64_t t = (int64_t)llround(r * (double)T);
+            tb[h * ns + si] = t < 1 ? 1 : t > T ? T : t;
+        }
+    return KVRT_OK;
+}
+
 int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *q_ref,
                                 const int32_t *q_pos, int64_t n_ref, const float *k,
                                 const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
@@ -1087,48 +1091,22 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (n_sets < 1 || n_sets > 4096)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_sets %d, expected 1..4096", fn, n_sets);
     for (int si = 0; si < n_sets; si++) out[si] = NULL;
-    if (ratios == NULL && ratio_list == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: both ratios and ratio_list are NULL", fn);
     kvrt_am_opts def;
     if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
-    int rc = opts_check(fn, o);
-    if (rc) return rc;
-    if ((q == NULL && q_ref == NULL) || k == NULL || v == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
-                         q == NULL && q_ref == NULL ? "q"
-                         : k == NULL                ? "k"
-                                                    : "v");
-    if (q_ref && (n_ref < 1 || n_ref > INT32_MAX))
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_ref %lld, expected 1..2^31-1", fn,
-                         (long long)n_ref);
-    for (int64_t i = 0; q_ref && q_pos && i < n_ref; i++)
-        if (q_pos[i] < 0)
-            return KVRT_FAIL(KVRT_ERR_ARG, "%s: q_pos[%lld] = %d, expected >= 0", fn, (long long)i,
-                             q_pos[i]);
-    if (T < 1 || T > INT32_MAX || head_dim == 0 || head_dim > 65536 || n_kv_heads == 0 ||
-        n_heads == 0)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: T %lld, head_dim %u, n_kv_heads %u, n_heads %u", fn,
-                       (long long)T, head_dim, n_kv_heads, n_heads);
-    if (n_heads % n_kv_heads != 0)
-        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a multiple of n_kv_heads %u", fn,
-                       n_heads, n_kv_heads);
-    if (!kvrt_cache_dtype_ok(dtype))
-        return kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
-    const int64_t d = head_dim, Hkv = n_kv_heads, H = n_heads, G = H / Hkv, ns = n_sets;
-    int64_t *tb = malloc(sizeof(int64_t) * (size_t)(Hkv * ns)); /* [Hkv, ns] */
+    const int64_t d = head_dim, Hkv = n_kv_heads, H = n_heads, G = H / (Hkv ? Hkv : 1),
+                  ns = n_sets;
+    int64_t *tb = malloc(sizeof(int64_t) * (size_t)((Hkv ? Hkv : 1) * ns)); /* [Hkv, ns] */
     if (tb == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    for (int64_t si = 0; si < ns; si++)
-        for (int64_t h = 0; h < Hkv; h++) {
-            const double r = ratios ? (double)ratios[si * Hkv + h] : ratio_list[si];
-            if (!(r > 0) || !(r <= 1)) {
-                free(tb);
-                return KVRT_FAIL(KVRT_ERR_ARG,
-                                 "%s: ratio of KV head %lld (set %lld) is %g, expected (0, 1]", fn,
-                                 (long long)h, (long long)si, r);
-            }
-            int64_t t = (int64_t)llround(r * (double)T);
-            tb[h * ns + si] = t < 1 ? 1 : t > T ? T : t;
-        }
+    int rc = kvrt_am_layer_plan(fn, o, q != NULL, q_ref != NULL, n_ref, T, n_heads, n_kv_heads,
+                                head_dim, n_sets, ratios, ratio_list, dtype, k, v, tb);
+    for (int64_t i = 0; rc == KVRT_OK && q_ref && q_pos && i < n_ref; i++)
+        if (q_pos[i] < 0)
+            rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: q_pos[%lld] = %d, expected >= 0", fn, (long long)i,
+                           q_pos[i]);
+    if (rc) {
+        free(tb);
+        return rc;
+    }
     /* the query source: the context's own (row i at position i, causal) or the caller's
      * reference queries (positions q_pos, or none: every query sees every key) */
     const float *qs = q_ref ? q_ref : q;
@@ -1171,13 +1149,7 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
         for (int64_t i = 0; i < n; i++) {
             int64_t tok, g;
-            if (n == n_all) {
-                tok = i / G;
-                g = i % G;
-            } else {
-                tok = (int64_t)((double)i * (double)nq / (double)n);
-                g = i % G;
-            }
+            kvrt_am_ref_row(i, n, n_all, nq, G, &tok, &g);
             memcpy(qr + i * d, qs + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
             qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;
         }

@@ -1,0 +1,92 @@
+/*
+ * am_plan.h: the parts of Attention Matching's compaction that are the same on every backend
+ * (runtime/cpu/am.c and runtime/cuda/am.cu include it): how a head's budget splits into exact
+ * sinks, an exact recent window and a compacted middle; how the middle is cut into chunks and
+ * the budget shared among them; which of a KV head's query rows are its reference queries; and
+ * which selected keys a fit keeps (step 5 of docs/policies/am.md). Pure functions of their
+ * arguments, static inline: the CUDA backend is its own library and cannot call libkvrt's
+ * internal symbols. Not installed.
+ *
+ * defines: kvrt_am_split, kvrt_am_split_of, kvrt_am_chunk_of, kvrt_am_chunk_span,
+ *          kvrt_am_ref_row, kvrt_am_keep
+ */
+#ifndef KVRT_CORE_AM_PLAN_H
+#define KVRT_CORE_AM_PLAN_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "kvrt_experimental.h"
+
+/* The split of a head's budget t over its T keys: the sinks [0, ns) and the recent window
+ * [T - nr, T) kept exactly, the middle [ns, T - nr) compacted to tm = t - ns - nr entries. */
+typedef struct { int64_t ns, nr, tm; } kvrt_am_split;
+static inline kvrt_am_split kvrt_am_split_of(const kvrt_am_opts *o, int64_t t) {
+    kvrt_am_split sp;
+    sp.ns = o->n_sink < t ? o->n_sink : t;
+    const int64_t nr = (int64_t)llround(o->recent_frac * (double)t);
+    sp.nr = nr < t - sp.ns ? nr : t - sp.ns;
+    sp.tm = t - sp.ns - sp.nr;
+    return sp;
+}
+
+/* Keys per chunk of a middle of Tm keys: o->chunk, or the whole middle. */
+static inline int64_t kvrt_am_chunk_of(const kvrt_am_opts *o, int64_t Tm) {
+    return o->chunk > 0 && o->chunk < Tm ? o->chunk : Tm;
+}
+
+/* Chunk c of the Tm keys from key a on: [k0, k0 + Tc) and its share tc of tm by cumulative
+ * rounding. */
+static inline void kvrt_am_chunk_span(int64_t a, int64_t Tm, int64_t chunk, int64_t tm, int64_t c,
+                                      int64_t *k0, int64_t *Tc, int64_t *tc) {
+    const int64_t s = c * chunk, e = (c + 1) * chunk < Tm ? (c + 1) * chunk : Tm;
+    *k0 = a + s;
+    *Tc = e - s;
+    const int64_t lo = (int64_t)llround((double)tm * (double)s / (double)Tm);
+    const int64_t hi = (int64_t)llround((double)tm * (double)e / (double)Tm);
+    *tc = hi - lo;
+}
+
+/* Reference query i (of n) of a KV head with G query heads over nq query rows (n_all = nq G
+ * candidates): all of them in (row, head) order when n == n_all, else evenly spaced rows with the
+ * query head rotating, so that every one of the G heads contributes (a plain stride over the
+ * interleaved order can skip a head: n = 2T/3 of 3T never picks the third). Ascending rows. */
+static inline void kvrt_am_ref_row(int64_t i, int64_t n, int64_t n_all, int64_t nq, int64_t G,
+                                   int64_t *tok, int64_t *g) {
+    if (n == n_all) {
+        *tok = i / G;
+        *g = i % G;
+    } else {
+        *tok = (int64_t)((double)i * (double)nq / (double)n);
+        *g = i % G;
+    }
+}
+
+/* Step 5 of a fit: of the ts selected keys sel[ts] with NNLS weights w[ts], keep those of
+ * positive weight (beta = log w), compacted to the front of sel and w; with a beta floor
+ * (o->beta_floor not NaN) every selected key, w raised to exp(floor). When no weight is positive,
+ * all ts keys with w = 1 (beta = 0), and *status becomes KVRT_NNLS_DEGENERATE if it was
+ * converged. Returns the kept count. */
+static inline int64_t kvrt_am_keep(const kvrt_am_opts *o, int32_t *sel, double *w, int64_t ts,
+                                   int *status) {
+    int64_t kept = 0, pos_w = 0;
+    const int has_floor = !isnan(o->beta_floor);
+    const double wmin = has_floor ? exp(o->beta_floor) : 0;
+    for (int64_t a = 0; a < ts; a++) {
+        const int ok = w[a] > 0 && isfinite(log(w[a]));
+        pos_w += ok;
+        if (ok || has_floor) {
+            sel[kept] = sel[a];
+            w[kept] = ok && w[a] > wmin ? w[a] : wmin;
+            kept++;
+        }
+    }
+    if (pos_w == 0) {
+        kept = ts;
+        for (int64_t a = 0; a < ts; a++) w[a] = 1.0;
+        if (*status == KVRT_NNLS_CONVERGED) *status = KVRT_NNLS_DEGENERATE;
+    }
+    return kept;
+}
+
+#endif /* KVRT_CORE_AM_PLAN_H */
