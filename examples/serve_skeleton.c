@@ -12,9 +12,11 @@
  * device memory on a CUDA context, host memory on a CPU one), so the same calls run on either:
  * CompilerKV (kvrt_compilerkv_prompt_add_layer_ctx, kvrt_compilerkv_select; the kept tokens
  * gathered, moved into the context's memory with kvrt_cache_to_device, then one decode query
- * through kvrt_attend) and CompKV (kvrt_compkv_create_layer, _append, _step) have CUDA versions;
- * Attention Matching has none yet (docs/cuda.md): on a CUDA context its call returns
- * KVRT_ERR_UNSUPPORTED naming the op, and this program then runs it on a CPU context, saying so.
+ * through kvrt_attend), Attention Matching (kvrt_am_compact_scheduled: the cache comes back in
+ * the context's memory) and CompKV (kvrt_compkv_create_layer, _append, _step) have CUDA
+ * versions. What a backend lacks (on CUDA: AM's OMP key selection, docs/cuda.md) returns
+ * KVRT_ERR_UNSUPPORTED naming it, and this program then runs the policy on a CPU context,
+ * saying so.
  * Only the serving header kvrt.h is used.
  *
  * Build: `make examples` (build/examples/serve_skeleton), or by hand after `make` (CPU-only):
@@ -193,11 +195,19 @@ static int run_am(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kvrt_model_dim
            (long long)o.chunk);
     const int64_t T = T_CTX;
     fake_layer(layer, T, m->n_heads, m->n_kv_heads, m->head_dim, q, k, v);
+    /* the layer's q, k, v in the context's memory; the compacted cache comes back there too */
+    const size_t qbytes = sizeof(float) * (size_t)T * m->n_heads * m->head_dim;
+    const size_t kbytes = sizeof(float) * (size_t)T * m->n_kv_heads * m->head_dim;
+    void *dq = to_ctx(ctx, q, qbytes), *dk = dq ? to_ctx(ctx, k, kbytes) : NULL;
+    void *dv = dk ? to_ctx(ctx, v, kbytes) : NULL;
     kvrt_am_stats *stats = calloc(m->n_kv_heads, sizeof *stats);
     kvrt_cache *cache = NULL;
-    rc = stats ? kvrt_am_compact_scheduled(ctx, s, NULL, 0, targets[0], layer, q, k, v, T,
-                                           m->n_heads, KVRT_DTYPE_F16, &cache, stats)
-               : KVRT_ERR_NOMEM;
+    rc = stats && dv ? kvrt_am_compact_scheduled(ctx, s, NULL, 0, targets[0], layer, dq, dk, dv,
+                                                 T, m->n_heads, KVRT_DTYPE_F16, &cache, stats)
+                     : KVRT_ERR_NOMEM;
+    kvrt_ctx_dealloc(ctx, dq);
+    kvrt_ctx_dealloc(ctx, dk);
+    kvrt_ctx_dealloc(ctx, dv);
     if (rc != KVRT_OK) {
         free(stats);
         return fail_call("kvrt_am_compact_scheduled", rc);
@@ -411,9 +421,9 @@ int main(int argc, char **argv) {
     if (dev == KVRT_DEVICE_CUDA) kvrt_ctx_dealloc(ctx, buf);
 
     // --- 4. per request / per layer: a policy handle from the artifact, run on one layer.
-    // CompilerKV and CompKV run on either backend; a policy whose op this CUDA backend lacks
-    // (Attention Matching, docs/cuda.md) says KVRT_ERR_UNSUPPORTED naming the op, and it then
-    // runs on a CPU context (its arrays in host memory: run_policy copies into the context's).
+    // Every policy runs on either backend; what this CUDA backend lacks (AM's OMP key
+    // selection, docs/cuda.md) says KVRT_ERR_UNSUPPORTED naming it, and the policy then runs
+    // on a CPU context (its arrays in host memory: run_policy copies into the context's).
     if (rc == KVRT_OK) {
         int found;
         rc = run_policy(ctx, pol, policy, &found);

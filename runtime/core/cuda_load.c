@@ -32,6 +32,7 @@
 #include "kvrt_experimental.h"
 #include "core/backend.h"
 #include "core/policies.h"
+#include "cpu/nnls.h" /* kvrt_cpu_ridge_solve: a service of the CUDA backend (AM) */
 
 #if defined(KVRT_WITH_CUDA)
 
@@ -85,6 +86,12 @@ static int try_one(const char *path, int must_exist) {
         .compilerkv_kept_window = kvrt_compilerkv_kept_window,
         .compkv_create_check = kvrt_compkv_create_check,
         .compkv_groups_fill = kvrt_compkv_groups_fill,
+        .am_opts_init = kvrt_am_opts_init,
+        .am_layer_plan = kvrt_am_layer_plan,
+        .am_nnls_gram = kvrt_am_nnls_gram,
+        .ridge_solve = kvrt_cpu_ridge_solve,
+        .cache_create = kvrt_cache_create,
+        .cache_put_kv = kvrt_cache_put_kv,
     };
     const kvrt_cuda_plugin *p = init(&host);
     if (p == NULL || p->api_version != KVRT_CUDA_PLUGIN_API_VERSION || p->kvrt_version == NULL ||

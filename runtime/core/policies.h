@@ -77,6 +77,10 @@ KVRT_INTERNAL int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int 
                                      uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                                      const float *ratios, const double *ratio_list, int dtype,
                                      const float *k, const float *v, int64_t *tb);
+/* kvrt_cpu_nnls_gram with its own workspace (for the CUDA backend's AM fit): x [n] from 0;
+ * KVRT_OK or KVRT_ERR_NOMEM. */
+KVRT_INTERNAL int kvrt_am_nnls_gram(const double *G, const double *c, int64_t n, int max_iter,
+                                    double *x, kvrt_nnls_info *info);
 KVRT_INTERNAL int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q,
                                                   const float *q_ref, const int32_t *q_pos,
                                                   int64_t n_ref, const float *k, const float *v, int64_t T,

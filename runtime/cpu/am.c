@@ -1040,6 +1040,19 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
     return rc;
 }
 
+int kvrt_am_nnls_gram(const double *G, const double *c, int64_t n, int max_iter, double *x,
+                      kvrt_nnls_info *info) {
+    kvrt_cpu_nnls_ws nw;
+    if (kvrt_cpu_nnls_ws_alloc(&nw, n) != 0) {
+        kvrt_cpu_nnls_ws_free(&nw);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (NNLS of %lld columns)",
+                         (long long)n);
+    }
+    kvrt_cpu_nnls_gram(G, c, n, max_iter, x, &nw, info);
+    kvrt_cpu_nnls_ws_free(&nw);
+    return KVRT_OK;
+}
+
 int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int has_q, int has_q_ref,
                        int64_t n_ref, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
                        uint32_t head_dim, int n_sets, const float *ratios,

@@ -147,6 +147,15 @@ KVRT_INTERNAL int kvrt_cuda_compkv_attend_blocks(kvrt_ctx *ctx, const kvrt_compk
 KVRT_INTERNAL int kvrt_cuda_compkv_step(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
                                         uint32_t n_heads, int64_t k_blocks, float *out,
                                         int32_t *blocks_out);
+/* am.cu: the am_compact_layer slot (core/backend.h), every array device memory (q_pos too);
+ * synchronizes (per chunk) and returns device caches */
+KVRT_INTERNAL int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o,
+                                             const float *q, const float *q_ref,
+                                             const int32_t *q_pos, int64_t n_ref, const float *k,
+                                             const float *v, int64_t T, uint32_t n_heads,
+                                             uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
+                                             const float *ratios, const double *ratio_list,
+                                             int dtype, kvrt_cache **out, kvrt_am_stats *stats);
 /* kv2.cu; synchronizes once (the finite check of q, k, k_new) */
 KVRT_INTERNAL int kvrt_cuda_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q,
                                       uint32_t n_heads, const float *k, int64_t C,

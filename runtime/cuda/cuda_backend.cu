@@ -361,6 +361,7 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.compkv_attend_blocks = kvrt_cuda_compkv_attend_blocks;
     t.compkv_step = kvrt_cuda_compkv_step;
     t.cache_gather = cuda_cache_gather;
+    t.am_compact_layer = kvrt_cuda_am_compact_layer;
     return t;
 }
 
@@ -371,7 +372,9 @@ kvrt_cuda_plugin_init(const kvrt_cuda_host *host) {
     if (host == NULL || host->api_version != KVRT_CUDA_PLUGIN_API_VERSION || !host->err_set ||
         !host->cache_gather || !host->cache_to_device || !host->cache_free ||
         !host->selection_create || !host->compilerkv_budget_index || !host->compilerkv_bins ||
-        !host->compilerkv_kept_window || !host->compkv_create_check || !host->compkv_groups_fill)
+        !host->compilerkv_kept_window || !host->compkv_create_check || !host->compkv_groups_fill ||
+        !host->am_opts_init || !host->am_layer_plan || !host->am_nnls_gram || !host->ridge_solve ||
+        !host->cache_create || !host->cache_put_kv)
         return NULL;
     kvrt_cuda_host_services = host;
     static const kvrt_backend_ops table = make_cuda_ops();

@@ -487,7 +487,11 @@ int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const 
 /* A whole layer: q [T, H, d] (the context's own queries: reference queries of KV head h are those
  * of its G = H / Hkv query heads, causal, evenly strided down to max_queries), k, v [T, Hkv, d].
  * Budget of head h: t_h = round(ratios[h] * T) clamped to 1..T, ratios [Hkv] in (0, 1] (NULL:
- * ratio for every head). *out: one cache of n_kv_heads heads. stats [Hkv] or NULL. */
+ * ratio for every head). *out: one cache of n_kv_heads heads. stats [Hkv] or NULL.
+ * On a CUDA context (this call and the _ref, _multi and _scheduled forms; docs/cuda.md): q,
+ * q_ref, q_pos, k and v are device memory, ratios and stats stay host memory, *out is a device
+ * cache of the context; key selection OMP returns KVRT_ERR_UNSUPPORTED there (HighestAttnKeys
+ * only). */
 int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, const float *k,
                           const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
                           uint32_t head_dim, const float *ratios, double ratio, int dtype,

@@ -1029,11 +1029,14 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
             const size_t nq = sizeof(float) * (size_t)(T * H * d);
             const size_t nk = sizeof(float) * (size_t)(T * Hkv * d);
             float *dq = to_ctx(ctx, q, nq), *dk = to_ctx(ctx, k, nk), *dv = to_ctx(ctx, v, nk);
-            float *dr = to_ctx(ctx, rp, rp ? sizeof(float) * Hkv : 0);
-            const double ratio = shapes[si].ratio;
-            rc = ctx->ops->am_compact_layer(ctx, &o, dq, NULL, NULL, 0, dk, dv, T, H, Hkv, d, 1, dr, &ratio,
-                                            dtype, &got, NULL);
-            if (rc != KVRT_OK) {
+            const double ratio = shapes[si].ratio; /* ratios: host memory on every backend */
+            rc = ctx->ops->am_compact_layer(ctx, &o, dq, NULL, NULL, 0, dk, dv, T, H, Hkv, d, 1, rp,
+                                            &ratio, dtype, &got, NULL);
+            if (rc == KVRT_ERR_UNSUPPORTED) { /* an option this backend lacks (CUDA: OMP) */
+                row_head("am_compact_layer", bk, shape);
+                printf("not supported: %s\n", kvrt_last_error()->msg);
+                n_unsupported++;
+            } else if (rc != KVRT_OK) {
                 report_error("am_compact_layer", bk, shape, rc, "am_compact_layer");
             } else {
                 kvrt_cache *h = cache_to_host(ctx, got);
@@ -1046,12 +1049,84 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
             kvrt_ctx_dealloc(ctx, dq);
             kvrt_ctx_dealloc(ctx, dk);
             kvrt_ctx_dealloc(ctx, dv);
-            kvrt_ctx_dealloc(ctx, dr);
         }
         kvrt_cache_free(ref);
         free(q);
         free(k);
         free(v);
+    }
+}
+
+/* The layer call with reference queries the caller hands in (kvrt_am_compact_layer_ref): q_ref
+ * [n_ref, H, d] with positions q_pos [n_ref] (spread over 0 .. T-1, so that every chunk has rows
+ * that see it) or none, in the context's memory like k and v; one shape subsamples the
+ * reference rows (max_queries); against the CPU fast path, the caches and the fit's errors. */
+static void test_am_ref(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T, n_ref;
+        uint32_t H, Hkv, d;
+        double ratio;
+        int with_pos;
+        int64_t chunk, max_queries;
+    } shapes[] = {{320, 96, 4, 2, 32, 0.2, 1, 128, 4096}, {256, 80, 6, 3, 32, 0.15, 0, 4096, 100}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T, nr = shapes[si].n_ref;
+        const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld n_ref=%lld H=%u Hkv=%u d=%u %s chunk=%lld max_q=%lld",
+                 (long long)T, (long long)nr, H, Hkv, d, shapes[si].with_pos ? "q_pos" : "no pos",
+                 (long long)shapes[si].chunk, (long long)shapes[si].max_queries);
+        if (!row_runs(ctx, bk, "am_compact_layer_ref", KVRT_OP_AM_COMPACT_LAYER, shape)) continue;
+        uint64_t seed = 900 + si;
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.chunk = shapes[si].chunk;
+        o.max_queries = shapes[si].max_queries;
+        float *q = randf(&seed, nr * H * d, -1.0f, 1.0f), *k = randf(&seed, T * Hkv * d, -1, 1);
+        float *v = randf(&seed, T * Hkv * d, -1.0f, 1.0f);
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)nr);
+        for (int64_t i = 0; i < nr; i++) pos[i] = (int32_t)(i * (T - 1) / (nr - 1)); /* 0 .. T-1 */
+        const int32_t *pp = shapes[si].with_pos ? pos : NULL;
+        kvrt_cache *ref = NULL, *got = NULL;
+        kvrt_am_stats st_ref[8], st_got[8];
+        int rc = kvrt_am_compact_layer_ref(cpu_ref, &o, q, pp, nr, k, v, T, H, Hkv, d, NULL,
+                                           shapes[si].ratio, KVRT_DTYPE_F32, &ref, st_ref);
+        if (rc != KVRT_OK) {
+            report_error("am_compact_layer_ref", bk, shape, rc, "kvrt_am_compact_layer_ref");
+        } else {
+            const size_t nq = sizeof(float) * (size_t)(nr * H * d);
+            const size_t nk = sizeof(float) * (size_t)(T * Hkv * d);
+            float *dq = to_ctx(ctx, q, nq), *dk = to_ctx(ctx, k, nk), *dv = to_ctx(ctx, v, nk);
+            int32_t *dp = pp ? to_ctx(ctx, pp, sizeof(int32_t) * (size_t)nr) : NULL;
+            rc = kvrt_am_compact_layer_ref(ctx, &o, dq, dp, nr, dk, dv, T, H, Hkv, d, NULL,
+                                           shapes[si].ratio, KVRT_DTYPE_F32, &got, st_got);
+            if (rc != KVRT_OK) {
+                report_error("am_compact_layer_ref", bk, shape, rc, "kvrt_am_compact_layer_ref");
+            } else {
+                kvrt_cache *h = cache_to_host(ctx, got);
+                nmse_acc a = {0, 0, 0};
+                acc_cache(&a, h, ref);
+                /* the fit's quality on its reference queries, as both backends measured it */
+                for (uint32_t j = 0; j < Hkv; j++) {
+                    const float gm = (float)st_got[j].mass_relerr, rm = (float)st_ref[j].mass_relerr;
+                    const float go = (float)st_got[j].out_relerr, ro = (float)st_ref[j].out_relerr;
+                    acc_f(&a, &gm, &rm, 1);
+                    acc_f(&a, &go, &ro, 1);
+                }
+                report("am_compact_layer_ref", bk, shape, acc_nmse(&a), 1e-6, NULL);
+                kvrt_cache_free(h);
+                kvrt_cache_free(got);
+            }
+            kvrt_ctx_dealloc(ctx, dq);
+            kvrt_ctx_dealloc(ctx, dk);
+            kvrt_ctx_dealloc(ctx, dv);
+            kvrt_ctx_dealloc(ctx, dp);
+        }
+        kvrt_cache_free(ref);
+        free(q);
+        free(k);
+        free(v);
+        free(pos);
     }
 }
 
@@ -1689,6 +1764,7 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_compilerkv(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am_head(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_am(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_am_ref(backends[b].ctx, backends[b].name);
     static const ck_test ck_tests[] = {test_compkv_create, test_compkv_scores,
                                        test_compkv_select, test_compkv_attend_blocks,
                                        test_compkv_step};

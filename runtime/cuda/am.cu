@@ -1,0 +1,693 @@
+/*
+ * am.cu: Attention Matching's layer compaction on a CUDA context (the am_compact_layer slot:
+ * kvrt_am_compact_layer, _ref, _multi, _multi_ref and kvrt_am_compact_scheduled[_ref]), the
+ * same plan as the CPU's (core/am_plan.h: budget split, chunks, reference rows, keep step;
+ * kvrt_am_layer_plan: the checks and budgets) with the O(n T d) work on the device:
+ *   per KV head and reference-query set: the reference queries gathered from q / q_ref (device);
+ *   per chunk [k0, k0 + Tc) of the middle:
+ *     1. logits S = Q K^T / sqrt(d) (cuBLAS sgemm), row pass P = exp(z - rowmax) over the keys
+ *        each row sees (the CPU's exp, rounded the same way), masses in double, rs = 1 / mass;
+ *     2. Y = softmax(z) V (cuBLAS sgemm, then * rs in double); the column sums of squares of
+ *        softmax(z) in double, in the CPU's order (64-row blocks, rows in order within a block);
+ *     3. HighestAttnKeys: score_j = sqrt(colsum_j / n) as float, the tc largest by the CPU's rule
+ *        (kvrt_cuda_topk_keys: ties to the lower key);
+ *     4. the NNLS matrix (the relative columns, scaled to unit norm) and its Gram (cuBLAS dsyrk);
+ *        the NNLS itself on the host (the CPU's active-set solver, through the loading libkvrt:
+ *        a ts x ts problem, downloaded once per chunk; docs/cuda.md says what it costs);
+ *     5. the keep step on the host (core/am_plan.h);
+ *     6. X = softmax(z_sel + beta) and its mass error (device), X^T X (dsyrk) and X^T Y (dgemm),
+ *        the ridge solve on the host (the CPU's), O = X C (dgemm) and the output error (device);
+ *   the sinks and the recent window copied exactly, and the entries assembled on the host into
+ *   a cache that kvrt_cache_to_device moves into the context's memory (only what is kept).
+ * Not here: OMP key selection (KVRT_ERR_UNSUPPORTED naming it), and the CPU's sharing of one
+ * logit pass among budget sets that differ only in their recent window (am_group): each set is
+ * compacted on its own, so its logits are computed once per set (values within the f32
+ * products' rounding of the CPU's; tests/backend compares them).
+ * Every array argument is device memory (q_pos too); the call synchronizes (it downloads the
+ * fit's small matrices per chunk) and returns device caches.
+ *
+ * defines: kvrt_cuda_am_compact_layer
+ */
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/am_plan.h"
+#include "cuda/common.cuh"
+
+#define AM_ROWBLK 64 /* rows per partial column sum: runtime/cpu/am.c's AM_ROWBLK */
+
+// ----------------------------------------------------------------------------
+// device code
+
+/* runtime/cpu/vexp.h's exp_nonpos_f32 with every operation rounded on its own (no contraction
+ * into FMA): the same bits as the CPU's for the same input. */
+__device__ __forceinline__ float am_exp_nonpos(float x) {
+    const float lo = -87.33654475f;
+    float xc = x > 0.0f ? 0.0f : x;
+    xc = xc <= lo ? -80.0f : xc;
+    xc = (x != x) ? 0.0f : xc;
+    const float shifter = 12582912.0f;
+    const float n = __fsub_rn(__fadd_rn(__fmul_rn(xc, 1.44269504088896341f), shifter), shifter);
+    float r = __fsub_rn(xc, __fmul_rn(n, 0.693359375f));
+    r = __fsub_rn(r, __fmul_rn(n, -2.12194440e-4f));
+    float p = 1.9875691500e-4f;
+    p = __fadd_rn(__fmul_rn(p, r), 1.3981999507e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 8.3334519073e-3f);
+    p = __fadd_rn(__fmul_rn(p, r), 4.1665795894e-2f);
+    p = __fadd_rn(__fmul_rn(p, r), 1.6666665459e-1f);
+    p = __fadd_rn(__fmul_rn(p, r), 5.0000001201e-1f);
+    const float y = __fadd_rn(__fadd_rn(__fmul_rn(__fmul_rn(p, r), r), r), 1.0f);
+    const float two_n = __int_as_float(((int)n + 127) << 23);
+    const float keep = x <= lo ? 0.0f : 1.0f;
+    const float nan_part = (x != x) ? x : 0.0f;
+    return __fadd_rn(__fmul_rn(__fmul_rn(y, two_n), keep), nan_part);
+}
+
+/* flag = 1 when any of x[0..n) is NaN or infinite */
+__global__ void am_nonfinite(const float *__restrict__ x, int64_t n, int *__restrict__ flag) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        if (!isfinite(x[i])) *flag = 1;
+}
+
+/* dst[r, :] = src[off[r] .. off[r] + d) for r < rows (reference-query rows, or key/value rows) */
+__global__ void am_gather_rows(const float *__restrict__ src, const int64_t *__restrict__ off,
+                               int64_t d, float *__restrict__ dst) {
+    const int64_t r = blockIdx.x;
+    for (int64_t x = threadIdx.x; x < d; x += blockDim.x) dst[r * d + x] = src[off[r] + x];
+}
+
+/* One block per row i of S [n, Tc]: the keys the row sees (vis: pos[i] - k0 + 1 clamped to
+ * 1..Tc, or Tc without positions), its max, P = exp(z - max) there and 0 past it, the mass in
+ * double (a fixed tree), rs = 1 / mass. flag = 1 when a max is not finite or a P is NaN. */
+__global__ void am_rows(float *__restrict__ S, int64_t Tc, const int32_t *__restrict__ pos,
+                        int64_t k0, double *__restrict__ mass, double *__restrict__ rs,
+                        int32_t *__restrict__ vis_out, int *__restrict__ flag) {
+    __shared__ float smax[256];
+    __shared__ double ssum[256];
+    const int64_t i = blockIdx.x;
+    float *row = S + i * Tc;
+    int64_t vis = pos ? (int64_t)pos[i] - k0 + 1 : Tc;
+    vis = vis < 1 ? 1 : vis > Tc ? Tc : vis;
+    float m = -INFINITY;
+    for (int64_t j = threadIdx.x; j < vis; j += blockDim.x) m = fmaxf(m, row[j]);
+    smax[threadIdx.x] = m;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) smax[threadIdx.x] = fmaxf(smax[threadIdx.x], smax[threadIdx.x + s]);
+        __syncthreads();
+    }
+    const float mx = smax[0];
+    if (!isfinite(mx)) {
+        if (threadIdx.x == 0) {
+            *flag = 1;
+            mass[i] = 1.0;
+            rs[i] = 1.0;
+            vis_out[i] = (int32_t)vis;
+        }
+        return;
+    }
+    double acc = 0.0;
+    int bad = 0;
+    for (int64_t j = threadIdx.x; j < Tc; j += blockDim.x) {
+        float e = 0.0f;
+        if (j < vis) {
+            e = am_exp_nonpos(__fsub_rn(row[j], mx));
+            bad |= e != e;
+            acc += (double)e;
+        }
+        row[j] = e;
+    }
+    if (bad) *flag = 1;
+    ssum[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) ssum[threadIdx.x] += ssum[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        mass[i] = ssum[0];
+        rs[i] = 1.0 / ssum[0];
+        vis_out[i] = (int32_t)vis;
+    }
+}
+
+/* Per column j of P [n, Tc]: colsum_j = sum over 64-row blocks in order of (sum over the block's
+ * rows in order of (P_ij rs_i)^2): the CPU's order (prep_block + colsum_range), so equal P and
+ * rs give equal bits. Then the HighestAttnKeys score sqrt(colsum_j / n) as a top-k key. */
+__global__ void am_colsq(const float *__restrict__ S, int64_t n, int64_t Tc,
+                         const double *__restrict__ rs, uint32_t *__restrict__ keys) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= Tc) return;
+    double col = 0.0;
+    for (int64_t b = 0; b < n; b += AM_ROWBLK) {
+        const int64_t e = b + AM_ROWBLK < n ? b + AM_ROWBLK : n;
+        double part = 0.0;
+        for (int64_t i = b; i < e; i++) {
+            const double x = (double)S[i * Tc + j] * rs[i];
+            part += x * x;
+        }
+        col += part;
+    }
+    keys[j] = kvrt_topk_key((float)sqrt(col / (double)n));
+}
+
+/* Y [n, d] = Yf * rs (double) */
+__global__ void am_targets(const float *__restrict__ Yf, const double *__restrict__ rs, int64_t n,
+                           int64_t d, double *__restrict__ Y) {
+    const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < n * d) Y[e] = (double)Yf[e] * rs[e / d];
+}
+
+/* The NNLS matrix, one thread per selected column a: MS[i, a] = P[i, sel[a]] rs_i, scaled to
+ * unit norm (scale[a] = 1 / norm, 0 for a column that is 0 everywhere), cvec[a] = its sum;
+ * rows in order (the CPU's gather_cols). */
+__global__ void am_gather_cols(const float *__restrict__ S, int64_t n, int64_t Tc,
+                               const int32_t *__restrict__ sel, int64_t ts,
+                               const double *__restrict__ rs, double *__restrict__ MS,
+                               double *__restrict__ scale, double *__restrict__ cvec) {
+    const int64_t a = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (a >= ts) return;
+    const int64_t j = sel[a];
+    double s2 = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double x = (double)S[i * Tc + j] * rs[i];
+        MS[i * ts + a] = x;
+        s2 += x * x;
+    }
+    const double sc = s2 > 0 ? 1.0 / sqrt(s2) : 0.0;
+    double cv = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double m = MS[i * ts + a] * sc;
+        MS[i * ts + a] = m;
+        cv += m;
+    }
+    scale[a] = sc;
+    cvec[a] = cv;
+}
+
+/* One thread per row i: X[i, a] = P[i, sel[a]] w[a] / s_i with s_i their sum (0 when s_i is 0),
+ * and the row's relative mass error |s_i - mass_i| / mass_i (the CPU's step 6). */
+__global__ void am_build_x(const float *__restrict__ S, int64_t n, int64_t Tc,
+                           const int32_t *__restrict__ sel, const double *__restrict__ w,
+                           int64_t kept, const double *__restrict__ mass, double *__restrict__ X,
+                           double *__restrict__ merr) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    double s = 0.0;
+    double *xr = X + i * kept;
+    for (int64_t a = 0; a < kept; a++) {
+        xr[a] = (double)S[i * Tc + sel[a]] * w[a];
+        s += xr[a];
+    }
+    merr[i] = fabs(s - mass[i]) / mass[i];
+    const double inv = s > 0 ? 1.0 / s : 0.0;
+    for (int64_t a = 0; a < kept; a++) xr[a] *= inv;
+}
+
+/* One thread per row i: |O_i - Y_i| / (|Y_i| + 1e-30) */
+__global__ void am_out_err(const double *__restrict__ O, const double *__restrict__ Y, int64_t n,
+                           int64_t d, double *__restrict__ oerr) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    double num = 0.0, den = 0.0;
+    for (int64_t x = 0; x < d; x++) {
+        const double y = Y[i * d + x], e = O[i * d + x] - y;
+        num += e * e;
+        den += y * y;
+    }
+    oerr[i] = sqrt(num) / (sqrt(den) + 1e-30);
+}
+
+// ----------------------------------------------------------------------------
+// host side
+
+/* One head's result for one set (capacity t entries), assembled on the host. */
+typedef struct {
+    int64_t n, cap;
+    int32_t *pos;
+    float *ck, *cv, *beta;
+} am_res;
+
+typedef struct {
+    double mass_err, out_err;
+    int64_t n_q;
+    int status, iters;
+} am_acc;
+
+/* Device workspace of one call, sized for n reference rows, chunks of up to Tc keys, fits of up
+ * to tmax entries and head_dim d; host mirrors of the fit's small matrices. */
+typedef struct {
+    float *qc, *S, *Yf, *rows;     /* rows: [max(tmax, exact rows), d] key/value rows to download */
+    double *mass, *rs, *Y, *MS, *G, *cvec, *scale, *w, *C, *O, *merr, *oerr;
+    int32_t *pos, *vis, *sel;
+    int64_t *off;
+    uint32_t *keys;
+    int *flag;
+    /* host */
+    double *hG, *hcvec, *hscale, *hw, *hC, *herr;
+    int32_t *hsel;
+    int64_t *hoff;
+    int32_t *hpos;
+    float *hrows;
+} am_dev;
+
+static void am_dev_free(kvrt_ctx *ctx, am_dev *w) {
+    void *dev[] = {w->qc, w->S, w->Yf, w->rows, w->mass, w->rs, w->Y, w->MS, w->G, w->cvec,
+                   w->scale, w->w, w->C, w->O, w->merr, w->oerr, w->pos, w->vis, w->sel,
+                   w->off, w->keys, w->flag};
+    for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+        if (dev[i]) cudaFree(dev[i]);
+    free(w->hG); free(w->hcvec); free(w->hscale); free(w->hw); free(w->hC); free(w->herr);
+    free(w->hsel); free(w->hoff); free(w->hpos); free(w->hrows);
+    memset(w, 0, sizeof *w);
+    (void)ctx;
+}
+
+static int am_dev_alloc(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t tmax,
+                        int64_t nrows, int64_t d) {
+    memset(w, 0, sizeof *w);
+    const int64_t t = tmax > 0 ? tmax : 1, rr = nrows > t ? nrows : t;
+    struct { void **p; size_t bytes; } a[] = {
+        {(void **)&w->qc, sizeof(float) * n * d},      {(void **)&w->S, sizeof(float) * n * Tc},
+        {(void **)&w->Yf, sizeof(float) * n * d},      {(void **)&w->rows, sizeof(float) * rr * d},
+        {(void **)&w->mass, sizeof(double) * n},       {(void **)&w->rs, sizeof(double) * n},
+        {(void **)&w->Y, sizeof(double) * n * d},      {(void **)&w->MS, sizeof(double) * n * t},
+        {(void **)&w->G, sizeof(double) * t * t},      {(void **)&w->cvec, sizeof(double) * t},
+        {(void **)&w->scale, sizeof(double) * t},      {(void **)&w->w, sizeof(double) * t},
+        {(void **)&w->C, sizeof(double) * t * d},      {(void **)&w->O, sizeof(double) * n * d},
+        {(void **)&w->merr, sizeof(double) * n},       {(void **)&w->oerr, sizeof(double) * n},
+        {(void **)&w->pos, sizeof(int32_t) * n},       {(void **)&w->vis, sizeof(int32_t) * n},
+        {(void **)&w->sel, sizeof(int32_t) * t},       {(void **)&w->off, sizeof(int64_t) * (n > rr ? n : rr)},
+        {(void **)&w->keys, sizeof(uint32_t) * Tc},    {(void **)&w->flag, sizeof(int)},
+    };
+    for (size_t i = 0; i < sizeof a / sizeof a[0]; i++)
+        if (cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1) != cudaSuccess) {
+            (void)cudaGetLastError();
+            am_dev_free(ctx, w);
+            return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0,
+                                "kvrt_am_compact_layer (CUDA): cannot allocate the device "
+                                "workspace (%lld queries x %lld keys per chunk)",
+                                (long long)n, (long long)Tc);
+        }
+    w->hG = (double *)malloc(sizeof(double) * t * t);
+    w->hcvec = (double *)malloc(sizeof(double) * t);
+    w->hscale = (double *)malloc(sizeof(double) * t);
+    w->hw = (double *)malloc(sizeof(double) * t);
+    w->hC = (double *)malloc(sizeof(double) * t * d);
+    w->herr = (double *)malloc(sizeof(double) * 2 * n);
+    w->hsel = (int32_t *)malloc(sizeof(int32_t) * t);
+    w->hoff = (int64_t *)malloc(sizeof(int64_t) * (n > rr ? n : rr));
+    w->hpos = (int32_t *)malloc(sizeof(int32_t) * n);
+    w->hrows = (float *)malloc(sizeof(float) * rr * d);
+    if (!w->hG || !w->hcvec || !w->hscale || !w->hw || !w->hC || !w->herr || !w->hsel ||
+        !w->hoff || !w->hpos || !w->hrows) {
+        am_dev_free(ctx, w);
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0,
+                            "kvrt_am_compact_layer (CUDA): out of host memory");
+    }
+    return KVRT_OK;
+}
+
+/* The call's fixed arguments. */
+typedef struct {
+    kvrt_ctx *ctx;
+    const kvrt_am_opts *o;
+    const float *k, *v; /* device [T, Hkv, d] */
+    int64_t T, d, ld;   /* ld = Hkv d */
+} am_call;
+
+/* Download rows [j0, j1) of KV head h of x (k or v) into out [j1 - j0, d] (host). */
+static int rows_to_host(const am_call *c, am_dev *w, const float *x, int64_t h, int64_t j0,
+                        int64_t j1, float *out) {
+    kvrt_error *err = &c->ctx->last_err;
+    const int64_t m = j1 - j0;
+    if (m <= 0) return KVRT_OK;
+    cudaStream_t st = kvrt_cuda_stream(c->ctx);
+    for (int64_t r = 0; r < m; r++) w->hoff[r] = (j0 + r) * c->ld + h * c->d;
+    CUDA_CHECK(err, cudaMemcpyAsync(w->off, w->hoff, sizeof(int64_t) * m, cudaMemcpyHostToDevice, st));
+    am_gather_rows<<<(unsigned)m, 128, 0, st>>>(x, w->off, c->d, w->rows);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUDA_CHECK(err, cudaMemcpyAsync(out, w->rows, sizeof(float) * m * c->d, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    return KVRT_OK;
+}
+
+/* Keys [j0, j1) of head h kept exactly (original key and value, beta 0). */
+static int append_exact(const am_call *c, am_dev *w, int64_t h, am_res *r, int64_t j0,
+                        int64_t j1) {
+    const int64_t m = j1 - j0, d = c->d;
+    if (m <= 0) return KVRT_OK;
+    int rc = rows_to_host(c, w, c->k, h, j0, j1, r->ck + r->n * d);
+    if (rc == KVRT_OK) rc = rows_to_host(c, w, c->v, h, j0, j1, r->cv + r->n * d);
+    if (rc != KVRT_OK) return rc;
+    for (int64_t j = j0; j < j1; j++) {
+        r->pos[r->n] = (int32_t)j;
+        r->beta[r->n++] = 0.0f;
+    }
+    return KVRT_OK;
+}
+
+/* One chunk [k0, k0 + Tc) of head h compacted to tc entries appended to r. The nv rows of the
+ * head's reference queries that see key k0 are the rows `rows` [nv] (host indices into the
+ * head's query offsets qoff and positions qpos, NULL without positions). */
+static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, const int64_t *qoff,
+                    const int32_t *qpos, const int64_t *rows, int64_t nv, int64_t k0, int64_t Tc,
+                    int64_t tc, am_res *r, am_acc *acc) {
+    kvrt_ctx *ctx = c->ctx;
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t st = kvrt_cuda_stream(ctx);
+    cublasHandle_t blas = kvrt_cuda_state_of(ctx)->blas;
+    const kvrt_am_opts *o = c->o;
+    const int64_t d = c->d, n = nv;
+    /* the chunk's reference rows */
+    for (int64_t e = 0; e < n; e++) {
+        w->hoff[e] = qoff[rows[e]];
+        if (qpos) w->hpos[e] = qpos[rows[e]];
+    }
+    CUDA_CHECK(err, cudaMemcpyAsync(w->off, w->hoff, sizeof(int64_t) * n, cudaMemcpyHostToDevice, st));
+    if (qpos)
+        CUDA_CHECK(err, cudaMemcpyAsync(w->pos, w->hpos, sizeof(int32_t) * n, cudaMemcpyHostToDevice, st));
+    am_gather_rows<<<(unsigned)n, 128, 0, st>>>(qs, w->off, d, w->qc);
+    CUDA_CHECK(err, cudaGetLastError());
+    /* 1. logits: S^T (Tc x n, col-major) = K_c^T' Q^T, K_c the chunk's keys at stride ld */
+    const float alpha = 1.0f / sqrtf((float)d), one = 1.0f, zero = 0.0f;
+    const float *kc = c->k + (k0 * c->ld + h * d), *vc = c->v + (k0 * c->ld + h * d);
+    CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)Tc, (int)n, (int)d, &alpha,
+                                  kc, (int)c->ld, w->qc, (int)d, &zero, w->S, (int)Tc));
+    CUDA_CHECK(err, cudaMemsetAsync(w->flag, 0, sizeof(int), st));
+    am_rows<<<(unsigned)n, 256, 0, st>>>(w->S, Tc, qpos ? w->pos : NULL, k0, w->mass, w->rs,
+                                         w->vis, w->flag);
+    CUDA_CHECK(err, cudaGetLastError());
+    /* 2. Y = P V * rs; the column statistics and their top-k keys */
+    CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc, &one,
+                                  vc, (int)c->ld, w->S, (int)Tc, &zero, w->Yf, (int)d));
+    am_targets<<<(unsigned)((n * d + 255) / 256), 256, 0, st>>>(w->Yf, w->rs, n, d, w->Y);
+    am_colsq<<<(unsigned)((Tc + 127) / 128), 128, 0, st>>>(w->S, n, Tc, w->rs, w->keys);
+    CUDA_CHECK(err, cudaGetLastError());
+    int flag = 0;
+    CUDA_CHECK(err, cudaMemcpyAsync(&flag, w->flag, sizeof(int), cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    if (flag)
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "kvrt_am_compact: logits overflow float "
+                            "(|q.k| / sqrt(d) > 3.4e38) or are NaN in keys %lld..%lld",
+                            (long long)k0, (long long)(k0 + Tc - 1));
+    /* 3. HighestAttnKeys: the tc keys of largest score, ascending */
+    const int64_t ts = tc;
+    int rc = kvrt_cuda_topk_keys(ctx, w->keys, Tc, ts, w->sel);
+    if (rc != KVRT_OK) return rc;
+    /* 4. the NNLS matrix and its Gram (lower triangle of the col-major ts x ts) */
+    am_gather_cols<<<(unsigned)((ts + 127) / 128), 128, 0, st>>>(w->S, n, Tc, w->sel, ts, w->rs,
+                                                                 w->MS, w->scale, w->cvec);
+    CUDA_CHECK(err, cudaGetLastError());
+    const double done = 1.0, dzero = 0.0;
+    CUBLAS_CHECK(err, cublasDsyrk(blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)ts, (int)n, &done,
+                                  w->MS, (int)ts, &dzero, w->G, (int)ts));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hG, w->G, sizeof(double) * ts * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hcvec, w->cvec, sizeof(double) * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hscale, w->scale, sizeof(double) * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hsel, w->sel, sizeof(int32_t) * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    /* col-major lower (a >= b at [b * ts + a]) is row-major upper: mirror to full rows */
+    double *G = w->hG;
+    for (int64_t b = 0; b < ts; b++)
+        for (int64_t a = b + 1; a < ts; a++) G[a * ts + b] = G[b * ts + a];
+    for (int64_t a = 0; a < ts; a++) {
+        if (w->hscale[a] == 0) { /* a column that underflowed everywhere */
+            for (int64_t b = 0; b < ts; b++) G[a * ts + b] = G[b * ts + a] = 0;
+            G[a * ts + a] = 1;
+            w->hcvec[a] = 0;
+        }
+        w->hw[a] = 0;
+    }
+    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
+    kvrt_nnls_info inf = {0};
+    const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
+    rc = hs->am_nnls_gram(G, w->hcvec, ts, max_iter, w->hw, &inf);
+    if (rc != KVRT_OK) return rc;
+    for (int64_t a = 0; a < ts; a++) w->hw[a] *= w->hscale[a];
+    /* 5. the keys kept and their weights (core/am_plan.h) */
+    const int64_t kept = kvrt_am_keep(o, w->hsel, w->hw, ts, &inf.status);
+    /* 6. X, its Gram and X^T Y; the ridge solve on the host; O = X C and the errors */
+    CUDA_CHECK(err, cudaMemcpyAsync(w->sel, w->hsel, sizeof(int32_t) * kept, cudaMemcpyHostToDevice, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->w, w->hw, sizeof(double) * kept, cudaMemcpyHostToDevice, st));
+    double *X = w->MS;
+    am_build_x<<<(unsigned)((n + 127) / 128), 128, 0, st>>>(w->S, n, Tc, w->sel, w->w, kept,
+                                                            w->mass, X, w->merr);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUBLAS_CHECK(err, cublasDsyrk(blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)kept, (int)n,
+                                  &done, X, (int)kept, &dzero, w->G, (int)kept));
+    /* C0^T (d x kept, col-major) = Y^T X: row-major C0 [kept, d] = X^T Y */
+    CUBLAS_CHECK(err, cublasDgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)d, (int)kept, (int)n, &done,
+                                  w->Y, (int)d, X, (int)kept, &dzero, w->C, (int)d));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hG, w->G, sizeof(double) * kept * kept, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hC, w->C, sizeof(double) * kept * d, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    for (int64_t b = 0; b < kept; b++)
+        for (int64_t a = b + 1; a < kept; a++) G[a * kept + b] = G[b * kept + a];
+    rc = hs->ridge_solve(G, w->hC, kept, d, o->ridge > 0 ? o->ridge : 1e-12);
+    if (rc == KVRT_ERR_NOMEM)
+        return kvrt_err_set(err, rc, 0, "kvrt_am_compact: out of memory");
+    if (rc)
+        return kvrt_err_set(err, rc, 0, "kvrt_am_compact: the values' least squares is singular "
+                            "(keys %lld..%lld, %lld entries, ridge %g)", (long long)k0,
+                            (long long)(k0 + Tc - 1), (long long)kept, o->ridge);
+    CUDA_CHECK(err, cudaMemcpyAsync(w->C, w->hC, sizeof(double) * kept * d, cudaMemcpyHostToDevice, st));
+    CUBLAS_CHECK(err, cublasDgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)kept, &done,
+                                  w->C, (int)d, X, (int)kept, &dzero, w->O, (int)d));
+    am_out_err<<<(unsigned)((n + 127) / 128), 128, 0, st>>>(w->O, w->Y, n, d, w->oerr);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUDA_CHECK(err, cudaMemcpyAsync(w->herr, w->merr, sizeof(double) * n, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->herr + n, w->oerr, sizeof(double) * n, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    double merr = 0, oerr = 0;
+    for (int64_t i = 0; i < n; i++) merr += w->herr[i];
+    for (int64_t i = 0; i < n; i++) oerr += w->herr[n + i];
+    /* 7. append: the original keys of the kept positions, the fitted values, beta = log w */
+    const int64_t e0 = r->n;
+    for (int64_t a = 0; a < kept; a++) w->hoff[a] = (k0 + w->hsel[a]) * c->ld + h * d;
+    CUDA_CHECK(err, cudaMemcpyAsync(w->off, w->hoff, sizeof(int64_t) * kept, cudaMemcpyHostToDevice, st));
+    am_gather_rows<<<(unsigned)kept, 128, 0, st>>>(c->k, w->off, d, w->rows);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUDA_CHECK(err, cudaMemcpyAsync(r->ck + e0 * d, w->rows, sizeof(float) * kept * d,
+                                    cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    for (int64_t a = 0; a < kept; a++) {
+        r->pos[e0 + a] = (int32_t)(k0 + w->hsel[a]);
+        for (int64_t x = 0; x < d; x++) r->cv[(e0 + a) * d + x] = (float)w->hC[a * d + x];
+        r->beta[e0 + a] = (float)log(w->hw[a]);
+    }
+    r->n += kept;
+    acc->mass_err += merr;
+    acc->out_err += oerr;
+    acc->n_q += n;
+    if (inf.status > acc->status) acc->status = inf.status;
+    acc->iters += inf.iterations;
+    return KVRT_OK;
+}
+
+/* One head, one budget t: the sinks and the recent window exactly, the middle chunk by chunk
+ * (runtime/cpu/am.c's am_head for one set, without OMP). */
+static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, const int64_t *qoff,
+                   const int32_t *qpos, int64_t n, int64_t t, int64_t *rows, am_res *r,
+                   kvrt_am_stats *st) {
+    const kvrt_am_split sp = kvrt_am_split_of(c->o, t);
+    const int64_t T = c->T, a = sp.ns, Tm = T - sp.ns - sp.nr;
+    am_acc acc = {0, 0, 0, 0, 0};
+    int rc = append_exact(c, w, h, r, 0, a);
+    const int64_t chunk = Tm > 0 ? kvrt_am_chunk_of(c->o, Tm) : 1;
+    const int64_t nc = Tm > 0 ? (Tm + chunk - 1) / chunk : 0;
+    for (int64_t ci = 0; ci < nc && rc == KVRT_OK; ci++) {
+        int64_t k0, Tc, tc;
+        kvrt_am_chunk_span(a, Tm, chunk, sp.tm, ci, &k0, &Tc, &tc);
+        if (tc <= 0) continue;
+        int64_t nv = 0; /* the rows that see key k0 (all of them without positions) */
+        for (int64_t i = 0; i < n; i++)
+            if (!qpos || qpos[i] >= k0) rows[nv++] = i;
+        if (nv == 0)
+            return kvrt_err_set(&c->ctx->last_err, KVRT_ERR_ARG, 0,
+                                "kvrt_am_compact: no reference query sees keys %lld.. (every "
+                                "q_pos < %lld)", (long long)k0, (long long)k0);
+        rc = am_chunk(c, w, h, qs, qoff, qpos, rows, nv, k0, Tc, tc, r, &acc);
+    }
+    if (rc == KVRT_OK) rc = append_exact(c, w, h, r, T - sp.nr, T);
+    if (st) {
+        st->asked = t;
+        st->kept = r->n;
+        st->n_queries = n;
+        st->mass_relerr = acc.n_q ? acc.mass_err / (double)acc.n_q : 0;
+        st->out_relerr = acc.n_q ? acc.out_err / (double)acc.n_q : 0;
+        st->nnls_status = acc.status;
+        st->nnls_iterations = acc.iters;
+    }
+    return rc;
+}
+
+extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
+                                          const float *q_ref, const int32_t *q_pos,
+                                          int64_t n_ref, const float *k, const float *v,
+                                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
+                                          uint32_t head_dim, int n_sets, const float *ratios,
+                                          const double *ratio_list, int dtype, kvrt_cache **out,
+                                          kvrt_am_stats *stats) {
+    const char *fn = q_ref ? "kvrt_am_compact_layer_ref" : "kvrt_am_compact_layer";
+    kvrt_error *err = &ctx->last_err;
+    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
+    if (out == NULL) return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: out is NULL", fn);
+    if (n_sets < 1 || n_sets > 4096)
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: n_sets %d, expected 1..4096", fn, n_sets);
+    for (int si = 0; si < n_sets; si++) out[si] = NULL;
+    kvrt_am_opts def;
+    if (o == NULL) {
+        hs->am_opts_init(&def);
+        o = &def;
+    }
+    const int64_t d = head_dim, Hkv = n_kv_heads ? n_kv_heads : 1, ns = n_sets;
+    int64_t *tb = (int64_t *)malloc(sizeof(int64_t) * (size_t)(Hkv * ns));
+    if (tb == NULL) return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    int rc = hs->am_layer_plan(fn, o, q != NULL, q_ref != NULL, n_ref, T, n_heads, n_kv_heads,
+                               head_dim, n_sets, ratios, ratio_list, dtype, k, v, tb);
+    if (rc == KVRT_OK && o->key_select == KVRT_AM_SELECT_OMP)
+        rc = kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0, "%s: key selection omp is not "
+                          "implemented on the cuda backend (am_compact_layer: highest only; "
+                          "run OMP on a CPU context)", fn);
+    if (rc != KVRT_OK) {
+        free(tb);
+        return rc;
+    }
+    const int64_t H = n_heads, G = H / Hkv;
+    const float *qs = q_ref ? q_ref : q;
+    const int64_t nq = q_ref ? n_ref : T;
+    const int64_t n_all = nq * G;
+    const int64_t n = o->max_queries > 0 && o->max_queries < n_all ? o->max_queries : n_all;
+    cudaStream_t st = kvrt_cuda_stream(ctx);
+    /* positions: the context's own rows (causal), the caller's q_pos (device memory, checked
+     * here), or none */
+    int32_t *hqpos = NULL, *qp = NULL;
+    int64_t *qoff = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+    const int causal = !q_ref || q_pos;
+    if (causal) qp = (int32_t *)malloc(sizeof(int32_t) * (size_t)n);
+    if (q_ref && q_pos) hqpos = (int32_t *)malloc(sizeof(int32_t) * (size_t)n_ref);
+    am_res *res = (am_res *)calloc((size_t)(Hkv * ns), sizeof *res);
+    if (!qoff || !rows || (causal && !qp) || (q_ref && q_pos && !hqpos) || !res)
+        rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    if (rc == KVRT_OK && hqpos) {
+        if (cudaMemcpy(hqpos, q_pos, sizeof(int32_t) * (size_t)n_ref, cudaMemcpyDeviceToHost) !=
+            cudaSuccess)
+            rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMemcpy(q_pos)", __func__,
+                                 __FILE__, __LINE__);
+        for (int64_t i = 0; rc == KVRT_OK && i < n_ref; i++)
+            if (hqpos[i] < 0)
+                rc = kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: q_pos[%lld] = %d, expected >= 0",
+                                  fn, (long long)i, hqpos[i]);
+    }
+    /* finiteness of k, v and the queries (one flag, one synchronization) */
+    int *dflag = NULL;
+    if (rc == KVRT_OK) {
+        int flag = 0;
+        if (cudaMalloc((void **)&dflag, sizeof(int)) != cudaSuccess ||
+            cudaMemsetAsync(dflag, 0, sizeof(int), st) != cudaSuccess)
+            rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMalloc(flag)", __func__, __FILE__,
+                                 __LINE__);
+        if (rc == KVRT_OK) {
+            am_nonfinite<<<1024, 256, 0, st>>>(k, T * Hkv * d, dflag);
+            am_nonfinite<<<1024, 256, 0, st>>>(v, T * Hkv * d, dflag);
+            am_nonfinite<<<1024, 256, 0, st>>>(qs, nq * H * d, dflag);
+            if (cudaMemcpyAsync(&flag, dflag, sizeof(int), cudaMemcpyDeviceToHost, st) !=
+                    cudaSuccess ||
+                cudaStreamSynchronize(st) != cudaSuccess)
+                rc = kvrt_cuda_error(err, cudaGetLastError(), "finiteness check", __func__,
+                                     __FILE__, __LINE__);
+        }
+        if (rc == KVRT_OK && flag)
+            rc = kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: %s, k or v holds NaN or Inf", fn,
+                              q_ref ? "q_ref" : "q");
+    }
+    if (dflag) cudaFree(dflag);
+    /* the workspace, sized for the largest chunk budget of any head and set */
+    int64_t tmax = 0, nex = 1;
+    for (int64_t e = 0; e < Hkv * ns; e++) {
+        const kvrt_am_split sp = kvrt_am_split_of(o, tb[e]);
+        const int64_t Tm = T - sp.ns - sp.nr;
+        nex = sp.ns > nex ? sp.ns : nex;
+        nex = sp.nr > nex ? sp.nr : nex;
+        if (Tm < 1) continue;
+        const int64_t chunk = kvrt_am_chunk_of(o, Tm), nc = (Tm + chunk - 1) / chunk;
+        for (int64_t ci = 0; ci < nc; ci++) {
+            int64_t k0, Tc, tc;
+            kvrt_am_chunk_span(sp.ns, Tm, chunk, sp.tm, ci, &k0, &Tc, &tc);
+            tmax = tc > tmax ? tc : tmax;
+        }
+    }
+    am_dev w;
+    memset(&w, 0, sizeof w);
+    if (rc == KVRT_OK) rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), tmax, nex, d);
+    for (int64_t e = 0; rc == KVRT_OK && e < Hkv * ns; e++) {
+        am_res *r = &res[e];
+        r->cap = tb[e];
+        r->pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)r->cap);
+        r->ck = (float *)malloc(sizeof(float) * (size_t)(r->cap * d));
+        r->cv = (float *)malloc(sizeof(float) * (size_t)(r->cap * d));
+        r->beta = (float *)malloc(sizeof(float) * (size_t)r->cap);
+        if (!r->pos || !r->ck || !r->cv || !r->beta)
+            rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    }
+    const am_call call = {ctx, o, k, v, T, d, Hkv * d};
+    for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
+        /* the head's reference queries: rows and query heads as the CPU picks them */
+        for (int64_t i = 0; i < n; i++) {
+            int64_t tok, g;
+            kvrt_am_ref_row(i, n, n_all, nq, G, &tok, &g);
+            qoff[i] = (tok * H + h * G + g) * d;
+            if (causal) qp[i] = q_ref ? hqpos[tok] : (int32_t)tok;
+        }
+        for (int64_t si = 0; rc == KVRT_OK && si < ns; si++)
+            rc = am_head(&call, &w, h, qs, qoff, causal ? qp : NULL, n, tb[h * ns + si], rows,
+                         &res[h * ns + si], stats ? &stats[si * Hkv + h] : NULL);
+    }
+    am_dev_free(ctx, &w);
+    /* the caches: assembled on the host, then one copy of what is kept into device memory */
+    int64_t *cnt = (int64_t *)malloc(sizeof(int64_t) * (size_t)Hkv);
+    if (rc == KVRT_OK && !cnt) rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    for (int64_t si = 0; rc == KVRT_OK && si < ns; si++) {
+        kvrt_cache *hc = NULL;
+        for (int64_t h = 0; h < Hkv; h++) cnt[h] = res[h * ns + si].n;
+        rc = hs->cache_create(n_kv_heads, head_dim, dtype, cnt, &hc);
+        for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
+            const am_res *r = &res[h * ns + si];
+            const int64_t e0 = hc->offsets[h];
+            for (int64_t a = 0; a < r->n; a++) {
+                hc->positions[e0 + a] = r->pos[a];
+                hc->bias[e0 + a] = r->beta[a];
+            }
+            hs->cache_put_kv(hc, e0, r->ck, r->cv, r->n);
+        }
+        if (rc == KVRT_OK) rc = hs->cache_to_device(ctx, hc, &out[si]);
+        hs->cache_free(hc);
+    }
+    if (rc != KVRT_OK)
+        for (int64_t si = 0; si < ns; si++) {
+            hs->cache_free(out[si]);
+            out[si] = NULL;
+        }
+    for (int64_t e = 0; res && e < Hkv * ns; e++) {
+        free(res[e].pos);
+        free(res[e].ck);
+        free(res[e].cv);
+        free(res[e].beta);
+    }
+    free(res);
+    free(cnt);
+    free(qoff);
+    free(rows);
+    free(qp);
+    free(hqpos);
+    free(tb);
+    return rc;
+}
