@@ -15,6 +15,14 @@
  * Options: --head T (only part 1 at this T), --dump DIR (write DIR/{q,k,v}.f32 and DIR/meta.txt
  * of the part-1 input), --omp (OMP key selection instead of HighestAttnKeys), --omp-batch N (OMP's
  * keys per round, default 1), --reps N.
+ * --fit-host: the host part of the CUDA backend's fit (runtime/cuda/am.cu runs the NNLS and the
+ *   ridge solve on the host): kvrt_am_nnls_gram and kvrt_cpu_ridge_solve at 205, 410 and 820
+ *   entries per chunk, 4096 reference rows, random positive columns scaled to unit norm, one
+ *   thread, best of --reps (docs/cuda.md).
+ * --cuda [--layer-context T]: one llama3-8b layer (32 query heads, 8 KV heads, d = 128) of a
+ *   T-token context (default 60000) compacted by kvrt_am_compact_layer at ratio 0.2 with the
+ *   default options on a CUDA context (q, k, v in device memory) and on the CPU context, seconds
+ *   per layer and the whole model's 32 layers; "skipped: no GPU" without one.
  */
 #include <math.h>
 #include <stdio.h>
@@ -22,8 +30,12 @@
 #include <string.h>
 #include <time.h>
 
+#include <cblas.h>
+
 #include "kvrt_experimental.h"
 #include "bench_util.h"
+#include "core/policies.h" /* kvrt_am_nnls_gram: the CUDA fit's host NNLS (--fit-host) */
+#include "cpu/nnls.h"      /* kvrt_cpu_ridge_solve */
 
 static int g_omp_batch = 1; /* --omp-batch N: OMP's keys per round */
 
@@ -156,14 +168,135 @@ static int bench_model(int omp) {
     return 0;
 }
 
+/* --fit-host (see the header) */
+static int bench_fit_host(int reps) {
+    const int n = 4096, sizes[3] = {205, 410, 820};
+    printf("the CUDA fit's host part: NNLS on the Gram and the values' ridge solve (d = 128), "
+           "%d reference rows, one thread, best of %d\n", n, reps);
+    printf("%8s %12s %11s %14s %16s\n", "entries", "NNLS ms", "iterations", "ridge ms",
+           "Gram MB (down)");
+    for (int z = 0; z < 3; z++) {
+        const int ts = sizes[z];
+        double *MS = malloc(sizeof(double) * (size_t)n * ts), *G = malloc(sizeof(double) * ts * ts);
+        double *c = calloc((size_t)ts, sizeof(double)), *x = malloc(sizeof(double) * ts);
+        double *A = malloc(sizeof(double) * ts * ts), *B = malloc(sizeof(double) * ts * 128);
+        if (!MS || !G || !c || !x || !A || !B) {
+            fprintf(stderr, "bench_am: out of memory\n");
+            return 1;
+        }
+        uint64_t s = 11 + (uint64_t)z;
+        for (size_t i = 0; i < (size_t)n * ts; i++) {
+            const double u = kvrt_rng_u01(&s);
+            MS[i] = u * u * u * u; /* positive, skewed like attention probabilities */
+        }
+        for (int a = 0; a < ts; a++) {
+            double s2 = 0;
+            for (int i = 0; i < n; i++) s2 += MS[(size_t)i * ts + a] * MS[(size_t)i * ts + a];
+            const double sc = 1.0 / sqrt(s2);
+            for (int i = 0; i < n; i++) {
+                MS[(size_t)i * ts + a] *= sc;
+                c[a] += MS[(size_t)i * ts + a];
+            }
+        }
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, ts, n, 1.0, MS, ts, 0.0, G, ts);
+        for (int a = 0; a < ts; a++)
+            for (int b = a + 1; b < ts; b++) G[a * ts + b] = G[b * ts + a];
+        double best_n = 1e30, best_r = 1e30;
+        kvrt_nnls_info inf = {0};
+        for (int r = 0; r < reps; r++) {
+            for (int a = 0; a < ts; a++) x[a] = 0;
+            double t0 = now_s();
+            if (kvrt_am_nnls_gram(G, c, ts, 3 * ts + 30, x, &inf) != KVRT_OK) return 1;
+            const double tn = now_s() - t0;
+            best_n = tn < best_n ? tn : best_n;
+            for (int i = 0; i < ts * ts; i++) A[i] = G[i];
+            for (int i = 0; i < ts * 128; i++) B[i] = 1.0;
+            t0 = now_s();
+            (void)kvrt_cpu_ridge_solve(A, B, ts, 128, 1e-6);
+            const double tr = now_s() - t0;
+            best_r = tr < best_r ? tr : best_r;
+        }
+        printf("%8d %12.2f %11d %14.2f %16.2f\n", ts, best_n * 1e3, inf.iterations, best_r * 1e3,
+               (double)ts * ts * 8 / 1e6);
+        free(MS); free(G); free(c); free(x); free(A); free(B);
+    }
+    return 0;
+}
+
+/* --cuda (see the header): one layer at llama3-8b shapes on a CUDA context and on the CPU. */
+static int bench_cuda_layer(int64_t T) {
+    if (!(kvrt_has_cuda() && kvrt_cuda_device_count() > 0)) {
+        printf("skipped: no GPU (bench_am --cuda: %s)\n",
+               kvrt_has_cuda() ? "no CUDA device" : "libkvrt built without CUDA");
+        return 0;
+    }
+    const int64_t H = 32, Hkv = 8, d = 128;
+    const double ratio = 0.2;
+    kvrt_ctx *gpu = NULL;
+    kvrt_error e;
+    if (kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &gpu, &e) != KVRT_OK) {
+        fprintf(stderr, "bench_am: %s\n", e.msg);
+        return 1;
+    }
+    float *q = synth(T, H, d, 1.0f, 2.0f, 31), *k = synth(T, Hkv, d, 1.0f, 0.5f, 32);
+    float *v = synth(T, Hkv, d, 1.0f, 0.0f, 33);
+    if (!q || !k || !v) {
+        fprintf(stderr, "bench_am: out of memory\n");
+        return 1;
+    }
+    const size_t qb = sizeof(float) * (size_t)(T * H * d), kb = sizeof(float) * (size_t)(T * Hkv * d);
+    void *dq = NULL, *dk = NULL, *dv = NULL;
+    int rc = kvrt_ctx_alloc(gpu, qb, &dq);
+    if (rc == KVRT_OK) rc = kvrt_ctx_alloc(gpu, kb, &dk);
+    if (rc == KVRT_OK) rc = kvrt_ctx_alloc(gpu, kb, &dv);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(gpu, dq, q, qb);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(gpu, dk, k, kb);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(gpu, dv, v, kb);
+    if (rc != KVRT_OK) {
+        fprintf(stderr, "bench_am: %s\n", kvrt_ctx_last_error(gpu)->msg);
+        return 1;
+    }
+    printf("AM, one llama3-8b layer (H %lld, Hkv %lld, d %lld) of a %lld-token context, ratio %.2f, "
+           "default options (4096 reference queries per KV head, chunks of 4096, HighestAttnKeys)\n",
+           (long long)H, (long long)Hkv, (long long)d, (long long)T, ratio);
+    double sec[2] = {0, 0};
+    kvrt_am_stats st[2][8];
+    for (int b = 0; b < 2 && rc == KVRT_OK; b++) {
+        kvrt_ctx *ctx = b == 0 ? gpu : g_ctx;
+        kvrt_cache *out = NULL;
+        const double t0 = now_s();
+        rc = kvrt_am_compact_layer(ctx, NULL, b == 0 ? dq : q, b == 0 ? dk : k, b == 0 ? dv : v, T,
+                                   (uint32_t)H, (uint32_t)Hkv, (uint32_t)d, NULL, ratio,
+                                   KVRT_DTYPE_BF16, &out, st[b]);
+        sec[b] = now_s() - t0;
+        if (rc != KVRT_OK) fprintf(stderr, "bench_am: %s: %s\n", b == 0 ? "cuda" : "cpu",
+                                   kvrt_last_error()->msg);
+        kvrt_cache_free(out);
+    }
+    if (rc == KVRT_OK) {
+        printf("%-6s %12s %16s %20s %20s\n", "", "s / layer", "32 layers, s", "mass relerr (h0)",
+               "out relerr (h0)");
+        for (int b = 0; b < 2; b++)
+            printf("%-6s %12.2f %16.1f %20.4g %20.4g\n", b == 0 ? "cuda" : "cpu", sec[b],
+                   32 * sec[b], st[b][0].mass_relerr, st[b][0].out_relerr);
+        printf("cuda / cpu: %.2fx faster\n", sec[1] / sec[0]);
+    }
+    kvrt_ctx_dealloc(gpu, dq);
+    kvrt_ctx_dealloc(gpu, dk);
+    kvrt_ctx_dealloc(gpu, dv);
+    kvrt_ctx_free(gpu);
+    free(q); free(k); free(v);
+    return rc == KVRT_OK ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     kvrt_error ce;
     if (kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &g_ctx, &ce) != KVRT_OK) {
         fprintf(stderr, "bench_am: %s\n", ce.msg);
         return 1;
     }
-    int64_t head = 0;
-    int omp = 0, reps = 3;
+    int64_t head = 0, layer_ctx = 60000;
+    int omp = 0, reps = 3, fit_host = 0, cuda = 0;
     const char *dump_dir = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--head") && i + 1 < argc) head = atoll(argv[++i]);
@@ -171,12 +304,24 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--omp")) omp = 1;
         else if (!strcmp(argv[i], "--omp-batch") && i + 1 < argc) g_omp_batch = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--fit-host")) fit_host = 1;
+        else if (!strcmp(argv[i], "--cuda")) cuda = 1;
+        else if (!strcmp(argv[i], "--layer-context") && i + 1 < argc) layer_ctx = atoll(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--reps N]\n");
+            fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--reps N] | "
+                    "--fit-host [--reps N] | --cuda [--layer-context T]\n");
             return 2;
         }
     }
     if (reps < 1) reps = 1;
+    if (fit_host) return bench_fit_host(reps < 3 ? 3 : reps);
+    if (cuda) {
+        if (layer_ctx < 4096) {
+            fprintf(stderr, "bench_am: --layer-context %lld, expected >= 4096\n", (long long)layer_ctx);
+            return 2;
+        }
+        return bench_cuda_layer(layer_ctx);
+    }
     if (head > 0) return bench_head(head, omp, reps, dump_dir);
     if (dump_dir) { fprintf(stderr, "bench_am: --dump needs --head T\n"); return 2; }
     int rc = bench_head(4096, omp, reps, NULL);
