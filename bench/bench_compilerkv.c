@@ -33,9 +33,15 @@
  * heads, 3 KV heads, d = 64), context 2048 (--h2o-context), against the full QK^T sgemm per KV
  * head in the same run (H2O needs the causal half of its FLOPs).
  *
- * Options: --part 1|2|3 (default all), --corpus F, --kvcc PATH, --sizes LIST (default 1,2,4,8),
- * --reps N (parts 2, 3), --compile-reps N (part 1, default 1), --context T (part 2, default
- * 32768), --h2o-context T (part 3, default 2048).
+ * --cuda: part 2 on a CUDA context instead (scripts/device-check.sh): the window GEMM alone per KV
+ * head (kvrt_ctx_sgemm: cuBLAS, device memory) against CompilerKV's steps on the device: the
+ * window mass (kvrt_compilerkv_prompt_add_layer_ctx, its [Hkv, T] scores downloaded) and the
+ * selection (kvrt_compilerkv_select with one-budget tables built in memory: value norms, scores
+ * and top-k on the device), each timed to completion; "skipped: no GPU" without one.
+ *
+ * Options: --part 1|2|3 (default all), --cuda, --corpus F, --kvcc PATH, --sizes LIST (default
+ * 1,2,4,8), --reps N (parts 2, 3), --compile-reps N (part 1, default 1), --context T (part 2,
+ * default 32768), --h2o-context T (part 3, default 2048).
  */
 #include <cblas.h>
 #include <errno.h>
@@ -262,6 +268,119 @@ static int part2(int64_t T, int reps) {
 
 
 // ----------------------------------------------------------------------------
+// --cuda: part 2 on a CUDA context
+
+static int part2_cuda(int64_t T, int reps) {
+    if (!(kvrt_has_cuda() && kvrt_cuda_device_count() > 0)) {
+        printf("skipped: no GPU (bench_compilerkv --cuda: %s)\n",
+               kvrt_has_cuda() ? "no CUDA device" : "libkvrt built without CUDA");
+        return 0;
+    }
+    const uint32_t H = 32, Hkv = 8, d = 128, W = 64, G = H / Hkv;
+    const int64_t B = 1024;
+    const kvcc_corpus_model m = {.name = "llama3-8b", .n_layers = 32, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d,
+                                 .vocab_size = 128256, .rope_theta = 500000.0, .rope_scaling = "none",
+                                 .rope_scaling_factor = 1};
+    const kvcc_synth_opts so = {.n_prompts = 1, .context_len = (uint32_t)T, .continuation_len = 0, .seed = 1,
+                                .retrieval_heads = 2};
+    const size_t nq = (size_t)T * H * d, nk = (size_t)T * Hkv * d, nw = (size_t)Hkv * G * W * d;
+    float *q = malloc(sizeof(float) * nq), *k = malloc(sizeof(float) * nk), *v = malloc(sizeof(float) * nk);
+    float *lp = malloc(sizeof(float) * (size_t)T), *qw = malloc(sizeof(float) * nw);
+    if (!q || !k || !v || !lp || !qw) {
+        fprintf(stderr, "bench_compilerkv: out of memory for T = %lld\n", (long long)T);
+        return 1;
+    }
+    kvcc_synth_layer(&m, &so, 0, 7, q, k, v);
+    for (int64_t t = 0; t + 1 < T; t++) lp[t] = -2.0f - 0.5f * (float)((t * 7919) % 13) / 13.0f;
+    for (uint32_t j = 0; j < Hkv; j++)
+        for (uint32_t g = 0; g < G; g++)
+            for (uint32_t i = 0; i < W; i++)
+                memcpy(qw + (((size_t)j * G + g) * W + i) * d, q + (((size_t)(T - W + i)) * H + j * G + g) * d,
+                       sizeof(float) * d);
+    /* one-budget tables for one layer: the weights part 2 uses, every threshold 0.9 */
+    float w_head[32], t_gate[KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS];
+    float ent[KVRT_COMPILERKV_ENT_BINS - 1], ppl[KVRT_COMPILERKV_PPL_BINS - 1];
+    for (uint32_t h = 0; h < H; h++) w_head[h] = 0.8f + 0.025f * (float)(h % 29);
+    for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS; i++) t_gate[i] = 0.9f;
+    for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS - 1; i++) ent[i] = 0.05f * (float)(i + 1);
+    for (int i = 0; i < KVRT_COMPILERKV_PPL_BINS - 1; i++) ppl[i] = 5.0f * (float)(i + 1);
+    kvrt_compilerkv_tables *tb = NULL;
+    kvrt_ctx *gpu = NULL;
+    kvrt_error e;
+    int rc = kvrt_compilerkv_tables_create(1, 1, H, W, &B, w_head, t_gate, ent, ppl, &tb);
+    if (rc == KVRT_OK) rc = kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &gpu, &e);
+    if (rc != KVRT_OK) {
+        fprintf(stderr, "bench_compilerkv: %s\n", gpu ? kvrt_last_error()->msg : e.msg);
+        return 1;
+    }
+    void *dq = NULL, *dk = NULL, *dv = NULL, *dqw = NULL, *dsc = NULL;
+    rc = kvrt_ctx_alloc(gpu, sizeof(float) * nq, &dq);
+    if (rc == KVRT_OK) rc = kvrt_ctx_alloc(gpu, sizeof(float) * nk, &dk);
+    if (rc == KVRT_OK) rc = kvrt_ctx_alloc(gpu, sizeof(float) * nk, &dv);
+    if (rc == KVRT_OK) rc = kvrt_ctx_alloc(gpu, sizeof(float) * nw, &dqw);
+    if (rc == KVRT_OK) rc = kvrt_ctx_alloc(gpu, sizeof(float) * (size_t)G * W * T, &dsc);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(gpu, dq, q, sizeof(float) * nq);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(gpu, dk, k, sizeof(float) * nk);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(gpu, dv, v, sizeof(float) * nk);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(gpu, dqw, qw, sizeof(float) * nw);
+    double ts[64], tm[64], tsel[64];
+    int n = 0;
+    int64_t kept = 0;
+    for (int r = -1; r < reps && r < 64 && rc == KVRT_OK; r++) { /* r = -1: warm-up */
+        double a = now_s();
+        for (uint32_t j = 0; j < Hkv && rc == KVRT_OK; j++)
+            rc = kvrt_ctx_sgemm(gpu, 0, 1, (int)(G * W), (int)T, (int)d, 1.0f / sqrtf((float)d),
+                                (const float *)dqw + (size_t)j * G * W * d, (int)d,
+                                (const float *)dk + (size_t)j * d, (int)(Hkv * d), 0.0f, dsc, (int)T);
+        if (rc == KVRT_OK) rc = kvrt_ctx_sync(gpu);
+        const double t_s = now_s() - a;
+        kvrt_compilerkv_prompt *pr = NULL;
+        if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_create(T, W, &pr);
+        a = now_s();
+        if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_add_layer_ctx(gpu, pr, dq, dk, H, Hkv, d);
+        const double t_m = now_s() - a;
+        if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_finish(pr, lp);
+        kvrt_selection *sel = NULL;
+        kvrt_compilerkv_stats st;
+        a = now_s();
+        if (rc == KVRT_OK) rc = kvrt_compilerkv_select(gpu, tb, pr, 0, dv, Hkv, d, B, 0, &sel, &st);
+        const double t_sel = now_s() - a;
+        if (rc == KVRT_OK && r >= 0) {
+            ts[n] = t_s;
+            tm[n] = t_m;
+            tsel[n] = t_sel;
+            kept = st.kept;
+            n++;
+        }
+        kvrt_selection_free(sel);
+        kvrt_compilerkv_prompt_free(pr);
+    }
+    if (rc != KVRT_OK) fprintf(stderr, "bench_compilerkv --cuda: %s\n", kvrt_last_error()->msg);
+    if (rc == KVRT_OK && n) {
+        double rt[64];
+        for (int i = 0; i < n; i++) rt[i] = (tm[i] + tsel[i]) / ts[i];
+        const double s = median(ts, n), ms = median(tm, n), msel = median(tsel, n);
+        printf("part 2 on the GPU: CompilerKV selection at llama3-8b shapes, context %lld, window %u, budget %lld "
+               "(kept %lld), median of %d after a warm-up\n", (long long)T, W, (long long)B, (long long)kept, n);
+        printf("  %-52s  %10s  %8s\n", "part", "ms/layer", "x sgemm");
+        printf("  %-52s  %10.3f  %8.3f\n", "window QK^T alone (cuBLAS sgemm per KV head)", 1e3 * s, 1.0);
+        printf("  %-52s  %10.3f  %8.3f\n", "window mass (device, [Hkv, T] scores downloaded)", 1e3 * ms, ms / s);
+        printf("  %-52s  %10.3f  %8.3f\n", "selection (value norms, scores, top-k on the device)", 1e3 * msel, msel / s);
+        printf("  %-52s  %10.3f  %8.3f\n", "CompilerKV total", 1e3 * (ms + msel), (ms + msel) / s);
+        printf("  per-repetition ratio of the total, median: %.3f\n", median(rt, n));
+    }
+    kvrt_ctx_dealloc(gpu, dq);
+    kvrt_ctx_dealloc(gpu, dk);
+    kvrt_ctx_dealloc(gpu, dv);
+    kvrt_ctx_dealloc(gpu, dqw);
+    kvrt_ctx_dealloc(gpu, dsc);
+    kvrt_ctx_free(gpu);
+    kvrt_compilerkv_tables_free(tb);
+    free(q); free(k); free(v); free(lp); free(qw);
+    return rc == KVRT_OK ? 0 : 1;
+}
+
+// ----------------------------------------------------------------------------
 // part 3: H2O and SnapKV scores at SmolLM2-135M shapes (the eval's baselines)
 
 /* The window-mass kernel as kvcc eval runs it for H2O (causal softmax of every query, column
@@ -336,7 +455,7 @@ static int parse_sizes(const char *s, unsigned *out, int *n) {
 }
 
 int main(int argc, char **argv) {
-    int part = 0, reps = 5, creps = 1;
+    int part = 0, reps = 5, creps = 1, cuda = 0;
     int64_t T = 32768, T3 = 2048;
     const char *corpus = "build/demo/corpus.h5", *kvcc = getenv("KVCC");
     unsigned sizes[16] = {1, 2, 4, 8};
@@ -345,6 +464,7 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--part") && val) part = atoi(argv[++i]);
+        else if (!strcmp(a, "--cuda")) cuda = 1;
         else if (!strcmp(a, "--corpus") && val) corpus = argv[++i];
         else if (!strcmp(a, "--kvcc") && val) kvcc = argv[++i];
         else if (!strcmp(a, "--reps") && val) reps = atoi(argv[++i]);
@@ -357,7 +477,7 @@ int main(int argc, char **argv) {
                 return 2;
             }
         } else {
-            fprintf(stderr, "usage: bench_compilerkv [--part 1|2|3] [--corpus F] [--kvcc PATH] [--sizes 1,2,4,8] "
+            fprintf(stderr, "usage: bench_compilerkv [--part 1|2|3] [--cuda] [--corpus F] [--kvcc PATH] [--sizes 1,2,4,8] "
                             "[--compile-reps N] [--reps N] [--context T] [--h2o-context T]\n");
             return 2;
         }
@@ -378,6 +498,7 @@ int main(int argc, char **argv) {
         }
         kvcc = self_kvcc;
     }
+    if (cuda) return part2_cuda(T, reps);
     int rc = 0;
     if (part == 0 || part == 2) rc |= part2(T, reps);
     if (part == 0 || part == 3) rc |= part3(T3, reps);

@@ -80,6 +80,10 @@ typedef struct kvrt_backend_ops {
      * bandwidth of the context's memory, the ceiling its memory-bound kernels are reported
      * against (kvrt_ctx_copy_gbs). */
     int (*copy_gbs)(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs);
+    /* optional (since API 5; NULL: kvrt_ctx_sgemm is KVRT_ERR_UNSUPPORTED): a plain f32 GEMM on
+     * the context's memory, row-major (kvrt_ctx_sgemm; arguments checked by ctx.c) */
+    int (*sgemm)(kvrt_ctx *ctx, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                 const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
 
     // --- primitives (KVRT_OP_SOFTMAX_ROWS .. KVRT_OP_CACHE_GATHER)
     /* kvrt_softmax_rows: x, y 2-D f32 of equal shape, column stride 1 (ctx.c checked). */

@@ -232,6 +232,26 @@ int kvrt_ctx_sync(kvrt_ctx *ctx) {
     return ctx->ops->sync(ctx);
 }
 
+int kvrt_ctx_sgemm(kvrt_ctx *ctx, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                   const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+    if (ctx == NULL) return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_sgemm: NULL ctx");
+    kvrt_error *e = &ctx->last_err;
+    if (A == NULL || B == NULL || C == NULL)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_ctx_sgemm: NULL %s",
+                            A == NULL ? "A" : B == NULL ? "B" : "C");
+    if (m < 1 || n < 1 || k < 1 || (trans_a != 0 && trans_a != 1) || (trans_b != 0 && trans_b != 1))
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_ctx_sgemm: m %d, n %d, k %d, trans %d/%d: "
+                            "expected m, n, k >= 1 and trans 0 or 1", m, n, k, trans_a, trans_b);
+    const int ra = trans_a ? m : k, rb = trans_b ? k : n; /* the row lengths of A and B */
+    if (lda < ra || ldb < rb || ldc < n)
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_ctx_sgemm: lda %d, ldb %d, ldc %d: expected "
+                            ">= %d, %d, %d", lda, ldb, ldc, ra, rb, n);
+    if (ctx->ops->sgemm == NULL)
+        return kvrt_err_set(e, KVRT_ERR_UNSUPPORTED, 0, "kvrt_ctx_sgemm: the %s backend has no "
+                            "sgemm", ctx->ops->name);
+    return ctx->ops->sgemm(ctx, trans_a, trans_b, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
 int kvrt_ctx_copy_gbs(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs) {
     if (gbs) *gbs = 0.0;
     if (ctx == NULL)

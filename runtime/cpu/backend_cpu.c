@@ -12,6 +12,7 @@
  * minus the context and check them themselves (the KV² and merge-reduce layer kernels also take
  * the context's thread count).
  */
+#include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -232,6 +233,15 @@ static int cpu_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_b
                                       dtype, out, ctx->n_threads);
 }
 
+static int cpu_sgemm(kvrt_ctx *ctx, int ta, int tb, int m, int n, int k, float alpha,
+                     const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                     int ldc) {
+    (void)ctx;
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m,
+                n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+    return KVRT_OK;
+}
+
 // ----------------------------------------------------------------------------
 // the table
 
@@ -246,6 +256,7 @@ static const kvrt_backend_ops cpu_ops = {
     .upload = cpu_copy,
     .download = cpu_copy,
     .sync = cpu_sync,
+    .sgemm = cpu_sgemm,
     .softmax_rows = cpu_softmax_rows,
     .attend = kvrt_cpu_attend,
     .topk = cpu_topk,

@@ -309,6 +309,18 @@ static int cuda_copy_gbs(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs) {
     return rc;
 }
 
+/* kvrt_ctx_sgemm: row-major C = alpha op(A) op(B) + beta C is col-major C^T = op(B)^T op(A)^T */
+static int cuda_sgemm(kvrt_ctx *ctx, int ta, int tb, int m, int n, int k, float alpha,
+                      const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                      int ldc) {
+    kvrt_error *err = &ctx->last_err;
+    CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
+    CUBLAS_CHECK(err, cublasSgemm(kvrt_cuda_state_of(ctx)->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                  ta ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, B, ldb, A, lda,
+                                  &beta, C, ldc));
+    return KVRT_OK;
+}
+
 // ----------------------------------------------------------------------------
 // ops
 
@@ -343,6 +355,7 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.download = cuda_download;
     t.sync = cuda_sync;
     t.copy_gbs = cuda_copy_gbs;
+    t.sgemm = cuda_sgemm;
     t.softmax_rows = kvrt_cuda_softmax_rows;
     t.attend = kvrt_cuda_attend;
     t.topk = kvrt_cuda_topk;

@@ -24,6 +24,14 @@ extern "C" {
  * triad there). bytes >= 1 MiB, a multiple of 16; 1 <= runs <= 101. */
 int kvrt_ctx_copy_gbs(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs);
 
+/* A plain f32 GEMM on the context's memory, row-major as cblas_sgemm(CblasRowMajor, ...):
+ * C [m, n] = alpha op(A) op(B) + beta C, op(X) = X or X^T (trans_a / trans_b 0 or 1), A, B, C in
+ * the context's memory (device pointers on CUDA: cuBLAS; host on the CPU: the CPU backend's BLAS).
+ * What a kernel's "the GEMM it rests on" is measured with (bench/). Asynchronous on CUDA.
+ * KVRT_ERR_ARG: NULL arrays, m, n, k < 1, a leading dimension below its row length. */
+int kvrt_ctx_sgemm(kvrt_ctx *ctx, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                   const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
 /* ---- softmax */
 /* The plain CPU reference of the same op, contiguous f32 [rows, cols]. */
 void kvrt_softmax_rows_ref(const float *x, float *y, int64_t rows, int64_t cols, float scale);

@@ -1720,6 +1720,58 @@ static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
 // ----------------------------------------------------------------------------
 // driver
 
+// ----------------------------------------------------------------------------
+// sgemm (kvrt_ctx_sgemm: the GEMM benchmarks measure kernels against)
+
+static void test_sgemm(kvrt_ctx *ctx, const char *bk) {
+    static const struct { int m, n, k, ta, tb; } shapes[] = {
+        {37, 53, 29, 0, 0}, {37, 53, 29, 0, 1}, {64, 17, 128, 1, 0}, {5, 300, 64, 1, 1}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int m = shapes[si].m, n = shapes[si].n, k = shapes[si].k;
+        const int ta = shapes[si].ta, tb = shapes[si].tb;
+        char shape[96];
+        snprintf(shape, sizeof shape, "m=%d n=%d k=%d %s%s beta=0.5", m, n, k, ta ? "A^T " : "A ",
+                 tb ? "B^T" : "B");
+        if (ctx == NULL) {
+            row_head("sgemm", bk, shape);
+            printf("skipped: no GPU\n");
+            n_skipped++;
+            continue;
+        }
+        uint64_t seed = 1300 + si;
+        float *A = randf(&seed, (int64_t)m * k, -1, 1), *B = randf(&seed, (int64_t)k * n, -1, 1);
+        float *C = randf(&seed, (int64_t)m * n, -1, 1), *ref = malloc(sizeof(float) * m * n);
+        const int lda = ta ? m : k, ldb = tb ? k : n;
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++) {
+                double s = 0;
+                for (int x = 0; x < k; x++)
+                    s += (double)(ta ? A[x * lda + i] : A[i * lda + x]) *
+                         (double)(tb ? B[j * ldb + x] : B[x * ldb + j]);
+                ref[i * n + j] = (float)(0.75 * s + 0.5 * (double)C[i * n + j]);
+            }
+        float *dA = to_ctx(ctx, A, sizeof(float) * m * k), *dB = to_ctx(ctx, B, sizeof(float) * k * n);
+        float *dC = to_ctx(ctx, C, sizeof(float) * m * n);
+        int rc = kvrt_ctx_sgemm(ctx, ta, tb, m, n, k, 0.75f, dA, lda, dB, ldb, 0.5f, dC, n);
+        if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, C, dC, sizeof(float) * m * n);
+        if (rc == KVRT_ERR_UNSUPPORTED) {
+            row_head("sgemm", bk, shape);
+            printf("not supported\n");
+            n_unsupported++;
+        } else if (rc != KVRT_OK) {
+            report_error("sgemm", bk, shape, rc, "kvrt_ctx_sgemm");
+        } else {
+            nmse_acc acc = {0, 0, 0};
+            acc_f(&acc, C, ref, (int64_t)m * n);
+            report("sgemm", bk, shape, acc_nmse(&acc), 1e-10, NULL);
+        }
+        kvrt_ctx_dealloc(ctx, dA);
+        kvrt_ctx_dealloc(ctx, dB);
+        kvrt_ctx_dealloc(ctx, dC);
+        free(A); free(B); free(C); free(ref);
+    }
+}
+
 int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     kvrt_ctx *cpu = NULL, *cuda = NULL;
@@ -1753,6 +1805,7 @@ int main(void) {
         kvrt_ctx *ctx;
         const char *name;
     } backends[2] = {{cpu, "cpu"}, {cuda, "cuda"}};
+    for (int b = 0; b < 2; b++) test_sgemm(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_softmax(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_attend(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_topk(backends[b].ctx, backends[b].name);
