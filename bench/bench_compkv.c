@@ -23,6 +23,17 @@
  * full cache; the data is freed once both are built): 3 GiB at 128k.
  *
  * usage: bench_compkv [--runs R] [--threads N] [--ctx T]   (--ctx: one context only)
+ *        bench_compkv --cuda [--runs R] [--ctx T]
+ *
+ * --cuda (scripts/device-check.sh): the paper's offload schedule on a GPU, same shapes and data,
+ * contexts 32k and 128k: a CompKV state with opts.offload = 1 (K, V bf16 in pinned host memory,
+ * summaries on the device; each step reads only the selected blocks over the bus) at budgets of
+ * 32 and 128 blocks, against (a) full attention with the whole cache on the device (kvrt_attend
+ * over a bf16 device cache) and (b) full attention with the cache offloaded: every step uploads
+ * the whole bf16 K, V (kvrt_ctx_upload from pageable host memory into the device cache) and
+ * attends; also the CompKV step with the state on the device (opts.offload = 0, f32). Each
+ * timing ends with kvrt_ctx_sync. Prints "skipped: no GPU" without one. The paper reports up
+ * to 6.85x over full attention at 128k (H100, one layer).
  */
 #include <math.h>
 #include <stdint.h>
@@ -96,15 +107,169 @@ static const char *err_msg(kvrt_ctx *ctx, op_kind op) {
     return op == OP_FULL ? kvrt_ctx_last_error(ctx)->msg : kvrt_last_error()->msg;
 }
 
+/* Synthetic K, V [T, HKV, D] as in the CPU table (see the header). */
+static void gen_kv(int64_t T, uint64_t seed, float *k, float *v) {
+    uint64_t s = seed;
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < HKV * D; i++) {
+            const size_t at = (size_t)t * HKV * D + (size_t)i;
+            k[at] = 0.7f * frand(&s) + sinf(0.003f * (float)t * (float)(1 + i % 7));
+            v[at] = 0.8f * cosf(0.002f * (float)t * (float)(1 + i % 5) + (float)i) + 0.2f * frand(&s);
+        }
+}
+
+/* Median seconds of runs of f(arg) (each ended by kvrt_ctx_sync) after one warm-up; -1 on a
+ * failure (message printed). */
+typedef int (*gpu_fn)(void *arg);
+static double time_gpu(kvrt_ctx *g, gpu_fn f, void *arg, int runs, const char *what) {
+    double t[MAX_RUNS];
+    for (int it = -1; it < runs; it++) {
+        const double t0 = now_s();
+        int rc = f(arg);
+        if (rc == KVRT_OK) rc = kvrt_ctx_sync(g);
+        if (rc != KVRT_OK) {
+            fprintf(stderr, "bench_compkv --cuda: %s: %s\n", what, kvrt_last_error()->msg);
+            return -1.0;
+        }
+        if (it >= 0) t[it] = now_s() - t0;
+    }
+    return median(t, runs);
+}
+
+typedef struct {
+    kvrt_ctx *g;
+    const kvrt_cache *dc, *hc; /* the device cache and the host cache it copies */
+    const kvrt_compkv *ck;
+    const float *dq;
+    float *dout;
+    int64_t k_blocks;
+    size_t kv_bytes;
+} gpu_args;
+
+static int g_full(void *p) {
+    const gpu_args *a = p;
+    return kvrt_attend(a->g, a->dq, 1, H, a->dc, NULL, NULL, 0, 1.0f / sqrtf((float)D), a->dout,
+                       NULL);
+}
+static int g_full_offloaded(void *p) {
+    const gpu_args *a = p;
+    int rc = kvrt_ctx_upload(a->g, a->dc->keys, a->hc->keys, a->kv_bytes);
+    if (rc == KVRT_OK) rc = kvrt_ctx_upload(a->g, a->dc->values, a->hc->values, a->kv_bytes);
+    return rc == KVRT_OK ? g_full(p) : rc;
+}
+static int g_step(void *p) {
+    const gpu_args *a = p;
+    return kvrt_compkv_step(a->ck, a->dq, H, a->k_blocks, a->dout, NULL);
+}
+
+static int bench_cuda(int runs, int64_t only_ctx) {
+    if (!(kvrt_has_cuda() && kvrt_cuda_device_count() > 0)) {
+        printf("skipped: no GPU (bench_compkv --cuda: %s)\n",
+               kvrt_has_cuda() ? "no CUDA device" : "libkvrt built without CUDA");
+        return 0;
+    }
+    kvrt_ctx *g = NULL;
+    kvrt_error err;
+    if (kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &g, &err) != KVRT_OK) {
+        fprintf(stderr, "bench_compkv: %s\n", err.msg);
+        return 1;
+    }
+    kvrt_device_info info;
+    kvrt_ctx_info(g, &info);
+    printf("CompKV offload schedule vs full attention on %s, llama3-8b shapes (H=%d, Hkv=%d, "
+           "d=%d), block %d, r=%d, 1 query, median of %d runs after a warm-up\n", info.name, H,
+           HKV, D, BLOCK, R, runs);
+    printf("\n%8s %7s %12s %14s %13s %13s %11s %11s\n", "context", "budget", "full dev ms",
+           "full offl. ms", "offload step", "device step", "vs offl.", "vs dev");
+    float q[H * D];
+    uint64_t seed = 7;
+    for (int i = 0; i < H * D; i++) q[i] = frand(&seed);
+    void *dq = NULL, *dout = NULL;
+    int status = kvrt_ctx_alloc(g, sizeof q, &dq) != KVRT_OK || kvrt_ctx_alloc(g, sizeof q, &dout) != KVRT_OK ||
+                 kvrt_ctx_upload(g, dq, q, sizeof q) != KVRT_OK;
+    const int64_t ctxs[2] = {32768, 131072}, budgets[2] = {32, 128};
+    for (int ci = 0; ci < 2 && !status; ci++) {
+        const int64_t T = ctxs[ci];
+        if (only_ctx && T != only_ctx) continue;
+        const size_t n = (size_t)T * HKV * D;
+        float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
+        void *dk = NULL, *dv = NULL;
+        kvrt_compkv *off = NULL, *dev = NULL;
+        kvrt_cache *hc = NULL, *dc = NULL;
+        kvrt_selection *sel = NULL;
+        int64_t counts[HKV];
+        if (!k || !v) { status = 1; goto next; }
+        gen_kv(T, 100 + (uint64_t)ci, k, v);
+        /* both states from the same rows in device memory (as a prefill leaves them) */
+        kvrt_compkv_opts o;
+        kvrt_compkv_opts_init(&o);
+        o.block = BLOCK;
+        o.r = R;
+        status = kvrt_ctx_alloc(g, sizeof(float) * n, &dk) != KVRT_OK ||
+                 kvrt_ctx_alloc(g, sizeof(float) * n, &dv) != KVRT_OK ||
+                 kvrt_ctx_upload(g, dk, k, sizeof(float) * n) != KVRT_OK ||
+                 kvrt_ctx_upload(g, dv, v, sizeof(float) * n) != KVRT_OK;
+        if (!status) status = kvrt_compkv_create(g, &o, HKV, D, T, NULL, NULL, &dev) != KVRT_OK ||
+                              kvrt_compkv_append(dev, dk, dv, T) != KVRT_OK;
+        o.offload = 1;
+        if (!status) status = kvrt_compkv_create(g, &o, HKV, D, T, NULL, NULL, &off) != KVRT_OK ||
+                              kvrt_compkv_append(off, dk, dv, T) != KVRT_OK;
+        /* the full cache of every token, bf16 (the offload state's storage), on the device */
+        for (int j = 0; j < HKV; j++) counts[j] = T;
+        if (!status) status = kvrt_selection_create(HKV, counts, &sel) != KVRT_OK;
+        for (int j = 0; !status && j < HKV; j++)
+            for (int64_t t = 0; t < T; t++) sel->positions[sel->offsets[j] + t] = (int32_t)t;
+        if (!status) status = kvrt_cache_gather(k, v, T, HKV, D, sel, KVRT_DTYPE_BF16, &hc) != KVRT_OK ||
+                              kvrt_cache_to_device(g, hc, &dc) != KVRT_OK;
+        if (status) {
+            fprintf(stderr, "bench_compkv --cuda: T = %lld: %s / %s\n", (long long)T,
+                    kvrt_last_error()->msg, kvrt_ctx_last_error(g)->msg);
+            goto next;
+        }
+        gpu_args a = {g, dc, hc, NULL, dq, dout, 0, sizeof(uint16_t) * n};
+        const double full_s = time_gpu(g, g_full, &a, runs, "kvrt_attend (device cache)");
+        const double foff_s = time_gpu(g, g_full_offloaded, &a, runs, "upload + kvrt_attend");
+        for (int bi = 0; bi < 2 && full_s > 0 && foff_s > 0; bi++) {
+            a.k_blocks = budgets[bi];
+            a.ck = off;
+            const double so = time_gpu(g, g_step, &a, runs, "kvrt_compkv_step (offload)");
+            a.ck = dev;
+            const double sd = time_gpu(g, g_step, &a, runs, "kvrt_compkv_step (device)");
+            if (so < 0 || sd < 0) { status = 1; break; }
+            printf("%8lld %7lld %12.3f %14.3f %13.3f %13.3f %10.2fx %10.2fx\n", (long long)T,
+                   (long long)(budgets[bi] * BLOCK), full_s * 1e3, foff_s * 1e3, so * 1e3,
+                   sd * 1e3, foff_s / so, full_s / so);
+        }
+        if (full_s < 0 || foff_s < 0) status = 1;
+    next:
+        free(k);
+        free(v);
+        kvrt_ctx_dealloc(g, dk);
+        kvrt_ctx_dealloc(g, dv);
+        kvrt_compkv_free(off);
+        kvrt_compkv_free(dev);
+        kvrt_cache_free(dc);
+        kvrt_cache_free(hc);
+        kvrt_selection_free(sel);
+    }
+    printf("(vs offl.: full attention with the cache offloaded over CompKV's offload step, the "
+           "paper's up to 6.85x at 128k; vs dev: full attention with the cache on the device)\n");
+    kvrt_ctx_dealloc(g, dq);
+    kvrt_ctx_dealloc(g, dout);
+    kvrt_ctx_free(g);
+    return status;
+}
+
 int main(int argc, char **argv) {
-    int runs = 9, threads = 0;
+    int runs = 9, threads = 0, cuda = 0;
     int64_t only_ctx = 0;
     for (int i = 1; i < argc; i++) {
         if (i + 1 < argc && !strcmp(argv[i], "--runs")) runs = atoi(argv[++i]);
         else if (i + 1 < argc && !strcmp(argv[i], "--threads")) threads = atoi(argv[++i]);
         else if (i + 1 < argc && !strcmp(argv[i], "--ctx")) only_ctx = atoll(argv[++i]);
+        else if (!strcmp(argv[i], "--cuda")) cuda = 1;
         else {
-            fprintf(stderr, "usage: %s [--runs R] [--threads N] [--ctx T]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--runs R] [--threads N] [--ctx T] [--cuda]\n", argv[0]);
             return 2;
         }
     }
@@ -112,6 +277,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_compkv: need 1 <= runs <= %d, threads >= 0, T >= 1\n", MAX_RUNS);
         return 2;
     }
+    if (cuda) return bench_cuda(runs, only_ctx);
     kvrt_ctx *ctx = NULL;
     kvrt_error err;
     kvrt_ctx_options co = {threads, 0};

@@ -120,9 +120,11 @@ static int opts_check(const char *fn, const kvrt_compkv_opts *o, uint32_t hkv, u
     if (!isfinite(o->scale))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.scale = %g, expected a finite value (0: "
                        "1/sqrt(head_dim))", fn, (double)o->scale);
-    if ((o->compensate | 1) != 1 || (o->mass_only | 1) != 1 || (o->first_order | 1) != 1)
+    if ((o->compensate | 1) != 1 || (o->mass_only | 1) != 1 || (o->first_order | 1) != 1 ||
+        (o->offload | 1) != 1)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.compensate %d, mass_only %d, first_order %d, "
-                       "expected 0 or 1 each", fn, o->compensate, o->mass_only, o->first_order);
+                       "offload %d, expected 0 or 1 each", fn, o->compensate, o->mass_only,
+                       o->first_order, o->offload);
     if ((perm == NULL) != (offsets == NULL))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: perm is %s but offsets is %s, expected both or neither",
                        fn, perm ? "given" : "NULL", offsets ? "given" : "NULL");
@@ -264,6 +266,10 @@ int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_
     int rc = kvrt_compkv_create_check(fn, ctx, o, n_kv_heads, head_dim, capacity, perm, offsets,
                                       &base);
     if (rc != KVRT_OK) return rc;
+    if (o->offload)
+        return KVRT_FAIL(KVRT_ERR_UNSUPPORTED, "%s: opts.offload = 1 (K, V in pinned host memory, "
+                         "read per step over the bus) is a CUDA mode; this is a CPU context, "
+                         "whose state is host memory already", fn);
     const uint32_t r = base.r;
     const size_t hkv = n_kv_heads, d = head_dim;
     kvrt_compkv *s = calloc(1, sizeof *s);

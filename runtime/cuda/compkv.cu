@@ -30,10 +30,18 @@
  *    no compensation: zero rows, as the CPU;
  *  - checks that need the device's data (NaN in q; blocks strictly ascending in [0, n_blocks))
  *    read one flag back: scores, attend_blocks and step synchronize once each before computing.
+ * Offload mode (opts.offload = 1, the paper's schedule): K and V live in pinned, mapped host
+ * memory as bf16 [hkv][cap][d] (round to nearest even, as kvrt_f32_to_bf16), the summaries on
+ * the device as above, computed at append from the f32 rows (the tokens of a block still filling
+ * are kept on the device, f32, until it fills). Scores and selection run on the device as above;
+ * attention first gathers the selected blocks' rows from host memory over the bus into a device
+ * buffer (one kernel reading the mapped memory: only those blocks cross the bus), then runs the
+ * same attention kernel over that buffer.
  * Workspace is stream-ordered (cudaMallocAsync) and freed before returning. Nothing here has run
  * on a GPU in CI; tests/backend/test_backend_ops.c checks every op against the CPU's _ref where
  * one is present.
  */
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <math.h>
@@ -50,7 +58,10 @@
 /* The CUDA state: the shared head first (core/policies.h), then device arrays. */
 typedef struct {
     kvrt_compkv_base b;
-    float *k, *v;         /* [hkv][cap][d] */
+    float *k, *v;         /* [hkv][cap][d]; NULL in offload mode */
+    uint16_t *hk, *hv;    /* offload: pinned host bf16 [hkv][cap][d] */
+    uint16_t *mk, *mv;    /* offload: their device (mapped) addresses */
+    float *tk, *tv;       /* offload: the rows of the block still filling, f32 [hkv][block][d] */
     float *kmean, *vmean; /* [hkv][cap_blocks][d] */
     float *gvar;          /* [hkv][cap_blocks][r] */
     int32_t *count;       /* [cap_blocks] */
@@ -67,9 +78,11 @@ extern "C" void kvrt_cuda_compkv_free(kvrt_compkv *ks) {
     ck_state *s = (ck_state *)(void *)ks;
     (void)cudaSetDevice(s->b.ctx->device_id);
     (void)cudaStreamSynchronize(kvrt_cuda_stream(s->b.ctx));
-    void *p[] = {s->k, s->v, s->kmean, s->vmean, s->gvar, s->count, s->perm, s->off};
+    void *p[] = {s->k, s->v, s->kmean, s->vmean, s->gvar, s->count, s->perm, s->off, s->tk, s->tv};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
         if (p[i]) (void)cudaFree(p[i]);
+    if (s->hk) (void)cudaFreeHost(s->hk);
+    if (s->hv) (void)cudaFreeHost(s->hv);
     (void)cudaGetLastError();
     free(s);
 }
@@ -104,12 +117,31 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
     hs->compkv_groups_fill(n_kv_heads, head_dim, r, perm, offsets, pm, of);
     const size_t hkv = n_kv_heads, d = head_dim, cb = (size_t)s->b.cap_blocks;
     const size_t kvb = sizeof(float) * (size_t)capacity * hkv * d;
+    const int off = o->offload;
+    const size_t tailb = sizeof(float) * hkv * (size_t)o->block * d;
     cudaError_t e = cudaSuccess;
+    if (off) { /* K, V in pinned host memory, mapped into the device's address space */
+        const size_t hb = sizeof(uint16_t) * (size_t)capacity * hkv * d;
+        e = cudaHostAlloc((void **)&s->hk, hb, cudaHostAllocMapped);
+        if (e == cudaSuccess) e = cudaHostAlloc((void **)&s->hv, hb, cudaHostAllocMapped);
+        if (e == cudaSuccess) e = cudaHostGetDevicePointer((void **)&s->mk, s->hk, 0);
+        if (e == cudaSuccess) e = cudaHostGetDevicePointer((void **)&s->mv, s->hv, 0);
+        if (e != cudaSuccess) {
+            kvrt_cuda_compkv_free((kvrt_compkv *)(void *)s);
+            free(pm);
+            free(of);
+            (void)cudaGetLastError();
+            return kvrt_err_set(err, e == cudaErrorMemoryAllocation ? KVRT_ERR_NOMEM : KVRT_ERR_CUDA,
+                                (int)e, "%s: offload: cannot allocate 2 x %.1f MiB of pinned, "
+                                "mapped host memory for K and V (%s)", fn, (double)hb / 1048576.0,
+                                cudaGetErrorString(e));
+        }
+    }
     struct {
         void **p;
         size_t bytes;
-    } al[] = {{(void **)&s->k, kvb},
-              {(void **)&s->v, kvb},
+    } al[] = {{(void **)(off ? &s->tk : &s->k), off ? tailb : kvb},
+              {(void **)(off ? &s->tv : &s->v), off ? tailb : kvb},
               {(void **)&s->kmean, sizeof(float) * hkv * cb * d},
               {(void **)&s->vmean, sizeof(float) * hkv * cb * d},
               {(void **)&s->gvar, sizeof(float) * hkv * cb * r},
@@ -159,8 +191,8 @@ __global__ void ck_copy_rows(const float *__restrict__ src, int64_t n, int hkv, 
  * coordinates), then gvar (threads over groups; each coordinate's variance two-pass in double
  * around its double mean), and count (head 0). len: the tokens held after the append. */
 __global__ void ck_summarize(const float *__restrict__ k, const float *__restrict__ v, int hkv,
-                             int d, int r, int64_t cap, int64_t cap_blocks, int B, int64_t b0,
-                             int64_t len, const uint16_t *__restrict__ perm,
+                             int d, int r, int64_t cap, int64_t t_base, int64_t cap_blocks, int B,
+                             int64_t b0, int64_t len, const uint16_t *__restrict__ perm,
                              const uint16_t *__restrict__ off, float *__restrict__ kmean,
                              float *__restrict__ vmean, float *__restrict__ gvar,
                              int32_t *__restrict__ count) {
@@ -168,14 +200,16 @@ __global__ void ck_summarize(const float *__restrict__ k, const float *__restric
     const int h = blockIdx.y;
     const int64_t t0 = b * B, t1 = t0 + B < len ? t0 + B : len;
     const double c = (double)(t1 - t0);
+    /* token t of head h at row h cap + t - t_base: the state's rows (t_base 0), or offload's
+     * temporary rows from the first touched block on (t_base = that block's first token) */
     const float *kh = k + (int64_t)h * cap * d, *vh = v + (int64_t)h * cap * d;
     float *km = kmean + ((int64_t)h * cap_blocks + b) * d;
     float *vm = vmean + ((int64_t)h * cap_blocks + b) * d;
     for (int x = threadIdx.x; x < d; x += blockDim.x) {
         double sk = 0.0, sv = 0.0;
         for (int64_t t = t0; t < t1; t++) {
-            sk += (double)kh[t * d + x];
-            sv += (double)vh[t * d + x];
+            sk += (double)kh[(t - t_base) * d + x];
+            sv += (double)vh[(t - t_base) * d + x];
         }
         km[x] = (float)(sk / c);
         vm[x] = (float)(sv / c);
@@ -187,10 +221,10 @@ __global__ void ck_summarize(const float *__restrict__ k, const float *__restric
         for (int i = of[g]; i < of[g + 1]; i++) {
             const int x = pm[i];
             double m = 0.0, q = 0.0;
-            for (int64_t t = t0; t < t1; t++) m += (double)kh[t * d + x];
+            for (int64_t t = t0; t < t1; t++) m += (double)kh[(t - t_base) * d + x];
             m /= c;
             for (int64_t t = t0; t < t1; t++) {
-                const double dx = (double)kh[t * d + x] - m;
+                const double dx = (double)kh[(t - t_base) * d + x] - m;
                 q += dx * dx;
             }
             acc += q / c;
@@ -200,12 +234,82 @@ __global__ void ck_summarize(const float *__restrict__ k, const float *__restric
     if (h == 0 && threadIdx.x == 0) count[b] = (int32_t)(t1 - t0);
 }
 
+/* Offload append, one thread per element of the M = L0 + n rows of the touched blocks, head
+ * major: tmp [hkv][M][d] f32 gets the L0 rows still filling (tail [hkv][B][d]) then the n new
+ * rows src [n][hkv][d]; the new rows also go to the mapped host arrays as bf16 (row len0 + i). */
+__global__ void ck_off_fill(const float *__restrict__ src, int64_t n, int hkv, int d, int64_t L0,
+                           const float *__restrict__ tail, int B, int64_t cap, int64_t len0,
+                           float *__restrict__ tmp, uint16_t *__restrict__ host) {
+    const int64_t M = L0 + n, i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)hkv * M * d) return;
+    const int x = (int)(i % d);
+    const int64_t t = (i / d) % M;
+    const int h = (int)(i / ((int64_t)d * M));
+    if (t < L0) {
+        tmp[i] = tail[((int64_t)h * B + t) * d + x];
+    } else {
+        const float f = src[((t - L0) * hkv + h) * d + x];
+        tmp[i] = f;
+        host[((int64_t)h * cap + len0 + (t - L0)) * d + x] = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+    }
+}
+
+/* The last L1 rows of tmp [hkv][M][d] become the tail [hkv][B][d] (the block still filling). */
+__global__ void ck_off_tail(const float *__restrict__ tmp, int hkv, int d, int64_t M, int64_t L1,
+                           int B, float *__restrict__ tail) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)hkv * L1 * d) return;
+    const int x = (int)(i % d);
+    const int64_t t = (i / d) % L1;
+    const int h = (int)(i / ((int64_t)d * L1));
+    tail[((int64_t)h * B + t) * d + x] = tmp[((int64_t)h * M + (M - L1 + t)) * d + x];
+}
+
+/* Offload append of n rows k, v [n][hkv][d] (device): the rows of the touched blocks gathered
+ * with the tail into temporaries (f32), the summaries of those blocks from them, the new rows
+ * to host memory as bf16 (ck_off_fill, both tensors), the new tail. */
+static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float *v, int64_t n) {
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t stream = kvrt_cuda_stream(ctx);
+    const int hkv = (int)s->b.hkv, d = (int)s->b.d, B = (int)s->b.o.block;
+    const int64_t len0 = s->b.len, len = len0 + n, b0 = len0 / B, b1 = (len - 1) / B;
+    const int64_t L0 = len0 - b0 * B, M = L0 + n, L1 = len % B;
+    const int64_t nbt = b1 - b0 + 1, total = (int64_t)hkv * M * d;
+    if (nbt > 0x7fffffffLL || (total + CK_THREADS - 1) / CK_THREADS > 0x7fffffffLL)
+        return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
+                            "kvrt_compkv_append (cuda, offload): %lld tokens in one call",
+                            (long long)n);
+    float *tmp = NULL;
+    const size_t tb = sizeof(float) * (size_t)total;
+    CUDA_CHECK(err, cudaMallocAsync((void **)&tmp, 2 * tb, stream));
+    float *tk = tmp, *tv = tmp + total;
+    const unsigned g = (unsigned)((total + CK_THREADS - 1) / CK_THREADS);
+    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, L0, s->tk, B, s->b.cap, len0, tk, s->mk);
+    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, L0, s->tv, B, s->b.cap, len0, tv, s->mv);
+    dim3 grid((unsigned)nbt, (unsigned)hkv);
+    ck_summarize<<<grid, 128, 0, stream>>>(tk, tv, hkv, d, (int)s->b.r, M, b0 * B, s->b.cap_blocks,
+                                           B, b0, len, s->perm, s->off, s->kmean, s->vmean,
+                                           s->gvar, s->count);
+    if (L1 > 0) {
+        const unsigned gt = (unsigned)(((int64_t)hkv * L1 * d + CK_THREADS - 1) / CK_THREADS);
+        ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tk, hkv, d, M, L1, B, s->tk);
+        ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tv, hkv, d, M, L1, B, s->tv);
+    }
+    const cudaError_t e = cudaGetLastError();
+    (void)cudaFreeAsync(tmp, stream);
+    if (e != cudaSuccess)
+        return kvrt_cuda_error(err, e, "compkv offload append kernels", __func__, __FILE__, __LINE__);
+    s->b.len = len;
+    return KVRT_OK;
+}
+
 extern "C" int kvrt_cuda_compkv_append(kvrt_ctx *ctx, kvrt_compkv *ks, const float *k,
                                        const float *v, int64_t n) {
     kvrt_error *err = &ctx->last_err;
     ck_state *s = (ck_state *)(void *)ks;
     cudaStream_t stream = kvrt_cuda_stream(ctx);
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
+    if (s->b.o.offload) return ck_off_append(ctx, s, k, v, n);
     const int hkv = (int)s->b.hkv, d = (int)s->b.d, B = (int)s->b.o.block;
     const int64_t total = n * hkv * d, len0 = s->b.len, len = len0 + n;
     const unsigned g = (unsigned)((total + CK_THREADS - 1) / CK_THREADS);
@@ -217,7 +321,7 @@ extern "C" int kvrt_cuda_compkv_append(kvrt_ctx *ctx, kvrt_compkv *ks, const flo
         return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
                             "kvrt_compkv_append (cuda): %lld blocks in one call", (long long)nbt);
     dim3 grid((unsigned)nbt, (unsigned)hkv);
-    ck_summarize<<<grid, 128, 0, stream>>>(s->k, s->v, hkv, d, (int)s->b.r, s->b.cap,
+    ck_summarize<<<grid, 128, 0, stream>>>(s->k, s->v, hkv, d, (int)s->b.r, s->b.cap, 0,
                                            s->b.cap_blocks, B, b0, len, s->perm, s->off,
                                            s->kmean, s->vmean, s->gvar, s->count);
     CUDA_CHECK(err, cudaGetLastError());
@@ -526,12 +630,37 @@ extern "C" int kvrt_cuda_compkv_select(kvrt_ctx *ctx, const kvrt_compkv *ks, con
 // ----------------------------------------------------------------------------
 // attention over the selected blocks, mean compensation of the others
 
-/* mark [hkv, nb] = 1 where blocks [hkv, n_sel] selects (zeroed before). */
+/* slot [hkv, nb] = j where blocks[h, j] selects block b (-1 elsewhere: set before). */
 __global__ void ck_mark(const int32_t *__restrict__ blocks, int hkv, int64_t n_sel, int64_t nb,
-                        unsigned char *__restrict__ mark) {
+                        int32_t *__restrict__ slot) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)hkv * n_sel) return;
-    mark[(i / n_sel) * nb + blocks[i]] = 1;
+    slot[(i / n_sel) * nb + blocks[i]] = (int32_t)(i % n_sel);
+}
+
+/* Offload: the selected blocks' rows from the mapped host arrays (bf16) into the device buffers
+ * sk, sv [hkv][n_sel][B][d] (f32), one thread per element; rows past the held tokens are left. */
+__global__ void ck_off_gather(const int32_t *__restrict__ blocks, int hkv, int64_t n_sel, int B,
+                              int d, int64_t cap, int64_t len, const uint16_t *__restrict__ mk,
+                              const uint16_t *__restrict__ mv, float *__restrict__ sk,
+                              float *__restrict__ sv) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (int64_t)hkv * n_sel * B * d) return;
+    const int x = (int)(i % d);
+    const int64_t tt = (i / d) % B, j = (i / ((int64_t)d * B)) % n_sel;
+    const int h = (int)(i / ((int64_t)d * B * n_sel));
+    const int64_t t = (int64_t)blocks[h * n_sel + j] * B + tt;
+    if (t >= len) return;
+    const int64_t at = ((int64_t)h * cap + t) * d + x;
+    sk[i] = __bfloat162float(__ushort_as_bfloat16(mk[at]));
+    sv[i] = __bfloat162float(__ushort_as_bfloat16(mv[at]));
+}
+
+/* The row of token t (of block b, selected at slot j) of KV head hk: the state's rows
+ * [hkv][cap][d], or with staged the gathered buffer [hkv][n_sel][B][d]. */
+__device__ __forceinline__ int64_t ck_row(int staged, int hk, int64_t cap, int64_t n_sel, int B,
+                                          int64_t b, int32_t j, int64_t t) {
+    return staged ? ((int64_t)hk * n_sel + j) * B + (t - b * B) : (int64_t)hk * cap + t;
 }
 
 /* One CUDA block per query head h. w [H, len + nb] scratch: the logits, then the weights, of
@@ -539,24 +668,25 @@ __global__ void ck_mark(const int32_t *__restrict__ blocks, int hkv, int64_t n_s
 __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__ k,
                           const float *__restrict__ v, const float *__restrict__ kmean,
                           const float *__restrict__ vmean, const int32_t *__restrict__ count,
-                          const unsigned char *__restrict__ mark, int G, int d, int64_t cap,
-                          int64_t cap_blocks, int B, int64_t len, int64_t nb, double scale,
-                          int compensate, double *__restrict__ w, float *__restrict__ out) {
+                          const int32_t *__restrict__ slot, int staged, int64_t n_sel, int G,
+                          int d, int64_t cap, int64_t cap_blocks, int B, int64_t len, int64_t nb,
+                          double scale, int compensate, double *__restrict__ w,
+                          float *__restrict__ out) {
     __shared__ double sh[CK_THREADS];
     const int h = blockIdx.x, hk = h / G;
     const float *qh = q + (int64_t)h * d;
-    const float *kh = k + (int64_t)hk * cap * d, *vh = v + (int64_t)hk * cap * d;
     const float *kmh = kmean + (int64_t)hk * cap_blocks * d;
     const float *vmh = vmean + (int64_t)hk * cap_blocks * d;
-    const unsigned char *mk = mark + (int64_t)hk * nb;
+    const int32_t *mk = slot + (int64_t)hk * nb;
     double *wh = w + (int64_t)h * (len + nb);
     /* logits and the max */
     double m = -INFINITY;
     for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) {
-        if (mk[b]) {
+        if (mk[b] >= 0) {
             for (int64_t t = b * B; t < b * B + count[b]; t++) {
+                const float *kr = k + ck_row(staged, hk, cap, n_sel, B, b, mk[b], t) * d;
                 double dot = 0.0;
-                for (int x = 0; x < d; x++) dot += (double)qh[x] * (double)kh[t * d + x];
+                for (int x = 0; x < d; x++) dot += (double)qh[x] * (double)kr[x];
                 wh[t] = scale * dot;
                 m = fmax(m, wh[t]);
             }
@@ -577,7 +707,7 @@ __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__
     /* weights and their sum */
     double s = 0.0;
     for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) {
-        if (mk[b]) {
+        if (mk[b] >= 0) {
             for (int64_t t = b * B; t < b * B + count[b]; t++) {
                 wh[t] = exp(wh[t] - m);
                 s += wh[t];
@@ -592,9 +722,9 @@ __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__
     for (int x = threadIdx.x; x < d; x += blockDim.x) {
         double acc = 0.0;
         for (int64_t b = 0; b < nb; b++) {
-            if (mk[b]) {
+            if (mk[b] >= 0) {
                 for (int64_t t = b * B; t < b * B + count[b]; t++)
-                    acc += wh[t] * (double)vh[t * d + x];
+                    acc += wh[t] * (double)v[ck_row(staged, hk, cap, n_sel, B, b, mk[b], t) * d + x];
             } else if (compensate) {
                 acc += wh[len + b] * (double)vmh[b * d + x];
             }
@@ -611,22 +741,31 @@ static int ck_attend_blocks(kvrt_ctx *ctx, const ck_state *s, const float *q, ui
     const int hkv = (int)s->b.hkv, H = (int)n_heads, G = H / hkv;
     const int64_t len = s->b.len, nb = (len + s->b.o.block - 1) / s->b.o.block;
     const size_t nw = (size_t)H * (size_t)(len + nb), nm = (size_t)hkv * (size_t)nb;
+    const int staged = s->b.o.offload, B = (int)s->b.o.block, d = (int)s->b.d;
+    /* offload: the selected blocks' rows, gathered from host memory (f32 on the device) */
+    const size_t ns = staged ? (size_t)hkv * (size_t)n_sel * (size_t)B * (size_t)d : 0;
     char *ws = NULL;
     const size_t wbytes = (sizeof(double) * nw + 255) & ~(size_t)255;
-    CUDA_CHECK(err, cudaMallocAsync((void **)&ws, wbytes + nm, stream));
+    const size_t mbytes = (sizeof(int32_t) * nm + 255) & ~(size_t)255;
+    CUDA_CHECK(err, cudaMallocAsync((void **)&ws, wbytes + mbytes + 2 * sizeof(float) * ns, stream));
     double *w = (double *)ws;
-    unsigned char *mark = (unsigned char *)(ws + wbytes);
-    cudaError_t e = cudaMemsetAsync(mark, 0, nm, stream);
+    int32_t *slot = (int32_t *)(ws + wbytes);
+    float *sk = (float *)(ws + wbytes + mbytes), *sv = sk + ns;
+    cudaError_t e = cudaMemsetAsync(slot, 0xff, sizeof(int32_t) * nm, stream); /* -1 */
     if (e == cudaSuccess && n_sel > 0) {
         const int64_t n = (int64_t)hkv * n_sel;
         ck_mark<<<(unsigned)((n + CK_THREADS - 1) / CK_THREADS), CK_THREADS, 0, stream>>>(
-            blocks, hkv, n_sel, nb, mark);
+            blocks, hkv, n_sel, nb, slot);
+        if (staged)
+            ck_off_gather<<<(unsigned)(((int64_t)ns + CK_THREADS - 1) / CK_THREADS), CK_THREADS, 0,
+                            stream>>>(blocks, hkv, n_sel, B, d, s->b.cap, len, s->mk, s->mv, sk,
+                                      sv);
         e = cudaGetLastError();
     }
     if (e == cudaSuccess) {
         ck_attend<<<(unsigned)H, CK_THREADS, 0, stream>>>(
-            q, s->k, s->v, s->kmean, s->vmean, s->count, mark, G, (int)s->b.d, s->b.cap,
-            s->b.cap_blocks, (int)s->b.o.block, len, nb, (double)s->b.o.scale,
+            q, staged ? sk : s->k, staged ? sv : s->v, s->kmean, s->vmean, s->count, slot, staged,
+            n_sel, G, d, s->b.cap, s->b.cap_blocks, B, len, nb, (double)s->b.o.scale,
             s->b.o.compensate, w, out);
         e = cudaGetLastError();
     }

@@ -978,6 +978,12 @@ typedef struct {
     int first_order;         /* 1: phat from exp(zbar), no s2/2 correction (default 0) */
     uint32_t n_sink_blocks;  /* forced leading blocks (default 1) */
     uint32_t n_recent_blocks;/* forced trailing blocks, partial included (default 2) */
+    int offload;             /* 1: the paper's offload schedule, CUDA contexts only: K and V kept
+                              * in pinned host memory as bf16, the block summaries (f32) on the
+                              * device; each step scores and selects on the device and reads only
+                              * the selected blocks over the bus (docs/cuda.md). 0 (default): K,
+                              * V in the context's memory, f32. A CPU context refuses 1
+                              * (KVRT_ERR_UNSUPPORTED). */
 } kvrt_compkv_opts;
 void kvrt_compkv_opts_init(kvrt_compkv_opts *o);
 

@@ -1167,7 +1167,14 @@ static void ck_pair_free(ck_pair *p) {
     free(p->offsets);
 }
 
+/* The backend's state with opts.offload = offload (the reference state on the CPU never). */
+static int ck_pair_make_mode(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p,
+                             int offload);
 static int ck_pair_make(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p) {
+    return ck_pair_make_mode(ctx, S, seed, p, 0);
+}
+static int ck_pair_make_mode(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p,
+                             int offload) {
     memset(p, 0, sizeof *p);
     kvrt_compkv_opts_init(&p->o);
     p->o.block = S->block;
@@ -1197,7 +1204,9 @@ static int ck_pair_make(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pai
         fprintf(stderr, "test_backend_ops: %s\n", kvrt_last_error()->msg);
         exit(2);
     }
-    rc = ctx->ops->compkv_create(ctx, &p->o, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->got);
+    kvrt_compkv_opts og = p->o;
+    og.offload = offload;
+    rc = ctx->ops->compkv_create(ctx, &og, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->got);
     const size_t row = (size_t)S->Hkv * S->d, bytes = sizeof(float) * (size_t)S->T * row;
     float *dk = to_ctx(ctx, p->k, bytes), *dv = to_ctx(ctx, p->v, bytes);
     int64_t done = 0;
@@ -1401,6 +1410,68 @@ static void test_compkv_step(kvrt_ctx *ctx, const char *bk, const ck_shape *S, s
             const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
             report("compkv_step", bk, shape, same ? acc_nmse(&a) : INFINITY, NMSE_DEFAULT,
                    same ? NULL : "the selected blocks differ from the reference's");
+        }
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, dout);
+        kvrt_ctx_dealloc(ctx, db);
+    }
+    ck_pair_free(&p);
+    free(q);
+    free(sc);
+    free(rb);
+    free(gb);
+    free(ref);
+    free(got);
+}
+
+/* The offload mode (opts.offload = 1: K, V as bf16 in pinned host memory, only the selected
+ * blocks read per step): the whole step against the CPU reference state (f32): the same blocks,
+ * the output within bf16's rounding of K and V (nmse 1e-4). A CPU context refuses the mode. */
+static void test_compkv_offload(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    char shape[96];
+    ck_shape_str(S, shape, sizeof shape, 1);
+    if (!ck_runs(ctx, bk, "compkv_step offload", KVRT_OP_COMPKV_STEP, shape)) return;
+    uint64_t seed = 1900 + si;
+    ck_pair p;
+    int rc = ck_pair_make_mode(ctx, S, &seed, &p, 1);
+    if (rc == KVRT_ERR_UNSUPPORTED) {
+        row_head("compkv_step offload", bk, shape);
+        printf("not supported: %s\n", kvrt_last_error()->msg);
+        n_unsupported++;
+        ck_pair_free(&p);
+        return;
+    }
+    const int64_t nb = kvrt_compkv_n_blocks(p.ref);
+    const int64_t kk = S->k_blocks < nb ? S->k_blocks : nb;
+    const int64_t no = S->H * S->d, nbk = S->Hkv * kk;
+    float *q = randf(&seed, no, -1.0f, 1.0f);
+    float *sc = malloc(sizeof(float) * (size_t)(S->Hkv * nb));
+    int32_t *rb = malloc(sizeof(int32_t) * (size_t)nbk), *gb = malloc(sizeof(int32_t) * nbk);
+    float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
+    if (rc == KVRT_OK) {
+        rc = kvrt_compkv_scores_ref(p.ref, q, S->H, sc);
+        if (rc == KVRT_OK) rc = kvrt_compkv_select(p.ref, sc, S->k_blocks, rb);
+        if (rc == KVRT_OK) rc = kvrt_compkv_attend_blocks_ref(p.ref, q, S->H, rb, kk, ref);
+        if (rc != KVRT_OK)
+            report_error("compkv_step offload", bk, shape, rc, "the reference step");
+    } else {
+        report_error("compkv_step offload", bk, shape, rc, "compkv_create (offload) + append");
+    }
+    if (rc == KVRT_OK) {
+        float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
+        float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
+        int32_t *db = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)nbk);
+        rc = ctx->ops->compkv_step(ctx, p.got, dq, S->H, S->k_blocks, dout, db);
+        if (rc != KVRT_OK) {
+            report_error("compkv_step offload", bk, shape, rc, "compkv_step");
+        } else {
+            from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
+            from_ctx(ctx, gb, db, sizeof(int32_t) * (size_t)nbk);
+            nmse_acc a = {0, 0, 0};
+            acc_f(&a, got, ref, no);
+            const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
+            report("compkv_step offload", bk, shape, same ? acc_nmse(&a) : INFINITY, 1e-4,
+                   same ? "bf16 K, V in host memory" : "the selected blocks differ from the reference's");
         }
         kvrt_ctx_dealloc(ctx, dq);
         kvrt_ctx_dealloc(ctx, dout);
@@ -1820,7 +1891,7 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_am_ref(backends[b].ctx, backends[b].name);
     static const ck_test ck_tests[] = {test_compkv_create, test_compkv_scores,
                                        test_compkv_select, test_compkv_attend_blocks,
-                                       test_compkv_step};
+                                       test_compkv_step, test_compkv_offload};
     for (size_t t = 0; t < sizeof ck_tests / sizeof ck_tests[0]; t++)
         for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, ck_tests[t]);
     for (int b = 0; b < 2; b++) test_kv2_proxy(backends[b].ctx, backends[b].name);

@@ -869,6 +869,14 @@ Test(compkv, bad_arguments_are_refused_with_a_message) {
     expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "compensate",
                  "compensate 2");
     kvrt_compkv_opts_init(&o);
+    cr_assert_eq(o.offload, 0, "offload is off by default");
+    o.offload = 2;
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "offload 2",
+                 "offload 2");
+    o.offload = 1; /* the offload schedule is a CUDA mode: a CPU context says so */
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_UNSUPPORTED,
+                 "CUDA mode", "offload on a CPU context");
+    kvrt_compkv_opts_init(&o);
     expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, NULL, &s), KVRT_ERR_ARG, "offsets",
                  "perm without offsets");
     perm[8 + 3] = perm[8 + 4]; /* head 1 repeats a coordinate */
