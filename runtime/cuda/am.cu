@@ -6,7 +6,8 @@
  *   per KV head and reference-query set: the reference queries gathered from q / q_ref (device);
  *   per chunk [k0, k0 + Tc) of the middle:
  *     1. logits S = Q K^T / sqrt(d) (cuBLAS sgemm), row pass P = exp(z - rowmax) over the keys
- *        each row sees (the CPU's exp, rounded the same way), masses in double, rs = 1 / mass;
+ *        each row sees (the CPU's exp, rounded the same way), masses in double in the CPU's
+ *        order, rs = 1 / mass;
  *     2. Y = softmax(z) V (cuBLAS sgemm, then * rs in double); the column sums of squares of
  *        softmax(z) in double, in the CPU's order (64-row blocks, rows in order within a block);
  *     3. HighestAttnKeys: score_j = sqrt(colsum_j / n) as float, the tc largest by the CPU's rule
@@ -25,6 +26,11 @@
  * products' rounding of the CPU's; tests/backend compares them).
  * Every array argument is device memory (q_pos too); the call synchronizes (it downloads the
  * fit's small matrices per chunk) and returns device caches.
+ * Rounding: every double multiply and add of the kernels is written with __dmul_rn / __dadd_rn
+ * (nvcc would otherwise fuse them into FMAs, which the CPU's C11 build never does), so the same
+ * logits give the same P, masses, scores and NNLS matrix as the CPU's; the logits themselves
+ * (cuBLAS vs the CPU's GEMM) and the dsyrk / dgemm products are rounded differently, hence the
+ * tolerance of tests/backend.
  *
  * defines: kvrt_cuda_am_compact_layer
  */
@@ -84,7 +90,9 @@ __global__ void am_gather_rows(const float *__restrict__ src, const int64_t *__r
 
 /* One block per row i of S [n, Tc]: the keys the row sees (vis: pos[i] - k0 + 1 clamped to
  * 1..Tc, or Tc without positions), its max, P = exp(z - max) there and 0 past it, the mass in
- * double (a fixed tree), rs = 1 / mass. flag = 1 when a max is not finite or a P is NaN. */
+ * double in the CPU's order (row_stats: 16 lanes, lane l adding the P_j with j = l mod 16 in
+ * increasing j, then the lanes in order), rs = 1 / mass. flag = 1 when a max is not finite or a
+ * P is NaN. */
 __global__ void am_rows(float *__restrict__ S, int64_t Tc, const int32_t *__restrict__ pos,
                         int64_t k0, double *__restrict__ mass, double *__restrict__ rs,
                         int32_t *__restrict__ vis_out, int *__restrict__ flag) {
@@ -112,27 +120,28 @@ __global__ void am_rows(float *__restrict__ S, int64_t Tc, const int32_t *__rest
         }
         return;
     }
-    double acc = 0.0;
     int bad = 0;
     for (int64_t j = threadIdx.x; j < Tc; j += blockDim.x) {
         float e = 0.0f;
         if (j < vis) {
             e = am_exp_nonpos(__fsub_rn(row[j], mx));
             bad |= e != e;
-            acc += (double)e;
         }
         row[j] = e;
     }
     if (bad) *flag = 1;
-    ssum[threadIdx.x] = acc;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) ssum[threadIdx.x] += ssum[threadIdx.x + s];
-        __syncthreads();
+    __syncthreads(); /* the row's P written */
+    if (threadIdx.x < 16) {
+        double acc = 0.0;
+        for (int64_t j = threadIdx.x; j < vis; j += 16) acc = __dadd_rn(acc, (double)row[j]);
+        ssum[threadIdx.x] = acc;
     }
+    __syncthreads();
     if (threadIdx.x == 0) {
-        mass[i] = ssum[0];
-        rs[i] = 1.0 / ssum[0];
+        double sum = 0.0;
+        for (int l = 0; l < 16; l++) sum = __dadd_rn(sum, ssum[l]);
+        mass[i] = sum;
+        rs[i] = 1.0 / sum;
         vis_out[i] = (int32_t)vis;
     }
 }
@@ -149,10 +158,10 @@ __global__ void am_colsq(const float *__restrict__ S, int64_t n, int64_t Tc,
         const int64_t e = b + AM_ROWBLK < n ? b + AM_ROWBLK : n;
         double part = 0.0;
         for (int64_t i = b; i < e; i++) {
-            const double x = (double)S[i * Tc + j] * rs[i];
-            part += x * x;
+            const double x = __dmul_rn((double)S[i * Tc + j], rs[i]);
+            part = __dadd_rn(part, __dmul_rn(x, x));
         }
-        col += part;
+        col = __dadd_rn(col, part);
     }
     keys[j] = kvrt_topk_key((float)sqrt(col / (double)n));
 }
@@ -161,7 +170,7 @@ __global__ void am_colsq(const float *__restrict__ S, int64_t n, int64_t Tc,
 __global__ void am_targets(const float *__restrict__ Yf, const double *__restrict__ rs, int64_t n,
                            int64_t d, double *__restrict__ Y) {
     const int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e < n * d) Y[e] = (double)Yf[e] * rs[e / d];
+    if (e < n * d) Y[e] = __dmul_rn((double)Yf[e], rs[e / d]);
 }
 
 /* The NNLS matrix, one thread per selected column a: MS[i, a] = P[i, sel[a]] rs_i, scaled to
@@ -176,16 +185,16 @@ __global__ void am_gather_cols(const float *__restrict__ S, int64_t n, int64_t T
     const int64_t j = sel[a];
     double s2 = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        const double x = (double)S[i * Tc + j] * rs[i];
+        const double x = __dmul_rn((double)S[i * Tc + j], rs[i]);
         MS[i * ts + a] = x;
-        s2 += x * x;
+        s2 = __dadd_rn(s2, __dmul_rn(x, x));
     }
     const double sc = s2 > 0 ? 1.0 / sqrt(s2) : 0.0;
     double cv = 0.0;
     for (int64_t i = 0; i < n; i++) {
-        const double m = MS[i * ts + a] * sc;
+        const double m = __dmul_rn(MS[i * ts + a], sc);
         MS[i * ts + a] = m;
-        cv += m;
+        cv = __dadd_rn(cv, m);
     }
     scale[a] = sc;
     cvec[a] = cv;
@@ -202,12 +211,12 @@ __global__ void am_build_x(const float *__restrict__ S, int64_t n, int64_t Tc,
     double s = 0.0;
     double *xr = X + i * kept;
     for (int64_t a = 0; a < kept; a++) {
-        xr[a] = (double)S[i * Tc + sel[a]] * w[a];
-        s += xr[a];
+        xr[a] = __dmul_rn((double)S[i * Tc + sel[a]], w[a]);
+        s = __dadd_rn(s, xr[a]);
     }
     merr[i] = fabs(s - mass[i]) / mass[i];
     const double inv = s > 0 ? 1.0 / s : 0.0;
-    for (int64_t a = 0; a < kept; a++) xr[a] *= inv;
+    for (int64_t a = 0; a < kept; a++) xr[a] = __dmul_rn(xr[a], inv);
 }
 
 /* One thread per row i: |O_i - Y_i| / (|Y_i| + 1e-30) */
@@ -217,9 +226,9 @@ __global__ void am_out_err(const double *__restrict__ O, const double *__restric
     if (i >= n) return;
     double num = 0.0, den = 0.0;
     for (int64_t x = 0; x < d; x++) {
-        const double y = Y[i * d + x], e = O[i * d + x] - y;
-        num += e * e;
-        den += y * y;
+        const double y = Y[i * d + x], e = __dsub_rn(O[i * d + x], y);
+        num = __dadd_rn(num, __dmul_rn(e, e));
+        den = __dadd_rn(den, __dmul_rn(y, y));
     }
     oerr[i] = sqrt(num) / (sqrt(den) + 1e-30);
 }
@@ -426,7 +435,8 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
         w->hw[a] = 0;
     }
     const kvrt_cuda_host *hs = kvrt_cuda_host_services;
-    kvrt_nnls_info inf = {0};
+    kvrt_nnls_info inf;
+    memset(&inf, 0, sizeof inf);
     const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
     rc = hs->am_nnls_gram(G, w->hcvec, ts, max_iter, w->hw, &inf);
     if (rc != KVRT_OK) return rc;
@@ -560,6 +570,12 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
         free(tb);
         return rc;
     }
+    if (rc == KVRT_OK && cudaSetDevice(ctx->device_id) != cudaSuccess)
+        rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaSetDevice", __func__, __FILE__, __LINE__);
+    if (rc != KVRT_OK) {
+        free(tb);
+        return rc;
+    }
     const int64_t H = n_heads, G = H / Hkv;
     const float *qs = q_ref ? q_ref : q;
     const int64_t nq = q_ref ? n_ref : T;
@@ -578,8 +594,10 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     if (!qoff || !rows || (causal && !qp) || (q_ref && q_pos && !hqpos) || !res)
         rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
     if (rc == KVRT_OK && hqpos) {
-        if (cudaMemcpy(hqpos, q_pos, sizeof(int32_t) * (size_t)n_ref, cudaMemcpyDeviceToHost) !=
-            cudaSuccess)
+        /* on the context's stream: after whatever wrote q_pos there */
+        if (cudaMemcpyAsync(hqpos, q_pos, sizeof(int32_t) * (size_t)n_ref, cudaMemcpyDeviceToHost,
+                            st) != cudaSuccess ||
+            cudaStreamSynchronize(st) != cudaSuccess)
             rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMemcpy(q_pos)", __func__,
                                  __FILE__, __LINE__);
         for (int64_t i = 0; rc == KVRT_OK && i < n_ref; i++)
@@ -599,11 +617,12 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
             am_nonfinite<<<1024, 256, 0, st>>>(k, T * Hkv * d, dflag);
             am_nonfinite<<<1024, 256, 0, st>>>(v, T * Hkv * d, dflag);
             am_nonfinite<<<1024, 256, 0, st>>>(qs, nq * H * d, dflag);
-            if (cudaMemcpyAsync(&flag, dflag, sizeof(int), cudaMemcpyDeviceToHost, st) !=
-                    cudaSuccess ||
-                cudaStreamSynchronize(st) != cudaSuccess)
-                rc = kvrt_cuda_error(err, cudaGetLastError(), "finiteness check", __func__,
-                                     __FILE__, __LINE__);
+            cudaError_t ce = cudaGetLastError(); /* the three launches */
+            if (ce == cudaSuccess)
+                ce = cudaMemcpyAsync(&flag, dflag, sizeof(int), cudaMemcpyDeviceToHost, st);
+            if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+            if (ce != cudaSuccess)
+                rc = kvrt_cuda_error(err, ce, "finiteness check", __func__, __FILE__, __LINE__);
         }
         if (rc == KVRT_OK && flag)
             rc = kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: %s, k or v holds NaN or Inf", fn,
