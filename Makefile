@@ -105,7 +105,10 @@ HDF5_LIBS := -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5
 LIBS_FORMATS := -lzstd -lxxhash
 LIBS_BLAS    := -lopenblas -llapacke
 LIBS_JSON    := -lcjson
-NVCCFLAGS ?= -O2 -std=c++17 -Xcompiler -fPIC -Xcompiler -Wall \
+# -fmad=false: no multiply-add contracted into an FMA (nvcc's default contracts them; the C11
+# CPU build never does), so a kernel doing a reference's arithmetic in its order rounds as the
+# reference does: selections computed on the device then equal the CPU's (tests/backend).
+NVCCFLAGS ?= -O2 -std=c++17 -fmad=false -Xcompiler -fPIC -Xcompiler -Wall \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_90,code=compute_90
 # The CUDA backend is its own shared object, $(BUILD)/libkvrt_cuda.so (soname
