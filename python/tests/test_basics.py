@@ -306,3 +306,12 @@ def test_unclosed_handles_at_exit():
             "print('ok')\n")
     p = py(code)
     assert p.returncode == 0 and p.stdout.strip() == "ok" and not p.stderr, p.stderr
+
+
+def test_compkv_offload_is_a_cuda_mode():
+    """opts.offload (K, V in pinned host memory, the paper's schedule) reaches the C library
+    through the ctypes struct, which a CPU context refuses by name."""
+    o = kvrt.compkv_options(offload=1)
+    assert o["offload"] == 1 and kvrt.compkv_options()["offload"] == 0
+    with pytest.raises(kvrt.UnsupportedError, match="offload = 1.*CUDA mode"):
+        kvrt.CompKVState.create(2, 16, 64, offload=1)
