@@ -308,9 +308,12 @@ static int part2_cuda(int64_t T, int reps) {
     kvrt_ctx *gpu = NULL;
     kvrt_error e;
     int rc = kvrt_compilerkv_tables_create(1, 1, H, W, &B, w_head, t_gate, ent, ppl, &tb);
-    if (rc == KVRT_OK) rc = kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &gpu, &e);
     if (rc != KVRT_OK) {
-        fprintf(stderr, "bench_compilerkv: %s\n", gpu ? kvrt_last_error()->msg : e.msg);
+        fprintf(stderr, "bench_compilerkv: %s\n", kvrt_last_error()->msg);
+        return 1;
+    }
+    if ((rc = kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &gpu, &e)) != KVRT_OK) {
+        fprintf(stderr, "bench_compilerkv: %s\n", e.msg);
         return 1;
     }
     void *dq = NULL, *dk = NULL, *dv = NULL, *dqw = NULL, *dsc = NULL;

@@ -31,7 +31,10 @@
  * 32 and 128 blocks, against (a) full attention with the whole cache on the device (kvrt_attend
  * over a bf16 device cache) and (b) full attention with the cache offloaded: every step uploads
  * the whole bf16 K, V (kvrt_ctx_upload from pageable host memory into the device cache) and
- * attends; also the CompKV step with the state on the device (opts.offload = 0, f32). Each
+ * attends (from pageable memory: the public API has no pinned allocation, so this baseline is
+ * slower than a pinned one, and "vs offl." overstates the paper's comparison by up to the
+ * pageable/pinned bandwidth ratio); also the CompKV step with the state on the device
+ * (opts.offload = 0, f32). Each
  * timing ends with kvrt_ctx_sync. Prints "skipped: no GPU" without one. The paper reports up
  * to 6.85x over full attention at 128k (H100, one layer).
  */
@@ -252,8 +255,9 @@ static int bench_cuda(int runs, int64_t only_ctx) {
         kvrt_cache_free(hc);
         kvrt_selection_free(sel);
     }
-    printf("(vs offl.: full attention with the cache offloaded over CompKV's offload step, the "
-           "paper's up to 6.85x at 128k; vs dev: full attention with the cache on the device)\n");
+    printf("(vs offl.: full attention with the cache offloaded -- uploaded from pageable memory, "
+           "slower than pinned -- over CompKV's offload step, the paper's up to 6.85x at 128k; "
+           "vs dev: full attention with the cache on the device)\n");
     kvrt_ctx_dealloc(g, dq);
     kvrt_ctx_dealloc(g, dout);
     kvrt_ctx_free(g);

@@ -118,7 +118,9 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
     const size_t hkv = n_kv_heads, d = head_dim, cb = (size_t)s->b.cap_blocks;
     const size_t kvb = sizeof(float) * (size_t)capacity * hkv * d;
     const int off = o->offload;
-    const size_t tailb = sizeof(float) * hkv * (size_t)o->block * d;
+    /* offload: the rows of the block still filling, at most min(block, capacity) of them */
+    const size_t tail_rows = (size_t)o->block < (size_t)capacity ? (size_t)o->block : (size_t)capacity;
+    const size_t tailb = sizeof(float) * hkv * tail_rows * d;
     cudaError_t e = cudaSuccess;
     if (off) { /* K, V in pinned host memory, mapped into the device's address space */
         const size_t hb = sizeof(uint16_t) * (size_t)capacity * hkv * d;
@@ -162,8 +164,10 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
         if (e == cudaErrorMemoryAllocation) {
             (void)cudaGetLastError();
             return kvrt_err_set(err, KVRT_ERR_NOMEM, (int)e,
-                                "%s: out of device memory (capacity %lld tokens: %.1f MiB of K, "
-                                "V)", fn, (long long)capacity, 2.0 * (double)kvb / 1048576.0);
+                                "%s: out of device memory (capacity %lld tokens: %.1f MiB of %s)",
+                                fn, (long long)capacity,
+                                2.0 * (double)(off ? tailb : kvb) / 1048576.0,
+                                off ? "the filling block's K, V" : "K, V");
         }
         return kvrt_cuda_error(err, e, "state allocation and upload", __func__, __FILE__,
                                __LINE__);
@@ -235,7 +239,8 @@ __global__ void ck_summarize(const float *__restrict__ k, const float *__restric
 }
 
 /* Offload append, one thread per element of the M = L0 + n rows of the touched blocks, head
- * major: tmp [hkv][M][d] f32 gets the L0 rows still filling (tail [hkv][B][d]) then the n new
+ * major: tmp [hkv][M][d] f32 gets the L0 rows still filling (tail [hkv][B][d], B here the tail's
+ * rows per head: min(block, capacity)) then the n new
  * rows src [n][hkv][d]; the new rows also go to the mapped host arrays as bf16 (row len0 + i). */
 __global__ void ck_off_fill(const float *__restrict__ src, int64_t n, int hkv, int d, int64_t L0,
                            const float *__restrict__ tail, int B, int64_t cap, int64_t len0,
@@ -284,16 +289,18 @@ static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float
     CUDA_CHECK(err, cudaMallocAsync((void **)&tmp, 2 * tb, stream));
     float *tk = tmp, *tv = tmp + total;
     const unsigned g = (unsigned)((total + CK_THREADS - 1) / CK_THREADS);
-    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, L0, s->tk, B, s->b.cap, len0, tk, s->mk);
-    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, L0, s->tv, B, s->b.cap, len0, tv, s->mv);
+    /* the tail's rows per head: min(block, capacity), as allocated */
+    const int TB = (int64_t)B < s->b.cap ? B : (int)s->b.cap;
+    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, L0, s->tk, TB, s->b.cap, len0, tk, s->mk);
+    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, L0, s->tv, TB, s->b.cap, len0, tv, s->mv);
     dim3 grid((unsigned)nbt, (unsigned)hkv);
     ck_summarize<<<grid, 128, 0, stream>>>(tk, tv, hkv, d, (int)s->b.r, M, b0 * B, s->b.cap_blocks,
                                            B, b0, len, s->perm, s->off, s->kmean, s->vmean,
                                            s->gvar, s->count);
     if (L1 > 0) {
         const unsigned gt = (unsigned)(((int64_t)hkv * L1 * d + CK_THREADS - 1) / CK_THREADS);
-        ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tk, hkv, d, M, L1, B, s->tk);
-        ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tv, hkv, d, M, L1, B, s->tv);
+        ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tk, hkv, d, M, L1, TB, s->tk);
+        ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tv, hkv, d, M, L1, TB, s->tv);
     }
     const cudaError_t e = cudaGetLastError();
     (void)cudaFreeAsync(tmp, stream);
