@@ -1378,70 +1378,21 @@ static void test_compkv_attend_blocks(kvrt_ctx *ctx, const char *bk, const ck_sh
 }
 
 /* step: reference = scores_ref, the selection rule (kvrt_compkv_select), attend_blocks_ref */
-static void test_compkv_step(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+/* The whole step against scores_ref + select + attend_blocks_ref on the CPU reference state: the
+ * same blocks exactly, the output by nmse. offload: the backend's state with opts.offload = 1
+ * (K, V as bf16 in pinned host memory, only the selected blocks read per step): the output
+ * within bf16's rounding of K and V (nmse 1e-4); a CPU context refuses the mode. */
+static void compkv_step_row(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si,
+                            int offload) {
+    const char *name = offload ? "compkv_step offload" : "compkv_step";
     char shape[96];
     ck_shape_str(S, shape, sizeof shape, 1);
-    if (!ck_runs(ctx, bk, "compkv_step", KVRT_OP_COMPKV_STEP, shape)) return;
-    uint64_t seed = 900 + si;
+    if (!ck_runs(ctx, bk, name, KVRT_OP_COMPKV_STEP, shape)) return;
+    uint64_t seed = (offload ? 1900 : 900) + si;
     ck_pair p;
-    int rc = ck_pair_make(ctx, S, &seed, &p);
-    const int64_t nb = kvrt_compkv_n_blocks(p.ref);
-    const int64_t kk = S->k_blocks < nb ? S->k_blocks : nb;
-    const int64_t no = S->H * S->d, nbk = S->Hkv * kk;
-    float *q = randf(&seed, no, -1.0f, 1.0f);
-    float *sc = malloc(sizeof(float) * (size_t)(S->Hkv * nb));
-    int32_t *rb = malloc(sizeof(int32_t) * (size_t)nbk), *gb = malloc(sizeof(int32_t) * nbk);
-    float *ref = malloc(sizeof(float) * (size_t)no), *got = malloc(sizeof(float) * (size_t)no);
-    if (rc == KVRT_OK) {
-        rc = kvrt_compkv_scores_ref(p.ref, q, S->H, sc);
-        if (rc == KVRT_OK) rc = kvrt_compkv_select(p.ref, sc, S->k_blocks, rb);
-        if (rc == KVRT_OK) rc = kvrt_compkv_attend_blocks_ref(p.ref, q, S->H, rb, kk, ref);
-        if (rc != KVRT_OK)
-            report_error("compkv_step", bk, shape, rc, "scores_ref + select + attend_blocks_ref");
-    } else {
-        report_error("compkv_step", bk, shape, rc, "compkv_create");
-    }
-    if (rc == KVRT_OK) {
-        float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
-        float *dout = to_ctx(ctx, NULL, sizeof(float) * (size_t)no);
-        int32_t *db = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)nbk);
-        rc = ctx->ops->compkv_step(ctx, p.got, dq, S->H, S->k_blocks, dout, db);
-        if (rc != KVRT_OK) {
-            report_error("compkv_step", bk, shape, rc, "compkv_step");
-        } else {
-            from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
-            from_ctx(ctx, gb, db, sizeof(int32_t) * (size_t)nbk);
-            nmse_acc a = {0, 0, 0};
-            acc_f(&a, got, ref, no);
-            const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
-            report("compkv_step", bk, shape, same ? acc_nmse(&a) : INFINITY, NMSE_DEFAULT,
-                   same ? NULL : "the selected blocks differ from the reference's");
-        }
-        kvrt_ctx_dealloc(ctx, dq);
-        kvrt_ctx_dealloc(ctx, dout);
-        kvrt_ctx_dealloc(ctx, db);
-    }
-    ck_pair_free(&p);
-    free(q);
-    free(sc);
-    free(rb);
-    free(gb);
-    free(ref);
-    free(got);
-}
-
-/* The offload mode (opts.offload = 1: K, V as bf16 in pinned host memory, only the selected
- * blocks read per step): the whole step against the CPU reference state (f32): the same blocks,
- * the output within bf16's rounding of K and V (nmse 1e-4). A CPU context refuses the mode. */
-static void test_compkv_offload(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
-    char shape[96];
-    ck_shape_str(S, shape, sizeof shape, 1);
-    if (!ck_runs(ctx, bk, "compkv_step offload", KVRT_OP_COMPKV_STEP, shape)) return;
-    uint64_t seed = 1900 + si;
-    ck_pair p;
-    int rc = ck_pair_make_mode(ctx, S, &seed, &p, 1);
-    if (rc == KVRT_ERR_UNSUPPORTED) {
-        row_head("compkv_step offload", bk, shape);
+    int rc = ck_pair_make_mode(ctx, S, &seed, &p, offload);
+    if (offload && rc == KVRT_ERR_UNSUPPORTED) {
+        row_head(name, bk, shape);
         printf("not supported: %s\n", kvrt_last_error()->msg);
         n_unsupported++;
         ck_pair_free(&p);
@@ -1459,9 +1410,9 @@ static void test_compkv_offload(kvrt_ctx *ctx, const char *bk, const ck_shape *S
         if (rc == KVRT_OK) rc = kvrt_compkv_select(p.ref, sc, S->k_blocks, rb);
         if (rc == KVRT_OK) rc = kvrt_compkv_attend_blocks_ref(p.ref, q, S->H, rb, kk, ref);
         if (rc != KVRT_OK)
-            report_error("compkv_step offload", bk, shape, rc, "the reference step");
+            report_error(name, bk, shape, rc, "scores_ref + select + attend_blocks_ref");
     } else {
-        report_error("compkv_step offload", bk, shape, rc, "compkv_create (offload) + append");
+        report_error(name, bk, shape, rc, "compkv_create + append");
     }
     if (rc == KVRT_OK) {
         float *dq = to_ctx(ctx, q, sizeof(float) * (size_t)no);
@@ -1469,15 +1420,16 @@ static void test_compkv_offload(kvrt_ctx *ctx, const char *bk, const ck_shape *S
         int32_t *db = to_ctx(ctx, NULL, sizeof(int32_t) * (size_t)nbk);
         rc = ctx->ops->compkv_step(ctx, p.got, dq, S->H, S->k_blocks, dout, db);
         if (rc != KVRT_OK) {
-            report_error("compkv_step offload", bk, shape, rc, "compkv_step");
+            report_error(name, bk, shape, rc, "compkv_step");
         } else {
             from_ctx(ctx, got, dout, sizeof(float) * (size_t)no);
             from_ctx(ctx, gb, db, sizeof(int32_t) * (size_t)nbk);
             nmse_acc a = {0, 0, 0};
             acc_f(&a, got, ref, no);
             const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
-            report("compkv_step offload", bk, shape, same ? acc_nmse(&a) : INFINITY, 1e-4,
-                   same ? "bf16 K, V in host memory" : "the selected blocks differ from the reference's");
+            report(name, bk, shape, same ? acc_nmse(&a) : INFINITY, offload ? 1e-4 : NMSE_DEFAULT,
+                   !same ? "the selected blocks differ from the reference's"
+                   : offload ? "bf16 K, V in host memory" : NULL);
         }
         kvrt_ctx_dealloc(ctx, dq);
         kvrt_ctx_dealloc(ctx, dout);
@@ -1490,6 +1442,13 @@ static void test_compkv_offload(kvrt_ctx *ctx, const char *bk, const ck_shape *S
     free(gb);
     free(ref);
     free(got);
+}
+
+static void test_compkv_step(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    compkv_step_row(ctx, bk, S, si, 0);
+}
+static void test_compkv_offload(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    compkv_step_row(ctx, bk, S, si, 1);
 }
 
 /* select: the reference state's scores with ties and NaN planted (every third block scores as
