@@ -9,7 +9,7 @@
  * defines: kvrt_has_cuda, kvrt_cuda_device_count, kvrt_cuda_probe, kvrt_op_name, kvrt_backend_supports,
  *          kvrt_backend_check (internal), kvrt_ctx_create, kvrt_ctx_free, kvrt_ctx_info,
  *          kvrt_ctx_last_error, kvrt_ctx_alloc, kvrt_ctx_dealloc, kvrt_ctx_upload,
- *          kvrt_ctx_download, kvrt_ctx_sync, kvrt_softmax_rows
+ *          kvrt_ctx_download, kvrt_ctx_sync, kvrt_ctx_sgemm, kvrt_ctx_copy_gbs, kvrt_softmax_rows
  *
  * A context is not thread-safe: one thread at a time (its last_err is shared state).
  * This file never includes CUDA headers; the CUDA backend is reached through its table.

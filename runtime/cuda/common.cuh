@@ -9,7 +9,7 @@
  *          kvrt_cuda_topk_keys, kvrt_cuda_topk (select.cu), kvrt_cuda_snapkv_scores,
  *          kvrt_cuda_h2o_scores, kvrt_cuda_snapkv_pool (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
  *          (kv2.cu), kvrt_cuda_compilerkv_select (compilerkv.cu), kvrt_cuda_compkv_*
- *          (compkv.cu), kvrt_cuda_softmax_rows
+ *          (compkv.cu), kvrt_cuda_am_compact_layer (am.cu), kvrt_cuda_softmax_rows
  *          (softmax.cu), kvrt_cuda_attend (attend.cu)
  *
  * Errors never abort (ggml's CUDA_CHECK, minus the abort): CUDA_CHECK(err, stmt) evaluates stmt

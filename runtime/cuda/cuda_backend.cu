@@ -2,8 +2,9 @@
  * cuda_backend.cu: the CUDA backend of libkvrt (built when USE_CUDA=1): its table, the
  * housekeeping entries (device, stream, memory, copies) and the error helpers behind
  * CUDA_CHECK / CUBLAS_CHECK (cuda/common.cuh). The ops live in one .cu file each
- * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu, compilerkv.cu, compkv.cu; logits.cu is the
- * attention-weights engine behind the score ops); ops the table leaves NULL are
+ * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu, compilerkv.cu, compkv.cu, am.cu;
+ * logits.cu is the attention-weights engine behind the score ops), plus the two probes the
+ * benchmarks use (copy_gbs: a copy kernel; sgemm: cuBLAS); ops the table leaves NULL are
  * KVRT_ERR_UNSUPPORTED.
  * Built as its own shared object, libkvrt_cuda.so.X.Y, with the other .cu files: the only file
  * of the project that links libcudart and libcublas. libkvrt dlopens it on first use
