@@ -8,7 +8,7 @@
  * internal symbols. Not installed.
  *
  * defines: kvrt_am_split, kvrt_am_split_of, kvrt_am_chunk_of, kvrt_am_chunk_span,
- *          kvrt_am_ref_row, kvrt_am_keep
+ *          kvrt_am_chunk_tmax, kvrt_am_ref_row, kvrt_am_keep
  */
 #ifndef KVRT_CORE_AM_PLAN_H
 #define KVRT_CORE_AM_PLAN_H
@@ -45,6 +45,24 @@ static inline void kvrt_am_chunk_span(int64_t a, int64_t Tm, int64_t chunk, int6
     const int64_t lo = (int64_t)llround((double)tm * (double)s / (double)Tm);
     const int64_t hi = (int64_t)llround((double)tm * (double)e / (double)Tm);
     *tc = hi - lo;
+}
+
+/* The largest per-chunk share of ns budgets t[ns] over T keys (what a fit's workspace holds). */
+static inline int64_t kvrt_am_chunk_tmax(const kvrt_am_opts *o, int64_t T, int64_t ns,
+                                         const int64_t *t) {
+    int64_t tmax = 0;
+    for (int64_t si = 0; si < ns; si++) {
+        const kvrt_am_split sp = kvrt_am_split_of(o, t[si]);
+        const int64_t Tm = T - sp.ns - sp.nr;
+        if (Tm < 1) continue;
+        const int64_t chunk = kvrt_am_chunk_of(o, Tm), nc = (Tm + chunk - 1) / chunk;
+        for (int64_t c = 0; c < nc; c++) {
+            int64_t k0, Tc, tc;
+            kvrt_am_chunk_span(sp.ns, Tm, chunk, sp.tm, c, &k0, &Tc, &tc);
+            tmax = tc > tmax ? tc : tmax;
+        }
+    }
+    return tmax;
 }
 
 /* Reference query i (of n) of a KV head with G query heads over nq query rows (n_all = nq G

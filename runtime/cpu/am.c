@@ -623,22 +623,8 @@ typedef kvrt_am_split am_split;
 #define chunk_span kvrt_am_chunk_span
 #define chunk_of kvrt_am_chunk_of
 
-/* Largest per-chunk budget of ns budgets t[ns] over T keys (what a workspace must hold). */
-static int64_t chunk_tmax(const kvrt_am_opts *o, int64_t T, int ns, const int64_t *t) {
-    int64_t tmax = 0;
-    for (int si = 0; si < ns; si++) {
-        const am_split sp = split_of(o, t[si]);
-        const int64_t Tm = T - sp.ns - sp.nr;
-        if (Tm < 1) continue;
-        const int64_t chunk = chunk_of(o, Tm), nc = (Tm + chunk - 1) / chunk;
-        for (int64_t c = 0; c < nc; c++) {
-            int64_t k0, Tc, tc;
-            chunk_span(sp.ns, Tm, chunk, sp.tm, c, &k0, &Tc, &tc);
-            tmax = tc > tmax ? tc : tmax;
-        }
-    }
-    return tmax;
-}
+/* Largest per-chunk budget of ns budgets t[ns] over T keys: core/am_plan.h */
+#define chunk_tmax kvrt_am_chunk_tmax
 
 /* Append keys [j0, j1) exactly: original key and value, beta 0. */
 static void append_exact(am_out *r, const float *k, const float *v, int64_t ld, int64_t d,

@@ -629,20 +629,14 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
                               q_ref ? "q_ref" : "q");
     }
     if (dflag) cudaFree(dflag);
-    /* the workspace, sized for the largest chunk budget of any head and set */
-    int64_t tmax = 0, nex = 1;
+    /* the workspace, sized for the largest chunk budget of any head and set, and the largest
+     * exact part (sinks or recent window) */
+    const int64_t tmax = kvrt_am_chunk_tmax(o, T, Hkv * ns, tb);
+    int64_t nex = 1;
     for (int64_t e = 0; e < Hkv * ns; e++) {
         const kvrt_am_split sp = kvrt_am_split_of(o, tb[e]);
-        const int64_t Tm = T - sp.ns - sp.nr;
         nex = sp.ns > nex ? sp.ns : nex;
         nex = sp.nr > nex ? sp.nr : nex;
-        if (Tm < 1) continue;
-        const int64_t chunk = kvrt_am_chunk_of(o, Tm), nc = (Tm + chunk - 1) / chunk;
-        for (int64_t ci = 0; ci < nc; ci++) {
-            int64_t k0, Tc, tc;
-            kvrt_am_chunk_span(sp.ns, Tm, chunk, sp.tm, ci, &k0, &Tc, &tc);
-            tmax = tc > tmax ? tc : tmax;
-        }
     }
     am_dev w;
     memset(&w, 0, sizeof w);
