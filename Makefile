@@ -251,6 +251,23 @@ $(BACKEND_OPS): $(BUILD)/obj/tests/backend/test_backend_ops.o $(LIBKVRT_A) $(LIB
 	$(CC) $(LDFLAGS) $(RPATH_TREE) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
 	  $(LIBS_FORMATS) -lm -lpthread
 
+# The CUDA backend's AM compaction (runtime/cuda/am.cu) run on the CPU through an emulation of
+# the CUDA runtime and cuBLAS (tests/cuda_emu/shim.h) against the CPU path, so that its logic is
+# checked on every machine, a GPU or not (no nvcc needed). Plain builds only: the sanitizer
+# build's libkvrt.a needs ASan in the program.
+CUDA_EMU := $(if $(SANFLAGS),,$(BUILD)/tests/cuda_emu_am)
+$(BUILD)/cuda_emu/am_emu.cpp: runtime/cuda/am.cu tests/cuda_emu/gen_emu.py
+	@mkdir -p $(dir $@)
+	python3 tests/cuda_emu/gen_emu.py $< > $@
+$(BUILD)/tests/cuda_emu_am: $(BUILD)/cuda_emu/am_emu.cpp tests/cuda_emu/emu_rt.cpp \
+                            tests/cuda_emu/am_emu_test.cpp tests/cuda_emu/shim.h \
+                            runtime/core/am_plan.h $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O2 -g -ffp-contract=off -fopenmp -Itests/cuda_emu -Iruntime -Iruntime/include \
+	  -Iformats -D_GNU_SOURCE -o $@ $(BUILD)/cuda_emu/am_emu.cpp tests/cuda_emu/emu_rt.cpp \
+	  tests/cuda_emu/am_emu_test.cpp $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_DNNL) $(LIBS_BLAS) \
+	  $(LIBS_CUDA) $(LIBS_FORMATS) -lm -lpthread
+
 # The fuzz target's own source doubles as the replay driver's body.
 $(FUZZ_REPLAY): tests/fuzz/fuzz_kvpol.c tests/fuzz/replay.c $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
@@ -280,9 +297,12 @@ model:
 
 test: deps peer-deps model
 	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(FUZZ_REPLAY_INPUTS) $(BACKEND_OPS) \
-	  $(EXAMPLES)
+	  $(EXAMPLES) $(CUDA_EMU)
 	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
+	@if [ -n "$(CUDA_EMU)" ]; then \
+	  echo "== the CUDA AM compaction on the CPU (tests/cuda_emu: runtime/cuda/am.cu emulated, against the CPU path)"; \
+	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(CUDA_EMU); fi
 	@echo "== unit, golden and equivalence tests (Criterion)"
 	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
 	  $(TESTS) --jobs 2
