@@ -8,7 +8,8 @@
  * internal symbols. Not installed.
  *
  * defines: kvrt_am_split, kvrt_am_split_of, kvrt_am_chunk_of, kvrt_am_chunk_span,
- *          kvrt_am_chunk_tmax, kvrt_am_ref_row, kvrt_am_keep
+ *          kvrt_am_chunk_tmax, kvrt_am_ref_row, kvrt_am_keep, kvrt_am_acc, kvrt_am_acc_add,
+ *          kvrt_am_acc_stats
  */
 #ifndef KVRT_CORE_AM_PLAN_H
 #define KVRT_CORE_AM_PLAN_H
@@ -105,6 +106,36 @@ static inline int64_t kvrt_am_keep(const kvrt_am_opts *o, int32_t *sel, double *
         if (*status == KVRT_NNLS_CONVERGED) *status = KVRT_NNLS_DEGENERATE;
     }
     return kept;
+}
+
+/* A budget's fit quality over its chunks: sums over the reference queries, the worst NNLS
+ * status, the iterations. */
+typedef struct {
+    double mass_err, out_err; /* sums over queries */
+    int64_t n_q;
+    int status, iters;
+} kvrt_am_acc;
+
+/* One chunk's fit: its summed errors over n queries and its NNLS info. */
+static inline void kvrt_am_acc_add(kvrt_am_acc *a, double mass_err, double out_err, int64_t n,
+                                   const kvrt_nnls_info *inf) {
+    a->mass_err += mass_err;
+    a->out_err += out_err;
+    a->n_q += n;
+    if (inf->status > a->status) a->status = inf->status;
+    a->iters += inf->iterations;
+}
+
+/* The stats of a budget of t entries asked, kept entries written, n reference queries. */
+static inline void kvrt_am_acc_stats(const kvrt_am_acc *a, int64_t t, int64_t kept, int64_t n,
+                                     kvrt_am_stats *st) {
+    st->asked = t;
+    st->kept = kept;
+    st->n_queries = n;
+    st->mass_relerr = a->n_q ? a->mass_err / (double)a->n_q : 0;
+    st->out_relerr = a->n_q ? a->out_err / (double)a->n_q : 0;
+    st->nnls_status = a->status;
+    st->nnls_iterations = a->iters;
 }
 
 #endif /* KVRT_CORE_AM_PLAN_H */

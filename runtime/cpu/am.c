@@ -406,11 +406,7 @@ static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int m
     return s;
 }
 
-typedef struct {
-    double mass_err, out_err; /* sums over queries */
-    int64_t n_q;
-    int status, iters;
-} am_acc;
+typedef kvrt_am_acc am_acc; /* core/am_plan.h */
 
 /* The products of query block b (AM_QBLK rows from i0 = b AM_QBLK), P at row stride ldS over the
  * keys from k0 on: Q K^T / sqrt(d) into S over the block's first nk keys, and P V into Yf over
@@ -608,11 +604,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         res->beta[e] = (float)log(ws->w[a]);
     }
     res->n += kept;
-    acc->mass_err += merr;
-    acc->out_err += oerr;
-    acc->n_q += n;
-    if (inf.status > acc->status) acc->status = inf.status;
-    acc->iters += inf.iterations;
+    kvrt_am_acc_add(acc, merr, oerr, n, &inf);
     return KVRT_OK;
 }
 
@@ -911,15 +903,8 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     free(done);
     if (wp == &own) am_ws_free(&own);
 #undef ws
-    for (int si = 0; st && si < ns; si++) {
-        st[si].asked = t[si];
-        st[si].kept = res[si].n;
-        st[si].n_queries = n;
-        st[si].mass_relerr = acc[si].n_q ? acc[si].mass_err / (double)acc[si].n_q : 0;
-        st[si].out_relerr = acc[si].n_q ? acc[si].out_err / (double)acc[si].n_q : 0;
-        st[si].nnls_status = acc[si].status;
-        st[si].nnls_iterations = acc[si].iters;
-    }
+    for (int si = 0; st && si < ns; si++)
+        kvrt_am_acc_stats(&acc[si], t[si], res[si].n, n, &st[si]);
     free(acc);
     return rc;
 }

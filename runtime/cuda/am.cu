@@ -243,11 +243,7 @@ typedef struct {
     float *ck, *cv, *beta;
 } am_res;
 
-typedef struct {
-    double mass_err, out_err;
-    int64_t n_q;
-    int status, iters;
-} am_acc;
+typedef kvrt_am_acc am_acc; /* core/am_plan.h */
 
 /* Device workspace of one call, sized for n reference rows, chunks of up to Tc keys, fits of up
  * to tmax entries and head_dim d; host mirrors of the fit's small matrices. */
@@ -493,11 +489,7 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
         r->beta[e0 + a] = (float)log(w->hw[a]);
     }
     r->n += kept;
-    acc->mass_err += merr;
-    acc->out_err += oerr;
-    acc->n_q += n;
-    if (inf.status > acc->status) acc->status = inf.status;
-    acc->iters += inf.iterations;
+    kvrt_am_acc_add(acc, merr, oerr, n, &inf);
     return KVRT_OK;
 }
 
@@ -526,15 +518,7 @@ static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, cons
         rc = am_chunk(c, w, h, qs, qoff, qpos, rows, nv, k0, Tc, tc, r, &acc);
     }
     if (rc == KVRT_OK) rc = append_exact(c, w, h, r, T - sp.nr, T);
-    if (st) {
-        st->asked = t;
-        st->kept = r->n;
-        st->n_queries = n;
-        st->mass_relerr = acc.n_q ? acc.mass_err / (double)acc.n_q : 0;
-        st->out_relerr = acc.n_q ? acc.out_err / (double)acc.n_q : 0;
-        st->nnls_status = acc.status;
-        st->nnls_iterations = acc.iters;
-    }
+    if (st) kvrt_am_acc_stats(&acc, t, r->n, n, st);
     return rc;
 }
 
