@@ -261,7 +261,7 @@ $(BUILD)/cuda_emu/am_emu.cpp: runtime/cuda/am.cu tests/cuda_emu/gen_emu.py
 	python3 tests/cuda_emu/gen_emu.py $< > $@
 $(BUILD)/tests/cuda_emu_am: $(BUILD)/cuda_emu/am_emu.cpp tests/cuda_emu/emu_rt.cpp \
                             tests/cuda_emu/am_emu_test.cpp tests/cuda_emu/shim.h \
-                            runtime/core/am_plan.h $(LIBKVRT_A) $(LIBKVPOL_A)
+                            runtime/cuda/common.cuh runtime/core/am_plan.h $(LIBKVRT_A) $(LIBKVPOL_A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 -O2 -g -ffp-contract=off -fopenmp -Itests/cuda_emu -Iruntime -Iruntime/include \
 	  -Iformats -D_GNU_SOURCE -o $@ $(BUILD)/cuda_emu/am_emu.cpp tests/cuda_emu/emu_rt.cpp \

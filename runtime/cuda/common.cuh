@@ -20,8 +20,10 @@
 #ifndef KVRT_CUDA_COMMON_CUH
 #define KVRT_CUDA_COMMON_CUH
 
+#ifndef KVRT_CUDA_EMU /* tests/cuda_emu/shim.h declares the CUDA types it emulates first */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#endif
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
@@ -163,7 +165,7 @@ KVRT_INTERNAL int kvrt_cuda_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q
                                       int64_t lo, int64_t hi, float *out);
 }
 
-#ifdef __CUDACC__
+#if defined(__CUDACC__) || defined(KVRT_CUDA_EMU)
 __device__ __forceinline__ uint32_t kvrt_topk_key(float f) {
     if (f != f) return 0u;
     if (f == 0.0f) f = 0.0f; /* -0.0 -> +0.0 */

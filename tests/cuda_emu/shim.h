@@ -3,7 +3,7 @@
  * `make test` from the generated build/cuda_emu/am_emu.cpp (gen_emu.py). Not a CUDA simulator:
  * no timing, no real cuBLAS or CUB, no asynchrony; device memory is host memory (bounds-checked
  * by the copies and BLAS calls, filled with NaN when allocated).
- * Kernels: launched by emu_launch. Kernels listed as "sync" (they call __syncthreads) run each
+ * Kernels: launched by emu_launch . Kernels listed as "sync" (they call __syncthreads) run each
  * block's threads as fibers (ucontext) with a scheduler that runs every thread up to its next
  * barrier, in an order chosen by EMU_ORDER (0 forward, 1 reverse, 2 random per phase), and
  * checks that every live thread reaches the same barrier. Other kernels run thread after thread
@@ -49,12 +49,6 @@ static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f
 static inline uint32_t __float_as_uint(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 using std::isfinite;
 
-static inline uint32_t kvrt_topk_key(float f) { /* common.cuh */
-    if (f != f) return 0u;
-    if (f == 0.0f) f = 0.0f;
-    const uint32_t b = __float_as_uint(f);
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
 
 // ---------------------------------------------------------------- runtime
 typedef int cudaError_t;
@@ -87,39 +81,12 @@ cublasStatus_t cublasDsyrk(cublasHandle_t h, cublasFillMode_t uplo, cublasOperat
                            int n, int k, const double *alpha, const double *A, int lda,
                            const double *beta, double *C, int ldc);
 
-// ---------------------------------------------------------------- common.cuh parts
-struct kvrt_cuda_state {
-    cudaStream_t stream;
-    cublasHandle_t blas;
-};
-static inline kvrt_cuda_state *kvrt_cuda_state_of(const kvrt_ctx *ctx) { return (kvrt_cuda_state *)ctx->impl; }
-static inline cudaStream_t kvrt_cuda_stream(const kvrt_ctx *ctx) { return kvrt_cuda_state_of(ctx)->stream; }
-extern "C" const kvrt_cuda_host *kvrt_cuda_host_services;
-int kvrt_cuda_error(kvrt_error *err, cudaError_t e, const char *stmt, const char *func,
-                    const char *file, int line);
-int kvrt_cublas_error(kvrt_error *err, cublasStatus_t s, const char *stmt, const char *func,
-                      const char *file, int line);
-#define CUDA_CHECK(err, stmt)                                                                  \
-    do {                                                                                       \
-        const cudaError_t kvrt_e_ = (stmt);                                                    \
-        if (kvrt_e_ != cudaSuccess)                                                            \
-            return kvrt_cuda_error((err), kvrt_e_, #stmt, __func__, __FILE__, __LINE__);       \
-    } while (0)
-#define CUBLAS_CHECK(err, stmt)                                                                \
-    do {                                                                                       \
-        const cublasStatus_t kvrt_s_ = (stmt);                                                 \
-        if (kvrt_s_ != CUBLAS_STATUS_SUCCESS)                                                  \
-            return kvrt_cublas_error((err), kvrt_s_, #stmt, __func__, __FILE__, __LINE__);     \
-    } while (0)
-extern "C" int kvrt_cuda_topk_keys(kvrt_ctx *ctx, const uint32_t *keys, int64_t n, int64_t k,
-                                   int32_t *idx);
-extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
-                                          const float *q_ref, const int32_t *q_pos,
-                                          int64_t n_ref, const float *k, const float *v,
-                                          int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
-                                          uint32_t head_dim, int n_sets, const float *ratios,
-                                          const double *ratio_list, int dtype, kvrt_cache **out,
-                                          kvrt_am_stats *stats);
+// ---------------------------------------------------------------- the backend's own header
+/* runtime/cuda/common.cuh itself (its per-context state, CUDA_CHECK / CUBLAS_CHECK, the ops'
+ * prototypes, kvrt_topk_key): with KVRT_CUDA_EMU it takes the types above instead of the CUDA
+ * headers */
+#define KVRT_CUDA_EMU 1
+#include "cuda/common.cuh"
 
 // ---------------------------------------------------------------- launches
 struct emu_cfg_t { unsigned grid, block; };
