@@ -3,7 +3,7 @@
  * `make test` from the generated build/cuda_emu/am_emu.cpp (gen_emu.py). Not a CUDA simulator:
  * no timing, no real cuBLAS or CUB, no asynchrony; device memory is host memory (bounds-checked
  * by the copies and BLAS calls, filled with NaN when allocated).
- * Kernels: launched by emu_launch . Kernels listed as "sync" (they call __syncthreads) run each
+ * Kernels: launched by emu_launch. Kernels listed as "sync" (they call __syncthreads) run each
  * block's threads as fibers (ucontext) with a scheduler that runs every thread up to its next
  * barrier, in an order chosen by EMU_ORDER (0 forward, 1 reverse, 2 random per phase), and
  * checks that every live thread reaches the same barrier. Other kernels run thread after thread
