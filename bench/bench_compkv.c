@@ -110,7 +110,7 @@ static const char *err_msg(kvrt_ctx *ctx, op_kind op) {
     return op == OP_FULL ? kvrt_ctx_last_error(ctx)->msg : kvrt_last_error()->msg;
 }
 
-/* Synthetic K, V [T, HKV, D] as in the CPU table (see the header). */
+/* Synthetic K, V [T, HKV, D] (see the header), the same for the CPU and the GPU tables. */
 static void gen_kv(int64_t T, uint64_t seed, float *k, float *v) {
     uint64_t s = seed;
     for (int64_t t = 0; t < T; t++)
@@ -325,14 +325,7 @@ int main(int argc, char **argv) {
             status = 1;
             goto next;
         }
-        uint64_t s = 100 + (uint64_t)ci;
-        for (int64_t t = 0; t < T; t++)
-            for (int i = 0; i < HKV * D; i++) {
-                const size_t at = (size_t)t * HKV * D + (size_t)i;
-                k[at] = 0.7f * frand(&s) + sinf(0.003f * (float)t * (float)(1 + i % 7));
-                v[at] = 0.8f * cosf(0.002f * (float)t * (float)(1 + i % 5) + (float)i) +
-                        0.2f * frand(&s);
-            }
+        gen_kv(T, 100 + (uint64_t)ci, k, v);
         /* the CompKV state: the whole prompt appended at once (as after a prefill) */
         kvrt_compkv_opts o;
         kvrt_compkv_opts_init(&o);

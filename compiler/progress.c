@@ -13,7 +13,7 @@
 #include "kvcc.h"
 #include "stats.h"
 
-static double t_start, t_last_line;
+static double t_start, t_last_line, line_every = 60.0;
 static const char *label_;
 
 /* The seconds between plain lines (KVCC_PROGRESS_INTERVAL; invalid values: the default). */
@@ -28,6 +28,7 @@ static double line_interval(void) {
 void kvcc_progress_begin(const char *label) {
     label_ = label;
     t_start = t_last_line = kvcc_now_s();
+    line_every = line_interval();
 }
 
 void kvcc_progress(unsigned done, unsigned total) {
@@ -35,8 +36,7 @@ void kvcc_progress(unsigned done, unsigned total) {
     const double now = kvcc_now_s(), el = now - t_start;
     const double eta = done ? el / done * (total - done) : 0;
     if (!isatty(STDERR_FILENO)) {
-        const double every = line_interval();
-        if (every <= 0.0 || done >= total || now - t_last_line < every) return;
+        if (line_every <= 0.0 || done >= total || now - t_last_line < line_every) return;
         t_last_line = now;
         fprintf(stderr, "kvcc: %s: %u/%u (%.0f%%), %.0f s elapsed, ~%.0f s left\n",
                 label_ ? label_ : "progress", done, total, 100.0 * done / total, el, eta);
