@@ -169,34 +169,66 @@ static int part1(const char *kvcc, const char *corpus, const unsigned *sizes, in
 // ----------------------------------------------------------------------------
 // part 2: runtime selection cost at llama3-8b shapes
 
-static int part2(int64_t T, int reps) {
-    const uint32_t H = 32, Hkv = 8, d = 128, W = 64, L = 32, G = H / Hkv;
-    const int64_t B = 1024;
-    const kvcc_corpus_model m = {.name = "llama3-8b", .n_layers = L, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d,
+enum { P2_H = 32, P2_HKV = 8, P2_D = 128, P2_W = 64, P2_L = 32, P2_G = P2_H / P2_HKV };
+
+/* Part 2's inputs (CPU and --cuda alike): one layer from kvcc synth's generator, q [T, H, d],
+ * k, v [T, Hkv, d], next-token log-probabilities lp [T], the window queries packed per KV head
+ * qw [Hkv][G * W][d] (rows (g, i) = query head j G + g at token T - W + i) and the head weights
+ * w_head [H]. 0, or 1 out of memory (message printed, everything freed). */
+typedef struct {
+    float *q, *k, *v, *lp, *qw, w_head[P2_H];
+    double t_gen; /* seconds to generate */
+} p2_inputs;
+
+static void p2_free(p2_inputs *in) {
+    free(in->q); free(in->k); free(in->v); free(in->lp); free(in->qw);
+}
+
+static int p2_make(int64_t T, p2_inputs *in) {
+    const uint32_t H = P2_H, Hkv = P2_HKV, d = P2_D, W = P2_W, G = P2_G;
+    const kvcc_corpus_model m = {.name = "llama3-8b", .n_layers = P2_L, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d,
                                  .vocab_size = 128256, .rope_theta = 500000.0, .rope_scaling = "none",
                                  .rope_scaling_factor = 1};
     const kvcc_synth_opts so = {.n_prompts = 1, .context_len = (uint32_t)T, .continuation_len = 0, .seed = 1,
                                 .retrieval_heads = 2};
-    float *q = malloc(sizeof(float) * (size_t)T * H * d), *k = malloc(sizeof(float) * (size_t)T * Hkv * d);
-    float *v = malloc(sizeof(float) * (size_t)T * Hkv * d), *lp = malloc(sizeof(float) * (size_t)T);
-    float *qw = malloc(sizeof(float) * (size_t)Hkv * G * W * d);   /* window queries per KV head [G*W, d] */
-    float *sc = malloc(sizeof(float) * (size_t)G * W * T);          /* one KV head's products */
-    float *rho = malloc(sizeof(float) * (size_t)Hkv * T), *wrow = malloc(sizeof(float) * H);
-    if (!q || !k || !v || !lp || !qw || !sc || !rho || !wrow) {
+    memset(in, 0, sizeof *in);
+    in->q = malloc(sizeof(float) * (size_t)T * H * d);
+    in->k = malloc(sizeof(float) * (size_t)T * Hkv * d);
+    in->v = malloc(sizeof(float) * (size_t)T * Hkv * d);
+    in->lp = malloc(sizeof(float) * (size_t)T);
+    in->qw = malloc(sizeof(float) * (size_t)Hkv * G * W * d);
+    if (!in->q || !in->k || !in->v || !in->lp || !in->qw) {
         fprintf(stderr, "bench_compilerkv: out of memory for T = %lld\n", (long long)T);
+        p2_free(in);
         return 1;
     }
-    double t0 = now_s();
-    kvcc_synth_layer(&m, &so, 0, 7, q, k, v);
-    for (int64_t t = 0; t + 1 < T; t++) lp[t] = -2.0f - 0.5f * (float)((t * 7919) % 13) / 13.0f;
-    const double t_gen = now_s() - t0;
-    /* window queries packed per KV head: rows (g, i) = query head j*G + g at token T - W + i */
+    const double t0 = now_s();
+    kvcc_synth_layer(&m, &so, 0, 7, in->q, in->k, in->v);
+    for (int64_t t = 0; t + 1 < T; t++) in->lp[t] = -2.0f - 0.5f * (float)((t * 7919) % 13) / 13.0f;
+    in->t_gen = now_s() - t0;
     for (uint32_t j = 0; j < Hkv; j++)
         for (uint32_t g = 0; g < G; g++)
             for (uint32_t i = 0; i < W; i++)
-                memcpy(qw + (((size_t)j * G + g) * W + i) * d, q + (((size_t)(T - W + i)) * H + j * G + g) * d,
-                       sizeof(float) * d);
-    for (uint32_t h = 0; h < H; h++) wrow[h] = 0.8f + 0.025f * (float)(h % 29);
+                memcpy(in->qw + (((size_t)j * G + g) * W + i) * d,
+                       in->q + (((size_t)(T - W + i)) * H + j * G + g) * d, sizeof(float) * d);
+    for (uint32_t h = 0; h < H; h++) in->w_head[h] = 0.8f + 0.025f * (float)(h % 29);
+    return 0;
+}
+
+static int part2(int64_t T, int reps) {
+    const uint32_t H = P2_H, Hkv = P2_HKV, d = P2_D, W = P2_W, L = P2_L, G = P2_G;
+    const int64_t B = 1024;
+    p2_inputs in;
+    if (p2_make(T, &in)) return 1;
+    float *q = in.q, *k = in.k, *v = in.v, *lp = in.lp, *qw = in.qw, *wrow = in.w_head;
+    const double t_gen = in.t_gen;
+    float *sc = malloc(sizeof(float) * (size_t)G * W * T);          /* one KV head's products */
+    float *rho = malloc(sizeof(float) * (size_t)Hkv * T);
+    if (!sc || !rho) {
+        fprintf(stderr, "bench_compilerkv: out of memory for T = %lld\n", (long long)T);
+        free(sc); free(rho); p2_free(&in);
+        return 1;
+    }
     double ts[64], tm[64], tv[64], tsel[64], tf[64];
     int n = 0, rc = 0;
     int64_t kept = 0;
@@ -262,7 +294,7 @@ static int part2(int64_t T, int reps) {
         printf("  per-repetition ratios, median: window mass %.3f, CompilerKV total %.3f; "
                "best / best: %.3f, %.3f\n", median(rm, n), median(rt, n), bm / bs, bt / bs);
     }
-    free(q); free(k); free(v); free(lp); free(qw); free(sc); free(rho); free(wrow);
+    free(sc); free(rho); p2_free(&in);
     return rc;
 }
 
@@ -276,31 +308,15 @@ static int part2_cuda(int64_t T, int reps) {
                kvrt_has_cuda() ? "no CUDA device" : "libkvrt built without CUDA");
         return 0;
     }
-    const uint32_t H = 32, Hkv = 8, d = 128, W = 64, G = H / Hkv;
+    const uint32_t H = P2_H, Hkv = P2_HKV, d = P2_D, W = P2_W, G = P2_G;
     const int64_t B = 1024;
-    const kvcc_corpus_model m = {.name = "llama3-8b", .n_layers = 32, .n_heads = H, .n_kv_heads = Hkv, .head_dim = d,
-                                 .vocab_size = 128256, .rope_theta = 500000.0, .rope_scaling = "none",
-                                 .rope_scaling_factor = 1};
-    const kvcc_synth_opts so = {.n_prompts = 1, .context_len = (uint32_t)T, .continuation_len = 0, .seed = 1,
-                                .retrieval_heads = 2};
     const size_t nq = (size_t)T * H * d, nk = (size_t)T * Hkv * d, nw = (size_t)Hkv * G * W * d;
-    float *q = malloc(sizeof(float) * nq), *k = malloc(sizeof(float) * nk), *v = malloc(sizeof(float) * nk);
-    float *lp = malloc(sizeof(float) * (size_t)T), *qw = malloc(sizeof(float) * nw);
-    if (!q || !k || !v || !lp || !qw) {
-        fprintf(stderr, "bench_compilerkv: out of memory for T = %lld\n", (long long)T);
-        return 1;
-    }
-    kvcc_synth_layer(&m, &so, 0, 7, q, k, v);
-    for (int64_t t = 0; t + 1 < T; t++) lp[t] = -2.0f - 0.5f * (float)((t * 7919) % 13) / 13.0f;
-    for (uint32_t j = 0; j < Hkv; j++)
-        for (uint32_t g = 0; g < G; g++)
-            for (uint32_t i = 0; i < W; i++)
-                memcpy(qw + (((size_t)j * G + g) * W + i) * d, q + (((size_t)(T - W + i)) * H + j * G + g) * d,
-                       sizeof(float) * d);
+    p2_inputs in;
+    if (p2_make(T, &in)) return 1;
+    const float *q = in.q, *k = in.k, *v = in.v, *lp = in.lp, *qw = in.qw, *w_head = in.w_head;
     /* one-budget tables for one layer: the weights part 2 uses, every threshold 0.9 */
-    float w_head[32], t_gate[KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS];
+    float t_gate[KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS];
     float ent[KVRT_COMPILERKV_ENT_BINS - 1], ppl[KVRT_COMPILERKV_PPL_BINS - 1];
-    for (uint32_t h = 0; h < H; h++) w_head[h] = 0.8f + 0.025f * (float)(h % 29);
     for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS; i++) t_gate[i] = 0.9f;
     for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS - 1; i++) ent[i] = 0.05f * (float)(i + 1);
     for (int i = 0; i < KVRT_COMPILERKV_PPL_BINS - 1; i++) ppl[i] = 5.0f * (float)(i + 1);
@@ -379,7 +395,7 @@ static int part2_cuda(int64_t T, int reps) {
     kvrt_ctx_dealloc(gpu, dsc);
     kvrt_ctx_free(gpu);
     kvrt_compilerkv_tables_free(tb);
-    free(q); free(k); free(v); free(lp); free(qw);
+    p2_free(&in);
     return rc == KVRT_OK ? 0 : 1;
 }
 
