@@ -251,22 +251,36 @@ $(BACKEND_OPS): $(BUILD)/obj/tests/backend/test_backend_ops.o $(LIBKVRT_A) $(LIB
 	$(CC) $(LDFLAGS) $(RPATH_TREE) -o $@ $< $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
 	  $(LIBS_FORMATS) -lm -lpthread
 
-# The CUDA backend's AM compaction (runtime/cuda/am.cu) run on the CPU through an emulation of
-# the CUDA runtime and cuBLAS (tests/cuda_emu/shim.h) against the CPU path, so that its logic is
-# checked on every machine, a GPU or not (no nvcc needed). Plain builds only: the sanitizer
-# build's libkvrt.a needs ASan in the program.
-CUDA_EMU := $(if $(SANFLAGS),,$(BUILD)/tests/cuda_emu_am)
-$(BUILD)/cuda_emu/am_emu.cpp: runtime/cuda/am.cu tests/cuda_emu/gen_emu.py
+# The CUDA backend run on the CPU (tests/cuda_emu, docs/cuda.md "Emulation"): every
+# runtime/cuda/*.cu turned into C++ (gen_emu.py) over an emulation of the CUDA runtime, cuBLAS
+# and CUB (shim.h, emu_rt.cpp), so that its logic is checked on every machine, a GPU or not (no
+# nvcc needed): libkvrt_cuda_emu.so is a CUDA plugin that libkvrt loads through
+# KVRT_CUDA_LIBRARY (tests/backend runs its CUDA rows on it), cuda_emu_am runs am.cu's own cases.
+# Plain builds only: the sanitizer build's libkvrt.a needs ASan in the program.
+CUDA_EMU_SRC  := $(wildcard runtime/cuda/*.cu)
+CUDA_EMU_OBJ  := $(patsubst runtime/cuda/%.cu,$(BUILD)/cuda_emu/%_emu.o,$(CUDA_EMU_SRC))
+CUDA_EMU_LIB  := $(BUILD)/cuda_emu/libkvrt_cuda_emu.so
+CUDA_EMU_AM   := $(BUILD)/tests/cuda_emu_am
+CUDA_EMU      := $(if $(SANFLAGS),,$(CUDA_EMU_AM) $(CUDA_EMU_LIB))
+EMU_CXX := $(CXX) -std=c++17 -O2 -g -ffp-contract=off -U_FORTIFY_SOURCE -fPIC -fvisibility=hidden -Itests/cuda_emu \
+  -Iruntime -Iruntime/include -Iformats -D_GNU_SOURCE
+EMU_DEPS := tests/cuda_emu/shim.h runtime/cuda/common.cuh runtime/core/backend.h \
+  runtime/include/kvrt.h runtime/include/kvrt_experimental.h
+$(BUILD)/cuda_emu/%_emu.cpp: runtime/cuda/%.cu tests/cuda_emu/gen_emu.py
 	@mkdir -p $(dir $@)
 	python3 tests/cuda_emu/gen_emu.py $< > $@
-$(BUILD)/tests/cuda_emu_am: $(BUILD)/cuda_emu/am_emu.cpp tests/cuda_emu/emu_rt.cpp \
-                            tests/cuda_emu/am_emu_test.cpp tests/cuda_emu/shim.h \
-                            runtime/cuda/common.cuh runtime/core/am_plan.h $(LIBKVRT_A) $(LIBKVPOL_A)
+$(BUILD)/cuda_emu/%_emu.o: $(BUILD)/cuda_emu/%_emu.cpp $(EMU_DEPS) runtime/core/am_plan.h runtime/core/policies.h
+	$(EMU_CXX) -c -o $@ $<
+$(BUILD)/cuda_emu/%.o: tests/cuda_emu/%.cpp $(EMU_DEPS)
 	@mkdir -p $(dir $@)
-	$(CXX) -std=c++17 -O2 -g -ffp-contract=off -fopenmp -Itests/cuda_emu -Iruntime -Iruntime/include \
-	  -Iformats -D_GNU_SOURCE -o $@ $(BUILD)/cuda_emu/am_emu.cpp tests/cuda_emu/emu_rt.cpp \
-	  tests/cuda_emu/am_emu_test.cpp $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_DNNL) $(LIBS_BLAS) \
-	  $(LIBS_CUDA) $(LIBS_FORMATS) -lm -lpthread
+	$(EMU_CXX) -c -o $@ $<
+$(CUDA_EMU_LIB): $(CUDA_EMU_OBJ) $(BUILD)/cuda_emu/emu_rt.o
+	$(CXX) -shared -o $@ $^ -lm -lpthread
+$(CUDA_EMU_AM): $(BUILD)/cuda_emu/am_emu.o $(BUILD)/cuda_emu/select_emu.o $(BUILD)/cuda_emu/emu_rt.o \
+                $(BUILD)/cuda_emu/emu_err.o tests/cuda_emu/am_emu_test.cpp $(EMU_DEPS) $(LIBKVRT_A) $(LIBKVPOL_A)
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) -fopenmp -o $@ $(filter %.o %.cpp,$^) $(LIBKVRT_A) $(LIBKVPOL_A) $(LIBS_DNNL) \
+	  $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm -lpthread
 
 # The fuzz target's own source doubles as the replay driver's body.
 $(FUZZ_REPLAY): tests/fuzz/fuzz_kvpol.c tests/fuzz/replay.c $(LIBKVPOL_A)
@@ -301,8 +315,12 @@ test: deps peer-deps model
 	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
 	@if [ -n "$(CUDA_EMU)" ]; then \
+	  echo "== the CUDA backend on the CPU (tests/cuda_emu: every runtime/cuda/*.cu emulated; tests/backend's CUDA rows on it)"; \
+	  if [ "$(USE_CUDA)" = 1 ]; then \
+	    KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS) || exit 1; \
+	  else echo "backend-ops (cuda emulated): skipped: libkvrt built without its CUDA loader (USE_CUDA=0)"; fi; \
 	  echo "== the CUDA AM compaction on the CPU (tests/cuda_emu: runtime/cuda/am.cu emulated, against the CPU path)"; \
-	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(CUDA_EMU); fi
+	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(CUDA_EMU_AM); fi
 	@echo "== unit, golden and equivalence tests (Criterion)"
 	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
 	  $(TESTS) --jobs 2

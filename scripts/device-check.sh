@@ -143,29 +143,8 @@ if make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
     if build/kvcc synth --model smollm2-135m --prompts 1 --context 640 --continuation 32 \
            -o "$EX/c.h5" && build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" \
            --policies compilerkv,am,compkv --budgets 128 --am-targets 0.1 -o "$EX/p.kvpol"; then
-        for p in compilerkv compkv am; do
-            g=$(build/examples/serve_skeleton "$EX/p.kvpol" --policy $p 2>&1); gx=$?
-            c=$(build/examples/serve_skeleton "$EX/p.kvpol" --policy $p --cpu 2>&1); cx=$?
-            echo "-- $p on the GPU (exit $gx):"; echo "$g"
-            echo "-- $p on the CPU (exit $cx):"; echo "$c"
-            [ $gx -eq 0 ] && [ $cx -eq 0 ] || { fail "serve_skeleton --policy $p: exit $gx (GPU) / $cx (CPU)"; continue; }
-            case $p in
-            am) amk() { grep -E "am: KV head" <<<"$1" | sed 's/, mass error.*//'; }
-                grep -q "device: CUDA" <<<"$g" && ! grep -q "CPU context instead" <<<"$g" &&
-                    [ -n "$(amk "$g")" ] && [ "$(amk "$g")" = "$(amk "$c")" ] ||
-                    fail "serve_skeleton --policy am: not run on the GPU, or other entry counts than the CPU's" ;;
-            *) # the kept positions / blocks read exactly; the printed outputs within 2e-4 (the
-               # two backends round differently in the last bits, %.4f shows the 4th decimal)
-               sel() { grep -oE "(keeps positions|reads blocks)[^;]*" <<<"$1"; }
-               nums() { grep -oE "out\[0\]\[0\.\.3\]( -?[0-9.]+)+" <<<"$1" | sed 's/^out\[0\]\[0\.\.3\]//'; }
-               near() { awk -v a="$1" -v b="$2" 'BEGIN { n = split(a, x, " "); m = split(b, y, " ");
-                        if (n != m || n == 0) exit 1
-                        for (i = 1; i <= n; i++) { e = x[i] - y[i]; if (e < 0) e = -e; if (e > 2e-4) exit 1 }
-                        exit 0 }'; }
-               [ -n "$(sel "$g")" ] && [ "$(sel "$g")" = "$(sel "$c")" ] && near "$(nums "$g")" "$(nums "$c")" ||
-                    fail "serve_skeleton --policy $p: the GPU's selection or output differs from the CPU's" ;;
-            esac
-        done
+        bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am ||
+            fail "serve_skeleton: a policy's GPU run differs from its CPU run (serve-compare lines above)"
     else
         fail "kvcc synth / compile for the serving example"
     fi

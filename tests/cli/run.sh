@@ -285,6 +285,20 @@ if [ -x "$sk" ]; then
   [[ $ex -eq 0 && "$out" == *"compkv: layer 15, 512 tokens in 32 blocks"* ]] && ok || bad "serve_skeleton on a compkv artifact: exit $ex: $out"
   err=$("$sk" "$tmp/k1.kvpol" --cpu --policy am 2>&1); ex=$?
   [[ $ex -eq 1 && "$err" == *"carries no am policy group"* ]] && ok || bad "serve_skeleton --policy am on a compkv artifact: exit $ex: $err"
+  # the same calls on the CUDA backend's own code, run on the CPU by tests/cuda_emu's emulated
+  # plugin (what scripts/device-check.sh does on a GPU): the same selections, outputs within 2e-4
+  emu=${KVCC_BUILD:-build}/cuda_emu/libkvrt_cuda_emu.so
+  if [ -f "$emu" ]; then
+    for a in "p1.kvpol compilerkv am" "k1.kvpol compkv"; do
+      read -r f pols <<<"$a"
+      read -r -a pa <<<"$pols"
+      out=$(KVRT_CUDA_LIBRARY=$(realpath "$emu") bash scripts/serve-compare.sh "$sk" "$tmp/$f" "${pa[@]}" 2>&1); ex=$?
+      [[ $ex -eq 0 && $(grep -c "^serve-compare: .* OK$" <<<"$out") -eq ${#pa[@]} ]] && ok ||
+        bad "serve_skeleton on the emulated CUDA backend differs from the CPU ($f): exit $ex: $(grep -E '^serve-compare|error' <<<"$out")"
+    done
+  else
+    echo "  (serve_skeleton on the emulated CUDA backend: not run, $emu is not built in this tree: the plain build's make test runs it)"
+  fi
 else
   bad "the serving example $sk is not built (make examples)"
 fi

@@ -1,136 +1,377 @@
-/* emu_rt.cpp: the emulated CUDA runtime, cuBLAS, top-k, launches (shim.h) */
+/* emu_rt.cpp: the emulated CUDA runtime, cuBLAS, CUB sort, intrinsics and launches of shim.h
+ * (one copy per program or plugin: libkvrt_cuda_emu.so, cuda_emu_am) */
 #include "shim.h"
 #include <set>
 #include <map>
+#include <chrono>
+#include <cstdarg>
+#include <sys/mman.h>
+#include <setjmp.h>
+#include <ucontext.h>
 
 u3 blockIdx, blockDim, gridDim;
 static u3 g_tid_simple;
-int g_emu_order = 0;        /* 0 forward, 1 reverse, 2 random per phase */
+int g_emu_order = 0;
 unsigned g_emu_seed = 1;
-int g_emu_poison = 1;       /* fill fresh allocations and the unwritten syrk triangle with NaN */
-int g_emu_sgemm_double = 0; /* sgemm accumulation in double (else float, k in order) */
+int g_emu_poison = 1;
+int g_emu_sgemm_double = 0;
 long g_emu_warnings = 0;
 static cudaError_t g_last = cudaSuccess;
 std::map<std::string, long> g_launch_count;
 
-/* fibers */
+/* the controls from the environment, once per process (a program may still set them after) */
+__attribute__((constructor)) static void emu_env(void) {
+    if (getenv("EMU_ORDER")) g_emu_order = atoi(getenv("EMU_ORDER"));
+    if (getenv("EMU_POISON")) g_emu_poison = atoi(getenv("EMU_POISON"));
+    if (getenv("EMU_SGEMM_DOUBLE")) g_emu_sgemm_double = atoi(getenv("EMU_SGEMM_DOUBLE"));
+}
+
+static void emu_fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void emu_fatal(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "EMU FATAL: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    abort();
+}
+static void emu_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void emu_warn(const char *fmt, ...) {
+    if (g_emu_warnings++ >= 20) return;
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "EMU WARNING: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+}
+
+// ---------------------------------------------------------------- fibers
+/* A synchronizing kernel's block: one fiber per thread. States: RUN (runnable), BAR (at
+ * __syncthreads), WARP (at a warp operation), DONE. */
+enum { F_RUN, F_BAR, F_WARP, F_DONE };
+/* A fiber starts with makecontext + swapcontext (its own stack); after that, switches are
+ * _setjmp / _longjmp, which do not save the signal mask (swapcontext makes a system call per
+ * switch: most of the emulation's time). Built without _FORTIFY_SOURCE (its longjmp check
+ * refuses a jump to another stack). */
 struct fiber {
     ucontext_t uc;
+    jmp_buf jb;
+    int started;
     u3 tid;
-    int state; /* 0 runnable, 1 at barrier, 2 done */
-    int barriers;
-    std::vector<char> stack;
+    int state;
+    long bars, wops; /* barriers / warp operations passed so far */
+    unsigned mask;   /* the mask of the warp operation it waits at */
+    char *stack;
 };
+static const size_t FIBER_STACK = 256 * 1024;
 static std::vector<fiber> g_fib;
+static std::vector<uint64_t> g_xchg; /* per linear thread: the value of its warp exchange */
 static ucontext_t g_sched;
-static int g_cur = -1;      /* current fiber, -1: simple mode */
+static jmp_buf g_sched_jb;
+static int g_cur = -1; /* the running fiber, -1: a simple (non-synchronizing) kernel */
+static unsigned g_nthreads;
 static emu_fn *g_fn;
 static const char *g_name;
 
 u3 *emu_tidp(void) { return g_cur >= 0 ? &g_fib[g_cur].tid : &g_tid_simple; }
 
-void __syncthreads(void) {
-    if (g_cur < 0) {
-        fprintf(stderr, "EMU: __syncthreads in kernel %s launched in simple mode\n", g_name);
-        abort();
-    }
+int emu_lane(void) {
+    if (g_cur < 0) emu_fatal("a warp operation in kernel %s, launched as non-synchronizing", g_name);
+    return g_cur & 31;
+}
+
+static void yield_as(int state) {
     fiber &f = g_fib[g_cur];
-    f.state = 1;
-    f.barriers++;
-    swapcontext(&f.uc, &g_sched);
+    f.state = state;
+    if (!_setjmp(f.jb)) _longjmp(g_sched_jb, 1);
+}
+
+void __syncthreads(void) {
+    if (g_cur < 0) emu_fatal("__syncthreads in kernel %s, launched as non-synchronizing", g_name);
+    g_fib[g_cur].bars++;
+    yield_as(F_BAR);
+}
+
+static void warp_wait(unsigned mask) {
+    fiber &f = g_fib[g_cur];
+    f.wops++;
+    f.mask = mask;
+    yield_as(F_WARP);
+}
+
+uint64_t emu_warp_exchange(unsigned mask, uint64_t v, int src_lane, int width) {
+    (void)width;
+    if (g_cur < 0) emu_fatal("a warp shuffle in kernel %s, launched as non-synchronizing", g_name);
+    const int me = g_cur;
+    g_xchg[me] = v;
+    warp_wait(mask);                           /* every lane has published */
+    const unsigned src = (unsigned)((me & ~31) | (src_lane & 31));
+    const uint64_t r = src < g_nthreads ? g_xchg[src] : v;
+    warp_wait(mask);                           /* every lane has read: the slots may change */
+    return r;
+}
+
+unsigned __ballot_sync(unsigned mask, int pred) {
+    if (g_cur < 0) emu_fatal("__ballot_sync in kernel %s, launched as non-synchronizing", g_name);
+    const int me = g_cur;
+    g_xchg[me] = pred != 0;
+    warp_wait(mask);
+    unsigned b = 0;
+    const unsigned w0 = (unsigned)(me & ~31);
+    for (unsigned l = 0; l < 32 && w0 + l < g_nthreads; l++)
+        if (((mask >> l) & 1u) && g_fib[w0 + l].state != F_DONE && g_xchg[w0 + l]) b |= 1u << l;
+    warp_wait(mask);
+    return b;
+}
+
+void __syncwarp(unsigned mask) {
+    if (g_cur < 0) emu_fatal("__syncwarp in kernel %s, launched as non-synchronizing", g_name);
+    warp_wait(mask);
+}
+
+static unsigned long g_block_serial; /* one per block run */
+static std::map<void *, unsigned long> g_shared_seen;
+void emu_shared(void *p, size_t bytes) {
+    unsigned long &seen = g_shared_seen[p];
+    if (seen == g_block_serial) return;
+    seen = g_block_serial;
+    memset(p, 0xff, bytes);
 }
 
 static void fiber_entry(void) {
     g_fn->run();
-    g_fib[g_cur].state = 2;
-    /* returning goes to uc_link = g_sched */
+    g_fib[g_cur].state = F_DONE;
+    _longjmp(g_sched_jb, 1); /* never returns through uc_link */
 }
 
 static std::mt19937 g_rng(1);
 
-static void run_block_fibers(unsigned bx) {
-    if (g_fib.size() < bx) g_fib.resize(bx);
-    for (unsigned t = 0; t < bx; t++) {
+static void run_block_fibers(dim3 bd) {
+    const unsigned n = bd.x * bd.y * bd.z;
+    g_nthreads = n;
+    if (g_fib.size() < n) {
+        const size_t old = g_fib.size();
+        g_fib.resize(n);
+        for (size_t t = old; t < n; t++) {
+            void *s = mmap(NULL, FIBER_STACK, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            if (s == MAP_FAILED) emu_fatal("no memory for a fiber stack");
+            g_fib[t].stack = (char *)s;
+        }
+    }
+    if (g_xchg.size() < n) g_xchg.resize(n);
+    for (unsigned t = 0; t < n; t++) {
         fiber &f = g_fib[t];
-        if (f.stack.empty()) f.stack.resize(256 * 1024);
         getcontext(&f.uc);
-        f.uc.uc_stack.ss_sp = f.stack.data();
-        f.uc.uc_stack.ss_size = f.stack.size();
+        f.uc.uc_stack.ss_sp = f.stack;
+        f.uc.uc_stack.ss_size = FIBER_STACK;
         f.uc.uc_link = &g_sched;
         makecontext(&f.uc, fiber_entry, 0);
-        f.tid = u3{t, 0, 0};
-        f.state = 0;
-        f.barriers = 0;
+        f.tid = u3{t % bd.x, (t / bd.x) % bd.y, t / (bd.x * bd.y)};
+        f.state = F_RUN;
+        f.started = 0;
+        f.bars = f.wops = 0;
+        f.mask = 0;
     }
-    std::vector<unsigned> order(bx);
-    for (unsigned t = 0; t < bx; t++) order[t] = t;
-    for (int phase = 0;; phase++) {
+    std::vector<unsigned> order(n);
+    for (unsigned t = 0; t < n; t++) order[t] = t;
+    for (;;) {
         if (g_emu_order == 1) std::reverse(order.begin(), order.end());
         else if (g_emu_order == 2) std::shuffle(order.begin(), order.end(), g_rng);
-        int any = 0;
-        for (unsigned oi = 0; oi < bx; oi++) {
+        for (unsigned oi = 0; oi < n; oi++) {
             const unsigned t = order[oi];
-            if (g_fib[t].state != 0) continue;
-            any = 1;
+            if (g_fib[t].state != F_RUN) continue;
             g_cur = (int)t;
-            swapcontext(&g_sched, &g_fib[t].uc);
+            if (!_setjmp(g_sched_jb)) {
+                if (!g_fib[t].started) {
+                    g_fib[t].started = 1;
+                    swapcontext(&g_sched, &g_fib[t].uc);
+                } else {
+                    _longjmp(g_fib[t].jb, 1);
+                }
+            }
             g_cur = -1;
         }
-        if (!any) break;
-        /* after a phase: every thread is at a barrier or done */
-        int at = 0, done = 0, bmin = 1 << 30, bmax = -1;
-        for (unsigned t = 0; t < bx; t++) {
-            if (g_fib[t].state == 1) {
-                at++;
-                bmin = std::min(bmin, g_fib[t].barriers);
-                bmax = std::max(bmax, g_fib[t].barriers);
-            } else done++;
+        /* nothing runnable: complete the warp operations whose warps are all there */
+        int released = 0, live = 0, at_bar = 0, done = 0;
+        for (unsigned w0 = 0; w0 < n; w0 += 32) {
+            const unsigned w1 = std::min(n, w0 + 32);
+            int lv = 0, at = 0, ex = 0;
+            for (unsigned t = w0; t < w1; t++) {
+                if (g_fib[t].state == F_DONE) { ex++; continue; }
+                lv++;
+                at += g_fib[t].state == F_WARP;
+            }
+            if (lv == 0 || at != lv) continue;
+            long wmin = 1L << 60, wmax = -1;
+            unsigned mask = 0;
+            for (unsigned t = w0; t < w1; t++)
+                if (g_fib[t].state == F_WARP) {
+                    wmin = std::min(wmin, g_fib[t].wops);
+                    wmax = std::max(wmax, g_fib[t].wops);
+                    mask = g_fib[t].mask;
+                }
+            if (wmin != wmax)
+                emu_fatal("kernel %s block (%u,%u): warp %u's threads wait at different warp "
+                          "operations (%ld..%ld)", g_name, blockIdx.x, blockIdx.y, w0 / 32, wmin, wmax);
+            for (unsigned t = w0; t < w1; t++) {
+                const unsigned bit = 1u << (t - w0);
+                if (g_fib[t].state == F_DONE && (mask & bit))
+                    emu_warn("kernel %s block (%u,%u): lane %u of warp %u exited but is in the "
+                             "mask 0x%08x of a warp operation", g_name, blockIdx.x, blockIdx.y,
+                             t - w0, w0 / 32, mask);
+                if (g_fib[t].state == F_WARP) g_fib[t].state = F_RUN;
+            }
+            released = 1;
         }
-        if (at > 0 && done > 0) {
-            if (g_emu_warnings++ < 5)
-                fprintf(stderr, "EMU WARNING: kernel %s block %u: %d threads at a barrier, %d "
-                        "exited (divergent __syncthreads)\n", g_name, blockIdx.x, at, done);
+        if (released) continue;
+        long bmin = 1L << 60, bmax = -1;
+        for (unsigned t = 0; t < n; t++) {
+            const int st = g_fib[t].state;
+            if (st == F_DONE) { done++; continue; }
+            live++;
+            if (st == F_BAR) {
+                at_bar++;
+                bmin = std::min(bmin, g_fib[t].bars);
+                bmax = std::max(bmax, g_fib[t].bars);
+            }
         }
-        if (at > 0 && bmin != bmax) {
-            if (g_emu_warnings++ < 5)
-                fprintf(stderr, "EMU WARNING: kernel %s block %u: threads at different barriers "
-                        "(%d..%d)\n", g_name, blockIdx.x, bmin, bmax);
-        }
-        for (unsigned t = 0; t < bx; t++)
-            if (g_fib[t].state == 1) g_fib[t].state = 0;
+        if (live == 0) break;
+        if (at_bar != live)
+            emu_fatal("kernel %s block (%u,%u): deadlock: %d threads at __syncthreads, %d at "
+                      "warp operations whose warps are not all there", g_name, blockIdx.x,
+                      blockIdx.y, at_bar, live - at_bar);
+        if (done > 0)
+            emu_warn("kernel %s block (%u,%u): %d threads at a barrier, %d exited (divergent "
+                     "__syncthreads)", g_name, blockIdx.x, blockIdx.y, at_bar, done);
+        if (bmin != bmax)
+            emu_warn("kernel %s block (%u,%u): threads at different barriers (%ld..%ld)", g_name,
+                     blockIdx.x, blockIdx.y, bmin, bmax);
+        for (unsigned t = 0; t < n; t++)
+            if (g_fib[t].state == F_BAR) g_fib[t].state = F_RUN;
     }
 }
 
-/* the kernels that call __syncthreads (and so run as fibers); a new one must be listed here, else
- * its launch aborts at the first barrier */
-static const std::set<std::string> g_sync_kernels = {"am_rows"};
-
-void emu_launch_impl(emu_cfg_t c, const char *name, emu_fn *f) {
+void emu_launch_impl(emu_cfg_t c, const char *name, int sync, emu_fn *f) {
     g_launch_count[name]++;
-    if (c.grid == 0 || c.block == 0 || c.block > 1024) {
-        if (g_emu_warnings++ < 20)
-            fprintf(stderr, "EMU: invalid launch configuration of %s: grid %u block %u\n", name,
-                    c.grid, c.block);
+    const unsigned long long nt = (unsigned long long)c.block.x * c.block.y * c.block.z;
+    if (c.grid.x == 0 || c.grid.y == 0 || c.grid.z == 0 || nt == 0 || nt > 1024 ||
+        c.block.z > 64 || c.grid.y > 65535 || c.grid.z > 65535) {
+        emu_warn("invalid launch configuration of %s: grid (%u,%u,%u) block (%u,%u,%u)", name,
+                 c.grid.x, c.grid.y, c.grid.z, c.block.x, c.block.y, c.block.z);
         g_last = cudaErrorInvalidConfiguration;
         return;
     }
     g_fn = f;
     g_name = name;
-    gridDim = u3{c.grid, 1, 1};
-    blockDim = u3{c.block, 1, 1};
-    const int sync = g_sync_kernels.count(name) > 0;
-    for (unsigned b = 0; b < c.grid; b++) {
-        blockIdx = u3{b, 0, 0};
-        if (sync) {
-            run_block_fibers(c.block);
-        } else {
-            if (g_emu_order == 1) {
-                for (unsigned t = c.block; t-- > 0;) { g_tid_simple = u3{t, 0, 0}; f->run(); }
-            } else {
-                for (unsigned t = 0; t < c.block; t++) { g_tid_simple = u3{t, 0, 0}; f->run(); }
+    gridDim = u3{c.grid.x, c.grid.y, c.grid.z};
+    blockDim = u3{c.block.x, c.block.y, c.block.z};
+    for (unsigned bz = 0; bz < c.grid.z; bz++)
+        for (unsigned by = 0; by < c.grid.y; by++)
+            for (unsigned bx = 0; bx < c.grid.x; bx++) {
+                blockIdx = u3{bx, by, bz};
+                g_block_serial++;
+                if (sync) {
+                    run_block_fibers(c.block);
+                    continue;
+                }
+                for (unsigned i = 0; i < nt; i++) {
+                    const unsigned t = g_emu_order == 1 ? (unsigned)nt - 1 - i : i;
+                    g_tid_simple = u3{t % c.block.x, (t / c.block.x) % c.block.y,
+                                      t / (c.block.x * c.block.y)};
+                    f->run();
+                }
             }
-        }
+}
+
+// ---------------------------------------------------------------- f16 / bf16
+float __half2float(__half h) {
+    const uint32_t s = (uint32_t)(h.x & 0x8000u) << 16, e = (h.x >> 10) & 0x1f, m = h.x & 0x3ff;
+    if (e == 0) { /* zero or subnormal: m * 2^-24 exactly */
+        const float v = (float)m * 5.9604644775390625e-8f;
+        return s ? -v : v;
     }
+    if (e == 31) return __uint_as_float(s | 0x7f800000u | (m << 13));
+    return __uint_as_float(s | ((e + 112) << 23) | (m << 13));
+}
+__half __float2half_rn(float f) {
+    __half h;
+    h.x = (uint16_t)0;
+    const uint32_t b = __float_as_uint(f), s = (b >> 16) & 0x8000u;
+    const float a = fabsf(f);
+    if (a != a) { h.x = (uint16_t)(s | 0x7e00u); return h; }
+    if (a >= 65520.0f) { h.x = (uint16_t)(s | 0x7c00u); return h; }
+    if (a < 6.103515625e-05f) { /* subnormal: round a / 2^-24 to nearest even */
+        h.x = (uint16_t)(s | (uint32_t)nearbyintf(a * 16777216.0f));
+        return h;
+    }
+    const uint32_t ab = __float_as_uint(a);
+    uint32_t r = ((ab >> 13) - (112u << 10)), rem = ab & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+    h.x = (uint16_t)(s | r);
+    return h;
+}
+__nv_bfloat16 __float2bfloat16_rn(float f) {
+    __nv_bfloat16 r;
+    const uint32_t b = __float_as_uint(f);
+    if (f != f) { r.x = (uint16_t)((b >> 16) | 0x40u); return r; }
+    r.x = (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    return r;
+}
+
+// ---------------------------------------------------------------- device, streams, events
+const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    default: return "cudaErrorUnknown";
+    }
+}
+const char *cudaGetErrorString(cudaError_t e) { return e ? "error (CUDA emulation)" : "no error"; }
+cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int dev) {
+    if (dev != 0) return cudaErrorInvalidDevice;
+    memset(p, 0, sizeof *p);
+    snprintf(p->name, sizeof p->name, "CUDA emulation on the CPU (tests/cuda_emu)");
+    p->totalGlobalMem = (size_t)16 << 30;
+    p->major = 9;
+    p->minor = 0;
+    p->multiProcessorCount = 4;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int *v, cudaDeviceAttr a, int dev) {
+    if (dev != 0 || a != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;
+    *v = 4;
+    return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int *v) { *v = 12000; return cudaSuccess; }
+cudaError_t cudaDriverGetVersion(int *v) { *v = 12000; return cudaSuccess; }
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+struct emu_stream { int live; };
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) {
+    *s = new emu_stream{1};
+    return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) { delete s; return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaGetLastError(void) { cudaError_t e = g_last; g_last = cudaSuccess; return e; }
+struct emu_event { double t; };
+static double now_ms(void) {
+    return std::chrono::duration<double, std::milli>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = new emu_event{0}; return cudaSuccess; }
+cudaError_t cudaEventDestroy(cudaEvent_t e) { delete e; return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) { e->t = now_ms(); return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+    *ms = (float)(b->t - a->t);
+    return cudaSuccess;
 }
 
 // ---------------------------------------------------------------- memory
@@ -150,7 +391,7 @@ cudaError_t cudaFree(void *p) {
     if (!p) return cudaSuccess;
     auto it = g_allocs.find(p);
     if (it == g_allocs.end()) {
-        fprintf(stderr, "EMU: cudaFree of unknown pointer %p\n", p);
+        emu_warn("cudaFree of unknown pointer %p", p);
         return cudaErrorInvalidValue;
     }
     g_alloc_now -= it->second;
@@ -181,7 +422,20 @@ size_t emu_alloc_size(const void *p) { /* size of the allocation holding p from 
     if (q >= b && q < b + it->second) return (size_t)(b + it->second - q);
     return 0;
 }
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind, cudaStream_t) {
+static int is_pinned(const void *p);
+/* a copy's direction must match where its pointers are (pinned host memory is both) */
+static void check_kind(const void *p, int want_dev, cudaMemcpyKind k, const char *what) {
+    if (k == cudaMemcpyDefault || is_pinned(p)) return;
+    const int dev = emu_alloc_size(p) > 0;
+    if (dev != want_dev)
+        emu_fatal("%s: a %s pointer %p where the copy's kind %d expects %s memory", what,
+                  dev ? "device" : "host", p, (int)k, want_dev ? "device" : "host");
+}
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind k, cudaStream_t) {
+    if (bytes) {
+        check_kind(dst, k == cudaMemcpyHostToDevice || k == cudaMemcpyDeviceToDevice, k, "cudaMemcpy dst");
+        check_kind(src, k == cudaMemcpyDeviceToHost || k == cudaMemcpyDeviceToDevice, k, "cudaMemcpy src");
+    }
     check_range(dst, bytes, "cudaMemcpy dst");
     check_range(src, bytes, "cudaMemcpy src");
     if (bytes) memmove(dst, src, bytes);
@@ -192,19 +446,49 @@ cudaError_t cudaMemsetAsync(void *dst, int v, size_t bytes, cudaStream_t) {
     memset(dst, v, bytes);
     return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaGetLastError(void) { cudaError_t e = g_last; g_last = cudaSuccess; return e; }
-cudaError_t cudaSetDevice(int) { return cudaSuccess; }
-
-int kvrt_cuda_error(kvrt_error *err, cudaError_t e, const char *stmt, const char *func,
-                    const char *file, int line) {
-    return kvrt_err_set(err, KVRT_ERR_CUDA, e, "EMU CUDA error %d in %s (%s, %s:%d)", e, stmt,
-                        func, file, line);
+cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
+cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return cudaFree(p); }
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind k) {
+    return cudaMemcpyAsync(dst, src, bytes, k, nullptr);
 }
-int kvrt_cublas_error(kvrt_error *err, cublasStatus_t s, const char *stmt, const char *func,
-                      const char *file, int line) {
-    return kvrt_err_set(err, KVRT_ERR_CUDA, s, "EMU cuBLAS error %d in %s (%s, %s:%d)", s, stmt,
-                        func, file, line);
+cudaError_t cudaMemset(void *dst, int v, size_t bytes) { return cudaMemsetAsync(dst, v, bytes, nullptr); }
+/* pinned, mapped host memory: host memory the "device" reads through the same pointer */
+static std::map<void *, size_t> g_host_allocs;
+size_t g_host_now = 0;
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned) {
+    void *x = malloc(bytes ? bytes : 1);
+    if (!x) return cudaErrorMemoryAllocation;
+    if (g_emu_poison) memset(x, 0xff, bytes);
+    g_host_allocs[x] = bytes;
+    g_host_now += bytes;
+    *p = x;
+    return cudaSuccess;
+}
+cudaError_t cudaHostGetDevicePointer(void **d, void *h, unsigned) {
+    auto it = g_host_allocs.upper_bound(h);
+    if (it == g_host_allocs.begin()) return cudaErrorInvalidValue;
+    --it;
+    if ((char *)h >= (char *)it->first + it->second) return cudaErrorInvalidValue;
+    *d = h;
+    return cudaSuccess;
+}
+static int is_pinned(const void *p) {
+    auto it = g_host_allocs.upper_bound((void *)p);
+    if (it == g_host_allocs.begin()) return 0;
+    --it;
+    return (const char *)p < (const char *)it->first + it->second;
+}
+cudaError_t cudaFreeHost(void *p) {
+    if (!p) return cudaSuccess;
+    auto it = g_host_allocs.find(p);
+    if (it == g_host_allocs.end()) {
+        emu_warn("cudaFreeHost of unknown pointer %p", p);
+        return cudaErrorInvalidValue;
+    }
+    g_host_now -= it->second;
+    g_host_allocs.erase(it);
+    free(p);
+    return cudaSuccess;
 }
 
 // ---------------------------------------------------------------- cuBLAS reference
@@ -277,22 +561,75 @@ cublasStatus_t cublasDsyrk(cublasHandle_t, cublasFillMode_t uplo, cublasOperatio
     return CUBLAS_STATUS_SUCCESS;
 }
 
-// ---------------------------------------------------------------- top-k (select.cu's rule)
-extern "C" int kvrt_cuda_topk_keys(kvrt_ctx *ctx, const uint32_t *keys, int64_t n, int64_t k,
-                                   int32_t *idx) {
-    (void)ctx;
-    if (k <= 0 || n <= 0) return KVRT_OK;
-    if (k > n) {
-        fprintf(stderr, "EMU: topk k %lld > n %lld (CUB would sort only n)\n", (long long)k,
-                (long long)n);
-        abort();
+struct emu_blas { int live; };
+const char *cublasGetStatusName(cublasStatus_t s) {
+    return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_INVALID_VALUE";
+}
+const char *cublasGetStatusString(cublasStatus_t s) { return s ? "invalid value (emulation)" : "success"; }
+cublasStatus_t cublasCreate(cublasHandle_t *h) { *h = new emu_blas{1}; return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasDestroy(cublasHandle_t h) { delete h; return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSetStream(cublasHandle_t, cudaStream_t) { return CUBLAS_STATUS_SUCCESS; }
+cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
+                                         cublasOperation_t tb, int m, int n, int k,
+                                         const float *alpha, const float *A, int lda,
+                                         long long sA, const float *B, int ldb, long long sB,
+                                         const float *beta, float *C, int ldc, long long sC,
+                                         int batch) {
+    if (batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    for (int i = 0; i < batch; i++) {
+        const cublasStatus_t r = cublasSgemm(h, ta, tb, m, n, k, alpha, A + i * sA, lda,
+                                             B + i * sB, ldb, beta, C + i * sC, ldc);
+        if (r) return r;
     }
-    check_range(keys, sizeof(uint32_t) * n, "topk keys");
-    check_range(idx, sizeof(int32_t) * k, "topk idx");
-    std::vector<int32_t> v(n);
-    for (int64_t i = 0; i < n; i++) v[i] = (int32_t)i;
-    std::stable_sort(v.begin(), v.end(), [&](int32_t a, int32_t b) { return keys[a] > keys[b]; });
-    std::sort(v.begin(), v.begin() + k);
-    memcpy(idx, v.data(), sizeof(int32_t) * k);
-    return KVRT_OK;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+// ---------------------------------------------------------------- CUB radix sort (stable, on the bits asked)
+template <class K> static uint32_t radix_bits(K k, int b0, int b1) {
+    const uint32_t u = (uint32_t)k;
+    const uint32_t w = b1 - b0 >= 32 ? 0xffffffffu : ((1u << (b1 - b0)) - 1u);
+    return (u >> b0) & w;
+}
+cudaError_t cub::DeviceRadixSort::SortPairsDescending(void *tmp, size_t &tmp_bytes,
+                                                      const uint32_t *kin, uint32_t *kout,
+                                                      const int32_t *vin, int32_t *vout, int n,
+                                                      int b0, int b1, cudaStream_t) {
+    const size_t need = 256 + 8 * (size_t)(n > 0 ? n : 0);
+    if (tmp == NULL) { tmp_bytes = need; return cudaSuccess; }
+    if (tmp_bytes < need || b0 < 0 || b1 > 32 || b0 >= b1 || n < 0) return cudaErrorInvalidValue;
+    check_range(tmp, tmp_bytes, "cub temp storage");
+    if (n == 0) return cudaSuccess;
+    check_range(kin, 4 * (size_t)n, "cub keys in");
+    check_range(kout, 4 * (size_t)n, "cub keys out");
+    check_range(vin, 4 * (size_t)n, "cub values in");
+    check_range(vout, 4 * (size_t)n, "cub values out");
+    std::vector<int> ord(n);
+    for (int i = 0; i < n; i++) ord[i] = i;
+    std::stable_sort(ord.begin(), ord.end(), [&](int a, int b) {
+        return radix_bits(kin[a], b0, b1) > radix_bits(kin[b], b0, b1);
+    });
+    std::vector<uint32_t> k2(n);
+    std::vector<int32_t> v2(n);
+    for (int i = 0; i < n; i++) k2[i] = kin[ord[i]], v2[i] = vin[ord[i]];
+    memcpy(kout, k2.data(), 4 * (size_t)n);
+    memcpy(vout, v2.data(), 4 * (size_t)n);
+    if (g_emu_poison) memset(tmp, 0xff, tmp_bytes);
+    return cudaSuccess;
+}
+cudaError_t cub::DeviceRadixSort::SortKeys(void *tmp, size_t &tmp_bytes, const int32_t *kin,
+                                           int32_t *kout, int n, int b0, int b1, cudaStream_t) {
+    const size_t need = 256 + 4 * (size_t)(n > 0 ? n : 0);
+    if (tmp == NULL) { tmp_bytes = need; return cudaSuccess; }
+    if (tmp_bytes < need || b0 < 0 || b1 > 32 || b0 >= b1 || n < 0) return cudaErrorInvalidValue;
+    check_range(tmp, tmp_bytes, "cub temp storage");
+    if (n == 0) return cudaSuccess;
+    check_range(kin, 4 * (size_t)n, "cub keys in");
+    check_range(kout, 4 * (size_t)n, "cub keys out");
+    /* CUB sorts signed keys by their order-flipped bits: the sign bit flipped, ascending */
+    std::vector<int32_t> k2(kin, kin + n);
+    std::stable_sort(k2.begin(), k2.end(), [&](int32_t a, int32_t b) {
+        return radix_bits((uint32_t)a ^ 0x80000000u, b0, b1) < radix_bits((uint32_t)b ^ 0x80000000u, b0, b1);
+    });
+    memcpy(kout, k2.data(), 4 * (size_t)n);
+    return cudaSuccess;
 }
