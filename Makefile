@@ -262,6 +262,7 @@ CUDA_EMU_OBJ  := $(patsubst runtime/cuda/%.cu,$(BUILD)/cuda_emu/%_emu.o,$(CUDA_E
 CUDA_EMU_LIB  := $(BUILD)/cuda_emu/libkvrt_cuda_emu.so
 CUDA_EMU_AM   := $(BUILD)/tests/cuda_emu_am
 CUDA_EMU      := $(if $(SANFLAGS),,$(CUDA_EMU_AM) $(CUDA_EMU_LIB))
+.SECONDARY: $(patsubst runtime/cuda/%.cu,$(BUILD)/cuda_emu/%_emu.cpp,$(CUDA_EMU_SRC)) # kept to read
 EMU_CXX := $(CXX) -std=c++17 -O2 -g -ffp-contract=off -U_FORTIFY_SOURCE -fPIC -fvisibility=hidden -Itests/cuda_emu \
   -Iruntime -Iruntime/include -Iformats -D_GNU_SOURCE
 EMU_DEPS := tests/cuda_emu/shim.h runtime/cuda/common.cuh runtime/core/backend.h \

@@ -13,8 +13,8 @@
  * CompilerKV (kvrt_compilerkv_prompt_add_layer_ctx, kvrt_compilerkv_select; the kept tokens
  * gathered, moved into the context's memory with kvrt_cache_to_device, then one decode query
  * through kvrt_attend), Attention Matching (kvrt_am_compact_scheduled: the cache comes back in
- * the context's memory) and CompKV (kvrt_compkv_create_layer, _append, _step) have CUDA
- * versions. What a backend lacks (on CUDA: AM's OMP key selection, docs/cuda.md) returns
+ * the context's memory), CompKV (kvrt_compkv_create_layer, _append, _step) and merge-reduce
+ * (kvrt_mr_compress_scheduled, then kvrt_attend) have CUDA versions. What a backend lacks (on CUDA: AM's OMP key selection, docs/cuda.md) returns
  * KVRT_ERR_UNSUPPORTED naming it, and this program then runs the policy on a CPU context,
  * saying so.
  * Only the serving header kvrt.h is used.
@@ -25,8 +25,9 @@
  * With a CUDA libkvrt (USE_CUDA=1) add:
  *      -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublas -lcudart -lstdc++
  * Run:
- *   ./serve_skeleton smollm2.kvpol [--cpu] [--policy compilerkv|am|compkv]
- * (default policy: the first of compilerkv, am, compkv that the artifact carries). Exit 0 when
+ *   ./serve_skeleton smollm2.kvpol [--cpu] [--policy compilerkv|am|compkv|merge-reduce]
+ * (default policy: the first of compilerkv, am, compkv, merge-reduce that the artifact
+ * carries). Exit 0 when
  * the op and the policy call succeed, 1 on a failure, 2 on a usage error. The model dimensions
  * below are SmolLM2-135M's; a real server takes them from its model config.
  */
@@ -282,6 +283,73 @@ static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_m
     return rc;
 }
 
+/* merge-reduce: `layer` compressed at the first compiled budget with the compiled basis and
+ * options (sinks, the summary of the middle blocks with bias log w, the recent window), the
+ * cache in the context's memory, and one decode query attending to it. */
+static int run_mr(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_model_dims *m,
+                  uint32_t layer, float *q, float *k, float *v) {
+    const double *budgets;
+    int n_budgets;
+    kvrt_mr_opts o;
+    int rc = kvrt_mr_schedule_budgets(s, &budgets, &n_budgets);
+    if (rc == KVRT_OK) rc = kvrt_mr_schedule_opts(s, &o);
+    if (rc != KVRT_OK) return fail_call("the merge-reduce schedule", rc);
+    printf("merge-reduce: %d compiled budgets (first %g), reducer %s, %u sinks, recent %g of "
+           "the budget%s\n", n_budgets, budgets[0], kvrt_mr_reducer_name(o.reducer), o.n_sink,
+           o.recent_frac, o.mass_comp ? ", mass compensation" : "");
+    const int64_t T = T_CTX;
+    const uint32_t H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+    fake_layer(layer, T, H, Hkv, d, q, k, v);
+    const size_t kbytes = sizeof(float) * (size_t)T * Hkv * d, obytes = sizeof(float) * H * d;
+    void *dk = to_ctx(ctx, k, kbytes), *dv = dk ? to_ctx(ctx, v, kbytes) : NULL;
+    void *dq = NULL, *dout = NULL;
+    kvrt_cache *cache = NULL;
+    float *out = malloc(obytes);
+    rc = dv && out ? kvrt_mr_compress_scheduled(ctx, s, NULL, 0, budgets[0], layer, dk, dv, T,
+                                                KVRT_DTYPE_F16, &cache)
+                   : KVRT_ERR_NOMEM;
+    if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) fail_call("kvrt_mr_compress_scheduled", rc);
+    /* KV head 0's positions (-1: merged entries), read from the context's memory */
+    const int64_t n0 = rc == KVRT_OK ? cache->host_offsets[1] - cache->host_offsets[0] : 0;
+    int32_t *pos = rc == KVRT_OK ? malloc(sizeof(int32_t) * (size_t)(n0 ? n0 : 1)) : NULL;
+    if (rc == KVRT_OK && pos == NULL) rc = KVRT_ERR_NOMEM;
+    if (rc == KVRT_OK && n0 > 0 &&
+        (rc = kvrt_ctx_download(ctx, pos, cache->positions, sizeof(int32_t) * (size_t)n0)) != KVRT_OK)
+        fprintf(stderr, "error: kvrt_ctx_download: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
+                kvrt_status_name(rc));
+    if (rc == KVRT_OK) {
+        int64_t merged = 0;
+        for (int64_t i = 0; i < n0; i++) merged += pos[i] < 0;
+        printf("merge-reduce: layer %u, %lld context tokens, budget %g: %lld entries per KV "
+               "head (%lld merged), f16 cache %zu bytes\n", layer, (long long)T, budgets[0],
+               (long long)n0, (long long)merged, kvrt_cache_bytes(cache));
+        printf("merge-reduce: KV head 0 keeps positions");
+        for (int64_t i = 0; i < n0 && i < 12; i++) printf(" %d", pos[i]);
+        if (n0 > 12) printf(" ... %d", pos[n0 - 1]);
+        printf("\n");
+        /* the next decode step over the cache (the summary's bias log w weighs merged entries) */
+        dq = to_ctx(ctx, q + (size_t)(T - 1) * H * d, obytes);
+        if (dq == NULL || kvrt_ctx_alloc(ctx, obytes, &dout) != KVRT_OK) rc = KVRT_ERR_NOMEM;
+        else rc = kvrt_attend(ctx, dq, 1, H, cache, NULL, NULL, 0, 1.0f / sqrtf((float)d), dout,
+                              NULL);
+        if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, out, dout, obytes);
+        if (rc == KVRT_OK)
+            printf("merge-reduce: one decode query over the cache: out[0][0..3] %.4f %.4f %.4f "
+                   "%.4f\n", out[0], out[1], out[2], out[3]);
+        else
+            fprintf(stderr, "error: kvrt_attend: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
+                    kvrt_status_name(rc));
+    }
+    kvrt_ctx_dealloc(ctx, dk);
+    kvrt_ctx_dealloc(ctx, dv);
+    kvrt_ctx_dealloc(ctx, dq);
+    kvrt_ctx_dealloc(ctx, dout);
+    kvrt_cache_free(cache);
+    free(pos);
+    free(out);
+    return rc;
+}
+
 /* A kvrt_*_open status: KVRT_ERR_UNSUPPORTED says the artifact does not carry that policy (not
  * an error here: the caller tries the next one); other failures are reported. 1 when open. */
 static int opened(const char *fn, int rc, int *found) {
@@ -292,7 +360,8 @@ static int opened(const char *fn, int rc, int *found) {
 
 static int wants(const char *asked, const char *name) { return !asked || !strcmp(asked, name); }
 
-/* Opens the handle of `name` (NULL: the first of compilerkv, am, compkv the artifact carries)
+/* Opens the handle of `name` (NULL: the first of compilerkv, am, compkv, merge-reduce the
+ * artifact carries)
  * and runs it on the middle layer. *found: 0 when the artifact carries none of those asked. */
 static int run_policy(kvrt_ctx *ctx, const kvrt_policy *pol, const char *name, int *found) {
     kvrt_model_dims m;
@@ -322,6 +391,12 @@ static int run_policy(kvrt_ctx *ctx, const kvrt_policy *pol, const char *name, i
             rc = run_compkv(ctx, g, &m, layer, q, k, v);
         kvrt_compkv_grouping_free(g);
     }
+    if (q && k && v && !*found && wants(name, "merge-reduce")) {
+        kvrt_mr_schedule *s = NULL;
+        if (opened("kvrt_mr_open", rc = kvrt_mr_open(pol, &s), found))
+            rc = run_mr(ctx, s, &m, layer, q, k, v);
+        kvrt_mr_schedule_free(s);
+    }
     if (rc == KVRT_ERR_NOMEM && !*found) fprintf(stderr, "error: out of memory\n");
     free(q);
     free(k);
@@ -339,9 +414,9 @@ int main(int argc, char **argv) {
         else usage = 1;
     }
     if (usage || !path || (policy && strcmp(policy, "compilerkv") && strcmp(policy, "am") &&
-                           strcmp(policy, "compkv"))) {
-        fprintf(stderr, "usage: %s MODEL.kvpol [--cpu] [--policy compilerkv|am|compkv]\n",
-                argv[0]);
+                           strcmp(policy, "compkv") && strcmp(policy, "merge-reduce"))) {
+        fprintf(stderr, "usage: %s MODEL.kvpol [--cpu] [--policy "
+                "compilerkv|am|compkv|merge-reduce]\n", argv[0]);
         return 2;
     }
     printf("libkvrt %s\n", kvrt_version());
@@ -438,7 +513,7 @@ int main(int argc, char **argv) {
         }
         if (!found && rc == KVRT_ERR_UNSUPPORTED)
             fprintf(stderr, "error: %s carries no %s policy group\n", path,
-                    policy ? policy : "CompilerKV, Attention Matching or CompKV");
+                    policy ? policy : "CompilerKV, Attention Matching, CompKV or merge-reduce");
     }
 
     kvrt_ctx_free(ctx);

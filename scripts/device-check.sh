@@ -142,8 +142,8 @@ if make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
     mkdir -p "$EX"
     if build/kvcc synth --model smollm2-135m --prompts 1 --context 640 --continuation 32 \
            -o "$EX/c.h5" && build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" \
-           --policies compilerkv,am,compkv --budgets 128 --am-targets 0.1 -o "$EX/p.kvpol"; then
-        bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am ||
+           --policies compilerkv,am,compkv,merge-reduce --budgets 128 --am-targets 0.1 -o "$EX/p.kvpol"; then
+        bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am merge-reduce ||
             fail "serve_skeleton: a policy's GPU run differs from its CPU run (serve-compare lines above)"
     else
         fail "kvcc synth / compile for the serving example"

@@ -209,7 +209,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
  * services the backend calls back (kvrt_cuda_host) and gets the backend's table
  * (kvrt_cuda_plugin). Both structs carry KVRT_CUDA_PLUGIN_API_VERSION and the library
  * version; a plugin of another version is refused with a message naming the file. */
-#define KVRT_CUDA_PLUGIN_API_VERSION 5
+#define KVRT_CUDA_PLUGIN_API_VERSION 6
 #define KVRT_CUDA_PLUGIN_ENTRY "kvrt_cuda_plugin_init"
 #define KVRT_CUDA_PLUGIN_BASENAME "libkvrt_cuda.so"
 #define KVRT_STR_(x) #x
@@ -218,6 +218,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
     KVRT_CUDA_PLUGIN_BASENAME "." KVRT_STR(KVRT_VERSION_MAJOR) "." KVRT_STR(KVRT_VERSION_MINOR)
 
 struct kvrt_compkv_base; /* core/policies.h */
+struct kvrt_mr_layout_;  /* core/policies.h (kvrt_mr_layout) */
 typedef struct kvrt_cuda_host {
     int api_version;          /* KVRT_CUDA_PLUGIN_API_VERSION */
     const char *kvrt_version; /* KVRT_VERSION_STRING of the loading libkvrt */
@@ -260,6 +261,19 @@ typedef struct kvrt_cuda_host {
     int (*cache_create)(uint32_t n_kv_heads, uint32_t head_dim, int dtype,
                         const int64_t *counts, kvrt_cache **out);
     void (*cache_put_kv)(kvrt_cache *c, int64_t e, const float *k, const float *v, int64_t n);
+    /* since API 6: merge-reduce's host parts (runtime/cuda/merge_reduce.cu): kvrt_mr_opts_init,
+     * the checks of kvrt_mr_reduce (kvrt_mr_reduce_check) and of the layer call with its layout
+     * (kvrt_mr_layer_check; k, v device memory, so scan_values = 0), and the reducer's keys
+     * (kvrt_mr_key) */
+    void (*mr_opts_init)(kvrt_mr_opts *o);
+    int (*mr_reduce_check)(const char *fn, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
+                           uint32_t m, const float *lam, const kvrt_mr_set *a,
+                           const kvrt_mr_set *b, int64_t K, const kvrt_mr_set *out);
+    int (*mr_layer_check)(const char *fn, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
+                          const float *k, const float *v, int64_t T, uint32_t n_kv_heads,
+                          uint32_t head_dim, double budget, int dtype, kvrt_cache **out,
+                          int scan_values, struct kvrt_mr_layout_ *L);
+    uint64_t (*mr_key)(uint64_t seed, uint32_t layer, uint32_t head, int64_t lo, int64_t hi);
 } kvrt_cuda_host;
 
 typedef struct kvrt_cuda_plugin {

@@ -92,6 +92,10 @@ static int try_one(const char *path, int must_exist) {
         .ridge_solve = kvrt_cpu_ridge_solve,
         .cache_create = kvrt_cache_create,
         .cache_put_kv = kvrt_cache_put_kv,
+        .mr_opts_init = kvrt_mr_opts_init,
+        .mr_reduce_check = kvrt_mr_reduce_check,
+        .mr_layer_check = kvrt_mr_layer_check,
+        .mr_key = kvrt_mr_key,
     };
     const kvrt_cuda_plugin *p = init(&host);
     if (p == NULL || p->api_version != KVRT_CUDA_PLUGIN_API_VERSION || p->kvrt_version == NULL ||

@@ -165,7 +165,7 @@ KVRT_INTERNAL int kvrt_cpu_snapkv_pool(float *scores, int64_t T, uint32_t n_kv_h
 
 /* merge-reduce: one layer's layout per KV head (kvrt.h): B entries, and when T > B the sinks,
  * recent window, block size K, middle tokens and blocks. */
-typedef struct {
+typedef struct kvrt_mr_layout_ {
     int64_t B;            /* resolved budget (entries per KV head) */
     int exact;            /* 1: T <= B, every token kept (the fields below are 0) */
     int64_t n_sink, n_recent, K, n_mid, nb;

@@ -9,7 +9,8 @@
  *          kvrt_cuda_topk_keys, kvrt_cuda_topk (select.cu), kvrt_cuda_snapkv_scores,
  *          kvrt_cuda_h2o_scores, kvrt_cuda_snapkv_pool (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
  *          (kv2.cu), kvrt_cuda_compilerkv_select (compilerkv.cu), kvrt_cuda_compkv_*
- *          (compkv.cu), kvrt_cuda_am_compact_layer (am.cu), kvrt_cuda_softmax_rows
+ *          (compkv.cu), kvrt_cuda_am_compact_layer (am.cu), kvrt_cuda_mr_reduce,
+ *          kvrt_cuda_mr_compress (merge_reduce.cu), kvrt_cuda_softmax_rows
  *          (softmax.cu), kvrt_cuda_attend (attend.cu)
  *
  * Errors never abort (ggml's CUDA_CHECK, minus the abort): CUDA_CHECK(err, stmt) evaluates stmt
@@ -158,6 +159,18 @@ KVRT_INTERNAL int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *
                                              uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                                              const float *ratios, const double *ratio_list,
                                              int dtype, kvrt_cache **out, kvrt_am_stats *stats);
+/* merge_reduce.cu: the mr_reduce slot (a, b, out host sets, U and lam host arrays) and the
+ * mr_compress slot (k, v device memory, basis host memory; returns a device cache); both
+ * synchronize */
+KVRT_INTERNAL int kvrt_cuda_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U,
+                                      uint32_t ldm, uint32_t m, const float *lam,
+                                      const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,
+                                      uint64_t key, kvrt_mr_set *out);
+KVRT_INTERNAL int kvrt_cuda_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o,
+                                        const kvrt_mr_basis *basis, uint32_t layer,
+                                        const float *k, const float *v, int64_t T,
+                                        uint32_t n_kv_heads, uint32_t head_dim, double budget,
+                                        int dtype, kvrt_cache **out);
 /* kv2.cu; synchronizes once (the finite check of q, k, k_new) */
 KVRT_INTERNAL int kvrt_cuda_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q,
                                       uint32_t n_heads, const float *k, int64_t C,

@@ -2,7 +2,8 @@
  * cuda_backend.cu: the CUDA backend of libkvrt (built when USE_CUDA=1): its table, the
  * housekeeping entries (device, stream, memory, copies) and the error helpers behind
  * CUDA_CHECK / CUBLAS_CHECK (cuda/common.cuh). The ops live in one .cu file each
- * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu, compilerkv.cu, compkv.cu, am.cu;
+ * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu, compilerkv.cu, compkv.cu, am.cu,
+ * merge_reduce.cu;
  * logits.cu is the attention-weights engine behind the score ops), plus the two probes the
  * benchmarks use (copy_gbs: a copy kernel; sgemm: cuBLAS); ops the table leaves NULL are
  * KVRT_ERR_UNSUPPORTED.
@@ -376,6 +377,8 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.compkv_step = kvrt_cuda_compkv_step;
     t.cache_gather = cuda_cache_gather;
     t.am_compact_layer = kvrt_cuda_am_compact_layer;
+    t.mr_reduce = kvrt_cuda_mr_reduce;
+    t.mr_compress = kvrt_cuda_mr_compress;
     return t;
 }
 
@@ -388,7 +391,8 @@ kvrt_cuda_plugin_init(const kvrt_cuda_host *host) {
         !host->selection_create || !host->compilerkv_budget_index || !host->compilerkv_bins ||
         !host->compilerkv_kept_window || !host->compkv_create_check || !host->compkv_groups_fill ||
         !host->am_opts_init || !host->am_layer_plan || !host->am_nnls_gram || !host->ridge_solve ||
-        !host->cache_create || !host->cache_put_kv)
+        !host->cache_create || !host->cache_put_kv || !host->mr_opts_init ||
+        !host->mr_reduce_check || !host->mr_layer_check || !host->mr_key)
         return NULL;
     kvrt_cuda_host_services = host;
     static const kvrt_backend_ops table = make_cuda_ops();

@@ -283,13 +283,16 @@ if [ -x "$sk" ]; then
   done
   out=$("$sk" "$tmp/k1.kvpol" --cpu 2>&1); ex=$?
   [[ $ex -eq 0 && "$out" == *"compkv: layer 15, 512 tokens in 32 blocks"* ]] && ok || bad "serve_skeleton on a compkv artifact: exit $ex: $out"
+  out=$("$sk" "$tmp/r1.kvpol" --cpu --policy merge-reduce 2>&1); ex=$?
+  [[ $ex -eq 0 && "$out" == *"merge-reduce: layer 15, 512 context tokens"* && "$out" == *"one decode query over the cache: out[0][0..3] "[-0-9]* && "$out" != *nan* ]] &&
+    ok || bad "serve_skeleton --policy merge-reduce: exit $ex: $out"
   err=$("$sk" "$tmp/k1.kvpol" --cpu --policy am 2>&1); ex=$?
   [[ $ex -eq 1 && "$err" == *"carries no am policy group"* ]] && ok || bad "serve_skeleton --policy am on a compkv artifact: exit $ex: $err"
   # the same calls on the CUDA backend's own code, run on the CPU by tests/cuda_emu's emulated
   # plugin (what scripts/device-check.sh does on a GPU): the same selections, outputs within 2e-4
   emu=${KVCC_BUILD:-build}/cuda_emu/libkvrt_cuda_emu.so
   if [ -f "$emu" ]; then
-    for a in "p1.kvpol compilerkv am" "k1.kvpol compkv"; do
+    for a in "p1.kvpol compilerkv am" "k1.kvpol compkv" "r1.kvpol merge-reduce"; do
       read -r f pols <<<"$a"
       read -r -a pa <<<"$pols"
       out=$(KVRT_CUDA_LIBRARY=$(realpath "$emu") bash scripts/serve-compare.sh "$sk" "$tmp/$f" "${pa[@]}" 2>&1); ex=$?
