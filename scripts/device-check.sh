@@ -12,6 +12,11 @@
 #   - runs every build/bench/* whose source takes a --cuda flag, with --cuda
 # Log: ${OUT:-build}/device-check.log. Exit status: 0 only when every step passed.
 # Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
+#        EMU=1 bash scripts/device-check.sh      a rehearsal without a GPU: the same steps on
+#        tests/cuda_emu's emulated CUDA plugin (KVRT_CUDA_LIBRARY), the CUDA tests only of
+#        kvcc_tests, no compute-sanitizer, benchmarks at small sizes (timings meaningless): what
+#        it checks is that every step runs and every comparison holds, so that the few minutes
+#        a real GPU is lent go to the GPU's own findings
 set -u -o pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -30,10 +35,18 @@ how() { [ "$1" -eq 124 ] && echo "timed out" || echo "exited with $1"; }
 # Every step is bounded so that the whole script fits in the 10 minutes one device command may
 # run (a normal run takes ~6-8 min on one GPU): a hung step costs its bound, not the summary.
 
+EMU="${EMU:-0}"
 step "machine"
 date -u
 uname -a
-if command -v nvidia-smi >/dev/null 2>&1; then
+if [ "$EMU" = 1 ]; then
+    echo "EMU=1: a rehearsal on the CUDA emulation (tests/cuda_emu), no GPU used"
+    if make -j"$JOBS" USE_CUDA=1 build/cuda_emu/libkvrt_cuda_emu.so; then
+        export KVRT_CUDA_LIBRARY="$PWD/build/cuda_emu/libkvrt_cuda_emu.so"
+    else
+        fail "make build/cuda_emu/libkvrt_cuda_emu.so"
+    fi
+elif command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi -L || fail "nvidia-smi -L"
     nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv || true
 else
@@ -86,7 +99,9 @@ fi
 step "tests: build/tests/kvcc_tests"
 if [ -x build/tests/kvcc_tests ]; then
     TLOG="$OUTDIR/device-check.tests.log"
-    KVCC_BUILD=build timeout 240 build/tests/kvcc_tests --jobs "$JOBS" 2>&1 | tee "$TLOG"
+    TFILTER=()
+    [ "$EMU" = 1 ] && TFILTER=(--filter 'cuda/*') # the emulation is slow: its CUDA tests only
+    KVCC_BUILD=build timeout 240 build/tests/kvcc_tests --jobs "$JOBS" "${TFILTER[@]}" 2>&1 | tee "$TLOG"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || fail "kvcc_tests $(how "$rc")"
     if grep -q "skipped: no GPU" "$TLOG"; then
@@ -104,7 +119,9 @@ step "CUDA kernels under compute-sanitizer (memcheck), when the toolkit has it"
 # their memory accesses once here. Criterion forks a process per test, hence --target-processes.
 CSAN="$(command -v compute-sanitizer 2>/dev/null || true)"
 [ -n "$CSAN" ] || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && CSAN=/usr/local/cuda/bin/compute-sanitizer; }
-if [ -n "$CSAN" ] && [ -x build/tests/kvcc_tests ]; then
+if [ "$EMU" = 1 ]; then
+    echo "EMU=1: compute-sanitizer step skipped (it needs a GPU)"
+elif [ -n "$CSAN" ] && [ -x build/tests/kvcc_tests ]; then
     timeout 120 "$CSAN" --tool memcheck --target-processes all --error-exitcode 99 \
         build/tests/kvcc_tests --jobs 1 --filter 'cuda/attend*'
     rc=$?
@@ -160,8 +177,18 @@ for b in build/bench/*; do
     # A bench takes --cuda when its source names the flag; others are CPU-only and skipped here.
     if [ -f "$src" ] && grep -q -- '--cuda\|"cuda"' "$src"; then
         n_bench=$((n_bench + 1))
-        echo "-- $b --cuda"
-        timeout 120 "$b" --cuda
+        # EMU=1: small sizes (the same code paths; the emulation runs kernels on one core)
+        small=()
+        if [ "$EMU" = 1 ]; then
+            case "$(basename "$b")" in
+            bench_attend) small=(--ctx 1024 --runs 1) ;;
+            bench_am) small=(--layer-context 4096) ;;
+            bench_compilerkv) small=(--context 1024 --reps 1) ;;
+            bench_compkv) small=(--ctx 4096 --runs 1) ;;
+            esac
+        fi
+        echo "-- $b --cuda ${small[*]}"
+        timeout $([ "$EMU" = 1 ] && echo 400 || echo 120) "$b" --cuda "${small[@]}"
         rc=$?
         [ "$rc" -eq 0 ] || fail "$b --cuda $(how "$rc")"
     fi

@@ -116,7 +116,8 @@ class kvrt_method_opts(Structure):
 class kvrt_quest(Structure):
     _fields_ = [("n_kv_heads", c_uint32), ("head_dim", c_uint32), ("page", c_uint32),
                 ("T", c_int64), ("n_pages", c_int64), ("kmin", POINTER(c_float)),
-                ("kmax", POINTER(c_float)), ("page_stride", c_int64)]
+                ("kmax", POINTER(c_float)), ("page_stride", c_int64),
+                ("owner", c_void_p)]  # kvrt_quest_create's context (NULL: a host summary)
 
 
 class kvrt_am_opts(Structure):

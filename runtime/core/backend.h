@@ -50,7 +50,7 @@ KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
 
 /* Bumped whenever a slot is added, removed or changes its signature; kvrt_ctx_create refuses a
  * table of another version (ggml's GGML_BACKEND_API_VERSION). */
-#define KVRT_BACKEND_API_VERSION 5
+#define KVRT_BACKEND_API_VERSION 6
 
 /* One table per backend, one entry per op (ggml's struct ggml_backend_i). The housekeeping
  * entries are required; an op entry may be NULL, which means the backend lacks the op: the
@@ -176,6 +176,17 @@ typedef struct kvrt_backend_ops {
                        uint32_t layer, const float *k, const float *v, int64_t T,
                        uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,
                        kvrt_cache **out);
+    /* Quest on a context (kvrt_quest_create; API 6): the summary's kmin, kmax in the context's
+     * memory; append's k, scores' q and scores, select's q and pages_out too. The public calls
+     * check the arguments and dispatch on qs->owner. */
+    int (*quest_create)(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page,
+                        int64_t capacity, kvrt_quest **out);
+    void (*quest_free)(kvrt_quest *qs);
+    int (*quest_append)(kvrt_ctx *ctx, kvrt_quest *qs, const float *k, int64_t n);
+    int (*quest_scores)(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q, uint32_t n_heads,
+                        float *scores);
+    int (*quest_select)(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q, uint32_t n_heads,
+                        int64_t budget_pages, int32_t *pages_out);
 } kvrt_backend_ops;
 
 struct kvrt_ctx {

@@ -74,6 +74,7 @@ static const char *const op_names[KVRT_OP_COUNT] = {
     [KVRT_OP_MR_REDUCE] = "mr_reduce",
     [KVRT_OP_MR_COMPRESS] = "mr_compress",
     [KVRT_OP_COMPKV_SELECT] = "compkv_select",
+    [KVRT_OP_QUEST] = "quest",
 };
 
 const char *kvrt_op_name(int op) {
@@ -102,6 +103,9 @@ static int has_slot(const kvrt_backend_ops *t, int op) {
     case KVRT_OP_MR_REDUCE: return t->mr_reduce != NULL;
     case KVRT_OP_MR_COMPRESS: return t->mr_compress != NULL;
     case KVRT_OP_COMPKV_SELECT: return t->compkv_select != NULL;
+    case KVRT_OP_QUEST:
+        return t->quest_create && t->quest_free && t->quest_append && t->quest_scores &&
+               t->quest_select;
     default: return 0;
     }
 }

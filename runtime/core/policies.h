@@ -163,6 +163,17 @@ KVRT_INTERNAL void kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, 
 KVRT_INTERNAL int kvrt_cpu_snapkv_pool(float *scores, int64_t T, uint32_t n_kv_heads, int64_t w,
                                        uint32_t kernel);
 
+/* Quest's CPU table slots (cpu/baselines.c): kvrt_quest_create's host summary (owner = ctx,
+ * room for capacity tokens) and the host calls behind the public ones. */
+KVRT_INTERNAL int kvrt_cpu_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim,
+                                        uint32_t page, int64_t capacity, kvrt_quest **out);
+KVRT_INTERNAL int kvrt_cpu_quest_append(kvrt_ctx *ctx, kvrt_quest *qs, const float *k, int64_t n);
+KVRT_INTERNAL int kvrt_cpu_quest_scores(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q,
+                                        uint32_t n_heads, float *scores);
+KVRT_INTERNAL int kvrt_cpu_quest_select(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q,
+                                        uint32_t n_heads, int64_t budget_pages,
+                                        int32_t *pages_out);
+
 /* merge-reduce: one layer's layout per KV head (kvrt.h): B entries, and when T > B the sinks,
  * recent window, block size K, middle tokens and blocks. */
 typedef struct kvrt_mr_layout_ {

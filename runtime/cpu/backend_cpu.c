@@ -279,6 +279,11 @@ static const kvrt_backend_ops cpu_ops = {
     .kv2_score = cpu_kv2_score,
     .mr_reduce = cpu_mr_reduce,
     .mr_compress = cpu_mr_compress,
+    .quest_create = kvrt_cpu_quest_create,
+    .quest_free = kvrt_quest_free,
+    .quest_append = kvrt_cpu_quest_append,
+    .quest_scores = kvrt_cpu_quest_scores,
+    .quest_select = kvrt_cpu_quest_select,
 };
 
 const kvrt_backend_ops *kvrt_backend_cpu(void) { return &cpu_ops; }

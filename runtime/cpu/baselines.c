@@ -740,8 +740,17 @@ int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k
 // ----------------------------------------------------------------------------
 // Quest
 
+/* A summary in a non-host context's memory: its calls go to that backend's table. */
+static int quest_on_device(const kvrt_quest *qs) {
+    return qs != NULL && qs->owner != NULL && qs->owner->device != KVRT_DEVICE_HOST;
+}
+
 void kvrt_quest_free(kvrt_quest *qs) {
     if (qs == NULL) return;
+    if (quest_on_device(qs)) {
+        qs->owner->ops->quest_free(qs);
+        return;
+    }
     free(qs->kmin);
     free(qs->kmax);
     free(qs);
@@ -783,6 +792,15 @@ int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n) {
                             "0..%lld",
                             (long long)n, (long long)qs->T, (long long)INT32_MAX - qs->T);
     if (n == 0) return KVRT_OK;
+    if (quest_on_device(qs)) {
+        if (n > qs->page_stride * (int64_t)qs->page - qs->T)
+            return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                                "kvrt_quest_append: n = %lld with %lld tokens summarized, past "
+                                "the capacity of %lld tokens given to kvrt_quest_create",
+                                (long long)n, (long long)qs->T,
+                                (long long)(qs->page_stride * (int64_t)qs->page));
+        return kvrt_policy_ctx_done(qs->owner, qs->owner->ops->quest_append(qs->owner, qs, k, n));
+    }
     const int64_t T1 = qs->T + n, pages = (T1 + qs->page - 1) / qs->page;
     if (quest_reserve(qs, pages) != KVRT_OK)
         return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_append: out of memory");
@@ -837,8 +855,56 @@ int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_
     return KVRT_OK;
 }
 
+int kvrt_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page,
+                      int64_t capacity, kvrt_quest **out) {
+    const char *fn = "kvrt_quest_create";
+    kvrt_error *e = kvrt_tls_err();
+    if (out == NULL) return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: out is NULL", fn);
+    *out = NULL;
+    int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_QUEST);
+    if (rc != KVRT_OK) return rc;
+    if (n_kv_heads == 0 || head_dim == 0 || page == 0 || capacity < 1 || capacity > INT32_MAX)
+        return kvrt_policy_ctx_done(
+            ctx, kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                              "%s: n_kv_heads %u, head_dim %u, page %u, capacity %lld: expected "
+                              "n_kv_heads, head_dim, page >= 1 and capacity in 1..%d", fn,
+                              n_kv_heads, head_dim, page, (long long)capacity, INT32_MAX));
+    rc = ctx->ops->quest_create(ctx, n_kv_heads, head_dim, page, capacity, out);
+    return kvrt_policy_ctx_done(ctx, rc);
+}
+
+/* The CPU table's Quest slots: a host summary with the room of `capacity` tokens reserved (it
+ * still grows), and the host calls. */
+int kvrt_cpu_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page,
+                          int64_t capacity, kvrt_quest **out) {
+    kvrt_quest *qs = calloc(1, sizeof *qs);
+    if (qs == NULL || (qs->n_kv_heads = n_kv_heads, qs->head_dim = head_dim, qs->page = page,
+                       quest_reserve(qs, (capacity + page - 1) / page)) != KVRT_OK) {
+        kvrt_quest_free(qs);
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0, "kvrt_quest_create: out of memory");
+    }
+    qs->owner = ctx;
+    *out = qs;
+    return KVRT_OK;
+}
+int kvrt_cpu_quest_append(kvrt_ctx *ctx, kvrt_quest *qs, const float *k, int64_t n) {
+    (void)ctx;
+    return kvrt_quest_append(qs, k, n);
+}
+int kvrt_cpu_quest_scores(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q, uint32_t n_heads,
+                          float *scores) {
+    (void)ctx;
+    return kvrt_quest_scores(qs, q, n_heads, scores);
+}
+int kvrt_cpu_quest_select(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q, uint32_t n_heads,
+                          int64_t budget_pages, int32_t *pages_out) {
+    (void)ctx;
+    return kvrt_quest_select(qs, q, n_heads, budget_pages, pages_out);
+}
+
+/* The arguments of scores and select (scores: their output, scores or pages_out). */
 static int quest_scores_check(const char *fn, const kvrt_quest *qs, const float *q,
-                              uint32_t n_heads, const float *scores) {
+                              uint32_t n_heads, const void *scores) {
     kvrt_error *e = kvrt_tls_err();
     if (qs == NULL || q == NULL || scores == NULL)
         return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: NULL %s", fn,
@@ -855,6 +921,10 @@ static int quest_scores_check(const char *fn, const kvrt_quest *qs, const float 
 int kvrt_quest_scores_ref(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores) {
     const int rc = quest_scores_check("kvrt_quest_scores_ref", qs, q, n_heads, scores);
     if (rc != KVRT_OK) return rc;
+    if (quest_on_device(qs))
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_UNSUPPORTED, 0, "kvrt_quest_scores_ref: a "
+                            "summary in %s memory (the reference reads host summaries only)",
+                            qs->owner->ops->name);
     const uint32_t G = n_heads / qs->n_kv_heads;
     const size_t d = qs->head_dim;
     for (uint32_t hk = 0; hk < qs->n_kv_heads; hk++)
@@ -889,6 +959,9 @@ KVRT_SIMD_CLONES static double quest_page(const float *mn, const float *mx, cons
 int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores) {
     const int rc = quest_scores_check("kvrt_quest_scores", qs, q, n_heads, scores);
     if (rc != KVRT_OK) return rc;
+    if (quest_on_device(qs))
+        return kvrt_policy_ctx_done(qs->owner,
+                                    qs->owner->ops->quest_scores(qs->owner, qs, q, n_heads, scores));
     const uint32_t G = n_heads / qs->n_kv_heads;
     const size_t d = qs->head_dim;
     double *qp = malloc(sizeof(double) * 2 * d);
@@ -927,6 +1000,12 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q, uint32_t n_heads,
                             "kvrt_quest_select: budget_pages %lld, expected %lld..n_pages = %lld "
                             "(the first and last pages are always selected)",
                             (long long)budget_pages, (long long)pins, (long long)P);
+    if (quest_on_device(qs)) {
+        const int rc = quest_scores_check("kvrt_quest_select", qs, q, n_heads, pages_out);
+        if (rc != KVRT_OK) return rc;
+        return kvrt_policy_ctx_done(qs->owner, qs->owner->ops->quest_select(qs->owner, qs, q, n_heads,
+                                                                            budget_pages, pages_out));
+    }
     float *sc = malloc(sizeof(float) * (size_t)P * qs->n_kv_heads);
     if (sc == NULL) return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_select: out of memory");
     int rc = kvrt_quest_scores(qs, q, n_heads, sc);

@@ -10,7 +10,8 @@
  *          kvrt_cuda_h2o_scores, kvrt_cuda_snapkv_pool (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
  *          (kv2.cu), kvrt_cuda_compilerkv_select (compilerkv.cu), kvrt_cuda_compkv_*
  *          (compkv.cu), kvrt_cuda_am_compact_layer (am.cu), kvrt_cuda_mr_reduce,
- *          kvrt_cuda_mr_compress (merge_reduce.cu), kvrt_cuda_softmax_rows
+ *          kvrt_cuda_mr_compress (merge_reduce.cu), kvrt_cuda_quest_* (quest.cu),
+ *          kvrt_cuda_softmax_rows
  *          (softmax.cu), kvrt_cuda_attend (attend.cu)
  *
  * Errors never abort (ggml's CUDA_CHECK, minus the abort): CUDA_CHECK(err, stmt) evaluates stmt
@@ -171,6 +172,17 @@ KVRT_INTERNAL int kvrt_cuda_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o,
                                         const float *k, const float *v, int64_t T,
                                         uint32_t n_kv_heads, uint32_t head_dim, double budget,
                                         int dtype, kvrt_cache **out);
+/* quest.cu: the quest_* slots (kmin, kmax, k, q, scores, pages_out device memory) */
+KVRT_INTERNAL int kvrt_cuda_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim,
+                                         uint32_t page, int64_t capacity, kvrt_quest **out);
+KVRT_INTERNAL void kvrt_cuda_quest_free(kvrt_quest *qs);
+KVRT_INTERNAL int kvrt_cuda_quest_append(kvrt_ctx *ctx, kvrt_quest *qs, const float *k,
+                                         int64_t n);
+KVRT_INTERNAL int kvrt_cuda_quest_scores(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q,
+                                         uint32_t n_heads, float *scores);
+KVRT_INTERNAL int kvrt_cuda_quest_select(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q,
+                                         uint32_t n_heads, int64_t budget_pages,
+                                         int32_t *pages_out);
 /* kv2.cu; synchronizes once (the finite check of q, k, k_new) */
 KVRT_INTERNAL int kvrt_cuda_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q,
                                       uint32_t n_heads, const float *k, int64_t C,

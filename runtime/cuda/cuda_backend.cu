@@ -3,7 +3,7 @@
  * housekeeping entries (device, stream, memory, copies) and the error helpers behind
  * CUDA_CHECK / CUBLAS_CHECK (cuda/common.cuh). The ops live in one .cu file each
  * (softmax.cu, attend.cu, select.cu, baselines.cu, kv2.cu, compilerkv.cu, compkv.cu, am.cu,
- * merge_reduce.cu;
+ * merge_reduce.cu, quest.cu;
  * logits.cu is the attention-weights engine behind the score ops), plus the two probes the
  * benchmarks use (copy_gbs: a copy kernel; sgemm: cuBLAS); ops the table leaves NULL are
  * KVRT_ERR_UNSUPPORTED.
@@ -379,6 +379,11 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.am_compact_layer = kvrt_cuda_am_compact_layer;
     t.mr_reduce = kvrt_cuda_mr_reduce;
     t.mr_compress = kvrt_cuda_mr_compress;
+    t.quest_create = kvrt_cuda_quest_create;
+    t.quest_free = kvrt_cuda_quest_free;
+    t.quest_append = kvrt_cuda_quest_append;
+    t.quest_scores = kvrt_cuda_quest_scores;
+    t.quest_select = kvrt_cuda_quest_select;
     return t;
 }
 

@@ -198,8 +198,9 @@ typedef enum {
     KVRT_OP_MR_REDUCE = 15,           /* merge-reduce REDUCE of two summaries of one KV head */
     KVRT_OP_MR_COMPRESS = 16,         /* merge-reduce summary of one layer's context */
     KVRT_OP_COMPKV_SELECT = 17,       /* CompKV forced set + top blocks from the scores */
+    KVRT_OP_QUEST = 18,               /* Quest page summaries on a context (kvrt_quest_create) */
 } kvrt_op;
-#define KVRT_OP_COUNT 18
+#define KVRT_OP_COUNT 19
 /* "softmax_rows", "attend", ... (the enum's names in lower case, without KVRT_OP_); "unknown"
  * for other values. */
 const char *kvrt_op_name(int op);
@@ -396,11 +397,21 @@ typedef struct {
     float *kmin;          /* [n_kv_heads, page_stride, head_dim]: pages 0..n_pages-1 valid */
     float *kmax;          /* [n_kv_heads, page_stride, head_dim] */
     int64_t page_stride;  /* pages of room per KV head (= n_pages after kvrt_quest_summarize) */
+    kvrt_ctx *owner;      /* kvrt_quest_create's context: kmin, kmax in its memory; NULL for
+                           * kvrt_quest_summarize's host summaries */
 } kvrt_quest;
-/* k [T, Hkv, d] (f32), 1 <= T <= INT32_MAX. */
+/* k [T, Hkv, d] (f32), 1 <= T <= INT32_MAX. A host summary (owner NULL). */
 int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
                          uint32_t page, kvrt_quest **out);
-/* Adds tokens T..T+n-1, k [n, Hkv, d]; n = 0 is a no-op. The room grows geometrically. */
+/* An empty summary in ctx's memory with room for `capacity` tokens (1..INT32_MAX; page >= 1):
+ * on a CUDA context kmin and kmax are device memory, and the k of kvrt_quest_append, the q and
+ * scores of kvrt_quest_scores and the q and pages_out of kvrt_quest_select are the context's
+ * memory too (kvrt_ctx_alloc); appending past the capacity is KVRT_ERR_ARG. On a CPU context,
+ * a host summary. Free it with kvrt_quest_free before freeing ctx. */
+int kvrt_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page,
+                      int64_t capacity, kvrt_quest **out);
+/* Adds tokens T..T+n-1, k [n, Hkv, d]; n = 0 is a no-op. The room of a host summary grows
+ * geometrically. */
 int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n);
 void kvrt_quest_free(kvrt_quest *qs);
 /* Upper-bound scores [Hkv, n_pages]: sum over the G query heads of the KV head of

@@ -27,7 +27,10 @@
  * context from the same tokens. The KV² rows (kv2_proxy, kv2_score) check against
  * kvrt_kv2_proxy_ref and kvrt_kv2_chunk_scores_ref; the merge-reduce rows (mr_reduce on host
  * summaries, mr_compress on k, v in the context's memory) against kvrt_mr_reduce_ref and
- * kvrt_mr_compress_layer_ref (on the CPU the same bits, noted "bitwise").
+ * kvrt_mr_compress_layer_ref (on the CPU the same bits, noted "bitwise"). The quest rows build a
+ * summary on the context (kvrt_quest_create, two appends) and require the host summary's page
+ * minima and maxima and kvrt_quest_select's pages exactly, the scores within 1e-12 of
+ * kvrt_quest_scores_ref.
  */
 #include <math.h>
 #include <stdint.h>
@@ -1763,6 +1766,84 @@ static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
 }
 
 // ----------------------------------------------------------------------------
+// Quest on a context (kvrt_quest_create: append, scores, select)
+
+static void test_quest(kvrt_ctx *ctx, const char *bk) {
+    static const struct {
+        int64_t T, split, budget;
+        uint32_t Hkv, H, d, page;
+    } shapes[] = {{1000, 333, 12, 2, 8, 64, 16}, {77, 30, 5, 1, 4, 32, 10}, {5, 2, 1, 2, 2, 16, 16},
+                  {160, 80, 4, 3, 9, 64, 16}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int64_t T = shapes[si].T, split = shapes[si].split, B = shapes[si].budget;
+        const uint32_t Hkv = shapes[si].Hkv, H = shapes[si].H, d = shapes[si].d, pg = shapes[si].page;
+        char shape[96];
+        snprintf(shape, sizeof shape, "T=%lld (%lld+%lld) Hkv=%u H=%u d=%u page=%u pages=%lld",
+                 (long long)T, (long long)split, (long long)(T - split), Hkv, H, d, pg,
+                 (long long)B);
+        if (!row_runs(ctx, bk, "quest", KVRT_OP_QUEST, shape)) continue;
+        uint64_t seed = 1400 + si;
+        float *k = randf(&seed, T * Hkv * d, -2, 2), *q = randf(&seed, (int64_t)H * d, -1, 1);
+        const int64_t P = (T + pg - 1) / pg;
+        kvrt_quest *ref = NULL, *qs = NULL;
+        float *rs = malloc(sizeof(float) * Hkv * P), *gs = malloc(sizeof(float) * Hkv * P);
+        float *gmin = malloc(sizeof(float) * Hkv * P * d), *gmax = malloc(sizeof(float) * Hkv * P * d);
+        float *rmin = malloc(sizeof(float) * Hkv * P * d), *rmax = malloc(sizeof(float) * Hkv * P * d);
+        int32_t *rp = malloc(sizeof(int32_t) * Hkv * B), *gp = malloc(sizeof(int32_t) * Hkv * B);
+        int rc = kvrt_quest_summarize(k, T, Hkv, d, pg, &ref);
+        if (rc == KVRT_OK) rc = kvrt_quest_scores_ref(ref, q, H, rs);
+        if (rc == KVRT_OK) rc = kvrt_quest_select(ref, q, H, B, rp);
+        if (rc != KVRT_OK) {
+            report_error("quest", bk, shape, rc, "the host reference");
+            goto done;
+        }
+        float *dk1 = to_ctx(ctx, k, sizeof(float) * split * Hkv * d);
+        float *dk2 = to_ctx(ctx, k + split * Hkv * d, sizeof(float) * (T - split) * Hkv * d);
+        float *dq = to_ctx(ctx, q, sizeof(float) * H * d), *ds = to_ctx(ctx, NULL, sizeof(float) * Hkv * P);
+        int32_t *dp = to_ctx(ctx, NULL, sizeof(int32_t) * Hkv * B);
+        rc = kvrt_quest_create(ctx, Hkv, d, pg, T, &qs);
+        if (rc == KVRT_OK) rc = kvrt_quest_append(qs, dk1, split);
+        if (rc == KVRT_OK) rc = kvrt_quest_append(qs, dk2, T - split);
+        if (rc == KVRT_OK) rc = kvrt_quest_scores(qs, dq, H, ds);
+        if (rc == KVRT_OK) rc = kvrt_quest_select(qs, dq, H, B, dp);
+        if (rc != KVRT_OK) {
+            report_error("quest", bk, shape, rc, "kvrt_quest_create / append / scores / select");
+        } else {
+            for (uint32_t hk = 0; hk < Hkv; hk++) {
+                const size_t at = (size_t)hk * P * d, n = (size_t)P * d;
+                from_ctx(ctx, gmin + at, qs->kmin + (size_t)hk * qs->page_stride * d, sizeof(float) * n);
+                from_ctx(ctx, gmax + at, qs->kmax + (size_t)hk * qs->page_stride * d, sizeof(float) * n);
+                memcpy(rmin + at, ref->kmin + (size_t)hk * ref->page_stride * d, sizeof(float) * n);
+                memcpy(rmax + at, ref->kmax + (size_t)hk * ref->page_stride * d, sizeof(float) * n);
+            }
+            from_ctx(ctx, gs, ds, sizeof(float) * Hkv * P);
+            from_ctx(ctx, gp, dp, sizeof(int32_t) * Hkv * B);
+            nmse_acc a = {0, 0, 0}, b = {0, 0, 0}, c = {0, 0, 0};
+            acc_f(&a, gmin, rmin, (int64_t)Hkv * P * d);
+            acc_f(&a, gmax, rmax, (int64_t)Hkv * P * d);
+            acc_f(&b, gs, rs, (int64_t)Hkv * P);
+            acc_i(&c, gp, rp, (int64_t)Hkv * B);
+            const int same = qs->T == T && qs->n_pages == P;
+            char note[160];
+            snprintf(note, sizeof note, "pages min/max nmse %.2g (bound 0), pages chosen nmse %.2g "
+                     "(bound 0), scores vs _ref below", acc_nmse(&a), acc_nmse(&c));
+            report("quest", bk, shape, same && acc_nmse(&a) == 0 && acc_nmse(&c) == 0 ? acc_nmse(&b) : INFINITY,
+                   1e-12, note);
+        }
+        kvrt_quest_free(qs);
+        kvrt_ctx_dealloc(ctx, dk1);
+        kvrt_ctx_dealloc(ctx, dk2);
+        kvrt_ctx_dealloc(ctx, dq);
+        kvrt_ctx_dealloc(ctx, ds);
+        kvrt_ctx_dealloc(ctx, dp);
+    done:
+        kvrt_quest_free(ref);
+        free(k); free(q); free(rs); free(gs); free(gmin); free(gmax); free(rmin); free(rmax);
+        free(rp); free(gp);
+    }
+}
+
+// ----------------------------------------------------------------------------
 // driver
 
 // ----------------------------------------------------------------------------
@@ -1875,6 +1956,7 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_kv2_score(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_mr_reduce(backends[b].ctx, backends[b].name);
     for (int b = 0; b < 2; b++) test_mr_compress(backends[b].ctx, backends[b].name);
+    for (int b = 0; b < 2; b++) test_quest(backends[b].ctx, backends[b].name);
 
     kvrt_ctx_free(cuda);
     kvrt_ctx_free(cpu);

@@ -587,11 +587,10 @@ Test(cuda, create_reports_what_this_build_and_machine_can_do) {
         cr_assert(info.total_mem > 0);
         fprintf(stderr, "note: CUDA device 0: %s, cc %d.%d, %.1f GiB\n", info.name,
                 info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024));
-        /* the CUDA table: softmax, attend and gather; the policy ops are not ported yet */
-        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_SOFTMAX_ROWS), 1);
-        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_ATTEND), 1);
-        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_CACHE_GATHER), 1);
-        cr_expect_eq(kvrt_backend_supports(ctx, KVRT_OP_COMPKV_STEP), 0);
+        /* the CUDA table (docs/cuda.md): every op but the one-head AM call */
+        for (int op = 0; op < KVRT_OP_COUNT; op++)
+            cr_expect_eq(kvrt_backend_supports(ctx, (kvrt_op)op), op != KVRT_OP_AM_COMPACT,
+                         "op %s", kvrt_op_name(op));
         kvrt_ctx_free(ctx);
         kvrt_ctx_options o = {0, kvrt_cuda_device_count()}; /* one past the last */
         cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, &o, &ctx, &err), KVRT_ERR_NO_DEVICE);
@@ -652,7 +651,12 @@ Test(cuda, copy_gbs_reports_a_device_rate) {
     double g = 0.0;
     cr_assert_eq(kvrt_ctx_copy_gbs(ctx, (size_t)256 << 20, 5, &g), KVRT_OK, "%s",
                  kvrt_ctx_last_error(ctx)->msg);
-    cr_assert(g > 100.0 && g < 20000.0, "copy bandwidth %.1f GB/s", g);
+    kvrt_device_info info;
+    kvrt_ctx_info(ctx, &info);
+    if (strstr(info.name, "CUDA emulation")) /* tests/cuda_emu's plugin: host memory speeds */
+        cr_assert(g > 0.0 && g < 20000.0, "copy bandwidth %.1f GB/s", g);
+    else
+        cr_assert(g > 100.0 && g < 20000.0, "copy bandwidth %.1f GB/s", g);
     kvrt_ctx_free(ctx);
 }
 
@@ -998,7 +1002,10 @@ Test(cuda, probe_names_the_backend_file) {
     char msg[600];
     const int n = kvrt_cuda_probe(msg, sizeof msg);
     cr_assert_geq(n, 0, "the in-tree CUDA backend did not load: %s", msg);
-    cr_assert(strstr(msg, "libkvrt_cuda.so") != NULL && strstr(msg, "CUDA runtime") != NULL, "%s", msg);
+    /* the file loaded: the in-tree backend, or the one KVRT_CUDA_LIBRARY names (the emulation) */
+    const char *lib = getenv("KVRT_CUDA_LIBRARY");
+    cr_assert(strstr(msg, lib && lib[0] ? lib : "libkvrt_cuda.so") != NULL &&
+                  strstr(msg, "CUDA runtime") != NULL, "%s", msg);
     cr_assert_eq(n, kvrt_cuda_device_count());
     fprintf(stderr, "note: kvrt_cuda_probe: %d device(s): %s\n", n, msg);
 }

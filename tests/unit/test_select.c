@@ -402,6 +402,45 @@ Test(quest, append_equals_summarize) {
     free(k);
 }
 
+/* kvrt_quest_create on a CPU context: a host summary with the room asked (owner = the context),
+ * the same pages as kvrt_quest_summarize; its bad arguments are refused by name. */
+Test(quest, create_on_a_context) {
+    kvrt_ctx *ctx = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &ctx, &err), KVRT_OK, "%s", err.msg);
+    cr_assert_eq(kvrt_backend_supports(ctx, KVRT_OP_QUEST), 1);
+    cr_assert_str_eq(kvrt_op_name(KVRT_OP_QUEST), "quest");
+    const int64_t T = 50;
+    const uint32_t hkv = 2, d = 8, page = 16;
+    uint64_t s = 5;
+    float *k = rand_buf((size_t)T * hkv * d, &s, -3, 3);
+    kvrt_quest *a = NULL, *b = NULL;
+    cr_assert_eq(kvrt_quest_create(ctx, hkv, d, page, T, &a), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(a->owner, ctx);
+    cr_assert_eq(a->page_stride, 4);
+    cr_assert_eq(a->T, 0);
+    cr_assert_eq(kvrt_quest_append(a, k, 20), KVRT_OK);
+    cr_assert_eq(kvrt_quest_append(a, k + (size_t)20 * hkv * d, T - 20), KVRT_OK);
+    cr_assert_eq(kvrt_quest_summarize(k, T, hkv, d, page, &b), KVRT_OK);
+    cr_assert_eq(a->n_pages, b->n_pages);
+    for (uint32_t j = 0; j < hkv; j++)
+        cr_assert_eq(memcmp(a->kmin + (size_t)j * a->page_stride * d,
+                            b->kmin + (size_t)j * b->page_stride * d,
+                            sizeof(float) * (size_t)b->n_pages * d), 0);
+    kvrt_quest *c = NULL;
+    cr_assert_eq(kvrt_quest_create(NULL, hkv, d, page, T, &c), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_quest_create(ctx, hkv, d, page, 0, &c), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "capacity") != NULL, "%s", kvrt_last_error()->msg);
+    cr_assert(strstr(kvrt_ctx_last_error(ctx)->msg, "capacity") != NULL);
+    cr_assert_eq(kvrt_quest_create(ctx, hkv, d, 0, T, &c), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_quest_create(ctx, hkv, d, page, T, NULL), KVRT_ERR_ARG);
+    cr_assert_null(c);
+    kvrt_quest_free(a);
+    kvrt_quest_free(b);
+    kvrt_ctx_free(ctx);
+    free(k);
+}
+
 Test(quest, bound_is_an_upper_bound_for_every_key) {
     const int64_t T = 203; /* last page partial */
     const uint32_t hkv = 2, G = 3, H = hkv * G, d = 16, page = 16;
