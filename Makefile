@@ -179,7 +179,7 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) $(LIBS_MPI) -lm -lpthread
 
-.PHONY: all deps peer-deps model test python-test check check-cli backend-ops demo fuzz bench examples golden golden-inputs clean \
+.PHONY: all deps peer-deps model test python-test check check-cli backend-ops cuda-emu-asan demo fuzz bench examples golden golden-inputs clean \
         install uninstall check-install
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(LIBKVRT_CUDA) $(KVCC)
 
@@ -362,6 +362,25 @@ check-cli: all $(EXAMPLES)
 
 backend-ops: $(BACKEND_OPS)
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
+
+# tests/backend's CUDA rows on the emulated plugin built with AddressSanitizer: a kernel that
+# reads or writes past a device buffer (host memory in the emulation) stops with ASan's report.
+# Not part of `make test` (about 2-4 min on 2 cores); run it after changing runtime/cuda/.
+CUDA_EMU_ASAN_OBJ := $(patsubst runtime/cuda/%.cu,$(BUILD)/cuda_emu/asan/%_emu.o,$(CUDA_EMU_SRC)) \
+                     $(BUILD)/cuda_emu/asan/emu_rt.o
+$(BUILD)/cuda_emu/asan/%_emu.o: $(BUILD)/cuda_emu/%_emu.cpp $(EMU_DEPS) runtime/core/am_plan.h runtime/core/policies.h
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) -O1 -fsanitize=address -fno-omit-frame-pointer -c -o $@ $<
+$(BUILD)/cuda_emu/asan/emu_rt.o: tests/cuda_emu/emu_rt.cpp $(EMU_DEPS)
+	@mkdir -p $(dir $@)
+	$(EMU_CXX) -O1 -fsanitize=address -fno-omit-frame-pointer -c -o $@ $<
+$(BUILD)/cuda_emu/asan/libkvrt_cuda_emu.so: $(CUDA_EMU_ASAN_OBJ)
+	$(CXX) -shared -fsanitize=address -o $@ $^ -lm -lpthread
+cuda-emu-asan: $(BUILD)/cuda_emu/asan/libkvrt_cuda_emu.so $(BACKEND_OPS)
+	@echo "== tests/backend's CUDA rows on the emulated plugin under AddressSanitizer"
+	@ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=$$($(CXX) -print-file-name=libasan.so) \
+	  KVRT_CUDA_LIBRARY=$(CURDIR)/$(BUILD)/cuda_emu/asan/libkvrt_cuda_emu.so \
+	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
 
 check: all $(TESTS)
 	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(TESTS) --jobs 2

@@ -79,7 +79,7 @@ __global__ void qs_append(const float *__restrict__ k, int64_t T0, int64_t T1, i
     const int hk = (int)(i / ((int64_t)d * np));
     float *mn = kmin + ((int64_t)hk * stride + p) * d + x, *mx = kmax + ((int64_t)hk * stride + p) * d + x;
     const int64_t t0 = p * page > T0 ? p * page : T0, t1 = (p + 1) * page < T1 ? (p + 1) * page : T1;
-    float a = t0 % page == 0 ? 0.0f : *mn, b = t0 % page == 0 ? -INFINITY : *mx;
+    float a = t0 % page == 0 ? INFINITY : *mn, b = t0 % page == 0 ? -INFINITY : *mx;
     for (int64_t t = t0; t < t1; t++) {
         const float v = k[((t - T0) * Hkv + hk) * d + x];
         a = v < a ? v : a;
@@ -151,7 +151,7 @@ __global__ void qs_keys(const float *__restrict__ scores, int64_t n, int64_t P,
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int64_t p = i % P;
-    keys[i] = p == 0 ? 0xffffffffu : kvrt_topk_key(scores[i]);
+    keys[i] = p == 0 || p == P - 1 ? 0xffffffffu : kvrt_topk_key(scores[i]);
 }
 
 extern "C" int kvrt_cuda_quest_select(kvrt_ctx *ctx, const kvrt_quest *qs, const float *q,
