@@ -82,6 +82,31 @@ static void *to_ctx(kvrt_ctx *ctx, const void *host, size_t bytes) {
     return p;
 }
 
+/* The next decode step over `cache` (in ctx's memory): the last token's queries q_last [H, d]
+ * (standing in for the new token's) attend to it; prints "<what>: one decode query over <over>:
+ * out[0][0..3] ...". */
+static int decode_query(kvrt_ctx *ctx, const float *q_last, uint32_t H, uint32_t d,
+                        const kvrt_cache *cache, const char *what, const char *over) {
+    const size_t obytes = sizeof(float) * H * d;
+    float *out = malloc(obytes);
+    void *dq = out ? to_ctx(ctx, q_last, obytes) : NULL, *dout = NULL;
+    int rc = dq == NULL || kvrt_ctx_alloc(ctx, obytes, &dout) != KVRT_OK
+                 ? KVRT_ERR_NOMEM
+                 : kvrt_attend(ctx, dq, 1, H, cache, NULL, NULL, 0, 1.0f / sqrtf((float)d), dout,
+                               NULL);
+    if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, out, dout, obytes);
+    if (rc == KVRT_OK)
+        printf("%s: one decode query over %s: out[0][0..3] %.4f %.4f %.4f %.4f\n", what, over,
+               out[0], out[1], out[2], out[3]);
+    else
+        fprintf(stderr, "error: kvrt_attend: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
+                kvrt_status_name(rc));
+    kvrt_ctx_dealloc(ctx, dq);
+    kvrt_ctx_dealloc(ctx, dout);
+    free(out);
+    return rc;
+}
+
 /* CompilerKV: the prompt's features over every layer, then the kept tokens of `layer` at the
  * smallest compiled budget, gathered into an f16 cache in the context's memory, and one decode
  * query attending to it. */
@@ -92,7 +117,6 @@ static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     const uint32_t H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
     const size_t qbytes = sizeof(float) * (size_t)T * H * d;
     const size_t kbytes = sizeof(float) * (size_t)T * Hkv * d;
-    const size_t obytes = sizeof(float) * H * d;
     printf("compilerkv: %u compiled budgets (smallest %lld tokens), window %u\n", tb->n_budgets,
            (long long)budget, tb->window);
     if (budget >= T) {
@@ -104,7 +128,7 @@ static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     float *next_logprob = malloc(sizeof(float) * (T - 1));
     kvrt_selection *sel = NULL;
     kvrt_cache *host_cache = NULL, *cache = NULL;
-    void *dq = NULL, *dk = NULL, *dv = NULL, *dout = NULL;
+    void *dq = NULL, *dk = NULL, *dv = NULL;
     kvrt_compilerkv_stats st;
     int rc = next_logprob ? kvrt_compilerkv_prompt_create(T, tb->window, &pr) : KVRT_ERR_NOMEM;
     if (rc != KVRT_OK) {
@@ -152,25 +176,10 @@ static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
         for (int64_t i = 0; i < n0 && i < 8; i++) printf(" %d", sel->positions[i]);
         if (n0 > 8) printf(" ... %d", sel->positions[n0 - 1]);
         printf("\n");
-        /* the next decode step: the last token's queries (standing in for the new token's)
-         * attend to the compressed cache */
-        float *out = malloc(obytes);
-        dq = out ? to_ctx(ctx, q + (size_t)(T - 1) * H * d, obytes) : NULL;
-        if (dq == NULL || kvrt_ctx_alloc(ctx, obytes, &dout) != KVRT_OK) rc = KVRT_ERR_NOMEM;
-        else rc = kvrt_attend(ctx, dq, 1, H, cache, NULL, NULL, 0, 1.0f / sqrtf((float)d), dout,
-                              NULL);
-        if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, out, dout, obytes);
-        if (rc == KVRT_OK)
-            printf("compilerkv: one decode query over the kept tokens: out[0][0..3] %.4f %.4f "
-                   "%.4f %.4f\n", out[0], out[1], out[2], out[3]);
-        else
-            fprintf(stderr, "error: kvrt_attend: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                    kvrt_status_name(rc));
-        free(out);
+        rc = decode_query(ctx, q + (size_t)(T - 1) * H * d, H, d, cache, "compilerkv",
+                          "the kept tokens");
     }
-    kvrt_ctx_dealloc(ctx, dq);
     kvrt_ctx_dealloc(ctx, dv);
-    kvrt_ctx_dealloc(ctx, dout);
     kvrt_cache_free(cache);
     kvrt_cache_free(host_cache);
     kvrt_selection_free(sel);
@@ -300,14 +309,12 @@ static int run_mr(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_model_dim
     const int64_t T = T_CTX;
     const uint32_t H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
     fake_layer(layer, T, H, Hkv, d, q, k, v);
-    const size_t kbytes = sizeof(float) * (size_t)T * Hkv * d, obytes = sizeof(float) * H * d;
+    const size_t kbytes = sizeof(float) * (size_t)T * Hkv * d;
     void *dk = to_ctx(ctx, k, kbytes), *dv = dk ? to_ctx(ctx, v, kbytes) : NULL;
-    void *dq = NULL, *dout = NULL;
     kvrt_cache *cache = NULL;
-    float *out = malloc(obytes);
-    rc = dv && out ? kvrt_mr_compress_scheduled(ctx, s, NULL, 0, budgets[0], layer, dk, dv, T,
-                                                KVRT_DTYPE_F16, &cache)
-                   : KVRT_ERR_NOMEM;
+    rc = dv ? kvrt_mr_compress_scheduled(ctx, s, NULL, 0, budgets[0], layer, dk, dv, T,
+                                         KVRT_DTYPE_F16, &cache)
+            : KVRT_ERR_NOMEM;
     if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) fail_call("kvrt_mr_compress_scheduled", rc);
     /* KV head 0's positions (-1: merged entries), read from the context's memory */
     const int64_t n0 = rc == KVRT_OK ? cache->host_offsets[1] - cache->host_offsets[0] : 0;
@@ -327,26 +334,14 @@ static int run_mr(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_model_dim
         for (int64_t i = 0; i < n0 && i < 12; i++) printf(" %d", pos[i]);
         if (n0 > 12) printf(" ... %d", pos[n0 - 1]);
         printf("\n");
-        /* the next decode step over the cache (the summary's bias log w weighs merged entries) */
-        dq = to_ctx(ctx, q + (size_t)(T - 1) * H * d, obytes);
-        if (dq == NULL || kvrt_ctx_alloc(ctx, obytes, &dout) != KVRT_OK) rc = KVRT_ERR_NOMEM;
-        else rc = kvrt_attend(ctx, dq, 1, H, cache, NULL, NULL, 0, 1.0f / sqrtf((float)d), dout,
-                              NULL);
-        if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, out, dout, obytes);
-        if (rc == KVRT_OK)
-            printf("merge-reduce: one decode query over the cache: out[0][0..3] %.4f %.4f %.4f "
-                   "%.4f\n", out[0], out[1], out[2], out[3]);
-        else
-            fprintf(stderr, "error: kvrt_attend: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                    kvrt_status_name(rc));
+        /* the summary's bias log w weighs the merged entries */
+        rc = decode_query(ctx, q + (size_t)(T - 1) * H * d, H, d, cache, "merge-reduce",
+                          "the cache");
     }
     kvrt_ctx_dealloc(ctx, dk);
     kvrt_ctx_dealloc(ctx, dv);
-    kvrt_ctx_dealloc(ctx, dq);
-    kvrt_ctx_dealloc(ctx, dout);
     kvrt_cache_free(cache);
     free(pos);
-    free(out);
     return rc;
 }
 

@@ -487,6 +487,13 @@ static void task_init(mr_task *t, int reducer, const float *U, uint32_t ldm, uin
 // ----------------------------------------------------------------------------
 // kvrt_mr_reduce
 
+/* o, or the defaults in *def when o is NULL */
+static const kvrt_mr_opts *opts_or_default(const kvrt_mr_opts *o, kvrt_mr_opts *def) {
+    if (o != NULL) return o;
+    kvrt_cuda_host_services->mr_opts_init(def);
+    return def;
+}
+
 static int upload(kvrt_ctx *ctx, void *dst, const void *src, size_t bytes) {
     kvrt_error *err = &ctx->last_err;
     if (bytes == 0) return KVRT_OK;
@@ -502,10 +509,7 @@ extern "C" int kvrt_cuda_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const f
     kvrt_error *err = &ctx->last_err;
     const kvrt_cuda_host *hs = kvrt_cuda_host_services;
     kvrt_mr_opts def;
-    if (o == NULL) {
-        hs->mr_opts_init(&def);
-        o = &def;
-    }
+    o = opts_or_default(o, &def);
     int rc = hs->mr_reduce_check(fn, o, U, ldm, m, lam, a, b, K, out);
     if (rc != KVRT_OK) return rc;
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
@@ -623,10 +627,7 @@ extern "C" int kvrt_cuda_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o,
     kvrt_error *err = &ctx->last_err;
     const kvrt_cuda_host *hs = kvrt_cuda_host_services;
     kvrt_mr_opts def;
-    if (o == NULL) {
-        hs->mr_opts_init(&def);
-        o = &def;
-    }
+    o = opts_or_default(o, &def);
     kvrt_mr_layout Ly;
     int rc = hs->mr_layer_check(fn, o, basis, k, v, T, n_kv_heads, head_dim, budget, dtype, out, 0,
                                 &Ly);

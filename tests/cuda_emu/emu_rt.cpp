@@ -375,58 +375,68 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
 }
 
 // ---------------------------------------------------------------- memory
-static std::map<void *, size_t> g_allocs;
-size_t g_alloc_now = 0, g_alloc_peak = 0;
+/* The allocations of one kind (device memory, pinned host memory): host memory from malloc,
+ * filled with 0xff (NaN in f32 / f64, -1 in ints) when EMU_POISON is on. */
+struct emu_region {
+    const char *name;
+    std::map<void *, size_t> m;
+    size_t now = 0, peak = 0;
+    cudaError_t add(void **p, size_t bytes) {
+        void *x = malloc(bytes ? bytes : 1);
+        if (!x) return cudaErrorMemoryAllocation;
+        if (g_emu_poison) memset(x, 0xff, bytes);
+        m[x] = bytes;
+        now += bytes;
+        peak = std::max(peak, now);
+        *p = x;
+        return cudaSuccess;
+    }
+    cudaError_t remove(void *p) {
+        if (!p) return cudaSuccess;
+        auto it = m.find(p);
+        if (it == m.end()) {
+            emu_warn("freeing an unknown %s pointer %p", name, p);
+            return cudaErrorInvalidValue;
+        }
+        now -= it->second;
+        m.erase(it);
+        free(p);
+        return cudaSuccess;
+    }
+    /* the bytes of the allocation holding p from p on; 0 when p is in none */
+    size_t span(const void *p) const {
+        auto it = m.upper_bound((void *)p);
+        if (it == m.begin()) return 0;
+        --it;
+        const char *b = (const char *)it->first, *q = (const char *)p;
+        return q >= b && q < b + it->second ? (size_t)(b + it->second - q) : 0;
+    }
+};
+static emu_region g_dev{"device"}, g_pinned{"pinned host"};
+size_t g_alloc_now = 0, g_alloc_peak = 0; /* g_dev's, for the programs that read them */
+
 cudaError_t cudaMalloc(void **p, size_t bytes) {
-    void *x = malloc(bytes ? bytes : 1);
-    if (!x) return cudaErrorMemoryAllocation;
-    if (g_emu_poison) memset(x, 0xff, bytes); /* NaN in f32 / f64, -1 in ints */
-    g_allocs[x] = bytes;
-    g_alloc_now += bytes;
-    g_alloc_peak = std::max(g_alloc_peak, g_alloc_now);
-    *p = x;
-    return cudaSuccess;
+    const cudaError_t e = g_dev.add(p, bytes);
+    g_alloc_now = g_dev.now, g_alloc_peak = g_dev.peak;
+    return e;
 }
 cudaError_t cudaFree(void *p) {
-    if (!p) return cudaSuccess;
-    auto it = g_allocs.find(p);
-    if (it == g_allocs.end()) {
-        emu_warn("cudaFree of unknown pointer %p", p);
-        return cudaErrorInvalidValue;
-    }
-    g_alloc_now -= it->second;
-    g_allocs.erase(it);
-    free(p);
-    return cudaSuccess;
+    const cudaError_t e = g_dev.remove(p);
+    g_alloc_now = g_dev.now;
+    return e;
 }
+size_t emu_alloc_size(const void *p) { return g_dev.span(p); }
 /* bounds check of a device range: inside one allocation (host pointers are the caller's arrays:
  * allowed when not inside any allocation) */
 static void check_range(const void *p, size_t bytes, const char *what) {
-    auto it = g_allocs.upper_bound((void *)p);
-    if (it == g_allocs.begin()) return;
-    --it;
-    const char *b = (const char *)it->first, *q = (const char *)p;
-    if (q >= b && q < b + it->second) {
-        if (q + bytes > b + it->second) {
-            fprintf(stderr, "EMU: %s overruns an allocation (%zu bytes at offset %zu of %zu)\n",
-                    what, bytes, (size_t)(q - b), it->second);
-            abort();
-        }
-    }
+    const size_t left = g_dev.span(p);
+    if (left > 0 && bytes > left)
+        emu_fatal("%s overruns a device allocation (%zu bytes where %zu are left)", what, bytes, left);
 }
-size_t emu_alloc_size(const void *p) { /* size of the allocation holding p from p on, 0 if none */
-    auto it = g_allocs.upper_bound((void *)p);
-    if (it == g_allocs.begin()) return 0;
-    --it;
-    const char *b = (const char *)it->first, *q = (const char *)p;
-    if (q >= b && q < b + it->second) return (size_t)(b + it->second - q);
-    return 0;
-}
-static int is_pinned(const void *p);
 /* a copy's direction must match where its pointers are (pinned host memory is both) */
 static void check_kind(const void *p, int want_dev, cudaMemcpyKind k, const char *what) {
-    if (k == cudaMemcpyDefault || is_pinned(p)) return;
-    const int dev = emu_alloc_size(p) > 0;
+    if (k == cudaMemcpyDefault || g_pinned.span(p) > 0) return;
+    const int dev = g_dev.span(p) > 0;
     if (dev != want_dev)
         emu_fatal("%s: a %s pointer %p where the copy's kind %d expects %s memory", what,
                   dev ? "device" : "host", p, (int)k, want_dev ? "device" : "host");
@@ -453,43 +463,13 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
 }
 cudaError_t cudaMemset(void *dst, int v, size_t bytes) { return cudaMemsetAsync(dst, v, bytes, nullptr); }
 /* pinned, mapped host memory: host memory the "device" reads through the same pointer */
-static std::map<void *, size_t> g_host_allocs;
-size_t g_host_now = 0;
-cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned) {
-    void *x = malloc(bytes ? bytes : 1);
-    if (!x) return cudaErrorMemoryAllocation;
-    if (g_emu_poison) memset(x, 0xff, bytes);
-    g_host_allocs[x] = bytes;
-    g_host_now += bytes;
-    *p = x;
-    return cudaSuccess;
-}
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned) { return g_pinned.add(p, bytes); }
 cudaError_t cudaHostGetDevicePointer(void **d, void *h, unsigned) {
-    auto it = g_host_allocs.upper_bound(h);
-    if (it == g_host_allocs.begin()) return cudaErrorInvalidValue;
-    --it;
-    if ((char *)h >= (char *)it->first + it->second) return cudaErrorInvalidValue;
+    if (g_pinned.span(h) == 0) return cudaErrorInvalidValue;
     *d = h;
     return cudaSuccess;
 }
-static int is_pinned(const void *p) {
-    auto it = g_host_allocs.upper_bound((void *)p);
-    if (it == g_host_allocs.begin()) return 0;
-    --it;
-    return (const char *)p < (const char *)it->first + it->second;
-}
-cudaError_t cudaFreeHost(void *p) {
-    if (!p) return cudaSuccess;
-    auto it = g_host_allocs.find(p);
-    if (it == g_host_allocs.end()) {
-        emu_warn("cudaFreeHost of unknown pointer %p", p);
-        return cudaErrorInvalidValue;
-    }
-    g_host_now -= it->second;
-    g_host_allocs.erase(it);
-    free(p);
-    return cudaSuccess;
-}
+cudaError_t cudaFreeHost(void *p) { return g_pinned.remove(p); }
 
 // ---------------------------------------------------------------- cuBLAS reference
 template <class T>
