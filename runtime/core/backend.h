@@ -220,7 +220,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
  * services the backend calls back (kvrt_cuda_host) and gets the backend's table
  * (kvrt_cuda_plugin). Both structs carry KVRT_CUDA_PLUGIN_API_VERSION and the library
  * version; a plugin of another version is refused with a message naming the file. */
-#define KVRT_CUDA_PLUGIN_API_VERSION 6
+#define KVRT_CUDA_PLUGIN_API_VERSION 7
 #define KVRT_CUDA_PLUGIN_ENTRY "kvrt_cuda_plugin_init"
 #define KVRT_CUDA_PLUGIN_BASENAME "libkvrt_cuda.so"
 #define KVRT_STR_(x) #x
@@ -285,6 +285,10 @@ typedef struct kvrt_cuda_host {
                           uint32_t head_dim, double budget, int dtype, kvrt_cache **out,
                           int scan_values, struct kvrt_mr_layout_ *L);
     uint64_t (*mr_key)(uint64_t seed, uint32_t layer, uint32_t head, int64_t lo, int64_t hi);
+    /* since API 7: the checks of the one-head AM call (kvrt_am_one_check) */
+    int (*am_one_check)(const char *fn, const kvrt_am_opts *o, const float *k, const float *v,
+                        int64_t T, uint32_t head_dim, const float *q_ref, int64_t n, int64_t t,
+                        int dtype);
 } kvrt_cuda_host;
 
 typedef struct kvrt_cuda_plugin {

@@ -64,6 +64,12 @@ KVRT_INTERNAL int kvrt_policy_budget_index(const char *fn, const double *budgets
                                            double ratio, int nearest, const char *flag_name,
                                            int *out);
 
+/* The checks of kvrt_am_compact (one KV head) that do not read the arrays: options, NULLs, T,
+ * n, head_dim, t, dtype (every backend checks alike; the CPU then scans k, v, q_ref and q_pos).
+ * o non-NULL. Errors in the thread-local error, named fn. */
+KVRT_INTERNAL int kvrt_am_one_check(const char *fn, const kvrt_am_opts *o, const float *k,
+                                    const float *v, int64_t T, uint32_t head_dim,
+                                    const float *q_ref, int64_t n, int64_t t, int dtype);
 KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v,
                                       int64_t T, uint32_t head_dim, const float *q_ref,
                                       const int32_t *q_pos, int64_t n, int64_t t, int dtype,

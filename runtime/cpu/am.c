@@ -962,14 +962,9 @@ static int opts_check(const char *fn, const kvrt_am_opts *o) {
     return KVRT_OK;
 }
 
-int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
-                    uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
-                    int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
-    const char *fn = "kvrt_am_compact";
-    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
-    *out = NULL;
-    kvrt_am_opts def;
-    if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
+int kvrt_am_one_check(const char *fn, const kvrt_am_opts *o, const float *k, const float *v,
+                      int64_t T, uint32_t head_dim, const float *q_ref, int64_t n, int64_t t,
+                      int dtype) {
     int rc = opts_check(fn, o);
     if (rc) return rc;
     if (k == NULL || v == NULL || q_ref == NULL)
@@ -987,6 +982,19 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
                        (long long)T);
     if (!kvrt_cache_dtype_ok(dtype))
         return kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
+    return KVRT_OK;
+}
+
+int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
+                    uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
+                    int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
+    const char *fn = "kvrt_am_compact";
+    if (out == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: out is NULL", fn);
+    *out = NULL;
+    kvrt_am_opts def;
+    if (o == NULL) { kvrt_am_opts_init(&def); o = &def; }
+    int rc = kvrt_am_one_check(fn, o, k, v, T, head_dim, q_ref, n, t, dtype);
+    if (rc) return rc;
     const int64_t d = head_dim;
     if (!all_finite_f(k, T * d) || !all_finite_f(v, T * d) || !all_finite_f(q_ref, n * d))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: k, v or q_ref holds NaN or Inf", fn);

@@ -522,6 +522,148 @@ static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, cons
     return rc;
 }
 
+static int am_res_alloc(am_res *r, int64_t cap, int64_t d) {
+    r->cap = cap;
+    r->pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)cap);
+    r->ck = (float *)malloc(sizeof(float) * (size_t)(cap * d));
+    r->cv = (float *)malloc(sizeof(float) * (size_t)(cap * d));
+    r->beta = (float *)malloc(sizeof(float) * (size_t)cap);
+    return r->pos && r->ck && r->cv && r->beta ? 0 : -1;
+}
+static void am_res_free(am_res *r) {
+    free(r->pos);
+    free(r->ck);
+    free(r->cv);
+    free(r->beta);
+}
+
+/* q_pos [n] (device memory) into hqpos, each checked >= 0 (synchronizes: on the context's
+ * stream, after whatever wrote q_pos there) */
+static int am_qpos_to_host(kvrt_ctx *ctx, const char *fn, const int32_t *q_pos, int64_t n,
+                           int32_t *hqpos) {
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t st = kvrt_cuda_stream(ctx);
+    if (cudaMemcpyAsync(hqpos, q_pos, sizeof(int32_t) * (size_t)n, cudaMemcpyDeviceToHost, st) !=
+            cudaSuccess ||
+        cudaStreamSynchronize(st) != cudaSuccess)
+        return kvrt_cuda_error(err, cudaGetLastError(), "cudaMemcpy(q_pos)", __func__, __FILE__,
+                               __LINE__);
+    for (int64_t i = 0; i < n; i++)
+        if (hqpos[i] < 0)
+            return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: q_pos[%lld] = %d, expected >= 0", fn,
+                                (long long)i, hqpos[i]);
+    return KVRT_OK;
+}
+
+/* *bad = 1 when k or v [nkv] or the queries [nq] (device memory) hold NaN or Inf (one flag,
+ * one synchronization) */
+static int am_nonfinite_check(kvrt_ctx *ctx, const float *k, const float *v, int64_t nkv,
+                              const float *qs, int64_t nq, int *bad) {
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t st = kvrt_cuda_stream(ctx);
+    int *dflag = NULL, rc = KVRT_OK;
+    *bad = 0;
+    if (cudaMalloc((void **)&dflag, sizeof(int)) != cudaSuccess ||
+        cudaMemsetAsync(dflag, 0, sizeof(int), st) != cudaSuccess)
+        rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMalloc(flag)", __func__, __FILE__,
+                             __LINE__);
+    if (rc == KVRT_OK) {
+        am_nonfinite<<<1024, 256, 0, st>>>(k, nkv, dflag);
+        am_nonfinite<<<1024, 256, 0, st>>>(v, nkv, dflag);
+        am_nonfinite<<<1024, 256, 0, st>>>(qs, nq, dflag);
+        cudaError_t ce = cudaGetLastError(); /* the three launches */
+        if (ce == cudaSuccess) ce = cudaMemcpyAsync(bad, dflag, sizeof(int), cudaMemcpyDeviceToHost, st);
+        if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+        if (ce != cudaSuccess)
+            rc = kvrt_cuda_error(err, ce, "finiteness check", __func__, __FILE__, __LINE__);
+    }
+    if (dflag) cudaFree(dflag);
+    return rc;
+}
+
+/* One set's cache from its heads' results res[h * stride] (h < Hkv), assembled on the host and
+ * moved to the device in one copy of what is kept. */
+static int am_to_cache(kvrt_ctx *ctx, const char *fn, const am_res *res, int64_t stride,
+                       int64_t Hkv, uint32_t head_dim, int dtype, kvrt_cache **out) {
+    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
+    int64_t *cnt = (int64_t *)malloc(sizeof(int64_t) * (size_t)Hkv);
+    if (cnt == NULL) return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    for (int64_t h = 0; h < Hkv; h++) cnt[h] = res[h * stride].n;
+    kvrt_cache *hc = NULL;
+    int rc = hs->cache_create((uint32_t)Hkv, head_dim, dtype, cnt, &hc);
+    for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
+        const am_res *r = &res[h * stride];
+        const int64_t e0 = hc->offsets[h];
+        for (int64_t a = 0; a < r->n; a++) {
+            hc->positions[e0 + a] = r->pos[a];
+            hc->bias[e0 + a] = r->beta[a];
+        }
+        hs->cache_put_kv(hc, e0, r->ck, r->cv, r->n);
+    }
+    if (rc == KVRT_OK) rc = hs->cache_to_device(ctx, hc, out);
+    hs->cache_free(hc);
+    free(cnt);
+    return rc;
+}
+
+/* kvrt_am_compact on a CUDA context: one KV head, k, v [T, d], q_ref [n, d] and q_pos [n] (or
+ * NULL) device memory; the CPU's checks (kvrt_am_one_check, then k, v, q_ref finite and q_pos
+ * >= 0 on the device), then the layer path's am_head for one head and one budget t, every
+ * reference query (max_queries does not apply, as on the CPU). OMP: KVRT_ERR_UNSUPPORTED. */
+extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k,
+                                    const float *v, int64_t T, uint32_t head_dim,
+                                    const float *q_ref, const int32_t *q_pos, int64_t n,
+                                    int64_t t, int dtype, kvrt_cache **out,
+                                    kvrt_am_stats *stats) {
+    const char *fn = "kvrt_am_compact";
+    kvrt_error *err = &ctx->last_err;
+    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
+    if (out == NULL) return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: out is NULL", fn);
+    *out = NULL;
+    kvrt_am_opts def;
+    if (o == NULL) {
+        hs->am_opts_init(&def);
+        o = &def;
+    }
+    int rc = hs->am_one_check(fn, o, k, v, T, head_dim, q_ref, n, t, dtype);
+    if (rc != KVRT_OK) return rc;
+    if (o->key_select == KVRT_AM_SELECT_OMP)
+        return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0, "%s: key selection omp is not "
+                            "implemented on the cuda backend (am_compact: highest only; run OMP "
+                            "on a CPU context)", fn);
+    CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
+    const int64_t d = head_dim;
+    int32_t *hqpos = q_pos ? (int32_t *)malloc(sizeof(int32_t) * (size_t)n) : NULL;
+    int64_t *qoff = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+    am_res res;
+    memset(&res, 0, sizeof res);
+    if ((q_pos && !hqpos) || !qoff || !rows || am_res_alloc(&res, t, d) != 0)
+        rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
+    int bad = 0;
+    if (rc == KVRT_OK) rc = am_nonfinite_check(ctx, k, v, T * d, q_ref, n * d, &bad);
+    if (rc == KVRT_OK && bad)
+        rc = kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: k, v or q_ref holds NaN or Inf", fn);
+    if (rc == KVRT_OK && q_pos) rc = am_qpos_to_host(ctx, fn, q_pos, n, hqpos);
+    const kvrt_am_split sp = kvrt_am_split_of(o, t);
+    int64_t nex = sp.ns > sp.nr ? sp.ns : sp.nr;
+    if (nex < 1) nex = 1;
+    am_dev w;
+    memset(&w, 0, sizeof w);
+    if (rc == KVRT_OK)
+        rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), kvrt_am_chunk_tmax(o, T, 1, &t), nex, d);
+    for (int64_t i = 0; i < n && rc == KVRT_OK; i++) qoff[i] = i * d;
+    const am_call call = {ctx, o, k, v, T, d, d};
+    if (rc == KVRT_OK) rc = am_head(&call, &w, 0, q_ref, qoff, hqpos, n, t, rows, &res, stats);
+    am_dev_free(ctx, &w);
+    if (rc == KVRT_OK) rc = am_to_cache(ctx, fn, &res, 1, 1, head_dim, dtype, out);
+    am_res_free(&res);
+    free(hqpos);
+    free(qoff);
+    free(rows);
+    return rc;
+}
+
 extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
                                           const float *q_ref, const int32_t *q_pos,
                                           int64_t n_ref, const float *k, const float *v,
@@ -577,42 +719,13 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     am_res *res = (am_res *)calloc((size_t)(Hkv * ns), sizeof *res);
     if (!qoff || !rows || (causal && !qp) || (q_ref && q_pos && !hqpos) || !res)
         rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
-    if (rc == KVRT_OK && hqpos) {
-        /* on the context's stream: after whatever wrote q_pos there */
-        if (cudaMemcpyAsync(hqpos, q_pos, sizeof(int32_t) * (size_t)n_ref, cudaMemcpyDeviceToHost,
-                            st) != cudaSuccess ||
-            cudaStreamSynchronize(st) != cudaSuccess)
-            rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMemcpy(q_pos)", __func__,
-                                 __FILE__, __LINE__);
-        for (int64_t i = 0; rc == KVRT_OK && i < n_ref; i++)
-            if (hqpos[i] < 0)
-                rc = kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: q_pos[%lld] = %d, expected >= 0",
-                                  fn, (long long)i, hqpos[i]);
-    }
+    if (rc == KVRT_OK && hqpos) rc = am_qpos_to_host(ctx, fn, q_pos, n_ref, hqpos);
     /* finiteness of k, v and the queries (one flag, one synchronization) */
-    int *dflag = NULL;
-    if (rc == KVRT_OK) {
-        int flag = 0;
-        if (cudaMalloc((void **)&dflag, sizeof(int)) != cudaSuccess ||
-            cudaMemsetAsync(dflag, 0, sizeof(int), st) != cudaSuccess)
-            rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMalloc(flag)", __func__, __FILE__,
-                                 __LINE__);
-        if (rc == KVRT_OK) {
-            am_nonfinite<<<1024, 256, 0, st>>>(k, T * Hkv * d, dflag);
-            am_nonfinite<<<1024, 256, 0, st>>>(v, T * Hkv * d, dflag);
-            am_nonfinite<<<1024, 256, 0, st>>>(qs, nq * H * d, dflag);
-            cudaError_t ce = cudaGetLastError(); /* the three launches */
-            if (ce == cudaSuccess)
-                ce = cudaMemcpyAsync(&flag, dflag, sizeof(int), cudaMemcpyDeviceToHost, st);
-            if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
-            if (ce != cudaSuccess)
-                rc = kvrt_cuda_error(err, ce, "finiteness check", __func__, __FILE__, __LINE__);
-        }
-        if (rc == KVRT_OK && flag)
-            rc = kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: %s, k or v holds NaN or Inf", fn,
-                              q_ref ? "q_ref" : "q");
-    }
-    if (dflag) cudaFree(dflag);
+    int bad = 0;
+    if (rc == KVRT_OK) rc = am_nonfinite_check(ctx, k, v, T * Hkv * d, qs, nq * H * d, &bad);
+    if (rc == KVRT_OK && bad)
+        rc = kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: %s, k or v holds NaN or Inf", fn,
+                          q_ref ? "q_ref" : "q");
     /* the workspace, sized for the largest chunk budget of any head and set, and the largest
      * exact part (sinks or recent window) */
     const int64_t tmax = kvrt_am_chunk_tmax(o, T, Hkv * ns, tb);
@@ -625,16 +738,9 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     am_dev w;
     memset(&w, 0, sizeof w);
     if (rc == KVRT_OK) rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), tmax, nex, d);
-    for (int64_t e = 0; rc == KVRT_OK && e < Hkv * ns; e++) {
-        am_res *r = &res[e];
-        r->cap = tb[e];
-        r->pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)r->cap);
-        r->ck = (float *)malloc(sizeof(float) * (size_t)(r->cap * d));
-        r->cv = (float *)malloc(sizeof(float) * (size_t)(r->cap * d));
-        r->beta = (float *)malloc(sizeof(float) * (size_t)r->cap);
-        if (!r->pos || !r->ck || !r->cv || !r->beta)
+    for (int64_t e = 0; rc == KVRT_OK && e < Hkv * ns; e++)
+        if (am_res_alloc(&res[e], tb[e], d) != 0)
             rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
-    }
     const am_call call = {ctx, o, k, v, T, d, Hkv * d};
     for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
         /* the head's reference queries: rows and query heads as the CPU picks them */
@@ -650,37 +756,15 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     }
     am_dev_free(ctx, &w);
     /* the caches: assembled on the host, then one copy of what is kept into device memory */
-    int64_t *cnt = (int64_t *)malloc(sizeof(int64_t) * (size_t)Hkv);
-    if (rc == KVRT_OK && !cnt) rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
-    for (int64_t si = 0; rc == KVRT_OK && si < ns; si++) {
-        kvrt_cache *hc = NULL;
-        for (int64_t h = 0; h < Hkv; h++) cnt[h] = res[h * ns + si].n;
-        rc = hs->cache_create(n_kv_heads, head_dim, dtype, cnt, &hc);
-        for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
-            const am_res *r = &res[h * ns + si];
-            const int64_t e0 = hc->offsets[h];
-            for (int64_t a = 0; a < r->n; a++) {
-                hc->positions[e0 + a] = r->pos[a];
-                hc->bias[e0 + a] = r->beta[a];
-            }
-            hs->cache_put_kv(hc, e0, r->ck, r->cv, r->n);
-        }
-        if (rc == KVRT_OK) rc = hs->cache_to_device(ctx, hc, &out[si]);
-        hs->cache_free(hc);
-    }
+    for (int64_t si = 0; rc == KVRT_OK && si < ns; si++)
+        rc = am_to_cache(ctx, fn, res + si, ns, Hkv, head_dim, dtype, &out[si]);
     if (rc != KVRT_OK)
         for (int64_t si = 0; si < ns; si++) {
             hs->cache_free(out[si]);
             out[si] = NULL;
         }
-    for (int64_t e = 0; res && e < Hkv * ns; e++) {
-        free(res[e].pos);
-        free(res[e].ck);
-        free(res[e].cv);
-        free(res[e].beta);
-    }
+    for (int64_t e = 0; res && e < Hkv * ns; e++) am_res_free(&res[e]);
     free(res);
-    free(cnt);
     free(qoff);
     free(rows);
     free(qp);

@@ -160,6 +160,12 @@ KVRT_INTERNAL int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *
                                              uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                                              const float *ratios, const double *ratio_list,
                                              int dtype, kvrt_cache **out, kvrt_am_stats *stats);
+/* am.cu: the am_compact slot (one KV head; k, v, q_ref, q_pos device memory; a device cache) */
+KVRT_INTERNAL int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k,
+                                       const float *v, int64_t T, uint32_t head_dim,
+                                       const float *q_ref, const int32_t *q_pos, int64_t n,
+                                       int64_t t, int dtype, kvrt_cache **out,
+                                       kvrt_am_stats *stats);
 /* merge_reduce.cu: the mr_reduce slot (a, b, out host sets, U and lam host arrays) and the
  * mr_compress slot (k, v device memory, basis host memory; returns a device cache); both
  * synchronize */

@@ -377,6 +377,7 @@ static kvrt_backend_ops make_cuda_ops(void) {
     t.compkv_step = kvrt_cuda_compkv_step;
     t.cache_gather = cuda_cache_gather;
     t.am_compact_layer = kvrt_cuda_am_compact_layer;
+    t.am_compact = kvrt_cuda_am_compact;
     t.mr_reduce = kvrt_cuda_mr_reduce;
     t.mr_compress = kvrt_cuda_mr_compress;
     t.quest_create = kvrt_cuda_quest_create;
@@ -397,7 +398,7 @@ kvrt_cuda_plugin_init(const kvrt_cuda_host *host) {
         !host->compilerkv_kept_window || !host->compkv_create_check || !host->compkv_groups_fill ||
         !host->am_opts_init || !host->am_layer_plan || !host->am_nnls_gram || !host->ridge_solve ||
         !host->cache_create || !host->cache_put_kv || !host->mr_opts_init ||
-        !host->mr_reduce_check || !host->mr_layer_check || !host->mr_key)
+        !host->mr_reduce_check || !host->mr_layer_check || !host->mr_key || !host->am_one_check)
         return NULL;
     kvrt_cuda_host_services = host;
     static const kvrt_backend_ops table = make_cuda_ops();

@@ -587,10 +587,9 @@ Test(cuda, create_reports_what_this_build_and_machine_can_do) {
         cr_assert(info.total_mem > 0);
         fprintf(stderr, "note: CUDA device 0: %s, cc %d.%d, %.1f GiB\n", info.name,
                 info.cc_major, info.cc_minor, (double)info.total_mem / (1024.0 * 1024 * 1024));
-        /* the CUDA table (docs/cuda.md): every op but the one-head AM call */
+        /* the CUDA table (docs/cuda.md): every op */
         for (int op = 0; op < KVRT_OP_COUNT; op++)
-            cr_expect_eq(kvrt_backend_supports(ctx, (kvrt_op)op), op != KVRT_OP_AM_COMPACT,
-                         "op %s", kvrt_op_name(op));
+            cr_expect_eq(kvrt_backend_supports(ctx, (kvrt_op)op), 1, "op %s", kvrt_op_name(op));
         kvrt_ctx_free(ctx);
         kvrt_ctx_options o = {0, kvrt_cuda_device_count()}; /* one past the last */
         cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, &o, &ctx, &err), KVRT_ERR_NO_DEVICE);
