@@ -433,6 +433,11 @@ static void check_range(const void *p, size_t bytes, const char *what) {
     if (left > 0 && bytes > left)
         emu_fatal("%s overruns a device allocation (%zu bytes where %zu are left)", what, bytes, left);
 }
+void emu_check_ptr_arg(const char *kernel, int index, const void *p) {
+    if (p == NULL || g_dev.span(p) > 0 || g_pinned.span(p) > 0) return;
+    emu_fatal("kernel %s: argument %d is %p, host memory (neither cudaMalloc'd nor pinned): a "
+              "GPU cannot read it", kernel, index, p);
+}
 /* a copy's direction must match where its pointers are (pinned host memory is both) */
 static void check_kind(const void *p, int want_dev, cudaMemcpyKind k, const char *what) {
     if (k == cudaMemcpyDefault || g_pinned.span(p) > 0) return;

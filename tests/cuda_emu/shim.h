@@ -219,12 +219,24 @@ static inline emu_cfg_t emu_cfg(dim3 g, dim3 b, size_t shmem = 0, cudaStream_t s
 struct emu_fn { virtual void run() = 0; };
 template <class F> struct emu_fn_t : emu_fn { F f; emu_fn_t(F ff) : f(ff) {} void run() override { f(); } };
 void emu_launch_impl(emu_cfg_t c, const char *name, int sync, emu_fn *f);
+/* A kernel's pointer argument must be NULL or point into device memory (cudaMalloc) or pinned
+ * mapped host memory: a pointer to ordinary host memory is what a GPU cannot read (aborts,
+ * naming the kernel and the argument). */
+void emu_check_ptr_arg(const char *kernel, int index, const void *p);
+template <class T> static inline void emu_check_arg(const char *, int, const T &) {}
+template <class T> static inline void emu_check_arg(const char *k, int i, T *const &p) {
+    emu_check_ptr_arg(k, i, (const void *)p);
+}
 /* gen_emu.py writes every launch f<<<cfg>>>(args) as emu_launch(emu_cfg(cfg), "f", sync, &f,
  * args): the arguments are converted to the kernel's parameter types once, before the launch,
  * as CUDA does, and every thread gets its own copies */
 template <class... P, class... A>
 static void emu_launch(emu_cfg_t c, const char *name, int sync, void (*f)(P...), A &&...a) {
     std::tuple<typename std::decay<P>::type...> args(std::forward<A>(a)...);
+    std::apply([&](const auto &...x) {
+        int i = 0;
+        (emu_check_arg(name, i++, x), ...);
+    }, args);
     auto call = [&] { std::apply(f, args); };
     emu_fn_t<decltype(call)> w(call);
     emu_launch_impl(c, name, sync, &w);
