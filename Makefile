@@ -270,8 +270,9 @@ EMU_DEPS := tests/cuda_emu/shim.h runtime/cuda/common.cuh runtime/core/backend.h
 $(BUILD)/cuda_emu/%_emu.cpp: runtime/cuda/%.cu tests/cuda_emu/gen_emu.py
 	@mkdir -p $(dir $@)
 	python3 tests/cuda_emu/gen_emu.py $< > $@
+# MR_WS_BYTES: merge-reduce's batch workspace tiny, so that its chunked path runs here
 $(BUILD)/cuda_emu/%_emu.o: $(BUILD)/cuda_emu/%_emu.cpp $(EMU_DEPS) runtime/core/am_plan.h runtime/core/policies.h
-	$(EMU_CXX) -c -o $@ $<
+	$(EMU_CXX) -DMR_WS_BYTES=65536 -c -o $@ $<
 $(BUILD)/cuda_emu/%.o: tests/cuda_emu/%.cpp $(EMU_DEPS)
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) -c -o $@ $<
@@ -370,7 +371,7 @@ CUDA_EMU_ASAN_OBJ := $(patsubst runtime/cuda/%.cu,$(BUILD)/cuda_emu/asan/%_emu.o
                      $(BUILD)/cuda_emu/asan/emu_rt.o
 $(BUILD)/cuda_emu/asan/%_emu.o: $(BUILD)/cuda_emu/%_emu.cpp $(EMU_DEPS) runtime/core/am_plan.h runtime/core/policies.h
 	@mkdir -p $(dir $@)
-	$(EMU_CXX) -O1 -fsanitize=address -fno-omit-frame-pointer -c -o $@ $<
+	$(EMU_CXX) -DMR_WS_BYTES=65536 -O1 -fsanitize=address -fno-omit-frame-pointer -c -o $@ $<
 $(BUILD)/cuda_emu/asan/emu_rt.o: tests/cuda_emu/emu_rt.cpp $(EMU_DEPS)
 	@mkdir -p $(dir $@)
 	$(EMU_CXX) -O1 -fsanitize=address -fno-omit-frame-pointer -c -o $@ $<

@@ -39,6 +39,11 @@
 #include "core/policies.h"
 
 #define MR_THREADS 128
+/* the device workspace of one batch of REDUCEs: tasks beyond it run in chunks (tests/cuda_emu
+ * builds with a tiny value, so that the chunked path runs in CI) */
+#ifndef MR_WS_BYTES
+#define MR_WS_BYTES ((int64_t)256 << 20)
+#endif
 
 /* A read view of entries (mr_view of the CPU file): row i at k + i * ld (v likewise), weight
  * w[i] (NULL: 1) and position pos[i] (NULL: pos0 + i). */
@@ -371,7 +376,7 @@ static void mr_ws_free(mr_ws *w, cudaStream_t st) {
 }
 
 /* Workspace for up to R tasks of K outputs and up to cap entries (chunks of Rc tasks within
- * about 256 MiB). */
+ * MR_WS_BYTES). */
 static int mr_ws_alloc(kvrt_ctx *ctx, mr_ws *w, int64_t R, int64_t K, int64_t cap, int mc) {
     cudaStream_t st = kvrt_cuda_stream(ctx);
     memset(w, 0, sizeof *w);
@@ -381,7 +386,7 @@ static int mr_ws_alloc(kvrt_ctx *ctx, mr_ws *w, int64_t R, int64_t K, int64_t ca
     w->mc = mc;
     const int64_t per = w->cap2 * (8 * mc + 4 + 4 + 8 + 8 + 1) + w->S * (8 * mc + 8 + 2 * 16) +
                         (int64_t)sizeof(mr_task);
-    int64_t Rc = ((int64_t)256 << 20) / per;
+    int64_t Rc = (int64_t)(MR_WS_BYTES) / per;
     if (Rc < 1) Rc = 1;
     if (Rc > R) Rc = R;
     w->Rc = Rc;
