@@ -320,6 +320,11 @@ test: deps peer-deps model
 	  echo "== the CUDA backend on the CPU (tests/cuda_emu: every runtime/cuda/*.cu emulated; tests/backend's CUDA rows on it)"; \
 	  if [ "$(USE_CUDA)" = 1 ]; then \
 	    KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS) || exit 1; \
+	    echo "== the CUDA unit tests on the emulated plugin (kvcc_tests cuda/*; softmax_matches_ref, 2 min emulated, is left to tests/backend's rows and the GPU)"; \
+	    KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	      $(TESTS) --jobs 2 --filter 'cuda/[!s]*' || exit 1; \
+	    KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	      $(TESTS) --filter 'cuda/softmax_edge*' || exit 1; \
 	  else echo "backend-ops (cuda emulated): skipped: libkvrt built without its CUDA loader (USE_CUDA=0)"; fi; \
 	  echo "== the CUDA AM compaction on the CPU (tests/cuda_emu: runtime/cuda/am.cu emulated, against the CPU path)"; \
 	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(CUDA_EMU_AM); fi
