@@ -522,6 +522,13 @@ static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, cons
     return rc;
 }
 
+/* o, or the defaults in *def when o is NULL */
+static const kvrt_am_opts *am_opts_or_default(const kvrt_am_opts *o, kvrt_am_opts *def) {
+    if (o != NULL) return o;
+    kvrt_cuda_host_services->am_opts_init(def);
+    return def;
+}
+
 static int am_res_alloc(am_res *r, int64_t cap, int64_t d) {
     r->cap = cap;
     r->pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)cap);
@@ -621,10 +628,7 @@ extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const 
     if (out == NULL) return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: out is NULL", fn);
     *out = NULL;
     kvrt_am_opts def;
-    if (o == NULL) {
-        hs->am_opts_init(&def);
-        o = &def;
-    }
+    o = am_opts_or_default(o, &def);
     int rc = hs->am_one_check(fn, o, k, v, T, head_dim, q_ref, n, t, dtype);
     if (rc != KVRT_OK) return rc;
     if (o->key_select == KVRT_AM_SELECT_OMP)
@@ -679,10 +683,7 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
         return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: n_sets %d, expected 1..4096", fn, n_sets);
     for (int si = 0; si < n_sets; si++) out[si] = NULL;
     kvrt_am_opts def;
-    if (o == NULL) {
-        hs->am_opts_init(&def);
-        o = &def;
-    }
+    o = am_opts_or_default(o, &def);
     const int64_t d = head_dim, Hkv = n_kv_heads ? n_kv_heads : 1, ns = n_sets;
     int64_t *tb = (int64_t *)malloc(sizeof(int64_t) * (size_t)(Hkv * ns));
     if (tb == NULL) return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);

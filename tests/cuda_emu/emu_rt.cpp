@@ -575,17 +575,29 @@ template <class K> static uint32_t radix_bits(K k, int b0, int b1) {
     const uint32_t w = b1 - b0 >= 32 ? 0xffffffffu : ((1u << (b1 - b0)) - 1u);
     return (u >> b0) & w;
 }
-cudaError_t cub::DeviceRadixSort::SortPairsDescending(void *tmp, size_t &tmp_bytes,
-                                                      const uint32_t *kin, uint32_t *kout,
-                                                      const int32_t *vin, int32_t *vout, int n,
-                                                      int b0, int b1, cudaStream_t) {
-    const size_t need = 256 + 8 * (size_t)(n > 0 ? n : 0);
+/* The two sorts' common part: the temp-storage size query (tmp NULL: *done), the argument
+ * checks, and the ranges of the temp storage and the keys (n = 0: *done). per: temp bytes per
+ * item. */
+static cudaError_t sort_args(void *tmp, size_t &tmp_bytes, size_t per, const void *kin,
+                             const void *kout, int n, int b0, int b1, int *done) {
+    const size_t need = 256 + per * (size_t)(n > 0 ? n : 0);
+    *done = 1;
     if (tmp == NULL) { tmp_bytes = need; return cudaSuccess; }
     if (tmp_bytes < need || b0 < 0 || b1 > 32 || b0 >= b1 || n < 0) return cudaErrorInvalidValue;
     check_range(tmp, tmp_bytes, "cub temp storage");
     if (n == 0) return cudaSuccess;
     check_range(kin, 4 * (size_t)n, "cub keys in");
     check_range(kout, 4 * (size_t)n, "cub keys out");
+    *done = 0;
+    return cudaSuccess;
+}
+cudaError_t cub::DeviceRadixSort::SortPairsDescending(void *tmp, size_t &tmp_bytes,
+                                                      const uint32_t *kin, uint32_t *kout,
+                                                      const int32_t *vin, int32_t *vout, int n,
+                                                      int b0, int b1, cudaStream_t) {
+    int done = 0;
+    const cudaError_t e = sort_args(tmp, tmp_bytes, 8, kin, kout, n, b0, b1, &done);
+    if (e != cudaSuccess || done) return e;
     check_range(vin, 4 * (size_t)n, "cub values in");
     check_range(vout, 4 * (size_t)n, "cub values out");
     std::vector<int> ord(n);
@@ -603,13 +615,9 @@ cudaError_t cub::DeviceRadixSort::SortPairsDescending(void *tmp, size_t &tmp_byt
 }
 cudaError_t cub::DeviceRadixSort::SortKeys(void *tmp, size_t &tmp_bytes, const int32_t *kin,
                                            int32_t *kout, int n, int b0, int b1, cudaStream_t) {
-    const size_t need = 256 + 4 * (size_t)(n > 0 ? n : 0);
-    if (tmp == NULL) { tmp_bytes = need; return cudaSuccess; }
-    if (tmp_bytes < need || b0 < 0 || b1 > 32 || b0 >= b1 || n < 0) return cudaErrorInvalidValue;
-    check_range(tmp, tmp_bytes, "cub temp storage");
-    if (n == 0) return cudaSuccess;
-    check_range(kin, 4 * (size_t)n, "cub keys in");
-    check_range(kout, 4 * (size_t)n, "cub keys out");
+    int done = 0;
+    const cudaError_t e = sort_args(tmp, tmp_bytes, 4, kin, kout, n, b0, b1, &done);
+    if (e != cudaSuccess || done) return e;
     /* CUB sorts signed keys by their order-flipped bits: the sign bit flipped, ascending */
     std::vector<int32_t> k2(kin, kin + n);
     std::stable_sort(k2.begin(), k2.end(), [&](int32_t a, int32_t b) {
