@@ -83,6 +83,25 @@ KVRT_INTERNAL int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int 
                                      uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                                      const float *ratios, const double *ratio_list, int dtype,
                                      const float *k, const float *v, int64_t *tb);
+/* Attention Matching's OMP key selection, one chunk of Tc keys to at most tc picks, shared by
+ * the backends (runtime/cpu/am.c): the greedy rounds (up to batch picks each, best normalized
+ * correlation first, ties to the lower key), the NNLS refits resumed round to round and the
+ * final order run here, on the host; the two passes over P each round are the backend's:
+ *   gram_rows: the Gram rows H[sel[e], :] of the round's picks e in [s0, s), kept by the backend
+ *              for corr, and their values at the picked columns: hsel[(e - s0) s + a] =
+ *              H[sel[e], sel[a]] for a < s (H = Q^T Q, Q_ij = P_ij / mass_i);
+ *   corr:      corrd[j] = c0[j] - sum over a < s of H[sel[a], j] wv[a], for j < Tc.
+ * colsum [Tc] = H's diagonal, c0 [Tc] = Q^T 1 (host). sel, w [tc]: the picks ascending and their
+ * weights (unscaled), *count of them (>= 1). KVRT_OK, KVRT_ERR_NOMEM, or a callback's status. */
+typedef struct kvrt_am_omp_ops {
+    void *u;
+    int (*gram_rows)(void *u, const int32_t *sel, int64_t s0, int64_t s, double *hsel);
+    int (*corr)(void *u, const double *wv, int64_t s, double *corrd);
+} kvrt_am_omp_ops;
+KVRT_INTERNAL int kvrt_am_select_omp(const kvrt_am_omp_ops *ops, int64_t Tc, const double *colsum,
+                                     const double *c0, int64_t tc, int max_iter, int64_t batch,
+                                     int32_t *sel, double *w, int64_t *count,
+                                     kvrt_nnls_info *inf);
 /* kvrt_cpu_nnls_gram with its own workspace (for the CUDA backend's AM fit): x [n] from 0;
  * KVRT_OK or KVRT_ERR_NOMEM. */
 KVRT_INTERNAL int kvrt_am_nnls_gram(const double *G, const double *c, int64_t n, int max_iter,

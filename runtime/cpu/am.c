@@ -98,14 +98,11 @@ typedef struct {
     double *rowsum; /* [n] */
     int32_t *vis;   /* [n] keys each query row sees (causal), Tc without positions */
     double *c0;     /* [Tc] OMP: Q^T 1 of the relative columns Q_ij = P_ij / m_i */
-    double *corrd;  /* [Tc] OMP: correlations with the residual */
+    double *corrd;  /* [Tc] OMP: gram_rows' row scratch */
     double *HS;     /* [t, Tc] OMP: the rows of the Gram H = Q^T Q of the selected keys, in pick
                      * order (computed per pick: H itself, Tc x Tc, is never formed) */
-    double *wv;     /* [t] OMP: weights times column scales */
     double *colsum; /* [Tc] column statistics */
     kvrt_sgemm_op *ops; /* [2 * ceil(n / AM_QBLK)] the f32 products of am_prep */
-    double *colnorm;/* [Tc] OMP: column norms of P */
-    unsigned char *taken; /* [Tc] */
     kvrt_cpu_nnls_ws nw;
     size_t S_bytes, part_bytes; /* for kvrt_cpu_scratch_free */
 } am_ws;
@@ -122,9 +119,6 @@ static void am_ws_free(am_ws *w) {
     free(w->c0);
     free(w->corrd);
     free(w->HS);
-    free(w->wv);
-    free(w->colnorm);
-    free(w->taken);
     kvrt_cpu_nnls_ws_free(&w->nw);
 }
 
@@ -144,8 +138,7 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
              AM_ALLOC(w->colsum, Tc) && AM_ALLOC(w->vis, n) && kvrt_cpu_nnls_ws_alloc(&w->nw, t) == 0;
     if (ok && omp)
-        ok = AM_ALLOC(w->c0, Tc) && AM_ALLOC(w->corrd, Tc) && AM_ALLOC(w->colnorm, Tc) && AM_ALLOC(w->taken, Tc) &&
-             AM_ALLOC(w->HS, t * Tc) && AM_ALLOC(w->wv, t);
+        ok = AM_ALLOC(w->c0, Tc) && AM_ALLOC(w->corrd, Tc) && AM_ALLOC(w->HS, t * Tc);
 #undef AM_ALLOC
     if (!ok) am_ws_free(w);
     return ok ? 0 : -1;
@@ -323,26 +316,40 @@ static void gram_rows(const float *S, int64_t n, int64_t Tc, const int32_t *vis,
     }
 }
 
-/* OMP key selection with NNLS refits: fills ws->sel [count] (ascending) and ws->w (weights in
- * the order of sel). Returns the count (>= 1). Works in the Gram space of the relative columns
- * Q_.j = P_.j / m (H = Q^T Q, am_prep's c0 = Q^T 1): the residual of the mass is r = 1 - Q_S w,
- * so the correlation of column j with it is c0_j - H[j, S] w, and the NNLS Gram and right-hand
- * side of the selected columns are H[S, S] and c0[S]. Only the rows of H of the picked keys are
- * ever read: each pick forms its row (gram_row, one pass over P) instead of the whole Tc x Tc
- * Gram up front (n Tc^2 flops and 8 Tc^2 bytes: 69 GFLOP and 128 MiB at Tc = n = 4096). */
-static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int max_iter,
-                             int64_t batch, kvrt_nnls_info *inf) {
-    const double *c0 = ws->c0;
-    for (int64_t j = 0; j < Tc; j++) { /* ws->colsum: am_prep's column sums of squares, H_jj */
-        ws->colnorm[j] = sqrt(ws->colsum[j]);
-        ws->taken[j] = 0;
-        ws->corrd[j] = c0[j];
-    }
+/* OMP key selection with NNLS refits, shared by the CPU and CUDA backends (core/policies.h):
+ * fills sel [count] (ascending) and w (weights in the order of sel). Works in the Gram space of
+ * the relative columns Q_.j = P_.j / m (H = Q^T Q, c0 = Q^T 1): the residual of the mass is
+ * r = 1 - Q_S w, so the correlation of column j with it is c0_j - H[j, S] w, and the NNLS Gram and
+ * right-hand side of the selected columns are H[S, S] and c0[S]. Only the rows of H of the picked
+ * keys are ever read: each round has the backend form the picks' rows (ops->gram_rows, one pass
+ * over P) instead of the whole Tc x Tc Gram up front (n Tc^2 flops and 8 Tc^2 bytes: 69 GFLOP
+ * and 128 MiB at Tc = n = 4096), and recompute the correlations (ops->corr). The rounds, the
+ * refits and every decision are here, on the host, for both backends. */
+int kvrt_am_select_omp(const kvrt_am_omp_ops *ops, int64_t Tc, const double *colsum,
+                       const double *c0, int64_t tc, int max_iter, int64_t batch, int32_t *sel,
+                       double *w, int64_t *count, kvrt_nnls_info *inf) {
+    if (batch < 1) batch = 1;
+    const int64_t bmax = batch < tc ? batch : tc;
+    double *colnorm = malloc(sizeof(double) * (size_t)Tc), *corrd = malloc(sizeof(double) * (size_t)Tc);
+    unsigned char *taken = calloc((size_t)Tc, 1);
+    double *G = malloc(sizeof(double) * (size_t)(tc * tc)), *cvec = malloc(sizeof(double) * (size_t)tc);
+    double *scale = malloc(sizeof(double) * (size_t)tc), *wv = malloc(sizeof(double) * (size_t)tc);
+    double *hsel = malloc(sizeof(double) * (size_t)(bmax * tc));
+    kvrt_cpu_nnls_ws nw;
+    int rc = kvrt_cpu_nnls_ws_alloc(&nw, tc) == 0 && colnorm && corrd && taken && G && cvec &&
+                     scale && wv && hsel
+                 ? KVRT_OK
+                 : KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (OMP over %lld keys, "
+                                             "%lld picks)", (long long)Tc, (long long)tc);
     int64_t s = 0;
     inf->status = KVRT_NNLS_CONVERGED;
     inf->iterations = 0;
-    if (batch < 1) batch = 1;
-    while (s < tc) {
+    if (rc == KVRT_OK)
+        for (int64_t j = 0; j < Tc; j++) { /* colsum: the column sums of squares, H_jj */
+            colnorm[j] = sqrt(colsum[j]);
+            corrd[j] = c0[j];
+        }
+    while (rc == KVRT_OK && s < tc) {
         /* the round's keys: the (up to) batch unselected keys of highest positive normalized
          * correlation, best first (ties: lowest index); batch 1 is the plain greedy */
         const int64_t s0 = s, want = tc - s < batch ? tc - s : batch;
@@ -350,60 +357,89 @@ static int64_t am_select_omp(am_ws *ws, int64_t n, int64_t Tc, int64_t tc, int m
             int64_t jb = -1;
             double best = 0;
             for (int64_t j = 0; j < Tc; j++) {
-                if (ws->taken[j] || !(ws->colnorm[j] > 0)) continue;
-                const double sc = ws->corrd[j] / ws->colnorm[j];
+                if (taken[j] || !(colnorm[j] > 0)) continue;
+                const double sc = corrd[j] / colnorm[j];
                 if (sc > best) { best = sc; jb = j; }
             }
             if (jb < 0) break; /* no key reduces the residual */
-            ws->taken[jb] = 1;
-            ws->sel[s] = (int32_t)jb;
-            ws->scale[s] = 1.0 / ws->colnorm[jb];
+            taken[jb] = 1;
+            sel[s] = (int32_t)jb;
+            scale[s] = 1.0 / colnorm[jb];
             s++;
         }
         if (s == s0) break;
-        /* their Gram rows, one pass over P (G is kept with leading dimension tc) */
-        if (s - s0 == 1) gram_row(ws->S, n, Tc, ws->vis, ws->rowsum, ws->sel[s0], ws->HS + s0 * Tc);
-        else /* ws->corrd is free until the correlations are recomputed below */
-            gram_rows(ws->S, n, Tc, ws->vis, ws->rowsum, ws->sel + s0, s - s0, ws->HS + s0 * Tc,
-                      ws->corrd);
+        /* their Gram rows at the picked columns (G is kept with leading dimension tc) */
+        rc = ops->gram_rows(ops->u, sel, s0, s, hsel);
+        if (rc != KVRT_OK) break;
         for (int64_t e = s0; e < s; e++) {
-            const double *hj = ws->HS + e * Tc;
+            const double *hj = hsel + (e - s0) * s;
             for (int64_t a = 0; a < e; a++) {
-                ws->G[e * tc + a] = hj[ws->sel[a]] * ws->scale[a] * ws->scale[e];
-                ws->G[a * tc + e] = ws->G[e * tc + a];
+                G[e * tc + a] = hj[a] * scale[a] * scale[e];
+                G[a * tc + e] = G[e * tc + a];
             }
-            ws->G[e * tc + e] = 1.0;
-            ws->cvec[e] = c0[ws->sel[e]] * ws->scale[e];
-            ws->w[e] = 0;
+            G[e * tc + e] = 1.0;
+            cvec[e] = c0[sel[e]] * scale[e];
+            w[e] = 0;
         }
         /* refit on the s columns, resumed from the previous refit's passive set and Cholesky
          * factor (the new columns at 0; G's leading block is unchanged) */
         kvrt_nnls_info it = {0};
-        kvrt_cpu_nnls_gram_ex(ws->G, tc, ws->cvec, s, max_iter, ws->w, &ws->nw, s0 > 0, &it);
+        kvrt_cpu_nnls_gram_ex(G, tc, cvec, s, max_iter, w, &nw, s0 > 0, &it);
         inf->iterations += it.iterations;
         if (it.status > inf->status) inf->status = it.status;
-        /* correlations with the new residual: c0 - H[:, S] (w * scale), through H's rows of S
-         * (H is symmetric) */
-        for (int64_t a = 0; a < s; a++) ws->wv[a] = ws->w[a] > 0 ? ws->w[a] * ws->scale[a] : 0.0;
-        memcpy(ws->corrd, c0, sizeof(double) * (size_t)Tc);
-        cblas_dgemv(CblasRowMajor, CblasTrans, (int)s, (int)Tc, -1.0, ws->HS, (int)Tc, ws->wv, 1,
-                    1.0, ws->corrd, 1);
+        /* correlations with the new residual: c0 - H[:, S] (w * scale) */
+        for (int64_t a = 0; a < s; a++) wv[a] = w[a] > 0 ? w[a] * scale[a] : 0.0;
+        rc = ops->corr(ops->u, wv, s, corrd);
     }
-    if (s == 0) { /* every column is zero or no correlation: keep the first key */
-        ws->sel[0] = 0;
-        ws->w[0] = 0;
-        ws->scale[0] = 1;
+    if (rc == KVRT_OK && s == 0) { /* every column is zero or no correlation: keep the first key */
+        sel[0] = 0;
+        w[0] = 0;
+        scale[0] = 1;
         s = 1;
     }
     /* unscale and sort by position */
     typedef struct { int32_t j; double w; } jw;
-    jw *tmp = malloc(sizeof(jw) * (size_t)s);
-    if (tmp == NULL) return -1;
-    for (int64_t a = 0; a < s; a++) { tmp[a].j = ws->sel[a]; tmp[a].w = ws->w[a] * ws->scale[a]; }
-    qsort(tmp, (size_t)s, sizeof(jw), cmp_i32); /* j is the first member */
-    for (int64_t a = 0; a < s; a++) { ws->sel[a] = tmp[a].j; ws->w[a] = tmp[a].w; }
+    jw *tmp = rc == KVRT_OK ? malloc(sizeof(jw) * (size_t)s) : NULL;
+    if (rc == KVRT_OK && tmp == NULL)
+        rc = KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
+    if (rc == KVRT_OK) {
+        for (int64_t a = 0; a < s; a++) { tmp[a].j = sel[a]; tmp[a].w = w[a] * scale[a]; }
+        qsort(tmp, (size_t)s, sizeof(jw), cmp_i32); /* j is the first member */
+        for (int64_t a = 0; a < s; a++) { sel[a] = tmp[a].j; w[a] = tmp[a].w; }
+        *count = s;
+    }
     free(tmp);
-    return s;
+    free(colnorm); free(corrd); free(taken); free(G); free(cvec); free(scale); free(wv); free(hsel);
+    kvrt_cpu_nnls_ws_free(&nw);
+    return rc;
+}
+
+/* The CPU's passes of OMP (kvrt_am_omp_ops over ws, n query rows, Tc keys): P is ws->S, the
+ * picks' Gram rows are kept in ws->HS (pick order) for the correlations. */
+typedef struct {
+    am_ws *ws;
+    int64_t n, Tc;
+} am_omp_cpu;
+
+static int omp_cpu_gram_rows(void *u, const int32_t *sel, int64_t s0, int64_t s, double *hsel) {
+    const am_omp_cpu *c = u;
+    am_ws *ws = c->ws;
+    const int64_t Tc = c->Tc;
+    if (s - s0 == 1) gram_row(ws->S, c->n, Tc, ws->vis, ws->rowsum, sel[s0], ws->HS + s0 * Tc);
+    else /* ws->corrd: gram_rows' row scratch */
+        gram_rows(ws->S, c->n, Tc, ws->vis, ws->rowsum, sel + s0, s - s0, ws->HS + s0 * Tc,
+                  ws->corrd);
+    for (int64_t e = s0; e < s; e++)
+        for (int64_t a = 0; a < s; a++) hsel[(e - s0) * s + a] = ws->HS[e * Tc + sel[a]];
+    return KVRT_OK;
+}
+
+static int omp_cpu_corr(void *u, const double *wv, int64_t s, double *corrd) {
+    const am_omp_cpu *c = u;
+    memcpy(corrd, c->ws->c0, sizeof(double) * (size_t)c->Tc);
+    cblas_dgemv(CblasRowMajor, CblasTrans, (int)s, (int)c->Tc, -1.0, c->ws->HS, (int)c->Tc, wv, 1,
+                1.0, corrd, 1);
+    return KVRT_OK;
 }
 
 typedef kvrt_am_acc am_acc; /* core/am_plan.h */
@@ -527,8 +563,11 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     kvrt_nnls_info inf = {0};
     const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
     if (o->key_select == KVRT_AM_SELECT_OMP) {
-        ts = am_select_omp(ws, n, Tc, tc, max_iter, o->omp_batch, &inf);
-        if (ts < 0) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory");
+        am_omp_cpu cpu = {ws, n, Tc};
+        const kvrt_am_omp_ops ops = {&cpu, omp_cpu_gram_rows, omp_cpu_corr};
+        const int rc = kvrt_am_select_omp(&ops, Tc, ws->colsum, ws->c0, tc, max_iter,
+                                          o->omp_batch, ws->sel, ws->w, &ts, &inf);
+        if (rc != KVRT_OK) return rc;
     } else {
         /* HighestAttnKeys: score_j = RMS over queries of softmax(z)_ij = P_ij / m_i */
         for (int64_t j = 0; j < Tc; j++) ws->score[j] = (float)sqrt(ws->colsum[j] / (double)n);
