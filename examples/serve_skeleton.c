@@ -14,9 +14,9 @@
  * gathered, moved into the context's memory with kvrt_cache_to_device, then one decode query
  * through kvrt_attend), Attention Matching (kvrt_am_compact_scheduled: the cache comes back in
  * the context's memory), CompKV (kvrt_compkv_create_layer, _append, _step) and merge-reduce
- * (kvrt_mr_compress_scheduled, then kvrt_attend) have CUDA versions. What a backend lacks (on CUDA: AM's OMP key selection, docs/cuda.md) returns
- * KVRT_ERR_UNSUPPORTED naming it, and this program then runs the policy on a CPU context,
- * saying so.
+ * (kvrt_mr_compress_scheduled, then kvrt_attend) have CUDA versions (both key selections of AM
+ * included). What a backend lacks returns KVRT_ERR_UNSUPPORTED naming it (docs/cuda.md), and this
+ * program then runs the policy on a CPU context, saying so.
  * Only the serving header kvrt.h is used.
  *
  * Build: `make examples` (build/examples/serve_skeleton), or by hand after `make` (CPU-only):

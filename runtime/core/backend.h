@@ -220,7 +220,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
  * services the backend calls back (kvrt_cuda_host) and gets the backend's table
  * (kvrt_cuda_plugin). Both structs carry KVRT_CUDA_PLUGIN_API_VERSION and the library
  * version; a plugin of another version is refused with a message naming the file. */
-#define KVRT_CUDA_PLUGIN_API_VERSION 7
+#define KVRT_CUDA_PLUGIN_API_VERSION 8
 #define KVRT_CUDA_PLUGIN_ENTRY "kvrt_cuda_plugin_init"
 #define KVRT_CUDA_PLUGIN_BASENAME "libkvrt_cuda.so"
 #define KVRT_STR_(x) #x
@@ -230,6 +230,7 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
 
 struct kvrt_compkv_base; /* core/policies.h */
 struct kvrt_mr_layout_;  /* core/policies.h (kvrt_mr_layout) */
+struct kvrt_am_omp_ops;  /* core/policies.h */
 typedef struct kvrt_cuda_host {
     int api_version;          /* KVRT_CUDA_PLUGIN_API_VERSION */
     const char *kvrt_version; /* KVRT_VERSION_STRING of the loading libkvrt */
@@ -289,6 +290,10 @@ typedef struct kvrt_cuda_host {
     int (*am_one_check)(const char *fn, const kvrt_am_opts *o, const float *k, const float *v,
                         int64_t T, uint32_t head_dim, const float *q_ref, int64_t n, int64_t t,
                         int dtype);
+    /* since API 8: AM's OMP key selection driver (kvrt_am_select_omp) with the backend's passes */
+    int (*am_select_omp)(const struct kvrt_am_omp_ops *ops, int64_t Tc, const double *colsum,
+                         const double *c0, int64_t tc, int max_iter, int64_t batch, int32_t *sel,
+                         double *w, int64_t *count, kvrt_nnls_info *inf);
 } kvrt_cuda_host;
 
 typedef struct kvrt_cuda_plugin {

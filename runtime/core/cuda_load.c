@@ -97,6 +97,7 @@ static int try_one(const char *path, int must_exist) {
         .mr_layer_check = kvrt_mr_layer_check,
         .mr_key = kvrt_mr_key,
         .am_one_check = kvrt_am_one_check,
+        .am_select_omp = kvrt_am_select_omp,
     };
     const kvrt_cuda_plugin *p = init(&host);
     if (p == NULL || p->api_version != KVRT_CUDA_PLUGIN_API_VERSION || p->kvrt_version == NULL ||

@@ -15,12 +15,18 @@
  *     4. the NNLS matrix (the relative columns, scaled to unit norm) and its Gram (cuBLAS dsyrk);
  *        the NNLS itself on the host (the CPU's active-set solver, through the loading libkvrt:
  *        a ts x ts problem, downloaded once per chunk; docs/cuda.md says what it costs);
+ *     3-4 with OMP instead: the CPU's selection driver itself (kvrt_am_select_omp, through the
+ *        loading libkvrt: the rounds, the resumed NNLS refits and every decision on the host)
+ *        with this file's two passes over P per round: the Gram rows of the round's picks
+ *        (am_gram, the CPU's gram_rows order, downloaded at the picked columns only) and the
+ *        correlations c0 - H[:, S] wv (am_corr, a over S in order: the CPU's dgemv sums in
+ *        OpenBLAS's order, so these differ from the CPU's in the last bits);
  *     5. the keep step on the host (core/am_plan.h);
  *     6. X = softmax(z_sel + beta) and its mass error (device), X^T X (dsyrk) and X^T Y (dgemm),
  *        the ridge solve on the host (the CPU's), O = X C (dgemm) and the output error (device);
  *   the sinks and the recent window copied exactly, and the entries assembled on the host into
  *   a cache that kvrt_cache_to_device moves into the context's memory (only what is kept).
- * Not here: OMP key selection (KVRT_ERR_UNSUPPORTED naming it), and the CPU's sharing of one
+ * Not here: the CPU's sharing of one
  * logit pass among budget sets that differ only in their recent window (am_group): each set is
  * compacted on its own, so its logits are computed once per set (values within the f32
  * products' rounding of the CPU's; tests/backend compares them).
@@ -43,6 +49,7 @@
 #include <string.h>
 
 #include "core/am_plan.h"
+#include "core/policies.h"
 #include "cuda/common.cuh"
 
 #define AM_ROWBLK 64 /* rows per partial column sum: runtime/cpu/am.c's AM_ROWBLK */
@@ -150,7 +157,8 @@ __global__ void am_rows(float *__restrict__ S, int64_t Tc, const int32_t *__rest
  * rows in order of (P_ij rs_i)^2): the CPU's order (prep_block + colsum_range), so equal P and
  * rs give equal bits. Then the HighestAttnKeys score sqrt(colsum_j / n) as a top-k key. */
 __global__ void am_colsq(const float *__restrict__ S, int64_t n, int64_t Tc,
-                         const double *__restrict__ rs, uint32_t *__restrict__ keys) {
+                         const double *__restrict__ rs, uint32_t *__restrict__ keys,
+                         double *__restrict__ colsum) {
     const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= Tc) return;
     double col = 0.0;
@@ -164,6 +172,58 @@ __global__ void am_colsq(const float *__restrict__ S, int64_t n, int64_t Tc,
         col = __dadd_rn(col, part);
     }
     keys[j] = kvrt_topk_key((float)sqrt(col / (double)n));
+    if (colsum) colsum[j] = col;
+}
+
+/* OMP: c0_j = sum over the rows i that see key j, in order, of P_ij rs_i (Q^T 1; the CPU's
+ * am_prep). */
+__global__ void am_c0(const float *__restrict__ S, int64_t n, int64_t Tc,
+                      const int32_t *__restrict__ vis, const double *__restrict__ rs,
+                      double *__restrict__ c0) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= Tc) return;
+    double c = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        if (j < vis[i]) c = __dadd_rn(c, __dmul_rn((double)S[i * Tc + j], rs[i]));
+    c0[j] = c;
+}
+
+/* OMP: the Gram rows of the picks sel[s0 + y] (y = blockIdx.y), one thread per key j:
+ * HS[s0 + y, j] = sum over the rows i in order with P_i,jb != 0 and j < vis_i of
+ * (P_ij rs_i)(P_i,jb rs_i): the CPU's gram_row / gram_rows, term for term. */
+__global__ void am_gram(const float *__restrict__ S, int64_t n, int64_t Tc,
+                        const int32_t *__restrict__ vis, const double *__restrict__ rs,
+                        const int32_t *__restrict__ sel, int64_t s0, double *__restrict__ HS) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, e = s0 + blockIdx.y;
+    if (j >= Tc) return;
+    const int64_t jb = sel[e];
+    double h = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const float p = S[i * Tc + jb];
+        if (p == 0.0f || j >= vis[i]) continue;
+        const double u = __dmul_rn((double)p, rs[i]);
+        h = __dadd_rn(h, __dmul_rn(__dmul_rn((double)S[i * Tc + j], rs[i]), u));
+    }
+    HS[e * Tc + j] = h;
+}
+
+/* OMP: hsel[(e - s0) s + a] = HS[e, sel[a]] for the round's picks e in [s0, s), a < s */
+__global__ void am_hsel(const double *__restrict__ HS, int64_t Tc, const int32_t *__restrict__ sel,
+                        int64_t s0, int64_t s, double *__restrict__ hsel) {
+    const int64_t x = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (x >= (s - s0) * s) return;
+    const int64_t e = s0 + x / s, a = x % s;
+    hsel[x] = HS[e * Tc + sel[a]];
+}
+
+/* OMP: corrd_j = c0_j - sum over a < s in order of HS[a, j] wv_a */
+__global__ void am_corr(const double *__restrict__ HS, int64_t Tc, const double *__restrict__ c0,
+                        const double *__restrict__ wv, int64_t s, double *__restrict__ corrd) {
+    const int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= Tc) return;
+    double c = c0[j];
+    for (int64_t a = 0; a < s; a++) c = __dsub_rn(c, __dmul_rn(HS[a * Tc + j], wv[a]));
+    corrd[j] = c;
 }
 
 /* Y [n, d] = Yf * rs (double) */
@@ -254,28 +314,30 @@ typedef struct {
     int64_t *off;
     uint32_t *keys;
     int *flag;
+    double *HS, *c0, *colsum, *corrd; /* OMP only: [tmax, Tc], [Tc] x 3 */
     /* host */
     double *hG, *hcvec, *hscale, *hw, *hC, *herr;
     int32_t *hsel;
     int64_t *hoff;
     int32_t *hpos;
     float *hrows;
+    double *hcolsum, *hc0; /* OMP only: [Tc] */
 } am_dev;
 
 static void am_dev_free(kvrt_ctx *ctx, am_dev *w) {
     void *dev[] = {w->qc, w->S, w->Yf, w->rows, w->mass, w->rs, w->Y, w->MS, w->G, w->cvec,
                    w->scale, w->w, w->C, w->O, w->merr, w->oerr, w->pos, w->vis, w->sel,
-                   w->off, w->keys, w->flag};
+                   w->off, w->keys, w->flag, w->HS, w->c0, w->colsum, w->corrd};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) cudaFree(dev[i]);
     free(w->hG); free(w->hcvec); free(w->hscale); free(w->hw); free(w->hC); free(w->herr);
-    free(w->hsel); free(w->hoff); free(w->hpos); free(w->hrows);
+    free(w->hsel); free(w->hoff); free(w->hpos); free(w->hrows); free(w->hcolsum); free(w->hc0);
     memset(w, 0, sizeof *w);
     (void)ctx;
 }
 
 static int am_dev_alloc(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t tmax,
-                        int64_t nrows, int64_t d) {
+                        int64_t nrows, int64_t d, int omp) {
     memset(w, 0, sizeof *w);
     const int64_t t = tmax > 0 ? tmax : 1, rr = nrows > t ? nrows : t;
     struct { void **p; size_t bytes; } a[] = {
@@ -290,6 +352,11 @@ static int am_dev_alloc(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t
         {(void **)&w->pos, sizeof(int32_t) * n},       {(void **)&w->vis, sizeof(int32_t) * n},
         {(void **)&w->sel, sizeof(int32_t) * t},       {(void **)&w->off, sizeof(int64_t) * (n > rr ? n : rr)},
         {(void **)&w->keys, sizeof(uint32_t) * Tc},    {(void **)&w->flag, sizeof(int)},
+        /* OMP's (1 byte without) */
+        {(void **)&w->HS, omp ? sizeof(double) * t * Tc : 0},
+        {(void **)&w->c0, omp ? sizeof(double) * Tc : 0},
+        {(void **)&w->colsum, omp ? sizeof(double) * Tc : 0},
+        {(void **)&w->corrd, omp ? sizeof(double) * Tc : 0},
     };
     for (size_t i = 0; i < sizeof a / sizeof a[0]; i++)
         if (cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1) != cudaSuccess) {
@@ -310,8 +377,12 @@ static int am_dev_alloc(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t
     w->hoff = (int64_t *)malloc(sizeof(int64_t) * (n > rr ? n : rr));
     w->hpos = (int32_t *)malloc(sizeof(int32_t) * n);
     w->hrows = (float *)malloc(sizeof(float) * rr * d);
+    if (omp) {
+        w->hcolsum = (double *)malloc(sizeof(double) * Tc);
+        w->hc0 = (double *)malloc(sizeof(double) * Tc);
+    }
     if (!w->hG || !w->hcvec || !w->hscale || !w->hw || !w->hC || !w->herr || !w->hsel ||
-        !w->hoff || !w->hpos || !w->hrows) {
+        !w->hoff || !w->hpos || !w->hrows || (omp && (!w->hcolsum || !w->hc0))) {
         am_dev_free(ctx, w);
         return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0,
                             "kvrt_am_compact_layer (CUDA): out of host memory");
@@ -358,6 +429,102 @@ static int append_exact(const am_call *c, am_dev *w, int64_t h, am_res *r, int64
     return KVRT_OK;
 }
 
+/* Steps 3-4 with HighestAttnKeys: the tc keys of largest score (w->keys), ascending, into
+ * w->hsel, their NNLS weights (unscaled) into w->hw. */
+static int am_select_highest(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t tc,
+                             int max_iter, kvrt_nnls_info *inf) {
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t st = kvrt_cuda_stream(ctx);
+    cublasHandle_t blas = kvrt_cuda_state_of(ctx)->blas;
+    const int64_t ts = tc;
+    int rc = kvrt_cuda_topk_keys(ctx, w->keys, Tc, ts, w->sel);
+    if (rc != KVRT_OK) return rc;
+    /* 4. the NNLS matrix and its Gram (lower triangle of the col-major ts x ts) */
+    am_gather_cols<<<(unsigned)((ts + 127) / 128), 128, 0, st>>>(w->S, n, Tc, w->sel, ts, w->rs,
+                                                                 w->MS, w->scale, w->cvec);
+    CUDA_CHECK(err, cudaGetLastError());
+    const double done = 1.0, dzero = 0.0;
+    CUBLAS_CHECK(err, cublasDsyrk(blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)ts, (int)n, &done,
+                                  w->MS, (int)ts, &dzero, w->G, (int)ts));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hG, w->G, sizeof(double) * ts * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hcvec, w->cvec, sizeof(double) * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hscale, w->scale, sizeof(double) * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hsel, w->sel, sizeof(int32_t) * ts, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    /* col-major lower (a >= b at [b * ts + a]) is row-major upper: mirror to full rows */
+    double *G = w->hG;
+    for (int64_t b = 0; b < ts; b++)
+        for (int64_t a = b + 1; a < ts; a++) G[a * ts + b] = G[b * ts + a];
+    for (int64_t a = 0; a < ts; a++) {
+        if (w->hscale[a] == 0) { /* a column that underflowed everywhere */
+            for (int64_t b = 0; b < ts; b++) G[a * ts + b] = G[b * ts + a] = 0;
+            G[a * ts + a] = 1;
+            w->hcvec[a] = 0;
+        }
+        w->hw[a] = 0;
+    }
+    rc = kvrt_cuda_host_services->am_nnls_gram(G, w->hcvec, ts, max_iter, w->hw, inf);
+    if (rc != KVRT_OK) return rc;
+    for (int64_t a = 0; a < ts; a++) w->hw[a] *= w->hscale[a];
+    return KVRT_OK;
+}
+
+/* OMP's passes over P for kvrt_am_select_omp (kvrt_am_omp_ops), on the chunk's P (w->S, n rows,
+ * Tc keys) with the Gram rows of the picks kept in w->HS; the device's sel, G and w arrays are
+ * free until step 6, so they carry the picks, hsel and wv. */
+typedef struct {
+    kvrt_ctx *ctx;
+    am_dev *w;
+    int64_t n, Tc;
+} am_omp_dev;
+
+static int omp_dev_gram_rows(void *u, const int32_t *sel, int64_t s0, int64_t s, double *hsel) {
+    const am_omp_dev *c = (const am_omp_dev *)u;
+    kvrt_error *err = &c->ctx->last_err;
+    am_dev *w = c->w;
+    cudaStream_t st = kvrt_cuda_stream(c->ctx);
+    const int64_t nb = s - s0, Tc = c->Tc;
+    CUDA_CHECK(err, cudaMemcpyAsync(w->sel, sel, sizeof(int32_t) * s, cudaMemcpyHostToDevice, st));
+    am_gram<<<dim3((unsigned)((Tc + 127) / 128), (unsigned)nb), 128, 0, st>>>(
+        w->S, c->n, Tc, w->vis, w->rs, w->sel, s0, w->HS);
+    am_hsel<<<(unsigned)((nb * s + 127) / 128), 128, 0, st>>>(w->HS, Tc, w->sel, s0, s, w->G);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUDA_CHECK(err, cudaMemcpyAsync(hsel, w->G, sizeof(double) * nb * s, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    return KVRT_OK;
+}
+
+static int omp_dev_corr(void *u, const double *wv, int64_t s, double *corrd) {
+    const am_omp_dev *c = (const am_omp_dev *)u;
+    kvrt_error *err = &c->ctx->last_err;
+    am_dev *w = c->w;
+    cudaStream_t st = kvrt_cuda_stream(c->ctx);
+    CUDA_CHECK(err, cudaMemcpyAsync(w->w, wv, sizeof(double) * s, cudaMemcpyHostToDevice, st));
+    am_corr<<<(unsigned)((c->Tc + 127) / 128), 128, 0, st>>>(w->HS, c->Tc, w->c0, w->w, s, w->corrd);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUDA_CHECK(err, cudaMemcpyAsync(corrd, w->corrd, sizeof(double) * c->Tc, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    return KVRT_OK;
+}
+
+/* Steps 3-4 with OMP: c0 and the column sums (w->colsum, am_colsq's) downloaded once, then the
+ * CPU's driver with the passes above: the picks ascending into w->hsel, their weights into w->hw,
+ * *ts of them. */
+static int am_select_omp(kvrt_ctx *ctx, const kvrt_am_opts *o, am_dev *w, int64_t n, int64_t Tc,
+                         int64_t tc, int max_iter, int64_t *ts, kvrt_nnls_info *inf) {
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t st = kvrt_cuda_stream(ctx);
+    am_c0<<<(unsigned)((Tc + 127) / 128), 128, 0, st>>>(w->S, n, Tc, w->vis, w->rs, w->c0);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hc0, w->c0, sizeof(double) * Tc, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hcolsum, w->colsum, sizeof(double) * Tc, cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    am_omp_dev dev = {ctx, w, n, Tc};
+    const kvrt_am_omp_ops ops = {&dev, omp_dev_gram_rows, omp_dev_corr};
+    return kvrt_cuda_host_services->am_select_omp(&ops, Tc, w->hcolsum, w->hc0, tc, max_iter,
+                                                  o->omp_batch, w->hsel, w->hw, ts, inf);
+}
+
 /* One chunk [k0, k0 + Tc) of head h compacted to tc entries appended to r. The nv rows of the
  * head's reference queries that see key k0 are the rows `rows` [nv] (host indices into the
  * head's query offsets qoff and positions qpos, NULL without positions). */
@@ -393,7 +560,8 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
     CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc, &one,
                                   vc, (int)c->ld, w->S, (int)Tc, &zero, w->Yf, (int)d));
     am_targets<<<(unsigned)((n * d + 255) / 256), 256, 0, st>>>(w->Yf, w->rs, n, d, w->Y);
-    am_colsq<<<(unsigned)((Tc + 127) / 128), 128, 0, st>>>(w->S, n, Tc, w->rs, w->keys);
+    am_colsq<<<(unsigned)((Tc + 127) / 128), 128, 0, st>>>(
+        w->S, n, Tc, w->rs, w->keys, o->key_select == KVRT_AM_SELECT_OMP ? w->colsum : NULL);
     CUDA_CHECK(err, cudaGetLastError());
     int flag = 0;
     CUDA_CHECK(err, cudaMemcpyAsync(&flag, w->flag, sizeof(int), cudaMemcpyDeviceToHost, st));
@@ -402,41 +570,18 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
         return kvrt_err_set(err, KVRT_ERR_ARG, 0, "kvrt_am_compact: logits overflow float "
                             "(|q.k| / sqrt(d) > 3.4e38) or are NaN in keys %lld..%lld",
                             (long long)k0, (long long)(k0 + Tc - 1));
-    /* 3. HighestAttnKeys: the tc keys of largest score, ascending */
-    const int64_t ts = tc;
-    int rc = kvrt_cuda_topk_keys(ctx, w->keys, Tc, ts, w->sel);
-    if (rc != KVRT_OK) return rc;
-    /* 4. the NNLS matrix and its Gram (lower triangle of the col-major ts x ts) */
-    am_gather_cols<<<(unsigned)((ts + 127) / 128), 128, 0, st>>>(w->S, n, Tc, w->sel, ts, w->rs,
-                                                                 w->MS, w->scale, w->cvec);
-    CUDA_CHECK(err, cudaGetLastError());
-    const double done = 1.0, dzero = 0.0;
-    CUBLAS_CHECK(err, cublasDsyrk(blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)ts, (int)n, &done,
-                                  w->MS, (int)ts, &dzero, w->G, (int)ts));
-    CUDA_CHECK(err, cudaMemcpyAsync(w->hG, w->G, sizeof(double) * ts * ts, cudaMemcpyDeviceToHost, st));
-    CUDA_CHECK(err, cudaMemcpyAsync(w->hcvec, w->cvec, sizeof(double) * ts, cudaMemcpyDeviceToHost, st));
-    CUDA_CHECK(err, cudaMemcpyAsync(w->hscale, w->scale, sizeof(double) * ts, cudaMemcpyDeviceToHost, st));
-    CUDA_CHECK(err, cudaMemcpyAsync(w->hsel, w->sel, sizeof(int32_t) * ts, cudaMemcpyDeviceToHost, st));
-    CUDA_CHECK(err, cudaStreamSynchronize(st));
-    /* col-major lower (a >= b at [b * ts + a]) is row-major upper: mirror to full rows */
-    double *G = w->hG;
-    for (int64_t b = 0; b < ts; b++)
-        for (int64_t a = b + 1; a < ts; a++) G[a * ts + b] = G[b * ts + a];
-    for (int64_t a = 0; a < ts; a++) {
-        if (w->hscale[a] == 0) { /* a column that underflowed everywhere */
-            for (int64_t b = 0; b < ts; b++) G[a * ts + b] = G[b * ts + a] = 0;
-            G[a * ts + a] = 1;
-            w->hcvec[a] = 0;
-        }
-        w->hw[a] = 0;
-    }
-    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
+    /* 3-4. the keys and their weights */
+    const int omp = o->key_select == KVRT_AM_SELECT_OMP;
+    const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
     kvrt_nnls_info inf;
     memset(&inf, 0, sizeof inf);
-    const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
-    rc = hs->am_nnls_gram(G, w->hcvec, ts, max_iter, w->hw, &inf);
+    int64_t ts = tc;
+    int rc = omp ? am_select_omp(ctx, o, w, n, Tc, tc, max_iter, &ts, &inf)
+                 : am_select_highest(ctx, w, n, Tc, tc, max_iter, &inf);
     if (rc != KVRT_OK) return rc;
-    for (int64_t a = 0; a < ts; a++) w->hw[a] *= w->hscale[a];
+    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
+    double *G = w->hG;
+    const double done = 1.0, dzero = 0.0;
     /* 5. the keys kept and their weights (core/am_plan.h) */
     const int64_t kept = kvrt_am_keep(o, w->hsel, w->hw, ts, &inf.status);
     /* 6. X, its Gram and X^T Y; the ridge solve on the host; O = X C and the errors */
@@ -494,7 +639,7 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
 }
 
 /* One head, one budget t: the sinks and the recent window exactly, the middle chunk by chunk
- * (runtime/cpu/am.c's am_head for one set, without OMP). */
+ * (runtime/cpu/am.c's am_head for one set). */
 static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, const int64_t *qoff,
                    const int32_t *qpos, int64_t n, int64_t t, int64_t *rows, am_res *r,
                    kvrt_am_stats *st) {
@@ -616,7 +761,7 @@ static int am_to_cache(kvrt_ctx *ctx, const char *fn, const am_res *res, int64_t
 /* kvrt_am_compact on a CUDA context: one KV head, k, v [T, d], q_ref [n, d] and q_pos [n] (or
  * NULL) device memory; the CPU's checks (kvrt_am_one_check, then k, v, q_ref finite and q_pos
  * >= 0 on the device), then the layer path's am_head for one head and one budget t, every
- * reference query (max_queries does not apply, as on the CPU). OMP: KVRT_ERR_UNSUPPORTED. */
+ * reference query (max_queries does not apply, as on the CPU). */
 extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k,
                                     const float *v, int64_t T, uint32_t head_dim,
                                     const float *q_ref, const int32_t *q_pos, int64_t n,
@@ -631,10 +776,6 @@ extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const 
     o = am_opts_or_default(o, &def);
     int rc = hs->am_one_check(fn, o, k, v, T, head_dim, q_ref, n, t, dtype);
     if (rc != KVRT_OK) return rc;
-    if (o->key_select == KVRT_AM_SELECT_OMP)
-        return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0, "%s: key selection omp is not "
-                            "implemented on the cuda backend (am_compact: highest only; run OMP "
-                            "on a CPU context)", fn);
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
     const int64_t d = head_dim;
     int32_t *hqpos = q_pos ? (int32_t *)malloc(sizeof(int32_t) * (size_t)n) : NULL;
@@ -655,7 +796,8 @@ extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const 
     am_dev w;
     memset(&w, 0, sizeof w);
     if (rc == KVRT_OK)
-        rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), kvrt_am_chunk_tmax(o, T, 1, &t), nex, d);
+        rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), kvrt_am_chunk_tmax(o, T, 1, &t), nex,
+                          d, o->key_select == KVRT_AM_SELECT_OMP);
     for (int64_t i = 0; i < n && rc == KVRT_OK; i++) qoff[i] = i * d;
     const am_call call = {ctx, o, k, v, T, d, d};
     if (rc == KVRT_OK) rc = am_head(&call, &w, 0, q_ref, qoff, hqpos, n, t, rows, &res, stats);
@@ -689,10 +831,6 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     if (tb == NULL) return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
     int rc = hs->am_layer_plan(fn, o, q != NULL, q_ref != NULL, n_ref, T, n_heads, n_kv_heads,
                                head_dim, n_sets, ratios, ratio_list, dtype, k, v, tb);
-    if (rc == KVRT_OK && o->key_select == KVRT_AM_SELECT_OMP)
-        rc = kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0, "%s: key selection omp is not "
-                          "implemented on the cuda backend (am_compact_layer: highest only; "
-                          "run OMP on a CPU context)", fn);
     if (rc != KVRT_OK) {
         free(tb);
         return rc;
@@ -738,7 +876,9 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     }
     am_dev w;
     memset(&w, 0, sizeof w);
-    if (rc == KVRT_OK) rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), tmax, nex, d);
+    if (rc == KVRT_OK)
+        rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), tmax, nex, d,
+                          o->key_select == KVRT_AM_SELECT_OMP);
     for (int64_t e = 0; rc == KVRT_OK && e < Hkv * ns; e++)
         if (am_res_alloc(&res[e], tb[e], d) != 0)
             rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);

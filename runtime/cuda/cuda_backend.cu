@@ -398,7 +398,8 @@ kvrt_cuda_plugin_init(const kvrt_cuda_host *host) {
         !host->compilerkv_kept_window || !host->compkv_create_check || !host->compkv_groups_fill ||
         !host->am_opts_init || !host->am_layer_plan || !host->am_nnls_gram || !host->ridge_solve ||
         !host->cache_create || !host->cache_put_kv || !host->mr_opts_init ||
-        !host->mr_reduce_check || !host->mr_layer_check || !host->mr_key || !host->am_one_check)
+        !host->mr_reduce_check || !host->mr_layer_check || !host->mr_key || !host->am_one_check ||
+        !host->am_select_omp)
         return NULL;
     kvrt_cuda_host_services = host;
     static const kvrt_backend_ops table = make_cuda_ops();

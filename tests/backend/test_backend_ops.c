@@ -941,23 +941,26 @@ static void test_am_head(kvrt_ctx *ctx, const char *bk) {
         uint32_t d;
         int64_t n, t;
         int select, causal, dtype;
-    } shapes[] = {{200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32},
-                  {300, 64, 100, 30, KVRT_AM_SELECT_OMP, 0, KVRT_DTYPE_F16},
-                  {200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_BF16}};
+        int batch; /* OMP picks per round (0: the default) */
+    } shapes[] = {{200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32, 0},
+                  {300, 64, 100, 30, KVRT_AM_SELECT_OMP, 0, KVRT_DTYPE_F16, 0},
+                  {200, 32, 64, 20, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_BF16, 0},
+                  {260, 32, 90, 40, KVRT_AM_SELECT_OMP, 1, KVRT_DTYPE_F32, 3}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T, n = shapes[si].n, t = shapes[si].t;
         const uint32_t d = shapes[si].d;
         char shape[96];
-        snprintf(shape, sizeof shape, "T=%lld d=%u n=%lld t=%lld %s%s %s", (long long)T, d,
+        snprintf(shape, sizeof shape, "T=%lld d=%u n=%lld t=%lld %s%s %s%s", (long long)T, d,
                  (long long)n, (long long)t,
                  shapes[si].select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
-                 shapes[si].causal ? " causal" : "",
-                 dtype_name(shapes[si].dtype));
+                 shapes[si].causal ? " causal" : "", dtype_name(shapes[si].dtype),
+                 shapes[si].batch > 1 ? " batch=3" : "");
         if (!row_runs(ctx, bk, "am_compact", KVRT_OP_AM_COMPACT, shape)) continue;
         uint64_t seed = 650 + si;
         kvrt_am_opts o;
         kvrt_am_opts_init(&o);
         o.key_select = shapes[si].select;
+        if (shapes[si].batch > 0) o.omp_batch = shapes[si].batch;
         float *k = randf(&seed, T * d, -1.0f, 1.0f), *v = randf(&seed, T * d, -1.0f, 1.0f);
         float *q = randf(&seed, n * d, -1.0f, 1.0f);
         int32_t *pos = malloc(sizeof(int32_t) * (size_t)n); /* evenly spaced, the last at T-1 */
@@ -1013,25 +1016,28 @@ static void test_am(kvrt_ctx *ctx, const char *bk) {
         double ratio;
         int select, per_head, dtype;
         int64_t chunk;
-    } shapes[] = {{256, 4, 2, 32, 0.25, KVRT_AM_SELECT_HIGHEST, 0, KVRT_DTYPE_F32, 4096},
-                  {256, 4, 2, 32, 0.1, KVRT_AM_SELECT_OMP, 1, KVRT_DTYPE_F16, 4096},
-                  {300, 6, 3, 64, 0.2, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32, 128}};
+        int batch; /* OMP picks per round (0: the default) */
+    } shapes[] = {{256, 4, 2, 32, 0.25, KVRT_AM_SELECT_HIGHEST, 0, KVRT_DTYPE_F32, 4096, 0},
+                  {256, 4, 2, 32, 0.1, KVRT_AM_SELECT_OMP, 1, KVRT_DTYPE_F16, 4096, 0},
+                  {300, 6, 3, 64, 0.2, KVRT_AM_SELECT_HIGHEST, 1, KVRT_DTYPE_F32, 128, 0},
+                  {300, 6, 3, 64, 0.2, KVRT_AM_SELECT_OMP, 0, KVRT_DTYPE_BF16, 128, 4}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T;
         const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
         const int dtype = shapes[si].dtype;
         char shape[96];
-        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u %s%s chunk=%lld %s",
+        snprintf(shape, sizeof shape, "T=%lld H=%u Hkv=%u d=%u %s%s chunk=%lld %s%s",
                  (long long)T, H, Hkv, d,
                  shapes[si].select == KVRT_AM_SELECT_OMP ? "omp" : "highest",
                  shapes[si].per_head ? " ratios" : "", (long long)shapes[si].chunk,
-                 dtype_name(dtype));
+                 dtype_name(dtype), shapes[si].batch > 1 ? " batch=4" : "");
         if (!row_runs(ctx, bk, "am_compact_layer", KVRT_OP_AM_COMPACT_LAYER, shape)) continue;
         uint64_t seed = 700 + si;
         kvrt_am_opts o;
         kvrt_am_opts_init(&o);
         o.key_select = shapes[si].select;
         o.chunk = shapes[si].chunk;
+        if (shapes[si].batch > 0) o.omp_batch = shapes[si].batch;
         float *q = randf(&seed, T * H * d, -1.0f, 1.0f), *k = randf(&seed, T * Hkv * d, -1, 1);
         float *v = randf(&seed, T * Hkv * d, -1.0f, 1.0f);
         float ratios[16];

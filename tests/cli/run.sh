@@ -292,7 +292,10 @@ if [ -x "$sk" ]; then
   # plugin (what scripts/device-check.sh does on a GPU): the same selections, outputs within 2e-4
   emu=${KVCC_BUILD:-build}/cuda_emu/libkvrt_cuda_emu.so
   if [ -f "$emu" ]; then
-    for a in "p1.kvpol compilerkv am" "k1.kvpol compkv" "r1.kvpol merge-reduce"; do
+    # and AM with OMP key selection (its rounds on the host, its passes over P on the device)
+    "$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am --am-select omp \
+      --am-targets 0.1,0.2 -o "$tmp/p3.kvpol" 2>/dev/null || bad "compile --am-select omp failed"
+    for a in "p1.kvpol compilerkv am" "k1.kvpol compkv" "r1.kvpol merge-reduce" "p3.kvpol am"; do
       read -r f pols <<<"$a"
       read -r -a pa <<<"$pols"
       out=$(KVRT_CUDA_LIBRARY=$(realpath "$emu") bash scripts/serve-compare.sh "$sk" "$tmp/$f" "${pa[@]}" 2>&1); ex=$?

@@ -56,6 +56,7 @@ static void host_init(void) {
     g_host.am_opts_init = kvrt_am_opts_init;
     g_host.am_layer_plan = kvrt_am_layer_plan;
     g_host.am_nnls_gram = kvrt_am_nnls_gram;
+    g_host.am_select_omp = kvrt_am_select_omp;
     g_host.ridge_solve = kvrt_cpu_ridge_solve;
     g_host.cache_create = kvrt_cache_create;
     g_host.cache_put_kv = kvrt_cache_put_kv;
@@ -88,7 +89,8 @@ struct shape {
     double qscale = 1, bfloor = -3, recent = 0.5;
     int64_t nsink = 4, posmax = -1; /* posmax: q_pos spread over 0..posmax (default T-1) */
     float kscale = 1;
-    int inject = 0; /* 1 NaN in k, 2 q * 1e30, 3 q_pos[5] = -1, 4 OMP, 5 n_sets 0 */
+    int inject = 0; /* 1 NaN in k, 2 q * 1e30, 3 q_pos[5] = -1, 5 n_sets 0 */
+    int omp_batch = 0; /* > 0: OMP key selection with this many picks per round */
 };
 
 static double nmse(const float *g, const float *r, int64_t n, int *bad) {
@@ -130,7 +132,10 @@ static int run_shape(const shape &S, uint64_t seed, int verbose) {
     if (S.inject == 1) k[77] = NAN;
     if (S.inject == 2) for (int64_t i = 0; i < nr * H * d; i++) q[i] *= 1e30f;
     if (S.inject == 3) pos[5] = -1;
-    if (S.inject == 4) o.key_select = KVRT_AM_SELECT_OMP;
+    if (S.omp_batch > 0) {
+        o.key_select = KVRT_AM_SELECT_OMP;
+        o.omp_batch = S.omp_batch;
+    }
     const int32_t *pp = S.ref == 1 ? pos.data() : NULL;
     const int ns = S.n_sets;
     std::vector<float> ratios(ns * Hkv);
@@ -168,11 +173,8 @@ static int run_shape(const shape &S, uint64_t seed, int verbose) {
                                     S.ref ? nr : 0, dk, dv, T, H, Hkv, d, S.inject == 5 ? 0 : ns, rp, rl.data(),
                                     S.dtype, got.data(), st_got.data());
     if (rc || rc_cpu) {
-        /* OMP: the CPU runs it, CUDA refuses it by name; n_sets 0: CUDA's own check (the CPU
-         * call is not made with 0) */
-        const int ok = S.inject == 4   ? rc == KVRT_ERR_UNSUPPORTED && strstr(ectx.last_err.msg, "omp")
-                       : S.inject == 5 ? rc == KVRT_ERR_ARG
-                                       : (rc != 0) == (rc_cpu != 0) && rc == rc_cpu;
+        /* n_sets 0: CUDA's own check (the CPU call is not made with 0) */
+        const int ok = S.inject == 5 ? rc == KVRT_ERR_ARG : (rc != 0) == (rc_cpu != 0) && rc == rc_cpu;
         printf("%-44s ERROR PATH: cpu rc %d \"%s\" | emu rc %d \"%s\" | tls \"%s\" | leaked dev bytes %zd -> %s\n",
                S.name, rc_cpu, msg_cpu.c_str(), rc, ectx.last_err.msg, kvrt_last_error()->msg,
                (ssize_t)(g_alloc_now - live0), ok && g_alloc_now == live0 ? "OK" : "FAIL");
@@ -307,9 +309,12 @@ int main(int argc, char **argv) {
     add("e sink0 recent0 chunk50 k*4", base, [](shape &b) { b.nsink = 0; b.recent = 0; b.chunk = 50; b.kscale = 4; });
     add("e multi ratios 4 sets chunk100", base, [](shape &b) { b.n_sets = 4; b.per_head = 1; b.chunk = 100; b.ratio = 0.15; });
     add("e multi 3 sets ref pos", base, [](shape &b) { b.n_sets = 3; b.ref = 1; b.n_ref = 64; });
+    add("omp T=300 r.2", base, [](shape &b) { b.omp_batch = 1; });
+    add("omp ref pos chunk64 batch4", base, [](shape &b) { b.omp_batch = 4; b.ref = 1; b.n_ref = 64; b.chunk = 64; });
+    add("omp peaked q*8 floorNaN 3 sets ratios", base, [](shape &b) { b.omp_batch = 1; b.qscale = 8; b.bfloor = NAN; b.n_sets = 3; b.per_head = 1; });
+    add("omp sink0 recent0 chunk50 k*4 batch2", base, [](shape &b) { b.omp_batch = 2; b.nsink = 0; b.recent = 0; b.chunk = 50; b.kscale = 4; });
     add("err NaN in k", base, [](shape &b) { b.inject = 1; });
     add("err q_pos negative", base, [](shape &b) { b.ref = 1; b.n_ref = 40; b.inject = 3; });
-    add("err OMP", base, [](shape &b) { b.inject = 4; });
     add("err n_sets 0 (emu only)", base, [](shape &b) { b.inject = 5; });
     add("err ref posmax 2 (no row sees the middle)", base, [](shape &b) { b.ref = 1; b.n_ref = 3; b.posmax = 2; });
     add("err ref posmax 100 chunk 64 (later chunks unseen)", base, [](shape &b) { b.ref = 1; b.n_ref = 30; b.posmax = 100; b.chunk = 64; });
