@@ -22,7 +22,8 @@
  * --cuda [--layer-context T]: one llama3-8b layer (32 query heads, 8 KV heads, d = 128) of a
  *   T-token context (default 60000) compacted by kvrt_am_compact_layer at ratio 0.2 with the
  *   default options on a CUDA context (q, k, v in device memory) and on the CPU context, seconds
- *   per layer and the whole model's 32 layers; "skipped: no GPU" without one.
+ *   per layer and the whole model's 32 layers; "skipped: no GPU" without one. With --omp
+ *   [--omp-batch N]: the same with OMP key selection.
  */
 #include <math.h>
 #include <stdio.h>
@@ -224,7 +225,7 @@ static int bench_fit_host(int reps) {
 }
 
 /* --cuda (see the header): one layer at llama3-8b shapes on a CUDA context and on the CPU. */
-static int bench_cuda_layer(int64_t T) {
+static int bench_cuda_layer(int64_t T, int omp) {
     if (!(kvrt_has_cuda() && kvrt_cuda_device_count() > 0)) {
         printf("skipped: no GPU (bench_am --cuda: %s)\n",
                kvrt_has_cuda() ? "no CUDA device" : "libkvrt built without CUDA");
@@ -256,16 +257,22 @@ static int bench_cuda_layer(int64_t T) {
         fprintf(stderr, "bench_am: %s\n", kvrt_ctx_last_error(gpu)->msg);
         return 1;
     }
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    if (omp) o.key_select = KVRT_AM_SELECT_OMP;
+    o.omp_batch = g_omp_batch;
     printf("AM, one llama3-8b layer (H %lld, Hkv %lld, d %lld) of a %lld-token context, ratio %.2f, "
-           "default options (4096 reference queries per KV head, chunks of 4096, HighestAttnKeys)\n",
-           (long long)H, (long long)Hkv, (long long)d, (long long)T, ratio);
+           "default options (4096 reference queries per KV head, chunks of 4096) but %s\n",
+           (long long)H, (long long)Hkv, (long long)d, (long long)T, ratio,
+           omp ? "OMP key selection" : "nothing (HighestAttnKeys)");
+    if (omp) printf("OMP: %d keys per round\n", o.omp_batch);
     double sec[2] = {0, 0};
     kvrt_am_stats st[2][8];
     for (int b = 0; b < 2 && rc == KVRT_OK; b++) {
         kvrt_ctx *ctx = b == 0 ? gpu : g_ctx;
         kvrt_cache *out = NULL;
         const double t0 = now_s();
-        rc = kvrt_am_compact_layer(ctx, NULL, b == 0 ? dq : q, b == 0 ? dk : k, b == 0 ? dv : v, T,
+        rc = kvrt_am_compact_layer(ctx, &o, b == 0 ? dq : q, b == 0 ? dk : k, b == 0 ? dv : v, T,
                                    (uint32_t)H, (uint32_t)Hkv, (uint32_t)d, NULL, ratio,
                                    KVRT_DTYPE_BF16, &out, st[b]);
         sec[b] = now_s() - t0;
@@ -309,7 +316,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--layer-context") && i + 1 < argc) layer_ctx = atoll(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--reps N] | "
-                    "--fit-host [--reps N] | --cuda [--layer-context T]\n");
+                    "--fit-host [--reps N] | --cuda [--layer-context T] [--omp [--omp-batch N]]\n");
             return 2;
         }
     }
@@ -320,7 +327,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_am: --layer-context %lld, expected >= 4096\n", (long long)layer_ctx);
             return 2;
         }
-        return bench_cuda_layer(layer_ctx);
+        return bench_cuda_layer(layer_ctx, omp);
     }
     if (head > 0) return bench_head(head, omp, reps, dump_dir);
     if (dump_dir) { fprintf(stderr, "bench_am: --dump needs --head T\n"); return 2; }

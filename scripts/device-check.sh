@@ -162,6 +162,14 @@ if make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
            --policies compilerkv,am,compkv,merge-reduce --budgets 128 --am-targets 0.1 -o "$EX/p.kvpol"; then
         bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am merge-reduce ||
             fail "serve_skeleton: a policy's GPU run differs from its CPU run (serve-compare lines above)"
+        # AM with OMP key selection
+        if build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" --policies am --am-select omp \
+               --am-targets 0.1 -o "$EX/omp.kvpol"; then
+            bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/omp.kvpol" am ||
+                fail "serve_skeleton: AM with OMP differs on the GPU from its CPU run"
+        else
+            fail "kvcc compile --am-select omp for the serving example"
+        fi
     else
         fail "kvcc synth / compile for the serving example"
     fi
@@ -193,6 +201,17 @@ for b in build/bench/*; do
         [ "$rc" -eq 0 ] || fail "$b --cuda $(how "$rc")"
     fi
 done
+# AM's OMP key selection (rounds on the host, passes on the device) at a shorter context: its
+# CPU side, timed in the same run, is O(n T t) per head
+# (EMU=1 skips it: its Gram passes take ~8 minutes emulated on one core at the smallest context)
+if [ "$EMU" = 1 ]; then
+    echo "-- build/bench/bench_am --cuda --omp: not run under EMU=1 (8 minutes emulated)"
+elif [ -x build/bench/bench_am ]; then
+    echo "-- build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192"
+    timeout 120 build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192
+    rc=$?
+    [ "$rc" -eq 0 ] || fail "build/bench/bench_am --cuda --omp $(how "$rc")"
+fi
 echo "$n_bench benchmark(s) with --cuda run"
 
 step "summary"
