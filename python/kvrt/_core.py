@@ -219,7 +219,13 @@ def _on(b: _Buf, device: str, name: str, fn: str) -> _Buf:
 # handles
 
 class _Handle:
-    """Owns one C handle: ``close()`` frees it (idempotent), so do ``with`` and ``__del__``."""
+    """Owns one C handle: ``close()`` frees it (idempotent), so do ``with`` and ``__del__``.
+
+    A handle made on a parent (a device cache on its context, a schedule on its policy) keeps
+    the parent alive and is closed first when the parent is closed. The garbage collector
+    finalizes a reference cycle in any order, after clearing the weak registry of children: a
+    parent finalized while children are still open defers its own free to the last of them,
+    so no handle is freed after what it depends on."""
     _free_fn: str = ""
     _what: str = "handle"
 
@@ -227,10 +233,13 @@ class _Handle:
         self._ptr = ptr
         self._parent = parent          # keeps what this handle depends on alive
         self._children: "Optional[weakref.WeakSet[_Handle]]" = None
+        self._open_children = 0        # children not yet freed (the WeakSet may be cleared)
+        self._deferred = None          # a freed-later C handle (see the class comment)
         if parent is not None:
             if parent._children is None:
                 parent._children = weakref.WeakSet()
             parent._children.add(self)
+            parent._open_children += 1
 
     @property
     def ptr(self) -> int:
@@ -248,8 +257,23 @@ class _Handle:
         for c in list(getattr(self, "_children", None) or ()):
             c.close()
         p, self._ptr = getattr(self, "_ptr", None), None
-        if p:
-            getattr(lib, self._free_fn)(p)
+        if not p:
+            return
+        if getattr(self, "_open_children", 0) > 0:  # finalized in a cycle before its children
+            self._deferred = p
+            return
+        getattr(lib, self._free_fn)(p)
+        self._child_freed()
+
+    def _child_freed(self) -> None:
+        par = getattr(self, "_parent", None)
+        if par is None:
+            return
+        par._open_children -= 1
+        if par._open_children == 0 and par._deferred:
+            q, par._deferred = par._deferred, None
+            getattr(lib, par._free_fn)(q)
+            par._child_freed()
 
     def __enter__(self):
         return self
@@ -694,7 +718,14 @@ def select_pinned(scores: Optional[ArrayLike], T: int, budget: int, n_sink: int 
 
 class Quest(_Handle):
     """Quest pages (``kvrt_quest``): per page of ``page`` tokens and KV head the elementwise
-    min and max of the keys, k [T, Hkv, d]; decode-time page scores and selection."""
+    min and max of the keys, k [T, Hkv, d]; decode-time page scores and selection.
+
+    ``Quest(k, page)`` summarizes a host array (``kvrt_quest_summarize``); ``Quest.create(ctx,
+    ...)`` makes an empty summary in a context's memory (``kvrt_quest_create``) that
+    :meth:`append` fills. On a CUDA context the summary lives in device memory and k, q and the
+    ``out`` arrays of :meth:`scores` and :meth:`select` (required then) are device arrays
+    (``__cuda_array_interface__``: torch CUDA tensors, CuPy); :attr:`kmin` and :attr:`kmax`
+    download."""
     _free_fn = "kvrt_quest_free"
 
     def __init__(self, k: ArrayLike, page: int = 16):
@@ -703,28 +734,68 @@ class Quest(_Handle):
         out = c_void_p()
         check(lib.kvrt_quest_summarize(kb.ptr, T, Hkv, d, int(page), byref(out)))
         super().__init__(out.value)
-        self._q = _lib.kvrt_quest.from_address(out.value)
-        self.n_kv_heads, self.head_dim, self.page = Hkv, d, int(page)
+        self._init(Hkv, d, page, None)
+
+    def _init(self, Hkv, d, page, ctx):
+        self._q = _lib.kvrt_quest.from_address(self._ptr)
+        self.n_kv_heads, self.head_dim, self.page = int(Hkv), int(d), int(page)
+        self._ctx = ctx
+        self.device = "cuda" if ctx is not None and ctx.backend == "cuda" else "host"
+
+    @classmethod
+    def create(cls, ctx: Context, n_kv_heads: int, head_dim: int, page: int = 16,
+               capacity: int = 1 << 20) -> "Quest":
+        """kvrt_quest_create: an empty summary in ctx's memory with room for ``capacity``
+        tokens (appending past it raises; on a CPU context the room grows). Closed when ctx
+        is."""
+        out = c_void_p()
+        check(lib.kvrt_quest_create(ctx.ptr, int(n_kv_heads), int(head_dim), int(page),
+                                    int(capacity), byref(out)), ctx_ptr=ctx.ptr)
+        self = cls.__new__(cls)
+        _Handle.__init__(self, out.value, ctx)
+        self._init(n_kv_heads, head_dim, page, ctx)
+        return self
 
     @property
     def n_pages(self) -> int:
         self.ptr
         return int(self._q.n_pages)
 
+    @property
+    def n_tokens(self) -> int:
+        self.ptr
+        return int(self._q.T)
+
+    def _arg(self, x, name, fn, expect):
+        dev = self.device == "cuda"
+        return _on(_buf(x, name, fn, expect, allow_device=dev), self.device, name, fn)
+
+    def _result(self, shape, out, name, fn, dtype):
+        if self.device == "cuda" and out is None:
+            raise KvrtError(ERR_ARG, f"{fn}: out: required for a summary in CUDA memory (a "
+                                     f"device array {list(shape)} of {np.dtype(dtype).name})")
+        return _out(shape, out, name, fn, dtype=dtype, device=self.device)
+
     def append(self, k: ArrayLike) -> None:
         """Summarize new tokens k [n, Hkv, d] (what a server does per decoded token)."""
-        kb = _buf(k, "k", "kvrt.Quest.append", (None, self.n_kv_heads, self.head_dim))
-        check(lib.kvrt_quest_append(self.ptr, kb.ptr, kb.shape[0]))
+        kb = self._arg(k, "k", "kvrt.Quest.append", (None, self.n_kv_heads, self.head_dim))
+        check(lib.kvrt_quest_append(self.ptr, kb.ptr, kb.shape[0]),
+              ctx_ptr=self._ctx.ptr if self._ctx is not None else None)
 
     def _pages(self, ptr) -> np.ndarray:
         stride = int(self._q.page_stride)
         n = self.n_kv_heads * stride * self.head_dim
-        return np.ctypeslib.as_array(ptr, shape=(n,)).reshape(
-            self.n_kv_heads, stride, self.head_dim)[:, :self.n_pages].copy()
+        if self.device == "cuda":
+            a = np.empty(n, np.float32)
+            check(lib.kvrt_ctx_download(self._ctx.ptr, _addr(a), ptr, a.nbytes),
+                  ctx_ptr=self._ctx.ptr)
+        else:
+            a = np.ctypeslib.as_array(ptr, shape=(n,))
+        return a.reshape(self.n_kv_heads, stride, self.head_dim)[:, :self.n_pages].copy()
 
     @property
     def kmin(self) -> np.ndarray:
-        """float32 [Hkv, n_pages, d] (a copy); kmax likewise."""
+        """float32 [Hkv, n_pages, d] (a host copy); kmax likewise."""
         self.ptr
         return self._pages(self._q.kmin)
 
@@ -733,20 +804,30 @@ class Quest(_Handle):
         self.ptr
         return self._pages(self._q.kmax)
 
-    def scores(self, q: ArrayLike) -> np.ndarray:
+    def scores(self, q: ArrayLike, out: Optional[ArrayLike] = None):
         """Upper-bound scores [Hkv, n_pages] for one step q [H, d]."""
-        qb = _buf(q, "q", "kvrt.Quest.scores", (None, self.head_dim))
-        s = np.empty((self.n_kv_heads, self.n_pages), np.float32)
-        check(lib.kvrt_quest_scores(self.ptr, qb.ptr, qb.shape[0], _addr(s)))
-        return s
+        fn = "kvrt.Quest.scores"
+        qb = self._arg(q, "q", fn, (None, self.head_dim))
+        ob = self._result((self.n_kv_heads, self.n_pages), out, "out", fn, np.float32)
+        check(lib.kvrt_quest_scores(self.ptr, qb.ptr, qb.shape[0], ob.ptr),
+              ctx_ptr=self._ctx.ptr if self._ctx is not None else None)
+        return ob.obj if out is None else out
 
-    def select(self, q: ArrayLike, budget_pages: int) -> np.ndarray:
+    def select(self, q: ArrayLike, budget_pages: int, out: Optional[ArrayLike] = None):
         """Pages [Hkv, budget_pages] ascending per head: first and last always, then top
         scores."""
-        qb = _buf(q, "q", "kvrt.Quest.select", (None, self.head_dim))
-        p = np.empty((self.n_kv_heads, int(budget_pages)), np.int32)
-        check(lib.kvrt_quest_select(self.ptr, qb.ptr, qb.shape[0], int(budget_pages), _addr(p)))
-        return p
+        fn = "kvrt.Quest.select"
+        qb = self._arg(q, "q", fn, (None, self.head_dim))
+        ob = self._result((self.n_kv_heads, int(budget_pages)), out, "out", fn, np.int32)
+        check(lib.kvrt_quest_select(self.ptr, qb.ptr, qb.shape[0], int(budget_pages), ob.ptr),
+              ctx_ptr=self._ctx.ptr if self._ctx is not None else None)
+        return ob.obj if out is None else out
+
+    def __repr__(self):
+        if not self._ptr:
+            return "kvrt.Quest(closed)"
+        return (f"kvrt.Quest(n_kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+                f"page={self.page}, n_pages={self.n_pages}, device={self.device!r})")
 
 
 def _method_opts(method, budget: int, n_sink=None, window=None, pool_kernel=None,

@@ -247,6 +247,9 @@ _PROTOS = {
     "kvrt_ctx_free": (None, [P]),
     "kvrt_ctx_info": (I, [P, POINTER(kvrt_device_info)]),
     "kvrt_ctx_last_error": (POINTER(kvrt_error), [P]),
+    "kvrt_ctx_alloc": (I, [P, c_size_t, PP]),
+    "kvrt_ctx_dealloc": (None, [P, P]),
+    "kvrt_ctx_upload": (I, [P, P, P, c_size_t]),
     "kvrt_ctx_download": (I, [P, P, P, c_size_t]),
     "kvrt_ctx_sync": (I, [P]),
     "kvrt_op_name": (c_char_p, [I]),
@@ -276,6 +279,7 @@ _PROTOS = {
     "kvrt_method_from_name": (I, [c_char_p]),
     # Quest
     "kvrt_quest_summarize": (I, [P, I64, U32, U32, U32, PP]),
+    "kvrt_quest_create": (I, [P, U32, U32, U32, I64, PP]),
     "kvrt_quest_append": (I, [P, P, I64]),
     "kvrt_quest_free": (None, [P]),
     "kvrt_quest_scores": (I, [P, P, U32, P]),

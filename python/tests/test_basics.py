@@ -315,3 +315,48 @@ def test_compkv_offload_is_a_cuda_mode():
     assert o["offload"] == 1 and kvrt.compkv_options()["offload"] == 0
     with pytest.raises(kvrt.UnsupportedError, match="offload = 1.*CUDA mode"):
         kvrt.CompKVState.create(2, 16, 64, offload=1)
+
+
+def test_handles_in_a_gc_cycle_free_children_first(monkeypatch):
+    """The garbage collector clears weak references before it finalizes a cycle, in any order:
+    a parent (a context, a policy) finalized before its open children must not be freed before
+    them (a device cache freed after its context is a use after free)."""
+    import gc
+    import kvrt._core as core
+    freed = []
+
+    class FakeLib:
+        def __getattr__(self, name):
+            return lambda p: freed.append((name, p))
+
+    monkeypatch.setattr(core, "lib", FakeLib())
+
+    class Parent(core._Handle):
+        _free_fn = "parent_free"
+
+    class Child(core._Handle):
+        _free_fn = "child_free"
+
+    for parent_in_cycle in (True, False):
+        freed.clear()
+        p = Parent(1)
+        kids = [Child(2, p), Child(3, p)]
+        cyc = [p, kids]
+        cyc.append(cyc)
+        (p if parent_in_cycle else kids[0])._cycle = cyc
+        del p, kids, cyc
+        gc.collect()
+        assert sorted(freed) == [("child_free", 2), ("child_free", 3), ("parent_free", 1)]
+        assert freed[-1] == ("parent_free", 1), freed
+    # explicit closes still free at once, children first
+    freed.clear()
+    p = Parent(4)
+    c = Child(5, p)
+    c.close()
+    assert freed == [("child_free", 5)]
+    p.close()
+    assert freed == [("child_free", 5), ("parent_free", 4)]
+    q = Parent(6)
+    Child(7, q)  # dropped at once: freed by refcount, before q
+    q.close()
+    assert freed[-1] == ("parent_free", 6)

@@ -1,4 +1,7 @@
-"""Quest pages, pinned selection, one-head AM, explicit-basis merge-reduce, DLPack inputs."""
+"""Quest pages (host, and on a context: CPU, emulated CUDA), pinned selection, one-head AM,
+explicit-basis merge-reduce, DLPack inputs."""
+import os
+
 import numpy as np
 import pytest
 
@@ -125,3 +128,103 @@ def test_dlpack_zero_copy(acts):
     assert _buf(DL(k), "k", "t").ptr == k.ctypes.data
     eq(kvrt.method_select("knorm", None, DL(k), 32).positions,
        kvrt.method_select("knorm", None, k, 32).positions)
+
+
+def test_quest_create_on_a_cpu_context(acts):
+    """kvrt_quest_create on a CPU context: a host summary that append fills, equal to
+    summarize's; past its capacity it grows (a CPU summary)."""
+    l = LAYERS[0]
+    k = acts.kc[l]
+    ctx = kvrt.Context("cpu")
+    qs = kvrt.Quest.create(ctx, acts.Hkv, acts.d, page=16, capacity=8)
+    assert qs.device == "host" and qs.n_pages == 0 and qs.n_tokens == 0
+    qs.append(k[:7])
+    qs.append(k[7:])
+    whole = kvrt.Quest(k, page=16)
+    assert qs.n_tokens == acts.T and qs.n_pages == whole.n_pages
+    eq(qs.kmin, whole.kmin)
+    eq(qs.kmax, whole.kmax)
+    q = acts.q[l][acts.T]
+    eq(qs.scores(q), whole.scores(q))
+    eq(qs.select(q, 3), whole.select(q, 3))
+    with pytest.raises(kvrt.KvrtError, match="head_dim"):
+        kvrt.Quest.create(ctx, acts.Hkv, 0, page=16, capacity=8)
+    ctx.close()
+    assert qs.closed  # closed with its context
+
+
+_QUEST_CUDA = r"""
+import ctypes, sys
+import numpy as np
+import kvrt
+from kvrt._lib import lib
+
+class Dev:  # a device array of the context's memory, seen through __cuda_array_interface__
+    def __init__(self, ctx, host):
+        host = np.ascontiguousarray(host)
+        self.ctx, self.shape, self.dtype = ctx, host.shape, host.dtype
+        p = ctypes.c_void_p()
+        assert lib.kvrt_ctx_alloc(ctx.ptr, max(host.nbytes, 1), ctypes.byref(p)) == 0
+        assert lib.kvrt_ctx_upload(ctx.ptr, p, host.ctypes.data, host.nbytes) == 0
+        self.p = p.value
+        self.__cuda_array_interface__ = {"shape": host.shape, "typestr": host.dtype.str,
+                                         "data": (p.value, False), "version": 3, "strides": None}
+    def get(self):
+        a = np.empty(self.shape, self.dtype)
+        assert lib.kvrt_ctx_download(self.ctx.ptr, a.ctypes.data, self.p, a.nbytes) == 0
+        return a
+
+d = np.load(sys.argv[1])
+k, q = d["k"], d["q"]
+T, Hkv, D = k.shape
+ctx = kvrt.Context("cuda")
+print("device:", ctx.info()["name"])
+qs = kvrt.Quest.create(ctx, Hkv, D, page=16, capacity=T)
+assert qs.device == "cuda"
+qs.append(Dev(ctx, k[:21]))
+qs.append(Dev(ctx, k[21:]))
+whole = kvrt.Quest(k, page=16)
+assert qs.n_pages == whole.n_pages, (qs.n_pages, whole.n_pages)
+assert np.array_equal(qs.kmin, whole.kmin) and np.array_equal(qs.kmax, whole.kmax)
+s = Dev(ctx, np.zeros((Hkv, qs.n_pages), np.float32))
+qs.scores(Dev(ctx, q), out=s)
+assert np.array_equal(s.get(), whole.scores(q)), "scores differ"
+p = Dev(ctx, np.zeros((Hkv, 3), np.int32))
+qs.select(Dev(ctx, q), 3, out=p)
+assert np.array_equal(p.get(), whole.select(q, 3)), "pages differ"
+try:
+    qs.scores(q)  # a host array for a device summary
+    raise SystemExit("a host q was accepted")
+except kvrt.KvrtError as e:
+    assert "cuda" in str(e), e
+try:
+    qs.scores(Dev(ctx, q))  # no out
+    raise SystemExit("no out was accepted")
+except kvrt.KvrtError as e:
+    assert "out: required" in str(e), e
+try:
+    qs.append(Dev(ctx, k[:1]))  # past the capacity
+    raise SystemExit("an append past the capacity was accepted")
+except kvrt.KvrtError as e:
+    print("past capacity:", e)
+print("quest on cuda: OK")
+"""
+
+
+def test_quest_create_on_cuda_emulated(acts, tmp_path):
+    """kvrt.Quest.create on a CUDA context, its arrays device memory: run on the CUDA backend's
+    own code through tests/cuda_emu's emulated plugin (KVRT_CUDA_LIBRARY, in a fresh process:
+    the plugin is loaded once per process), against the host summary."""
+    from conftest import BUILD, ROOT
+    import subprocess
+    import sys
+    emu = os.path.join(BUILD, "cuda_emu", "libkvrt_cuda_emu.so")
+    if not os.path.exists(emu):
+        pytest.fail(f"{emu} not built (make {os.path.relpath(emu)}; make test builds it)")
+    l = LAYERS[2]
+    np.savez(tmp_path / "a.npz", k=acts.kc[l], q=acts.q[l][acts.T])
+    env = dict(os.environ, KVRT_CUDA_LIBRARY=emu,
+               PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _QUEST_CUDA, str(tmp_path / "a.npz")],
+                       capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and "quest on cuda: OK" in p.stdout, p.stdout + p.stderr
