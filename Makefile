@@ -112,13 +112,13 @@ NVCCFLAGS ?= -O2 -std=c++17 -fmad=false -Xcompiler -fPIC -Xcompiler -Wall \
              -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
              -gencode arch=compute_90,code=compute_90
 # The CUDA backend is its own shared object, $(BUILD)/libkvrt_cuda.so (soname
-# libkvrt_cuda.so.X.Y), the only file linked with libcudart/libcublas: libkvrt (shared or
+# libkvrt_cuda.so.X.Y), the only file linked with libcudart/libcublas/libcusolver: libkvrt (shared or
 # static) dlopens it when a CUDA context is created (runtime/core/cuda_load.c), so nothing that
 # links libkvrt needs the CUDA libraries, and CPU-only runs never map them. LIBS_CUDA is what a
 # program linking libkvrt adds for it (dlopen: libc's since glibc 2.34, -ldl for older ones).
 ifeq ($(USE_CUDA),1)
   CPPFLAGS += -DKVRT_WITH_CUDA=1
-  LIBS_CUDA_RT := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+  LIBS_CUDA_RT := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcusolver -lcublas -lcudart -lstdc++
   LIBS_CUDA := -ldl
   # programs linked in the tree (build/tests, build/bench, build/examples) find the backend in
   # $(BUILD) through their RUNPATH, which dlopen searches for the calling program

@@ -259,8 +259,9 @@ typedef struct kvrt_cuda_host {
     void (*compkv_groups_fill)(uint32_t hkv, uint32_t d, uint32_t r, const uint16_t *perm,
                                const uint16_t *offsets, uint16_t *pm, uint16_t *of);
     /* since API 5: Attention Matching's host parts (runtime/cuda/am.cu): kvrt_am_opts_init,
-     * kvrt_am_layer_plan (the checks and budgets), the NNLS on a Gram (kvrt_am_nnls_gram) and
-     * the ridge solve (kvrt_cpu_ridge_solve), kvrt_cache_create and kvrt_cache_put_kv */
+     * kvrt_am_layer_plan (the checks and budgets), the NNLS on a Gram (kvrt_am_nnls_gram),
+     * kvrt_cache_create and kvrt_cache_put_kv (API 5 to 7 also had the ridge solve: on the
+     * device since API 8) */
     void (*am_opts_init)(kvrt_am_opts *o);
     int (*am_layer_plan)(const char *fn, const kvrt_am_opts *o, int has_q, int has_q_ref,
                          int64_t n_ref, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
@@ -269,7 +270,6 @@ typedef struct kvrt_cuda_host {
                          int64_t *tb);
     int (*am_nnls_gram)(const double *G, const double *c, int64_t n, int max_iter, double *x,
                         kvrt_nnls_info *info);
-    int (*ridge_solve)(double *XtX, double *XtY, int64_t t, int64_t d, double ridge);
     int (*cache_create)(uint32_t n_kv_heads, uint32_t head_dim, int dtype,
                         const int64_t *counts, kvrt_cache **out);
     void (*cache_put_kv)(kvrt_cache *c, int64_t e, const float *k, const float *v, int64_t n);

@@ -32,7 +32,6 @@
 #include "kvrt_experimental.h"
 #include "core/backend.h"
 #include "core/policies.h"
-#include "cpu/nnls.h" /* kvrt_cpu_ridge_solve: a service of the CUDA backend (AM) */
 
 #if defined(KVRT_WITH_CUDA)
 
@@ -89,7 +88,6 @@ static int try_one(const char *path, int must_exist) {
         .am_opts_init = kvrt_am_opts_init,
         .am_layer_plan = kvrt_am_layer_plan,
         .am_nnls_gram = kvrt_am_nnls_gram,
-        .ridge_solve = kvrt_cpu_ridge_solve,
         .cache_create = kvrt_cache_create,
         .cache_put_kv = kvrt_cache_put_kv,
         .mr_opts_init = kvrt_mr_opts_init,

@@ -23,7 +23,9 @@
  *        OpenBLAS's order, so these differ from the CPU's in the last bits);
  *     5. the keep step on the host (core/am_plan.h);
  *     6. X = softmax(z_sel + beta) and its mass error (device), X^T X (dsyrk) and X^T Y (dgemm),
- *        the ridge solve on the host (the CPU's), O = X C (dgemm) and the output error (device);
+ *        the ridge solve on the device (cuSOLVER's Cholesky, potrf + potrs, with the CPU's
+ *        lambda = ridge trace / t and its retries at 100x the ridge), O = X C (dgemm) and the
+ *        output error (device);
  *   the sinks and the recent window copied exactly, and the entries assembled on the host into
  *   a cache that kvrt_cache_to_device moves into the context's memory (only what is kept).
  * Not here: the CPU's sharing of one
@@ -83,6 +85,13 @@ __device__ __forceinline__ float am_exp_nonpos(float x) {
 
 /* flag = 1 when any of x[0..n) is NaN or infinite */
 __global__ void am_nonfinite(const float *__restrict__ x, int64_t n, int *__restrict__ flag) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        if (!isfinite(x[i])) *flag = 1;
+}
+
+/* flag = 1 when any of x[0..n) (double) is NaN or infinite */
+__global__ void am_nonfinite_d(const double *__restrict__ x, int64_t n, int *__restrict__ flag) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         if (!isfinite(x[i])) *flag = 1;
@@ -293,6 +302,20 @@ __global__ void am_out_err(const double *__restrict__ O, const double *__restric
     oerr[i] = sqrt(num) / (sqrt(den) + 1e-30);
 }
 
+/* The ridge solve's trace: tr = sum of G's diagonal in order (one thread: t <= a chunk's budget) */
+__global__ void am_trace(const double *__restrict__ G, int64_t t, double *__restrict__ tr) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double s = 0.0;
+    for (int64_t i = 0; i < t; i++) s = __dadd_rn(s, G[i * t + i]);
+    *tr = s;
+}
+
+/* G += lam I (t x t) */
+__global__ void am_add_diag(double *__restrict__ G, int64_t t, double lam) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < t) G[i * t + i] = __dadd_rn(G[i * t + i], lam);
+}
+
 // ----------------------------------------------------------------------------
 // host side
 
@@ -315,6 +338,10 @@ typedef struct {
     uint32_t *keys;
     int *flag;
     double *HS, *c0, *colsum, *corrd; /* OMP only: [tmax, Tc], [Tc] x 3 */
+    double *Gs, *Cs, *tr;             /* the ridge solve's saved X^T X, X^T Y and trace */
+    double *swork;                    /* cuSOLVER's potrf workspace, slwork doubles */
+    int slwork;
+    int *sinfo;
     /* host */
     double *hG, *hcvec, *hscale, *hw, *hC, *herr;
     int32_t *hsel;
@@ -327,7 +354,8 @@ typedef struct {
 static void am_dev_free(kvrt_ctx *ctx, am_dev *w) {
     void *dev[] = {w->qc, w->S, w->Yf, w->rows, w->mass, w->rs, w->Y, w->MS, w->G, w->cvec,
                    w->scale, w->w, w->C, w->O, w->merr, w->oerr, w->pos, w->vis, w->sel,
-                   w->off, w->keys, w->flag, w->HS, w->c0, w->colsum, w->corrd};
+                   w->off, w->keys, w->flag, w->HS, w->c0, w->colsum, w->corrd, w->Gs,
+                   w->Cs, w->tr, w->swork, w->sinfo};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) cudaFree(dev[i]);
     free(w->hG); free(w->hcvec); free(w->hscale); free(w->hw); free(w->hC); free(w->herr);
@@ -357,6 +385,8 @@ static int am_dev_alloc(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t
         {(void **)&w->c0, omp ? sizeof(double) * Tc : 0},
         {(void **)&w->colsum, omp ? sizeof(double) * Tc : 0},
         {(void **)&w->corrd, omp ? sizeof(double) * Tc : 0},
+        {(void **)&w->Gs, sizeof(double) * t * t},     {(void **)&w->Cs, sizeof(double) * t * d},
+        {(void **)&w->tr, sizeof(double)},             {(void **)&w->sinfo, sizeof(int)},
     };
     for (size_t i = 0; i < sizeof a / sizeof a[0]; i++)
         if (cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1) != cudaSuccess) {
@@ -525,6 +555,65 @@ static int am_select_omp(kvrt_ctx *ctx, const kvrt_am_opts *o, am_dev *w, int64_
                                                   o->omp_batch, w->hsel, w->hw, ts, inf);
 }
 
+/* Solve (G + lam I) C = B on the device, G = w->G [t, t] (X^T X, lower triangle, column-major)
+ * and B = w->C [t, d] (X^T Y, column-major: C[a, x] at a + x t), C written over B: the CPU's
+ * kvrt_cpu_ridge_solve (lambda = ridge * trace / t, trace 1 when not positive; up to 3 retries
+ * at 100x lambda when the factorization fails or C is not finite) through cuSOLVER's potrf and
+ * potrs. KVRT_OK, KVRT_ERR_ARG (still singular), KVRT_ERR_CUDA. */
+static int am_ridge_dev(kvrt_ctx *ctx, am_dev *w, int64_t t, int64_t d, double ridge) {
+    kvrt_error *err = &ctx->last_err;
+    cudaStream_t st = kvrt_cuda_stream(ctx);
+    cusolverDnHandle_t sol = NULL;
+    int rc = kvrt_cuda_solver(ctx, &sol);
+    if (rc != KVRT_OK) return rc;
+    int lwork = 0;
+    CUSOLVER_CHECK(err, cusolverDnDpotrf_bufferSize(sol, CUBLAS_FILL_MODE_LOWER, (int)t, w->G,
+                                                    (int)t, &lwork));
+    if (lwork > w->slwork) { /* grown to the largest chunk budget seen */
+        if (w->swork) cudaFree(w->swork);
+        w->swork = NULL;
+        w->slwork = 0;
+        CUDA_CHECK(err, cudaMalloc((void **)&w->swork, sizeof(double) * (size_t)lwork));
+        w->slwork = lwork;
+    }
+    double tr = 0;
+    am_trace<<<1, 1, 0, st>>>(w->G, t, w->tr);
+    CUDA_CHECK(err, cudaGetLastError());
+    CUDA_CHECK(err, cudaMemcpyAsync(w->Gs, w->G, sizeof(double) * t * t, cudaMemcpyDeviceToDevice, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->Cs, w->C, sizeof(double) * t * d, cudaMemcpyDeviceToDevice, st));
+    CUDA_CHECK(err, cudaMemcpyAsync(&tr, w->tr, sizeof(double), cudaMemcpyDeviceToHost, st));
+    CUDA_CHECK(err, cudaStreamSynchronize(st));
+    double lam = ridge * (tr > 0 ? tr : 1.0) / (double)t;
+    for (int attempt = 0; attempt < 4; attempt++) {
+        if (attempt > 0) {
+            CUDA_CHECK(err, cudaMemcpyAsync(w->G, w->Gs, sizeof(double) * t * t,
+                                            cudaMemcpyDeviceToDevice, st));
+            CUDA_CHECK(err, cudaMemcpyAsync(w->C, w->Cs, sizeof(double) * t * d,
+                                            cudaMemcpyDeviceToDevice, st));
+            lam = lam > 0 ? lam * 100 : 1e-12 * (tr > 0 ? tr : 1.0) / (double)t;
+        }
+        am_add_diag<<<(unsigned)((t + 127) / 128), 128, 0, st>>>(w->G, t, lam);
+        CUDA_CHECK(err, cudaGetLastError());
+        CUSOLVER_CHECK(err, cusolverDnDpotrf(sol, CUBLAS_FILL_MODE_LOWER, (int)t, w->G, (int)t,
+                                             w->swork, w->slwork, w->sinfo));
+        int info = 0, bad = 0;
+        CUDA_CHECK(err, cudaMemcpyAsync(&info, w->sinfo, sizeof(int), cudaMemcpyDeviceToHost, st));
+        CUDA_CHECK(err, cudaStreamSynchronize(st));
+        if (info == 0) {
+            CUSOLVER_CHECK(err, cusolverDnDpotrs(sol, CUBLAS_FILL_MODE_LOWER, (int)t, (int)d, w->G,
+                                                 (int)t, w->C, (int)t, w->sinfo));
+            CUDA_CHECK(err, cudaMemsetAsync(w->flag, 0, sizeof(int), st));
+            am_nonfinite_d<<<(unsigned)((t * d + 255) / 256), 256, 0, st>>>(w->C, t * d, w->flag);
+            CUDA_CHECK(err, cudaGetLastError());
+            CUDA_CHECK(err, cudaMemcpyAsync(&bad, w->flag, sizeof(int), cudaMemcpyDeviceToHost, st));
+            CUDA_CHECK(err, cudaStreamSynchronize(st));
+            if (!bad) return KVRT_OK;
+        }
+        if (ridge == 0) break; /* plain normal equations asked: do not regularize silently */
+    }
+    return KVRT_ERR_ARG;
+}
+
 /* One chunk [k0, k0 + Tc) of head h compacted to tc entries appended to r. The nv rows of the
  * head's reference queries that see key k0 are the rows `rows` [nv] (host indices into the
  * head's query offsets qoff and positions qpos, NULL without positions). */
@@ -579,12 +668,10 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
     int rc = omp ? am_select_omp(ctx, o, w, n, Tc, tc, max_iter, &ts, &inf)
                  : am_select_highest(ctx, w, n, Tc, tc, max_iter, &inf);
     if (rc != KVRT_OK) return rc;
-    const kvrt_cuda_host *hs = kvrt_cuda_host_services;
-    double *G = w->hG;
     const double done = 1.0, dzero = 0.0;
     /* 5. the keys kept and their weights (core/am_plan.h) */
     const int64_t kept = kvrt_am_keep(o, w->hsel, w->hw, ts, &inf.status);
-    /* 6. X, its Gram and X^T Y; the ridge solve on the host; O = X C and the errors */
+    /* 6. X, its Gram and X^T Y; the ridge solve; O = X C and the errors */
     CUDA_CHECK(err, cudaMemcpyAsync(w->sel, w->hsel, sizeof(int32_t) * kept, cudaMemcpyHostToDevice, st));
     CUDA_CHECK(err, cudaMemcpyAsync(w->w, w->hw, sizeof(double) * kept, cudaMemcpyHostToDevice, st));
     double *X = w->MS;
@@ -593,24 +680,20 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
     CUDA_CHECK(err, cudaGetLastError());
     CUBLAS_CHECK(err, cublasDsyrk(blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)kept, (int)n,
                                   &done, X, (int)kept, &dzero, w->G, (int)kept));
-    /* C0^T (d x kept, col-major) = Y^T X: row-major C0 [kept, d] = X^T Y */
-    CUBLAS_CHECK(err, cublasDgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)d, (int)kept, (int)n, &done,
-                                  w->Y, (int)d, X, (int)kept, &dzero, w->C, (int)d));
-    CUDA_CHECK(err, cudaMemcpyAsync(w->hG, w->G, sizeof(double) * kept * kept, cudaMemcpyDeviceToHost, st));
-    CUDA_CHECK(err, cudaMemcpyAsync(w->hC, w->C, sizeof(double) * kept * d, cudaMemcpyDeviceToHost, st));
-    CUDA_CHECK(err, cudaStreamSynchronize(st));
-    for (int64_t b = 0; b < kept; b++)
-        for (int64_t a = b + 1; a < kept; a++) G[a * kept + b] = G[b * kept + a];
-    rc = hs->ridge_solve(G, w->hC, kept, d, o->ridge > 0 ? o->ridge : 1e-12);
-    if (rc == KVRT_ERR_NOMEM)
-        return kvrt_err_set(err, rc, 0, "kvrt_am_compact: out of memory");
-    if (rc)
+    /* X (row-major [n, kept]) is Xc = X^T column-major, Y likewise Yc [d, n]: the right-hand
+     * side B = X^T Y [kept, d] column-major is Xc Yc^T */
+    CUBLAS_CHECK(err, cublasDgemm(blas, CUBLAS_OP_N, CUBLAS_OP_T, (int)kept, (int)d, (int)n, &done,
+                                  X, (int)kept, w->Y, (int)d, &dzero, w->C, (int)kept));
+    rc = am_ridge_dev(ctx, w, kept, d, o->ridge > 0 ? o->ridge : 1e-12);
+    if (rc == KVRT_ERR_ARG)
         return kvrt_err_set(err, rc, 0, "kvrt_am_compact: the values' least squares is singular "
                             "(keys %lld..%lld, %lld entries, ridge %g)", (long long)k0,
                             (long long)(k0 + Tc - 1), (long long)kept, o->ridge);
-    CUDA_CHECK(err, cudaMemcpyAsync(w->C, w->hC, sizeof(double) * kept * d, cudaMemcpyHostToDevice, st));
-    CUBLAS_CHECK(err, cublasDgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)kept, &done,
-                                  w->C, (int)d, X, (int)kept, &dzero, w->O, (int)d));
+    if (rc != KVRT_OK) return rc;
+    /* O (row-major [n, d], column-major Oc [d, n]) = X C: Oc = C^T Xc */
+    CUBLAS_CHECK(err, cublasDgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)d, (int)n, (int)kept, &done,
+                                  w->C, (int)kept, X, (int)kept, &dzero, w->O, (int)d));
+    CUDA_CHECK(err, cudaMemcpyAsync(w->hC, w->C, sizeof(double) * kept * d, cudaMemcpyDeviceToHost, st));
     am_out_err<<<(unsigned)((n + 127) / 128), 128, 0, st>>>(w->O, w->Y, n, d, w->oerr);
     CUDA_CHECK(err, cudaGetLastError());
     CUDA_CHECK(err, cudaMemcpyAsync(w->herr, w->merr, sizeof(double) * n, cudaMemcpyDeviceToHost, st));
@@ -630,7 +713,7 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
     CUDA_CHECK(err, cudaStreamSynchronize(st));
     for (int64_t a = 0; a < kept; a++) {
         r->pos[e0 + a] = (int32_t)(k0 + w->hsel[a]);
-        for (int64_t x = 0; x < d; x++) r->cv[(e0 + a) * d + x] = (float)w->hC[a * d + x];
+        for (int64_t x = 0; x < d; x++) r->cv[(e0 + a) * d + x] = (float)w->hC[a + x * kept];
         r->beta[e0 + a] = (float)log(w->hw[a]);
     }
     r->n += kept;

@@ -4,7 +4,8 @@
  * Callers: the .cu files of runtime/cuda/ only (C files never include CUDA headers).
  *
  * defines: kvrt_cuda_state, kvrt_cuda_state_of, kvrt_cuda_stream, kvrt_cuda_error,
- *          kvrt_cublas_error, CUDA_CHECK, CUBLAS_CHECK, kvrt_cuda_weights_problem,
+ *          kvrt_cublas_error, CUDA_CHECK, CUBLAS_CHECK, kvrt_cusolver_error, CUSOLVER_CHECK,
+ *          kvrt_cuda_solver (cuda_backend.cu), kvrt_cuda_weights_problem,
  *          KVRT_LG_COLSUM / KVRT_LG_COLMAX, kvrt_cuda_weights (logits.cu), kvrt_topk_key,
  *          kvrt_cuda_topk_keys, kvrt_cuda_topk (select.cu), kvrt_cuda_snapkv_scores,
  *          kvrt_cuda_h2o_scores, kvrt_cuda_snapkv_pool (baselines.cu), kvrt_cuda_kv2_proxy, kvrt_cuda_kv2_score
@@ -25,6 +26,7 @@
 #ifndef KVRT_CUDA_EMU /* tests/cuda_emu/shim.h declares the CUDA types it emulates first */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <cusolverDn.h>
 #endif
 
 #include "kvrt_experimental.h"
@@ -34,8 +36,9 @@
 // per-context state (ctx->impl)
 
 struct kvrt_cuda_state {
-    cudaStream_t stream; // all work of this context
-    cublasHandle_t blas; // bound to stream
+    cudaStream_t stream;        // all work of this context
+    cublasHandle_t blas;        // bound to stream
+    cusolverDnHandle_t solver;  // bound to stream; made on first use (kvrt_cuda_solver)
 };
 
 static inline kvrt_cuda_state *kvrt_cuda_state_of(const kvrt_ctx *ctx) {
@@ -65,6 +68,19 @@ KVRT_INTERNAL int kvrt_cublas_error(kvrt_error *err, cublasStatus_t s, const cha
         const cudaError_t kvrt_e_ = (stmt);                                                    \
         if (kvrt_e_ != cudaSuccess)                                                            \
             return kvrt_cuda_error((err), kvrt_e_, #stmt, __func__, __FILE__, __LINE__);       \
+    } while (0)
+
+KVRT_INTERNAL int kvrt_cusolver_error(kvrt_error *err, cusolverStatus_t s, const char *stmt,
+                                      const char *func, const char *file, int line);
+/* ctx's cuSOLVER handle, created and bound to its stream on the first call (the library costs
+ * its load only to the contexts that solve); KVRT_ERR_CUDA naming the failure. */
+KVRT_INTERNAL int kvrt_cuda_solver(kvrt_ctx *ctx, cusolverDnHandle_t *out);
+
+#define CUSOLVER_CHECK(err, stmt)                                                              \
+    do {                                                                                       \
+        const cusolverStatus_t kvrt_s_ = (stmt);                                               \
+        if (kvrt_s_ != CUSOLVER_STATUS_SUCCESS)                                                \
+            return kvrt_cusolver_error((err), kvrt_s_, #stmt, __func__, __FILE__, __LINE__);   \
     } while (0)
 
 #define CUBLAS_CHECK(err, stmt)                                                                \

@@ -28,6 +28,7 @@
  */
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <cusolverDn.h>
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -70,6 +71,30 @@ int kvrt_cublas_error(kvrt_error *err, cublasStatus_t s, const char *stmt, const
     return kvrt_err_set(err, KVRT_ERR_CUDA, (int)s,
                         "cuBLAS error %d (%s: %s) in '%s' at %s:%d (%s)", (int)s,
                         cublasGetStatusName(s), cublasGetStatusString(s), stmt, file, line, func);
+}
+
+int kvrt_cusolver_error(kvrt_error *err, cusolverStatus_t s, const char *stmt, const char *func,
+                        const char *file, int line) {
+    return kvrt_err_set(err, KVRT_ERR_CUDA, (int)s,
+                        "cuSOLVER error %d (cusolverStatus_t) in '%s' at %s:%d (%s)", (int)s,
+                        stmt, file, line, func);
+}
+
+int kvrt_cuda_solver(kvrt_ctx *ctx, cusolverDnHandle_t *out) {
+    kvrt_cuda_state *st = kvrt_cuda_state_of(ctx);
+    if (st->solver == NULL) {
+        cusolverDnHandle_t h = NULL;
+        CUSOLVER_CHECK(&ctx->last_err, cusolverDnCreate(&h));
+        const cusolverStatus_t s = cusolverDnSetStream(h, st->stream);
+        if (s != CUSOLVER_STATUS_SUCCESS) {
+            (void)cusolverDnDestroy(h);
+            return kvrt_cusolver_error(&ctx->last_err, s, "cusolverDnSetStream(h, st->stream)",
+                                       __func__, __FILE__, __LINE__);
+        }
+        st->solver = h;
+    }
+    *out = st->solver;
+    return KVRT_OK;
 }
 
 // ----------------------------------------------------------------------------
@@ -192,6 +217,7 @@ static void cuda_free(kvrt_ctx *ctx) {
     (void)cudaSetDevice(ctx->device_id);
     if (st->stream) (void)cudaStreamSynchronize(st->stream);
     if (st->blas) (void)cublasDestroy(st->blas);
+    if (st->solver) (void)cusolverDnDestroy(st->solver);
     if (st->stream) (void)cudaStreamDestroy(st->stream);
     (void)cudaGetLastError();
     free(st);
@@ -396,7 +422,7 @@ kvrt_cuda_plugin_init(const kvrt_cuda_host *host) {
         !host->cache_gather || !host->cache_to_device || !host->cache_free ||
         !host->selection_create || !host->compilerkv_budget_index || !host->compilerkv_bins ||
         !host->compilerkv_kept_window || !host->compkv_create_check || !host->compkv_groups_fill ||
-        !host->am_opts_init || !host->am_layer_plan || !host->am_nnls_gram || !host->ridge_solve ||
+        !host->am_opts_init || !host->am_layer_plan || !host->am_nnls_gram ||
         !host->cache_create || !host->cache_put_kv || !host->mr_opts_init ||
         !host->mr_reduce_check || !host->mr_layer_check || !host->mr_key || !host->am_one_check ||
         !host->am_select_omp)

@@ -51,7 +51,7 @@ if [ -e "$build/libkvrt_cuda.so" ]; then
   [[ "$out" == *"$prefix/bin/../lib/libkvrt_cuda.so.$abi"* ]] && ok || bad "installed kvcc --version: $out"
 fi
 for f in "$prefix/bin/kvcc" "$prefix/lib/libkvrt.so.$ver"; do
-  ! ldd "$f" 2>/dev/null | grep -Eq 'libcudart|libcublas' && ok || bad "$f links a CUDA library"
+  ! ldd "$f" 2>/dev/null | grep -Eq 'libcudart|libcublas|libcusolver' && ok || bad "$f links a CUDA library"
 done
 
 # 2. pkg-config sees the installed copy

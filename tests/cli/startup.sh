@@ -39,12 +39,12 @@ fi
 # 3. no CUDA library is linked into kvcc or libkvrt.so ...
 for f in "$KVCC" "$build/libkvrt.so"; do
   [ -e "$f" ] || continue
-  ! ldd "$f" 2>/dev/null | grep -Eq 'libcudart|libcublas|libcuda\.' && ok || bad "ldd $f lists a CUDA library"
+  ! ldd "$f" 2>/dev/null | grep -Eq 'libcudart|libcublas|libcusolver|libcuda\.' && ok || bad "ldd $f lists a CUDA library"
 done
 # ... and CPU-only commands load none (LD_DEBUG=libs lists every library the loader opens)
 for cmd in "models" "inspect tests/golden/valid/base.kvpol" "verify --quiet tests/golden/valid/base.kvpol"; do
   libs=$(LD_DEBUG=libs "$KVCC" $cmd 2>&1 >/dev/null | grep -E 'calling init: ')
-  ! grep -Eq 'libcudart|libcublas|libkvrt_cuda' <<<"$libs" && ok || bad "kvcc $cmd loads CUDA: $(grep -E 'cuda|cublas' <<<"$libs")"
+  ! grep -Eq 'libcudart|libcublas|libcusolver|libkvrt_cuda' <<<"$libs" && ok || bad "kvcc $cmd loads CUDA: $(grep -E 'cuda|cublas' <<<"$libs")"
 done
 
 # 4. a CUDA build: --version probes the backend (and only then loads it); a backend that cannot be

@@ -57,7 +57,6 @@ static void host_init(void) {
     g_host.am_layer_plan = kvrt_am_layer_plan;
     g_host.am_nnls_gram = kvrt_am_nnls_gram;
     g_host.am_select_omp = kvrt_am_select_omp;
-    g_host.ridge_solve = kvrt_cpu_ridge_solve;
     g_host.cache_create = kvrt_cache_create;
     g_host.cache_put_kv = kvrt_cache_put_kv;
 }

@@ -546,6 +546,74 @@ cublasStatus_t cublasDsyrk(cublasHandle_t, cublasFillMode_t uplo, cublasOperatio
     return CUBLAS_STATUS_SUCCESS;
 }
 
+// ---------------------------------------------------------------- cuSOLVER
+/* Column-major Cholesky of the lower triangle (A = L L^T, L written over it; the upper triangle
+ * untouched), *dev_info = j + 1 at a non-positive pivot j (0 on success), and the solve of
+ * L L^T X = B (B [n, nrhs] column-major, overwritten). Every array must be device memory. */
+struct emu_solver { int live; };
+static void need_dev(const void *p, size_t bytes, const char *what) {
+    if (g_dev.span(p) == 0) emu_fatal("%s: %p is not device memory", what, p);
+    check_range(p, bytes, what);
+}
+cusolverStatus_t cusolverDnCreate(cusolverDnHandle_t *h) { *h = new emu_solver{1}; return CUSOLVER_STATUS_SUCCESS; }
+cusolverStatus_t cusolverDnDestroy(cusolverDnHandle_t h) { delete h; return CUSOLVER_STATUS_SUCCESS; }
+cusolverStatus_t cusolverDnSetStream(cusolverDnHandle_t, cudaStream_t) { return CUSOLVER_STATUS_SUCCESS; }
+cusolverStatus_t cusolverDnDpotrf_bufferSize(cusolverDnHandle_t, cublasFillMode_t uplo, int n,
+                                             double *, int lda, int *lwork) {
+    if (uplo != CUBLAS_FILL_MODE_LOWER || n < 0 || lda < std::max(1, n)) return CUSOLVER_STATUS_INVALID_VALUE;
+    *lwork = n > 0 ? n : 1; /* a stand-in size: the emulation needs none */
+    return CUSOLVER_STATUS_SUCCESS;
+}
+cusolverStatus_t cusolverDnDpotrf(cusolverDnHandle_t, cublasFillMode_t uplo, int n, double *A,
+                                  int lda, double *work, int lwork, int *dev_info) {
+    if (uplo != CUBLAS_FILL_MODE_LOWER || n < 0 || lda < std::max(1, n) || lwork < 1)
+        return CUSOLVER_STATUS_INVALID_VALUE;
+    need_dev(dev_info, sizeof(int), "cusolverDnDpotrf info");
+    need_dev(work, sizeof(double) * (size_t)lwork, "cusolverDnDpotrf work");
+    if (n) need_dev(A, sizeof(double) * ((size_t)(n - 1) * lda + n), "cusolverDnDpotrf A");
+    *dev_info = 0;
+    for (int j = 0; j < n; j++) {
+        double djj = A[(size_t)j * lda + j];
+        for (int l = 0; l < j; l++) djj -= A[(size_t)l * lda + j] * A[(size_t)l * lda + j];
+        if (!(djj > 0)) {
+            *dev_info = j + 1;
+            return CUSOLVER_STATUS_SUCCESS;
+        }
+        const double ljj = std::sqrt(djj);
+        A[(size_t)j * lda + j] = ljj;
+        for (int i = j + 1; i < n; i++) {
+            double s = A[(size_t)j * lda + i];
+            for (int l = 0; l < j; l++) s -= A[(size_t)l * lda + i] * A[(size_t)l * lda + j];
+            A[(size_t)j * lda + i] = s / ljj;
+        }
+    }
+    return CUSOLVER_STATUS_SUCCESS;
+}
+cusolverStatus_t cusolverDnDpotrs(cusolverDnHandle_t, cublasFillMode_t uplo, int n, int nrhs,
+                                  const double *A, int lda, double *B, int ldb, int *dev_info) {
+    if (uplo != CUBLAS_FILL_MODE_LOWER || n < 0 || nrhs < 0 || lda < std::max(1, n) ||
+        ldb < std::max(1, n))
+        return CUSOLVER_STATUS_INVALID_VALUE;
+    need_dev(dev_info, sizeof(int), "cusolverDnDpotrs info");
+    if (n) need_dev(A, sizeof(double) * ((size_t)(n - 1) * lda + n), "cusolverDnDpotrs A");
+    if (n && nrhs) need_dev(B, sizeof(double) * ((size_t)(nrhs - 1) * ldb + n), "cusolverDnDpotrs B");
+    *dev_info = 0;
+    for (int c = 0; c < nrhs; c++) {
+        double *b = B + (size_t)c * ldb;
+        for (int i = 0; i < n; i++) { /* L y = b */
+            double s = b[i];
+            for (int l = 0; l < i; l++) s -= A[(size_t)l * lda + i] * b[l];
+            b[i] = s / A[(size_t)i * lda + i];
+        }
+        for (int i = n - 1; i >= 0; i--) { /* L^T x = y */
+            double s = b[i];
+            for (int l = i + 1; l < n; l++) s -= A[(size_t)i * lda + l] * b[l];
+            b[i] = s / A[(size_t)i * lda + i];
+        }
+    }
+    return CUSOLVER_STATUS_SUCCESS;
+}
+
 struct emu_blas { int live; };
 const char *cublasGetStatusName(cublasStatus_t s) {
     return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_INVALID_VALUE";

@@ -68,7 +68,7 @@ def shared(m):
 
 def main():
     src = open(sys.argv[1]).read()
-    src = re.sub(r'#include <(cuda|cublas|cub/)[^>]*>\n', '', src)
+    src = re.sub(r'#include <(cuda|cublas|cusolver|cub/)[^>]*>\n', '', src)
     src = src.replace('#include "cuda/common.cuh"\n', '')
     sync = sync_set(functions(src))
     src = re.sub(r'__shared__\s+((?:\w+\s+)*?\w+)\s+(\w+\s*\[[^;]*);', shared, src)

@@ -190,6 +190,21 @@ cublasStatus_t cublasDsyrk(cublasHandle_t h, cublasFillMode_t uplo, cublasOperat
                            int n, int k, const double *alpha, const double *A, int lda,
                            const double *beta, double *C, int ldc);
 
+// ---------------------------------------------------------------- cuSOLVER (dense Cholesky)
+typedef struct emu_solver *cusolverDnHandle_t;
+typedef int cusolverStatus_t;
+#define CUSOLVER_STATUS_SUCCESS 0
+#define CUSOLVER_STATUS_INVALID_VALUE 3
+cusolverStatus_t cusolverDnCreate(cusolverDnHandle_t *h);
+cusolverStatus_t cusolverDnDestroy(cusolverDnHandle_t h);
+cusolverStatus_t cusolverDnSetStream(cusolverDnHandle_t h, cudaStream_t s);
+cusolverStatus_t cusolverDnDpotrf_bufferSize(cusolverDnHandle_t h, cublasFillMode_t uplo, int n,
+                                             double *A, int lda, int *lwork);
+cusolverStatus_t cusolverDnDpotrf(cusolverDnHandle_t h, cublasFillMode_t uplo, int n, double *A,
+                                  int lda, double *work, int lwork, int *dev_info);
+cusolverStatus_t cusolverDnDpotrs(cusolverDnHandle_t h, cublasFillMode_t uplo, int n, int nrhs,
+                                  const double *A, int lda, double *B, int ldb, int *dev_info);
+
 // ---------------------------------------------------------------- CUB's radix sort (stable)
 namespace cub {
 struct DeviceRadixSort {
