@@ -34,7 +34,7 @@
  * attends (from pageable memory: the public API has no pinned allocation, so this baseline is
  * slower than a pinned one, and "vs offl." overstates the paper's comparison by up to the
  * pageable/pinned bandwidth ratio); also the CompKV step with the state on the device
- * (opts.offload = 0, f32). Each
+ * (opts.offload = 0, f32) and with it on the device in bf16 (opts.dtype, half the memory). Each
  * timing ends with kvrt_ctx_sync. Prints "skipped: no GPU" without one. The paper reports up
  * to 6.85x over full attention at 128k (H100, one layer).
  */
@@ -182,8 +182,8 @@ static int bench_cuda(int runs, int64_t only_ctx) {
     printf("CompKV offload schedule vs full attention on %s, llama3-8b shapes (H=%d, Hkv=%d, "
            "d=%d), block %d, r=%d, 1 query, median of %d runs after a warm-up\n", info.name, H,
            HKV, D, BLOCK, R, runs);
-    printf("\n%8s %7s %12s %14s %13s %13s %11s %11s\n", "context", "budget", "full dev ms",
-           "full offl. ms", "offload step", "device step", "vs offl.", "vs dev");
+    printf("\n%8s %7s %12s %14s %13s %13s %13s %11s %11s\n", "context", "budget", "full dev ms",
+           "full offl. ms", "offload step", "device step", "dev bf16 step", "vs offl.", "vs dev");
     float q[H * D];
     uint64_t seed = 7;
     for (int i = 0; i < H * D; i++) q[i] = frand(&seed);
@@ -198,7 +198,7 @@ static int bench_cuda(int runs, int64_t only_ctx) {
         const size_t n = (size_t)T * HKV * D;
         float *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
         void *dk = NULL, *dv = NULL;
-        kvrt_compkv *off = NULL, *dev = NULL;
+        kvrt_compkv *off = NULL, *dev = NULL, *d16 = NULL;
         kvrt_cache *hc = NULL, *dc = NULL;
         kvrt_selection *sel = NULL;
         int64_t counts[HKV];
@@ -215,6 +215,10 @@ static int bench_cuda(int runs, int64_t only_ctx) {
                  kvrt_ctx_upload(g, dv, v, sizeof(float) * n) != KVRT_OK;
         if (!status) status = kvrt_compkv_create(g, &o, HKV, D, T, NULL, NULL, &dev) != KVRT_OK ||
                               kvrt_compkv_append(dev, dk, dv, T) != KVRT_OK;
+        o.dtype = KVRT_DTYPE_BF16;
+        if (!status) status = kvrt_compkv_create(g, &o, HKV, D, T, NULL, NULL, &d16) != KVRT_OK ||
+                              kvrt_compkv_append(d16, dk, dv, T) != KVRT_OK;
+        o.dtype = KVRT_DTYPE_F32;
         o.offload = 1;
         if (!status) status = kvrt_compkv_create(g, &o, HKV, D, T, NULL, NULL, &off) != KVRT_OK ||
                               kvrt_compkv_append(off, dk, dv, T) != KVRT_OK;
@@ -240,10 +244,12 @@ static int bench_cuda(int runs, int64_t only_ctx) {
             const double so = time_gpu(g, g_step, &a, runs, "kvrt_compkv_step (offload)");
             a.ck = dev;
             const double sd = time_gpu(g, g_step, &a, runs, "kvrt_compkv_step (device)");
-            if (so < 0 || sd < 0) { status = 1; break; }
-            printf("%8lld %7lld %12.3f %14.3f %13.3f %13.3f %10.2fx %10.2fx\n", (long long)T,
-                   (long long)(budgets[bi] * BLOCK), full_s * 1e3, foff_s * 1e3, so * 1e3,
-                   sd * 1e3, foff_s / so, full_s / so);
+            a.ck = d16;
+            const double sh = time_gpu(g, g_step, &a, runs, "kvrt_compkv_step (device, bf16)");
+            if (so < 0 || sd < 0 || sh < 0) { status = 1; break; }
+            printf("%8lld %7lld %12.3f %14.3f %13.3f %13.3f %13.3f %10.2fx %10.2fx\n",
+                   (long long)T, (long long)(budgets[bi] * BLOCK), full_s * 1e3, foff_s * 1e3,
+                   so * 1e3, sd * 1e3, sh * 1e3, foff_s / so, full_s / so);
         }
         if (full_s < 0 || foff_s < 0) status = 1;
     next:
@@ -253,6 +259,7 @@ static int bench_cuda(int runs, int64_t only_ctx) {
         kvrt_ctx_dealloc(g, dv);
         kvrt_compkv_free(off);
         kvrt_compkv_free(dev);
+        kvrt_compkv_free(d16);
         kvrt_cache_free(dc);
         kvrt_cache_free(hc);
         kvrt_selection_free(sel);

@@ -157,7 +157,7 @@ class kvrt_compilerkv_stats(Structure):
 class kvrt_compkv_opts(Structure):
     _fields_ = [("block", c_uint32), ("r", c_uint32), ("scale", c_float), ("compensate", c_int),
                 ("mass_only", c_int), ("first_order", c_int), ("n_sink_blocks", c_uint32),
-                ("n_recent_blocks", c_uint32), ("offload", c_int)]
+                ("n_recent_blocks", c_uint32), ("offload", c_int), ("dtype", c_int)]
 
 
 class kvrt_compkv_grouping(Structure):

@@ -105,6 +105,7 @@ void kvrt_compkv_opts_init(kvrt_compkv_opts *o) {
     o->first_order = 0;
     o->n_sink_blocks = 1;
     o->n_recent_blocks = 2;
+    o->dtype = KVRT_DTYPE_F32;
 }
 
 // ----------------------------------------------------------------------------
@@ -125,6 +126,10 @@ static int opts_check(const char *fn, const kvrt_compkv_opts *o, uint32_t hkv, u
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.compensate %d, mass_only %d, first_order %d, "
                        "offload %d, expected 0 or 1 each", fn, o->compensate, o->mass_only,
                        o->first_order, o->offload);
+    if (o->dtype != 0 && o->dtype != KVRT_DTYPE_F32 && o->dtype != KVRT_DTYPE_F16 &&
+        o->dtype != KVRT_DTYPE_BF16)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.dtype %d, expected %d (f32), %d (f16) or %d (bf16)",
+                         fn, o->dtype, KVRT_DTYPE_F32, KVRT_DTYPE_F16, KVRT_DTYPE_BF16);
     if ((perm == NULL) != (offsets == NULL))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: perm is %s but offsets is %s, expected both or neither",
                        fn, perm ? "given" : "NULL", offsets ? "given" : "NULL");
@@ -270,6 +275,10 @@ int kvrt_cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_
         return KVRT_FAIL(KVRT_ERR_UNSUPPORTED, "%s: opts.offload = 1 (K, V in pinned host memory, "
                          "read per step over the bus) is a CUDA mode; this is a CPU context, "
                          "whose state is host memory already", fn);
+    if (o->dtype == KVRT_DTYPE_F16 || o->dtype == KVRT_DTYPE_BF16)
+        return KVRT_FAIL(KVRT_ERR_UNSUPPORTED, "%s: opts.dtype %s (K, V stored in half precision) "
+                         "is a CUDA mode; a CPU context keeps them f32", fn,
+                         o->dtype == KVRT_DTYPE_F16 ? "f16" : "bf16");
     const uint32_t r = base.r;
     const size_t hkv = n_kv_heads, d = head_dim;
     kvrt_compkv *s = calloc(1, sizeof *s);

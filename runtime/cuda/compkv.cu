@@ -37,11 +37,15 @@
  * attention first gathers the selected blocks' rows from host memory over the bus into a device
  * buffer (one kernel reading the mapped memory: only those blocks cross the bus), then runs the
  * same attention kernel over that buffer.
+ * Half-precision storage on the device (opts.dtype f16 or bf16, offload 0): the same staged
+ * path with the half-precision arrays in device memory instead of host memory (half the bytes of
+ * the f32 state), the gather widening the selected rows on the device.
  * Workspace is stream-ordered (cudaMallocAsync) and freed before returning. Nothing here has run
  * on a GPU in CI; tests/backend/test_backend_ops.c checks every op against the CPU's _ref where
  * one is present.
  */
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <math.h>
@@ -58,10 +62,13 @@
 /* The CUDA state: the shared head first (core/policies.h), then device arrays. */
 typedef struct {
     kvrt_compkv_base b;
-    float *k, *v;         /* [hkv][cap][d]; NULL in offload mode */
-    uint16_t *hk, *hv;    /* offload: pinned host bf16 [hkv][cap][d] */
-    uint16_t *mk, *mv;    /* offload: their device (mapped) addresses */
-    float *tk, *tv;       /* offload: the rows of the block still filling, f32 [hkv][block][d] */
+    float *k, *v;         /* [hkv][cap][d] f32; NULL when staged */
+    uint16_t *hk, *hv;    /* staged: K, V in half precision [hkv][cap][d]: pinned, mapped host
+                           * memory (offload) or device memory (opts.dtype f16 / bf16) */
+    uint16_t *mk, *mv;    /* staged: their device addresses (the mapped ones, or hk, hv) */
+    float *tk, *tv;       /* staged: the rows of the block still filling, f32 [hkv][block][d] */
+    int staged;           /* K, V in hk, hv: a step gathers the selected rows to f32 first */
+    int f16;              /* staged: 1 f16, 0 bf16 */
     float *kmean, *vmean; /* [hkv][cap_blocks][d] */
     float *gvar;          /* [hkv][cap_blocks][r] */
     int32_t *count;       /* [cap_blocks] */
@@ -81,8 +88,13 @@ extern "C" void kvrt_cuda_compkv_free(kvrt_compkv *ks) {
     void *p[] = {s->k, s->v, s->kmean, s->vmean, s->gvar, s->count, s->perm, s->off, s->tk, s->tv};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
         if (p[i]) (void)cudaFree(p[i]);
-    if (s->hk) (void)cudaFreeHost(s->hk);
-    if (s->hv) (void)cudaFreeHost(s->hv);
+    if (s->b.o.offload) {
+        if (s->hk) (void)cudaFreeHost(s->hk);
+        if (s->hv) (void)cudaFreeHost(s->hv);
+    } else {
+        if (s->hk) (void)cudaFree(s->hk);
+        if (s->hv) (void)cudaFree(s->hv);
+    }
     (void)cudaGetLastError();
     free(s);
 }
@@ -118,7 +130,10 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
     const size_t hkv = n_kv_heads, d = head_dim, cb = (size_t)s->b.cap_blocks;
     const size_t kvb = sizeof(float) * (size_t)capacity * hkv * d;
     const int off = o->offload;
-    /* offload: the rows of the block still filling, at most min(block, capacity) of them */
+    s->f16 = o->dtype == KVRT_DTYPE_F16;
+    s->staged = off || s->f16 || o->dtype == KVRT_DTYPE_BF16;
+    const int staged = s->staged;
+    /* staged: the rows of the block still filling, at most min(block, capacity) of them */
     const size_t tail_rows = (size_t)o->block < (size_t)capacity ? (size_t)o->block : (size_t)capacity;
     const size_t tailb = sizeof(float) * hkv * tail_rows * d;
     cudaError_t e = cudaSuccess;
@@ -138,12 +153,28 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
                                 "mapped host memory for K and V (%s)", fn, (double)hb / 1048576.0,
                                 cudaGetErrorString(e));
         }
+    } else if (staged) { /* K, V in half precision in device memory */
+        const size_t hb = sizeof(uint16_t) * (size_t)capacity * hkv * d;
+        e = cudaMalloc((void **)&s->hk, hb);
+        if (e == cudaSuccess) e = cudaMalloc((void **)&s->hv, hb);
+        s->mk = s->hk;
+        s->mv = s->hv;
+        if (e != cudaSuccess) {
+            kvrt_cuda_compkv_free((kvrt_compkv *)(void *)s);
+            free(pm);
+            free(of);
+            (void)cudaGetLastError();
+            return kvrt_err_set(err, e == cudaErrorMemoryAllocation ? KVRT_ERR_NOMEM : KVRT_ERR_CUDA,
+                                (int)e, "%s: cannot allocate 2 x %.1f MiB of device memory for K "
+                                "and V in %s (%s)", fn, (double)hb / 1048576.0,
+                                s->f16 ? "f16" : "bf16", cudaGetErrorString(e));
+        }
     }
     struct {
         void **p;
         size_t bytes;
-    } al[] = {{(void **)(off ? &s->tk : &s->k), off ? tailb : kvb},
-              {(void **)(off ? &s->tv : &s->v), off ? tailb : kvb},
+    } al[] = {{(void **)(staged ? &s->tk : &s->k), staged ? tailb : kvb},
+              {(void **)(staged ? &s->tv : &s->v), staged ? tailb : kvb},
               {(void **)&s->kmean, sizeof(float) * hkv * cb * d},
               {(void **)&s->vmean, sizeof(float) * hkv * cb * d},
               {(void **)&s->gvar, sizeof(float) * hkv * cb * r},
@@ -166,8 +197,8 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
             return kvrt_err_set(err, KVRT_ERR_NOMEM, (int)e,
                                 "%s: out of device memory (capacity %lld tokens: %.1f MiB of %s)",
                                 fn, (long long)capacity,
-                                2.0 * (double)(off ? tailb : kvb) / 1048576.0,
-                                off ? "the filling block's K, V" : "K, V");
+                                2.0 * (double)(staged ? tailb : kvb) / 1048576.0,
+                                staged ? "the filling block's K, V" : "K, V");
         }
         return kvrt_cuda_error(err, e, "state allocation and upload", __func__, __FILE__,
                                __LINE__);
@@ -204,7 +235,7 @@ __global__ void ck_summarize(const float *__restrict__ k, const float *__restric
     const int h = blockIdx.y;
     const int64_t t0 = b * B, t1 = t0 + B < len ? t0 + B : len;
     const double c = (double)(t1 - t0);
-    /* token t of head h at row h cap + t - t_base: the state's rows (t_base 0), or offload's
+    /* token t of head h at row h cap + t - t_base: the state's rows (t_base 0), or the staged
      * temporary rows from the first touched block on (t_base = that block's first token) */
     const float *kh = k + (int64_t)h * cap * d, *vh = v + (int64_t)h * cap * d;
     float *km = kmean + ((int64_t)h * cap_blocks + b) * d;
@@ -238,13 +269,14 @@ __global__ void ck_summarize(const float *__restrict__ k, const float *__restric
     if (h == 0 && threadIdx.x == 0) count[b] = (int32_t)(t1 - t0);
 }
 
-/* Offload append, one thread per element of the M = L0 + n rows of the touched blocks, head
+/* Staged append, one thread per element of the M = L0 + n rows of the touched blocks, head
  * major: tmp [hkv][M][d] f32 gets the L0 rows still filling (tail [hkv][B][d], B here the tail's
  * rows per head: min(block, capacity)) then the n new
- * rows src [n][hkv][d]; the new rows also go to the mapped host arrays as bf16 (row len0 + i). */
+ * rows src [n][hkv][d]; the new rows also go to the half-precision arrays (bf16, or f16 when
+ * f16; row len0 + i), rounded to nearest even. */
 __global__ void ck_off_fill(const float *__restrict__ src, int64_t n, int hkv, int d, int64_t L0,
                            const float *__restrict__ tail, int B, int64_t cap, int64_t len0,
-                           float *__restrict__ tmp, uint16_t *__restrict__ host) {
+                           int f16, float *__restrict__ tmp, uint16_t *__restrict__ host) {
     const int64_t M = L0 + n, i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)hkv * M * d) return;
     const int x = (int)(i % d);
@@ -255,7 +287,8 @@ __global__ void ck_off_fill(const float *__restrict__ src, int64_t n, int hkv, i
     } else {
         const float f = src[((t - L0) * hkv + h) * d + x];
         tmp[i] = f;
-        host[((int64_t)h * cap + len0 + (t - L0)) * d + x] = __bfloat16_as_ushort(__float2bfloat16_rn(f));
+        host[((int64_t)h * cap + len0 + (t - L0)) * d + x] =
+            f16 ? __half_as_ushort(__float2half_rn(f)) : __bfloat16_as_ushort(__float2bfloat16_rn(f));
     }
 }
 
@@ -282,7 +315,7 @@ static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float
     const int64_t nbt = b1 - b0 + 1, total = (int64_t)hkv * M * d;
     if (nbt > 0x7fffffffLL || (total + CK_THREADS - 1) / CK_THREADS > 0x7fffffffLL)
         return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
-                            "kvrt_compkv_append (cuda, offload): %lld tokens in one call",
+                            "kvrt_compkv_append (cuda, half-precision K, V): %lld tokens in one call",
                             (long long)n);
     float *tmp = NULL;
     const size_t tb = sizeof(float) * (size_t)total;
@@ -291,8 +324,10 @@ static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float
     const unsigned g = (unsigned)((total + CK_THREADS - 1) / CK_THREADS);
     /* the tail's rows per head: min(block, capacity), as allocated */
     const int TB = (int64_t)B < s->b.cap ? B : (int)s->b.cap;
-    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, L0, s->tk, TB, s->b.cap, len0, tk, s->mk);
-    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, L0, s->tv, TB, s->b.cap, len0, tv, s->mv);
+    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, L0, s->tk, TB, s->b.cap, len0, s->f16,
+                                              tk, s->mk);
+    ck_off_fill<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, L0, s->tv, TB, s->b.cap, len0, s->f16,
+                                              tv, s->mv);
     dim3 grid((unsigned)nbt, (unsigned)hkv);
     ck_summarize<<<grid, 128, 0, stream>>>(tk, tv, hkv, d, (int)s->b.r, M, b0 * B, s->b.cap_blocks,
                                            B, b0, len, s->perm, s->off, s->kmean, s->vmean,
@@ -305,7 +340,7 @@ static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float
     const cudaError_t e = cudaGetLastError();
     (void)cudaFreeAsync(tmp, stream);
     if (e != cudaSuccess)
-        return kvrt_cuda_error(err, e, "compkv offload append kernels", __func__, __FILE__, __LINE__);
+        return kvrt_cuda_error(err, e, "compkv staged append kernels", __func__, __FILE__, __LINE__);
     s->b.len = len;
     return KVRT_OK;
 }
@@ -316,7 +351,7 @@ extern "C" int kvrt_cuda_compkv_append(kvrt_ctx *ctx, kvrt_compkv *ks, const flo
     ck_state *s = (ck_state *)(void *)ks;
     cudaStream_t stream = kvrt_cuda_stream(ctx);
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
-    if (s->b.o.offload) return ck_off_append(ctx, s, k, v, n);
+    if (s->staged) return ck_off_append(ctx, s, k, v, n);
     const int hkv = (int)s->b.hkv, d = (int)s->b.d, B = (int)s->b.o.block;
     const int64_t total = n * hkv * d, len0 = s->b.len, len = len0 + n;
     const unsigned g = (unsigned)((total + CK_THREADS - 1) / CK_THREADS);
@@ -645,10 +680,11 @@ __global__ void ck_mark(const int32_t *__restrict__ blocks, int hkv, int64_t n_s
     slot[(i / n_sel) * nb + blocks[i]] = (int32_t)(i % n_sel);
 }
 
-/* Offload: the selected blocks' rows from the mapped host arrays (bf16) into the device buffers
- * sk, sv [hkv][n_sel][B][d] (f32), one thread per element; rows past the held tokens are left. */
+/* Staged: the selected blocks' rows from the half-precision arrays (mapped host memory, or
+ * device memory; bf16, or f16 when f16) into the device buffers sk, sv [hkv][n_sel][B][d] (f32),
+ * one thread per element; rows past the held tokens are left. */
 __global__ void ck_off_gather(const int32_t *__restrict__ blocks, int hkv, int64_t n_sel, int B,
-                              int d, int64_t cap, int64_t len, const uint16_t *__restrict__ mk,
+                              int d, int64_t cap, int64_t len, int f16, const uint16_t *__restrict__ mk,
                               const uint16_t *__restrict__ mv, float *__restrict__ sk,
                               float *__restrict__ sv) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -659,8 +695,13 @@ __global__ void ck_off_gather(const int32_t *__restrict__ blocks, int hkv, int64
     const int64_t t = (int64_t)blocks[h * n_sel + j] * B + tt;
     if (t >= len) return;
     const int64_t at = ((int64_t)h * cap + t) * d + x;
-    sk[i] = __bfloat162float(__ushort_as_bfloat16(mk[at]));
-    sv[i] = __bfloat162float(__ushort_as_bfloat16(mv[at]));
+    if (f16) {
+        sk[i] = __half2float(__ushort_as_half(mk[at]));
+        sv[i] = __half2float(__ushort_as_half(mv[at]));
+    } else {
+        sk[i] = __bfloat162float(__ushort_as_bfloat16(mk[at]));
+        sv[i] = __bfloat162float(__ushort_as_bfloat16(mv[at]));
+    }
 }
 
 /* The row of token t (of block b, selected at slot j) of KV head hk: the state's rows
@@ -748,8 +789,8 @@ static int ck_attend_blocks(kvrt_ctx *ctx, const ck_state *s, const float *q, ui
     const int hkv = (int)s->b.hkv, H = (int)n_heads, G = H / hkv;
     const int64_t len = s->b.len, nb = (len + s->b.o.block - 1) / s->b.o.block;
     const size_t nw = (size_t)H * (size_t)(len + nb), nm = (size_t)hkv * (size_t)nb;
-    const int staged = s->b.o.offload, B = (int)s->b.o.block, d = (int)s->b.d;
-    /* offload: the selected blocks' rows, gathered from host memory (f32 on the device) */
+    const int staged = s->staged, B = (int)s->b.o.block, d = (int)s->b.d;
+    /* staged: the selected blocks' rows, gathered and widened to f32 on the device */
     const size_t ns = staged ? (size_t)hkv * (size_t)n_sel * (size_t)B * (size_t)d : 0;
     char *ws = NULL;
     const size_t wbytes = (sizeof(double) * nw + 255) & ~(size_t)255;
@@ -765,8 +806,8 @@ static int ck_attend_blocks(kvrt_ctx *ctx, const ck_state *s, const float *q, ui
             blocks, hkv, n_sel, nb, slot);
         if (staged)
             ck_off_gather<<<(unsigned)(((int64_t)ns + CK_THREADS - 1) / CK_THREADS), CK_THREADS, 0,
-                            stream>>>(blocks, hkv, n_sel, B, d, s->b.cap, len, s->mk, s->mv, sk,
-                                      sv);
+                            stream>>>(blocks, hkv, n_sel, B, d, s->b.cap, len, s->f16, s->mk,
+                                      s->mv, sk, sv);
         e = cudaGetLastError();
     }
     if (e == cudaSuccess) {

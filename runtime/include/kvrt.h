@@ -995,6 +995,13 @@ typedef struct {
                               * the selected blocks over the bus (docs/cuda.md). 0 (default): K,
                               * V in the context's memory, f32. A CPU context refuses 1
                               * (KVRT_ERR_UNSUPPORTED). */
+    int dtype;               /* storage of K and V: KVRT_DTYPE_F32 (default; 0 reads as f32), or on
+                              * a CUDA context KVRT_DTYPE_BF16 / _F16: rounded to nearest even at
+                              * append (half the memory), the summaries still f32 from the f32
+                              * rows, each step widening only the selected blocks' rows to f32
+                              * before the same attention. With offload = 1 the host arrays are
+                              * bf16 (dtype f32 or bf16) or f16. A CPU context refuses bf16 and f16
+                              * (KVRT_ERR_UNSUPPORTED). */
 } kvrt_compkv_opts;
 void kvrt_compkv_opts_init(kvrt_compkv_opts *o);
 

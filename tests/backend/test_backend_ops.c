@@ -1195,14 +1195,15 @@ static void ck_pair_free(ck_pair *p) {
     free(p->offsets);
 }
 
-/* The backend's state with opts.offload = offload (the reference state on the CPU never). */
+/* The backend's state in a storage mode (the reference state on the CPU is always f32): */
+enum { CK_F32, CK_OFFLOAD, CK_BF16, CK_F16 }; /* opts.offload = 1; opts.dtype bf16 or f16 */
 static int ck_pair_make_mode(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p,
-                             int offload);
+                             int mode);
 static int ck_pair_make(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p) {
-    return ck_pair_make_mode(ctx, S, seed, p, 0);
+    return ck_pair_make_mode(ctx, S, seed, p, CK_F32);
 }
 static int ck_pair_make_mode(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, ck_pair *p,
-                             int offload) {
+                             int mode) {
     memset(p, 0, sizeof *p);
     kvrt_compkv_opts_init(&p->o);
     p->o.block = S->block;
@@ -1233,7 +1234,8 @@ static int ck_pair_make_mode(kvrt_ctx *ctx, const ck_shape *S, uint64_t *seed, c
         exit(2);
     }
     kvrt_compkv_opts og = p->o;
-    og.offload = offload;
+    og.offload = mode == CK_OFFLOAD;
+    og.dtype = mode == CK_BF16 ? KVRT_DTYPE_BF16 : mode == CK_F16 ? KVRT_DTYPE_F16 : KVRT_DTYPE_F32;
     rc = ctx->ops->compkv_create(ctx, &og, S->Hkv, S->d, S->T, p->perm, p->offsets, &p->got);
     const size_t row = (size_t)S->Hkv * S->d, bytes = sizeof(float) * (size_t)S->T * row;
     float *dk = to_ctx(ctx, p->k, bytes), *dv = to_ctx(ctx, p->v, bytes);
@@ -1401,18 +1403,24 @@ static void test_compkv_attend_blocks(kvrt_ctx *ctx, const char *bk, const ck_sh
 
 /* step: reference = scores_ref, the selection rule (kvrt_compkv_select), attend_blocks_ref */
 /* The whole step against scores_ref + select + attend_blocks_ref on the CPU reference state: the
- * same blocks exactly, the output by nmse. offload: the backend's state with opts.offload = 1
- * (K, V as bf16 in pinned host memory, only the selected blocks read per step): the output
- * within bf16's rounding of K and V (nmse 1e-4); a CPU context refuses the mode. */
+ * same blocks exactly, the output by nmse. mode CK_OFFLOAD: the backend's state with
+ * opts.offload = 1 (K, V as bf16 in pinned host memory, only the selected blocks read per step);
+ * CK_BF16 / CK_F16: opts.dtype bf16 / f16 (K, V in half precision in the context's memory): the
+ * output within the half precision's rounding of K and V (nmse 1e-4 for bf16's 8 bits, 1e-6 for
+ * f16's 11); a CPU context refuses these modes. */
 static void compkv_step_row(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si,
-                            int offload) {
-    const char *name = offload ? "compkv_step offload" : "compkv_step";
+                            int mode) {
+    static const char *names[] = {"compkv_step", "compkv_step offload", "compkv_step bf16",
+                                  "compkv_step f16"};
+    static const char *notes[] = {NULL, "bf16 K, V in host memory", "bf16 K, V", "f16 K, V"};
+    const char *name = names[mode];
+    const int offload = mode != CK_F32;
     char shape[96];
     ck_shape_str(S, shape, sizeof shape, 1);
     if (!ck_runs(ctx, bk, name, KVRT_OP_COMPKV_STEP, shape)) return;
     uint64_t seed = (offload ? 1900 : 900) + si;
     ck_pair p;
-    int rc = ck_pair_make_mode(ctx, S, &seed, &p, offload);
+    int rc = ck_pair_make_mode(ctx, S, &seed, &p, mode);
     if (offload && rc == KVRT_ERR_UNSUPPORTED) {
         row_head(name, bk, shape);
         printf("not supported: %s\n", kvrt_last_error()->msg);
@@ -1449,9 +1457,9 @@ static void compkv_step_row(kvrt_ctx *ctx, const char *bk, const ck_shape *S, si
             nmse_acc a = {0, 0, 0};
             acc_f(&a, got, ref, no);
             const int same = memcmp(gb, rb, sizeof(int32_t) * (size_t)nbk) == 0;
-            report(name, bk, shape, same ? acc_nmse(&a) : INFINITY, offload ? 1e-4 : NMSE_DEFAULT,
-                   !same ? "the selected blocks differ from the reference's"
-                   : offload ? "bf16 K, V in host memory" : NULL);
+            report(name, bk, shape, same ? acc_nmse(&a) : INFINITY,
+                   mode == CK_F16 ? 1e-6 : offload ? 1e-4 : NMSE_DEFAULT,
+                   !same ? "the selected blocks differ from the reference's" : notes[mode]);
         }
         kvrt_ctx_dealloc(ctx, dq);
         kvrt_ctx_dealloc(ctx, dout);
@@ -1467,10 +1475,16 @@ static void compkv_step_row(kvrt_ctx *ctx, const char *bk, const ck_shape *S, si
 }
 
 static void test_compkv_step(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
-    compkv_step_row(ctx, bk, S, si, 0);
+    compkv_step_row(ctx, bk, S, si, CK_F32);
 }
 static void test_compkv_offload(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
-    compkv_step_row(ctx, bk, S, si, 1);
+    compkv_step_row(ctx, bk, S, si, CK_OFFLOAD);
+}
+static void test_compkv_bf16(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    compkv_step_row(ctx, bk, S, si, CK_BF16);
+}
+static void test_compkv_f16(kvrt_ctx *ctx, const char *bk, const ck_shape *S, size_t si) {
+    compkv_step_row(ctx, bk, S, si, CK_F16);
 }
 
 /* select: the reference state's scores with ties and NaN planted (every third block scores as
@@ -1959,7 +1973,8 @@ int main(void) {
     for (int b = 0; b < 2; b++) test_am_ref(backends[b].ctx, backends[b].name);
     static const ck_test ck_tests[] = {test_compkv_create, test_compkv_scores,
                                        test_compkv_select, test_compkv_attend_blocks,
-                                       test_compkv_step, test_compkv_offload};
+                                       test_compkv_step, test_compkv_offload, test_compkv_bf16,
+                                       test_compkv_f16};
     for (size_t t = 0; t < sizeof ck_tests / sizeof ck_tests[0]; t++)
         for (int b = 0; b < 2; b++) test_compkv(backends[b].ctx, backends[b].name, ck_tests[t]);
     for (int b = 0; b < 2; b++) test_kv2_proxy(backends[b].ctx, backends[b].name);

@@ -118,6 +118,8 @@ static inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float((
 __nv_bfloat16 __float2bfloat16_rn(float f);   /* round to nearest even, NaN stays NaN */
 static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
 static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 b; b.x = u; return b; }
+static inline unsigned short __half_as_ushort(__half h) { return h.x; }
+static inline __half __ushort_as_half(unsigned short u) { __half h; h.x = u; return h; }
 
 // ---------------------------------------------------------------- runtime
 typedef int cudaError_t;

@@ -877,6 +877,21 @@ Test(compkv, bad_arguments_are_refused_with_a_message) {
     expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_UNSUPPORTED,
                  "CUDA mode", "offload on a CPU context");
     kvrt_compkv_opts_init(&o);
+    cr_assert_eq(o.dtype, KVRT_DTYPE_F32, "K, V in f32 by default");
+    o.dtype = 7;
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG,
+                 "opts.dtype 7", "dtype 7");
+    o.dtype = KVRT_DTYPE_BF16; /* half-precision K, V: a CUDA mode too */
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_UNSUPPORTED,
+                 "bf16", "bf16 K, V on a CPU context");
+    o.dtype = KVRT_DTYPE_F16;
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_UNSUPPORTED,
+                 "f16", "f16 K, V on a CPU context");
+    o.dtype = 0; /* a zeroed struct's 0 reads as f32 */
+    cr_assert_eq(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_OK);
+    kvrt_compkv_free(s);
+    s = NULL;
+    kvrt_compkv_opts_init(&o);
     expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, perm, NULL, &s), KVRT_ERR_ARG, "offsets",
                  "perm without offsets");
     perm[8 + 3] = perm[8 + 4]; /* head 1 repeats a coordinate */
