@@ -137,36 +137,29 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
     const size_t tail_rows = (size_t)o->block < (size_t)capacity ? (size_t)o->block : (size_t)capacity;
     const size_t tailb = sizeof(float) * hkv * tail_rows * d;
     cudaError_t e = cudaSuccess;
-    if (off) { /* K, V in pinned host memory, mapped into the device's address space */
+    if (staged) { /* K, V in half precision: pinned host memory mapped into the device's
+                   * address space (offload), or device memory */
         const size_t hb = sizeof(uint16_t) * (size_t)capacity * hkv * d;
-        e = cudaHostAlloc((void **)&s->hk, hb, cudaHostAllocMapped);
-        if (e == cudaSuccess) e = cudaHostAlloc((void **)&s->hv, hb, cudaHostAllocMapped);
-        if (e == cudaSuccess) e = cudaHostGetDevicePointer((void **)&s->mk, s->hk, 0);
-        if (e == cudaSuccess) e = cudaHostGetDevicePointer((void **)&s->mv, s->hv, 0);
-        if (e != cudaSuccess) {
-            kvrt_cuda_compkv_free((kvrt_compkv *)(void *)s);
-            free(pm);
-            free(of);
-            (void)cudaGetLastError();
-            return kvrt_err_set(err, e == cudaErrorMemoryAllocation ? KVRT_ERR_NOMEM : KVRT_ERR_CUDA,
-                                (int)e, "%s: offload: cannot allocate 2 x %.1f MiB of pinned, "
-                                "mapped host memory for K and V (%s)", fn, (double)hb / 1048576.0,
-                                cudaGetErrorString(e));
+        if (off) {
+            e = cudaHostAlloc((void **)&s->hk, hb, cudaHostAllocMapped);
+            if (e == cudaSuccess) e = cudaHostAlloc((void **)&s->hv, hb, cudaHostAllocMapped);
+            if (e == cudaSuccess) e = cudaHostGetDevicePointer((void **)&s->mk, s->hk, 0);
+            if (e == cudaSuccess) e = cudaHostGetDevicePointer((void **)&s->mv, s->hv, 0);
+        } else {
+            e = cudaMalloc((void **)&s->hk, hb);
+            if (e == cudaSuccess) e = cudaMalloc((void **)&s->hv, hb);
+            s->mk = s->hk;
+            s->mv = s->hv;
         }
-    } else if (staged) { /* K, V in half precision in device memory */
-        const size_t hb = sizeof(uint16_t) * (size_t)capacity * hkv * d;
-        e = cudaMalloc((void **)&s->hk, hb);
-        if (e == cudaSuccess) e = cudaMalloc((void **)&s->hv, hb);
-        s->mk = s->hk;
-        s->mv = s->hv;
         if (e != cudaSuccess) {
             kvrt_cuda_compkv_free((kvrt_compkv *)(void *)s);
             free(pm);
             free(of);
             (void)cudaGetLastError();
             return kvrt_err_set(err, e == cudaErrorMemoryAllocation ? KVRT_ERR_NOMEM : KVRT_ERR_CUDA,
-                                (int)e, "%s: cannot allocate 2 x %.1f MiB of device memory for K "
-                                "and V in %s (%s)", fn, (double)hb / 1048576.0,
+                                (int)e, "%s: cannot allocate 2 x %.1f MiB of %s for K and V in %s "
+                                "(%s)", fn, (double)hb / 1048576.0,
+                                off ? "pinned, mapped host memory (offload)" : "device memory",
                                 s->f16 ? "f16" : "bf16", cudaGetErrorString(e));
         }
     }
