@@ -129,6 +129,8 @@ struct kvrt_kv2_plan {
     uint32_t pass;            /* 1-based */
     float *tmp;               /* [Hkv, m] chunk scores before they are scattered */
     int32_t *idx;             /* [max(m, C) ] top-k scratch */
+    float *dev;               /* a context whose memory is not the host's (CUDA): the ops write
+                               * here, [Hkv, max(m, C)] in its memory, then it is downloaded */
 };
 
 void kvrt_kv2_plan_free(kvrt_kv2_plan *pl) {
@@ -141,7 +143,16 @@ void kvrt_kv2_plan_free(kvrt_kv2_plan *pl) {
     free(pl->q_pos);
     free(pl->tmp);
     free(pl->idx);
+    if (pl->dev) kvrt_ctx_dealloc(pl->ctx, pl->dev);
     free(pl);
+}
+
+/* Where an op of the plan writes n floats meant for the host array `host`: host itself on a CPU
+ * context, else the plan's scratch in the context's memory (op_done downloads it). */
+static float *op_out(const kvrt_kv2_plan *pl, float *host) { return pl->dev ? pl->dev : host; }
+static int op_done(kvrt_kv2_plan *pl, float *host, size_t n) {
+    if (pl->dev == NULL) return KVRT_OK;
+    return kvrt_ctx_download(pl->ctx, host, pl->dev, sizeof(float) * n);
 }
 
 /* n_q of a chunk of len positions: max(floor(rho len), 1); the 1e-9 guards products such as
@@ -232,6 +243,16 @@ int kvrt_kv2_plan_create(kvrt_ctx *ctx, const kvrt_kv2_opts *o, uint32_t n_layer
                                                    n_layers, n_kv_heads, (long long)C));
     }
     pl->ctx = ctx;
+    if (ctx->device != KVRT_DEVICE_HOST) {
+        const size_t w = (size_t)n_kv_heads * (size_t)(m > C ? m : C);
+        if (kvrt_ctx_alloc(ctx, sizeof(float) * w, (void **)&pl->dev) != KVRT_OK) {
+            pl->dev = NULL;
+            kvrt_kv2_plan_free(pl);
+            return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of device memory "
+                                                       "(%u KV heads x %lld tokens of scores)",
+                                                       fn, n_kv_heads, (long long)C));
+        }
+    }
     pl->o = *o;
     pl->L = n_layers;
     pl->H = n_heads;
@@ -294,7 +315,8 @@ int kvrt_kv2_plan_proxy(kvrt_kv2_plan *pl, uint32_t layer, const float *k) {
     if (rc == KVRT_OK) rc = kvrt_policy_ctx_check(pl->ctx, fn, KVRT_OP_KV2_PROXY);
     if (rc) return kvrt_policy_ctx_done(pl->ctx, rc);
     float *s = pl->scores + (size_t)layer * pl->Hkv * (size_t)pl->C;
-    rc = pl->ctx->ops->kv2_proxy(pl->ctx, k, pl->C, pl->Hkv, pl->d, pl->o.proxy, s);
+    rc = pl->ctx->ops->kv2_proxy(pl->ctx, k, pl->C, pl->Hkv, pl->d, pl->o.proxy, op_out(pl, s));
+    if (rc == KVRT_OK) rc = op_done(pl, s, (size_t)pl->Hkv * (size_t)pl->C);
     if (rc) {
         return kvrt_policy_ctx_done(pl->ctx, fail_in(rc, "%s: layer %u", fn, layer));
     }
@@ -364,7 +386,8 @@ int kvrt_kv2_plan_score(kvrt_kv2_plan *pl, int64_t r, uint32_t layer, const floa
     chunk_range(pl, r, &lo, &hi);
     const int64_t W = hi - lo;
     rc = pl->ctx->ops->kv2_score(pl->ctx, q, n_q, pl->H, k, pl->C, pl->Hkv, pl->d, k_new, lo, hi,
-                                 pl->tmp);
+                                 op_out(pl, pl->tmp));
+    if (rc == KVRT_OK) rc = op_done(pl, pl->tmp, (size_t)pl->Hkv * (size_t)W);
     if (rc) {
         rc = fail_in(rc, "%s: chunk %lld, layer %u", fn, (long long)r, layer);
         return kvrt_policy_ctx_done(pl->ctx, rc);

@@ -501,8 +501,7 @@ int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const 
  * ratio for every head). *out: one cache of n_kv_heads heads. stats [Hkv] or NULL.
  * On a CUDA context (this call and the _ref, _multi and _scheduled forms; docs/cuda.md): q,
  * q_ref, q_pos, k and v are device memory, ratios and stats stay host memory, *out is a device
- * cache of the context; key selection OMP returns KVRT_ERR_UNSUPPORTED there (HighestAttnKeys
- * only). */
+ * cache of the context (both key selections). */
 int kvrt_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q, const float *k,
                           const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
                           uint32_t head_dim, const float *ratios, double ratio, int dtype,
@@ -636,7 +635,10 @@ int kvrt_kv2_proxy_from_name(const char *name); /* -1 when unknown */
 typedef struct kvrt_kv2_plan kvrt_kv2_plan;
 /* KVRT_ERR_ARG: rho outside (0, 1], passes outside 1..16, n_sink >= C, an explicit chunk larger
  * than C - n_sink, H not a multiple of Hkv, a zero dimension. The plan holds no K/V: only scores
- * [L, Hkv, C] and the proxy [C]. */
+ * [L, Hkv, C] and the proxy [C], in host memory. On a CUDA context the stage-1 and stage-2 ops
+ * run on the device: k, q, k_new (and compress's k, v) are device memory, each op's scores are
+ * downloaded into the plan (a scratch of Hkv x max(chunk, C) floats in the context's memory),
+ * and kvrt_kv2_plan_compress returns a device cache of the context. */
 int kvrt_kv2_plan_create(kvrt_ctx *ctx, const kvrt_kv2_opts *o, uint32_t n_layers,
                          uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, int64_t C,
                          kvrt_kv2_plan **out);

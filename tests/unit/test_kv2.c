@@ -334,14 +334,33 @@ typedef struct {
     int64_t n_queries;
 } flow_out;
 
-/* The whole serving loop with rerotated stage-2 inputs. */
+/* On a CUDA context the plan's array arguments are device memory: x [n] uploaded into *slot
+ * (allocated with room for cap floats on first use); on a CPU context x itself. */
+static const float *flow_arg(kvrt_ctx *ctx, int dev, const float *x, size_t n, size_t cap,
+                             float **slot) {
+    if (!dev) return x;
+    if (*slot == NULL)
+        cr_assert_eq(kvrt_ctx_alloc(ctx, sizeof(float) * cap, (void **)slot), KVRT_OK, "%s",
+                     kvrt_ctx_last_error(ctx)->msg);
+    cr_assert_eq(kvrt_ctx_upload(ctx, *slot, x, sizeof(float) * n), KVRT_OK);
+    return *slot;
+}
+
+/* The whole serving loop with rerotated stage-2 inputs (on a CUDA context with every array
+ * uploaded first: the caches come back in its memory). */
 static void run_flow(kvrt_ctx *ctx, const real_window *w, const kvrt_kv2_opts *o, double budget,
                      flow_out *fo) {
+    kvrt_device_info di;
+    cr_assert_eq(kvrt_ctx_info(ctx, &di), KVRT_OK);
+    const int dev = di.backend == KVRT_BACKEND_CUDA;
+    const size_t nkv = (size_t)w->C * w->Hkv * w->d, nq = (size_t)w->C * w->H * w->d;
+    float *dk = NULL, *dv = NULL, *dq = NULL, *dkn = NULL;
     kvrt_kv2_plan *pl = NULL;
     cr_assert_eq(kvrt_kv2_plan_create(ctx, o, w->L, w->H, w->Hkv, w->d, w->C, &pl), KVRT_OK, "%s",
                  kvrt_last_error()->msg);
     for (uint32_t l = 0; l < w->L; l++)
-        cr_assert_eq(kvrt_kv2_plan_proxy(pl, l, w->k[l]), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_kv2_plan_proxy(pl, l, flow_arg(ctx, dev, w->k[l], nkv, nkv, &dk)),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
     const int64_t nc = kvrt_kv2_plan_n_chunks(pl);
     int64_t total = 0;
     for (int64_t r = 0; r < nc; r++) {
@@ -372,7 +391,10 @@ static void run_flow(kvrt_ctx *ctx, const real_window *w, const kvrt_kv2_opts *o
             at += n;
             for (uint32_t l = 0; l < w->L; l++) {
                 rerotated(w, l, pos, n, q, kn);
-                cr_assert_eq(kvrt_kv2_plan_score(pl, r, l, q, n, w->k[l], kn), KVRT_OK, "%s",
+                const float *aq = flow_arg(ctx, dev, q, (size_t)n * w->H * w->d, nq, &dq);
+                const float *akn = flow_arg(ctx, dev, kn, (size_t)n * w->Hkv * w->d, nkv, &dkn);
+                const float *ak = flow_arg(ctx, dev, w->k[l], nkv, nkv, &dk);
+                cr_assert_eq(kvrt_kv2_plan_score(pl, r, l, aq, n, ak, akn), KVRT_OK, "%s",
                              kvrt_last_error()->msg);
             }
         }
@@ -382,7 +404,9 @@ static void run_flow(kvrt_ctx *ctx, const real_window *w, const kvrt_kv2_opts *o
     fo->caches = calloc(w->L, sizeof(kvrt_cache *));
     fo->scores = malloc(sizeof(float) * (size_t)w->L * w->Hkv * (size_t)w->C);
     for (uint32_t l = 0; l < w->L; l++) {
-        cr_assert_eq(kvrt_kv2_plan_compress(pl, l, budget, w->k[l], w->v[l], KVRT_DTYPE_F32,
+        const float *ak = flow_arg(ctx, dev, w->k[l], nkv, nkv, &dk);
+        const float *av = flow_arg(ctx, dev, w->v[l], nkv, nkv, &dv);
+        cr_assert_eq(kvrt_kv2_plan_compress(pl, l, budget, ak, av, KVRT_DTYPE_F32,
                                             &fo->caches[l]), KVRT_OK, "%s",
                      kvrt_last_error()->msg);
         const float *s = NULL;
@@ -390,6 +414,9 @@ static void run_flow(kvrt_ctx *ctx, const real_window *w, const kvrt_kv2_opts *o
         memcpy(fo->scores + (size_t)l * w->Hkv * w->C, s, sizeof(float) * w->Hkv * (size_t)w->C);
     }
     kvrt_kv2_plan_free(pl);
+    float *slots[] = {dk, dv, dq, dkn};
+    for (int i = 0; i < 4; i++)
+        if (slots[i]) kvrt_ctx_dealloc(ctx, slots[i]);
     free(q);
     free(kn);
     free(pos);
@@ -1042,4 +1069,54 @@ Test(kv2, schedule_loader_refuses_bad_items) {
         kvrt_policy_free(pol);
         free(buf);
     }
+}
+
+// ----------------------------------------------------------------------------
+// the plan on a CUDA context
+
+static int have_gpu(void) { return kvrt_has_cuda() && kvrt_cuda_device_count() > 0; }
+
+/* The plan's ops on a CUDA context write device memory: the plan downloads their outputs into
+ * its host scores (before, a CUDA context's ops wrote through the host pointers). Two passes on a
+ * real window: the same reconstruction queries, stage-2 scores within 1e-5, and device caches
+ * holding the CPU run's positions. */
+Test(cuda, kv2_plan_runs_on_a_cuda_context) {
+    if (!have_gpu()) {
+        fprintf(stderr, "skipped: no GPU (KV2 plan on CUDA)\n");
+        cr_skip_test("no GPU");
+    }
+    real_window w;
+    fx_real_load(&w, 96, 24, 3, "kv2");
+    kvrt_ctx *g = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &g, &err), KVRT_OK, "%s", err.msg);
+    kvrt_kv2_opts o;
+    kvrt_kv2_opts_init(&o);
+    o.passes = 2;
+    o.chunk = 40;
+    flow_out a, b;
+    run_flow(test_cpu(), &w, &o, 0.25, &a);
+    run_flow(g, &w, &o, 0.25, &b);
+    cr_assert_eq(a.n_queries, b.n_queries);
+    for (int p = 0; p < 2; p++)
+        cr_expect_arr_eq(a.queries[p], b.queries[p], sizeof(int32_t) * (size_t)a.n_queries,
+                         "pass %d: other reconstruction queries than the CPU's", p + 1);
+    const size_t ns = (size_t)w.L * w.Hkv * w.C;
+    const double e = worst(b.scores, a.scores, ns, 1e-7, 1e-5);
+    cr_expect_leq(e, 1.0, "stage-2 scores: worst error %g of the tolerance", e);
+    for (uint32_t l = 0; l < w.L; l++) {
+        const kvrt_cache *c = b.caches[l], *r = a.caches[l];
+        cr_assert_eq(c->device, KVRT_DEVICE_CUDA, "layer %u: not a device cache", l);
+        cr_assert_eq(c->n_entries, r->n_entries);
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)c->n_entries);
+        cr_assert_eq(kvrt_ctx_download(g, pos, c->positions, sizeof(int32_t) * c->n_entries),
+                     KVRT_OK);
+        cr_expect_arr_eq(pos, r->positions, sizeof(int32_t) * (size_t)c->n_entries,
+                         "layer %u: other positions kept than the CPU's", l);
+        free(pos);
+    }
+    flow_free(&b, w.L);
+    flow_free(&a, w.L);
+    kvrt_ctx_free(g);
+    fx_real_free(&w);
 }
