@@ -357,6 +357,28 @@ def _ctx(ctx: Optional[Context]) -> Context:
     return default_context() if ctx is None else ctx
 
 
+def _where(c: Optional[Context]) -> str:
+    """Where the arrays of a call on context c live: "cuda" on a CUDA context, else "host"."""
+    return "cuda" if c is not None and c.backend == "cuda" else "host"
+
+
+def _carg(c: Optional[Context], x, name: str, fn: str, expect, dtype=np.float32) -> _Buf:
+    """An array argument of a call that runs on context c: host memory on a CPU context, device
+    memory on a CUDA one (``__cuda_array_interface__``: torch CUDA tensors, CuPy); the other kind
+    is refused (DeviceError) instead of handing a GPU a host pointer."""
+    w = _where(c)
+    return _on(_buf(x, name, fn, expect, dtype, allow_device=w == "cuda"), w, name, fn)
+
+
+def _cout(c: Optional[Context], shape, out, name: str, fn: str, dtype=np.float32) -> _Buf:
+    """An output array of a call on context c: new (host) or ``out`` on a CPU context; ``out``,
+    a device array, required on a CUDA one."""
+    if _where(c) == "cuda" and out is None:
+        raise KvrtError(ERR_ARG, f"{fn}: {name}: required on a CUDA context (a device array "
+                                 f"{list(shape)} of {np.dtype(dtype).name})")
+    return _out(shape, out, name, fn, dtype=dtype, device=_where(c))
+
+
 # ------------------------------------------------------------------------------------------
 # selections and caches
 
@@ -616,6 +638,12 @@ class Cache(_Handle):
                 f"nbytes={self.nbytes})")
 
 
+def _ccache(ptr: int, c: Optional[Context]) -> Cache:
+    """A cache made by a call on context c: on a CUDA context a device cache of c (closed with
+    it; :meth:`Cache.to_numpy` downloads it), else a host cache."""
+    return Cache(ptr, c if _where(c) == "cuda" else None)
+
+
 # ------------------------------------------------------------------------------------------
 # attention
 
@@ -767,14 +795,10 @@ class Quest(_Handle):
         return int(self._q.T)
 
     def _arg(self, x, name, fn, expect):
-        dev = self.device == "cuda"
-        return _on(_buf(x, name, fn, expect, allow_device=dev), self.device, name, fn)
+        return _carg(self._ctx, x, name, fn, expect)
 
     def _result(self, shape, out, name, fn, dtype):
-        if self.device == "cuda" and out is None:
-            raise KvrtError(ERR_ARG, f"{fn}: out: required for a summary in CUDA memory (a "
-                                     f"device array {list(shape)} of {np.dtype(dtype).name})")
-        return _out(shape, out, name, fn, dtype=dtype, device=self.device)
+        return _cout(self._ctx, shape, out, name, fn, dtype)
 
     def append(self, k: ArrayLike) -> None:
         """Summarize new tokens k [n, Hkv, d] (what a server does per decoded token)."""
@@ -884,18 +908,19 @@ def method_scores(method: Union[str, int], q: Optional[ArrayLike], k: ArrayLike,
                   out: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
     """kvrt_method_scores: the budget-independent token scores ``[Hkv, T]`` (higher = keep) of
     snapkv, h2o, knorm, keydiff (None for full, streaming, random). ``ctx`` None: the CPU
-    paths; with a context the snapkv/h2o score ops run through its backend table."""
+    paths; with a context the score ops run through its backend table (a CUDA context: q, k and
+    ``out``, required, are device arrays)."""
     fn = "kvrt.method_scores"
-    kb = _buf(k, "k", fn, (None, None, None))
+    kb = _carg(ctx, k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
     qp, H = None, n_heads or Hkv
     if q is not None:
-        qb = _buf(q, "q", fn, (T, None, d))
+        qb = _carg(ctx, q, "q", fn, (T, None, d))
         qp, H = qb.ptr, qb.shape[1]
     m = _method_code(method)
     o = _method_opts(m, T, n_sink, window, pool_kernel, seed)
     has = lib.kvrt_method_has_scores(m)
-    ob = _out((Hkv, T), out, "out", fn) if has else None
+    ob = _cout(ctx, (Hkv, T), out, "out", fn) if has else None
     cp = ctx.ptr if ctx is not None else None
     check(lib.kvrt_method_scores(cp, byref(o), qp, kb.ptr, T, H, Hkv, d,
                                  ob.ptr if ob else None), ctx_ptr=cp)

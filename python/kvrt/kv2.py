@@ -20,7 +20,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context,
-                    _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
+                    _carg, _ccache, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
 _AGG = {"mean": 0, "max": 1}
@@ -75,12 +75,13 @@ class KV2Plan(_Handle):
                                            head_dim, int(C), byref(out)), ctx_ptr=c.ptr)
             _ptr = out.value
         super().__init__(_ptr, c)
+        self.ctx = c
         self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.C = \
             n_layers, n_heads, n_kv_heads, head_dim, int(C)
 
     def proxy(self, layer: int, k: ArrayLike) -> None:
         """Stage 1 for one layer: k [C, Hkv, d]."""
-        kb = _buf(k, "k", "kvrt.KV2Plan.proxy", (self.C, self.n_kv_heads, self.head_dim))
+        kb = _carg(self.ctx, k, "k", "kvrt.KV2Plan.proxy", (self.C, self.n_kv_heads, self.head_dim))
         check(lib.kvrt_kv2_plan_proxy(self.ptr, int(layer), kb.ptr))
 
     @property
@@ -108,11 +109,12 @@ class KV2Plan(_Handle):
         """Stage 2 of chunk r, layer: q [n_q, H, d], k [C, Hkv, d] the context keys, k_new
         [n_q, Hkv, d] the reconstruction tokens' keys (or None: the context only)."""
         fn = "kvrt.KV2Plan.score"
-        qb = _buf(q, "q", fn, (None, self.n_heads, self.head_dim))
-        kb = _buf(k, "k", fn, (self.C, self.n_kv_heads, self.head_dim))
+        qb = _carg(self.ctx, q, "q", fn, (None, self.n_heads, self.head_dim))
+        kb = _carg(self.ctx, k, "k", fn, (self.C, self.n_kv_heads, self.head_dim))
         kn = None
         if k_new is not None:
-            kn = _buf(k_new, "k_new", fn, (qb.shape[0], self.n_kv_heads, self.head_dim)).ptr
+            kn = _carg(self.ctx, k_new, "k_new", fn,
+                       (qb.shape[0], self.n_kv_heads, self.head_dim)).ptr
         check(lib.kvrt_kv2_plan_score(self.ptr, int(r), int(layer), qb.ptr, qb.shape[0], kb.ptr,
                                       kn))
 
@@ -137,12 +139,12 @@ class KV2Plan(_Handle):
         """Layer's compressed cache at budget (a count per KV head or a ratio of C); k, v
         [C, Hkv, d]."""
         fn = "kvrt.KV2Plan.compress"
-        kb = _buf(k, "k", fn, (self.C, self.n_kv_heads, self.head_dim))
-        vb = _buf(v, "v", fn, kb.shape)
+        kb = _carg(self.ctx, k, "k", fn, (self.C, self.n_kv_heads, self.head_dim))
+        vb = _carg(self.ctx, v, "v", fn, kb.shape)
         out = c_void_p()
         check(lib.kvrt_kv2_plan_compress(self.ptr, int(layer), float(budget), kb.ptr, vb.ptr,
                                          _dtype_code(dtype), byref(out)))
-        return Cache(out.value)
+        return _ccache(out.value, self.ctx)
 
 
 class KV2Schedule(_Handle):

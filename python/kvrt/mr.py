@@ -12,7 +12,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, ArrayLike, Cache, Context,
-                    _buf, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
+                    _buf, _carg, _ccache, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
 
@@ -70,16 +70,16 @@ def mr_compress_layer(k: ArrayLike, v: ArrayLike, budget: float, *, layer: int =
     middle blocks with bias log w, the recent window). budget: a count per KV head or a ratio
     of T. basis required by the cluster reducer (the default); options: :func:`mr_options`."""
     fn = "kvrt.mr_compress_layer"
-    kb = _buf(k, "k", fn, (None, None, None))
+    c = _ctx(ctx)
+    kb = _carg(c, k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
-    vb = _buf(v, "v", fn, kb.shape)
+    vb = _carg(c, v, "v", fn, kb.shape)
     o = _opts(**options)
     bs = byref(basis._struct()) if basis is not None else None
-    c = _ctx(ctx)
     out = c_void_p()
     check(lib.kvrt_mr_compress_layer(c.ptr, byref(o), bs, int(layer), kb.ptr, vb.ptr, T, Hkv, d,
                                      float(budget), _dtype_code(dtype), byref(out)), ctx_ptr=c.ptr)
-    return Cache(out.value)
+    return _ccache(out.value, c)
 
 
 class MRStream(_Handle):
@@ -165,20 +165,20 @@ class MRSchedule(_Handle):
         """kvrt_mr_compress_scheduled: one layer with the compiled basis and options; k, v [T,
         Hkv, d]; budget a compiled ratio (or a count: the m of the nearest compiled ratio)."""
         fn = "kvrt.MRSchedule.compress_scheduled"
-        kb = _buf(k, "k", fn, (None, None, None))
-        vb = _buf(v, "v", fn, kb.shape)
+        c = _ctx(ctx)
+        kb = _carg(c, k, "k", fn, (None, None, None))
+        vb = _carg(c, v, "v", fn, kb.shape)
         op = None
         if options:
             base = _lib.kvrt_mr_opts()
             check(lib.kvrt_mr_schedule_opts(self.ptr, byref(base)))
             op = byref(_opts(base, **options))
-        c = _ctx(ctx)
         out = c_void_p()
         check(lib.kvrt_mr_compress_scheduled(c.ptr, self.ptr, op,
                                              OVERRIDE_OPTIONS if override else 0, float(budget),
                                              int(layer), kb.ptr, vb.ptr, kb.shape[0],
                                              _dtype_code(dtype), byref(out)), ctx_ptr=c.ptr)
-        return Cache(out.value)
+        return _ccache(out.value, c)
 
     compress = compress_scheduled
 

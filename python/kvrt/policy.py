@@ -18,9 +18,9 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _ctx,
-                    _dtype_code, _Handle, _out, OVERRIDE_OPTIONS)
-from .errors import ERR_ARG, ERR_SHAPE, ERR_UNSUPPORTED, KvrtError, check
+from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
+                    _cout, _ctx, _dtype_code, _Handle, _out, OVERRIDE_OPTIONS)
+from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
 #: The model presets of ``kvcc models`` (calib/presets.c): name -> dims. A test checks this
 #: table against ``kvcc models``.
@@ -396,7 +396,7 @@ class CompilerKV(_Handle):
         (the context part); budget in tokens. Returns (selection, stats). The kept set is shared
         by all KV heads of the layer and may hold fewer than budget tokens (elastic)."""
         c = _ctx(ctx)
-        vb = _buf(v, "v", "kvrt.CompilerKV.select", (prompt.T, None, None))
+        vb = _carg(c, v, "v", "kvrt.CompilerKV.select", (prompt.T, None, None))
         out, st = c_void_p(), _lib.kvrt_compilerkv_stats()
         check(lib.kvrt_compilerkv_select(c.ptr, self.ptr, prompt.ptr, int(layer), vb.ptr,
                                          vb.shape[1], vb.shape[2], int(budget),
@@ -409,25 +409,26 @@ class CompilerKV(_Handle):
                    nearest: bool = False, ctx: Optional[Context] = None
                    ) -> Tuple[List[Selection], List[Dict[str, Any]]]:
         """kvrt_compilerkv_select_all: every layer at once. q, k, v: one array per layer
-        ([T, H, d], [T, Hkv, d], [T, Hkv, d]); next_logprob [T-1]."""
+        ([T, H, d], [T, Hkv, d], [T, Hkv, d]; device arrays on a CUDA context); next_logprob
+        [T-1] (host)."""
         fn = "kvrt.CompilerKV.select_all"
+        c = _ctx(ctx)
         L = len(q)
         if len(k) != L or len(v) != L or L == 0:
             raise KvrtError(ERR_SHAPE, f"{fn}: q, k, v: got {len(q)}, {len(k)}, {len(v)} layers, "
                                        "expected the same number >= 1")
-        qb0 = _buf(q[0], "q[0]", fn, (None, None, None))
+        qb0 = _carg(c, q[0], "q[0]", fn, (None, None, None))
         T, H, d = qb0.shape
-        kb0 = _buf(k[0], "k[0]", fn, (T, None, d))
+        kb0 = _carg(c, k[0], "k[0]", fn, (T, None, d))
         Hkv = kb0.shape[1]
-        qs = [_buf(q[i], f"q[{i}]", fn, (T, H, d)) for i in range(L)]
-        ks = [_buf(k[i], f"k[{i}]", fn, (T, Hkv, d)) for i in range(L)]
-        vs = [_buf(v[i], f"v[{i}]", fn, (T, Hkv, d)) for i in range(L)]
+        qs = [_carg(c, q[i], f"q[{i}]", fn, (T, H, d)) for i in range(L)]
+        ks = [_carg(c, k[i], f"k[{i}]", fn, (T, Hkv, d)) for i in range(L)]
+        vs = [_carg(c, v[i], f"v[{i}]", fn, (T, Hkv, d)) for i in range(L)]
         nb = _buf(next_logprob, "next_logprob", fn, (T - 1,))
         arr = lambda bs: (c_void_p * L)(*[b.ptr for b in bs])  # noqa: E731
         qa, ka, va = arr(qs), arr(ks), arr(vs)
         sels = (c_void_p * L)()
         stats = (_lib.kvrt_compilerkv_stats * L)()
-        c = _ctx(ctx)
         check(lib.kvrt_compilerkv_select_all(c.ptr, self.ptr, qa, ka, va, nb.ptr, T, H, Hkv, d,
                                              int(budget), self.NEAREST_BUDGET if nearest else 0,
                                              sels, stats), ctx_ptr=c.ptr)
@@ -476,19 +477,19 @@ def am_compact(k: ArrayLike, v: ArrayLike, q_ref: ArrayLike, t: int, *,
     reference queries, q_pos [n] int32 their positions (a query sees keys j <= q_pos[i]) or
     None (every key), 1 <= t <= T. Returns (a one-head cache of at most t entries, stats)."""
     fn = "kvrt.am_compact"
-    kb = _buf(k, "k", fn, (None, None))
+    c = _ctx(ctx)
+    kb = _carg(c, k, "k", fn, (None, None))
     T, d = kb.shape
-    vb = _buf(v, "v", fn, (T, d))
-    qb = _buf(q_ref, "q_ref", fn, (None, d))
+    vb = _carg(c, v, "v", fn, (T, d))
+    qb = _carg(c, q_ref, "q_ref", fn, (None, d))
     pp = None
     if q_pos is not None:
-        pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
+        pp = _carg(c, q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
     o = _am_opts(**options)
-    c = _ctx(ctx)
     out, st = c_void_p(), _lib.kvrt_am_stats()
     check(lib.kvrt_am_compact(c.ptr, byref(o), kb.ptr, vb.ptr, T, d, qb.ptr, pp, qb.shape[0],
                               int(t), _dtype_code(dtype), byref(out), byref(st)), ctx_ptr=c.ptr)
-    return Cache(out.value), _am_stats(st)
+    return _ccache(out.value, c), _am_stats(st)
 
 
 def am_compact_layer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, ratio: float = 0.0,
@@ -499,21 +500,21 @@ def am_compact_layer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, ratio: float =
     Hkv, d]; budget of head h: round(ratios[h] * T) (ratios [Hkv] in (0, 1]) or ratio for
     every head. options: see :func:`am_options`. Returns (cache, per-head stats)."""
     fn = "kvrt.am_compact_layer"
-    kb = _buf(k, "k", fn, (None, None, None))
+    c = _ctx(ctx)
+    kb = _carg(c, k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
-    qb = _buf(q, "q", fn, (T, None, d))
-    vb = _buf(v, "v", fn, (T, Hkv, d))
+    qb = _carg(c, q, "q", fn, (T, None, d))
+    vb = _carg(c, v, "v", fn, (T, Hkv, d))
     rp = None
     if ratios is not None:
         rb = _buf(np.ascontiguousarray(ratios, dtype=np.float32), "ratios", fn, (Hkv,))
         rp = rb.ptr
     o = _am_opts(**options)
-    c = _ctx(ctx)
     out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
     check(lib.kvrt_am_compact_layer(c.ptr, byref(o), qb.ptr, kb.ptr, vb.ptr, T, qb.shape[1], Hkv,
                                     d, rp, float(ratio), _dtype_code(dtype), byref(out), stats),
           ctx_ptr=c.ptr)
-    return Cache(out.value), [_am_stats(s) for s in stats]
+    return _ccache(out.value, c), [_am_stats(s) for s in stats]
 
 
 _QUERY_SOURCE = {"context": 0, "repeat": 1, "self-study": 2}
@@ -528,17 +529,17 @@ def _query_source(val) -> int:
     return _QUERY_SOURCE[val]
 
 
-def _am_ref_bufs(fn: str, q_ref: ArrayLike, k: ArrayLike, v: ArrayLike,
+def _am_ref_bufs(fn: str, c: Context, q_ref: ArrayLike, k: ArrayLike, v: ArrayLike,
                  q_pos: Optional[ArrayLike]):
-    """The checked buffers of a call with caller-given reference queries: (q_ref [n, H, d],
-    k and v [T, Hkv, d], the q_pos pointer or None)."""
-    kb = _buf(k, "k", fn, (None, None, None))
+    """The checked buffers of a call on c with caller-given reference queries: (q_ref [n, H, d],
+    k and v [T, Hkv, d], the q_pos pointer or None), device arrays on a CUDA context."""
+    kb = _carg(c, k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
-    qb = _buf(q_ref, "q_ref", fn, (None, None, d))
-    vb = _buf(v, "v", fn, (T, Hkv, d))
+    qb = _carg(c, q_ref, "q_ref", fn, (None, None, d))
+    vb = _carg(c, v, "v", fn, (T, Hkv, d))
     pp = None
     if q_pos is not None:
-        pp = _buf(q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
+        pp = _carg(c, q_pos, "q_pos", fn, (qb.shape[0],), dtype=np.int32).ptr
     return qb, kb, vb, pp
 
 
@@ -552,19 +553,19 @@ def am_compact_layer_ref(q_ref: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     q_pos [n] int32 their positions (a row sees keys j <= q_pos[i]) or None (every key), k, v
     [T, Hkv, d] the context. Budgets and options as :func:`am_compact_layer`."""
     fn = "kvrt.am_compact_layer_ref"
-    qb, kb, vb, pp = _am_ref_bufs(fn, q_ref, k, v, q_pos)
+    c = _ctx(ctx)
+    qb, kb, vb, pp = _am_ref_bufs(fn, c, q_ref, k, v, q_pos)
     T, Hkv, d = kb.shape
     rp = None
     if ratios is not None:
         rb = _buf(np.ascontiguousarray(ratios, dtype=np.float32), "ratios", fn, (Hkv,))
         rp = rb.ptr
     o = _am_opts(**options)
-    c = _ctx(ctx)
     out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
     check(lib.kvrt_am_compact_layer_ref(c.ptr, byref(o), qb.ptr, pp, qb.shape[0], kb.ptr, vb.ptr,
                                         T, qb.shape[1], Hkv, d, rp, float(ratio),
                                         _dtype_code(dtype), byref(out), stats), ctx_ptr=c.ptr)
-    return Cache(out.value), [_am_stats(s) for s in stats]
+    return _ccache(out.value, c), [_am_stats(s) for s in stats]
 
 
 class AMSchedule(_Handle):
@@ -614,10 +615,10 @@ class AMSchedule(_Handle):
         queries q_ref [n, H, d] (q_pos [n] or None) of the stated query_source; a source other
         than the schedule's (:attr:`query_source`) is refused unless override."""
         fn = "kvrt.AMSchedule.compact_scheduled_ref"
-        qb, kb, vb, pp = _am_ref_bufs(fn, q_ref, k, v, q_pos)
+        c = _ctx(ctx)
+        qb, kb, vb, pp = _am_ref_bufs(fn, c, q_ref, k, v, q_pos)
         T, Hkv, d = kb.shape
         op = self._opts_arg(options)
-        c = _ctx(ctx)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled_ref(c.ptr, self.ptr, op,
                                                 OVERRIDE_OPTIONS if override else 0,
@@ -626,7 +627,7 @@ class AMSchedule(_Handle):
                                                 qb.shape[0], kb.ptr, vb.ptr, T, qb.shape[1],
                                                 _dtype_code(dtype), byref(out), stats),
               ctx_ptr=c.ptr)
-        return Cache(out.value), [_am_stats(s) for s in stats]
+        return _ccache(out.value, c), [_am_stats(s) for s in stats]
 
     def ratios(self, target: float, layer: int) -> np.ndarray:
         """Per-KV-head ratios float32 [Hkv] of layer for a compiled target."""
@@ -643,18 +644,18 @@ class AMSchedule(_Handle):
         ``target``. q [T, H, d], k, v [T, Hkv, d]. options (as :func:`am_options`) that differ
         from the compiled ones are refused (ArgError naming the option) unless override."""
         fn = "kvrt.AMSchedule.compact_scheduled"
-        kb = _buf(k, "k", fn, (None, None, None))
-        T, Hkv, d = kb.shape
-        qb = _buf(q, "q", fn, (T, None, d))
-        vb = _buf(v, "v", fn, (T, Hkv, d))
-        op = self._opts_arg(options)
         c = _ctx(ctx)
+        kb = _carg(c, k, "k", fn, (None, None, None))
+        T, Hkv, d = kb.shape
+        qb = _carg(c, q, "q", fn, (T, None, d))
+        vb = _carg(c, v, "v", fn, (T, Hkv, d))
+        op = self._opts_arg(options)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled(c.ptr, self.ptr, op,
                                             OVERRIDE_OPTIONS if override else 0, float(target),
                                             int(layer), qb.ptr, kb.ptr, vb.ptr, T, qb.shape[1],
                                             _dtype_code(dtype), byref(out), stats), ctx_ptr=c.ptr)
-        return Cache(out.value), [_am_stats(s) for s in stats]
+        return _ccache(out.value, c), [_am_stats(s) for s in stats]
 
     compact = compact_scheduled
 
@@ -677,8 +678,10 @@ def compkv_options(**overrides) -> Dict[str, Any]:
 
 
 class CompKVState(_Handle):
-    """One layer's CompKV decode state (``kvrt_compkv``): the full f32 cache plus per-block
-    summaries; :meth:`append` tokens as they arrive, :meth:`step` per decode step."""
+    """One layer's CompKV decode state (``kvrt_compkv``): the full cache plus per-block
+    summaries; :meth:`append` tokens as they arrive, :meth:`step` per decode step. On a CUDA
+    context the state is device memory and so is every array of its calls (k, v, q, scores,
+    blocks, and the ``out`` arrays, required there)."""
     _free_fn = "kvrt_compkv_free"
 
     def __init__(self, ptr: int, ctx: Context, n_kv_heads: int, head_dim: int):
@@ -692,12 +695,6 @@ class CompKVState(_Handle):
         """kvrt_compkv_create: a state for up to ``capacity`` tokens; perm [Hkv, d] and offsets
         [Hkv, r + 1] (uint16, both or neither) the grouping; options: :func:`compkv_options`."""
         c = _ctx(ctx)
-        if getattr(c, "backend", "cpu") != "cpu":
-            # a CUDA state takes and gives device memory (k, v, q, scores, blocks, out); this
-            # wrapper passes host arrays, so it refuses rather than hand the GPU host pointers
-            raise KvrtError(ERR_UNSUPPORTED, "kvrt.CompKVState.create: the Python wrapper runs "
-                            "CompKV on a CPU context only (on CUDA every array of the state is "
-                            "device memory: use the C API, docs/cuda.md)")
         o = _compkv_opts(**options)
         pp = op = None
         keep = []
@@ -715,8 +712,8 @@ class CompKVState(_Handle):
     def append(self, k: ArrayLike, v: ArrayLike) -> None:
         """Append n tokens k, v [n, Hkv, d] (ShapeError past capacity; nothing appended)."""
         fn = "kvrt.CompKVState.append"
-        kb = _buf(k, "k", fn, (None, self.n_kv_heads, self.head_dim))
-        vb = _buf(v, "v", fn, kb.shape)
+        kb = _carg(self.ctx, k, "k", fn, (None, self.n_kv_heads, self.head_dim))
+        vb = _carg(self.ctx, v, "v", fn, kb.shape)
         check(lib.kvrt_compkv_append(self.ptr, kb.ptr, vb.ptr, kb.shape[0]))
 
     @property
@@ -732,45 +729,50 @@ class CompKVState(_Handle):
         return int(lib.kvrt_compkv_groups(self.ptr))
 
     def _q(self, q, fn):
-        return _buf(q, "q", fn, (None, self.head_dim))
+        return _carg(self.ctx, q, "q", fn, (None, self.head_dim))
 
-    def scores(self, q: ArrayLike) -> np.ndarray:
+    def _res(self, r, out):
+        return r.obj if out is None else out
+
+    def scores(self, q: ArrayLike, *, out: Optional[ArrayLike] = None):
         """Block scores float32 [Hkv, n_blocks] for one decode step, q [H, d]."""
-        qb = self._q(q, "kvrt.CompKVState.scores")
-        s = np.empty((self.n_kv_heads, self.n_blocks), np.float32)
-        check(lib.kvrt_compkv_scores(self.ptr, qb.ptr, qb.shape[0], _addr(s)))
-        return s
+        fn = "kvrt.CompKVState.scores"
+        qb = self._q(q, fn)
+        sb = _cout(self.ctx, (self.n_kv_heads, self.n_blocks), out, "out", fn)
+        check(lib.kvrt_compkv_scores(self.ptr, qb.ptr, qb.shape[0], sb.ptr))
+        return self._res(sb, out)
 
-    def select(self, scores: ArrayLike, k_blocks: int) -> np.ndarray:
+    def select(self, scores: ArrayLike, k_blocks: int, *, out: Optional[ArrayLike] = None):
         """Blocks to read per KV head, int32 [Hkv, min(k_blocks, n_blocks)] ascending."""
+        fn = "kvrt.CompKVState.select"
         nb = self.n_blocks
-        sb = _buf(scores, "scores", "kvrt.CompKVState.select", (self.n_kv_heads, nb))
-        out = np.empty((self.n_kv_heads, min(int(k_blocks), nb)), np.int32)
-        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, int(k_blocks), _addr(out)))
-        return out
+        sb = _carg(self.ctx, scores, "scores", fn, (self.n_kv_heads, nb))
+        ob = _cout(self.ctx, (self.n_kv_heads, min(int(k_blocks), nb)), out, "out", fn, np.int32)
+        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, int(k_blocks), ob.ptr))
+        return self._res(ob, out)
 
-    def attend_blocks(self, q: ArrayLike, blocks: ArrayLike) -> np.ndarray:
+    def attend_blocks(self, q: ArrayLike, blocks: ArrayLike, *, out: Optional[ArrayLike] = None):
         """Attention of one step over blocks [Hkv, n_sel] (strictly ascending per head); out
         [H, d], unselected blocks compensated by their means when the options say so."""
         fn = "kvrt.CompKVState.attend_blocks"
         qb = self._q(q, fn)
-        bb = _buf(blocks, "blocks", fn, (self.n_kv_heads, None), dtype=np.int32)
-        out = np.empty((qb.shape[0], self.head_dim), np.float32)
+        bb = _carg(self.ctx, blocks, "blocks", fn, (self.n_kv_heads, None), dtype=np.int32)
+        ob = _cout(self.ctx, (qb.shape[0], self.head_dim), out, "out", fn)
         check(lib.kvrt_compkv_attend_blocks(self.ptr, qb.ptr, qb.shape[0], bb.ptr, bb.shape[1],
-                                            _addr(out)))
-        return out
+                                            ob.ptr))
+        return self._res(ob, out)
 
-    def step(self, q: ArrayLike, k_blocks: int, *, out: Optional[np.ndarray] = None
-             ) -> Tuple[np.ndarray, np.ndarray]:
+    def step(self, q: ArrayLike, k_blocks: int, *, out: Optional[ArrayLike] = None,
+             blocks_out: Optional[ArrayLike] = None):
         """kvrt_compkv_step: scores, select k_blocks, attend. Returns (out [H, d], blocks [Hkv,
-        min(k_blocks, n_blocks)])."""
+        min(k_blocks, n_blocks)]); on a CUDA context both are device arrays the caller gives."""
         fn = "kvrt.CompKVState.step"
         qb = self._q(q, fn)
-        ob = _out((qb.shape[0], self.head_dim), out, "out", fn)  # host only
-        blocks = np.empty((self.n_kv_heads, min(int(k_blocks), self.n_blocks)), np.int32)
-        check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], int(k_blocks), ob.ptr,
-                                   _addr(blocks)))
-        return (ob.obj if out is None else out), blocks
+        ob = _cout(self.ctx, (qb.shape[0], self.head_dim), out, "out", fn)
+        bb = _cout(self.ctx, (self.n_kv_heads, min(int(k_blocks), self.n_blocks)), blocks_out,
+                   "blocks_out", fn, np.int32)
+        check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], int(k_blocks), ob.ptr, bb.ptr))
+        return self._res(ob, out), self._res(bb, blocks_out)
 
 
 class CompKVGrouping(_Handle):
