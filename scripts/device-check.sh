@@ -9,6 +9,8 @@
 #   - runs the CUDA attend tests once more under compute-sanitizer memcheck, and every backend op
 #     (tests/backend) under memcheck and racecheck (when compute-sanitizer is installed)
 #   - runs examples/serve_skeleton.c's policies on the GPU and on the CPU and compares them
+#   - runs the Python binding's calls on a CUDA context (python/tests/cuda_calls.py) against the
+#     CPU's, when python3 has numpy
 #   - runs every build/bench/* whose source takes a --cuda flag, with --cuda
 # Log: ${OUT:-build}/device-check.log. Exit status: 0 only when every step passed.
 # Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
@@ -175,6 +177,25 @@ if make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
     fi
 else
     fail "make USE_CUDA=1 build/kvcc build/examples/serve_skeleton"
+fi
+
+step "the Python binding on the GPU (python/tests/cuda_calls.py) against the CPU"
+# Every binding call that takes ctx=, with device arrays on a CUDA context (AM both ways, one
+# head, merge-reduce, the baselines' scores, KV2's plan, CompKV f32 and bf16, Quest): the CPU's
+# results; host arrays refused. Random inputs at SmolLM2 shapes (96 tokens).
+if python3 -c "import numpy" 2>/dev/null; then
+    NPZ="$OUTDIR/device-check.calls.npz"
+    python3 -c "import numpy as np, sys; r = np.random.default_rng(5)
+f = lambda *s: r.standard_normal(s).astype(np.float32)
+np.savez(sys.argv[1], q=f(96, 9, 64), k=f(96, 3, 64), v=f(96, 3, 64))" "$NPZ"
+    for w in quest calls; do
+        PYTHONPATH=python KVRT_LIBRARY="$PWD/build/libkvrt.so" timeout 300 \
+            python3 python/tests/cuda_calls.py "$w" "$NPZ"
+        rc=$?
+        [ "$rc" -eq 0 ] || fail "python/tests/cuda_calls.py $w $(how "$rc")"
+    done
+else
+    echo "not run: python3 with numpy is not installed on this machine"
 fi
 
 step "benchmarks with --cuda"

@@ -1,5 +1,5 @@
 """The binding on a CUDA context, run on the CUDA backend's own code through tests/cuda_emu's
-emulated plugin (KVRT_CUDA_LIBRARY), each in a fresh process (cuda_emu_run.py: the plugin is
+emulated plugin (KVRT_CUDA_LIBRARY), each in a fresh process (cuda_calls.py: the plugin is
 loaded once per process): device arrays in, device caches out, the same results as on the CPU,
 and host arrays refused by name."""
 import os
@@ -21,7 +21,7 @@ def run_emulated(what, arrays, tmp_path):
     np.savez(tmp_path / "a.npz", **arrays)
     env = dict(os.environ, KVRT_CUDA_LIBRARY=emu,
                PYTHONPATH=os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, os.path.join(HERE, "cuda_emu_run.py"), what,
+    p = subprocess.run([sys.executable, os.path.join(HERE, "cuda_calls.py"), what,
                         str(tmp_path / "a.npz")], capture_output=True, text=True, env=env)
     assert p.returncode == 0 and f"{what} on cuda: OK" in p.stdout, p.stdout + p.stderr
 

@@ -1,8 +1,10 @@
-"""Run by test_cuda_emulated.py in a fresh process with KVRT_CUDA_LIBRARY set to tests/cuda_emu's
+"""The binding's calls on a CUDA context with device arrays, against the same calls on the CPU.
+Run by test_cuda_emulated.py in a fresh process with KVRT_CUDA_LIBRARY set to tests/cuda_emu's
 emulated plugin (the CUDA backend's own code run on the CPU; the plugin is loaded once per
-process): the binding's calls on a CUDA context with device arrays, against the same calls on the
-CPU. Device arrays are the context's memory seen through ``__cuda_array_interface__``, as a torch
-CUDA tensor would be. Usage: cuda_emu_run.py quest|calls NPZ; prints "<what> on cuda: OK"."""
+process), and by scripts/device-check.sh on a GPU. Device arrays are the context's memory seen
+through ``__cuda_array_interface__``, as a torch CUDA tensor would be.
+Usage: cuda_calls.py quest|calls NPZ (q [T, H, d] or, for quest, [H, d]; k, v [T, Hkv, d]);
+prints "<what> on cuda: OK"."""
 import ctypes
 import sys
 
@@ -56,6 +58,7 @@ def same_cache(got, ref, what, tol=1e-5):
 
 def quest(d, ctx):
     k, q = d["k"], d["q"]
+    q = np.ascontiguousarray(q[-1]) if q.ndim == 3 else q  # one step: the last token's
     T, Hkv, D = k.shape
     qs = kvrt.Quest.create(ctx, Hkv, D, page=16, capacity=T)
     assert qs.device == "cuda"
