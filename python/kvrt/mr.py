@@ -12,7 +12,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, ArrayLike, Cache, Context,
-                    _buf, _carg, _ccache, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
+                    _carg, _ccache, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
 
@@ -83,7 +83,9 @@ def mr_compress_layer(k: ArrayLike, v: ArrayLike, budget: float, *, layer: int =
 
 
 class MRStream(_Handle):
-    """Decode-time merge-reduce of one layer (``kvrt_mr_stream``)."""
+    """Decode-time merge-reduce of one layer (``kvrt_mr_stream``). Its state and REDUCEs live on
+    the host; on a CUDA context :meth:`append` takes device arrays and :meth:`cache` returns a
+    device cache of the context."""
     _free_fn = "kvrt_mr_stream_free"
 
     def __init__(self, n_kv_heads: int, head_dim: int, K: int, n_recent: int, *, layer: int = 0,
@@ -96,14 +98,16 @@ class MRStream(_Handle):
                                         int(head_dim), int(K), int(n_recent), byref(out)),
               ctx_ptr=c.ptr)
         super().__init__(out.value, c)
+        self.ctx = c
         self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
 
     def append(self, k: ArrayLike, v: ArrayLike) -> None:
         """Append n tokens k, v [n, Hkv, d]."""
         fn = "kvrt.MRStream.append"
-        kb = _buf(k, "k", fn, (None, self.n_kv_heads, self.head_dim))
-        vb = _buf(v, "v", fn, kb.shape)
-        check(lib.kvrt_mr_stream_append(self.ptr, kb.ptr, vb.ptr, kb.shape[0]))
+        kb = _carg(self.ctx, k, "k", fn, (None, self.n_kv_heads, self.head_dim))
+        vb = _carg(self.ctx, v, "v", fn, kb.shape)
+        check(lib.kvrt_mr_stream_append(self.ptr, kb.ptr, vb.ptr, kb.shape[0]),
+              ctx_ptr=self.ctx.ptr)
 
     @property
     def length(self) -> int:
@@ -121,8 +125,9 @@ class MRStream(_Handle):
         """The stream's cache now: fold False: sinks, buckets, partial block, recent window (what
         decode attends over); fold True: folded into the summary kvrt_mr_compress_layer gives."""
         out = c_void_p()
-        check(lib.kvrt_mr_stream_cache(self.ptr, int(bool(fold)), _dtype_code(dtype), byref(out)))
-        return Cache(out.value)
+        check(lib.kvrt_mr_stream_cache(self.ptr, int(bool(fold)), _dtype_code(dtype), byref(out)),
+              ctx_ptr=self.ctx.ptr)
+        return _ccache(out.value, self.ctx)
 
 
 class MRSchedule(_Handle):

@@ -103,6 +103,18 @@ def calls(d, ctx):
     ref = kvrt.mr_compress_layer(k, v, 0.25, reducer=0)
     got = kvrt.mr_compress_layer(dk, dv, 0.25, reducer=0, ctx=ctx)
     same_cache(got, ref, "mr_compress_layer", tol=0)
+    # the decode stream: device rows in, device caches out (its state on the host)
+    sc = kvrt.MRStream(Hkv, D, 8, 6, reducer=0, n_sink=2)
+    sg = kvrt.MRStream(Hkv, D, 8, 6, reducer=0, n_sink=2, ctx=ctx)
+    for t in range(0, T, 17):
+        kk, vv = np.ascontiguousarray(k[t:t + 17]), np.ascontiguousarray(v[t:t + 17])
+        sc.append(kk, vv)
+        sg.append(Dev(ctx, kk), Dev(ctx, vv))
+    for fold in (False, True):
+        got = sg.cache(fold)
+        assert got.device == "cuda"
+        same_cache(got, sc.cache(fold), f"MRStream fold {fold}", tol=0)
+    refused(lambda: sg.append(k[:1], v[:1]), "cuda")
     # baseline scores on the device
     for m in ("snapkv", "h2o", "knorm", "keydiff"):
         ref = kvrt.method_scores(m, q, k)

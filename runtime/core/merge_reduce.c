@@ -373,7 +373,9 @@ int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_b
 #define MR_LEVELS 63
 
 struct kvrt_mr_stream {
-    kvrt_ctx *ctx;            /* messages (kvrt_ctx_last_error); the REDUCEs run on the CPU */
+    kvrt_ctx *ctx;            /* messages (kvrt_ctx_last_error), and whose memory k, v of append
+                               * and the caches are in; the state and the REDUCEs stay on the
+                               * host */
     kvrt_mr_opts o;
     uint32_t layer, Hkv, d, m_max;
     int64_t K, n_recent;
@@ -549,7 +551,7 @@ static int push_block(kvrt_mr_stream *s) {
     return KVRT_OK;
 }
 
-int kvrt_mr_stream_append(kvrt_mr_stream *s, const float *k, const float *v, int64_t n) {
+static int stream_append_host(kvrt_mr_stream *s, const float *k, const float *v, int64_t n) {
     const char *fn = "kvrt_mr_stream_append";
     if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: stream is NULL", fn);
     if (n == 0) return KVRT_OK;
@@ -605,6 +607,26 @@ int kvrt_mr_stream_append(kvrt_mr_stream *s, const float *k, const float *v, int
     return kvrt_policy_ctx_done(s->ctx, rc);
 }
 
+/* On a context whose memory is not the host's (CUDA), k and v are that memory: the new rows are
+ * downloaded (Hkv d 8 bytes per token) and appended to the state, which stays on the host with
+ * its REDUCEs (the CPU's code, so the same bits as on a CPU context). */
+int kvrt_mr_stream_append(kvrt_mr_stream *s, const float *k, const float *v, int64_t n) {
+    if (s == NULL || n <= 0 || k == NULL || v == NULL || s->ctx->device == KVRT_DEVICE_HOST ||
+        n > (int64_t)INT32_MAX - s->len)
+        return stream_append_host(s, k, v, n); /* the host path and every argument check */
+    const size_t bytes = sizeof(float) * (size_t)n * s->Hkv * s->d;
+    float *hk = malloc(bytes), *hv = malloc(bytes);
+    int rc = hk && hv ? KVRT_OK
+                      : KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_mr_stream_append: out of memory (%lld "
+                                  "tokens downloaded from the context)", (long long)n);
+    if (rc == KVRT_OK) rc = kvrt_ctx_download(s->ctx, hk, k, bytes);
+    if (rc == KVRT_OK) rc = kvrt_ctx_download(s->ctx, hv, v, bytes);
+    if (rc == KVRT_OK) rc = stream_append_host(s, hk, hv, n);
+    free(hk);
+    free(hv);
+    return rc;
+}
+
 int64_t kvrt_mr_stream_length(const kvrt_mr_stream *s) {
     if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_mr_stream_length: stream is NULL");
     return s->len;
@@ -632,7 +654,7 @@ static kvrt_mr_set *other(kvrt_mr_set *const *t3, const kvrt_mr_set *a, const kv
     return NULL;
 }
 
-int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cache **out) {
+static int stream_cache_host(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cache **out) {
     const char *fn = "kvrt_mr_stream_cache";
     if (out) *out = NULL;
     if (s == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: stream is NULL", fn);
@@ -750,6 +772,19 @@ done:
     free(counts);
     sets_free(scratch, 3 * Hkv);
     return kvrt_policy_ctx_done(s->ctx, rc);
+}
+
+/* On a CUDA context the cache is assembled on the host and moved into the context's memory. */
+int kvrt_mr_stream_cache(const kvrt_mr_stream *s, int fold, int dtype, kvrt_cache **out) {
+    kvrt_cache *c = NULL;
+    int rc = stream_cache_host(s, fold, dtype, out ? &c : NULL);
+    if (rc != KVRT_OK || s->ctx->device == KVRT_DEVICE_HOST) {
+        if (out) *out = c;
+        return rc;
+    }
+    rc = kvrt_cache_to_device(s->ctx, c, out);
+    kvrt_cache_free(c);
+    return rc;
 }
 
 // ----------------------------------------------------------------------------

@@ -800,7 +800,9 @@ int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_b
  * window of n_recent exact tokens (a token leaves it into the partial block). Memory
  * O(K log(T / K)) entries per head. basis is copied (NULL for RANDOM). K >= 1, n_recent >= 0;
  * o's n_sink, reducer and seed apply (its recent_frac does not: n_recent is explicit). ctx
- * receives the messages (the REDUCEs run on the CPU). */
+ * receives the messages; the state and its REDUCEs live on the host (the CPU's code) whatever
+ * the context, but on a CUDA context append's k, v are device memory (the new rows are
+ * downloaded: Hkv d 8 bytes per token) and kvrt_mr_stream_cache returns a device cache of it. */
 typedef struct kvrt_mr_stream kvrt_mr_stream;
 int kvrt_mr_stream_create(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                           uint32_t layer, uint32_t n_kv_heads, uint32_t head_dim, int64_t K,

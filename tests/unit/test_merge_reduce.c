@@ -1347,3 +1347,87 @@ Test(merge_reduce, schedule_loader_refuses_bad_items) {
         free(buf);
     }
 }
+
+// ----------------------------------------------------------------------------
+// the stream on a CUDA context
+
+static int have_gpu(void) { return kvrt_has_cuda() && kvrt_cuda_device_count() > 0; }
+
+/* A host copy of a device cache of g (f32). */
+static kvrt_cache *dev_cache_to_host(kvrt_ctx *g, const kvrt_cache *dc) {
+    int64_t counts[16];
+    cr_assert_leq(dc->n_kv_heads, 16);
+    for (uint32_t h = 0; h < dc->n_kv_heads; h++)
+        counts[h] = dc->host_offsets[h + 1] - dc->host_offsets[h];
+    kvrt_cache *c = NULL;
+    cr_assert_eq(kvrt_cache_create(dc->n_kv_heads, dc->head_dim, KVRT_DTYPE_F32, counts, &c),
+                 KVRT_OK);
+    const size_t n = (size_t)dc->n_entries, kv = sizeof(float) * n * dc->head_dim;
+    if (n) {
+        cr_assert_eq(kvrt_ctx_download(g, c->keys, dc->keys, kv), KVRT_OK);
+        cr_assert_eq(kvrt_ctx_download(g, c->values, dc->values, kv), KVRT_OK);
+        cr_assert_eq(kvrt_ctx_download(g, c->bias, dc->bias, sizeof(float) * n), KVRT_OK);
+        cr_assert_eq(kvrt_ctx_download(g, c->positions, dc->positions, sizeof(int32_t) * n),
+                     KVRT_OK);
+    }
+    return c;
+}
+
+/* The decode stream on a CUDA context takes device k, v and returns device caches (its state
+ * and REDUCEs on the host): the same caches, fold 0 and 1, as the same stream on the CPU. */
+Test(cuda, mr_stream_on_a_cuda_context) {
+    if (!have_gpu()) {
+        fprintf(stderr, "skipped: no GPU (merge-reduce stream on CUDA)\n");
+        cr_skip_test("no GPU");
+    }
+    kvrt_ctx *g = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &g, &err), KVRT_OK, "%s", err.msg);
+    uint64_t seed = 83;
+    const uint32_t Hkv = 2, d = 8;
+    const int64_t T = 150, K = 6, n_recent = 5, chunk = 13;
+    basis_buf bb;
+    basis_random(&bb, Hkv, d, 6, 4, &seed);
+    float *k = randn_f((size_t)T * Hkv * d, &seed, 1.0), *v = randn_f((size_t)T * Hkv * d, &seed, 1.0);
+    void *dk = NULL, *dv = NULL;
+    const size_t bytes = sizeof(float) * (size_t)T * Hkv * d;
+    cr_assert_eq(kvrt_ctx_alloc(g, bytes, &dk), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_alloc(g, bytes, &dv), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_upload(g, dk, k, bytes), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_upload(g, dv, v, bytes), KVRT_OK);
+    for (int r = 0; r < 3; r++) {
+        const kvrt_mr_opts o = opts(r, 3, 0.2, 13);
+        kvrt_mr_stream *sc = NULL, *sg = NULL;
+        cr_assert_eq(kvrt_mr_stream_create(test_cpu(), &o, &bb.b, 4, Hkv, d, K, n_recent, &sc),
+                     KVRT_OK);
+        cr_assert_eq(kvrt_mr_stream_create(g, &o, &bb.b, 4, Hkv, d, K, n_recent, &sg), KVRT_OK,
+                     "%s", kvrt_last_error()->msg);
+        for (int64_t t = 0; t < T; t += chunk) {
+            const int64_t n = chunk < T - t ? chunk : T - t;
+            const size_t at = (size_t)t * Hkv * d;
+            cr_assert_eq(kvrt_mr_stream_append(sc, k + at, v + at, n), KVRT_OK);
+            cr_assert_eq(kvrt_mr_stream_append(sg, (const float *)dk + at, (const float *)dv + at,
+                                               n), KVRT_OK, "%s", kvrt_ctx_last_error(g)->msg);
+            for (int fold = 0; fold < 2; fold++) {
+                kvrt_cache *cc = NULL, *gc = NULL;
+                cr_assert_eq(kvrt_mr_stream_cache(sc, fold, KVRT_DTYPE_F32, &cc), KVRT_OK);
+                cr_assert_eq(kvrt_mr_stream_cache(sg, fold, KVRT_DTYPE_F32, &gc), KVRT_OK);
+                cr_assert_eq(gc->device, KVRT_DEVICE_CUDA);
+                kvrt_cache *hc = dev_cache_to_host(g, gc);
+                cr_expect(cache_eq(hc, cc), "%s t %lld fold %d: the CUDA stream's cache differs",
+                          rname(r), (long long)(t + n), fold);
+                kvrt_cache_free(hc);
+                kvrt_cache_free(gc);
+                kvrt_cache_free(cc);
+            }
+        }
+        kvrt_mr_stream_free(sc);
+        kvrt_mr_stream_free(sg);
+    }
+    kvrt_ctx_dealloc(g, dk);
+    kvrt_ctx_dealloc(g, dv);
+    kvrt_ctx_free(g);
+    free(k);
+    free(v);
+    basis_free(&bb);
+}
