@@ -294,7 +294,9 @@ static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_m
 
 /* merge-reduce: `layer` compressed at the first compiled budget with the compiled basis and
  * options (sinks, the summary of the middle blocks with bias log w, the recent window), the
- * cache in the context's memory, and one decode query attending to it. */
+ * cache in the context's memory, and one decode query attending to it; then the same tokens
+ * through a decode stream (kvrt_mr_stream_*: device rows in, a device cache out on CUDA) and a
+ * decode query over its cache. */
 static int run_mr(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_model_dims *m,
                   uint32_t layer, float *q, float *k, float *v) {
     const double *budgets;
@@ -338,6 +340,35 @@ static int run_mr(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_model_dim
         rc = decode_query(ctx, q + (size_t)(T - 1) * H * d, H, d, cache, "merge-reduce",
                           "the cache");
     }
+    /* decode: a stream with the compiled basis takes the tokens as they come (here the
+     * context's, 64 at a time, from the context's memory) and keeps sinks, dyadic buckets of
+     * MR_K merged entries, the filling block and MR_RECENT exact tokens */
+    kvrt_mr_basis basis;
+    kvrt_mr_stream *st = NULL;
+    kvrt_cache *sc = NULL;
+    enum { MR_K = 32, MR_RECENT = 16 };
+    if (rc == KVRT_OK && (rc = kvrt_mr_schedule_basis(s, budgets[0], 0, layer, &basis)) != KVRT_OK)
+        fail_call("kvrt_mr_schedule_basis", rc);
+    if (rc == KVRT_OK &&
+        (rc = kvrt_mr_stream_create(ctx, &o, &basis, layer, Hkv, d, MR_K, MR_RECENT, &st)) != KVRT_OK)
+        fail_call("kvrt_mr_stream_create", rc);
+    for (int64_t t = 0; rc == KVRT_OK && t < T; t += 64) {
+        const int64_t n = T - t < 64 ? T - t : 64;
+        const size_t at = (size_t)t * Hkv * d;
+        if ((rc = kvrt_mr_stream_append(st, (const float *)dk + at, (const float *)dv + at, n)) != KVRT_OK)
+            fail_call("kvrt_mr_stream_append", rc);
+    }
+    if (rc == KVRT_OK && (rc = kvrt_mr_stream_cache(st, 0, KVRT_DTYPE_F16, &sc)) != KVRT_OK)
+        fail_call("kvrt_mr_stream_cache", rc);
+    if (rc == KVRT_OK) {
+        printf("merge-reduce: decode stream, %lld tokens appended: %lld entries per KV head "
+               "(K %d, %d recent)\n", (long long)kvrt_mr_stream_length(st),
+               (long long)kvrt_mr_stream_entries(st), MR_K, MR_RECENT);
+        rc = decode_query(ctx, q + (size_t)(T - 1) * H * d, H, d, sc, "merge-reduce",
+                          "the stream's cache");
+    }
+    kvrt_cache_free(sc);
+    kvrt_mr_stream_free(st);
     kvrt_ctx_dealloc(ctx, dk);
     kvrt_ctx_dealloc(ctx, dv);
     kvrt_cache_free(cache);
