@@ -88,6 +88,7 @@ struct shape {
     double qscale = 1, bfloor = -3, recent = 0.5;
     int64_t nsink = 4, posmax = -1; /* posmax: q_pos spread over 0..posmax (default T-1) */
     float kscale = 1;
+    int equal_keys = 0; /* 1: every key equal to the first (every logit of a row ties) */
     int inject = 0; /* 1 NaN in k, 2 q * 1e30, 3 q_pos[5] = -1, 5 n_sets 0 */
     int omp_batch = 0; /* > 0: OMP key selection with this many picks per round */
 };
@@ -125,6 +126,8 @@ static int run_shape(const shape &S, uint64_t seed, int verbose) {
     float *q = randf(&seed, nr * H * d, -1, 1), *k = randf(&seed, T * Hkv * d, -1, 1);
     for (int64_t i = 0; i < nr * H * d; i++) q[i] *= (float)S.qscale;
     for (int64_t i = 0; i < T * Hkv * d; i++) k[i] *= S.kscale;
+    if (S.equal_keys)
+        for (int64_t i = Hkv * d; i < T * Hkv * d; i++) k[i] = k[i % (Hkv * d)];
     float *v = randf(&seed, T * Hkv * d, -1, 1);
     std::vector<int32_t> pos(nr);
     for (int64_t i = 0; i < nr; i++) pos[i] = S.ref ? (int32_t)(i * (S.posmax >= 0 ? S.posmax : T - 1) / (nr > 1 ? nr - 1 : 1)) : 0;
@@ -311,6 +314,8 @@ int main(int argc, char **argv) {
     add("omp T=300 r.2", base, [](shape &b) { b.omp_batch = 1; });
     add("omp ref pos chunk64 batch4", base, [](shape &b) { b.omp_batch = 4; b.ref = 1; b.n_ref = 64; b.chunk = 64; });
     add("omp peaked q*8 floorNaN 3 sets ratios", base, [](shape &b) { b.omp_batch = 1; b.qscale = 8; b.bfloor = NAN; b.n_sets = 3; b.per_head = 1; });
+    add("omp equal keys (ties everywhere)", base, [](shape &b) { b.omp_batch = 1; b.equal_keys = 1; });
+    add("e highest equal keys (ties everywhere)", base, [](shape &b) { b.equal_keys = 1; });
     add("omp sink0 recent0 chunk50 k*4 batch2", base, [](shape &b) { b.omp_batch = 2; b.nsink = 0; b.recent = 0; b.chunk = 50; b.kscale = 4; });
     add("err NaN in k", base, [](shape &b) { b.inject = 1; });
     add("err q_pos negative", base, [](shape &b) { b.ref = 1; b.n_ref = 40; b.inject = 3; });
