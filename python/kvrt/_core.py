@@ -235,7 +235,7 @@ class _Handle:
         self._children: "Optional[weakref.WeakSet[_Handle]]" = None
         self._open_children = 0        # children not yet freed (the WeakSet may be cleared)
         self._deferred = None          # a freed-later C handle (see the class comment)
-        if parent is not None:
+        if parent is not None and ptr:  # a NULL handle has nothing to free before its parent
             if parent._children is None:
                 parent._children = weakref.WeakSet()
             parent._children.add(self)
