@@ -1,6 +1,6 @@
 /*
  * test_ctx.h: the CPU runtime context the unit tests pass to libkvrt's policy calls
- * (header-only): one per test process, created on first use, released at exit.
+ * (header-only): one per test process, created on first use, released at exit; have_gpu.
  */
 #ifndef KVCC_TEST_CTX_H
 #define KVCC_TEST_CTX_H
@@ -19,5 +19,9 @@ static inline kvrt_ctx *test_cpu(void) {
     }
     return test_ctx_;
 }
+
+/* 1 when this libkvrt has the CUDA backend and a usable GPU (the cuda suite's tests skip
+ * otherwise, saying so) */
+static inline int have_gpu(void) { return kvrt_has_cuda() && kvrt_cuda_device_count() > 0; }
 
 #endif

@@ -1074,8 +1074,6 @@ Test(kv2, schedule_loader_refuses_bad_items) {
 // ----------------------------------------------------------------------------
 // the plan on a CUDA context
 
-static int have_gpu(void) { return kvrt_has_cuda() && kvrt_cuda_device_count() > 0; }
-
 /* The plan's ops on a CUDA context write device memory: the plan downloads their outputs into
  * its host scores (before, a CUDA context's ops wrote through the host pointers). Two passes on a
  * real window: the same reconstruction queries, stage-2 scores within 1e-5, and device caches

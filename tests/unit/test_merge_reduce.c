@@ -1351,8 +1351,6 @@ Test(merge_reduce, schedule_loader_refuses_bad_items) {
 // ----------------------------------------------------------------------------
 // the stream on a CUDA context
 
-static int have_gpu(void) { return kvrt_has_cuda() && kvrt_cuda_device_count() > 0; }
-
 /* A host copy of a device cache of g (f32). */
 static kvrt_cache *dev_cache_to_host(kvrt_ctx *g, const kvrt_cache *dc) {
     int64_t counts[16];
