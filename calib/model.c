@@ -4,7 +4,9 @@
  *
  * Called through model.h by capture, eval, the CLI and tests. The matrix products of a prefill go
  * through kvrt_cpu_sgemm (runtime/cpu/blas.c: oneDNN's dnnl_sgemm with USE_DNNL=1, else
- * OpenBLAS), those of a decode step through gemv_fast (AVX-512 or AVX2); attention is plain C with OpenMP.
+ * OpenBLAS), those of a decode step through gemv_fast (AVX-512 or AVX2); attention is plain C with
+ * OpenMP and dnnl_sgemm tiles. bf16 models (kvcc_model_set_precision): oneDNN bf16 matmuls on
+ * prepacked weights, and attention in bf16 (attend_bf16) where oneDNN has a bf16 matmul.
  * defines: kvcc_model_load, kvcc_model_read_hparams, kvcc_model_free, kvcc_state_*,
  *          kvcc_model_prefill, kvcc_model_decode, kvcc_model_logprobs, kvcc_perplexity, kvcc_argmax,
  *          kvcc_logsumexp, kvcc_logsumexp_ref, kvcc_log_softmax_at,
@@ -27,6 +29,7 @@
 #endif
 
 #define ATT_BQ 128 /* queries per attention task (attend_tiles): 8k prefill 395 -> 486 tokens/s against 32 */
+#define ATTB_PAD 64 /* attend_bf16: key counts rounded up to this (one pair of primitives per count) */
 
 // ---------------------------------------------------------------- load
 
@@ -51,6 +54,7 @@ void kvcc_model_free(kvcc_model *m) {
     free(m->tok_embd_bf);
     free(m->output_norm);
     free(m->rope_inv_freq);
+    free(m->bf_packed);
     free(m);
 }
 
@@ -476,6 +480,97 @@ static int stack_to_bf16(float **f[], const size_t n[], int k, uint16_t **b[], u
 }
 #endif
 
+#if KVCC_WITH_DNNL
+static dnnl_engine_t dnnl_engine(void);
+static int bf16_native(void);
+
+/* bf16 weight layouts (m->bf_packed): oneDNN's choice for a (K, N) weight of the bf16 matmul at
+ * KVCC_MODEL_CHUNK rows (its brgemm kernels want pairs of K interleaved in blocks of N; given
+ * row-major weights they reorder them on every call: 13-32% of each product at 256 rows on an
+ * AMX Xeon, and 4x at one row). The same layout serves every row count (checked for 1, 16 and
+ * 256 rows with oneDNN 2.6.3). */
+struct bf_pack {
+    dnnl_memory_desc_t qkv, o, gu, down;
+};
+static int bf16_pack_desc(int K, int N, dnnl_memory_desc_t *out) {
+    dnnl_memory_desc_t a, b, c;
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_desc_t pd = NULL;
+    const dnnl_dims_t ad = {KVCC_MODEL_CHUNK, K}, bd = {K, N}, cd = {KVCC_MODEL_CHUNK, N};
+    int st = dnnl_memory_desc_init_by_tag(&a, 2, ad, dnnl_bf16, dnnl_ab);
+    if (!st) st = dnnl_memory_desc_init_by_tag(&b, 2, bd, dnnl_bf16, dnnl_format_tag_any);
+    if (!st) st = dnnl_memory_desc_init_by_tag(&c, 2, cd, dnnl_f32, dnnl_ab);
+    if (!st) st = dnnl_matmul_desc_init(&md, &a, &b, NULL, &c);
+    if (!st) st = dnnl_primitive_desc_create(&pd, &md, NULL, dnnl_engine(), NULL);
+    if (!st) *out = *dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    return st;
+}
+/* *b: N rows of K bf16 (row-major, i.e. the (K, N) weight with strides {1, K}) -> a new
+ * allocation in layout md; the old one freed. */
+static int bf16_pack(uint16_t **b, int K, int N, const dnnl_memory_desc_t *md, dnnl_stream_t str) {
+    const size_t size = dnnl_memory_desc_get_size(md);
+    void *p = aligned_alloc(64, (size + 63) / 64 * 64);
+    if (!p) return KVCC_GGUF_ERR_NOMEM;
+    dnnl_memory_desc_t rm;
+    const dnnl_dims_t dims = {K, N}, strides = {1, K};
+    dnnl_memory_t from = NULL, to = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_primitive_t r = NULL;
+    int st = dnnl_memory_desc_init_by_strides(&rm, 2, dims, dnnl_bf16, strides);
+    if (!st) st = dnnl_memory_create(&from, &rm, dnnl_engine(), *b);
+    if (!st) st = dnnl_memory_create(&to, md, dnnl_engine(), p);
+    if (!st) st = dnnl_reorder_primitive_desc_create(&pd, &rm, dnnl_engine(), md, dnnl_engine(), NULL);
+    if (!st) st = dnnl_primitive_create(&r, pd);
+    if (!st) {
+        const dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
+        st = dnnl_primitive_execute(r, str, 2, args);
+        if (!st) st = dnnl_stream_wait(str);
+    }
+    if (r) dnnl_primitive_destroy(r);
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    if (from) dnnl_memory_destroy(from);
+    if (to) dnnl_memory_destroy(to);
+    if (st) {
+        free(p);
+        return KVCC_GGUF_ERR_NOMEM;
+    }
+    free(*b);
+    *b = p;
+    return 0;
+}
+/* Every layer's four stacks into oneDNN's layouts (see struct bf_pack); a failure leaves the
+ * model unusable (some layers reordered), as a failed conversion does. */
+static int bf16_pack_model(kvcc_model *m) {
+    const kvcc_model_hparams *hp = &m->hp;
+    const int E = hp->n_embd, F = hp->n_ff, Hd = hp->n_head * hp->head_dim;
+    const int Q3 = Hd + 2 * hp->n_head_kv * hp->head_dim;
+    struct bf_pack *pk = calloc(1, sizeof *pk);
+    dnnl_stream_t str = NULL;
+    int st = pk ? 0 : KVCC_GGUF_ERR_NOMEM;
+    if (!st && (bf16_pack_desc(E, Q3, &pk->qkv) || bf16_pack_desc(Hd, E, &pk->o) ||
+                bf16_pack_desc(E, 2 * F, &pk->gu) || bf16_pack_desc(F, E, &pk->down) ||
+                dnnl_stream_create(&str, dnnl_engine(), dnnl_stream_default_flags)))
+        st = KVCC_GGUF_ERR_NOMEM;
+    for (int l = 0; l < hp->n_layer && !st; l++) {
+        kvcc_layer_weights *w = &m->layers[l];
+        if ((st = bf16_pack(&w->b_qkv, E, Q3, &pk->qkv, str)) ||
+            (st = bf16_pack(&w->bo, Hd, E, &pk->o, str)) ||
+            (st = bf16_pack(&w->b_gu, E, 2 * F, &pk->gu, str)) ||
+            (st = bf16_pack(&w->b_down, F, E, &pk->down, str)))
+            break;
+        w->bq = w->bk = w->bv = w->b_gate = w->b_up = NULL;
+    }
+    if (str) dnnl_stream_destroy(str);
+    if (st) {
+        free(pk);
+        return st;
+    }
+    m->bf_packed = pk;
+    return 0;
+}
+#endif
+
 int kvcc_model_set_precision(kvcc_model *m, int precision, char *msg, size_t cap) {
     if (!m || (precision != KVCC_PREC_F32 && precision != KVCC_PREC_BF16)) {
         kvcc_set_msg(msg, cap, "precision: got %d, expected f32 or bf16", precision);
@@ -516,6 +611,10 @@ int kvcc_model_set_precision(kvcc_model *m, int precision, char *msg, size_t cap
     if (m->tied) {
         m->output = NULL;
         m->output_bf = m->tok_embd_bf;
+    }
+    if (bf16_native() && !getenv("KVCC_BF16_ROWMAJOR") && (st = bf16_pack_model(m)) != 0) {
+        kvcc_set_msg(msg, cap, "precision bf16: out of memory reordering the weights for oneDNN");
+        return st;
     }
     m->precision = KVCC_PREC_BF16;
     const size_t all = model_weight_elems(m);
@@ -1040,10 +1139,31 @@ struct kvcc_bf16_ctx {
     dnnl_stream_t stream;
     struct {
         int m, k, n, ldc, beta;
+        const void *pk; /* the weights' layout (struct bf_pack member), NULL: row-major */
         dnnl_primitive_t prim;
         dnnl_memory_desc_t src, wei, dst;
     } ent[BF16_CACHE];
     int n_ent, next;
+    /* bf16 attention (attend_bf16; only where bf16_native): the cache's keys and values again in
+     * bf16, each layer's KV head contiguous ([n_layer][Hkv][tp][d], tp = n_ctx rounded up to
+     * ATTB_PAD), written by every forward chunk (att_append); per thread a block's queries (aq),
+     * ATT_BQ rows of tp scores (asc) and their bf16 copy (apb), and a stream; the Q K^T and P V
+     * matmul primitives made so far, one per (kind, block rows, padded key count). */
+    uint16_t *kb, *vb, *aq, *apb;
+    float *asc;
+    int64_t tp;
+    dnnl_stream_t *tstream;
+    int n_tstream;
+    struct att_prim {
+        int kind, m, ne; /* kind 0: Q K^T, 1: P V */
+        dnnl_primitive_t prim;
+        dnnl_memory_desc_t a, b, c, scr;
+    } *ap;
+    int n_ap, cap_ap;
+    /* per thread, the primitives' scratchpad (user mode: oneDNN's own is shared by concurrent
+     * executions, and two threads' products then corrupted each other's) */
+    unsigned char *ascr;
+    size_t ascr_cap; /* bytes per thread */
 #endif
 };
 
@@ -1119,6 +1239,12 @@ static void bf16_ctx_free(struct kvcc_bf16_ctx *c) {
 #if KVCC_WITH_DNNL
     for (int i = 0; i < c->n_ent; i++) dnnl_primitive_destroy(c->ent[i].prim);
     if (c->stream) dnnl_stream_destroy(c->stream);
+    for (int i = 0; i < c->n_ap; i++) dnnl_primitive_destroy(c->ap[i].prim);
+    free(c->ap);
+    for (int i = 0; i < c->n_tstream; i++)
+        if (c->tstream[i]) dnnl_stream_destroy(c->tstream[i]);
+    free(c->tstream);
+    free(c->kb); free(c->vb); free(c->aq); free(c->apb); free(c->asc); free(c->ascr);
 #endif
     free(c->xb);
     free(c->xf);
@@ -1127,7 +1253,7 @@ static void bf16_ctx_free(struct kvcc_bf16_ctx *c) {
     free(c);
 }
 
-static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m) {
+static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m, const kvcc_state *s) {
     struct kvcc_bf16_ctx *c = calloc(1, sizeof *c);
     if (!c) return NULL;
     const kvcc_model_hparams *hp = &m->hp;
@@ -1161,6 +1287,24 @@ static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m) {
         bf16_ctx_free(c);
         return NULL;
     }
+    if (bf16_native() && !getenv("KVCC_BF16_ATTENTION_F32")) {
+        const size_t d = (size_t)hp->head_dim, nt = (size_t)s->n_threads;
+        c->tp = ((int64_t)s->n_ctx + ATTB_PAD - 1) / ATTB_PAD * ATTB_PAD;
+        const size_t kvn = (size_t)hp->n_layer * hp->n_head_kv * (size_t)c->tp * d;
+        c->kb = calloc(kvn, sizeof *c->kb); /* zero: see att_append */
+        c->vb = calloc(kvn, sizeof *c->vb);
+        c->aq = malloc(nt * ATT_BQ * d * sizeof *c->aq);
+        c->asc = malloc(nt * ATT_BQ * (size_t)c->tp * sizeof *c->asc);
+        c->apb = malloc(nt * ATT_BQ * (size_t)c->tp * sizeof *c->apb);
+        c->tstream = calloc(nt, sizeof *c->tstream);
+        int ok = c->kb && c->vb && c->aq && c->asc && c->apb && c->tstream;
+        for (size_t i = 0; ok && i < nt; i++, c->n_tstream++)
+            ok = dnnl_stream_create(&c->tstream[i], eng, dnnl_stream_default_flags) == dnnl_success;
+        if (!ok) {
+            bf16_ctx_free(c);
+            return NULL;
+        }
+    }
 #endif
     if (!c->xb) {
         bf16_ctx_free(c);
@@ -1171,13 +1315,13 @@ static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m) {
 
 #if KVCC_WITH_DNNL
 /* y (n, rows) = xb (n, cols, bf16) . W (rows, cols, bf16)^T + beta y through a cached matmul */
-static int bf16_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t *W, int rows,
-                       float beta, float *y, int ldy) {
+static int bf16_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t *W,
+                       const dnnl_memory_desc_t *pk, int rows, float beta, float *y, int ldy) {
     const int bt = beta != 0.0f;
     int e = -1;
     for (int i = 0; i < c->n_ent; i++)
         if (c->ent[i].m == n && c->ent[i].k == cols && c->ent[i].n == rows &&
-            c->ent[i].ldc == ldy && c->ent[i].beta == bt) {
+            c->ent[i].ldc == ldy && c->ent[i].beta == bt && c->ent[i].pk == pk) {
             e = i;
             break;
         }
@@ -1198,7 +1342,8 @@ static int bf16_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t 
         dnnl_primitive_attr_t attr = NULL;
         dnnl_primitive_desc_t pd = NULL;
         int st = dnnl_memory_desc_init_by_strides(&c->ent[e].src, 2, sd, dnnl_bf16, ss);
-        if (!st) st = dnnl_memory_desc_init_by_strides(&c->ent[e].wei, 2, wd, dnnl_bf16, ws);
+        if (!st && pk) c->ent[e].wei = *pk;
+        if (!st && !pk) st = dnnl_memory_desc_init_by_strides(&c->ent[e].wei, 2, wd, dnnl_bf16, ws);
         if (!st) st = dnnl_memory_desc_init_by_strides(&c->ent[e].dst, 2, dd, dnnl_f32, ds);
         if (!st) st = dnnl_matmul_desc_init(&md, &c->ent[e].src, &c->ent[e].wei, NULL, &c->ent[e].dst);
         if (!st) st = dnnl_primitive_attr_create(&attr);
@@ -1218,7 +1363,7 @@ static int bf16_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t 
             return st;
         }
         c->ent[e].m = n, c->ent[e].k = cols, c->ent[e].n = rows, c->ent[e].ldc = ldy;
-        c->ent[e].beta = bt;
+        c->ent[e].beta = bt, c->ent[e].pk = pk;
     }
     dnnl_memory_t ms = NULL, mw = NULL, mo = NULL;
     dnnl_engine_t eng = dnnl_engine();
@@ -1242,6 +1387,7 @@ static int bf16_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t 
 typedef struct {
     const float *f;
     const uint16_t *b;
+    const void *pk; /* b's layout when the model's weights are packed (a struct bf_pack member) */
 } wmat;
 
 /* matmul_t on a wmat: bf16 weights through bf16_matmul / gemv_bf16_fast (x rounded to bf16),
@@ -1262,7 +1408,7 @@ static void matmul_w_x(kvcc_state *s, const float *x, int x_rounded, int n, int 
     }
     struct kvcc_bf16_ctx *c = s->bf;
     if (!x_rounded) to_bf16(c->xb, x, (size_t)n * cols);
-    if (n == 1) {
+    if (n == 1 && !W.pk) {
         gemv_bf16_fast(W.b, rows, cols, c->xb, beta, y);
         return;
     }
@@ -1271,7 +1417,7 @@ static void matmul_w_x(kvcc_state *s, const float *x, int x_rounded, int n, int 
         bf16_widened_matmul(c, n, cols, W.b, rows, beta, y, ldy);
         return;
     }
-    const int st = bf16_matmul(c, n, cols, W.b, rows, beta, y, ldy);
+    const int st = bf16_matmul(c, n, cols, W.b, W.pk, rows, beta, y, ldy);
     if (st && !c->failed) c->failed = st;
 #else
     (void)ldy;
@@ -1290,6 +1436,25 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, int E, fl
         for (int i = 0; i < E; i++) ss += (double)xr[i] * xr[i];
         float r = 1.0f / sqrtf((float)(ss / E) + eps);
         for (int i = 0; i < E; i++) o[i] = xr[i] * r * w[i];
+    }
+}
+
+/* rmsnorm with the rows written rounded to bf16 (the input of a bf16 product: matmul_w_x with
+ * x_rounded): the bits of rmsnorm then to_bf16, one pass fewer. */
+static void rmsnorm_bf16(uint16_t *out, const float *x, const float *w, int n, int E, float eps) {
+    #pragma omp parallel for schedule(static) if (GEMM_SHARES_OMP && n >= 16)
+    for (int t = 0; t < n; t++) {
+        const float *xr = x + (size_t)t * E;
+        double ss = 0;
+        #pragma omp simd reduction(+ : ss)
+        for (int i = 0; i < E; i++) ss += (double)xr[i] * xr[i];
+        float r = 1.0f / sqrtf((float)(ss / E) + eps);
+        float tmp[256];
+        for (int i0 = 0; i0 < E; i0 += 256) {
+            const int k = E - i0 < 256 ? E - i0 : 256;
+            for (int i = 0; i < k; i++) tmp[i] = xr[i0 + i] * r * w[i0 + i];
+            to_bf16_run(out + (size_t)t * E + i0, tmp, (size_t)k);
+        }
     }
 }
 
@@ -1438,6 +1603,31 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
     #pragma omp simd
     for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
 }
+/* softmax_row for a full cache (no bias, no positions) with the weights written rounded to bf16
+ * into pb[0..ne) (sc keeps e^(x - max)): the bits of softmax_row then to_bf16_run, one pass
+ * fewer (attend_bf16). */
+KVRT_SIMD_CLONES
+static void softmax_row_bf16(float *sc, uint16_t *pb, int64_t ne, int64_t p) {
+    const int64_t nv = p + 1 < ne ? p + 1 : ne;
+    float mx = -INFINITY;
+    #pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
+    if (mx == -INFINITY) { /* nothing visible (or every logit -INF) */
+        memset(pb, 0, (size_t)ne * sizeof *pb);
+        return;
+    }
+    float sum = 0.0f;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < nv; j++) {
+        const float e = exp_nonpos_f32(sc[j] - mx);
+        sc[j] = e;
+        sum += e;
+    }
+    const float inv = 1.0f / sum;
+    #pragma omp simd
+    for (int64_t j = 0; j < nv; j++) pb[j] = f32_to_bf16(sc[j] * inv);
+    if (ne > nv) memset(pb + nv, 0, (size_t)(ne - nv) * sizeof *pb);
+}
 /* log sum_j exp(row[j] - *mx) with *mx = max_j row[j]: e^x by exp_nonpos_f32 (relative error
  * <= 8.3e-8 per term), the terms summed in double in SIMD lanes (the lane split is the CPU's
  * clone, never the thread count). At 49152 logits the double-exp reference took 0.8 s of a
@@ -1469,11 +1659,18 @@ static void swiglu_run(float *out, const float *h, const float *u, long n) {
         out[i] = num / (1.0f + e) * u[i];
     }
 }
-/* out (n, F) = silu(gate) * up from the stacked product's rows gu (n, 2F) = [gate | up] */
-static void swiglu_rows(float *out, const float *gu, int n, int F) {
+/* swiglu_rows with the rows written rounded to bf16 (the down product's input, x_rounded) */
+static void swiglu_rows_bf16(uint16_t *out, const float *gu, int n, int F) {
     #pragma omp parallel for schedule(static) if (GEMM_SHARES_OMP && n >= 16)
-    for (int t = 0; t < n; t++)
-        swiglu_run(out + (size_t)t * F, gu + (size_t)t * 2 * F, gu + (size_t)t * 2 * F + F, F);
+    for (int t = 0; t < n; t++) {
+        const float *g = gu + (size_t)t * 2 * F;
+        float tmp[256];
+        for (int i0 = 0; i0 < F; i0 += 256) {
+            const int k = F - i0 < 256 ? F - i0 : 256;
+            swiglu_run(tmp, g + i0, g + F + i0, k);
+            to_bf16_run(out + (size_t)t * F + i0, tmp, (size_t)k);
+        }
+    }
 }
 #define SWIGLU_BLOCK 16384L
 static void swiglu(float *h, const float *u, long n) {
@@ -1555,6 +1752,202 @@ static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, c
 }
 #endif
 
+#if KVCC_WITH_DNNL
+/* Keys and values of positions pos0 .. pos0 + n - 1 of layer l (kn, vn: (n, Hkv, d) f32) into the
+ * bf16 cache of attend_bf16, and the rows after them up to the next multiple of ATTB_PAD zeroed:
+ * attend_bf16 multiplies up to that many rows, and a weight of 0 times a value row left from an
+ * earlier use of the state could be NaN. */
+static void att_append(struct kvcc_bf16_ctx *c, int l, int Hkv, int d, int pos0, int n,
+                       const float *kn, const float *vn) {
+    const int Kd = Hkv * d;
+    int64_t pend = ((int64_t)pos0 + n + ATTB_PAD - 1) / ATTB_PAD * ATTB_PAD;
+    if (pend > c->tp) pend = c->tp;
+    #pragma omp parallel for schedule(static) collapse(2) if (GEMM_SHARES_OMP && n >= 16)
+    for (int h = 0; h < Hkv; h++)
+        for (int t = 0; t < n; t++) {
+            const size_t o = (((size_t)l * Hkv + h) * c->tp + pos0 + t) * d;
+            to_bf16_run(c->kb + o, kn + (size_t)t * Kd + (size_t)h * d, d);
+            to_bf16_run(c->vb + o, vn + (size_t)t * Kd + (size_t)h * d, d);
+        }
+    for (int h = 0; h < Hkv; h++) {
+        const size_t o = (((size_t)l * Hkv + h) * c->tp + pos0 + n) * d;
+        memset(c->kb + o, 0, (size_t)(pend - pos0 - n) * d * sizeof *c->kb);
+        memset(c->vb + o, 0, (size_t)(pend - pos0 - n) * d * sizeof *c->vb);
+    }
+}
+
+/* The matmul primitive for Q K^T (kind 0: (m, d) bf16 queries by a KV head's first ne keys,
+ * (ne, d) bf16, transposed, into (m, ne) f32 scores) or P V (kind 1: (m, ne) bf16 weights by the
+ * first ne values (ne, d) into (m, d) f32 rows ld floats apart), made on first use and kept. Every
+ * operand dense with fixed shapes: oneDNN 2.6 then runs its AMX / AVX512-BF16 brgemm kernels
+ * (runtime dimensions or strides fall back to gemm:jit or a reference kernel; so does P V into
+ * rows H d floats apart: 2-3x slower on an AMX Xeon, hence ld = d and a copy). */
+static int att_prim(struct kvcc_bf16_ctx *c, int kind, int mrows, int ne, int d, int ld) {
+    for (int i = 0; i < c->n_ap; i++)
+        if (c->ap[i].kind == kind && c->ap[i].m == mrows && c->ap[i].ne == ne) return i;
+    if (c->n_ap == c->cap_ap) {
+        const int cap = c->cap_ap ? 2 * c->cap_ap : 64;
+        struct att_prim *p = realloc(c->ap, (size_t)cap * sizeof *p);
+        if (!p) return -1;
+        c->ap = p, c->cap_ap = cap;
+    }
+    struct att_prim *e = &c->ap[c->n_ap];
+    const dnnl_dims_t ad = {mrows, kind ? ne : d}, as = {kind ? ne : d, 1};
+    const dnnl_dims_t bd = {kind ? ne : d, kind ? d : ne}, bs = {kind ? d : 1, kind ? 1 : d};
+    const dnnl_dims_t cd = {mrows, kind ? d : ne}, cs = {kind ? ld : ne, 1};
+    dnnl_matmul_desc_t md;
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    int st = dnnl_memory_desc_init_by_strides(&e->a, 2, ad, dnnl_bf16, as);
+    if (!st) st = dnnl_memory_desc_init_by_strides(&e->b, 2, bd, dnnl_bf16, bs);
+    if (!st) st = dnnl_memory_desc_init_by_strides(&e->c, 2, cd, dnnl_f32, cs);
+    if (!st) st = dnnl_matmul_desc_init(&md, &e->a, &e->b, NULL, &e->c);
+    if (!st) st = dnnl_primitive_attr_create(&attr);
+    if (!st) st = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
+    if (!st) st = dnnl_primitive_desc_create(&pd, &md, attr, dnnl_engine(), NULL);
+    if (!st) e->scr = *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+    if (!st) st = dnnl_primitive_create(&e->prim, pd);
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    if (st) return -1;
+    const size_t need = (dnnl_memory_desc_get_size(&e->scr) + 63) / 64 * 64;
+    if (need > c->ascr_cap) { /* grown between forward chunks only (no task runs) */
+        unsigned char *p = aligned_alloc(64, need * (size_t)c->n_tstream);
+        if (!p) {
+            dnnl_primitive_destroy(e->prim);
+            return -1;
+        }
+        free(c->ascr);
+        c->ascr = p, c->ascr_cap = need;
+    }
+    e->kind = kind, e->m = mrows, e->ne = ne;
+    return c->n_ap++;
+}
+
+static int att_exec(const struct att_prim *p, dnnl_stream_t stream, const void *a, const void *b,
+                    void *out, void *scratch) {
+    dnnl_engine_t eng = dnnl_engine();
+    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
+    int st = dnnl_memory_create(&ma, &p->a, eng, (void *)a);
+    if (!st) st = dnnl_memory_create(&mb, &p->b, eng, (void *)b);
+    if (!st) st = dnnl_memory_create(&mc, &p->c, eng, out);
+    if (!st) st = dnnl_memory_create(&ms, &p->scr, eng, scratch);
+    if (!st) {
+        const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb},
+                                         {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}};
+        st = dnnl_primitive_execute(p->prim, stream, 4, args);
+        if (!st) st = dnnl_stream_wait(stream);
+    }
+    if (ma) dnnl_memory_destroy(ma);
+    if (mb) dnnl_memory_destroy(mb);
+    if (mc) dnnl_memory_destroy(mc);
+    if (ms) dnnl_memory_destroy(ms);
+    return st;
+}
+
+/* attend_tiles in bf16 (bf16 models where oneDNN has bf16 matmul, full cache): per task (query
+ * head, block of ATT_BQ queries) the block's queries, scaled by 1/sqrt(d) and rounded to bf16,
+ * times the KV head's bf16 keys (att_append) with f32 accumulation; the f32 softmax of
+ * attend_tiles (softmax_row); the weights rounded to bf16 times the bf16 values, f32
+ * accumulation. The key count is rounded up to ATTB_PAD (the extra scores are masked to weight 0)
+ * so that a few fixed-shape primitives serve every block. Each task on one thread with fixed
+ * arithmetic: the output does not depend on the thread count. out (n, H d) receives the output
+ * rounded to bf16, the input of the output projection (matmul_w_x with x_rounded). Returns a
+ * oneDNN status. */
+static int attend_bf16(const kvcc_model *m, kvcc_state *s, int l, const float *q, int n, int pos0,
+                       uint16_t *out) {
+    struct kvcc_bf16_ctx *c = s->bf;
+    const int H = m->hp.n_head, d = m->hp.head_dim, Hkv = m->hp.n_head_kv, group = H / Hkv;
+    const float scale = 1.0f / sqrtf((float)d);
+    const int nqb = (n + ATT_BQ - 1) / ATT_BQ;
+    int iqk[KVCC_MODEL_CHUNK / ATT_BQ + 1], ipv[KVCC_MODEL_CHUNK / ATT_BQ + 1];
+    for (int b = 0; b < nqb; b++) { /* made serially, before the team runs them */
+        const int t0 = b * ATT_BQ, nb = n - t0 < ATT_BQ ? n - t0 : ATT_BQ;
+        int64_t ne = ((int64_t)pos0 + t0 + nb + ATTB_PAD - 1) / ATTB_PAD * ATTB_PAD;
+        if (ne > c->tp) ne = c->tp;
+        iqk[b] = att_prim(c, 0, nb, (int)ne, d, 0);
+        ipv[b] = att_prim(c, 1, nb, (int)ne, d, d);
+        if (iqk[b] < 0 || ipv[b] < 0) return dnnl_out_of_memory;
+    }
+    const struct att_prim *pqk[KVCC_MODEL_CHUNK / ATT_BQ + 1], *ppv[KVCC_MODEL_CHUNK / ATT_BQ + 1];
+    for (int b = 0; b < nqb; b++) pqk[b] = &c->ap[iqk[b]], ppv[b] = &c->ap[ipv[b]];
+    int st = 0;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(s->n_threads) reduction(| : st)
+    for (int task = 0; task < H * nqb; task++) {
+        const int b = nqb - 1 - task / H, h = task % H; /* the costliest blocks first */
+        const int t0 = b * ATT_BQ, nb = n - t0 < ATT_BQ ? n - t0 : ATT_BQ, ne = pqk[b]->ne;
+        const int tid = omp_get_thread_num();
+        uint16_t *qb = c->aq + (size_t)tid * ATT_BQ * d;
+        float *sc = c->asc + (size_t)tid * ATT_BQ * c->tp;
+        uint16_t *pb = c->apb + (size_t)tid * ATT_BQ * c->tp;
+        const size_t kvo = ((size_t)l * Hkv + h / group) * c->tp * d;
+        float qs[512];
+        for (int t = 0; t < nb; t++) {
+            const float *qr = q + ((size_t)(t0 + t) * H + h) * d;
+            for (int i0 = 0; i0 < d; i0 += 512) {
+                const int k = d - i0 < 512 ? d - i0 : 512;
+                for (int i = 0; i < k; i++) qs[i] = qr[i0 + i] * scale;
+                to_bf16_run(qb + (size_t)t * d + i0, qs, (size_t)k);
+            }
+        }
+        void *scr = c->ascr + (size_t)tid * c->ascr_cap;
+        int e = att_exec(pqk[b], c->tstream[tid], qb, c->kb + kvo, sc, scr);
+        if (!e) {
+            for (int t = 0; t < nb; t++)
+                softmax_row_bf16(sc + (size_t)t * ne, pb + (size_t)t * ne, ne, pos0 + t0 + t);
+            e = att_exec(ppv[b], c->tstream[tid], pb, c->vb + kvo, sc, scr); /* dense (nb, d) */
+            for (int t = 0; !e && t < nb; t++)
+                to_bf16_run(out + ((size_t)(t0 + t) * H + h) * d, sc + (size_t)t * d, (size_t)d);
+        }
+        st |= e;
+    }
+    return st;
+}
+#endif
+
+#if KVCC_WITH_DNNL
+/* attend_bf16 for one query (decode): the same arithmetic in plain loops (the query scaled and
+ * rounded to bf16, bf16 x bf16 products summed in f32, softmax_row, the weights rounded to bf16,
+ * their products with the bf16 values summed in f32), so that decode and prefill of a bf16 model
+ * read the same cache the same way (with the f32 cache here decode's logits were up to 0.38 from
+ * prefill's on held-out text, 0.2 before the prefill's attention went bf16). Threaded over query
+ * heads; summation orders differ from oneDNN's (its sums are blocked), not the terms. */
+static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const float *q, int pos,
+                            float *out) {
+    struct kvcc_bf16_ctx *c = s->bf;
+    const int H = m->hp.n_head, d = m->hp.head_dim, Hkv = m->hp.n_head_kv, group = H / Hkv;
+    const float scale = 1.0f / sqrtf((float)d);
+    const int64_t ne = (int64_t)pos + 1;
+    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
+    for (int h = 0; h < H; h++) {
+        const int tid = omp_get_thread_num();
+        float *sc = c->asc + (size_t)tid * ATT_BQ * c->tp, *qf = sc + ne;
+        uint16_t *pb = c->apb + (size_t)tid * ATT_BQ * c->tp, *qb = c->aq + (size_t)tid * ATT_BQ * d;
+        const size_t kvo = ((size_t)l * Hkv + h / group) * c->tp * d;
+        const float *qr = q + (size_t)h * d;
+        for (int i = 0; i < d; i++) qf[i] = qr[i] * scale;
+        to_bf16_run(qb, qf, (size_t)d);
+        for (int i = 0; i < d; i++) qf[i] = bf16_to_f32(qb[i]);
+        for (int64_t j = 0; j < ne; j++) {
+            const uint16_t *kj = c->kb + kvo + (size_t)j * d;
+            float dot = 0.0f;
+            for (int i = 0; i < d; i++) dot += qf[i] * bf16_to_f32(kj[i]);
+            sc[j] = dot;
+        }
+        softmax_row(sc, ne, pos, NULL, NULL);
+        to_bf16_run(pb, sc, (size_t)ne);
+        float *o = out + (size_t)h * d;
+        for (int i = 0; i < d; i++) o[i] = 0.0f;
+        for (int64_t j = 0; j < ne; j++) {
+            const float w = bf16_to_f32(pb[j]);
+            if (w == 0.0f) continue;
+            const uint16_t *vj = c->vb + kvo + (size_t)j * d;
+            for (int i = 0; i < d; i++) o[i] += w * bf16_to_f32(vj[i]);
+        }
+    }
+}
+#endif
+
 /* attend: the one entry point of the seam; picks the implementation by query count and backend. */
 static void attend(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                    const kv_view *view, float *out, kvcc_state *s) {
@@ -1594,7 +1987,12 @@ static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *
         return KVCC_GGUF_ERR_ARG; /* nor the attention hook's */
 
     const int bf = m->precision == KVCC_PREC_BF16;
-    if (bf && !s->bf && !(s->bf = bf16_ctx_new(m))) return KVCC_GGUF_ERR_NOMEM;
+#if KVCC_WITH_DNNL
+    const struct bf_pack *PK = m->bf_packed;
+#else
+    const struct { int qkv, o, gu, down; } *PK = NULL;
+#endif
+    if (bf && !s->bf && !(s->bf = bf16_ctx_new(m, s))) return KVCC_GGUF_ERR_NOMEM;
     if (bf) s->bf->failed = 0;
     for (int t = 0; t < n; t++) {
         if (bf) {
@@ -1624,27 +2022,42 @@ static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *
         const kvcc_layer_weights *w = &m->layers[l];
         float *kc = s->k_cache + (size_t)l * T * Kd, *vc = s->v_cache + (size_t)l * T * Kd;
         float *kn = kc + (size_t)pos0 * Kd, *vn = vc + (size_t)pos0 * Kd;
+        int att_rounded = 0; /* attend_bf16 wrote the attention output as bf16 into s->bf->xb */
 
-        rmsnorm(s->xb, s->x, w->attn_norm, n, E, hp->rms_eps);
-        if (bf && w->b_qkv && n > 1) { /* one product for q, k and v, then split */
+        if (bf && w->b_qkv && (n > 1 || PK)) { /* one product for q, k and v, then split */
             const int Q3 = Hd + 2 * Kd;
             float *y = s->bf->stk;
-            matmul_w(s, s->xb, n, E, (wmat){NULL, w->b_qkv}, Q3, 0.0f, y, Q3);
+            rmsnorm_bf16(s->bf->xb, s->x, w->attn_norm, n, E, hp->rms_eps);
+            matmul_w_x(s, NULL, 1, n, E, (wmat){NULL, w->b_qkv, PK ? &PK->qkv : NULL}, Q3, 0.0f, y,
+                       Q3);
+            /* the split and RoPE in one pass (the bits of memcpy then rope) */
             #pragma omp parallel for schedule(static) if (GEMM_SHARES_OMP && n >= 16)
             for (int t = 0; t < n; t++) {
                 const float *yr = y + (size_t)t * Q3;
-                memcpy(s->q + (size_t)t * Hd, yr, (size_t)Hd * sizeof(float));
-                memcpy(kn + (size_t)t * Kd, yr + Hd, (size_t)Kd * sizeof(float));
+                const float *cs = s->rope_cos + (size_t)t * h2, *sn = s->rope_sin + (size_t)t * h2;
+                for (int h = 0; h < H + Hkv; h++) {
+                    const float *a = yr + (size_t)h * d;
+                    float *o = h < H ? s->q + (size_t)t * Hd + (size_t)h * d
+                                     : kn + (size_t)t * Kd + (size_t)(h - H) * d;
+                    for (int i = 0; i < h2; i++) {
+                        o[i] = a[i] * cs[i] - a[i + h2] * sn[i];
+                        o[i + h2] = a[i] * sn[i] + a[i + h2] * cs[i];
+                    }
+                }
                 memcpy(vn + (size_t)t * Kd, yr + Hd + Kd, (size_t)Kd * sizeof(float));
             }
         } else {
-            matmul_w(s, s->xb, n, E, (wmat){w->wq, w->bq}, Hd, 0.0f, s->q, Hd);
-            matmul_w_x(s, s->xb, 1, n, E, (wmat){w->wk, w->bk}, Kd, 0.0f, kn, Kd);
-            matmul_w_x(s, s->xb, 1, n, E, (wmat){w->wv, w->bv}, Kd, 0.0f, vn, Kd);
+            rmsnorm(s->xb, s->x, w->attn_norm, n, E, hp->rms_eps);
+            matmul_w(s, s->xb, n, E, (wmat){w->wq, w->bq, NULL}, Hd, 0.0f, s->q, Hd);
+            matmul_w_x(s, s->xb, 1, n, E, (wmat){w->wk, w->bk, NULL}, Kd, 0.0f, kn, Kd);
+            matmul_w_x(s, s->xb, 1, n, E, (wmat){w->wv, w->bv, NULL}, Kd, 0.0f, vn, Kd);
+            rope(s->q, n, H, d, Hd, s->rope_cos, s->rope_sin);
+            rope(kn, n, Hkv, d, Kd, s->rope_cos, s->rope_sin);
         }
-        rope(s->q, n, H, d, Hd, s->rope_cos, s->rope_sin);
-        rope(kn, n, Hkv, d, Kd, s->rope_cos, s->rope_sin);
         if (s->capture && (st = s->capture(s->capture_user, l, pos0, n, s->q, kn, vn)) != 0) break;
+#if KVCC_WITH_DNNL
+        if (bf && s->bf->kb) att_append(s->bf, l, Hkv, d, pos0, n, kn, vn);
+#endif
 
         if (s->attn_hook && pos0 >= s->attn_from) {
             if ((st = s->attn_hook(s->attn_user, l, pos0, n, s->q, kn, vn, s->att)) != 0) break;
@@ -1679,20 +2092,35 @@ static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *
                 hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL,
                                        NULL};
             kv_view view = {Hkv, hv};
-            attend(m, l, s->q, n, pos0, &view, s->att, s);
+#if KVCC_WITH_DNNL
+            if (bf && s->bf->kb && n == 1) {
+                attend_bf16_one(m, s, l, s->q, pos0, s->att);
+            } else if (bf && s->bf->kb) {
+                const int e = attend_bf16(m, s, l, s->q, n, pos0, s->bf->xb);
+                if (e && !s->bf->failed) s->bf->failed = e;
+                att_rounded = 1;
+            } else
+#endif
+                attend(m, l, s->q, n, pos0, &view, s->att, s);
         }
-        matmul_w(s, s->att, n, Hd, (wmat){w->wo, w->bo}, E, 1.0f, s->x, E); /* x += att Wo^T */
+        matmul_w_x(s, s->att, att_rounded, n, Hd, (wmat){w->wo, w->bo, PK ? &PK->o : NULL}, E, 1.0f,
+                   s->x, E); /* x += att Wo^T */
 
-        rmsnorm(s->xb, s->x, w->ffn_norm, n, E, hp->rms_eps);
-        if (bf && w->b_gu && n > 1) { /* one product for gate and up: rows [gate F | up F] */
-            matmul_w(s, s->xb, n, E, (wmat){NULL, w->b_gu}, 2 * F, 0.0f, s->bf->stk, 2 * F);
-            swiglu_rows(s->hb, s->bf->stk, n, F);
+        int ffn_rounded = 0; /* swiglu_rows_bf16 wrote the down product's input into s->bf->xb */
+        if (bf && w->b_gu && (n > 1 || PK)) { /* one product for gate and up: rows [gate F | up F] */
+            rmsnorm_bf16(s->bf->xb, s->x, w->ffn_norm, n, E, hp->rms_eps);
+            matmul_w_x(s, NULL, 1, n, E, (wmat){NULL, w->b_gu, PK ? &PK->gu : NULL}, 2 * F, 0.0f,
+                       s->bf->stk, 2 * F);
+            swiglu_rows_bf16(s->bf->xb, s->bf->stk, n, F);
+            ffn_rounded = 1;
         } else {
-            matmul_w(s, s->xb, n, E, (wmat){w->w_gate, w->b_gate}, F, 0.0f, s->hb, F);
-            matmul_w_x(s, s->xb, 1, n, E, (wmat){w->w_up, w->b_up}, F, 0.0f, s->hb2, F);
+            rmsnorm(s->xb, s->x, w->ffn_norm, n, E, hp->rms_eps);
+            matmul_w(s, s->xb, n, E, (wmat){w->w_gate, w->b_gate, NULL}, F, 0.0f, s->hb, F);
+            matmul_w_x(s, s->xb, 1, n, E, (wmat){w->w_up, w->b_up, NULL}, F, 0.0f, s->hb2, F);
             swiglu(s->hb, s->hb2, (long)n * F);
         }
-        matmul_w(s, s->hb, n, F, (wmat){w->w_down, w->b_down}, E, 1.0f, s->x, E); /* x += ffn */
+        matmul_w_x(s, s->hb, ffn_rounded, n, F, (wmat){w->w_down, w->b_down, PK ? &PK->down : NULL},
+                   E, 1.0f, s->x, E); /* x += ffn */
         if (bf && s->bf->failed) st = KVCC_GGUF_ERR_NOMEM; /* oneDNN could not run a product */
     }
     if (hv != heads) free(hv);
@@ -1701,7 +2129,7 @@ static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *
     if (!want_logits) return 0;
     int r0 = all_logits ? 0 : n - 1, nr = all_logits ? n : 1;
     rmsnorm(s->xb, s->x + (size_t)r0 * E, m->output_norm, nr, E, hp->rms_eps);
-    matmul_w(s, s->xb, nr, E, (wmat){m->output, m->output_bf}, hp->n_vocab, 0.0f, logits,
+    matmul_w(s, s->xb, nr, E, (wmat){m->output, m->output_bf, NULL}, hp->n_vocab, 0.0f, logits,
              hp->n_vocab);
     if (bf && s->bf->failed) return KVCC_GGUF_ERR_NOMEM;
     return 0;

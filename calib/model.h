@@ -75,6 +75,11 @@ typedef struct kvcc_model {
     uint16_t *tok_embd_bf;       /* bf16: (V, E), tok_embd NULL */
     uint16_t *output_bf;         /* bf16: (V, E), == tok_embd_bf when tied; output NULL */
     size_t weight_bytes;         /* bytes of all weights as held in memory */
+    /* bf16 where oneDNN has a bf16 matmul: each layer's four products' weights (b_qkv, bo, b_gu,
+     * b_down) reordered once into oneDNN's blocked layout (the same bytes, another order; the
+     * layouts are model.c's, behind this pointer), and bq/bk/bv/b_gate/b_up NULL: every product,
+     * decode's too, is a matmul on them. NULL otherwise (row-major bf16). */
+    void *bf_packed;
 } kvcc_model;
 
 /* Load a llama-family GGUF. Other architectures: KVCC_GGUF_ERR_ARCH naming general.architecture.
@@ -90,7 +95,11 @@ void kvcc_model_free(kvcc_model *m); /* accepts NULL */
  * and the seven per layer) is rounded to bf16 (nearest even) and its f32 copy freed, one tensor at
  * a time (half the memory; m->weight_bytes says how much). Products then run in bf16 with f32
  * accumulation (oneDNN matmul for prefill, an AVX512_BF16 GEMV for decode), norms, RoPE,
- * attention and softmax in f32. KVCC_PREC_F32 on an f32 model: nothing to do. Errors
+ * softmax in f32. Where oneDNN has a bf16 matmul for this CPU the layer weights are reordered
+ * into its layout (m->bf_packed; decode's products become matmuls too) and attention runs in
+ * bf16 over a bf16 copy of each state's cache (docs/cli.md, "The built-in model's precision";
+ * env KVCC_BF16_ROWMAJOR=1 / KVCC_BF16_ATTENTION_F32=1 turn either off for comparisons).
+ * KVCC_PREC_F32 on an f32 model: nothing to do. Errors
  * (KVCC_GGUF_ERR_ARG with msg): another value, f32 asked of a bf16 model, or bf16 in a build
  * without oneDNN (USE_DNNL=0); KVCC_GGUF_ERR_NOMEM. States created before must not be used. */
 int kvcc_model_set_precision(kvcc_model *m, int precision, char *msg, size_t msg_cap);
