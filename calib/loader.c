@@ -12,11 +12,17 @@
 
 int kvcc_load_model(const char *path, int want_hash, kvcc_loaded_model *out, char *msg,
                     size_t cap) {
+    return kvcc_load_model_prec(path, want_hash, KVCC_PREC_F32, out, msg, cap);
+}
+
+int kvcc_load_model_prec(const char *path, int want_hash, int precision, kvcc_loaded_model *out,
+                         char *msg, size_t cap) {
     memset(out, 0, sizeof *out);
     kvcc_gguf *g = NULL;
     int rc = kvcc_gguf_open(path, &g, msg, cap);
     if (rc) return rc;
-    rc = kvcc_model_load_gguf(g, &out->model, msg, cap);
+    /* bf16: converted tensor by tensor while loading (peak memory: docs/benchmarks.md) */
+    rc = kvcc_model_load_gguf_prec(g, precision, &out->model, msg, cap);
     if (!rc) rc = kvcc_tok_from_gguf(g, &out->tok, msg, cap);
     kvcc_gguf_close(g);
     if (rc) {
@@ -60,18 +66,6 @@ int kvcc_load_model(const char *path, int want_hash, kvcc_loaded_model *out, cha
         }
     }
     return 0;
-}
-
-int kvcc_load_model_prec(const char *path, int want_hash, int precision, kvcc_loaded_model *out,
-                         char *msg, size_t cap) {
-    int rc = kvcc_load_model(path, want_hash, out, msg, cap);
-    if (rc) return rc;
-    char m2[256];
-    if ((rc = kvcc_model_set_precision(out->model, precision, m2, sizeof m2)) != 0) {
-        snprintf(msg, cap, "%s: %s", path, m2);
-        kvcc_loaded_model_free(out);
-    }
-    return rc;
 }
 
 void kvcc_loaded_model_free(kvcc_loaded_model *lm) {

@@ -20,7 +20,8 @@ typedef struct {
 /* 0 on success; otherwise a KVCC_GGUF_ERR_* status and a message naming the file. */
 int kvcc_load_model(const char *gguf_path, int want_hash, kvcc_loaded_model *out, char *msg,
                     size_t msg_cap);
-/* The same, then kvcc_model_set_precision(precision) (KVCC_PREC_F32 or KVCC_PREC_BF16). */
+/* The same at a precision (KVCC_PREC_F32 or KVCC_PREC_BF16): bf16 converts each tensor as it is
+ * read (kvcc_model_load_gguf_prec), the result that of kvcc_model_set_precision. */
 int kvcc_load_model_prec(const char *gguf_path, int want_hash, int precision,
                          kvcc_loaded_model *out, char *msg, size_t msg_cap);
 void kvcc_loaded_model_free(kvcc_loaded_model *lm);

@@ -30,6 +30,17 @@
 
 #define ATT_BQ 128 /* queries per attention task (attend_tiles): 8k prefill 395 -> 486 tokens/s against 32 */
 #define ATTB_PAD 64 /* attend_bf16: key counts rounded up to this (one pair of primitives per count) */
+#define BF16_NO_DNNL_MSG                                                                          \
+    "precision bf16: this build has no oneDNN (built with USE_DNNL=0 or without libdnnl-dev); "   \
+    "use f32"
+
+#if KVCC_WITH_DNNL
+struct bf_pack;
+static int bf16_begin(const kvcc_model *m, struct bf_pack **pk, dnnl_stream_t *str);
+static int layer_to_bf16(kvcc_model *m, int l, const struct bf_pack *pk, dnnl_stream_t str);
+static int embd_to_bf16(kvcc_model *m);
+static void bf16_finish(kvcc_model *m, struct bf_pack *pk, dnnl_stream_t str);
+#endif
 
 // ---------------------------------------------------------------- load
 
@@ -322,11 +333,30 @@ static size_t model_weight_elems(const kvcc_model *m) {
 }
 
 int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) {
+    return kvcc_model_load_gguf_prec(g, KVCC_PREC_F32, out, msg, cap);
+}
+
+int kvcc_model_load_gguf_prec(kvcc_gguf *g, int precision, kvcc_model **out, char *msg,
+                              size_t cap) {
     if (!g || !out) {
         kvcc_set_msg(msg, cap, "kvcc_model_load_gguf: NULL argument");
         return KVCC_GGUF_ERR_ARG;
     }
     *out = NULL;
+    if (precision != KVCC_PREC_F32 && precision != KVCC_PREC_BF16) {
+        kvcc_set_msg(msg, cap, "precision: got %d, expected f32 or bf16", precision);
+        return KVCC_GGUF_ERR_ARG;
+    }
+#if !KVCC_WITH_DNNL
+    if (precision == KVCC_PREC_BF16) {
+        kvcc_set_msg(msg, cap, "%s: " BF16_NO_DNNL_MSG, kvcc_gguf_name(g));
+        return KVCC_GGUF_ERR_ARG;
+    }
+#else
+    struct bf_pack *pk = NULL;
+    dnnl_stream_t str = NULL;
+#endif
+    const int bf = precision == KVCC_PREC_BF16;
     const char *fn = kvcc_gguf_name(g);
     kvcc_model *m = calloc(1, sizeof *m);
     if (!m) {
@@ -338,6 +368,12 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
     if (st) goto fail;
     const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim;
     const int Hd = hp->n_head * d, Kd = hp->n_head_kv * d;
+#if KVCC_WITH_DNNL
+    if (bf && (st = bf16_begin(m, &pk, &str)) != 0) {
+        kvcc_set_msg(msg, cap, "%s: precision bf16: out of memory", fn);
+        goto fail;
+    }
+#endif
     TRY(load_tensor(g, "token_embd.weight", E, hp->n_vocab, &m->tok_embd, msg, cap));
     TRY(load_tensor(g, "output_norm.weight", E, 0, &m->output_norm, msg, cap));
     if (kvcc_gguf_find_tensor(g, "output.weight")) {
@@ -346,6 +382,12 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
         m->output = m->tok_embd;
         m->tied = 1;
     }
+#if KVCC_WITH_DNNL
+    if (bf && (st = embd_to_bf16(m)) != 0) {
+        kvcc_set_msg(msg, cap, "%s: precision bf16: out of memory converting the weights", fn);
+        goto fail;
+    }
+#endif
     m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers);
     if (!m->layers) {
         st = KVCC_GGUF_ERR_NOMEM;
@@ -373,6 +415,13 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
             kvcc_set_msg(msg, cap, "%s: out of memory", fn);
             goto fail;
         }
+#if KVCC_WITH_DNNL
+        /* bf16: this layer's f32 copies go before the next layer is read */
+        if (bf && (st = layer_to_bf16(m, l, pk, str)) != 0) {
+            kvcc_set_msg(msg, cap, "%s: precision bf16: out of memory converting the weights", fn);
+            goto fail;
+        }
+#endif
     }
     m->rope_inv_freq = malloc((size_t)(d / 2) * sizeof *m->rope_inv_freq);
     if (!m->rope_inv_freq) {
@@ -384,10 +433,20 @@ int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t cap) 
         m->rope_inv_freq[i] = (float)(1.0 / pow((double)hp->rope_base, (2.0 * i) / d));
     m->precision = KVCC_PREC_F32;
     m->weight_bytes = model_weight_elems(m) * sizeof(float);
+#if KVCC_WITH_DNNL
+    if (bf) {
+        bf16_finish(m, pk, str);
+        pk = NULL, str = NULL;
+    }
+#endif
 #undef TRY
     *out = m;
     return 0;
 fail:
+#if KVCC_WITH_DNNL
+    if (str) dnnl_stream_destroy(str);
+    free(pk);
+#endif
     kvcc_model_free(m);
     return st;
 }
@@ -539,35 +598,73 @@ static int bf16_pack(uint16_t **b, int K, int N, const dnnl_memory_desc_t *md, d
     *b = p;
     return 0;
 }
-/* Every layer's four stacks into oneDNN's layouts (see struct bf_pack); a failure leaves the
- * model unusable (some layers reordered), as a failed conversion does. */
-static int bf16_pack_model(kvcc_model *m) {
+/* The conversion to bf16, a layer at a time (kvcc_model_set_precision on a loaded model, or
+ * kvcc_model_load_gguf_prec while loading, so that the f32 weights never all exist at once).
+ * bf16_begin: the layouts to reorder into (*pk, NULL where oneDNN has no bf16 matmul or
+ * KVCC_BF16_ROWMAJOR is set) and a stream for the reorders. */
+static int bf16_begin(const kvcc_model *m, struct bf_pack **pk, dnnl_stream_t *str) {
+    *pk = NULL, *str = NULL;
+    if (!bf16_native() || getenv("KVCC_BF16_ROWMAJOR")) return 0;
     const kvcc_model_hparams *hp = &m->hp;
     const int E = hp->n_embd, F = hp->n_ff, Hd = hp->n_head * hp->head_dim;
     const int Q3 = Hd + 2 * hp->n_head_kv * hp->head_dim;
-    struct bf_pack *pk = calloc(1, sizeof *pk);
-    dnnl_stream_t str = NULL;
-    int st = pk ? 0 : KVCC_GGUF_ERR_NOMEM;
-    if (!st && (bf16_pack_desc(E, Q3, &pk->qkv) || bf16_pack_desc(Hd, E, &pk->o) ||
-                bf16_pack_desc(E, 2 * F, &pk->gu) || bf16_pack_desc(F, E, &pk->down) ||
-                dnnl_stream_create(&str, dnnl_engine(), dnnl_stream_default_flags)))
-        st = KVCC_GGUF_ERR_NOMEM;
-    for (int l = 0; l < hp->n_layer && !st; l++) {
-        kvcc_layer_weights *w = &m->layers[l];
-        if ((st = bf16_pack(&w->b_qkv, E, Q3, &pk->qkv, str)) ||
-            (st = bf16_pack(&w->bo, Hd, E, &pk->o, str)) ||
-            (st = bf16_pack(&w->b_gu, E, 2 * F, &pk->gu, str)) ||
-            (st = bf16_pack(&w->b_down, F, E, &pk->down, str)))
-            break;
-        w->bq = w->bk = w->bv = w->b_gate = w->b_up = NULL;
+    struct bf_pack *p = calloc(1, sizeof *p);
+    if (!p || bf16_pack_desc(E, Q3, &p->qkv) || bf16_pack_desc(Hd, E, &p->o) ||
+        bf16_pack_desc(E, 2 * F, &p->gu) || bf16_pack_desc(F, E, &p->down) ||
+        dnnl_stream_create(str, dnnl_engine(), dnnl_stream_default_flags)) {
+        free(p);
+        *str = NULL;
+        return KVCC_GGUF_ERR_NOMEM;
     }
-    if (str) dnnl_stream_destroy(str);
-    if (st) {
-        free(pk);
-        return st;
-    }
-    m->bf_packed = pk;
+    *pk = p;
     return 0;
+}
+/* Layer l's seven f32 matrices -> bf16 (q/k/v and gate/up stacked), then with pk the four
+ * stacks reordered into oneDNN's layouts (bq/bk/bv/b_gate/b_up NULL). */
+static int layer_to_bf16(kvcc_model *m, int l, const struct bf_pack *pk, dnnl_stream_t str) {
+    const kvcc_model_hparams *hp = &m->hp;
+    const size_t E = (size_t)hp->n_embd, F = (size_t)hp->n_ff, d = (size_t)hp->head_dim;
+    const size_t Hd = (size_t)hp->n_head * d, Kd = (size_t)hp->n_head_kv * d;
+    kvcc_layer_weights *w = &m->layers[l];
+    float **qkv[3] = {&w->wq, &w->wk, &w->wv}, **gu[2] = {&w->w_gate, &w->w_up};
+    const size_t qkv_n[3] = {Hd * E, Kd * E, Kd * E}, gu_n[2] = {F * E, F * E};
+    uint16_t **qkv_b[3] = {&w->bq, &w->bk, &w->bv}, **gu_b[2] = {&w->b_gate, &w->b_up};
+    int st;
+    if ((st = stack_to_bf16(qkv, qkv_n, 3, qkv_b, &w->b_qkv)) ||
+        (st = matrix_to_bf16(&w->wo, &w->bo, E * Hd)) ||
+        (st = stack_to_bf16(gu, gu_n, 2, gu_b, &w->b_gu)) ||
+        (st = matrix_to_bf16(&w->w_down, &w->b_down, E * F)))
+        return st;
+    if (!pk) return 0;
+    const int Q3 = (int)(Hd + 2 * Kd);
+    if ((st = bf16_pack(&w->b_qkv, (int)E, Q3, &pk->qkv, str)) ||
+        (st = bf16_pack(&w->bo, (int)Hd, (int)E, &pk->o, str)) ||
+        (st = bf16_pack(&w->b_gu, (int)E, 2 * (int)F, &pk->gu, str)) ||
+        (st = bf16_pack(&w->b_down, (int)F, (int)E, &pk->down, str)))
+        return st;
+    w->bq = w->bk = w->bv = w->b_gate = w->b_up = NULL;
+    return 0;
+}
+/* The token embedding (and an untied LM head) -> bf16; a tied head aliases the embedding. */
+static int embd_to_bf16(kvcc_model *m) {
+    const size_t n = (size_t)m->hp.n_vocab * m->hp.n_embd;
+    int st = 0;
+    if (!m->tied) st = matrix_to_bf16(&m->output, &m->output_bf, n);
+    if (!st) st = matrix_to_bf16(&m->tok_embd, &m->tok_embd_bf, n);
+    if (!st && m->tied) {
+        m->output = NULL;
+        m->output_bf = m->tok_embd_bf;
+    }
+    return st;
+}
+/* After the last layer: the model is bf16 (pk kept as m->bf_packed) */
+static void bf16_finish(kvcc_model *m, struct bf_pack *pk, dnnl_stream_t str) {
+    if (str) dnnl_stream_destroy(str);
+    m->bf_packed = pk;
+    m->precision = KVCC_PREC_BF16;
+    const size_t all = model_weight_elems(m);
+    const size_t norms = (size_t)m->hp.n_layer * 2 * m->hp.n_embd + m->hp.n_embd;
+    m->weight_bytes = norms * sizeof(float) + (all - norms) * sizeof(uint16_t);
 }
 #endif
 
@@ -582,44 +679,22 @@ int kvcc_model_set_precision(kvcc_model *m, int precision, char *msg, size_t cap
         return KVCC_GGUF_ERR_ARG;
     }
 #if !KVCC_WITH_DNNL
-    kvcc_set_msg(msg, cap, "precision bf16: this build has no oneDNN (built with USE_DNNL=0 or "
-                 "without libdnnl-dev); use f32");
+    kvcc_set_msg(msg, cap, BF16_NO_DNNL_MSG);
     return KVCC_GGUF_ERR_ARG;
 #else
-    const kvcc_model_hparams *hp = &m->hp;
-    const size_t E = (size_t)hp->n_embd, F = (size_t)hp->n_ff, d = (size_t)hp->head_dim;
-    const size_t Hd = (size_t)hp->n_head * d, Kd = (size_t)hp->n_head_kv * d;
-    int st = 0;
-    for (int l = 0; l < hp->n_layer && !st; l++) {
-        kvcc_layer_weights *w = &m->layers[l];
-        float **qkv[3] = {&w->wq, &w->wk, &w->wv}, **gu[2] = {&w->w_gate, &w->w_up};
-        const size_t qkv_n[3] = {Hd * E, Kd * E, Kd * E}, gu_n[2] = {F * E, F * E};
-        uint16_t **qkv_b[3] = {&w->bq, &w->bk, &w->bv}, **gu_b[2] = {&w->b_gate, &w->b_up};
-        if ((st = stack_to_bf16(qkv, qkv_n, 3, qkv_b, &w->b_qkv)) ||
-            (st = matrix_to_bf16(&w->wo, &w->bo, E * Hd)) ||
-            (st = stack_to_bf16(gu, gu_n, 2, gu_b, &w->b_gu)) ||
-            (st = matrix_to_bf16(&w->w_down, &w->b_down, E * F)))
-            break;
-    }
-    if (!st && !m->tied) st = matrix_to_bf16(&m->output, &m->output_bf, (size_t)hp->n_vocab * E);
-    if (!st) st = matrix_to_bf16(&m->tok_embd, &m->tok_embd_bf, (size_t)hp->n_vocab * E);
+    struct bf_pack *pk;
+    dnnl_stream_t str;
+    int st = bf16_begin(m, &pk, &str);
+    for (int l = 0; l < m->hp.n_layer && !st; l++) st = layer_to_bf16(m, l, pk, str);
+    if (!st) st = embd_to_bf16(m);
     if (st) {
         /* a model half converted cannot run: the caller frees it */
+        if (str) dnnl_stream_destroy(str);
+        free(pk);
         kvcc_set_msg(msg, cap, "precision bf16: out of memory converting the weights");
         return st;
     }
-    if (m->tied) {
-        m->output = NULL;
-        m->output_bf = m->tok_embd_bf;
-    }
-    if (bf16_native() && !getenv("KVCC_BF16_ROWMAJOR") && (st = bf16_pack_model(m)) != 0) {
-        kvcc_set_msg(msg, cap, "precision bf16: out of memory reordering the weights for oneDNN");
-        return st;
-    }
-    m->precision = KVCC_PREC_BF16;
-    const size_t all = model_weight_elems(m);
-    const size_t norms = (size_t)hp->n_layer * 2 * E + E;
-    m->weight_bytes = norms * sizeof(float) + (all - norms) * sizeof(uint16_t);
+    bf16_finish(m, pk, str);
     return 0;
 #endif
 }

@@ -86,6 +86,13 @@ typedef struct kvcc_model {
  * msg (optional) receives the file, the field and the expected value on failure. */
 int kvcc_model_load(const char *path, kvcc_model **out, char *msg, size_t msg_cap);
 int kvcc_model_load_gguf(kvcc_gguf *g, kvcc_model **out, char *msg, size_t msg_cap);
+/* The same at a precision: KVCC_PREC_BF16 converts each tensor as it is read (the model that
+ * kvcc_model_set_precision would make, bit for bit), so the f32 weights never all exist at once:
+ * peak memory is the bf16 model plus the f32 embedding and one layer in f32, not the f32 model
+ * (docs/cli.md, "The built-in model's precision"). bf16 in a build without oneDNN:
+ * KVCC_GGUF_ERR_ARG with msg. */
+int kvcc_model_load_gguf_prec(kvcc_gguf *g, int precision, kvcc_model **out, char *msg,
+                              size_t msg_cap);
 /* The hyper-parameters (and general.name, into name) of an open llama GGUF, validated as
  * kvcc_model_load_gguf does, without loading any weight: for fingerprint checks. */
 int kvcc_model_read_hparams(kvcc_gguf *g, kvcc_model_hparams *hp, char *name, size_t name_cap,

@@ -902,16 +902,30 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
  * precision"), each against the path it replaced, on 600 held-out tokens (256 + 256 + 88 rows):
  *  - weights reordered into oneDNN's layout give the prefill logits of row-major weights bit for
  *    bit (the same kernel; oneDNN reorders row-major weights inside each call);
+ *  - converting while loading (kvcc_model_load_gguf_prec, so that the f32 model never exists
+ *    whole) gives the model kvcc_model_set_precision makes: the same logits bit for bit;
  *  - attention in bf16 (attend_bf16) keeps the mean NLL within 0.005 of f32 attention in the
  *    same bf16 model and top-1 agreement >= 0.95 (measured on an AMX Xeon: NLL 3.31201 vs
  *    3.31335, 595 and 596 of 600 against f32's).
  * Where oneDNN has no bf16 matmul both switches change nothing and the checks hold trivially. */
-static float *bf16_logits(const int32_t *ids, int n, const char *env) {
+/* at_load: kvcc_model_load_gguf_prec (converted tensor by tensor while loading), else
+ * kvcc_model_load_gguf then kvcc_model_set_precision */
+static float *bf16_logits(const int32_t *ids, int n, const char *env, int at_load) {
     if (env) setenv(env, "1", 1);
-    real_model r = load_real();
+    real_model r = {0};
     char msg[512];
-    const int st = kvcc_model_set_precision(r.m, KVCC_PREC_BF16, msg, sizeof msg);
-    cr_assert_eq(st, 0, "bf16: %s", msg);
+    if (at_load) {
+        kvcc_gguf *g;
+        cr_assert_eq(kvcc_gguf_open(fx_model_path(), &g, msg, sizeof msg), 0, "%s", msg);
+        cr_assert_eq(kvcc_model_load_gguf_prec(g, KVCC_PREC_BF16, &r.m, msg, sizeof msg), 0, "%s",
+                     msg);
+        kvcc_gguf_close(g);
+        cr_assert_eq(r.m->precision, KVCC_PREC_BF16);
+    } else {
+        r = load_real();
+        const int st = kvcc_model_set_precision(r.m, KVCC_PREC_BF16, msg, sizeof msg);
+        cr_assert_eq(st, 0, "bf16: %s", msg);
+    }
     kvcc_state *s;
     cr_assert_eq(kvcc_state_create(r.m, n, &s), 0);
     float *lg = malloc((size_t)n * r.m->hp.n_vocab * sizeof(float));
@@ -924,7 +938,7 @@ static float *bf16_logits(const int32_t *ids, int n, const char *env) {
     return lg;
 }
 
-Test(calib_model, real_bf16_packed_weights_and_bf16_attention, .timeout = 900) {
+Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
     real_model r = load_real();
     if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
     char msg[512];
@@ -942,10 +956,13 @@ Test(calib_model, real_bf16_packed_weights_and_bf16_attention, .timeout = 900) {
     const int nv = r.m->hp.n_vocab;
     kvcc_tok_free(r.t);
     kvcc_model_free(r.m);
-    float *now = bf16_logits(ids, n, NULL), *rowmajor = bf16_logits(ids, n, "KVCC_BF16_ROWMAJOR"),
-          *f32att = bf16_logits(ids, n, "KVCC_BF16_ATTENTION_F32");
+    float *now = bf16_logits(ids, n, NULL, 0), *rowmajor = bf16_logits(ids, n, "KVCC_BF16_ROWMAJOR", 0),
+          *f32att = bf16_logits(ids, n, "KVCC_BF16_ATTENTION_F32", 0),
+          *atload = bf16_logits(ids, n, NULL, 1);
     cr_assert(!memcmp(now, rowmajor, (size_t)n * nv * sizeof(float)),
               "bf16 prefill logits differ between prepacked and row-major weights");
+    cr_assert(!memcmp(now, atload, (size_t)n * nv * sizeof(float)),
+              "bf16 prefill logits differ between converting at load and after");
     const double a = mean_nll(now, ids, n, nv), b = mean_nll(f32att, ids, n, nv);
     cr_assert(fabs(a - b) < 0.005, "mean NLL with bf16 attention %.5f vs f32 attention %.5f", a, b);
     int agree = 0;
@@ -961,5 +978,5 @@ Test(calib_model, real_bf16_packed_weights_and_bf16_attention, .timeout = 900) {
     cr_assert(agree >= (int)(0.95 * n), "top-1 agreement bf16 vs f32 attention: %d of %d", agree, n);
     cr_log_info("bf16 attention vs f32 attention on %d tokens: NLL %.5f vs %.5f, top-1 %d/%d (%s)",
                 n, a, b, agree, n, kvcc_model_bf16_name());
-    free(now); free(rowmajor); free(f32att); free(ids);
+    free(now); free(rowmajor); free(f32att); free(atload); free(ids);
 }
