@@ -1301,7 +1301,8 @@ static void bf16_widened_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const 
 
 const char *kvcc_model_bf16_name(void) {
 #if KVCC_WITH_DNNL
-    return bf16_native() ? "oneDNN bf16 matmul, f32 accumulation"
+    return bf16_native() ? "oneDNN bf16 matmul, f32 accumulation, weights prepacked; attention in "
+                           "bf16"
                          : "bf16 weights widened to f32 for the f32 GEMM (oneDNN has no bf16 "
                            "matmul on this CPU)";
 #else
