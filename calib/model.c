@@ -746,6 +746,10 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
     return 0;
 }
 
+void kvcc_state_set_attention_f32(kvcc_state *s, int on) {
+    if (s) s->attn_f32 = on != 0;
+}
+
 void kvcc_state_reset(kvcc_state *s) {
     if (s) s->n_past = 0;
 }
@@ -1363,7 +1367,7 @@ static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m, const kvcc_state 
         bf16_ctx_free(c);
         return NULL;
     }
-    if (bf16_native() && !getenv("KVCC_BF16_ATTENTION_F32")) {
+    if (bf16_native() && !s->attn_f32 && !getenv("KVCC_BF16_ATTENTION_F32")) {
         const size_t d = (size_t)hp->head_dim, nt = (size_t)s->n_threads;
         c->tp = ((int64_t)s->n_ctx + ATTB_PAD - 1) / ATTB_PAD * ATTB_PAD;
         const size_t kvn = (size_t)hp->n_layer * hp->n_head_kv * (size_t)c->tp * d;
@@ -2169,9 +2173,9 @@ static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *
                                        NULL};
             kv_view view = {Hkv, hv};
 #if KVCC_WITH_DNNL
-            if (bf && s->bf->kb && n == 1) {
+            if (bf && s->bf->kb && !s->attn_f32 && n == 1) {
                 attend_bf16_one(m, s, l, s->q, pos0, s->att);
-            } else if (bf && s->bf->kb) {
+            } else if (bf && s->bf->kb && !s->attn_f32) {
                 const int e = attend_bf16(m, s, l, s->q, n, pos0, s->bf->xb);
                 if (e && !s->bf->failed) s->bf->failed = e;
                 att_rounded = 1;

@@ -162,6 +162,7 @@ typedef struct kvcc_state {
     void *attn_user;
     int attn_from;       /* positions >= attn_from attend through attn_hook */
     struct kvcc_bf16_ctx *bf; /* bf16 models: oneDNN stream, cached matmul primitives, scratch */
+    int attn_f32;        /* kvcc_state_set_attention_f32 */
 } kvcc_state;
 
 /* A state holding up to n_ctx tokens (1 <= n_ctx; it may exceed the training context). */
@@ -169,6 +170,13 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out);
 void kvcc_state_free(kvcc_state *s); /* accepts NULL */
 void kvcc_state_reset(kvcc_state *s); /* n_past = 0 */
 void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user);
+/* A bf16 model attends over the full cache in bf16 where oneDNN has a bf16 matmul
+ * (docs/cli.md, "The built-in model's precision"); on = 1 keeps this state's attention in f32,
+ * as kvrt_attend computes it: for callers that compare the model's own full-cache attention with
+ * a compressed cache attended through kvrt_attend (eval's rows, the needle task, the model
+ * reward, KV2's stage 2), so that a difference measures the compression and not the precision.
+ * No effect on f32 models. Set it before the state's first forward pass. */
+void kvcc_state_set_attention_f32(kvcc_state *s, int on);
 /* Rewind to n_past tokens (0 <= n_past <= s->n_past): later tokens are forgotten. */
 int kvcc_state_truncate(kvcc_state *s, int n_past);
 /* Compressed-context mode, the way a serving stack runs a libkvrt cache: for every token at a

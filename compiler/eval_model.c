@@ -403,6 +403,8 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
                 snprintf(err, errlen, "eval: out of memory for a model state of %d tokens", cap_T);
                 break;
             }
+            /* the full reference and the rows (kvrt_attend) attend alike in a bf16 model */
+            kvcc_state_set_attention_f32(x.s, 1);
             for (int l = 0; l < L; l++) if (!g.q[l]) rc = -1;
             if (rc) {
                 snprintf(err, errlen, "eval: out of memory for %d tokens of queries", cap_T);

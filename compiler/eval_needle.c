@@ -158,6 +158,8 @@ int eval_needle(eval_run *E, const kvcc_loaded_model *lm, char *err, size_t errl
         x.caches = calloc((size_t)L, sizeof *x.caches);
         int oom = !x.logits || !x.kbuf || !x.vbuf || !x.lp || !x.q || !x.xq || !x.xk ||
                   !x.caches || kvcc_state_create(m, C + C + 64, &x.s) != 0;
+        /* the full reference and the compressed answers (kvrt_attend) attend alike in bf16 */
+        if (!oom) kvcc_state_set_attention_f32(x.s, 1);
         for (int l = 0; !oom && l < L; l++)
             oom = !(x.q[l] = malloc(sizeof(float) * (size_t)C * H * d));
         for (uint32_t h = 0; !oom && !rc && h < n_hay; h++) {

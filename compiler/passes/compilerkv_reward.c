@@ -611,6 +611,8 @@ int ckv_model_open(ckv *S, char *err, size_t errlen) {
         kvcc_state_create(m, (int)S->maxT, &S->ms) != 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED,
                          "compilerkv: out of memory for the model state (%u tokens)", S->maxT);
+    /* the full NLL and the compressed ones (kvrt_attend) attend alike in a bf16 model */
+    kvcc_state_set_attention_f32(S->ms, 1);
     for (uint32_t p = 0; p < S->P; p++) S->nll_full[p] = NAN;
     S->ms_prompt = -1;
     kvrt_ctx_options ro = {.n_threads = 0};

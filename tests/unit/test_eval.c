@@ -19,6 +19,7 @@
 #include "fixtures.h"
 #include "kvrt_experimental.h"
 #include "loader.h"
+#include "model.h"
 #include "synth.h"
 
 static kvcc_eval_result R; /* large: keep off the stack */
@@ -127,5 +128,32 @@ Test(eval, real_model_full_row_is_exact, .timeout = 1200) {
     cr_expect(isfinite(full->nll) && full->nll > 0.5 && full->nll < 8, "NLL %g", full->nll);
     cr_expect_eq(full->probes, 3);
     cr_expect_gt(fabs(st->nll - st->nll_full), 1e-4, "a 24-of-96 streaming cache should change the NLL");
+    unlink(path);
+}
+
+/* The same with a bf16 model. Both sides attend in f32 (eval sets kvcc_state_set_attention_f32 on
+ * its state, as kvrt_attend computes), but here the two attentions' last-bit differences reach
+ * the bf16 roundings of the next products, and a rounding that flips moves the logits
+ * downstream: the full row is only within 0.02 of the model's NLL (measured 5.3e-3 on this text;
+ * 4.6e-3 before eval kept the attention in f32), against 1e-4 in f32. */
+Test(eval, real_model_full_row_close_in_bf16, .timeout = 1200) {
+    FX_REQUIRE_MODEL();
+    const char *gguf = fx_model_path();
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_eval_real_bf16_%d.h5", (int)getpid());
+    fx_capture_real("examples/data/heldout/2002_george_w_bush_r.txt", 96, 24, 3, path, NULL);
+    const char *methods[] = {"full"};
+    double budgets[] = {24};
+    kvcc_eval_opts o = {.corpus = path, .gguf = gguf, .methods = methods, .n_methods = 1,
+                        .budgets = budgets, .n_budgets = 1, .seed = 1,
+                        .precision = KVCC_PREC_BF16};
+    const int rc = kvcc_eval_run(&o, &R, err, sizeof err);
+    if (rc && strstr(err, "oneDNN")) cr_skip_test("%s", err);
+    cr_assert_eq(rc, 0, "%s", err);
+    const kvcc_eval_row *full = &R.rows[0];
+    cr_assert(full->have_e2e);
+    cr_expect_leq(fabs(full->nll - full->nll_full), 0.02, "bf16: full row NLL %.7f vs model %.7f",
+                  full->nll, full->nll_full);
+    cr_log_info("bf16: full row NLL %.7f vs model %.7f", full->nll, full->nll_full);
     unlink(path);
 }
