@@ -1651,6 +1651,22 @@ static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, in
  * every loop vectorizes; exp_nonpos_f32(-INF) is exactly 0. No visible entry: the row is 0. */
 /* KVRT_SIMD_CLONES (cpu/vexp.h): at 4096 tokens this row was a quarter of prefill in the baseline
  * SSE2 build. */
+/* The max and exp passes of softmax_row and softmax_row_bf16 (inlined into each clone): sc[0, nv)
+ * becomes e^(x - max); returns 1 / their sum, or 0 when the max is -INF (nothing visible). */
+static inline __attribute__((always_inline)) float softmax_exp(float *sc, int64_t nv) {
+    float mx = -INFINITY;
+    #pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
+    if (mx == -INFINITY) return 0.0f;
+    float sum = 0.0f;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < nv; j++) {
+        const float e = exp_nonpos_f32(sc[j] - mx);
+        sc[j] = e;
+        sum += e;
+    }
+    return 1.0f / sum;
+}
 KVRT_SIMD_CLONES
 static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, const int32_t *pos) {
     int64_t nv = ne;
@@ -1665,21 +1681,11 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
         }
         for (int64_t j = nv; j < ne; j++) sc[j] = 0.0f;
     }
-    float mx = -INFINITY;
-    #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
-    if (mx == -INFINITY) { /* nothing visible (or every logit -INF) */
+    const float inv = softmax_exp(sc, nv);
+    if (inv == 0.0f) { /* nothing visible (or every logit -INF) */
         memset(sc, 0, (size_t)ne * sizeof(float));
         return;
     }
-    float sum = 0.0f;
-    #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < nv; j++) {
-        const float e = exp_nonpos_f32(sc[j] - mx);
-        sc[j] = e;
-        sum += e;
-    }
-    const float inv = 1.0f / sum;
     #pragma omp simd
     for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
 }
@@ -1689,21 +1695,11 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
 KVRT_SIMD_CLONES
 static void softmax_row_bf16(float *sc, uint16_t *pb, int64_t ne, int64_t p) {
     const int64_t nv = p + 1 < ne ? p + 1 : ne;
-    float mx = -INFINITY;
-    #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
-    if (mx == -INFINITY) { /* nothing visible (or every logit -INF) */
+    const float inv = softmax_exp(sc, nv);
+    if (inv == 0.0f) { /* nothing visible (or every logit -INF) */
         memset(pb, 0, (size_t)ne * sizeof *pb);
         return;
     }
-    float sum = 0.0f;
-    #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < nv; j++) {
-        const float e = exp_nonpos_f32(sc[j] - mx);
-        sc[j] = e;
-        sum += e;
-    }
-    const float inv = 1.0f / sum;
     #pragma omp simd
     for (int64_t j = 0; j < nv; j++) pb[j] = f32_to_bf16(sc[j] * inv);
     if (ne > nv) memset(pb + nv, 0, (size_t)(ne - nv) * sizeof *pb);

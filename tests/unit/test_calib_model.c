@@ -829,6 +829,19 @@ Test(calib_model, real_thread_count_invariant, .timeout = 600) {
  *    upstream moves the logits downstream (measured 0.21 with row-major weights and f32
  *    attention, 0.34 on an AMX Xeon with prepacked weights and bf16 attention, whose one-row
  *    products are oneDNN matmuls; f32's prefill and decode agree within 1e-3). */
+/* The first 600 tokens of a held-out text (the bf16 tests' input); skips the test without it */
+static int32_t *heldout_600(kvcc_tok *t) {
+    FILE *f = fopen("examples/data/heldout/1985_ronald_reagan_r.txt", "rb");
+    if (!f) cr_skip_test("examples/data not found (run the tests from the repository root)");
+    static char buf[8192];
+    size_t len = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    int n;
+    int32_t *ids = encode(t, buf, len, &n);
+    cr_assert(n >= 600, "%d tokens", n);
+    return ids;
+}
+
 static double mean_nll(const float *lg, const int32_t *ids, int n, int nv) {
     double s = 0;
     for (int t = 0; t + 1 < n; t++) s -= kvcc_log_softmax_at(lg + (size_t)t * nv, nv, ids[t + 1]);
@@ -841,15 +854,8 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
     char msg[512];
     const int st = kvcc_model_set_precision(rb.m, KVCC_PREC_BF16, msg, sizeof msg);
     if (st) cr_skip_test("bf16 not available in this build: %s", msg);
-    FILE *f = fopen("examples/data/heldout/1985_ronald_reagan_r.txt", "rb");
-    if (!f) cr_skip_test("examples/data not found (run the tests from the repository root)");
-    static char buf[8192];
-    size_t len = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    int n;
-    int32_t *ids = encode(r.t, buf, len, &n);
-    cr_assert(n >= 600, "%d tokens", n);
-    n = 600;
+    int n = 600;
+    int32_t *ids = heldout_600(r.t);
     const int nv = r.m->hp.n_vocab, np = n - 8;
     float *l32 = malloc((size_t)n * nv * sizeof(float)), *lb[2], *dec = malloc((size_t)nv * sizeof(float));
     cr_assert(l32 && dec);
@@ -948,15 +954,8 @@ Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
     char msg[512];
     if (kvcc_model_set_precision(r.m, KVCC_PREC_BF16, msg, sizeof msg))
         cr_skip_test("bf16 not available in this build: %s", msg);
-    FILE *f = fopen("examples/data/heldout/1985_ronald_reagan_r.txt", "rb");
-    if (!f) cr_skip_test("examples/data not found (run the tests from the repository root)");
-    static char buf[8192];
-    size_t len = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    int n;
-    int32_t *ids = encode(r.t, buf, len, &n);
-    cr_assert(n >= 600, "%d tokens", n);
-    n = 600;
+    int n = 600;
+    int32_t *ids = heldout_600(r.t);
     const int nv = r.m->hp.n_vocab;
     kvcc_tok_free(r.t);
     kvcc_model_free(r.m);
