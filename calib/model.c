@@ -357,6 +357,7 @@ int kvcc_model_load_gguf_prec(kvcc_gguf *g, int precision, kvcc_model **out, cha
     dnnl_stream_t str = NULL;
 #endif
     const int bf = precision == KVCC_PREC_BF16;
+    (void)bf; /* read only with oneDNN */
     const char *fn = kvcc_gguf_name(g);
     kvcc_model *m = calloc(1, sizeof *m);
     if (!m) {
@@ -1689,6 +1690,7 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
     #pragma omp simd
     for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
 }
+#if KVCC_WITH_DNNL
 /* softmax_row for a full cache (no bias, no positions) with the weights written rounded to bf16
  * into pb[0..ne) (sc keeps e^(x - max)): the bits of softmax_row then to_bf16_run, one pass
  * fewer (attend_bf16). */
@@ -1704,6 +1706,7 @@ static void softmax_row_bf16(float *sc, uint16_t *pb, int64_t ne, int64_t p) {
     for (int64_t j = 0; j < nv; j++) pb[j] = f32_to_bf16(sc[j] * inv);
     if (ne > nv) memset(pb + nv, 0, (size_t)(ne - nv) * sizeof *pb);
 }
+#endif
 /* log sum_j exp(row[j] - *mx) with *mx = max_j row[j]: e^x by exp_nonpos_f32 (relative error
  * <= 8.3e-8 per term), the terms summed in double in SIMD lanes (the lane split is the CPU's
  * clone, never the thread count). At 49152 logits the double-exp reference took 0.8 s of a
