@@ -734,9 +734,13 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
     s->hb2 = malloc(C * F * sizeof(float));
     s->rope_cos = malloc(C * (d / 2) * sizeof(float));
     s->rope_sin = malloc(C * (d / 2) * sizeof(float));
-    /* attend_ref needs one row per thread, attend_blas one row per token of a chunk,
-     * attend_tiles ATT_BQ rows per thread */
+    /* attend_ref needs one row per thread, attend_tiles (oneDNN builds) ATT_BQ rows per thread,
+     * attend_blas (the others) one row per token of a chunk */
+#if KVCC_WITH_DNNL
+    const size_t score_rows = (size_t)s->n_threads * ATT_BQ;
+#else
     size_t score_rows = (size_t)s->n_threads * ATT_BQ > C ? (size_t)s->n_threads * ATT_BQ : C;
+#endif
     s->scores = malloc(score_rows * (size_t)n_ctx * sizeof(float));
     if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->att || !s->hb || !s->hb2 ||
         !s->rope_cos || !s->rope_sin || !s->scores) {

@@ -133,7 +133,10 @@ typedef int (*kvcc_attn_fn)(void *user, int layer, int pos0, int n, const float 
 typedef int (*kvcc_capture_fn)(void *user, int layer, int pos0, int n, const float *q,
                                const float *k, const float *v);
 
-#define KVCC_MODEL_CHUNK 256
+/* Tokens per forward chunk: 512 since 2026-12-05 (was 256): bf16 prefill +8-10%, f32 +6% on the
+ * AMX VM, logits bitwise the same (docs/benchmarks.md "Chunks of 512 tokens"); callers' per-chunk
+ * logit buffers (KVCC_MODEL_CHUNK x n_vocab floats) doubled to 100 MB for SmolLM2. */
+#define KVCC_MODEL_CHUNK 512
 
 typedef struct kvcc_state {
     int n_ctx;          /* capacity T (tokens) */

@@ -333,13 +333,16 @@ Test(calib_model, tiny_capture_and_logprobs) {
     cr_assert(isfinite(ppl) && ppl >= 1.0);
     cr_assert(isnan(kvcc_perplexity(lp, 0)));
     /* a long prefill spans chunks; the callback's nonzero return aborts it */
-    int32_t many[300];
-    for (int i = 0; i < 300; i++) many[i] = k_toks[i % NTOK];
-    kvcc_state_reset(s);
+    enum { NMANY = KVCC_MODEL_CHUNK + 44 };
+    static int32_t many[NMANY];
+    for (int i = 0; i < NMANY; i++) many[i] = k_toks[i % NTOK];
+    kvcc_state_free(s);
+    cr_assert_eq(kvcc_state_create(m, NMANY, &s), 0);
     memset(&c, 0, sizeof c);
     c.s = s;
     c.ok = 1;
-    cr_assert_eq(kvcc_model_prefill(m, s, many, 300, NULL, KVCC_LOGITS_NONE), 42);
+    kvcc_state_set_capture(s, capture_cb, &c);
+    cr_assert_eq(kvcc_model_prefill(m, s, many, NMANY, NULL, KVCC_LOGITS_NONE), 42);
     cr_assert(c.ok);
     kvcc_state_free(s);
     kvcc_model_free(m);
@@ -820,7 +823,7 @@ Test(calib_model, real_thread_count_invariant, .timeout = 600) {
 
 /* --precision bf16 end to end on real text (issue: "tests run both paths"): the bf16 model's
  * prefill (stacked q/k/v and gate/up bf16 products, vectorized bf16 rounding, AMX where oneDNN has
- * it) against the f32 model on the same 600 tokens (three chunks: 256, 256, 88 rows):
+ * it) against the f32 model on the same 600 tokens (two chunks: 512 and 88 rows):
  *  - mean next-token NLL within 0.02 of f32's (measured: 4e-4 on 1087 held-out tokens,
  *    docs/benchmarks.md "bf16") and top-1 agreement >= 0.9;
  *  - bit-identical at 1 and 2 threads;
@@ -905,9 +908,11 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
 }
 
 /* The two bf16 speed-ups where oneDNN has a bf16 matmul (docs/cli.md, "The built-in model's
- * precision"), each against the path it replaced, on 600 held-out tokens (256 + 256 + 88 rows):
- *  - weights reordered into oneDNN's layout give the prefill logits of row-major weights bit for
- *    bit (the same kernel; oneDNN reorders row-major weights inside each call);
+ * precision"), each against the path it replaced, on 600 held-out tokens (512 + 88 rows):
+ *  - weights reordered into oneDNN's layout keep the mean NLL of row-major weights within 0.005
+ *    (the same products: oneDNN reorders row-major weights inside each call; bit for bit at
+ *    256-row chunks, at 512 rows it sums them in another order: NLL 3.31201 vs 3.31481 on an AMX
+ *    Xeon);
  *  - converting while loading (kvcc_model_load_gguf_prec, so that the f32 model never exists
  *    whole) gives the model kvcc_model_set_precision makes: the same logits bit for bit;
  *  - a state with kvcc_state_set_attention_f32 (eval, the needle task, the model reward) gives
@@ -962,8 +967,8 @@ Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
     float *now = bf16_logits(ids, n, NULL, 0), *rowmajor = bf16_logits(ids, n, "KVCC_BF16_ROWMAJOR", 0),
           *f32att = bf16_logits(ids, n, "KVCC_BF16_ATTENTION_F32", 0),
           *atload = bf16_logits(ids, n, NULL, 1), *statef32 = bf16_logits(ids, n, "state", 0);
-    cr_assert(!memcmp(now, rowmajor, (size_t)n * nv * sizeof(float)),
-              "bf16 prefill logits differ between prepacked and row-major weights");
+    const double np_ = mean_nll(now, ids, n, nv), nr_ = mean_nll(rowmajor, ids, n, nv);
+    cr_assert(fabs(np_ - nr_) < 0.005, "mean NLL prepacked %.5f vs row-major %.5f", np_, nr_);
     cr_assert(!memcmp(now, atload, (size_t)n * nv * sizeof(float)),
               "bf16 prefill logits differ between converting at load and after");
     cr_assert(!memcmp(f32att, statef32, (size_t)n * nv * sizeof(float)),
@@ -983,7 +988,7 @@ Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
         agree += ix == iy;
     }
     cr_assert(agree >= (int)(0.95 * n), "top-1 agreement bf16 vs f32 attention: %d of %d", agree, n);
-    cr_log_info("bf16 attention vs f32 attention on %d tokens: NLL %.5f vs %.5f, top-1 %d/%d (%s)",
-                n, a, b, agree, n, kvcc_model_bf16_name());
+    cr_log_info("bf16 attention vs f32 attention on %d tokens: NLL %.5f vs %.5f, top-1 %d/%d; "
+                "row-major weights NLL %.5f (%s)", n, a, b, agree, n, nr_, kvcc_model_bf16_name());
     free(now); free(rowmajor); free(f32att); free(atload); free(statef32); free(ids);
 }
