@@ -751,10 +751,6 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
     return 0;
 }
 
-void kvcc_state_set_attention_f32(kvcc_state *s, int on) {
-    if (s) s->attn_f32 = on != 0;
-}
-
 void kvcc_state_reset(kvcc_state *s) {
     if (s) s->n_past = 0;
 }
@@ -1336,6 +1332,19 @@ static void bf16_ctx_free(struct kvcc_bf16_ctx *c) {
     free(c->wf);
     free(c->stk);
     free(c);
+}
+
+/* (kvcc_state_set_attention_f32 lives here, after struct kvcc_bf16_ctx) */
+void kvcc_state_set_attention_f32(kvcc_state *s, int on) {
+    if (!s) return;
+    s->attn_f32 = on != 0;
+#if KVCC_WITH_DNNL
+    if (on && s->bf && s->bf->kb) { /* set after a forward pass: the bf16 copy is not needed */
+        free(s->bf->kb);
+        free(s->bf->vb);
+        s->bf->kb = s->bf->vb = NULL;
+    }
+#endif
 }
 
 static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m, const kvcc_state *s) {

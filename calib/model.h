@@ -178,7 +178,8 @@ void kvcc_state_set_capture(kvcc_state *s, kvcc_capture_fn fn, void *user);
  * as kvrt_attend computes it: for callers that compare the model's own full-cache attention with
  * a compressed cache attended through kvrt_attend (eval's rows, the needle task, the model
  * reward, KV2's stage 2), so that a difference measures the compression and not the precision.
- * No effect on f32 models. Set it before the state's first forward pass. */
+ * No effect on f32 models. Set after a forward pass it frees the state's bf16 copy of the cache;
+ * turning it off again then leaves the state in f32 (a new state attends in bf16). */
 void kvcc_state_set_attention_f32(kvcc_state *s, int on);
 /* Rewind to n_past tokens (0 <= n_past <= s->n_past): later tokens are forgotten. */
 int kvcc_state_truncate(kvcc_state *s, int n_past);

@@ -916,7 +916,7 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
  *  - converting while loading (kvcc_model_load_gguf_prec, so that the f32 model never exists
  *    whole) gives the model kvcc_model_set_precision makes: the same logits bit for bit;
  *  - a state with kvcc_state_set_attention_f32 (eval, the needle task, the model reward) gives
- *    the logits of f32 attention bit for bit;
+ *    the logits of f32 attention bit for bit, set before its first forward pass or after one;
  *  - attention in bf16 (attend_bf16) keeps the mean NLL within 0.005 of f32 attention in the
  *    same bf16 model and top-1 agreement >= 0.95 (measured on an AMX Xeon: NLL 3.31201 vs
  *    3.31335, 595 and 596 of 600 against f32's).
@@ -924,7 +924,8 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
 /* at_load: kvcc_model_load_gguf_prec (converted tensor by tensor while loading), else
  * kvcc_model_load_gguf then kvcc_model_set_precision */
 static float *bf16_logits(const int32_t *ids, int n, const char *env, int at_load) {
-    const int state_f32 = env && !strcmp(env, "state"); /* kvcc_state_set_attention_f32 */
+    /* "state": kvcc_state_set_attention_f32 before the first forward, "late": after one */
+    const int late = env && !strcmp(env, "late"), state_f32 = late || (env && !strcmp(env, "state"));
     if (env && !state_f32) setenv(env, "1", 1);
     real_model r = {0};
     char msg[512];
@@ -942,9 +943,13 @@ static float *bf16_logits(const int32_t *ids, int n, const char *env, int at_loa
     }
     kvcc_state *s;
     cr_assert_eq(kvcc_state_create(r.m, n, &s), 0);
-    if (state_f32) kvcc_state_set_attention_f32(s, 1);
     float *lg = malloc((size_t)n * r.m->hp.n_vocab * sizeof(float));
     cr_assert(lg);
+    if (late) {
+        cr_assert_eq(kvcc_model_prefill(r.m, s, ids, n, lg, KVCC_LOGITS_ALL), 0);
+        kvcc_state_reset(s);
+    }
+    if (state_f32) kvcc_state_set_attention_f32(s, 1);
     cr_assert_eq(kvcc_model_prefill(r.m, s, ids, n, lg, KVCC_LOGITS_ALL), 0);
     if (env && !state_f32) unsetenv(env);
     kvcc_state_free(s);
@@ -966,12 +971,14 @@ Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
     kvcc_model_free(r.m);
     float *now = bf16_logits(ids, n, NULL, 0), *rowmajor = bf16_logits(ids, n, "KVCC_BF16_ROWMAJOR", 0),
           *f32att = bf16_logits(ids, n, "KVCC_BF16_ATTENTION_F32", 0),
-          *atload = bf16_logits(ids, n, NULL, 1), *statef32 = bf16_logits(ids, n, "state", 0);
+          *atload = bf16_logits(ids, n, NULL, 1), *statef32 = bf16_logits(ids, n, "state", 0),
+          *late = bf16_logits(ids, n, "late", 0);
     const double np_ = mean_nll(now, ids, n, nv), nr_ = mean_nll(rowmajor, ids, n, nv);
     cr_assert(fabs(np_ - nr_) < 0.005, "mean NLL prepacked %.5f vs row-major %.5f", np_, nr_);
     cr_assert(!memcmp(now, atload, (size_t)n * nv * sizeof(float)),
               "bf16 prefill logits differ between converting at load and after");
-    cr_assert(!memcmp(f32att, statef32, (size_t)n * nv * sizeof(float)),
+    cr_assert(!memcmp(f32att, statef32, (size_t)n * nv * sizeof(float)) &&
+                  !memcmp(f32att, late, (size_t)n * nv * sizeof(float)),
               "kvcc_state_set_attention_f32 does not give the f32 attention's logits");
     cr_assert(memcmp(now, f32att, (size_t)n * nv * sizeof(float)) || !strstr(kvcc_model_bf16_name(), "attention in bf16"),
               "bf16 attention gave f32 attention's logits bit for bit");
@@ -990,5 +997,6 @@ Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
     cr_assert(agree >= (int)(0.95 * n), "top-1 agreement bf16 vs f32 attention: %d of %d", agree, n);
     cr_log_info("bf16 attention vs f32 attention on %d tokens: NLL %.5f vs %.5f, top-1 %d/%d; "
                 "row-major weights NLL %.5f (%s)", n, a, b, agree, n, nr_, kvcc_model_bf16_name());
-    free(now); free(rowmajor); free(f32att); free(atload); free(statef32); free(ids);
+    free(now); free(rowmajor); free(f32att); free(atload); free(statef32); free(late);
+    free(ids);
 }
