@@ -1982,7 +1982,7 @@ static int attend_bf16(const kvcc_model *m, kvcc_state *s, int l, const float *q
                 to_bf16_run(qb + (size_t)t * d + i0, qs, (size_t)k);
             }
         }
-        void *scr = c->ascr + (size_t)tid * c->ascr_cap;
+        void *scr = c->ascr ? c->ascr + (size_t)tid * c->ascr_cap : NULL; /* NULL: none needed */
         int e = att_exec(pqk[b], c->tstream[tid], qb, c->kb + kvo, sc, scr);
         if (!e) {
             for (int t = 0; t < nb; t++)
