@@ -1845,6 +1845,12 @@ static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, c
 #endif
 
 #if KVCC_WITH_DNNL
+/* Where KV head hk of layer l, position pos, starts in the bf16 cache (kb, vb), in elements */
+static inline size_t att_row(const struct kvcc_bf16_ctx *c, int l, int Hkv, int hk, int64_t pos,
+                             int d) {
+    return (((size_t)l * Hkv + hk) * (size_t)c->tp + (size_t)pos) * (size_t)d;
+}
+
 /* Keys and values of positions pos0 .. pos0 + n - 1 of layer l (kn, vn: (n, Hkv, d) f32) into the
  * bf16 cache of attend_bf16, and the rows after them up to the next multiple of ATTB_PAD zeroed:
  * attend_bf16 multiplies up to that many rows, and a weight of 0 times a value row left from an
@@ -1857,12 +1863,12 @@ static void att_append(struct kvcc_bf16_ctx *c, int l, int Hkv, int d, int pos0,
     #pragma omp parallel for schedule(static) collapse(2) if (GEMM_SHARES_OMP && n >= 16)
     for (int h = 0; h < Hkv; h++)
         for (int t = 0; t < n; t++) {
-            const size_t o = (((size_t)l * Hkv + h) * c->tp + pos0 + t) * d;
+            const size_t o = att_row(c, l, Hkv, h, pos0 + t, d);
             to_bf16_run(c->kb + o, kn + (size_t)t * Kd + (size_t)h * d, d);
             to_bf16_run(c->vb + o, vn + (size_t)t * Kd + (size_t)h * d, d);
         }
     for (int h = 0; h < Hkv; h++) {
-        const size_t o = (((size_t)l * Hkv + h) * c->tp + pos0 + n) * d;
+        const size_t o = att_row(c, l, Hkv, h, (int64_t)pos0 + n, d);
         memset(c->kb + o, 0, (size_t)(pend - pos0 - n) * d * sizeof *c->kb);
         memset(c->vb + o, 0, (size_t)(pend - pos0 - n) * d * sizeof *c->vb);
     }
@@ -1972,7 +1978,7 @@ static int attend_bf16(const kvcc_model *m, kvcc_state *s, int l, const float *q
         uint16_t *qb = c->aq + (size_t)tid * ATT_BQ * d;
         float *sc = c->asc + (size_t)tid * ATT_BQ * c->tp;
         uint16_t *pb = c->apb + (size_t)tid * ATT_BQ * c->tp;
-        const size_t kvo = ((size_t)l * Hkv + h / group) * c->tp * d;
+        const size_t kvo = att_row(c, l, Hkv, h / group, 0, d);
         float qs[512];
         for (int t = 0; t < nb; t++) {
             const float *qr = q + ((size_t)(t0 + t) * H + h) * d;
@@ -2015,7 +2021,7 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
         const int tid = omp_get_thread_num();
         float *sc = c->asc + (size_t)tid * ATT_BQ * c->tp, *qf = sc + ne;
         uint16_t *pb = c->apb + (size_t)tid * ATT_BQ * c->tp, *qb = c->aq + (size_t)tid * ATT_BQ * d;
-        const size_t kvo = ((size_t)l * Hkv + h / group) * c->tp * d;
+        const size_t kvo = att_row(c, l, Hkv, h / group, 0, d);
         const float *qr = q + (size_t)h * d;
         for (int i = 0; i < d; i++) qf[i] = qr[i] * scale;
         to_bf16_run(qb, qf, (size_t)d);
@@ -2185,9 +2191,9 @@ static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *
                                        NULL};
             kv_view view = {Hkv, hv};
 #if KVCC_WITH_DNNL
-            if (bf && s->bf->kb && !s->attn_f32 && n == 1) {
+            if (bf && s->bf->kb && n == 1) { /* kb: NULL when the state attends in f32 */
                 attend_bf16_one(m, s, l, s->q, pos0, s->att);
-            } else if (bf && s->bf->kb && !s->attn_f32) {
+            } else if (bf && s->bf->kb) {
                 const int e = attend_bf16(m, s, l, s->q, n, pos0, s->bf->xb);
                 if (e && !s->bf->failed) s->bf->failed = e;
                 att_rounded = 1;
