@@ -152,6 +152,7 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
             s->mv = s->hv;
         }
         if (e != cudaSuccess) {
+            const int f16 = s->f16; /* s is freed below */
             kvrt_cuda_compkv_free((kvrt_compkv *)(void *)s);
             free(pm);
             free(of);
@@ -160,7 +161,7 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
                                 (int)e, "%s: cannot allocate 2 x %.1f MiB of %s for K and V in %s "
                                 "(%s)", fn, (double)hb / 1048576.0,
                                 off ? "pinned, mapped host memory (offload)" : "device memory",
-                                s->f16 ? "f16" : "bf16", cudaGetErrorString(e));
+                                f16 ? "f16" : "bf16", cudaGetErrorString(e));
         }
     }
     struct {
@@ -176,11 +177,18 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
               {(void **)&s->off, sizeof(uint16_t) * hkv * (r + 1)}};
     for (size_t i = 0; i < sizeof al / sizeof al[0] && e == cudaSuccess; i++)
         e = cudaMalloc(al[i].p, al[i].bytes);
-    if (e == cudaSuccess) e = cudaMemset(s->count, 0, sizeof(int32_t) * cb);
+    /* on the context's stream (cudaStreamNonBlocking: the legacy stream's cudaMemset /
+     * cudaMemcpy are not ordered before the appends' kernels), then synchronized: pm, of are
+     * freed below */
+    cudaStream_t stream = kvrt_cuda_stream(ctx);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->count, 0, sizeof(int32_t) * cb, stream);
     if (e == cudaSuccess)
-        e = cudaMemcpy(s->perm, pm, sizeof(uint16_t) * hkv * d, cudaMemcpyHostToDevice);
+        e = cudaMemcpyAsync(s->perm, pm, sizeof(uint16_t) * hkv * d, cudaMemcpyHostToDevice,
+                            stream);
     if (e == cudaSuccess)
-        e = cudaMemcpy(s->off, of, sizeof(uint16_t) * hkv * (r + 1), cudaMemcpyHostToDevice);
+        e = cudaMemcpyAsync(s->off, of, sizeof(uint16_t) * hkv * (r + 1), cudaMemcpyHostToDevice,
+                            stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
     free(pm);
     free(of);
     if (e != cudaSuccess) {
