@@ -167,11 +167,13 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 //      the block's logit buffer (about WM_BUF_FLOATS per thread), chunk after chunk, each chunk
 //      contiguous with rows of WM_CHUNK floats (rows of the full width T = 32k are 128 KiB apart,
 //      so a chunk's rows all fell into the same few cache sets: only 16 of 256 stayed in L2);
-//   2. while the chunk is in cache, per row: the max m_c of its visible keys (row t sees keys
-//      <= t), e = exp(z - m_c) in place (exp_nonpos_f32, vectorized; 0 for masked keys) and the
-//      chunk's sum s_c;
-//   3. per row, once every chunk is done: m = max_c m_c, S = sum_c s_c exp(m_c - m) (double),
-//      and per (row, chunk) the weight w = exp(m_c - m) / S, so that p = e w;
+//   2. while the chunk is in cache, per row: e = exp(z - f_c) in place over its visible keys
+//      (row t sees keys <= t; 0 for masked keys) and the chunk's sum s_c, in one pass, against a
+//      reference f_c: the row's maximum over the earlier chunks (the first chunk: its own max, one
+//      more pass). A chunk whose max is more than 60 above f_c (e^60 fits a float with room for
+//      the sum) has that row's logits computed again and takes its own max (wm_exp_chunk);
+//   3. per row, once every chunk is done: m = max_c f_c, S = sum_c s_c exp(f_c - m) (double),
+//      and per (row, chunk) the weight w = exp(f_c - m) / S, so that p = e w;
 //   4. per chunk, the column sums of p: rows in order, four at a time into a float run of
 //      WM_GROUP rows, each run added in double into the task's accumulator.
 // Step 4 is the only pass over the logit buffer once it has left L2 (it sits in L3 at T = 32k):
@@ -194,7 +196,7 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-#include "cpu/vexp.h" /* exp_nonpos_f32 */
+#include "cpu/vexp.h" /* exp_nonpos_f32, exp_le64_f32, vmax_f32 */
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h> /* _mm_getcsr / _mm_setcsr: FTZ and DAZ around a block */
 #define WM_FTZ_ON() const unsigned wm_csr = _mm_getcsr(); _mm_setcsr(wm_csr | 0x8040u)
@@ -205,7 +207,10 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 #endif
 
 #define WM_BUF_FLOATS ((int64_t)1 << 23) /* logits per thread: 32 MiB (256 rows at T = 32768) */
-#define WM_CHUNK 1024                    /* keys per sgemm: [256 rows, 1024] = 1 MiB, in L2 */
+#define WM_CHUNK 256 /* keys per sgemm: [256 rows, 256] = 256 KiB, in L2 with the packed keys (1024:
+                      * 1 MiB, and a quarter of step 2's time was its rows coming back; 256 with
+                      * step 2 in one pass: the window mass 1.32 -> 1.24-1.28x the window GEMM,
+                      * docs/benchmarks.md "One pass per chunk of 256 keys") */
 #define WM_CAUSAL_ROWS 256               /* rows per block when every query is scored (H2O) */
 #define WM_GROUP 32                      /* rows summed in float before the double accumulator */
 #define WM_LANES 4
@@ -220,45 +225,75 @@ typedef struct {
 
 typedef struct {
     float *qp;   /* [G*bq, d] packed query rows */
-    float *e;    /* [nch][G*bq][WM_CHUNK] logits by chunk, then exp(z - m_c) */
-    float *cm;   /* [G*bq, nch] chunk maxima, then the weights w */
+    float *e;    /* [nch][G*bq][WM_CHUNK] logits by chunk, then exp(z - f_c) */
+    float *cm;   /* [G*bq, nch] chunk references f_c, then the weights w */
     float *cs;   /* [G*bq, nch] chunk sums */
     float *colf; /* [WM_CHUNK] float column sums of one row run */
+    float *run;  /* [G*bq] each row's maximum over the chunks so far */
+    int32_t *redo; /* [G*bq] rows of a chunk to recompute (wm_exp_chunk) */
 } wm_scratch;
 
 /* The per-element loops (steps 2 and 4) are compiled for AVX2 and AVX-512 too (KVRT_SIMD_CLONES,
  * cpu/vexp.h): the exp and the column sums round every operation the same way in every clone;
  * only the lane split of a row's sums differs between clones (the CPU decides, never the thread
  * count). */
-/* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta:
- * per row, cm (stride nch) gets the max over its visible keys (-INF when none), the row's chunk
- * becomes exp(z - max) (0 past its visible keys, all 0 when none is visible or every visible
- * logit is -INF) and cs gets its float sum. */
-KVRT_SIMD_CLONES static void wm_exp_chunk(float *e, int64_t ldc, int64_t R, uint32_t G, int64_t ta,
-                                          int64_t c0, int64_t nc, float *cm, float *cs,
-                                          int64_t nch) {
+/* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta.
+ * Per row, a reference f: the row's running maximum over the chunks before this one (run[r]),
+ * or, in the first chunk (first != 0) and wherever that is not finite, the chunk's own maximum
+ * (one extra pass). The row's chunk becomes exp(z - f) (0 past its visible keys), cm (stride
+ * nch) gets f (-INF when nothing is visible or every visible logit is -INF: the row is then all
+ * 0), cs its float sum, and run[r] the maximum so far. A logit more than WM_EXP_HEADROOM above
+ * a running reference would overflow exp_le64_f32's range: the row is left for the caller
+ * (redo[n_redo++] = r; its logits are gone) to recompute and pass again as a first chunk (run
+ * NULL: the caller updates run[r]).
+ * Returns n_redo. One pass over the logits instead of two (max, then exp): the rows come from
+ * L2, and that read was a quarter of this step. */
+#define WM_EXP_HEADROOM 60.0f
+KVRT_SIMD_CLONES static int64_t wm_exp_chunk(float *e, int64_t ldc, int64_t R, uint32_t G,
+                                             int64_t ta, int64_t c0, int64_t nc, float *cm,
+                                             float *cs, int64_t nch, int first, float *run,
+                                             int32_t *redo) {
+    int64_t n_redo = 0;
     for (int64_t r = 0; r < R; r++) {
         float *row = e + (size_t)r * ldc;
         int64_t len = ta + r / G + 1 - c0; /* causal: query t sees keys 0..t */
         len = len < 0 ? 0 : len > nc ? nc : len;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < len; j++) m = row[j] > m ? row[j] : m;
-        float sum = 0.0f;
-        if (m == -INFINITY) {
-            len = 0;
-        } else {
-#pragma omp simd reduction(+ : sum)
+        const float f_run = !first && run ? run[r] : -INFINITY;
+        float f, mx, sum = 0.0f;
+        if (len > 0 && f_run > -INFINITY && f_run < INFINITY) {
+            f = f_run;
+            mx = -INFINITY;
+#pragma omp simd reduction(+ : sum) reduction(max : mx)
             for (int64_t j = 0; j < len; j++) {
-                const float x = exp_nonpos_f32(row[j] - m);
+                const float z = row[j];
+                mx = z > mx ? z : mx;
+                const float x = exp_le64_f32(z - f);
                 row[j] = x;
                 sum += x;
             }
+            if (!(mx - f <= WM_EXP_HEADROOM)) { /* far above the reference, or +INF */
+                redo[n_redo++] = (int32_t)r;
+                continue;
+            }
+        } else {
+            f = mx = vmax_f32(row, len);
+            if (f == -INFINITY) {
+                len = 0;
+            } else {
+#pragma omp simd reduction(+ : sum)
+                for (int64_t j = 0; j < len; j++) {
+                    const float x = exp_nonpos_f32(row[j] - f);
+                    row[j] = x;
+                    sum += x;
+                }
+            }
         }
         if (len < nc) memset(row + len, 0, sizeof(float) * (size_t)(nc - len));
-        cm[(size_t)r * nch] = m;
+        cm[(size_t)r * nch] = len ? f : -INFINITY;
         cs[(size_t)r * nch] = sum;
+        if (run) run[r] = mx > f_run ? mx : f_run;
     }
+    return n_redo;
 }
 
 /* Step 4 for rows [0, n) of one chunk (nc columns, row stride ldc) with weights w (stride nch):
@@ -299,13 +334,26 @@ static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64
                      int64_t c, wm_scratch *s) {
     const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
     const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
-    kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d,
-                      P->k + ((size_t)c0 * P->Hkv + hk) * P->d, (int)((size_t)P->Hkv * P->d),
-                      0.0f, s->e + (size_t)c * R * WM_CHUNK, WM_CHUNK);
-
-    wm_exp_chunk(s->e + (size_t)c * R * WM_CHUNK, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c,
-                 s->cs + c, nch);
-
+    const float *kc = P->k + ((size_t)c0 * P->Hkv + hk) * P->d;
+    const int ldk = (int)((size_t)P->Hkv * P->d);
+    float *ec = s->e + (size_t)c * R * WM_CHUNK;
+    kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d, kc, ldk, 0.0f,
+                      ec, WM_CHUNK);
+    const int64_t n_redo = wm_exp_chunk(ec, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c, s->cs + c,
+                                        nch, c == 0, s->run, s->redo);
+    /* rows with a logit far above their running maximum: the row's logits again (one row, the
+     * same call shape whatever the thread count), then the chunk's own maximum as reference */
+    for (int64_t i = 0; i < n_redo; i++) {
+        const int64_t r = s->redo[i];
+        float *row = ec + (size_t)r * WM_CHUNK;
+        kvrt_cpu_sgemm_1t(1, 1, (int)nc, (int)P->d, P->scale, s->qp + (size_t)r * P->d, (int)P->d,
+                          kc, ldk, 0.0f, row, WM_CHUNK);
+        float f_run = s->run[r];
+        wm_exp_chunk(row, WM_CHUNK, 1, P->G, ta + r / P->G, c0, nc, s->cm + (size_t)r * nch + c,
+                     s->cs + (size_t)r * nch + c, nch, 1, NULL, NULL);
+        const float f = s->cm[(size_t)r * nch + c];
+        s->run[r] = f > f_run ? f : f_run;
+    }
 }
 
 /* Row block b of KV head hk: steps 1-4, the block's column mass added into acc [T] (double). */
@@ -379,7 +427,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
     if (nt < 1 || nested) nt = 1; /* nested regions run on one thread */
     const size_t R = (size_t)bq * P.G;
     const size_t per = R * d + R * (size_t)P.nch_max * WM_CHUNK + 2 * R * (size_t)P.nch_max +
-                       WM_CHUNK;
+                       WM_CHUNK + 2 * R; /* + run, redo (int32, the size of a float) */
     const size_t buf_bytes = sizeof(float) * per * (size_t)nt;
     const size_t acc_bytes = sizeof(double) * (size_t)n_tasks * (size_t)T;
     float *buf = kvrt_cpu_scratch_alloc(buf_bytes);
@@ -404,6 +452,8 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         s.cm = s.e + R * (size_t)P.nch_max * WM_CHUNK;
         s.cs = s.cm + R * (size_t)P.nch_max;
         s.colf = s.cs + R * (size_t)P.nch_max;
+        s.run = s.colf + WM_CHUNK;
+        s.redo = (int32_t *)(s.run + R);
         const uint32_t hk = (uint32_t)(task / P.lanes);
         const int lane = (int)(task % P.lanes);
         memset(acc + (size_t)task * T, 0, sizeof(double) * (size_t)T); /* reused scratch */

@@ -2,7 +2,7 @@
  * vexp.h: exp for non-positive arguments, written so that GCC/Clang vectorize the loops that call
  * it. Shared by the CPU fast paths (softmax.c, attend.c, baselines.c); internal, not installed.
  *
- * defines: exp_nonpos_f32 (static inline), KVRT_SIMD_CLONES
+ * defines: exp_nonpos_f32, exp_le64_f32, vmax_f32 (static inline), KVRT_SIMD_CLONES
  *
  * Include it after `#pragma GCC optimize("no-trapping-math")` (see softmax.c for why), so that
  * the function and its callers share the same optimization options and it can be inlined.
@@ -10,6 +10,7 @@
 #ifndef KVRT_CPU_VEXP_H
 #define KVRT_CPU_VEXP_H
 
+#include <math.h> /* INFINITY */
 #include <stdint.h>
 #include <string.h>
 
@@ -37,9 +38,12 @@
  * returns exactly 0; NaN gives NaN; x > 0 is outside the contract (clamped to 0, returns 1) and
  * never happens here: z - max <= 0. tests/unit/test_vexp.c checks a sample of that range.
  * The rounding trick (v + 1.5 * 2^23) - 1.5 * 2^23 needs IEEE evaluation (no -ffast-math). */
-static inline float exp_nonpos_f32(float x) {
+/* exp(x) for x <= hi (hi a constant in [0, 64] after inlining; x > hi is clamped to hi), NaN in,
+ * NaN out, exactly 0 at and below ln(FLT_MIN): the body of exp_nonpos_f32 (hi = 0) and
+ * exp_le64_f32 (hi = 64, 2^n up to 2^93). */
+static inline float exp_upto_f32_(float x, float hi) {
     const float lo = -87.33654475f; /* ln(FLT_MIN) */
-    float xc = x > 0.0f ? 0.0f : x;
+    float xc = x > hi ? hi : x;
     xc = xc <= lo ? -80.0f : xc; /* below ln(FLT_MIN) the result is zeroed below: keep the
                                    * intermediate y * 2^n normal (clamping to ln(FLT_MIN) itself
                                    * gave y just under 1 times 2^-126, a subnormal product, and x86
@@ -56,7 +60,7 @@ static inline float exp_nonpos_f32(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     float y = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23; /* n in [-126, 0]: a normal power of two */
+    const int32_t bits = ((int32_t)n + 127) << 23; /* n in [-126, 93]: a normal power of two */
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     /* Final fix-ups as arithmetic on selected constants, not as selects of y: a select of y lets
@@ -65,6 +69,63 @@ static inline float exp_nonpos_f32(float x) {
     const float keep = x <= lo ? 0.0f : 1.0f; /* 0 from ln(FLT_MIN) down and at -INFINITY */
     const float nan_part = (x != x) ? x : 0.0f;  /* NaN in, NaN out */
     return y * two_n * keep + nan_part;
+}
+
+static inline float exp_nonpos_f32(float x) { return exp_upto_f32_(x, 0.0f); }
+
+/* exp(x) for x <= 64 (the same polynomial and error as exp_nonpos_f32; x > 64 gives e^64, which
+ * the caller must not use): for exponents taken against a reference that may sit a little below
+ * the maximum (the window mass's running row maximum). */
+static inline float exp_le64_f32(float x) { return exp_upto_f32_(x, 64.0f); }
+
+/* max over x[0..n) of the elements that compare greater (a NaN never does and is skipped, as in
+ * `m = x > m ? x : m`); -INFINITY when n <= 0 or nothing compares greater. Four independent
+ * vectors of partial maxima (64 lanes): a single running max, as `omp simd reduction(max)`
+ * compiles it, is a chain of dependent vmaxps (4 cycles per 16 floats); four chains run at the
+ * load rate. The result is the same element whatever the split (max is exact; only the sign of a
+ * zero maximum can differ, and every use subtracts it). GCC/Clang vector extensions, inline in
+ * KVRT_SIMD_CLONES callers: 512-bit there in the AVX-512 clone, split into SSE pieces in the
+ * baseline. */
+#if defined(__GNUC__)
+typedef float kvrt_v16f __attribute__((vector_size(64)));
+typedef int32_t kvrt_v16i __attribute__((vector_size(64)));
+/* m = the lanes of x that compare greater, else m's (a macro: a function returning a 64-byte
+ * vector draws GCC's ABI note in the clones without AVX-512) */
+#define VMAX16_(m, x)                                                                              \
+    do {                                                                                           \
+        const kvrt_v16i gt_ = (x) > (m); /* all ones where x compares greater (never for NaN) */ \
+        (m) = (kvrt_v16f)(((kvrt_v16i)(x) & gt_) | ((kvrt_v16i)(m) & ~gt_));                     \
+    } while (0)
+#endif
+static inline float vmax_f32(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int64_t j = 0;
+#if defined(__GNUC__)
+    if (n >= 64) {
+        kvrt_v16f a, b, c, d;
+        const kvrt_v16f ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                                -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                                -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        a = b = c = d = ninf;
+        for (; j + 64 <= n; j += 64) {
+            kvrt_v16f xa, xb, xc, xd;
+            memcpy(&xa, x + j, sizeof xa);
+            memcpy(&xb, x + j + 16, sizeof xb);
+            memcpy(&xc, x + j + 32, sizeof xc);
+            memcpy(&xd, x + j + 48, sizeof xd);
+            VMAX16_(a, xa);
+            VMAX16_(b, xb);
+            VMAX16_(c, xc);
+            VMAX16_(d, xd);
+        }
+        VMAX16_(a, b);
+        VMAX16_(c, d);
+        VMAX16_(a, c);
+        for (int l = 0; l < 16; l++) m = a[l] > m ? a[l] : m;
+    }
+#endif
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
 }
 
 #endif /* KVRT_CPU_VEXP_H */

@@ -2,7 +2,7 @@
  * test_wmass.c: Criterion tests of the window-mass kernel behind kvrt_snapkv_scores,
  * kvrt_h2o_scores and CompilerKV's window mass (runtime/cpu/baselines.c, scores_fast) against
  * the double-loop references kvrt_snapkv_scores_ref / kvrt_h2o_scores_ref, at OpenMP thread
- * counts 1 and 2, on shapes that cross the kernel's internal blocks (several 1024-key chunks,
+ * counts 1 and 2, on shapes that cross the kernel's internal blocks (several key chunks (256 keys),
  * several row blocks and lanes, G = 1, 3, 4), and on adversarial inputs: huge logits, T below the
  * window, one key, exact ties, a maximum far from the other chunks.
  *
@@ -133,8 +133,8 @@ Test(wmass, huge_logits_exact_in_f32) {
 }
 
 Test(wmass, max_in_a_late_chunk_far_above_the_rest) {
-    /* key 1800 (third chunk) aligned with every query: logits there ~ +100 above the others, so
-     * the first chunks' factors exp(m_c - m) underflow in f32 (they are computed in double) */
+    /* key 1800 (a late key chunk) aligned with every query: logits there ~ +100 above the others,
+     * so the earlier chunks' factors exp(m_c - m) underflow in f32 (they are computed in double) */
     const int64_t T = 2200;
     const uint32_t H = 2, Hkv = 1, d = 16;
     uint64_t s = 31;
@@ -145,6 +145,12 @@ Test(wmass, max_in_a_late_chunk_far_above_the_rest) {
     k[(size_t)1800 * d] = 40.0f; /* logit 10 * 40 / 4 = 100 */
     check_case("late max h2o", q, k, T, H, Hkv, d, 0);
     check_case("late max snapkv", q, k, T, H, Hkv, d, 64);
+    /* the kernel exponentiates a chunk against the row's maximum over the earlier chunks: +100
+     * is past its headroom (60; the row's logits are computed again), +40 is within it (that
+     * chunk's exponentials reach e^40 before the weights scale them) */
+    k[(size_t)1800 * d] = 16.0f; /* logit 40 */
+    check_case("late max within the headroom h2o", q, k, T, H, Hkv, d, 0);
+    check_case("late max within the headroom snapkv", q, k, T, H, Hkv, d, 64);
     free(q);
     free(k);
 }
