@@ -6,13 +6,18 @@
 #   - builds with USE_CUDA=1: the test binary and every benchmark
 #   - runs build/tests/kvcc_tests (includes the CUDA-vs-CPU-reference equivalence tests; on this
 #     machine they must run, so a "skipped: no GPU" line is a failure here)
-#   - runs the CUDA attend tests once more under compute-sanitizer memcheck, and every backend op
-#     (tests/backend) under memcheck and racecheck (when compute-sanitizer is installed)
 #   - runs examples/serve_skeleton.c's policies on the GPU and on the CPU and compares them
 #   - runs the Python binding's calls on a CUDA context (python/tests/cuda_calls.py) against the
 #     CPU's, when python3 has numpy
+#   - runs the CUDA attend tests once more under compute-sanitizer memcheck, and every backend op
+#     (tests/backend) under memcheck and racecheck (when compute-sanitizer is installed and
+#     supports the GPU)
 #   - runs every build/bench/* whose source takes a --cuda flag, with --cuda
-# Log: ${OUT:-build}/device-check.log. Exit status: 0 only when every step passed.
+# Log: ${OUT:-build}/device-check.log (and the per-step logs beside it: 6 files at most, so that
+# a device command's $OUT brings every one back; scratch files go to build/device-check.scratch).
+# Time: the whole script stops within DEADLINE_S seconds (default 540: a device command may run
+# 600 s); a step that would start past it is reported "not run (time budget spent)", so the
+# summary is always printed. Exit status: 0 only when every step passed.
 # Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
 #        EMU=1 bash scripts/device-check.sh      a rehearsal without a GPU: the same steps on
 #        tests/cuda_emu's emulated CUDA plugin (KVRT_CUDA_LIBRARY), the CUDA tests only of
@@ -27,23 +32,48 @@ mkdir -p "$OUTDIR"
 LOG="$OUTDIR/device-check.log"
 : > "$LOG"
 exec > >(tee -a "$LOG") 2>&1
+# the corpus, artifacts and inputs the steps make: not under $OUTDIR (a device command brings
+# back at most 8 files of $OUT, 16 MiB each; the corpus alone is ~40 MB)
+SCRATCH=build/device-check.scratch
+rm -rf "$SCRATCH"
+mkdir -p "$SCRATCH"
 
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 4)}"
 FAILED=()
 step() { echo; echo "== $*"; }
 fail() { echo "FAILED: $*"; FAILED+=("$*"); }
-# "timed out" for timeout's 124, else "exited with N": a hung step must not read as a finding
-how() { [ "$1" -eq 124 ] && echo "timed out" || echo "exited with $1"; }
-# Every step is bounded so that the whole script fits in the 10 minutes one device command may
-# run (a normal run takes ~6-8 min on one GPU): a hung step costs its bound, not the summary.
-
 EMU="${EMU:-0}"
+# Every step is bounded, and all of them together by DEADLINE_S, so that the whole script fits in
+# the 10 minutes one device command may run: a hung step costs its bound, not the summary.
+DEADLINE_S="${DEADLINE_S:-$([ "$EMU" = 1 ] && echo 1800 || echo 540)}"
+DEADLINE=$((SECONDS + DEADLINE_S))
+NOT_RUN=199
+# bounded N CMD...: CMD under timeout for at most N seconds and at most what is left of the budget
+bounded() {
+    local n=$1 left=$((DEADLINE - SECONDS))
+    shift
+    [ "$left" -lt "$n" ] && n=$left
+    if [ "$n" -lt 10 ]; then
+        echo "not run (the script's ${DEADLINE_S} s are spent): $*"
+        return $NOT_RUN
+    fi
+    timeout -k 10 "$n" "$@"
+}
+# "timed out" for timeout's 124 / 137, "not run" when the budget was spent, else "exited with
+# N": a hung or skipped step must not read as a finding
+how() {
+    case "$1" in
+    124 | 137) echo "timed out" ;;
+    "$NOT_RUN") echo "not run (time budget spent)" ;;
+    *) echo "exited with $1" ;;
+    esac
+}
 step "machine"
 date -u
 uname -a
 if [ "$EMU" = 1 ]; then
     echo "EMU=1: a rehearsal on the CUDA emulation (tests/cuda_emu), no GPU used"
-    if make -j"$JOBS" USE_CUDA=1 build/cuda_emu/libkvrt_cuda_emu.so; then
+    if bounded 600 make -j"$JOBS" USE_CUDA=1 build/cuda_emu/libkvrt_cuda_emu.so; then
         export KVRT_CUDA_LIBRARY="$PWD/build/cuda_emu/libkvrt_cuda_emu.so"
     else
         fail "make build/cuda_emu/libkvrt_cuda_emu.so"
@@ -63,8 +93,11 @@ fi
 # the libraries the build links (scripts/install-deps.sh installs them on Debian); a machine
 # that lacks one says so here, before a compile error further down does
 missing=()
+# (the cache read once: under pipefail, "ldconfig -p | grep -q" fails when grep stops reading
+# early and ldconfig gets SIGPIPE; Debian's HDF5 is libhdf5_serial.so.N in the cache)
+ldcache="$(ldconfig -p 2>/dev/null || true)"
 for lib in libhdf5 libopenblas liblapacke libzstd libxxhash libcjson libcriterion libdnnl; do
-    ldconfig -p 2>/dev/null | grep -q "$lib\.so" || missing+=("$lib")
+    grep -q "$lib\(_serial\)\?\.so" <<<"$ldcache" || missing+=("$lib")
 done
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "missing libraries: ${missing[*]} (bash scripts/install-deps.sh; without oneDNN: USE_DNNL=0)"
@@ -74,9 +107,9 @@ else
 fi
 
 step "backend ops (tests/backend, USE_CUDA=1)"
-if make -j"$JOBS" USE_CUDA=1 build/tests/test_backend_ops; then
+if bounded 300 make -j"$JOBS" USE_CUDA=1 build/tests/test_backend_ops; then
     BLOG="$OUTDIR/device-check.backend-ops.log"
-    timeout 150 build/tests/test_backend_ops 2>&1 | tee "$BLOG"
+    bounded 150 build/tests/test_backend_ops 2>&1 | tee "$BLOG"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || fail "test_backend_ops $(how "$rc")"
     if grep -q "skipped: no GPU" "$BLOG"; then
@@ -92,10 +125,13 @@ for src in bench/*.c; do
     [ -e "$src" ] || continue
     BENCH_BINS+=("build/bench/$(basename "$src" .c)")
 done
-if make -j"$JOBS" USE_CUDA=1 build/tests/kvcc_tests "${BENCH_BINS[@]}"; then
+# -k: a target that fails (kvcc_tests without libcriterion, say) does not stop the others;
+# build/libkvrt.so: the Python binding's library (nothing else here builds it)
+if bounded 300 make -k -j"$JOBS" USE_CUDA=1 build/tests/kvcc_tests build/libkvrt.so build/kvcc \
+       build/examples/serve_skeleton "${BENCH_BINS[@]}"; then
     echo "build ok"
 else
-    fail "make USE_CUDA=1 build/tests/kvcc_tests ${BENCH_BINS[*]}"
+    fail "make USE_CUDA=1 build/tests/kvcc_tests build/libkvrt.so build/kvcc build/examples/serve_skeleton ${BENCH_BINS[*]}"
 fi
 
 step "tests: build/tests/kvcc_tests"
@@ -103,7 +139,7 @@ if [ -x build/tests/kvcc_tests ]; then
     TLOG="$OUTDIR/device-check.tests.log"
     TFILTER=()
     [ "$EMU" = 1 ] && TFILTER=(--filter 'cuda/*') # the emulation is slow: its CUDA tests only
-    KVCC_BUILD=build timeout 240 build/tests/kvcc_tests --jobs "$JOBS" "${TFILTER[@]}" 2>&1 | tee "$TLOG"
+    KVCC_BUILD=build bounded 240 build/tests/kvcc_tests --jobs "$JOBS" "${TFILTER[@]}" 2>&1 | tee "$TLOG"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || fail "kvcc_tests $(how "$rc")"
     if grep -q "skipped: no GPU" "$TLOG"; then
@@ -116,59 +152,27 @@ else
     fail "build/tests/kvcc_tests missing"
 fi
 
-step "CUDA kernels under compute-sanitizer (memcheck), when the toolkit has it"
-# The attend kernels (runtime/cuda/attend.cu) were written on a machine without a GPU: check
-# their memory accesses once here. Criterion forks a process per test, hence --target-processes.
-CSAN="$(command -v compute-sanitizer 2>/dev/null || true)"
-[ -n "$CSAN" ] || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && CSAN=/usr/local/cuda/bin/compute-sanitizer; }
-if [ "$EMU" = 1 ]; then
-    echo "EMU=1: compute-sanitizer step skipped (it needs a GPU)"
-elif [ -n "$CSAN" ] && [ -x build/tests/kvcc_tests ]; then
-    timeout 120 "$CSAN" --tool memcheck --target-processes all --error-exitcode 99 \
-        build/tests/kvcc_tests --jobs 1 --filter 'cuda/attend*'
-    rc=$?
-    if [ "$rc" -eq 0 ]; then
-        echo "compute-sanitizer: clean"
-    else
-        fail "compute-sanitizer memcheck on the CUDA attend tests $(how "$rc")"
-    fi
-    # every CUDA entry point of the backend table (tests/backend), under memcheck and racecheck
-    if [ -x build/tests/test_backend_ops ]; then
-        for tool in memcheck racecheck; do
-            # bounded: the whole script has to fit in 10 minutes on one GPU
-            timeout 120 "$CSAN" --tool $tool --error-exitcode 99 build/tests/test_backend_ops \
-                > "$OUTDIR/device-check.backend-ops.$tool.log" 2>&1
-            rc=$?
-            if [ "$rc" -eq 0 ]; then
-                echo "compute-sanitizer $tool (test_backend_ops): clean"
-            else
-                tail -n 40 "$OUTDIR/device-check.backend-ops.$tool.log"
-                fail "compute-sanitizer $tool on test_backend_ops $(how "$rc")"
-            fi
-        done
-    fi
-else
-    echo "compute-sanitizer not found: step skipped"
-fi
-
 step "the serving example on the GPU (examples/serve_skeleton.c) against the same run on the CPU"
 # A small artifact compiled from a synthetic corpus (no model weights needed); each policy runs
 # once on a CUDA context (device pointers throughout) and once with --cpu: the kept positions
 # and the blocks read must be the same, the printed outputs the same to the printed digits; AM
 # must run on the device (no fallback note) and keep as many entries per head as on the CPU.
-if make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
-    EX="$OUTDIR/device-check.example"
+if bounded 300 make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
+    EX="$SCRATCH/example"
     mkdir -p "$EX"
-    if build/kvcc synth --model smollm2-135m --prompts 1 --context 640 --continuation 32 \
-           -o "$EX/c.h5" && build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" \
+    if bounded 60 build/kvcc synth --model smollm2-135m --prompts 1 --context 640 --continuation 32 \
+           -o "$EX/c.h5" && bounded 90 build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" \
            --policies compilerkv,am,compkv,merge-reduce --budgets 128 --am-targets 0.1 -o "$EX/p.kvpol"; then
-        bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am merge-reduce ||
-            fail "serve_skeleton: a policy's GPU run differs from its CPU run (serve-compare lines above)"
+        bounded 120 bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am merge-reduce
+        rc=$?
+        [ "$rc" -eq 0 ] ||
+            fail "serve_skeleton: a policy's GPU run differs from its CPU run (serve-compare lines above; $(how "$rc"))"
         # AM with OMP key selection
-        if build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" --policies am --am-select omp \
+        if bounded 60 build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" --policies am --am-select omp \
                --am-targets 0.1 -o "$EX/omp.kvpol"; then
-            bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/omp.kvpol" am ||
-                fail "serve_skeleton: AM with OMP differs on the GPU from its CPU run"
+            bounded 60 bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/omp.kvpol" am
+            rc=$?
+            [ "$rc" -eq 0 ] || fail "serve_skeleton: AM with OMP differs on the GPU from its CPU run ($(how "$rc"))"
         else
             fail "kvcc compile --am-select omp for the serving example"
         fi
@@ -183,19 +187,61 @@ step "the Python binding on the GPU (python/tests/cuda_calls.py) against the CPU
 # Every binding call that takes ctx=, with device arrays on a CUDA context (AM both ways, one
 # head, merge-reduce, the baselines' scores, KV2's plan, CompKV f32 and bf16, Quest): the CPU's
 # results; host arrays refused. Random inputs at SmolLM2 shapes (96 tokens).
-if python3 -c "import numpy" 2>/dev/null; then
-    NPZ="$OUTDIR/device-check.calls.npz"
+if ! python3 -c "import numpy" 2>/dev/null; then
+    echo "not run: python3 with numpy is not installed on this machine"
+elif [ ! -f build/libkvrt.so ]; then
+    fail "python/tests/cuda_calls.py not run: build/libkvrt.so was not built"
+else
+    NPZ="$SCRATCH/calls.npz"
     python3 -c "import numpy as np, sys; r = np.random.default_rng(5)
 f = lambda *s: r.standard_normal(s).astype(np.float32)
 np.savez(sys.argv[1], q=f(96, 9, 64), k=f(96, 3, 64), v=f(96, 3, 64))" "$NPZ"
     for w in quest calls; do
-        PYTHONPATH=python KVRT_LIBRARY="$PWD/build/libkvrt.so" timeout 300 \
+        PYTHONUNBUFFERED=1 PYTHONPATH=python KVRT_LIBRARY="$PWD/build/libkvrt.so" bounded 150 \
             python3 python/tests/cuda_calls.py "$w" "$NPZ"
         rc=$?
         [ "$rc" -eq 0 ] || fail "python/tests/cuda_calls.py $w $(how "$rc")"
     done
+fi
+
+step "CUDA kernels under compute-sanitizer (memcheck, racecheck), when the toolkit has it"
+# The attend kernels (runtime/cuda/attend.cu) were written on a machine without a GPU: check
+# their memory accesses once here. Criterion forks a process per test, hence --target-processes.
+# A sanitizer that refuses the GPU ("Device not supported": seen on gVisor machines) is noted,
+# not reported as a finding of the kernels.
+CSAN="$(command -v compute-sanitizer 2>/dev/null || true)"
+[ -n "$CSAN" ] || { [ -x /usr/local/cuda/bin/compute-sanitizer ] && CSAN=/usr/local/cuda/bin/compute-sanitizer; }
+# csan_verdict RC LOG WHAT: clean, unsupported (a note) or a failure
+csan_verdict() {
+    if [ "$1" -eq 0 ]; then
+        echo "compute-sanitizer $3: clean"
+    elif grep -q "Device not supported" "$2"; then
+        echo "compute-sanitizer $3: not run, the sanitizer does not support this machine's GPU"
+        return 1
+    else
+        tail -n 40 "$2"
+        fail "compute-sanitizer $3 $(how "$1")"
+    fi
+    return 0
+}
+if [ "$EMU" = 1 ]; then
+    echo "EMU=1: compute-sanitizer step skipped (it needs a GPU)"
+elif [ -n "$CSAN" ] && [ -x build/tests/kvcc_tests ]; then
+    CLOG="$OUTDIR/device-check.attend.memcheck.log"
+    bounded 120 "$CSAN" --tool memcheck --target-processes all --error-exitcode 99 \
+        build/tests/kvcc_tests --jobs 1 --filter 'cuda/attend*' > "$CLOG" 2>&1
+    rc=$?
+    # every CUDA entry point of the backend table (tests/backend), under memcheck and racecheck
+    if csan_verdict "$rc" "$CLOG" "memcheck on the CUDA attend tests" && [ -x build/tests/test_backend_ops ]; then
+        for tool in memcheck racecheck; do
+            CLOG="$OUTDIR/device-check.backend-ops.$tool.log"
+            bounded 120 "$CSAN" --tool $tool --error-exitcode 99 build/tests/test_backend_ops \
+                > "$CLOG" 2>&1
+            csan_verdict $? "$CLOG" "$tool on test_backend_ops"
+        done
+    fi
 else
-    echo "not run: python3 with numpy is not installed on this machine"
+    echo "compute-sanitizer not found: step skipped"
 fi
 
 step "benchmarks with --cuda"
@@ -217,7 +263,7 @@ for b in build/bench/*; do
             esac
         fi
         echo "-- $b --cuda ${small[*]}"
-        timeout $([ "$EMU" = 1 ] && echo 400 || echo 120) "$b" --cuda "${small[@]}"
+        bounded $([ "$EMU" = 1 ] && echo 400 || echo 120) "$b" --cuda "${small[@]}"
         rc=$?
         [ "$rc" -eq 0 ] || fail "$b --cuda $(how "$rc")"
     fi
@@ -229,7 +275,7 @@ if [ "$EMU" = 1 ]; then
     echo "-- build/bench/bench_am --cuda --omp: not run under EMU=1 (8 minutes emulated)"
 elif [ -x build/bench/bench_am ]; then
     echo "-- build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192"
-    timeout 120 build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192
+    bounded 120 build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192
     rc=$?
     [ "$rc" -eq 0 ] || fail "build/bench/bench_am --cuda --omp $(how "$rc")"
 fi
