@@ -18,6 +18,10 @@
 # Time: the whole script stops within DEADLINE_S seconds (default 540: a device command may run
 # 600 s); a step that would start past it is reported "not run (time budget spent)", so the
 # summary is always printed. Exit status: 0 only when every step passed.
+# Prebuilt: when build/device/bundle.tar.xz is there (scripts/device-bundle.sh, run on a machine
+# that can build; carry build/device along), it is unpacked and used instead of building: the
+# lent GPU machines have no HDF5, OpenBLAS, oneDNN, Criterion... nor a registry to install them
+# from. USE_BUNDLE=0 builds anyway.
 # Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
 #        EMU=1 bash scripts/device-check.sh      a rehearsal without a GPU: the same steps on
 #        tests/cuda_emu's emulated CUDA plugin (KVRT_CUDA_LIBRARY), the CUDA tests only of
@@ -68,12 +72,47 @@ how() {
     *) echo "exited with $1" ;;
     esac
 }
+BUNDLE=build/device/bundle.tar.xz
+PREBUILT=0
+# build N [-k] TARGET...: make them (bounded by N seconds), or with a bundle check they are there
+build() {
+    local n=$1 t miss=()
+    shift
+    if [ "$PREBUILT" = 1 ]; then
+        for t in "$@"; do [[ "$t" == -* ]] || [ -e "$t" ] || miss+=("$t"); done
+        [ "${#miss[@]}" -eq 0 ] && return 0
+        echo "not in the bundle: ${miss[*]} (bash scripts/device-bundle.sh builds them)"
+        return 1
+    fi
+    bounded "$n" make -j"$JOBS" USE_CUDA=1 "$@"
+}
 step "machine"
 date -u
 uname -a
+if [ -f "$BUNDLE" ] && [ "${USE_BUNDLE:-1}" != 0 ]; then
+    echo "prebuilt: unpacking $BUNDLE (commit $(cat build/device/bundle.commit 2>/dev/null || echo '?'))"
+    if tar -xJf "$BUNDLE" 2>/dev/null ||
+       python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall()' "$BUNDLE"; then
+        PREBUILT=1
+        export LD_LIBRARY_PATH="$PWD/build/device/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        # CUDA's libraries: the plugin's rpath names /usr/local/cuda/lib64; where the toolkit
+        # keeps them elsewhere, the Python wheels' nvidia/*/lib hold the same sonames
+        if ldd build/libkvrt_cuda.so 2>/dev/null | grep -q "not found"; then
+            nv="$(python3 -c 'import glob, os, nvidia
+print(":".join(d for p in nvidia.__path__ for d in sorted(glob.glob(os.path.join(p, "*", "lib")))))' 2>/dev/null || true)"
+            [ -n "$nv" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$nv" && echo "CUDA libraries from $nv"
+        fi
+        nf="$(for f in build/tests/kvcc_tests build/tests/test_backend_ops build/kvcc build/libkvrt.so \
+                 build/libkvrt_cuda.so; do ldd "$f" 2>/dev/null; done | awk '/not found/ {print $1}' | sort -u | tr '\n' ' ')"
+        [ -z "$nf" ] && echo "prebuilt programs: every shared library found" ||
+            fail "prebuilt programs cannot find: $nf"
+    else
+        fail "unpack $BUNDLE"
+    fi
+fi
 if [ "$EMU" = 1 ]; then
     echo "EMU=1: a rehearsal on the CUDA emulation (tests/cuda_emu), no GPU used"
-    if bounded 600 make -j"$JOBS" USE_CUDA=1 build/cuda_emu/libkvrt_cuda_emu.so; then
+    if build 600 build/cuda_emu/libkvrt_cuda_emu.so; then
         export KVRT_CUDA_LIBRARY="$PWD/build/cuda_emu/libkvrt_cuda_emu.so"
     else
         fail "make build/cuda_emu/libkvrt_cuda_emu.so"
@@ -87,12 +126,13 @@ fi
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
     command -v nvcc >/dev/null 2>&1 || export PATH="/usr/local/cuda/bin:$PATH"
     nvcc --version | tail -n 2
-else
+elif [ "$PREBUILT" = 0 ]; then
     fail "nvcc not found (install the CUDA toolkit or put it on PATH)"
 fi
 # the libraries the build links (scripts/install-deps.sh installs them on Debian); a machine
 # that lacks one says so here, before a compile error further down does
 missing=()
+[ "$PREBUILT" = 1 ] || {
 # (the cache read once: under pipefail, "ldconfig -p | grep -q" fails when grep stops reading
 # early and ldconfig gets SIGPIPE; Debian's HDF5 is libhdf5_serial.so.N in the cache)
 ldcache="$(ldconfig -p 2>/dev/null || true)"
@@ -105,9 +145,10 @@ if [ "${#missing[@]}" -gt 0 ]; then
 else
     echo "libraries: all found"
 fi
+}
 
 step "backend ops (tests/backend, USE_CUDA=1)"
-if bounded 300 make -j"$JOBS" USE_CUDA=1 build/tests/test_backend_ops; then
+if build 300 build/tests/test_backend_ops; then
     BLOG="$OUTDIR/device-check.backend-ops.log"
     bounded 150 build/tests/test_backend_ops 2>&1 | tee "$BLOG"
     rc=${PIPESTATUS[0]}
@@ -127,7 +168,7 @@ for src in bench/*.c; do
 done
 # -k: a target that fails (kvcc_tests without libcriterion, say) does not stop the others;
 # build/libkvrt.so: the Python binding's library (nothing else here builds it)
-if bounded 300 make -k -j"$JOBS" USE_CUDA=1 build/tests/kvcc_tests build/libkvrt.so build/kvcc \
+if build 300 -k build/tests/kvcc_tests build/libkvrt.so build/kvcc \
        build/examples/serve_skeleton "${BENCH_BINS[@]}"; then
     echo "build ok"
 else
@@ -157,7 +198,7 @@ step "the serving example on the GPU (examples/serve_skeleton.c) against the sam
 # once on a CUDA context (device pointers throughout) and once with --cpu: the kept positions
 # and the blocks read must be the same, the printed outputs the same to the printed digits; AM
 # must run on the device (no fallback note) and keep as many entries per head as on the CPU.
-if bounded 300 make -j"$JOBS" USE_CUDA=1 build/kvcc build/examples/serve_skeleton; then
+if build 300 build/kvcc build/examples/serve_skeleton; then
     EX="$SCRATCH/example"
     mkdir -p "$EX"
     if bounded 60 build/kvcc synth --model smollm2-135m --prompts 1 --context 640 --continuation 32 \
