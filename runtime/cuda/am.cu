@@ -83,15 +83,9 @@ __device__ __forceinline__ float am_exp_nonpos(float x) {
     return __fadd_rn(__fmul_rn(__fmul_rn(y, two_n), keep), nan_part);
 }
 
-/* flag = 1 when any of x[0..n) is NaN or infinite */
-__global__ void am_nonfinite(const float *__restrict__ x, int64_t n, int *__restrict__ flag) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (int64_t)gridDim.x * blockDim.x)
-        if (!isfinite(x[i])) *flag = 1;
-}
-
-/* flag = 1 when any of x[0..n) (double) is NaN or infinite */
-__global__ void am_nonfinite_d(const double *__restrict__ x, int64_t n, int *__restrict__ flag) {
+/* flag = 1 when any of x[0..n) (float or double) is NaN or infinite */
+template <typename T>
+__global__ void am_nonfinite(const T *__restrict__ x, int64_t n, int *__restrict__ flag) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         if (!isfinite(x[i])) *flag = 1;
@@ -603,7 +597,7 @@ static int am_ridge_dev(kvrt_ctx *ctx, am_dev *w, int64_t t, int64_t d, double r
             CUSOLVER_CHECK(err, cusolverDnDpotrs(sol, CUBLAS_FILL_MODE_LOWER, (int)t, (int)d, w->G,
                                                  (int)t, w->C, (int)t, w->sinfo));
             CUDA_CHECK(err, cudaMemsetAsync(w->flag, 0, sizeof(int), st));
-            am_nonfinite_d<<<(unsigned)((t * d + 255) / 256), 256, 0, st>>>(w->C, t * d, w->flag);
+            am_nonfinite<double><<<(unsigned)((t * d + 255) / 256), 256, 0, st>>>(w->C, t * d, w->flag);
             CUDA_CHECK(err, cudaGetLastError());
             CUDA_CHECK(err, cudaMemcpyAsync(&bad, w->flag, sizeof(int), cudaMemcpyDeviceToHost, st));
             CUDA_CHECK(err, cudaStreamSynchronize(st));
@@ -803,9 +797,9 @@ static int am_nonfinite_check(kvrt_ctx *ctx, const float *k, const float *v, int
         rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMalloc(flag)", __func__, __FILE__,
                              __LINE__);
     if (rc == KVRT_OK) {
-        am_nonfinite<<<1024, 256, 0, st>>>(k, nkv, dflag);
-        am_nonfinite<<<1024, 256, 0, st>>>(v, nkv, dflag);
-        am_nonfinite<<<1024, 256, 0, st>>>(qs, nq, dflag);
+        am_nonfinite<float><<<1024, 256, 0, st>>>(k, nkv, dflag);
+        am_nonfinite<float><<<1024, 256, 0, st>>>(v, nkv, dflag);
+        am_nonfinite<float><<<1024, 256, 0, st>>>(qs, nq, dflag);
         cudaError_t ce = cudaGetLastError(); /* the three launches */
         if (ce == cudaSuccess) ce = cudaMemcpyAsync(bad, dflag, sizeof(int), cudaMemcpyDeviceToHost, st);
         if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
