@@ -209,8 +209,8 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 #define WM_BUF_FLOATS ((int64_t)1 << 23) /* logits per thread: 32 MiB (256 rows at T = 32768) */
 #define WM_CHUNK 256 /* keys per sgemm: [256 rows, 256] = 256 KiB, in L2 with the packed keys (1024:
                       * 1 MiB, and a quarter of step 2's time was its rows coming back; 256 with
-                      * step 2 in one pass: the window mass 1.32 -> 1.24-1.28x the window GEMM,
-                      * docs/benchmarks.md "One pass per chunk of 256 keys") */
+                      * step 2 in one pass: the window mass 1.38-1.43 -> 1.29-1.32x the window
+                      * GEMM, docs/benchmarks.md "One pass per chunk of 256 keys") */
 #define WM_CAUSAL_ROWS 256               /* rows per block when every query is scored (H2O) */
 #define WM_GROUP 32                      /* rows summed in float before the double accumulator */
 #define WM_LANES 4
@@ -241,8 +241,9 @@ typedef struct {
  * Per row, a reference f: the row's running maximum over the chunks before this one (run[r]),
  * or, in the first chunk (first != 0) and wherever that is not finite, the chunk's own maximum
  * (one extra pass). The row's chunk becomes exp(z - f) (0 past its visible keys), cm (stride
- * nch) gets f (-INF when nothing is visible or every visible logit is -INF: the row is then all
- * 0), cs its float sum, and run[r] the maximum so far. A logit more than WM_EXP_HEADROOM above
+ * nch) gets f (-INF when nothing is visible, or when the chunk's own maximum is -INF; a row of
+ * -INF logits against a running reference gets e = 0 and cs = 0: it adds nothing either way),
+ * cs its float sum, and run[r] the maximum so far. A logit more than WM_EXP_HEADROOM above
  * a running reference would overflow exp_le64_f32's range: the row is left for the caller
  * (redo[n_redo++] = r; its logits are gone) to recompute and pass again as a first chunk (run
  * NULL: the caller updates run[r]).
