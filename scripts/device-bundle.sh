@@ -11,7 +11,7 @@
 #                                           instead of building; docs/cuda.md "On a lent GPU")
 #
 # What goes in: the binaries and libraries device-check.sh runs (build/tests/kvcc_tests,
-# build/tests/test_backend_ops, build/kvcc, build/examples/serve_skeleton, build/libkvrt.so,
+# build/tests/test_backend_ops, build/kvcc, build/examples/serve_skeleton, build/libkvrt.so, libkvpol.so,
 # build/libkvrt_cuda.so, every build/bench/*, and with EMU=1 the emulated CUDA plugin for a
 # rehearsal), plus every shared library they load except glibc's own, libstdc++/libgcc_s (the
 # GPU machine's are newer, and CUDA's libraries need theirs) and CUDA's (libcudart, cuBLAS,
@@ -28,7 +28,7 @@ command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] ||
 BENCH=()
 for src in bench/*.c; do BENCH+=("build/bench/$(basename "$src" .c)"); done
 BINS=(build/tests/kvcc_tests build/tests/test_backend_ops build/kvcc build/examples/serve_skeleton "${BENCH[@]}")
-LIBS=(build/libkvrt.so build/libkvrt_cuda.so)
+LIBS=(build/libkvrt.so build/libkvrt_cuda.so build/libkvpol.so) # libkvpol.so: a cuda/* test loads it as a wrong plugin
 [ "${EMU:-0}" = 1 ] && LIBS+=(build/cuda_emu/libkvrt_cuda_emu.so)
 echo "device-bundle: make USE_CUDA=1 (${#BINS[@]} programs, ${#LIBS[@]} libraries)"
 make -j"$JOBS" USE_CUDA=1 "${BINS[@]}" "${LIBS[@]}"
@@ -55,7 +55,7 @@ done < <(for f in "${BINS[@]}" "${LIBS[@]}"; do ldd "$f"; done |
 
 # the archive unpacks at the repository root: build/... as here, libraries in build/device/lib
 files=("${BINS[@]}" "${LIBS[@]}")
-for l in build/libkvrt.so build/libkvrt_cuda.so; do
+for l in build/libkvrt.so build/libkvrt_cuda.so build/libkvpol.so; do
     for s in "$l".*; do [ -L "$s" ] && files+=("$s"); done
 done
 tar -cf - "${files[@]}" "$DEST/lib" | xz -T"$JOBS" -6 > "$DEST/bundle.tar.xz.tmp"
