@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # device-bundle.sh: build, on this machine, everything scripts/device-check.sh runs, and pack it
 # with the shared libraries it needs into build/device/bundle.tar.xz, for a GPU machine that
-# cannot build it: the lent GPU machines have nvcc, CUDA's libraries and Python, but not the C
-# libraries this project links (HDF5, OpenBLAS/LAPACKE, oneDNN, Criterion, cJSON, xxHash, zstd,
-# Open MPI) nor a package registry to install them from.
+# cannot build it: the lent GPU machines are described as having nvcc, CUDA's libraries and
+# Python, with no package registry, and not the C libraries this project links (HDF5,
+# OpenBLAS/LAPACKE, oneDNN, Criterion, cJSON, xxHash, zstd, Open MPI; unverified: docs/cuda.md).
 #
 #   bash scripts/device-bundle.sh          (from the repository root; needs nvcc here, USE_CUDA=1)
 #   then, on the GPU machine, with build/device carried along:

@@ -20,8 +20,8 @@
 # summary is always printed. Exit status: 0 only when every step passed.
 # Prebuilt: when build/device/bundle.tar.xz is there (scripts/device-bundle.sh, run on a machine
 # that can build; carry build/device along), it is unpacked and used instead of building: the
-# lent GPU machines have no HDF5, OpenBLAS, oneDNN, Criterion... nor a registry to install them
-# from. USE_BUNDLE=0 builds anyway.
+# lent GPU machines are not described as having HDF5, OpenBLAS, oneDNN, Criterion..., nor a
+# registry to install them from. USE_BUNDLE=0 builds anyway.
 # Usage: bash scripts/device-check.sh            (from the repository root; JOBS=N to override)
 #        EMU=1 bash scripts/device-check.sh      a rehearsal without a GPU: the same steps on
 #        tests/cuda_emu's emulated CUDA plugin (KVRT_CUDA_LIBRARY), the CUDA tests only of
