@@ -196,7 +196,7 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-#include "cpu/vexp.h" /* exp_nonpos_f32, exp_le64_f32, vmax_f32 */
+#include "cpu/vexp.h" /* exp_nonpos_f32, exp_le64_f32 */
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h> /* _mm_getcsr / _mm_setcsr: FTZ and DAZ around a block */
 #define WM_FTZ_ON() const unsigned wm_csr = _mm_getcsr(); _mm_setcsr(wm_csr | 0x8040u)
@@ -238,28 +238,27 @@ typedef struct {
  * only the lane split of a row's sums differs between clones (the CPU decides, never the thread
  * count). */
 /* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta.
- * Per row, a reference f: the row's running maximum over the chunks before this one (run[r]),
- * or, in the first chunk (first != 0) and wherever that is not finite, the chunk's own maximum
- * (one extra pass). The row's chunk becomes exp(z - f) (0 past its visible keys), cm (stride
+ * Per row, a reference f: the row's running maximum over the chunks before this one (run[r];
+ * wm_block starts each at -INF), or, where that is not finite (the first chunk) or run is NULL,
+ * the chunk's own maximum (one extra pass). The row's chunk becomes exp(z - f) (0 past its visible keys), cm (stride
  * nch) gets f (-INF when nothing is visible, or when the chunk's own maximum is -INF; a row of
  * -INF logits against a running reference gets e = 0 and cs = 0: it adds nothing either way),
  * cs its float sum, and run[r] the maximum so far. A logit more than WM_EXP_HEADROOM above
  * a running reference would overflow exp_le64_f32's range: the row is left for the caller
- * (redo[n_redo++] = r; its logits are gone) to recompute and pass again as a first chunk (run
- * NULL: the caller updates run[r]).
+ * (redo[n_redo++] = r; its logits are gone) to recompute and pass again with run NULL (the caller
+ * then updates run[r]).
  * Returns n_redo. One pass over the logits instead of two (max, then exp): the rows come from
  * L2, and that read was a quarter of this step. */
 #define WM_EXP_HEADROOM 60.0f
 KVRT_SIMD_CLONES static int64_t wm_exp_chunk(float *e, int64_t ldc, int64_t R, uint32_t G,
                                              int64_t ta, int64_t c0, int64_t nc, float *cm,
-                                             float *cs, int64_t nch, int first, float *run,
-                                             int32_t *redo) {
+                                             float *cs, int64_t nch, float *run, int32_t *redo) {
     int64_t n_redo = 0;
     for (int64_t r = 0; r < R; r++) {
         float *row = e + (size_t)r * ldc;
         int64_t len = ta + r / G + 1 - c0; /* causal: query t sees keys 0..t */
         len = len < 0 ? 0 : len > nc ? nc : len;
-        const float f_run = !first && run ? run[r] : -INFINITY;
+        const float f_run = run ? run[r] : -INFINITY;
         float f, mx, sum = 0.0f;
         if (len > 0 && f_run > -INFINITY && f_run < INFINITY) {
             f = f_run;
@@ -277,7 +276,10 @@ KVRT_SIMD_CLONES static int64_t wm_exp_chunk(float *e, int64_t ldc, int64_t R, u
                 continue;
             }
         } else {
-            f = mx = vmax_f32(row, len);
+            mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < len; j++) mx = row[j] > mx ? row[j] : mx;
+            f = mx;
             if (f == -INFINITY) {
                 len = 0;
             } else {
@@ -341,7 +343,7 @@ static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64
     kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d, kc, ldk, 0.0f,
                       ec, WM_CHUNK);
     const int64_t n_redo = wm_exp_chunk(ec, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c, s->cs + c,
-                                        nch, c == 0, s->run, s->redo);
+                                        nch, s->run, s->redo);
     /* rows with a logit far above their running maximum: the row's logits again (one row, the
      * same call shape whatever the thread count), then the chunk's own maximum as reference */
     for (int64_t i = 0; i < n_redo; i++) {
@@ -351,7 +353,7 @@ static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64
                           kc, ldk, 0.0f, row, WM_CHUNK);
         float f_run = s->run[r];
         wm_exp_chunk(row, WM_CHUNK, 1, P->G, ta + r / P->G, c0, nc, s->cm + (size_t)r * nch + c,
-                     s->cs + (size_t)r * nch + c, nch, 1, NULL, NULL);
+                     s->cs + (size_t)r * nch + c, nch, NULL, NULL);
         const float f = s->cm[(size_t)r * nch + c];
         s->run[r] = f > f_run ? f : f_run;
     }
@@ -367,6 +369,7 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
     for (int64_t t = ta; t < tb; t++) /* the G heads of a token are contiguous in q */
         memcpy(s->qp + (size_t)(t - ta) * G * d, P->q + ((size_t)t * P->H + (size_t)hk * G) * d,
                sizeof(float) * G * d);
+    for (int64_t r = 0; r < R; r++) s->run[r] = -INFINITY; /* the first chunk: its own max */
     WM_FTZ_ON();
     for (int64_t c = 0; c < nch; c++) wm_chunk(P, hk, ta, R, ncol, c, s);
     /* step 3: per row, the global max and sum, then the chunk weights (in place of cm) */

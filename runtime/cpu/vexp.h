@@ -2,7 +2,7 @@
  * vexp.h: exp for non-positive arguments, written so that GCC/Clang vectorize the loops that call
  * it. Shared by the CPU fast paths (softmax.c, attend.c, baselines.c); internal, not installed.
  *
- * defines: exp_nonpos_f32, exp_le64_f32, vmax_f32 (static inline), KVRT_SIMD_CLONES
+ * defines: exp_nonpos_f32, exp_le64_f32 (static inline), KVRT_SIMD_CLONES
  *
  * Include it after `#pragma GCC optimize("no-trapping-math")` (see softmax.c for why), so that
  * the function and its callers share the same optimization options and it can be inlined.
@@ -10,7 +10,6 @@
 #ifndef KVRT_CPU_VEXP_H
 #define KVRT_CPU_VEXP_H
 
-#include <math.h> /* INFINITY */
 #include <stdint.h>
 #include <string.h>
 
@@ -77,55 +76,5 @@ static inline float exp_nonpos_f32(float x) { return exp_upto_f32_(x, 0.0f); }
  * the caller must not use): for exponents taken against a reference that may sit a little below
  * the maximum (the window mass's running row maximum). */
 static inline float exp_le64_f32(float x) { return exp_upto_f32_(x, 64.0f); }
-
-/* max over x[0..n) of the elements that compare greater (a NaN never does and is skipped, as in
- * `m = x > m ? x : m`); -INFINITY when n <= 0 or nothing compares greater. Four independent
- * vectors of partial maxima (64 lanes): a single running max, as `omp simd reduction(max)`
- * compiles it, is a chain of dependent vmaxps (4 cycles per 16 floats); four chains run at the
- * load rate. The result is the same element whatever the split (max is exact; only the sign of a
- * zero maximum can differ, and every use subtracts it). GCC/Clang vector extensions, inline in
- * KVRT_SIMD_CLONES callers: 512-bit there in the AVX-512 clone, split into SSE pieces in the
- * baseline. */
-#if defined(__GNUC__)
-typedef float kvrt_v16f __attribute__((vector_size(64)));
-typedef int32_t kvrt_v16i __attribute__((vector_size(64)));
-/* m = the lanes of x that compare greater, else m's (a macro: a function returning a 64-byte
- * vector draws GCC's ABI note in the clones without AVX-512) */
-#define VMAX16_(m, x)                                                                              \
-    do {                                                                                           \
-        const kvrt_v16i gt_ = (x) > (m); /* all ones where x compares greater (never for NaN) */ \
-        (m) = (kvrt_v16f)(((kvrt_v16i)(x) & gt_) | ((kvrt_v16i)(m) & ~gt_));                     \
-    } while (0)
-#endif
-static inline float vmax_f32(const float *x, int64_t n) {
-    float m = -INFINITY;
-    int64_t j = 0;
-#if defined(__GNUC__)
-    if (n >= 64) {
-        kvrt_v16f a, b, c, d;
-        const kvrt_v16f ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                                -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
-                                -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-        a = b = c = d = ninf;
-        for (; j + 64 <= n; j += 64) {
-            kvrt_v16f xa, xb, xc, xd;
-            memcpy(&xa, x + j, sizeof xa);
-            memcpy(&xb, x + j + 16, sizeof xb);
-            memcpy(&xc, x + j + 32, sizeof xc);
-            memcpy(&xd, x + j + 48, sizeof xd);
-            VMAX16_(a, xa);
-            VMAX16_(b, xb);
-            VMAX16_(c, xc);
-            VMAX16_(d, xd);
-        }
-        VMAX16_(a, b);
-        VMAX16_(c, d);
-        VMAX16_(a, c);
-        for (int l = 0; l < 16; l++) m = a[l] > m ? a[l] : m;
-    }
-#endif
-    for (; j < n; j++) m = x[j] > m ? x[j] : m;
-    return m;
-}
 
 #endif /* KVRT_CPU_VEXP_H */
