@@ -20,8 +20,9 @@
  *  - random draws, per KV head j, from splitmix64 seeded with seed ^ (j + 1) * 0x9E3779B97F4A7C15
  *    (partial Fisher-Yates over the non-sink positions, unbiased bounded draws).
  * Fast score paths (the window-mass kernel, also behind CompilerKV's window mass): per KV head,
- * all its query heads and a block of queries at once against chunks of keys (one sgemm each),
- * vectorized exp with per-chunk max/sum, then the column sums of the probabilities; tasks
+ * all its query heads and a block of queries at once against chunks of keys (one product each,
+ * with oneDNN exponentiating in its epilogue), per-chunk sums, then the column sums of the
+ * probabilities; tasks
  * (KV head, lane) in parallel with OpenBLAS at one thread inside; sum order fixed by T, G and
  * the window only (the result does not depend on the thread count; details at scores_fast); the
  * _ref functions are plain double loops. Errors: KVRT_ERR_ARG / KVRT_ERR_SHAPE with the message in kvrt_last_error().
@@ -172,6 +173,15 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 //      reference f_c: the row's maximum over the earlier chunks (the first chunk: its own max, one
 //      more pass). A chunk whose max is more than 60 above f_c (e^60 fits a float with room for
 //      the sum) has that row's logits computed again and takes its own max (wm_exp_chunk);
+//   1-2 with oneDNN (wm_chunk_mm): the product exponentiates in its epilogue, e = exp(z)
+//      unshifted (f_c = 0), from the chunk's keys copied into dense rows (only then does oneDNN
+//      pick its brgemm kernel, which fuses the exp: a strided B gets gemm:jit and a second pass);
+//      step 2 shrinks to a read-only sum per row (and zeros past the visible keys). A row chunk
+//      whose sum passes e^60 (a logit above ~54) and a row whose sums add up to less than e^-40
+//      (every logit below ~-40; exp flushes to 0 below ~-87.3) are computed again against their
+//      own maxima, as in step 2 (wm_fix_row, at the start of step 3). The exp pass had cost 0.28
+//      of the product's time; window mass 1.27-1.32x -> 1.09-1.11x the window GEMM at 32k
+//      (docs/benchmarks.md "The exponential in the product");
 //   3. per row, once every chunk is done: m = max_c f_c, S = sum_c s_c exp(f_c - m) (double),
 //      and per (row, chunk) the weight w = exp(f_c - m) / S, so that p = e w;
 //   4. per chunk, the column sums of p: rows in order, four at a time into a float run of
@@ -217,20 +227,23 @@ int kvrt_h2o_scores_ref(const float *q, const float *k, int64_t T, uint32_t n_he
 
 typedef struct {
     const float *q, *k;
-    int64_t T, first_query, bq, nrb, nch_max;
+    int64_t T, first_query, bq, nrb, nch_max, R; /* R = bq G: rows of a full block */
     uint32_t H, Hkv, d, G;
     int lanes;
     float scale;
+    const kvrt_cpu_expmm *mm; /* step 1 with the exp in the product, or NULL (wm_chunk_mm) */
 } wm_plan;
 
 typedef struct {
     float *qp;   /* [G*bq, d] packed query rows */
-    float *e;    /* [nch][G*bq][WM_CHUNK] logits by chunk, then exp(z - f_c) */
+    float *e;    /* [nch][R][WM_CHUNK] logits by chunk, then exp(z - f_c) */
     float *cm;   /* [G*bq, nch] chunk references f_c, then the weights w */
     float *cs;   /* [G*bq, nch] chunk sums */
     float *colf; /* [WM_CHUNK] float column sums of one row run */
     float *run;  /* [G*bq] each row's maximum over the chunks so far */
     int32_t *redo; /* [G*bq] rows of a chunk to recompute (wm_exp_chunk) */
+    float *kb;     /* [WM_CHUNK][d] one chunk's keys in dense rows (wm_chunk_mm) */
+    void *mm_scratch;
 } wm_scratch;
 
 /* The per-element loops (steps 2 and 4) are compiled for AVX2 and AVX-512 too (KVRT_SIMD_CLONES,
@@ -339,7 +352,7 @@ static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64
     const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
     const float *kc = P->k + ((size_t)c0 * P->Hkv + hk) * P->d;
     const int ldk = (int)((size_t)P->Hkv * P->d);
-    float *ec = s->e + (size_t)c * R * WM_CHUNK;
+    float *ec = s->e + (size_t)c * P->R * WM_CHUNK;
     kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d, kc, ldk, 0.0f,
                       ec, WM_CHUNK);
     const int64_t n_redo = wm_exp_chunk(ec, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c, s->cs + c,
@@ -359,6 +372,85 @@ static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64
     }
 }
 
+/* Step 2 after wm_chunk_mm (the chunk already holds e = exp(z), unshifted): per row, the float
+ * sum of its visible keys' e into cs (stride nch) and 0 past them; cm gets the reference 0, or
+ * -INF when nothing is visible, or +INF (the row's chunk to compute again, wm_fix_row) when the
+ * sum is not at most WM_SUM_HI (a logit above ~54, +INF or NaN). */
+#define WM_SUM_HI 1.14200739e26f /* e^60: rows of weights 1/S stay normal floats up to 2^30 keys */
+#define WM_SUM_LO 4.24835426e-18f /* e^-40: below it a row's values are shifted (wm_fix_row) */
+KVRT_SIMD_CLONES static void wm_sum_chunk(float *e, int64_t ldc, int64_t R, uint32_t G, int64_t ta,
+                                          int64_t c0, int64_t nc, float *cm, float *cs,
+                                          int64_t nch) {
+    for (int64_t r = 0; r < R; r++) {
+        float *row = e + (size_t)r * ldc;
+        int64_t len = ta + r / G + 1 - c0; /* causal: query t sees keys 0..t */
+        len = len < 0 ? 0 : len > nc ? nc : len;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < len; j++) sum += row[j];
+        if (len < nc) memset(row + len, 0, sizeof(float) * (size_t)(nc - len));
+        cm[(size_t)r * nch] = len == 0 ? -INFINITY : sum <= WM_SUM_HI ? 0.0f : INFINITY;
+        cs[(size_t)r * nch] = len == 0 || !(sum <= WM_SUM_HI) ? 0.0f : sum;
+    }
+}
+
+/* Steps 1-2 for one chunk with the exponential in the product (P->mm): the chunk's keys copied
+ * into dense rows (zeros past the last key, so every chunk is the same shape), e = exp(z) for
+ * all P->R rows (rows past the block's R are zero queries, not read), then wm_sum_chunk. */
+static void wm_chunk_mm(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64_t ncol,
+                        int64_t c, wm_scratch *s) {
+    const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
+    const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
+    const uint32_t d = P->d;
+    const float *kc = P->k + ((size_t)c0 * P->Hkv + hk) * d;
+    for (int64_t j = 0; j < nc; j++)
+        memcpy(s->kb + (size_t)j * d, kc + (size_t)j * P->Hkv * d, sizeof(float) * d);
+    if (nc < WM_CHUNK) memset(s->kb + (size_t)nc * d, 0, sizeof(float) * (WM_CHUNK - nc) * d);
+    float *ec = s->e + (size_t)c * P->R * WM_CHUNK;
+    kvrt_cpu_expmm_run(P->mm, s->qp, s->kb, ec, s->mm_scratch);
+    wm_sum_chunk(ec, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c, s->cs + c, nch);
+}
+
+/* Row r of chunk c computed again with its own maximum as reference (wm_exp_chunk). */
+static void wm_redo(const wm_plan *P, uint32_t hk, int64_t ta, int64_t r, int64_t ncol,
+                    int64_t c, wm_scratch *s) {
+    const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
+    const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
+    const float *kc = P->k + ((size_t)c0 * P->Hkv + hk) * P->d;
+    float *row = s->e + ((size_t)c * P->R + r) * WM_CHUNK;
+    kvrt_cpu_sgemm_1t(1, 1, (int)nc, (int)P->d, P->scale, s->qp + (size_t)r * P->d, (int)P->d, kc,
+                      (int)((size_t)P->Hkv * P->d), 0.0f, row, WM_CHUNK);
+    wm_exp_chunk(row, WM_CHUNK, 1, P->G, ta + r / P->G, c0, nc, s->cm + (size_t)r * nch + c,
+                 s->cs + (size_t)r * nch + c, nch, NULL, NULL);
+}
+
+/* After wm_chunk_mm, before step 3, row r: its chunks marked +INF are computed again against
+ * their own maxima; and a row without such chunks whose unshifted sums add up to less than
+ * WM_SUM_LO (every logit below ~-40) has all its visible chunks computed again, so that no value
+ * within e^-30 of the row's maximum was lost to the float range (exp(z) flushes to 0 below
+ * ~-87.3). Rows with a chunk above WM_SUM_HI need no more: their other chunks' lost values are
+ * below e^-140 of the row's maximum. */
+static void wm_fix_row(const wm_plan *P, uint32_t hk, int64_t ta, int64_t r, int64_t ncol,
+                       wm_scratch *s) {
+    const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
+    float *cm = s->cm + (size_t)r * nch;
+    const float *cs = s->cs + (size_t)r * nch;
+    int hi = 0, n0 = 0;
+    double s0 = 0.0;
+    for (int64_t c = 0; c < nch; c++) {
+        if (cm[c] == INFINITY) {
+            wm_redo(P, hk, ta, r, ncol, c, s);
+            hi = 1;
+        } else if (cm[c] == 0.0f) {
+            s0 += (double)cs[c];
+            n0++;
+        }
+    }
+    if (hi || n0 == 0 || s0 >= (double)WM_SUM_LO) return;
+    for (int64_t c = 0; c < nch; c++)
+        if (cm[c] == 0.0f) wm_redo(P, hk, ta, r, ncol, c, s);
+}
+
 /* Row block b of KV head hk: steps 1-4, the block's column mass added into acc [T] (double). */
 static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, double *acc) {
     const uint32_t G = P->G, d = P->d;
@@ -371,9 +463,15 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
                sizeof(float) * G * d);
     for (int64_t r = 0; r < R; r++) s->run[r] = -INFINITY; /* the first chunk: its own max */
     WM_FTZ_ON();
-    for (int64_t c = 0; c < nch; c++) wm_chunk(P, hk, ta, R, ncol, c, s);
+    if (P->mm) {
+        if (R < P->R) memset(s->qp + (size_t)R * d, 0, sizeof(float) * (size_t)(P->R - R) * d);
+        for (int64_t c = 0; c < nch; c++) wm_chunk_mm(P, hk, ta, R, ncol, c, s);
+    } else {
+        for (int64_t c = 0; c < nch; c++) wm_chunk(P, hk, ta, R, ncol, c, s);
+    }
     /* step 3: per row, the global max and sum, then the chunk weights (in place of cm) */
     for (int64_t r = 0; r < R; r++) {
+        if (P->mm) wm_fix_row(P, hk, ta, r, ncol, s);
         float *cm = s->cm + (size_t)r * nch;
         const float *cs = s->cs + (size_t)r * nch;
         float m = -INFINITY;
@@ -393,7 +491,7 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
         const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
         for (int64_t r0 = 0; r0 < R; r0 += WM_GROUP) {
             const int64_t n = R - r0 < WM_GROUP ? R - r0 : WM_GROUP;
-            wm_colsum(s->e + ((size_t)c * R + r0) * WM_CHUNK, WM_CHUNK, n,
+            wm_colsum(s->e + ((size_t)c * P->R + r0) * WM_CHUNK, WM_CHUNK, n,
                       s->cm + (size_t)r0 * nch + c, nch, nc, s->colf);
             for (int64_t j = 0; j < nc; j++) acc[c0 + j] += (double)s->colf[j];
         }
@@ -421,6 +519,11 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
     P.nrb = (Q + bq - 1) / bq;
     P.lanes = P.nrb < WM_LANES ? (int)P.nrb : WM_LANES;
     P.nch_max = (T + WM_CHUNK - 1) / WM_CHUNK;
+    P.R = bq * P.G;
+    kvrt_cpu_expmm *mm = P.R <= INT32_MAX ? kvrt_cpu_expmm_get((int)P.R, WM_CHUNK, (int)d,
+                                                               WM_CHUNK, P.scale)
+                                          : NULL;
+    P.mm = mm;
     const int64_t n_tasks = (int64_t)Hkv * P.lanes;
     int nt = 1, nested = 0;
 #ifdef _OPENMP
@@ -434,11 +537,18 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
                        WM_CHUNK + 2 * R; /* + run, redo (int32, the size of a float) */
     const size_t buf_bytes = sizeof(float) * per * (size_t)nt;
     const size_t acc_bytes = sizeof(double) * (size_t)n_tasks * (size_t)T;
+    /* per thread, 64-byte aligned: a chunk's dense keys, then the product's scratch */
+    const size_t mm_per = mm ? (sizeof(float) * WM_CHUNK * d + kvrt_cpu_expmm_scratch_bytes(mm) +
+                                63) / 64 * 64
+                             : 0;
     float *buf = kvrt_cpu_scratch_alloc(buf_bytes);
     double *acc = kvrt_cpu_scratch_alloc(acc_bytes);
-    if (buf == NULL || acc == NULL) {
+    char *mm_buf = mm ? aligned_alloc(64, mm_per * (size_t)nt) : NULL;
+    if (buf == NULL || acc == NULL || (mm && mm_buf == NULL)) {
         kvrt_cpu_scratch_free(buf, buf_bytes);
         kvrt_cpu_scratch_free(acc, acc_bytes);
+        free(mm_buf);
+        kvrt_cpu_expmm_put(mm);
         return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0,
                             "%s: out of memory (%zu MiB of scratch)", fn,
                             (sizeof(float) * per * (size_t)nt + sizeof(double) * n_tasks * T) >> 20);
@@ -458,6 +568,10 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         s.colf = s.cs + R * (size_t)P.nch_max;
         s.run = s.colf + WM_CHUNK;
         s.redo = (int32_t *)(s.run + R);
+        if (mm) {
+            s.kb = (float *)(mm_buf + mm_per * (size_t)tid);
+            s.mm_scratch = s.kb + (size_t)WM_CHUNK * d;
+        }
         const uint32_t hk = (uint32_t)(task / P.lanes);
         const int lane = (int)(task % P.lanes);
         memset(acc + (size_t)task * T, 0, sizeof(double) * (size_t)T); /* reused scratch */
@@ -473,6 +587,8 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         }
     kvrt_cpu_scratch_free(buf, buf_bytes);
     kvrt_cpu_scratch_free(acc, acc_bytes);
+    free(mm_buf);
+    kvrt_cpu_expmm_put(mm);
     return KVRT_OK;
 }
 

@@ -4,8 +4,10 @@
  *
  * defines: kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
- *          kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes, kvrt_cpu_expmm_run,
+ *          kvrt_cpu_expmm_enable, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -96,6 +98,181 @@ void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
 #else
     /* OpenBLAS threads each product itself (and splits a product over M and N only) */
     for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 0);
+#endif
+}
+
+/* The product with the exponential in its epilogue (blas.h, kvrt_cpu_expmm_get). */
+struct kvrt_cpu_expmm {
+    int m, n, k, ldc;
+    float alpha;
+    int cached; /* 1: owned by expmm_cache (kvrt_cpu_expmm_put leaves it) */
+#if KVCC_WITH_DNNL
+    dnnl_primitive_t prim;
+    dnnl_memory_desc_t a, b, c, scratch;
+#endif
+};
+
+static int expmm_on = 1;
+
+int kvrt_cpu_expmm_enable(int on) {
+    const int prev = __atomic_load_n(&expmm_on, __ATOMIC_RELAXED);
+    __atomic_store_n(&expmm_on, on ? 1 : 0, __ATOMIC_RELAXED);
+    return prev;
+}
+
+#if KVCC_WITH_DNNL
+/* Primitives are kept for the process (a shape is a few hundred microseconds to build, the
+ * window mass runs it per chunk); a kernel uses one or two shapes per call, so a small table
+ * suffices; past it, each get builds one for its caller alone (the same primitive, so the same
+ * results). */
+#define EXPMM_CACHE 32
+static pthread_mutex_t expmm_mu = PTHREAD_MUTEX_INITIALIZER;
+static kvrt_cpu_expmm *expmm_cache[EXPMM_CACHE];
+static dnnl_engine_t expmm_engine;
+static pthread_once_t expmm_engine_once = PTHREAD_ONCE_INIT;
+static void expmm_engine_init(void) {
+    if (dnnl_engine_create(&expmm_engine, dnnl_cpu, 0) != dnnl_success) expmm_engine = NULL;
+}
+
+static void expmm_destroy(kvrt_cpu_expmm *p) {
+    if (p == NULL) return;
+    if (p->prim) dnnl_primitive_destroy(p->prim);
+    free(p);
+}
+
+/* One matmul primitive: src A (m, k) rows, weights B^T (k, n) read from B (n, k) rows, dst C
+ * (m, n) rows of ldc; output scale alpha, then eltwise exp; user scratchpad (the library's
+ * shared scratchpad would tie the primitive to the thread that built it). Built with the OpenMP
+ * thread count at 1 so that it computes on the calling thread alone. */
+static kvrt_cpu_expmm *expmm_build(int m, int n, int k, int ldc, float alpha) {
+    pthread_once(&expmm_engine_once, expmm_engine_init);
+    if (expmm_engine == NULL) return NULL;
+    kvrt_cpu_expmm *p = calloc(1, sizeof *p);
+    if (p == NULL) return NULL;
+    *p = (kvrt_cpu_expmm){.m = m, .n = n, .k = k, .ldc = ldc, .alpha = alpha};
+    dnnl_dims_t da = {m, k}, db = {k, n}, dc = {m, n};
+    dnnl_dims_t sa = {k, 1}, sb = {1, k}, sc = {ldc, 1};
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_matmul_desc_t md;
+#ifdef _OPENMP
+    const int prev = omp_in_parallel() ? 1 : omp_get_max_threads();
+    if (prev != 1) omp_set_num_threads(1);
+#endif
+    dnnl_status_t st = dnnl_memory_desc_init_by_strides(&p->a, 2, da, dnnl_f32, sa);
+    if (!st) st = dnnl_memory_desc_init_by_strides(&p->b, 2, db, dnnl_f32, sb);
+    if (!st) st = dnnl_memory_desc_init_by_strides(&p->c, 2, dc, dnnl_f32, sc);
+    if (!st) st = dnnl_primitive_attr_create(&attr);
+    if (!st) st = dnnl_post_ops_create(&po);
+    if (!st) st = dnnl_post_ops_append_eltwise(po, 1.0f, dnnl_eltwise_exp, 0.0f, 0.0f);
+    if (!st) st = dnnl_primitive_attr_set_post_ops(attr, po);
+    if (!st) st = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha);
+    if (!st) st = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
+    if (!st) st = dnnl_matmul_desc_init(&md, &p->a, &p->b, NULL, &p->c);
+    if (!st) st = dnnl_primitive_desc_create(&pd, &md, attr, expmm_engine, NULL);
+    if (!st) {
+        const dnnl_memory_desc_t *smd = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+        if (smd) p->scratch = *smd; else st = dnnl_runtime_error;
+    }
+    if (!st) st = dnnl_primitive_create(&p->prim, pd);
+#ifdef _OPENMP
+    if (prev != 1) omp_set_num_threads(prev);
+#endif
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    if (po) dnnl_post_ops_destroy(po);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    if (st) {
+        expmm_destroy(p);
+        return NULL;
+    }
+    return p;
+}
+#endif
+
+kvrt_cpu_expmm *kvrt_cpu_expmm_get(int m, int n, int k, int ldc, float alpha) {
+    if (!__atomic_load_n(&expmm_on, __ATOMIC_RELAXED) || m <= 0 || n <= 0 || k <= 0 || ldc < n)
+        return NULL;
+#if KVCC_WITH_DNNL
+    pthread_mutex_lock(&expmm_mu);
+    int i = 0;
+    for (; i < EXPMM_CACHE && expmm_cache[i]; i++) {
+        const kvrt_cpu_expmm *c = expmm_cache[i];
+        if (c->m == m && c->n == n && c->k == k && c->ldc == ldc &&
+            memcmp(&c->alpha, &alpha, sizeof alpha) == 0)
+            break;
+    }
+    kvrt_cpu_expmm *p = i < EXPMM_CACHE ? expmm_cache[i] : NULL;
+    if (p == NULL) {
+        p = expmm_build(m, n, k, ldc, alpha); /* under the lock: built once per shape */
+        if (p && i < EXPMM_CACHE) {
+            p->cached = 1;
+            expmm_cache[i] = p;
+        }
+    }
+    pthread_mutex_unlock(&expmm_mu);
+    return p;
+#else
+    (void)alpha;
+    return NULL;
+#endif
+}
+
+void kvrt_cpu_expmm_put(kvrt_cpu_expmm *p) {
+#if KVCC_WITH_DNNL
+    if (p && !p->cached) expmm_destroy(p);
+#else
+    (void)p;
+#endif
+}
+
+size_t kvrt_cpu_expmm_scratch_bytes(const kvrt_cpu_expmm *p) {
+#if KVCC_WITH_DNNL
+    return p ? dnnl_memory_desc_get_size(&p->scratch) : 0;
+#else
+    (void)p;
+    return 0;
+#endif
+}
+
+void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B, float *C,
+                        void *scratch) {
+#if KVCC_WITH_DNNL
+    dnnl_stream_t str = NULL;
+    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
+#ifdef _OPENMP
+    const int prev = omp_in_parallel() ? 1 : omp_get_max_threads();
+    if (prev != 1) omp_set_num_threads(1);
+#endif
+    dnnl_status_t st = dnnl_stream_create(&str, expmm_engine, dnnl_stream_default_flags);
+    if (!st) st = dnnl_memory_create(&ma, &p->a, expmm_engine, (void *)A);
+    if (!st) st = dnnl_memory_create(&mb, &p->b, expmm_engine, (void *)B);
+    if (!st) st = dnnl_memory_create(&mc, &p->c, expmm_engine, C);
+    if (!st) st = dnnl_memory_create(&ms, &p->scratch, expmm_engine, scratch);
+    if (!st) {
+        const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma},
+                                         {DNNL_ARG_WEIGHTS, mb},
+                                         {DNNL_ARG_DST, mc},
+                                         {DNNL_ARG_SCRATCHPAD, ms}};
+        st = dnnl_primitive_execute(p->prim, str, 4, args);
+        if (!st) st = dnnl_stream_wait(str);
+    }
+    if (ms) dnnl_memory_destroy(ms);
+    if (mc) dnnl_memory_destroy(mc);
+    if (mb) dnnl_memory_destroy(mb);
+    if (ma) dnnl_memory_destroy(ma);
+    if (str) dnnl_stream_destroy(str);
+#ifdef _OPENMP
+    if (prev != 1) omp_set_num_threads(prev);
+#endif
+    if (st == dnnl_success) return;
+    /* only when oneDNN could not allocate a stream or a memory object: the same values from the
+     * plain product and libm's exp (within oneDNN's exp error of them) */
+    kvrt_cpu_sgemm_1t(1, p->m, p->n, p->k, p->alpha, A, p->k, B, p->k, 0.0f, C, p->ldc);
+    for (int i = 0; i < p->m; i++)
+        for (int j = 0; j < p->n; j++) C[(size_t)i * p->ldc + j] = expf(C[(size_t)i * p->ldc + j]);
+#else
+    (void)p; (void)A; (void)B; (void)C; (void)scratch;
 #endif
 }
 

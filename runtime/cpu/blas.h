@@ -17,7 +17,8 @@
  *
  * defines: kvrt_sgemm_op, kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
- *          kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_expmm (type), kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes,
+ *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #ifndef KVRT_CPU_BLAS_H
 #define KVRT_CPU_BLAS_H
@@ -68,6 +69,31 @@ KVRT_INTERNAL int kvrt_cpu_gemm_is_dnnl(void);
 
 /* "oneDNN 2.6.3 sgemm (isa avx512_core_amx)" or "OpenBLAS cblas_sgemm": what the products run on. */
 KVRT_INTERNAL const char *kvrt_cpu_gemm_name(void);
+
+/* C = exp(alpha A B^T), one product with the exponential in its epilogue: A (m, k) and B (n, k)
+ * in dense rows (lda = ldb = k), C (m, n) in rows of ldc. With oneDNN, a matmul primitive with an
+ * output scale and an eltwise-exp post-op: on AVX-512 machines its brgemm kernel exponentiates
+ * the accumulators before they are stored (the window mass's separate exp pass over the logits
+ * cost 0.28 of the product's time; docs/benchmarks.md "The exponential in the product"). Only
+ * dense B gets that kernel (a strided B gets gemm:jit with the exp as a second pass), so callers
+ * copy strided rows first.
+ * kvrt_cpu_expmm_get returns the primitive for a shape, built once per process per shape (a
+ * table of 32; past it the caller gets its own, freed by _put) and safe to run from several
+ * threads at once, each with its own scratch of kvrt_cpu_expmm_scratch_bytes. NULL when libkvrt
+ * has no oneDNN (USE_DNNL=0), when oneDNN refuses the shape, or after kvrt_cpu_expmm_enable(0):
+ * the caller then takes its path without it. kvrt_cpu_expmm_run computes on the calling thread
+ * (inside or outside a parallel region); which kernel runs depends on the shape and the CPU only,
+ * so results do not depend on the thread count. Values follow expf(alpha a.b) within oneDNN's exp
+ * error (a few ulp); +INF past ~88.7, 0 (or subnormal) below ~-87.3. */
+typedef struct kvrt_cpu_expmm kvrt_cpu_expmm;
+KVRT_INTERNAL kvrt_cpu_expmm *kvrt_cpu_expmm_get(int m, int n, int k, int ldc, float alpha);
+KVRT_INTERNAL void kvrt_cpu_expmm_put(kvrt_cpu_expmm *p);
+KVRT_INTERNAL size_t kvrt_cpu_expmm_scratch_bytes(const kvrt_cpu_expmm *p);
+KVRT_INTERNAL void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B,
+                                      float *C, void *scratch);
+/* 0 turns kvrt_cpu_expmm_get off process-wide (it returns NULL), 1 back on (the default);
+ * returns the previous setting. For tests that run the kernels' other path on the same build. */
+KVRT_INTERNAL int kvrt_cpu_expmm_enable(int on);
 
 /* A scratch buffer of `bytes` (contents undefined), given back with kvrt_cpu_scratch_free(p,
  * the same bytes): from 4 MiB up, aligned to 2 MiB and advised into transparent huge pages (4 KiB

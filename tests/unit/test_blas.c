@@ -2,7 +2,8 @@
  * test_blas.c: Criterion tests of the CPU backend's GEMM seam (runtime/cpu/blas.c): every path
  * (kvrt_cpu_sgemm, _1t, _batch; both transposes; alpha, beta, leading dimensions wider than the
  * rows) against a plain double-accumulated loop within 1e-5 relative, the batch bit-identical at
- * 1 and 2 OpenMP threads (each product on one thread), and kvrt_cpu_gemm_name naming a library.
+ * 1 and 2 OpenMP threads (each product on one thread), kvrt_cpu_gemm_name naming a library, and
+ * the product with the exponential in its epilogue (kvrt_cpu_expmm).
  */
 #include <criterion/criterion.h>
 
@@ -118,6 +119,51 @@ Test(blas, gemm_name_names_the_library) {
     cr_expect(strstr(nm, "oneDNN") == nm || strstr(nm, "OpenBLAS") == nm,
               "kvrt_cpu_gemm_name() = '%s', expected it to start with oneDNN or OpenBLAS", nm);
     cr_expect(kvrt_cpu_gemm_is_dnnl() == (strstr(nm, "oneDNN") == nm));
+}
+
+/* kvrt_cpu_expmm: exp(alpha A B^T) against exp of the double product, within 1e-5 relative per
+ * entry (inputs keep |alpha a.b| <= 3: the product's f32 rounding, times |z|, plus oneDNN's exp
+ * error of a few ulp); the same primitive from two OpenMP threads at once gives bitwise the
+ * serial result; get returns the cached primitive for a shape again; _enable(0) turns it off.
+ * Available exactly when the products run on oneDNN. */
+Test(blas, expmm_is_exp_of_the_product) {
+    const int m = 37, n = 256, k = 24, ldc = 300;
+    const float alpha = 0.3f;
+    kvrt_cpu_expmm *p = kvrt_cpu_expmm_get(m, n, k, ldc, alpha);
+    cr_assert_eq(p != NULL, kvrt_cpu_gemm_is_dnnl() != 0,
+                 "kvrt_cpu_expmm_get: %s with products on %s", p ? "available" : "NULL",
+                 kvrt_cpu_gemm_name());
+    if (p == NULL) return;
+    cr_expect_eq(kvrt_cpu_expmm_get(m, n, k, ldc, alpha), p, "the shape's primitive is not cached");
+    uint64_t s = 17;
+    float *A = rand_buf((size_t)m * k, &s), *B = rand_buf((size_t)n * k, &s);
+    const size_t nc = (size_t)m * ldc;
+    float *C = malloc(sizeof(float) * nc), *C2 = malloc(sizeof(float) * 2 * nc);
+    const size_t sb = (kvrt_cpu_expmm_scratch_bytes(p) + 63) / 64 * 64; /* per thread */
+    void *scr = aligned_alloc(64, 2 * sb + 64);
+    cr_assert(C && C2 && scr);
+    kvrt_cpu_expmm_run(p, A, B, C, scr);
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double z = 0;
+            for (int x = 0; x < k; x++) z += (double)A[i * k + x] * (double)B[j * k + x];
+            const double want = exp((double)alpha * z), got = C[(size_t)i * ldc + j];
+            cr_assert(fabs(got - want) <= 1e-5 * want, "[%d, %d]: %.9g, expected exp(%.6g) = %.9g",
+                      i, j, got, (double)alpha * z, want);
+        }
+#pragma omp parallel for num_threads(2)
+    for (int t = 0; t < 2; t++)
+        kvrt_cpu_expmm_run(p, A, B, C2 + (size_t)t * nc, (char *)scr + (size_t)t * sb);
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < m; i++)
+            cr_expect(memcmp(C2 + (size_t)t * nc + (size_t)i * ldc, C + (size_t)i * ldc,
+                             sizeof(float) * n) == 0,
+                      "thread %d row %d differs from the serial run", t, i);
+    kvrt_cpu_expmm_put(p); /* cached: stays */
+    cr_expect_eq(kvrt_cpu_expmm_enable(0), 1);
+    cr_expect_null(kvrt_cpu_expmm_get(m, n, k, ldc, alpha));
+    cr_expect_eq(kvrt_cpu_expmm_enable(1), 0);
+    free(A); free(B); free(C); free(C2); free(scr);
 }
 
 /* kvrt_cpu_scratch_alloc / _free: a freed large buffer serves the next request that fits (no

@@ -4,7 +4,10 @@
  * the double-loop references kvrt_snapkv_scores_ref / kvrt_h2o_scores_ref, at OpenMP thread
  * counts 1 and 2, on shapes that cross the kernel's internal blocks (several key chunks (256 keys),
  * several row blocks and lanes, G = 1, 3, 4), and on adversarial inputs: huge logits, T below the
- * window, one key, exact ties, a maximum far from the other chunks.
+ * window, one key, exact ties, a maximum far from the other chunks, every logit far below zero.
+ * Every case runs both paths of the kernel: the exponential in the product (oneDNN builds:
+ * kvrt_cpu_expmm; rows past its float range computed again, shifted) and a separate exp pass
+ * (the only path with OpenBLAS; kvrt_cpu_expmm_enable(0) selects it on a oneDNN build).
  *
  * Tolerances (stated once, used everywhere): |fast - ref| <= 1e-5 + 1e-4 |ref| per score (the
  * logits are f32 sgemm products, exp_nonpos_f32 has 1.4 ulp, column sums are f32 within groups
@@ -17,6 +20,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -25,6 +29,7 @@
 #endif
 
 #include "kvrt_experimental.h"
+#include "cpu/blas.h" /* kvrt_cpu_expmm_enable: both paths of the kernel */
 #include "test_rng.h"
 
 #define TOL_ABS 1e-5
@@ -60,8 +65,24 @@ static void ref_scores(const float *q, const float *k, int64_t T, uint32_t H, ui
     cr_assert_eq(rc, KVRT_OK, "%s", kvrt_last_error()->msg);
 }
 
-/* Fast at 1 and 2 threads (bitwise equal) against the reference; returns the max abs error. */
+/* Fast at 1 and 2 threads (bitwise equal) against the reference, on the kernel's path with the
+ * exponential in the product (oneDNN builds) and on its path with a separate exp pass (the
+ * only one with OpenBLAS); returns the max abs error. */
+static double check_path(const char *what, const float *q, const float *k, int64_t T, uint32_t H,
+                         uint32_t Hkv, uint32_t d, uint32_t window);
+
 static double check_case(const char *what, const float *q, const float *k, int64_t T, uint32_t H,
+                         uint32_t Hkv, uint32_t d, uint32_t window) {
+    double w = check_path(what, q, k, T, H, Hkv, d, window);
+    const int prev = kvrt_cpu_expmm_enable(0);
+    char what2[160];
+    snprintf(what2, sizeof what2, "%s (exp as a separate pass)", what);
+    const double w2 = check_path(what2, q, k, T, H, Hkv, d, window);
+    kvrt_cpu_expmm_enable(prev);
+    return w > w2 ? w : w2;
+}
+
+static double check_path(const char *what, const float *q, const float *k, int64_t T, uint32_t H,
                          uint32_t Hkv, uint32_t d, uint32_t window) {
     const size_t n = (size_t)Hkv * (size_t)T;
     float *ref = malloc(sizeof(float) * n), *a = malloc(sizeof(float) * n),
@@ -151,6 +172,29 @@ Test(wmass, max_in_a_late_chunk_far_above_the_rest) {
     k[(size_t)1800 * d] = 16.0f; /* logit 40 */
     check_case("late max within the headroom h2o", q, k, T, H, Hkv, d, 0);
     check_case("late max within the headroom snapkv", q, k, T, H, Hkv, d, 64);
+    free(q);
+    free(k);
+}
+
+Test(wmass, every_logit_far_below_zero) {
+    /* q . k / 4 in [-100, -90] (d = 16, q = 10 e_0, k_0 in [-40, -36], the rest small): exp of
+     * every logit underflows f32, so the kernel's unshifted path (exp in the product) must shift
+     * these rows; then in [-90, -84], across the end of the float range, where unshifted a part
+     * of each row (the logits below ~-87.3) would be lost to 0 */
+    const int64_t T = 1400;
+    const uint32_t H = 4, Hkv = 2, d = 16;
+    uint64_t s = 71;
+    float *q = rnd((size_t)T * H * d, &s, -0.05f, 0.05f), *k = rnd((size_t)T * Hkv * d, &s, -1, 1);
+    for (int64_t t = 0; t < T; t++)
+        for (uint32_t h = 0; h < H; h++) q[((size_t)t * H + h) * d] = 10.0f;
+    for (int64_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < Hkv; j++) k[((size_t)t * Hkv + j) * d] = rng_uniform(&s, -40, -36);
+    check_case("far below zero h2o", q, k, T, H, Hkv, d, 0);
+    check_case("far below zero snapkv", q, k, T, H, Hkv, d, 32);
+    for (int64_t t = 0; t < T; t++)
+        for (uint32_t j = 0; j < Hkv; j++) k[((size_t)t * Hkv + j) * d] = rng_uniform(&s, -36, -33.6f);
+    check_case("across the float range h2o", q, k, T, H, Hkv, d, 0);
+    check_case("across the float range snapkv", q, k, T, H, Hkv, d, 32);
     free(q);
     free(k);
 }
