@@ -1235,7 +1235,7 @@ struct kvcc_bf16_ctx {
     dnnl_stream_t *tstream;
     int n_tstream;
     struct att_prim {
-        int kind, m, ne; /* kind 0: Q K^T, 1: P V */
+        int kind, m, ne; /* kind 0: Q K^T, 1: P V, 2: exp(Q K^T) in bf16 (attend_bf16) */
         dnnl_primitive_t prim;
         dnnl_memory_desc_t a, b, c, scr;
     } *ap;
@@ -1720,6 +1720,35 @@ static void softmax_row_bf16(float *sc, uint16_t *pb, int64_t ne, int64_t p) {
     if (ne > nv) memset(pb + nv, 0, (size_t)(ne - nv) * sizeof *pb);
 }
 #endif
+#if KVCC_WITH_DNNL
+/* attend_bf16's rows after exp(Q K^T) (kind 2), row t of the block at position p: the float sum
+ * of its visible weights pb[0, nv) (bf16, unshifted e^z), the rest zeroed. The caller takes
+ * 1 / sum unless the sum is outside [ATTB_SUM_LO, ATTB_SUM_HI] (a logit above ~54, +INF, NaN, or
+ * every logit below ~-40, where e^z loses digits to the float range): then the row is redone
+ * against its max (attb_row_redo). */
+#define ATTB_SUM_HI 1.14200739e26f /* e^60 */
+#define ATTB_SUM_LO 4.24835426e-18f /* e^-40 */
+KVRT_SIMD_CLONES
+static float attb_row_sum(uint16_t *pb, int64_t ne, int64_t p) {
+    const int64_t nv = p + 1 < ne ? p + 1 : ne;
+    float sum = 0.0f;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < nv; j++) { /* bf16_to_f32 written out: GCC 12 called it here */
+        const uint32_t u = (uint32_t)pb[j] << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        sum += f;
+    }
+    if (ne > nv) memset(pb + nv, 0, (size_t)(ne - nv) * sizeof *pb);
+    return sum;
+}
+/* The unshifted weights' sum is usable (see attb_row_sum). KVCC_BF16_ATTENTION_SHIFTED in the
+ * environment sends every row to the shifted path (tests: both paths on one build). */
+static int attb_shifted_only(void) { return getenv("KVCC_BF16_ATTENTION_SHIFTED") != NULL; }
+static inline int attb_sum_ok(float sum, int shifted_only) {
+    return !shifted_only && sum >= ATTB_SUM_LO && sum <= ATTB_SUM_HI;
+}
+#endif
 /* log sum_j exp(row[j] - *mx) with *mx = max_j row[j]: e^x by exp_nonpos_f32 (relative error
  * <= 8.3e-8 per term), the terms summed in double in SIMD lanes (the lane split is the CPU's
  * clone, never the thread count). At 49152 logits the double-exp reference took 0.8 s of a
@@ -1875,8 +1904,10 @@ static void att_append(struct kvcc_bf16_ctx *c, int l, int Hkv, int d, int pos0,
 }
 
 /* The matmul primitive for Q K^T (kind 0: (m, d) bf16 queries by a KV head's first ne keys,
- * (ne, d) bf16, transposed, into (m, ne) f32 scores) or P V (kind 1: (m, ne) bf16 weights by the
- * first ne values (ne, d) into (m, d) f32 rows ld floats apart), made on first use and kept. Every
+ * (ne, d) bf16, transposed, into (m, ne) f32 scores), P V (kind 1: (m, ne) bf16 weights by the
+ * first ne values (ne, d) into (m, d) f32 rows ld floats apart), or exp(Q K^T) (kind 2: kind 0
+ * with an eltwise-exp post-op, written as bf16: the exp runs in the AMX kernel's epilogue), made
+ * on first use and kept. Every
  * operand dense with fixed shapes: oneDNN 2.6 then runs its AMX / AVX512-BF16 brgemm kernels
  * (runtime dimensions or strides fall back to gemm:jit or a reference kernel; so does P V into
  * rows H d floats apart: 2-3x slower on an AMX Xeon, hence ld = d and a copy). */
@@ -1890,22 +1921,30 @@ static int att_prim(struct kvcc_bf16_ctx *c, int kind, int mrows, int ne, int d,
         c->ap = p, c->cap_ap = cap;
     }
     struct att_prim *e = &c->ap[c->n_ap];
-    const dnnl_dims_t ad = {mrows, kind ? ne : d}, as = {kind ? ne : d, 1};
-    const dnnl_dims_t bd = {kind ? ne : d, kind ? d : ne}, bs = {kind ? d : 1, kind ? 1 : d};
-    const dnnl_dims_t cd = {mrows, kind ? d : ne}, cs = {kind ? ld : ne, 1};
+    const int pv = kind == 1;
+    const dnnl_dims_t ad = {mrows, pv ? ne : d}, as = {pv ? ne : d, 1};
+    const dnnl_dims_t bd = {pv ? ne : d, pv ? d : ne}, bs = {pv ? d : 1, pv ? 1 : d};
+    const dnnl_dims_t cd = {mrows, pv ? d : ne}, cs = {pv ? ld : ne, 1};
     dnnl_matmul_desc_t md;
     dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
     dnnl_primitive_desc_t pd = NULL;
     int st = dnnl_memory_desc_init_by_strides(&e->a, 2, ad, dnnl_bf16, as);
     if (!st) st = dnnl_memory_desc_init_by_strides(&e->b, 2, bd, dnnl_bf16, bs);
-    if (!st) st = dnnl_memory_desc_init_by_strides(&e->c, 2, cd, dnnl_f32, cs);
+    if (!st) st = dnnl_memory_desc_init_by_strides(&e->c, 2, cd, kind == 2 ? dnnl_bf16 : dnnl_f32, cs);
     if (!st) st = dnnl_matmul_desc_init(&md, &e->a, &e->b, NULL, &e->c);
     if (!st) st = dnnl_primitive_attr_create(&attr);
+    if (!st && kind == 2) { /* the exponential in the product's epilogue, rounded to bf16 */
+        st = dnnl_post_ops_create(&po);
+        if (!st) st = dnnl_post_ops_append_eltwise(po, 1.0f, dnnl_eltwise_exp, 0.0f, 0.0f);
+        if (!st) st = dnnl_primitive_attr_set_post_ops(attr, po);
+    }
     if (!st) st = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
     if (!st) st = dnnl_primitive_desc_create(&pd, &md, attr, dnnl_engine(), NULL);
     if (!st) e->scr = *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
     if (!st) st = dnnl_primitive_create(&e->prim, pd);
     if (pd) dnnl_primitive_desc_destroy(pd);
+    if (po) dnnl_post_ops_destroy(po);
     if (attr) dnnl_primitive_attr_destroy(attr);
     if (st) return -1;
     const size_t need = (dnnl_memory_desc_get_size(&e->scr) + 63) / 64 * 64;
@@ -1943,11 +1982,30 @@ static int att_exec(const struct att_prim *p, dnnl_stream_t stream, const void *
     return st;
 }
 
+/* A row of attend_bf16 whose unshifted weights left the float range (attb_row_sum): its logits
+ * in plain loops (the bf16 query qb by the bf16 keys kb, f32 sums in order, as decode computes
+ * them; sc: ne floats of scratch), then softmax_row_bf16: normalized bf16 weights into pb. */
+static void attb_row_redo(const uint16_t *kb, const uint16_t *qb, int d, int64_t ne, int64_t p,
+                          float *sc, uint16_t *pb) {
+    const int64_t nv = p + 1 < ne ? p + 1 : ne;
+    for (int64_t j = 0; j < nv; j++) {
+        const uint16_t *kj = kb + (size_t)j * d;
+        float dot = 0.0f;
+        for (int i = 0; i < d; i++) dot += bf16_to_f32(qb[i]) * bf16_to_f32(kj[i]);
+        sc[j] = dot;
+    }
+    softmax_row_bf16(sc, pb, ne, p);
+}
+
 /* attend_tiles in bf16 (bf16 models where oneDNN has bf16 matmul, full cache): per task (query
  * head, block of ATT_BQ queries) the block's queries, scaled by 1/sqrt(d) and rounded to bf16,
- * times the KV head's bf16 keys (att_append) with f32 accumulation; the f32 softmax of
- * attend_tiles (softmax_row); the weights rounded to bf16 times the bf16 values, f32
- * accumulation. The key count is rounded up to ATTB_PAD (the extra scores are masked to weight 0)
+ * times the KV head's bf16 keys (att_append) with f32 accumulation and the exponential in the
+ * product's epilogue: unnormalized weights e^z rounded to bf16 (no row max: a row whose sum leaves
+ * [e^-40, e^60] is redone against its max, attb_row_redo), their float sum per row (masked
+ * weights zeroed); the weights times the bf16 values, f32 accumulation, each output row times
+ * 1 / its sum. (Before, an f32 softmax pass between the products: max, exp, normalize, round;
+ * docs/benchmarks.md "bf16 attention: the exp in the product".) The key count is rounded up to
+ * ATTB_PAD (the extra scores are masked to weight 0)
  * so that a few fixed-shape primitives serve every block. Each task on one thread with fixed
  * arithmetic: the output does not depend on the thread count. out (n, H d) receives the output
  * rounded to bf16, the input of the output projection (matmul_w_x with x_rounded). Returns a
@@ -1963,12 +2021,13 @@ static int attend_bf16(const kvcc_model *m, kvcc_state *s, int l, const float *q
         const int t0 = b * ATT_BQ, nb = n - t0 < ATT_BQ ? n - t0 : ATT_BQ;
         int64_t ne = ((int64_t)pos0 + t0 + nb + ATTB_PAD - 1) / ATTB_PAD * ATTB_PAD;
         if (ne > c->tp) ne = c->tp;
-        iqk[b] = att_prim(c, 0, nb, (int)ne, d, 0);
+        iqk[b] = att_prim(c, 2, nb, (int)ne, d, 0);
         ipv[b] = att_prim(c, 1, nb, (int)ne, d, d);
         if (iqk[b] < 0 || ipv[b] < 0) return dnnl_out_of_memory;
     }
     const struct att_prim *pqk[KVCC_MODEL_CHUNK / ATT_BQ + 1], *ppv[KVCC_MODEL_CHUNK / ATT_BQ + 1];
     for (int b = 0; b < nqb; b++) pqk[b] = &c->ap[iqk[b]], ppv[b] = &c->ap[ipv[b]];
+    const int shifted = attb_shifted_only();
     int st = 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(s->n_threads) reduction(| : st)
     for (int task = 0; task < H * nqb; task++) {
@@ -1989,13 +2048,24 @@ static int attend_bf16(const kvcc_model *m, kvcc_state *s, int l, const float *q
             }
         }
         void *scr = c->ascr ? c->ascr + (size_t)tid * c->ascr_cap : NULL; /* NULL: none needed */
-        int e = att_exec(pqk[b], c->tstream[tid], qb, c->kb + kvo, sc, scr);
+        int e = att_exec(pqk[b], c->tstream[tid], qb, c->kb + kvo, pb, scr); /* e^z, bf16 */
         if (!e) {
-            for (int t = 0; t < nb; t++)
-                softmax_row_bf16(sc + (size_t)t * ne, pb + (size_t)t * ne, ne, pos0 + t0 + t);
+            float inv[ATT_BQ];
+            for (int t = 0; t < nb; t++) {
+                uint16_t *pr = pb + (size_t)t * ne;
+                const float sum = attb_row_sum(pr, ne, pos0 + t0 + t);
+                inv[t] = 1.0f / sum;
+                if (!attb_sum_ok(sum, shifted)) { /* past the float range unshifted: as decode */
+                    attb_row_redo(c->kb + kvo, qb + (size_t)t * d, d, ne, pos0 + t0 + t, sc, pr);
+                    inv[t] = 1.0f;
+                }
+            }
             e = att_exec(ppv[b], c->tstream[tid], pb, c->vb + kvo, sc, scr); /* dense (nb, d) */
-            for (int t = 0; !e && t < nb; t++)
-                to_bf16_run(out + ((size_t)(t0 + t) * H + h) * d, sc + (size_t)t * d, (size_t)d);
+            for (int t = 0; !e && t < nb; t++) {
+                float *o = sc + (size_t)t * d;
+                for (int i = 0; i < d; i++) o[i] *= inv[t];
+                to_bf16_run(out + ((size_t)(t0 + t) * H + h) * d, o, (size_t)d);
+            }
         }
         st |= e;
     }
@@ -2005,8 +2075,10 @@ static int attend_bf16(const kvcc_model *m, kvcc_state *s, int l, const float *q
 
 #if KVCC_WITH_DNNL
 /* attend_bf16 for one query (decode): the same arithmetic in plain loops (the query scaled and
- * rounded to bf16, bf16 x bf16 products summed in f32, softmax_row, the weights rounded to bf16,
- * their products with the bf16 values summed in f32), so that decode and prefill of a bf16 model
+ * rounded to bf16, bf16 x bf16 products summed in f32, unnormalized weights e^z rounded to bf16
+ * (exp_le64_f32 here, oneDNN's exp in prefill) and their float sum, or, where that sum leaves
+ * [e^-40, e^60], softmax_row's weights rounded to bf16 as attb_row_redo; their products with the
+ * bf16 values summed in f32, times 1 / the sum), so that decode and prefill of a bf16 model
  * read the same cache the same way (with the f32 cache here decode's logits were up to 0.38 from
  * prefill's on held-out text, 0.2 before the prefill's attention went bf16). Threaded over query
  * heads; summation orders differ from oneDNN's (its sums are blocked), not the terms. */
@@ -2016,6 +2088,7 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
     const int H = m->hp.n_head, d = m->hp.head_dim, Hkv = m->hp.n_head_kv, group = H / Hkv;
     const float scale = 1.0f / sqrtf((float)d);
     const int64_t ne = (int64_t)pos + 1;
+    const int shifted = attb_shifted_only();
     #pragma omp parallel for schedule(static) num_threads(s->n_threads)
     for (int h = 0; h < H; h++) {
         const int tid = omp_get_thread_num();
@@ -2032,8 +2105,17 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
             for (int i = 0; i < d; i++) dot += qf[i] * bf16_to_f32(kj[i]);
             sc[j] = dot;
         }
-        softmax_row(sc, ne, pos, NULL, NULL);
-        to_bf16_run(pb, sc, (size_t)ne);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < ne; j++) {
+            pb[j] = f32_to_bf16(exp_le64_f32(sc[j]));
+            sum += bf16_to_f32(pb[j]);
+        }
+        float inv = 1.0f / sum;
+        if (!attb_sum_ok(sum, shifted)) {
+            softmax_row(sc, ne, pos, NULL, NULL);
+            to_bf16_run(pb, sc, (size_t)ne);
+            inv = 1.0f;
+        }
         float *o = out + (size_t)h * d;
         for (int i = 0; i < d; i++) o[i] = 0.0f;
         for (int64_t j = 0; j < ne; j++) {
@@ -2042,6 +2124,7 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
             const uint16_t *vj = c->vb + kvo + (size_t)j * d;
             for (int i = 0; i < d; i++) o[i] += w * bf16_to_f32(vj[i]);
         }
+        for (int i = 0; i < d; i++) o[i] *= inv;
     }
 }
 #endif

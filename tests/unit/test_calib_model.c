@@ -831,7 +831,8 @@ Test(calib_model, real_thread_count_invariant, .timeout = 600) {
  *    orders (decode: one-row products, attention in plain loops), and a bf16 rounding that flips
  *    upstream moves the logits downstream (measured 0.21 with row-major weights and f32
  *    attention, 0.34 on an AMX Xeon with prepacked weights and bf16 attention, whose one-row
- *    products are oneDNN matmuls; f32's prefill and decode agree within 1e-3). */
+ *    products are oneDNN matmuls, 0.21 with that attention's exp in the product (unnormalized
+ *    weights); f32's prefill and decode agree within 1e-3). */
 /* The first 600 tokens of a held-out text (the bf16 tests' input); skips the test without it */
 static int32_t *heldout_600(kvcc_tok *t) {
     FILE *f = fopen("examples/data/heldout/1985_ronald_reagan_r.txt", "rb");
@@ -919,7 +920,10 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
  *    the logits of f32 attention bit for bit, set before its first forward pass or after one;
  *  - attention in bf16 (attend_bf16) keeps the mean NLL within 0.005 of f32 attention in the
  *    same bf16 model and top-1 agreement >= 0.95 (measured on an AMX Xeon: NLL 3.31201 vs
- *    3.31335, 595 and 596 of 600 against f32's).
+ *    3.31335, 595 and 596 of 600 against f32's);
+ *  - its path for rows past the float range (logits against the row's max in plain loops,
+ *    KVCC_BF16_ATTENTION_SHIFTED sends every row there) within 0.002 of the mean NLL of its
+ *    unshifted weights, and not the same logits (the switch works).
  * Where oneDNN has no bf16 matmul both switches change nothing and the checks hold trivially. */
 /* at_load: kvcc_model_load_gguf_prec (converted tensor by tensor while loading), else
  * kvcc_model_load_gguf then kvcc_model_set_precision */
@@ -972,7 +976,8 @@ Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
     float *now = bf16_logits(ids, n, NULL, 0), *rowmajor = bf16_logits(ids, n, "KVCC_BF16_ROWMAJOR", 0),
           *f32att = bf16_logits(ids, n, "KVCC_BF16_ATTENTION_F32", 0),
           *atload = bf16_logits(ids, n, NULL, 1), *statef32 = bf16_logits(ids, n, "state", 0),
-          *late = bf16_logits(ids, n, "late", 0);
+          *late = bf16_logits(ids, n, "late", 0),
+          *shifted = bf16_logits(ids, n, "KVCC_BF16_ATTENTION_SHIFTED", 0);
     const double np_ = mean_nll(now, ids, n, nv), nr_ = mean_nll(rowmajor, ids, n, nv);
     cr_assert(fabs(np_ - nr_) < 0.005, "mean NLL prepacked %.5f vs row-major %.5f", np_, nr_);
     cr_assert(!memcmp(now, atload, (size_t)n * nv * sizeof(float)),
@@ -995,8 +1000,14 @@ Test(calib_model, real_bf16_packed_weights_attention_and_load, .timeout = 900) {
         agree += ix == iy;
     }
     cr_assert(agree >= (int)(0.95 * n), "top-1 agreement bf16 vs f32 attention: %d of %d", agree, n);
+    /* the shifted path of bf16 attention on every row (what rows past the float range take) */
+    const double sh = mean_nll(shifted, ids, n, nv);
+    cr_assert(fabs(a - sh) < 0.002, "mean NLL bf16 attention %.5f vs its shifted path %.5f", a, sh);
+    cr_assert(memcmp(now, shifted, (size_t)n * nv * sizeof(float)) || !strstr(kvcc_model_bf16_name(), "attention in bf16"),
+              "KVCC_BF16_ATTENTION_SHIFTED changed nothing");
     cr_log_info("bf16 attention vs f32 attention on %d tokens: NLL %.5f vs %.5f, top-1 %d/%d; "
-                "row-major weights NLL %.5f (%s)", n, a, b, agree, n, nr_, kvcc_model_bf16_name());
-    free(now); free(rowmajor); free(f32att); free(atload); free(statef32); free(late);
+                "row-major weights NLL %.5f; the shifted path on every row %.5f (%s)", n, a, b,
+                agree, n, nr_, sh, kvcc_model_bf16_name());
+    free(now); free(rowmajor); free(f32att); free(atload); free(statef32); free(late); free(shifted);
     free(ids);
 }
