@@ -153,22 +153,30 @@ Test(wmass, huge_logits_exact_in_f32) {
     free(k);
 }
 
+/* q (T, H, d) of small entries in [-a, a] but its first component 10 in every row: the logits
+ * q . k / sqrt(d) then follow each key's first component. */
+static float *q_first_10(int64_t T, uint32_t H, uint32_t d, float a, uint64_t *s) {
+    float *q = rnd((size_t)T * H * d, s, -a, a);
+    for (int64_t t = 0; t < T; t++)
+        for (uint32_t h = 0; h < H; h++) q[((size_t)t * H + h) * d] = 10.0f;
+    return q;
+}
+
 Test(wmass, max_in_a_late_chunk_far_above_the_rest) {
     /* key 1800 (a late key chunk) aligned with every query: logits there ~ +100 above the others,
      * so the earlier chunks' factors exp(m_c - m) underflow in f32 (they are computed in double) */
     const int64_t T = 2200;
     const uint32_t H = 2, Hkv = 1, d = 16;
     uint64_t s = 31;
-    float *q = rnd((size_t)T * H * d, &s, -0.1f, 0.1f), *k = rnd((size_t)T * Hkv * d, &s, -1, 1);
-    for (int64_t t = 0; t < T; t++)
-        for (uint32_t h = 0; h < H; h++) q[((size_t)t * H + h) * d] = 10.0f;
+    float *q = q_first_10(T, H, d, 0.1f, &s), *k = rnd((size_t)T * Hkv * d, &s, -1, 1);
     for (uint32_t x = 0; x < d; x++) k[(size_t)1800 * d + x] = 0.0f;
     k[(size_t)1800 * d] = 40.0f; /* logit 10 * 40 / 4 = 100 */
     check_case("late max h2o", q, k, T, H, Hkv, d, 0);
     check_case("late max snapkv", q, k, T, H, Hkv, d, 64);
-    /* the kernel exponentiates a chunk against the row's maximum over the earlier chunks: +100
-     * is past its headroom (60; the row's logits are computed again), +40 is within it (that
-     * chunk's exponentials reach e^40 before the weights scale them) */
+    /* the separate-exp path exponentiates a chunk against the row's maximum over the earlier
+     * chunks: +100 is past its headroom (60; the row's logits are computed again), +40 is within
+     * it (that chunk's exponentials reach e^40 before the weights scale them); the exp-in-product
+     * path computes a row chunk again when its sum passes e^60: +100 does, +40 does not */
     k[(size_t)1800 * d] = 16.0f; /* logit 40 */
     check_case("late max within the headroom h2o", q, k, T, H, Hkv, d, 0);
     check_case("late max within the headroom snapkv", q, k, T, H, Hkv, d, 64);
@@ -184,9 +192,7 @@ Test(wmass, every_logit_far_below_zero) {
     const int64_t T = 1400;
     const uint32_t H = 4, Hkv = 2, d = 16;
     uint64_t s = 71;
-    float *q = rnd((size_t)T * H * d, &s, -0.05f, 0.05f), *k = rnd((size_t)T * Hkv * d, &s, -1, 1);
-    for (int64_t t = 0; t < T; t++)
-        for (uint32_t h = 0; h < H; h++) q[((size_t)t * H + h) * d] = 10.0f;
+    float *q = q_first_10(T, H, d, 0.05f, &s), *k = rnd((size_t)T * Hkv * d, &s, -1, 1);
     for (int64_t t = 0; t < T; t++)
         for (uint32_t j = 0; j < Hkv; j++) k[((size_t)t * Hkv + j) * d] = rng_uniform(&s, -40, -36);
     check_case("far below zero h2o", q, k, T, H, Hkv, d, 0);
