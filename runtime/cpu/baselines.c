@@ -293,7 +293,15 @@ KVRT_SIMD_CLONES static int64_t wm_exp_chunk(float *e, int64_t ldc, int64_t R, u
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < len; j++) mx = row[j] > mx ? row[j] : mx;
             f = mx;
+            int nan = 0;
             if (f == -INFINITY) {
+#pragma omp simd reduction(| : nan)
+                for (int64_t j = 0; j < len; j++) nan |= row[j] != row[j];
+            }
+            if (nan) { /* NaN logits have no max: the sum NaN, so that they reach the scores */
+                f = 0.0f;
+                sum = NAN;
+            } else if (f == -INFINITY) {
                 len = 0;
             } else {
 #pragma omp simd reduction(+ : sum)
@@ -425,11 +433,12 @@ static void wm_redo(const wm_plan *P, uint32_t hk, int64_t ta, int64_t r, int64_
 }
 
 /* After wm_chunk_mm, before step 3, row r: its chunks marked +INF are computed again against
- * their own maxima; and a row without such chunks whose unshifted sums add up to less than
- * WM_SUM_LO (every logit below ~-40) has all its visible chunks computed again, so that no value
- * within e^-30 of the row's maximum was lost to the float range (exp(z) flushes to 0 below
- * ~-87.3). Rows with a chunk above WM_SUM_HI need no more: their other chunks' lost values are
- * below e^-140 of the row's maximum. */
+ * their own maxima; where one of those maxima passes WM_EXP_HEADROOM, so are its unshifted
+ * chunks with a nonzero sum (their weights would underflow; the values they lost to the float
+ * range are below e^-140 of the row's maximum). A row without such chunks whose unshifted sums
+ * add up to less than WM_SUM_LO (every logit below ~-40) has all its visible chunks computed
+ * again, so that no value within e^-30 of the row's maximum was lost (exp(z) flushes to 0 below
+ * ~-87.3). */
 static void wm_fix_row(const wm_plan *P, uint32_t hk, int64_t ta, int64_t r, int64_t ncol,
                        wm_scratch *s) {
     const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
@@ -437,16 +446,27 @@ static void wm_fix_row(const wm_plan *P, uint32_t hk, int64_t ta, int64_t r, int
     const float *cs = s->cs + (size_t)r * nch;
     int hi = 0, n0 = 0;
     double s0 = 0.0;
+    float f_hi = -INFINITY;
     for (int64_t c = 0; c < nch; c++) {
         if (cm[c] == INFINITY) {
             wm_redo(P, hk, ta, r, ncol, c, s);
             hi = 1;
+            f_hi = cm[c] > f_hi ? cm[c] : f_hi;
         } else if (cm[c] == 0.0f) {
             s0 += (double)cs[c];
             n0++;
         }
     }
-    if (hi || n0 == 0 || s0 >= (double)WM_SUM_LO) return;
+    if (hi) {
+        /* after a chunk redone at a maximum m above WM_EXP_HEADROOM, the unshifted chunks' weight
+         * e^-m / S could fall below FLT_MIN while their values still count (a logit of 59 beside
+         * one of 90: e^-31): those with a nonzero sum are redone too */
+        if (f_hi > WM_EXP_HEADROOM)
+            for (int64_t c = 0; c < nch; c++)
+                if (cm[c] == 0.0f && cs[c] != 0.0f) wm_redo(P, hk, ta, r, ncol, c, s);
+        return;
+    }
+    if (n0 == 0 || s0 >= (double)WM_SUM_LO) return;
     for (int64_t c = 0; c < nch; c++)
         if (cm[c] == 0.0f) wm_redo(P, hk, ta, r, ncol, c, s);
 }
@@ -480,7 +500,8 @@ static void wm_block(const wm_plan *P, uint32_t hk, int64_t b, wm_scratch *s, do
             for (int64_t c = 0; c < nch; c++) cm[c] = 0.0f;
             continue;
         }
-        double S = 0.0; /* >= 1: the max's own term is exp(0) */
+        double S = 0.0; /* >= 1 where the max is a chunk's own (its term exp(0) times a sum
+                         * >= 1), >= WM_SUM_LO where every chunk kept the reference 0 */
         for (int64_t c = 0; c < nch; c++)
             if (cm[c] != -INFINITY) S += (double)cs[c] * exp((double)cm[c] - (double)m);
         for (int64_t c = 0; c < nch; c++)
@@ -510,6 +531,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
                  .G = H / Hkv, .scale = (float)(1.0 / sqrt((double)d))};
     const int64_t Q = T - first_query;
     int64_t bq = WM_BUF_FLOATS / ((int64_t)P.G * T); /* the buffer's bound */
+    if (bq > 16) bq -= bq % 16; /* past 32k keys, few block shapes (a product primitive each) */
     if (first_query == 0) { /* every query (H2O): blocks of ~WM_CAUSAL_ROWS rows, so that the */
         const int64_t c = (WM_CAUSAL_ROWS + P.G - 1) / P.G; /* masked corners stay small */
         bq = bq < c ? bq : c;
@@ -551,7 +573,8 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
         kvrt_cpu_expmm_put(mm);
         return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0,
                             "%s: out of memory (%zu MiB of scratch)", fn,
-                            (sizeof(float) * per * (size_t)nt + sizeof(double) * n_tasks * T) >> 20);
+                            (sizeof(float) * per * (size_t)nt + sizeof(double) * n_tasks * T +
+                             mm_per * (size_t)nt) >> 20);
     }
     /* OpenBLAS (when it does the products) at one thread inside the tasks, restored after */
     const int blas_threads = kvrt_cpu_openblas_hold();

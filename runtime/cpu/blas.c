@@ -5,7 +5,7 @@
  * defines: kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
  *          kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes, kvrt_cpu_expmm_run,
- *          kvrt_cpu_expmm_enable, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #include <math.h>
 #include <pthread.h>
@@ -113,6 +113,9 @@ struct kvrt_cpu_expmm {
 };
 
 static int expmm_on = 1;
+static uint64_t expmm_runs; /* kvrt_cpu_expmm_runs */
+
+uint64_t kvrt_cpu_expmm_runs(void) { return __atomic_load_n(&expmm_runs, __ATOMIC_RELAXED); }
 
 int kvrt_cpu_expmm_enable(int on) {
     const int prev = __atomic_load_n(&expmm_on, __ATOMIC_RELAXED);
@@ -142,8 +145,9 @@ static void expmm_destroy(kvrt_cpu_expmm *p) {
 
 /* One matmul primitive: src A (m, k) rows, weights B^T (k, n) read from B (n, k) rows, dst C
  * (m, n) rows of ldc; output scale alpha, then eltwise exp; user scratchpad (the library's
- * shared scratchpad would tie the primitive to the thread that built it). Built with the OpenMP
- * thread count at 1 so that it computes on the calling thread alone. */
+ * shared scratchpad would tie the primitive to the thread that built it). Built with the calling
+ * task's OpenMP thread count at 1 (inside a parallel region too) so that it computes on the
+ * calling thread alone. */
 static kvrt_cpu_expmm *expmm_build(int m, int n, int k, int ldc, float alpha) {
     pthread_once(&expmm_engine_once, expmm_engine_init);
     if (expmm_engine == NULL) return NULL;
@@ -157,7 +161,7 @@ static kvrt_cpu_expmm *expmm_build(int m, int n, int k, int ldc, float alpha) {
     dnnl_primitive_desc_t pd = NULL;
     dnnl_matmul_desc_t md;
 #ifdef _OPENMP
-    const int prev = omp_in_parallel() ? 1 : omp_get_max_threads();
+    const int prev = omp_get_max_threads(); /* the calling task's: set to 1 inside a region too */
     if (prev != 1) omp_set_num_threads(1);
 #endif
     dnnl_status_t st = dnnl_memory_desc_init_by_strides(&p->a, 2, da, dnnl_f32, sa);
@@ -237,11 +241,12 @@ size_t kvrt_cpu_expmm_scratch_bytes(const kvrt_cpu_expmm *p) {
 
 void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B, float *C,
                         void *scratch) {
+    __atomic_add_fetch(&expmm_runs, 1, __ATOMIC_RELAXED);
 #if KVCC_WITH_DNNL
     dnnl_stream_t str = NULL;
     dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
 #ifdef _OPENMP
-    const int prev = omp_in_parallel() ? 1 : omp_get_max_threads();
+    const int prev = omp_get_max_threads(); /* the calling task's: set to 1 inside a region too */
     if (prev != 1) omp_set_num_threads(1);
 #endif
     dnnl_status_t st = dnnl_stream_create(&str, expmm_engine, dnnl_stream_default_flags);

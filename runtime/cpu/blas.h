@@ -18,7 +18,8 @@
  * defines: kvrt_sgemm_op, kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
  *          kvrt_cpu_expmm (type), kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes,
- *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_cpu_scratch_alloc,
+ *          kvrt_cpu_scratch_free
  */
 #ifndef KVRT_CPU_BLAS_H
 #define KVRT_CPU_BLAS_H
@@ -94,6 +95,8 @@ KVRT_INTERNAL void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, c
 /* 0 turns kvrt_cpu_expmm_get off process-wide (it returns NULL), 1 back on (the default);
  * returns the previous setting. For tests that run the kernels' other path on the same build. */
 KVRT_INTERNAL int kvrt_cpu_expmm_enable(int on);
+/* How many products kvrt_cpu_expmm_run has computed in this process (tests: the path ran). */
+KVRT_INTERNAL uint64_t kvrt_cpu_expmm_runs(void);
 
 /* A scratch buffer of `bytes` (contents undefined), given back with kvrt_cpu_scratch_free(p,
  * the same bytes): from 4 MiB up, aligned to 2 MiB and advised into transparent huge pages (4 KiB

@@ -73,7 +73,10 @@ static double check_path(const char *what, const float *q, const float *k, int64
 
 static double check_case(const char *what, const float *q, const float *k, int64_t T, uint32_t H,
                          uint32_t Hkv, uint32_t d, uint32_t window) {
+    const uint64_t runs = kvrt_cpu_expmm_runs();
     double w = check_path(what, q, k, T, H, Hkv, d, window);
+    if (kvrt_cpu_gemm_is_dnnl()) /* the exp-in-product path ran */
+        cr_assert_gt(kvrt_cpu_expmm_runs(), runs, "%s: no kvrt_cpu_expmm product ran", what);
     const int prev = kvrt_cpu_expmm_enable(0);
     char what2[160];
     snprintf(what2, sizeof what2, "%s (exp as a separate pass)", what);
@@ -180,6 +183,64 @@ Test(wmass, max_in_a_late_chunk_far_above_the_rest) {
     k[(size_t)1800 * d] = 16.0f; /* logit 40 */
     check_case("late max within the headroom h2o", q, k, T, H, Hkv, d, 0);
     check_case("late max within the headroom snapkv", q, k, T, H, Hkv, d, 64);
+    free(q);
+    free(k);
+}
+
+Test(wmass, a_second_key_beside_a_maximum_past_the_headroom) {
+    /* key 3 at logit 90, key 300 at 59, the rest within +-2.5: the exp-in-product path computes
+     * key 3's chunk again against its own maximum (90); key 300's chunk, kept unshifted, would
+     * get the weight e^-90 / S, below FLT_MIN (0 under flush-to-zero), though its probability
+     * e^-31 counts: key 300's score (~1e-11, below the absolute tolerance) within 1e-3 of the
+     * reference's, on both paths */
+    const int64_t T = 700;
+    const uint32_t H = 2, Hkv = 1, d = 16;
+    uint64_t s = 81;
+    float *q = q_first_10(T, H, d, 0.0f, &s), *k = rnd((size_t)T * Hkv * d, &s, -1, 1);
+    k[(size_t)3 * d] = 36.0f;   /* logit 10 * 36 / 4 = 90 */
+    k[(size_t)300 * d] = 23.6f; /* logit 59 */
+    float ref[700], a[700];
+    for (int window = 0; window <= 64; window += 64) {
+        ref_scores(q, k, T, H, Hkv, d, (uint32_t)window, ref);
+        for (int path = 1; path >= 0; path--) {
+            const int prev = kvrt_cpu_expmm_enable(path);
+            fast_scores(q, k, T, H, Hkv, d, (uint32_t)window, a);
+            kvrt_cpu_expmm_enable(prev);
+            cr_assert(ref[300] > 0.0f && fabs((double)a[300] - ref[300]) <= 1e-3 * ref[300],
+                      "%s, %s: key 300's score %.6g, reference %.6g", window ? "snapkv" : "h2o",
+                      path ? "exp in the product" : "separate exp pass", (double)a[300],
+                      (double)ref[300]);
+        }
+    }
+    check_case("beside 90 h2o", q, k, T, H, Hkv, d, 0);
+    free(q);
+    free(k);
+}
+
+Test(wmass, nan_keys_reach_the_scores) {
+    /* a chunk of NaN keys (256..511, then the first chunk 0..255): every query that sees one
+     * has NaN logits, so the reference's scores are NaN for every key; so are both paths' (a
+     * NaN chunk has no maximum: it must not pass for one with nothing visible) */
+    const int64_t T = 700;
+    const uint32_t H = 2, Hkv = 1, d = 16;
+    uint64_t s = 91;
+    float *q = rnd((size_t)T * H * d, &s, -1, 1), *k = rnd((size_t)T * Hkv * d, &s, -1, 1);
+    float ref[700], a[700];
+    for (int first = 256; first >= 0; first -= 256) {
+        for (int64_t t = first; t < first + 256; t++)
+            for (uint32_t x = 0; x < d; x++) k[(size_t)t * d + x] = NAN;
+        ref_scores(q, k, T, H, Hkv, d, 0, ref);
+        for (int path = 1; path >= 0; path--) {
+            const int prev = kvrt_cpu_expmm_enable(path);
+            fast_scores(q, k, T, H, Hkv, d, 0, a);
+            kvrt_cpu_expmm_enable(prev);
+            for (int64_t j = 0; j < T; j++)
+                cr_assert(isnan(ref[j]) && isnan(a[j]),
+                          "NaN keys %d..%d, %s: score [%lld] %g, reference %g", first, first + 255,
+                          path ? "exp in the product" : "separate exp pass", (long long)j,
+                          (double)a[j], (double)ref[j]);
+        }
+    }
     free(q);
     free(k);
 }
