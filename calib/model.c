@@ -1982,18 +1982,26 @@ static int att_exec(const struct att_prim *p, dnnl_stream_t stream, const void *
     return st;
 }
 
-/* A row of attend_bf16 whose unshifted weights left the float range (attb_row_sum): its logits
- * in plain loops (the bf16 query qb by the bf16 keys kb, f32 sums in order, as decode computes
- * them; sc: ne floats of scratch), then softmax_row_bf16: normalized bf16 weights into pb. */
-static void attb_row_redo(const uint16_t *kb, const uint16_t *qb, int d, int64_t ne, int64_t p,
-                          float *sc, uint16_t *pb) {
-    const int64_t nv = p + 1 < ne ? p + 1 : ne;
-    for (int64_t j = 0; j < nv; j++) {
+/* sc[j] = qf . kb_j for the first n keys: the query's bf16 values (as floats) by the bf16 keys
+ * (rows of d), f32 sums in order (decode's logits, and those of attend_bf16's rows past the
+ * float range). */
+static void attb_logits(const uint16_t *kb, const float *qf, int d, int64_t n, float *sc) {
+    for (int64_t j = 0; j < n; j++) {
         const uint16_t *kj = kb + (size_t)j * d;
         float dot = 0.0f;
-        for (int i = 0; i < d; i++) dot += bf16_to_f32(qb[i]) * bf16_to_f32(kj[i]);
+        for (int i = 0; i < d; i++) dot += qf[i] * bf16_to_f32(kj[i]);
         sc[j] = dot;
     }
+}
+
+/* A row of attend_bf16 whose unshifted weights left the float range (attb_row_sum): its logits
+ * as decode computes them (attb_logits; sc: ne + d floats of scratch), then softmax_row_bf16:
+ * normalized bf16 weights into pb. */
+static void attb_row_redo(const uint16_t *kb, const uint16_t *qb, int d, int64_t ne, int64_t p,
+                          float *sc, uint16_t *pb) {
+    float *qf = sc + ne;
+    for (int i = 0; i < d; i++) qf[i] = bf16_to_f32(qb[i]);
+    attb_logits(kb, qf, d, p + 1 < ne ? p + 1 : ne, sc);
     softmax_row_bf16(sc, pb, ne, p);
 }
 
@@ -2099,12 +2107,7 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
         for (int i = 0; i < d; i++) qf[i] = qr[i] * scale;
         to_bf16_run(qb, qf, (size_t)d);
         for (int i = 0; i < d; i++) qf[i] = bf16_to_f32(qb[i]);
-        for (int64_t j = 0; j < ne; j++) {
-            const uint16_t *kj = c->kb + kvo + (size_t)j * d;
-            float dot = 0.0f;
-            for (int i = 0; i < d; i++) dot += qf[i] * bf16_to_f32(kj[i]);
-            sc[j] = dot;
-        }
+        attb_logits(c->kb + kvo, qf, d, ne, sc);
         float sum = 0.0f;
         for (int64_t j = 0; j < ne; j++) {
             pb[j] = f32_to_bf16(exp_le64_f32(sc[j]));

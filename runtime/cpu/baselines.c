@@ -253,8 +253,8 @@ typedef struct {
 /* Step 2 for the R rows of one chunk (nc keys from c0) of the row block starting at query ta.
  * Per row, a reference f: the row's running maximum over the chunks before this one (run[r];
  * wm_block starts each at -INF), or, where that is not finite (the first chunk) or run is NULL,
- * the chunk's own maximum (one extra pass). The row's chunk becomes exp(z - f) (0 past its visible keys), cm (stride
- * nch) gets f (-INF when nothing is visible, or when the chunk's own maximum is -INF; a row of
+ * the chunk's own maximum (one extra pass). The row's chunk becomes exp(z - f) (0 past its
+ * visible keys), cm (stride nch) gets f (-INF when nothing is visible, or when the chunk's own maximum is -INF; a row of
  * -INF logits against a running reference gets e = 0 and cs = 0: it adds nothing either way),
  * cs its float sum, and run[r] the maximum so far. A logit more than WM_EXP_HEADROOM above
  * a running reference would overflow exp_le64_f32's range: the row is left for the caller
@@ -353,30 +353,37 @@ KVRT_SIMD_CLONES static void wm_colsum(const float *e, int64_t ldc, int64_t n, c
     }
 }
 
+/* Row r of chunk c computed again with its own maximum as reference (wm_exp_chunk). */
+static void wm_redo(const wm_plan *P, uint32_t hk, int64_t ta, int64_t r, int64_t ncol,
+                    int64_t c, wm_scratch *s) {
+    const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
+    const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
+    const float *kc = P->k + ((size_t)c0 * P->Hkv + hk) * P->d;
+    float *row = s->e + ((size_t)c * P->R + r) * WM_CHUNK;
+    kvrt_cpu_sgemm_1t(1, 1, (int)nc, (int)P->d, P->scale, s->qp + (size_t)r * P->d, (int)P->d, kc,
+                      (int)((size_t)P->Hkv * P->d), 0.0f, row, WM_CHUNK);
+    wm_exp_chunk(row, WM_CHUNK, 1, P->G, ta + r / P->G, c0, nc, s->cm + (size_t)r * nch + c,
+                 s->cs + (size_t)r * nch + c, nch, NULL, NULL);
+}
+
 /* Steps 1-2 for one chunk [c0, c0 + nc) of row block [ta, tb) of KV head hk. */
 static void wm_chunk(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, int64_t ncol,
                      int64_t c, wm_scratch *s) {
     const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
     const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
-    const float *kc = P->k + ((size_t)c0 * P->Hkv + hk) * P->d;
-    const int ldk = (int)((size_t)P->Hkv * P->d);
     float *ec = s->e + (size_t)c * P->R * WM_CHUNK;
-    kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d, kc, ldk, 0.0f,
-                      ec, WM_CHUNK);
+    kvrt_cpu_sgemm_1t(1, (int)R, (int)nc, (int)P->d, P->scale, s->qp, (int)P->d,
+                      P->k + ((size_t)c0 * P->Hkv + hk) * P->d, (int)((size_t)P->Hkv * P->d),
+                      0.0f, ec, WM_CHUNK);
     const int64_t n_redo = wm_exp_chunk(ec, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c, s->cs + c,
                                         nch, s->run, s->redo);
     /* rows with a logit far above their running maximum: the row's logits again (one row, the
      * same call shape whatever the thread count), then the chunk's own maximum as reference */
     for (int64_t i = 0; i < n_redo; i++) {
         const int64_t r = s->redo[i];
-        float *row = ec + (size_t)r * WM_CHUNK;
-        kvrt_cpu_sgemm_1t(1, 1, (int)nc, (int)P->d, P->scale, s->qp + (size_t)r * P->d, (int)P->d,
-                          kc, ldk, 0.0f, row, WM_CHUNK);
-        float f_run = s->run[r];
-        wm_exp_chunk(row, WM_CHUNK, 1, P->G, ta + r / P->G, c0, nc, s->cm + (size_t)r * nch + c,
-                     s->cs + (size_t)r * nch + c, nch, NULL, NULL);
+        wm_redo(P, hk, ta, r, ncol, c, s);
         const float f = s->cm[(size_t)r * nch + c];
-        s->run[r] = f > f_run ? f : f_run;
+        s->run[r] = f > s->run[r] ? f : s->run[r];
     }
 }
 
@@ -417,19 +424,6 @@ static void wm_chunk_mm(const wm_plan *P, uint32_t hk, int64_t ta, int64_t R, in
     float *ec = s->e + (size_t)c * P->R * WM_CHUNK;
     kvrt_cpu_expmm_run(P->mm, s->qp, s->kb, ec, s->mm_scratch);
     wm_sum_chunk(ec, WM_CHUNK, R, P->G, ta, c0, nc, s->cm + c, s->cs + c, nch);
-}
-
-/* Row r of chunk c computed again with its own maximum as reference (wm_exp_chunk). */
-static void wm_redo(const wm_plan *P, uint32_t hk, int64_t ta, int64_t r, int64_t ncol,
-                    int64_t c, wm_scratch *s) {
-    const int64_t c0 = c * WM_CHUNK, nc = ncol - c0 < WM_CHUNK ? ncol - c0 : WM_CHUNK;
-    const int64_t nch = (ncol + WM_CHUNK - 1) / WM_CHUNK;
-    const float *kc = P->k + ((size_t)c0 * P->Hkv + hk) * P->d;
-    float *row = s->e + ((size_t)c * P->R + r) * WM_CHUNK;
-    kvrt_cpu_sgemm_1t(1, 1, (int)nc, (int)P->d, P->scale, s->qp + (size_t)r * P->d, (int)P->d, kc,
-                      (int)((size_t)P->Hkv * P->d), 0.0f, row, WM_CHUNK);
-    wm_exp_chunk(row, WM_CHUNK, 1, P->G, ta + r / P->G, c0, nc, s->cm + (size_t)r * nch + c,
-                 s->cs + (size_t)r * nch + c, nch, NULL, NULL);
 }
 
 /* After wm_chunk_mm, before step 3, row r: its chunks marked +INF are computed again against
@@ -554,7 +548,7 @@ static int scores_fast(const char *fn, const float *q, const float *k, int64_t T
 #endif
     if (nt > n_tasks) nt = (int)n_tasks;
     if (nt < 1 || nested) nt = 1; /* nested regions run on one thread */
-    const size_t R = (size_t)bq * P.G;
+    const size_t R = (size_t)P.R;
     const size_t per = R * d + R * (size_t)P.nch_max * WM_CHUNK + 2 * R * (size_t)P.nch_max +
                        WM_CHUNK + 2 * R; /* + run, redo (int32, the size of a float) */
     const size_t buf_bytes = sizeof(float) * per * (size_t)nt;

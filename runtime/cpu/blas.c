@@ -42,6 +42,26 @@ void kvrt_cpu_openblas_restore(int prev) {
     if (prev != 1) openblas_set_num_threads(prev);
 }
 
+/* The calling task's OpenMP thread count at 1 (oneDNN sizes its team from it, also inside an
+ * active parallel region, and a primitive keeps the count it was built with), handed back with
+ * omp_one_leave. */
+static inline int omp_one_enter(void) {
+#ifdef _OPENMP
+    const int prev = omp_get_max_threads();
+    if (prev != 1) omp_set_num_threads(1);
+    return prev;
+#else
+    return 1;
+#endif
+}
+static inline void omp_one_leave(int prev) {
+#ifdef _OPENMP
+    if (prev != 1) omp_set_num_threads(prev);
+#else
+    (void)prev;
+#endif
+}
+
 int kvrt_cpu_gemm_is_dnnl(void) {
 #if KVCC_WITH_DNNL
     return 1;
@@ -69,10 +89,9 @@ void kvrt_cpu_sgemm_1t(int tb, int m, int n, int k, float alpha, const float *A,
     /* oneDNN sizes its team from the calling task's nthreads ICV (1 inside an active parallel
      * region): set it to 1 for this call, so that an inactive region or a serial caller with
      * more threads does not split the product either */
-    const int prev = omp_get_max_threads();
-    if (prev != 1) omp_set_num_threads(1);
+    const int prev = omp_one_enter();
     kvrt_cpu_sgemm(tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
-    if (prev != 1) omp_set_num_threads(prev);
+    omp_one_leave(prev);
 #else
     kvrt_cpu_sgemm(tb, m, n, k, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
@@ -160,10 +179,7 @@ static kvrt_cpu_expmm *expmm_build(int m, int n, int k, int ldc, float alpha) {
     dnnl_post_ops_t po = NULL;
     dnnl_primitive_desc_t pd = NULL;
     dnnl_matmul_desc_t md;
-#ifdef _OPENMP
-    const int prev = omp_get_max_threads(); /* the calling task's: set to 1 inside a region too */
-    if (prev != 1) omp_set_num_threads(1);
-#endif
+    const int prev = omp_one_enter();
     dnnl_status_t st = dnnl_memory_desc_init_by_strides(&p->a, 2, da, dnnl_f32, sa);
     if (!st) st = dnnl_memory_desc_init_by_strides(&p->b, 2, db, dnnl_f32, sb);
     if (!st) st = dnnl_memory_desc_init_by_strides(&p->c, 2, dc, dnnl_f32, sc);
@@ -180,9 +196,7 @@ static kvrt_cpu_expmm *expmm_build(int m, int n, int k, int ldc, float alpha) {
         if (smd) p->scratch = *smd; else st = dnnl_runtime_error;
     }
     if (!st) st = dnnl_primitive_create(&p->prim, pd);
-#ifdef _OPENMP
-    if (prev != 1) omp_set_num_threads(prev);
-#endif
+    omp_one_leave(prev);
     if (pd) dnnl_primitive_desc_destroy(pd);
     if (po) dnnl_post_ops_destroy(po);
     if (attr) dnnl_primitive_attr_destroy(attr);
@@ -245,10 +259,7 @@ void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B,
 #if KVCC_WITH_DNNL
     dnnl_stream_t str = NULL;
     dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
-#ifdef _OPENMP
-    const int prev = omp_get_max_threads(); /* the calling task's: set to 1 inside a region too */
-    if (prev != 1) omp_set_num_threads(1);
-#endif
+    const int prev = omp_one_enter();
     dnnl_status_t st = dnnl_stream_create(&str, expmm_engine, dnnl_stream_default_flags);
     if (!st) st = dnnl_memory_create(&ma, &p->a, expmm_engine, (void *)A);
     if (!st) st = dnnl_memory_create(&mb, &p->b, expmm_engine, (void *)B);
@@ -267,9 +278,7 @@ void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B,
     if (mb) dnnl_memory_destroy(mb);
     if (ma) dnnl_memory_destroy(ma);
     if (str) dnnl_stream_destroy(str);
-#ifdef _OPENMP
-    if (prev != 1) omp_set_num_threads(prev);
-#endif
+    omp_one_leave(prev);
     if (st == dnnl_success) return;
     /* only when oneDNN could not allocate a stream or a memory object: the same values from the
      * plain product and libm's exp (within oneDNN's exp error of them) */

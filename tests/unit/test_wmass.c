@@ -58,6 +58,16 @@ static void fast_scores(const float *q, const float *k, int64_t T, uint32_t H, u
     cr_assert_eq(rc, KVRT_OK, "%s", kvrt_last_error()->msg);
 }
 
+/* fast_scores on one path of the kernel: 1 the exp in the product (oneDNN builds), 0 the
+ * separate exp pass; its name for messages */
+static void fast_scores_on(int path, const float *q, const float *k, int64_t T, uint32_t H,
+                           uint32_t Hkv, uint32_t d, uint32_t window, float *out) {
+    const int prev = kvrt_cpu_expmm_enable(path);
+    fast_scores(q, k, T, H, Hkv, d, window, out);
+    kvrt_cpu_expmm_enable(prev);
+}
+static const char *path_name(int path) { return path ? "exp in the product" : "separate exp pass"; }
+
 static void ref_scores(const float *q, const float *k, int64_t T, uint32_t H, uint32_t Hkv,
                        uint32_t d, uint32_t window, float *out) {
     int rc = window ? kvrt_snapkv_scores_ref(q, k, T, H, Hkv, d, window, out)
@@ -79,7 +89,7 @@ static double check_case(const char *what, const float *q, const float *k, int64
         cr_assert_gt(kvrt_cpu_expmm_runs(), runs, "%s: no kvrt_cpu_expmm product ran", what);
     const int prev = kvrt_cpu_expmm_enable(0);
     char what2[160];
-    snprintf(what2, sizeof what2, "%s (exp as a separate pass)", what);
+    snprintf(what2, sizeof what2, "%s (%s)", what, path_name(0));
     const double w2 = check_path(what2, q, k, T, H, Hkv, d, window);
     kvrt_cpu_expmm_enable(prev);
     return w > w2 ? w : w2;
@@ -203,13 +213,10 @@ Test(wmass, a_second_key_beside_a_maximum_past_the_headroom) {
     for (int window = 0; window <= 64; window += 64) {
         ref_scores(q, k, T, H, Hkv, d, (uint32_t)window, ref);
         for (int path = 1; path >= 0; path--) {
-            const int prev = kvrt_cpu_expmm_enable(path);
-            fast_scores(q, k, T, H, Hkv, d, (uint32_t)window, a);
-            kvrt_cpu_expmm_enable(prev);
+            fast_scores_on(path, q, k, T, H, Hkv, d, (uint32_t)window, a);
             cr_assert(ref[300] > 0.0f && fabs((double)a[300] - ref[300]) <= 1e-3 * ref[300],
                       "%s, %s: key 300's score %.6g, reference %.6g", window ? "snapkv" : "h2o",
-                      path ? "exp in the product" : "separate exp pass", (double)a[300],
-                      (double)ref[300]);
+                      path_name(path), (double)a[300], (double)ref[300]);
         }
     }
     check_case("beside 90 h2o", q, k, T, H, Hkv, d, 0);
@@ -231,14 +238,11 @@ Test(wmass, nan_keys_reach_the_scores) {
             for (uint32_t x = 0; x < d; x++) k[(size_t)t * d + x] = NAN;
         ref_scores(q, k, T, H, Hkv, d, 0, ref);
         for (int path = 1; path >= 0; path--) {
-            const int prev = kvrt_cpu_expmm_enable(path);
-            fast_scores(q, k, T, H, Hkv, d, 0, a);
-            kvrt_cpu_expmm_enable(prev);
+            fast_scores_on(path, q, k, T, H, Hkv, d, 0, a);
             for (int64_t j = 0; j < T; j++)
                 cr_assert(isnan(ref[j]) && isnan(a[j]),
                           "NaN keys %d..%d, %s: score [%lld] %g, reference %g", first, first + 255,
-                          path ? "exp in the product" : "separate exp pass", (long long)j,
-                          (double)a[j], (double)ref[j]);
+                          path_name(path), (long long)j, (double)a[j], (double)ref[j]);
         }
     }
     free(q);
