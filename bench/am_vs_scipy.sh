@@ -8,6 +8,8 @@
 # the same machine: an old system OpenBLAS may not recognize a recent CPU and fall back to its
 # generic Prescott kernels (seen on the dev VM: 3x slower products), which is not the algorithm's
 # doing. The tests never set OPENBLAS_CORETYPE.
+# A third C run has --products bf16 (kvrt_am_opts.products: the two large products in bf16 with
+# f32 accumulation; numpy's stay f32): its mass and output errors are printed beside the f32 run's.
 # Usage: [THREADS=1] [REPS=5] [BENCH_AM=a bench_am binary] bash bench/am_vs_scipy.sh   (from the repository root; BUILD=build
 # by default)
 set -euo pipefail
@@ -30,15 +32,19 @@ for T in 4096 16384; do
   echo "C (system OpenBLAS, $(OPENBLAS_VERBOSE=2 "$BENCH_AM" --head 16 --reps 1 2>&1 | awk '/^Core/ {print $2}') kernels): $(echo "$c" | grep -v '^c_')"
   ch=$(OPENBLAS_CORETYPE=Haswell "$BENCH_AM" --head "$T" --reps "$reps")
   echo "C (system OpenBLAS, Haswell kernels): $(echo "$ch" | grep -v '^c_')"
+  cb=$("$BENCH_AM" --head "$T" --reps "$reps" --products bf16)
+  echo "C (products bf16): $(echo "$cb" | grep -v '^c_')"
   echo "reps $reps" >> "$dir/meta.txt"
   p=$(python3 bench/am_scipy.py "$dir")
   echo "$p" | grep -v '^py_'
   cs=$(echo "$c" | awk '/^c_seconds/ {print $2}')
   chs=$(echo "$ch" | awk '/^c_seconds/ {print $2}')
+  cbs=$(echo "$cb" | awk '/^c_seconds/ {print $2}')
   ps=$(echo "$p" | awk '/^py_seconds/ {print $2}')
   cc=$(echo "$c" | awk '/^c_cpu_seconds/ {print $2}')
   chc=$(echo "$ch" | awk '/^c_cpu_seconds/ {print $2}')
+  cbc=$(echo "$cb" | awk '/^c_cpu_seconds/ {print $2}')
   pc=$(echo "$p" | awk '/^py_cpu_seconds/ {print $2}')
-  awk -v c="$cs" -v h="$chs" -v p="$ps" -v T="$T" 'BEGIN { printf "T %d wall: numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx faster), %.3f s (Haswell kernels, as numpy: %.1fx faster)\n", T, p, c, p / c, h, p / h }'
-  awk -v c="$cc" -v h="$chc" -v p="$pc" -v T="$T" 'BEGIN { printf "T %d CPU:  numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx less), %.3f s (Haswell kernels: %.1fx less)\n", T, p, c, p / c, h, p / h }'
+  awk -v c="$cs" -v h="$chs" -v b="$cbs" -v p="$ps" -v T="$T" 'BEGIN { printf "T %d wall: numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx faster), %.3f s (Haswell kernels, as numpy: %.1fx faster), %.3f s (products bf16: %.1fx faster)\n", T, p, c, p / c, h, p / h, b, p / b }'
+  awk -v c="$cc" -v h="$chc" -v b="$cbc" -v p="$pc" -v T="$T" 'BEGIN { printf "T %d CPU:  numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx less), %.3f s (Haswell kernels: %.1fx less), %.3f s (products bf16: %.1fx less)\n", T, p, c, p / c, h, p / h, b, p / b }'
 done

@@ -14,7 +14,7 @@
  *     the shapes only, not on the values.
  * Options: --head T (only part 1 at this T), --dump DIR (write DIR/{q,k,v}.f32 and DIR/meta.txt
  * of the part-1 input), --omp (OMP key selection instead of HighestAttnKeys), --omp-batch N (OMP's
- * keys per round, default 1), --reps N.
+ * keys per round, default 1), --products f32|bf16 (kvrt_am_opts.products, default f32), --reps N.
  * --fit-host: the host part of the CUDA backend's fit (runtime/cuda/am.cu runs the NNLS and the
  *   ridge solve on the host): kvrt_am_nnls_gram and kvrt_cpu_ridge_solve at 205, 410 and 820
  *   entries per chunk, 4096 reference rows, random positive columns scaled to unit norm, one
@@ -39,6 +39,7 @@
 #include "cpu/nnls.h"      /* kvrt_cpu_ridge_solve */
 
 static int g_omp_batch = 1; /* --omp-batch N: OMP's keys per round */
+static int g_products = KVRT_AM_PRODUCTS_F32; /* --products f32|bf16 */
 
 static float rng_n(uint64_t *s) { /* sum of 4 uniforms, centred: cheap, roughly Gaussian */
     double a = 0;
@@ -105,6 +106,7 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     kvrt_am_opts_init(&o);
     if (omp) o.key_select = KVRT_AM_SELECT_OMP;
     o.omp_batch = g_omp_batch;
+    o.products = g_products;
     double best = INFINITY;
     double *times = malloc(sizeof(double) * (size_t)reps);
     double *cpus = malloc(sizeof(double) * (size_t)reps);
@@ -128,9 +130,10 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     free(times);
     free(cpus);
     printf("am head: T %6lld  d %lld  queries %lld  ratio %.2f (t %lld, kept %lld)  %s  chunk 4096: "
-           "%8.3f s (median of %d, best %.3f s; CPU %.3f s)  mass relerr %.4f  out relerr %.4f\n",
+           "%8.3f s (median of %d, best %.3f s; CPU %.3f s)  mass relerr %.4f  out relerr %.4f  "
+           "products %s\n",
            (long long)T, (long long)d, (long long)n, ratio, (long long)t, (long long)st.kept,
-           omp ? "omp" : "highest", med, reps, best, cmed, st.mass_relerr, st.out_relerr);
+           omp ? "omp" : "highest", med, reps, best, cmed, st.mass_relerr, st.out_relerr, g_products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32");
     printf("c_seconds %.6f\nc_cpu_seconds %.6f\n", med, cmed);
     free(k); free(v); free(q);
     return 0;
@@ -147,6 +150,7 @@ static int bench_model(int omp) {
     kvrt_am_opts_init(&o);
     if (omp) o.key_select = KVRT_AM_SELECT_OMP;
     o.omp_batch = g_omp_batch;
+    o.products = g_products;
     double t0 = now_s();
     int64_t kept = 0;
     for (int64_t l = 0; l < L; l++) { /* same synthetic tensors for every layer: timing only */
@@ -261,6 +265,7 @@ static int bench_cuda_layer(int64_t T, int omp) {
     kvrt_am_opts_init(&o);
     if (omp) o.key_select = KVRT_AM_SELECT_OMP;
     o.omp_batch = g_omp_batch;
+    o.products = g_products;
     printf("AM, one llama3-8b layer (H %lld, Hkv %lld, d %lld) of a %lld-token context, ratio %.2f, "
            "default options (4096 reference queries per KV head, chunks of 4096) but %s\n",
            (long long)H, (long long)Hkv, (long long)d, (long long)T, ratio,
@@ -311,11 +316,20 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--omp")) omp = 1;
         else if (!strcmp(argv[i], "--omp-batch") && i + 1 < argc) g_omp_batch = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--products") && i + 1 < argc) {
+            const char *pv = argv[++i];
+            if (!strcmp(pv, "f32")) g_products = KVRT_AM_PRODUCTS_F32;
+            else if (!strcmp(pv, "bf16")) g_products = KVRT_AM_PRODUCTS_BF16;
+            else {
+                fprintf(stderr, "bench_am: --products %s, expected f32 or bf16\n", pv);
+                return 2;
+            }
+        }
         else if (!strcmp(argv[i], "--fit-host")) fit_host = 1;
         else if (!strcmp(argv[i], "--cuda")) cuda = 1;
         else if (!strcmp(argv[i], "--layer-context") && i + 1 < argc) layer_ctx = atoll(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--reps N] | "
+            fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--products f32|bf16] [--reps N] | "
                     "--fit-host [--reps N] | --cuda [--layer-context T] [--omp [--omp-batch N]]\n");
             return 2;
         }

@@ -393,6 +393,9 @@ static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const 
         if (!k2) k2 = kvpol_writer_add_f64(w, "recent_frac", cx->am_recent);
         if (!k2) k2 = kvpol_writer_add_string(w, "query_source", am_source(cx), strlen(am_source(cx)));
         if (!k2) k2 = kvpol_writer_add_i64(w, "omp_batch", ao.omp_batch);
+        /* no products item for f32: the artifact stays what it was before the item existed */
+        if (!k2 && ao.products == KVRT_AM_PRODUCTS_BF16)
+            k2 = kvpol_writer_add_string(w, "products", "bf16", 4);
         if (!k2) k2 = kvpol_writer_end_section(w);
         if (!k2) k2 = kvpol_writer_begin_section(w, KVPOL_SEC_AM_CURVES, kvpol_known_find(KVPOL_SEC_AM_CURVES)->name, 0, KVPOL_CODEC_ZSTD, 1);
         if (!k2) k2 = kvpol_writer_add_tensor(w, "ratios", KVPOL_DTYPE_F64, 1, dr, cx->am_ratios);
@@ -441,6 +444,8 @@ static void am_compile_opts(const kvcc_compile_ctx *cx, kvrt_am_opts *ao) {
     ao->beta_floor = cx->am_floor;
     ao->n_sink = cx->am_sinks;
     ao->recent_frac = cx->am_recent;
+    ao->products = cx->am_products && !strcmp(cx->am_products, "bf16") ? KVRT_AM_PRODUCTS_BF16
+                                                                       : KVRT_AM_PRODUCTS_F32;
 }
 
 static int am_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
@@ -629,6 +634,10 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     if (kvpol_get_f64(f, si, "recent_frac", &dv) == KVPOL_OK) o.recent_frac = dv;
     if (kvpol_get_i64(f, si, "omp_batch", &iv) == KVPOL_OK) o.omp_batch = (int)iv;
     else o.omp_batch = 1;
+    const char *pr = NULL;
+    uint64_t pl = 0;
+    if (kvpol_get_string(f, si, "products", &pr, &pl) == KVPOL_OK && pl == 4 && !memcmp(pr, "bf16", 4))
+        o.products = KVRT_AM_PRODUCTS_BF16;
     char txt[200];
     am_opts_text(&o, txt, sizeof txt);
     const uint64_t nt = sc.dims[0], L = sc.dims[1], Hkv = sc.dims[2];
@@ -736,13 +745,15 @@ static void am_opts_text(const kvrt_am_opts *o, char *buf, size_t n) {
     if (o->key_select == KVRT_AM_SELECT_OMP && o->omp_batch > 1)
         snprintf(sel, sizeof sel, "omp (%d keys per round)", o->omp_batch);
     else snprintf(sel, sizeof sel, "%s", am_select_name(o->key_select));
-    snprintf(buf, n, "key selection %s, chunk %lld, beta floor %s, %lld sinks, recent %g of t",
-             sel, (long long)o->chunk, fl, (long long)o->n_sink, o->recent_frac);
+    snprintf(buf, n, "key selection %s, chunk %lld, beta floor %s, %lld sinks, recent %g of t, "
+             "products %s", sel, (long long)o->chunk, fl, (long long)o->n_sink, o->recent_frac,
+             o->products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32");
 }
 
 /* KVCC_AM_OPTS (a measurement knob of the uncompiled rows am-uniform / am-omp / am-repeat /
  * am-omp-repeat): comma-separated NAME=VALUE of beta_floor (a number or "none"), n_sink,
- * recent_frac, chunk, max_queries, omp_batch. 0, or KVCC_EXIT_USAGE with the message in err. */
+ * recent_frac, chunk, max_queries, omp_batch, products (f32 or bf16). 0, or KVCC_EXIT_USAGE with
+ * the message in err. */
 static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
     const char *env = getenv("KVCC_AM_OPTS");
     if (env == NULL || *env == 0) return 0;
@@ -758,6 +769,10 @@ static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
             o->beta_floor = NAN;
             continue;
         }
+        if (eq && !strcmp(tok, "products") && (!strcmp(eq + 1, "f32") || !strcmp(eq + 1, "bf16"))) {
+            o->products = strcmp(eq + 1, "bf16") ? KVRT_AM_PRODUCTS_F32 : KVRT_AM_PRODUCTS_BF16;
+            continue;
+        }
         if (ok && !strcmp(tok, "beta_floor")) o->beta_floor = v;
         else if (ok && !strcmp(tok, "n_sink") && v >= 0) o->n_sink = (int64_t)v;
         else if (ok && !strcmp(tok, "recent_frac")) o->recent_frac = v;
@@ -766,7 +781,8 @@ static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
         else if (ok && !strcmp(tok, "omp_batch") && v >= 1 && v <= 4096) o->omp_batch = (int)v;
         else {
             snprintf(err, errlen, "KVCC_AM_OPTS: '%s' is not NAME=VALUE with NAME beta_floor, "
-                     "n_sink, recent_frac, chunk, max_queries or omp_batch (1..4096)", tok);
+                     "n_sink, recent_frac, chunk, max_queries, omp_batch (1..4096) or products "
+                     "(f32 or bf16)", tok);
             return KVCC_EXIT_USAGE;
         }
     }
@@ -1029,6 +1045,11 @@ static const kvcc_pass_option am_options[] = {
     {"am-recent", KVCC_OPT_F64, "F", "0.5",
      "fraction of every head's budget kept as the exact recent window, in [0, 1) (written; eval "
      "runs it)", AM_OPT(am_recent), 0, 0, 0, NULL, 0},
+    {"am-products", KVCC_OPT_CHOICE, "f32|bf16", "f32",
+     "precision of the compaction's two large products (logits, P V): bf16 rounds queries, keys, "
+     "values and P to bf16 with f32 sums (AMX or AVX512-BF16 kernels, 3-4x the f32 rate on an AMX "
+     "core; the calibration runs it too; written; eval runs it)", AM_OPT(am_products), 0, 0, 0,
+     "f32|bf16", 0},
     {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
 };
 

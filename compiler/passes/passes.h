@@ -34,7 +34,7 @@ typedef struct {
     uint32_t max_prompts;           /* --prompts (0: all) */
     int progress;                   /* draw progress on stderr (a terminal) */
     /* Attention Matching (--am-targets, --am-ratios, --am-chunk, --am-select, --am-floor,
-     * --am-sinks, --am-recent, --am-queries) */
+     * --am-sinks, --am-recent, --am-queries, --am-products) */
     const double *am_targets; int n_am_targets;
     const double *am_ratios; int n_am_ratios;
     uint32_t am_chunk;
@@ -43,6 +43,7 @@ typedef struct {
     uint32_t am_sinks;
     double am_recent;               /* recent window, a fraction of each head's budget */
     const char *am_queries;         /* --am-queries: "context" (default) or "repeat" (needs gguf) */
+    const char *am_products;        /* --am-products: "f32" (default; NULL too) or "bf16" */
     /* CompKV (--compkv-r, --compkv-block) */
     uint32_t compkv_r, compkv_block;
     /* CompilerKV (--budgets, --window, --reward) */

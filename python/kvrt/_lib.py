@@ -123,7 +123,8 @@ class kvrt_quest(Structure):
 class kvrt_am_opts(Structure):
     _fields_ = [("key_select", c_int), ("chunk", c_int64), ("ridge", c_double),
                 ("nnls_max_iter", c_int), ("max_queries", c_int64), ("beta_floor", c_double),
-                ("n_sink", c_int64), ("recent_frac", c_double), ("omp_batch", c_int)]
+                ("n_sink", c_int64), ("recent_frac", c_double), ("omp_batch", c_int),
+                ("products", c_int)]
 
 
 class kvrt_am_stats(Structure):

@@ -449,20 +449,33 @@ def _key_select(val):
     return _KEY_SELECT[val]
 
 
+_PRODUCTS = {"f32": 0, "bf16": 1}
+
+
+def _products(val):
+    if not isinstance(val, str):
+        return val
+    if val not in _PRODUCTS:
+        raise KvrtError(ERR_ARG, f"kvrt: AM products: got {val!r}, expected 'f32' or 'bf16'")
+    return _PRODUCTS[val]
+
+
 def _am_opts(base: Optional[_lib.kvrt_am_opts] = None, **kw) -> _lib.kvrt_am_opts:
     return _fill_opts(_lib.kvrt_am_opts, lib.kvrt_am_opts_init, base, "AM", kw,
-                      {"key_select": _key_select})
+                      {"key_select": _key_select, "products": _products})
 
 
 def _am_opts_dict(o: _lib.kvrt_am_opts) -> Dict[str, Any]:
     d = {f: getattr(o, f) for f, _ in o._fields_}
     d["key_select"] = {v: k for k, v in _KEY_SELECT.items()}.get(o.key_select, o.key_select)
+    d["products"] = {v: k for k, v in _PRODUCTS.items()}.get(o.products, o.products)
     return d
 
 
 def am_options(**overrides) -> Dict[str, Any]:
     """kvrt_am_opts_init's defaults, with overrides (key_select 'highest'/'omp', chunk, ridge,
-    nnls_max_iter, max_queries, beta_floor, n_sink, recent_frac, omp_batch)."""
+    nnls_max_iter, max_queries, beta_floor, n_sink, recent_frac, omp_batch, products
+    'f32'/'bf16')."""
     return _am_opts_dict(_am_opts(**overrides))
 
 

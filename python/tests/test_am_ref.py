@@ -41,3 +41,26 @@ def test_schedule_query_source(acts, artifact):
             am.compact_scheduled_ref(q, k, v, 0.1, layer, query_source="repeat")
         c, _ = am.compact_scheduled_ref(q, k, v, 0.1, layer, query_source="repeat", override=True)
         assert c.counts.tolist() == a.counts.tolist()
+
+
+def test_bf16_products(acts):
+    """products='bf16' (the logits and P V in bf16, f32 sums) on a real layer: the same budgets,
+    the output error on the reference queries within 0.02 of f32's, mostly the same keys; the
+    option round-trips through am_options and a bad value is refused naming it."""
+    layer = 15
+    q, k, v = acts.qc[layer], acts.kc[layer], acts.vc[layer]
+    a, sa = kvrt.am_compact_layer(q, k, v, ratio=0.2)
+    b, sb = kvrt.am_compact_layer(q, k, v, ratio=0.2, products="bf16")
+    assert a.counts.tolist() == b.counts.tolist()
+    for x, y in zip(sa, sb):
+        assert abs(x["out_relerr"] - y["out_relerr"]) <= 0.02, (x, y)
+    def kept(c):
+        t = c.to_numpy()
+        return {(h, int(p)) for h in range(len(t.offsets) - 1)
+                for p in t.positions[t.offsets[h]:t.offsets[h + 1]]}
+    ka, kb = kept(a), kept(b)
+    assert len(ka & kb) >= 0.8 * len(ka), (len(ka & kb), len(ka))
+    assert kvrt.am_options(products="bf16")["products"] == "bf16"
+    assert kvrt.am_options()["products"] == "f32"
+    with pytest.raises(kvrt.KvrtError, match="products"):
+        kvrt.am_options(products="f16")

@@ -13,7 +13,8 @@
  *
  * Section am.schedule (critical): targets f64 [n_t], schedule f32 [n_t, L, Hkv], key_select
  * string ("highest" | "omp"), chunk i64; optional beta_floor f64, n_sink i64 and recent_frac
- * f64, omp_batch i64 and query_source string ("context" | "repeat" | "self-study"), absent in artifacts
+ * f64, omp_batch i64, query_source string ("context" | "repeat" | "self-study") and products
+ * string ("f32" | "bf16"), absent in artifacts
  * written before them (then: what ran before them, context queries, zero-weight keys
  * dropped, no exact sinks or recent window; docs/kvpol-format.md, group 2).
  */
@@ -150,6 +151,21 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     if (omp_batch < 1 || omp_batch > 4096)
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: omp_batch %lld, expected 1..4096", fn,
                          (long long)omp_batch);
+    /* optional: the products' precision (absent: f32, what ran before the item) */
+    int products = KVRT_AM_PRODUCTS_F32;
+    const char *prs = NULL;
+    uint64_t prl = 0;
+    int g6 = kvpol_get_string(f, si, "products", &prs, &prl);
+    if (g6 && g6 != KVPOL_ERR_NOT_FOUND)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected products string (f32 or bf16) "
+                         "where present (it is of another type)", fn);
+    if (!g6) {
+        if (prl == 3 && !memcmp(prs, "f32", 3)) products = KVRT_AM_PRODUCTS_F32;
+        else if (prl == 4 && !memcmp(prs, "bf16", 4)) products = KVRT_AM_PRODUCTS_BF16;
+        else
+            return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: products '%.*s', expected f32 or "
+                             "bf16", fn, (int)(prl < 32 ? prl : 32), prs);
+    }
     kvrt_am_schedule *s = calloc(1, sizeof *s);
     if (s) {
         s->targets = malloc(sizeof(double) * (size_t)tg.dims[0]);
@@ -173,6 +189,7 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     s->opts.recent_frac = recent_frac;
     s->query_source = query_source;
     s->opts.omp_batch = (int)omp_batch;
+    s->opts.products = products;
     *out = s;
     return KVRT_OK;
 }
@@ -292,6 +309,11 @@ static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g differs from the compiled %g (pass "
                              "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->recent_frac,
                              s->opts.recent_frac);
+        if (o->products != s->opts.products)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: products %s differs from the compiled %s (pass "
+                             "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn,
+                             o->products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32",
+                             s->opts.products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32");
     }
     return kvrt_am_schedule_ratios(s, target, layer, ratios);
 }

@@ -103,16 +103,29 @@ typedef struct {
                      * order (computed per pick: H itself, Tc x Tc, is never formed) */
     double *colsum; /* [Tc] column statistics */
     kvrt_sgemm_op *ops; /* [2 * ceil(n / AM_QBLK)] the f32 products of am_prep */
+    /* products in bf16 (kvrt_am_opts.products): the operands rounded to bf16 */
+    int bf16;
+    uint16_t *Qb;   /* [n, d] the reference queries */
+    uint16_t *Kb;   /* [Tc, d] the chunk's keys, dense rows */
+    uint16_t *Vb;   /* [Tc, d] its values */
+    uint16_t *Pb;   /* [n, Tc] P (the row pass writes it, rows at the stride of S) */
+    kvrt_bf16mm_op *bops; /* [2 * ceil(n / AM_QBLK)] */
     kvrt_cpu_nnls_ws nw;
-    size_t S_bytes, part_bytes; /* for kvrt_cpu_scratch_free */
+    size_t S_bytes, part_bytes, Pb_bytes, nd_bytes, MS_bytes, Yf_bytes; /* for kvrt_cpu_scratch_free */
 } am_ws;
 
 static void am_ws_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->S, w->S_bytes);
     kvrt_cpu_scratch_free(w->part, w->part_bytes);
-    free(w->ops); free(w->mass); free(w->Yf); free(w->Y); free(w->Ob);
+    kvrt_cpu_scratch_free(w->Pb, w->Pb_bytes);
+    kvrt_cpu_scratch_free(w->Y, w->nd_bytes);
+    kvrt_cpu_scratch_free(w->Ob, w->nd_bytes);
+    kvrt_cpu_scratch_free(w->MS, w->MS_bytes);
+    free(w->Qb); free(w->Kb); free(w->Vb); free(w->bops);
+    kvrt_cpu_scratch_free(w->Yf, w->Yf_bytes);
+    free(w->ops); free(w->mass);
     free(w->score);
-    free(w->sel); free(w->MS); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
+    free(w->sel); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
     free(w->rowsum);
     free(w->colsum);
     free(w->vis);
@@ -122,23 +135,40 @@ static void am_ws_free(am_ws *w) {
     kvrt_cpu_nnls_ws_free(&w->nw);
 }
 
-static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, int omp) {
+static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, int omp,
+                       int bf16) {
     memset(w, 0, sizeof *w);
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
 #define AM_ALLOC(p, count) ((p) = malloc(sizeof(*(p)) * (size_t)((count) > 0 ? (count) : 1)))
     w->S_bytes = sizeof(float) * (size_t)(n * Tc);
     w->part_bytes = sizeof(double) * (size_t)(nblk * Tc);
+    /* the large buffers from the CPU backend's scratch (kept between calls: fresh pages cost
+     * ~10% of a one-head call's CPU time in page faults) */
+    w->nd_bytes = sizeof(double) * (size_t)(n * d);
+    w->MS_bytes = sizeof(double) * (size_t)(n * (t > 0 ? t : 1));
     w->S = kvrt_cpu_scratch_alloc(w->S_bytes);
     w->part = kvrt_cpu_scratch_alloc(w->part_bytes);
-    int ok = w->S && w->part && AM_ALLOC(w->ops, 2 * ((n + AM_QBLK - 1) / AM_QBLK)) &&
-             AM_ALLOC(w->mass, n) && AM_ALLOC(w->Yf, n * d) && AM_ALLOC(w->Y, n * d) &&
-             AM_ALLOC(w->Ob, n * d) &&
-             AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) && AM_ALLOC(w->MS, n * t) &&
+    w->Y = kvrt_cpu_scratch_alloc(w->nd_bytes);
+    w->Ob = kvrt_cpu_scratch_alloc(w->nd_bytes);
+    w->MS = kvrt_cpu_scratch_alloc(w->MS_bytes);
+    w->Yf_bytes = sizeof(float) * (size_t)(n * d);
+    w->Yf = kvrt_cpu_scratch_alloc(w->Yf_bytes);
+    int ok = w->S && w->part && w->Y && w->Ob && w->MS && w->Yf &&
+             AM_ALLOC(w->ops, 2 * ((n + AM_QBLK - 1) / AM_QBLK)) &&
+             AM_ALLOC(w->mass, n) &&
+             AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) &&
              AM_ALLOC(w->G, t * t) && AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
              AM_ALLOC(w->colsum, Tc) && AM_ALLOC(w->vis, n) && kvrt_cpu_nnls_ws_alloc(&w->nw, t) == 0;
     if (ok && omp)
         ok = AM_ALLOC(w->c0, Tc) && AM_ALLOC(w->corrd, Tc) && AM_ALLOC(w->HS, t * Tc);
+    w->bf16 = bf16;
+    if (ok && bf16) {
+        w->Pb_bytes = sizeof(uint16_t) * (size_t)(n * Tc);
+        w->Pb = kvrt_cpu_scratch_alloc(w->Pb_bytes);
+        ok = w->Pb && AM_ALLOC(w->Qb, n * d) && AM_ALLOC(w->Kb, Tc * d) &&
+             AM_ALLOC(w->Vb, Tc * d) && AM_ALLOC(w->bops, 2 * ((n + AM_QBLK - 1) / AM_QBLK));
+    }
 #undef AM_ALLOC
     if (!ok) am_ws_free(w);
     return ok ? 0 : -1;
@@ -205,10 +235,21 @@ static inline int64_t row_vis(const int32_t *qpos, int64_t i, int64_t k0, int64_
     return vis < 1 ? 1 : vis > Tc ? Tc : vis;
 }
 
-/* The rows of block b (AM_ROWBLK rows): P, mass, rs, vis and the block's partial sums pb [Tc]. */
+/* o[j] = bf16(x[j]) (round to nearest even) for finite x, as uint16_t (cpu/blas.h's operands) */
+static inline void row_bf16(const float *x, int64_t count, uint16_t *o) {
+#pragma omp simd
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t u;
+        memcpy(&u, &x[j], sizeof u);
+        o[j] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+}
+
+/* The rows of block b (AM_ROWBLK rows): P, mass, rs, vis and the block's partial sums pb [Tc];
+ * Pb (or NULL): the rows of P in bf16 at the stride of S, zeros past each row's keys. */
 KVRT_SIMD_CLONES
 static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0, int64_t b,
-                      double *mass, double *rs, double *pb, int32_t *vis_out) {
+                      double *mass, double *rs, double *pb, int32_t *vis_out, uint16_t *Pb) {
     int bad = 0;
     memset(pb, 0, sizeof(double) * (size_t)Tc);
     const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
@@ -221,6 +262,7 @@ static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int6
         bad |= row_exp(row, row, vis, mx);
         if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
         row_stats(row, vis, &mass[i], &rs[i], pb);
+        if (Pb) row_bf16(row, Tc, Pb + i * Tc);
     }
     return bad;
 }
@@ -240,12 +282,13 @@ static void colsum_range(const double *part, int64_t nblk, int64_t ldp, int64_t 
 /* Blocks in parallel (each writes only its own rows and partial sums), then the column sums in
  * parallel over columns: every sum runs in the same order whatever the thread count. */
 static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
-                     double *mass, double *rs, double *part, double *colsum, int32_t *vis_out) {
+                     double *mass, double *rs, double *part, double *colsum, int32_t *vis_out,
+                     uint16_t *Pb) {
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
-        bad |= prep_block(S, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out);
+        bad |= prep_block(S, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out, Pb);
     const int64_t cw = 512, ncw = (Tc + cw - 1) / cw;
 #pragma omp parallel for schedule(static) if (ncw > 1)
     for (int64_t c = 0; c < ncw; c++)
@@ -462,6 +505,53 @@ static kvrt_sgemm_op value_op(const float *S, int64_t ldS, const float *v, int64
                            .C = Yf + i0 * d, .ldc = (int)d};
 }
 
+/* The same products with bf16 operands (kvrt_am_opts.products = bf16; ws->Qb, Kb, Vb and Pb,
+ * rows of S and Pb at stride ldS), over the block's keys rounded up to a multiple of AM_KROUND
+ * (at most the chunk's): the extra logits lie past every row's keys, where the row pass ignores
+ * them and writes P = 0, so they change nothing, and a chunk needs few product shapes (oneDNN
+ * builds a primitive per shape, once per process). */
+#define AM_KROUND 256
+static int64_t keys_rounded(int64_t nk, int64_t nmax) {
+    const int64_t r = (nk + AM_KROUND - 1) / AM_KROUND * AM_KROUND;
+    return r < nmax ? r : nmax;
+}
+static kvrt_bf16mm_op logit_op_bf16(const am_ws *ws, int64_t d, int64_t n, int64_t b, int64_t nk,
+                                    float *S, int64_t ldS) {
+    const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+    return (kvrt_bf16mm_op){.tb = 1, .m = (int)nb, .n = (int)nk, .k = (int)d,
+                            .alpha = 1.0f / sqrtf((float)d), .A = ws->Qb + i0 * d, .lda = (int)d,
+                            .B = ws->Kb, .ldb = (int)d, .C = S + i0 * ldS, .ldc = (int)ldS};
+}
+static kvrt_bf16mm_op value_op_bf16(const am_ws *ws, int64_t ldS, int64_t d, int64_t n, int64_t b,
+                                    int64_t nk, float *Yf) {
+    const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+    return (kvrt_bf16mm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)nk, .alpha = 1.0f,
+                            .A = ws->Pb + i0 * ldS, .lda = (int)ldS, .B = ws->Vb, .ldb = (int)d,
+                            .C = Yf + i0 * d, .ldc = (int)d};
+}
+
+/* The bf16 operands of the chunk [k0, k0 + Tc): Qb = q [n, d], Kb and Vb its keys and values in
+ * dense rows. */
+static void bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k, const float *v,
+                          int64_t ld, int64_t k0, int64_t Tc, int64_t d) {
+#pragma omp parallel for schedule(static) if (n + Tc > 1024)
+    for (int64_t i = 0; i < n + Tc; i++) {
+        if (i < n) {
+            row_bf16(q + i * d, d, ws->Qb + i * d);
+        } else {
+            const int64_t j = i - n;
+            row_bf16(k + (k0 + j) * ld, d, ws->Kb + j * d);
+            row_bf16(v + (k0 + j) * ld, d, ws->Vb + j * d);
+        }
+    }
+}
+
+static int bf16_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
+    return kvrt_cpu_bf16mm_batch(ops, n_ops) == 0
+               ? KVRT_OK
+               : KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (bf16 products)");
+}
+
 /* The keys query block b needs (block_vis), at most Tc */
 static int64_t qblock_vis(const int32_t *qpos, int64_t n, int64_t b, int64_t k0, int64_t Tc) {
     const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
@@ -493,20 +583,38 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
     float *S = ws->S;
     /* the products of both passes, per block of query rows: ops[b] = Q K^T, ops[nqb + b] = P V */
     kvrt_sgemm_op *ops = ws->ops;
+    kvrt_bf16mm_op *bops = ws->bops;
     const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
+    if (ws->bf16) bf16_operands(ws, q, n, k, v, ld, k0, Tc, d);
     for (int64_t b = 0; b < nqb; b++) {
         const int64_t vm = qblock_vis(qpos, n, b, k0, Tc);
-        ops[b] = logit_op(q, k, ld, k0, d, n, b, vm, S, Tc);
-        ops[nqb + b] = value_op(S, Tc, v, ld, k0, d, n, b, vm, ws->Yf);
+        if (ws->bf16) {
+            bops[b] = logit_op_bf16(ws, d, n, b, keys_rounded(vm, Tc), S, Tc);
+            bops[nqb + b] = value_op_bf16(ws, Tc, d, n, b, keys_rounded(vm, Tc), ws->Yf);
+        } else {
+            ops[b] = logit_op(q, k, ld, k0, d, n, b, vm, S, Tc);
+            ops[nqb + b] = value_op(S, Tc, v, ld, k0, d, n, b, vm, ws->Yf);
+        }
     }
-    kvrt_cpu_sgemm_batch(ops, nqb);
+    if (ws->bf16) {
+        const int rc = bf16_batch(bops, nqb);
+        if (rc) return rc;
+    } else {
+        kvrt_cpu_sgemm_batch(ops, nqb);
+    }
     /* P = exp(z - rowmax), masses and the column sums of squares of softmax(z), one pass over
-     * the rows (each row is still in L1 when its squares are added) */
-    const int bad =
-        prep_rows(S, n, Tc, qpos, k0, ws->mass, ws->rowsum, ws->part, ws->colsum, ws->vis);
+     * the rows (each row is still in L1 when its squares are added; and rounded to bf16 for
+     * the second product when the products are bf16) */
+    const int bad = prep_rows(S, n, Tc, qpos, k0, ws->mass, ws->rowsum, ws->part, ws->colsum,
+                              ws->vis, ws->bf16 ? ws->Pb : NULL);
     if (bad) return overflow_fail(k0, Tc);
     /* 2. Y = softmax(z) V (P is 0 past each block's visible keys) */
-    kvrt_cpu_sgemm_batch(ops + nqb, nqb);
+    if (ws->bf16) {
+        const int rc = bf16_batch(bops + nqb, nqb);
+        if (rc) return rc;
+    } else {
+        kvrt_cpu_sgemm_batch(ops + nqb, nqb);
+    }
     am_targets(ws, n, d);
     if (!gram) return KVRT_OK;
     /* OMP: c0 = Q^T 1, Q = P / m in double, rows in order (the Gram rows are formed per pick,
@@ -725,7 +833,7 @@ KVRT_SIMD_CLONES
 static int member_rows(float *S, int64_t n, int64_t Tw, int64_t Tc, const int32_t *qpos,
                        int64_t k0, int64_t b, const float *mx, const unsigned char *div,
                        const float *Z, double *mass, double *rs, double *pb, int64_t pbw,
-                       int32_t *vis_out) {
+                       int32_t *vis_out, uint16_t *Pb) {
     int bad = 0;
     memset(pb, 0, sizeof(double) * (size_t)pbw);
     const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
@@ -735,6 +843,7 @@ static int member_rows(float *S, int64_t n, int64_t Tw, int64_t Tc, const int32_
         vis_out[i] = (int32_t)vs;
         if (div[i]) bad |= row_exp(row, Z + i * Tw, vs, mx[i]);
         row_stats(row, vs, &mass[i], &rs[i], pb);
+        if (Pb) row_bf16(row, pbw, Pb + i * Tw);
     }
     return bad;
 }
@@ -748,7 +857,8 @@ static int member_rows(float *S, int64_t n, int64_t Tw, int64_t Tc, const int32_
  * member's max differs (a max among the recent keys only wider members compact: late queries)
  * keep their logits and are recomputed per member. Masses, column statistics, P V over the
  * member's own keys and the fit are per member, with the arithmetic of the one-budget path
- * (row_stats); the one difference is the logit product, one over the widest middle instead of
+ * (row_stats; with bf16 products a member's rows of P in bf16 over [0, pbw), zeros past each
+ * row's keys: the shared blocks' rows over the widest middle); the one difference is the logit product, one over the widest middle instead of
  * one per budget, which the f32 GEMM may round differently (values within 1e-4 of the one-budget
  * call's, same selections: tests/unit/test_am.c, multi_sets_equal_single_calls). One logit product
  * and one exp pass for the group instead of one per budget. */
@@ -770,9 +880,21 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
     }
     float *S = ws->S;
     kvrt_sgemm_op *ops = ws->ops;
-    for (int64_t b = 0; b < nqb; b++)
-        ops[b] = logit_op(q, k, ld, a, d, n, b, qblock_vis(qpos, n, b, a, Tw), S, Tw);
-    kvrt_cpu_sgemm_batch(ops, nqb);
+    kvrt_bf16mm_op *bops = ws->bops;
+    uint16_t *Pb = ws->bf16 ? ws->Pb : NULL;
+    if (ws->bf16) bf16_operands(ws, q, n, k, v, ld, a, Tw, d);
+    for (int64_t b = 0; b < nqb; b++) {
+        const int64_t vm = qblock_vis(qpos, n, b, a, Tw);
+        if (ws->bf16) bops[b] = logit_op_bf16(ws, d, n, b, keys_rounded(vm, Tw), S, Tw);
+        else ops[b] = logit_op(q, k, ld, a, d, n, b, vm, S, Tw);
+    }
+    int rc = KVRT_OK;
+    if (ws->bf16) rc = bf16_batch(bops, nqb);
+    else kvrt_cpu_sgemm_batch(ops, nqb);
+    if (rc) {
+        free(mx); free(div); free(common); free(Z);
+        return rc;
+    }
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
@@ -791,9 +913,8 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
         for (int64_t b = 0; b < nblk; b++)
             if (common[b])
                 bad |= member_rows(S, n, Tw, Tmin, qpos, a, b, mx, div, Z, ws->mass, ws->rowsum,
-                                   ws->part + b * Tw, Tw, ws->vis);
+                                   ws->part + b * Tw, Tw, ws->vis, Pb);
     }
-    int rc = KVRT_OK;
     for (int m = 0; m < cnt && rc == KVRT_OK; m++) {
         const int64_t Tc = Tcs[m];
         if (!bad) {
@@ -801,7 +922,7 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
             for (int64_t b = 0; b < nblk; b++)
                 if (!common[b])
                     bad |= member_rows(S, n, Tw, Tc, qpos, a, b, mx + (int64_t)m * n, div, Z,
-                                       ws->mass, ws->rowsum, ws->part + b * Tw, Tc, ws->vis);
+                                       ws->mass, ws->rowsum, ws->part + b * Tw, Tc, ws->vis, Pb);
         }
         if (bad) {
             rc = overflow_fail(a, Tc);
@@ -812,9 +933,14 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
         for (int64_t c = 0; c < ncw; c++)
             colsum_range(ws->part, nblk, Tw, c * cw, (c + 1) * cw < Tc ? (c + 1) * cw : Tc,
                          ws->colsum);
-        for (int64_t b = 0; b < nqb; b++)
-            ops[b] = value_op(S, Tw, v, ld, a, d, n, b, qblock_vis(qpos, n, b, a, Tc), ws->Yf);
-        kvrt_cpu_sgemm_batch(ops, nqb);
+        for (int64_t b = 0; b < nqb; b++) {
+            const int64_t vm = qblock_vis(qpos, n, b, a, Tc);
+            if (ws->bf16) bops[b] = value_op_bf16(ws, Tw, d, n, b, keys_rounded(vm, Tc), ws->Yf);
+            else ops[b] = value_op(S, Tw, v, ld, a, d, n, b, vm, ws->Yf);
+        }
+        if (ws->bf16) rc = bf16_batch(bops, nqb);
+        else kvrt_cpu_sgemm_batch(ops, nqb);
+        if (rc) break;
         am_targets(ws, n, d);
         rc = am_fit(o, ws, k, ld, a, Tc, Tw, d, n, tcs[m], &res[mem[m]], &acc[mem[m]]);
     }
@@ -839,7 +965,8 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     if (wp == NULL) {
         const int64_t chunk = chunk_of(o, T);
         if (am_ws_alloc(&own, n, chunk, chunk_tmax(o, T, ns, t), d,
-                        o->key_select == KVRT_AM_SELECT_OMP) != 0)
+                        o->key_select == KVRT_AM_SELECT_OMP,
+                        o->products == KVRT_AM_PRODUCTS_BF16) != 0)
             return KVRT_FAIL(KVRT_ERR_NOMEM,
                            "kvrt_am_compact: out of memory (%lld queries x %lld keys per chunk)",
                            (long long)n, (long long)chunk);
@@ -998,6 +1125,9 @@ static int opts_check(const char *fn, const kvrt_am_opts *o) {
     if (!(o->recent_frac >= 0 && o->recent_frac < 1))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: recent_frac %g, expected a fraction in [0, 1)", fn,
                          o->recent_frac);
+    if (o->products != KVRT_AM_PRODUCTS_F32 && o->products != KVRT_AM_PRODUCTS_BF16)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: products %d, expected %d (f32) or %d (bf16)", fn,
+                         o->products, KVRT_AM_PRODUCTS_F32, KVRT_AM_PRODUCTS_BF16);
     return KVRT_OK;
 }
 
@@ -1170,7 +1300,8 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (rc == KVRT_OK) {
         const int64_t chunk = chunk_of(o, T);
         if (am_ws_alloc(&lws, n, chunk, chunk_tmax(o, T, (int)(Hkv * ns), tb), d,
-                        o->key_select == KVRT_AM_SELECT_OMP) != 0)
+                        o->key_select == KVRT_AM_SELECT_OMP,
+                        o->products == KVRT_AM_PRODUCTS_BF16) != 0)
             rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld queries x %lld keys per chunk)",
                            fn, (long long)n, (long long)chunk);
         else

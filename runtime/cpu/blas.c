@@ -5,7 +5,8 @@
  * defines: kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
  *          kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes, kvrt_cpu_expmm_run,
- *          kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_enable,
+ *          kvrt_cpu_bf16mm_runs, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #include <math.h>
 #include <pthread.h>
@@ -120,21 +121,26 @@ void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
 #endif
 }
 
-/* The product with the exponential in its epilogue (blas.h, kvrt_cpu_expmm_get). */
+/* A cached matmul primitive (blas.h): the product with the exponential in its epilogue
+ * (kvrt_cpu_expmm_get: f32, dense rows, exp) and the bf16 products (kvrt_cpu_bf16mm_batch). */
 struct kvrt_cpu_expmm {
-    int m, n, k, ldc;
+    int m, n, k, lda, ldb, ldc, tb, bf16, exp;
     float alpha;
-    int cached; /* 1: owned by expmm_cache (kvrt_cpu_expmm_put leaves it) */
+    int cached; /* 1: owned by mm_cache (kvrt_cpu_expmm_put leaves it) */
 #if KVCC_WITH_DNNL
     dnnl_primitive_t prim;
     dnnl_memory_desc_t a, b, c, scratch;
 #endif
 };
+typedef struct kvrt_cpu_expmm mm_prim;
 
 static int expmm_on = 1;
-static uint64_t expmm_runs; /* kvrt_cpu_expmm_runs */
+static int bf16mm_on = 1;
+static uint64_t expmm_runs;  /* kvrt_cpu_expmm_runs */
+static uint64_t bf16mm_runs; /* kvrt_cpu_bf16mm_runs */
 
 uint64_t kvrt_cpu_expmm_runs(void) { return __atomic_load_n(&expmm_runs, __ATOMIC_RELAXED); }
+uint64_t kvrt_cpu_bf16mm_runs(void) { return __atomic_load_n(&bf16mm_runs, __ATOMIC_RELAXED); }
 
 int kvrt_cpu_expmm_enable(int on) {
     const int prev = __atomic_load_n(&expmm_on, __ATOMIC_RELAXED);
@@ -144,53 +150,58 @@ int kvrt_cpu_expmm_enable(int on) {
 
 #if KVCC_WITH_DNNL
 /* Primitives are kept for the process (a shape is a few hundred microseconds to build, the
- * window mass runs it per chunk); a kernel uses one or two shapes per call, so a small table
- * suffices; past it, each get builds one for its caller alone (the same primitive, so the same
- * results). */
-#define EXPMM_CACHE 32
-static pthread_mutex_t expmm_mu = PTHREAD_MUTEX_INITIALIZER;
-static kvrt_cpu_expmm *expmm_cache[EXPMM_CACHE];
-static dnnl_engine_t expmm_engine;
-static pthread_once_t expmm_engine_once = PTHREAD_ONCE_INIT;
-static void expmm_engine_init(void) {
-    if (dnnl_engine_create(&expmm_engine, dnnl_cpu, 0) != dnnl_success) expmm_engine = NULL;
+ * window mass runs it per chunk, Attention Matching per query block); past the table, each get
+ * builds one for its caller alone (the same primitive, so the same results). The window mass uses
+ * one or two shapes per call; Attention Matching's bf16 products one per (block rows, keys
+ * rounded up to 256, row stride) of a chunk size. */
+#define MM_CACHE 128
+static pthread_mutex_t mm_mu = PTHREAD_MUTEX_INITIALIZER;
+static mm_prim *mm_cache[MM_CACHE];
+static dnnl_engine_t mm_engine;
+static pthread_once_t mm_engine_once = PTHREAD_ONCE_INIT;
+static void mm_engine_init(void) {
+    if (dnnl_engine_create(&mm_engine, dnnl_cpu, 0) != dnnl_success) mm_engine = NULL;
 }
 
-static void expmm_destroy(kvrt_cpu_expmm *p) {
+static void mm_destroy(mm_prim *p) {
     if (p == NULL) return;
     if (p->prim) dnnl_primitive_destroy(p->prim);
     free(p);
 }
 
-/* One matmul primitive: src A (m, k) rows, weights B^T (k, n) read from B (n, k) rows, dst C
- * (m, n) rows of ldc; output scale alpha, then eltwise exp; user scratchpad (the library's
+/* One matmul primitive: src A (m, k) in rows of lda, weights op(B) (k, n) (tb: read from B
+ * (n, k) rows of ldb, else B (k, n) rows of ldb), dst C (m, n) f32 rows of ldc; A and B f32 or
+ * bf16 (both); output scale alpha, then eltwise exp when exp; user scratchpad (the library's
  * shared scratchpad would tie the primitive to the thread that built it). Built with the calling
  * task's OpenMP thread count at 1 (inside a parallel region too) so that it computes on the
- * calling thread alone. */
-static kvrt_cpu_expmm *expmm_build(int m, int n, int k, int ldc, float alpha) {
-    pthread_once(&expmm_engine_once, expmm_engine_init);
-    if (expmm_engine == NULL) return NULL;
-    kvrt_cpu_expmm *p = calloc(1, sizeof *p);
+ * calling thread alone. NULL when oneDNN has no implementation (bf16 below AVX-512). */
+static mm_prim *mm_build(const mm_prim *key) {
+    pthread_once(&mm_engine_once, mm_engine_init);
+    if (mm_engine == NULL) return NULL;
+    mm_prim *p = calloc(1, sizeof *p);
     if (p == NULL) return NULL;
-    *p = (kvrt_cpu_expmm){.m = m, .n = n, .k = k, .ldc = ldc, .alpha = alpha};
-    dnnl_dims_t da = {m, k}, db = {k, n}, dc = {m, n};
-    dnnl_dims_t sa = {k, 1}, sb = {1, k}, sc = {ldc, 1};
+    *p = *key;
+    const dnnl_data_type_t dt = p->bf16 ? dnnl_bf16 : dnnl_f32;
+    dnnl_dims_t da = {p->m, p->k}, db = {p->k, p->n}, dc = {p->m, p->n};
+    dnnl_dims_t sa = {p->lda, 1}, sbt = {1, p->ldb}, sbn = {p->ldb, 1}, sc = {p->ldc, 1};
     dnnl_primitive_attr_t attr = NULL;
     dnnl_post_ops_t po = NULL;
     dnnl_primitive_desc_t pd = NULL;
     dnnl_matmul_desc_t md;
     const int prev = omp_one_enter();
-    dnnl_status_t st = dnnl_memory_desc_init_by_strides(&p->a, 2, da, dnnl_f32, sa);
-    if (!st) st = dnnl_memory_desc_init_by_strides(&p->b, 2, db, dnnl_f32, sb);
+    dnnl_status_t st = dnnl_memory_desc_init_by_strides(&p->a, 2, da, dt, sa);
+    if (!st) st = dnnl_memory_desc_init_by_strides(&p->b, 2, db, dt, p->tb ? sbt : sbn);
     if (!st) st = dnnl_memory_desc_init_by_strides(&p->c, 2, dc, dnnl_f32, sc);
     if (!st) st = dnnl_primitive_attr_create(&attr);
-    if (!st) st = dnnl_post_ops_create(&po);
-    if (!st) st = dnnl_post_ops_append_eltwise(po, 1.0f, dnnl_eltwise_exp, 0.0f, 0.0f);
-    if (!st) st = dnnl_primitive_attr_set_post_ops(attr, po);
-    if (!st) st = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha);
+    if (!st && p->exp) {
+        st = dnnl_post_ops_create(&po);
+        if (!st) st = dnnl_post_ops_append_eltwise(po, 1.0f, dnnl_eltwise_exp, 0.0f, 0.0f);
+        if (!st) st = dnnl_primitive_attr_set_post_ops(attr, po);
+    }
+    if (!st && p->alpha != 1.0f) st = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &p->alpha);
     if (!st) st = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
     if (!st) st = dnnl_matmul_desc_init(&md, &p->a, &p->b, NULL, &p->c);
-    if (!st) st = dnnl_primitive_desc_create(&pd, &md, attr, expmm_engine, NULL);
+    if (!st) st = dnnl_primitive_desc_create(&pd, &md, attr, mm_engine, NULL);
     if (!st) {
         const dnnl_memory_desc_t *smd = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
         if (smd) p->scratch = *smd; else st = dnnl_runtime_error;
@@ -201,10 +212,63 @@ static kvrt_cpu_expmm *expmm_build(int m, int n, int k, int ldc, float alpha) {
     if (po) dnnl_post_ops_destroy(po);
     if (attr) dnnl_primitive_attr_destroy(attr);
     if (st) {
-        expmm_destroy(p);
+        mm_destroy(p);
         return NULL;
     }
     return p;
+}
+
+static int mm_same(const mm_prim *a, const mm_prim *b) {
+    return a->m == b->m && a->n == b->n && a->k == b->k && a->lda == b->lda &&
+           a->ldb == b->ldb && a->ldc == b->ldc && a->tb == b->tb && a->bf16 == b->bf16 &&
+           a->exp == b->exp && memcmp(&a->alpha, &b->alpha, sizeof a->alpha) == 0;
+}
+
+/* The cached primitive of key's shape (built on first use), or one for the caller alone (cached
+ * 0) past the table; NULL when oneDNN has none. */
+static mm_prim *mm_get(const mm_prim *key) {
+    pthread_mutex_lock(&mm_mu);
+    int i = 0;
+    for (; i < MM_CACHE && mm_cache[i]; i++)
+        if (mm_same(mm_cache[i], key)) break;
+    mm_prim *p = i < MM_CACHE ? mm_cache[i] : NULL;
+    if (p == NULL) {
+        p = mm_build(key); /* under the lock: built once per shape */
+        if (p && i < MM_CACHE) {
+            p->cached = 1;
+            mm_cache[i] = p;
+        }
+    }
+    pthread_mutex_unlock(&mm_mu);
+    return p;
+}
+
+/* Runs p on the calling thread; nonzero when oneDNN could not allocate a stream or a memory
+ * object. */
+static int mm_run(const mm_prim *p, const void *A, const void *B, float *C, void *scratch) {
+    dnnl_stream_t str = NULL;
+    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
+    const int prev = omp_one_enter();
+    dnnl_status_t st = dnnl_stream_create(&str, mm_engine, dnnl_stream_default_flags);
+    if (!st) st = dnnl_memory_create(&ma, &p->a, mm_engine, (void *)A);
+    if (!st) st = dnnl_memory_create(&mb, &p->b, mm_engine, (void *)B);
+    if (!st) st = dnnl_memory_create(&mc, &p->c, mm_engine, C);
+    if (!st) st = dnnl_memory_create(&ms, &p->scratch, mm_engine, scratch);
+    if (!st) {
+        const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma},
+                                         {DNNL_ARG_WEIGHTS, mb},
+                                         {DNNL_ARG_DST, mc},
+                                         {DNNL_ARG_SCRATCHPAD, ms}};
+        st = dnnl_primitive_execute(p->prim, str, 4, args);
+        if (!st) st = dnnl_stream_wait(str);
+    }
+    if (ms) dnnl_memory_destroy(ms);
+    if (mc) dnnl_memory_destroy(mc);
+    if (mb) dnnl_memory_destroy(mb);
+    if (ma) dnnl_memory_destroy(ma);
+    if (str) dnnl_stream_destroy(str);
+    omp_one_leave(prev);
+    return st != dnnl_success;
 }
 #endif
 
@@ -212,24 +276,9 @@ kvrt_cpu_expmm *kvrt_cpu_expmm_get(int m, int n, int k, int ldc, float alpha) {
     if (!__atomic_load_n(&expmm_on, __ATOMIC_RELAXED) || m <= 0 || n <= 0 || k <= 0 || ldc < n)
         return NULL;
 #if KVCC_WITH_DNNL
-    pthread_mutex_lock(&expmm_mu);
-    int i = 0;
-    for (; i < EXPMM_CACHE && expmm_cache[i]; i++) {
-        const kvrt_cpu_expmm *c = expmm_cache[i];
-        if (c->m == m && c->n == n && c->k == k && c->ldc == ldc &&
-            memcmp(&c->alpha, &alpha, sizeof alpha) == 0)
-            break;
-    }
-    kvrt_cpu_expmm *p = i < EXPMM_CACHE ? expmm_cache[i] : NULL;
-    if (p == NULL) {
-        p = expmm_build(m, n, k, ldc, alpha); /* under the lock: built once per shape */
-        if (p && i < EXPMM_CACHE) {
-            p->cached = 1;
-            expmm_cache[i] = p;
-        }
-    }
-    pthread_mutex_unlock(&expmm_mu);
-    return p;
+    const mm_prim key = {.m = m, .n = n, .k = k, .lda = k, .ldb = k, .ldc = ldc, .tb = 1,
+                         .exp = 1, .alpha = alpha};
+    return mm_get(&key);
 #else
     (void)alpha;
     return NULL;
@@ -238,7 +287,7 @@ kvrt_cpu_expmm *kvrt_cpu_expmm_get(int m, int n, int k, int ldc, float alpha) {
 
 void kvrt_cpu_expmm_put(kvrt_cpu_expmm *p) {
 #if KVCC_WITH_DNNL
-    if (p && !p->cached) expmm_destroy(p);
+    if (p && !p->cached) mm_destroy(p);
 #else
     (void)p;
 #endif
@@ -257,29 +306,7 @@ void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B,
                         void *scratch) {
     __atomic_add_fetch(&expmm_runs, 1, __ATOMIC_RELAXED);
 #if KVCC_WITH_DNNL
-    dnnl_stream_t str = NULL;
-    dnnl_memory_t ma = NULL, mb = NULL, mc = NULL, ms = NULL;
-    const int prev = omp_one_enter();
-    dnnl_status_t st = dnnl_stream_create(&str, expmm_engine, dnnl_stream_default_flags);
-    if (!st) st = dnnl_memory_create(&ma, &p->a, expmm_engine, (void *)A);
-    if (!st) st = dnnl_memory_create(&mb, &p->b, expmm_engine, (void *)B);
-    if (!st) st = dnnl_memory_create(&mc, &p->c, expmm_engine, C);
-    if (!st) st = dnnl_memory_create(&ms, &p->scratch, expmm_engine, scratch);
-    if (!st) {
-        const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, ma},
-                                         {DNNL_ARG_WEIGHTS, mb},
-                                         {DNNL_ARG_DST, mc},
-                                         {DNNL_ARG_SCRATCHPAD, ms}};
-        st = dnnl_primitive_execute(p->prim, str, 4, args);
-        if (!st) st = dnnl_stream_wait(str);
-    }
-    if (ms) dnnl_memory_destroy(ms);
-    if (mc) dnnl_memory_destroy(mc);
-    if (mb) dnnl_memory_destroy(mb);
-    if (ma) dnnl_memory_destroy(ma);
-    if (str) dnnl_stream_destroy(str);
-    omp_one_leave(prev);
-    if (st == dnnl_success) return;
+    if (mm_run(p, A, B, C, scratch) == 0) return;
     /* only when oneDNN could not allocate a stream or a memory object: the same values from the
      * plain product and libm's exp (within oneDNN's exp error of them) */
     kvrt_cpu_sgemm_1t(1, p->m, p->n, p->k, p->alpha, A, p->k, B, p->k, 0.0f, C, p->ldc);
@@ -288,6 +315,91 @@ void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B,
 #else
     (void)p; (void)A; (void)B; (void)C; (void)scratch;
 #endif
+}
+
+/* bf16 rows widened to f32 (exact) */
+static float *widen_rows(const uint16_t *src, int rows, int cols, int ld) {
+    float *o = malloc(sizeof(float) * (size_t)rows * (size_t)cols + 1);
+    if (o == NULL) return NULL;
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *s = src + (size_t)r * ld;
+        float *d = o + (size_t)r * cols;
+        for (int c = 0; c < cols; c++) {
+            const uint32_t u = (uint32_t)s[c] << 16;
+            memcpy(&d[c], &u, sizeof u);
+        }
+    }
+    return o;
+}
+
+#if KVCC_WITH_DNNL
+/* A scratch buffer of at least `bytes` for the calling thread, kept for its next call (oneDNN's
+ * bf16 kernels pack B into it; a fresh buffer per product cost 8% of Attention Matching's CPU
+ * time in page faults). One per thread, grown when needed, never freed (the threads are
+ * OpenMP's, which live as long as the process). NULL when out of memory. */
+static _Thread_local struct { void *p; size_t n; } tl_scratch;
+static void *thread_scratch(size_t bytes) {
+    if (tl_scratch.n < bytes) {
+        free(tl_scratch.p);
+        tl_scratch.p = malloc(bytes);
+        tl_scratch.n = tl_scratch.p ? bytes : 0;
+    }
+    return tl_scratch.p;
+}
+#endif
+
+/* One bf16 product (kvrt_cpu_bf16mm_batch): on oneDNN's bf16 kernel when it has one (on the
+ * calling thread), else the f32 product of the widened operands (one_thread: on the calling
+ * thread, else threaded by the library). Nonzero when out of memory. */
+static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
+    if (o->m <= 0 || o->n <= 0) return 0;
+#if KVCC_WITH_DNNL
+    const mm_prim key = {.m = o->m, .n = o->n, .k = o->k, .lda = o->lda, .ldb = o->ldb,
+                         .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .alpha = o->alpha};
+    mm_prim *p = __atomic_load_n(&bf16mm_on, __ATOMIC_RELAXED) ? mm_get(&key) : NULL;
+    if (p != NULL) {
+        const size_t sb = dnnl_memory_desc_get_size(&p->scratch);
+        void *scr = sb ? thread_scratch(sb) : NULL;
+        const int bad = (sb && scr == NULL) || mm_run(p, o->A, o->B, o->C, scr);
+        if (!p->cached) mm_destroy(p);
+        if (!bad) {
+            __atomic_add_fetch(&bf16mm_runs, 1, __ATOMIC_RELAXED);
+            return 0;
+        }
+    }
+#endif
+    const int rb = o->tb ? o->n : o->k, cb = o->tb ? o->k : o->n;
+    float *a = widen_rows(o->A, o->m, o->k, o->lda), *b = widen_rows(o->B, rb, cb, o->ldb);
+    if (a && b) {
+        const kvrt_sgemm_op f = {.tb = o->tb, .m = o->m, .n = o->n, .k = o->k, .alpha = o->alpha,
+                                 .beta = 0.0f, .A = a, .B = b, .C = o->C, .lda = o->k,
+                                 .ldb = cb, .ldc = o->ldc};
+        op_run(&f, one_thread);
+    }
+    free(a);
+    free(b);
+    return a && b ? 0 : -1;
+}
+
+int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
+    int bad = 0;
+#if KVCC_WITH_DNNL && defined(_OPENMP)
+    if (n_ops > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
+        for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 1);
+        return bad ? -1 : 0;
+    }
+    for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 1);
+#else
+    for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 0);
+#endif
+    return bad ? -1 : 0;
+}
+
+int kvrt_cpu_bf16mm_enable(int on) {
+    const int prev = __atomic_load_n(&bf16mm_on, __ATOMIC_RELAXED);
+    __atomic_store_n(&bf16mm_on, on ? 1 : 0, __ATOMIC_RELAXED);
+    return prev;
 }
 
 static char gemm_name[160];
@@ -324,12 +436,12 @@ const char *kvrt_cpu_gemm_name(void) {
 }
 
 /* Freed large buffers kept for the next call (kvrt_cpu_scratch_free): a kernel called once per
- * layer (the window mass, AM's logits) otherwise faults in and zeroes tens of MiB of fresh pages
+ * layer (the window mass, AM's logits, bf16 probabilities, targets and fit matrix) otherwise faults in and zeroes tens of MiB of fresh pages
  * on every call (at 32k keys, llama3-8b shapes: ~5% of the window mass's CPU time in
  * clear_page). At most SCRATCH_SLOTS buffers and SCRATCH_KEEP bytes are kept; a request takes
  * the smallest kept buffer that fits. */
 #define SCRATCH_HUGE ((size_t)2 << 20)
-#define SCRATCH_SLOTS 4
+#define SCRATCH_SLOTS 8
 #define SCRATCH_KEEP ((size_t)256 << 20)
 static pthread_mutex_t scratch_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct { void *p; size_t n; } scratch_kept[SCRATCH_SLOTS];
@@ -340,7 +452,7 @@ static size_t scratch_round(size_t bytes) {
 
 void *kvrt_cpu_scratch_alloc(size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (bytes >= 2 * SCRATCH_HUGE) {
+    if (bytes >= SCRATCH_HUGE) {
         const size_t n = scratch_round(bytes);
         void *p = NULL;
         pthread_mutex_lock(&scratch_mu);
@@ -366,7 +478,7 @@ void *kvrt_cpu_scratch_alloc(size_t bytes) {
 void kvrt_cpu_scratch_free(void *p, size_t bytes) {
     if (p == NULL) return;
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (bytes >= 2 * SCRATCH_HUGE) {
+    if (bytes >= SCRATCH_HUGE) {
         const size_t n = scratch_round(bytes);
         pthread_mutex_lock(&scratch_mu);
         size_t kept = 0;

@@ -18,8 +18,9 @@
  * defines: kvrt_sgemm_op, kvrt_cpu_sgemm, kvrt_cpu_sgemm_1t, kvrt_cpu_sgemm_batch, kvrt_cpu_gemm_name,
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
  *          kvrt_cpu_expmm (type), kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes,
- *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_cpu_scratch_alloc,
- *          kvrt_cpu_scratch_free
+ *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_bf16mm_op,
+ *          kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_enable, kvrt_cpu_bf16mm_runs,
+ *          kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #ifndef KVRT_CPU_BLAS_H
 #define KVRT_CPU_BLAS_H
@@ -98,10 +99,37 @@ KVRT_INTERNAL int kvrt_cpu_expmm_enable(int on);
 /* How many products kvrt_cpu_expmm_run has computed in this process (tests: the path ran). */
 KVRT_INTERNAL uint64_t kvrt_cpu_expmm_runs(void);
 
+/* One product of bf16 operands (kvrt_cpu_bf16mm_batch): C (m, n) f32 = alpha A op(B), A (m, k)
+ * in rows of lda, op(B) = B^T with B (n, k) rows of ldb when tb, else B (k, n) rows of ldb;
+ * bf16 values as uint16_t (the high half of an f32). */
+typedef struct {
+    int tb;
+    int m, n, k;
+    float alpha;
+    const uint16_t *A, *B;
+    float *C;
+    int lda, ldb, ldc;
+} kvrt_bf16mm_op;
+
+/* Independent bf16 products with f32 accumulation (Attention Matching's products at
+ * precision bf16): with oneDNN, its bf16 matmul (AMX or AVX512-BF16 kernels where the CPU has
+ * them; about 3-4x the f32 product's rate on an AMX core: docs/benchmarks.md), one product per
+ * OpenMP thread as kvrt_cpu_sgemm_batch, from a process-wide table of primitives per shape
+ * (shared with kvrt_cpu_expmm_get); where oneDNN has no bf16 kernel (below AVX-512, USE_DNNL=0,
+ * or after kvrt_cpu_bf16mm_enable(0)) the f32 product of the operands widened to f32 (exact),
+ * which differs from the bf16 kernel by the order of the f32 sums only. Each C is the same
+ * whatever the thread count. Returns 0, or -1 when out of memory (some C not written). */
+KVRT_INTERNAL int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops);
+/* 0 turns oneDNN's bf16 kernel off process-wide (the widened f32 path runs), 1 back on (the
+ * default); returns the previous setting. For tests. */
+KVRT_INTERNAL int kvrt_cpu_bf16mm_enable(int on);
+/* How many bf16 products oneDNN's bf16 kernel has computed in this process (tests). */
+KVRT_INTERNAL uint64_t kvrt_cpu_bf16mm_runs(void);
+
 /* A scratch buffer of `bytes` (contents undefined), given back with kvrt_cpu_scratch_free(p,
- * the same bytes): from 4 MiB up, aligned to 2 MiB and advised into transparent huge pages (4 KiB
+ * the same bytes): from 2 MiB up, aligned to 2 MiB and advised into transparent huge pages (4 KiB
  * page faults on a fresh buffer of tens of MiB cost a tenth of the kernels that fill it), and
- * reused: up to 4 freed buffers, 256 MiB in all, are kept for the next request that fits (a
+ * reused: up to 8 freed buffers, 256 MiB in all, are kept for the next request that fits (a
  * per-layer kernel then faults its scratch in once per process, not once per call). Thread-safe.
  * NULL when out of memory. */
 KVRT_INTERNAL void *kvrt_cpu_scratch_alloc(size_t bytes);

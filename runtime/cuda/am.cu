@@ -835,6 +835,13 @@ static int am_to_cache(kvrt_ctx *ctx, const char *fn, const am_res *res, int64_t
     return rc;
 }
 
+/* Attention Matching's bf16 products (kvrt_am_opts.products) run on the CPU backend only. */
+static int am_products_unsupported(kvrt_error *err, const char *fn) {
+    return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
+                        "%s: products bf16 is not implemented by the cuda backend (the CPU "
+                        "backend runs it; products f32 runs here)", fn);
+}
+
 /* kvrt_am_compact on a CUDA context: one KV head, k, v [T, d], q_ref [n, d] and q_pos [n] (or
  * NULL) device memory; the CPU's checks (kvrt_am_one_check, then k, v, q_ref finite and q_pos
  * >= 0 on the device), then the layer path's am_head for one head and one budget t, every
@@ -853,6 +860,7 @@ extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const 
     o = am_opts_or_default(o, &def);
     int rc = hs->am_one_check(fn, o, k, v, T, head_dim, q_ref, n, t, dtype);
     if (rc != KVRT_OK) return rc;
+    if (o->products != KVRT_AM_PRODUCTS_F32) return am_products_unsupported(err, fn);
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
     const int64_t d = head_dim;
     int32_t *hqpos = q_pos ? (int32_t *)malloc(sizeof(int32_t) * (size_t)n) : NULL;
@@ -908,6 +916,8 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     if (tb == NULL) return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
     int rc = hs->am_layer_plan(fn, o, q != NULL, q_ref != NULL, n_ref, T, n_heads, n_kv_heads,
                                head_dim, n_sets, ratios, ratio_list, dtype, k, v, tb);
+    if (rc == KVRT_OK && o->products != KVRT_AM_PRODUCTS_F32)
+        rc = am_products_unsupported(err, fn);
     if (rc != KVRT_OK) {
         free(tb);
         return rc;

@@ -448,6 +448,7 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, u
  * OpenBLAS threads the products, everything else runs in one thread in a fixed order, so the
  * output does not depend on the OpenMP thread count. Messages in kvrt_last_error(). */
 typedef enum { KVRT_AM_SELECT_HIGHEST = 0, KVRT_AM_SELECT_OMP = 1 } kvrt_am_select;
+typedef enum { KVRT_AM_PRODUCTS_F32 = 0, KVRT_AM_PRODUCTS_BF16 = 1 } kvrt_am_products;
 
 typedef struct {
     int key_select;        /* kvrt_am_select (default HIGHEST) */
@@ -469,6 +470,12 @@ typedef struct {
     int omp_batch;         /* OMP: keys picked per round (the top omp_batch by correlation), one
                             * pass over the probabilities and one NNLS refit per round; 1 (the
                             * default): the plain greedy, one pick per round */
+    int products;          /* kvrt_am_products: the precision of the two large products (the
+                            * logits Q K^T and the targets P V): F32 (the default), or BF16:
+                            * queries, keys, values and P rounded to bf16, f32 accumulation (AMX
+                            * or AVX512-BF16 kernels where the CPU has them: 3-4x the f32 rate on
+                            * an AMX core); everything after them (row pass, selection, fits) is
+                            * unchanged. Measured effect: docs/policies/am.md */
 } kvrt_am_opts;
 void kvrt_am_opts_init(kvrt_am_opts *o);
 

@@ -99,6 +99,16 @@ fi
 out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"compilerkv"* && "$out" == *"Attention Matching"* ]] && ok || bad "inspect of a policy artifact"
 [[ "$out" == *"options: key selection highest, chunk 4096, beta floor -3, 4 sinks, recent 0.5 of t"* ]] && ok \
   || bad "inspect: the compiled AM options: $out"
+#    --am-products bf16: written (f32 artifacts carry no item, so p1 is unchanged by the option),
+#    shown by inspect, run by eval's am rows
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am --am-targets 0.1,0.2 \
+  --am-products bf16 -o "$tmp/pb.kvpol" 2>/dev/null && ok || bad "compile --am-products bf16"
+out=$("$KVCC" inspect "$tmp/pb.kvpol"); [[ "$out" == *"recent 0.5 of t, products bf16"* ]] && ok || bad "inspect: products bf16: $out"
+out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"recent 0.5 of t, products f32"* ]] && ok || bad "inspect: products f32: $out"
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/pb.kvpol" --methods am --budgets 0.1,0.2 --csv); ex=$?
+[[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 2 ]] && ok || bad "eval am rows with bf16 products: exit $ex: $out"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am --am-products f16 -o "$tmp/bad.kvpol" 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--am-products"* && ! -e "$tmp/bad.kvpol" ]] && ok || bad "compile --am-products f16: exit $ex: $err"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods compilerkv,ckv-flat,h2o --budgets 32,64 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 6 ]] && ok || bad "eval compilerkv rows: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
@@ -121,7 +131,7 @@ err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am -
 [[ $ex -eq 2 && "$err" == *"--am-queries self-study needs --gguf"* && ! -e "$tmp/pr.kvpol" ]] && ok || bad "compile --am-queries self-study without --gguf: exit $ex: $err"
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods am-self --budgets 0.1 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"am-self: self-study reference queries need the model: give --gguf"* ]] && ok || bad "eval am-self without --gguf: exit $ex: $err"
-out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"recent 0.5 of t, reference queries context"* ]] && ok || bad "inspect: the AM query source: $out"
+out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"recent 0.5 of t, products f32, reference queries context"* ]] && ok || bad "inspect: the AM query source: $out"
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   #  the repeat-prefill compile on real text: the same bytes at 1 and 2 threads; inspect and eval run it
   "$KVCC" capture --prompts 1 --context 96 --continuation 16 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/cr.h5" 2>/dev/null
@@ -158,7 +168,7 @@ fi
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
                                      {if (NR > 1) print last; last = $0} END {print last}')
-for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent am-queries compkv-r compkv-block budgets window reward reward-check transfer-check \
+for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent am-queries am-products compkv-r compkv-block budgets window reward reward-check transfer-check \
          kv2-budgets kv2-rho kv2-proxies kv2-max-passes kv2-sinks kv2-chunk \
          mr-budgets mr-m mr-sinks mr-recent mr-report-k mr-report-queries; do
   grep -q -- "^  --$o .*(default [^)]*)\$" <<<"$help" && ok || bad "compile --help: --$o with its default"

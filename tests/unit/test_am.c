@@ -32,6 +32,7 @@
 #include "test_ctx.h"
 #include "test_rng.h"
 #include "fixtures.h"
+#include "cpu/blas.h" /* kvrt_cpu_bf16mm_enable, _runs: both paths of the bf16 products */
 #include "passes/passes.h"
 #include "synth.h"
 
@@ -1390,4 +1391,138 @@ Test(am, compiled_floor_sinks_recent_reach_the_runtime, .timeout = 300) {
     kvrt_policy_free(pol);
     free(q); free(k); free(v); free(buf);
     unlink(corpus);
+}
+
+/* Products in bf16 (kvrt_am_opts.products): the paths agree with each other and stay close to
+ * f32. (1) Several budget sets at once equal one call per set: bit for bit where each set runs
+ * the same chunks (chunk 100), within 1e-3 where the sets share one logit product (am_group);
+ * (2) oneDNN's bf16 kernel and the widened f32 path (kvrt_cpu_bf16mm_enable(0)) select the same
+ * keys, values and biases within 1e-3 (they differ in the order of f32 sums); (3) against f32
+ * the same counts, mostly the same keys and the output error within 0.02; (4) a bad value is
+ * refused naming the option. */
+Test(am, bf16_products_paths_agree) {
+    uint64_t s = 78;
+    enum { T = 600, H = 6, HKV = 2, D = 32, NS = 3 };
+    float *q = randn_f(T * H * D, &s, 1.5), *k = randn_f(T * HKV * D, &s, 1.0);
+    float *v = randn_f(T * HKV * D, &s, 1.0);
+    const float ratios[NS * HKV] = {0.05f, 0.2f, 0.1f, 0.1f, 0.5f, 0.02f};
+    for (int c = 0; c < 3; c++) {
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.products = KVRT_AM_PRODUCTS_BF16;
+        o.chunk = c == 0 ? 100 : 4096;
+        o.key_select = c == 1 ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+        kvrt_cache *m[NS];
+        cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), &o, q, k, v, T, H, HKV, D, NS, ratios,
+                                                 NULL, KVRT_DTYPE_F32, m, NULL),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
+        for (int si = 0; si < NS; si++) {
+            kvrt_cache *one = NULL;
+            cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D,
+                                               ratios + si * HKV, 0, KVRT_DTYPE_F32, &one, NULL),
+                         KVRT_OK);
+            const int64_t ne = one->n_entries;
+            cr_assert_eq(ne, m[si]->n_entries, "case %d set %d", c, si);
+            cr_assert_eq(memcmp(one->positions, m[si]->positions, sizeof(int32_t) * (size_t)ne), 0,
+                         "case %d set %d: other keys", c, si);
+            double vmax = 0, dv = 0, db = 0;
+            for (int64_t x = 0; x < ne * D; x++) {
+                const float a1 = ((float *)one->values)[x], a2 = ((float *)m[si]->values)[x];
+                vmax = fmax(vmax, fabs(a1));
+                dv = fmax(dv, fabs((double)a1 - a2));
+            }
+            for (int64_t x = 0; x < ne; x++) db = fmax(db, fabs((double)one->bias[x] - m[si]->bias[x]));
+            if (c < 2)
+                cr_assert(dv == 0 && db == 0, "case %d set %d: values differ by %g, bias by %g", c,
+                          si, dv, db);
+            else
+                cr_assert(dv <= 1e-3 * vmax && db <= 1e-3, "case %d set %d: values differ by %g "
+                          "(max %g), bias by %g", c, si, dv, vmax, db);
+            kvrt_cache_free(one);
+            kvrt_cache_free(m[si]);
+        }
+    }
+    /* (2) and (3): one layer, HighestAttnKeys, ratio 0.1, causal context queries */
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    kvrt_cache *f32 = NULL, *bk = NULL, *bw = NULL;
+    kvrt_am_stats sf[HKV], sk[HKV], sw[HKV];
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
+                                       KVRT_DTYPE_F32, &f32, sf), KVRT_OK);
+    o.products = KVRT_AM_PRODUCTS_BF16;
+    const uint64_t runs = kvrt_cpu_bf16mm_runs();
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
+                                       KVRT_DTYPE_F32, &bk, sk), KVRT_OK);
+    cr_log_info("am bf16: %llu products on oneDNN's bf16 kernel (%s)",
+                (unsigned long long)(kvrt_cpu_bf16mm_runs() - runs), kvrt_cpu_gemm_name());
+    const int prev = kvrt_cpu_bf16mm_enable(0);
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
+                                       KVRT_DTYPE_F32, &bw, sw), KVRT_OK);
+    kvrt_cpu_bf16mm_enable(prev);
+    const int64_t ne = bk->n_entries;
+    cr_assert_eq(bw->n_entries, ne);
+    cr_assert_eq(f32->n_entries, ne);
+    cr_assert_eq(memcmp(bk->positions, bw->positions, sizeof(int32_t) * (size_t)ne), 0,
+                 "the bf16 kernel and the widened path chose other keys");
+    double vmax = 0, dv = 0, db = 0;
+    for (int64_t x = 0; x < ne * D; x++) {
+        vmax = fmax(vmax, fabs(((float *)bk->values)[x]));
+        dv = fmax(dv, fabs((double)((float *)bk->values)[x] - ((float *)bw->values)[x]));
+    }
+    for (int64_t x = 0; x < ne; x++) db = fmax(db, fabs((double)bk->bias[x] - bw->bias[x]));
+    cr_assert(dv <= 1e-3 * vmax && db <= 1e-3, "kernel vs widened: values differ by %g (max %g), "
+              "bias by %g", dv, vmax, db);
+    int64_t same = 0;
+    for (int64_t a = 0, b = 0; a < ne && b < ne;) { /* positions ascend per head: count matches */
+        if (f32->positions[a] == bk->positions[b]) { same++; a++; b++; }
+        else if (f32->positions[a] < bk->positions[b]) a++;
+        else b++;
+    }
+    for (int h = 0; h < HKV; h++) {
+        cr_log_info("am head %d: out relerr f32 %.4f, bf16 %.4f (widened %.4f); mass relerr %.4f, "
+                    "%.4f", h, sf[h].out_relerr, sk[h].out_relerr, sw[h].out_relerr,
+                    sf[h].mass_relerr, sk[h].mass_relerr);
+        cr_assert(fabs(sk[h].out_relerr - sf[h].out_relerr) <= 0.02, "head %d: out relerr %.4f "
+                  "against f32's %.4f", h, sk[h].out_relerr, sf[h].out_relerr);
+    }
+    cr_assert_geq(same, ne * 8 / 10, "bf16 kept %lld of f32's %lld keys", (long long)same,
+                  (long long)ne);
+    kvrt_cache_free(f32);
+    kvrt_cache_free(bk);
+    kvrt_cache_free(bw);
+    /* (4) */
+    kvrt_cache *c = NULL;
+    o.products = 2;
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
+                                       KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "products") != NULL, "%s", kvrt_last_error()->msg);
+    free(q); free(k); free(v);
+}
+
+/* On real SmolLM2 heads (as options_on_real_heads: 512 context + 32 continuation tokens, 6
+ * layers, ratio 0.2, the default options), the held-out error with bf16 products within 0.005
+ * of f32's. */
+Test(am, bf16_products_on_real_heads, .timeout = 600) {
+    FX_REQUIRE_MODEL();
+    char path[128], err[512];
+    snprintf(path, sizeof path, "/tmp/kvcc_am_bf16_%d.h5", (int)getpid());
+    fx_capture_real("examples/data/heldout/2012_barack_obama_d.txt", 512, 32, 3, path, NULL);
+    kvcc_corpus *c = NULL;
+    kvcc_loop lp;
+    cr_assert_eq(kvcc_corpus_open(&c, path, NULL, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_loop_open(&lp, c, "test", KVCC_LOOP_REF, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(kvcc_loop_prompt(&lp, 0, err, sizeof err), 0, "%s", err);
+    const uint32_t layers[] = {0, 5, 11, 17, 23, 29};
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    double ms_f, ms_b;
+    const double ef = real_relerr(&lp, layers, 6, &o, 0.2, &ms_f);
+    o.products = KVRT_AM_PRODUCTS_BF16;
+    const double eb = real_relerr(&lp, layers, 6, &o, 0.2, &ms_b);
+    cr_log_info("am real heads at 0.2: held-out relerr f32 %.5f (%.0f ms), bf16 products %.5f "
+                "(%.0f ms)", ef, ms_f, eb, ms_b);
+    cr_assert(fabs(eb - ef) <= 0.005, "bf16 %.5f against f32 %.5f", eb, ef);
+    kvcc_loop_close(&lp);
+    kvcc_corpus_close(c);
+    unlink(path);
 }

@@ -151,8 +151,12 @@ Test(am_ref, ref_queries_equal_per_head_compact) {
 }
 
 /* An am.schedule written by hand; source: NULL (no query_source item, as before it existed), a
- * string value, or "" for an item of the wrong type. */
+ * string value, or "" for an item of the wrong type; products likewise (the products item). */
+static void hand_artifact_p(const char *source, const char *products, void **buf, size_t *len);
 static void hand_artifact(const char *source, void **buf, size_t *len) {
+    hand_artifact_p(source, NULL, buf, len);
+}
+static void hand_artifact_p(const char *source, const char *products, void **buf, size_t *len) {
     kvpol_header h;
     fx_header(&h, &FX_TINY);
     kvpol_writer *w = NULL;
@@ -174,6 +178,8 @@ static void hand_artifact(const char *source, void **buf, size_t *len) {
     if (!k) k = kvpol_writer_add_f64(w, "recent_frac", 0.5);
     if (!k && source && *source) k = kvpol_writer_add_string(w, "query_source", source, strlen(source));
     if (!k && source && !*source) k = kvpol_writer_add_i64(w, "query_source", 1);
+    if (!k && products && *products) k = kvpol_writer_add_string(w, "products", products, strlen(products));
+    if (!k && products && !*products) k = kvpol_writer_add_i64(w, "products", 1);
     if (!k) k = kvpol_writer_end_section(w);
     cr_assert_eq(k, 0, "%s", kvpol_status_str(k));
     cr_assert_eq(kvpol_writer_to_memory(w, buf, len, &ke), 0, "%s", ke.msg);
@@ -321,4 +327,70 @@ Test(am_ref, compile_repeat_needs_the_model) {
     cx.am_queries = "context";
     cx.gguf = NULL;
     cr_assert_eq(ps->check(&cx, err, sizeof err), 0, "%s", err);
+}
+
+/* The am.schedule item products: absent = f32 (artifacts written before it), f32 or bf16 reach
+ * the handle's options; a bad value or type is a format error naming the item; a scheduled call
+ * with other products is refused naming both unless KVRT_OVERRIDE_OPTIONS, and with the compiled
+ * ones it equals the unscheduled call with those options. */
+Test(am_ref, artifact_products) {
+    const struct { const char *v; int want; } ok[] = {
+        {NULL, KVRT_AM_PRODUCTS_F32}, {"f32", KVRT_AM_PRODUCTS_F32}, {"bf16", KVRT_AM_PRODUCTS_BF16}};
+    const uint32_t H = FX_TINY.n_heads, HKV = FX_TINY.n_kv_heads, D = FX_TINY.head_dim;
+    const int64_t T = 200;
+    uint64_t s = 9;
+    float *q = randn_f((size_t)T * H * D, &s, 1.0), *k = randn_f((size_t)T * HKV * D, &s, 1.0),
+          *v = randn_f((size_t)T * HKV * D, &s, 1.0);
+    for (int i = 0; i < 3; i++) {
+        void *buf = NULL;
+        size_t len = 0;
+        kvrt_policy *pol = NULL;
+        kvrt_am_schedule *sch = NULL;
+        hand_artifact_p(NULL, ok[i].v, &buf, &len);
+        cr_assert_eq(open_mem(buf, len, &pol, &sch), KVRT_OK, "%s", kvrt_last_error()->msg);
+        kvrt_am_opts co;
+        cr_assert_eq(kvrt_am_schedule_opts(sch, &co), KVRT_OK);
+        cr_assert_eq(co.products, ok[i].want, "products %s: %d", ok[i].v ? ok[i].v : "(absent)",
+                     co.products);
+        const float *ratios = NULL;
+        cr_assert_eq(kvrt_am_schedule_ratios(sch, 0.25, 1, &ratios), KVRT_OK);
+        kvrt_cache *a = NULL, *b = NULL;
+        cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, NULL, 0, 0.25, 1, q, k, v, T, H,
+                                               KVRT_DTYPE_F32, &a, NULL),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &co, q, k, v, T, H, HKV, D, ratios, 0,
+                                           KVRT_DTYPE_F32, &b, NULL), KVRT_OK);
+        expect_same_cache(a, b, "scheduled vs layer with the compiled options");
+        kvrt_cache_free(a);
+        kvrt_cache_free(b);
+        kvrt_am_opts other = co;
+        other.products = co.products == KVRT_AM_PRODUCTS_F32 ? KVRT_AM_PRODUCTS_BF16
+                                                             : KVRT_AM_PRODUCTS_F32;
+        cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &other, 0, 0.25, 1, q, k, v, T, H,
+                                               KVRT_DTYPE_F32, &a, NULL), KVRT_ERR_ARG);
+        cr_assert(strstr(kvrt_last_error()->msg, "products") != NULL, "%s", kvrt_last_error()->msg);
+        cr_assert_null(a);
+        cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, &other, KVRT_OVERRIDE_OPTIONS, 0.25,
+                                               1, q, k, v, T, H, KVRT_DTYPE_F32, &a, NULL),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
+        kvrt_cache_free(a);
+        kvrt_am_schedule_free(sch);
+        kvrt_policy_free(pol);
+        free(buf);
+    }
+    const char *bad[] = {"f16", ""};
+    for (int i = 0; i < 2; i++) {
+        void *buf = NULL;
+        size_t len = 0;
+        kvrt_policy *pol = NULL;
+        kvrt_am_schedule *sch = NULL;
+        hand_artifact_p(NULL, bad[i], &buf, &len);
+        cr_assert_eq(open_mem(buf, len, &pol, &sch), KVRT_ERR_FORMAT, "products '%s'", bad[i]);
+        cr_assert_null(sch);
+        cr_assert(strstr(kvrt_last_error()->msg, "products") != NULL, "%s", kvrt_last_error()->msg);
+        if (i == 0) cr_assert(strstr(kvrt_last_error()->msg, "'f16'") != NULL, "%s", kvrt_last_error()->msg);
+        kvrt_policy_free(pol);
+        free(buf);
+    }
+    free(q); free(k); free(v);
 }

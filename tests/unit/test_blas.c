@@ -3,7 +3,9 @@
  * (kvrt_cpu_sgemm, _1t, _batch; both transposes; alpha, beta, leading dimensions wider than the
  * rows) against a plain double-accumulated loop within 1e-5 relative, the batch bit-identical at
  * 1 and 2 OpenMP threads (each product on one thread), kvrt_cpu_gemm_name naming a library, and
- * the product with the exponential in its epilogue (kvrt_cpu_expmm).
+ * the product with the exponential in its epilogue (kvrt_cpu_expmm), and the bf16 products
+ * (kvrt_cpu_bf16mm_batch) against the double product of the same bf16 values, on oneDNN's bf16
+ * kernel and on the widened f32 path.
  */
 #include <criterion/criterion.h>
 
@@ -166,6 +168,95 @@ Test(blas, expmm_is_exp_of_the_product) {
     free(A); free(B); free(C); free(C2); free(scr);
 }
 
+static uint16_t bf16_of(float f) { /* RNE, finite f */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static double f_of_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* kvrt_cpu_bf16mm_batch: every product of a batch (both transposes, leading dimensions wider
+ * than the rows, alpha) against the double product of its bf16 operands, within 1e-5 of the
+ * largest |C| (f32 sums of exact bf16 x bf16 products); on oneDNN's bf16 kernel (where it runs:
+ * counted by kvrt_cpu_bf16mm_runs) and on the widened f32 path (kvrt_cpu_bf16mm_enable(0)); the
+ * two agree within the same bound, and the batch at 1 and 2 threads is bit-identical. */
+Test(blas, bf16mm_is_the_product_of_the_rounded_operands) {
+    enum { NOPS = 6 };
+    const int shapes[NOPS][4] = {{256, 300, 64, 1}, {37, 128, 520, 0}, {1, 1, 1, 1},
+                                 {64, 512, 128, 1}, {200, 64, 256, 0}, {5, 17, 33, 0}};
+    uint64_t s = 23;
+    kvrt_bf16mm_op ops[NOPS];
+    uint16_t *A[NOPS], *B[NOPS];
+    float *want[NOPS], *C[3][NOPS];
+    for (int o = 0; o < NOPS; o++) {
+        const int m = shapes[o][0], n = shapes[o][1], k = shapes[o][2], tb = shapes[o][3];
+        const int lda = k + 8, ldb = (tb ? k : n) + 16, ldc = n + 3, rb = tb ? n : k;
+        A[o] = malloc(sizeof(uint16_t) * (size_t)m * lda);
+        B[o] = malloc(sizeof(uint16_t) * (size_t)rb * ldb);
+        want[o] = malloc(sizeof(float) * (size_t)m * ldc);
+        for (int r = 0; r < 3; r++) C[r][o] = calloc((size_t)m * ldc, sizeof(float));
+        for (int x = 0; x < m * lda; x++) A[o][x] = bf16_of(rng_uniform(&s, -2.0f, 2.0f));
+        for (int x = 0; x < rb * ldb; x++) B[o][x] = bf16_of(rng_uniform(&s, -2.0f, 2.0f));
+        const float alpha = o % 2 ? 1.0f : 0.125f;
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++) {
+                double acc = 0;
+                for (int p = 0; p < k; p++)
+                    acc += f_of_bf16(A[o][i * lda + p]) *
+                           f_of_bf16(tb ? B[o][j * ldb + p] : B[o][p * ldb + j]);
+                want[o][i * ldc + j] = (float)(alpha * acc);
+            }
+        ops[o] = (kvrt_bf16mm_op){.tb = tb, .m = m, .n = n, .k = k, .alpha = alpha, .A = A[o],
+                                  .B = B[o], .lda = lda, .ldb = ldb, .ldc = ldc};
+    }
+    /* r = 0: the default path, 1: the same at one thread, 2: widened to f32 */
+    for (int r = 0; r < 3; r++) {
+        kvrt_bf16mm_op run[NOPS];
+        for (int o = 0; o < NOPS; o++) {
+            run[o] = ops[o];
+            run[o].C = C[r][o];
+        }
+        const uint64_t runs = kvrt_cpu_bf16mm_runs();
+        const int prev = r == 2 ? kvrt_cpu_bf16mm_enable(0) : 1;
+#ifdef _OPENMP
+        const int nt = omp_get_max_threads();
+        if (r == 1) omp_set_num_threads(1);
+#endif
+        cr_assert_eq(kvrt_cpu_bf16mm_batch(run, NOPS), 0);
+#ifdef _OPENMP
+        omp_set_num_threads(nt);
+#endif
+        if (r == 2) {
+            kvrt_cpu_bf16mm_enable(prev);
+            cr_expect_eq(kvrt_cpu_bf16mm_runs(), runs, "the widened path ran oneDNN's kernel");
+        } else if (r == 0) {
+            cr_log_info("bf16mm: %llu of %d products on oneDNN's bf16 kernel (%s)",
+                        (unsigned long long)(kvrt_cpu_bf16mm_runs() - runs), NOPS,
+                        kvrt_cpu_gemm_name());
+            if (!kvrt_cpu_gemm_is_dnnl())
+                cr_expect_eq(kvrt_cpu_bf16mm_runs(), runs, "no oneDNN, yet its kernel ran");
+        }
+        for (int o = 0; o < NOPS; o++) {
+            const double e = max_rel(C[r][o], want[o], ops[o].m, ops[o].n, ops[o].ldc);
+            cr_expect(e <= 1e-5, "path %d product %d (%dx%dx%d tb %d): max error %.3g of max |C|", r,
+                      o, ops[o].m, ops[o].n, ops[o].k, ops[o].tb, e);
+        }
+    }
+    for (int o = 0; o < NOPS; o++) {
+        for (int i = 0; i < ops[o].m; i++)
+            cr_expect(memcmp(C[0][o] + (size_t)i * ops[o].ldc, C[1][o] + (size_t)i * ops[o].ldc,
+                             sizeof(float) * (size_t)ops[o].n) == 0,
+                      "product %d row %d differs between 1 and the default threads", o, i);
+        free(A[o]); free(B[o]); free(want[o]);
+        for (int r = 0; r < 3; r++) free(C[r][o]);
+    }
+}
+
 /* kvrt_cpu_scratch_alloc / _free: a freed large buffer serves the next request that fits (no
  * fresh page faults per call), two live buffers are distinct, small requests are plain malloc,
  * and more frees than the cache keeps release the rest (LeakSanitizer checks that in SAN runs). */
@@ -183,12 +274,12 @@ Test(blas, scratch_buffers_are_reused) {
     cr_assert_neq(c, b);
     kvrt_cpu_scratch_free(b, big - 4096);
     kvrt_cpu_scratch_free(c, big);
-    void *many[6];
-    for (int i = 0; i < 6; i++) {
+    void *many[10]; /* more than the 8 slots and the 256 MiB the cache keeps */
+    for (int i = 0; i < 10; i++) {
         many[i] = kvrt_cpu_scratch_alloc(big * (size_t)(i + 1));
         cr_assert_not_null(many[i]);
     }
-    for (int i = 0; i < 6; i++) kvrt_cpu_scratch_free(many[i], big * (size_t)(i + 1));
+    for (int i = 0; i < 10; i++) kvrt_cpu_scratch_free(many[i], big * (size_t)(i + 1));
     void *s = kvrt_cpu_scratch_alloc(100); /* below the threshold: malloc'ed, freed at once */
     cr_assert_not_null(s);
     kvrt_cpu_scratch_free(s, 100);
