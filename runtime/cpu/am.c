@@ -45,6 +45,7 @@
 
 #define AM_ROWBLK 64 /* rows per block of the column reductions (fixed: keeps them deterministic) */
 #define AM_QBLK 256  /* query rows per block of the causal logit / value products (fixed) */
+#define AM_FITROWS 512 /* rows per block of the fit's row loops and output product (fixed) */
 
 void kvrt_am_opts_init(kvrt_am_opts *o) {
     if (o == NULL) return;
@@ -96,6 +97,7 @@ typedef struct {
     double *scale;  /* [t] */
     double *C;      /* [t, d] */
     double *rowsum; /* [n] */
+    double *rerr;   /* [n] the fit's per-row errors, summed in order */
     int32_t *vis;   /* [n] keys each query row sees (causal), Tc without positions */
     double *c0;     /* [Tc] OMP: Q^T 1 of the relative columns Q_ij = P_ij / m_i */
     double *corrd;  /* [Tc] OMP: gram_rows' row scratch */
@@ -127,6 +129,7 @@ static void am_ws_free(am_ws *w) {
     free(w->score);
     free(w->sel); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
     free(w->rowsum);
+    free(w->rerr);
     free(w->colsum);
     free(w->vis);
     free(w->c0);
@@ -155,7 +158,7 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
     w->Yf = kvrt_cpu_scratch_alloc(w->Yf_bytes);
     int ok = w->S && w->part && w->Y && w->Ob && w->MS && w->Yf &&
              AM_ALLOC(w->ops, 2 * ((n + AM_QBLK - 1) / AM_QBLK)) &&
-             AM_ALLOC(w->mass, n) &&
+             AM_ALLOC(w->mass, n) && AM_ALLOC(w->rerr, n) &&
              AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) &&
              AM_ALLOC(w->G, t * t) && AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
@@ -188,8 +191,7 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
  * AM_LANES interleaved double partial sums added in a fixed order, rs = 1 / mass, and
  * pb[j] += (P_j rs)^2. Shared by the one-budget row pass and the budgets of a shared group, so
  * that both sum exactly alike. */
-static inline void row_stats(const float *row, int64_t vis, double *mass, double *rs,
-                             double *pb) {
+static inline double row_sum(const float *row, int64_t vis) {
     double acc[AM_LANES] = {0};
     const int64_t vl = vis - vis % AM_LANES;
     for (int64_t j0 = 0; j0 < vl; j0 += AM_LANES) {
@@ -199,14 +201,21 @@ static inline void row_stats(const float *row, int64_t vis, double *mass, double
     for (int64_t j = vl; j < vis; j++) acc[j - vl] += (double)row[j];
     double sum = 0;
     for (int l = 0; l < AM_LANES; l++) sum += acc[l];
-    *mass = sum;
-    const double inv = 1.0 / sum;
-    *rs = inv;
+    return sum;
+}
+static inline void row_squares(const float *row, int64_t vis, double inv, double *pb) {
 #pragma omp simd
     for (int64_t j = 0; j < vis; j++) {
         const double x = (double)row[j] * inv;
         pb[j] += x * x;
     }
+}
+static inline void row_stats(const float *row, int64_t vis, double *mass, double *rs,
+                             double *pb) {
+    const double sum = row_sum(row, vis);
+    *mass = sum;
+    *rs = 1.0 / sum;
+    row_squares(row, vis, *rs, pb);
 }
 
 /* row[j] = exp(z[j] - mx) for j < vis (z may be row itself); returns 1 when one is NaN */
@@ -245,11 +254,50 @@ static inline void row_bf16(const float *x, int64_t count, uint16_t *o) {
     }
 }
 
+/* The exponential in the logit product (bf16 products, am_prep): S holds P_ij = exp(z_ij),
+ * unshifted. Everything after the row pass uses P relative to its row's mass (P / m: the scores,
+ * the NNLS columns, Y = P V / m, OMP's Gram), which the row's scale e^max leaves unchanged, so the
+ * row max is not needed while the mass lies in [e^AM_EXP_LO, e^AM_EXP_HI]: there P V stays far from
+ * the float range and a key below e^-87 relative to 1 (flushed) is below e^-39 relative to the
+ * mass. A row outside it (a logit above ~60, or all below ~-40) is redone from the bf16 operands
+ * against its max, as the other path computes every row (the thresholds of the window mass,
+ * docs/benchmarks.md "The exponential in the product"). */
+#define AM_EXP_LO 4.248354255291589e-18  /* e^-40 */
+#define AM_EXP_HI 1.1420073898156842e26  /* e^60 */
+typedef struct {
+    const uint16_t *Qb, *Kb; /* the block's bf16 queries (row i at i * d) and the chunk's keys */
+    int64_t d;
+    float alpha;             /* 1 / sqrt(d), as the product */
+} am_redo;
+
+static inline float f32_of_bf16(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Row i's logits over its first vis keys from the bf16 operands (f32 sums, the product's values
+ * up to their order) */
+static void redo_logits(const am_redo *r, int64_t i, int64_t vis, float *row) {
+    const uint16_t *qi = r->Qb + i * r->d;
+    for (int64_t j = 0; j < vis; j++) {
+        const uint16_t *kj = r->Kb + j * r->d;
+        float acc = 0;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t x = 0; x < r->d; x++) acc += f32_of_bf16(qi[x]) * f32_of_bf16(kj[x]);
+        row[j] = acc * r->alpha;
+    }
+}
+
 /* The rows of block b (AM_ROWBLK rows): P, mass, rs, vis and the block's partial sums pb [Tc];
- * Pb (or NULL): the rows of P in bf16 at the stride of S, zeros past each row's keys. */
+ * Pb (or NULL): the rows of P in bf16 at the stride of S, zeros past each row's keys. redo (or
+ * NULL): S holds exp(z) (unshifted, the exponential in the product), rows outside the mass range
+ * redone from these operands. */
 KVRT_SIMD_CLONES
 static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0, int64_t b,
-                      double *mass, double *rs, double *pb, int32_t *vis_out, uint16_t *Pb) {
+                      double *mass, double *rs, double *pb, int32_t *vis_out, uint16_t *Pb,
+                      const am_redo *redo) {
     int bad = 0;
     memset(pb, 0, sizeof(double) * (size_t)Tc);
     const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
@@ -257,6 +305,22 @@ static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int6
         float *row = S + i * Tc;
         const int64_t vis = row_vis(qpos, i, k0, Tc);
         vis_out[i] = (int32_t)vis;
+        if (redo) {
+            if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
+            double m = row_sum(row, vis);
+            if (!(m >= AM_EXP_LO && m <= AM_EXP_HI)) {
+                redo_logits(redo, i, vis, row);
+                const float mx = row_max(row, vis);
+                if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
+                bad |= row_exp(row, row, vis, mx);
+                m = row_sum(row, vis);
+            }
+            mass[i] = m;
+            rs[i] = 1.0 / m;
+            row_squares(row, vis, rs[i], pb);
+            if (Pb) row_bf16(row, Tc, Pb + i * Tc);
+            continue;
+        }
         const float mx = row_max(row, vis);
         if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
         bad |= row_exp(row, row, vis, mx);
@@ -279,20 +343,25 @@ static void colsum_range(const double *part, int64_t nblk, int64_t ldp, int64_t 
     }
 }
 
-/* Blocks in parallel (each writes only its own rows and partial sums), then the column sums in
- * parallel over columns: every sum runs in the same order whatever the thread count. */
-static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
-                     double *mass, double *rs, double *part, double *colsum, int32_t *vis_out,
-                     uint16_t *Pb) {
-    const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
-    int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
-    for (int64_t b = 0; b < nblk; b++)
-        bad |= prep_block(S, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out, Pb);
+/* colsum [Tc] from the partial sums of nblk blocks (part, rows of Tc), in parallel over columns */
+static void colsums(const double *part, int64_t nblk, int64_t Tc, double *colsum) {
     const int64_t cw = 512, ncw = (Tc + cw - 1) / cw;
 #pragma omp parallel for schedule(static) if (ncw > 1)
     for (int64_t c = 0; c < ncw; c++)
         colsum_range(part, nblk, Tc, c * cw, (c + 1) * cw < Tc ? (c + 1) * cw : Tc, colsum);
+}
+
+/* Blocks in parallel (each writes only its own rows and partial sums), then the column sums in
+ * parallel over columns: every sum runs in the same order whatever the thread count. */
+static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
+                     double *mass, double *rs, double *part, double *colsum, int32_t *vis_out,
+                     uint16_t *Pb, const am_redo *redo) {
+    const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
+    int bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
+    for (int64_t b = 0; b < nblk; b++)
+        bad |= prep_block(S, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out, Pb, redo);
+    colsums(part, nblk, Tc, colsum);
     return bad;
 }
 
@@ -532,18 +601,22 @@ static kvrt_bf16mm_op value_op_bf16(const am_ws *ws, int64_t ldS, int64_t d, int
 
 /* The bf16 operands of the chunk [k0, k0 + Tc): Qb = q [n, d], Kb and Vb its keys and values in
  * dense rows. */
-static void bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k, const float *v,
-                          int64_t ld, int64_t k0, int64_t Tc, int64_t d) {
-#pragma omp parallel for schedule(static) if (n + Tc > 1024)
+static float bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k, const float *v,
+                           int64_t ld, int64_t k0, int64_t Tc, int64_t d) {
+    float vmax = 0;
+#pragma omp parallel for schedule(static) reduction(max : vmax) if (n + Tc > 1024)
     for (int64_t i = 0; i < n + Tc; i++) {
         if (i < n) {
             row_bf16(q + i * d, d, ws->Qb + i * d);
         } else {
             const int64_t j = i - n;
+            const float *vj = v + (k0 + j) * ld;
             row_bf16(k + (k0 + j) * ld, d, ws->Kb + j * d);
-            row_bf16(v + (k0 + j) * ld, d, ws->Vb + j * d);
+            row_bf16(vj, d, ws->Vb + j * d);
+            for (int64_t x = 0; x < d; x++) vmax = fabsf(vj[x]) > vmax ? fabsf(vj[x]) : vmax;
         }
     }
+    return vmax; /* max |v| of the chunk */
 }
 
 static int bf16_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
@@ -585,11 +658,15 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
     kvrt_sgemm_op *ops = ws->ops;
     kvrt_bf16mm_op *bops = ws->bops;
     const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
-    if (ws->bf16) bf16_operands(ws, q, n, k, v, ld, k0, Tc, d);
+    /* bf16: the exponential in the logit product (am_redo) unless the values are so large
+     * that P V could leave the float range (|v| > 1e10: e^60 * 1e10 * Tc) */
+    const int exp_in = ws->bf16 && bf16_operands(ws, q, n, k, v, ld, k0, Tc, d) <= 1e10f;
+    const am_redo redo = {ws->Qb, ws->Kb, d, 1.0f / sqrtf((float)d)};
     for (int64_t b = 0; b < nqb; b++) {
         const int64_t vm = qblock_vis(qpos, n, b, k0, Tc);
         if (ws->bf16) {
             bops[b] = logit_op_bf16(ws, d, n, b, keys_rounded(vm, Tc), S, Tc);
+            bops[b].exp = exp_in;
             bops[nqb + b] = value_op_bf16(ws, Tc, d, n, b, keys_rounded(vm, Tc), ws->Yf);
         } else {
             ops[b] = logit_op(q, k, ld, k0, d, n, b, vm, S, Tc);
@@ -606,7 +683,7 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
      * the rows (each row is still in L1 when its squares are added; and rounded to bf16 for
      * the second product when the products are bf16) */
     const int bad = prep_rows(S, n, Tc, qpos, k0, ws->mass, ws->rowsum, ws->part, ws->colsum,
-                              ws->vis, ws->bf16 ? ws->Pb : NULL);
+                              ws->vis, ws->bf16 ? ws->Pb : NULL, exp_in ? &redo : NULL);
     if (bad) return overflow_fail(k0, Tc);
     /* 2. Y = softmax(z) V (P is 0 past each block's visible keys) */
     if (ws->bf16) {
@@ -634,29 +711,43 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
  * Two passes over the rows (gather with the sums of squares, then scale with the column sums),
  * each sum over the rows in order. */
 KVRT_SIMD_CLONES
-static void gather_cols(const float *S, int64_t n, int64_t ldS, const int32_t *sel, int64_t ts,
-                        const double *rowsum, double *MS, double *scale, double *cvec) {
-    for (int64_t a = 0; a < ts; a++) scale[a] = 0, cvec[a] = 0;
+static void gather_cols_range(const float *S, int64_t n, int64_t ldS, const int32_t *sel,
+                              int64_t ts, int64_t a0, int64_t a1, const double *rowsum,
+                              double *MS, double *scale, double *cvec) {
+    for (int64_t a = a0; a < a1; a++) scale[a] = 0, cvec[a] = 0;
     for (int64_t i = 0; i < n; i++) {
         const float *row = S + i * ldS;
         const double r = rowsum[i];
         double *m = MS + i * ts;
 #pragma omp simd
-        for (int64_t a = 0; a < ts; a++) {
+        for (int64_t a = a0; a < a1; a++) {
             const double x = (double)row[sel[a]] * r;
             m[a] = x;
             scale[a] += x * x;
         }
     }
-    for (int64_t a = 0; a < ts; a++) scale[a] = scale[a] > 0 ? 1.0 / sqrt(scale[a]) : 0.0;
+    for (int64_t a = a0; a < a1; a++) scale[a] = scale[a] > 0 ? 1.0 / sqrt(scale[a]) : 0.0;
     for (int64_t i = 0; i < n; i++) {
         double *m = MS + i * ts;
 #pragma omp simd
-        for (int64_t a = 0; a < ts; a++) {
+        for (int64_t a = a0; a < a1; a++) {
             m[a] *= scale[a];
             cvec[a] += m[a];
         }
     }
+}
+
+/* Columns in fixed groups of AM_FITCOLS, in parallel when par (each column's sums run over the
+ * rows in order, whichever thread has it: the same bits at any thread count) */
+#define AM_FITCOLS 32
+static void gather_cols(const float *S, int64_t n, int64_t ldS, const int32_t *sel, int64_t ts,
+                        const double *rowsum, double *MS, double *scale, double *cvec, int par) {
+    const int64_t ng = (ts + AM_FITCOLS - 1) / AM_FITCOLS;
+#pragma omp parallel for schedule(dynamic, 1) if (par && ng > 1)
+    for (int64_t g = 0; g < ng; g++)
+        gather_cols_range(S, n, ldS, sel, ts, g * AM_FITCOLS,
+                          (g + 1) * AM_FITCOLS < ts ? (g + 1) * AM_FITCOLS : ts, rowsum, MS, scale,
+                          cvec);
 }
 
 /* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. P is
@@ -666,6 +757,10 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
                   int64_t Tc, int64_t ldS, int64_t d, int64_t n, int64_t tc, am_out *res,
                   am_acc *acc) {
     const float *S = ws->S;
+    /* the fit's row and column loops and its output product run in parallel over fixed blocks
+     * (the same sums in the same order at any thread count) when OpenBLAS is held at one thread
+     * (am_blas_hold: the products on oneDNN); with OpenBLAS threading its own calls, in turn */
+    const int par = kvrt_cpu_gemm_is_dnnl() && n >= 2 * AM_FITROWS;
     /* 3. key selection (+ weights for OMP) */
     int64_t ts;
     kvrt_nnls_info inf = {0};
@@ -684,7 +779,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         /* 4. NNLS for the weights, rows in relative terms: sum_j (P_ij / m_i) w_j ~ 1, so every
          * query's mass counts by its relative error (absolute terms let the flat, high-mass rows
          * dominate; measured worse on held-out queries). Columns scaled to unit norm. */
-        gather_cols(S, n, ldS, ws->sel, ts, ws->rowsum, ws->MS, ws->scale, ws->cvec);
+        gather_cols(S, n, ldS, ws->sel, ts, ws->rowsum, ws->MS, ws->scale, ws->cvec, par);
         cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)ts, (int)n, 1.0, ws->MS, (int)ts,
                     0.0, ws->G, (int)ts);
         for (int64_t a = 0; a < ts; a++) /* mirror: nnls_gram reads whole rows */
@@ -704,24 +799,35 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
      * floor, every selected key, beta = max(log w, floor) (core/am_plan.h) */
     const int64_t kept = kvrt_am_keep(o, ws->sel, ws->w, ts, &inf.status);
     /* 6. X = softmax(z_sel + beta) = P_sel w / rowsum; C_v by ridge least squares */
-    double *X = ws->MS;
-    double merr = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double s = 0;
-        double *xr = X + i * kept;
-        for (int64_t a = 0; a < kept; a++) {
-            xr[a] = (double)S[i * ldS + ws->sel[a]] * ws->w[a];
-            s += xr[a];
+    double *X = ws->MS, *rerr = ws->rerr;
+    const int64_t nrb = (n + AM_FITROWS - 1) / AM_FITROWS;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t b = 0; b < nrb; b++)
+        for (int64_t i = b * AM_FITROWS; i < n && i < (b + 1) * AM_FITROWS; i++) {
+            double s = 0;
+            double *xr = X + i * kept;
+            for (int64_t a = 0; a < kept; a++) {
+                xr[a] = (double)S[i * ldS + ws->sel[a]] * ws->w[a];
+                s += xr[a];
+            }
+            rerr[i] = fabs(s - ws->mass[i]) / ws->mass[i];
+            const double inv = s > 0 ? 1.0 / s : 0.0;
+            for (int64_t a = 0; a < kept; a++) xr[a] *= inv;
         }
-        merr += fabs(s - ws->mass[i]) / ws->mass[i];
-        const double inv = s > 0 ? 1.0 / s : 0.0;
-        for (int64_t a = 0; a < kept; a++) xr[a] *= inv;
-    }
+    double merr = 0;
+    for (int64_t i = 0; i < n; i++) merr += rerr[i];
     double *XtX = ws->G;
-    cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)kept, (int)n, 1.0, X, (int)kept, 0.0,
-                XtX, (int)kept); /* lower triangle: all ridge_solve (dposv 'L') reads */
-    cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)kept, (int)d, (int)n, 1.0, X,
-                (int)kept, ws->Y, (int)d, 0.0, ws->C, (int)d);
+    /* X^T X and X^T Y at once (two independent one-thread calls when par) */
+#pragma omp parallel for schedule(static, 1) num_threads(2) if (par)
+    for (int part = 0; part < 2; part++) {
+        if (part == 0)
+            cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)kept, (int)n, 1.0, X,
+                        (int)kept, 0.0, XtX, (int)kept); /* lower triangle: all ridge_solve
+                                                          * (dposv 'L') reads */
+        else
+            cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)kept, (int)d, (int)n, 1.0,
+                        X, (int)kept, ws->Y, (int)d, 0.0, ws->C, (int)d);
+    }
     int rc = kvrt_cpu_ridge_solve(XtX, ws->C, kept, d, o->ridge > 0 ? o->ridge : 1e-12);
     if (rc == KVRT_ERR_NOMEM) return KVRT_FAIL(rc, "kvrt_am_compact: out of memory");
     if (rc)
@@ -730,18 +836,23 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
                        (long long)k0, (long long)(k0 + Tc - 1), (long long)kept, o->ridge);
     /* 7. output error on the reference queries: |X C - Y| / |Y| per query (O = X C) */
     double *O = ws->Ob;
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)n, (int)d, (int)kept, 1.0, X,
-                (int)kept, ws->C, (int)d, 0.0, O, (int)d);
-    double oerr = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double num = 0, den = 0;
-        for (int64_t x = 0; x < d; x++) {
-            const double y = ws->Y[i * d + x], e = O[i * d + x] - y;
-            num += e * e;
-            den += y * y;
+#pragma omp parallel for schedule(static) if (par)
+    for (int64_t b = 0; b < nrb; b++) {
+        const int64_t i0 = b * AM_FITROWS, nb = n - i0 < AM_FITROWS ? n - i0 : AM_FITROWS;
+        cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)d, (int)kept, 1.0,
+                    X + i0 * kept, (int)kept, ws->C, (int)d, 0.0, O + i0 * d, (int)d);
+        for (int64_t i = i0; i < i0 + nb; i++) {
+            double num = 0, den = 0;
+            for (int64_t x = 0; x < d; x++) {
+                const double y = ws->Y[i * d + x], e = O[i * d + x] - y;
+                num += e * e;
+                den += y * y;
+            }
+            rerr[i] = sqrt(num) / (sqrt(den) + 1e-30);
         }
-        oerr += sqrt(num) / (sqrt(den) + 1e-30);
     }
+    double oerr = 0;
+    for (int64_t i = 0; i < n; i++) oerr += rerr[i];
     /* 8. append */
     for (int64_t a = 0; a < kept; a++) {
         const int64_t e = res->n + a, j = ws->sel[a];

@@ -355,7 +355,8 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
     if (o->m <= 0 || o->n <= 0) return 0;
 #if KVCC_WITH_DNNL
     const mm_prim key = {.m = o->m, .n = o->n, .k = o->k, .lda = o->lda, .ldb = o->ldb,
-                         .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .alpha = o->alpha};
+                         .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .exp = o->exp != 0,
+                         .alpha = o->alpha};
     mm_prim *p = __atomic_load_n(&bf16mm_on, __ATOMIC_RELAXED) ? mm_get(&key) : NULL;
     if (p != NULL) {
         const size_t sb = dnnl_memory_desc_get_size(&p->scratch);
@@ -375,6 +376,9 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
                                  .beta = 0.0f, .A = a, .B = b, .C = o->C, .lda = o->k,
                                  .ldb = cb, .ldc = o->ldc};
         op_run(&f, one_thread);
+        for (int i = 0; o->exp && i < o->m; i++)
+            for (int j = 0; j < o->n; j++)
+                o->C[(size_t)i * o->ldc + j] = expf(o->C[(size_t)i * o->ldc + j]);
     }
     free(a);
     free(b);

@@ -101,9 +101,10 @@ KVRT_INTERNAL uint64_t kvrt_cpu_expmm_runs(void);
 
 /* One product of bf16 operands (kvrt_cpu_bf16mm_batch): C (m, n) f32 = alpha A op(B), A (m, k)
  * in rows of lda, op(B) = B^T with B (n, k) rows of ldb when tb, else B (k, n) rows of ldb;
- * bf16 values as uint16_t (the high half of an f32). */
+ * bf16 values as uint16_t (the high half of an f32). exp: C = exp(alpha A op(B)) instead, the
+ * exponential in the kernel's epilogue (as kvrt_cpu_expmm; libm's expf on the widened path). */
 typedef struct {
-    int tb;
+    int tb, exp;
     int m, n, k;
     float alpha;
     const uint16_t *A, *B;
