@@ -9,7 +9,8 @@
 #   prefill 8k       build/bench/bench_prefill --tokens 8192 (fraction of the GEMM rate)
 #   CompilerKV       build/bench/bench_compilerkv --part 2 (window mass and the whole selection vs
 #                    the window GEMM, llama3-8b shapes, 32k)
-#   AM               bench/am_vs_scipy.sh (one head, T = 4096 and 16384, C vs numpy + scipy)
+#   AM               bench/am_vs_scipy.sh (one head, T = 4096 and 16384, C vs numpy + scipy; the C
+#                    compaction with f32 products and with bf16 products, kvrt_am_opts.products)
 #   capture          kvcc capture vs bench_prefill tokens/s on windows of the same length
 #
 # Usage: bench/cpu_goals.sh [--quick]   (--quick: fewer repetitions, about half the time)
@@ -89,6 +90,8 @@ REPS="$reps" bash bench/am_vs_scipy.sh | tee "$log/am.txt" | grep -E '^T '
 for T in 4096 16384; do
     a=$(sed -n "s/^T $T wall: .*(detected kernels: \([0-9.]*\)x faster).*/\1/p" "$log/am.txt" | head -1)
     row "AM compaction T=$T / numpy+scipy (wall)" "${a:--}x" ">= 10x" "$(judge "$a" 10 ge)"
+    b=$(sed -n "s/^T $T wall: .*(products bf16: \([0-9.]*\)x faster).*/\1/p" "$log/am.txt" | head -1)
+    row "AM compaction T=$T, --am-products bf16 / numpy+scipy (wall)" "${b:--}x" ">= 10x" "$(judge "$b" 10 ge)"
 done
 
 echo

@@ -584,12 +584,16 @@ static int64_t keys_rounded(int64_t nk, int64_t nmax) {
     const int64_t r = (nk + AM_KROUND - 1) / AM_KROUND * AM_KROUND;
     return r < nmax ? r : nmax;
 }
+/* The logits are written in dense rows (ldc = nk) at the start of the block's rows of S, and
+ * spread to the stride of S afterwards (bf16_logits): oneDNN 2.6 gives a bf16 product with rows
+ * of C wider than n its gemm:jit kernel, not the AMX brgemm one (one thread, 256 x 1024 x 64 into
+ * rows of 4096: 176 GFLOP/s against 327 dense), and causal blocks have nk < ldS. */
 static kvrt_bf16mm_op logit_op_bf16(const am_ws *ws, int64_t d, int64_t n, int64_t b, int64_t nk,
                                     float *S, int64_t ldS) {
     const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
     return (kvrt_bf16mm_op){.tb = 1, .m = (int)nb, .n = (int)nk, .k = (int)d,
                             .alpha = 1.0f / sqrtf((float)d), .A = ws->Qb + i0 * d, .lda = (int)d,
-                            .B = ws->Kb, .ldb = (int)d, .C = S + i0 * ldS, .ldc = (int)ldS};
+                            .B = ws->Kb, .ldb = (int)d, .C = S + i0 * ldS, .ldc = (int)nk};
 }
 static kvrt_bf16mm_op value_op_bf16(const am_ws *ws, int64_t ldS, int64_t d, int64_t n, int64_t b,
                                     int64_t nk, float *Yf) {
@@ -617,6 +621,26 @@ static float bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k,
         }
     }
     return vmax; /* max |v| of the chunk */
+}
+
+/* The logit products ops [n_ops] (logit_op_bf16), each followed by its rows moved from stride
+ * ldc to ldS in place (last row first: row r goes from r ldc to r ldS >= r ldc, past the rows
+ * still to move), one product per thread. */
+static int bf16_logits(const kvrt_bf16mm_op *ops, int64_t n_ops, int64_t ldS) {
+    int nomem = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : nomem) if (n_ops > 1)
+    for (int64_t b = 0; b < n_ops; b++) {
+        if (kvrt_cpu_bf16mm_batch(&ops[b], 1) != 0) {
+            nomem = 1;
+            continue;
+        }
+        const kvrt_bf16mm_op *o = &ops[b];
+        if (o->ldc != ldS)
+            for (int64_t r = o->m - 1; r > 0; r--)
+                memmove(o->C + r * ldS, o->C + r * o->ldc, sizeof(float) * (size_t)o->n);
+    }
+    return nomem ? KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (bf16 products)")
+                 : KVRT_OK;
 }
 
 static int bf16_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
@@ -674,7 +698,7 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
         }
     }
     if (ws->bf16) {
-        const int rc = bf16_batch(bops, nqb);
+        const int rc = bf16_logits(bops, nqb, Tc);
         if (rc) return rc;
     } else {
         kvrt_cpu_sgemm_batch(ops, nqb);
@@ -1000,7 +1024,7 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
         else ops[b] = logit_op(q, k, ld, a, d, n, b, vm, S, Tw);
     }
     int rc = KVRT_OK;
-    if (ws->bf16) rc = bf16_batch(bops, nqb);
+    if (ws->bf16) rc = bf16_logits(bops, nqb, Tw);
     else kvrt_cpu_sgemm_batch(ops, nqb);
     if (rc) {
         free(mx); free(div); free(common); free(Z);
