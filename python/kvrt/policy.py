@@ -439,30 +439,25 @@ class CompilerKV(_Handle):
 # Attention Matching
 
 _KEY_SELECT = {"highest": 0, "omp": 1}
-
-
-def _key_select(val):
-    if not isinstance(val, str):
-        return val
-    if val not in _KEY_SELECT:
-        raise KvrtError(ERR_ARG, f"kvrt: AM key_select: got {val!r}, expected 'highest' or 'omp'")
-    return _KEY_SELECT[val]
-
-
 _PRODUCTS = {"f32": 0, "bf16": 1}
 
 
-def _products(val):
-    if not isinstance(val, str):
-        return val
-    if val not in _PRODUCTS:
-        raise KvrtError(ERR_ARG, f"kvrt: AM products: got {val!r}, expected 'f32' or 'bf16'")
-    return _PRODUCTS[val]
+def _choice(name: str, table: Dict[str, int]):
+    """A converter for _fill_opts: a name in table to its code (codes pass through)."""
+    def conv(val):
+        if not isinstance(val, str):
+            return val
+        if val not in table:
+            names = " or ".join(repr(k) for k in table)
+            raise KvrtError(ERR_ARG, f"kvrt: AM {name}: got {val!r}, expected {names}")
+        return table[val]
+    return conv
 
 
 def _am_opts(base: Optional[_lib.kvrt_am_opts] = None, **kw) -> _lib.kvrt_am_opts:
     return _fill_opts(_lib.kvrt_am_opts, lib.kvrt_am_opts_init, base, "AM", kw,
-                      {"key_select": _key_select, "products": _products})
+                      {"key_select": _choice("key_select", _KEY_SELECT),
+                       "products": _choice("products", _PRODUCTS)})
 
 
 def _am_opts_dict(o: _lib.kvrt_am_opts) -> Dict[str, Any]:

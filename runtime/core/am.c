@@ -48,6 +48,31 @@ void kvrt_am_schedule_free(kvrt_am_schedule *s) {
     free(s);
 }
 
+/* An optional string item of section si that names one of names [n] (its index goes to *out;
+ * absent: *out unchanged). KVRT_ERR_FORMAT naming the item and the names for another type or
+ * value. */
+static int optional_choice(const kvpol_file *f, uint32_t si, const char *fn, const char *item,
+                           const char *const *names, int n, int *out) {
+    char list[96] = "";
+    for (int i = 0, len = 0; i < n && len < (int)sizeof list; i++)
+        len += snprintf(list + len, sizeof list - (size_t)len, "%s%s",
+                        i == 0 ? "" : i == n - 1 ? " or " : ", ", names[i]);
+    const char *v = NULL;
+    uint64_t vlen = 0;
+    const int g = kvpol_get_string(f, si, item, &v, &vlen);
+    if (g == KVPOL_ERR_NOT_FOUND) return KVRT_OK;
+    if (g)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected %s string (%s) where present "
+                         "(it is of another type)", fn, item, list);
+    for (int i = 0; i < n; i++)
+        if (vlen == strlen(names[i]) && !memcmp(v, names[i], vlen)) {
+            *out = i;
+            return KVRT_OK;
+        }
+    return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: %s '%.*s', expected %s", fn, item,
+                     (int)(vlen < 32 ? vlen : 32), v, list);
+}
+
 int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     const char *fn = "kvrt_am_open";
     if (out) *out = NULL;
@@ -125,23 +150,10 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: recent_frac %g, expected [0, 1)", fn,
                          recent_frac);
     /* optional: the reference-query source (absent: context, what ran before the item) */
+    static const char *const sources[] = {"context", "repeat", "self-study"};
     int query_source = KVRT_AM_QUERIES_CONTEXT;
-    const char *qsrc = NULL;
-    uint64_t qsrc_len = 0;
-    int g4 = kvpol_get_string(f, si, "query_source", &qsrc, &qsrc_len);
-    if (g4 && g4 != KVPOL_ERR_NOT_FOUND)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected query_source string (context, "
-                         "repeat or self-study) where present (it is of another type)", fn);
-    if (!g4) {
-        query_source = -1;
-        for (int qs = KVRT_AM_QUERIES_CONTEXT; qs <= KVRT_AM_QUERIES_SELF_STUDY; qs++)
-            if (qsrc_len == strlen(source_name(qs)) && !memcmp(qsrc, source_name(qs), qsrc_len))
-                query_source = qs;
-        if (query_source < 0)
-            return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: query_source '%.*s', expected "
-                             "context, repeat or self-study", fn,
-                             (int)(qsrc_len < 32 ? qsrc_len : 32), qsrc);
-    }
+    rc = optional_choice(f, si, fn, "query_source", sources, 3, &query_source);
+    if (rc) return rc;
     /* optional: OMP's keys per round (absent: 1, the plain greedy that ran before the item) */
     int64_t omp_batch = 1;
     int g5 = kvpol_get_i64(f, si, "omp_batch", &omp_batch);
@@ -152,20 +164,10 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: omp_batch %lld, expected 1..4096", fn,
                          (long long)omp_batch);
     /* optional: the products' precision (absent: f32, what ran before the item) */
+    static const char *const precisions[] = {"f32", "bf16"}; /* KVRT_AM_PRODUCTS_F32, _BF16 */
     int products = KVRT_AM_PRODUCTS_F32;
-    const char *prs = NULL;
-    uint64_t prl = 0;
-    int g6 = kvpol_get_string(f, si, "products", &prs, &prl);
-    if (g6 && g6 != KVPOL_ERR_NOT_FOUND)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected products string (f32 or bf16) "
-                         "where present (it is of another type)", fn);
-    if (!g6) {
-        if (prl == 3 && !memcmp(prs, "f32", 3)) products = KVRT_AM_PRODUCTS_F32;
-        else if (prl == 4 && !memcmp(prs, "bf16", 4)) products = KVRT_AM_PRODUCTS_BF16;
-        else
-            return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: products '%.*s', expected f32 or "
-                             "bf16", fn, (int)(prl < 32 ? prl : 32), prs);
-    }
+    rc = optional_choice(f, si, fn, "products", precisions, 2, &products);
+    if (rc) return rc;
     kvrt_am_schedule *s = calloc(1, sizeof *s);
     if (s) {
         s->targets = malloc(sizeof(double) * (size_t)tg.dims[0]);
