@@ -628,7 +628,9 @@ static float bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k,
  * still to move), one product per thread. */
 static int bf16_logits(const kvrt_bf16mm_op *ops, int64_t n_ops, int64_t ldS) {
     int nomem = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : nomem) if (n_ops > 1)
+    /* without oneDNN each product is OpenBLAS's, threaded by it: one after another */
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : nomem) \
+    if (n_ops > 1 && kvrt_cpu_gemm_is_dnnl())
     for (int64_t b = 0; b < n_ops; b++) {
         if (kvrt_cpu_bf16mm_batch(&ops[b], 1) != 0) {
             nomem = 1;
@@ -683,7 +685,8 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
     kvrt_bf16mm_op *bops = ws->bops;
     const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
     /* bf16: the exponential in the logit product (am_redo) unless the values are so large
-     * that P V could leave the float range (|v| > 1e10: e^60 * 1e10 * Tc) */
+     * that P V could leave the float range (a row of P V is at most its mass, <= e^60, times
+     * max |v|: past 1e10 that nears FLT_MAX / 100) */
     const int exp_in = ws->bf16 && bf16_operands(ws, q, n, k, v, ld, k0, Tc, d) <= 1e10f;
     const am_redo redo = {ws->Qb, ws->Kb, d, 1.0f / sqrtf((float)d)};
     for (int64_t b = 0; b < nqb; b++) {

@@ -126,7 +126,9 @@ void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
 struct kvrt_cpu_expmm {
     int m, n, k, lda, ldb, ldc, tb, bf16, exp;
     float alpha;
-    int cached; /* 1: owned by mm_cache (kvrt_cpu_expmm_put leaves it) */
+    int cached;    /* 1: owned by mm_cache (kvrt_cpu_expmm_put hands the reference back) */
+    int refs;      /* cached: the gets not yet put (an entry in use is never evicted) */
+    uint64_t used; /* cached: the table's clock at the last get (eviction: least recent) */
 #if KVCC_WITH_DNNL
     dnnl_primitive_t prim;
     dnnl_memory_desc_t a, b, c, scratch;
@@ -150,10 +152,12 @@ int kvrt_cpu_expmm_enable(int on) {
 
 #if KVCC_WITH_DNNL
 /* Primitives are kept for the process (a shape is a few hundred microseconds to build, the
- * window mass runs it per chunk, Attention Matching per query block); past the table, each get
- * builds one for its caller alone (the same primitive, so the same results). The window mass uses
- * one or two shapes per call; Attention Matching's bf16 products one per (block rows, keys
- * rounded up to 256, row stride) of a chunk size. */
+ * window mass runs it per chunk, Attention Matching per query block). The window mass uses one or
+ * two shapes per call; Attention Matching's bf16 products one per (block rows, keys rounded up to
+ * 256, row stride) of a chunk size, so contexts of many lengths bring new shapes: a full table
+ * evicts its least recently used entry that no caller holds, and a shape oneDNN has no kernel
+ * for is kept as such (NULL prim: not built again on every call). Builds run outside the lock;
+ * the same shape gives the same primitive, so the same results, whichever entry runs. */
 #define MM_CACHE 128
 static pthread_mutex_t mm_mu = PTHREAD_MUTEX_INITIALIZER;
 static mm_prim *mm_cache[MM_CACHE];
@@ -224,23 +228,69 @@ static int mm_same(const mm_prim *a, const mm_prim *b) {
            a->exp == b->exp && memcmp(&a->alpha, &b->alpha, sizeof a->alpha) == 0;
 }
 
-/* The cached primitive of key's shape (built on first use), or one for the caller alone (cached
- * 0) past the table; NULL when oneDNN has none. */
+static uint64_t mm_clock;
+
+/* The cached primitive of key's shape (built on first use; a reference the caller hands back with
+ * mm_put), or one for the caller alone (cached 0) when every entry is in use; NULL when oneDNN
+ * has no kernel for the shape. */
 static mm_prim *mm_get(const mm_prim *key) {
     pthread_mutex_lock(&mm_mu);
-    int i = 0;
-    for (; i < MM_CACHE && mm_cache[i]; i++)
-        if (mm_same(mm_cache[i], key)) break;
-    mm_prim *p = i < MM_CACHE ? mm_cache[i] : NULL;
-    if (p == NULL) {
-        p = mm_build(key); /* under the lock: built once per shape */
-        if (p && i < MM_CACHE) {
-            p->cached = 1;
-            mm_cache[i] = p;
-        }
+    for (int i = 0; i < MM_CACHE && mm_cache[i]; i++) {
+        mm_prim *c = mm_cache[i];
+        if (!mm_same(c, key)) continue;
+        c->used = ++mm_clock;
+        if (c->prim) c->refs++;
+        pthread_mutex_unlock(&mm_mu);
+        return c->prim ? c : NULL;
     }
     pthread_mutex_unlock(&mm_mu);
+    mm_prim *p = mm_build(key); /* outside the lock: other shapes keep running */
+    if (p == NULL && (p = calloc(1, sizeof *p)) != NULL) *p = *key; /* "no kernel" entry */
+    if (p == NULL) return NULL;
+    mm_prim *victim = NULL, *hit = NULL;
+    pthread_mutex_lock(&mm_mu);
+    int slot = -1;
+    for (int i = 0; i < MM_CACHE && !hit; i++) {
+        mm_prim *c = mm_cache[i];
+        if (c == NULL) { /* the table fills from the front: the rest is empty */
+            slot = i;
+            break;
+        }
+        if (mm_same(c, key)) hit = c; /* built by another thread meanwhile */
+        else if (c->refs == 0 && (slot < 0 || (mm_cache[slot] && c->used < mm_cache[slot]->used)))
+            slot = i;
+    }
+    if (hit) {
+        hit->used = ++mm_clock;
+        if (hit->prim) hit->refs++;
+        victim = p;
+        p = hit->prim ? hit : NULL;
+    } else if (slot >= 0) {
+        victim = mm_cache[slot];
+        p->cached = 1;
+        p->used = ++mm_clock;
+        if (p->prim) p->refs = 1;
+        mm_cache[slot] = p;
+        if (!p->prim) p = NULL;
+    } else if (!p->prim) { /* every entry in use: a "no kernel" answer is not kept */
+        victim = p;
+        p = NULL;
+    }
+    pthread_mutex_unlock(&mm_mu);
+    mm_destroy(victim);
     return p;
+}
+
+/* Hands back a reference from mm_get (destroys a primitive that was the caller's alone). */
+static void mm_put(mm_prim *p) {
+    if (p == NULL) return;
+    if (!p->cached) {
+        mm_destroy(p);
+        return;
+    }
+    pthread_mutex_lock(&mm_mu);
+    p->refs--;
+    pthread_mutex_unlock(&mm_mu);
 }
 
 /* Runs p on the calling thread; nonzero when oneDNN could not allocate a stream or a memory
@@ -287,7 +337,7 @@ kvrt_cpu_expmm *kvrt_cpu_expmm_get(int m, int n, int k, int ldc, float alpha) {
 
 void kvrt_cpu_expmm_put(kvrt_cpu_expmm *p) {
 #if KVCC_WITH_DNNL
-    if (p && !p->cached) mm_destroy(p);
+    mm_put(p);
 #else
     (void)p;
 #endif
@@ -335,16 +385,36 @@ static float *widen_rows(const uint16_t *src, int rows, int cols, int ld) {
 #if KVCC_WITH_DNNL
 /* A scratch buffer of at least `bytes` for the calling thread, kept for its next call (oneDNN's
  * bf16 kernels pack B into it; a fresh buffer per product cost 8% of Attention Matching's CPU
- * time in page faults). One per thread, grown when needed, never freed (the threads are
- * OpenMP's, which live as long as the process). NULL when out of memory. */
-static _Thread_local struct { void *p; size_t n; } tl_scratch;
+ * time in page faults). One per thread, grown when needed, freed when the thread exits (a
+ * pthread key's destructor; OpenMP's threads live as long as the process). NULL when out of
+ * memory. */
+typedef struct { void *p; size_t n; } thread_buf;
+static pthread_key_t tl_key;
+static pthread_once_t tl_once = PTHREAD_ONCE_INIT;
+static int tl_ok;
+static void tl_free(void *v) {
+    thread_buf *b = v;
+    free(b->p);
+    free(b);
+}
+static void tl_init(void) { tl_ok = pthread_key_create(&tl_key, tl_free) == 0; }
 static void *thread_scratch(size_t bytes) {
-    if (tl_scratch.n < bytes) {
-        free(tl_scratch.p);
-        tl_scratch.p = malloc(bytes);
-        tl_scratch.n = tl_scratch.p ? bytes : 0;
+    pthread_once(&tl_once, tl_init);
+    if (!tl_ok) return NULL;
+    thread_buf *b = pthread_getspecific(tl_key);
+    if (b == NULL) {
+        if ((b = calloc(1, sizeof *b)) == NULL) return NULL;
+        if (pthread_setspecific(tl_key, b) != 0) {
+            free(b);
+            return NULL;
+        }
     }
-    return tl_scratch.p;
+    if (b->n < bytes) {
+        free(b->p);
+        b->p = malloc(bytes);
+        b->n = b->p ? bytes : 0;
+    }
+    return b->p;
 }
 #endif
 
@@ -361,8 +431,12 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
     if (p != NULL) {
         const size_t sb = dnnl_memory_desc_get_size(&p->scratch);
         void *scr = sb ? thread_scratch(sb) : NULL;
-        const int bad = (sb && scr == NULL) || mm_run(p, o->A, o->B, o->C, scr);
-        if (!p->cached) mm_destroy(p);
+        if (sb && scr == NULL) { /* not the widened path: it would round the sums apart */
+            mm_put(p);
+            return -1;
+        }
+        const int bad = mm_run(p, o->A, o->B, o->C, scr);
+        mm_put(p);
         if (!bad) {
             __atomic_add_fetch(&bf16mm_runs, 1, __ATOMIC_RELAXED);
             return 0;

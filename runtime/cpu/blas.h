@@ -80,8 +80,10 @@ KVRT_INTERNAL const char *kvrt_cpu_gemm_name(void);
  * dense B gets that kernel (a strided B gets gemm:jit with the exp as a second pass), so callers
  * copy strided rows first.
  * kvrt_cpu_expmm_get returns the primitive for a shape, built once per process per shape (a
- * table of 32; past it the caller gets its own, freed by _put) and safe to run from several
- * threads at once, each with its own scratch of kvrt_cpu_expmm_scratch_bytes. NULL when libkvrt
+ * table of 128 shared with the bf16 products, least recently used entries evicted; when every
+ * entry is in use the caller gets its own), to hand back with kvrt_cpu_expmm_put after its runs,
+ * and safe to run from several threads at once, each with its own scratch of
+ * kvrt_cpu_expmm_scratch_bytes. NULL when libkvrt
  * has no oneDNN (USE_DNNL=0), when oneDNN refuses the shape, or after kvrt_cpu_expmm_enable(0):
  * the caller then takes its path without it. kvrt_cpu_expmm_run computes on the calling thread
  * (inside or outside a parallel region); which kernel runs depends on the shape and the CPU only,

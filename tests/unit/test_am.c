@@ -1472,6 +1472,8 @@ Test(am, bf16_products_paths_agree) {
                                        KVRT_DTYPE_F32, &bk, sk), KVRT_OK);
     cr_log_info("am bf16: %llu products on oneDNN's bf16 kernel (%s)",
                 (unsigned long long)(kvrt_cpu_bf16mm_runs() - runs), kvrt_cpu_gemm_name());
+    if (kvrt_cpu_gemm_is_dnnl() && __builtin_cpu_supports("avx512bf16"))
+        cr_assert_gt(kvrt_cpu_bf16mm_runs(), runs, "oneDNN on a bf16 CPU, yet no bf16 kernel ran");
     const int prev = kvrt_cpu_bf16mm_enable(0);
     cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
                                        KVRT_DTYPE_F32, &bw, sw), KVRT_OK);
@@ -1523,7 +1525,8 @@ Test(am, bf16_products_paths_agree) {
  * (logits ~ -106: exp is 0), the rest are plain. The inputs are bf16 values, so the f32 path
  * (which shifts every row) computes the same logits up to the order of the sums, and the two
  * differ by P's rounding to bf16 for P V: the same counts, the output and mass errors within
- * 0.005, at least 90% of the keys the same, per chunk size; the outputs finite. */
+ * 0.005, at least 90% of the keys the same, per chunk size, and with values past 1e10 (no exp in
+ * the product); the outputs finite. */
 Test(am, bf16_products_rows_past_the_float_range) {
     uint64_t s = 91;
     enum { T = 600, H = 3, HKV = 1, D = 32 };
@@ -1545,10 +1548,13 @@ Test(am, bf16_products_rows_past_the_float_range) {
         k[x] = kvrt_bf16_to_f32(kvrt_f32_to_bf16(k[x]));
         v[x] = kvrt_bf16_to_f32(kvrt_f32_to_bf16(v[x]));
     }
-    for (int c = 0; c < 2; c++) {
+    for (int c = 0; c < 3; c++) {
         kvrt_am_opts o;
         kvrt_am_opts_init(&o);
         o.chunk = c ? 4096 : 256;
+        if (c == 2) /* |v| ~ 2^37 > 1e10: the bf16 path without the exp in the product (exact
+                     * in bf16: a power of two) */
+            for (int x = 0; x < T * HKV * D; x++) v[x] *= 137438953472.0f;
         kvrt_cache *f = NULL, *b = NULL;
         kvrt_am_stats sf[HKV], sb[HKV];
         cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
@@ -1577,4 +1583,47 @@ Test(am, bf16_products_rows_past_the_float_range) {
         kvrt_cache_free(b);
     }
     free(q); free(k); free(v); free(u);
+}
+
+/* With bf16 products and with f32 products, at enough reference queries that the fit runs its
+ * parallel blocks (n >= 1024), a layer compaction is byte-identical at 1 and 2 OpenMP threads. */
+Test(am, thread_count_invariant_with_parallel_fit) {
+    uint64_t s = 93;
+    enum { T = 1500, H = 6, HKV = 2, D = 32 };
+    float *q = randn_f(T * H * D, &s, 1.5), *k = randn_f(T * HKV * D, &s, 1.0);
+    float *v = randn_f(T * HKV * D, &s, 1.0);
+    for (int pr = 0; pr < 2; pr++)
+        for (int sel = 0; sel < 2; sel++) {
+            kvrt_am_opts o;
+            kvrt_am_opts_init(&o);
+            o.products = pr ? KVRT_AM_PRODUCTS_BF16 : KVRT_AM_PRODUCTS_F32;
+            o.key_select = sel ? KVRT_AM_SELECT_OMP : KVRT_AM_SELECT_HIGHEST;
+            o.max_queries = 2048;
+            o.chunk = 1024;
+            kvrt_cache *c[2];
+            kvrt_am_stats st[2][HKV];
+            for (int t = 0; t < 2; t++) {
+                const int prev = omp_get_max_threads();
+                omp_set_num_threads(t + 1);
+                const int rc = kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL,
+                                                     0.1, KVRT_DTYPE_F32, &c[t], st[t]);
+                omp_set_num_threads(prev);
+                cr_assert_eq(rc, KVRT_OK, "%s", kvrt_last_error()->msg);
+            }
+            const int64_t ne = c[0]->n_entries;
+            cr_assert_eq(c[1]->n_entries, ne);
+            cr_assert_eq(memcmp(c[0]->positions, c[1]->positions, sizeof(int32_t) * (size_t)ne), 0);
+            cr_assert_eq(memcmp(c[0]->keys, c[1]->keys, sizeof(float) * (size_t)(ne * D)), 0);
+            cr_assert_eq(memcmp(c[0]->values, c[1]->values, sizeof(float) * (size_t)(ne * D)), 0,
+                         "products %s, %s: values differ between 1 and 2 threads",
+                         pr ? "bf16" : "f32", sel ? "omp" : "highest");
+            cr_assert_eq(memcmp(c[0]->bias, c[1]->bias, sizeof(float) * (size_t)ne), 0);
+            for (int h = 0; h < HKV; h++) {
+                cr_assert_eq(st[0][h].out_relerr, st[1][h].out_relerr);
+                cr_assert_eq(st[0][h].mass_relerr, st[1][h].mass_relerr);
+            }
+            kvrt_cache_free(c[0]);
+            kvrt_cache_free(c[1]);
+        }
+    free(q); free(k); free(v);
 }

@@ -136,7 +136,9 @@ Test(blas, expmm_is_exp_of_the_product) {
                  "kvrt_cpu_expmm_get: %s with products on %s", p ? "available" : "NULL",
                  kvrt_cpu_gemm_name());
     if (p == NULL) return;
-    cr_expect_eq(kvrt_cpu_expmm_get(m, n, k, ldc, alpha), p, "the shape's primitive is not cached");
+    kvrt_cpu_expmm *p2 = kvrt_cpu_expmm_get(m, n, k, ldc, alpha);
+    cr_expect_eq(p2, p, "the shape's primitive is not cached");
+    kvrt_cpu_expmm_put(p2);
     uint64_t s = 17;
     float *A = rand_buf((size_t)m * k, &s), *B = rand_buf((size_t)n * k, &s);
     const size_t nc = (size_t)m * ldc;
@@ -182,19 +184,23 @@ static double f_of_bf16(uint16_t h) {
 
 /* kvrt_cpu_bf16mm_batch: every product of a batch (both transposes, leading dimensions wider
  * than the rows, alpha) against the double product of its bf16 operands, within 1e-5 of the
- * largest |C| (f32 sums of exact bf16 x bf16 products); on oneDNN's bf16 kernel (where it runs:
- * counted by kvrt_cpu_bf16mm_runs) and on the widened f32 path (kvrt_cpu_bf16mm_enable(0)); the
- * two agree within the same bound, and the batch at 1 and 2 threads is bit-identical. */
+ * largest |C| (f32 sums of exact bf16 x bf16 products), with the exponential in the epilogue too;
+ * on oneDNN's bf16 kernel (required to run on a CPU with AVX512-BF16: counted by
+ * kvrt_cpu_bf16mm_runs) and on the widened f32 path (kvrt_cpu_bf16mm_enable(0)); the batch at 1
+ * and 2 threads is bit-identical. */
 Test(blas, bf16mm_is_the_product_of_the_rounded_operands) {
-    enum { NOPS = 6 };
-    const int shapes[NOPS][4] = {{256, 300, 64, 1}, {37, 128, 520, 0}, {1, 1, 1, 1},
-                                 {64, 512, 128, 1}, {200, 64, 256, 0}, {5, 17, 33, 0}};
+    enum { NOPS = 8 };
+    /* m, n, k, tb, exp (C = exp(alpha A op(B)): small k and alpha keep it in range) */
+    const int shapes[NOPS][5] = {{256, 300, 64, 1, 0}, {37, 128, 520, 0, 0}, {1, 1, 1, 1, 0},
+                                 {64, 512, 128, 1, 0}, {200, 64, 256, 0, 0}, {5, 17, 33, 0, 0},
+                                 {256, 512, 64, 1, 1}, {30, 70, 16, 1, 1}};
     uint64_t s = 23;
     kvrt_bf16mm_op ops[NOPS];
     uint16_t *A[NOPS], *B[NOPS];
     float *want[NOPS], *C[3][NOPS];
     for (int o = 0; o < NOPS; o++) {
-        const int m = shapes[o][0], n = shapes[o][1], k = shapes[o][2], tb = shapes[o][3];
+        const int m = shapes[o][0], n = shapes[o][1], k = shapes[o][2], tb = shapes[o][3],
+                  ex = shapes[o][4];
         const int lda = k + 8, ldb = (tb ? k : n) + 16, ldc = n + 3, rb = tb ? n : k;
         A[o] = malloc(sizeof(uint16_t) * (size_t)m * lda);
         B[o] = malloc(sizeof(uint16_t) * (size_t)rb * ldb);
@@ -202,16 +208,16 @@ Test(blas, bf16mm_is_the_product_of_the_rounded_operands) {
         for (int r = 0; r < 3; r++) C[r][o] = calloc((size_t)m * ldc, sizeof(float));
         for (int x = 0; x < m * lda; x++) A[o][x] = bf16_of(rng_uniform(&s, -2.0f, 2.0f));
         for (int x = 0; x < rb * ldb; x++) B[o][x] = bf16_of(rng_uniform(&s, -2.0f, 2.0f));
-        const float alpha = o % 2 ? 1.0f : 0.125f;
+        const float alpha = ex ? 0.05f : o % 2 ? 1.0f : 0.125f;
         for (int i = 0; i < m; i++)
             for (int j = 0; j < n; j++) {
                 double acc = 0;
                 for (int p = 0; p < k; p++)
                     acc += f_of_bf16(A[o][i * lda + p]) *
                            f_of_bf16(tb ? B[o][j * ldb + p] : B[o][p * ldb + j]);
-                want[o][i * ldc + j] = (float)(alpha * acc);
+                want[o][i * ldc + j] = (float)(ex ? exp(alpha * acc) : alpha * acc);
             }
-        ops[o] = (kvrt_bf16mm_op){.tb = tb, .m = m, .n = n, .k = k, .alpha = alpha, .A = A[o],
+        ops[o] = (kvrt_bf16mm_op){.tb = tb, .exp = ex, .m = m, .n = n, .k = k, .alpha = alpha, .A = A[o],
                                   .B = B[o], .lda = lda, .ldb = ldb, .ldc = ldc};
     }
     /* r = 0: the default path, 1: the same at one thread, 2: widened to f32 */
@@ -240,6 +246,9 @@ Test(blas, bf16mm_is_the_product_of_the_rounded_operands) {
                         kvrt_cpu_gemm_name());
             if (!kvrt_cpu_gemm_is_dnnl())
                 cr_expect_eq(kvrt_cpu_bf16mm_runs(), runs, "no oneDNN, yet its kernel ran");
+            else if (__builtin_cpu_supports("avx512bf16")) /* AMX CPUs have it too */
+                cr_expect_eq(kvrt_cpu_bf16mm_runs() - runs, (uint64_t)NOPS,
+                             "oneDNN with a bf16 CPU: every product on its bf16 kernel");
         }
         for (int o = 0; o < NOPS; o++) {
             const double e = max_rel(C[r][o], want[o], ops[o].m, ops[o].n, ops[o].ldc);
@@ -255,6 +264,39 @@ Test(blas, bf16mm_is_the_product_of_the_rounded_operands) {
         free(A[o]); free(B[o]); free(want[o]);
         for (int r = 0; r < 3; r++) free(C[r][o]);
     }
+}
+
+/* More shapes than the primitive table holds (128): every get still returns a primitive that
+ * computes its product, a held primitive is never evicted (its shape's next get returns it), and
+ * a shape evicted earlier is built again. */
+Test(blas, primitive_table_evicts_least_recent) {
+    if (!kvrt_cpu_gemm_is_dnnl()) return; /* no table without oneDNN */
+    const int n = 32, k = 8, NS = 200;
+    uint64_t s = 29;
+    float *A = rand_buf((size_t)NS * k, &s), *B = rand_buf((size_t)n * k, &s);
+    float *C = malloc(sizeof(float) * (size_t)NS * n);
+    kvrt_cpu_expmm *held = kvrt_cpu_expmm_get(1, n, k, n, 0.5f);
+    cr_assert_not_null(held);
+    for (int m = 2; m <= NS; m++) {
+        kvrt_cpu_expmm *p = kvrt_cpu_expmm_get(m, n, k, n, 0.5f);
+        cr_assert_not_null(p, "shape %d", m);
+        void *scr = malloc(kvrt_cpu_expmm_scratch_bytes(p) + 64);
+        kvrt_cpu_expmm_run(p, A, B, C, scr);
+        double z = 0;
+        for (int x = 0; x < k; x++) z += (double)A[(m - 1) * k + x] * B[x];
+        const double want = exp(0.5 * z);
+        cr_assert(fabs(C[(m - 1) * n] - want) <= 1e-5 * want, "shape %d: %g, expected %g", m,
+                  (double)C[(m - 1) * n], want);
+        free(scr);
+        kvrt_cpu_expmm_put(p);
+    }
+    cr_expect_eq(kvrt_cpu_expmm_get(1, n, k, n, 0.5f), held, "a held primitive was evicted");
+    kvrt_cpu_expmm_put(held);
+    kvrt_cpu_expmm_put(held);
+    kvrt_cpu_expmm *again = kvrt_cpu_expmm_get(2, n, k, n, 0.5f); /* evicted: built again */
+    cr_assert_not_null(again);
+    kvrt_cpu_expmm_put(again);
+    free(A); free(B); free(C);
 }
 
 /* kvrt_cpu_scratch_alloc / _free: a freed large buffer serves the next request that fits (no
