@@ -105,6 +105,7 @@ typedef struct {
                      * order (computed per pick: H itself, Tc x Tc, is never formed) */
     double *colsum; /* [Tc] column statistics */
     kvrt_sgemm_op *ops; /* [2 * ceil(n / AM_QBLK)] the f32 products of am_prep */
+    int want_err;   /* the caller asked for statistics: the fit forms X C_v for the output error */
     /* products in bf16 (kvrt_am_opts.products): the operands rounded to bf16 */
     int bf16;
     uint16_t *Qb;   /* [n, d] the reference queries */
@@ -861,10 +862,11 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         return KVRT_FAIL(rc, "kvrt_am_compact: the values' least squares is singular "
                            "(keys %lld..%lld, %lld entries, ridge %g)",
                        (long long)k0, (long long)(k0 + Tc - 1), (long long)kept, o->ridge);
-    /* 7. output error on the reference queries: |X C - Y| / |Y| per query (O = X C) */
+    /* 7. output error on the reference queries: |X C - Y| / |Y| per query (O = X C), when the
+     * caller asked for statistics (a serving call without them skips the n x t x d product) */
     double *O = ws->Ob;
 #pragma omp parallel for schedule(static) if (par)
-    for (int64_t b = 0; b < nrb; b++) {
+    for (int64_t b = 0; b < (ws->want_err ? nrb : 0); b++) { /* only for the statistics */
         const int64_t i0 = b * AM_FITROWS, nb = n - i0 < AM_FITROWS ? n - i0 : AM_FITROWS;
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)d, (int)kept, 1.0,
                     X + i0 * kept, (int)kept, ws->C, (int)d, 0.0, O + i0 * d, (int)d);
@@ -879,7 +881,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         }
     }
     double oerr = 0;
-    for (int64_t i = 0; i < n; i++) oerr += rerr[i];
+    for (int64_t i = 0; ws->want_err && i < n; i++) oerr += rerr[i];
     /* 8. append */
     for (int64_t a = 0; a < kept; a++) {
         const int64_t e = res->n + a, j = ws->sel[a];
@@ -1111,6 +1113,7 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
         wp = &own;
     }
 #define ws (*wp)
+    ws.want_err = st != NULL;
     /* causal reference queries: per chunk, the rows that see at least its first key */
     float *qb = qpos ? malloc(sizeof(float) * (size_t)(n * d)) : NULL;
     int32_t *pb = qpos ? malloc(sizeof(int32_t) * (size_t)n) : NULL;

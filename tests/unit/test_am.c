@@ -1586,7 +1586,8 @@ Test(am, bf16_products_rows_past_the_float_range) {
 }
 
 /* With bf16 products and with f32 products, at enough reference queries that the fit runs its
- * parallel blocks (n >= 1024), a layer compaction is byte-identical at 1 and 2 OpenMP threads. */
+ * parallel blocks (n >= 1024), a layer compaction is byte-identical at 1 and 2 OpenMP threads,
+ * and without statistics. */
 Test(am, thread_count_invariant_with_parallel_fit) {
     uint64_t s = 93;
     enum { T = 1500, H = 6, HKV = 2, D = 32 };
@@ -1622,6 +1623,15 @@ Test(am, thread_count_invariant_with_parallel_fit) {
                 cr_assert_eq(st[0][h].out_relerr, st[1][h].out_relerr);
                 cr_assert_eq(st[0][h].mass_relerr, st[1][h].mass_relerr);
             }
+            /* without statistics (the fit skips the output product): the same entries */
+            kvrt_cache *c2 = NULL;
+            cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
+                                               KVRT_DTYPE_F32, &c2, NULL), KVRT_OK);
+            cr_assert_eq(c2->n_entries, ne);
+            cr_assert_eq(memcmp(c[0]->values, c2->values, sizeof(float) * (size_t)(ne * D)), 0,
+                         "values differ without statistics");
+            cr_assert_eq(memcmp(c[0]->bias, c2->bias, sizeof(float) * (size_t)ne), 0);
+            kvrt_cache_free(c2);
             kvrt_cache_free(c[0]);
             kvrt_cache_free(c[1]);
         }
