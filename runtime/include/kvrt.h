@@ -497,8 +497,9 @@ typedef struct {
  * stack chooses), q_pos [n] the position of each reference query (it sees keys j <= q_pos[i],
  * as in the model's causal prefill; RoPE'd queries attending to keys ahead of them are out of
  * distribution) or NULL (every query sees every key), 1 <= t <= T. *out: a new host cache with
- * one KV head of at most t entries, dtype f32, f16 or bf16. stats may be NULL. KVRT_ERR_ARG also when
- * no reference query sees some chunk. */
+ * one KV head of at most t entries, dtype f32, f16 or bf16. stats may be NULL (then the CPU
+ * backend skips the product only its out_relerr needs; the entries are the same). KVRT_ERR_ARG
+ * also when no reference query sees some chunk. */
 int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
                     uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
                     int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats);
