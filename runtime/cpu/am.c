@@ -20,6 +20,9 @@
  * Precision: logits and P = exp(z - rowmax) in f32 (P in [0, 1]); masses, the NNLS and the
  * values' least squares in double.
  */
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -1424,44 +1427,89 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
      * entirely, e.g. n = 2T/3 of 3T never picks the third). Ascending rows. */
     const int64_t n_all = nq * G;
     const int64_t n = o->max_queries > 0 && o->max_queries < n_all ? o->max_queries : n_all;
-    float *qr = malloc(sizeof(float) * (size_t)(n * d));
-    int32_t *qp = malloc(sizeof(int32_t) * (size_t)n);
+    /* The KV heads side by side, one per thread with its own workspace, where the products run on
+     * oneDNN (OpenBLAS held at one thread) and no enclosing parallel region holds the team: each
+     * head's fit (NNLS, double products, gather at t up to half a chunk) runs on one thread, and
+     * in kvcc compile it was three quarters of the pass. Inside a head every step then runs on its
+     * thread (nested regions are inactive); a head's result does not depend on which thread or
+     * how many threads compute it. Workspaces that cannot be allocated leave fewer threads. */
+    int nw = 1;
+#ifdef _OPENMP
+    if (kvrt_cpu_gemm_is_dnnl() && !omp_in_parallel() && Hkv > 1) {
+        const int mt = omp_get_max_threads();
+        nw = (int)(mt < Hkv ? mt : Hkv);
+        if (nw > 16) nw = 16;
+    }
+#endif
+    typedef struct {
+        am_ws ws;
+        float *qr;
+        int32_t *qp;
+        kvrt_am_stats *hst;
+        int have_ws;
+    } head_slot;
+    head_slot slot[16];
+    memset(slot, 0, sizeof slot);
     am_out *res = calloc((size_t)(Hkv * ns), sizeof *res);
-    int ok = qr && qp && res;
+    int ok = res != NULL;
     for (int64_t e = 0; ok && e < Hkv * ns; e++) ok = out_alloc(&res[e], tb[e], d) == 0;
     if (!ok) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    kvrt_am_stats *hst = NULL;
-    if (rc == KVRT_OK && stats) {
-        hst = calloc((size_t)ns, sizeof *hst);
-        if (!hst) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
-    }
-    /* one workspace for every head of the layer, sized for the largest budget */
-    am_ws lws;
-    int have_ws = 0;
-    if (rc == KVRT_OK) {
-        const int64_t chunk = chunk_of(o, T);
-        if (am_ws_alloc(&lws, n, chunk, chunk_tmax(o, T, (int)(Hkv * ns), tb), d,
-                        o->key_select == KVRT_AM_SELECT_OMP,
-                        o->products == KVRT_AM_PRODUCTS_BF16) != 0)
-            rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld queries x %lld keys per chunk)",
-                           fn, (long long)n, (long long)chunk);
-        else
-            have_ws = 1;
-    }
-    const int blas = am_blas_hold();
-    for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
-        for (int64_t i = 0; i < n; i++) {
-            int64_t tok, g;
-            kvrt_am_ref_row(i, n, n_all, nq, G, &tok, &g);
-            memcpy(qr + i * d, qs + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
-            qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;
+    const int64_t chunk = chunk_of(o, T);
+    for (int w = 0; rc == KVRT_OK && w < nw; w++) {
+        head_slot *sl = &slot[w];
+        sl->qr = malloc(sizeof(float) * (size_t)(n * d));
+        sl->qp = malloc(sizeof(int32_t) * (size_t)n);
+        sl->hst = stats ? calloc((size_t)ns, sizeof *sl->hst) : NULL;
+        sl->have_ws = sl->qr && sl->qp && (!stats || sl->hst) &&
+                      am_ws_alloc(&sl->ws, n, chunk, chunk_tmax(o, T, (int)(Hkv * ns), tb), d,
+                                  o->key_select == KVRT_AM_SELECT_OMP,
+                                  o->products == KVRT_AM_PRODUCTS_BF16) == 0;
+        if (!sl->have_ws) {
+            free(sl->qr); free(sl->qp); free(sl->hst);
+            sl->qr = NULL; sl->qp = NULL; sl->hst = NULL;
+            if (w == 0)
+                rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld queries x %lld keys per "
+                               "chunk)", fn, (long long)n, (long long)chunk);
+            nw = w; /* the workspaces that exist */
         }
-        rc = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, qr, q_ref && !q_pos ? NULL : qp, n,
-                     (int)ns, tb + h * ns, res + h * ns, hst, &lws);
-        for (int64_t si = 0; hst && si < ns; si++) stats[si * Hkv + h] = hst[si];
+    }
+    int *hrc = rc == KVRT_OK ? calloc((size_t)Hkv, sizeof *hrc) : NULL;
+    kvrt_error *herr = rc == KVRT_OK ? calloc((size_t)Hkv, sizeof *herr) : NULL;
+    if (rc == KVRT_OK && (!hrc || !herr)) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    const int blas = am_blas_hold();
+    if (rc == KVRT_OK) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nw) if (nw > 1)
+        for (int64_t h = 0; h < Hkv; h++) {
+#ifdef _OPENMP
+            head_slot *sl = &slot[nw > 1 ? omp_get_thread_num() : 0];
+#else
+            head_slot *sl = &slot[0];
+#endif
+            for (int64_t i = 0; i < n; i++) {
+                int64_t tok, g;
+                kvrt_am_ref_row(i, n, n_all, nq, G, &tok, &g);
+                memcpy(sl->qr + i * d, qs + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
+                sl->qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;
+            }
+            hrc[h] = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, sl->qr,
+                             q_ref && !q_pos ? NULL : sl->qp, n, (int)ns, tb + h * ns,
+                             res + h * ns, sl->hst, &sl->ws);
+            if (hrc[h] != KVRT_OK) herr[h] = *kvrt_tls_err(); /* this thread's message */
+            for (int64_t si = 0; sl->hst && si < ns; si++) stats[si * Hkv + h] = sl->hst[si];
+        }
+        for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) /* the first failing head's */
+            if (hrc[h] != KVRT_OK) {
+                *kvrt_tls_err() = herr[h];
+                rc = hrc[h];
+            }
     }
     kvrt_cpu_openblas_restore(blas);
-    if (have_ws) am_ws_free(&lws);
+    for (int w = 0; w < 16; w++) {
+        if (slot[w].have_ws) am_ws_free(&slot[w].ws);
+        free(slot[w].qr); free(slot[w].qp); free(slot[w].hst);
+    }
+    free(hrc);
+    free(herr);
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)Hkv);
     if (rc == KVRT_OK && !cnt) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     for (int64_t si = 0; rc == KVRT_OK && si < ns; si++) {
@@ -1475,10 +1523,7 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (res)
         for (int64_t e = 0; e < Hkv * ns; e++) out_free(&res[e]);
     free(res);
-    free(hst);
     free(cnt);
-    free(qr);
-    free(qp);
     free(tb);
     return rc;
 }
