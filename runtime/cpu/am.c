@@ -1433,11 +1433,16 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
      * in kvcc compile it was three quarters of the pass. Inside a head every step then runs on its
      * thread (nested regions are inactive); a head's result does not depend on which thread or
      * how many threads compute it. Workspaces that cannot be allocated leave fewer threads. */
+    const int64_t tmax = chunk_tmax(o, T, (int)(Hkv * ns), tb);
     int nw = 1;
 #ifdef _OPENMP
+    /* only where it pays: heads that divide among the threads, or fits large enough (a middle
+     * budget of 256 or more per chunk) that the idle thread of an uneven split costs less than
+     * they gain (3 KV heads on 2 threads: 5-8% slower side by side at ratio 0.05 on 8k tokens,
+     * bench_am's part 2; 15% faster in kvcc compile's grid, up to ~500 per chunk at 2k) */
     if (kvrt_cpu_gemm_is_dnnl() && !omp_in_parallel() && Hkv > 1) {
         const int mt = omp_get_max_threads();
-        nw = (int)(mt < Hkv ? mt : Hkv);
+        if (mt > 1 && (Hkv % mt == 0 || tmax >= 256)) nw = (int)(mt < Hkv ? mt : Hkv);
         if (nw > 16) nw = 16;
     }
 #endif
@@ -1461,7 +1466,7 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
         sl->qp = malloc(sizeof(int32_t) * (size_t)n);
         sl->hst = stats ? calloc((size_t)ns, sizeof *sl->hst) : NULL;
         sl->have_ws = sl->qr && sl->qp && (!stats || sl->hst) &&
-                      am_ws_alloc(&sl->ws, n, chunk, chunk_tmax(o, T, (int)(Hkv * ns), tb), d,
+                      am_ws_alloc(&sl->ws, n, chunk, tmax, d,
                                   o->key_select == KVRT_AM_SELECT_OMP,
                                   o->products == KVRT_AM_PRODUCTS_BF16) == 0;
         if (!sl->have_ws) {
@@ -1478,25 +1483,31 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (rc == KVRT_OK && (!hrc || !herr)) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     const int blas = am_blas_hold();
     if (rc == KVRT_OK) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nw) if (nw > 1)
-        for (int64_t h = 0; h < Hkv; h++) {
+        /* the loop body, for one head on slot sl */
+#define AM_LAYER_HEAD(h, sl)                                                                   \
+    do {                                                                                       \
+        for (int64_t i = 0; i < n; i++) {                                                      \
+            int64_t tok, g;                                                                    \
+            kvrt_am_ref_row(i, n, n_all, nq, G, &tok, &g);                                     \
+            memcpy((sl)->qr + i * d, qs + (tok * H + (h) * G + g) * d, sizeof(float) * (size_t)d); \
+            (sl)->qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;                     \
+        }                                                                                      \
+        hrc[h] = am_head(o, k + (h) * d, v + (h) * d, Hkv * d, T, d, (sl)->qr,                 \
+                         q_ref && !q_pos ? NULL : (sl)->qp, n, (int)ns, tb + (h) * ns,         \
+                         res + (h) * ns, (sl)->hst, &(sl)->ws);                                \
+        if (hrc[h] != KVRT_OK) herr[h] = *kvrt_tls_err(); /* this thread's message */        \
+        for (int64_t si = 0; (sl)->hst && si < ns; si++) stats[si * Hkv + (h)] = (sl)->hst[si]; \
+    } while (0)
+        if (nw > 1) {
 #ifdef _OPENMP
-            head_slot *sl = &slot[nw > 1 ? omp_get_thread_num() : 0];
-#else
-            head_slot *sl = &slot[0];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nw)
+            for (int64_t h = 0; h < Hkv; h++) AM_LAYER_HEAD(h, &slot[omp_get_thread_num()]);
 #endif
-            for (int64_t i = 0; i < n; i++) {
-                int64_t tok, g;
-                kvrt_am_ref_row(i, n, n_all, nq, G, &tok, &g);
-                memcpy(sl->qr + i * d, qs + (tok * H + h * G + g) * d, sizeof(float) * (size_t)d);
-                sl->qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;
-            }
-            hrc[h] = am_head(o, k + h * d, v + h * d, Hkv * d, T, d, sl->qr,
-                             q_ref && !q_pos ? NULL : sl->qp, n, (int)ns, tb + h * ns,
-                             res + h * ns, sl->hst, &sl->ws);
-            if (hrc[h] != KVRT_OK) herr[h] = *kvrt_tls_err(); /* this thread's message */
-            for (int64_t si = 0; sl->hst && si < ns; si++) stats[si * Hkv + h] = sl->hst[si];
+        } else { /* not inside a parallel construct: a head's own regions keep the thread pool */
+            for (int64_t h = 0; h < Hkv && hrc[h ? h - 1 : 0] == KVRT_OK; h++)
+                AM_LAYER_HEAD(h, &slot[0]);
         }
+#undef AM_LAYER_HEAD
         for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) /* the first failing head's */
             if (hrc[h] != KVRT_OK) {
                 *kvrt_tls_err() = herr[h];

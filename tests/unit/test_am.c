@@ -1586,8 +1586,9 @@ Test(am, bf16_products_rows_past_the_float_range) {
 }
 
 /* With bf16 products and with f32 products, at enough reference queries that the fit runs its
- * parallel blocks (n >= 1024), a layer compaction is byte-identical at 1 and 2 OpenMP threads,
- * and without statistics. */
+ * parallel blocks (n >= 1024), a layer compaction is byte-identical at 1 and 2 OpenMP threads
+ * (at 2, its two KV heads side by side) and without statistics; a head failing on a worker
+ * thread reaches the caller with its message. */
 Test(am, thread_count_invariant_with_parallel_fit) {
     uint64_t s = 93;
     enum { T = 1500, H = 6, HKV = 2, D = 32 };
@@ -1635,5 +1636,22 @@ Test(am, thread_count_invariant_with_parallel_fit) {
             kvrt_cache_free(c[0]);
             kvrt_cache_free(c[1]);
         }
+    /* a head that fails on a worker thread (KV heads side by side at 2 threads): the caller gets
+     * its status and message */
+    float *kh = malloc(sizeof(float) * T * HKV * D);
+    cr_assert_not_null(kh);
+    memcpy(kh, k, sizeof(float) * T * HKV * D);
+    for (int j = 0; j < T; j++)
+        for (int x = 0; x < D; x++) kh[(j * HKV + 1) * D + x] = 3e38f; /* head 1: q.k overflows */
+    const int prev = omp_get_max_threads();
+    omp_set_num_threads(2);
+    kvrt_cache *cf = NULL;
+    const int rc = kvrt_am_compact_layer(test_cpu(), NULL, q, kh, v, T, H, HKV, D, NULL, 0.1,
+                                         KVRT_DTYPE_F32, &cf, NULL);
+    omp_set_num_threads(prev);
+    cr_assert_eq(rc, KVRT_ERR_ARG, "%d: %s", rc, kvrt_last_error()->msg);
+    cr_assert_null(cf);
+    cr_assert(strstr(kvrt_last_error()->msg, "overflow") != NULL, "%s", kvrt_last_error()->msg);
+    free(kh);
     free(q); free(k); free(v);
 }
