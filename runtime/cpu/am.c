@@ -1385,6 +1385,47 @@ int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int has_q, int has
     return KVRT_OK;
 }
 
+/* One thread's share of a layer call (kvrt_cpu_am_compact_layer_multi): its workspace, its
+ * reference-query buffers and its statistics of one head. */
+typedef struct {
+    am_ws ws;
+    float *qr;
+    int32_t *qp;
+    kvrt_am_stats *hst;
+    int have_ws;
+} head_slot;
+
+/* What every head of a layer call shares. */
+typedef struct {
+    const kvrt_am_opts *o;
+    const float *q_ref;
+    const int32_t *q_pos;
+    const float *qs;          /* the query source: q_ref or the context's own q */
+    const float *k, *v;
+    int64_t T, H, Hkv, G, d, n, n_all, nq, ns;
+    const int64_t *tb;        /* [Hkv, ns] budgets */
+    am_out *res;              /* [Hkv, ns] */
+    kvrt_am_stats *stats;     /* [ns, Hkv] or NULL */
+    int *hrc;                 /* [Hkv] each head's status */
+    kvrt_error *herr;         /* [Hkv] a failing head's message (from the thread that ran it) */
+} layer_job;
+
+/* Head h of a layer call on slot sl: its reference queries (kvrt_am_ref_row), its compaction. */
+static void layer_head(const layer_job *j, int64_t h, head_slot *sl) {
+    const int64_t d = j->d, n = j->n;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t tok, g;
+        kvrt_am_ref_row(i, n, j->n_all, j->nq, j->G, &tok, &g);
+        memcpy(sl->qr + i * d, j->qs + (tok * j->H + h * j->G + g) * d, sizeof(float) * (size_t)d);
+        sl->qp[i] = j->q_ref ? (j->q_pos ? j->q_pos[tok] : 0) : (int32_t)tok;
+    }
+    j->hrc[h] = am_head(j->o, j->k + h * d, j->v + h * d, j->Hkv * d, j->T, d, sl->qr,
+                        j->q_ref && !j->q_pos ? NULL : sl->qp, n, (int)j->ns, j->tb + h * j->ns,
+                        j->res + h * j->ns, sl->hst, &sl->ws);
+    if (j->hrc[h] != KVRT_OK) j->herr[h] = *kvrt_tls_err(); /* this thread's message */
+    for (int64_t si = 0; sl->hst && si < j->ns; si++) j->stats[si * j->Hkv + h] = sl->hst[si];
+}
+
 int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const float *q_ref,
                                 const int32_t *q_pos, int64_t n_ref, const float *k,
                                 const float *v, int64_t T, uint32_t n_heads, uint32_t n_kv_heads,
@@ -1446,13 +1487,6 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
         if (nw > 16) nw = 16;
     }
 #endif
-    typedef struct {
-        am_ws ws;
-        float *qr;
-        int32_t *qp;
-        kvrt_am_stats *hst;
-        int have_ws;
-    } head_slot;
     head_slot slot[16];
     memset(slot, 0, sizeof slot);
     am_out *res = calloc((size_t)(Hkv * ns), sizeof *res);
@@ -1483,31 +1517,19 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (rc == KVRT_OK && (!hrc || !herr)) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     const int blas = am_blas_hold();
     if (rc == KVRT_OK) {
-        /* the loop body, for one head on slot sl */
-#define AM_LAYER_HEAD(h, sl)                                                                   \
-    do {                                                                                       \
-        for (int64_t i = 0; i < n; i++) {                                                      \
-            int64_t tok, g;                                                                    \
-            kvrt_am_ref_row(i, n, n_all, nq, G, &tok, &g);                                     \
-            memcpy((sl)->qr + i * d, qs + (tok * H + (h) * G + g) * d, sizeof(float) * (size_t)d); \
-            (sl)->qp[i] = q_ref ? (q_pos ? q_pos[tok] : 0) : (int32_t)tok;                     \
-        }                                                                                      \
-        hrc[h] = am_head(o, k + (h) * d, v + (h) * d, Hkv * d, T, d, (sl)->qr,                 \
-                         q_ref && !q_pos ? NULL : (sl)->qp, n, (int)ns, tb + (h) * ns,         \
-                         res + (h) * ns, (sl)->hst, &(sl)->ws);                                \
-        if (hrc[h] != KVRT_OK) herr[h] = *kvrt_tls_err(); /* this thread's message */        \
-        for (int64_t si = 0; (sl)->hst && si < ns; si++) stats[si * Hkv + (h)] = (sl)->hst[si]; \
-    } while (0)
+        const layer_job job = {.o = o, .q_ref = q_ref, .q_pos = q_pos, .qs = qs, .k = k, .v = v,
+                               .T = T, .H = H, .Hkv = Hkv, .G = G, .d = d, .n = n,
+                               .n_all = n_all, .nq = nq, .ns = ns, .tb = tb, .res = res,
+                               .stats = stats, .hrc = hrc, .herr = herr};
         if (nw > 1) {
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nw)
-            for (int64_t h = 0; h < Hkv; h++) AM_LAYER_HEAD(h, &slot[omp_get_thread_num()]);
+            for (int64_t h = 0; h < Hkv; h++) layer_head(&job, h, &slot[omp_get_thread_num()]);
 #endif
         } else { /* not inside a parallel construct: a head's own regions keep the thread pool */
-            for (int64_t h = 0; h < Hkv && hrc[h ? h - 1 : 0] == KVRT_OK; h++)
-                AM_LAYER_HEAD(h, &slot[0]);
+            for (int64_t h = 0; h < Hkv && (h == 0 || hrc[h - 1] == KVRT_OK); h++)
+                layer_head(&job, h, &slot[0]);
         }
-#undef AM_LAYER_HEAD
         for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) /* the first failing head's */
             if (hrc[h] != KVRT_OK) {
                 *kvrt_tls_err() = herr[h];
