@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "calib_msg.h"
+#include "core/bf16.h" /* kvrt_bf16_of, kvrt_f32_of_bf16 */
 #include "cpu/blas.h" /* kvrt_cpu_sgemm, kvrt_cpu_gemm_name: the GEMM seam shared with libkvrt */
 
 #if KVCC_WITH_DNNL
@@ -464,21 +465,9 @@ int kvcc_model_load(const char *path, kvcc_model **out, char *msg, size_t cap) {
 
 // ---------------------------------------------------------------- precision
 
-/* f32 -> bf16, round to nearest even (as torch and oneDNN); NaN stays NaN (quieted). Branch-free,
- * so that the loops calling it vectorize. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rne);
-}
-static inline float bf16_to_f32(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+/* f32 <-> bf16: core/bf16.h (shared with libkvrt) */
+#define f32_to_bf16 kvrt_bf16_of
+#define bf16_to_f32 kvrt_f32_of_bf16
 /* f32_to_bf16 over a run, compiled for AVX-512 and AVX2 too (GCC target_clones, picked once at
  * load time). In bf16 prefill the scalar loop (f32_to_bf16 with an early return for NaN) was 7.5%
  * of the samples on an AMX Xeon, more than a third of the bf16 products. */

@@ -21,6 +21,7 @@
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+#include "core/bf16.h"
 
 // ----------------------------------------------------------------------------
 // thread-local last error
@@ -134,13 +135,9 @@ void kvrt_f16_to_f32_row(const uint16_t *src, float *dst, int64_t n) {
 // ----------------------------------------------------------------------------
 // bf16 <-> f32, and rows in any cache dtype
 
-uint16_t kvrt_f32_to_bf16(float f) {
-    const uint32_t u = f32_bits(f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16); /* RNE; overflow rounds to inf */
-}
+uint16_t kvrt_f32_to_bf16(float f) { return kvrt_bf16_of(f); }
 
-float kvrt_bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+float kvrt_bf16_to_f32(uint16_t h) { return kvrt_f32_of_bf16(h); }
 
 int kvrt_cache_dtype_ok(int dtype) {
     return dtype == KVRT_DTYPE_F32 || dtype == KVRT_DTYPE_F16 || dtype == KVRT_DTYPE_BF16;
@@ -159,7 +156,7 @@ void kvrt_row_to_dtype(int dtype, const float *src, void *dst, int64_t n) {
         kvrt_f32_to_f16_row(src, (uint16_t *)dst, n);
     } else {
         uint16_t *o = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) o[i] = kvrt_f32_to_bf16(src[i]);
+        for (int64_t i = 0; i < n; i++) o[i] = kvrt_bf16_of(src[i]);
     }
 }
 

@@ -36,6 +36,7 @@
 #include "kvpol.h"
 #include "core/am_plan.h"
 #include "core/backend.h"
+#include "core/bf16.h"
 #include "core/policies.h"
 #include "cpu/blas.h"
 #include "cpu/nnls.h"
@@ -248,14 +249,10 @@ static inline int64_t row_vis(const int32_t *qpos, int64_t i, int64_t k0, int64_
     return vis < 1 ? 1 : vis > Tc ? Tc : vis;
 }
 
-/* o[j] = bf16(x[j]) (round to nearest even) for finite x, as uint16_t (cpu/blas.h's operands) */
+/* o[j] = bf16(x[j]) (round to nearest even), as uint16_t (cpu/blas.h's operands) */
 static inline void row_bf16(const float *x, int64_t count, uint16_t *o) {
 #pragma omp simd
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t u;
-        memcpy(&u, &x[j], sizeof u);
-        o[j] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (int64_t j = 0; j < count; j++) o[j] = kvrt_bf16_of(x[j]);
 }
 
 /* The exponential in the logit product (bf16 products, am_prep): S holds P_ij = exp(z_ij),
@@ -274,13 +271,6 @@ typedef struct {
     float alpha;             /* 1 / sqrt(d), as the product */
 } am_redo;
 
-static inline float f32_of_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* Row i's logits over its first vis keys from the bf16 operands (f32 sums, the product's values
  * up to their order) */
 static void redo_logits(const am_redo *r, int64_t i, int64_t vis, float *row) {
@@ -289,7 +279,7 @@ static void redo_logits(const am_redo *r, int64_t i, int64_t vis, float *row) {
         const uint16_t *kj = r->Kb + j * r->d;
         float acc = 0;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t x = 0; x < r->d; x++) acc += f32_of_bf16(qi[x]) * f32_of_bf16(kj[x]);
+        for (int64_t x = 0; x < r->d; x++) acc += kvrt_f32_of_bf16(qi[x]) * kvrt_f32_of_bf16(kj[x]);
         row[j] = acc * r->alpha;
     }
 }

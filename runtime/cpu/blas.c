@@ -23,6 +23,7 @@
 #include <dnnl.h>
 #endif
 
+#include "core/bf16.h"
 #include "cpu/blas.h"
 
 char *openblas_get_config(void);
@@ -119,6 +120,13 @@ void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
     /* OpenBLAS threads each product itself (and splits a product over M and N only) */
     for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 0);
 #endif
+}
+
+/* C[i, j] = expf(C[i, j]) over m rows of n at stride ldc: the exp epilogue where oneDNN's kernel
+ * did not run (libm's exp, within oneDNN's exp error of it) */
+static void exp_rows(float *C, int m, int n, int ldc) {
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) C[(size_t)i * ldc + j] = expf(C[(size_t)i * ldc + j]);
 }
 
 /* A cached matmul primitive (blas.h): the product with the exponential in its epilogue
@@ -360,25 +368,19 @@ void kvrt_cpu_expmm_run(const kvrt_cpu_expmm *p, const float *A, const float *B,
     /* only when oneDNN could not allocate a stream or a memory object: the same values from the
      * plain product and libm's exp (within oneDNN's exp error of them) */
     kvrt_cpu_sgemm_1t(1, p->m, p->n, p->k, p->alpha, A, p->k, B, p->k, 0.0f, C, p->ldc);
-    for (int i = 0; i < p->m; i++)
-        for (int j = 0; j < p->n; j++) C[(size_t)i * p->ldc + j] = expf(C[(size_t)i * p->ldc + j]);
+    exp_rows(C, p->m, p->n, p->ldc);
 #else
     (void)p; (void)A; (void)B; (void)C; (void)scratch;
 #endif
 }
 
-/* bf16 rows widened to f32 (exact) */
+/* bf16 rows widened to f32 (exact), dense */
 static float *widen_rows(const uint16_t *src, int rows, int cols, int ld) {
     float *o = malloc(sizeof(float) * (size_t)rows * (size_t)cols + 1);
     if (o == NULL) return NULL;
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *s = src + (size_t)r * ld;
-        float *d = o + (size_t)r * cols;
-        for (int c = 0; c < cols; c++) {
-            const uint32_t u = (uint32_t)s[c] << 16;
-            memcpy(&d[c], &u, sizeof u);
-        }
-    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++)
+            o[(size_t)r * cols + c] = kvrt_f32_of_bf16(src[(size_t)r * ld + c]);
     return o;
 }
 
@@ -450,9 +452,7 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
                                  .beta = 0.0f, .A = a, .B = b, .C = o->C, .lda = o->k,
                                  .ldb = cb, .ldc = o->ldc};
         op_run(&f, one_thread);
-        for (int i = 0; o->exp && i < o->m; i++)
-            for (int j = 0; j < o->n; j++)
-                o->C[(size_t)i * o->ldc + j] = expf(o->C[(size_t)i * o->ldc + j]);
+        if (o->exp) exp_rows(o->C, o->m, o->n, o->ldc);
     }
     free(a);
     free(b);

@@ -17,6 +17,7 @@
 #include <omp.h>
 #endif
 
+#include "kvrt.h" /* kvrt_f32_to_bf16, kvrt_bf16_to_f32 */
 #include "cpu/blas.h"
 #include "test_rng.h"
 
@@ -170,18 +171,6 @@ Test(blas, expmm_is_exp_of_the_product) {
     free(A); free(B); free(C); free(C2); free(scr);
 }
 
-static uint16_t bf16_of(float f) { /* RNE, finite f */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-static double f_of_bf16(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* kvrt_cpu_bf16mm_batch: every product of a batch (both transposes, leading dimensions wider
  * than the rows, alpha) against the double product of its bf16 operands, within 1e-5 of the
  * largest |C| (f32 sums of exact bf16 x bf16 products), with the exponential in the epilogue too;
@@ -206,15 +195,15 @@ Test(blas, bf16mm_is_the_product_of_the_rounded_operands) {
         B[o] = malloc(sizeof(uint16_t) * (size_t)rb * ldb);
         want[o] = malloc(sizeof(float) * (size_t)m * ldc);
         for (int r = 0; r < 3; r++) C[r][o] = calloc((size_t)m * ldc, sizeof(float));
-        for (int x = 0; x < m * lda; x++) A[o][x] = bf16_of(rng_uniform(&s, -2.0f, 2.0f));
-        for (int x = 0; x < rb * ldb; x++) B[o][x] = bf16_of(rng_uniform(&s, -2.0f, 2.0f));
+        for (int x = 0; x < m * lda; x++) A[o][x] = kvrt_f32_to_bf16(rng_uniform(&s, -2.0f, 2.0f));
+        for (int x = 0; x < rb * ldb; x++) B[o][x] = kvrt_f32_to_bf16(rng_uniform(&s, -2.0f, 2.0f));
         const float alpha = ex ? 0.05f : o % 2 ? 1.0f : 0.125f;
         for (int i = 0; i < m; i++)
             for (int j = 0; j < n; j++) {
                 double acc = 0;
                 for (int p = 0; p < k; p++)
-                    acc += f_of_bf16(A[o][i * lda + p]) *
-                           f_of_bf16(tb ? B[o][j * ldb + p] : B[o][p * ldb + j]);
+                    acc += (double)kvrt_bf16_to_f32(A[o][i * lda + p]) *
+                           (double)kvrt_bf16_to_f32(tb ? B[o][j * ldb + p] : B[o][p * ldb + j]);
                 want[o][i * ldc + j] = (float)(ex ? exp(alpha * acc) : alpha * acc);
             }
         ops[o] = (kvrt_bf16mm_op){.tb = tb, .exp = ex, .m = m, .n = n, .k = k, .alpha = alpha, .A = A[o],

@@ -1,0 +1,32 @@
+/*
+ * bf16.h: libkvrt internals: f32 <-> bf16 in one place, inline and branch-free so that the loops
+ * calling them vectorize (the cache rows, Attention Matching's bf16 operands, the built-in
+ * model's bf16 weights and attention). Not installed.
+ *
+ * defines: kvrt_bf16_of, kvrt_f32_of_bf16 (static inline)
+ */
+#ifndef KVRT_CORE_BF16_H
+#define KVRT_CORE_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* f32 -> bf16, round to nearest even (as torch and oneDNN; overflow rounds to inf); NaN stays
+ * NaN (quieted). */
+static inline uint16_t kvrt_bf16_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : rne);
+}
+
+/* bf16 -> f32 (exact) */
+static inline float kvrt_f32_of_bf16(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#endif
