@@ -271,6 +271,7 @@ static int bench_cuda_layer(int64_t T, int omp) {
            (long long)H, (long long)Hkv, (long long)d, (long long)T, ratio,
            omp ? "OMP key selection" : "nothing (HighestAttnKeys)");
     if (omp) printf("OMP: %d keys per round\n", o.omp_batch);
+    printf("products %s\n", g_products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32");
     double sec[2] = {0, 0};
     kvrt_am_stats st[2][8];
     for (int b = 0; b < 2 && rc == KVRT_OK; b++) {

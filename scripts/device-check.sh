@@ -320,6 +320,15 @@ elif [ -x build/bench/bench_am ]; then
     rc=$?
     [ "$rc" -eq 0 ] || fail "build/bench/bench_am --cuda --omp $(how "$rc")"
 fi
+# AM with bf16 products (cublasGemmEx; kvrt_am_opts.products), the same layer as the f32 run
+if [ -x build/bench/bench_am ]; then
+    small=()
+    [ "$EMU" = 1 ] && small=(--layer-context 4096)
+    echo "-- build/bench/bench_am --cuda --products bf16 ${small[*]}"
+    bounded $([ "$EMU" = 1 ] && echo 400 || echo 120) build/bench/bench_am --cuda --products bf16 "${small[@]}"
+    rc=$?
+    [ "$rc" -eq 0 ] || fail "build/bench/bench_am --cuda --products bf16 $(how "$rc")"
+fi
 echo "$n_bench benchmark(s) with --cuda run"
 
 step "summary"

@@ -28,6 +28,10 @@
  *        output error (device);
  *   the sinks and the recent window copied exactly, and the entries assembled on the host into
  *   a cache that kvrt_cache_to_device moves into the context's memory (only what is kept).
+ * With bf16 products (kvrt_am_opts.products): Q, K, V and P rounded to bf16 (am_to_bf16), the
+ * logits and P V by cublasGemmEx with f32 sums; the row pass is the f32 path's (the shifted
+ * exponential: the CPU puts it inside its logit product instead, so P V differs from the CPU's
+ * by P's bf16 rounding; tests/cuda_emu's am_emu_test.cpp bounds it).
  * Not here: the CPU's sharing of one
  * logit pass among budget sets that differ only in their recent window (am_group): each set is
  * compacted on its own, so its logits are computed once per set (values within the f32
@@ -43,6 +47,7 @@
  * defines: kvrt_cuda_am_compact_layer
  */
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <math.h>
@@ -89,6 +94,15 @@ __global__ void am_nonfinite(const T *__restrict__ x, int64_t n, int *__restrict
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x)
         if (!isfinite(x[i])) *flag = 1;
+}
+
+/* dst [rows, cols] (dense) = x [rows, cols] at row stride ld, each rounded to bf16 (nearest
+ * even): the operands of the bf16 products (kvrt_am_opts.products) */
+__global__ void am_to_bf16(const float *__restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                           __nv_bfloat16 *__restrict__ dst) {
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < rows * cols;
+         e += (int64_t)gridDim.x * blockDim.x)
+        dst[e] = __float2bfloat16_rn(x[(e / cols) * ld + e % cols]);
 }
 
 /* dst[r, :] = src[off[r] .. off[r] + d) for r < rows (reference-query rows, or key/value rows) */
@@ -343,13 +357,15 @@ typedef struct {
     int32_t *hpos;
     float *hrows;
     double *hcolsum, *hc0; /* OMP only: [Tc] */
+    /* bf16 products only (kvrt_am_opts.products): the operands rounded to bf16, dense rows */
+    __nv_bfloat16 *Qb, *Kb, *Vb, *Pb; /* [n, d], [Tc, d], [Tc, d], [n, Tc] */
 } am_dev;
 
 static void am_dev_free(kvrt_ctx *ctx, am_dev *w) {
     void *dev[] = {w->qc, w->S, w->Yf, w->rows, w->mass, w->rs, w->Y, w->MS, w->G, w->cvec,
                    w->scale, w->w, w->C, w->O, w->merr, w->oerr, w->pos, w->vis, w->sel,
                    w->off, w->keys, w->flag, w->HS, w->c0, w->colsum, w->corrd, w->Gs,
-                   w->Cs, w->tr, w->swork, w->sinfo};
+                   w->Cs, w->tr, w->swork, w->sinfo, w->Qb, w->Kb, w->Vb, w->Pb};
     for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
         if (dev[i]) cudaFree(dev[i]);
     free(w->hG); free(w->hcvec); free(w->hscale); free(w->hw); free(w->hC); free(w->herr);
@@ -359,8 +375,9 @@ static void am_dev_free(kvrt_ctx *ctx, am_dev *w) {
 }
 
 static int am_dev_alloc(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t tmax,
-                        int64_t nrows, int64_t d, int omp) {
+                        int64_t nrows, int64_t d, int omp, int bf16) {
     memset(w, 0, sizeof *w);
+    const size_t hb = sizeof(__nv_bfloat16);
     const int64_t t = tmax > 0 ? tmax : 1, rr = nrows > t ? nrows : t;
     struct { void **p; size_t bytes; } a[] = {
         {(void **)&w->qc, sizeof(float) * n * d},      {(void **)&w->S, sizeof(float) * n * Tc},
@@ -381,6 +398,9 @@ static int am_dev_alloc(kvrt_ctx *ctx, am_dev *w, int64_t n, int64_t Tc, int64_t
         {(void **)&w->corrd, omp ? sizeof(double) * Tc : 0},
         {(void **)&w->Gs, sizeof(double) * t * t},     {(void **)&w->Cs, sizeof(double) * t * d},
         {(void **)&w->tr, sizeof(double)},             {(void **)&w->sinfo, sizeof(int)},
+        /* the bf16 products' operands (1 byte without) */
+        {(void **)&w->Qb, bf16 ? hb * n * d : 0},      {(void **)&w->Kb, bf16 ? hb * Tc * d : 0},
+        {(void **)&w->Vb, bf16 ? hb * Tc * d : 0},     {(void **)&w->Pb, bf16 ? hb * n * Tc : 0},
     };
     for (size_t i = 0; i < sizeof a / sizeof a[0]; i++)
         if (cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1) != cudaSuccess) {
@@ -633,15 +653,41 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
     /* 1. logits: S^T (Tc x n, col-major) = K_c^T' Q^T, K_c the chunk's keys at stride ld */
     const float alpha = 1.0f / sqrtf((float)d), one = 1.0f, zero = 0.0f;
     const float *kc = c->k + (k0 * c->ld + h * d), *vc = c->v + (k0 * c->ld + h * d);
-    CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)Tc, (int)n, (int)d, &alpha,
-                                  kc, (int)c->ld, w->qc, (int)d, &zero, w->S, (int)Tc));
+    /* bf16 products (kvrt_am_opts.products, the CPU's option): queries, keys, values and P
+     * rounded to bf16, the two products summed in f32 (cublasGemmEx, CUBLAS_COMPUTE_32F); the
+     * row pass and everything after it as with f32 products */
+    const int bf = o->products == KVRT_AM_PRODUCTS_BF16;
+    const unsigned cvt_blocks = 1024;
+    if (bf) {
+        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(w->qc, n, d, d, w->Qb);
+        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(kc, Tc, d, c->ld, w->Kb);
+        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(vc, Tc, d, c->ld, w->Vb);
+        CUDA_CHECK(err, cudaGetLastError());
+        CUBLAS_CHECK(err, cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)Tc, (int)n, (int)d,
+                                       &alpha, w->Kb, CUDA_R_16BF, (int)d, w->Qb, CUDA_R_16BF,
+                                       (int)d, &zero, w->S, CUDA_R_32F, (int)Tc,
+                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    } else {
+        CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)Tc, (int)n, (int)d,
+                                      &alpha, kc, (int)c->ld, w->qc, (int)d, &zero, w->S,
+                                      (int)Tc));
+    }
     CUDA_CHECK(err, cudaMemsetAsync(w->flag, 0, sizeof(int), st));
     am_rows<<<(unsigned)n, 256, 0, st>>>(w->S, Tc, qpos ? w->pos : NULL, k0, w->mass, w->rs,
                                          w->vis, w->flag);
     CUDA_CHECK(err, cudaGetLastError());
     /* 2. Y = P V * rs; the column statistics and their top-k keys */
-    CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc, &one,
-                                  vc, (int)c->ld, w->S, (int)Tc, &zero, w->Yf, (int)d));
+    if (bf) { /* P (0 past each row's keys) rounded to bf16, then Pb Vb */
+        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(w->S, n, Tc, Tc, w->Pb);
+        CUDA_CHECK(err, cudaGetLastError());
+        CUBLAS_CHECK(err, cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc,
+                                       &one, w->Vb, CUDA_R_16BF, (int)d, w->Pb, CUDA_R_16BF,
+                                       (int)Tc, &zero, w->Yf, CUDA_R_32F, (int)d,
+                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    } else {
+        CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc,
+                                      &one, vc, (int)c->ld, w->S, (int)Tc, &zero, w->Yf, (int)d));
+    }
     am_targets<<<(unsigned)((n * d + 255) / 256), 256, 0, st>>>(w->Yf, w->rs, n, d, w->Y);
     am_colsq<<<(unsigned)((Tc + 127) / 128), 128, 0, st>>>(
         w->S, n, Tc, w->rs, w->keys, o->key_select == KVRT_AM_SELECT_OMP ? w->colsum : NULL);
@@ -835,13 +881,6 @@ static int am_to_cache(kvrt_ctx *ctx, const char *fn, const am_res *res, int64_t
     return rc;
 }
 
-/* Attention Matching's bf16 products (kvrt_am_opts.products) run on the CPU backend only. */
-static int am_products_unsupported(kvrt_error *err, const char *fn) {
-    return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
-                        "%s: products bf16 is not implemented by the cuda backend (the CPU "
-                        "backend runs it; products f32 runs here)", fn);
-}
-
 /* kvrt_am_compact on a CUDA context: one KV head, k, v [T, d], q_ref [n, d] and q_pos [n] (or
  * NULL) device memory; the CPU's checks (kvrt_am_one_check, then k, v, q_ref finite and q_pos
  * >= 0 on the device), then the layer path's am_head for one head and one budget t, every
@@ -860,7 +899,6 @@ extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const 
     o = am_opts_or_default(o, &def);
     int rc = hs->am_one_check(fn, o, k, v, T, head_dim, q_ref, n, t, dtype);
     if (rc != KVRT_OK) return rc;
-    if (o->products != KVRT_AM_PRODUCTS_F32) return am_products_unsupported(err, fn);
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
     const int64_t d = head_dim;
     int32_t *hqpos = q_pos ? (int32_t *)malloc(sizeof(int32_t) * (size_t)n) : NULL;
@@ -882,7 +920,8 @@ extern "C" int kvrt_cuda_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const 
     memset(&w, 0, sizeof w);
     if (rc == KVRT_OK)
         rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), kvrt_am_chunk_tmax(o, T, 1, &t), nex,
-                          d, o->key_select == KVRT_AM_SELECT_OMP);
+                          d, o->key_select == KVRT_AM_SELECT_OMP,
+                          o->products == KVRT_AM_PRODUCTS_BF16);
     for (int64_t i = 0; i < n && rc == KVRT_OK; i++) qoff[i] = i * d;
     const am_call call = {ctx, o, k, v, T, d, d};
     if (rc == KVRT_OK) rc = am_head(&call, &w, 0, q_ref, qoff, hqpos, n, t, rows, &res, stats);
@@ -916,8 +955,6 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     if (tb == NULL) return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
     int rc = hs->am_layer_plan(fn, o, q != NULL, q_ref != NULL, n_ref, T, n_heads, n_kv_heads,
                                head_dim, n_sets, ratios, ratio_list, dtype, k, v, tb);
-    if (rc == KVRT_OK && o->products != KVRT_AM_PRODUCTS_F32)
-        rc = am_products_unsupported(err, fn);
     if (rc != KVRT_OK) {
         free(tb);
         return rc;
@@ -965,7 +1002,8 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
     memset(&w, 0, sizeof w);
     if (rc == KVRT_OK)
         rc = am_dev_alloc(ctx, &w, n, kvrt_am_chunk_of(o, T), tmax, nex, d,
-                          o->key_select == KVRT_AM_SELECT_OMP);
+                          o->key_select == KVRT_AM_SELECT_OMP,
+                          o->products == KVRT_AM_PRODUCTS_BF16);
     for (int64_t e = 0; rc == KVRT_OK && e < Hkv * ns; e++)
         if (am_res_alloc(&res[e], tb[e], d) != 0)
             rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);

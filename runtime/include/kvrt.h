@@ -474,8 +474,9 @@ typedef struct {
                             * logits Q K^T and the targets P V): F32 (the default), or BF16:
                             * queries, keys, values and P rounded to bf16, f32 accumulation (AMX
                             * or AVX512-BF16 kernels where the CPU has them: 3-4x the f32 rate on
-                            * an AMX core); everything after them (row pass, selection, fits) is
-                            * unchanged. Measured effect: docs/policies/am.md */
+                            * an AMX core; cublasGemmEx on a CUDA context); everything after
+                            * them (row pass, selection, fits) is unchanged. Measured effect:
+                            * docs/policies/am.md */
 } kvrt_am_opts;
 void kvrt_am_opts_init(kvrt_am_opts *o);
 

@@ -511,6 +511,39 @@ cublasStatus_t cublasSgemm(cublasHandle_t, cublasOperation_t ta, cublasOperation
                            const float *B, int ldb, const float *beta, float *C, int ldc) {
     return gemm<float>(ta, tb, m, n, k, *alpha, A, lda, B, ldb, *beta, C, ldc, g_emu_sgemm_double);
 }
+/* Operands widened to float (bf16 exactly), then cublasSgemm's emulation on the copies (range
+ * checks on the caller's arrays first, at their element size) */
+cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m,
+                            int n, int k, const void *alpha, const void *A, cudaDataType_t Atype,
+                            int lda, const void *B, cudaDataType_t Btype, int ldb,
+                            const void *beta, void *C, cudaDataType_t Ctype, int ldc,
+                            cublasComputeType_t compute, cublasGemmAlgo_t algo) {
+    const int ok_in = (Atype == CUDA_R_32F || Atype == CUDA_R_16BF) &&
+                      (Btype == CUDA_R_32F || Btype == CUDA_R_16BF);
+    if (!ok_in || Ctype != CUDA_R_32F || compute != CUBLAS_COMPUTE_32F || algo != CUBLAS_GEMM_DEFAULT)
+        emu_fatal("cublasGemmEx: types %d %d -> %d, compute %d, algo %d: not emulated", (int)Atype,
+                  (int)Btype, (int)Ctype, (int)compute, (int)algo);
+    if (m < 0 || n < 0 || k < 0) return CUBLAS_STATUS_INVALID_VALUE;
+    const int arows = ta == CUBLAS_OP_N ? m : k, brows = tb == CUBLAS_OP_N ? k : n;
+    const int acols = ta == CUBLAS_OP_N ? k : m, bcols = tb == CUBLAS_OP_N ? n : k;
+    if (lda < std::max(1, arows) || ldb < std::max(1, brows) || ldc < std::max(1, m))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    auto widen = [](const void *x, cudaDataType_t t, int rows, int cols, int ld, const char *what) {
+        std::vector<float> w((size_t)ld * std::max(cols, 1), 0.0f);
+        if (rows == 0 || cols == 0) return w;
+        const size_t es = t == CUDA_R_32F ? 4 : 2, count = (size_t)(cols - 1) * ld + rows;
+        check_range(x, es * count, what);
+        for (size_t e = 0; e < count; e++)
+            w[e] = t == CUDA_R_32F ? ((const float *)x)[e]
+                                   : __bfloat162float(((const __nv_bfloat16 *)x)[e]);
+        return w;
+    };
+    std::vector<float> a = widen(A, Atype, arows, acols, lda, "gemmEx A");
+    std::vector<float> b = widen(B, Btype, brows, bcols, ldb, "gemmEx B");
+    if (m && n) check_range(C, sizeof(float) * ((size_t)(n - 1) * ldc + m), "gemmEx C");
+    return gemm<float>(ta, tb, m, n, k, *(const float *)alpha, a.data(), lda, b.data(), ldb,
+                       *(const float *)beta, (float *)C, ldc, g_emu_sgemm_double);
+}
 cublasStatus_t cublasDgemm(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m,
                            int n, int k, const double *alpha, const double *A, int lda,
                            const double *B, int ldb, const double *beta, double *C, int ldc) {

@@ -185,6 +185,16 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          long long sA, const float *B, int ldb, long long sB,
                                          const float *beta, float *C, int ldc, long long sC,
                                          int batch);
+/* cublasGemmEx for what runtime/cuda uses: A and B f32 or bf16, C f32, f32 sums (the operands
+ * widened to float, summed as cublasSgemm's emulation) */
+typedef enum { CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14 } cudaDataType_t;
+typedef enum { CUBLAS_COMPUTE_32F = 68 } cublasComputeType_t;
+typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
+cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
+                            int n, int k, const void *alpha, const void *A, cudaDataType_t Atype,
+                            int lda, const void *B, cudaDataType_t Btype, int ldb,
+                            const void *beta, void *C, cudaDataType_t Ctype, int ldc,
+                            cublasComputeType_t compute, cublasGemmAlgo_t algo);
 cublasStatus_t cublasDgemm(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m,
                            int n, int k, const double *alpha, const double *A, int lda,
                            const double *B, int ldb, const double *beta, double *C, int ldc);
