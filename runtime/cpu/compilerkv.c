@@ -284,9 +284,17 @@ int kvrt_compilerkv_value_norms(const float *v, int64_t T, uint32_t n_kv_heads, 
     /* norms: 16 float partial sums per row (independent chains that vectorize), added in double;
      * rows in parallel (each row's arithmetic is fixed: the result does not depend on threads) */
     const int64_t rows = T * (int64_t)n_kv_heads;
+    /* the row ~4 KiB ahead prefetched, every cache line of it: each row's sum waits on its loads
+     * and the hardware prefetcher alone kept the pass at ~55% of the read bandwidth (32k x 8 x 128,
+     * 2 threads: 6.9-7.6 ms, 4.5-4.8 ms with it; a plain read of the same bytes 3.8-4.2 ms) */
+    const int64_t ahead = 4096 / ((int64_t)sizeof(float) * head_dim) + 1;
     int64_t bad = -1;
 #pragma omp parallel for schedule(static) if (rows * head_dim > 65536)
     for (int64_t rw = 0; rw < rows; rw++) {
+        if (rw + ahead < rows) {
+            const float *nx = v + (size_t)(rw + ahead) * head_dim;
+            for (uint32_t o = 0; o < head_dim; o += 16) __builtin_prefetch(nx + o);
+        }
         const double s = row_sumsq(v + (size_t)rw * head_dim, head_dim);
         const int64_t t = rw / n_kv_heads, j = rw % n_kv_heads;
         rho[j * T + t] = (float)sqrt(s);
