@@ -100,10 +100,11 @@ __global__ void am_nonfinite(const T *__restrict__ x, int64_t n, int *__restrict
  * even): the operands of the bf16 products (kvrt_am_opts.products) */
 __global__ void am_to_bf16(const float *__restrict__ x, int64_t rows, int64_t cols, int64_t ld,
                            __nv_bfloat16 *__restrict__ dst) {
-    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < rows * cols;
-         e += (int64_t)gridDim.x * blockDim.x)
-        dst[e] = __float2bfloat16_rn(x[(e / cols) * ld + e % cols]);
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) /* a block per row, no division */
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+            dst[r * cols + c] = __float2bfloat16_rn(x[r * ld + c]);
 }
+static unsigned am_row_blocks(int64_t rows) { return (unsigned)(rows < 4096 ? (rows > 0 ? rows : 1) : 4096); }
 
 /* dst[r, :] = src[off[r] .. off[r] + d) for r < rows (reference-query rows, or key/value rows) */
 __global__ void am_gather_rows(const float *__restrict__ src, const int64_t *__restrict__ off,
@@ -657,11 +658,10 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
      * rounded to bf16, the two products summed in f32 (cublasGemmEx, CUBLAS_COMPUTE_32F); the
      * row pass and everything after it as with f32 products */
     const int bf = o->products == KVRT_AM_PRODUCTS_BF16;
-    const unsigned cvt_blocks = 1024;
     if (bf) {
-        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(w->qc, n, d, d, w->Qb);
-        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(kc, Tc, d, c->ld, w->Kb);
-        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(vc, Tc, d, c->ld, w->Vb);
+        am_to_bf16<<<am_row_blocks(n), 128, 0, st>>>(w->qc, n, d, d, w->Qb);
+        am_to_bf16<<<am_row_blocks(Tc), 128, 0, st>>>(kc, Tc, d, c->ld, w->Kb);
+        am_to_bf16<<<am_row_blocks(Tc), 128, 0, st>>>(vc, Tc, d, c->ld, w->Vb);
         CUDA_CHECK(err, cudaGetLastError());
         CUBLAS_CHECK(err, cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)Tc, (int)n, (int)d,
                                        &alpha, w->Kb, CUDA_R_16BF, (int)d, w->Qb, CUDA_R_16BF,
@@ -678,7 +678,7 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
     CUDA_CHECK(err, cudaGetLastError());
     /* 2. Y = P V * rs; the column statistics and their top-k keys */
     if (bf) { /* P (0 past each row's keys) rounded to bf16, then Pb Vb */
-        am_to_bf16<<<cvt_blocks, 256, 0, st>>>(w->S, n, Tc, Tc, w->Pb);
+        am_to_bf16<<<am_row_blocks(n), 256, 0, st>>>(w->S, n, Tc, Tc, w->Pb);
         CUDA_CHECK(err, cudaGetLastError());
         CUBLAS_CHECK(err, cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc,
                                        &one, w->Vb, CUDA_R_16BF, (int)d, w->Pb, CUDA_R_16BF,
