@@ -518,8 +518,8 @@ cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperatio
                             int lda, const void *B, cudaDataType_t Btype, int ldb,
                             const void *beta, void *C, cudaDataType_t Ctype, int ldc,
                             cublasComputeType_t compute, cublasGemmAlgo_t algo) {
-    const int ok_in = (Atype == CUDA_R_32F || Atype == CUDA_R_16BF) &&
-                      (Btype == CUDA_R_32F || Btype == CUDA_R_16BF);
+    /* cuBLAS takes A and B of one type (a mixed pair is CUBLAS_STATUS_NOT_SUPPORTED there) */
+    const int ok_in = (Atype == CUDA_R_32F || Atype == CUDA_R_16BF) && Btype == Atype;
     if (!ok_in || Ctype != CUDA_R_32F || compute != CUBLAS_COMPUTE_32F || algo != CUBLAS_GEMM_DEFAULT)
         emu_fatal("cublasGemmEx: types %d %d -> %d, compute %d, algo %d: not emulated", (int)Atype,
                   (int)Btype, (int)Ctype, (int)compute, (int)algo);

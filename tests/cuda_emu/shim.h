@@ -185,8 +185,8 @@ cublasStatus_t cublasSgemmStridedBatched(cublasHandle_t h, cublasOperation_t ta,
                                          long long sA, const float *B, int ldb, long long sB,
                                          const float *beta, float *C, int ldc, long long sC,
                                          int batch);
-/* cublasGemmEx for what runtime/cuda uses: A and B f32 or bf16, C f32, f32 sums (the operands
- * widened to float, summed as cublasSgemm's emulation) */
+/* cublasGemmEx for what runtime/cuda uses: A and B both f32 or both bf16, C f32, f32 sums (the
+ * operands widened to float, summed as cublasSgemm's emulation) */
 typedef enum { CUDA_R_32F = 0, CUDA_R_16F = 2, CUDA_R_16BF = 14 } cudaDataType_t;
 typedef enum { CUBLAS_COMPUTE_32F = 68 } cublasComputeType_t;
 typedef enum { CUBLAS_GEMM_DEFAULT = -1 } cublasGemmAlgo_t;
