@@ -501,13 +501,17 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
 int kvcc_cmd_compile(int argc, char **argv) {
     char msg[768] = "";
 #ifdef __GLIBC__
-    /* Blocks of 128 KiB and more from mmap, returned to the system when freed. glibc's default
+    /* Blocks of 1 MiB and more from mmap, returned to the system when freed. glibc's default
      * raises that threshold to the largest block freed so far (up to 32 MiB), after which the
      * passes' per-layer buffers come from the heap, where freed ones stay between the long-lived
      * ones: the peak grew with the prompts (compilerkv, 4 prompts of 512 + 64 tokens: 511 MB,
-     * 451 MB with this; docs/benchmarks.md). The kvcc command's choice, never libkvrt's; an
-     * explicit MALLOC_MMAP_THRESHOLD_ in the environment wins. Output bytes are unchanged. */
-    if (!getenv("MALLOC_MMAP_THRESHOLD_")) mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+     * 451 MB with a 128 KiB threshold, when its layer caches were kept in memory). At 128 KiB
+     * every sub-MiB block of the fits (NNLS and ridge workspaces, LAPACKE's transposes, AM's
+     * targets) was mapped and faulted in afresh per call: all five passes on 2 prompts, 2.3 M page
+     * faults and 30.5-31.9 s; at 1 MiB 0.7 M and 28.0-28.8 s, the same peak (151 MB) and bytes
+     * (docs/benchmarks.md "kvcc compile peak memory"). The kvcc command's choice, never
+     * libkvrt's; an explicit MALLOC_MMAP_THRESHOLD_ in the environment wins. */
+    if (!getenv("MALLOC_MMAP_THRESHOLD_")) mallopt(M_MMAP_THRESHOLD, 1024 * 1024);
 #endif
     if (kvcc_dist_init(&argc, &argv, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc compile: %s\n", msg);
