@@ -519,7 +519,7 @@ const char *kvrt_cpu_gemm_name(void) {
  * clear_page). At most SCRATCH_SLOTS buffers and SCRATCH_KEEP bytes are kept; a request takes
  * the smallest kept buffer that fits. */
 #define SCRATCH_HUGE ((size_t)2 << 20)
-#define SCRATCH_SLOTS 8
+#define SCRATCH_SLOTS 16
 #define SCRATCH_KEEP ((size_t)256 << 20)
 static pthread_mutex_t scratch_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct { void *p; size_t n; } scratch_kept[SCRATCH_SLOTS];
