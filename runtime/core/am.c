@@ -34,11 +34,12 @@ struct kvrt_am_schedule {
     int query_source;     /* kvrt_am_query_source the schedule was calibrated with */
 };
 
+/* The reference-query sources by kvrt_am_query_source (0 .. KVRT_AM_QUERIES_SELF_STUDY), as the
+ * artifact's query_source item and inspect name them */
+static const char *const source_names[] = {"context", "repeat", "self-study"};
 static const char *source_name(int qs) {
-    return qs == KVRT_AM_QUERIES_CONTEXT  ? "context"
-           : qs == KVRT_AM_QUERIES_REPEAT ? "repeat"
-           : qs == KVRT_AM_QUERIES_SELF_STUDY ? "self-study"
-                                          : "unknown";
+    return qs >= KVRT_AM_QUERIES_CONTEXT && qs <= KVRT_AM_QUERIES_SELF_STUDY ? source_names[qs]
+                                                                              : "unknown";
 }
 
 void kvrt_am_schedule_free(kvrt_am_schedule *s) {
@@ -150,9 +151,8 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: recent_frac %g, expected [0, 1)", fn,
                          recent_frac);
     /* optional: the reference-query source (absent: context, what ran before the item) */
-    static const char *const sources[] = {"context", "repeat", "self-study"};
     int query_source = KVRT_AM_QUERIES_CONTEXT;
-    rc = optional_choice(f, si, fn, "query_source", sources, 3, &query_source);
+    rc = optional_choice(f, si, fn, "query_source", source_names, 3, &query_source);
     if (rc) return rc;
     /* optional: OMP's keys per round (absent: 1, the plain greedy that ran before the item) */
     int64_t omp_batch = 1;

@@ -1384,7 +1384,9 @@ int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int has_q, int has
 }
 
 /* One thread's share of a layer call (kvrt_cpu_am_compact_layer_multi): its workspace, its
- * reference-query buffers and its statistics of one head. */
+ * reference-query buffers and its statistics of one head. At most AM_LAYER_SLOTS heads run side
+ * by side. */
+#define AM_LAYER_SLOTS 16
 typedef struct {
     am_ws ws;
     float *qr;
@@ -1482,10 +1484,10 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     if (kvrt_cpu_gemm_is_dnnl() && !omp_in_parallel() && Hkv > 1) {
         const int mt = omp_get_max_threads();
         if (mt > 1 && (Hkv % mt == 0 || tmax >= 256)) nw = (int)(mt < Hkv ? mt : Hkv);
-        if (nw > 16) nw = 16;
+        if (nw > AM_LAYER_SLOTS) nw = AM_LAYER_SLOTS;
     }
 #endif
-    head_slot slot[16];
+    head_slot slot[AM_LAYER_SLOTS];
     memset(slot, 0, sizeof slot);
     am_out *res = calloc((size_t)(Hkv * ns), sizeof *res);
     int ok = res != NULL;
@@ -1535,7 +1537,7 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
             }
     }
     kvrt_cpu_openblas_restore(blas);
-    for (int w = 0; w < 16; w++) {
+    for (int w = 0; w < AM_LAYER_SLOTS; w++) {
         if (slot[w].have_ws) am_ws_free(&slot[w].ws);
         free(slot[w].qr); free(slot[w].qp); free(slot[w].hst);
     }

@@ -104,7 +104,20 @@ __global__ void am_to_bf16(const float *__restrict__ x, int64_t rows, int64_t co
         for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
             dst[r * cols + c] = __float2bfloat16_rn(x[r * ld + c]);
 }
-static unsigned am_row_blocks(int64_t rows) { return (unsigned)(rows < 4096 ? (rows > 0 ? rows : 1) : 4096); }
+/* am_to_bf16's grid: a block per row, at most 4096 */
+static unsigned am_row_blocks(int64_t rows) {
+    return (unsigned)(rows < 4096 ? (rows > 0 ? rows : 1) : 4096);
+}
+
+/* C (f32) = alpha op(A) op(B) with A and B bf16 and f32 sums: the bf16 products' cuBLAS call */
+static cublasStatus_t am_gemm_bf16(cublasHandle_t blas, cublasOperation_t ta, int m, int n,
+                                   int k, float alpha, const __nv_bfloat16 *A, int lda,
+                                   const __nv_bfloat16 *B, int ldb, float *C, int ldc) {
+    const float zero = 0.0f;
+    return cublasGemmEx(blas, ta, CUBLAS_OP_N, m, n, k, &alpha, A, CUDA_R_16BF, lda, B,
+                        CUDA_R_16BF, ldb, &zero, C, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT);
+}
 
 /* dst[r, :] = src[off[r] .. off[r] + d) for r < rows (reference-query rows, or key/value rows) */
 __global__ void am_gather_rows(const float *__restrict__ src, const int64_t *__restrict__ off,
@@ -663,10 +676,8 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
         am_to_bf16<<<am_row_blocks(Tc), 128, 0, st>>>(kc, Tc, d, c->ld, w->Kb);
         am_to_bf16<<<am_row_blocks(Tc), 128, 0, st>>>(vc, Tc, d, c->ld, w->Vb);
         CUDA_CHECK(err, cudaGetLastError());
-        CUBLAS_CHECK(err, cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)Tc, (int)n, (int)d,
-                                       &alpha, w->Kb, CUDA_R_16BF, (int)d, w->Qb, CUDA_R_16BF,
-                                       (int)d, &zero, w->S, CUDA_R_32F, (int)Tc,
-                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        CUBLAS_CHECK(err, am_gemm_bf16(blas, CUBLAS_OP_T, (int)Tc, (int)n, (int)d, alpha, w->Kb,
+                                       (int)d, w->Qb, (int)d, w->S, (int)Tc));
     } else {
         CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, (int)Tc, (int)n, (int)d,
                                       &alpha, kc, (int)c->ld, w->qc, (int)d, &zero, w->S,
@@ -680,10 +691,8 @@ static int am_chunk(const am_call *c, am_dev *w, int64_t h, const float *qs, con
     if (bf) { /* P (0 past each row's keys) rounded to bf16, then Pb Vb */
         am_to_bf16<<<am_row_blocks(n), 256, 0, st>>>(w->S, n, Tc, Tc, w->Pb);
         CUDA_CHECK(err, cudaGetLastError());
-        CUBLAS_CHECK(err, cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc,
-                                       &one, w->Vb, CUDA_R_16BF, (int)d, w->Pb, CUDA_R_16BF,
-                                       (int)Tc, &zero, w->Yf, CUDA_R_32F, (int)d,
-                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        CUBLAS_CHECK(err, am_gemm_bf16(blas, CUBLAS_OP_N, (int)d, (int)n, (int)Tc, 1.0f, w->Vb,
+                                       (int)d, w->Pb, (int)Tc, w->Yf, (int)d));
     } else {
         CUBLAS_CHECK(err, cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, (int)d, (int)n, (int)Tc,
                                       &one, vc, (int)c->ld, w->S, (int)Tc, &zero, w->Yf, (int)d));
