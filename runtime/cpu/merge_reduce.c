@@ -26,6 +26,7 @@
 
 #include "kvrt_rng.h"
 #include "core/policies.h"
+#include "cpu/vexp.h"
 
 // ----------------------------------------------------------------------------
 // shared pieces (identical arithmetic for ref and fast)
@@ -536,6 +537,7 @@ struct kvrt_mr_ws {
     double *phi;            /* [cap, mcap] */
     int64_t *idx;           /* [cap] */
     mr_pair *pairs;         /* [cap] */
+    mr_pair *ptmp;          /* [cap] pair_sort's scratch */
     uint8_t *mark;          /* [cap] */
     double *mu, *var;       /* [mcap] */
     double *acc;            /* [2 d] */
@@ -554,6 +556,7 @@ void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws) {
     free(ws->phi);
     free(ws->idx);
     free(ws->pairs);
+    free(ws->ptmp);
     free(ws->mark);
     free(ws->mu);
     free(ws->var);
@@ -579,6 +582,7 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     ws->phi = malloc(sizeof(double) * (size_t)cap * mcap);
     ws->idx = malloc(sizeof(int64_t) * (size_t)cap);
     ws->pairs = malloc(sizeof(mr_pair) * (size_t)cap);
+    ws->ptmp = malloc(sizeof(mr_pair) * (size_t)cap);
     ws->mark = calloc((size_t)cap, 1);
     ws->mu = malloc(sizeof(double) * mcap);
     ws->var = malloc(sizeof(double) * mcap);
@@ -587,7 +591,7 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     ws->pb = malloc(sizeof(double) * mcap);
     ws->cw = malloc(sizeof(double) * (size_t)cap);
     if (!ws->pb || !ws->cw || !ws->Ud || !ws->kr || !ws->vr || !ws->w || !ws->pos || !ws->phi ||
-        !ws->idx || !ws->pairs ||
+        !ws->idx || !ws->pairs || !ws->ptmp ||
         !ws->mark || !ws->mu || !ws->var || !ws->acc) {
         kvrt_cpu_mr_ws_free(ws);
         return NULL;
@@ -595,14 +599,76 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     return ws;
 }
 
-static int cmp_pair(const void *a, const void *b) {
-    const mr_pair *x = a, *y = b;
-    if (x->v < y->v) return -1;
-    if (x->v > y->v) return 1;
-    return (x->r > y->r) - (x->r < y->r);
+/* phi [n, mc]: phi_ij = sum_x Ud[x, j] k_i[x] with x ascending per j, the reference's sums.
+ * Blocks of 16 and 8 columns accumulate in registers over x (independent accumulators across j:
+ * no sum is reassociated); before, each x step loaded and stored the row of phi (SSE2). */
+KVRT_SIMD_CLONES
+static void phi_rows(const double *Ud, uint32_t mc, uint32_t m, uint32_t d,
+                     const float *const *kr, int64_t n, double *phi) {
+    for (int64_t i = 0; i < n; i++) {
+        double *ph = phi + (size_t)i * mc;
+        const float *k = kr[i];
+        uint32_t j0 = 0;
+        for (; j0 + 16 <= m; j0 += 16) {
+            double acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = 0.0;
+            for (uint32_t x = 0; x < d; x++) {
+                const double kx = (double)k[x];
+                const double *ur = Ud + (size_t)x * mc + j0;
+#pragma omp simd
+                for (int j = 0; j < 16; j++) acc[j] += ur[j] * kx;
+            }
+            for (int j = 0; j < 16; j++) ph[j0 + j] = acc[j];
+        }
+        for (; j0 + 8 <= m; j0 += 8) {
+            double acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = 0.0;
+            for (uint32_t x = 0; x < d; x++) {
+                const double kx = (double)k[x];
+                const double *ur = Ud + (size_t)x * mc + j0;
+#pragma omp simd
+                for (int j = 0; j < 8; j++) acc[j] += ur[j] * kx;
+            }
+            for (int j = 0; j < 8; j++) ph[j0 + j] = acc[j];
+        }
+        for (; j0 < m; j0++) {
+            double acc = 0.0;
+            for (uint32_t x = 0; x < d; x++) acc += Ud[(size_t)x * mc + j0] * (double)k[x];
+            ph[j0] = acc;
+        }
+    }
+}
+
+static inline int pair_less(const mr_pair *x, const mr_pair *y) {
+    return x->v < y->v || (x->v == y->v && x->r < y->r);
+}
+
+/* p[0 .. n) sorted by (v, r) ascending, tmp [n] scratch: a merge sort (insertion sort below 16
+ * entries). The ranks are distinct and every v is finite (the layer's keys are checked), so the
+ * order is total and equals the one glibc's qsort gave with a (v, r) compare function; inline
+ * compares instead of a call per compare (qsort and its compare were 9% of a merge-reduce compile). */
+static void pair_sort(mr_pair *p, mr_pair *tmp, int64_t n) {
+    if (n < 16) {
+        for (int64_t i = 1; i < n; i++) {
+            const mr_pair x = p[i];
+            int64_t j = i;
+            for (; j > 0 && pair_less(&x, &p[j - 1]); j--) p[j] = p[j - 1];
+            p[j] = x;
+        }
+        return;
+    }
+    const int64_t h = n / 2;
+    pair_sort(p, tmp, h);
+    pair_sort(p + h, tmp, n - h);
+    if (!pair_less(&p[h], &p[h - 1])) return; /* already in order */
+    memcpy(tmp, p, sizeof *p * (size_t)h);
+    int64_t a = 0, b = h, o = 0;
+    while (a < h && b < n) p[o++] = pair_less(&p[b], &tmp[a]) ? p[b++] : tmp[a++];
+    while (a < h) p[o++] = tmp[a++];
 }
 
 /* The node of clusters [c0, c1) over ws->idx[off .. off + cnt). */
+KVRT_SIMD_CLONES
 static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t off, int64_t cnt,
                       int64_t c0, int64_t c1, kvrt_mr_set *out) {
     const uint32_t d = ws->d;
@@ -618,6 +684,7 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
 #pragma omp simd
             for (uint32_t j = 0; j < m; j++) pb[j] += wi * ph[j];
         }
+#pragma omp simd
         for (uint32_t j = 0; j < m; j++) pb[j] = pb[j] / W;
         double Wc = 0.0;
         for (int64_t i = 0; i < cnt; i++) {
@@ -629,14 +696,17 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
         for (int64_t i = 0; i < cnt; i++) {
             const double wi = (double)ws->w[idx[i]], wc = wi * cw[i];
             const float *kr = ws->kr[idx[i]], *vr = ws->vr[idx[i]];
+#pragma omp simd
             for (uint32_t x = 0; x < d; x++) {
                 ak[x] += wi * (double)kr[x];
                 av[x] += wc * (double)vr[x];
             }
         }
+        float *ok = out->k + (size_t)c0 * d, *ov = out->v + (size_t)c0 * d;
+#pragma omp simd
         for (uint32_t x = 0; x < d; x++) {
-            out->k[(size_t)c0 * d + x] = (float)(ak[x] / W);
-            out->v[(size_t)c0 * d + x] = (float)(av[x] / Wc);
+            ok[x] = (float)(ak[x] / W);
+            ov[x] = (float)(av[x] / Wc);
         }
         out->w[c0] = mc_weight(Wc);
         out->pos[c0] = -1;
@@ -650,14 +720,17 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
         for (int64_t i = 0; i < cnt; i++) {
             const double wi = (double)ws->w[idx[i]];
             const float *kr = ws->kr[idx[i]], *vr = ws->vr[idx[i]];
+#pragma omp simd
             for (uint32_t x = 0; x < d; x++) {
                 ak[x] += wi * (double)kr[x];
                 av[x] += wi * (double)vr[x];
             }
         }
+        float *ok = out->k + (size_t)c0 * d, *ov = out->v + (size_t)c0 * d;
+#pragma omp simd
         for (uint32_t x = 0; x < d; x++) {
-            out->k[(size_t)c0 * d + x] = (float)(ak[x] / W);
-            out->v[(size_t)c0 * d + x] = (float)(av[x] / W);
+            ok[x] = (float)(ak[x] / W);
+            ov[x] = (float)(av[x] / W);
         }
         out->w[c0] = (float)W;
         out->pos[c0] = cnt == 1 ? ws->pos[idx[0]] : -1;
@@ -673,6 +746,7 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
 #pragma omp simd
         for (uint32_t j = 0; j < m; j++) mu[j] += wi * ph[j];
     }
+#pragma omp simd
     for (uint32_t j = 0; j < m; j++) mu[j] = mu[j] / W;
     for (int64_t i = 0; i < cnt; i++) {
         const double wi = (double)ws->w[idx[i]];
@@ -696,7 +770,7 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
         p[i].r = i;
         p[i].e = idx[i];
     }
-    qsort(p, (size_t)cnt, sizeof *p, cmp_pair);
+    pair_sort(p, ws->ptmp, cnt);
     for (int64_t i = 0; i < cnt; i++) ws->idx[off + i] = p[i].e;
     const int64_t kl = (c1 - c0 + 1) / 2;
     const int64_t nl = cluster_count(n, K, c0, c0 + kl);
@@ -756,20 +830,8 @@ static void fast_reduce(kvrt_mr_ws *ws, int reducer, const float *U, uint32_t ld
     for (uint32_t x = 0; x < d; x++)
         for (uint32_t j = 0; j < m; j++)
             ws->Ud[(size_t)x * mc + j] = (double)U[(size_t)x * ldm + j];
-    /* phi_j = sum_x U[x, j] k[x] with x ascending per j: the reference's sums (the simd loop
-     * runs across j, independent accumulators, so no sum is reassociated) */
-    for (int64_t i = 0; i < n; i++) {
-        double *ph = ws->phi + (size_t)i * mc;
-        const float *kr = ws->kr[i];
-        for (uint32_t j = 0; j < m; j++) ph[j] = 0.0;
-        for (uint32_t x = 0; x < d; x++) {
-            const double kx = (double)kr[x];
-            const double *ur = ws->Ud + (size_t)x * mc;
-#pragma omp simd
-            for (uint32_t j = 0; j < m; j++) ph[j] += ur[j] * kx;
-        }
-        ws->idx[i] = i;
-    }
+    phi_rows(ws->Ud, mc, m, d, ws->kr, n, ws->phi);
+    for (int64_t i = 0; i < n; i++) ws->idx[i] = i;
     ws->lam = lam;
     fast_node(ws, m, n, K, 0, n, 0, K, out);
     ws->lam = NULL;

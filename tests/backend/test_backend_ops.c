@@ -1747,7 +1747,9 @@ static void test_mr_compress(kvrt_ctx *ctx, const char *bk) {
                   {517, 2, 64, 16, 0.2, KVRT_MR_CLUSTER, KVRT_DTYPE_BF16, 0},
                   {1024, 3, 64, 0, 0.05, KVRT_MR_RANDOM, KVRT_DTYPE_F32, 0},
                   {300, 2, 32, 8, 310, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 0},
-                  {1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 1}};
+                  {1024, 3, 64, 64, 0.05, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 1},
+                  /* m = 16 + 8 + 3: every column block of the CPU's phi kernel */
+                  {700, 2, 48, 27, 0.1, KVRT_MR_CLUSTER, KVRT_DTYPE_F32, 1}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t T = shapes[si].T;
         const uint32_t Hkv = shapes[si].Hkv, d = shapes[si].d;
