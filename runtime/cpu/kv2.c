@@ -268,7 +268,11 @@ int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int 
 #define KV2_MNK (1 << 18)    /* each sgemm stays single-threaded in OpenBLAS (see attend.c) */
 
 /* One row's online log-sum-exp over a block of logits z [len]: running max *m, sum *s of
- * exp(z - *m) (the block's sum in f32, the running sum in double). */
+ * exp(z - *m) (the block's sum in f32, the running sum in double). The block's sum runs in
+ * KV2_LANES interleaved partial sums (element j into lane j % KV2_LANES) added in lane order, so
+ * it does not depend on the ISA: the function is compiled for AVX-512 and AVX2 too. */
+#define KV2_LANES 16
+KVRT_SIMD_CLONES
 static void lse_update(const float *z, int64_t len, float *m, double *s) {
     float bm = -INFINITY;
 #pragma omp simd reduction(max : bm)
@@ -278,9 +282,16 @@ static void lse_update(const float *z, int64_t len, float *m, double *s) {
         *m = bm;
     }
     const float mm = *m;
+    float lane[KV2_LANES];
+    for (int l = 0; l < KV2_LANES; l++) lane[l] = 0.0f;
+    int64_t j = 0;
+    for (; j + KV2_LANES <= len; j += KV2_LANES) {
+#pragma omp simd
+        for (int l = 0; l < KV2_LANES; l++) lane[l] += exp_nonpos_f32(z[j + l] - mm);
+    }
+    for (int l = 0; j + l < len; l++) lane[l] += exp_nonpos_f32(z[j + l] - mm);
     float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < len; j++) acc += exp_nonpos_f32(z[j] - mm);
+    for (int l = 0; l < KV2_LANES; l++) acc += lane[l];
     *s += acc;
 }
 
@@ -305,6 +316,7 @@ typedef struct {
 
 /* Tile (KV head hk, queries i0 .. i0 + nb - 1): the maxima of the chunk's weights over its rows
  * into pm [hi - lo] (max-combined). Scratch: Qp [rows, d], Sc [rows, W], Sb [rows, CB], m, s. */
+KVRT_SIMD_CLONES
 static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t nb, float *Qp,
                        float *Sc, float *Sb, int64_t cb, float *m, double *s, float *pm) {
     const uint32_t G = a->G, d = a->d;
