@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "compilerkv_int.h"
+#include "cpu/vexp.h" /* KVRT_SIMD_CLONES */
 #include "loop.h"
 #include "metrics.h"
 
@@ -279,7 +280,9 @@ int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_
     return 0;
 }
 
-/* num/den += sign * (weights of token t) (rows of all continuation queries and heads). */
+/* num/den += sign * (weights of token t) (rows of all continuation queries and heads). Compiled
+ * for AVX-512 and AVX2 too: its loops are elementwise, so every clone gives the same bits. */
+KVRT_SIMD_CLONES
 static void add_token(const kvcc_ckv_layer *lc, int32_t t, double sign, double *num, double *den) {
     const size_t NH = (size_t)lc->N * lc->H, G = lc->H / lc->Hkv, d = lc->d;
     const float *wt = lc->w + (size_t)t * NH, *vt = lc->v + (size_t)t * lc->Hkv * d;
