@@ -45,6 +45,7 @@
 #include <string.h>
 
 #include "corpus.h"
+#include "cpu/vexp.h" /* KVRT_SIMD_CLONES */
 #include "eval_methods.h"
 #include "kvcc.h"
 #include "kvpol.h"
@@ -87,6 +88,24 @@ double kvcc_compkv_error(const kvcc_compkv_samples *s, uint32_t r, const uint16_
     return den > 0 ? num / den : 0.0;
 }
 
+/* acc[c] += sum over the samples j in order of p_j e_jc^2, c in (a, d], with e_jc = sc2 ((Q_jc -
+ * Q_ja) (V_jc - V_ja) inv_c - (W_jc - W_ja)): Q, V, W rows of D1 per sample. Compiled for
+ * AVX-512 and AVX2 too (elementwise across c: the same bits in every clone). */
+KVRT_SIMD_CLONES
+static void compkv_costs_row(const double *Q, const double *V, const double *W, const double *p,
+                             int64_t n, size_t D1, uint32_t a, uint32_t d, double sc2,
+                             const double *inv, double *acc) {
+    for (int64_t j = 0; j < n; j++) {
+        const double *qj = Q + (size_t)j * D1, *vj = V + (size_t)j * D1, *wj = W + (size_t)j * D1;
+        const double qa = qj[a], va = vj[a], wa = wj[a], pj = p[j];
+#pragma omp simd
+        for (uint32_t c = a + 1; c <= d; c++) {
+            const double e = sc2 * ((qj[c] - qa) * (vj[c] - va) * inv[c] - (wj[c] - wa));
+            acc[c] += pj * e * e;
+        }
+    }
+}
+
 int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm, uint16_t *offsets,
                        kvcc_compkv_fit *fit) {
     const uint32_t d = s ? s->d : 0;
@@ -112,34 +131,39 @@ int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm,
                 perm[j] = perm[j - 1];
                 perm[j - 1] = t;
             }
-        /* prefix sums along the sorted order, laid out [k][sample] */
-        for (int64_t j = 0; j < n; j++) Q[j] = V[j] = W[j] = 0;
-        for (uint32_t k = 0; k < d; k++) {
-            const uint32_t c = perm[k];
-            double *q1 = Q + (size_t)(k + 1) * n, *v1 = V + (size_t)(k + 1) * n, *w1 = W + (size_t)(k + 1) * n;
-            const double *q0 = Q + (size_t)k * n, *v0 = V + (size_t)k * n, *w0 = W + (size_t)k * n;
-            for (int64_t j = 0; j < n; j++) {
-                const double a = s->q2[(size_t)j * d + c], b = s->var[(size_t)j * d + c];
-                q1[j] = q0[j] + a;
-                v1[j] = v0[j] + b;
-                w1[j] = w0[j] + a * b;
+        /* prefix sums along the sorted order, laid out [sample][k] (D1 per sample) */
+        for (int64_t j = 0; j < n; j++) {
+            double *qj = Q + (size_t)j * D1, *vj = V + (size_t)j * D1, *wj = W + (size_t)j * D1;
+            const float *q2 = s->q2 + (size_t)j * d, *vr = s->var + (size_t)j * d;
+            qj[0] = vj[0] = wj[0] = 0;
+            for (uint32_t k = 0; k < d; k++) {
+                const double a = q2[perm[k]], b = vr[perm[k]];
+                qj[k + 1] = qj[k] + a;
+                vj[k + 1] = vj[k] + b;
+                wj[k + 1] = wj[k] + a * b;
             }
         }
-        /* cost of every contiguous group [a, c) of the sorted order (each entry in a fixed order) */
+        /* cost of every contiguous group [a, c) of the sorted order: for each a, the sums over
+         * the samples j in order, one accumulator per c (the loop across c is elementwise, so
+         * each cost is the same sum in the same order as one loop per (a, c)) */
         const double sc2 = s->scale * s->scale;
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t a = 0; a < (int64_t)d; a++) {
-            for (uint32_t c = (uint32_t)a + 1; c <= d; c++) {
-                const double inv = 1.0 / (double)(c - (uint32_t)a);
-                const double *qa = Q + (size_t)a * n, *va = V + (size_t)a * n, *wa = W + (size_t)a * n;
-                const double *qc = Q + (size_t)c * n, *vc = V + (size_t)c * n, *wc = W + (size_t)c * n;
-                double acc = 0;
-                for (int64_t j = 0; j < n; j++) {
-                    const double e = sc2 * ((qc[j] - qa[j]) * (vc[j] - va[j]) * inv - (wc[j] - wa[j]));
-                    acc += s->p[j] * e * e;
+#pragma omp parallel
+        {
+            double *acc = malloc(2 * D1 * sizeof *acc), *inv = acc ? acc + D1 : NULL;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t a = 0; a < (int64_t)d; a++) {
+                if (acc == NULL) { /* out of memory in this thread: the costs stay unusable */
+                    for (uint32_t c = (uint32_t)a + 1; c <= d; c++) cost[(size_t)a * D1 + c] = NAN;
+                    continue;
                 }
-                cost[(size_t)a * D1 + c] = acc;
+                for (uint32_t c = (uint32_t)a + 1; c <= d; c++) {
+                    acc[c] = 0;
+                    inv[c] = 1.0 / (double)(c - (uint32_t)a);
+                }
+                compkv_costs_row(Q, V, W, s->p, n, D1, (uint32_t)a, d, sc2, inv, acc);
+                for (uint32_t c = (uint32_t)a + 1; c <= d; c++) cost[(size_t)a * D1 + c] = acc[c];
             }
+            free(acc);
         }
         /* F[t][c]: best t groups covering [0, c) */
         for (size_t i = 0; i < ((size_t)r + 1) * D1; i++) { F[i] = INFINITY; arg[i] = -1; }
