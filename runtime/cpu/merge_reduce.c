@@ -599,43 +599,33 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     return ws;
 }
 
-/* phi [n, mc]: phi_ij = sum_x Ud[x, j] k_i[x] with x ascending per j, the reference's sums.
- * Blocks of 16 and 8 columns accumulate in registers over x (independent accumulators across j:
- * no sum is reassociated); before, each x step loaded and stored the row of phi (SSE2). */
+/* phi_i[j0 .. j0 + w) of one key k (w <= 16, a constant where inlined): the columns accumulate
+ * in registers over x, x ascending per column (the reference's sums; nothing reassociated). */
+static inline __attribute__((always_inline)) void phi_cols(const double *Ud, uint32_t mc,
+                                                           uint32_t d, const float *k, uint32_t j0,
+                                                           int w, double *ph) {
+    double acc[16];
+    for (int j = 0; j < w; j++) acc[j] = 0.0;
+    for (uint32_t x = 0; x < d; x++) {
+        const double kx = (double)k[x];
+        const double *ur = Ud + (size_t)x * mc + j0;
+#pragma omp simd
+        for (int j = 0; j < w; j++) acc[j] += ur[j] * kx;
+    }
+    for (int j = 0; j < w; j++) ph[j0 + j] = acc[j];
+}
+
+/* phi [n, mc]: phi_ij = sum_x Ud[x, j] k_i[x] with x ascending per j, in column blocks of 16,
+ * then 8, then single columns. Before, each x step loaded and stored the row of phi (SSE2). */
 KVRT_SIMD_CLONES
 static void phi_rows(const double *Ud, uint32_t mc, uint32_t m, uint32_t d,
                      const float *const *kr, int64_t n, double *phi) {
     for (int64_t i = 0; i < n; i++) {
         double *ph = phi + (size_t)i * mc;
-        const float *k = kr[i];
         uint32_t j0 = 0;
-        for (; j0 + 16 <= m; j0 += 16) {
-            double acc[16];
-            for (int j = 0; j < 16; j++) acc[j] = 0.0;
-            for (uint32_t x = 0; x < d; x++) {
-                const double kx = (double)k[x];
-                const double *ur = Ud + (size_t)x * mc + j0;
-#pragma omp simd
-                for (int j = 0; j < 16; j++) acc[j] += ur[j] * kx;
-            }
-            for (int j = 0; j < 16; j++) ph[j0 + j] = acc[j];
-        }
-        for (; j0 + 8 <= m; j0 += 8) {
-            double acc[8];
-            for (int j = 0; j < 8; j++) acc[j] = 0.0;
-            for (uint32_t x = 0; x < d; x++) {
-                const double kx = (double)k[x];
-                const double *ur = Ud + (size_t)x * mc + j0;
-#pragma omp simd
-                for (int j = 0; j < 8; j++) acc[j] += ur[j] * kx;
-            }
-            for (int j = 0; j < 8; j++) ph[j0 + j] = acc[j];
-        }
-        for (; j0 < m; j0++) {
-            double acc = 0.0;
-            for (uint32_t x = 0; x < d; x++) acc += Ud[(size_t)x * mc + j0] * (double)k[x];
-            ph[j0] = acc;
-        }
+        for (; j0 + 16 <= m; j0 += 16) phi_cols(Ud, mc, d, kr[i], j0, 16, ph);
+        for (; j0 + 8 <= m; j0 += 8) phi_cols(Ud, mc, d, kr[i], j0, 8, ph);
+        for (; j0 < m; j0++) phi_cols(Ud, mc, d, kr[i], j0, 1, ph);
     }
 }
 
