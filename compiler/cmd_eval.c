@@ -629,8 +629,18 @@ int kvcc_cmd_eval(int argc, char **argv) {
     else if (csv) print_csv(r);
     else print_table(r, corpus, gguf);
     if (timings) print_timings(json || csv ? stderr : stdout, r);
-    int any_err = 0;
-    for (int i = 0; i < r->n_rows; i++) any_err |= r->rows[i].status != 0;
+    /* the table shows a failed row's message in its place; --json and --csv carry it in the
+     * row ("error", status): say on stderr why the exit status is not 0 */
+    int n_err = 0, first = -1;
+    for (int i = 0; i < r->n_rows; i++)
+        if (r->rows[i].status != 0) {
+            if (first < 0) first = i;
+            n_err++;
+        }
+    if (n_err && (json || csv))
+        fprintf(stderr, "kvcc eval: %d of %d rows failed (their %s); the first, %s at %g: %s\n",
+                n_err, r->n_rows, json ? "\"error\" fields" : "status column",
+                r->rows[first].method->name, r->rows[first].budget, r->rows[first].msg);
     free(r);
-    return any_err ? KVCC_EXIT_FAILED : KVCC_EXIT_OK;
+    return n_err ? KVCC_EXIT_FAILED : KVCC_EXIT_OK;
 }

@@ -131,6 +131,13 @@ err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am -
 [[ $ex -eq 2 && "$err" == *"--am-queries self-study needs --gguf"* && ! -e "$tmp/pr.kvpol" ]] && ok || bad "compile --am-queries self-study without --gguf: exit $ex: $err"
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods am-self --budgets 0.1 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"am-self: self-study reference queries need the model: give --gguf"* ]] && ok || bad "eval am-self without --gguf: exit $ex: $err"
+#  a row that fails in --csv / --json: exit 5, the row marked, and one line on stderr that says why
+for fmt in csv json; do
+  out=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods full,snapkv --budgets 16 --$fmt 2>"$tmp/rowerr.txt"); ex=$?
+  e=$(cat "$tmp/rowerr.txt")
+  [[ $ex -eq 5 && "$out" == *"error"* && "$e" == *"1 of 2 rows failed"*"snapkv at 16"*"observation window"* ]] \
+    && ok || bad "eval --$fmt with a failed row: exit $ex: $e"
+done
 out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"recent 0.5 of t, products f32, reference queries context"* ]] && ok || bad "inspect: the AM query source: $out"
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   #  the repeat-prefill compile on real text: the same bytes at 1 and 2 threads; inspect and eval run it
