@@ -262,6 +262,7 @@ int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int 
 #pragma GCC optimize("no-trapping-math")
 #endif
 
+#include "cpu/blas.h" /* kvrt_cpu_sgemm_1t */
 #include "cpu/vexp.h" /* exp_nonpos_f32 */
 
 #define KV2_ROWS 64          /* stacked (query, query head) rows per tile, at least G */
@@ -303,8 +304,8 @@ static void logits(const float *Qp, int64_t rows, uint32_t d, const float *b, si
     cb = cb < 16 ? 16 : cb;
     for (int64_t c0 = 0; c0 < nc; c0 += cb) {
         const int64_t n = nc - c0 < cb ? nc - c0 : cb;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)n, (int)d, scale, Qp,
-                    (int)d, b + (size_t)c0 * ldb, (int)ldb, 0.0f, S + c0, (int)lds);
+        kvrt_cpu_sgemm_1t(1, (int)rows, (int)n, (int)d, scale, Qp, (int)d, b + (size_t)c0 * ldb,
+                          (int)ldb, 0.0f, S + c0, (int)lds);
     }
 }
 
