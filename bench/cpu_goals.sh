@@ -113,14 +113,14 @@ row "CompilerKV selection / window GEMM, 32k" "${t:--}x" "<= 1.25x" "$(judge "$t
 
 echo "== AM one-head compaction vs numpy + scipy (bench/am_vs_scipy.sh)"
 REPS="$reps" bash bench/am_vs_scipy.sh | tee "$log/am.txt" | grep -E '^T '
-# The 10x goal is bf16's, on a CPU with AMX; f32 has no ratio goal: its two products alone, at
-# the f32 GEMM rate, take most of what 10x allows (docs/benchmarks.md, "One run at 3488b68, and
-# the Attention Matching goal restated")
+# The issue's 10x, judged for f32 products and for bf16 products; bf16 only where the CPU has AMX.
+# f32's two products alone, at the f32 GEMM rate, take most of what 10x allows (docs/benchmarks.md,
+# "Two runs on 2026-12-05, late night, and the Attention Matching goal")
 amx=no
 grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && amx=yes
 for T in 4096 16384; do
     a=$(sed -n "s/^T $T wall: .*(detected kernels: \([0-9.]*\)x faster).*/\1/p" "$log/am.txt" | head -1)
-    row "AM compaction T=$T / numpy+scipy (wall), f32 products" "${a:--}x" "-" "-"
+    row "AM compaction T=$T / numpy+scipy (wall), f32 products" "${a:--}x" ">= 10x" "$(judge "$a" 10 ge)"
     b=$(sed -n "s/^T $T wall: .*(products bf16: \([0-9.]*\)x faster).*/\1/p" "$log/am.txt" | head -1)
     if [ "$amx" = yes ]; then
         row "AM compaction T=$T, --am-products bf16 / numpy+scipy (wall)" "${b:--}x" ">= 10x (AMX)" "$(judge "$b" 10 ge)"
