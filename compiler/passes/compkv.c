@@ -147,15 +147,14 @@ int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm,
          * the samples j in order, one accumulator per c (the loop across c is elementwise, so
          * each cost is the same sum in the same order as one loop per (a, c)) */
         const double sc2 = s->scale * s->scale;
-#pragma omp parallel
+        int oom = 0;
+#pragma omp parallel reduction(| : oom)
         {
             double *acc = malloc(2 * D1 * sizeof *acc), *inv = acc ? acc + D1 : NULL;
+            if (acc == NULL) oom = 1; /* the search fails below, whichever thread it was */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t a = 0; a < (int64_t)d; a++) {
-                if (acc == NULL) { /* out of memory in this thread: the costs stay unusable */
-                    for (uint32_t c = (uint32_t)a + 1; c <= d; c++) cost[(size_t)a * D1 + c] = NAN;
-                    continue;
-                }
+                if (acc == NULL) continue;
                 for (uint32_t c = (uint32_t)a + 1; c <= d; c++) {
                     acc[c] = 0;
                     inv[c] = 1.0 / (double)(c - (uint32_t)a);
@@ -165,6 +164,9 @@ int kvcc_compkv_search(const kvcc_compkv_samples *s, uint32_t r, uint16_t *perm,
             }
             free(acc);
         }
+        if (oom) rc = -1;
+    }
+    if (!rc) {
         /* F[t][c]: best t groups covering [0, c) */
         for (size_t i = 0; i < ((size_t)r + 1) * D1; i++) { F[i] = INFINITY; arg[i] = -1; }
         F[0] = 0;
