@@ -100,12 +100,29 @@ typedef struct {
     int32_t *pos;
 } ref_union;
 
-/* Stable merge sort of idx[0..n) by val[] ascending (equal values keep their order). */
-static void ref_msort(int64_t *idx, double *val, int64_t n, int64_t *ti, double *tv) {
-    if (n < 2) return;
+/* Stable merge sort of idx[0..n) by val[] ascending (equal values keep their order), ti and tv
+ * scratch of n: the clustering's split, in the reference and in the fast REDUCE. A stable order is
+ * unique, so how it is reached changes nothing: insertion below 16 entries, no merge when the
+ * halves are already in order. */
+static void mr_msort(int64_t *idx, double *val, int64_t n, int64_t *ti, double *tv) {
+    if (n < 16) {
+        for (int64_t i = 1; i < n; i++) {
+            const int64_t xi = idx[i];
+            const double xv = val[i];
+            int64_t j = i;
+            for (; j > 0 && xv < val[j - 1]; j--) {
+                idx[j] = idx[j - 1];
+                val[j] = val[j - 1];
+            }
+            idx[j] = xi;
+            val[j] = xv;
+        }
+        return;
+    }
     const int64_t h = n / 2;
-    ref_msort(idx, val, h, ti, tv);
-    ref_msort(idx + h, val + h, n - h, ti, tv);
+    mr_msort(idx, val, h, ti, tv);
+    mr_msort(idx + h, val + h, n - h, ti, tv);
+    if (!(val[h] < val[h - 1])) return; /* already in order */
     int64_t i = 0, j = h, o = 0;
     while (i < h && j < n) {
         if (val[j] < val[i]) {
@@ -117,9 +134,9 @@ static void ref_msort(int64_t *idx, double *val, int64_t n, int64_t *ti, double 
         }
     }
     while (i < h) { ti[o] = idx[i]; tv[o++] = val[i++]; }
-    while (j < n) { ti[o] = idx[j]; tv[o++] = val[j++]; }
-    memcpy(idx, ti, sizeof(int64_t) * (size_t)n);
-    memcpy(val, tv, sizeof(double) * (size_t)n);
+    /* the rest of the right half is in place already */
+    memcpy(idx, ti, sizeof(int64_t) * (size_t)o);
+    memcpy(val, tv, sizeof(double) * (size_t)o);
 }
 
 /* phi_j(k) = sum_x U[x, j] k[x] in double, x ascending. */
@@ -226,7 +243,7 @@ static int ref_node(const ref_union *u, const float *U, uint32_t ldm, uint32_t m
         sorted[i] = idx[i];
         val[i] = ref_phi(U, ldm, d, u->k + (size_t)idx[i] * d, best);
     }
-    ref_msort(sorted, val, cnt, sorted + cnt, val + cnt);
+    mr_msort(sorted, val, cnt, sorted + cnt, val + cnt);
     const int64_t kl = (c1 - c0 + 1) / 2;
     const int64_t nl = cluster_count(n, K, c0, c0 + kl);
     int rc = ref_node(u, U, ldm, m, lam, n, K, sorted, nl, c0, c0 + kl, out);
@@ -522,12 +539,6 @@ int kvrt_mr_compress_layer_ref(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
 // ----------------------------------------------------------------------------
 // the fast REDUCE: a workspace, index arrays, phi once
 
-typedef struct {
-    double v;
-    int64_t r; /* rank in the node: ties keep the node's order (a stable sort) */
-    int64_t e;
-} mr_pair;
-
 struct kvrt_mr_ws {
     int64_t cap;
     uint32_t d, mcap;
@@ -536,8 +547,9 @@ struct kvrt_mr_ws {
     int32_t *pos;           /* [cap] */
     double *phi;            /* [cap, mcap] */
     int64_t *idx;           /* [cap] */
-    mr_pair *pairs;         /* [cap] */
-    mr_pair *ptmp;          /* [cap] pair_sort's scratch */
+    double *sval;           /* [cap] the split's sort keys (mr_msort) */
+    int64_t *sti;           /* [cap] mr_msort's scratch */
+    double *stv;            /* [cap] */
     uint8_t *mark;          /* [cap] */
     double *mu, *var;       /* [mcap] */
     double *acc;            /* [2 d] */
@@ -555,8 +567,9 @@ void kvrt_cpu_mr_ws_free(kvrt_mr_ws *ws) {
     free(ws->pos);
     free(ws->phi);
     free(ws->idx);
-    free(ws->pairs);
-    free(ws->ptmp);
+    free(ws->sval);
+    free(ws->sti);
+    free(ws->stv);
     free(ws->mark);
     free(ws->mu);
     free(ws->var);
@@ -581,8 +594,9 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     ws->pos = malloc(sizeof(int32_t) * (size_t)cap);
     ws->phi = malloc(sizeof(double) * (size_t)cap * mcap);
     ws->idx = malloc(sizeof(int64_t) * (size_t)cap);
-    ws->pairs = malloc(sizeof(mr_pair) * (size_t)cap);
-    ws->ptmp = malloc(sizeof(mr_pair) * (size_t)cap);
+    ws->sval = malloc(sizeof(double) * (size_t)cap);
+    ws->sti = malloc(sizeof(int64_t) * (size_t)cap);
+    ws->stv = malloc(sizeof(double) * (size_t)cap);
     ws->mark = calloc((size_t)cap, 1);
     ws->mu = malloc(sizeof(double) * mcap);
     ws->var = malloc(sizeof(double) * mcap);
@@ -591,7 +605,7 @@ kvrt_mr_ws *kvrt_cpu_mr_ws_create(int64_t cap, uint32_t d, uint32_t mcap) {
     ws->pb = malloc(sizeof(double) * mcap);
     ws->cw = malloc(sizeof(double) * (size_t)cap);
     if (!ws->pb || !ws->cw || !ws->Ud || !ws->kr || !ws->vr || !ws->w || !ws->pos || !ws->phi ||
-        !ws->idx || !ws->pairs || !ws->ptmp ||
+        !ws->idx || !ws->sval || !ws->sti || !ws->stv ||
         !ws->mark || !ws->mu || !ws->var || !ws->acc) {
         kvrt_cpu_mr_ws_free(ws);
         return NULL;
@@ -627,34 +641,6 @@ static void phi_rows(const double *Ud, uint32_t mc, uint32_t m, uint32_t d,
         for (; j0 + 8 <= m; j0 += 8) phi_cols(Ud, mc, d, kr[i], j0, 8, ph);
         for (; j0 < m; j0++) phi_cols(Ud, mc, d, kr[i], j0, 1, ph);
     }
-}
-
-static inline int pair_less(const mr_pair *x, const mr_pair *y) {
-    return x->v < y->v || (x->v == y->v && x->r < y->r);
-}
-
-/* p[0 .. n) sorted by (v, r) ascending, tmp [n] scratch: a merge sort (insertion sort below 16
- * entries). The ranks are distinct and every v is finite (the layer's keys are checked), so the
- * order is total and equals the one glibc's qsort gave with a (v, r) compare function; inline
- * compares instead of a call per compare (qsort and its compare were 9% of a merge-reduce compile). */
-static void pair_sort(mr_pair *p, mr_pair *tmp, int64_t n) {
-    if (n < 16) {
-        for (int64_t i = 1; i < n; i++) {
-            const mr_pair x = p[i];
-            int64_t j = i;
-            for (; j > 0 && pair_less(&x, &p[j - 1]); j--) p[j] = p[j - 1];
-            p[j] = x;
-        }
-        return;
-    }
-    const int64_t h = n / 2;
-    pair_sort(p, tmp, h);
-    pair_sort(p + h, tmp, n - h);
-    if (!pair_less(&p[h], &p[h - 1])) return; /* already in order */
-    memcpy(tmp, p, sizeof *p * (size_t)h);
-    int64_t a = 0, b = h, o = 0;
-    while (a < h && b < n) p[o++] = pair_less(&p[b], &tmp[a]) ? p[b++] : tmp[a++];
-    while (a < h) p[o++] = tmp[a++];
 }
 
 /* The node of clusters [c0, c1) over ws->idx[off .. off + cnt). */
@@ -754,14 +740,8 @@ static void fast_node(kvrt_mr_ws *ws, uint32_t m, int64_t n, int64_t K, int64_t 
             best_var = var[j];
             best = j;
         }
-    mr_pair *p = ws->pairs;
-    for (int64_t i = 0; i < cnt; i++) {
-        p[i].v = ws->phi[(size_t)idx[i] * ws->mcap + best];
-        p[i].r = i;
-        p[i].e = idx[i];
-    }
-    pair_sort(p, ws->ptmp, cnt);
-    for (int64_t i = 0; i < cnt; i++) ws->idx[off + i] = p[i].e;
+    for (int64_t i = 0; i < cnt; i++) ws->sval[i] = ws->phi[(size_t)idx[i] * ws->mcap + best];
+    mr_msort(ws->idx + off, ws->sval, cnt, ws->sti, ws->stv);
     const int64_t kl = (c1 - c0 + 1) / 2;
     const int64_t nl = cluster_count(n, K, c0, c0 + kl);
     fast_node(ws, m, n, K, off, nl, c0, c0 + kl, out);

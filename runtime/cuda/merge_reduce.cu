@@ -15,8 +15,8 @@
  *  - CLUSTER: phi = U^T k per entry (double, x ascending, one thread per (entry, column)), then
  *    the clustering tree level by level over every node of every task at once: per node and
  *    column the weighted mean and variance of phi in entry order (double); per node the column of
- *    largest variance and a stable merge sort of the node's entries by it (the CPU's qsort on
- *    (value, rank)), split at the cluster counts; per leaf the weighted key and value means
+ *    largest variance and a stable merge sort of the node's entries by it (the order of the
+ *    CPU's mr_msort), split at the cluster counts; per leaf the weighted key and value means
  *    (with mass compensation, the compensation factors first). The sums run in the CPU's order
  *    in one thread each: the parallelism is over tasks, nodes, columns and coordinates.
  * The layer call: the dyadic tree levels 1..J over the middle blocks (all KV heads in one batch
