@@ -36,6 +36,20 @@ judge() { # value goal op(ge|le) -> yes/no
     awk -v v="$1" -v g="$2" -v op="$3" 'BEGIN { if (v == "") { print "-"; exit }
         print ((op == "ge" && v + 0 >= g + 0) || (op == "le" && v + 0 <= g + 0)) ? "yes" : "no" }'
 }
+# capture_ratio TAG PREFILL_PROMPTS TOKENS CAPTURE_ARGS...: bench_prefill's tokens/s on windows
+# of TOKENS tokens (pt), kvcc capture's with CAPTURE_ARGS (ct; its output in $log/TAG.txt, empty
+# when it failed) and their ratio (c)
+capture_ratio() {
+    local tag=$1 pp=$2 tokens=$3
+    shift 3
+    "$build/bench/bench_prefill" --model "$model" --prompts "$pp" --tokens "$tokens" --reps "$reps" > "$log/p$tokens.txt"
+    pt=$(sed -n 's/^RESULT tokens_per_s=\([0-9.]*\) .*/\1/p' "$log/p$tokens.txt")
+    ct=$("$build/kvcc" capture --gguf "$model" "$@" -o "$log/$tag.h5" 2>&1 | tee "$log/$tag.txt" \
+        | sed -n 's/.*(\([0-9.]*\) tokens\/s[;)].*/\1/p' | tail -1)
+    rm -f "$log/$tag.h5"
+    tail -1 "$log/$tag.txt"
+    c=$(awk -v a="$ct" -v b="$pt" 'BEGIN { if (a != "" && b > 0) printf "%.2f", a / b }')
+}
 uptime_load() { awk '{print $1}' /proc/loadavg; }
 
 echo "== cpu_goals: $(date -u +%FT%TZ), load $(uptime_load), $(nproc) cores"
@@ -75,14 +89,8 @@ if [ -f "$model" ]; then
     echo "== capture vs prefill, kvcc capture's default job (16 prompts of 2048 + 128 tokens)"
     cprompts=16
     if [ "$reps" -lt 5 ]; then cprompts=8; fi
-    "$build/bench/bench_prefill" --model "$model" --prompts 2 --tokens 2176 --reps "$reps" > "$log/p2176.txt"
-    pt=$(sed -n 's/^RESULT tokens_per_s=\([0-9.]*\) .*/\1/p' "$log/p2176.txt")
-    ct=$("$build/kvcc" capture --gguf "$model" --prompts "$cprompts" -o "$log/cd.h5" 2>&1 | tee "$log/capd.txt" \
-        | sed -n 's/.*(\([0-9.]*\) tokens\/s[;)].*/\1/p' | tail -1)
-    rm -f "$log/cd.h5"
-    tail -1 "$log/capd.txt"
+    capture_ratio capd 2 2176 --prompts "$cprompts"
     echo "   bench_prefill 2176 tokens: ${pt:--} tokens/s"
-    c=$(awk -v a="$ct" -v b="$pt" 'BEGIN { if (a != "" && b > 0) printf "%.2f", a / b }')
     label="capture (with log-probabilities) / prefill, default job (16 x 2176 tokens)"
     [ "$cprompts" = 16 ] || label="capture (with log-probabilities) / prefill, $cprompts x 2176 tokens (--quick)"
     if [ -z "$ct" ]; then # the capture failed (about 2 GB go to $TMPDIR): a goal not shown is not met
@@ -93,12 +101,7 @@ if [ -f "$model" ]; then
     fi
 
     echo "== capture vs prefill, 576-token windows, $((prompts * 2)) prompts (one-time costs included)"
-    "$build/bench/bench_prefill" --model "$model" --prompts "$prompts" --tokens 576 --reps "$reps" > "$log/p576.txt"
-    pt=$(sed -n 's/^RESULT tokens_per_s=\([0-9.]*\) .*/\1/p' "$log/p576.txt")
-    ct=$("$build/kvcc" capture --gguf "$model" --prompts "$((prompts * 2))" --context 512 --continuation 64 \
-        -o "$log/c.h5" 2>&1 | tee "$log/cap.txt" | sed -n 's/.*(\([0-9.]*\) tokens\/s[;)].*/\1/p' | tail -1)
-    tail -1 "$log/cap.txt"
-    c=$(awk -v a="$ct" -v b="$pt" 'BEGIN { if (a != "" && b > 0) printf "%.2f", a / b }')
+    capture_ratio cap "$prompts" 576 --prompts "$((prompts * 2))" --context 512 --continuation 64
     row "capture / prefill, $((prompts * 2)) x 576 tokens (short run)" "${c:--}" "-" "-"
 else
     echo "== prefill, decode, capture: skipped (no model at $model; scripts/fetch-model.sh)"
@@ -122,11 +125,9 @@ for T in 4096 16384; do
     a=$(sed -n "s/^T $T wall: .*(detected kernels: \([0-9.]*\)x faster).*/\1/p" "$log/am.txt" | head -1)
     row "AM compaction T=$T / numpy+scipy (wall), f32 products" "${a:--}x" ">= 10x" "$(judge "$a" 10 ge)"
     b=$(sed -n "s/^T $T wall: .*(products bf16: \([0-9.]*\)x faster).*/\1/p" "$log/am.txt" | head -1)
-    if [ "$amx" = yes ]; then
-        row "AM compaction T=$T, --am-products bf16 / numpy+scipy (wall)" "${b:--}x" ">= 10x (AMX)" "$(judge "$b" 10 ge)"
-    else
-        row "AM compaction T=$T, --am-products bf16 / numpy+scipy (wall)" "${b:--}x" "- (no AMX)" "-"
-    fi
+    bgoal="- (no AMX)" bmet="-"
+    if [ "$amx" = yes ]; then bgoal=">= 10x (AMX)" bmet=$(judge "$b" 10 ge); fi
+    row "AM compaction T=$T, --am-products bf16 / numpy+scipy (wall)" "${b:--}x" "$bgoal" "$bmet"
 done
 
 echo

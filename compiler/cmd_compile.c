@@ -515,7 +515,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
     /* Grow each heap 16 MiB beyond a request: below the threshold, the per-call workspaces
      * (merge-reduce's phi and tree, sub-MiB but many) made the heap's top grow and be trimmed
      * again on every call, each time faulting the pages in anew (merge-reduce, 4 prompts: 1.4 M
-     * page faults, 2.5 s of system time; with the pad 0.3 M and 0.9 s; all five passes on 2
+     * page faults, 2.5 s of system time; with the pad 10 k and 0.4 s; all five passes on 2
      * prompts 22.3 -> 21.2 s, the same peak and bytes). MALLOC_TOP_PAD_ in the environment wins. */
     if (!getenv("MALLOC_TOP_PAD_")) mallopt(M_TOP_PAD, 16 * 1024 * 1024);
 #endif

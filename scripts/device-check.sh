@@ -287,26 +287,36 @@ fi
 
 step "benchmarks with --cuda"
 n_bench=0
+# bench_run CMD...: one GPU benchmark, bounded (400 s emulated, 120 s on a GPU); a failure is
+# recorded, the script goes on
+bench_lim=120
+[ "$EMU" = 1 ] && bench_lim=400
+bench_run() {
+    echo "-- $*"
+    bounded "$bench_lim" "$@"
+    local rc=$?
+    [ "$rc" -eq 0 ] || fail "$* $(how "$rc")"
+}
+# bench_small NAME: EMU=1's smaller sizes for a benchmark, into small (the same code paths; the
+# emulation runs kernels on one core)
+bench_small() {
+    small=()
+    [ "$EMU" = 1 ] || return 0
+    case "$1" in
+    bench_attend) small=(--ctx 1024 --runs 1) ;;
+    bench_am) small=(--layer-context 4096) ;;
+    bench_compilerkv) small=(--context 1024 --reps 1) ;;
+    bench_compkv) small=(--ctx 4096 --runs 1) ;;
+    esac
+}
 for b in build/bench/*; do
     if [ ! -f "$b" ] || [ ! -x "$b" ]; then continue; fi
     src="bench/$(basename "$b").c"
     # A bench takes --cuda when its source names the flag; others are CPU-only and skipped here.
     if [ -f "$src" ] && grep -q -- '--cuda\|"cuda"' "$src"; then
         n_bench=$((n_bench + 1))
-        # EMU=1: small sizes (the same code paths; the emulation runs kernels on one core)
-        small=()
-        if [ "$EMU" = 1 ]; then
-            case "$(basename "$b")" in
-            bench_attend) small=(--ctx 1024 --runs 1) ;;
-            bench_am) small=(--layer-context 4096) ;;
-            bench_compilerkv) small=(--context 1024 --reps 1) ;;
-            bench_compkv) small=(--ctx 4096 --runs 1) ;;
-            esac
-        fi
-        echo "-- $b --cuda ${small[*]}"
-        bounded $([ "$EMU" = 1 ] && echo 400 || echo 120) "$b" --cuda "${small[@]}"
-        rc=$?
-        [ "$rc" -eq 0 ] || fail "$b --cuda $(how "$rc")"
+        bench_small "$(basename "$b")"
+        bench_run "$b" --cuda "${small[@]}"
     fi
 done
 # AM's OMP key selection (rounds on the host, passes on the device) at a shorter context: its
@@ -315,19 +325,12 @@ done
 if [ "$EMU" = 1 ]; then
     echo "-- build/bench/bench_am --cuda --omp: not run under EMU=1 (8 minutes emulated)"
 elif [ -x build/bench/bench_am ]; then
-    echo "-- build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192"
-    bounded 120 build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192
-    rc=$?
-    [ "$rc" -eq 0 ] || fail "build/bench/bench_am --cuda --omp $(how "$rc")"
+    bench_run build/bench/bench_am --cuda --omp --omp-batch 8 --layer-context 8192
 fi
 # AM with bf16 products (cublasGemmEx; kvrt_am_opts.products), the same layer as the f32 run
 if [ -x build/bench/bench_am ]; then
-    small=()
-    [ "$EMU" = 1 ] && small=(--layer-context 4096)
-    echo "-- build/bench/bench_am --cuda --products bf16 ${small[*]}"
-    bounded $([ "$EMU" = 1 ] && echo 400 || echo 120) build/bench/bench_am --cuda --products bf16 "${small[@]}"
-    rc=$?
-    [ "$rc" -eq 0 ] || fail "build/bench/bench_am --cuda --products bf16 $(how "$rc")"
+    bench_small bench_am
+    bench_run build/bench/bench_am --cuda --products bf16 "${small[@]}"
 fi
 echo "$n_bench benchmark(s) with --cuda run"
 
