@@ -5,7 +5,7 @@
  *
  * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section,
  *          kvrt_policy_item_int, kvrt_policy_budget_index (core/policy.c), and the CPU
- *          implementations kvrt_cpu_am_compact,
+ *          implementations kvrt_cpu_am_compact, kvrt_cpu_am_blocks_enable,
  *          kvrt_cpu_am_compact_layer_multi, kvrt_am_layer_plan (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_kv2_proxy_check, kvrt_kv2_score_check,
@@ -74,6 +74,11 @@ KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, con
                                       int64_t T, uint32_t head_dim, const float *q_ref,
                                       const int32_t *q_pos, int64_t n, int64_t t, int dtype,
                                       kvrt_cache **out, kvrt_am_stats *stats);
+/* 0 turns off, process-wide, the CPU compaction's block-by-block path for bf16 products (the
+ * logits reduced per query block, never stored; the fit's columns of P computed again: cpu/am.c
+ * prep_blocks, psel_fill), 1 back on (the default); returns the previous setting. For tests that
+ * compare it with the path through the stored logits. */
+KVRT_INTERNAL int kvrt_cpu_am_blocks_enable(int on);
 /* The checks of a layer compaction that do not read the arrays (options, shapes, dtype, ratios:
  * what every backend checks alike) and the budgets tb [n_kv_heads, n_sets] (entries per KV head
  * and set: llround(ratio T) clamped to 1..T). o non-NULL; has_q / has_q_ref: whether q / q_ref

@@ -11,6 +11,9 @@
  * defines: kvrt_am_opts_init, kvrt_cpu_am_compact,
  *          kvrt_cpu_am_compact_layer_multi (the CPU implementations behind runtime/core/am.c)
  *
+ * bf16 products with HighestAttnKeys on oneDNN: each query block's logits are reduced in a
+ * per-thread buffer (prep_blocks) and never stored; the fit forms the columns of P it needs, those
+ * of the selected keys, by the same product again (psel_fill).
  * Threading: the f32 products (Q K^T, P V) are batches of row-block products
  * (kvrt_cpu_sgemm_batch: with oneDNN one product per OpenMP thread; with OpenBLAS one after
  * another, threaded by OpenBLAS); the fused row pass (row max, exp, mass, column statistics)
@@ -50,6 +53,14 @@
 #define AM_ROWBLK 64 /* rows per block of the column reductions (fixed: keeps them deterministic) */
 #define AM_QBLK 256  /* query rows per block of the causal logit / value products (fixed) */
 #define AM_FITROWS 512 /* rows per block of the fit's row loops and output product (fixed) */
+#define AM_KROUND 256  /* the bf16 products' key counts are rounded up to a multiple of this */
+#ifdef _OPENMP
+#define am_max_threads() omp_get_max_threads()
+#define am_thread() omp_get_thread_num()
+#else
+#define am_max_threads() 1
+#define am_thread() 0
+#endif
 
 void kvrt_am_opts_init(kvrt_am_opts *o) {
     if (o == NULL) return;
@@ -129,8 +140,22 @@ typedef struct {
     uint16_t *Vb;   /* [Tc, d] its values */
     uint16_t *Pb;   /* [n, Tc] P (the row pass writes it, rows at the stride of S) */
     kvrt_bf16mm_op *bops; /* [2 * ceil(n / AM_QBLK)] */
+    /* bf16 products with HighestAttnKeys on oneDNN (prep_blocks): the logits of each query
+     * block land in its thread's slot of Sb and are reduced there, so S is never written; the
+     * fit's columns of P are computed again for the selected keys only (psel_fill) */
+    int blocks;     /* that path is available (the buffers below exist) */
+    int s_valid;    /* S holds P (am_prep's other path, am_group); else Psel does, per fit */
+    int exp_in;     /* the last am_prep put the exponential in the logit product */
+    int nslot;      /* slots of Sb: the OpenMP threads at allocation */
+    float *Sb;      /* [nslot, AM_QBLK, Tc] */
+    float *rmx;     /* [n] a row's max, where its P was formed as exp(z - max) (shift[i]) */
+    unsigned char *shift; /* [n] */
+    float *Psel;    /* [n, tr] P[:, sel] (tr: t rounded up to AM_KROUND) */
+    uint16_t *Ksb;  /* [tr, d] the selected keys in bf16, zero rows past ts */
+    int32_t *iota, *pidx, *sel0; /* [t] 0..t-1; kept entry -> column of Psel; sel before keep */
     kvrt_cpu_nnls_ws nw;
-    size_t S_bytes, part_bytes, Pb_bytes, nd_bytes, MS_bytes, Yf_bytes, QKVb_bytes; /* for kvrt_cpu_scratch_free */
+    size_t S_bytes, part_bytes, Pb_bytes, nd_bytes, MS_bytes, Yf_bytes, QKVb_bytes, Sb_bytes,
+        Psel_bytes; /* for kvrt_cpu_scratch_free */
 } am_ws;
 
 static void am_ws_free(am_ws *w) {
@@ -142,6 +167,9 @@ static void am_ws_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->MS, w->MS_bytes);
     kvrt_cpu_scratch_free(w->Qb, w->QKVb_bytes);
     free(w->bops);
+    kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
+    kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
+    free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
     kvrt_cpu_scratch_free(w->Yf, w->Yf_bytes);
     free(w->ops); free(w->mass);
     free(w->score);
@@ -154,6 +182,13 @@ static void am_ws_free(am_ws *w) {
     free(w->corrd);
     free(w->HS);
     kvrt_cpu_nnls_ws_free(&w->nw);
+}
+
+static int am_blocks_on = 1; /* kvrt_cpu_am_blocks_enable */
+int kvrt_cpu_am_blocks_enable(int on) {
+    const int prev = __atomic_load_n(&am_blocks_on, __ATOMIC_RELAXED);
+    __atomic_store_n(&am_blocks_on, on ? 1 : 0, __ATOMIC_RELAXED);
+    return prev;
 }
 
 static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, int omp,
@@ -196,6 +231,20 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
             w->Vb = w->Kb + Tc * d;
         }
         ok = w->Pb && w->Qb && AM_ALLOC(w->bops, 2 * ((n + AM_QBLK - 1) / AM_QBLK));
+    }
+    if (ok && bf16 && !omp && kvrt_cpu_gemm_is_dnnl() &&
+        __atomic_load_n(&am_blocks_on, __ATOMIC_RELAXED)) {
+        const int64_t tr = (t + AM_KROUND - 1) / AM_KROUND * AM_KROUND;
+        w->nslot = am_max_threads();
+        w->Sb_bytes = sizeof(float) * (size_t)w->nslot * AM_QBLK * (size_t)Tc;
+        w->Psel_bytes = sizeof(float) * (size_t)(n * (tr > 0 ? tr : 1));
+        w->Sb = kvrt_cpu_scratch_alloc(w->Sb_bytes);
+        w->Psel = kvrt_cpu_scratch_alloc(w->Psel_bytes);
+        ok = w->Sb && w->Psel && AM_ALLOC(w->rmx, n) && AM_ALLOC(w->shift, n) &&
+             AM_ALLOC(w->Ksb, tr * d) && AM_ALLOC(w->iota, t) && AM_ALLOC(w->pidx, t) &&
+             AM_ALLOC(w->sel0, t);
+        for (int64_t a = 0; ok && a < t; a++) w->iota[a] = (int32_t)a;
+        w->blocks = ok;
     }
 #undef AM_ALLOC
     if (!ok) am_ws_free(w);
@@ -297,32 +346,44 @@ typedef struct {
     float alpha;             /* 1 / sqrt(d), as the product */
 } am_redo;
 
-/* Row i's logits over its first vis keys from the bf16 operands (f32 sums, the product's values
- * up to their order) */
-static void redo_logits(const am_redo *r, int64_t i, int64_t vis, float *row) {
-    const uint16_t *qi = r->Qb + i * r->d;
-    for (int64_t j = 0; j < vis; j++) {
-        const uint16_t *kj = r->Kb + j * r->d;
-        float acc = 0;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t x = 0; x < r->d; x++) acc += kvrt_f32_of_bf16(qi[x]) * kvrt_f32_of_bf16(kj[x]);
-        row[j] = acc * r->alpha;
+/* The logit of query row i and key row j from the bf16 operands qi = Qb + i d, kj (f32 sums in
+ * AM_LANES interleaved lanes added in a fixed order: the same value wherever it is inlined and
+ * whatever the ISA; the product's value up to its order) */
+static inline float redo_logit(const am_redo *r, const uint16_t *qi, const uint16_t *kj) {
+    float acc[AM_LANES] = {0};
+    const int64_t dl = r->d - r->d % AM_LANES;
+    for (int64_t x0 = 0; x0 < dl; x0 += AM_LANES) {
+#pragma omp simd
+        for (int64_t l = 0; l < AM_LANES; l++)
+            acc[l] += kvrt_f32_of_bf16(qi[x0 + l]) * kvrt_f32_of_bf16(kj[x0 + l]);
     }
+    for (int64_t x = dl; x < r->d; x++) acc[x - dl] += kvrt_f32_of_bf16(qi[x]) * kvrt_f32_of_bf16(kj[x]);
+    float sum = 0;
+    for (int l = 0; l < AM_LANES; l++) sum += acc[l];
+    return sum * r->alpha;
+}
+
+/* Row i's logits over its first vis keys from the bf16 operands */
+static void redo_logits(const am_redo *r, int64_t i, int64_t vis, float *row) {
+    for (int64_t j = 0; j < vis; j++) row[j] = redo_logit(r, r->Qb + i * r->d, r->Kb + j * r->d);
 }
 
 /* The rows of block b (AM_ROWBLK rows): P, mass, rs, vis and the block's partial sums pb [Tc];
- * Pb (or NULL): the rows of P in bf16 at the stride of S, zeros past each row's keys. redo (or
- * NULL): S holds exp(z) (unshifted, the exponential in the product), rows outside the mass range
- * redone from these operands. */
+ * row i at S + (i - row0) Tc. Pb (or NULL): the rows of P in bf16 at the stride of S, zeros past
+ * each row's keys. redo (or NULL): S holds exp(z) (unshifted, the exponential in the product),
+ * rows outside the mass range redone from these operands. rmx, shift (or NULL): shift[i] = 1
+ * where row i's P was formed as exp(z - rmx[i]) (redone, or every row without redo), else 0. */
 KVRT_SIMD_CLONES
-static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0, int64_t b,
-                      double *mass, double *rs, double *pb, int32_t *vis_out, uint16_t *Pb,
-                      const am_redo *redo) {
+static int prep_block(float *S, int64_t row0, int64_t n, int64_t Tc, const int32_t *qpos,
+                      int64_t k0, int64_t b, double *mass, double *rs, double *pb,
+                      int32_t *vis_out, uint16_t *Pb, const am_redo *redo, float *rmx,
+                      unsigned char *shift) {
     int bad = 0;
     memset(pb, 0, sizeof(double) * (size_t)Tc);
     const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
     for (int64_t i = b * AM_ROWBLK; i < i1; i++) {
-        float *row = S + i * Tc;
+        float *row = S + (i - row0) * Tc;
+        if (shift) shift[i] = 0;
         const int64_t vis = row_vis(qpos, i, k0, Tc);
         vis_out[i] = (int32_t)vis;
         if (redo) {
@@ -334,6 +395,7 @@ static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int6
                 if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
                 bad |= row_exp(row, row, vis, mx);
                 m = row_sum(row, vis);
+                if (shift) shift[i] = 1, rmx[i] = mx;
             }
             mass[i] = m;
             rs[i] = 1.0 / m;
@@ -344,6 +406,7 @@ static int prep_block(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int6
         const float mx = row_max(row, vis);
         if (!(mx - mx == 0.0f)) { bad = 1; mass[i] = 1; rs[i] = 1; continue; }
         bad |= row_exp(row, row, vis, mx);
+        if (shift) shift[i] = 1, rmx[i] = mx;
         if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
         row_stats(row, vis, &mass[i], &rs[i], pb);
         if (Pb) row_bf16(row, Tc, Pb + i * Tc);
@@ -380,7 +443,8 @@ static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
-        bad |= prep_block(S, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out, Pb, redo);
+        bad |= prep_block(S, 0, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out, Pb, redo,
+                          NULL, NULL);
     colsums(part, nblk, Tc, colsum);
     return bad;
 }
@@ -599,7 +663,6 @@ static kvrt_sgemm_op value_op(const float *S, int64_t ldS, const float *v, int64
  * (at most the chunk's): the extra logits lie past every row's keys, where the row pass ignores
  * them and writes P = 0, so they change nothing, and a chunk needs few product shapes (oneDNN
  * builds a primitive per shape, once per process). */
-#define AM_KROUND 256
 static int64_t keys_rounded(int64_t nk, int64_t nmax) {
     const int64_t r = (nk + AM_KROUND - 1) / AM_KROUND * AM_KROUND;
     return r < nmax ? r : nmax;
@@ -678,6 +741,86 @@ static int64_t qblock_vis(const int32_t *qpos, int64_t n, int64_t b, int64_t k0,
     return block_vis(qpos, i0, nb, k0, Tc);
 }
 
+/* am_prep's logits and row pass with bf16 products on oneDNN (ws->blocks), query block by query
+ * block: block b's logits (ops[b], dense rows) land in its thread's slot of Sb, are spread to the
+ * stride Tc there, and its rows are reduced there (prep_block over its AM_ROWBLK blocks: the same
+ * arithmetic in the same order as prep_rows over S), so the [n, Tc] logits never go to memory
+ * (at T = 4096, d = 128: 64 MB written by the product and read back by the row pass; the call
+ * 28.6 -> 24.0 ms, docs/benchmarks.md). Then the column sums as prep_rows. Returns 1 in *bad as
+ * prep_rows. */
+#if AM_QBLK % AM_ROWBLK != 0
+#error "AM_QBLK must be a multiple of AM_ROWBLK"
+#endif
+static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, int64_t nqb, int64_t n, int64_t Tc,
+                       const int32_t *qpos, int64_t k0, const am_redo *redo, int *bad_out) {
+    const int64_t rpq = AM_QBLK / AM_ROWBLK, nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
+    int nomem = 0, bad = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(ws->nslot) \
+    reduction(| : nomem, bad) if (nqb > 1)
+    for (int64_t b = 0; b < nqb; b++) {
+        float *Sb = ws->Sb + (size_t)am_thread() * AM_QBLK * (size_t)Tc;
+        kvrt_bf16mm_op o = ops[b];
+        o.C = Sb;
+        if (kvrt_cpu_bf16mm_batch(&o, 1) != 0) {
+            nomem = 1;
+            continue;
+        }
+        if (o.ldc != Tc) /* last row first: row r goes from r ldc to r Tc >= r ldc */
+            for (int64_t r = o.m - 1; r > 0; r--)
+                memmove(Sb + r * Tc, Sb + r * o.ldc, sizeof(float) * (size_t)o.n);
+        for (int64_t rb = b * rpq; rb < (b + 1) * rpq && rb < nblk; rb++)
+            bad |= prep_block(Sb, b * AM_QBLK, n, Tc, qpos, k0, rb, ws->mass, ws->rowsum,
+                              ws->part + rb * Tc, ws->vis, ws->Pb, redo, ws->rmx, ws->shift);
+    }
+    if (nomem) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (bf16 products)");
+    colsums(ws->part, nblk, Tc, ws->colsum);
+    *bad_out = bad;
+    return KVRT_OK;
+}
+
+/* P[:, sel] [n, ts] into Psel (rows of tr = ts rounded up to AM_KROUND) when S does not hold P
+ * (prep_blocks): the selected keys' logits again, by the same bf16 product as am_prep's (query
+ * blocks of AM_QBLK, the keys in dense rows, zero rows up to tr, the exponential in it where it
+ * was), the rows that were formed against their max formed so again (shift: the redone rows from
+ * the operands, as prep_block), and zeros past each row's keys. Each value is the one prep_block
+ * had in S where the product computes an entry from its row of A and its row of B alone, in an
+ * order that depends on k only (oneDNN's kernels; tests/unit compares them). */
+static int psel_fill(am_ws *ws, const int32_t *sel, int64_t ts, int64_t n, int64_t d,
+                     int64_t *tr_out) {
+    const int64_t tr = (ts + AM_KROUND - 1) / AM_KROUND * AM_KROUND, nqb = (n + AM_QBLK - 1) / AM_QBLK;
+    for (int64_t a = 0; a < ts; a++)
+        memcpy(ws->Ksb + a * d, ws->Kb + (int64_t)sel[a] * d, sizeof(uint16_t) * (size_t)d);
+    memset(ws->Ksb + ts * d, 0, sizeof(uint16_t) * (size_t)((tr - ts) * d));
+    const am_redo redo = {ws->Qb, ws->Kb, d, 1.0f / sqrtf((float)d)};
+    int nomem = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : nomem) if (nqb > 1)
+    for (int64_t b = 0; b < nqb; b++) {
+        const int64_t i0 = b * AM_QBLK, nb = n - i0 < AM_QBLK ? n - i0 : AM_QBLK;
+        const kvrt_bf16mm_op o = {.tb = 1, .exp = ws->exp_in, .m = (int)nb, .n = (int)tr,
+                                  .k = (int)d, .alpha = redo.alpha, .A = ws->Qb + i0 * d,
+                                  .lda = (int)d, .B = ws->Ksb, .ldb = (int)d,
+                                  .C = ws->Psel + i0 * tr, .ldc = (int)tr};
+        if (kvrt_cpu_bf16mm_batch(&o, 1) != 0) {
+            nomem = 1;
+            continue;
+        }
+        for (int64_t i = i0; i < i0 + nb; i++) {
+            float *row = ws->Psel + i * tr;
+            if (ws->shift[i])
+                for (int64_t a = 0; a < ts; a++) {
+                    const float z = ws->exp_in ? redo_logit(&redo, ws->Qb + i * d, ws->Ksb + a * d)
+                                               : row[a];
+                    row[a] = exp_nonpos_f32(z - ws->rmx[i]);
+                }
+            for (int64_t a = 0; a < ts; a++)
+                if (sel[a] >= ws->vis[i]) row[a] = 0;
+        }
+    }
+    *tr_out = tr;
+    return nomem ? KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (bf16 products)")
+                 : KVRT_OK;
+}
+
 /* Y = softmax(z) V in double: the f32 P V rows scaled by 1 / mass */
 static void am_targets(am_ws *ws, int64_t n, int64_t d) {
 #pragma omp parallel for schedule(static) if (n * d >= 65536)
@@ -721,6 +864,18 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
             ops[b] = logit_op(q, k, ld, k0, d, n, b, vm, S, Tc);
             ops[nqb + b] = value_op(S, Tc, v, ld, k0, d, n, b, vm, ws->Yf);
         }
+    }
+    ws->s_valid = !(ws->bf16 && ws->blocks && !gram);
+    ws->exp_in = exp_in;
+    if (!ws->s_valid) {
+        int bad = 0;
+        const int rc = prep_blocks(ws, bops, nqb, n, Tc, qpos, k0, exp_in ? &redo : NULL, &bad);
+        if (rc) return rc;
+        if (bad) return overflow_fail(k0, Tc);
+        const int rv = bf16_batch(bops + nqb, nqb);
+        if (rv) return rv;
+        am_targets(ws, n, d);
+        return KVRT_OK;
     }
     if (ws->bf16) {
         const int rc = bf16_logits(bops, nqb, Tc);
@@ -814,6 +969,10 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     int64_t ts;
     kvrt_nnls_info inf = {0};
     const int max_iter = o->nnls_max_iter > 0 ? o->nnls_max_iter : (int)(3 * tc + 30);
+    /* the fit's columns of P: S[:, sel] (ldS), or Psel[:, a] for the a-th selected key (psel_fill,
+     * where S does not hold P) */
+    const float *P = S;
+    int64_t ldP = ldS;
     if (o->key_select == KVRT_AM_SELECT_OMP) {
         am_omp_cpu cpu = {ws, n, Tc};
         const kvrt_am_omp_ops ops = {&cpu, omp_cpu_gram_rows, omp_cpu_corr};
@@ -828,7 +987,14 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         /* 4. NNLS for the weights, rows in relative terms: sum_j (P_ij / m_i) w_j ~ 1, so every
          * query's mass counts by its relative error (absolute terms let the flat, high-mass rows
          * dominate; measured worse on held-out queries). Columns scaled to unit norm. */
-        gather_cols(S, n, ldS, ws->sel, ts, ws->rowsum, ws->MS, ws->scale, ws->cvec, par);
+        if (!ws->s_valid) {
+            const int rp = psel_fill(ws, ws->sel, ts, n, d, &ldP);
+            if (rp) return rp;
+            P = ws->Psel;
+            memcpy(ws->sel0, ws->sel, sizeof(int32_t) * (size_t)ts);
+        }
+        gather_cols(P, n, ldP, ws->s_valid ? ws->sel : ws->iota, ts, ws->rowsum, ws->MS,
+                    ws->scale, ws->cvec, par);
         cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)ts, (int)n, 1.0, ws->MS, (int)ts,
                     0.0, ws->G, (int)ts);
         for (int64_t a = 0; a < ts; a++) /* mirror: nnls_gram reads whole rows */
@@ -847,6 +1013,14 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     /* 5. keep the keys of positive weight (all of them, beta = 0, if none is positive); with a
      * floor, every selected key, beta = max(log w, floor) (core/am_plan.h) */
     const int64_t kept = kvrt_am_keep(o, ws->sel, ws->w, ts, &inf.status);
+    const int32_t *cols = ws->sel; /* the kept keys' columns of P */
+    if (!ws->s_valid) { /* kvrt_am_keep keeps the order: each kept key's place in sel0 */
+        for (int64_t a = 0, p = 0; a < kept; a++, p++) {
+            while (ws->sel0[p] != ws->sel[a]) p++;
+            ws->pidx[a] = (int32_t)p;
+        }
+        cols = ws->pidx;
+    }
     /* 6. X = softmax(z_sel + beta) = P_sel w / rowsum; C_v by ridge least squares */
     double *X = ws->MS, *rerr = ws->rerr;
     const int64_t nrb = (n + AM_FITROWS - 1) / AM_FITROWS;
@@ -856,7 +1030,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
             double s = 0;
             double *xr = X + i * kept;
             for (int64_t a = 0; a < kept; a++) {
-                xr[a] = (double)S[i * ldS + ws->sel[a]] * ws->w[a];
+                xr[a] = (double)P[i * ldP + cols[a]] * ws->w[a];
                 s += xr[a];
             }
             rerr[i] = fabs(s - ws->mass[i]) / ws->mass[i];
@@ -1027,6 +1201,7 @@ static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const floa
                     int64_t a, int64_t d, const float *q, const int32_t *qpos, int64_t n, int cnt,
                     const int *mem, const int64_t *Tcs, const int64_t *tcs, am_out *res,
                     am_acc *acc) {
+    ws->s_valid = 1; /* the members' fits read P from S */
     int64_t Tw = 0;
     for (int m = 0; m < cnt; m++) Tw = Tcs[m] > Tw ? Tcs[m] : Tw;
     int64_t Tmin = Tw;

@@ -33,6 +33,7 @@
 #include "test_rng.h"
 #include "fixtures.h"
 #include "cpu/blas.h" /* kvrt_cpu_bf16mm_enable, _runs: both paths of the bf16 products */
+#include "core/policies.h" /* kvrt_cpu_am_blocks_enable */
 #include "passes/passes.h"
 #include "synth.h"
 
@@ -1583,6 +1584,156 @@ Test(am, bf16_products_rows_past_the_float_range) {
         kvrt_cache_free(b);
     }
     free(q); free(k); free(v); free(u);
+}
+
+/* Two caches: the same entries at the same positions and keys; values, biases and the stats'
+ * errors bit for bit when exact, else within 1e-5 (values relative to their largest) */
+static void expect_same_cache(const kvrt_cache *a, const kvrt_cache *b, const kvrt_am_stats *sa,
+                              const kvrt_am_stats *sb, int nst, int exact, const char *what) {
+    const int64_t ne = a->n_entries, D = a->head_dim;
+    cr_assert_eq(ne, b->n_entries, "%s: %lld entries against %lld", what, (long long)ne,
+                 (long long)b->n_entries);
+    cr_assert_eq(memcmp(a->positions, b->positions, sizeof(int32_t) * (size_t)ne), 0,
+                 "%s: other keys", what);
+    cr_assert_eq(memcmp(a->keys, b->keys, sizeof(float) * (size_t)(ne * D)), 0, "%s: keys", what);
+    double vmax = 0, dv = 0, db = 0, de = 0;
+    for (int64_t x = 0; x < ne * D; x++) {
+        const float va = ((const float *)a->values)[x], vb = ((const float *)b->values)[x];
+        vmax = fmax(vmax, fabs(va));
+        dv = fmax(dv, fabs((double)va - vb));
+    }
+    for (int64_t x = 0; x < ne; x++) db = fmax(db, fabs((double)a->bias[x] - b->bias[x]));
+    for (int h = 0; h < nst; h++)
+        de = fmax(de, fmax(fabs(sa[h].mass_relerr - sb[h].mass_relerr),
+                           fabs(sa[h].out_relerr - sb[h].out_relerr)));
+    if (exact)
+        cr_assert(dv == 0 && db == 0 && de == 0, "%s: values differ by %g (max %g), biases by %g, "
+                  "errors by %g", what, dv, vmax, db, de);
+    else
+        cr_assert(dv <= 1e-5 * vmax && db <= 1e-5 && de <= 1e-6, "%s: values differ by %g (max %g), "
+                  "biases by %g, errors by %g", what, dv, vmax, db, de);
+    if (dv > 0 || db > 0 || de > 0)
+        cr_log_info("%s: values differ by %g (max %g), biases by %g, errors by %g", what, dv, vmax,
+                    db, de);
+}
+
+/* 1 when /proc/cpuinfo lists the flag (e.g. amx_bf16) */
+static int cpu_has_flag(const char *flag) {
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f == NULL) return 0;
+    char line[8192];
+    int has = 0;
+    const size_t n = strlen(flag);
+    while (!has && fgets(line, sizeof line, f))
+        if (strncmp(line, "flags", 5) == 0)
+            for (const char *p = strstr(line, flag); p && !has; p = strstr(p + 1, flag))
+                has = (p[-1] == ' ' || p[-1] == '\t') && (p[n] == ' ' || p[n] == '\n' || p[n] == 0);
+    fclose(f);
+    return has;
+}
+
+/* bf16 products with HighestAttnKeys run block by block on oneDNN (each query block's logits
+ * reduced in a per-thread buffer, never stored; the fit's columns of P formed again for the
+ * selected keys by the same product): the result equals the path through the stored logits
+ * (kvrt_cpu_am_blocks_enable(0)): the same keys, and the values, biases and errors bit for bit
+ * with oneDNN's AMX-BF16 kernel (its entries do not depend on the product's width); with its
+ * other kernels and with the widened f32 path (whose sums may be ordered by the width) within
+ * 1e-5. For
+ *   - causal layers in chunks of 256 and 4096 (rows that see fewer keys than the chunk, keys
+ *     rounded up per query block), three budgets per call in chunks of 256 (each compacted from
+ *     the same prepared chunks) and one in chunks of 4096 (three would share one logit pass:
+ *     case 1, where both runs take the stored path);
+ *   - no bias floor (the fit keeps only the keys of positive weight: the kept keys' columns
+ *     are not the selected ones);
+ *   - rows past the float range (logits of +-106: those rows redone against their max) and
+ *     values past 1e10 (no exponential in the product: every row against its max);
+ *   - one head with reference queries at positions, and without positions.
+ * On a CPU with a bf16 kernel the block path is seen to run (its extra products). */
+Test(am, bf16_blocks_equal_the_stored_logits) {
+    enum { T = 700, H = 6, HKV = 2, D = 32 };
+    const float ratios[3 * HKV] = {0.05f, 0.2f, 0.1f, 0.1f, 0.5f, 0.02f};
+    const int amx = kvrt_cpu_gemm_is_dnnl() && cpu_has_flag("amx_bf16");
+    cr_log_info("am bf16 blocks: %s", amx ? "AMX-BF16 (bit for bit expected)" : "no AMX-BF16");
+    for (int widened = 0; widened < 2; widened++) {
+        uint64_t s = 95; /* the same inputs for both product paths */
+        float *q = randn_f(T * H * D, &s, 1.5), *k = randn_f(T * HKV * D, &s, 1.0);
+        float *v = randn_f(T * HKV * D, &s, 1.0), *u = randn_f(D, &s, 1.0);
+        double un = 0;
+        for (int x = 0; x < D; x++) un += (double)u[x] * u[x];
+        for (int x = 0; x < D; x++) u[x] = (float)(u[x] / sqrt(un));
+        for (int c = 0; c < 6; c++) {
+            if (c == 3) { /* keys along u, queries of head 0 along it, head 1 against it */
+                for (int j = 0; j < T * HKV; j++)
+                    for (int x = 0; x < D; x++) k[j * D + x] = 0.3f * k[j * D + x] + 4.0f * u[x];
+                for (int i = 0; i < T; i++)
+                    for (int h = 0; h < 2; h++)
+                        for (int x = 0; x < D; x++)
+                            q[(i * H + h) * D + x] = 0.3f * q[(i * H + h) * D + x] +
+                                                     (h == 0 ? 150.0f : -150.0f) * u[x];
+            }
+            if (c == 4) /* |v| past 1e10: no exponential in the product */
+                for (int x = 0; x < T * HKV * D; x++) v[x] *= 137438953472.0f;
+            kvrt_am_opts o;
+            kvrt_am_opts_init(&o);
+            o.products = KVRT_AM_PRODUCTS_BF16;
+            o.chunk = c == 0 ? 256 : 4096;
+            if (c == 2) o.beta_floor = NAN;
+            const int prevw = kvrt_cpu_bf16mm_enable(!widened);
+            char what[96];
+            if (c < 5) {
+                const int ns = c <= 1 ? 3 : 1;
+                kvrt_cache *a[3], *b[3];
+                kvrt_am_stats sa[3 * HKV], sb[3 * HKV];
+                const uint64_t r0 = kvrt_cpu_bf16mm_runs();
+                cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), &o, q, k, v, T, H, HKV, D, ns,
+                                                         ratios, NULL, KVRT_DTYPE_F32, a, sa),
+                             KVRT_OK, "%s", kvrt_last_error()->msg);
+                const uint64_t r1 = kvrt_cpu_bf16mm_runs();
+                const int prev = kvrt_cpu_am_blocks_enable(0);
+                cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), &o, q, k, v, T, H, HKV, D, ns,
+                                                         ratios, NULL, KVRT_DTYPE_F32, b, sb),
+                             KVRT_OK, "%s", kvrt_last_error()->msg);
+                const uint64_t r2 = kvrt_cpu_bf16mm_runs();
+                kvrt_cpu_am_blocks_enable(prev);
+                if (c != 1 && !widened && kvrt_cpu_gemm_is_dnnl() &&
+                    __builtin_cpu_supports("avx512bf16"))
+                    cr_assert_gt(r1 - r0, r2 - r1, "case %d: the block path did not run", c);
+                for (int si = 0; si < ns; si++) {
+                    snprintf(what, sizeof what, "%s, case %d, set %d",
+                             widened ? "widened" : "bf16 kernel", c, si);
+                    expect_same_cache(a[si], b[si], sa + si * HKV, sb + si * HKV, HKV,
+                                      c == 1 || (!widened && amx), what);
+                    kvrt_cache_free(a[si]);
+                    kvrt_cache_free(b[si]);
+                }
+            } else { /* one head, q_ref at positions and without */
+                enum { N = 300 };
+                float *qr = randn_f(N * D, &s, 1.5);
+                int32_t pos[N];
+                for (int i = 0; i < N; i++) pos[i] = (int32_t)(i * (T - 1) / (N - 1));
+                float *kh = randn_f(T * D, &s, 1.0), *vh = randn_f(T * D, &s, 1.0);
+                for (int wp = 0; wp < 2; wp++) {
+                    kvrt_cache *a = NULL, *b = NULL;
+                    kvrt_am_stats sa, sb;
+                    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, kh, vh, T, D, qr, wp ? pos : NULL,
+                                                 N, 60, KVRT_DTYPE_F32, &a, &sa), KVRT_OK, "%s",
+                                 kvrt_last_error()->msg);
+                    const int prev = kvrt_cpu_am_blocks_enable(0);
+                    cr_assert_eq(kvrt_am_compact(test_cpu(), &o, kh, vh, T, D, qr, wp ? pos : NULL,
+                                                 N, 60, KVRT_DTYPE_F32, &b, &sb), KVRT_OK);
+                    kvrt_cpu_am_blocks_enable(prev);
+                    snprintf(what, sizeof what, "%s, one head, %s",
+                             widened ? "widened" : "bf16 kernel", wp ? "positions" : "no positions");
+                    expect_same_cache(a, b, &sa, &sb, 1, !widened && amx, what);
+                    kvrt_cache_free(a);
+                    kvrt_cache_free(b);
+                }
+                free(qr); free(kh); free(vh);
+            }
+            kvrt_cpu_bf16mm_enable(prevw);
+        }
+        free(q); free(k); free(v); free(u);
+    }
 }
 
 /* With bf16 products and with f32 products, at enough reference queries that the fit runs its
