@@ -637,10 +637,18 @@ int kvcc_cmd_eval(int argc, char **argv) {
             if (first < 0) first = i;
             n_err++;
         }
-    if (n_err && (json || csv))
-        fprintf(stderr, "kvcc eval: %d of %d rows failed (their %s); the first, %s at %g: %s\n",
-                n_err, r->n_rows, json ? "\"error\" fields" : "status column",
-                r->rows[first].method->name, r->rows[first].budget, r->rows[first].msg);
+    if (n_err && (json || csv)) {
+        const kvcc_eval_row *f = &r->rows[first];
+        char at[48] = "";
+        if (f->method->budget != KVCC_BUDGET_NONE) { /* "full" has no budget */
+            char b[32];
+            budget_str(f, b, sizeof b);
+            snprintf(at, sizeof at, " at %s", b);
+        }
+        fprintf(stderr, "kvcc eval: %d of %d rows failed (their %s); the first, %s%s: %s\n",
+                n_err, r->n_rows, json ? "\"error\" fields" : "status column", f->method->name,
+                at, f->msg);
+    }
     free(r);
     return n_err ? KVCC_EXIT_FAILED : KVCC_EXIT_OK;
 }
