@@ -142,7 +142,8 @@ typedef struct {
     kvrt_bf16mm_op *bops; /* [2 * ceil(n / AM_QBLK)] */
     /* bf16 products with HighestAttnKeys on oneDNN (prep_blocks): the logits of each query
      * block land in its thread's slot of Sb and are reduced there, so S is never written; the
-     * fit's columns of P are computed again for the selected keys only (psel_fill) */
+     * fit's columns of P are computed again for the selected keys only (psel_fill). Pb's rows
+     * are then dense per query block (stride: the block's keys) */
     int blocks;     /* that path is available (the buffers below exist) */
     int s_valid;    /* S holds P (am_prep's other path, am_group); else Psel does, per fit */
     int exp_in;     /* the last am_prep put the exponential in the logit product */
@@ -369,15 +370,15 @@ static void redo_logits(const am_redo *r, int64_t i, int64_t vis, float *row) {
 }
 
 /* The rows of block b (AM_ROWBLK rows): P, mass, rs, vis and the block's partial sums pb [Tc];
- * row i at S + (i - row0) Tc. Pb (or NULL): the rows of P in bf16 at the stride of S, zeros past
- * each row's keys. redo (or NULL): S holds exp(z) (unshifted, the exponential in the product),
+ * row i at S + (i - row0) Tc. Pb (or NULL): the rows of P in bf16, row i's first pbw values at
+ * Pb + (i - row0) pbld (pbw <= Tc, past every row's keys), zeros past each row's keys. redo (or NULL): S holds exp(z) (unshifted, the exponential in the product),
  * rows outside the mass range redone from these operands. rmx, shift (or NULL): shift[i] = 1
  * where row i's P was formed as exp(z - rmx[i]) (redone, or every row without redo), else 0. */
 KVRT_SIMD_CLONES
 static int prep_block(float *S, int64_t row0, int64_t n, int64_t Tc, const int32_t *qpos,
                       int64_t k0, int64_t b, double *mass, double *rs, double *pb,
-                      int32_t *vis_out, uint16_t *Pb, const am_redo *redo, float *rmx,
-                      unsigned char *shift) {
+                      int32_t *vis_out, uint16_t *Pb, int64_t pbld, int64_t pbw,
+                      const am_redo *redo, float *rmx, unsigned char *shift) {
     int bad = 0;
     memset(pb, 0, sizeof(double) * (size_t)Tc);
     const int64_t i1 = (b + 1) * AM_ROWBLK < n ? (b + 1) * AM_ROWBLK : n;
@@ -400,7 +401,7 @@ static int prep_block(float *S, int64_t row0, int64_t n, int64_t Tc, const int32
             mass[i] = m;
             rs[i] = 1.0 / m;
             row_squares(row, vis, rs[i], pb);
-            if (Pb) row_bf16(row, Tc, Pb + i * Tc);
+            if (Pb) row_bf16(row, pbw, Pb + (i - row0) * pbld);
             continue;
         }
         const float mx = row_max(row, vis);
@@ -409,7 +410,7 @@ static int prep_block(float *S, int64_t row0, int64_t n, int64_t Tc, const int32
         if (shift) shift[i] = 1, rmx[i] = mx;
         if (vis < Tc) memset(row + vis, 0, sizeof(float) * (size_t)(Tc - vis));
         row_stats(row, vis, &mass[i], &rs[i], pb);
-        if (Pb) row_bf16(row, Tc, Pb + i * Tc);
+        if (Pb) row_bf16(row, pbw, Pb + (i - row0) * pbld);
     }
     return bad;
 }
@@ -443,8 +444,8 @@ static int prep_rows(float *S, int64_t n, int64_t Tc, const int32_t *qpos, int64
     int bad = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad) if (nblk > 1)
     for (int64_t b = 0; b < nblk; b++)
-        bad |= prep_block(S, 0, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out, Pb, redo,
-                          NULL, NULL);
+        bad |= prep_block(S, 0, n, Tc, qpos, k0, b, mass, rs, part + b * Tc, vis_out, Pb, Tc, Tc,
+                          redo, NULL, NULL);
     colsums(part, nblk, Tc, colsum);
     return bad;
 }
@@ -770,7 +771,8 @@ static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, int64_t nqb, int64_
                 memmove(Sb + r * Tc, Sb + r * o.ldc, sizeof(float) * (size_t)o.n);
         for (int64_t rb = b * rpq; rb < (b + 1) * rpq && rb < nblk; rb++)
             bad |= prep_block(Sb, b * AM_QBLK, n, Tc, qpos, k0, rb, ws->mass, ws->rowsum,
-                              ws->part + rb * Tc, ws->vis, ws->Pb, redo, ws->rmx, ws->shift);
+                              ws->part + rb * Tc, ws->vis, ws->Pb + b * AM_QBLK * Tc, o.n, o.n,
+                              redo, ws->rmx, ws->shift);
     }
     if (nomem) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (bf16 products)");
     colsums(ws->part, nblk, Tc, ws->colsum);
@@ -872,6 +874,8 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
         const int rc = prep_blocks(ws, bops, nqb, n, Tc, qpos, k0, exp_in ? &redo : NULL, &bad);
         if (rc) return rc;
         if (bad) return overflow_fail(k0, Tc);
+        /* prep_blocks wrote each block's rows of P in dense rows of the block's keys */
+        for (int64_t b = 0; b < nqb; b++) bops[nqb + b].lda = bops[nqb + b].k;
         const int rv = bf16_batch(bops + nqb, nqb);
         if (rv) return rv;
         am_targets(ws, n, d);
