@@ -5,7 +5,7 @@
  *
  * defines: KVRT_FAIL, kvrt_policy_ctx_check, kvrt_policy_ctx_done, kvrt_policy_section,
  *          kvrt_policy_item_int, kvrt_policy_budget_index (core/policy.c), and the CPU
- *          implementations kvrt_cpu_am_compact, kvrt_cpu_am_blocks_enable,
+ *          implementations kvrt_cpu_am_compact, kvrt_cpu_am_blocks_enable, _runs,
  *          kvrt_cpu_am_compact_layer_multi, kvrt_am_layer_plan (cpu/am.c), kvrt_cpu_compilerkv_select
  *          (cpu/compilerkv.c), kvrt_compkv_base, kvrt_cpu_compkv_create, _scores,
  *          _attend_blocks, _step (cpu/compkv.c), kvrt_kv2_proxy_check, kvrt_kv2_score_check,
@@ -76,9 +76,12 @@ KVRT_INTERNAL int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, con
                                       kvrt_cache **out, kvrt_am_stats *stats);
 /* 0 turns off, process-wide, the CPU compaction's block-by-block path for bf16 products (the
  * logits reduced per query block, never stored; the fit's columns of P computed again: cpu/am.c
- * prep_blocks, psel_fill), 1 back on (the default); returns the previous setting. For tests that
- * compare it with the path through the stored logits. */
+ * prep_blocks, psel_fill), 1 back on (the default); returns the previous setting. Read when a
+ * compaction allocates its workspace (at the start of each call). For tests that compare it with
+ * the path through the stored logits. kvrt_cpu_am_blocks_runs: how many chunks it has prepared
+ * in this process (tests: the path ran). */
 KVRT_INTERNAL int kvrt_cpu_am_blocks_enable(int on);
+KVRT_INTERNAL uint64_t kvrt_cpu_am_blocks_runs(void);
 /* The checks of a layer compaction that do not read the arrays (options, shapes, dtype, ratios:
  * what every backend checks alike) and the budgets tb [n_kv_heads, n_sets] (entries per KV head
  * and set: llround(ratio T) clamped to 1..T). o non-NULL; has_q / has_q_ref: whether q / q_ref

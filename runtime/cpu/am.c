@@ -57,9 +57,11 @@
 #ifdef _OPENMP
 #define am_max_threads() omp_get_max_threads()
 #define am_thread() omp_get_thread_num()
+#define am_in_parallel() omp_in_parallel()
 #else
 #define am_max_threads() 1
 #define am_thread() 0
+#define am_in_parallel() 0
 #endif
 
 void kvrt_am_opts_init(kvrt_am_opts *o) {
@@ -109,7 +111,7 @@ typedef struct {
 
 /* Workspace of one head, sized for chunks of up to Tc keys, n queries, t_max entries. */
 typedef struct {
-    float *S;       /* [n, Tc] logits, then P = exp(z - rowmax) */
+    float *S;       /* [n, Tc] logits, then P = exp(z - rowmax) (not written by prep_blocks) */
     double *mass;   /* [n] sum_j P_ij */
     float *Yf;      /* [n, d] P V */
     double *Y;      /* [n, d] softmax(z) V */
@@ -151,7 +153,8 @@ typedef struct {
     float *Sb;      /* [nslot, AM_QBLK, Tc] */
     float *rmx;     /* [n] a row's max, where its P was formed as exp(z - max) (shift[i]) */
     unsigned char *shift; /* [n] */
-    float *Psel;    /* [n, tr] P[:, sel] (tr: t rounded up to AM_KROUND) */
+    float *Psel;    /* [n, tr] P[:, sel] (tr: the selected keys rounded up to AM_KROUND; room
+                     * for t rounded) */
     uint16_t *Ksb;  /* [tr, d] the selected keys in bf16, zero rows past ts */
     int32_t *iota, *pidx, *sel0; /* [t] 0..t-1; kept entry -> column of Psel; sel before keep */
     kvrt_cpu_nnls_ws nw;
@@ -185,15 +188,20 @@ static void am_ws_free(am_ws *w) {
     kvrt_cpu_nnls_ws_free(&w->nw);
 }
 
-static int am_blocks_on = 1; /* kvrt_cpu_am_blocks_enable */
+static int am_blocks_on = 1;       /* kvrt_cpu_am_blocks_enable */
+static uint64_t am_blocks_runs;    /* kvrt_cpu_am_blocks_runs */
+uint64_t kvrt_cpu_am_blocks_runs(void) { return __atomic_load_n(&am_blocks_runs, __ATOMIC_RELAXED); }
 int kvrt_cpu_am_blocks_enable(int on) {
     const int prev = __atomic_load_n(&am_blocks_on, __ATOMIC_RELAXED);
     __atomic_store_n(&am_blocks_on, on ? 1 : 0, __ATOMIC_RELAXED);
     return prev;
 }
 
+/* A workspace for n queries, chunks of up to Tc keys, up to t entries per chunk, head size d;
+ * omp: OMP key selection; bf16: bf16 products; slots: the threads that may run its query blocks
+ * side by side (1 where workspaces themselves run side by side), for prep_blocks' buffers. */
 static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, int omp,
-                       int bf16) {
+                       int bf16, int slots) {
     memset(w, 0, sizeof *w);
     const int64_t nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
 #define AM_ALLOC(p, count) ((p) = malloc(sizeof(*(p)) * (size_t)((count) > 0 ? (count) : 1)))
@@ -233,19 +241,30 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
         }
         ok = w->Pb && w->Qb && AM_ALLOC(w->bops, 2 * ((n + AM_QBLK - 1) / AM_QBLK));
     }
+    /* prep_blocks' buffers (the setting is read here); without them the workspace takes the
+     * stored path */
     if (ok && bf16 && !omp && kvrt_cpu_gemm_is_dnnl() &&
         __atomic_load_n(&am_blocks_on, __ATOMIC_RELAXED)) {
         const int64_t tr = (t + AM_KROUND - 1) / AM_KROUND * AM_KROUND;
-        w->nslot = am_max_threads();
+        const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
+        w->nslot = slots < 1 ? 1 : slots > nqb ? (int)nqb : slots;
         w->Sb_bytes = sizeof(float) * (size_t)w->nslot * AM_QBLK * (size_t)Tc;
         w->Psel_bytes = sizeof(float) * (size_t)(n * (tr > 0 ? tr : 1));
         w->Sb = kvrt_cpu_scratch_alloc(w->Sb_bytes);
         w->Psel = kvrt_cpu_scratch_alloc(w->Psel_bytes);
-        ok = w->Sb && w->Psel && AM_ALLOC(w->rmx, n) && AM_ALLOC(w->shift, n) &&
-             AM_ALLOC(w->Ksb, tr * d) && AM_ALLOC(w->iota, t) && AM_ALLOC(w->pidx, t) &&
-             AM_ALLOC(w->sel0, t);
-        for (int64_t a = 0; ok && a < t; a++) w->iota[a] = (int32_t)a;
-        w->blocks = ok;
+        w->blocks = w->Sb && w->Psel && AM_ALLOC(w->rmx, n) && AM_ALLOC(w->shift, n) &&
+                    AM_ALLOC(w->Ksb, tr * d) && AM_ALLOC(w->iota, t) && AM_ALLOC(w->pidx, t) &&
+                    AM_ALLOC(w->sel0, t);
+        for (int64_t a = 0; w->blocks && a < t; a++) w->iota[a] = (int32_t)a;
+        if (!w->blocks) { /* out of memory for them: the stored path */
+            kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
+            kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
+            free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
+            w->Sb = w->Psel = w->rmx = NULL;
+            w->shift = NULL;
+            w->Ksb = NULL;
+            w->iota = w->pidx = w->sel0 = NULL;
+        }
     }
 #undef AM_ALLOC
     if (!ok) am_ws_free(w);
@@ -668,8 +687,9 @@ static int64_t keys_rounded(int64_t nk, int64_t nmax) {
     const int64_t r = (nk + AM_KROUND - 1) / AM_KROUND * AM_KROUND;
     return r < nmax ? r : nmax;
 }
-/* The logits are written in dense rows (ldc = nk) at the start of the block's rows of S, and
- * spread to the stride of S afterwards (bf16_logits): oneDNN 2.6 gives a bf16 product with rows
+/* The logits are written in dense rows (ldc = nk) at the start of the block's rows of S (or of
+ * the block's slot of Sb), and spread to the stride of S afterwards (bf16_logits, prep_blocks):
+ * oneDNN 2.6 gives a bf16 product with rows
  * of C wider than n its gemm:jit kernel, not the AMX brgemm one (one thread, 256 x 1024 x 64 into
  * rows of 4096: 176 GFLOP/s against 327 dense), and causal blocks have nk < ldS. */
 static kvrt_bf16mm_op logit_op_bf16(const am_ws *ws, int64_t d, int64_t n, int64_t b, int64_t nk,
@@ -745,10 +765,10 @@ static int64_t qblock_vis(const int32_t *qpos, int64_t n, int64_t b, int64_t k0,
 /* am_prep's logits and row pass with bf16 products on oneDNN (ws->blocks), query block by query
  * block: block b's logits (ops[b], dense rows) land in its thread's slot of Sb, are spread to the
  * stride Tc there, and its rows are reduced there (prep_block over its AM_ROWBLK blocks: the same
- * arithmetic in the same order as prep_rows over S), so the [n, Tc] logits never go to memory
- * (at T = 4096, d = 128: 64 MB written by the product and read back by the row pass; the call
- * 28.6 -> 24.0 ms, docs/benchmarks.md). Then the column sums as prep_rows. Returns 1 in *bad as
- * prep_rows. */
+ * arithmetic in the same order as prep_rows over S), so the [n, Tc] logits are never written to
+ * S (at T = 4096, d = 128: 64 MB written by the product and read back by the row pass; the slot,
+ * 4 MB, is reused while in cache; the one-head call 32.0 -> 24.0 ms, docs/benchmarks.md). Then
+ * the column sums as prep_rows. Returns 1 in *bad as prep_rows. */
 #if AM_QBLK % AM_ROWBLK != 0
 #error "AM_QBLK must be a multiple of AM_ROWBLK"
 #endif
@@ -756,8 +776,10 @@ static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, int64_t nqb, int64_
                        const int32_t *qpos, int64_t k0, const am_redo *redo, int *bad_out) {
     const int64_t rpq = AM_QBLK / AM_ROWBLK, nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
     int nomem = 0, bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(ws->nslot) \
-    reduction(| : nomem, bad) if (nqb > 1)
+    const int nt = ws->nslot < am_max_threads() ? ws->nslot : am_max_threads();
+    __atomic_add_fetch(&am_blocks_runs, 1, __ATOMIC_RELAXED);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) reduction(| : nomem, bad) \
+    if (nqb > 1 && nt > 1)
     for (int64_t b = 0; b < nqb; b++) {
         float *Sb = ws->Sb + (size_t)am_thread() * AM_QBLK * (size_t)Tc;
         kvrt_bf16mm_op o = ops[b];
@@ -959,8 +981,9 @@ static void gather_cols(const float *S, int64_t n, int64_t ldS, const int32_t *s
 }
 
 /* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. P is
- * ws->S with row stride ldS (Tc, or a shared group's widest middle: am_group); OMP needs
- * ldS == Tc. */
+ * ws->S with row stride ldS (Tc, or a shared group's widest middle: am_group), or, where
+ * prep_blocks did not store it (!ws->s_valid), formed at the selected keys into ws->Psel
+ * (psel_fill); OMP needs S and ldS == Tc. */
 static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, int64_t k0,
                   int64_t Tc, int64_t ldS, int64_t d, int64_t n, int64_t tc, am_out *res,
                   am_acc *acc) {
@@ -1306,7 +1329,8 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
         const int64_t chunk = chunk_of(o, T);
         if (am_ws_alloc(&own, n, chunk, chunk_tmax(o, T, ns, t), d,
                         o->key_select == KVRT_AM_SELECT_OMP,
-                        o->products == KVRT_AM_PRODUCTS_BF16) != 0)
+                        o->products == KVRT_AM_PRODUCTS_BF16,
+                        am_in_parallel() ? 1 : am_max_threads()) != 0)
             return KVRT_FAIL(KVRT_ERR_NOMEM,
                            "kvrt_am_compact: out of memory (%lld queries x %lld keys per chunk)",
                            (long long)n, (long long)chunk);
@@ -1701,7 +1725,8 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
         sl->have_ws = sl->qr && sl->qp && (!stats || sl->hst) &&
                       am_ws_alloc(&sl->ws, n, chunk, tmax, d,
                                   o->key_select == KVRT_AM_SELECT_OMP,
-                                  o->products == KVRT_AM_PRODUCTS_BF16) == 0;
+                                  o->products == KVRT_AM_PRODUCTS_BF16,
+                                  nw > 1 || am_in_parallel() ? 1 : am_max_threads()) == 0;
         if (!sl->have_ws) {
             free(sl->qr); free(sl->qp); free(sl->hst);
             sl->qr = NULL; sl->qp = NULL; sl->hst = NULL;
