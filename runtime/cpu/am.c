@@ -140,17 +140,18 @@ typedef struct {
     uint16_t *Qb;   /* [n, d] the reference queries (one scratch buffer with Kb and Vb) */
     uint16_t *Kb;   /* [Tc, d] the chunk's keys, dense rows */
     uint16_t *Vb;   /* [Tc, d] its values */
-    uint16_t *Pb;   /* [n, Tc] P (the row pass writes it, rows at the stride of S) */
+    uint16_t *Pb;   /* [n, Tc] P (the row pass writes it, rows at the stride of S; not by
+                     * prep_blocks, which keeps each block's in its slot of Pbs) */
     kvrt_bf16mm_op *bops; /* [2 * ceil(n / AM_QBLK)] */
     /* bf16 products with HighestAttnKeys on oneDNN (prep_blocks): the logits of each query
      * block land in its thread's slot of Sb and are reduced there, so S is never written; the
-     * fit's columns of P are computed again for the selected keys only (psel_fill). Pb's rows
-     * are then dense per query block (stride: the block's keys) */
+     * fit's columns of P are computed again for the selected keys only (psel_fill) */
     int blocks;     /* that path is available (the buffers below exist) */
     int s_valid;    /* S holds P (am_prep's other path, am_group); else Psel does, per fit */
     int exp_in;     /* the last am_prep put the exponential in the logit product */
     int nslot;      /* slots of Sb: the OpenMP threads at allocation */
     float *Sb;      /* [nslot, AM_QBLK, Tc] */
+    uint16_t *Pbs;  /* [nslot, AM_QBLK, Tc] the block's rows of P in bf16 (dense rows of its keys) */
     float *rmx;     /* [n] a row's max, where its P was formed as exp(z - max) (shift[i]) */
     unsigned char *shift; /* [n] */
     float *Psel;    /* [n, tr] P[:, sel] (tr: the selected keys rounded up to AM_KROUND; room
@@ -159,7 +160,7 @@ typedef struct {
     int32_t *iota, *pidx, *sel0; /* [t] 0..t-1; kept entry -> column of Psel; sel before keep */
     kvrt_cpu_nnls_ws nw;
     size_t S_bytes, part_bytes, Pb_bytes, nd_bytes, MS_bytes, Yf_bytes, QKVb_bytes, Sb_bytes,
-        Psel_bytes; /* for kvrt_cpu_scratch_free */
+        Pbs_bytes, Psel_bytes; /* for kvrt_cpu_scratch_free */
 } am_ws;
 
 static void am_ws_free(am_ws *w) {
@@ -172,6 +173,7 @@ static void am_ws_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->Qb, w->QKVb_bytes);
     free(w->bops);
     kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
+    kvrt_cpu_scratch_free(w->Pbs, w->Pbs_bytes);
     kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
     free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
     kvrt_cpu_scratch_free(w->Yf, w->Yf_bytes);
@@ -250,17 +252,21 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
         w->nslot = slots < 1 ? 1 : slots > nqb ? (int)nqb : slots;
         w->Sb_bytes = sizeof(float) * (size_t)w->nslot * AM_QBLK * (size_t)Tc;
         w->Psel_bytes = sizeof(float) * (size_t)(n * (tr > 0 ? tr : 1));
+        w->Pbs_bytes = sizeof(uint16_t) * (size_t)w->nslot * AM_QBLK * (size_t)Tc;
         w->Sb = kvrt_cpu_scratch_alloc(w->Sb_bytes);
+        w->Pbs = kvrt_cpu_scratch_alloc(w->Pbs_bytes);
         w->Psel = kvrt_cpu_scratch_alloc(w->Psel_bytes);
-        w->blocks = w->Sb && w->Psel && AM_ALLOC(w->rmx, n) && AM_ALLOC(w->shift, n) &&
+        w->blocks = w->Sb && w->Pbs && w->Psel && AM_ALLOC(w->rmx, n) && AM_ALLOC(w->shift, n) &&
                     AM_ALLOC(w->Ksb, tr * d) && AM_ALLOC(w->iota, t) && AM_ALLOC(w->pidx, t) &&
                     AM_ALLOC(w->sel0, t);
         for (int64_t a = 0; w->blocks && a < t; a++) w->iota[a] = (int32_t)a;
         if (!w->blocks) { /* out of memory for them: the stored path */
             kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
+            kvrt_cpu_scratch_free(w->Pbs, w->Pbs_bytes);
             kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
             free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
             w->Sb = w->Psel = w->rmx = NULL;
+            w->Pbs = NULL;
             w->shift = NULL;
             w->Ksb = NULL;
             w->iota = w->pidx = w->sel0 = NULL;
@@ -767,13 +773,17 @@ static int64_t qblock_vis(const int32_t *qpos, int64_t n, int64_t b, int64_t k0,
  * stride Tc there, and its rows are reduced there (prep_block over its AM_ROWBLK blocks: the same
  * arithmetic in the same order as prep_rows over S), so the [n, Tc] logits are never written to
  * S (at T = 4096, d = 128: 64 MB written by the product and read back by the row pass; the slot,
- * 4 MB, is reused while in cache; the one-head call 32.0 -> 24.0 ms, docs/benchmarks.md). Then
- * the column sums as prep_rows. Returns 1 in *bad as prep_rows. */
+ * 4 MB, is reused while in cache; the one-head call 32.0 -> 24.0 ms, docs/benchmarks.md). The
+ * block's rows of P in bf16 go to its thread's slot of Pbs, in dense rows of the block's keys
+ * (oneDNN 2.6 runs P V on a slower kernel when lda exceeds k), and the block's P V (vops[b]) is
+ * taken from there while they are in cache, so P is not written to Pb either. Then the column
+ * sums as prep_rows. Returns 1 in *bad as prep_rows (a block with a bad row skips its P V). */
 #if AM_QBLK % AM_ROWBLK != 0
 #error "AM_QBLK must be a multiple of AM_ROWBLK"
 #endif
-static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, int64_t nqb, int64_t n, int64_t Tc,
-                       const int32_t *qpos, int64_t k0, const am_redo *redo, int *bad_out) {
+static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, const kvrt_bf16mm_op *vops,
+                       int64_t nqb, int64_t n, int64_t Tc, const int32_t *qpos, int64_t k0,
+                       const am_redo *redo, int *bad_out) {
     const int64_t rpq = AM_QBLK / AM_ROWBLK, nblk = (n + AM_ROWBLK - 1) / AM_ROWBLK;
     int nomem = 0, bad = 0;
     const int nt = ws->nslot < am_max_threads() ? ws->nslot : am_max_threads();
@@ -782,6 +792,7 @@ static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, int64_t nqb, int64_
     if (nqb > 1 && nt > 1)
     for (int64_t b = 0; b < nqb; b++) {
         float *Sb = ws->Sb + (size_t)am_thread() * AM_QBLK * (size_t)Tc;
+        uint16_t *Pbs = ws->Pbs + (size_t)am_thread() * AM_QBLK * (size_t)Tc;
         kvrt_bf16mm_op o = ops[b];
         o.C = Sb;
         if (kvrt_cpu_bf16mm_batch(&o, 1) != 0) {
@@ -791,10 +802,18 @@ static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, int64_t nqb, int64_
         if (o.ldc != Tc) /* last row first: row r goes from r ldc to r Tc >= r ldc */
             for (int64_t r = o.m - 1; r > 0; r--)
                 memmove(Sb + r * Tc, Sb + r * o.ldc, sizeof(float) * (size_t)o.n);
+        int bb = 0;
         for (int64_t rb = b * rpq; rb < (b + 1) * rpq && rb < nblk; rb++)
-            bad |= prep_block(Sb, b * AM_QBLK, n, Tc, qpos, k0, rb, ws->mass, ws->rowsum,
-                              ws->part + rb * Tc, ws->vis, ws->Pb + b * AM_QBLK * Tc, o.n, o.n,
-                              redo, ws->rmx, ws->shift);
+            bb |= prep_block(Sb, b * AM_QBLK, n, Tc, qpos, k0, rb, ws->mass, ws->rowsum,
+                             ws->part + rb * Tc, ws->vis, Pbs, o.n, o.n, redo, ws->rmx,
+                             ws->shift);
+        bad |= bb;
+        if (bb) continue; /* the call fails */
+        /* the block's P V from its rows of P while they are in cache (dense rows of its keys) */
+        kvrt_bf16mm_op vo = vops[b];
+        vo.A = Pbs;
+        vo.lda = vo.k;
+        if (kvrt_cpu_bf16mm_batch(&vo, 1) != 0) nomem = 1;
     }
     if (nomem) return KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_am_compact: out of memory (bf16 products)");
     colsums(ws->part, nblk, Tc, ws->colsum);
@@ -894,13 +913,10 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
     ws->exp_in = exp_in;
     if (!ws->s_valid) {
         int bad = 0;
-        const int rc = prep_blocks(ws, bops, nqb, n, Tc, qpos, k0, exp_in ? &redo : NULL, &bad);
+        const int rc = prep_blocks(ws, bops, bops + nqb, nqb, n, Tc, qpos, k0,
+                                   exp_in ? &redo : NULL, &bad);
         if (rc) return rc;
         if (bad) return overflow_fail(k0, Tc);
-        /* prep_blocks wrote each block's rows of P in dense rows of the block's keys */
-        for (int64_t b = 0; b < nqb; b++) bops[nqb + b].lda = bops[nqb + b].k;
-        const int rv = bf16_batch(bops + nqb, nqb);
-        if (rv) return rv;
         am_targets(ws, n, d);
         return KVRT_OK;
     }
