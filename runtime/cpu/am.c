@@ -149,7 +149,8 @@ typedef struct {
     int blocks;     /* that path is available (the buffers below exist) */
     int s_valid;    /* S holds P (am_prep's other path, am_group); else Psel does, per fit */
     int exp_in;     /* the last am_prep put the exponential in the logit product */
-    int nslot;      /* slots of Sb: the OpenMP threads at allocation */
+    int nslot;      /* slots of Sb and Pbs: the threads that can run the query blocks, at most
+                     * one per block (am_ws_alloc) */
     float *Sb;      /* [nslot, AM_QBLK, Tc] */
     uint16_t *Pbs;  /* [nslot, AM_QBLK, Tc] the block's rows of P in bf16 (dense rows of its keys) */
     float *rmx;     /* [n] a row's max, where its P was formed as exp(z - max) (shift[i]) */
@@ -163,6 +164,18 @@ typedef struct {
         Pbs_bytes, Psel_bytes; /* for kvrt_cpu_scratch_free */
 } am_ws;
 
+/* prep_blocks' and psel_fill's buffers (NULL-safe; the pointers left NULL) */
+static void am_blocks_free(am_ws *w) {
+    kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
+    kvrt_cpu_scratch_free(w->Pbs, w->Pbs_bytes);
+    kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
+    free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
+    w->Sb = w->Psel = w->rmx = NULL;
+    w->Pbs = w->Ksb = NULL;
+    w->shift = NULL;
+    w->iota = w->pidx = w->sel0 = NULL;
+}
+
 static void am_ws_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->S, w->S_bytes);
     kvrt_cpu_scratch_free(w->part, w->part_bytes);
@@ -172,10 +185,7 @@ static void am_ws_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->MS, w->MS_bytes);
     kvrt_cpu_scratch_free(w->Qb, w->QKVb_bytes);
     free(w->bops);
-    kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
-    kvrt_cpu_scratch_free(w->Pbs, w->Pbs_bytes);
-    kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
-    free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
+    am_blocks_free(w);
     kvrt_cpu_scratch_free(w->Yf, w->Yf_bytes);
     free(w->ops); free(w->mass);
     free(w->score);
@@ -260,17 +270,7 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
                     AM_ALLOC(w->Ksb, tr * d) && AM_ALLOC(w->iota, t) && AM_ALLOC(w->pidx, t) &&
                     AM_ALLOC(w->sel0, t);
         for (int64_t a = 0; w->blocks && a < t; a++) w->iota[a] = (int32_t)a;
-        if (!w->blocks) { /* out of memory for them: the stored path */
-            kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
-            kvrt_cpu_scratch_free(w->Pbs, w->Pbs_bytes);
-            kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
-            free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
-            w->Sb = w->Psel = w->rmx = NULL;
-            w->Pbs = NULL;
-            w->shift = NULL;
-            w->Ksb = NULL;
-            w->iota = w->pidx = w->sel0 = NULL;
-        }
+        if (!w->blocks) am_blocks_free(w); /* out of memory for them: the stored path */
     }
 #undef AM_ALLOC
     if (!ok) am_ws_free(w);
@@ -345,15 +345,11 @@ static inline int64_t row_vis(const int32_t *qpos, int64_t i, int64_t k0, int64_
 }
 
 /* o[j] = bf16(x[j]) (round to nearest even), as uint16_t (cpu/blas.h's operands), for finite x
- * (kvrt_bf16_of without its NaN case: every caller's values are checked finite, or its call
- * fails: a row whose max or mass is not finite) */
+ * (kvrt_bf16_of_finite: every caller's values are checked finite, or its call fails: a row whose
+ * max or mass is not finite) */
 static inline void row_bf16(const float *x, int64_t count, uint16_t *o) {
 #pragma omp simd
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t u;
-        memcpy(&u, &x[j], sizeof u);
-        o[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (int64_t j = 0; j < count; j++) o[j] = kvrt_bf16_of_finite(x[j]);
 }
 
 /* The exponential in the logit product (bf16 products, am_prep): S holds P_ij = exp(z_ij),

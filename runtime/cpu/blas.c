@@ -6,7 +6,7 @@
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
  *          kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes, kvrt_cpu_expmm_run,
  *          kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_enable,
- *          kvrt_cpu_bf16mm_runs, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_bf16mm_runs, kvrt_cpu_bf16mm_isa, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #include <math.h>
 #include <pthread.h>
@@ -504,6 +504,18 @@ static void gemm_name_init(void) {
     char *sp = strchr(cfg, ' ');
     if (sp && (sp = strchr(sp + 1, ' '))) *sp = 0; /* keep name and version */
     snprintf(gemm_name, sizeof gemm_name, "%s sgemm (%s)", cfg, openblas_get_corename());
+#endif
+}
+
+int kvrt_cpu_bf16mm_isa(void) {
+#if KVCC_WITH_DNNL
+    switch ((int)dnnl_get_effective_cpu_isa()) {
+    case dnnl_cpu_isa_avx512_core_amx: return 2;
+    case dnnl_cpu_isa_avx512_core_bf16: return 1;
+    default: return 0;
+    }
+#else
+    return 0;
 #endif
 }
 

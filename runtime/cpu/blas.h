@@ -19,7 +19,7 @@
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
  *          kvrt_cpu_expmm (type), kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes,
  *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_bf16mm_op,
- *          kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_enable, kvrt_cpu_bf16mm_runs,
+ *          kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_enable, kvrt_cpu_bf16mm_runs, kvrt_cpu_bf16mm_isa,
  *          kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #ifndef KVRT_CPU_BLAS_H
@@ -71,6 +71,9 @@ KVRT_INTERNAL int kvrt_cpu_gemm_is_dnnl(void);
 
 /* "oneDNN 2.6.3 sgemm (isa avx512_core_amx)" or "OpenBLAS cblas_sgemm": what the products run on. */
 KVRT_INTERNAL const char *kvrt_cpu_gemm_name(void);
+/* The bf16 kernels oneDNN runs here (its effective ISA, which ONEDNN_MAX_CPU_ISA may cap below
+ * the CPU's): 2 AMX, 1 AVX512-BF16, 0 none (or no oneDNN). */
+KVRT_INTERNAL int kvrt_cpu_bf16mm_isa(void);
 
 /* C = exp(alpha A B^T), one product with the exponential in its epilogue: A (m, k) and B (n, k)
  * in dense rows (lda = ldb = k), C (m, n) in rows of ldc. With oneDNN, a matmul primitive with an

@@ -1473,9 +1473,7 @@ Test(am, bf16_products_paths_agree) {
                                        KVRT_DTYPE_F32, &bk, sk), KVRT_OK);
     cr_log_info("am bf16: %llu products on oneDNN's bf16 kernel (%s)",
                 (unsigned long long)(kvrt_cpu_bf16mm_runs() - runs), kvrt_cpu_gemm_name());
-    /* oneDNN's effective ISA (its name; ONEDNN_MAX_CPU_ISA may cap it below the CPU's) */
-    if (kvrt_cpu_gemm_is_dnnl() && (strstr(kvrt_cpu_gemm_name(), "isa avx512_core_bf16") ||
-                                    strstr(kvrt_cpu_gemm_name(), "isa avx512_core_amx")))
+    if (kvrt_cpu_bf16mm_isa() > 0) /* oneDNN has bf16 kernels here */
         cr_assert_gt(kvrt_cpu_bf16mm_runs(), runs, "oneDNN on a bf16 CPU, yet no bf16 kernel ran");
     const int prev = kvrt_cpu_bf16mm_enable(0);
     cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
@@ -1619,12 +1617,6 @@ static void expect_same_cache(const kvrt_cache *a, const kvrt_cache *b, const kv
                     db, de);
 }
 
-/* 1 when oneDNN runs its AMX kernels (its effective ISA, which ONEDNN_MAX_CPU_ISA may cap below
- * the CPU's): the block path is bit for bit there */
-static int dnnl_amx(void) {
-    return kvrt_cpu_gemm_is_dnnl() && strstr(kvrt_cpu_gemm_name(), "isa avx512_core_amx") != NULL;
-}
-
 /* bf16 products with HighestAttnKeys run block by block on oneDNN (each query block's logits
  * reduced in a per-thread buffer, never stored; the fit's columns of P formed again for the
  * selected keys by the same product): the result equals the path through the stored logits
@@ -1645,7 +1637,7 @@ static int dnnl_amx(void) {
 Test(am, bf16_blocks_equal_the_stored_logits) {
     enum { T = 700, H = 6, HKV = 2, D = 32 };
     const float ratios[3 * HKV] = {0.05f, 0.2f, 0.1f, 0.1f, 0.5f, 0.02f};
-    const int amx = dnnl_amx();
+    const int amx = kvrt_cpu_bf16mm_isa() == 2; /* oneDNN on AMX: bit for bit */
     cr_log_info("am bf16 blocks: %s", amx ? "oneDNN on AMX (bit for bit expected)"
                                           : "oneDNN not on AMX (within 1e-5)");
     for (int widened = 0; widened < 2; widened++) {
@@ -1741,7 +1733,7 @@ Test(am, bf16_blocks_equal_the_stored_logits) {
 Test(am, bf16_blocks_several_budgets_per_chunk) {
     enum { T = 700, H = 6, HKV = 2, D = 32 };
     const float ratios[3 * HKV] = {0.05f, 0.2f, 0.1f, 0.1f, 0.5f, 0.02f};
-    const int amx = dnnl_amx();
+    const int amx = kvrt_cpu_bf16mm_isa() == 2;
     for (int hk = 0; hk < 2; hk++)
         for (int c = 0; c < 3; c++) {
             uint64_t s = 95;
