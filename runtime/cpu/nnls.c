@@ -19,6 +19,14 @@
 
 #include "core/policies.h"
 #include "cpu/nnls.h"
+#include "cpu/vexp.h" /* KVRT_SIMD_CLONES */
+
+/* the gradient of the fast NNLS in slices of NNLS_JSLICE columns, side by side when the pass is
+ * at least NNLS_PAR_WORK products (smaller ones cost less than waking a thread) */
+#define NNLS_JSLICE 256
+#define NNLS_PAR_WORK ((int64_t)1 << 17)
+/* cold calls of at least this many columns start from the unconstrained minimizer (warm_start) */
+#define NNLS_WARM_MIN 64
 
 static int all_finite_d(const double *x, int64_t count) {
     for (int64_t i = 0; i < count; i++)
@@ -186,24 +194,36 @@ int kvrt_cpu_nnls_ws_alloc(kvrt_cpu_nnls_ws *ws, int64_t n) {
     ws->L = malloc(sizeof(double) * (size_t)(n * n));
     ws->s = malloc(sizeof(double) * (size_t)n);
     ws->w = malloc(sizeof(double) * (size_t)n);
-    return ws->flag && ws->P && ws->L && ws->s && ws->w ? 0 : -1;
+    ws->y = malloc(sizeof(double) * (size_t)n);
+    return ws->flag && ws->P && ws->L && ws->s && ws->w && ws->y ? 0 : -1;
 }
 void kvrt_cpu_nnls_ws_free(kvrt_cpu_nnls_ws *ws) {
-    free(ws->flag); free(ws->P); free(ws->L); free(ws->s); free(ws->w);
+    free(ws->flag); free(ws->P); free(ws->L); free(ws->s); free(ws->w); free(ws->y);
+}
+
+/* sum over k < n of a[k] b[k] in 8 partial sums (partial l adds the terms k = l mod 8 in order),
+ * added pairwise at the end: the compiler vectorizes it without reassociating anything, so the
+ * bits are the same at every SIMD width (the clones of the callers below). */
+static inline double dot8(const double *a, const double *b, int64_t n) {
+    double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[k + l] * b[k + l];
+    for (int l = 0; k + l < n; l++) acc[l] += a[k + l] * b[k + l];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
 /* Append column j as row p of the factor; -1 (nothing changed) when its pivot falls below
  * 1e-10 of G[j, j]: j is numerically a combination of the passive columns (duplicate keys). */
+KVRT_SIMD_CLONES
 static int chol_append(const double *G, int64_t ldg, double *L, int64_t n, const int64_t *P,
                        int64_t p, int64_t j) {
     double *row = L + p * n;
     double d = G[j * ldg + j];
     const double d0 = d;
     for (int64_t a = 0; a < p; a++) {
-        double acc = G[j * ldg + P[a]];
         const double *ra = L + a * n;
-        for (int64_t k = 0; k < a; k++) acc -= row[k] * ra[k];
-        row[a] = acc / ra[a];
+        row[a] = (G[j * ldg + P[a]] - dot8(row, ra, a)) / ra[a];
         d -= row[a] * row[a];
     }
     if (!(d > 1e-10 * d0) || !(d0 > 0)) return -1;
@@ -234,19 +254,85 @@ static void chol_delete(double *L, int64_t n, int64_t *P, int64_t p, int64_t a) 
     }
 }
 
-/* s = G[P, P]^-1 c[P] through the factor. */
+/* s = G[P, P]^-1 c[P] through the factor: y = L^-1 c[P] (rows [*yv, p) brought up to date: the
+ * rows before *yv are those no append or delete changed since they were solved, and a row's y
+ * depends on the rows before it only), then s = L^-T y by columns (row i of L is contiguous:
+ * after s_i is known, its terms leave every earlier s_k at once). */
+KVRT_SIMD_CLONES
 static void chol_solve(const double *L, int64_t n, int64_t p, const int64_t *P, const double *c,
-                       double *s) {
-    for (int64_t i = 0; i < p; i++) {
-        double acc = c[P[i]];
-        for (int64_t k = 0; k < i; k++) acc -= L[i * n + k] * s[k];
-        s[i] = acc / L[i * n + i];
-    }
+                       double *y, int64_t *yv, double *s) {
+    for (int64_t i = *yv; i < p; i++) y[i] = (c[P[i]] - dot8(L + i * n, y, i)) / L[i * n + i];
+    *yv = p;
+    memcpy(s, y, sizeof(double) * (size_t)p);
     for (int64_t i = p - 1; i >= 0; i--) {
-        double acc = s[i];
-        for (int64_t k = i + 1; k < p; k++) acc -= L[k * n + i] * s[k];
-        s[i] = acc / L[i * n + i];
+        const double *Li = L + i * n;
+        const double si = s[i] / Li[i];
+        s[i] = si;
+        for (int64_t k = 0; k < i; k++) s[k] -= Li[k] * si;
     }
+}
+
+/* o[j - j0] = sum over the passive positions a, in order, of x[P[a]] G[P[a], j], j in [j0, j1):
+ * G is symmetric, so G x over its passive rows (contiguous). */
+KVRT_SIMD_CLONES
+static void gx_slice(const double *G, int64_t ldg, const int64_t *P, int64_t p, const double *x,
+                     int64_t j0, int64_t j1, double *o) {
+    for (int64_t j = 0; j < j1 - j0; j++) o[j] = 0.0;
+    for (int64_t a = 0; a < p; a++) {
+        const double xa = x[P[a]];
+        const double *g = G + P[a] * ldg + j0;
+        for (int64_t j = 0; j < j1 - j0; j++) o[j] += xa * g[j];
+    }
+}
+
+/* gx = G x (x supported on the passive set), in slices of j side by side when it is large: each
+ * gx[j] is the same sum in the same order at any thread count. */
+static void grad_gx(const double *G, int64_t ldg, const int64_t *P, int64_t p, const double *x,
+                    int64_t n, double *gx) {
+    const int64_t nsl = (n + NNLS_JSLICE - 1) / NNLS_JSLICE;
+#pragma omp parallel for schedule(static) if (nsl > 1 && p * n >= NNLS_PAR_WORK)
+    for (int64_t sl = 0; sl < nsl; sl++) {
+        const int64_t j0 = sl * NNLS_JSLICE, j1 = j0 + NNLS_JSLICE < n ? j0 + NNLS_JSLICE : n;
+        gx_slice(G, ldg, P, p, x, j0, j1, gx + j0);
+    }
+}
+
+/* The start of a cold call of size n >= NNLS_WARM_MIN: the unconstrained minimizer G^-1 c through
+ * one blocked Cholesky factor of the whole G (LAPACK), its positive entries as the first passive
+ * set and feasible point (the other columns deleted from the factor by chol_delete). Where every
+ * entry is positive this is the answer; otherwise the active-set iterations go on from there
+ * instead of from x = 0: the minimizer is unique (G positive definite, checked below), so both
+ * starts end at it, and this one skips most of the one-column-at-a-time additions (each of them a
+ * pass over G). Returns the passive count with x, flag, P and the factor set, or -1 (nothing
+ * usable: G not positive definite by the pivot test of chol_append, which the cold start handles
+ * column by column). */
+static int64_t warm_start(const double *G, int64_t ldg, const double *c, int64_t n, double *x,
+                          kvrt_cpu_nnls_ws *ws) {
+    double *L = ws->L;
+    const int64_t ldl = ws->cap;
+    for (int64_t i = 0; i < n; i++) memcpy(L + i * ldl, G + i * ldg, sizeof(double) * (size_t)(i + 1));
+    if (LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)n, L, (lapack_int)ldl) != 0) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const double d = L[i * ldl + i];
+        if (!(d * d > 1e-10 * G[i * ldg + i])) return -1;
+        ws->P[i] = i;
+    }
+    int64_t yv = 0, p = n;
+    chol_solve(L, ldl, n, ws->P, c, ws->y, &yv, ws->s);
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(ws->s[i])) return -1;
+    for (int64_t a = n - 1; a >= 0; a--) {
+        if (ws->s[a] > 0) {
+            x[a] = ws->s[a];
+            ws->flag[a] = 1;
+        } else {
+            x[a] = 0;
+            ws->flag[a] = 0;
+            chol_delete(L, ldl, ws->P, p, a);
+            p--;
+        }
+    }
+    return p;
 }
 
 /* min x^T G x / 2 - c^T x, x >= 0 (the normal equations of an NNLS with G = A^T A, c = A^T b).
@@ -266,7 +352,7 @@ void kvrt_cpu_nnls_gram_ex(const double *G, int64_t ldg, const double *c, int64_
     for (int64_t j = 0; j < n; j++) cmax = fmax(cmax, fabs(c[j]));
     const double tol = 1e-11 * (double)n * (cmax > 0 ? cmax : 1.0);
     int iters = 0, status = KVRT_NNLS_CONVERGED, degenerate = 0;
-    int64_t p = 0;
+    int64_t p = 0, yv = 0; /* yv: the leading rows of the factor that ws->y is solved for */
     if (resume) { /* the previous call's passive set and factor, on the leading block of G */
         p = ws->p;
         for (int64_t j = 0; j < n; j++) flag[j] = 0;
@@ -274,7 +360,11 @@ void kvrt_cpu_nnls_gram_ex(const double *G, int64_t ldg, const double *c, int64_
         for (int64_t j = 0; j < n; j++)
             if (flag[j] == 0) x[j] = 0;
     } else {
-        for (int64_t j = 0; j < n; j++) {
+        int cold = n >= NNLS_WARM_MIN;
+        for (int64_t j = 0; cold && j < n; j++) cold = x[j] == 0;
+        const int64_t pw = cold ? warm_start(G, ldg, c, n, x, ws) : -1;
+        if (pw >= 0) p = pw;
+        for (int64_t j = 0; pw < 0 && j < n; j++) {
             flag[j] = 0;
             if (!(x[j] > 0)) { x[j] = 0; continue; }
             if (chol_append(G, ldg, ws->L, ldl, P, p, j) == 0) { P[p++] = j; flag[j] = 1; }
@@ -288,13 +378,7 @@ void kvrt_cpu_nnls_gram_ex(const double *G, int64_t ldg, const double *c, int64_
             /* gradient w = c - G x over the zero set (x is supported on P): G is symmetric, so
              * G x = sum over the passive rows of x_a G[a, :] (contiguous rows, fixed order) */
             double *gx = ws->w;
-            for (int64_t j = 0; j < n; j++) gx[j] = 0.0;
-            for (int64_t a = 0; a < p; a++) {
-                const double xa = x[P[a]];
-                const double *g = G + P[a] * ldg;
-#pragma omp simd
-                for (int64_t j = 0; j < n; j++) gx[j] += xa * g[j];
-            }
+            grad_gx(G, ldg, P, p, x, n, gx);
             int64_t jbest = -1;
             double wbest = tol;
             for (int64_t j = 0; j < n; j++) {
@@ -316,7 +400,7 @@ void kvrt_cpu_nnls_gram_ex(const double *G, int64_t ldg, const double *c, int64_
         solve = 0;
         for (;;) {
             if (p == 0) break;
-            chol_solve(ws->L, ldl, p, P, c, ws->s);
+            chol_solve(ws->L, ldl, p, P, c, ws->y, &yv, ws->s);
             int all_pos = 1;
             for (int64_t a = 0; a < p; a++) all_pos &= ws->s[a] > 0;
             if (all_pos) {
@@ -344,6 +428,7 @@ void kvrt_cpu_nnls_gram_ex(const double *G, int64_t ldg, const double *c, int64_
                     if (j == jnew) degenerate = 1;
                     chol_delete(ws->L, ldl, P, p, a);
                     p--;
+                    if (a < yv) yv = a;
                 }
             }
             jnew = -1;

@@ -14,14 +14,16 @@
 
 /* The passive set is kept as an ordered list P with the Cholesky factor L of G[P, P] (row-major,
  * leading dimension cap, lower triangle): adding a column appends one row in O(p^2); removing
- * columns (rare: a step back) refactors the survivors. */
+ * columns (rare: a step back) rotates the rows after it back to lower triangular (Givens, O(p^2)).
+ * y = L^-1 c[P] is kept from one solve to the next: only the rows an append or a removal changed
+ * are solved again. */
 typedef struct {
     int64_t cap;         /* n of kvrt_cpu_nnls_ws_alloc: the largest problem, L's row stride */
     int64_t p;           /* passive columns after the last solve (what a resume starts from) */
     unsigned char *flag; /* [n] 0 zero set, 1 passive, 2 excluded */
     int64_t *P;          /* [n] passive columns in factor order */
     double *L;           /* [n * n] */
-    double *s, *w;       /* [n] */
+    double *s, *w, *y;   /* [n] */
 } kvrt_cpu_nnls_ws;
 
 /* 0, or -1 when out of memory (free it either way). */

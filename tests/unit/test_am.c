@@ -190,6 +190,73 @@ Test(am, nnls_duplicate_columns) {
     cr_assert_float_eq(y[0] + y[1], 2.0, 1e-9);
 }
 
+/* Problems of >= 64 columns, where the fast solver starts from the unconstrained minimizer
+ * (runtime/cpu/nnls.c, warm_start): the same optimum as the textbook _ref (unique where A has full
+ * column rank) and the optimality conditions, with most of the unconstrained solution negative
+ * (many columns to drop), all positive (no iteration at all), and rank-deficient A (duplicate
+ * columns, more columns than rows: the start is refused and the column-by-column one runs). */
+Test(am, nnls_large_warm_start) {
+    uint64_t s = 17;
+    enum { M = 400, N = 150 };
+    double *A = malloc(sizeof(double) * M * N), *b = malloc(sizeof(double) * M);
+    double *xr = malloc(sizeof(double) * N), *xf = malloc(sizeof(double) * N);
+    double *xt = malloc(sizeof(double) * N);
+    cr_assert(A && b && xr && xf && xt);
+    for (int kase = 0; kase < 4; kase++) {
+        /* 0: Gaussian A and b; 1: a consistent positive system; 2: column 11 = column 10;
+         * 3: 90 rows only (rank 90 < 150 columns) */
+        const int m = kase == 3 ? 90 : M;
+        for (int i = 0; i < m * N; i++) A[i] = kase == 1 ? rng_u(&s) : rng_n(&s);
+        if (kase == 2)
+            for (int i = 0; i < m; i++) A[i * N + 11] = A[i * N + 10];
+        for (int j = 0; j < N; j++) xt[j] = 0.5 + rng_u(&s);
+        for (int i = 0; i < m; i++) {
+            b[i] = kase == 1 ? 0.0 : rng_n(&s);
+            if (kase == 1)
+                for (int j = 0; j < N; j++) b[i] += A[i * N + j] * xt[j];
+        }
+        kvrt_nnls_info ir, iff;
+        cr_assert_eq(kvrt_nnls_ref(A, b, m, N, 0, xr, &ir), KVRT_OK);
+        cr_assert_eq(kvrt_nnls(A, b, m, N, 0, xf, &iff), KVRT_OK);
+        cr_assert_neq(iff.status, KVRT_NNLS_MAX_ITER, "case %d", kase);
+        const double fr = objective(A, b, m, N, xr), ff = objective(A, b, m, N, xf);
+        cr_assert_leq(ff, fr * (1 + 1e-9) + 1e-12, "case %d: fast %.15g > ref %.15g", kase, ff, fr);
+        int npos = 0;
+        for (int j = 0; j < N; j++) {
+            cr_assert(xf[j] >= 0 && isfinite(xf[j]), "case %d: x[%d] = %g", kase, j, xf[j]);
+            npos += xf[j] > 0;
+        }
+        /* optimality: the gradient g = A^T (b - A x) is <= 0 where x = 0, and ~0 where x > 0 */
+        double gmax = 0, gscale = 0;
+        for (int j = 0; j < N; j++) {
+            double g = 0, cn = 0;
+            for (int i = 0; i < m; i++) {
+                double r = b[i];
+                for (int k = 0; k < N; k++) r -= A[i * N + k] * xf[k];
+                g += A[i * N + j] * r;
+                cn += A[i * N + j] * b[i];
+            }
+            gscale = fmax(gscale, fabs(cn));
+            gmax = fmax(gmax, xf[j] > 0 ? fabs(g) : g);
+        }
+        cr_assert_leq(gmax, 1e-8 * gscale, "case %d: KKT violation %.3g (scale %.3g)", kase, gmax,
+                      gscale);
+        if (kase < 2) { /* unique optimum: the same x as the reference */
+            for (int j = 0; j < N; j++)
+                cr_assert_float_eq(xf[j], xr[j], 1e-8 * (1 + fabs(xr[j])),
+                                   "case %d: x[%d] = %.15g, ref %.15g", kase, j, xf[j], xr[j]);
+            /* the start did the work: a cold start adds every positive column one at a time */
+            cr_assert_lt(iff.iterations, kase == 1 ? 1 : npos / 2,
+                         "case %d: %d iterations for %d positive columns", kase, iff.iterations,
+                         npos);
+        }
+        if (kase == 0) cr_assert(npos > 10 && npos < N - 10, "case 0: %d positive of %d", npos, N);
+        cr_log_info("nnls %d columns, case %d: %d positive, %d iterations (ref %d)", N, kase, npos,
+                    iff.iterations, ir.iterations);
+    }
+    free(A); free(b); free(xr); free(xf); free(xt);
+}
+
 Test(am, ridge_lstsq) {
     uint64_t s = 5;
     enum { N = 50, T = 8, D = 4 };
