@@ -296,6 +296,36 @@ static void lse_update(const float *z, int64_t len, float *m, double *s) {
     *s += acc;
 }
 
+/* lse_update's first block of a row (running max -inf, sum 0), which also leaves exp(z - max)
+ * in z: score_tile's weights of the window are then that times exp(max - lse), a product instead
+ * of a second exponential per logit. The same lanes and order as lse_update. */
+KVRT_SIMD_CLONES
+static void lse_first(float *z, int64_t len, float *m, double *s) {
+    float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+    for (int64_t j = 0; j < len; j++) bm = z[j] > bm ? z[j] : bm;
+    float lane[KV2_LANES];
+    for (int l = 0; l < KV2_LANES; l++) lane[l] = 0.0f;
+    int64_t j = 0;
+    for (; j + KV2_LANES <= len; j += KV2_LANES) {
+#pragma omp simd
+        for (int l = 0; l < KV2_LANES; l++) {
+            const float e = exp_nonpos_f32(z[j + l] - bm);
+            z[j + l] = e;
+            lane[l] += e;
+        }
+    }
+    for (int l = 0; j + l < len; l++) {
+        const float e = exp_nonpos_f32(z[j + l] - bm);
+        z[j + l] = e;
+        lane[l] += e;
+    }
+    float acc = 0.0f;
+    for (int l = 0; l < KV2_LANES; l++) acc += lane[l];
+    *m = bm;
+    *s = acc;
+}
+
 /* S [rows, nc] (leading dimension lds) = scale * Qp [rows, d] B^T, B rows b [nc] with stride
  * ldb, in sgemm pieces of at most KV2_MNK. */
 static void logits(const float *Qp, int64_t rows, uint32_t d, const float *b, size_t ldb,
@@ -316,10 +346,12 @@ typedef struct {
 } kv2_score_args;
 
 /* Tile (KV head hk, queries i0 .. i0 + nb - 1): the maxima of the chunk's weights over its rows
- * into pm [hi - lo] (max-combined). Scratch: Qp [rows, d], Sc [rows, W], Sb [rows, CB], m, s. */
+ * into pm [hi - lo] (max-combined). Scratch: Qp [rows, d], Sc [rows, W], Sb [rows, CB], m, mw,
+ * s [rows]. */
 KVRT_SIMD_CLONES
 static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t nb, float *Qp,
-                       float *Sc, float *Sb, int64_t cb, float *m, double *s, float *pm) {
+                       float *Sc, float *Sb, int64_t cb, float *m, float *mw, double *s,
+                       float *pm) {
     const uint32_t G = a->G, d = a->d;
     const int64_t rows = nb * G, W = a->hi - a->lo, C = a->C;
     const size_t ld = (size_t)a->Hkv * d;
@@ -328,10 +360,9 @@ static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t
         memcpy(Qp + (size_t)ii * G * d, a->q + ((size_t)(i0 + ii) * a->H + (size_t)hk * G) * d,
                sizeof(float) * G * d);
     logits(Qp, rows, d, a->k + (size_t)a->lo * ld + (size_t)hk * d, ld, W, scale, Sc, W);
-    for (int64_t r = 0; r < rows; r++) {
-        m[r] = -INFINITY;
-        s[r] = 0.0;
-        lse_update(Sc + (size_t)r * W, W, &m[r], &s[r]);
+    for (int64_t r = 0; r < rows; r++) { /* Sc becomes exp(z - mw), mw the window's max */
+        lse_first(Sc + (size_t)r * W, W, &m[r], &s[r]);
+        mw[r] = m[r];
     }
     /* the rest of the context: [0, lo) and [hi, C) */
     for (int part = 0; part < 2; part++) {
@@ -354,12 +385,13 @@ static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t
                     lse_update(Sb + (size_t)r * cb, vis < nc ? vis : nc, &m[r], &s[r]);
             }
         }
+    /* weight exp(z - lse) = exp(z - mw) exp(mw - lse), lse >= mw */
     for (int64_t r = 0; r < rows; r++) {
-        const float lse = (float)((double)m[r] + log(s[r]));
-        const float *z = Sc + (size_t)r * W;
+        const float f = (float)exp((double)mw[r] - ((double)m[r] + log(s[r])));
+        const float *e = Sc + (size_t)r * W;
 #pragma omp simd
         for (int64_t t = 0; t < W; t++) {
-            const float w = exp_nonpos_f32(z[t] - lse);
+            const float w = e[t] * f;
             pm[t] = w > pm[t] ? w : pm[t];
         }
     }
@@ -388,8 +420,8 @@ int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t H, const flo
     const int64_t nqb = (n_q + a.qb - 1) / a.qb, tiles = (int64_t)Hkv * nqb;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > tiles) nt = (int)tiles;
-    const size_t per = (size_t)rows * d + (size_t)rows * W + (size_t)rows * cb + (size_t)rows +
-                       (size_t)Hkv * W;
+    const size_t per = (size_t)rows * d + (size_t)rows * W + (size_t)rows * cb +
+                       2 * (size_t)rows + (size_t)Hkv * W;
     float *scr = malloc(sizeof(float) * per * (size_t)nt);
     double *ss = malloc(sizeof(double) * (size_t)rows * (size_t)nt);
     if (scr == NULL || ss == NULL) {
@@ -407,10 +439,10 @@ int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t H, const flo
         tid = omp_get_thread_num();
 #endif
         float *Qp = scr + per * tid, *Sc = Qp + (size_t)rows * d, *Sb = Sc + (size_t)rows * W;
-        float *m = Sb + (size_t)rows * cb, *pm = m + rows;
+        float *m = Sb + (size_t)rows * cb, *mw = m + rows, *pm = mw + rows;
         const uint32_t hk = (uint32_t)(ti / nqb);
         const int64_t i0 = (ti % nqb) * a.qb, nb = n_q - i0 < a.qb ? n_q - i0 : a.qb;
-        score_tile(&a, hk, i0, nb, Qp, Sc, Sb, cb, m, ss + (size_t)rows * tid,
+        score_tile(&a, hk, i0, nb, Qp, Sc, Sb, cb, m, mw, ss + (size_t)rows * tid,
                    pm + (size_t)hk * W);
     }
     for (size_t i = 0; i < (size_t)Hkv * W; i++) {
