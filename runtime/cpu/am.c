@@ -491,18 +491,53 @@ static int cmp_i32(const void *a, const void *b) {
  * factor rounded to double as the column sums of squares are): h[j] = sum over the rows i, in
  * order, of Q_ij Q_ijb. Rows that do not see key jb (P_ijb = 0) add exact zeros and are skipped,
  * each row runs over the keys it sees only. One pass over P per pick, O(n Tc), instead of the
- * O(n Tc^2) of the whole H; the sums are per key j, so they do not depend on the ISA. */
+ * O(n Tc^2) of the whole H; the sums are per key j, so they do not depend on the ISA.
+ * The rows go in groups of AM_GRAMROWS: over the keys every row of the group sees, h[j] takes
+ * the group's terms in row order in a register (the same additions in the same order as one row
+ * at a time, so the same bits) and is loaded and stored once per group instead of once per row;
+ * past the group's shortest row, row by row. */
+#define AM_GRAMROWS 4
 KVRT_SIMD_CLONES
 static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, const double *rs,
                      int64_t jb, double *h) {
     memset(h, 0, sizeof(double) * (size_t)Tc);
-    for (int64_t i = 0; i < n; i++) {
-        const float *row = S + i * Tc;
-        if (row[jb] == 0.0f) continue;
-        const double r = rs[i], u = (double)row[jb] * r;
-        const int64_t v = vis[i];
+    int64_t i = 0;
+    for (;;) {
+        const float *row[AM_GRAMROWS];
+        double r[AM_GRAMROWS], u[AM_GRAMROWS];
+        int64_t v[AM_GRAMROWS];
+        int nr = 0;
+        for (; i < n && nr < AM_GRAMROWS; i++) {
+            const float *ri = S + i * Tc;
+            if (ri[jb] == 0.0f) continue;
+            row[nr] = ri;
+            r[nr] = rs[i];
+            u[nr] = (double)ri[jb] * rs[i];
+            v[nr++] = vis[i];
+        }
+        if (nr == 0) break;
+        int64_t vmin = v[0];
+        for (int b = 1; b < nr; b++) vmin = v[b] < vmin ? v[b] : vmin;
+        if (nr < AM_GRAMROWS) vmin = 0;
+        else {
+            const float *r0 = row[0], *r1 = row[1], *r2 = row[2], *r3 = row[3];
 #pragma omp simd
-        for (int64_t j = 0; j < v; j++) h[j] += ((double)row[j] * r) * u;
+            for (int64_t j = 0; j < vmin; j++) {
+                double a = h[j];
+                a += ((double)r0[j] * r[0]) * u[0];
+                a += ((double)r1[j] * r[1]) * u[1];
+                a += ((double)r2[j] * r[2]) * u[2];
+                a += ((double)r3[j] * r[3]) * u[3];
+                h[j] = a;
+            }
+        }
+        for (int b = 0; b < nr; b++) {
+            const float *rb = row[b];
+            const double rr = r[b], uu = u[b];
+#pragma omp simd
+            for (int64_t j = vmin; j < v[b]; j++) h[j] += ((double)rb[j] * rr) * uu;
+        }
+        if (i >= n) break;
     }
 }
 
