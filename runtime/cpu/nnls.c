@@ -297,40 +297,48 @@ static void grad_gx(const double *G, int64_t ldg, const int64_t *P, int64_t p, c
     }
 }
 
+/* L (leading dimension ldl) = the lower Cholesky factor of G[P, P] (LAPACK's blocked dpotrf);
+ * 0, or nonzero when it fails or a pivot falls below chol_append's test. */
+static int factor_rows(const double *G, int64_t ldg, const int64_t *P, int64_t p, double *L,
+                       int64_t ldl) {
+    for (int64_t i = 0; i < p; i++)
+        for (int64_t k = 0; k <= i; k++) L[i * ldl + k] = G[P[i] * ldg + P[k]];
+    if (p > 0 && LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)p, L, (lapack_int)ldl) != 0)
+        return -1;
+    for (int64_t i = 0; i < p; i++) {
+        const double d = L[i * ldl + i];
+        if (!(d * d > 1e-10 * G[P[i] * ldg + P[i]])) return -1;
+    }
+    return 0;
+}
+
 /* The start of a cold call of size n >= NNLS_WARM_MIN: the unconstrained minimizer G^-1 c through
- * one blocked Cholesky factor of the whole G (LAPACK), its positive entries as the first passive
- * set and feasible point (the other columns deleted from the factor by chol_delete). Where every
- * entry is positive this is the answer; otherwise the active-set iterations go on from there
- * instead of from x = 0: the minimizer is unique (G positive definite, checked below), so both
- * starts end at it, and this one skips most of the one-column-at-a-time additions (each of them a
- * pass over G). Returns the passive count with x, flag, P and the factor set, or -1 (nothing
- * usable: G not positive definite by the pivot test of chol_append, which the cold start handles
- * column by column). */
+ * one blocked Cholesky factor of the whole G, its positive entries as the first passive set and
+ * feasible point (G's rows and columns of that set factored again: a principal submatrix of a
+ * positive definite G, at most the cost of the first factor, whatever the number of columns
+ * left out). Where every entry is positive this is the answer; otherwise the active-set
+ * iterations go on from there instead of from x = 0: the minimizer is unique (G positive
+ * definite, checked below), so both starts end at it, and this one skips most of the
+ * one-column-at-a-time additions (each of them a pass over G). Returns the passive count with x,
+ * flag, P and the factor set, or -1 with x untouched (nothing usable: G not positive definite by
+ * the pivot test of chol_append; the caller then starts from x = 0, column by column). */
 static int64_t warm_start(const double *G, int64_t ldg, const double *c, int64_t n, double *x,
                           kvrt_cpu_nnls_ws *ws) {
-    double *L = ws->L;
+    double *L = ws->L, *s = ws->s;
+    int64_t *P = ws->P;
     const int64_t ldl = ws->cap;
-    for (int64_t i = 0; i < n; i++) memcpy(L + i * ldl, G + i * ldg, sizeof(double) * (size_t)(i + 1));
-    if (LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)n, L, (lapack_int)ldl) != 0) return -1;
+    for (int64_t i = 0; i < n; i++) P[i] = i;
+    if (factor_rows(G, ldg, P, n, L, ldl) != 0) return -1;
+    int64_t yv = 0, p = 0;
+    chol_solve(L, ldl, n, P, c, ws->y, &yv, s);
     for (int64_t i = 0; i < n; i++) {
-        const double d = L[i * ldl + i];
-        if (!(d * d > 1e-10 * G[i * ldg + i])) return -1;
-        ws->P[i] = i;
+        if (!isfinite(s[i])) return -1;
+        if (s[i] > 0) P[p++] = i; /* ascending, as s is indexed: P[p] <= i */
     }
-    int64_t yv = 0, p = n;
-    chol_solve(L, ldl, n, ws->P, c, ws->y, &yv, ws->s);
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(ws->s[i])) return -1;
-    for (int64_t a = n - 1; a >= 0; a--) {
-        if (ws->s[a] > 0) {
-            x[a] = ws->s[a];
-            ws->flag[a] = 1;
-        } else {
-            x[a] = 0;
-            ws->flag[a] = 0;
-            chol_delete(L, ldl, ws->P, p, a);
-            p--;
-        }
+    if (p < n && factor_rows(G, ldg, P, p, L, ldl) != 0) return -1;
+    for (int64_t j = 0; j < n; j++) {
+        ws->flag[j] = s[j] > 0;
+        x[j] = s[j] > 0 ? s[j] : 0.0;
     }
     return p;
 }
