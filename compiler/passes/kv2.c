@@ -101,14 +101,18 @@ static int kv2_src_get(kv2_src *s, const int32_t *pos, int64_t n, float *const *
 }
 
 /* Both stages of plan pl (created with `passes` passes) on source s. kvrt status. */
-static int kv2_run_plan(kvrt_kv2_plan *pl, uint32_t passes, kv2_src *s) {
+/* Stage 1 and `passes` stage-2 passes of pl; fork[p] (p < passes - 1, NULL: none wanted)
+ * receives the plan as it stands after pass p + 1 (kvrt_kv2_plan_fork): a plan of fewer passes
+ * with the same proxy and rho, without running its passes again. */
+static int kv2_run_plan(kvrt_kv2_plan *pl, uint32_t passes, kv2_src *s, kvrt_kv2_plan ***fork) {
     int rc = 0;
     for (uint32_t l = 0; l < s->L && !rc; l++) rc = kvrt_kv2_plan_proxy(pl, l, s->k_all[l]);
     const int64_t nch = kvrt_kv2_plan_n_chunks(pl);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)(s->C > 0 ? s->C : 1));
     if (!pos) return KVRT_ERR_NOMEM;
     for (uint32_t p = 0; p < passes && !rc; p++) {
-        if (p > 0) rc = kvrt_kv2_plan_next_pass(pl);
+        if (p > 0 && fork && fork[p - 1]) rc = kvrt_kv2_plan_fork(pl, fork[p - 1]);
+        if (p > 0 && !rc) rc = kvrt_kv2_plan_next_pass(pl);
         for (int64_t r = 0; r < nch && !rc; r++) {
             int64_t n = 0;
             float *const *q = NULL, *const *k = NULL;
@@ -374,8 +378,18 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
             src.extend_user = &M;
             src.q_all = NULL;
         }
+        /* a proxy's configurations are consecutive with passes 1, 2, ...: its last one runs and
+         * is forked after each earlier pass into the others' plans (the same plans as running
+         * each from the start: the first passes are the same computation) */
         for (int ci = 0; ci < ncfg && !rc; ci++)
             for (int r = 0; r < nr && !rc; r++) {
+                if (ci + 1 < ncfg && cfg[ci + 1].proxy == cfg[ci].proxy) break;
+                kvrt_kv2_plan **fork[KV2_MAX_CFG] = {0};
+                for (uint32_t q = 1; q < cfg[ci].passes; q++) {
+                    const int cj = ci - (int)(cfg[ci].passes - q);
+                    if (cj >= 0 && cfg[cj].proxy == cfg[ci].proxy && cfg[cj].passes == q)
+                        fork[q - 1] = &pl[cj * nr + r];
+                }
                 kvrt_kv2_opts o;
                 kvrt_kv2_opts_init(&o);
                 o.rho = cx->kv2_rho[r];
@@ -385,7 +399,7 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
                 o.chunk = cx->kv2_chunk;
                 kvrt_kv2_plan **pp = &pl[ci * nr + r];
                 int s = kvrt_kv2_plan_create(lp.rt, &o, L, H, Hkv, d, C, pp);
-                if (!s) s = kv2_run_plan(*pp, o.passes, &src);
+                if (!s) s = kv2_run_plan(*pp, o.passes, &src, fork);
                 if (s) {
                     snprintf(err, errlen, "kv2: prompt %u, %s/%u passes, rho %g: %s (%s)", p,
                              kvrt_kv2_proxy_name(o.proxy), o.passes, o.rho, kvrt_status_str(s),
@@ -618,7 +632,7 @@ static int kv2_eval_compress_all(const kvcc_eval_method *m, void *state, const k
     int rc = kv2_plan_for(st, env->rt, budget, env, x->C, &pl, &passes);
     kv2_src src = {.L = env->L, .H = env->H, .Hkv = env->Hkv, .d = env->d, .C = x->C,
                    .k_all = x->k, .extend = x->extend, .extend_user = x->extend_user};
-    if (!rc) rc = kv2_run_plan(pl, passes, &src);
+    if (!rc) rc = kv2_run_plan(pl, passes, &src, NULL);
     for (uint32_t l = 0; l < env->L && !rc; l++)
         rc = kvrt_kv2_plan_compress(pl, l, budget, x->k[l], x->v[l], env->dtype, &out[l]);
     kvrt_kv2_plan_free(pl);
@@ -656,7 +670,7 @@ static int kv2_prompt_begin(void *state, kvcc_corpus *c, uint32_t prompt, void *
         uint32_t passes = 1;
         kvrt_kv2_plan *pl = NULL;
         int s = kv2_plan_for(st, rt, b, &env, C, &pl, &passes);
-        if (!s) s = kv2_run_plan(pl, passes, &src);
+        if (!s) s = kv2_run_plan(pl, passes, &src, NULL);
         if (s) {
             snprintf(err, errlen, "kv2: prompt %u budget %g: %s (%s)", prompt, b,
                      kvrt_status_str(s), kvrt_last_error()->msg);

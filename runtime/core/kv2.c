@@ -429,6 +429,31 @@ int kvrt_kv2_plan_next_pass(kvrt_kv2_plan *pl) {
     return KVRT_OK;
 }
 
+int kvrt_kv2_plan_fork(const kvrt_kv2_plan *pl, kvrt_kv2_plan **out) {
+    const char *fn = "kvrt_kv2_plan_fork";
+    if (out) *out = NULL;
+    if (pl == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, pl ? "out" : "plan");
+    int rc = need_proxy(pl, fn);
+    if (rc == KVRT_OK) rc = need_scored(pl, fn, pl->L);
+    if (rc) return kvrt_policy_ctx_done(pl->ctx, rc);
+    kvrt_kv2_opts o = pl->o;
+    o.passes = pl->pass;
+    kvrt_kv2_plan *f = NULL;
+    rc = kvrt_kv2_plan_create(pl->ctx, &o, pl->L, pl->H, pl->Hkv, pl->d, pl->C, &f);
+    if (rc) return fail_in(rc, "%s", fn);
+    const size_t C = (size_t)pl->C, span = C - pl->o.n_sink;
+    memcpy(f->scores, pl->scores, sizeof(float) * (size_t)pl->L * pl->Hkv * C);
+    memcpy(f->p, pl->p, sizeof(float) * C);
+    memcpy(f->proxied, pl->proxied, pl->L);
+    f->n_proxied = pl->n_proxied;
+    memcpy(f->scored, pl->scored, (size_t)pl->n_chunks * pl->L);
+    memcpy(f->q_pos, pl->q_pos, sizeof(int32_t) * span);
+    f->pass = pl->pass;
+    *out = f;
+    return KVRT_OK;
+}
+
 int kvrt_kv2_plan_proxy_scores(const kvrt_kv2_plan *pl, const float **p) {
     const char *fn = "kvrt_kv2_plan_proxy_scores";
     if (pl == NULL || p == NULL)

@@ -172,6 +172,13 @@ int kvrt_kv2_proxy_ref(const float *k, int64_t C, uint32_t n_kv_heads, uint32_t 
                        int proxy, float *s);
 int kvrt_kv2_proxy_scores(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_kv_heads,
                           uint32_t head_dim, int proxy, float *s);
+/* A finished plan of pl's passes so far: *out is what kvrt_kv2_plan_create with pl's options and
+ * passes = the current pass would hold after those passes (same scores, proxy and queries; it
+ * compresses alike), while pl goes on to its next pass. For calibrations that compare 1..N
+ * passes: one N-pass plan forked after each earlier pass instead of N plans that repeat the first
+ * passes. Needs stage 1 done and every (chunk, layer) of the current pass scored (KVRT_ERR_ARG);
+ * the fork has its own scratch on pl's context. */
+int kvrt_kv2_plan_fork(const kvrt_kv2_plan *pl, kvrt_kv2_plan **out);
 /* Stage-2 scores of positions [lo, hi): for each query i of q [n_q, H, d] and query head h,
  * the softmax (scale 1/sqrt(d)) of its logits over the C context keys k [C, Hkv, d] and the
  * appended keys k_new [0 .. i] (k_new [n_q, Hkv, d], causal; NULL: the context only);

@@ -803,6 +803,128 @@ Test(kv2, plan_bad_inputs) {
     free(q);
 }
 
+/* Stage 1 (stage1) and npass stage-2 passes of pl, the first after a next_pass (next_first) or
+ * the plan's current one, on synthetic stored activations: chunk r's reconstruction queries are
+ * the stored queries and keys of its positions. */
+enum { FK_L = 2, FK_H = 4, FK_HKV = 2, FK_D = 16, FK_C = 70 };
+static void fork_passes(kvrt_kv2_plan *pl, float *const *qa, float *const *ka, int stage1,
+                        int next_first, uint32_t npass) {
+    if (stage1)
+        for (uint32_t l = 0; l < FK_L; l++) cr_assert_eq(kvrt_kv2_plan_proxy(pl, l, ka[l]), KVRT_OK);
+    int32_t pos[FK_C];
+    float q[FK_C * FK_H * FK_D], kn[FK_C * FK_HKV * FK_D];
+    for (uint32_t p = 0; p < npass; p++) {
+        if (p > 0 || next_first) cr_assert_eq(kvrt_kv2_plan_next_pass(pl), KVRT_OK, "pass %u", p);
+        for (int64_t r = 0; r < kvrt_kv2_plan_n_chunks(pl); r++) {
+            int64_t n = 0;
+            cr_assert_eq(kvrt_kv2_plan_queries(pl, r, pos, NULL, &n), KVRT_OK);
+            for (uint32_t l = 0; l < FK_L; l++) {
+                for (int64_t i = 0; i < n; i++) {
+                    memcpy(q + i * FK_H * FK_D, qa[l] + (size_t)pos[i] * FK_H * FK_D,
+                           sizeof(float) * FK_H * FK_D);
+                    memcpy(kn + i * FK_HKV * FK_D, ka[l] + (size_t)pos[i] * FK_HKV * FK_D,
+                           sizeof(float) * FK_HKV * FK_D);
+                }
+                cr_assert_eq(kvrt_kv2_plan_score(pl, r, l, q, n, ka[l], kn), KVRT_OK);
+            }
+        }
+    }
+}
+
+/* Two plans compress every layer to the same bytes, with the same scores and proxy. */
+static void fork_same(kvrt_kv2_plan *a, kvrt_kv2_plan *b, const float *const *ka,
+                      const float *const *va, const char *what) {
+    const float *pa, *pb;
+    cr_assert_eq(kvrt_kv2_plan_proxy_scores(a, &pa), KVRT_OK);
+    cr_assert_eq(kvrt_kv2_plan_proxy_scores(b, &pb), KVRT_OK);
+    cr_expect_eq(memcmp(pa, pb, sizeof(float) * FK_C), 0, "%s: proxy scores", what);
+    for (uint32_t l = 0; l < FK_L; l++) {
+        const float *sa, *sb;
+        cr_assert_eq(kvrt_kv2_plan_scores(a, l, &sa), KVRT_OK);
+        cr_assert_eq(kvrt_kv2_plan_scores(b, l, &sb), KVRT_OK);
+        cr_expect_eq(memcmp(sa, sb, sizeof(float) * FK_HKV * FK_C), 0, "%s: layer %u scores",
+                     what, l);
+        kvrt_cache *ca = NULL, *cb = NULL;
+        cr_assert_eq(kvrt_kv2_plan_compress(a, l, 12, ka[l], va[l], KVRT_DTYPE_F32, &ca), KVRT_OK);
+        cr_assert_eq(kvrt_kv2_plan_compress(b, l, 12, ka[l], va[l], KVRT_DTYPE_F32, &cb), KVRT_OK,
+                     "%s: %s", what, kvrt_last_error()->msg);
+        cr_assert_eq(ca->n_entries, cb->n_entries);
+        const size_t ne = (size_t)ca->n_entries;
+        cr_expect_eq(memcmp(ca->positions, cb->positions, sizeof(int32_t) * ne), 0,
+                     "%s: layer %u positions", what, l);
+        cr_expect_eq(memcmp(ca->keys, cb->keys, sizeof(float) * ne * FK_D), 0, "%s: keys", what);
+        cr_expect_eq(memcmp(ca->values, cb->values, sizeof(float) * ne * FK_D), 0, "%s: values",
+                     what);
+        kvrt_cache_free(ca);
+        kvrt_cache_free(cb);
+    }
+}
+
+/* kvrt_kv2_plan_fork: a 3-pass plan forked after passes 1 and 2 gives the plans that 1 and 2
+ * passes from the start give (what kvcc compile's KV2 pass relies on to run each proxy's passes
+ * once), the 3-pass plan itself is undisturbed, and the fork refuses an unfinished pass. */
+Test(kv2, plan_fork_equals_fewer_passes) {
+    kvrt_ctx *ctx = test_cpu();
+    uint64_t seed = 21;
+    float *qa[FK_L], *ka[FK_L], *va[FK_L];
+    for (uint32_t l = 0; l < FK_L; l++) {
+        qa[l] = randn_f(FK_C * FK_H * FK_D, &seed, 1.0);
+        ka[l] = randn_f(FK_C * FK_HKV * FK_D, &seed, 1.0);
+        va[l] = randn_f(FK_C * FK_HKV * FK_D, &seed, 1.0);
+    }
+    kvrt_kv2_opts o;
+    kvrt_kv2_opts_init(&o);
+    o.rho = 0.2;
+    o.chunk = 30; /* chunks [4, 34), [34, 64), [64, 70) */
+    kvrt_kv2_plan *one = NULL, *two = NULL, *three = NULL, *f1 = NULL, *f2 = NULL;
+    o.passes = 1;
+    cr_assert_eq(kvrt_kv2_plan_create(ctx, &o, FK_L, FK_H, FK_HKV, FK_D, FK_C, &one), KVRT_OK);
+    fork_passes(one, qa, ka, 1, 0, 1);
+    o.passes = 2;
+    cr_assert_eq(kvrt_kv2_plan_create(ctx, &o, FK_L, FK_H, FK_HKV, FK_D, FK_C, &two), KVRT_OK);
+    fork_passes(two, qa, ka, 1, 0, 2);
+    o.passes = 3;
+    cr_assert_eq(kvrt_kv2_plan_create(ctx, &o, FK_L, FK_H, FK_HKV, FK_D, FK_C, &three), KVRT_OK);
+    cr_expect_eq(kvrt_kv2_plan_fork(three, &f1), KVRT_ERR_ARG);
+    cr_expect(has("kvrt_kv2_plan_fork: stage 1 is incomplete"), "%s", kvrt_last_error()->msg);
+    cr_expect_null(f1);
+    fork_passes(three, qa, ka, 1, 0, 1);
+    cr_assert_eq(kvrt_kv2_plan_fork(three, &f1), KVRT_OK);
+    fork_passes(three, qa, ka, 0, 1, 1);
+    cr_assert_eq(kvrt_kv2_plan_fork(three, &f2), KVRT_OK);
+    /* the 3-pass plan goes on; mid-pass it cannot be forked, nor compressed before its last */
+    cr_assert_eq(kvrt_kv2_plan_next_pass(three), KVRT_OK);
+    kvrt_kv2_plan *bad = NULL;
+    cr_expect_eq(kvrt_kv2_plan_fork(three, &bad), KVRT_ERR_ARG);
+    cr_expect(has("has no stage-2 scores"), "%s", kvrt_last_error()->msg);
+    cr_expect_null(bad);
+    cr_expect_eq(kvrt_kv2_plan_fork(NULL, &bad), KVRT_ERR_ARG);
+    cr_expect_eq(kvrt_kv2_plan_fork(f1, NULL), KVRT_ERR_ARG);
+    fork_same(one, f1, (const float *const *)ka, (const float *const *)va, "fork after pass 1");
+    fork_same(two, f2, (const float *const *)ka, (const float *const *)va, "fork after pass 2");
+    /* a fork is a finished plan: no further pass */
+    cr_expect_eq(kvrt_kv2_plan_next_pass(f1), KVRT_ERR_ARG);
+    cr_expect(has("pass 1 is the last of the plan's passes = 1"), "%s", kvrt_last_error()->msg);
+    /* pass 3 differs from pass 2 here (else the forks would prove nothing about the order) */
+    int64_t r0 = 0;
+    int32_t p2[FK_C], p3[FK_C];
+    cr_assert_eq(kvrt_kv2_plan_queries(two, 0, p2, NULL, &r0), KVRT_OK);
+    cr_assert_eq(kvrt_kv2_plan_queries(three, 0, p3, NULL, &r0), KVRT_OK);
+    int32_t p1q[FK_C];
+    cr_assert_eq(kvrt_kv2_plan_queries(one, 0, p1q, NULL, &r0), KVRT_OK);
+    cr_expect(memcmp(p1q, p2, sizeof(int32_t) * (size_t)r0) != 0 ||
+                  memcmp(p2, p3, sizeof(int32_t) * (size_t)r0) != 0,
+              "the passes pick the same queries: the test cannot tell them apart");
+    fork_passes(three, qa, ka, 0, 0, 1); /* pass 3 (its next_pass was called above) */
+    fork_same(three, three, (const float *const *)ka, (const float *const *)va, "pass 3");
+    kvrt_kv2_plan_free(one);
+    kvrt_kv2_plan_free(two);
+    kvrt_kv2_plan_free(three);
+    kvrt_kv2_plan_free(f1);
+    kvrt_kv2_plan_free(f2);
+    for (uint32_t l = 0; l < FK_L; l++) { free(qa[l]); free(ka[l]); free(va[l]); }
+}
+
 Test(kv2, options_and_names) {
     kvrt_kv2_opts o;
     kvrt_kv2_opts_init(&o);
