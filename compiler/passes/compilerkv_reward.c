@@ -341,7 +341,7 @@ static int positions_ok(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n)
 
 size_t kvcc_ckv_scratch_doubles(const kvcc_ckv_layer *lc) {
     const size_t NH = (size_t)lc->N * lc->H;
-    return NH * lc->d + NH;
+    return NH * lc->d + NH + 3 * (size_t)lc->C; /* num, den, the difference's signs and tokens */
 }
 
 void kvcc_ckv_base_free(kvcc_ckv_base *b) {
@@ -393,13 +393,9 @@ int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const in
     /* the symmetric difference with the base, in ascending position order */
     const int32_t *bp = base ? base->pos : NULL;
     const int64_t bn = base ? base->n : 0;
-    int32_t *dt = malloc(sizeof(int32_t) * (size_t)(n + bn + 1));
-    double *ds = malloc(sizeof(double) * (size_t)(n + bn + 1));
-    if (!dt || !ds) {
-        free(dt);
-        free(ds);
-        return -1;
-    }
+    /* at most 2 C tokens (both lists ascend within [0, C)): signs, then the tokens */
+    double *ds = den + NH;
+    int32_t *dt = (int32_t *)(ds + 2 * (size_t)lc->C);
     int64_t i = 0, j = 0, nd = 0;
     while (i < n || j < bn) {
         if (i < n && j < bn && pos[i] == bp[j]) {
@@ -414,8 +410,6 @@ int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const in
         }
     }
     add_tokens(lc, dt, ds, nd, num, den);
-    free(dt);
-    free(ds);
     double tot = 0.0;
     for (uint32_t h = 0; h < lc->H; h++) {
         double e = 0.0;

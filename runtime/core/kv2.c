@@ -10,7 +10,8 @@
  *          kvrt_kv2_proxy_scores, kvrt_kv2_chunk_scores, kvrt_kv2_plan_create,
  *          kvrt_kv2_plan_free, kvrt_kv2_plan_proxy, kvrt_kv2_plan_n_chunks, kvrt_kv2_plan_chunk,
  *          kvrt_kv2_plan_queries, kvrt_kv2_plan_score, kvrt_kv2_plan_next_pass,
- *          kvrt_kv2_plan_proxy_scores, kvrt_kv2_plan_scores, kvrt_kv2_plan_compress,
+ *          kvrt_kv2_plan_fork, kvrt_kv2_plan_proxy_scores, kvrt_kv2_plan_scores,
+ *          kvrt_kv2_plan_compress,
  *          kvrt_kv2_open, kvrt_kv2_schedule_free, kvrt_kv2_schedule_budgets,
  *          kvrt_kv2_schedule_query_source, kvrt_kv2_schedule_opts,
  *          kvrt_kv2_plan_create_scheduled

@@ -298,12 +298,17 @@ static void grad_gx(const double *G, int64_t ldg, const int64_t *P, int64_t p, c
 }
 
 /* L (leading dimension ldl) = the lower Cholesky factor of G[P, P] (LAPACK's blocked dpotrf);
- * 0, or nonzero when it fails or a pivot falls below chol_append's test. */
+ * 0, or nonzero when it fails or a pivot falls below chol_append's test. (With OpenBLAS, dpotrf
+ * blocks differently when it runs on several threads, as dposv in the ridge solve does: kvcc
+ * compile holds OpenBLAS at one thread, and so does the AM call where oneDNN runs its products.)
+ * Not counted as an iteration of the NNLS. */
 static int factor_rows(const double *G, int64_t ldg, const int64_t *P, int64_t p, double *L,
                        int64_t ldl) {
     for (int64_t i = 0; i < p; i++)
         for (int64_t k = 0; k <= i; k++) L[i * ldl + k] = G[P[i] * ldg + P[k]];
-    if (p > 0 && LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'L', (lapack_int)p, L, (lapack_int)ldl) != 0)
+    /* row-major lower = column-major upper of the same memory: what LAPACKE would hand LAPACK
+     * after a transposed copy (n^2 doubles) for LAPACK_ROW_MAJOR, without the copy */
+    if (p > 0 && LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', (lapack_int)p, L, (lapack_int)ldl) != 0)
         return -1;
     for (int64_t i = 0; i < p; i++) {
         const double d = L[i * ldl + i];
