@@ -281,7 +281,7 @@ int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_
 }
 
 /* num/den += sign[b] * (weights of token t[b]) (rows of all continuation queries and heads),
- * b = 0 .. n - 1 in order. Compiled for AVX-512 and AVX2 too: its loops are elementwise, so every
+ * b = 0 .. n - 1 in order (sign NULL: every sign +1). Compiled for AVX-512 and AVX2 too: its loops are elementwise, so every
  * clone gives the same bits. The tokens go in groups of four: a row where all four have a
  * nonzero weight takes their four terms in token order in registers and is loaded and stored
  * once (the same additions in the same order as token after token: the same bits); other rows
@@ -296,7 +296,9 @@ static void add_tokens(const kvcc_ckv_layer *lc, const int32_t *t, const double 
         const int nb = n - b0 < 4 ? (int)(n - b0) : 4;
         const float *wt[4];
         const float *vt[4];
+        double sg[4];
         for (int b = 0; b < nb; b++) {
+            sg[b] = sign ? sign[b0 + b] : 1.0;
             wt[b] = lc->w + (size_t)t[b0 + b] * NH;
             vt[b] = lc->v + (size_t)t[b0 + b] * ldv;
         }
@@ -306,8 +308,8 @@ static void add_tokens(const kvcc_ckv_layer *lc, const int32_t *t, const double 
             int all = nb == 4;
             for (int b = 0; b < nb; b++) all &= wt[b][r] != 0.0f;
             if (all) {
-                const double x0 = sign[b0] * (double)wt[0][r], x1 = sign[b0 + 1] * (double)wt[1][r];
-                const double x2 = sign[b0 + 2] * (double)wt[2][r], x3 = sign[b0 + 3] * (double)wt[3][r];
+                const double x0 = sg[0] * (double)wt[0][r], x1 = sg[1] * (double)wt[1][r];
+                const double x2 = sg[2] * (double)wt[2][r], x3 = sg[3] * (double)wt[3][r];
                 const float *v0 = vt[0] + vo, *v1 = vt[1] + vo, *v2 = vt[2] + vo, *v3 = vt[3] + vo;
                 den[r] = (((den[r] + x0) + x1) + x2) + x3;
 #pragma omp simd
@@ -323,7 +325,7 @@ static void add_tokens(const kvcc_ckv_layer *lc, const int32_t *t, const double 
             }
             for (int b = 0; b < nb; b++) {
                 if (wt[b][r] == 0.0f) continue;
-                const double x = sign[b0 + b] * (double)wt[b][r];
+                const double x = sg[b] * (double)wt[b][r];
                 const float *vr = vt[b] + vo;
                 den[r] += x;
 #pragma omp simd
@@ -366,14 +368,7 @@ int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n
     }
     if (n) memcpy(b->pos, pos, sizeof(int32_t) * (size_t)n);
     b->n = n;
-    double *sg = malloc(sizeof(double) * (size_t)(n ? n : 1));
-    if (!sg) {
-        kvcc_ckv_base_free(b);
-        return -1;
-    }
-    for (int64_t i = 0; i < n; i++) sg[i] = 1.0;
-    add_tokens(lc, pos, sg, n, b->num, b->den);
-    free(sg);
+    add_tokens(lc, pos, NULL, n, b->num, b->den);
     *out = b;
     return 0;
 }

@@ -381,9 +381,9 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
         /* a proxy's configurations are consecutive with passes 1, 2, ...: its last one runs and
          * is forked after each earlier pass into the others' plans (the same plans as running
          * each from the start: the first passes are the same computation) */
-        for (int ci = 0; ci < ncfg && !rc; ci++)
+        for (int ci = 0; ci < ncfg && !rc; ci++) {
+            if (ci + 1 < ncfg && cfg[ci + 1].proxy == cfg[ci].proxy) continue; /* forked below */
             for (int r = 0; r < nr && !rc; r++) {
-                if (ci + 1 < ncfg && cfg[ci + 1].proxy == cfg[ci].proxy) break;
                 kvrt_kv2_plan **fork[KV2_MAX_CFG] = {0};
                 for (uint32_t q = 1; q < cfg[ci].passes; q++) {
                     const int cj = ci - (int)(cfg[ci].passes - q);
@@ -407,6 +407,7 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
                     rc = KVCC_EXIT_FAILED;
                 }
             }
+        }
         kv2_src_free(&src);
         /* every plan and budget, layer by layer, against the full-context reference */
         for (uint32_t l = 0; l < L && !rc; l++) {

@@ -501,8 +501,7 @@ KVRT_SIMD_CLONES
 static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, const double *rs,
                      int64_t jb, double *h) {
     memset(h, 0, sizeof(double) * (size_t)Tc);
-    int64_t i = 0;
-    for (;;) {
+    for (int64_t i = 0;;) { /* the next group: up to AM_GRAMROWS rows that see jb */
         const float *row[AM_GRAMROWS];
         double r[AM_GRAMROWS], u[AM_GRAMROWS];
         int64_t v[AM_GRAMROWS];
@@ -537,7 +536,6 @@ static void gram_row(const float *S, int64_t n, int64_t Tc, const int32_t *vis, 
 #pragma omp simd
             for (int64_t j = vmin; j < v[b]; j++) h[j] += ((double)rb[j] * rr) * uu;
         }
-        if (i >= n) break;
     }
 }
 

@@ -271,10 +271,11 @@ int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int 
 /* One row's online log-sum-exp over a block of logits z [len]: running max *m, sum *s of
  * exp(z - *m) (the block's sum in f32, the running sum in double). The block's sum runs in
  * KV2_LANES interleaved partial sums (element j into lane j % KV2_LANES) added in lane order, so
- * it does not depend on the ISA: the function is compiled for AVX-512 and AVX2 too. */
+ * it does not depend on the ISA: the function is compiled for AVX-512 and AVX2 too. With store
+ * (a constant where inlined), z also becomes exp(z - *m). */
 #define KV2_LANES 16
-KVRT_SIMD_CLONES
-static void lse_update(const float *z, int64_t len, float *m, double *s) {
+static inline __attribute__((always_inline)) void lse_block(float *z, int64_t len, float *m,
+                                                            double *s, int store) {
     float bm = -INFINITY;
 #pragma omp simd reduction(max : bm)
     for (int64_t j = 0; j < len; j++) bm = z[j] > bm ? z[j] : bm;
@@ -288,42 +289,33 @@ static void lse_update(const float *z, int64_t len, float *m, double *s) {
     int64_t j = 0;
     for (; j + KV2_LANES <= len; j += KV2_LANES) {
 #pragma omp simd
-        for (int l = 0; l < KV2_LANES; l++) lane[l] += exp_nonpos_f32(z[j + l] - mm);
+        for (int l = 0; l < KV2_LANES; l++) {
+            const float e = exp_nonpos_f32(z[j + l] - mm);
+            if (store) z[j + l] = e;
+            lane[l] += e;
+        }
     }
-    for (int l = 0; j + l < len; l++) lane[l] += exp_nonpos_f32(z[j + l] - mm);
+    for (int l = 0; j + l < len; l++) {
+        const float e = exp_nonpos_f32(z[j + l] - mm);
+        if (store) z[j + l] = e;
+        lane[l] += e;
+    }
     float acc = 0.0f;
     for (int l = 0; l < KV2_LANES; l++) acc += lane[l];
     *s += acc;
 }
 
-/* lse_update's first block of a row (running max -inf, sum 0), which also leaves exp(z - max)
- * in z: score_tile's weights of the window are then that times exp(max - lse), a product instead
- * of a second exponential per logit. The same lanes and order as lse_update. */
+KVRT_SIMD_CLONES
+static void lse_update(float *z, int64_t len, float *m, double *s) { lse_block(z, len, m, s, 0); }
+
+/* A row's first block (the window), which leaves exp(z - max) in z: score_tile's weights of the
+ * window are then that times exp(max - lse), a product instead of a second exponential per
+ * logit. */
 KVRT_SIMD_CLONES
 static void lse_first(float *z, int64_t len, float *m, double *s) {
-    float bm = -INFINITY;
-#pragma omp simd reduction(max : bm)
-    for (int64_t j = 0; j < len; j++) bm = z[j] > bm ? z[j] : bm;
-    float lane[KV2_LANES];
-    for (int l = 0; l < KV2_LANES; l++) lane[l] = 0.0f;
-    int64_t j = 0;
-    for (; j + KV2_LANES <= len; j += KV2_LANES) {
-#pragma omp simd
-        for (int l = 0; l < KV2_LANES; l++) {
-            const float e = exp_nonpos_f32(z[j + l] - bm);
-            z[j + l] = e;
-            lane[l] += e;
-        }
-    }
-    for (int l = 0; j + l < len; l++) {
-        const float e = exp_nonpos_f32(z[j + l] - bm);
-        z[j + l] = e;
-        lane[l] += e;
-    }
-    float acc = 0.0f;
-    for (int l = 0; l < KV2_LANES; l++) acc += lane[l];
-    *m = bm;
-    *s = acc;
+    *m = -INFINITY;
+    *s = 0.0;
+    lse_block(z, len, m, s, 1);
 }
 
 /* S [rows, nc] (leading dimension lds) = scale * Qp [rows, d] B^T, B rows b [nc] with stride
