@@ -187,8 +187,7 @@ static int setup_caches(ckv *S, char *err, size_t errlen) {
     if (S->attention) {
         size_t bytes = 0;
         for (uint32_t p = 0; p < S->P; p++) {
-            const size_t nh = (size_t)S->pr[p].N * S->H;
-            const size_t need = nh * S->d + nh + 3 * (size_t)S->pr[p].C; /* kvcc_ckv_scratch_doubles */
+            const size_t need = kvcc_ckv_scratch_doubles_for(S->pr[p].C, S->pr[p].N, S->H, S->d);
             if (need > S->scratch_doubles) S->scratch_doubles = need;
             if (p >= S->plo && p < S->phi) /* the caches of this rank's prompts */
                 bytes += (size_t)S->L * kvcc_ckv_layer_bytes(S->pr[p].C, S->pr[p].N, S->H, S->Hkv, S->d);

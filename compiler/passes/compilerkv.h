@@ -55,7 +55,9 @@ int kvcc_ckv_layer_read(int fd, uint64_t off, uint32_t C, uint32_t N, uint32_t H
 int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n,
                          kvcc_ckv_base **out);
 void kvcc_ckv_base_free(kvcc_ckv_base *b);
-/* Doubles of scratch kvcc_ckv_error needs (N H d + N H + 3 C). */
+/* Doubles of scratch kvcc_ckv_error needs for a layer cache of these sizes
+ * (N H + 8 d + 3 C), and for lc. */
+size_t kvcc_ckv_scratch_doubles_for(uint32_t C, uint32_t N, uint32_t H, uint32_t d);
 size_t kvcc_ckv_scratch_doubles(const kvcc_ckv_layer *lc);
 /* Error of the kept set pos [n] (ascending); base may be NULL (an empty base). */
 int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const int32_t *pos,

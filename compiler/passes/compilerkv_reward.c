@@ -7,7 +7,7 @@
  * kvrt_attend_ref).
  *
  * defines: ckv_reward, ckv_prompt_features, kvcc_compilerkv_prompt_from_corpus, kvcc_ckv_layer_*,
- *          kvcc_ckv_base_*, kvcc_ckv_scratch_doubles, kvcc_ckv_error, ckv_get_layer,
+ *          kvcc_ckv_base_*, kvcc_ckv_scratch_doubles(_for), kvcc_ckv_error, ckv_get_layer,
  *          ckv_build_layer_cb, ckv_model_open, ckv_model_nll
  *
  * Reward `attention` (default): minus the layer's relative attention-output error
@@ -212,6 +212,25 @@ int kvcc_ckv_layer_read(int fd, uint64_t off, uint32_t C, uint32_t N, uint32_t H
     return 0;
 }
 
+/* fnum = sum_t w[t] v[t], returned: sum_t w[t], t = 0 .. C - 1 in order, zero weights skipped
+ * (v row t at v + t ldv). Its own function so that it has AVX-512 and AVX2 clones: the sums are
+ * elementwise over the d coordinates, so every clone adds the same terms in the same order. */
+KVRT_SIMD_CLONES
+static double weighted_values(const float *w, size_t C, const float *v, size_t ldv, size_t d,
+                              double *restrict fnum) {
+    double den = 0.0;
+    for (size_t x = 0; x < d; x++) fnum[x] = 0.0;
+    for (size_t t = 0; t < C; t++) {
+        const float wt = w[t];
+        if (wt == 0.0f) continue;
+        const float *restrict vt = v + t * ldv;
+        den += wt;
+#pragma omp simd
+        for (size_t x = 0; x < d; x++) fnum[x] += (double)wt * vt[x];
+    }
+    return den;
+}
+
 int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_t C, uint32_t N,
                          uint32_t H, uint32_t Hkv, uint32_t d, kvcc_ckv_layer **out) {
     *out = NULL;
@@ -242,17 +261,15 @@ int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_
                 z[t] = s * scale;
                 M = z[t] > M ? z[t] : M;
             }
-            double den = 0.0, cden = 0.0;
+            double cden = 0.0;
             double *cn = lc->cnum + r * d;
-            for (size_t x = 0; x < d; x++) fnum[x] = cn[x] = 0.0;
+            for (size_t x = 0; x < d; x++) cn[x] = 0.0;
             for (size_t t = 0; t < C; t++) {
                 const float wt = (float)exp((double)z[t] - (double)M);
+                z[t] = wt;
                 lc->w[t * NH + r] = wt;
-                if (wt == 0.0f) continue;
-                const float *vt = v + (t * Hkv + hk) * d;
-                den += wt;
-                for (size_t x = 0; x < d; x++) fnum[x] += (double)wt * vt[x];
             }
+            const double den = weighted_values(z, C, v + hk * d, (size_t)Hkv * d, d, fnum);
             for (size_t j = 0; j <= i; j++) {
                 const double wj = exp((double)z[C + j] - (double)M);
                 const float *vj = v + (((size_t)C + j) * Hkv + hk) * d;
@@ -341,9 +358,16 @@ static int positions_ok(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n)
     return 1;
 }
 
+/* Rows whose errors kvcc_ckv_error forms side by side (rows_error). */
+#define CKV_ERR_ROWS 8
+
+size_t kvcc_ckv_scratch_doubles_for(uint32_t C, uint32_t N, uint32_t H, uint32_t d) {
+    /* the rows' errors, CKV_ERR_ROWS rows' numerators, the difference's signs and tokens */
+    return (size_t)N * H + CKV_ERR_ROWS * (size_t)d + 3 * (size_t)C;
+}
+
 size_t kvcc_ckv_scratch_doubles(const kvcc_ckv_layer *lc) {
-    const size_t NH = (size_t)lc->N * lc->H;
-    return NH * lc->d + NH + 3 * (size_t)lc->C; /* num, den, the difference's signs and tokens */
+    return kvcc_ckv_scratch_doubles_for(lc->C, lc->N, lc->H, lc->d);
 }
 
 void kvcc_ckv_base_free(kvcc_ckv_base *b) {
@@ -373,26 +397,102 @@ int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n
     return 0;
 }
 
+/* Rows r0 .. r0 + nr - 1 (nr <= CKV_ERR_ROWS; row r is query q, head h with r = q H + h): their
+ * relative output errors into row_err, with the numerators base_num + sum_b sign[b] w[t[b]] v[t[b]]
+ * (b in order, zero weights skipped). This is add_tokens' arithmetic followed by the error of
+ * the row, a row at a time, so that a row's numerators stay in acc (d doubles per row) instead
+ * of a pass over N H d doubles per token group: every term is added in add_tokens' order, so
+ * the result is the same bits as that pass. The rows' error sums over d are serial, as before,
+ * and run side by side (independent chains). Cloned for AVX-512 and AVX2 (elementwise loops). */
+KVRT_SIMD_CLONES
+static void rows_error(const kvcc_ckv_layer *lc, size_t r0, int nr, const kvcc_ckv_base *base,
+                       const int32_t *t, const double *sign, int64_t n, double *restrict acc,
+                       double *row_err) {
+    const size_t NH = (size_t)lc->N * lc->H, d = lc->d, ldv = (size_t)lc->Hkv * d;
+    double inv[CKV_ERR_ROWS];
+    for (int k = 0; k < nr; k++) {
+        const size_t r = r0 + (size_t)k, vo = ((r % lc->H) / (lc->H / lc->Hkv)) * d;
+        double *restrict ar = acc + (size_t)k * d;
+        double den = base ? base->den[r] : 0.0;
+        if (base) memcpy(ar, base->num + r * d, sizeof(double) * d);
+        else
+            for (size_t c = 0; c < d; c++) ar[c] = 0.0;
+        for (int64_t b0 = 0; b0 < n; b0 += 4) {
+            const int nb = n - b0 < 4 ? (int)(n - b0) : 4;
+            float wt[4];
+            int all = nb == 4;
+            for (int b = 0; b < nb; b++) {
+                wt[b] = lc->w[(size_t)t[b0 + b] * NH + r];
+                all &= wt[b] != 0.0f;
+            }
+            if (all) {
+                const double x0 = sign[b0] * (double)wt[0], x1 = sign[b0 + 1] * (double)wt[1];
+                const double x2 = sign[b0 + 2] * (double)wt[2], x3 = sign[b0 + 3] * (double)wt[3];
+                const float *restrict v0 = lc->v + (size_t)t[b0] * ldv + vo;
+                const float *restrict v1 = lc->v + (size_t)t[b0 + 1] * ldv + vo;
+                const float *restrict v2 = lc->v + (size_t)t[b0 + 2] * ldv + vo;
+                const float *restrict v3 = lc->v + (size_t)t[b0 + 3] * ldv + vo;
+                den = (((den + x0) + x1) + x2) + x3;
+#pragma omp simd
+                for (size_t c = 0; c < d; c++) {
+                    double a = ar[c];
+                    a += x0 * (double)v0[c];
+                    a += x1 * (double)v1[c];
+                    a += x2 * (double)v2[c];
+                    a += x3 * (double)v3[c];
+                    ar[c] = a;
+                }
+                continue;
+            }
+            for (int b = 0; b < nb; b++) {
+                if (wt[b] == 0.0f) continue;
+                const double x = sign[b0 + b] * (double)wt[b];
+                const float *restrict vr = lc->v + (size_t)t[b0 + b] * ldv + vo;
+                den += x;
+#pragma omp simd
+                for (size_t c = 0; c < d; c++) ar[c] += x * (double)vr[c];
+            }
+        }
+        const double dn = den + lc->cden[r];
+        inv[k] = dn > 0 ? 1.0 / dn : 0.0;
+    }
+    double s[CKV_ERR_ROWS] = {0};
+    const double *cn = lc->cnum + r0 * d, *of = lc->o_full + r0 * d; /* rows r0.. adjacent */
+    if (nr == CKV_ERR_ROWS) { /* a constant count: the sums stay in registers */
+        for (size_t c = 0; c < d; c++) {
+#pragma GCC unroll 8
+            for (int k = 0; k < CKV_ERR_ROWS; k++) {
+                const size_t o = (size_t)k * d + c;
+                const double diff = (acc[o] + cn[o]) * inv[k] - of[o];
+                s[k] += diff * diff;
+            }
+        }
+    } else {
+        for (size_t c = 0; c < d; c++)
+            for (int k = 0; k < nr; k++) {
+                const size_t o = (size_t)k * d + c;
+                const double diff = (acc[o] + cn[o]) * inv[k] - of[o];
+                s[k] += diff * diff;
+            }
+    }
+    for (int k = 0; k < nr; k++) row_err[k] = sqrt(s[k]) / (lc->o_norm[r0 + (size_t)k] + 1e-30);
+}
+
 int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const int32_t *pos,
                    int64_t n, double *scratch, double *err) {
     if (!lc || !scratch || !err || n < 0 || (n && !pos) || !positions_ok(lc, pos, n)) return -1;
     const size_t NH = (size_t)lc->N * lc->H, d = lc->d;
-    double *num = scratch, *den = scratch + NH * d;
-    if (base) {
-        memcpy(num, base->num, sizeof(double) * NH * d);
-        memcpy(den, base->den, sizeof(double) * NH);
-    } else {
-        memset(num, 0, sizeof(double) * NH * d);
-        memset(den, 0, sizeof(double) * NH);
-    }
-    /* the symmetric difference with the base, in ascending position order */
+    /* scratch (kvcc_ckv_scratch_doubles): the rows' errors (N H), CKV_ERR_ROWS rows' numerators
+     * (d each), then
+     * the symmetric difference with the base: at most 2 C tokens (both lists ascend within
+     * [0, C)), their signs, then the tokens */
+    double *row_err = scratch, *acc = scratch + NH;
+    double *ds = acc + CKV_ERR_ROWS * d;
+    int32_t *dt = (int32_t *)(ds + 2 * (size_t)lc->C);
     const int32_t *bp = base ? base->pos : NULL;
     const int64_t bn = base ? base->n : 0;
-    /* at most 2 C tokens (both lists ascend within [0, C)): signs, then the tokens */
-    double *ds = den + NH;
-    int32_t *dt = (int32_t *)(ds + 2 * (size_t)lc->C);
     int64_t i = 0, j = 0, nd = 0;
-    while (i < n || j < bn) {
+    while (i < n || j < bn) { /* in ascending position order */
         if (i < n && j < bn && pos[i] == bp[j]) {
             i++;
             j++;
@@ -404,22 +504,14 @@ int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const in
             ds[nd++] = -1.0;
         }
     }
-    add_tokens(lc, dt, ds, nd, num, den);
+    for (size_t r = 0; r < NH; r += CKV_ERR_ROWS) {
+        const int nr = NH - r < CKV_ERR_ROWS ? (int)(NH - r) : CKV_ERR_ROWS;
+        rows_error(lc, r, nr, base, dt, ds, nd, acc, row_err + r);
+    }
     double tot = 0.0;
     for (uint32_t h = 0; h < lc->H; h++) {
         double e = 0.0;
-        for (uint32_t q = 0; q < lc->N; q++) {
-            const size_t r = (size_t)q * lc->H + h;
-            const double dn = den[r] + lc->cden[r];
-            const double inv = dn > 0 ? 1.0 / dn : 0.0;
-            const double *nr = num + r * d, *cn = lc->cnum + r * d, *of = lc->o_full + r * d;
-            double s = 0.0;
-            for (size_t c = 0; c < d; c++) {
-                const double diff = (nr[c] + cn[c]) * inv - of[c];
-                s += diff * diff;
-            }
-            e += sqrt(s) / (lc->o_norm[r] + 1e-30);
-        }
+        for (uint32_t q = 0; q < lc->N; q++) e += row_err[(size_t)q * lc->H + h];
         tot += e / lc->N;
     }
     *err = tot / lc->H;
