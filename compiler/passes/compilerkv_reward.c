@@ -297,58 +297,72 @@ int kvcc_ckv_layer_build(const float *q, const float *k, const float *v, uint32_
     return 0;
 }
 
-/* num/den += sign[b] * (weights of token t[b]) (rows of all continuation queries and heads),
- * b = 0 .. n - 1 in order (sign NULL: every sign +1). Compiled for AVX-512 and AVX2 too: its loops are elementwise, so every
- * clone gives the same bits. The tokens go in groups of four: a row where all four have a
- * nonzero weight takes their four terms in token order in registers and is loaded and stored
- * once (the same additions in the same order as token after token: the same bits); other rows
- * token after token, skipping zero weights as before. num is N H d doubles (0.6 MB at 128
- * queries of 9 heads), so one pass per token was a pass over L2. */
-KVRT_SIMD_CLONES
-static void add_tokens(const kvcc_ckv_layer *lc, const int32_t *t, const double *sign, int64_t n,
-                       double *num, double *den) {
-    const size_t NH = (size_t)lc->N * lc->H, G = lc->H / lc->Hkv, d = lc->d;
-    const size_t ldv = (size_t)lc->Hkv * d;
+/* Row r (query q, head h: r = q H + h) of the numerators and denominator: ar (d doubles) and den
+ * += sign[b] w[t[b]] v[t[b]] and sign[b] w[t[b]], b = 0 .. n - 1 in order, zero weights skipped
+ * (sign NULL: every sign +1); returns den. Tokens go four at a time where all four weights are
+ * nonzero (their terms in token order in registers, ar loaded and stored once), else one by
+ * one: the same additions in the same order either way. Inlined into its cloned callers; its
+ * loops are elementwise over d, so every clone gives the same bits. A row at a time keeps the
+ * row in L1 across the tokens (one pass over the tokens per row rather than one pass over N H d
+ * doubles per token). */
+static inline __attribute__((always_inline)) double
+row_add_tokens(const kvcc_ckv_layer *lc, size_t r, const int32_t *t, const double *sign,
+               int64_t n, double *restrict ar, double den) {
+    const size_t NH = (size_t)lc->N * lc->H, d = lc->d, ldv = (size_t)lc->Hkv * d;
+    const size_t vo = ((r % lc->H) / (lc->H / lc->Hkv)) * d;
     for (int64_t b0 = 0; b0 < n; b0 += 4) {
         const int nb = n - b0 < 4 ? (int)(n - b0) : 4;
-        const float *wt[4];
-        const float *vt[4];
+        float wt[4];
         double sg[4];
+        int all = nb == 4;
         for (int b = 0; b < nb; b++) {
+            wt[b] = lc->w[(size_t)t[b0 + b] * NH + r];
             sg[b] = sign ? sign[b0 + b] : 1.0;
-            wt[b] = lc->w + (size_t)t[b0 + b] * NH;
-            vt[b] = lc->v + (size_t)t[b0 + b] * ldv;
+            all &= wt[b] != 0.0f;
         }
-        for (size_t r = 0; r < NH; r++) {
-            const size_t vo = ((r % lc->H) / G) * d;
-            double *nr = num + r * d;
-            int all = nb == 4;
-            for (int b = 0; b < nb; b++) all &= wt[b][r] != 0.0f;
-            if (all) {
-                const double x0 = sg[0] * (double)wt[0][r], x1 = sg[1] * (double)wt[1][r];
-                const double x2 = sg[2] * (double)wt[2][r], x3 = sg[3] * (double)wt[3][r];
-                const float *v0 = vt[0] + vo, *v1 = vt[1] + vo, *v2 = vt[2] + vo, *v3 = vt[3] + vo;
-                den[r] = (((den[r] + x0) + x1) + x2) + x3;
+        if (all) {
+            const double x0 = sg[0] * (double)wt[0], x1 = sg[1] * (double)wt[1];
+            const double x2 = sg[2] * (double)wt[2], x3 = sg[3] * (double)wt[3];
+            const float *restrict v0 = lc->v + (size_t)t[b0] * ldv + vo;
+            const float *restrict v1 = lc->v + (size_t)t[b0 + 1] * ldv + vo;
+            const float *restrict v2 = lc->v + (size_t)t[b0 + 2] * ldv + vo;
+            const float *restrict v3 = lc->v + (size_t)t[b0 + 3] * ldv + vo;
+            den = (((den + x0) + x1) + x2) + x3;
 #pragma omp simd
-                for (size_t c = 0; c < d; c++) {
-                    double a = nr[c];
-                    a += x0 * (double)v0[c];
-                    a += x1 * (double)v1[c];
-                    a += x2 * (double)v2[c];
-                    a += x3 * (double)v3[c];
-                    nr[c] = a;
-                }
-                continue;
+            for (size_t c = 0; c < d; c++) {
+                double a = ar[c];
+                a += x0 * (double)v0[c];
+                a += x1 * (double)v1[c];
+                a += x2 * (double)v2[c];
+                a += x3 * (double)v3[c];
+                ar[c] = a;
             }
-            for (int b = 0; b < nb; b++) {
-                if (wt[b][r] == 0.0f) continue;
-                const double x = sg[b] * (double)wt[b][r];
-                const float *vr = vt[b] + vo;
-                den[r] += x;
-#pragma omp simd
-                for (size_t c = 0; c < d; c++) nr[c] += x * (double)vr[c];
-            }
+            continue;
         }
+        for (int b = 0; b < nb; b++) {
+            if (wt[b] == 0.0f) continue;
+            const double x = sg[b] * (double)wt[b];
+            const float *restrict vr = lc->v + (size_t)t[b0 + b] * ldv + vo;
+            den += x;
+#pragma omp simd
+            for (size_t c = 0; c < d; c++) ar[c] += x * (double)vr[c];
+        }
+    }
+    return den;
+}
+
+/* num/den += the tokens t[0 .. n - 1] (weights of all continuation queries and heads): four
+ * tokens over every row, then the next four (row_add_tokens; the same additions in the same
+ * order as a row at a time). On a 2k prompt a row at a time over all n tokens (~230) was no
+ * faster (11.6% of the pass's samples against 9.8%): the v rows of three KV heads leave L1. */
+KVRT_SIMD_CLONES
+static void add_tokens(const kvcc_ckv_layer *lc, const int32_t *t, int64_t n, double *num,
+                       double *den) {
+    const size_t NH = (size_t)lc->N * lc->H;
+    for (int64_t b0 = 0; b0 < n; b0 += 4) {
+        const int64_t nb = n - b0 < 4 ? n - b0 : 4;
+        for (size_t r = 0; r < NH; r++)
+            den[r] = row_add_tokens(lc, r, t + b0, NULL, nb, num + r * lc->d, den[r]);
     }
 }
 
@@ -392,67 +406,28 @@ int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n
     }
     if (n) memcpy(b->pos, pos, sizeof(int32_t) * (size_t)n);
     b->n = n;
-    add_tokens(lc, pos, NULL, n, b->num, b->den);
+    add_tokens(lc, pos, n, b->num, b->den);
     *out = b;
     return 0;
 }
 
-/* Rows r0 .. r0 + nr - 1 (nr <= CKV_ERR_ROWS; row r is query q, head h with r = q H + h): their
- * relative output errors into row_err, with the numerators base_num + sum_b sign[b] w[t[b]] v[t[b]]
- * (b in order, zero weights skipped). This is add_tokens' arithmetic followed by the error of
- * the row, a row at a time, so that a row's numerators stay in acc (d doubles per row) instead
- * of a pass over N H d doubles per token group: every term is added in add_tokens' order, so
- * the result is the same bits as that pass. The rows' error sums over d are serial, as before,
- * and run side by side (independent chains). Cloned for AVX-512 and AVX2 (elementwise loops). */
+/* Rows r0 .. r0 + nr - 1 (nr <= CKV_ERR_ROWS): their relative output errors into row_err, with
+ * the base's numerators plus sum_b sign[b] w[t[b]] v[t[b]] (row_add_tokens, into acc: d doubles
+ * per row). The rows' error sums over d are serial, as before, and run side by side
+ * (independent chains). Cloned for AVX-512 and AVX2 (elementwise loops). */
 KVRT_SIMD_CLONES
 static void rows_error(const kvcc_ckv_layer *lc, size_t r0, int nr, const kvcc_ckv_base *base,
                        const int32_t *t, const double *sign, int64_t n, double *restrict acc,
                        double *row_err) {
-    const size_t NH = (size_t)lc->N * lc->H, d = lc->d, ldv = (size_t)lc->Hkv * d;
+    const size_t d = lc->d;
     double inv[CKV_ERR_ROWS];
     for (int k = 0; k < nr; k++) {
-        const size_t r = r0 + (size_t)k, vo = ((r % lc->H) / (lc->H / lc->Hkv)) * d;
+        const size_t r = r0 + (size_t)k;
         double *restrict ar = acc + (size_t)k * d;
-        double den = base ? base->den[r] : 0.0;
         if (base) memcpy(ar, base->num + r * d, sizeof(double) * d);
         else
             for (size_t c = 0; c < d; c++) ar[c] = 0.0;
-        for (int64_t b0 = 0; b0 < n; b0 += 4) {
-            const int nb = n - b0 < 4 ? (int)(n - b0) : 4;
-            float wt[4];
-            int all = nb == 4;
-            for (int b = 0; b < nb; b++) {
-                wt[b] = lc->w[(size_t)t[b0 + b] * NH + r];
-                all &= wt[b] != 0.0f;
-            }
-            if (all) {
-                const double x0 = sign[b0] * (double)wt[0], x1 = sign[b0 + 1] * (double)wt[1];
-                const double x2 = sign[b0 + 2] * (double)wt[2], x3 = sign[b0 + 3] * (double)wt[3];
-                const float *restrict v0 = lc->v + (size_t)t[b0] * ldv + vo;
-                const float *restrict v1 = lc->v + (size_t)t[b0 + 1] * ldv + vo;
-                const float *restrict v2 = lc->v + (size_t)t[b0 + 2] * ldv + vo;
-                const float *restrict v3 = lc->v + (size_t)t[b0 + 3] * ldv + vo;
-                den = (((den + x0) + x1) + x2) + x3;
-#pragma omp simd
-                for (size_t c = 0; c < d; c++) {
-                    double a = ar[c];
-                    a += x0 * (double)v0[c];
-                    a += x1 * (double)v1[c];
-                    a += x2 * (double)v2[c];
-                    a += x3 * (double)v3[c];
-                    ar[c] = a;
-                }
-                continue;
-            }
-            for (int b = 0; b < nb; b++) {
-                if (wt[b] == 0.0f) continue;
-                const double x = sign[b0 + b] * (double)wt[b];
-                const float *restrict vr = lc->v + (size_t)t[b0 + b] * ldv + vo;
-                den += x;
-#pragma omp simd
-                for (size_t c = 0; c < d; c++) ar[c] += x * (double)vr[c];
-            }
-        }
+        const double den = row_add_tokens(lc, r, t, sign, n, ar, base ? base->den[r] : 0.0);
         const double dn = den + lc->cden[r];
         inv[k] = dn > 0 ? 1.0 / dn : 0.0;
     }
