@@ -4,12 +4,18 @@ written with numpy + scipy (scipy.optimize.nnls, numpy.linalg.lstsq), timed on t
 bench_am --head T --dump DIR wrote. Called by bench/am_vs_scipy.sh, which prints the ratio of
 the two times; not a test.
 
-Same algorithm as the C code: per chunk of 4096 keys with its proportional budget (cumulative
-rounding), logits Q K^T / sqrt(d) (every query sees every key: bench_am passes no positions),
-P = exp(z - rowmax), keys = top-t of the RMS over queries of softmax columns, weights w >= 0 by
-NNLS on the rows divided by the mass (relative mass error), beta = log w, keys of weight 0
-dropped, values by least squares of X = softmax(z_sel + beta) against Y = softmax(z) V.
-Products in float32 (as the C code's sgemm), NNLS and least squares in float64.
+Same algorithm and options as the C call it is timed against (the defaults of kvrt_am_opts, read
+from DIR/meta.txt; docs/policies/am.md): the first n_sink keys and the last
+round(recent_frac * t) keys kept exactly, the middle compacted to the rest of t; the middle in
+chunks of `chunk` keys with proportional budgets (cumulative rounding); per chunk logits
+Q K^T / sqrt(d) (every query sees every key: bench_am passes no positions), P = exp(z - rowmax),
+keys = top-t of the RMS over queries of softmax columns, weights w >= 0 by NNLS on the rows
+divided by the mass (relative mass error); with a beta floor every selected key stays with
+w = max(w, exp(floor)) (beta_floor nan: keys of weight 0 dropped); values by least squares of
+X = softmax(z_sel + beta) against Y = softmax(z) V. Errors as kvrt_am_stats: chunk-local, the
+exact keys not in them. Products in float32 (as the C code's sgemm), NNLS and least squares in
+float64. What differs: C's ridge (1e-6 of the trace) against lstsq's none, and the NNLS
+solvers' stopping rules, so the errors agree to about three digits, not bit for bit.
 """
 import math
 import statistics
@@ -20,38 +26,63 @@ import numpy as np
 import scipy.optimize
 
 
-def compact(K, V, Q, t, chunk):
+def lround(x):
+    """C's llround for x >= 0 (halves away from zero; Python's round() goes to even)."""
+    return int(math.floor(x + 0.5))
+
+
+def compact_chunk(K, V, Q, tc, floor):
     T, d = K.shape
+    S = (Q @ K.T) * np.float32(1.0 / math.sqrt(d))
+    S -= S.max(axis=1, keepdims=True)
+    P = np.exp(S)
+    mass = P.sum(axis=1, dtype=np.float64)
+    A = P / mass[:, None].astype(np.float32)
+    Y = (A @ V).astype(np.float64)
+    score = np.sqrt((A.astype(np.float64) ** 2).mean(axis=0))
+    sel = np.sort(np.argsort(-score, kind="stable")[:tc])
+    M = P[:, sel].astype(np.float64) / mass[:, None]
+    w, _ = scipy.optimize.nnls(M, np.ones(M.shape[0]), maxiter=3 * tc + 30)
+    pos = (w > 0) & np.isfinite(np.log(np.where(w > 0, w, 1.0)))
+    if not pos.any():
+        w = np.ones_like(w)
+    elif math.isnan(floor):
+        sel, w = sel[pos], w[pos]
+    else:
+        wmin = math.exp(floor)
+        w = np.where(pos & (w > wmin), w, wmin)
+    X = P[:, sel].astype(np.float64) * w
+    s = X.sum(axis=1)
+    mass_err = float((np.abs(s - mass) / mass).sum())
+    X /= np.where(s > 0, s, 1.0)[:, None]
+    Cv = np.linalg.lstsq(X, Y, rcond=None)[0]
+    O = X @ Cv
+    out_err = float((np.linalg.norm(O - Y, axis=1) / (np.linalg.norm(Y, axis=1) + 1e-30)).sum())
+    return sel, np.log(w), Cv, mass_err, out_err
+
+
+def compact(K, V, Q, t, chunk, n_sink, recent_frac, floor):
+    T, d = K.shape
+    ns = min(n_sink, t)
+    nr = min(lround(recent_frac * t), t - ns)
+    tm, a, Tm = t - ns - nr, ns, T - ns - nr
     out = []
     mass_err, out_err, nq = 0.0, 0.0, 0
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        tc = round(t * c1 / T) - round(t * c0 / T)
-        if tc == 0:
-            continue
-        S = (Q @ K[c0:c1].T) * np.float32(1.0 / math.sqrt(d))
-        S -= S.max(axis=1, keepdims=True)
-        P = np.exp(S)
-        mass = P.sum(axis=1, dtype=np.float64)
-        A = P / mass[:, None].astype(np.float32)
-        Y = (A @ V[c0:c1]).astype(np.float64)
-        score = np.sqrt((A.astype(np.float64) ** 2).mean(axis=0))
-        sel = np.sort(np.argsort(-score, kind="stable")[:tc])
-        M = P[:, sel].astype(np.float64) / mass[:, None]
-        w, _ = scipy.optimize.nnls(M, np.ones(M.shape[0]), maxiter=3 * tc + 30)
-        keep = w > 0
-        sel, w = sel[keep], w[keep]
-        X = P[:, sel].astype(np.float64) * w
-        s = X.sum(axis=1)
-        mass_err += float(np.abs(s - mass).__truediv__(mass).sum())
-        X /= np.where(s > 0, s, 1.0)[:, None]
-        Cv = np.linalg.lstsq(X, Y, rcond=None)[0]
-        O = X @ Cv
-        out_err += float((np.linalg.norm(O - Y, axis=1) / (np.linalg.norm(Y, axis=1) + 1e-30)).sum())
-        nq += Q.shape[0]
-        out.append((c0 + sel, np.log(w), Cv))
-    kept = sum(len(o[0]) for o in out)
-    return kept, mass_err / nq, out_err / nq
+    kept = ns + nr  # the exact keys
+    if tm > 0 and Tm > 0:
+        ch = chunk if 0 < chunk < Tm else Tm
+        for c0 in range(0, Tm, ch):
+            c1 = min(Tm, c0 + ch)
+            tc = lround(tm * c1 / Tm) - lround(tm * c0 / Tm)
+            if tc == 0:
+                continue
+            sel, beta, Cv, me, oe = compact_chunk(K[a + c0:a + c1], V[a + c0:a + c1], Q, tc, floor)
+            mass_err += me
+            out_err += oe
+            nq += Q.shape[0]
+            kept += len(sel)
+            out.append((a + c0 + sel, beta, Cv))
+    return kept, (mass_err / nq if nq else 0.0), (out_err / nq if nq else 0.0)
 
 
 def main():
@@ -61,6 +92,10 @@ def main():
     d_ = sys.argv[1]
     meta = dict(line.split() for line in open(f"{d_}/meta.txt"))
     T, d, n, t, chunk = (int(meta[k]) for k in ("T", "d", "n", "t", "chunk"))
+    # older dumps had no options: the call then compacted all T keys, dropping zero weights
+    n_sink = int(meta.get("n_sink", 0))
+    recent_frac = float(meta.get("recent_frac", 0.0))
+    floor = float(meta.get("beta_floor", "nan"))
     if meta.get("select") != "highest":
         print("am_scipy.py: only HighestAttnKeys is written here", file=sys.stderr)
         return 2
@@ -70,7 +105,7 @@ def main():
     times, cpus = [], []
     for _ in range(int(meta.get("reps", 1))):
         t0, c0 = time.perf_counter(), time.process_time()
-        kept, me, oe = compact(K, V, Q, t, chunk)
+        kept, me, oe = compact(K, V, Q, t, chunk, n_sink, recent_frac, floor)
         times.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     med, best, cmed = statistics.median(times), min(times), statistics.median(cpus)

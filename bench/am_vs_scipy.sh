@@ -10,8 +10,17 @@
 # doing. The tests never set OPENBLAS_CORETYPE.
 # A third C run has --products bf16 (kvrt_am_opts.products: the two large products in bf16 with
 # f32 accumulation; numpy's stay f32): its mass and output errors are printed beside the f32 run's.
-# Usage: [THREADS=1] [REPS=5] [BENCH_AM=a bench_am binary] bash bench/am_vs_scipy.sh   (from the repository root; BUILD=build
-# by default)
+# Two comparisons per T, each the same algorithm on both sides (bench_am writes its options into
+# meta.txt and am_scipy.py follows them; the mass and output errors printed by both agree to
+# about three digits):
+#   default  kvrt_am_opts' defaults: 4 exact sinks, an exact recent window of half the budget,
+#            the middle compacted, beta floored at -3 (what kvcc and libkvrt run)
+#   plain    bench_am --plain: every key compacted, keys of NNLS weight 0 dropped (the paper's
+#            plain algorithm; a larger NNLS per chunk)
+# Before 2026-12-06 the numpy side ran the plain algorithm against the C defaults, so the two
+# sides did not solve the same problem (docs/benchmarks.md, "The numpy side ran another problem").
+# Usage: [THREADS=1] [REPS=5] [MODES="default plain"] [BENCH_AM=a bench_am binary]
+#        bash bench/am_vs_scipy.sh   (from the repository root; BUILD=build by default)
 set -euo pipefail
 BUILD=${BUILD:-build}
 if [ -z "${BENCH_AM:-}" ]; then
@@ -26,13 +35,20 @@ trap 'rm -rf "$dir"' EXIT
 if [ -n "${THREADS:-}" ]; then
   export OPENBLAS_NUM_THREADS=$THREADS OMP_NUM_THREADS=$THREADS
 fi
+for mode in ${MODES:-default plain}; do
+case "$mode" in
+  default) flag=() ;;
+  plain) flag=(--plain) ;;
+  *) echo "am_vs_scipy.sh: MODES: $mode, expected default or plain" >&2; exit 2 ;;
+esac
+echo "== $mode"
 for T in 4096 16384; do
   reps=${REPS:-5}
-  c=$("$BENCH_AM" --head "$T" --reps "$reps" --dump "$dir")
+  c=$("$BENCH_AM" --head "$T" --reps "$reps" --dump "$dir" "${flag[@]}")
   echo "C (system OpenBLAS, $(OPENBLAS_VERBOSE=2 "$BENCH_AM" --head 16 --reps 1 2>&1 | awk '/^Core/ {print $2}') kernels): $(echo "$c" | grep -v '^c_')"
-  ch=$(OPENBLAS_CORETYPE=Haswell "$BENCH_AM" --head "$T" --reps "$reps")
+  ch=$(OPENBLAS_CORETYPE=Haswell "$BENCH_AM" --head "$T" --reps "$reps" "${flag[@]}")
   echo "C (system OpenBLAS, Haswell kernels): $(echo "$ch" | grep -v '^c_')"
-  cb=$("$BENCH_AM" --head "$T" --reps "$reps" --products bf16)
+  cb=$("$BENCH_AM" --head "$T" --reps "$reps" --products bf16 "${flag[@]}")
   echo "C (products bf16): $(echo "$cb" | grep -v '^c_')"
   echo "reps $reps" >> "$dir/meta.txt"
   p=$(python3 bench/am_scipy.py "$dir")
@@ -45,6 +61,7 @@ for T in 4096 16384; do
   chc=$(echo "$ch" | awk '/^c_cpu_seconds/ {print $2}')
   cbc=$(echo "$cb" | awk '/^c_cpu_seconds/ {print $2}')
   pc=$(echo "$p" | awk '/^py_cpu_seconds/ {print $2}')
-  awk -v c="$cs" -v h="$chs" -v b="$cbs" -v p="$ps" -v T="$T" 'BEGIN { printf "T %d wall: numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx faster), %.3f s (Haswell kernels, as numpy: %.1fx faster), %.3f s (products bf16: %.1fx faster)\n", T, p, c, p / c, h, p / h, b, p / b }'
-  awk -v c="$cc" -v h="$chc" -v b="$cbc" -v p="$pc" -v T="$T" 'BEGIN { printf "T %d CPU:  numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx less), %.3f s (Haswell kernels: %.1fx less), %.3f s (products bf16: %.1fx less)\n", T, p, c, p / c, h, p / h, b, p / b }'
+  awk -v m="$mode" -v c="$cs" -v h="$chs" -v b="$cbs" -v p="$ps" -v T="$T" 'BEGIN { printf "%s T %d wall: numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx faster), %.3f s (Haswell kernels, as numpy: %.1fx faster), %.3f s (products bf16: %.1fx faster)\n", m, T, p, c, p / c, h, p / h, b, p / b }'
+  awk -v m="$mode" -v c="$cc" -v h="$chc" -v b="$cbc" -v p="$pc" -v T="$T" 'BEGIN { printf "%s T %d CPU:  numpy+scipy %.3f s; C %.3f s (detected kernels: %.1fx less), %.3f s (Haswell kernels: %.1fx less), %.3f s (products bf16: %.1fx less)\n", m, T, p, c, p / c, h, p / h, b, p / b }'
+done
 done

@@ -14,7 +14,9 @@
  *     the shapes only, not on the values.
  * Options: --head T (only part 1 at this T), --dump DIR (write DIR/{q,k,v}.f32 and DIR/meta.txt
  * of the part-1 input), --omp (OMP key selection instead of HighestAttnKeys), --omp-batch N (OMP's
- * keys per round, default 1), --products f32|bf16 (kvrt_am_opts.products, default f32), --reps N.
+ * keys per round, default 1), --products f32|bf16 (kvrt_am_opts.products, default f32), --reps N,
+ * --plain (part 1 only: no exact sinks or recent window and no beta floor, keys of NNLS weight 0
+ * dropped: the plain algorithm of the paper, for bench/am_vs_scipy.sh's second comparison).
  * --fit-host: the host part of the CUDA backend's fit (runtime/cuda/am.cu runs the NNLS and the
  *   ridge solve on the host): kvrt_am_nnls_gram and kvrt_cpu_ridge_solve at 205, 410 and 820
  *   entries per chunk, 4096 reference rows, random positive columns scaled to unit norm, one
@@ -40,6 +42,7 @@
 
 static int g_omp_batch = 1; /* --omp-batch N: OMP's keys per round */
 static int g_products = KVRT_AM_PRODUCTS_F32; /* --products f32|bf16 */
+static int g_plain;                            /* --plain: part 1 without sinks, recent, floor */
 
 static float rng_n(uint64_t *s) { /* sum of 4 uniforms, centred: cheap, roughly Gaussian */
     double a = 0;
@@ -90,23 +93,32 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     float *k = synth(T, 1, d, 1.0f, 0.0f, 1), *v = synth(T, 1, d, 1.0f, 0.0f, 2);
     float *q = synth(n, 1, d, 0.8f, 1.0f, 3);
     if (!k || !v || !q) { fprintf(stderr, "bench_am: out of memory\n"); return 1; }
-    if (dump_dir) {
-        char path[1024];
-        snprintf(path, sizeof path, "%s/meta.txt", dump_dir);
-        FILE *f = fopen(path, "w");
-        if (!f) { fprintf(stderr, "bench_am: cannot write %s\n", path); return 1; }
-        fprintf(f, "T %lld\nd %lld\nn %lld\nt %lld\nchunk 4096\nselect %s\n", (long long)T, (long long)d,
-                (long long)n, (long long)t, omp ? "omp" : "highest");
-        fclose(f);
-        if (dump(dump_dir, "k.f32", k, (size_t)(T * d)) || dump(dump_dir, "v.f32", v, (size_t)(T * d)) ||
-            dump(dump_dir, "q.f32", q, (size_t)(n * d)))
-            return 1;
-    }
     kvrt_am_opts o;
     kvrt_am_opts_init(&o);
     if (omp) o.key_select = KVRT_AM_SELECT_OMP;
     o.omp_batch = g_omp_batch;
     o.products = g_products;
+    if (g_plain) {
+        o.n_sink = 0;
+        o.recent_frac = 0.0;
+        o.beta_floor = NAN;
+    }
+    if (dump_dir) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/meta.txt", dump_dir);
+        FILE *f = fopen(path, "w");
+        if (!f) { fprintf(stderr, "bench_am: cannot write %s\n", path); return 1; }
+        /* the options am_scipy.py needs to compute the same thing (the defaults: exact sinks and
+         * recent window, the beta floor) */
+        fprintf(f, "T %lld\nd %lld\nn %lld\nt %lld\nchunk %lld\nselect %s\nn_sink %lld\n"
+                "recent_frac %.17g\nbeta_floor %.17g\n", (long long)T, (long long)d, (long long)n,
+                (long long)t, (long long)o.chunk, omp ? "omp" : "highest", (long long)o.n_sink,
+                o.recent_frac, o.beta_floor);
+        fclose(f);
+        if (dump(dump_dir, "k.f32", k, (size_t)(T * d)) || dump(dump_dir, "v.f32", v, (size_t)(T * d)) ||
+            dump(dump_dir, "q.f32", q, (size_t)(n * d)))
+            return 1;
+    }
     double best = INFINITY;
     double *times = malloc(sizeof(double) * (size_t)reps);
     double *cpus = malloc(sizeof(double) * (size_t)reps);
@@ -131,9 +143,10 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     free(cpus);
     printf("am head: T %6lld  d %lld  queries %lld  ratio %.2f (t %lld, kept %lld)  %s  chunk 4096: "
            "%8.3f s (median of %d, best %.3f s; CPU %.3f s)  mass relerr %.4f  out relerr %.4f  "
-           "products %s\n",
+           "products %s%s\n",
            (long long)T, (long long)d, (long long)n, ratio, (long long)t, (long long)st.kept,
-           omp ? "omp" : "highest", med, reps, best, cmed, st.mass_relerr, st.out_relerr, g_products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32");
+           omp ? "omp" : "highest", med, reps, best, cmed, st.mass_relerr, st.out_relerr, g_products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32",
+           g_plain ? "  plain (no sinks, recent, floor)" : "");
     printf("c_seconds %.6f\nc_cpu_seconds %.6f\n", med, cmed);
     free(k); free(v); free(q);
     return 0;
@@ -316,6 +329,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--dump") && i + 1 < argc) dump_dir = argv[++i];
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--omp")) omp = 1;
+        else if (!strcmp(argv[i], "--plain")) g_plain = 1;
         else if (!strcmp(argv[i], "--omp-batch") && i + 1 < argc) g_omp_batch = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--products") && i + 1 < argc) {
             const char *pv = argv[++i];
@@ -330,7 +344,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--cuda")) cuda = 1;
         else if (!strcmp(argv[i], "--layer-context") && i + 1 < argc) layer_ctx = atoll(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_am [--head T [--dump DIR]] [--omp] [--products f32|bf16] [--reps N] | "
+            fprintf(stderr, "usage: bench_am [--head T [--dump DIR] [--plain]] [--omp] [--products f32|bf16] [--reps N] | "
                     "--fit-host [--reps N] | --cuda [--layer-context T] [--omp [--omp-batch N]]\n");
             return 2;
         }
