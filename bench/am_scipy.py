@@ -2,7 +2,8 @@
 """am_scipy.py: the Attention Matching compaction of one head (runtime/cpu/am.c, HighestAttnKeys)
 written with numpy + scipy (scipy.optimize.nnls, numpy.linalg.lstsq), timed on the inputs that
 bench_am --head T --dump DIR wrote. Called by bench/am_vs_scipy.sh, which prints the ratio of
-the two times; not a test.
+the two times, and imported by python/tests/test_am_scipy.py, which checks the C compaction
+against it on real SmolLM2 activations.
 
 Same algorithm and options as the C call it is timed against (the defaults of kvrt_am_opts, read
 from DIR/meta.txt; docs/policies/am.md): the first n_sink keys and the last
@@ -11,11 +12,12 @@ chunks of `chunk` keys with proportional budgets (cumulative rounding); per chun
 Q K^T / sqrt(d) (every query sees every key: bench_am passes no positions), P = exp(z - rowmax),
 keys = top-t of the RMS over queries of softmax columns, weights w >= 0 by NNLS on the rows
 divided by the mass (relative mass error); with a beta floor every selected key stays with
-w = max(w, exp(floor)) (beta_floor nan: keys of weight 0 dropped); values by least squares of
-X = softmax(z_sel + beta) against Y = softmax(z) V. Errors as kvrt_am_stats: chunk-local, the
+w = max(w, exp(floor)) (beta_floor nan: keys of weight 0 dropped); values by the ridge least
+squares of X = softmax(z_sel + beta) against Y = softmax(z) V (lambda = ridge * trace(X^T X) / t,
+Cholesky, x100 on failure, as kvrt_cpu_ridge_solve). Errors as kvrt_am_stats: chunk-local, the
 exact keys not in them. Products in float32 (as the C code's sgemm), NNLS and least squares in
-float64. What differs: C's ridge (1e-6 of the trace) against lstsq's none, and the NNLS
-solvers' stopping rules, so the errors agree to about three digits, not bit for bit.
+float64. What differs: the order of the sums, and the NNLS solvers' stopping rules, so the
+results agree to several digits, not bit for bit.
 """
 import math
 import statistics
@@ -23,6 +25,7 @@ import sys
 import time
 
 import numpy as np
+import scipy.linalg
 import scipy.optimize
 
 
@@ -31,7 +34,28 @@ def lround(x):
     return int(math.floor(x + 0.5))
 
 
-def compact_chunk(K, V, Q, tc, floor):
+def ridge_values(X, Y, ridge):
+    """argmin ||X C - Y||^2 + lam ||C||^2, lam = ridge * trace(X^T X) / t, by Cholesky of the
+    normal equations; where the factor fails, lam x 100, up to three times (kvrt_cpu_ridge_solve)."""
+    G, R = X.T @ X, X.T @ Y
+    t = G.shape[0]
+    tr = float(np.trace(G))
+    scale = (tr if tr > 0 else 1.0) / t
+    lam = (ridge if ridge > 0 else 1e-12) * scale
+    for attempt in range(4):
+        if attempt:
+            lam = lam * 100 if lam > 0 else 1e-12 * scale
+        try:
+            c = scipy.linalg.cho_factor(G + lam * np.eye(t), lower=True)
+        except np.linalg.LinAlgError:
+            continue
+        C = scipy.linalg.cho_solve(c, R)
+        if np.isfinite(C).all():
+            return C
+    raise np.linalg.LinAlgError("the values' least squares is singular")
+
+
+def compact_chunk(K, V, Q, tc, floor, ridge):
     T, d = K.shape
     S = (Q @ K.T) * np.float32(1.0 / math.sqrt(d))
     S -= S.max(axis=1, keepdims=True)
@@ -55,13 +79,15 @@ def compact_chunk(K, V, Q, tc, floor):
     s = X.sum(axis=1)
     mass_err = float((np.abs(s - mass) / mass).sum())
     X /= np.where(s > 0, s, 1.0)[:, None]
-    Cv = np.linalg.lstsq(X, Y, rcond=None)[0]
+    Cv = ridge_values(X, Y, ridge)
     O = X @ Cv
     out_err = float((np.linalg.norm(O - Y, axis=1) / (np.linalg.norm(Y, axis=1) + 1e-30)).sum())
     return sel, np.log(w), Cv, mass_err, out_err
 
 
-def compact(K, V, Q, t, chunk, n_sink, recent_frac, floor):
+def compact(K, V, Q, t, chunk, n_sink, recent_frac, floor, ridge=1e-6):
+    """Returns (entries kept, mean mass error, mean output error, [(positions, beta, values) per
+    compacted chunk]); python/tests/test_am_scipy.py compares it with kvrt.am_compact."""
     T, d = K.shape
     ns = min(n_sink, t)
     nr = min(lround(recent_frac * t), t - ns)
@@ -76,13 +102,14 @@ def compact(K, V, Q, t, chunk, n_sink, recent_frac, floor):
             tc = lround(tm * c1 / Tm) - lround(tm * c0 / Tm)
             if tc == 0:
                 continue
-            sel, beta, Cv, me, oe = compact_chunk(K[a + c0:a + c1], V[a + c0:a + c1], Q, tc, floor)
+            sel, beta, Cv, me, oe = compact_chunk(K[a + c0:a + c1], V[a + c0:a + c1], Q, tc, floor,
+                                                  ridge)
             mass_err += me
             out_err += oe
             nq += Q.shape[0]
             kept += len(sel)
             out.append((a + c0 + sel, beta, Cv))
-    return kept, (mass_err / nq if nq else 0.0), (out_err / nq if nq else 0.0)
+    return kept, (mass_err / nq if nq else 0.0), (out_err / nq if nq else 0.0), out
 
 
 def main():
@@ -96,6 +123,7 @@ def main():
     n_sink = int(meta.get("n_sink", 0))
     recent_frac = float(meta.get("recent_frac", 0.0))
     floor = float(meta.get("beta_floor", "nan"))
+    ridge = float(meta.get("ridge", 1e-6))
     if meta.get("select") != "highest":
         print("am_scipy.py: only HighestAttnKeys is written here", file=sys.stderr)
         return 2
@@ -105,7 +133,7 @@ def main():
     times, cpus = [], []
     for _ in range(int(meta.get("reps", 1))):
         t0, c0 = time.perf_counter(), time.process_time()
-        kept, me, oe = compact(K, V, Q, t, chunk, n_sink, recent_frac, floor)
+        kept, me, oe, _ = compact(K, V, Q, t, chunk, n_sink, recent_frac, floor, ridge)
         times.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
     med, best, cmed = statistics.median(times), min(times), statistics.median(cpus)

@@ -111,9 +111,9 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
         /* the options am_scipy.py needs to compute the same thing (the defaults: exact sinks and
          * recent window, the beta floor) */
         fprintf(f, "T %lld\nd %lld\nn %lld\nt %lld\nchunk %lld\nselect %s\nn_sink %lld\n"
-                "recent_frac %.17g\nbeta_floor %.17g\n", (long long)T, (long long)d, (long long)n,
-                (long long)t, (long long)o.chunk, omp ? "omp" : "highest", (long long)o.n_sink,
-                o.recent_frac, o.beta_floor);
+                "recent_frac %.17g\nbeta_floor %.17g\nridge %.17g\n", (long long)T, (long long)d,
+                (long long)n, (long long)t, (long long)o.chunk, omp ? "omp" : "highest",
+                (long long)o.n_sink, o.recent_frac, o.beta_floor, o.ridge);
         fclose(f);
         if (dump(dump_dir, "k.f32", k, (size_t)(T * d)) || dump(dump_dir, "v.f32", v, (size_t)(T * d)) ||
             dump(dump_dir, "q.f32", q, (size_t)(n * d)))

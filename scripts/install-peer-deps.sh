@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # install-peer-deps.sh: install the PyPI packages of the peer checks (tests/peer/run.sh: the
 # built-in model against transformers, examples/capture_hf.py against kvcc capture): torch,
-# transformers, gguf, accelerate, h5py, numpy, and pytest (the Python package's tests,
-# python/tests). Called by `make test` (so a fresh machine runs the peer checks instead of
-# skipping them) and by tests/peer/run.sh --install. Idempotent: quiet when
-# everything imports. KVCC_NO_PEER_INSTALL=1 skips the install (the checks then say "skipped").
+# transformers, gguf, accelerate, h5py, numpy, scipy (python/tests/test_am_scipy.py: the AM
+# compaction against bench/am_scipy.py), and pytest (the Python package's tests, python/tests).
+# Called by `make test` (so a fresh machine runs the peer checks instead of skipping them) and
+# by tests/peer/run.sh --install. Idempotent: quiet when everything imports. KVCC_NO_PEER_INSTALL=1 skips the install (the checks then say "skipped").
 set -euo pipefail
 
 PY=${PYTHON:-python3}
-MODS="torch transformers gguf accelerate h5py numpy pytest"
+MODS="torch transformers gguf accelerate h5py numpy scipy pytest"
 if $PY -c "import ${MODS// /, }" >/dev/null 2>&1; then exit 0; fi
 if [ "${KVCC_NO_PEER_INSTALL:-0}" = 1 ]; then
   echo "kvcc: peer-check packages missing and KVCC_NO_PEER_INSTALL=1: the peer checks will be skipped" >&2
