@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """am_scipy.py: the Attention Matching compaction of one head (runtime/cpu/am.c, HighestAttnKeys)
-written with numpy + scipy (scipy.optimize.nnls, numpy.linalg.lstsq), timed on the inputs that
+written with numpy + scipy (scipy.optimize.nnls, scipy.linalg.cho_factor), timed on the inputs that
 bench_am --head T --dump DIR wrote. Called by bench/am_vs_scipy.sh, which prints the ratio of
 the two times, and imported by python/tests/test_am_scipy.py, which checks the C compaction
 against it on real SmolLM2 activations.
