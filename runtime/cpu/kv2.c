@@ -266,7 +266,9 @@ int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int 
 #include "cpu/vexp.h" /* exp_nonpos_f32 */
 
 #define KV2_ROWS 64          /* stacked (query, query head) rows per tile, at least G */
-#define KV2_MNK (1 << 18)    /* each sgemm stays single-threaded in OpenBLAS (see attend.c) */
+#define KV2_MNK (1 << 18)    /* rows x d x cb: the log-sum-exp's block of cb keys */
+#define KV2_GEMM_KEYS 1024   /* keys per logit product (a multiple of cb): products of cb keys
+                              * (64 at d 64) spent more in oneDNN's call than in the multiply */
 
 /* One row's online log-sum-exp over a block of logits z [len]: running max *m, sum *s of
  * exp(z - *m) (the block's sum in f32, the running sum in double). The block's sum runs in
@@ -319,16 +321,11 @@ static void lse_first(float *z, int64_t len, float *m, double *s) {
 }
 
 /* S [rows, nc] (leading dimension lds) = scale * Qp [rows, d] B^T, B rows b [nc] with stride
- * ldb, in sgemm pieces of at most KV2_MNK. */
+ * ldb: one single-threaded product (each entry one dot product over d, whatever nc). */
 static void logits(const float *Qp, int64_t rows, uint32_t d, const float *b, size_t ldb,
                    int64_t nc, float scale, float *S, int64_t lds) {
-    int64_t cb = KV2_MNK / (rows * (int64_t)d);
-    cb = cb < 16 ? 16 : cb;
-    for (int64_t c0 = 0; c0 < nc; c0 += cb) {
-        const int64_t n = nc - c0 < cb ? nc - c0 : cb;
-        kvrt_cpu_sgemm_1t(1, (int)rows, (int)n, (int)d, scale, Qp, (int)d, b + (size_t)c0 * ldb,
-                          (int)ldb, 0.0f, S + c0, (int)lds);
-    }
+    kvrt_cpu_sgemm_1t(1, (int)rows, (int)nc, (int)d, scale, Qp, (int)d, b, (int)ldb, 0.0f, S,
+                      (int)lds);
 }
 
 typedef struct {
@@ -338,12 +335,13 @@ typedef struct {
 } kv2_score_args;
 
 /* Tile (KV head hk, queries i0 .. i0 + nb - 1): the maxima of the chunk's weights over its rows
- * into pm [hi - lo] (max-combined). Scratch: Qp [rows, d], Sc [rows, W], Sb [rows, CB], m, mw,
- * s [rows]. */
+ * into pm [hi - lo] (max-combined). Scratch: Qp [rows, d], Sc [rows, W], Sb [rows, gb], m, mw,
+ * s [rows]. The logits outside the window come gb keys per product; each row's log-sum-exp
+ * takes them in blocks of cb keys (gb a multiple of cb), in key order. */
 KVRT_SIMD_CLONES
 static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t nb, float *Qp,
-                       float *Sc, float *Sb, int64_t cb, float *m, float *mw, double *s,
-                       float *pm) {
+                       float *Sc, float *Sb, int64_t cb, int64_t gb, float *m, float *mw,
+                       double *s, float *pm) {
     const uint32_t G = a->G, d = a->d;
     const int64_t rows = nb * G, W = a->hi - a->lo, C = a->C;
     const size_t ld = (size_t)a->Hkv * d;
@@ -359,22 +357,29 @@ static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t
     /* the rest of the context: [0, lo) and [hi, C) */
     for (int part = 0; part < 2; part++) {
         const int64_t p0 = part == 0 ? 0 : a->hi, p1 = part == 0 ? a->lo : C;
-        for (int64_t c0 = p0; c0 < p1; c0 += cb) {
-            const int64_t nc = p1 - c0 < cb ? p1 - c0 : cb;
-            logits(Qp, rows, d, a->k + (size_t)c0 * ld + (size_t)hk * d, ld, nc, scale, Sb, cb);
-            for (int64_t r = 0; r < rows; r++) lse_update(Sb + (size_t)r * cb, nc, &m[r], &s[r]);
+        for (int64_t g0 = p0; g0 < p1; g0 += gb) {
+            const int64_t ng = p1 - g0 < gb ? p1 - g0 : gb;
+            logits(Qp, rows, d, a->k + (size_t)g0 * ld + (size_t)hk * d, ld, ng, scale, Sb, gb);
+            for (int64_t s0 = 0; s0 < ng; s0 += cb) {
+                const int64_t nc = ng - s0 < cb ? ng - s0 : cb;
+                for (int64_t r = 0; r < rows; r++)
+                    lse_update(Sb + (size_t)r * gb + s0, nc, &m[r], &s[r]);
+            }
         }
     }
     /* the appended keys: query i sees k_new[0 .. i] */
     if (a->k_new)
-        for (int64_t c0 = 0; c0 < i0 + nb; c0 += cb) {
-            const int64_t nc = i0 + nb - c0 < cb ? i0 + nb - c0 : cb;
-            logits(Qp, rows, d, a->k_new + (size_t)c0 * ld + (size_t)hk * d, ld, nc, scale, Sb,
-                   cb);
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t vis = i0 + r / G - c0 + 1;
-                if (vis > 0)
-                    lse_update(Sb + (size_t)r * cb, vis < nc ? vis : nc, &m[r], &s[r]);
+        for (int64_t g0 = 0; g0 < i0 + nb; g0 += gb) {
+            const int64_t ng = i0 + nb - g0 < gb ? i0 + nb - g0 : gb;
+            logits(Qp, rows, d, a->k_new + (size_t)g0 * ld + (size_t)hk * d, ld, ng, scale, Sb,
+                   gb);
+            for (int64_t s0 = 0; s0 < ng; s0 += cb) {
+                const int64_t c0 = g0 + s0, nc = ng - s0 < cb ? ng - s0 : cb;
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t vis = i0 + r / G - c0 + 1;
+                    if (vis > 0)
+                        lse_update(Sb + (size_t)r * gb + s0, vis < nc ? vis : nc, &m[r], &s[r]);
+                }
             }
         }
     /* weight exp(z - lse) = exp(z - mw) exp(mw - lse), lse >= mw */
@@ -409,10 +414,11 @@ int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t H, const flo
     const int64_t rows = a.qb * a.G, W = hi - lo;
     int64_t cb = KV2_MNK / (rows * (int64_t)d);
     cb = cb < 16 ? 16 : cb;
+    const int64_t gb = cb * (KV2_GEMM_KEYS / cb > 1 ? KV2_GEMM_KEYS / cb : 1);
     const int64_t nqb = (n_q + a.qb - 1) / a.qb, tiles = (int64_t)Hkv * nqb;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > tiles) nt = (int)tiles;
-    const size_t per = (size_t)rows * d + (size_t)rows * W + (size_t)rows * cb +
+    const size_t per = (size_t)rows * d + (size_t)rows * W + (size_t)rows * gb +
                        2 * (size_t)rows + (size_t)Hkv * W;
     float *scr = malloc(sizeof(float) * per * (size_t)nt);
     double *ss = malloc(sizeof(double) * (size_t)rows * (size_t)nt);
@@ -431,10 +437,10 @@ int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t H, const flo
         tid = omp_get_thread_num();
 #endif
         float *Qp = scr + per * tid, *Sc = Qp + (size_t)rows * d, *Sb = Sc + (size_t)rows * W;
-        float *m = Sb + (size_t)rows * cb, *mw = m + rows, *pm = mw + rows;
+        float *m = Sb + (size_t)rows * gb, *mw = m + rows, *pm = mw + rows;
         const uint32_t hk = (uint32_t)(ti / nqb);
         const int64_t i0 = (ti % nqb) * a.qb, nb = n_q - i0 < a.qb ? n_q - i0 : a.qb;
-        score_tile(&a, hk, i0, nb, Qp, Sc, Sb, cb, m, mw, ss + (size_t)rows * tid,
+        score_tile(&a, hk, i0, nb, Qp, Sc, Sb, cb, gb, m, mw, ss + (size_t)rows * tid,
                    pm + (size_t)hk * W);
     }
     for (size_t i = 0; i < (size_t)Hkv * W; i++) {

@@ -1609,7 +1609,11 @@ static void test_kv2_score(kvrt_ctx *ctx, const char *bk) {
         int64_t C, lo, hi;
         int appended;
     } shapes[] = {{41, 8, 2, 64, 517, 100, 357, 1}, {41, 8, 2, 64, 517, 100, 357, 0},
-                  {3, 9, 3, 64, 96, 4, 96, 1}};
+                  {3, 9, 3, 64, 96, 4, 96, 1},
+                  /* the CPU's logits outside the window in products of 1024 keys and its
+                   * log-sum-exp in blocks of 64 (runtime/cpu/kv2.c): several of each, and
+                   * appended keys past one block */
+                  {70, 8, 2, 64, 2900, 300, 560, 1}};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const int64_t nq = shapes[si].n_q, C = shapes[si].C, lo = shapes[si].lo, hi = shapes[si].hi;
         const uint32_t H = shapes[si].H, Hkv = shapes[si].Hkv, d = shapes[si].d;
