@@ -15,8 +15,10 @@
  * of the KV head stacked as rows (Q [R = queries * G, d]); per tile the chunk's logits
  * S [R, hi - lo] (sgemm), then the rest of the context and the causal appended keys in blocks
  * of columns for each row's log-sum-exp (online max and sum), then max over rows of
- * exp(S - lse). Memory per thread O(R * (hi - lo)); every sgemm stays at M N K <= 2^18 (OpenBLAS
- * single-threaded inside the parallel region, see attend.c). The tiles depend on the shapes
+ * exp(S - lse). Memory per thread O(R * (hi - lo)). The logits' products take up to
+ * KV2_GEMM_KEYS keys on oneDNN (one thread per product); on OpenBLAS every product stays at
+ * M N K <= 2^18, the size OpenBLAS does not thread (single-threaded inside the parallel region,
+ * see attend.c), as all of them did before oneDNN. The tiles depend on the shapes
  * only and the row maxima combine by max (exact), so the output is the same whatever the
  * thread count. Tolerances against the _refs: tests/unit/test_kv2.c.
  */
@@ -267,8 +269,9 @@ int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int 
 
 #define KV2_ROWS 64          /* stacked (query, query head) rows per tile, at least G */
 #define KV2_MNK (1 << 18)    /* rows x d x cb: the log-sum-exp's block of cb keys */
-#define KV2_GEMM_KEYS 1024   /* keys per logit product (a multiple of cb): products of cb keys
-                              * (64 at d 64) spent more in oneDNN's call than in the multiply */
+#define KV2_GEMM_KEYS 1024   /* keys per logit product on oneDNN (a multiple of cb): products of
+                              * cb keys (64 at d 64) spent more in oneDNN's call than in the
+                              * multiply */
 
 /* One row's online log-sum-exp over a block of logits z [len]: running max *m, sum *s of
  * exp(z - *m) (the block's sum in f32, the running sum in double). The block's sum runs in
@@ -321,11 +324,14 @@ static void lse_first(float *z, int64_t len, float *m, double *s) {
 }
 
 /* S [rows, nc] (leading dimension lds) = scale * Qp [rows, d] B^T, B rows b [nc] with stride
- * ldb: one single-threaded product (each entry one dot product over d, whatever nc). */
+ * ldb, in single-threaded products of at most pn keys (each entry one dot product over d). */
 static void logits(const float *Qp, int64_t rows, uint32_t d, const float *b, size_t ldb,
-                   int64_t nc, float scale, float *S, int64_t lds) {
-    kvrt_cpu_sgemm_1t(1, (int)rows, (int)nc, (int)d, scale, Qp, (int)d, b, (int)ldb, 0.0f, S,
-                      (int)lds);
+                   int64_t nc, int64_t pn, float scale, float *S, int64_t lds) {
+    for (int64_t c0 = 0; c0 < nc; c0 += pn) {
+        const int64_t n = nc - c0 < pn ? nc - c0 : pn;
+        kvrt_cpu_sgemm_1t(1, (int)rows, (int)n, (int)d, scale, Qp, (int)d, b + (size_t)c0 * ldb,
+                          (int)ldb, 0.0f, S + c0, (int)lds);
+    }
 }
 
 typedef struct {
@@ -349,7 +355,7 @@ static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t
     for (int64_t ii = 0; ii < nb; ii++) /* rows ii * G + g: the G heads of query i0 + ii */
         memcpy(Qp + (size_t)ii * G * d, a->q + ((size_t)(i0 + ii) * a->H + (size_t)hk * G) * d,
                sizeof(float) * G * d);
-    logits(Qp, rows, d, a->k + (size_t)a->lo * ld + (size_t)hk * d, ld, W, scale, Sc, W);
+    logits(Qp, rows, d, a->k + (size_t)a->lo * ld + (size_t)hk * d, ld, W, gb, scale, Sc, W);
     for (int64_t r = 0; r < rows; r++) { /* Sc becomes exp(z - mw), mw the window's max */
         lse_first(Sc + (size_t)r * W, W, &m[r], &s[r]);
         mw[r] = m[r];
@@ -359,7 +365,8 @@ static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t
         const int64_t p0 = part == 0 ? 0 : a->hi, p1 = part == 0 ? a->lo : C;
         for (int64_t g0 = p0; g0 < p1; g0 += gb) {
             const int64_t ng = p1 - g0 < gb ? p1 - g0 : gb;
-            logits(Qp, rows, d, a->k + (size_t)g0 * ld + (size_t)hk * d, ld, ng, scale, Sb, gb);
+            logits(Qp, rows, d, a->k + (size_t)g0 * ld + (size_t)hk * d, ld, ng, gb, scale, Sb,
+                   gb);
             for (int64_t s0 = 0; s0 < ng; s0 += cb) {
                 const int64_t nc = ng - s0 < cb ? ng - s0 : cb;
                 for (int64_t r = 0; r < rows; r++)
@@ -371,8 +378,8 @@ static void score_tile(const kv2_score_args *a, uint32_t hk, int64_t i0, int64_t
     if (a->k_new)
         for (int64_t g0 = 0; g0 < i0 + nb; g0 += gb) {
             const int64_t ng = i0 + nb - g0 < gb ? i0 + nb - g0 : gb;
-            logits(Qp, rows, d, a->k_new + (size_t)g0 * ld + (size_t)hk * d, ld, ng, scale, Sb,
-                   gb);
+            logits(Qp, rows, d, a->k_new + (size_t)g0 * ld + (size_t)hk * d, ld, ng, gb, scale,
+                   Sb, gb);
             for (int64_t s0 = 0; s0 < ng; s0 += cb) {
                 const int64_t c0 = g0 + s0, nc = ng - s0 < cb ? ng - s0 : cb;
                 for (int64_t r = 0; r < rows; r++) {
@@ -414,7 +421,10 @@ int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_t H, const flo
     const int64_t rows = a.qb * a.G, W = hi - lo;
     int64_t cb = KV2_MNK / (rows * (int64_t)d);
     cb = cb < 16 ? 16 : cb;
-    const int64_t gb = cb * (KV2_GEMM_KEYS / cb > 1 ? KV2_GEMM_KEYS / cb : 1);
+    /* keys per product: OpenBLAS threads products past M N K = 2^18 (cb keys), oneDNN's
+     * single-threaded call does not */
+    const int64_t gb =
+        kvrt_cpu_gemm_is_dnnl() ? cb * (KV2_GEMM_KEYS / cb > 1 ? KV2_GEMM_KEYS / cb : 1) : cb;
     const int64_t nqb = (n_q + a.qb - 1) / a.qb, tiles = (int64_t)Hkv * nqb;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > tiles) nt = (int)tiles;
