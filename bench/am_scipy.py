@@ -30,8 +30,10 @@ import scipy.optimize
 
 
 def lround(x):
-    """C's llround for x >= 0 (halves away from zero; Python's round() goes to even)."""
-    return int(math.floor(x + 0.5))
+    """C's llround for x >= 0 (halves away from zero; Python's round() goes to even; floor(x + 0.5)
+    is off just below a half and for odd values past 2^52)."""
+    f = math.floor(x)
+    return int(f) + (1 if x - f >= 0.5 else 0)
 
 
 def ridge_values(X, Y, ridge):

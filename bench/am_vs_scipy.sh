@@ -44,11 +44,11 @@ esac
 echo "== $mode"
 for T in 4096 16384; do
   reps=${REPS:-5}
-  c=$("$BENCH_AM" --head "$T" --reps "$reps" --dump "$dir" "${flag[@]}")
+  c=$("$BENCH_AM" --head "$T" --reps "$reps" --dump "$dir" ${flag[@]+"${flag[@]}"})
   echo "C (system OpenBLAS, $(OPENBLAS_VERBOSE=2 "$BENCH_AM" --head 16 --reps 1 2>&1 | awk '/^Core/ {print $2}') kernels): $(echo "$c" | grep -v '^c_')"
-  ch=$(OPENBLAS_CORETYPE=Haswell "$BENCH_AM" --head "$T" --reps "$reps" "${flag[@]}")
+  ch=$(OPENBLAS_CORETYPE=Haswell "$BENCH_AM" --head "$T" --reps "$reps" ${flag[@]+"${flag[@]}"})
   echo "C (system OpenBLAS, Haswell kernels): $(echo "$ch" | grep -v '^c_')"
-  cb=$("$BENCH_AM" --head "$T" --reps "$reps" --products bf16 "${flag[@]}")
+  cb=$("$BENCH_AM" --head "$T" --reps "$reps" --products bf16 ${flag[@]+"${flag[@]}"})
   echo "C (products bf16): $(echo "$cb" | grep -v '^c_')"
   echo "reps $reps" >> "$dir/meta.txt"
   p=$(python3 bench/am_scipy.py "$dir")

@@ -141,11 +141,11 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     const double med = median(times, reps), cmed = median(cpus, reps);
     free(times);
     free(cpus);
-    printf("am head: T %6lld  d %lld  queries %lld  ratio %.2f (t %lld, kept %lld)  %s  chunk 4096: "
+    printf("am head: T %6lld  d %lld  queries %lld  ratio %.2f (t %lld, kept %lld)  %s  chunk %lld: "
            "%8.3f s (median of %d, best %.3f s; CPU %.3f s)  mass relerr %.4f  out relerr %.4f  "
            "products %s%s\n",
            (long long)T, (long long)d, (long long)n, ratio, (long long)t, (long long)st.kept,
-           omp ? "omp" : "highest", med, reps, best, cmed, st.mass_relerr, st.out_relerr, g_products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32",
+           omp ? "omp" : "highest", (long long)o.chunk, med, reps, best, cmed, st.mass_relerr, st.out_relerr, g_products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32",
            g_plain ? "  plain (no sinks, recent, floor)" : "");
     printf("c_seconds %.6f\nc_cpu_seconds %.6f\n", med, cmed);
     free(k); free(v); free(q);

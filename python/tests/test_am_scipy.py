@@ -22,15 +22,18 @@ import kvrt
 from conftest import LAYERS, ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import am_scipy  # noqa: E402  (bench/am_scipy.py; imports scipy)
+pytest.importorskip("scipy")  # scripts/install-peer-deps.sh installs it
+import am_scipy  # noqa: E402  (bench/am_scipy.py)
 
-T_KEEP = 32
 
-
+@pytest.mark.parametrize("t_keep,chunk", [(32, None), (33, 48)])
 @pytest.mark.parametrize("mode", ["defaults", "plain"])
-def test_am_one_head_matches_numpy_scipy(acts, mode):
+def test_am_one_head_matches_numpy_scipy(acts, mode, t_keep, chunk):
     opts = {} if mode == "defaults" else dict(n_sink=0, recent_frac=0.0, beta_floor=math.nan)
+    if chunk is not None:
+        opts["chunk"] = chunk
     o = kvrt.am_options(**opts)
+    T_KEEP = t_keep
     G, d = acts.H // acts.Hkv, acts.d
     checked = 0
     for layer in LAYERS:
@@ -41,7 +44,7 @@ def test_am_one_head_matches_numpy_scipy(acts, mode):
             cache, st = kvrt.am_compact(K, V, Q, T_KEEP, **opts)
             kept, me, oe, chunks = am_scipy.compact(K, V, Q, T_KEEP, o["chunk"], o["n_sink"],
                                                     o["recent_frac"], o["beta_floor"], o["ridge"])
-            where = f"layer {layer} KV head {h} ({mode})"
+            where = f"layer {layer} KV head {h} ({mode}, t {T_KEEP}, chunk {o['chunk']})"
             assert st["kept"] == kept, where
             c = cache.to_numpy()
             pos, bias = c.positions.astype(np.int64), c.bias.astype(np.float64)
