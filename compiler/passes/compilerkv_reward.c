@@ -411,6 +411,20 @@ int kvcc_ckv_base_create(const kvcc_ckv_layer *lc, const int32_t *pos, int64_t n
     return 0;
 }
 
+/* s[k] += sum over c, in order, of ((acc + cn) inv[k] - of)^2 at row k's offset k d + c, for
+ * nr rows side by side (independent chains). Inlined: called with the constant CKV_ERR_ROWS,
+ * the compiler keeps the sums in registers. */
+static inline __attribute__((always_inline)) void error_sums(const double *acc, const double *cn,
+                                                             const double *of, const double *inv,
+                                                             size_t d, int nr, double *s) {
+    for (size_t c = 0; c < d; c++)
+        for (int k = 0; k < nr; k++) {
+            const size_t o = (size_t)k * d + c;
+            const double diff = (acc[o] + cn[o]) * inv[k] - of[o];
+            s[k] += diff * diff;
+        }
+}
+
 /* Rows r0 .. r0 + nr - 1 (nr <= CKV_ERR_ROWS): their relative output errors into row_err, with
  * the base's numerators plus sum_b sign[b] w[t[b]] v[t[b]] (row_add_tokens, into acc: d doubles
  * per row). The rows' error sums over d are serial, as before, and run side by side
@@ -433,23 +447,10 @@ static void rows_error(const kvcc_ckv_layer *lc, size_t r0, int nr, const kvcc_c
     }
     double s[CKV_ERR_ROWS] = {0};
     const double *cn = lc->cnum + r0 * d, *of = lc->o_full + r0 * d; /* rows r0.. adjacent */
-    if (nr == CKV_ERR_ROWS) { /* a constant count: the sums stay in registers */
-        for (size_t c = 0; c < d; c++) {
-#pragma GCC unroll 8
-            for (int k = 0; k < CKV_ERR_ROWS; k++) {
-                const size_t o = (size_t)k * d + c;
-                const double diff = (acc[o] + cn[o]) * inv[k] - of[o];
-                s[k] += diff * diff;
-            }
-        }
-    } else {
-        for (size_t c = 0; c < d; c++)
-            for (int k = 0; k < nr; k++) {
-                const size_t o = (size_t)k * d + c;
-                const double diff = (acc[o] + cn[o]) * inv[k] - of[o];
-                s[k] += diff * diff;
-            }
-    }
+    if (nr == CKV_ERR_ROWS) /* a constant count: the sums stay in registers */
+        error_sums(acc, cn, of, inv, d, CKV_ERR_ROWS, s);
+    else
+        error_sums(acc, cn, of, inv, d, nr, s);
     for (int k = 0; k < nr; k++) row_err[k] = sqrt(s[k]) / (lc->o_norm[r0 + (size_t)k] + 1e-30);
 }
 
@@ -458,9 +459,8 @@ int kvcc_ckv_error(const kvcc_ckv_layer *lc, const kvcc_ckv_base *base, const in
     if (!lc || !scratch || !err || n < 0 || (n && !pos) || !positions_ok(lc, pos, n)) return -1;
     const size_t NH = (size_t)lc->N * lc->H, d = lc->d;
     /* scratch (kvcc_ckv_scratch_doubles): the rows' errors (N H), CKV_ERR_ROWS rows' numerators
-     * (d each), then
-     * the symmetric difference with the base: at most 2 C tokens (both lists ascend within
-     * [0, C)), their signs, then the tokens */
+     * (d each), then the symmetric difference with the base: at most 2 C tokens (both lists
+     * ascend within [0, C)), their signs, then the tokens */
     double *row_err = scratch, *acc = scratch + NH;
     double *ds = acc + CKV_ERR_ROWS * d;
     int32_t *dt = (int32_t *)(ds + 2 * (size_t)lc->C);
