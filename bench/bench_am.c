@@ -86,6 +86,20 @@ static int dump(const char *dir, const char *name, const float *x, size_t n) {
 }
 
 /* Part 1: one head. Returns 0 or 1. */
+/* FNV-1a over a host cache's entries (positions, bias, keys, values, offsets): the bits of a
+ * result, for A/B checks between builds (the printed errors show four digits) */
+static uint64_t cache_digest(const kvrt_cache *c) {
+    uint64_t h = 1469598103934665603ull;
+    const size_t es = c->dtype == KVRT_DTYPE_F32 ? 4 : 2, n = (size_t)c->n_entries;
+    const struct { const void *p; size_t bytes; } parts[] = {
+        {c->offsets, sizeof(int64_t) * (c->n_kv_heads + 1)}, {c->positions, 4 * n},
+        {c->bias, 4 * n}, {c->keys, es * n * c->head_dim}, {c->values, es * n * c->head_dim}};
+    for (size_t p = 0; p < sizeof parts / sizeof parts[0]; p++)
+        for (size_t i = 0; parts[p].p && i < parts[p].bytes; i++)
+            h = (h ^ ((const unsigned char *)parts[p].p)[i]) * 1099511628211ull;
+    return h;
+}
+
 static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     const int64_t d = 128, n = 4096;
     const double ratio = 0.05;
@@ -124,12 +138,14 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     double *cpus = malloc(sizeof(double) * (size_t)reps);
     if (!times || !cpus) { fprintf(stderr, "bench_am: out of memory\n"); return 1; }
     kvrt_am_stats st = {0};
+    uint64_t digest = 0;
     for (int r = 0; r < reps; r++) {
         kvrt_cache *c = NULL;
         const double t0 = now_s(), c0 = cpu_s();
         int rc = kvrt_am_compact(g_ctx, &o, k, v, T, (uint32_t)d, q, NULL, n, t, KVRT_DTYPE_F32, &c, &st);
         const double dt = now_s() - t0;
         cpus[r] = cpu_s() - c0;
+        if (rc == KVRT_OK) digest = cache_digest(c);
         kvrt_cache_free(c);
         if (rc) {
             fprintf(stderr, "bench_am: %s\n", kvrt_last_error()->msg);
@@ -148,6 +164,8 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
            omp ? "omp" : "highest", (long long)o.chunk, med, reps, best, cmed, st.mass_relerr, st.out_relerr, g_products == KVRT_AM_PRODUCTS_BF16 ? "bf16" : "f32",
            g_plain ? "  plain (no sinks, recent, floor)" : "");
     printf("c_seconds %.6f\nc_cpu_seconds %.6f\n", med, cmed);
+    printf("c_digest %016llx\n", (unsigned long long)digest);
+    printf("c_stats %.17g %.17g\n", st.mass_relerr, st.out_relerr);
     free(k); free(v); free(q);
     return 0;
 }
