@@ -54,6 +54,8 @@
 #define AM_QBLK 256  /* query rows per block of the causal logit / value products (fixed) */
 #define AM_FITROWS 512 /* rows per block of the fit's row loops and output product (fixed) */
 #define AM_KROUND 256  /* the bf16 products' key counts are rounded up to a multiple of this */
+#define AM_SELROUND 32 /* psel_fill's key counts: rounded up to a multiple of this (<= AM_KROUND) */
+static inline int64_t am_ldm(int64_t ts) { return (ts + 7) / 8 * 8; } /* gather_cols' rows */
 #ifdef _OPENMP
 #define am_max_threads() omp_get_max_threads()
 #define am_thread() omp_get_thread_num()
@@ -119,8 +121,9 @@ typedef struct {
     double *part;   /* [nblk, Tc] column partial sums */
     float *score;   /* [Tc] */
     int32_t *sel;   /* [t] */
-    double *MS;     /* [n, t] P[:, sel] (later X) */
+    double *MS;     /* [n, am_ldm(t)] P[:, sel] (rows of am_ldm(ts)), later X (rows of kept) */
     double *G;      /* [t, t] */
+    double *G2, *C2; /* [t, t], [t, d]: fit_grams' second halves */
     double *cvec;   /* [t] */
     double *w;      /* [t] */
     double *scale;  /* [t] */
@@ -155,10 +158,10 @@ typedef struct {
     uint16_t *Pbs;  /* [nslot, AM_QBLK, Tc] the block's rows of P in bf16 (dense rows of its keys) */
     float *rmx;     /* [n] a row's max, where its P was formed as exp(z - max) (shift[i]) */
     unsigned char *shift; /* [n] */
-    float *Psel;    /* [n, tr] P[:, sel] (tr: the selected keys rounded up to AM_KROUND; room
+    float *Psel;    /* [n, tr] P[:, sel] (tr: the selected keys rounded up to AM_SELROUND; room
                      * for t rounded) */
     uint16_t *Ksb;  /* [tr, d] the selected keys in bf16, zero rows past ts */
-    int32_t *iota, *pidx, *sel0; /* [t] 0..t-1; kept entry -> column of Psel; sel before keep */
+    int32_t *pidx, *sel0; /* [t] kept entry -> column of Psel; sel before keep */
     kvrt_cpu_nnls_ws nw;
     size_t S_bytes, part_bytes, Pb_bytes, nd_bytes, MS_bytes, Yf_bytes, QKVb_bytes, Sb_bytes,
         Pbs_bytes, Psel_bytes; /* for kvrt_cpu_scratch_free */
@@ -169,11 +172,11 @@ static void am_blocks_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->Sb, w->Sb_bytes);
     kvrt_cpu_scratch_free(w->Pbs, w->Pbs_bytes);
     kvrt_cpu_scratch_free(w->Psel, w->Psel_bytes);
-    free(w->rmx); free(w->shift); free(w->Ksb); free(w->iota); free(w->pidx); free(w->sel0);
+    free(w->rmx); free(w->shift); free(w->Ksb); free(w->pidx); free(w->sel0);
     w->Sb = w->Psel = w->rmx = NULL;
     w->Pbs = w->Ksb = NULL;
     w->shift = NULL;
-    w->iota = w->pidx = w->sel0 = NULL;
+    w->pidx = w->sel0 = NULL;
 }
 
 static void am_ws_free(am_ws *w) {
@@ -189,7 +192,8 @@ static void am_ws_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->Yf, w->Yf_bytes);
     free(w->ops); free(w->mass);
     free(w->score);
-    free(w->sel); free(w->G); free(w->cvec); free(w->w); free(w->scale); free(w->C);
+    free(w->sel); free(w->G); free(w->G2); free(w->C2); free(w->cvec); free(w->w);
+    free(w->scale); free(w->C);
     free(w->rowsum);
     free(w->rerr);
     free(w->colsum);
@@ -222,7 +226,7 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
     /* the large buffers from the CPU backend's scratch (kept between calls: fresh pages cost
      * ~10% of a one-head call's CPU time in page faults) */
     w->nd_bytes = sizeof(double) * (size_t)(n * d);
-    w->MS_bytes = sizeof(double) * (size_t)(n * (t > 0 ? t : 1));
+    w->MS_bytes = sizeof(double) * (size_t)(n * am_ldm(t > 0 ? t : 1));
     w->S = kvrt_cpu_scratch_alloc(w->S_bytes);
     w->part = kvrt_cpu_scratch_alloc(w->part_bytes);
     w->Y = kvrt_cpu_scratch_alloc(w->nd_bytes);
@@ -234,7 +238,8 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
              AM_ALLOC(w->ops, 2 * ((n + AM_QBLK - 1) / AM_QBLK)) &&
              AM_ALLOC(w->mass, n) && AM_ALLOC(w->rerr, n) &&
              AM_ALLOC(w->score, Tc) && AM_ALLOC(w->sel, t) &&
-             AM_ALLOC(w->G, t * t) && AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
+             AM_ALLOC(w->G, t * t) && AM_ALLOC(w->G2, t * t) && AM_ALLOC(w->C2, t * d) &&
+             AM_ALLOC(w->cvec, t) && AM_ALLOC(w->w, t) &&
              AM_ALLOC(w->scale, t) && AM_ALLOC(w->C, t * d) && AM_ALLOC(w->rowsum, n) &&
              AM_ALLOC(w->colsum, Tc) && AM_ALLOC(w->vis, n) && kvrt_cpu_nnls_ws_alloc(&w->nw, t) == 0;
     if (ok && omp)
@@ -257,7 +262,7 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
      * stored path */
     if (ok && bf16 && !omp && kvrt_cpu_gemm_is_dnnl() &&
         __atomic_load_n(&am_blocks_on, __ATOMIC_RELAXED)) {
-        const int64_t tr = (t + AM_KROUND - 1) / AM_KROUND * AM_KROUND;
+        const int64_t tr = (t + AM_SELROUND - 1) / AM_SELROUND * AM_SELROUND;
         const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
         w->nslot = slots < 1 ? 1 : slots > nqb ? (int)nqb : slots;
         w->Sb_bytes = sizeof(float) * (size_t)w->nslot * AM_QBLK * (size_t)Tc;
@@ -267,9 +272,8 @@ static int am_ws_alloc(am_ws *w, int64_t n, int64_t Tc, int64_t t, int64_t d, in
         w->Pbs = kvrt_cpu_scratch_alloc(w->Pbs_bytes);
         w->Psel = kvrt_cpu_scratch_alloc(w->Psel_bytes);
         w->blocks = w->Sb && w->Pbs && w->Psel && AM_ALLOC(w->rmx, n) && AM_ALLOC(w->shift, n) &&
-                    AM_ALLOC(w->Ksb, tr * d) && AM_ALLOC(w->iota, t) && AM_ALLOC(w->pidx, t) &&
+                    AM_ALLOC(w->Ksb, tr * d) && AM_ALLOC(w->pidx, t) &&
                     AM_ALLOC(w->sel0, t);
-        for (int64_t a = 0; w->blocks && a < t; a++) w->iota[a] = (int32_t)a;
         if (!w->blocks) am_blocks_free(w); /* out of memory for them: the stored path */
     }
 #undef AM_ALLOC
@@ -742,13 +746,15 @@ static kvrt_bf16mm_op value_op_bf16(const am_ws *ws, int64_t ldS, int64_t d, int
                             .C = Yf + i0 * d, .ldc = (int)d};
 }
 
-/* The bf16 operands of the chunk [k0, k0 + Tc): Qb = q [n, d], Kb and Vb its keys and values in
- * dense rows. */
-static float bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k, const float *v,
-                           int64_t ld, int64_t k0, int64_t Tc, int64_t d) {
+/* Rows [i0, i1) of bf16_operands (i < n: query row i; else key and value row i - n); returns
+ * max |v| over its value rows. Compiled for AVX-512 and AVX2 too (the outlined OpenMP body is
+ * not: at SSE2 the conversion of a T 4096 head took ~1 ms). Integer rounding and a max: the same
+ * bits on every ISA. */
+KVRT_SIMD_CLONES
+static float operand_rows(am_ws *ws, const float *q, int64_t n, const float *k, const float *v,
+                          int64_t ld, int64_t k0, int64_t d, int64_t i0, int64_t i1) {
     float vmax = 0;
-#pragma omp parallel for schedule(static) reduction(max : vmax) if (n + Tc > 1024)
-    for (int64_t i = 0; i < n + Tc; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         if (i < n) {
             row_bf16(q + i * d, d, ws->Qb + i * d);
         } else {
@@ -759,6 +765,22 @@ static float bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k,
 #pragma omp simd reduction(max : vmax)
             for (int64_t x = 0; x < d; x++) vmax = fabsf(vj[x]) > vmax ? fabsf(vj[x]) : vmax;
         }
+    }
+    return vmax;
+}
+
+/* The bf16 operands of the chunk [k0, k0 + Tc): Qb = q [n, d], Kb and Vb its keys and values in
+ * dense rows, in blocks of AM_OPROWS rows. */
+#define AM_OPROWS 256
+static float bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k, const float *v,
+                           int64_t ld, int64_t k0, int64_t Tc, int64_t d) {
+    float vmax = 0;
+    const int64_t nb = (n + Tc + AM_OPROWS - 1) / AM_OPROWS;
+#pragma omp parallel for schedule(static) reduction(max : vmax) if (nb > 4)
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i1 = (b + 1) * AM_OPROWS < n + Tc ? (b + 1) * AM_OPROWS : n + Tc;
+        const float m = operand_rows(ws, q, n, k, v, ld, k0, d, b * AM_OPROWS, i1);
+        vmax = m > vmax ? m : vmax;
     }
     return vmax; /* max |v| of the chunk */
 }
@@ -850,7 +872,7 @@ static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, const kvrt_bf16mm_o
     return KVRT_OK;
 }
 
-/* P[:, sel] [n, ts] into Psel (rows of tr = ts rounded up to AM_KROUND) when S does not hold P
+/* P[:, sel] [n, ts] into Psel (rows of tr = ts rounded up to AM_SELROUND) when S does not hold P
  * (prep_blocks): the selected keys' logits again, by the same bf16 product as am_prep's (query
  * blocks of AM_QBLK, the keys in dense rows, zero rows up to tr, the exponential in it where it
  * was), the rows that were formed against their max formed so again (shift: the redone rows from
@@ -860,7 +882,8 @@ static int prep_blocks(am_ws *ws, const kvrt_bf16mm_op *ops, const kvrt_bf16mm_o
  * widened f32 path differ from S in the last bits (1.2e-7 and 3e-8 relative in those tests). */
 static int psel_fill(am_ws *ws, const int32_t *sel, int64_t ts, int64_t n, int64_t d,
                      int64_t *tr_out) {
-    const int64_t tr = (ts + AM_KROUND - 1) / AM_KROUND * AM_KROUND, nqb = (n + AM_QBLK - 1) / AM_QBLK;
+    const int64_t tr = (ts + AM_SELROUND - 1) / AM_SELROUND * AM_SELROUND;
+    const int64_t nqb = (n + AM_QBLK - 1) / AM_QBLK;
     for (int64_t a = 0; a < ts; a++)
         memcpy(ws->Ksb + a * d, ws->Kb + (int64_t)sel[a] * d, sizeof(uint16_t) * (size_t)d);
     memset(ws->Ksb + ts * d, 0, sizeof(uint16_t) * (size_t)((tr - ts) * d));
@@ -988,13 +1011,22 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
  * each sum over the rows in order. */
 KVRT_SIMD_CLONES
 static void gather_cols_range(const float *S, int64_t n, int64_t ldS, const int32_t *sel,
-                              int64_t ts, int64_t a0, int64_t a1, const double *rowsum,
+                              int64_t ldm, int64_t a0, int64_t a1, const double *rowsum,
                               double *MS, double *scale, double *cvec) {
     for (int64_t a = a0; a < a1; a++) scale[a] = 0, cvec[a] = 0;
     for (int64_t i = 0; i < n; i++) {
         const float *row = S + i * ldS;
         const double r = rowsum[i];
-        double *m = MS + i * ts;
+        double *m = MS + i * ldm;
+        if (sel == NULL) { /* the columns themselves (Psel): loads, not gathers */
+#pragma omp simd
+            for (int64_t a = a0; a < a1; a++) {
+                const double x = (double)row[a] * r;
+                m[a] = x;
+                scale[a] += x * x;
+            }
+            continue;
+        }
 #pragma omp simd
         for (int64_t a = a0; a < a1; a++) {
             const double x = (double)row[sel[a]] * r;
@@ -1004,7 +1036,7 @@ static void gather_cols_range(const float *S, int64_t n, int64_t ldS, const int3
     }
     for (int64_t a = a0; a < a1; a++) scale[a] = scale[a] > 0 ? 1.0 / sqrt(scale[a]) : 0.0;
     for (int64_t i = 0; i < n; i++) {
-        double *m = MS + i * ts;
+        double *m = MS + i * ldm;
 #pragma omp simd
         for (int64_t a = a0; a < a1; a++) {
             m[a] *= scale[a];
@@ -1014,16 +1046,82 @@ static void gather_cols_range(const float *S, int64_t n, int64_t ldS, const int3
 }
 
 /* Columns in fixed groups of AM_FITCOLS, in parallel when par (each column's sums run over the
- * rows in order, whichever thread has it: the same bits at any thread count) */
-#define AM_FITCOLS 32
+ * rows in order, whichever thread has it: the same bits at any thread count). MS in rows of
+ * am_ldm(ts): a multiple of 8 doubles, so that groups of whole cache lines do not share one
+ * between threads (rows of ts = 99 did, and groups of 32 left one thread 64 columns of 99). */
+#define AM_FITCOLS 16
 static void gather_cols(const float *S, int64_t n, int64_t ldS, const int32_t *sel, int64_t ts,
                         const double *rowsum, double *MS, double *scale, double *cvec, int par) {
     const int64_t ng = (ts + AM_FITCOLS - 1) / AM_FITCOLS;
 #pragma omp parallel for schedule(dynamic, 1) if (par && ng > 1)
     for (int64_t g = 0; g < ng; g++)
-        gather_cols_range(S, n, ldS, sel, ts, g * AM_FITCOLS,
+        gather_cols_range(S, n, ldS, sel, am_ldm(ts), g * AM_FITCOLS,
                           (g + 1) * AM_FITCOLS < ts ? (g + 1) * AM_FITCOLS : ts, rowsum, MS, scale,
                           cvec);
+}
+
+/* The fit's Gram matrices: G = A^T A (the lower triangle: all nnls_gram's mirror and
+ * kvrt_cpu_ridge_solve read) and, when B is not NULL, C = A^T B, with A [n, t] in rows of lda
+ * and B [n, d] row-major. When par, as two halves of the rows side by side (the first n / 2
+ * rounded up to AM_FITROWS; one one-thread BLAS call each, into G, C and G2 [t, t], C2 [t, d]),
+ * then G += G2 and C += C2: a tall product of ~100 columns runs at ~50 GFLOP/s on a core in
+ * double, and one call per product left the other core waiting (T 4096, t 99: X^T X with X^T Y
+ * 2.1 -> 1.6 ms, the NNLS Gram 1.0 -> 0.6 ms). The halves do not depend on the thread count (on
+ * one thread they run in turn: the same bits). Without par (OpenBLAS threads its own calls), one
+ * call each. */
+static void fit_grams(const double *A, int64_t n, int64_t t, int64_t lda, const double *B,
+                      int64_t d, double *G, double *C, double *G2, double *C2, int par) {
+    if (!par) {
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)t, (int)n, 1.0, A, (int)lda, 0.0,
+                    G, (int)t);
+        if (B)
+            cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)t, (int)d, (int)n, 1.0, A,
+                        (int)lda, B, (int)d, 0.0, C, (int)d);
+        return;
+    }
+    const int64_t h = (n / 2 + AM_FITROWS - 1) / AM_FITROWS * AM_FITROWS;
+#pragma omp parallel for schedule(static, 1) num_threads(2)
+    for (int part = 0; part < 2; part++) {
+        const int64_t r0 = part ? h : 0, nr = part ? n - h : h;
+        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)t, (int)nr, 1.0, A + r0 * lda,
+                    (int)lda, 0.0, part ? G2 : G, (int)t);
+        if (B)
+            cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)t, (int)d, (int)nr, 1.0,
+                        A + r0 * lda, (int)lda, B + r0 * d, (int)d, 0.0, part ? C2 : C, (int)d);
+    }
+    for (int64_t a = 0; a < t; a++)
+#pragma omp simd
+        for (int64_t b = 0; b <= a; b++) G[a * t + b] += G2[a * t + b];
+    for (int64_t x = 0; B && x < t * d; x++) C[x] += C2[x];
+}
+
+/* rerr[i] = |O_i - Y_i| / (|Y_i| + 1e-30) for nb rows of d: the sums of squares in AM_LANES
+ * interleaved lanes added in a fixed order (one serial chain per row took ~0.4 ms of a T 4096
+ * head); statistics only, the same value at any thread count and ISA (no FMA contraction:
+ * ISO C11). */
+KVRT_SIMD_CLONES
+static void out_errors(const double *O, const double *Y, int64_t nb, int64_t d, double *rerr) {
+    for (int64_t i = 0; i < nb; i++) {
+        const double *o = O + i * d, *y = Y + i * d;
+        double num[AM_LANES] = {0}, den[AM_LANES] = {0};
+        const int64_t dl = d - d % AM_LANES;
+        for (int64_t x0 = 0; x0 < dl; x0 += AM_LANES) {
+#pragma omp simd
+            for (int64_t l = 0; l < AM_LANES; l++) {
+                const double e = o[x0 + l] - y[x0 + l];
+                num[l] += e * e;
+                den[l] += y[x0 + l] * y[x0 + l];
+            }
+        }
+        for (int64_t x = dl; x < d; x++) {
+            const double e = o[x] - y[x];
+            num[x - dl] += e * e;
+            den[x - dl] += y[x] * y[x];
+        }
+        double sn = 0, sd = 0;
+        for (int l = 0; l < AM_LANES; l++) sn += num[l], sd += den[l];
+        rerr[i] = sqrt(sn) / (sqrt(sd) + 1e-30);
+    }
 }
 
 /* Steps 3-8: compact the prepared chunk [k0, k0 + Tc) into tc entries, appended to res. P is
@@ -1066,10 +1164,9 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
             P = ws->Psel;
             memcpy(ws->sel0, ws->sel, sizeof(int32_t) * (size_t)ts);
         }
-        gather_cols(P, n, ldP, ws->s_valid ? ws->sel : ws->iota, ts, ws->rowsum, ws->MS,
+        gather_cols(P, n, ldP, ws->s_valid ? ws->sel : NULL, ts, ws->rowsum, ws->MS,
                     ws->scale, ws->cvec, par);
-        cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)ts, (int)n, 1.0, ws->MS, (int)ts,
-                    0.0, ws->G, (int)ts);
+        fit_grams(ws->MS, n, ts, am_ldm(ts), NULL, d, ws->G, NULL, ws->G2, NULL, par);
         for (int64_t a = 0; a < ts; a++) /* mirror: nnls_gram reads whole rows */
             for (int64_t b = a + 1; b < ts; b++) ws->G[a * ts + b] = ws->G[b * ts + a];
         for (int64_t a = 0; a < ts; a++) {
@@ -1114,16 +1211,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
     for (int64_t i = 0; i < n; i++) merr += rerr[i];
     double *XtX = ws->G;
     /* X^T X and X^T Y at once (two independent one-thread calls when par) */
-#pragma omp parallel for schedule(static, 1) num_threads(2) if (par)
-    for (int part = 0; part < 2; part++) {
-        if (part == 0)
-            cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)kept, (int)n, 1.0, X,
-                        (int)kept, 0.0, XtX, (int)kept); /* lower triangle: all ridge_solve
-                                                          * (dposv 'L') reads */
-        else
-            cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)kept, (int)d, (int)n, 1.0,
-                        X, (int)kept, ws->Y, (int)d, 0.0, ws->C, (int)d);
-    }
+    fit_grams(X, n, kept, kept, ws->Y, d, XtX, ws->C, ws->G2, ws->C2, par);
     int rc = kvrt_cpu_ridge_solve(XtX, ws->C, kept, d, o->ridge > 0 ? o->ridge : 1e-12);
     if (rc == KVRT_ERR_NOMEM) return KVRT_FAIL(rc, "kvrt_am_compact: out of memory");
     if (rc)
@@ -1138,15 +1226,7 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
         const int64_t i0 = b * AM_FITROWS, nb = n - i0 < AM_FITROWS ? n - i0 : AM_FITROWS;
         cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nb, (int)d, (int)kept, 1.0,
                     X + i0 * kept, (int)kept, ws->C, (int)d, 0.0, O + i0 * d, (int)d);
-        for (int64_t i = i0; i < i0 + nb; i++) {
-            double num = 0, den = 0;
-            for (int64_t x = 0; x < d; x++) {
-                const double y = ws->Y[i * d + x], e = O[i * d + x] - y;
-                num += e * e;
-                den += y * y;
-            }
-            rerr[i] = sqrt(num) / (sqrt(den) + 1e-30);
-        }
+        out_errors(O + i0 * d, ws->Y + i0 * d, nb, d, rerr + i0);
     }
     double oerr = 0;
     for (int64_t i = 0; ws->want_err && i < n; i++) oerr += rerr[i];
