@@ -146,6 +146,8 @@ typedef struct {
     uint16_t *Pb;   /* [n, Tc] P (the row pass writes it, rows at the stride of S; not by
                      * prep_blocks, which keeps each block's in its slot of Pbs) */
     kvrt_bf16mm_op *bops; /* [2 * ceil(n / AM_QBLK)] */
+    void *Kpk;      /* Kb in oneDNN's layout for the logit products (am_pack), or NULL */
+    size_t Kpk_bytes;
     /* bf16 products with HighestAttnKeys on oneDNN (prep_blocks): the logits of each query
      * block land in its thread's slot of Sb and are reduced there, so S is never written; the
      * fit's columns of P are computed again for the selected keys only (psel_fill) */
@@ -188,6 +190,7 @@ static void am_ws_free(am_ws *w) {
     kvrt_cpu_scratch_free(w->MS, w->MS_bytes);
     kvrt_cpu_scratch_free(w->Qb, w->QKVb_bytes);
     free(w->bops);
+    kvrt_cpu_scratch_free(w->Kpk, w->Kpk_bytes);
     am_blocks_free(w);
     kvrt_cpu_scratch_free(w->Yf, w->Yf_bytes);
     free(w->ops); free(w->mass);
@@ -933,6 +936,44 @@ static int overflow_fail(int64_t k0, int64_t Tc) {
                      (long long)k0, (long long)(k0 + Tc - 1));
 }
 
+/* B of ops[0] packed once into *buf (kvrt_cpu_bf16mm_pack: oneDNN copied it into its layout
+ * on every product) and given as Bp to every op that has the same layout (the full query blocks;
+ * a shorter last block whose layout differs reads B in rows). Nothing where fewer than two ops
+ * share it (causal blocks: each has its own keys), where oneDNN has no packed kernel, or where
+ * memory is short. The buffer is the CPU scratch's (kept between calls: at least 2 MiB), grown
+ * when needed. */
+static int same_shape(const kvrt_bf16mm_op *a, const kvrt_bf16mm_op *b) {
+    return a->tb == b->tb && a->exp == b->exp && a->m == b->m && a->n == b->n && a->k == b->k &&
+           a->lda == b->lda && a->ldb == b->ldb && a->ldc == b->ldc &&
+           memcmp(&a->alpha, &b->alpha, sizeof a->alpha) == 0;
+}
+static void am_pack(void **buf, size_t *cap, kvrt_bf16mm_op *ops, int64_t nops) {
+    for (int64_t b = 0; b < nops; b++) ops[b].Bp = NULL;
+    if (nops < 2) return;
+    const size_t bytes = kvrt_cpu_bf16mm_packed_bytes(&ops[0]);
+    if (bytes == 0) return;
+    unsigned char *use = calloc((size_t)nops, 1); /* the ops that can read it */
+    if (use == NULL) return;
+    int64_t users = 0;
+    for (int64_t b = 0; b < nops; b++)
+        users += use[b] = same_shape(&ops[0], &ops[b]) ||
+                          (ops[b].n == ops[0].n && ops[b].k == ops[0].k && /* else a new shape */
+                           kvrt_cpu_bf16mm_packed_same(&ops[0], &ops[b]));
+    if (users < 2) { /* causal blocks: each its own keys */
+        free(use);
+        return;
+    }
+    if (bytes > *cap) {
+        kvrt_cpu_scratch_free(*buf, *cap);
+        *cap = bytes > ((size_t)2 << 20) ? bytes : (size_t)2 << 20;
+        if ((*buf = kvrt_cpu_scratch_alloc(*cap)) == NULL) *cap = 0;
+    }
+    if (*buf && kvrt_cpu_bf16mm_pack(&ops[0], *buf) == 0)
+        for (int64_t b = 0; b < nops; b++)
+            if (use[b]) ops[b].Bp = *buf;
+    free(use);
+}
+
 /* Steps 1-2 of one chunk [k0, k0 + Tc) of one head, shared by every budget compacted from it:
  * logits, P = exp(z - rowmax), masses, Y = softmax(z) V, and the column sums of squares of
  * softmax(z) (HighestAttnKeys' scores, OMP's column norms). Queries are processed in blocks of
@@ -963,6 +1004,9 @@ static int am_prep(am_ws *ws, const float *k, const float *v, int64_t ld, int64_
     }
     ws->s_valid = !(ws->bf16 && ws->blocks && !gram);
     ws->exp_in = exp_in;
+    /* the keys packed once for the logit products (P V: packing V each chunk cost 0.2 ms at
+     * T 4096 and saved nothing measurable; docs/benchmarks.md) */
+    if (ws->bf16) am_pack(&ws->Kpk, &ws->Kpk_bytes, bops, nqb);
     if (!ws->s_valid) {
         int bad = 0;
         const int rc = prep_blocks(ws, bops, bops + nqb, nqb, n, Tc, qpos, k0,

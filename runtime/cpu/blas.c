@@ -133,6 +133,7 @@ static void exp_rows(float *C, int m, int n, int ldc) {
  * (kvrt_cpu_expmm_get: f32, dense rows, exp) and the bf16 products (kvrt_cpu_bf16mm_batch). */
 struct kvrt_cpu_expmm {
     int m, n, k, lda, ldb, ldc, tb, bf16, exp;
+    int packed;    /* B in the primitive's own layout (format any; kvrt_cpu_bf16mm_pack) */
     float alpha;
     int cached;    /* 1: owned by mm_cache (kvrt_cpu_expmm_put hands the reference back) */
     int refs;      /* cached: the gets not yet put (an entry in use is never evicted) */
@@ -140,6 +141,7 @@ struct kvrt_cpu_expmm {
 #if KVCC_WITH_DNNL
     dnnl_primitive_t prim;
     dnnl_memory_desc_t a, b, c, scratch;
+    dnnl_primitive_t reorder; /* packed: B from rows of ldb into b (built on the first pack) */
 #endif
 };
 typedef struct kvrt_cpu_expmm mm_prim;
@@ -178,6 +180,7 @@ static void mm_engine_init(void) {
 static void mm_destroy(mm_prim *p) {
     if (p == NULL) return;
     if (p->prim) dnnl_primitive_destroy(p->prim);
+    if (p->reorder) dnnl_primitive_destroy(p->reorder);
     free(p);
 }
 
@@ -202,7 +205,9 @@ static mm_prim *mm_build(const mm_prim *key) {
     dnnl_matmul_desc_t md;
     const int prev = omp_one_enter();
     dnnl_status_t st = dnnl_memory_desc_init_by_strides(&p->a, 2, da, dt, sa);
-    if (!st) st = dnnl_memory_desc_init_by_strides(&p->b, 2, db, dt, p->tb ? sbt : sbn);
+    if (!st)
+        st = p->packed ? dnnl_memory_desc_init_by_tag(&p->b, 2, db, dt, dnnl_format_tag_any)
+                       : dnnl_memory_desc_init_by_strides(&p->b, 2, db, dt, p->tb ? sbt : sbn);
     if (!st) st = dnnl_memory_desc_init_by_strides(&p->c, 2, dc, dnnl_f32, sc);
     if (!st) st = dnnl_primitive_attr_create(&attr);
     if (!st && p->exp) {
@@ -217,6 +222,10 @@ static mm_prim *mm_build(const mm_prim *key) {
     if (!st) {
         const dnnl_memory_desc_t *smd = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
         if (smd) p->scratch = *smd; else st = dnnl_runtime_error;
+    }
+    if (!st && p->packed) { /* the layout oneDNN chose for B */
+        const dnnl_memory_desc_t *wmd = dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+        if (wmd) p->b = *wmd; else st = dnnl_runtime_error;
     }
     if (!st) st = dnnl_primitive_create(&p->prim, pd);
     omp_one_leave(prev);
@@ -233,7 +242,8 @@ static mm_prim *mm_build(const mm_prim *key) {
 static int mm_same(const mm_prim *a, const mm_prim *b) {
     return a->m == b->m && a->n == b->n && a->k == b->k && a->lda == b->lda &&
            a->ldb == b->ldb && a->ldc == b->ldc && a->tb == b->tb && a->bf16 == b->bf16 &&
-           a->exp == b->exp && memcmp(&a->alpha, &b->alpha, sizeof a->alpha) == 0;
+           a->exp == b->exp && a->packed == b->packed &&
+           memcmp(&a->alpha, &b->alpha, sizeof a->alpha) == 0;
 }
 
 static uint64_t mm_clock;
@@ -428,7 +438,7 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
 #if KVCC_WITH_DNNL
     const mm_prim key = {.m = o->m, .n = o->n, .k = o->k, .lda = o->lda, .ldb = o->ldb,
                          .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .exp = o->exp != 0,
-                         .alpha = o->alpha};
+                         .alpha = o->alpha, .packed = o->Bp != NULL};
     mm_prim *p = __atomic_load_n(&bf16mm_on, __ATOMIC_RELAXED) ? mm_get(&key) : NULL;
     if (p != NULL) {
         const size_t sb = dnnl_memory_desc_get_size(&p->scratch);
@@ -437,7 +447,7 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
             mm_put(p);
             return -1;
         }
-        const int bad = mm_run(p, o->A, o->B, o->C, scr);
+        const int bad = mm_run(p, o->A, o->Bp ? o->Bp : (const void *)o->B, o->C, scr);
         mm_put(p);
         if (!bad) {
             __atomic_add_fetch(&bf16mm_runs, 1, __ATOMIC_RELAXED);
@@ -472,6 +482,85 @@ int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
     for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 0);
 #endif
     return bad ? -1 : 0;
+}
+
+#if KVCC_WITH_DNNL
+/* The packed primitive of o's shape (mm_get; NULL without a kernel or with bf16mm off) */
+static mm_prim *packed_get(const kvrt_bf16mm_op *o) {
+    if (!__atomic_load_n(&bf16mm_on, __ATOMIC_RELAXED) || o->m <= 0 || o->n <= 0 || o->k <= 0)
+        return NULL;
+    const mm_prim key = {.m = o->m, .n = o->n, .k = o->k, .lda = o->lda, .ldb = o->ldb,
+                         .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .exp = o->exp != 0,
+                         .alpha = o->alpha, .packed = 1};
+    return mm_get(&key);
+}
+#endif
+
+size_t kvrt_cpu_bf16mm_packed_bytes(const kvrt_bf16mm_op *o) {
+#if KVCC_WITH_DNNL
+    mm_prim *p = packed_get(o);
+    const size_t n = p ? dnnl_memory_desc_get_size(&p->b) : 0;
+    mm_put(p);
+    return n;
+#else
+    (void)o;
+    return 0;
+#endif
+}
+
+int kvrt_cpu_bf16mm_packed_same(const kvrt_bf16mm_op *a, const kvrt_bf16mm_op *b) {
+#if KVCC_WITH_DNNL
+    mm_prim *pa = packed_get(a), *pb = packed_get(b);
+    const int same = pa && pb && dnnl_memory_desc_equal(&pa->b, &pb->b);
+    mm_put(pa);
+    mm_put(pb);
+    return same;
+#else
+    (void)a; (void)b;
+    return 0;
+#endif
+}
+
+int kvrt_cpu_bf16mm_pack(const kvrt_bf16mm_op *o, void *dst) {
+#if KVCC_WITH_DNNL
+    mm_prim *p = packed_get(o);
+    if (p == NULL) return -1;
+    dnnl_memory_desc_t src;
+    dnnl_dims_t db = {o->k, o->n}, sbt = {1, o->ldb}, sbn = {o->ldb, 1};
+    dnnl_status_t st = dnnl_memory_desc_init_by_strides(&src, 2, db, dnnl_bf16, o->tb ? sbt : sbn);
+    /* the reorder is built once per cached primitive (under the table's lock: a build is a
+     * JIT compilation, ~0.1 ms) */
+    dnnl_primitive_t ro = NULL;
+    if (!st) {
+        pthread_mutex_lock(&mm_mu);
+        if (p->reorder == NULL) {
+            dnnl_primitive_desc_t rpd = NULL;
+            st = dnnl_reorder_primitive_desc_create(&rpd, &src, mm_engine, &p->b, mm_engine, NULL);
+            if (!st) st = dnnl_primitive_create(&p->reorder, rpd);
+            if (rpd) dnnl_primitive_desc_destroy(rpd);
+        }
+        ro = p->reorder;
+        pthread_mutex_unlock(&mm_mu);
+    }
+    dnnl_stream_t str = NULL;
+    dnnl_memory_t ms = NULL, md = NULL;
+    if (!st && ro) st = dnnl_stream_create(&str, mm_engine, dnnl_stream_default_flags);
+    if (!st) st = dnnl_memory_create(&ms, &src, mm_engine, (void *)o->B);
+    if (!st) st = dnnl_memory_create(&md, &p->b, mm_engine, dst);
+    if (!st) {
+        const dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, ms}, {DNNL_ARG_TO, md}};
+        st = dnnl_primitive_execute(ro, str, 2, args);
+        if (!st) st = dnnl_stream_wait(str);
+    }
+    if (md) dnnl_memory_destroy(md);
+    if (ms) dnnl_memory_destroy(ms);
+    if (str) dnnl_stream_destroy(str);
+    mm_put(p);
+    return st == dnnl_success && ro ? 0 : -1;
+#else
+    (void)o; (void)dst;
+    return -1;
+#endif
 }
 
 int kvrt_cpu_bf16mm_enable(int on) {

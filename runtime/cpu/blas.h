@@ -19,8 +19,9 @@
  *          kvrt_cpu_openblas_hold, kvrt_cpu_openblas_restore, kvrt_cpu_gemm_is_dnnl,
  *          kvrt_cpu_expmm (type), kvrt_cpu_expmm_get, kvrt_cpu_expmm_put, kvrt_cpu_expmm_scratch_bytes,
  *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_bf16mm_op,
- *          kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_enable, kvrt_cpu_bf16mm_runs, kvrt_cpu_bf16mm_isa,
- *          kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_packed_bytes, kvrt_cpu_bf16mm_pack,
+ *          kvrt_cpu_bf16mm_packed_same, kvrt_cpu_bf16mm_enable, kvrt_cpu_bf16mm_runs,
+ *          kvrt_cpu_bf16mm_isa, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
  */
 #ifndef KVRT_CPU_BLAS_H
 #define KVRT_CPU_BLAS_H
@@ -107,7 +108,9 @@ KVRT_INTERNAL uint64_t kvrt_cpu_expmm_runs(void);
 /* One product of bf16 operands (kvrt_cpu_bf16mm_batch): C (m, n) f32 = alpha A op(B), A (m, k)
  * in rows of lda, op(B) = B^T with B (n, k) rows of ldb when tb, else B (k, n) rows of ldb;
  * bf16 values as uint16_t (the high half of an f32). exp: C = exp(alpha A op(B)) instead, the
- * exponential in the kernel's epilogue (as kvrt_cpu_expmm; libm's expf on the widened path). */
+ * exponential in the kernel's epilogue (as kvrt_cpu_expmm; libm's expf on the widened path).
+ * Bp (or NULL): the same B in oneDNN's layout for this shape (kvrt_cpu_bf16mm_pack), read where
+ * that kernel runs; B itself is still read on every other path. */
 typedef struct {
     int tb, exp;
     int m, n, k;
@@ -115,6 +118,7 @@ typedef struct {
     const uint16_t *A, *B;
     float *C;
     int lda, ldb, ldc;
+    const void *Bp;
 } kvrt_bf16mm_op;
 
 /* Independent bf16 products with f32 accumulation (Attention Matching's products at
@@ -126,6 +130,18 @@ typedef struct {
  * which differs from the bf16 kernel by the order of the f32 sums only. Each C is the same
  * whatever the thread count. Returns 0, or -1 when out of memory (some C not written). */
 KVRT_INTERNAL int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops);
+/* B packed once for many products of one shape: oneDNN's matmul given B in rows copies it into
+ * its own blocked layout on every call (a product of 256 queries by 4096 keys copies all the
+ * keys; AM's logit products at T 4096: 6.2 -> 5.2 ms with B packed once, docs/benchmarks.md).
+ * kvrt_cpu_bf16mm_packed_bytes: the bytes of that layout for o's shape (m, n, k, tb, exp, alpha;
+ * its A, B and C are not read), 0 where oneDNN has no bf16 kernel (then Bp is not read either).
+ * kvrt_cpu_bf16mm_pack: o->B (rows of ldb as o says) into dst [packed_bytes]; 0, or -1 (no
+ * kernel, out of memory). kvrt_cpu_bf16mm_packed_same: whether two shapes share the layout (one
+ * packed B serves both). The values are the kernel's own on either layout up to the order of
+ * its sums over k, which the layout may change (tests/unit am/bf16_blocks_*). */
+KVRT_INTERNAL size_t kvrt_cpu_bf16mm_packed_bytes(const kvrt_bf16mm_op *o);
+KVRT_INTERNAL int kvrt_cpu_bf16mm_pack(const kvrt_bf16mm_op *o, void *dst);
+KVRT_INTERNAL int kvrt_cpu_bf16mm_packed_same(const kvrt_bf16mm_op *a, const kvrt_bf16mm_op *b);
 /* 0 turns oneDNN's bf16 kernel off process-wide (the widened f32 path runs), 1 back on (the
  * default); returns the previous setting. For tests. */
 KVRT_INTERNAL int kvrt_cpu_bf16mm_enable(int on);

@@ -5,7 +5,7 @@
  * 1 and 2 OpenMP threads (each product on one thread), kvrt_cpu_gemm_name naming a library, and
  * the product with the exponential in its epilogue (kvrt_cpu_expmm), and the bf16 products
  * (kvrt_cpu_bf16mm_batch) against the double product of the same bf16 values, on oneDNN's bf16
- * kernel and on the widened f32 path.
+ * kernel and on the widened f32 path, and with B packed once (kvrt_cpu_bf16mm_pack).
  */
 #include <criterion/criterion.h>
 
@@ -252,6 +252,69 @@ Test(blas, bf16mm_is_the_product_of_the_rounded_operands) {
                       "product %d row %d differs between 1 and the default threads", o, i);
         free(A[o]); free(B[o]); free(want[o]);
         for (int r = 0; r < 3; r++) free(C[r][o]);
+    }
+}
+
+/* B packed once (kvrt_cpu_bf16mm_pack) for products of one shape: the same values as B in rows
+ * (bit for bit for the logit shape on AMX, where AM's tests rely on it; within 1e-5 elsewhere),
+ * a packed B shared with a shorter last block only where the layout is the same, and no packed
+ * layout with the bf16 kernel off (then Bp is not read: the widened path uses B). */
+Test(blas, bf16mm_packed_b_gives_the_same_products) {
+    /* m, n, k, tb, exp: AM's logit block (keys by rows, exp), its value block, a small one */
+    const int shapes[3][5] = {{256, 700, 128, 1, 1}, {256, 128, 700, 0, 0}, {40, 24, 32, 1, 0}};
+    uint64_t s = 77;
+    for (int c = 0; c < 3; c++) {
+        const int m = shapes[c][0], n = shapes[c][1], k = shapes[c][2], tb = shapes[c][3],
+                  ex = shapes[c][4], rb = tb ? n : k, ldb = tb ? k : n;
+        uint16_t *A = malloc(sizeof(uint16_t) * (size_t)m * k);
+        uint16_t *B = malloc(sizeof(uint16_t) * (size_t)rb * ldb);
+        float *C0 = calloc((size_t)m * n, sizeof(float)), *C1 = calloc((size_t)m * n, sizeof(float));
+        for (int x = 0; x < m * k; x++) A[x] = kvrt_f32_to_bf16(rng_uniform(&s, -1.0f, 1.0f));
+        for (int x = 0; x < rb * ldb; x++) B[x] = kvrt_f32_to_bf16(rng_uniform(&s, -1.0f, 1.0f));
+        kvrt_bf16mm_op o = {.tb = tb, .exp = ex, .m = m, .n = n, .k = k,
+                            .alpha = ex ? 0.08838834764831845f : 1.0f, .A = A, .B = B, .C = C0,
+                            .lda = k, .ldb = ldb, .ldc = n};
+        cr_assert_eq(kvrt_cpu_bf16mm_batch(&o, 1), 0);
+        const size_t bytes = kvrt_cpu_bf16mm_packed_bytes(&o);
+        if (!kvrt_cpu_gemm_is_dnnl() || kvrt_cpu_bf16mm_isa() == 0) {
+            cr_expect_eq(bytes, 0u, "a packed layout without oneDNN's bf16 kernel");
+        } else {
+            cr_assert_gt(bytes, 0u, "shape %d: no packed layout", c);
+            void *pk = malloc(bytes);
+            cr_assert_eq(kvrt_cpu_bf16mm_pack(&o, pk), 0);
+            kvrt_bf16mm_op p = o;
+            p.C = C1;
+            p.Bp = pk;
+            uint16_t *Bz = calloc((size_t)rb * ldb, sizeof(uint16_t)); /* B in rows not read */
+            p.B = Bz;
+            cr_assert_eq(kvrt_cpu_bf16mm_batch(&p, 1), 0);
+            p.B = B;
+            free(Bz);
+            if (c == 0 && kvrt_cpu_bf16mm_isa() == 2)
+                cr_expect(memcmp(C0, C1, sizeof(float) * (size_t)m * n) == 0,
+                          "the logit shape: packed B gave other bits on AMX");
+            else
+                cr_expect(max_rel(C1, C0, m, n, n) <= 1e-5, "shape %d: packed B: %.3g", c,
+                          max_rel(C1, C0, m, n, n));
+            /* a shorter last block: shares the layout only where oneDNN says so */
+            kvrt_bf16mm_op last = o;
+            last.m = m / 2 + 1;
+            if (kvrt_cpu_bf16mm_packed_same(&o, &last)) {
+                last.Bp = pk;
+                last.C = C1;
+                cr_assert_eq(kvrt_cpu_bf16mm_batch(&last, 1), 0);
+                cr_expect(max_rel(C1, C0, last.m, n, n) <= 1e-5, "shape %d: the last block", c);
+            }
+            /* the kernel off: no layout, and an op with Bp reads B */
+            const int prev = kvrt_cpu_bf16mm_enable(0);
+            cr_expect_eq(kvrt_cpu_bf16mm_packed_bytes(&o), 0u);
+            memset(C1, 0, sizeof(float) * (size_t)m * n);
+            cr_assert_eq(kvrt_cpu_bf16mm_batch(&p, 1), 0);
+            kvrt_cpu_bf16mm_enable(prev);
+            cr_expect(max_rel(C1, C0, m, n, n) <= 1e-5, "shape %d: widened with Bp set", c);
+            free(pk);
+        }
+        free(A); free(B); free(C0); free(C1);
     }
 }
 
