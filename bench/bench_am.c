@@ -17,6 +17,8 @@
  * keys per round, default 1), --products f32|bf16 (kvrt_am_opts.products, default f32), --reps N,
  * --plain (part 1 only: no exact sinks or recent window and no beta floor, keys of NNLS weight 0
  * dropped: the plain algorithm of the paper, for bench/am_vs_scipy.sh's second comparison).
+ * Part 1 also prints c_digest (an FNV-1a of the compacted cache's bits) and c_stats (its mass and
+ * output errors to 17 digits): two builds compute the same thing when both lines match.
  * --fit-host: the host part of the CUDA backend's fit (runtime/cuda/am.cu runs the NNLS and the
  *   ridge solve on the host): kvrt_am_nnls_gram and kvrt_cpu_ridge_solve at 205, 410 and 820
  *   entries per chunk, 4096 reference rows, random positive columns scaled to unit norm, one
