@@ -14,11 +14,12 @@
  * bf16 products with HighestAttnKeys on oneDNN: each query block's logits are reduced in a
  * per-thread buffer (prep_blocks) and never stored; the fit forms the columns of P it needs, those
  * of the selected keys, by the same product again (psel_fill).
- * Threading: the f32 products (Q K^T, P V) are batches of row-block products
- * (kvrt_cpu_sgemm_batch: with oneDNN one product per OpenMP thread; with OpenBLAS one after
- * another, threaded by OpenBLAS); the fused row pass (row max, exp, mass, column statistics)
- * runs its row blocks in parallel; the double products of the fit (the NNLS and value Gram
- * matrices, X C_v) are OpenBLAS calls. The output is the same whatever the thread count: every
+ * Threading: OpenBLAS is held at one thread for the whole call (am_blas_hold) and every parallel
+ * step is OpenMP's: the f32 products (Q K^T, P V) are batches of row-block products, one per
+ * thread (kvrt_cpu_sgemm_batch, on oneDNN or OpenBLAS); the fused row pass (row max, exp, mass,
+ * column statistics) runs its row blocks in parallel; the double products of the fit (the NNLS
+ * and value Gram matrices, X C_v) are one-thread OpenBLAS calls over fixed halves or blocks of
+ * the rows. The output is the same whatever the thread count (OpenMP's or OpenBLAS's): every
  * product and every reduction is the same computation in the same order (blocks of fixed size).
  * Precision: logits and P = exp(z - rowmax) in f32 (P in [0, 1]); masses, the NNLS and the
  * values' least squares in double.
@@ -793,9 +794,10 @@ static float bf16_operands(am_ws *ws, const float *q, int64_t n, const float *k,
  * still to move), one product per thread. */
 static int bf16_logits(const kvrt_bf16mm_op *ops, int64_t n_ops, int64_t ldS) {
     int nomem = 0;
-    /* without oneDNN each product is OpenBLAS's, threaded by it: one after another */
+    /* one product per thread (without oneDNN the widened f32 product on OpenBLAS, held at one
+     * thread: am_blas_hold) */
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : nomem) \
-    if (n_ops > 1 && kvrt_cpu_gemm_is_dnnl())
+    if (n_ops > 1)
     for (int64_t b = 0; b < n_ops; b++) {
         if (kvrt_cpu_bf16mm_batch(&ops[b], 1) != 0) {
             nomem = 1;
@@ -1111,7 +1113,7 @@ static void gather_cols(const float *S, int64_t n, int64_t ldS, const int32_t *s
  * then G += G2 and C += C2: a tall product of ~100 columns runs at ~50 GFLOP/s on a core in
  * double, and one call per product left the other core waiting (T 4096, t 99: X^T X with X^T Y
  * 2.1 -> 1.6 ms, the NNLS Gram 1.0 -> 0.6 ms). The halves do not depend on the thread count (on
- * one thread they run in turn: the same bits). Without par (OpenBLAS threads its own calls), one
+ * one thread they run in turn: the same bits). Without par (fewer than 2 AM_FITROWS rows), one
  * call each. */
 static void fit_grams(const double *A, int64_t n, int64_t t, int64_t lda, const double *B,
                       int64_t d, double *G, double *C, double *G2, double *C2, int par) {
@@ -1176,10 +1178,10 @@ static int am_fit(const kvrt_am_opts *o, am_ws *ws, const float *k, int64_t ld, 
                   int64_t Tc, int64_t ldS, int64_t d, int64_t n, int64_t tc, am_out *res,
                   am_acc *acc) {
     const float *S = ws->S;
-    /* the fit's row and column loops and its output product run in parallel over fixed blocks
-     * (the same sums in the same order at any thread count) when OpenBLAS is held at one thread
-     * (am_blas_hold: the products on oneDNN); with OpenBLAS threading its own calls, in turn */
-    const int par = kvrt_cpu_gemm_is_dnnl() && n >= 2 * AM_FITROWS;
+    /* the fit's row and column loops and its products run in parallel over fixed blocks (the
+     * same sums in the same order at any thread count; OpenBLAS held at one thread: am_blas_hold)
+     * when there are enough rows */
+    const int par = n >= 2 * AM_FITROWS;
     /* 3. key selection (+ weights for OMP) */
     int64_t ts;
     kvrt_nnls_info inf = {0};
@@ -1637,7 +1639,11 @@ static void out_store(const am_out *r, kvrt_cache *c, uint32_t h) {
  * OpenBLAS at one thread: its threads, yielding after every call, took the cores from the team
  * (bench_am --head 4096: ~17% of the CPU samples in sched_yield and the scheduler). With OpenBLAS
  * doing every product it keeps its threads. */
-static int am_blas_hold(void) { return kvrt_cpu_gemm_is_dnnl() ? kvrt_cpu_openblas_hold() : 1; }
+/* OpenBLAS at one thread for the whole call, with either library for the f32 products: every
+ * parallel step is OpenMP's, over fixed blocks (OpenBLAS's own threads split a long product's
+ * sums by their count: at T 4096 the compacted values differed between OPENBLAS_NUM_THREADS=1
+ * and 2 in OpenBLAS-only builds) */
+static int am_blas_hold(void) { return kvrt_cpu_openblas_hold(); }
 
 static int opts_check(const char *fn, const kvrt_am_opts *o) {
     if (o->key_select != KVRT_AM_SELECT_HIGHEST && o->key_select != KVRT_AM_SELECT_OMP)
@@ -1861,8 +1867,8 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
      * entirely, e.g. n = 2T/3 of 3T never picks the third). Ascending rows. */
     const int64_t n_all = nq * G;
     const int64_t n = o->max_queries > 0 && o->max_queries < n_all ? o->max_queries : n_all;
-    /* The KV heads side by side, one per thread with its own workspace, where the products run on
-     * oneDNN (OpenBLAS held at one thread) and no enclosing parallel region holds the team: each
+    /* The KV heads side by side, one per thread with its own workspace (OpenBLAS held at one
+     * thread: am_blas_hold), where no enclosing parallel region holds the team: each
      * head's fit (NNLS, double products, gather at t up to half a chunk) runs on one thread, and
      * in kvcc compile it was three quarters of the pass. Inside a head every step then runs on its
      * thread (nested regions are inactive); a head's result does not depend on which thread or
@@ -1874,7 +1880,7 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
      * budget of 256 or more per chunk) that the idle thread of an uneven split costs less than
      * they gain (3 KV heads on 2 threads: 5-8% slower side by side at ratio 0.05 on 8k tokens,
      * bench_am's part 2; 15% faster in kvcc compile's grid, up to ~500 per chunk at 2k) */
-    if (kvrt_cpu_gemm_is_dnnl() && !omp_in_parallel() && Hkv > 1) {
+    if (!omp_in_parallel() && Hkv > 1) {
         const int mt = omp_get_max_threads();
         if (mt > 1 && (Hkv % mt == 0 || tmax >= 256)) nw = (int)(mt < Hkv ? mt : Hkv);
         if (nw > AM_LAYER_SLOTS) nw = AM_LAYER_SLOTS;

@@ -117,7 +117,19 @@ void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
     }
     for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 1);
 #else
-    /* OpenBLAS threads each product itself (and splits a product over M and N only) */
+    /* OpenBLAS held at one thread (kvrt_cpu_openblas_hold): one product per OpenMP thread, each
+     * on its thread. Otherwise one after another, each threaded by OpenBLAS, whose threaded
+     * products of long sums depend on its thread count (256 x 128 x 3989: 21820 of 32768 entries
+     * differed between 1 and 2 threads), so callers that need the same bits at any thread count
+     * hold it. */
+#ifdef _OPENMP
+    if (n_ops > 1 && !omp_in_parallel() && omp_get_max_threads() > 1 &&
+        openblas_get_num_threads() == 1) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 0);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 0);
 #endif
 }
@@ -479,6 +491,15 @@ int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
     }
     for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 1);
 #else
+    /* the widened products on OpenBLAS: as kvrt_cpu_sgemm_batch */
+#ifdef _OPENMP
+    if (n_ops > 1 && !omp_in_parallel() && omp_get_max_threads() > 1 &&
+        openblas_get_num_threads() == 1) {
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
+        for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 0);
+        return bad ? -1 : 0;
+    }
+#endif
     for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 0);
 #endif
     return bad ? -1 : 0;

@@ -54,9 +54,11 @@ KVRT_INTERNAL void kvrt_cpu_sgemm_1t(int tb, int m, int n, int k, float alpha, c
                                      int ldc);
 
 /* Independent products (no C overlaps another product's A, B or C). With oneDNN they run in
- * parallel on the OpenMP team, one thread per product, in any order; with OpenBLAS one after
- * another, each threaded by OpenBLAS. Either way each C is the same whatever the thread count.
- * Call outside a parallel region (inside one, they run one after another on the caller). */
+ * parallel on the OpenMP team, one thread per product, in any order: each C is the same whatever
+ * the thread count. With OpenBLAS held at one thread (kvrt_cpu_openblas_hold) the same; with
+ * OpenBLAS on several threads, one after another, each threaded by OpenBLAS, which splits a
+ * product's long sums by its thread count (the bits then depend on it). Call outside a parallel
+ * region (inside one, they run one after another on the caller). */
 KVRT_INTERNAL void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops);
 
 /* OpenBLAS at one thread from here (its pthreads, spinning and yielding after each call, compete

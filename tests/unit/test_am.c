@@ -1841,6 +1841,51 @@ Test(am, bf16_blocks_several_budgets_per_chunk) {
         }
 }
 
+/* One head with the library defaults, 2048 reference queries over 3000 keys in one chunk (the
+ * value product's sums run over 2989 keys): the same bits with OpenBLAS at 1 and 2 threads and
+ * OpenMP at 1 and 2. OpenBLAS's threaded products split such long sums by its thread count, so
+ * OpenBLAS-only builds (USE_DNNL=0, SAN=1) gave other values before am_blas_hold held it at one
+ * thread for every build. */
+void openblas_set_num_threads(int n);
+int openblas_get_num_threads(void);
+Test(am, one_head_same_bits_at_any_blas_thread_count) {
+    enum { T = 3000, N = 2048, D = 64 };
+    uint64_t s = 41;
+    float *q = randn_f(N * D, &s, 1.5), *k = randn_f(T * D, &s, 1.0), *v = randn_f(T * D, &s, 1.0);
+    const int cfg[3][2] = {{1, 1}, {2, 2}, {2, 1}}; /* OpenMP threads, OpenBLAS threads */
+    const int pomp = omp_get_max_threads(), pblas = openblas_get_num_threads();
+    for (int pr = 0; pr < 2; pr++) {
+        kvrt_am_opts o;
+        kvrt_am_opts_init(&o);
+        o.products = pr ? KVRT_AM_PRODUCTS_BF16 : KVRT_AM_PRODUCTS_F32;
+        kvrt_cache *c[3];
+        kvrt_am_stats st[3];
+        for (int r = 0; r < 3; r++) {
+            omp_set_num_threads(cfg[r][0]);
+            openblas_set_num_threads(cfg[r][1]);
+            const int rc = kvrt_am_compact(test_cpu(), &o, k, v, T, D, q, NULL, N, 150,
+                                           KVRT_DTYPE_F32, &c[r], &st[r]);
+            cr_assert_eq(openblas_get_num_threads(), cfg[r][1], "OpenBLAS's count not restored");
+            omp_set_num_threads(pomp);
+            openblas_set_num_threads(pblas);
+            cr_assert_eq(rc, KVRT_OK, "%s", kvrt_last_error()->msg);
+        }
+        for (int r = 1; r < 3; r++) {
+            const int64_t ne = c[0]->n_entries;
+            cr_assert_eq(c[r]->n_entries, ne);
+            cr_expect(memcmp(c[0]->positions, c[r]->positions, sizeof(int32_t) * ne) == 0 &&
+                          memcmp(c[0]->bias, c[r]->bias, sizeof(float) * ne) == 0 &&
+                          memcmp(c[0]->values, c[r]->values, sizeof(float) * ne * D) == 0,
+                      "products %s: OpenMP %d, OpenBLAS %d threads: other bits than at 1, 1",
+                      pr ? "bf16" : "f32", cfg[r][0], cfg[r][1]);
+            cr_expect_eq(st[r].mass_relerr, st[0].mass_relerr);
+            cr_expect_eq(st[r].out_relerr, st[0].out_relerr);
+        }
+        for (int r = 0; r < 3; r++) kvrt_cache_free(c[r]);
+    }
+    free(q); free(k); free(v);
+}
+
 /* With bf16 products and with f32 products, at enough reference queries that the fit runs its
  * parallel blocks (n >= 1024), a layer compaction is byte-identical at 1 and 2 OpenMP threads
  * (at 2, its two KV heads side by side) and without statistics; a head failing on a worker
