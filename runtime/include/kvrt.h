@@ -443,10 +443,14 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, u
  *     with beta_floor (default -3) beta = max(log w, floor) and every selected key stays; with
  *     beta_floor NAN a key of w = 0 is dropped (the head then holds fewer than t entries);
  *  4. C_v = argmin |X C_v - Y|^2 + lambda |C_v|^2, X = softmax(z_S + beta), Y = softmax(z) V,
- *     lambda = ridge * trace(X^T X) / t (Cholesky, LAPACKE_dposv, in double).
+ *     lambda = ridge * trace(X^T X) / t (Cholesky, in double).
  * C_k are the selected original keys; positions are their original positions. Deterministic:
- * OpenBLAS threads the products, everything else runs in one thread in a fixed order, so the
- * output does not depend on the OpenMP thread count. Messages in kvrt_last_error(). */
+ * the CPU backend runs every product and sum over fixed blocks in a fixed order on the OpenMP
+ * team, so the output depends on neither the OpenMP nor the OpenBLAS thread count. Called
+ * outside an OpenMP parallel region, it sets OpenBLAS to one thread for the call
+ * (openblas_set_num_threads, process-wide) and restores it after: a caller that runs OpenBLAS
+ * on other threads at the same time should keep OpenBLAS at one thread itself. Messages in
+ * kvrt_last_error(). */
 typedef enum { KVRT_AM_SELECT_HIGHEST = 0, KVRT_AM_SELECT_OMP = 1 } kvrt_am_select;
 typedef enum { KVRT_AM_PRODUCTS_F32 = 0, KVRT_AM_PRODUCTS_BF16 = 1 } kvrt_am_products;
 
