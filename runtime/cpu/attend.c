@@ -208,32 +208,67 @@ static att_ws att_ws_carve(float *base, int64_t R, int64_t E, int64_t d, int f16
     return w;
 }
 
+/* row[j] = exp(row[j] - mx) (mx = 0: exp(row[j])) for j < nb, and their sum: f32 in ATT_LANES
+ * interleaved lanes added in a fixed order, so the same value from every clone (a vectorized
+ * reduction would split its lanes by the ISA's width). */
+#define ATT_LANES 16
+static inline __attribute__((always_inline)) float exp_row_sum(float *row, int64_t nb, float mx) {
+    float lane[ATT_LANES] = {0};
+    int64_t j = 0;
+    for (; j + ATT_LANES <= nb; j += ATT_LANES) {
+#pragma omp simd
+        for (int l = 0; l < ATT_LANES; l++) {
+            const float e = exp_nonpos_f32(row[j + l] - mx);
+            row[j + l] = e;
+            lane[l] += e;
+        }
+    }
+    for (int l = 0; j + l < nb; l++) {
+        const float e = exp_nonpos_f32(row[j + l] - mx);
+        row[j + l] = e;
+        lane[l] += e;
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < ATT_LANES; l++) sum += lane[l];
+    return sum;
+}
+
+/* max over row[0 .. nb) ignoring NaN (-inf when nothing else), in ATT_LANES lanes: the
+ * reduction pragma left GCC's loop scalar (vmaxss per logit) */
+static inline __attribute__((always_inline)) float row_max_lanes(const float *row, int64_t nb) {
+    float lane[ATT_LANES];
+    for (int l = 0; l < ATT_LANES; l++) lane[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + ATT_LANES <= nb; j += ATT_LANES) {
+#pragma omp simd
+        for (int l = 0; l < ATT_LANES; l++)
+            lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
+    }
+    for (int l = 0; j + l < nb; l++) lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
+    float bm = -INFINITY;
+    for (int l = 0; l < ATT_LANES; l++) bm = lane[l] > bm ? lane[l] : bm;
+    return bm;
+}
+
 /* Online-softmax update of R rows with one block of nb logits each (S [R, nb] in w->s): turns S
  * into exp(z - m_new), rescales l and acc by exp(m_old - m_new). Rows whose running max is
- * still -inf (nothing visible yet) get P = 0 and keep acc = 0. */
+ * still -inf (nothing visible yet) get P = 0 and keep acc = 0. Compiled for AVX-512 and AVX2 too
+ * (KVRT_SIMD_CLONES: as baseline SSE2 its exponentials were most of att_block's time); the same
+ * bits from every clone. */
+KVRT_SIMD_CLONES
 static void att_online_update(att_ws *w, int64_t R, int64_t nb, int64_t d) {
     for (int64_t r = 0; r < R; r++) {
         float *row = w->s + r * nb;
-        float bm = -INFINITY;
-#pragma omp simd reduction(max : bm)
-        for (int64_t j = 0; j < nb; j++) bm = row[j] > bm ? row[j] : bm;
+        const float bm = row_max_lanes(row, nb);
         const float m_old = w->m[r];
         const float mn = bm > m_old ? bm : m_old;
         if (mn == -INFINITY) {
             /* NaN logits with nothing else visible also land here (the max ignores NaN):
              * exp(NaN - 0) keeps them NaN, as the reference does. */
-#pragma omp simd
-            for (int64_t j = 0; j < nb; j++) row[j] = exp_nonpos_f32(row[j]);
-            float s0 = 0.0f;
-            for (int64_t j = 0; j < nb; j++) s0 += row[j];
-            w->l[r] += s0;
+            w->l[r] += exp_row_sum(row, nb, 0.0f);
             continue;
         }
-        float sum = 0.0f;
-#pragma omp simd
-        for (int64_t j = 0; j < nb; j++) row[j] = exp_nonpos_f32(row[j] - mn);
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < nb; j++) sum += row[j];
+        const float sum = exp_row_sum(row, nb, mn);
         if (mn != m_old) {
             /* m_old = -inf gives corr = 0 (l and acc are 0 then anyway); +inf/NaN poison. */
             const float corr = exp_nonpos_f32(m_old - mn);
