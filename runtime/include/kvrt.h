@@ -449,7 +449,8 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, u
  * team, so the output depends on neither the OpenMP nor the OpenBLAS thread count. Called
  * outside an OpenMP parallel region, it sets OpenBLAS to one thread for the call
  * (openblas_set_num_threads, process-wide) and restores it after: a caller that runs OpenBLAS
- * on other threads at the same time should keep OpenBLAS at one thread itself. Messages in
+ * on other threads at the same time, or calls this from inside a parallel region (where it
+ * leaves OpenBLAS's count alone), should keep OpenBLAS at one thread itself. Messages in
  * kvrt_last_error(). */
 typedef enum { KVRT_AM_SELECT_HIGHEST = 0, KVRT_AM_SELECT_OMP = 1 } kvrt_am_select;
 typedef enum { KVRT_AM_PRODUCTS_F32 = 0, KVRT_AM_PRODUCTS_BF16 = 1 } kvrt_am_products;
