@@ -55,7 +55,8 @@
 #define AM_QBLK 256  /* query rows per block of the causal logit / value products (fixed) */
 #define AM_FITROWS 512 /* rows per block of the fit's row loops and output product (fixed) */
 #define AM_KROUND 256  /* the bf16 products' key counts are rounded up to a multiple of this */
-#define AM_SELROUND 32 /* psel_fill's key counts: rounded up to a multiple of this (<= AM_KROUND) */
+#define AM_SELROUND 64 /* psel_fill's key counts: rounded up to a multiple of this (<= AM_KROUND;
+                        * 256 computed 256 columns for 99 keys, 32 made 8x the oneDNN shapes) */
 static inline int64_t am_ldm(int64_t ts) { return (ts + 7) / 8 * 8; } /* gather_cols' rows */
 #ifdef _OPENMP
 #define am_max_threads() omp_get_max_threads()
@@ -938,12 +939,13 @@ static int overflow_fail(int64_t k0, int64_t Tc) {
                      (long long)k0, (long long)(k0 + Tc - 1));
 }
 
-/* B of ops[0] packed once into *buf (kvrt_cpu_bf16mm_pack: oneDNN copied it into its layout
- * on every product) and given as Bp to every op that has the same layout (the full query blocks;
- * a shorter last block whose layout differs reads B in rows). Nothing where fewer than two ops
- * share it (causal blocks: each has its own keys), where oneDNN has no packed kernel, or where
- * memory is short. The buffer is the CPU scratch's (kept between calls: at least 2 MiB), grown
- * when needed. */
+/* The logit products' B (the chunk's keys, the same for every op) packed once into *buf
+ * (kvrt_cpu_bf16mm_pack: oneDNN copied it into its layout on every product) for the shape most
+ * ops share, and given as Bp to every op that has its layout (the full query blocks; a shorter
+ * last block whose layout differs, or a causal block that sees fewer keys, reads B in rows).
+ * Nothing where no two ops share a shape, where oneDNN has no packed kernel, or where memory is
+ * short. The buffer is the CPU scratch's (kept between calls: at least 2 MiB), grown when
+ * needed. */
 static int same_shape(const kvrt_bf16mm_op *a, const kvrt_bf16mm_op *b) {
     return a->tb == b->tb && a->exp == b->exp && a->m == b->m && a->n == b->n && a->k == b->k &&
            a->lda == b->lda && a->ldb == b->ldb && a->ldc == b->ldc &&
@@ -951,29 +953,28 @@ static int same_shape(const kvrt_bf16mm_op *a, const kvrt_bf16mm_op *b) {
 }
 static void am_pack(void **buf, size_t *cap, kvrt_bf16mm_op *ops, int64_t nops) {
     for (int64_t b = 0; b < nops; b++) ops[b].Bp = NULL;
-    if (nops < 2) return;
-    const size_t bytes = kvrt_cpu_bf16mm_packed_bytes(&ops[0]);
-    if (bytes == 0) return;
-    unsigned char *use = calloc((size_t)nops, 1); /* the ops that can read it */
-    if (use == NULL) return;
-    int64_t users = 0;
-    for (int64_t b = 0; b < nops; b++)
-        users += use[b] = same_shape(&ops[0], &ops[b]) ||
-                          (ops[b].n == ops[0].n && ops[b].k == ops[0].k && /* else a new shape */
-                           kvrt_cpu_bf16mm_packed_same(&ops[0], &ops[b]));
-    if (users < 2) { /* causal blocks: each its own keys */
-        free(use);
-        return;
+    /* the shape most ops share (causal chunks: the blocks that see every key), counted before
+     * any packed primitive is built */
+    int64_t best = -1, most = 1;
+    for (int64_t a = 0; a < nops; a++) {
+        int64_t cnt = 0;
+        for (int64_t b = 0; b < nops; b++) cnt += same_shape(&ops[a], &ops[b]);
+        if (cnt > most) best = a, most = cnt;
     }
+    if (best < 0) return; /* no two ops alike: packing would cost what it saves */
+    const size_t bytes = kvrt_cpu_bf16mm_packed_bytes(&ops[best]);
+    if (bytes == 0) return;
     if (bytes > *cap) {
         kvrt_cpu_scratch_free(*buf, *cap);
         *cap = bytes > ((size_t)2 << 20) ? bytes : (size_t)2 << 20;
         if ((*buf = kvrt_cpu_scratch_alloc(*cap)) == NULL) *cap = 0;
     }
-    if (*buf && kvrt_cpu_bf16mm_pack(&ops[0], *buf) == 0)
-        for (int64_t b = 0; b < nops; b++)
-            if (use[b]) ops[b].Bp = *buf;
-    free(use);
+    if (*buf == NULL || kvrt_cpu_bf16mm_pack(&ops[best], *buf) != 0) return;
+    for (int64_t b = 0; b < nops; b++) /* a shorter last block may share the layout */
+        if (same_shape(&ops[best], &ops[b]) ||
+            (ops[b].n == ops[best].n && ops[b].k == ops[best].k &&
+             kvrt_cpu_bf16mm_packed_same(&ops[best], &ops[b])))
+            ops[b].Bp = *buf;
 }
 
 /* Steps 1-2 of one chunk [k0, k0 + Tc) of one head, shared by every budget compacted from it:
@@ -1126,7 +1127,7 @@ static void fit_grams(const double *A, int64_t n, int64_t t, int64_t lda, const 
         return;
     }
     const int64_t h = (n / 2 + AM_FITROWS - 1) / AM_FITROWS * AM_FITROWS;
-#pragma omp parallel for schedule(static, 1) num_threads(2)
+#pragma omp parallel for schedule(static, 1) num_threads(2) if (am_max_threads() > 1)
     for (int part = 0; part < 2; part++) {
         const int64_t r0 = part ? h : 0, nr = part ? n - h : h;
         cblas_dsyrk(CblasRowMajor, CblasLower, CblasTrans, (int)t, (int)nr, 1.0, A + r0 * lda,
