@@ -3,6 +3,7 @@
 #   make test         install missing Debian packages, build, run the whole suite (CI runs this)
 #   make test SAN=1   the same suite under ASan + UBSan (build tree build/san/)
 #   make backend-ops  every op of the backend table on every backend (tests/backend/)
+#   make test-openblas  the OpenBLAS-only build's backend ops, AM and BLAS tests (build/openblas)
 #   make demo         the main job on the embedded default model
 #   make fuzz         build the libFuzzer targets (clang) and run each for FUZZ_SECONDS
 #   make bench        benchmarks (not tests)
@@ -179,7 +180,7 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) $(LIBS_MPI) -lm -lpthread
 
-.PHONY: all deps peer-deps model test python-test check check-cli backend-ops cuda-emu-asan demo fuzz bench examples golden golden-inputs clean \
+.PHONY: all deps peer-deps model test python-test test-openblas check check-cli backend-ops cuda-emu-asan demo fuzz bench examples golden golden-inputs clean \
         install uninstall check-install
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(LIBKVRT_CUDA) $(KVCC)
 
@@ -346,6 +347,20 @@ test: deps peer-deps model
 	@echo "== corpora of several files, mpirun capture (tests/cli/mpi_capture.sh)"; KVCC=$(KVCC) bash tests/cli/mpi_capture.sh
 	@if [ -f tests/peer/run.sh ]; then KVCC_BUILD=$(BUILD) bash tests/peer/run.sh; fi
 	@$(MAKE) --no-print-directory python-test
+	@if [ "$(USE_DNNL)" = 1 ] && [ "$(SAN)" = 0 ]; then $(MAKE) --no-print-directory test-openblas; fi
+
+# What a machine without libdnnl-dev builds (USE_DNNL=0: every CPU product on OpenBLAS), in
+# build/openblas: the backend ops and the AM and BLAS unit tests, among them the same bits at
+# any OpenMP and OpenBLAS thread count (am/one_head_same_bits_at_any_blas_thread_count). About
+# a minute on 2 cores; `make test` runs it after the main suite when that suite used oneDNN.
+test-openblas:
+	@echo "== the OpenBLAS-only build (USE_DNNL=0, build/openblas): backend ops, AM and BLAS tests"
+	@$(MAKE) --no-print-directory USE_DNNL=0 USE_CUDA=0 USE_MPI=0 BUILDDIR=build/openblas \
+	  build/openblas/tests/kvcc_tests build/openblas/tests/test_backend_ops >/dev/null
+	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} build/openblas/tests/test_backend_ops
+	@for f in 'am/*' 'blas/*'; do \
+	  KVCC_BUILD=build/openblas OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	    build/openblas/tests/kvcc_tests --jobs 2 --filter "$$f" || exit 1; done
 
 # The Python package (python/kvrt) against this build tree's libkvrt.so: pytest python/tests.
 PYTHON ?= python3
