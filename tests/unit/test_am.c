@@ -1844,8 +1844,8 @@ Test(am, bf16_blocks_several_budgets_per_chunk) {
 /* One head with the library defaults, 2048 reference queries over 3000 keys in one chunk (the
  * value product's sums run over 2989 keys): the same bits with OpenBLAS at 1 and 2 threads and
  * OpenMP at 1 and 2. OpenBLAS's threaded products split such long sums by its thread count, so
- * OpenBLAS-only builds (USE_DNNL=0, SAN=1) gave other values before am_blas_hold held it at one
- * thread for every build. */
+ * OpenBLAS-only builds (USE_DNNL=0, run by make test-openblas) gave other values before
+ * am_blas_hold held it at one thread for every build. */
 void openblas_set_num_threads(int n);
 int openblas_get_num_threads(void);
 Test(am, one_head_same_bits_at_any_blas_thread_count) {
