@@ -233,23 +233,6 @@ static inline __attribute__((always_inline)) float exp_row_sum(float *row, int64
     return sum;
 }
 
-/* max over row[0 .. nb) ignoring NaN (-inf when nothing else), in ATT_LANES lanes: the
- * reduction pragma left GCC's loop scalar (vmaxss per logit) */
-static inline __attribute__((always_inline)) float row_max_lanes(const float *row, int64_t nb) {
-    float lane[ATT_LANES];
-    for (int l = 0; l < ATT_LANES; l++) lane[l] = -INFINITY;
-    int64_t j = 0;
-    for (; j + ATT_LANES <= nb; j += ATT_LANES) {
-#pragma omp simd
-        for (int l = 0; l < ATT_LANES; l++)
-            lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
-    }
-    for (int l = 0; j + l < nb; l++) lane[l] = row[j + l] > lane[l] ? row[j + l] : lane[l];
-    float bm = -INFINITY;
-    for (int l = 0; l < ATT_LANES; l++) bm = lane[l] > bm ? lane[l] : bm;
-    return bm;
-}
-
 /* Online-softmax update of R rows with one block of nb logits each (S [R, nb] in w->s): turns S
  * into exp(z - m_new), rescales l and acc by exp(m_old - m_new). Rows whose running max is
  * still -inf (nothing visible yet) get P = 0 and keep acc = 0. Compiled for AVX-512 and AVX2 too
@@ -259,7 +242,7 @@ KVRT_SIMD_CLONES
 static void att_online_update(att_ws *w, int64_t R, int64_t nb, int64_t d) {
     for (int64_t r = 0; r < R; r++) {
         float *row = w->s + r * nb;
-        const float bm = row_max_lanes(row, nb);
+        const float bm = max_lanes_f32(row, nb); /* cpu/vexp.h */
         const float m_old = w->m[r];
         const float mn = bm > m_old ? bm : m_old;
         if (mn == -INFINITY) {

@@ -108,30 +108,40 @@ static void op_run(const kvrt_sgemm_op *o, int one_thread) {
                        o->C, o->ldc);
 }
 
-void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
-#if KVCC_WITH_DNNL && defined(_OPENMP)
-    if (n_ops > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
-#pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 1);
-        return;
-    }
-    for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 1);
-#else
-    /* OpenBLAS held at one thread (kvrt_cpu_openblas_hold): one product per OpenMP thread, each
-     * on its thread. Otherwise one after another, each threaded by OpenBLAS, whose threaded
-     * products of long sums depend on its thread count (256 x 128 x 3989: 21820 of 32768 entries
-     * differed between 1 and 2 threads), so callers that need the same bits at any thread count
-     * hold it. */
+/* Whether a batch of n_ops products runs one product per OpenMP thread, each on its thread:
+ * outside a parallel region with a team of two or more, on oneDNN, or on OpenBLAS held at one
+ * thread (kvrt_cpu_openblas_hold). Otherwise the products run one after another, each threaded
+ * by its library: OpenBLAS's threaded products of long sums depend on its thread count
+ * (256 x 128 x 3989: 21820 of 32768 entries differed between 1 and 2 threads), so callers that
+ * need the same bits at any thread count hold it. */
+static int batch_on_team(int64_t n_ops) {
 #ifdef _OPENMP
-    if (n_ops > 1 && !omp_in_parallel() && omp_get_max_threads() > 1 &&
-        openblas_get_num_threads() == 1) {
+    if (n_ops < 2 || omp_in_parallel() || omp_get_max_threads() < 2) return 0;
+#if KVCC_WITH_DNNL
+    return 1;
+#else
+    return openblas_get_num_threads() == 1;
+#endif
+#else
+    (void)n_ops;
+    return 0;
+#endif
+}
+
+/* oneDNN: every product on its calling thread; OpenBLAS: threaded by it unless held */
+#if KVCC_WITH_DNNL
+#define BATCH_ONE_THREAD 1
+#else
+#define BATCH_ONE_THREAD 0
+#endif
+
+void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
+    if (batch_on_team(n_ops)) {
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 0);
+        for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], BATCH_ONE_THREAD);
         return;
     }
-#endif
-    for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], 0);
-#endif
+    for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], BATCH_ONE_THREAD);
 }
 
 /* C[i, j] = expf(C[i, j]) over m rows of n at stride ldc: the exp epilogue where oneDNN's kernel
@@ -442,15 +452,22 @@ static void *thread_scratch(size_t bytes) {
 }
 #endif
 
+#if KVCC_WITH_DNNL
+/* The primitive table's key of a bf16 op (packed: B in the primitive's own layout) */
+static mm_prim bf16_key(const kvrt_bf16mm_op *o, int packed) {
+    return (mm_prim){.m = o->m, .n = o->n, .k = o->k, .lda = o->lda, .ldb = o->ldb,
+                     .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .exp = o->exp != 0,
+                     .alpha = o->alpha, .packed = packed};
+}
+#endif
+
 /* One bf16 product (kvrt_cpu_bf16mm_batch): on oneDNN's bf16 kernel when it has one (on the
  * calling thread), else the f32 product of the widened operands (one_thread: on the calling
  * thread, else threaded by the library). Nonzero when out of memory. */
 static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
     if (o->m <= 0 || o->n <= 0) return 0;
 #if KVCC_WITH_DNNL
-    const mm_prim key = {.m = o->m, .n = o->n, .k = o->k, .lda = o->lda, .ldb = o->ldb,
-                         .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .exp = o->exp != 0,
-                         .alpha = o->alpha, .packed = o->Bp != NULL};
+    const mm_prim key = bf16_key(o, o->Bp != NULL);
     mm_prim *p = __atomic_load_n(&bf16mm_on, __ATOMIC_RELAXED) ? mm_get(&key) : NULL;
     if (p != NULL) {
         const size_t sb = dnnl_memory_desc_get_size(&p->scratch);
@@ -483,25 +500,12 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
 
 int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
     int bad = 0;
-#if KVCC_WITH_DNNL && defined(_OPENMP)
-    if (n_ops > 1 && !omp_in_parallel() && omp_get_max_threads() > 1) {
+    if (batch_on_team(n_ops)) {
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
-        for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 1);
+        for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], BATCH_ONE_THREAD);
         return bad ? -1 : 0;
     }
-    for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 1);
-#else
-    /* the widened products on OpenBLAS: as kvrt_cpu_sgemm_batch */
-#ifdef _OPENMP
-    if (n_ops > 1 && !omp_in_parallel() && omp_get_max_threads() > 1 &&
-        openblas_get_num_threads() == 1) {
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
-        for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 0);
-        return bad ? -1 : 0;
-    }
-#endif
-    for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], 0);
-#endif
+    for (int64_t i = 0; i < n_ops; i++) bad |= bf16_op_run(&ops[i], BATCH_ONE_THREAD);
     return bad ? -1 : 0;
 }
 
@@ -510,9 +514,7 @@ int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
 static mm_prim *packed_get(const kvrt_bf16mm_op *o) {
     if (!__atomic_load_n(&bf16mm_on, __ATOMIC_RELAXED) || o->m <= 0 || o->n <= 0 || o->k <= 0)
         return NULL;
-    const mm_prim key = {.m = o->m, .n = o->n, .k = o->k, .lda = o->lda, .ldb = o->ldb,
-                         .ldc = o->ldc, .tb = o->tb, .bf16 = 1, .exp = o->exp != 0,
-                         .alpha = o->alpha, .packed = 1};
+    const mm_prim key = bf16_key(o, 1);
     return mm_get(&key);
 }
 #endif

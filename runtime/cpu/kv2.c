@@ -281,19 +281,7 @@ int kvrt_cpu_kv2_proxy(const float *k, int64_t C, uint32_t Hkv, uint32_t d, int 
 #define KV2_LANES 16
 static inline __attribute__((always_inline)) void lse_block(float *z, int64_t len, float *m,
                                                             double *s, int store) {
-    /* the block's max in KV2_LANES lanes (max is exact: the same value as one pass, up to the
-     * sign of a zero maximum, which no exp(z - m) sees): with the reduction pragma GCC left the
-     * update's loop scalar, a third of its time */
-    float lmax[KV2_LANES];
-    for (int l = 0; l < KV2_LANES; l++) lmax[l] = -INFINITY;
-    int64_t jm = 0;
-    for (; jm + KV2_LANES <= len; jm += KV2_LANES) {
-#pragma omp simd
-        for (int l = 0; l < KV2_LANES; l++) lmax[l] = z[jm + l] > lmax[l] ? z[jm + l] : lmax[l];
-    }
-    for (int l = 0; jm + l < len; l++) lmax[l] = z[jm + l] > lmax[l] ? z[jm + l] : lmax[l];
-    float bm = -INFINITY;
-    for (int l = 0; l < KV2_LANES; l++) bm = lmax[l] > bm ? lmax[l] : bm;
+    const float bm = max_lanes_f32(z, len); /* cpu/vexp.h: the pragma's loop stayed scalar */
     if (bm > *m) {
         *s *= exp((double)*m - (double)bm);
         *m = bm;

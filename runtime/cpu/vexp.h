@@ -10,6 +10,7 @@
 #ifndef KVRT_CPU_VEXP_H
 #define KVRT_CPU_VEXP_H
 
+#include <math.h> /* INFINITY */
 #include <stdint.h>
 #include <string.h>
 
@@ -76,5 +77,23 @@ static inline float exp_nonpos_f32(float x) { return exp_upto_f32_(x, 0.0f); }
  * the caller must not use): for exponents taken against a reference that may sit a little below
  * the maximum (the window mass's running row maximum). */
 static inline float exp_le64_f32(float x) { return exp_upto_f32_(x, 64.0f); }
+
+/* max over x[0 .. n) ignoring NaN (-INFINITY when nothing else), in 16 interleaved lanes: with
+ * '#pragma omp simd reduction(max)' GCC left such loops scalar (vmaxss per element) in the
+ * attention update and KV2's log-sum-exp. Max is exact: the value of one pass in order, up to the
+ * sign of a zero maximum. */
+static inline __attribute__((always_inline)) float max_lanes_f32(const float *x, int64_t n) {
+    float lane[16];
+    for (int l = 0; l < 16; l++) lane[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+#pragma omp simd
+        for (int l = 0; l < 16; l++) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+    }
+    for (int l = 0; j + l < n; l++) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+    float m = -INFINITY;
+    for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
+    return m;
+}
 
 #endif /* KVRT_CPU_VEXP_H */
