@@ -1201,8 +1201,9 @@ struct kvcc_bf16_ctx {
     /* Where oneDNN has no bf16 matmul for this CPU (bf16_native() == 0): the bf16 activations
      * widened to f32 (xf [xb_cap]) and a block of weight rows widened (wf [wf_cap]), multiplied
      * by kvrt_cpu_sgemm: the same products (exact in f32) with f32 accumulation. */
-    float *xf, *wf;
+    float *xf, *wf; /* wf: wf_nthr buffers of wf_cap, one per thread */
     size_t wf_cap;
+    int wf_nthr;
     float *stk; /* [KVCC_MODEL_CHUNK, max(H*d + 2*Hkv*d, 2F)]: a stacked product's output */
 #if KVCC_WITH_DNNL
     dnnl_stream_t stream;
@@ -1271,24 +1272,40 @@ static int bf16_native(void) {
     return g_bf16_native;
 }
 
-/* Weight elements widened per block in the fallback: 1 MiB of f32 (a few hundred rows) */
+/* Weight elements widened per block in the fallback: 1 MiB of f32 per thread */
 #define BF16_WBLK_ELEMS ((size_t)1 << 18)
+/* At most this many weight rows per block: blocks of a fixed size, so that the sums do not
+ * depend on the thread count, and enough of them to share between the threads */
+#define BF16_WBLK_ROWS 256
 
 /* y (n, rows) = xb (n, cols, bf16) . W (rows, cols, bf16)^T + beta y without a bf16 matmul:
- * xb widened to f32 once, then W in blocks of rows widened and multiplied by kvrt_cpu_sgemm. */
+ * xb widened to f32 once, then W in blocks of rows (a size fixed by cols), each block widened
+ * by one thread into its own buffer and multiplied on that thread (kvrt_cpu_sgemm_1t). The
+ * blocks are split between the threads, never a block's product: oneDNN's threaded sgemm
+ * splits the sums of small products by its thread count (an AVX2 AMD EPYC gave other logits at
+ * 1 and 2 threads when each block's product ran on the whole team). */
 static void bf16_widened_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t *W,
                                 int rows, float beta, float *y, int ldy) {
     const size_t nx = (size_t)n * cols;
     #pragma omp parallel for schedule(static) if (nx >= 65536)
     for (size_t i = 0; i < nx; i++) c->xf[i] = bf16_to_f32(c->xb[i]);
-    const int rb = (int)(c->wf_cap / (size_t)cols);
-    for (int r0 = 0; r0 < rows; r0 += rb) {
-        const int nr = rows - r0 < rb ? rows - r0 : rb;
-        const size_t nw = (size_t)nr * cols;
-        const uint16_t *src = W + (size_t)r0 * cols;
-        #pragma omp parallel for schedule(static) if (nw >= 65536)
-        for (size_t i = 0; i < nw; i++) c->wf[i] = bf16_to_f32(src[i]);
-        kvrt_cpu_sgemm(1, n, nr, cols, 1.0f, c->xf, cols, c->wf, cols, beta, y + r0, ldy);
+    int rb = (int)(c->wf_cap / (size_t)cols);
+    if (rb > BF16_WBLK_ROWS) rb = BF16_WBLK_ROWS;
+    const int nblk = (rows + rb - 1) / rb;
+    int nthr = omp_get_max_threads();
+    if (nthr > c->wf_nthr) nthr = c->wf_nthr;
+    if (nthr > nblk) nthr = nblk;
+    #pragma omp parallel num_threads(nthr) if (nthr > 1)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *wf = c->wf + (size_t)t * c->wf_cap;
+        for (int b = t; b < nblk; b += nt) {
+            const int r0 = b * rb, nr = rows - r0 < rb ? rows - r0 : rb;
+            const size_t nw = (size_t)nr * cols;
+            const uint16_t *src = W + (size_t)r0 * cols;
+            for (size_t i = 0; i < nw; i++) wf[i] = bf16_to_f32(src[i]);
+            kvrt_cpu_sgemm_1t(1, n, nr, cols, 1.0f, c->xf, cols, wf, cols, beta, y + r0, ldy);
+        }
     }
 }
 #endif
@@ -1356,8 +1373,9 @@ static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m, const kvcc_state 
 #if KVCC_WITH_DNNL
     if (!bf16_native()) {
         c->wf_cap = BF16_WBLK_ELEMS > w * 16 ? BF16_WBLK_ELEMS : w * 16;
+        c->wf_nthr = s->n_threads > 0 ? s->n_threads : 1;
         c->xf = malloc(c->xb_cap * sizeof *c->xf);
-        c->wf = malloc(c->wf_cap * sizeof *c->wf);
+        c->wf = malloc(c->wf_cap * (size_t)c->wf_nthr * sizeof *c->wf);
         if (!c->xf || !c->wf) {
             bf16_ctx_free(c);
             return NULL;
