@@ -17,6 +17,10 @@
  * keys per round, default 1), --products f32|bf16 (kvrt_am_opts.products, default f32), --reps N,
  * --plain (part 1 only: no exact sinks or recent window and no beta floor, keys of NNLS weight 0
  * dropped: the plain algorithm of the paper, for bench/am_vs_scipy.sh's second comparison).
+ * --floor (with --head): part 1 also times the compaction's two f32 products alone, on the kernel
+ *   it runs them on (c_f32_products_seconds): no f32 compaction of that head can take less, so
+ *   with numpy + scipy's time it bounds the ratio f32 products can reach on the machine
+ *   (bench/am_vs_scipy.sh prints that bound beside the ratios).
  * Part 1 also prints c_digest (an FNV-1a of the compacted cache's bits) and c_stats (its mass and
  * output errors to 17 digits): two builds compute the same thing when both lines match.
  * --fit-host: the host part of the CUDA backend's fit (runtime/cuda/am.cu runs the NNLS and the
@@ -41,10 +45,12 @@
 #include "bench_util.h"
 #include "core/policies.h" /* kvrt_am_nnls_gram: the CUDA fit's host NNLS (--fit-host) */
 #include "cpu/nnls.h"      /* kvrt_cpu_ridge_solve */
+#include "cpu/blas.h"      /* kvrt_cpu_sgemm_batch: the f32 products alone (products_floor) */
 
 static int g_omp_batch = 1; /* --omp-batch N: OMP's keys per round */
 static int g_products = KVRT_AM_PRODUCTS_F32; /* --products f32|bf16 */
 static int g_plain;                            /* --plain: part 1 without sinks, recent, floor */
+static int g_floor;                            /* --floor: part 1 also times the f32 products alone */
 
 static float rng_n(uint64_t *s) { /* sum of 4 uniforms, centred: cheap, roughly Gaussian */
     double a = 0;
@@ -100,6 +106,49 @@ static uint64_t cache_digest(const kvrt_cache *c) {
         for (size_t i = 0; parts[p].p && i < parts[p].bytes; i++)
             h = (h ^ ((const unsigned char *)parts[p].p)[i]) * 1099511628211ull;
     return h;
+}
+
+/* The two f32 products of a one-head compaction alone, on the kernel the compaction runs them
+ * on (kvrt_cpu_sgemm_batch: oneDNN or OpenBLAS at one thread, one 256-row query block per
+ * thread): per chunk of `chunk` keys, Q K^T [n, chunk] over d, then P V [n, d] over chunk keys
+ * (P: the logits, the values do not matter to the time). Seconds for all ceil(T / chunk) chunks,
+ * median of reps; and the rate in GFLOP/s. No f32 compaction of this T can take less: with
+ * numpy + scipy's time it bounds the ratio any f32 implementation can reach on this machine. */
+static double products_floor(int64_t T, int64_t n, int64_t d, int64_t chunk, int reps, double *gflops) {
+    enum { QBLK = 256 }; /* runtime/cpu/am.c's AM_QBLK */
+    const int64_t Tc = T < chunk ? T : chunk, nchunks = (T + chunk - 1) / chunk;
+    const int64_t nqb = (n + QBLK - 1) / QBLK;
+    float *q = synth(n, 1, d, 0.8f, 1.0f, 3), *k = synth(Tc, 1, d, 1.0f, 0.0f, 1);
+    float *v = synth(Tc, 1, d, 1.0f, 0.0f, 2);
+    float *S = malloc(sizeof(float) * (size_t)(n * Tc)), *Y = malloc(sizeof(float) * (size_t)(n * d));
+    kvrt_sgemm_op *ops = malloc(sizeof *ops * (size_t)(2 * nqb));
+    double *times = malloc(sizeof(double) * (size_t)reps);
+    double med = -1;
+    if (q && k && v && S && Y && ops && times) {
+        for (int64_t b = 0; b < nqb; b++) {
+            const int64_t i0 = b * QBLK, nb = n - i0 < QBLK ? n - i0 : QBLK;
+            ops[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)Tc, .k = (int)d,
+                                     .alpha = 1.0f / sqrtf((float)d), .A = q + i0 * d, .lda = (int)d,
+                                     .B = k, .ldb = (int)d, .C = S + i0 * Tc, .ldc = (int)Tc};
+            ops[nqb + b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)Tc,
+                                           .alpha = 1.0f, .A = S + i0 * Tc, .lda = (int)Tc, .B = v,
+                                           .ldb = (int)d, .C = Y + i0 * d, .ldc = (int)d};
+        }
+        const int held = kvrt_cpu_openblas_hold(); /* as the compaction holds it (am_blas_hold) */
+        for (int r = -1; r < reps; r++) { /* r = -1: warm-up (oneDNN builds its primitives) */
+            const double t0 = now_s();
+            for (int64_t c = 0; c < nchunks; c++) {
+                kvrt_cpu_sgemm_batch(ops, nqb);
+                kvrt_cpu_sgemm_batch(ops + nqb, nqb);
+            }
+            if (r >= 0) times[r] = now_s() - t0;
+        }
+        kvrt_cpu_openblas_restore(held);
+        med = median(times, reps);
+        *gflops = 4.0 * (double)n * (double)Tc * (double)d * (double)nchunks / med / 1e9;
+    }
+    free(q); free(k); free(v); free(S); free(Y); free(ops); free(times);
+    return med;
 }
 
 static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
@@ -169,6 +218,14 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     printf("c_digest %016llx\n", (unsigned long long)digest);
     printf("c_stats %.17g %.17g\n", st.mass_relerr, st.out_relerr);
     free(k); free(v); free(q);
+    if (g_floor) {
+        double gf = 0;
+        const double fs = products_floor(T, n, d, o.chunk, reps, &gf);
+        if (fs < 0) { fprintf(stderr, "bench_am: out of memory\n"); return 1; }
+        printf("f32 products alone (%s): %.3f s (median of %d), %.0f GFLOP/s\n", kvrt_cpu_gemm_name(),
+               fs, reps, gf);
+        printf("c_f32_products_seconds %.6f\n", fs);
+    }
     return 0;
 }
 
@@ -350,6 +407,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--omp")) omp = 1;
         else if (!strcmp(argv[i], "--plain")) g_plain = 1;
+        else if (!strcmp(argv[i], "--floor")) g_floor = 1;
         else if (!strcmp(argv[i], "--omp-batch") && i + 1 < argc) g_omp_batch = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--products") && i + 1 < argc) {
             const char *pv = argv[++i];
@@ -364,7 +422,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--cuda")) cuda = 1;
         else if (!strcmp(argv[i], "--layer-context") && i + 1 < argc) layer_ctx = atoll(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_am [--head T [--dump DIR] [--plain]] [--omp] [--products f32|bf16] [--reps N] | "
+            fprintf(stderr, "usage: bench_am [--head T [--dump DIR] [--plain] [--floor]] [--omp] [--products f32|bf16] [--reps N] | "
                     "--fit-host [--reps N] | --cuda [--layer-context T] [--omp [--omp-batch N]]\n");
             return 2;
         }
