@@ -1610,8 +1610,8 @@ typedef struct {
 /* out (n, H, d) = softmax(q k^T / sqrt(d) + bias, causal) v for queries q (n, H, d) at positions
  * pos0 .. pos0 + n - 1; query head h reads KV head h / (H / Hkv).
  * attend_ref: plain loops, OpenMP over (token, head); scores holds one row of scores_ld floats
- * per thread. Used for decode (n == 1), where it is as fast as anything else; threaded over heads
- * there too with oneDNN (no OpenBLAS pthreads to compete with). */
+ * per thread. The reference of decode's attend_row1 (KVCC_DECODE_ATTEND_REF in the environment
+ * runs decode through it; calib_model/real_decode_attention_matches_ref). */
 static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                        const kv_view *view, float *out, float *scores, int64_t scores_ld,
                        int n_threads) {
@@ -2139,10 +2139,63 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
 }
 #endif
 
+/* Decode's attention (one query row): attend_ref's result with its three loops vectorized. The
+ * scores q . k_j scaled (a SIMD-cloned dot over d per entry), softmax_row (the exp of the
+ * prefill's attend_tiles / attend_blas, max rel. error 8.3e-8, where attend_ref calls libm's
+ * expf per entry), then the weights times the values accumulated over d lanes. OpenMP over the
+ * heads as attend_ref; each head's arithmetic is the same on any thread: bit-identical at any
+ * thread count. attend_ref was 12% of a decode run's samples on a 2-core AVX2 EPYC (the GEMVs
+ * 34%), its exp a libm call per entry. */
+KVRT_SIMD_CLONES
+static void att1_scores(const float *qv, const float *k, int64_t stride, int64_t ne, int d,
+                        float scale, float *sc) {
+    for (int64_t j = 0; j < ne; j++) {
+        const float *kj = k + j * stride;
+        float dot = 0.0f;
+        #pragma omp simd reduction(+ : dot)
+        for (int i = 0; i < d; i++) dot += qv[i] * kj[i];
+        sc[j] = dot * scale;
+    }
+}
+KVRT_SIMD_CLONES
+static void att1_values(const float *w, const float *v, int64_t stride, int64_t ne, int d,
+                        float *o) {
+    for (int i = 0; i < d; i++) o[i] = 0.0f;
+    for (int64_t j = 0; j < ne; j++) {
+        const float wj = w[j];
+        if (wj == 0.0f) continue;
+        const float *vj = v + j * stride;
+        #pragma omp simd
+        for (int i = 0; i < d; i++) o[i] += wj * vj[i];
+    }
+}
+static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_view *view,
+                        float *out, float *scores, int64_t scores_ld, int n_threads) {
+    const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
+    const float scale = 1.0f / sqrtf((float)d);
+    #pragma omp parallel for schedule(dynamic, 1) if (GEMM_SHARES_OMP) num_threads(n_threads)
+    for (int h = 0; h < H; h++) {
+        const kv_head_view *kh = &view->heads[h / group];
+        float *o = out + (size_t)h * d;
+        float *sc = scores + (size_t)omp_get_thread_num() * scores_ld;
+        int64_t ne = kh->n;
+        if (!kh->pos && ne > pos0 + 1) ne = pos0 + 1; /* full cache: entries after pos0 are future */
+        if (ne == 0) {
+            memset(o, 0, (size_t)d * sizeof(float));
+            continue;
+        }
+        att1_scores(q + (size_t)h * d, kh->k, kh->stride, ne, d, scale, sc);
+        softmax_row(sc, ne, pos0, kh->bias, kh->pos); /* masked, biased, normalized; 0 if none */
+        att1_values(sc, kh->v, kh->stride, ne, d, o);
+    }
+}
+
 /* attend: the one entry point of the seam; picks the implementation by query count and backend. */
 static void attend(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                    const kv_view *view, float *out, kvcc_state *s) {
-    if (n == 1) attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
+    if (n == 1 && getenv("KVCC_DECODE_ATTEND_REF")) /* tests: decode through the reference */
+        attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
+    else if (n == 1) attend_row1(m, q, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
 #if KVCC_WITH_DNNL
     else attend_tiles(m, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
 #else
