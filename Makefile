@@ -334,8 +334,10 @@ test: deps peer-deps model
 	  $(TESTS) --jobs 2
 	@if [ "$(USE_DNNL)" = 1 ] && [ "$(SAN)" = 0 ]; then \
 	  echo "== the bf16 tests where oneDNN has no bf16 kernel (ONEDNN_MAX_CPU_ISA=AVX2: the widened f32 fallback AVX2-only CPUs run)"; \
-	  KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
-	    ONEDNN_MAX_CPU_ISA=AVX2 $(TESTS) --jobs 2 --filter '*/*bf16*' || exit 1; fi
+	  if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+	    KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} ONEDNN_MAX_CPU_ISA=AVX2 \
+	      $(TESTS) --jobs 2 --filter '*/*bf16*' || exit 1; \
+	  else echo "bf16 fallback: run by the Criterion suite above (this CPU has no AVX-512: no bf16 kernel to turn off)"; fi; fi
 	@echo "== fuzz corpus replay"
 	@$(FUZZ_REPLAY) tests/fuzz/corpus tests/golden/valid tests/golden/invalid
 	@$(BUILD)/tests/fuzz_replay_corpus tests/golden/invalid-corpus $(wildcard tests/fuzz/corpus-h5)

@@ -18,7 +18,8 @@
  * --plain (part 1 only: no exact sinks or recent window and no beta floor, keys of NNLS weight 0
  * dropped: the plain algorithm of the paper, for bench/am_vs_scipy.sh's second comparison).
  * --floor (with --head): part 1 also times the compaction's two f32 products alone, on the kernel
- *   it runs them on (c_f32_products_seconds): no f32 compaction of that head can take less, so
+ *   it runs them on, over the keys and chunks it multiplies (the middle between the exact sinks
+ *   and recent window; c_f32_products_seconds): no f32 compaction of that head can take less, so
  *   with numpy + scipy's time it bounds the ratio f32 products can reach on the machine
  *   (bench/am_vs_scipy.sh prints that bound beside the ratios).
  * Part 1 also prints c_digest (an FNV-1a of the compacted cache's bits) and c_stats (its mass and
@@ -46,6 +47,7 @@
 #include "core/policies.h" /* kvrt_am_nnls_gram: the CUDA fit's host NNLS (--fit-host) */
 #include "cpu/nnls.h"      /* kvrt_cpu_ridge_solve */
 #include "cpu/blas.h"      /* kvrt_cpu_sgemm_batch: the f32 products alone (products_floor) */
+#include "core/am_plan.h"  /* the compaction's split and chunks (products_floor) */
 
 static int g_omp_batch = 1; /* --omp-batch N: OMP's keys per round */
 static int g_products = KVRT_AM_PRODUCTS_F32; /* --products f32|bf16 */
@@ -110,42 +112,54 @@ static uint64_t cache_digest(const kvrt_cache *c) {
 
 /* The two f32 products of a one-head compaction alone, on the kernel the compaction runs them
  * on (kvrt_cpu_sgemm_batch: oneDNN or OpenBLAS at one thread, one 256-row query block per
- * thread): per chunk of `chunk` keys, Q K^T [n, chunk] over d, then P V [n, d] over chunk keys
- * (P: the logits, the values do not matter to the time). Seconds for all ceil(T / chunk) chunks,
- * median of reps; and the rate in GFLOP/s. No f32 compaction of this T can take less: with
- * numpy + scipy's time it bounds the ratio any f32 implementation can reach on this machine. */
-static double products_floor(int64_t T, int64_t n, int64_t d, int64_t chunk, int reps, double *gflops) {
+ * thread), over the keys the compaction multiplies: the middle Tm = T - sinks - recent window
+ * of the options' split of budget t, in the options' chunks (core/am_plan.h), each chunk
+ * Q K^T [n, Tc] over d then P V [n, d] over Tc keys (P: the logits; values do not matter to the
+ * time). Seconds for all chunks, median of reps; the rate in GFLOP/s. No f32 compaction with
+ * these options can take less: with numpy + scipy's time it bounds the ratio any f32
+ * implementation can reach on this machine. */
+static double products_floor(const kvrt_am_opts *o, int64_t T, int64_t t, int64_t n, int64_t d,
+                             int reps, double *gflops) {
     enum { QBLK = 256 }; /* runtime/cpu/am.c's AM_QBLK */
-    const int64_t Tc = T < chunk ? T : chunk, nchunks = (T + chunk - 1) / chunk;
+    const kvrt_am_split sp = kvrt_am_split_of(o, t);
+    const int64_t Tm = T - sp.ns - sp.nr;
+    if (Tm < 1) { *gflops = 0; return 0; }
+    const int64_t chunk = kvrt_am_chunk_of(o, Tm), nchunks = (Tm + chunk - 1) / chunk;
     const int64_t nqb = (n + QBLK - 1) / QBLK;
-    float *q = synth(n, 1, d, 0.8f, 1.0f, 3), *k = synth(Tc, 1, d, 1.0f, 0.0f, 1);
-    float *v = synth(Tc, 1, d, 1.0f, 0.0f, 2);
-    float *S = malloc(sizeof(float) * (size_t)(n * Tc)), *Y = malloc(sizeof(float) * (size_t)(n * d));
-    kvrt_sgemm_op *ops = malloc(sizeof *ops * (size_t)(2 * nqb));
+    float *q = synth(n, 1, d, 0.8f, 1.0f, 3), *k = synth(chunk, 1, d, 1.0f, 0.0f, 1);
+    float *v = synth(chunk, 1, d, 1.0f, 0.0f, 2);
+    float *S = malloc(sizeof(float) * (size_t)(n * chunk)), *Y = malloc(sizeof(float) * (size_t)(n * d));
+    kvrt_sgemm_op *ops = malloc(sizeof *ops * (size_t)(2 * nqb * nchunks));
     double *times = malloc(sizeof(double) * (size_t)reps);
-    double med = -1;
+    double med = -1, flops = 0;
     if (q && k && v && S && Y && ops && times) {
-        for (int64_t b = 0; b < nqb; b++) {
-            const int64_t i0 = b * QBLK, nb = n - i0 < QBLK ? n - i0 : QBLK;
-            ops[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)Tc, .k = (int)d,
-                                     .alpha = 1.0f / sqrtf((float)d), .A = q + i0 * d, .lda = (int)d,
-                                     .B = k, .ldb = (int)d, .C = S + i0 * Tc, .ldc = (int)Tc};
-            ops[nqb + b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)Tc,
-                                           .alpha = 1.0f, .A = S + i0 * Tc, .lda = (int)Tc, .B = v,
-                                           .ldb = (int)d, .C = Y + i0 * d, .ldc = (int)d};
+        for (int64_t c = 0; c < nchunks; c++) { /* chunk c's ops at ops + 2 nqb c */
+            int64_t k0, Tc, tc;
+            kvrt_am_chunk_span(sp.ns, Tm, chunk, sp.tm, c, &k0, &Tc, &tc);
+            kvrt_sgemm_op *oc = ops + 2 * nqb * c;
+            for (int64_t b = 0; b < nqb; b++) {
+                const int64_t i0 = b * QBLK, nb = n - i0 < QBLK ? n - i0 : QBLK;
+                oc[b] = (kvrt_sgemm_op){.tb = 1, .m = (int)nb, .n = (int)Tc, .k = (int)d,
+                                        .alpha = 1.0f / sqrtf((float)d), .A = q + i0 * d, .lda = (int)d,
+                                        .B = k, .ldb = (int)d, .C = S + i0 * Tc, .ldc = (int)Tc};
+                oc[nqb + b] = (kvrt_sgemm_op){.tb = 0, .m = (int)nb, .n = (int)d, .k = (int)Tc,
+                                              .alpha = 1.0f, .A = S + i0 * Tc, .lda = (int)Tc, .B = v,
+                                              .ldb = (int)d, .C = Y + i0 * d, .ldc = (int)d};
+            }
+            flops += 4.0 * (double)n * (double)Tc * (double)d;
         }
         const int held = kvrt_cpu_openblas_hold(); /* as the compaction holds it (am_blas_hold) */
         for (int r = -1; r < reps; r++) { /* r = -1: warm-up (oneDNN builds its primitives) */
             const double t0 = now_s();
             for (int64_t c = 0; c < nchunks; c++) {
-                kvrt_cpu_sgemm_batch(ops, nqb);
-                kvrt_cpu_sgemm_batch(ops + nqb, nqb);
+                kvrt_cpu_sgemm_batch(ops + 2 * nqb * c, nqb);
+                kvrt_cpu_sgemm_batch(ops + 2 * nqb * c + nqb, nqb);
             }
             if (r >= 0) times[r] = now_s() - t0;
         }
         kvrt_cpu_openblas_restore(held);
         med = median(times, reps);
-        *gflops = 4.0 * (double)n * (double)Tc * (double)d * (double)nchunks / med / 1e9;
+        *gflops = flops / med / 1e9;
     }
     free(q); free(k); free(v); free(S); free(Y); free(ops); free(times);
     return med;
@@ -220,7 +234,7 @@ static int bench_head(int64_t T, int omp, int reps, const char *dump_dir) {
     free(k); free(v); free(q);
     if (g_floor) {
         double gf = 0;
-        const double fs = products_floor(T, n, d, o.chunk, reps, &gf);
+        const double fs = products_floor(&o, T, t, n, d, reps, &gf);
         if (fs < 0) { fprintf(stderr, "bench_am: out of memory\n"); return 1; }
         printf("f32 products alone (%s): %.3f s (median of %d), %.0f GFLOP/s\n", kvrt_cpu_gemm_name(),
                fs, reps, gf);

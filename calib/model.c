@@ -1286,6 +1286,7 @@ static int bf16_native(void) {
  * 1 and 2 threads when each block's product ran on the whole team). */
 static void bf16_widened_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const uint16_t *W,
                                 int rows, float beta, float *y, int ldy) {
+    if (n <= 0 || rows <= 0) return;
     const size_t nx = (size_t)n * cols;
     #pragma omp parallel for schedule(static) if (nx >= 65536)
     for (size_t i = 0; i < nx; i++) c->xf[i] = bf16_to_f32(c->xb[i]);
@@ -1295,6 +1296,8 @@ static void bf16_widened_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const 
     int nthr = omp_get_max_threads();
     if (nthr > c->wf_nthr) nthr = c->wf_nthr;
     if (nthr > nblk) nthr = nblk;
+    /* OpenBLAS at one thread meanwhile: kvrt_cpu_sgemm_1t falls back to it if oneDNN refuses */
+    const int held = kvrt_cpu_openblas_hold();
     #pragma omp parallel num_threads(nthr) if (nthr > 1)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -1307,6 +1310,7 @@ static void bf16_widened_matmul(struct kvcc_bf16_ctx *c, int n, int cols, const 
             kvrt_cpu_sgemm_1t(1, n, nr, cols, 1.0f, c->xf, cols, wf, cols, beta, y + r0, ldy);
         }
     }
+    kvrt_cpu_openblas_restore(held);
 }
 #endif
 

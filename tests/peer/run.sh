@@ -8,7 +8,8 @@
 # "skipped" line and exits 0. Then, when h5py is importable too, tests/peer/capture_hf_check.py
 # checks examples/capture_hf.py: a tiny random Llama's corpus read back by our C reader
 # (tests/peer/read_corpus.c), the real model's keys against dump_model, and capture_hf.py --text
-# against `kvcc capture` on the same texts.
+# against `kvcc capture` on the same texts (the last two only in the plain build: a sanitizer
+# build's KVCC_BUILD, */san, reads the tiny model's corpus only).
 #
 # Usage: tests/peer/run.sh [--install]
 #   --install   pip-install torch, transformers, gguf, accelerate, h5py and numpy first
