@@ -698,8 +698,17 @@ void kvcc_state_free(kvcc_state *s) {
     bf16_ctx_free(s->bf);
     free(s->k_cache); free(s->v_cache);
     free(s->x); free(s->xb); free(s->q); free(s->att); free(s->hb); free(s->hb2);
-    free(s->rope_cos); free(s->rope_sin); free(s->scores);
+    free(s->rope_cos); free(s->rope_sin); free(s->scores); free(s->dec_att);
     free(s);
+}
+
+/* Decode's attention over a full cache runs in chunks of ATT1_CHUNK keys per KV head (attend_row1):
+ * its scratch, per thread the weights of one chunk for each query head of a group, then per query
+ * head and chunk the chunk's max, sum and d unnormalized outputs. */
+#define ATT1_CHUNK 128
+static size_t att1_scratch_floats(const kvcc_model_hparams *hp, int n_threads, int n_ctx) {
+    const size_t group = (size_t)(hp->n_head / hp->n_head_kv), nc = ((size_t)n_ctx + ATT1_CHUNK - 1) / ATT1_CHUNK;
+    return (size_t)n_threads * group * ATT1_CHUNK + (size_t)hp->n_head * nc * ((size_t)hp->head_dim + 2);
 }
 
 int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
@@ -731,8 +740,9 @@ int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
     size_t score_rows = (size_t)s->n_threads * ATT_BQ > C ? (size_t)s->n_threads * ATT_BQ : C;
 #endif
     s->scores = malloc(score_rows * (size_t)n_ctx * sizeof(float));
+    s->dec_att = malloc(att1_scratch_floats(hp, s->n_threads, n_ctx) * sizeof(float));
     if (!s->k_cache || !s->v_cache || !s->x || !s->xb || !s->q || !s->att || !s->hb || !s->hb2 ||
-        !s->rope_cos || !s->rope_sin || !s->scores) {
+        !s->rope_cos || !s->rope_sin || !s->scores || !s->dec_att) {
         kvcc_state_free(s);
         return KVCC_GGUF_ERR_NOMEM;
     }
@@ -1614,7 +1624,7 @@ typedef struct {
 /* out (n, H, d) = softmax(q k^T / sqrt(d) + bias, causal) v for queries q (n, H, d) at positions
  * pos0 .. pos0 + n - 1; query head h reads KV head h / (H / Hkv).
  * attend_ref: plain loops, OpenMP over (token, head); scores holds one row of scores_ld floats
- * per thread. The reference of decode's attend_row1 (KVCC_DECODE_ATTEND_REF in the environment
+ * per thread. The reference of decode's attend_row1 (KVCC_DECODE_ATTEND=ref in the environment
  * runs decode through it; calib_model/real_decode_attention_matches_ref). */
 static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                        const kv_view *view, float *out, float *scores, int64_t scores_ld,
@@ -1691,6 +1701,24 @@ static inline __attribute__((always_inline)) float softmax_exp(float *sc, int64_
         sum += e;
     }
     return 1.0f / sum;
+}
+/* decode's chunks of keys (att1_chunk_avx2): sc[0, n) := e^(sc - max), *mx := max (-INF: every
+ * entry -INF, sc untouched), returns the sum */
+KVRT_SIMD_CLONES
+static float att1_exp(float *sc, int64_t n, float *mx) {
+    float m = -INFINITY;
+    #pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
+    *mx = m;
+    if (m == -INFINITY) return 0.0f;
+    float sum = 0.0f;
+    #pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; j++) {
+        const float e = exp_nonpos_f32(sc[j] - m);
+        sc[j] = e;
+        sum += e;
+    }
+    return sum;
 }
 KVRT_SIMD_CLONES
 static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, const int32_t *pos) {
@@ -2143,13 +2171,14 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
 }
 #endif
 
-/* Decode's attention (one query row): attend_ref's result with its three loops vectorized. The
- * scores q . k_j scaled (a SIMD-cloned dot over d per entry), softmax_row (the exp of the
- * prefill's attend_tiles / attend_blas, max rel. error 8.3e-8, where attend_ref calls libm's
- * expf per entry), then the weights times the values accumulated over d lanes. OpenMP over the
- * heads as attend_ref; each head's arithmetic is the same on any thread: bit-identical at any
- * thread count. attend_ref was 12% of a decode run's samples on a 2-core AVX2 EPYC (the GEMVs
- * 34%), its exp a libm call per entry. */
+/* Decode's attention (one query row), one query head at a time: attend_ref's result with its
+ * three loops vectorized. The scores q . k_j scaled (a SIMD-cloned dot over d per entry),
+ * softmax_row (the exp of the prefill's attend_tiles / attend_blas, max rel. error 8.3e-8, where
+ * attend_ref calls libm's expf per entry), then the weights times the values accumulated over d
+ * lanes. OpenMP over the heads as attend_ref; each head's arithmetic is the same on any thread:
+ * bit-identical at any thread count. attend_ref was 12% of a decode run's samples on a 2-core
+ * AVX2 EPYC (the GEMVs 34%), its exp a libm call per entry. The SIMD clones are the path of CPUs
+ * without AVX2 (and of views with positions or biases there); attend_row1 below picks. */
 KVRT_SIMD_CLONES
 static void att1_scores(const float *qv, const float *k, int64_t stride, int64_t ne, int d,
                         float scale, float *sc) {
@@ -2173,10 +2202,180 @@ static void att1_values(const float *w, const float *v, int64_t stride, int64_t 
         for (int i = 0; i < d; i++) o[i] += wj * vj[i];
     }
 }
+#if KVCC_HAVE_X86
+/* att1_scores and att1_values in AVX2 for d a multiple of 8 (decode at a long context was
+ * attention-bound: at 1024-1536 tokens on a 2-core AVX2 EPYC the SIMD clones took 16 ms of a
+ * 38 ms step, each entry's dot a chain of dependent FMAs and a horizontal sum, the values'
+ * accumulators kept in memory). Scores: eight entries at a time, one accumulator each over d, the
+ * eight reduced together (hadd tree); values: the output in up to eight registers (64 lanes) per
+ * pass over the entries, one FMA per register and entry. Every sum in a fixed order (entry blocks
+ * of 8 from 0, then single entries; lanes in order): the same bits on any thread. Used by the
+ * chunked path (att1_chunk_avx2) and, one query head at a time, by attend_row1's heads path. */
+AVX2_TARGET static void att1_scores_avx2(const float *qv, const float *k, int64_t stride,
+                                         int64_t ne, int d, float scale, float *sc) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 8 <= ne; j += 8) {
+        const float *kj = k + j * stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+               a7 = a0;
+        for (int i = 0; i < d; i += 8) {
+            const __m256 x = _mm256_loadu_ps(qv + i);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + i), x, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + stride + i), x, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 2 * stride + i), x, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 3 * stride + i), x, a3);
+            a4 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 4 * stride + i), x, a4);
+            a5 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 5 * stride + i), x, a5);
+            a6 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 6 * stride + i), x, a6);
+            a7 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 7 * stride + i), x, a7);
+        }
+        /* lanes of a_u summed into lane u: pairwise hadds, then the two 128-bit halves */
+        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+        const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                                       _mm256_permute2f128_ps(t0, t1, 0x31));
+        _mm256_storeu_ps(sc + j, _mm256_mul_ps(r, sv));
+    }
+    for (; j < ne; j++) {
+        const float *kj = k + j * stride;
+        __m256 a = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + i), _mm256_loadu_ps(qv + i), a);
+        sc[j] = hsum_avx2(a, _mm256_setzero_ps()) * scale;
+    }
+}
+/* o[0, 8 nr) = sum over entries j with w[j] != 0 of w[j] v_j[0, 8 nr), nr 1..8 (a constant at
+ * each call: the accumulators stay in registers) */
+AVX2_TARGET __attribute__((always_inline)) static inline void
+att1_values_blk(const float *w, const float *v, int64_t stride, int64_t ne, int nr, float *o) {
+    __m256 a[8];
+    #pragma GCC unroll 8
+    for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < ne; j++) {
+        if (w[j] == 0.0f) continue; /* as att1_values: a masked entry's values are not read */
+        const __m256 wj = _mm256_set1_ps(w[j]);
+        const float *vj = v + j * stride;
+        #pragma GCC unroll 8
+        for (int r = 0; r < nr; r++) a[r] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * r), a[r]);
+    }
+    #pragma GCC unroll 8
+    for (int r = 0; r < nr; r++) _mm256_storeu_ps(o + 8 * r, a[r]);
+}
+AVX2_TARGET static void att1_values_avx2(const float *w, const float *v, int64_t stride,
+                                         int64_t ne, int d, float *o) {
+    int i = 0;
+    for (; i + 64 <= d; i += 64) att1_values_blk(w, v + i, stride, ne, 8, o + i);
+    if (d - i >= 32) {
+        att1_values_blk(w, v + i, stride, ne, 4, o + i);
+        i += 32;
+    }
+    if (d - i >= 16) {
+        att1_values_blk(w, v + i, stride, ne, 2, o + i);
+        i += 16;
+    }
+    if (d - i >= 8) att1_values_blk(w, v + i, stride, ne, 1, o + i);
+}
+/* One chunk of n keys (rows j0.. of KV head kh) for the group of query heads q (d apart): per
+ * head, the scaled scores, their max m, e^(s - m) and its sum l, and the outputs sum_j e_j v_j
+ * into part (m, l, then d floats; the next head part_ld further). A chunk with every score -INF
+ * gets m = -INF, l = 0, zero outputs. */
+AVX2_TARGET static void att1_chunk_avx2(const float *q, int group, const kv_head_view *kh,
+                                        int64_t j0, int64_t n, int d, float scale, float *sc,
+                                        float *part, size_t part_ld) {
+    const float *k = kh->k + j0 * kh->stride, *v = kh->v + j0 * kh->stride;
+    for (int g = 0; g < group; g++) {
+        float *p = part + (size_t)g * part_ld;
+        att1_scores_avx2(q + (size_t)g * d, k, kh->stride, n, d, scale, sc);
+        p[1] = att1_exp(sc, n, &p[0]);
+        if (p[0] == -INFINITY) {
+            memset(p + 1, 0, (size_t)(d + 1) * sizeof(float));
+            continue;
+        }
+        att1_values_avx2(sc, v, kh->stride, n, d, p + 2);
+    }
+}
+#endif
+/* A query head's output from its nc chunks' parts (att1_chunk_avx2), in chunk order: each chunk
+ * weighted by e^(m_c - M), M the largest m_c, the sum divided by sum_c e^(m_c - M) l_c; zeros if
+ * every score was -INF (as softmax_row). */
+static void att1_combine(const float *part, int nc, int d, float *o) {
+    const size_t ld = (size_t)d + 2;
+    float M = -INFINITY;
+    for (int c = 0; c < nc; c++) M = part[c * ld] > M ? part[c * ld] : M;
+    for (int i = 0; i < d; i++) o[i] = 0.0f;
+    if (M == -INFINITY) return;
+    float L = 0.0f;
+    for (int c = 0; c < nc; c++) {
+        const float *p = part + c * ld;
+        if (p[0] == -INFINITY) continue;
+        const float w = exp_nonpos_f32(p[0] - M);
+        L += w * p[1];
+        for (int i = 0; i < d; i++) o[i] += w * p[2 + i];
+    }
+    const float inv = 1.0f / L;
+    for (int i = 0; i < d; i++) o[i] *= inv;
+}
+/* Decode's attention. The default: tasks of (KV head, chunk of ATT1_CHUNK keys), each running
+ * all the query heads of the group over its keys (att1_chunk_avx2: K and V read from memory once,
+ * not once per query head), then per query head the chunks combined (att1_combine), in an order
+ * fixed by the context length, never by the thread count: bit-identical at any thread count.
+ * Measured on a 2-core AVX2 EPYC (bench_prefill --decode 128): attention 2.9 ms per token at
+ * 512 + 128 tokens and 15.5 ms at 4096 + 128, against 3.9 / 22.6 ms one query head at a time in
+ * AVX2 and 6.9 / 33.2 ms in the SIMD clones. Where it does not apply (positions or biases in the
+ * view, d not a multiple of 8, no AVX2): one query head at a time, in AVX2 or the SIMD clones;
+ * attend_ref is the reference. KVCC_DECODE_ATTEND=heads|clones|ref
+ * in the environment picks one for the tests (calib_model/real_decode_attention_matches_ref);
+ * anything else or unset: the default. */
+enum { ATT1_CHUNKS, ATT1_HEADS, ATT1_CLONES, ATT1_REF };
+static int att1_mode(void) {
+    const char *e = getenv("KVCC_DECODE_ATTEND");
+    if (!e) return ATT1_CHUNKS;
+    return !strcmp(e, "heads") ? ATT1_HEADS : !strcmp(e, "clones") ? ATT1_CLONES
+                                            : !strcmp(e, "ref") ? ATT1_REF : ATT1_CHUNKS;
+}
 static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_view *view,
-                        float *out, float *scores, int64_t scores_ld, int n_threads) {
+                        float *out, float *scores, int64_t scores_ld, float *dec_att,
+                        int n_ctx, int n_threads, int mode) {
     const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
+    const int avx2 = cpu_has_avx2() && d % 8 == 0 && mode < ATT1_CLONES;
+    int full = avx2 && mode == ATT1_CHUNKS;
+    for (int g = 0; g < view->n_kv_heads && full; g++)
+        full = !view->heads[g].pos && !view->heads[g].bias && view->heads[g].n <= n_ctx;
+#if KVCC_HAVE_X86
+    if (full) { /* chunks of keys per KV head, all its query heads at once, then combined */
+        const int Hkv = view->n_kv_heads;
+        const int64_t ne = (int64_t)pos0 + 1;
+        const int nc = (int)((ne + ATT1_CHUNK - 1) / ATT1_CHUNK);
+        const size_t ld = (size_t)d + 2;
+        float *part = dec_att + (size_t)n_threads * group * ATT1_CHUNK;
+        #pragma omp parallel num_threads(n_threads) if (GEMM_SHARES_OMP)
+        {
+            float *sc = dec_att + (size_t)omp_get_thread_num() * group * ATT1_CHUNK;
+            #pragma omp for schedule(static)
+            for (int t = 0; t < Hkv * nc; t++) {
+                const int g = t / nc, c = t % nc;
+                const kv_head_view *kh = &view->heads[g];
+                const int64_t n_g = kh->n < ne ? kh->n : ne, j0 = (int64_t)c * ATT1_CHUNK;
+                const int64_t n = n_g - j0 < ATT1_CHUNK ? n_g - j0 : ATT1_CHUNK;
+                float *p = part + ((size_t)g * group * nc + c) * ld; /* head g * group, chunk c */
+                if (n <= 0) {
+                    for (int i = 0; i < group; i++) {
+                        p[(size_t)i * nc * ld] = -INFINITY;
+                        memset(p + (size_t)i * nc * ld + 1, 0, (size_t)(d + 1) * sizeof(float));
+                    }
+                    continue;
+                }
+                att1_chunk_avx2(q + (size_t)g * group * d, group, kh, j0, n, d, scale, sc, p,
+                                (size_t)nc * ld);
+            }
+            #pragma omp for schedule(static)
+            for (int h = 0; h < H; h++) att1_combine(part + (size_t)h * nc * ld, nc, d, out + (size_t)h * d);
+        }
+        return;
+    }
+#endif
     #pragma omp parallel for schedule(dynamic, 1) if (GEMM_SHARES_OMP) num_threads(n_threads)
     for (int h = 0; h < H; h++) {
         const kv_head_view *kh = &view->heads[h / group];
@@ -2188,6 +2387,14 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
             memset(o, 0, (size_t)d * sizeof(float));
             continue;
         }
+#if KVCC_HAVE_X86
+        if (avx2) {
+            att1_scores_avx2(q + (size_t)h * d, kh->k, kh->stride, ne, d, scale, sc);
+            softmax_row(sc, ne, pos0, kh->bias, kh->pos);
+            att1_values_avx2(sc, kh->v, kh->stride, ne, d, o);
+            continue;
+        }
+#endif
         att1_scores(q + (size_t)h * d, kh->k, kh->stride, ne, d, scale, sc);
         softmax_row(sc, ne, pos0, kh->bias, kh->pos); /* masked, biased, normalized; 0 if none */
         att1_values(sc, kh->v, kh->stride, ne, d, o);
@@ -2197,9 +2404,12 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
 /* attend: the one entry point of the seam; picks the implementation by query count and backend. */
 static void attend(const kvcc_model *m, int layer, const float *q, int n, int pos0,
                    const kv_view *view, float *out, kvcc_state *s) {
-    if (n == 1 && getenv("KVCC_DECODE_ATTEND_REF")) /* tests: decode through the reference */
+    const int mode = n == 1 ? att1_mode() : ATT1_CHUNKS;
+    if (n == 1 && mode == ATT1_REF) /* tests: decode through the reference */
         attend_ref(m, layer, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
-    else if (n == 1) attend_row1(m, q, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
+    else if (n == 1)
+        attend_row1(m, q, pos0, view, out, s->scores, s->n_ctx, s->dec_att, s->n_ctx, s->n_threads,
+                    mode);
 #if KVCC_WITH_DNNL
     else attend_tiles(m, q, n, pos0, view, out, s->scores, s->n_ctx, s->n_threads);
 #else
