@@ -909,12 +909,13 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
 }
 
 /* Decode's attention (attend_row1) against its reference attend_ref (KVCC_DECODE_ATTEND=ref),
- * 32 decode steps after a 400-token prefill of held-out text, in each of its paths: the default
- * (chunks of keys per KV head, combined), one query head at a time in AVX2 ("heads") and in the
- * SIMD clones ("clones"; the path of CPUs without AVX2, where "heads" and the default run it
- * too). Each: logits within 2e-4 of the reference (the exp differs by <= 1.4 ulp and the dot
+ * 24 decode steps after a 300-token prefill of held-out text (three chunks of keys), in each of
+ * its paths: the default (chunks of keys per KV head, combined), one query head at a time in AVX2
+ * ("heads") and in the SIMD clones ("clones"; the path of CPUs without AVX2, where "heads" and
+ * the default run it too). Each: logits within 2e-4 of the reference (the exp differs by <= 1.4 ulp and the dot
  * products sum in other orders; measured 2.6e-5 over 64 steps after 536 tokens on a 2-core AVX2
- * EPYC for the clones), the same argmax at every step, and bit-identical at 1 and 2 threads. */
+ * EPYC for the clones), the same argmax at every step; the default and the clones also
+ * bit-identical at 1 and 2 threads (the heads path splits nothing a thread count could change). */
 static void decode_steps(real_model *r, const int32_t *ids, int np, int nd, float *out) {
     kvcc_state *s;
     cr_assert_eq(kvcc_state_create(r->m, np + nd, &s), 0);
@@ -928,7 +929,7 @@ Test(calib_model, real_decode_attention_matches_ref, .timeout = 600) {
     real_model r = load_real();
     if (!r.m) cr_skip_test("model not fetched: run scripts/fetch-model.sh");
     int32_t *ids = heldout_600(r.t);
-    const int np = 400, nd = 32, nv = r.m->hp.n_vocab;
+    const int np = 300, nd = 24, nv = r.m->hp.n_vocab;
     const size_t bytes = (size_t)nd * nv * sizeof(float);
     float *fast = malloc(bytes), *one = malloc(bytes), *ref = malloc(bytes), *prev = malloc(bytes);
     cr_assert(fast && one && ref && prev);
@@ -942,10 +943,13 @@ Test(calib_model, real_decode_attention_matches_ref, .timeout = 600) {
         else unsetenv("KVCC_DECODE_ATTEND");
         omp_set_num_threads(2);
         decode_steps(&r, ids, np, nd, fast);
-        omp_set_num_threads(1);
-        decode_steps(&r, ids, np, nd, one);
-        omp_set_num_threads(2);
-        cr_assert(!memcmp(fast, one, bytes), "%s: decode logits differ between 2 threads and 1", mode);
+        if (k != 1) {
+            omp_set_num_threads(1);
+            decode_steps(&r, ids, np, nd, one);
+            omp_set_num_threads(2);
+            cr_assert(!memcmp(fast, one, bytes), "%s: decode logits differ between 2 threads and 1",
+                      mode);
+        }
         cr_assert(memcmp(fast, ref, bytes), "%s: the same bits as the reference (switch ignored?)", mode);
         float worst = 0;
         for (int t = 0; t < nd; t++) {
