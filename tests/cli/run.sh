@@ -8,7 +8,15 @@ pass=0; fail=0
 ok()  { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAIL: $*" >&2; }
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+# seconds spent per numbered section, printed before the summary (CI's time budget: which checks
+# cost what on the machine that ran them)
+sec_name=""; sec_t0=$SECONDS; sec_times=""
+section() {
+  [ -n "$sec_name" ] && sec_times+=" $sec_name:$((SECONDS - sec_t0))s"
+  sec_name=$1; sec_t0=$SECONDS
+}
 
+section 1
 # 1. invalid golden files: each fails with its own status and exit 10 + |status|
 while read -r file status; do
   case "$file" in ''|'#'*) continue;; esac
@@ -18,11 +26,13 @@ while read -r file status; do
   else bad "verify $file: expected $status, got exit $ex: $out"; fi
 done < tests/golden/invalid/EXPECTED
 
+section 2
 # 2. valid golden files pass
 for f in tests/golden/valid/*.kvpol; do
   if "$KVCC" verify --quiet "$f"; then ok; else bad "verify $f should pass"; fi
 done
 
+section 3
 # 3. compile is byte-reproducible; SOURCE_DATE_EPOCH changes only 'created'
 "$KVCC" compile --model smollm2-135m -o "$tmp/a.kvpol" 2>/dev/null && \
 "$KVCC" compile --model smollm2-135m -o "$tmp/b.kvpol" 2>/dev/null && cmp -s "$tmp/a.kvpol" "$tmp/b.kvpol" && ok || bad "two compiles differ"
@@ -32,11 +42,13 @@ out=$("$KVCC" diff "$tmp/a.kvpol" "$tmp/c.kvpol"); ex=$?
 [[ $ex -eq 1 && "$out" == *"header.created"*"0 vs 1700000000"* && "$out" == *"1 difference"* ]] && ok || bad "diff on SOURCE_DATE_EPOCH: exit $ex: $out"
 "$KVCC" diff "$tmp/a.kvpol" "$tmp/b.kvpol" >/dev/null && ok || bad "diff of identical artifacts should exit 0"
 
+section 4
 # 4. fingerprint check through the runtime
 "$KVCC" verify --quiet --model smollm2-135m "$tmp/a.kvpol" && ok || bad "verify --model smollm2-135m"
 out=$("$KVCC" verify --model llama3 "$tmp/a.kvpol"); ex=$?
 [[ $ex -eq 4 && "$out" == *"n_layers"* ]] && ok || bad "verify --model llama3: exit $ex: $out"
 
+section 5
 # 5. usage errors exit 2 and say what was expected
 for args in "" "frobnicate" "verify" "inspect" "diff one" "compile -o x.kvpol" "compile --model nope -o x" \
             "compile --model llama3 --policies compilerkv -o $tmp/x.kvpol" "verify --model nope $tmp/a.kvpol" "inspect --items -3 $tmp/a.kvpol"; do
@@ -46,16 +58,19 @@ for args in "" "frobnicate" "verify" "inspect" "diff one" "compile -o x.kvpol" "
 done
 [ ! -e "$tmp/x.kvpol" ] && ok || bad "a refused compile wrote its output"
 
+section 6
 # 6. an I/O error names the file
 out=$("$KVCC" verify "$tmp/missing.kvpol"); ex=$?
 [[ $ex -eq 13 && "$out" == *"$tmp/missing.kvpol"* ]] && ok || bad "missing file: exit $ex: $out"
 
+section 7
 # 7. inspect, JSON output parses
 "$KVCC" inspect "$tmp/a.kvpol" >/dev/null && ok || bad "inspect"
 if command -v python3 >/dev/null; then
   "$KVCC" inspect --json tests/golden/valid/base.kvpol | python3 -c 'import json,sys; d=json.load(sys.stdin); assert d["model"]["n_kv_heads"]==3 and len(d["sections"])==2' && ok || bad "inspect --json"
   "$KVCC" models --json | python3 -c 'import json,sys; d=json.load(sys.stdin); assert any(m["name"]=="llama3-8b" and m["n_kv_heads"]==8 for m in d)' && ok || bad "models --json"
 fi
+section 8
 # 8. corpora: synth is byte-reproducible and readable; capture on the real model (when fetched)
 "$KVCC" synth --model llama3 --prompts 1 --context 16 --continuation 4 -o "$tmp/s1.h5" 2>/dev/null && \
 "$KVCC" synth --model llama3 --prompts 1 --context 16 --continuation 4 -o "$tmp/s2.h5" 2>/dev/null && \
@@ -88,6 +103,7 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
 else
   echo "cli: capture checks skipped (model not fetched)"
 fi
+section 9
 # 9. policy passes on a small synthetic corpus: canonical policy order and thread count do not
 #    change a byte; the artifact loads in eval and inspect
 "$KVCC" synth --model smollm2-135m --prompts 1 --context 128 --continuation 32 -o "$tmp/cs.h5" 2>/dev/null
@@ -189,6 +205,7 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compilerkv --budgets 32 2>&1)
 "$KVCC" --help | grep -q "exit status" && ok || bad "--help"
 "$KVCC" --version | grep -q "kvcc " && ok || bad "--version"
 
+section 10
 # 10. CompKV: the variance groupings on the small synthetic corpus (the thread count does not change
 #     a byte), full validation, inspect, decode-time eval rows (budgets in blocks), usage errors
 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 4 --compkv-block 16 \
@@ -216,6 +233,7 @@ err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods compkv --budgets 4 2>&1); ex=
 err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --compkv-r 65 -o "$tmp/k4.kvpol" 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"--compkv-r"* && ! -e "$tmp/k4.kvpol" ]] && ok || bad "compile --compkv-r 65: exit $ex: $err"
 
+section 13
 # 13. KV2: the rho schedule compiles byte-identically across thread counts, inspect shows it, its
 #     eval rows run, bad options and uncompiled budgets are refused by name; the needle task
 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies kv2 --kv2-budgets 0.1,0.2 --kv2-rho 0.05,0.2,1 -o "$tmp/v1.kvpol" 2>/dev/null && \
@@ -268,6 +286,7 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
     || bad "eval --timings: $(cat "$tmp/fu.err")"
 fi
 
+section 14
 # 14. merge-reduce: the protected basis and the report compile byte-identically across thread
 #     counts, verify and inspect read them, the eval rows run, bad options are refused by name
 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies merge-reduce --mr-budgets 0.1,0.2 -o "$tmp/r1.kvpol" 2>/dev/null && \
@@ -286,6 +305,7 @@ for a in "--mr-recent 1" "--mr-budgets 1.5" "--mr-report-queries 65"; do
   [[ $ex -eq 2 && "$err" == *"${a%% *}"* && ! -e "$tmp/r3.kvpol" ]] && ok || bad "compile $a: exit $ex: $err"
 done
 
+section 12
 # 12. the serving example (make examples; make test builds it) makes one real call of each policy
 #     through kvrt.h on the artifacts of sections 9 and 10, and names a group the artifact lacks
 sk=${KVCC_BUILD:-build}/examples/serve_skeleton
@@ -326,6 +346,7 @@ else
   bad "the serving example $sk is not built (make examples)"
 fi
 
+section 11
 # 11. CompilerKV: --reward model and the two reports refuse bad requests before any work, naming
 #     the option or the file; a GGUF that did not produce the corpus is refused
 "$KVCC" synth --model smollm2-135m --prompts 1 --context 80 --continuation 4 -o "$tmp/ck.h5" 2>/dev/null
@@ -379,7 +400,11 @@ out=$("$KVCC" inspect "$tmp/cks.kvpol" 2>&1)
   && grep -q "30/30 gate" "$tmp/ckx.err" && "$KVCC" inspect --items 100 "$tmp/ckx.kvpol" | grep -Eq 'cql_exact .* 1$' \
   && ok || bad "compilerkv --cql-solver exact: $(cat "$tmp/ckx.err")"
 
+section report
 KVCC="$KVCC" bash tests/cli/report.sh && ok || bad "tests/cli/report.sh (kvcc report)"
+section startup
 KVCC="$KVCC" bash tests/cli/startup.sh && ok || bad "tests/cli/startup.sh (kvcc --version, lazy CUDA)"
+section end
+echo "cli: seconds by section:$sec_times"
 echo "cli: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
