@@ -707,8 +707,10 @@ void kvcc_state_free(kvcc_state *s) {
  * head and chunk the chunk's max, sum and d unnormalized outputs. */
 #define ATT1_CHUNK 128
 static size_t att1_scratch_floats(const kvcc_model_hparams *hp, int n_threads, int n_ctx) {
-    const size_t group = (size_t)(hp->n_head / hp->n_head_kv), nc = ((size_t)n_ctx + ATT1_CHUNK - 1) / ATT1_CHUNK;
-    return (size_t)n_threads * group * ATT1_CHUNK + (size_t)hp->n_head * nc * ((size_t)hp->head_dim + 2);
+    const size_t group = (size_t)(hp->n_head / hp->n_head_kv);
+    const size_t nc = ((size_t)n_ctx + ATT1_CHUNK - 1) / ATT1_CHUNK;
+    return (size_t)n_threads * group * ATT1_CHUNK +
+           (size_t)hp->n_head * nc * ((size_t)hp->head_dim + 2);
 }
 
 int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
@@ -2371,7 +2373,8 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
                                 (size_t)nc * ld);
             }
             #pragma omp for schedule(static)
-            for (int h = 0; h < H; h++) att1_combine(part + (size_t)h * nc * ld, nc, d, out + (size_t)h * d);
+            for (int h = 0; h < H; h++)
+                att1_combine(part + (size_t)h * nc * ld, nc, d, out + (size_t)h * d);
         }
         return;
     }
