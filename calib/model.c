@@ -703,14 +703,12 @@ void kvcc_state_free(kvcc_state *s) {
 }
 
 /* Decode's attention over a full cache runs in chunks of ATT1_CHUNK keys per KV head (attend_row1):
- * its scratch, per thread the weights of one chunk for each query head of a group, then per query
+ * its scratch, per thread the weights of one chunk (one query head's at a time), then per query
  * head and chunk the chunk's max, sum and d unnormalized outputs. */
 #define ATT1_CHUNK 128
 static size_t att1_scratch_floats(const kvcc_model_hparams *hp, int n_threads, int n_ctx) {
-    const size_t group = (size_t)(hp->n_head / hp->n_head_kv);
     const size_t nc = ((size_t)n_ctx + ATT1_CHUNK - 1) / ATT1_CHUNK;
-    return (size_t)n_threads * group * ATT1_CHUNK +
-           (size_t)hp->n_head * nc * ((size_t)hp->head_dim + 2);
+    return (size_t)n_threads * ATT1_CHUNK + (size_t)hp->n_head * nc * ((size_t)hp->head_dim + 2);
 }
 
 int kvcc_state_create(const kvcc_model *m, int n_ctx, kvcc_state **out) {
@@ -1704,15 +1702,23 @@ static inline __attribute__((always_inline)) float softmax_exp(float *sc, int64_
     }
     return 1.0f / sum;
 }
-/* decode's chunks of keys (att1_chunk_avx2): sc[0, n) := e^(sc - max), *mx := max (-INF: every
- * entry -INF, sc untouched), returns the sum */
+#if KVCC_HAVE_X86
+/* decode's chunks of keys (att1_chunk_avx2): sc[0, n) := e^(sc - max), *mx := max, returns the
+ * sum. Every entry -INF: *mx = -INF, sc untouched, 0. Every entry -INF or NaN, some NaN: *mx and
+ * the sum NaN (as softmax_row, whose max skips NaN and whose exp then returns it: NaN reaches
+ * the output). */
 KVRT_SIMD_CLONES
 static float att1_exp(float *sc, int64_t n, float *mx) {
     float m = -INFINITY;
     #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
     *mx = m;
-    if (m == -INFINITY) return 0.0f;
+    if (m == -INFINITY) {
+        int nan = 0;
+        for (int64_t j = 0; j < n; j++) nan |= sc[j] != sc[j];
+        if (nan) *mx = NAN;
+        return nan ? NAN : 0.0f;
+    }
     float sum = 0.0f;
     #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; j++) {
@@ -1722,6 +1728,7 @@ static float att1_exp(float *sc, int64_t n, float *mx) {
     }
     return sum;
 }
+#endif
 KVRT_SIMD_CLONES
 static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, const int32_t *pos) {
     int64_t nv = ne;
@@ -2294,13 +2301,17 @@ AVX2_TARGET static void att1_chunk_avx2(const float *q, int group, const kv_head
             memset(p + 1, 0, (size_t)(d + 1) * sizeof(float));
             continue;
         }
+        if (p[0] != p[0]) { /* NaN scores: NaN outputs (att1_combine passes them on) */
+            for (int i = 0; i < d; i++) p[2 + i] = NAN;
+            continue;
+        }
         att1_values_avx2(sc, v, kh->stride, n, d, p + 2);
     }
 }
-#endif
 /* A query head's output from its nc chunks' parts (att1_chunk_avx2), in chunk order: each chunk
  * weighted by e^(m_c - M), M the largest m_c, the sum divided by sum_c e^(m_c - M) l_c; zeros if
- * every score was -INF (as softmax_row). */
+ * every score was -INF or NaN (as softmax_row), NaN if some chunk had NaN scores and another a
+ * finite one. */
 static void att1_combine(const float *part, int nc, int d, float *o) {
     const size_t ld = (size_t)d + 2;
     float M = -INFINITY;
@@ -2318,6 +2329,7 @@ static void att1_combine(const float *part, int nc, int d, float *o) {
     const float inv = 1.0f / L;
     for (int i = 0; i < d; i++) o[i] *= inv;
 }
+#endif
 /* Decode's attention. The default: tasks of (KV head, chunk of ATT1_CHUNK keys), each running
  * all the query heads of the group over its keys (att1_chunk_avx2: K and V read from memory once,
  * not once per query head), then per query head the chunks combined (att1_combine), in an order
@@ -2342,19 +2354,19 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
     const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
     const int avx2 = cpu_has_avx2() && d % 8 == 0 && mode < ATT1_CLONES;
-    int full = avx2 && mode == ATT1_CHUNKS;
+    int full = avx2 && mode == ATT1_CHUNKS && pos0 < n_ctx; /* the scratch holds n_ctx keys */
     for (int g = 0; g < view->n_kv_heads && full; g++)
-        full = !view->heads[g].pos && !view->heads[g].bias && view->heads[g].n <= n_ctx;
+        full = !view->heads[g].pos && !view->heads[g].bias;
 #if KVCC_HAVE_X86
     if (full) { /* chunks of keys per KV head, all its query heads at once, then combined */
         const int Hkv = view->n_kv_heads;
         const int64_t ne = (int64_t)pos0 + 1;
         const int nc = (int)((ne + ATT1_CHUNK - 1) / ATT1_CHUNK);
         const size_t ld = (size_t)d + 2;
-        float *part = dec_att + (size_t)n_threads * group * ATT1_CHUNK;
+        float *part = dec_att + (size_t)n_threads * ATT1_CHUNK;
         #pragma omp parallel num_threads(n_threads) if (GEMM_SHARES_OMP)
         {
-            float *sc = dec_att + (size_t)omp_get_thread_num() * group * ATT1_CHUNK;
+            float *sc = dec_att + (size_t)omp_get_thread_num() * ATT1_CHUNK;
             #pragma omp for schedule(static)
             for (int t = 0; t < Hkv * nc; t++) {
                 const int g = t / nc, c = t % nc;

@@ -155,8 +155,8 @@ typedef struct kvcc_state {
     float *rope_cos;    /* (chunk, d/2) */
     float *rope_sin;    /* (chunk, d/2) */
     float *scores;      /* (max(threads, KVCC_MODEL_CHUNK), T) attention scores / weights */
-    float *dec_att;     /* decode's attention (attend_row1): per thread a group of ATT1_CHUNK
-                         * weights, then per head and chunk of keys its max, sum and d outputs */
+    float *dec_att;     /* decode's attention (attend_row1): per thread ATT1_CHUNK weights,
+                         * then per head and chunk of keys its max, sum and d outputs */
     int n_threads;
     /* compressed-context mode (kvcc_state_set_compressed) */
     const kvrt_cache *const *compressed; /* [n_layer] or NULL */
