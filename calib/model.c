@@ -1004,10 +1004,15 @@ const char *kvcc_model_gemm_name(void) {
 }
 
 /* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
- * decode step) goes through the GEMV above, more through kvrt_cpu_sgemm. */
+ * decode step) goes through the GEMV above, more through kvrt_cpu_sgemm, on one thread where W
+ * has at most 64 rows: oneDNN's AVX2 sgemm splits such products' sums by thread count (a sweep
+ * at 1 and 2 threads on a Zen 3 EPYC: every B^T product that differed had n <= 64; docs/
+ * benchmarks.md "A thread-count bug this VM found"). The built-in model's matrices have 192 rows
+ * or more; small test models do not. */
 static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
                      float *y, int ldy) {
     if (n == 1) gemv_fast(W, rows, cols, x, beta, y);
+    else if (rows <= 64) kvrt_cpu_sgemm_1t(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
     else kvrt_cpu_sgemm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
 }
 

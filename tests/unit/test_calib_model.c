@@ -983,7 +983,7 @@ Test(calib_model, real_decode_attention_matches_ref, .timeout = 600) {
  * position (the prefill's attention is another implementation: attend_tiles or attend_blas)
  * within 4e-6 of the largest logit, the paths against the reference within 2e-6 of it (measured
  * on a 2-core AVX2 EPYC: at most 4.7e-7 and 2.1e-7), and the default bit-identical at 1 and 2
- * threads. */
+ * threads; so is the prefill, whose products here include matrices of <= 64 rows. */
 static fx_buf build_shaped(int nl, int e, int h, int hkv, int d, int f, int v, float **keep) {
     const int per_layer = e + h * d * e + 2 * hkv * d * e + e * h * d + e + 3 * f * e;
     float *w = malloc(sizeof(float) * (size_t)(v * e + e + nl * per_layer));
@@ -1082,9 +1082,17 @@ Test(calib_model, decode_attention_other_shapes) {
         kvcc_gguf_close(g);
         cr_assert_eq(m->hp.head_dim, d);
         kvcc_state *s;
+        omp_set_num_threads(1);
+        cr_assert_eq(kvcc_state_create(m, NT, &s), 0);
+        cr_assert_eq(kvcc_model_prefill(m, s, tok, NT, one, KVCC_LOGITS_ALL), 0);
+        kvcc_state_free(s);
+        omp_set_num_threads(2);
         cr_assert_eq(kvcc_state_create(m, NT, &s), 0);
         cr_assert_eq(kvcc_model_prefill(m, s, tok, NT, pre, KVCC_LOGITS_ALL), 0);
         kvcc_state_free(s);
+        /* matrices of <= 64 rows (k, v, gate, up, the head here) in the prefill's products */
+        cr_assert(!memcmp(pre, one, bytes), "d %d: prefill logits differ between 2 threads and 1",
+                  d);
         float big = 0; /* tolerances relative to the largest logit */
         for (int i = 0; i < NT * NV; i++) big = fabsf(pre[i]) > big ? fabsf(pre[i]) : big;
         const float tp = 4e-6f * big, tr = 2e-6f * big; /* measured 4.7e-7 and 2.1e-7 of it */
