@@ -532,6 +532,11 @@ static int stack_to_bf16(float **f[], const size_t n[], int k, uint16_t **b[], u
 #if KVCC_WITH_DNNL
 static dnnl_engine_t dnnl_engine(void);
 static int bf16_native(void);
+/* a test switch in the environment: set, not empty and not "0" (KVCC_BF16_ROWMAJOR=1, ...) */
+static int env_on(const char *name) {
+    const char *e = getenv(name);
+    return e != NULL && *e != '\0' && strcmp(e, "0") != 0;
+}
 
 /* bf16 weight layouts (m->bf_packed): oneDNN's choice for a (K, N) weight of the bf16 matmul at
  * KVCC_MODEL_CHUNK rows (its brgemm kernels want pairs of K interleaved in blocks of N; given
@@ -594,7 +599,7 @@ static int bf16_pack(uint16_t **b, int K, int N, const dnnl_memory_desc_t *md, d
  * KVCC_BF16_ROWMAJOR is set) and a stream for the reorders. */
 static int bf16_begin(const kvcc_model *m, struct bf_pack **pk, dnnl_stream_t *str) {
     *pk = NULL, *str = NULL;
-    if (!bf16_native() || getenv("KVCC_BF16_ROWMAJOR")) return 0;
+    if (!bf16_native() || env_on("KVCC_BF16_ROWMAJOR")) return 0;
     const kvcc_model_hparams *hp = &m->hp;
     const int E = hp->n_embd, F = hp->n_ff, Hd = hp->n_head * hp->head_dim;
     const int Q3 = Hd + 2 * hp->n_head_kv * hp->head_dim;
@@ -1407,7 +1412,7 @@ static struct kvcc_bf16_ctx *bf16_ctx_new(const kvcc_model *m, const kvcc_state 
         bf16_ctx_free(c);
         return NULL;
     }
-    if (bf16_native() && !s->attn_f32 && !getenv("KVCC_BF16_ATTENTION_F32")) {
+    if (bf16_native() && !s->attn_f32 && !env_on("KVCC_BF16_ATTENTION_F32")) {
         const size_t d = (size_t)hp->head_dim, nt = (size_t)s->n_threads;
         c->tp = ((int64_t)s->n_ctx + ATTB_PAD - 1) / ATTB_PAD * ATTB_PAD;
         const size_t kvn = (size_t)hp->n_layer * hp->n_head_kv * (size_t)c->tp * d;
@@ -1797,7 +1802,7 @@ static float attb_row_sum(uint16_t *pb, int64_t ne, int64_t p) {
 }
 /* The unshifted weights' sum is usable (see attb_row_sum). KVCC_BF16_ATTENTION_SHIFTED in the
  * environment sends every row to the shifted path (tests: both paths on one build). */
-static int attb_shifted_only(void) { return getenv("KVCC_BF16_ATTENTION_SHIFTED") != NULL; }
+static int attb_shifted_only(void) { return env_on("KVCC_BF16_ATTENTION_SHIFTED"); }
 static inline int attb_sum_ok(float sum, int shifted_only) {
     return !shifted_only && sum >= ATTB_SUM_LO && sum <= ATTB_SUM_HI;
 }

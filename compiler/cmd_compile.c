@@ -541,7 +541,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
     if (!ex && !S.done) {
         S.cx.model = &S.h.model;
         ex = run_passes(&S.cx, S.run, S.n_run, S.w, S.out, S.p, S.policies);
-        if (kvcc_dist_active() && kvcc_dist_rank() == 0 && getenv("KVCC_DIST_TIMES"))
+        if (kvcc_dist_active() && kvcc_dist_rank() == 0 && kvcc_env_on("KVCC_DIST_TIMES"))
             fprintf(stderr, "kvcc compile: %d ranks: rank 0 spent %.3f s in communication\n",
                     kvcc_dist_size(), kvcc_dist_comm_seconds());
     }

@@ -39,6 +39,8 @@ const char *kvcc_group_name(uint32_t group);
 const char *kvcc_rope_name(uint32_t type);
 /* Print s (n bytes) with non-printable bytes escaped, cut at max bytes with "...". */
 void kvcc_print_escaped(FILE *out, const char *s, size_t n, size_t max);
+/* Whether a switch in the environment is on: set, not empty and not "0" (KVCC_DIST_TIMES=1, ...). */
+int kvcc_env_on(const char *name);
 /* Open an artifact with full validation; prints the error on failure. */
 int kvcc_open_artifact(const char *path, kvpol_file **out);
 /* Progress on stderr when it is a terminal (compiler/progress.c). */

@@ -52,6 +52,11 @@ int kvcc_open_artifact(const char *path, kvpol_file **out) {
     return rc;
 }
 
+int kvcc_env_on(const char *name) {
+    const char *e = getenv(name);
+    return e != NULL && *e != '\0' && strcmp(e, "0") != 0;
+}
+
 int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out) {
     char *end;
     errno = 0;

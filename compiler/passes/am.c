@@ -229,7 +229,7 @@ static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err,
         R->n_ref = C;
     } else {
         const int V = m->hp.n_vocab;
-        const char *show = getenv("KVCC_AM_SHOW_SELF_STUDY"); /* a diagnostic: the answers */
+        const int show = kvcc_env_on("KVCC_AM_SHOW_SELF_STUDY"); /* a diagnostic: the answers */
         int64_t off = 0; /* rows of xq filled */
         float **qp = calloc((size_t)L, sizeof *qp);
         bad = bad || qp == NULL;
@@ -249,7 +249,7 @@ static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err,
             bad = bad || kvcc_state_truncate(R->st, (int)C) != 0;
             char *txt = NULL;
             size_t tl = 0;
-            if (!bad && show && *show && strcmp(show, "0") &&
+            if (!bad && show &&
                 kvcc_tok_decode(R->lm.tok, ids + mi, (size_t)g, &txt, &tl) == 0)
                 fprintf(stderr, "am: self-study turn %d: %lld tokens answering about a %lld-token "
                         "context:\n%.*s\n", i + 1, (long long)g, (long long)C, (int)tl, txt);
