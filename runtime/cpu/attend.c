@@ -20,14 +20,16 @@
  * of its queries as Q [R = queries * G, d] (one sgemm serves all heads that share the keys),
  * then streams the head's entries in blocks of E: S = scale * Q K_blk^T (sgemm), + bias (or the
  * causal mask for recent tokens), online softmax (running max m, sum l, rescaled accumulator),
- * acc += P V_blk (sgemm). Memory per thread is O(R * (E + d)) whatever the cache length. f16
- * caches convert one block of keys / values to f32 before each sgemm. A row's entry list longer
- * than ATT_SPLIT (8192) is cut into splits (flash-decoding), each tile writes its partial
- * (m, l, acc) and a merge pass combines the splits in order, so a long decode step with few KV
- * heads still uses every thread; the split count depends on the data only, so the output is the
- * same whatever the thread count. OpenMP over tiles (dynamic schedule); every sgemm is kept at
- * R * E * d <= 2^18 so that the pthreads OpenBLAS runs it single-threaded (above that it would
- * start its own threads inside our parallel region and oversubscribe: measured 3-4x slower).
+ * acc += P V_blk (sgemm; for R <= 8 rows, a decode step's, two AVX2 kernels instead: the sgemm
+ * packed every block first, att_qk_small). Memory per thread is O(R * (E + d)) whatever the cache
+ * length. f16 caches convert one block of keys / values to f32 before each product. A row's
+ * entry list longer than ATT_SPLIT (8192) is cut into splits (flash-decoding), each tile writes
+ * its partial (m, l, acc) and a merge pass combines the splits in order, so a long decode step
+ * with few KV heads still uses every thread; the split count depends on the data only, so the
+ * output is the same whatever the thread count. OpenMP over tiles (dynamic schedule); every
+ * sgemm is kept at R * E * d <= 2^18 so that the pthreads OpenBLAS runs it single-threaded (above
+ * that it would start its own threads inside our parallel region and oversubscribe: measured 3-4x
+ * slower).
  * Tolerance against the reference: |a-b| <= 1e-5 + 1e-4*|ref| (f32 products and sums).
  */
 #include <math.h>
@@ -266,13 +268,120 @@ static void att_online_update(att_ws *w, int64_t R, int64_t nb, int64_t d) {
     }
 }
 
+/* The two products of a block for a decode step's few rows (R <= ATT_SMALL_R: the G query heads
+ * of one query; llama3-8b: 4) in AVX2 + FMA, d a multiple of 8. cblas_sgemm with M = R packed each
+ * block of keys and values before multiplying it: on a 2-core AVX2 EPYC decode over an 8192-entry
+ * f32 cache read it at 52% of the triad rate (bench_attend). Scores: eight keys at a time, one
+ * accumulator per key over d, reduced together (a hadd tree), row after row while those keys sit
+ * in L1; P V: per row, the output in registers, 64 lanes per pass, over runs of ATT_PV_RUN keys
+ * (in L1). Fixed orders: the same bits at any thread count. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define ATT_HAVE_SMALL 1
+#define ATT_SMALL_R 8
+#define ATT_PV_RUN 32
+#define ATT_AVX2 __attribute__((target("avx2,fma")))
+ATT_AVX2 static inline float att_hsum(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+/* s [R, nb] (row stride nb) = scale Q [R, d] K^T, K rows ldk floats apart */
+ATT_AVX2 static void att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb,
+                                  int64_t ldk, int64_t nb, float scale, float *s) {
+    const __m256 sv = _mm256_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 8 <= nb; j += 8) {
+        const float *k0 = kb + j * ldk;
+        for (int64_t r = 0; r < R; r++) {
+            const float *q = qt + r * d;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0,
+                   a6 = a0, a7 = a0;
+            for (int64_t i = 0; i < d; i += 8) {
+                const __m256 x = _mm256_loadu_ps(q + i);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i), x, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + ldk + i), x, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 2 * ldk + i), x, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 3 * ldk + i), x, a3);
+                a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 4 * ldk + i), x, a4);
+                a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 5 * ldk + i), x, a5);
+                a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 6 * ldk + i), x, a6);
+                a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 7 * ldk + i), x, a7);
+            }
+            /* lane u of the result: the sum of a_u's lanes */
+            const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+            const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                                             _mm256_permute2f128_ps(t0, t1, 0x31));
+            _mm256_storeu_ps(s + r * nb + j, _mm256_mul_ps(sum, sv));
+        }
+    }
+    for (; j < nb; j++) {
+        const float *kj = kb + j * ldk;
+        for (int64_t r = 0; r < R; r++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int64_t i = 0; i < d; i += 8)
+                a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + i), _mm256_loadu_ps(qt + r * d + i), a);
+            s[r * nb + j] = att_hsum(a) * scale;
+        }
+    }
+}
+/* o[0, 8 nv) += sum over j < n of p[j] v_j[0, 8 nv) (nv 1..8, a constant at each call: the
+ * accumulators stay in registers) */
+ATT_AVX2 __attribute__((always_inline)) static inline void
+att_pv_blk(const float *p, const float *v, int64_t ldv, int64_t n, int nv, float *o) {
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int x = 0; x < nv; x++) a[x] = _mm256_loadu_ps(o + 8 * x);
+    for (int64_t j = 0; j < n; j++) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float *vj = v + j * ldv;
+#pragma GCC unroll 8
+        for (int x = 0; x < nv; x++) a[x] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * x), a[x]);
+    }
+#pragma GCC unroll 8
+    for (int x = 0; x < nv; x++) _mm256_storeu_ps(o + 8 * x, a[x]);
+}
+/* acc [R, d] += P [R, nb] (row stride nb) V, V rows ldv floats apart */
+ATT_AVX2 static void att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb,
+                                  int64_t ldv, int64_t d, float *acc) {
+    for (int64_t j0 = 0; j0 < nb; j0 += ATT_PV_RUN) {
+        const int64_t n = nb - j0 < ATT_PV_RUN ? nb - j0 : ATT_PV_RUN;
+        const float *v = vb + j0 * ldv;
+        for (int64_t r = 0; r < R; r++) {
+            const float *p = P + r * nb + j0;
+            float *o = acc + r * d;
+            int64_t i = 0;
+            for (; i + 64 <= d; i += 64) att_pv_blk(p, v + i, ldv, n, 8, o + i);
+            if (d - i >= 32) {
+                att_pv_blk(p, v + i, ldv, n, 4, o + i);
+                i += 32;
+            }
+            if (d - i >= 16) {
+                att_pv_blk(p, v + i, ldv, n, 2, o + i);
+                i += 16;
+            }
+            if (d - i >= 8) att_pv_blk(p, v + i, ldv, n, 1, o + i);
+        }
+    }
+}
+#else
+#define ATT_HAVE_SMALL 0
+#define ATT_SMALL_R 0
+#endif
+
 /* One block of nb keys / values (row strides ldk, ldv floats): S = scale Q K^T, + bias or the
  * causal mask (recent tokens j0 + j, visible to row r when j0 + j < vis[r]), update, acc += P V. */
 static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, const float *kb, int64_t ldk,
                       const float *vb, int64_t ldv, const float *bias, int masked, int64_t j0,
-                      float scale) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nb, (int)d, scale, w->qt,
-                (int)d, kb, (int)ldk, 0.0f, w->s, (int)nb);
+                      float scale, int small) {
+#if ATT_HAVE_SMALL
+    if (small)
+        att_qk_small(w->qt, R, d, kb, ldk, nb, scale, w->s);
+    else
+#endif
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nb, (int)d, scale,
+                    w->qt, (int)d, kb, (int)ldk, 0.0f, w->s, (int)nb);
     if (bias != NULL) {
         for (int64_t r = 0; r < R; r++) {
             float *row = w->s + r * nb;
@@ -289,8 +398,13 @@ static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, const float *
         }
     }
     att_online_update(w, R, nb, d);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)d, (int)nb, 1.0f, w->s,
-                (int)nb, vb, (int)ldv, 1.0f, w->acc, (int)d);
+#if ATT_HAVE_SMALL
+    if (small)
+        att_pv_small(w->s, R, nb, vb, ldv, d, w->acc);
+    else
+#endif
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)d, (int)nb, 1.0f,
+                    w->s, (int)nb, vb, (int)ldv, 1.0f, w->acc, (int)d);
 }
 
 typedef struct {
@@ -309,6 +423,7 @@ typedef struct {
     int64_t nsplit;  /* splits of each row's entry list (cache entries, then recent tokens) */
     int64_t chunk;   /* entries per split */
     float *part;     /* [Hkv * nqb * nsplit, R, d + 2]: per tile and row: m, l, acc[d] */
+    int small;       /* the products through att_qk_small / att_pv_small (AVX2, R small) */
 } att_job;
 
 /* Tile (hk, query block qb, split sp): online softmax over the entries [sp * chunk, (sp + 1) *
@@ -350,7 +465,7 @@ static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
             kb = w->kb;
             vb = w->vb;
         }
-        att_block(w, R, d, nb, kb, d, vb, d, c->bias + b, 0, 0, jb->scale);
+        att_block(w, R, d, nb, kb, d, vb, d, c->bias + b, 0, 0, jb->scale, jb->small);
     }
 
     /* recent tokens [v0 - m_cache, v1 - m_cache), causal: the tile's last query sees the most */
@@ -362,7 +477,7 @@ static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
     for (int64_t b = rb; b < re; b += E) {
         const int64_t nb = re - b < E ? re - b : E;
         att_block(w, R, d, nb, jb->kr + b * ld + (int64_t)hk * d, ld,
-                  jb->vr + b * ld + (int64_t)hk * d, ld, NULL, 1, b, jb->scale);
+                  jb->vr + b * ld + (int64_t)hk * d, ld, NULL, 1, b, jb->scale, jb->small);
     }
 
     /* partial state */
@@ -415,6 +530,14 @@ static void att_merge(const att_job *jb, int64_t hq) {
 #pragma GCC pop_options
 #endif
 
+static int att_cpu_avx2(void) {
+#if ATT_HAVE_SMALL
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 0;
+#endif
+}
+
 int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
                     const kvrt_cache *c, const float *k_recent, const float *v_recent,
                     int64_t n_recent, float scale, float *out, float *lse_out) {
@@ -443,6 +566,11 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
     if (jb.qn > qn_cap) jb.qn = qn_cap < 1 ? 1 : qn_cap;
     if (jb.qn > n) jb.qn = n;
     const int64_t R = jb.qn * jb.G;
+    /* from the shapes and the CPU only, never the thread count; KVRT_ATTEND_SGEMM in the
+     * environment keeps the sgemm (tests compare the two) */
+    const char *env = getenv("KVRT_ATTEND_SGEMM");
+    jb.small = R <= ATT_SMALL_R && d % 8 == 0 && att_cpu_avx2() &&
+               !(env && *env && strcmp(env, "0") != 0);
     int64_t E = ATT_SGEMM_MNK / (R * d);
     E &= ~(int64_t)15;
     E = E < ATT_BLOCK_MIN ? ATT_BLOCK_MIN : E > ATT_BLOCK_MAX ? ATT_BLOCK_MAX : E;

@@ -586,6 +586,32 @@ static void run_cpu_cases(int threads) {
 Test(attend, fast_matches_ref_one_thread) { run_cpu_cases(1); }
 Test(attend, fast_matches_ref_three_threads) { run_cpu_cases(3); }
 
+/* The cases again with the sgemm products where a decode step's few rows would take the AVX2
+ * kernels (KVRT_ATTEND_SGEMM=1: the path of CPUs without AVX2); on an AVX2 CPU the two paths
+ * must give other bits for a decode case (the switch works). */
+Test(attend, fast_matches_ref_sgemm_products) {
+    setenv("KVRT_ATTEND_SGEMM", "1", 1);
+    run_cpu_cases(2);
+    const att_case *k = &att_cases[0];
+    att_inputs in = make_inputs(k, 7);
+    float *a = malloc(in.on * 4), *b = malloc(in.on * 4);
+    kvrt_ctx *ctx = cpu_ctx(2);
+    cr_assert_eq(kvrt_attend(ctx, in.q, k->n, in.H, in.c, in.kr, in.vr, k->n_recent, k->scale, a,
+                             NULL), KVRT_OK);
+    unsetenv("KVRT_ATTEND_SGEMM");
+    cr_assert_eq(kvrt_attend(ctx, in.q, k->n, in.H, in.c, in.kr, in.vr, k->n_recent, k->scale, b,
+                             NULL), KVRT_OK);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && k->n * k->G <= 8 &&
+        k->d % 8 == 0)
+        cr_assert(memcmp(a, b, in.on * 4) != 0, "%s: the sgemm switch changed nothing", k->what);
+#endif
+    free(a);
+    free(b);
+    free_inputs(&in);
+    kvrt_ctx_free(ctx);
+}
+
 Test(attend, edge_rows_are_zero_with_lse_minus_inf) {
     /* head 0 empty, no recent tokens: its query heads give zeros and lse = -inf */
     const att_case k = {"empty", 2, 2, 8, 4, 0, 3, 0, 1, 1, 0, 0.3f, KVRT_DTYPE_F32, 0, 0};
