@@ -1010,15 +1010,21 @@ const char *kvcc_model_gemm_name(void) {
 
 /* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
  * decode step) goes through the GEMV above, more through kvrt_cpu_sgemm, on one thread where W
- * has at most 64 rows: oneDNN's AVX2 sgemm splits such products' sums by thread count (a sweep
- * at 1 and 2 threads on a Zen 3 EPYC: every B^T product that differed had n <= 64; docs/
- * benchmarks.md "A thread-count bug this VM found"). The built-in model's matrices have 192 rows
- * or more; small test models do not. */
+ * has at most 64 rows (OpenBLAS held at one thread too, for OpenBLAS-only builds): oneDNN's AVX2
+ * sgemm splits such products' sums by thread count (a sweep at 1 and 2 threads on a Zen 3 EPYC:
+ * every B^T product that differed had n <= 64; docs/benchmarks.md "A thread-count bug this VM
+ * found"). The built-in model's matrices have 192 rows or more; small test models do not. */
 static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
                      float *y, int ldy) {
-    if (n == 1) gemv_fast(W, rows, cols, x, beta, y);
-    else if (rows <= 64) kvrt_cpu_sgemm_1t(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
-    else kvrt_cpu_sgemm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
+    if (n == 1) {
+        gemv_fast(W, rows, cols, x, beta, y);
+    } else if (rows <= 64) {
+        const int held = kvrt_cpu_openblas_hold();
+        kvrt_cpu_sgemm_1t(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
+        kvrt_cpu_openblas_restore(held);
+    } else {
+        kvrt_cpu_sgemm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
+    }
 }
 
 // ---------------------------------------------------------------- bf16 products
@@ -1921,12 +1927,14 @@ static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, c
             continue;
         }
         float *sc = scores + (size_t)omp_get_thread_num() * ATT_BQ * scores_ld;
-        kvrt_cpu_sgemm(1, nb, (int)ne, d, scale, q + (size_t)t0 * H * d + (size_t)h * d, H * d,
-                       kh->k, (int)kh->stride, 0.0f, sc, (int)ne);
+        /* _1t: one thread even where the region's team is 1 (s->n_threads) and OpenMP's
+         * default larger, which oneDNN would otherwise use (and split small sums by) */
+        kvrt_cpu_sgemm_1t(1, nb, (int)ne, d, scale, q + (size_t)t0 * H * d + (size_t)h * d,
+                          H * d, kh->k, (int)kh->stride, 0.0f, sc, (int)ne);
         for (int t = 0; t < nb; t++)
             softmax_row(sc + (size_t)t * ne, ne, pos0 + t0 + t, kh->bias, kh->pos);
-        kvrt_cpu_sgemm(0, nb, d, (int)ne, 1.0f, sc, (int)ne, kh->v, (int)kh->stride, 0.0f, o,
-                       H * d);
+        kvrt_cpu_sgemm_1t(0, nb, d, (int)ne, 1.0f, sc, (int)ne, kh->v, (int)kh->stride, 0.0f, o,
+                          H * d);
     }
 }
 #endif

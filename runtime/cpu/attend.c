@@ -271,7 +271,7 @@ static void att_online_update(att_ws *w, int64_t R, int64_t nb, int64_t d) {
 /* The two products of a block for a decode step's few rows (R <= ATT_SMALL_R: the G query heads
  * of one query; llama3-8b: 4) in AVX2 + FMA, d a multiple of 8. cblas_sgemm with M = R packed each
  * block of keys and values before multiplying it: on a 2-core AVX2 EPYC decode over an 8192-entry
- * f32 cache read it at 52% of the triad rate (bench_attend). Scores: eight keys at a time, one
+ * f32 cache read it at 43-52% of the triad rate (bench_attend). Scores: eight keys at a time, one
  * accumulator per key over d, reduced together (a hadd tree), row after row while those keys sit
  * in L1; P V: per row, the output in registers, 64 lanes per pass, over runs of ATT_PV_RUN keys
  * (in L1). Fixed orders: the same bits at any thread count. */

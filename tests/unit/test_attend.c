@@ -506,6 +506,8 @@ static const att_case att_cases[] = {
      KVRT_DTYPE_F32, 0, 0},
     {"splits: f16, huge logits", 1, 8, 64, 17000, -1, 2, 0, 1, 1, 0, 1e4f / 8.0f,
      KVRT_DTYPE_F16, 0, 0},
+    /* d = 72: the decode kernels' 64 + 8 lanes of values; recent tokens (rows hkv d apart) */
+    {"G=4 decode, d=72, recent 5", 2, 4, 72, 300, -1, 1, 5, 1, 1, 0, 0.118f, KVRT_DTYPE_F32, 0, 0},
 };
 #define N_ATT_CASES (sizeof att_cases / sizeof att_cases[0])
 

@@ -985,6 +985,7 @@ Test(calib_model, real_decode_attention_matches_ref, .timeout = 600) {
  * on a 2-core AVX2 EPYC: at most 4.7e-7 and 2.1e-7), and the default bit-identical at 1 and 2
  * threads; so is the prefill, whose products here include matrices of <= 64 rows. */
 static fx_buf build_shaped(int nl, int e, int h, int hkv, int d, int f, int v, float **keep) {
+    cr_assert(nl >= 1 && nl <= 4, "build_shaped: at most 4 layers (its name table)");
     const int per_layer = e + h * d * e + 2 * hkv * d * e + e * h * d + e + 3 * f * e;
     float *w = malloc(sizeof(float) * (size_t)(v * e + e + nl * per_layer));
     cr_assert(w);
