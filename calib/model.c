@@ -2230,90 +2230,23 @@ static void att1_values(const float *w, const float *v, int64_t stride, int64_t 
     }
 }
 #if KVCC_HAVE_X86
-/* att1_scores and att1_values in AVX2 for d a multiple of 8 (decode at a long context was
- * attention-bound: at 1024-1536 tokens on a 2-core AVX2 EPYC the SIMD clones took 16 ms of a
- * 38 ms step, each entry's dot a chain of dependent FMAs and a horizontal sum, the values'
- * accumulators kept in memory). Scores: eight entries at a time, one accumulator each over d, the
- * eight reduced together (hadd tree); values: the output in up to eight registers (64 lanes) per
- * pass over the entries, one FMA per register and entry. Every sum in a fixed order (entry blocks
- * of 8 from 0, then single entries; lanes in order): the same bits on any thread. Used by the
- * chunked path (att1_chunk_avx2) and, one query head at a time, by attend_row1's heads path. */
-AVX2_TARGET static void att1_scores_avx2(const float *qv, const float *k, int64_t stride,
-                                         int64_t ne, int d, float scale, float *sc) {
-    const __m256 sv = _mm256_set1_ps(scale);
-    int64_t j = 0;
-    for (; j + 8 <= ne; j += 8) {
-        const float *kj = k + j * stride;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-               a7 = a0;
-        for (int i = 0; i < d; i += 8) {
-            const __m256 x = _mm256_loadu_ps(qv + i);
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + i), x, a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + stride + i), x, a1);
-            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 2 * stride + i), x, a2);
-            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 3 * stride + i), x, a3);
-            a4 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 4 * stride + i), x, a4);
-            a5 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 5 * stride + i), x, a5);
-            a6 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 6 * stride + i), x, a6);
-            a7 = _mm256_fmadd_ps(_mm256_loadu_ps(kj + 7 * stride + i), x, a7);
-        }
-        /* lanes of a_u summed into lane u: pairwise hadds, then the two 128-bit halves */
-        const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-        const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-        const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                       _mm256_permute2f128_ps(t0, t1, 0x31));
-        _mm256_storeu_ps(sc + j, _mm256_mul_ps(r, sv));
-    }
-    for (; j < ne; j++) {
-        const float *kj = k + j * stride;
-        __m256 a = _mm256_setzero_ps();
-        for (int i = 0; i < d; i += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + i), _mm256_loadu_ps(qv + i), a);
-        sc[j] = hsum_avx2(a, _mm256_setzero_ps()) * scale;
-    }
-}
-/* o[0, 8 nr) = sum over entries j with w[j] != 0 of w[j] v_j[0, 8 nr), nr 1..8 (a constant at
- * each call: the accumulators stay in registers) */
-AVX2_TARGET __attribute__((always_inline)) static inline void
-att1_values_blk(const float *w, const float *v, int64_t stride, int64_t ne, int nr, float *o) {
-    __m256 a[8];
-    #pragma GCC unroll 8
-    for (int r = 0; r < nr; r++) a[r] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < ne; j++) {
-        if (w[j] == 0.0f) continue; /* as att1_values: a masked entry's values are not read */
-        const __m256 wj = _mm256_set1_ps(w[j]);
-        const float *vj = v + j * stride;
-        #pragma GCC unroll 8
-        for (int r = 0; r < nr; r++) a[r] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * r), a[r]);
-    }
-    #pragma GCC unroll 8
-    for (int r = 0; r < nr; r++) _mm256_storeu_ps(o + 8 * r, a[r]);
-}
-AVX2_TARGET static void att1_values_avx2(const float *w, const float *v, int64_t stride,
-                                         int64_t ne, int d, float *o) {
-    int i = 0;
-    for (; i + 64 <= d; i += 64) att1_values_blk(w, v + i, stride, ne, 8, o + i);
-    if (d - i >= 32) {
-        att1_values_blk(w, v + i, stride, ne, 4, o + i);
-        i += 32;
-    }
-    if (d - i >= 16) {
-        att1_values_blk(w, v + i, stride, ne, 2, o + i);
-        i += 16;
-    }
-    if (d - i >= 8) att1_values_blk(w, v + i, stride, ne, 1, o + i);
-}
+/* In AVX2 (d a multiple of 8) the scores and the values go through libkvrt's kernels for a few
+ * rows, kvrt_cpu_att_qk_small / _pv_small (cpu/blas.h), here with one row (decode at a long
+ * context was attention-bound: at 1024-1536 tokens on a 2-core AVX2 EPYC the SIMD clones above
+ * took 16 ms of a 38 ms step, each entry's dot a chain of dependent FMAs and a horizontal sum,
+ * the values' accumulators kept in memory). The chunked path (att1_chunk_avx2) and, one query
+ * head at a time, attend_row1's heads path use them. */
 /* One chunk of n keys (rows j0.. of KV head kh) for the group of query heads q (d apart): per
  * head, the scaled scores, their max m, e^(s - m) and its sum l, and the outputs sum_j e_j v_j
  * into part (m, l, then d floats; the next head part_ld further). A chunk with every score -INF
  * gets m = -INF, l = 0, zero outputs. */
-AVX2_TARGET static void att1_chunk_avx2(const float *q, int group, const kv_head_view *kh,
-                                        int64_t j0, int64_t n, int d, float scale, float *sc,
-                                        float *part, size_t part_ld) {
+static void att1_chunk_avx2(const float *q, int group, const kv_head_view *kh, int64_t j0,
+                            int64_t n, int d, float scale, float *sc, float *part,
+                            size_t part_ld) {
     const float *k = kh->k + j0 * kh->stride, *v = kh->v + j0 * kh->stride;
     for (int g = 0; g < group; g++) {
         float *p = part + (size_t)g * part_ld;
-        att1_scores_avx2(q + (size_t)g * d, k, kh->stride, n, d, scale, sc);
+        kvrt_cpu_att_qk_small(q + (size_t)g * d, 1, d, k, kh->stride, n, scale, sc);
         p[1] = att1_exp(sc, n, &p[0]);
         if (p[0] == -INFINITY) {
             memset(p + 1, 0, (size_t)(d + 1) * sizeof(float));
@@ -2323,7 +2256,8 @@ AVX2_TARGET static void att1_chunk_avx2(const float *q, int group, const kv_head
             for (int i = 0; i < d; i++) p[2 + i] = NAN;
             continue;
         }
-        att1_values_avx2(sc, v, kh->stride, n, d, p + 2);
+        memset(p + 2, 0, (size_t)d * sizeof(float));
+        kvrt_cpu_att_pv_small(sc, 1, n, v, kh->stride, d, p + 2);
     }
 }
 /* A query head's output from its nc chunks' parts (att1_chunk_avx2), in chunk order: each chunk
@@ -2371,7 +2305,7 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
                         int n_ctx, int n_threads, int mode) {
     const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
-    const int avx2 = cpu_has_avx2() && d % 8 == 0 && mode < ATT1_CLONES;
+    const int avx2 = kvrt_cpu_att_small_ok(d) && mode < ATT1_CLONES;
     int full = avx2 && mode == ATT1_CHUNKS && pos0 < n_ctx; /* the scratch holds n_ctx keys */
     for (int g = 0; g < view->n_kv_heads && full; g++)
         full = !view->heads[g].pos && !view->heads[g].bias;
@@ -2422,9 +2356,10 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
         }
 #if KVCC_HAVE_X86
         if (avx2) {
-            att1_scores_avx2(q + (size_t)h * d, kh->k, kh->stride, ne, d, scale, sc);
+            kvrt_cpu_att_qk_small(q + (size_t)h * d, 1, d, kh->k, kh->stride, ne, scale, sc);
             softmax_row(sc, ne, pos0, kh->bias, kh->pos);
-            att1_values_avx2(sc, kh->v, kh->stride, ne, d, o);
+            memset(o, 0, (size_t)d * sizeof(float));
+            kvrt_cpu_att_pv_small(sc, 1, ne, kh->v, kh->stride, d, o);
             continue;
         }
 #endif

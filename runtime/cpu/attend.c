@@ -6,7 +6,8 @@
  * kvrt_cpu_attend; tests, the CUDA equivalence tests and anyone who wants the obvious code ->
  * kvrt_attend_ref.
  *
- * defines: kvrt_attend_ref, kvrt_cpu_attend (internal, core/backend.h)
+ * defines: kvrt_attend_ref, kvrt_cpu_attend (internal, core/backend.h), kvrt_cpu_att_small_ok,
+ *          kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small (internal, cpu/blas.h)
  *
  * The op (kvrt.h): for query i and head h (kv head hk = h / G), over the entries e of hk and the
  * recent tokens j < vis(i) = n_recent - n + i + 1,
@@ -16,20 +17,19 @@
  * NaN or +INFINITY logits (NaN or inf keys, +inf bias) give NaN rows. NaN in q is refused with
  * KVRT_ERR_ARG by both paths.
  *
- * Fast path: work is cut into tiles (KV head, block of queries); a tile packs the G query heads
- * of its queries as Q [R = queries * G, d] (one sgemm serves all heads that share the keys),
- * then streams the head's entries in blocks of E: S = scale * Q K_blk^T (sgemm), + bias (or the
- * causal mask for recent tokens), online softmax (running max m, sum l, rescaled accumulator),
- * acc += P V_blk (sgemm; for R <= 8 rows, a decode step's, two AVX2 kernels instead: the sgemm
- * packed every block first, att_qk_small). Memory per thread is O(R * (E + d)) whatever the cache
- * length. f16 caches convert one block of keys / values to f32 before each product. A row's
- * entry list longer than ATT_SPLIT (8192) is cut into splits (flash-decoding), each tile writes
- * its partial (m, l, acc) and a merge pass combines the splits in order, so a long decode step
- * with few KV heads still uses every thread; the split count depends on the data only, so the
- * output is the same whatever the thread count. OpenMP over tiles (dynamic schedule); every
- * sgemm is kept at R * E * d <= 2^18 so that the pthreads OpenBLAS runs it single-threaded (above
- * that it would start its own threads inside our parallel region and oversubscribe: measured 3-4x
- * slower).
+ * Fast path: work is cut into tiles (KV head, block of queries); a tile packs the G query heads of
+ * its queries as Q [R = queries * G, d] (one sgemm serves all heads that share the keys), then
+ * streams the head's entries in blocks of E: S = scale * Q K_blk^T (sgemm), + bias (or the causal
+ * mask for recent tokens), online softmax (running max m, sum l, rescaled accumulator), acc += P
+ * V_blk (sgemm; for R <= 8 rows, a decode step's, two AVX2 kernels instead: the sgemm packed every
+ * block first; kvrt_cpu_att_qk_small). Memory per thread is O(R * (E + d)) whatever the cache
+ * length. f16 caches convert one block of keys / values to f32 before each product. A row's entry
+ * list longer than ATT_SPLIT (8192) is cut into splits (flash-decoding), each tile writes its
+ * partial (m, l, acc) and a merge pass combines the splits in order, so a long decode step with
+ * few KV heads still uses every thread; the split count depends on the data only, so the output is
+ * the same whatever the thread count. OpenMP over tiles (dynamic schedule); every sgemm is kept at
+ * R * E * d <= 2^18 so that the pthreads OpenBLAS runs it single-threaded (above that it would
+ * start its own threads inside our parallel region and oversubscribe: measured 3-4x slower).
  * Tolerance against the reference: |a-b| <= 1e-5 + 1e-4*|ref| (f32 products and sums).
  */
 #include <math.h>
@@ -45,6 +45,7 @@
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+#include "cpu/blas.h" /* kvrt_cpu_att_small_ok, kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small */
 
 // ----------------------------------------------------------------------------
 // reference: obvious code, double accumulation, two passes per (query, head)
@@ -286,9 +287,9 @@ ATT_AVX2 static inline float att_hsum(__m256 a) {
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-/* s [R, nb] (row stride nb) = scale Q [R, d] K^T, K rows ldk floats apart */
-ATT_AVX2 static void att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb,
-                                  int64_t ldk, int64_t nb, float scale, float *s) {
+/* kvrt_cpu_att_qk_small (cpu/blas.h) */
+ATT_AVX2 void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb,
+                                   int64_t ldk, int64_t nb, float scale, float *s) {
     const __m256 sv = _mm256_set1_ps(scale);
     int64_t j = 0;
     for (; j + 8 <= nb; j += 8) {
@@ -342,9 +343,9 @@ att_pv_blk(const float *p, const float *v, int64_t ldv, int64_t n, int nv, float
 #pragma GCC unroll 8
     for (int x = 0; x < nv; x++) _mm256_storeu_ps(o + 8 * x, a[x]);
 }
-/* acc [R, d] += P [R, nb] (row stride nb) V, V rows ldv floats apart */
-ATT_AVX2 static void att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb,
-                                  int64_t ldv, int64_t d, float *acc) {
+/* kvrt_cpu_att_pv_small (cpu/blas.h) */
+ATT_AVX2 void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb,
+                                   int64_t ldv, int64_t d, float *acc) {
     for (int64_t j0 = 0; j0 < nb; j0 += ATT_PV_RUN) {
         const int64_t n = nb - j0 < ATT_PV_RUN ? nb - j0 : ATT_PV_RUN;
         const float *v = vb + j0 * ldv;
@@ -365,9 +366,32 @@ ATT_AVX2 static void att_pv_small(const float *P, int64_t R, int64_t nb, const f
         }
     }
 }
+int kvrt_cpu_att_small_ok(int64_t d) {
+    return d > 0 && d % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 #else
 #define ATT_HAVE_SMALL 0
 #define ATT_SMALL_R 0
+/* plain loops where there is no AVX2 (kvrt_cpu_att_small_ok is 0: callers use their own paths) */
+int kvrt_cpu_att_small_ok(int64_t d) {
+    (void)d;
+    return 0;
+}
+void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb, int64_t ldk,
+                           int64_t nb, float scale, float *s) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < nb; j++) {
+            float a = 0.0f;
+            for (int64_t i = 0; i < d; i++) a += qt[r * d + i] * kb[j * ldk + i];
+            s[r * nb + j] = a * scale;
+        }
+}
+void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb, int64_t ldv,
+                           int64_t d, float *acc) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < nb; j++)
+            for (int64_t i = 0; i < d; i++) acc[r * d + i] += P[r * nb + j] * vb[j * ldv + i];
+}
 #endif
 
 /* One block of nb keys / values (row strides ldk, ldv floats): S = scale Q K^T, + bias or the
@@ -377,7 +401,7 @@ static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, const float *
                       float scale, int small) {
 #if ATT_HAVE_SMALL
     if (small)
-        att_qk_small(w->qt, R, d, kb, ldk, nb, scale, w->s);
+        kvrt_cpu_att_qk_small(w->qt, R, d, kb, ldk, nb, scale, w->s);
     else
 #endif
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nb, (int)d, scale,
@@ -400,7 +424,7 @@ static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, const float *
     att_online_update(w, R, nb, d);
 #if ATT_HAVE_SMALL
     if (small)
-        att_pv_small(w->s, R, nb, vb, ldv, d, w->acc);
+        kvrt_cpu_att_pv_small(w->s, R, nb, vb, ldv, d, w->acc);
     else
 #endif
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)d, (int)nb, 1.0f,
@@ -423,7 +447,7 @@ typedef struct {
     int64_t nsplit;  /* splits of each row's entry list (cache entries, then recent tokens) */
     int64_t chunk;   /* entries per split */
     float *part;     /* [Hkv * nqb * nsplit, R, d + 2]: per tile and row: m, l, acc[d] */
-    int small;       /* the products through att_qk_small / att_pv_small (AVX2, R small) */
+    int small;       /* the products through kvrt_cpu_att_qk_small / _pv_small (AVX2, R small) */
 } att_job;
 
 /* Tile (hk, query block qb, split sp): online softmax over the entries [sp * chunk, (sp + 1) *
@@ -530,14 +554,6 @@ static void att_merge(const att_job *jb, int64_t hq) {
 #pragma GCC pop_options
 #endif
 
-static int att_cpu_avx2(void) {
-#if ATT_HAVE_SMALL
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 0;
-#endif
-}
-
 int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
                     const kvrt_cache *c, const float *k_recent, const float *v_recent,
                     int64_t n_recent, float scale, float *out, float *lse_out) {
@@ -569,7 +585,7 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
     /* from the shapes and the CPU only, never the thread count; KVRT_ATTEND_SGEMM in the
      * environment keeps the sgemm (tests compare the two) */
     const char *env = getenv("KVRT_ATTEND_SGEMM");
-    jb.small = R <= ATT_SMALL_R && d % 8 == 0 && att_cpu_avx2() &&
+    jb.small = R <= ATT_SMALL_R && kvrt_cpu_att_small_ok(d) &&
                !(env && *env && strcmp(env, "0") != 0);
     int64_t E = ATT_SGEMM_MNK / (R * d);
     E &= ~(int64_t)15;

@@ -21,7 +21,8 @@
  *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_bf16mm_op,
  *          kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_packed_bytes, kvrt_cpu_bf16mm_pack,
  *          kvrt_cpu_bf16mm_packed_same, kvrt_cpu_bf16mm_enable, kvrt_cpu_bf16mm_runs,
- *          kvrt_cpu_bf16mm_isa, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free
+ *          kvrt_cpu_bf16mm_isa, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free; declares
+ *          kvrt_cpu_att_small_ok, kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small (cpu/attend.c)
  */
 #ifndef KVRT_CPU_BLAS_H
 #define KVRT_CPU_BLAS_H
@@ -45,6 +46,20 @@ typedef struct {
  * for large single products outside parallel regions (the built-in model's layers). */
 KVRT_INTERNAL void kvrt_cpu_sgemm(int tb, int m, int n, int k, float alpha, const float *A,
                                   int lda, const float *B, int ldb, float beta, float *C, int ldc);
+
+/* A few rows' attention products on the calling thread, in AVX2 + FMA (runtime/cpu/attend.c;
+ * kvrt_attend's decode step and the built-in model's decode attention): usable when
+ * kvrt_cpu_att_small_ok(d) (an x86 CPU with AVX2 and FMA, d a multiple of 8; elsewhere these
+ * are plain loops). kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T, K
+ * rows ldk floats apart; eight keys at a time, one accumulator each over d, reduced together, then
+ * single keys. kvrt_cpu_att_pv_small: acc [R, d] += P [R, nb] (row stride nb) V, V rows ldv
+ * apart; per row the output in registers (64 lanes per pass) over runs of 32 keys. Every sum in
+ * a fixed order: the same bits on any thread. */
+KVRT_INTERNAL int kvrt_cpu_att_small_ok(int64_t d);
+KVRT_INTERNAL void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb,
+                                         int64_t ldk, int64_t nb, float scale, float *s);
+KVRT_INTERNAL void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb,
+                                         int64_t ldv, int64_t d, float *acc);
 
 /* One product on the calling thread (inside or outside a parallel region). With OpenBLAS the
  * caller keeps it at one thread (openblas_set_num_threads(1), or products small enough that
