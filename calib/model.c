@@ -1704,37 +1704,16 @@ static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, in
  * SSE2 build. */
 /* The max and exp passes of softmax_row and softmax_row_bf16 (inlined into each clone): sc[0, nv)
  * becomes e^(x - max); returns 1 / their sum, or 0 when the max is -INF (nothing visible). */
-static inline __attribute__((always_inline)) float softmax_exp(float *sc, int64_t nv) {
-    float mx = -INFINITY;
-    #pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < nv; j++) mx = sc[j] > mx ? sc[j] : mx;
-    if (mx == -INFINITY) return 0.0f;
-    float sum = 0.0f;
-    #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < nv; j++) {
-        const float e = exp_nonpos_f32(sc[j] - mx);
-        sc[j] = e;
-        sum += e;
-    }
-    return 1.0f / sum;
-}
-#if KVCC_HAVE_X86
-/* decode's chunks of keys (att1_chunk_avx2): sc[0, n) := e^(sc - max), *mx := max, returns the
- * sum. Every entry -INF: *mx = -INF, sc untouched, 0. Every entry -INF or NaN, some NaN: *mx and
- * the sum NaN (as softmax_row, whose max skips NaN and whose exp then returns it: NaN reaches
- * the output). */
-KVRT_SIMD_CLONES
-static float att1_exp(float *sc, int64_t n, float *mx) {
+/* The two passes, shared with att1_exp (inlined into each caller and clone): the max of
+ * sc[0, n) (NaN entries skipped; -INF when nothing else), and sc[0, n) := e^(sc - m) with
+ * their sum. */
+static inline __attribute__((always_inline)) float row_max(const float *sc, int64_t n) {
     float m = -INFINITY;
     #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < n; j++) m = sc[j] > m ? sc[j] : m;
-    *mx = m;
-    if (m == -INFINITY) {
-        int nan = 0;
-        for (int64_t j = 0; j < n; j++) nan |= sc[j] != sc[j];
-        if (nan) *mx = NAN;
-        return nan ? NAN : 0.0f;
-    }
+    return m;
+}
+static inline __attribute__((always_inline)) float exp_shift_sum(float *sc, int64_t n, float m) {
     float sum = 0.0f;
     #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; j++) {
@@ -1743,6 +1722,28 @@ static float att1_exp(float *sc, int64_t n, float *mx) {
         sum += e;
     }
     return sum;
+}
+static inline __attribute__((always_inline)) float softmax_exp(float *sc, int64_t nv) {
+    const float mx = row_max(sc, nv);
+    if (mx == -INFINITY) return 0.0f;
+    return 1.0f / exp_shift_sum(sc, nv, mx);
+}
+#if KVCC_HAVE_X86
+/* decode's chunks of keys (att1_chunk_avx2): sc[0, n) := e^(sc - max), *mx := max, returns the
+ * sum. Every entry -INF: *mx = -INF, sc untouched, 0. Every entry -INF or NaN, some NaN: *mx and
+ * the sum NaN (as softmax_row, whose max skips NaN and whose exp then returns it: NaN reaches
+ * the output). */
+KVRT_SIMD_CLONES
+static float att1_exp(float *sc, int64_t n, float *mx) {
+    const float m = row_max(sc, n);
+    *mx = m;
+    if (m == -INFINITY) {
+        int nan = 0;
+        for (int64_t j = 0; j < n; j++) nan |= sc[j] != sc[j];
+        if (nan) *mx = NAN;
+        return nan ? NAN : 0.0f;
+    }
+    return exp_shift_sum(sc, n, m);
 }
 #endif
 KVRT_SIMD_CLONES
