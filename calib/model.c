@@ -2247,7 +2247,8 @@ static void att1_chunk_avx2(const float *q, int group, const kv_head_view *kh, i
     const float *k = kh->k + j0 * kh->stride, *v = kh->v + j0 * kh->stride;
     for (int g = 0; g < group; g++) {
         float *p = part + (size_t)g * part_ld;
-        kvrt_cpu_att_qk_small(q + (size_t)g * d, 1, d, k, kh->stride, n, scale, sc);
+        kvrt_cpu_att_qk_small(q + (size_t)g * d, 1, d, KVRT_DTYPE_F32, k, kh->stride, n, scale,
+                              sc);
         p[1] = att1_exp(sc, n, &p[0]);
         if (p[0] == -INFINITY) {
             memset(p + 1, 0, (size_t)(d + 1) * sizeof(float));
@@ -2258,7 +2259,7 @@ static void att1_chunk_avx2(const float *q, int group, const kv_head_view *kh, i
             continue;
         }
         memset(p + 2, 0, (size_t)d * sizeof(float));
-        kvrt_cpu_att_pv_small(sc, 1, n, v, kh->stride, d, p + 2);
+        kvrt_cpu_att_pv_small(sc, 1, n, KVRT_DTYPE_F32, v, kh->stride, d, p + 2);
     }
 }
 /* A query head's output from its nc chunks' parts (att1_chunk_avx2), in chunk order: each chunk
@@ -2357,10 +2358,11 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
         }
 #if KVCC_HAVE_X86
         if (avx2) {
-            kvrt_cpu_att_qk_small(q + (size_t)h * d, 1, d, kh->k, kh->stride, ne, scale, sc);
+            kvrt_cpu_att_qk_small(q + (size_t)h * d, 1, d, KVRT_DTYPE_F32, kh->k, kh->stride,
+                                  ne, scale, sc);
             softmax_row(sc, ne, pos0, kh->bias, kh->pos);
             memset(o, 0, (size_t)d * sizeof(float));
-            kvrt_cpu_att_pv_small(sc, 1, ne, kh->v, kh->stride, d, o);
+            kvrt_cpu_att_pv_small(sc, 1, ne, KVRT_DTYPE_F32, kh->v, kh->stride, d, o);
             continue;
         }
 #endif

@@ -23,7 +23,8 @@
  * mask for recent tokens), online softmax (running max m, sum l, rescaled accumulator), acc += P
  * V_blk (sgemm; for R <= 8 rows, a decode step's, two AVX2 kernels instead: the sgemm packed every
  * block first; kvrt_cpu_att_qk_small). Memory per thread is O(R * (E + d)) whatever the cache
- * length. f16 caches convert one block of keys / values to f32 before each product. A row's entry
+ * length. f16 / bf16 caches: the small kernels widen each row as they load it; the sgemm path
+ * converts one block of keys / values to f32 before each product. A row's entry
  * list longer than ATT_SPLIT (8192) is cut into splits (flash-decoding), each tile writes its
  * partial (m, l, acc) and a merge pass combines the splits in order, so a long decode step with
  * few KV heads still uses every thread; the split count depends on the data only, so the output is
@@ -281,33 +282,57 @@ static void att_online_update(att_ws *w, int64_t R, int64_t nb, int64_t d) {
 #define ATT_HAVE_SMALL 1
 #define ATT_SMALL_R 8
 #define ATT_PV_RUN 32
-#define ATT_AVX2 __attribute__((target("avx2,fma")))
+#define ATT_AVX2 __attribute__((target("avx2,fma,f16c")))
 ATT_AVX2 static inline float att_hsum(__m256 a) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-/* kvrt_cpu_att_qk_small (cpu/blas.h) */
-ATT_AVX2 void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb,
-                                   int64_t ldk, int64_t nb, float scale, float *s) {
+/* Eight elements i .. i + 7 of a row stored as dt (a constant at every call), in f32: f16 and
+ * bf16 widen exactly, so a kernel reading 2-byte rows gives the bits it gives on their f32
+ * copies. */
+ATT_AVX2 __attribute__((always_inline)) static inline __m256 att_ld8(const void *p, int64_t i,
+                                                                    int dt) {
+    if (dt == KVRT_DTYPE_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    if (dt == KVRT_DTYPE_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))),
+            16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+/* row j of K or V stored as dt, rows ld elements apart */
+ATT_AVX2 __attribute__((always_inline)) static inline const void *att_row(const void *base,
+                                                                         int64_t j, int64_t ld,
+                                                                         int dt) {
+    return dt == KVRT_DTYPE_F32 ? (const void *)((const float *)base + j * ld)
+                                : (const void *)((const uint16_t *)base + j * ld);
+}
+/* kvrt_cpu_att_qk_small for keys stored as dt */
+ATT_AVX2 __attribute__((always_inline)) static inline void
+att_qk_small(const float *qt, int64_t R, int64_t d, const void *kb, int64_t ldk, int64_t nb,
+             float scale, float *s, int dt) {
     const __m256 sv = _mm256_set1_ps(scale);
     int64_t j = 0;
     for (; j + 8 <= nb; j += 8) {
-        const float *k0 = kb + j * ldk;
+        const void *k0 = att_row(kb, j, ldk, dt), *k1 = att_row(kb, j + 1, ldk, dt),
+                   *k2 = att_row(kb, j + 2, ldk, dt), *k3 = att_row(kb, j + 3, ldk, dt),
+                   *k4 = att_row(kb, j + 4, ldk, dt), *k5 = att_row(kb, j + 5, ldk, dt),
+                   *k6 = att_row(kb, j + 6, ldk, dt), *k7 = att_row(kb, j + 7, ldk, dt);
         for (int64_t r = 0; r < R; r++) {
             const float *q = qt + r * d;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0,
                    a6 = a0, a7 = a0;
             for (int64_t i = 0; i < d; i += 8) {
                 const __m256 x = _mm256_loadu_ps(q + i);
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + i), x, a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + ldk + i), x, a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 2 * ldk + i), x, a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 3 * ldk + i), x, a3);
-                a4 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 4 * ldk + i), x, a4);
-                a5 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 5 * ldk + i), x, a5);
-                a6 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 6 * ldk + i), x, a6);
-                a7 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 7 * ldk + i), x, a7);
+                a0 = _mm256_fmadd_ps(att_ld8(k0, i, dt), x, a0);
+                a1 = _mm256_fmadd_ps(att_ld8(k1, i, dt), x, a1);
+                a2 = _mm256_fmadd_ps(att_ld8(k2, i, dt), x, a2);
+                a3 = _mm256_fmadd_ps(att_ld8(k3, i, dt), x, a3);
+                a4 = _mm256_fmadd_ps(att_ld8(k4, i, dt), x, a4);
+                a5 = _mm256_fmadd_ps(att_ld8(k5, i, dt), x, a5);
+                a6 = _mm256_fmadd_ps(att_ld8(k6, i, dt), x, a6);
+                a7 = _mm256_fmadd_ps(att_ld8(k7, i, dt), x, a7);
             }
             /* lane u of the result: the sum of a_u's lanes */
             const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -318,56 +343,79 @@ ATT_AVX2 void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, const
         }
     }
     for (; j < nb; j++) {
-        const float *kj = kb + j * ldk;
+        const void *kj = att_row(kb, j, ldk, dt);
         for (int64_t r = 0; r < R; r++) {
             __m256 a = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8)
-                a = _mm256_fmadd_ps(_mm256_loadu_ps(kj + i), _mm256_loadu_ps(qt + r * d + i), a);
+                a = _mm256_fmadd_ps(att_ld8(kj, i, dt), _mm256_loadu_ps(qt + r * d + i), a);
             s[r * nb + j] = att_hsum(a) * scale;
         }
     }
 }
-/* o[0, 8 nv) += sum over j < n of p[j] v_j[0, 8 nv) (nv 1..8, a constant at each call: the
- * accumulators stay in registers) */
+/* o[0, 8 nv) += sum over j < n of p[j] v_j[0, 8 nv), v_j at element i of row j (nv 1..8 and dt
+ * constants at each call: the accumulators stay in registers) */
 ATT_AVX2 __attribute__((always_inline)) static inline void
-att_pv_blk(const float *p, const float *v, int64_t ldv, int64_t n, int nv, float *o) {
+att_pv_blk(const float *p, const void *v, int64_t ldv, int64_t i, int64_t n, int nv, float *o,
+           int dt) {
     __m256 a[8];
 #pragma GCC unroll 8
     for (int x = 0; x < nv; x++) a[x] = _mm256_loadu_ps(o + 8 * x);
     for (int64_t j = 0; j < n; j++) {
         const __m256 pj = _mm256_set1_ps(p[j]);
-        const float *vj = v + j * ldv;
+        const void *vj = att_row(v, j, ldv, dt);
 #pragma GCC unroll 8
-        for (int x = 0; x < nv; x++) a[x] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * x), a[x]);
+        for (int x = 0; x < nv; x++) a[x] = _mm256_fmadd_ps(pj, att_ld8(vj, i + 8 * x, dt), a[x]);
     }
 #pragma GCC unroll 8
     for (int x = 0; x < nv; x++) _mm256_storeu_ps(o + 8 * x, a[x]);
 }
-/* kvrt_cpu_att_pv_small (cpu/blas.h) */
-ATT_AVX2 void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb,
-                                   int64_t ldv, int64_t d, float *acc) {
+/* kvrt_cpu_att_pv_small for values stored as dt */
+ATT_AVX2 __attribute__((always_inline)) static inline void
+att_pv_small(const float *P, int64_t R, int64_t nb, const void *vb, int64_t ldv, int64_t d,
+             float *acc, int dt) {
     for (int64_t j0 = 0; j0 < nb; j0 += ATT_PV_RUN) {
         const int64_t n = nb - j0 < ATT_PV_RUN ? nb - j0 : ATT_PV_RUN;
-        const float *v = vb + j0 * ldv;
+        const void *v = att_row(vb, j0, ldv, dt);
         for (int64_t r = 0; r < R; r++) {
             const float *p = P + r * nb + j0;
             float *o = acc + r * d;
             int64_t i = 0;
-            for (; i + 64 <= d; i += 64) att_pv_blk(p, v + i, ldv, n, 8, o + i);
+            for (; i + 64 <= d; i += 64) att_pv_blk(p, v, ldv, i, n, 8, o + i, dt);
             if (d - i >= 32) {
-                att_pv_blk(p, v + i, ldv, n, 4, o + i);
+                att_pv_blk(p, v, ldv, i, n, 4, o + i, dt);
                 i += 32;
             }
             if (d - i >= 16) {
-                att_pv_blk(p, v + i, ldv, n, 2, o + i);
+                att_pv_blk(p, v, ldv, i, n, 2, o + i, dt);
                 i += 16;
             }
-            if (d - i >= 8) att_pv_blk(p, v + i, ldv, n, 1, o + i);
+            if (d - i >= 8) att_pv_blk(p, v, ldv, i, n, 1, o + i, dt);
         }
     }
 }
+/* kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small (cpu/blas.h): one instance per storage type */
+ATT_AVX2 void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype,
+                                   const void *kb, int64_t ldk, int64_t nb, float scale,
+                                   float *s) {
+    if (dtype == KVRT_DTYPE_F16)
+        att_qk_small(qt, R, d, kb, ldk, nb, scale, s, KVRT_DTYPE_F16);
+    else if (dtype == KVRT_DTYPE_BF16)
+        att_qk_small(qt, R, d, kb, ldk, nb, scale, s, KVRT_DTYPE_BF16);
+    else
+        att_qk_small(qt, R, d, kb, ldk, nb, scale, s, KVRT_DTYPE_F32);
+}
+ATT_AVX2 void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype,
+                                   const void *vb, int64_t ldv, int64_t d, float *acc) {
+    if (dtype == KVRT_DTYPE_F16)
+        att_pv_small(P, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F16);
+    else if (dtype == KVRT_DTYPE_BF16)
+        att_pv_small(P, R, nb, vb, ldv, d, acc, KVRT_DTYPE_BF16);
+    else
+        att_pv_small(P, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F32);
+}
 int kvrt_cpu_att_small_ok(int64_t d) {
-    return d > 0 && d % 8 == 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return d > 0 && d % 8 == 0 && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 #else
 #define ATT_HAVE_SMALL 0
@@ -377,35 +425,55 @@ int kvrt_cpu_att_small_ok(int64_t d) {
     (void)d;
     return 0;
 }
-void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb, int64_t ldk,
-                           int64_t nb, float scale, float *s) {
+/* element i of a row stored as dtype */
+static float att_elem(int dtype, const void *row, int64_t i) {
+    float x;
+    if (dtype == KVRT_DTYPE_F32) return ((const float *)row)[i];
+    kvrt_row_from_dtype(dtype, (const uint16_t *)row + i, &x, 1);
+    return x;
+}
+void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype, const void *kb,
+                           int64_t ldk, int64_t nb, float scale, float *s) {
+    const size_t es = dtype == KVRT_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < nb; j++) {
+            const void *kj = (const char *)kb + (size_t)(j * ldk) * es;
             float a = 0.0f;
-            for (int64_t i = 0; i < d; i++) a += qt[r * d + i] * kb[j * ldk + i];
+            for (int64_t i = 0; i < d; i++) a += qt[r * d + i] * att_elem(dtype, kj, i);
             s[r * nb + j] = a * scale;
         }
 }
-void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb, int64_t ldv,
-                           int64_t d, float *acc) {
+void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype, const void *vb,
+                           int64_t ldv, int64_t d, float *acc) {
+    const size_t es = dtype == KVRT_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t r = 0; r < R; r++)
-        for (int64_t j = 0; j < nb; j++)
-            for (int64_t i = 0; i < d; i++) acc[r * d + i] += P[r * nb + j] * vb[j * ldv + i];
+        for (int64_t j = 0; j < nb; j++) {
+            const void *vj = (const char *)vb + (size_t)(j * ldv) * es;
+            for (int64_t i = 0; i < d; i++) acc[r * d + i] += P[r * nb + j] * att_elem(dtype, vj, i);
+        }
 }
 #endif
 
 /* One block of nb keys / values (row strides ldk, ldv floats): S = scale Q K^T, + bias or the
  * causal mask (recent tokens j0 + j, visible to row r when j0 + j < vis[r]), update, acc += P V. */
-static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, const float *kb, int64_t ldk,
-                      const float *vb, int64_t ldv, const float *bias, int masked, int64_t j0,
-                      float scale, int small) {
+static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, int dt, const void *kb,
+                      int64_t ldk, const void *vb, int64_t ldv, const float *bias, int masked,
+                      int64_t j0, float scale, int small) {
 #if ATT_HAVE_SMALL
-    if (small)
-        kvrt_cpu_att_qk_small(w->qt, R, d, kb, ldk, nb, scale, w->s);
-    else
+    if (small) {
+        kvrt_cpu_att_qk_small(w->qt, R, d, dt, kb, ldk, nb, scale, w->s);
+    } else
 #endif
+    {
+        if (dt != KVRT_DTYPE_F32) { /* f16 / bf16 rows ldk = ldv = d apart: widened per block */
+            kvrt_row_from_dtype(dt, kb, w->kb, nb * d);
+            kvrt_row_from_dtype(dt, vb, w->vb, nb * d);
+            kb = w->kb;
+            vb = w->vb;
+        }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)R, (int)nb, (int)d, scale,
-                    w->qt, (int)d, kb, (int)ldk, 0.0f, w->s, (int)nb);
+                    w->qt, (int)d, (const float *)kb, (int)ldk, 0.0f, w->s, (int)nb);
+    }
     if (bias != NULL) {
         for (int64_t r = 0; r < R; r++) {
             float *row = w->s + r * nb;
@@ -424,11 +492,11 @@ static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, const float *
     att_online_update(w, R, nb, d);
 #if ATT_HAVE_SMALL
     if (small)
-        kvrt_cpu_att_pv_small(w->s, R, nb, vb, ldv, d, w->acc);
+        kvrt_cpu_att_pv_small(w->s, R, nb, dt, vb, ldv, d, w->acc);
     else
 #endif
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)d, (int)nb, 1.0f,
-                    w->s, (int)nb, vb, (int)ldv, 1.0f, w->acc, (int)d);
+                    w->s, (int)nb, (const float *)vb, (int)ldv, 1.0f, w->acc, (int)d);
 }
 
 typedef struct {
@@ -479,17 +547,15 @@ static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
     const int64_t cb = v0 < m_cache ? v0 : m_cache, ce = v1 < m_cache ? v1 : m_cache;
     for (int64_t b = e0 + cb; b < e0 + ce; b += E) {
         const int64_t nb = e0 + ce - b < E ? e0 + ce - b : E;
-        const float *kb, *vb;
+        const void *kb, *vb;
         if (c->dtype == KVRT_DTYPE_F32) {
             kb = (const float *)c->keys + b * d;
             vb = (const float *)c->values + b * d;
         } else {
-            kvrt_row_from_dtype(c->dtype, (const uint16_t *)c->keys + b * d, w->kb, nb * d);
-            kvrt_row_from_dtype(c->dtype, (const uint16_t *)c->values + b * d, w->vb, nb * d);
-            kb = w->kb;
-            vb = w->vb;
+            kb = (const uint16_t *)c->keys + b * d;
+            vb = (const uint16_t *)c->values + b * d;
         }
-        att_block(w, R, d, nb, kb, d, vb, d, c->bias + b, 0, 0, jb->scale, jb->small);
+        att_block(w, R, d, nb, c->dtype, kb, d, vb, d, c->bias + b, 0, 0, jb->scale, jb->small);
     }
 
     /* recent tokens [v0 - m_cache, v1 - m_cache), causal: the tile's last query sees the most */
@@ -500,7 +566,7 @@ static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
     const int64_t ld = (int64_t)jb->hkv * d;
     for (int64_t b = rb; b < re; b += E) {
         const int64_t nb = re - b < E ? re - b : E;
-        att_block(w, R, d, nb, jb->kr + b * ld + (int64_t)hk * d, ld,
+        att_block(w, R, d, nb, KVRT_DTYPE_F32, jb->kr + b * ld + (int64_t)hk * d, ld,
                   jb->vr + b * ld + (int64_t)hk * d, ld, NULL, 1, b, jb->scale, jb->small);
     }
 
@@ -606,7 +672,8 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
     const int64_t hq = (int64_t)jb.hkv * jb.nqb, tiles = hq * jb.nsplit;
     int nt = ctx->n_threads < 1 ? 1 : ctx->n_threads;
     if (nt > tiles) nt = (int)tiles;
-    const int f16 = c->dtype != KVRT_DTYPE_F32; /* f16 or bf16: blocks converted to f32 */
+    /* f16 or bf16 through the sgemm: blocks widened to f32 first (the small kernels read them) */
+    const int f16 = c->dtype != KVRT_DTYPE_F32 && !jb.small;
     const size_t per = att_ws_floats(R, E, d, f16);
     const size_t part_floats = (size_t)tiles * (size_t)(R * (d + 2));
     float *ws = NULL;

@@ -47,19 +47,22 @@ typedef struct {
 KVRT_INTERNAL void kvrt_cpu_sgemm(int tb, int m, int n, int k, float alpha, const float *A,
                                   int lda, const float *B, int ldb, float beta, float *C, int ldc);
 
-/* A few rows' attention products on the calling thread, in AVX2 + FMA (runtime/cpu/attend.c;
- * kvrt_attend's decode step and the built-in model's decode attention): usable when
- * kvrt_cpu_att_small_ok(d) (an x86 CPU with AVX2 and FMA, d a multiple of 8; elsewhere these
- * are plain loops). kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T, K
- * rows ldk floats apart; eight keys at a time, one accumulator each over d, reduced together, then
- * single keys. kvrt_cpu_att_pv_small: acc [R, d] += P [R, nb] (row stride nb) V, V rows ldv
- * apart; per row the output in registers (64 lanes per pass) over runs of 32 keys. Every sum in
- * a fixed order: the same bits on any thread. */
+/* A few rows' attention products on the calling thread, in AVX2 + FMA + F16C
+ * (runtime/cpu/attend.c; kvrt_attend's decode step and the built-in model's decode attention):
+ * usable when kvrt_cpu_att_small_ok(d) (an x86 CPU with AVX2, FMA and F16C, d a multiple of 8;
+ * elsewhere these are plain loops). K and V are stored as dtype (KVRT_DTYPE_F32, _F16 or _BF16,
+ * widened exactly as they load: the bits of the same kernels on f32 copies), rows ldk / ldv
+ * elements apart. kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T; eight
+ * keys at a time, one accumulator each over d, reduced together, then single keys.
+ * kvrt_cpu_att_pv_small: acc [R, d] += P [R, nb] (row stride nb) V; per row the output in
+ * registers (64 lanes per pass) over runs of 32 keys. Every sum in a fixed order: the same bits
+ * on any thread. */
 KVRT_INTERNAL int kvrt_cpu_att_small_ok(int64_t d);
-KVRT_INTERNAL void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, const float *kb,
-                                         int64_t ldk, int64_t nb, float scale, float *s);
-KVRT_INTERNAL void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, const float *vb,
-                                         int64_t ldv, int64_t d, float *acc);
+KVRT_INTERNAL void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype,
+                                         const void *kb, int64_t ldk, int64_t nb, float scale,
+                                         float *s);
+KVRT_INTERNAL void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype,
+                                         const void *vb, int64_t ldv, int64_t d, float *acc);
 
 /* One product on the calling thread (inside or outside a parallel region). With OpenBLAS the
  * caller keeps it at one thread (openblas_set_num_threads(1), or products small enough that

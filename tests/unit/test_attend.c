@@ -508,6 +508,11 @@ static const att_case att_cases[] = {
      KVRT_DTYPE_F16, 0, 0},
     /* d = 72: the decode kernels' 64 + 8 lanes of values; recent tokens (rows hkv d apart) */
     {"G=4 decode, d=72, recent 5", 2, 4, 72, 300, -1, 1, 5, 1, 1, 0, 0.118f, KVRT_DTYPE_F32, 0, 0},
+    /* 2-byte caches at decode shapes: the small kernels widen rows as they load them */
+    {"bf16 cache, G=4 decode, d=72, recent 4", 2, 4, 72, 1500, -1, 1, 4, 1, 1, 1, 0.118f,
+     KVRT_DTYPE_BF16, 0, 0},
+    {"f16 cache, G=8 decode, 10000 entries (splits)", 1, 8, 64, 10000, -1, 1, 0, 1, 1, 0, 0.125f,
+     KVRT_DTYPE_F16, 0, 0},
 };
 #define N_ATT_CASES (sizeof att_cases / sizeof att_cases[0])
 
@@ -714,6 +719,61 @@ Test(attend, f16_cache_close_to_f32_cache) {
     kvrt_cache_free(c16);
     kvrt_selection_free(sel);
     free(k); free(v); free(q);
+}
+
+/* A 2-byte cache attends exactly as its f32 widening (f16 and bf16 widen exactly, and both paths
+ * run the same products on the same values): bit for bit, at decode shapes (the small kernels,
+ * which widen as they load), a prefill shape (blocks widened, then the sgemm), with the
+ * products forced through the sgemm, and at 1 and 2 threads. f16 keys include subnormals. */
+Test(attend, two_byte_cache_equals_its_f32_widening) {
+    static const struct { uint32_t hkv, G, d; int64_t count, n, n_recent; } sh[] = {
+        {2, 4, 64, 1200, 1, 3},  /* decode, G = 4 */
+        {1, 8, 72, 9000, 1, 0},  /* decode, 64 + 8 value lanes, two splits */
+        {2, 4, 64, 700, 5, 5},   /* 20 rows: the sgemm */
+    };
+    for (int dt = KVRT_DTYPE_F16; dt <= KVRT_DTYPE_BF16; dt++)
+        for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++)
+            for (int mode = 0; mode < 3; mode++) { /* 1 thread, 2 threads, 2 threads sgemm */
+                uint64_t s = 900 + 10 * i + (uint64_t)dt;
+                const uint32_t hkv = sh[i].hkv, d = sh[i].d, H = hkv * sh[i].G;
+                int64_t counts[2] = {sh[i].count, sh[i].count - 77};
+                kvrt_cache *ch = rand_cache(hkv, d, dt, counts, &s, 2.0f, 0.5f), *cf = NULL;
+                cr_assert_eq(kvrt_cache_create(hkv, d, KVRT_DTYPE_F32, counts, &cf), KVRT_OK);
+                uint16_t *hk = ch->keys, *hv = ch->values;
+                if (dt == KVRT_DTYPE_F16)
+                    for (int64_t e = 0; e < ch->n_entries * (int64_t)d; e += 37)
+                        hk[e] = (uint16_t)(e % 0x3ff + 1); /* subnormal halves */
+                for (int64_t e = 0; e < ch->n_entries * (int64_t)d; e++) {
+                    ((float *)cf->keys)[e] = dt == KVRT_DTYPE_F16 ? kvrt_f16_to_f32(hk[e])
+                                                                  : kvrt_bf16_to_f32(hk[e]);
+                    ((float *)cf->values)[e] = dt == KVRT_DTYPE_F16 ? kvrt_f16_to_f32(hv[e])
+                                                                    : kvrt_bf16_to_f32(hv[e]);
+                }
+                memcpy(cf->bias, ch->bias, sizeof(float) * (size_t)ch->n_entries);
+                const int64_t n = sh[i].n, nr = sh[i].n_recent;
+                float *q = rand_buf((size_t)n * H * d, &s, -1, 1);
+                float *kr = nr ? rand_buf((size_t)nr * hkv * d, &s, -2, 2) : NULL;
+                float *vr = nr ? rand_buf((size_t)nr * hkv * d, &s, -1, 1) : NULL;
+                const size_t on = (size_t)n * H * d;
+                float *a = malloc(on * 4), *b = malloc(on * 4), *la = malloc((size_t)n * H * 4),
+                      *lb = malloc((size_t)n * H * 4);
+                if (mode == 2) setenv("KVRT_ATTEND_SGEMM", "1", 1);
+                kvrt_ctx *ctx = cpu_ctx(mode == 0 ? 1 : 2);
+                const float sc = 1.0f / sqrtf((float)d);
+                cr_assert_eq(kvrt_attend(ctx, q, n, H, ch, kr, vr, nr, sc, a, la), KVRT_OK, "%s",
+                             kvrt_ctx_last_error(ctx)->msg);
+                cr_assert_eq(kvrt_attend(ctx, q, n, H, cf, kr, vr, nr, sc, b, lb), KVRT_OK);
+                unsetenv("KVRT_ATTEND_SGEMM");
+                for (size_t x = 0; x < on; x++)
+                    cr_assert(memcmp(&a[x], &b[x], 4) == 0,
+                              "dtype %d shape %zu mode %d: out[%zu] %.9g vs f32 widening %.9g", dt,
+                              i, mode, x, a[x], b[x]);
+                cr_assert(memcmp(la, lb, (size_t)n * H * 4) == 0, "dtype %d shape %zu: lse", dt, i);
+                kvrt_ctx_free(ctx);
+                kvrt_cache_free(ch);
+                kvrt_cache_free(cf);
+                free(q); free(kr); free(vr); free(a); free(b); free(la); free(lb);
+            }
 }
 
 Test(attend, refuses_bad_arguments) {
