@@ -31,17 +31,32 @@ char *openblas_get_corename(void);
 int openblas_get_num_threads(void);
 void openblas_set_num_threads(int n);
 
+/* Holds of OpenBLAS at one thread, counted process-wide: the first takes the count, the last
+ * gives it back, so two threads of a program (a serving stack's workers) holding at once each
+ * keep one thread until both are done (each saving and restoring its own value let the first to
+ * finish hand the count back while the other still ran). */
+static pthread_mutex_t openblas_hold_mu = PTHREAD_MUTEX_INITIALIZER;
+static int openblas_hold_depth, openblas_hold_saved;
+
 int kvrt_cpu_openblas_hold(void) {
 #ifdef _OPENMP
-    if (omp_in_parallel()) return 1;
+    if (omp_in_parallel()) return 0;
 #endif
-    const int prev = openblas_get_num_threads();
-    if (prev != 1) openblas_set_num_threads(1);
-    return prev;
+    pthread_mutex_lock(&openblas_hold_mu);
+    if (openblas_hold_depth++ == 0) {
+        openblas_hold_saved = openblas_get_num_threads();
+        if (openblas_hold_saved != 1) openblas_set_num_threads(1);
+    }
+    pthread_mutex_unlock(&openblas_hold_mu);
+    return 1;
 }
 
-void kvrt_cpu_openblas_restore(int prev) {
-    if (prev != 1) openblas_set_num_threads(prev);
+void kvrt_cpu_openblas_restore(int held) {
+    if (!held) return;
+    pthread_mutex_lock(&openblas_hold_mu);
+    if (--openblas_hold_depth == 0 && openblas_hold_saved != 1)
+        openblas_set_num_threads(openblas_hold_saved);
+    pthread_mutex_unlock(&openblas_hold_mu);
 }
 
 /* The calling task's OpenMP thread count at 1 (oneDNN sizes its team from it, also inside an

@@ -80,10 +80,10 @@ KVRT_INTERNAL void kvrt_cpu_sgemm_1t(int tb, int m, int n, int k, float alpha, c
 KVRT_INTERNAL void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops);
 
 /* OpenBLAS at one thread from here (its pthreads, spinning and yielding after each call, compete
- * with OpenMP's team): returns the count to hand back to kvrt_cpu_openblas_restore. The count is
- * process-wide: inside an enclosing parallel region the caller owns it and it is left alone
- * (returns 1); two threads of a program calling this concurrently outside OpenMP may leave it
- * at 1. */
+ * with OpenMP's team) until the matching kvrt_cpu_openblas_restore(returned value). The count is
+ * process-wide, so holds are counted: the first saves it, the last restores it (threads of a
+ * program holding at once all run at one until every hold ends). Inside an enclosing parallel
+ * region the caller owns the count and it is left alone (returns 0: restore does nothing). */
 KVRT_INTERNAL int kvrt_cpu_openblas_hold(void);
 KVRT_INTERNAL void kvrt_cpu_openblas_restore(int prev);
 

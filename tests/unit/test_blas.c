@@ -379,3 +379,39 @@ Test(blas, scratch_buffers_are_reused) {
     kvrt_cpu_scratch_free(s, 100);
     kvrt_cpu_scratch_free(NULL, big);
 }
+
+/* Holds of OpenBLAS at one thread are counted process-wide: with two holds open (two threads of
+ * a serving program inside libkvrt at once), ending the first keeps the count at one until the
+ * second ends, and then the count from before the first comes back. Inside an active parallel
+ * region a hold leaves the count alone. */
+int openblas_get_num_threads(void);
+void openblas_set_num_threads(int n);
+Test(blas, openblas_holds_are_counted) {
+    const int before = openblas_get_num_threads();
+    openblas_set_num_threads(2);
+    cr_assert_eq(openblas_get_num_threads(), 2, "OpenBLAS took no second thread");
+    const int a = kvrt_cpu_openblas_hold();
+    cr_assert_eq(openblas_get_num_threads(), 1);
+    const int b = kvrt_cpu_openblas_hold();
+    kvrt_cpu_openblas_restore(a);
+    cr_assert_eq(openblas_get_num_threads(), 1, "the first restore ended the second hold too");
+    kvrt_cpu_openblas_restore(b);
+    cr_assert_eq(openblas_get_num_threads(), 2);
+    int inside = -1, count = -1, active = 0;
+#pragma omp parallel num_threads(2)
+    {
+#pragma omp single
+        {
+            active = omp_in_parallel();
+            inside = kvrt_cpu_openblas_hold();
+            count = openblas_get_num_threads();
+            kvrt_cpu_openblas_restore(inside);
+        }
+    }
+    if (active) { /* the region got two threads */
+        cr_assert_eq(inside, 0, "a hold inside a parallel region changed the count");
+        cr_assert_eq(count, 2);
+    }
+    cr_assert_eq(openblas_get_num_threads(), 2);
+    openblas_set_num_threads(before);
+}
