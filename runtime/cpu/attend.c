@@ -308,10 +308,10 @@ ATT_AVX2 __attribute__((always_inline)) static inline const void *att_row(const 
     return dt == KVRT_DTYPE_F32 ? (const void *)((const float *)base + j * ld)
                                 : (const void *)((const uint16_t *)base + j * ld);
 }
-/* kvrt_cpu_att_qk_small for keys stored as dt */
+/* kvrt_cpu_att_qk_small for keys stored as dt, rows of s lds apart */
 ATT_AVX2 __attribute__((always_inline)) static inline void
 att_qk_small(const float *qt, int64_t R, int64_t d, const void *kb, int64_t ldk, int64_t nb,
-             float scale, float *s, int dt) {
+             float scale, float *s, int64_t lds, int dt) {
     const __m256 sv = _mm256_set1_ps(scale);
     int64_t j = 0;
     for (; j + 8 <= nb; j += 8) {
@@ -339,7 +339,7 @@ att_qk_small(const float *qt, int64_t R, int64_t d, const void *kb, int64_t ldk,
             const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
             const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
                                              _mm256_permute2f128_ps(t0, t1, 0x31));
-            _mm256_storeu_ps(s + r * nb + j, _mm256_mul_ps(sum, sv));
+            _mm256_storeu_ps(s + r * lds + j, _mm256_mul_ps(sum, sv));
         }
     }
     for (; j < nb; j++) {
@@ -348,7 +348,7 @@ att_qk_small(const float *qt, int64_t R, int64_t d, const void *kb, int64_t ldk,
             __m256 a = _mm256_setzero_ps();
             for (int64_t i = 0; i < d; i += 8)
                 a = _mm256_fmadd_ps(att_ld8(kj, i, dt), _mm256_loadu_ps(qt + r * d + i), a);
-            s[r * nb + j] = att_hsum(a) * scale;
+            s[r * lds + j] = att_hsum(a) * scale;
         }
     }
 }
@@ -369,15 +369,15 @@ att_pv_blk(const float *p, const void *v, int64_t ldv, int64_t i, int64_t n, int
 #pragma GCC unroll 8
     for (int x = 0; x < nv; x++) _mm256_storeu_ps(o + 8 * x, a[x]);
 }
-/* kvrt_cpu_att_pv_small for values stored as dt */
+/* kvrt_cpu_att_pv_small for values stored as dt, rows of P ldp apart */
 ATT_AVX2 __attribute__((always_inline)) static inline void
-att_pv_small(const float *P, int64_t R, int64_t nb, const void *vb, int64_t ldv, int64_t d,
-             float *acc, int dt) {
+att_pv_small(const float *P, int64_t ldp, int64_t R, int64_t nb, const void *vb, int64_t ldv,
+             int64_t d, float *acc, int dt) {
     for (int64_t j0 = 0; j0 < nb; j0 += ATT_PV_RUN) {
         const int64_t n = nb - j0 < ATT_PV_RUN ? nb - j0 : ATT_PV_RUN;
         const void *v = att_row(vb, j0, ldv, dt);
         for (int64_t r = 0; r < R; r++) {
-            const float *p = P + r * nb + j0;
+            const float *p = P + r * ldp + j0;
             float *o = acc + r * d;
             int64_t i = 0;
             for (; i + 64 <= d; i += 64) att_pv_blk(p, v, ldv, i, n, 8, o + i, dt);
@@ -393,25 +393,64 @@ att_pv_small(const float *P, int64_t R, int64_t nb, const void *vb, int64_t ldv,
         }
     }
 }
-/* kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small (cpu/blas.h): one instance per storage type */
+/* dst [n, d] (dense) := rows 0 .. n - 1 of src (stored as dt, ld elements apart) in f32 */
+ATT_AVX2 __attribute__((always_inline)) static inline void
+att_widen(const void *src, int64_t ld, int64_t n, int64_t d, float *dst, int dt) {
+    for (int64_t r = 0; r < n; r++) {
+        const void *row = att_row(src, r, ld, dt);
+        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + r * d + i, att_ld8(row, i, dt));
+    }
+}
+/* 2-byte keys or values with several rows (R > 1): each group of keys is widened once into an
+ * L1 buffer and the f32 kernels run on it (widening inside the loads would redo it for every
+ * row); the groups are the kernels' own (8 keys for the scores, ATT_PV_RUN for P V), so the
+ * sums are those of the loads' path. One row, or d above ATT_WIDEN_D: widened as loaded. */
+#define ATT_WIDEN_D 256
+ATT_AVX2 static void att_qk_small_h(const float *qt, int64_t R, int64_t d, const void *kb,
+                                    int64_t ldk, int64_t nb, float scale, float *s, int dt) {
+    if (R == 1 || d > ATT_WIDEN_D) {
+        if (dt == KVRT_DTYPE_F16) att_qk_small(qt, R, d, kb, ldk, nb, scale, s, nb, KVRT_DTYPE_F16);
+        else att_qk_small(qt, R, d, kb, ldk, nb, scale, s, nb, KVRT_DTYPE_BF16);
+        return;
+    }
+    float buf[8 * ATT_WIDEN_D] __attribute__((aligned(32)));
+    for (int64_t j = 0; j < nb; j += 8) {
+        const int64_t n = nb - j < 8 ? nb - j : 8;
+        if (dt == KVRT_DTYPE_F16) att_widen(att_row(kb, j, ldk, dt), ldk, n, d, buf, KVRT_DTYPE_F16);
+        else att_widen(att_row(kb, j, ldk, dt), ldk, n, d, buf, KVRT_DTYPE_BF16);
+        att_qk_small(qt, R, d, buf, d, n, scale, s + j, nb, KVRT_DTYPE_F32);
+    }
+}
+ATT_AVX2 static void att_pv_small_h(const float *P, int64_t R, int64_t nb, const void *vb,
+                                    int64_t ldv, int64_t d, float *acc, int dt) {
+    if (R == 1 || d > ATT_WIDEN_D) {
+        if (dt == KVRT_DTYPE_F16) att_pv_small(P, nb, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F16);
+        else att_pv_small(P, nb, R, nb, vb, ldv, d, acc, KVRT_DTYPE_BF16);
+        return;
+    }
+    float buf[ATT_PV_RUN * ATT_WIDEN_D] __attribute__((aligned(32)));
+    for (int64_t j0 = 0; j0 < nb; j0 += ATT_PV_RUN) {
+        const int64_t n = nb - j0 < ATT_PV_RUN ? nb - j0 : ATT_PV_RUN;
+        if (dt == KVRT_DTYPE_F16) att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, buf, KVRT_DTYPE_F16);
+        else att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, buf, KVRT_DTYPE_BF16);
+        att_pv_small(P + j0, nb, R, n, buf, d, d, acc, KVRT_DTYPE_F32);
+    }
+}
+/* kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small (cpu/blas.h) */
 ATT_AVX2 void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype,
                                    const void *kb, int64_t ldk, int64_t nb, float scale,
                                    float *s) {
-    if (dtype == KVRT_DTYPE_F16)
-        att_qk_small(qt, R, d, kb, ldk, nb, scale, s, KVRT_DTYPE_F16);
-    else if (dtype == KVRT_DTYPE_BF16)
-        att_qk_small(qt, R, d, kb, ldk, nb, scale, s, KVRT_DTYPE_BF16);
+    if (dtype == KVRT_DTYPE_F16 || dtype == KVRT_DTYPE_BF16)
+        att_qk_small_h(qt, R, d, kb, ldk, nb, scale, s, dtype);
     else
-        att_qk_small(qt, R, d, kb, ldk, nb, scale, s, KVRT_DTYPE_F32);
+        att_qk_small(qt, R, d, kb, ldk, nb, scale, s, nb, KVRT_DTYPE_F32);
 }
 ATT_AVX2 void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype,
                                    const void *vb, int64_t ldv, int64_t d, float *acc) {
-    if (dtype == KVRT_DTYPE_F16)
-        att_pv_small(P, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F16);
-    else if (dtype == KVRT_DTYPE_BF16)
-        att_pv_small(P, R, nb, vb, ldv, d, acc, KVRT_DTYPE_BF16);
+    if (dtype == KVRT_DTYPE_F16 || dtype == KVRT_DTYPE_BF16)
+        att_pv_small_h(P, R, nb, vb, ldv, d, acc, dtype);
     else
-        att_pv_small(P, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F32);
+        att_pv_small(P, nb, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F32);
 }
 int kvrt_cpu_att_small_ok(int64_t d) {
     return d > 0 && d % 8 == 0 && __builtin_cpu_supports("avx2") &&

@@ -722,21 +722,25 @@ Test(attend, f16_cache_close_to_f32_cache) {
 }
 
 /* A 2-byte cache attends exactly as its f32 widening (f16 and bf16 widen exactly, and both paths
- * run the same products on the same values): bit for bit, at decode shapes (the small kernels,
- * which widen as they load), a prefill shape (blocks widened, then the sgemm), with the
- * products forced through the sgemm, and at 1 and 2 threads. f16 keys include subnormals. */
+ * run the same products on the same values): bit for bit, at decode shapes (the small kernels:
+ * groups of keys widened into a buffer, or one row / d > 256 widened as loaded), a prefill shape
+ * (blocks widened, then the sgemm), with the products forced through the sgemm, and at 1 and 2
+ * threads. f16 keys include subnormals. */
 Test(attend, two_byte_cache_equals_its_f32_widening) {
     static const struct { uint32_t hkv, G, d; int64_t count, n, n_recent; } sh[] = {
         {2, 4, 64, 1200, 1, 3},  /* decode, G = 4 */
         {1, 8, 72, 9000, 1, 0},  /* decode, 64 + 8 value lanes, two splits */
         {2, 4, 64, 700, 5, 5},   /* 20 rows: the sgemm */
+        {3, 1, 64, 500, 1, 2},   /* one row: widened as loaded */
+        {1, 2, 264, 300, 1, 1},  /* d > 256: widened as loaded, two rows */
     };
     for (int dt = KVRT_DTYPE_F16; dt <= KVRT_DTYPE_BF16; dt++)
         for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++)
             for (int mode = 0; mode < 3; mode++) { /* 1 thread, 2 threads, 2 threads sgemm */
                 uint64_t s = 900 + 10 * i + (uint64_t)dt;
                 const uint32_t hkv = sh[i].hkv, d = sh[i].d, H = hkv * sh[i].G;
-                int64_t counts[2] = {sh[i].count, sh[i].count - 77};
+                int64_t counts[4];
+                for (uint32_t j = 0; j < hkv; j++) counts[j] = sh[i].count - 77 * (int64_t)j;
                 kvrt_cache *ch = rand_cache(hkv, d, dt, counts, &s, 2.0f, 0.5f), *cf = NULL;
                 cr_assert_eq(kvrt_cache_create(hkv, d, KVRT_DTYPE_F32, counts, &cf), KVRT_OK);
                 uint16_t *hk = ch->keys, *hv = ch->values;
