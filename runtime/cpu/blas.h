@@ -50,9 +50,9 @@ KVRT_INTERNAL void kvrt_cpu_sgemm(int tb, int m, int n, int k, float alpha, cons
 /* A few rows' attention products on the calling thread, in AVX2 + FMA + F16C
  * (runtime/cpu/attend.c; kvrt_attend's decode step and the built-in model's decode attention):
  * usable when kvrt_cpu_att_small_ok(d) (an x86 CPU with AVX2, FMA and F16C, d a multiple of 8;
- * elsewhere these are plain loops). K and V are stored as dtype (KVRT_DTYPE_F32, _F16 or _BF16,
- * widened exactly as they load: the bits of the same kernels on f32 copies), rows ldk / ldv
- * elements apart. kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T; eight
+ * elsewhere these are plain loops). K and V are stored as dtype (KVRT_DTYPE_F32, _F16 or _BF16;
+ * 2-byte rows are widened exactly, as they load or a few at a time into an L1 buffer: the bits of
+ * the same kernels on f32 copies), rows ldk / ldv elements apart. kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T; eight
  * keys at a time, one accumulator each over d, reduced together, then single keys.
  * kvrt_cpu_att_pv_small: acc [R, d] += P [R, nb] (row stride nb) V; per row the output in
  * registers (64 lanes per pass) over runs of 32 keys. Every sum in a fixed order: the same bits
