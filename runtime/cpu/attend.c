@@ -23,8 +23,8 @@
  * mask for recent tokens), online softmax (running max m, sum l, rescaled accumulator), acc += P
  * V_blk (sgemm; for R <= 8 rows, a decode step's, two AVX2 kernels instead: the sgemm packed every
  * block first; kvrt_cpu_att_qk_small). Memory per thread is O(R * (E + d)) whatever the cache
- * length. f16 / bf16 caches: the small kernels widen keys and values in L1 (att_qk_small_h); the sgemm path
- * converts one block of keys / values to f32 before each product. A row's entry
+ * length. f16 / bf16 caches: the small kernels widen keys and values in L1 (att_qk_small_h);
+ * the sgemm path converts one block of keys / values to f32 before each product. A row's entry
  * list longer than ATT_SPLIT (8192) is cut into splits (flash-decoding), each tile writes its
  * partial (m, l, acc) and a merge pass combines the splits in order, so a long decode step with
  * few KV heads still uses every thread; the split count depends on the data only, so the output is
