@@ -71,12 +71,14 @@ static const char *const am_self_study_instr[AM_SELF_STUDY_N] = {
     "<|im_start|>assistant\n",
     "<|im_end|>\n<|im_start|>user\nWrite five questions about the text above, each followed by "
     "its answer.<|im_end|>\n<|im_start|>assistant\n"};
-#define AM_SELF_STUDY_TOKENS 256
+#define AM_SELF_STUDY_TOKENS 256 /* per turn, by default (--am-self-tokens) */
+#define AM_SELF_STUDY_TOKENS_MAX 4096
 #define AM_TURN_END "<|im_end|>"
 
 typedef struct {
     kvcc_loaded_model lm;
     int self_study;          /* 0: repeat-prefill, 1: self-study */
+    int gen_tokens;          /* self-study: answer tokens per turn of the queries in qref */
     int32_t *instr;          /* [m] the instruction's token ids (repeat) */
     int m;
     int32_t *sinstr[AM_SELF_STUDY_N]; /* self-study: the turns' token ids, [sm[i]] each */
@@ -173,10 +175,14 @@ static am_repeat *am_repeat_open(const char *gguf, int precision, uint32_t L, ui
 }
 
 /* The repeat-prefill queries of the context tok [C] into R->qref (kept while the same tokens
- * come again). 0, or a KVCC_EXIT_* status with the message in err. */
-static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err, size_t errlen) {
+ * come again); self-study: answers of up to gen_tokens tokens per turn (1 ..
+ * AM_SELF_STUDY_TOKENS_MAX; repeat ignores it). 0, or a KVCC_EXIT_* status with the message in
+ * err. */
+static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, int gen_tokens, char *err,
+                         size_t errlen) {
     const uint64_t key = kvpol_hash(tok, sizeof(int32_t) * (size_t)C);
-    if (R->C == C && R->key == key) return 0;
+    if (!R->self_study) gen_tokens = 0;
+    if (R->C == C && R->key == key && R->gen_tokens == gen_tokens) return 0;
     const double t0 = kvcc_now_s();
     const kvcc_model *m = R->lm.model;
     const int L = m->hp.n_layer;
@@ -184,7 +190,7 @@ static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err,
     int64_t n = R->m + C; /* rows of the extension buffers */
     if (R->self_study) {
         n = 0;
-        for (int i = 0; i < AM_SELF_STUDY_N; i++) n += R->sm[i] + AM_SELF_STUDY_TOKENS;
+        for (int i = 0; i < AM_SELF_STUDY_N; i++) n += R->sm[i] + gen_tokens;
     }
     R->C = 0;
     if (C < 1 || C + n > (1 << 24)) {
@@ -234,17 +240,17 @@ static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err,
         float **qp = calloc((size_t)L, sizeof *qp);
         bad = bad || qp == NULL;
         for (int i = 0; i < AM_SELF_STUDY_N && !bad; i++) {
-            /* the answer, greedy, until the end of the turn (not kept) or AM_SELF_STUDY_TOKENS */
+            /* the answer, greedy, until the end of the turn (not kept) or gen_tokens */
             int32_t *ids = R->ids + off;
             const int mi = R->sm[i];
             int64_t g = 0;
             memcpy(ids, R->sinstr[i], sizeof(int32_t) * (size_t)mi);
             bad = kvcc_model_prefill(m, R->st, ids, mi, R->logits, KVCC_LOGITS_LAST) != 0;
-            while (!bad && g < AM_SELF_STUDY_TOKENS) {
+            while (!bad && g < gen_tokens) {
                 const int32_t t = kvcc_argmax(R->logits, V);
                 if (t == R->eos) break;
                 ids[mi + g++] = t;
-                if (g < AM_SELF_STUDY_TOKENS) bad = kvcc_model_decode(m, R->st, t, R->logits) != 0;
+                if (g < gen_tokens) bad = kvcc_model_decode(m, R->st, t, R->logits) != 0;
             }
             bad = bad || kvcc_state_truncate(R->st, (int)C) != 0;
             char *txt = NULL;
@@ -269,6 +275,7 @@ static int am_repeat_run(am_repeat *R, const int32_t *tok, int64_t C, char *err,
     }
     R->C = C;
     R->key = key;
+    R->gen_tokens = gen_tokens;
     R->gen_s = kvcc_now_s() - t0;
     return 0;
 }
@@ -339,6 +346,11 @@ static const char *am_source(const kvcc_compile_ctx *cx) {
     return "context";
 }
 
+/* --am-self-tokens: self-study's answer tokens per turn (auto: AM_SELF_STUDY_TOKENS) */
+static int am_self_tokens(const kvcc_compile_ctx *cx) {
+    return cx->am_self_tokens ? (int)cx->am_self_tokens : AM_SELF_STUDY_TOKENS;
+}
+
 /* The curves (f32 in the artifact) from the sums loss / merr [L, Hkv, nr], the schedule of every
  * target (greedy exchange), and the two sections. 0 or a KVCC_EXIT_* status. */
 static void am_compile_opts(const kvcc_compile_ctx *cx, kvrt_am_opts *ao);
@@ -392,6 +404,9 @@ static int am_schedule_write(const kvcc_compile_ctx *cx, kvpol_writer *w, const 
         if (!k2) k2 = kvpol_writer_add_i64(w, "n_sink", cx->am_sinks);
         if (!k2) k2 = kvpol_writer_add_f64(w, "recent_frac", cx->am_recent);
         if (!k2) k2 = kvpol_writer_add_string(w, "query_source", am_source(cx), strlen(am_source(cx)));
+        /* self-study only: its answers' bound per turn */
+        if (!k2 && !strcmp(am_source(cx), "self-study"))
+            k2 = kvpol_writer_add_i64(w, "self_study_tokens", am_self_tokens(cx));
         if (!k2) k2 = kvpol_writer_add_i64(w, "omp_batch", ao.omp_batch);
         /* no products item for f32: the artifact stays what it was before the item existed */
         if (!k2 && ao.products == KVRT_AM_PRODUCTS_BF16)
@@ -459,6 +474,11 @@ static int am_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
                  "%s that gives the reference queries (or use --am-queries context)",
                  am_source(cx), strcmp(am_source(cx), "repeat") ? "self-study generation"
                                                                : "repeat-prefill");
+        return KVCC_EXIT_USAGE;
+    }
+    if (cx->am_self_tokens && strcmp(am_source(cx), "self-study")) {
+        snprintf(err, errlen, "--am-self-tokens %u: only with --am-queries self-study (the "
+                 "reference queries are %s)", cx->am_self_tokens, am_source(cx));
         return KVCC_EXIT_USAGE;
     }
     if (!(cx->am_recent >= 0 && cx->am_recent < 1)) {
@@ -540,7 +560,7 @@ static int am_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_t
                 rc = KVCC_EXIT_FAILED;
                 break;
             }
-            if ((rc = am_repeat_run(R, tok, C, err, errlen)) != 0) break;
+            if ((rc = am_repeat_run(R, tok, C, am_self_tokens(cx), err, errlen)) != 0) break;
         }
         for (uint32_t l = 0; l < L && !rc; l++) {
             /* the reference: the full context, with (o_full, lse_full) and without (lse_ctx) the
@@ -646,9 +666,14 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     const char *qs = "context";
     uint64_t ql = 7;
     if (kvpol_get_string(f, si, "query_source", &qs, &ql) != KVPOL_OK) qs = "context", ql = 7;
+    char stxt[64] = "";
+    if (ql == 10 && !memcmp(qs, "self-study", 10)) {
+        if (kvpol_get_i64(f, si, "self_study_tokens", &iv) != KVPOL_OK) iv = AM_SELF_STUDY_TOKENS;
+        snprintf(stxt, sizeof stxt, " (answers of up to %lld tokens per turn)", (long long)iv);
+    }
     fprintf(out, "Attention Matching: %llu targets, %llu layers x %llu KV heads\n  options: %s, "
-            "reference queries %.*s\n", (unsigned long long)nt, (unsigned long long)L,
-            (unsigned long long)Hkv, txt, (int)(ql < 32 ? ql : 32), qs);
+            "reference queries %.*s%s\n", (unsigned long long)nt, (unsigned long long)L,
+            (unsigned long long)Hkv, txt, (int)(ql < 32 ? ql : 32), qs, stxt);
     fprintf(out, "  budgets (fraction of the context kept per KV head), per layer:\n  %-6s", "layer");
     for (uint64_t ti = 0; ti < nt; ti++) fprintf(out, " | target %-*.3g", (int)(Hkv * 7 - 8), t[ti]);
     fprintf(out, "\n");
@@ -715,6 +740,7 @@ typedef struct {
     const kvrt_am_schedule *s; /* am only */
     int repeat;                /* reference queries from the model (else the context's own) */
     int self_study;            /* ... self-study (else repeat-prefill) */
+    int gen_tokens;            /* self-study: answer tokens per turn */
     am_repeat *R;
 } am_eval_state;
 
@@ -752,9 +778,9 @@ static void am_opts_text(const kvrt_am_opts *o, char *buf, size_t n) {
 
 /* KVCC_AM_OPTS (a measurement knob of the uncompiled rows am-uniform / am-omp / am-repeat /
  * am-omp-repeat): comma-separated NAME=VALUE of beta_floor (a number or "none"), n_sink,
- * recent_frac, chunk, max_queries, omp_batch, products (f32 or bf16). 0, or KVCC_EXIT_USAGE with
- * the message in err. */
-static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
+ * recent_frac, chunk, max_queries, omp_batch, products (f32 or bf16), and self_tokens (am-self's
+ * answer tokens per turn, into *self_tokens). 0, or KVCC_EXIT_USAGE with the message in err. */
+static int am_env_opts(kvrt_am_opts *o, int *self_tokens, char *err, size_t errlen) {
     const char *env = getenv("KVCC_AM_OPTS");
     if (env == NULL || *env == 0) return 0;
     char buf[256];
@@ -764,6 +790,8 @@ static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
         char *end = NULL;
         double v = eq ? strtod(eq + 1, &end) : 0;
         int ok = eq && end && end != eq + 1 && *end == 0 && isfinite(v);
+        char item[64]; /* the item as given, for the message */
+        snprintf(item, sizeof item, "%s", tok);
         if (eq) *eq = 0;
         if (eq && !strcmp(tok, "beta_floor") && !strcmp(eq + 1, "none")) {
             o->beta_floor = NAN;
@@ -779,10 +807,13 @@ static int am_env_opts(kvrt_am_opts *o, char *err, size_t errlen) {
         else if (ok && !strcmp(tok, "chunk")) o->chunk = (int64_t)v;
         else if (ok && !strcmp(tok, "max_queries") && v >= 0) o->max_queries = (int64_t)v;
         else if (ok && !strcmp(tok, "omp_batch") && v >= 1 && v <= 4096) o->omp_batch = (int)v;
+        else if (ok && !strcmp(tok, "self_tokens") && v >= 1 && v <= AM_SELF_STUDY_TOKENS_MAX &&
+                 v == floor(v))
+            *self_tokens = (int)v;
         else {
             snprintf(err, errlen, "KVCC_AM_OPTS: '%s' is not NAME=VALUE with NAME beta_floor, "
-                     "n_sink, recent_frac, chunk, max_queries, omp_batch (1..4096) or products "
-                     "(f32 or bf16)", tok);
+                     "n_sink, recent_frac, chunk, max_queries, omp_batch (1..4096), products "
+                     "(f32 or bf16) or self_tokens (1..%d)", item, AM_SELF_STUDY_TOKENS_MAX);
             return KVCC_EXIT_USAGE;
         }
     }
@@ -845,13 +876,17 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
         st->repeat = m->variant == AM_EVAL_REPEAT || m->variant == AM_EVAL_OMP_REPEAT ||
                      m->variant == AM_EVAL_SELF;
         st->self_study = m->variant == AM_EVAL_SELF;
-        rc = am_env_opts(&st->o, err, errlen);
+        st->gen_tokens = AM_SELF_STUDY_TOKENS;
+        rc = am_env_opts(&st->o, &st->gen_tokens, err, errlen);
     } else {
         const kvrt_am_schedule *s = handle;
         int qs = KVRT_AM_QUERIES_CONTEXT;
         st->s = s;
         int k = kvrt_am_schedule_opts(s, &st->o);
         if (!k) k = kvrt_am_schedule_query_source(s, &qs);
+        int64_t gt = 0;
+        if (!k) k = kvrt_am_schedule_self_study_tokens(s, &gt);
+        st->gen_tokens = (int)gt;
         for (int j = 0; !k && j < env->n_budgets; j++) {
             const float *ratios;
             if (env->budgets[j] < 1) k = kvrt_am_schedule_ratios(s, env->budgets[j], 0, &ratios);
@@ -869,8 +904,10 @@ static int am_eval_prepare(const kvcc_eval_method *m, const kvcc_eval_env *env, 
      * through compress_layer and share one call for all budgets, as am-uniform's do */
     p->layerwise = !st->repeat;
     am_opts_text(&st->o, txt, sizeof txt);
-    const char *qtxt = st->self_study ? "self-study reference queries from --gguf (its greedy "
-                                        "questions and answers about the context)"
+    char stxt[160];
+    snprintf(stxt, sizeof stxt, "self-study reference queries from --gguf (its greedy questions "
+             "and answers about the context, up to %d tokens per turn)", st->gen_tokens);
+    const char *qtxt = st->self_study ? stxt
                        : st->repeat ? "repeat-prefill reference queries from --gguf"
                                     : "the context's own reference queries";
     if (m->variant == AM_EVAL_SCHEDULED)
@@ -902,7 +939,7 @@ static int am_eval_prompt_begin(void *state, kvcc_corpus *c, uint32_t prompt, vo
         free(tok);
         return KVCC_EXIT_FAILED;
     }
-    rc = am_repeat_run(st->R, tok, (int64_t)info.context_len, err, errlen);
+    rc = am_repeat_run(st->R, tok, (int64_t)info.context_len, st->gen_tokens, err, errlen);
     free(tok);
     if (!rc) *pstate = st->R;
     return rc;
@@ -979,7 +1016,7 @@ static int am_eval_compress_all(const kvcc_eval_method *m, void *state, const kv
     (void)B;
     if (st->repeat) {
         char err[600];
-        int rc = am_repeat_run(st->R, x->tokens, x->C, err, sizeof err);
+        int rc = am_repeat_run(st->R, x->tokens, x->C, st->gen_tokens, err, sizeof err);
         if (rc) { /* the row fails with the status; the reason goes to stderr */
             fprintf(stderr, "%s: %s\n", m->name, err);
             return rc == KVCC_EXIT_FAILED ? KVRT_ERR_NOMEM : KVRT_ERR_ARG;
@@ -1040,8 +1077,14 @@ static const kvcc_pass_option am_options[] = {
      "reference queries of the calibration: the context's own (causal), repeat-prefill (the "
      "model runs the context, an instruction to repeat it and the context again; the second "
      "copy's queries) or self-study (the model's greedy questions and answers about the context, "
-     "up to 256 tokens; their queries); the last two need --gguf (written; eval runs it)",
+     "up to --am-self-tokens tokens per turn; their queries); the last two need --gguf (written; "
+     "eval runs it)",
      AM_OPT(am_queries), 0, 0, 0, "context|repeat|self-study", 0},
+    {"am-self-tokens", KVCC_OPT_U32, "N|auto", "auto",
+     "with --am-queries self-study: answer tokens the model may generate per turn (two turns "
+     "per prompt; the generation is most of the pass's time on short contexts). auto: 256 "
+     "(written; eval runs it)", AM_OPT(am_self_tokens), 0, 1, AM_SELF_STUDY_TOKENS_MAX, NULL,
+     KVCC_OPT_AUTO},
     {"am-recent", KVCC_OPT_F64, "F", "0.5",
      "fraction of every head's budget kept as the exact recent window, in [0, 1) (written; eval "
      "runs it)", AM_OPT(am_recent), 0, 0, 0, NULL, 0},

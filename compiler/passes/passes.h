@@ -34,7 +34,7 @@ typedef struct {
     uint32_t max_prompts;           /* --prompts (0: all) */
     int progress;                   /* draw progress on stderr (a terminal) */
     /* Attention Matching (--am-targets, --am-ratios, --am-chunk, --am-select, --am-floor,
-     * --am-sinks, --am-recent, --am-queries, --am-products) */
+     * --am-sinks, --am-recent, --am-queries, --am-self-tokens, --am-products) */
     const double *am_targets; int n_am_targets;
     const double *am_ratios; int n_am_ratios;
     uint32_t am_chunk;
@@ -42,7 +42,10 @@ typedef struct {
     double am_floor;                /* beta floor (NAN: zero-weight keys dropped) */
     uint32_t am_sinks;
     double am_recent;               /* recent window, a fraction of each head's budget */
-    const char *am_queries;         /* --am-queries: "context" (default) or "repeat" (needs gguf) */
+    const char *am_queries;         /* --am-queries: "context" (default), "repeat" or "self-study"
+                                     * (the last two need gguf) */
+    uint32_t am_self_tokens;        /* --am-self-tokens: self-study's answer tokens per turn
+                                     * (0: auto, AM_SELF_STUDY_TOKENS) */
     const char *am_products;        /* --am-products: "f32" (default; NULL too) or "bf16" */
     /* CompKV (--compkv-r, --compkv-block) */
     uint32_t compkv_r, compkv_block;

@@ -295,6 +295,7 @@ _PROTOS = {
                                       U32, P, D, I, PP, P]),
     "kvrt_am_query_source_name": (c_char_p, [I]),
     "kvrt_am_schedule_query_source": (I, [P, POINTER(c_int)]),
+    "kvrt_am_schedule_self_study_tokens": (I, [P, POINTER(c_int64)]),
     "kvrt_am_compact_scheduled_ref": (I, [P, P, POINTER(kvrt_am_opts), c_uint, D, U32, I, P, P,
                                           I64, P, P, I64, U32, I, PP, P]),
     "kvrt_am_open": (I, [P, PP]),

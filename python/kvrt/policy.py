@@ -614,6 +614,15 @@ class AMSchedule(_Handle):
         check(lib.kvrt_am_schedule_query_source(self.ptr, byref(qs)))
         return lib.kvrt_am_query_source_name(qs.value).decode()
 
+    @property
+    def self_study_tokens(self) -> int:
+        """Self-study schedules: the answer tokens per turn the calibration generated
+        (``kvcc compile --am-self-tokens``; 256 in artifacts without the item); 0 for the other
+        query sources (kvrt_am_schedule_self_study_tokens)."""
+        n = c_int64()
+        check(lib.kvrt_am_schedule_self_study_tokens(self.ptr, byref(n)))
+        return n.value
+
     def compact_scheduled_ref(self, q_ref: ArrayLike, k: ArrayLike, v: ArrayLike, target: float,
                               layer: int, *, query_source="repeat",
                               q_pos: Optional[ArrayLike] = None, dtype: str = "f32",

@@ -32,6 +32,7 @@ def test_schedule_query_source(acts, artifact):
     with kvrt.Policy.open(artifact) as p:
         am = p.am()
         assert am.query_source == "context"
+        assert am.self_study_tokens == 0  # only self-study schedules generate
         a, _ = am.compact_scheduled(q, k, v, 0.1, layer)
         b, _ = am.compact_scheduled_ref(q, k, v, 0.1, layer, query_source="context",
                                         q_pos=np.arange(acts.T, dtype=np.int32))

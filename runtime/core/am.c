@@ -8,12 +8,14 @@
  * defines: kvrt_am_open, kvrt_am_schedule_free, kvrt_am_schedule_opts,
  *          kvrt_am_schedule_targets, kvrt_am_schedule_ratios, kvrt_am_compact_scheduled,
  *          kvrt_am_compact_scheduled_ref, kvrt_am_schedule_query_source,
+ *          kvrt_am_schedule_self_study_tokens,
  *          kvrt_am_query_source_name, kvrt_am_compact, kvrt_am_compact_layer,
  *          kvrt_am_compact_layer_ref, kvrt_am_compact_layer_multi, kvrt_am_compact_layer_multi_ref
  *
  * Section am.schedule (critical): targets f64 [n_t], schedule f32 [n_t, L, Hkv], key_select
  * string ("highest" | "omp"), chunk i64; optional beta_floor f64, n_sink i64 and recent_frac
- * f64, omp_batch i64, query_source string ("context" | "repeat" | "self-study") and products
+ * f64, omp_batch i64, query_source string ("context" | "repeat" | "self-study"),
+ * self_study_tokens i64 (self-study only; absent: 256) and products
  * string ("f32" | "bf16"), absent in artifacts
  * written before them (then: what ran before them, context queries, zero-weight keys
  * dropped, no exact sinks or recent window; docs/kvpol-format.md, group 2).
@@ -32,6 +34,7 @@ struct kvrt_am_schedule {
     float *ratios;        /* [n_targets, n_layers, n_kv_heads] */
     kvrt_am_opts opts;    /* the compiled options (kvrt_am_opts_init's for those not stored) */
     int query_source;     /* kvrt_am_query_source the schedule was calibrated with */
+    int64_t self_tokens;  /* self-study: answer tokens per turn (else 0) */
 };
 
 /* The reference-query sources by kvrt_am_query_source (0 .. KVRT_AM_QUERIES_SELF_STUDY), as the
@@ -154,6 +157,19 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     int query_source = KVRT_AM_QUERIES_CONTEXT;
     rc = optional_choice(f, si, fn, "query_source", source_names, 3, &query_source);
     if (rc) return rc;
+    /* optional, self-study only: its answers' bound per turn (absent: 256, the bound before the
+     * item existed) */
+    int64_t self_tokens = query_source == KVRT_AM_QUERIES_SELF_STUDY ? 256 : 0;
+    int g6 = kvpol_get_i64(f, si, "self_study_tokens", &self_tokens);
+    if (g6 && g6 != KVPOL_ERR_NOT_FOUND)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected self_study_tokens i64 where "
+                         "present (it is of another type)", fn);
+    if (g6 == KVPOL_OK && query_source != KVRT_AM_QUERIES_SELF_STUDY)
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: self_study_tokens with query_source "
+                         "%s, expected it only with self-study", fn, source_name(query_source));
+    if (g6 == KVPOL_OK && (self_tokens < 1 || self_tokens > 4096))
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: self_study_tokens %lld, expected "
+                         "1..4096", fn, (long long)self_tokens);
     /* optional: OMP's keys per round (absent: 1, the plain greedy that ran before the item) */
     int64_t omp_batch = 1;
     int g5 = kvpol_get_i64(f, si, "omp_batch", &omp_batch);
@@ -190,6 +206,7 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     s->opts.n_sink = n_sink;
     s->opts.recent_frac = recent_frac;
     s->query_source = query_source;
+    s->self_tokens = self_tokens;
     s->opts.omp_batch = (int)omp_batch;
     s->opts.products = products;
     *out = s;
@@ -207,6 +224,13 @@ int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *out) {
     if (s == NULL || out == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_query_source: NULL argument");
     *out = s->query_source;
+    return KVRT_OK;
+}
+
+int kvrt_am_schedule_self_study_tokens(const kvrt_am_schedule *s, int64_t *out) {
+    if (s == NULL || out == NULL)
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_self_study_tokens: NULL argument");
+    *out = s->self_tokens;
     return KVRT_OK;
 }
 

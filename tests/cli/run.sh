@@ -177,21 +177,32 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   done
   [[ $(grep -c ',ok$' "$tmp/pf2.csv") -eq 4 ]] && cmp -s "$tmp/pf1.csv" "$tmp/pf2.csv" && ok \
     || bad "eval am rows end to end differ between 1 and 2 threads: $(diff "$tmp/pf1.csv" "$tmp/pf2.csv")"
-  #  self-study: the model's own answers about the context; deterministic (greedy) across threads
+  #  self-study: the model's own answers about the context (up to 40 tokens per turn here);
+  #  deterministic (greedy) across threads
   OMP_NUM_THREADS=1 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-targets 0.2 --am-queries self-study \
-    --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1 -o "$tmp/ps1.kvpol" 2>/dev/null && \
+    --am-self-tokens 40 --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1 -o "$tmp/ps1.kvpol" 2>/dev/null && \
   OMP_NUM_THREADS=2 "$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-targets 0.2 --am-queries self-study \
-    --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 -o "$tmp/ps2.kvpol" 2>/dev/null && \
+    --am-self-tokens 40 --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 2 -o "$tmp/ps2.kvpol" 2>/dev/null && \
     cmp -s "$tmp/ps1.kvpol" "$tmp/ps2.kvpol" && ! cmp -s "$tmp/ps1.kvpol" "$tmp/pr1.kvpol" && ok || bad "compile --am-queries self-study: differs across --threads, or equals repeat's"
-  out=$("$KVCC" inspect "$tmp/ps1.kvpol"); [[ "$out" == *"reference queries self-study"* ]] && ok || bad "inspect: self-study source: $out"
-  out=$(KVCC_AM_SHOW_SELF_STUDY=1 "$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/ps1.kvpol" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
-        --methods am,am-self --budgets 0.2 --csv 2>"$tmp/ss.err"); ex=$?
-  [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 2 && $(grep -c 'self-study turn [12]: [0-9]* tokens' "$tmp/ss.err") -ge 2 ]] && ok || bad "eval am (self-study schedule), am-self with --gguf: exit $ex: $out $(head -c 600 "$tmp/ss.err")"
+  out=$("$KVCC" inspect "$tmp/ps1.kvpol"); [[ "$out" == *"reference queries self-study (answers of up to 40 tokens per turn)"* ]] && ok || bad "inspect: self-study source: $out"
+  #  eval's am row generates as the artifact says, am-self as KVCC_AM_OPTS does (one generation
+  #  per prompt shared by both rows: every turn printed at most 40 tokens, two turns per pass)
+  out=$(KVCC_AM_SHOW_SELF_STUDY=1 KVCC_AM_OPTS=self_tokens=40 "$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/ps1.kvpol" \
+        --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --methods am,am-self --budgets 0.2 --csv 2>"$tmp/ss.err"); ex=$?
+  turns=$(grep -o 'self-study turn [12]: [0-9]* tokens' "$tmp/ss.err" | awk '{print $4}')
+  [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 2 && $(wc -l <<<"$turns") -eq 2 && $(sort -n <<<"$turns" | tail -1) -le 40 ]] && ok \
+    || bad "eval am (self-study schedule), am-self with --gguf: exit $ex: $out $(head -c 600 "$tmp/ss.err")"
+  err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-queries repeat --am-self-tokens 40 \
+        --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf -o "$tmp/px.kvpol" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"--am-self-tokens 40: only with --am-queries self-study (the reference queries are repeat)"* && ! -e "$tmp/px.kvpol" ]] && ok \
+    || bad "compile --am-self-tokens with repeat queries: exit $ex: $err"
+  err=$(KVCC_AM_OPTS=self_tokens=0 "$KVCC" eval --corpus "$tmp/cr.h5" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf --methods am-self --budgets 0.2 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"KVCC_AM_OPTS: 'self_tokens=0' is not NAME=VALUE"*"self_tokens (1..4096)"* ]] && ok || bad "eval KVCC_AM_OPTS=self_tokens=0: exit $ex: $err"
 fi
 # every pass option in compile --help with its default (continuation lines joined to their option)
 help=$("$KVCC" compile --help | awk 'substr($0, 1, 28) == sprintf("%28s", "") {sub(/^ +/, " "); last = last $0; next}
                                      {if (NR > 1) print last; last = $0} END {print last}')
-for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent am-queries am-products compkv-r compkv-block budgets window reward reward-check transfer-check \
+for o in am-targets am-ratios am-chunk am-select am-floor am-sinks am-recent am-queries am-self-tokens am-products compkv-r compkv-block budgets window reward reward-check transfer-check \
          kv2-budgets kv2-rho kv2-proxies kv2-max-passes kv2-sinks kv2-chunk \
          mr-budgets mr-m mr-sinks mr-recent mr-report-k mr-report-queries; do
   grep -q -- "^  --$o .*(default [^)]*)\$" <<<"$help" && ok || bad "compile --help: --$o with its default"

@@ -152,11 +152,17 @@ Test(am_ref, ref_queries_equal_per_head_compact) {
 
 /* An am.schedule written by hand; source: NULL (no query_source item, as before it existed), a
  * string value, or "" for an item of the wrong type; products likewise (the products item). */
-static void hand_artifact_p(const char *source, const char *products, void **buf, size_t *len);
+static void hand_artifact_t(const char *source, const char *products, int64_t self_tokens,
+                            void **buf, size_t *len);
+static void hand_artifact_p(const char *source, const char *products, void **buf, size_t *len) {
+    hand_artifact_t(source, products, -1, buf, len);
+}
 static void hand_artifact(const char *source, void **buf, size_t *len) {
     hand_artifact_p(source, NULL, buf, len);
 }
-static void hand_artifact_p(const char *source, const char *products, void **buf, size_t *len) {
+/* self_tokens: the self_study_tokens item (-1: absent; -2: a string, the wrong type) */
+static void hand_artifact_t(const char *source, const char *products, int64_t self_tokens,
+                            void **buf, size_t *len) {
     kvpol_header h;
     fx_header(&h, &FX_TINY);
     kvpol_writer *w = NULL;
@@ -180,6 +186,8 @@ static void hand_artifact_p(const char *source, const char *products, void **buf
     if (!k && source && !*source) k = kvpol_writer_add_i64(w, "query_source", 1);
     if (!k && products && *products) k = kvpol_writer_add_string(w, "products", products, strlen(products));
     if (!k && products && !*products) k = kvpol_writer_add_i64(w, "products", 1);
+    if (!k && self_tokens >= 0) k = kvpol_writer_add_i64(w, "self_study_tokens", self_tokens);
+    if (!k && self_tokens == -2) k = kvpol_writer_add_string(w, "self_study_tokens", "64", 2);
     if (!k) k = kvpol_writer_end_section(w);
     cr_assert_eq(k, 0, "%s", kvpol_status_str(k));
     cr_assert_eq(kvpol_writer_to_memory(w, buf, len, &ke), 0, "%s", ke.msg);
@@ -225,6 +233,47 @@ Test(am_ref, artifact_query_source) {
         cr_assert_null(sch);
         cr_assert(strstr(kvrt_last_error()->msg, "query_source") != NULL, "%s", kvrt_last_error()->msg);
         if (i == 0) cr_assert(strstr(kvrt_last_error()->msg, "'bogus'") != NULL, "%s", kvrt_last_error()->msg);
+        kvrt_policy_free(pol);
+        free(buf);
+    }
+}
+
+/* self_study_tokens: the self-study generation bound (absent: 256; 0 for the other sources);
+ * out of range, of another type or beside another source: a format error naming the item. */
+Test(am_ref, artifact_self_study_tokens) {
+    const struct { const char *src; int64_t item, want; } ok[] = {
+        {"self-study", -1, 256}, {"self-study", 48, 48}, {"self-study", 4096, 4096},
+        {"repeat", -1, 0}, {NULL, -1, 0}};
+    for (int i = 0; i < 5; i++) {
+        void *buf = NULL;
+        size_t len = 0;
+        kvrt_policy *pol = NULL;
+        kvrt_am_schedule *sch = NULL;
+        hand_artifact_t(ok[i].src, NULL, ok[i].item, &buf, &len);
+        cr_assert_eq(open_mem(buf, len, &pol, &sch), KVRT_OK, "%s", kvrt_last_error()->msg);
+        int64_t n = -1;
+        cr_assert_eq(kvrt_am_schedule_self_study_tokens(sch, &n), KVRT_OK);
+        cr_assert_eq(n, ok[i].want, "case %d: %lld", i, (long long)n);
+        kvrt_am_schedule_free(sch);
+        kvrt_policy_free(pol);
+        free(buf);
+    }
+    cr_assert_eq(kvrt_am_schedule_self_study_tokens(NULL, NULL), KVRT_ERR_ARG);
+    const struct { const char *src; int64_t item; const char *msg; } bad[] = {
+        {"self-study", 0, "self_study_tokens 0, expected 1..4096"},
+        {"self-study", 4097, "self_study_tokens 4097, expected 1..4096"},
+        {"self-study", -2, "expected self_study_tokens i64"},
+        {"repeat", 64, "self_study_tokens with query_source repeat"}};
+    for (int i = 0; i < 4; i++) {
+        void *buf = NULL;
+        size_t len = 0;
+        kvrt_policy *pol = NULL;
+        kvrt_am_schedule *sch = NULL;
+        hand_artifact_t(bad[i].src, NULL, bad[i].item, &buf, &len);
+        cr_assert_eq(open_mem(buf, len, &pol, &sch), KVRT_ERR_FORMAT, "case %d", i);
+        cr_assert_null(sch);
+        cr_assert(strstr(kvrt_last_error()->msg, bad[i].msg) != NULL, "case %d: %s", i,
+                  kvrt_last_error()->msg);
         kvrt_policy_free(pol);
         free(buf);
     }
