@@ -238,6 +238,15 @@ Test(am_ref, artifact_query_source) {
     }
 }
 
+/* kvrt_am_open of a hand-written schedule with query source src and self_study_tokens item
+ * (hand_artifact_t); *buf (the artifact) for the caller to free. */
+static int open_tokens(const char *src, int64_t item, void **buf, kvrt_policy **pol,
+                       kvrt_am_schedule **sch) {
+    size_t len = 0;
+    hand_artifact_t(src, NULL, item, buf, &len);
+    return open_mem(*buf, len, pol, sch);
+}
+
 /* self_study_tokens: the self-study generation bound (absent: 256; 0 for the other sources);
  * out of range, of another type or beside another source: a format error naming the item. */
 Test(am_ref, artifact_self_study_tokens) {
@@ -246,11 +255,10 @@ Test(am_ref, artifact_self_study_tokens) {
         {"repeat", -1, 0}, {NULL, -1, 0}};
     for (int i = 0; i < 5; i++) {
         void *buf = NULL;
-        size_t len = 0;
         kvrt_policy *pol = NULL;
         kvrt_am_schedule *sch = NULL;
-        hand_artifact_t(ok[i].src, NULL, ok[i].item, &buf, &len);
-        cr_assert_eq(open_mem(buf, len, &pol, &sch), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(open_tokens(ok[i].src, ok[i].item, &buf, &pol, &sch), KVRT_OK, "%s",
+                     kvrt_last_error()->msg);
         int64_t n = -1;
         cr_assert_eq(kvrt_am_schedule_self_study_tokens(sch, &n), KVRT_OK);
         cr_assert_eq(n, ok[i].want, "case %d: %lld", i, (long long)n);
@@ -266,11 +274,10 @@ Test(am_ref, artifact_self_study_tokens) {
         {"repeat", 64, "self_study_tokens with query_source repeat"}};
     for (int i = 0; i < 4; i++) {
         void *buf = NULL;
-        size_t len = 0;
         kvrt_policy *pol = NULL;
         kvrt_am_schedule *sch = NULL;
-        hand_artifact_t(bad[i].src, NULL, bad[i].item, &buf, &len);
-        cr_assert_eq(open_mem(buf, len, &pol, &sch), KVRT_ERR_FORMAT, "case %d", i);
+        cr_assert_eq(open_tokens(bad[i].src, bad[i].item, &buf, &pol, &sch), KVRT_ERR_FORMAT,
+                     "case %d", i);
         cr_assert_null(sch);
         cr_assert(strstr(kvrt_last_error()->msg, bad[i].msg) != NULL, "case %d: %s", i,
                   kvrt_last_error()->msg);
