@@ -79,6 +79,7 @@ typedef struct {
     kvcc_loaded_model lm;
     int self_study;          /* 0: repeat-prefill, 1: self-study */
     int gen_tokens;          /* self-study: answer tokens per turn of the queries in qref */
+    int row_tokens;          /* eval: the answer tokens per turn of every row sharing it */
     int32_t *instr;          /* [m] the instruction's token ids (repeat) */
     int m;
     int32_t *sinstr[AM_SELF_STUDY_N]; /* self-study: the turns' token ids, [sm[i]] each */
@@ -844,6 +845,17 @@ static int am_eval_repeat_model(const kvcc_eval_method *m, const kvcc_eval_env *
         return KVCC_EXIT_USAGE;
     }
     am_repeat **sh = &am_repeat_shared[st->self_study ? 1 : 0];
+    /* eval runs every row's prompt_begin, then every row's layers: rows sharing the model must
+     * want the same queries */
+    if (*sh && st->self_study && (*sh)->row_tokens != st->gen_tokens) {
+        snprintf(err, errlen, "%s: self-study answers of up to %d tokens per turn, but another "
+                 "row of this run generates up to %d (%s): rows sharing the model share one "
+                 "generation; give them one count (KVCC_AM_OPTS=self_tokens=N sets am-self's) or "
+                 "run them separately", m->name, st->gen_tokens, (*sh)->row_tokens,
+                 m->variant == AM_EVAL_SCHEDULED ? "KVCC_AM_OPTS self_tokens, or its default 256"
+                                                 : "the --policy's self_study_tokens");
+        return KVCC_EXIT_USAGE;
+    }
     if (!*sh) {
         char e2[600];
         *sh = am_repeat_open(env->gguf, env->precision, env->L, env->H, env->Hkv, env->d,
@@ -852,6 +864,7 @@ static int am_eval_repeat_model(const kvcc_eval_method *m, const kvcc_eval_env *
             snprintf(err, errlen, "%s: %s", m->name, e2);
             return KVCC_EXIT_USAGE;
         }
+        (*sh)->row_tokens = st->gen_tokens;
     }
     st->R = *sh;
     st->R->refs++;

@@ -192,6 +192,10 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   turns=$(grep -o 'self-study turn [12]: [0-9]* tokens' "$tmp/ss.err" | awk '{print $4}')
   [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 2 && $(wc -l <<<"$turns") -eq 2 && $(sort -n <<<"$turns" | tail -1) -le 40 ]] && ok \
     || bad "eval am (self-study schedule), am-self with --gguf: exit $ex: $out $(head -c 600 "$tmp/ss.err")"
+  err=$("$KVCC" eval --corpus "$tmp/cr.h5" --policy "$tmp/ps1.kvpol" --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --methods am,am-self --budgets 0.2 --csv 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"am-self: self-study answers of up to 256 tokens per turn, but another row of this run generates up to 40"* ]] && ok \
+    || bad "eval am (40 tokens) with am-self (256): exit $ex: $err"
   err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cr.h5" --policies am --am-queries repeat --am-self-tokens 40 \
         --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf -o "$tmp/px.kvpol" 2>&1); ex=$?
   [[ $ex -eq 2 && "$err" == *"--am-self-tokens 40: only with --am-queries self-study (the reference queries are repeat)"* && ! -e "$tmp/px.kvpol" ]] && ok \
