@@ -1609,27 +1609,20 @@ static void rope(float *x, int n, int n_heads, int d, int ld, const float *cos_t
 // ---------------------------------------------------------------- attention (the cache seam)
 
 /*
- * THE SEAM. attend() (with its two implementations attend_ref and attend_blas) is the only code
- * that reads cached keys/values. It sees the cache through kv_view: per KV head, a list of n
- * entries, each with a key (d floats), a value (d floats), an optional additive logit bias and an
- * optional position. The full f32 cache is one such view
- * (entry j = token j, bias 0, position j). A compressed cache from libkvrt (ragged per KV head:
- * token subsets with bias 0, merged AM / merge-reduce entries with bias beta or log w, CSR
- * offsets) maps onto the same struct with one kv_head_view per KV head pointing into its CSR
- * arrays; nothing else in the forward pass changes. Causality: a query at position p only sees
- * entries whose position is <= p; with pos == NULL the entries are the tokens 0..n-1 in order,
- * with pos != NULL the mask is applied per entry (no ordering assumed).
- * kvcc_state_set_compressed() takes the other road for positions past the compressed context:
- * forward_chunk hands the layer's libkvrt cache and the exact recent rows to kvrt_attend, the
- * very function a serving stack calls, so evaluation measures what the runtime executes.
+ * THE SEAM. attend() (with its implementations attend_ref, attend_blas / attend_tiles and
+ * decode's attend_row1) is the only code that reads the state's own cached keys/values. It sees
+ * the cache through kv_view: per KV head, the tokens 0 .. n - 1 in order, each with a key (d
+ * floats) and a value (d floats). Causality: the query at position p sees the tokens 0 .. p.
+ * A compressed cache (ragged per KV head, entries with a logit bias and their own positions) never
+ * goes through here: kvcc_state_set_compressed() makes forward_chunk hand the layer's libkvrt
+ * cache and the exact recent rows to kvrt_attend, the very function a serving stack calls, so
+ * evaluation measures what the runtime executes.
  */
 typedef struct {
-    int64_t n;          /* entries visible to this KV head */
-    const float *k;     /* entry j's key at k + j * stride (d floats) */
-    const float *v;     /* entry j's value at v + j * stride */
-    int64_t stride;     /* floats between consecutive entries */
-    const float *bias;  /* [n] additive logit bias, or NULL for 0 */
-    const int32_t *pos; /* [n] entry positions, or NULL for pos = j */
+    int64_t n;          /* entries (tokens) of this KV head */
+    const float *k;     /* token j's key at k + j * stride (d floats) */
+    const float *v;     /* token j's value at v + j * stride */
+    int64_t stride;     /* floats between consecutive tokens */
 } kv_head_view;
 
 typedef struct {
@@ -1637,7 +1630,7 @@ typedef struct {
     const kv_head_view *heads; /* [n_kv_heads] */
 } kv_view;
 
-/* out (n, H, d) = softmax(q k^T / sqrt(d) + bias, causal) v for queries q (n, H, d) at positions
+/* out (n, H, d) = softmax(q k^T / sqrt(d), causal) v for queries q (n, H, d) at positions
  * pos0 .. pos0 + n - 1; query head h reads KV head h / (H / Hkv).
  * attend_ref: plain loops, OpenMP over (token, head); scores holds one row of scores_ld floats
  * per thread. The reference of decode's attend_row1 (KVCC_DECODE_ATTEND=ref in the environment
@@ -1658,15 +1651,14 @@ static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, in
             float *sc = scores + (size_t)omp_get_thread_num() * scores_ld;
             const int64_t p = pos0 + t;
             int64_t ne = kh->n;
-            if (!kh->pos && ne > p + 1) ne = p + 1; /* full cache: entries after p are future */
+            if (ne > p + 1) ne = p + 1; /* entries after p are future */
             float mx = -INFINITY;
             for (int64_t j = 0; j < ne; j++) {
-                if (kh->pos && kh->pos[j] > p) { sc[j] = -INFINITY; continue; }
                 const float *kj = kh->k + j * kh->stride;
                 float dot = 0.0f;
                 #pragma omp simd reduction(+ : dot)
                 for (int i = 0; i < d; i++) dot += qv[i] * kj[i];
-                dot = dot * scale + (kh->bias ? kh->bias[j] : 0.0f);
+                dot = dot * scale;
                 sc[j] = dot;
                 if (dot > mx) mx = dot;
             }
@@ -1697,16 +1689,9 @@ static void attend_ref(const kvcc_model *m, int layer, const float *q, int n, in
 #endif
 #include "cpu/vexp.h" /* exp_nonpos_f32: the runtime's vectorizable exp (max rel. error 8.3e-8) */
 
-/* One row of scores in place: mask (entries after position p, or with pos[j] > p), bias, then
- * softmax. With pos == NULL the visible entries are 0..min(p, ne - 1), so the mask is a bound and
- * every loop vectorizes; exp_nonpos_f32(-INF) is exactly 0. No visible entry: the row is 0. */
-/* KVRT_SIMD_CLONES (cpu/vexp.h): at 4096 tokens this row was a quarter of prefill in the baseline
- * SSE2 build. */
-/* The max and exp passes of softmax_row and softmax_row_bf16 (inlined into each clone): sc[0, nv)
- * becomes e^(x - max); returns 1 / their sum, or 0 when the max is -INF (nothing visible). */
-/* The two passes, shared with att1_exp (inlined into each caller and clone): the max of
- * sc[0, n) (NaN entries skipped; -INF when nothing else), and sc[0, n) := e^(sc - m) with
- * their sum. */
+/* The two passes of a softmax, shared by softmax_exp and att1_exp (inlined into each caller and
+ * clone): the max of sc[0, n) (NaN entries skipped; -INF when nothing else), and sc[0, n) :=
+ * e^(sc - m) with their sum. */
 static inline __attribute__((always_inline)) float row_max(const float *sc, int64_t n) {
     float m = -INFINITY;
     #pragma omp simd reduction(max : m)
@@ -1723,6 +1708,8 @@ static inline __attribute__((always_inline)) float exp_shift_sum(float *sc, int6
     }
     return sum;
 }
+/* The max and exp passes of softmax_row and softmax_row_bf16 (inlined into each clone): sc[0, nv)
+ * becomes e^(x - max); returns 1 / their sum, or 0 when the max is -INF (nothing visible). */
 static inline __attribute__((always_inline)) float softmax_exp(float *sc, int64_t nv) {
     const float mx = row_max(sc, nv);
     if (mx == -INFINITY) return 0.0f;
@@ -1746,20 +1733,14 @@ static float att1_exp(float *sc, int64_t n, float *mx) {
     return exp_shift_sum(sc, n, m);
 }
 #endif
+/* One row of scores in place: the causal mask (the visible entries are 0 .. min(p, ne - 1), so
+ * the mask is a bound and every loop vectorizes; exp_nonpos_f32(-INF) is exactly 0), then the
+ * softmax. No visible entry: the row is 0. KVRT_SIMD_CLONES (cpu/vexp.h): at 4096 tokens this row
+ * was a quarter of prefill in the baseline SSE2 build. */
 KVRT_SIMD_CLONES
-static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, const int32_t *pos) {
-    int64_t nv = ne;
-    if (pos) {
-        for (int64_t j = 0; j < ne; j++)
-            sc[j] = pos[j] > p ? -INFINITY : sc[j] + (bias ? bias[j] : 0.0f);
-    } else {
-        nv = p + 1 < ne ? p + 1 : ne;
-        if (bias) {
-            #pragma omp simd
-            for (int64_t j = 0; j < nv; j++) sc[j] += bias[j];
-        }
-        for (int64_t j = nv; j < ne; j++) sc[j] = 0.0f;
-    }
+static void softmax_row(float *sc, int64_t ne, int64_t p) {
+    const int64_t nv = p + 1 < ne ? p + 1 : ne;
+    for (int64_t j = nv; j < ne; j++) sc[j] = 0.0f;
     const float inv = softmax_exp(sc, nv);
     if (inv == 0.0f) { /* nothing visible (or every logit -INF) */
         memset(sc, 0, (size_t)ne * sizeof(float));
@@ -1769,7 +1750,7 @@ static void softmax_row(float *sc, int64_t ne, int64_t p, const float *bias, con
     for (int64_t j = 0; j < nv; j++) sc[j] *= inv;
 }
 #if KVCC_WITH_DNNL
-/* softmax_row for a full cache (no bias, no positions) with the weights written rounded to bf16
+/* softmax_row with the weights written rounded to bf16
  * into pb[0..ne) (sc keeps e^(x - max)): the bits of softmax_row then to_bf16_run, one pass
  * fewer (attend_bf16). */
 KVRT_SIMD_CLONES
@@ -1872,7 +1853,7 @@ static void swiglu(float *h, const float *u, long n) {
 #endif
 
 /* attend_blas: same result through two sgemm per query head, S = Q_h K_g^T (n, ne) then
- * O_h = P V_g, with the mask, bias and softmax applied to S in between, row by row, each row
+ * O_h = P V_g, with the causal mask and softmax applied to S in between, row by row, each row
  * vectorized (softmax_row). Not threaded: an OpenMP team here keeps spinning (libgomp's default
  * wait policy) while the next sgemm's OpenBLAS pthreads run, and on 2 cores that halved prefill
  * (4.9 s vs 2.4 s per 512-token prompt, docs/benchmarks.md "Prefill"). scores: at least
@@ -1886,7 +1867,7 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
     for (int h = 0; h < H; h++) {
         const kv_head_view *kh = &view->heads[h / group];
         int64_t ne = kh->n;
-        if (!kh->pos && ne > pos0 + n) ne = pos0 + n;
+        if (ne > pos0 + n) ne = pos0 + n;
         if (ne == 0) {
             for (int t = 0; t < n; t++)
                 memset(out + ((size_t)t * H + h) * d, 0, (size_t)d * sizeof(float));
@@ -1895,7 +1876,7 @@ static void attend_blas(const kvcc_model *m, int layer, const float *q, int n, i
         kvrt_cpu_sgemm(1, n, (int)ne, d, scale, q + (size_t)h * d, H * d, kh->k, (int)kh->stride,
                        0.0f, scores, (int)ne);
         for (int t = 0; t < n; t++) /* serial: see the comment above attend_blas */
-            softmax_row(scores + (size_t)t * ne, ne, pos0 + t, kh->bias, kh->pos);
+            softmax_row(scores + (size_t)t * ne, ne, pos0 + t);
         kvrt_cpu_sgemm(0, n, d, (int)ne, 1.0f, scores, (int)ne, kh->v, (int)kh->stride, 0.0f,
                        out + (size_t)h * d, H * d);
     }
@@ -1921,7 +1902,7 @@ static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, c
         const int t0 = b * ATT_BQ, nb = n - t0 < ATT_BQ ? n - t0 : ATT_BQ;
         const kv_head_view *kh = &view->heads[h / group];
         int64_t ne = kh->n;
-        if (!kh->pos && ne > pos0 + t0 + nb) ne = pos0 + t0 + nb;
+        if (ne > pos0 + t0 + nb) ne = pos0 + t0 + nb;
         float *o = out + (size_t)t0 * H * d + (size_t)h * d;
         if (ne == 0) {
             for (int t = 0; t < nb; t++) memset(o + (size_t)t * H * d, 0, (size_t)d * sizeof(float));
@@ -1933,7 +1914,7 @@ static void attend_tiles(const kvcc_model *m, const float *q, int n, int pos0, c
         kvrt_cpu_sgemm_1t(1, nb, (int)ne, d, scale, q + (size_t)t0 * H * d + (size_t)h * d,
                           H * d, kh->k, (int)kh->stride, 0.0f, sc, (int)ne);
         for (int t = 0; t < nb; t++)
-            softmax_row(sc + (size_t)t * ne, ne, pos0 + t0 + t, kh->bias, kh->pos);
+            softmax_row(sc + (size_t)t * ne, ne, pos0 + t0 + t);
         kvrt_cpu_sgemm_1t(0, nb, d, (int)ne, 1.0f, sc, (int)ne, kh->v, (int)kh->stride, 0.0f, o,
                           H * d);
     }
@@ -2182,7 +2163,7 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
         }
         float inv = 1.0f / sum;
         if (!attb_sum_ok(sum, shifted)) {
-            softmax_row(sc, ne, pos, NULL, NULL);
+            softmax_row(sc, ne, pos);
             to_bf16_run(pb, sc, (size_t)ne);
             inv = 1.0f;
         }
@@ -2206,7 +2187,7 @@ static void attend_bf16_one(const kvcc_model *m, kvcc_state *s, int l, const flo
  * lanes. OpenMP over the heads as attend_ref; each head's arithmetic is the same on any thread:
  * bit-identical at any thread count. attend_ref was 12% of a decode run's samples on a 2-core
  * AVX2 EPYC (the GEMVs 34%), its exp a libm call per entry. The SIMD clones are the path of CPUs
- * without AVX2 (and of views with positions or biases there); attend_row1 below picks. */
+ * without AVX2; attend_row1 below picks. */
 KVRT_SIMD_CLONES
 static void att1_scores(const float *qv, const float *k, int64_t stride, int64_t ne, int d,
                         float scale, float *sc) {
@@ -2290,8 +2271,8 @@ static void att1_combine(const float *part, int nc, int d, float *o) {
  * fixed by the context length, never by the thread count: bit-identical at any thread count.
  * Measured on a 2-core AVX2 EPYC (bench_prefill --decode 128): attention 2.9 ms per token at
  * 512 + 128 tokens and 15.5 ms at 4096 + 128, against 3.9 / 22.6 ms one query head at a time in
- * AVX2 and 6.9 / 33.2 ms in the SIMD clones. Where it does not apply (positions or biases in the
- * view, d not a multiple of 8, no AVX2): one query head at a time, in AVX2 or the SIMD clones;
+ * AVX2 and 6.9 / 33.2 ms in the SIMD clones. Where it does not apply (d not a multiple of 8, no
+ * AVX2, a position past the state's scratch): one query head at a time, in AVX2 or the SIMD clones;
  * attend_ref is the reference. KVCC_DECODE_ATTEND=heads|clones|ref
  * in the environment picks one for the tests (calib_model/real_decode_attention_matches_ref);
  * anything else or unset: the default. */
@@ -2308,9 +2289,7 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
     const int H = m->hp.n_head, d = m->hp.head_dim, group = H / view->n_kv_heads;
     const float scale = 1.0f / sqrtf((float)d);
     const int avx2 = kvrt_cpu_att_small_ok(d) && mode < ATT1_CLONES;
-    int full = avx2 && mode == ATT1_CHUNKS && pos0 < n_ctx; /* the scratch holds n_ctx keys */
-    for (int g = 0; g < view->n_kv_heads && full; g++)
-        full = !view->heads[g].pos && !view->heads[g].bias;
+    const int full = avx2 && mode == ATT1_CHUNKS && pos0 < n_ctx; /* scratch: n_ctx keys */
 #if KVCC_HAVE_X86
     if (full) { /* chunks of keys per KV head, all its query heads at once, then combined */
         const int Hkv = view->n_kv_heads;
@@ -2351,7 +2330,7 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
         float *o = out + (size_t)h * d;
         float *sc = scores + (size_t)omp_get_thread_num() * scores_ld;
         int64_t ne = kh->n;
-        if (!kh->pos && ne > pos0 + 1) ne = pos0 + 1; /* full cache: entries after pos0 are future */
+        if (ne > pos0 + 1) ne = pos0 + 1; /* entries after pos0 are future */
         if (ne == 0) {
             memset(o, 0, (size_t)d * sizeof(float));
             continue;
@@ -2360,14 +2339,14 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
         if (avx2) {
             kvrt_cpu_att_qk_small(q + (size_t)h * d, 1, d, KVRT_DTYPE_F32, kh->k, kh->stride,
                                   ne, scale, sc);
-            softmax_row(sc, ne, pos0, kh->bias, kh->pos);
+            softmax_row(sc, ne, pos0);
             memset(o, 0, (size_t)d * sizeof(float));
             kvrt_cpu_att_pv_small(sc, 1, ne, KVRT_DTYPE_F32, kh->v, kh->stride, d, o);
             continue;
         }
 #endif
         att1_scores(q + (size_t)h * d, kh->k, kh->stride, ne, d, scale, sc);
-        softmax_row(sc, ne, pos0, kh->bias, kh->pos); /* masked, biased, normalized; 0 if none */
+        softmax_row(sc, ne, pos0); /* masked, normalized; 0 if none visible */
         att1_values(sc, kh->v, kh->stride, ne, d, o);
     }
 }
@@ -2518,8 +2497,7 @@ static int forward_chunk_seg(const kvcc_model *m, kvcc_state *s, const int32_t *
             if (st) break;
         } else {
             for (int h = 0; h < Hkv; h++)
-                hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd, NULL,
-                                       NULL};
+                hv[h] = (kv_head_view){pos0 + n, kc + (size_t)h * d, vc + (size_t)h * d, Kd};
             kv_view view = {Hkv, hv};
 #if KVCC_WITH_DNNL
             if (bf && s->bf->kb && n == 1) { /* kb: NULL when the state attends in f32 */
