@@ -2229,7 +2229,7 @@ static void att1_chunk_avx2(const float *q, int group, const kv_head_view *kh, i
     for (int g = 0; g < group; g++) {
         float *p = part + (size_t)g * part_ld;
         kvrt_cpu_att_qk_small(q + (size_t)g * d, 1, d, KVRT_DTYPE_F32, k, kh->stride, n, scale,
-                              sc);
+                              sc, NULL);
         p[1] = att1_exp(sc, n, &p[0]);
         if (p[0] == -INFINITY) {
             memset(p + 1, 0, (size_t)(d + 1) * sizeof(float));
@@ -2240,7 +2240,7 @@ static void att1_chunk_avx2(const float *q, int group, const kv_head_view *kh, i
             continue;
         }
         memset(p + 2, 0, (size_t)d * sizeof(float));
-        kvrt_cpu_att_pv_small(sc, 1, n, KVRT_DTYPE_F32, v, kh->stride, d, p + 2);
+        kvrt_cpu_att_pv_small(sc, 1, n, KVRT_DTYPE_F32, v, kh->stride, d, p + 2, NULL);
     }
 }
 /* A query head's output from its nc chunks' parts (att1_chunk_avx2), in chunk order: each chunk
@@ -2338,10 +2338,10 @@ static void attend_row1(const kvcc_model *m, const float *q, int pos0, const kv_
 #if KVCC_HAVE_X86
         if (avx2) {
             kvrt_cpu_att_qk_small(q + (size_t)h * d, 1, d, KVRT_DTYPE_F32, kh->k, kh->stride,
-                                  ne, scale, sc);
+                                  ne, scale, sc, NULL);
             softmax_row(sc, ne, pos0);
             memset(o, 0, (size_t)d * sizeof(float));
-            kvrt_cpu_att_pv_small(sc, 1, ne, KVRT_DTYPE_F32, kh->v, kh->stride, d, o);
+            kvrt_cpu_att_pv_small(sc, 1, ne, KVRT_DTYPE_F32, kh->v, kh->stride, d, o, NULL);
             continue;
         }
 #endif

@@ -187,18 +187,21 @@ typedef struct {
     float *m;    /* [R]     running max */
     float *l;    /* [R]     running sum of exp(z - m) */
     int64_t *vis;/* [R]     recent tokens visible to each row */
-    float *kb;   /* [E, d]  f16 caches: one block of keys in f32 */
-    float *vb;   /* [E, d]  f16 caches: one block of values in f32 */
+    float *kb;   /* [E, d]  2-byte caches through the sgemm: one block of keys in f32 */
+    float *vb;   /* [E, d]  ... and of values */
+    float *wb;   /* KVRT_ATT_WIDEN_FLOATS(d): 2-byte caches through the small kernels */
 } att_ws;
 
 static size_t round16(size_t x) { return (x + 15u) & ~(size_t)15u; }
 
-static size_t att_ws_floats(int64_t R, int64_t E, int64_t d, int f16) {
+/* f16: 2-byte caches through the sgemm (block buffers); wide: through the small kernels */
+static size_t att_ws_floats(int64_t R, int64_t E, int64_t d, int f16, int wide) {
     return round16((size_t)(R * d)) * 2 + round16((size_t)(R * E)) + round16((size_t)R) * 2 +
-           round16((size_t)R * 2) /* int64 vis */ + (f16 ? 2 * round16((size_t)(E * d)) : 0);
+           round16((size_t)R * 2) /* int64 vis */ + (f16 ? 2 * round16((size_t)(E * d)) : 0) +
+           (wide ? round16(KVRT_ATT_WIDEN_FLOATS(d)) : 0);
 }
 
-static att_ws att_ws_carve(float *base, int64_t R, int64_t E, int64_t d, int f16) {
+static att_ws att_ws_carve(float *base, int64_t R, int64_t E, int64_t d, int f16, int wide) {
     att_ws w;
     float *p = base;
     w.qt = p; p += round16((size_t)(R * d));
@@ -208,7 +211,8 @@ static att_ws att_ws_carve(float *base, int64_t R, int64_t E, int64_t d, int f16
     w.l = p; p += round16((size_t)R);
     w.vis = (int64_t *)(void *)p; p += round16((size_t)R * 2);
     w.kb = f16 ? p : NULL; if (f16) p += round16((size_t)(E * d));
-    w.vb = f16 ? p : NULL;
+    w.vb = f16 ? p : NULL; if (f16) p += round16((size_t)(E * d));
+    w.wb = wide ? p : NULL;
     return w;
 }
 
@@ -282,6 +286,7 @@ static void att_online_update(att_ws *w, int64_t R, int64_t nb, int64_t d) {
 #define ATT_HAVE_SMALL 1
 #define ATT_SMALL_R 8
 #define ATT_PV_RUN 32
+_Static_assert(KVRT_ATT_WIDEN_FLOATS(1) >= ATT_PV_RUN, "wbuf holds a run of P V's values");
 #define ATT_AVX2 __attribute__((target("avx2,fma,f16c")))
 ATT_AVX2 static inline float att_hsum(__m256 a) {
     const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -401,54 +406,54 @@ att_widen(const void *src, int64_t ld, int64_t n, int64_t d, float *dst, int dt)
         for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + r * d + i, att_ld8(row, i, dt));
     }
 }
-/* 2-byte keys or values with several rows (R > 1): each group of keys is widened once into an
- * L1 buffer and the f32 kernels run on it (widening inside the loads would redo it for every
- * row); the groups are the kernels' own (8 keys for the scores, ATT_PV_RUN for P V), so the
- * sums are those of the loads' path. One row, or d above ATT_WIDEN_D: widened as loaded. */
-#define ATT_WIDEN_D 256
+/* 2-byte keys or values with several rows (R > 1) and scratch wbuf (KVRT_ATT_WIDEN_FLOATS(d)):
+ * each group of keys is widened once into wbuf (in L1) and the f32 kernels run on it (widening
+ * inside the loads would redo it for every row); the groups are the kernels' own (8 keys for the
+ * scores, ATT_PV_RUN for P V), so the sums are those of the loads' path. One row, or no scratch:
+ * widened as loaded. */
 ATT_AVX2 static void att_qk_small_h(const float *qt, int64_t R, int64_t d, const void *kb,
-                                    int64_t ldk, int64_t nb, float scale, float *s, int dt) {
-    if (R == 1 || d > ATT_WIDEN_D) {
+                                    int64_t ldk, int64_t nb, float scale, float *s, int dt,
+                                    float *wbuf) {
+    if (R == 1 || wbuf == NULL) {
         if (dt == KVRT_DTYPE_F16) att_qk_small(qt, R, d, kb, ldk, nb, scale, s, nb, KVRT_DTYPE_F16);
         else att_qk_small(qt, R, d, kb, ldk, nb, scale, s, nb, KVRT_DTYPE_BF16);
         return;
     }
-    float buf[8 * ATT_WIDEN_D] __attribute__((aligned(32)));
     for (int64_t j = 0; j < nb; j += 8) {
         const int64_t n = nb - j < 8 ? nb - j : 8;
-        if (dt == KVRT_DTYPE_F16) att_widen(att_row(kb, j, ldk, dt), ldk, n, d, buf, KVRT_DTYPE_F16);
-        else att_widen(att_row(kb, j, ldk, dt), ldk, n, d, buf, KVRT_DTYPE_BF16);
-        att_qk_small(qt, R, d, buf, d, n, scale, s + j, nb, KVRT_DTYPE_F32);
+        if (dt == KVRT_DTYPE_F16) att_widen(att_row(kb, j, ldk, dt), ldk, n, d, wbuf, KVRT_DTYPE_F16);
+        else att_widen(att_row(kb, j, ldk, dt), ldk, n, d, wbuf, KVRT_DTYPE_BF16);
+        att_qk_small(qt, R, d, wbuf, d, n, scale, s + j, nb, KVRT_DTYPE_F32);
     }
 }
 ATT_AVX2 static void att_pv_small_h(const float *P, int64_t R, int64_t nb, const void *vb,
-                                    int64_t ldv, int64_t d, float *acc, int dt) {
-    if (R == 1 || d > ATT_WIDEN_D) {
+                                    int64_t ldv, int64_t d, float *acc, int dt, float *wbuf) {
+    if (R == 1 || wbuf == NULL) {
         if (dt == KVRT_DTYPE_F16) att_pv_small(P, nb, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F16);
         else att_pv_small(P, nb, R, nb, vb, ldv, d, acc, KVRT_DTYPE_BF16);
         return;
     }
-    float buf[ATT_PV_RUN * ATT_WIDEN_D] __attribute__((aligned(32)));
     for (int64_t j0 = 0; j0 < nb; j0 += ATT_PV_RUN) {
         const int64_t n = nb - j0 < ATT_PV_RUN ? nb - j0 : ATT_PV_RUN;
-        if (dt == KVRT_DTYPE_F16) att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, buf, KVRT_DTYPE_F16);
-        else att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, buf, KVRT_DTYPE_BF16);
-        att_pv_small(P + j0, nb, R, n, buf, d, d, acc, KVRT_DTYPE_F32);
+        if (dt == KVRT_DTYPE_F16) att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, wbuf, KVRT_DTYPE_F16);
+        else att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, wbuf, KVRT_DTYPE_BF16);
+        att_pv_small(P + j0, nb, R, n, wbuf, d, d, acc, KVRT_DTYPE_F32);
     }
 }
 /* kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small (cpu/blas.h) */
 ATT_AVX2 void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype,
-                                   const void *kb, int64_t ldk, int64_t nb, float scale,
-                                   float *s) {
+                                   const void *kb, int64_t ldk, int64_t nb, float scale, float *s,
+                                   float *wbuf) {
     if (dtype == KVRT_DTYPE_F16 || dtype == KVRT_DTYPE_BF16)
-        att_qk_small_h(qt, R, d, kb, ldk, nb, scale, s, dtype);
+        att_qk_small_h(qt, R, d, kb, ldk, nb, scale, s, dtype, wbuf);
     else
         att_qk_small(qt, R, d, kb, ldk, nb, scale, s, nb, KVRT_DTYPE_F32);
 }
 ATT_AVX2 void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype,
-                                   const void *vb, int64_t ldv, int64_t d, float *acc) {
+                                   const void *vb, int64_t ldv, int64_t d, float *acc,
+                                   float *wbuf) {
     if (dtype == KVRT_DTYPE_F16 || dtype == KVRT_DTYPE_BF16)
-        att_pv_small_h(P, R, nb, vb, ldv, d, acc, dtype);
+        att_pv_small_h(P, R, nb, vb, ldv, d, acc, dtype, wbuf);
     else
         att_pv_small(P, nb, R, nb, vb, ldv, d, acc, KVRT_DTYPE_F32);
 }
@@ -472,7 +477,8 @@ static float att_elem(int dtype, const void *row, int64_t i) {
     return x;
 }
 void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype, const void *kb,
-                           int64_t ldk, int64_t nb, float scale, float *s) {
+                           int64_t ldk, int64_t nb, float scale, float *s, float *wbuf) {
+    (void)wbuf;
     const size_t es = dtype == KVRT_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < nb; j++) {
@@ -483,7 +489,8 @@ void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype, con
         }
 }
 void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype, const void *vb,
-                           int64_t ldv, int64_t d, float *acc) {
+                           int64_t ldv, int64_t d, float *acc, float *wbuf) {
+    (void)wbuf;
     const size_t es = dtype == KVRT_DTYPE_F32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < nb; j++) {
@@ -493,14 +500,14 @@ void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype, con
 }
 #endif
 
-/* One block of nb keys / values (row strides ldk, ldv floats): S = scale Q K^T, + bias or the
+/* One block of nb keys / values stored as dt (row strides ldk, ldv elements): S = scale Q K^T, + bias or the
  * causal mask (recent tokens j0 + j, visible to row r when j0 + j < vis[r]), update, acc += P V. */
 static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, int dt, const void *kb,
                       int64_t ldk, const void *vb, int64_t ldv, const float *bias, int masked,
                       int64_t j0, float scale, int small) {
 #if ATT_HAVE_SMALL
     if (small) {
-        kvrt_cpu_att_qk_small(w->qt, R, d, dt, kb, ldk, nb, scale, w->s);
+        kvrt_cpu_att_qk_small(w->qt, R, d, dt, kb, ldk, nb, scale, w->s, w->wb);
     } else
 #endif
     {
@@ -531,7 +538,7 @@ static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, int dt, const
     att_online_update(w, R, nb, d);
 #if ATT_HAVE_SMALL
     if (small)
-        kvrt_cpu_att_pv_small(w->s, R, nb, dt, vb, ldv, d, w->acc);
+        kvrt_cpu_att_pv_small(w->s, R, nb, dt, vb, ldv, d, w->acc, w->wb);
     else
 #endif
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)R, (int)d, (int)nb, 1.0f,
@@ -713,7 +720,8 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
     if (nt > tiles) nt = (int)tiles;
     /* f16 or bf16 through the sgemm: blocks widened to f32 first (the small kernels read them) */
     const int f16 = c->dtype != KVRT_DTYPE_F32 && !jb.small;
-    const size_t per = att_ws_floats(R, E, d, f16);
+    const int wide = c->dtype != KVRT_DTYPE_F32 && jb.small && R > 1;
+    const size_t per = att_ws_floats(R, E, d, f16, wide);
     const size_t part_floats = (size_t)tiles * (size_t)(R * (d + 2));
     float *ws = NULL;
     if (posix_memalign((void **)&ws, 64, (per * (size_t)nt + part_floats) * sizeof(float)) != 0)
@@ -728,7 +736,7 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        att_ws w = att_ws_carve(ws + per * (size_t)tid, R, E, d, f16);
+        att_ws w = att_ws_carve(ws + per * (size_t)tid, R, E, d, f16, wide);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tiles; t++) att_tile(&jb, &w, t);
 #pragma omp for schedule(static)

@@ -51,8 +51,9 @@ KVRT_INTERNAL void kvrt_cpu_sgemm(int tb, int m, int n, int k, float alpha, cons
  * (runtime/cpu/attend.c; kvrt_attend's decode step and the built-in model's decode attention):
  * usable when kvrt_cpu_att_small_ok(d) (an x86 CPU with AVX2, FMA and F16C, d a multiple of 8;
  * elsewhere these are plain loops). K and V are stored as dtype (KVRT_DTYPE_F32, _F16 or _BF16;
- * 2-byte rows are widened exactly, as they load or a few at a time into an L1 buffer: the bits of
- * the same kernels on f32 copies), rows ldk / ldv elements apart. kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T; eight
+ * 2-byte rows are widened exactly: with R > 1 and scratch wbuf of KVRT_ATT_WIDEN_FLOATS(d) floats
+ * a few at a time into it, else as they load; the bits of the same kernels on f32 copies either
+ * way), rows ldk / ldv elements apart; wbuf may be NULL (f32 rows never use it). kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T; eight
  * keys at a time, one accumulator each over d, reduced together, then single keys.
  * kvrt_cpu_att_pv_small: acc [R, d] += P [R, nb] (row stride nb) V; per row the output in
  * registers (64 lanes per pass) over runs of 32 keys. Every sum in a fixed order: the same bits
@@ -60,9 +61,11 @@ KVRT_INTERNAL void kvrt_cpu_sgemm(int tb, int m, int n, int k, float alpha, cons
 KVRT_INTERNAL int kvrt_cpu_att_small_ok(int64_t d);
 KVRT_INTERNAL void kvrt_cpu_att_qk_small(const float *qt, int64_t R, int64_t d, int dtype,
                                          const void *kb, int64_t ldk, int64_t nb, float scale,
-                                         float *s);
+                                         float *s, float *wbuf);
 KVRT_INTERNAL void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype,
-                                         const void *vb, int64_t ldv, int64_t d, float *acc);
+                                         const void *vb, int64_t ldv, int64_t d, float *acc,
+                                         float *wbuf);
+#define KVRT_ATT_WIDEN_FLOATS(d) ((size_t)32 * (size_t)(d)) /* wbuf of the two above */
 
 /* One product on the calling thread (inside or outside a parallel region). With OpenBLAS the
  * caller keeps it at one thread (openblas_set_num_threads(1), or products small enough that

@@ -415,3 +415,31 @@ Test(blas, openblas_holds_are_counted) {
     cr_assert_eq(openblas_get_num_threads(), 2);
     openblas_set_num_threads(before);
 }
+
+/* The small attention kernels over 2-byte rows give the same bits with the widening scratch
+ * (groups of keys widened into it) and without (widened as loaded), for several rows. */
+Test(blas, att_small_kernels_same_bits_with_and_without_scratch) {
+    if (!kvrt_cpu_att_small_ok(8)) cr_skip_test("no AVX2 + FMA + F16C: the kernels are not used");
+    const int64_t R = 4, d = 72, nb = 45, ld = 80;
+    uint64_t s = 3;
+    float *q = malloc(sizeof(float) * R * d), *p = malloc(sizeof(float) * R * nb);
+    uint16_t *kv = malloc(sizeof(uint16_t) * nb * ld);
+    float *s1 = malloc(sizeof(float) * R * nb), *s2 = malloc(sizeof(float) * R * nb);
+    float *a1 = calloc((size_t)(R * d), sizeof(float)), *a2 = calloc((size_t)(R * d), sizeof(float));
+    float *wb = malloc(sizeof(float) * KVRT_ATT_WIDEN_FLOATS(d));
+    for (int64_t i = 0; i < R * d; i++) q[i] = rng_uniform(&s, -0.5f, 0.5f);
+    for (int64_t i = 0; i < R * nb; i++) p[i] = rng_uniform(&s, 0.0f, 1.0f);
+    for (int dt = KVRT_DTYPE_F16; dt <= KVRT_DTYPE_BF16; dt++) {
+        for (int64_t i = 0; i < nb * ld; i++) {
+            const float x = rng_uniform(&s, -2.0f, 2.0f);
+            kv[i] = dt == KVRT_DTYPE_F16 ? kvrt_f32_to_f16(x) : kvrt_f32_to_bf16(x);
+        }
+        kvrt_cpu_att_qk_small(q, R, d, dt, kv, ld, nb, 0.3f, s1, NULL);
+        kvrt_cpu_att_qk_small(q, R, d, dt, kv, ld, nb, 0.3f, s2, wb);
+        cr_assert(memcmp(s1, s2, sizeof(float) * R * nb) == 0, "dtype %d: scores", dt);
+        kvrt_cpu_att_pv_small(p, R, nb, dt, kv, ld, d, a1, NULL);
+        kvrt_cpu_att_pv_small(p, R, nb, dt, kv, ld, d, a2, wb);
+        cr_assert(memcmp(a1, a2, sizeof(float) * R * d) == 0, "dtype %d: P V", dt);
+    }
+    free(q); free(p); free(kv); free(s1); free(s2); free(a1); free(a2); free(wb);
+}
