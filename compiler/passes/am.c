@@ -778,7 +778,7 @@ static void am_opts_text(const kvrt_am_opts *o, char *buf, size_t n) {
 }
 
 /* KVCC_AM_OPTS (a measurement knob of the uncompiled rows am-uniform / am-omp / am-repeat /
- * am-omp-repeat): comma-separated NAME=VALUE of beta_floor (a number or "none"), n_sink,
+ * am-omp-repeat / am-self): comma-separated NAME=VALUE of beta_floor (a number or "none"), n_sink,
  * recent_frac, chunk, max_queries, omp_batch, products (f32 or bf16), and self_tokens (am-self's
  * answer tokens per turn, into *self_tokens). 0, or KVCC_EXIT_USAGE with the message in err. */
 static int am_env_opts(kvrt_am_opts *o, int *self_tokens, char *err, size_t errlen) {
@@ -846,7 +846,8 @@ static int am_eval_repeat_model(const kvcc_eval_method *m, const kvcc_eval_env *
     }
     am_repeat **sh = &am_repeat_shared[st->self_study ? 1 : 0];
     /* eval runs every row's prompt_begin, then every row's layers: rows sharing the model must
-     * want the same queries */
+     * want the same queries. At most two rows share the self-study model (am with the one
+     * --policy, and am-self), so the other row is the one this row is not. */
     if (*sh && st->self_study && (*sh)->row_tokens != st->gen_tokens) {
         snprintf(err, errlen, "%s: self-study answers of up to %d tokens per turn, but another "
                  "row of this run generates up to %d (%s): rows sharing the model share one "
