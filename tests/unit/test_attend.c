@@ -723,7 +723,7 @@ Test(attend, f16_cache_close_to_f32_cache) {
 
 /* A 2-byte cache attends exactly as its f32 widening (f16 and bf16 widen exactly, and both paths
  * run the same products on the same values): bit for bit, at decode shapes (the small kernels:
- * groups of keys widened into a buffer, or one row / d > 256 widened as loaded), a prefill shape
+ * groups of keys widened into a scratch buffer, or with one row as loaded), a prefill shape
  * (blocks widened, then the sgemm), with the products forced through the sgemm, and at 1 and 2
  * threads. f16 keys include subnormals. */
 Test(attend, two_byte_cache_equals_its_f32_widening) {
@@ -732,7 +732,7 @@ Test(attend, two_byte_cache_equals_its_f32_widening) {
         {1, 8, 72, 9000, 1, 0},  /* decode, 64 + 8 value lanes, two splits */
         {2, 4, 64, 700, 5, 5},   /* 20 rows: the sgemm */
         {3, 1, 64, 500, 1, 2},   /* one row: widened as loaded */
-        {1, 2, 264, 300, 1, 1},  /* d > 256: widened as loaded, two rows */
+        {1, 2, 264, 300, 1, 1},  /* d = 264: a larger scratch, two rows */
     };
     for (int dt = KVRT_DTYPE_F16; dt <= KVRT_DTYPE_BF16; dt++)
         for (size_t i = 0; i < sizeof sh / sizeof sh[0]; i++)
