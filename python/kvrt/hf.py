@@ -268,8 +268,9 @@ class KvrtSession:
         if method in _NEEDS_POLICY and policy is None:
             raise ValueError(f"kvrt.hf: method {method} needs a .kvpol compiled with the "
                              f"{_NEEDS_POLICY[method]} policy (kvcc compile --policies ...)")
-        if cache_dtype not in ("f32", "f16"):
-            raise ValueError(f"kvrt.hf: cache_dtype must be 'f32' or 'f16', not {cache_dtype!r}")
+        if cache_dtype not in ("f32", "f16", "bf16"):
+            raise ValueError(f"kvrt.hf: cache_dtype must be 'f32', 'f16' or 'bf16', not "
+                             f"{cache_dtype!r}")
         if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
             raise ValueError(f"kvrt.hf: budget must be > 0 (a token count >= 1 or a ratio < 1), "
                              f"not {budget!r}")
@@ -567,7 +568,8 @@ def apply(model, policy=None, method: str = "compilerkv", budget: float = 256, *
     policy: path of a .kvpol artifact compiled for this model (None for the baselines).
     method: one of METHODS. budget: tokens per KV head (>= 1) or a ratio of the context (< 1);
     am: a compiled target ratio; compkv: blocks read per decode step.
-    Keywords: cache_dtype ("f32" or "f16" storage of the compressed cache), decode_capacity
+    Keywords: cache_dtype ("f32", "f16" or "bf16" storage of the compressed cache; compkv keeps
+    the context in f32), decode_capacity
     (compkv: tokens the decode state holds after the context, default 1024), n_threads.
 
     The returned session's .cache is the KvrtCache of the latest call (bytes:

@@ -135,11 +135,27 @@ def test_memory_freed_and_generate(model, window, artifact):
     assert model.config._attn_implementation != khf.ATTN_NAME
 
 
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_two_byte_caches(model, window, dt):
+    """cache_dtype f16 / bf16: the compressed keys and values in 2 bytes (libkvrt's decode
+    kernels widen them), the same entries as f32, and an NLL within rounding of f32's."""
+    ids, C = window
+    n32, s32 = khf.continuation_nll(model, ids, C, None, "snapkv", 32)
+    n16, s16 = khf.continuation_nll(model, ids, C, None, "snapkv", 32, cache_dtype=dt)
+    assert s16.stats["entries_per_head"] == s32.stats["entries_per_head"]
+    d = model.config.hidden_size // model.config.num_attention_heads
+    entries = sum(e for h in s32.stats["entries_per_head"] for e in h)
+    assert s32.stats["compressed_bytes"] - s16.stats["compressed_bytes"] == entries * 2 * d * 2
+    assert n16 != n32 and abs(n16 - n32) < 0.02, (dt, n16, n32)
+
+
 def test_refusals(model, artifact):
     with pytest.raises(ValueError, match="needs a .kvpol"):
         khf.apply(model, None, method="compilerkv", budget=32)
     with pytest.raises(ValueError, match="not one of"):
         khf.apply(model, None, method="nope", budget=32)
+    with pytest.raises(ValueError, match="cache_dtype must be 'f32', 'f16' or 'bf16', not 'f64'"):
+        khf.apply(model, None, method="snapkv", budget=32, cache_dtype="f64")
     with pytest.raises(kvrt.KvrtError, match="compiled"):  # an uncompiled AM target
         with khf.apply(model, artifact, method="am", budget=0.3):
             model(input_ids=torch.arange(40).unsqueeze(0), use_cache=True)
