@@ -916,13 +916,20 @@ Test(calib_model, real_bf16_close_to_f32, .timeout = 900) {
  * ulp and the dot products sum in other orders; measured 1.9e-5 to 2.3e-5 on a 2-core AVX2 EPYC),
  * the same argmax at every step; the default and the clones also bit-identical at 1 and 2
  * threads (the heads path splits nothing a thread count could change). */
-static void decode_steps(real_model *r, const int32_t *ids, int np, int nd, float *out) {
+/* A state of np + nd tokens prefilled with ids[0, np) (on the threads OpenMP has now: the state
+ * keeps that count), for decode_steps. */
+static kvcc_state *prefilled(real_model *r, const int32_t *ids, int np, int nd) {
     kvcc_state *s;
     cr_assert_eq(kvcc_state_create(r->m, np + nd, &s), 0);
     cr_assert_eq(kvcc_model_prefill(r->m, s, ids, np, NULL, KVCC_LOGITS_NONE), 0);
+    return s;
+}
+/* Rewound to its np prefilled tokens, s decodes ids[np, np + nd): logits to out [nd, V]. */
+static void decode_steps(real_model *r, kvcc_state *s, const int32_t *ids, int np, int nd,
+                         float *out) {
+    cr_assert_eq(kvcc_state_truncate(s, np), 0);
     for (int t = 0; t < nd; t++)
         cr_assert_eq(kvcc_model_decode(r->m, s, ids[np + t], out + (size_t)t * r->m->hp.n_vocab), 0);
-    kvcc_state_free(s);
 }
 
 Test(calib_model, real_decode_attention_matches_ref, .timeout = 600) {
@@ -933,19 +940,22 @@ Test(calib_model, real_decode_attention_matches_ref, .timeout = 600) {
     const size_t bytes = (size_t)nd * nv * sizeof(float);
     float *fast = malloc(bytes), *one = malloc(bytes), *ref = malloc(bytes), *prev = malloc(bytes);
     cr_assert(fast && one && ref && prev);
-    setenv("KVCC_DECODE_ATTEND", "ref", 1);
+    /* one prefill per thread count (the modes differ in decode only) */
+    omp_set_num_threads(1);
+    kvcc_state *s1 = prefilled(&r, ids, np, nd);
     omp_set_num_threads(2);
-    decode_steps(&r, ids, np, nd, ref);
+    kvcc_state *s2 = prefilled(&r, ids, np, nd);
+    setenv("KVCC_DECODE_ATTEND", "ref", 1);
+    decode_steps(&r, s2, ids, np, nd, ref);
     const char *modes[] = {"clones", "heads", NULL}; /* NULL: unset, the default */
     for (int k = 0; k < 3; k++) {
         const char *mode = modes[k] ? modes[k] : "default";
         if (modes[k]) setenv("KVCC_DECODE_ATTEND", modes[k], 1);
         else unsetenv("KVCC_DECODE_ATTEND");
-        omp_set_num_threads(2);
-        decode_steps(&r, ids, np, nd, fast);
+        decode_steps(&r, s2, ids, np, nd, fast);
         if (k != 1) {
             omp_set_num_threads(1);
-            decode_steps(&r, ids, np, nd, one);
+            decode_steps(&r, s1, ids, np, nd, one);
             omp_set_num_threads(2);
             cr_assert(!memcmp(fast, one, bytes), "%s: decode logits differ between 2 threads and 1",
                       mode);
@@ -970,6 +980,8 @@ Test(calib_model, real_decode_attention_matches_ref, .timeout = 600) {
             cr_assert(memcmp(fast, prev, bytes), "the default gave the bits of the heads path");
         memcpy(prev, fast, bytes);
     }
+    kvcc_state_free(s1);
+    kvcc_state_free(s2);
     free(fast); free(one); free(ref); free(prev); free(ids);
     kvcc_tok_free(r.t);
     kvcc_model_free(r.m);
