@@ -406,6 +406,12 @@ att_widen(const void *src, int64_t ld, int64_t n, int64_t d, float *dst, int dt)
         for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + r * d + i, att_ld8(row, i, dt));
     }
 }
+/* att_widen of 2-byte rows, dt (f16 or bf16) made a constant of each instance */
+ATT_AVX2 static void att_widen_h(const void *src, int64_t ld, int64_t n, int64_t d, float *dst,
+                                 int dt) {
+    if (dt == KVRT_DTYPE_F16) att_widen(src, ld, n, d, dst, KVRT_DTYPE_F16);
+    else att_widen(src, ld, n, d, dst, KVRT_DTYPE_BF16);
+}
 /* 2-byte keys or values with several rows (R > 1) and scratch wbuf (KVRT_ATT_WIDEN_FLOATS(d)):
  * each group of keys is widened once into wbuf (in L1) and the f32 kernels run on it (widening
  * inside the loads would redo it for every row); the groups are the kernels' own (8 keys for the
@@ -421,8 +427,7 @@ ATT_AVX2 static void att_qk_small_h(const float *qt, int64_t R, int64_t d, const
     }
     for (int64_t j = 0; j < nb; j += 8) {
         const int64_t n = nb - j < 8 ? nb - j : 8;
-        if (dt == KVRT_DTYPE_F16) att_widen(att_row(kb, j, ldk, dt), ldk, n, d, wbuf, KVRT_DTYPE_F16);
-        else att_widen(att_row(kb, j, ldk, dt), ldk, n, d, wbuf, KVRT_DTYPE_BF16);
+        att_widen_h(att_row(kb, j, ldk, dt), ldk, n, d, wbuf, dt);
         att_qk_small(qt, R, d, wbuf, d, n, scale, s + j, nb, KVRT_DTYPE_F32);
     }
 }
@@ -435,8 +440,7 @@ ATT_AVX2 static void att_pv_small_h(const float *P, int64_t R, int64_t nb, const
     }
     for (int64_t j0 = 0; j0 < nb; j0 += ATT_PV_RUN) {
         const int64_t n = nb - j0 < ATT_PV_RUN ? nb - j0 : ATT_PV_RUN;
-        if (dt == KVRT_DTYPE_F16) att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, wbuf, KVRT_DTYPE_F16);
-        else att_widen(att_row(vb, j0, ldv, dt), ldv, n, d, wbuf, KVRT_DTYPE_BF16);
+        att_widen_h(att_row(vb, j0, ldv, dt), ldv, n, d, wbuf, dt);
         att_pv_small(P + j0, nb, R, n, wbuf, d, d, acc, KVRT_DTYPE_F32);
     }
 }
@@ -495,13 +499,15 @@ void kvrt_cpu_att_pv_small(const float *P, int64_t R, int64_t nb, int dtype, con
     for (int64_t r = 0; r < R; r++)
         for (int64_t j = 0; j < nb; j++) {
             const void *vj = (const char *)vb + (size_t)(j * ldv) * es;
-            for (int64_t i = 0; i < d; i++) acc[r * d + i] += P[r * nb + j] * att_elem(dtype, vj, i);
+            for (int64_t i = 0; i < d; i++)
+                acc[r * d + i] += P[r * nb + j] * att_elem(dtype, vj, i);
         }
 }
 #endif
 
-/* One block of nb keys / values stored as dt (row strides ldk, ldv elements): S = scale Q K^T, + bias or the
- * causal mask (recent tokens j0 + j, visible to row r when j0 + j < vis[r]), update, acc += P V. */
+/* One block of nb keys / values stored as dt (row strides ldk, ldv elements): S = scale Q K^T,
+ * + bias or the causal mask (recent tokens j0 + j, visible to row r when j0 + j < vis[r]),
+ * update, acc += P V. */
 static void att_block(att_ws *w, int64_t R, int64_t d, int64_t nb, int dt, const void *kb,
                       int64_t ldk, const void *vb, int64_t ldv, const float *bias, int masked,
                       int64_t j0, float scale, int small) {
