@@ -71,8 +71,9 @@ static const char *const am_self_study_instr[AM_SELF_STUDY_N] = {
     "<|im_start|>assistant\n",
     "<|im_end|>\n<|im_start|>user\nWrite five questions about the text above, each followed by "
     "its answer.<|im_end|>\n<|im_start|>assistant\n"};
-#define AM_SELF_STUDY_TOKENS 256 /* per turn, by default (--am-self-tokens) */
-#define AM_SELF_STUDY_TOKENS_MAX 4096
+/* per turn, by default (--am-self-tokens), and its bound: the runtime's, which reads the item */
+#define AM_SELF_STUDY_TOKENS KVRT_AM_SELF_STUDY_TOKENS_DEFAULT
+#define AM_SELF_STUDY_TOKENS_MAX KVRT_AM_SELF_STUDY_TOKENS_MAX
 #define AM_TURN_END "<|im_end|>"
 
 typedef struct {

@@ -157,9 +157,10 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     int query_source = KVRT_AM_QUERIES_CONTEXT;
     rc = optional_choice(f, si, fn, "query_source", source_names, 3, &query_source);
     if (rc) return rc;
-    /* optional, self-study only: its answers' bound per turn (absent: 256, the bound before the
-     * item existed) */
-    int64_t self_tokens = query_source == KVRT_AM_QUERIES_SELF_STUDY ? 256 : 0;
+    /* optional, self-study only: its answers' bound per turn (absent: the default, 256, the
+     * bound before the item existed) */
+    int64_t self_tokens =
+        query_source == KVRT_AM_QUERIES_SELF_STUDY ? KVRT_AM_SELF_STUDY_TOKENS_DEFAULT : 0;
     int g6 = kvpol_get_i64(f, si, "self_study_tokens", &self_tokens);
     if (g6 && g6 != KVPOL_ERR_NOT_FOUND)
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: expected self_study_tokens i64 where "
@@ -167,9 +168,9 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     if (g6 == KVPOL_OK && query_source != KVRT_AM_QUERIES_SELF_STUDY)
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: self_study_tokens with query_source "
                          "%s, expected it only with self-study", fn, source_name(query_source));
-    if (g6 == KVPOL_OK && (self_tokens < 1 || self_tokens > 4096))
+    if (g6 == KVPOL_OK && (self_tokens < 1 || self_tokens > KVRT_AM_SELF_STUDY_TOKENS_MAX))
         return KVRT_FAIL(KVRT_ERR_FORMAT, "%s: am.schedule: self_study_tokens %lld, expected "
-                         "1..4096", fn, (long long)self_tokens);
+                         "1..%d", fn, (long long)self_tokens, KVRT_AM_SELF_STUDY_TOKENS_MAX);
     /* optional: OMP's keys per round (absent: 1, the plain greedy that ran before the item) */
     int64_t omp_batch = 1;
     int g5 = kvpol_get_i64(f, si, "omp_batch", &omp_batch);
