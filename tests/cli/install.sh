@@ -65,7 +65,7 @@ cflags=$(pkg-config --cflags kvrt); libs=$(pkg-config --libs kvrt)
 kv="$prefix/bin/kvcc"
 "$kv" synth --model smollm2-135m --prompts 1 --context 128 --continuation 32 -o "$tmp/cs.h5" 2>/dev/null && \
 "$kv" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am,compilerkv,compkv --budgets 32,64 \
-  --am-targets 0.1,0.2 -o "$tmp/p.kvpol" 2>/dev/null && ok || bad "the installed kvcc could not synth + compile"
+  --am-targets 0.1,0.2 --cql-steps 500 -o "$tmp/p.kvpol" 2>/dev/null && ok || bad "the installed kvcc could not synth + compile"
 
 # 4. serve_skeleton.c built out of tree with pkg-config only: shared, then static
 mkdir -p "$tmp/src"; cp examples/serve_skeleton.c "$tmp/src/"

@@ -34,7 +34,7 @@ base=(compile --model smollm2-135m --corpus "$tmp/c.h5")
 declare -A opts=(
   [am]="--am-ratios 0.1,0.3 --am-targets 0.2"
   [compkv]="--compkv-r 4 --compkv-block 16"
-  [compilerkv]="--budgets 16,32 --window 16"
+  [compilerkv]="--budgets 16,32 --window 16 --cql-steps 500"
   [kv2]="--kv2-budgets 0.1,0.2 --kv2-rho 0.05,1"
   [merge-reduce]="--mr-budgets 0.2,0.4 --mr-m 16,32 --mr-report-k 16,32"
 )
