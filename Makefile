@@ -18,6 +18,10 @@
 
 CC       ?= cc
 NVCC     ?= nvcc
+# The builds inside make test / demo / bench / fuzz / test-openblas compile JOBS files at once
+# (default: the machine's cores) unless the command line gave its own -j
+JOBS     ?= $(shell nproc 2>/dev/null || echo 1)
+SUBJ      = $(if $(filter -j%,$(MAKEFLAGS)),,-j$(JOBS))
 CLANG    ?= clang
 OPT      ?= -O2
 SAN      ?= 0
@@ -313,7 +317,7 @@ model:
 	@bash scripts/fetch-model.sh || echo "kvcc: WARNING: model not fetched; the tests that need it will say 'skipped'"
 
 test: deps peer-deps model
-	@$(MAKE) --no-print-directory all $(TESTS) $(FUZZ_REPLAY) $(FUZZ_REPLAY_INPUTS) $(BACKEND_OPS) \
+	@$(MAKE) --no-print-directory $(SUBJ) all $(TESTS) $(FUZZ_REPLAY) $(FUZZ_REPLAY_INPUTS) $(BACKEND_OPS) \
 	  $(EXAMPLES) $(CUDA_EMU)
 	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
@@ -361,7 +365,7 @@ test: deps peer-deps model
 # a minute on 2 cores; `make test` runs it after the main suite when that suite used oneDNN.
 test-openblas:
 	@echo "== the OpenBLAS-only build (USE_DNNL=0, build/openblas): backend ops, AM and BLAS tests"
-	@$(MAKE) --no-print-directory USE_DNNL=0 USE_CUDA=0 USE_MPI=0 BUILDDIR=build/openblas \
+	@$(MAKE) --no-print-directory $(SUBJ) USE_DNNL=0 USE_CUDA=0 USE_MPI=0 BUILDDIR=build/openblas \
 	  build/openblas/tests/kvcc_tests build/openblas/tests/test_backend_ops >/dev/null
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} build/openblas/tests/test_backend_ops
 	@for f in 'am/*' 'blas/*'; do \
@@ -414,7 +418,7 @@ check: all $(TESTS)
 
 demo: deps
 	@bash scripts/fetch-model.sh
-	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory $(SUBJ) all
 	@KVCC=$(KVCC) bash scripts/demo.sh
 
 # make fuzz [FUZZ_TARGETS="kvpol kvpol_struct corpus gguf"] [FUZZ_SECONDS=60]: each target in
@@ -429,7 +433,7 @@ FUZZ_SEEDS_corpus       := tests/golden/invalid-corpus $(wildcard tests/fuzz/cor
 FUZZ_SEEDS_gguf         := tests/golden/invalid-gguf $(wildcard tests/fuzz/corpus-gguf)
 FUZZ_READERS := calib/corpus.c calib/gguf.c calib/model.c calib/calib_msg.c tests/golden/inputs.c
 fuzz: deps
-	@$(MAKE) --no-print-directory $(LIBKVRT_A)
+	@$(MAKE) --no-print-directory $(SUBJ) $(LIBKVRT_A)
 	@mkdir -p build/fuzz
 	$(CLANG) $(FUZZ_CFLAGS) -o build/fuzz/fuzz_kvpol tests/fuzz/fuzz_kvpol.c $(FORMATS_SRC) \
 	  $(LIBS_FORMATS)
@@ -455,7 +459,7 @@ fuzz: deps
 	done
 
 bench: deps
-	@$(MAKE) --no-print-directory all $(BENCHES)
+	@$(MAKE) --no-print-directory $(SUBJ) all $(BENCHES)
 	@for b in $(BENCHES); do echo "== $$b"; $$b || exit 1; done
 
 # Regenerate the committed golden files (tests check that they still match the cases).
