@@ -13,11 +13,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cblas.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
+#include "cpu/blas.h" /* kvrt_cpu_openblas_hold / _restore: the runtime's counted holds */
 #include "eval_int.h"
 #include "stats.h"
 
@@ -159,8 +159,9 @@ void eval_share_prefetch(eval_run *E, int ri, const kvcc_eval_layer *xl, int64_t
     const int n = share_budgets(E, ri, xl[0].C, B, bud, Bs);
     if (n == 1) return;
     void *state = eval_row_prep(E, ri)->state;
-    const int blas = openblas_get_num_threads();
-    if (blas != 1) openblas_set_num_threads(1); /* global: set around the region, not in it */
+    /* OpenBLAS at one thread around the region, not in it (its count is process-wide; counted
+     * with the runtime's own holds) */
+    const int held = kvrt_cpu_openblas_hold();
     const double t0 = kvcc_now_s();
     double busy = 0;
 #pragma omp parallel num_threads(nt) reduction(+ : busy)
@@ -177,7 +178,7 @@ void eval_share_prefetch(eval_run *E, int ri, const kvcc_eval_layer *xl, int64_t
         }
         kvrt_ctx_free(env.rt);
     }
-    if (blas != 1) openblas_set_num_threads(blas);
+    kvrt_cpu_openblas_restore(held);
     const double wall = kvcc_now_s() - t0;
     for (uint32_t l = 0; l < L && busy > 0; l++) /* thread seconds -> this region's wall */
         if (sm->slot[l].ctx_id == xl[l].ctx_id && sm->slot[l].n == n) sm->slot[l].sec *= wall / busy;
