@@ -25,7 +25,7 @@ else
 fi
 "$KVCC" compile --model smollm2-135m --corpus "$tmp/c.h5" --policies compilerkv,am,compkv,kv2,merge-reduce \
   --budgets 32,64 --am-targets 0.1,0.2 --compkv-r 4 --compkv-block 16 --kv2-budgets 0.1,0.2 --kv2-rho 0.05,0.2,1 \
-  --mr-budgets 0.1,0.2 -o "$tmp/a.kvpol" 2>/dev/null || bad "compile of the five policies"
+  --mr-budgets 0.1,0.2 --cql-steps 500 -o "$tmp/a.kvpol" 2>/dev/null || bad "compile of the five policies"
 e2e=()
 [ "$real" = 1 ] && e2e=(--gguf "$MODEL")
 "$KVCC" eval --corpus "$tmp/c.h5" --policy "$tmp/a.kvpol" --methods full,compilerkv,snapkv,h2o --budgets 32,64 \

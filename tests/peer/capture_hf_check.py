@@ -23,7 +23,9 @@ ids; post-RoPE keys and queries of every layer and the next-token log-probabilit
 built-in C model's (keys: max abs diff < 1e-3, the bound of check_transformers.py).
 Part 3, --kvcc KVCC (with --real): capture_hf.py --text and `kvcc capture --text` on the same two
 held-out texts with the same options must choose the same windows, tokens and attributes, and
-agree on q/k/v and log-probabilities within the same bounds.
+agree on q/k/v and log-probabilities within the same bounds. `kvcc capture` runs the built-in
+model, so part 3 checks part 2's numbers on more tokens; tests/peer/run.sh runs parts 1 and 3
+(part 2, with --dump, by hand).
 Exit status 1 when a check fails.
 
 Usage: capture_hf_check.py CAPTURE_HF.py READER [--real MODEL.gguf --dump DUMP [--kvcc KVCC]]
