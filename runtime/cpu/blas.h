@@ -54,7 +54,8 @@ KVRT_INTERNAL void kvrt_cpu_sgemm(int tb, int m, int n, int k, float alpha, cons
  * 2-byte rows are widened exactly: with R > 1 and scratch wbuf of KVRT_ATT_WIDEN_FLOATS(d) floats
  * a few at a time into it, else as they load; the bits of the same kernels on f32 copies either
  * way), rows ldk / ldv elements apart; wbuf may be NULL (f32 rows never use it).
- * kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T; eight keys at a time, one accumulator each over d, reduced together, then single keys.
+ * kvrt_cpu_att_qk_small: s [R, nb] (row stride nb) = scale Q [R, d] K^T; eight keys at a time,
+ * one accumulator each over d, reduced together, then single keys.
  * kvrt_cpu_att_pv_small: acc [R, d] += P [R, nb] (row stride nb) V; per row the output in
  * registers (64 lanes per pass) over runs of 32 keys. Every sum in a fixed order: the same bits
  * on any thread. */

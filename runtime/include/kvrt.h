@@ -569,12 +569,14 @@ void kvrt_am_schedule_free(kvrt_am_schedule *s);
 int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out);
 /* The reference-query source the schedule was calibrated with (kvrt_am_query_source). */
 int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *query_source);
-/* Self-study schedules: the answer tokens per turn the calibration let the model generate
- * (am.schedule item self_study_tokens, kvcc compile --am-self-tokens; the default below in
- * artifacts without it), so that a caller making its own self-study queries can match them; 0
- * for the other query sources. The item's range is 1..KVRT_AM_SELF_STUDY_TOKENS_MAX. */
+/* Self-study's answer tokens per turn: the default (artifacts without the item) and the item's
+ * bound (1..MAX). */
 #define KVRT_AM_SELF_STUDY_TOKENS_DEFAULT 256
 #define KVRT_AM_SELF_STUDY_TOKENS_MAX 4096
+/* Self-study schedules: the answer tokens per turn the calibration let the model generate
+ * (am.schedule item self_study_tokens, kvcc compile --am-self-tokens; the default above in
+ * artifacts without it), so that a caller making its own self-study queries can match them; 0
+ * for the other query sources. */
 int kvrt_am_schedule_self_study_tokens(const kvrt_am_schedule *s, int64_t *tokens);
 /* The compiled target mean ratios (valid while s lives). */
 int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, int *n_targets);

@@ -2,8 +2,9 @@
 """Round trip of examples/capture_hf.py through our C corpus reader, plus (optionally) its
 numbers against the built-in C model.
 
-Called by tests/peer/run.sh, which builds READER (tests/peer/read_corpus.c) and, for --real,
-DUMP (tests/peer/dump_model.c).
+Called by tests/peer/run.sh, which builds READER (tests/peer/read_corpus.c) and passes --real
+and --kvcc (parts 1 and 3); DUMP (tests/peer/dump_model.c, which run.sh builds too) for part 2
+by hand.
 
 Part 1, tiny model (always; no download, no tokenizer): a randomly initialised LlamaConfig model
 (2 layers, hidden 64, 4 heads, 2 KV heads, vocab 300, seeded) is saved to a temp directory; a
@@ -28,7 +29,7 @@ model, so part 3 checks part 2's numbers on more tokens; tests/peer/run.sh runs 
 (part 2, with --dump, by hand).
 Exit status 1 when a check fails.
 
-Usage: capture_hf_check.py CAPTURE_HF.py READER [--real MODEL.gguf --dump DUMP [--kvcc KVCC]]
+Usage: capture_hf_check.py CAPTURE_HF.py READER [--real MODEL.gguf [--dump DUMP] [--kvcc KVCC]]
 """
 import argparse
 import os
@@ -305,6 +306,9 @@ def main():
         if a.real and a.dump:
             print(f"capture_hf check: real model {a.real} against the built-in C model")
             real(a.capture, a.real, a.dump, tmp)
+        elif a.real:
+            print("capture_hf check: part 2 (against dump_model) not run: no --dump; part 3 compares "
+                  "the same model's numbers")
         if a.real and a.kvcc and os.access(a.kvcc, os.X_OK):
             print(f"capture_hf check: capture_hf.py --text against kvcc capture on the same texts")
             versus_kvcc(a.capture, a.real, a.kvcc, tmp)

@@ -6,7 +6,7 @@
  * call these from test bodies only. Used by test_calib_*.c, test_capture.c, test_golden.c and
  * test_kvpol.c; test_am.c, test_compilerkv.c, test_compkv_pass.c and test_eval.c can switch.
  *
- * defines: fx_model_path, FX_REQUIRE_MODEL, fx_capture_real, fx_real_window, fx_real_load,
+ * defines: FX_SANITIZED, fx_model_path, FX_REQUIRE_MODEL, fx_capture_real, fx_real_window, fx_real_load,
  *          fx_real_free, FX_TINY, fx_header, fx_read_file,
  *          fx_buf, fx_put, fx_u32, fx_u64, fx_f32, fx_str, fx_pad, fx_kv_u32, fx_kv_f32
  */
@@ -20,6 +20,15 @@
 #include "capture.h"
 #include "corpus.h"
 #include "kvpol.h"
+
+/* 1 in the sanitizer build (make test SAN=1): a few real-model tests run less there, or skip,
+ * where what they add over the plain build is numerics (thread counts, more steps), not memory
+ * checks; each says so. */
+#if defined(__SANITIZE_ADDRESS__)
+#define FX_SANITIZED 1
+#else
+#define FX_SANITIZED 0
+#endif
 
 /* ---------------------------------------------------------------- the real model */
 
