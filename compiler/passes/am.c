@@ -850,12 +850,16 @@ static int am_eval_repeat_model(const kvcc_eval_method *m, const kvcc_eval_env *
      * want the same queries. At most two rows share the self-study model (am with the one
      * --policy, and am-self), so the other row is the one this row is not. */
     if (*sh && st->self_study && (*sh)->row_tokens != st->gen_tokens) {
+        char why[96];
+        if (m->variant == AM_EVAL_SCHEDULED)
+            snprintf(why, sizeof why, "KVCC_AM_OPTS self_tokens, or its default %d",
+                     AM_SELF_STUDY_TOKENS);
+        else
+            snprintf(why, sizeof why, "the --policy's self_study_tokens");
         snprintf(err, errlen, "%s: self-study answers of up to %d tokens per turn, but another "
                  "row of this run generates up to %d (%s): rows sharing the model share one "
                  "generation; give them one count (KVCC_AM_OPTS=self_tokens=N sets am-self's) or "
-                 "run them separately", m->name, st->gen_tokens, (*sh)->row_tokens,
-                 m->variant == AM_EVAL_SCHEDULED ? "KVCC_AM_OPTS self_tokens, or its default 256"
-                                                 : "the --policy's self_study_tokens");
+                 "run them separately", m->name, st->gen_tokens, (*sh)->row_tokens, why);
         return KVCC_EXIT_USAGE;
     }
     if (!*sh) {
