@@ -15,11 +15,12 @@ logits max rel. diff 2.1e-6, tests/peer); measured |dNLL| <= 1.1e-5 on every met
 """
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import GGUF, ROOT, T_CTX, run
+from conftest import BUILD, GGUF, ROOT, T_CTX, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -39,9 +40,11 @@ def model():
     if not os.path.exists(GGUF):
         pytest.skip(f"{GGUF} not fetched (make test fetches it)")
     torch.set_grad_enabled(False)
-    d, fn = os.path.split(GGUF)
-    m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=torch.float32)
-    m.eval()
+    # transformers' model from the GGUF, converted once (tests/peer/hf_cache.py: the peer check
+    # of make test converts it first; the weights are transformers' own dequantization)
+    sys.path.insert(0, os.path.join(ROOT, "tests", "peer"))
+    import hf_cache
+    m, _ = hf_cache.load(GGUF, os.path.join(BUILD, "peer", "hf-cache"), tokenizer=False)
     return m
 
 

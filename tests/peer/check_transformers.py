@@ -13,9 +13,13 @@ prompts it compares, on the same GGUF file:
 transformers dequantizes the GGUF to f32, so both sides use the same weights.
 Exit status 1 when a bound is exceeded.
 
-Usage: check_transformers.py DUMP MODEL.gguf [--layers 0,14,29]
+transformers' model and tokenizer come through tests/peer/hf_cache.py (converted from the GGUF
+once, kept under --hf-cache; python/tests/test_hf.py loads the same).
+
+Usage: check_transformers.py DUMP MODEL.gguf [--layers 0,14,29] [--hf-cache DIR]
 """
 import argparse
+import copy
 import os
 import subprocess
 import sys
@@ -43,23 +47,23 @@ def main():
     ap.add_argument("dump")
     ap.add_argument("model")
     ap.add_argument("--layers", default="0,14,29")
+    ap.add_argument("--hf-cache", default=os.path.join("build", "peer", "hf-cache"),
+                    help="where hf_cache.py keeps the converted model (default build/peer/hf-cache)")
     args = ap.parse_args()
     layers = [int(x) for x in args.layers.split(",")]
 
     import torch
     from tokenizers import pre_tokenizers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import hf_cache
 
     torch.set_grad_enabled(False)
-    d, fn = os.path.split(os.path.abspath(args.model))
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=fn)
-    tok_digits = AutoTokenizer.from_pretrained(d, gguf_file=fn)
+    model, tok = hf_cache.load(args.model, args.hf_cache)
+    tok_digits = copy.deepcopy(tok)
     tok_digits.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=fn, dtype=torch.float32)
-    model.eval()
     cfg = model.config
     n_kv, hd = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
 

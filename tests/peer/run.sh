@@ -58,7 +58,7 @@ else
         tests/peer/dump_model.c "$build/libkvcalib.a" "$build/libkvrt.a" "$build/libkvpol.a" \
         $dnnl_libs -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
     echo "== peer check against transformers ($model)"
-    python3 tests/peer/check_transformers.py "$dump" "$model"
+    python3 tests/peer/check_transformers.py "$dump" "$model" --hf-cache "$build/peer/hf-cache"
 fi
 
 # ---- examples/capture_hf.py: HF capture -> our corpus reader round trip (tiny random Llama), and
