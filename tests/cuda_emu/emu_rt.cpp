@@ -143,8 +143,10 @@ int emu_lane(void) {
 }
 
 /* The current context saved in `save`, then on at `to`; returns when a jump comes back to `save`.
- * Every switch goes through here (and emu_start): a small function that holds nothing across
- * the jump, and whose callers see an ordinary call. */
+ * Every switch goes through here (and emu_start): a small function that holds nothing in
+ * registers across the jump (only fake_stack, in its frame), and whose callers see an ordinary
+ * call. Launches come from one thread (the emulator's state is global): the scheduler's stack,
+ * learned at a fiber's first start, is the same for every later switch. */
 EMU_SWITCHES static void emu_switch(emu_jb save, emu_jb to, const void *to_stack, size_t to_size) {
     void *fake_stack = NULL; /* ASan's, for this context's return */
     EMU_CLOBBER();

@@ -47,8 +47,11 @@ def main():
     ap.add_argument("dump")
     ap.add_argument("model")
     ap.add_argument("--layers", default="0,14,29")
-    ap.add_argument("--hf-cache", default=os.path.join("build", "peer", "hf-cache"),
-                    help="where hf_cache.py keeps the converted model (default build/peer/hf-cache)")
+    ap.add_argument("--hf-cache", default=os.path.normpath(os.path.join(
+                        os.path.dirname(os.path.abspath(__file__)), "..", "..", "build", "peer",
+                        "hf-cache")),
+                    help="where hf_cache.py keeps the converted model (default build/peer/hf-cache "
+                         "of this checkout)")
     args = ap.parse_args()
     layers = [int(x) for x in args.layers.split(",")]
 
