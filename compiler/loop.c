@@ -107,14 +107,19 @@ int kvcc_loop_layer(kvcc_loop *lp, uint32_t l, char *err, size_t errlen) {
     return 0;
 }
 
-int kvcc_loop_attend(const kvcc_loop *lp, const kvrt_cache *cc, float *o, float *lse,
-                     float *lse_ctx) {
+int kvcc_loop_attend_on(const kvcc_loop *lp, kvrt_ctx *rt, const kvrt_cache *cc, float *o,
+                        float *lse, float *lse_ctx) {
     int s = 0;
     if (lse_ctx)
-        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, cc, NULL, NULL, 0, lp->scale, o, lse_ctx);
+        s = kvrt_attend(rt, lp->qc, lp->N, lp->H, cc, NULL, NULL, 0, lp->scale, o, lse_ctx);
     if (!s)
-        s = kvrt_attend(lp->rt, lp->qc, lp->N, lp->H, cc, lp->kr, lp->vr, lp->N, lp->scale, o, lse);
+        s = kvrt_attend(rt, lp->qc, lp->N, lp->H, cc, lp->kr, lp->vr, lp->N, lp->scale, o, lse);
     return s;
+}
+
+int kvcc_loop_attend(const kvcc_loop *lp, const kvrt_cache *cc, float *o, float *lse,
+                     float *lse_ctx) {
+    return kvcc_loop_attend_on(lp, lp->rt, cc, o, lse, lse_ctx);
 }
 
 void kvcc_loop_close(kvcc_loop *lp) {

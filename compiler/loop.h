@@ -11,7 +11,7 @@
  * compiler/eval_prefill.c.
  *
  * defines: kvcc_loop, kvcc_loop_open, kvcc_loop_prompt, kvcc_loop_layer, kvcc_loop_attend,
- *          kvcc_loop_close
+ *          kvcc_loop_attend_on, kvcc_loop_close
  */
 #ifndef KVCC_LOOP_H
 #define KVCC_LOOP_H
@@ -61,5 +61,9 @@ int kvcc_loop_layer(kvcc_loop *lp, uint32_t l, char *err, size_t errlen);
  * first result). kvrt status. */
 int kvcc_loop_attend(const kvcc_loop *lp, const kvrt_cache *cc, float *o, float *lse,
                      float *lse_ctx);
+/* kvcc_loop_attend on another CPU context (a thread's own, in a pass's OpenMP tasks); reads lp
+ * only, so threads may call it at once with their own o, lse, lse_ctx. */
+int kvcc_loop_attend_on(const kvcc_loop *lp, kvrt_ctx *rt, const kvrt_cache *cc, float *o,
+                        float *lse, float *lse_ctx);
 void kvcc_loop_close(kvcc_loop *lp);
 #endif

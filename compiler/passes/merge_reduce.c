@@ -26,7 +26,12 @@
  *    Spearman correlations between predicted and measured per-head errors are written.
  * Writes merge-reduce.basis (critical) and merge-reduce.report (optional). Deterministic: fixed
  * loop orders, OpenBLAS products (whose results do not depend on the thread count) and the
- * runtime's deterministic reducers.
+ * runtime's deterministic reducers. Per layer the work runs as OpenMP tasks (one per (budget,
+ * config) fidelity row; per (K, config) report cache; per head spectrum; per (head, K, config)
+ * measured error), each on its thread's one-thread CPU context, and each result is added into
+ * the prompt's row in the serial order afterwards: the bytes do not depend on the thread count
+ * (the pass on the demo corpus, 2-core EPYC: 28.6-30.0 s -> 20.6 s with the REDUCE kernels in
+ * registers, -> 16.0-17.2 s with the tasks; before them the report ran one head at a time).
  * Callers: compiler/cmd_compile.c, cmd_inspect.c and kvcc eval through the pass table.
  *
  * defines: kvcc_pass_merge_reduce (its options and the eval methods mr, mr-random, mr-m16,
@@ -39,6 +44,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "corpus.h"
 #include "cpu/vexp.h" /* KVRT_SIMD_CLONES */
@@ -53,6 +61,9 @@
 
 #define MR_MAX_CFG 67   /* random + up to 32 grid values + d, plain and mass-compensated */
 #define MR_SPECTRUM 32  /* eigenvalues of Sigma written per head */
+/* The report's spectra hold a [M, D'] profile matrix per thread (M context tokens, D' = ns (d + 1));
+ * they run on as many threads at once as fit in this many bytes (at least one). */
+#define MR_SCRATCH_BYTES ((size_t)512 << 20)
 
 /* The reducer configurations the pass measures: 0 random, then cluster at each m of the grid,
  * then cluster with mass compensation (mass_comp = 1) at each m of the grid. */
@@ -136,116 +147,180 @@ static int mr_eigen(double *A, double count, uint32_t d, float *U, float *lam, d
 typedef struct {
     uint32_t d, ns;              /* head dim, sampled queries */
     int64_t C, n_sink, M;        /* context, sinks, middle tokens M = C - n_sink */
+} mr_report;
+
+/* One KV head's sampled queries and the exact sums its profiles are measured against. */
+typedef struct {
     const float *q[64];          /* the sampled queries [d] */
+    double *qT;                  /* [d, ns] the same, transposed, in double */
     double lse[64];              /* log sum_{t < C} exp(s q.k_t) */
     double *full;                /* [ns, d + 1] sum over all context tokens of g_t(q_j) */
+} mr_head;
+
+/* One thread's scratch for a head's covariance and spectrum. */
+typedef struct {
     double *X;                   /* [M, ns (d + 1)] profiles (centered) */
     double *cov;                 /* [D', D'] */
     double *ev;                  /* [D'] eigenvalues, descending */
     size_t cap_X;
-} mr_profile;
+} mr_scratch;
 
-static void mr_profile_free(mr_profile *P) {
-    free(P->full); free(P->X); free(P->cov); free(P->ev);
-    memset(P, 0, sizeof *P);
+static void mr_scratch_free(mr_scratch *S) {
+    free(S->X); free(S->cov); free(S->ev);
+    memset(S, 0, sizeof *S);
 }
 
-/* Profiles, covariance and spectrum of one KV head: k, v rows of stride ld (context [C]). Writes
- * *trace = M^2 tr(Sigma), ev (M^2-scaled, descending, D' values). 0 or -1 (memory, LAPACK). */
-static int mr_profile_head(mr_profile *P, const float *k, const float *v, int64_t ld,
-                           double *trace) {
-    const uint32_t d = P->d, ns = P->ns, D1 = d + 1;
-    const size_t Dp = (size_t)ns * D1;
-    const int64_t C = P->C, M = P->M;
-    const double s = 1.0 / sqrt((double)d);
-    if ((size_t)M * Dp > P->cap_X) {
-        free(P->X);
-        if (!(P->X = malloc(sizeof(double) * (size_t)M * Dp))) return -1;
-        P->cap_X = (size_t)M * Dp;
-    }
-    if (!P->full && !(P->full = malloc(sizeof(double) * Dp))) return -1;
-    if (!P->cov) {
-        P->cov = malloc(sizeof(double) * Dp * Dp);
-        P->ev = malloc(sizeof(double) * Dp);
-        if (!P->cov || !P->ev) return -1;
-    }
-    for (uint32_t j = 0; j < ns; j++) {      /* lse over the context */
-        const float *q = P->q[j];
-        double mx = -INFINITY, sum = 0;
-        for (int64_t t = 0; t < C; t++) {
-            double z = 0;
-            for (uint32_t i = 0; i < d; i++) z += (double)q[i] * k[(size_t)t * ld + i];
-            z *= s;
-            if (z > mx) { sum = sum * exp(mx - z) + 1; mx = z; }
-            else sum += exp(z - mx);
+/* z_j = s q_j.k for the ns sampled queries of a head and one key k, each dot product in double
+ * with i ascending (the same sums, query by query, as a scalar loop; eight queries at once in
+ * two-lane vectors, which the baseline x86-64 build keeps in SSE2 registers, so that the sums no
+ * longer wait on the adder's latency one query at a time). */
+typedef double mr_c2d __attribute__((vector_size(16)));
+typedef double mr_c2du __attribute__((vector_size(16), aligned(8)));
+static void mr_logits(const double *qT, uint32_t ns, const float *k, uint32_t d, double s,
+                      double *z) {
+    uint32_t j0 = 0;
+    const mr_c2d sv = {s, s};
+    for (; j0 + 8 <= ns; j0 += 8) {
+        mr_c2d a0 = {0, 0}, a1 = {0, 0}, a2 = {0, 0}, a3 = {0, 0};
+        for (uint32_t i = 0; i < d; i++) {
+            const double kx = k[i];
+            const mr_c2d kv = {kx, kx};
+            const double *q = qT + (size_t)i * ns + j0;
+            a0 += *(const mr_c2du *)q * kv;
+            a1 += *(const mr_c2du *)(q + 2) * kv;
+            a2 += *(const mr_c2du *)(q + 4) * kv;
+            a3 += *(const mr_c2du *)(q + 6) * kv;
         }
-        P->lse[j] = mx + log(sum);
-        double *f = P->full + (size_t)j * D1;
-        memset(f, 0, sizeof(double) * D1);
-        for (int64_t t = 0; t < C; t++) {
-            double z = 0;
-            for (uint32_t i = 0; i < d; i++) z += (double)q[i] * k[(size_t)t * ld + i];
-            const double e = exp(z * s - P->lse[j]);
+        *(mr_c2du *)(z + j0) = a0 * sv;
+        *(mr_c2du *)(z + j0 + 2) = a1 * sv;
+        *(mr_c2du *)(z + j0 + 4) = a2 * sv;
+        *(mr_c2du *)(z + j0 + 6) = a3 * sv;
+    }
+    for (; j0 < ns; j0++) {
+        double a = 0;
+        for (uint32_t i = 0; i < d; i++) a += qT[(size_t)i * ns + j0] * (double)k[i];
+        z[j0] = a * s;
+    }
+}
+
+/* lse_j and full_j of head hd (queries set) over the context rows k, v of stride ld. */
+static void mr_head_sums(const mr_report *R, mr_head *hd, const float *k, const float *v,
+                         int64_t ld) {
+    const uint32_t d = R->d, D1 = d + 1, ns = R->ns;
+    const double s = 1.0 / sqrt((double)d);
+    double mx[64], sum[64], z[64];
+    for (uint32_t j = 0; j < ns; j++) {
+        mx[j] = -INFINITY;
+        sum[j] = 0;
+    }
+    for (int64_t t = 0; t < R->C; t++) {
+        mr_logits(hd->qT, ns, k + (size_t)t * ld, d, s, z);
+        for (uint32_t j = 0; j < ns; j++) {
+            if (z[j] > mx[j]) { sum[j] = sum[j] * exp(mx[j] - z[j]) + 1; mx[j] = z[j]; }
+            else sum[j] += exp(z[j] - mx[j]);
+        }
+    }
+    for (uint32_t j = 0; j < ns; j++) hd->lse[j] = mx[j] + log(sum[j]);
+    memset(hd->full, 0, sizeof(double) * ns * D1);
+    for (int64_t t = 0; t < R->C; t++) {
+        mr_logits(hd->qT, ns, k + (size_t)t * ld, d, s, z);
+        for (uint32_t j = 0; j < ns; j++) {
+            const double e = exp(z[j] - hd->lse[j]);
+            double *f = hd->full + (size_t)j * D1;
+#pragma omp simd
             for (uint32_t i = 0; i < d; i++) f[i] += e * v[(size_t)t * ld + i];
             f[d] += e;
-            if (t >= P->n_sink) {
-                double *x = P->X + (size_t)(t - P->n_sink) * Dp + (size_t)j * D1;
-                const double r = e / sqrt((double)ns);
-                for (uint32_t i = 0; i < d; i++) x[i] = r * v[(size_t)t * ld + i];
-                x[d] = r;
-            }
+        }
+    }
+}
+
+/* Profiles, covariance and spectrum of head hd (mr_head_sums done): k, v rows of stride ld.
+ * Writes *trace = M^2 tr(Sigma) and S->ev (M^2-scaled, descending, D' values). 0 or -1 (memory,
+ * LAPACK). OpenBLAS runs one thread here (cmd_compile.c); the calls are reentrant, so heads run
+ * on several OpenMP threads at once. */
+static int mr_head_spectrum(const mr_report *R, const mr_head *hd, mr_scratch *S, const float *k,
+                            const float *v, int64_t ld, double *trace) {
+    const uint32_t d = R->d, ns = R->ns, D1 = d + 1;
+    const size_t Dp = (size_t)ns * D1;
+    const int64_t M = R->M;
+    const double s = 1.0 / sqrt((double)d);
+    if ((size_t)M * Dp > S->cap_X) {
+        free(S->X);
+        if (!(S->X = malloc(sizeof(double) * (size_t)M * Dp))) {
+            S->cap_X = 0;
+            return -1;
+        }
+        S->cap_X = (size_t)M * Dp;
+    }
+    if (!S->cov) {
+        S->cov = malloc(sizeof(double) * Dp * Dp);
+        S->ev = malloc(sizeof(double) * Dp);
+        if (!S->cov || !S->ev) return -1;
+    }
+    double z[64];
+    for (int64_t t = R->n_sink; t < R->C; t++) {
+        mr_logits(hd->qT, ns, k + (size_t)t * ld, d, s, z);
+        for (uint32_t j = 0; j < ns; j++) {
+            const double e = exp(z[j] - hd->lse[j]);
+            double *x = S->X + (size_t)(t - R->n_sink) * Dp + (size_t)j * D1;
+            const double r = e / sqrt((double)ns);
+#pragma omp simd
+            for (uint32_t i = 0; i < d; i++) x[i] = r * v[(size_t)t * ld + i];
+            x[d] = r;
         }
     }
     /* center over the M tokens, tr(Sigma) = |X_c|_F^2 / M */
     double tr = 0;
     for (size_t c = 0; c < Dp; c++) {
         double mu = 0;
-        for (int64_t t = 0; t < M; t++) mu += P->X[(size_t)t * Dp + c];
+        for (int64_t t = 0; t < M; t++) mu += S->X[(size_t)t * Dp + c];
         mu /= (double)M;
         for (int64_t t = 0; t < M; t++) {
-            double *x = &P->X[(size_t)t * Dp + c];
+            double *x = &S->X[(size_t)t * Dp + c];
             *x -= mu;
             tr += *x * *x;
         }
     }
     tr /= (double)M;
     *trace = (double)M * (double)M * tr;
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)Dp, (int)M, 1.0 / (double)M, P->X,
-                (int)Dp, 0.0, P->cov, (int)Dp);
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)Dp, (int)M, 1.0 / (double)M, S->X,
+                (int)Dp, 0.0, S->cov, (int)Dp);
     const lapack_int n = (lapack_int)Dp;
-    if (LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'N', 'U', n, P->cov, n, P->ev) != 0) return -1;
+    if (LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'N', 'U', n, S->cov, n, S->ev) != 0) return -1;
     for (size_t i = 0; i < Dp / 2; i++) {     /* descending */
-        const double t = P->ev[i];
-        P->ev[i] = P->ev[Dp - 1 - i];
-        P->ev[Dp - 1 - i] = t;
+        const double t = S->ev[i];
+        S->ev[i] = S->ev[Dp - 1 - i];
+        S->ev[Dp - 1 - i] = t;
     }
-    for (size_t i = 0; i < Dp; i++) P->ev[i] = (double)M * (double)M * fmax(P->ev[i], 0.0);
+    for (size_t i = 0; i < Dp; i++) S->ev[i] = (double)M * (double)M * fmax(S->ev[i], 0.0);
     return 0;
 }
 
 /* The measured error of head h of cache cc: mean_j |sum_e w_e g_e(q_j) - full_j|^2 (the sinks'
- * exact entries cancel). */
-static double mr_measured(const mr_profile *P, const kvrt_cache *cc, uint32_t h) {
-    const uint32_t d = P->d, D1 = d + 1;
+ * exact entries cancel). acc: [ns, d + 1] scratch. */
+static double mr_measured(const mr_report *R, const mr_head *hd, const kvrt_cache *cc, uint32_t h,
+                          double *acc) {
+    const uint32_t d = R->d, D1 = d + 1, ns = R->ns;
     const double s = 1.0 / sqrt((double)d);
     const float *K = cc->keys, *V = cc->values;
-    double err = 0;
-    double *acc = malloc(sizeof(double) * D1);
-    if (!acc) return NAN;
-    for (uint32_t j = 0; j < P->ns; j++) {
-        memset(acc, 0, sizeof(double) * D1);
-        for (int64_t e = cc->host_offsets[h]; e < cc->host_offsets[h + 1]; e++) {
-            double z = 0;
-            for (uint32_t i = 0; i < d; i++) z += (double)P->q[j][i] * K[(size_t)e * d + i];
-            const double x = exp(z * s + cc->bias[e] - P->lse[j]);
-            for (uint32_t i = 0; i < d; i++) acc[i] += x * V[(size_t)e * d + i];
-            acc[d] += x;
+    double z[64];
+    memset(acc, 0, sizeof(double) * ns * D1);
+    for (int64_t e = cc->host_offsets[h]; e < cc->host_offsets[h + 1]; e++) {
+        mr_logits(hd->qT, ns, K + (size_t)e * d, d, s, z);
+        for (uint32_t j = 0; j < ns; j++) {
+            const double x = exp(z[j] + cc->bias[e] - hd->lse[j]);
+            double *a = acc + (size_t)j * D1;
+#pragma omp simd
+            for (uint32_t i = 0; i < d; i++) a[i] += x * V[(size_t)e * d + i];
+            a[d] += x;
         }
-        const double *f = P->full + (size_t)j * D1;
-        for (uint32_t i = 0; i < D1; i++) err += (acc[i] - f[i]) * (acc[i] - f[i]);
     }
-    free(acc);
-    return err / P->ns;
+    double err = 0;
+    for (uint32_t j = 0; j < ns; j++) {
+        const double *a = acc + (size_t)j * D1, *f = hd->full + (size_t)j * D1;
+        for (uint32_t i = 0; i < D1; i++) err += (a[i] - f[i]) * (a[i] - f[i]);
+    }
+    return err / ns;
 }
 
 /* Spearman rank correlation of x, y [n] (ties: average ranks); NAN when n < 3. */
@@ -366,12 +441,13 @@ static int mr_compress(kvrt_ctx *rt, const mr_acc *A, uint32_t m, int mc, const 
 
 /* The continuation queries of KV head h sampled for the report: ns evenly spaced over its N * G
  * (query, head) pairs. */
-static void mr_sample_queries(mr_profile *P, const kvcc_loop *lp, uint32_t h) {
+static void mr_sample_queries(mr_head *hd, uint32_t ns, const kvcc_loop *lp, uint32_t h) {
     const uint32_t G = lp->H / lp->Hkv;
     const int64_t nq = lp->N * G;
-    for (uint32_t j = 0; j < P->ns; j++) {
-        const int64_t qi = (int64_t)(((double)j + 0.5) * (double)nq / P->ns);
-        P->q[j] = lp->qc + ((size_t)(qi / G) * lp->H + (size_t)h * G + (size_t)(qi % G)) * lp->d;
+    for (uint32_t j = 0; j < ns; j++) {
+        const int64_t qi = (int64_t)(((double)j + 0.5) * (double)nq / ns);
+        hd->q[j] = lp->qc + ((size_t)(qi / G) * lp->H + (size_t)h * G + (size_t)(qi % G)) * lp->d;
+        for (uint32_t i = 0; i < lp->d; i++) hd->qT[(size_t)i * ns + j] = (double)hd->q[j][i];
     }
 }
 
@@ -380,12 +456,48 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     const int nC = A->cf.n, nb = A->nb, nk = A->nk;
     kvcc_loop lp;
     int rc = kvcc_loop_open(&lp, cx->corpus, "merge-reduce", KVCC_LOOP_REF, err, errlen);
-    mr_profile P = {.d = d, .ns = cx->mr_report_queries};
-    uint32_t *mh = malloc(sizeof(uint32_t) * Hkv);
-    kvrt_cache **rep = calloc((size_t)nk * nC, sizeof *rep); /* the report's caches of a layer */
-    if (!rc && (!mh || !rep)) {
+    mr_report R = {.d = d, .ns = cx->mr_report_queries};
+    /* the report runs its (K, config) compressions, and then its heads' spectra and measured
+     * errors, as OpenMP tasks: per thread a CPU context (one thread each), mh and a scratch;
+     * per task its result, summed into the prompt's row in the serial order afterwards */
+    int nt = 1;
+#ifdef _OPENMP
+    nt = omp_get_max_threads();
+#endif
+    const int nrep = nk * nC, nmeas = (int)Hkv * nrep;
+    uint32_t *mh = malloc(sizeof(uint32_t) * Hkv * (size_t)nt);
+    kvrt_cache **rep = calloc((size_t)nrep, sizeof *rep); /* the report's caches of a layer */
+    int *rep_st = calloc((size_t)nrep, sizeof *rep_st);
+    char (*rep_msg)[sizeof ((kvrt_error *)0)->msg] = calloc((size_t)nrep, sizeof *rep_msg);
+    kvrt_ctx **rts = calloc((size_t)nt, sizeof *rts);
+    mr_scratch *scr = calloc((size_t)nt, sizeof *scr);
+    mr_head *heads = calloc(Hkv, sizeof *heads);
+    double *hd_trace = calloc(Hkv, sizeof(double)), *hd_ev = NULL,
+           *mval = calloc((size_t)nmeas, sizeof(double));
+    int *hd_bad = calloc(Hkv, sizeof(int));
+    const size_t Dp = (size_t)R.ns * (d + 1);
+    hd_ev = calloc((size_t)Hkv * Dp, sizeof(double));
+    double *macc = malloc(sizeof(double) * (size_t)nt * (Dp ? Dp : 1)); /* mr_measured's scratch */
+    float **fo = calloc((size_t)nt, sizeof *fo), **flse = calloc((size_t)nt, sizeof *flse);
+    size_t fo_cap = 0;
+    int *fid_st = calloc((size_t)nb * nC, sizeof *fid_st);
+    char (*fid_msg)[sizeof ((kvrt_error *)0)->msg] = calloc((size_t)nb * nC, sizeof *fid_msg);
+    int oom = !macc || !fo || !flse || !fid_st || !fid_msg || !mh || !rep || !rep_st ||
+              !rep_msg || !rts || !scr || !heads || !hd_trace || !hd_ev || !mval || !hd_bad;
+    for (uint32_t h = 0; !oom && h < Hkv; h++)
+        oom = !(heads[h].full = malloc(sizeof(double) * (Dp ? Dp : 1))) ||
+              !(heads[h].qT = malloc(sizeof(double) * (Dp ? Dp : 1)));
+    if (!rc && oom) {
         snprintf(err, errlen, "merge-reduce: out of memory");
         rc = KVCC_EXIT_FAILED;
+    }
+    for (int t = 0; t < nt && !rc; t++) {
+        const kvrt_ctx_options ro = {.n_threads = 1};
+        kvrt_error ke;
+        if (kvrt_ctx_create(KVRT_BACKEND_CPU, &ro, &rts[t], &ke) != KVRT_OK) {
+            snprintf(err, errlen, "merge-reduce: %s", ke.msg);
+            rc = KVCC_EXIT_FAILED;
+        }
     }
     kvrt_mr_opts o;
     kvrt_mr_opts_init(&o);
@@ -419,89 +531,163 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
             rc = KVCC_EXIT_USAGE;
             break;
         }
-        const int report = P.ns > 0 && (int64_t)P.ns <= N * G;
+        const int report = R.ns > 0 && (int64_t)R.ns <= N * G;
         for (uint32_t l = 0; l < L && !rc; l++) {
             if ((rc = kvcc_loop_layer(&lp, l, err, errlen)) != 0) break;
-            /* 2. fidelity per (config, budget, head) */
-            for (int b = 0; b < nb && !rc; b++)
-                for (int c = 0; c < nC && !rc; c++) {
-                    int64_t B = 0;
-                    kvrt_cache *cc = NULL;
-                    int s = kvrt_budget_resolve(cx->mr_budgets[b], C, &B);
-                    if (!s)
-                        s = mr_compress(lp.rt, A, A->cf.m[c], A->cf.mc[c], &o, l, lp.k, lp.v, C,
-                                        (double)B, mh, &cc);
-                    if (!s) s = kvcc_loop_attend(&lp, cc, lp.o_c, lp.lse_c, NULL);
-                    kvrt_cache_free(cc);
-                    if (s) {
-                        snprintf(err, errlen, "merge-reduce: prompt %u layer %u budget %g: %s (%s)",
-                                 p, l, cx->mr_budgets[b], kvrt_status_str(s),
-                                 kvrt_last_error()->msg);
-                        rc = KVCC_EXIT_FAILED;
-                        break;
-                    }
-                    for (uint32_t h = 0; h < Hkv; h++) {
-                        double e = 0;
-                        for (int64_t i = 0; i < N; i++)
-                            for (uint32_t g = 0; g < G; g++) {
-                                const size_t r = ((size_t)i * H + (size_t)h * G + g) * d;
-                                e += kvcc_relerr(lp.o_c + r, lp.o_full + r, d);
-                            }
-                        fid[(((size_t)c * nb + b) * L + l) * Hkv + h] +=
-                            e / ((double)N * G * A->n_prompts);
-                    }
+            /* 2. fidelity per (config, budget, head): one OpenMP task per (budget, config), on
+             * its thread's context and output buffers */
+            if (fo_cap < (size_t)N * H * d) {
+                fo_cap = 0;
+                for (int t = 0; t < nt; t++) {
+                    free(fo[t]);
+                    free(flse[t]);
+                    fo[t] = malloc(sizeof(float) * (size_t)N * H * d);
+                    flse[t] = malloc(sizeof(float) * (size_t)N * H);
+                    if (!fo[t] || !flse[t]) rc = KVCC_EXIT_FAILED;
                 }
+                if (rc) {
+                    snprintf(err, errlen, "merge-reduce: out of memory (%lld continuation tokens)",
+                             (long long)N);
+                    break;
+                }
+                fo_cap = (size_t)N * H * d;
+            }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+            for (int task = 0; task < nb * nC; task++) {
+                const int b = task / nC, c = task % nC;
+                int tid = 0;
+#ifdef _OPENMP
+                tid = omp_get_thread_num();
+#endif
+                int64_t B = 0;
+                kvrt_cache *cc = NULL;
+                int s = kvrt_budget_resolve(cx->mr_budgets[b], C, &B);
+                if (!s)
+                    s = mr_compress(rts[tid], A, A->cf.m[c], A->cf.mc[c], &o, l, lp.k, lp.v, C,
+                                    (double)B, mh + (size_t)tid * Hkv, &cc);
+                if (!s) s = kvcc_loop_attend_on(&lp, rts[tid], cc, fo[tid], flse[tid], NULL);
+                kvrt_cache_free(cc);
+                fid_st[task] = s;
+                if (s) {
+                    snprintf(fid_msg[task], sizeof fid_msg[task], "%s", kvrt_last_error()->msg);
+                    continue;
+                }
+                for (uint32_t h = 0; h < Hkv; h++) {
+                    double e = 0;
+                    for (int64_t i = 0; i < N; i++)
+                        for (uint32_t g = 0; g < G; g++) {
+                            const size_t r = ((size_t)i * H + (size_t)h * G + g) * d;
+                            e += kvcc_relerr(fo[tid] + r, lp.o_full + r, d);
+                        }
+                    fid[(((size_t)c * nb + b) * L + l) * Hkv + h] +=
+                        e / ((double)N * G * A->n_prompts);
+                }
+            }
+            for (int task = 0; task < nb * nC && !rc; task++)
+                if (fid_st[task]) {
+                    snprintf(err, errlen, "merge-reduce: prompt %u layer %u budget %g: %s (%s)", p,
+                             l, cx->mr_budgets[task / nC], kvrt_status_str(fid_st[task]),
+                             fid_msg[task]);
+                    rc = KVCC_EXIT_FAILED;
+                }
+            if (rc) break;
             if (!report || rc) continue;
             /* 3. the report: the caches of every (K, config) (sinks + K entries, no recent
              * window), then per head its profiles, spectrum and the measured errors */
-            P.C = C;
-            P.n_sink = cx->mr_sinks;
-            P.M = C - P.n_sink;
+            R.C = C;
+            R.n_sink = cx->mr_sinks;
+            R.M = C - R.n_sink;
             kvrt_mr_opts orep = o;
             orep.recent_frac = 0;
-            for (int ki = 0; ki < nk && !rc; ki++) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
+            for (int task = 0; task < nrep; task++) {
+                const int ki = task / nC, c = task % nC;
+                int tid = 0;
+#ifdef _OPENMP
+                tid = omp_get_thread_num();
+#endif
                 const int64_t K = (int64_t)cx->mr_report_k[ki];
-                if (P.n_sink + K >= C) continue;
-                for (int c = 0; c < nC && !rc; c++) {
-                    int s = mr_compress(lp.rt, A, A->cf.m[c], A->cf.mc[c], &orep, l, lp.k, lp.v, C,
-                                        (double)(P.n_sink + K), mh, &rep[ki * nC + c]);
-                    if (s) {
-                        snprintf(err, errlen, "merge-reduce: report, prompt %u layer %u K %lld: "
-                                 "%s (%s)", p, l, (long long)K, kvrt_status_str(s),
-                                 kvrt_last_error()->msg);
-                        rc = KVCC_EXIT_FAILED;
+                rep_st[task] = 0;
+                if (R.n_sink + K >= C) continue;
+                rep_st[task] = mr_compress(rts[tid], A, A->cf.m[c], A->cf.mc[c], &orep, l, lp.k,
+                                           lp.v, C, (double)(R.n_sink + K), mh + (size_t)tid * Hkv,
+                                           &rep[task]);
+                if (rep_st[task])
+                    snprintf(rep_msg[task], sizeof rep_msg[task], "%s", kvrt_last_error()->msg);
+            }
+            for (int task = 0; task < nrep && !rc; task++)
+                if (rep_st[task]) {
+                    snprintf(err, errlen, "merge-reduce: report, prompt %u layer %u K %g: %s (%s)",
+                             p, l, cx->mr_report_k[task / nC], kvrt_status_str(rep_st[task]),
+                             rep_msg[task]);
+                    rc = KVCC_EXIT_FAILED;
+                }
+            if (rc) break;
+#pragma omp parallel for schedule(static) num_threads(nt)
+            for (uint32_t h = 0; h < Hkv; h++) {
+                mr_sample_queries(&heads[h], R.ns, &lp, h);
+                mr_head_sums(&R, &heads[h], lp.k + (size_t)h * d, lp.v + (size_t)h * d,
+                             (int64_t)Hkv * d);
+            }
+            /* the spectra first (the long tasks), then the measured errors, in one pool when
+             * every thread's scratch fits in MR_SCRATCH_BYTES; else the spectra on st threads,
+             * then the measured errors on all */
+            const size_t xb = (size_t)R.M * Dp * sizeof(double);
+            const int st = xb * (size_t)nt <= MR_SCRATCH_BYTES
+                               ? nt
+                               : (int)(MR_SCRATCH_BYTES / xb > 1 ? MR_SCRATCH_BYTES / xb : 1);
+            const int split = st < nt;
+            for (int ph = 0; ph < 1 + split; ph++) {
+                const int lo = split && ph == 1 ? (int)Hkv : 0,
+                          hi = split && ph == 0 ? (int)Hkv : (int)Hkv + nmeas;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(split && ph == 0 ? st : nt)
+                for (int task = lo; task < hi; task++) {
+                    int tid = 0;
+#ifdef _OPENMP
+                    tid = omp_get_thread_num();
+#endif
+                    if (task < (int)Hkv) {
+                        const uint32_t h = (uint32_t)task;
+                        hd_bad[h] = mr_head_spectrum(&R, &heads[h], &scr[tid],
+                                                     lp.k + (size_t)h * d, lp.v + (size_t)h * d,
+                                                     (int64_t)Hkv * d, &hd_trace[h]);
+                        if (!hd_bad[h]) memcpy(hd_ev + h * Dp, scr[tid].ev, sizeof(double) * Dp);
+                    } else {
+                        const int t2 = task - (int)Hkv, r = t2 % nrep;
+                        const uint32_t h = (uint32_t)(t2 / nrep);
+                        mval[t2] = rep[r] ? mr_measured(&R, &heads[h], rep[r], h,
+                                                        macc + (size_t)tid * Dp)
+                                          : 0;
                     }
                 }
             }
             for (uint32_t h = 0; h < Hkv && !rc; h++) {
-                mr_sample_queries(&P, &lp, h);
-                double tr = 0;
-                if (mr_profile_head(&P, lp.k + (size_t)h * d, lp.v + (size_t)h * d,
-                                    (int64_t)Hkv * d, &tr) != 0) {
+                if (hd_bad[h]) {
                     snprintf(err, errlen, "merge-reduce: the report's covariance failed at prompt "
                              "%u layer %u head %u (out of memory or LAPACK)", p, l, h);
                     rc = KVCC_EXIT_FAILED;
                     break;
                 }
-                const size_t lh = (size_t)l * Hkv + h, Dp = (size_t)P.ns * (d + 1);
-                trace[lh] += tr;
+                const size_t lh = (size_t)l * Hkv + h;
+                const double *ev = hd_ev + h * Dp;
+                trace[lh] += hd_trace[h];
                 for (size_t r = 0; r < MR_SPECTRUM && r < Dp; r++)
-                    spec[lh * MR_SPECTRUM + r] += P.ev[r];
+                    spec[lh * MR_SPECTRUM + r] += ev[r];
                 for (int ki = 0; ki < nk; ki++) {
                     const int64_t K = (int64_t)cx->mr_report_k[ki];
                     double tl = 0;
-                    for (size_t r = (size_t)(K / 3); r < Dp; r++) tl += P.ev[r];
+                    for (size_t r = (size_t)(K / 3); r < Dp; r++) tl += ev[r];
                     tail[(size_t)ki * L * Hkv + lh] += tl;
                     for (int c = 0; c < nC; c++)
                         if (rep[ki * nC + c])
                             meas[(((size_t)c * nk + ki) * L + l) * Hkv + h] +=
-                                mr_measured(&P, rep[ki * nC + c], h);
+                                mval[(size_t)h * nrep + ki * nC + c];
                 }
             }
-            for (int i = 0; i < nk * nC; i++) { kvrt_cache_free(rep[i]); rep[i] = NULL; }
+            for (int i = 0; i < nrep; i++) { kvrt_cache_free(rep[i]); rep[i] = NULL; }
             if (l == 0)
                 for (int ki = 0; ki < nk; ki++)
-                    if (P.n_sink + (int64_t)cx->mr_report_k[ki] < C) n_meas[ki] += 1;
+                    if (R.n_sink + (int64_t)cx->mr_report_k[ki] < C) n_meas[ki] += 1;
         }
         if (report && !rc) *n_report += 1;
         if (cx->progress) kvcc_progress(p + 1 - sum.lo, sum.hi - sum.lo);
@@ -534,9 +720,15 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                 *x = A->n_meas[ki] ? *x / (double)A->n_meas[ki] : -1.0;
             }
         }
-    for (int i = 0; rep && i < nk * nC; i++) kvrt_cache_free(rep[i]);
-    free(rep); free(mh);
-    mr_profile_free(&P);
+    for (int i = 0; rep && i < nrep; i++) kvrt_cache_free(rep[i]);
+    for (int t = 0; scr && t < nt; t++) mr_scratch_free(&scr[t]);
+    for (int t = 0; rts && t < nt; t++) kvrt_ctx_free(rts[t]);
+    for (uint32_t h = 0; heads && h < Hkv; h++) { free(heads[h].full); free(heads[h].qT); }
+    free(rep); free(rep_st); free(rep_msg); free(rts); free(scr); free(heads);
+    free(hd_trace); free(hd_ev); free(mval); free(hd_bad); free(mh);
+    for (int t = 0; fo && t < nt; t++) free(fo[t]);
+    for (int t = 0; flse && t < nt; t++) free(flse[t]);
+    free(fo); free(flse); free(fid_st); free(fid_msg); free(macc);
     kvcc_loop_close(&lp);
     return rc;
 }
