@@ -184,7 +184,7 @@ EXAMPLES   := $(patsubst examples/%.c,$(BUILD)/examples/%,$(wildcard examples/*.
 ALL_LIBS := $(LIBCALIB_A) $(LIBKVRT_A) $(LIBKVPOL_A) $(HDF5_LIBS) $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) \
             $(LIBS_FORMATS) $(LIBS_JSON) $(LIBS_MPI) -lm -lpthread
 
-.PHONY: all deps peer-deps model test python-test test-openblas check check-cli backend-ops cuda-emu-asan demo fuzz bench examples golden golden-inputs clean \
+.PHONY: all deps peer-deps model test test-cuda-emu python-test test-openblas check check-cli backend-ops cuda-emu-asan demo fuzz bench examples golden golden-inputs clean \
         install uninstall check-install
 all: $(LIBKVPOL_A) $(LIBKVPOL_SO) $(LIBKVRT_A) $(LIBKVRT_SO) $(LIBKVRT_CUDA) $(KVCC)
 
@@ -321,19 +321,7 @@ test: deps peer-deps model
 	  $(EXAMPLES) $(CUDA_EMU) $(CUDA_EMU_ASAN)
 	@echo "== backend ops (tests/backend: every op on every backend against its reference)"
 	@OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS)
-	@if [ -n "$(CUDA_EMU)" ]; then \
-	  echo "== the CUDA backend on the CPU under AddressSanitizer (tests/cuda_emu: every runtime/cuda/*.cu emulated, built with ASan; tests/backend's CUDA rows on it)"; \
-	  if [ "$(USE_CUDA)" = 1 ]; then \
-	    ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=$$($(CXX) -print-file-name=libasan.so) \
-	      KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_ASAN) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BACKEND_OPS) || exit 1; \
-	    echo "== the CUDA unit tests on the emulated plugin (kvcc_tests cuda/*; softmax_matches_ref, 2 min emulated, is left to tests/backend's rows and the GPU)"; \
-	    KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
-	      $(TESTS) --jobs 2 --filter 'cuda/[!s]*' || exit 1; \
-	    KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
-	      $(TESTS) --filter 'cuda/softmax_edge*' || exit 1; \
-	  else echo "backend-ops (cuda emulated): skipped: libkvrt built without its CUDA loader (USE_CUDA=0)"; fi; \
-	  echo "== the CUDA AM compaction on the CPU (tests/cuda_emu: runtime/cuda/am.cu emulated, against the CPU path)"; \
-	  OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(CUDA_EMU_AM); fi
+	@if [ -n "$(CUDA_EMU)" ]; then $(MAKE) --no-print-directory $(SUBJ) test-cuda-emu; fi
 	@echo "== unit, golden and equivalence tests (Criterion)"
 	@KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp \
 	  $(TESTS) --jobs 2
@@ -388,6 +376,33 @@ else
 endif
 
 # The CLI checks alone: tests/cli/run.sh, then tests/cli/faults.sh (each prints its summary line).
+# make test's CUDA steps (plain builds): tests/backend's CUDA rows on the AddressSanitizer build of
+# the emulated plugin, on one core beside the cuda/* units and cuda_emu_am (it runs single-threaded:
+# 47 s alone on the 2-core EPYC; the three steps took 55 + 28 + 17 s one after another), its output
+# printed after theirs. ASan's one warning about makecontext / swapcontext is expected: they only
+# start the emulator's fibers, whose switches then go through ASan's fiber annotations.
+test-cuda-emu: $(TESTS) $(BACKEND_OPS) $(CUDA_EMU) $(CUDA_EMU_ASAN)
+	@echo "== the CUDA backend on the CPU (tests/cuda_emu: every runtime/cuda/*.cu emulated)"; \
+	st=0; rows_pid=; rows_log=$(BUILD)/cuda_emu/asan/rows.log; \
+	if [ "$(USE_CUDA)" = 1 ]; then \
+	  echo "tests/backend's CUDA rows on the plugin's AddressSanitizer build: started beside the two steps below (on one core), printed after them"; \
+	  ( ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=$$($(CXX) -print-file-name=libasan.so) \
+	    KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_ASAN) OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 \
+	    $(BACKEND_OPS) > $$rows_log 2>&1 ) & rows_pid=$$!; \
+	  echo "== the CUDA unit tests on the emulated plugin (kvcc_tests cuda/*; softmax_matches_ref, 2 min emulated, is left to tests/backend's rows and the GPU)"; \
+	  KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	    $(TESTS) --jobs 2 --filter 'cuda/[!s]*' || st=1; \
+	  KVRT_CUDA_LIBRARY=$(CURDIR)/$(CUDA_EMU_LIB) KVCC_BUILD=$(BUILD) OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} \
+	    $(TESTS) --filter 'cuda/softmax_edge*' || st=1; \
+	else echo "backend-ops (cuda emulated): skipped: libkvrt built without its CUDA loader (USE_CUDA=0)"; fi; \
+	echo "== the CUDA AM compaction on the CPU (tests/cuda_emu: runtime/cuda/am.cu emulated, against the CPU path)"; \
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(CUDA_EMU_AM) || st=1; \
+	if [ -n "$$rows_pid" ]; then \
+	  wait $$rows_pid || st=1; \
+	  echo "== tests/backend's CUDA rows on the emulated plugin built with AddressSanitizer (a kernel that reads or writes past a buffer stops with ASan's report)"; \
+	  cat $$rows_log; fi; \
+	exit $$st
+
 check-cli: all $(EXAMPLES)
 	@st=0; KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/run.sh || st=1; \
 	  KVCC=$(KVCC) KVCC_BUILD=$(BUILD) bash tests/cli/faults.sh || st=1; exit $$st
@@ -398,8 +413,9 @@ backend-ops: $(BACKEND_OPS)
 # tests/backend's CUDA rows on the emulated plugin built with AddressSanitizer: a kernel that
 # reads or writes past a device buffer (host memory in the emulation) stops with ASan's report.
 # `make test`'s plain pass runs the rows on this plugin (the same rows and bounds as on the plain
-# one, plus the memory checks: 51 s on a 2-core EPYC against 24 s, and an 18 s build); `make
-# cuda-emu-asan` runs them alone. The plain plugin stays for the cuda/* units, cuda_emu_am, pytest.
+# one, plus the memory checks: 47-51 s on a 2-core EPYC against 24 s, and an 18 s build), beside
+# other steps (test-cuda-emu); `make cuda-emu-asan` runs them alone. The plain plugin stays for
+# the cuda/* units, cuda_emu_am and pytest.
 CUDA_EMU_ASAN := $(if $(SANFLAGS),,$(if $(filter 1,$(USE_CUDA)),$(BUILD)/cuda_emu/asan/libkvrt_cuda_emu.so))
 CUDA_EMU_ASAN_OBJ := $(patsubst runtime/cuda/%.cu,$(BUILD)/cuda_emu/asan/%_emu.o,$(CUDA_EMU_SRC)) \
                      $(BUILD)/cuda_emu/asan/emu_rt.o

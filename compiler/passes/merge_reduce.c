@@ -10,7 +10,7 @@
  *    budget of --mr-budgets compresses each layer with the runtime (kvrt_mr_compress_layer) for
  *    the random reducer and the clustering reducer at every m of --mr-m and m = d; the
  *    continuation queries attend to the compressed context plus the exact continuation
- *    (kvcc_loop_attend, as kvcc eval's layer-local rows); the m of lowest mean relative output
+ *    (kvcc_loop_attend_on, as kvcc eval's layer-local rows); the m of lowest mean relative output
  *    error wins (ties: the smaller m). The clustering is measured without and with mass
  *    compensation (configs cluster-M, cluster-mc-M); m is chosen per head within the setting
  *    (mass_comp 0 or 1) whose choice has the lower mean error, and that setting is written
@@ -61,8 +61,9 @@
 
 #define MR_MAX_CFG 67   /* random + up to 32 grid values + d, plain and mass-compensated */
 #define MR_SPECTRUM 32  /* eigenvalues of Sigma written per head */
-/* The report's spectra hold a [M, D'] profile matrix per thread (M context tokens, D' = ns (d + 1));
- * they run on as many threads at once as fit in this many bytes (at least one). */
+/* The report's spectra hold a [M, D'] profile matrix and a [D', D'] covariance per thread (M
+ * context tokens after the sinks, D' = ns (d + 1)); they run on as many threads at once as fit in
+ * this many bytes (at least one). The scratches are freed after each prompt. */
 #define MR_SCRATCH_BYTES ((size_t)512 << 20)
 
 /* The reducer configurations the pass measures: 0 random, then cluster at each m of the grid,
@@ -252,10 +253,17 @@ static int mr_head_spectrum(const mr_report *R, const mr_head *hd, mr_scratch *S
         }
         S->cap_X = (size_t)M * Dp;
     }
-    if (!S->cov) {
+    if (!S->cov || !S->ev) {
+        free(S->cov);
+        free(S->ev);
         S->cov = malloc(sizeof(double) * Dp * Dp);
         S->ev = malloc(sizeof(double) * Dp);
-        if (!S->cov || !S->ev) return -1;
+        if (!S->cov || !S->ev) {
+            free(S->cov);
+            free(S->ev);
+            S->cov = S->ev = NULL;
+            return -1;
+        }
     }
     double z[64];
     for (int64_t t = R->n_sink; t < R->C; t++) {
@@ -466,17 +474,18 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
 #endif
     const int nrep = nk * nC, nmeas = (int)Hkv * nrep;
     uint32_t *mh = malloc(sizeof(uint32_t) * Hkv * (size_t)nt);
-    kvrt_cache **rep = calloc((size_t)nrep, sizeof *rep); /* the report's caches of a layer */
-    int *rep_st = calloc((size_t)nrep, sizeof *rep_st);
-    char (*rep_msg)[sizeof ((kvrt_error *)0)->msg] = calloc((size_t)nrep, sizeof *rep_msg);
+    const size_t nrep1 = nrep ? (size_t)nrep : 1; /* calloc(0) may return NULL */
+    kvrt_cache **rep = calloc(nrep1, sizeof *rep); /* the report's caches of a layer */
+    int *rep_st = calloc(nrep1, sizeof *rep_st);
+    char (*rep_msg)[sizeof ((kvrt_error *)0)->msg] = calloc(nrep1, sizeof *rep_msg);
     kvrt_ctx **rts = calloc((size_t)nt, sizeof *rts);
     mr_scratch *scr = calloc((size_t)nt, sizeof *scr);
     mr_head *heads = calloc(Hkv, sizeof *heads);
     double *hd_trace = calloc(Hkv, sizeof(double)), *hd_ev = NULL,
-           *mval = calloc((size_t)nmeas, sizeof(double));
+           *mval = calloc(nmeas ? (size_t)nmeas : 1, sizeof(double));
     int *hd_bad = calloc(Hkv, sizeof(int));
     const size_t Dp = (size_t)R.ns * (d + 1);
-    hd_ev = calloc((size_t)Hkv * Dp, sizeof(double));
+    hd_ev = calloc(Dp ? (size_t)Hkv * Dp : 1, sizeof(double));
     double *macc = malloc(sizeof(double) * (size_t)nt * (Dp ? Dp : 1)); /* mr_measured's scratch */
     float **fo = calloc((size_t)nt, sizeof *fo), **flse = calloc((size_t)nt, sizeof *flse);
     size_t fo_cap = 0;
@@ -632,7 +641,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
             /* the spectra first (the long tasks), then the measured errors, in one pool when
              * every thread's scratch fits in MR_SCRATCH_BYTES; else the spectra on st threads,
              * then the measured errors on all */
-            const size_t xb = (size_t)R.M * Dp * sizeof(double);
+            const size_t xb = ((size_t)R.M * Dp + Dp * Dp + Dp) * sizeof(double);
             const int st = xb * (size_t)nt <= MR_SCRATCH_BYTES
                                ? nt
                                : (int)(MR_SCRATCH_BYTES / xb > 1 ? MR_SCRATCH_BYTES / xb : 1);
@@ -690,6 +699,9 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                     if (R.n_sink + (int64_t)cx->mr_report_k[ki] < C) n_meas[ki] += 1;
         }
         if (report && !rc) *n_report += 1;
+        /* the spectra's scratches are sized by this prompt's context: a later, shorter one
+         * may run on more threads (MR_SCRATCH_BYTES) */
+        for (int t = 0; t < nt; t++) mr_scratch_free(&scr[t]);
         if (cx->progress) kvcc_progress(p + 1 - sum.lo, sum.hi - sum.lo);
     }
     rc = kvcc_dist_check(rc, err, errlen);
