@@ -27,12 +27,21 @@ held-out texts with the same options must choose the same windows, tokens and at
 agree on q/k/v and log-probabilities within the same bounds. `kvcc capture` runs the built-in
 model, so part 3 checks part 2's numbers on more tokens; tests/peer/run.sh runs parts 1 and 3
 (part 2, with --dump, by hand).
+--keep DIR keeps part 1's two corpora (and the ids file) in DIR when every check passed, keyed
+by capture_hf.py's SHA-256; --reuse DIR then runs only part 1's reader checks (h5py's view, READER
+against it, the refusals) on them, without loading torch: what the sanitizer build's run needs
+(its READER is the ASan build; the Python side is the plain run's). Without a matching DIR,
+--reuse runs part 1 in full.
 Exit status 1 when a check fails.
 
-Usage: capture_hf_check.py CAPTURE_HF.py READER [--real MODEL.gguf [--dump DUMP] [--kvcc KVCC]]
+Usage: capture_hf_check.py CAPTURE_HF.py READER [--keep DIR | --reuse DIR]
+                           [--real MODEL.gguf [--dump DUMP] [--kvcc KVCC]]
 """
 import argparse
+import hashlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +52,7 @@ MAX_REF_ABS = 1e-5     # capture vs the independent reference, same weights, sam
 MAX_KEY_ABS = 1e-3     # capture_hf (transformers) vs the C model: summation order only
 MAX_LOGPROB_ABS = 1e-3
 HELDOUT = "examples/data/heldout/1961_john_f_kennedy_d.txt"
+TINY = (2, 4, 2, 16, 48, 16)  # the tiny model's layers, heads, KV heads, head dim; context, continuation
 
 failures = []
 
@@ -63,45 +73,12 @@ def f16_bound(ref):
 
 
 # --------------------------------------------------------------------------- part 1
-def tiny(capture, reader, tmp):
+def reader_checks(files, reader, tmp, all_ids):
+    """The tiny corpora (files: dtype -> path) as h5py sees them, then through READER (ASan-checked
+    in the sanitizer build): tokens, log-probabilities and activations against h5py's view, and
+    the refusal of another model. Returns (tokens, log-probabilities, dump reader) or None."""
     import h5py
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    torch.manual_seed(1234)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    mdir = os.path.join(tmp, "tiny-llama")
-    model.save_pretrained(mdir)
-    ids_path = os.path.join(tmp, "ids.txt")
-    rng = np.random.default_rng(7)
-    all_ids = rng.integers(0, cfg.vocab_size, size=400)
-    np.savetxt(ids_path, all_ids, fmt="%d")
-    L, H, Hkv, d, T, C = 2, 4, 2, 16, 48, 16
-
-    files = {}
-    for dt in ("f32", "f16"):
-        out = os.path.join(tmp, f"tiny-{dt}.h5")
-        r = run([sys.executable, capture, "--model", mdir, "--token-ids", ids_path, "--prompts", "2", "--context",
-                 str(T), "--continuation", str(C), "--seed", "3", "--dtype", dt, "--threads", "1", "-q", "-o", out])
-        check(r.returncode == 0, f"capture_hf.py --dtype {dt} on the tiny model exits 0" +
-              ("" if r.returncode == 0 else f": {r.stderr.strip()[-800:]}"))
-        if r.returncode:
-            return
-        files[dt] = out
-
-    # reproducible: the same inputs give the same bytes (no timestamps)
-    again = os.path.join(tmp, "tiny-f16-again.h5")
-    r = run([sys.executable, capture, "--model", mdir, "--token-ids", ids_path, "--prompts", "2", "--context",
-             str(T), "--continuation", str(C), "--seed", "3", "--dtype", "f16", "--threads", "1", "-q", "-o", again])
-    with open(files["f16"], "rb") as f1, open(again, "rb") as f2:
-        check(r.returncode == 0 and f1.read() == f2.read(), "a second capture with the same inputs is byte-identical")
-
+    L, H, Hkv, d, T, C = TINY
     # the file, as h5py sees it
     f = h5py.File(files["f32"], "r")
     ra = f.attrs
@@ -136,7 +113,7 @@ def tiny(capture, reader, tmp):
               ("" if r.returncode == 0 else f": {r.stdout.strip()[-500:]}"))
         dumps[dt] = ddir
     if len(dumps) < 2:
-        return
+        return None
     rd = lambda dt, n, shape, typ=np.float32: np.fromfile(os.path.join(dumps[dt], n), dtype=typ).reshape(shape)
     heads = {"q": H, "k": Hkv, "v": Hkv}
     d32 = d16 = 0.0
@@ -156,6 +133,62 @@ def tiny(capture, reader, tmp):
     check(d32 == 0.0, f"f32 corpus: C reader vs h5py max abs diff {d32:.3g} (must be 0)")
     check(over16 == 0, f"f16 corpus: C reader vs the f32 capture max abs diff {d16:.3g}, "
                        f"{over16} values beyond f16 rounding")
+
+    # the reader refuses a corpus of another model
+    r = run([reader, files["f16"], "--expect", f"{L},{H},{Hkv},{d},300,10000"])
+    check(r.returncode == 0, "read_corpus --expect (the right model) accepts the corpus"
+          + ("" if r.returncode == 0 else f": exit {r.returncode}: {r.stdout.strip()} {r.stderr.strip()}"))
+    for bad, what in ((f"{L},8,{Hkv},{d},300,10000", "n_heads 8"), (f"3,{H},{Hkv},{d},300,10000", "n_layers 3"),
+                      (f"{L},{H},{Hkv},{d},300,500000", "rope_theta 500000")):
+        r = run([reader, files["f16"], "--expect", bad])
+        check(r.returncode == 3 and "open: KVCC_CORPUS_ERR_MODEL" in r.stdout,
+              f"read_corpus --expect ({what}) refuses it with KVCC_CORPUS_ERR_MODEL")
+    return htok, hlp, rd
+
+
+def tiny(capture, reader, tmp, keep=None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    mdir = os.path.join(tmp, "tiny-llama")
+    model.save_pretrained(mdir)
+    ids_path = os.path.join(tmp, "ids.txt")
+    rng = np.random.default_rng(7)
+    all_ids = rng.integers(0, cfg.vocab_size, size=400)
+    np.savetxt(ids_path, all_ids, fmt="%d")
+    L, H, Hkv, d, T, C = TINY
+
+    files = {}
+    for dt in ("f32", "f16"):
+        out = os.path.join(tmp, f"tiny-{dt}.h5")
+        r = run([sys.executable, capture, "--model", mdir, "--token-ids", ids_path, "--prompts", "2", "--context",
+                 str(T), "--continuation", str(C), "--seed", "3", "--dtype", dt, "--threads", "1", "-q", "-o", out])
+        check(r.returncode == 0, f"capture_hf.py --dtype {dt} on the tiny model exits 0" +
+              ("" if r.returncode == 0 else f": {r.stderr.strip()[-800:]}"))
+        if r.returncode:
+            return
+        files[dt] = out
+
+    # reproducible: the same inputs give the same bytes (no timestamps)
+    again = os.path.join(tmp, "tiny-f16-again.h5")
+    r = run([sys.executable, capture, "--model", mdir, "--token-ids", ids_path, "--prompts", "2", "--context",
+             str(T), "--continuation", str(C), "--seed", "3", "--dtype", "f16", "--threads", "1", "-q", "-o", again])
+    with open(files["f16"], "rb") as f1, open(again, "rb") as f2:
+        check(r.returncode == 0 and f1.read() == f2.read(), "a second capture with the same inputs is byte-identical")
+
+    got = reader_checks(files, reader, tmp, all_ids)
+    if got is None:
+        return
+    htok, hlp, rd = got
+    win = T + C
 
     # independent reference from the model itself
     torch.set_grad_enabled(False)
@@ -186,15 +219,50 @@ def tiny(capture, reader, tmp):
           "captured vs independent reference (max abs diff): " +
           ", ".join(f"{k} {v:.3g}" for k, v in worst.items()) + f" (<= {MAX_REF_ABS:g})")
 
-    # the reader refuses a corpus of another model
-    r = run([reader, files["f16"], "--expect", f"{L},{H},{Hkv},{d},300,10000"])
-    check(r.returncode == 0, "read_corpus --expect (the right model) accepts the corpus"
-          + ("" if r.returncode == 0 else f": exit {r.returncode}: {r.stdout.strip()} {r.stderr.strip()}"))
-    for bad, what in ((f"{L},8,{Hkv},{d},300,10000", "n_heads 8"), (f"3,{H},{Hkv},{d},300,10000", "n_layers 3"),
-                      (f"{L},{H},{Hkv},{d},300,500000", "rope_theta 500000")):
-        r = run([reader, files["f16"], "--expect", bad])
-        check(r.returncode == 3 and "open: KVCC_CORPUS_ERR_MODEL" in r.stdout,
-              f"read_corpus --expect ({what}) refuses it with KVCC_CORPUS_ERR_MODEL")
+    if keep and not failures:
+        keep_tiny(keep, capture, files, ids_path)
+
+
+def capture_key(capture):
+    """What a kept tiny capture depends on: capture_hf.py's bytes."""
+    with open(capture, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def keep_tiny(keep, capture, files, ids_path):
+    """Keep the tiny corpora (and the ids they were cut from) in KEEP for --reuse, keyed by
+    capture_hf.py's hash; replaced whole (written beside it, then renamed)."""
+    parent = os.path.dirname(os.path.abspath(keep)) or "."
+    os.makedirs(parent, exist_ok=True)
+    new = tempfile.mkdtemp(prefix=".capture-hf-tiny-", dir=parent)
+    for dt, path in files.items():
+        shutil.copyfile(path, os.path.join(new, f"tiny-{dt}.h5"))
+    shutil.copyfile(ids_path, os.path.join(new, "ids.txt"))
+    with open(os.path.join(new, "key.json"), "w") as f:
+        json.dump({"format": 1, "capture_sha256": capture_key(capture)}, f)
+    old = keep + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(keep):
+        os.rename(keep, old)
+    os.rename(new, keep)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def tiny_reuse(capture, reader, tmp, keep):
+    """The reader's part of part 1 on corpora a plain run kept (--keep): True when they were there
+    and made by this capture_hf.py, False (nothing checked) otherwise."""
+    try:
+        with open(os.path.join(keep, "key.json")) as f:
+            key = json.load(f)
+    except (OSError, ValueError):
+        return False
+    files = {dt: os.path.join(keep, f"tiny-{dt}.h5") for dt in ("f32", "f16")}
+    if key.get("format") != 1 or key.get("capture_sha256") != capture_key(capture) or \
+            not all(os.path.isfile(p) for p in files.values()):
+        return False
+    all_ids = np.loadtxt(os.path.join(keep, "ids.txt"), dtype=np.int64)
+    reader_checks(files, reader, tmp, all_ids)
+    return True
 
 
 # --------------------------------------------------------------------------- part 2
@@ -299,10 +367,19 @@ def main():
     ap.add_argument("--real", metavar="MODEL.gguf")
     ap.add_argument("--dump", metavar="DUMP")
     ap.add_argument("--kvcc", metavar="KVCC", help="also compare with `kvcc capture` (needs --real)")
+    ap.add_argument("--keep", metavar="DIR", help="keep part 1's corpora in DIR when every check passed")
+    ap.add_argument("--reuse", metavar="DIR", help="part 1: only the reader's checks, on the corpora "
+                    "a run with --keep DIR left (when capture_hf.py is the same; else part 1 in full)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         print("capture_hf check: tiny random LlamaConfig model (2 layers, 4 heads, 2 KV heads, vocab 300)")
-        tiny(a.capture, a.reader, tmp)
+        if a.reuse and tiny_reuse(a.capture, a.reader, tmp, a.reuse):
+            print(f"capture_hf check: part 1 read the corpora kept in {a.reuse} (capture_hf.py's "
+                  "capture, reproducibility and reference checks ran when they were kept)")
+        else:
+            if a.reuse:
+                print(f"capture_hf check: nothing reusable in {a.reuse}: part 1 in full")
+            tiny(a.capture, a.reader, tmp, a.keep)
         if a.real and a.dump:
             print(f"capture_hf check: real model {a.real} against the built-in C model")
             real(a.capture, a.real, a.dump, tmp)

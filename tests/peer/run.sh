@@ -72,11 +72,14 @@ ${CC:-cc} -std=c11 -O2 -fopenmp $san -D_GNU_SOURCE -Icalib -Iformats -Iruntime/i
     -o "$reader" tests/peer/read_corpus.c "$build/libkvcalib.a" "$build/libkvrt.a" "$build/libkvpol.a" \
     -L/usr/lib/x86_64-linux-gnu/hdf5/serial -lhdf5 $dnnl_libs -lopenblas -llapacke $cuda_libs -lzstd -lxxhash -lm
 if [ -n "$san" ]; then
-    # the sanitizer build: our reader on the tiny model's corpus only; the real model's keys and
+    # the sanitizer build: our reader on the tiny model's corpora only; the real model's keys and
     # `kvcc capture` against capture_hf.py run in the plain build (the same Python side; 100 s
-    # of a 27-minute CI run on a 2-core AVX2 EPYC)
+    # of a 27-minute CI run on a 2-core AVX2 EPYC). The corpora are the ones the plain build's run
+    # kept (KVCC_PLAIN_BUILD, default build), when capture_hf.py has not changed since; else the
+    # tiny model's capture runs here too (about 45 s of Python on that VM)
     echo "== capture_hf.py round trip through our corpus reader (sanitizer build: the tiny model only)"
-    python3 tests/peer/capture_hf_check.py examples/capture_hf.py "$reader"
+    python3 tests/peer/capture_hf_check.py examples/capture_hf.py "$reader" \
+        --reuse "${KVCC_PLAIN_BUILD:-build}/peer/capture-hf-tiny"
 else
     echo "== capture_hf.py round trip through our corpus reader"
     # part 3 (capture_hf.py --text against `kvcc capture`, whose numbers are the built-in model's)
@@ -84,5 +87,5 @@ else
     # hand runs (each capture_hf.py on the real model loads the GGUF through transformers, 34 s
     # of a 28-minute CI run on a 2-core AVX2 EPYC)
     python3 tests/peer/capture_hf_check.py examples/capture_hf.py "$reader" --real "$model" \
-        --kvcc "$build/kvcc"
+        --kvcc "$build/kvcc" --keep "$build/peer/capture-hf-tiny"
 fi
