@@ -26,7 +26,9 @@ Part 3, --kvcc KVCC (with --real): capture_hf.py --text and `kvcc capture --text
 held-out texts with the same options must choose the same windows, tokens and attributes, and
 agree on q/k/v and log-probabilities within the same bounds. `kvcc capture` runs the built-in
 model, so part 3 checks part 2's numbers on more tokens; tests/peer/run.sh runs parts 1 and 3
-(part 2, with --dump, by hand).
+(part 2, with --dump, by hand). Part 3's capture_hf.py starts first and runs beside part 1 (most
+of it is transformers parsing the GGUF on one core): 69 s for both on a 2-core EPYC, ~100 s one
+after the other.
 --keep DIR keeps part 1's two corpora (and the ids file) in DIR when every check passed, keyed
 by capture_hf.py's SHA-256; --reuse DIR then runs only part 1's reader checks (h5py's view, READER
 against it, the refusals) on them, without loading torch: what the sanitizer build's run needs
@@ -316,21 +318,33 @@ def real(capture, gguf_path, dump, tmp):
     check(lpd < MAX_LOGPROB_ABS, f"next_logprob max abs diff {lpd:.3g} < {MAX_LOGPROB_ABS:g}")
 
 
-def versus_kvcc(capture, gguf_path, kvcc, tmp):
-    """capture_hf.py --text and kvcc capture --text on the same texts and options: same windows,
-    same tokens, same numbers (up to summation order)."""
+VS_TEXTS = ["examples/data/heldout/1961_john_f_kennedy_d.txt", "examples/data/heldout/1965_lyndon_b_johnson_d.txt"]
+VS_COMMON = ["--prompts", "3", "--context", "200", "--continuation", "40", "--seed", "5", "--dtype", "f32"]
+
+
+def start_hf_text(capture, gguf_path, tmp):
+    """Part 3's capture_hf.py --text, started in the background (most of it is transformers
+    parsing the GGUF on one core, which part 1's processes can run beside); versus_kvcc waits."""
+    h_out = os.path.join(tmp, "hf.h5")
+    proc = subprocess.Popen([sys.executable, capture, "--gguf-file", gguf_path, "--text"] + VS_TEXTS + VS_COMMON +
+                            ["-q", "-o", h_out], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, h_out
+
+
+def versus_kvcc(capture, gguf_path, kvcc, tmp, hf):
+    """capture_hf.py --text (hf: start_hf_text's) and kvcc capture --text on the same texts and
+    options: same windows, same tokens, same numbers (up to summation order)."""
     import h5py
 
-    texts = ["examples/data/heldout/1961_john_f_kennedy_d.txt", "examples/data/heldout/1965_lyndon_b_johnson_d.txt"]
-    common = ["--prompts", "3", "--context", "200", "--continuation", "40", "--seed", "5", "--dtype", "f32"]
-    c_out, h_out = os.path.join(tmp, "kvcc.h5"), os.path.join(tmp, "hf.h5")
-    r = run([kvcc, "capture", "--gguf", gguf_path] + [x for t in texts for x in ("--text", t)] + common + ["-o", c_out])
+    c_out = os.path.join(tmp, "kvcc.h5")
+    r = run([kvcc, "capture", "--gguf", gguf_path] + [x for t in VS_TEXTS for x in ("--text", t)] + VS_COMMON +
+            ["-o", c_out])
     check(r.returncode == 0, "kvcc capture runs" + ("" if r.returncode == 0 else f": {r.stderr.strip()[-500:]}"))
-    if r.returncode:
-        return
-    r = run([sys.executable, capture, "--gguf-file", gguf_path, "--text"] + texts + common + ["-q", "-o", h_out])
-    check(r.returncode == 0, "capture_hf.py --text runs" + ("" if r.returncode == 0 else f": {r.stderr.strip()[-800:]}"))
-    if r.returncode:
+    proc, h_out = hf
+    _, err = proc.communicate()
+    check(proc.returncode == 0, "capture_hf.py --text runs" +
+          ("" if proc.returncode == 0 else f": {err.strip()[-800:]}"))
+    if r.returncode or proc.returncode:
         return
     fc, fh = h5py.File(c_out, "r"), h5py.File(h_out, "r")
     same_attrs = [k for k in ("model_name", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "rope_theta",
@@ -372,25 +386,37 @@ def main():
                     "a run with --keep DIR left (when capture_hf.py is the same; else part 1 in full)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        print("capture_hf check: tiny random LlamaConfig model (2 layers, 4 heads, 2 KV heads, vocab 300)")
-        if a.reuse and tiny_reuse(a.capture, a.reader, tmp, a.reuse):
-            print(f"capture_hf check: part 1 read the corpora kept in {a.reuse} (capture_hf.py's "
-                  "capture, reproducibility and reference checks ran when they were kept)")
-        else:
-            if a.reuse:
-                print(f"capture_hf check: nothing reusable in {a.reuse}: part 1 in full")
-            tiny(a.capture, a.reader, tmp, a.keep)
-        if a.real and a.dump:
-            print(f"capture_hf check: real model {a.real} against the built-in C model")
-            real(a.capture, a.real, a.dump, tmp)
-        elif a.real:
-            print("capture_hf check: part 2 (against dump_model) not run: no --dump; part 3 compares "
-                  "the same model's numbers")
-        if a.real and a.kvcc and os.access(a.kvcc, os.X_OK):
-            print(f"capture_hf check: capture_hf.py --text against kvcc capture on the same texts")
-            versus_kvcc(a.capture, a.real, a.kvcc, tmp)
+        versus = a.real and a.kvcc and os.access(a.kvcc, os.X_OK)
+        hf = start_hf_text(a.capture, a.real, tmp) if versus else None
+        try:
+            run_parts(a, tmp, hf)
+        finally:
+            if hf and hf[0].poll() is None:
+                hf[0].kill()
+                hf[0].communicate()
     print(f"capture_hf check: {'OK' if not failures else f'FAILED ({len(failures)} checks)'}")
     return 1 if failures else 0
+
+
+def run_parts(a, tmp, hf):
+    """Parts 1-3 in order (part 3's capture_hf.py already running: hf)."""
+    print("capture_hf check: tiny random LlamaConfig model (2 layers, 4 heads, 2 KV heads, vocab 300)")
+    if a.reuse and tiny_reuse(a.capture, a.reader, tmp, a.reuse):
+        print(f"capture_hf check: part 1 read the corpora kept in {a.reuse} (capture_hf.py's "
+              "capture, reproducibility and reference checks ran when they were kept)")
+    else:
+        if a.reuse:
+            print(f"capture_hf check: nothing reusable in {a.reuse}: part 1 in full")
+        tiny(a.capture, a.reader, tmp, a.keep)
+    if a.real and a.dump:
+        print(f"capture_hf check: real model {a.real} against the built-in C model")
+        real(a.capture, a.real, a.dump, tmp)
+    elif a.real:
+        print("capture_hf check: part 2 (against dump_model) not run: no --dump; part 3 compares "
+              "the same model's numbers")
+    if hf:
+        print(f"capture_hf check: capture_hf.py --text against kvcc capture on the same texts")
+        versus_kvcc(a.capture, a.real, a.kvcc, tmp, hf)
 
 
 if __name__ == "__main__":
