@@ -166,6 +166,15 @@ typedef struct {
     size_t cap_X;
 } mr_scratch;
 
+/* The calling thread's index among the pass's OpenMP threads (0 without OpenMP). */
+static int mr_tid(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 static void mr_scratch_free(mr_scratch *S) {
     free(S->X); free(S->cov); free(S->ev);
     memset(S, 0, sizeof *S);
@@ -564,10 +573,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
             for (int task = 0; task < nb * nC; task++) {
                 const int b = task / nC, c = task % nC;
-                int tid = 0;
-#ifdef _OPENMP
-                tid = omp_get_thread_num();
-#endif
+                const int tid = mr_tid();
                 int64_t B = 0;
                 kvrt_cache *cc = NULL;
                 int s = kvrt_budget_resolve(cx->mr_budgets[b], C, &B);
@@ -611,10 +617,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt)
             for (int task = 0; task < nrep; task++) {
                 const int ki = task / nC, c = task % nC;
-                int tid = 0;
-#ifdef _OPENMP
-                tid = omp_get_thread_num();
-#endif
+                const int tid = mr_tid();
                 const int64_t K = (int64_t)cx->mr_report_k[ki];
                 rep_st[task] = 0;
                 if (R.n_sink + K >= C) continue;
@@ -651,10 +654,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                           hi = split && ph == 0 ? (int)Hkv : (int)Hkv + nmeas;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(split && ph == 0 ? st : nt)
                 for (int task = lo; task < hi; task++) {
-                    int tid = 0;
-#ifdef _OPENMP
-                    tid = omp_get_thread_num();
-#endif
+                    const int tid = mr_tid();
                     if (task < (int)Hkv) {
                         const uint32_t h = (uint32_t)task;
                         hd_bad[h] = mr_head_spectrum(&R, &heads[h], &scr[tid],

@@ -233,21 +233,19 @@ def capture_key(capture):
 
 def keep_tiny(keep, capture, files, ids_path):
     """Keep the tiny corpora (and the ids they were cut from) in KEEP for --reuse, keyed by
-    capture_hf.py's hash; replaced whole (written beside it, then renamed)."""
-    parent = os.path.dirname(os.path.abspath(keep)) or "."
-    os.makedirs(parent, exist_ok=True)
-    new = tempfile.mkdtemp(prefix=".capture-hf-tiny-", dir=parent)
-    for dt, path in files.items():
-        shutil.copyfile(path, os.path.join(new, f"tiny-{dt}.h5"))
-    shutil.copyfile(ids_path, os.path.join(new, "ids.txt"))
-    with open(os.path.join(new, "key.json"), "w") as f:
-        json.dump({"format": 1, "capture_sha256": capture_key(capture)}, f)
-    old = keep + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.exists(keep):
-        os.rename(keep, old)
-    os.rename(new, keep)
-    shutil.rmtree(old, ignore_errors=True)
+    capture_hf.py's hash; replaced whole as hf_cache.py replaces its entries."""
+    from hf_cache import new_entry, replace_dir
+    new = new_entry(keep)
+    try:
+        for dt, path in files.items():
+            shutil.copyfile(path, os.path.join(new, f"tiny-{dt}.h5"))
+        shutil.copyfile(ids_path, os.path.join(new, "ids.txt"))
+        with open(os.path.join(new, "key.json"), "w") as f:  # written last: a complete entry
+            json.dump({"format": 1, "capture_sha256": capture_key(capture)}, f)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    replace_dir(new, keep)
 
 
 def tiny_reuse(capture, reader, tmp, keep):

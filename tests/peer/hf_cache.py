@@ -64,10 +64,7 @@ def _sweep(parent):
 def _store(cache, key, model, tok, log):
     import torch
     from transformers import AutoTokenizer
-    parent = os.path.dirname(os.path.abspath(cache))
-    os.makedirs(parent, exist_ok=True)
-    _sweep(parent)
-    tmp = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
+    tmp = new_entry(cache)
     try:
         os.chmod(tmp, 0o755)
         cfg = json.loads(model.config.to_json_string(use_diff=False))
@@ -82,20 +79,41 @@ def _store(cache, key, model, tok, log):
                                "the same from save_pretrained: not cached")
         with open(os.path.join(tmp, KEY_FILE), "w") as f:  # written last: a complete entry
             json.dump(key, f, indent=1, sort_keys=True)
-        old = None
-        if os.path.exists(cache):
-            old = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
-            os.rename(cache, os.path.join(old, "entry"))
-        try:
-            os.rename(tmp, cache)
-        except OSError as e:  # another run put its entry there first: keep that one
-            log(f"hf_cache: {cache} not replaced ({e}); the model in memory is used")
-            shutil.rmtree(tmp, ignore_errors=True)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        if not replace_dir(tmp, cache):
+            log(f"hf_cache: {cache} not replaced (another run's entry is there); the model in memory "
+                "is used")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def new_entry(dest):
+    """A fresh temporary directory beside dest (to fill, then give to replace_dir); temporary
+    directories of killed runs there, older than an hour, are swept first."""
+    parent = os.path.dirname(os.path.abspath(dest))
+    os.makedirs(parent, exist_ok=True)
+    _sweep(parent)
+    return tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
+
+
+def replace_dir(tmp, dest):
+    """Put the complete directory tmp (beside dest) in dest's place: the old dest renamed aside
+    first and deleted after. False, tmp deleted, when another run put its dest there in between
+    (that one is kept)."""
+    parent = os.path.dirname(os.path.abspath(dest))
+    old = None
+    if os.path.exists(dest):
+        old = tempfile.mkdtemp(prefix=TMP_PREFIX, dir=parent)
+        os.rename(dest, os.path.join(old, "entry"))
+    try:
+        os.rename(tmp, dest)
+        done = True
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = False
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+    return done
 
 
 def _from_cache(cache, tokenizer):
