@@ -49,6 +49,7 @@
 #endif
 
 #include "corpus.h"
+#include "cpu/blas.h" /* kvrt_cpu_openblas_hold */
 #include "cpu/vexp.h" /* KVRT_SIMD_CLONES */
 #include "eval_methods.h"
 #include "kvcc.h"
@@ -481,6 +482,10 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
 #ifdef _OPENMP
     nt = omp_get_max_threads();
 #endif
+    /* the tasks call LAPACK / BLAS (dsyrk, dsyev) from several threads at once: OpenBLAS held at
+     * one thread for the pass, whatever the caller set (kvcc compile sets one; a program that
+     * calls the pass with OpenBLAS threaded gets its count back afterwards) */
+    const int blas_held = kvrt_cpu_openblas_hold();
     const int nrep = nk * nC, nmeas = (int)Hkv * nrep;
     uint32_t *mh = malloc(sizeof(uint32_t) * Hkv * (size_t)nt);
     const size_t nrep1 = nrep ? (size_t)nrep : 1; /* calloc(0) may return NULL */
@@ -742,6 +747,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     for (int t = 0; flse && t < nt; t++) free(flse[t]);
     free(fo); free(flse); free(fid_st); free(fid_msg); free(macc);
     kvcc_loop_close(&lp);
+    kvrt_cpu_openblas_restore(blas_held);
     return rc;
 }
 
