@@ -469,6 +469,19 @@ static void mr_sample_queries(mr_head *hd, uint32_t ns, const kvcc_loop *lp, uin
     }
 }
 
+/* A task's status and, when it failed, its thread's kvrt_last_error() message (reported after
+ * the parallel loop, in task order). */
+typedef struct {
+    int st;
+    char msg[sizeof ((kvrt_error *)0)->msg];
+} mr_status;
+
+static int mr_status_set(mr_status *t, int st) {
+    t->st = st;
+    if (st) snprintf(t->msg, sizeof t->msg, "%s", kvrt_last_error()->msg);
+    return st;
+}
+
 static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t errlen) {
     const uint32_t L = A->L, H = A->H, Hkv = A->Hkv, d = A->d, G = H / Hkv;
     const int nC = A->cf.n, nb = A->nb, nk = A->nk;
@@ -490,8 +503,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     uint32_t *mh = malloc(sizeof(uint32_t) * Hkv * (size_t)nt);
     const size_t nrep1 = nrep ? (size_t)nrep : 1; /* calloc(0) may return NULL */
     kvrt_cache **rep = calloc(nrep1, sizeof *rep); /* the report's caches of a layer */
-    int *rep_st = calloc(nrep1, sizeof *rep_st);
-    char (*rep_msg)[sizeof ((kvrt_error *)0)->msg] = calloc(nrep1, sizeof *rep_msg);
+    mr_status *rep_st = calloc(nrep1, sizeof *rep_st);
     kvrt_ctx **rts = calloc((size_t)nt, sizeof *rts);
     mr_scratch *scr = calloc((size_t)nt, sizeof *scr);
     mr_head *heads = calloc(Hkv, sizeof *heads);
@@ -503,10 +515,9 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     double *macc = malloc(sizeof(double) * (size_t)nt * (Dp ? Dp : 1)); /* mr_measured's scratch */
     float **fo = calloc((size_t)nt, sizeof *fo), **flse = calloc((size_t)nt, sizeof *flse);
     size_t fo_cap = 0;
-    int *fid_st = calloc((size_t)nb * nC, sizeof *fid_st);
-    char (*fid_msg)[sizeof ((kvrt_error *)0)->msg] = calloc((size_t)nb * nC, sizeof *fid_msg);
-    int oom = !macc || !fo || !flse || !fid_st || !fid_msg || !mh || !rep || !rep_st ||
-              !rep_msg || !rts || !scr || !heads || !hd_trace || !hd_ev || !mval || !hd_bad;
+    mr_status *fid_st = calloc((size_t)nb * nC, sizeof *fid_st);
+    int oom = !macc || !fo || !flse || !fid_st || !mh || !rep || !rep_st || !rts || !scr ||
+              !heads || !hd_trace || !hd_ev || !mval || !hd_bad;
     for (uint32_t h = 0; !oom && h < Hkv; h++)
         oom = !(heads[h].full = malloc(sizeof(double) * (Dp ? Dp : 1))) ||
               !(heads[h].qT = malloc(sizeof(double) * (Dp ? Dp : 1)));
@@ -587,11 +598,7 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                                     (double)B, mh + (size_t)tid * Hkv, &cc);
                 if (!s) s = kvcc_loop_attend_on(&lp, rts[tid], cc, fo[tid], flse[tid], NULL);
                 kvrt_cache_free(cc);
-                fid_st[task] = s;
-                if (s) {
-                    snprintf(fid_msg[task], sizeof fid_msg[task], "%s", kvrt_last_error()->msg);
-                    continue;
-                }
+                if (mr_status_set(&fid_st[task], s)) continue;
                 for (uint32_t h = 0; h < Hkv; h++) {
                     double e = 0;
                     for (int64_t i = 0; i < N; i++)
@@ -604,10 +611,10 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                 }
             }
             for (int task = 0; task < nb * nC && !rc; task++)
-                if (fid_st[task]) {
+                if (fid_st[task].st) {
                     snprintf(err, errlen, "merge-reduce: prompt %u layer %u budget %g: %s (%s)", p,
-                             l, cx->mr_budgets[task / nC], kvrt_status_str(fid_st[task]),
-                             fid_msg[task]);
+                             l, cx->mr_budgets[task / nC], kvrt_status_str(fid_st[task].st),
+                             fid_st[task].msg);
                     rc = KVCC_EXIT_FAILED;
                 }
             if (rc) break;
@@ -624,19 +631,18 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
                 const int ki = task / nC, c = task % nC;
                 const int tid = mr_tid();
                 const int64_t K = (int64_t)cx->mr_report_k[ki];
-                rep_st[task] = 0;
+                rep_st[task].st = 0;
                 if (R.n_sink + K >= C) continue;
-                rep_st[task] = mr_compress(rts[tid], A, A->cf.m[c], A->cf.mc[c], &orep, l, lp.k,
-                                           lp.v, C, (double)(R.n_sink + K), mh + (size_t)tid * Hkv,
-                                           &rep[task]);
-                if (rep_st[task])
-                    snprintf(rep_msg[task], sizeof rep_msg[task], "%s", kvrt_last_error()->msg);
+                mr_status_set(&rep_st[task],
+                              mr_compress(rts[tid], A, A->cf.m[c], A->cf.mc[c], &orep, l, lp.k,
+                                          lp.v, C, (double)(R.n_sink + K),
+                                          mh + (size_t)tid * Hkv, &rep[task]));
             }
             for (int task = 0; task < nrep && !rc; task++)
-                if (rep_st[task]) {
+                if (rep_st[task].st) {
                     snprintf(err, errlen, "merge-reduce: report, prompt %u layer %u K %g: %s (%s)",
-                             p, l, cx->mr_report_k[task / nC], kvrt_status_str(rep_st[task]),
-                             rep_msg[task]);
+                             p, l, cx->mr_report_k[task / nC], kvrt_status_str(rep_st[task].st),
+                             rep_st[task].msg);
                     rc = KVCC_EXIT_FAILED;
                 }
             if (rc) break;
@@ -741,11 +747,11 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
     for (int t = 0; scr && t < nt; t++) mr_scratch_free(&scr[t]);
     for (int t = 0; rts && t < nt; t++) kvrt_ctx_free(rts[t]);
     for (uint32_t h = 0; heads && h < Hkv; h++) { free(heads[h].full); free(heads[h].qT); }
-    free(rep); free(rep_st); free(rep_msg); free(rts); free(scr); free(heads);
+    free(rep); free(rep_st); free(rts); free(scr); free(heads);
     free(hd_trace); free(hd_ev); free(mval); free(hd_bad); free(mh);
     for (int t = 0; fo && t < nt; t++) free(fo[t]);
     for (int t = 0; flse && t < nt; t++) free(flse[t]);
-    free(fo); free(flse); free(fid_st); free(fid_msg); free(macc);
+    free(fo); free(flse); free(fid_st); free(macc);
     kvcc_loop_close(&lp);
     kvrt_cpu_openblas_restore(blas_held);
     return rc;
