@@ -76,6 +76,22 @@ def bare_artifact(kvcc, work):
     return out
 
 
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' model from the GGUF, float32, eval mode, converted once
+    (tests/peer/hf_cache.py: the peer check of make test converts it first; the weights are
+    transformers' own dequantization)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if not os.path.exists(GGUF):
+        pytest.skip(f"{GGUF} not fetched (make test fetches it)")
+    torch.set_grad_enabled(False)
+    sys.path.insert(0, os.path.join(ROOT, "tests", "peer"))
+    import hf_cache
+    m, _ = hf_cache.load(GGUF, os.path.join(BUILD, "peer", "hf-cache"), tokenizer=False)
+    return m
+
+
 class Acts:
     pass
 

@@ -14,13 +14,11 @@ logits max rel. diff 2.1e-6, tests/peer); measured |dNLL| <= 1.1e-5 on every met
 (docs/python-hf.md), asserted below 1e-4.
 """
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import BUILD, GGUF, ROOT, T_CTX, run
+from conftest import GGUF, ROOT, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -36,16 +34,8 @@ ROWS = [("full", 0), ("snapkv", 32), ("h2o", 32), ("knorm", 32), ("streaming", 3
 
 
 @pytest.fixture(scope="module")
-def model():
-    if not os.path.exists(GGUF):
-        pytest.skip(f"{GGUF} not fetched (make test fetches it)")
-    torch.set_grad_enabled(False)
-    # transformers' model from the GGUF, converted once (tests/peer/hf_cache.py: the peer check
-    # of make test converts it first; the weights are transformers' own dequantization)
-    sys.path.insert(0, os.path.join(ROOT, "tests", "peer"))
-    import hf_cache
-    m, _ = hf_cache.load(GGUF, os.path.join(BUILD, "peer", "hf-cache"), tokenizer=False)
-    return m
+def model(hf_model):
+    return hf_model
 
 
 @pytest.fixture(scope="module")
