@@ -49,7 +49,7 @@ static void usage(FILE *out) {
                  "  -o, --output F      artifact to write (atomically: temp file, fsync, rename)\n"
                  "  --corpus F          calibration corpus (kvcc capture / capture_hf.py); checked against the model;\n"
                  "                      repeat it, or give a manifest, for a corpus of several shards (in order)\n"
-                 "  --policies LIST     comma-separated policies, or none (default). Built:");
+                 "  --policies LIST     comma-separated policies, all, or none (default). Built:");
     int any = 0;
     for (int i = 0; kvcc_passes[i]; i++, any = 1) fprintf(out, " %s", kvcc_passes[i]->name);
     fprintf(out, "%s\n", any ? "" : " (none yet)");
@@ -72,11 +72,21 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     int n_run = 0;
     snprintf(canon, n_canon, "none");
     if (!strcmp(policies, "none")) return 0;
+    if (!strcmp(policies, "all")) { /* every pass this kvcc builds, in registry order */
+        canon[0] = 0;
+        for (int i = 0; kvcc_passes[i] && n_run < 16; i++) {
+            run[n_run++] = kvcc_passes[i];
+            snprintf(canon + strlen(canon), n_canon - strlen(canon), "%s%s", i ? "," : "",
+                     kvcc_passes[i]->name);
+        }
+        if (!n_run) snprintf(canon, n_canon, "none");
+        return n_run;
+    }
     const size_t len = strlen(policies);
     if (!len || len >= 256 || strstr(policies, ",,") || policies[0] == ',' ||
         policies[len - 1] == ',') {
-        fprintf(stderr, "kvcc compile: --policies: got '%s', expected 'none' or a comma-separated "
-                "list of policies (no empty items)\n", policies);
+        fprintf(stderr, "kvcc compile: --policies: got '%s', expected 'none', 'all' or a "
+                "comma-separated list of policies (no empty items)\n", policies);
         return -1;
     }
     char buf[256];
@@ -391,7 +401,8 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
         fprintf(stderr, "kvcc compile: --policies %s needs a calibration corpus: --corpus CALIB.h5\n", policies);
         return KVCC_EXIT_USAGE;
     }
-    /* a report option reports on its pass's sections: refused before any work without the pass */
+    /* a report option reports on its pass's sections: refused before any work without the pass;
+     * another pass option of a pass not run is said to be ignored (its value is not checked) */
     for (int k = 0; k < npo; k++) {
         int on = 0;
         for (int i = 0; i < n_run; i++) on |= run[i] == po[k].pass;
@@ -400,7 +411,14 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
                     po[k].opt->name, po[k].pass->name, po[k].pass->name);
             return KVCC_EXIT_USAGE;
         }
+        if (given[k] && !on)
+            fprintf(stderr, "kvcc compile: warning: --%s is an option of the %s pass, which "
+                    "--policies %s does not run: ignored\n", po[k].opt->name, po[k].pass->name,
+                    policies);
     }
+    if (corpus && !n_run)
+        fprintf(stderr, "kvcc compile: warning: no --policies: the artifact holds no policy (the "
+                "corpus is only checked against the model); --policies all compiles every one\n");
     kvcc_input in[1 + MAX_CORPORA + MAX_PASS_OPTS] = {{"--gguf", gguf}};
     int n_in = 1;
     for (int i = 0; i < n_corpora; i++) in[n_in++] = (kvcc_input){"--corpus", corpora[i]};

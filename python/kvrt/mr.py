@@ -14,6 +14,7 @@ from ._lib import lib
 from ._core import (_fill_opts, ArrayLike, Cache, Context,
                     _carg, _ccache, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
+from .policy import _policy_dims
 
 
 def _reducer(val):
@@ -171,7 +172,8 @@ class MRSchedule(_Handle):
         Hkv, d]; budget a compiled ratio (or a count: the m of the nearest compiled ratio)."""
         fn = "kvrt.MRSchedule.compress_scheduled"
         c = _ctx(ctx)
-        kb = _carg(c, k, "k", fn, (None, None, None))
+        _, Hkv, d = _policy_dims(self.policy, fn)  # the C call reads k, v by the model's shape
+        kb = _carg(c, k, "k", fn, (None, Hkv, d))
         vb = _carg(c, v, "v", fn, kb.shape)
         op = None
         if options:

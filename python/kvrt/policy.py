@@ -576,6 +576,16 @@ def am_compact_layer_ref(q_ref: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     return _ccache(out.value, c), [_am_stats(s) for s in stats]
 
 
+def _policy_dims(policy: Optional[Policy], fn: str) -> Tuple[int, int, int]:
+    """(n_heads, n_kv_heads, head_dim) of the model a schedule was opened from."""
+    if policy is None:
+        raise KvrtError(ERR_ARG, f"{fn}: the schedule was not opened from a kvrt.Policy "
+                                 "(Policy.am() / Policy.merge_reduce()), so its model's shape "
+                                 "is unknown")
+    m = policy.model
+    return int(m["n_heads"]), int(m["n_kv_heads"]), int(m["head_dim"])
+
+
 class AMSchedule(_Handle):
     """The compiled Attention Matching schedule (``kvrt_am_schedule``)."""
     _free_fn = "kvrt_am_schedule_free"
@@ -583,6 +593,11 @@ class AMSchedule(_Handle):
     def __init__(self, ptr: int, policy: Optional[Policy] = None):
         super().__init__(ptr, policy)
         self.policy = policy
+
+    def _dims(self, fn: str) -> Tuple[int, int, int]:
+        """(n_heads, n_kv_heads, head_dim) of the policy's model: the C calls size q, k, v
+        and the stats by them, so arrays of another shape are refused here."""
+        return _policy_dims(self.policy, fn)
 
     @property
     def targets(self) -> List[float]:
@@ -633,8 +648,11 @@ class AMSchedule(_Handle):
         than the schedule's (:attr:`query_source`) is refused unless override."""
         fn = "kvrt.AMSchedule.compact_scheduled_ref"
         c = _ctx(ctx)
+        H, Hkv, d = self._dims(fn)
+        _carg(c, k, "k", fn, (None, Hkv, d))
+        _carg(c, q_ref, "q_ref", fn, (None, H, d))
         qb, kb, vb, pp = _am_ref_bufs(fn, c, q_ref, k, v, q_pos)
-        T, Hkv, d = kb.shape
+        T = kb.shape[0]
         op = self._opts_arg(options)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled_ref(c.ptr, self.ptr, op,
@@ -662,9 +680,10 @@ class AMSchedule(_Handle):
         from the compiled ones are refused (ArgError naming the option) unless override."""
         fn = "kvrt.AMSchedule.compact_scheduled"
         c = _ctx(ctx)
-        kb = _carg(c, k, "k", fn, (None, None, None))
-        T, Hkv, d = kb.shape
-        qb = _carg(c, q, "q", fn, (T, None, d))
+        H, Hkv, d = self._dims(fn)
+        kb = _carg(c, k, "k", fn, (None, Hkv, d))
+        T = kb.shape[0]
+        qb = _carg(c, q, "q", fn, (T, H, d))
         vb = _carg(c, v, "v", fn, (T, Hkv, d))
         op = self._opts_arg(options)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()

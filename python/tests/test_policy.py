@@ -98,3 +98,35 @@ def test_handles_close_with_the_policy(artifact):
     assert am.closed and ck.closed
     with pytest.raises(kvrt.ArgError, match="after close"):
         am.targets
+
+
+def test_scheduled_calls_refuse_arrays_of_another_model(artifact):
+    """The scheduled C calls read q, k, v by the policy's model (3 KV heads of 64 here) and
+    take no KV-head count or head dimension: arrays of another shape must be refused before
+    the call (they were read past their end, and AM's stats were written past theirs)."""
+    r = np.random.default_rng(0)
+    f = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731
+    T = 64
+    with kvrt.Policy.open(artifact, model="smollm2-135m") as p:
+        am, mr = p.am(), p.merge_reduce()
+        calls = [
+            (lambda: am.compact_scheduled(f(T, 3, 64), f(T, 1, 64), f(T, 1, 64), target=0.1,
+                                          layer=3), r"compact_scheduled: k: got shape \[64, 1, 64\], expected \[\*, 3, 64\]"),
+            (lambda: am.compact_scheduled(f(T, 9, 32), f(T, 3, 32), f(T, 3, 32), target=0.1,
+                                          layer=3), r"k: got shape \[64, 3, 32\], expected \[\*, 3, 64\]"),
+            (lambda: am.compact_scheduled(f(T, 3, 64), f(T, 3, 64), f(T, 3, 64), target=0.1,
+                                          layer=3), r"q: got shape \[64, 3, 64\], expected \[64, 9, 64\]"),
+            (lambda: am.compact_scheduled_ref(f(8, 9, 64), f(T, 1, 64), f(T, 1, 64), target=0.1,
+                                              layer=3, override=True), r"compact_scheduled_ref: k"),
+            (lambda: mr.compress_scheduled(f(T, 8, 128), f(T, 8, 128), budget=0.25, layer=3),
+             r"compress_scheduled: k: got shape \[64, 8, 128\], expected \[\*, 3, 64\]"),
+            (lambda: mr.compress_scheduled(f(T, 3, 64), f(T, 3, 32), budget=0.25, layer=3),
+             r"compress_scheduled: v"),
+        ]
+        for call, msg in calls:
+            with pytest.raises(kvrt.ShapeError, match=msg):
+                call()
+        # the right shapes still run
+        c, stats = am.compact_scheduled(f(T, 9, 64), f(T, 3, 64), f(T, 3, 64), target=0.1, layer=3)
+        assert c.n_kv_heads == 3 and len(stats) == 3
+        assert mr.compress_scheduled(f(T, 3, 64), f(T, 3, 64), budget=0.25, layer=3).n_kv_heads == 3

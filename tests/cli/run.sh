@@ -126,6 +126,19 @@ section 9
   --am-targets 0.1,0.2 --cql-steps 500 --threads 1 -o "$tmp/p2.kvpol" 2>/dev/null && cmp -s "$tmp/p1.kvpol" "$tmp/p2.kvpol" \
   && ok || bad "compile --policies am,compilerkv differs across order/threads"
 out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"compilerkv"* && "$out" == *"Attention Matching"* ]] && ok || bad "inspect of a policy artifact"
+# --policies all: every pass built, the same bytes as the list spelled out; a pass option of a
+# pass not run is said to be ignored; a corpus without --policies says the artifact holds none
+small=(--budgets 32 --cql-steps 200 --am-targets 0.1 --kv2-budgets 0.2 --kv2-rho 0.2 --kv2-max-passes 1
+       --mr-budgets 0.25 --mr-m 16 --mr-report-queries 0)
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies all "${small[@]}" -o "$tmp/all1.kvpol" 2>&1) && \
+"$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies merge-reduce,kv2,compkv,am,compilerkv "${small[@]}" \
+  -o "$tmp/all2.kvpol" 2>/dev/null && cmp -s "$tmp/all1.kvpol" "$tmp/all2.kvpol" && \
+  [[ "$err" == *"policies compilerkv,am,compkv,kv2,merge-reduce)"* ]] && ok || bad "compile --policies all: $err"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies compkv --am-targets 5 -o "$tmp/ign.kvpol" 2>&1); ex=$?
+[[ $ex -eq 0 && "$err" == *"warning: --am-targets is an option of the am pass, which --policies compkv does not run: ignored"* ]] \
+  && ok || bad "an option of a pass not run: exit $ex: $err"
+err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" -o "$tmp/none.kvpol" 2>&1); ex=$?
+[[ $ex -eq 0 && "$err" == *"warning: no --policies: the artifact holds no policy"* ]] && ok || bad "corpus without --policies: exit $ex: $err"
 [[ "$out" == *"options: key selection highest, chunk 4096, beta floor -3, 4 sinks, recent 0.5 of t"* ]] && ok \
   || bad "inspect: the compiled AM options: $out"
 #    --am-products bf16: written (f32 artifacts carry no item, so p1 is unchanged by the option),
