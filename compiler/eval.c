@@ -18,7 +18,7 @@
  * compress_layer_multi compress every budget of a (context, layer) in one call (eval_share.c).
  * Callers: compiler/cmd_eval.c, the tests.
  *
- * defines: kvcc_eval_run, eval_dvec_push, eval_row_fail, eval_row_budget
+ * defines: kvcc_eval_run, eval_dvec_push, eval_row_fail, eval_row_budget, eval_row_budget_fail
  */
 #include "eval.h"
 
@@ -64,6 +64,20 @@ int eval_row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B) {
         return KVRT_OK; /* a target ratio (checked when the rows are made) */
     default: return kvrt_budget_resolve(row->budget, C, B);
     }
+}
+
+void eval_row_budget_fail(kvcc_eval_row *row, int rc, int64_t C) {
+    /* the runtime's message speaks to a C caller; the row says what to change on the command
+     * line */
+    if (!row->status && row->budget >= 1.0 && isfinite(row->budget) &&
+        floor(row->budget + 0.5) > (double)C) {
+        row->status = rc;
+        snprintf(row->msg, sizeof row->msg,
+                 "budget: %.0f tokens per KV head exceed a prompt's context of %lld tokens: give "
+                 "a smaller count, or a ratio of the context (< 1)",
+                 floor(row->budget + 0.5), (long long)C);
+    }
+    eval_row_fail(row, rc, "budget");
 }
 
 /* The rows: every (method, budget); one row for a method without budgets; budgets that do not

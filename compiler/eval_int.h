@@ -3,7 +3,7 @@
  * eval_prefill.c, the decode-time rows eval_decode.c, the end-to-end model rows eval_model.c):
  * the run, the per-row accumulators and their helpers. Nobody else includes it.
  *
- * defines: eval_run, eval_acc, eval_dvec_push, eval_row_fail, eval_row_budget, eval_local,
+ * defines: eval_run, eval_acc, eval_dvec_push, eval_row_fail, eval_row_budget, eval_row_budget_fail, eval_local,
  *          eval_decode_layer, eval_decode_hook, eval_e2e
  */
 #ifndef KVCC_EVAL_INT_H
@@ -71,6 +71,9 @@ static inline int eval_is_decode(const kvcc_eval_method *m) { return m->decode_s
 void eval_row_fail(kvcc_eval_row *row, int rc, const char *what);
 /* Tokens kept per KV head for a row on a context of C tokens (full: all; ratio rows: 0). */
 int eval_row_budget(const kvcc_eval_row *row, int64_t C, int64_t *B);
+/* eval_row_fail for a budget eval_row_budget refused (a count beyond the context: a message that
+ * says what to change on the command line). */
+void eval_row_budget_fail(kvcc_eval_row *row, int rc, int64_t C);
 
 /* eval_prefill.c: the layer-local rows (prefill rows here, decode-time rows per layer through
  * eval_decode_layer). 0, or nonzero with the message in err. */

@@ -229,7 +229,7 @@ static void e2e_prefill_row(eval_run *E, int ri, e2e_prompt *x, e2e_score_fn fn,
     const int all_layers = m->compress_all && !eval_row_prep(E, ri)->layerwise;
     int64_t B;
     int st = eval_row_budget(row, x->C, &B);
-    if (st) { eval_row_fail(row, st, "budget"); return; }
+    if (st) { eval_row_budget_fail(row, st, x->C); return; }
     x->shared_s = 0;
     const double t0 = kvcc_now_s();
     if (all_layers) { /* all layers at once from the model's own q/k/v and the log-probs */

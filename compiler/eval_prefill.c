@@ -46,7 +46,7 @@ static int prefill_row(eval_run *E, int ri, const kvcc_loop *lp, double *bytes_p
     eval_acc *a = &E->acc[ri];
     int64_t B;
     int s = eval_row_budget(row, lp->C, &B);
-    if (s) { eval_row_fail(row, s, "budget"); return 0; }
+    if (s) { eval_row_budget_fail(row, s, lp->C); return 0; }
     double shared = 0;
     const kvcc_eval_layer x = {.prompt = lp->prompt, .layer = lp->layer, .q = lp->q, .k = lp->k,
                                .v = lp->v, .C = lp->C, .ctx_id = E->ctx_serial,

@@ -155,6 +155,10 @@ out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods comp
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 6 ]] && ok || bad "eval compilerkv rows: exit $ex: $out"
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods am,am-uniform --budgets 0.1,0.2 --csv); ex=$?
 [[ $ex -eq 0 && $(grep -c ',ok$' <<<"$out") -eq 4 ]] && ok || bad "eval am rows: exit $ex: $out"
+#    a token budget beyond the context fails its row (exit 5) with what to change, the others run
+out=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods h2o --budgets 32,200 --csv 2>&1); ex=$?
+[[ $ex -eq 5 && $(grep -c '^h2o,32,.*,ok$' <<<"$out") -eq 1 && "$out" == *"h2o at 200: budget: 200 tokens per KV head exceed a prompt's context of 128 tokens: give a smaller count, or a ratio of the context (< 1)"* ]] \
+  && ok || bad "eval budget beyond the context: exit $ex: $out"
 #    equal memory: the h2o rows are the reference (bytes_rel 1, equal_memory 1); every row has the fields
 out=$("$KVCC" eval --corpus "$tmp/cs.h5" --policy "$tmp/p1.kvpol" --methods full,am,h2o --budgets 0.1 --csv); ex=$?
 [[ $ex -eq 0 && "$out" == *",ref_bytes,bytes_rel,equal_memory,"* && $(grep -c '^h2o,.*,1.0000,1,' <<<"$out") -eq 1 \
