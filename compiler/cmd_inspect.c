@@ -33,15 +33,29 @@ static void print_item_value(const kvpol_item *it) {
         if (kvpol_dtype_is_float(it->dtype) && kvpol_item_as_f64(it, &d) == 0) printf("%.17g", d);
         else if (kvpol_item_as_i64(it, &i) == 0) printf("%" PRId64, i);
         else printf("%" PRIu64, *(const uint64_t *)it->data);
-    } else if (kvpol_dtype_is_float(it->dtype) && it->dtype == KVPOL_DTYPE_F32) {
-        const float *v = it->data;
-        double mn = v[0], mx = v[0], sum = 0;
+    } else if (it->count > 0 && kvpol_dtype_size(it->dtype) > 0) {
+        /* every numeric dtype, element by element through the scalar reader: up to 8 elements
+         * listed, more summarized */
+        const size_t es = kvpol_dtype_size(it->dtype);
+        kvpol_item e = *it;
+        e.kind = KVPOL_ITEM_SCALAR;
+        e.ndim = 0;
+        e.count = 1;
+        e.nbytes = es;
+        double mn = 0, mx = 0, sum = 0;
+        const int list = it->count <= 8;
+        if (list) putchar('[');
         for (uint64_t j = 0; j < it->count; j++) {
-            if (v[j] < mn) mn = v[j];
-            if (v[j] > mx) mx = v[j];
-            sum += v[j];
+            double v = 0;
+            e.data = (const uint8_t *)it->data + j * es;
+            if (kvpol_item_as_f64(&e, &v) != 0) return; /* a dtype the reader does not convert */
+            if (list) printf("%s%.6g", j ? ", " : "", v);
+            if (!j || v < mn) mn = v;
+            if (!j || v > mx) mx = v;
+            sum += v;
         }
-        printf("min %.6g  max %.6g  mean %.6g", mn, mx, sum / (double)it->count);
+        if (list) putchar(']');
+        else printf("min %.6g  max %.6g  mean %.6g", mn, mx, sum / (double)it->count);
     }
 }
 

@@ -126,6 +126,8 @@ section 9
   --am-targets 0.1,0.2 --cql-steps 500 --threads 1 -o "$tmp/p2.kvpol" 2>/dev/null && cmp -s "$tmp/p1.kvpol" "$tmp/p2.kvpol" \
   && ok || bad "compile --policies am,compilerkv differs across order/threads"
 out=$("$KVCC" inspect "$tmp/p1.kvpol"); [[ "$out" == *"compilerkv"* && "$out" == *"Attention Matching"* ]] && ok || bad "inspect of a policy artifact"
+[[ "$out" =~ budgets\ +i64\ +\[2\]\ +\[32,\ 64\] && "$out" =~ targets\ +f64\ +\[2\]\ +\[0\.1,\ 0\.2\] ]] && ok \
+  || bad "inspect: the values of short integer and f64 tensors: $out"
 # --policies all: every pass built, the same bytes as the list spelled out; a pass option of a
 # pass not run is said to be ignored; a corpus without --policies says the artifact holds none
 small=(--budgets 32 --cql-steps 200 --am-targets 0.1 --kv2-budgets 0.2 --kv2-rho 0.2 --kv2-max-passes 1
