@@ -92,7 +92,7 @@ static int capture_main(int argc, char **argv) {
         {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int ch;
     optind = 1;
-    while ((ch = getopt_long(argc, argv, "g:x:n:t:c:s:d:o:hC:", opts, NULL)) != -1) {
+    while ((ch = kvcc_getopt("capture", argc, argv, "g:x:n:t:c:s:d:o:hC:", opts)) != -1) {
         switch (ch) {
         case 'g': gguf = optarg; break;
         case 'x':
@@ -133,7 +133,7 @@ static int capture_main(int argc, char **argv) {
             break;
         }
         case 'h': usage(stdout); return KVCC_EXIT_OK;
-        default: usage(stderr); return KVCC_EXIT_USAGE;
+        default: return KVCC_EXIT_USAGE; /* kvcc_getopt said why */
         }
     }
     if (optind < argc) { fprintf(stderr, "kvcc capture: unexpected argument '%s'\n", argv[optind]); return KVCC_EXIT_USAGE; }

@@ -335,7 +335,7 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
     char msg[768] = "";
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "m:o:p:c:h", opts, NULL)) != -1) {
+    while ((c = kvcc_getopt("compile", argc, argv, "m:o:p:c:h", opts)) != -1) {
         switch (c) {
         case 'm': model = optarg; break;
         case 'o': out = optarg; break;
@@ -376,8 +376,7 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
                 given[k] = 1;
                 break;
             }
-            usage(stderr);
-            return KVCC_EXIT_USAGE;
+            return KVCC_EXIT_USAGE; /* kvcc_getopt said why */
         }
     }
     if (optind < argc) { fprintf(stderr, "kvcc compile: unexpected argument '%s'\n", argv[optind]); return KVCC_EXIT_USAGE; }

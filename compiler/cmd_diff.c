@@ -141,7 +141,7 @@ int kvcc_cmd_diff(int argc, char **argv) {
     static const struct option opts[] = {{"json", no_argument, 0, 'j'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "jh", opts, NULL)) != -1) {
+    while ((c = kvcc_getopt("diff", argc, argv, "jh", opts)) != -1) {
         if (c == 'j') d.json = 1;
         else if (c == 'h') {
             printf("usage: kvcc diff A B [--json]\n"

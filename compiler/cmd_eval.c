@@ -524,7 +524,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
     int n_texts = 0, own_texts = 0;
     int ch;
     optind = 1;
-    while ((ch = getopt_long(argc, argv, "c:m:b:g:p:n:d:s:jvh", opts, NULL)) != -1) {
+    while ((ch = kvcc_getopt("eval", argc, argv, "c:m:b:g:p:n:d:s:jvh", opts)) != -1) {
         switch (ch) {
         case 'c': corpus = optarg; break;
         case 'm': methods = optarg; break;
@@ -560,7 +560,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
             texts[n_texts++] = optarg;
             break;
         case 'h': usage(stdout); return KVCC_EXIT_OK;
-        default: usage(stderr); return KVCC_EXIT_USAGE;
+        default: return KVCC_EXIT_USAGE; /* kvcc_getopt said why */
         }
     }
     if (optind < argc) { fprintf(stderr, "kvcc eval: unexpected argument '%s'\n", argv[optind]); return KVCC_EXIT_USAGE; }

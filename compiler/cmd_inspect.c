@@ -212,7 +212,7 @@ int kvcc_cmd_inspect(int argc, char **argv) {
         {"json", no_argument, 0, 'j'}, {"items", required_argument, 0, 'n'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "jn:h", opts, NULL)) != -1) {
+    while ((c = kvcc_getopt("inspect", argc, argv, "jn:h", opts)) != -1) {
         if (c == 'j') json = 1;
         else if (c == 'n') {
             char *end;

@@ -14,7 +14,7 @@ int kvcc_cmd_models(int argc, char **argv) {
     static const struct option opts[] = {{"json", no_argument, 0, 'j'}, {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "jh", opts, NULL)) != -1) {
+    while ((c = kvcc_getopt("models", argc, argv, "jh", opts)) != -1) {
         if (c == 'j') json = 1;
         else if (c == 'h') {
             printf("usage: kvcc models [--json]\n  list the model presets usable with --model NAME\n");

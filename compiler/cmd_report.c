@@ -1104,11 +1104,11 @@ int kvcc_cmd_report(int argc, char **argv) {
                                          {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "o:e:h", opts, NULL)) != -1) {
+    while ((c = kvcc_getopt("report", argc, argv, "o:e:h", opts)) != -1) {
         if (c == 'o') out = optarg;
         else if (c == 'e') eval_path = optarg;
         else if (c == 'h') { usage(stdout); return KVCC_EXIT_OK; }
-        else { usage(stderr); return KVCC_EXIT_USAGE; }
+        else return KVCC_EXIT_USAGE; /* kvcc_getopt said why */
     }
     if (argc - optind != 1 || !out) {
         fprintf(stderr, "kvcc report: expected one ARTIFACT and -o REPORT.html (see kvcc report --help)\n");

@@ -38,7 +38,7 @@ int kvcc_cmd_synth(int argc, char **argv) {
     int ch;
     unsigned u;
     optind = 1;
-    while ((ch = getopt_long(argc, argv, "m:o:n:t:c:s:d:r:h", opts, NULL)) != -1) {
+    while ((ch = kvcc_getopt("synth", argc, argv, "m:o:n:t:c:s:d:r:h", opts)) != -1) {
         switch (ch) {
         case 'm': model = optarg; break;
         case 'o': out = optarg; break;
@@ -49,7 +49,7 @@ int kvcc_cmd_synth(int argc, char **argv) {
         case 'r': if (kvcc_parse_u32("synth", "retrieval-heads", optarg, 0, 1024, &u)) return KVCC_EXIT_USAGE; o.retrieval_heads = (int)u; break;
         case 'd': dtype = optarg; break;
         case 'h': usage(stdout); return KVCC_EXIT_OK;
-        default: usage(stderr); return KVCC_EXIT_USAGE;
+        default: return KVCC_EXIT_USAGE; /* kvcc_getopt said why */
         }
     }
     if (optind < argc) {

@@ -54,7 +54,7 @@ int kvcc_cmd_verify(int argc, char **argv) {
                                          {"help", no_argument, 0, 'h'}, {0, 0, 0, 0}};
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "m:qh", opts, NULL)) != -1) {
+    while ((c = kvcc_getopt("verify", argc, argv, "m:qh", opts)) != -1) {
         if (c == 'm') model = optarg;
         else if (c == 'q') quiet = 1;
         else if (c == 'h') {

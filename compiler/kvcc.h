@@ -47,10 +47,16 @@ int kvcc_open_artifact(const char *path, kvpol_file **out);
 void kvcc_progress_begin(const char *label);
 void kvcc_progress(unsigned done, unsigned total);
 double kvcc_progress_elapsed(void);
-/* Parse an unsigned integer option in [lo, hi]; prints "kvcc CMD: --NAME: ..." and returns -1 on error. */
 /* Every regular *.txt file of dir, sorted (so results do not depend on readdir order): malloc'd
  * paths into paths[cap]; -1 when dir cannot be opened. */
 int kvcc_list_texts(const char *dir, char **paths, int cap);
+/* getopt_long for command CMD, with kvcc's messages instead of getopt's: an unknown option, a
+ * missing value, or a value that is itself an option (`--model -o x`: not a number, starts with
+ * "--" or "-" and a letter) prints "kvcc CMD: ..." with a pointer to CMD --help and returns '?'. */
+struct option;
+int kvcc_getopt(const char *cmd, int argc, char **argv, const char *shortopts,
+                const struct option *longopts);
+/* Parse an unsigned integer option in [lo, hi]; prints "kvcc CMD: --NAME: ..." and returns -1 on error. */
 int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out);
 /* An input file of a command that writes one: the option that named it, its path (NULL: none). */
 typedef struct {

@@ -9,6 +9,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <getopt.h>
 #include <limits.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -55,6 +56,65 @@ int kvcc_open_artifact(const char *path, kvpol_file **out) {
 int kvcc_env_on(const char *name) {
     const char *e = getenv(name);
     return e != NULL && *e != '\0' && strcmp(e, "0") != 0;
+}
+
+/* The name of option c as the user spelled it: "--NAME" (long index li) or "-C". */
+static void opt_name(char *buf, size_t n, const struct option *lo, int li, int c) {
+    if (li >= 0) snprintf(buf, n, "--%s", lo[li].name);
+    else {
+        for (int i = 0; lo && lo[i].name; i++)
+            if (!lo[i].flag && lo[i].val == c && c > 0) {
+                snprintf(buf, n, "--%s", lo[i].name);
+                return;
+            }
+        snprintf(buf, n, "-%c", c);
+    }
+}
+
+int kvcc_getopt(const char *cmd, int argc, char **argv, const char *shortopts,
+                const struct option *longopts) {
+    opterr = 0; /* the messages are kvcc's */
+    int li = -1;
+    optopt = 0;
+    const int c = getopt_long(argc, argv, shortopts, longopts, &li);
+    if (c == -1) return c;
+    char name[96];
+    if (c == '?' || c == ':') {
+        const char *tok = optind > 0 && optind <= argc ? argv[optind - 1] : "";
+        int takes_value = 0;
+        if (optopt > 0 && optopt < 256 && strchr(shortopts, optopt)) {
+            const char *p = strchr(shortopts, optopt);
+            takes_value = p[1] == ':';
+        }
+        for (int i = 0; longopts && longopts[i].name && optopt; i++)
+            if (!longopts[i].flag && longopts[i].val == optopt && longopts[i].has_arg == required_argument)
+                takes_value = 1;
+        if (optopt && takes_value) {
+            opt_name(name, sizeof name, longopts, -1, optopt);
+            if (strncmp(tok, "--", 2) == 0) { /* the spelling used, up to '=' */
+                snprintf(name, sizeof name, "%.*s", (int)strcspn(tok, "="), tok);
+            }
+            fprintf(stderr, "kvcc %s: %s needs a value (kvcc %s --help)\n", cmd, name, cmd);
+        } else if (optopt && strncmp(tok, "--", 2) != 0) {
+            fprintf(stderr, "kvcc %s: unknown option '-%c' (kvcc %s --help lists the options)\n",
+                    cmd, optopt, cmd);
+        } else {
+            fprintf(stderr, "kvcc %s: unknown or ambiguous option '%s' (kvcc %s --help lists the "
+                    "options)\n", cmd, tok, cmd);
+        }
+        return '?';
+    }
+    if (optarg && optarg[0] == '-' && (optarg[1] == '-' || isalpha((unsigned char)optarg[1]))) {
+        char *end;
+        (void)strtod(optarg, &end); /* "-inf", "-1e-3": values */
+        if (*end != '\0') {
+            opt_name(name, sizeof name, longopts, li, c);
+            fprintf(stderr, "kvcc %s: %s: expected a value, got the option '%s' (kvcc %s --help)\n",
+                    cmd, name, optarg, cmd);
+            return '?';
+        }
+    }
+    return c;
 }
 
 int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out) {

@@ -68,6 +68,15 @@ for args in "" "frobnicate" "verify" "inspect" "diff one" "compile -o x.kvpol" "
   [[ $ex -eq 2 && -n "$err" ]] && ok || bad "'kvcc $args': expected exit 2 with a message, got $ex"
 done
 [ ! -e "$tmp/x.kvpol" ] && ok || bad "a refused compile wrote its output"
+#    the messages of option parsing are kvcc's, one line, naming the option
+for pair in "compile --model -o $tmp/x.kvpol|kvcc compile: --model: expected a value, got the option '-o'" \
+            "compile --modle x|kvcc compile: unknown or ambiguous option '--modle' (kvcc compile --help lists the options)" \
+            "models --bogus|kvcc models: unknown or ambiguous option '--bogus'" \
+            "eval --corpus|kvcc eval: --corpus needs a value" "inspect -z|kvcc inspect: unknown option '-z'"; do
+  # shellcheck disable=SC2086
+  err=$("$KVCC" ${pair%%|*} 2>&1 >/dev/null); ex=$?
+  [[ $ex -eq 2 && "$err" == *"${pair#*|}"* && $(wc -l <<<"$err") -eq 1 ]] && ok || bad "'kvcc ${pair%%|*}': exit $ex: $err"
+done
 
 section 6
 # 6. an I/O error names the file
