@@ -147,8 +147,10 @@ static int capture_main(int argc, char **argv) {
         n_texts = kvcc_list_texts(DEFAULT_TEXT_DIR, texts, MAX_TEXTS);
         own_texts = 1;
         if (n_texts <= 0) {
-            fprintf(stderr, "kvcc capture: no --text given and no .txt files in %s (run from the repository root)\n",
-                    DEFAULT_TEXT_DIR);
+            fprintf(stderr, "kvcc capture: no --text given, and the default texts (every .txt in "
+                    "%s, relative to the current directory: the repository's bundled text) are "
+                    "not here: give --text FILE (repeatable) and --gguf MODEL.gguf, or run from "
+                    "the repository root\n", DEFAULT_TEXT_DIR);
             return KVCC_EXIT_USAGE;
         }
     }
@@ -237,7 +239,9 @@ static int capture_main(int argc, char **argv) {
             /* another rank's failure reaches every rank as its message ("rank R: ..."): rank 0
              * prints it, and a rank's own failure is printed by the rank (rank 0's stderr, or
              * the rank's captured stderr, whose last line the agreement carried) */
-            fprintf(stderr, "kvcc capture: %s [%s]\n", msg, kvcc_corpus_status_name(rc));
+            /* the library's messages name it ("capture: ..."); the command's prefix says it */
+            const char *m = strncmp(msg, "capture: ", 9) == 0 ? msg + 9 : msg;
+            fprintf(stderr, "kvcc capture: %s [%s]\n", m, kvcc_corpus_status_name(rc));
             ex = rc == KVCC_CORPUS_ERR_RANGE || rc == KVCC_CORPUS_ERR_ARG ? KVCC_EXIT_USAGE : KVCC_EXIT_FAILED;
         } else {
             struct stat sb;

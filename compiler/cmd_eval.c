@@ -98,6 +98,12 @@ static void usage(FILE *out) {
 
 static int parse_methods(const char *list, const char **out, int *n) {
     static char buf[512];
+    const size_t len = strlen(list);
+    if (!len || len >= sizeof buf || strstr(list, ",,") || list[0] == ',' || list[len - 1] == ',') {
+        fprintf(stderr, "kvcc eval: --methods: got '%s', expected a comma-separated list of "
+                "methods (no empty items)\n", list);
+        return -1;
+    }
     snprintf(buf, sizeof buf, "%s", list);
     *n = 0;
     char names[1024];
@@ -148,7 +154,10 @@ static int parse_budgets(const char *opt, const char *list, double *out, int *n)
         char *end;
         double v = strtod(tok, &end);
         if (*end || !(v > 0) || !isfinite(v) || (v >= 1 && v != floor(v)) || *n == 64) {
-            fprintf(stderr, "kvcc eval: %s: got '%s', expected a token count (integer >= 1) or a ratio in (0, 1)\n", opt, tok);
+            if (!strcmp(opt, "--block-budgets"))
+                fprintf(stderr, "kvcc eval: %s: got '%s', expected a block count (integer >= 1)\n", opt, tok);
+            else
+                fprintf(stderr, "kvcc eval: %s: got '%s', expected a token count (integer >= 1) or a ratio in (0, 1)\n", opt, tok);
             return -1;
         }
         out[(*n)++] = v;
@@ -518,7 +527,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
     int precision = KVCC_PREC_F32;
     const char *needle = NULL;
     unsigned n_hay = 4, n_keys = 3;
-    int keys_given = 0, n_depths = 0;
+    int keys_given = 0, n_depths = 0, n_hay_given = 0, precision_given = 0;
     float depths[KVCC_EVAL_NEEDLE_KEYS];
     char *texts[MAX_NEEDLE_TEXTS];
     int n_texts = 0, own_texts = 0;
@@ -532,6 +541,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'B': block_budgets = optarg; break;
         case 'g': gguf = optarg; break;
         case 'P':
+            precision_given = 1;
             if ((precision = kvcc_precision_parse(optarg)) < 0) {
                 fprintf(stderr, "kvcc eval: --precision: got '%s', expected f32 or bf16\n", optarg);
                 return KVCC_EXIT_USAGE;
@@ -552,7 +562,7 @@ int kvcc_cmd_eval(int argc, char **argv) {
         case 'R': no_probes = 1; break;
         case 'v': csv = 1; break;
         case 'N': needle = optarg; break;
-        case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; break;
+        case 'H': if (kvcc_parse_u32("eval", "needle-haystacks", optarg, 1, 100000, &n_hay)) return KVCC_EXIT_USAGE; n_hay_given = 1; break;
         case 'K': if (kvcc_parse_u32("eval", "needle-keys", optarg, 1, 5, &n_keys)) return KVCC_EXIT_USAGE; keys_given = 1; break;
         case 'D': if (parse_depths(optarg, depths, &n_depths)) return KVCC_EXIT_USAGE; break;
         case 'T':
@@ -569,6 +579,19 @@ int kvcc_cmd_eval(int argc, char **argv) {
         return KVCC_EXIT_USAGE;
     }
     if (json && csv) { fprintf(stderr, "kvcc eval: --json and --csv exclude each other\n"); return KVCC_EXIT_USAGE; }
+    /* options of the end-to-end pass or the needle task, refused where they would do nothing */
+    if (!gguf && (precision_given || no_probes || local_from_corpus)) {
+        fprintf(stderr, "kvcc eval: %s needs --gguf (it changes the end-to-end pass through the "
+                "model)\n", precision_given ? "--precision" : no_probes ? "--no-probes"
+                                                                        : "--local-from-corpus");
+        return KVCC_EXIT_USAGE;
+    }
+    if (!needle && (n_hay_given || keys_given || n_depths || n_texts)) {
+        fprintf(stderr, "kvcc eval: %s needs --needle (the task's context lengths)\n",
+                n_hay_given ? "--needle-haystacks" : keys_given ? "--needle-keys"
+                                                   : n_depths ? "--needle-depths" : "--needle-text");
+        return KVCC_EXIT_USAGE;
+    }
     if (strcmp(cdt, "f32") && strcmp(cdt, "f16") && strcmp(cdt, "bf16")) {
         fprintf(stderr, "kvcc eval: --cache-dtype: got '%s', expected f32, f16 or bf16\n", cdt);
         return KVCC_EXIT_USAGE;

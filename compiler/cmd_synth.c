@@ -70,6 +70,11 @@ int kvcc_cmd_synth(int argc, char **argv) {
         fprintf(stderr, "kvcc synth: --model: unknown preset '%s' (kvcc models lists them)\n", model);
         return KVCC_EXIT_USAGE;
     }
+    if ((uint32_t)o.retrieval_heads > p->n_heads) {
+        fprintf(stderr, "kvcc synth: --retrieval-heads: got %d, expected 0..%u (the query heads "
+                "of %s)\n", o.retrieval_heads, p->n_heads, p->name);
+        return KVCC_EXIT_USAGE;
+    }
     int ex = kvcc_check_output("synth", out, NULL, 0);
     if (!ex) kvcc_remove_temp_on_signal(out);
     if (ex) return ex;

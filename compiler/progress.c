@@ -16,13 +16,19 @@
 static double t_start, t_last_line, line_every = 60.0;
 static const char *label_;
 
-/* The seconds between plain lines (KVCC_PROGRESS_INTERVAL; invalid values: the default). */
+/* The seconds between plain lines (KVCC_PROGRESS_INTERVAL; an invalid value: the default, said
+ * once). */
 static double line_interval(void) {
+    static int warned;
     const char *s = getenv("KVCC_PROGRESS_INTERVAL");
     if (s == NULL || *s == '\0') return 60.0;
     char *end;
     const double v = strtod(s, &end);
-    return *end == '\0' && v >= 0.0 && v <= 86400.0 ? v : 60.0;
+    if (*end == '\0' && v >= 0.0 && v <= 86400.0) return v;
+    if (!warned++)
+        fprintf(stderr, "kvcc: warning: KVCC_PROGRESS_INTERVAL='%s', expected seconds in 0..86400; "
+                "using 60\n", s);
+    return 60.0;
 }
 
 void kvcc_progress_begin(const char *label) {

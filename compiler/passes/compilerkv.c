@@ -401,9 +401,10 @@ static int ckv_setup_ex(ckv *S, const kvcc_compile_ctx *cx, kvcc_corpus *corpus,
         }
         if (info.continuation_len < 1)
             rc = ckv_failf(
-                err, errlen, KVCC_EXIT_FAILED,
-                "%s: prompt %u has no continuation tokens; the rewards need continuation queries",
-                corpus_path, p);
+                err, errlen, KVCC_EXIT_USAGE,
+                "%s: prompt %u has %u context and no continuation tokens; the compilerkv pass "
+                "needs continuation queries for its rewards (kvcc capture --continuation N, N >= 1)",
+                corpus_path, p, info.context_len);
         else if (info.context_len <= S->window)
             rc = ckv_failf(err, errlen, KVCC_EXIT_USAGE,
                            "%s: prompt %u: context of %u tokens, expected more than --window %u",

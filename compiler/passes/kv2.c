@@ -322,7 +322,8 @@ static int kv2_run(const kvcc_compile_ctx *cx, kvpol_writer *w, char *err, size_
         const int64_t C = lp.C, N = lp.N, T = lp.T;
         if (N < 1 || C < 16) {
             snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; "
-                     "the kv2 pass needs >= 16 and >= 1", cx->corpus_path, p, (long long)C, (long long)N);
+                     "the kv2 pass needs at least 16 context tokens and one continuation token "
+                     "(its queries measure the fidelity)", cx->corpus_path, p, (long long)C, (long long)N);
             rc = KVCC_EXIT_USAGE;
             break;
         }

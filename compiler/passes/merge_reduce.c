@@ -560,7 +560,8 @@ static int mr_calibrate(const kvcc_compile_ctx *cx, mr_acc *A, char *err, size_t
         const int64_t C = lp.C, N = lp.N;
         if (N < 1 || C <= (int64_t)cx->mr_sinks + 2) {
             snprintf(err, errlen, "%s: prompt %u has %lld context and %lld continuation tokens; "
-                     "the merge-reduce pass needs more than --mr-sinks + 2 = %u and >= 1",
+                     "the merge-reduce pass needs more than --mr-sinks + 2 = %u context tokens "
+                     "and at least one continuation token (its queries measure the fidelity)",
                      cx->corpus_path, p, (long long)C, (long long)N, cx->mr_sinks + 2);
             rc = KVCC_EXIT_USAGE;
             break;

@@ -72,7 +72,10 @@ done
 for pair in "compile --model -o $tmp/x.kvpol|kvcc compile: --model: expected a value, got the option '-o'" \
             "compile --modle x|kvcc compile: unknown or ambiguous option '--modle' (kvcc compile --help lists the options)" \
             "models --bogus|kvcc models: unknown or ambiguous option '--bogus'" \
-            "eval --corpus|kvcc eval: --corpus needs a value" "inspect -z|kvcc inspect: unknown option '-z'"; do
+            "eval --corpus|kvcc eval: --corpus needs a value" "inspect -z|kvcc inspect: unknown option '-z'" \
+            "eval --corpus $tmp/n.h5 --methods h2o --budgets 8 --no-probes|kvcc eval: --no-probes needs --gguf" \
+            "eval --corpus $tmp/n.h5 --methods h2o --budgets 8 --needle-keys 2|kvcc eval: --needle-keys needs --needle" \
+            "eval --corpus $tmp/n.h5 --methods h2o, --budgets 8|kvcc eval: --methods: got 'h2o,', expected a comma-separated list of methods (no empty items)"; do
   # shellcheck disable=SC2086
   err=$("$KVCC" ${pair%%|*} 2>&1 >/dev/null); ex=$?
   [[ $ex -eq 2 && "$err" == *"${pair#*|}"* && $(wc -l <<<"$err") -eq 1 ]] && ok || bad "'kvcc ${pair%%|*}': exit $ex: $err"
