@@ -714,9 +714,27 @@ def _method_code(method: Union[str, int]) -> int:
     return m
 
 
+def _uint(v, name: str, bits: int = 32) -> int:
+    """An unsigned integer argument (a layer, a count, an option) checked before ctypes wraps
+    it: -1 would reach C as 4294967295. ArgError naming the argument."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or \
+            not 0 <= int(v) < (1 << bits):
+        raise KvrtError(ERR_ARG, f"kvrt: {name}: got {v!r}, expected an integer in "
+                                 f"0..{(1 << bits) - 1}")
+    return int(v)
+
+
+def _number(v, name: str) -> float:
+    """A real argument (a budget, a ratio, a target): a str such as "16" is refused, not parsed."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise KvrtError(ERR_ARG, f"kvrt: {name}: got {v!r}, expected a number")
+    return float(v)
+
+
 def budget_resolve(budget: float, T: int) -> int:
     """kvrt_budget_resolve: budget >= 1 is a token count (rounded to nearest), 0 < budget < 1 a
     ratio of T (at least 1); refused (ArgError) when <= 0, not finite, or a count > T."""
+    budget = _number(budget, "budget")
     out = c_int64()
     check(lib.kvrt_budget_resolve(float(budget), int(T), byref(out)))
     return int(out.value)
@@ -859,13 +877,13 @@ def _method_opts(method, budget: int, n_sink=None, window=None, pool_kernel=None
     o = _lib.kvrt_method_opts()
     lib.kvrt_method_opts_init(byref(o), _method_code(method), int(budget))
     if n_sink is not None:
-        o.n_sink = int(n_sink)
+        o.n_sink = _uint(n_sink, "n_sink")
     if window is not None:
-        o.window = int(window)
+        o.window = _uint(window, "window")
     if pool_kernel is not None:
-        o.pool_kernel = int(pool_kernel)
+        o.pool_kernel = _uint(pool_kernel, "pool_kernel")
     if seed is not None:
-        o.seed = int(seed)
+        o.seed = _uint(seed, "seed", 64)
     return o
 
 
@@ -885,6 +903,7 @@ def method_select(method: Union[str, int], q: Optional[ArrayLike], k: ArrayLike,
     kb = _buf(k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
     qp, H = None, n_heads or Hkv
+    _need_queries(fn, method, q)
     if q is not None:
         qb = _buf(q, "q", fn, (T, None, d))
         qp, H = qb.ptr, qb.shape[1]
@@ -894,6 +913,13 @@ def method_select(method: Union[str, int], q: Optional[ArrayLike], k: ArrayLike,
     out = c_void_p()
     check(lib.kvrt_method_select(byref(o), qp, kb.ptr, None, T, H, Hkv, d, byref(out)))
     return Selection(out.value)
+
+
+def _need_queries(fn: str, method, q) -> None:
+    """snapkv and h2o score keys by the queries' attention: q None is refused by name."""
+    if q is None and _method_code(method) in (_method_code("snapkv"), _method_code("h2o")):
+        raise KvrtError(ERR_ARG, f"{fn}: q: got None, but {method} scores the keys by the "
+                                 "queries' attention: pass the context's queries q [T, H, d]")
 
 
 def method_has_scores(method: Union[str, int]) -> bool:
@@ -914,6 +940,7 @@ def method_scores(method: Union[str, int], q: Optional[ArrayLike], k: ArrayLike,
     kb = _carg(ctx, k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
     qp, H = None, n_heads or Hkv
+    _need_queries(fn, method, q)
     if q is not None:
         qb = _carg(ctx, q, "q", fn, (T, None, d))
         qp, H = qb.ptr, qb.shape[1]

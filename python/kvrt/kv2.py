@@ -20,7 +20,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context,
-                    _carg, _ccache, _ctx, _dtype_code, _Handle, OVERRIDE_OPTIONS)
+                    _carg, _ccache, _ctx, _dtype_code, _Handle, _uint, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
 _AGG = {"mean": 0, "max": 1}
@@ -82,7 +82,7 @@ class KV2Plan(_Handle):
     def proxy(self, layer: int, k: ArrayLike) -> None:
         """Stage 1 for one layer: k [C, Hkv, d]."""
         kb = _carg(self.ctx, k, "k", "kvrt.KV2Plan.proxy", (self.C, self.n_kv_heads, self.head_dim))
-        check(lib.kvrt_kv2_plan_proxy(self.ptr, int(layer), kb.ptr))
+        check(lib.kvrt_kv2_plan_proxy(self.ptr, _uint(layer, "layer"), kb.ptr))
 
     @property
     def n_chunks(self) -> int:
@@ -115,7 +115,7 @@ class KV2Plan(_Handle):
         if k_new is not None:
             kn = _carg(self.ctx, k_new, "k_new", fn,
                        (qb.shape[0], self.n_kv_heads, self.head_dim)).ptr
-        check(lib.kvrt_kv2_plan_score(self.ptr, int(r), int(layer), qb.ptr, qb.shape[0], kb.ptr,
+        check(lib.kvrt_kv2_plan_score(self.ptr, int(r), _uint(layer, "layer"), qb.ptr, qb.shape[0], kb.ptr,
                                       kn))
 
     def next_pass(self) -> None:
@@ -131,7 +131,7 @@ class KV2Plan(_Handle):
     def scores(self, layer: int) -> np.ndarray:
         """Stage-2 scores of a layer [Hkv, C] (a copy)."""
         p = POINTER(c_float)()
-        check(lib.kvrt_kv2_plan_scores(self.ptr, int(layer), byref(p)))
+        check(lib.kvrt_kv2_plan_scores(self.ptr, _uint(layer, "layer"), byref(p)))
         return np.ctypeslib.as_array(p, shape=(self.n_kv_heads, self.C)).copy()
 
     def compress(self, layer: int, budget: float, k: ArrayLike, v: ArrayLike,
@@ -142,7 +142,7 @@ class KV2Plan(_Handle):
         kb = _carg(self.ctx, k, "k", fn, (self.C, self.n_kv_heads, self.head_dim))
         vb = _carg(self.ctx, v, "v", fn, kb.shape)
         out = c_void_p()
-        check(lib.kvrt_kv2_plan_compress(self.ptr, int(layer), float(budget), kb.ptr, vb.ptr,
+        check(lib.kvrt_kv2_plan_compress(self.ptr, _uint(layer, "layer"), float(budget), kb.ptr, vb.ptr,
                                          _dtype_code(dtype), byref(out)))
         return _ccache(out.value, self.ctx)
 

@@ -19,7 +19,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
-                    _cout, _ctx, _dtype_code, _Handle, _out, OVERRIDE_OPTIONS)
+                    _cout, _ctx, _dtype_code, _Handle, _out, _uint, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
 #: The model presets of ``kvcc models`` (calib/presets.c): name -> dims. A test checks this
@@ -56,6 +56,9 @@ def model_dims(model: ModelSpec) -> Optional[Dict[str, Any]]:
     model_hash (fields left out are not checked); None -> nothing checked."""
     if model is None:
         return None
+    if not isinstance(model, (str, Mapping)):
+        raise KvrtError(ERR_ARG, f"kvrt.Policy.open: model: got {model!r}, expected a preset name "
+                                 f"({', '.join(PRESETS)}), a dict of dims, or None")
     if isinstance(model, str):
         name = PRESET_ALIASES.get(model, model)
         if name not in PRESETS:
@@ -398,7 +401,7 @@ class CompilerKV(_Handle):
         c = _ctx(ctx)
         vb = _carg(c, v, "v", "kvrt.CompilerKV.select", (prompt.T, None, None))
         out, st = c_void_p(), _lib.kvrt_compilerkv_stats()
-        check(lib.kvrt_compilerkv_select(c.ptr, self.ptr, prompt.ptr, int(layer), vb.ptr,
+        check(lib.kvrt_compilerkv_select(c.ptr, self.ptr, prompt.ptr, _uint(layer, "layer"), vb.ptr,
                                          vb.shape[1], vb.shape[2], int(budget),
                                          self.NEAREST_BUDGET if nearest else 0, byref(out),
                                          byref(st)), ctx_ptr=c.ptr)
@@ -657,7 +660,7 @@ class AMSchedule(_Handle):
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled_ref(c.ptr, self.ptr, op,
                                                 OVERRIDE_OPTIONS if override else 0,
-                                                float(target), int(layer),
+                                                float(target), _uint(layer, "layer"),
                                                 _query_source(query_source), qb.ptr, pp,
                                                 qb.shape[0], kb.ptr, vb.ptr, T, qb.shape[1],
                                                 _dtype_code(dtype), byref(out), stats),
@@ -667,7 +670,7 @@ class AMSchedule(_Handle):
     def ratios(self, target: float, layer: int) -> np.ndarray:
         """Per-KV-head ratios float32 [Hkv] of layer for a compiled target."""
         r = POINTER(c_float)()
-        check(lib.kvrt_am_schedule_ratios(self.ptr, float(target), int(layer), byref(r)))
+        check(lib.kvrt_am_schedule_ratios(self.ptr, float(target), _uint(layer, "layer"), byref(r)))
         hkv = self.policy.model["n_kv_heads"] if self.policy else 0
         return _item_view(r, (hkv,), np.float32)
 
@@ -689,7 +692,7 @@ class AMSchedule(_Handle):
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled(c.ptr, self.ptr, op,
                                             OVERRIDE_OPTIONS if override else 0, float(target),
-                                            int(layer), qb.ptr, kb.ptr, vb.ptr, T, qb.shape[1],
+                                            _uint(layer, "layer"), qb.ptr, kb.ptr, vb.ptr, T, qb.shape[1],
                                             _dtype_code(dtype), byref(out), stats), ctx_ptr=c.ptr)
         return _ccache(out.value, c), [_am_stats(s) for s in stats]
 
@@ -862,7 +865,7 @@ class CompKVGrouping(_Handle):
             check(lib.kvrt_compkv_grouping_opts(self.ptr, byref(base)))
             op = byref(_compkv_opts(base, **options))
         out = c_void_p()
-        check(lib.kvrt_compkv_create_layer(c.ptr, self.ptr, int(layer), int(capacity), op,
+        check(lib.kvrt_compkv_create_layer(c.ptr, self.ptr, _uint(layer, "layer"), int(capacity), op,
                                            OVERRIDE_OPTIONS if override else 0, byref(out)),
               ctx_ptr=c.ptr)
         return CompKVState(out.value, c, self.n_kv_heads, self.head_dim)

@@ -158,6 +158,15 @@ def test_refusals_name_the_argument():
     # the explicit copy is accepted
     s = kvrt.method_select("knorm", None, kvrt.as_f32(np.swapaxes(k, 0, 1).astype(np.float64)), 2, n_sink=1)
     assert s.counts.tolist() == [2] * 50
+    # integers and numbers are checked before ctypes wraps or parses them
+    with pytest.raises(kvrt.ArgError, match=r"window: got -1, expected an integer in 0\.\.4294967295"):
+        kvrt.method_select("snapkv", rnd(50, 9, 8), k, 20, window=-1)
+    with pytest.raises(kvrt.ArgError, match=r"budget: got '16', expected a number"):
+        kvrt.method_select("knorm", None, k, "16")
+    with pytest.raises(kvrt.ArgError, match=r"q: got None, but snapkv scores the keys by the queries"):
+        kvrt.method_select("snapkv", None, k, 20)
+    with pytest.raises(kvrt.ArgError, match=r"model: got 5, expected a preset name"):
+        kvrt.Policy.open("x.kvpol", model=5)
 
 
 def test_runtime_messages_come_through():
