@@ -10,8 +10,9 @@ exactly the bytes kvcc eval reports (kvrt_cache_bytes), fewer than the full cach
 
 The tolerance: the two sides run the same libkvrt calls on keys, values and queries that differ
 only by float32 summation order (transformers' matmuls vs the built-in model's OpenBLAS calls;
-logits max rel. diff 2.1e-6, tests/peer); measured |dNLL| <= 1.1e-5 on every method
-(docs/python-hf.md), asserted below 1e-4.
+logits max rel. diff 2.1e-6, tests/peer); on docs/python-hf.md's 18 rows |dNLL| <= 2.0e-5 but
+where near-tied keys fall the other way (knorm 2.7e-4, mr 8.9e-5 there), asserted below 1e-4
+on this window.
 """
 import json
 
