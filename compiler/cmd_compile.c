@@ -310,6 +310,7 @@ static uint64_t inputs_digest(int argc, char **argv, const kvpol_header *h) {
  * No collectives (the caller checks the outcome of every rank). The exit status, or 0. */
 static int compile_setup(int argc, char **argv, compile_state *S) {
     const char *model = NULL, *out = NULL, *policies = "none", *corpus = NULL, *gguf = NULL;
+    int policies_given = 0;
     const char *corpora[MAX_CORPORA];
     int n_corpora = 0;
     static double stores[MAX_PASS_OPTS][KVCC_PASS_MAX_LIST];
@@ -339,7 +340,7 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
         switch (c) {
         case 'm': model = optarg; break;
         case 'o': out = optarg; break;
-        case 'p': policies = optarg; break;
+        case 'p': policies = optarg; policies_given = 1; break;
         case 'c':
             if (n_corpora == MAX_CORPORA) {
                 fprintf(stderr, "kvcc compile: at most %d --corpus files (list more in a manifest: docs/corpus-format.md)\n", MAX_CORPORA);
@@ -416,8 +417,9 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
                     policies);
     }
     if (corpus && !n_run)
-        fprintf(stderr, "kvcc compile: warning: no --policies: the artifact holds no policy (the "
-                "corpus is only checked against the model); --policies all compiles every one\n");
+        fprintf(stderr, "kvcc compile: warning: %s: the artifact holds no policy (the corpus is only "
+                "checked against the model); --policies all compiles every one\n",
+                policies_given ? "--policies none" : "no --policies");
     kvcc_input in[1 + MAX_CORPORA + MAX_PASS_OPTS] = {{"--gguf", gguf}};
     int n_in = 1;
     for (int i = 0; i < n_corpora; i++) in[n_in++] = (kvcc_input){"--corpus", corpora[i]};

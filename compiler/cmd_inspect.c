@@ -42,19 +42,27 @@ static void print_item_value(const kvpol_item *it) {
         e.ndim = 0;
         e.count = 1;
         e.nbytes = es;
+        const int is_int = !kvpol_dtype_is_float(it->dtype);
         double mn = 0, mx = 0, sum = 0;
         const int list = it->count <= 8;
-        if (list) putchar('[');
+        char buf[8 * 32 + 8];
+        int len = snprintf(buf, sizeof buf, "[");
         for (uint64_t j = 0; j < it->count; j++) {
             double v = 0;
+            int64_t iv = 0;
             e.data = (const uint8_t *)it->data + j * es;
-            if (kvpol_item_as_f64(&e, &v) != 0) return; /* a dtype the reader does not convert */
-            if (list) printf("%s%.6g", j ? ", " : "", v);
+            /* a value the reader does not convert (a u64 past INT64_MAX): no summary */
+            if (is_int ? kvpol_item_as_i64(&e, &iv) != 0 : kvpol_item_as_f64(&e, &v) != 0) return;
+            if (is_int) v = (double)iv;
+            if (list && len < (int)sizeof buf)
+                len += is_int ? snprintf(buf + len, sizeof buf - (size_t)len, "%s%" PRId64, j ? ", " : "", iv)
+                              : snprintf(buf + len, sizeof buf - (size_t)len, "%s%.6g", j ? ", " : "", v);
             if (!j || v < mn) mn = v;
             if (!j || v > mx) mx = v;
             sum += v;
         }
-        if (list) putchar(']');
+        if (list) printf("%s]", buf);
+        else if (is_int) printf("min %.0f  max %.0f  mean %.6g", mn, mx, sum / (double)it->count);
         else printf("min %.6g  max %.6g  mean %.6g", mn, mx, sum / (double)it->count);
     }
 }

@@ -70,9 +70,11 @@ int kvcc_cmd_synth(int argc, char **argv) {
         fprintf(stderr, "kvcc synth: --model: unknown preset '%s' (kvcc models lists them)\n", model);
         return KVCC_EXIT_USAGE;
     }
-    if ((uint32_t)o.retrieval_heads > p->n_heads) {
+    const uint32_t G = p->n_heads / p->n_kv_heads; /* calib/synth.c: the first R of one group */
+    if ((uint32_t)o.retrieval_heads > G) {
         fprintf(stderr, "kvcc synth: --retrieval-heads: got %d, expected 0..%u (the query heads "
-                "of %s)\n", o.retrieval_heads, p->n_heads, p->name);
+                "of one KV group of %s, where the retrieval heads are planted)\n",
+                o.retrieval_heads, G, p->name);
         return KVCC_EXIT_USAGE;
     }
     int ex = kvcc_check_output("synth", out, NULL, 0);

@@ -81,30 +81,39 @@ int kvcc_getopt(const char *cmd, int argc, char **argv, const char *shortopts,
     char name[96];
     if (c == '?' || c == ':') {
         const char *tok = optind > 0 && optind <= argc ? argv[optind - 1] : "";
-        int takes_value = 0;
-        if (optopt > 0 && optopt < 256 && strchr(shortopts, optopt)) {
-            const char *p = strchr(shortopts, optopt);
-            takes_value = p[1] == ':';
-        }
-        for (int i = 0; longopts && longopts[i].name && optopt; i++)
-            if (!longopts[i].flag && longopts[i].val == optopt && longopts[i].has_arg == required_argument)
-                takes_value = 1;
-        if (optopt && takes_value) {
-            opt_name(name, sizeof name, longopts, -1, optopt);
-            if (strncmp(tok, "--", 2) == 0) { /* the spelling used, up to '=' */
-                snprintf(name, sizeof name, "%.*s", (int)strcspn(tok, "="), tok);
+        /* a long option's error leaves optind past its word, and optopt 0 (unknown) or its val;
+         * a short option's inside a cluster (-zj) leaves optind on the cluster, so the word
+         * before may be an earlier long option: it is this error's only if it names optopt */
+        int is_long = strncmp(tok, "--", 2) == 0 && !optopt;
+        const int n = (int)strcspn(tok, "=");
+        for (int i = 0; !is_long && optopt && longopts && longopts[i].name; i++)
+            is_long = strncmp(tok, "--", 2) == 0 && !longopts[i].flag &&
+                      longopts[i].val == optopt && n > 2 &&
+                      strncmp(longopts[i].name, tok + 2, (size_t)(n - 2)) == 0;
+        if (is_long) {
+            if (!optopt) /* not one of ours, or a prefix of several */
+                fprintf(stderr, "kvcc %s: unknown or ambiguous option '%.*s' (kvcc %s --help "
+                        "lists the options)\n", cmd, n, tok, cmd);
+            else if (tok[n] == '=')
+                fprintf(stderr, "kvcc %s: %.*s takes no value (kvcc %s --help)\n", cmd, n, tok, cmd);
+            else
+                fprintf(stderr, "kvcc %s: %.*s needs a value (kvcc %s --help)\n", cmd, n, tok, cmd);
+        } else { /* a short option, maybe inside a cluster (-jz): optopt is the letter */
+            const char *p = optopt > 0 && optopt < 256 ? strchr(shortopts, optopt) : NULL;
+            if (p && p[1] == ':') {
+                opt_name(name, sizeof name, longopts, -1, optopt);
+                fprintf(stderr, "kvcc %s: %s needs a value (kvcc %s --help)\n", cmd, name, cmd);
+            } else {
+                fprintf(stderr, "kvcc %s: unknown option '-%c' (kvcc %s --help lists the "
+                        "options)\n", cmd, optopt > 0 && optopt < 128 ? optopt : '?', cmd);
             }
-            fprintf(stderr, "kvcc %s: %s needs a value (kvcc %s --help)\n", cmd, name, cmd);
-        } else if (optopt && strncmp(tok, "--", 2) != 0) {
-            fprintf(stderr, "kvcc %s: unknown option '-%c' (kvcc %s --help lists the options)\n",
-                    cmd, optopt, cmd);
-        } else {
-            fprintf(stderr, "kvcc %s: unknown or ambiguous option '%s' (kvcc %s --help lists the "
-                    "options)\n", cmd, tok, cmd);
         }
         return '?';
     }
-    if (optarg && optarg[0] == '-' && (optarg[1] == '-' || isalpha((unsigned char)optarg[1]))) {
+    /* a value that is a word of its own and looks like an option: `--model -o x` took "-o" as
+     * the model; --output=-x and -o-x say what they mean */
+    if (optarg && optind > 0 && optarg == argv[optind - 1] && optarg[0] == '-' &&
+        (optarg[1] == '-' || isalpha((unsigned char)optarg[1]))) {
         char *end;
         (void)strtod(optarg, &end); /* "-inf", "-1e-3": values */
         if (*end != '\0') {

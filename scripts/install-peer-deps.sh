@@ -18,7 +18,8 @@ have_kvpress() { $PY -c "import importlib.util as u; exit(u.find_spec('kvpress')
 install_kvpress() {
   have_kvpress && return 0
   echo "kvcc: installing $KVPRESS with pip (--no-deps; python/tests/test_kvpress.py)"
-  $PY -m pip install --quiet --disable-pip-version-check --no-deps "$KVPRESS" ||
+  # one try with short timeouts: offline, a make test pays seconds for it, not pip's retries
+  $PY -m pip install --quiet --disable-pip-version-check --no-deps --retries 0 --timeout 20 "$KVPRESS" ||
     echo "kvcc: WARNING: pip could not install $KVPRESS; test_kvpress will say 'skipped'" >&2
 }
 if $PY -c "import ${MODS// /, }" >/dev/null 2>&1; then

@@ -247,8 +247,8 @@ static void mr_head_sums(const mr_report *R, mr_head *hd, const float *k, const 
 
 /* Profiles, covariance and spectrum of head hd (mr_head_sums done): k, v rows of stride ld.
  * Writes *trace = M^2 tr(Sigma) and S->ev (M^2-scaled, descending, D' values). 0 or -1 (memory,
- * LAPACK). OpenBLAS runs one thread here (cmd_compile.c); the calls are reentrant, so heads run
- * on several OpenMP threads at once. */
+ * LAPACK). OpenBLAS is held at one thread for the pass (mr_calibrate); the calls are reentrant,
+ * so heads run on several OpenMP threads at once. */
 static int mr_head_spectrum(const mr_report *R, const mr_head *hd, mr_scratch *S, const float *k,
                             const float *v, int64_t ld, double *trace) {
     const uint32_t d = R->d, ns = R->ns, D1 = d + 1;

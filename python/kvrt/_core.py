@@ -736,7 +736,7 @@ def budget_resolve(budget: float, T: int) -> int:
     ratio of T (at least 1); refused (ArgError) when <= 0, not finite, or a count > T."""
     budget = _number(budget, "budget")
     out = c_int64()
-    check(lib.kvrt_budget_resolve(float(budget), int(T), byref(out)))
+    check(lib.kvrt_budget_resolve(_number(budget, "budget"), int(T), byref(out)))
     return int(out.value)
 
 
@@ -778,13 +778,13 @@ class Quest(_Handle):
         kb = _buf(k, "k", "kvrt.Quest", (None, None, None))
         T, Hkv, d = kb.shape
         out = c_void_p()
-        check(lib.kvrt_quest_summarize(kb.ptr, T, Hkv, d, int(page), byref(out)))
+        check(lib.kvrt_quest_summarize(kb.ptr, T, Hkv, d, _uint(page, "page"), byref(out)))
         super().__init__(out.value)
         self._init(Hkv, d, page, None)
 
     def _init(self, Hkv, d, page, ctx):
         self._q = _lib.kvrt_quest.from_address(self._ptr)
-        self.n_kv_heads, self.head_dim, self.page = int(Hkv), int(d), int(page)
+        self.n_kv_heads, self.head_dim, self.page = int(Hkv), int(d), _uint(page, "page")
         self._ctx = ctx
         self.device = "cuda" if ctx is not None and ctx.backend == "cuda" else "host"
 
@@ -795,7 +795,7 @@ class Quest(_Handle):
         tokens (appending past it raises; on a CPU context the room grows). Closed when ctx
         is."""
         out = c_void_p()
-        check(lib.kvrt_quest_create(ctx.ptr, int(n_kv_heads), int(head_dim), int(page),
+        check(lib.kvrt_quest_create(ctx.ptr, _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim"), _uint(page, "page"),
                                     int(capacity), byref(out)), ctx_ptr=ctx.ptr)
         self = cls.__new__(cls)
         _Handle.__init__(self, out.value, ctx)
@@ -902,7 +902,7 @@ def method_select(method: Union[str, int], q: Optional[ArrayLike], k: ArrayLike,
     fn = "kvrt.method_select"
     kb = _buf(k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
-    qp, H = None, n_heads or Hkv
+    qp, H = None, _uint(n_heads, "n_heads") if n_heads else Hkv
     _need_queries(fn, method, q)
     if q is not None:
         qb = _buf(q, "q", fn, (T, None, d))
@@ -939,7 +939,7 @@ def method_scores(method: Union[str, int], q: Optional[ArrayLike], k: ArrayLike,
     fn = "kvrt.method_scores"
     kb = _carg(ctx, k, "k", fn, (None, None, None))
     T, Hkv, d = kb.shape
-    qp, H = None, n_heads or Hkv
+    qp, H = None, _uint(n_heads, "n_heads") if n_heads else Hkv
     _need_queries(fn, method, q)
     if q is not None:
         qb = _carg(ctx, q, "q", fn, (T, None, d))
@@ -998,5 +998,26 @@ def _fill_opts(struct_type, init, base, what: str, kw: Dict[str, Any],
                                      f"{', '.join(names)}")
         if convert and key in convert:
             val = convert[key](val)
+        val = _field_value(dict(o._fields_)[key], val, f"{what} option {key}")
         setattr(o, key, val)
     return o
+
+
+_UNSIGNED = {ctypes.c_uint8: 8, ctypes.c_uint16: 16, ctypes.c_uint32: 32, ctypes.c_uint64: 64}
+_SIGNED = {ctypes.c_int8: 8, ctypes.c_int16: 16, ctypes.c_int32: 32, ctypes.c_int64: 64}
+
+
+def _field_value(ftype, val, name: str):
+    """A value for a ctypes struct field of type ftype, checked as ctypes does not: an unsigned
+    field refuses -1 (which would wrap), an integer field a float or str, a real field a str."""
+    if ftype in _UNSIGNED:
+        return _uint(val, name, _UNSIGNED[ftype])
+    if ftype in _SIGNED:
+        bits = _SIGNED[ftype]
+        if not isinstance(val, (int, np.integer, np.bool_)) or \
+                not -(1 << (bits - 1)) <= int(val) < (1 << (bits - 1)):  # bools: flags
+            raise KvrtError(ERR_ARG, f"kvrt: {name}: got {val!r}, expected an integer")
+        return int(val)
+    if ftype in (ctypes.c_double, ctypes.c_float):
+        return _number(val, name)
+    return val

@@ -20,7 +20,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context,
-                    _carg, _ccache, _ctx, _dtype_code, _Handle, _uint, OVERRIDE_OPTIONS)
+                    _carg, _ccache, _ctx, _dtype_code, _Handle, _uint, _number, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
 _AGG = {"mean": 0, "max": 1}
@@ -142,7 +142,7 @@ class KV2Plan(_Handle):
         kb = _carg(self.ctx, k, "k", fn, (self.C, self.n_kv_heads, self.head_dim))
         vb = _carg(self.ctx, v, "v", fn, kb.shape)
         out = c_void_p()
-        check(lib.kvrt_kv2_plan_compress(self.ptr, _uint(layer, "layer"), float(budget), kb.ptr, vb.ptr,
+        check(lib.kvrt_kv2_plan_compress(self.ptr, _uint(layer, "layer"), _number(budget, "budget"), kb.ptr, vb.ptr,
                                          _dtype_code(dtype), byref(out)))
         return _ccache(out.value, self.ctx)
 
@@ -170,7 +170,7 @@ class KV2Schedule(_Handle):
     def options(self, budget: float, nearest: bool = False) -> Dict[str, Any]:
         """The compiled options for a final budget ratio (kvrt_kv2_schedule_opts)."""
         o = _lib.kvrt_kv2_opts()
-        check(lib.kvrt_kv2_schedule_opts(self.ptr, float(budget),
+        check(lib.kvrt_kv2_schedule_opts(self.ptr, _number(budget, "budget"),
                                          self.NEAREST_BUDGET if nearest else 0, byref(o)))
         return _opts_dict(o)
 
@@ -181,14 +181,14 @@ class KV2Schedule(_Handle):
         op = None
         if options:
             base = _lib.kvrt_kv2_opts()
-            check(lib.kvrt_kv2_schedule_opts(self.ptr, float(budget), self.NEAREST_BUDGET,
+            check(lib.kvrt_kv2_schedule_opts(self.ptr, _number(budget, "budget"), self.NEAREST_BUDGET,
                                              byref(base)))
             op = byref(_opts(base, **options))
         out = c_void_p()
         check(lib.kvrt_kv2_plan_create_scheduled(c.ptr, self.ptr, op,
                                                  OVERRIDE_OPTIONS if override else 0,
-                                                 float(budget), int(n_heads), int(head_dim),
+                                                 _number(budget, "budget"), _uint(n_heads, "n_heads"), _uint(head_dim, "head_dim"),
                                                  int(C), byref(out)), ctx_ptr=c.ptr)
         m = self.policy.model if self.policy is not None else {}
-        return KV2Plan(m.get("n_layers", 0), int(n_heads), m.get("n_kv_heads", 0), int(head_dim),
+        return KV2Plan(m.get("n_layers", 0), _uint(n_heads, "n_heads"), m.get("n_kv_heads", 0), _uint(head_dim, "head_dim"),
                        int(C), ctx=c, _ptr=out.value)

@@ -12,7 +12,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, ArrayLike, Cache, Context,
-                    _carg, _ccache, _ctx, _dtype_code, _Handle, _uint, OVERRIDE_OPTIONS)
+                    _carg, _ccache, _ctx, _dtype_code, _Handle, _uint, _number, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 from .policy import _policy_dims
 
@@ -79,7 +79,7 @@ def mr_compress_layer(k: ArrayLike, v: ArrayLike, budget: float, *, layer: int =
     bs = byref(basis._struct()) if basis is not None else None
     out = c_void_p()
     check(lib.kvrt_mr_compress_layer(c.ptr, byref(o), bs, _uint(layer, "layer"), kb.ptr, vb.ptr, T, Hkv, d,
-                                     float(budget), _dtype_code(dtype), byref(out)), ctx_ptr=c.ptr)
+                                     _number(budget, "budget"), _dtype_code(dtype), byref(out)), ctx_ptr=c.ptr)
     return _ccache(out.value, c)
 
 
@@ -95,12 +95,12 @@ class MRStream(_Handle):
         o = _opts(**options)
         bs = byref(basis._struct()) if basis is not None else None
         out = c_void_p()
-        check(lib.kvrt_mr_stream_create(c.ptr, byref(o), bs, _uint(layer, "layer"), int(n_kv_heads),
-                                        int(head_dim), int(K), int(n_recent), byref(out)),
+        check(lib.kvrt_mr_stream_create(c.ptr, byref(o), bs, _uint(layer, "layer"), _uint(n_kv_heads, "n_kv_heads"),
+                                        _uint(head_dim, "head_dim"), int(K), int(n_recent), byref(out)),
               ctx_ptr=c.ptr)
         super().__init__(out.value, c)
         self.ctx = c
-        self.n_kv_heads, self.head_dim = int(n_kv_heads), int(head_dim)
+        self.n_kv_heads, self.head_dim = _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim")
 
     def append(self, k: ArrayLike, v: ArrayLike) -> None:
         """Append n tokens k, v [n, Hkv, d]."""
@@ -155,7 +155,7 @@ class MRSchedule(_Handle):
     def basis(self, budget: float, layer: int, nearest: bool = False) -> MRBasis:
         """The basis of layer with the m of a compiled budget (copies)."""
         s = _lib.kvrt_mr_basis()
-        check(lib.kvrt_mr_schedule_basis(self.ptr, float(budget),
+        check(lib.kvrt_mr_schedule_basis(self.ptr, _number(budget, "budget"),
                                          self.NEAREST_BUDGET if nearest else 0, _uint(layer, "layer"),
                                          byref(s)))
         Hkv, d, mm = s.n_kv_heads, s.head_dim, s.m_max
@@ -182,7 +182,7 @@ class MRSchedule(_Handle):
             op = byref(_opts(base, **options))
         out = c_void_p()
         check(lib.kvrt_mr_compress_scheduled(c.ptr, self.ptr, op,
-                                             OVERRIDE_OPTIONS if override else 0, float(budget),
+                                             OVERRIDE_OPTIONS if override else 0, _number(budget, "budget"),
                                              _uint(layer, "layer"), kb.ptr, vb.ptr, kb.shape[0],
                                              _dtype_code(dtype), byref(out)), ctx_ptr=c.ptr)
         return _ccache(out.value, c)

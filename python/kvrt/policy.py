@@ -19,7 +19,7 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
-                    _cout, _ctx, _dtype_code, _Handle, _out, _uint, OVERRIDE_OPTIONS)
+                    _cout, _ctx, _dtype_code, _Handle, _out, _uint, _number, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
 #: The model presets of ``kvcc models`` (calib/presets.c): name -> dims. A test checks this
@@ -660,7 +660,7 @@ class AMSchedule(_Handle):
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled_ref(c.ptr, self.ptr, op,
                                                 OVERRIDE_OPTIONS if override else 0,
-                                                float(target), _uint(layer, "layer"),
+                                                _number(target, "target"), _uint(layer, "layer"),
                                                 _query_source(query_source), qb.ptr, pp,
                                                 qb.shape[0], kb.ptr, vb.ptr, T, qb.shape[1],
                                                 _dtype_code(dtype), byref(out), stats),
@@ -670,7 +670,7 @@ class AMSchedule(_Handle):
     def ratios(self, target: float, layer: int) -> np.ndarray:
         """Per-KV-head ratios float32 [Hkv] of layer for a compiled target."""
         r = POINTER(c_float)()
-        check(lib.kvrt_am_schedule_ratios(self.ptr, float(target), _uint(layer, "layer"), byref(r)))
+        check(lib.kvrt_am_schedule_ratios(self.ptr, _number(target, "target"), _uint(layer, "layer"), byref(r)))
         hkv = self.policy.model["n_kv_heads"] if self.policy else 0
         return _item_view(r, (hkv,), np.float32)
 
@@ -691,7 +691,7 @@ class AMSchedule(_Handle):
         op = self._opts_arg(options)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled(c.ptr, self.ptr, op,
-                                            OVERRIDE_OPTIONS if override else 0, float(target),
+                                            OVERRIDE_OPTIONS if override else 0, _number(target, "target"),
                                             _uint(layer, "layer"), qb.ptr, kb.ptr, vb.ptr, T, qb.shape[1],
                                             _dtype_code(dtype), byref(out), stats), ctx_ptr=c.ptr)
         return _ccache(out.value, c), [_am_stats(s) for s in stats]
@@ -743,10 +743,10 @@ class CompKVState(_Handle):
             keep = [pa, oa]
             pp, op = _addr(pa), _addr(oa)
         out = c_void_p()
-        check(lib.kvrt_compkv_create(c.ptr, byref(o), int(n_kv_heads), int(head_dim),
+        check(lib.kvrt_compkv_create(c.ptr, byref(o), _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim"),
                                      int(capacity), pp, op, byref(out)), ctx_ptr=c.ptr)
         del keep
-        return cls(out.value, c, int(n_kv_heads), int(head_dim))
+        return cls(out.value, c, _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim"))
 
     def append(self, k: ArrayLike, v: ArrayLike) -> None:
         """Append n tokens k, v [n, Hkv, d] (ShapeError past capacity; nothing appended)."""

@@ -73,7 +73,10 @@ def test_nll_equals_kvcc_eval(model, window, eval_rows, artifact, method, budget
     assert row.get("status", "ok") in ("ok", None), row
     nll, s = khf.continuation_nll(model, ids, C, artifact if method != "full" else None, method,
                                   budget or 1)
-    assert abs(nll - row["nll"]) < NLL_TOL, (method, budget, nll, row["nll"])
+    # knorm: a repeated token's layer-0 keys have equal norms up to rounding, and which one is
+    # kept follows each forward pass's last bits (docs/python-hf.md): a looser bound there
+    tol = 1e-3 if method == "knorm" else NLL_TOL
+    assert abs(nll - row["nll"]) < tol, (method, budget, nll, row["nll"])
     cfg = model.config
     Hkv, d, L = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads, \
         cfg.num_hidden_layers

@@ -73,6 +73,8 @@ for pair in "compile --model -o $tmp/x.kvpol|kvcc compile: --model: expected a v
             "compile --modle x|kvcc compile: unknown or ambiguous option '--modle' (kvcc compile --help lists the options)" \
             "models --bogus|kvcc models: unknown or ambiguous option '--bogus'" \
             "eval --corpus|kvcc eval: --corpus needs a value" "inspect -z|kvcc inspect: unknown option '-z'" \
+            "eval -N 5|kvcc eval: unknown option '-N'" "diff --json -zj a b|kvcc diff: unknown option '-z'" \
+            "models --json=1|kvcc models: --json takes no value" \
             "eval --corpus $tmp/n.h5 --methods h2o --budgets 8 --no-probes|kvcc eval: --no-probes needs --gguf" \
             "eval --corpus $tmp/n.h5 --methods h2o --budgets 8 --needle-keys 2|kvcc eval: --needle-keys needs --needle" \
             "eval --corpus $tmp/n.h5 --methods h2o, --budgets 8|kvcc eval: --methods: got 'h2o,', expected a comma-separated list of methods (no empty items)"; do
