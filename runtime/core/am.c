@@ -30,6 +30,7 @@
 
 struct kvrt_am_schedule {
     uint32_t n_layers, n_kv_heads, head_dim, n_targets;
+    uint32_t n_heads;     /* the policy's model's query heads (0: not recorded, not checked) */
     double *targets;      /* [n_targets] */
     float *ratios;        /* [n_targets, n_layers, n_kv_heads] */
     kvrt_am_opts opts;    /* the compiled options (kvrt_am_opts_init's for those not stored) */
@@ -198,6 +199,7 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
     s->n_layers = (uint32_t)sc.dims[1];
     s->n_kv_heads = (uint32_t)sc.dims[2];
     s->head_dim = md.head_dim;
+    s->n_heads = md.n_heads;
     memcpy(s->targets, tg.data, sizeof(double) * s->n_targets);
     memcpy(s->ratios, rv, sizeof(float) * nr);
     kvrt_am_opts_init(&s->opts);
@@ -216,21 +218,23 @@ int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out) {
 
 int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out) {
     if (s == NULL || out == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_opts: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_opts: NULL %s", s == NULL ? "s" : "out");
     *out = s->opts;
     return KVRT_OK;
 }
 
 int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *out) {
     if (s == NULL || out == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_query_source: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_query_source: NULL %s",
+                         s == NULL ? "s" : "out");
     *out = s->query_source;
     return KVRT_OK;
 }
 
 int kvrt_am_schedule_self_study_tokens(const kvrt_am_schedule *s, int64_t *out) {
     if (s == NULL || out == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_self_study_tokens: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_self_study_tokens: NULL %s",
+                         s == NULL ? "s" : "out");
     *out = s->self_tokens;
     return KVRT_OK;
 }
@@ -243,7 +247,8 @@ const char *kvrt_am_query_source_name(int query_source) {
 
 int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, int *n_targets) {
     if (s == NULL || targets == NULL || n_targets == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_targets: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_targets: NULL %s",
+                         s == NULL ? "s" : targets == NULL ? "targets" : "n_targets");
     *targets = s->targets;
     *n_targets = (int)s->n_targets;
     return KVRT_OK;
@@ -252,7 +257,8 @@ int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, 
 int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t layer,
                             const float **ratios) {
     const char *fn = "kvrt_am_schedule_ratios";
-    if (s == NULL || ratios == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+    if (s == NULL || ratios == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                                                      s == NULL ? "s" : "ratios");
     *ratios = NULL;
     if (layer >= s->n_layers)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, the schedule has %u layers", fn, layer,
@@ -345,6 +351,15 @@ static int scheduled_check(const char *fn, const kvrt_am_schedule *s, const kvrt
     return kvrt_am_schedule_ratios(s, target, layer, ratios);
 }
 
+/* The query heads a scheduled call states against the policy's model (q is read by them). */
+static int heads_check(const char *fn, const kvrt_am_schedule *s, uint32_t n_heads) {
+    if (s->n_heads && n_heads != s->n_heads)
+        return KVRT_FAIL(KVRT_ERR_MODEL_MISMATCH,
+                         "%s: n_heads %u; the policy's model has %u query heads", fn, n_heads,
+                         s->n_heads);
+    return KVRT_OK;
+}
+
 int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kvrt_am_opts *o,
                               unsigned flags, double target, uint32_t layer, const float *q,
                               const float *k, const float *v, int64_t T, uint32_t n_heads,
@@ -355,6 +370,7 @@ int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kv
     if (rc) return rc;
     const float *ratios = NULL;
     rc = scheduled_check(fn, s, o, flags, KVRT_AM_QUERIES_CONTEXT, target, layer, out, &ratios);
+    if (rc == KVRT_OK) rc = heads_check(fn, s, n_heads);
     if (rc == KVRT_OK)
         rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, q, NULL, NULL, 0, k, v, T, n_heads,
                                         s->n_kv_heads, s->head_dim, 1, ratios, &target, dtype,
@@ -374,6 +390,7 @@ int kvrt_am_compact_scheduled_ref(kvrt_ctx *ctx, const kvrt_am_schedule *s,
     if (rc) return rc;
     const float *ratios = NULL;
     rc = scheduled_check(fn, s, o, flags, query_source, target, layer, out, &ratios);
+    if (rc == KVRT_OK) rc = heads_check(fn, s, n_heads);
     if (rc == KVRT_OK && q_ref == NULL) rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: q_ref is NULL", fn);
     if (rc == KVRT_OK)
         rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, NULL, q_ref, q_pos, n_ref, k, v, T,

@@ -321,6 +321,10 @@ int kvrt_cache_gather(const float *k, const float *v, int64_t T, uint32_t n_kv_h
     if (n_kv_heads == 0 || head_dim == 0)
         return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_cache_gather: n_kv_heads %u, head_dim %u",
                             n_kv_heads, head_dim);
+    if (sel->offsets[0] != 0) /* positions holds offsets[n_kv_heads] entries from index 0 */
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "kvrt_cache_gather: selection offsets[0] is %lld, expected 0",
+                            (long long)sel->offsets[0]);
     int64_t *counts = malloc(sizeof(int64_t) * n_kv_heads);
     if (counts == NULL)
         return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_cache_gather: out of memory");

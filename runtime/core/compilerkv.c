@@ -76,6 +76,10 @@ int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     if (out) *out = NULL;
     int rc = kvrt_policy_ctx_check(ctx, "kvrt_compilerkv_select", KVRT_OP_COMPILERKV_SELECT);
     if (rc) return rc;
+    if (flags & ~KVRT_COMPILERKV_NEAREST_BUDGET)
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG,
+                                                   "kvrt_compilerkv_select: unknown flags 0x%x",
+                                                   flags & ~KVRT_COMPILERKV_NEAREST_BUDGET));
     rc = ctx->ops->compilerkv_select(ctx, tb, pr, layer, v, n_kv_heads, head_dim, budget, flags,
                                      out, st);
     return kvrt_policy_ctx_done(ctx, rc);
@@ -91,7 +95,8 @@ int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *
         return kvrt_policy_ctx_done(
             ctx, kvrt_compilerkv_prompt_add_layer(p, q, k, n_heads, n_kv_heads, head_dim));
     if (p == NULL || q == NULL || k == NULL)
-        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn));
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                                                   p == NULL ? "p" : q == NULL ? "q" : "k"));
     if (p->finished)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt already finished", fn));
     if (n_kv_heads == 0 || head_dim == 0 || n_heads == 0 || n_heads % n_kv_heads != 0)
@@ -127,8 +132,16 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_COMPILERKV_SELECT);
     if (rc) return rc;
     if (tb == NULL || q == NULL || k == NULL || v == NULL || sels == NULL)
-        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn));
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                                                   tb == NULL  ? "tb"
+                                                   : q == NULL ? "q"
+                                                   : k == NULL ? "k"
+                                                   : v == NULL ? "v"
+                                                               : "sels"));
     if ((rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_SNAPKV_SCORES)) != KVRT_OK) return rc;
+    if (flags & ~KVRT_COMPILERKV_NEAREST_BUDGET)
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: unknown flags 0x%x", fn,
+                                                   flags & ~KVRT_COMPILERKV_NEAREST_BUDGET));
     const uint32_t L = tb->n_layers;
     if (n_heads != tb->n_heads)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u",

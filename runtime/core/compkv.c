@@ -145,7 +145,8 @@ int kvrt_compkv_open(const kvrt_policy *p, kvrt_compkv_grouping **out) {
 
 int kvrt_compkv_grouping_opts(const kvrt_compkv_grouping *g, kvrt_compkv_opts *out) {
     if (g == NULL || out == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_opts: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_grouping_opts: NULL %s",
+                         g == NULL ? "g" : "out");
     kvrt_compkv_opts_init(out);
     out->block = g->block;
     out->r = g->r;
@@ -164,16 +165,18 @@ static int layer_check(const char *fn, const kvrt_compkv_grouping *g, uint32_t l
     if (layer >= g->n_layers)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: layer %u, the grouping has %u layers", fn, layer,
                          g->n_layers);
-    if (o == NULL || (flags & KVRT_OVERRIDE_OPTIONS)) return KVRT_OK;
+    if (o == NULL) return KVRT_OK;
     kvrt_compkv_opts c;
     kvrt_compkv_grouping_opts(g, &c);
+    /* the compiled offsets hold r + 1 boundaries per head: r is the grouping's own */
+    if (o->r != c.r)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: r %u differs from the compiled grouping's %u (its "
+                         "offsets fix r; KVRT_OVERRIDE_OPTIONS cannot change it)", fn, o->r, c.r);
+    if (flags & KVRT_OVERRIDE_OPTIONS) return KVRT_OK;
     const float scale = o->scale != 0.0f ? o->scale : (float)(1.0 / sqrt((double)g->head_dim));
     if (o->block != c.block)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: block %u differs from the compiled %u (pass "
                        "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->block, c.block);
-    if (o->r != c.r)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: r %u differs from the compiled %u (pass "
-                       "KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, o->r, c.r);
     if (scale != c.scale)
         return KVRT_FAIL(KVRT_ERR_ARG,
                          "%s: scale %g differs from the compiled %g (pass "

@@ -15,6 +15,7 @@
  * This file never includes CUDA headers; the CUDA backend is reached through its table.
  */
 #include <dlfcn.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -184,7 +185,8 @@ void kvrt_ctx_free(kvrt_ctx *ctx) {
 
 int kvrt_ctx_info(const kvrt_ctx *ctx, kvrt_device_info *out) {
     if (ctx == NULL || out == NULL)
-        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_info: NULL argument");
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_ctx_info: NULL %s",
+                            ctx == NULL ? "ctx" : "out");
     return ctx->ops->info(ctx, out);
 }
 
@@ -285,7 +287,7 @@ static int check_softmax_arg(kvrt_ctx *ctx, const kvrt_tensor *t, const char *wh
     int rc = kvrt_tensor_check(t);
     if (rc != KVRT_OK)
         return kvrt_err_set(e, rc, 0, "kvrt_softmax_rows: tensor '%s' is not a valid view (%s)",
-                            what, kvrt_status_str(rc));
+                            what, kvrt_tls_err()->msg);
     if (t->dtype != KVRT_DTYPE_F32)
         return kvrt_err_set(e, KVRT_ERR_DTYPE, 0,
                             "kvrt_softmax_rows: tensor '%s': dtype %d, expected f32 (%d)", what,
@@ -324,6 +326,9 @@ int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float
                             "kvrt_softmax_rows: y is [%lld, %lld], expected x's shape [%lld, %lld]",
                             (long long)y->shape[0], (long long)y->shape[1],
                             (long long)x->shape[0], (long long)x->shape[1]);
+    if (!isfinite(scale))
+        return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0,
+                            "kvrt_softmax_rows: scale %g, expected a finite number", (double)scale);
     rc = kvrt_backend_check(ctx, &ctx->last_err, "kvrt_softmax_rows", KVRT_OP_SOFTMAX_ROWS);
     if (rc != KVRT_OK) return rc;
     return ctx->ops->softmax_rows(ctx, x, y, scale);

@@ -712,7 +712,8 @@ int kvrt_kv2_open(const kvrt_policy *p, kvrt_kv2_schedule **out) {
 int kvrt_kv2_schedule_budgets(const kvrt_kv2_schedule *s, const double **budgets,
                               const double **rho, int *n) {
     if (s == NULL || budgets == NULL || rho == NULL || n == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_kv2_schedule_budgets: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_kv2_schedule_budgets: NULL %s",
+                         s == NULL ? "s" : budgets == NULL ? "budgets" : rho == NULL ? "rho" : "n");
     *budgets = s->budgets;
     *rho = s->rho;
     *n = s->n;

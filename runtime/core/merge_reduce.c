@@ -994,7 +994,8 @@ int kvrt_mr_schedule_opts(const kvrt_mr_schedule *s, kvrt_mr_opts *out) {
 
 int kvrt_mr_schedule_budgets(const kvrt_mr_schedule *s, const double **budgets, int *n) {
     if (s == NULL || budgets == NULL || n == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_mr_schedule_budgets: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_mr_schedule_budgets: NULL %s",
+                         s == NULL ? "s" : budgets == NULL ? "budgets" : "n");
     *budgets = s->budgets;
     *n = s->n;
     return KVRT_OK;

@@ -185,7 +185,8 @@ void kvrt_policy_free(kvrt_policy *p) {
 
 int kvrt_policy_model(const kvrt_policy *p, kvrt_model_dims *out) {
     if (p == NULL || out == NULL)
-        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_policy_model: NULL argument");
+        return kvrt_err_set(NULL, KVRT_ERR_ARG, 0, "kvrt_policy_model: NULL %s",
+                            p == NULL ? "p" : "out");
     *out = p->model; /* out->name points into p: valid until kvrt_policy_free */
     return KVRT_OK;
 }

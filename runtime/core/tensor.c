@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "kvrt_experimental.h"
+#include "core/backend.h"
 
 size_t kvrt_dtype_size(int dtype) {
     switch (dtype) {
@@ -71,26 +72,40 @@ int kvrt_tensor_is_contiguous(const kvrt_tensor *t) {
     return 1;
 }
 
+/* The view's first defect, in the thread's error (kvrt_last_error). */
+#define TC_FAIL(code, ...) \
+    kvrt_err_set(kvrt_tls_err(), (code), 0, "kvrt_tensor_check: " __VA_ARGS__)
+
 int kvrt_tensor_check(const kvrt_tensor *t) {
-    if (t == NULL || t->data == NULL) return KVRT_ERR_ARG;
-    if (t->device != KVRT_DEVICE_HOST && t->device != KVRT_DEVICE_CUDA) return KVRT_ERR_ARG;
-    if (t->device_id < 0) return KVRT_ERR_ARG;
+    if (t == NULL) return TC_FAIL(KVRT_ERR_ARG, "NULL tensor");
+    if (t->data == NULL) return TC_FAIL(KVRT_ERR_ARG, "data is NULL");
+    if (t->device != KVRT_DEVICE_HOST && t->device != KVRT_DEVICE_CUDA)
+        return TC_FAIL(KVRT_ERR_ARG, "device %d, expected KVRT_DEVICE_HOST (%d) or CUDA (%d)",
+                       t->device, KVRT_DEVICE_HOST, KVRT_DEVICE_CUDA);
+    if (t->device_id < 0) return TC_FAIL(KVRT_ERR_ARG, "device_id %d, expected >= 0", t->device_id);
     size_t es = kvrt_dtype_size(t->dtype);
-    if (es == 0) return KVRT_ERR_DTYPE;
-    if (t->ndim < 1 || t->ndim > KVRT_MAX_DIMS) return KVRT_ERR_SHAPE;
+    if (es == 0) return TC_FAIL(KVRT_ERR_DTYPE, "dtype %d is not a kvrt_dtype", t->dtype);
+    if (t->ndim < 1 || t->ndim > KVRT_MAX_DIMS)
+        return TC_FAIL(KVRT_ERR_SHAPE, "ndim %d, expected 1..%d", t->ndim, KVRT_MAX_DIMS);
     int64_t numel = kvrt_tensor_numel(t);
-    if (numel <= 0) return KVRT_ERR_SHAPE;
-    if (numel > INT64_MAX / (int64_t)es) return KVRT_ERR_SHAPE;
+    if (numel <= 0)
+        return TC_FAIL(KVRT_ERR_SHAPE, "the shape holds %lld elements, expected >= 1 (no "
+                       "dimension < 1)", (long long)numel);
+    if (numel > INT64_MAX / (int64_t)es)
+        return TC_FAIL(KVRT_ERR_SHAPE, "%lld elements overflow the byte count", (long long)numel);
     /* Largest element offset: sum (shape[i]-1) * strides[i], checked. */
     int64_t maxoff = 0;
     for (int i = 0; i < t->ndim; i++) {
-        if (t->strides[i] < 0) return KVRT_ERR_SHAPE;
+        if (t->strides[i] < 0)
+            return TC_FAIL(KVRT_ERR_SHAPE, "strides[%d] = %lld, expected >= 0", i,
+                           (long long)t->strides[i]);
         int64_t steps = t->shape[i] - 1;
-        if (steps > 0 && t->strides[i] > INT64_MAX / steps) return KVRT_ERR_SHAPE;
-        int64_t span = steps * t->strides[i];
-        if (maxoff > INT64_MAX - span) return KVRT_ERR_SHAPE;
-        maxoff += span;
+        if ((steps > 0 && t->strides[i] > INT64_MAX / steps) ||
+            maxoff > INT64_MAX - steps * t->strides[i])
+            return TC_FAIL(KVRT_ERR_SHAPE, "shape and strides overflow the offsets (dim %d)", i);
+        maxoff += steps * t->strides[i];
     }
-    if (maxoff > INT64_MAX / (int64_t)es - 1) return KVRT_ERR_SHAPE;
+    if (maxoff > INT64_MAX / (int64_t)es - 1)
+        return TC_FAIL(KVRT_ERR_SHAPE, "shape and strides overflow the byte offsets");
     return KVRT_OK;
 }

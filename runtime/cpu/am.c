@@ -1655,6 +1655,9 @@ static int opts_check(const char *fn, const kvrt_am_opts *o) {
     if (o->max_queries < 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: max_queries %lld, expected >= 0", fn,
                        (long long)o->max_queries);
+    if (o->nnls_max_iter < 0)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: nnls_max_iter %d, expected >= 0 (0: 3 t + 30)", fn,
+                         o->nnls_max_iter);
     if (!isnan(o->beta_floor) && !(isfinite(o->beta_floor) && fabs(o->beta_floor) <= 80))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: beta_floor %g, expected NAN (drop zero weights) or a "
                          "value in -80..80", fn, o->beta_floor);

@@ -14,8 +14,8 @@
  *   z_e = scale * (q . k_e) + bias_e,   z_j = scale * (q . k_recent_j)
  *   out = sum exp(z - m) v / sum exp(z - m),  m = max z,  lse = m + log(sum exp(z - m)).
  * Empty rows (nothing visible, or every z = -INFINITY): out = 0, lse = -INFINITY.
- * NaN or +INFINITY logits (NaN or inf keys, +inf bias) give NaN rows. NaN in q is refused with
- * KVRT_ERR_ARG by both paths.
+ * NaN or +INFINITY logits (NaN or inf keys, +inf bias) give NaN rows. NaN or Inf in q is
+ * refused with KVRT_ERR_ARG by both paths.
  *
  * Fast path: work is cut into tiles (KV head, block of queries); a tile packs the G query heads of
  * its queries as Q [R = queries * G, d] (one sgemm serves all heads that share the keys), then
@@ -33,6 +33,7 @@
  * start its own threads inside our parallel region and oversubscribe: measured 3-4x slower).
  * Tolerance against the reference: |a-b| <= 1e-5 + 1e-4*|ref| (f32 products and sums).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,10 +60,11 @@ static const float *cache_row(const kvrt_cache *c, const void *base, int64_t e, 
     return buf;
 }
 
-static int has_nan(const float *x, int64_t count) {
+/* NaN or +-Inf among x[0..count) (a query with either gives NaN rows). */
+static int has_nonfinite(const float *x, int64_t count) {
     int bad = 0;
 #pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < count; i++) bad |= x[i] != x[i];
+    for (int64_t i = 0; i < count; i++) bad |= !(fabsf(x[i]) <= FLT_MAX);
     return bad;
 }
 
@@ -78,8 +80,9 @@ int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cach
                             "kvrt_attend_ref: the cache must be on the host");
     const size_t d = c->head_dim;
     const uint32_t hkv = c->n_kv_heads, G = n_heads / hkv;
-    if (has_nan(q, n * (int64_t)n_heads * (int64_t)d))
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_attend_ref: q [%lld, %u, %zu] holds NaN",
+    if (has_nonfinite(q, n * (int64_t)n_heads * (int64_t)d))
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
+                            "kvrt_attend_ref: q [%lld, %u, %zu] holds NaN or Inf",
                             (long long)n, n_heads, d);
     float *kbuf = malloc(2 * d * sizeof(float));
     double *acc = malloc(d * sizeof(double));
@@ -677,8 +680,8 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
                     int64_t n_recent, float scale, float *out, float *lse_out) {
     kvrt_error *e = &ctx->last_err;
     const int64_t d = c->head_dim;
-    if (has_nan(q, n * (int64_t)n_heads * d))
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_attend: q [%lld, %u, %lld] holds NaN",
+    if (has_nonfinite(q, n * (int64_t)n_heads * d))
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_attend: q [%lld, %u, %lld] holds NaN or Inf",
                             (long long)n, n_heads, (long long)d);
     att_job jb;
     jb.q = q;

@@ -157,7 +157,8 @@ void kvrt_compilerkv_prompt_free(kvrt_compilerkv_prompt *p) {
 
 int kvrt_compilerkv_prompt_add_mass(kvrt_compilerkv_prompt *p, const float *mass) {
     if (p == NULL || mass == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: NULL %s",
+                         p == NULL ? "p" : "mass");
     if (p->finished)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_prompt_add_mass: prompt already finished");
     for (int64_t t = 0; t < p->T; t++)
@@ -175,7 +176,7 @@ static int add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k, 
     const char *fn =
         ref ? "kvrt_compilerkv_prompt_add_layer_ref" : "kvrt_compilerkv_prompt_add_layer";
     if (p == NULL || q == NULL || k == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn, p == NULL ? "p" : q == NULL ? "q" : "k");
     if (p->finished) return KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt already finished", fn);
     if (Hkv == 0) return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_kv_heads is 0", fn);
     const int64_t T = p->T;
@@ -277,7 +278,8 @@ static double row_sumsq(const float *x, uint32_t n) {
 int kvrt_compilerkv_value_norms(const float *v, int64_t T, uint32_t n_kv_heads, uint32_t head_dim,
                                 float *rho) {
     const char *fn = "kvrt_compilerkv_value_norms";
-    if (v == NULL || rho == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+    if (v == NULL || rho == NULL) return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                                                   v == NULL ? "v" : "rho");
     if (T < 1 || n_kv_heads == 0 || head_dim == 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: T %lld, n_kv_heads %u, head_dim %u: expected >= 1",
                          fn, (long long)T, n_kv_heads, head_dim);
@@ -325,7 +327,8 @@ static int bin_of(double x, const float *edges, int n_edges) {
 int kvrt_compilerkv_bins(const kvrt_compilerkv_tables *tb, double entropy, double ppl, int *b_ent,
                          int *b_ppl) {
     if (tb == NULL || b_ent == NULL || b_ppl == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_bins: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_bins: NULL %s",
+                         tb == NULL ? "tb" : b_ent == NULL ? "b_ent" : "b_ppl");
     if (isnan(entropy) || isnan(ppl))
         return KVRT_FAIL(KVRT_ERR_ARG,
                          "kvrt_compilerkv_bins: risk feature is NaN (prompt not finished?)");
@@ -337,7 +340,8 @@ int kvrt_compilerkv_bins(const kvrt_compilerkv_tables *tb, double entropy, doubl
 int kvrt_compilerkv_budget_index(const kvrt_compilerkv_tables *tb, int64_t budget,
                                  unsigned flags, uint32_t *index) {
     if (tb == NULL || index == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_budget_index: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_budget_index: NULL %s",
+                         tb == NULL ? "tb" : "index");
     if (budget < 1)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compilerkv_budget_index: budget %lld, expected >= 1",
                    (long long)budget);
@@ -515,7 +519,8 @@ int kvrt_cpu_compilerkv_select(const kvrt_compilerkv_tables *tb, const kvrt_comp
     const char *fn = "kvrt_compilerkv_select";
     if (out) *out = NULL;
     if (tb == NULL || pr == NULL || v == NULL || out == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL argument", fn);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
+                         tb == NULL ? "tb" : pr == NULL ? "pr" : v == NULL ? "v" : "out");
     if (!pr->finished)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: prompt not finished (kvrt_compilerkv_prompt_finish)",
                          fn);

@@ -31,8 +31,9 @@
  *    head must use the same r; opts->r is then ignored, as kvrt.h says;
  *  - selection with k < |forced set| keeps the first min(k, n_sink_blocks) blocks, then the most
  *    recent ones up to k;
- *  - a NaN in q is refused (KVRT_ERR_ARG) by every path, as kvrt_attend does; a state with no
- *    token yet is refused by scores / select / attend / step;
+ *  - a NaN or Inf in q is refused (KVRT_ERR_ARG) by every CPU path, as kvrt_attend does (the
+ *    CUDA state's one read-back flag covers NaN); a state with no token yet is refused by
+ *    scores / select / attend / step;
  *  - attend with n_sel = 0 and compensate = 0 gives zero rows (kvrt_attend's empty-row rule).
  *
  * Fast paths: OpenMP over KV heads (each head is computed by exactly one thread with the same
@@ -51,6 +52,7 @@
  * max|ref of the head|; outputs |a - b| <= 1e-5 + 1e-4 |ref|.
  * Errors: statuses with the message in kvrt_last_error(); nothing here exits or aborts.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -483,10 +485,11 @@ int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const f
 // ----------------------------------------------------------------------------
 // shared checks
 
-static int has_nan(const float *x, int64_t count) {
+/* NaN or +-Inf among x[0..count) (a query with either gives NaN rows). */
+static int has_nonfinite(const float *x, int64_t count) {
     int bad = 0;
 #pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < count; i++) bad |= x[i] != x[i];
+    for (int64_t i = 0; i < count; i++) bad |= !(fabsf(x[i]) <= FLT_MAX);
     return bad;
 }
 
@@ -502,8 +505,8 @@ static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint
     if (s->b.len == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);
-    if (has_nan(q, (int64_t)n_heads * s->b.d))
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN", fn, n_heads, s->b.d);
+    if (has_nonfinite(q, (int64_t)n_heads * s->b.d))
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN or Inf", fn, n_heads, s->b.d);
     return KVRT_OK;
 }
 

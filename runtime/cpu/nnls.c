@@ -544,7 +544,8 @@ int kvrt_cpu_ridge_solve(double *XtX, double *XtY, int64_t t, int64_t d, double 
 int kvrt_ridge_lstsq(const double *X, const double *Y, int64_t n, int64_t t, int64_t d,
                      double ridge, double *C) {
     if (X == NULL || Y == NULL || C == NULL)
-        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: NULL argument");
+        return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: NULL %s",
+                         X == NULL ? "X" : Y == NULL ? "Y" : "C");
     if (n < 1 || t < 1 || d < 1 || t > (1 << 20) || d > (1 << 20) || n > ((int64_t)1 << 40) / t)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_ridge_lstsq: sizes n %lld, t %lld, d %lld",
                          (long long)n, (long long)t, (long long)d);

@@ -93,7 +93,8 @@ kvrt_tensor kvrt_tensor_view(void *data, int dtype, int ndim, const int64_t *sha
 int64_t kvrt_tensor_numel(const kvrt_tensor *t);
 int kvrt_tensor_is_contiguous(const kvrt_tensor *t);
 size_t kvrt_dtype_size(int dtype);
-/* KVRT_OK when ndim, shape (all > 0), strides (>= 0) and dtype are sane. */
+/* KVRT_OK when ndim, shape (all > 0), strides (>= 0) and dtype are sane; else the status, with
+ * the first defect in kvrt_last_error(). */
 int kvrt_tensor_check(const kvrt_tensor *t);
 
 /* ------------------------------------------------------------------ policies */
@@ -291,8 +292,8 @@ float kvrt_bf16_to_f32(uint16_t h);
  * Empty rows (the head has 0 entries and query i sees no recent token): out row = 0 and
  * lse = -INFINITY. A -INFINITY bias drops its entry.
  * Statuses: KVRT_ERR_ARG (NULL pointers, n < 1, n_recent < 0, recent pointers NULL with
- * n_recent > 0, scale not finite, NaN in q: host paths only; on CUDA, where checking would
- * force a synchronizing read-back, NaN in q gives NaN rows instead), KVRT_ERR_SHAPE (n_heads
+ * n_recent > 0, scale not finite, NaN or Inf in q: host paths only; on CUDA, where checking
+ * would force a synchronizing read-back, they give NaN rows instead), KVRT_ERR_SHAPE (n_heads
  * not a multiple of c->n_kv_heads), KVRT_ERR_DTYPE (cache dtype), KVRT_ERR_DEVICE (cache on
  * another device or owned by another context).
  * _ref: plain loops, double accumulation, host cache only. */
@@ -406,8 +407,9 @@ int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_
 /* An empty summary in ctx's memory with room for `capacity` tokens (1..INT32_MAX; page >= 1):
  * on a CUDA context kmin and kmax are device memory, and the k of kvrt_quest_append, the q and
  * scores of kvrt_quest_scores and the q and pages_out of kvrt_quest_select are the context's
- * memory too (kvrt_ctx_alloc); appending past the capacity is KVRT_ERR_ARG. On a CPU context,
- * a host summary. Free it with kvrt_quest_free before freeing ctx. */
+ * memory too (kvrt_ctx_alloc), and appending past the capacity is KVRT_ERR_ARG. On a CPU context,
+ * a host summary, whose room grows past the capacity as kvrt_quest_append says. Free it with
+ * kvrt_quest_free before freeing ctx. */
 int kvrt_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page,
                       int64_t capacity, kvrt_quest **out);
 /* Adds tokens T..T+n-1, k [n, Hkv, d]; n = 0 is a no-op. The room of a host summary grows
@@ -678,7 +680,8 @@ int kvrt_kv2_plan_queries(const kvrt_kv2_plan *pl, int64_t r, int32_t *pos, int3
                           int64_t *n_queries);
 /* Stage 2 of chunk r, layer l: q [n_q, H, d] the reconstruction tokens' post-RoPE queries,
  * k [C, Hkv, d] the context keys, k_new [n_q, Hkv, d] the reconstruction tokens' keys or NULL.
- * n_q must be chunk r's (KVRT_ERR_SHAPE otherwise). Every (chunk, layer) once per pass. */
+ * n_q must be chunk r's (KVRT_ERR_SHAPE otherwise). Every (chunk, layer) is scored once per
+ * pass; a repeated call recomputes and replaces that chunk's scores. */
 int kvrt_kv2_plan_score(kvrt_kv2_plan *pl, int64_t r, uint32_t layer, const float *q,
                         int64_t n_q, const float *k, const float *k_new);
 /* Refinement: p := aggregate of this pass's stage-2 scores; the next pass picks new queries.
@@ -1003,10 +1006,10 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
  * context in device memory, and then every array of its calls (append's k, v; q, scores, blocks,
  * out) is device memory and kvrt_compkv_summaries returns device pointers (docs/cuda.md).
  * Messages of failures in kvrt_last_error(). Per-step calls (scores, select, attend, step):
- * KVRT_ERR_ARG on NULL pointers, NaN in q, or a state that holds no token yet; KVRT_ERR_SHAPE
- * when n_heads is not a positive multiple of n_kv_heads. The fast paths run OpenMP over KV
- * heads and give the same bits whatever the thread count; their _ref are plain double loops
- * (tolerances in tests/unit/test_compkv.c). */
+ * KVRT_ERR_ARG on NULL pointers, NaN or Inf in q (CUDA: NaN), or a state that holds no token
+ * yet; KVRT_ERR_SHAPE when n_heads is not a positive multiple of n_kv_heads. The fast paths run
+ * OpenMP over KV heads and give the same bits whatever the thread count; their _ref are plain
+ * double loops (tolerances in tests/unit/test_compkv.c). */
 typedef struct {
     uint32_t block;          /* tokens per block (default 16) */
     uint32_t r;              /* variance groups, 1..head_dim (default 4); ignored with offsets */
@@ -1089,9 +1092,10 @@ int kvrt_compkv_open(const kvrt_policy *p, kvrt_compkv_grouping **out);
 /* The compiled options: block, r and scale from the artifact, the rest kvrt_compkv_opts_init's. */
 int kvrt_compkv_grouping_opts(const kvrt_compkv_grouping *g, kvrt_compkv_opts *out);
 /* A decode state for `layer` with the compiled grouping (kvrt_compkv_create with the layer's
- * perm/offsets). o NULL: the compiled options. o non-NULL whose block, r or scale (0 = 1/sqrt(d))
+ * perm/offsets). o NULL: the compiled options. o non-NULL whose block or scale (0 = 1/sqrt(d))
  * differ from the compiled ones: KVRT_ERR_ARG naming the option, unless flags has
- * KVRT_OVERRIDE_OPTIONS; compensate, mass_only, first_order and the forced blocks are run-time
+ * KVRT_OVERRIDE_OPTIONS; an r other than the compiled one is refused either way (the compiled
+ * offsets fix it); compensate, mass_only, first_order and the forced blocks are run-time
  * choices and may differ. */
 int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint32_t layer,
                              int64_t capacity, const kvrt_compkv_opts *o, unsigned flags,

@@ -840,6 +840,11 @@ Test(am, handle_runs_the_compiled_options, .timeout = 300) {
     kvrt_cache *a = NULL, *b = NULL, *c = NULL;
     cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, NULL, 0, 0.2, 1, q, k, v, T, H, KVRT_DTYPE_F32, &a,
                                            NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+    /* q of another head count than the policy's model: refused (q is read by n_heads) */
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, NULL, 0, 0.2, 1, q, k, v, T, HKV,
+                                           KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_MODEL_MISMATCH);
+    cr_assert(strstr(kvrt_last_error()->msg, "query heads") != NULL, "%s", kvrt_last_error()->msg);
+    cr_assert_null(c);
     cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &co, q, k, v, T, H, HKV, D, ratios, 0.2, KVRT_DTYPE_F32, &b,
                                        NULL), KVRT_OK);
     cr_assert_eq(a->n_entries, b->n_entries);

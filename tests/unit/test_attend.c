@@ -357,6 +357,13 @@ Test(cache, gather_keeps_only_the_selection) {
     /* heads mismatch */
     sel->positions[4] = 2;
     cr_assert_eq(kvrt_cache_gather(k, v, T, 3, d, sel, KVRT_DTYPE_F32, &c), KVRT_ERR_SHAPE);
+    /* offsets that do not start at 0 (positions would be read before their start) */
+    const int64_t off0 = sel->offsets[0];
+    sel->offsets[0] = -3;
+    cr_assert_eq(kvrt_cache_gather(k, v, T, hkv, d, sel, KVRT_DTYPE_F32, &c), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "offsets[0] is -3, expected 0") != NULL, "%s",
+              kvrt_last_error()->msg);
+    sel->offsets[0] = off0;
     kvrt_selection_free(sel);
     free(k);
     free(v);
@@ -806,6 +813,11 @@ Test(attend, refuses_bad_arguments) {
     cr_assert(strstr(le->msg, "NaN") != NULL, "%s", le->msg);
     cr_assert_eq(kvrt_attend_ref(in.q, 1, 4, in.c, NULL, NULL, 0, 1, out, lse), KVRT_ERR_ARG);
     cr_assert(strstr(kvrt_last_error()->msg, "NaN") != NULL, "%s", kvrt_last_error()->msg);
+    /* Inf in q too (it gives NaN rows) */
+    in.q[5] = -INFINITY;
+    cr_assert_eq(kvrt_attend(ctx, in.q, 1, 4, in.c, NULL, NULL, 0, 1, out, lse), KVRT_ERR_ARG);
+    cr_assert(strstr(le->msg, "holds NaN or Inf") != NULL, "%s", le->msg);
+    cr_assert_eq(kvrt_attend_ref(in.q, 1, 4, in.c, NULL, NULL, 0, 1, out, lse), KVRT_ERR_ARG);
     in.q[5] = 0.0f;
     /* a cache with an unsupported dtype */
     const int saved = in.c->dtype;

@@ -210,6 +210,9 @@ Test(compilerkv, prompt_alpha_rho_risk) {
         kvrt_compilerkv_prompt_free(p2);
         a = NULL;
     }
+    /* unknown flags */
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pf, 1, v, Hkv, d, 64, 0xF0, &a, &st), KVRT_ERR_ARG);
+    cr_expect(strstr(kvrt_last_error()->msg, "unknown flags 0xf0") != NULL, "%s", kvrt_last_error()->msg);
     /* budgets not compiled: refused unless the nearest is allowed */
     cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pf, 1, v, Hkv, d, 50, 0, &a, &st), KVRT_ERR_UNSUPPORTED);
     cr_expect(strstr(kvrt_last_error()->msg, "32,64") != NULL, "%s", kvrt_last_error()->msg);

@@ -1121,6 +1121,14 @@ Test(compkv, handle_runs_the_compiled_block) {
     cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 1, T, &def, KVRT_OVERRIDE_OPTIONS, &c), KVRT_OK);
     cr_assert_eq(kvrt_compkv_append(c, k, v, T), KVRT_OK);
     cr_assert_eq(kvrt_compkv_n_blocks(c), (T + 15) / 16);
+    kvrt_compkv_free(c);
+    c = NULL;
+    /* r is the compiled offsets': refused even with the override flag */
+    kvrt_compkv_opts r2 = def;
+    r2.r = R + 1;
+    cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 1, T, &r2, KVRT_OVERRIDE_OPTIONS, &c), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "offsets fix r") != NULL, "%s", kvrt_last_error()->msg);
+    cr_assert_null(c);
     cr_assert_eq(kvrt_compkv_create_layer(test_cpu(), g, 2, T, NULL, 0, &c), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_compkv_create_layer(NULL, g, 0, T, NULL, 0, &c), KVRT_ERR_ARG);
     kvrt_compkv_free(a);

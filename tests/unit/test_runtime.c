@@ -223,9 +223,11 @@ Test(tensor, check_refuses_bad_views) {
     kvrt_tensor t = ok;
     t.data = NULL;
     cr_assert_eq(kvrt_tensor_check(&t), KVRT_ERR_ARG);
+    cr_assert_str_eq(kvrt_last_error()->msg, "kvrt_tensor_check: data is NULL");
     t = ok;
     t.dtype = 17;
     cr_assert_eq(kvrt_tensor_check(&t), KVRT_ERR_DTYPE);
+    cr_assert_str_eq(kvrt_last_error()->msg, "kvrt_tensor_check: dtype 17 is not a kvrt_dtype");
     t = ok;
     t.shape[1] = 0;
     cr_assert_eq(kvrt_tensor_check(&t), KVRT_ERR_SHAPE);
@@ -366,6 +368,11 @@ Test(softmax_cpu, edge_cases) {
     kvrt_tensor tw = view2(w, 1, 3, 3, KVRT_DEVICE_HOST);
     cr_assert_eq(kvrt_softmax_rows(ctx, &tz, &tw, 0.0f), KVRT_OK);
     for (int i = 0; i < 3; i++) cr_assert(fabsf(w[i] - 1.0f / 3.0f) < 1e-7f);
+    /* a scale that is not finite: refused, as kvrt_attend refuses it */
+    cr_assert_eq(kvrt_softmax_rows(ctx, &tz, &tw, NAN), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "expected a finite number") != NULL, "%s",
+              kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_softmax_rows(ctx, &tz, &tw, INFINITY), KVRT_ERR_ARG);
     kvrt_ctx_free(ctx);
 }
 
