@@ -375,7 +375,7 @@ int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kv
         rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, q, NULL, NULL, 0, k, v, T, n_heads,
                                         s->n_kv_heads, s->head_dim, 1, ratios, &target, dtype,
                                         out, stats);
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
 }
 
 int kvrt_am_compact_scheduled_ref(kvrt_ctx *ctx, const kvrt_am_schedule *s,
@@ -396,7 +396,7 @@ int kvrt_am_compact_scheduled_ref(kvrt_ctx *ctx, const kvrt_am_schedule *s,
         rc = ctx->ops->am_compact_layer(ctx, o ? o : &s->opts, NULL, q_ref, q_pos, n_ref, k, v, T,
                                         n_heads, s->n_kv_heads, s->head_dim, 1, ratios, &target,
                                         dtype, out, stats);
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
 }
 
 int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v,

@@ -44,6 +44,9 @@ KVRT_INTERNAL int kvrt_err_set(kvrt_error *err, int code, int detail, const char
 /* The thread-local kvrt_error behind kvrt_last_error() (core/cache.c), for calls that take no
  * context and no kvrt_error*. */
 KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
+/* rc, with the thread-local message prefixed by "fn: " unless it already starts so: a public
+ * call whose failure came from an inner one names the function the caller called. */
+KVRT_INTERNAL int kvrt_err_in(int rc, const char *fn);
 
 // ----------------------------------------------------------------------------
 // the backend table

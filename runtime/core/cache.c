@@ -346,7 +346,8 @@ int kvrt_cache_gather(const float *k, const float *v, int64_t T, uint32_t n_kv_h
         }
     }
     kvrt_cache *c = NULL;
-    int rc = kvrt_cache_create(n_kv_heads, head_dim, dtype, counts, &c);
+    int rc = kvrt_err_in(kvrt_cache_create(n_kv_heads, head_dim, dtype, counts, &c),
+                         "kvrt_cache_gather");
     free(counts);
     if (rc != KVRT_OK) return rc;
     const size_t d = head_dim;

@@ -82,7 +82,7 @@ int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                                                    flags & ~KVRT_COMPILERKV_NEAREST_BUDGET));
     rc = ctx->ops->compilerkv_select(ctx, tb, pr, layer, v, n_kv_heads, head_dim, budget, flags,
                                      out, st);
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, "kvrt_compilerkv_select"));
 }
 
 int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *p, const float *q,
@@ -93,7 +93,8 @@ int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *
     if (rc) return rc;
     if (ctx->device == KVRT_DEVICE_HOST) /* the CPU table's snapkv_scores is this function's */
         return kvrt_policy_ctx_done(
-            ctx, kvrt_compilerkv_prompt_add_layer(p, q, k, n_heads, n_kv_heads, head_dim));
+            ctx, kvrt_err_in(kvrt_compilerkv_prompt_add_layer(p, q, k, n_heads, n_kv_heads,
+                                                              head_dim), fn));
     if (p == NULL || q == NULL || k == NULL)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
                                                    p == NULL ? "p" : q == NULL ? "q" : "k"));
@@ -117,7 +118,7 @@ int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *
     if (rc == KVRT_OK) kvrt_compilerkv_prompt_add_scores(p, sc, n_kv_heads);
     if (dsc) kvrt_ctx_dealloc(ctx, dsc);
     free(sc);
-    return rc; /* the ops' messages are in ctx->last_err and the thread-local error */
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
 }
 
 int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
@@ -165,5 +166,5 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
             sels[l] = NULL;
         }
     kvrt_compilerkv_prompt_free(pr);
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
 }

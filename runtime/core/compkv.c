@@ -202,7 +202,7 @@ int kvrt_compkv_create_layer(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, uint3
                                      g->perm + (size_t)layer * hd,
                                      g->offsets + (size_t)layer * ho, out);
     }
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
 }
 
 int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,

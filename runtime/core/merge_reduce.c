@@ -1081,6 +1081,7 @@ int kvrt_mr_compress_scheduled(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const k
     if (rc) return kvrt_policy_ctx_done(ctx, rc);
     kvrt_mr_basis b;
     basis_of(s, bi, layer, &b);
-    return kvrt_mr_compress_layer(ctx, o ? o : &s->opts, &b, layer, k, v, T, s->Hkv, s->d, budget,
-                                  dtype, out);
+    rc = kvrt_mr_compress_layer(ctx, o ? o : &s->opts, &b, layer, k, v, T, s->Hkv, s->d, budget,
+                                dtype, out);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
 }

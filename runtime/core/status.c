@@ -51,6 +51,18 @@ const char *kvrt_version(void) { return KVRT_VERSION_STRING; }
 // ----------------------------------------------------------------------------
 // internal error helper
 
+int kvrt_err_in(int rc, const char *fn) {
+    if (rc == KVRT_OK || fn == NULL) return rc;
+    kvrt_error *tls = kvrt_tls_err();
+    const size_t n = strlen(fn);
+    if (strncmp(tls->msg, fn, n) == 0 && tls->msg[n] == ':') return rc;
+    char inner[sizeof tls->msg];
+    snprintf(inner, sizeof inner, "%s", tls->msg);
+    const int room = (int)(sizeof tls->msg > n + 3 ? sizeof tls->msg - n - 3 : 0);
+    snprintf(tls->msg, sizeof tls->msg, "%s: %.*s", fn, room, inner); /* truncated at the end */
+    return rc;
+}
+
 int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
     /* The error rule (kvrt.h): every failure's message also lands in the thread-local error. */
     kvrt_error *tls = kvrt_tls_err();

@@ -203,13 +203,15 @@ void kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *s
 
 int kvrt_compilerkv_prompt_add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k,
                                      uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim) {
-    return add_layer(p, q, k, n_heads, n_kv_heads, head_dim, 0);
+    return kvrt_err_in(add_layer(p, q, k, n_heads, n_kv_heads, head_dim, 0),
+                       "kvrt_compilerkv_prompt_add_layer");
 }
 
 int kvrt_compilerkv_prompt_add_layer_ref(kvrt_compilerkv_prompt *p, const float *q,
                                          const float *k, uint32_t n_heads, uint32_t n_kv_heads,
                                          uint32_t head_dim) {
-    return add_layer(p, q, k, n_heads, n_kv_heads, head_dim, 1);
+    return kvrt_err_in(add_layer(p, q, k, n_heads, n_kv_heads, head_dim, 1),
+                       "kvrt_compilerkv_prompt_add_layer_ref");
 }
 
 int kvrt_compilerkv_prompt_finish(kvrt_compilerkv_prompt *p, const float *next_logprob) {

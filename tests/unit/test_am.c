@@ -845,6 +845,15 @@ Test(am, handle_runs_the_compiled_options, .timeout = 300) {
                                            KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_MODEL_MISMATCH);
     cr_assert(strstr(kvrt_last_error()->msg, "query heads") != NULL, "%s", kvrt_last_error()->msg);
     cr_assert_null(c);
+    /* an inner call's failure names the function called first */
+    const float q0 = q[3];
+    q[3] = NAN;
+    cr_assert_eq(kvrt_am_compact_scheduled(test_cpu(), sch, NULL, 0, 0.2, 1, q, k, v, T, H,
+                                           KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    cr_assert(strncmp(kvrt_last_error()->msg, "kvrt_am_compact_scheduled: ", 27) == 0, "%s",
+              kvrt_last_error()->msg);
+    cr_assert(strstr(kvrt_last_error()->msg, "NaN") != NULL, "%s", kvrt_last_error()->msg);
+    q[3] = q0;
     cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &co, q, k, v, T, H, HKV, D, ratios, 0.2, KVRT_DTYPE_F32, &b,
                                        NULL), KVRT_OK);
     cr_assert_eq(a->n_entries, b->n_entries);
