@@ -855,9 +855,9 @@ class CompKVGrouping(_Handle):
     def create_layer(self, layer: int, capacity: int, *, ctx: Optional[Context] = None,
                      override: bool = False, **options) -> CompKVState:
         """kvrt_compkv_create_layer: a decode state for ``layer`` with the compiled grouping.
-        options (as :func:`compkv_options`): block, r, scale differing from the compiled ones
-        are refused unless override; compensate, mass_only, first_order, forced blocks are
-        run-time choices."""
+        options (as :func:`compkv_options`): block or scale differing from the compiled ones are
+        refused unless override, and another r always (the compiled offsets fix it);
+        compensate, mass_only, first_order, forced blocks are run-time choices."""
         c = _ctx(ctx)
         op = None
         if options:

@@ -226,7 +226,7 @@ int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out) {
 int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *out) {
     if (s == NULL || out == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_query_source: NULL %s",
-                         s == NULL ? "s" : "out");
+                         s == NULL ? "s" : "query_source");
     *out = s->query_source;
     return KVRT_OK;
 }
@@ -234,7 +234,7 @@ int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *out) {
 int kvrt_am_schedule_self_study_tokens(const kvrt_am_schedule *s, int64_t *out) {
     if (s == NULL || out == NULL)
         return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_am_schedule_self_study_tokens: NULL %s",
-                         s == NULL ? "s" : "out");
+                         s == NULL ? "s" : "tokens");
     *out = s->self_tokens;
     return KVRT_OK;
 }

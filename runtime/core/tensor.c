@@ -88,9 +88,9 @@ int kvrt_tensor_check(const kvrt_tensor *t) {
     if (t->ndim < 1 || t->ndim > KVRT_MAX_DIMS)
         return TC_FAIL(KVRT_ERR_SHAPE, "ndim %d, expected 1..%d", t->ndim, KVRT_MAX_DIMS);
     int64_t numel = kvrt_tensor_numel(t);
-    if (numel <= 0)
-        return TC_FAIL(KVRT_ERR_SHAPE, "the shape holds %lld elements, expected >= 1 (no "
-                       "dimension < 1)", (long long)numel);
+    if (numel == -1) /* kvrt_tensor_numel's overflow */
+        return TC_FAIL(KVRT_ERR_SHAPE, "the shape's element count overflows int64");
+    if (numel <= 0) return TC_FAIL(KVRT_ERR_SHAPE, "a dimension is < 1, expected every one >= 1");
     if (numel > INT64_MAX / (int64_t)es)
         return TC_FAIL(KVRT_ERR_SHAPE, "%lld elements overflow the byte count", (long long)numel);
     /* Largest element offset: sum (shape[i]-1) * strides[i], checked. */

@@ -190,7 +190,11 @@ extern "C" int kvrt_cuda_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_
     if (out) *out = NULL;
     // --- the checks of kvrt_cpu_compilerkv_select, in its order
     if (tb == NULL || pr == NULL || v == NULL || out == NULL)
-        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: NULL argument", fn);
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: NULL %s", fn,
+                            tb == NULL   ? "tb"
+                            : pr == NULL ? "pr"
+                            : v == NULL  ? "v"
+                                         : "out");
     if (!pr->finished)
         return kvrt_err_set(err, KVRT_ERR_ARG, 0,
                             "%s: prompt not finished (kvrt_compilerkv_prompt_finish)", fn);

@@ -211,7 +211,8 @@ int kvrt_backend_supports(const kvrt_ctx *ctx, kvrt_op op);
 /* ------------------------------------------------------------------ ops */
 /* Numerically safe softmax along the last dimension of a 2-D f32 tensor [rows, cols], with an
  * optional scale applied to the logits first: y = softmax(scale * x). x and y may alias.
- * f32 accumulation, running max. Tensors must live on the context's device. */
+ * f32 accumulation, running max. Tensors must live on the context's device. A scale that is
+ * not finite: KVRT_ERR_ARG. */
 int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale);
 
 
