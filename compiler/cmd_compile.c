@@ -82,9 +82,7 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
         if (!n_run) snprintf(canon, n_canon, "none");
         return n_run;
     }
-    const size_t len = strlen(policies);
-    if (!len || len >= 256 || strstr(policies, ",,") || policies[0] == ',' ||
-        policies[len - 1] == ',') {
+    if (!kvcc_list_ok(policies, 256)) {
         fprintf(stderr, "kvcc compile: --policies: got '%s', expected 'none', 'all' or a "
                 "comma-separated list of policies (no empty items)\n", policies);
         return -1;

@@ -98,8 +98,7 @@ static void usage(FILE *out) {
 
 static int parse_methods(const char *list, const char **out, int *n) {
     static char buf[512];
-    const size_t len = strlen(list);
-    if (!len || len >= sizeof buf || strstr(list, ",,") || list[0] == ',' || list[len - 1] == ',') {
+    if (!kvcc_list_ok(list, sizeof buf)) {
         fprintf(stderr, "kvcc eval: --methods: got '%s', expected a comma-separated list of "
                 "methods (no empty items)\n", list);
         return -1;
@@ -140,11 +139,12 @@ static int parse_methods(const char *list, const char **out, int *n) {
     return 0;
 }
 
-static int parse_budgets(const char *opt, const char *list, double *out, int *n) {
+/* expect: what one item should be (said when one is not) */
+static int parse_budgets(const char *opt, const char *expect, const char *list, double *out,
+                         int *n) {
     char buf[512];
-    const size_t len = strlen(list);
     *n = 0;
-    if (!len || len >= sizeof buf || strstr(list, ",,") || list[0] == ',' || list[len - 1] == ',') {
+    if (!kvcc_list_ok(list, sizeof buf)) {
         fprintf(stderr, "kvcc eval: %s: got '%s', expected a comma-separated list of token "
                 "counts or ratios (no empty items)\n", opt, list);
         return -1;
@@ -154,10 +154,7 @@ static int parse_budgets(const char *opt, const char *list, double *out, int *n)
         char *end;
         double v = strtod(tok, &end);
         if (*end || !(v > 0) || !isfinite(v) || (v >= 1 && v != floor(v)) || *n == 64) {
-            if (!strcmp(opt, "--block-budgets"))
-                fprintf(stderr, "kvcc eval: %s: got '%s', expected a block count (integer >= 1)\n", opt, tok);
-            else
-                fprintf(stderr, "kvcc eval: %s: got '%s', expected a token count (integer >= 1) or a ratio in (0, 1)\n", opt, tok);
+            fprintf(stderr, "kvcc eval: %s: got '%s', expected %s\n", opt, tok, expect);
             return -1;
         }
         out[(*n)++] = v;
@@ -600,10 +597,14 @@ int kvcc_cmd_eval(int argc, char **argv) {
     int nm;
     double bs[64];
     int nb;
-    if (parse_methods(methods, ms, &nm) || parse_budgets("--budgets", budgets, bs, &nb)) return KVCC_EXIT_USAGE;
+    if (parse_methods(methods, ms, &nm) ||
+        parse_budgets("--budgets", "a token count (integer >= 1) or a ratio in (0, 1)", budgets,
+                      bs, &nb))
+        return KVCC_EXIT_USAGE;
     double bbs[64];
     int nbb = 0;
-    if (block_budgets && parse_budgets("--block-budgets", block_budgets, bbs, &nbb)) return KVCC_EXIT_USAGE;
+    if (block_budgets && parse_budgets("--block-budgets", "a block count (integer >= 1)",
+                                        block_budgets, bbs, &nbb)) return KVCC_EXIT_USAGE;
     for (int i = 0; i < nbb; i++)
         if (bbs[i] < 1) {
             fprintf(stderr, "kvcc eval: --block-budgets: got %g, expected block counts (integers >= 1)\n", bbs[i]);

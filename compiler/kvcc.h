@@ -56,6 +56,9 @@ int kvcc_list_texts(const char *dir, char **paths, int cap);
 struct option;
 int kvcc_getopt(const char *cmd, int argc, char **argv, const char *shortopts,
                 const struct option *longopts);
+/* 1 when list is a comma-separated list of non-empty items shorter than cap bytes (no leading,
+ * trailing or doubled comma), else 0; the caller says what it expected. */
+int kvcc_list_ok(const char *list, size_t cap);
 /* Parse an unsigned integer option in [lo, hi]; prints "kvcc CMD: --NAME: ..." and returns -1 on error. */
 int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out);
 /* An input file of a command that writes one: the option that named it, its path (NULL: none). */

@@ -126,6 +126,11 @@ int kvcc_getopt(const char *cmd, int argc, char **argv, const char *shortopts,
     return c;
 }
 
+int kvcc_list_ok(const char *list, size_t cap) {
+    const size_t len = strlen(list);
+    return len > 0 && len < cap && !strstr(list, ",,") && list[0] != ',' && list[len - 1] != ',';
+}
+
 int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo, unsigned hi, unsigned *out) {
     char *end;
     errno = 0;

@@ -541,12 +541,14 @@ def _query_source(val) -> int:
 
 
 def _am_ref_bufs(fn: str, c: Context, q_ref: ArrayLike, k: ArrayLike, v: ArrayLike,
-                 q_pos: Optional[ArrayLike]):
+                 q_pos: Optional[ArrayLike], dims: Tuple[Optional[int], ...] = (None,) * 3):
     """The checked buffers of a call on c with caller-given reference queries: (q_ref [n, H, d],
-    k and v [T, Hkv, d], the q_pos pointer or None), device arrays on a CUDA context."""
-    kb = _carg(c, k, "k", fn, (None, None, None))
+    k and v [T, Hkv, d], the q_pos pointer or None), device arrays on a CUDA context. dims: (H,
+    Hkv, d) the arrays must have (a schedule's model), None where any will do."""
+    H, Hkv, d = dims
+    kb = _carg(c, k, "k", fn, (None, Hkv, d))
     T, Hkv, d = kb.shape
-    qb = _carg(c, q_ref, "q_ref", fn, (None, None, d))
+    qb = _carg(c, q_ref, "q_ref", fn, (None, H, d))
     vb = _carg(c, v, "v", fn, (T, Hkv, d))
     pp = None
     if q_pos is not None:
@@ -651,11 +653,8 @@ class AMSchedule(_Handle):
         than the schedule's (:attr:`query_source`) is refused unless override."""
         fn = "kvrt.AMSchedule.compact_scheduled_ref"
         c = _ctx(ctx)
-        H, Hkv, d = self._dims(fn)
-        _carg(c, k, "k", fn, (None, Hkv, d))
-        _carg(c, q_ref, "q_ref", fn, (None, H, d))
-        qb, kb, vb, pp = _am_ref_bufs(fn, c, q_ref, k, v, q_pos)
-        T = kb.shape[0]
+        qb, kb, vb, pp = _am_ref_bufs(fn, c, q_ref, k, v, q_pos, self._dims(fn))
+        T, Hkv, _ = kb.shape
         op = self._opts_arg(options)
         out, stats = c_void_p(), (_lib.kvrt_am_stats * Hkv)()
         check(lib.kvrt_am_compact_scheduled_ref(c.ptr, self.ptr, op,

@@ -4,7 +4,7 @@
  * first use). Not installed; serving stacks only see kvrt.h.
  * Callers: every runtime file; tests that reach a backend's table (tests/backend/).
  *
- * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_tls_err, KVRT_BACKEND_API_VERSION,
+ * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_err_prefix, kvrt_err_in, kvrt_tls_err, KVRT_BACKEND_API_VERSION,
  *          kvrt_backend_ops (one entry per op), struct kvrt_ctx, kvrt_backend_check,
  *          kvrt_backend_cpu, kvrt_cuda_host, kvrt_cuda_plugin, kvrt_cuda_plugin_get,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
@@ -44,6 +44,12 @@ KVRT_INTERNAL int kvrt_err_set(kvrt_error *err, int code, int detail, const char
 /* The thread-local kvrt_error behind kvrt_last_error() (core/cache.c), for calls that take no
  * context and no kvrt_error*. */
 KVRT_INTERNAL kvrt_error *kvrt_tls_err(void);
+/* Re-raise the thread's last failure as rc with a prefix saying where (printf-style, at most
+ * 159 characters): "prefix: <the callee's message>". */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+KVRT_INTERNAL int kvrt_err_prefix(int rc, const char *fmt, ...);
 /* rc, with the thread-local message prefixed by "fn: " unless it already starts so: a public
  * call whose failure came from an inner one names the function the caller called. */
 KVRT_INTERNAL int kvrt_err_in(int rc, const char *fn);

@@ -22,7 +22,6 @@
  * strings, passes, n_sink, chunk, per_head i64 (docs/kvpol-format.md, group 4).
  */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,21 +96,6 @@ int kvrt_kv2_chunk_scores(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n
 
 // ----------------------------------------------------------------------------
 // the plan
-
-/* Re-raise the thread's last failure as rc with a prefix saying where (the public function and
- * the chunk or layer): "prefix: <the callee's message>". */
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
-static int fail_in(int rc, const char *fmt, ...) {
-    char inner[sizeof kvrt_tls_err()->msg], prefix[160];
-    snprintf(inner, sizeof inner, "%s", kvrt_last_error()->msg);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(prefix, sizeof prefix, fmt, ap);
-    va_end(ap);
-    return KVRT_FAIL(rc, "%s: %s", prefix, inner);
-}
 
 struct kvrt_kv2_plan {
     kvrt_ctx *ctx;            /* runs the ops; must outlive the plan */
@@ -290,7 +274,7 @@ static int refresh_queries(kvrt_kv2_plan *pl, const char *fn) {
         chunk_range(pl, r, &lo, &hi);
         const int64_t n = pl->q_off[r + 1] - pl->q_off[r];
         int rc = kvrt_topk(pl->p + lo, hi - lo, n, pl->idx);
-        if (rc) return fail_in(rc, "%s: chunk %lld", fn, (long long)r);
+        if (rc) return kvrt_err_prefix(rc, "%s: chunk %lld", fn, (long long)r);
         for (int64_t i = 0; i < n; i++) pl->q_pos[pl->q_off[r] + i] = (int32_t)lo + pl->idx[i];
     }
     return KVRT_OK;
@@ -319,7 +303,7 @@ int kvrt_kv2_plan_proxy(kvrt_kv2_plan *pl, uint32_t layer, const float *k) {
     rc = pl->ctx->ops->kv2_proxy(pl->ctx, k, pl->C, pl->Hkv, pl->d, pl->o.proxy, op_out(pl, s));
     if (rc == KVRT_OK) rc = op_done(pl, s, (size_t)pl->Hkv * (size_t)pl->C);
     if (rc) {
-        return kvrt_policy_ctx_done(pl->ctx, fail_in(rc, "%s: layer %u", fn, layer));
+        return kvrt_policy_ctx_done(pl->ctx, kvrt_err_prefix(rc, "%s: layer %u", fn, layer));
     }
     pl->proxied[layer] = 1;
     if (++pl->n_proxied == pl->L) rc = refresh_queries(pl, fn);
@@ -390,7 +374,7 @@ int kvrt_kv2_plan_score(kvrt_kv2_plan *pl, int64_t r, uint32_t layer, const floa
                                  op_out(pl, pl->tmp));
     if (rc == KVRT_OK) rc = op_done(pl, pl->tmp, (size_t)pl->Hkv * (size_t)W);
     if (rc) {
-        rc = fail_in(rc, "%s: chunk %lld, layer %u", fn, (long long)r, layer);
+        rc = kvrt_err_prefix(rc, "%s: chunk %lld, layer %u", fn, (long long)r, layer);
         return kvrt_policy_ctx_done(pl->ctx, rc);
     }
     float *s = pl->scores + (size_t)layer * pl->Hkv * (size_t)pl->C;
@@ -442,7 +426,7 @@ int kvrt_kv2_plan_fork(const kvrt_kv2_plan *pl, kvrt_kv2_plan **out) {
     o.passes = pl->pass;
     kvrt_kv2_plan *f = NULL;
     rc = kvrt_kv2_plan_create(pl->ctx, &o, pl->L, pl->H, pl->Hkv, pl->d, pl->C, &f);
-    if (rc) return fail_in(rc, "%s", fn);
+    if (rc) return kvrt_err_prefix(rc, "%s", fn);
     const size_t C = (size_t)pl->C, span = C - pl->o.n_sink;
     memcpy(f->scores, pl->scores, sizeof(float) * (size_t)pl->L * pl->Hkv * C);
     memcpy(f->p, pl->p, sizeof(float) * C);
@@ -559,7 +543,7 @@ int kvrt_kv2_plan_compress(kvrt_kv2_plan *pl, uint32_t layer, double budget, con
     else if (!kvrt_cache_dtype_ok(dtype))
         rc = kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
     else if (kvrt_budget_resolve(budget, pl->C, &B) != KVRT_OK)
-        rc = fail_in(KVRT_ERR_ARG, "%s: budget", fn);
+        rc = kvrt_err_prefix(KVRT_ERR_ARG, "%s: budget", fn);
     else if (B < (int64_t)pl->o.n_sink)
         rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: budget %g resolves to %lld entries per KV head, below "
                        "the n_sink = %u sinks (expected >= n_sink)", fn, budget, (long long)B,
@@ -576,7 +560,7 @@ int kvrt_kv2_plan_compress(kvrt_kv2_plan *pl, uint32_t layer, double budget, con
     rc = select_layer(pl, fn, layer, B, &sel);
     if (rc == KVRT_OK) {
         rc = pl->ctx->ops->cache_gather(pl->ctx, k, v, pl->C, pl->Hkv, pl->d, sel, dtype, out);
-        if (rc) rc = fail_in(rc, "%s: layer %u", fn, layer);
+        if (rc) rc = kvrt_err_prefix(rc, "%s: layer %u", fn, layer);
     }
     kvrt_selection_free(sel);
     return kvrt_policy_ctx_done(pl->ctx, rc);

@@ -2,7 +2,8 @@
  * status.c: libkvrt status strings, version, and the internal error helper.
  * Callers: every kvrt_* function that reports an error; serving stacks print kvrt_status_str.
  *
- * defines: kvrt_status_str, kvrt_status_name, kvrt_version, kvrt_err_set (internal, backend.h)
+ * defines: kvrt_status_str, kvrt_status_name, kvrt_version, kvrt_err_set, kvrt_err_prefix,
+ *          kvrt_err_in (internal, backend.h)
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -51,16 +52,22 @@ const char *kvrt_version(void) { return KVRT_VERSION_STRING; }
 // ----------------------------------------------------------------------------
 // internal error helper
 
+int kvrt_err_prefix(int rc, const char *fmt, ...) {
+    char inner[sizeof kvrt_tls_err()->msg], prefix[160];
+    snprintf(inner, sizeof inner, "%s", kvrt_tls_err()->msg);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(prefix, sizeof prefix, fmt, ap);
+    va_end(ap);
+    return kvrt_err_set(NULL, rc, 0, "%s: %s", prefix, inner); /* truncated at the end */
+}
+
 int kvrt_err_in(int rc, const char *fn) {
     if (rc == KVRT_OK || fn == NULL) return rc;
-    kvrt_error *tls = kvrt_tls_err();
+    const char *msg = kvrt_tls_err()->msg;
     const size_t n = strlen(fn);
-    if (strncmp(tls->msg, fn, n) == 0 && tls->msg[n] == ':') return rc;
-    char inner[sizeof tls->msg];
-    snprintf(inner, sizeof inner, "%s", tls->msg);
-    const int room = (int)(sizeof tls->msg > n + 3 ? sizeof tls->msg - n - 3 : 0);
-    snprintf(tls->msg, sizeof tls->msg, "%s: %.*s", fn, room, inner); /* truncated at the end */
-    return rc;
+    if (strncmp(msg, fn, n) == 0 && msg[n] == ':') return rc;
+    return kvrt_err_prefix(rc, "%s", fn);
 }
 
 int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
