@@ -734,7 +734,6 @@ def _number(v, name: str) -> float:
 def budget_resolve(budget: float, T: int) -> int:
     """kvrt_budget_resolve: budget >= 1 is a token count (rounded to nearest), 0 < budget < 1 a
     ratio of T (at least 1); refused (ArgError) when <= 0, not finite, or a count > T."""
-    budget = _number(budget, "budget")
     out = c_int64()
     check(lib.kvrt_budget_resolve(_number(budget, "budget"), int(T), byref(out)))
     return int(out.value)
@@ -784,7 +783,7 @@ class Quest(_Handle):
 
     def _init(self, Hkv, d, page, ctx):
         self._q = _lib.kvrt_quest.from_address(self._ptr)
-        self.n_kv_heads, self.head_dim, self.page = int(Hkv), int(d), _uint(page, "page")
+        self.n_kv_heads, self.head_dim, self.page = int(Hkv), int(d), int(page)
         self._ctx = ctx
         self.device = "cuda" if ctx is not None and ctx.backend == "cuda" else "host"
 
@@ -795,7 +794,8 @@ class Quest(_Handle):
         tokens (appending past it raises; on a CPU context the room grows). Closed when ctx
         is."""
         out = c_void_p()
-        check(lib.kvrt_quest_create(ctx.ptr, _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim"), _uint(page, "page"),
+        check(lib.kvrt_quest_create(ctx.ptr, _uint(n_kv_heads, "n_kv_heads"),
+                                    _uint(head_dim, "head_dim"), _uint(page, "page"),
                                     int(capacity), byref(out)), ctx_ptr=ctx.ptr)
         self = cls.__new__(cls)
         _Handle.__init__(self, out.value, ctx)

@@ -115,8 +115,8 @@ class KV2Plan(_Handle):
         if k_new is not None:
             kn = _carg(self.ctx, k_new, "k_new", fn,
                        (qb.shape[0], self.n_kv_heads, self.head_dim)).ptr
-        check(lib.kvrt_kv2_plan_score(self.ptr, int(r), _uint(layer, "layer"), qb.ptr, qb.shape[0], kb.ptr,
-                                      kn))
+        check(lib.kvrt_kv2_plan_score(self.ptr, int(r), _uint(layer, "layer"), qb.ptr,
+                                      qb.shape[0], kb.ptr, kn))
 
     def next_pass(self) -> None:
         """Refinement: this pass's stage-2 scores become the proxy of the next."""
@@ -142,7 +142,8 @@ class KV2Plan(_Handle):
         kb = _carg(self.ctx, k, "k", fn, (self.C, self.n_kv_heads, self.head_dim))
         vb = _carg(self.ctx, v, "v", fn, kb.shape)
         out = c_void_p()
-        check(lib.kvrt_kv2_plan_compress(self.ptr, _uint(layer, "layer"), _number(budget, "budget"), kb.ptr, vb.ptr,
+        check(lib.kvrt_kv2_plan_compress(self.ptr, _uint(layer, "layer"),
+                                         _number(budget, "budget"), kb.ptr, vb.ptr,
                                          _dtype_code(dtype), byref(out)))
         return _ccache(out.value, self.ctx)
 
@@ -181,14 +182,15 @@ class KV2Schedule(_Handle):
         op = None
         if options:
             base = _lib.kvrt_kv2_opts()
-            check(lib.kvrt_kv2_schedule_opts(self.ptr, _number(budget, "budget"), self.NEAREST_BUDGET,
-                                             byref(base)))
+            check(lib.kvrt_kv2_schedule_opts(self.ptr, _number(budget, "budget"),
+                                             self.NEAREST_BUDGET, byref(base)))
             op = byref(_opts(base, **options))
         out = c_void_p()
+        H, d = _uint(n_heads, "n_heads"), _uint(head_dim, "head_dim")
         check(lib.kvrt_kv2_plan_create_scheduled(c.ptr, self.ptr, op,
                                                  OVERRIDE_OPTIONS if override else 0,
-                                                 _number(budget, "budget"), _uint(n_heads, "n_heads"), _uint(head_dim, "head_dim"),
-                                                 int(C), byref(out)), ctx_ptr=c.ptr)
+                                                 _number(budget, "budget"), H, d, int(C),
+                                                 byref(out)), ctx_ptr=c.ptr)
         m = self.policy.model if self.policy is not None else {}
-        return KV2Plan(m.get("n_layers", 0), _uint(n_heads, "n_heads"), m.get("n_kv_heads", 0), _uint(head_dim, "head_dim"),
-                       int(C), ctx=c, _ptr=out.value)
+        return KV2Plan(m.get("n_layers", 0), H, m.get("n_kv_heads", 0), d, int(C), ctx=c,
+                       _ptr=out.value)

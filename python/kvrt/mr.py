@@ -78,8 +78,9 @@ def mr_compress_layer(k: ArrayLike, v: ArrayLike, budget: float, *, layer: int =
     o = _opts(**options)
     bs = byref(basis._struct()) if basis is not None else None
     out = c_void_p()
-    check(lib.kvrt_mr_compress_layer(c.ptr, byref(o), bs, _uint(layer, "layer"), kb.ptr, vb.ptr, T, Hkv, d,
-                                     _number(budget, "budget"), _dtype_code(dtype), byref(out)), ctx_ptr=c.ptr)
+    check(lib.kvrt_mr_compress_layer(c.ptr, byref(o), bs, _uint(layer, "layer"), kb.ptr, vb.ptr,
+                                     T, Hkv, d, _number(budget, "budget"), _dtype_code(dtype),
+                                     byref(out)), ctx_ptr=c.ptr)
     return _ccache(out.value, c)
 
 
@@ -95,12 +96,12 @@ class MRStream(_Handle):
         o = _opts(**options)
         bs = byref(basis._struct()) if basis is not None else None
         out = c_void_p()
-        check(lib.kvrt_mr_stream_create(c.ptr, byref(o), bs, _uint(layer, "layer"), _uint(n_kv_heads, "n_kv_heads"),
-                                        _uint(head_dim, "head_dim"), int(K), int(n_recent), byref(out)),
-              ctx_ptr=c.ptr)
+        Hkv, d = _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim")
+        check(lib.kvrt_mr_stream_create(c.ptr, byref(o), bs, _uint(layer, "layer"), Hkv, d,
+                                        int(K), int(n_recent), byref(out)), ctx_ptr=c.ptr)
         super().__init__(out.value, c)
         self.ctx = c
-        self.n_kv_heads, self.head_dim = _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim")
+        self.n_kv_heads, self.head_dim = Hkv, d
 
     def append(self, k: ArrayLike, v: ArrayLike) -> None:
         """Append n tokens k, v [n, Hkv, d]."""
