@@ -8,8 +8,9 @@
 #   make fuzz         build the libFuzzer targets (clang) and run each for FUZZ_SECONDS
 #   make bench        benchmarks (not tests)
 #   make examples     the examples against the serving header only (build/examples/)
-#   make install      kvcc, libkvrt/libkvpol (static + shared, versioned soname), headers and
-#                     kvrt.pc/kvpol.pc into PREFIX (default /usr/local; DESTDIR honoured)
+#   make install      kvcc, libkvrt/libkvpol (static + shared, versioned soname), headers,
+#                     kvrt.pc/kvpol.pc, and kvcc's default texts and model (when fetched) in
+#                     PREFIX/share/kvcc, into PREFIX (default /usr/local; DESTDIR honoured)
 #   make uninstall    removes exactly what make install put there
 #   make check-install  install into a scratch prefix and build an example with pkg-config only
 # Switches: USE_CUDA=0/1 (default: 1 when nvcc is found), USE_MPI=0/1 (default: 1 when mpicc is
@@ -501,6 +502,10 @@ PREFIX     ?= /usr/local
 BINDIR     ?= $(PREFIX)/bin
 LIBDIR     ?= $(PREFIX)/lib
 INCLUDEDIR ?= $(PREFIX)/include
+# BINDIR/../share/kvcc: where the installed kvcc looks for its data (compiler/util.c)
+DATADIR     = $(patsubst %/,%,$(dir $(BINDIR)))/share/kvcc
+# kvcc capture's default model (compiler/cmd_capture.c DEFAULT_GGUF; scripts/fetch-model.sh)
+DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
 INSTALL_HEADERS := runtime/include/kvrt.h runtime/include/kvrt_experimental.h \
                    runtime/include/kvrt_rng.h formats/kvpol.h formats/kvpol_sections.h
@@ -528,6 +533,15 @@ install: all $(BUILD)/kvrt.pc $(BUILD)/kvpol.pc
 	  ln -sf lib$$l.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/lib$$l.so && \
 	  install -m 644 $(BUILD)/$$l.pc $(DESTDIR)$(PKGCONFIGDIR)/$$l.pc || exit 1; \
 	done
+	@# the bundled texts (kvcc capture's and eval --needle's defaults) and, when fetched, the
+	@# default model, where an installed kvcc looks for them (compiler/util.c kvcc_data_path)
+	install -d $(DESTDIR)$(DATADIR)/examples/data/calib $(DESTDIR)$(DATADIR)/examples/data/heldout
+	install -m 644 examples/data/calib/*.txt $(DESTDIR)$(DATADIR)/examples/data/calib/
+	install -m 644 examples/data/heldout/*.txt $(DESTDIR)$(DATADIR)/examples/data/heldout/
+	@if [ -f $(DEFAULT_MODEL) ]; then \
+	  echo "install -m 644 $(DEFAULT_MODEL) $(DESTDIR)$(DATADIR)/models/"; \
+	  install -d $(DESTDIR)$(DATADIR)/models && install -m 644 $(DEFAULT_MODEL) $(DESTDIR)$(DATADIR)/models/; \
+	else echo "kvcc: $(DEFAULT_MODEL) not fetched (scripts/fetch-model.sh): the installed kvcc capture needs --gguf"; fi
 ifeq ($(USE_CUDA),1)
 	@# the CUDA backend beside libkvrt, where libkvrt looks for it (runtime/core/cuda_load.c)
 	install -m 755 $(LIBKVRT_CUDA) $(DESTDIR)$(LIBDIR)/libkvrt_cuda.so.$(KVRT_VERSION)
@@ -542,6 +556,12 @@ uninstall:
 	    $(DESTDIR)$(PKGCONFIGDIR)/$$l.pc; \
 	done
 	rm -f $(DESTDIR)$(LIBDIR)/libkvrt_cuda.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/libkvrt_cuda.so.$(KVRT_VERSION)
+	rm -f $(addprefix $(DESTDIR)$(DATADIR)/examples/data/calib/,$(notdir $(wildcard examples/data/calib/*.txt))) \
+	  $(addprefix $(DESTDIR)$(DATADIR)/examples/data/heldout/,$(notdir $(wildcard examples/data/heldout/*.txt))) \
+	  $(DESTDIR)$(DATADIR)/$(DEFAULT_MODEL)
+	-rmdir $(DESTDIR)$(DATADIR)/examples/data/calib $(DESTDIR)$(DATADIR)/examples/data/heldout \
+	  $(DESTDIR)$(DATADIR)/examples/data $(DESTDIR)$(DATADIR)/examples $(DESTDIR)$(DATADIR)/models \
+	  $(DESTDIR)$(DATADIR) 2>/dev/null
 
 # make install into a scratch prefix, then build examples/serve_skeleton.c out of tree with
 # pkg-config only (shared and static), run it, and make uninstall (tests/cli/install.sh).

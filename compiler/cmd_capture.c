@@ -12,6 +12,7 @@
 #include <dirent.h>
 #include <getopt.h>
 #include <math.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +34,8 @@
 
 static void usage(FILE *out) {
     fprintf(out, "usage: kvcc capture -o OUT.h5 [options]\n"
-                 "  --gguf M            llama-family GGUF (default " DEFAULT_GGUF ", see scripts/fetch-model.sh)\n"
+                 "  --gguf M            llama-family GGUF (default " DEFAULT_GGUF ", see scripts/fetch-model.sh;\n"
+                 "                      an installed kvcc also looks in PREFIX/share/kvcc/" DEFAULT_GGUF ")\n"
                  "  --text FILE         a text to draw windows from; repeatable (default: every .txt in " DEFAULT_TEXT_DIR ")\n"
                  "  --prompts N         windows to capture (default 16)\n"
                  "  --context T         context tokens per window (default 2048)\n"
@@ -76,7 +78,8 @@ static int agree_all(void *user, int rc, char *err, size_t errlen) {
 }
 
 static int capture_main(int argc, char **argv) {
-    const char *gguf = DEFAULT_GGUF, *out = NULL, *dtype = "f16", *codec = NULL;
+    char gguf_buf[PATH_MAX], text_dir_buf[PATH_MAX];
+    const char *gguf = NULL, *out = NULL, *dtype = "f16", *codec = NULL;
     int precision = KVCC_PREC_F32;
     char *texts[MAX_TEXTS];
     int n_texts = 0, own_texts = 0;
@@ -143,14 +146,19 @@ static int capture_main(int argc, char **argv) {
         return KVCC_EXIT_USAGE;
     }
     if (ctx + cont < 2) { fprintf(stderr, "kvcc capture: --context + --continuation must be >= 2 tokens\n"); return KVCC_EXIT_USAGE; }
+    const int gguf_given = gguf != NULL;
+    if (!gguf_given) gguf = kvcc_data_path(DEFAULT_GGUF, gguf_buf, sizeof gguf_buf);
     if (n_texts == 0) {
-        n_texts = kvcc_list_texts(DEFAULT_TEXT_DIR, texts, MAX_TEXTS);
+        n_texts = kvcc_list_texts(kvcc_data_path(DEFAULT_TEXT_DIR, text_dir_buf,
+                                                 sizeof text_dir_buf),
+                                  texts, MAX_TEXTS);
         own_texts = 1;
         if (n_texts <= 0) {
             fprintf(stderr, "kvcc capture: no --text given, and the default texts (every .txt in "
-                    "%s, relative to the current directory: the repository's bundled text) are "
-                    "not here: give --text FILE (repeatable) and --gguf MODEL.gguf, or run from "
-                    "the repository root\n", DEFAULT_TEXT_DIR);
+                    "%s: the repository's bundled text, relative to the current directory or, "
+                    "for an installed kvcc, under PREFIX/share/kvcc) are not here: give --text "
+                    "FILE (repeatable) and --gguf MODEL.gguf, or run from the repository root\n",
+                    DEFAULT_TEXT_DIR);
             return KVCC_EXIT_USAGE;
         }
     }
@@ -203,7 +211,10 @@ static int capture_main(int argc, char **argv) {
     if (ex) {
         /* nothing was written; the message is printed */
     } else if (kvcc_load_model_prec(gguf, 0, precision, &lm, msg, sizeof msg) != 0) {
-        fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
+        fprintf(stderr, "kvcc capture: --gguf: %s%s\n", msg,
+                gguf_given ? "" : " (the default model: scripts/fetch-model.sh fetches it into a "
+                                  "checkout, make install copies it into PREFIX/share/kvcc; or "
+                                  "give --gguf MODEL.gguf)");
         ex = KVCC_EXIT_FAILED;
     } else if ((loaded = 1, kvcc_model_check_window(&lm.model->hp, gguf, (long)ctx + cont,
                                                    "--context + --continuation", msg, sizeof msg)) != 0) {

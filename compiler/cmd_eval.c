@@ -8,6 +8,7 @@
 #include <getopt.h>
 #include <inttypes.h>
 #include <math.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -623,10 +624,12 @@ int kvcc_cmd_eval(int argc, char **argv) {
         if (!gguf) { fprintf(stderr, "kvcc eval: --needle needs --gguf (the task runs the model)\n"); return KVCC_EXIT_USAGE; }
         if (parse_needle(needle, nctx, &n_ctx)) return KVCC_EXIT_USAGE;
         if (n_texts == 0) {
-            n_texts = kvcc_list_texts(DEFAULT_NEEDLE_DIR, texts, MAX_NEEDLE_TEXTS);
+            char dir_buf[PATH_MAX];
+            n_texts = kvcc_list_texts(kvcc_data_path(DEFAULT_NEEDLE_DIR, dir_buf, sizeof dir_buf),
+                                      texts, MAX_NEEDLE_TEXTS);
             own_texts = 1;
             if (n_texts <= 0) {
-                fprintf(stderr, "kvcc eval: --needle: no .txt files in " DEFAULT_NEEDLE_DIR " (run from the repository root or give --needle-text)\n");
+                fprintf(stderr, "kvcc eval: --needle: no .txt files in " DEFAULT_NEEDLE_DIR " (relative to the current directory or, for an installed kvcc, under PREFIX/share/kvcc; run from the repository root or give --needle-text)\n");
                 return KVCC_EXIT_USAGE;
             }
         }

@@ -181,6 +181,25 @@ int kvcc_list_texts(const char *dir, char **paths, int cap) {
     return n;
 }
 
+const char *kvcc_data_path(const char *rel, char *buf, size_t cap) {
+    if (access(rel, F_OK) == 0 || cap == 0) return rel;
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) return rel;
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (slash == NULL) return rel;
+    *slash = '\0';
+    /* installed (PREFIX/bin/kvcc), then a checkout's build trees (ROOT/build/kvcc,
+     * ROOT/build/san/kvcc) */
+    static const char *const fmt[] = {"%s/../share/kvcc/%s", "%s/../%s", "%s/../../%s"};
+    for (size_t i = 0; i < sizeof fmt / sizeof fmt[0]; i++) {
+        int w = snprintf(buf, cap, fmt[i], exe, rel);
+        if (w > 0 && (size_t)w < cap && access(buf, F_OK) == 0) return buf;
+    }
+    return rel;
+}
+
 /* Same file: equal paths, or both exist with the same device and inode. */
 static int same_file(const char *a, const char *b) {
     if (!strcmp(a, b)) return 1;

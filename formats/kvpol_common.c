@@ -206,6 +206,7 @@ uint64_t kvpol_hash(const void *data, size_t len) {
 
 int kvpol_hash_file(const char *path, uint64_t *out, kvpol_error *err) {
     if (!path || !out) return kvpol_fail(err, KVPOL_ERR_ARG, "kvpol_hash_file: NULL argument");
+    if (!path[0]) return kvpol_fail(err, KVPOL_ERR_ARG, "kvpol_hash_file: the path is empty");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kvpol_fail(err, KVPOL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     XXH3_state_t *st = XXH3_createState();

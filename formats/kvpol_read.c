@@ -540,6 +540,7 @@ int kvpol_open_mem(kvpol_file **out, const void *buf, size_t len, const kvpol_op
 int kvpol_open_path(kvpol_file **out, const char *path, const kvpol_open_opts *opts, kvpol_error *err) {
     if (!out || !path) return kvpol_fail(err, KVPOL_ERR_ARG, "kvpol_open_path: NULL argument");
     *out = NULL;
+    if (!path[0]) return kvpol_fail(err, KVPOL_ERR_ARG, "kvpol_open_path: the path is empty");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kvpol_fail(err, KVPOL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;

@@ -148,6 +148,8 @@ int kvrt_policy_open(const char *path, const kvrt_model_dims *expect, kvrt_polic
     if (path == NULL || out == NULL)
         return kvrt_err_set(err, KVRT_ERR_ARG, 0, "kvrt_policy_open: %s is NULL",
                             path == NULL ? "path" : "out");
+    if (path[0] == '\0')
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "kvrt_policy_open: path is empty");
     kvpol_file *f = NULL;
     kvpol_error ke;
     memset(&ke, 0, sizeof ke);

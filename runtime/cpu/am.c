@@ -1763,10 +1763,13 @@ int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int has_q, int has
     if (has_q_ref && (n_ref < 1 || n_ref > INT32_MAX))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_ref %lld, expected 1..2^31-1", fn,
                          (long long)n_ref);
-    if (T < 1 || T > INT32_MAX || head_dim == 0 || head_dim > 65536 || n_kv_heads == 0 ||
-        n_heads == 0)
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: T %lld, head_dim %u, n_kv_heads %u, n_heads %u", fn,
-                       (long long)T, head_dim, n_kv_heads, n_heads);
+    if (T < 1 || T > INT32_MAX)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: T %lld, expected 1..2^31-1", fn, (long long)T);
+    if (head_dim == 0 || head_dim > 65536)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: head_dim %u, expected 1..65536", fn, head_dim);
+    if (n_kv_heads == 0 || n_heads == 0)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s is 0, expected >= 1", fn,
+                         n_heads == 0 ? "n_heads" : "n_kv_heads");
     if (n_heads % n_kv_heads != 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a multiple of n_kv_heads %u", fn,
                        n_heads, n_kv_heads);

@@ -67,6 +67,21 @@ kv="$prefix/bin/kvcc"
 "$kv" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am,compilerkv,compkv --budgets 32,64 \
   --am-targets 0.1,0.2 --cql-steps 500 -o "$tmp/p.kvpol" 2>/dev/null && ok || bad "the installed kvcc could not synth + compile"
 
+# 3b. the installed kvcc finds its bundled texts and the fetched model in PREFIX/share/kvcc from
+#     any directory: a capture with the defaults, run outside the checkout, gives the bytes of the
+#     same capture run in the checkout
+ls "$prefix"/share/kvcc/examples/data/calib/*.txt "$prefix"/share/kvcc/examples/data/heldout/*.txt \
+  >/dev/null 2>&1 && ok || bad "make install did not install the bundled texts into share/kvcc"
+model=models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f "$model" ]; then
+  [ -f "$prefix/share/kvcc/$model" ] && ok || bad "make install did not install the fetched $model"
+  cap="--prompts 1 --context 48 --continuation 8"
+  if (cd "$tmp" && "$kv" capture $cap -o "$tmp/cap-installed.h5" >/dev/null 2>"$tmp/cap.err") && \
+     "$build/kvcc" capture $cap -o "$tmp/cap-tree.h5" >/dev/null 2>&1; then
+    cmp -s "$tmp/cap-installed.h5" "$tmp/cap-tree.h5" && ok || bad "the installed kvcc's default capture differs from the tree's"
+  else bad "the installed kvcc capture with its defaults, run in $tmp: $(tail -3 "$tmp/cap.err")"; fi
+fi
+
 # 4. serve_skeleton.c built out of tree with pkg-config only: shared, then static
 mkdir -p "$tmp/src"; cp examples/serve_skeleton.c "$tmp/src/"
 ( cd "$tmp/src" && cc -std=c11 -O2 $san serve_skeleton.c $(pkg-config --cflags --libs kvrt) -lm \

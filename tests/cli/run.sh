@@ -4,6 +4,8 @@
 # usage errors, inspect --json. Run by `make test` with KVCC=path/to/kvcc.
 set -u
 KVCC=${KVCC:-build/kvcc}
+case "$KVCC" in /*) ;; *) KVCC="$PWD/$KVCC" ;; esac # the same binary from another directory
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 pass=0; fail=0
 ok()  { pass=$((pass+1)); }
 bad() { fail=$((fail+1)); echo "FAIL: $*" >&2; }
@@ -121,6 +123,18 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   OMP_NUM_THREADS=1 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t1.h5" 2>/dev/null && \
   OMP_NUM_THREADS=2 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t2.h5" 2>/dev/null && \
     cmp -s "$tmp/t1.h5" "$tmp/t2.h5" && ok || bad "captures at 1 and 2 threads differ"
+  # a kvcc with no bundled data beside it (not a checkout's build/, not installed), run outside
+  # a checkout: the defaults are named, nothing is written
+  mkdir -p "$tmp/nodata/bin" && cp "$KVCC" "$tmp/nodata/bin/kvcc"
+  err=$(cd "$tmp/nodata" && bin/kvcc capture -o "$tmp/nd.h5" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"examples/data/calib"* && "$err" == *"--text FILE"* && ! -e "$tmp/nd.h5" ]] \
+    && ok || bad "capture without its default texts: exit $ex: $err"
+  err=$(cd "$tmp/nodata" && bin/kvcc capture --text "$root/examples/data/heldout/2002_george_w_bush_r.txt" -o "$tmp/nd.h5" 2>&1); ex=$?
+  [[ $ex -eq 5 && "$err" == *"fetch-model.sh"* && "$err" == *"share/kvcc"* && ! -e "$tmp/nd.h5" ]] \
+    && ok || bad "capture without its default model: exit $ex: $err"
+  # the checkout's kvcc finds the bundled texts and model from any directory
+  (cd "$tmp/nodata" && "$KVCC" capture --prompts 1 --context 24 --continuation 8 -o "$tmp/nd.h5" >/dev/null 2>&1) \
+    && [ -s "$tmp/nd.h5" ] && ok || bad "the checkout's kvcc capture with its defaults, run outside the checkout"
   err=$("$KVCC" capture --precision fp8 -o "$tmp/p.h5" 2>&1); ex=$?
   [[ $ex -eq 2 && "$err" == *"expected f32 or bf16"* ]] && ok || bad "capture --precision fp8: exit $ex: $err"
   err=$("$KVCC" capture --prompts 1000 --context 4000 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/c3.h5" 2>&1); ex=$?

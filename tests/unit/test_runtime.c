@@ -948,6 +948,12 @@ Test(policy, null_arguments) {
     kvrt_error err;
     cr_assert_eq(kvrt_policy_open(NULL, NULL, &p, &err), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_policy_open("x.kvpol", NULL, NULL, &err), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_policy_open("", NULL, &p, &err), KVRT_ERR_ARG);
+    cr_assert(strstr(err.msg, "kvrt_policy_open: path is empty") != NULL, "%s", err.msg);
+    kvpol_file *kf = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_open_path(&kf, "", NULL, &ke), KVPOL_ERR_ARG);
+    cr_assert(strstr(ke.msg, "empty") != NULL, "%s", ke.msg);
     cr_assert_eq(kvrt_policy_open_mem(NULL, 10, NULL, &p, &err), KVRT_ERR_ARG);
     kvrt_policy_free(NULL);
     cr_assert_eq(kvrt_policy_groups(NULL), 0);
