@@ -533,7 +533,15 @@ int kvcc_cmd_eval(int argc, char **argv) {
     optind = 1;
     while ((ch = kvcc_getopt("eval", argc, argv, "c:m:b:g:p:n:d:s:jvh", opts)) != -1) {
         switch (ch) {
-        case 'c': corpus = optarg; break;
+        case 'c':
+            if (corpus) {
+                fprintf(stderr, "kvcc eval: --corpus given twice ('%s', '%s'): eval reads one "
+                        "corpus; a shard manifest joins several (docs/corpus-format.md)\n",
+                        corpus, optarg);
+                return KVCC_EXIT_USAGE;
+            }
+            corpus = optarg;
+            break;
         case 'm': methods = optarg; break;
         case 'b': budgets = optarg; break;
         case 'B': block_budgets = optarg; break;
@@ -650,7 +658,9 @@ int kvcc_cmd_eval(int argc, char **argv) {
     if (rc) {
         fprintf(stderr, "kvcc eval: %s\n", err);
         free(r);
-        return rc == KVCC_EXIT_USAGE || rc >= KVCC_EXIT_ARTIFACT_BASE ? rc : KVCC_EXIT_FAILED;
+        return rc == KVCC_EXIT_USAGE || rc == KVCC_EXIT_MISMATCH || rc >= KVCC_EXIT_ARTIFACT_BASE
+                   ? rc
+                   : KVCC_EXIT_FAILED;
     }
     if (json) print_json(r, corpus, gguf, policy);
     else if (csv) print_csv(r);

@@ -6,6 +6,7 @@
 #include <cjson/cJSON.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,41 @@ static void shape_str(const kvpol_item *it, char *buf, size_t n) {
     if (k < n) snprintf(buf + k, n - k, "]");
 }
 
+/* Element j of a numeric tensor as a double (integers through int64; *iv gets the integer).
+ * -1 for a value the reader does not convert (a u64 past INT64_MAX). */
+static int tensor_elem(const kvpol_item *it, uint64_t j, double *v, int64_t *iv) {
+    const size_t es = kvpol_dtype_size(it->dtype);
+    kvpol_item e = *it;
+    e.kind = KVPOL_ITEM_SCALAR;
+    e.ndim = 0;
+    e.count = 1;
+    e.nbytes = es;
+    e.data = (const uint8_t *)it->data + j * es;
+    if (kvpol_dtype_is_float(it->dtype)) {
+        *iv = 0;
+        return kvpol_item_as_f64(&e, v) == 0 ? 0 : -1;
+    }
+    if (kvpol_item_as_i64(&e, iv) != 0) return -1;
+    *v = (double)*iv;
+    return 0;
+}
+
+/* min, max and mean of every element of a numeric tensor; -1 when one does not convert. */
+static int tensor_stats(const kvpol_item *it, double *mn, double *mx, double *mean) {
+    double sum = 0;
+    *mn = *mx = *mean = 0;
+    for (uint64_t j = 0; j < it->count; j++) {
+        double v;
+        int64_t iv;
+        if (tensor_elem(it, j, &v, &iv) != 0) return -1;
+        if (!j || v < *mn) *mn = v;
+        if (!j || v > *mx) *mx = v;
+        sum += v;
+    }
+    if (it->count > 0) *mean = sum / (double)it->count;
+    return 0;
+}
+
 static void print_item_value(const kvpol_item *it) {
     if (it->kind == KVPOL_ITEM_STRING) {
         putchar('"');
@@ -35,35 +71,38 @@ static void print_item_value(const kvpol_item *it) {
         else printf("%" PRIu64, *(const uint64_t *)it->data);
     } else if (it->count > 0 && kvpol_dtype_size(it->dtype) > 0) {
         /* every numeric dtype, element by element through the scalar reader: up to 8 elements
-         * listed, more summarized */
-        const size_t es = kvpol_dtype_size(it->dtype);
-        kvpol_item e = *it;
-        e.kind = KVPOL_ITEM_SCALAR;
-        e.ndim = 0;
-        e.count = 1;
-        e.nbytes = es;
+         * listed, more summarized; a value the reader does not convert: no summary */
         const int is_int = !kvpol_dtype_is_float(it->dtype);
-        double mn = 0, mx = 0, sum = 0;
-        const int list = it->count <= 8;
-        char buf[8 * 32 + 8];
-        int len = snprintf(buf, sizeof buf, "[");
-        for (uint64_t j = 0; j < it->count; j++) {
-            double v = 0;
-            int64_t iv = 0;
-            e.data = (const uint8_t *)it->data + j * es;
-            /* a value the reader does not convert (a u64 past INT64_MAX): no summary */
-            if (is_int ? kvpol_item_as_i64(&e, &iv) != 0 : kvpol_item_as_f64(&e, &v) != 0) return;
-            if (is_int) v = (double)iv;
-            if (list && len < (int)sizeof buf)
+        if (it->count <= 8) {
+            char buf[8 * 32 + 8];
+            int len = snprintf(buf, sizeof buf, "[");
+            for (uint64_t j = 0; j < it->count; j++) {
+                double v;
+                int64_t iv;
+                if (tensor_elem(it, j, &v, &iv) != 0) return;
                 len += is_int ? snprintf(buf + len, sizeof buf - (size_t)len, "%s%" PRId64, j ? ", " : "", iv)
                               : snprintf(buf + len, sizeof buf - (size_t)len, "%s%.6g", j ? ", " : "", v);
-            if (!j || v < mn) mn = v;
-            if (!j || v > mx) mx = v;
-            sum += v;
+            }
+            printf("%s]", buf);
+            return;
         }
-        if (list) printf("%s]", buf);
-        else if (is_int) printf("min %.0f  max %.0f  mean %.6g", mn, mx, sum / (double)it->count);
-        else printf("min %.6g  max %.6g  mean %.6g", mn, mx, sum / (double)it->count);
+        double mn, mx, mean;
+        if (tensor_stats(it, &mn, &mx, &mean) != 0) return;
+        if (is_int) printf("min %.0f  max %.0f  mean %.6g", mn, mx, mean);
+        else printf("min %.6g  max %.6g  mean %.6g", mn, mx, mean);
+    }
+}
+
+/* A number that reads back as the same double: cJSON prints 15 significant digits when they
+ * come within its tolerance of the value, so an item's f32/f64 value could read back one ulp
+ * off; %.17g is exact. Integers below 2^53 print as integers. */
+static void add_exact_number(cJSON *o, const char *name, double v) {
+    char buf[40];
+    if (!isfinite(v)) cJSON_AddNullToObject(o, name);
+    else if (v == floor(v) && fabs(v) <= 9007199254740992.0) cJSON_AddNumberToObject(o, name, v);
+    else {
+        snprintf(buf, sizeof buf, "%.17g", v);
+        cJSON_AddRawToObject(o, name, buf);
     }
 }
 
@@ -86,8 +125,28 @@ static cJSON *item_json(const kvpol_item *it) {
             free(s);
         }
     } else if (it->kind == KVPOL_ITEM_SCALAR) {
+        /* a number where a double holds it exactly; an integer beyond 2^53 (a u64 checksum) as
+         * its decimal string */
         double d;
-        if (kvpol_item_as_f64(it, &d) == 0) cJSON_AddNumberToObject(o, "value", d);
+        int64_t i;
+        char dec[24];
+        if (kvpol_dtype_is_float(it->dtype)) {
+            if (kvpol_item_as_f64(it, &d) == 0) add_exact_number(o, "value", d);
+        } else if (kvpol_item_as_i64(it, &i) == 0 && i <= (INT64_C(1) << 53) &&
+                   i >= -(INT64_C(1) << 53)) {
+            cJSON_AddNumberToObject(o, "value", (double)i);
+        } else {
+            if (kvpol_item_as_i64(it, &i) == 0) snprintf(dec, sizeof dec, "%" PRId64, i);
+            else snprintf(dec, sizeof dec, "%" PRIu64, *(const uint64_t *)it->data);
+            cJSON_AddStringToObject(o, "value", dec);
+        }
+    } else if (it->count > 0 && kvpol_dtype_size(it->dtype) > 0) {
+        double mn, mx, mean;
+        if (tensor_stats(it, &mn, &mx, &mean) == 0) {
+            add_exact_number(o, "min", mn);
+            add_exact_number(o, "max", mx);
+            add_exact_number(o, "mean", mean);
+        }
     }
     return o;
 }

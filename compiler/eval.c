@@ -299,8 +299,8 @@ static int open_policy(eval_run *E, kvrt_policy **pol, char *err, size_t errlen)
     int s = kvrt_policy_open(E->o->policy, &want, pol, &ke);
     if (!s) return 0;
     snprintf(err, errlen, "--policy: %s [%s]", ke.msg, kvrt_status_name(s));
-    return s == KVRT_ERR_FORMAT || s == KVRT_ERR_IO ? kvcc_exit_for_kvpol(ke.detail)
-                                                    : KVCC_EXIT_USAGE;
+    if (s == KVRT_ERR_FORMAT || s == KVRT_ERR_IO) return kvcc_exit_for_kvpol(ke.detail);
+    return s == KVRT_ERR_MODEL_MISMATCH ? KVCC_EXIT_MISMATCH : KVCC_EXIT_USAGE;
 }
 
 int kvcc_eval_run(const kvcc_eval_opts *o, kvcc_eval_result *r, char *err, size_t errlen) {

@@ -18,7 +18,7 @@ enum {
     KVCC_EXIT_OK = 0,
     KVCC_EXIT_DIFFER = 1,         /* kvcc diff: the artifacts differ */
     KVCC_EXIT_USAGE = 2,          /* bad command line */
-    KVCC_EXIT_MISMATCH = 4,       /* artifact compiled for another model (verify --model) */
+    KVCC_EXIT_MISMATCH = 4,       /* artifact compiled for another model (verify --model, eval --policy) */
     KVCC_EXIT_FAILED = 5,         /* the command could not do its job (see message) */
     KVCC_EXIT_ARTIFACT_BASE = 10, /* 10 + |kvpol status|: the artifact is unreadable/invalid */
 };

@@ -2,18 +2,21 @@
  * serve_skeleton.c: how a serving stack starts libkvrt and runs a policy: open the .kvpol
  * artifact against the model it runs (refused if compiled for another model), create a backend
  * context (CUDA when this libkvrt has it and a GPU is present, else CPU), print the device, run
- * one op, then open the handle of a policy the artifact carries (it holds every option the
+ * one op, then open the handle of each policy the artifact carries (it holds every option the
  * artifact was compiled with) and run it on one layer: CompilerKV (prompt features over every
  * layer, then the kept tokens of one layer), Attention Matching (one layer compacted with the
- * compiled schedule, key selection and chunk) or CompKV (a decode state with the compiled
- * grouping and one decode step). The q/k/v are made up (deterministic, well-formed, of the
+ * compiled schedule, key selection and chunk), CompKV (a decode state with the compiled
+ * grouping and one decode step), KV² (the two-stage plan with the compiled rho: proxy scores of
+ * every layer, the reconstruction tokens' attention, one layer's cache) and merge-reduce (one
+ * layer compressed with the compiled basis, and a decode stream). The q/k/v are made up (deterministic, well-formed, of the
  * artifact's dimensions); a real server passes its own post-RoPE activations of the layer.
  * Every activation a policy reads is in the context's memory (kvrt_ctx_alloc + kvrt_ctx_upload:
  * device memory on a CUDA context, host memory on a CPU one), so the same calls run on either:
  * CompilerKV (kvrt_compilerkv_prompt_add_layer_ctx, kvrt_compilerkv_select; the kept tokens
  * gathered, moved into the context's memory with kvrt_cache_to_device, then one decode query
  * through kvrt_attend), Attention Matching (kvrt_am_compact_scheduled: the cache comes back in
- * the context's memory), CompKV (kvrt_compkv_create_layer, _append, _step) and merge-reduce
+ * the context's memory), CompKV (kvrt_compkv_create_layer, _append, _step), KV²
+ * (kvrt_kv2_plan_create_scheduled, _proxy, _score, _compress) and merge-reduce
  * (kvrt_mr_compress_scheduled, then kvrt_attend) have CUDA versions (both key selections of AM
  * included). What a backend lacks returns KVRT_ERR_UNSUPPORTED naming it (docs/cuda.md), and this
  * program then runs the policy on a CPU context, saying so.
@@ -25,10 +28,9 @@
  * With a CUDA libkvrt (USE_CUDA=1) add:
  *      -L/usr/local/cuda/lib64 -Wl,-rpath,/usr/local/cuda/lib64 -lcublas -lcudart -lstdc++
  * Run:
- *   ./serve_skeleton smollm2.kvpol [--cpu] [--policy compilerkv|am|compkv|merge-reduce]
- * (default policy: the first of compilerkv, am, compkv, merge-reduce that the artifact
- * carries). Exit 0 when
- * the op and the policy call succeed, 1 on a failure, 2 on a usage error. The model dimensions
+ *   ./serve_skeleton smollm2.kvpol [--cpu] [--policy compilerkv|am|compkv|kv2|merge-reduce]
+ * (default: every one of them that the artifact carries, in that order). Exit 0 when the op
+ * and every policy call succeed, 1 on a failure, 2 on a usage error. The model dimensions
  * below are SmolLM2-135M's; a real server takes them from its model config.
  */
 #include <math.h>
@@ -292,6 +294,131 @@ static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_m
     return rc;
 }
 
+/* KV head 0's positions of a cache in ctx's memory (-1: a merged entry), downloaded into a
+ * malloc'd array; *n0 their count. NULL on failure, with the message printed. */
+static int32_t *head0_positions(kvrt_ctx *ctx, const kvrt_cache *cache, int64_t *n0) {
+    *n0 = cache->host_offsets[1] - cache->host_offsets[0];
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)(*n0 ? *n0 : 1));
+    if (pos == NULL) {
+        fprintf(stderr, "error: out of memory\n");
+        return NULL;
+    }
+    int rc = *n0 > 0 ? kvrt_ctx_download(ctx, pos, cache->positions, sizeof(int32_t) * (size_t)*n0)
+                     : KVRT_OK;
+    if (rc != KVRT_OK) {
+        fprintf(stderr, "error: kvrt_ctx_download: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
+                kvrt_status_name(rc));
+        free(pos);
+        return NULL;
+    }
+    return pos;
+}
+
+static void print_positions(const char *what, const int32_t *pos, int64_t n) {
+    printf("%s: KV head 0 keeps positions", what);
+    for (int64_t i = 0; i < n && i < 12; i++) printf(" %d", pos[i]);
+    if (n > 12) printf(" ... %d", pos[n - 1]);
+    printf("\n");
+}
+
+/* KV²: stage 1 scores every layer's keys (the proxy); stage 2 runs, chunk by chunk, the
+ * reconstruction tokens the plan names after the context through the model and scores the
+ * context's keys by their attention (a real server runs its forward pass on tokens[pos[i]] at
+ * position ids pos_ids[i] and hands back every layer's post-RoPE queries and keys; here the
+ * made-up activations of those positions stand in for them); then `layer` is compressed at the
+ * first compiled budget (a ratio of the context) and one decode query attends to its cache. */
+static int run_kv2(kvrt_ctx *ctx, const kvrt_kv2_schedule *s, const kvrt_model_dims *m,
+                   uint32_t layer, float *q, float *k, float *v) {
+    const double *budgets, *rho;
+    int n_budgets;
+    kvrt_kv2_opts o;
+    int rc = kvrt_kv2_schedule_budgets(s, &budgets, &rho, &n_budgets);
+    if (rc == KVRT_OK) rc = kvrt_kv2_schedule_opts(s, budgets[0], 0, &o);
+    if (rc != KVRT_OK) return fail_call("the KV2 schedule", rc);
+    const int64_t T = T_CTX;
+    const uint32_t L = m->n_layers, H = m->n_heads, Hkv = m->n_kv_heads, d = m->head_dim;
+    printf("kv2: %d compiled budgets (first %g, rho %g), proxy %s, %u pass%s, %u sinks\n",
+           n_budgets, budgets[0], rho[0], kvrt_kv2_proxy_name(o.proxy), o.passes,
+           o.passes == 1 ? "" : "es", o.n_sink);
+    kvrt_kv2_plan *pl = NULL;
+    if ((rc = kvrt_kv2_plan_create_scheduled(ctx, s, NULL, 0, budgets[0], H, d, T, &pl)) != KVRT_OK)
+        return fail_call("kvrt_kv2_plan_create_scheduled", rc);
+    const size_t qrow = (size_t)H * d, krow = (size_t)Hkv * d, kbytes = sizeof(float) * T * krow;
+    int32_t *pos = malloc(sizeof(int32_t) * T);
+    float *qn = malloc(sizeof(float) * T * qrow), *kn = malloc(sizeof(float) * T * krow);
+    void *dq = NULL, *dk = NULL, *dkn = NULL, *dv = NULL;
+    kvrt_cache *cache = NULL;
+    if (pos == NULL || qn == NULL || kn == NULL) rc = KVRT_ERR_NOMEM;
+    /* stage 1, as the prefill goes: each layer's keys in the context's memory */
+    for (uint32_t l = 0; rc == KVRT_OK && l < L; l++) {
+        fake_layer(l, T, H, Hkv, d, q, k, v);
+        if ((dk = to_ctx(ctx, k, kbytes)) == NULL) rc = KVRT_ERR_NOMEM;
+        else if ((rc = kvrt_kv2_plan_proxy(pl, l, dk)) != KVRT_OK)
+            fail_call("kvrt_kv2_plan_proxy", rc);
+        kvrt_ctx_dealloc(ctx, dk);
+        dk = NULL;
+    }
+    /* stage 2: per chunk, the reconstruction tokens' queries and keys of every layer */
+    for (uint32_t pass = 1; rc == KVRT_OK && pass <= o.passes; pass++) {
+        for (int64_t r = 0; rc == KVRT_OK && r < kvrt_kv2_plan_n_chunks(pl); r++) {
+            int64_t n = 0;
+            if ((rc = kvrt_kv2_plan_queries(pl, r, pos, NULL, &n)) != KVRT_OK) {
+                fail_call("kvrt_kv2_plan_queries", rc);
+                break;
+            }
+            for (uint32_t l = 0; rc == KVRT_OK && l < L; l++) {
+                fake_layer(l, T, H, Hkv, d, q, k, v);
+                for (int64_t i = 0; i < n; i++) {
+                    memcpy(qn + (size_t)i * qrow, q + (size_t)pos[i] * qrow, sizeof(float) * qrow);
+                    memcpy(kn + (size_t)i * krow, k + (size_t)pos[i] * krow, sizeof(float) * krow);
+                }
+                dq = to_ctx(ctx, qn, sizeof(float) * (size_t)n * qrow);
+                dk = dq ? to_ctx(ctx, k, kbytes) : NULL;
+                dkn = dk ? to_ctx(ctx, kn, sizeof(float) * (size_t)n * krow) : NULL;
+                if (dkn == NULL) rc = KVRT_ERR_NOMEM;
+                else if ((rc = kvrt_kv2_plan_score(pl, r, l, dq, n, dk, dkn)) != KVRT_OK)
+                    fail_call("kvrt_kv2_plan_score", rc);
+                kvrt_ctx_dealloc(ctx, dq);
+                kvrt_ctx_dealloc(ctx, dk);
+                kvrt_ctx_dealloc(ctx, dkn);
+                dq = dk = dkn = NULL;
+            }
+        }
+        if (rc == KVRT_OK && pass < o.passes && (rc = kvrt_kv2_plan_next_pass(pl)) != KVRT_OK)
+            fail_call("kvrt_kv2_plan_next_pass", rc);
+    }
+    /* the layer's cache at the budget, in the context's memory */
+    if (rc == KVRT_OK) {
+        fake_layer(layer, T, H, Hkv, d, q, k, v);
+        dk = to_ctx(ctx, k, kbytes);
+        dv = dk ? to_ctx(ctx, v, kbytes) : NULL;
+        if (dv == NULL) rc = KVRT_ERR_NOMEM;
+        else if ((rc = kvrt_kv2_plan_compress(pl, layer, budgets[0], dk, dv, KVRT_DTYPE_F16,
+                                              &cache)) != KVRT_OK)
+            fail_call("kvrt_kv2_plan_compress", rc);
+    }
+    int64_t n0 = 0;
+    int32_t *kept = rc == KVRT_OK ? head0_positions(ctx, cache, &n0) : NULL;
+    if (rc == KVRT_OK && kept == NULL) rc = KVRT_ERR_NOMEM;
+    if (rc == KVRT_OK) {
+        printf("kv2: layer %u, %lld context tokens, budget %g: %lld entries per KV head, f16 "
+               "cache %zu bytes\n", layer, (long long)T, budgets[0], (long long)n0,
+               kvrt_cache_bytes(cache));
+        print_positions("kv2", kept, n0);
+        rc = decode_query(ctx, q + (size_t)(T - 1) * qrow, H, d, cache, "kv2", "the cache");
+    }
+    if (rc == KVRT_ERR_NOMEM && pos == NULL) fprintf(stderr, "error: out of memory\n");
+    kvrt_ctx_dealloc(ctx, dk);
+    kvrt_ctx_dealloc(ctx, dv);
+    kvrt_cache_free(cache);
+    kvrt_kv2_plan_free(pl);
+    free(kept);
+    free(pos);
+    free(qn);
+    free(kn);
+    return rc;
+}
+
 /* merge-reduce: `layer` compressed at the first compiled budget with the compiled basis and
  * options (sinks, the summary of the middle blocks with bias log w, the recent window), the
  * cache in the context's memory, and one decode query attending to it; then the same tokens
@@ -319,23 +446,16 @@ static int run_mr(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const kvrt_model_dim
             : KVRT_ERR_NOMEM;
     if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) fail_call("kvrt_mr_compress_scheduled", rc);
     /* KV head 0's positions (-1: merged entries), read from the context's memory */
-    const int64_t n0 = rc == KVRT_OK ? cache->host_offsets[1] - cache->host_offsets[0] : 0;
-    int32_t *pos = rc == KVRT_OK ? malloc(sizeof(int32_t) * (size_t)(n0 ? n0 : 1)) : NULL;
+    int64_t n0 = 0;
+    int32_t *pos = rc == KVRT_OK ? head0_positions(ctx, cache, &n0) : NULL;
     if (rc == KVRT_OK && pos == NULL) rc = KVRT_ERR_NOMEM;
-    if (rc == KVRT_OK && n0 > 0 &&
-        (rc = kvrt_ctx_download(ctx, pos, cache->positions, sizeof(int32_t) * (size_t)n0)) != KVRT_OK)
-        fprintf(stderr, "error: kvrt_ctx_download: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                kvrt_status_name(rc));
     if (rc == KVRT_OK) {
         int64_t merged = 0;
         for (int64_t i = 0; i < n0; i++) merged += pos[i] < 0;
         printf("merge-reduce: layer %u, %lld context tokens, budget %g: %lld entries per KV "
                "head (%lld merged), f16 cache %zu bytes\n", layer, (long long)T, budgets[0],
                (long long)n0, (long long)merged, kvrt_cache_bytes(cache));
-        printf("merge-reduce: KV head 0 keeps positions");
-        for (int64_t i = 0; i < n0 && i < 12; i++) printf(" %d", pos[i]);
-        if (n0 > 12) printf(" ... %d", pos[n0 - 1]);
-        printf("\n");
+        print_positions("merge-reduce", pos, n0);
         /* the summary's bias log w weighs the merged entries */
         rc = decode_query(ctx, q + (size_t)(T - 1) * H * d, H, d, cache, "merge-reduce",
                           "the cache");
@@ -384,11 +504,12 @@ static int opened(const char *fn, int rc, int *found) {
     return rc == KVRT_OK;
 }
 
-static int wants(const char *asked, const char *name) { return !asked || !strcmp(asked, name); }
+/* The policies this program runs, in the order it runs them. */
+static const char *const POLICIES[] = {"compilerkv", "am", "compkv", "kv2", "merge-reduce"};
+enum { N_POLICIES = sizeof POLICIES / sizeof POLICIES[0] };
 
-/* Opens the handle of `name` (NULL: the first of compilerkv, am, compkv, merge-reduce the
- * artifact carries)
- * and runs it on the middle layer. *found: 0 when the artifact carries none of those asked. */
+/* Opens the handle of policy `name` (one of POLICIES) and runs it on the middle layer.
+ * *found: 0 when the artifact does not carry it (the status is then KVRT_ERR_UNSUPPORTED). */
 static int run_policy(kvrt_ctx *ctx, const kvrt_policy *pol, const char *name, int *found) {
     kvrt_model_dims m;
     kvrt_policy_model(pol, &m);
@@ -399,31 +520,34 @@ static int run_policy(kvrt_ctx *ctx, const kvrt_policy *pol, const char *name, i
     float *v = malloc(sizeof(float) * nk);
     int rc = KVRT_ERR_NOMEM;
     *found = 0;
-    if (q && k && v && wants(name, "compilerkv")) {
+    if (q == NULL || k == NULL || v == NULL) {
+        fprintf(stderr, "error: out of memory\n");
+    } else if (!strcmp(name, "compilerkv")) {
         kvrt_compilerkv_tables *tb = NULL;
         if (opened("kvrt_compilerkv_open", rc = kvrt_compilerkv_open(pol, &tb), found))
             rc = run_compilerkv(ctx, tb, &m, layer, q, k, v);
         kvrt_compilerkv_tables_free(tb);
-    }
-    if (q && k && v && !*found && wants(name, "am")) {
+    } else if (!strcmp(name, "am")) {
         kvrt_am_schedule *s = NULL;
         if (opened("kvrt_am_open", rc = kvrt_am_open(pol, &s), found))
             rc = run_am(ctx, s, &m, layer, q, k, v);
         kvrt_am_schedule_free(s);
-    }
-    if (q && k && v && !*found && wants(name, "compkv")) {
+    } else if (!strcmp(name, "compkv")) {
         kvrt_compkv_grouping *g = NULL;
         if (opened("kvrt_compkv_open", rc = kvrt_compkv_open(pol, &g), found))
             rc = run_compkv(ctx, g, &m, layer, q, k, v);
         kvrt_compkv_grouping_free(g);
-    }
-    if (q && k && v && !*found && wants(name, "merge-reduce")) {
+    } else if (!strcmp(name, "kv2")) {
+        kvrt_kv2_schedule *s = NULL;
+        if (opened("kvrt_kv2_open", rc = kvrt_kv2_open(pol, &s), found))
+            rc = run_kv2(ctx, s, &m, layer, q, k, v);
+        kvrt_kv2_schedule_free(s);
+    } else {
         kvrt_mr_schedule *s = NULL;
         if (opened("kvrt_mr_open", rc = kvrt_mr_open(pol, &s), found))
             rc = run_mr(ctx, s, &m, layer, q, k, v);
         kvrt_mr_schedule_free(s);
     }
-    if (rc == KVRT_ERR_NOMEM && !*found) fprintf(stderr, "error: out of memory\n");
     free(q);
     free(k);
     free(v);
@@ -439,10 +563,11 @@ int main(int argc, char **argv) {
         else if (argv[i][0] != '-' && !path) path = argv[i];
         else usage = 1;
     }
-    if (usage || !path || (policy && strcmp(policy, "compilerkv") && strcmp(policy, "am") &&
-                           strcmp(policy, "compkv") && strcmp(policy, "merge-reduce"))) {
+    int known = policy == NULL;
+    for (int i = 0; i < N_POLICIES && !known; i++) known = !strcmp(policy, POLICIES[i]);
+    if (usage || !path || !known) {
         fprintf(stderr, "usage: %s MODEL.kvpol [--cpu] [--policy "
-                "compilerkv|am|compkv|merge-reduce]\n", argv[0]);
+                "compilerkv|am|compkv|kv2|merge-reduce]\n", argv[0]);
         return 2;
     }
     printf("libkvrt %s\n", kvrt_version());
@@ -521,25 +646,32 @@ int main(int argc, char **argv) {
                scores[3]);
     if (dev == KVRT_DEVICE_CUDA) kvrt_ctx_dealloc(ctx, buf);
 
-    // --- 4. per request / per layer: a policy handle from the artifact, run on one layer.
-    // Every policy runs on either backend; what this CUDA backend lacks (AM's OMP key
-    // selection, docs/cuda.md) says KVRT_ERR_UNSUPPORTED naming it, and the policy then runs
-    // on a CPU context (its arrays in host memory: run_policy copies into the context's).
-    if (rc == KVRT_OK) {
+    // --- 4. per request / per layer: each policy's handle from the artifact, run on one layer
+    // (every policy the artifact carries, or the one --policy names). Every policy runs on
+    // either backend; what this CUDA backend lacks (AM's OMP key selection, docs/cuda.md) says
+    // KVRT_ERR_UNSUPPORTED naming it, and the policy then runs on a CPU context (its arrays in
+    // host memory: run_policy copies into the context's).
+    int n_run = 0;
+    for (int i = 0; rc == KVRT_OK && i < N_POLICIES; i++) {
+        if (policy && strcmp(policy, POLICIES[i])) continue;
         int found;
-        rc = run_policy(ctx, pol, policy, &found);
+        rc = run_policy(ctx, pol, POLICIES[i], &found);
         if (found && rc == KVRT_ERR_UNSUPPORTED && info.backend == KVRT_BACKEND_CUDA) {
             kvrt_ctx *cpu = NULL;
             fprintf(stderr, "note: %s; running the policy on a CPU context instead\n",
                     kvrt_last_error()->msg);
             rc = kvrt_ctx_create(KVRT_BACKEND_CPU, &opts, &cpu, &err);
-            if (rc == KVRT_OK) rc = run_policy(cpu, pol, policy, &found);
+            if (rc == KVRT_OK) rc = run_policy(cpu, pol, POLICIES[i], &found);
             else fprintf(stderr, "error: %s (%s)\n", err.msg, kvrt_status_name(rc));
             kvrt_ctx_free(cpu);
         }
-        if (!found && rc == KVRT_ERR_UNSUPPORTED)
-            fprintf(stderr, "error: %s carries no %s policy group\n", path,
-                    policy ? policy : "CompilerKV, Attention Matching, CompKV or merge-reduce");
+        if (!found && rc == KVRT_ERR_UNSUPPORTED) rc = KVRT_OK; /* not carried: the next one */
+        else n_run++;
+    }
+    if (rc == KVRT_OK && n_run == 0) {
+        fprintf(stderr, "error: %s carries no %s policy group\n", path,
+                policy ? policy : "CompilerKV, Attention Matching, CompKV, KV2 or merge-reduce");
+        rc = KVRT_ERR_UNSUPPORTED;
     }
 
     kvrt_ctx_free(ctx);

@@ -203,8 +203,9 @@ if build 300 build/kvcc build/examples/serve_skeleton; then
     mkdir -p "$EX"
     if bounded 60 build/kvcc synth --model smollm2-135m --prompts 1 --context 640 --continuation 32 \
            -o "$EX/c.h5" && bounded 90 build/kvcc compile --model smollm2-135m --corpus "$EX/c.h5" \
-           --policies compilerkv,am,compkv,merge-reduce --budgets 128 --am-targets 0.1 -o "$EX/p.kvpol"; then
-        bounded 120 bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am merge-reduce
+           --policies all --budgets 128 --am-targets 0.1 --kv2-budgets 0.2 --kv2-rho 0.2 \
+           --kv2-max-passes 1 -o "$EX/p.kvpol"; then
+        bounded 150 bash scripts/serve-compare.sh build/examples/serve_skeleton "$EX/p.kvpol" compilerkv compkv am kv2 merge-reduce
         rc=$?
         [ "$rc" -eq 0 ] ||
             fail "serve_skeleton: a policy's GPU run differs from its CPU run (serve-compare lines above; $(how "$rc"))"

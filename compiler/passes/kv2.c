@@ -715,7 +715,7 @@ static const kvcc_pass_option kv2_options[] = {
      "stage-1 proxies to calibrate (the better is written)", KV2_OPT(kv2_proxies), 0, 0, 0,
      "keydiff|knorm|both", 0},
     {"kv2-max-passes", KVCC_OPT_U32, "N", "2",
-     "stage-2 passes to try, 1..N (refinement; the better is written)", KV2_OPT(kv2_max_passes),
+     "stage-2 passes to try, 1..N with N at most 4 (refinement; the better is written)", KV2_OPT(kv2_max_passes),
      0, 1, 4, NULL, 0},
     {"kv2-sinks", KVCC_OPT_U32, "N", "4", "sink tokens kept exactly (written)", KV2_OPT(kv2_sinks),
      0, 0, 65536, NULL, 0},

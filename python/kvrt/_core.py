@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import weakref
 from ctypes import byref, c_double, c_float, c_int, c_int64, c_uint32, c_void_p, POINTER
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -321,7 +322,13 @@ class Context(_Handle):
 
     def supports(self, op: Union[str, int]) -> bool:
         """kvrt_backend_supports: whether this backend implements op (a name of :data:`OPS`)."""
-        i = OPS.index(op) if isinstance(op, str) else int(op)
+        if isinstance(op, str):
+            if op not in OPS:
+                raise KvrtError(ERR_ARG, f"kvrt.Context.supports: op: got {op!r}, expected one "
+                                         f"of {', '.join(OPS)}")
+            i = OPS.index(op)
+        else:
+            i = _uint(op, "op")
         return bool(lib.kvrt_backend_supports(self.ptr, i))
 
     def sync(self) -> None:
@@ -709,9 +716,25 @@ def _method_code(method: Union[str, int]) -> int:
         return method
     m = lib.kvrt_method_from_name(_METHOD_ALIASES.get(method, method).encode())
     if m < 0:
-        raise KvrtError(ERR_ARG, f"kvrt: method: got {method!r}, expected one of "
+        raise KvrtError(ERR_ARG, f"{_api_name()}: method: got {method!r}, expected one of "
                                  f"{', '.join(METHODS)} (or 'streamingllm')")
     return m
+
+
+def _api_name() -> str:
+    """The public kvrt function the user called, as "kvrt.Class.method" (or "kvrt.function"):
+    the outermost frame of the kvrt package on the stack whose function name is not private (a
+    constructor names its class; a public function that another one calls is not what the user
+    called). "kvrt" when there is none. For the messages of the argument checks that many calls
+    share (_uint, _number, option fields)."""
+    name, f = "kvrt", sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__", "").startswith("kvrt"):
+        code = f.f_code
+        if not code.co_name.startswith("_") or code.co_name == "__init__":
+            q = getattr(code, "co_qualname", code.co_name)
+            name = "kvrt." + (q.rsplit(".", 1)[0] if code.co_name == "__init__" else q)
+        f = f.f_back
+    return name
 
 
 def _uint(v, name: str, bits: int = 32) -> int:
@@ -719,7 +742,7 @@ def _uint(v, name: str, bits: int = 32) -> int:
     it: -1 would reach C as 4294967295. ArgError naming the argument."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or \
             not 0 <= int(v) < (1 << bits):
-        raise KvrtError(ERR_ARG, f"kvrt: {name}: got {v!r}, expected an integer in "
+        raise KvrtError(ERR_ARG, f"{_api_name()}: {name}: got {v!r}, expected an integer in "
                                  f"0..{(1 << bits) - 1}")
     return int(v)
 
@@ -727,7 +750,7 @@ def _uint(v, name: str, bits: int = 32) -> int:
 def _number(v, name: str) -> float:
     """A real argument (a budget, a ratio, a target): a str such as "16" is refused, not parsed."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise KvrtError(ERR_ARG, f"kvrt: {name}: got {v!r}, expected a number")
+        raise KvrtError(ERR_ARG, f"{_api_name()}: {name}: got {v!r}, expected a number")
     return float(v)
 
 
@@ -994,7 +1017,7 @@ def _fill_opts(struct_type, init, base, what: str, kw: Dict[str, Any],
         if val is None:
             continue
         if key not in names:
-            raise KvrtError(ERR_ARG, f"kvrt: {what} option {key!r} unknown, expected one of "
+            raise KvrtError(ERR_ARG, f"{_api_name()}: {what} option {key!r} unknown, expected one of "
                                      f"{', '.join(names)}")
         if convert and key in convert:
             val = convert[key](val)
@@ -1016,7 +1039,7 @@ def _field_value(ftype, val, name: str):
         bits = _SIGNED[ftype]
         if not isinstance(val, (int, np.integer, np.bool_)) or \
                 not -(1 << (bits - 1)) <= int(val) < (1 << (bits - 1)):  # bools: flags
-            raise KvrtError(ERR_ARG, f"kvrt: {name}: got {val!r}, expected an integer")
+            raise KvrtError(ERR_ARG, f"{_api_name()}: {name}: got {val!r}, expected an integer")
         return int(val)
     if ftype in (ctypes.c_double, ctypes.c_float):
         return _number(val, name)

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (_fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
+from ._core import (_api_name, _fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
                     _cout, _ctx, _dtype_code, _Handle, _out, _uint, _number, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
@@ -145,7 +145,8 @@ class Policy(_Handle):
 
     def info(self) -> Dict[str, Any]:
         """What ``kvcc inspect --json`` prints: header, model fingerprint, sections with their
-        items (name, kind, dtype, shape, bytes, value of scalars and strings). Read through
+        items (name, kind, dtype, shape, bytes, value of scalars and strings, min/max/mean of
+        numeric tensors). Read through
         libkvpol (linked into libkvrt.so), not the kvcc binary. A policy opened from bytes
         reports "file": "<memory>"."""
         if self.path is None:
@@ -250,14 +251,49 @@ def inspect(path: Union[str, os.PathLike, bytes]) -> Dict[str, Any]:
                 if it.kind == 3:
                     o["value"] = ctypes.string_at(it.data, it.nbytes).decode(errors="replace")
                 elif it.kind == 2:
-                    dv = c_double()
-                    if lib.kvpol_item_as_f64(byref(it), byref(dv)) == 0:
-                        o["value"] = dv.value
+                    o.update(_scalar_json(it))
+                else:
+                    o.update(_tensor_stats(it))
                 sec["items"].append(o)
             out["sections"].append(sec)
         return out
     finally:
         lib.kvpol_close(f)
+
+
+# kvpol dtype codes (formats/kvpol.h) of the numeric types numpy reads directly; 3 is bf16
+_KVPOL_NP = {1: np.float32, 2: np.float16, 4: np.float64, 5: np.int8, 6: np.uint8, 7: np.int16,
+             8: np.uint16, 9: np.int32, 10: np.uint32, 11: np.int64, 12: np.uint64}
+
+
+def _scalar_json(it) -> Dict[str, Any]:
+    """A scalar's "value" as kvcc inspect --json writes it: a number where a double holds it
+    exactly, an integer beyond 2^53 (a u64 checksum) as its decimal string."""
+    if it.dtype in (1, 2, 3, 4):
+        dv = c_double()
+        return {"value": dv.value} if lib.kvpol_item_as_f64(byref(it), byref(dv)) == 0 else {}
+    if it.dtype not in _KVPOL_NP:
+        return {}
+    v = int(np.frombuffer(ctypes.string_at(it.data, it.nbytes), dtype=_KVPOL_NP[it.dtype])[0])
+    return {"value": float(v) if -(1 << 53) <= v <= (1 << 53) else str(v)}
+
+
+def _tensor_stats(it) -> Dict[str, Any]:
+    """min, max and mean of a numeric tensor as kvcc inspect --json computes them: every element
+    as a double (integers through int64), summed left to right (np.cumsum is sequential);
+    nothing when a u64 element is past INT64_MAX."""
+    n = int(it.count)
+    if n == 0 or (it.dtype != 3 and it.dtype not in _KVPOL_NP):
+        return {}
+    raw = ctypes.string_at(it.data, it.nbytes)
+    if it.dtype == 3:
+        a = (np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        a = np.frombuffer(raw, dtype=_KVPOL_NP[it.dtype])
+    if a.dtype == np.uint64 and int(a.max()) > (1 << 63) - 1:
+        return {}
+    a = (a.astype(np.int64) if a.dtype.kind in "iu" else a).astype(np.float64)
+    return {"min": float(a.min()), "max": float(a.max()), "mean": float(np.cumsum(a)[-1] / n)}
 
 
 def _item_view(ptr, shape, dtype):
@@ -452,7 +488,7 @@ def _choice(name: str, table: Dict[str, int]):
             return val
         if val not in table:
             names = " or ".join(repr(k) for k in table)
-            raise KvrtError(ERR_ARG, f"kvrt: AM {name}: got {val!r}, expected {names}")
+            raise KvrtError(ERR_ARG, f"{_api_name()}: AM {name}: got {val!r}, expected {names}")
         return table[val]
     return conv
 
@@ -535,7 +571,7 @@ def _query_source(val) -> int:
     if not isinstance(val, str):
         return int(val)
     if val not in _QUERY_SOURCE:
-        raise KvrtError(ERR_ARG, f"kvrt: AM query_source: got {val!r}, expected 'context', "
+        raise KvrtError(ERR_ARG, f"{_api_name()}: AM query_source: got {val!r}, expected 'context', "
                                  "'repeat' or 'self-study'")
     return _QUERY_SOURCE[val]
 

@@ -106,6 +106,8 @@ def test_context_cpu():
         info = c.info()
         assert info["backend"] == "cpu" and info["n_threads"] == 1 and "CPU" in info["name"]
         assert c.supports("attend") and c.supports("am_compact_layer")
+        with pytest.raises(kvrt.ArgError, match=r"kvrt\.Context\.supports: op: got 'bogus', expected one of softmax_rows, attend"):
+            c.supports("bogus")
     assert c.closed
     with pytest.raises(kvrt.ArgError, match="after close"):
         c.info()
@@ -159,9 +161,10 @@ def test_refusals_name_the_argument():
     s = kvrt.method_select("knorm", None, kvrt.as_f32(np.swapaxes(k, 0, 1).astype(np.float64)), 2, n_sink=1)
     assert s.counts.tolist() == [2] * 50
     # integers and numbers are checked before ctypes wraps or parses them
-    with pytest.raises(kvrt.ArgError, match=r"window: got -1, expected an integer in 0\.\.4294967295"):
+    # (the message names the function the user called, not the helper that checks)
+    with pytest.raises(kvrt.ArgError, match=r"^kvrt\.method_select: window: got -1, expected an integer in 0\.\.4294967295"):
         kvrt.method_select("snapkv", rnd(50, 9, 8), k, 20, window=-1)
-    with pytest.raises(kvrt.ArgError, match=r"budget: got '16', expected a number"):
+    with pytest.raises(kvrt.ArgError, match=r"^kvrt\.method_select: budget: got '16', expected a number"):
         kvrt.method_select("knorm", None, k, "16")
     with pytest.raises(kvrt.ArgError, match=r"q: got None, but snapkv scores the keys by the queries"):
         kvrt.method_select("snapkv", None, k, 20)

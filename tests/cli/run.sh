@@ -207,6 +207,13 @@ err=$("$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am -
 [[ $ex -eq 2 && "$err" == *"--am-queries self-study needs --gguf"* && ! -e "$tmp/pr.kvpol" ]] && ok || bad "compile --am-queries self-study without --gguf: exit $ex: $err"
 err=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods am-self --budgets 0.1 2>&1); ex=$?
 [[ $ex -eq 2 && "$err" == *"am-self: self-study reference queries need the model: give --gguf"* ]] && ok || bad "eval am-self without --gguf: exit $ex: $err"
+#  eval reads one corpus (a repeated --corpus is refused, not the last one taken); an artifact of
+#  another model than the corpus's is a model mismatch (exit 4)
+err=$("$KVCC" eval --corpus "$tmp/cs.h5" --corpus "$tmp/cs.h5" --methods snapkv --budgets 16 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--corpus given twice"* && "$err" == *"manifest"* ]] && ok || bad "eval with two --corpus: exit $ex: $err"
+"$KVCC" synth --model llama3-8b --prompts 1 --context 16 --continuation 4 -o "$tmp/l3.h5" 2>/dev/null
+err=$("$KVCC" eval --corpus "$tmp/l3.h5" --policy "$tmp/p1.kvpol" --methods compilerkv --budgets 32 2>&1); ex=$?
+[[ $ex -eq 4 && "$err" == *"n_layers"* && "$err" == *"MODEL_MISMATCH"* ]] && ok || bad "eval --policy of another model: exit $ex: $err"
 #  a row that fails in --csv / --json: exit 5, the row marked, and one line on stderr that says why
 for fmt in csv json; do
   out=$("$KVCC" eval --corpus "$tmp/cs.h5" --methods full,snapkv --budgets 16 --$fmt 2>"$tmp/rowerr.txt"); ex=$?
@@ -397,6 +404,11 @@ if [ -x "$sk" ]; then
   out=$("$sk" "$tmp/r1.kvpol" --cpu --policy merge-reduce 2>&1); ex=$?
   [[ $ex -eq 0 && "$out" == *"merge-reduce: layer 15, 512 context tokens"* && "$out" == *"one decode query over the cache: out[0][0..3] "[-0-9]* && "$out" != *nan* ]] &&
     ok || bad "serve_skeleton --policy merge-reduce: exit $ex: $out"
+  # without --policy: every policy the artifact carries, in order
+  out=$("$sk" "$tmp/all1.kvpol" --cpu 2>&1); ex=$?
+  want=0; for p in compilerkv am compkv kv2 merge-reduce; do [[ "$out" == *"$p: layer 15, "* ]] && want=$((want+1)); done
+  [[ $ex -eq 0 && $want -eq 5 && "$out" == *"kv2: one decode query over the cache: out[0][0..3] "[-0-9]* && "$out" != *nan* ]] &&
+    ok || bad "serve_skeleton on an artifact of all five policies: exit $ex: $out"
   err=$("$sk" "$tmp/k1.kvpol" --cpu --policy am 2>&1); ex=$?
   [[ $ex -eq 1 && "$err" == *"carries no am policy group"* ]] && ok || bad "serve_skeleton --policy am on a compkv artifact: exit $ex: $err"
   # the same calls on the CUDA backend's own code, run on the CPU by tests/cuda_emu's emulated
@@ -406,7 +418,7 @@ if [ -x "$sk" ]; then
     # and AM with OMP key selection (its rounds on the host, its passes over P on the device)
     "$KVCC" compile --model smollm2-135m --corpus "$tmp/cs.h5" --policies am --am-select omp \
       --am-targets 0.1,0.2 -o "$tmp/p3.kvpol" 2>/dev/null || bad "compile --am-select omp failed"
-    for a in "p1.kvpol compilerkv am" "k1.kvpol compkv" "r1.kvpol merge-reduce" "p3.kvpol am"; do
+    for a in "p1.kvpol compilerkv am" "k1.kvpol compkv" "r1.kvpol merge-reduce" "p3.kvpol am" "v1.kvpol kv2"; do
       read -r f pols <<<"$a"
       read -r -a pa <<<"$pols"
       out=$(KVRT_CUDA_LIBRARY=$(realpath "$emu") bash scripts/serve-compare.sh "$sk" "$tmp/$f" "${pa[@]}" 2>&1); ex=$?
