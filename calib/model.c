@@ -1008,23 +1008,45 @@ const char *kvcc_model_gemm_name(void) {
     return gemm_name;
 }
 
+/* The f32 products' tiles: MM_TILE_N rows of x by MM_TILE_ROWS rows of W */
+#define MM_TILE_N 256
+#define MM_TILE_ROWS 128
+#define MM_TILE_BATCH 64 /* tiles handed to kvrt_cpu_sgemm_batch at once */
+
 /* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
- * decode step) goes through the GEMV above, more through kvrt_cpu_sgemm, on one thread where W
- * has at most 64 rows (OpenBLAS held at one thread too, for OpenBLAS-only builds): oneDNN's AVX2
- * sgemm splits such products' sums by thread count (a sweep at 1 and 2 threads on a Zen 3 EPYC:
- * every B^T product that differed had n <= 64; docs/benchmarks.md "A thread-count bug this VM
- * found"). The built-in model's matrices have 192 rows or more; small test models do not. */
+ * decode step) goes through the GEMV above; more in tiles of at most MM_TILE_N x MM_TILE_ROWS
+ * outputs, each tile's product on one thread (kvrt_cpu_sgemm_batch; OpenBLAS held at one thread
+ * for OpenBLAS-only builds), the tiles shared between the threads. The tiles depend on n and
+ * rows only, so every output is summed the same way at any thread count. A product threaded by
+ * oneDNN's AVX2 sgemm is not: it splits the sums of a product by its thread count, at 1 and 2
+ * threads for W of up to 64 rows (a Zen 3 EPYC; docs/benchmarks.md "A thread-count bug this VM
+ * found"), and from 3 threads for the built-in model's 192-row k and v (capture and eval
+ * --gguf gave other activations at 3 threads than at 1 or 2; "The model's products in tiles"). */
 static void matmul_t(const float *x, int n, int cols, const float *W, int rows, float beta,
                      float *y, int ldy) {
     if (n == 1) {
         gemv_fast(W, rows, cols, x, beta, y);
-    } else if (rows <= 64) {
-        const int held = kvrt_cpu_openblas_hold();
-        kvrt_cpu_sgemm_1t(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
-        kvrt_cpu_openblas_restore(held);
-    } else {
-        kvrt_cpu_sgemm(1, n, rows, cols, 1.0f, x, cols, W, cols, beta, y, ldy);
+        return;
     }
+    const int tn = (n + MM_TILE_N - 1) / MM_TILE_N, tr = (rows + MM_TILE_ROWS - 1) / MM_TILE_ROWS;
+    const int64_t n_tiles = (int64_t)tn * tr;
+    kvrt_sgemm_op ops[MM_TILE_BATCH];
+    const int held = kvrt_cpu_openblas_hold();
+    for (int64_t t0 = 0; t0 < n_tiles; t0 += MM_TILE_BATCH) {
+        const int64_t nb = n_tiles - t0 < MM_TILE_BATCH ? n_tiles - t0 : MM_TILE_BATCH;
+        for (int64_t i = 0; i < nb; i++) {
+            /* W-row tiles outermost: the tiles of one W block follow each other */
+            const int r = (int)((t0 + i) / tn), c = (int)((t0 + i) % tn);
+            const int r0 = r * MM_TILE_ROWS, n0 = c * MM_TILE_N;
+            ops[i] = (kvrt_sgemm_op){.tb = 1, .m = n - n0 < MM_TILE_N ? n - n0 : MM_TILE_N,
+                                     .n = rows - r0 < MM_TILE_ROWS ? rows - r0 : MM_TILE_ROWS,
+                                     .k = cols, .alpha = 1.0f, .A = x + (size_t)n0 * cols,
+                                     .lda = cols, .B = W + (size_t)r0 * cols, .ldb = cols,
+                                     .beta = beta, .C = y + (size_t)n0 * ldy + r0, .ldc = ldy};
+        }
+        kvrt_cpu_sgemm_batch(ops, nb);
+    }
+    kvrt_cpu_openblas_restore(held);
 }
 
 // ---------------------------------------------------------------- bf16 products

@@ -59,8 +59,9 @@ static void usage(FILE *out) {
                  "  --max-tokens N      refuse a corpus prompt of more than N tokens (default\n"
                  "                      1048576; its activations must also fit in available memory)\n"
                  "  --gguf M            the model file: recorded as the model hash; needed by --reward model\n"
-                 "  --precision P       the model's weights and products for --reward model and KV2:\n"
-                 "                      f32 (default) or bf16\n"
+                 "  --precision P       the model's weights and products where a pass runs it (--reward\n"
+                 "                      model, KV2, --am-queries repeat|self-study): f32 (default) or\n"
+                 "                      bf16, recorded in the header's options\n"
                  "Policy options (each read by its pass; see docs/cli.md):\n");
     kvcc_pass_options_help(out);
 }
@@ -118,13 +119,19 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     return k;
 }
 
-/* The canonical options of the header: policies, seed, and the prompts really used. */
+/* The canonical options of the header: policies, seed, the prompts really used, and
+ * precision=bf16 where the model ran in bf16 (only then, so that other artifacts' bytes are what
+ * they were). */
 static void header_options(kvpol_header *h, const char *policies, const kvcc_compile_ctx *cx) {
     int ol = snprintf(h->compile_options, sizeof h->compile_options, "policies=%s seed=%llu",
                       policies, (unsigned long long)cx->seed);
     if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
-        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol, " prompts=%u",
-                 cx->max_prompts);
+        ol += snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol,
+                       " prompts=%u", cx->max_prompts);
+    if (cx->precision == KVCC_PREC_BF16 && cx->gguf && ol > 0 &&
+        ol < (int)sizeof h->compile_options)
+        snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol,
+                 " precision=bf16");
 }
 
 /* SOURCE_DATE_EPOCH, when set: decimal seconds since 1970, 0..253402300799 (9999-12-31). */
@@ -414,6 +421,9 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
                     "--policies %s does not run: ignored\n", po[k].opt->name, po[k].pass->name,
                     policies);
     }
+    if (cx.precision == KVCC_PREC_BF16 && !gguf)
+        fprintf(stderr, "kvcc compile: warning: --precision bf16 without --gguf: no pass runs the "
+                "model, so it changes nothing\n");
     if (corpus && !n_run)
         fprintf(stderr, "kvcc compile: warning: %s: the artifact holds no policy (the corpus is only "
                 "checked against the model); --policies all compiles every one\n",
@@ -441,6 +451,7 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
 
     kvpol_header *hp = &S->h;
 #define h (*hp)
+    cx.gguf = gguf; /* before the header: its options say whether the model ran in bf16 */
     make_header(&h, p, policies, &cx);
     kvpol_model *m = &h.model;
     kvpol_error err = {0};

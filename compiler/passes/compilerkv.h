@@ -21,6 +21,11 @@
 /* --reward model refuses a GGUF whose next-token log-probabilities on a prompt's continuation
  * differ from the corpus's by more than this (natural log units): not the captured model. */
 #define KVCC_COMPILERKV_LP_TOL 0.02
+/* The same where the model runs in bf16 (--precision bf16) or the corpus was captured in bf16:
+ * the same GGUF then differs by up to 0.063 on 128- and 512-token prompts (bf16 products, and
+ * the context and continuation prefilled in other chunks than the capture's); another model
+ * differs by whole nats. */
+#define KVCC_COMPILERKV_LP_TOL_BF16 0.15
 
 /* Pass 1 over the layers of corpus prompt `prompt`: the window mass of every layer over the
  * context [0, C), then alpha and the risk features (next_logprob from the corpus).

@@ -108,6 +108,7 @@ typedef struct {
     const kvrt_cache **caches;      /* [L] all NULL but the rolled-out layer */
     double *nll_full;               /* [P] exact continuation NLL (NAN until computed) */
     double max_lp_diff;             /* largest |log p model - log p corpus| seen */
+    double lp_tol;                  /* the most it may be: KVCC_COMPILERKV_LP_TOL(_BF16) */
     ckv_memo *memo;                 /* [P, L] */
     uint64_t model_runs, memo_hits;
     uint64_t n_head_rec, n_gate_rec;

@@ -30,8 +30,9 @@
  * delta through the built-in model with only layer l's context cache compressed. Per prompt
  * the model prefills the context once, exactly; the exact continuation NLL (tokens C+1 .. T-1,
  * token C is predicted by the uncompressed context) is the reference, and its per-token
- * log-probabilities must match the corpus's (|diff| <= KVCC_COMPILERKV_LP_TOL) or the GGUF is
- * refused as not the corpus's model. Per rollout: truncate to the context, gather the kept
+ * log-probabilities must match the corpus's (|diff| <= KVCC_COMPILERKV_LP_TOL, or _BF16 where
+ * the model runs in bf16 or the corpus was captured so) or the GGUF is refused as not the
+ * corpus's model. Per rollout: truncate to the context, gather the kept
  * positions of the model's own layer-l keys and values (f32), kvcc_state_set_compressed with
  * that cache for layer l and NULL (exact) elsewhere, prefill the continuation with all logits.
  * Rollouts that keep the same positions of the same (prompt, layer) share one model run
@@ -622,12 +623,13 @@ static int ckv_model_prompt(ckv *S, uint32_t p, char *err, size_t errlen) {
                          "compilerkv: --gguf %s: the model failed on the continuation of prompt %u",
                          S->cx->gguf, p);
     if (!(diff <= S->max_lp_diff)) S->max_lp_diff = diff;
-    if (!(diff <= KVCC_COMPILERKV_LP_TOL))
+    if (!(diff <= S->lp_tol))
         return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
                          "--gguf %s is not the model %s was captured with: on prompt %u its "
                          "next-token log-probabilities "
-                         "differ from the corpus's by up to %.3g (expected <= %g)",
-                         S->cx->gguf, S->corpus_path, p, diff, KVCC_COMPILERKV_LP_TOL);
+                         "differ from the corpus's by up to %.3g (expected <= %g%s)",
+                         S->cx->gguf, S->corpus_path, p, diff, S->lp_tol,
+                         S->lp_tol == KVCC_COMPILERKV_LP_TOL_BF16 ? ", bf16" : "");
     S->nll_full[p] = nll;
     S->ms_prompt = p;
     return 0;
@@ -695,6 +697,11 @@ int ckv_model_open(ckv *S, char *err, size_t errlen) {
     if (kvcc_load_model_prec(cx->gguf, 0, cx->precision, &S->lm, msg, sizeof msg) != 0)
         return ckv_failf(err, errlen, KVCC_EXIT_FAILED, "--gguf: %s", msg);
     S->have_lm = 1;
+    /* bf16 on either side moves the log-probabilities of the same model by up to ~0.06 */
+    const kvcc_corpus_info *ci = kvcc_corpus_get_info(S->corpus);
+    S->lp_tol = cx->precision == KVCC_PREC_BF16 || (ci && strstr(ci->options, "precision=bf16"))
+                    ? KVCC_COMPILERKV_LP_TOL_BF16
+                    : KVCC_COMPILERKV_LP_TOL;
     const kvcc_model *m = S->lm.model;
     const kvcc_corpus_model *cm = kvcc_corpus_get_model(S->corpus);
     if ((uint32_t)m->hp.n_layer != cm->n_layers || (uint32_t)m->hp.n_head != cm->n_heads ||

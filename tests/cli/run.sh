@@ -123,6 +123,13 @@ if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   OMP_NUM_THREADS=1 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t1.h5" 2>/dev/null && \
   OMP_NUM_THREADS=2 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t2.h5" 2>/dev/null && \
     cmp -s "$tmp/t1.h5" "$tmp/t2.h5" && ok || bad "captures at 1 and 2 threads differ"
+  # and at 3 threads on oneDNN's AVX2 kernels, which split a threaded product's sums by the
+  # thread count (the model's products run in fixed tiles, one thread each)
+  if [ $san -eq 0 ]; then
+    ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=1 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t3.h5" 2>/dev/null && \
+    ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=3 "$KVCC" capture --prompts 1 --context 300 --continuation 8 --dtype f32 --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/t4.h5" 2>/dev/null && \
+      cmp -s "$tmp/t3.h5" "$tmp/t4.h5" && ok || bad "captures at 1 and 3 threads on oneDNN's AVX2 kernels differ"
+  fi
   # a kvcc with no bundled data beside it (not a checkout's build/, not installed), run outside
   # a checkout: the defaults are named, nothing is written
   mkdir -p "$tmp/nodata/bin" && cp "$KVCC" "$tmp/nodata/bin/kvcc"
@@ -456,6 +463,13 @@ done
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
   err=$("$KVCC" "${ck[@]}" --reward model --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf 2>&1); ex=$?
   [[ $ex -eq 2 && "$err" == *"is not the model"* ]] && ok || bad "--reward model on a synthetic corpus: exit $ex: $err"
+  # the model reward in bf16 on a bf16 capture: the same model is accepted (its log-probabilities
+  # move by up to ~0.06 in bf16), and the artifact does not depend on the thread count
+  "$KVCC" capture --prompts 1 --context 96 --continuation 16 --precision bf16 \
+    --text examples/data/heldout/2002_george_w_bush_r.txt -o "$tmp/ckb.h5" 2>/dev/null
+  same_at_threads "$tmp/ckrb.kvpol" "$KVCC" compile --model smollm2-135m --corpus "$tmp/ckb.h5" --policies compilerkv \
+    --budgets 32 --window 8 --cql-steps 100 --reward model --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+    --precision bf16 --head-actions 2 --gate-actions 2 && ok || bad "compilerkv --reward model --precision bf16 on a bf16 capture"
 fi
 [ ! -e "$tmp/ck.kvpol" ] && ok || bad "a refused CompilerKV compile wrote its output"
 # the layer caches in a temporary file (the default) and in memory give the same bytes; an
