@@ -503,7 +503,7 @@ BINDIR     ?= $(PREFIX)/bin
 LIBDIR     ?= $(PREFIX)/lib
 INCLUDEDIR ?= $(PREFIX)/include
 # BINDIR/../share/kvcc: where the installed kvcc looks for its data (compiler/util.c)
-DATADIR     = $(patsubst %/,%,$(dir $(BINDIR)))/share/kvcc
+DATADIR     = $(dir $(patsubst %/,%,$(BINDIR)))share/kvcc
 # kvcc capture's default model (compiler/cmd_capture.c DEFAULT_GGUF; scripts/fetch-model.sh)
 DEFAULT_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig

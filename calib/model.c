@@ -1008,16 +1008,22 @@ const char *kvcc_model_gemm_name(void) {
     return gemm_name;
 }
 
-/* The f32 products' tiles: MM_TILE_N rows of x by MM_TILE_ROWS rows of W */
+/* The f32 products' tiles: at most MM_TILE_N rows of x by MM_TILE_ROWS rows of W, halved (to
+ * 64 x 64 at the least) until a product has MM_TILES_MIN tiles, so that a many-core team has
+ * work on the small products too. A function of the product's shape only, never of the thread
+ * count. */
+#ifndef MM_TILES_MIN
+#define MM_TILES_MIN 16
+#endif
 #define MM_TILE_N 256
 #define MM_TILE_ROWS 128
-#define MM_TILE_BATCH 64 /* tiles handed to kvrt_cpu_sgemm_batch at once */
+#define MM_TILE_BATCH 64 /* tiles on the stack; more are malloc'd */
 
 /* y (n, rows) = x (n, cols) . W (rows, cols)^T + beta * y; ldy: row stride of y. One row (a
- * decode step) goes through the GEMV above; more in tiles of at most MM_TILE_N x MM_TILE_ROWS
- * outputs, each tile's product on one thread (kvrt_cpu_sgemm_batch; OpenBLAS held at one thread
- * for OpenBLAS-only builds), the tiles shared between the threads. The tiles depend on n and
- * rows only, so every output is summed the same way at any thread count. A product threaded by
+ * decode step) goes through the GEMV above; more in tiles (above), each tile's product on one
+ * thread (kvrt_cpu_sgemm_batch, one parallel region; OpenBLAS held at one thread for
+ * OpenBLAS-only builds), the tiles shared between the threads. The tiles depend on n and rows
+ * only, so every output is summed the same way at any thread count. A product threaded by
  * oneDNN's AVX2 sgemm is not: it splits the sums of a product by its thread count, at 1 and 2
  * threads for W of up to 64 rows (a Zen 3 EPYC; docs/benchmarks.md "A thread-count bug this VM
  * found"), and from 3 threads for the built-in model's 192-row k and v (capture and eval
@@ -1028,25 +1034,37 @@ static void matmul_t(const float *x, int n, int cols, const float *W, int rows, 
         gemv_fast(W, rows, cols, x, beta, y);
         return;
     }
-    const int tn = (n + MM_TILE_N - 1) / MM_TILE_N, tr = (rows + MM_TILE_ROWS - 1) / MM_TILE_ROWS;
+    if (n <= 0 || rows <= 0) return;
+    int bn = MM_TILE_N, br = MM_TILE_ROWS;
+    for (;;) {
+        const int64_t tiles = (int64_t)((n + bn - 1) / bn) * ((rows + br - 1) / br);
+        if (tiles >= MM_TILES_MIN || (bn <= 64 && br <= 64)) break;
+        if (bn >= br && bn > 64) bn /= 2;
+        else br /= 2;
+    }
+    const int tn = (n + bn - 1) / bn, tr = (rows + br - 1) / br;
     const int64_t n_tiles = (int64_t)tn * tr;
-    kvrt_sgemm_op ops[MM_TILE_BATCH];
+    kvrt_sgemm_op stack[MM_TILE_BATCH];
+    kvrt_sgemm_op *ops = n_tiles <= MM_TILE_BATCH ? stack : malloc(sizeof *ops * (size_t)n_tiles);
+    const int64_t per_call = ops == NULL ? MM_TILE_BATCH : n_tiles; /* no memory: 64 at a time */
+    if (ops == NULL) ops = stack;
     const int held = kvrt_cpu_openblas_hold();
-    for (int64_t t0 = 0; t0 < n_tiles; t0 += MM_TILE_BATCH) {
-        const int64_t nb = n_tiles - t0 < MM_TILE_BATCH ? n_tiles - t0 : MM_TILE_BATCH;
+    for (int64_t t0 = 0; t0 < n_tiles; t0 += per_call) {
+        const int64_t nb = n_tiles - t0 < per_call ? n_tiles - t0 : per_call;
         for (int64_t i = 0; i < nb; i++) {
             /* W-row tiles outermost: the tiles of one W block follow each other */
             const int r = (int)((t0 + i) / tn), c = (int)((t0 + i) % tn);
-            const int r0 = r * MM_TILE_ROWS, n0 = c * MM_TILE_N;
-            ops[i] = (kvrt_sgemm_op){.tb = 1, .m = n - n0 < MM_TILE_N ? n - n0 : MM_TILE_N,
-                                     .n = rows - r0 < MM_TILE_ROWS ? rows - r0 : MM_TILE_ROWS,
-                                     .k = cols, .alpha = 1.0f, .A = x + (size_t)n0 * cols,
-                                     .lda = cols, .B = W + (size_t)r0 * cols, .ldb = cols,
-                                     .beta = beta, .C = y + (size_t)n0 * ldy + r0, .ldc = ldy};
+            const int r0 = r * br, n0 = c * bn;
+            ops[i] = (kvrt_sgemm_op){.tb = 1, .m = n - n0 < bn ? n - n0 : bn,
+                                     .n = rows - r0 < br ? rows - r0 : br, .k = cols,
+                                     .alpha = 1.0f, .A = x + (size_t)n0 * cols, .lda = cols,
+                                     .B = W + (size_t)r0 * cols, .ldb = cols, .beta = beta,
+                                     .C = y + (size_t)n0 * ldy + r0, .ldc = ldy};
         }
         kvrt_cpu_sgemm_batch(ops, nb);
     }
     kvrt_cpu_openblas_restore(held);
+    if (ops != stack) free(ops);
 }
 
 // ---------------------------------------------------------------- bf16 products

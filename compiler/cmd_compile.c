@@ -119,6 +119,21 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     return k;
 }
 
+/* Whether a pass of run[] runs the built-in model (--gguf): CompilerKV's model reward or its
+ * reward check, KV2's stage 2, AM's repeat-prefill or self-study reference queries. */
+static int passes_run_model(const kvcc_pass *const *run, int n_run, const kvcc_compile_ctx *cx) {
+    if (!cx->gguf) return 0;
+    for (int i = 0; i < n_run; i++) {
+        const char *n = run[i]->name;
+        if (!strcmp(n, "kv2") ||
+            (!strcmp(n, "compilerkv") &&
+             ((cx->reward && !strcmp(cx->reward, "model")) || cx->ckv_reward_check)) ||
+            (!strcmp(n, "am") && cx->am_queries && strcmp(cx->am_queries, "context")))
+            return 1;
+    }
+    return 0;
+}
+
 /* The canonical options of the header: policies, seed, the prompts really used, and
  * precision=bf16 where the model ran in bf16 (only then, so that other artifacts' bytes are what
  * they were). */
@@ -128,8 +143,7 @@ static void header_options(kvpol_header *h, const char *policies, const kvcc_com
     if (cx->max_prompts && ol > 0 && ol < (int)sizeof h->compile_options)
         ol += snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol,
                        " prompts=%u", cx->max_prompts);
-    if (cx->precision == KVCC_PREC_BF16 && cx->gguf && ol > 0 &&
-        ol < (int)sizeof h->compile_options)
+    if (cx->model_bf16 && ol > 0 && ol < (int)sizeof h->compile_options)
         snprintf(h->compile_options + ol, sizeof h->compile_options - (size_t)ol,
                  " precision=bf16");
 }
@@ -421,9 +435,12 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
                     "--policies %s does not run: ignored\n", po[k].opt->name, po[k].pass->name,
                     policies);
     }
-    if (cx.precision == KVCC_PREC_BF16 && !gguf)
-        fprintf(stderr, "kvcc compile: warning: --precision bf16 without --gguf: no pass runs the "
-                "model, so it changes nothing\n");
+    cx.gguf = gguf;
+    cx.model_bf16 = cx.precision == KVCC_PREC_BF16 && passes_run_model(run, n_run, &cx);
+    if (cx.precision == KVCC_PREC_BF16 && !cx.model_bf16)
+        fprintf(stderr, "kvcc compile: warning: --precision bf16: no pass of --policies %s runs the "
+                "model here (--gguf with --reward model, KV2, or --am-queries repeat|self-study), "
+                "so it changes nothing\n", policies);
     if (corpus && !n_run)
         fprintf(stderr, "kvcc compile: warning: %s: the artifact holds no policy (the corpus is only "
                 "checked against the model); --policies all compiles every one\n",
@@ -451,7 +468,6 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
 
     kvpol_header *hp = &S->h;
 #define h (*hp)
-    cx.gguf = gguf; /* before the header: its options say whether the model ran in bf16 */
     make_header(&h, p, policies, &cx);
     kvpol_model *m = &h.model;
     kvpol_error err = {0};
@@ -463,7 +479,6 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
         fprintf(stderr, "kvcc compile: --gguf: %s\n", err.msg);
         return KVCC_EXIT_FAILED;
     }
-    cx.gguf = gguf;
     cx.model = m;
     char corpus_name[512];
     if (n_corpora > 1) { /* messages name the first shard and the count */

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kvcc.h"
+#include "kvpol_util.h" /* kvpol_rd64: the format's little-endian u64 */
 #include "passes/passes.h"
 
 static void shape_str(const kvpol_item *it, char *buf, size_t n) {
@@ -68,7 +69,7 @@ static void print_item_value(const kvpol_item *it) {
         int64_t i;
         if (kvpol_dtype_is_float(it->dtype) && kvpol_item_as_f64(it, &d) == 0) printf("%.17g", d);
         else if (kvpol_item_as_i64(it, &i) == 0) printf("%" PRId64, i);
-        else printf("%" PRIu64, *(const uint64_t *)it->data);
+        else printf("%" PRIu64, kvpol_rd64(it->data));
     } else if (it->count > 0 && kvpol_dtype_size(it->dtype) > 0) {
         /* every numeric dtype, element by element through the scalar reader: up to 8 elements
          * listed, more summarized; a value the reader does not convert: no summary */
@@ -93,17 +94,26 @@ static void print_item_value(const kvpol_item *it) {
     }
 }
 
-/* A number that reads back as the same double: cJSON prints 15 significant digits when they
- * come within its tolerance of the value, so an item's f32/f64 value could read back one ulp
- * off; %.17g is exact. Integers below 2^53 print as integers. */
+/* A number that reads back as the same double: cJSON prints an integer beyond the int range,
+ * or any other value, with 15 significant digits when they come within its tolerance of the
+ * value (9007199254740991 as 9.00719925474099e+15, an f32 value one ulp off). Here: integers up
+ * to 2^53 in full, other values with the fewest of 15, 16 or 17 digits that read back exactly;
+ * NaN and Inf (which an artifact cannot hold) as null. */
 static void add_exact_number(cJSON *o, const char *name, double v) {
     char buf[40];
-    if (!isfinite(v)) cJSON_AddNullToObject(o, name);
-    else if (v == floor(v) && fabs(v) <= 9007199254740992.0) cJSON_AddNumberToObject(o, name, v);
-    else {
-        snprintf(buf, sizeof buf, "%.17g", v);
-        cJSON_AddRawToObject(o, name, buf);
+    if (!isfinite(v)) {
+        cJSON_AddNullToObject(o, name);
+        return;
     }
+    if (v == floor(v) && fabs(v) <= 9007199254740992.0) {
+        snprintf(buf, sizeof buf, "%.0f", v);
+    } else {
+        for (int digits = 15; digits <= 17; digits++) {
+            snprintf(buf, sizeof buf, "%.*g", digits, v);
+            if (strtod(buf, NULL) == v) break;
+        }
+    }
+    cJSON_AddRawToObject(o, name, buf);
 }
 
 static cJSON *item_json(const kvpol_item *it) {
@@ -115,7 +125,7 @@ static cJSON *item_json(const kvpol_item *it) {
         cJSON *sh = cJSON_AddArrayToObject(o, "shape");
         for (uint32_t d = 0; d < it->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)it->dims[d]));
     }
-    cJSON_AddNumberToObject(o, "bytes", (double)it->nbytes);
+    add_exact_number(o, "bytes", (double)it->nbytes);
     if (it->kind == KVPOL_ITEM_STRING) {
         char *s = malloc((size_t)it->nbytes + 1);
         if (s) {
@@ -134,10 +144,10 @@ static cJSON *item_json(const kvpol_item *it) {
             if (kvpol_item_as_f64(it, &d) == 0) add_exact_number(o, "value", d);
         } else if (kvpol_item_as_i64(it, &i) == 0 && i <= (INT64_C(1) << 53) &&
                    i >= -(INT64_C(1) << 53)) {
-            cJSON_AddNumberToObject(o, "value", (double)i);
+            add_exact_number(o, "value", (double)i);
         } else {
             if (kvpol_item_as_i64(it, &i) == 0) snprintf(dec, sizeof dec, "%" PRId64, i);
-            else snprintf(dec, sizeof dec, "%" PRIu64, *(const uint64_t *)it->data);
+            else snprintf(dec, sizeof dec, "%" PRIu64, kvpol_rd64(it->data));
             cJSON_AddStringToObject(o, "value", dec);
         }
     } else if (it->count > 0 && kvpol_dtype_size(it->dtype) > 0) {
@@ -158,7 +168,7 @@ static int inspect_json(const char *path, kvpol_file *f) {
     char hx[17];
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "file", path);
-    cJSON_AddNumberToObject(root, "file_size", (double)h->file_size);
+    add_exact_number(root, "file_size", (double)h->file_size);
     char ver[16];
     snprintf(ver, sizeof ver, "%u.%u", h->version_major, h->version_minor);
     cJSON_AddStringToObject(root, "format_version", ver);
@@ -170,9 +180,9 @@ static int inspect_json(const char *path, kvpol_file *f) {
     cJSON_AddNumberToObject(m, "head_dim", h->model.head_dim);
     cJSON_AddNumberToObject(m, "vocab_size", h->model.vocab_size);
     cJSON_AddNumberToObject(m, "max_context", h->model.max_context);
-    cJSON_AddNumberToObject(m, "rope_theta", h->model.rope_theta);
+    add_exact_number(m, "rope_theta", h->model.rope_theta);
     cJSON_AddStringToObject(m, "rope_scaling", kvcc_rope_name(h->model.rope_scaling_type));
-    cJSON_AddNumberToObject(m, "rope_scaling_factor", h->model.rope_scaling_factor);
+    add_exact_number(m, "rope_scaling_factor", h->model.rope_scaling_factor);
     hex64(hx, h->model.model_hash);
     cJSON_AddStringToObject(m, "model_hash", hx);
     hex64(hx, h->corpus_hash);

@@ -53,8 +53,8 @@ int kvcc_list_texts(const char *dir, char **paths, int cap);
 /* Where the bundled data file or directory `rel` (a path relative to a checkout's root, e.g.
  * "examples/data/calib") is: `rel` itself when it exists from the current directory, else
  * <directory of the kvcc executable>/../share/kvcc/<rel> (make install puts the texts and a
- * fetched model there), else <that directory>/../<rel> or /../../<rel> (kvcc in a checkout's
- * build/ or build/san/), else `rel`
+ * fetched model there), else <that directory>/../<rel> or /../../<rel> where that directory is
+ * a checkout's root (it holds compiler/kvcc.h: kvcc in build/ or build/san/), else `rel`
  * (so that messages name the documented default). buf receives a path found that way. */
 const char *kvcc_data_path(const char *rel, char *buf, size_t cap);
 /* getopt_long for command CMD, with kvcc's messages instead of getopt's: an unknown option, a

@@ -183,18 +183,23 @@ int kvcc_list_texts(const char *dir, char **paths, int cap) {
 
 const char *kvcc_data_path(const char *rel, char *buf, size_t cap) {
     if (access(rel, F_OK) == 0 || cap == 0) return rel;
-    char exe[PATH_MAX];
+    char exe[PATH_MAX], root[PATH_MAX + 16];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0) return rel;
+    if (n <= 0 || n >= (ssize_t)sizeof exe - 1) return rel; /* none, or cut short */
     exe[n] = '\0';
     char *slash = strrchr(exe, '/');
     if (slash == NULL) return rel;
     *slash = '\0';
     /* installed (PREFIX/bin/kvcc), then a checkout's build trees (ROOT/build/kvcc,
-     * ROOT/build/san/kvcc) */
-    static const char *const fmt[] = {"%s/../share/kvcc/%s", "%s/../%s", "%s/../../%s"};
-    for (size_t i = 0; i < sizeof fmt / sizeof fmt[0]; i++) {
-        int w = snprintf(buf, cap, fmt[i], exe, rel);
+     * ROOT/build/san/kvcc): a directory above counts as a checkout only when it holds
+     * compiler/kvcc.h, so an installed kvcc never picks up unrelated files above its bin/ */
+    int w = snprintf(buf, cap, "%s/../share/kvcc/%s", exe, rel);
+    if (w > 0 && (size_t)w < cap && access(buf, F_OK) == 0) return buf;
+    static const char *const up[] = {"/..", "/../.."};
+    for (size_t i = 0; i < sizeof up / sizeof up[0]; i++) {
+        w = snprintf(root, sizeof root, "%s%s/compiler/kvcc.h", exe, up[i]);
+        if (w <= 0 || (size_t)w >= sizeof root || access(root, F_OK) != 0) continue;
+        w = snprintf(buf, cap, "%s%s/%s", exe, up[i], rel);
         if (w > 0 && (size_t)w < cap && access(buf, F_OK) == 0) return buf;
     }
     return rel;

@@ -348,7 +348,10 @@ static int run_kv2(kvrt_ctx *ctx, const kvrt_kv2_schedule *s, const kvrt_model_d
     float *qn = malloc(sizeof(float) * T * qrow), *kn = malloc(sizeof(float) * T * krow);
     void *dq = NULL, *dk = NULL, *dkn = NULL, *dv = NULL;
     kvrt_cache *cache = NULL;
-    if (pos == NULL || qn == NULL || kn == NULL) rc = KVRT_ERR_NOMEM;
+    if (pos == NULL || qn == NULL || kn == NULL) {
+        fprintf(stderr, "error: out of memory\n");
+        rc = KVRT_ERR_NOMEM;
+    }
     /* stage 1, as the prefill goes: each layer's keys in the context's memory */
     for (uint32_t l = 0; rc == KVRT_OK && l < L; l++) {
         fake_layer(l, T, H, Hkv, d, q, k, v);
@@ -407,7 +410,6 @@ static int run_kv2(kvrt_ctx *ctx, const kvrt_kv2_schedule *s, const kvrt_model_d
         print_positions("kv2", kept, n0);
         rc = decode_query(ctx, q + (size_t)(T - 1) * qrow, H, d, cache, "kv2", "the cache");
     }
-    if (rc == KVRT_ERR_NOMEM && pos == NULL) fprintf(stderr, "error: out of memory\n");
     kvrt_ctx_dealloc(ctx, dk);
     kvrt_ctx_dealloc(ctx, dv);
     kvrt_cache_free(cache);

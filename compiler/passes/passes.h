@@ -55,6 +55,8 @@ typedef struct {
     const char *reward;             /* "attention" (default) or "model" */
     const char *gguf;               /* --gguf: the model file (reward "model") */
     int precision;                  /* --precision: KVCC_PREC_F32 (0, default) or KVCC_PREC_BF16 */
+    int model_bf16;                 /* some pass runs the model (gguf) in bf16: the header's
+                                     * options say precision=bf16 (kvcc compile sets it) */
     uint32_t ckv_reward_check;      /* --reward-check N (0: off) */
     const char *ckv_transfer_check; /* --transfer-check OTHER.h5 (NULL: off) */
     const char *ckv_head_states;    /* --head-states group|head */

@@ -494,6 +494,7 @@ class Cache(_Handle):
     def create(cls, n_kv_heads: int, head_dim: int, counts: Sequence[int],
                dtype: str = "f32") -> "Cache":
         """kvrt_cache_create: counts[j] zeroed entries for head j (bias 0, positions -1)."""
+        n_kv_heads, head_dim = _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim")
         cnt = np.ascontiguousarray(counts, dtype=np.int64)
         if cnt.shape != (n_kv_heads,):
             raise KvrtError(ERR_SHAPE, f"kvrt.Cache.create: counts: got shape {list(cnt.shape)}, "
@@ -721,18 +722,35 @@ def _method_code(method: Union[str, int]) -> int:
     return m
 
 
+def _frame_name(f) -> str:
+    """kvrt.[hf.]Class.method (or kvrt.function) of frame f: a constructor names the class of
+    the object it builds; without co_qualname (Python < 3.11) the class comes from self/cls."""
+    code, mod = f.f_code, f.f_globals.get("__name__", "")
+    prefix = "kvrt.hf." if mod == "kvrt.hf" else "kvrt."
+    obj = f.f_locals.get("self", f.f_locals.get("cls"))
+    if code.co_name == "__init__" and obj is not None:
+        return prefix + type(obj).__name__
+    q = getattr(code, "co_qualname", None)
+    if q is None:
+        q = code.co_name
+        if obj is not None:
+            q = (obj.__name__ if isinstance(obj, type) else type(obj).__name__) + "." + q
+    return prefix + q
+
+
 def _api_name() -> str:
     """The public kvrt function the user called, as "kvrt.Class.method" (or "kvrt.function"):
     the outermost frame of the kvrt package on the stack whose function name is not private (a
-    constructor names its class; a public function that another one calls is not what the user
-    called). "kvrt" when there is none. For the messages of the argument checks that many calls
-    share (_uint, _number, option fields)."""
+    public function that another one calls is not what the user called). "kvrt" when there is
+    none. For the messages of the argument checks that many calls share (_uint, _number, option
+    fields)."""
     name, f = "kvrt", sys._getframe(1)
-    while f is not None and f.f_globals.get("__name__", "").startswith("kvrt"):
-        code = f.f_code
-        if not code.co_name.startswith("_") or code.co_name == "__init__":
-            q = getattr(code, "co_qualname", code.co_name)
-            name = "kvrt." + (q.rsplit(".", 1)[0] if code.co_name == "__init__" else q)
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        if mod != "kvrt" and not mod.startswith("kvrt."):
+            break
+        if not f.f_code.co_name.startswith("_") or f.f_code.co_name == "__init__":
+            name = _frame_name(f)
         f = f.f_back
     return name
 

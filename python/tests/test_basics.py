@@ -161,7 +161,17 @@ def test_refusals_name_the_argument():
     s = kvrt.method_select("knorm", None, kvrt.as_f32(np.swapaxes(k, 0, 1).astype(np.float64)), 2, n_sink=1)
     assert s.counts.tolist() == [2] * 50
     # integers and numbers are checked before ctypes wraps or parses them
-    # (the message names the function the user called, not the helper that checks)
+    # (the message names the function the user called, not the helper that checks; without
+    # co_qualname, Python < 3.11, the class comes from self or cls)
+    from types import SimpleNamespace as NS
+    from kvrt._core import _frame_name
+    code = NS(co_name="ratios")
+    assert _frame_name(NS(f_code=code, f_globals={"__name__": "kvrt.policy"},
+                          f_locals={"self": kvrt.Context("cpu", threads=1)})) == "kvrt.Context.ratios"
+    assert _frame_name(NS(f_code=NS(co_name="create"), f_globals={"__name__": "kvrt._core"},
+                          f_locals={"cls": kvrt.Cache})) == "kvrt.Cache.create"
+    assert _frame_name(NS(f_code=NS(co_name="apply"), f_globals={"__name__": "kvrt.hf"},
+                          f_locals={})) == "kvrt.hf.apply"
     with pytest.raises(kvrt.ArgError, match=r"^kvrt\.method_select: window: got -1, expected an integer in 0\.\.4294967295"):
         kvrt.method_select("snapkv", rnd(50, 9, 8), k, 20, window=-1)
     with pytest.raises(kvrt.ArgError, match=r"^kvrt\.method_select: budget: got '16', expected a number"):
