@@ -69,6 +69,21 @@ static int fail_call(const char *what, int rc) {
     return rc;
 }
 
+/* The same for a call on a context (its message is the context's last error). */
+static int fail_ctx(kvrt_ctx *ctx, const char *what, int rc) {
+    fprintf(stderr, "error: %s: %s (%s)\n", what, kvrt_ctx_last_error(ctx)->msg,
+            kvrt_status_name(rc));
+    return rc;
+}
+
+/* "<what>: KV head 0 keeps positions p0 p1 ... (the first 12, and the last)" */
+static void print_positions(const char *what, const int32_t *pos, int64_t n) {
+    printf("%s: KV head 0 keeps positions", what);
+    for (int64_t i = 0; i < n && i < 12; i++) printf(" %d", pos[i]);
+    if (n > 12) printf(" ... %d", pos[n - 1]);
+    printf("\n");
+}
+
 /* A copy of host[0..bytes) in ctx's memory (device memory on a CUDA context). NULL on failure,
  * with the message printed. */
 static void *to_ctx(kvrt_ctx *ctx, const void *host, size_t bytes) {
@@ -76,8 +91,7 @@ static void *to_ctx(kvrt_ctx *ctx, const void *host, size_t bytes) {
     int rc = kvrt_ctx_alloc(ctx, bytes, &p);
     if (rc == KVRT_OK) rc = kvrt_ctx_upload(ctx, p, host, bytes);
     if (rc != KVRT_OK) {
-        fprintf(stderr, "error: copying %zu bytes into the context's memory: %s (%s)\n", bytes,
-                kvrt_ctx_last_error(ctx)->msg, kvrt_status_name(rc));
+        fail_ctx(ctx, "copying into the context's memory", rc);
         kvrt_ctx_dealloc(ctx, p);
         return NULL;
     }
@@ -101,8 +115,7 @@ static int decode_query(kvrt_ctx *ctx, const float *q_last, uint32_t H, uint32_t
         printf("%s: one decode query over %s: out[0][0..3] %.4f %.4f %.4f %.4f\n", what, over,
                out[0], out[1], out[2], out[3]);
     else
-        fprintf(stderr, "error: kvrt_attend: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                kvrt_status_name(rc));
+        fail_ctx(ctx, "kvrt_attend", rc);
     kvrt_ctx_dealloc(ctx, dq);
     kvrt_ctx_dealloc(ctx, dout);
     free(out);
@@ -144,8 +157,7 @@ static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
         dk = dq ? to_ctx(ctx, k, kbytes) : NULL;
         if (dk == NULL) rc = KVRT_ERR_NOMEM;
         else if ((rc = kvrt_compilerkv_prompt_add_layer_ctx(ctx, pr, dq, dk, H, Hkv, d)) != KVRT_OK)
-            fprintf(stderr, "error: kvrt_compilerkv_prompt_add_layer_ctx: %s (%s)\n",
-                    kvrt_ctx_last_error(ctx)->msg, kvrt_status_name(rc));
+            fail_ctx(ctx, "kvrt_compilerkv_prompt_add_layer_ctx", rc);
         kvrt_ctx_dealloc(ctx, dq);
         kvrt_ctx_dealloc(ctx, dk);
         dq = dk = NULL;
@@ -166,18 +178,13 @@ static int run_compilerkv(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
         (rc = kvrt_cache_gather(k, v, T, Hkv, d, sel, KVRT_DTYPE_F16, &host_cache)) != KVRT_OK)
         rc = fail_call("kvrt_cache_gather", rc);
     if (rc == KVRT_OK && (rc = kvrt_cache_to_device(ctx, host_cache, &cache)) != KVRT_OK)
-        fprintf(stderr, "error: kvrt_cache_to_device: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                kvrt_status_name(rc));
+        fail_ctx(ctx, "kvrt_cache_to_device", rc);
     if (rc == KVRT_OK) {
         printf("compilerkv: layer %u, %lld context tokens, budget %lld: kept %lld, one set for "
                "all KV heads (tau %.4g, risk bins %d/%d), f16 cache %zu bytes\n", layer,
                (long long)T, (long long)budget, (long long)st.kept, st.tau, st.b_ent, st.b_ppl,
                kvrt_cache_bytes(cache));
-        const int64_t n0 = sel->offsets[1] - sel->offsets[0];
-        printf("compilerkv: KV head 0 keeps positions");
-        for (int64_t i = 0; i < n0 && i < 8; i++) printf(" %d", sel->positions[i]);
-        if (n0 > 8) printf(" ... %d", sel->positions[n0 - 1]);
-        printf("\n");
+        print_positions("compilerkv", sel->positions, sel->offsets[1] - sel->offsets[0]);
         rc = decode_query(ctx, q + (size_t)(T - 1) * H * d, H, d, cache, "compilerkv",
                           "the kept tokens");
     }
@@ -273,8 +280,7 @@ static int run_compkv(kvrt_ctx *ctx, const kvrt_compkv_grouping *g, const kvrt_m
         rc = fail_call("kvrt_compkv_step", rc);
     if (rc == KVRT_OK && ((rc = kvrt_ctx_download(ctx, out, dout, obytes)) != KVRT_OK ||
                           (rc = kvrt_ctx_download(ctx, blocks, dblocks, bbytes)) != KVRT_OK))
-        fprintf(stderr, "error: kvrt_ctx_download: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                kvrt_status_name(rc));
+        fail_ctx(ctx, "kvrt_ctx_download", rc);
     if (rc == KVRT_OK) {
         printf("compkv: layer %u, %lld tokens in %lld blocks: one step reads %lld blocks per KV "
                "head\n", layer, (long long)kvrt_compkv_length(st), (long long)n_blocks,
@@ -306,19 +312,11 @@ static int32_t *head0_positions(kvrt_ctx *ctx, const kvrt_cache *cache, int64_t 
     int rc = *n0 > 0 ? kvrt_ctx_download(ctx, pos, cache->positions, sizeof(int32_t) * (size_t)*n0)
                      : KVRT_OK;
     if (rc != KVRT_OK) {
-        fprintf(stderr, "error: kvrt_ctx_download: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                kvrt_status_name(rc));
+        fail_ctx(ctx, "kvrt_ctx_download", rc);
         free(pos);
         return NULL;
     }
     return pos;
-}
-
-static void print_positions(const char *what, const int32_t *pos, int64_t n) {
-    printf("%s: KV head 0 keeps positions", what);
-    for (int64_t i = 0; i < n && i < 12; i++) printf(" %d", pos[i]);
-    if (n > 12) printf(" ... %d", pos[n - 1]);
-    printf("\n");
 }
 
 /* KV²: stage 1 scores every layer's keys (the proxy); stage 2 runs, chunk by chunk, the
@@ -641,8 +639,7 @@ int main(int argc, char **argv) {
     if (rc == KVRT_OK && dev == KVRT_DEVICE_CUDA)
         rc = kvrt_ctx_download(ctx, scores, buf, sizeof scores);
     if (rc != KVRT_OK)
-        fprintf(stderr, "error: softmax: %s (%s)\n", kvrt_ctx_last_error(ctx)->msg,
-                kvrt_status_name(rc));
+        fail_ctx(ctx, "softmax", rc);
     else
         printf("softmax row 0: %.4f %.4f %.4f %.4f ...\n", scores[0], scores[1], scores[2],
                scores[3]);
