@@ -142,13 +142,14 @@ static cJSON *item_json(const kvpol_item *it) {
         char dec[24];
         if (kvpol_dtype_is_float(it->dtype)) {
             if (kvpol_item_as_f64(it, &d) == 0) add_exact_number(o, "value", d);
-        } else if (kvpol_item_as_i64(it, &i) == 0 && i <= (INT64_C(1) << 53) &&
-                   i >= -(INT64_C(1) << 53)) {
-            add_exact_number(o, "value", (double)i);
-        } else {
-            if (kvpol_item_as_i64(it, &i) == 0) snprintf(dec, sizeof dec, "%" PRId64, i);
-            else snprintf(dec, sizeof dec, "%" PRIu64, kvpol_rd64(it->data));
+        } else if (kvpol_item_as_i64(it, &i) != 0) { /* a u64 past INT64_MAX */
+            snprintf(dec, sizeof dec, "%" PRIu64, kvpol_rd64(it->data));
             cJSON_AddStringToObject(o, "value", dec);
+        } else if (i > (INT64_C(1) << 53) || i < -(INT64_C(1) << 53)) {
+            snprintf(dec, sizeof dec, "%" PRId64, i);
+            cJSON_AddStringToObject(o, "value", dec);
+        } else {
+            add_exact_number(o, "value", (double)i);
         }
     } else if (it->count > 0 && kvpol_dtype_size(it->dtype) > 0) {
         double mn, mx, mean;
