@@ -272,8 +272,8 @@ int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t l
         for (uint32_t i = 0; i < s->n_targets && len + 16 < sizeof list; i++)
             len += (size_t)snprintf(list + len, sizeof list - len, "%s%g", i ? ", " : "",
                                     s->targets[i]);
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: target ratio %g is not compiled (compiled: %s)", fn,
-                         target, list);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: target ratio %.10g is not compiled (compiled: %s; "
+                         "matched within 1e-6 relative)", fn, target, list);
     }
     *ratios = s->ratios + ((size_t)hit * s->n_layers + layer) * s->n_kv_heads;
     return KVRT_OK;

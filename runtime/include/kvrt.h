@@ -351,7 +351,8 @@ void kvrt_method_opts_init(kvrt_method_opts *o, int method, int64_t budget);
  *             KV head index (the caller mixes the layer into the seed).
  *  snapkv     scores = sum over the last `window` queries of their causal softmax rows (scale
  *             1/sqrt(d)), average-pooled along positions; keep the window itself plus the top
- *             budget - window positions before it (budget >= window; T <= window: all).
+ *             budget - window positions before it (budget >= min(window, T): a budget below the window
+ *             is refused; T <= window: budget must be T, all kept).
  *  h2o        scores = sum over all T queries of their causal softmax rows (accumulated
  *             attention; computed in query blocks, never a T x T matrix); keep the recent
  *             window of budget / 2 (rounded down) last positions plus the budget - budget / 2
@@ -568,7 +569,10 @@ const char *kvrt_am_query_source_name(int query_source);
 typedef struct kvrt_am_schedule kvrt_am_schedule;
 int kvrt_am_open(const kvrt_policy *p, kvrt_am_schedule **out);
 void kvrt_am_schedule_free(kvrt_am_schedule *s);
-/* The compiled options: key_select and chunk from the artifact, the rest kvrt_am_opts_init's. */
+/* The compiled options: key_select, chunk, beta_floor, n_sink, recent_frac, omp_batch and
+ * products from the artifact (an artifact written before an item existed: what ran before it,
+ * i.e. zero-weight keys dropped (beta_floor NaN), no exact sinks or recent window, f32
+ * products), the rest (ridge, nnls_max_iter, max_queries) kvrt_am_opts_init's. */
 int kvrt_am_schedule_opts(const kvrt_am_schedule *s, kvrt_am_opts *out);
 /* The reference-query source the schedule was calibrated with (kvrt_am_query_source). */
 int kvrt_am_schedule_query_source(const kvrt_am_schedule *s, int *query_source);
@@ -588,10 +592,11 @@ int kvrt_am_schedule_targets(const kvrt_am_schedule *s, const double **targets, 
 int kvrt_am_schedule_ratios(const kvrt_am_schedule *s, double target, uint32_t layer,
                             const float **ratios);
 /* One layer with the compiled schedule (kvrt_am_compact_layer with the ratios of `layer` for
- * `target`). o NULL: the compiled options. o non-NULL whose key_select or chunk differ from the
- * compiled ones: KVRT_ERR_ARG naming the option, unless flags has KVRT_OVERRIDE_OPTIONS (the
- * ridge, nnls_max_iter and max_queries, which the calibration ran at kvrt_am_opts_init's values,
- * are held to those the same way). */
+ * `target`). o NULL: the compiled options. o non-NULL where any option differs from
+ * kvrt_am_schedule_opts' (key_select, chunk, beta_floor, n_sink, recent_frac, omp_batch,
+ * products, and the ridge, nnls_max_iter and max_queries the calibration ran at
+ * kvrt_am_opts_init's values): KVRT_ERR_ARG naming the option, unless flags has
+ * KVRT_OVERRIDE_OPTIONS. */
 int kvrt_am_compact_scheduled(kvrt_ctx *ctx, const kvrt_am_schedule *s, const kvrt_am_opts *o,
                               unsigned flags, double target, uint32_t layer, const float *q,
                               const float *k, const float *v, int64_t T, uint32_t n_heads,
@@ -890,7 +895,8 @@ int kvrt_mr_compress_scheduled(kvrt_ctx *ctx, const kvrt_mr_schedule *s, const k
  * holds the last min(w, B/2) tokens when B < 2w, else the last w (kvrt_compilerkv_kept_window). */
 #define KVRT_COMPILERKV_ENT_BINS 20
 #define KVRT_COMPILERKV_PPL_BINS 4
-#define KVRT_COMPILERKV_NEAREST_BUDGET 0x1u    /* flag: an uncompiled budget uses the nearest */
+#define KVRT_COMPILERKV_NEAREST_BUDGET 0x1u    /* flag: an uncompiled budget uses the nearest
+                                                * in tokens (a tie: the smaller) */
 /* The compiled tables. Owned arrays; create/free. Callers may overwrite w_head / t_gate values
  * in place (the compiler does between rounds). */
 typedef struct {
