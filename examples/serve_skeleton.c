@@ -8,8 +8,9 @@
  * compiled schedule, key selection and chunk), CompKV (a decode state with the compiled
  * grouping and one decode step), KV² (the two-stage plan with the compiled rho: proxy scores of
  * every layer, the reconstruction tokens' attention, one layer's cache) and merge-reduce (one
- * layer compressed with the compiled basis, and a decode stream). The q/k/v are made up (deterministic, well-formed, of the
- * artifact's dimensions); a real server passes its own post-RoPE activations of the layer.
+ * layer compressed with the compiled basis, and a decode stream). The q/k/v are made up
+ * (deterministic, well-formed, of the artifact's dimensions); a real server passes its own
+ * post-RoPE activations of the layer.
  * Every activation a policy reads is in the context's memory (kvrt_ctx_alloc + kvrt_ctx_upload:
  * device memory on a CUDA context, host memory on a CPU one), so the same calls run on either:
  * CompilerKV (kvrt_compilerkv_prompt_add_layer_ctx, kvrt_compilerkv_select; the kept tokens
