@@ -1012,9 +1012,7 @@ const char *kvcc_model_gemm_name(void) {
  * 64 x 64 at the least) until a product has MM_TILES_MIN tiles, so that a many-core team has
  * work on the small products too. A function of the product's shape only, never of the thread
  * count. */
-#ifndef MM_TILES_MIN
 #define MM_TILES_MIN 16
-#endif
 #define MM_TILE_N 256
 #define MM_TILE_ROWS 128
 #define MM_TILE_BATCH 64 /* tiles on the stack; more are malloc'd */

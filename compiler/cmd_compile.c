@@ -119,18 +119,10 @@ static int parse_policies(const char *policies, const kvcc_pass **run, char *can
     return k;
 }
 
-/* Whether a pass of run[] runs the built-in model (--gguf): CompilerKV's model reward or its
- * reward check, KV2's stage 2, AM's repeat-prefill or self-study reference queries. */
+/* Whether a pass of run[] runs the built-in model (each pass's uses_model). */
 static int passes_run_model(const kvcc_pass *const *run, int n_run, const kvcc_compile_ctx *cx) {
-    if (!cx->gguf) return 0;
-    for (int i = 0; i < n_run; i++) {
-        const char *n = run[i]->name;
-        if (!strcmp(n, "kv2") ||
-            (!strcmp(n, "compilerkv") &&
-             ((cx->reward && !strcmp(cx->reward, "model")) || cx->ckv_reward_check)) ||
-            (!strcmp(n, "am") && cx->am_queries && strcmp(cx->am_queries, "context")))
-            return 1;
-    }
+    for (int i = 0; i < n_run; i++)
+        if (run[i]->uses_model && run[i]->uses_model(cx)) return 1;
     return 0;
 }
 

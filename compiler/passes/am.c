@@ -348,6 +348,11 @@ static const char *am_source(const kvcc_compile_ctx *cx) {
     return "context";
 }
 
+/* Repeat-prefill and self-study reference queries run the built-in model. */
+static int am_uses_model(const kvcc_compile_ctx *cx) {
+    return cx->gguf && strcmp(am_source(cx), "context") != 0;
+}
+
 /* --am-self-tokens: self-study's answer tokens per turn (auto: AM_SELF_STUDY_TOKENS) */
 static int am_self_tokens(const kvcc_compile_ctx *cx) {
     return cx->am_self_tokens ? (int)cx->am_self_tokens : AM_SELF_STUDY_TOKENS;
@@ -1122,6 +1127,7 @@ const kvcc_pass kvcc_pass_am = {
     .needs_corpus = 1,
     .options = am_options,
     .check = am_check,
+    .uses_model = am_uses_model,
     .run = am_run,
     .inspect = am_inspect,
     .eval_methods = am_eval_methods,

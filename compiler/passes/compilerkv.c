@@ -994,10 +994,19 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
 // ----------------------------------------------------------------------------
 // options, checks, reports
 
+/* The model reward and --reward-check run the built-in model. */
+static int ckv_model_wanted(const kvcc_compile_ctx *cx) {
+    return cx->ckv_reward_check || (cx->reward && !strcmp(cx->reward, "model"));
+}
+
+static int ckv_uses_model(const kvcc_compile_ctx *cx) {
+    return cx->gguf && ckv_model_wanted(cx);
+}
+
 /* Before any work: the model reward and --reward-check need the GGUF; the --transfer-check
  * corpus must open and match the model. */
 static int ckv_check(const kvcc_compile_ctx *cx, char *err, size_t errlen) {
-    if (!cx->gguf && (cx->ckv_reward_check || (cx->reward && !strcmp(cx->reward, "model"))))
+    if (!cx->gguf && ckv_model_wanted(cx))
         return ckv_failf(err, errlen, KVCC_EXIT_USAGE,
                          "%s needs the model the corpus was captured with: --gguf FILE.gguf",
                          cx->ckv_reward_check ? "--reward-check" : "--reward model");
@@ -1248,6 +1257,7 @@ const kvcc_pass kvcc_pass_compilerkv = {
     .needs_corpus = 1,
     .options = ckv_options,
     .check = ckv_check,
+    .uses_model = ckv_uses_model,
     .run = ckv_run,
     .report = ckv_report,
     .inspect = ckv_inspect,

@@ -725,6 +725,9 @@ static const kvcc_pass_option kv2_options[] = {
     {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
 };
 
+/* Stage 2 runs the built-in model whenever it is given (else re-rotated stored queries). */
+static int kv2_uses_model(const kvcc_compile_ctx *cx) { return cx->gguf != NULL; }
+
 const kvcc_pass kvcc_pass_kv2 = {
     .name = "kv2",
     .title = "KV2 (two-stage selective reconstruction)",
@@ -732,6 +735,7 @@ const kvcc_pass kvcc_pass_kv2 = {
     .needs_corpus = 1,
     .options = kv2_options,
     .check = kv2_check,
+    .uses_model = kv2_uses_model,
     .run = kv2_run,
     .inspect = kv2_inspect,
     .eval_methods = kv2_eval_methods,

@@ -118,6 +118,9 @@ typedef struct {
     /* Once the corpus is open and before any work: the options checked against each other (and
      * any file they name). 0, or a KVCC_EXIT_* status with the message in err (may be NULL). */
     int (*check)(const kvcc_compile_ctx *c, char *err, size_t errlen);
+    /* Whether run() runs the built-in model (c->gguf) with these options: kvcc compile records
+     * --precision bf16 in the header only then. NULL: never. */
+    int (*uses_model)(const kvcc_compile_ctx *c);
     /* Compute and write the group's sections into w. 0 on success; else a KVCC_EXIT_* status
      * with a message in err naming the file, the field and the expected value. */
     int (*run)(const kvcc_compile_ctx *c, kvpol_writer *w, char *err, size_t errlen);

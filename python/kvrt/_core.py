@@ -717,7 +717,7 @@ def _method_code(method: Union[str, int]) -> int:
         return method
     m = lib.kvrt_method_from_name(_METHOD_ALIASES.get(method, method).encode())
     if m < 0:
-        raise KvrtError(ERR_ARG, f"{_api_name()}: method: got {method!r}, expected one of "
+        raise _arg_error(f"method: got {method!r}, expected one of "
                                  f"{', '.join(METHODS)} (or 'streamingllm')")
     return m
 
@@ -755,12 +755,17 @@ def _api_name() -> str:
     return name
 
 
+def _arg_error(msg: str) -> KvrtError:
+    """An ArgError whose message starts with the function the user called (_api_name)."""
+    return KvrtError(ERR_ARG, f"{_api_name()}: {msg}")
+
+
 def _uint(v, name: str, bits: int = 32) -> int:
     """An unsigned integer argument (a layer, a count, an option) checked before ctypes wraps
     it: -1 would reach C as 4294967295. ArgError naming the argument."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or \
             not 0 <= int(v) < (1 << bits):
-        raise KvrtError(ERR_ARG, f"{_api_name()}: {name}: got {v!r}, expected an integer in "
+        raise _arg_error(f"{name}: got {v!r}, expected an integer in "
                                  f"0..{(1 << bits) - 1}")
     return int(v)
 
@@ -768,7 +773,7 @@ def _uint(v, name: str, bits: int = 32) -> int:
 def _number(v, name: str) -> float:
     """A real argument (a budget, a ratio, a target): a str such as "16" is refused, not parsed."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise KvrtError(ERR_ARG, f"{_api_name()}: {name}: got {v!r}, expected a number")
+        raise _arg_error(f"{name}: got {v!r}, expected a number")
     return float(v)
 
 
@@ -1035,7 +1040,7 @@ def _fill_opts(struct_type, init, base, what: str, kw: Dict[str, Any],
         if val is None:
             continue
         if key not in names:
-            raise KvrtError(ERR_ARG, f"{_api_name()}: {what} option {key!r} unknown, expected one of "
+            raise _arg_error(f"{what} option {key!r} unknown, expected one of "
                                      f"{', '.join(names)}")
         if convert and key in convert:
             val = convert[key](val)
@@ -1057,7 +1062,7 @@ def _field_value(ftype, val, name: str):
         bits = _SIGNED[ftype]
         if not isinstance(val, (int, np.integer, np.bool_)) or \
                 not -(1 << (bits - 1)) <= int(val) < (1 << (bits - 1)):  # bools: flags
-            raise KvrtError(ERR_ARG, f"{_api_name()}: {name}: got {val!r}, expected an integer")
+            raise _arg_error(f"{name}: got {val!r}, expected an integer")
         return int(val)
     if ftype in (ctypes.c_double, ctypes.c_float):
         return _number(val, name)

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (_api_name, _fill_opts, _addr, ArrayLike, Cache, Context,
+from ._core import (_arg_error, _fill_opts, _addr, ArrayLike, Cache, Context,
                     _carg, _ccache, _ctx, _dtype_code, _Handle, _uint, _number, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 
@@ -31,7 +31,7 @@ def _proxy(val):
         return val
     p = lib.kvrt_kv2_proxy_from_name(val.encode())
     if p < 0:
-        raise KvrtError(ERR_ARG, f"{_api_name()}: KV2 proxy: got {val!r}, expected 'keydiff' or 'knorm'")
+        raise _arg_error(f"KV2 proxy: got {val!r}, expected 'keydiff' or 'knorm'")
     return p
 
 
@@ -39,7 +39,7 @@ def _aggregate(val):
     if not isinstance(val, str):
         return val
     if val not in _AGG:
-        raise KvrtError(ERR_ARG, f"{_api_name()}: KV2 aggregate: got {val!r}, expected 'mean' or 'max'")
+        raise _arg_error(f"KV2 aggregate: got {val!r}, expected 'mean' or 'max'")
     return _AGG[val]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (_api_name, _fill_opts, ArrayLike, Cache, Context,
+from ._core import (_arg_error, _fill_opts, ArrayLike, Cache, Context,
                     _carg, _ccache, _ctx, _dtype_code, _Handle, _uint, _number, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, KvrtError, check
 from .policy import _policy_dims
@@ -22,7 +22,7 @@ def _reducer(val):
         return val
     r = lib.kvrt_mr_reducer_from_name(val.encode())
     if r < 0:
-        raise KvrtError(ERR_ARG, f"{_api_name()}: merge-reduce reducer: got {val!r}, expected "
+        raise _arg_error(f"merge-reduce reducer: got {val!r}, expected "
                                  "'random' or 'cluster'")
     return r
 

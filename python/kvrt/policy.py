@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _lib
 from ._lib import lib
-from ._core import (_api_name, _fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
+from ._core import (_arg_error, _fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
                     _cout, _ctx, _dtype_code, _Handle, _out, _uint, _number, OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
@@ -488,7 +488,7 @@ def _choice(name: str, table: Dict[str, int]):
             return val
         if val not in table:
             names = " or ".join(repr(k) for k in table)
-            raise KvrtError(ERR_ARG, f"{_api_name()}: AM {name}: got {val!r}, expected {names}")
+            raise _arg_error(f"AM {name}: got {val!r}, expected {names}")
         return table[val]
     return conv
 
@@ -571,7 +571,7 @@ def _query_source(val) -> int:
     if not isinstance(val, str):
         return int(val)
     if val not in _QUERY_SOURCE:
-        raise KvrtError(ERR_ARG, f"{_api_name()}: AM query_source: got {val!r}, expected 'context', "
+        raise _arg_error(f"AM query_source: got {val!r}, expected 'context', "
                                  "'repeat' or 'self-study'")
     return _QUERY_SOURCE[val]
 
