@@ -18,6 +18,7 @@
 #include "eval_methods.h"
 #include "model.h"
 #include "needle.h"
+#include "json.h"
 #include "kvcc.h"
 #include "kvrt_experimental.h"
 #include "passes/passes.h"
@@ -399,10 +400,10 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
         kvpol_close(pf);
     }
     cJSON_AddStringToObject(root, "model", r->model_name);
-    cJSON_AddNumberToObject(root, "prompts", r->prompts);
-    cJSON_AddNumberToObject(root, "context_len", r->context_len);
-    cJSON_AddNumberToObject(root, "continuation_len", r->continuation_len);
-    cJSON_AddNumberToObject(root, "full_cache_bytes", r->full_bytes_mean);
+    kvcc_json_number(root, "prompts", r->prompts);
+    kvcc_json_number(root, "context_len", r->context_len);
+    kvcc_json_number(root, "continuation_len", r->continuation_len);
+    kvcc_json_number(root, "full_cache_bytes", r->full_bytes_mean);
     if (r->decode_note[0]) cJSON_AddStringToObject(root, "decode_rows", r->decode_note);
     if (r->n_notes) {
         cJSON *notes = cJSON_AddArrayToObject(root, "notes");
@@ -411,8 +412,8 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
     }
     if (r->n_needle_ctx) {
         cJSON *nd = cJSON_AddObjectToObject(root, "needle");
-        cJSON_AddNumberToObject(nd, "haystacks", r->needle_haystacks);
-        cJSON_AddNumberToObject(nd, "questions_per_haystack", r->needle_keys);
+        kvcc_json_number(nd, "haystacks", r->needle_haystacks);
+        kvcc_json_number(nd, "questions_per_haystack", r->needle_keys);
         if (!r->needle_depths_vary) {
             double dv[KVCC_EVAL_NEEDLE_KEYS];
             for (uint32_t i = 0; i < r->needle_keys; i++) dv[i] = r->needle_depth[i];
@@ -421,77 +422,77 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
         cJSON *full = cJSON_AddArrayToObject(nd, "full_cache");
         for (int c = 0; c < r->n_needle_ctx; c++) {
             cJSON *f = cJSON_CreateObject();
-            cJSON_AddNumberToObject(f, "context", r->needle_ctx[c]);
-            cJSON_AddNumberToObject(f, "asked", r->needle_full_n[c]);
-            cJSON_AddNumberToObject(f, "exact", r->needle_full_ok[c]);
+            kvcc_json_number(f, "context", r->needle_ctx[c]);
+            kvcc_json_number(f, "asked", r->needle_full_n[c]);
+            kvcc_json_number(f, "exact", r->needle_full_ok[c]);
             if (!r->needle_depths_vary)
                 cJSON_AddItemToObject(f, "exact_by_depth",
                                       cJSON_CreateIntArray((const int *)r->needle_full_ok_at[c],
                                                            (int)r->needle_keys));
-            cJSON_AddNumberToObject(f, "prefill_ms", r->needle_prefill_ms[c]);
+            kvcc_json_number(f, "prefill_ms", r->needle_prefill_ms[c]);
             cJSON_AddItemToArray(full, f);
         }
     }
     cJSON *tm = cJSON_AddObjectToObject(root, "timings"); /* wall seconds (see --timings) */
     cJSON_AddBoolToObject(tm, "one_pass", r->fused);
-    cJSON_AddNumberToObject(tm, "layer_local_s", r->seconds_local);
-    cJSON_AddNumberToObject(tm, "end_to_end_s", r->seconds_e2e);
-    if (r->n_needle_ctx) cJSON_AddNumberToObject(tm, "needle_s", r->seconds_needle);
+    kvcc_json_number(tm, "layer_local_s", r->seconds_local);
+    kvcc_json_number(tm, "end_to_end_s", r->seconds_e2e);
+    if (r->n_needle_ctx) kvcc_json_number(tm, "needle_s", r->seconds_needle);
     cJSON *ph = cJSON_AddObjectToObject(tm, "phases");
     for (int i = 0; i < KVCC_PH_COUNT; i++)
-        if (r->phase_s[i] > 0) cJSON_AddNumberToObject(ph, kvcc_eval_phase_name(i), r->phase_s[i]);
+        if (r->phase_s[i] > 0) kvcc_json_number(ph, kvcc_eval_phase_name(i), r->phase_s[i]);
     cJSON *rows = cJSON_AddArrayToObject(root, "rows");
     for (int i = 0; i < r->n_rows; i++) {
         const kvcc_eval_row *w = &r->rows[i];
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "method", w->name);
-        if (w->method->budget != KVCC_BUDGET_NONE) cJSON_AddNumberToObject(o, "budget", w->budget);
+        if (w->method->budget != KVCC_BUDGET_NONE) kvcc_json_number(o, "budget", w->budget);
         if (w->status) {
             cJSON_AddStringToObject(o, "error", w->msg);
         } else {
-            cJSON_AddNumberToObject(o, "kept_per_head", w->kept_mean);
-            cJSON_AddNumberToObject(o, "relerr_mean", w->relerr_mean);
-            cJSON_AddNumberToObject(o, "relerr_p95", w->relerr_p95);
-            cJSON_AddNumberToObject(o, "kl", w->kl_mean);
-            cJSON_AddNumberToObject(o, "mass", w->mass_mean);
-            cJSON_AddNumberToObject(o, "bytes", w->bytes_mean);
-            cJSON_AddNumberToObject(o, "select_ms", w->select_ms);
+            kvcc_json_number(o, "kept_per_head", w->kept_mean);
+            kvcc_json_number(o, "relerr_mean", w->relerr_mean);
+            kvcc_json_number(o, "relerr_p95", w->relerr_p95);
+            kvcc_json_number(o, "kl", w->kl_mean);
+            kvcc_json_number(o, "mass", w->mass_mean);
+            kvcc_json_number(o, "bytes", w->bytes_mean);
+            kvcc_json_number(o, "select_ms", w->select_ms);
             if (w->unit_bytes_mean > 0) {
                 cJSON *mem = cJSON_AddObjectToObject(o, "memory"); /* per (layer, KV head) unit */
-                cJSON_AddNumberToObject(mem, "kept_mean", w->kept_mean);
-                cJSON_AddNumberToObject(mem, "kept_min", w->kept_min);
-                cJSON_AddNumberToObject(mem, "kept_max", w->kept_max);
-                cJSON_AddNumberToObject(mem, "bytes_mean", w->unit_bytes_mean);
-                cJSON_AddNumberToObject(mem, "bytes_min", w->unit_bytes_min);
-                cJSON_AddNumberToObject(mem, "bytes_max", w->unit_bytes_max);
+                kvcc_json_number(mem, "kept_mean", w->kept_mean);
+                kvcc_json_number(mem, "kept_min", w->kept_min);
+                kvcc_json_number(mem, "kept_max", w->kept_max);
+                kvcc_json_number(mem, "bytes_mean", w->unit_bytes_mean);
+                kvcc_json_number(mem, "bytes_min", w->unit_bytes_min);
+                kvcc_json_number(mem, "bytes_max", w->unit_bytes_max);
                 if (w->equal_memory >= 0) {
-                    cJSON_AddNumberToObject(mem, "ref_bytes", w->ref_bytes);
-                    cJSON_AddNumberToObject(mem, "bytes_rel", w->bytes_rel);
+                    kvcc_json_number(mem, "ref_bytes", w->ref_bytes);
+                    kvcc_json_number(mem, "bytes_rel", w->bytes_rel);
                     cJSON_AddBoolToObject(mem, "equal_memory", w->equal_memory);
                 }
             }
             if (w->have_e2e) {
-                cJSON_AddNumberToObject(o, "nll", w->nll);
-                cJSON_AddNumberToObject(o, "nll_full", w->nll_full);
-                cJSON_AddNumberToObject(o, "dnll", w->nll - w->nll_full);
-                cJSON_AddNumberToObject(o, "probes", w->probes);
-                cJSON_AddNumberToObject(o, "probes_exact", w->probes_exact);
-                cJSON_AddNumberToObject(o, "token_acc", w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0);
+                kvcc_json_number(o, "nll", w->nll);
+                kvcc_json_number(o, "nll_full", w->nll_full);
+                kvcc_json_number(o, "dnll", w->nll - w->nll_full);
+                kvcc_json_number(o, "probes", w->probes);
+                kvcc_json_number(o, "probes_exact", w->probes_exact);
+                kvcc_json_number(o, "token_acc", w->probe_tokens ? (double)w->probe_tokens_ok / w->probe_tokens : 0);
             }
             if (r->n_needle_ctx) {
                 cJSON *nd = cJSON_AddArrayToObject(o, "needle");
                 for (int c = 0; c < r->n_needle_ctx; c++) {
                     cJSON *f = cJSON_CreateObject();
-                    cJSON_AddNumberToObject(f, "context", r->needle_ctx[c]);
-                    cJSON_AddNumberToObject(f, "asked", w->needle_n[c]);
-                    cJSON_AddNumberToObject(f, "exact", w->needle_ok[c]);
+                    kvcc_json_number(f, "context", r->needle_ctx[c]);
+                    kvcc_json_number(f, "asked", w->needle_n[c]);
+                    kvcc_json_number(f, "exact", w->needle_ok[c]);
                     if (!r->needle_depths_vary)
                         cJSON_AddItemToObject(f, "exact_by_depth",
                                               cJSON_CreateIntArray((const int *)w->needle_ok_at[c],
                                                                    (int)r->needle_keys));
-                    cJSON_AddNumberToObject(f, "kept_per_head", w->needle_kept[c]);
-                    cJSON_AddNumberToObject(f, "bytes", w->needle_bytes[c]);
-                    cJSON_AddNumberToObject(f, "compress_ms", w->needle_ms[c]);
+                    kvcc_json_number(f, "kept_per_head", w->needle_kept[c]);
+                    kvcc_json_number(f, "bytes", w->needle_bytes[c]);
+                    kvcc_json_number(f, "compress_ms", w->needle_ms[c]);
                     cJSON_AddItemToArray(nd, f);
                 }
             }

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "json.h"
 #include "kvcc.h"
 #include "kvpol_util.h" /* kvpol_rd64: the format's little-endian u64 */
 #include "passes/passes.h"
@@ -94,28 +95,6 @@ static void print_item_value(const kvpol_item *it) {
     }
 }
 
-/* A number that reads back as the same double: cJSON prints an integer beyond the int range,
- * or any other value, with 15 significant digits when they come within its tolerance of the
- * value (9007199254740991 as 9.00719925474099e+15, an f32 value one ulp off). Here: integers up
- * to 2^53 in full, other values with the fewest of 15, 16 or 17 digits that read back exactly;
- * NaN and Inf (which an artifact cannot hold) as null. */
-static void add_exact_number(cJSON *o, const char *name, double v) {
-    char buf[40];
-    if (!isfinite(v)) {
-        cJSON_AddNullToObject(o, name);
-        return;
-    }
-    if (v == floor(v) && fabs(v) <= 9007199254740992.0) {
-        snprintf(buf, sizeof buf, "%.0f", v);
-    } else {
-        for (int digits = 15; digits <= 17; digits++) {
-            snprintf(buf, sizeof buf, "%.*g", digits, v);
-            if (strtod(buf, NULL) == v) break;
-        }
-    }
-    cJSON_AddRawToObject(o, name, buf);
-}
-
 static cJSON *item_json(const kvpol_item *it) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "name", it->name);
@@ -125,7 +104,7 @@ static cJSON *item_json(const kvpol_item *it) {
         cJSON *sh = cJSON_AddArrayToObject(o, "shape");
         for (uint32_t d = 0; d < it->ndim; d++) cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)it->dims[d]));
     }
-    add_exact_number(o, "bytes", (double)it->nbytes);
+    kvcc_json_number(o, "bytes", (double)it->nbytes);
     if (it->kind == KVPOL_ITEM_STRING) {
         char *s = malloc((size_t)it->nbytes + 1);
         if (s) {
@@ -141,7 +120,7 @@ static cJSON *item_json(const kvpol_item *it) {
         int64_t i;
         char dec[24];
         if (kvpol_dtype_is_float(it->dtype)) {
-            if (kvpol_item_as_f64(it, &d) == 0) add_exact_number(o, "value", d);
+            if (kvpol_item_as_f64(it, &d) == 0) kvcc_json_number(o, "value", d);
         } else if (kvpol_item_as_i64(it, &i) != 0) { /* a u64 past INT64_MAX */
             snprintf(dec, sizeof dec, "%" PRIu64, kvpol_rd64(it->data));
             cJSON_AddStringToObject(o, "value", dec);
@@ -149,14 +128,14 @@ static cJSON *item_json(const kvpol_item *it) {
             snprintf(dec, sizeof dec, "%" PRId64, i);
             cJSON_AddStringToObject(o, "value", dec);
         } else {
-            add_exact_number(o, "value", (double)i);
+            kvcc_json_number(o, "value", (double)i);
         }
     } else if (it->count > 0 && kvpol_dtype_size(it->dtype) > 0) {
         double mn, mx, mean;
         if (tensor_stats(it, &mn, &mx, &mean) == 0) {
-            add_exact_number(o, "min", mn);
-            add_exact_number(o, "max", mx);
-            add_exact_number(o, "mean", mean);
+            kvcc_json_number(o, "min", mn);
+            kvcc_json_number(o, "max", mx);
+            kvcc_json_number(o, "mean", mean);
         }
     }
     return o;
@@ -169,7 +148,7 @@ static int inspect_json(const char *path, kvpol_file *f) {
     char hx[17];
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "file", path);
-    add_exact_number(root, "file_size", (double)h->file_size);
+    kvcc_json_number(root, "file_size", (double)h->file_size);
     char ver[16];
     snprintf(ver, sizeof ver, "%u.%u", h->version_major, h->version_minor);
     cJSON_AddStringToObject(root, "format_version", ver);
@@ -181,9 +160,9 @@ static int inspect_json(const char *path, kvpol_file *f) {
     cJSON_AddNumberToObject(m, "head_dim", h->model.head_dim);
     cJSON_AddNumberToObject(m, "vocab_size", h->model.vocab_size);
     cJSON_AddNumberToObject(m, "max_context", h->model.max_context);
-    add_exact_number(m, "rope_theta", h->model.rope_theta);
+    kvcc_json_number(m, "rope_theta", h->model.rope_theta);
     cJSON_AddStringToObject(m, "rope_scaling", kvcc_rope_name(h->model.rope_scaling_type));
-    add_exact_number(m, "rope_scaling_factor", h->model.rope_scaling_factor);
+    kvcc_json_number(m, "rope_scaling_factor", h->model.rope_scaling_factor);
     hex64(hx, h->model.model_hash);
     cJSON_AddStringToObject(m, "model_hash", hx);
     hex64(hx, h->corpus_hash);

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "json.h"
 #include "kvcc.h"
 #include "presets.h"
 
@@ -34,13 +35,13 @@ int kvcc_cmd_models(int argc, char **argv) {
             cJSON_AddStringToObject(o, "name", p[i].name);
             if (p[i].alias) cJSON_AddStringToObject(o, "alias", p[i].alias);
             cJSON_AddStringToObject(o, "source", p[i].source);
-            cJSON_AddNumberToObject(o, "n_layers", p[i].n_layers);
-            cJSON_AddNumberToObject(o, "n_heads", p[i].n_heads);
-            cJSON_AddNumberToObject(o, "n_kv_heads", p[i].n_kv_heads);
-            cJSON_AddNumberToObject(o, "head_dim", p[i].head_dim);
-            cJSON_AddNumberToObject(o, "vocab_size", p[i].vocab_size);
-            cJSON_AddNumberToObject(o, "max_context", p[i].max_context);
-            cJSON_AddNumberToObject(o, "rope_theta", p[i].rope_theta);
+            kvcc_json_number(o, "n_layers", p[i].n_layers);
+            kvcc_json_number(o, "n_heads", p[i].n_heads);
+            kvcc_json_number(o, "n_kv_heads", p[i].n_kv_heads);
+            kvcc_json_number(o, "head_dim", p[i].head_dim);
+            kvcc_json_number(o, "vocab_size", p[i].vocab_size);
+            kvcc_json_number(o, "max_context", p[i].max_context);
+            kvcc_json_number(o, "rope_theta", p[i].rope_theta);
             cJSON_AddItemToArray(arr, o);
         }
         char *s = cJSON_Print(arr);

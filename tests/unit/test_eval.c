@@ -5,11 +5,13 @@
  * streaming; the baselines' scores shared by their budget rows give the numbers of one budget at
  * a time, and their bytes are the equal-memory reference. On the real model (skipped when it is not fetched): the full-cache row, which runs
  * the model's attention through kvrt_attend over a compressed cache that keeps everything,
- * reproduces the uncompressed model's continuation NLL (delta 0 up to float noise).
+ * reproduces the uncompressed model's continuation NLL (delta 0 up to float noise). The numbers
+ * of eval --json (kvcc_json_number) read back as the doubles they print.
  */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -17,12 +19,40 @@
 #include "corpus.h"
 #include "eval.h"
 #include "fixtures.h"
+#include "json.h"
 #include "kvrt_experimental.h"
 #include "loader.h"
 #include "model.h"
 #include "synth.h"
 
 static kvcc_eval_result R; /* large: keep off the stack */
+
+/* cJSON printed 15 significant digits: an NLL such as 2.7182818284590455 came back one ulp off,
+ * 9007199254740991 as 9.00719925474099e+15 */
+Test(eval, json_numbers_read_back_exactly) {
+    const double v[] = {2.7182818284590455, 0.1, 1.0 / 3.0, 9007199254740991.0, -4096.0, 1e-300,
+                        (double)0.02f, 123456789.125, 0.0, -0.0 + 5e-324};
+    cJSON *o = cJSON_CreateObject();
+    char name[16];
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        snprintf(name, sizeof name, "v%zu", i);
+        kvcc_json_number(o, name, v[i]);
+    }
+    kvcc_json_number(o, "nan", NAN);
+    char *txt = cJSON_PrintUnformatted(o);
+    cJSON *back = cJSON_Parse(txt);
+    cr_assert_not_null(back, "%s", txt);
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+        snprintf(name, sizeof name, "v%zu", i);
+        const char *raw = strstr(txt, name) + strlen(name) + 2;
+        cr_assert_eq(strtod(raw, NULL), v[i], "%s: %.17g printed as %.30s", name, v[i], raw);
+    }
+    cr_assert(cJSON_IsNull(cJSON_GetObjectItem(back, "nan")), "%s", txt);
+    cr_assert_not_null(strstr(txt, "\"v3\":9007199254740991"), "%s", txt);
+    free(txt);
+    cJSON_Delete(back);
+    cJSON_Delete(o);
+}
 
 Test(eval, synthetic_layer_local) {
     char path[128];
