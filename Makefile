@@ -521,7 +521,12 @@ $(BUILD)/kvrt.pc $(BUILD)/kvpol.pc: FORCE
 	@$(if $(filter %/kvrt.pc,$@),$(call pc_file,kvrt,kvcc runtime: load .kvpol KV-cache compression policies and run them,$(KVRT_PRIVATE)),$(call pc_file,kvpol,kvcc .kvpol artifact format: validated reader and atomic writer,$(LIBS_FORMATS))) > $@
 FORCE:
 
+# make's word lists (DATADIR, the uninstall lists) split paths at spaces: refused up front
+install_paths_check = @for p in '$(DESTDIR)' '$(PREFIX)' '$(BINDIR)' '$(LIBDIR)' '$(INCLUDEDIR)' '$(PKGCONFIGDIR)'; do \
+	  case "$$p" in *[[:space:]]*) echo "kvcc: make $@: the path '$$p' has a space; DESTDIR, PREFIX, BINDIR, LIBDIR, INCLUDEDIR and PKGCONFIGDIR must not" >&2; exit 2;; esac; done
+
 install: all $(BUILD)/kvrt.pc $(BUILD)/kvpol.pc
+	$(install_paths_check)
 	@echo "kvcc: installing $(KVRT_VERSION) into $(DESTDIR)$(PREFIX)"
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PKGCONFIGDIR)
 	install -m 755 $(KVCC) $(DESTDIR)$(BINDIR)/kvcc
@@ -549,6 +554,7 @@ ifeq ($(USE_CUDA),1)
 endif
 
 uninstall:
+	$(install_paths_check)
 	rm -f $(DESTDIR)$(BINDIR)/kvcc $(addprefix $(DESTDIR)$(INCLUDEDIR)/,$(notdir $(INSTALL_HEADERS)))
 	for l in kvrt kvpol; do \
 	  rm -f $(DESTDIR)$(LIBDIR)/lib$$l.a $(DESTDIR)$(LIBDIR)/lib$$l.so \

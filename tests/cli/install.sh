@@ -116,5 +116,10 @@ $make_cmd --no-print-directory install $sanarg $bd DESTDIR="$tmp/stage" PREFIX=/
   [ -f "$tmp/stage/opt/kvcc/lib/libkvrt.so.$ver" ] && \
   grep -qx 'prefix=/opt/kvcc' "$tmp/stage/opt/kvcc/lib/pkgconfig/kvrt.pc" && ok || bad "make install DESTDIR=... PREFIX=/opt/kvcc"
 
+# 7. a path with a space (make's word lists would split it): refused before anything is written
+out=$($make_cmd --no-print-directory install $sanarg $bd PREFIX="$tmp/a b" 2>&1); ex=$?
+[ $ex -ne 0 ] && echo "$out" | grep -q "the path '$tmp/a b' has a space" && [ ! -e "$tmp/a b" ] && [ ! -e "$tmp/a" ] \
+  && ok || bad "make install PREFIX with a space: exit $ex: $out"
+
 echo "install: $pass passed, $fail failed"
 [ $fail -eq 0 ]
