@@ -1395,8 +1395,11 @@ static int member_rows(float *S, int64_t n, int64_t Tw, int64_t Tc, const int32_
  * (row_stats; with bf16 products a member's rows of P in bf16 over [0, pbw), zeros past each
  * row's keys: the shared blocks' rows over the widest middle); the one difference is the logit product, one over the widest middle instead of
  * one per budget, which the f32 GEMM may round differently (values within 1e-4 of the one-budget
- * call's, same selections: tests/unit/test_am.c, multi_sets_equal_single_calls). One logit product
- * and one exp pass for the group instead of one per budget. */
+ * call's, same selections: tests/unit/test_am.c, multi_sets_equal_single_calls), and with bf16
+ * products P formed against the row max where am_prep forms exp(z) in the product (values within
+ * 1e-2 relative rms: bf16_multi_equals_single_calls). Budgets of one middle are not grouped (they
+ * share am_prep, the one-budget path). One logit product and one exp pass for the group instead
+ * of one per budget. */
 static int am_group(const kvrt_am_opts *o, am_ws *ws, const float *k, const float *v, int64_t ld,
                     int64_t a, int64_t d, const float *q, const int32_t *qpos, int64_t n, int cnt,
                     const int *mem, const int64_t *Tcs, const int64_t *tcs, am_out *res,
@@ -1541,7 +1544,11 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
                 gTc[cnt] = T - sp[si].ns - sp[si].nr;
                 gtc[cnt++] = sp[si].tm;
             }
-        if (cnt < 2) continue;
+        int wide = 0; /* two middles differ: budgets of one middle share am_prep below, which
+                       * is the one-budget call's path (am_group's P differs from it in the last
+                       * bits with bf16 products: formed against the row max, not in the product) */
+        for (int m = 1; m < cnt; m++) wide |= gTc[m] != gTc[0];
+        if (cnt < 2 || !wide) continue;
         const int64_t a = sp[g0].ns;
         const float *qc;
         const int64_t nv = chunk_rows(q, qpos, n, d, a, qb, pb, &qc);

@@ -1855,6 +1855,65 @@ Test(am, bf16_blocks_several_budgets_per_chunk) {
         }
 }
 
+/* kvrt_am_compact_layer_multi's promise for bf16 products: identical sets (one middle) give what
+ * kvrt_am_compact_layer gives for that set alone, bit for bit, on every kernel (from an audit:
+ * they were compacted as a group, whose P is formed against each row's max, where the one-set
+ * call forms it in the product, and the values moved by 1.6e-3 relative; on AMX and elsewhere). Sets with differing
+ * middles (a group) keep the same keys, with values within 1e-2 relative (rms; the values' least
+ * squares magnifies the last bits of P: 2.3e-3 measured), biases within 1e-5 and errors within
+ * 1e-4 of the one-set calls'. */
+Test(am, bf16_multi_equals_single_calls) {
+    enum { T = 300, H = 4, HKV = 2, D = 16 };
+    uint64_t s = 7;
+    float *q = randn_f(T * H * D, &s, 1.5), *k = randn_f(T * HKV * D, &s, 1.0);
+    float *v = randn_f(T * HKV * D, &s, 1.0);
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    o.products = KVRT_AM_PRODUCTS_BF16;
+    const double lists[2][4] = {{0.1, 0.1, 0.1, 0.1}, {0.05, 0.1, 0.25, 0.5}};
+    for (int li = 0; li < 2; li++) {
+        const double *rl = lists[li];
+        kvrt_cache *m[4], *one = NULL;
+        kvrt_am_stats sm[4 * HKV], s1[HKV];
+        cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), &o, q, k, v, T, H, HKV, D, 4, NULL,
+                                                 rl, KVRT_DTYPE_F32, m, sm),
+                     KVRT_OK, "%s", kvrt_last_error()->msg);
+        for (int si = 0; si < 4; si++) {
+            cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, rl[si],
+                                               KVRT_DTYPE_F32, &one, s1),
+                         KVRT_OK, "%s", kvrt_last_error()->msg);
+            char what[64];
+            snprintf(what, sizeof what, "list %d set %d (ratio %g)", li, si, rl[si]);
+            if (li == 0) {
+                expect_same_cache(m[si], one, sm + si * HKV, s1, HKV, 1, what);
+            } else {
+                const int64_t ne = one->n_entries;
+                cr_assert_eq(m[si]->n_entries, ne, "%s", what);
+                cr_assert_eq(memcmp(m[si]->positions, one->positions, sizeof(int32_t) * (size_t)ne),
+                             0, "%s: other keys", what);
+                double num = 0, den = 0, db = 0, de = 0;
+                for (int64_t x = 0; x < ne * D; x++) {
+                    const double a = ((const float *)one->values)[x];
+                    const double b = ((const float *)m[si]->values)[x];
+                    num += (a - b) * (a - b);
+                    den += a * a;
+                }
+                for (int64_t x = 0; x < ne; x++)
+                    db = fmax(db, fabs((double)one->bias[x] - m[si]->bias[x]));
+                for (int h = 0; h < HKV; h++)
+                    de = fmax(de, fmax(fabs(sm[si * HKV + h].mass_relerr - s1[h].mass_relerr),
+                                       fabs(sm[si * HKV + h].out_relerr - s1[h].out_relerr)));
+                cr_assert(sqrt(num / den) <= 1e-2 && db <= 1e-5 && de <= 1e-4,
+                          "%s: values differ by %g (rms, relative), biases by %g, errors by %g",
+                          what, sqrt(num / den), db, de);
+            }
+            kvrt_cache_free(one);
+            kvrt_cache_free(m[si]);
+        }
+    }
+    free(q); free(k); free(v);
+}
+
 /* One head with the library defaults, 2048 reference queries over 3000 keys in one chunk (the
  * value product's sums run over 2989 keys): the same bits with OpenBLAS at 1 and 2 threads and
  * OpenMP at 1 and 2. OpenBLAS's threaded products split such long sums by its thread count, so
