@@ -141,13 +141,15 @@ class kvrt_compilerkv_tables(Structure):
     _fields_ = [("n_budgets", c_uint32), ("n_layers", c_uint32), ("n_heads", c_uint32),
                 ("window", c_uint32), ("budgets", POINTER(c_int64)), ("w_head", POINTER(c_float)),
                 ("t_gate", POINTER(c_float)), ("ent_edges", c_float * (CKV_ENT_BINS - 1)),
-                ("ppl_edges", c_float * (CKV_PPL_BINS - 1))]
+                ("ppl_edges", c_float * (CKV_PPL_BINS - 1)), ("n_kv_heads", c_uint32),
+                ("head_dim", c_uint32)]
 
 
 class kvrt_compilerkv_prompt(Structure):
     _fields_ = [("T", c_int64), ("window", c_uint32), ("n_layers", c_uint32),
                 ("mass", POINTER(c_double)), ("alpha", POINTER(c_float)), ("entropy", c_double),
-                ("ppl", c_double), ("finished", c_int)]
+                ("ppl", c_double), ("finished", c_int), ("n_kv_heads", c_uint32),
+                ("head_dim", c_uint32)]
 
 
 class kvrt_compilerkv_stats(Structure):

@@ -66,7 +66,30 @@ int kvrt_compilerkv_open(const kvrt_policy *p, kvrt_compilerkv_tables **out) {
     if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) /* the artifact's values fail the tables' checks */
         return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: %s",
                          kvrt_last_error()->msg);
+    if (rc == KVRT_OK) {
+        (*out)->n_kv_heads = md.n_kv_heads;
+        (*out)->head_dim = md.head_dim;
+    }
     return rc;
+}
+
+/* The caller's layer shape against the tables' model and the prompt's layers (where known): a
+ * head_dim or KV head count other than the model's reads v [T, Hkv, d] at the wrong offsets,
+ * past its end when larger. */
+static int dims_check(const char *fn, const kvrt_compilerkv_tables *tb,
+                      const kvrt_compilerkv_prompt *pr, uint32_t n_kv_heads, uint32_t head_dim) {
+    if (pr != NULL && pr->n_kv_heads != 0 &&
+        (n_kv_heads != pr->n_kv_heads || head_dim != pr->head_dim))
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_kv_heads %u, head_dim %u: the prompt's layers "
+                         "had %u, %u", fn, n_kv_heads, head_dim, pr->n_kv_heads, pr->head_dim);
+    if (tb == NULL) return KVRT_OK; /* the backend names the NULL */
+    if (tb->n_kv_heads != 0 && n_kv_heads != tb->n_kv_heads)
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_kv_heads %u, the tables' model has %u", fn,
+                         n_kv_heads, tb->n_kv_heads);
+    if (tb->head_dim != 0 && head_dim != tb->head_dim)
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: head_dim %u, the tables' model has %u", fn, head_dim,
+                         tb->head_dim);
+    return KVRT_OK;
 }
 
 int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
@@ -80,6 +103,8 @@ int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG,
                                                    "kvrt_compilerkv_select: unknown flags 0x%x",
                                                    flags & ~KVRT_COMPILERKV_NEAREST_BUDGET));
+    if ((rc = dims_check("kvrt_compilerkv_select", tb, pr, n_kv_heads, head_dim)) != KVRT_OK)
+        return kvrt_policy_ctx_done(ctx, rc);
     rc = ctx->ops->compilerkv_select(ctx, tb, pr, layer, v, n_kv_heads, head_dim, budget, flags,
                                      out, st);
     return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, "kvrt_compilerkv_select"));
@@ -115,7 +140,7 @@ int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *
         rc = ctx->ops->snapkv_scores(ctx, q, k, p->T, n_heads, n_kv_heads, head_dim, p->window,
                                      (float *)dsc);
     if (rc == KVRT_OK) rc = kvrt_ctx_download(ctx, sc, dsc, bytes);
-    if (rc == KVRT_OK) kvrt_compilerkv_prompt_add_scores(p, sc, n_kv_heads);
+    if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_add_scores(p, sc, n_kv_heads, head_dim);
     if (dsc) kvrt_ctx_dealloc(ctx, dsc);
     free(sc);
     return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
@@ -147,6 +172,8 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
     if (n_heads != tb->n_heads)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u, tables have %u",
                                                    fn, n_heads, tb->n_heads));
+    if ((rc = dims_check(fn, tb, NULL, n_kv_heads, head_dim)) != KVRT_OK)
+        return kvrt_policy_ctx_done(ctx, rc);
     kvrt_compilerkv_prompt *pr = NULL;
     rc = kvrt_compilerkv_prompt_create(T, tb->window, &pr);
     for (uint32_t l = 0; l < L && rc == KVRT_OK; l++) {

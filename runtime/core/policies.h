@@ -188,9 +188,12 @@ KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_
 void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
                          uint32_t hk, float *score, double *anchor);
 /* CompilerKV: one layer's SnapKV window mass sc [Hkv, T] (host) added to the prompt's
- * head-mean accumulator (kvrt_compilerkv_prompt_add_layer and its context variant). */
-KVRT_INTERNAL void kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *sc,
-                                                     uint32_t Hkv);
+ * head-mean accumulator (kvrt_compilerkv_prompt_add_layer and its context variant).
+ * KVRT_ERR_ARG (the prompt unchanged) when a mass is not finite: NaN or Inf in the window's
+ * queries or in the keys, which the window-mass kernels carry into the scores; KVRT_ERR_SHAPE
+ * when Hkv or head_dim differs from an earlier layer's (the first layer's are recorded). */
+KVRT_INTERNAL int kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *sc,
+                                                    uint32_t Hkv, uint32_t head_dim);
 /* SnapKV's pooling of scores [Hkv, T] in place (the CPU table's snapkv_pool, core/backend.h);
  * KVRT_ERR_NOMEM in kvrt_last_error(). */
 KVRT_INTERNAL int kvrt_cpu_snapkv_pool(float *scores, int64_t T, uint32_t n_kv_heads, int64_t w,

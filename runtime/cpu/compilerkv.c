@@ -184,13 +184,22 @@ static int add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k, 
     if (sc == NULL) return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
     int rc = ref ? kvrt_snapkv_scores_ref(q, k, T, H, Hkv, d, p->window, sc)
                  : kvrt_snapkv_scores(q, k, T, H, Hkv, d, p->window, sc);
-    if (rc == KVRT_OK) kvrt_compilerkv_prompt_add_scores(p, sc, Hkv);
+    if (rc == KVRT_OK) rc = kvrt_compilerkv_prompt_add_scores(p, sc, Hkv, d);
     free(sc);
     return rc;
 }
 
-void kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *sc, uint32_t Hkv) {
+int kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *sc, uint32_t Hkv,
+                                      uint32_t head_dim) {
     const int64_t T = p->T;
+    if (p->n_kv_heads != 0 && (Hkv != p->n_kv_heads || head_dim != p->head_dim))
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "n_kv_heads %u, head_dim %u: the prompt's earlier layers "
+                         "had %u, %u", Hkv, head_dim, p->n_kv_heads, p->head_dim);
+    for (size_t x = 0; x < (size_t)T * Hkv; x++)
+        if (!isfinite(sc[x]))
+            return KVRT_FAIL(KVRT_ERR_ARG, "the window mass of key %lld (KV head %u) is %g: the "
+                             "window's queries or the keys hold NaN or Inf",
+                             (long long)(x % (size_t)T), (unsigned)(x / (size_t)T), (double)sc[x]);
     /* the G query heads of a KV head are already averaged: the mean over KV heads is the mean
      * over all query heads */
     for (int64_t t = 0; t < T; t++) {
@@ -199,6 +208,9 @@ void kvrt_compilerkv_prompt_add_scores(kvrt_compilerkv_prompt *p, const float *s
         p->mass[t] += m / Hkv;
     }
     p->n_layers++;
+    p->n_kv_heads = Hkv;
+    p->head_dim = head_dim;
+    return KVRT_OK;
 }
 
 int kvrt_compilerkv_prompt_add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k,

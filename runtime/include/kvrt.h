@@ -907,6 +907,9 @@ typedef struct {
     float *t_gate;         /* [n_budgets, n_layers, ENT_BINS, PPL_BINS] thresholds tau */
     float ent_edges[KVRT_COMPILERKV_ENT_BINS - 1]; /* ascending interior edges (entropy / log T) */
     float ppl_edges[KVRT_COMPILERKV_PPL_BINS - 1]; /* ascending interior edges (window ppl) */
+    uint32_t n_kv_heads, head_dim; /* the model's (kvrt_compilerkv_open), which the selections
+                                    * check their n_kv_heads and head_dim against; 0 (tables
+                                    * built in memory): not checked */
 } kvrt_compilerkv_tables;
 /* From an open policy's CompilerKV section (items budgets i64 [nB], w_head f32 [nB, L, H],
  * t_gate f32 [nB, L, 20, 4], ent_edges f32 [19], ppl_edges f32 [3], scalars n_budgets, window).
@@ -925,11 +928,15 @@ typedef struct {
     double entropy;        /* after finish: entropy of alpha / sum(alpha), divided by log T */
     double ppl;            /* after finish: exp(-mean log p) of the window's tokens */
     int finished;
+    uint32_t n_kv_heads, head_dim; /* of the layers added (every layer's must agree), which
+                                    * kvrt_compilerkv_select checks; 0 before the first */
 } kvrt_compilerkv_prompt;
 int kvrt_compilerkv_prompt_create(int64_t T, uint32_t window, kvrt_compilerkv_prompt **out);
 void kvrt_compilerkv_prompt_free(kvrt_compilerkv_prompt *p);
 /* Add one layer: q [T, H, d] (only rows T-w..T-1 are read), k [T, Hkv, d], post-RoPE; the
- * window mass of kvrt_snapkv_scores averaged over heads. _ref: through kvrt_snapkv_scores_ref. */
+ * window mass of kvrt_snapkv_scores averaged over heads. _ref: through kvrt_snapkv_scores_ref.
+ * KVRT_ERR_ARG (the prompt unchanged) when NaN or Inf in those rows or in k makes a mass not
+ * finite; KVRT_ERR_SHAPE when n_kv_heads or head_dim differs from an earlier layer's. */
 int kvrt_compilerkv_prompt_add_layer(kvrt_compilerkv_prompt *p, const float *q, const float *k,
                                      uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim);
 /* The same on a context: q, k in ctx's memory (a CUDA context: device pointers; the window
@@ -967,7 +974,10 @@ typedef struct {
  * candidates (the attention sink among them), budget 128 keeps the last 64. */
 int64_t kvrt_compilerkv_kept_window(uint32_t window, int64_t budget, int64_t T);
 /* Steps 2-7 for one layer of a finished prompt with the compiled tables: v [T, Hkv, d]
- * (context part), budget in tokens (resolve ratios with kvrt_budget_resolve first). */
+ * (context part), budget in tokens (resolve ratios with kvrt_budget_resolve first).
+ * KVRT_ERR_SHAPE when n_kv_heads or head_dim differs from the tables' model (tb->n_kv_heads,
+ * tb->head_dim, where known) or from the prompt's layers (pr->n_kv_heads, pr->head_dim), or the
+ * tables' n_heads is not a multiple of n_kv_heads. */
 int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                            const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v,
                            uint32_t n_kv_heads, uint32_t head_dim, int64_t budget, unsigned flags,
@@ -975,7 +985,8 @@ int kvrt_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
 /* All layers at once, for callers that hold every layer (e.g. after a model prefill): steps
  * 1-7. q, k, v: [n_layers] pointers to [T, H, d], [T, Hkv, d], [T, Hkv, d] (context part);
  * next_logprob [T-1]; sels [n_layers] receive new selections (all NULL on failure); stats
- * [n_layers] or NULL. */
+ * [n_layers] or NULL. KVRT_ERR_SHAPE when n_heads, n_kv_heads or head_dim differs from the
+ * tables' model (as kvrt_compilerkv_select). */
 int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
                                const float *const *q, const float *const *k, const float *const *v,
                                const float *next_logprob, int64_t T, uint32_t n_heads,

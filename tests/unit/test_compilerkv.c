@@ -424,6 +424,16 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pr, 1, v, 2, 16, 40, 0, &sel, &st), KVRT_OK, "%s", kvrt_last_error()->msg);
     cr_expect(st.kept >= 8 && st.kept <= 40);
     kvrt_selection_free(sel);
+    /* the artifact's tables know the model's KV heads and head_dim: another shape is refused
+     * (head_dim 32 read v past its end) */
+    cr_expect_eq(tb->n_kv_heads, 2u);
+    cr_expect_eq(tb->head_dim, 16u);
+    sel = (kvrt_selection *)1;
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pr, 1, v, 2, 32, 40, 0, &sel, &st), KVRT_ERR_SHAPE);
+    cr_expect_null(sel);
+    cr_expect(strstr(kvrt_ctx_last_error(test_cpu())->msg, "head_dim 32") != NULL, "%s",
+              kvrt_ctx_last_error(test_cpu())->msg);
+    cr_expect_eq(kvrt_compilerkv_select(test_cpu(), tb, pr, 1, v, 1, 16, 40, 0, &sel, &st), KVRT_ERR_SHAPE);
     free(v);
     kvrt_compilerkv_prompt_free(pr);
     kvcc_corpus_close(c);
@@ -837,4 +847,61 @@ Test(compilerkv, select_all_error_rule) {
     cr_assert(strstr(kvrt_last_error()->msg, "kvrt_ctx_sync") != NULL, "%s", kvrt_last_error()->msg);
     kvrt_ctx_free(c2);
     kvrt_compilerkv_tables_free(tb);
+}
+
+/* A prompt records its layers' KV heads and head_dim: a layer or a selection with others is
+ * refused (tables built in memory know no model; from an audit, where head_dim 32 for a v of 16
+ * read past its end), and NaN or Inf in the window's queries or the keys is refused when the
+ * layer is added (it made every alpha NaN and an entropy of 0). */
+Test(compilerkv, prompt_shape_and_nonfinite_checks) {
+    enum { T = 40, H = 4, HKV = 2, D = 8, W = 8 };
+    const int64_t bud[1] = {16};
+    float wh[1 * 1 * H], tg[1 * 1 * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS] = {0};
+    float ee[KVRT_COMPILERKV_ENT_BINS - 1], pe[KVRT_COMPILERKV_PPL_BINS - 1];
+    for (int i = 0; i < H; i++) wh[i] = 1;
+    for (int i = 0; i < KVRT_COMPILERKV_ENT_BINS - 1; i++) ee[i] = (float)i;
+    for (int i = 0; i < KVRT_COMPILERKV_PPL_BINS - 1; i++) pe[i] = (float)i;
+    kvrt_compilerkv_tables *tb = NULL;
+    cr_assert_eq(kvrt_compilerkv_tables_create(1, 1, H, W, bud, wh, tg, ee, pe, &tb), KVRT_OK);
+    uint64_t s = 5;
+    float *q = malloc(sizeof(float) * T * H * D), *k = malloc(sizeof(float) * T * HKV * D);
+    float *v = malloc(sizeof(float) * T * HKV * D);
+    for (int i = 0; i < T * H * D; i++) q[i] = unif(&s, -1, 1);
+    for (int i = 0; i < T * HKV * D; i++) k[i] = unif(&s, -1, 1), v[i] = unif(&s, -1, 1);
+    float lp[T - 1];
+    for (int i = 0; i < T - 1; i++) lp[i] = -1.0f;
+    kvrt_compilerkv_prompt *pr = NULL;
+    cr_assert_eq(kvrt_compilerkv_prompt_create(T, W, &pr), KVRT_OK);
+    for (int bad = 0; bad < 3; bad++) { /* q's last row, k's token 5, k's token 5 +Inf */
+        float *x = bad == 0 ? q + (T - 1) * H * D : k + 5 * HKV * D;
+        const float keep = x[1];
+        x[1] = bad == 2 ? INFINITY : NAN;
+        cr_assert_eq(kvrt_compilerkv_prompt_add_layer(pr, q, k, H, HKV, D), KVRT_ERR_ARG, "case %d", bad);
+        cr_assert(strstr(kvrt_last_error()->msg, "NaN or Inf") != NULL, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(pr->n_layers, 0u, "case %d: a refused layer was counted", bad);
+        x[1] = keep;
+    }
+    cr_assert_eq(kvrt_compilerkv_prompt_add_layer(pr, q, k, H, HKV, D), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(pr->n_kv_heads, (uint32_t)HKV);
+    cr_assert_eq(pr->head_dim, (uint32_t)D);
+    cr_assert_eq(kvrt_compilerkv_prompt_add_layer(pr, q, k, H, HKV, D / 2), KVRT_ERR_SHAPE);
+    cr_assert_eq(kvrt_compilerkv_prompt_add_layer(pr, q, k, H, 1, D), KVRT_ERR_SHAPE);
+    cr_assert_eq(pr->n_layers, 1u);
+    cr_assert_eq(kvrt_compilerkv_prompt_finish(pr, lp), KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_selection *sel = NULL;
+    const uint32_t shapes[3][2] = {{HKV, 2 * D}, {2 * HKV, D}, {1, D}};
+    for (int c = 0; c < 3; c++) {
+        cr_assert_eq(kvrt_compilerkv_select(test_cpu(), tb, pr, 0, v, shapes[c][0], shapes[c][1],
+                                            16, 0, &sel, NULL),
+                     KVRT_ERR_SHAPE, "shape %d", c);
+        cr_assert_null(sel);
+        cr_assert(strstr(kvrt_ctx_last_error(test_cpu())->msg, "the prompt's layers had 2, 8") != NULL,
+                  "%s", kvrt_ctx_last_error(test_cpu())->msg);
+    }
+    cr_assert_eq(kvrt_compilerkv_select(test_cpu(), tb, pr, 0, v, HKV, D, 16, 0, &sel, NULL), KVRT_OK,
+                 "%s", kvrt_ctx_last_error(test_cpu())->msg);
+    kvrt_selection_free(sel);
+    kvrt_compilerkv_prompt_free(pr);
+    kvrt_compilerkv_tables_free(tb);
+    free(q); free(k); free(v);
 }
