@@ -674,7 +674,9 @@ void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uin
             dot += (double)kr[x] * anchor[x];
         }
         const double den = sqrt(s) * an;
-        score[t] = den > 0.0 ? (float)(-dot / den) : 0.0f;
+        /* NaN or Inf in any key makes the anchor NaN: the scores NaN (the callers refuse them),
+         * not 0 */
+        score[t] = den > 0.0 ? (float)(-dot / den) : den != den ? NAN : 0.0f;
     }
 }
 
@@ -756,10 +758,10 @@ static int budget_check(const char *fn, const kvrt_method_opts *o, int64_t T) {
     return KVRT_OK;
 }
 
-/* kvrt_method_scores after the option checks; fn names the public caller. */
-static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *o,
-                         const float *q, const float *k, int64_t T, uint32_t n_heads,
-                         uint32_t n_kv_heads, uint32_t head_dim, float *sc) {
+/* The scores of kvrt_method_scores after the option checks; fn names the public caller. */
+static int method_scores_run(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *o,
+                             const float *q, const float *k, int64_t T, uint32_t n_heads,
+                             uint32_t n_kv_heads, uint32_t head_dim, float *sc) {
     kvrt_error *e = kvrt_tls_err();
     const int m = o->method;
     if (!kvrt_method_has_scores(m)) return KVRT_OK;
@@ -801,6 +803,37 @@ static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *
                             sc + (size_t)hk * T, anchor);
     free(anchor);
     return KVRT_OK;
+}
+
+/* Host scores [Hkv, T] of method m: KVRT_ERR_ARG naming the first that is NaN or infinite (the
+ * score kernels carry NaN and Inf from q and k into them: a selection from them is arbitrary),
+ * except SnapKV's window, which holds +INFINITY by definition. */
+static int scores_finite(const char *fn, int m, const float *sc, int64_t T, uint32_t n_kv_heads,
+                         int64_t w) {
+    const int64_t end = m == KVRT_METHOD_SNAPKV ? T - w : T;
+    for (uint32_t hk = 0; hk < n_kv_heads; hk++)
+        for (int64_t t = 0; t < end; t++) {
+            const float x = sc[(size_t)hk * T + t];
+            if (!isfinite(x))
+                return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0,
+                                    "%s (%s): the score of key %lld (KV head %u) is %g: %s holds "
+                                    "NaN or Inf", fn, method_names[m], (long long)t, hk, (double)x,
+                                    m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O ? "q or k"
+                                                                                   : "k");
+        }
+    return KVRT_OK;
+}
+
+/* kvrt_method_scores after the option checks; fn names the public caller. */
+static int method_scores(const char *fn, kvrt_ctx *ctx, const kvrt_method_opts *o,
+                         const float *q, const float *k, int64_t T, uint32_t n_heads,
+                         uint32_t n_kv_heads, uint32_t head_dim, float *sc) {
+    const int rc = method_scores_run(fn, ctx, o, q, k, T, n_heads, n_kv_heads, head_dim, sc);
+    if (rc != KVRT_OK || !kvrt_method_has_scores(o->method) ||
+        (ctx != NULL && ctx->device != KVRT_DEVICE_HOST))
+        return rc;
+    return scores_finite(fn, o->method, sc, T, n_kv_heads,
+                         (int64_t)o->window < T ? (int64_t)o->window : T);
 }
 
 /* kvrt_method_select_scored after every check. */

@@ -86,7 +86,8 @@ __global__ void kv2_scores(const float *__restrict__ k, int64_t rows, int64_t C,
     an = kv2_warp_sum(an);
     if (lane == 0) {
         const double den = n * sqrt(an);
-        s[(int64_t)h * C + t] = den > 0.0 ? (float)(-dot / den) : 0.0f;
+        /* NaN from a non-finite key: NaN, as the CPU's (kvrt_cpu_key_scores) */
+        s[(int64_t)h * C + t] = den > 0.0 ? (float)(-dot / den) : den != den ? nanf("") : 0.0f;
     }
 }
 

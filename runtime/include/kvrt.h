@@ -342,7 +342,9 @@ typedef struct {
 /* The defaults above for a method and a budget. */
 void kvrt_method_opts_init(kvrt_method_opts *o, int method, int64_t budget);
 /* q [T, H, d] (the context's own post-RoPE queries; needed by SnapKV and H2O, may be NULL for
- * the others), k, v [T, Hkv, d] (v is unused by every method here and may be NULL).
+ * the others, which read neither q nor n_heads), k, v [T, Hkv, d] (v is unused by every method
+ * here and may be NULL). KVRT_ERR_ARG when a score is NaN or infinite: NaN or Inf in k (or in q,
+ * for SnapKV and H2O) reached it.
  * *out: a new selection with exactly budget positions per KV head (full: T), ascending, unique.
  * Semantics per KV head (scores of the G query heads of a KV head are averaged):
  *  full       all T positions.
@@ -378,8 +380,10 @@ int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k
  * on that context's memory (a CUDA context: q, k and scores are device pointers, asynchronous
  * on its stream; snapkv/h2o through their score ops and the pooling op, knorm/keydiff through
  * the KV² proxy op, the same function) and KVRT_ERR_UNSUPPORTED names an empty slot; the message
- * also in kvrt_ctx_last_error(ctx). o->budget is not read by kvrt_method_scores. The selection
- * (kvrt_method_select_scored) reads host scores. */
+ * also in kvrt_ctx_last_error(ctx). o->budget is not read by kvrt_method_scores. On the host
+ * (ctx NULL or a CPU context) a score that is NaN or infinite (SnapKV's window aside) is
+ * KVRT_ERR_ARG, as in kvrt_method_select; a device's scores are not read back to check. The
+ * selection (kvrt_method_select_scored) reads host scores. */
 int kvrt_method_has_scores(int method);
 int kvrt_method_scores(kvrt_ctx *ctx, const kvrt_method_opts *o, const float *q, const float *k,
                        int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,

@@ -191,3 +191,41 @@ Test(method_scores, bad_inputs_have_clear_statuses) {
     free(k);
     free(sc);
 }
+
+/* NaN or Inf in k (or q, for SnapKV and H2O) reaches the scores; the host paths refuse them
+ * (from an audit: every method returned a selection, KeyDiff's NaN anchor gave scores of 0).
+ * The methods without scores read neither q nor k. */
+Test(method_scores, nonfinite_inputs_refused) {
+    const int64_t T = 64;
+    const uint32_t H = 4, Hkv = 2, d = 8;
+    float *q = malloc(sizeof(float) * (size_t)T * H * d), *k = malloc(sizeof(float) * (size_t)T * Hkv * d);
+    float *sc = malloc(sizeof(float) * (size_t)T * Hkv);
+    for (int64_t i = 0; i < T * H * d; i++) q[i] = (float)sin(0.37 * (double)i);
+    for (int64_t i = 0; i < T * Hkv * d; i++) k[i] = (float)cos(0.53 * (double)i);
+    for (int m = 0; m < KVRT_METHOD_COUNT; m++)
+        for (int c = 0; c < 3; c++) { /* NaN in k at token 9, +Inf there, NaN in q's last row */
+            kvrt_method_opts mo;
+            kvrt_method_opts_init(&mo, m, 40);
+            const int in_q = c == 2, scored = kvrt_method_has_scores(m);
+            const int need_q = m == KVRT_METHOD_SNAPKV || m == KVRT_METHOD_H2O;
+            float *x = in_q ? q + (T - 1) * H * d + 3 : k + 9 * Hkv * d + 3;
+            const float keep = *x;
+            *x = c == 1 ? INFINITY : NAN;
+            kvrt_selection *s = NULL;
+            const int rc = kvrt_method_select(&mo, q, k, NULL, T, H, Hkv, d, &s);
+            const int want = scored && (!in_q || need_q) ? KVRT_ERR_ARG : KVRT_OK;
+            cr_assert_eq(rc, want, "%s, case %d: %s", kvrt_method_name(m), c, kvrt_last_error()->msg);
+            if (want != KVRT_OK) {
+                cr_assert_null(s);
+                cr_assert(strstr(kvrt_last_error()->msg, "holds NaN or Inf") != NULL, "%s",
+                          kvrt_last_error()->msg);
+                cr_assert_eq(kvrt_method_scores(test_cpu(), &mo, q, k, T, H, Hkv, d, sc), KVRT_ERR_ARG,
+                             "%s, case %d: kvrt_method_scores", kvrt_method_name(m), c);
+            }
+            kvrt_selection_free(s);
+            *x = keep;
+        }
+    free(q);
+    free(k);
+    free(sc);
+}
