@@ -438,7 +438,7 @@ int kvrt_am_compact_layer_ref(kvrt_ctx *ctx, const kvrt_am_opts *o, const float 
         rc = ctx->ops->am_compact_layer(ctx, o, NULL, q_ref, q_pos, n_ref, k, v, T, n_heads,
                                         n_kv_heads, head_dim, 1, ratios, &ratio, dtype, out,
                                         stats);
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
 }
 
 int kvrt_am_compact_layer_multi(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
@@ -454,7 +454,8 @@ int kvrt_am_compact_layer_multi(kvrt_ctx *ctx, const kvrt_am_opts *o, const floa
     }
     rc = ctx->ops->am_compact_layer(ctx, o, q, NULL, NULL, 0, k, v, T, n_heads, n_kv_heads,
                                     head_dim, n_sets, ratios, ratio_list, dtype, out, stats);
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(
+        ctx, kvrt_err_as(rc, "kvrt_am_compact_layer", "kvrt_am_compact_layer_multi"));
 }
 
 int kvrt_am_compact_layer_multi_ref(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q_ref,
@@ -474,5 +475,5 @@ int kvrt_am_compact_layer_multi_ref(kvrt_ctx *ctx, const kvrt_am_opts *o, const 
     rc = ctx->ops->am_compact_layer(ctx, o, NULL, q_ref, q_pos, n_ref, k, v, T, n_heads,
                                     n_kv_heads, head_dim, n_sets, ratios, ratio_list, dtype, out,
                                     stats);
-    return kvrt_policy_ctx_done(ctx, rc);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_as(rc, "kvrt_am_compact_layer_ref", fn));
 }

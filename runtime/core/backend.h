@@ -4,7 +4,7 @@
  * first use). Not installed; serving stacks only see kvrt.h.
  * Callers: every runtime file; tests that reach a backend's table (tests/backend/).
  *
- * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_err_prefix, kvrt_err_in, kvrt_tls_err, KVRT_BACKEND_API_VERSION,
+ * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_err_prefix, kvrt_err_in, kvrt_err_as, kvrt_tls_err, KVRT_BACKEND_API_VERSION,
  *          kvrt_backend_ops (one entry per op), struct kvrt_ctx, kvrt_backend_check,
  *          kvrt_backend_cpu, kvrt_cuda_host, kvrt_cuda_plugin, kvrt_cuda_plugin_get,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
@@ -53,6 +53,10 @@ KVRT_INTERNAL int kvrt_err_prefix(int rc, const char *fmt, ...);
 /* rc, with the thread-local message prefixed by "fn: " unless it already starts so: a public
  * call whose failure came from an inner one names the function the caller called. */
 KVRT_INTERNAL int kvrt_err_in(int rc, const char *fn);
+/* rc, with a thread-local message that starts with the function name `from` (followed by ':' or
+ * ' ') renamed to `to`, else as kvrt_err_in(rc, to): a public variant whose backend op names
+ * the sibling it shares (kvrt_am_compact_layer_multi). */
+KVRT_INTERNAL int kvrt_err_as(int rc, const char *from, const char *to);
 
 // ----------------------------------------------------------------------------
 // the backend table

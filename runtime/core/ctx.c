@@ -124,6 +124,17 @@ int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const char *fn, kvrt_
 // ----------------------------------------------------------------------------
 // context lifetime
 
+/* rc, with the message a backend's loader or init left (in err, or the thread's error) named
+ * after kvrt_ctx_create, detail kept ("no usable CUDA device: ..." did not say which call) */
+static int create_err(kvrt_error *err, int rc) {
+    const kvrt_error *src = err ? err : kvrt_tls_err();
+    static const char fn[] = "kvrt_ctx_create:";
+    if (strncmp(src->msg, fn, sizeof fn - 1) == 0) return rc;
+    char inner[sizeof src->msg];
+    snprintf(inner, sizeof inner, "%s", src->msg);
+    return kvrt_err_set(err, rc, src->detail, "kvrt_ctx_create: %s", inner);
+}
+
 int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, kvrt_error *err) {
     kvrt_err_set(err, KVRT_OK, 0, NULL);
     if (out == NULL) return kvrt_err_set(err, KVRT_ERR_ARG, 0, "kvrt_ctx_create: out is NULL");
@@ -142,7 +153,7 @@ int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, k
     case KVRT_BACKEND_CUDA: {
         /* the CUDA backend's library is loaded here, on the first CUDA context (cuda_load.c) */
         const kvrt_cuda_plugin *p = kvrt_cuda_plugin_get(err);
-        if (p == NULL) return KVRT_ERR_NO_CUDA;
+        if (p == NULL) return create_err(err, KVRT_ERR_NO_CUDA);
         ops = p->ops;
         break;
     }
@@ -171,7 +182,7 @@ int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, k
     int rc = ops->init(ctx, &o, err);
     if (rc != KVRT_OK) {
         free(ctx); /* init cleans up after itself on failure */
-        return rc;
+        return create_err(err, rc);
     }
     *out = ctx;
     return KVRT_OK;

@@ -741,7 +741,7 @@ static int same_opts(const char *fn, const kvrt_kv2_opts *o, const kvrt_kv2_opts
 #define KV2_DIFF(what, fmt, a, b)                                                                \
     return KVRT_FAIL(KVRT_ERR_ARG, "%s: " what " " fmt " differs from the compiled " fmt        \
                      " (pass KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, a, b)
-    if (fabs(o->rho - c->rho) > 1e-12 * c->rho) KV2_DIFF("rho", "%g", o->rho, c->rho);
+    if (!(fabs(o->rho - c->rho) <= 1e-12 * c->rho)) KV2_DIFF("rho", "%g", o->rho, c->rho); /* NaN too */
     if (o->proxy != c->proxy)
         KV2_DIFF("proxy", "%s", kvrt_kv2_proxy_name(o->proxy), kvrt_kv2_proxy_name(c->proxy));
     if (o->aggregate != c->aggregate)
@@ -774,5 +774,13 @@ int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
     else rc = schedule_opts(fn, s, budget, flags & KVRT_KV2_NEAREST_BUDGET, &co);
     if (rc == KVRT_OK && o && !(flags & KVRT_OVERRIDE_OPTIONS)) rc = same_opts(fn, o, &co);
     if (rc) return kvrt_policy_ctx_done(ctx, rc);
-    return kvrt_kv2_plan_create(ctx, o ? o : &co, s->L, n_heads, s->Hkv, head_dim, C, out);
+    /* The compiled chunk on a context whose compressible part is shorter: one chunk, which the
+     * default (0) gives (an explicit chunk past C - n_sink is refused). A caller's own chunk
+     * (KVRT_OVERRIDE_OPTIONS) is checked as given. */
+    kvrt_kv2_opts run = o ? *o : co;
+    if (!(o && (flags & KVRT_OVERRIDE_OPTIONS)) && run.chunk > 0 && C > (int64_t)run.n_sink &&
+        run.chunk > C - (int64_t)run.n_sink)
+        run.chunk = 0;
+    rc = kvrt_kv2_plan_create(ctx, &run, s->L, n_heads, s->Hkv, head_dim, C, out);
+    return kvrt_policy_ctx_done(ctx, kvrt_err_as(rc, "kvrt_kv2_plan_create", fn));
 }

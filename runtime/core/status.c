@@ -70,6 +70,18 @@ int kvrt_err_in(int rc, const char *fn) {
     return kvrt_err_prefix(rc, "%s", fn);
 }
 
+int kvrt_err_as(int rc, const char *from, const char *to) {
+    if (rc == KVRT_OK) return rc;
+    const char *msg = kvrt_tls_err()->msg;
+    const size_t n = strlen(from);
+    if (strncmp(msg, from, n) == 0 && (msg[n] == ':' || msg[n] == ' ')) {
+        char rest[sizeof kvrt_tls_err()->msg];
+        snprintf(rest, sizeof rest, "%s", msg + n);
+        return kvrt_err_set(NULL, rc, kvrt_tls_err()->detail, "%s%s", to, rest);
+    }
+    return kvrt_err_in(rc, to);
+}
+
 int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
     /* The error rule (kvrt.h): every failure's message also lands in the thread-local error. */
     kvrt_error *tls = kvrt_tls_err();

@@ -476,7 +476,8 @@ typedef struct {
                             * NAN: drop the keys whose NNLS weight is 0 (a head may then hold
                             * fewer than t) */
     int64_t n_sink;        /* the first n_sink keys are kept exactly (original k, v, beta 0),
-                            * counted inside t (default 4) */
+                            * counted inside t (default 4); at most t of them (n_sink > t keeps
+                            * the first t keys) */
     double recent_frac;    /* the last round(recent_frac * t) keys are kept exactly, counted
                             * inside t, in [0, 1) (default 0.5); the keys between the sinks and
                             * the recent window are compacted with the rest of t */
@@ -731,7 +732,12 @@ int kvrt_kv2_schedule_opts(const kvrt_kv2_schedule *s, double budget, unsigned f
                            kvrt_kv2_opts *out);
 /* A plan with the compiled options for budget (kvrt_kv2_schedule_opts); o non-NULL: those
  * options instead, refused (KVRT_ERR_ARG naming the option) where they differ from the
- * compiled ones unless flags has KVRT_OVERRIDE_OPTIONS. */
+ * compiled ones unless flags has KVRT_OVERRIDE_OPTIONS. A compiled chunk longer than the
+ * context's compressible part (C - n_sink) runs as one chunk (the default), so that a short
+ * prompt is not refused; with KVRT_OVERRIDE_OPTIONS, o's chunk is checked as
+ * kvrt_kv2_plan_create does. KVRT_ERR_MODEL_MISMATCH when n_heads or head_dim differs from
+ * the policy's model; otherwise kvrt_kv2_plan_create's errors (KVRT_ERR_ARG, KVRT_ERR_SHAPE),
+ * named after this function. */
 int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
                                    const kvrt_kv2_opts *o, unsigned flags, double budget,
                                    uint32_t n_heads, uint32_t head_dim, int64_t C,

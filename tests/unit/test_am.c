@@ -2029,3 +2029,40 @@ Test(am, thread_count_invariant_with_parallel_fit) {
     free(kh);
     free(q); free(k); free(v);
 }
+
+/* The multi calls' failures name the function called (from an audit: they named
+ * kvrt_am_compact_layer / _ref, whose backend op they share). */
+Test(am, multi_errors_name_the_call) {
+    enum { T = 64, H = 4, HKV = 2, D = 8 };
+    uint64_t s = 3;
+    float *q = randn_f(T * H * D, &s, 1.0), *k = randn_f(T * HKV * D, &s, 1.0);
+    float *v = randn_f(T * HKV * D, &s, 1.0);
+    const double rl[2] = {0.25, NAN};
+    kvrt_cache *out[2];
+    const char *want[4] = {"kvrt_am_compact_layer_multi: n_sets 0, expected 1..4096",
+                           "kvrt_am_compact_layer_multi: ratio of KV head 0 (set 1) is nan",
+                           "kvrt_am_compact_layer_multi_ref: n_ref 0",
+                           "kvrt_am_compact_layer_multi_ref: out is NULL"};
+    /* the last message of each call, in turn */
+    cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), NULL, q, k, v, T, H, HKV, D, 0, NULL, rl,
+                                             KVRT_DTYPE_F32, out, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, want[0]) == kvrt_last_error()->msg, "%s",
+              kvrt_last_error()->msg);
+    cr_assert(strstr(kvrt_ctx_last_error(test_cpu())->msg, want[0]) != NULL, "%s",
+              kvrt_ctx_last_error(test_cpu())->msg);
+    cr_assert_eq(kvrt_am_compact_layer_multi(test_cpu(), NULL, q, k, v, T, H, HKV, D, 2, NULL, rl,
+                                             KVRT_DTYPE_F32, out, NULL), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, want[1]) == kvrt_last_error()->msg, "%s",
+              kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_am_compact_layer_multi_ref(test_cpu(), NULL, q, NULL, 0, k, v, T, H, HKV, D,
+                                                 1, NULL, rl, KVRT_DTYPE_F32, out, NULL),
+                 KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, want[2]) == kvrt_last_error()->msg, "%s",
+              kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_am_compact_layer_multi_ref(test_cpu(), NULL, q, NULL, T, k, v, T, H, HKV, D,
+                                                 5000, NULL, rl, KVRT_DTYPE_F32, NULL, NULL),
+                 KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, want[3]) == kvrt_last_error()->msg, "%s",
+              kvrt_last_error()->msg);
+    free(q); free(k); free(v);
+}

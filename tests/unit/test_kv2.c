@@ -1123,6 +1123,27 @@ Test(kv2, schedule_handle) {
     cr_expect(has("the policy's model has 8 heads of dimension 16"), "%s", kvrt_last_error()->msg);
     cr_expect_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), NULL, NULL, 0, 0.05, H, D, 130, &pl),
                  KVRT_ERR_ARG);
+    /* a prompt shorter than the compiled chunk: one chunk (it was refused for the compiled chunk
+     * the caller never passed, under kvrt_kv2_plan_create's name); the caller's own chunk with
+     * the override is checked as given; NaN rho is "differs", not taken for the compiled one */
+    cr_assert_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, NULL, 0, 0.05, H, D, 50, &pl),
+                 KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_expect_eq(kvrt_kv2_plan_n_chunks(pl), 1);
+    cr_assert_eq(kvrt_kv2_plan_chunk(pl, 0, &lo, &hi, &nq), KVRT_OK);
+    cr_expect(lo == 2 && hi == 50, "lo %lld hi %lld", (long long)lo, (long long)hi);
+    kvrt_kv2_plan_free(pl);
+    cr_assert_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, &mine, 0, 0.05, H, D, 50, &pl),
+                 KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_kv2_plan_free(pl);
+    cr_expect_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, &mine, KVRT_OVERRIDE_OPTIONS, 0.05,
+                                                H, D, 50, &pl), KVRT_ERR_ARG);
+    cr_expect(has("kvrt_kv2_plan_create_scheduled: chunk 64, expected 0 (default) or 1..48"), "%s",
+              kvrt_last_error()->msg);
+    kvrt_kv2_opts nanr = mine;
+    nanr.rho = NAN;
+    cr_expect_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, &nanr, 0, 0.05, H, D, 130, &pl),
+                 KVRT_ERR_ARG);
+    cr_expect(has("rho nan differs from the compiled 0.5"), "%s", kvrt_last_error()->msg);
     kvrt_kv2_schedule_free(s);
     kvrt_kv2_schedule_free(NULL);
     kvrt_policy_free(pol);
