@@ -4,6 +4,7 @@
  * command printed on stdout is flushed and checked here (a write error exits 5).
  */
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,6 +118,10 @@ int main(int argc, char **argv) {
 #endif
         execv("/proc/self/exe", argv);
     }
+    /* A file-size limit (ulimit -f) makes a write fail with EFBIG, which every writer reports
+     * (exit 5, the temp file removed), instead of killing kvcc with SIGXFSZ mid-write and
+     * leaving OUT.tmp.XXXXXX behind. */
+    signal(SIGXFSZ, SIG_IGN);
     if (argc < 2) {
         usage(stderr);
         return KVCC_EXIT_USAGE;

@@ -223,6 +223,19 @@ int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, in
         fprintf(stderr, "kvcc %s: -o %s: is a directory; expected a file path\n", cmd, out);
         return KVCC_EXIT_USAGE;
     }
+    /* the output is written to a temp file beside it and renamed over the path: a device or a
+     * FIFO there would be replaced by a regular file (as root, -o /dev/null replaced the
+     * system's /dev/null) */
+    if (stat(out, &st) == 0 && !S_ISREG(st.st_mode)) {
+        const char *what = S_ISCHR(st.st_mode)    ? "a character device"
+                           : S_ISBLK(st.st_mode)  ? "a block device"
+                           : S_ISFIFO(st.st_mode) ? "a FIFO"
+                           : S_ISSOCK(st.st_mode) ? "a socket"
+                                                  : "not a regular file";
+        fprintf(stderr, "kvcc %s: -o %s: is %s; expected a regular file path (the output is "
+                "written beside it and renamed over it)\n", cmd, out, what);
+        return KVCC_EXIT_USAGE;
+    }
     for (int i = 0; i < n_in; i++)
         if (in[i].path && in[i].path[0] && same_file(out, in[i].path)) {
             fprintf(stderr,
@@ -237,7 +250,10 @@ int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, in
     else if (slash == dir) dir[1] = 0;
     else *slash = 0;
     if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        fprintf(stderr, "kvcc %s: -o %s: the directory %s does not exist\n", cmd, out, dir);
+        if (stat(dir, &st) == 0)
+            fprintf(stderr, "kvcc %s: -o %s: %s is not a directory\n", cmd, out, dir);
+        else
+            fprintf(stderr, "kvcc %s: -o %s: the directory %s does not exist\n", cmd, out, dir);
         return KVCC_EXIT_USAGE;
     }
     if (access(dir, W_OK | X_OK) != 0) {
@@ -318,7 +334,8 @@ void kvcc_remove_temp_on_signal(const char *out) {
      * stack runs it on its own (SA_ONSTACK is ignored there) */
     stack_t ss = {.ss_sp = sig_stack, .ss_size = sizeof sig_stack, .ss_flags = 0};
     if (sigaltstack(&ss, NULL) == 0) sa.sa_flags |= SA_ONSTACK;
-    const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+    /* SIGPIPE: stderr (the progress lines) piped into a reader that exits, `2>&1 | head` */
+    const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE};
     for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
         struct sigaction old;
         /* a signal ignored by the parent (nohup, background jobs) stays ignored */

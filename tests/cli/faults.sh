@@ -298,6 +298,35 @@ out=$("$KVCC" inspect "$tmp/o.kvpol" 2>&1)
 [[ "$out" == *"prompts=1"* && "$out" != *"prompts=100"* ]] && ok ||
   bad "--prompts 100 recorded as: $out"
 
+# 9. outputs that are not regular files, a file-size limit, a closed stderr pipe (from an audit:
+#    -o on a FIFO or device replaced it by a regular file; ulimit -f killed kvcc with SIGXFSZ and
+#    a reader of stderr that exits killed it with SIGPIPE, each leaving OUT.tmp.XXXXXX)
+mkfifo "$tmp/fifo"
+err=$("$KVCC" "${SYN[@]}" -o "$tmp/fifo" 2>&1); ex=$?
+expect_sub 2 "-o $tmp/fifo: is a FIFO; expected a regular file path" "synth -o FIFO"
+[ -p "$tmp/fifo" ] && ok || bad "synth -o FIFO replaced the FIFO"
+err=$("$KVCC" compile --model smollm2-135m -o /dev/null 2>&1); ex=$?
+expect_sub 2 "-o /dev/null: is a character device" "compile -o /dev/null"
+[ -c /dev/null ] && ok || bad "compile -o /dev/null replaced /dev/null"
+touch "$tmp/afile"
+err=$("$KVCC" "${SYN[@]}" -o "$tmp/afile/x.h5" 2>&1); ex=$?
+expect_sub 2 "$tmp/afile is not a directory" "synth -o FILE/x.h5"
+fl="$tmp/flimit"; mkdir "$fl"; cp "$tmp/old.txt" "$fl/s.h5"; cp "$tmp/a.kvpol" "$fl/x.kvpol"
+err=$(ulimit -f 100; "$KVCC" "${SYN[@]}" -o "$fl/s.h5" 2>&1); ex=$?
+expect_sub 5 "File too large" "synth under ulimit -f"
+err=$(ulimit -f 2; "$KVCC" compile --model smollm2-135m --policies compkv --corpus "$tmp/c.h5" \
+      -o "$fl/x.kvpol" 2>&1); ex=$?
+expect_sub 5 "File too large" "compile under ulimit -f"
+cmp -s "$tmp/old.txt" "$fl/s.h5" && cmp -s "$tmp/a.kvpol" "$fl/x.kvpol" && ok ||
+  bad "a write under ulimit -f changed the old outputs"
+no_temps "$fl" "writes under ulimit -f"
+pp="$tmp/pipe"; mkdir "$pp"
+(KVCC_PROGRESS_INTERVAL=0.05 "$KVCC" synth --model smollm2-135m --prompts 8 --context 1024 \
+   -o "$pp/p.h5" 2>&1 >/dev/null; echo $? > "$pp/ex") | true
+wait
+[ "$(cat "$pp/ex")" = 141 ] && ok || bad "synth with its stderr pipe closed: exit $(cat "$pp/ex"), expected 141"
+no_temps "$pp" "synth with its stderr pipe closed"
+
 for s in "${skipped[@]}"; do echo "faults: skipped: $s"; done
 echo "faults: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
