@@ -200,8 +200,12 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         if (!rc) rc = kvcc_corpus_set_codec(c, codec);
         if (!rc && o->n_shards) {
             char note[128];
-            snprintf(note, sizeof note, "shard %u of %u: prompts %u..%u of %u", o->shard,
-                     o->n_shards, p_lo, p_hi, o->n_prompts);
+            if (p_hi > p_lo) /* first..last, as docs/cli.md */
+                snprintf(note, sizeof note, "shard %u of %u: prompts %u..%u of %u", o->shard,
+                         o->n_shards, p_lo, p_hi - 1, o->n_prompts);
+            else /* more shards than prompts (mpirun -np N > prompts) */
+                snprintf(note, sizeof note, "shard %u of %u: no prompts (%u in all)", o->shard,
+                         o->n_shards, o->n_prompts);
             rc = kvcc_corpus_set_note(c, "capture_shard", note);
             if (rc) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
         }

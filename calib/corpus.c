@@ -241,7 +241,7 @@ int kvcc_corpus_create(kvcc_corpus **out, const char *path, const kvcc_corpus_mo
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
                      "%s: cannot create a temporary file beside it: %s", path, strerror(e));
     }
-    fchmod(fd, 0644);
+    fchmod(fd, (mode_t)kvpol_new_file_mode()); /* the umask, as open() would */
     /* fd stays open until HDF5 holds the file: kvcc's signal handler (compiler/util.c) removes
      * the temp files this process has open, so closing first left a window in which a SIGTERM
      * left the temp file behind */
@@ -1441,7 +1441,7 @@ int kvcc_corpus_write_manifest(const char *path, const char *const *shards, uint
     if (fd < 0)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
                      "%s: cannot create a temporary file beside it: %s", path, strerror(errno));
-    fchmod(fd, 0644);
+    fchmod(fd, (mode_t)kvpol_new_file_mode()); /* the umask, as open() would */
     FILE *f = fdopen(fd, "wb");
     int bad = !f;
     if (f) {

@@ -163,6 +163,14 @@ static int capture_main(int argc, char **argv) {
         }
     }
     for (int i = 0; i < n_texts; i++) { /* before the model loads: a directory is a usage error */
+        for (int j = 0; j < i; j++)
+            if (kvcc_same_file(texts[i], texts[j])) { /* its windows would repeat the other's */
+                fprintf(stderr, "kvcc capture: --text %s and --text %s are the same file\n",
+                        texts[j], texts[i]);
+                if (own_texts)
+                    for (int x = 0; x < n_texts; x++) free(texts[x]);
+                return KVCC_EXIT_USAGE;
+            }
         struct stat ts;
         if (stat(texts[i], &ts) == 0 && !S_ISREG(ts.st_mode)) {
             fprintf(stderr, "kvcc capture: --text %s: is %s, expected a text file\n", texts[i],
@@ -257,6 +265,11 @@ static int capture_main(int argc, char **argv) {
         } else {
             struct stat sb;
             long long bytes = stat(dst, &sb) == 0 ? (long long)sb.st_size : -1;
+            if (st.prompts == 0) /* a shard of more shards than prompts */
+                fprintf(stderr, "kvcc capture: %swrote %s: 0 prompts (shard %u of %u: more shards "
+                        "than the %u prompts), %lld bytes\n", rank_tag, dst, shard, n_shards,
+                        n_prompts, bytes);
+            else
             fprintf(stderr,
                     "kvcc capture: %swrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
                     "%lld bytes (codec %s); model %s, mean next-token NLL %.3f (perplexity %.1f); %.1f s (%.0f tokens/s; "

@@ -167,8 +167,13 @@ static int parse_budgets(const char *opt, const char *expect, const char *list, 
 
 static int parse_needle(const char *list, int *out, int *n) {
     char buf[256];
-    snprintf(buf, sizeof buf, "%s", list);
     *n = 0;
+    if (!kvcc_list_ok(list, sizeof buf)) {
+        fprintf(stderr, "kvcc eval: --needle: got '%s', expected a comma-separated list of context "
+                "lengths such as 2048,8192 (no empty items)\n", list);
+        return -1;
+    }
+    snprintf(buf, sizeof buf, "%s", list);
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         char *end;
         long v = strtol(tok, &end, 10);
@@ -186,8 +191,13 @@ static int parse_needle(const char *list, int *out, int *n) {
 /* --needle-depths: 1..KVCC_EVAL_NEEDLE_KEYS fractions in [0, 1), strictly ascending. */
 static int parse_depths(const char *list, float *out, int *n) {
     char buf[256];
-    snprintf(buf, sizeof buf, "%s", list);
     *n = 0;
+    if (!kvcc_list_ok(list, sizeof buf)) {
+        fprintf(stderr, "kvcc eval: --needle-depths: got '%s', expected a comma-separated list of "
+                "fractions such as 0.1,0.5,0.9 (no empty items)\n", list);
+        return -1;
+    }
+    snprintf(buf, sizeof buf, "%s", list);
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         char *end;
         double v = strtod(tok, &end);

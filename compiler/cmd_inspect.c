@@ -272,12 +272,8 @@ int kvcc_cmd_inspect(int argc, char **argv) {
     while ((c = kvcc_getopt("inspect", argc, argv, "jn:h", opts)) != -1) {
         if (c == 'j') json = 1;
         else if (c == 'n') {
-            char *end;
-            long v = strtol(optarg, &end, 10);
-            if (*end || v < 0 || v > 1000000) {
-                fprintf(stderr, "kvcc inspect: --items: got '%s', expected an integer 0..1000000\n", optarg);
-                return KVCC_EXIT_USAGE;
-            }
+            unsigned v;
+            if (kvcc_parse_u32("inspect", "items", optarg, 0, 1000000, &v)) return KVCC_EXIT_USAGE;
             max_items = (int)v;
         } else if (c == 'h') {
             printf("usage: kvcc inspect FILE [--json] [--items N]\n"

@@ -1050,9 +1050,7 @@ static int write_atomic(const char *out, const char *data, size_t n) {
         free(tmp);
         return -1;
     }
-    mode_t um = umask(0);
-    umask(um);
-    int bad = fchmod(fd, 0666 & ~um) != 0;
+    int bad = fchmod(fd, (mode_t)kvpol_new_file_mode()) != 0;
     for (size_t off = 0; !bad && off < n;) {
         ssize_t w = write(fd, data + off, n - off);
         if (w < 0 && errno == EINTR) continue;

@@ -132,6 +132,14 @@ static int make_rows(eval_run *E, char *err, size_t errlen) {
             }
         }
     }
+    if (o->n_block_budgets > 0) { /* read only by the decode-time methods */
+        int any = 0;
+        for (int mi = 0; mi < E->n_ms; mi++) any |= E->ms[mi]->budget == KVCC_BUDGET_BLOCKS;
+        if (!any)
+            fprintf(stderr, "kvcc eval: warning: --block-budgets is read by the decode-time "
+                    "methods only (compkv, topk-mass, quest, ...), and --methods has none: "
+                    "ignored\n");
+    }
     return 0;
 }
 

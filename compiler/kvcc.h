@@ -72,12 +72,15 @@ int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo,
 typedef struct {
     const char *opt, *path;
 } kvcc_input;
-/* Before any work: refuse an output path that is empty, a directory, the same file as one of the
- * n_in inputs (same path, or same st_dev/st_ino), or in a directory that does not exist or is not
- * writable. Prints "kvcc CMD: ..." naming the paths; KVCC_EXIT_USAGE, or 0 when it is fine. */
+/* Before any work: refuse an output path that is empty, a directory, a device, FIFO or socket,
+ * the same file as one of the n_in inputs (same path, or same st_dev/st_ino), or in a directory
+ * that does not exist or is not writable. Prints "kvcc CMD: ..." naming the paths;
+ * KVCC_EXIT_USAGE, or 0 when it is fine. */
 int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, int n_in);
-/* On SIGINT, SIGTERM, SIGHUP or SIGQUIT, remove the OUT.tmp.XXXXXX this process has open (found
- * through /proc/self/fd with async-signal-safe calls), then die of the signal. */
+/* 1 when a and b are the same path, or both exist with the same device and inode. */
+int kvcc_same_file(const char *a, const char *b);
+/* On SIGINT, SIGTERM, SIGHUP, SIGQUIT or SIGPIPE, remove the OUT.tmp.XXXXXX this process has
+ * open (found through /proc/self/fd with async-signal-safe calls), then die of the signal. */
 void kvcc_remove_temp_on_signal(const char *out);
 /* The uncompressed reference: a host f32 cache holding every one of the C context tokens of
  * k, v [C, Hkv, d] for every KV head (the same gather every compressed row goes through).

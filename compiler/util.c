@@ -135,7 +135,8 @@ int kvcc_parse_u32(const char *cmd, const char *opt, const char *s, unsigned lo,
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end || s[0] == '-' || v < lo || v > hi) {
+    /* digits only: strtoull also takes leading spaces, '+' and '-' (which wraps) */
+    if (errno || end == s || *end || !isdigit((unsigned char)s[0]) || v < lo || v > hi) {
         fprintf(stderr, "kvcc %s: --%s: got '%s', expected an integer in %u..%u\n", cmd, opt, s, lo, hi);
         return -1;
     }
@@ -205,8 +206,7 @@ const char *kvcc_data_path(const char *rel, char *buf, size_t cap) {
     return rel;
 }
 
-/* Same file: equal paths, or both exist with the same device and inode. */
-static int same_file(const char *a, const char *b) {
+int kvcc_same_file(const char *a, const char *b) {
     if (!strcmp(a, b)) return 1;
     struct stat sa, sb;
     return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev &&
@@ -237,7 +237,7 @@ int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, in
         return KVCC_EXIT_USAGE;
     }
     for (int i = 0; i < n_in; i++)
-        if (in[i].path && in[i].path[0] && same_file(out, in[i].path)) {
+        if (in[i].path && in[i].path[0] && kvcc_same_file(out, in[i].path)) {
             fprintf(stderr,
                     "kvcc %s: -o %s is the same file as the input %s %s; refusing to overwrite "
                     "an input\n", cmd, out, in[i].opt, in[i].path);

@@ -266,6 +266,10 @@ uint64_t kvpol_hash(const void *data, size_t len); /* XXH3-64, seed 0 */
 int kvpol_hash_file(const char *path, uint64_t *out, kvpol_error *err);
 float kvpol_f16_to_f32(uint16_t h);
 float kvpol_bf16_to_f32(uint16_t h);
+/* The permission bits a new file gets, 0666 & ~umask, for the atomic writers (a temp file from
+ * mkostemp is 0600): read from /proc/self/status (Linux >= 4.7) so that the process umask is
+ * never changed, which would race with other threads creating files; 0644 where unreadable. */
+unsigned kvpol_new_file_mode(void);
 
 /* ------------------------------------------------------------------ writer */
 /* Build an artifact section by section, then write it atomically. Two modes:

@@ -143,6 +143,18 @@ int kvpol_dtype_is_float(int dtype) {
            dtype == KVPOL_DTYPE_F64;
 }
 
+unsigned kvpol_new_file_mode(void) {
+    unsigned um = 022;
+    FILE *f = fopen("/proc/self/status", "re");
+    if (f) {
+        char line[128];
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "Umask: %o", &um) == 1) break;
+        fclose(f);
+    }
+    return 0666u & ~um;
+}
+
 float kvpol_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31;
     uint32_t exp = (h >> 10) & 0x1f;

@@ -176,7 +176,7 @@ static int make_temp(const char *path, char **tmp_out, int *fd_out, kvpol_error 
         free(tmp);
         return kvpol_fail(err, KVPOL_ERR_IO, "%s: cannot create a temporary file beside it: %s", path, strerror(e));
     }
-    fchmod(fd, 0644);
+    fchmod(fd, (mode_t)kvpol_new_file_mode()); /* the umask, as open() would */
     *tmp_out = tmp;
     *fd_out = fd;
     return KVPOL_OK;

@@ -1093,7 +1093,7 @@ static const kvcc_pass_option am_options[] = {
     {"am-floor", KVCC_OPT_F64, "F|none", "-3",
      "bias floor: every selected key is kept with beta = max(log w, F), so a head holds its whole "
      "budget; none: keys of NNLS weight 0 are dropped (written; eval runs it)", AM_OPT(am_floor),
-     0, 0, 0, NULL, 0},
+     0, 0, 0, NULL, KVCC_OPT_NONE},
     {"am-sinks", KVCC_OPT_U32, "N", "4",
      "first N keys of every head kept exactly (beta 0), inside its budget (written; eval runs it)",
      AM_OPT(am_sinks), 0, 0, 1u << 20, NULL, 0},

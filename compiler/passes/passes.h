@@ -94,6 +94,8 @@ typedef enum {
     2u /* flag of a LIST: every value is a count (an integer; 32.7 is refused, not rounded) */
 #define KVCC_OPT_AUTO                                                                              \
     4u /* flag of a U32: "auto" is a value too, stored as 0 (the pass picks) */
+#define KVCC_OPT_NONE                                                                              \
+    8u /* flag of an F64: "none" is a value too, stored as NaN */
 #define KVCC_PASS_MAX_LIST 32
 typedef struct {
     const char *name;               /* --name (NULL ends a table) */

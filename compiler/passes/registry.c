@@ -100,9 +100,11 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
     case KVCC_OPT_F64: {
         char *end;
         double v = strtod(value, &end);
-        if (!strcmp(value, "none")) v = NAN;
+        const int none = (o->flags & KVCC_OPT_NONE) != 0;
+        if (none && !strcmp(value, "none")) v = NAN;
         else if (end == value || *end || !isfinite(v)) {
-            snprintf(err, errlen, "--%s: got '%s', expected a number or none", o->name, value);
+            snprintf(err, errlen, "--%s: got '%s', expected a number%s", o->name, value,
+                     none ? " or none" : "");
             return -1;
         }
         *(double *)(base + o->offset) = v;
@@ -122,12 +124,17 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
         snprintf(buf, sizeof buf, "%s", value);
         for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
             char *end;
+            if (n == KVCC_PASS_MAX_LIST) {
+                snprintf(err, errlen, "--%s: more than %d items, expected up to %d", o->name,
+                         KVCC_PASS_MAX_LIST, KVCC_PASS_MAX_LIST);
+                return -1;
+            }
             double v = strtod(t, &end);
-            if (end == t || *end || !isfinite(v) || v <= 0 || n == KVCC_PASS_MAX_LIST ||
+            if (end == t || *end || !isfinite(v) || v <= 0 ||
                 (integer && (v != floor(v) || v > 1e9))) {
                 snprintf(err, errlen, "--%s: got '%s', expected up to %d positive %s", o->name,
                          t, KVCC_PASS_MAX_LIST,
-                         integer ? "integers (token counts are not rounded)" : "numbers");
+                         integer ? "integers (counts are not rounded)" : "numbers");
                 return -1;
             }
             store[n++] = v;

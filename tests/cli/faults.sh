@@ -327,6 +327,12 @@ wait
 [ "$(cat "$pp/ex")" = 141 ] && ok || bad "synth with its stderr pipe closed: exit $(cat "$pp/ex"), expected 141"
 no_temps "$pp" "synth with its stderr pipe closed"
 
+# the umask sets the outputs' modes, as for any file a program creates (they were 0644 always)
+(umask 077; "$KVCC" "${SYN[@]}" -o "$tmp/um.h5" 2>/dev/null; "$KVCC" compile --model smollm2-135m \
+  -o "$tmp/um.kvpol" 2>/dev/null)
+[ "$(stat -c %a "$tmp/um.h5" "$tmp/um.kvpol" | tr '\n' ' ')" = "600 600 " ] && ok ||
+  bad "outputs under umask 077: $(stat -c '%a %n' "$tmp/um.h5" "$tmp/um.kvpol" 2>&1)"
+
 for s in "${skipped[@]}"; do echo "faults: skipped: $s"; done
 echo "faults: $pass passed, $fail failed"
 [ "$fail" -eq 0 ]
