@@ -205,7 +205,12 @@ def _out(shape, out: Optional[np.ndarray], name: str, fn: str, dtype=np.float32,
     if out is None:
         a = np.empty(shape, dtype=dtype)
         return _Buf(a, _addr(a), a.shape, "host")
-    return _on(_buf(out, name, fn, shape, dtype, allow_device=device == "cuda"), device, name, fn)
+    b = _on(_buf(out, name, fn, shape, dtype, allow_device=device == "cuda"), device, name, fn)
+    if isinstance(b.obj, np.ndarray) and not b.obj.flags.writeable:
+        # written in place: a read-only view (np.frombuffer of bytes, a broadcast) must not be
+        raise KvrtError(ERR_ARG, f"{fn}: {name}: read-only (flags.writeable is False); an "
+                                 "output is written in place")
+    return b
 
 
 def _on(b: _Buf, device: str, name: str, fn: str) -> _Buf:

@@ -123,14 +123,17 @@ def _raise(status: int, err: Optional[_lib.kvrt_error] = None, ctx_ptr=None) -> 
     msg, detail = "", 0
     if err is not None and err.code == status and err.msg:
         msg, detail = err.msg.decode(errors="replace"), err.detail
-    if not msg and ctx_ptr:
-        ce = _lib.lib.kvrt_ctx_last_error(ctx_ptr)
-        if ce and ce.contents.code == status and ce.contents.msg:
-            msg, detail = ce.contents.msg.decode(errors="replace"), ce.contents.detail
+    # the thread's own error first: every failure sets it (kvrt.h's error rule), while a context
+    # is shared by the threads that pass it (ctx=None: one default context), so its last error
+    # may be another thread's (seen: ~4% of messages under two threads)
     if not msg:
         le = _lib.lib.kvrt_last_error()
         if le and le.contents.code == status and le.contents.msg:
             msg, detail = le.contents.msg.decode(errors="replace"), le.contents.detail
+    if not msg and ctx_ptr:
+        ce = _lib.lib.kvrt_ctx_last_error(ctx_ptr)
+        if ce and ce.contents.code == status and ce.contents.msg:
+            msg, detail = ce.contents.msg.decode(errors="replace"), ce.contents.detail
     raise KvrtError(status, msg, detail)
 
 

@@ -69,11 +69,17 @@ _EVAL_SEED = 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 
-_tls = threading.local()
+# The session of a model's attention call: each attention module of a model inside apply()
+# holds the stack of its model's open sessions (the innermost last). Not a thread-local: the
+# hooks and the attention interface are process-wide, and a server enters apply() once and
+# generates from worker threads; not a global stack either: two models in nested blocks each
+# keep their own session.
+_STACK = "_kvrt_sessions"
 
 
-def _active():
-    return getattr(_tls, "stack", None) and _tls.stack[-1]
+def _session_of(module):
+    stack = getattr(module, _STACK, None)
+    return stack[-1] if stack else None
 
 
 # --------------------------------------------------------------------------- cache
@@ -208,7 +214,7 @@ def full_cache_bytes(cache) -> int:
 # --------------------------------------------------------------------------- attention
 def _kvrt_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     **kwargs):
-    st = _active()
+    st = _session_of(module)
     layer = None
     if st is not None and isinstance(st.cache, KvrtCache):
         layer = st.cache.layers[module.layer_idx]
@@ -284,6 +290,8 @@ class KvrtSession:
         self.cache: KvrtCache | None = None
         self.stats: dict = {}
         self._hooks = []
+        self._attn_modules = []
+        self._running = None  # the thread whose forward pass is between _pre and _post
         self._prefill = False
         self._input_ids = None
         self._extending = None
@@ -328,22 +336,35 @@ class KvrtSession:
         m.set_attn_implementation(ATTN_NAME)
         self._hooks.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
         self._hooks.append(m.register_forward_hook(self._post, with_kwargs=True))
-        if not hasattr(_tls, "stack"):
-            _tls.stack = []
-        _tls.stack.append(self)
+        self._hooks.append(m.register_forward_hook(self._done, always_call=True))  # on errors too
+        self._attn_modules = [mod for mod in m.modules()
+                              if isinstance(getattr(mod, "layer_idx", None), int)]
+        for mod in self._attn_modules:
+            if _STACK not in mod.__dict__:
+                object.__setattr__(mod, _STACK, [])
+            mod.__dict__[_STACK].append(self)
 
     def _remove_hooks(self):
         for h in self._hooks:
             h.remove()
         if self._hooks:
             self.model.set_attn_implementation(self._saved_attn)
-            if getattr(_tls, "stack", None) and self in _tls.stack:
-                _tls.stack.remove(self)
+            for mod in self._attn_modules:
+                stack = mod.__dict__.get(_STACK)
+                if stack and self in stack:
+                    stack.remove(self)
+            self._attn_modules = []
         self._hooks = []
 
     def _pre(self, module, args, kwargs):
         if self._extending is not None:
             return args, kwargs
+        me = threading.get_ident()
+        if self._running is not None and self._running != me:
+            raise RuntimeError("kvrt.hf: a forward pass of this model is already running in "
+                               "another thread; one session runs one forward pass at a time "
+                               "(serialize the generate() calls, or use one model per worker)")
+        self._running = me
         ids = kwargs.get("input_ids", args[0] if args else None)
         emb = kwargs.get("inputs_embeds")
         n_batch = (ids if ids is not None else emb).shape[0]
@@ -373,6 +394,10 @@ class KvrtSession:
                 kwargs["logits_to_keep"] = w + 1
         self._input_ids = ids
         return args, kwargs
+
+    def _done(self, module, args, output):
+        if self._extending is None:
+            self._running = None
 
     def _post(self, module, args, kwargs, output):
         if self._extending is not None:

@@ -318,7 +318,13 @@ class CompilerKVPrompt(_Handle):
 
     def __init__(self, ptr: int, parent: "CompilerKV"):
         super().__init__(ptr, parent)
-        self._p = ctypes.cast(ptr, POINTER(_lib.kvrt_compilerkv_prompt)).contents
+        self._p_view = ctypes.cast(ptr, POINTER(_lib.kvrt_compilerkv_prompt)).contents
+
+    @property
+    def _p(self):
+        """The C struct, only while the handle is open (its memory is freed by close())."""
+        self.ptr
+        return self._p_view
 
     def add_layer(self, q: ArrayLike, k: ArrayLike) -> None:
         """Step 1 for one layer: q [T, H, d] (only the last `window` rows are read), k [T, Hkv,
@@ -375,7 +381,13 @@ class CompilerKV(_Handle):
 
     def __init__(self, ptr: int, policy: Optional[Policy] = None):
         super().__init__(ptr, policy)
-        self._t = ctypes.cast(ptr, POINTER(_lib.kvrt_compilerkv_tables)).contents
+        self._t_view = ctypes.cast(ptr, POINTER(_lib.kvrt_compilerkv_tables)).contents
+
+    @property
+    def _t(self):
+        """The C struct, only while the handle is open (its memory is freed by close())."""
+        self.ptr
+        return self._t_view
 
     @property
     def window(self) -> int:
@@ -855,7 +867,13 @@ class CompKVGrouping(_Handle):
 
     def __init__(self, ptr: int, policy: Optional[Policy] = None):
         super().__init__(ptr, policy)
-        self._g = ctypes.cast(ptr, POINTER(_lib.kvrt_compkv_grouping)).contents
+        self._g_view = ctypes.cast(ptr, POINTER(_lib.kvrt_compkv_grouping)).contents
+
+    @property
+    def _g(self):
+        """The C struct, only while the handle is open (its memory is freed by close())."""
+        self.ptr
+        return self._g_view
 
     n_layers = property(lambda self: int(self._g.n_layers))
     n_kv_heads = property(lambda self: int(self._g.n_kv_heads))

@@ -264,6 +264,23 @@ def test_torch_out_is_written_in_place():
     np.testing.assert_array_equal(out.numpy(), kvrt.attend(q.numpy(), c, k[-2:].copy(), v[-2:].copy()))
 
 
+def test_read_only_out_is_refused():
+    """out= is written in place: a read-only array (np.frombuffer of bytes) is refused, never
+    written through (from an audit: attend changed an immutable bytes object)."""
+    k, v = rnd(20, 3, 8, seed=4), rnd(20, 3, 8, seed=5)
+    c = kvrt.Cache.gather(k, v, kvrt.method_select("streaming", None, k, 10))
+    q = rnd(2, 6, 8, seed=6)
+    raw = bytes(2 * 6 * 8 * 4)
+    ro = np.frombuffer(raw, dtype=np.float32).reshape(2, 6, 8)
+    with pytest.raises(kvrt.ArgError, match=r"^kvrt\.attend: out: read-only"):
+        kvrt.attend(q, c, out=ro)
+    assert raw == bytes(2 * 6 * 8 * 4)
+    sc = np.zeros((3, 20), np.float32)
+    sc.flags.writeable = False
+    with pytest.raises(kvrt.ArgError, match="out: read-only"):
+        kvrt.method_scores("knorm", None, k, out=sc)
+
+
 def test_pip_install_target_bundles_the_library(tmp_path):
     """pip install ./python (offline, --no-build-isolation): the build hook runs make on the
     checkout (a no-op when build/libkvrt.so is current) and bundles the library, which the
@@ -317,6 +334,29 @@ def test_threads_release_the_gil_and_keep_their_own_errors():
         return bool(np.array_equal(kvrt.method_select("h2o", q, k, 50).positions, want))
     with ThreadPoolExecutor(4) as ex:
         assert all(ex.map(work, range(16)))
+
+
+def test_threads_sharing_the_default_context_get_their_own_messages():
+    """Two threads failing on the shared default context (ctx=None) each read their own error
+    (the context's last error, read first before, was the other thread's ~4% of the time)."""
+    import threading
+    k, v = rnd(40, 3, 8, seed=4), rnd(40, 3, 8, seed=5)
+    c = kvrt.Cache.gather(k, v, kvrt.method_select("streaming", None, k, 10))
+    q = rnd(1, 6, 8, seed=6)
+    wrong = {"nan": 0, "inf": 0}
+
+    def work(scale, tag):
+        for _ in range(3000):
+            try:
+                kvrt.attend(q, c, scale=scale)
+            except kvrt.ArgError as e:
+                wrong[tag] += f"scale {tag}" not in e.message
+    ts = [threading.Thread(target=work, args=(float(t), t)) for t in ("nan", "inf")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert wrong == {"nan": 0, "inf": 0}
 
 
 def test_unclosed_handles_at_exit():

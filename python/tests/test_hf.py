@@ -132,6 +132,33 @@ def test_memory_freed_and_generate(model, window, artifact):
     assert model.config._attn_implementation != khf.ATTN_NAME
 
 
+def test_sessions_follow_the_model_not_the_thread(model, window):
+    """A server enters apply() once and generates from worker threads; two models may sit in
+    nested blocks. Each generate must run its own model's session (from an audit: the session
+    was looked up per thread, and a worker's or the outer model's attention ran plain SDPA over
+    the new token only: wrong tokens, no error). method full must give transformers' own."""
+    import copy
+    import threading
+    ids, C = window
+    t = torch.as_tensor(ids[:C]).unsqueeze(0)
+    ref = model.generate(t, max_new_tokens=5, do_sample=False)[0, C:].tolist()
+    got = {}
+    with khf.apply(model, None, method="full", budget=1) as s:
+        th = threading.Thread(target=lambda: got.update(
+            worker=model.generate(t, max_new_tokens=5, do_sample=False)[0, C:].tolist()))
+        th.start()
+        th.join()
+        assert isinstance(s.cache, khf.KvrtCache) and s.cache.compressed
+    other = copy.deepcopy(model)
+    with khf.apply(model, None, method="full", budget=1) as sa:
+        with khf.apply(other, None, method="full", budget=1):
+            got["outer"] = model.generate(t, max_new_tokens=5, do_sample=False)[0, C:].tolist()
+        assert sa.cache is not None and sa.cache.compressed
+    del other
+    assert got == {"worker": ref, "outer": ref}, (got, ref)
+    assert model.config._attn_implementation != khf.ATTN_NAME
+
+
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
 def test_two_byte_caches(model, window, dt):
     """cache_dtype f16 / bf16: the compressed keys and values in 2 bytes (libkvrt's decode

@@ -98,6 +98,19 @@ def test_handles_close_with_the_policy(artifact):
     assert am.closed and ck.closed
     with pytest.raises(kvrt.ArgError, match="after close"):
         am.targets
+    # every property of a closed handle refuses, none reads the freed C struct (from an audit:
+    # CompilerKV.n_layers, the prompt's and CompKVGrouping's fields returned freed memory)
+    p = kvrt.Policy.open(artifact)
+    ck, g = p.compilerkv(), p.compkv()
+    pr = ck.prompt(128)
+    p.close()
+    for obj, names in ((ck, ("n_layers", "n_heads", "window", "budgets", "w_head", "t_gate")),
+                       (pr, ("T", "window", "n_layers", "finished", "entropy", "ppl", "alpha")),
+                       (g, ("n_layers", "n_kv_heads", "head_dim", "r", "block", "scale", "perm",
+                            "offsets", "learned"))):
+        for name in names:
+            with pytest.raises(kvrt.ArgError, match="after close"):
+                getattr(obj, name)
 
 
 def test_scheduled_calls_refuse_arrays_of_another_model(artifact):
