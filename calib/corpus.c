@@ -853,11 +853,11 @@ static hid_t open_checked(kvcc_corpus *c, hid_t loc, const char *name, const cha
                    full, got, exp);
     else if (H5Tget_class(t) != cls || (tsize && H5Tget_size(t) != tsize))
         *rc = FAIL(KVCC_CORPUS_ERR_DTYPE,
-                   "%s: dataset %s has a %s type of %zu bytes, expected %s%zu", c->path, full,
+                   "%s: dataset %s has a %s type of %zu bytes, expected %s", c->path, full,
                    H5Tget_class(t) == H5T_FLOAT     ? "float"
                    : H5Tget_class(t) == H5T_INTEGER ? "integer"
                                                     : "non-numeric",
-                   H5Tget_size(t), cls == H5T_FLOAT ? "float of " : "integer of ", tsize);
+                   H5Tget_size(t), cls == H5T_FLOAT ? "a float" : "an integer");
     if (!*rc) {
         /* the bytes the file really holds bound what the dataset may claim: unallocated storage
          * reads as fill values, so a small file could otherwise declare any size */

@@ -80,7 +80,7 @@ static int haystack_tokens(const kvcc_eval_opts *o, const kvcc_tok *tok, int32_t
         size_t len = 0, ni = 0;
         int32_t *ids = NULL;
         char *text = kvcc_read_text_file(o->needle_texts[i], &len, err, errlen);
-        if (!text) { free(all); return KVCC_EXIT_USAGE; }
+        if (!text) { free(all); return KVCC_EXIT_FAILED; } /* I/O, as capture --text */
         int rc = kvcc_tok_encode(tok, text, len, 0, &ids, &ni);
         free(text);
         int32_t *grown = rc ? NULL : realloc(all, sizeof(int32_t) * (n + ni + 1));

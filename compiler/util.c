@@ -71,8 +71,31 @@ static void opt_name(char *buf, size_t n, const struct option *lo, int li, int c
     }
 }
 
+/* The options whose repeats add up (documented as repeatable); any other option that takes a
+ * value may be given once: a second value used to replace the first in silence (`--policies am
+ * --policies compkv` compiled compkv alone, `-o X -o Y` never wrote X). */
+static const char *const repeatable[] = {"corpus", "text", "needle-text"};
+
+static int is_repeatable(const struct option *lo, int c) {
+    for (int i = 0; lo && lo[i].name; i++)
+        if (!lo[i].flag && lo[i].val == c)
+            for (size_t r = 0; r < sizeof repeatable / sizeof repeatable[0]; r++)
+                if (!strcmp(lo[i].name, repeatable[r])) return 1;
+    return 0;
+}
+
+/* takes_value: whether option c (short letter or long val) takes a value */
+static int takes_value(const char *shortopts, const struct option *lo, int li, int c) {
+    if (li >= 0) return lo[li].has_arg != no_argument;
+    const char *p = c > 0 && c < 256 ? strchr(shortopts, c) : NULL;
+    return p && p[1] == ':';
+}
+
 int kvcc_getopt(const char *cmd, int argc, char **argv, const char *shortopts,
                 const struct option *longopts) {
+    static int seen[256], n_seen;
+    static const char *seen_arg[256];
+    if (optind <= 1) n_seen = 0; /* a command's first call (callers set optind = 1) */
     opterr = 0; /* the messages are kvcc's */
     int li = -1;
     optopt = 0;
@@ -121,6 +144,19 @@ int kvcc_getopt(const char *cmd, int argc, char **argv, const char *shortopts,
             fprintf(stderr, "kvcc %s: %s: expected a value, got the option '%s' (kvcc %s --help)\n",
                     cmd, name, optarg, cmd);
             return '?';
+        }
+    }
+    if (optarg && takes_value(shortopts, longopts, li, c) && !is_repeatable(longopts, c)) {
+        for (int i = 0; i < n_seen; i++)
+            if (seen[i] == c) {
+                opt_name(name, sizeof name, longopts, -1, c);
+                fprintf(stderr, "kvcc %s: %s given twice ('%s', then '%s'); give it once\n", cmd,
+                        name, seen_arg[i], optarg);
+                return '?';
+            }
+        if (n_seen < (int)(sizeof seen / sizeof seen[0])) {
+            seen[n_seen] = c;
+            seen_arg[n_seen++] = optarg;
         }
     }
     return c;

@@ -1188,7 +1188,7 @@ static const kvcc_pass_option compkv_options[] = {
      "variance groups of the key coordinates per (layer, KV head)",
      offsetof(kvcc_compile_ctx, compkv_r), 0, 1, 65536, NULL, 0},
     {"compkv-block", KVCC_OPT_U32, "B", "16", "tokens per block (written; eval runs it)",
-     offsetof(kvcc_compile_ctx, compkv_block), 0, 1, 65536, NULL, 0},
+     offsetof(kvcc_compile_ctx, compkv_block), 0, 2, 65536, NULL, 0},
     {NULL, 0, NULL, NULL, NULL, 0, 0, 0, 0, NULL, 0},
 };
 

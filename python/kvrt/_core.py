@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import sys
 import weakref
 from ctypes import byref, c_double, c_float, c_int, c_int64, c_uint32, c_void_p, POINTER
@@ -51,9 +52,9 @@ def _dtype_code(dtype: Union[str, int]) -> int:
         return dtype
     try:
         return _DTYPES[dtype]
-    except KeyError:
-        raise KvrtError(ERR_DTYPE, f"dtype: got {dtype!r}, expected 'f32', 'f16' or 'bf16'") \
-            from None
+    except (KeyError, TypeError):
+        raise KvrtError(ERR_DTYPE, f"{_api_name()}: dtype: got {dtype!r}, expected 'f32', 'f16' "
+                                   "or 'bf16'") from None
 
 
 def _storage_np(dtype: str):
@@ -172,7 +173,13 @@ def _foreign(x, name, fn, expect, dtype, allow_device):
         if x.device.type != "cpu":
             raise KvrtError(ERR_DEVICE, f"{fn}: {name}: a torch tensor on {x.device}: expected "
                                         "a CPU tensor (or a CUDA tensor with a CUDA Context)")
-        return x.detach().numpy()  # shares memory
+        try:
+            return x.detach().numpy()  # shares memory
+        except TypeError:  # a dtype numpy has not (bfloat16)
+            raise KvrtError(ERR_DTYPE, f"{fn}: {name}: got dtype {x.dtype}, expected "
+                                       f"{np.dtype(dtype).name} (x.float() copies)") from None
+        except RuntimeError as e:  # a lazy conjugate or negative view
+            raise KvrtError(ERR_ARG, f"{fn}: {name}: {e}") from None
     if isinstance(x, np.ndarray):
         return x
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
@@ -309,7 +316,8 @@ class Context(_Handle):
         if backend not in names:
             raise KvrtError(ERR_ARG, f"kvrt.Context: backend: got {backend!r}, expected 'cpu' "
                                      "or 'cuda'")
-        opts = _lib.kvrt_ctx_options(n_threads=int(threads or 0), device_id=int(device))
+        opts = _lib.kvrt_ctx_options(n_threads=_uint(threads or 0, "threads", 31),
+                                     device_id=_uint(device, "device", 31))
         out, err = c_void_p(), _lib.kvrt_error()
         check(lib.kvrt_ctx_create(names[backend], byref(opts), byref(out), byref(err)), err)
         super().__init__(out.value)
@@ -354,15 +362,16 @@ def cuda_device_count() -> int:
     return int(lib.kvrt_cuda_device_count())
 
 
-_default_ctx: Optional[Context] = None
+_default = threading.local()
 
 
 def default_context() -> Context:
-    """The process-wide CPU context used when a call is given ``ctx=None``."""
-    global _default_ctx
-    if _default_ctx is None or _default_ctx.closed:
-        _default_ctx = Context("cpu")
-    return _default_ctx
+    """This thread's CPU context, used when a call is given ``ctx=None`` (one per thread: a
+    kvrt_ctx is used by one thread at a time, kvrt.h)."""
+    c = getattr(_default, "ctx", None)
+    if c is None or c.closed:
+        c = _default.ctx = Context("cpu")
+    return c
 
 
 def _ctx(ctx: Optional[Context]) -> Context:
@@ -537,10 +546,15 @@ class Cache(_Handle):
             else:
                 a["keys"][:] = keys
                 a["values"][:] = values
-            if bias is not None:
-                a["bias"][:] = np.asarray(bias, dtype=np.float32)
-            if positions is not None:
-                a["positions"][:] = np.asarray(positions, dtype=np.int32)
+            for nm, arr, dt in (("bias", bias, np.float32), ("positions", positions, np.int32)):
+                if arr is None:
+                    continue
+                arr = np.asarray(arr, dtype=dt)
+                if arr.shape != (n,):
+                    c.close()
+                    raise KvrtError(ERR_SHAPE, f"kvrt.Cache.from_arrays: {nm}: got shape "
+                                               f"{list(arr.shape)}, expected [{n}]")
+                a[nm][:] = arr
         return c
 
     @classmethod
@@ -676,6 +690,9 @@ def attend(q: ArrayLike, cache: Cache, k_recent: Optional[ArrayLike] = None,
     then) are device arrays and the cache one of :meth:`Cache.to_device` on that context.
     """
     fn = "kvrt.attend"
+    if not isinstance(cache, Cache):
+        raise KvrtError(ERR_ARG, f"{fn}: cache: got {type(cache).__name__}, expected a "
+                                 "kvrt.Cache (Cache.gather(k, v, selection) makes one)")
     c = _ctx(ctx)
     dev = c.backend == "cuda"
     d = cache.head_dim
@@ -718,8 +735,10 @@ _METHOD_ALIASES = {"streamingllm": "streaming"}
 
 
 def _method_code(method: Union[str, int]) -> int:
-    if isinstance(method, int):
+    if isinstance(method, int) and not isinstance(method, bool):
         return method
+    if not isinstance(method, str):
+        raise _arg_error(f"method: got {method!r}, expected one of {', '.join(METHODS)}")
     m = lib.kvrt_method_from_name(_METHOD_ALIASES.get(method, method).encode())
     if m < 0:
         raise _arg_error(f"method: got {method!r}, expected one of "
@@ -786,7 +805,7 @@ def budget_resolve(budget: float, T: int) -> int:
     """kvrt_budget_resolve: budget >= 1 is a token count (rounded to nearest), 0 < budget < 1 a
     ratio of T (at least 1); refused (ArgError) when <= 0, not finite, or a count > T."""
     out = c_int64()
-    check(lib.kvrt_budget_resolve(_number(budget, "budget"), int(T), byref(out)))
+    check(lib.kvrt_budget_resolve(_number(budget, "budget"), _uint(T, "T", 63), byref(out)))
     return int(out.value)
 
 
@@ -794,8 +813,9 @@ def topk(scores: ArrayLike, k: int) -> np.ndarray:
     """kvrt_topk: indices (int32, ascending) of the k largest scores[0..n) (ties: lower index;
     NaN lowest)."""
     sb = _buf(scores, "scores", "kvrt.topk", (None,))
-    idx = np.empty(int(k), dtype=np.int32)
-    check(lib.kvrt_topk(sb.ptr, sb.shape[0], int(k), _addr(idx)))
+    k = _uint(k, "k", 63)
+    idx = np.empty(k, dtype=np.int32)
+    check(lib.kvrt_topk(sb.ptr, sb.shape[0], k, _addr(idx)))
     return idx
 
 
@@ -805,10 +825,12 @@ def select_pinned(scores: Optional[ArrayLike], T: int, budget: int, n_sink: int 
     and last n_recent pinned (inside the budget), the rest the highest scores [T] among the
     unpinned (topk rules). scores may be None when the pins fill the budget."""
     sp = None
+    T, budget = _uint(T, "T", 63), _uint(budget, "budget", 63)
+    n_sink, n_recent = _uint(n_sink, "n_sink", 63), _uint(n_recent, "n_recent", 63)
     if scores is not None:
-        sp = _buf(scores, "scores", "kvrt.select_pinned", (int(T),)).ptr
-    idx = np.empty(int(budget), dtype=np.int32)
-    check(lib.kvrt_select_pinned(sp, int(T), int(budget), int(n_sink), int(n_recent), _addr(idx)))
+        sp = _buf(scores, "scores", "kvrt.select_pinned", (T,)).ptr
+    idx = np.empty(budget, dtype=np.int32)
+    check(lib.kvrt_select_pinned(sp, T, budget, n_sink, n_recent, _addr(idx)))
     return idx
 
 
@@ -911,8 +933,9 @@ class Quest(_Handle):
         scores."""
         fn = "kvrt.Quest.select"
         qb = self._arg(q, "q", fn, (None, self.head_dim))
-        ob = self._result((self.n_kv_heads, int(budget_pages)), out, "out", fn, np.int32)
-        check(lib.kvrt_quest_select(self.ptr, qb.ptr, qb.shape[0], int(budget_pages), ob.ptr),
+        budget_pages = _uint(budget_pages, "budget_pages", 63)
+        ob = self._result((self.n_kv_heads, budget_pages), out, "out", fn, np.int32)
+        check(lib.kvrt_quest_select(self.ptr, qb.ptr, qb.shape[0], budget_pages, ob.ptr),
               ctx_ptr=self._ctx.ptr if self._ctx is not None else None)
         return ob.obj if out is None else out
 

@@ -75,6 +75,8 @@ _MASK64 = (1 << 64) - 1
 # generates from worker threads; not a global stack either: two models in nested blocks each
 # keep their own session.
 _STACK = "_kvrt_sessions"
+_RELEASED = ("kvrt.hf: this KvrtCache was released when its kvrt.hf.apply() block ended (a "
+             "KvrtCache is valid inside its block only; start from an empty cache)")
 
 
 def _session_of(module):
@@ -99,12 +101,18 @@ class KvrtLayer(DynamicLayer):
         self.rv: np.ndarray | None = None
         self.n_rec = 0
         self.compressed = False
+        self.released = False                 # freed when its apply() block ended
         self._pending = None
         self._cap = 0
         self._compkv_bytes = 0
 
+    def _check_live(self):
+        if self.released:
+            raise RuntimeError(_RELEASED)
+
     # --- transformers Cache layer interface
     def update(self, key_states, value_states, *args, **kwargs):
+        self._check_live()
         if not self.compressed:
             return super().update(key_states, value_states, *args, **kwargs)
         if key_states.shape[0] != 1:
@@ -133,6 +141,7 @@ class KvrtLayer(DynamicLayer):
         self.n_rec = need
 
     def get_seq_length(self) -> int:
+        self._check_live()
         if not self.compressed:
             return super().get_seq_length()
         return self.n_ctx + self.n_rec
@@ -172,6 +181,7 @@ class KvrtLayer(DynamicLayer):
         self.rk = self.rv = self.q_ctx = self._pending = None
         self.n_rec = self.n_ctx = 0
         self.compressed = False
+        self.released = True
 
 
 class KvrtCache(Cache):
@@ -277,9 +287,11 @@ class KvrtSession:
         if cache_dtype not in ("f32", "f16", "bf16"):
             raise ValueError(f"kvrt.hf: cache_dtype must be 'f32', 'f16' or 'bf16', not "
                              f"{cache_dtype!r}")
-        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        if isinstance(budget, (bool, np.bool_)) or \
+                not isinstance(budget, (int, float, np.integer, np.floating)) or not budget > 0:
             raise ValueError(f"kvrt.hf: budget must be > 0 (a token count >= 1 or a ratio < 1), "
                              f"not {budget!r}")
+        budget = int(budget) if isinstance(budget, (int, np.integer)) else float(budget)
         if method == "compkv" and (budget < 1 or budget != int(budget)):
             raise ValueError(f"kvrt.hf: compkv's budget is a number of blocks (an integer >= 1), "
                              f"not {budget!r}")
@@ -316,18 +328,20 @@ class KvrtSession:
         """Remove the hooks, restore the model's attention and free everything libkvrt holds
         (the cache's compressed layers included: a KvrtCache is valid inside its block only).
         The last cache's sizes stay in self.stats (bytes_held, compressed_bytes, peak_bytes)."""
-        self._remove_hooks()
-        if self.cache is not None:
+        try:
+            self._remove_hooks()
             c = self.cache
-            if c.compressed:
-                self.stats = dict(c.stats, bytes_held=c.nbytes(), peak_bytes=c.peak_bytes,
-                                  seq_length=c.get_seq_length())
-            for l in self.cache.layers:
-                l.release()
-        for h in (self.policy, self.ctx):  # the policy closes its per-policy handles
-            if h is not None:
-                h.close()
-        self.handle = None
+            if c is not None and not any(l.released for l in c.layers):
+                if c.compressed:
+                    self.stats = dict(c.stats, bytes_held=c.nbytes(), peak_bytes=c.peak_bytes,
+                                      seq_length=c.get_seq_length())
+                for l in c.layers:
+                    l.release()
+        finally:  # the policy (which closes its per-policy handles) and the context, always
+            for h in (self.policy, self.ctx):
+                if h is not None:
+                    h.close()
+            self.handle = None
 
     # --- hooks on the model
     def _install(self):
@@ -377,6 +391,8 @@ class KvrtSession:
         c = kwargs.pop("past_key_values", None)
         if kwargs.get("cache") is not None:
             c = kwargs["cache"]
+        if isinstance(c, KvrtCache) and any(l.released for l in c.layers):
+            raise ValueError(_RELEASED)
         if not isinstance(c, KvrtCache):
             if c is not None and c.get_seq_length() > 0:
                 raise ValueError("kvrt.hf: the call brings a cache that already holds tokens; "

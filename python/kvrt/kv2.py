@@ -68,11 +68,14 @@ class KV2Plan(_Handle):
     def __init__(self, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, C: int, *,
                  ctx: Optional[Context] = None, _ptr: Optional[int] = None, **options):
         c = _ctx(ctx)
+        C = _uint(C, "C", 63)
         if _ptr is None:
             o = _opts(**options)
             out = c_void_p()
+            n_layers, n_heads = _uint(n_layers, "n_layers"), _uint(n_heads, "n_heads")
+            n_kv_heads, head_dim = _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim")
             check(lib.kvrt_kv2_plan_create(c.ptr, byref(o), n_layers, n_heads, n_kv_heads,
-                                           head_dim, int(C), byref(out)), ctx_ptr=c.ptr)
+                                           head_dim, C, byref(out)), ctx_ptr=c.ptr)
             _ptr = out.value
         super().__init__(_ptr, c)
         self.ctx = c
@@ -91,7 +94,7 @@ class KV2Plan(_Handle):
     def chunk(self, r: int) -> Tuple[int, int, int]:
         """Chunk r's positions [lo, hi) and its number of reconstruction queries."""
         lo, hi, n = c_int64(), c_int64(), c_int64()
-        check(lib.kvrt_kv2_plan_chunk(self.ptr, int(r), byref(lo), byref(hi), byref(n)))
+        check(lib.kvrt_kv2_plan_chunk(self.ptr, _uint(r, "r", 63), byref(lo), byref(hi), byref(n)))
         return lo.value, hi.value, n.value
 
     def queries(self, r: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -100,7 +103,7 @@ class KV2Plan(_Handle):
         n = self.chunk(r)[2]
         pos, ids = np.empty(n, np.int32), np.empty(n, np.int32)
         nq = c_int64()
-        check(lib.kvrt_kv2_plan_queries(self.ptr, int(r), _addr(pos), _addr(ids),
+        check(lib.kvrt_kv2_plan_queries(self.ptr, _uint(r, "r", 63), _addr(pos), _addr(ids),
                                         byref(nq)))
         return pos[:nq.value], ids[:nq.value]
 
@@ -115,7 +118,7 @@ class KV2Plan(_Handle):
         if k_new is not None:
             kn = _carg(self.ctx, k_new, "k_new", fn,
                        (qb.shape[0], self.n_kv_heads, self.head_dim)).ptr
-        check(lib.kvrt_kv2_plan_score(self.ptr, int(r), _uint(layer, "layer"), qb.ptr,
+        check(lib.kvrt_kv2_plan_score(self.ptr, _uint(r, "r", 63), _uint(layer, "layer"), qb.ptr,
                                       qb.shape[0], kb.ptr, kn))
 
     def next_pass(self) -> None:
@@ -189,8 +192,8 @@ class KV2Schedule(_Handle):
         H, d = _uint(n_heads, "n_heads"), _uint(head_dim, "head_dim")
         check(lib.kvrt_kv2_plan_create_scheduled(c.ptr, self.ptr, op,
                                                  OVERRIDE_OPTIONS if override else 0,
-                                                 _number(budget, "budget"), H, d, int(C),
-                                                 byref(out)), ctx_ptr=c.ptr)
+                                                 _number(budget, "budget"), H, d,
+                                                 _uint(C, "C", 63), byref(out)), ctx_ptr=c.ptr)
         m = self.policy.model if self.policy is not None else {}
         return KV2Plan(m.get("n_layers", 0), H, m.get("n_kv_heads", 0), d, int(C), ctx=c,
                        _ptr=out.value)

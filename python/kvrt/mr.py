@@ -98,7 +98,8 @@ class MRStream(_Handle):
         out = c_void_p()
         Hkv, d = _uint(n_kv_heads, "n_kv_heads"), _uint(head_dim, "head_dim")
         check(lib.kvrt_mr_stream_create(c.ptr, byref(o), bs, _uint(layer, "layer"), Hkv, d,
-                                        int(K), int(n_recent), byref(out)), ctx_ptr=c.ptr)
+                                        _uint(K, "K", 63), _uint(n_recent, "n_recent", 63),
+                                        byref(out)), ctx_ptr=c.ptr)
         super().__init__(out.value, c)
         self.ctx = c
         self.n_kv_heads, self.head_dim = Hkv, d

@@ -77,11 +77,18 @@ def _dims_struct(d: Optional[Dict[str, Any]]):
         return None, None
     s = _lib.kvrt_model_dims()
     for f in _DIM_FIELDS:
-        if f == "name":
+        if f == "name" or d.get(f) is None:
             continue
-        if d.get(f) is not None:
-            setattr(s, f, d[f])
+        # checked before ctypes wraps them (2**32 + 30 layers read as 30)
+        v = d[f]
+        if f == "rope_theta":
+            v = _number(v, f"model['{f}']")
+        else:
+            v = _uint(v, f"model['{f}']", 64 if f == "model_hash" else 32)
+        setattr(s, f, v)
     name = d.get("name")
+    if name is not None and not isinstance(name, str):
+        raise _arg_error(f"model['name']: got {name!r}, expected a str")
     keep = name.encode() if name else None
     s.name = keep
     return s, keep
@@ -106,7 +113,10 @@ class Policy(_Handle):
     @classmethod
     def open(cls, path: Union[str, os.PathLike], model: ModelSpec = None) -> "Policy":
         """kvrt_policy_open: mmap and validate ``path``; ``model`` as in :func:`model_dims`."""
-        p = os.fspath(path)
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise KvrtError(ERR_ARG, f"kvrt.Policy.open: path: got {type(path).__name__}, "
+                                     "expected a str or os.PathLike")
+        p = os.fsdecode(path)
         dims, _keep = _dims_struct(model_dims(model))
         out, err = c_void_p(), _lib.kvrt_error()
         check(lib.kvrt_policy_open(p.encode(), byref(dims) if dims is not None else None,
@@ -426,18 +436,19 @@ class CompilerKV(_Handle):
     def budget_index(self, budget: int, nearest: bool = False) -> int:
         """kvrt_compilerkv_budget_index (UnsupportedError listing the compiled budgets)."""
         i = c_uint32()
-        check(lib.kvrt_compilerkv_budget_index(self.ptr, int(budget),
+        check(lib.kvrt_compilerkv_budget_index(self.ptr, _uint(budget, "budget", 63),
                                                self.NEAREST_BUDGET if nearest else 0, byref(i)))
         return int(i.value)
 
     def kept_window(self, budget: int, T: int) -> int:
         """kvrt_compilerkv_kept_window: the always-kept recent tokens at budget."""
-        return int(lib.kvrt_compilerkv_kept_window(self.window, int(budget), int(T)))
+        return int(lib.kvrt_compilerkv_kept_window(self.window, _uint(budget, "budget", 63),
+                                                   _uint(T, "T", 63)))
 
     def prompt(self, T: int) -> CompilerKVPrompt:
         """kvrt_compilerkv_prompt_create(T, window)."""
         out = POINTER(_lib.kvrt_compilerkv_prompt)()
-        check(lib.kvrt_compilerkv_prompt_create(int(T), self.window, byref(out)))
+        check(lib.kvrt_compilerkv_prompt_create(_uint(T, "T", 63), self.window, byref(out)))
         return CompilerKVPrompt(ctypes.cast(out, c_void_p).value, self)
 
     def select(self, prompt: CompilerKVPrompt, layer: int, v: ArrayLike, budget: int, *,
@@ -450,7 +461,7 @@ class CompilerKV(_Handle):
         vb = _carg(c, v, "v", "kvrt.CompilerKV.select", (prompt.T, None, None))
         out, st = c_void_p(), _lib.kvrt_compilerkv_stats()
         check(lib.kvrt_compilerkv_select(c.ptr, self.ptr, prompt.ptr, _uint(layer, "layer"), vb.ptr,
-                                         vb.shape[1], vb.shape[2], int(budget),
+                                         vb.shape[1], vb.shape[2], _uint(budget, "budget", 63),
                                          self.NEAREST_BUDGET if nearest else 0, byref(out),
                                          byref(st)), ctx_ptr=c.ptr)
         return Selection(out.value), _ckv_stats(st)
@@ -481,7 +492,8 @@ class CompilerKV(_Handle):
         sels = (c_void_p * L)()
         stats = (_lib.kvrt_compilerkv_stats * L)()
         check(lib.kvrt_compilerkv_select_all(c.ptr, self.ptr, qa, ka, va, nb.ptr, T, H, Hkv, d,
-                                             int(budget), self.NEAREST_BUDGET if nearest else 0,
+                                             _uint(budget, "budget", 63),
+                                             self.NEAREST_BUDGET if nearest else 0,
                                              sels, stats), ctx_ptr=c.ptr)
         return [Selection(s) for s in sels], [_ckv_stats(s) for s in stats]
 
@@ -833,8 +845,9 @@ class CompKVState(_Handle):
         fn = "kvrt.CompKVState.select"
         nb = self.n_blocks
         sb = _carg(self.ctx, scores, "scores", fn, (self.n_kv_heads, nb))
-        ob = _cout(self.ctx, (self.n_kv_heads, min(int(k_blocks), nb)), out, "out", fn, np.int32)
-        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, int(k_blocks), ob.ptr))
+        k_blocks = _uint(k_blocks, "k_blocks")
+        ob = _cout(self.ctx, (self.n_kv_heads, min(k_blocks, nb)), out, "out", fn, np.int32)
+        check(lib.kvrt_compkv_select(self.ptr, sb.ptr, k_blocks, ob.ptr))
         return self._res(ob, out)
 
     def attend_blocks(self, q: ArrayLike, blocks: ArrayLike, *, out: Optional[ArrayLike] = None):
@@ -854,10 +867,11 @@ class CompKVState(_Handle):
         min(k_blocks, n_blocks)]); on a CUDA context both are device arrays the caller gives."""
         fn = "kvrt.CompKVState.step"
         qb = self._q(q, fn)
+        k_blocks = _uint(k_blocks, "k_blocks")
         ob = _cout(self.ctx, (qb.shape[0], self.head_dim), out, "out", fn)
-        bb = _cout(self.ctx, (self.n_kv_heads, min(int(k_blocks), self.n_blocks)), blocks_out,
+        bb = _cout(self.ctx, (self.n_kv_heads, min(k_blocks, self.n_blocks)), blocks_out,
                    "blocks_out", fn, np.int32)
-        check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], int(k_blocks), ob.ptr, bb.ptr))
+        check(lib.kvrt_compkv_step(self.ptr, qb.ptr, qb.shape[0], k_blocks, ob.ptr, bb.ptr))
         return self._res(ob, out), self._res(bb, blocks_out)
 
 

@@ -281,6 +281,35 @@ def test_read_only_out_is_refused():
         kvrt.method_scores("knorm", None, k, out=sc)
 
 
+def test_integers_and_types_checked_before_c():
+    """From an audit of python.md's promise ("-1 is refused, 3.0 is refused, '16' is refused"):
+    counts went to numpy or ctypes unchecked (wrapping, truncating, numpy's messages), and some
+    wrong types surfaced as AttributeError / TypeError instead of a kvrt error naming the call."""
+    s = np.array([3, 1, 4, 1, 5], np.float32)
+    for bad in (-1, "3", 2.7, True):
+        with pytest.raises(kvrt.ArgError, match=r"^kvrt\.topk: k: got"):
+            kvrt.topk(s, bad)
+    with pytest.raises(kvrt.ArgError, match=r"^kvrt\.select_pinned: budget: got -1"):
+        kvrt.select_pinned(s, 5, -1)
+    with pytest.raises(kvrt.ArgError, match="threads"):
+        kvrt.Context("cpu", threads=2 ** 32 + 1)
+    with pytest.raises(kvrt.ArgError, match="threads"):
+        kvrt.Context("cpu", threads="2")
+    k, v = rnd(20, 3, 8, seed=4), rnd(20, 3, 8, seed=5)
+    sel = kvrt.method_select("streaming", None, k, 10)
+    with pytest.raises(kvrt.DtypeError, match=r"^kvrt\.Cache\.gather: dtype: got 'float64'"):
+        kvrt.Cache.gather(k, v, sel, dtype="float64")
+    with pytest.raises(kvrt.ArgError, match=r"^kvrt\.method_select: method: got None"):
+        kvrt.method_select(None, None, k, 10)
+    with pytest.raises(kvrt.ArgError, match=r"^kvrt\.attend: cache: got Selection"):
+        kvrt.attend(rnd(1, 6, 8), sel)
+    with pytest.raises(kvrt.ShapeError, match=r"from_arrays: bias: got shape \[3\], expected \[4\]"):
+        kvrt.Cache.from_arrays([0, 4], rnd(4, 8), rnd(4, 8), bias=[0, 0, 0])
+    torch = pytest.importorskip("torch")
+    with pytest.raises(kvrt.DtypeError, match=r"k: got dtype torch\.bfloat16, expected float32"):
+        kvrt.method_select("knorm", None, torch.from_numpy(k).to(torch.bfloat16), 10)
+
+
 def test_pip_install_target_bundles_the_library(tmp_path):
     """pip install ./python (offline, --no-build-isolation): the build hook runs make on the
     checkout (a no-op when build/libkvrt.so is current) and bundles the library, which the

@@ -159,6 +159,24 @@ def test_sessions_follow_the_model_not_the_thread(model, window):
     assert model.config._attn_implementation != khf.ATTN_NAME
 
 
+def test_a_released_cache_says_so(model, window):
+    """A KvrtCache is valid inside its block only: after it, and in a new block, using it raises
+    a message that says so (it was a raw AttributeError, and the new block's close() then failed
+    before freeing its policy and context)."""
+    ids, C = window
+    t = torch.as_tensor(ids[:C]).unsqueeze(0)
+    with khf.apply(model, None, method="snapkv", budget=np.int64(32)) as s:
+        c = model(input_ids=t, use_cache=True).past_key_values
+    assert s.stats["bytes_held"] > 0 and s.stats["budget"] == 32
+    with pytest.raises(RuntimeError, match="released when its kvrt.hf.apply"):
+        c.get_seq_length()
+    with khf.apply(model, None, method="snapkv", budget=32) as s2:
+        with pytest.raises(ValueError, match="released when its kvrt.hf.apply"):
+            model(input_ids=t[:, :8], cache=c, use_cache=True)
+    assert s2.ctx.closed
+    assert model.config._attn_implementation != khf.ATTN_NAME
+
+
 @pytest.mark.parametrize("dt", ["f16", "bf16"])
 def test_two_byte_caches(model, window, dt):
     """cache_dtype f16 / bf16: the compressed keys and values in 2 bytes (libkvrt's decode

@@ -113,6 +113,21 @@ def test_handles_close_with_the_policy(artifact):
                 getattr(obj, name)
 
 
+def test_model_dict_values_and_path_types(artifact):
+    """A model dict's counts are checked before ctypes (2**32 + 30 layers was read as 30 and
+    accepted), a str value is a kvrt error, and a bytes path opens like a str."""
+    with pytest.raises(kvrt.ArgError, match=r"model\['n_layers'\]: got 4294967326"):
+        kvrt.Policy.open(artifact, model=dict(n_layers=2 ** 32 + 30))
+    with pytest.raises(kvrt.ArgError, match=r"model\['n_heads'\]: got -1"):
+        kvrt.Policy.open(artifact, model=dict(n_heads=-1))
+    with pytest.raises(kvrt.ArgError, match=r"model\['head_dim'\]: got '64'"):
+        kvrt.Policy.open(artifact, model=dict(head_dim="64"))
+    with kvrt.Policy.open(artifact.encode(), model=dict(n_layers=30)) as p:
+        assert p.model["n_layers"] == 30
+    with pytest.raises(kvrt.ArgError, match="path: got int"):
+        kvrt.Policy.open(3)
+
+
 def test_scheduled_calls_refuse_arrays_of_another_model(artifact):
     """The scheduled C calls read q, k, v by the policy's model (3 KV heads of 64 here) and
     take no KV-head count or head dimension: arrays of another shape must be refused before

@@ -98,7 +98,7 @@ else
   # a failure on one rank: before the capture (check 1) and before the shards are kept (check 2)
   for at in 1 2; do
     rm -f "$tmp"/f.corpus*
-    err=$(KVCC_DIST_INJECT_FAIL=1:$at "${mpi[@]}" -x KVCC_DIST_INJECT_FAIL -np 2 "$KVCC" capture "${win[@]}" --prompts 2 \
+    err=$(KVCC_DIST_INJECT_FAIL=1:$at "${mpi[@]}" -x KVCC_DIST_INJECT_FAIL -np 2 "$KVCC" capture "${win[@]/#3/2}" \
           -o "$tmp/f.corpus" 2>&1); ex=$?
     [[ $ex -ne 0 && "$err" == *"rank 1: injected failure"* && "$err" == *"no manifest written"* ]] && ok || bad "rank 1 failing at check $at: exit $ex: $err"
     [ -z "$(ls "$tmp" | grep '^f\.corpus')" ] && ok || bad "rank 1 failing at check $at left: $(ls "$tmp" | grep '^f\.corpus')"

@@ -80,11 +80,20 @@ for pair in "compile --model -o $tmp/x.kvpol|kvcc compile: --model: expected a v
             "models --json=1|kvcc models: --json takes no value" \
             "eval --corpus $tmp/n.h5 --methods h2o --budgets 8 --no-probes|kvcc eval: --no-probes needs --gguf" \
             "eval --corpus $tmp/n.h5 --methods h2o --budgets 8 --needle-keys 2|kvcc eval: --needle-keys needs --needle" \
-            "eval --corpus $tmp/n.h5 --methods h2o, --budgets 8|kvcc eval: --methods: got 'h2o,', expected a comma-separated list of methods (no empty items)"; do
+            "eval --corpus $tmp/n.h5 --methods h2o, --budgets 8|kvcc eval: --methods: got 'h2o,', expected a comma-separated list of methods (no empty items)" \
+            "compile --model smollm2-135m --policies am --policies compkv -o $tmp/x.kvpol|kvcc compile: --policies given twice ('am', then 'compkv'); give it once" \
+            "compile --model smollm2-135m -o $tmp/x.kvpol -o $tmp/y.kvpol|kvcc compile: --output given twice" \
+            "eval --corpus $tmp/n.h5 --methods h2o --methods knorm --budgets 8|kvcc eval: --methods given twice" \
+            "capture --prompts 1 --prompts 2 -o $tmp/x.h5|kvcc capture: --prompts given twice" \
+            "compile --model smollm2-135m --seed +3 -o $tmp/x.kvpol|kvcc compile: --seed: got '+3', expected an integer" \
+            "compile --model smollm2-135m --policies merge-reduce --mr-m 1.5 -o $tmp/x.kvpol|kvcc compile: --mr-m: got '1.5', expected up to 32 positive integers" \
+            "compile --model smollm2-135m --policies am --am-recent none -o $tmp/x.kvpol|kvcc compile: --am-recent: got 'none', expected a number"; do
   # shellcheck disable=SC2086
   err=$("$KVCC" ${pair%%|*} 2>&1 >/dev/null); ex=$?
   [[ $ex -eq 2 && "$err" == *"${pair#*|}"* && $(wc -l <<<"$err") -eq 1 ]] && ok || bad "'kvcc ${pair%%|*}': exit $ex: $err"
 done
+err=$("$KVCC" inspect --items "" tests/golden/valid/base.kvpol 2>&1 >/dev/null); ex=$?
+[[ $ex -eq 2 && "$err" == *"--items: got '', expected an integer"* ]] && ok || bad "inspect --items '': exit $ex: $err"
 
 section 6
 # 6. an I/O error names the file
@@ -502,9 +511,13 @@ err=$(TMPDIR="$tmp/no/such/dir" "$KVCC" "${ck[@]/ck.kvpol/ckt.kvpol}" 2>&1); ex=
   && cmp -s "$tmp/ckg.kvpol" "$tmp/ckg1.kvpol" && ok || bad "compilerkv --head-states group --ent-bins 2: differs across threads"
 out=$("$KVCC" inspect --items 100 "$tmp/ckg.kvpol" 2>&1)
 [[ "$out" == *"risk bins in use: 2 entropy x 1 perplexity"* && "$out" == *"head_states"* ]] && ok || bad "inspect of --ent-bins 2 --ppl-bins 1: $out"
-"$KVCC" "${ck[@]/ck.kvpol/ckq.kvpol}" --cql-steps 300 2>/dev/null \
+err=$("$KVCC" "${ck[@]/ck.kvpol/ckq.kvpol}" --cql-steps 300 2>&1); ex=$?
+[[ $ex -eq 2 && "$err" == *"--cql-steps given twice ('500', then '300')"* ]] && ok ||
+  bad "compilerkv --cql-steps 500 then 300: exit $ex (a repeat is refused): $err"
+ckq=("${ck[@]/ck.kvpol/ckq.kvpol}")
+"$KVCC" "${ckq[@]/#500/300}" 2>/dev/null \
   && "$KVCC" inspect --items 100 "$tmp/ckq.kvpol" | grep -Eq 'cql_min_steps .* 300$' \
-  && ok || bad "compilerkv --cql-steps 500 then 300: the last recorded as cql_min_steps"
+  && ok || bad "compilerkv --cql-steps 300: not recorded as cql_min_steps"
 # the default risk grid is the one the calibration prompts can fill (1 prompt: 1 x 1, every gate
 # state supported); --cql-solver exact is recorded
 out=$("$KVCC" inspect "$tmp/cks.kvpol" 2>&1)
