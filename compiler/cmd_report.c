@@ -950,11 +950,13 @@ static int load_eval(const char *path, const kvpol_header *h, cJSON **out) {
         return KVCC_EXIT_FAILED;
     }
     char *txt = malloc(EVAL_MAX_BYTES + 1);
+    errno = 0;
     size_t n = txt ? fread(txt, 1, EVAL_MAX_BYTES + 1, fp) : 0;
-    int rerr = ferror(fp);
+    const int rerr = ferror(fp), e = errno;
     fclose(fp);
     if (!txt || rerr) {
-        fprintf(stderr, "kvcc report: --eval %s: %s\n", path, txt ? "read error" : "out of memory");
+        fprintf(stderr, "kvcc report: --eval %s: %s\n", path,
+                !txt ? "out of memory" : e ? strerror(e) : "read error"); /* EISDIR: a directory */
         free(txt);
         return KVCC_EXIT_FAILED;
     }
