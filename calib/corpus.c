@@ -902,18 +902,24 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
         *rc = FAIL(KVCC_CORPUS_ERR_MISSING, "%s: %s cannot be opened", c->path, full);
         return -1;
     }
-    int64_t T, ctx, cont;
+    int64_t T = 0, ctx = 0, cont = 0;
     memset(info, 0, sizeof *info);
-    if (get_attr_num(g, "n_tokens", 0, &T) == -2 || get_attr_num(g, "context_len", 0, &ctx) == -2 ||
-        get_attr_num(g, "continuation_len", 0, &cont) == -2)
-        *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
-                   "%s: /prompts/%s: attributes n_tokens, context_len, continuation_len must be "
-                   "integers", c->path, name);
-    else if (get_attr_num(g, "n_tokens", 0, &T) || get_attr_num(g, "context_len", 0, &ctx) ||
-        get_attr_num(g, "continuation_len", 0, &cont))
-        *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA,
-                   "%s: /prompts/%s: attributes n_tokens, context_len, continuation_len required",
-                   c->path, name);
+    const char *const an[3] = {"n_tokens", "context_len", "continuation_len"};
+    int64_t *const av[3] = {&T, &ctx, &cont};
+    for (int i = 0; i < 3 && !*rc; i++) { /* the first bad one, by name */
+        double frac = 0;
+        const int ga = get_attr_num_ex(g, an[i], 0, av[i], &frac);
+        if (ga == -2)
+            *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: /prompts/%s: attribute '%s': got %g, expected "
+                       "an integer", c->path, name, an[i], frac);
+        else if (ga)
+            *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: /prompts/%s: attribute '%s' %s", c->path, name,
+                       an[i], H5Aexists(g, an[i]) > 0 ? "is not a single integer (a string or an "
+                                                        "array?)" : "is missing (n_tokens, "
+                                                        "context_len and continuation_len are required)");
+    }
+    if (*rc)
+        ;
     else if (T > g_max_tokens)
         *rc = FAIL(KVCC_CORPUS_ERR_RANGE,
                    "%s: /prompts/%s: attribute 'n_tokens' = %lld exceeds the cap of %u tokens per "

@@ -129,7 +129,7 @@ CORPUS = [
          "prompts/p000001", f["prompts/p000000"]))),
     ("n_tokens_sum.h5", "KVCC_CORPUS_ERR_RANGE", "n_tokens 8 must equal context_len 5",
      lambda p: corpus(p, prompt={"context_len": np.int64(5)})),
-    ("n_tokens_frac.h5", "KVCC_CORPUS_ERR_SCHEMA", "must be integers",
+    ("n_tokens_frac.h5", "KVCC_CORPUS_ERR_SCHEMA", "attribute 'n_tokens': got 8.5, expected an integer",
      lambda p: corpus(p, prompt={"n_tokens": np.float64(8.5)})),
     ("n_tokens_over_cap.h5", "KVCC_CORPUS_ERR_RANGE",
      "attribute 'n_tokens' = 1048577 exceeds the cap of 1048576 tokens per prompt",
