@@ -4,6 +4,7 @@
  * one table, a row per (method, budget); the measures are described in compiler/eval.c, the
  * methods in compiler/eval_methods.h (names from the table: no method list here).
  */
+#include <ctype.h>
 #include <cjson/cJSON.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -177,7 +178,8 @@ static int parse_needle(const char *list, int *out, int *n) {
     for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
         char *end;
         long v = strtol(tok, &end, 10);
-        if (*end || v < 64 || v > 524256 || *n == KVCC_EVAL_NEEDLE_CTX) {
+        if (*end || !isdigit((unsigned char)tok[0]) || v < 64 || v > 524256 ||
+            *n == KVCC_EVAL_NEEDLE_CTX) {
             fprintf(stderr, "kvcc eval: --needle: got '%s', expected up to %d context lengths of 64..524256 tokens\n",
                     tok, KVCC_EVAL_NEEDLE_CTX);
             return -1;
@@ -425,9 +427,9 @@ static void print_json(const kvcc_eval_result *r, const char *corpus, const char
         kvcc_json_number(nd, "haystacks", r->needle_haystacks);
         kvcc_json_number(nd, "questions_per_haystack", r->needle_keys);
         if (!r->needle_depths_vary) {
-            double dv[KVCC_EVAL_NEEDLE_KEYS];
-            for (uint32_t i = 0; i < r->needle_keys; i++) dv[i] = r->needle_depth[i];
-            cJSON_AddItemToObject(nd, "depths", cJSON_CreateDoubleArray(dv, (int)r->needle_keys));
+            cJSON *dv = cJSON_AddArrayToObject(nd, "depths");
+            for (uint32_t i = 0; i < r->needle_keys; i++)
+                cJSON_AddItemToArray(dv, kvcc_json_number_item(r->needle_depth[i]));
         }
         cJSON *full = cJSON_AddArrayToObject(nd, "full_cache");
         for (int c = 0; c < r->n_needle_ctx; c++) {

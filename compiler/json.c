@@ -7,12 +7,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-void kvcc_json_number(cJSON *o, const char *name, double v) {
+cJSON *kvcc_json_number_item(double v) {
     char buf[40];
-    if (!isfinite(v)) {
-        cJSON_AddNullToObject(o, name);
-        return;
-    }
+    if (!isfinite(v)) return cJSON_CreateNull();
     if (v == floor(v) && fabs(v) <= 9007199254740992.0) {
         snprintf(buf, sizeof buf, "%.0f", v);
     } else {
@@ -21,5 +18,9 @@ void kvcc_json_number(cJSON *o, const char *name, double v) {
             if (strtod(buf, NULL) == v) break;
         }
     }
-    cJSON_AddRawToObject(o, name, buf);
+    return cJSON_CreateRaw(buf);
+}
+
+void kvcc_json_number(cJSON *o, const char *name, double v) {
+    cJSON_AddItemToObject(o, name, kvcc_json_number_item(v));
 }

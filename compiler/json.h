@@ -11,5 +11,7 @@
  * an NLL one ulp off); here integers up to 2^53 in full, other values with the fewest of 15, 16 or
  * 17 digits that read back exactly, NaN and Inf as null (as cJSON does). */
 void kvcc_json_number(cJSON *o, const char *name, double v);
+/* The same value as an item (of an array): cJSON_AddItemToArray(a, kvcc_json_number_item(v)). */
+cJSON *kvcc_json_number_item(double v);
 
 #endif

@@ -6,6 +6,7 @@
  * defines: kvcc_passes, kvcc_planned_policies, kvcc_pass_find, kvcc_pass_for_group,
  *          kvcc_pass_option_set, kvcc_pass_options_default, kvcc_pass_options_help
  */
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -74,7 +75,9 @@ int kvcc_pass_option_set(const kvcc_pass_option *o, kvcc_compile_ctx *c, const c
         }
         errno = 0;
         unsigned long long v = strtoull(value, &end, 10);
-        if (errno || end == value || *end || value[0] == '-' || v < o->lo || v > o->hi) {
+        /* digits only: strtoull takes leading spaces and a sign too */
+        if (errno || end == value || *end || !isdigit((unsigned char)value[0]) || v < o->lo ||
+            v > o->hi) {
             snprintf(err, errlen, "--%s: got '%s', expected %san integer in %u..%u", o->name,
                      value, o->flags & KVCC_OPT_AUTO ? "auto or " : "", o->lo, o->hi);
             return -1;

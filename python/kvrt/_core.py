@@ -265,6 +265,17 @@ class _Handle:
     def closed(self) -> bool:
         return not self._ptr
 
+    def __copy__(self):
+        # a copy would hold the same C handle, which both would free (a double free at exit)
+        raise TypeError(f"kvrt.{type(self).__name__} cannot be copied: it owns a C handle "
+                        "(make a new one; kvrt.hf: copy a model outside its apply() block)")
+
+    def __deepcopy__(self, memo):
+        return self.__copy__()
+
+    def __reduce__(self):  # pickling would copy the handle the same way
+        return self.__copy__()
+
     def close(self) -> None:
         """Free the handle (and first every handle that depends on it). Idempotent."""
         for c in list(getattr(self, "_children", None) or ()):

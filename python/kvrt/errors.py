@@ -2,7 +2,7 @@
 
 ``err.status`` is the C status (negative int), ``err.name`` the runtime's ``kvrt_status_name``
 ("KVRT_ERR_MODEL_MISMATCH", ...) and ``err.message`` the runtime's own message (from the
-``kvrt_error`` the call filled, the context's last error, or the thread's ``kvrt_last_error``).
+``kvrt_error`` the call filled, the thread's ``kvrt_last_error``, or the context's last error).
 ``str(err)`` is ``"<message> [<name>]"``.
 """
 from __future__ import annotations
@@ -123,9 +123,9 @@ def _raise(status: int, err: Optional[_lib.kvrt_error] = None, ctx_ptr=None) -> 
     msg, detail = "", 0
     if err is not None and err.code == status and err.msg:
         msg, detail = err.msg.decode(errors="replace"), err.detail
-    # the thread's own error first: every failure sets it (kvrt.h's error rule), while a context
-    # is shared by the threads that pass it (ctx=None: one default context), so its last error
-    # may be another thread's (seen: ~4% of messages under two threads)
+    # the thread's own error first: every failure sets it (kvrt.h's error rule), while a Context
+    # passed to calls from several threads holds whichever failed last (seen: another thread's
+    # message ~4% of the time under two threads)
     if not msg:
         le = _lib.lib.kvrt_last_error()
         if le and le.contents.code == status and le.contents.msg:

@@ -303,7 +303,8 @@ class KvrtSession:
         self.stats: dict = {}
         self._hooks = []
         self._attn_modules = []
-        self._running = None  # the thread whose forward pass is between _pre and _post
+        self._running = None  # the thread whose forward pass is between _pre and _done
+        self._run_lock = threading.Lock()
         self._prefill = False
         self._input_ids = None
         self._extending = None
@@ -374,11 +375,13 @@ class KvrtSession:
         if self._extending is not None:
             return args, kwargs
         me = threading.get_ident()
-        if self._running is not None and self._running != me:
-            raise RuntimeError("kvrt.hf: a forward pass of this model is already running in "
-                               "another thread; one session runs one forward pass at a time "
-                               "(serialize the generate() calls, or use one model per worker)")
-        self._running = me
+        with self._run_lock:  # check and claim at once
+            if self._running is not None and self._running != me:
+                raise RuntimeError("kvrt.hf: a forward pass of this model is already running in "
+                                   "another thread; one session runs one forward pass at a time "
+                                   "(serialize the generate() calls, or use one model per "
+                                   "worker)")
+            self._running = me
         ids = kwargs.get("input_ids", args[0] if args else None)
         emb = kwargs.get("inputs_embeds")
         n_batch = (ids if ids is not None else emb).shape[0]
@@ -412,8 +415,11 @@ class KvrtSession:
         return args, kwargs
 
     def _done(self, module, args, output):
-        if self._extending is None:
-            self._running = None
+        # also after a refused or failed call (always_call): only the running thread's own end
+        # releases the claim, not a second thread's refusal
+        with self._run_lock:
+            if self._extending is None and self._running == threading.get_ident():
+                self._running = None
 
     def _post(self, module, args, kwargs, output):
         if self._extending is not None:

@@ -119,7 +119,8 @@ class Policy(_Handle):
         p = os.fsdecode(path)
         dims, _keep = _dims_struct(model_dims(model))
         out, err = c_void_p(), _lib.kvrt_error()
-        check(lib.kvrt_policy_open(p.encode(), byref(dims) if dims is not None else None,
+        # the file system's bytes (os.fsencode): a name that is not UTF-8 opens too
+        check(lib.kvrt_policy_open(os.fsencode(path), byref(dims) if dims is not None else None,
                                    byref(out), byref(err)), err)
         return cls(out.value, path=p)
 

@@ -305,6 +305,9 @@ def test_integers_and_types_checked_before_c():
         kvrt.attend(rnd(1, 6, 8), sel)
     with pytest.raises(kvrt.ShapeError, match=r"from_arrays: bias: got shape \[3\], expected \[4\]"):
         kvrt.Cache.from_arrays([0, 4], rnd(4, 8), rnd(4, 8), bias=[0, 0, 0])
+    import copy
+    with pytest.raises(TypeError, match="cannot be copied"):  # both would free one C handle
+        copy.deepcopy(kvrt.Context("cpu"))
     torch = pytest.importorskip("torch")
     with pytest.raises(kvrt.DtypeError, match=r"k: got dtype torch\.bfloat16, expected float32"):
         kvrt.method_select("knorm", None, torch.from_numpy(k).to(torch.bfloat16), 10)
@@ -365,19 +368,21 @@ def test_threads_release_the_gil_and_keep_their_own_errors():
         assert all(ex.map(work, range(16)))
 
 
-def test_threads_sharing_the_default_context_get_their_own_messages():
-    """Two threads failing on the shared default context (ctx=None) each read their own error
-    (the context's last error, read first before, was the other thread's ~4% of the time)."""
+def test_threads_sharing_a_context_get_their_own_messages():
+    """Two threads failing on one shared Context each read their own error (the context's last
+    error, read first before, was the other thread's ~4% of the time). ctx=None gives each
+    thread its own default context (kvrt.default_context)."""
     import threading
     k, v = rnd(40, 3, 8, seed=4), rnd(40, 3, 8, seed=5)
     c = kvrt.Cache.gather(k, v, kvrt.method_select("streaming", None, k, 10))
     q = rnd(1, 6, 8, seed=6)
     wrong = {"nan": 0, "inf": 0}
+    shared = kvrt.Context("cpu")
 
     def work(scale, tag):
         for _ in range(3000):
             try:
-                kvrt.attend(q, c, scale=scale)
+                kvrt.attend(q, c, scale=scale, ctx=shared)
             except kvrt.ArgError as e:
                 wrong[tag] += f"scale {tag}" not in e.message
     ts = [threading.Thread(target=work, args=(float(t), t)) for t in ("nan", "inf")]
@@ -386,6 +391,11 @@ def test_threads_sharing_the_default_context_get_their_own_messages():
     for t in ts:
         t.join()
     assert wrong == {"nan": 0, "inf": 0}
+    mine = []
+    th = threading.Thread(target=lambda: mine.append(kvrt.default_context()))
+    th.start()
+    th.join()
+    assert mine[0] is not kvrt.default_context()
 
 
 def test_unclosed_handles_at_exit():

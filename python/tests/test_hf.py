@@ -157,6 +157,17 @@ def test_sessions_follow_the_model_not_the_thread(model, window):
     del other
     assert got == {"worker": ref, "outer": ref}, (got, ref)
     assert model.config._attn_implementation != khf.ATTN_NAME
+    # one forward pass at a time per session: another thread's pass (its claim faked here) makes
+    # this one raise, and the refusal leaves that claim in place (a review found the refused
+    # call's own end hook releasing it)
+    with khf.apply(model, None, method="full", budget=1) as s:
+        s._running = -1
+        with pytest.raises(RuntimeError, match="already running in another thread"):
+            model(input_ids=t[:, :8], use_cache=True)
+        assert s._running == -1
+        s._running = None
+        model(input_ids=t[:, :8], use_cache=True)
+        assert s._running is None
 
 
 def test_a_released_cache_says_so(model, window):

@@ -128,8 +128,9 @@ int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const char *fn, kvrt_
  * after kvrt_ctx_create, detail kept ("no usable CUDA device: ..." did not say which call) */
 static int create_err(kvrt_error *err, int rc) {
     const kvrt_error *src = err ? err : kvrt_tls_err();
-    static const char fn[] = "kvrt_ctx_create:";
-    if (strncmp(src->msg, fn, sizeof fn - 1) == 0) return rc;
+    static const char fn[] = "kvrt_ctx_create";
+    const char next = src->msg[sizeof fn - 1];
+    if (strncmp(src->msg, fn, sizeof fn - 1) == 0 && (next == ':' || next == ' ')) return rc;
     char inner[sizeof src->msg];
     snprintf(inner, sizeof inner, "%s", src->msg);
     return kvrt_err_set(err, rc, src->detail, "kvrt_ctx_create: %s", inner);

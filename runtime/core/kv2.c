@@ -774,13 +774,13 @@ int kvrt_kv2_plan_create_scheduled(kvrt_ctx *ctx, const kvrt_kv2_schedule *s,
     else rc = schedule_opts(fn, s, budget, flags & KVRT_KV2_NEAREST_BUDGET, &co);
     if (rc == KVRT_OK && o && !(flags & KVRT_OVERRIDE_OPTIONS)) rc = same_opts(fn, o, &co);
     if (rc) return kvrt_policy_ctx_done(ctx, rc);
-    /* The compiled chunk on a context whose compressible part is shorter: one chunk, which the
-     * default (0) gives (an explicit chunk past C - n_sink is refused). A caller's own chunk
-     * (KVRT_OVERRIDE_OPTIONS) is checked as given. */
+    /* The compiled chunk on a context whose compressible part is shorter: one chunk of that part
+     * (an explicit chunk past C - n_sink is refused; the default 0 would cut a part longer than
+     * 4096 in two). A caller's own chunk (KVRT_OVERRIDE_OPTIONS) is checked as given. */
     kvrt_kv2_opts run = o ? *o : co;
     if (!(o && (flags & KVRT_OVERRIDE_OPTIONS)) && run.chunk > 0 && C > (int64_t)run.n_sink &&
         run.chunk > C - (int64_t)run.n_sink)
-        run.chunk = 0;
+        run.chunk = C - (int64_t)run.n_sink;
     rc = kvrt_kv2_plan_create(ctx, &run, s->L, n_heads, s->Hkv, head_dim, C, out);
     return kvrt_policy_ctx_done(ctx, kvrt_err_as(rc, "kvrt_kv2_plan_create", fn));
 }

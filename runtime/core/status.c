@@ -59,7 +59,8 @@ int kvrt_err_prefix(int rc, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
-    return kvrt_err_set(NULL, rc, 0, "%s: %s", prefix, inner); /* truncated at the end */
+    /* the detail (a CUDA error code, a kvpol status) stays */
+    return kvrt_err_set(NULL, rc, kvrt_tls_err()->detail, "%s: %s", prefix, inner);
 }
 
 int kvrt_err_in(int rc, const char *fn) {

@@ -39,6 +39,8 @@ Test(eval, json_numbers_read_back_exactly) {
         kvcc_json_number(o, name, v[i]);
     }
     kvcc_json_number(o, "nan", NAN);
+    cJSON *arr = cJSON_AddArrayToObject(o, "arr");
+    cJSON_AddItemToArray(arr, kvcc_json_number_item((double)0.1f));
     char *txt = cJSON_PrintUnformatted(o);
     cJSON *back = cJSON_Parse(txt);
     cr_assert_not_null(back, "%s", txt);
@@ -48,6 +50,8 @@ Test(eval, json_numbers_read_back_exactly) {
         cr_assert_eq(strtod(raw, NULL), v[i], "%s: %.17g printed as %.30s", name, v[i], raw);
     }
     cr_assert(cJSON_IsNull(cJSON_GetObjectItem(back, "nan")), "%s", txt);
+    cr_assert_eq(cJSON_GetArrayItem(cJSON_GetObjectItem(back, "arr"), 0)->valuedouble, (double)0.1f,
+                 "%s", txt);
     cr_assert_not_null(strstr(txt, "\"v3\":9007199254740991"), "%s", txt);
     free(txt);
     cJSON_Delete(back);

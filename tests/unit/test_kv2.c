@@ -1145,6 +1145,20 @@ Test(kv2, schedule_handle) {
                  KVRT_ERR_ARG);
     cr_expect(has("rho nan differs from the compiled 0.5"), "%s", kvrt_last_error()->msg);
     kvrt_kv2_schedule_free(s);
+    kvrt_policy_free(pol);
+    free(buf);
+    /* a compiled chunk of 8192 on 6000 tokens past the sinks: one chunk of 6000 (the default
+     * chunk, 0, would have cut it into 4096 + 1904) */
+    sp.chunk = 8192;
+    pol = open_art(&sp, &buf);
+    cr_assert_eq(kvrt_kv2_open(pol, &s), KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_assert_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, NULL, 0, 0.05, H, D, 6002, &pl),
+                 KVRT_OK, "%s", kvrt_last_error()->msg);
+    cr_expect_eq(kvrt_kv2_plan_n_chunks(pl), 1);
+    cr_assert_eq(kvrt_kv2_plan_chunk(pl, 0, &lo, &hi, &nq), KVRT_OK);
+    cr_expect(lo == 2 && hi == 6002, "lo %lld hi %lld", (long long)lo, (long long)hi);
+    kvrt_kv2_plan_free(pl);
+    kvrt_kv2_schedule_free(s);
     kvrt_kv2_schedule_free(NULL);
     kvrt_policy_free(pol);
     free(buf);
