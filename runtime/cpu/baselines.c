@@ -981,7 +981,12 @@ void kvrt_quest_free(kvrt_quest *qs) {
 static int quest_reserve(kvrt_quest *qs, int64_t pages) {
     if (pages <= qs->page_stride) return KVRT_OK;
     const int64_t stride = pages > 2 * qs->page_stride ? pages : 2 * qs->page_stride;
-    const size_t d = qs->head_dim, cnt = (size_t)qs->n_kv_heads * (size_t)stride * d;
+    const size_t d = qs->head_dim;
+    /* n_kv_heads x stride x d floats, refused where the product would wrap size_t (65536 heads
+     * of 65536 dims and 2^30 pages: malloc(0) succeeded and the appends wrote past it) */
+    if (d && qs->n_kv_heads && (size_t)stride > SIZE_MAX / sizeof(float) / d / qs->n_kv_heads)
+        return KVRT_ERR_NOMEM;
+    const size_t cnt = (size_t)qs->n_kv_heads * (size_t)stride * d;
     float *mn = malloc(cnt * sizeof(float)), *mx = malloc(cnt * sizeof(float));
     if (mn == NULL || mx == NULL) {
         free(mn);
@@ -1228,7 +1233,8 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q, uint32_t n_heads,
     }
     float *sc = malloc(sizeof(float) * (size_t)P * qs->n_kv_heads);
     if (sc == NULL) return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_select: out of memory");
-    int rc = kvrt_quest_scores(qs, q, n_heads, sc);
+    int rc = kvrt_err_as(kvrt_quest_scores(qs, q, n_heads, sc), "kvrt_quest_scores",
+                         "kvrt_quest_select");
     for (uint32_t hk = 0; hk < qs->n_kv_heads && rc == KVRT_OK; hk++)
         rc = kvrt_select_pinned(sc + (size_t)hk * P, P, budget_pages, 1, 1,
                                 pages_out + (size_t)hk * budget_pages);

@@ -167,7 +167,7 @@ int kvrt_budget_resolve(double budget, int64_t T, int64_t *tokens) {
         return KVRT_OK;
     }
     const double t = floor(budget + 0.5);
-    if (t > (double)T)
+    if (!(t <= (double)T) || t >= 9223372036854775808.0) /* (double)INT64_MAX is 2^63 */
         return kvrt_err_set(e, KVRT_ERR_ARG, 0,
                             "kvrt_budget_resolve: budget of %.0f tokens exceeds the context of "
                             "%lld tokens (clamp before calling to keep everything)",

@@ -211,8 +211,10 @@ int kvrt_backend_supports(const kvrt_ctx *ctx, kvrt_op op);
 /* ------------------------------------------------------------------ ops */
 /* Numerically safe softmax along the last dimension of a 2-D f32 tensor [rows, cols], with an
  * optional scale applied to the logits first: y = softmax(scale * x). x and y may alias.
- * f32 accumulation, running max. Tensors must live on the context's device. A scale that is
- * not finite: KVRT_ERR_ARG. */
+ * f32 accumulation, running max (large finite logits are safe). Tensors must live on the
+ * context's device. A scale that is not finite: KVRT_ERR_ARG. A row where scale * x is
+ * infinite (x or the product past the float range, e.g. 3e38 * 10) has no defined softmax: it
+ * comes out NaN, not an error. */
 int kvrt_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale);
 
 
@@ -841,7 +843,8 @@ int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_b
  * level are REDUCEd into one on the next), the partial block of raw tokens, and the recent
  * window of n_recent exact tokens (a token leaves it into the partial block). Memory
  * O(K log(T / K)) entries per head. basis is copied (NULL for RANDOM). K >= 1, n_recent >= 0;
- * o's n_sink, reducer and seed apply (its recent_frac does not: n_recent is explicit). ctx
+ * o's n_sink, reducer, seed and mass_comp apply; its recent_frac does not size the window
+ * (n_recent is explicit) but is checked like every option, in [0, 1). ctx
  * receives the messages; the state and its REDUCEs live on the host (the CPU's code) whatever
  * the context, but on a CUDA context append's k, v are device memory (the new rows are
  * downloaded: Hkv d 8 bytes per token) and kvrt_mr_stream_cache returns a device cache of it. */

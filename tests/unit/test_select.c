@@ -123,6 +123,11 @@ Test(budget, counts_ratios_and_errors) {
     cr_assert_eq(kvrt_budget_resolve(101, 100, &t), KVRT_ERR_ARG);
     cr_assert(strstr(kvrt_last_error()->msg, "exceeds the context") != NULL, "%s",
               kvrt_last_error()->msg);
+    /* 2^63 against T = INT64_MAX: (double)T rounds up to 2^63, and the count converted to a
+     * negative int64 (from an audit) */
+    t = 7;
+    cr_assert_eq(kvrt_budget_resolve(9223372036854775807.0, INT64_MAX, &t), KVRT_ERR_ARG);
+    cr_assert_eq(t, 0);
     cr_assert_eq(kvrt_budget_resolve(5, 0, &t), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_budget_resolve(5, 10, NULL), KVRT_ERR_ARG);
 }
@@ -435,6 +440,15 @@ Test(quest, create_on_a_context) {
     cr_assert_eq(kvrt_quest_create(ctx, hkv, d, 0, T, &c), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_quest_create(ctx, hkv, d, page, T, NULL), KVRT_ERR_ARG);
     cr_assert_null(c);
+    /* 65536 heads of 65536 dims over 2^30 pages: the size wrapped to 0, malloc(0) succeeded and
+     * the first append wrote past it (from an audit, ASan) */
+    cr_assert_eq(kvrt_quest_create(ctx, 65536, 65536, 1, (int64_t)1 << 30, &c), KVRT_ERR_NOMEM);
+    cr_assert_null(c);
+    /* a selection's own argument errors name it, not the scores it calls */
+    int32_t pages[2 * 4];
+    cr_assert_eq(kvrt_quest_select(a, NULL, 4, 2, pages), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "kvrt_quest_select: NULL q") == kvrt_last_error()->msg,
+              "%s", kvrt_last_error()->msg);
     kvrt_quest_free(a);
     kvrt_quest_free(b);
     kvrt_ctx_free(ctx);
