@@ -40,6 +40,13 @@ extern "C" int kvrt_cuda_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32
     qs->head_dim = head_dim;
     qs->page = page;
     qs->page_stride = (capacity + page - 1) / page;
+    /* a size that would wrap size_t is refused (the CPU's quest_reserve does the same) */
+    if ((size_t)qs->page_stride > SIZE_MAX / sizeof(float) / head_dim / n_kv_heads) {
+        free(qs);
+        return kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "kvrt_quest_create (CUDA): %u KV heads x %u "
+                            "x %lld pages overflow the address space", n_kv_heads, head_dim,
+                            (long long)(capacity + page - 1) / page);
+    }
     const size_t n = (size_t)n_kv_heads * (size_t)qs->page_stride * head_dim;
     void *mn = NULL, *mx = NULL;
     if (cudaMalloc(&mn, sizeof(float) * n) != cudaSuccess ||
