@@ -914,13 +914,14 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
                        "an integer", c->path, name, an[i], frac);
         else if (ga)
             *rc = FAIL(KVCC_CORPUS_ERR_SCHEMA, "%s: /prompts/%s: attribute '%s' %s", c->path, name,
-                       an[i], H5Aexists(g, an[i]) > 0 ? "is not a single integer (a string or an "
-                                                        "array?)" : "is missing (n_tokens, "
-                                                        "context_len and continuation_len are required)");
+                       an[i],
+                       H5Aexists(g, an[i]) > 0
+                           ? "is not a single integer (a string or an array?)"
+                           : "is missing (n_tokens, context_len and continuation_len are required)");
     }
-    if (*rc)
-        ;
-    else if (T > g_max_tokens)
+    if (*rc) {
+        /* named above */
+    } else if (T > g_max_tokens)
         *rc = FAIL(KVCC_CORPUS_ERR_RANGE,
                    "%s: /prompts/%s: attribute 'n_tokens' = %lld exceeds the cap of %u tokens per "
                    "prompt (--max-tokens N raises it, up to %u)",

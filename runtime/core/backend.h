@@ -4,7 +4,8 @@
  * first use). Not installed; serving stacks only see kvrt.h.
  * Callers: every runtime file; tests that reach a backend's table (tests/backend/).
  *
- * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_err_prefix, kvrt_err_in, kvrt_err_as, kvrt_tls_err, KVRT_BACKEND_API_VERSION,
+ * defines: KVRT_INTERNAL, kvrt_err_set, kvrt_err_prefix, kvrt_err_in, kvrt_err_as, kvrt_tls_err,
+ *          KVRT_BACKEND_API_VERSION,
  *          kvrt_backend_ops (one entry per op), struct kvrt_ctx, kvrt_backend_check,
  *          kvrt_backend_cpu, kvrt_cuda_host, kvrt_cuda_plugin, kvrt_cuda_plugin_get,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,

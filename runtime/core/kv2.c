@@ -741,7 +741,8 @@ static int same_opts(const char *fn, const kvrt_kv2_opts *o, const kvrt_kv2_opts
 #define KV2_DIFF(what, fmt, a, b)                                                                \
     return KVRT_FAIL(KVRT_ERR_ARG, "%s: " what " " fmt " differs from the compiled " fmt        \
                      " (pass KVRT_OVERRIDE_OPTIONS to run it anyway)", fn, a, b)
-    if (!(fabs(o->rho - c->rho) <= 1e-12 * c->rho)) KV2_DIFF("rho", "%g", o->rho, c->rho); /* NaN too */
+    if (!(fabs(o->rho - c->rho) <= 1e-12 * c->rho)) /* a NaN rho differs too */
+        KV2_DIFF("rho", "%g", o->rho, c->rho);
     if (o->proxy != c->proxy)
         KV2_DIFF("proxy", "%s", kvrt_kv2_proxy_name(o->proxy), kvrt_kv2_proxy_name(c->proxy));
     if (o->aggregate != c->aggregate)

@@ -1858,10 +1858,10 @@ Test(am, bf16_blocks_several_budgets_per_chunk) {
 /* kvrt_am_compact_layer_multi's promise for bf16 products: identical sets (one middle) give what
  * kvrt_am_compact_layer gives for that set alone, bit for bit, on every kernel (from an audit:
  * they were compacted as a group, whose P is formed against each row's max, where the one-set
- * call forms it in the product, and the values moved by 1.6e-3 relative; on AMX and elsewhere). Sets with differing
- * middles (a group) keep the same keys, with values within 1e-2 relative (rms; the values' least
- * squares magnifies the last bits of P: 2.3e-3 measured), biases within 1e-5 and errors within
- * 1e-4 of the one-set calls'. */
+ * call forms it in the product, and the values moved by 1.6e-3 relative). Sets with differing
+ * middles (a group) keep the same keys, with values within 1e-2 relative (rms; the values'
+ * least squares magnifies the last bits of P: 2.3e-3 measured), biases within 1e-5 and errors
+ * within 1e-4 of the one-set calls'. */
 Test(am, bf16_multi_equals_single_calls) {
     enum { T = 300, H = 4, HKV = 2, D = 16 };
     uint64_t s = 7;
