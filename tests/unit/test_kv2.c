@@ -1030,6 +1030,21 @@ static kvrt_policy *open_art(const art_spec *s, void **buf) {
     return p;
 }
 
+/* A scheduled plan (budget 0.05) over C tokens of the spec's model: one chunk, from the 2 sinks
+ * to C. */
+static void expect_one_chunk(const kvrt_kv2_schedule *s, int64_t C) {
+    kvrt_kv2_plan *pl = NULL;
+    cr_assert_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, NULL, 0, 0.05, FX_TINY.n_heads,
+                                                FX_TINY.head_dim, C, &pl),
+                 KVRT_OK, "%s", kvrt_last_error()->msg);
+    int64_t lo, hi, nq;
+    cr_expect_eq(kvrt_kv2_plan_n_chunks(pl), 1, "C %lld", (long long)C);
+    cr_assert_eq(kvrt_kv2_plan_chunk(pl, 0, &lo, &hi, &nq), KVRT_OK);
+    cr_expect(lo == 2 && hi == C, "C %lld: lo %lld hi %lld", (long long)C, (long long)lo,
+              (long long)hi);
+    kvrt_kv2_plan_free(pl);
+}
+
 Test(kv2, schedule_handle) {
     art_spec sp = spec_ok();
     void *buf = NULL;
@@ -1126,12 +1141,7 @@ Test(kv2, schedule_handle) {
     /* a prompt shorter than the compiled chunk: one chunk (it was refused for the compiled chunk
      * the caller never passed, under kvrt_kv2_plan_create's name); the caller's own chunk with
      * the override is checked as given; NaN rho is "differs", not taken for the compiled one */
-    cr_assert_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, NULL, 0, 0.05, H, D, 50, &pl),
-                 KVRT_OK, "%s", kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_kv2_plan_n_chunks(pl), 1);
-    cr_assert_eq(kvrt_kv2_plan_chunk(pl, 0, &lo, &hi, &nq), KVRT_OK);
-    cr_expect(lo == 2 && hi == 50, "lo %lld hi %lld", (long long)lo, (long long)hi);
-    kvrt_kv2_plan_free(pl);
+    expect_one_chunk(s, 50);
     cr_assert_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, &mine, 0, 0.05, H, D, 50, &pl),
                  KVRT_OK, "%s", kvrt_last_error()->msg);
     kvrt_kv2_plan_free(pl);
@@ -1152,12 +1162,7 @@ Test(kv2, schedule_handle) {
     sp.chunk = 8192;
     pol = open_art(&sp, &buf);
     cr_assert_eq(kvrt_kv2_open(pol, &s), KVRT_OK, "%s", kvrt_last_error()->msg);
-    cr_assert_eq(kvrt_kv2_plan_create_scheduled(test_cpu(), s, NULL, 0, 0.05, H, D, 6002, &pl),
-                 KVRT_OK, "%s", kvrt_last_error()->msg);
-    cr_expect_eq(kvrt_kv2_plan_n_chunks(pl), 1);
-    cr_assert_eq(kvrt_kv2_plan_chunk(pl, 0, &lo, &hi, &nq), KVRT_OK);
-    cr_expect(lo == 2 && hi == 6002, "lo %lld hi %lld", (long long)lo, (long long)hi);
-    kvrt_kv2_plan_free(pl);
+    expect_one_chunk(s, 6002);
     kvrt_kv2_schedule_free(s);
     kvrt_kv2_schedule_free(NULL);
     kvrt_policy_free(pol);
