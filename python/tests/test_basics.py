@@ -368,21 +368,20 @@ def test_threads_release_the_gil_and_keep_their_own_errors():
         assert all(ex.map(work, range(16)))
 
 
-def test_threads_sharing_a_context_get_their_own_messages():
-    """Two threads failing on one shared Context each read their own error (the context's last
-    error, read first before, was the other thread's ~4% of the time). ctx=None gives each
-    thread its own default context (kvrt.default_context)."""
+def test_threads_get_their_own_messages():
+    """Two threads failing at once each read their own error message: ctx=None gives each thread
+    its own default context (kvrt.default_context; a kvrt_ctx is one thread's at a time, so the
+    shared default context of before mixed the two threads' messages ~4% of the time)."""
     import threading
     k, v = rnd(40, 3, 8, seed=4), rnd(40, 3, 8, seed=5)
     c = kvrt.Cache.gather(k, v, kvrt.method_select("streaming", None, k, 10))
     q = rnd(1, 6, 8, seed=6)
     wrong = {"nan": 0, "inf": 0}
-    shared = kvrt.Context("cpu")
 
     def work(scale, tag):
         for _ in range(3000):
             try:
-                kvrt.attend(q, c, scale=scale, ctx=shared)
+                kvrt.attend(q, c, scale=scale)
             except kvrt.ArgError as e:
                 wrong[tag] += f"scale {tag}" not in e.message
     ts = [threading.Thread(target=work, args=(float(t), t)) for t in ("nan", "inf")]
@@ -430,6 +429,7 @@ def test_handles_in_a_gc_cycle_free_children_first(monkeypatch):
         def __getattr__(self, name):
             return lambda p: freed.append((name, p))
 
+    gc.collect()  # earlier tests' garbage (handles of finished threads) freed by the real library
     monkeypatch.setattr(core, "lib", FakeLib())
 
     class Parent(core._Handle):
@@ -447,7 +447,8 @@ def test_handles_in_a_gc_cycle_free_children_first(monkeypatch):
         (p if parent_in_cycle else kids[0])._cycle = cyc
         del p, kids, cyc
         gc.collect()
-        assert sorted(freed) == [("child_free", 2), ("child_free", 3), ("parent_free", 1)]
+        mine = [f for f in freed if f[0] in ("child_free", "parent_free")]
+        assert sorted(mine) == [("child_free", 2), ("child_free", 3), ("parent_free", 1)]
         assert freed[-1] == ("parent_free", 1), freed
     # explicit closes still free at once, children first
     freed.clear()
