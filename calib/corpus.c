@@ -919,14 +919,12 @@ static hid_t open_prompt(kvcc_corpus *c, uint32_t index, kvcc_corpus_prompt_info
                            ? "is not a single integer (a string or an array?)"
                            : "is missing (n_tokens, context_len and continuation_len are required)");
     }
-    if (*rc) {
-        /* named above */
-    } else if (T > g_max_tokens)
+    if (!*rc && T > g_max_tokens)
         *rc = FAIL(KVCC_CORPUS_ERR_RANGE,
                    "%s: /prompts/%s: attribute 'n_tokens' = %lld exceeds the cap of %u tokens per "
                    "prompt (--max-tokens N raises it, up to %u)",
                    c->path, name, (long long)T, g_max_tokens, KVCC_CORPUS_MAX_TOKENS_HARD);
-    else if (T < 2 || ctx < 1 || cont < 0 || ctx + cont != T)
+    else if (!*rc && (T < 2 || ctx < 1 || cont < 0 || ctx + cont != T))
         *rc = FAIL(KVCC_CORPUS_ERR_RANGE,
                    "%s: /prompts/%s: n_tokens %lld must equal context_len %lld + continuation_len "
                    "%lld, within 2..%u",

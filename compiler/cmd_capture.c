@@ -265,19 +265,20 @@ static int capture_main(int argc, char **argv) {
         } else {
             struct stat sb;
             long long bytes = stat(dst, &sb) == 0 ? (long long)sb.st_size : -1;
-            if (st.prompts == 0) /* a shard of more shards than prompts */
+            if (st.prompts == 0) { /* a shard of more shards than prompts */
                 fprintf(stderr, "kvcc capture: %swrote %s: 0 prompts (shard %u of %u: more shards "
                         "than the %u prompts), %lld bytes\n", rank_tag, dst, shard, n_shards,
                         n_prompts, bytes);
-            else
-            fprintf(stderr,
-                    "kvcc capture: %swrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
-                    "%lld bytes (codec %s); model %s, mean next-token NLL %.3f (perplexity %.1f); %.1f s (%.0f tokens/s; "
-                    "%.1f s writing, %.1f s log-probabilities)\n",
-                    rank_tag, dst, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes,
-                    codec ? codec : kvcc_corpus_codec_name(KVCC_CORPUS_CODEC_DEFAULT), lm.name,
-                    st.mean_nll, exp(st.mean_nll), st.seconds,
-                    st.prompts * (double)st.tokens_per_prompt / st.seconds, st.write_seconds, st.logprob_seconds);
+            } else {
+                fprintf(stderr,
+                        "kvcc capture: %swrote %s: %u prompts x %u tokens (context %u + continuation %u), %u layers, %s, "
+                        "%lld bytes (codec %s); model %s, mean next-token NLL %.3f (perplexity %.1f); %.1f s (%.0f tokens/s; "
+                        "%.1f s writing, %.1f s log-probabilities)\n",
+                        rank_tag, dst, st.prompts, st.tokens_per_prompt, ctx, cont, st.layers, dtype, bytes,
+                        codec ? codec : kvcc_corpus_codec_name(KVCC_CORPUS_CODEC_DEFAULT), lm.name,
+                        st.mean_nll, exp(st.mean_nll), st.seconds,
+                        st.prompts * (double)st.tokens_per_prompt / st.seconds, st.write_seconds, st.logprob_seconds);
+            }
         }
     }
     if (world > 1 && !ex) { /* every shard in place: rank 0 lists them (else no manifest) */

@@ -255,14 +255,14 @@ int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, in
         return KVCC_EXIT_USAGE;
     }
     struct stat st;
-    if (stat(out, &st) == 0 && S_ISDIR(st.st_mode)) {
-        fprintf(stderr, "kvcc %s: -o %s: is a directory; expected a file path\n", cmd, out);
-        return KVCC_EXIT_USAGE;
-    }
     /* the output is written to a temp file beside it and renamed over the path: a device or a
      * FIFO there would be replaced by a regular file (as root, -o /dev/null replaced the
      * system's /dev/null) */
     if (stat(out, &st) == 0 && !S_ISREG(st.st_mode)) {
+        if (S_ISDIR(st.st_mode)) {
+            fprintf(stderr, "kvcc %s: -o %s: is a directory; expected a file path\n", cmd, out);
+            return KVCC_EXIT_USAGE;
+        }
         const char *what = S_ISCHR(st.st_mode)    ? "a character device"
                            : S_ISBLK(st.st_mode)  ? "a block device"
                            : S_ISFIFO(st.st_mode) ? "a FIFO"
@@ -285,8 +285,9 @@ int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, in
     if (!slash) snprintf(dir, sizeof dir, ".");
     else if (slash == dir) dir[1] = 0;
     else *slash = 0;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
-        if (stat(dir, &st) == 0)
+    const int dir_exists = stat(dir, &st) == 0;
+    if (!dir_exists || !S_ISDIR(st.st_mode)) {
+        if (dir_exists)
             fprintf(stderr, "kvcc %s: -o %s: %s is not a directory\n", cmd, out, dir);
         else
             fprintf(stderr, "kvcc %s: -o %s: the directory %s does not exist\n", cmd, out, dir);

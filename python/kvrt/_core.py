@@ -231,6 +231,18 @@ def _on(b: _Buf, device: str, name: str, fn: str) -> _Buf:
 # ------------------------------------------------------------------------------------------
 # handles
 
+def _struct_view(struct_type):
+    """A handle's property reading its C struct (struct_type at the handle's address), refused
+    after close(): the struct's memory is freed with the handle."""
+    def get(self):
+        self.ptr  # ArgError after close()
+        v = self.__dict__.get("_view")
+        if v is None:
+            v = self._view = ctypes.cast(self._ptr, POINTER(struct_type)).contents
+        return v
+    return property(get)
+
+
 class _Handle:
     """Owns one C handle: ``close()`` frees it (idempotent), so do ``with`` and ``__del__``.
 

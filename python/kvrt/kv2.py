@@ -189,11 +189,11 @@ class KV2Schedule(_Handle):
                                              self.NEAREST_BUDGET, byref(base)))
             op = byref(_opts(base, **options))
         out = c_void_p()
-        H, d = _uint(n_heads, "n_heads"), _uint(head_dim, "head_dim")
+        H, d, C = _uint(n_heads, "n_heads"), _uint(head_dim, "head_dim"), _uint(C, "C", 63)
         check(lib.kvrt_kv2_plan_create_scheduled(c.ptr, self.ptr, op,
                                                  OVERRIDE_OPTIONS if override else 0,
-                                                 _number(budget, "budget"), H, d,
-                                                 _uint(C, "C", 63), byref(out)), ctx_ptr=c.ptr)
+                                                 _number(budget, "budget"), H, d, C, byref(out)),
+              ctx_ptr=c.ptr)
         m = self.policy.model if self.policy is not None else {}
-        return KV2Plan(m.get("n_layers", 0), H, m.get("n_kv_heads", 0), d, int(C), ctx=c,
+        return KV2Plan(m.get("n_layers", 0), H, m.get("n_kv_heads", 0), d, C, ctx=c,
                        _ptr=out.value)

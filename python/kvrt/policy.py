@@ -19,7 +19,8 @@ import numpy as np
 from . import _lib
 from ._lib import lib
 from ._core import (_arg_error, _fill_opts, _addr, ArrayLike, Cache, Context, Selection, _buf, _carg, _ccache,
-                    _cout, _ctx, _dtype_code, _Handle, _out, _uint, _number, OVERRIDE_OPTIONS)
+                    _cout, _ctx, _dtype_code, _Handle, _out, _struct_view, _uint, _number,
+                    OVERRIDE_OPTIONS)
 from .errors import ERR_ARG, ERR_SHAPE, KvrtError, check
 
 #: The model presets of ``kvcc models`` (calib/presets.c): name -> dims. A test checks this
@@ -327,15 +328,7 @@ class CompilerKVPrompt(_Handle):
     and keys (:meth:`add_layer`), then :meth:`finish` with the next-token log-probs."""
     _free_fn = "kvrt_compilerkv_prompt_free"
 
-    def __init__(self, ptr: int, parent: "CompilerKV"):
-        super().__init__(ptr, parent)
-        self._p_view = ctypes.cast(ptr, POINTER(_lib.kvrt_compilerkv_prompt)).contents
-
-    @property
-    def _p(self):
-        """The C struct, only while the handle is open (its memory is freed by close())."""
-        self.ptr
-        return self._p_view
+    _p = _struct_view(_lib.kvrt_compilerkv_prompt)
 
     def add_layer(self, q: ArrayLike, k: ArrayLike) -> None:
         """Step 1 for one layer: q [T, H, d] (only the last `window` rows are read), k [T, Hkv,
@@ -390,15 +383,7 @@ class CompilerKV(_Handle):
     _free_fn = "kvrt_compilerkv_tables_free"
     NEAREST_BUDGET = 0x1
 
-    def __init__(self, ptr: int, policy: Optional[Policy] = None):
-        super().__init__(ptr, policy)
-        self._t_view = ctypes.cast(ptr, POINTER(_lib.kvrt_compilerkv_tables)).contents
-
-    @property
-    def _t(self):
-        """The C struct, only while the handle is open (its memory is freed by close())."""
-        self.ptr
-        return self._t_view
+    _t = _struct_view(_lib.kvrt_compilerkv_tables)
 
     @property
     def window(self) -> int:
@@ -880,15 +865,7 @@ class CompKVGrouping(_Handle):
     """The compiled CompKV grouping (``kvrt_compkv_grouping``) of every layer."""
     _free_fn = "kvrt_compkv_grouping_free"
 
-    def __init__(self, ptr: int, policy: Optional[Policy] = None):
-        super().__init__(ptr, policy)
-        self._g_view = ctypes.cast(ptr, POINTER(_lib.kvrt_compkv_grouping)).contents
-
-    @property
-    def _g(self):
-        """The C struct, only while the handle is open (its memory is freed by close())."""
-        self.ptr
-        return self._g_view
+    _g = _struct_view(_lib.kvrt_compkv_grouping)
 
     n_layers = property(lambda self: int(self._g.n_layers))
     n_kv_heads = property(lambda self: int(self._g.n_kv_heads))

@@ -124,16 +124,13 @@ int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const char *fn, kvrt_
 // ----------------------------------------------------------------------------
 // context lifetime
 
-/* rc, with the message a backend's loader or init left (in err, or the thread's error) named
- * after kvrt_ctx_create, detail kept ("no usable CUDA device: ..." did not say which call) */
+/* rc, with the message a backend's loader or init left named after kvrt_ctx_create ("no usable
+ * CUDA device: ..." did not say which call; "kvrt_ctx_create (cuda): ..." already does), detail
+ * kept, in the thread's error (which every failure fills) and err */
 static int create_err(kvrt_error *err, int rc) {
-    const kvrt_error *src = err ? err : kvrt_tls_err();
-    static const char fn[] = "kvrt_ctx_create";
-    const char next = src->msg[sizeof fn - 1];
-    if (strncmp(src->msg, fn, sizeof fn - 1) == 0 && (next == ':' || next == ' ')) return rc;
-    char inner[sizeof src->msg];
-    snprintf(inner, sizeof inner, "%s", src->msg);
-    return kvrt_err_set(err, rc, src->detail, "kvrt_ctx_create: %s", inner);
+    rc = kvrt_err_as(rc, "kvrt_ctx_create", "kvrt_ctx_create");
+    if (err) *err = *kvrt_tls_err();
+    return rc;
 }
 
 int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, kvrt_error *err) {
