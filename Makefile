@@ -512,20 +512,37 @@ INSTALL_HEADERS := runtime/include/kvrt.h runtime/include/kvrt_experimental.h \
 # What a static link of libkvrt.a needs after it (pkg-config --static); the shared library
 # carries its own dependencies.
 KVRT_PRIVATE := -lkvpol $(LIBS_DNNL) $(LIBS_BLAS) $(LIBS_CUDA) $(LIBS_FORMATS) -lm -lpthread -fopenmp
-# The .pc files are written for the PREFIX/LIBDIR of this call (rewritten on every install).
-pc_file = printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$(LIBDIR)' \
-  'includedir=$(INCLUDEDIR)' '' 'Name: $(1)' 'Description: $(2)' 'Version: $(KVRT_VERSION)' \
+# The .pc files are written straight into PKGCONFIGDIR by each install (nothing in the build
+# tree, which a root install would leave root-owned), relative to ${prefix} where LIBDIR and
+# INCLUDEDIR lie under PREFIX, so that `pkg-config --define-prefix` relocates them.
+pc_dir = $(patsubst $(PREFIX)/%,$${prefix}/%,$(1))
+pc_file = printf '%s\n' 'prefix=$(PREFIX)' 'exec_prefix=$${prefix}' 'libdir=$(call pc_dir,$(LIBDIR))' \
+  'includedir=$(call pc_dir,$(INCLUDEDIR))' '' 'Name: $(1)' 'Description: $(2)' 'Version: $(KVRT_VERSION)' \
   'Libs: -L$${libdir} -l$(1)' 'Libs.private: $(strip $(3))' 'Cflags: -I$${includedir}'
-$(BUILD)/kvrt.pc $(BUILD)/kvpol.pc: FORCE
-	@mkdir -p $(dir $@)
-	@$(if $(filter %/kvrt.pc,$@),$(call pc_file,kvrt,kvcc runtime: load .kvpol KV-cache compression policies and run them,$(KVRT_PRIVATE)),$(call pc_file,kvpol,kvcc .kvpol artifact format: validated reader and atomic writer,$(LIBS_FORMATS))) > $@
 FORCE:
+
+# libkvrt looks for its CUDA backend beside itself (the library, or the program it is linked
+# into) and in BINDIR/$(CUDA_PLUGIN_RELDIR): LIBDIR relative to BINDIR, ../lib by default, so an
+# installed kvcc (libkvrt linked in) finds the backend wherever LIBDIR put it
+# (runtime/core/cuda_load.c). The stamp holds USE_CUDA and that path, rewritten only when
+# either changes, which rebuilds the two objects that read them (a USE_CUDA=0 build also drops
+# the old backend from the build tree, where pip's bundling would pick it up).
+CUDA_PLUGIN_RELDIR := $(shell realpath -m --relative-to='$(BINDIR)' '$(LIBDIR)' 2>/dev/null || echo ../lib)
+CUDA_STAMP := $(BUILD)/use_cuda.stamp
+$(CUDA_STAMP): FORCE
+	@mkdir -p $(BUILD) && s='$(USE_CUDA) $(CUDA_PLUGIN_RELDIR)' && \
+	  if [ "$$(cat $@ 2>/dev/null)" != "$$s" ]; then echo "$$s" > $@; \
+	    if [ $(USE_CUDA) = 0 ]; then rm -f $(BUILD)/libkvrt_cuda.so*; fi; fi
+$(BUILD)/obj/runtime/core/ctx.o $(BUILD)/obj/runtime/core/cuda_load.o: $(CUDA_STAMP)
+$(BUILD)/obj/runtime/core/cuda_load.o: CPPFLAGS += -DKVRT_CUDA_PLUGIN_RELDIR='"$(CUDA_PLUGIN_RELDIR)"'
 
 # make's word lists (DATADIR, the uninstall lists) split paths at spaces: refused up front
 install_paths_check = @for p in '$(DESTDIR)' '$(PREFIX)' '$(BINDIR)' '$(LIBDIR)' '$(INCLUDEDIR)' '$(PKGCONFIGDIR)'; do \
-	  case "$$p" in *[[:space:]]*) echo "kvcc: make $@: the path '$$p' has a space; DESTDIR, PREFIX, BINDIR, LIBDIR, INCLUDEDIR and PKGCONFIGDIR must not" >&2; exit 2;; esac; done
+	  case "$$p" in *[[:space:]]*) echo "kvcc: make $@: the path '$$p' has a space; DESTDIR, PREFIX, BINDIR, LIBDIR, INCLUDEDIR and PKGCONFIGDIR must not" >&2; exit 2;; esac; done; \
+	for p in '$(PREFIX)' '$(BINDIR)' '$(LIBDIR)' '$(INCLUDEDIR)' '$(PKGCONFIGDIR)'; do \
+	  case "$$p" in /*) ;; *) echo "kvcc: make $@: the path '$$p' is relative; PREFIX, BINDIR, LIBDIR, INCLUDEDIR and PKGCONFIGDIR must be absolute (they are written into kvrt.pc and looked up at run time)" >&2; exit 2;; esac; done
 
-install: all $(BUILD)/kvrt.pc $(BUILD)/kvpol.pc
+install: all
 	$(install_paths_check)
 	@echo "kvcc: installing $(KVRT_VERSION) into $(DESTDIR)$(PREFIX)"
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PKGCONFIGDIR)
@@ -535,9 +552,12 @@ install: all $(BUILD)/kvrt.pc $(BUILD)/kvpol.pc
 	  install -m 644 $(BUILD)/lib$$l.a $(DESTDIR)$(LIBDIR)/lib$$l.a && \
 	  install -m 755 $(BUILD)/lib$$l.so $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_VERSION) && \
 	  ln -sf lib$$l.so.$(KVRT_VERSION) $(DESTDIR)$(LIBDIR)/lib$$l.so.$(KVRT_ABI) && \
-	  ln -sf lib$$l.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/lib$$l.so && \
-	  install -m 644 $(BUILD)/$$l.pc $(DESTDIR)$(PKGCONFIGDIR)/$$l.pc || exit 1; \
+	  ln -sf lib$$l.so.$(KVRT_ABI) $(DESTDIR)$(LIBDIR)/lib$$l.so || exit 1; \
 	done
+	@echo "kvcc: writing kvrt.pc and kvpol.pc into $(DESTDIR)$(PKGCONFIGDIR)"
+	@$(call pc_file,kvrt,kvcc runtime: load .kvpol KV-cache compression policies and run them,$(KVRT_PRIVATE)) > $(DESTDIR)$(PKGCONFIGDIR)/kvrt.pc
+	@$(call pc_file,kvpol,kvcc .kvpol artifact format: validated reader and atomic writer,$(LIBS_FORMATS)) > $(DESTDIR)$(PKGCONFIGDIR)/kvpol.pc
+	@chmod 644 $(DESTDIR)$(PKGCONFIGDIR)/kvrt.pc $(DESTDIR)$(PKGCONFIGDIR)/kvpol.pc
 	@# the bundled texts (kvcc capture's and eval --needle's defaults) and, when fetched, the
 	@# default model, where an installed kvcc looks for them (compiler/util.c kvcc_data_path)
 	install -d $(DESTDIR)$(DATADIR)/examples/data/calib $(DESTDIR)$(DATADIR)/examples/data/heldout

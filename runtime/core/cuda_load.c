@@ -14,7 +14,9 @@
  *   2. the directory of the object that holds libkvrt's code (dladdr): libkvrt.so's directory
  *      (an installed LIBDIR, the build tree, the Python package's _native/), or the program's
  *      when libkvrt.a was linked in; there libkvrt_cuda.so.X.Y, then libkvrt_cuda.so;
- *   3. that directory's ../lib (a program installed in PREFIX/bin with libkvrt.a);
+ *   3. that directory's KVRT_CUDA_PLUGIN_RELDIR: LIBDIR relative to BINDIR as `make install`
+ *      lays them out (../lib by default; the Makefile passes it), for a program installed in
+ *      BINDIR with libkvrt.a linked in;
  *   4. the dynamic linker's own search (LD_LIBRARY_PATH, RUNPATH, ld.so.cache) for
  *      libkvrt_cuda.so.X.Y.
  * The result (the plugin, or the failure and its message) is computed once per process.
@@ -34,6 +36,10 @@
 #include "core/policies.h"
 
 #if defined(KVRT_WITH_CUDA)
+
+#ifndef KVRT_CUDA_PLUGIN_RELDIR
+#define KVRT_CUDA_PLUGIN_RELDIR "../lib"
+#endif
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static const kvrt_cuda_plugin *plugin;
@@ -142,7 +148,7 @@ static void load(void) {
     int r = 0;
     if (dir[0]) {
         static const char *const rel[] = {"/" KVRT_CUDA_PLUGIN_SONAME, "/" KVRT_CUDA_PLUGIN_BASENAME,
-                                          "/../lib/" KVRT_CUDA_PLUGIN_SONAME};
+                                          "/" KVRT_CUDA_PLUGIN_RELDIR "/" KVRT_CUDA_PLUGIN_SONAME};
         for (size_t i = 0; r == 0 && i < sizeof rel / sizeof rel[0]; i++) {
             char path[PATH_MAX + 64];
             snprintf(path, sizeof path, "%s%s", dir, rel[i]);
@@ -153,7 +159,7 @@ static void load(void) {
         /* nothing beside libkvrt: the dynamic linker's search, whose dlerror() is the message */
         load_msg[0] = '\0';
         if (dir[0])
-            note("no %s or %s in %s or %s/../lib; ", KVRT_CUDA_PLUGIN_SONAME,
+            note("no %s or %s in %s or %s/" KVRT_CUDA_PLUGIN_RELDIR "; ", KVRT_CUDA_PLUGIN_SONAME,
                  KVRT_CUDA_PLUGIN_BASENAME, dir, dir);
         r = try_one(KVRT_CUDA_PLUGIN_SONAME, 1);
     }

@@ -42,7 +42,7 @@ for l in kvrt kvpol; do
 done
 
 # 1b. a CUDA build installs its backend beside libkvrt, and the installed kvcc (libkvrt.a, in
-#     PREFIX/bin) finds it in ../lib; nothing installed links a CUDA library itself
+#     PREFIX/bin) finds it in ../lib (LIBDIR relative to BINDIR; 9. below for lib64); nothing installed links a CUDA library itself
 if [ -e "$build/libkvrt_cuda.so" ]; then
   [ -f "$prefix/lib/libkvrt_cuda.so.$ver" ] && \
     [ "$(readlink "$prefix/lib/libkvrt_cuda.so.$abi")" = "libkvrt_cuda.so.$ver" ] && ok \
@@ -58,6 +58,10 @@ done
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
 [ "$(pkg-config --modversion kvrt)" = "$ver" ] && [ "$(pkg-config --modversion kvpol)" = "$ver" ] \
   && ok || bad "pkg-config --modversion kvrt/kvpol: expected $ver"
+# relocatable: libdir and includedir relative to ${prefix}, so --define-prefix follows a copy
+mkdir -p "$tmp/moved/lib" && cp -r "$prefix/lib/pkgconfig" "$tmp/moved/lib/" && \
+  [ "$(PKG_CONFIG_PATH="$tmp/moved/lib/pkgconfig" pkg-config --define-prefix --cflags kvrt | xargs)" = "-I$tmp/moved/include" ] \
+  && ok || bad "kvrt.pc is not relocatable: $(grep dir= "$prefix/lib/pkgconfig/kvrt.pc" | tr '\n' ' ')"
 cflags=$(pkg-config --cflags kvrt); libs=$(pkg-config --libs kvrt)
 [[ "$cflags $libs" != *"$root"* ]] && ok || bad "kvrt.pc points into the source tree: $cflags $libs"
 
@@ -120,6 +124,21 @@ $make_cmd --no-print-directory install $sanarg $bd DESTDIR="$tmp/stage" PREFIX=/
 out=$($make_cmd --no-print-directory install $sanarg $bd PREFIX="$tmp/a b" 2>&1); ex=$?
 [ $ex -ne 0 ] && echo "$out" | grep -q "the path '$tmp/a b' has a space" && [ ! -e "$tmp/a b" ] && [ ! -e "$tmp/a" ] \
   && ok || bad "make install PREFIX with a space: exit $ex: $out"
+
+# 8. a relative PREFIX (it is written into kvrt.pc and read at run time): refused, nothing written
+out=$(cd "$tmp" && $make_cmd --no-print-directory -C "$root" install $sanarg $bd PREFIX=rel/p 2>&1); ex=$?
+[ $ex -ne 0 ] && echo "$out" | grep -q "the path 'rel/p' is relative" && [ ! -e "$root/rel" ] && [ ! -e "$tmp/rel" ] \
+  && ok || bad "make install PREFIX=rel/p: exit $ex: $out"
+
+# 9. LIBDIR outside PREFIX/lib (lib64 layouts): the installed kvcc finds its CUDA backend there
+if [ -e "$build/libkvrt_cuda.so" ]; then
+  p64="$tmp/p64"
+  if $make_cmd --no-print-directory install $sanarg $bd PREFIX="$p64" LIBDIR="$p64/lib64" >/dev/null 2>&1; then
+    out=$("$p64/bin/kvcc" --version | grep '^CUDA:')
+    [[ "$out" == *"$p64/bin/../lib64/libkvrt_cuda.so.$abi"* ]] && ok || bad "kvcc installed with LIBDIR=lib64, --version: $out"
+    grep -qx 'libdir=${prefix}/lib64' "$p64/lib64/pkgconfig/kvrt.pc" && ok || bad "LIBDIR=lib64: kvrt.pc libdir"
+  else bad "make install LIBDIR=$p64/lib64 failed"; fi
+fi
 
 echo "install: $pass passed, $fail failed"
 [ $fail -eq 0 ]
