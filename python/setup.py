@@ -47,6 +47,10 @@ def build_library():
 class BuildPyWithLibrary(build_py):
     def run(self):
         super().run()
+        # setuptools reuses python/build/lib*/ between runs: what an earlier run bundled there
+        # would ship again (a KVRT_NO_BUNDLE=1 wheel with a library in it, a CPU-only bundle
+        # with an old CUDA backend beside it)
+        shutil.rmtree(os.path.join(self.build_lib, "kvrt", "_native"), ignore_errors=True)
         if os.environ.get("KVRT_NO_BUNDLE") == "1":
             log("KVRT_NO_BUNDLE=1: no library bundled")
             return

@@ -6,7 +6,8 @@ The library is looked up, in this order:
 2. the copy bundled inside the package (``kvrt/_native/libkvrt.so``, put there by
    ``pip install ./python``);
 3. the in-tree build of a source checkout (``<checkout>/build/libkvrt.so``, i.e. two directories
-   above this package);
+   above this package, when those hold a kvcc checkout: its ``Makefile`` and
+   ``runtime/include/kvrt.h``);
 4. the system (``ctypes.util.find_library("kvrt")``: ldconfig, ``LD_LIBRARY_PATH``).
 
 The first that exists is loaded; when none loads, :class:`LibraryNotFound` names every place
@@ -39,8 +40,13 @@ def candidates() -> List[Tuple[str, Optional[str]]]:
     env = os.environ.get("KVRT_LIBRARY")
     out.append(("$KVRT_LIBRARY", env if env else None))
     out.append(("bundled copy", os.path.join(_HERE, "_native", "libkvrt.so")))
-    out.append(("in-tree build", os.path.normpath(os.path.join(_HERE, "..", "..", "build",
-                                                               "libkvrt.so"))))
+    # the kvcc checkout this package sits in (python/kvrt/), if it is one: not a "build"
+    # directory that happens to lie two levels above an installed package
+    checkout = os.path.normpath(os.path.join(_HERE, "..", ".."))
+    in_tree = (os.path.join(checkout, "build", "libkvrt.so")
+               if os.path.exists(os.path.join(checkout, "runtime", "include", "kvrt.h"))
+               and os.path.exists(os.path.join(checkout, "Makefile")) else None)
+    out.append(("in-tree build", in_tree))
     sysname = ctypes.util.find_library("kvrt")
     out.append(("system (ctypes.util.find_library('kvrt'))", sysname))
     return out

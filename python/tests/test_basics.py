@@ -46,6 +46,24 @@ def test_without_env_finds_the_in_tree_build():
     assert os.path.samefile(p.stdout.strip(), os.path.join(ROOT, "build", "libkvrt.so"))
 
 
+def test_installed_package_ignores_an_unrelated_build_dir(tmp_path):
+    # an application's layout app/pylib/kvrt beside an unrelated app/build/libkvrt.so: not a
+    # kvcc checkout, so the in-tree candidate is not tried (it was loaded before)
+    import shutil
+    app = tmp_path / "app"
+    shutil.copytree(os.path.join(PY, "kvrt"), app / "pylib" / "kvrt",
+                    ignore=shutil.ignore_patterns("_native", "__pycache__"))
+    (app / "build").mkdir()
+    shutil.copy(os.path.join(BUILD, "libkvrt.so"), app / "build" / "libkvrt.so")
+    env = {k: v for k, v in os.environ.items() if k != "KVRT_LIBRARY"}
+    env["PYTHONPATH"] = str(app / "pylib")
+    p = subprocess.run([sys.executable, "-c", "import kvrt; print(kvrt.library_path)"],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    out = p.stdout + p.stderr
+    assert str(app / "build") not in out, out
+    assert p.returncode == 0 or "LibraryNotFound" in p.stderr, out
+
+
 def test_not_a_library():
     p = py("import kvrt", {"KVRT_LIBRARY": os.path.join(ROOT, "README.md")})
     assert p.returncode != 0 and "README.md" in p.stderr and "LibraryNotFound" in p.stderr
