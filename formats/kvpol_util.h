@@ -68,12 +68,19 @@ static inline int kvpol_align_ok(uint64_t a, uint64_t *out) {
 #error "libkvpol's typed views assume a little-endian host"
 #endif
 
+/* libkvpol's own helpers: not exported from libkvpol.so / libkvrt.so (kvpol.h is the API). */
+#if defined(__GNUC__)
+#define KVPOL_INTERNAL __attribute__((visibility("hidden")))
+#else
+#define KVPOL_INTERNAL
+#endif
+
 /* Set err (if any) and return code. */
-int kvpol_fail(kvpol_error *err, int code, const char *fmt, ...)
+KVPOL_INTERNAL int kvpol_fail(kvpol_error *err, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 /* Field name check: NUL-terminated within n bytes, zero after the NUL, printable ASCII
  * (0x21..0x7e). allow_empty permits a first byte of 0. Returns 1 when valid. */
-int kvpol_name_field_ok(const uint8_t *p, size_t n, int allow_empty, int allow_space);
+KVPOL_INTERNAL int kvpol_name_field_ok(const uint8_t *p, size_t n, int allow_empty, int allow_space);
 
 #endif

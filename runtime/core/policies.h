@@ -185,8 +185,8 @@ KVRT_INTERNAL int kvrt_cpu_kv2_chunk_scores(const float *q, int64_t n_q, uint32_
 
 /* Knorm (knorm != 0: -|k_t|) or KeyDiff (-cos(k_t, mean of the L2-normalized keys)) scores
  * [T] of KV head hk of k [T, Hkv, d], in double; anchor: scratch of d doubles. */
-void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv, uint32_t d,
-                         uint32_t hk, float *score, double *anchor);
+KVRT_INTERNAL void kvrt_cpu_key_scores(int knorm, const float *k, int64_t T, uint32_t Hkv,
+                                       uint32_t d, uint32_t hk, float *score, double *anchor);
 /* CompilerKV: one layer's SnapKV window mass sc [Hkv, T] (host) added to the prompt's
  * head-mean accumulator (kvrt_compilerkv_prompt_add_layer and its context variant).
  * KVRT_ERR_ARG (the prompt unchanged) when a mass is not finite: NaN or Inf in the window's
