@@ -54,6 +54,15 @@ for f in "$prefix/bin/kvcc" "$prefix/lib/libkvrt.so.$ver"; do
   ! ldd "$f" 2>/dev/null | grep -Eq 'libcudart|libcublas|libcusolver' && ok || bad "$f links a CUDA library"
 done
 
+# 1c. the shared libraries export their API only: every defined symbol is named in an installed
+#     header (OpenMP's critical-section locks and reserved _names of the toolchain aside, e.g.
+#     ASan's), so nothing internal becomes ABI or clashes
+for l in kvrt kvpol; do
+  stray=$(nm -D --defined-only "$prefix/lib/lib$l.so.$ver" | awk '{print $3}' | grep -v '^\.gomp_critical\|^_' |
+          while read -r s; do grep -qw -- "$s" "$prefix"/include/*.h || echo "$s"; done)
+  [ -z "$stray" ] && ok || bad "lib$l.so exports symbols no installed header names: $stray"
+done
+
 # 2. pkg-config sees the installed copy
 export PKG_CONFIG_PATH="$prefix/lib/pkgconfig"
 [ "$(pkg-config --modversion kvrt)" = "$ver" ] && [ "$(pkg-config --modversion kvpol)" = "$ver" ] \
