@@ -248,11 +248,14 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
         if (rc && !err[0]) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
         if (rc == KVCC_CORPUS_OK && progress) progress(p + 1 - p_lo, p_hi - p_lo);
     }
+    if (!rc) { /* the file complete and synced before the agreement: a full disk is found here */
+        const double tf = now_s();
+        rc = kvcc_corpus_seal(c, err, errlen);
+        write_s += now_s() - tf;
+    }
     if (o->agree) rc = o->agree(o->agree_user, rc, err, errlen);
     if (!rc) {
-        const double tf = now_s();
-        rc = kvcc_corpus_finish(c, err, errlen);
-        write_s += now_s() - tf;
+        rc = kvcc_corpus_finish(c, err, errlen); /* the rename */
         c = NULL;
     } else if (c) {
         if (!err[0]) snprintf(err, errlen, "%s", kvcc_corpus_error(c));

@@ -29,8 +29,9 @@ typedef struct {
      * blocks, so the shards in order hold the one-process capture's prompts in its order. The
      * shard's file records the same capture_options, plus root attribute capture_shard. */
     uint32_t shard, n_shards;
-    /* Optional: called once, after the last prompt (or the first failure) and before the file
-     * is renamed into place, with this process's status; returns the status to go on with (a
+    /* Optional: called once, after the last prompt (or the first failure) and the file's
+     * close and fsync (kvcc_corpus_seal), before it is renamed into place, with this process's
+     * status; returns the status to go on with (a
      * sharded run's agreement: nonzero when any shard failed, with a message in err). */
     int (*agree)(void *user, int rc, char *err, size_t errlen);
     void *agree_user;

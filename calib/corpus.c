@@ -24,6 +24,7 @@
 struct kvcc_corpus {
     hid_t file;
     int writing;
+    int sealed;     /* writer: the temp file is complete, closed and synced (kvcc_corpus_seal) */
     char path[1024], tmp[1100];
     kvcc_corpus_model model;
     kvcc_corpus_info info;
@@ -497,31 +498,41 @@ int kvcc_corpus_set_note(kvcc_corpus *c, const char *name, const char *value) {
     return KVCC_CORPUS_OK;
 }
 
-int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen) {
+int kvcc_corpus_seal(kvcc_corpus *c, char *err, size_t errlen) {
     if (!c || !c->writing)
-        return failc(c, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_finish: not a writer");
+        return failc(c, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_seal: not a writer");
+    if (c->sealed) return KVCC_CORPUS_OK;
     int rc = end_prompt(c);
-    if (rc) {
-        failc(c, err, errlen, rc, "%s", c->msg);
-        kvcc_corpus_close(c);
-        return rc;
-    }
+    if (rc) return failc(c, err, errlen, rc, "%s", c->msg);
     errno = 0;
     if (put_attr_i64(c->file, "n_prompts", c->info.n_prompts) ||
         H5Fflush(c->file, H5F_SCOPE_GLOBAL) < 0 || H5Fclose(c->file) < 0) {
         int e = errno; /* the sec2 driver's failed write(2), e.g. ENOSPC */
         /* the id is never closed again: HDF5 1.10 crashes closing a file whose close failed */
         c->file = -1;
-        failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 failed to finish the file: %s",
-              c->path, e ? strerror(e) : "write error");
-        kvcc_corpus_close(c);
-        return KVCC_CORPUS_ERR_IO;
+        return failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: HDF5 failed to finish the file: %s",
+                     c->path, e ? strerror(e) : "write error");
     }
     c->file = -1;
     int fd = open(c->tmp, O_RDONLY | O_CLOEXEC);
     int ok = fd >= 0 && fsync(fd) == 0;
     if (fd >= 0) close(fd);
-    if (!ok || rename(c->tmp, c->path) != 0) {
+    if (!ok)
+        return failc(c, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot sync the finished corpus: %s",
+                     c->path, strerror(errno));
+    c->sealed = 1;
+    return KVCC_CORPUS_OK;
+}
+
+int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen) {
+    if (!c || !c->writing)
+        return failc(c, err, errlen, KVCC_CORPUS_ERR_ARG, "kvcc_corpus_finish: not a writer");
+    int rc = kvcc_corpus_seal(c, err, errlen);
+    if (rc) {
+        kvcc_corpus_close(c);
+        return rc;
+    }
+    if (rename(c->tmp, c->path) != 0) {
         failc(c, err, errlen, KVCC_CORPUS_ERR_IO,
               "%s: cannot move the finished corpus into place: %s", c->path, strerror(errno));
         kvcc_corpus_close(c);

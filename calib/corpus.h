@@ -5,7 +5,7 @@
  * refuses corpora that do not match the model asked for.
  *
  * defines: kvcc_corpus_create, kvcc_corpus_write_prompt, kvcc_corpus_write_layer,
- *          kvcc_corpus_close_writer, kvcc_corpus_open, kvcc_corpus_prompt, kvcc_corpus_read_layer,
+ *          kvcc_corpus_seal, kvcc_corpus_close_writer, kvcc_corpus_open, kvcc_corpus_prompt, kvcc_corpus_read_layer,
  *          kvcc_corpus_close, kvcc_corpus_set_limits, kvcc_corpus_open_many, kvcc_corpus_hash,
  *          kvcc_corpus_n_shards, kvcc_corpus_shard_path, kvcc_corpus_write_manifest
  */
@@ -107,7 +107,12 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
                             const float *v);
 /* An optional string root attribute (e.g. capture_shard); readers ignore it. */
 int kvcc_corpus_set_note(kvcc_corpus *c, const char *name, const char *value);
-/* Finish: root attribute n_prompts, close, rename into place. */
+/* Seal: root attribute n_prompts, flush, close and fsync the temp file; everything that can
+ * fail for lack of space happens here (HDF5 writes most of the file at close). Not yet in place:
+ * kvcc_corpus_finish renames it, kvcc_corpus_close drops it. Idempotent. On failure the writer
+ * stays open for kvcc_corpus_close (which removes the temp file). */
+int kvcc_corpus_seal(kvcc_corpus *c, char *err, size_t errlen);
+/* Finish: kvcc_corpus_seal unless done, then rename into place. Frees c, whatever the result. */
 int kvcc_corpus_finish(kvcc_corpus *c, char *err, size_t errlen);
 
 // ---------------------------------------------------------------- reader

@@ -56,25 +56,44 @@ static void usage(FILE *out) {
 /* OpenBLAS (libopenblas, which the model's matrix products run on). */
 void openblas_set_num_threads(int n);
 
-/* A failing rank's message as kvcc_dist_check carries it ("rank R: LINE"), without the
- * "kvcc capture: " that LINE starts with when it is the last line the rank printed. */
-static void strip_inner_prefix(char *msg) {
-    static const char pre[] = "kvcc capture: ";
-    char *q = strstr(msg, pre);
-    if (q && (q == msg || (q - msg < 16 && !strncmp(msg, "rank ", 5)))) memmove(q, q + strlen(pre), strlen(q + strlen(pre)) + 1);
-}
 
-/* kvcc_capture_opts.agree under mpirun: before a shard is renamed into place, every rank's
- * status; a rank whose capture went fine drops its shard when another failed. */
+/* kvcc_capture_opts.agree under mpirun: before a shard is renamed into place (its file written,
+ * closed and synced), every rank's status; a rank whose capture went fine drops its shard when
+ * another failed. *user (int): 1 when every rank passed, so every rank reaches the check after
+ * the renames. */
 static int agree_all(void *user, int rc, char *err, size_t errlen) {
-    (void)user;
     char m[768];
     snprintf(m, sizeof m, "%s", rc ? err : "");
     const int all = kvcc_dist_check(rc, m, sizeof m);
+    *(int *)user = !all; /* every rank goes on to its rename */
     if (rc || !all) return rc;
-    strip_inner_prefix(m);
+    kvcc_strip_rank_prefix(m, "kvcc capture: ");
     snprintf(err, errlen, "%s (so no rank keeps its shard)", m);
     return all < 0 ? all : KVCC_CORPUS_ERR_IO;
+}
+
+/* What every rank must agree on under mpirun: its arguments, and the bytes of every text and of
+ * the model (XXH3-64 each, folded FNV-1a). 0, or the exit status with the message printed. */
+static int inputs_digest(int argc, char **argv, char *const *texts, int n_texts,
+                         uint64_t model_hash, uint64_t *out, char *msg, size_t msglen) {
+    uint64_t x = 1469598103934665603ull;
+    for (int i = 0; i < argc; i++)
+        for (const unsigned char *q = (const unsigned char *)argv[i];; q++) {
+            x = (x ^ *q) * 1099511628211ull;
+            if (!*q) break;
+        }
+    for (int i = -1; i < n_texts; i++) {
+        uint64_t h = model_hash;
+        kvpol_error e;
+        if (i >= 0 && kvpol_hash_file(texts[i], &h, &e) != 0) {
+            snprintf(msg, msglen, "--text %s: cannot be read: %s", texts[i], e.msg);
+            fprintf(stderr, "kvcc capture: %s\n", msg);
+            return KVCC_EXIT_FAILED;
+        }
+        for (int b = 0; b < 8; b++) x = (x ^ ((h >> (8 * b)) & 0xff)) * 1099511628211ull;
+    }
+    *out = x;
+    return KVCC_EXIT_OK;
 }
 
 static int capture_main(int argc, char **argv) {
@@ -135,7 +154,9 @@ static int capture_main(int argc, char **argv) {
             n_shards = (unsigned)n;
             break;
         }
-        case 'h': usage(stdout); return KVCC_EXIT_OK;
+        case 'h': /* once under mpirun, not once per rank */
+            if (kvcc_dist_rank() == 0) usage(stdout);
+            return KVCC_EXIT_OK;
         default: return KVCC_EXIT_USAGE; /* kvcc_getopt said why */
         }
     }
@@ -148,6 +169,29 @@ static int capture_main(int argc, char **argv) {
     if (ctx + cont < 2) { fprintf(stderr, "kvcc capture: --context + --continuation must be >= 2 tokens\n"); return KVCC_EXIT_USAGE; }
     const int gguf_given = gguf != NULL;
     if (!gguf_given) gguf = kvcc_data_path(DEFAULT_GGUF, gguf_buf, sizeof gguf_buf);
+    /* under mpirun -np N (N > 1): this rank's shard beside OUT, and OUT the manifest */
+    const unsigned rank = (unsigned)kvcc_dist_rank(), world = (unsigned)kvcc_dist_size();
+    if (world > 1 && n_shards) { /* argv: the same on every rank, so every rank returns */
+        fprintf(stderr, "kvcc capture: --shard %u/%u and mpirun -np %u: give one or the other (under mpirun each "
+                "rank captures its own shard)\n", shard, n_shards, world);
+        return KVCC_EXIT_USAGE;
+    }
+    char shard_out[1100], rank_tag[48] = "";
+    const char *dst = out;
+    if (world > 1) {
+        shard = rank;
+        n_shards = world;
+        if ((size_t)snprintf(shard_out, sizeof shard_out, "%s.%u-of-%u.h5", out, rank, world) >= sizeof shard_out) {
+            fprintf(stderr, "kvcc capture: -o %s: the path is too long\n", out);
+            return KVCC_EXIT_USAGE;
+        }
+        dst = shard_out;
+        snprintf(rank_tag, sizeof rank_tag, "rank %u of %u: ", rank, world);
+    }
+    /* From here on the checks depend on this node's files: under mpirun a failure is this
+     * rank's `ex`, which every rank learns at the agreement below (a rank that returned alone
+     * would leave the others waiting in it). */
+    int ex = KVCC_EXIT_OK;
     if (n_texts == 0) {
         n_texts = kvcc_list_texts(kvcc_data_path(DEFAULT_TEXT_DIR, text_dir_buf,
                                                  sizeof text_dir_buf),
@@ -159,53 +203,27 @@ static int capture_main(int argc, char **argv) {
                     "for an installed kvcc, under PREFIX/share/kvcc) are not here: give --text "
                     "FILE (repeatable) and --gguf MODEL.gguf, or run from the repository root\n",
                     DEFAULT_TEXT_DIR);
-            return KVCC_EXIT_USAGE;
+            n_texts = 0;
+            ex = KVCC_EXIT_USAGE;
         }
     }
-    for (int i = 0; i < n_texts; i++) { /* before the model loads: a directory is a usage error */
-        for (int j = 0; j < i; j++)
+    for (int i = 0; !ex && i < n_texts; i++) { /* before the model loads: a directory is a usage error */
+        for (int j = 0; !ex && j < i; j++)
             if (kvcc_same_file(texts[i], texts[j])) { /* its windows would repeat the other's */
                 fprintf(stderr, "kvcc capture: --text %s and --text %s are the same file\n",
                         texts[j], texts[i]);
-                if (own_texts)
-                    for (int x = 0; x < n_texts; x++) free(texts[x]);
-                return KVCC_EXIT_USAGE;
+                ex = KVCC_EXIT_USAGE;
             }
         struct stat ts;
-        if (stat(texts[i], &ts) == 0 && !S_ISREG(ts.st_mode)) {
+        if (!ex && stat(texts[i], &ts) == 0 && !S_ISREG(ts.st_mode)) {
             fprintf(stderr, "kvcc capture: --text %s: is %s, expected a text file\n", texts[i],
                     S_ISDIR(ts.st_mode) ? "a directory" : "not a regular file");
-            if (own_texts)
-                for (int j = 0; j < n_texts; j++) free(texts[j]);
-            return KVCC_EXIT_USAGE;
+            ex = KVCC_EXIT_USAGE;
         }
-    }
-    /* under mpirun -np N (N > 1): this rank's shard beside OUT, and OUT the manifest */
-    const unsigned rank = (unsigned)kvcc_dist_rank(), world = (unsigned)kvcc_dist_size();
-    char shard_out[1100], rank_tag[48] = "";
-    if (world > 1 && n_shards) {
-        fprintf(stderr, "kvcc capture: --shard %u/%u and mpirun -np %u: give one or the other (under mpirun each "
-                "rank captures its own shard)\n", shard, n_shards, world);
-        if (own_texts)
-            for (int i = 0; i < n_texts; i++) free(texts[i]);
-        return KVCC_EXIT_USAGE;
-    }
-    const char *dst = out;
-    if (world > 1) {
-        shard = rank;
-        n_shards = world;
-        if ((size_t)snprintf(shard_out, sizeof shard_out, "%s.%u-of-%u.h5", out, rank, world) >= sizeof shard_out) {
-            fprintf(stderr, "kvcc capture: -o %s: the path is too long\n", out);
-            if (own_texts)
-                for (int i = 0; i < n_texts; i++) free(texts[i]);
-            return KVCC_EXIT_USAGE;
-        }
-        dst = shard_out;
-        snprintf(rank_tag, sizeof rank_tag, "rank %u of %u: ", rank, world);
     }
     kvcc_input in[MAX_TEXTS + 1] = {{"--gguf", gguf}};
     for (int i = 0; i < n_texts; i++) in[i + 1] = (kvcc_input){"--text", texts[i]};
-    int ex = kvcc_check_output("capture", out, in, n_texts + 1);
+    if (!ex) ex = kvcc_check_output("capture", out, in, n_texts + 1);
     if (!ex && dst != out) ex = kvcc_check_output("capture", dst, in, n_texts + 1);
     if (!ex) kvcc_remove_temp_on_signal(dst);
     if (world > 1) { /* the node's cores shared among its ranks (the bytes do not depend on it) */
@@ -218,7 +236,7 @@ static int capture_main(int argc, char **argv) {
     char msg[768] = "";
     if (ex) {
         /* nothing was written; the message is printed */
-    } else if (kvcc_load_model_prec(gguf, 0, precision, &lm, msg, sizeof msg) != 0) {
+    } else if (kvcc_load_model_prec(gguf, world > 1, precision, &lm, msg, sizeof msg) != 0) {
         fprintf(stderr, "kvcc capture: --gguf: %s%s\n", msg,
                 gguf_given ? "" : " (the default model: scripts/fetch-model.sh fetches it into a "
                                   "checkout, make install copies it into PREFIX/share/kvcc; or "
@@ -229,15 +247,25 @@ static int capture_main(int argc, char **argv) {
         fprintf(stderr, "kvcc capture: --gguf: %s\n", msg);
         ex = KVCC_EXIT_USAGE;
     }
+    uint64_t digest = 0;
+    if (world > 1 && !ex) /* the texts' bytes and the model file's (hashed at load) */
+        ex = inputs_digest(argc, argv, texts, n_texts, lm.file_hash, &digest, msg, sizeof msg);
     if (world > 1) { /* every rank checked its output and loaded the model, or none captures */
         msg[0] = 0; /* a failing rank's message: the last line it printed */
         const int all = kvcc_dist_check(ex, msg, sizeof msg);
-        strip_inner_prefix(msg);
+        kvcc_strip_rank_prefix(msg, "kvcc capture: ");
         if (all && !ex && rank == 0) fprintf(stderr, "kvcc capture: %s\n", msg);
         ex = all;
+        /* the same command on the same files everywhere: a node whose copy of a text differs
+         * would capture other prompts into its shard, and the manifest would join them */
+        if (!ex && !kvcc_dist_same(digest, msg, sizeof msg)) {
+            if (rank == 0) fprintf(stderr, "kvcc capture: %s\n", msg);
+            ex = KVCC_EXIT_USAGE;
+        }
     }
     const double t0 = kvcc_now_s();
     kvcc_capture_stats st = {0};
+    int agreed = 0;
     if (!ex) {
         char options[512];
         /* precision=bf16 only when asked, so that an f32 capture's bytes are what they were */
@@ -251,7 +279,8 @@ static int capture_main(int argc, char **argv) {
         kvcc_capture_opts o = {.texts = (const char *const *)texts, .n_texts = n_texts, .n_prompts = n_prompts,
                                .context_len = ctx, .continuation_len = cont, .seed = seed,
                                .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options, .codec = codec,
-                               .shard = shard, .n_shards = n_shards, .agree = world > 1 ? agree_all : NULL};
+                               .shard = shard, .n_shards = n_shards, .agree = world > 1 ? agree_all : NULL,
+                               .agree_user = &agreed};
         kvcc_progress_begin("capture");
         int rc = kvcc_capture_run(lm.model, lm.tok, &o, dst, kvcc_progress, &st, msg, sizeof msg);
         if (rc) {
@@ -281,15 +310,21 @@ static int capture_main(int argc, char **argv) {
             }
         }
     }
-    if (world > 1 && !ex) { /* every shard in place: rank 0 lists them (else no manifest) */
-        msg[0] = 0;
-        ex = kvcc_dist_check(0, msg, sizeof msg); /* a rename that failed after the agreement */
-        strip_inner_prefix(msg);
+    if (world > 1 && (!ex || agreed)) { /* every shard in place: rank 0 lists them (else no manifest) */
+        /* every rank passed the agreement, so every rank is here, also one whose rename failed */
+        if (!ex) msg[0] = 0; /* else the rank's own message, which it printed */
+        const int own = ex;
+        ex = kvcc_dist_check(ex, msg, sizeof msg);
+        kvcc_strip_rank_prefix(msg, "kvcc capture: ");
+        if (ex && !own) /* a shard without the others (or beside older ones) is no capture */
+            unlink(dst);
         if (ex && rank == 0) {
-            /* some shards beside OUT are new, some not: an old manifest there would mix them */
+            /* the old manifest at OUT would list shards of two captures */
             const int had = kvcc_corpus_is_manifest(out) && unlink(out) == 0;
-            fprintf(stderr, "kvcc capture: %s\nkvcc capture: a rank failed after the shards were written: no "
-                    "manifest written%s\n", msg, had ? "; the old manifest at -o was removed" : "");
+            fprintf(stderr, "%s%s%skvcc capture: a rank failed after the shards were written: no "
+                    "manifest written, the other ranks' new shards removed%s\n",
+                    own ? "" : "kvcc capture: ", own ? "" : msg, own ? "" : "\n",
+                    had ? "; the old manifest at -o was removed" : "");
         }
         int wrc = 0;
         if (!ex && rank == 0) {

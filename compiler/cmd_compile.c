@@ -444,10 +444,12 @@ static int compile_setup(int argc, char **argv, compile_state *S) {
         if (po[k].opt->kind == KVCC_OPT_PATH)
             in[n_in++] = (kvcc_input){po[k].opt->name,
                                       *(const char **)((char *)&cx + po[k].opt->offset)};
-    int ex0 = kvcc_check_output("compile", out, in, n_in);
+    /* only rank 0 writes -o (under mpirun the other ranks' nodes need not see its directory) */
+    const int writer = kvcc_dist_rank() == 0;
+    int ex0 = writer ? kvcc_check_output("compile", out, in, n_in) : KVCC_EXIT_OK;
     if (ex0) return ex0;
     if (check_source_date_epoch()) return KVCC_EXIT_USAGE;
-    kvcc_remove_temp_on_signal(out);
+    if (writer) kvcc_remove_temp_on_signal(out);
     /* OpenBLAS splits some reductions by its thread count (the machine's cores by default), which
      * changed the artifact's bytes from one machine (or CPU mask, or MPI binding) to another; the
      * passes parallelize over rollouts with OpenMP, so OpenBLAS runs one thread here. */
@@ -566,6 +568,7 @@ int kvcc_cmd_compile(int argc, char **argv) {
          * not rank 0's, printed by rank 0) */
         msg[0] = 0;
         const int all = kvcc_dist_check(ex, msg, sizeof msg);
+        kvcc_strip_rank_prefix(msg, "kvcc compile: ");
         if (all && !ex) fprintf(stderr, "kvcc compile: %s\n", msg);
         ex = all;
         if (!ex && !S.done && !kvcc_dist_same(inputs_digest(argc, argv, &S.h), msg, sizeof msg)) {

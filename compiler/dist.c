@@ -306,8 +306,9 @@ int kvcc_dist_same(uint64_t v, char *err, size_t errlen) {
     MPI_Allreduce(&diff, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
     comm_s += now_s() - t0;
     if (first == size_) return 1;
-    snprintf(err, errlen, "rank %d was given other inputs than rank 0 (different options, corpus "
-             "or model file: every rank must run the same command on the same files)", first);
+    snprintf(err, errlen, "rank %d was given other inputs than rank 0 (different options, or "
+             "input files - corpus, texts, model - whose bytes differ: every rank must run the "
+             "same command on the same files)", first);
     return 0;
 #else
     (void)err; (void)errlen;

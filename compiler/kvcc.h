@@ -79,6 +79,10 @@ typedef struct {
 int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, int n_in);
 /* 1 when a and b are the same path, or both exist with the same device and inode. */
 int kvcc_same_file(const char *a, const char *b);
+/* A failing rank's message as kvcc_dist_check carries it ("rank R: LINE"), without the command
+ * prefix `pre` ("kvcc compile: ") that LINE starts with when it is the last line the rank
+ * printed, so that the command's own prefix is not said twice. */
+void kvcc_strip_rank_prefix(char *msg, const char *pre);
 /* On SIGINT, SIGTERM, SIGHUP, SIGQUIT or SIGPIPE, remove the OUT.tmp.XXXXXX this process has
  * open (found through /proc/self/fd with async-signal-safe calls), then die of the signal. */
 void kvcc_remove_temp_on_signal(const char *out);

@@ -249,6 +249,13 @@ int kvcc_same_file(const char *a, const char *b) {
            sa.st_ino == sb.st_ino;
 }
 
+void kvcc_strip_rank_prefix(char *msg, const char *pre) {
+    const size_t n = strlen(pre);
+    char *q = strstr(msg, pre);
+    if (q && (q == msg || (q - msg < 16 && !strncmp(msg, "rank ", 5))))
+        memmove(q, q + n, strlen(q + n) + 1);
+}
+
 int kvcc_check_output(const char *cmd, const char *out, const kvcc_input *in, int n_in) {
     if (!out[0]) {
         fprintf(stderr, "kvcc %s: -o: the output path is empty\n", cmd);

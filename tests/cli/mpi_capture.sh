@@ -95,14 +95,38 @@ else
   # compile from the shards on 2 ranks: the same bytes as one process from the same shards
   "${mpi[@]}" -np 2 "$KVCC" compile "${pol[@]}" --corpus "$tmp/m2.corpus" -o "$tmp/m2np2.kvpol" 2>/dev/null && \
     cmp -s "$tmp/m2.kvpol" "$tmp/m2np2.kvpol" && ok || bad "mpirun -np 2 compile from the shards differs from one process"
-  # a failure on one rank: before the capture (check 1) and before the shards are kept (check 2)
-  for at in 1 2; do
+  # a failure on one rank: before the capture (check 1), before the shards are renamed (check 2)
+  # and after (check 3: the shards already in place are removed)
+  for at in 1 2 3; do
     rm -f "$tmp"/f.corpus*
     err=$(KVCC_DIST_INJECT_FAIL=1:$at "${mpi[@]}" -x KVCC_DIST_INJECT_FAIL -np 2 "$KVCC" capture "${win[@]/#3/2}" \
           -o "$tmp/f.corpus" 2>&1); ex=$?
     [[ $ex -ne 0 && "$err" == *"rank 1: injected failure"* && "$err" == *"no manifest written"* ]] && ok || bad "rank 1 failing at check $at: exit $ex: $err"
     [ -z "$(ls "$tmp" | grep '^f\.corpus')" ] && ok || bad "rank 1 failing at check $at left: $(ls "$tmp" | grep '^f\.corpus')"
   done
+  # a check that depends on the rank's node failing on rank 1 only (an MPMD line gives rank 1 a
+  # directory as --text): every rank ends at the agreement (it hung in it), exit 2, nothing left
+  mkdir -p "$tmp/adir"
+  err=$(timeout -s KILL 120 "${mpi[@]}" -np 1 "$KVCC" capture "${win[@]}" -o "$tmp/g.corpus" : \
+        -np 1 "$KVCC" capture --text "$tmp/adir" --prompts 3 --context 24 --continuation 8 -o "$tmp/g.corpus" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"rank 1: --text $tmp/adir: is a directory"* ]] && ok || bad "rank 1's --text a directory: exit $ex: $err"
+  [ -z "$(ls "$tmp" | grep '^g\.corpus')" ] && ok || bad "rank 1's --text a directory left: $(ls "$tmp" | grep '^g\.corpus')"
+  # the same command where rank 1's copy of the text differs (run from another directory): refused
+  mkdir -p "$tmp/w0" "$tmp/w1"
+  cp examples/data/heldout/2002_george_w_bush_r.txt "$tmp/w0/t.txt"
+  cp "$(ls examples/data/heldout/*.txt | grep -v 2002_george | head -1)" "$tmp/w1/t.txt"
+  same=(capture --gguf "$PWD/models/SmolLM2-135M-Instruct.Q4_1.gguf" --text t.txt --prompts 2 --context 24 \
+        --continuation 8 -o "$tmp/h.corpus")
+  err=$(timeout -s KILL 120 "${mpi[@]}" -np 1 -wdir "$tmp/w0" "$PWD/$KVCC" "${same[@]}" : \
+        -np 1 -wdir "$tmp/w1" "$PWD/$KVCC" "${same[@]}" 2>&1); ex=$?
+  [[ $ex -eq 2 && "$err" == *"rank 1 was given other inputs"* ]] && ok || bad "rank 1's text differs: exit $ex: $err"
+  [ -z "$(ls "$tmp" | grep '^h\.corpus')" ] && ok || bad "rank 1's text differs: left $(ls "$tmp" | grep '^h\.corpus')"
+  # rank 1 cannot write its whole shard (ulimit -f: HDF5 writes much of it at close, after the
+  # last prompt): every rank ends (it hung), exit 5, no shard and no manifest left
+  err=$(timeout -s KILL 120 "${mpi[@]}" -np 1 "$KVCC" capture "${win[@]}" -o "$tmp/k.corpus" : \
+        -np 1 bash -c 'ulimit -f 256; exec "$0" "$@"' "$KVCC" capture "${win[@]}" -o "$tmp/k.corpus" 2>&1); ex=$?
+  [[ $ex -eq 5 && "$err" == *"rank 1: "*"k.corpus.1-of-2.h5"* && "$err" == *"no manifest written"* ]] && ok || bad "rank 1's disk full: exit $ex: $err"
+  [ -z "$(ls "$tmp" | grep '^k\.corpus')" ] && ok || bad "rank 1's disk full left: $(ls "$tmp" | grep '^k\.corpus')"
   err=$("${mpi[@]}" -np 2 "$KVCC" capture "${win[@]}" --shard 0/2 -o "$tmp/x.corpus" 2>&1); ex=$?
   [[ $ex -ne 0 && "$err" == *"--shard 0/2 and mpirun -np 2"* ]] && ok || bad "--shard under mpirun: exit $ex: $err"
 fi
