@@ -28,7 +28,9 @@
  * list longer than ATT_SPLIT (8192) is cut into splits (flash-decoding), each tile writes its
  * partial (m, l, acc) and a merge pass combines the splits in order, so a long decode step with
  * few KV heads still uses every thread; the split count depends on the data only, so the output is
- * the same whatever the thread count. OpenMP over tiles (dynamic schedule); every sgemm is kept at
+ * the same whatever the thread count. The partials are held for one wave of (KV head, query
+ * block)s at a time (ATT_PART_FLOATS), so the workspace does not grow with n x cache length;
+ * waves change nothing in the arithmetic. OpenMP over tiles (dynamic schedule); every sgemm is kept at
  * R * E * d <= 2^18 so that the pthreads OpenBLAS runs it single-threaded (above that it would
  * start its own threads inside our parallel region and oversubscribe: measured 3-4x slower).
  * Tolerance against the reference: |a-b| <= 1e-5 + 1e-4*|ref| (f32 products and sums).
@@ -181,6 +183,11 @@ int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cach
 #endif
 #define ATT_BLOCK_MIN 16
 #define ATT_BLOCK_MAX 1024
+#ifndef ATT_PART_FLOATS
+#define ATT_PART_FLOATS (1 << 22) /* the tiles' partial states held at once (16 MiB): the tiles run
+                                   * in waves of (KV head, query block)s, each merged before the
+                                   * next (a chunk of 8192 queries over a 16k cache had held 270 MB) */
+#endif
 
 /* Per-thread workspace (floats, each part 64-byte aligned). */
 typedef struct {
@@ -575,7 +582,7 @@ typedef struct {
 
 /* Tile (hk, query block qb, split sp): online softmax over the entries [sp * chunk, (sp + 1) *
  * chunk) of the virtual list "cache entries of hk, then recent tokens", partial state to part. */
-static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
+static void att_tile(const att_job *jb, att_ws *w, int64_t tile, int64_t tile0) {
     const int64_t sp = tile % jb->nsplit, qb = (tile / jb->nsplit) % jb->nqb;
     const uint32_t hk = (uint32_t)(tile / (jb->nsplit * jb->nqb));
     const int64_t i0 = qb * jb->qn;
@@ -627,7 +634,7 @@ static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
 
     /* partial state */
     const int64_t Rmax = jb->qn * G;
-    float *pt = jb->part + (size_t)tile * (size_t)(Rmax * (d + 2));
+    float *pt = jb->part + (size_t)(tile - tile0) * (size_t)(Rmax * (d + 2));
     for (int64_t r = 0; r < R; r++) {
         float *pr = pt + r * (d + 2);
         pr[0] = w->m[r];
@@ -638,13 +645,13 @@ static void att_tile(const att_job *jb, att_ws *w, int64_t tile) {
 
 /* Merge the splits of (hk, qb) in split order, normalize, scatter to out and lse. With one split
  * the weights are exactly 1 and this is acc / l. */
-static void att_merge(const att_job *jb, int64_t hq) {
+static void att_merge(const att_job *jb, int64_t hq, int64_t hq0) {
     const uint32_t hk = (uint32_t)(hq / jb->nqb);
     const int64_t i0 = (hq % jb->nqb) * jb->qn;
     const int64_t qcnt = jb->n - i0 < jb->qn ? jb->n - i0 : jb->qn;
     const int64_t G = jb->G, d = jb->d, R = qcnt * G, H = jb->H, Rmax = jb->qn * G;
     const size_t tstride = (size_t)(Rmax * (d + 2));
-    const float *p0 = jb->part + (size_t)hq * (size_t)jb->nsplit * tstride;
+    const float *p0 = jb->part + (size_t)(hq - hq0) * (size_t)jb->nsplit * tstride;
     for (int64_t r = 0; r < R; r++) {
         const int64_t i = i0 + r / G, h = (int64_t)hk * G + r % G;
         float *o = jb->out + (i * H + h) * d;
@@ -731,7 +738,11 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
     const int f16 = c->dtype != KVRT_DTYPE_F32 && !jb.small;
     const int wide = c->dtype != KVRT_DTYPE_F32 && jb.small && R > 1;
     const size_t per = att_ws_floats(R, E, d, f16, wide);
-    const size_t part_floats = (size_t)tiles * (size_t)(R * (d + 2));
+    /* the partials of `wave` (KV head, query block)s at a time (from the shapes only) */
+    const int64_t per_hq = jb.nsplit * R * (d + 2);
+    int64_t wave = ATT_PART_FLOATS / per_hq;
+    wave = wave < 1 ? 1 : wave > hq ? hq : wave;
+    const size_t part_floats = (size_t)(wave * per_hq);
     float *ws = NULL;
     if (posix_memalign((void **)&ws, 64, (per * (size_t)nt + part_floats) * sizeof(float)) != 0)
         return kvrt_err_set(e, KVRT_ERR_NOMEM, 0,
@@ -746,10 +757,14 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
         tid = omp_get_thread_num();
 #endif
         att_ws w = att_ws_carve(ws + per * (size_t)tid, R, E, d, f16, wide);
+        for (int64_t h0 = 0; h0 < hq; h0 += wave) { /* every thread runs every wave */
+            const int64_t h1 = h0 + wave < hq ? h0 + wave : hq;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tiles; t++) att_tile(&jb, &w, t);
+            for (int64_t t = h0 * jb.nsplit; t < h1 * jb.nsplit; t++)
+                att_tile(&jb, &w, t, h0 * jb.nsplit);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < hq; t++) att_merge(&jb, t);
+            for (int64_t t = h0; t < h1; t++) att_merge(&jb, t, h0);
+        }
     }
     free(ws);
     return KVRT_OK;
