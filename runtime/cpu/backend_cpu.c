@@ -13,6 +13,7 @@
  * the context's thread count).
  */
 #include <cblas.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,9 +25,14 @@
 #include "kvrt_experimental.h"
 #include "core/backend.h"
 #include "core/policies.h"
+#include "cpu/blas.h"
 
 // ----------------------------------------------------------------------------
 // housekeeping
+
+/* Live CPU contexts: when the last one is freed, the scratch buffers blas.c keeps between calls
+ * go back to the system (docs/install.md, "Memory libkvrt keeps between calls"). */
+static atomic_int cpu_live;
 
 static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err) {
     int n = opts->n_threads;
@@ -47,10 +53,15 @@ static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err
     ctx->info.device_id = 0;
     ctx->info.n_threads = n;
     (void)err;
+    atomic_fetch_add(&cpu_live, 1);
     return KVRT_OK;
 }
 
-static void cpu_free(kvrt_ctx *ctx) { (void)ctx; }
+
+static void cpu_free(kvrt_ctx *ctx) {
+    (void)ctx;
+    if (atomic_fetch_sub(&cpu_live, 1) == 1) kvrt_cpu_scratch_trim();
+}
 
 static int cpu_info(const kvrt_ctx *ctx, kvrt_device_info *out) {
     *out = ctx->info;

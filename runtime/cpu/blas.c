@@ -656,7 +656,8 @@ const char *kvrt_cpu_gemm_name(void) {
  * layer (the window mass, AM's logits, bf16 probabilities, targets and fit matrix) otherwise faults in and zeroes tens of MiB of fresh pages
  * on every call (at 32k keys, llama3-8b shapes: ~5% of the window mass's CPU time in
  * clear_page). At most SCRATCH_SLOTS buffers and SCRATCH_KEEP bytes are kept; a request takes
- * the smallest kept buffer that fits. */
+ * the smallest kept buffer that fits. kvrt_cpu_scratch_trim (the last CPU context freed) gives
+ * them all back. */
 #define SCRATCH_HUGE ((size_t)2 << 20)
 #define SCRATCH_SLOTS 16
 #define SCRATCH_KEEP ((size_t)256 << 20)
@@ -690,6 +691,28 @@ void *kvrt_cpu_scratch_alloc(size_t bytes) {
     }
 #endif
     return malloc(bytes > 0 ? bytes : 1);
+}
+
+size_t kvrt_cpu_scratch_kept_bytes(void) {
+    size_t n = 0;
+    pthread_mutex_lock(&scratch_mu);
+    for (int i = 0; i < SCRATCH_SLOTS; i++)
+        if (scratch_kept[i].p) n += scratch_kept[i].n;
+    pthread_mutex_unlock(&scratch_mu);
+    return n;
+}
+
+void kvrt_cpu_scratch_trim(void) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    void *drop[SCRATCH_SLOTS];
+    pthread_mutex_lock(&scratch_mu);
+    for (int i = 0; i < SCRATCH_SLOTS; i++) {
+        drop[i] = scratch_kept[i].p;
+        scratch_kept[i].p = NULL;
+    }
+    pthread_mutex_unlock(&scratch_mu);
+    for (int i = 0; i < SCRATCH_SLOTS; i++) free(drop[i]);
+#endif
 }
 
 void kvrt_cpu_scratch_free(void *p, size_t bytes) {

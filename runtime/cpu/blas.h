@@ -21,7 +21,8 @@
  *          kvrt_cpu_expmm_run, kvrt_cpu_expmm_enable, kvrt_cpu_expmm_runs, kvrt_bf16mm_op,
  *          kvrt_cpu_bf16mm_batch, kvrt_cpu_bf16mm_packed_bytes, kvrt_cpu_bf16mm_pack,
  *          kvrt_cpu_bf16mm_packed_same, kvrt_cpu_bf16mm_enable, kvrt_cpu_bf16mm_runs,
- *          kvrt_cpu_bf16mm_isa, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free; declares
+ *          kvrt_cpu_bf16mm_isa, kvrt_cpu_scratch_alloc, kvrt_cpu_scratch_free, kvrt_cpu_scratch_trim,
+ *          kvrt_cpu_scratch_kept_bytes; declares
  *          kvrt_cpu_att_small_ok, kvrt_cpu_att_qk_small, kvrt_cpu_att_pv_small (cpu/attend.c)
  */
 #ifndef KVRT_CPU_BLAS_H
@@ -175,10 +176,15 @@ KVRT_INTERNAL uint64_t kvrt_cpu_bf16mm_runs(void);
 /* A scratch buffer of `bytes` (contents undefined), given back with kvrt_cpu_scratch_free(p,
  * the same bytes): from 2 MiB up, aligned to 2 MiB and advised into transparent huge pages (4 KiB
  * page faults on a fresh buffer of tens of MiB cost a tenth of the kernels that fill it), and
- * reused: up to 8 freed buffers, 256 MiB in all, are kept for the next request that fits (a
- * per-layer kernel then faults its scratch in once per process, not once per call). Thread-safe.
- * NULL when out of memory. */
+ * reused: up to 16 freed buffers, 256 MiB in all, are kept for the next request that fits (a
+ * per-layer kernel then faults its scratch in once per context's life, not once per call), until
+ * kvrt_cpu_scratch_trim. Thread-safe. NULL when out of memory. */
 KVRT_INTERNAL void *kvrt_cpu_scratch_alloc(size_t bytes);
 KVRT_INTERNAL void kvrt_cpu_scratch_free(void *p, size_t bytes);
+/* Give every kept scratch buffer back to the system (called when the last CPU context is freed:
+ * a process that no longer runs libkvrt holds none of its memory). */
+KVRT_INTERNAL void kvrt_cpu_scratch_trim(void);
+/* The bytes kept now (tests). */
+KVRT_INTERNAL size_t kvrt_cpu_scratch_kept_bytes(void);
 
 #endif

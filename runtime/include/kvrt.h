@@ -163,6 +163,9 @@ int kvrt_cuda_device_count(void);
 int kvrt_cuda_probe(char *msg, size_t msglen);
 
 int kvrt_ctx_create(int backend, const kvrt_ctx_options *opts, kvrt_ctx **out, kvrt_error *err);
+/* Frees ctx. While CPU contexts live, their per-layer kernels keep up to 256 MiB of freed scratch
+ * buffers for the next call; freeing the last CPU context gives that memory back (docs/install.md,
+ * "Memory libkvrt keeps between calls"). */
 void kvrt_ctx_free(kvrt_ctx *ctx);
 int kvrt_ctx_info(const kvrt_ctx *ctx, kvrt_device_info *out);
 /* The message of the last failed call on this context that takes no kvrt_error* (alloc, upload,

@@ -368,7 +368,7 @@ Test(blas, scratch_buffers_are_reused) {
     cr_assert_neq(c, b);
     kvrt_cpu_scratch_free(b, big - 4096);
     kvrt_cpu_scratch_free(c, big);
-    void *many[10]; /* more than the 8 slots and the 256 MiB the cache keeps */
+    void *many[10]; /* more than the 256 MiB the cache keeps */
     for (int i = 0; i < 10; i++) {
         many[i] = kvrt_cpu_scratch_alloc(big * (size_t)(i + 1));
         cr_assert_not_null(many[i]);
@@ -378,6 +378,24 @@ Test(blas, scratch_buffers_are_reused) {
     cr_assert_not_null(s);
     kvrt_cpu_scratch_free(s, 100);
     kvrt_cpu_scratch_free(NULL, big);
+}
+
+/* The kept buffers go back to the system when the last CPU context is freed (a server that is
+ * done with libkvrt holds none of its scratch), not while another context lives. */
+Test(blas, scratch_released_with_the_last_cpu_context) {
+    kvrt_ctx *a = NULL, *b = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &a, &err), KVRT_OK, "%s", err.msg);
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &b, &err), KVRT_OK, "%s", err.msg);
+    const size_t big = (size_t)8 << 20;
+    void *p = kvrt_cpu_scratch_alloc(big);
+    cr_assert_not_null(p);
+    kvrt_cpu_scratch_free(p, big);
+    cr_assert_geq(kvrt_cpu_scratch_kept_bytes(), big);
+    kvrt_ctx_free(a);
+    cr_assert_geq(kvrt_cpu_scratch_kept_bytes(), big, "released while a context lives");
+    kvrt_ctx_free(b);
+    cr_assert_eq(kvrt_cpu_scratch_kept_bytes(), 0, "kept after the last context was freed");
 }
 
 /* Holds of OpenBLAS at one thread are counted process-wide: with two holds open (two threads of
