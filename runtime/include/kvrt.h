@@ -464,18 +464,27 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, u
  * (openblas_set_num_threads, process-wide) and restores it after: a caller that runs OpenBLAS
  * on other threads at the same time, or calls this from inside a parallel region (where it
  * leaves OpenBLAS's count alone), should keep OpenBLAS at one thread itself. Messages in
- * kvrt_last_error(). */
+ * kvrt_last_error().
+ * Workspace, per KV head compacted at a time (kvrt_am_compact_layer runs up to
+ * min(threads, Hkv, 16) side by side): about 4 n Tc bytes of logits (n reference queries, Tc keys
+ * per chunk; 6 n Tc with bf16 products) + 16 t^2 bytes of Gram matrices (t entries of a chunk)
+ * + 8 t Tc bytes with OMP selection: 64 MiB per head at the defaults (n = Tc = 4096), whatever T.
+ * chunk <= 0 (or a chunk near T) makes Tc = T: memory O(n T + t^2) and the fit's time grows
+ * faster than T^2 (measured on 2 cores, llama3-8b shapes, ratio 0.5: T 8192 +670 MB and 32 s;
+ * T 16384 above 1.6 GB and 300 s); max_queries 0 makes n = T G (T 16384, G 4: 3.2 GB peak). */
 typedef enum { KVRT_AM_SELECT_HIGHEST = 0, KVRT_AM_SELECT_OMP = 1 } kvrt_am_select;
 typedef enum { KVRT_AM_PRODUCTS_F32 = 0, KVRT_AM_PRODUCTS_BF16 = 1 } kvrt_am_products;
 
 typedef struct {
     int key_select;        /* kvrt_am_select (default HIGHEST) */
-    int64_t chunk;         /* keys per chunk (default 4096); <= 0: the whole context at once */
+    int64_t chunk;         /* keys per chunk (default 4096); <= 0: the whole context at once
+                            * (memory and time quadratic in T: see the workspace above) */
     double ridge;          /* relative ridge of the values' least squares (default 1e-6), >= 0 */
     int nnls_max_iter;     /* cap on NNLS iterations (default 0: 3 * t + 30) */
     int64_t max_queries;   /* kvrt_am_compact_layer: reference queries per KV head, at evenly
                             * spaced positions of the context, the G query heads in turn
-                            * (default 4096; 0: all T * G) */
+                            * (default 4096; 0: all T * G, whose logits take 4 T G Tc
+                            * bytes per head at a time) */
     double beta_floor;     /* every selected key is kept with beta = max(log w, beta_floor), so
                             * a head holds exactly t entries (default -3, the authors' box);
                             * NAN: drop the keys whose NNLS weight is 0 (a head may then hold
