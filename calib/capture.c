@@ -89,6 +89,12 @@ uint32_t kvcc_capture_shard_first(uint32_t n_prompts, uint32_t s, uint32_t n) {
     return n ? (uint32_t)((uint64_t)n_prompts * s / n) : (s ? n_prompts : 0);
 }
 
+/* progress(done, total) in tokens, scaled down to fit unsigned where the capture is larger */
+static void tokens_progress(void (*progress)(unsigned, unsigned), uint64_t done, uint64_t total) {
+    const uint64_t f = total > UINT32_MAX ? total / UINT32_MAX + 1 : 1;
+    progress((unsigned)(done / f), (unsigned)(total / f));
+}
+
 int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_capture_opts *o,
                      const char *out_path, void (*progress)(unsigned, unsigned),
                      kvcc_capture_stats *stats, char *err, size_t errlen) {
@@ -233,6 +239,10 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
             for (int i = 0; i < nl; i++) nll_sum -= lp[pos + i]; /* in order: thread-independent */
             nll_n += (uint64_t)(nl > 0 ? nl : 0);
             lp_s += now_s() - tl;
+            /* in tokens, so that one long prompt shows too */
+            if (progress && pos + (uint32_t)n < T)
+                tokens_progress(progress, (p - p_lo) * (uint64_t)T + pos + (uint32_t)n,
+                                (uint64_t)(p_hi - p_lo) * T);
         }
         if (rc) break;
         kvcc_corpus_prompt_info info = {.n_tokens = T, .context_len = o->context_len,
@@ -246,7 +256,8 @@ int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_captur
             rc = kvcc_corpus_write_layer(c, l, b.q[l], b.k[l], b.v[l]);
         write_s += now_s() - tw;
         if (rc && !err[0]) snprintf(err, errlen, "%s", kvcc_corpus_error(c));
-        if (rc == KVCC_CORPUS_OK && progress) progress(p + 1 - p_lo, p_hi - p_lo);
+        if (rc == KVCC_CORPUS_OK && progress)
+            tokens_progress(progress, (p + 1 - p_lo) * (uint64_t)T, (uint64_t)(p_hi - p_lo) * T);
     }
     if (!rc) { /* the file complete and synced before the agreement: a full disk is found here */
         const double tf = now_s();

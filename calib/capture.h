@@ -52,7 +52,8 @@ typedef struct {
 } kvcc_capture_stats;
 
 /* Tokenize the texts, choose n_prompts non-overlapping windows of context+continuation tokens
- * (seeded), run the model over each and write the corpus to out_path (temp file + rename). */
+ * (seeded), run the model over each and write the corpus to out_path (temp file + rename).
+ * progress (optional): called as the tokens of the shard's prompts are done (done, total). */
 int kvcc_capture_run(const kvcc_model *m, const kvcc_tok *tok, const kvcc_capture_opts *o,
                      const char *out_path, void (*progress)(unsigned done, unsigned total),
                      kvcc_capture_stats *stats, char *err, size_t errlen);

@@ -281,7 +281,7 @@ static int capture_main(int argc, char **argv) {
                                .dtype_f16 = !strcmp(dtype, "f16"), .model_name = lm.name, .options = options, .codec = codec,
                                .shard = shard, .n_shards = n_shards, .agree = world > 1 ? agree_all : NULL,
                                .agree_user = &agreed};
-        kvcc_progress_begin("capture");
+        kvcc_progress_begin("capture (tokens)");
         int rc = kvcc_capture_run(lm.model, lm.tok, &o, dst, kvcc_progress, &st, msg, sizeof msg);
         if (rc) {
             /* another rank's failure reaches every rank as its message ("rank R: ..."): rank 0

@@ -452,9 +452,14 @@ int eval_e2e(eval_run *E, char *err, size_t errlen) {
             snprintf(err, errlen, "eval: the model failed on the continuation of prompt %u", p);
             break;
         }
-        for (int ri = 0; ri < E->r->n_rows; ri++)
+        /* per (prompt, row), the context's prefill one more unit: a long prompt shows as it goes */
+        const unsigned units = (unsigned)E->r->n_rows + 1;
+        if (o->verbose) kvcc_progress(p * units + 1, E->n_prompts * units);
+        for (int ri = 0; ri < E->r->n_rows; ri++) {
             eval_e2e_row(E, ri, &x, E->fused ? eval_fused_score : eval_score_corpus_row, NULL);
-        if (o->verbose) kvcc_progress(p + 1, E->n_prompts);
+            if (o->verbose && ri + 1 < E->r->n_rows) kvcc_progress(p * units + ri + 2, E->n_prompts * units);
+        }
+        if (o->verbose) kvcc_progress((p + 1) * units, E->n_prompts * units);
     }
     if (rc && !err[0])
         snprintf(err, errlen, "eval: end-to-end scoring failed (out of memory or model error)");

@@ -154,6 +154,9 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
                 if (r->rows[ri].status || eval_is_decode(eval_row_method(E, ri))) continue;
                 rc = prefill_row(E, ri, &lp, &bytes_prompt[ri]);
             }
+            /* per (prompt, layer): a long prompt shows as it goes */
+            if (E->o->verbose && !rc && l + 1 < lp.L)
+                kvcc_progress(p * lp.L + l + 1, E->n_prompts * lp.L);
             t0 = kvcc_now_s();
             int drc = rc ? 0 : eval_decode_layer(E, &lp);
             r->phase_s[KVCC_PH_LOCAL_DECODE] += kvcc_now_s() - t0;
@@ -166,7 +169,7 @@ int eval_local(eval_run *E, char *err, size_t errlen) {
         for (int ri = 0; ri < r->n_rows; ri++) E->acc[ri].bytes_sum += bytes_prompt[ri];
         r->full_bytes_mean +=
             (double)lp.C * lp.Hkv * lp.d * 2 * sizeof(float) * lp.L / E->n_prompts;
-        if (E->o->verbose) kvcc_progress(p + 1, E->n_prompts);
+        if (E->o->verbose) kvcc_progress((p + 1) * lp.L, E->n_prompts * lp.L);
     }
     free(bytes_prompt);
     kvcc_loop_close(&lp);

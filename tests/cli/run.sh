@@ -120,6 +120,15 @@ err=$(KVCC_PROGRESS_INTERVAL=0 "$KVCC" synth --model smollm2-135m --prompts 3 --
 err=$(KVCC_PROGRESS_INTERVAL=0.000001 "$KVCC" synth --model smollm2-135m --prompts 3 --context 64 -o "$tmp/sp.h5" 2>&1 >/dev/null)
 [[ "$err" == *"kvcc: synth: 1/3 (33%), "*" s elapsed, ~"*" s left"*"kvcc: synth: 2/3 (67%)"* && "$err" != *"3/3"* ]] &&
   ok || bad "synth progress lines with KVCC_PROGRESS_INTERVAL set: $err"
+# one long prompt shows before it ends: capture counts tokens (a line per 512-token chunk), eval's
+# layer-local pass (prompt, layer)s
+if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  err=$(KVCC_PROGRESS_INTERVAL=0.000001 "$KVCC" capture --text examples/data/heldout/2002_george_w_bush_r.txt \
+        --prompts 1 --context 600 --continuation 8 -o "$tmp/long1.h5" 2>&1 >/dev/null)
+  [[ "$err" == *"kvcc: capture (tokens): 512/608 (84%)"* && "$err" != *"608/608"* ]] && ok || bad "capture progress in tokens: $err"
+  err=$(KVCC_PROGRESS_INTERVAL=0.000001 "$KVCC" eval --corpus "$tmp/long1.h5" --methods snapkv --budgets 0.5 2>&1 >/dev/null)
+  [[ "$err" == *"kvcc: eval (layer-local): 1/30 (3%)"* && "$err" != *"30/30"* ]] && ok || bad "eval progress per layer: $err"
+fi
 head -c 4096 /dev/urandom > "$tmp/garbage.gguf"
 err=$("$KVCC" capture --gguf "$tmp/garbage.gguf" -o "$tmp/c.h5" 2>&1); ex=$?
 [[ $ex -eq 5 && "$err" == *"garbage.gguf"* ]] && ok || bad "capture on a garbage GGUF: exit $ex: $err"
