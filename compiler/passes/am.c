@@ -639,7 +639,8 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
     kvpol_item tg, sc, rr, lo, me;
     if (kvpol_section_find(f, KVPOL_SEC_AM_SCHEDULE, &si) != KVPOL_OK ||
         kvpol_get_tensor(f, si, "targets", KVPOL_DTYPE_F64, &tg) != KVPOL_OK ||
-        kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK || sc.ndim != 3) {
+        kvpol_get_tensor(f, si, "schedule", KVPOL_DTYPE_F32, &sc) != KVPOL_OK || sc.ndim != 3 ||
+        tg.count != sc.dims[0]) { /* a target per schedule row (read below by that count) */
         fprintf(out, "Attention Matching: no readable am.schedule section\n");
         return;
     }
@@ -696,7 +697,7 @@ static void am_inspect(const kvpol_file *f, FILE *out) {
         kvpol_get_tensor(f, ci, "ratios", KVPOL_DTYPE_F64, &rr) != KVPOL_OK ||
         kvpol_get_tensor(f, ci, "loss", KVPOL_DTYPE_F32, &lo) != KVPOL_OK ||
         kvpol_get_tensor(f, ci, "mass_err", KVPOL_DTYPE_F32, &me) != KVPOL_OK || lo.ndim != 3 ||
-        lo.dims[0] != L || lo.dims[1] != Hkv || lo.dims[2] != rr.dims[0])
+        lo.dims[0] != L || lo.dims[1] != Hkv || lo.dims[2] != rr.count || me.count != lo.count)
         return;
     const uint64_t nr = rr.dims[0], nh = L * Hkv;
     const double *r = rr.data;

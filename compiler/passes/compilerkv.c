@@ -920,7 +920,8 @@ static void ckv_inspect(const kvpol_file *f, FILE *out) {
         kvpol_get_tensor(f, si, "gate_support", KVPOL_DTYPE_U32, &gs) ||
         bud.count != (uint64_t)nb || wh.count != (uint64_t)nb * L * H ||
         tg.count != (uint64_t)nb * L * CKV_ENT_BINS * CKV_PPL_BINS ||
-        hs.count != wh.count * CKV_HEAD_ACTIONS || gs.count != tg.count * CKV_GATE_ACTIONS) {
+        hs.count != wh.count * CKV_HEAD_ACTIONS || gs.count != tg.count * CKV_GATE_ACTIONS ||
+        ee.count < CKV_ENT_BINS - 1 || pe.count < CKV_PPL_BINS - 1) {
         fprintf(out, "  compilerkv: tables missing or mis-shaped\n");
         return;
     }

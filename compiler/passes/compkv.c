@@ -691,6 +691,15 @@ static void compkv_inspect(const kvpol_file *f, FILE *out) {
     const uint64_t L = pm.dims[0], Hkv = pm.dims[1], d = pm.dims[2], R1 = (uint64_t)r + 1;
     const uint16_t *p = pm.data, *o = of.data;
     const uint8_t *lr = le.data;
+    /* the stored groups are printed by their offsets: rising, within d (else read past perm) */
+    for (uint64_t h = 0; h < L * Hkv; h++)
+        for (uint64_t t = 0; t < (uint64_t)r; t++)
+            if (o[h * R1 + t] > o[h * R1 + t + 1] || o[h * R1 + t + 1] > d) {
+                fprintf(out, "CompKV: compkv.groupings offsets of (layer %llu, KV head %llu) are not "
+                        "rising within d = %llu\n", (unsigned long long)(h / Hkv),
+                        (unsigned long long)(h % Hkv), (unsigned long long)d);
+                return;
+            }
     uint64_t nl = 0;
     for (uint64_t h = 0; h < L * Hkv; h++) nl += lr[h];
     fprintf(out, "CompKV: r %lld groups of d %llu, block %lld, scale %.6g; learned grouping kept on %llu/%llu "

@@ -1031,13 +1031,18 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
                  *me = mr_f64(f, ri, "measured", 4, 0, &mei),
                  *sp = mr_f64(f, ri, "spearman", 2, 0, &spi),
                  *spt = mr_f64(f, ri, "spearman_trace", 2, 0, &spti);
-    if (!fid || !tr || !tl || !me || !sp || !spt || fi.dims[1] != nb || fi.dims[2] != L ||
-        mei.dims[1] != nk || mei.dims[0] != fi.dims[0] || spi.dims[0] != fi.dims[0] ||
-        spi.dims[1] != nk) {
+    /* every shape the loops below index by: the configurations (at most MR_MAX_CFG names),
+     * budgets, K grid and the L x Hkv heads of the basis (a file with other counts would be
+     * read past its tensors) */
+    const uint64_t nC = fid ? fi.dims[0] : 0;
+    if (!fid || !tr || !tl || !me || !sp || !spt || nC == 0 || nC > MR_MAX_CFG ||
+        fi.dims[1] != nb || fi.dims[2] != L || fi.count != nC * nb * LH || ti.count != LH ||
+        tli.count != nk * LH || mei.dims[0] != nC || mei.dims[1] != nk ||
+        mei.count != nC * nk * LH || spi.dims[0] != nC || spi.dims[1] != nk ||
+        spti.count < nC) {
         fprintf(out, "  (merge-reduce.report unreadable)\n");
         return;
     }
-    const uint64_t nC = fi.dims[0];
     char names[MR_MAX_CFG][32];
     {
         uint64_t c = 0, i = 0;

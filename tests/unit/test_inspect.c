@@ -1,0 +1,191 @@
+/*
+ * test_inspect.c: the passes' inspect summaries (kvcc inspect, kvcc report) on artifacts whose
+ * sections pass libkvpol's validation (checksums, shapes against counts) but whose tensors do not
+ * have the sizes the summary indexes by. Each is refused with a line, never read past its tensor
+ * (the SAN build's ASan checks that): a merge-reduce report of 3000 configurations overflowed a
+ * 67-entry name table on the stack; short CompilerKV edge lists, AM targets and CompKV offsets
+ * beyond d read past their tensors.
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvpol.h"
+#include "kvpol_sections.h"
+#include "kvrt.h"
+#include "passes/passes.h"
+
+enum { L = 2, HKV = 2, H = 4, D = 8 };
+
+typedef struct {
+    const char *name;
+    int dtype;
+    uint32_t ndim;
+    uint64_t dims[4];
+} tdesc;
+
+static size_t dtype_size(int dt) {
+    return dt == KVPOL_DTYPE_F64 || dt == KVPOL_DTYPE_I64 ? 8 : dt == KVPOL_DTYPE_U16 ? 2
+           : dt == KVPOL_DTYPE_U8                          ? 1
+                                                           : 4;
+}
+
+/* One section of tensors (zero-filled, or filled by fill(name, data, count)) and int64 scalars;
+ * returns the inspect summary's text. */
+static char *inspect_of(uint32_t sec, const tdesc *t, int nt, const char *const *i64_names,
+                        const int64_t *i64_vals, int ni,
+                        void (*fill)(const char *name, void *data, uint64_t count)) {
+    kvpol_header h;
+    kvpol_header_init(&h);
+    h.model = (kvpol_model){.n_layers = L, .n_heads = H, .n_kv_heads = HKV, .head_dim = D,
+                            .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling_factor = 1.0f};
+    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    kvpol_writer *w = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+    int kc = kvpol_writer_begin_section(w, sec, kvpol_known_find(sec)->name, 0, KVPOL_CODEC_NONE,
+                                        kvpol_known_find(sec)->max_group_version);
+    for (int i = 0; !kc && i < nt; i++) {
+        uint64_t count = 1;
+        for (uint32_t k = 0; k < t[i].ndim; k++) count *= t[i].dims[k];
+        void *data = calloc(count ? count : 1, dtype_size(t[i].dtype));
+        if (fill) fill(t[i].name, data, count);
+        kc = kvpol_writer_add_tensor(w, t[i].name, t[i].dtype, t[i].ndim, t[i].dims, data);
+        free(data);
+    }
+    for (int i = 0; !kc && i < ni; i++) kc = kvpol_writer_add_i64(w, i64_names[i], i64_vals[i]);
+    if (!kc) kc = kvpol_writer_end_section(w);
+    cr_assert_eq(kc, 0, "%s", kvpol_status_str(kc));
+    void *buf = NULL;
+    size_t len = 0;
+    cr_assert_eq(kvpol_writer_to_memory(w, &buf, &len, &ke), 0, "%s", ke.msg);
+    kvpol_writer_free(w);
+    kvpol_file *f = NULL;
+    kvpol_open_opts o = {.flags = KVPOL_OPEN_VERIFY_ALL};
+    cr_assert_eq(kvpol_open_mem(&f, buf, len, &o, &ke), 0, "%s", ke.msg);
+    char *text = NULL;
+    size_t tl = 0;
+    FILE *out = open_memstream(&text, &tl);
+    cr_assert_not_null(out);
+    const kvcc_pass *ps = kvcc_pass_for_group(KVPOL_SECTION_GROUP(sec));
+    cr_assert(ps && ps->inspect);
+    ps->inspect(f, out);
+    fclose(out);
+    kvpol_close(f);
+    free(buf);
+    return text;
+}
+
+Test(inspect, merge_reduce_report_of_too_many_configurations) {
+    /* a basis of 1 budget, and a report whose first dimension (configurations) is 3000 */
+    const tdesc basis[] = {{"budgets", KVPOL_DTYPE_F64, 1, {1}},
+                           {"m", KVPOL_DTYPE_I64, 3, {1, L, HKV}},
+                           {"eigenvalues", KVPOL_DTYPE_F32, 3, {L, HKV, D}}};
+    char *a = inspect_of(KVPOL_SEC_MR_BASIS, basis, 3, NULL, NULL, 0, NULL);
+    cr_assert(strstr(a, "protected basis of 2 x 2 heads") != NULL, "%s", a);
+    free(a);
+    /* the report alone has no basis: the summary says so; both sections together are what
+     * kvcc inspect reads, so build them in one artifact */
+    kvpol_header h;
+    kvpol_header_init(&h);
+    h.model = (kvpol_model){.n_layers = L, .n_heads = H, .n_kv_heads = HKV, .head_dim = D,
+                            .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling_factor = 1.0f};
+    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    for (int variant = 0; variant < 2; variant++) {
+        const uint64_t nC = variant == 0 ? 3000 : 2; /* 2: right count, heads dimension short */
+        const uint64_t hk = variant == 0 ? HKV : 1;
+        const tdesc rep[] = {{"fidelity", KVPOL_DTYPE_F64, 4, {nC, 1, L, hk}},
+                             {"k_grid", KVPOL_DTYPE_I64, 1, {2}},
+                             {"trace", KVPOL_DTYPE_F64, 2, {L, hk}},
+                             {"tail", KVPOL_DTYPE_F64, 3, {2, L, hk}},
+                             {"measured", KVPOL_DTYPE_F64, 4, {nC, 2, L, hk}},
+                             {"spearman", KVPOL_DTYPE_F64, 2, {nC, 2}},
+                             {"spearman_trace", KVPOL_DTYPE_F64, 2, {nC, 2}}};
+        kvpol_writer *w = NULL;
+        kvpol_error ke;
+        cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+        const uint32_t secs[2] = {KVPOL_SEC_MR_BASIS, KVPOL_SEC_MR_REPORT};
+        const tdesc *ts[2] = {basis, rep};
+        const int ns[2] = {3, 7};
+        int kc = 0;
+        for (int s = 0; !kc && s < 2; s++) {
+            kc = kvpol_writer_begin_section(w, secs[s], kvpol_known_find(secs[s])->name, 0,
+                                            KVPOL_CODEC_NONE,
+                                            kvpol_known_find(secs[s])->max_group_version);
+            for (int i = 0; !kc && i < ns[s]; i++) {
+                uint64_t count = 1;
+                for (uint32_t k = 0; k < ts[s][i].ndim; k++) count *= ts[s][i].dims[k];
+                void *data = calloc(count, dtype_size(ts[s][i].dtype));
+                if (!strcmp(ts[s][i].name, "k_grid")) ((int64_t *)data)[0] = 4, ((int64_t *)data)[1] = 8;
+                kc = kvpol_writer_add_tensor(w, ts[s][i].name, ts[s][i].dtype, ts[s][i].ndim,
+                                             ts[s][i].dims, data);
+                free(data);
+            }
+            if (!kc && s == 1) kc = kvpol_writer_add_string(w, "configs", "random,cluster", 14);
+            if (!kc) kc = kvpol_writer_end_section(w);
+        }
+        cr_assert_eq(kc, 0, "%s", kvpol_status_str(kc));
+        void *buf = NULL;
+        size_t len = 0;
+        cr_assert_eq(kvpol_writer_to_memory(w, &buf, &len, &ke), 0, "%s", ke.msg);
+        kvpol_writer_free(w);
+        kvpol_file *f = NULL;
+        cr_assert_eq(kvpol_open_mem(&f, buf, len, NULL, &ke), 0, "%s", ke.msg);
+        char *text = NULL;
+        size_t tl = 0;
+        FILE *out = open_memstream(&text, &tl);
+        kvcc_pass_for_group(KVPOL_GROUP_MERGE_REDUCE)->inspect(f, out);
+        fclose(out);
+        cr_assert(strstr(text, "(merge-reduce.report unreadable)") != NULL, "variant %d: %s", variant,
+                  text);
+        free(text);
+        kvpol_close(f);
+        free(buf);
+    }
+}
+
+static void rising_edges(const char *name, void *data, uint64_t count) {
+    if (strcmp(name, "ent_edges") && strcmp(name, "ppl_edges")) return;
+    for (uint64_t i = 0; i < count; i++) ((float *)data)[i] = 0.1f * (float)(i + 1);
+}
+
+Test(inspect, compilerkv_short_edge_lists) {
+    enum { NB = 1, ENT = KVRT_COMPILERKV_ENT_BINS, PPL = KVRT_COMPILERKV_PPL_BINS };
+    const tdesc t[] = {{"budgets", KVPOL_DTYPE_I64, 1, {NB}},
+                       {"w_head", KVPOL_DTYPE_F32, 3, {NB, L, H}},
+                       {"t_gate", KVPOL_DTYPE_F32, 4, {NB, L, ENT, PPL}},
+                       {"ent_edges", KVPOL_DTYPE_F32, 1, {3}}, /* 19 are read */
+                       {"ppl_edges", KVPOL_DTYPE_F32, 1, {1}},
+                       {"head_support", KVPOL_DTYPE_U32, 4, {NB, L, H, 29}},   /* CKV_HEAD_ACTIONS */
+                       {"gate_support", KVPOL_DTYPE_U32, 4, {NB, L, ENT * PPL, 21}}}; /* _GATE_ */
+    char *s = inspect_of(KVPOL_SEC_COMPILERKV_TABLES, t, 7, NULL, NULL, 0, rising_edges);
+    cr_assert(strstr(s, "tables missing or mis-shaped") != NULL, "%s", s);
+    free(s);
+}
+
+Test(inspect, am_fewer_targets_than_schedule_rows) {
+    const tdesc t[] = {{"targets", KVPOL_DTYPE_F64, 1, {2}},
+                       {"schedule", KVPOL_DTYPE_F32, 3, {180, L, HKV}}};
+    char *s = inspect_of(KVPOL_SEC_AM_SCHEDULE, t, 2, NULL, NULL, 0, NULL);
+    cr_assert(strstr(s, "no readable am.schedule section") != NULL, "%s", s);
+    free(s);
+}
+
+static void far_offsets(const char *name, void *data, uint64_t count) {
+    if (strcmp(name, "offsets")) return;
+    for (uint64_t i = 0; i < count; i++) ((uint16_t *)data)[i] = (uint16_t)(65000 + i);
+}
+
+Test(inspect, compkv_offsets_beyond_d) {
+    enum { R = 2 };
+    const tdesc t[] = {{"perm", KVPOL_DTYPE_U16, 3, {L, HKV, D}},
+                       {"offsets", KVPOL_DTYPE_U16, 3, {L, HKV, R + 1}},
+                       {"learned", KVPOL_DTYPE_U8, 2, {L, HKV}}};
+    const char *names[1] = {"r"};
+    const int64_t vals[1] = {R};
+    char *s = inspect_of(KVPOL_SEC_COMPKV_GROUPINGS, t, 3, names, vals, 1, far_offsets);
+    cr_assert(strstr(s, "offsets of (layer 0, KV head 0) are not rising within d = 8") != NULL, "%s",
+              s);
+    free(s);
+}
