@@ -711,6 +711,10 @@ static int open_file(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
     if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
                      "%s: is a directory, expected a corpus file (HDF5) or a shard manifest", path);
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) /* a FIFO would block HDF5's open */
+        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
+                     "%s: not a regular file, expected a corpus file (HDF5) or a shard manifest",
+                     path);
     if (H5Fis_hdf5(path) <= 0)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: not an HDF5 file", path);
     kvcc_corpus *c = calloc(1, sizeof *c);
@@ -1103,6 +1107,8 @@ void kvcc_corpus_close(kvcc_corpus *c) {
  * that). */
 int kvcc_corpus_is_manifest(const char *path) {
     char head[sizeof KVCC_CORPUS_MANIFEST_MAGIC] = "";
+    struct stat st;
+    if (stat(path, &st) != 0 || !S_ISREG(st.st_mode)) return 0; /* a FIFO's fopen would block */
     FILE *f = fopen(path, "rb");
     if (!f) return 0;
     const size_t n = fread(head, 1, sizeof head - 1, f);

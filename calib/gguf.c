@@ -470,7 +470,8 @@ int kvcc_gguf_open(const char *path, kvcc_gguf **out, char *msg, size_t msg_cap)
         return KVCC_GGUF_ERR_ARG;
     }
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO's open would otherwise wait for a writer forever; it is refused below */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         kvcc_set_msg(msg, msg_cap, "%s: cannot open: %s", path, strerror(errno));
         return KVCC_GGUF_ERR_IO;
@@ -481,6 +482,7 @@ int kvcc_gguf_open(const char *path, kvcc_gguf **out, char *msg, size_t msg_cap)
         close(fd);
         return KVCC_GGUF_ERR_IO;
     }
+    (void)fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     kvcc_gguf *g = calloc(1, sizeof *g);
     if (!g) {
         close(fd);

@@ -541,7 +541,8 @@ int kvpol_open_path(kvpol_file **out, const char *path, const kvpol_open_opts *o
     if (!out || !path) return kvpol_fail(err, KVPOL_ERR_ARG, "kvpol_open_path: NULL argument");
     *out = NULL;
     if (!path[0]) return kvpol_fail(err, KVPOL_ERR_ARG, "kvpol_open_path: the path is empty");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: a FIFO's open would otherwise wait for a writer forever; it is refused below */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return kvpol_fail(err, KVPOL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0) {
@@ -553,6 +554,7 @@ int kvpol_open_path(kvpol_file **out, const char *path, const kvpol_open_opts *o
         close(fd);
         return kvpol_fail(err, KVPOL_ERR_IO, "%s: not a regular file", path);
     }
+    (void)fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
     kvpol_file *f = calloc(1, sizeof *f);
     if (!f) {
         close(fd);

@@ -305,6 +305,15 @@ mkfifo "$tmp/fifo"
 err=$("$KVCC" "${SYN[@]}" -o "$tmp/fifo" 2>&1); ex=$?
 expect_sub 2 "-o $tmp/fifo: is a FIFO; expected a regular file path" "synth -o FIFO"
 [ -p "$tmp/fifo" ] && ok || bad "synth -o FIFO replaced the FIFO"
+# a FIFO as an input: refused at once (each open had waited for a writer forever)
+for c in "verify $tmp/fifo:13:not a regular file" "inspect $tmp/fifo:13:not a regular file" \
+         "capture --gguf $tmp/fifo -o $tmp/x.h5:5:not a regular file" \
+         "eval --corpus $tmp/fifo --methods full --budgets 8:5:not a regular file" \
+         "compile --model smollm2-135m --corpus $tmp/fifo -o $tmp/x.kvpol:5:not a regular file"; do
+  IFS=: read -r args code want <<< "$c"
+  err=$(timeout -s KILL 20 "$KVCC" $args 2>&1); ex=$?
+  expect_sub "$code" "$want" "kvcc $args (an input FIFO)"
+done
 err=$("$KVCC" compile --model smollm2-135m -o /dev/null 2>&1); ex=$?
 expect_sub 2 "-o /dev/null: is a character device" "compile -o /dev/null"
 [ -c /dev/null ] && ok || bad "compile -o /dev/null replaced /dev/null"
