@@ -880,7 +880,22 @@ static hid_t open_checked(kvcc_corpus *c, hid_t loc, const char *name, const cha
         for (int i = 0; i < rank; i++) logical *= want[i];
         hid_t pl = H5Dget_create_plist(ds);
         const int nfilt = pl >= 0 ? H5Pget_nfilters(pl) : 0;
+        /* the data inside this file only: external raw storage names other files (any file the
+         * user can read, /dev/zero, a FIFO that blocks), and virtual datasets other datasets */
+        const int next = pl >= 0 ? H5Pget_external_count(pl) : 0;
+        const H5D_layout_t lay = pl >= 0 ? H5Pget_layout(pl) : H5D_LAYOUT_ERROR;
         if (pl >= 0) H5Pclose(pl);
+        if (next != 0 || (lay != H5D_CONTIGUOUS && lay != H5D_CHUNKED && lay != H5D_COMPACT)) {
+            *rc = FAIL(KVCC_CORPUS_ERR_SHAPE,
+                       "%s: dataset %s is stored %s; a corpus keeps its data in the file "
+                       "(contiguous, chunked or compact)", c->path, full,
+                       next != 0 ? "in external files" : lay == H5D_VIRTUAL ? "as a virtual dataset"
+                                                                            : "in an unknown layout");
+            H5Sclose(sp);
+            H5Tclose(t);
+            H5Dclose(ds);
+            return -1;
+        }
         const uint64_t stored = H5Dget_storage_size(ds);
         const uint64_t ratio = nfilt > 0 ? KVCC_CORPUS_MAX_RATIO : 1;
         if (logical && stored < (logical + ratio - 1) / ratio)

@@ -174,6 +174,12 @@ CORPUS = [
          f, "prompts/p000000/layer001/v", shape=(T, HKV, D), dtype=np.float32))),
     ("q_nan.h5", "KVCC_CORPUS_ERR_NONFINITE", "layer001/q element 30 (token 3) is NaN or Inf",
      lambda p: corpus(p, after=nan_q)),
+    # raw data in another file (here /dev/zero; any file the user can read, or a FIFO)
+    ("q_external_storage.h5", "KVCC_CORPUS_ERR_SHAPE",
+     "layer000/q is stored in external files; a corpus keeps its data in the file",
+     lambda p: corpus(p, after=lambda f: replace(f, "prompts/p000000/layer000/q",
+                                                 shape=(T, H, D), dtype=np.float32,
+                                                 external=[("/dev/zero", 0, T * H * D * 4)]))),
 ]
 
 
