@@ -68,7 +68,9 @@ typedef enum {
     KVPOL_ERR_PADDING = -22,         /* a padding byte between payloads is not zero */
     KVPOL_ERR_CODEC = -23,           /* unknown codec */
     KVPOL_ERR_RAW_SIZE = -24,        /* codec none with raw_size != stored_size */
-    KVPOL_ERR_TOO_LARGE = -25,       /* raw_size beyond the reader's cap */
+    KVPOL_ERR_TOO_LARGE = -25,       /* raw_size beyond the reader's cap, or a zstd section
+                                      * above KVPOL_ZSTD_FREE_BYTES expanding more than
+                                      * KVPOL_ZSTD_MAX_RATIO times its stored size */
     KVPOL_ERR_UNKNOWN_CRITICAL = -26,/* a critical section this reader does not know */
     KVPOL_ERR_GROUP_VERSION = -27,   /* a known section with a newer group version */
     KVPOL_ERR_ZSTD = -28,            /* zstd frame corrupt or not exactly one frame */
@@ -200,6 +202,13 @@ typedef struct {
     uint64_t max_section_bytes; /* raw bytes per section; 0 = default 1 GiB */
     uint64_t max_total_bytes;   /* raw bytes decoded in all; 0 = default 8 GiB */
 } kvpol_open_opts;
+
+/* A zstd section may decode to at most KVPOL_ZSTD_MAX_RATIO times its stored bytes once it is
+ * larger than KVPOL_ZSTD_FREE_BYTES (compiled tables reach ~200:1; a 32 KiB frame of zeros
+ * declaring 1 GiB is 32768:1): a small file cannot make a reader allocate and decode gigabytes.
+ * Writers store such a section uncompressed instead. */
+#define KVPOL_ZSTD_MAX_RATIO 1024ull
+#define KVPOL_ZSTD_FREE_BYTES (64ull << 20)
 
 typedef enum {
     KVPOL_ITEM_TENSOR = 1,

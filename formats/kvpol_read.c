@@ -247,6 +247,14 @@ static int parse_table(kvpol_file *f, const kvpol_open_opts *o, kvpol_error *err
             return kvpol_fail(err, KVPOL_ERR_TOO_LARGE,
                               "%s: section %u '%s': raw_size %llu exceeds the reader's limit of %llu bytes",
                               L, i, s->name, (unsigned long long)s->raw_size, (unsigned long long)max_sec);
+        if (s->codec == KVPOL_CODEC_ZSTD && s->raw_size > KVPOL_ZSTD_FREE_BYTES &&
+            s->raw_size / KVPOL_ZSTD_MAX_RATIO > s->stored_size)
+            return kvpol_fail(err, KVPOL_ERR_TOO_LARGE,
+                              "%s: section %u '%s': raw_size %llu from %llu stored bytes: more than "
+                              "%llu:1 above %llu bytes (a decompression bomb?)",
+                              L, i, s->name, (unsigned long long)s->raw_size,
+                              (unsigned long long)s->stored_size, KVPOL_ZSTD_MAX_RATIO,
+                              KVPOL_ZSTD_FREE_BYTES);
         const kvpol_known_section *k = kvpol_known_find(s->id);
         s->known = k != NULL;
         if (!k && (s->flags & KVPOL_SECTION_CRITICAL))

@@ -425,8 +425,19 @@ int kvpol_writer_end_section(kvpol_writer *w) {
     s.raw_checksum = kvpol_hash(raw, (size_t)raw_size);
     if (s.codec == KVPOL_CODEC_ZSTD) {
         rc = compress_zstd(raw, raw_size, &s.stored, &s.stored_size);
-        free(raw);
-        if (rc) return rc;
+        if (rc) {
+            free(raw);
+            return rc;
+        }
+        if (raw_size > KVPOL_ZSTD_FREE_BYTES && raw_size / KVPOL_ZSTD_MAX_RATIO > s.stored_size) {
+            /* more compressible than readers accept (kvpol.h): stored as is */
+            free(s.stored);
+            s.codec = KVPOL_CODEC_NONE;
+            s.stored = raw;
+            s.stored_size = raw_size;
+        } else {
+            free(raw);
+        }
     } else {
         s.stored = raw;
         s.stored_size = raw_size;

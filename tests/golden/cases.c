@@ -160,6 +160,8 @@ static const golden_case CASES[] = {
     {"invalid/group_version.kvpol", KVPOL_ERR_GROUP_VERSION, "selftest group_version 9"},
     {"invalid/zstd_corrupt.kvpol", KVPOL_ERR_ZSTD, "garbage inside the zstd frame"},
     {"invalid/zstd_bomb.kvpol", KVPOL_ERR_ZSTD_SIZE, "frame inflating to 64 MiB, raw_size says 4 KiB"},
+    {"invalid/zstd_ratio.kvpol", KVPOL_ERR_TOO_LARGE,
+     "honest frame of 65 MiB of zeros in a few KiB: above 64 MiB at more than 1024:1"},
     {"invalid/section_checksum.kvpol", KVPOL_ERR_SECTION_CHECKSUM, "one payload byte changed"},
     {"invalid/item_count.kvpol", KVPOL_ERR_ITEM_COUNT, "n_items 100000"},
     {"invalid/item_kind.kvpol", KVPOL_ERR_ITEM_KIND, "item kind 9"},
@@ -187,13 +189,14 @@ static int is(const golden_case *c, const char *name) {
     return strncmp(base, name, n) == 0 && strcmp(base + n, ".kvpol") == 0;
 }
 
-/* A section entry whose payload holds a zstd frame of 64 MiB of items while raw_size says 4 KiB. */
-static int make_bomb(uint8_t **buf, size_t *len) {
+/* A section entry whose payload holds a zstd frame of 64 MiB of items while raw_size says 4 KiB;
+ * honest: 65 MiB with raw_size and raw_checksum saying so (refused by the ratio rule). */
+static int make_bomb(uint8_t **buf, size_t *len, int honest) {
     uint8_t *b;
     size_t n;
     int rc = build(B_BASE, &b, &n);
     if (rc) return rc;
-    const size_t big = 64u << 20;
+    const size_t big = honest ? 65u << 20 : 64u << 20;
     uint8_t *raw = calloc(1, big);
     if (!raw) { free(b); return -1; }
     w32(raw, 1); /* one u8 tensor 'z' of big-128 bytes at offset 128 */
@@ -207,6 +210,7 @@ static int make_bomb(uint8_t **buf, size_t *len) {
     size_t cap = ZSTD_compressBound(big);
     uint8_t *z = malloc(cap);
     size_t zn = z ? ZSTD_compress(z, cap, raw, big, 3) : 0;
+    const uint64_t raw_ck = kvpol_hash(raw, big);
     free(raw);
     if (!z || ZSTD_isError(zn)) { free(z); free(b); return -1; }
     /* Replace section 1 (selftest, last) with the bomb frame. */
@@ -220,7 +224,8 @@ static int make_bomb(uint8_t **buf, size_t *len) {
     free(z);
     w16(e + 6, KVPOL_CODEC_ZSTD);
     w64(e + 24, zn);
-    w64(e + 32, 4096);
+    w64(e + 32, honest ? big : 4096);
+    if (honest) w64(e + 40, raw_ck);
     w64(b + 32, off + zn);
     fix(b, off + zn, FIX_TABLE | FIX_HEADER);
     *buf = b;
@@ -234,7 +239,8 @@ int golden_build(const golden_case *c, uint8_t **out, size_t *out_len) {
     if (is(c, "all_zstd")) return build(B_ALL_ZSTD, out, out_len);
     if (is(c, "unknown_optional")) return build(B_UNKNOWN_OPT, out, out_len);
     if (is(c, "unknown_critical")) return build(B_UNKNOWN_CRIT, out, out_len);
-    if (is(c, "zstd_bomb")) return make_bomb(out, out_len);
+    if (is(c, "zstd_bomb")) return make_bomb(out, out_len, 0);
+    if (is(c, "zstd_ratio")) return make_bomb(out, out_len, 1);
 
     uint8_t *b;
     size_t n;

@@ -14,6 +14,7 @@
 
 #include "fixtures.h"
 #include "kvpol.h"
+#include "kvpol_sections.h"
 
 static void model_header(kvpol_header *h) {
     kvpol_header_init(h);
@@ -192,6 +193,40 @@ Test(kvpol, atomic_write_failure_leaves_nothing) {
     kvpol_writer_free(w);
     cr_expect_eq(count_files(tmpdir), 0);
     rmdir(tmpdir);
+}
+
+/* A section that zstd would shrink past the readers' ratio rule (kvpol.h KVPOL_ZSTD_MAX_RATIO
+ * above KVPOL_ZSTD_FREE_BYTES) is stored uncompressed, so the writer never writes what the
+ * reader refuses; it reads back whole. */
+Test(kvpol, writer_stores_an_over_compressible_section_as_is) {
+    kvpol_header h;
+    model_header(&h);
+    kvpol_writer *w;
+    cr_assert_eq(kvpol_writer_create(&w, &h, NULL), KVPOL_OK);
+    const uint64_t n = (65ull << 20) / 4;
+    float *z = calloc(n, sizeof *z);
+    cr_assert_not_null(z);
+    z[n - 1] = 2.5f;
+    cr_assert_eq(kvpol_writer_begin_section(w, KVPOL_SEC_SELFTEST, "kvcc.selftest", 0,
+                                            KVPOL_CODEC_ZSTD, 1), KVPOL_OK);
+    cr_assert_eq(kvpol_writer_add_tensor(w, "zeros", KVPOL_DTYPE_F32, 1, &n, z), KVPOL_OK);
+    cr_assert_eq(kvpol_writer_end_section(w), KVPOL_OK);
+    void *buf = NULL;
+    size_t len = 0;
+    cr_assert_eq(kvpol_writer_to_memory(w, &buf, &len, NULL), KVPOL_OK);
+    kvpol_writer_free(w);
+    cr_assert_gt(len, n * 4, "stored compressed: %zu bytes", len);
+    kvpol_file *f = NULL;
+    kvpol_error e;
+    kvpol_open_opts o = {.flags = KVPOL_OPEN_VERIFY_ALL};
+    cr_assert_eq(kvpol_open_mem(&f, buf, len, &o, &e), KVPOL_OK, "%s", e.msg);
+    cr_assert_eq(kvpol_section_at(f, 0)->codec, KVPOL_CODEC_NONE);
+    kvpol_item it;
+    cr_assert_eq(kvpol_get_tensor(f, 0, "zeros", KVPOL_DTYPE_F32, &it), KVPOL_OK);
+    cr_assert(memcmp(it.data, z, n * 4) == 0);
+    kvpol_close(f);
+    free(buf);
+    free(z);
 }
 
 Test(kvpol, writer_refuses_what_the_reader_would) {
