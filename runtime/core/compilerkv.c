@@ -15,22 +15,33 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kvpol.h"
 #include "core/policies.h"
 
-/* A tensor item of the CompilerKV section with the expected dtype and element count. */
-static int get_item(const kvpol_file *f, uint32_t si, const char *name, int dtype, uint64_t count,
-                    const void **data) {
+/* A tensor item of the CompilerKV section with the expected dtype and shape (ndim dims: the
+ * artifact's own layout, [n_budgets, L, H] and so on, as docs/kvpol-format.md lists). */
+static int get_item(const kvpol_file *f, uint32_t si, const char *name, int dtype, uint32_t ndim,
+                    const uint64_t *dims, const void **data) {
     kvpol_item it;
     int kc = kvpol_get_tensor(f, si, name, dtype, &it);
     if (kc != KVPOL_OK)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "compilerkv tables: item '%s': %s (expected a %s tensor)",
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: item '%s': %s (expected a %s tensor)",
                          name, kvpol_status_str(kc), kvpol_dtype_name(dtype));
-    if (it.count != count)
-        return KVRT_FAIL(KVRT_ERR_FORMAT,
-                         "compilerkv tables: item '%s': %llu elements, expected %llu", name,
-                         (unsigned long long)it.count, (unsigned long long)count);
+    int same = it.ndim == ndim;
+    for (uint32_t i = 0; same && i < ndim; i++) same = it.dims[i] == dims[i];
+    if (!same) {
+        char got[96] = "", want[96] = "";
+        for (uint32_t i = 0, a = 0; i < it.ndim && i < 4; i++)
+            a += (uint32_t)snprintf(got + a, sizeof got - a, "%s%llu", i ? ", " : "",
+                                    (unsigned long long)it.dims[i]);
+        for (uint32_t i = 0, a = 0; i < ndim; i++)
+            a += (uint32_t)snprintf(want + a, sizeof want - a, "%s%llu", i ? ", " : "",
+                                    (unsigned long long)dims[i]);
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: item '%s': shape [%s], expected [%s]",
+                         name, got, want);
+    }
     *data = it.data;
     return KVRT_OK;
 }
@@ -44,28 +55,38 @@ int kvrt_compilerkv_open(const kvrt_policy *p, kvrt_compilerkv_tables **out) {
     int rc = kvrt_policy_section(p, KVPOL_SEC_COMPILERKV_TABLES, "kvrt_compilerkv_open", &f, &si,
                                  &md);
     if (rc) return rc;
-    int64_t nb = 0, window = 0;
-    if (kvpol_get_i64(f, si, "n_budgets", &nb) != KVPOL_OK || nb < 1 || nb > 4096 ||
-        kvpol_get_i64(f, si, "window", &window) != KVPOL_OK || window < 1 || window > 1 << 20)
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "compilerkv tables: scalars 'n_budgets' (1..4096) and "
-                                    "'window' (1..2^20) missing or out of range");
-    const uint64_t L = md.n_layers, H = md.n_heads;
+    const struct { const char *name; int64_t lo, hi; } sc[2] = {{"n_budgets", 1, 4096},
+                                                                 {"window", 1, 1 << 20}};
+    int64_t v[2] = {0, 0};
+    for (int i = 0; i < 2; i++) {
+        if (kvpol_get_i64(f, si, sc[i].name, &v[i]) != KVPOL_OK)
+            return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: scalar '%s' missing (an i64 in "
+                             "%lld..%lld)", sc[i].name, (long long)sc[i].lo, (long long)sc[i].hi);
+        if (v[i] < sc[i].lo || v[i] > sc[i].hi)
+            return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: scalar '%s' = %lld, expected "
+                             "%lld..%lld", sc[i].name, (long long)v[i], (long long)sc[i].lo,
+                             (long long)sc[i].hi);
+    }
+    const int64_t nb = v[0], window = v[1];
+    const uint64_t L = md.n_layers, H = md.n_heads, B = (uint64_t)nb;
+    const uint64_t d_bud[1] = {B}, d_wh[3] = {B, L, H},
+                   d_tg[4] = {B, L, KVRT_COMPILERKV_ENT_BINS, KVRT_COMPILERKV_PPL_BINS},
+                   d_ee[1] = {KVRT_COMPILERKV_ENT_BINS - 1}, d_pe[1] = {KVRT_COMPILERKV_PPL_BINS - 1};
     const void *bud, *wh, *tg, *ee, *pe;
-    if ((rc = get_item(f, si, "budgets", KVPOL_DTYPE_I64, (uint64_t)nb, &bud))) return rc;
-    if ((rc = get_item(f, si, "w_head", KVPOL_DTYPE_F32, (uint64_t)nb * L * H, &wh))) return rc;
-    if ((rc = get_item(f, si, "t_gate", KVPOL_DTYPE_F32,
-                       (uint64_t)nb * L * KVRT_COMPILERKV_ENT_BINS * KVRT_COMPILERKV_PPL_BINS,
-                       &tg)))
-        return rc;
-    if ((rc = get_item(f, si, "ent_edges", KVPOL_DTYPE_F32, KVRT_COMPILERKV_ENT_BINS - 1, &ee)))
-        return rc;
-    if ((rc = get_item(f, si, "ppl_edges", KVPOL_DTYPE_F32, KVRT_COMPILERKV_PPL_BINS - 1, &pe)))
-        return rc;
+    if ((rc = get_item(f, si, "budgets", KVPOL_DTYPE_I64, 1, d_bud, &bud))) return rc;
+    if ((rc = get_item(f, si, "w_head", KVPOL_DTYPE_F32, 3, d_wh, &wh))) return rc;
+    if ((rc = get_item(f, si, "t_gate", KVPOL_DTYPE_F32, 4, d_tg, &tg))) return rc;
+    if ((rc = get_item(f, si, "ent_edges", KVPOL_DTYPE_F32, 1, d_ee, &ee))) return rc;
+    if ((rc = get_item(f, si, "ppl_edges", KVPOL_DTYPE_F32, 1, d_pe, &pe))) return rc;
     rc = kvrt_compilerkv_tables_create((uint32_t)nb, (uint32_t)L, (uint32_t)H, (uint32_t)window,
                                        bud, wh, tg, ee, pe, out);
-    if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) /* the artifact's values fail the tables' checks */
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: %s",
-                         kvrt_last_error()->msg);
+    if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) { /* the artifact's values fail the tables' checks */
+        char why[sizeof kvrt_last_error()->msg]; /* the message is formatted into that buffer */
+        snprintf(why, sizeof why, "%s", kvrt_last_error()->msg);
+        const char *pre = "kvrt_compilerkv_tables_create: ";
+        const char *w = strncmp(why, pre, strlen(pre)) == 0 ? why + strlen(pre) : why;
+        return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: %s", w);
+    }
     if (rc == KVRT_OK) {
         (*out)->n_kv_heads = md.n_kv_heads;
         (*out)->head_dim = md.head_dim;

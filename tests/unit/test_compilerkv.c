@@ -905,3 +905,71 @@ Test(compilerkv, prompt_shape_and_nonfinite_checks) {
     kvrt_compilerkv_tables_free(tb);
     free(q); free(k); free(v);
 }
+
+/* kvrt_compilerkv_open checks each table's shape, not only its element count (a w_head stored
+ * [n_budgets, H, L] has the right count and would be read as other heads' weights), names the
+ * scalar and value it refuses, and keeps the tables' own message whole (it was formatted into the
+ * buffer it read from: "kvrt_compilerkv_open: ...: kvrt_compilerkv_open: ...: dges must be"). */
+static char *ckv_open_msg(int transpose_w, int descending_edges, int64_t window) {
+    enum { NB = 1, CL = 3, CH = 2, EB = KVRT_COMPILERKV_ENT_BINS, PB = KVRT_COMPILERKV_PPL_BINS };
+    kvpol_header h;
+    kvpol_header_init(&h);
+    h.model = (kvpol_model){.n_layers = CL, .n_heads = CH, .n_kv_heads = 1, .head_dim = 8,
+                            .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling_factor = 1.0f};
+    snprintf(h.model.name, sizeof h.model.name, "tiny");
+    int64_t bud[NB] = {16};
+    float wh[NB * CL * CH], tg[NB * CL * EB * PB], ee[EB - 1], pe[PB - 1];
+    for (size_t i = 0; i < sizeof wh / sizeof wh[0]; i++) wh[i] = 1.0f;
+    for (size_t i = 0; i < sizeof tg / sizeof tg[0]; i++) tg[i] = 0.9f;
+    for (int i = 0; i < EB - 1; i++) ee[i] = descending_edges ? 1.0f - 0.01f * i : 0.01f * (i + 1);
+    for (int i = 0; i < PB - 1; i++) pe[i] = 2.0f + i;
+    const uint64_t db[1] = {NB}, dw[3] = {NB, transpose_w ? CH : CL, transpose_w ? CL : CH},
+                   dt[4] = {NB, CL, EB, PB}, de[1] = {EB - 1}, dp[1] = {PB - 1};
+    kvpol_writer *w = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
+    int kc = kvpol_writer_begin_section(w, KVPOL_SEC_COMPILERKV_TABLES, "compilerkv.tables",
+                                        KVPOL_SECTION_CRITICAL, KVPOL_CODEC_NONE, 1);
+    if (!kc) kc = kvpol_writer_add_i64(w, "n_budgets", NB);
+    if (!kc) kc = kvpol_writer_add_i64(w, "window", window);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "budgets", KVPOL_DTYPE_I64, 1, db, bud);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "w_head", KVPOL_DTYPE_F32, 3, dw, wh);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "t_gate", KVPOL_DTYPE_F32, 4, dt, tg);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "ent_edges", KVPOL_DTYPE_F32, 1, de, ee);
+    if (!kc) kc = kvpol_writer_add_tensor(w, "ppl_edges", KVPOL_DTYPE_F32, 1, dp, pe);
+    if (!kc) kc = kvpol_writer_end_section(w);
+    cr_assert_eq(kc, 0, "%s", kvpol_status_str(kc));
+    void *buf = NULL;
+    size_t len = 0;
+    cr_assert_eq(kvpol_writer_to_memory(w, &buf, &len, &ke), 0, "%s", ke.msg);
+    kvpol_writer_free(w);
+    kvrt_policy *pol = NULL;
+    kvrt_error pe_;
+    cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe_), KVRT_OK, "%s", pe_.msg);
+    kvrt_compilerkv_tables *tb = NULL;
+    const int rc = kvrt_compilerkv_open(pol, &tb);
+    char *msg = strdup(rc == KVRT_OK ? "OK" : kvrt_last_error()->msg);
+    cr_assert_eq(rc == KVRT_OK, msg[0] == 'O' && msg[1] == 'K');
+    kvrt_compilerkv_tables_free(tb);
+    kvrt_policy_free(pol);
+    free(buf);
+    return msg;
+}
+
+Test(compilerkv, open_checks_shapes_and_keeps_messages_whole) {
+    char *m = ckv_open_msg(0, 0, 64);
+    cr_assert_str_eq(m, "OK");
+    free(m);
+    m = ckv_open_msg(1, 0, 64);
+    cr_assert_str_eq(m, "kvrt_compilerkv_open: compilerkv.tables: item 'w_head': shape [1, 2, 3], "
+                        "expected [1, 3, 2]");
+    free(m);
+    m = ckv_open_msg(0, 1, 64);
+    cr_assert_str_eq(m, "kvrt_compilerkv_open: compilerkv.tables: risk bin edges must be finite and "
+                        "ascending");
+    free(m);
+    m = ckv_open_msg(0, 0, -1);
+    cr_assert_str_eq(m, "kvrt_compilerkv_open: compilerkv.tables: scalar 'window' = -1, expected "
+                        "1..1048576");
+    free(m);
+}
