@@ -2,7 +2,10 @@
  * cmd_verify.c: `kvcc verify FILE... [--model NAME]`: full validation of artifacts (every
  * section decoded and checked, unknown optional ones too) and, with --model, the check a
  * serving stack makes at load: the runtime's kvrt_policy_open against the preset's dimensions.
- * Exit status: 0 valid; 10 + |kvpol status| invalid; 4 model mismatch (first failing file).
+ * Every artifact is also loaded as libkvrt loads it (kvrt_policy_open and each policy group's
+ * kvrt_X_open), with or without --model.
+ * Exit status: 0 valid; 10 + |kvpol status| invalid (10: a policy's tables fail libkvrt's checks);
+ * 4 model mismatch (first failing file).
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -27,21 +30,29 @@ static int verify_one(const char *path, const kvcc_preset *p, int quiet) {
     snprintf(summary, sizeof summary, ".kvpol %u.%u, %u sections, %llu bytes, model %s", h->version_major,
              h->version_minor, kvpol_section_count(f), (unsigned long long)h->file_size, h->model.name);
     kvpol_close(f);
-    if (p) {
-        kvrt_model_dims want = {.n_layers = p->n_layers, .n_heads = p->n_heads, .n_kv_heads = p->n_kv_heads,
-                                .head_dim = p->head_dim, .vocab_size = p->vocab_size, .rope_theta = p->rope_theta};
-        kvrt_policy *pol = NULL;
-        kvrt_error kerr = {0};
-        int krc = kvrt_policy_open(path, &want, &pol, &kerr);
-        kvrt_policy_free(pol);
-        if (krc == KVRT_ERR_MODEL_MISMATCH) {
-            printf("%s: MODEL MISMATCH (exit %d): %s\n", path, KVCC_EXIT_MISMATCH, kerr.msg);
-            return KVCC_EXIT_MISMATCH;
-        }
-        if (krc != KVRT_OK) {
-            printf("%s: runtime refused it: %s [%s]\n", path, kerr.msg, kvrt_status_name(krc));
-            return krc == KVRT_ERR_FORMAT || krc == KVRT_ERR_IO ? kvcc_exit_for_kvpol(kerr.detail) : KVCC_EXIT_FAILED;
-        }
+    /* the runtime's own load, as a serving stack makes it: kvrt_policy_open (against the preset
+     * with --model), then every policy group it carries opened (their tables' shapes and
+     * values: a file can be well-formed and still refused there) */
+    kvrt_model_dims want = {0};
+    if (p)
+        want = (kvrt_model_dims){.n_layers = p->n_layers, .n_heads = p->n_heads,
+                                 .n_kv_heads = p->n_kv_heads, .head_dim = p->head_dim,
+                                 .vocab_size = p->vocab_size, .rope_theta = p->rope_theta};
+    kvrt_policy *pol = NULL;
+    kvrt_error kerr = {0};
+    int krc = kvrt_policy_open(path, p ? &want : NULL, &pol, &kerr);
+    if (krc == KVRT_OK && (krc = kvcc_open_policy_groups(pol, kerr.msg, sizeof kerr.msg)) != KVRT_OK)
+        kerr.detail = 0;
+    kvrt_policy_free(pol);
+    if (krc == KVRT_ERR_MODEL_MISMATCH) {
+        printf("%s: MODEL MISMATCH (exit %d): %s\n", path, KVCC_EXIT_MISMATCH, kerr.msg);
+        return KVCC_EXIT_MISMATCH;
+    }
+    if (krc != KVRT_OK) {
+        const int ex = kvcc_exit_for_kvrt(krc, kerr.detail);
+        printf("%s: INVALID: the runtime refuses it (exit %d): %s [%s]\n", path, ex, kerr.msg,
+               kvrt_status_name(krc));
+        return ex == KVCC_EXIT_USAGE ? KVCC_EXIT_FAILED : ex;
     }
     if (!quiet) printf("%s: OK (%s%s%s)\n", path, summary, p ? "; matches preset " : "", p ? p->name : "");
     return KVCC_EXIT_OK;

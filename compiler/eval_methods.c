@@ -133,7 +133,8 @@ const kvcc_eval_method kvcc_eval_baselines[] = {
 int kvcc_eval_policy_error(const kvcc_eval_env *env, int status, char *err, size_t errlen) {
     snprintf(err, errlen, "--policy %s: %s [%s]", env->policy_path, kvrt_last_error()->msg,
              kvrt_status_name(status));
-    return KVCC_EXIT_USAGE;
+    /* an artifact the runtime refuses is an invalid artifact (10 + N), not a usage error */
+    return kvcc_exit_for_kvrt(status, kvrt_last_error()->detail);
 }
 
 const kvcc_eval_method *kvcc_eval_method_find(const char *name) {

@@ -23,6 +23,13 @@ enum {
     KVCC_EXIT_ARTIFACT_BASE = 10, /* 10 + |kvpol status|: the artifact is unreadable/invalid */
 };
 static inline int kvcc_exit_for_kvpol(int status) { return status == 0 ? 0 : KVCC_EXIT_ARTIFACT_BASE - status; }
+/* The exit status for a libkvrt failure on an artifact: KVRT_ERR_FORMAT / _IO 10 + |kvpol status|
+ * (10 alone when a policy's tables fail libkvrt's own checks: no kvpol status), a model mismatch
+ * 4, a bad argument 2, anything else 5. */
+int kvcc_exit_for_kvrt(int status, int detail);
+/* Every policy group the artifact carries, opened as a serving stack opens it (kvrt_am_open,
+ * ...): KVRT_OK, or the first failure's status with "kvrt_X_open: message" in msg. */
+int kvcc_open_policy_groups(kvrt_policy *p, char *msg, size_t msglen);
 
 int kvcc_cmd_models(int argc, char **argv);
 int kvcc_cmd_inspect(int argc, char **argv);

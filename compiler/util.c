@@ -387,3 +387,34 @@ void kvcc_remove_temp_on_signal(const char *out) {
         sigaction(sigs[i], &sa, NULL);
     }
 }
+
+int kvcc_exit_for_kvrt(int status, int detail) {
+    if (status == KVRT_OK) return KVCC_EXIT_OK;
+    if (status == KVRT_ERR_FORMAT || status == KVRT_ERR_IO)
+        return detail < 0 && detail >= KVPOL_STATUS_MIN ? kvcc_exit_for_kvpol(detail)
+                                                        : KVCC_EXIT_ARTIFACT_BASE;
+    if (status == KVRT_ERR_MODEL_MISMATCH) return KVCC_EXIT_MISMATCH;
+    if (status == KVRT_ERR_ARG) return KVCC_EXIT_USAGE;
+    return KVCC_EXIT_FAILED;
+}
+
+int kvcc_open_policy_groups(kvrt_policy *p, char *msg, size_t msglen) {
+    const uint32_t g = kvrt_policy_groups(p);
+    int rc = KVRT_OK;
+#define KVCC_TRY_GROUP(grp, T, open, fr)                                                           \
+    if (rc == KVRT_OK && ((g >> (grp)) & 1)) {                                                     \
+        T *x_ = NULL;                                                                              \
+        rc = open(p, &x_);                                                                         \
+        if (rc != KVRT_OK) snprintf(msg, msglen, "%s", kvrt_last_error()->msg);                   \
+        fr(x_);                                                                                    \
+    }
+    KVCC_TRY_GROUP(KVPOL_GROUP_COMPILERKV, kvrt_compilerkv_tables, kvrt_compilerkv_open,
+                   kvrt_compilerkv_tables_free)
+    KVCC_TRY_GROUP(KVPOL_GROUP_AM, kvrt_am_schedule, kvrt_am_open, kvrt_am_schedule_free)
+    KVCC_TRY_GROUP(KVPOL_GROUP_COMPKV, kvrt_compkv_grouping, kvrt_compkv_open,
+                   kvrt_compkv_grouping_free)
+    KVCC_TRY_GROUP(KVPOL_GROUP_KV2, kvrt_kv2_schedule, kvrt_kv2_open, kvrt_kv2_schedule_free)
+    KVCC_TRY_GROUP(KVPOL_GROUP_MERGE_REDUCE, kvrt_mr_schedule, kvrt_mr_open, kvrt_mr_schedule_free)
+#undef KVCC_TRY_GROUP
+    return rc;
+}

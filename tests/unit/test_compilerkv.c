@@ -910,7 +910,8 @@ Test(compilerkv, prompt_shape_and_nonfinite_checks) {
  * [n_budgets, H, L] has the right count and would be read as other heads' weights), names the
  * scalar and value it refuses, and keeps the tables' own message whole (it was formatted into the
  * buffer it read from: "kvrt_compilerkv_open: ...: kvrt_compilerkv_open: ...: dges must be"). */
-static char *ckv_open_msg(int transpose_w, int descending_edges, int64_t window) {
+static char *ckv_open_msg_to(int transpose_w, int descending_edges, int64_t window,
+                             const char *save) {
     enum { NB = 1, CL = 3, CH = 2, EB = KVRT_COMPILERKV_ENT_BINS, PB = KVRT_COMPILERKV_PPL_BINS };
     kvpol_header h;
     kvpol_header_init(&h);
@@ -943,6 +944,10 @@ static char *ckv_open_msg(int transpose_w, int descending_edges, int64_t window)
     size_t len = 0;
     cr_assert_eq(kvpol_writer_to_memory(w, &buf, &len, &ke), 0, "%s", ke.msg);
     kvpol_writer_free(w);
+    if (save) {
+        FILE *o = fopen(save, "wb");
+        cr_assert(o && fwrite(buf, 1, len, o) == len && fclose(o) == 0);
+    }
     kvrt_policy *pol = NULL;
     kvrt_error pe_;
     cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe_), KVRT_OK, "%s", pe_.msg);
@@ -954,6 +959,25 @@ static char *ckv_open_msg(int transpose_w, int descending_edges, int64_t window)
     kvrt_policy_free(pol);
     free(buf);
     return msg;
+}
+
+static char *ckv_open_msg(int transpose_w, int descending_edges, int64_t window) {
+    return ckv_open_msg_to(transpose_w, descending_edges, window, NULL);
+}
+
+/* kvcc verify loads an artifact as libkvrt does, each policy group opened: a well-formed file
+ * whose tables libkvrt refuses is invalid (exit 10), not OK */
+Test(compilerkv, verify_opens_the_groups) {
+    char path[] = "/tmp/kvcc_ckv_verify_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    free(ckv_open_msg_to(1, 0, 64, path));
+    char *argv[] = {(char *)"verify", path, NULL};
+    cr_expect_eq(kvcc_cmd_verify(2, argv), 10);
+    free(ckv_open_msg_to(0, 0, 64, path));
+    cr_expect_eq(kvcc_cmd_verify(2, argv), 0);
+    unlink(path);
 }
 
 Test(compilerkv, open_checks_shapes_and_keeps_messages_whole) {
