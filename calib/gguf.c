@@ -310,9 +310,6 @@ static int parse(kvcc_gguf *g) {
         key[kv->key.n] = 0;
         if ((st = cur_u32(cp, &kv->type, key))) return st;
         if ((st = parse_value(cp, kv, key))) return st;
-        for (uint64_t j = 0; j < i; j++) /* n_kv is small (tens) */
-            if (g->kv[j].key.n == kv->key.n && memcmp(g->kv[j].key.p, kv->key.p, kv->key.n) == 0)
-                FAIL(KVCC_GGUF_ERR_DUP, "%s: duplicate metadata key '%s'", g->name, key);
         if (str_eq(kv->key, "general.alignment")) {
             if (kv->type != KVCC_GGUF_VT_U32)
                 FAIL(KVCC_GGUF_ERR_TYPE, "%s: general.alignment has type %s (expected u32)",
@@ -323,6 +320,33 @@ static int parse(kvcc_gguf *g) {
                      "<= 65536)", g->name, a);
             g->alignment = a;
         }
+    }
+
+    /* duplicate metadata keys: hash table over indices (a pairwise check of 65536 keys sharing
+     * a long prefix took 40 s) */
+    if (g->n_kv > 1) {
+        uint64_t cap = 1;
+        while (cap < g->n_kv * 2) cap <<= 1;
+        uint64_t *tab = malloc(cap * sizeof *tab);
+        if (!tab) FAIL(KVCC_GGUF_ERR_NOMEM, "%s: out of memory", g->name);
+        for (uint64_t k = 0; k < cap; k++) tab[k] = UINT64_MAX;
+        for (uint64_t i = 0; i < g->n_kv; i++) {
+            const kvcc_gguf_str *ki = &g->kv[i].key;
+            uint64_t h = fnv1a(ki->p, ki->n) & (cap - 1);
+            while (tab[h] != UINT64_MAX) {
+                const kvcc_gguf_str *kj = &g->kv[tab[h]].key;
+                if (kj->n == ki->n && memcmp(kj->p, ki->p, ki->n) == 0) {
+                    char key[KVCC_GGUF_MAX_NAME + 1];
+                    memcpy(key, ki->p, ki->n);
+                    key[ki->n] = 0;
+                    free(tab);
+                    FAIL(KVCC_GGUF_ERR_DUP, "%s: duplicate metadata key '%s'", g->name, key);
+                }
+                h = (h + 1) & (cap - 1);
+            }
+            tab[h] = i;
+        }
+        free(tab);
     }
 
     for (uint64_t i = 0; i < g->n_tensors; i++) {
