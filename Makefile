@@ -532,10 +532,21 @@ FORCE:
 # the old backend from the build tree, where pip's bundling would pick it up).
 CUDA_PLUGIN_RELDIR := $(shell realpath -m --relative-to='$(BINDIR)' '$(LIBDIR)' 2>/dev/null || echo ../lib)
 CUDA_STAMP := $(BUILD)/use_cuda.stamp
+CUDA_STAMP_TEXT := $(USE_CUDA)$(if $(filter 1,$(USE_CUDA)), $(CUDA_PLUGIN_RELDIR))
 $(CUDA_STAMP): FORCE
-	@mkdir -p $(BUILD) && s='$(USE_CUDA) $(CUDA_PLUGIN_RELDIR)' && \
+	@mkdir -p $(BUILD) && s='$(CUDA_STAMP_TEXT)' && \
 	  if [ "$$(cat $@ 2>/dev/null)" != "$$s" ]; then echo "$$s" > $@; \
 	    if [ $(USE_CUDA) = 0 ]; then rm -f $(BUILD)/libkvrt_cuda.so*; fi; fi
+# make install never rebuilds for other settings than the build's (as root it would leave
+# root-owned objects; under sudo, whose PATH may lack nvcc, it would drop CUDA): it refuses
+ifneq ($(filter install,$(MAKECMDGOALS)),)
+  CUDA_STAMP_BUILT := $(shell cat $(CUDA_STAMP) 2>/dev/null)
+  ifneq ($(CUDA_STAMP_BUILT),)
+    ifneq ($(CUDA_STAMP_BUILT),$(CUDA_STAMP_TEXT))
+      $(error kvcc: make install: $(BUILD) was built with USE_CUDA and the CUDA backend's place relative to BINDIR '$(CUDA_STAMP_BUILT)', this install asks '$(CUDA_STAMP_TEXT)' (USE_CUDA=$(USE_CUDA), LIBDIR relative to BINDIR $(CUDA_PLUGIN_RELDIR)): run make with the same USE_CUDA, BINDIR and LIBDIR first (as the user), then make install)
+    endif
+  endif
+endif
 $(BUILD)/obj/runtime/core/ctx.o $(BUILD)/obj/runtime/core/cuda_load.o: $(CUDA_STAMP)
 $(BUILD)/obj/runtime/core/cuda_load.o: CPPFLAGS += -DKVRT_CUDA_PLUGIN_RELDIR='"$(CUDA_PLUGIN_RELDIR)"'
 

@@ -181,10 +181,12 @@ static int capture_main(int argc, char **argv) {
     if (world > 1) {
         shard = rank;
         n_shards = world;
-        if ((size_t)snprintf(shard_out, sizeof shard_out, "%s.%u-of-%u.h5", out, rank, world) >= sizeof shard_out) {
+        /* the longest rank's name decides, so that every rank returns here or none does */
+        if ((size_t)snprintf(shard_out, sizeof shard_out, "%s.%u-of-%u.h5", out, world - 1, world) >= sizeof shard_out) {
             fprintf(stderr, "kvcc capture: -o %s: the path is too long\n", out);
             return KVCC_EXIT_USAGE;
         }
+        snprintf(shard_out, sizeof shard_out, "%s.%u-of-%u.h5", out, rank, world);
         dst = shard_out;
         snprintf(rank_tag, sizeof rank_tag, "rank %u of %u: ", rank, world);
     }

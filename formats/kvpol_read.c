@@ -248,7 +248,7 @@ static int parse_table(kvpol_file *f, const kvpol_open_opts *o, kvpol_error *err
                               "%s: section %u '%s': raw_size %llu exceeds the reader's limit of %llu bytes",
                               L, i, s->name, (unsigned long long)s->raw_size, (unsigned long long)max_sec);
         if (s->codec == KVPOL_CODEC_ZSTD && s->raw_size > KVPOL_ZSTD_FREE_BYTES &&
-            s->raw_size / KVPOL_ZSTD_MAX_RATIO > s->stored_size)
+            s->stored_size < (s->raw_size + KVPOL_ZSTD_MAX_RATIO - 1) / KVPOL_ZSTD_MAX_RATIO)
             return kvpol_fail(err, KVPOL_ERR_TOO_LARGE,
                               "%s: section %u '%s': raw_size %llu from %llu stored bytes: more than "
                               "%llu:1 above %llu bytes (a decompression bomb?)",

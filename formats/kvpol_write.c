@@ -429,7 +429,8 @@ int kvpol_writer_end_section(kvpol_writer *w) {
             free(raw);
             return rc;
         }
-        if (raw_size > KVPOL_ZSTD_FREE_BYTES && raw_size / KVPOL_ZSTD_MAX_RATIO > s.stored_size) {
+        if (raw_size > KVPOL_ZSTD_FREE_BYTES &&
+            s.stored_size < (raw_size + KVPOL_ZSTD_MAX_RATIO - 1) / KVPOL_ZSTD_MAX_RATIO) {
             /* more compressible than readers accept (kvpol.h): stored as is */
             free(s.stored);
             s.codec = KVPOL_CODEC_NONE;

@@ -1111,8 +1111,11 @@ static void mr_inspect(const kvpol_file *f, FILE *out) {
     }
     fprintf(out, "\n    (Spearman: random against tr/K, cluster against tail_{K/3}/K, over the "
             "%zu heads)\n", LH);
-    if (kvpol_get_tensor(f, ri, "rank", KVPOL_DTYPE_I64, &rki) == KVPOL_OK && rki.ndim == 1 &&
-        rki.dims[0] == LH) {
+    int rank_ok = kvpol_get_tensor(f, ri, "rank", KVPOL_DTYPE_I64, &rki) == KVPOL_OK &&
+                  rki.ndim == 1 && rki.dims[0] == LH;
+    for (size_t i = 0; rank_ok && i < LH; i++) /* head indices, used as indices below */
+        rank_ok = ((const int64_t *)rki.data)[i] >= 0 && (uint64_t)((const int64_t *)rki.data)[i] < LH;
+    if (rank_ok) {
         const int64_t *rk = rki.data;
         const int show = LH < 10 ? (int)LH : 5;
         fprintf(out, "    most compressible heads (layer.head, M^2 tr(Sigma)):");

@@ -56,7 +56,9 @@ def _load() -> Tuple[ctypes.CDLL, str]:
     tried = []
     for what, path in candidates():
         if path is None:
-            tried.append(f"  {what}: not set" if what.startswith("$") else f"  {what}: not found")
+            tried.append(f"  {what}: not set" if what.startswith("$") else
+                         f"  {what}: the package is not inside a kvcc checkout"
+                         if what == "in-tree build" else f"  {what}: not found")
             continue
         if os.sep in path and not os.path.exists(path):
             tried.append(f"  {what}: {path}: no such file")

@@ -468,7 +468,8 @@ int kvrt_quest_select(const kvrt_quest *qs, const float *q /*[H,d] one step*/, u
  * Workspace, per KV head compacted at a time (kvrt_am_compact_layer runs up to
  * min(threads, Hkv, 16) side by side): about 4 n Tc bytes of logits (n reference queries, Tc keys
  * per chunk; 6 n Tc with bf16 products) + 16 t^2 bytes of Gram matrices (t entries of a chunk)
- * + 8 t Tc bytes with OMP selection: 64 MiB per head at the defaults (n = Tc = 4096), whatever T.
+ * + 8 t Tc bytes with OMP selection: at the defaults (n = Tc = 4096) 64 MiB of logits per head,
+ * whatever T, plus 64 MiB of Grams at ratio 0.5 (t = 2048) and 64 MiB more with OMP.
  * chunk <= 0 (or a chunk near T) makes Tc = T: memory O(n T + t^2) and the fit's time grows
  * faster than T^2 (measured on 2 cores, llama3-8b shapes, ratio 0.5: T 8192 +670 MB and 32 s;
  * T 16384 above 1.6 GB and 300 s); max_queries 0 makes n = T G (T 16384, G 4: 3.2 GB peak). */

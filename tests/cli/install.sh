@@ -139,14 +139,21 @@ out=$(cd "$tmp" && $make_cmd --no-print-directory -C "$root" install $sanarg $bd
 [ $ex -ne 0 ] && echo "$out" | grep -q "the path 'rel/p' is relative" && [ ! -e "$root/rel" ] && [ ! -e "$tmp/rel" ] \
   && ok || bad "make install PREFIX=rel/p: exit $ex: $out"
 
-# 9. LIBDIR outside PREFIX/lib (lib64 layouts): the installed kvcc finds its CUDA backend there
+# 9. LIBDIR outside PREFIX/lib (lib64 layouts), built for it first: the installed kvcc finds its
+#    CUDA backend there. make install never rebuilds for other settings than the build's: it
+#    refuses (as root it would leave root-owned objects in the build tree)
 if [ -e "$build/libkvrt_cuda.so" ]; then
   p64="$tmp/p64"
-  if $make_cmd --no-print-directory install $sanarg $bd PREFIX="$p64" LIBDIR="$p64/lib64" >/dev/null 2>&1; then
+  out=$($make_cmd --no-print-directory install $sanarg $bd PREFIX="$p64" LIBDIR="$p64/lib64" 2>&1); ex=$?
+  [[ $ex -ne 0 && "$out" == *"run make with the same USE_CUDA, BINDIR and LIBDIR first"* && ! -e "$p64" ]] \
+    && ok || bad "make install for another LIBDIR than the build's: exit $ex: $out"
+  if $make_cmd --no-print-directory all $sanarg $bd PREFIX="$p64" LIBDIR="$p64/lib64" >/dev/null 2>&1 &&
+     $make_cmd --no-print-directory install $sanarg $bd PREFIX="$p64" LIBDIR="$p64/lib64" >/dev/null 2>&1; then
     out=$("$p64/bin/kvcc" --version | grep '^CUDA:')
     [[ "$out" == *"$p64/bin/../lib64/libkvrt_cuda.so.$abi"* ]] && ok || bad "kvcc installed with LIBDIR=lib64, --version: $out"
     grep -qx 'libdir=${prefix}/lib64' "$p64/lib64/pkgconfig/kvrt.pc" && ok || bad "LIBDIR=lib64: kvrt.pc libdir"
-  else bad "make install LIBDIR=$p64/lib64 failed"; fi
+  else bad "make + make install LIBDIR=$p64/lib64 failed"; fi
+  $make_cmd --no-print-directory all $sanarg $bd >/dev/null 2>&1 || bad "make (back to the default LIBDIR) failed"
 fi
 
 echo "install: $pass passed, $fail failed"

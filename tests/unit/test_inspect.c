@@ -1,8 +1,8 @@
 /*
  * test_inspect.c: the passes' inspect summaries (kvcc inspect, kvcc report) on artifacts whose
  * sections pass libkvpol's validation (checksums, shapes against counts) but whose tensors do not
- * have the sizes the summary indexes by. Each is refused with a line, never read past its tensor
- * (the SAN build's ASan checks that): a merge-reduce report of 3000 configurations overflowed a
+ * have the sizes (or hold the indices) the summary indexes by. Each is refused with a line, never
+ * read past its tensor (the SAN build's ASan checks that): a merge-reduce report of 3000 configurations overflowed a
  * 67-entry name table on the stack; short CompilerKV edge lists, AM targets and CompKV offsets
  * beyond d read past their tensors.
  */
@@ -92,22 +92,25 @@ Test(inspect, merge_reduce_report_of_too_many_configurations) {
     h.model = (kvpol_model){.n_layers = L, .n_heads = H, .n_kv_heads = HKV, .head_dim = D,
                             .vocab_size = 100, .rope_theta = 10000.0, .rope_scaling_factor = 1.0f};
     snprintf(h.model.name, sizeof h.model.name, "tiny");
-    for (int variant = 0; variant < 2; variant++) {
-        const uint64_t nC = variant == 0 ? 3000 : 2; /* 2: right count, heads dimension short */
-        const uint64_t hk = variant == 0 ? HKV : 1;
+    /* 0: 3000 configurations; 1: the heads dimension short; 2: well shaped, with a 'rank' of
+     * head indices out of range (used as indices) */
+    for (int variant = 0; variant < 3; variant++) {
+        const uint64_t nC = variant == 0 ? 3000 : 2;
+        const uint64_t hk = variant == 1 ? 1 : HKV;
         const tdesc rep[] = {{"fidelity", KVPOL_DTYPE_F64, 4, {nC, 1, L, hk}},
                              {"k_grid", KVPOL_DTYPE_I64, 1, {2}},
                              {"trace", KVPOL_DTYPE_F64, 2, {L, hk}},
                              {"tail", KVPOL_DTYPE_F64, 3, {2, L, hk}},
                              {"measured", KVPOL_DTYPE_F64, 4, {nC, 2, L, hk}},
                              {"spearman", KVPOL_DTYPE_F64, 2, {nC, 2}},
-                             {"spearman_trace", KVPOL_DTYPE_F64, 2, {nC, 2}}};
+                             {"spearman_trace", KVPOL_DTYPE_F64, 2, {nC, 2}},
+                             {"rank", KVPOL_DTYPE_I64, 1, {L * HKV}}};
         kvpol_writer *w = NULL;
         kvpol_error ke;
         cr_assert_eq(kvpol_writer_create(&w, &h, &ke), 0, "%s", ke.msg);
         const uint32_t secs[2] = {KVPOL_SEC_MR_BASIS, KVPOL_SEC_MR_REPORT};
         const tdesc *ts[2] = {basis, rep};
-        const int ns[2] = {3, 7};
+        const int ns[2] = {3, variant == 2 ? 8 : 7};
         int kc = 0;
         for (int s = 0; !kc && s < 2; s++) {
             kc = kvpol_writer_begin_section(w, secs[s], kvpol_known_find(secs[s])->name, 0,
@@ -118,6 +121,8 @@ Test(inspect, merge_reduce_report_of_too_many_configurations) {
                 for (uint32_t k = 0; k < ts[s][i].ndim; k++) count *= ts[s][i].dims[k];
                 void *data = calloc(count, dtype_size(ts[s][i].dtype));
                 if (!strcmp(ts[s][i].name, "k_grid")) ((int64_t *)data)[0] = 4, ((int64_t *)data)[1] = 8;
+                if (!strcmp(ts[s][i].name, "rank"))
+                    for (uint64_t k = 0; k < count; k++) ((int64_t *)data)[k] = (int64_t)1 << 40;
                 kc = kvpol_writer_add_tensor(w, ts[s][i].name, ts[s][i].dtype, ts[s][i].ndim,
                                              ts[s][i].dims, data);
                 free(data);
@@ -137,8 +142,12 @@ Test(inspect, merge_reduce_report_of_too_many_configurations) {
         FILE *out = open_memstream(&text, &tl);
         kvcc_pass_for_group(KVPOL_GROUP_MERGE_REDUCE)->inspect(f, out);
         fclose(out);
-        cr_assert(strstr(text, "(merge-reduce.report unreadable)") != NULL, "variant %d: %s", variant,
-                  text);
+        if (variant < 2)
+            cr_assert(strstr(text, "(merge-reduce.report unreadable)") != NULL, "variant %d: %s",
+                      variant, text);
+        else
+            cr_assert(strstr(text, "calibration fidelity") != NULL &&
+                      strstr(text, "most compressible heads") == NULL, "%s", text);
         free(text);
         kvpol_close(f);
         free(buf);
