@@ -1,8 +1,9 @@
 /*
  * dist.c: the distribution layer (see dist.h). With KVCC_WITH_MPI (USE_MPI=1) and a process
  * started by mpirun, the collectives are Open MPI's over MPI_COMM_WORLD; otherwise one rank.
- * Test hook: KVCC_DIST_INJECT_FAIL=R:K makes rank R report a failure at its K-th kvcc_dist_check
- * (the message says so), which exercises the abort path of every rank.
+ * Test hooks: KVCC_DIST_INJECT_FAIL=R:K makes rank R report a failure at its K-th kvcc_dist_check
+ * (the message says so), which exercises the abort path of every rank; KVCC_DIST_GATHER_MAX=B
+ * makes kvcc_dist_allgatherv take its path for gathers above MPI's 2 GiB count at B bytes.
  */
 #include "dist.h"
 
@@ -247,22 +248,35 @@ int kvcc_dist_allgatherv(const void *mine, size_t len, void **all, size_t *all_l
     int bad = 0, any_bad = 0;
     long long tot = 0;
     for (int r = 0; r < size_; r++) tot += ls[r];
-    if (!bad && tot > 0x7fffffffLL) bad = 2;
+    /* MPI counts are ints: above gather_max (2^31 - 1 bytes; KVCC_DIST_GATHER_MAX lowers it for
+     * tests) every rank's bytes go out as broadcasts of at most gather_max each, in rank order:
+     * the same bytes in the same place either way */
+    long long gather_max = 0x7fffffffLL;
+    const char *gm = getenv("KVCC_DIST_GATHER_MAX");
+    if (gm && atoll(gm) > 0 && atoll(gm) < gather_max) gather_max = atoll(gm);
+    char *b = malloc(tot ? (size_t)tot : 1);
+    bad = b == NULL;
     MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    char *b = NULL;
-    if (!any_bad) {
-        b = malloc(tot ? (size_t)tot : 1);
+    if (!any_bad && tot <= gather_max) {
         for (int r = 0, at = 0; r < size_; r++) { cnt[r] = (int)ls[r]; dsp[r] = at; at += cnt[r]; }
-        bad = b == NULL;
-        MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    }
-    if (!any_bad &&
-        MPI_Allgatherv(mine, (int)len, MPI_BYTE, b, cnt, dsp, MPI_BYTE, MPI_COMM_WORLD) !=
+        if (MPI_Allgatherv(mine, (int)len, MPI_BYTE, b, cnt, dsp, MPI_BYTE, MPI_COMM_WORLD) !=
             MPI_SUCCESS)
-        any_bad = 3;
+            any_bad = 3;
+    } else if (!any_bad) {
+        size_t at = 0;
+        for (int r = 0; !any_bad && r < size_; r++) {
+            if (r == rank_ && len) memcpy(b + at, mine, len);
+            for (long long off = 0; !any_bad && off < ls[r]; off += gather_max) {
+                const int n = (int)(ls[r] - off < gather_max ? ls[r] - off : gather_max);
+                if (MPI_Bcast(b + at + (size_t)off, n, MPI_BYTE, r, MPI_COMM_WORLD) != MPI_SUCCESS)
+                    any_bad = 3;
+            }
+            at += (size_t)ls[r];
+        }
+    }
     if (any_bad) {
         snprintf(err, errlen, "dist: gathering %lld bytes from %d ranks failed (%s)", tot, size_,
-                 any_bad == 2 ? "over MPI's 2 GiB count" : any_bad == 3 ? "MPI_Allgatherv" : "out of memory");
+                 any_bad == 3 ? "MPI_Allgatherv / MPI_Bcast" : "out of memory");
         free(b);
         rc = -1;
     } else {

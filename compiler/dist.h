@@ -51,7 +51,8 @@ int kvcc_dist_check(int rc, char *err, size_t errlen);
 int kvcc_dist_gather_rows(void *rows, size_t row_bytes, uint32_t n, char *err, size_t errlen);
 
 /* Collective: every rank's blob (len bytes, may be 0), concatenated in rank order into a malloc'd
- * *all (*all_len bytes; free() it); lens (optional, [size]) receives each rank's length.
+ * *all (*all_len bytes; free() it); lens (optional, [size]) receives each rank's length. Any total
+ * size (above MPI's 2^31 - 1 byte count, as broadcasts of at most that much).
  * 0, or -1 (message in err). */
 int kvcc_dist_allgatherv(const void *mine, size_t len, void **all, size_t *all_len, size_t *lens,
                          char *err, size_t errlen);

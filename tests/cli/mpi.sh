@@ -50,6 +50,13 @@ for pol in am compkv compilerkv kv2 merge-reduce; do
     else bad "$pol: mpirun -np $n failed: $(tail -3 "$tmp/err")"; fi
   done
 done
+# gathers above MPI's 2 GiB int count go out as broadcasts of at most that much per rank
+# (KVCC_DIST_GATHER_MAX lowers the limit to 1000 bytes here): the same artifact
+# shellcheck disable=SC2086
+if KVCC_DIST_GATHER_MAX=1000 "${MPI[@]}" -x KVCC_DIST_GATHER_MAX -np 3 "$KVCC" "${base[@]}" --policies compilerkv \
+     ${opts[compilerkv]} -o "$tmp/gm.kvpol" >/dev/null 2>"$tmp/err"; then
+  cmp -s "$tmp/compilerkv.1.kvpol" "$tmp/gm.kvpol" && ok || bad "compilerkv with gathers in broadcasts differs"
+else bad "compilerkv with KVCC_DIST_GATHER_MAX=1000 failed: $(tail -3 "$tmp/err")"; fi
 # progress and messages from rank 0 only: one 'wrote' line for 4 ranks
 n_wrote=$("${MPI[@]}" -np 4 "$KVCC" "${base[@]}" --policies am ${opts[am]} -o "$tmp/w.kvpol" 2>&1 \
   | grep -c '^kvcc compile: wrote')
