@@ -74,4 +74,22 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildPyWithLibrary}, distclass=BinaryDistribution)
+CMDS = {"build_py": BuildPyWithLibrary}
+try:  # setuptools >= 70.1 carries bdist_wheel; older ones take it from the wheel package
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # pragma: no cover
+    try:
+        from wheel.bdist_wheel import bdist_wheel
+    except ImportError:
+        bdist_wheel = None
+if bdist_wheel is not None:
+    class BdistWheel(bdist_wheel):
+        """py3-none-<platform>: the library is loaded through ctypes, not a CPython extension, so
+        one wheel serves every Python 3 of that platform (it was tagged cp311-cp311)."""
+
+        def get_tag(self):
+            return ("py3", "none", super().get_tag()[2])
+
+    CMDS["bdist_wheel"] = BdistWheel
+
+setup(cmdclass=CMDS, distclass=BinaryDistribution)
