@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "dist.h"
 #include "kvcc.h"
 #include "stats.h"
 
@@ -32,6 +33,12 @@ static double line_interval(void) {
 }
 
 void kvcc_progress_begin(const char *label) {
+    static char lb[128];
+    /* under mpirun only rank 0's lines reach the terminal: they count rank 0's share */
+    if (kvcc_dist_size() > 1 && label) {
+        snprintf(lb, sizeof lb, "%s, rank 0's share of %d ranks", label, kvcc_dist_size());
+        label = lb;
+    }
     label_ = label;
     t_start = t_last_line = kvcc_now_s();
     line_every = line_interval();
