@@ -714,13 +714,10 @@ static int open_file(kvcc_corpus **out, const char *path, const kvcc_corpus_mode
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: cannot open: %s", path,
                      strerror(errno));
     struct stat st;
-    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
-        return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
-                     "%s: is a directory, expected a corpus file (HDF5) or a shard manifest", path);
     if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) /* a FIFO would block HDF5's open */
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO,
-                     "%s: not a regular file, expected a corpus file (HDF5) or a shard manifest",
-                     path);
+                     "%s: %s, expected a corpus file (HDF5) or a shard manifest", path,
+                     S_ISDIR(st.st_mode) ? "is a directory" : "not a regular file");
     if (H5Fis_hdf5(path) <= 0)
         return failc(NULL, err, errlen, KVCC_CORPUS_ERR_IO, "%s: not an HDF5 file", path);
     kvcc_corpus *c = calloc(1, sizeof *c);

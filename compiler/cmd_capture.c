@@ -56,7 +56,6 @@ static void usage(FILE *out) {
 /* OpenBLAS (libopenblas, which the model's matrix products run on). */
 void openblas_set_num_threads(int n);
 
-
 /* kvcc_capture_opts.agree under mpirun: before a shard is renamed into place (its file written,
  * closed and synced), every rank's status; a rank whose capture went fine drops its shard when
  * another failed. *user (int): 1 when every rank passed, so every rank reaches the check after

@@ -3,7 +3,10 @@
  * escaped printing of strings read from artifacts, and opening an artifact with a message; the
  * output checks made before any work (kvcc_check_output: never an input, a directory or an
  * unwritable place) and the removal of the temp file on SIGINT/SIGTERM
- * (kvcc_remove_temp_on_signal), used by compile, capture and synth.
+ * (kvcc_remove_temp_on_signal), used by compile, capture and synth; a failing rank's message
+ * without its doubled prefix (kvcc_strip_rank_prefix); an artifact's policy groups opened as libkvrt
+ * opens them and the exit status of a libkvrt failure (kvcc_open_policy_groups,
+ * kvcc_exit_for_kvrt: verify, eval).
  */
 #include <ctype.h>
 #include <dirent.h>
