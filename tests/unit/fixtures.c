@@ -38,6 +38,15 @@ const kvcc_corpus_model FX_TINY = {.name = "tiny", .n_layers = 2, .n_heads = 8, 
                                    .head_dim = 16, .vocab_size = 100, .rope_theta = 10000.0,
                                    .rope_scaling = "none", .rope_scaling_factor = 1};
 
+void *fx_kvpol_to_memory(kvpol_writer *w, int kc, size_t *len) {
+    cr_assert_eq(kc, 0, "building the artifact: %s", kvpol_status_str(kc));
+    void *buf = NULL;
+    kvpol_error ke;
+    cr_assert_eq(kvpol_writer_to_memory(w, &buf, len, &ke), 0, "%s", ke.msg);
+    kvpol_writer_free(w);
+    return buf;
+}
+
 void fx_header(kvpol_header *h, const kvcc_corpus_model *m) {
     kvpol_header_init(h);
     h->created = 0;

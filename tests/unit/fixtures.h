@@ -67,6 +67,9 @@ void fx_real_free(fx_real_window *w);
 extern const kvcc_corpus_model FX_TINY;
 /* kvpol_header_init, created 0 (byte-reproducible artifacts), and m's dimensions and name. */
 void fx_header(kvpol_header *h, const kvcc_corpus_model *m);
+/* The artifact w holds, in memory (malloc'd, *len bytes; free() it), after the calls that built
+ * it returned kc (asserted 0, named by its status); w is freed. */
+void *fx_kvpol_to_memory(kvpol_writer *w, int kc, size_t *len);
 
 /* ---------------------------------------------------------------- files and bytes */
 

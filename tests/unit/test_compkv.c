@@ -27,6 +27,7 @@
 #include <omp.h>
 #endif
 
+#include "fixtures.h"
 #include "kvpol.h"
 #include "kvrt_experimental.h"
 #include "test_ctx.h"
@@ -1067,11 +1068,8 @@ Test(compkv, handle_runs_the_compiled_block) {
     if (!kc) kc = kvpol_writer_add_i64(w, "block", BLK);
     if (!kc) kc = kvpol_writer_add_f64(w, "scale", 0.25);
     if (!kc) kc = kvpol_writer_end_section(w);
-    cr_assert_eq(kc, 0, "%s", kvpol_status_str(kc));
-    void *buf = NULL;
     size_t len = 0;
-    cr_assert_eq(kvpol_writer_to_memory(w, &buf, &len, &ke), 0, "%s", ke.msg);
-    kvpol_writer_free(w);
+    void *buf = fx_kvpol_to_memory(w, kc, &len);
     kvrt_policy *pol = NULL;
     kvrt_error pe;
     cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe), KVRT_OK, "%s", pe.msg);
