@@ -304,7 +304,10 @@ float kvrt_bf16_to_f32(uint16_t h);
  * another device or owned by another context).
  * _ref: plain loops, double accumulation, host cache only. */
 /* On a CPU context: host pointers, sgemm over blocks of entries, OpenMP over (kv head, query
- * block, entry split) tiles; the output does not depend on the thread count. On a CUDA
+ * block, entry split) tiles; the output does not depend on the thread count. Workspace: about
+ * 1 MiB or less per thread (a tile's queries, logits and accumulator, blocks of 16-1024 entries),
+ * plus the tiles' partial results held one wave at a time, at most 16 MiB (or one (kv head,
+ * query block)'s if larger): it does not grow with n or the cache length. On a CUDA
  * context: q, k_recent, v_recent, out, lse_out are device pointers and c a device cache
  * (kvrt_cache_to_device on the same context); asynchronous until kvrt_ctx_sync / a download. */
 int kvrt_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads, const kvrt_cache *c,
