@@ -9,6 +9,7 @@
  * Every read goes through a cursor that checks the bytes left; all sizes use checked 64-bit
  * arithmetic; every count and length is capped (gguf.h) before anything is allocated.
  */
+#include "hash.h"
 #include "gguf.h"
 
 #include <errno.h>
@@ -249,11 +250,35 @@ static int parse_value(cursor *c, gguf_kv *kv, const char *key) {
     return 0;
 }
 
-/* Simple hashing for the duplicate checks (open addressing over indices). */
-static uint64_t fnv1a(const char *p, uint64_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (uint64_t i = 0; i < n; i++) h = (h ^ (uint8_t)p[i]) * 1099511628211ull;
-    return h;
+
+/* The names the duplicate checks compare: metadata keys, tensor names. */
+static kvcc_gguf_str kv_key(const kvcc_gguf *g, uint64_t i) { return g->kv[i].key; }
+static kvcc_gguf_str tensor_name(const kvcc_gguf *g, uint64_t i) {
+    return (kvcc_gguf_str){g->tensors[i].name, strlen(g->tensors[i].name)};
+}
+
+/* The first of n entries whose name(g, i) equals an earlier one's (a hash table over indices,
+ * open addressing): its index, n when all differ, n + 1 when out of memory. */
+static uint64_t first_duplicate(uint64_t n, kvcc_gguf_str (*name)(const kvcc_gguf *, uint64_t),
+                                const kvcc_gguf *g) {
+    if (n < 2) return n;
+    uint64_t cap = 1;
+    while (cap < n * 2) cap <<= 1;
+    uint64_t *tab = malloc(cap * sizeof *tab);
+    if (!tab) return n + 1;
+    for (uint64_t k = 0; k < cap; k++) tab[k] = UINT64_MAX;
+    uint64_t dup = n;
+    for (uint64_t i = 0; dup == n && i < n; i++) {
+        const kvcc_gguf_str a = name(g, i);
+        uint64_t h = kvcc_fnv1a(KVCC_FNV_BASIS, a.p, a.n) & (cap - 1);
+        for (; tab[h] != UINT64_MAX && dup == n; h = (h + 1) & (cap - 1)) {
+            const kvcc_gguf_str b = name(g, tab[h]);
+            if (b.n == a.n && memcmp(b.p, a.p, a.n) == 0) dup = i;
+        }
+        tab[h] = i;
+    }
+    free(tab);
+    return dup;
 }
 
 /* qsort has no context argument in C11: parse() sets the base; one parse at a time per thread */
@@ -322,32 +347,12 @@ static int parse(kvcc_gguf *g) {
         }
     }
 
-    /* duplicate metadata keys: hash table over indices (a pairwise check of 65536 keys sharing
-     * a long prefix took 40 s) */
-    if (g->n_kv > 1) {
-        uint64_t cap = 1;
-        while (cap < g->n_kv * 2) cap <<= 1;
-        uint64_t *tab = malloc(cap * sizeof *tab);
-        if (!tab) FAIL(KVCC_GGUF_ERR_NOMEM, "%s: out of memory", g->name);
-        for (uint64_t k = 0; k < cap; k++) tab[k] = UINT64_MAX;
-        for (uint64_t i = 0; i < g->n_kv; i++) {
-            const kvcc_gguf_str *ki = &g->kv[i].key;
-            uint64_t h = fnv1a(ki->p, ki->n) & (cap - 1);
-            while (tab[h] != UINT64_MAX) {
-                const kvcc_gguf_str *kj = &g->kv[tab[h]].key;
-                if (kj->n == ki->n && memcmp(kj->p, ki->p, ki->n) == 0) {
-                    char key[KVCC_GGUF_MAX_NAME + 1];
-                    memcpy(key, ki->p, ki->n);
-                    key[ki->n] = 0;
-                    free(tab);
-                    FAIL(KVCC_GGUF_ERR_DUP, "%s: duplicate metadata key '%s'", g->name, key);
-                }
-                h = (h + 1) & (cap - 1);
-            }
-            tab[h] = i;
-        }
-        free(tab);
-    }
+    /* duplicate metadata keys (a pairwise check of 65536 keys sharing a long prefix took 40 s) */
+    uint64_t dup = first_duplicate(g->n_kv, kv_key, g);
+    if (dup > g->n_kv) FAIL(KVCC_GGUF_ERR_NOMEM, "%s: out of memory", g->name);
+    if (dup < g->n_kv)
+        FAIL(KVCC_GGUF_ERR_DUP, "%s: duplicate metadata key '%.*s'", g->name,
+             (int)g->kv[dup].key.n, g->kv[dup].key.p);
 
     for (uint64_t i = 0; i < g->n_tensors; i++) {
         kvcc_gguf_tensor *t = &g->tensors[i];
@@ -434,27 +439,11 @@ static int parse(kvcc_gguf *g) {
         }
         free(ord);
     }
-    /* duplicate tensor names: hash table over indices */
-    if (g->n_tensors > 1) {
-        uint64_t cap = 1;
-        while (cap < g->n_tensors * 2) cap <<= 1;
-        uint64_t *tab = malloc(cap * sizeof *tab);
-        if (!tab) FAIL(KVCC_GGUF_ERR_NOMEM, "%s: out of memory", g->name);
-        for (uint64_t k = 0; k < cap; k++) tab[k] = UINT64_MAX;
-        for (uint64_t i = 0; i < g->n_tensors; i++) {
-            const char *nm = g->tensors[i].name;
-            uint64_t h = fnv1a(nm, strlen(nm)) & (cap - 1);
-            while (tab[h] != UINT64_MAX) {
-                if (strcmp(g->tensors[tab[h]].name, nm) == 0) {
-                    free(tab);
-                    FAIL(KVCC_GGUF_ERR_DUP, "%s: duplicate tensor name '%s'", g->name, nm);
-                }
-                h = (h + 1) & (cap - 1);
-            }
-            tab[h] = i;
-        }
-        free(tab);
-    }
+    /* duplicate tensor names */
+    dup = first_duplicate(g->n_tensors, tensor_name, g);
+    if (dup > g->n_tensors) FAIL(KVCC_GGUF_ERR_NOMEM, "%s: out of memory", g->name);
+    if (dup < g->n_tensors)
+        FAIL(KVCC_GGUF_ERR_DUP, "%s: duplicate tensor name '%s'", g->name, g->tensors[dup].name);
     return 0;
 }
 

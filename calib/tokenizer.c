@@ -8,6 +8,7 @@
  *   - BPE of one piece with a min-heap of candidate pairs (rank, then leftmost), as HF tokenizers
  *     does, so long pieces stay O(n log n).
  */
+#include "hash.h"
 #include "tokenizer.h"
 
 #include <stdio.h>
@@ -41,11 +42,7 @@ struct kvcc_tok {
     int pre;
 };
 
-static uint64_t hash_bytes(const char *p, size_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ (uint8_t)p[i]) * 1099511628211ull;
-    return h;
-}
+static uint64_t hash_bytes(const char *p, size_t n) { return kvcc_fnv1a(KVCC_FNV_BASIS, p, n); }
 static uint64_t hash_u64(uint64_t x) {
     x ^= x >> 33;
     x *= 0xff51afd7ed558ccdull;

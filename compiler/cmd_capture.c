@@ -21,6 +21,7 @@
 
 #include <omp.h>
 
+#include "hash.h"
 #include "capture.h"
 #include "corpus.h"
 #include "dist.h"
@@ -75,12 +76,7 @@ static int agree_all(void *user, int rc, char *err, size_t errlen) {
  * the model (XXH3-64 each, folded FNV-1a). 0, or the exit status with the message printed. */
 static int inputs_digest(int argc, char **argv, char *const *texts, int n_texts,
                          uint64_t model_hash, uint64_t *out, char *msg, size_t msglen) {
-    uint64_t x = 1469598103934665603ull;
-    for (int i = 0; i < argc; i++)
-        for (const unsigned char *q = (const unsigned char *)argv[i];; q++) {
-            x = (x ^ *q) * 1099511628211ull;
-            if (!*q) break;
-        }
+    uint64_t x = kvcc_argv_digest(argc, argv);
     for (int i = -1; i < n_texts; i++) {
         uint64_t h = model_hash;
         kvpol_error e;
@@ -89,7 +85,7 @@ static int inputs_digest(int argc, char **argv, char *const *texts, int n_texts,
             fprintf(stderr, "kvcc capture: %s\n", msg);
             return KVCC_EXIT_FAILED;
         }
-        for (int b = 0; b < 8; b++) x = (x ^ ((h >> (8 * b)) & 0xff)) * 1099511628211ull;
+        x = kvcc_fnv1a(x, &h, sizeof h);
     }
     *out = x;
     return KVCC_EXIT_OK;

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hash.h"
 #include "dist.h"
 #include "gguf.h"
 #include "kvcc.h"
@@ -304,17 +305,9 @@ typedef struct {
 
 /* A digest of what every rank must agree on: the command line and the hashes of its inputs. */
 static uint64_t inputs_digest(int argc, char **argv, const kvpol_header *h) {
-    uint64_t x = 1469598103934665603ull;
-    for (int i = 0; i < argc; i++)
-        for (const unsigned char *q = (const unsigned char *)argv[i];; q++) {
-            x = (x ^ *q) * 1099511628211ull;
-            if (!*q) break;
-        }
-    const unsigned char *b = (const unsigned char *)&h->corpus_hash;
-    for (size_t i = 0; i < sizeof h->corpus_hash; i++) x = (x ^ b[i]) * 1099511628211ull;
-    b = (const unsigned char *)&h->model.model_hash;
-    for (size_t i = 0; i < sizeof h->model.model_hash; i++) x = (x ^ b[i]) * 1099511628211ull;
-    return x;
+    uint64_t x = kvcc_argv_digest(argc, argv);
+    x = kvcc_fnv1a(x, &h->corpus_hash, sizeof h->corpus_hash);
+    return kvcc_fnv1a(x, &h->model.model_hash, sizeof h->model.model_hash);
 }
 
 /* Everything before the passes: options, inputs, checks, the writer with its provenance section.

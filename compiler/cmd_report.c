@@ -1009,6 +1009,17 @@ static int load_eval(const char *path, const kvpol_header *h, cJSON **out) {
 }
 
 /* ------------------------------------------------------------------ the runtime check */
+typedef struct {
+    char *out;
+    size_t n, k;
+} report_text;
+
+/* kvcc_open_policy_groups' report of one group: "; kvrt_am_open: ok" or its message */
+static void append_group(void *user, const char *fn, int rc, const char *msg) {
+    report_text *t = user;
+    if (t->k < t->n) t->k += (size_t)snprintf(t->out + t->k, t->n - t->k, "; %s: %s", fn,
+                                              rc == KVRT_OK ? "ok" : msg);
+}
 static void runtime_check(const char *path, const kvpol_header *h, char *out, size_t n) {
     kvrt_model_dims md = {.n_layers = h->model.n_layers, .n_heads = h->model.n_heads, .n_kv_heads = h->model.n_kv_heads,
                           .head_dim = h->model.head_dim, .vocab_size = h->model.vocab_size,
@@ -1019,24 +1030,9 @@ static void runtime_check(const char *path, const kvpol_header *h, char *out, si
         snprintf(out, n, "kvrt_policy_open refused it: %s", err.msg);
         return;
     }
-    uint32_t g = kvrt_policy_groups(p);
-    size_t k = (size_t)snprintf(out, n, "kvrt_policy_open: ok");
-#define TRY(grp, label, T, open, fr)                                                                \
-    if ((g >> grp) & 1) {                                                                           \
-        T *x_ = NULL;                                                                               \
-        int rc_ = open(p, &x_);                                                                     \
-        if (k < n)                                                                                  \
-            k += (size_t)snprintf(out + k, n - k, "; %s: %s", label,                                \
-                                  rc_ == KVRT_OK ? "ok" : kvrt_last_error()->msg);                  \
-        fr(x_);                                                                                     \
-    }
-    TRY(KVPOL_GROUP_COMPILERKV, "kvrt_compilerkv_open", kvrt_compilerkv_tables, kvrt_compilerkv_open,
-        kvrt_compilerkv_tables_free)
-    TRY(KVPOL_GROUP_AM, "kvrt_am_open", kvrt_am_schedule, kvrt_am_open, kvrt_am_schedule_free)
-    TRY(KVPOL_GROUP_COMPKV, "kvrt_compkv_open", kvrt_compkv_grouping, kvrt_compkv_open, kvrt_compkv_grouping_free)
-    TRY(KVPOL_GROUP_KV2, "kvrt_kv2_open", kvrt_kv2_schedule, kvrt_kv2_open, kvrt_kv2_schedule_free)
-    TRY(KVPOL_GROUP_MERGE_REDUCE, "kvrt_mr_open", kvrt_mr_schedule, kvrt_mr_open, kvrt_mr_schedule_free)
-#undef TRY
+    report_text t = {out, n, (size_t)snprintf(out, n, "kvrt_policy_open: ok")};
+    char first[sizeof err.msg];
+    kvcc_open_policy_groups(p, append_group, &t, first, sizeof first);
     kvrt_policy_free(p);
 }
 

@@ -41,7 +41,7 @@ static int verify_one(const char *path, const kvcc_preset *p, int quiet) {
     kvrt_policy *pol = NULL;
     kvrt_error kerr = {0};
     int krc = kvrt_policy_open(path, p ? &want : NULL, &pol, &kerr);
-    if (krc == KVRT_OK && (krc = kvcc_open_policy_groups(pol, kerr.msg, sizeof kerr.msg)) != KVRT_OK)
+    if (krc == KVRT_OK && (krc = kvcc_open_policy_groups(pol, NULL, NULL, kerr.msg, sizeof kerr.msg)) != KVRT_OK)
         kerr.detail = 0;
     kvrt_policy_free(pol);
     if (krc == KVRT_ERR_MODEL_MISMATCH) {

@@ -28,8 +28,10 @@ static inline int kvcc_exit_for_kvpol(int status) { return status == 0 ? 0 : KVC
  * 4, a bad argument 2, anything else 5. */
 int kvcc_exit_for_kvrt(int status, int detail);
 /* Every policy group the artifact carries, opened as a serving stack opens it (kvrt_am_open,
- * ...): KVRT_OK, or the first failure's status with "kvrt_X_open: message" in msg. */
-int kvcc_open_policy_groups(kvrt_policy *p, char *msg, size_t msglen);
+ * ...), each reported to each(user, "kvrt_am_open", status, message or NULL) when each is given:
+ * KVRT_OK, or the first failure's status with its "kvrt_X_open: message" in msg. */
+int kvcc_open_policy_groups(kvrt_policy *p, void (*each)(void *, const char *, int, const char *),
+                            void *user, char *msg, size_t msglen);
 
 int kvcc_cmd_models(int argc, char **argv);
 int kvcc_cmd_inspect(int argc, char **argv);
@@ -90,6 +92,9 @@ int kvcc_same_file(const char *a, const char *b);
  * prefix `pre` ("kvcc compile: ") that LINE starts with when it is the last line the rank
  * printed, so that the command's own prefix is not said twice. */
 void kvcc_strip_rank_prefix(char *msg, const char *pre);
+/* FNV-1a 64 (calib/hash.h) of the command line, each argument with its NUL: the part of the
+ * digest every MPI rank compares that its options make. */
+uint64_t kvcc_argv_digest(int argc, char **argv);
 /* On SIGINT, SIGTERM, SIGHUP, SIGQUIT or SIGPIPE, remove the OUT.tmp.XXXXXX this process has
  * open (found through /proc/self/fd with async-signal-safe calls), then die of the signal. */
 void kvcc_remove_temp_on_signal(const char *out);

@@ -22,6 +22,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "hash.h"
 #include "kvcc.h"
 
 const char *kvcc_group_name(uint32_t group) { return kvpol_group_name(group); }
@@ -391,6 +392,12 @@ void kvcc_remove_temp_on_signal(const char *out) {
     }
 }
 
+uint64_t kvcc_argv_digest(int argc, char **argv) {
+    uint64_t x = KVCC_FNV_BASIS;
+    for (int i = 0; i < argc; i++) x = kvcc_fnv1a(x, argv[i], strlen(argv[i]) + 1);
+    return x;
+}
+
 int kvcc_exit_for_kvrt(int status, int detail) {
     if (status == KVRT_OK) return KVCC_EXIT_OK;
     if (status == KVRT_ERR_FORMAT || status == KVRT_ERR_IO)
@@ -401,14 +408,19 @@ int kvcc_exit_for_kvrt(int status, int detail) {
     return KVCC_EXIT_FAILED;
 }
 
-int kvcc_open_policy_groups(kvrt_policy *p, char *msg, size_t msglen) {
+int kvcc_open_policy_groups(kvrt_policy *p, void (*each)(void *, const char *, int, const char *),
+                            void *user, char *msg, size_t msglen) {
     const uint32_t g = kvrt_policy_groups(p);
     int rc = KVRT_OK;
 #define KVCC_TRY_GROUP(grp, T, open, fr)                                                           \
-    if (rc == KVRT_OK && ((g >> (grp)) & 1)) {                                                     \
+    if ((g >> (grp)) & 1) {                                                                        \
         T *x_ = NULL;                                                                              \
-        rc = open(p, &x_);                                                                         \
-        if (rc != KVRT_OK) snprintf(msg, msglen, "%s", kvrt_last_error()->msg);                   \
+        const int r_ = open(p, &x_);                                                               \
+        if (r_ != KVRT_OK && rc == KVRT_OK) {                                                      \
+            rc = r_;                                                                               \
+            snprintf(msg, msglen, "%s", kvrt_last_error()->msg);                                   \
+        }                                                                                          \
+        if (each) each(user, #open, r_, r_ == KVRT_OK ? NULL : kvrt_last_error()->msg);            \
         fr(x_);                                                                                    \
     }
     KVCC_TRY_GROUP(KVPOL_GROUP_COMPILERKV, kvrt_compilerkv_tables, kvrt_compilerkv_open,

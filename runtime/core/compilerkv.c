@@ -15,10 +15,17 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "kvpol.h"
 #include "core/policies.h"
+
+/* "a, b, c" of n dims (n <= 4) */
+static void dims_text(const uint64_t *dims, uint32_t n, char *buf, size_t cap) {
+    size_t a = 0;
+    buf[0] = '\0';
+    for (uint32_t i = 0; i < n && a < cap; i++)
+        a += (size_t)snprintf(buf + a, cap - a, "%s%llu", i ? ", " : "", (unsigned long long)dims[i]);
+}
 
 /* A tensor item of the CompilerKV section with the expected dtype and shape (ndim dims: the
  * artifact's own layout, [n_budgets, L, H] and so on, as docs/kvpol-format.md lists). */
@@ -32,13 +39,9 @@ static int get_item(const kvpol_file *f, uint32_t si, const char *name, int dtyp
     int same = it.ndim == ndim;
     for (uint32_t i = 0; same && i < ndim; i++) same = it.dims[i] == dims[i];
     if (!same) {
-        char got[96] = "", want[96] = "";
-        for (uint32_t i = 0, a = 0; i < it.ndim && i < 4; i++)
-            a += (uint32_t)snprintf(got + a, sizeof got - a, "%s%llu", i ? ", " : "",
-                                    (unsigned long long)it.dims[i]);
-        for (uint32_t i = 0, a = 0; i < ndim; i++)
-            a += (uint32_t)snprintf(want + a, sizeof want - a, "%s%llu", i ? ", " : "",
-                                    (unsigned long long)dims[i]);
+        char got[96], want[96];
+        dims_text(it.dims, it.ndim < 4 ? it.ndim : 4, got, sizeof got);
+        dims_text(dims, ndim, want, sizeof want);
         return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: item '%s': shape [%s], expected [%s]",
                          name, got, want);
     }
@@ -81,11 +84,9 @@ int kvrt_compilerkv_open(const kvrt_policy *p, kvrt_compilerkv_tables **out) {
     rc = kvrt_compilerkv_tables_create((uint32_t)nb, (uint32_t)L, (uint32_t)H, (uint32_t)window,
                                        bud, wh, tg, ee, pe, out);
     if (rc != KVRT_OK && rc != KVRT_ERR_NOMEM) { /* the artifact's values fail the tables' checks */
-        char why[sizeof kvrt_last_error()->msg]; /* the message is formatted into that buffer */
-        snprintf(why, sizeof why, "%s", kvrt_last_error()->msg);
-        const char *pre = "kvrt_compilerkv_tables_create: ";
-        const char *w = strncmp(why, pre, strlen(pre)) == 0 ? why + strlen(pre) : why;
-        return KVRT_FAIL(KVRT_ERR_FORMAT, "kvrt_compilerkv_open: compilerkv.tables: %s", w);
+        kvrt_err_as(rc, "kvrt_compilerkv_tables_create", "kvrt_compilerkv_open: compilerkv.tables");
+        kvrt_tls_err()->code = KVRT_ERR_FORMAT; /* the artifact's fault, not the caller's */
+        return KVRT_ERR_FORMAT;
     }
     if (rc == KVRT_OK) {
         (*out)->n_kv_heads = md.n_kv_heads;
