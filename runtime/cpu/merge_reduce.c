@@ -13,7 +13,9 @@
  * The references follow the definition literally (a union copy, phi recomputed at every node,
  * a merge sort, freshly allocated nodes). The fast paths do the same double arithmetic in the
  * same order (so the same bits): phi once per reduce into a workspace, index arrays, no
- * allocation per node, OpenMP over (KV head, dyadic node) of a level.
+ * allocation per node; the layer call's dyadic nodes depth first below a cut level (OpenMP over
+ * (KV head, subtree), a workspace that does not grow with the number of blocks), the levels
+ * above it and the prefix scan's tree level by level (OpenMP over (KV head, node)).
  */
 #include <math.h>
 #include <stdio.h>
@@ -938,64 +940,84 @@ int kvrt_cpu_mr_reduce(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint
 // ----------------------------------------------------------------------------
 // the dyadic nodes of a sequence of blocks (the layer call and the scan)
 
-/* Full dyadic nodes of levels 1..J over nb blocks, for nh sequences (heads): node (s, j, i) =
- * blocks [i 2^j, (i + 1) 2^j), i < nb >> j, at sets[first[j] + s * (nb >> j) + i]. */
+/* n sets of cap K and head_dim d in three allocations. */
 typedef struct {
-    int64_t nb, K;
-    int J;
-    int nh;
-    int64_t first[64];
-    int64_t n_sets;
+    int64_t n;
     kvrt_mr_set *sets;
     float *fbuf;
     int32_t *ibuf;
-} mr_tree;
+} mr_pool;
 
-static void tree_free(mr_tree *t) {
-    free(t->sets);
-    free(t->fbuf);
-    free(t->ibuf);
+static void pool_free(mr_pool *p) {
+    free(p->sets);
+    free(p->fbuf);
+    free(p->ibuf);
+    memset(p, 0, sizeof *p);
 }
 
-static int tree_alloc(mr_tree *t, int64_t nb, int64_t K, int nh, uint32_t d, int64_t extra) {
-    memset(t, 0, sizeof *t);
-    t->nb = nb;
-    t->K = K;
-    t->nh = nh;
-    int J = 0;
-    while (J < 62 && ((int64_t)2 << J) <= nb) J++;
-    t->J = J;
-    int64_t total = 0;
-    for (int j = 1; j <= J; j++) {
-        t->first[j] = total;
-        total += (int64_t)nh * (nb >> j);
-    }
-    t->first[J + 1] = total;
-    total += extra; /* scratch sets for the caller */
-    t->n_sets = total;
-    t->sets = calloc((size_t)(total ? total : 1), sizeof *t->sets);
-    t->fbuf = malloc(sizeof(float) * (size_t)(total ? total : 1) * (size_t)K * (2 * d + 1));
-    t->ibuf = malloc(sizeof(int32_t) * (size_t)(total ? total : 1) * (size_t)K);
-    if (!t->sets || !t->fbuf || !t->ibuf) {
-        tree_free(t);
+static int pool_alloc(mr_pool *p, int64_t n, int64_t K, uint32_t d) {
+    memset(p, 0, sizeof *p);
+    const size_t nn = (size_t)(n > 0 ? n : 1);
+    p->n = n;
+    p->sets = calloc(nn, sizeof *p->sets);
+    p->fbuf = malloc(sizeof(float) * nn * (size_t)K * (2 * (size_t)d + 1));
+    p->ibuf = malloc(sizeof(int32_t) * nn * (size_t)K);
+    if (!p->sets || !p->fbuf || !p->ibuf) {
+        pool_free(p);
         return KVRT_ERR_NOMEM;
     }
-    for (int64_t s = 0; s < total; s++) {
-        kvrt_mr_set *x = &t->sets[s];
-        float *f = t->fbuf + (size_t)s * (size_t)K * (2 * d + 1);
+    for (int64_t s = 0; s < n; s++) {
+        kvrt_mr_set *x = &p->sets[s];
+        float *f = p->fbuf + (size_t)s * (size_t)K * (2 * (size_t)d + 1);
         x->n = 0;
         x->cap = K;
         x->head_dim = d;
         x->k = f;
         x->v = f + (size_t)K * d;
         x->w = f + (size_t)K * 2 * d;
-        x->pos = t->ibuf + (size_t)s * (size_t)K;
+        x->pos = p->ibuf + (size_t)s * (size_t)K;
     }
     return KVRT_OK;
 }
 
+/* The full dyadic nodes of levels c..J over nb blocks, for nh sequences (heads): node (s, j, i) =
+ * blocks [i 2^j, (i + 1) 2^j), i < nb >> j, at sets[first[j] + s * (nb >> j) + i]. Levels below c
+ * are never stored: a level-c node is computed depth-first (dfs_node) from the blocks, with
+ * 2 (c - 1) scratch sets per thread, so the tree holds about 2 nh nb / 2^c sets instead of
+ * nh nb. c = 1 stores every level (the prefix scan reads them all). */
+typedef struct {
+    int64_t nb, K;
+    int J, c;
+    int nh;
+    int64_t first[64];
+    mr_pool pool;
+} mr_tree;
+
+static void tree_free(mr_tree *t) { pool_free(&t->pool); }
+
+static int tree_levels(int64_t nb) {
+    int J = 0;
+    while (J < 62 && ((int64_t)2 << J) <= nb) J++;
+    return J;
+}
+
+static int tree_alloc(mr_tree *t, int64_t nb, int64_t K, int nh, uint32_t d, int c) {
+    memset(t, 0, sizeof *t);
+    t->nb = nb;
+    t->K = K;
+    t->nh = nh;
+    t->J = tree_levels(nb);
+    t->c = c;
+    int64_t total = 0;
+    for (int j = c; j <= t->J; j++) {
+        t->first[j] = total;
+        total += (int64_t)nh * (nb >> j);
+    }
+    return pool_alloc(&t->pool, total, K, d);
+}
+
 static kvrt_mr_set *tree_node(const mr_tree *t, int s, int j, int64_t i) {
-    return &t->sets[t->first[j] + (int64_t)s * (t->nb >> j) + i];
+    return &t->pool.sets[t->first[j] + (int64_t)s * (t->nb >> j) + i];
 }
 
 /* One sequence's rows (k, v with row stride ld, positions pos0 + i, n rows) and its basis. */
@@ -1015,14 +1037,66 @@ static mr_view seq_block(const mr_seq *q, int64_t K, int64_t b) {
                     q->pos0 + (int32_t)lo);
 }
 
-/* The up-sweep: every full node of levels 1..J for every sequence, level by level, OpenMP over
- * (sequence, node). ws: one workspace per thread. */
-static void tree_up(mr_tree *t, const mr_seq *seqs, int reducer, uint32_t layer, uint64_t seed,
-                    kvrt_mr_ws **ws, int nt) {
-    for (int j = 1; j <= t->J; j++) {
-        const int64_t nn = t->nb >> j, tasks = nn * t->nh;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (tasks > 1 && nt > 1)
-        for (int64_t task = 0; task < tasks; task++) {
+/* The node of blocks [lo, lo + 2^j) (j >= 1) into out, depth first: its halves into scr[0] and
+ * scr[1], each computed with scr[2..] (2 (j - 1) scratch sets in all). The same REDUCE calls
+ * with the same keys as a level-by-level sweep, so the same bits. */
+static void dfs_node(kvrt_mr_ws *ws, int reducer, const mr_seq *q, int64_t K, uint32_t layer,
+                     uint64_t seed, int j, int64_t lo, kvrt_mr_set *out, kvrt_mr_set *scr) {
+    mr_view a, b;
+    if (j == 1) {
+        a = seq_block(q, K, lo);
+        b = seq_block(q, K, lo + 1);
+    } else {
+        const int64_t half = (int64_t)1 << (j - 1);
+        dfs_node(ws, reducer, q, K, layer, seed, j - 1, lo, &scr[0], scr + 2);
+        dfs_node(ws, reducer, q, K, layer, seed, j - 1, lo + half, &scr[1], scr + 2);
+        a = view_set(&scr[0]);
+        b = view_set(&scr[1]);
+    }
+    fast_reduce(ws, reducer, q->U, q->ldm, q->m, q->lam, &a, &b, K,
+                kvrt_mr_key(seed, layer, q->head, lo, lo + ((int64_t)1 << j)), out);
+}
+
+/* A node for dfs_node to compute: sequence s, level j, first block lo. */
+typedef struct {
+    int s, j;
+    int64_t lo;
+    kvrt_mr_set *out;
+} mr_task;
+
+/* The up-sweep: the level-c nodes (and any extra tasks, e.g. the small nodes of the dyadic
+ * decomposition below c) depth first, OpenMP over the tasks, then every full node of levels
+ * c + 1..J level by level, OpenMP over (sequence, node). ws: one workspace per thread; scr:
+ * 2 (c - 1) scratch sets per thread. Returns KVRT_ERR_NOMEM when the task list does not fit. */
+static int tree_up(mr_tree *t, const mr_seq *seqs, int reducer, uint32_t layer, uint64_t seed,
+                   kvrt_mr_ws **ws, kvrt_mr_set *scr, int nt, const mr_task *extra,
+                   int64_t n_extra) {
+    const int c = t->c;
+    const int64_t nc = t->nb >> c, nbase = nc * t->nh, ntask = nbase + n_extra;
+    mr_task *tasks = malloc(sizeof *tasks * (size_t)(ntask > 0 ? ntask : 1));
+    if (tasks == NULL) return KVRT_ERR_NOMEM;
+    for (int64_t x = 0; x < nbase; x++) {
+        const int s = (int)(x / nc);
+        const int64_t i = x % nc;
+        tasks[x] = (mr_task){s, c, i << c, tree_node(t, s, c, i)};
+    }
+    for (int64_t x = 0; x < n_extra; x++) tasks[nbase + x] = extra[x];
+    const int64_t nscr = 2 * (int64_t)(c > 1 ? c - 1 : 0);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (ntask > 1 && nt > 1)
+    for (int64_t x = 0; x < ntask; x++) {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        const mr_task *k = &tasks[x];
+        dfs_node(ws[tid], reducer, &seqs[k->s], t->K, layer, seed, k->j, k->lo, k->out,
+                 nscr ? scr + (size_t)tid * (size_t)nscr : NULL);
+    }
+    free(tasks);
+    for (int j = c + 1; j <= t->J; j++) {
+        const int64_t nn = t->nb >> j, count = nn * t->nh;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (count > 1 && nt > 1)
+        for (int64_t task = 0; task < count; task++) {
             int tid = 0;
 #ifdef _OPENMP
             tid = omp_get_thread_num();
@@ -1030,19 +1104,14 @@ static void tree_up(mr_tree *t, const mr_seq *seqs, int reducer, uint32_t layer,
             const int s = (int)(task / nn);
             const int64_t i = task % nn;
             const mr_seq *q = &seqs[s];
-            mr_view a, b;
-            if (j == 1) {
-                a = seq_block(q, t->K, 2 * i);
-                b = seq_block(q, t->K, 2 * i + 1);
-            } else {
-                a = view_set(tree_node(t, s, j - 1, 2 * i));
-                b = view_set(tree_node(t, s, j - 1, 2 * i + 1));
-            }
+            const mr_view a = view_set(tree_node(t, s, j - 1, 2 * i));
+            const mr_view b = view_set(tree_node(t, s, j - 1, 2 * i + 1));
             const int64_t lo = i << j, hi = (i + 1) << j;
             fast_reduce(ws[tid], reducer, q->U, q->ldm, q->m, q->lam, &a, &b, t->K,
                         kvrt_mr_key(seed, layer, q->head, lo, hi), tree_node(t, s, j, i));
         }
     }
+    return KVRT_OK;
 }
 
 /* node(lo, lo + 2^j) of sequence s as a view (a raw block for j = 0). */
@@ -1114,25 +1183,54 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
         q->lam = cl && o->mass_comp ? basis->lam + (size_t)h * basis->m_max : NULL;
         if (q->m > mcap) mcap = q->m;
     }
+    /* The lowest stored level c: the highest that still gives every thread about four
+     * depth-first tasks; below it, only the small nodes of nb's dyadic decomposition are kept
+     * (rem: the set bits of nb in 1..c - 1, per head). */
+    const int J = tree_levels(L.nb);
+    int c = 1;
+    while (c < J && (int64_t)Hkv * (L.nb >> (c + 1)) >= 4 * (int64_t)nt) c++;
+    const int nbit = __builtin_popcountll((unsigned long long)(L.nb & (((int64_t)1 << c) - 2)));
+    const int64_t nscr = 2 * (int64_t)(c - 1), nrem = (int64_t)Hkv * nbit;
     mr_tree t;
+    mr_pool rem, scr, fold;
+    memset(&rem, 0, sizeof rem);
+    memset(&scr, 0, sizeof scr);
+    memset(&fold, 0, sizeof fold);
+    mr_task *extra = malloc(sizeof *extra * (size_t)(nrem > 0 ? nrem : 1));
     kvrt_mr_ws **ws = NULL;
-    if (seqs == NULL || S == NULL ||
-        tree_alloc(&t, L.nb, L.K, (int)Hkv, d, 2 * (int64_t)Hkv) != KVRT_OK) {
+    int64_t n_extra = 0;
+    int oom = seqs == NULL || S == NULL || extra == NULL;
+    if (!oom) oom = tree_alloc(&t, L.nb, L.K, (int)Hkv, d, c) != KVRT_OK;
+    if (!oom && (pool_alloc(&rem, nrem, L.K, d) || pool_alloc(&scr, nscr * nt, L.K, d) ||
+                 pool_alloc(&fold, (int64_t)Hkv, L.K, d) ||
+                 (ws = ws_array(nt, 2 * L.K, d, mcap)) == NULL)) {
+        tree_free(&t);
+        oom = 1;
+    }
+    if (oom) {
+        pool_free(&rem);
+        pool_free(&scr);
+        pool_free(&fold);
+        free(extra);
         free(seqs);
         free(S);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld blocks of %lld tokens x %u "
                          "KV heads)", fn, (long long)L.nb, (long long)L.K, Hkv);
     }
-    ws = ws_array(nt, 2 * L.K, d, mcap);
-    if (ws == NULL) {
-        tree_free(&t);
-        free(seqs);
-        free(S);
-        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (workspaces)", fn);
+    /* the decomposition's nodes below c: bit j of nb starts after the higher bits */
+    for (uint32_t h = 0; h < Hkv; h++)
+        for (int j = c - 1; j >= 1; j--)
+            if ((L.nb >> j) & 1) {
+                extra[n_extra] = (mr_task){(int)h, j, (L.nb >> (j + 1)) << (j + 1),
+                                           &rem.sets[n_extra]};
+                n_extra++;
+            }
+    if (J >= 1 && tree_up(&t, seqs, o->reducer, layer, o->seed, ws, scr.sets, nt, extra,
+                          n_extra) != KVRT_OK) {
+        rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (tasks)", fn);
+        goto done;
     }
-    tree_up(&t, seqs, o->reducer, layer, o->seed, ws, nt);
     /* the fold of the dyadic decomposition of nb, per head */
-    kvrt_mr_set *scratch = &t.sets[t.first[t.J + 1]];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (Hkv > 1 && nt > 1)
     for (int64_t hh = 0; hh < (int64_t)Hkv; hh++) {
         const int h = (int)hh;
@@ -1140,13 +1238,17 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        kvrt_mr_set *buf[2] = {&scratch[2 * h], &scratch[2 * h + 1]};
+        /* S alternates between the head's fold set and its top tree node (read only as the
+         * first S, then dead); with no tree (nb = 1) there is nothing to fold */
+        kvrt_mr_set *buf[2] = {&fold.sets[h], J >= 1 ? tree_node(&t, h, J, 0) : &fold.sets[h]};
         int cur = -1; /* S in buf[cur]; -1: S is the first node itself */
         mr_view Sv = {0};
-        int64_t end = 0;
+        int64_t end = 0, r = (int64_t)h * nbit; /* the head's next rem set */
         for (int j = 62; j >= 0; j--) {
             if (!((L.nb >> j) & 1)) continue;
-            const mr_view D = node_view(&t, &seqs[h], h, j, end);
+            const mr_view D = j >= c   ? view_set(tree_node(&t, h, j, end >> j))
+                              : j >= 1 ? view_set(&rem.sets[r++])
+                                       : seq_block(&seqs[h], L.K, end);
             end += (int64_t)1 << j;
             if (end == ((int64_t)1 << j)) {
                 Sv = D;
@@ -1166,8 +1268,13 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
         S[h] = buf[cur];
     }
     rc = build_cache(k, v, T, Hkv, d, &L, S, dtype, out);
+done:
     ws_array_free(ws, nt);
     tree_free(&t);
+    pool_free(&rem);
+    pool_free(&scr);
+    pool_free(&fold);
+    free(extra);
     free(seqs);
     free(S);
     return rc;
@@ -1203,14 +1310,15 @@ int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
     const float *lc = o->reducer == KVRT_MR_CLUSTER && o->mass_comp ? lam : NULL;
     mr_seq q = {k, v, n, ld, pos0, U, ldm, mm, head, lc};
     mr_tree t;
-    if (tree_alloc(&t, nb, K, 1, head_dim, 0) != KVRT_OK)
+    if (tree_alloc(&t, nb, K, 1, head_dim, 1) != KVRT_OK)
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld blocks)", fn, (long long)nb);
     kvrt_mr_ws **ws = ws_array(nt, 2 * K, head_dim, mm);
-    if (ws == NULL) {
+    if (ws == NULL || (t.J >= 1 && tree_up(&t, &q, o->reducer, layer, o->seed, ws, NULL, nt,
+                                           NULL, 0) != KVRT_OK)) {
+        ws_array_free(ws, nt);
         tree_free(&t);
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (workspaces)", fn);
     }
-    tree_up(&t, &q, o->reducer, layer, o->seed, ws, nt);
     /* the down-sweep: prefix(b) = REDUCE(prefix(b - low(b)), node(b - low(b), b)) with the key of
      * [0, b), by popcount class (each class reads only the one before) */
     int maxpc = 0;

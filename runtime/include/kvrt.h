@@ -848,7 +848,10 @@ typedef struct {
  * basis: required by CLUSTER (NULL: KVRT_ERR_ARG), ignored by RANDOM; its n_kv_heads and
  * head_dim must equal Hkv and d; CLUSTER with mass_comp = 1 needs basis->lam (NULL, a negative or
  * non-finite value: KVRT_ERR_ARG). layer keys the random reducer. KVRT_ERR_ARG also for NaN or
- * infinite keys or values. CPU: OpenMP over (KV head, dyadic node) of a level. */
+ * infinite keys or values. CPU: the dyadic nodes depth first below a cut level, OpenMP over
+ * (KV head, subtree), then the few nodes above it level by level; workspace a number of K-entry
+ * sets (K (2d + 1) floats each) that does not grow with the number of blocks: about
+ * 2 log2(T / K) per thread plus a few per KV head (docs/policies/merge-reduce.md). */
 int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                            uint32_t layer, const float *k, const float *v, int64_t T,
                            uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,

@@ -607,7 +607,7 @@ Test(merge_reduce, compress_layer_matches_ref_and_threads) {
     kvrt_ctx *ctx[3] = {ctx_threads(1), ctx_threads(2), ctx_threads(3)};
     static const struct { int64_t T; double budget; uint32_t n_sink; double rf; } cases[] = {
         {300, 0.1, 4, 0.25}, {300, 40, 0, 0.0}, {517, 0.05, 2, 0.5}, {64, 63, 4, 0.25},
-        {1000, 0.3, 8, 0.1}, {129, 12, 1, 0.2}};
+        {1000, 0.3, 8, 0.1}, {129, 12, 1, 0.2}, {2000, 8, 1, 0.0}};
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
         const int64_t T = cases[ci].T;
         float *k = randn_f((size_t)T * Hkv * d, &seed, 1.0);
