@@ -104,8 +104,12 @@ def compact(K, V, Q, t, chunk, n_sink, recent_frac, floor, ridge=1e-6):
             tc = lround(tm * c1 / Tm) - lround(tm * c0 / Tm)
             if tc == 0:
                 continue
-            sel, beta, Cv, me, oe = compact_chunk(K[a + c0:a + c1], V[a + c0:a + c1], Q, tc, floor,
-                                                  ridge)
+            if tc >= c1 - c0:  # a share of every key: the keys themselves (kvrt's rule)
+                sel, beta = np.arange(c1 - c0), np.zeros(c1 - c0)
+                Cv, me, oe = V[a + c0:a + c1].astype(np.float64), 0.0, 0.0
+            else:
+                sel, beta, Cv, me, oe = compact_chunk(K[a + c0:a + c1], V[a + c0:a + c1], Q, tc,
+                                                      floor, ridge)
             mass_err += me
             out_err += oe
             nq += Q.shape[0]

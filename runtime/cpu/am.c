@@ -1578,11 +1578,12 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
         const int64_t chunk = Tm > 0 ? chunk_of(o, Tm) : 1;
         const int64_t nc = Tm > 0 ? (Tm + chunk - 1) / chunk : 0;
         for (int64_t c = 0; c < nc && rc == KVRT_OK; c++) {
-            int64_t k0 = 0, Tc = 0, tc, need = 0;
+            int64_t k0 = 0, Tc = 0, tc, need = 0, fit = 0;
             for (int si = g0; si < ns; si++)
                 if (IN_GROUP(si)) {
                     chunk_span(a, Tm, chunk, sp[si].tm, c, &k0, &Tc, &tc);
                     need |= tc > 0;
+                    fit |= tc > 0 && tc < Tc;
                 }
             if (!need) continue;
             const float *qc;
@@ -1591,13 +1592,19 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
                 rc = kvrt_tls_err()->code;
                 break;
             }
-            rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv,
-                         o->key_select == KVRT_AM_SELECT_OMP);
+            if (fit)
+                rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv,
+                             o->key_select == KVRT_AM_SELECT_OMP);
             for (int si = g0; si < ns && rc == KVRT_OK; si++) {
                 if (!IN_GROUP(si)) continue;
                 chunk_span(a, Tm, chunk, sp[si].tm, c, &k0, &Tc, &tc);
-                if (tc > 0)
+                if (tc >= Tc) { /* a share of every key: the keys themselves (no error) */
+                    const kvrt_nnls_info none = {0};
+                    append_exact(&res[si], k, v, ld, d, k0, k0 + Tc);
+                    kvrt_am_acc_add(&acc[si], 0, 0, nv, &none);
+                } else if (tc > 0) {
                     rc = am_fit(o, &ws, k, ld, k0, Tc, Tc, d, nv, tc, &res[si], &acc[si]);
+                }
             }
         }
         for (int si = g0; si < ns; si++) /* IN_GROUP(si) reads done[si] only: g0 is set last */

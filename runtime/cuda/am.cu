@@ -792,6 +792,12 @@ static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, cons
             return kvrt_err_set(&c->ctx->last_err, KVRT_ERR_ARG, 0,
                                 "kvrt_am_compact: no reference query sees keys %lld.. (every "
                                 "q_pos < %lld)", (long long)k0, (long long)k0);
+        if (tc >= Tc) { /* a share of every key: the keys themselves (the CPU's rule) */
+            const kvrt_nnls_info none = {0, 0, 0.0};
+            rc = append_exact(c, w, h, r, k0, k0 + Tc);
+            kvrt_am_acc_add(&acc, 0, 0, nv, &none);
+            continue;
+        }
         rc = am_chunk(c, w, h, qs, qoff, qpos, rows, nv, k0, Tc, tc, r, &acc);
     }
     if (rc == KVRT_OK) rc = append_exact(c, w, h, r, T - sp.nr, T);
