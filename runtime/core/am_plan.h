@@ -16,6 +16,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "kvrt_experimental.h"
 
@@ -136,6 +137,35 @@ static inline void kvrt_am_acc_stats(const kvrt_am_acc *a, int64_t t, int64_t ke
     st->out_relerr = a->n_q ? a->out_err / (double)a->n_q : 0;
     st->nnls_status = a->status;
     st->nnls_iterations = a->iters;
+}
+
+/* The first of n fitted floats that a cache of dtype cannot hold, or -1: not finite, or, in f16,
+ * |x| >= 65520 (rounds to nearest even past 65504, the largest f16), in bf16 |x| >= 0x7f7f8000's
+ * value (rounds past 0x7f7f, the largest bf16): the value fit can amplify values in range. */
+static inline int64_t kvrt_am_first_unstorable(const float *x, int64_t n, int dtype) {
+    for (int64_t i = 0; i < n; i++) {
+        union { float f; uint32_t u; } b;
+        b.f = x[i];
+        const uint32_t a = b.u & 0x7fffffffu;
+        if (a >= 0x7f800000u || (dtype == KVRT_DTYPE_F16 && fabsf(x[i]) >= 65520.0f) ||
+            (dtype == KVRT_DTYPE_BF16 && a >= 0x7f7f8000u))
+            return i;
+    }
+    return -1;
+}
+
+/* kvrt_am_first_unstorable over KV head h's fitted values cv [n, d]: 0, or 1 with the message
+ * (entry, coordinate, value, what to do) in msg. */
+static inline int kvrt_am_values_unstorable(const char *fn, int64_t h, const float *cv, int64_t n,
+                                            int64_t d, int dtype, char *msg, size_t len) {
+    const int64_t i = kvrt_am_first_unstorable(cv, n * d, dtype);
+    if (i < 0) return 0;
+    const char *name = dtype == KVRT_DTYPE_F16 ? "f16" : dtype == KVRT_DTYPE_BF16 ? "bf16" : "f32";
+    snprintf(msg, len, "%s: KV head %lld: the fitted value %g (entry %lld, coordinate %lld) does "
+             "not fit %s storage (the value fit amplifies its inputs)%s", fn, (long long)h,
+             (double)cv[i], (long long)(i / d), (long long)(i % d), name,
+             dtype == KVRT_DTYPE_F32 ? "" : "; store the cache as f32");
+    return 1;
 }
 
 #endif /* KVRT_CORE_AM_PLAN_H */

@@ -1640,6 +1640,13 @@ static void out_free(am_out *r) {
     free(r->pos); free(r->ck); free(r->cv); free(r->beta);
 }
 
+/* KVRT_ERR_ARG when head h's fitted values do not fit a cache of dtype (am_plan.h). */
+static int out_storable(const char *fn, const am_out *r, int64_t d, int dtype, int64_t h) {
+    char msg[320];
+    if (!kvrt_am_values_unstorable(fn, h, r->cv, r->n, d, dtype, msg, sizeof msg)) return KVRT_OK;
+    return KVRT_FAIL(KVRT_ERR_ARG, "%s", msg);
+}
+
 /* Write head h's entries into cache c (already created with counts[h] = r->n). */
 static void out_store(const am_out *r, kvrt_cache *c, uint32_t h) {
     const int64_t e0 = c->offsets[h];
@@ -1738,6 +1745,7 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
     const int blas = am_blas_hold();
     rc = am_head(o, k, v, d, T, d, q_ref, q_pos, n, 1, &t, &r, stats, NULL);
     kvrt_cpu_openblas_restore(blas);
+    if (rc == KVRT_OK) rc = out_storable(fn, &r, d, dtype, 0);
     if (rc == KVRT_OK) {
         int64_t cnt = r.n;
         rc = kvrt_cache_create(1, head_dim, dtype, &cnt, out);
@@ -1966,6 +1974,8 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
     free(herr);
     int64_t *cnt = malloc(sizeof(int64_t) * (size_t)Hkv);
     if (rc == KVRT_OK && !cnt) rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory", fn);
+    for (int64_t e = 0; rc == KVRT_OK && e < Hkv * ns; e++)
+        rc = out_storable(fn, &res[e], d, dtype, e / ns);
     for (int64_t si = 0; rc == KVRT_OK && si < ns; si++) {
         for (int64_t h = 0; h < Hkv; h++) cnt[h] = res[h * ns + si].n;
         rc = kvrt_cache_create(n_kv_heads, head_dim, dtype, cnt, &out[si]);

@@ -880,6 +880,13 @@ static int am_to_cache(kvrt_ctx *ctx, const char *fn, const am_res *res, int64_t
     if (cnt == NULL) return kvrt_err_set(&ctx->last_err, KVRT_ERR_NOMEM, 0, "%s: out of memory", fn);
     for (int64_t h = 0; h < Hkv; h++) cnt[h] = res[h * stride].n;
     kvrt_cache *hc = NULL;
+    char msg[320];
+    for (int64_t h = 0; h < Hkv; h++)
+        if (kvrt_am_values_unstorable(fn, h, res[h * stride].cv, res[h * stride].n, head_dim,
+                                      dtype, msg, sizeof msg)) {
+            free(cnt);
+            return kvrt_err_set(&ctx->last_err, KVRT_ERR_ARG, 0, "%s", msg);
+        }
     int rc = hs->cache_create((uint32_t)Hkv, head_dim, dtype, cnt, &hc);
     for (int64_t h = 0; rc == KVRT_OK && h < Hkv; h++) {
         const am_res *r = &res[h * stride];

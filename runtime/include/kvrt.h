@@ -532,7 +532,10 @@ typedef struct {
  * distribution) or NULL (every query sees every key), 1 <= t <= T. *out: a new host cache with
  * one KV head of at most t entries, dtype f32, f16 or bf16. stats may be NULL (then the CPU
  * backend skips the product only its out_relerr needs; the entries are the same). KVRT_ERR_ARG
- * also when no reference query sees some chunk. */
+ * also when no reference query sees some chunk, and when a fitted value does not fit the dtype
+ * (the value fit can amplify its inputs: values within f16's range may fit to beyond it; the
+ * message names the KV head, entry and value). A chunk whose share is every key keeps its keys
+ * and values exactly (beta 0): t = T returns the context itself. */
 int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
                     uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
                     int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats);

@@ -496,6 +496,43 @@ static void degenerate_inputs(int products) {
 Test(am, degenerate_inputs) { degenerate_inputs(KVRT_AM_PRODUCTS_F32); }
 Test(am, degenerate_inputs_bf16) { degenerate_inputs(KVRT_AM_PRODUCTS_BF16); }
 
+/* Fitted values past what the cache's dtype holds are refused (naming the head, entry and
+ * value), not stored as infinities: inputs inside f16's range whose fit amplifies them. */
+Test(am, fitted_values_past_the_dtype_are_refused) {
+    uint64_t s = 77;
+    enum { T = 1024, H = 4, HKV = 2, D = 64 };
+    float *q = randn_f(T * H * D, &s, 1.0), *k = randn_f(T * HKV * D, &s, 1.0);
+    float *v = randn_f(T * HKV * D, &s, 1.0);
+    kvrt_am_opts o;
+    kvrt_am_opts_init(&o);
+    kvrt_cache *c = NULL;
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
+                                       KVRT_DTYPE_F32, &c, NULL), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    double vin = 0, vfit = 0;
+    for (int i = 0; i < T * HKV * D; i++) vin = fmax(vin, fabs(v[i]));
+    for (int64_t i = 0; i < c->n_entries * D; i++) vfit = fmax(vfit, fabs(((float *)c->values)[i]));
+    kvrt_cache_free(c);
+    cr_assert_gt(vfit, 1.5 * vin, "the fit amplifies these values (%g -> %g)", vin, vfit);
+    /* scale the values so that the inputs fit f16 and the fit does not */
+    const double sc = 65504.0 / vin * 0.99;
+    cr_assert_gt(vfit * sc, 65520.0);
+    for (int i = 0; i < T * HKV * D; i++) v[i] = (float)(v[i] * sc);
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1,
+                                       KVRT_DTYPE_F16, &c, NULL), KVRT_ERR_ARG);
+    cr_expect_null(c);
+    cr_expect(strstr(kvrt_last_error()->msg, "does not fit f16 storage") != NULL &&
+                  strstr(kvrt_last_error()->msg, "KV head ") != NULL,
+              "%s", kvrt_last_error()->msg);
+    for (int dt = KVRT_DTYPE_F32; dt <= KVRT_DTYPE_BF16; dt += KVRT_DTYPE_BF16 - KVRT_DTYPE_F32) {
+        cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &o, q, k, v, T, H, HKV, D, NULL, 0.1, dt,
+                                           &c, NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+        kvrt_cache_free(c);
+        c = NULL;
+    }
+    free(q); free(k); free(v);
+}
+
 Test(am, layer_budgets_chunks_and_determinism) {
     uint64_t s = 55;
     enum { T = 300, H = 4, HKV = 2, D = 16 };
