@@ -380,6 +380,18 @@ CK_CLONES static void append_heads(kvrt_compkv *s, uint32_t h0, uint32_t h1, con
 /* Arguments checked by kvrt_compkv_append (core/compkv.c): n >= 1 tokens that fit. */
 int kvrt_cpu_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n) {
     const size_t row = (size_t)s->b.hkv * s->b.d;
+    /* a NaN or infinite row would poison its head's summaries for good (every later step reads
+     * the block means): refused before anything is appended */
+    for (int kv = 0; kv < 2; kv++) {
+        const float *x = kv ? v : k;
+        for (size_t i = 0; i < (size_t)n * row; i++)
+            if (!isfinite(x[i]))
+                return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_append: %s[%lld, %llu, %llu] = %g (token "
+                                 "%lld of the state); nothing appended", kv ? "v" : "k",
+                                 (long long)(i / row), (unsigned long long)(i % row / s->b.d),
+                                 (unsigned long long)(i % s->b.d), (double)x[i],
+                                 (long long)(s->b.len + (int64_t)(i / row)));
+    }
     /* KV heads split statically over the threads; each head's updates run in one thread in
      * token order, so the result does not depend on the split */
 #pragma omp parallel if ((double)n * (double)row >= 65536.0)

@@ -1101,7 +1101,10 @@ int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_h
 void kvrt_compkv_free(kvrt_compkv *s);
 /* Append n tokens k, v [n, Hkv, d] (f32), updating the summaries incrementally (the running
  * partial block by Welford; a block is finalized when it fills). n = 0 is a no-op.
- * KVRT_ERR_SHAPE past capacity (nothing is appended then). */
+ * KVRT_ERR_SHAPE past capacity; on the CPU KVRT_ERR_ARG for a NaN or infinite k or v (naming
+ * the token, head and coordinate); nothing is appended then. A CUDA context does not check the
+ * rows (it would cost a synchronization per append): a non-finite row there makes its head's
+ * scores NaN from then on. */
 int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n);
 int64_t kvrt_compkv_length(const kvrt_compkv *s);    /* tokens held */
 int64_t kvrt_compkv_n_blocks(const kvrt_compkv *s);  /* ceil(length / block) */

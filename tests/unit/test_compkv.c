@@ -935,7 +935,17 @@ Test(compkv, bad_arguments_are_refused_with_a_message) {
     expect_error(kvrt_compkv_append(s, k, NULL, 1), KVRT_ERR_ARG, "NULL v", "append NULL v");
     expect_error(kvrt_compkv_append(s, k, v, -1), KVRT_ERR_ARG, "n = -1", "append n < 0");
     expect_error(kvrt_compkv_append(s, k, v, 21), KVRT_ERR_SHAPE, "capacity", "append overflow");
-    append_ok(s, k, v, 20);
+    append_ok(s, k, v, 3);
+    v[3 * 2 * d + d + 5] = INFINITY; /* token 3 (the call's row 0), head 1, coordinate 5 */
+    expect_error(kvrt_compkv_append(s, k + 3 * 2 * d, v + 3 * 2 * d, 2), KVRT_ERR_ARG,
+                 "v[0, 1, 5] = inf (token 3", "append Inf v");
+    cr_expect_eq(kvrt_compkv_length(s), 3, "nothing appended");
+    v[3 * 2 * d + d + 5] = 0.25f;
+    k[4 * 2 * d] = NAN;
+    expect_error(kvrt_compkv_append(s, k + 3 * 2 * d, v + 3 * 2 * d, 2), KVRT_ERR_ARG,
+                 "k[1, 0, 0] = nan (token 4", "append NaN k");
+    k[4 * 2 * d] = 0.25f;
+    append_ok(s, k + 3 * 2 * d, v + 3 * 2 * d, 17);
     expect_error(kvrt_compkv_append(s, k, v, 1), KVRT_ERR_SHAPE, "capacity of 20", "full state");
     expect_error(kvrt_compkv_scores(s, NULL, 8, sc), KVRT_ERR_ARG, "NULL q", "scores NULL q");
     expect_error(kvrt_compkv_scores(s, q, 8, NULL), KVRT_ERR_ARG, "NULL scores",
