@@ -1026,11 +1026,19 @@ int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n) {
                                 (long long)(qs->page_stride * (int64_t)qs->page));
         return kvrt_policy_ctx_done(qs->owner, qs->owner->ops->quest_append(qs->owner, qs, k, n));
     }
+    const size_t d = qs->head_dim;
+    const uint32_t Hkv = qs->n_kv_heads;
+    /* min/max would pass over a NaN (and an infinite bound makes every score of the page
+     * infinite): refused before anything is summarized */
+    for (size_t i = 0; i < (size_t)n * Hkv * d; i++)
+        if (!isfinite(k[i]))
+            return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_append: k[%lld, %llu, %llu] = %g "
+                                "(token %lld); nothing appended", (long long)(i / (Hkv * d)),
+                                (unsigned long long)(i / d % Hkv), (unsigned long long)(i % d),
+                                (double)k[i], (long long)(qs->T + (int64_t)(i / (Hkv * d))));
     const int64_t T1 = qs->T + n, pages = (T1 + qs->page - 1) / qs->page;
     if (quest_reserve(qs, pages) != KVRT_OK)
         return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_append: out of memory");
-    const size_t d = qs->head_dim;
-    const uint32_t Hkv = qs->n_kv_heads;
     for (uint32_t hk = 0; hk < Hkv; hk++)
         for (int64_t t = qs->T; t < T1; t++) {
             const int64_t p = t / qs->page;
@@ -1189,6 +1197,11 @@ int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, fl
                                     qs->owner->ops->quest_scores(qs->owner, qs, q, n_heads, scores));
     const uint32_t G = n_heads / qs->n_kv_heads;
     const size_t d = qs->head_dim;
+    for (size_t i = 0; i < (size_t)n_heads * d; i++) /* NaN scores would select by index */
+        if (!isfinite(q[i]))
+            return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "kvrt_quest_scores: q[%llu, %llu] "
+                                "= %g, expected finite", (unsigned long long)(i / d),
+                                (unsigned long long)(i % d), (double)q[i]);
     double *qp = malloc(sizeof(double) * 2 * d);
     if (qp == NULL)
         return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0, "kvrt_quest_scores: out of memory");

@@ -427,7 +427,9 @@ int kvrt_quest_summarize(const float *k, int64_t T, uint32_t n_kv_heads, uint32_
 int kvrt_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim, uint32_t page,
                       int64_t capacity, kvrt_quest **out);
 /* Adds tokens T..T+n-1, k [n, Hkv, d]; n = 0 is a no-op. The room of a host summary grows
- * geometrically. */
+ * geometrically. A host summary refuses a NaN or infinite k (KVRT_ERR_ARG naming the token,
+ * head and coordinate; nothing appended), and kvrt_quest_scores / _select a non-finite q; a
+ * CUDA context's summary does not check (it would cost a synchronization per call). */
 int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n);
 void kvrt_quest_free(kvrt_quest *qs);
 /* Upper-bound scores [Hkv, n_pages]: sum over the G query heads of the KV head of

@@ -449,6 +449,18 @@ Test(quest, create_on_a_context) {
     cr_assert_eq(kvrt_quest_select(a, NULL, 4, 2, pages), KVRT_ERR_ARG);
     cr_assert(strstr(kvrt_last_error()->msg, "kvrt_quest_select: NULL q") == kvrt_last_error()->msg,
               "%s", kvrt_last_error()->msg);
+    /* non-finite keys and queries are refused (NaN scores had selected pages by index) */
+    float q[4 * 8];
+    for (int i = 0; i < 4 * 8; i++) q[i] = 0.5f;
+    q[9] = NAN;
+    cr_assert_eq(kvrt_quest_select(a, q, 4, 2, pages), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "kvrt_quest_select: q[1, 1] = nan") ==
+                  kvrt_last_error()->msg, "%s", kvrt_last_error()->msg);
+    k[3] = INFINITY;
+    cr_assert_eq(kvrt_quest_append(b, k, 2), KVRT_ERR_ARG);
+    cr_assert(strstr(kvrt_last_error()->msg, "k[0, 0, 3] = inf (token 50); nothing appended"),
+              "%s", kvrt_last_error()->msg);
+    cr_assert_eq(b->T, T);
     kvrt_quest_free(a);
     kvrt_quest_free(b);
     kvrt_ctx_free(ctx);
