@@ -17,6 +17,7 @@
  * Everything the runtime would reject later (perm not a permutation of 0..d-1, offsets not
  * strictly increasing from 0 to d) is refused here as KVRT_ERR_FORMAT naming the layer and head.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -64,10 +65,10 @@ static int grouping_parse(const kvpol_file *f, uint32_t si, const char *label, u
             "[L, Hkv, r+1] and learned [L, Hkv]",
             label, (long long)r, (unsigned long long)L, (unsigned long long)Hkv,
             (unsigned long long)d);
-    if (block < 1 || block > 0x7fffffff || !(scale > 0))
+    if (block < 1 || block > 0x7fffffff || !(scale > 0) || !(scale <= FLT_MAX))
         return KVRT_FAIL(KVRT_ERR_FORMAT,
-                         "%s: compkv.groupings: block %lld must be >= 1 and scale %g > 0", label,
-                         (long long)block, scale);
+                         "%s: compkv.groupings: block %lld must be in 1..2^31-1 and scale %g in "
+                         "(0, %g] (a float)", label, (long long)block, scale, (double)FLT_MAX);
     if ((want_l && L != want_l) || (want_hkv && Hkv != want_hkv) || (want_d && d != want_d))
         return KVRT_FAIL(
             KVRT_ERR_MODEL_MISMATCH,

@@ -1051,14 +1051,17 @@ Test(compkv, results_do_not_depend_on_thread_count) {
  * decode states with blocks of 8 through kvrt_compkv_create_layer (the same scores as an explicit
  * kvrt_compkv_create with the compiled options), and another block is refused by name unless the
  * caller overrides it explicitly. */
-Test(compkv, handle_runs_the_compiled_block) {
-    enum { L = 2, HKV = 2, H = 4, D = 16, R = 4, BLK = 8, T = 100 };
+enum { GL = 2, GHKV = 2, GH = 4, GD = 16, GR = 4, GBLK = 8 };
+
+/* An artifact of one compkv.groupings section (GL layers, GHKV heads, d GD, r GR, block GBLK,
+ * the given scale) in memory; perm and off receive the grouping. */
+static void *groupings_artifact(double scale, uint16_t *perm, uint16_t *off, size_t *len) {
+    enum { L = GL, HKV = GHKV, H = GH, D = GD, R = GR, BLK = GBLK };
     kvpol_header h;
     kvpol_header_init(&h);
     h.model = (kvpol_model){.n_layers = L, .n_heads = H, .n_kv_heads = HKV, .head_dim = D, .vocab_size = 100,
                             .rope_theta = 10000.0, .rope_scaling_factor = 1.0f};
     snprintf(h.model.name, sizeof h.model.name, "tiny");
-    uint16_t perm[L * HKV * D], off[L * HKV * (R + 1)];
     uint8_t learned[L * HKV];
     for (int hh = 0; hh < L * HKV; hh++) {
         for (int i = 0; i < D; i++) perm[hh * D + i] = (uint16_t)((i * 5 + hh) % D); /* 5 is prime to 16 */
@@ -1076,10 +1079,34 @@ Test(compkv, handle_runs_the_compiled_block) {
     if (!kc) kc = kvpol_writer_add_tensor(w, "learned", KVPOL_DTYPE_U8, 2, dl, learned);
     if (!kc) kc = kvpol_writer_add_i64(w, "r", R);
     if (!kc) kc = kvpol_writer_add_i64(w, "block", BLK);
-    if (!kc) kc = kvpol_writer_add_f64(w, "scale", 0.25);
+    if (!kc) kc = kvpol_writer_add_f64(w, "scale", scale);
     if (!kc) kc = kvpol_writer_end_section(w);
+    return fx_kvpol_to_memory(w, kc, len);
+}
+
+/* A scale past float's range is the artifact's fault (KVRT_ERR_FORMAT when opened), not the
+ * caller's options' later (from a numerical audit). */
+Test(compkv, open_refuses_a_scale_past_float) {
+    uint16_t perm[GL * GHKV * GD], off[GL * GHKV * (GR + 1)];
     size_t len = 0;
-    void *buf = fx_kvpol_to_memory(w, kc, &len);
+    void *buf = groupings_artifact(1e39, perm, off, &len);
+    kvrt_policy *pol = NULL;
+    kvrt_error pe;
+    cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe), KVRT_OK, "%s", pe.msg);
+    kvrt_compkv_grouping *g = NULL;
+    cr_assert_eq(kvrt_compkv_open(pol, &g), KVRT_ERR_FORMAT);
+    cr_assert(strstr(kvrt_last_error()->msg, "scale 1e+39 in (0, 3.40282e+38]") != NULL, "%s",
+              kvrt_last_error()->msg);
+    cr_assert_null(g);
+    kvrt_policy_free(pol);
+    free(buf);
+}
+
+Test(compkv, handle_runs_the_compiled_block) {
+    enum { L = GL, HKV = GHKV, H = GH, D = GD, R = GR, BLK = GBLK, T = 100 };
+    uint16_t perm[L * HKV * D], off[L * HKV * (R + 1)];
+    size_t len = 0;
+    void *buf = groupings_artifact(0.25, perm, off, &len);
     kvrt_policy *pol = NULL;
     kvrt_error pe;
     cr_assert_eq(kvrt_policy_open_mem(buf, len, NULL, &pol, &pe), KVRT_OK, "%s", pe.msg);
