@@ -267,7 +267,9 @@ void kvrt_cache_free(kvrt_cache *c);
 size_t kvrt_cache_bytes(const kvrt_cache *c);
 /* Gather the selected tokens of a full cache k,v [T, n_kv_heads, d] (f32) into a new cache that
  * allocates only what is kept; bias 0, positions = the selected positions. Positions must lie
- * in [0, T) (KVRT_ERR_ARG otherwise). */
+ * in [0, T) (KVRT_ERR_ARG otherwise). Values are stored as they are, rounded to nearest even:
+ * f16 storage turns |x| >= 65520 into an infinity (bf16 only past float's own range), and NaN
+ * stays NaN; a caller whose activations may exceed f16's range stores f32 or bf16. */
 int kvrt_cache_gather(const float *k, const float *v, int64_t T, uint32_t n_kv_heads,
                       uint32_t head_dim, const kvrt_selection *sel, int dtype, kvrt_cache **out);
 /* A copy of a host cache in the memory of ctx (CUDA contexts: device memory; CPU contexts: a
@@ -292,11 +294,14 @@ float kvrt_bf16_to_f32(uint16_t h);
 /* out[i,h,:] = softmax over { cache entries of kv head h/G: q.k*scale + bias } U { recent tokens j
  * visible to query i: q.k_recent[j]*scale } of the values. q [n, H, d], k_recent/v_recent
  * [n_recent, Hkv, d] or NULL (then n_recent must be 0); query i sees recent tokens
- * j < n_recent - n + i + 1 (causal, the last query sees all). Running max, never overflows.
+ * j < n_recent - n + i + 1 (causal, the last query sees all). Running max: the exponentials
+ * never overflow; the logits themselves are f32 on the CPU's fast path (q.k * scale beyond
+ * float's range, e.g. q and k entries near 1e19, gives NaN rows there; _ref sums in double).
  * Optional lse_out [n, H] (natural log-sum-exp of the scaled, biased logits), or NULL.
  * out [n, H, d] (f32). G = H / Hkv query heads share kv head h / G.
  * Empty rows (the head has 0 entries and query i sees no recent token): out row = 0 and
- * lse = -INFINITY. A -INFINITY bias drops its entry.
+ * lse = -INFINITY. A -INFINITY bias drops its entry from the softmax; its value must still be
+ * finite on the CPU's fast path and CUDA (their P V products multiply it by 0; _ref skips it).
  * Statuses: KVRT_ERR_ARG (NULL pointers, n < 1, n_recent < 0, recent pointers NULL with
  * n_recent > 0, scale not finite, NaN or Inf in q: host paths only; on CUDA, where checking
  * would force a synchronizing read-back, they give NaN rows instead), KVRT_ERR_SHAPE (n_heads
