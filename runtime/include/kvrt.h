@@ -301,7 +301,7 @@ float kvrt_bf16_to_f32(uint16_t h);
  * out [n, H, d] (f32). G = H / Hkv query heads share kv head h / G.
  * Empty rows (the head has 0 entries and query i sees no recent token): out row = 0 and
  * lse = -INFINITY. A -INFINITY bias drops its entry from the softmax; its value must still be
- * finite on the CPU's fast path and CUDA (their P V products multiply it by 0; _ref skips it).
+ * finite on the CPU's fast path (its P V product multiplies it by 0; _ref and CUDA skip it).
  * Statuses: KVRT_ERR_ARG (NULL pointers, n < 1, n_recent < 0, recent pointers NULL with
  * n_recent > 0, scale not finite, NaN or Inf in q: host paths only; on CUDA, where checking
  * would force a synchronizing read-back, they give NaN rows instead), KVRT_ERR_SHAPE (n_heads
