@@ -406,7 +406,9 @@ __attribute__((target("avx,f16c"))) static void to_f16_f16c(const float *src, ui
     for (; i < n; i++) h[i] = kvrt_f32_to_f16(src[i]);
 }
 #endif
-static size_t first_nonfinite(const float *src, size_t n) {
+/* The first of n values whose magnitude's bits reach lim (an infinity, NaN, or a finite value
+ * past the limit: KVCC_CORPUS_LIM_*), or n. */
+static size_t first_unusable(const float *src, size_t n, uint32_t lim) {
     size_t bad = n;
     for (size_t i0 = 0; i0 < n && bad == n; i0 += 1024) { /* 1024 at a time: vectorizes */
         const size_t i1 = i0 + 1024 < n ? i0 + 1024 : n;
@@ -414,13 +416,32 @@ static size_t first_nonfinite(const float *src, size_t n) {
         for (size_t i = i0; i < i1; i++) {
             uint32_t u;
             memcpy(&u, src + i, sizeof u);
-            any |= (u & 0x7f800000u) == 0x7f800000u;
+            any |= (u & 0x7fffffffu) >= lim;
         }
         if (any)
-            for (size_t i = i0; i < i1; i++)
-                if (!isfinite(src[i])) { bad = i; break; }
+            for (size_t i = i0; i < i1; i++) {
+                uint32_t u;
+                memcpy(&u, src + i, sizeof u);
+                if ((u & 0x7fffffffu) >= lim) { bad = i; break; }
+            }
     }
     return bad;
+}
+/* magnitude bits from which a value is refused: f32 activations past KVCC_CORPUS_MAX_ABS (the
+ * passes' f32 products of two such overflow), f16 from 65520 on (rounds to infinity) */
+static uint32_t bits_of(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+#define KVCC_CORPUS_LIM_F32 (bits_of(KVCC_CORPUS_MAX_ABS) + 1u)
+#define KVCC_CORPUS_LIM_F16 (bits_of(65520.0f))
+/* Why x was refused, for messages. */
+static const char *unusable_why(float x, int f16) {
+    if (!isfinite(x)) return "is NaN or Inf";
+    return f16 ? "does not fit the corpus's f16 storage (largest 65504; capture with --dtype f32)"
+               : "is beyond the +-1e15 an activation may reach (the passes' f32 products of two "
+                 "such values overflow)";
 }
 #define CORPUS_BLOCK ((size_t)1 << 16)
 static size_t scan_to_f16(const float *src, uint16_t *h, size_t n) {
@@ -432,7 +453,7 @@ static size_t scan_to_f16(const float *src, uint16_t *h, size_t n) {
     #pragma omp parallel for schedule(static) reduction(min : bad) if (nb > 1)
     for (long b = 0; b < nb; b++) {
         const size_t i0 = (size_t)b * CORPUS_BLOCK, m = n - i0 < CORPUS_BLOCK ? n - i0 : CORPUS_BLOCK;
-        const size_t j = first_nonfinite(src + i0, m);
+        const size_t j = first_unusable(src + i0, m, h ? KVCC_CORPUS_LIM_F16 : KVCC_CORPUS_LIM_F32);
         if (j < m) {
             bad = i0 + j < bad ? i0 + j : bad;
             continue;
@@ -478,8 +499,9 @@ int kvcc_corpus_write_layer(kvcc_corpus *c, uint32_t layer, const float *q, cons
             free(h);
             H5Gclose(g);
             if (ht >= 0) H5Tclose(ht);
-            return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: layer %u %s[%zu] is not finite",
-                        c->path, layer, nm[i], j);
+            return FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: layer %u %s[%zu] = %g %s", c->path,
+                        layer, nm[i], j, (double)src[i][j],
+                        unusable_why(src[i][j], c->info.dtype_f16));
         }
         if (c->info.dtype_f16) {
             bad |= write_dataset(g, nm[i], ht, ht, 3, dims, h, c->codec);
@@ -1090,11 +1112,11 @@ int kvcc_corpus_read_layer(kvcc_corpus *c, uint32_t prompt, uint32_t layer, floa
         } else if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, dst[i]) < 0) {
             rc = FAIL(KVCC_CORPUS_ERR_IO, "%s: cannot read %s", c->path, full);
         }
-        for (size_t j = 0; !rc && j < n; j++)
-            if (!isfinite(dst[i][j]))
-                rc = FAIL(KVCC_CORPUS_ERR_NONFINITE,
-                          "%s: dataset %s element %zu (token %zu) is NaN or Inf", c->path, full, j,
-                          j / ((size_t)heads[i] * m->head_dim));
+        const size_t j = rc ? n : first_unusable(dst[i], n, KVCC_CORPUS_LIM_F32);
+        if (j < n)
+            rc = FAIL(KVCC_CORPUS_ERR_NONFINITE, "%s: dataset %s element %zu (token %zu) %s",
+                      c->path, full, j, j / ((size_t)heads[i] * m->head_dim),
+                      unusable_why(dst[i][j], 0));
         H5Dclose(ds);
     }
     if (ht >= 0) H5Tclose(ht);

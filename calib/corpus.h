@@ -19,6 +19,9 @@
 #define KVCC_CORPUS_MAX_TOKENS (1u << 20)  /* per prompt: the default cap before any allocation */
 #define KVCC_CORPUS_MAX_TOKENS_HARD (1u << 24) /* the most --max-tokens can raise it to */
 #define KVCC_CORPUS_MAX_PROMPTS 1000000u
+/* the largest activation magnitude accepted (written or read): the passes' f32 products and
+ * sums of squares of two such values over d <= 65535 coordinates stay finite */
+#define KVCC_CORPUS_MAX_ABS 1e15f
 /* A filtered (deflate) dataset holds at most this many logical bytes per stored byte (zlib's
  * bound is 1032:1); a dataset that claims more than its storage can hold is refused at open. */
 #define KVCC_CORPUS_MAX_RATIO 1032u
@@ -41,7 +44,9 @@ typedef enum {
     KVCC_CORPUS_ERR_MISSING = -5,   /* a dataset or group the schema requires is absent */
     KVCC_CORPUS_ERR_SHAPE = -6,     /* a dataset's rank or dims differ from the expected */
     KVCC_CORPUS_ERR_DTYPE = -7,     /* a dataset's type is not the one the schema allows */
-    KVCC_CORPUS_ERR_NONFINITE = -8, /* NaN or Inf in activations or log-probabilities */
+    KVCC_CORPUS_ERR_NONFINITE = -8, /* NaN or Inf in activations or log-probabilities, or an
+                                     * activation past KVCC_CORPUS_MAX_ABS (or f16's range when
+                                     * writing f16) */
     KVCC_CORPUS_ERR_MODEL = -9,     /* the corpus was captured for another model */
     KVCC_CORPUS_ERR_LINK = -10,     /* an external or soft link (refused) */
     KVCC_CORPUS_ERR_RANGE = -11,    /* a count or offset outside its valid range */

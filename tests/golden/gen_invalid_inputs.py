@@ -84,6 +84,12 @@ def nan_q(f):
     f["prompts/p000000/layer001/q"][...] = q
 
 
+def huge_v(f):
+    v = f["prompts/p000000/layer000/v"][...]
+    v[2, 0, 3] = np.float32(1e30)  # finite, but its square overflows f32
+    f["prompts/p000000/layer000/v"][...] = v
+
+
 CORPUS = [
     # (file, status, message substring, builder)
     ("not_hdf5.h5", "KVCC_CORPUS_ERR_IO", "not an HDF5 file",
@@ -174,6 +180,8 @@ CORPUS = [
          f, "prompts/p000000/layer001/v", shape=(T, HKV, D), dtype=np.float32))),
     ("q_nan.h5", "KVCC_CORPUS_ERR_NONFINITE", "layer001/q element 30 (token 3) is NaN or Inf",
      lambda p: corpus(p, after=nan_q)),
+    ("v_huge.h5", "KVCC_CORPUS_ERR_NONFINITE", "layer000/v element 11 (token 2) is beyond the "
+     "+-1e15 an activation may reach", lambda p: corpus(p, after=huge_v)),
     # raw data in another file (here /dev/zero; any file the user can read, or a FIFO)
     ("q_external_storage.h5", "KVCC_CORPUS_ERR_SHAPE",
      "layer000/q is stored in external files; a corpus keeps its data in the file",

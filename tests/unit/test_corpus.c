@@ -295,6 +295,50 @@ Test(corpus, each_defect_has_a_clear_error) {
     }
 }
 
+/* The writer refuses what the reader would: a value f16 storage turns into an infinity, and
+ * f32 activations past KVCC_CORPUS_MAX_ABS (whose products overflow the passes' f32), naming the
+ * layer, dataset, element and value. */
+Test(corpus, writer_refuses_values_it_cannot_keep) {
+    enum { T = 6 };
+    const kvcc_corpus_model *m = &TINY;
+    const size_t nq = (size_t)T * m->n_heads * m->head_dim, nk = (size_t)T * m->n_kv_heads * m->head_dim;
+    float q[nq], k[nk], v[nk];
+    for (size_t i = 0; i < nq; i++) q[i] = 0.5f;
+    for (size_t i = 0; i < nk; i++) k[i] = v[i] = 0.25f;
+    const struct { int f16; float x; const char *say; } cases[] = {
+        {1, 70000.0f, "layer 0 v[9] = 70000 does not fit the corpus's f16 storage (largest 65504; "
+                      "capture with --dtype f32)"},
+        {0, 1e16f, "layer 0 v[9] = 1e+16 is beyond the +-1e15 an activation may reach"},
+        {0, NAN, "layer 0 v[9] = nan is NaN or Inf"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char err[512] = "";
+        kvcc_corpus *c = NULL;
+        const char *p = tmp_path("refuse.h5");
+        cr_assert_eq(kvcc_corpus_create(&c, p, m, cases[i].f16, "test", "", err, sizeof err), 0, "%s", err);
+        int32_t tok[T] = {1, 2, 3, 4, 5, 6};
+        float lp[T - 1] = {-1, -1, -1, -1, -1};
+        kvcc_corpus_prompt_info info = {.n_tokens = T, .context_len = 4, .continuation_len = 2};
+        cr_assert_eq(kvcc_corpus_write_prompt(c, &info, tok, lp), 0, "%s", kvcc_corpus_error(c));
+        v[9] = cases[i].x;
+        cr_expect_eq(kvcc_corpus_write_layer(c, 0, q, k, v), KVCC_CORPUS_ERR_NONFINITE);
+        cr_expect(strstr(kvcc_corpus_error(c), cases[i].say) != NULL, "%s", kvcc_corpus_error(c));
+        v[9] = 0.25f;
+        kvcc_corpus_close(c);
+    }
+    /* at f16's largest value the writer keeps it */
+    char err[512] = "";
+    kvcc_corpus *c = NULL;
+    cr_assert_eq(kvcc_corpus_create(&c, tmp_path("keep.h5"), m, 1, "test", "", err, sizeof err), 0, "%s", err);
+    int32_t tok[T] = {1, 2, 3, 4, 5, 6};
+    float lp[T - 1] = {-1, -1, -1, -1, -1};
+    kvcc_corpus_prompt_info info = {.n_tokens = T, .context_len = 4, .continuation_len = 2};
+    cr_assert_eq(kvcc_corpus_write_prompt(c, &info, tok, lp), 0, "%s", kvcc_corpus_error(c));
+    v[9] = 65504.0f;
+    cr_expect_eq(kvcc_corpus_write_layer(c, 0, q, k, v), 0, "%s", kvcc_corpus_error(c));
+    kvcc_corpus_close(c);
+}
+
 static void h5py_fixed(hid_t f) {
     put_str_h5py(f, "model_name", "tiny", 0);
     put_str_h5py(f, "activation_dtype", "f32", 0);
