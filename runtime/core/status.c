@@ -87,16 +87,20 @@ int kvrt_err_set(kvrt_error *err, int code, int detail, const char *fmt, ...) {
     /* The error rule (kvrt.h): every failure's message also lands in the thread-local error. */
     kvrt_error *tls = kvrt_tls_err();
     if (code == KVRT_OK && err == NULL) return code; /* a success clears no thread error */
-    kvrt_error *dst = err ? err : tls;
-    dst->code = code;
-    dst->detail = detail;
-    dst->msg[0] = '\0';
+    /* formatted on this thread's stack, then copied: err may be a context's, which another
+     * thread sharing the context (or an object made on it) may be writing at the same time, and
+     * the thread-local copy must be this call's message whole */
+    kvrt_error e;
+    e.code = code;
+    e.detail = detail;
+    e.msg[0] = '\0';
     if (fmt) {
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(dst->msg, sizeof dst->msg, fmt, ap);
+        vsnprintf(e.msg, sizeof e.msg, fmt, ap);
         va_end(ap);
     }
-    if (dst != tls && code != KVRT_OK) *tls = *dst;
+    if (code != KVRT_OK || err == NULL) *tls = e;
+    if (err) *err = e;
     return code;
 }

@@ -58,6 +58,8 @@ static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err
 }
 
 
+int kvrt_cpu_contexts_live(void) { return atomic_load(&cpu_live); }
+
 static void cpu_free(kvrt_ctx *ctx) {
     (void)ctx;
     if (atomic_fetch_sub(&cpu_live, 1) == 1) kvrt_cpu_scratch_trim();

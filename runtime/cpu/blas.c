@@ -657,7 +657,7 @@ const char *kvrt_cpu_gemm_name(void) {
  * on every call (at 32k keys, llama3-8b shapes: ~5% of the window mass's CPU time in
  * clear_page). At most SCRATCH_SLOTS buffers and SCRATCH_KEEP bytes are kept; a request takes
  * the smallest kept buffer that fits. kvrt_cpu_scratch_trim (the last CPU context freed) gives
- * them all back. */
+ * them all back, and none is kept while no CPU context lives. */
 #define SCRATCH_HUGE ((size_t)2 << 20)
 #define SCRATCH_SLOTS 16
 #define SCRATCH_KEEP ((size_t)256 << 20)
@@ -738,7 +738,9 @@ void kvrt_cpu_scratch_free(void *p, size_t bytes) {
             scratch_kept[small].p = NULL;
             slot = small;
         }
-        if (slot >= 0 && kept + n <= SCRATCH_KEEP) {
+        /* kept only while a CPU context lives: the last one's free trims after its count
+         * drops, under this mutex, so a buffer kept before that is dropped and none after */
+        if (slot >= 0 && kept + n <= SCRATCH_KEEP && kvrt_cpu_contexts_live() > 0) {
             scratch_kept[slot].p = p;
             scratch_kept[slot].n = n;
             p = NULL;

@@ -178,7 +178,8 @@ KVRT_INTERNAL uint64_t kvrt_cpu_bf16mm_runs(void);
  * page faults on a fresh buffer of tens of MiB cost a tenth of the kernels that fill it), and
  * reused: up to 16 freed buffers, 256 MiB in all, are kept for the next request that fits (a
  * per-layer kernel then faults its scratch in once per context's life, not once per call), until
- * kvrt_cpu_scratch_trim. Thread-safe. NULL when out of memory. */
+ * kvrt_cpu_scratch_trim; only while a CPU context is alive (a call that takes no context, made
+ * with none alive, frees its buffers). Thread-safe. NULL when out of memory. */
 KVRT_INTERNAL void *kvrt_cpu_scratch_alloc(size_t bytes);
 KVRT_INTERNAL void kvrt_cpu_scratch_free(void *p, size_t bytes);
 /* Give every kept scratch buffer back to the system (called when the last CPU context is freed:
@@ -186,5 +187,7 @@ KVRT_INTERNAL void kvrt_cpu_scratch_free(void *p, size_t bytes);
 KVRT_INTERNAL void kvrt_cpu_scratch_trim(void);
 /* The bytes kept now (tests). */
 KVRT_INTERNAL size_t kvrt_cpu_scratch_kept_bytes(void);
+/* CPU contexts alive now (runtime/cpu/backend_cpu.c). */
+KVRT_INTERNAL int kvrt_cpu_contexts_live(void);
 
 #endif

@@ -396,6 +396,12 @@ Test(blas, scratch_released_with_the_last_cpu_context) {
     cr_assert_geq(kvrt_cpu_scratch_kept_bytes(), big, "released while a context lives");
     kvrt_ctx_free(b);
     cr_assert_eq(kvrt_cpu_scratch_kept_bytes(), 0, "kept after the last context was freed");
+    /* and a call that takes no context, made with none alive, keeps nothing (a concurrency audit:
+     * ctx-less selections after the last free kept 69 MiB) */
+    p = kvrt_cpu_scratch_alloc(big);
+    cr_assert_not_null(p);
+    kvrt_cpu_scratch_free(p, big);
+    cr_assert_eq(kvrt_cpu_scratch_kept_bytes(), 0, "kept with no context alive");
 }
 
 /* Holds of OpenBLAS at one thread are counted process-wide: with two holds open (two threads of
