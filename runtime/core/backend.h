@@ -222,6 +222,12 @@ KVRT_INTERNAL int kvrt_backend_check(const kvrt_ctx *ctx, kvrt_error *e, const c
 
 /* The CPU table (runtime/cpu/backend_cpu.c). */
 KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
+/* A CPU call's OpenMP teams sized by the context: the calling thread's nthreads ICV set to
+ * ctx->n_threads (returns the previous value), and restored with the call's status passed
+ * through: return kvrt_cpu_omp_leave(prev, op(...)). The table's ops do it; a front door that
+ * runs a host function itself on a CPU context does it too. */
+KVRT_INTERNAL int kvrt_cpu_omp_enter(const kvrt_ctx *ctx);
+KVRT_INTERNAL int kvrt_cpu_omp_leave(int prev, int rc);
 
 // ----------------------------------------------------------------------------
 // the CUDA backend: a separate shared object, loaded on first use

@@ -138,10 +138,12 @@ int kvrt_compilerkv_prompt_add_layer_ctx(kvrt_ctx *ctx, kvrt_compilerkv_prompt *
     const char *fn = "kvrt_compilerkv_prompt_add_layer_ctx";
     int rc = kvrt_policy_ctx_check(ctx, fn, KVRT_OP_SNAPKV_SCORES);
     if (rc) return rc;
-    if (ctx->device == KVRT_DEVICE_HOST) /* the CPU table's snapkv_scores is this function's */
-        return kvrt_policy_ctx_done(
-            ctx, kvrt_err_in(kvrt_compilerkv_prompt_add_layer(p, q, k, n_heads, n_kv_heads,
-                                                              head_dim), fn));
+    if (ctx->device == KVRT_DEVICE_HOST) { /* the CPU table's snapkv_scores is this function's */
+        const int omp = kvrt_cpu_omp_enter(ctx);
+        rc = kvrt_cpu_omp_leave(omp, kvrt_compilerkv_prompt_add_layer(p, q, k, n_heads,
+                                                                      n_kv_heads, head_dim));
+        return kvrt_policy_ctx_done(ctx, kvrt_err_in(rc, fn));
+    }
     if (p == NULL || q == NULL || k == NULL)
         return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: NULL %s", fn,
                                                    p == NULL ? "p" : q == NULL ? "q" : "k"));

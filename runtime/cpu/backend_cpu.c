@@ -98,6 +98,32 @@ static int cpu_sync(kvrt_ctx *ctx) {
 }
 
 // ----------------------------------------------------------------------------
+// the context's thread count
+
+/* A kernel's OpenMP regions take the calling thread's nthreads ICV (omp_get_max_threads sizes
+ * their teams): set to the context's n_threads for the call and restored after. The ICV is the
+ * calling thread's own, so neither another thread's calls nor the caller's own regions change.
+ * (Kernels that take the count as an argument get ctx->n_threads directly.) */
+int kvrt_cpu_omp_enter(const kvrt_ctx *ctx) {
+#ifdef _OPENMP
+    const int prev = omp_get_max_threads();
+    if (ctx->n_threads != prev) omp_set_num_threads(ctx->n_threads);
+    return prev;
+#else
+    (void)ctx;
+    return 1;
+#endif
+}
+int kvrt_cpu_omp_leave(int prev, int rc) {
+#ifdef _OPENMP
+    if (omp_get_max_threads() != prev) omp_set_num_threads(prev);
+#else
+    (void)prev;
+#endif
+    return rc;
+}
+
+// ----------------------------------------------------------------------------
 // primitives
 
 static int cpu_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {
@@ -105,15 +131,16 @@ static int cpu_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y,
 }
 
 static int cpu_topk(kvrt_ctx *ctx, const float *scores, int64_t n, int64_t k, int32_t *idx) {
-    (void)ctx;
-    return kvrt_topk(scores, n, k, idx);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_topk(scores, n, k, idx));
 }
 
 static int cpu_cache_gather(kvrt_ctx *ctx, const float *k, const float *v, int64_t T,
                             uint32_t n_kv_heads, uint32_t head_dim, const kvrt_selection *sel,
                             int dtype, kvrt_cache **out) {
-    (void)ctx;
-    return kvrt_cache_gather(k, v, T, n_kv_heads, head_dim, sel, dtype, out);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_,
+                              kvrt_cache_gather(k, v, T, n_kv_heads, head_dim, sel, dtype, out));
 }
 
 // ----------------------------------------------------------------------------
@@ -122,42 +149,42 @@ static int cpu_cache_gather(kvrt_ctx *ctx, const float *k, const float *v, int64
 static int cpu_snapkv_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t T,
                              uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
                              uint32_t window, float *scores) {
-    (void)ctx;
-    return kvrt_snapkv_scores(q, k, T, n_heads, n_kv_heads, head_dim, window, scores);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(
+        omp_, kvrt_snapkv_scores(q, k, T, n_heads, n_kv_heads, head_dim, window, scores));
 }
 
 static int cpu_h2o_scores(kvrt_ctx *ctx, const float *q, const float *k, int64_t T,
-                          uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
-                          float *scores) {
-    (void)ctx;
-    return kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, scores);
+                          uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim, float *scores) {
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_,
+                              kvrt_h2o_scores(q, k, T, n_heads, n_kv_heads, head_dim, scores));
 }
 
-static int cpu_snapkv_pool(kvrt_ctx *ctx, float *scores, int64_t T, uint32_t n_kv_heads,
-                           int64_t w, uint32_t kernel) {
-    (void)ctx;
-    return kvrt_cpu_snapkv_pool(scores, T, n_kv_heads, w, kernel);
+static int cpu_snapkv_pool(kvrt_ctx *ctx, float *scores, int64_t T, uint32_t n_kv_heads, int64_t w,
+                           uint32_t kernel) {
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_snapkv_pool(scores, T, n_kv_heads, w, kernel));
 }
 
 // ----------------------------------------------------------------------------
 // policy hot ops
 
 static int cpu_compilerkv_select(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
-                                 const kvrt_compilerkv_prompt *pr, uint32_t layer,
-                                 const float *v, uint32_t n_kv_heads, uint32_t head_dim,
-                                 int64_t budget, unsigned flags, kvrt_selection **out,
-                                 kvrt_compilerkv_stats *st) {
-    (void)ctx;
-    return kvrt_cpu_compilerkv_select(tb, pr, layer, v, n_kv_heads, head_dim, budget, flags, out,
-                                      st);
+                                 const kvrt_compilerkv_prompt *pr, uint32_t layer, const float *v,
+                                 uint32_t n_kv_heads, uint32_t head_dim, int64_t budget,
+                                 unsigned flags, kvrt_selection **out, kvrt_compilerkv_stats *st) {
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_compilerkv_select(tb, pr, layer, v, n_kv_heads,
+                                                               head_dim, budget, flags, out, st));
 }
 
 static int cpu_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v,
                           int64_t T, uint32_t head_dim, const float *q_ref, const int32_t *q_pos,
-                          int64_t n, int64_t t, int dtype, kvrt_cache **out,
-                          kvrt_am_stats *stats) {
-    (void)ctx;
-    return kvrt_cpu_am_compact(o, k, v, T, head_dim, q_ref, q_pos, n, t, dtype, out, stats);
+                          int64_t n, int64_t t, int dtype, kvrt_cache **out, kvrt_am_stats *stats) {
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(
+        omp_, kvrt_cpu_am_compact(o, k, v, T, head_dim, q_ref, q_pos, n, t, dtype, out, stats));
 }
 
 static int cpu_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *q,
@@ -166,10 +193,10 @@ static int cpu_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, const floa
                                 uint32_t n_kv_heads, uint32_t head_dim, int n_sets,
                                 const float *ratios, const double *ratio_list, int dtype,
                                 kvrt_cache **out, kvrt_am_stats *stats) {
-    (void)ctx;
-    return kvrt_cpu_am_compact_layer_multi(o, q, q_ref, q_pos, n_ref, k, v, T, n_heads,
-                                           n_kv_heads, head_dim, n_sets, ratios, ratio_list,
-                                           dtype, out, stats);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_am_compact_layer_multi(
+                                        o, q, q_ref, q_pos, n_ref, k, v, T, n_heads, n_kv_heads,
+                                        head_dim, n_sets, ratios, ratio_list, dtype, out, stats));
 }
 
 static int cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,
@@ -179,31 +206,32 @@ static int cpu_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t 
     return kvrt_cpu_compkv_create(ctx, o, n_kv_heads, head_dim, capacity, perm, offsets, out);
 }
 
-static int cpu_compkv_scores(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
-                             uint32_t n_heads, float *scores) {
-    (void)ctx;
-    return kvrt_cpu_compkv_scores(s, q, n_heads, scores);
+static int cpu_compkv_scores(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
+                             float *scores) {
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_compkv_scores(s, q, n_heads, scores));
 }
 
 static int cpu_compkv_attend_blocks(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q,
                                     uint32_t n_heads, const int32_t *blocks, int64_t n_sel,
                                     float *out) {
-    (void)ctx;
-    return kvrt_cpu_compkv_attend_blocks(s, q, n_heads, blocks, n_sel, out);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_,
+                              kvrt_cpu_compkv_attend_blocks(s, q, n_heads, blocks, n_sel, out));
 }
 
 static int cpu_compkv_step(kvrt_ctx *ctx, const kvrt_compkv *s, const float *q, uint32_t n_heads,
                            int64_t k_blocks, float *out, int32_t *blocks_out) {
-    (void)ctx;
-    return kvrt_cpu_compkv_step(s, q, n_heads, k_blocks, out, blocks_out);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_compkv_step(s, q, n_heads, k_blocks, out, blocks_out));
 }
 
 static void cpu_compkv_free(kvrt_compkv *s) { kvrt_cpu_compkv_free(s); }
 
 static int cpu_compkv_append(kvrt_ctx *ctx, kvrt_compkv *s, const float *k, const float *v,
                              int64_t n) {
-    (void)ctx;
-    return kvrt_cpu_compkv_append(s, k, v, n);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_compkv_append(s, k, v, n));
 }
 
 static int cpu_compkv_summaries(kvrt_ctx *ctx, const kvrt_compkv *s, uint32_t h,
@@ -215,8 +243,8 @@ static int cpu_compkv_summaries(kvrt_ctx *ctx, const kvrt_compkv *s, uint32_t h,
 
 static int cpu_compkv_select(kvrt_ctx *ctx, const kvrt_compkv *s, const float *scores,
                              int64_t k_blocks, int32_t *blocks_out) {
-    (void)ctx;
-    return kvrt_cpu_compkv_select(s, scores, k_blocks, blocks_out);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_compkv_select(s, scores, k_blocks, blocks_out));
 }
 
 static int cpu_kv2_proxy(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_kv_heads,
@@ -234,24 +262,24 @@ static int cpu_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_
 static int cpu_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
                          uint32_t m, const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b,
                          int64_t K, uint64_t key, kvrt_mr_set *out) {
-    (void)ctx;
-    return kvrt_cpu_mr_reduce(o, U, ldm, m, lam, a, b, K, key, out);
+    const int omp_ = kvrt_cpu_omp_enter(ctx);
+    return kvrt_cpu_omp_leave(omp_, kvrt_cpu_mr_reduce(o, U, ldm, m, lam, a, b, K, key, out));
 }
 
 static int cpu_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                            uint32_t layer, const float *k, const float *v, int64_t T,
                            uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,
                            kvrt_cache **out) {
-    return kvrt_cpu_mr_compress_layer(o, basis, layer, k, v, T, n_kv_heads, head_dim, budget,
-                                      dtype, out, ctx->n_threads);
+    return kvrt_cpu_mr_compress_layer(o, basis, layer, k, v, T, n_kv_heads, head_dim, budget, dtype,
+                                      out, ctx->n_threads);
 }
 
 static int cpu_sgemm(kvrt_ctx *ctx, int ta, int tb, int m, int n, int k, float alpha,
                      const float *A, int lda, const float *B, int ldb, float beta, float *C,
                      int ldc) {
     (void)ctx;
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m,
-                n, k, alpha, A, lda, B, ldb, beta, C, ldc);
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, m, n,
+                k, alpha, A, lda, B, ldb, beta, C, ldc);
     return KVRT_OK;
 }
 

@@ -1,0 +1,115 @@
+/*
+ * test_threads.c: Criterion tests of libkvrt used from several threads, as kvrt.h's thread rules
+ * state them: a CPU context shared by threads keeps every thread's kvrt_last_error() its own,
+ * and a context's n_threads bounds the OpenMP teams of the ops it runs (not the process's
+ * OMP_NUM_THREADS). From a concurrency audit (2026-12-07), whose reproducers failed on the old
+ * code: ~25% of the thread-local messages were the other thread's or torn; a "CPU (1 thread)"
+ * context ran Attention Matching and SnapKV on every core.
+ */
+#include <criterion/criterion.h>
+
+#include <dirent.h>
+#include <math.h>
+#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvrt_experimental.h"
+#include "test_rng.h"
+
+static kvrt_ctx *shared;
+static atomic_long wrong;
+
+/* thread 0: kvrt_attend with NaN in q; thread 1: kvrt_softmax_rows with an infinite scale */
+static void *fail_loop(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    const char *want = id ? "kvrt_softmax_rows" : "kvrt_attend";
+    float q[2 * 8] = {0}, out[2 * 8], x[16] = {0};
+    q[3] = NAN;
+    int64_t counts[1] = {2};
+    kvrt_cache *c = NULL;
+    if (kvrt_cache_create(1, 8, KVRT_DTYPE_F32, counts, &c) != KVRT_OK) return NULL;
+    memset(c->keys, 0, sizeof(float) * 16);
+    memset(c->values, 0, sizeof(float) * 16);
+    int64_t shape[2] = {4, 4};
+    kvrt_tensor t = kvrt_tensor_view(x, KVRT_DTYPE_F32, 2, shape, KVRT_DEVICE_HOST);
+    for (int i = 0; i < 20000; i++) {
+        const int rc = id ? kvrt_softmax_rows(shared, &t, &t, INFINITY)
+                          : kvrt_attend(shared, q, 2, 1, c, NULL, NULL, 0, 1.0f, out, NULL);
+        const kvrt_error *e = kvrt_last_error();
+        if (rc == KVRT_OK || strncmp(e->msg, want, strlen(want)) != 0 || e->code != rc)
+            atomic_fetch_add(&wrong, 1);
+    }
+    kvrt_cache_free(c);
+    return NULL;
+}
+
+Test(threads, shared_cpu_context_keeps_each_threads_error) {
+    kvrt_error err;
+    kvrt_ctx_options o = {1, 0};
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, &o, &shared, &err), KVRT_OK, "%s", err.msg);
+    pthread_t a, b;
+    cr_assert_eq(pthread_create(&a, NULL, fail_loop, (void *)(intptr_t)0), 0);
+    cr_assert_eq(pthread_create(&b, NULL, fail_loop, (void *)(intptr_t)1), 0);
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+    cr_expect_eq(atomic_load(&wrong), 0, "%ld of 40000 thread-local errors were another call's",
+                 atomic_load(&wrong));
+    /* the context's own last error is one of the two calls' */
+    const char *m = kvrt_ctx_last_error(shared)->msg;
+    cr_expect(strncmp(m, "kvrt_attend", 11) == 0 || strncmp(m, "kvrt_softmax_rows", 17) == 0,
+              "%s", m);
+    kvrt_ctx_free(shared);
+}
+
+static int os_threads(void) {
+    DIR *d = opendir("/proc/self/task");
+    if (d == NULL) return -1;
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/* With the process's OpenMP default at 4 threads, a 1-thread context's Attention Matching and
+ * SnapKV scores start no thread (libgomp's team would be 3 more), and the caller's own setting
+ * is unchanged after each call. */
+Test(threads, context_thread_count_bounds_the_ops) {
+    omp_set_num_threads(4);
+    kvrt_ctx *c1 = NULL;
+    kvrt_error err;
+    kvrt_ctx_options o = {1, 0};
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, &o, &c1, &err), KVRT_OK, "%s", err.msg);
+    enum { T = 512, H = 4, HKV = 2, D = 32 };
+    uint64_t s = 5;
+    float *q = malloc(sizeof(float) * T * H * D), *k = malloc(sizeof(float) * T * HKV * D),
+          *v = malloc(sizeof(float) * T * HKV * D);
+    cr_assert(q && k && v);
+    for (int i = 0; i < T * H * D; i++) q[i] = rng_uniform(&s, -1, 1);
+    for (int i = 0; i < T * HKV * D; i++) {
+        k[i] = rng_uniform(&s, -1, 1);
+        v[i] = rng_uniform(&s, -1, 1);
+    }
+    const int before = os_threads();
+    cr_assert_gt(before, 0);
+    kvrt_cache *c = NULL;
+    cr_assert_eq(kvrt_am_compact_layer(c1, NULL, q, k, v, T, H, HKV, D, NULL, 0.2, KVRT_DTYPE_F32,
+                                       &c, NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+    kvrt_cache_free(c);
+    cr_expect_eq(omp_get_max_threads(), 4, "the caller's OpenMP setting changed");
+    cr_expect_eq(os_threads(), before, "AM on a 1-thread context started %d threads",
+                 os_threads() - before);
+    kvrt_compilerkv_prompt *p = NULL;
+    cr_assert_eq(kvrt_compilerkv_prompt_create(T, 32, &p), KVRT_OK);
+    cr_assert_eq(kvrt_compilerkv_prompt_add_layer_ctx(c1, p, q, k, H, HKV, D), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    kvrt_compilerkv_prompt_free(p);
+    cr_expect_eq(omp_get_max_threads(), 4);
+    cr_expect_eq(os_threads(), before, "a 1-thread context started %d threads",
+                 os_threads() - before);
+    kvrt_ctx_free(c1);
+    free(q); free(k); free(v);
+}
