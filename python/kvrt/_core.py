@@ -389,8 +389,8 @@ _default = threading.local()
 
 
 def default_context() -> Context:
-    """This thread's CPU context, used when a call is given ``ctx=None`` (one per thread: a
-    kvrt_ctx is used by one thread at a time, kvrt.h)."""
+    """This thread's CPU context, used when a call is given ``ctx=None`` (one per thread, so
+    that its last error is the thread's; kvrt.h's thread rules)."""
     c = getattr(_default, "ctx", None)
     if c is None or c.closed:
         c = _default.ctx = Context("cpu")

@@ -16,6 +16,20 @@
  * expected value) is readable from kvrt_last_error() on the calling thread until its next
  * failure; calls that take a kvrt_error* also fill it, and calls that take a kvrt_ctx also leave
  * it in kvrt_ctx_last_error(ctx).
+ *
+ * Threads: read-only handles (kvrt_policy and what is opened from it: schedules, groupings,
+ * tables) may be used by any number of threads at once. A CPU context holds nothing a call
+ * changes but its last error, so threads may share one (kvrt_last_error() stays each thread's
+ * own; kvrt_ctx_last_error() is whichever call failed last); a CUDA context (its stream and
+ * cuBLAS handle) is used by one thread at a time. A per-request object (CompilerKV prompt, KV2
+ * plan, CompKV state, merge-reduce stream, Quest summary) takes one call at a time, whichever
+ * thread makes it, and uses the context it was created on. A context's n_threads sizes the
+ * OpenMP teams of the CPU ops it runs (the calling thread's setting is restored after each
+ * call); each new calling thread gets its own OpenMP pool, released when it exits. OpenBLAS's
+ * thread count is process-wide (see kvrt_am_compact_layer). With GNU OpenMP a process that has
+ * run a libkvrt call with more than one thread must not fork and call libkvrt in the child (the
+ * child's first parallel region hangs): fork before, or start workers with spawn (Python's
+ * multiprocessing "spawn" or "forkserver").
  */
 #ifndef KVRT_H
 #define KVRT_H
