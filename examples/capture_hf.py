@@ -424,9 +424,10 @@ class Writer:
             if not np.isfinite(x).all():
                 die(f"prompt {self.n - 1} layer {li}: {name} has NaN or Inf")
             # the corpus rules (docs/corpus-format.md): |x| <= 1e15, and nothing f16 rounds to inf
-            lim = 65520.0 if self.np_dtype == np.float16 else 1e15
+            f16 = self.np_dtype == np.float16
+            lim = 65520.0 if f16 else 1e15
             big = float(np.abs(x).max()) if x.size else 0.0
-            if big >= lim if self.np_dtype == np.float16 else big > lim:
+            if (f16 and big >= lim) or (not f16 and big > lim):
                 die(f"prompt {self.n - 1} layer {li}: {name} reaches {big:g}, beyond what the "
                     f"corpus keeps ({'f16: capture with --dtype f32' if lim < 1e15 else '+-1e15'})")
             put_dataset(lg, name, np.ascontiguousarray(x.astype(self.np_dtype)))

@@ -154,15 +154,16 @@ static inline int64_t kvrt_am_first_unstorable(const float *x, int64_t n, int dt
     return -1;
 }
 
-/* kvrt_am_first_unstorable over KV head h's fitted values cv [n, d]: 0, or 1 with the message
- * (entry, coordinate, value, what to do) in msg. */
+/* kvrt_am_first_unstorable over KV head h's values cv [n, d] (fitted, and the exact sinks,
+ * recent window and whole chunks): 0, or 1 with the message (entry, coordinate, value, what to
+ * do) in msg. */
 static inline int kvrt_am_values_unstorable(const char *fn, int64_t h, const float *cv, int64_t n,
                                             int64_t d, int dtype, char *msg, size_t len) {
     const int64_t i = kvrt_am_first_unstorable(cv, n * d, dtype);
     if (i < 0) return 0;
     const char *name = dtype == KVRT_DTYPE_F16 ? "f16" : dtype == KVRT_DTYPE_BF16 ? "bf16" : "f32";
-    snprintf(msg, len, "%s: KV head %lld: the fitted value %g (entry %lld, coordinate %lld) does "
-             "not fit %s storage (the value fit amplifies its inputs)%s", fn, (long long)h,
+    snprintf(msg, len, "%s: KV head %lld: the value %g (entry %lld, coordinate %lld) does not fit "
+             "%s storage (fitted values can exceed their inputs)%s", fn, (long long)h,
              (double)cv[i], (long long)(i / d), (long long)(i % d), name,
              dtype == KVRT_DTYPE_F32 ? "" : "; store the cache as f32");
     return 1;

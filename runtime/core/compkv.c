@@ -65,10 +65,10 @@ static int grouping_parse(const kvpol_file *f, uint32_t si, const char *label, u
             "[L, Hkv, r+1] and learned [L, Hkv]",
             label, (long long)r, (unsigned long long)L, (unsigned long long)Hkv,
             (unsigned long long)d);
-    if (block < 1 || block > 0x7fffffff || !(scale > 0) || !(scale <= FLT_MAX))
+    if (block < 1 || block > 0x7fffffff || !(scale <= FLT_MAX) || !((float)scale > 0))
         return KVRT_FAIL(KVRT_ERR_FORMAT,
                          "%s: compkv.groupings: block %lld must be in 1..2^31-1 and scale %g in "
-                         "(0, %g] (a float)", label, (long long)block, scale, (double)FLT_MAX);
+                         "(0, %g], a positive float", label, (long long)block, scale, (double)FLT_MAX);
     if ((want_l && L != want_l) || (want_hkv && Hkv != want_hkv) || (want_d && d != want_d))
         return KVRT_FAIL(
             KVRT_ERR_MODEL_MISMATCH,

@@ -1530,7 +1530,8 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
     /* the budgets that can share one logit and exp pass (am_group): HighestAttnKeys, a middle of
      * one chunk with something to compact; grouped by their sinks */
 #define SHAREABLE(si)                                                                           \
-    (o->key_select != KVRT_AM_SELECT_OMP && sp[si].tm > 0 && T - sp[si].ns - sp[si].nr >= 1 && \
+    (o->key_select != KVRT_AM_SELECT_OMP && sp[si].tm > 0 &&                                    \
+     sp[si].tm < T - sp[si].ns - sp[si].nr /* less than every key: a fit */ &&                  \
      chunk_of(o, T - sp[si].ns - sp[si].nr) == T - sp[si].ns - sp[si].nr)
     int *mem = malloc(sizeof(int) * (size_t)ns);
     int64_t *gTc = malloc(sizeof(int64_t) * (size_t)ns), *gtc = malloc(sizeof(int64_t) * (size_t)ns);
@@ -1586,22 +1587,22 @@ static int am_head(const kvrt_am_opts *o, const float *k, const float *v, int64_
                     fit |= tc > 0 && tc < Tc;
                 }
             if (!need) continue;
-            const float *qc;
-            const int64_t nv = chunk_rows(q, qpos, n, d, k0, qb, pb, &qc);
-            if (nv == 0) {
-                rc = kvrt_tls_err()->code;
-                break;
-            }
-            if (fit)
+            const float *qc = NULL;
+            int64_t nv = 0; /* the reference rows, needed only by a fit */
+            if (fit) {
+                if ((nv = chunk_rows(q, qpos, n, d, k0, qb, pb, &qc)) == 0) {
+                    rc = kvrt_tls_err()->code;
+                    break;
+                }
                 rc = am_prep(&ws, k, v, ld, k0, Tc, d, qc, qpos ? pb : NULL, nv,
                              o->key_select == KVRT_AM_SELECT_OMP);
+            }
             for (int si = g0; si < ns && rc == KVRT_OK; si++) {
                 if (!IN_GROUP(si)) continue;
                 chunk_span(a, Tm, chunk, sp[si].tm, c, &k0, &Tc, &tc);
-                if (tc >= Tc) { /* a share of every key: the keys themselves (no error) */
-                    const kvrt_nnls_info none = {0};
+                if (tc >= Tc) { /* a share of every key: the keys themselves (no fit, no
+                                 * reference query; the stats average the fitted chunks') */
                     append_exact(&res[si], k, v, ld, d, k0, k0 + Tc);
-                    kvrt_am_acc_add(&acc[si], 0, 0, nv, &none);
                 } else if (tc > 0) {
                     rc = am_fit(o, &ws, k, ld, k0, Tc, Tc, d, nv, tc, &res[si], &acc[si]);
                 }

@@ -1317,7 +1317,7 @@ int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
                                            NULL, 0) != KVRT_OK)) {
         ws_array_free(ws, nt);
         tree_free(&t);
-        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (workspaces)", fn);
+        return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (workspaces and tasks)", fn);
     }
     /* the down-sweep: prefix(b) = REDUCE(prefix(b - low(b)), node(b - low(b), b)) with the key of
      * [0, b), by popcount class (each class reads only the one before) */

@@ -785,6 +785,11 @@ static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, cons
         int64_t k0, Tc, tc;
         kvrt_am_chunk_span(a, Tm, chunk, sp.tm, ci, &k0, &Tc, &tc);
         if (tc <= 0) continue;
+        if (tc >= Tc) { /* a share of every key: the keys themselves (the CPU's rule: no fit, no
+                         * reference query) */
+            rc = append_exact(c, w, h, r, k0, k0 + Tc);
+            continue;
+        }
         int64_t nv = 0; /* the rows that see key k0 (all of them without positions) */
         for (int64_t i = 0; i < n; i++)
             if (!qpos || qpos[i] >= k0) rows[nv++] = i;
@@ -792,12 +797,6 @@ static int am_head(const am_call *c, am_dev *w, int64_t h, const float *qs, cons
             return kvrt_err_set(&c->ctx->last_err, KVRT_ERR_ARG, 0,
                                 "kvrt_am_compact: no reference query sees keys %lld.. (every "
                                 "q_pos < %lld)", (long long)k0, (long long)k0);
-        if (tc >= Tc) { /* a share of every key: the keys themselves (the CPU's rule) */
-            const kvrt_nnls_info none = {0, 0, 0.0};
-            rc = append_exact(c, w, h, r, k0, k0 + Tc);
-            kvrt_am_acc_add(&acc, 0, 0, nv, &none);
-            continue;
-        }
         rc = am_chunk(c, w, h, qs, qoff, qpos, rows, nv, k0, Tc, tc, r, &acc);
     }
     if (rc == KVRT_OK) rc = append_exact(c, w, h, r, T - sp.nr, T);

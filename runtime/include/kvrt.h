@@ -283,7 +283,7 @@ size_t kvrt_cache_bytes(const kvrt_cache *c);
 /* Gather the selected tokens of a full cache k,v [T, n_kv_heads, d] (f32) into a new cache that
  * allocates only what is kept; bias 0, positions = the selected positions. Positions must lie
  * in [0, T) (KVRT_ERR_ARG otherwise). Values are stored as they are, rounded to nearest even:
- * f16 storage turns |x| >= 65520 into an infinity (bf16 only past float's own range), and NaN
+ * f16 storage turns |x| >= 65520 into an infinity (bf16 from about 3.3961e38 on), and NaN
  * stays NaN; a caller whose activations may exceed f16's range stores f32 or bf16. */
 int kvrt_cache_gather(const float *k, const float *v, int64_t T, uint32_t n_kv_heads,
                       uint32_t head_dim, const kvrt_selection *sel, int dtype, kvrt_cache **out);
@@ -554,9 +554,9 @@ typedef struct {
  * distribution) or NULL (every query sees every key), 1 <= t <= T. *out: a new host cache with
  * one KV head of at most t entries, dtype f32, f16 or bf16. stats may be NULL (then the CPU
  * backend skips the product only its out_relerr needs; the entries are the same). KVRT_ERR_ARG
- * also when no reference query sees some chunk, and when a fitted value does not fit the dtype
- * (the value fit can amplify its inputs: values within f16's range may fit to beyond it; the
- * message names the KV head, entry and value). A chunk whose share is every key keeps its keys
+ * also when no reference query sees some chunk that is fitted, and when a value of the result
+ * does not fit the dtype (the value fit can amplify its inputs: values within f16's range may
+ * fit to beyond it; the message names the KV head, entry and value). A chunk whose share is every key keeps its keys
  * and values exactly (beta 0): t = T returns the context itself. */
 int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const float *v, int64_t T,
                     uint32_t head_dim, const float *q_ref, const int32_t *q_pos, int64_t n,
@@ -874,9 +874,11 @@ typedef struct {
  * head_dim must equal Hkv and d; CLUSTER with mass_comp = 1 needs basis->lam (NULL, a negative or
  * non-finite value: KVRT_ERR_ARG). layer keys the random reducer. KVRT_ERR_ARG also for NaN or
  * infinite keys or values. CPU: the dyadic nodes depth first below a cut level, OpenMP over
- * (KV head, subtree), then the few nodes above it level by level; workspace a number of K-entry
- * sets (K (2d + 1) floats each) that does not grow with the number of blocks: about
- * 2 log2(T / K) per thread plus a few per KV head (docs/policies/merge-reduce.md). */
+ * (KV head, subtree), then the few nodes above it level by level; workspace in K-entry sets
+ * (K (2d + 1) floats each): 2 (c - 1) per thread for the depth-first part, the stored nodes
+ * (fewer than 16 per thread plus 2 per KV head), up to c per KV head for the fold, c <=
+ * log2(T / K) the cut level: bounded by the thread and head counts, not by T / K
+ * (docs/policies/merge-reduce.md). */
 int kvrt_mr_compress_layer(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_basis *basis,
                            uint32_t layer, const float *k, const float *v, int64_t T,
                            uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,
