@@ -227,6 +227,9 @@ KVRT_INTERNAL const kvrt_backend_ops *kvrt_backend_cpu(void);
  * through: return kvrt_cpu_omp_leave(prev, op(...)). The table's ops do it; a front door that
  * runs a host function itself on a CPU context does it too. */
 KVRT_INTERNAL int kvrt_cpu_omp_enter(const kvrt_ctx *ctx);
+/* The threads a CPU call on ctx runs on: ctx->n_threads, or 1 in a child forked after the
+ * process made a CPU context (GNU OpenMP's pool does not survive fork). */
+KVRT_INTERNAL int kvrt_cpu_threads(const kvrt_ctx *ctx);
 KVRT_INTERNAL int kvrt_cpu_omp_leave(int prev, int rc);
 
 // ----------------------------------------------------------------------------

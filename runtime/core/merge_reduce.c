@@ -350,7 +350,7 @@ int kvrt_mr_prefix_scan(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, ui
                                                    "CPU contexts (the %s backend has none)", fn,
                                                    ctx->ops->name));
     rc = kvrt_cpu_mr_prefix_scan(o, U, ldm, m, lam, layer, head, k, v, n, ld, head_dim, pos0, K,
-                                 prefixes, ctx->n_threads);
+                                 prefixes, kvrt_cpu_threads(ctx));
     return kvrt_policy_ctx_done(ctx, rc);
 }
 

@@ -732,7 +732,7 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
     jb.nsplit = max_len > ATT_SPLIT ? (max_len + ATT_SPLIT - 1) / ATT_SPLIT : 1;
     jb.chunk = max_len > ATT_SPLIT ? ATT_SPLIT : (max_len > 0 ? max_len : 1);
     const int64_t hq = (int64_t)jb.hkv * jb.nqb, tiles = hq * jb.nsplit;
-    int nt = ctx->n_threads < 1 ? 1 : ctx->n_threads;
+    int nt = kvrt_cpu_threads(ctx);
     if (nt > tiles) nt = (int)tiles;
     /* f16 or bf16 through the sgemm: blocks widened to f32 first (the small kernels read them) */
     const int f16 = c->dtype != KVRT_DTYPE_F32 && !jb.small;

@@ -13,6 +13,7 @@
  * the context's thread count).
  */
 #include <cblas.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +35,25 @@
  * go back to the system (docs/install.md, "Memory libkvrt keeps between calls"). */
 static atomic_int cpu_live;
 
+/* GNU OpenMP's thread pool does not survive fork: a child's first parallel region of more than
+ * one thread waits forever for threads that are not there. A child forked after this process
+ * made a CPU context runs every libkvrt call on one thread (its contexts' n_threads and its own
+ * OpenMP setting pinned to 1), so a server or a Python multiprocessing pool that forks workers
+ * gets working, slower, workers instead of hung ones (kvrt.h's thread rules). */
+static atomic_int cpu_ever, cpu_forked;
+static void cpu_atfork_child(void) {
+    if (!atomic_load(&cpu_ever)) return;
+    atomic_store(&cpu_forked, 1);
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+}
+static void cpu_atfork_register(void) { (void)pthread_atfork(NULL, NULL, cpu_atfork_child); }
+
+int kvrt_cpu_threads(const kvrt_ctx *ctx) {
+    return atomic_load(&cpu_forked) || ctx->n_threads < 1 ? 1 : ctx->n_threads;
+}
+
 static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err) {
     int n = opts->n_threads;
     if (n == 0) {
@@ -53,6 +73,9 @@ static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err
     ctx->info.device_id = 0;
     ctx->info.n_threads = n;
     (void)err;
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, cpu_atfork_register);
+    atomic_store(&cpu_ever, 1);
     atomic_fetch_add(&cpu_live, 1);
     return KVRT_OK;
 }
@@ -103,11 +126,11 @@ static int cpu_sync(kvrt_ctx *ctx) {
 /* A kernel's OpenMP regions take the calling thread's nthreads ICV (omp_get_max_threads sizes
  * their teams): set to the context's n_threads for the call and restored after. The ICV is the
  * calling thread's own, so neither another thread's calls nor the caller's own regions change.
- * (Kernels that take the count as an argument get ctx->n_threads directly.) */
+ * (Kernels that take the count as an argument get kvrt_cpu_threads(ctx).) */
 int kvrt_cpu_omp_enter(const kvrt_ctx *ctx) {
 #ifdef _OPENMP
-    const int prev = omp_get_max_threads();
-    if (ctx->n_threads != prev) omp_set_num_threads(ctx->n_threads);
+    const int prev = omp_get_max_threads(), n = kvrt_cpu_threads(ctx);
+    if (n != prev) omp_set_num_threads(n);
     return prev;
 #else
     (void)ctx;
@@ -127,7 +150,7 @@ int kvrt_cpu_omp_leave(int prev, int rc) {
 // primitives
 
 static int cpu_softmax_rows(kvrt_ctx *ctx, const kvrt_tensor *x, kvrt_tensor *y, float scale) {
-    return kvrt_cpu_softmax_rows(x, y, scale, ctx->n_threads);
+    return kvrt_cpu_softmax_rows(x, y, scale, kvrt_cpu_threads(ctx));
 }
 
 static int cpu_topk(kvrt_ctx *ctx, const float *scores, int64_t n, int64_t k, int32_t *idx) {
@@ -249,14 +272,14 @@ static int cpu_compkv_select(kvrt_ctx *ctx, const kvrt_compkv *s, const float *s
 
 static int cpu_kv2_proxy(kvrt_ctx *ctx, const float *k, int64_t C, uint32_t n_kv_heads,
                          uint32_t head_dim, int proxy, float *s) {
-    return kvrt_cpu_kv2_proxy(k, C, n_kv_heads, head_dim, proxy, s, ctx->n_threads);
+    return kvrt_cpu_kv2_proxy(k, C, n_kv_heads, head_dim, proxy, s, kvrt_cpu_threads(ctx));
 }
 
 static int cpu_kv2_score(kvrt_ctx *ctx, const float *q, int64_t n_q, uint32_t n_heads,
                          const float *k, int64_t C, uint32_t n_kv_heads, uint32_t head_dim,
                          const float *k_new, int64_t lo, int64_t hi, float *out) {
     return kvrt_cpu_kv2_chunk_scores(q, n_q, n_heads, k, C, n_kv_heads, head_dim, k_new, lo, hi,
-                                     out, ctx->n_threads);
+                                     out, kvrt_cpu_threads(ctx));
 }
 
 static int cpu_mr_reduce(kvrt_ctx *ctx, const kvrt_mr_opts *o, const float *U, uint32_t ldm,
@@ -271,7 +294,7 @@ static int cpu_mr_compress(kvrt_ctx *ctx, const kvrt_mr_opts *o, const kvrt_mr_b
                            uint32_t n_kv_heads, uint32_t head_dim, double budget, int dtype,
                            kvrt_cache **out) {
     return kvrt_cpu_mr_compress_layer(o, basis, layer, k, v, T, n_kv_heads, head_dim, budget, dtype,
-                                      out, ctx->n_threads);
+                                      out, kvrt_cpu_threads(ctx));
 }
 
 static int cpu_sgemm(kvrt_ctx *ctx, int ta, int tb, int m, int n, int k, float alpha,

@@ -27,10 +27,11 @@
  * thread makes it, and uses the context it was created on. A context's n_threads sizes the
  * OpenMP teams of the CPU ops it runs (the calling thread's setting is restored after each
  * call); each new calling thread gets its own OpenMP pool, released when it exits. OpenBLAS's
- * thread count is process-wide (see kvrt_am_compact_layer). With GNU OpenMP a process that has
- * run a libkvrt call with more than one thread must not fork and call libkvrt in the child (the
- * child's first parallel region hangs): fork before, or start workers with spawn (Python's
- * multiprocessing "spawn" or "forkserver").
+ * thread count is process-wide (see kvrt_am_compact_layer). GNU OpenMP's thread pool does not
+ * survive fork, so in a child forked after the process made a CPU context every libkvrt call
+ * runs on one thread (whatever its context's n_threads): forked workers work, slower; start
+ * workers before using libkvrt, or with spawn (Python's multiprocessing "spawn" or
+ * "forkserver"), to keep their threads.
  */
 #ifndef KVRT_H
 #define KVRT_H

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kvrt_experimental.h"
 #include "test_rng.h"
@@ -111,5 +113,46 @@ Test(threads, context_thread_count_bounds_the_ops) {
     cr_expect_eq(os_threads(), before, "a 1-thread context started %d threads",
                  os_threads() - before);
     kvrt_ctx_free(c1);
+    free(q); free(k); free(v);
+}
+
+/* A child forked after the parent ran a 2-thread AM compaction runs the same call to the same
+ * bits (on one thread) instead of hanging in GNU OpenMP's pool, which fork does not copy (the
+ * audit's reproducer hung; a Python multiprocessing pool with the default fork did too). */
+Test(threads, a_forked_child_runs_instead_of_hanging) {
+    enum { T = 512, H = 4, HKV = 2, D = 32 };
+    uint64_t s = 9;
+    float *q = malloc(sizeof(float) * T * H * D), *k = malloc(sizeof(float) * T * HKV * D),
+          *v = malloc(sizeof(float) * T * HKV * D);
+    cr_assert(q && k && v);
+    for (int i = 0; i < T * H * D; i++) q[i] = rng_uniform(&s, -1, 1);
+    for (int i = 0; i < T * HKV * D; i++) {
+        k[i] = rng_uniform(&s, -1, 1);
+        v[i] = rng_uniform(&s, -1, 1);
+    }
+    kvrt_ctx *c2 = NULL;
+    kvrt_error err;
+    kvrt_ctx_options o = {2, 0};
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, &o, &c2, &err), KVRT_OK, "%s", err.msg);
+    kvrt_cache *a = NULL;
+    cr_assert_eq(kvrt_am_compact_layer(c2, NULL, q, k, v, T, H, HKV, D, NULL, 0.2, KVRT_DTYPE_F32,
+                                       &a, NULL), KVRT_OK, "%s", kvrt_last_error()->msg);
+    const pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        alarm(120); /* a hang ends the child (SIGALRM), not the suite */
+        kvrt_cache *b = NULL;
+        int ok = kvrt_am_compact_layer(c2, NULL, q, k, v, T, H, HKV, D, NULL, 0.2,
+                                       KVRT_DTYPE_F32, &b, NULL) == KVRT_OK &&
+                 b->n_entries == a->n_entries &&
+                 memcmp(b->values, a->values, sizeof(float) * (size_t)(a->n_entries * D)) == 0;
+        _exit(ok ? 0 : 1);
+    }
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child %s",
+              WIFSIGNALED(st) ? "hung (killed by its alarm)" : "gave other bits or failed");
+    kvrt_cache_free(a);
+    kvrt_ctx_free(c2);
     free(q); free(k); free(v);
 }
