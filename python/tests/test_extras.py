@@ -151,3 +151,23 @@ def test_quest_create_on_a_cpu_context(acts):
         kvrt.Quest.create(ctx, acts.Hkv, 0, page=16, capacity=8)
     ctx.close()
     assert qs.closed  # closed with its context
+
+
+def _am_values(seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((512, 4, 32), dtype=np.float32)
+    k = rng.standard_normal((512, 2, 32), dtype=np.float32)
+    v = rng.standard_normal((512, 2, 32), dtype=np.float32)
+    c, _ = kvrt.am_compact_layer(q, k, v, ratio=0.2, ctx=kvrt.Context("cpu", threads=2))
+    return c.to_numpy().values.tobytes()
+
+
+def test_forked_workers_run_after_the_parent_used_kvrt():
+    """multiprocessing's default start method on Linux forks: a worker forked after the parent
+    ran a 2-thread compaction hung in GNU OpenMP's pool before 2026-12; now it runs (on one
+    thread) to the same bits."""
+    import multiprocessing as mp
+    want = _am_values(3)
+    with mp.get_context("fork").Pool(2) as pool:
+        got = pool.map_async(_am_values, [3, 3]).get(timeout=120)
+    assert got == [want, want]
