@@ -471,10 +471,20 @@ int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_it
                      (long long)n);
         goto done;
     }
-    for (int64_t j = 0; j < n; j++) sc[j] = 0;
+    /* 1 / |column|, the norm taken relative to the column's largest entry (its square sum alone
+     * overflows from about 1e154 and underflows below 1e-162: such columns were dropped as zero
+     * and the solver reported convergence at x = 0) */
+    double *cmax = c; /* c is free until the products below */
+    for (int64_t j = 0; j < n; j++) sc[j] = cmax[j] = 0;
     for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) sc[j] += A[i * n + j] * A[i * n + j];
-    for (int64_t j = 0; j < n; j++) sc[j] = sc[j] > 0 ? 1.0 / sqrt(sc[j]) : 0.0;
+        for (int64_t j = 0; j < n; j++) cmax[j] = fmax(cmax[j], fabs(A[i * n + j]));
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++)
+            if (cmax[j] > 0) {
+                const double a = A[i * n + j] / cmax[j];
+                sc[j] += a * a;
+            }
+    for (int64_t j = 0; j < n; j++) sc[j] = cmax[j] > 0 ? 1.0 / (cmax[j] * sqrt(sc[j])) : 0.0;
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < n; j++) As[i * n + j] = A[i * n + j] * sc[j];
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)n, (int)m, 1.0, As, (int)n,

@@ -78,9 +78,12 @@ typedef struct {
 } kvrt_nnls_info;
 /* min |A x - b| s.t. x >= 0 (Lawson-Hanson active set). A [m, n] row-major, b [m], x [n] (out).
  * max_iter <= 0: 3 n + 30. _ref: textbook, subproblems by modified Gram-Schmidt QR on A's
- * passive columns, double. kvrt_nnls: columns scaled to unit norm, normal equations (Gram
- * A^T A by dgemm) and Cholesky on the passive set; same solution within 1e-9 relative on
- * well-conditioned problems. info may be NULL. KVRT_ERR_ARG on NULL / sizes < 1 / non-finite. */
+ * passive columns, double; its tolerance is absolute (1e-12 max(m, n) max|A| max|b|), so it
+ * suits columns of comparable scale whose products stay in double's range. kvrt_nnls: columns
+ * scaled to unit norm (the norm taken relative to the column's largest entry: any finite
+ * scale), normal equations (Gram A^T A by dgemm) and Cholesky on the passive set; same solution
+ * within 1e-9 relative on well-conditioned problems. info may be NULL. KVRT_ERR_ARG on NULL /
+ * sizes < 1 / non-finite. */
 int kvrt_nnls_ref(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,
                   kvrt_nnls_info *info);
 int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_iter, double *x,

@@ -138,6 +138,19 @@ Test(am, nnls_known_solutions) {
         cr_assert_float_eq(xr[j], xt[j], 1e-9, "ref x[%d] = %.12g, want %.12g", j, xr[j], xt[j]);
         cr_assert_float_eq(xf[j], xt[j], 1e-7, "fast x[%d] = %.12g, want %.12g", j, xf[j], xt[j]);
     }
+    /* the same system with its columns scaled far past 1e154 or below 1e-162 (where a column's
+     * square sum overflows or underflows): kvrt_nnls scales by each column's largest entry and
+     * finds x / scale (it had dropped the columns and reported convergence at x = 0) */
+    const double scales[2] = {1e160, 1e-165};
+    for (int t = 0; t < 2; t++) {
+        double As[M * N];
+        for (int i = 0; i < M * N; i++) As[i] = A2[i] * scales[t];
+        cr_assert_eq(kvrt_nnls(As, b2, M, N, 0, xf, &inf), KVRT_OK);
+        cr_expect_eq(inf.status, KVRT_NNLS_CONVERGED);
+        for (int j = 0; j < N; j++)
+            cr_expect_float_eq(xf[j] * scales[t], xt[j], 1e-7, "scale %g: x[%d] * scale = %.12g, "
+                               "want %.12g", scales[t], j, xf[j] * scales[t], xt[j]);
+    }
 }
 
 Test(am, nnls_vs_brute_force) {
