@@ -736,7 +736,9 @@ int kvrt_kv2_plan_queries(const kvrt_kv2_plan *pl, int64_t r, int32_t *pos, int3
 /* Stage 2 of chunk r, layer l: q [n_q, H, d] the reconstruction tokens' post-RoPE queries,
  * k [C, Hkv, d] the context keys, k_new [n_q, Hkv, d] the reconstruction tokens' keys or NULL.
  * n_q must be chunk r's (KVRT_ERR_SHAPE otherwise). Every (chunk, layer) is scored once per
- * pass; a repeated call recomputes and replaces that chunk's scores. */
+ * pass; a repeated call recomputes and replaces that chunk's scores. Calls on one plan are
+ * made one at a time (they share its scratch; the thread rules at the top), each running on the
+ * context's threads. */
 int kvrt_kv2_plan_score(kvrt_kv2_plan *pl, int64_t r, uint32_t layer, const float *q,
                         int64_t n_q, const float *k, const float *k_new);
 /* Refinement: p := aggregate of this pass's stage-2 scores; the next pass picks new queries.
