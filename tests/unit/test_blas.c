@@ -355,6 +355,9 @@ Test(blas, primitive_table_evicts_least_recent) {
  * fresh page faults per call), two live buffers are distinct, small requests are plain malloc,
  * and more frees than the cache keeps release the rest (LeakSanitizer checks that in SAN runs). */
 Test(blas, scratch_buffers_are_reused) {
+    kvrt_ctx *live = NULL; /* buffers are kept only while a CPU context lives */
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, NULL, &live, &err), KVRT_OK, "%s", err.msg);
     const size_t big = (size_t)8 << 20;
     unsigned char *a = kvrt_cpu_scratch_alloc(big);
     cr_assert_not_null(a);
@@ -378,6 +381,7 @@ Test(blas, scratch_buffers_are_reused) {
     cr_assert_not_null(s);
     kvrt_cpu_scratch_free(s, 100);
     kvrt_cpu_scratch_free(NULL, big);
+    kvrt_ctx_free(live);
 }
 
 /* The kept buffers go back to the system when the last CPU context is freed (a server that is
