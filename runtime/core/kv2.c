@@ -209,6 +209,10 @@ int kvrt_kv2_plan_create(kvrt_ctx *ctx, const kvrt_kv2_opts *o, uint32_t n_layer
     const int64_t m = o->chunk > 0 ? o->chunk : (span < KV2_DEFAULT_CHUNK ? span
                                                                           : KV2_DEFAULT_CHUNK);
     const int64_t n_chunks = (span + m - 1) / m;
+    if (C - 1 + m > INT32_MAX) /* a chunk's reconstruction tokens take position ids C + i */
+        return kvrt_policy_ctx_done(ctx, KVRT_FAIL(KVRT_ERR_ARG, "%s: C = %lld with chunks of "
+                                                   "%lld tokens: the position ids C + i pass %d",
+                                                   fn, (long long)C, (long long)m, INT32_MAX));
     kvrt_kv2_plan *pl = calloc(1, sizeof *pl);
     if (pl) {
         pl->scores = malloc(sizeof(float) * (size_t)n_layers * n_kv_heads * (size_t)C);

@@ -578,6 +578,17 @@ static int stream_append_host(kvrt_mr_stream *s, const float *k, const float *v,
                                (long long)(i / Hkv), (long long)(i % Hkv));
                 break;
             }
+    /* the counter's levels this append will reach, allocated before anything changes, so that
+     * running out of memory appends nothing (a level allocated inside the carry chain failed
+     * after the block had been counted: the tokens were lost and later positions shifted) */
+    if (rc == KVRT_OK) {
+        const int64_t ahead = (int64_t)s->o.n_sink + s->n_recent, end = s->len + n;
+        const int64_t full = end > ahead ? (end - ahead) / s->K : 0;
+        for (int j = 0; rc == KVRT_OK && j < MR_LEVELS && ((int64_t)1 << j) <= full; j++)
+            if (s->level[j] == NULL && (s->level[j] = sets_new(Hkv, s->K, d)) == NULL)
+                rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (counter level %d; nothing "
+                               "appended)", fn, j);
+    }
     if (rc) return kvrt_policy_ctx_done(s->ctx, rc);
     for (int64_t i = 0; i < n && rc == KVRT_OK; i++) {
         const int32_t t = (int32_t)s->len;

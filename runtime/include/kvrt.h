@@ -17,6 +17,11 @@
  * failure; calls that take a kvrt_error* also fill it, and calls that take a kvrt_ctx also leave
  * it in kvrt_ctx_last_error(ctx).
  *
+ * Lifetimes: an object created on a context (CompKV state, KV2 plan, merge-reduce stream, Quest
+ * summary, device cache) uses that context on its calls, its free included: free such objects
+ * before the context. Handles opened from a policy (schedules, groupings, tables) own their data
+ * and may outlive kvrt_policy_free.
+ *
  * Threads: read-only handles (kvrt_policy and what is opened from it: schedules, groupings,
  * tables) may be used by any number of threads at once. A CPU context holds nothing a call
  * changes but its last error, so threads may share one (kvrt_last_error() stays each thread's

@@ -709,6 +709,13 @@ Test(kv2, plan_bad_inputs) {
     kvrt_kv2_plan_free(pl);
     cr_expect_eq(kvrt_kv2_plan_create(ctx, NULL, L, 6, 4, D, C, &pl), KVRT_ERR_ARG);
     cr_expect(has("n_heads 6 is not a multiple of n_kv_heads 4"), "%s", kvrt_last_error()->msg);
+    /* a context whose reconstruction position ids C + i would pass INT32_MAX (they wrapped
+     * negative), refused before anything is allocated */
+    o.chunk = 100;
+    cr_expect_eq(kvrt_kv2_plan_create(ctx, &o, L, H, HKV, D, (int64_t)INT32_MAX - 50, &pl),
+                 KVRT_ERR_ARG);
+    cr_expect(has("the position ids C + i pass 2147483647"), "%s", kvrt_last_error()->msg);
+    cr_expect_null(pl);
     cr_expect_eq(kvrt_kv2_plan_create(ctx, NULL, 0, H, HKV, D, C, &pl), KVRT_ERR_ARG);
     cr_expect_eq(kvrt_kv2_plan_create(NULL, NULL, L, H, HKV, D, C, &pl), KVRT_ERR_ARG);
     cr_expect(has("ctx is NULL"), "%s", kvrt_last_error()->msg);
