@@ -712,8 +712,11 @@ __device__ __forceinline__ int64_t ck_row(int staged, int hk, int64_t cap, int64
     return staged ? ((int64_t)hk * n_sel + j) * B + (t - b * B) : (int64_t)hk * cap + t;
 }
 
-/* One CUDA block per query head h. w [H, len + nb] scratch: the logits, then the weights, of
- * the selected tokens (at their positions) and of the compensation terms (at len + b). */
+/* One CUDA block per query head h. w [H, n_sel B + nb] scratch: the logits, then the weights, of
+ * the selected tokens (token t of block b at slot(b) B + t - b B, the block's place in the
+ * selection) and of the compensation terms (at n_sel B + b): it grows with what a step reads,
+ * not with the tokens held (it had been [H, len + nb], indexed by position: 141 MB per step at
+ * 524k tokens for 8 blocks read, emulated). */
 __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__ k,
                           const float *__restrict__ v, const float *__restrict__ kmean,
                           const float *__restrict__ vmean, const int32_t *__restrict__ count,
@@ -727,7 +730,9 @@ __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__
     const float *kmh = kmean + (int64_t)hk * cap_blocks * d;
     const float *vmh = vmean + (int64_t)hk * cap_blocks * d;
     const int32_t *mk = slot + (int64_t)hk * nb;
-    double *wh = w + (int64_t)h * (len + nb);
+    const int64_t wn = n_sel * B; /* the selected tokens' slots; compensation after them */
+    double *wh = w + (int64_t)h * (wn + nb);
+    (void)len;
     /* logits and the max */
     double m = -INFINITY;
     for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) {
@@ -736,14 +741,15 @@ __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__
                 const float *kr = k + ck_row(staged, hk, cap, n_sel, B, b, mk[b], t) * d;
                 double dot = 0.0;
                 for (int x = 0; x < d; x++) dot += (double)qh[x] * (double)kr[x];
-                wh[t] = scale * dot;
-                m = fmax(m, wh[t]);
+                const int64_t i = (int64_t)mk[b] * B + (t - b * B);
+                wh[i] = scale * dot;
+                m = fmax(m, wh[i]);
             }
         } else if (compensate) {
             double dot = 0.0;
             for (int x = 0; x < d; x++) dot += (double)qh[x] * (double)kmh[b * d + x];
             const double a = log((double)count[b]) + scale * dot;
-            wh[len + b] = a;
+            wh[wn + b] = a;
             m = fmax(m, a);
         }
     }
@@ -758,12 +764,13 @@ __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__
     for (int64_t b = threadIdx.x; b < nb; b += blockDim.x) {
         if (mk[b] >= 0) {
             for (int64_t t = b * B; t < b * B + count[b]; t++) {
-                wh[t] = exp(wh[t] - m);
-                s += wh[t];
+                const int64_t i = (int64_t)mk[b] * B + (t - b * B);
+                wh[i] = exp(wh[i] - m);
+                s += wh[i];
             }
         } else if (compensate) {
-            wh[len + b] = exp(wh[len + b] - m);
-            s += wh[len + b];
+            wh[wn + b] = exp(wh[wn + b] - m);
+            s += wh[wn + b];
         }
     }
     s = ck_block_sum(s, sh); /* ends with __syncthreads: every weight is written */
@@ -773,9 +780,10 @@ __global__ void ck_attend(const float *__restrict__ q, const float *__restrict__
         for (int64_t b = 0; b < nb; b++) {
             if (mk[b] >= 0) {
                 for (int64_t t = b * B; t < b * B + count[b]; t++)
-                    acc += wh[t] * (double)v[ck_row(staged, hk, cap, n_sel, B, b, mk[b], t) * d + x];
+                    acc += wh[(int64_t)mk[b] * B + (t - b * B)] *
+                           (double)v[ck_row(staged, hk, cap, n_sel, B, b, mk[b], t) * d + x];
             } else if (compensate) {
-                acc += wh[len + b] * (double)vmh[b * d + x];
+                acc += wh[wn + b] * (double)vmh[b * d + x];
             }
         }
         o[x] = (float)(acc / s);
@@ -789,7 +797,8 @@ static int ck_attend_blocks(kvrt_ctx *ctx, const ck_state *s, const float *q, ui
     cudaStream_t stream = kvrt_cuda_stream(ctx);
     const int hkv = (int)s->b.hkv, H = (int)n_heads, G = H / hkv;
     const int64_t len = s->b.len, nb = (len + s->b.o.block - 1) / s->b.o.block;
-    const size_t nw = (size_t)H * (size_t)(len + nb), nm = (size_t)hkv * (size_t)nb;
+    const size_t nw = (size_t)H * (size_t)(n_sel * s->b.o.block + nb);
+    const size_t nm = (size_t)hkv * (size_t)nb;
     const int staged = s->staged, B = (int)s->b.o.block, d = (int)s->b.d;
     /* staged: the selected blocks' rows, gathered and widened to f32 on the device */
     const size_t ns = staged ? (size_t)hkv * (size_t)n_sel * (size_t)B * (size_t)d : 0;
