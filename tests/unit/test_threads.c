@@ -76,6 +76,20 @@ static int os_threads(void) {
     return n;
 }
 
+/* One layer of uniform [-1, 1) q [T, H, D], k, v [T, HKV, D] from seed (freed by the caller). */
+enum { T = 512, H = 4, HKV = 2, D = 32 };
+static void random_layer(uint64_t s, float **q, float **k, float **v) {
+    *q = malloc(sizeof(float) * T * H * D);
+    *k = malloc(sizeof(float) * T * HKV * D);
+    *v = malloc(sizeof(float) * T * HKV * D);
+    cr_assert(*q && *k && *v);
+    for (int i = 0; i < T * H * D; i++) (*q)[i] = rng_uniform(&s, -1, 1);
+    for (int i = 0; i < T * HKV * D; i++) {
+        (*k)[i] = rng_uniform(&s, -1, 1);
+        (*v)[i] = rng_uniform(&s, -1, 1);
+    }
+}
+
 /* With the process's OpenMP default at 4 threads, a 1-thread context's Attention Matching and
  * SnapKV scores start no thread (libgomp's team would be 3 more), and the caller's own setting
  * is unchanged after each call. */
@@ -85,16 +99,8 @@ Test(threads, context_thread_count_bounds_the_ops) {
     kvrt_error err;
     kvrt_ctx_options o = {1, 0};
     cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CPU, &o, &c1, &err), KVRT_OK, "%s", err.msg);
-    enum { T = 512, H = 4, HKV = 2, D = 32 };
-    uint64_t s = 5;
-    float *q = malloc(sizeof(float) * T * H * D), *k = malloc(sizeof(float) * T * HKV * D),
-          *v = malloc(sizeof(float) * T * HKV * D);
-    cr_assert(q && k && v);
-    for (int i = 0; i < T * H * D; i++) q[i] = rng_uniform(&s, -1, 1);
-    for (int i = 0; i < T * HKV * D; i++) {
-        k[i] = rng_uniform(&s, -1, 1);
-        v[i] = rng_uniform(&s, -1, 1);
-    }
+    float *q, *k, *v;
+    random_layer(5, &q, &k, &v);
     const int before = os_threads();
     cr_assert_gt(before, 0);
     kvrt_cache *c = NULL;
@@ -120,16 +126,8 @@ Test(threads, context_thread_count_bounds_the_ops) {
  * bits (on one thread) instead of hanging in GNU OpenMP's pool, which fork does not copy (the
  * audit's reproducer hung; a Python multiprocessing pool with the default fork did too). */
 Test(threads, a_forked_child_runs_instead_of_hanging) {
-    enum { T = 512, H = 4, HKV = 2, D = 32 };
-    uint64_t s = 9;
-    float *q = malloc(sizeof(float) * T * H * D), *k = malloc(sizeof(float) * T * HKV * D),
-          *v = malloc(sizeof(float) * T * HKV * D);
-    cr_assert(q && k && v);
-    for (int i = 0; i < T * H * D; i++) q[i] = rng_uniform(&s, -1, 1);
-    for (int i = 0; i < T * HKV * D; i++) {
-        k[i] = rng_uniform(&s, -1, 1);
-        v[i] = rng_uniform(&s, -1, 1);
-    }
+    float *q, *k, *v;
+    random_layer(9, &q, &k, &v);
     kvrt_ctx *c2 = NULL;
     kvrt_error err;
     kvrt_ctx_options o = {2, 0};
