@@ -465,16 +465,16 @@ int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_it
     double *As = malloc(sizeof(double) * (size_t)(m * n));
     double *G = malloc(sizeof(double) * (size_t)(n * n));
     double *c = malloc(sizeof(double) * (size_t)n), *sc = malloc(sizeof(double) * (size_t)n);
+    double *cmax = malloc(sizeof(double) * (size_t)n);
     kvrt_cpu_nnls_ws ws = {0};
-    if (!As || !G || !c || !sc || kvrt_cpu_nnls_ws_alloc(&ws, n)) {
+    if (!As || !G || !c || !sc || !cmax || kvrt_cpu_nnls_ws_alloc(&ws, n)) {
         rc = KVRT_FAIL(KVRT_ERR_NOMEM, "kvrt_nnls: out of memory (A [%lld, %lld])", (long long)m,
                      (long long)n);
         goto done;
     }
-    /* 1 / |column|, the norm taken relative to the column's largest entry (its square sum alone
-     * overflows from about 1e154 and underflows below 1e-162: such columns were dropped as zero
-     * and the solver reported convergence at x = 0) */
-    double *cmax = c; /* c is free until the products below */
+    /* |column| taken relative to the column's largest entry (its square sum alone overflows from
+     * about 1e154 and underflows below 1e-162: such columns were dropped as zero and the solver
+     * reported convergence at x = 0) */
     for (int64_t j = 0; j < n; j++) sc[j] = cmax[j] = 0;
     for (int64_t i = 0; i < m; i++)
         for (int64_t j = 0; j < n; j++) cmax[j] = fmax(cmax[j], fabs(A[i * n + j]));
@@ -484,14 +484,17 @@ int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_it
                 const double a = A[i * n + j] / cmax[j];
                 sc[j] += a * a;
             }
-    for (int64_t j = 0; j < n; j++) sc[j] = cmax[j] > 0 ? 1.0 / (cmax[j] * sqrt(sc[j])) : 0.0;
+    /* sc[j] = sqrt of the scaled square sum (in [1, sqrt(m)]); column j of As = A / cmax / sc,
+     * and x = y / cmax / sc: never 1 / cmax, which overflows for subnormal columns */
+    for (int64_t j = 0; j < n; j++) sc[j] = sqrt(sc[j]);
     for (int64_t i = 0; i < m; i++)
-        for (int64_t j = 0; j < n; j++) As[i * n + j] = A[i * n + j] * sc[j];
+        for (int64_t j = 0; j < n; j++)
+            As[i * n + j] = cmax[j] > 0 ? A[i * n + j] / cmax[j] / sc[j] : 0.0;
     cblas_dgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)n, (int)n, (int)m, 1.0, As, (int)n,
                 As, (int)n, 0.0, G, (int)n);
     cblas_dgemv(CblasRowMajor, CblasTrans, (int)m, (int)n, 1.0, As, (int)n, b, 1, 0.0, c, 1);
     for (int64_t j = 0; j < n; j++) {
-        if (sc[j] == 0) { /* an all-zero column: never useful */
+        if (cmax[j] == 0) { /* an all-zero column: never useful */
             for (int64_t k = 0; k < n; k++) G[j * n + k] = G[k * n + j] = 0;
             G[j * n + j] = 1;
             c[j] = 0;
@@ -500,11 +503,11 @@ int kvrt_nnls(const double *A, const double *b, int64_t m, int64_t n, int max_it
     }
     kvrt_nnls_info inf = {0};
     kvrt_cpu_nnls_gram(G, c, n, max_iter, x, &ws, &inf);
-    for (int64_t j = 0; j < n; j++) x[j] *= sc[j];
+    for (int64_t j = 0; j < n; j++) x[j] = cmax[j] > 0 ? x[j] / cmax[j] / sc[j] : 0.0;
     inf.residual = residual_norm(A, b, m, n, x);
     if (info) *info = inf;
 done:
-    free(As); free(G); free(c); free(sc);
+    free(As); free(G); free(c); free(sc); free(cmax);
     kvrt_cpu_nnls_ws_free(&ws);
     return rc;
 }

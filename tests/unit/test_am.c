@@ -141,8 +141,8 @@ Test(am, nnls_known_solutions) {
     /* the same system with its columns scaled far past 1e154 or below 1e-162 (where a column's
      * square sum overflows or underflows): kvrt_nnls scales by each column's largest entry and
      * finds x / scale (it had dropped the columns and reported convergence at x = 0) */
-    const double scales[2] = {1e160, 1e-165};
-    for (int t = 0; t < 2; t++) {
+    const double scales[4] = {1e160, 1e-165, 1e308, 1e-300};
+    for (int t = 0; t < 4; t++) {
         double As[M * N];
         for (int i = 0; i < M * N; i++) As[i] = A2[i] * scales[t];
         cr_assert_eq(kvrt_nnls(As, b2, M, N, 0, xf, &inf), KVRT_OK);
