@@ -37,18 +37,27 @@ static atomic_int cpu_live;
 
 /* GNU OpenMP's thread pool does not survive fork: a child's first parallel region of more than
  * one thread waits forever for threads that are not there. A child forked after this process
- * made a CPU context runs every libkvrt call on one thread (its contexts' n_threads and its own
- * OpenMP setting pinned to 1), so a server or a Python multiprocessing pool that forks workers
- * gets working, slower, workers instead of hung ones (kvrt.h's thread rules). */
+ * ran libkvrt's threaded code (a CPU context made, or a context-less kernel run: every such
+ * path calls kvrt_cpu_mark_threaded) runs every libkvrt call on one thread (its contexts'
+ * n_threads and its own OpenMP setting pinned to 1), so a server or a Python multiprocessing
+ * pool that forks workers gets working, slower, workers instead of hung ones; a child forked
+ * before keeps its threads (kvrt.h's thread rules). libkvrt's own locks are taken around the
+ * fork (blas.c), so none is held in the child by a thread that is not there. */
 static atomic_int cpu_ever, cpu_forked;
+void kvrt_cpu_mark_threaded(void) {
+    if (!atomic_load_explicit(&cpu_ever, memory_order_relaxed)) atomic_store(&cpu_ever, 1);
+}
 static void cpu_atfork_child(void) {
+    kvrt_cpu_fork_child();
     if (!atomic_load(&cpu_ever)) return;
     atomic_store(&cpu_forked, 1);
 #ifdef _OPENMP
     omp_set_num_threads(1);
 #endif
 }
-static void cpu_atfork_register(void) { (void)pthread_atfork(NULL, NULL, cpu_atfork_child); }
+__attribute__((constructor)) static void cpu_atfork_register(void) {
+    (void)pthread_atfork(kvrt_cpu_fork_prepare, kvrt_cpu_fork_parent, cpu_atfork_child);
+}
 
 int kvrt_cpu_threads(const kvrt_ctx *ctx) {
     return atomic_load(&cpu_forked) || ctx->n_threads < 1 ? 1 : ctx->n_threads;
@@ -73,9 +82,7 @@ static int cpu_init(kvrt_ctx *ctx, const kvrt_ctx_options *opts, kvrt_error *err
     ctx->info.device_id = 0;
     ctx->info.n_threads = n;
     (void)err;
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, cpu_atfork_register);
-    atomic_store(&cpu_ever, 1);
+    kvrt_cpu_mark_threaded();
     atomic_fetch_add(&cpu_live, 1);
     return KVRT_OK;
 }

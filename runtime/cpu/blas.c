@@ -152,6 +152,7 @@ static int batch_on_team(int64_t n_ops) {
 #endif
 
 void kvrt_cpu_sgemm_batch(const kvrt_sgemm_op *ops, int64_t n_ops) {
+    kvrt_cpu_mark_threaded();
     if (batch_on_team(n_ops)) {
 #pragma omp parallel for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_ops; i++) op_run(&ops[i], BATCH_ONE_THREAD);
@@ -515,6 +516,7 @@ static int bf16_op_run(const kvrt_bf16mm_op *o, int one_thread) {
 }
 
 int kvrt_cpu_bf16mm_batch(const kvrt_bf16mm_op *ops, int64_t n_ops) {
+    kvrt_cpu_mark_threaded();
     int bad = 0;
     if (batch_on_team(n_ops)) {
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
@@ -670,6 +672,7 @@ static size_t scratch_round(size_t bytes) {
 }
 
 void *kvrt_cpu_scratch_alloc(size_t bytes) {
+    kvrt_cpu_mark_threaded(); /* its users run OpenMP regions */
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     if (bytes >= SCRATCH_HUGE) {
         const size_t n = scratch_round(bytes);
@@ -757,4 +760,26 @@ void kvrt_cpu_scratch_free(void *p, size_t bytes) {
     (void)bytes;
 #endif
     free(p);
+}
+
+// ----------------------------------------------------------------------------
+// fork: the locks above, taken by the forking thread (backend_cpu.c registers these)
+
+void kvrt_cpu_fork_prepare(void) {
+    pthread_mutex_lock(&openblas_hold_mu);
+    pthread_mutex_lock(&mm_mu);
+    pthread_mutex_lock(&scratch_mu);
+}
+void kvrt_cpu_fork_parent(void) {
+    pthread_mutex_unlock(&scratch_mu);
+    pthread_mutex_unlock(&mm_mu);
+    pthread_mutex_unlock(&openblas_hold_mu);
+}
+void kvrt_cpu_fork_child(void) {
+    /* a hold of another thread, which the child lacks, would never end: the child's holds
+     * count from 0 (OpenBLAS may stay at one thread then, harmless in a one-thread child) */
+    openblas_hold_depth = 0;
+    pthread_mutex_unlock(&scratch_mu);
+    pthread_mutex_unlock(&mm_mu);
+    pthread_mutex_unlock(&openblas_hold_mu);
 }

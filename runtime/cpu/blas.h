@@ -189,5 +189,14 @@ KVRT_INTERNAL void kvrt_cpu_scratch_trim(void);
 KVRT_INTERNAL size_t kvrt_cpu_scratch_kept_bytes(void);
 /* CPU contexts alive now (runtime/cpu/backend_cpu.c). */
 KVRT_INTERNAL int kvrt_cpu_contexts_live(void);
+/* Record that libkvrt's threaded code has run in this process (backend_cpu.c: a child forked
+ * after it runs libkvrt on one thread). Called by every path that opens OpenMP regions without
+ * a context: the scratch allocator, the batched products, the value norms, the NNLS. */
+KVRT_INTERNAL void kvrt_cpu_mark_threaded(void);
+/* pthread_atfork handlers for libkvrt's own locks (blas.c): prepare takes them, the parent
+ * releases them, the child releases them and forgets any OpenBLAS hold of a thread it lacks. */
+KVRT_INTERNAL void kvrt_cpu_fork_prepare(void);
+KVRT_INTERNAL void kvrt_cpu_fork_parent(void);
+KVRT_INTERNAL void kvrt_cpu_fork_child(void);
 
 #endif

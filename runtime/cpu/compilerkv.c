@@ -45,6 +45,7 @@
 #include "kvrt_experimental.h"
 #include "core/backend.h"
 #include "core/policies.h"
+#include "cpu/blas.h"
 #include "cpu/vexp.h"
 
 // ----------------------------------------------------------------------------
@@ -297,6 +298,7 @@ int kvrt_compilerkv_value_norms(const float *v, int64_t T, uint32_t n_kv_heads, 
     if (T < 1 || n_kv_heads == 0 || head_dim == 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: T %lld, n_kv_heads %u, head_dim %u: expected >= 1",
                          fn, (long long)T, n_kv_heads, head_dim);
+    kvrt_cpu_mark_threaded(); /* an OpenMP region without a context (a fork after it: blas.h) */
     /* norms: 16 float partial sums per row (independent chains that vectorize), added in double;
      * rows in parallel (each row's arithmetic is fixed: the result does not depend on threads) */
     const int64_t rows = T * (int64_t)n_kv_heads;

@@ -18,6 +18,7 @@
 #include <lapacke.h>
 
 #include "core/policies.h"
+#include "cpu/blas.h"
 #include "cpu/nnls.h"
 #include "cpu/vexp.h" /* KVRT_SIMD_CLONES */
 
@@ -358,6 +359,7 @@ void kvrt_cpu_nnls_gram(const double *G, const double *c, int64_t n, int max_ite
 
 void kvrt_cpu_nnls_gram_ex(const double *G, int64_t ldg, const double *c, int64_t n, int max_iter,
                            double *x, kvrt_cpu_nnls_ws *ws, int resume, kvrt_nnls_info *info) {
+    kvrt_cpu_mark_threaded(); /* grad_gx's OpenMP region (a fork after it: blas.h) */
     unsigned char *flag = ws->flag;
     int64_t *P = ws->P;
     const int64_t ldl = ws->cap; /* the factor's row stride: fixed, so that it can be resumed */
