@@ -33,10 +33,12 @@
  * OpenMP teams of the CPU ops it runs (the calling thread's setting is restored after each
  * call); each new calling thread gets its own OpenMP pool, released when it exits. OpenBLAS's
  * thread count is process-wide (see kvrt_am_compact_layer). GNU OpenMP's thread pool does not
- * survive fork, so in a child forked after the process made a CPU context every libkvrt call
- * runs on one thread (whatever its context's n_threads): forked workers work, slower; start
- * workers before using libkvrt, or with spawn (Python's multiprocessing "spawn" or
- * "forkserver"), to keep their threads.
+ * survive fork, so in a child forked after the process ran libkvrt's threaded code (made a CPU
+ * context, or ran a context-less kernel) every libkvrt call runs on one thread (whatever its
+ * context's n_threads): forked workers work, slower; start workers before using libkvrt, or
+ * with spawn (Python's multiprocessing "spawn" or "forkserver"), to keep their threads. The
+ * child's own OpenMP setting is left at 1: raising it (e.g. torch.set_num_threads) before a
+ * context-less libkvrt call brings the hang back.
  */
 #ifndef KVRT_H
 #define KVRT_H
