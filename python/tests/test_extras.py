@@ -163,9 +163,9 @@ def _am_values(seed):
 
 
 def test_forked_workers_run_after_the_parent_used_kvrt():
-    """multiprocessing's default start method on Linux forks: a worker forked after the parent
-    ran a 2-thread compaction hung in GNU OpenMP's pool before 2026-12; now it runs (on one
-    thread) to the same bits."""
+    """A fork pool (multiprocessing's default start method on Linux before Python 3.14): a
+    worker forked after the parent ran a 2-thread compaction hung in GNU OpenMP's pool before
+    2026-12; now it runs (on one thread) to the same bits."""
     import multiprocessing as mp
     want = _am_values(3)
     with mp.get_context("fork").Pool(2) as pool:
