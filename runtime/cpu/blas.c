@@ -765,14 +765,21 @@ void kvrt_cpu_scratch_free(void *p, size_t bytes) {
 // ----------------------------------------------------------------------------
 // fork: the locks above, taken by the forking thread (backend_cpu.c registers these)
 
+#if KVCC_WITH_DNNL
+#define MM_LOCK() pthread_mutex_lock(&mm_mu)
+#define MM_UNLOCK() pthread_mutex_unlock(&mm_mu)
+#else /* no primitive cache */
+#define MM_LOCK() ((void)0)
+#define MM_UNLOCK() ((void)0)
+#endif
 void kvrt_cpu_fork_prepare(void) {
     pthread_mutex_lock(&openblas_hold_mu);
-    pthread_mutex_lock(&mm_mu);
+    MM_LOCK();
     pthread_mutex_lock(&scratch_mu);
 }
 void kvrt_cpu_fork_parent(void) {
     pthread_mutex_unlock(&scratch_mu);
-    pthread_mutex_unlock(&mm_mu);
+    MM_UNLOCK();
     pthread_mutex_unlock(&openblas_hold_mu);
 }
 void kvrt_cpu_fork_child(void) {
@@ -780,6 +787,6 @@ void kvrt_cpu_fork_child(void) {
      * count from 0 (OpenBLAS may stay at one thread then, harmless in a one-thread child) */
     openblas_hold_depth = 0;
     pthread_mutex_unlock(&scratch_mu);
-    pthread_mutex_unlock(&mm_mu);
+    MM_UNLOCK();
     pthread_mutex_unlock(&openblas_hold_mu);
 }
