@@ -33,6 +33,15 @@
 // ----------------------------------------------------------------------------
 // shared pieces (identical arithmetic for ref and fast)
 
+/* The calling thread's index in its OpenMP team (its workspace), 0 outside one. */
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* n entries into K clusters of sizes q + (c < r): the entries of clusters [c0, c1). */
 static int64_t cluster_count(int64_t n, int64_t K, int64_t c0, int64_t c1) {
     const int64_t q = n / K, r = n % K;
@@ -1084,10 +1093,7 @@ static int tree_up(mr_tree *t, const mr_seq *seqs, int reducer, uint32_t layer, 
     const int64_t nscr = 2 * (int64_t)(c > 1 ? c - 1 : 0);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (ntask > 1 && nt > 1)
     for (int64_t x = 0; x < ntask; x++) {
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        const int tid = thread_id();
         const mr_task *k = &tasks[x];
         dfs_node(ws[tid], reducer, &seqs[k->s], t->K, layer, seed, k->j, k->lo, k->out,
                  nscr ? scr + (size_t)tid * (size_t)nscr : NULL);
@@ -1097,10 +1103,7 @@ static int tree_up(mr_tree *t, const mr_seq *seqs, int reducer, uint32_t layer, 
         const int64_t nn = t->nb >> j, count = nn * t->nh;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (count > 1 && nt > 1)
         for (int64_t task = 0; task < count; task++) {
-            int tid = 0;
-#ifdef _OPENMP
-            tid = omp_get_thread_num();
-#endif
+            const int tid = thread_id();
             const int s = (int)(task / nn);
             const int64_t i = task % nn;
             const mr_seq *q = &seqs[s];
@@ -1234,10 +1237,7 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (Hkv > 1 && nt > 1)
     for (int64_t hh = 0; hh < (int64_t)Hkv; hh++) {
         const int h = (int)hh;
-        int tid = 0;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-#endif
+        const int tid = thread_id();
         /* S alternates between the head's fold set and its top tree node (read only as the
          * first S, then dead); with no tree (nb = 1) there is nothing to fold */
         kvrt_mr_set *buf[2] = {&fold.sets[h], J >= 1 ? tree_node(&t, h, J, 0) : &fold.sets[h]};
@@ -1330,10 +1330,7 @@ int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && nb > 1)
         for (int64_t b = 1; b <= nb; b++) {
             if (__builtin_popcountll((unsigned long long)b) != pc) continue;
-            int tid = 0;
-#ifdef _OPENMP
-            tid = omp_get_thread_num();
-#endif
+            const int tid = thread_id();
             const int64_t low = b & -b;
             const int j = __builtin_ctzll((unsigned long long)low);
             const mr_view D = node_view(&t, &q, 0, j, b - low);

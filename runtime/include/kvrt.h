@@ -27,9 +27,9 @@
  * changes but its last error, so threads may share one (kvrt_last_error() stays each thread's
  * own: read that, since another thread's failure may be rewriting kvrt_ctx_last_error()'s
  * text); a CUDA context (its stream and cuBLAS handle) is used by one thread at a time. A
- * per-request object (CompilerKV prompt, KV2
- * plan, CompKV state, merge-reduce stream, Quest summary) takes one call at a time, whichever
- * thread makes it, and uses the context it was created on. A context's n_threads sizes the
+ * per-request object (CompilerKV prompt, KV2 plan, CompKV state, merge-reduce stream, Quest
+ * summary) takes one call at a time, whichever thread makes it, and uses the context it was
+ * created on. A context's n_threads sizes the
  * OpenMP teams of the CPU ops it runs (the calling thread's setting is restored after each
  * call); each new calling thread gets its own OpenMP pool, released when it exits. OpenBLAS's
  * thread count is process-wide (see kvrt_am_compact_layer). GNU OpenMP's thread pool does not
