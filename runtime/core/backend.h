@@ -10,7 +10,8 @@
  *          kvrt_backend_cpu, kvrt_cuda_host, kvrt_cuda_plugin, kvrt_cuda_plugin_get,
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
  *          kvrt_f16_to_f32_row, kvrt_cache_dtype_ok, kvrt_row_to_dtype, kvrt_row_from_dtype,
- *          kvrt_cache_put_kv, kvrt_cache_dtype_error
+ *          kvrt_cache_put_kv, kvrt_cache_dtype_error, kvrt_cpu_omp_enter, kvrt_cpu_omp_leave,
+ *          kvrt_cpu_threads, kvrt_first_nonfinite
  *
  * Included by C files and by the .cu files (hence the extern "C" block): it must stay valid C11
  * and C++17 and must not include any CUDA header (the CPU side never sees CUDA types; backend
@@ -231,6 +232,9 @@ KVRT_INTERNAL int kvrt_cpu_omp_enter(const kvrt_ctx *ctx);
  * process made a CPU context (GNU OpenMP's pool does not survive fork). */
 KVRT_INTERNAL int kvrt_cpu_threads(const kvrt_ctx *ctx);
 KVRT_INTERNAL int kvrt_cpu_omp_leave(int prev, int rc);
+/* The index of the first NaN or +-Inf among x[0..n), or -1 when every element is finite (n <= 0
+ * included): one vectorized pass, serial (runtime/cpu/finite.c). */
+KVRT_INTERNAL int64_t kvrt_first_nonfinite(const float *x, int64_t n);
 
 // ----------------------------------------------------------------------------
 // the CUDA backend: a separate shared object, loaded on first use

@@ -132,13 +132,12 @@ static int check_lam(const char *fn, const kvrt_mr_opts *o, const char *what, co
  * is one OR over its columns (x - x is 0 exactly for finite x), which vectorizes; an exit per
  * value did not, and the checks of a layer call read its whole k and v. */
 static int64_t first_bad(const float *x, int64_t n, int64_t ld, uint32_t d) {
-    for (int64_t i = 0; i < n; i++) {
-        const float *r = x + (size_t)i * ld;
-        int bad = 0;
-#pragma omp simd reduction(| : bad)
-        for (uint32_t j = 0; j < d; j++) bad |= !(r[j] - r[j] == 0.0f);
-        if (bad) return i;
+    if (ld == (int64_t)d) {
+        const int64_t i = kvrt_first_nonfinite(x, n * ld);
+        return i < 0 ? -1 : i / ld;
     }
+    for (int64_t i = 0; i < n; i++)
+        if (kvrt_first_nonfinite(x + (size_t)i * ld, d) >= 0) return i;
     return -1;
 }
 
@@ -569,15 +568,13 @@ static int stream_append_host(kvrt_mr_stream *s, const float *k, const float *v,
     else if (n > (int64_t)INT32_MAX - s->len)
         rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: %lld tokens after %lld pass position %d", fn,
                        (long long)n, (long long)s->len, INT32_MAX);
-    for (int64_t i = 0; rc == KVRT_OK && i < n * Hkv; i++)
-        for (uint32_t x = 0; x < d; x++)
-            if (!isfinite(k[(size_t)i * d + x]) || !isfinite(v[(size_t)i * d + x])) {
-                rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: %s of token %lld (KV head %lld) is not finite "
-                               "(nothing appended)", fn,
-                               isfinite(k[(size_t)i * d + x]) ? "value" : "key",
-                               (long long)(i / Hkv), (long long)(i % Hkv));
-                break;
-            }
+    for (int kv = 0; rc == KVRT_OK && kv < 2; kv++) {
+        const int64_t i = first_bad(kv ? v : k, n * Hkv, d, d); /* a row: (token, KV head) */
+        if (i >= 0)
+            rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: %s of token %lld (KV head %lld) is not finite "
+                           "(nothing appended)", fn, kv ? "value" : "key", (long long)(i / Hkv),
+                           (long long)(i % Hkv));
+    }
     /* the counter's levels this append will reach, allocated before anything changes, so that
      * running out of memory appends nothing (a level allocated inside the carry chain failed
      * after the block had been counted: the tokens were lost and later positions shifted) */

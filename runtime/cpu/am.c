@@ -82,23 +82,35 @@ void kvrt_am_opts_init(kvrt_am_opts *o) {
     o->omp_batch = 1;
 }
 
-KVRT_SIMD_CLONES
-static int any_nonfinite_range(const float *x, int64_t count) {
-    int bad = 0;
-#pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < count; i++) bad |= !(x[i] - x[i] == 0.0f);
-    return bad;
+/* The index of the first NaN or +-Inf of x [count], -1 when none: kvrt_first_nonfinite in
+ * parallel over fixed slices of 2^18 (a read of the whole array: the checks of a one-head call
+ * read its k, v and queries, 6 MB at T = 4096, d = 128). */
+static int64_t first_nonfinite(const float *x, int64_t count) {
+    const int64_t sl = (int64_t)1 << 18, ns = (count + sl - 1) / sl;
+    int64_t first = INT64_MAX;
+#pragma omp parallel for schedule(static) reduction(min : first) if (ns > 1)
+    for (int64_t c = 0; c < ns; c++) {
+        const int64_t i = kvrt_first_nonfinite(x + c * sl, (c + 1) * sl < count ? sl : count - c * sl);
+        if (i >= 0 && c * sl + i < first) first = c * sl + i;
+    }
+    return first == INT64_MAX ? -1 : first;
 }
 
-/* 1 when every x[i] is finite; in parallel over fixed slices of 2^18 (a read of the whole array:
- * the checks of a one-head call read its k, v and queries, 6 MB at T = 4096, d = 128) */
-static int all_finite_f(const float *x, int64_t count) {
-    const int64_t sl = (int64_t)1 << 18, ns = (count + sl - 1) / sl;
-    int bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad) if (ns > 1)
-    for (int64_t c = 0; c < ns; c++)
-        bad |= any_nonfinite_range(x + c * sl, (c + 1) * sl < count ? sl : count - c * sl);
-    return !bad;
+/* KVRT_ERR_ARG naming the first non-finite element of each array x[a] [n[a] rows, w, d] (w = 1:
+ * [rows, d]), KVRT_OK when all are finite. */
+static int finite_args(const char *fn, int na, const float *const *x, const char *const *name,
+                       const int64_t *rows, int64_t w, int64_t d) {
+    for (int a = 0; a < na; a++) {
+        const int64_t i = first_nonfinite(x[a], rows[a] * w * d);
+        if (i < 0) continue;
+        if (w == 1)
+            return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s[%lld, %lld] = %g, expected finite values", fn,
+                             name[a], (long long)(i / d), (long long)(i % d), (double)x[a][i]);
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s[%lld, %lld, %lld] = %g, expected finite values", fn,
+                         name[a], (long long)(i / (w * d)), (long long)(i / d % w),
+                         (long long)(i % d), (double)x[a][i]);
+    }
+    return KVRT_OK;
 }
 
 // ----------------------------------------------------------------------------
@@ -1732,8 +1744,9 @@ int kvrt_cpu_am_compact(const kvrt_am_opts *o, const float *k, const float *v, i
     int rc = kvrt_am_one_check(fn, o, k, v, T, head_dim, q_ref, n, t, dtype);
     if (rc) return rc;
     const int64_t d = head_dim;
-    if (!all_finite_f(k, T * d) || !all_finite_f(v, T * d) || !all_finite_f(q_ref, n * d))
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: k, v or q_ref holds NaN or Inf", fn);
+    rc = finite_args(fn, 3, (const float *const[]){k, v, q_ref},
+                     (const char *const[]){"k", "v", "q_ref"}, (const int64_t[]){T, T, n}, 1, d);
+    if (rc) return rc;
     for (int64_t i = 0; q_pos && i < n; i++)
         if (q_pos[i] < 0)
             return KVRT_FAIL(KVRT_ERR_ARG, "%s: q_pos[%lld] = %d, expected >= 0", fn, (long long)i,
@@ -1886,10 +1899,14 @@ int kvrt_cpu_am_compact_layer_multi(const kvrt_am_opts *o, const float *q, const
      * reference queries (positions q_pos, or none: every query sees every key) */
     const float *qs = q_ref ? q_ref : q;
     const int64_t nq = q_ref ? n_ref : T;
-    if (!all_finite_f(k, T * Hkv * d) || !all_finite_f(v, T * Hkv * d) ||
-        !all_finite_f(qs, nq * H * d)) {
+    rc = finite_args(fn, 2, (const float *const[]){k, v}, (const char *const[]){"k", "v"},
+                     (const int64_t[]){T, T}, Hkv, d);
+    if (rc == KVRT_OK)
+        rc = finite_args(fn, 1, (const float *const[]){qs},
+                         (const char *const[]){q_ref ? "q_ref" : "q"}, (const int64_t[]){nq}, H, d);
+    if (rc) {
         free(tb);
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s, k or v holds NaN or Inf", fn, q_ref ? "q_ref" : "q");
+        return rc;
     }
     /* reference queries of a KV head: n of its nq * G queries (G query heads at every row),
      * at evenly spaced rows, the query head rotating so that every one of the G heads

@@ -62,12 +62,15 @@ static const float *cache_row(const kvrt_cache *c, const void *base, int64_t e, 
     return buf;
 }
 
-/* NaN or +-Inf among x[0..count) (a query with either gives NaN rows). */
-static int has_nonfinite(const float *x, int64_t count) {
-    int bad = 0;
-#pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < count; i++) bad |= !(fabsf(x[i]) <= FLT_MAX);
-    return bad;
+/* KVRT_ERR_ARG when q [n, H, d] holds a NaN or +-Inf (a query with either gives NaN rows),
+ * naming the first one. */
+static int q_finite(kvrt_error *e, const char *fn, const float *q, int64_t n, uint32_t H,
+                    int64_t d) {
+    const int64_t i = kvrt_first_nonfinite(q, n * (int64_t)H * d);
+    if (i < 0) return KVRT_OK;
+    return kvrt_err_set(e, KVRT_ERR_ARG, 0, "%s: q [%lld, %u, %lld] holds NaN or Inf (q[%lld, %lld, "
+                        "%lld] = %g)", fn, (long long)n, H, (long long)d, (long long)(i / (H * d)),
+                        (long long)(i / d % H), (long long)(i % d), (double)q[i]);
 }
 
 int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cache *c,
@@ -82,10 +85,8 @@ int kvrt_attend_ref(const float *q, int64_t n, uint32_t n_heads, const kvrt_cach
                             "kvrt_attend_ref: the cache must be on the host");
     const size_t d = c->head_dim;
     const uint32_t hkv = c->n_kv_heads, G = n_heads / hkv;
-    if (has_nonfinite(q, n * (int64_t)n_heads * (int64_t)d))
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0,
-                            "kvrt_attend_ref: q [%lld, %u, %zu] holds NaN or Inf",
-                            (long long)n, n_heads, d);
+    rc = q_finite(e, "kvrt_attend_ref", q, n, n_heads, (int64_t)d);
+    if (rc != KVRT_OK) return rc;
     float *kbuf = malloc(2 * d * sizeof(float));
     double *acc = malloc(d * sizeof(double));
     if (kbuf == NULL || acc == NULL) {
@@ -687,9 +688,8 @@ int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint32_t n_heads,
                     int64_t n_recent, float scale, float *out, float *lse_out) {
     kvrt_error *e = &ctx->last_err;
     const int64_t d = c->head_dim;
-    if (has_nonfinite(q, n * (int64_t)n_heads * d))
-        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_attend: q [%lld, %u, %lld] holds NaN or Inf",
-                            (long long)n, n_heads, (long long)d);
+    const int rc = q_finite(e, "kvrt_attend", q, n, n_heads, d);
+    if (rc != KVRT_OK) return rc;
     att_job jb;
     jb.q = q;
     jb.n = n;

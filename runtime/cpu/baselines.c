@@ -1030,12 +1030,14 @@ int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n) {
     const uint32_t Hkv = qs->n_kv_heads;
     /* min/max would pass over a NaN (and an infinite bound makes every score of the page
      * infinite): refused before anything is summarized */
-    for (size_t i = 0; i < (size_t)n * Hkv * d; i++)
-        if (!isfinite(k[i]))
-            return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_append: k[%lld, %llu, %llu] = %g "
-                                "(token %lld); nothing appended", (long long)(i / (Hkv * d)),
-                                (unsigned long long)(i / d % Hkv), (unsigned long long)(i % d),
-                                (double)k[i], (long long)(qs->T + (int64_t)(i / (Hkv * d))));
+    const int64_t bad = kvrt_first_nonfinite(k, n * (int64_t)Hkv * (int64_t)d);
+    if (bad >= 0) {
+        const size_t i = (size_t)bad;
+        return kvrt_err_set(e, KVRT_ERR_ARG, 0, "kvrt_quest_append: k[%lld, %llu, %llu] = %g "
+                            "(token %lld); nothing appended", (long long)(i / (Hkv * d)),
+                            (unsigned long long)(i / d % Hkv), (unsigned long long)(i % d),
+                            (double)k[i], (long long)(qs->T + (int64_t)(i / (Hkv * d))));
+    }
     const int64_t T1 = qs->T + n, pages = (T1 + qs->page - 1) / qs->page;
     if (quest_reserve(qs, pages) != KVRT_OK)
         return kvrt_err_set(e, KVRT_ERR_NOMEM, 0, "kvrt_quest_append: out of memory");
@@ -1197,11 +1199,11 @@ int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, fl
                                     qs->owner->ops->quest_scores(qs->owner, qs, q, n_heads, scores));
     const uint32_t G = n_heads / qs->n_kv_heads;
     const size_t d = qs->head_dim;
-    for (size_t i = 0; i < (size_t)n_heads * d; i++) /* NaN scores would select by index */
-        if (!isfinite(q[i]))
-            return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "kvrt_quest_scores: q[%llu, %llu] "
-                                "= %g, expected finite", (unsigned long long)(i / d),
-                                (unsigned long long)(i % d), (double)q[i]);
+    const int64_t bad = kvrt_first_nonfinite(q, (int64_t)n_heads * (int64_t)d);
+    if (bad >= 0) /* NaN scores would select by index */
+        return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_ARG, 0, "kvrt_quest_scores: q[%llu, %llu] "
+                            "= %g, expected finite", (unsigned long long)((size_t)bad / d),
+                            (unsigned long long)((size_t)bad % d), (double)q[bad]);
     double *qp = malloc(sizeof(double) * 2 * d);
     if (qp == NULL)
         return kvrt_err_set(kvrt_tls_err(), KVRT_ERR_NOMEM, 0, "kvrt_quest_scores: out of memory");

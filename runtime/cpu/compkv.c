@@ -384,13 +384,13 @@ int kvrt_cpu_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64
      * the block means): refused before anything is appended */
     for (int kv = 0; kv < 2; kv++) {
         const float *x = kv ? v : k;
-        for (size_t i = 0; i < (size_t)n * row; i++)
-            if (!isfinite(x[i]))
-                return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_append: %s[%lld, %llu, %llu] = %g (token "
-                                 "%lld of the state); nothing appended", kv ? "v" : "k",
-                                 (long long)(i / row), (unsigned long long)(i % row / s->b.d),
-                                 (unsigned long long)(i % s->b.d), (double)x[i],
-                                 (long long)(s->b.len + (int64_t)(i / row)));
+        const int64_t i = kvrt_first_nonfinite(x, n * (int64_t)row);
+        if (i >= 0)
+            return KVRT_FAIL(KVRT_ERR_ARG, "kvrt_compkv_append: %s[%lld, %llu, %llu] = %g (token "
+                             "%lld of the state); nothing appended", kv ? "v" : "k",
+                             (long long)(i / row), (unsigned long long)(i % row / s->b.d),
+                             (unsigned long long)(i % s->b.d), (double)x[i],
+                             (long long)(s->b.len + i / (int64_t)row));
     }
     /* KV heads split statically over the threads; each head's updates run in one thread in
      * token order, so the result does not depend on the split */
@@ -497,14 +497,6 @@ int kvrt_compkv_summaries_ref(const kvrt_compkv_opts *o, const float *k, const f
 // ----------------------------------------------------------------------------
 // shared checks
 
-/* NaN or +-Inf among x[0..count) (a query with either gives NaN rows). */
-static int has_nonfinite(const float *x, int64_t count) {
-    int bad = 0;
-#pragma omp simd reduction(| : bad)
-    for (int64_t i = 0; i < count; i++) bad |= !(fabsf(x[i]) <= FLT_MAX);
-    return bad;
-}
-
 /* The checks every per-step call makes on (s, q, n_heads, out). */
 static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint32_t n_heads,
                       const void *out, const char *out_name) {
@@ -517,8 +509,12 @@ static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint
     if (s->b.len == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);
-    if (has_nonfinite(q, (int64_t)n_heads * s->b.d))
-        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN or Inf", fn, n_heads, s->b.d);
+    /* a query with NaN or +-Inf gives NaN rows */
+    const int64_t i = kvrt_first_nonfinite(q, (int64_t)n_heads * s->b.d);
+    if (i >= 0)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: q [%u, %u] holds NaN or Inf (q[%lld, %lld] = %g)", fn,
+                         n_heads, s->b.d, (long long)(i / s->b.d), (long long)(i % s->b.d),
+                         (double)q[i]);
     return KVRT_OK;
 }
 

@@ -81,14 +81,10 @@ int kvrt_kv2_score_check(const char *fn, const float *q, int64_t n_q, uint32_t H
 
 /* KVRT_ERR_ARG naming the first non-finite value of x [n] (name: the argument). */
 static int finite_check(const char *fn, const char *name, const float *x, size_t n) {
-    int bad = 0;
-#pragma omp simd reduction(| : bad)
-    for (size_t i = 0; i < n; i++) bad |= !isfinite(x[i]);
-    if (!bad) return KVRT_OK;
-    size_t i = 0;
-    while (i < n && isfinite(x[i])) i++;
-    return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s[%zu] = %g, expected finite values", fn, name, i,
-                     (double)x[i]);
+    const int64_t i = kvrt_first_nonfinite(x, (int64_t)n);
+    if (i < 0) return KVRT_OK;
+    return KVRT_FAIL(KVRT_ERR_ARG, "%s: %s[%lld] = %g, expected finite values", fn, name,
+                     (long long)i, (double)x[i]);
 }
 
 // ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@
  */
 #include <criterion/criterion.h>
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -211,6 +212,39 @@ Test(tensor, dtype_size) {
     cr_assert_eq(kvrt_dtype_size(KVRT_DTYPE_BF16), 2);
     cr_assert_eq(kvrt_dtype_size(0), 0);
     cr_assert_eq(kvrt_dtype_size(99), 0);
+}
+
+/* The scan every host entry point makes for NaN and +-Inf (runtime/cpu/finite.c): the first bad
+ * element wherever it falls against the scan's 2^14-float slices, whatever follows it. */
+Test(tensor, first_nonfinite_finds_the_first_bad_element) {
+    const int64_t n = 3 * 16384 + 77;
+    float *x = malloc(sizeof(float) * (size_t)n);
+    cr_assert_not_null(x);
+    for (int64_t i = 0; i < n; i++) x[i] = (float)(i % 1000) * 1e35f - 5e37f; /* large, finite */
+    x[5] = FLT_MAX;
+    x[6] = -FLT_MAX;
+    x[7] = 1e-45f; /* subnormal */
+    cr_assert_eq(kvrt_first_nonfinite(x, n), -1);
+    cr_assert_eq(kvrt_first_nonfinite(x, 0), -1);
+    cr_assert_eq(kvrt_first_nonfinite(NULL, 0), -1);
+    const int64_t at[] = {0, 1, 16383, 16384, 16385, 2 * 16384 - 1, n - 1};
+    const float bad[] = {NAN, INFINITY, -INFINITY};
+    for (size_t a = 0; a < sizeof at / sizeof at[0]; a++)
+        for (int b = 0; b < 3; b++) {
+            const float keep = x[at[a]];
+            x[at[a]] = bad[b];
+            cr_expect_eq(kvrt_first_nonfinite(x, n), at[a], "%g at %lld", (double)bad[b],
+                         (long long)at[a]);
+            cr_expect_eq(kvrt_first_nonfinite(x, at[a]), -1, "before %lld", (long long)at[a]);
+            if (at[a] + 5 < n) { /* a second one later does not move it */
+                x[at[a] + 5] = NAN;
+                cr_expect_eq(kvrt_first_nonfinite(x, n), at[a]);
+                x[at[a] + 5] = 1.0f;
+            }
+            cr_expect_eq(kvrt_first_nonfinite(x + at[a], n - at[a]), 0);
+            x[at[a]] = keep;
+        }
+    free(x);
 }
 
 Test(tensor, check_refuses_bad_views) {
