@@ -585,7 +585,10 @@ int main(int argc, char **argv) {
 
     kvrt_error err;
     kvrt_policy *pol = NULL;
-    int rc = kvrt_policy_open(path, &model, &pol, &err);
+    // what the open may decode: a server holds artifacts to what its models need (this model's
+    // decodes to ~2 MB); 0 would be the reader's defaults, 1 GiB per section and 8 GiB in all
+    const kvrt_policy_limits lim = {.max_section_bytes = 64u << 20, .max_total_bytes = 256u << 20};
+    int rc = kvrt_policy_open_limited(path, &model, &lim, &pol, &err);
     if (rc != KVRT_OK) {
         // e.g. "smollm2.kvpol: model field 'n_kv_heads': artifact has 3, caller runs 8 (...)"
         fprintf(stderr, "error: %s (%s)\n", err.msg, kvrt_status_name(rc));

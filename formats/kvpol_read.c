@@ -459,8 +459,9 @@ static int decode_section(kvpol_file *f, uint32_t si, uint64_t *budget, kvpol_er
     const uint8_t *src = f->buf + s->offset;
     if (s->raw_size > *budget)
         return kvpol_fail(err, KVPOL_ERR_TOO_LARGE,
-                          "%s: section '%s': decoding %llu more bytes exceeds the reader's total limit",
-                          L, s->name, (unsigned long long)s->raw_size);
+                          "%s: section '%s': decoding its %llu bytes exceeds the reader's total "
+                          "limit (%llu bytes left of it)",
+                          L, s->name, (unsigned long long)s->raw_size, (unsigned long long)*budget);
     *budget -= s->raw_size;
     if (s->codec == KVPOL_CODEC_NONE) {
         sd->raw = src;

@@ -93,6 +93,10 @@ class kvrt_model_dims(Structure):
                 ("name", c_char_p), ("model_hash", c_uint64)]
 
 
+class kvrt_policy_limits(Structure):
+    _fields_ = [("max_section_bytes", c_uint64), ("max_total_bytes", c_uint64)]
+
+
 class kvrt_ctx_options(Structure):
     _fields_ = [("n_threads", c_int), ("device_id", c_int)]
 
@@ -248,6 +252,10 @@ _PROTOS = {
     # policies
     "kvrt_policy_open": (I, [c_char_p, POINTER(kvrt_model_dims), PP, POINTER(kvrt_error)]),
     "kvrt_policy_open_mem": (I, [P, c_size_t, POINTER(kvrt_model_dims), PP, POINTER(kvrt_error)]),
+    "kvrt_policy_open_limited": (I, [c_char_p, POINTER(kvrt_model_dims), POINTER(kvrt_policy_limits),
+                                     PP, POINTER(kvrt_error)]),
+    "kvrt_policy_open_mem_limited": (I, [P, c_size_t, POINTER(kvrt_model_dims),
+                                         POINTER(kvrt_policy_limits), PP, POINTER(kvrt_error)]),
     "kvrt_policy_free": (None, [P]),
     "kvrt_policy_model": (I, [P, POINTER(kvrt_model_dims)]),
     "kvrt_policy_groups": (U32, [P]),

@@ -95,6 +95,17 @@ def _dims_struct(d: Optional[Dict[str, Any]]):
     return s, keep
 
 
+def _limits(fn: str, max_section_bytes: Any, max_total_bytes: Any) -> "_lib.kvrt_policy_limits":
+    """The reader's limits as a kvrt_policy_limits; each an int in 0..2**64 - 1 (0: default)."""
+    vals = []
+    for name, v in (("max_section_bytes", max_section_bytes), ("max_total_bytes", max_total_bytes)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < 2 ** 64:
+            raise KvrtError(ERR_ARG, f"{fn}: {name}: got {v!r}, expected an int in 0..2**64 - 1 "
+                                     "(0: the reader's default)")
+        vals.append(int(v))
+    return _lib.kvrt_policy_limits(*vals)
+
+
 class Policy(_Handle):
     """An open, fully validated ``.kvpol`` artifact (``kvrt_policy``).
 
@@ -112,28 +123,36 @@ class Policy(_Handle):
         self._buf = buf  # open_mem: the buffer must outlive the handle
 
     @classmethod
-    def open(cls, path: Union[str, os.PathLike], model: ModelSpec = None) -> "Policy":
-        """kvrt_policy_open: mmap and validate ``path``; ``model`` as in :func:`model_dims`."""
+    def open(cls, path: Union[str, os.PathLike], model: ModelSpec = None, *,
+             max_section_bytes: int = 0, max_total_bytes: int = 0) -> "Policy":
+        """kvrt_policy_open_limited: mmap and validate ``path``; ``model`` as in
+        :func:`model_dims`. ``max_section_bytes`` / ``max_total_bytes`` bound what the open may
+        decode (0: the reader's defaults, 1 GiB per section and 8 GiB in all)."""
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise KvrtError(ERR_ARG, f"kvrt.Policy.open: path: got {type(path).__name__}, "
                                      "expected a str or os.PathLike")
         p = os.fsdecode(path)
+        lim = _limits("kvrt.Policy.open", max_section_bytes, max_total_bytes)
         dims, _keep = _dims_struct(model_dims(model))
         out, err = c_void_p(), _lib.kvrt_error()
         # the file system's bytes (os.fsencode): a name that is not UTF-8 opens too
-        check(lib.kvrt_policy_open(os.fsencode(path), byref(dims) if dims is not None else None,
-                                   byref(out), byref(err)), err)
+        check(lib.kvrt_policy_open_limited(os.fsencode(path),
+                                           byref(dims) if dims is not None else None, byref(lim),
+                                           byref(out), byref(err)), err)
         return cls(out.value, path=p)
 
     @classmethod
-    def from_bytes(cls, data: bytes, model: ModelSpec = None) -> "Policy":
-        """kvrt_policy_open_mem over a bytes object (kept alive by the policy)."""
+    def from_bytes(cls, data: bytes, model: ModelSpec = None, *, max_section_bytes: int = 0,
+                   max_total_bytes: int = 0) -> "Policy":
+        """kvrt_policy_open_mem_limited over a bytes object (kept alive by the policy); the
+        limits as in :meth:`open`."""
         data = bytes(data)
+        lim = _limits("kvrt.Policy.from_bytes", max_section_bytes, max_total_bytes)
         dims, _keep = _dims_struct(model_dims(model))
         out, err = c_void_p(), _lib.kvrt_error()
-        check(lib.kvrt_policy_open_mem(ctypes.c_char_p(data), len(data),
-                                       byref(dims) if dims is not None else None, byref(out),
-                                       byref(err)), err)
+        check(lib.kvrt_policy_open_mem_limited(ctypes.c_char_p(data), len(data),
+                                               byref(dims) if dims is not None else None,
+                                               byref(lim), byref(out), byref(err)), err)
         return cls(out.value, buf=data)
 
     @property

@@ -61,6 +61,29 @@ def test_corrupt_and_missing_files(artifact, tmp_path):
     assert ei.value.kvpol_status == "KVPOL_ERR_TRUNCATED" and "file_size" in ei.value.message
 
 
+def test_reader_limits(artifact):
+    """max_section_bytes / max_total_bytes reach the reader: at the artifact's sizes it opens,
+    one byte under is a FormatError (KVPOL_ERR_TOO_LARGE) naming the section."""
+    secs = kvrt.inspect(artifact)["sections"]
+    big = max(secs, key=lambda s: s["raw_size"])
+    total = sum(s["raw_size"] for s in secs)
+    data = open(artifact, "rb").read()
+    for opener, src in ((kvrt.Policy.open, artifact), (kvrt.Policy.from_bytes, data)):
+        with opener(src, max_section_bytes=big["raw_size"], max_total_bytes=total) as p:
+            assert p.has("merge-reduce")
+        with pytest.raises(kvrt.FormatError, match=f"'{big['name']}': raw_size "
+                           f"{big['raw_size']} exceeds the reader's limit of "
+                           f"{big['raw_size'] - 1} bytes") as ei:
+            opener(src, max_section_bytes=big["raw_size"] - 1)
+        assert ei.value.kvpol_status == "KVPOL_ERR_TOO_LARGE"
+        with pytest.raises(kvrt.FormatError, match="total limit") as ei:
+            opener(src, max_total_bytes=total - 1)
+        assert ei.value.kvpol_status == "KVPOL_ERR_TOO_LARGE"
+        for bad in (-1, 2 ** 64, 1.5, True, "1"):
+            with pytest.raises(kvrt.ArgError, match="max_total_bytes: got"):
+                opener(src, max_total_bytes=bad)
+
+
 def test_info_equals_kvcc_inspect_json(artifact, bare_artifact, kvcc):
     for path in (artifact, bare_artifact):
         want = json.loads(subprocess.check_output([kvcc, "inspect", "--json", path]))

@@ -2,7 +2,8 @@
  * policy.c: the policy handle: a fully validated .kvpol artifact checked against the model the
  * caller runs. Callers: serving stacks (kvrt_policy_open at start-up), kvcc eval, tests.
  *
- * defines: kvrt_policy_open, kvrt_policy_open_mem, kvrt_policy_free, kvrt_policy_model,
+ * defines: kvrt_policy_open, kvrt_policy_open_mem, kvrt_policy_open_limited,
+ *          kvrt_policy_open_mem_limited, kvrt_policy_free, kvrt_policy_model,
  *          kvrt_policy_groups, kvrt_policy_ctx_check, kvrt_policy_section,
  *          kvrt_policy_item_int, kvrt_policy_budget_index (internal, core/policies.h)
  *
@@ -141,8 +142,18 @@ static int kvpol_failure(int kc, const kvpol_error *ke, const char *label, kvrt_
 // ----------------------------------------------------------------------------
 // public API
 
-int kvrt_policy_open(const char *path, const kvrt_model_dims *expect, kvrt_policy **out,
-                     kvrt_error *err) {
+static kvpol_open_opts reader_opts(const kvrt_policy_limits *lim) {
+    kvpol_open_opts o;
+    memset(&o, 0, sizeof o);
+    if (lim) {
+        o.max_section_bytes = lim->max_section_bytes;
+        o.max_total_bytes = lim->max_total_bytes;
+    }
+    return o;
+}
+
+int kvrt_policy_open_limited(const char *path, const kvrt_model_dims *expect,
+                             const kvrt_policy_limits *lim, kvrt_policy **out, kvrt_error *err) {
     kvrt_err_set(err, KVRT_OK, 0, NULL);
     if (out) *out = NULL;
     if (path == NULL || out == NULL)
@@ -153,7 +164,8 @@ int kvrt_policy_open(const char *path, const kvrt_model_dims *expect, kvrt_polic
     kvpol_file *f = NULL;
     kvpol_error ke;
     memset(&ke, 0, sizeof ke);
-    int kc = kvpol_open_path(&f, path, NULL, &ke);
+    const kvpol_open_opts o = reader_opts(lim);
+    int kc = kvpol_open_path(&f, path, &o, &ke);
     if (kc != KVPOL_OK) {
         kvpol_close(f);
         return kvpol_failure(kc, &ke, path, err);
@@ -161,8 +173,9 @@ int kvrt_policy_open(const char *path, const kvrt_model_dims *expect, kvrt_polic
     return finish_open(f, path, expect, out, err);
 }
 
-int kvrt_policy_open_mem(const void *buf, size_t len, const kvrt_model_dims *expect,
-                         kvrt_policy **out, kvrt_error *err) {
+int kvrt_policy_open_mem_limited(const void *buf, size_t len, const kvrt_model_dims *expect,
+                                 const kvrt_policy_limits *lim, kvrt_policy **out,
+                                 kvrt_error *err) {
     kvrt_err_set(err, KVRT_OK, 0, NULL);
     if (out) *out = NULL;
     if (buf == NULL || out == NULL)
@@ -171,12 +184,23 @@ int kvrt_policy_open_mem(const void *buf, size_t len, const kvrt_model_dims *exp
     kvpol_file *f = NULL;
     kvpol_error ke;
     memset(&ke, 0, sizeof ke);
-    int kc = kvpol_open_mem(&f, buf, len, NULL, &ke);
+    const kvpol_open_opts o = reader_opts(lim);
+    int kc = kvpol_open_mem(&f, buf, len, &o, &ke);
     if (kc != KVPOL_OK) {
         kvpol_close(f);
         return kvpol_failure(kc, &ke, "<memory>", err);
     }
     return finish_open(f, "<memory>", expect, out, err);
+}
+
+int kvrt_policy_open(const char *path, const kvrt_model_dims *expect, kvrt_policy **out,
+                     kvrt_error *err) {
+    return kvrt_policy_open_limited(path, expect, NULL, out, err);
+}
+
+int kvrt_policy_open_mem(const void *buf, size_t len, const kvrt_model_dims *expect,
+                         kvrt_policy **out, kvrt_error *err) {
+    return kvrt_policy_open_mem_limited(buf, len, expect, NULL, out, err);
 }
 
 void kvrt_policy_free(kvrt_policy *p) {

@@ -143,6 +143,26 @@ int kvrt_policy_open(const char *path, const kvrt_model_dims *expect, kvrt_polic
 /* Same from memory; the buffer must outlive the handle. */
 int kvrt_policy_open_mem(const void *buf, size_t len, const kvrt_model_dims *expect,
                          kvrt_policy **out, kvrt_error *err);
+
+/* What opening an artifact may decode. Every section the open validates counts its raw_size (a
+ * zstd section is inflated into memory held by the policy; an uncompressed one is read in place
+ * from the mapping). 0 = the reader's defaults: 1 GiB per section, 8 GiB in all. An artifact past
+ * either is refused, KVRT_ERR_FORMAT with detail KVPOL_ERR_TOO_LARGE (-25), the message naming
+ * the section and its size: past the per-section limit before anything is inflated, past the
+ * total at the first section that would exceed it (what was inflated before it is freed). A
+ * server that opens artifacts it did not compile can hold them to what its models need (the
+ * built-in model's artifact with all five policies decodes to about 1.9 MB, its largest section
+ * 1.5 MB). */
+typedef struct {
+    uint64_t max_section_bytes;
+    uint64_t max_total_bytes;
+} kvrt_policy_limits;
+/* kvrt_policy_open and kvrt_policy_open_mem under the caller's limits (lim NULL: the defaults). */
+int kvrt_policy_open_limited(const char *path, const kvrt_model_dims *expect,
+                             const kvrt_policy_limits *lim, kvrt_policy **out, kvrt_error *err);
+int kvrt_policy_open_mem_limited(const void *buf, size_t len, const kvrt_model_dims *expect,
+                                 const kvrt_policy_limits *lim, kvrt_policy **out,
+                                 kvrt_error *err);
 void kvrt_policy_free(kvrt_policy *p);
 /* The model the artifact was compiled for. */
 int kvrt_policy_model(const kvrt_policy *p, kvrt_model_dims *out);

@@ -967,6 +967,58 @@ Test(policy, open_path) {
     free(buf);
 }
 
+/* The reader's limits through kvrt_policy_open_limited / _mem_limited: a limit at the section's
+ * size opens it, one byte below is KVRT_ERR_FORMAT with KVPOL_ERR_TOO_LARGE naming the section;
+ * NULL or zeros are the defaults. */
+Test(policy, reader_limits_are_the_callers) {
+    void *buf;
+    size_t len;
+    build_artifact(&buf, &len);
+    kvpol_file *f = NULL;
+    cr_assert_eq(kvpol_open_mem(&f, buf, len, NULL, NULL), KVPOL_OK);
+    const uint64_t raw = kvpol_section_at(f, 0)->raw_size;
+    cr_assert(kvpol_section_at(f, 0)->decoded && raw > 1);
+    kvpol_close(f);
+    char path[] = "/tmp/kvrt_test_XXXXXX";
+    int fd = mkstemp(path);
+    cr_assert(fd >= 0);
+    cr_assert_eq(write(fd, buf, len), (ssize_t)len);
+    close(fd);
+
+    kvrt_policy *p = NULL;
+    kvrt_error err;
+    const kvrt_policy_limits zeros = {0, 0}, at = {raw, raw};
+    const kvrt_policy_limits sec = {raw - 1, 0}, total = {0, raw - 1};
+    for (int mem = 0; mem < 2; mem++) {
+#define OPEN(lim) (mem ? kvrt_policy_open_mem_limited(buf, len, NULL, (lim), &p, &err) \
+                       : kvrt_policy_open_limited(path, NULL, (lim), &p, &err))
+        cr_assert_eq(OPEN(NULL), KVRT_OK, "%s", err.msg);
+        kvrt_policy_free(p);
+        cr_assert_eq(OPEN(&zeros), KVRT_OK, "%s", err.msg);
+        kvrt_policy_free(p);
+        cr_assert_eq(OPEN(&at), KVRT_OK, "%s", err.msg);
+        kvrt_policy_free(p);
+        p = (kvrt_policy *)0x1;
+        cr_assert_eq(OPEN(&sec), KVRT_ERR_FORMAT);
+        cr_assert_null(p);
+        cr_assert_eq(err.detail, KVPOL_ERR_TOO_LARGE);
+        char want[160];
+        snprintf(want, sizeof want, "section 0 'kvcc.provenance': raw_size %llu exceeds the "
+                 "reader's limit of %llu bytes", (unsigned long long)raw,
+                 (unsigned long long)(raw - 1));
+        cr_assert(strstr(err.msg, want) != NULL, "%s", err.msg);
+        cr_assert_eq(OPEN(&total), KVRT_ERR_FORMAT);
+        cr_assert_eq(err.detail, KVPOL_ERR_TOO_LARGE);
+        snprintf(want, sizeof want, "section 'kvcc.provenance': decoding its %llu bytes exceeds "
+                 "the reader's total limit (%llu bytes left of it)", (unsigned long long)raw,
+                 (unsigned long long)(raw - 1));
+        cr_assert(strstr(err.msg, want) != NULL, "%s", err.msg);
+#undef OPEN
+    }
+    unlink(path);
+    free(buf);
+}
+
 Test(policy, missing_file_is_io) {
     kvrt_policy *p = (kvrt_policy *)0x1;
     kvrt_error err;
