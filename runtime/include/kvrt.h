@@ -752,7 +752,7 @@ int kvrt_kv2_plan_create(kvrt_ctx *ctx, const kvrt_kv2_opts *o, uint32_t n_layer
 void kvrt_kv2_plan_free(kvrt_kv2_plan *pl);
 /* Stage 1 for one layer: k [C, Hkv, d]. Every layer once, before the first plan_queries. */
 int kvrt_kv2_plan_proxy(kvrt_kv2_plan *pl, uint32_t layer, const float *k);
-int64_t kvrt_kv2_plan_n_chunks(const kvrt_kv2_plan *pl);
+int64_t kvrt_kv2_plan_n_chunks(const kvrt_kv2_plan *pl); /* NULL: KVRT_ERR_ARG */
 /* Chunk r's positions [*lo, *hi) and its number of reconstruction queries. */
 int kvrt_kv2_plan_chunk(const kvrt_kv2_plan *pl, int64_t r, int64_t *lo, int64_t *hi,
                         int64_t *n_queries);
@@ -932,9 +932,10 @@ void kvrt_mr_stream_free(kvrt_mr_stream *s);
 /* Append n tokens k, v [n, Hkv, d]; n = 0 is a no-op. Non-finite values: KVRT_ERR_ARG (nothing
  * appended). */
 int kvrt_mr_stream_append(kvrt_mr_stream *s, const float *k, const float *v, int64_t n);
-int64_t kvrt_mr_stream_length(const kvrt_mr_stream *s);   /* tokens appended */
+/* Tokens appended (NULL: KVRT_ERR_ARG). */
+int64_t kvrt_mr_stream_length(const kvrt_mr_stream *s);
 /* Entries (per KV head, all heads equal) and bytes held now: k, v (f32), w and positions of every
- * entry of sinks, buckets, partial block and recent window. */
+ * entry of sinks, buckets, partial block and recent window (NULL: KVRT_ERR_ARG entries, 0 bytes). */
 int64_t kvrt_mr_stream_entries(const kvrt_mr_stream *s);
 size_t kvrt_mr_stream_bytes(const kvrt_mr_stream *s);
 /* The stream's cache now. fold 0: sinks, every bucket (oldest first), the partial block, the
@@ -1160,6 +1161,7 @@ void kvrt_compkv_free(kvrt_compkv *s);
  * rows (it would cost a synchronization per append): a non-finite row there makes its head's
  * scores NaN from then on. */
 int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n);
+/* NULL: 0 (as a state holding nothing). */
 int64_t kvrt_compkv_length(const kvrt_compkv *s);    /* tokens held */
 int64_t kvrt_compkv_n_blocks(const kvrt_compkv *s);  /* ceil(length / block) */
 uint32_t kvrt_compkv_groups(const kvrt_compkv *s);   /* r */
