@@ -192,6 +192,12 @@ int kvrt_mr_reduce_check(const char *fn, const kvrt_mr_opts *o, const float *U, 
                          ">= K = %lld", fn, out->head_dim, (long long)out->cap, d, (long long)K);
     if (o->reducer == KVRT_MR_CLUSTER && (rc = check_u(fn, U, ldm, m, d)) != KVRT_OK) return rc;
     if ((rc = check_lam(fn, o, "lam", lam, m)) != KVRT_OK) return rc;
+    /* entries are indexed in int32 (positions, the CUDA tree's nodes); checked before the sets'
+     * arrays are read */
+    const int64_t na = a->n > 0 ? a->n : 0, nb = b && b->n > 0 ? b->n : 0;
+    if (na > INT32_MAX || nb > INT32_MAX - na)
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: a holds %lld and b %lld entries, expected at most %d "
+                         "in all", fn, (long long)a->n, (long long)(b ? b->n : 0), INT32_MAX);
     if ((rc = check_set(fn, "a", a, d)) != KVRT_OK) return rc;
     if (b && (rc = check_set(fn, "b", b, d)) != KVRT_OK) return rc;
     return KVRT_OK;

@@ -119,7 +119,9 @@ static int opts_check(const char *fn, const kvrt_compkv_opts *o, uint32_t hkv, u
     if (hkv == 0 || d == 0 || d > 65535)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: n_kv_heads %u, head_dim %u, expected n_kv_heads >= 1 "
                        "and head_dim in 1..65535", fn, hkv, d);
-    if (o->block == 0) return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.block is 0, expected >= 1", fn);
+    if (o->block == 0 || o->block > INT32_MAX) /* the artifact's range; CUDA indexes blocks in int */
+        return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.block %u, expected 1..%d", fn, o->block,
+                         INT32_MAX);
     if (!isfinite(o->scale))
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: opts.scale = %g, expected a finite value (0: "
                        "1/sqrt(head_dim))", fn, (double)o->scale);
@@ -506,6 +508,9 @@ static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint
     if (n_heads == 0 || n_heads % s->b.hkv != 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a positive multiple of n_kv_heads "
                        "%u", fn, n_heads, s->b.hkv);
+    if ((int64_t)n_heads * s->b.d > INT32_MAX / 2) /* as kvrt_attend (and the CUDA state) */
+        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads * head_dim = %lld is too large (at most "
+                         "2^30)", fn, (long long)n_heads * s->b.d);
     if (s->b.len == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);

@@ -114,6 +114,9 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
     int rc = hs->compkv_create_check(fn, ctx, o, n_kv_heads, head_dim, capacity, perm, offsets,
                                      &base);
     if (rc != KVRT_OK) return rc;
+    if (n_kv_heads > 65535) /* a grid row per KV head: gridDim.y <= 65535 */
+        return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0, "%s: n_kv_heads %u, the CUDA state "
+                            "takes up to 65535", fn, n_kv_heads);
     const uint32_t r = base.r;
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
     ck_state *s = (ck_state *)calloc(1, sizeof *s);
@@ -333,12 +336,13 @@ static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float
     ck_summarize<<<grid, 128, 0, stream>>>(tk, tv, hkv, d, (int)s->b.r, M, b0 * B, s->b.cap_blocks,
                                            B, b0, len, s->perm, s->off, s->kmean, s->vmean,
                                            s->gvar, s->count);
-    if (L1 > 0) {
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess && L1 > 0) { /* the tail replaced only once the summaries launched */
         const unsigned gt = (unsigned)(((int64_t)hkv * L1 * d + CK_THREADS - 1) / CK_THREADS);
         ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tk, hkv, d, M, L1, TB, s->tk);
         ck_off_tail<<<gt, CK_THREADS, 0, stream>>>(tv, hkv, d, M, L1, TB, s->tv);
+        e = cudaGetLastError();
     }
-    const cudaError_t e = cudaGetLastError();
     (void)cudaFreeAsync(tmp, stream);
     if (e != cudaSuccess)
         return kvrt_cuda_error(err, e, "compkv staged append kernels", __func__, __FILE__, __LINE__);
@@ -416,6 +420,9 @@ static int ck_step_check(kvrt_ctx *ctx, const char *fn, const ck_state *s, const
         return kvrt_err_set(err, KVRT_ERR_SHAPE, 0,
                             "%s: n_heads %u is not a positive multiple of n_kv_heads %u", fn,
                             n_heads, s->b.hkv);
+    if ((int64_t)n_heads * s->b.d > INT32_MAX / 2) /* the CPU's bound (grids and indices in int) */
+        return kvrt_err_set(err, KVRT_ERR_SHAPE, 0, "%s: n_heads * head_dim = %lld is too large "
+                            "(at most 2^30)", fn, (long long)n_heads * s->b.d);
     if (s->b.len == 0)
         return kvrt_err_set(err, KVRT_ERR_ARG, 0,
                             "%s: the state holds no token yet (append the prompt first)", fn);

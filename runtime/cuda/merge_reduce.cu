@@ -259,10 +259,10 @@ __global__ void mr_split(const mr_task *__restrict__ tasks, int R, int mc,
     int32_t *a = idx_all + ti * cap2 + nd.off, *b = tmp_all + ti * cap2 + nd.off;
     const int32_t n = nd.cnt;
     /* bottom-up merge sort, stable: on equal values the left run's entry first */
-    for (int32_t wd = 1; wd < n; wd *= 2) {
-        for (int32_t lo = 0; lo < n; lo += 2 * wd) {
-            const int32_t mid = lo + wd < n ? lo + wd : n, hi = lo + 2 * wd < n ? lo + 2 * wd : n;
-            int32_t i = lo, j = mid, o = lo;
+    for (int64_t wd = 1; wd < n; wd *= 2) { /* 64-bit: 2 wd passes 2^31 for n > 2^30 */
+        for (int64_t lo = 0; lo < n; lo += 2 * wd) {
+            const int64_t mid = lo + wd < n ? lo + wd : n, hi = lo + 2 * wd < n ? lo + 2 * wd : n;
+            int64_t i = lo, j = mid, o = lo;
             while (i < mid && j < hi) {
                 const double vi = phi[(int64_t)a[i] * mc + best], vj = phi[(int64_t)a[j] * mc + best];
                 b[o++] = vj < vi ? a[j++] : a[i++];

@@ -1146,8 +1146,10 @@ void kvrt_compkv_opts_init(kvrt_compkv_opts *o);
 typedef struct kvrt_compkv kvrt_compkv;
 /* A state for up to `capacity` tokens of one layer. perm [Hkv, d] and offsets [Hkv, r + 1] (both
  * or neither; uint16 values) give the compiled grouping of each KV head (kvcc's compkv pass);
- * they are copied. o NULL: the defaults. capacity 1..INT32_MAX, head_dim 1..65535, block >= 1,
- * scale finite, the three switches 0 or 1. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d,
+ * they are copied. o NULL: the defaults. capacity 1..INT32_MAX, head_dim 1..65535, block
+ * 1..INT32_MAX, scale finite, the three switches 0 or 1; a CUDA context takes up to 65535 KV
+ * heads (KVRT_ERR_UNSUPPORTED past them). The per-step calls take n_heads * head_dim <= 2^30, as
+ * kvrt_attend. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d,
  * perm not a permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. The
  * state's per-step calls (scores, attend_blocks, step) run on ctx's backend: ctx must outlive it. */
 int kvrt_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o, uint32_t n_kv_heads,

@@ -227,7 +227,8 @@ void kvrt_mr_set_free(kvrt_mr_set *s);
  * ignored, NULL allowed).
  * KVRT_ERR_ARG: K < 1, m outside 1..min(d, ldm) for CLUSTER, U NULL for CLUSTER, lam NULL or a
  * used value negative or non-finite for CLUSTER with mass_comp, a weight <= 0 or
- * not finite, a non-finite key or value, head_dim mismatch, out too small. kvrt_mr_reduce runs
+ * not finite, a non-finite key or value, head_dim mismatch, out too small, more than INT32_MAX
+ * entries in a and b together. kvrt_mr_reduce runs
  * ctx's backend (the same bits as _ref). */
 int kvrt_mr_reduce_ref(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint32_t m,
                        const float *lam, const kvrt_mr_set *a, const kvrt_mr_set *b, int64_t K,

@@ -853,8 +853,11 @@ Test(compkv, bad_arguments_are_refused_with_a_message) {
     expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 0, NULL, NULL, &s), KVRT_ERR_ARG, "capacity",
                  "capacity 0");
     o.block = 0;
-    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "block",
-                 "block 0");
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG,
+                 "opts.block 0, expected 1..2147483647", "block 0");
+    o.block = 0x80000000u; /* the CUDA state indexed blocks in int: negative block numbers */
+    expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG,
+                 "opts.block 2147483648, expected 1..2147483647", "block 2^31");
     kvrt_compkv_opts_init(&o);
     o.r = 0;
     expect_error(kvrt_compkv_create(test_cpu(), &o, 2, d, 10, NULL, NULL, &s), KVRT_ERR_ARG, "opts.r", "r 0");
@@ -1172,4 +1175,31 @@ Test(compkv, handle_runs_the_compiled_block) {
     kvrt_compkv_grouping_free(g);
     kvrt_policy_free(pol);
     free(buf);
+}
+
+/* The CUDA state launches one grid row per KV head (gridDim.y <= 65535): more heads are refused
+ * when the state is made (before, every append failed with an invalid launch). On the emulated
+ * plugin in CI (make test-cuda-emu), on a GPU where there is one. */
+Test(cuda, compkv_kv_heads_past_the_grid_are_refused) {
+    if (!have_gpu()) {
+        fprintf(stderr, "skipped: no GPU (CompKV KV heads on CUDA)\n");
+        cr_skip_test("no GPU");
+    }
+    kvrt_ctx *g = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &g, &err), KVRT_OK, "%s", err.msg);
+    kvrt_compkv_opts o;
+    kvrt_compkv_opts_init(&o);
+    o.r = 1;
+    kvrt_compkv *s = NULL;
+    expect_error(kvrt_compkv_create(g, &o, 65536, 1, 1, NULL, NULL, &s), KVRT_ERR_UNSUPPORTED,
+                 "n_kv_heads 65536, the CUDA state takes up to 65535", "65536 KV heads");
+    cr_assert_null(s);
+    cr_assert_eq(kvrt_compkv_create(g, &o, 65535, 1, 1, NULL, NULL, &s), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    kvrt_compkv_free(s);
+    o.block = 0x80000000u; /* the shared checks run first */
+    expect_error(kvrt_compkv_create(g, &o, 2, 1, 1, NULL, NULL, &s), KVRT_ERR_ARG,
+                 "opts.block 2147483648", "block 2^31 on CUDA");
+    kvrt_ctx_free(g);
 }

@@ -915,6 +915,15 @@ Test(merge_reduce, bad_inputs) {
     b->w[3] = NAN;
     cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     b->w[3] = 1.0f;
+    /* more than INT32_MAX entries in all (int32 indices; CUDA's tree sort overflowed): refused
+     * before the sets' arrays are read (they hold far fewer here) */
+    kvrt_mr_set ha = *a, hb = *b;
+    ha.n = ha.cap = ((int64_t)1 << 30) + 1;
+    hb.n = hb.cap = ((int64_t)1 << 30) - 1; /* 2^31 in all */
+    cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, &ha, &hb, 8, 1, r), KVRT_ERR_ARG);
+    cr_expect(has("a holds 1073741825 and b 1073741823 entries, expected at most 2147483647 in "
+                  "all"), "%s", kvrt_last_error()->msg);
+    cr_expect_eq(kvrt_mr_reduce_ref(&o, U, 4, 3, NULL, &ha, &hb, 8, 1, r), KVRT_ERR_ARG);
     a->k[2 * d + 1] = NAN;
     cr_expect_eq(kvrt_mr_reduce(ctx, &o, U, 4, 3, NULL, a, b, 8, 1, r), KVRT_ERR_ARG);
     cr_expect(has("a key 2 is not finite"), "%s", kvrt_last_error()->msg);
