@@ -832,11 +832,11 @@ static int am_qpos_to_host(kvrt_ctx *ctx, const char *fn, const int32_t *q_pos, 
                            int32_t *hqpos) {
     kvrt_error *err = &ctx->last_err;
     cudaStream_t st = kvrt_cuda_stream(ctx);
-    if (cudaMemcpyAsync(hqpos, q_pos, sizeof(int32_t) * (size_t)n, cudaMemcpyDeviceToHost, st) !=
-            cudaSuccess ||
-        cudaStreamSynchronize(st) != cudaSuccess)
-        return kvrt_cuda_error(err, cudaGetLastError(), "cudaMemcpy(q_pos)", __func__, __FILE__,
-                               __LINE__);
+    cudaError_t ce = cudaMemcpyAsync(hqpos, q_pos, sizeof(int32_t) * (size_t)n,
+                                     cudaMemcpyDeviceToHost, st);
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(st);
+    if (ce != cudaSuccess) /* the call's own status (cudaGetLastError may hold another) */
+        return kvrt_cuda_error(err, ce, "cudaMemcpy(q_pos)", __func__, __FILE__, __LINE__);
     for (int64_t i = 0; i < n; i++)
         if (hqpos[i] < 0)
             return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: q_pos[%lld] = %d, expected >= 0", fn,
@@ -852,10 +852,10 @@ static int am_nonfinite_check(kvrt_ctx *ctx, const float *k, const float *v, int
     cudaStream_t st = kvrt_cuda_stream(ctx);
     int *dflag = NULL, rc = KVRT_OK;
     *bad = 0;
-    if (cudaMalloc((void **)&dflag, sizeof(int)) != cudaSuccess ||
-        cudaMemsetAsync(dflag, 0, sizeof(int), st) != cudaSuccess)
-        rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaMalloc(flag)", __func__, __FILE__,
-                             __LINE__);
+    cudaError_t me = cudaMalloc((void **)&dflag, sizeof(int));
+    if (me == cudaSuccess) me = cudaMemsetAsync(dflag, 0, sizeof(int), st);
+    if (me != cudaSuccess)
+        rc = kvrt_cuda_error(err, me, "cudaMalloc(flag)", __func__, __FILE__, __LINE__);
     if (rc == KVRT_OK) {
         am_nonfinite<float><<<1024, 256, 0, st>>>(k, nkv, dflag);
         am_nonfinite<float><<<1024, 256, 0, st>>>(v, nkv, dflag);
@@ -980,8 +980,9 @@ extern "C" int kvrt_cuda_am_compact_layer(kvrt_ctx *ctx, const kvrt_am_opts *o, 
         free(tb);
         return rc;
     }
-    if (rc == KVRT_OK && cudaSetDevice(ctx->device_id) != cudaSuccess)
-        rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaSetDevice", __func__, __FILE__, __LINE__);
+    const cudaError_t se = cudaSetDevice(ctx->device_id);
+    if (se != cudaSuccess)
+        rc = kvrt_cuda_error(err, se, "cudaSetDevice", __func__, __FILE__, __LINE__);
     if (rc != KVRT_OK) {
         free(tb);
         return rc;

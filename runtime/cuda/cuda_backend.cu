@@ -308,22 +308,26 @@ static int cuda_copy_gbs(kvrt_ctx *ctx, size_t bytes, int runs, double *gbs) {
         rc = kvrt_err_set(err, KVRT_ERR_NOMEM, 0, "kvrt_ctx_copy_gbs: cannot allocate 2 x %zu "
                           "bytes of device memory", bytes);
     }
-    if (rc == KVRT_OK && (cudaEventCreate(&e0) != cudaSuccess ||
-                          cudaEventCreate(&e1) != cudaSuccess ||
-                          cudaMemsetAsync(a, 1, bytes, st) != cudaSuccess))
-        rc = kvrt_cuda_error(err, cudaGetLastError(), "cudaEventCreate / cudaMemsetAsync",
-                             __func__, __FILE__, __LINE__);
+    if (rc == KVRT_OK) {
+        cudaError_t ce = cudaEventCreate(&e0);
+        if (ce == cudaSuccess) ce = cudaEventCreate(&e1);
+        if (ce == cudaSuccess) ce = cudaMemsetAsync(a, 1, bytes, st);
+        if (ce != cudaSuccess)
+            rc = kvrt_cuda_error(err, ce, "cudaEventCreate / cudaMemsetAsync", __func__, __FILE__,
+                                 __LINE__);
+    }
     for (int r = -1; rc == KVRT_OK && r < runs; r++) { /* r = -1: the warm-up */
-        cudaEventRecord(e0, st);
+        cudaError_t ce = cudaEventRecord(e0, st);
         copy_kernel<<<blocks, threads, 0, st>>>((const int4 *)a, (int4 *)b, n);
-        cudaEventRecord(e1, st);
-        cudaError_t ce = cudaEventSynchronize(e1);
         if (ce == cudaSuccess) ce = cudaGetLastError();
+        if (ce == cudaSuccess) ce = cudaEventRecord(e1, st);
+        if (ce == cudaSuccess) ce = cudaEventSynchronize(e1);
+        /* every timed run's time, or the call fails (an unset ms[r] would enter the median) */
+        if (ce == cudaSuccess && r >= 0) ce = cudaEventElapsedTime(&ms[r], e0, e1);
         if (ce != cudaSuccess) {
             rc = kvrt_cuda_error(err, ce, "copy_kernel", __func__, __FILE__, __LINE__);
             break;
         }
-        if (r >= 0) cudaEventElapsedTime(&ms[r], e0, e1);
     }
     if (rc == KVRT_OK) {
         qsort(ms, (size_t)runs, sizeof ms[0], cmp_float);

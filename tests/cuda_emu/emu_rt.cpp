@@ -349,7 +349,7 @@ void emu_launch_impl(emu_cfg_t c, const char *name, int sync, emu_fn *f) {
     g_launch_count[name]++;
     const unsigned long long nt = (unsigned long long)c.block.x * c.block.y * c.block.z;
     if (c.grid.x == 0 || c.grid.y == 0 || c.grid.z == 0 || nt == 0 || nt > 1024 ||
-        c.block.z > 64 || c.grid.y > 65535 || c.grid.z > 65535) {
+        c.block.z > 64 || c.grid.x > 0x7fffffffu || c.grid.y > 65535 || c.grid.z > 65535) {
         emu_warn("invalid launch configuration of %s: grid (%u,%u,%u) block (%u,%u,%u)", name,
                  c.grid.x, c.grid.y, c.grid.z, c.block.x, c.block.y, c.block.z);
         g_last = cudaErrorInvalidConfiguration;
