@@ -457,7 +457,9 @@ static int ck_step_check(kvrt_ctx *ctx, const char *fn, const ck_state *s, const
     if (hf[1] != ~0ull) {
         const unsigned long long i = hf[1];
         int32_t bv = 0;
-        CUDA_CHECK(err, cudaMemcpy(&bv, blocks + i, sizeof bv, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(err, cudaMemcpyAsync(&bv, blocks + i, sizeof bv, cudaMemcpyDeviceToHost,
+                                        stream)); /* the context's stream, not the legacy one */
+        CUDA_CHECK(err, cudaStreamSynchronize(stream));
         return kvrt_err_set(err, KVRT_ERR_ARG, 0,
                             "%s: blocks[%llu][%llu] = %d, expected strictly ascending block "
                             "indices in 0..%lld", fn, i / (unsigned long long)n_sel,

@@ -145,7 +145,9 @@ static int kv2_finite(kvrt_ctx *ctx, const char *name, const float *x, int64_t n
     CUDA_CHECK(err, cudaStreamSynchronize(stream));
     if (first >= (unsigned long long)n) return KVRT_OK;
     float v = 0.0f;
-    CUDA_CHECK(err, cudaMemcpy(&v, x + first, sizeof v, cudaMemcpyDeviceToHost));
+    /* on the context's stream (a legacy-stream copy would wait for every blocking stream) */
+    CUDA_CHECK(err, cudaMemcpyAsync(&v, x + first, sizeof v, cudaMemcpyDeviceToHost, stream));
+    CUDA_CHECK(err, cudaStreamSynchronize(stream));
     return kvrt_err_set(err, KVRT_ERR_ARG, 0,
                         "kvrt_kv2_chunk_scores: %s[%llu] = %g, expected finite values", name,
                         first, (double)v);
