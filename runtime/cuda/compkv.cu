@@ -73,6 +73,8 @@ typedef struct {
     float *gvar;          /* [hkv][cap_blocks][r] */
     int32_t *count;       /* [cap_blocks] */
     uint16_t *perm, *off; /* [hkv][d], [hkv][r + 1] */
+    unsigned long long *bad; /* the first token appended with a NaN or infinite k or v (~0: none),
+                              * set by the append kernels, read by the next step's check */
 } ck_state;
 
 static const ck_state *ck_of(const kvrt_compkv *s) { return (const ck_state *)(const void *)s; }
@@ -85,7 +87,8 @@ extern "C" void kvrt_cuda_compkv_free(kvrt_compkv *ks) {
     ck_state *s = (ck_state *)(void *)ks;
     (void)cudaSetDevice(s->b.ctx->device_id);
     (void)cudaStreamSynchronize(kvrt_cuda_stream(s->b.ctx));
-    void *p[] = {s->k, s->v, s->kmean, s->vmean, s->gvar, s->count, s->perm, s->off, s->tk, s->tv};
+    void *p[] = {s->k,     s->v,    s->kmean, s->vmean, s->gvar, s->count,
+                 s->perm,  s->off,  s->tk,    s->tv,    s->bad};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
         if (p[i]) (void)cudaFree(p[i]);
     if (s->b.o.offload) {
@@ -177,7 +180,8 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
               {(void **)&s->gvar, sizeof(float) * hkv * cb * r},
               {(void **)&s->count, sizeof(int32_t) * cb},
               {(void **)&s->perm, sizeof(uint16_t) * hkv * d},
-              {(void **)&s->off, sizeof(uint16_t) * hkv * (r + 1)}};
+              {(void **)&s->off, sizeof(uint16_t) * hkv * (r + 1)},
+              {(void **)&s->bad, sizeof(unsigned long long)}};
     for (size_t i = 0; i < sizeof al / sizeof al[0] && e == cudaSuccess; i++)
         e = cudaMalloc(al[i].p, al[i].bytes);
     /* on the context's stream (cudaStreamNonBlocking: the legacy stream's cudaMemset /
@@ -185,6 +189,7 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
      * freed below */
     cudaStream_t stream = kvrt_cuda_stream(ctx);
     if (e == cudaSuccess) e = cudaMemsetAsync(s->count, 0, sizeof(int32_t) * cb, stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(s->bad, 0xff, sizeof(unsigned long long), stream);
     if (e == cudaSuccess)
         e = cudaMemcpyAsync(s->perm, pm, sizeof(uint16_t) * hkv * d, cudaMemcpyHostToDevice,
                             stream);
@@ -214,16 +219,25 @@ extern "C" int kvrt_cuda_compkv_create(kvrt_ctx *ctx, const kvrt_compkv_opts *o,
 // ----------------------------------------------------------------------------
 // append
 
+/* *bad = min(*bad, token) when f is NaN or infinite (the CPU refuses such rows at append; the
+ * device cannot without a synchronization, so the next step refuses the state). */
+__device__ __forceinline__ void ck_note_bad(float f, int64_t token, unsigned long long *bad) {
+    if (!(fabsf(f) <= 3.402823466e38f)) atomicMin(bad, (unsigned long long)token);
+}
+
 /* dst [hkv][cap][d] rows len0 .. len0 + n from src [n][hkv][d]. */
 __global__ void ck_copy_rows(const float *__restrict__ src, int64_t n, int hkv, int d,
-                             int64_t cap, int64_t len0, float *__restrict__ dst) {
+                             int64_t cap, int64_t len0, float *__restrict__ dst,
+                             unsigned long long *bad) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int64_t total = n * hkv * d;
     if (i >= total) return;
     const int x = (int)(i % d);
     const int h = (int)((i / d) % hkv);
     const int64_t t = i / ((int64_t)d * hkv);
-    dst[((int64_t)h * cap + len0 + t) * d + x] = src[i];
+    const float f = src[i];
+    ck_note_bad(f, len0 + t, bad);
+    dst[((int64_t)h * cap + len0 + t) * d + x] = f;
 }
 
 /* One CUDA block per (block b0 + blockIdx.x, KV head blockIdx.y): kmean, vmean (threads over
@@ -280,7 +294,8 @@ __global__ void ck_summarize(const float *__restrict__ k, const float *__restric
  * f16; row len0 + i), rounded to nearest even. */
 __global__ void ck_off_fill(const float *__restrict__ src, int64_t n, int hkv, int d, int64_t L0,
                            const float *__restrict__ tail, int B, int64_t cap, int64_t len0,
-                           int f16, float *__restrict__ tmp, uint16_t *__restrict__ host) {
+                           int f16, float *__restrict__ tmp, uint16_t *__restrict__ host,
+                           unsigned long long *bad) {
     const int64_t M = L0 + n, i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (int64_t)hkv * M * d) return;
     const int x = (int)(i % d);
@@ -290,6 +305,7 @@ __global__ void ck_off_fill(const float *__restrict__ src, int64_t n, int hkv, i
         tmp[i] = tail[((int64_t)h * B + t) * d + x];
     } else {
         const float f = src[((t - L0) * hkv + h) * d + x];
+        ck_note_bad(f, len0 + (t - L0), bad);
         tmp[i] = f;
         host[((int64_t)h * cap + len0 + (t - L0)) * d + x] =
             f16 ? __half_as_ushort(__float2half_rn(f)) : __bfloat16_as_ushort(__float2bfloat16_rn(f));
@@ -329,9 +345,9 @@ static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float
     /* the tail's rows per head: min(block, capacity), as allocated */
     const int TB = (int64_t)B < s->b.cap ? B : (int)s->b.cap;
     ck_off_fill<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, L0, s->tk, TB, s->b.cap, len0, s->f16,
-                                              tk, s->mk);
+                                              tk, s->mk, s->bad);
     ck_off_fill<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, L0, s->tv, TB, s->b.cap, len0, s->f16,
-                                              tv, s->mv);
+                                              tv, s->mv, s->bad);
     dim3 grid((unsigned)nbt, (unsigned)hkv);
     ck_summarize<<<grid, 128, 0, stream>>>(tk, tv, hkv, d, (int)s->b.r, M, b0 * B, s->b.cap_blocks,
                                            B, b0, len, s->perm, s->off, s->kmean, s->vmean,
@@ -360,8 +376,8 @@ extern "C" int kvrt_cuda_compkv_append(kvrt_ctx *ctx, kvrt_compkv *ks, const flo
     const int hkv = (int)s->b.hkv, d = (int)s->b.d, B = (int)s->b.o.block;
     const int64_t total = n * hkv * d, len0 = s->b.len, len = len0 + n;
     const unsigned g = (unsigned)((total + CK_THREADS - 1) / CK_THREADS);
-    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, s->b.cap, len0, s->k);
-    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, s->b.cap, len0, s->v);
+    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, s->b.cap, len0, s->k, s->bad);
+    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, s->b.cap, len0, s->v, s->bad);
     const int64_t b0 = len0 / B, b1 = (len - 1) / B; /* the blocks this call touched */
     const int64_t nbt = b1 - b0 + 1;
     if (nbt > 0x7fffffffLL)
@@ -392,11 +408,11 @@ extern "C" int kvrt_cuda_compkv_summaries(kvrt_ctx *ctx, const kvrt_compkv *ks, 
 // ----------------------------------------------------------------------------
 // checks that read device data (one flag back, one synchronization)
 
-/* flag[0] = min over the bad q entries of their index (NaN), flag[1] = min over the bad
+/* flag[0] = min over the bad q entries of their index (NaN or +-Inf), flag[1] = min over the bad
  * (head, position) pairs of blocks of h * n_sel + i. Both start at ~0. */
 __global__ void ck_check_q(const float *__restrict__ q, int64_t n, unsigned long long *flag) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n && q[i] != q[i]) atomicMin(&flag[0], (unsigned long long)i);
+    if (i < n && !(fabsf(q[i]) <= 3.402823466e38f)) atomicMin(&flag[0], (unsigned long long)i);
 }
 
 __global__ void ck_check_blocks(const int32_t *__restrict__ blocks, int hkv, int64_t n_sel,
@@ -434,7 +450,7 @@ static int ck_step_check(kvrt_ctx *ctx, const char *fn, const ck_state *s, const
         return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: NULL blocks", fn);
     cudaStream_t stream = kvrt_cuda_stream(ctx);
     CUDA_CHECK(err, cudaSetDevice(ctx->device_id));
-    unsigned long long *flag = NULL, hf[2] = {~0ull, ~0ull};
+    unsigned long long *flag = NULL, hf[2] = {~0ull, ~0ull}, hbad = ~0ull;
     CUDA_CHECK(err, cudaMallocAsync((void **)&flag, sizeof hf, stream));
     cudaError_t e = cudaMemcpyAsync(flag, hf, sizeof hf, cudaMemcpyHostToDevice, stream);
     const int64_t nq = (int64_t)n_heads * s->b.d, nbk = (int64_t)s->b.hkv * n_sel;
@@ -447,13 +463,19 @@ static int ck_step_check(kvrt_ctx *ctx, const char *fn, const ck_state *s, const
         e = cudaGetLastError();
     }
     if (e == cudaSuccess) e = cudaMemcpyAsync(hf, flag, sizeof hf, cudaMemcpyDeviceToHost, stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(&hbad, s->bad, sizeof hbad, cudaMemcpyDeviceToHost, stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
     (void)cudaFreeAsync(flag, stream);
     if (e != cudaSuccess)
         return kvrt_cuda_error(err, e, "the checks of q and blocks", __func__, __FILE__, __LINE__);
+    if (hbad != ~0ull) /* the appends' own check, read at the step's synchronization */
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: token %llu was appended with a NaN or "
+                            "infinite k or v: the state's summaries are not finite (a CUDA state "
+                            "checks its appends at the next step; make a new state)", fn, hbad);
     if (hf[0] != ~0ull)
-        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: q [%u, %u] holds NaN (first at %llu)", fn,
-                            n_heads, s->b.d, hf[0]);
+        return kvrt_err_set(err, KVRT_ERR_ARG, 0, "%s: q [%u, %u] holds NaN or Inf (first at "
+                            "%llu)", fn, n_heads, s->b.d, hf[0]);
     if (hf[1] != ~0ull) {
         const unsigned long long i = hf[1];
         int32_t bv = 0;

@@ -1159,9 +1159,10 @@ void kvrt_compkv_free(kvrt_compkv *s);
 /* Append n tokens k, v [n, Hkv, d] (f32), updating the summaries incrementally (the running
  * partial block by Welford; a block is finalized when it fills). n = 0 is a no-op.
  * KVRT_ERR_SHAPE past capacity; on the CPU KVRT_ERR_ARG for a NaN or infinite k or v (naming
- * the token, head and coordinate); nothing is appended then. A CUDA context does not check the
- * rows (it would cost a synchronization per append): a non-finite row there makes its head's
- * scores NaN from then on. */
+ * the token, head and coordinate); nothing is appended then. A CUDA context cannot refuse
+ * them without a synchronization per append: its append kernels note the first such token and
+ * the next kvrt_compkv_scores / _attend_blocks / _step refuses the state (KVRT_ERR_ARG naming
+ * the token; the summaries are not finite any more: make a new state). */
 int kvrt_compkv_append(kvrt_compkv *s, const float *k, const float *v, int64_t n);
 /* NULL: 0 (as a state holding nothing). */
 int64_t kvrt_compkv_length(const kvrt_compkv *s);    /* tokens held */

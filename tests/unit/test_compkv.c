@@ -1203,3 +1203,72 @@ Test(cuda, compkv_kv_heads_past_the_grid_are_refused) {
                  "opts.block 2147483648", "block 2^31 on CUDA");
     kvrt_ctx_free(g);
 }
+
+/* A CUDA state cannot refuse a NaN or infinite row at append without a synchronization (the CPU
+ * does): its append kernels note the first such token and the next step refuses the state,
+ * naming it, instead of returning NaN rows from then on. Both storages (f32 rows, the staged
+ * bf16 path). */
+Test(cuda, compkv_nonfinite_appends_are_refused_at_the_next_step) {
+    if (!have_gpu()) {
+        fprintf(stderr, "skipped: no GPU (CompKV non-finite appends on CUDA)\n");
+        cr_skip_test("no GPU");
+    }
+    kvrt_ctx *g = NULL;
+    kvrt_error err;
+    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &g, &err), KVRT_OK, "%s", err.msg);
+    enum { HKV = 2, D = 8, H = 4, T0 = 20, T1 = 4 };
+    const size_t row = (size_t)HKV * D;
+    float k[(T0 + T1) * HKV * D], v[(T0 + T1) * HKV * D], q[H * D];
+    uint64_t rng = 7;
+    for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
+        k[i] = rng_uniform(&rng, -1.0f, 1.0f);
+        v[i] = rng_uniform(&rng, -1.0f, 1.0f);
+    }
+    for (int i = 0; i < H * D; i++) q[i] = rng_uniform(&rng, -1.0f, 1.0f);
+    void *dk, *dv, *dq, *ds;
+    cr_assert_eq(kvrt_ctx_alloc(g, sizeof k, &dk), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_alloc(g, sizeof v, &dv), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_alloc(g, sizeof q, &dq), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_alloc(g, sizeof(float) * HKV * 64, &ds), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_upload(g, dq, q, sizeof q), KVRT_OK);
+    for (int staged = 0; staged < 2; staged++) {
+        kvrt_compkv_opts o;
+        kvrt_compkv_opts_init(&o);
+        o.r = 2;
+        o.block = 4;
+        if (staged) o.dtype = KVRT_DTYPE_BF16;
+        kvrt_compkv *s = NULL;
+        cr_assert_eq(kvrt_compkv_create(g, &o, HKV, D, T0 + T1, NULL, NULL, &s), KVRT_OK, "%s",
+                     kvrt_last_error()->msg);
+        k[(T0 + 2) * row + D + 5] = staged ? -INFINITY : NAN; /* token 22, KV head 1 */
+        cr_assert_eq(kvrt_ctx_upload(g, dk, k, sizeof k), KVRT_OK);
+        cr_assert_eq(kvrt_ctx_upload(g, dv, v, sizeof v), KVRT_OK);
+        cr_assert_eq(kvrt_compkv_append(s, dk, dv, T0), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_compkv_scores(s, dq, H, ds), KVRT_OK, "%s", kvrt_last_error()->msg);
+        cr_assert_eq(kvrt_compkv_append(s, (float *)dk + T0 * row, (float *)dv + T0 * row, T1),
+                     KVRT_OK, "the device notes the row; the append itself does not synchronize");
+        expect_error(kvrt_compkv_scores(s, dq, H, ds), KVRT_ERR_ARG,
+                     "token 22 was appended with a NaN or infinite k or v", "scores after it");
+        expect_error(kvrt_compkv_step(s, dq, H, 2, ds, NULL), KVRT_ERR_ARG, "token 22",
+                     "step after it");
+        kvrt_compkv_free(s);
+        k[(T0 + 2) * row + D + 5] = 0.5f;
+    }
+    q[3] = INFINITY; /* and an infinite query, refused as on the CPU (it checked NaN only) */
+    cr_assert_eq(kvrt_ctx_upload(g, dq, q, sizeof q), KVRT_OK);
+    kvrt_compkv_opts o;
+    kvrt_compkv_opts_init(&o);
+    o.r = 2;
+    kvrt_compkv *s = NULL;
+    cr_assert_eq(kvrt_compkv_create(g, &o, HKV, D, T0, NULL, NULL, &s), KVRT_OK);
+    cr_assert_eq(kvrt_ctx_upload(g, dk, k, sizeof k), KVRT_OK);
+    cr_assert_eq(kvrt_compkv_append(s, dk, dv, T0), KVRT_OK);
+    expect_error(kvrt_compkv_scores(s, dq, H, ds), KVRT_ERR_ARG, "holds NaN or Inf (first at 3)",
+                 "an infinite query");
+    kvrt_compkv_free(s);
+    kvrt_ctx_dealloc(g, dk);
+    kvrt_ctx_dealloc(g, dv);
+    kvrt_ctx_dealloc(g, dq);
+    kvrt_ctx_dealloc(g, ds);
+    kvrt_ctx_free(g);
+}
