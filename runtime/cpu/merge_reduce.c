@@ -28,6 +28,7 @@
 
 #include "kvrt_rng.h"
 #include "core/policies.h"
+#include "cpu/blas.h" /* kvrt_cpu_scratch_alloc */
 #include "cpu/vexp.h"
 
 // ----------------------------------------------------------------------------
@@ -949,44 +950,58 @@ int kvrt_cpu_mr_reduce(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint
 // ----------------------------------------------------------------------------
 // the dyadic nodes of a sequence of blocks (the layer call and the scan)
 
-/* n sets of cap K and head_dim d in three allocations. */
+/* n sets of cap K and head_dim d in one scratch buffer (kvrt_cpu_scratch_alloc: from 2 MiB up it
+ * is kept between calls while a CPU context lives, so a layer call does not fault its sets in
+ * again each time): the sets' k, v, w [n][K][2d + 1] floats, their positions [n][K], then the
+ * set headers. A view (mem NULL) points into another pool and frees nothing. */
 typedef struct {
     int64_t n;
     kvrt_mr_set *sets;
-    float *fbuf;
-    int32_t *ibuf;
+    void *mem;
+    size_t bytes;
 } mr_pool;
 
 static void pool_free(mr_pool *p) {
-    free(p->sets);
-    free(p->fbuf);
-    free(p->ibuf);
+    kvrt_cpu_scratch_free(p->mem, p->bytes);
     memset(p, 0, sizeof *p);
 }
 
 static int pool_alloc(mr_pool *p, int64_t n, int64_t K, uint32_t d) {
     memset(p, 0, sizeof *p);
-    const size_t nn = (size_t)(n > 0 ? n : 1);
-    p->n = n;
-    p->sets = calloc(nn, sizeof *p->sets);
-    p->fbuf = malloc(sizeof(float) * nn * (size_t)K * (2 * (size_t)d + 1));
-    p->ibuf = malloc(sizeof(int32_t) * nn * (size_t)K);
-    if (!p->sets || !p->fbuf || !p->ibuf) {
-        pool_free(p);
+    const size_t nn = (size_t)(n > 0 ? n : 1), per = (size_t)K * (2 * (size_t)d + 1);
+    const size_t fb = sizeof(float) * nn * per, ib = sizeof(int32_t) * nn * (size_t)K;
+    const size_t so = (fb + ib + 63) & ~(size_t)63; /* the headers 64-byte aligned */
+    p->bytes = so + sizeof(kvrt_mr_set) * nn;
+    p->mem = kvrt_cpu_scratch_alloc(p->bytes);
+    if (p->mem == NULL) {
+        memset(p, 0, sizeof *p);
         return KVRT_ERR_NOMEM;
     }
-    for (int64_t s = 0; s < n; s++) {
-        kvrt_mr_set *x = &p->sets[s];
-        float *f = p->fbuf + (size_t)s * (size_t)K * (2 * (size_t)d + 1);
-        x->n = 0;
+    p->n = n;
+    float *fbuf = (float *)p->mem;
+    int32_t *ibuf = (int32_t *)((char *)p->mem + fb);
+    p->sets = (kvrt_mr_set *)(void *)((char *)p->mem + so);
+    memset(p->sets, 0, sizeof(kvrt_mr_set) * nn);
+    for (int64_t i = 0; i < n; i++) {
+        kvrt_mr_set *x = &p->sets[i];
+        float *f = fbuf + (size_t)i * per;
         x->cap = K;
         x->head_dim = d;
         x->k = f;
         x->v = f + (size_t)K * d;
         x->w = f + (size_t)K * 2 * d;
-        x->pos = p->ibuf + (size_t)s * (size_t)K;
+        x->pos = ibuf + (size_t)i * (size_t)K;
     }
     return KVRT_OK;
+}
+
+/* Sets [first, first + n) of p, owned by p. */
+static mr_pool pool_view(const mr_pool *p, int64_t first, int64_t n) {
+    mr_pool v;
+    memset(&v, 0, sizeof v);
+    v.n = n;
+    v.sets = p->sets + first;
+    return v;
 }
 
 /* The full dyadic nodes of levels c..J over nb blocks, for nh sequences (heads): node (s, j, i) =
@@ -1010,7 +1025,10 @@ static int tree_levels(int64_t nb) {
     return J;
 }
 
-static int tree_alloc(mr_tree *t, int64_t nb, int64_t K, int nh, uint32_t d, int c) {
+/* The tree's sets, then `extra` more at t->pool.sets[t->pool.n ..] for the caller (one
+ * allocation). */
+static int tree_alloc(mr_tree *t, int64_t nb, int64_t K, int nh, uint32_t d, int c,
+                      int64_t extra) {
     memset(t, 0, sizeof *t);
     t->nb = nb;
     t->K = K;
@@ -1022,7 +1040,9 @@ static int tree_alloc(mr_tree *t, int64_t nb, int64_t K, int nh, uint32_t d, int
         t->first[j] = total;
         total += (int64_t)nh * (nb >> j);
     }
-    return pool_alloc(&t->pool, total, K, d);
+    const int rc = pool_alloc(&t->pool, total + extra, K, d);
+    t->pool.n = total;
+    return rc;
 }
 
 static kvrt_mr_set *tree_node(const mr_tree *t, int s, int j, int64_t i) {
@@ -1203,17 +1223,22 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
     kvrt_mr_ws **ws = NULL;
     int64_t n_extra = 0;
     int oom = seqs == NULL || S == NULL || extra == NULL;
-    if (!oom) oom = tree_alloc(&t, L.nb, L.K, (int)Hkv, d, c) != KVRT_OK;
-    if (!oom && (pool_alloc(&rem, nrem, L.K, d) || pool_alloc(&scr, nscr * nt, L.K, d) ||
-                 pool_alloc(&fold, (int64_t)Hkv, L.K, d) ||
-                 (ws = ws_array(nt, 2 * L.K, d, mcap)) == NULL)) {
-        tree_free(&t);
-        oom = 1;
+    /* the tree's sets and the rem, scr and fold sets in one buffer (four allocations made the
+     * small calls' buffers fall below glibc's dynamic mmap threshold and be faulted in again at
+     * every call: 6x slower at T 2k, a perf audit) */
+    if (!oom)
+        oom = tree_alloc(&t, L.nb, L.K, (int)Hkv, d, c, nrem + nscr * nt + (int64_t)Hkv) !=
+              KVRT_OK;
+    if (!oom) {
+        rem = pool_view(&t.pool, t.pool.n, nrem);
+        scr = pool_view(&t.pool, t.pool.n + nrem, nscr * nt);
+        fold = pool_view(&t.pool, t.pool.n + nrem + nscr * nt, (int64_t)Hkv);
+        if ((ws = ws_array(nt, 2 * L.K, d, mcap)) == NULL) {
+            tree_free(&t);
+            oom = 1;
+        }
     }
     if (oom) {
-        pool_free(&rem);
-        pool_free(&scr);
-        pool_free(&fold);
         free(extra);
         free(seqs);
         free(S);
@@ -1270,10 +1295,7 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
     rc = build_cache(k, v, T, Hkv, d, &L, S, dtype, out);
 done:
     ws_array_free(ws, nt);
-    tree_free(&t);
-    pool_free(&rem);
-    pool_free(&scr);
-    pool_free(&fold);
+    tree_free(&t); /* rem, scr and fold with it */
     free(extra);
     free(seqs);
     free(S);
@@ -1310,7 +1332,7 @@ int kvrt_cpu_mr_prefix_scan(const kvrt_mr_opts *o, const float *U, uint32_t ldm,
     const float *lc = o->reducer == KVRT_MR_CLUSTER && o->mass_comp ? lam : NULL;
     mr_seq q = {k, v, n, ld, pos0, U, ldm, mm, head, lc};
     mr_tree t;
-    if (tree_alloc(&t, nb, K, 1, head_dim, 1) != KVRT_OK)
+    if (tree_alloc(&t, nb, K, 1, head_dim, 1, 0) != KVRT_OK)
         return KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (%lld blocks)", fn, (long long)nb);
     kvrt_mr_ws **ws = ws_array(nt, 2 * K, head_dim, mm);
     if (ws == NULL || (t.J >= 1 && tree_up(&t, &q, o->reducer, layer, o->seed, ws, NULL, nt,
