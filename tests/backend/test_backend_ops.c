@@ -252,16 +252,21 @@ static void acc_cache(nmse_acc *a, const kvrt_cache *got, const kvrt_cache *ref)
 typedef struct {
     int64_t rows, cols, ld;
     float scale;
+    int64_t ldy; /* y's row stride; 0: ld */
 } sm_shape;
 
 static void test_softmax(kvrt_ctx *ctx, const char *bk) {
     static const sm_shape shapes[] = {
-        {7, 5, 5, 1.0f}, {64, 1000, 1000, 0.125f}, {3, 4097, 4097, 2.0f}, {16, 33, 40, 1.0f}};
+        {7, 5, 5, 1.0f, 0},      {64, 1000, 1000, 0.125f, 0}, {3, 4097, 4097, 2.0f, 0},
+        {16, 33, 40, 1.0f, 0},   {16, 33, 40, 1.0f, 33}, /* x padded into a contiguous y */
+        {600, 70, 70, 0.5f, 83}}; /* contiguous x into a padded y */
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const sm_shape *S = &shapes[si];
         char shape[96];
-        snprintf(shape, sizeof shape, "rows=%lld cols=%lld ld=%lld scale=%g", (long long)S->rows,
-                 (long long)S->cols, (long long)S->ld, (double)S->scale);
+        const int64_t ldy = S->ldy ? S->ldy : S->ld;
+        snprintf(shape, sizeof shape, "rows=%lld cols=%lld ld=%lld%s scale=%g", (long long)S->rows,
+                 (long long)S->cols, (long long)S->ld, S->ldy ? " (y: other)" : "",
+                 (double)S->scale);
         if (!row_runs(ctx, bk, "softmax_rows", KVRT_OP_SOFTMAX_ROWS, shape)) continue;
         uint64_t seed = 100 + si;
         const int64_t n = S->rows * S->ld;
@@ -272,12 +277,15 @@ static void test_softmax(kvrt_ctx *ctx, const char *bk) {
         float *ref = malloc(sizeof(float) * (size_t)(S->rows * S->cols));
         kvrt_softmax_rows_ref(xc, ref, S->rows, S->cols, S->scale);
 
+        const int64_t ny = S->rows * ldy;
+        float *y0 = randf(&seed, ny, -8.0f, 8.0f); /* y's padding: must stay as it is */
         float *dx = to_ctx(ctx, x, sizeof(float) * (size_t)n);
-        float *dy = to_ctx(ctx, x, sizeof(float) * (size_t)n);
+        float *dy = to_ctx(ctx, y0, sizeof(float) * (size_t)ny);
         const int64_t sh[2] = {S->rows, S->cols};
         kvrt_tensor tx = kvrt_tensor_view(dx, KVRT_DTYPE_F32, 2, sh, ctx->device);
         kvrt_tensor ty = kvrt_tensor_view(dy, KVRT_DTYPE_F32, 2, sh, ctx->device);
-        tx.strides[0] = ty.strides[0] = S->ld;
+        tx.strides[0] = S->ld;
+        ty.strides[0] = ldy;
         tx.device_id = ty.device_id = ctx->device_id;
         int rc = kvrt_softmax_rows(ctx, &tx, &ty, S->scale);
         if (rc != KVRT_OK) {
@@ -286,18 +294,29 @@ static void test_softmax(kvrt_ctx *ctx, const char *bk) {
                    kvrt_ctx_last_error(ctx)->msg);
             n_failed++;
         } else {
-            float *y = malloc(sizeof(float) * (size_t)n);
-            from_ctx(ctx, y, dy, sizeof(float) * (size_t)n);
+            float *y = malloc(sizeof(float) * (size_t)ny);
+            from_ctx(ctx, y, dy, sizeof(float) * (size_t)ny);
             nmse_acc a = {0, 0, 0};
-            for (int64_t r = 0; r < S->rows; r++)
-                acc_f(&a, y + r * S->ld, ref + r * S->cols, S->cols);
-            report("softmax_rows", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            int64_t pad_written = 0;
+            for (int64_t r = 0; r < S->rows; r++) {
+                acc_f(&a, y + r * ldy, ref + r * S->cols, S->cols);
+                for (int64_t c = S->cols; c < ldy; c++)
+                    pad_written += memcmp(&y[r * ldy + c], &y0[r * ldy + c], sizeof(float)) != 0;
+            }
+            if (pad_written) {
+                row_head("softmax_rows", bk, shape);
+                printf("FAIL: %lld padding elements of y written\n", (long long)pad_written);
+                n_failed++;
+            } else {
+                report("softmax_rows", bk, shape, acc_nmse(&a), NMSE_DEFAULT, NULL);
+            }
             free(y);
         }
         kvrt_ctx_dealloc(ctx, dx);
         kvrt_ctx_dealloc(ctx, dy);
         free(x);
         free(xc);
+        free(y0);
         free(ref);
     }
 }

@@ -803,6 +803,13 @@ Test(attend, refuses_bad_arguments) {
     cr_assert(strstr(le->msg, "k_recent") != NULL, "%s", le->msg);
     cr_assert_eq(kvrt_attend(ctx, in.q, 1, 4, in.c, in.kr, in.vr, -1, 1, out, lse), KVRT_ERR_ARG);
     cr_assert_eq(kvrt_attend(ctx, in.q, 1, 4, in.c, NULL, NULL, 0, NAN, out, lse), KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_attend(ctx, in.q, 1, 4, in.c, NULL, NULL, 0, INFINITY, out, lse),
+                 KVRT_ERR_ARG); /* not only NaN: an infinite scale too (the check is core's) */
+    cr_assert(strstr(le->msg, "scale") != NULL, "%s", le->msg);
+    cr_assert_eq(kvrt_attend(ctx, in.q, 1, 4, in.c, NULL, NULL, 0, -INFINITY, out, lse),
+                 KVRT_ERR_ARG);
+    cr_assert_eq(kvrt_attend_ref(in.q, 1, 4, in.c, NULL, NULL, 0, INFINITY, out, lse),
+                 KVRT_ERR_ARG);
     cr_assert_eq(kvrt_attend(ctx, in.q, 1, 3, in.c, NULL, NULL, 0, 1, out, lse), KVRT_ERR_SHAPE);
     cr_assert(strstr(le->msg, "multiple") != NULL, "%s", le->msg);
     cr_assert_eq(kvrt_attend_ref(in.q, 1, 3, in.c, NULL, NULL, 0, 1, out, lse), KVRT_ERR_SHAPE);
