@@ -172,6 +172,8 @@ static const golden_case CASES[] = {
     {"invalid/shape_overflow.kvpol", KVPOL_ERR_SHAPE_OVERFLOW, "dims 2^40 x 2^40"},
     {"invalid/size_mismatch.kvpol", KVPOL_ERR_SIZE_MISMATCH, "data_size != shape x dtype"},
     {"invalid/item_bounds.kvpol", KVPOL_ERR_ITEM_BOUNDS, "item data offset past the payload"},
+    {"invalid/item_past_payload.kvpol", KVPOL_ERR_ITEM_BOUNDS,
+     "item data at its place but running past the payload"},
     {"invalid/duplicate_name.kvpol", KVPOL_ERR_DUPLICATE_NAME, "two items named 'w'"},
     {"invalid/nan.kvpol", KVPOL_ERR_NONFINITE, "NaN in an f32 table"},
     {"invalid/inf_f16.kvpol", KVPOL_ERR_NONFINITE, "+Inf in an f16 table"},
@@ -302,6 +304,14 @@ int golden_build(const golden_case *c, uint8_t **out, size_t *out_len) {
     else if (is(c, "shape_overflow")) w64(ITEM(pl, 0) + 48, 1ull << 40), w64(ITEM(pl, 0) + 56, 1ull << 40);
     else if (is(c, "size_mismatch")) w64(ITEM(pl, 0) + 88, 28);
     else if (is(c, "item_bounds")) w64(ITEM(pl, 3) + 80, r64(ITEM(pl, 3) + 80) + 1024);
+    else if (is(c, "item_past_payload")) { /* dims[0] + 2^20 and data_size to match */
+        uint8_t *it = ITEM(pl, 3);
+        uint64_t count = 1;
+        for (int i = 0; i < it[42]; i++) count *= r64(it + 48 + 8 * i);
+        const uint64_t d0 = r64(it + 48), es = r64(it + 88) / count;
+        w64(it + 48, d0 + (1u << 20));
+        w64(it + 88, count / d0 * (d0 + (1u << 20)) * es);
+    }
     else if (is(c, "duplicate_name")) ITEM(pl, 1)[0] = 'w';
     else if (is(c, "nan")) {
         float nanf_ = NAN;
