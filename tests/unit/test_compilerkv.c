@@ -272,7 +272,8 @@ Test(compilerkv, tables_create_refuses_bad_input) {
 
 /* head_states NULL and head_k / gate_k 0: the pass's defaults */
 static void compile_to_memory_opts(const char *corpus, int threads, const char *head_states,
-                                   uint32_t head_k, uint32_t gate_k, void **buf, size_t *len) {
+                                   uint32_t head_k, uint32_t gate_k, uint64_t seed, void **buf,
+                                   size_t *len) {
     omp_set_num_threads(threads);
     kvcc_corpus *c = NULL;
     char err[768];
@@ -280,7 +281,7 @@ static void compile_to_memory_opts(const char *corpus, int threads, const char *
     kvpol_header h;
     fx_header(&h, &FX_TINY);
     double budgets[3] = {24, 40, 500};
-    kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = 3, .threads = threads,
+    kvcc_compile_ctx cx = {.corpus_path = corpus, .corpus = c, .model = &h.model, .seed = seed, .threads = threads,
                            .budgets = budgets, .n_budgets = 3, .window = 8, .reward = "attention",
                            .ckv_head_states = head_states, .ckv_head_actions = head_k, .ckv_gate_actions = gate_k};
     const kvcc_pass *ps = kvcc_pass_find("compilerkv");
@@ -296,7 +297,7 @@ static void compile_to_memory_opts(const char *corpus, int threads, const char *
 }
 
 static void compile_to_memory(const char *corpus, int threads, void **buf, size_t *len) {
-    compile_to_memory_opts(corpus, threads, NULL, 0, 0, buf, len);
+    compile_to_memory_opts(corpus, threads, NULL, 0, 0, 3, buf, len);
 }
 
 /* --head-states group: one state per KV group, every query head of a group takes its weight;
@@ -310,9 +311,9 @@ Test(compilerkv, head_states_group_and_dense_actions, .timeout = 300) {
     int saved = omp_get_max_threads();
     void *b1 = NULL, *b2 = NULL, *b3 = NULL;
     size_t n1 = 0, n2 = 0, n3 = 0;
-    compile_to_memory_opts(path, 1, "group", 29, 21, &b1, &n1);
-    compile_to_memory_opts(path, 2, "group", 29, 21, &b2, &n2);
-    compile_to_memory_opts(path, 2, "head", 29, 21, &b3, &n3);
+    compile_to_memory_opts(path, 1, "group", 29, 21, 3, &b1, &n1);
+    compile_to_memory_opts(path, 2, "group", 29, 21, 3, &b2, &n2);
+    compile_to_memory_opts(path, 2, "head", 29, 21, 3, &b3, &n3);
     omp_set_num_threads(saved);
     cr_expect(n1 == n2 && memcmp(b1, b2, n1) == 0, "--threads 1 and 2 give different artifacts");
     kvpol_file *f = NULL;
@@ -368,6 +369,33 @@ Test(compilerkv, pass_deterministic_across_runs_and_threads_and_loadable, .timeo
     cr_expect_eq(n1, n2);
     cr_expect(n1 == n2 && memcmp(b1, b2, n1) == 0, "--threads 1 and 2 give different artifacts");
     cr_expect(n2 == n3 && memcmp(b2, b3, n2) == 0, "two runs give different artifacts");
+    /* --seed reaches the rollouts' action draws: another seed, other tables (a pass that drew
+     * with a fixed seed survived every test) */
+    void *b4 = NULL;
+    size_t n4 = 0;
+    compile_to_memory_opts(path, 2, NULL, 0, 0, 4, &b4, &n4);
+    omp_set_num_threads(saved);
+    {
+        kvrt_policy *p3 = NULL, *p4 = NULL;
+        kvrt_error e3;
+        kvrt_compilerkv_tables *t3 = NULL, *t4 = NULL;
+        cr_assert_eq(kvrt_policy_open_mem(b1, n1, NULL, &p3, &e3), KVRT_OK, "%s", e3.msg);
+        cr_assert_eq(kvrt_policy_open_mem(b4, n4, NULL, &p4, &e3), KVRT_OK, "%s", e3.msg);
+        cr_assert_eq(kvrt_compilerkv_open(p3, &t3), KVRT_OK);
+        cr_assert_eq(kvrt_compilerkv_open(p4, &t4), KVRT_OK);
+        const size_t nw = (size_t)t3->n_budgets * t3->n_layers * t3->n_heads;
+        const size_t ng = (size_t)t3->n_budgets * t3->n_layers * KVRT_COMPILERKV_ENT_BINS *
+                          KVRT_COMPILERKV_PPL_BINS;
+        cr_assert_eq(t4->n_budgets, t3->n_budgets);
+        cr_expect(memcmp(t3->w_head, t4->w_head, sizeof(float) * nw) != 0 ||
+                      memcmp(t3->t_gate, t4->t_gate, sizeof(float) * ng) != 0,
+                  "seeds 3 and 4 compile the same tables");
+        kvrt_compilerkv_tables_free(t3);
+        kvrt_compilerkv_tables_free(t4);
+        kvrt_policy_free(p3);
+        kvrt_policy_free(p4);
+    }
+    free(b4);
 
     /* the runtime loads the tables and selects with them */
     kvrt_policy *pol = NULL;
