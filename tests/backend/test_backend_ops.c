@@ -364,6 +364,7 @@ static void test_attend(kvrt_ctx *ctx, const char *bk) {
         {4, 8, 2, 64, 300, 6, KVRT_DTYPE_BF16, 1},
         {3, 4, 4, 128, 1000, 3, KVRT_DTYPE_F32, 0},
         {2, 6, 2, 32, 40, 0, KVRT_DTYPE_F32, 1},
+        {1, 8, 2, 64, 9000, 5, KVRT_DTYPE_F32, 0}, /* past the CPU's 8192-entry split: merged */
     };
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         const att_shape *S = &shapes[si];
