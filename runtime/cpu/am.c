@@ -90,7 +90,8 @@ static int64_t first_nonfinite(const float *x, int64_t count) {
     int64_t first = INT64_MAX;
 #pragma omp parallel for schedule(static) reduction(min : first) if (ns > 1)
     for (int64_t c = 0; c < ns; c++) {
-        const int64_t i = kvrt_first_nonfinite(x + c * sl, (c + 1) * sl < count ? sl : count - c * sl);
+        const int64_t len = (c + 1) * sl < count ? sl : count - c * sl,
+                      i = kvrt_first_nonfinite(x + c * sl, len);
         if (i >= 0 && c * sl + i < first) first = c * sl + i;
     }
     return first == INT64_MAX ? -1 : first;

@@ -1177,17 +1177,23 @@ Test(compkv, handle_runs_the_compiled_block) {
     free(buf);
 }
 
-/* The CUDA state launches one grid row per KV head (gridDim.y <= 65535): more heads are refused
- * when the state is made (before, every append failed with an invalid launch). On the emulated
- * plugin in CI (make test-cuda-emu), on a GPU where there is one. */
-Test(cuda, compkv_kv_heads_past_the_grid_are_refused) {
+/* A CUDA context, or the test skipped (saying so on stderr) where there is no GPU. */
+static kvrt_ctx *cuda_ctx_or_skip(const char *what) {
     if (!have_gpu()) {
-        fprintf(stderr, "skipped: no GPU (CompKV KV heads on CUDA)\n");
+        fprintf(stderr, "skipped: no GPU (%s)\n", what);
         cr_skip_test("no GPU");
     }
     kvrt_ctx *g = NULL;
     kvrt_error err;
     cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &g, &err), KVRT_OK, "%s", err.msg);
+    return g;
+}
+
+/* The CUDA state launches one grid row per KV head (gridDim.y <= 65535): more heads are refused
+ * when the state is made (before, every append failed with an invalid launch). On the emulated
+ * plugin in CI (make test-cuda-emu), on a GPU where there is one. */
+Test(cuda, compkv_kv_heads_past_the_grid_are_refused) {
+    kvrt_ctx *g = cuda_ctx_or_skip("CompKV KV heads on CUDA");
     kvrt_compkv_opts o;
     kvrt_compkv_opts_init(&o);
     o.r = 1;
@@ -1209,13 +1215,7 @@ Test(cuda, compkv_kv_heads_past_the_grid_are_refused) {
  * naming it, instead of returning NaN rows from then on. Both storages (f32 rows, the staged
  * bf16 path). */
 Test(cuda, compkv_nonfinite_appends_are_refused_at_the_next_step) {
-    if (!have_gpu()) {
-        fprintf(stderr, "skipped: no GPU (CompKV non-finite appends on CUDA)\n");
-        cr_skip_test("no GPU");
-    }
-    kvrt_ctx *g = NULL;
-    kvrt_error err;
-    cr_assert_eq(kvrt_ctx_create(KVRT_BACKEND_CUDA, NULL, &g, &err), KVRT_OK, "%s", err.msg);
+    kvrt_ctx *g = cuda_ctx_or_skip("CompKV non-finite appends on CUDA");
     enum { HKV = 2, D = 8, H = 4, T0 = 20, T1 = 4 };
     const size_t row = (size_t)HKV * D;
     float k[(T0 + T1) * HKV * D], v[(T0 + T1) * HKV * D], q[H * D];
