@@ -924,6 +924,17 @@ Test(am, handle_runs_the_compiled_options, .timeout = 300) {
     cr_assert(strstr(kvrt_last_error()->msg, "q[0, 0, 3] = nan, expected finite values") != NULL,
               "%s", kvrt_last_error()->msg);
     q[3] = q0;
+    /* the last element of v, named by token, KV head and coordinate (the scan's last slice) */
+    const size_t last = (size_t)T * HKV * D - 1;
+    const float v0 = v[last];
+    v[last] = -INFINITY;
+    cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &co, q, k, v, T, H, HKV, D, ratios, 0.2,
+                                       KVRT_DTYPE_F32, &c, NULL), KVRT_ERR_ARG);
+    char want[96];
+    snprintf(want, sizeof want, "v[%lld, %u, %u] = -inf, expected finite values", (long long)T - 1,
+             HKV - 1, D - 1);
+    cr_assert(strstr(kvrt_last_error()->msg, want) != NULL, "%s", kvrt_last_error()->msg);
+    v[last] = v0;
     cr_assert_eq(kvrt_am_compact_layer(test_cpu(), &co, q, k, v, T, H, HKV, D, ratios, 0.2, KVRT_DTYPE_F32, &b,
                                        NULL), KVRT_OK);
     cr_assert_eq(a->n_entries, b->n_entries);
