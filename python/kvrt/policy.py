@@ -95,15 +95,10 @@ def _dims_struct(d: Optional[Dict[str, Any]]):
     return s, keep
 
 
-def _limits(fn: str, max_section_bytes: Any, max_total_bytes: Any) -> "_lib.kvrt_policy_limits":
-    """The reader's limits as a kvrt_policy_limits; each an int in 0..2**64 - 1 (0: default)."""
-    vals = []
-    for name, v in (("max_section_bytes", max_section_bytes), ("max_total_bytes", max_total_bytes)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < 2 ** 64:
-            raise KvrtError(ERR_ARG, f"{fn}: {name}: got {v!r}, expected an int in 0..2**64 - 1 "
-                                     "(0: the reader's default)")
-        vals.append(int(v))
-    return _lib.kvrt_policy_limits(*vals)
+def _limits(max_section_bytes: Any, max_total_bytes: Any) -> "_lib.kvrt_policy_limits":
+    """The reader's limits as a kvrt_policy_limits (0: the reader's default)."""
+    return _lib.kvrt_policy_limits(_uint(max_section_bytes, "max_section_bytes", 64),
+                                   _uint(max_total_bytes, "max_total_bytes", 64))
 
 
 class Policy(_Handle):
@@ -132,7 +127,7 @@ class Policy(_Handle):
             raise KvrtError(ERR_ARG, f"kvrt.Policy.open: path: got {type(path).__name__}, "
                                      "expected a str or os.PathLike")
         p = os.fsdecode(path)
-        lim = _limits("kvrt.Policy.open", max_section_bytes, max_total_bytes)
+        lim = _limits(max_section_bytes, max_total_bytes)
         dims, _keep = _dims_struct(model_dims(model))
         out, err = c_void_p(), _lib.kvrt_error()
         # the file system's bytes (os.fsencode): a name that is not UTF-8 opens too
@@ -147,7 +142,7 @@ class Policy(_Handle):
         """kvrt_policy_open_mem_limited over a bytes object (kept alive by the policy); the
         limits as in :meth:`open`."""
         data = bytes(data)
-        lim = _limits("kvrt.Policy.from_bytes", max_section_bytes, max_total_bytes)
+        lim = _limits(max_section_bytes, max_total_bytes)
         dims, _keep = _dims_struct(model_dims(model))
         out, err = c_void_p(), _lib.kvrt_error()
         check(lib.kvrt_policy_open_mem_limited(ctypes.c_char_p(data), len(data),

@@ -47,7 +47,8 @@ int kvrt_attend_check(kvrt_error *e, const char *fn, const float *q, int64_t n, 
                             "%s: n_heads %u is not a positive multiple of the cache's n_kv_heads "
                             "%u (GQA needs H = G * Hkv)", fn, n_heads, c->n_kv_heads);
     if ((int64_t)n_heads * c->head_dim > INT32_MAX / 2)
-        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: n_heads * head_dim = %lld is too large",
+        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: n_heads * head_dim = %lld is too large "
+                            "(at most 2^30 - 1)",
                             fn, (long long)n_heads * c->head_dim);
     if (off[0] != 0 || off[c->n_kv_heads] != c->n_entries)
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,

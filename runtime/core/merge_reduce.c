@@ -574,11 +574,13 @@ static int stream_append_host(kvrt_mr_stream *s, const float *k, const float *v,
     else if (n > (int64_t)INT32_MAX - s->len)
         rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: %lld tokens after %lld pass position %d", fn,
                        (long long)n, (long long)s->len, INT32_MAX);
-    for (int kv = 0; rc == KVRT_OK && kv < 2; kv++) {
-        const int64_t i = first_bad(kv ? v : k, n * Hkv, d, d); /* a row: (token, KV head) */
+    if (rc == KVRT_OK) { /* the earliest (token, KV head) row with a bad key or value */
+        const int64_t ik = first_bad(k, n * Hkv, d, d), iv = first_bad(v, n * Hkv, d, d);
+        const int key = ik >= 0 && (iv < 0 || ik <= iv);
+        const int64_t i = key ? ik : iv;
         if (i >= 0)
             rc = KVRT_FAIL(KVRT_ERR_ARG, "%s: %s of token %lld (KV head %lld) is not finite "
-                           "(nothing appended)", fn, kv ? "value" : "key", (long long)(i / Hkv),
+                           "(nothing appended)", fn, key ? "key" : "value", (long long)(i / Hkv),
                            (long long)(i % Hkv));
     }
     /* the counter's levels this append will reach, allocated before anything changes, so that

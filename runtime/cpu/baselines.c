@@ -96,7 +96,7 @@ static int dims_check(const char *fn, const float *q, int need_q, const float *k
     const int64_t rows = (int64_t)(need_q ? n_heads : n_kv_heads) * head_dim;
     if (rows > INT32_MAX / 2)
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: %s * head_dim = %lld is too large (at most "
-                            "2^30)", fn, need_q ? "n_heads" : "n_kv_heads", (long long)rows);
+                            "2^30 - 1)", fn, need_q ? "n_heads" : "n_kv_heads", (long long)rows);
     return KVRT_OK;
 }
 
@@ -1155,7 +1155,7 @@ static int quest_scores_check(const char *fn, const kvrt_quest *qs, const float 
                             n_heads, qs->n_kv_heads);
     if ((int64_t)n_heads * qs->head_dim > INT32_MAX / 2)
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: n_heads * head_dim = %lld is too large "
-                            "(at most 2^30)", fn, (long long)n_heads * qs->head_dim);
+                            "(at most 2^30 - 1)", fn, (long long)n_heads * qs->head_dim);
     return KVRT_OK;
 }
 

@@ -510,7 +510,7 @@ static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint
                        "%u", fn, n_heads, s->b.hkv);
     if ((int64_t)n_heads * s->b.d > INT32_MAX / 2) /* as kvrt_attend (and the CUDA state) */
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads * head_dim = %lld is too large (at most "
-                         "2^30)", fn, (long long)n_heads * s->b.d);
+                         "2^30 - 1)", fn, (long long)n_heads * s->b.d);
     if (s->b.len == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);

@@ -225,6 +225,12 @@ __device__ __forceinline__ void ck_note_bad(float f, int64_t token, unsigned lon
     if (!(fabsf(f) <= 3.402823466e38f)) atomicMin(bad, (unsigned long long)token);
 }
 
+/* A failed append's notes forgotten: tokens from len0 on were not appended (a retry with good
+ * rows must not find the state refused); a note of an earlier, appended token stays. */
+__global__ void ck_forget_bad(unsigned long long *bad, int64_t len0) {
+    if (*bad >= (unsigned long long)len0) *bad = ~0ull;
+}
+
 /* dst [hkv][cap][d] rows len0 .. len0 + n from src [n][hkv][d]. */
 __global__ void ck_copy_rows(const float *__restrict__ src, int64_t n, int hkv, int d,
                              int64_t cap, int64_t len0, float *__restrict__ dst,
@@ -360,8 +366,10 @@ static int ck_off_append(kvrt_ctx *ctx, ck_state *s, const float *k, const float
         e = cudaGetLastError();
     }
     (void)cudaFreeAsync(tmp, stream);
-    if (e != cudaSuccess)
+    if (e != cudaSuccess) {
+        ck_forget_bad<<<1, 1, 0, stream>>>(s->bad, len0); /* nothing was appended */
         return kvrt_cuda_error(err, e, "compkv staged append kernels", __func__, __FILE__, __LINE__);
+    }
     s->b.len = len;
     return KVRT_OK;
 }
@@ -376,18 +384,22 @@ extern "C" int kvrt_cuda_compkv_append(kvrt_ctx *ctx, kvrt_compkv *ks, const flo
     const int hkv = (int)s->b.hkv, d = (int)s->b.d, B = (int)s->b.o.block;
     const int64_t total = n * hkv * d, len0 = s->b.len, len = len0 + n;
     const unsigned g = (unsigned)((total + CK_THREADS - 1) / CK_THREADS);
-    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, s->b.cap, len0, s->k, s->bad);
-    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, s->b.cap, len0, s->v, s->bad);
     const int64_t b0 = len0 / B, b1 = (len - 1) / B; /* the blocks this call touched */
     const int64_t nbt = b1 - b0 + 1;
     if (nbt > 0x7fffffffLL)
         return kvrt_err_set(err, KVRT_ERR_UNSUPPORTED, 0,
                             "kvrt_compkv_append (cuda): %lld blocks in one call", (long long)nbt);
+    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(k, n, hkv, d, s->b.cap, len0, s->k, s->bad);
+    ck_copy_rows<<<g, CK_THREADS, 0, stream>>>(v, n, hkv, d, s->b.cap, len0, s->v, s->bad);
     dim3 grid((unsigned)nbt, (unsigned)hkv);
     ck_summarize<<<grid, 128, 0, stream>>>(s->k, s->v, hkv, d, (int)s->b.r, s->b.cap, 0,
                                            s->b.cap_blocks, B, b0, len, s->perm, s->off,
                                            s->kmean, s->vmean, s->gvar, s->count);
-    CUDA_CHECK(err, cudaGetLastError());
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) {
+        ck_forget_bad<<<1, 1, 0, stream>>>(s->bad, len0); /* nothing was appended */
+        return kvrt_cuda_error(err, e, "compkv append kernels", __func__, __FILE__, __LINE__);
+    }
     s->b.len = len;
     return KVRT_OK;
 }
@@ -438,7 +450,7 @@ static int ck_step_check(kvrt_ctx *ctx, const char *fn, const ck_state *s, const
                             n_heads, s->b.hkv);
     if ((int64_t)n_heads * s->b.d > INT32_MAX / 2) /* the CPU's bound (grids and indices in int) */
         return kvrt_err_set(err, KVRT_ERR_SHAPE, 0, "%s: n_heads * head_dim = %lld is too large "
-                            "(at most 2^30)", fn, (long long)n_heads * s->b.d);
+                            "(at most 2^30 - 1)", fn, (long long)n_heads * s->b.d);
     if (s->b.len == 0)
         return kvrt_err_set(err, KVRT_ERR_ARG, 0,
                             "%s: the state holds no token yet (append the prompt first)", fn);

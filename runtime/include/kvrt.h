@@ -348,8 +348,8 @@ float kvrt_bf16_to_f32(uint16_t h);
  * Statuses: KVRT_ERR_ARG (NULL pointers, n < 1, n_recent < 0, recent pointers NULL with
  * n_recent > 0, scale not finite, NaN or Inf in q: host paths only; on CUDA, where checking
  * would force a synchronizing read-back, they give NaN rows instead), KVRT_ERR_SHAPE (n_heads
- * not a multiple of c->n_kv_heads), KVRT_ERR_DTYPE (cache dtype), KVRT_ERR_DEVICE (cache on
- * another device or owned by another context).
+ * not a multiple of c->n_kv_heads, or n_heads * head_dim >= 2^30), KVRT_ERR_DTYPE (cache dtype),
+ * KVRT_ERR_DEVICE (cache on another device or owned by another context).
  * _ref: plain loops, double accumulation, host cache only. */
 /* On a CPU context: host pointers, sgemm over blocks of entries, OpenMP over (kv head, query
  * block, entry split) tiles; the output does not depend on the thread count. Workspace: about
@@ -439,7 +439,8 @@ int kvrt_method_select(const kvrt_method_opts *o, const float *q, const float *k
  * also in kvrt_ctx_last_error(ctx). o->budget is not read by kvrt_method_scores. On the host
  * (ctx NULL or a CPU context) a score that is NaN or infinite (SnapKV's window aside) is
  * KVRT_ERR_ARG, as in kvrt_method_select; a device's scores are not read back to check. The
- * selection (kvrt_method_select_scored) reads host scores. */
+ * selection (kvrt_method_select_scored) reads host scores. n_heads * head_dim (snapkv, h2o) and
+ * n_kv_heads * head_dim below 2^30, else KVRT_ERR_SHAPE. */
 int kvrt_method_has_scores(int method);
 int kvrt_method_scores(kvrt_ctx *ctx, const kvrt_method_opts *o, const float *q, const float *k,
                        int64_t T, uint32_t n_heads, uint32_t n_kv_heads, uint32_t head_dim,
@@ -481,7 +482,8 @@ int kvrt_quest_create(kvrt_ctx *ctx, uint32_t n_kv_heads, uint32_t head_dim, uin
 int kvrt_quest_append(kvrt_quest *qs, const float *k, int64_t n);
 void kvrt_quest_free(kvrt_quest *qs);
 /* Upper-bound scores [Hkv, n_pages]: sum over the G query heads of the KV head of
- * sum_i max(q_i * min_i, q_i * max_i) (>= q.k for every key of the page). q [H, d], one step. */
+ * sum_i max(q_i * min_i, q_i * max_i) (>= q.k for every key of the page). q [H, d], one step;
+ * n_heads * head_dim below 2^30 (KVRT_ERR_SHAPE). */
 int kvrt_quest_scores(const kvrt_quest *qs, const float *q, uint32_t n_heads, float *scores);
 /* pages_out [Hkv, budget_pages], ascending per head: the first and last page always, the rest by
  * top score (ties: lower page). 1 <= budget_pages <= n_pages, and budget_pages >= 2 when
@@ -593,6 +595,8 @@ int kvrt_am_compact(kvrt_ctx *ctx, const kvrt_am_opts *o, const float *k, const 
  * of its G = H / Hkv query heads, causal, evenly strided down to max_queries), k, v [T, Hkv, d].
  * Budget of head h: t_h = round(ratios[h] * T) clamped to 1..T, ratios [Hkv] in (0, 1] (NULL:
  * ratio for every head). *out: one cache of n_kv_heads heads. stats [Hkv] or NULL.
+ * n_heads * head_dim below 2^30 (KVRT_ERR_SHAPE). NaN or Inf in q, k or v: KVRT_ERR_ARG naming
+ * the array and element on the CPU (k[t, h, x] = nan); the CUDA path names the arrays only.
  * On a CUDA context (this call and the _ref, _multi and _scheduled forms; docs/cuda.md): q,
  * q_ref, q_pos, k and v are device memory, ratios and stats stay host memory, *out is a device
  * cache of the context (both key selections). */
@@ -1114,8 +1118,9 @@ int kvrt_compilerkv_select_all(kvrt_ctx *ctx, const kvrt_compilerkv_tables *tb,
  * context in device memory, and then every array of its calls (append's k, v; q, scores, blocks,
  * out) is device memory and kvrt_compkv_summaries returns device pointers (docs/cuda.md).
  * Messages of failures in kvrt_last_error(). Per-step calls (scores, select, attend, step):
- * KVRT_ERR_ARG on NULL pointers, NaN or Inf in q (CUDA: NaN), or a state that holds no token
- * yet; KVRT_ERR_SHAPE when n_heads is not a positive multiple of n_kv_heads. The fast paths run
+ * KVRT_ERR_ARG on NULL pointers, NaN or Inf in q, a state that holds no token yet, or (CUDA) a
+ * state appended with a NaN or infinite row since it was made; KVRT_ERR_SHAPE when n_heads is
+ * not a positive multiple of n_kv_heads or n_heads * head_dim >= 2^30. The fast paths run
  * OpenMP over KV heads and give the same bits whatever the thread count; their _ref are plain
  * double loops (tolerances in tests/unit/test_compkv.c). */
 typedef struct {
@@ -1148,7 +1153,7 @@ typedef struct kvrt_compkv kvrt_compkv;
  * or neither; uint16 values) give the compiled grouping of each KV head (kvcc's compkv pass);
  * they are copied. o NULL: the defaults. capacity 1..INT32_MAX, head_dim 1..65535, block
  * 1..INT32_MAX, scale finite, the three switches 0 or 1; a CUDA context takes up to 65535 KV
- * heads (KVRT_ERR_UNSUPPORTED past them). The per-step calls take n_heads * head_dim <= 2^30, as
+ * heads (KVRT_ERR_UNSUPPORTED past them). The per-step calls take n_heads * head_dim < 2^30, as
  * kvrt_attend. Statuses: KVRT_ERR_ARG (bad sizes, r not in 1..d,
  * perm not a permutation, offsets not strictly increasing from 0 to d), KVRT_ERR_NOMEM. The
  * state's per-step calls (scores, attend_blocks, step) run on ctx's backend: ctx must outlive it. */

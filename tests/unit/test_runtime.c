@@ -375,6 +375,7 @@ static void run_cpu_cases(int n_threads) {
         const int64_t lw = k->cols + 13;
         float *yc = malloc(sizeof(float) * (size_t)(k->rows * k->cols));
         float *yw = malloc(sizeof(float) * (size_t)(k->rows * lw));
+        cr_assert(yc != NULL && yw != NULL);
         for (int64_t j = 0; j < k->rows * lw; j++) yw[j] = -777.0f;
         kvrt_tensor tyc = view2(yc, k->rows, k->cols, k->cols, KVRT_DEVICE_HOST);
         kvrt_tensor txc = view2(xc, k->rows, k->cols, k->cols, KVRT_DEVICE_HOST);
