@@ -21,6 +21,7 @@
 #include "fixtures.h"
 #include "kvrt_experimental.h"
 #include "test_ctx.h"
+#include "test_rng.h"
 
 typedef struct {
     uint32_t L, H, Hkv, d;
@@ -190,6 +191,47 @@ Test(method_scores, bad_inputs_have_clear_statuses) {
     free(q);
     free(k);
     free(sc);
+}
+
+/* SnapKV's pooling against a plain loop written here (the CPU's _ref path shares its pooling
+ * function with the fast one; a mutation reading the first window score into the last pooled
+ * position passed every C test): the window mass from kvrt_snapkv_scores, average-pooled over
+ * the positions before the window with zero padding and divided by the kernel; the window's
+ * positions +INFINITY. Kernels 7 and 5, every position next to both ends. */
+Test(method_scores, snapkv_pooling_by_hand) {
+    enum { T = 40, H = 4, HKV = 2, D = 8, W = 8 };
+    uint64_t seed = 11;
+    float q[T * H * D], k[T * HKV * D], mass[HKV * T], sc[HKV * T];
+    for (int i = 0; i < T * H * D; i++) q[i] = rng_uniform(&seed, -1.0f, 1.0f);
+    for (int i = 0; i < T * HKV * D; i++) k[i] = rng_uniform(&seed, -1.0f, 1.0f);
+    cr_assert_eq(kvrt_snapkv_scores(q, k, T, H, HKV, D, W, mass), KVRT_OK, "%s",
+                 kvrt_last_error()->msg);
+    const uint32_t kernels[2] = {7, 5};
+    for (int ki = 0; ki < 2; ki++) {
+        kvrt_method_opts mo;
+        kvrt_method_opts_init(&mo, KVRT_METHOD_SNAPKV, 16);
+        mo.window = W;
+        mo.pool_kernel = kernels[ki];
+        cr_assert_eq(kvrt_method_scores(NULL, &mo, q, k, T, H, HKV, D, sc), KVRT_OK, "%s",
+                     kvrt_last_error()->msg);
+        const int half = (int)kernels[ki] / 2, P = T - W;
+        for (int h = 0; h < HKV; h++)
+            for (int t = 0; t < T; t++) {
+                const float got = sc[h * T + t];
+                if (t >= P) {
+                    cr_expect(isinf(got) && got > 0, "kernel %u head %d: window position %d = %g",
+                              kernels[ki], h, t, (double)got);
+                    continue;
+                }
+                double want = 0.0;
+                for (int j = t - half; j <= t + half; j++)
+                    if (j >= 0 && j < P) want += mass[h * T + j];
+                want /= kernels[ki];
+                cr_expect(fabs(got - want) <= 1e-6 * fabs(want) + 1e-30,
+                          "kernel %u head %d position %d: %.9g, expected %.9g", kernels[ki], h, t,
+                          (double)got, want);
+            }
+    }
 }
 
 /* NaN or Inf in k (or q, for SnapKV and H2O) reaches the scores; the host paths refuse them
