@@ -4,7 +4,7 @@
  * attend op (CPU: runtime/cpu/attend.c; CUDA: runtime/cuda/attend.cu).
  * Callers: serving stacks, the built-in model's evaluation, the compiler's rollouts, tests.
  *
- * defines: kvrt_attend, kvrt_attend_check (internal, core/backend.h)
+ * defines: kvrt_attend, kvrt_attend_check, kvrt_head_rows_check (internal, core/backend.h)
  *
  * The op and its edge cases are specified in kvrt.h; the reference is kvrt_attend_ref
  * (runtime/cpu/attend.c).
@@ -14,6 +14,14 @@
 
 #include "kvrt_experimental.h"
 #include "core/backend.h"
+
+int kvrt_head_rows_check(kvrt_error *e, const char *fn, const char *what, uint32_t heads,
+                         uint32_t head_dim) {
+    const int64_t r = (int64_t)heads * head_dim;
+    if (r <= INT32_MAX / 2) return KVRT_OK;
+    return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: %s * head_dim = %lld is too large (at most "
+                        "2^30 - 1)", fn, what, (long long)r);
+}
 
 int kvrt_attend_check(kvrt_error *e, const char *fn, const float *q, int64_t n, uint32_t n_heads,
                       const kvrt_cache *c, const float *k_recent, const float *v_recent,
@@ -46,10 +54,8 @@ int kvrt_attend_check(kvrt_error *e, const char *fn, const float *q, int64_t n, 
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
                             "%s: n_heads %u is not a positive multiple of the cache's n_kv_heads "
                             "%u (GQA needs H = G * Hkv)", fn, n_heads, c->n_kv_heads);
-    if ((int64_t)n_heads * c->head_dim > INT32_MAX / 2)
-        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: n_heads * head_dim = %lld is too large "
-                            "(at most 2^30 - 1)",
-                            fn, (long long)n_heads * c->head_dim);
+    const int rc = kvrt_head_rows_check(e, fn, "n_heads", n_heads, c->head_dim);
+    if (rc != KVRT_OK) return rc;
     if (off[0] != 0 || off[c->n_kv_heads] != c->n_entries)
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
                             "%s: cache offsets span [%lld, %lld), expected [0, n_entries = %lld)",

@@ -11,7 +11,7 @@
  *          kvrt_cpu_softmax_rows, kvrt_cpu_attend, kvrt_attend_check, kvrt_f32_to_f16_row,
  *          kvrt_f16_to_f32_row, kvrt_cache_dtype_ok, kvrt_row_to_dtype, kvrt_row_from_dtype,
  *          kvrt_cache_put_kv, kvrt_cache_dtype_error, kvrt_cpu_omp_enter, kvrt_cpu_omp_leave,
- *          kvrt_cpu_threads, kvrt_first_nonfinite
+ *          kvrt_cpu_threads, kvrt_first_nonfinite, kvrt_head_rows_check
  *
  * Included by C files and by the .cu files (hence the extern "C" block): it must stay valid C11
  * and C++17 and must not include any CUDA header (the CPU side never sees CUDA types; backend
@@ -363,6 +363,11 @@ KVRT_INTERNAL int kvrt_cpu_attend(kvrt_ctx *ctx, const float *q, int64_t n, uint
 
 /* The backend-independent argument checks of kvrt_attend and kvrt_attend_ref (core/attend.c):
  * fn names the caller in the message written to *e. Does not look at q's values. */
+/* KVRT_ERR_SHAPE (in e) when heads * head_dim reaches 2^30, kvrt_attend's bound on a row of
+ * heads (strides and grids in int on the CUDA side); `what` names the head count. The host
+ * checks of attend, the method and Quest scores, CompKV steps and AM layer calls. */
+KVRT_INTERNAL int kvrt_head_rows_check(kvrt_error *e, const char *fn, const char *what,
+                                       uint32_t heads, uint32_t head_dim);
 KVRT_INTERNAL int kvrt_attend_check(kvrt_error *e, const char *fn, const float *q, int64_t n,
                                     uint32_t n_heads, const kvrt_cache *c, const float *k_recent,
                                     const float *v_recent, int64_t n_recent, float scale,

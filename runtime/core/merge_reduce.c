@@ -128,9 +128,8 @@ static int check_lam(const char *fn, const kvrt_mr_opts *o, const char *what, co
     return KVRT_OK;
 }
 
-/* The first row of x [n] (row stride ld, d columns) holding a non-finite value, or -1. Each row
- * is one OR over its columns (x - x is 0 exactly for finite x), which vectorizes; an exit per
- * value did not, and the checks of a layer call read its whole k and v. */
+/* The first row of x [n] (row stride ld, d columns) holding a non-finite value, or -1: one
+ * kvrt_first_nonfinite scan of the whole array when the rows are contiguous, else one per row. */
 static int64_t first_bad(const float *x, int64_t n, int64_t ld, uint32_t d) {
     if (ld == (int64_t)d) {
         const int64_t i = kvrt_first_nonfinite(x, n * ld);

@@ -1810,9 +1810,8 @@ int kvrt_am_layer_plan(const char *fn, const kvrt_am_opts *o, int has_q, int has
     if (n_heads % n_kv_heads != 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a multiple of n_kv_heads %u", fn,
                        n_heads, n_kv_heads);
-    if ((int64_t)n_heads * head_dim > INT32_MAX / 2) /* the rows' strides (cuBLAS takes int) */
-        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads * head_dim = %lld is too large (at most "
-                         "2^30 - 1)", fn, (long long)n_heads * head_dim);
+    if ((rc = kvrt_head_rows_check(kvrt_tls_err(), fn, "n_heads", n_heads, head_dim)) != KVRT_OK)
+        return rc; /* the rows' strides (cuBLAS takes int) */
     if (!kvrt_cache_dtype_ok(dtype))
         return kvrt_cache_dtype_error(kvrt_tls_err(), KVRT_ERR_DTYPE, fn, "dtype", dtype);
     const int64_t Hkv = n_kv_heads, ns = n_sets;

@@ -92,12 +92,8 @@ static int dims_check(const char *fn, const float *q, int need_q, const float *k
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
                             "%s: n_heads %u is not a positive multiple of n_kv_heads %u", fn,
                             n_heads, n_kv_heads);
-    /* the rows' strides (kvrt_attend's bound; cuBLAS takes int) */
-    const int64_t rows = (int64_t)(need_q ? n_heads : n_kv_heads) * head_dim;
-    if (rows > INT32_MAX / 2)
-        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: %s * head_dim = %lld is too large (at most "
-                            "2^30 - 1)", fn, need_q ? "n_heads" : "n_kv_heads", (long long)rows);
-    return KVRT_OK;
+    return kvrt_head_rows_check(e, fn, need_q ? "n_heads" : "n_kv_heads",
+                                need_q ? n_heads : n_kv_heads, head_dim);
 }
 
 // ----------------------------------------------------------------------------
@@ -1153,10 +1149,7 @@ static int quest_scores_check(const char *fn, const kvrt_quest *qs, const float 
         return kvrt_err_set(e, KVRT_ERR_SHAPE, 0,
                             "%s: n_heads %u is not a positive multiple of n_kv_heads %u", fn,
                             n_heads, qs->n_kv_heads);
-    if ((int64_t)n_heads * qs->head_dim > INT32_MAX / 2)
-        return kvrt_err_set(e, KVRT_ERR_SHAPE, 0, "%s: n_heads * head_dim = %lld is too large "
-                            "(at most 2^30 - 1)", fn, (long long)n_heads * qs->head_dim);
-    return KVRT_OK;
+    return kvrt_head_rows_check(e, fn, "n_heads", n_heads, qs->head_dim);
 }
 
 /* The bound as written: per page, query head and coordinate max(q mn, q mx), summed in order

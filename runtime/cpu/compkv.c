@@ -508,9 +508,8 @@ static int step_check(const char *fn, const kvrt_compkv *s, const float *q, uint
     if (n_heads == 0 || n_heads % s->b.hkv != 0)
         return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads %u is not a positive multiple of n_kv_heads "
                        "%u", fn, n_heads, s->b.hkv);
-    if ((int64_t)n_heads * s->b.d > INT32_MAX / 2) /* as kvrt_attend (and the CUDA state) */
-        return KVRT_FAIL(KVRT_ERR_SHAPE, "%s: n_heads * head_dim = %lld is too large (at most "
-                         "2^30 - 1)", fn, (long long)n_heads * s->b.d);
+    const int rc = kvrt_head_rows_check(kvrt_tls_err(), fn, "n_heads", n_heads, s->b.d);
+    if (rc != KVRT_OK) return rc; /* as kvrt_attend (and the CUDA state) */
     if (s->b.len == 0)
         return KVRT_FAIL(KVRT_ERR_ARG, "%s: the state holds no token yet (append the prompt "
                        "first)", fn);

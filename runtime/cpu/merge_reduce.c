@@ -953,7 +953,7 @@ int kvrt_cpu_mr_reduce(const kvrt_mr_opts *o, const float *U, uint32_t ldm, uint
 /* n sets of cap K and head_dim d in one scratch buffer (kvrt_cpu_scratch_alloc: from 2 MiB up it
  * is kept between calls while a CPU context lives, so a layer call does not fault its sets in
  * again each time): the sets' k, v, w [n][K][2d + 1] floats, their positions [n][K], then the
- * set headers. A view (mem NULL) points into another pool and frees nothing. */
+ * set headers. */
 typedef struct {
     int64_t n;
     kvrt_mr_set *sets;
@@ -993,15 +993,6 @@ static int pool_alloc(mr_pool *p, int64_t n, int64_t K, uint32_t d) {
         x->pos = ibuf + (size_t)i * (size_t)K;
     }
     return KVRT_OK;
-}
-
-/* Sets [first, first + n) of p, owned by p. */
-static mr_pool pool_view(const mr_pool *p, int64_t first, int64_t n) {
-    mr_pool v;
-    memset(&v, 0, sizeof v);
-    v.n = n;
-    v.sets = p->sets + first;
-    return v;
 }
 
 /* The full dyadic nodes of levels c..J over nb blocks, for nh sequences (heads): node (s, j, i) =
@@ -1215,10 +1206,7 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
     const int nbit = __builtin_popcountll((unsigned long long)(L.nb & (((int64_t)1 << c) - 2)));
     const int64_t nscr = 2 * (int64_t)(c - 1), nrem = (int64_t)Hkv * nbit;
     mr_tree t;
-    mr_pool rem, scr, fold;
-    memset(&rem, 0, sizeof rem);
-    memset(&scr, 0, sizeof scr);
-    memset(&fold, 0, sizeof fold);
+    kvrt_mr_set *rem = NULL, *scr = NULL, *fold = NULL; /* in the tree's pool, after its sets */
     mr_task *extra = malloc(sizeof *extra * (size_t)(nrem > 0 ? nrem : 1));
     kvrt_mr_ws **ws = NULL;
     int64_t n_extra = 0;
@@ -1230,9 +1218,9 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
         oom = tree_alloc(&t, L.nb, L.K, (int)Hkv, d, c, nrem + nscr * nt + (int64_t)Hkv) !=
               KVRT_OK;
     if (!oom) {
-        rem = pool_view(&t.pool, t.pool.n, nrem);
-        scr = pool_view(&t.pool, t.pool.n + nrem, nscr * nt);
-        fold = pool_view(&t.pool, t.pool.n + nrem + nscr * nt, (int64_t)Hkv);
+        rem = t.pool.sets + t.pool.n;
+        scr = rem + nrem;
+        fold = scr + nscr * nt;
         if ((ws = ws_array(nt, 2 * L.K, d, mcap)) == NULL) {
             tree_free(&t);
             oom = 1;
@@ -1250,10 +1238,10 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
         for (int j = c - 1; j >= 1; j--)
             if ((L.nb >> j) & 1) {
                 extra[n_extra] = (mr_task){(int)h, j, (L.nb >> (j + 1)) << (j + 1),
-                                           &rem.sets[n_extra]};
+                                           &rem[n_extra]};
                 n_extra++;
             }
-    if (J >= 1 && tree_up(&t, seqs, o->reducer, layer, o->seed, ws, scr.sets, nt, extra,
+    if (J >= 1 && tree_up(&t, seqs, o->reducer, layer, o->seed, ws, scr, nt, extra,
                           n_extra) != KVRT_OK) {
         rc = KVRT_FAIL(KVRT_ERR_NOMEM, "%s: out of memory (tasks)", fn);
         goto done;
@@ -1265,14 +1253,14 @@ int kvrt_cpu_mr_compress_layer(const kvrt_mr_opts *o, const kvrt_mr_basis *basis
         const int tid = thread_id();
         /* S alternates between the head's fold set and its top tree node (read only as the
          * first S, then dead); with no tree (nb = 1) there is nothing to fold */
-        kvrt_mr_set *buf[2] = {&fold.sets[h], J >= 1 ? tree_node(&t, h, J, 0) : &fold.sets[h]};
+        kvrt_mr_set *buf[2] = {&fold[h], J >= 1 ? tree_node(&t, h, J, 0) : &fold[h]};
         int cur = -1; /* S in buf[cur]; -1: S is the first node itself */
         mr_view Sv = {0};
         int64_t end = 0, r = (int64_t)h * nbit; /* the head's next rem set */
         for (int j = 62; j >= 0; j--) {
             if (!((L.nb >> j) & 1)) continue;
             const mr_view D = j >= c   ? view_set(tree_node(&t, h, j, end >> j))
-                              : j >= 1 ? view_set(&rem.sets[r++])
+                              : j >= 1 ? view_set(&rem[r++])
                                        : seq_block(&seqs[h], L.K, end);
             end += (int64_t)1 << j;
             if (end == ((int64_t)1 << j)) {
